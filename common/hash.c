@@ -1,0 +1,104 @@
+// hash.c: MurmurHash64A, CRC-32C and SHA-256 through libsodium (see hash.h).
+#include "common/hash.h"
+
+#include <sodium.h>
+#include <stdio.h>
+#include <string.h>
+
+uint64_t mtrl_hash64(const void *data, size_t n, uint64_t seed) {
+    const uint64_t m = 0xc6a4a7935bd1e995ULL;
+    const int r = 47;
+    uint64_t h = seed ^ (n * m);
+    const unsigned char *p = data;
+    size_t blocks = n / 8;
+    for (size_t i = 0; i < blocks; i++) {
+        uint64_t k;
+        memcpy(&k, p + 8 * i, 8); // little-endian hosts only (x86-64, aarch64)
+        k *= m; k ^= k >> r; k *= m;
+        h ^= k; h *= m;
+    }
+    const unsigned char *tail = p + 8 * blocks;
+    switch (n & 7) {
+    case 7: h ^= (uint64_t)tail[6] << 48; /* fall through */
+    case 6: h ^= (uint64_t)tail[5] << 40; /* fall through */
+    case 5: h ^= (uint64_t)tail[4] << 32; /* fall through */
+    case 4: h ^= (uint64_t)tail[3] << 24; /* fall through */
+    case 3: h ^= (uint64_t)tail[2] << 16; /* fall through */
+    case 2: h ^= (uint64_t)tail[1] << 8;  /* fall through */
+    case 1: h ^= (uint64_t)tail[0]; h *= m;
+    }
+    h ^= h >> r; h *= m; h ^= h >> r;
+    return h;
+}
+
+uint64_t mtrl_hash64_str(const char *s, uint64_t seed) { return mtrl_hash64(s, strlen(s), seed); }
+
+static uint32_t crc32c_table_[8][256];
+static int crc32c_ready_;
+
+static void crc32c_init_(void) {
+    for (uint32_t i = 0; i < 256; i++) {
+        uint32_t c = i;
+        for (int k = 0; k < 8; k++) c = (c >> 1) ^ (0x82F63B78u & (0u - (c & 1)));
+        crc32c_table_[0][i] = c;
+    }
+    for (int t = 1; t < 8; t++)
+        for (int i = 0; i < 256; i++)
+            crc32c_table_[t][i] = (crc32c_table_[t - 1][i] >> 8) ^ crc32c_table_[0][crc32c_table_[t - 1][i] & 0xff];
+    crc32c_ready_ = 1;
+}
+
+// Slicing-by-8. The table is built on first use; a benign race builds identical tables.
+uint32_t mtrl_crc32c(uint32_t crc, const void *data, size_t n) {
+    if (!crc32c_ready_) crc32c_init_();
+    const unsigned char *p = data;
+    crc = ~crc;
+    while (n >= 8) {
+        uint32_t lo, hi;
+        memcpy(&lo, p, 4);
+        memcpy(&hi, p + 4, 4);
+        lo ^= crc;
+        crc = crc32c_table_[7][lo & 0xff] ^ crc32c_table_[6][(lo >> 8) & 0xff] ^
+              crc32c_table_[5][(lo >> 16) & 0xff] ^ crc32c_table_[4][lo >> 24] ^
+              crc32c_table_[3][hi & 0xff] ^ crc32c_table_[2][(hi >> 8) & 0xff] ^
+              crc32c_table_[1][(hi >> 16) & 0xff] ^ crc32c_table_[0][hi >> 24];
+        p += 8;
+        n -= 8;
+    }
+    while (n--) crc = (crc >> 8) ^ crc32c_table_[0][(crc ^ *p++) & 0xff];
+    return ~crc;
+}
+
+static void to_hex_(const unsigned char *b, size_t n, char *hex) {
+    static const char d[] = "0123456789abcdef";
+    for (size_t i = 0; i < n; i++) { hex[2 * i] = d[b[i] >> 4]; hex[2 * i + 1] = d[b[i] & 15]; }
+    hex[2 * n] = '\0';
+}
+
+int mtrl_sha256_hex(const void *data, size_t n, char hex[65]) {
+    if (sodium_init() < 0) return -1;
+    unsigned char out[crypto_hash_sha256_BYTES];
+    crypto_hash_sha256(out, data, n);
+    to_hex_(out, sizeof out, hex);
+    return 0;
+}
+
+int mtrl_sha256_file_hex(const char *path, char hex[65]) {
+    if (sodium_init() < 0) return -1;
+    FILE *f = fopen(path, "rb");
+    if (!f) return -1;
+    crypto_hash_sha256_state st;
+    crypto_hash_sha256_init(&st);
+    unsigned char buf[1 << 16];
+    size_t got;
+    while ((got = fread(buf, 1, sizeof buf, f)) > 0) crypto_hash_sha256_update(&st, buf, got);
+    int bad = ferror(f);
+    fclose(f);
+    if (bad) return -1;
+    unsigned char out[crypto_hash_sha256_BYTES];
+    crypto_hash_sha256_final(&st, out);
+    to_hex_(out, sizeof out, hex);
+    return 0;
+}
+
+void mtrl_hash64_hex(uint64_t h, char hex[17]) { snprintf(hex, 17, "%016llx", (unsigned long long)h); }
