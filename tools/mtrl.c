@@ -1,3 +1,55 @@
-// placeholder until the front door lands
+// mtrl.c: the one user-facing command. A thin front door: it dispatches to the subcommands in
+// tools/cmd_*.c, which stand on the libraries (architecture §2).
 #include <stdio.h>
-int main(void) { fputs("mtrl: not built yet\n", stderr); return 2; }
+#include <string.h>
+
+#include "tools/cli.h"
+
+typedef struct subcommand {
+    const char *name;
+    int (*fn)(int, char **);
+    const char *summary;
+} subcommand;
+
+static const subcommand subcommands_[] = {
+    {"run", cmd_run, "run an experiment: the learner and [actor] count local actors"},
+    {"check", cmd_check, "validate an experiment INI and print the resolved config"},
+    {"learner", cmd_learner, "run the learner alone (actors connect from elsewhere)"},
+    {"actor", cmd_actor, "run one actor that connects to a learner"},
+    {"replay", cmd_replay, "show, rescore or re-execute a recorded episode"},
+    {"report", cmd_report, "write an HTML report and CSVs of a run"},
+    {"bench", cmd_bench, "benchmarks: ops, model, rl"},
+};
+#define N_SUBCOMMANDS ((int)(sizeof subcommands_ / sizeof subcommands_[0]))
+
+static void print_help_(FILE *f) {
+    fprintf(f, "mtrl: agentic reinforcement learning for million-token trajectories\n\n"
+               "usage: mtrl <command> [options]   (mtrl <command> --help for each)\n\n"
+               "commands:\n");
+    for (int i = 0; i < N_SUBCOMMANDS; i++) fprintf(f, "  %-8s %s\n", subcommands_[i].name, subcommands_[i].summary);
+    fprintf(f, "\n    mtrl run EXPERIMENT.ini [--db runs.db] [--set section.key=value ...]\n"
+               "    mtrl check EXPERIMENT.ini [--set ...] [--keys]\n"
+               "    mtrl learner EXPERIMENT.ini\n"
+               "    mtrl actor --connect tcp://HOST:PORT [--gpu N]\n"
+               "    mtrl replay --db runs.db --episode ID [--rescore] [--reexec]\n"
+               "    mtrl report --db runs.db [--run ID] --out DIR\n"
+               "    mtrl bench [ops|model|rl] ...\n"
+               "\nexit codes: 0 done, 1 the run failed, 2 bad usage or bad config\n");
+}
+
+int main(int argc, char **argv) {
+    if (argc < 2) {
+        print_help_(stderr);
+        return 2;
+    }
+    if (cli_is_help(argv[1]) || !strcmp(argv[1], "help")) {
+        print_help_(stdout);
+        return 0;
+    }
+    for (int i = 0; i < N_SUBCOMMANDS; i++)
+        if (!strcmp(argv[1], subcommands_[i].name)) return subcommands_[i].fn(argc - 1, argv + 1);
+    fprintf(stderr, "mtrl: unknown command '%s'\nusage: mtrl <command> [options]; commands:", argv[1]);
+    for (int i = 0; i < N_SUBCOMMANDS; i++) fprintf(stderr, " %s", subcommands_[i].name);
+    fputc('\n', stderr);
+    return 2;
+}

@@ -1,0 +1,93 @@
+// config.h: typed experiment configuration from INI files.
+//
+// An experiment is a plain INI file (Python's configparser reads it too: no dialect of ours):
+// sections [run] [model] [env] [actor] [learner] [algo] [warmup] and [stage.1] ... [stage.16];
+// `key = value` lines; comments start with ; or #. The keys, types, defaults, ranges and help
+// live in config_schema.h. Parsing goes through libinih's ini_parse_stream with our own line
+// reader, so every message names file:line (Debian's inih gives handlers no line numbers and
+// silently splits lines over 200 bytes; we reject such lines instead).
+//
+// Every problem is collected before returning, each as one line
+//     experiments/x.ini:3: unknown key 'lrr' in [learner]; did you mean 'lr'?
+// and the caller prints them all and exits 2 (architecture §2). Nothing is half-applied:
+// on error the config must not be used.
+//
+//     mtrl_config cfg; mtrl_config_errors errs = {0};
+//     if (mtrl_config_load(&cfg, "x.ini", sets, n_sets, &errs) != MTRL_OK) {
+//         mtrl_config_errors_print(&errs, stderr); mtrl_config_errors_free(&errs); exit(2);
+//     }
+//     printf("%g\n", cfg.learner.lr);
+#ifndef MTRL_CONFIG_H
+#define MTRL_CONFIG_H
+
+#include <stdint.h>
+#include <stdio.h>
+
+#include "common/config_schema.h"
+#include "common/status.h"
+
+#define MTRL_CFG_STR_MAX 256
+
+#define MTRL_CFG_DECL_INT(k) long k;
+#define MTRL_CFG_DECL_FLOAT(k) double k;
+#define MTRL_CFG_DECL_BOOL(k) int k;
+#define MTRL_CFG_DECL_STR(k) char k[MTRL_CFG_STR_MAX];
+#define MTRL_CFG_DECL_ENUM(k) char k[MTRL_CFG_STR_MAX];
+#define MTRL_CFG_DECL(sec, key, type, def, lo, hi, choices, help) MTRL_CFG_DECL_##type(key)
+
+typedef struct mtrl_cfg_run { MTRL_CFG_RUN(MTRL_CFG_DECL) } mtrl_cfg_run;
+typedef struct mtrl_cfg_model { MTRL_CFG_MODEL(MTRL_CFG_DECL) } mtrl_cfg_model;
+typedef struct mtrl_cfg_env { MTRL_CFG_ENV(MTRL_CFG_DECL) } mtrl_cfg_env;
+typedef struct mtrl_cfg_actor { MTRL_CFG_ACTOR(MTRL_CFG_DECL) } mtrl_cfg_actor;
+typedef struct mtrl_cfg_learner { MTRL_CFG_LEARNER(MTRL_CFG_DECL) } mtrl_cfg_learner;
+typedef struct mtrl_cfg_algo { MTRL_CFG_ALGO(MTRL_CFG_DECL) } mtrl_cfg_algo;
+typedef struct mtrl_cfg_warmup { MTRL_CFG_WARMUP(MTRL_CFG_DECL) } mtrl_cfg_warmup;
+typedef struct mtrl_cfg_stage { MTRL_CFG_STAGE(MTRL_CFG_DECL) } mtrl_cfg_stage;
+
+typedef struct mtrl_config {
+    mtrl_cfg_run run;
+    mtrl_cfg_model model;
+    mtrl_cfg_env env;
+    mtrl_cfg_actor actor;
+    mtrl_cfg_learner learner;
+    mtrl_cfg_algo algo;
+    mtrl_cfg_warmup warmup;
+    mtrl_cfg_stage stage[MTRL_CFG_MAX_STAGES];
+    int n_stages;                  // [stage.1]..[stage.n_stages] present
+    char path[MTRL_CFG_STR_MAX];   // the file it came from ("" for defaults or text)
+} mtrl_config;
+
+// All messages of one load, in input order.
+typedef struct mtrl_config_errors {
+    char **msgs;
+    int n, cap;
+} mtrl_config_errors;
+
+// Defaults of every key (required keys left empty).
+void mtrl_config_defaults(mtrl_config *cfg);
+
+// Parses `path`, then applies `sets` ("section.key=value", as given to --set), then checks
+// required keys and cross-field rules and resolves the [model] preset. Returns MTRL_OK, or
+// MTRL_ERR_USAGE with every problem in errs (MTRL_ERR_IO when the file cannot be opened).
+mtrl_status mtrl_config_load(mtrl_config *cfg, const char *path, const char *const *sets, int n_sets,
+                             mtrl_config_errors *errs);
+
+// Same from a string in memory; `name` stands for the file in messages.
+mtrl_status mtrl_config_load_text(mtrl_config *cfg, const char *name, const char *text, const char *const *sets,
+                                  int n_sets, mtrl_config_errors *errs);
+
+void mtrl_config_errors_print(const mtrl_config_errors *errs, FILE *f);
+void mtrl_config_errors_free(mtrl_config_errors *errs);
+
+// The resolved config as INI text (every key, defaults included), in schema order. The
+// caller frees the string. Loading this text again yields the same config.
+char *mtrl_config_to_ini(const mtrl_config *cfg);
+
+// A stable 64-bit hash of the resolved config (of mtrl_config_to_ini's text).
+uint64_t mtrl_config_hash(const mtrl_config *cfg);
+
+// Prints every key with type, default, range or choices and help (mtrl check --keys).
+void mtrl_config_print_keys(FILE *f);
+
+
+#endif

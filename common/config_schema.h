@@ -1,0 +1,127 @@
+// config_schema.h: every key an experiment INI may hold, in one place.
+//
+// One X-macro list per section: X(section, key, type, default, min, max, choices, help).
+// config.h turns the lists into the typed struct (cfg->learner.lr), the defaults, the parser
+// with its range and choice checks, the INI printer and `mtrl check --keys`. Adding a key is
+// one line here. Types: INT (long), FLOAT (double), BOOL (0/1; true/false/yes/no/on/off/1/0),
+// STR (free text), ENUM (one of `choices`, '|'-separated). min/max bound INT and FLOAT (equal
+// bounds = unbounded). A key whose default is "!" is required.
+//
+// [model] integer fields default to 0, meaning "take the preset's value" (presets in
+// common/model/model_config.c); the resolved config prints the final values.
+#ifndef MTRL_CONFIG_SCHEMA_H
+#define MTRL_CONFIG_SCHEMA_H
+
+#define MTRL_CFG_RUN(X)                                                                             \
+    X(run, name, STR, "run", 0, 0, NULL, "a name for the run, shown in the run store")              \
+    X(run, seed, INT, "1", 0, 4294967295.0, NULL, "seed of every random stream (init, tasks, sampling)") \
+    X(run, steps, INT, "50", 1, 1e9, NULL, "optimizer steps of the RL stage")                      \
+    X(run, db, STR, "runs.db", 0, 0, NULL, "SQLite run store (created when missing)")               \
+    X(run, out_dir, STR, "runs", 0, 0, NULL, "folder for trajectory files and checkpoints")         \
+    X(run, keep_trajectories, STR, "all", 0, 0, NULL, "which episodes keep their trajectory file: all, failures or every_N") \
+    X(run, keep_checkpoints, INT, "3", 0, 1e6, NULL, "checkpoints kept on disk (0 = all)")          \
+    X(run, checkpoint_every, INT, "10", 0, 1e9, NULL, "steps between checkpoints (0 = only the last)") \
+    X(run, max_minutes, FLOAT, "0", 0, 1e6, NULL, "stop the run after this many minutes (0 = no limit)")
+
+#define MTRL_CFG_MODEL(X)                                                                           \
+    X(model, preset, ENUM, "tiny", 0, 0, "tiny|small|custom", "size preset; explicit fields override it") \
+    X(model, device, ENUM, "cpu", 0, 0, "cpu|cuda", "where the backbone runs")                      \
+    X(model, layers, INT, "0", 0, 512, NULL, "number of layers (0 = preset)")                      \
+    X(model, d_model, INT, "0", 0, 65536, NULL, "hidden width (0 = preset)")                       \
+    X(model, hybrid, STR, "default", 0, 0, NULL, "mixer per layer: K (KDA) or M (MLA), e.g. KKKM; default = MLA every 4th and last") \
+    X(model, kda_heads, INT, "0", 0, 1024, NULL, "KDA heads (0 = preset)")                        \
+    X(model, kda_head_dim, INT, "0", 0, 1024, NULL, "KDA d_k = d_v (0 = preset)")                  \
+    X(model, mla_heads, INT, "0", 0, 1024, NULL, "MLA heads (0 = preset)")                        \
+    X(model, mla_nope_dim, INT, "0", 0, 1024, NULL, "MLA d_n (0 = preset)")                       \
+    X(model, mla_rope_dim, INT, "0", 0, 1024, NULL, "MLA d_r, not rotated: NoPE (0 = preset)")     \
+    X(model, mla_v_dim, INT, "0", 0, 1024, NULL, "MLA d_v (0 = preset)")                          \
+    X(model, mla_latent_dim, INT, "0", 0, 8192, NULL, "MLA d_c, the kv latent (0 = preset)")       \
+    X(model, mla_gate, BOOL, "true", 0, 0, NULL, "sigmoid output gate on MLA")                     \
+    X(model, dense_inter, INT, "0", 0, 1 << 20, NULL, "intermediate width of the dense FFN of layer 0 (0 = preset)") \
+    X(model, experts, INT, "0", 0, 4096, NULL, "routed experts per MoE layer (0 = preset)")       \
+    X(model, top_k, INT, "0", 0, 64, NULL, "experts per token (0 = preset)")                      \
+    X(model, shared_experts, INT, "-1", -1, 16, NULL, "shared experts (-1 = preset)")             \
+    X(model, expert_inter, INT, "0", 0, 1 << 20, NULL, "expert intermediate width (0 = preset)")   \
+    X(model, attnres_block, INT, "0", 0, 512, NULL, "layers per Block-AttnRes block (0 = preset)")  \
+    X(model, g_min, FLOAT, "-5", -11, -0.01, NULL, "lower bound of the KDA log-decay")             \
+    X(model, conv_kernel, INT, "4", 1, 16, NULL, "KDA short-conv kernel width")                  \
+    X(model, rho, FLOAT, "2.446", 0, 100, NULL, "routed scaling factor of the MoE weights")       \
+    X(model, router_score, ENUM, "sigmoid", 0, 0, "sigmoid|softmax", "router score function")      \
+    X(model, norm_eps, FLOAT, "1e-5", 1e-12, 1, NULL, "RMSNorm epsilon")                          \
+    X(model, init_std, FLOAT, "0.02", 0, 1, NULL, "std of the normal init of projections")       \
+    X(model, segment, INT, "0", 0, 1 << 30, NULL, "learner segment length in tokens (0 = planned from memory)")
+
+#define MTRL_CFG_ENV(X)                                                                             \
+    X(env, name, STR, "!", 0, 0, NULL, "retrieval, calc, http, or plugin (with plugin = path.so)")  \
+    X(env, plugin, STR, "", 0, 0, NULL, "path of an env plug-in .so (env.name = plugin)")           \
+    X(env, args, STR, "", 0, 0, NULL, "extra key=value;... passed to the env's create()")          \
+    X(env, isolate, BOOL, "false", 0, 0, NULL, "run the env in a child process with rlimits and a watchdog") \
+    X(env, step_timeout_ms, INT, "2000", 1, 3600000, NULL, "per-step watchdog of an isolated env") \
+    X(env, digits, INT, "1", 1, 6, NULL, "calc: digits per operand")                             \
+    X(env, ops, INT, "1", 1, 4, NULL, "calc: operations per problem")                           \
+    X(env, doc_tokens, INT, "512", 16, 1 << 24, NULL, "retrieval: document length")               \
+    X(env, inline_doc, BOOL, "false", 0, 0, NULL, "retrieval: put the whole document in the prompt") \
+    X(env, max_tool_calls, INT, "4", 0, 1000, NULL, "tool calls allowed per episode")            \
+    X(env, max_obs_bytes, INT, "256", 1, 1 << 24, NULL, "cap on one tool observation")           \
+    X(env, base_url, STR, "", 0, 0, NULL, "http: base URL the get tool may reach")               \
+    X(env, allow_loopback, BOOL, "false", 0, 0, NULL, "http: allow 127.0.0.0/8 and ::1")         \
+    X(env, timeout_ms, INT, "2000", 1, 600000, NULL, "http: total timeout of one request")
+
+#define MTRL_CFG_ACTOR(X)                                                                           \
+    X(actor, count, INT, "2", 0, 1024, NULL, "actor processes that mtrl run starts locally")       \
+    X(actor, episodes_in_flight, INT, "8", 1, 65536, NULL, "episodes one actor generates at once (batched decode)") \
+    X(actor, max_tokens, INT, "128", 1, 1 << 24, NULL, "token budget of an episode (prompt + generated + tool)") \
+    X(actor, max_turn_tokens, INT, "32", 1, 1 << 24, NULL, "tokens one model turn may generate")    \
+    X(actor, temperature, FLOAT, "1.0", 0, 10, NULL, "sampling temperature (0 = greedy)")           \
+    X(actor, top_p, FLOAT, "1.0", 0.01, 1, NULL, "nucleus sampling mass")                          \
+    X(actor, routing_replay, BOOL, "false", 0, 0, NULL, "record routing for the learner to replay (R3)") \
+    X(actor, chunk_tokens, INT, "4096", 16, 1 << 24, NULL, "tokens per CHUNK message")             \
+    X(actor, heartbeat_ms, INT, "1000", 50, 600000, NULL, "heartbeat interval")
+
+#define MTRL_CFG_LEARNER(X)                                                                         \
+    X(learner, endpoint, STR, "tcp://127.0.0.1:*", 0, 0, NULL, "ROUTER endpoint; * = pick a free port") \
+    X(learner, batch_groups, INT, "4", 1, 1 << 20, NULL, "groups of episodes per optimizer step")  \
+    X(learner, lr, FLOAT, "3e-3", 0, 10, NULL, "AdamW learning rate")                             \
+    X(learner, beta1, FLOAT, "0.9", 0, 0.999999, NULL, "AdamW beta1")                            \
+    X(learner, beta2, FLOAT, "0.95", 0, 0.999999, NULL, "AdamW beta2")                           \
+    X(learner, eps, FLOAT, "1e-8", 0, 1, NULL, "AdamW epsilon")                                 \
+    X(learner, weight_decay, FLOAT, "0", 0, 10, NULL, "decoupled weight decay")                  \
+    X(learner, grad_clip, FLOAT, "1.0", 0, 1e9, NULL, "global gradient-norm clip (0 = off)")     \
+    X(learner, max_staleness, INT, "4", 0, 1 << 20, NULL, "drop episodes whose oldest token is this many versions old") \
+    X(learner, qb, BOOL, "true", 0, 0, NULL, "update the router bias by Quantile Balancing")       \
+    X(learner, qb_actor_stats, BOOL, "false", 0, 0, NULL, "also average QB over actor routing statistics") \
+    X(learner, heartbeat_timeout_ms, INT, "5000", 100, 3600000, NULL, "an actor silent this long is dead") \
+    X(learner, credit_bytes, INT, "4194304", 4096, 1LL << 40, NULL, "bytes an actor may have in flight") \
+    X(learner, threads, INT, "0", 0, 1024, NULL, "OpenMP threads of the learner (0 = all cores)")
+
+#define MTRL_CFG_ALGO(X)                                                                            \
+    X(algo, advantage, ENUM, "grpo", 0, 0, "grpo|dr_grpo|rloo", "group-relative advantage estimator") \
+    X(algo, loss, ENUM, "ppo", 0, 0, "ppo|cispo|gspo", "policy loss")                              \
+    X(algo, group_size, INT, "4", 1, 4096, NULL, "episodes per task (same prompt, different sampling)") \
+    X(algo, eps_low, FLOAT, "0.2", 0, 10, NULL, "lower clip epsilon")                             \
+    X(algo, eps_high, FLOAT, "0.28", 0, 10, NULL, "upper clip epsilon (clip-higher)")              \
+    X(algo, dual_clip, FLOAT, "3.0", 0, 1e6, NULL, "dual-clip c for negative advantages (0 = off)") \
+    X(algo, correction, ENUM, "tis", 0, 0, "none|tis|seq_mask", "importance correction against behaviour log-probs") \
+    X(algo, tis_cap, FLOAT, "2.0", 1, 1e6, NULL, "TIS truncation C")                              \
+    X(algo, seq_mask_low, FLOAT, "0.5", 0, 1, NULL, "seq_mask: lower bound of the geometric-mean ratio") \
+    X(algo, seq_mask_high, FLOAT, "2.0", 1, 1e6, NULL, "seq_mask: upper bound of the geometric-mean ratio") \
+    X(algo, aggregation, ENUM, "token_mean", 0, 0, "token_mean|seq_mean_token_mean|constant", "loss aggregation") \
+    X(algo, agg_constant, INT, "1024", 1, 1 << 30, NULL, "token count L of the constant aggregation (Dr.GRPO)") \
+    X(algo, entropy_coef, FLOAT, "0", -10, 10, NULL, "entropy bonus coefficient")                 \
+    X(algo, routing_replay, BOOL, "false", 0, 0, NULL, "train with the actor's recorded routing (R3)")
+
+#define MTRL_CFG_WARMUP(X)                                                                          \
+    X(warmup, steps, INT, "0", 0, 1e9, NULL, "supervised steps on env demo() trajectories before RL") \
+    X(warmup, lr, FLOAT, "3e-3", 0, 10, NULL, "learning rate of the warm-up")                     \
+    X(warmup, batch, INT, "16", 1, 1 << 20, NULL, "demo episodes per warm-up step")
+
+#define MTRL_CFG_STAGE(X)                                                                           \
+    X(stage, context, INT, "0", 0, 1 << 30, NULL, "episode token budget of this stage (0 = [actor] max_tokens)") \
+    X(stage, steps, INT, "1", 1, 1e9, NULL, "optimizer steps in this stage")                      \
+    X(stage, doc_tokens, INT, "0", 0, 1 << 30, NULL, "retrieval document length (0 = [env] doc_tokens)") \
+    X(stage, group_size, INT, "0", 0, 4096, NULL, "episodes per task (0 = [algo] group_size)")     \
+    X(stage, batch_groups, INT, "0", 0, 1 << 20, NULL, "groups per step (0 = [learner] batch_groups)")
+
+#define MTRL_CFG_MAX_STAGES 16
+
+#endif

@@ -1,0 +1,28 @@
+// cli.h: the subcommands of the `mtrl` front door (architecture §2) and their shared helpers.
+//
+// Each subcommand is `int cmd_NAME(int argc, char **argv)` with argv[0] = the subcommand name;
+// it returns the process exit code: 0 done, 1 the work failed, 2 bad usage or bad config.
+#ifndef MTRL_TOOLS_CLI_H
+#define MTRL_TOOLS_CLI_H
+
+#include <stdio.h>
+
+int cmd_run(int argc, char **argv);
+int cmd_check(int argc, char **argv);
+int cmd_learner(int argc, char **argv);
+int cmd_actor(int argc, char **argv);
+int cmd_replay(int argc, char **argv);
+int cmd_report(int argc, char **argv);
+int cmd_bench(int argc, char **argv);
+
+// Prints "mtrl NAME: MESSAGE" and the usage line to stderr; returns 2.
+int cli_usage_error(const char *name, const char *usage, const char *fmt, ...) __attribute__((format(printf, 3, 4)));
+
+// 1 when argv[i] is -h or --help.
+int cli_is_help(const char *arg);
+
+// Collects the --set section.key=value options from argv; returns the count (pointers into argv).
+// Also accepts --set=section.key=value.
+int cli_collect_sets(int argc, char **argv, const char **sets, int max);
+
+#endif
