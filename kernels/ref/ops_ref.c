@@ -400,15 +400,24 @@ int sample_logits(int V, const real *logits, real temperature, real top_p, doubl
         if (logp_out) *logp_out = (real)(((double)logits[pick] - m) * invT - log(total));
         return pick;
     }
+    // Only tokens with e >= eps can be in the nucleus: the ones below hold less than
+    // V·eps = (1 − top_p)·total / 2 of the mass, so the tokens above it already exceed
+    // top_p·total. Sorting just those keeps a 160K vocabulary cheap (the nucleus of a peaked
+    // distribution is small), and the margin keeps rounding away from the boundary.
+    // (e >= eps is tested as l >= m + T·log(eps), one comparison per token.)
+    const double eps = 0.5 * (1.0 - (double)top_p) * total / V;
+    const double lthr = m + log(eps) / invT;
     int *idx = malloc(sizeof(int) * (size_t)V);
-    for (int v = 0; v < V; v++) idx[v] = v;
+    int ncand = 0;
+    for (int v = 0; v < V; v++)
+        if ((double)logits[v] >= lthr || v == amax) idx[ncand++] = v;
     tl_logits_ = logits;
-    qsort(idx, (size_t)V, sizeof(int), sort_desc_tl_);
+    qsort(idx, (size_t)ncand, sizeof(int), sort_desc_tl_);
     tl_logits_ = NULL;
     // Nucleus: the smallest prefix with mass >= top_p · total.
     double need = (double)top_p * total, mass = 0.0;
     int n = 0;
-    while (n < V) {
+    while (n < ncand) {
         mass += exp(((double)logits[idx[n]] - m) * invT);
         n++;
         if (mass >= need) break;
