@@ -1,0 +1,188 @@
+// model.h: the backbone (model.md) assembled from the reference ops of kernels/ref.
+//
+// A hybrid stack of L layers; layer l mixes tokens with KDA (lower-bounded decay, §2) or gated
+// MLA (NoPE, §3), then applies an FFN: dense SwiGLU in layer 0, MoE with a sigmoid router,
+// top-k of (logit − β), renormalised weights and shared experts in the others (§4). The
+// residual stream is Block Attention Residuals (§6). Written over `real`: the programs link
+// the fp32 build, the tests an fp64 build of the same source (kernels/ref/real.h).
+//
+// Shapes (per sequence): T tokens, d = d_model, V = vocabulary, H heads, D = KDA head dim,
+// dn/dr/dv/dc = MLA nope/rope/value/latent dims, E experts, k = top_k.
+//
+// Three execution forms, equal within tolerance (model.md §8):
+//  1. chunked: mtrl_model_forward/backward over a batch of sequences with segment = 0 (each
+//     sequence is one segment; KDA in 16-token tiles).
+//  2. recurrent decode: mtrl_model_decode over a batch of per-sequence states (KDA state, conv
+//     windows, MLA latent cache), one token per sequence per call; mtrl_model_prefill feeds a
+//     prompt through the chunked form into such a state.
+//  3. segmented: the same calls with segment = S > 0. Each sequence is cut into segments of S
+//     tokens; KDA states, conv windows and MLA latents cross the boundaries. The forward keeps
+//     only per-boundary states and the MLA latents (O(T × (dc + dr)) per MLA layer); the
+//     backward walks segments last to first, recomputes each from its boundary state and gives
+//     the exact gradient of the whole sequence. Activation memory is O(S), not O(T).
+//
+// Training protocol (the learner, replay):
+//     mtrl_model_forward(m, batch, segment, logp, entropy, routing_out)   // all tokens' log-probs
+//     ... the loss turns logp into dlogp (and dentropy) per token ...
+//     mtrl_model_backward(m, batch, dlogp, dentropy)                      // grads += ∂L/∂θ
+//     mtrl_model_optimizer_step(m, ...)                                    // AdamW on grads
+//     mtrl_model_qb_apply(m)                                                // β for the next step
+// The forward stores what the backward needs inside the model's batch workspace; a forward
+// must precede each backward with the same batch.
+#ifndef MTRL_MODEL_H
+#define MTRL_MODEL_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#include "common/arena.h"
+#include "common/config.h"
+#include "common/tensor.h"
+#include "kernels/ref/real.h"
+
+#define MTRL_MAX_LAYERS 128
+
+typedef struct mtrl_model_dims {
+    int L, d, V;
+    char mixer[MTRL_MAX_LAYERS + 1]; // 'K' or 'M' per layer
+    int H, D, W;                     // KDA heads, head dim (d_k = d_v), conv kernel
+    int mH, dn, dr, dv, dc;          // MLA heads and dims
+    int mla_gate;
+    int dense_I;                     // FFN width of layer 0
+    int E, k, n_shared, I;           // experts, top-k, shared experts, expert width
+    int S;                           // AttnRes block size in layers
+    int score_softmax;
+    real g_min, rho, eps, init_std;
+    int n_moe;                       // MoE layers (all but layer 0)
+} mtrl_model_dims;
+
+// Pointers to one layer's tensors inside a block laid out like the parameters (the parameters
+// themselves, their gradients, or an optimizer moment). Unused pointers are NULL.
+typedef struct mtrl_layer_ptrs {
+    real *norm1, *norm2;                                  // [d]
+    real *wq, *wk, *wv;                                   // KDA [H*D][d]
+    real *conv_q, *conv_k, *conv_v;                       // [H*D][W]
+    real *wf1, *wf2;                                      // [D][d], [H*D][D]
+    real *A_log, *dt_bias;                                // [H], [H*D]
+    real *wbeta;                                          // [H][d]
+    real *wz1, *wz2;                                      // [D][d], [H*D][D]
+    real *onorm;                                          // [D]
+    real *wo;                                             // [d][H*D]
+    real *mq;                                             // MLA [mH*(dn+dr)][d]
+    real *mkva;                                           // [dc+dr][d]
+    real *mkv_norm;                                       // [dc]
+    real *mkvb;                                           // [mH*(dn+dv)][dc]
+    real *mg;                                             // [mH*dv][d] (gate)
+    real *mo;                                             // [d][mH*dv]
+    real *w1, *w3, *w2;                                   // dense FFN [I][d], [I][d], [d][I]
+    real *router;                                         // [E][d]
+    real *ew1, *ew3, *ew2;                                // experts [E][I][d], [E][I][d], [E][d][I]
+    real *sw1, *sw3, *sw2;                                // shared [n_shared*I][d], ..., [d][n_shared*I]
+} mtrl_layer_ptrs;
+
+typedef struct mtrl_model_ptrs {
+    real *embed;                                          // [V][d]
+    real *lm_head;                                        // [V][d]
+    real *final_norm;                                     // [d]
+    real *site_w, *site_g;                                // [2L+1][d] AttnRes pseudo-queries, key norms
+    mtrl_layer_ptrs layer[MTRL_MAX_LAYERS];
+} mtrl_model_ptrs;
+
+// A batch of sequences. Position t of sequence i predicts tokens[t+1]; the last position has no
+// target. logp/entropy/dlogp arrays of a batch are laid out sequence after sequence (offsets).
+typedef struct mtrl_batch {
+    int n;                      // sequences
+    const uint32_t *const *tokens;
+    const int *len;             // tokens per sequence
+    // Recorded routing to replay (R3), or NULL: per sequence [len][n_moe][k] expert ids.
+    const uint8_t *const *routing;
+} mtrl_batch;
+
+// Per-sequence decode state (the recurrent form).
+typedef struct mtrl_decode_state {
+    int pos;        // tokens consumed so far
+    int cap;        // latent cache capacity in tokens
+    real *kda_S;    // [n_kda][H][D][D]
+    real *conv;     // [n_kda][3][W-1][H*D]  (q, k, v windows)
+    real *latent;   // [n_mla][cap][dc+dr]
+} mtrl_decode_state;
+
+typedef struct mtrl_model {
+    mtrl_model_dims dims;
+    mtrl_tt params;             // the parameter table and its block
+    real *grads, *adam_m, *adam_v; // same layout as params (params.total bytes each)
+    mtrl_model_ptrs P, G;       // pointers into params and grads
+    long step;                  // optimizer steps taken
+    uint32_t version;           // weight version (published)
+    // Quantile Balancing (model.md §4.3): β per MoE layer, outside the gradient path.
+    real *qb_beta;              // [L][E] (layer 0 unused)
+    double *qb_sum;             // [L][E] β computed from this step's batches, summed
+    int *qb_count;              // [L] number of batches summed
+    long *load;                 // [L][E] routing load this step (metrics)
+    int qb_frozen;              // eval mode: β never changes
+    int replay_routing;         // mtrl_model_forward uses batch->routing when set
+    // Workspace of the last forward (for its backward); owned here, sized per batch.
+    struct mtrl_model_ws *ws;
+    size_t peak_activation_bytes; // high-water mark of per-segment activations (bench, tests)
+} mtrl_model;
+
+// Fills dims from a resolved [model] config and the vocabulary size. Returns MTRL_OK or
+// MTRL_ERR_USAGE with a message (shapes the model cannot take).
+mtrl_status mtrl_model_dims_from_config(mtrl_model_dims *d, const mtrl_cfg_model *cfg, int vocab, mtrl_error *err);
+
+// Allocates parameters (initialised from the counter RNG with `seed`), gradients and AdamW
+// moments, one block each.
+void mtrl_model_init(mtrl_model *m, const mtrl_model_dims *dims, uint64_t seed);
+void mtrl_model_free(mtrl_model *m);
+
+size_t mtrl_model_param_count(const mtrl_model *m);
+void mtrl_model_zero_grads(mtrl_model *m);
+
+// Forward over a batch (form 1 or 3). logp [Σ len], entropy [Σ len] (nullable): per position,
+// of the next token (0 for each sequence's last position). routing_out (nullable): per sequence
+// [len][n_moe][k] chosen experts, as u8 (E <= 256). segment = 0: one segment per sequence.
+// Routing statistics for QB and loads accumulate in the model (see mtrl_model_qb_apply).
+void mtrl_model_forward(mtrl_model *m, const mtrl_batch *b, int segment, real *logp, real *entropy,
+                        uint8_t *const *routing_out);
+
+// Backward of L = Σ dlogp·logp + Σ dentropy·entropy over the batch of the last forward;
+// gradients ACCUMULATE into m->grads. dentropy nullable.
+void mtrl_model_backward(mtrl_model *m, const mtrl_batch *b, const real *dlogp, const real *dentropy);
+
+// Logits of every position of one sequence (tests, replay): logits [len][V].
+void mtrl_model_logits(mtrl_model *m, const uint32_t *tokens, int len, int segment, real *logits);
+
+// AdamW over every parameter with global-norm clipping (clip <= 0: off); returns the
+// gradient norm before clipping. Increments m->step.
+double mtrl_model_optimizer_step(mtrl_model *m, real lr, real beta1, real beta2, real eps, real weight_decay,
+                                 real clip);
+
+// QB: sets β of each MoE layer to the average of the β's computed from this step's batches
+// (each forward batch computed one from its own router logits with the OLD β), then clears the
+// sums. Call after the optimizer step, so a step never routes with β from its own scores.
+// Returns the number of layers updated. Loads are cleared too (read them before).
+int mtrl_model_qb_apply(mtrl_model *m);
+// Max load violation of one layer in the current step's statistics.
+double mtrl_model_load_violation(const mtrl_model *m, int layer);
+
+// Decode states.
+void mtrl_decode_state_init(mtrl_decode_state *s, const mtrl_model *m, int cap);
+void mtrl_decode_state_free(mtrl_decode_state *s);
+void mtrl_decode_state_reset(mtrl_decode_state *s, const mtrl_model *m);
+size_t mtrl_decode_state_bytes(const mtrl_model *m, int cap);
+// Copies a state (snapshot/resume); dst must have been initialised with cap >= src->pos.
+void mtrl_decode_state_copy(mtrl_decode_state *dst, const mtrl_decode_state *src, const mtrl_model *m);
+
+// Feeds n tokens into a state through the chunked form; logits_last [V] (nullable) are the
+// logits after the last token. The state's capacity must hold pos + n tokens.
+void mtrl_model_prefill(mtrl_model *m, mtrl_decode_state *s, const uint32_t *tokens, int n, real *logits_last);
+
+// One token for each of B sequences (the recurrent form, batched projections): tokens [B],
+// states[B], logits [B][V]. routing_out (nullable) [B][n_moe][k].
+void mtrl_model_decode(mtrl_model *m, mtrl_decode_state *const *states, int B, const uint32_t *tokens, real *logits,
+                       uint8_t *routing_out);
+
+// Index of layer l among the MoE layers, or -1 for the dense layer.
+static inline int mtrl_model_moe_index(int l) { return l - 1; }
+
+#endif

@@ -1,0 +1,293 @@
+// model_params.c: dimensions, the parameter table, initialisation, the optimizer step and QB
+// bookkeeping of the backbone (see model.h).
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "common/check.h"
+#include "common/model/model.h"
+#include "common/model/model_ws.h"
+#include "common/rng.h"
+#include "kernels/ref/moe_ref.h"
+#include "kernels/ref/ops_ref.h"
+
+mtrl_status mtrl_model_dims_from_config(mtrl_model_dims *d, const mtrl_cfg_model *c, int vocab, mtrl_error *err) {
+    memset(d, 0, sizeof *d);
+    d->L = (int)c->layers;
+    d->d = (int)c->d_model;
+    d->V = vocab;
+    d->H = (int)c->kda_heads;
+    d->D = (int)c->kda_head_dim;
+    d->W = (int)c->conv_kernel;
+    d->mH = (int)c->mla_heads;
+    d->dn = (int)c->mla_nope_dim;
+    d->dr = (int)c->mla_rope_dim;
+    d->dv = (int)c->mla_v_dim;
+    d->dc = (int)c->mla_latent_dim;
+    d->mla_gate = c->mla_gate;
+    d->dense_I = (int)c->dense_inter;
+    d->E = (int)c->experts;
+    d->k = (int)c->top_k;
+    d->n_shared = (int)c->shared_experts;
+    d->I = (int)c->expert_inter;
+    d->S = (int)c->attnres_block;
+    d->score_softmax = !strcmp(c->router_score, "softmax");
+    d->g_min = (real)c->g_min;
+    d->rho = (real)c->rho;
+    d->eps = (real)c->norm_eps;
+    d->init_std = (real)c->init_std;
+    if (d->L < 1 || d->L > MTRL_MAX_LAYERS)
+        return mtrl_error_set(err, MTRL_ERR_USAGE, "[model] layers = %d: must be 1..%d", d->L, MTRL_MAX_LAYERS);
+    if ((int)strlen(c->hybrid) != d->L)
+        return mtrl_error_set(err, MTRL_ERR_USAGE, "[model] hybrid '%s' has %zu letters for %d layers", c->hybrid,
+                              strlen(c->hybrid), d->L);
+    memcpy(d->mixer, c->hybrid, (size_t)d->L);
+    if (d->E > 256)
+        return mtrl_error_set(err, MTRL_ERR_USAGE, "[model] experts = %d: routing records are one byte, at most 256", d->E);
+    if (d->k < 1 || d->k > d->E)
+        return mtrl_error_set(err, MTRL_ERR_USAGE, "[model] top_k = %d must be 1..experts (%d)", d->k, d->E);
+    if (d->S < 1) return mtrl_error_set(err, MTRL_ERR_USAGE, "[model] attnres_block must be >= 1");
+    d->n_moe = d->L - 1;
+    return MTRL_OK;
+}
+
+// ---- the parameter table ---------------------------------------------------------------------------
+
+#if REAL_IS_F64
+#define REAL_DT MTRL_DT_F64
+#else
+#define REAL_DT MTRL_DT_F32
+#endif
+
+typedef struct param_builder {
+    mtrl_tt *t;
+    int idx[64 + MTRL_MAX_LAYERS * 40];
+    int n;
+} param_builder;
+
+static void add_(mtrl_tt *t, const char *name, int64_t a, int64_t b, int64_t c) {
+    int64_t shape[3] = {a, b, c};
+    int nd = c ? 3 : (b ? 2 : 1);
+    mtrl_tt_add(t, name, REAL_DT, nd, shape);
+}
+
+static void build_table_(mtrl_tt *t, const mtrl_model_dims *d) {
+    char n[MTRL_TT_NAME_MAX];
+    add_(t, "embed", d->V, d->d, 0);
+    add_(t, "lm_head", d->V, d->d, 0);
+    add_(t, "final_norm", d->d, 0, 0);
+    add_(t, "attnres.w", 2 * d->L + 1, d->d, 0);
+    add_(t, "attnres.g", 2 * d->L + 1, d->d, 0);
+    int HD = d->H * d->D;
+    for (int l = 0; l < d->L; l++) {
+#define P(suffix, a, b, c) (snprintf(n, sizeof n, "layers.%d.%s", l, suffix), add_(t, n, a, b, c))
+        P("norm1", d->d, 0, 0);
+        P("norm2", d->d, 0, 0);
+        if (d->mixer[l] == 'K') {
+            P("kda.wq", HD, d->d, 0);
+            P("kda.wk", HD, d->d, 0);
+            P("kda.wv", HD, d->d, 0);
+            P("kda.conv_q", HD, d->W, 0);
+            P("kda.conv_k", HD, d->W, 0);
+            P("kda.conv_v", HD, d->W, 0);
+            P("kda.wf1", d->D, d->d, 0);
+            P("kda.wf2", HD, d->D, 0);
+            P("kda.A_log", d->H, 0, 0);
+            P("kda.dt_bias", HD, 0, 0);
+            P("kda.wbeta", d->H, d->d, 0);
+            P("kda.wz1", d->D, d->d, 0);
+            P("kda.wz2", HD, d->D, 0);
+            P("kda.onorm", d->D, 0, 0);
+            P("kda.wo", d->d, HD, 0);
+        } else {
+            P("mla.wq", d->mH * (d->dn + d->dr), d->d, 0);
+            P("mla.wkva", d->dc + d->dr, d->d, 0);
+            P("mla.kv_norm", d->dc, 0, 0);
+            P("mla.wkvb", d->mH * (d->dn + d->dv), d->dc, 0);
+            if (d->mla_gate) P("mla.wg", d->mH * d->dv, d->d, 0);
+            P("mla.wo", d->d, d->mH * d->dv, 0);
+        }
+        if (l == 0) {
+            P("ffn.w1", d->dense_I, d->d, 0);
+            P("ffn.w3", d->dense_I, d->d, 0);
+            P("ffn.w2", d->d, d->dense_I, 0);
+        } else {
+            P("moe.router", d->E, d->d, 0);
+            P("moe.w1", d->E, d->I, d->d);
+            P("moe.w3", d->E, d->I, d->d);
+            P("moe.w2", d->E, d->d, d->I);
+            if (d->n_shared > 0) {
+                P("moe.shared_w1", d->n_shared * d->I, d->d, 0);
+                P("moe.shared_w3", d->n_shared * d->I, d->d, 0);
+                P("moe.shared_w2", d->d, d->n_shared * d->I, 0);
+            }
+        }
+#undef P
+    }
+}
+
+static real *at_(const mtrl_tt *t, void *base, const char *name) {
+    int i = mtrl_tt_find(t, name);
+    return i < 0 ? NULL : (real *)((char *)base + t->items[i].offset);
+}
+
+// Points a pointer set into any block laid out like the parameters.
+static void point_(const mtrl_tt *t, void *base, const mtrl_model_dims *d, mtrl_model_ptrs *p) {
+    memset(p, 0, sizeof *p);
+    p->embed = at_(t, base, "embed");
+    p->lm_head = at_(t, base, "lm_head");
+    p->final_norm = at_(t, base, "final_norm");
+    p->site_w = at_(t, base, "attnres.w");
+    p->site_g = at_(t, base, "attnres.g");
+    char n[MTRL_TT_NAME_MAX];
+    for (int l = 0; l < d->L; l++) {
+        mtrl_layer_ptrs *x = &p->layer[l];
+#define G(field, suffix) (snprintf(n, sizeof n, "layers.%d.%s", l, suffix), x->field = at_(t, base, n))
+        G(norm1, "norm1"); G(norm2, "norm2");
+        G(wq, "kda.wq"); G(wk, "kda.wk"); G(wv, "kda.wv");
+        G(conv_q, "kda.conv_q"); G(conv_k, "kda.conv_k"); G(conv_v, "kda.conv_v");
+        G(wf1, "kda.wf1"); G(wf2, "kda.wf2"); G(A_log, "kda.A_log"); G(dt_bias, "kda.dt_bias");
+        G(wbeta, "kda.wbeta"); G(wz1, "kda.wz1"); G(wz2, "kda.wz2"); G(onorm, "kda.onorm"); G(wo, "kda.wo");
+        G(mq, "mla.wq"); G(mkva, "mla.wkva"); G(mkv_norm, "mla.kv_norm"); G(mkvb, "mla.wkvb");
+        G(mg, "mla.wg"); G(mo, "mla.wo");
+        G(w1, "ffn.w1"); G(w3, "ffn.w3"); G(w2, "ffn.w2");
+        G(router, "moe.router"); G(ew1, "moe.w1"); G(ew3, "moe.w3"); G(ew2, "moe.w2");
+        G(sw1, "moe.shared_w1"); G(sw3, "moe.shared_w3"); G(sw2, "moe.shared_w2");
+#undef G
+    }
+}
+
+// Initialisation: projections N(0, init_std) from the tensor's own RNG stream (so a tensor's
+// init does not depend on the order of the table); output projections scaled by 1/sqrt(2L)
+// as in GPT-2; norms 1; AttnRes pseudo-queries 0 (a site starts as the mean of its sources,
+// model.md §6.1); KDA A_log 0 and dt_bias = softplus⁻¹(dt), dt log-uniform in [1e-3, 0.1]
+// (fla's init, model.md §2.1); conv weights N(0, 1/W) around a mild identity.
+static void init_(mtrl_model *m, uint64_t seed) {
+    const mtrl_model_dims *d = &m->dims;
+    for (int i = 0; i < m->params.n; i++) {
+        mtrl_tensor *t = &m->params.items[i];
+        real *x = t->ptr;
+        uint64_t stream = mtrl_rng_stream(t->name, 0, 0);
+        const char *nm = t->name;
+        size_t n = t->numel;
+        int is_norm = strstr(nm, "norm") != NULL || !strcmp(nm, "attnres.g");
+        if (is_norm) {
+            for (size_t j = 0; j < n; j++) x[j] = 1;
+        } else if (!strcmp(nm, "attnres.w") || strstr(nm, "A_log")) {
+            for (size_t j = 0; j < n; j++) x[j] = 0;
+        } else if (strstr(nm, "dt_bias")) {
+            for (size_t j = 0; j < n; j++) {
+                double u = mtrl_rng_uniform(seed, stream, j);
+                double dt = exp(log(1e-3) + u * (log(0.1) - log(1e-3)));
+                if (dt < 1e-4) dt = 1e-4;
+                x[j] = (real)(dt + log(-expm1(-dt))); // softplus^-1(dt)
+            }
+        } else if (strstr(nm, "conv_")) {
+            for (size_t j = 0; j < n; j++) x[j] = (real)(mtrl_rng_normal(seed, stream, j) / sqrt((double)d->W));
+        } else {
+            double std = d->init_std;
+            if (strstr(nm, ".wo") || strstr(nm, "w2")) std /= sqrt(2.0 * d->L);
+            if (!strcmp(nm, "embed")) std = 1.0;
+            for (size_t j = 0; j < n; j++) x[j] = (real)(std * mtrl_rng_normal(seed, stream, j));
+        }
+    }
+}
+
+void mtrl_model_init(mtrl_model *m, const mtrl_model_dims *dims, uint64_t seed) {
+    memset(m, 0, sizeof *m);
+    m->dims = *dims;
+    mtrl_tt_init(&m->params);
+    build_table_(&m->params, dims);
+    mtrl_tt_alloc(&m->params);
+    size_t total = m->params.total;
+    m->grads = aligned_alloc(64, total);
+    m->adam_m = aligned_alloc(64, total);
+    m->adam_v = aligned_alloc(64, total);
+    MTRL_CHECKF(m->grads && m->adam_m && m->adam_v, "out of memory for %zu-byte gradient and optimizer blocks", total);
+    memset(m->grads, 0, total);
+    memset(m->adam_m, 0, total);
+    memset(m->adam_v, 0, total);
+    point_(&m->params, m->params.base, dims, &m->P);
+    point_(&m->params, m->grads, dims, &m->G);
+    init_(m, seed);
+    size_t LE = (size_t)dims->L * (size_t)dims->E;
+    m->qb_beta = xcalloc(LE, sizeof(real));
+    m->qb_sum = xcalloc(LE, sizeof(double));
+    m->qb_count = xcalloc((size_t)dims->L, sizeof(int));
+    m->load = xcalloc(LE, sizeof(long));
+}
+
+void mtrl_model_free(mtrl_model *m) {
+    if (!m) return;
+    mtrl_model_ws_free(m);
+    mtrl_tt_free(&m->params);
+    free(m->grads);
+    free(m->adam_m);
+    free(m->adam_v);
+    free(m->qb_beta);
+    free(m->qb_sum);
+    free(m->qb_count);
+    free(m->load);
+    memset(m, 0, sizeof *m);
+}
+
+size_t mtrl_model_param_count(const mtrl_model *m) {
+    size_t n = 0;
+    for (int i = 0; i < m->params.n; i++) n += m->params.items[i].numel;
+    return n;
+}
+
+void mtrl_model_zero_grads(mtrl_model *m) { memset(m->grads, 0, m->params.total); }
+
+double mtrl_model_optimizer_step(mtrl_model *m, real lr, real beta1, real beta2, real eps, real weight_decay,
+                                 real clip) {
+    double sq = 0;
+    for (int i = 0; i < m->params.n; i++) {
+        const mtrl_tensor *t = &m->params.items[i];
+        sq += grad_sq_norm(t->numel, (real *)((char *)m->grads + t->offset));
+    }
+    double norm = sqrt(sq);
+    real scale = (clip > 0 && norm > clip) ? (real)(clip / norm) : (real)1;
+    m->step++;
+    for (int i = 0; i < m->params.n; i++) {
+        const mtrl_tensor *t = &m->params.items[i];
+        real *g = (real *)((char *)m->grads + t->offset);
+        if (scale != 1) scale_inplace(t->numel, g, scale);
+        // No weight decay on norms, gains, biases and AttnRes queries (1-D tensors).
+        real wd = t->ndim >= 2 && strncmp(t->name, "attnres.", 8) ? weight_decay : 0;
+        adamw_update(t->numel, (real *)t->ptr, g, (real *)((char *)m->adam_m + t->offset),
+                     (real *)((char *)m->adam_v + t->offset), lr, beta1, beta2, eps, wd, m->step);
+    }
+    return norm;
+}
+
+int mtrl_model_qb_apply(mtrl_model *m) {
+    const mtrl_model_dims *d = &m->dims;
+    int updated = 0;
+    for (int l = 1; l < d->L; l++) {
+        if (!m->qb_frozen && m->qb_count[l] > 0) {
+            for (int e = 0; e < d->E; e++)
+                m->qb_beta[(size_t)l * d->E + e] = (real)(m->qb_sum[(size_t)l * d->E + e] / m->qb_count[l]);
+            updated++;
+        }
+        m->qb_count[l] = 0;
+        for (int e = 0; e < d->E; e++) {
+            m->qb_sum[(size_t)l * d->E + e] = 0;
+            m->load[(size_t)l * d->E + e] = 0;
+        }
+    }
+    return updated;
+}
+
+double mtrl_model_load_violation(const mtrl_model *m, int layer) {
+    const mtrl_model_dims *d = &m->dims;
+    if (layer < 1 || layer >= d->L) return 0;
+    long total = 0;
+    int load[256];
+    for (int e = 0; e < d->E; e++) {
+        load[e] = (int)m->load[(size_t)layer * d->E + e];
+        total += load[e];
+    }
+    return moe_max_violation(d->E, load, total);
+}

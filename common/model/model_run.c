@@ -1,0 +1,275 @@
+// model_run.c: the drivers of the three execution forms (model.h): batched forward/backward
+// over segments, logits, prefill and batched recurrent decode.
+#include <stdlib.h>
+#include <string.h>
+
+#include "common/check.h"
+#include "common/model/model_ws.h"
+#include "kernels/ref/kda_ref.h"
+
+// Activations of a chunked batch are kept (no recompute in the backward) when they fit here.
+#define KEEP_BYTES_MAX ((size_t)1 << 30)
+
+typedef struct ws_seq {
+    int len, seg, n_seg;
+    real *bound_S;     // [n_seg][n_kda][H][D][D] state entering each segment
+    real *bound_conv;  // [n_seg][n_kda][3][W-1][HD]
+    real *latent;      // [n_mla][len][dc+dr]
+    uint8_t *routing;  // [len][n_moe][k] chosen in the forward, replayed by the recompute
+    int *targets;      // [len]
+    seg_cache *kept;   // [n_seg] when activations are kept
+} ws_seq;
+
+typedef struct ws_impl {
+    mtrl_model_ws pub;
+    ws_seq *seqs;
+    int keep;
+    mtrl_arena infer;   // prefill / decode / logits scratch
+} ws_impl;
+
+static size_t S_size_(const mtrl_model_dims *d) { return (size_t)d->H * d->D * d->D; }
+static size_t conv_size_(const mtrl_model_dims *d) { return (size_t)3 * (d->W - 1) * d->H * d->D; }
+static size_t lat_w_(const mtrl_model_dims *d) { return (size_t)d->dc + d->dr; }
+
+void mtrl_model_ws_free(mtrl_model *m) {
+    ws_impl *w = (ws_impl *)m->ws;
+    if (!w) return;
+    for (int i = 0; i < w->pub.n_seq; i++) {
+        ws_seq *s = &w->seqs[i];
+        free(s->bound_S);
+        free(s->bound_conv);
+        free(s->latent);
+        free(s->routing);
+        free(s->targets);
+        free(s->kept);
+    }
+    free(w->seqs);
+    mtrl_arena_free(&w->pub.arena);
+    mtrl_arena_free(&w->infer);
+    free(w);
+    m->ws = NULL;
+}
+
+static ws_impl *ws_get_(mtrl_model *m) {
+    if (!m->ws) m->ws = xcalloc(1, sizeof(ws_impl));
+    return (ws_impl *)m->ws;
+}
+
+// Frees the per-batch part, keeping the inference arena.
+static void ws_reset_batch_(mtrl_model *m) {
+    ws_impl *w = ws_get_(m);
+    mtrl_arena keep = w->infer;
+    w->infer = (mtrl_arena){0};
+    mtrl_model_ws_free(m);
+    w = ws_get_(m);
+    w->infer = keep;
+}
+
+static void arena_ensure_(mtrl_arena *a, size_t bytes) {
+    if (a->cap >= bytes) return;
+    mtrl_arena_free(a);
+    mtrl_arena_init(a, bytes);
+}
+
+void mtrl_model_forward(mtrl_model *m, const mtrl_batch *b, int segment, real *logp, real *entropy,
+                        uint8_t *const *routing_out) {
+    const mtrl_model_dims *d = &m->dims;
+    ws_reset_batch_(m);
+    ws_impl *w = ws_get_(m);
+    int n_kda = model_n_kda(d), n_mla = model_n_mla(d);
+    size_t S_sz = S_size_(d) * n_kda, C_sz = conv_size_(d) * n_kda, LW = lat_w_(d);
+    size_t rw = (size_t)d->n_moe * d->k;
+    w->pub.n_seq = b->n;
+    w->seqs = xcalloc((size_t)(b->n ? b->n : 1), sizeof(ws_seq));
+    int max_seg = 1, max_len = 1;
+    size_t keep_bytes = 0;
+    for (int i = 0; i < b->n; i++) {
+        ws_seq *s = &w->seqs[i];
+        s->len = b->len[i];
+        s->seg = segment > 0 && segment < s->len ? segment : (s->len > 0 ? s->len : 1);
+        s->n_seg = (s->len + s->seg - 1) / s->seg;
+        if (s->seg > max_seg) max_seg = s->seg;
+        if (s->len > max_len) max_len = s->len;
+        keep_bytes += seg_arena_bytes(d, s->seg, s->len) * (size_t)s->n_seg;
+    }
+    w->keep = segment <= 0 && keep_bytes <= KEEP_BYTES_MAX;
+    mtrl_arena_init(&w->pub.arena, w->keep ? keep_bytes : seg_arena_bytes(d, max_seg, max_len));
+    w->pub.seg_T = max_seg;
+    w->pub.seg_Tk = max_len;
+    size_t off = 0;
+    for (int i = 0; i < b->n; i++) {
+        ws_seq *s = &w->seqs[i];
+        int len = s->len;
+        s->bound_S = xcalloc((size_t)s->n_seg * S_sz + 1, sizeof(real));
+        s->bound_conv = xcalloc((size_t)s->n_seg * C_sz + 1, sizeof(real));
+        s->latent = xcalloc((size_t)n_mla * len * LW + 1, sizeof(real));
+        s->routing = xcalloc((size_t)len * rw + 1, 1);
+        s->targets = xmalloc(sizeof(int) * (size_t)(len + 1));
+        for (int t = 0; t < len; t++) s->targets[t] = t + 1 < len ? (int)b->tokens[i][t + 1] : -1;
+        if (w->keep) s->kept = xcalloc((size_t)s->n_seg, sizeof(seg_cache));
+        w->pub.state_bytes += sizeof(real) * ((size_t)s->n_seg * (S_sz + C_sz) + (size_t)n_mla * len * LW);
+        real *S = xcalloc(S_sz + 1, sizeof(real)), *C = xcalloc(C_sz + 1, sizeof(real));
+        seq_io io = {S, C, s->latent, len, 0};
+        for (int g = 0; g < s->n_seg; g++) {
+            int t0 = g * s->seg, T = len - t0 < s->seg ? len - t0 : s->seg;
+            memcpy(s->bound_S + (size_t)g * S_sz, S, sizeof(real) * S_sz);
+            memcpy(s->bound_conv + (size_t)g * C_sz, C, sizeof(real) * C_sz);
+            const uint8_t *rin = m->replay_routing && b->routing ? b->routing[i] + (size_t)t0 * rw : NULL;
+            seg_out so = {s->targets + t0, logp ? logp + off + t0 : NULL, entropy ? entropy + off + t0 : NULL, NULL,
+                          rin, s->routing + (size_t)t0 * rw, 1};
+            seg_cache tmp;
+            seg_cache *c = w->keep ? &s->kept[g] : &tmp;
+            if (!w->keep) mtrl_arena_reset(&w->pub.arena);
+            seg_forward(m, &w->pub.arena, SEG_CHUNK, T, b->tokens[i] + t0, &io, &so, c);
+            if (w->pub.arena.peak > m->peak_activation_bytes && !w->keep) m->peak_activation_bytes = w->pub.arena.peak;
+        }
+        if (routing_out && routing_out[i]) memcpy(routing_out[i], s->routing, (size_t)len * rw);
+        free(S);
+        free(C);
+        off += (size_t)len;
+    }
+}
+
+void mtrl_model_backward(mtrl_model *m, const mtrl_batch *b, const real *dlogp, const real *dentropy) {
+    const mtrl_model_dims *d = &m->dims;
+    ws_impl *w = (ws_impl *)m->ws;
+    MTRL_CHECKF(w && w->pub.n_seq == b->n, "mtrl_model_backward needs the forward of the same batch first");
+    int n_kda = model_n_kda(d), n_mla = model_n_mla(d);
+    size_t S_sz = S_size_(d) * n_kda, C_sz = conv_size_(d) * n_kda, LW = lat_w_(d);
+    size_t rw = (size_t)d->n_moe * d->k;
+    size_t off_total = 0;
+    for (int i = 0; i < b->n; i++) off_total += (size_t)b->len[i];
+    size_t off = off_total;
+    for (int i = b->n - 1; i >= 0; i--) {
+        ws_seq *s = &w->seqs[i];
+        int len = s->len;
+        off -= (size_t)len;
+        real *dS = xcalloc(S_sz + 1, sizeof(real)), *dC = xcalloc(C_sz + 1, sizeof(real));
+        real *dlat = xcalloc((size_t)n_mla * len * LW + 1, sizeof(real));
+        real *S = xmalloc(sizeof(real) * (S_sz + 1)), *C = xmalloc(sizeof(real) * (C_sz + 1));
+        seq_grad g = {dS, dC, dlat};
+        for (int gi = s->n_seg - 1; gi >= 0; gi--) {
+            int t0 = gi * s->seg, T = len - t0 < s->seg ? len - t0 : s->seg;
+            seq_io io = {S, C, s->latent, len, t0 + T};
+            seg_cache tmp, *c;
+            if (w->keep) {
+                c = &s->kept[gi];
+            } else {
+                // Recompute the segment from its boundary state, replaying the forward's routing.
+                memcpy(S, s->bound_S + (size_t)gi * S_sz, sizeof(real) * S_sz);
+                memcpy(C, s->bound_conv + (size_t)gi * C_sz, sizeof(real) * C_sz);
+                io.t0 = t0;
+                seg_out so = {s->targets + t0, NULL, NULL, NULL, s->routing + (size_t)t0 * rw, NULL, 0};
+                mtrl_arena_reset(&w->pub.arena);
+                seg_forward(m, &w->pub.arena, SEG_CHUNK, T, b->tokens[i] + t0, &io, &so, &tmp);
+                c = &tmp;
+            }
+            size_t mark = mtrl_arena_mark(&w->pub.arena);
+            seg_backward(m, &w->pub.arena, c, b->tokens[i] + t0, s->targets + t0, &io, dlogp + off + t0,
+                         dentropy ? dentropy + off + t0 : NULL, &g);
+            if (w->pub.arena.peak > m->peak_activation_bytes && !w->keep) m->peak_activation_bytes = w->pub.arena.peak;
+            mtrl_arena_release(&w->pub.arena, mark);
+        }
+        free(dS);
+        free(dC);
+        free(dlat);
+        free(S);
+        free(C);
+    }
+}
+
+// ---- inference ---------------------------------------------------------------------------------------------
+
+#define PREFILL_SEGMENT 256
+
+static seq_io state_io_(const mtrl_decode_state *s) { return (seq_io){s->kda_S, s->conv, s->latent, s->cap, s->pos}; }
+
+size_t mtrl_decode_state_bytes(const mtrl_model *m, int cap) {
+    const mtrl_model_dims *d = &m->dims;
+    return sizeof(real) * (model_n_kda(d) * (S_size_(d) + conv_size_(d)) + (size_t)model_n_mla(d) * cap * lat_w_(d));
+}
+
+void mtrl_decode_state_init(mtrl_decode_state *s, const mtrl_model *m, int cap) {
+    const mtrl_model_dims *d = &m->dims;
+    memset(s, 0, sizeof *s);
+    s->cap = cap;
+    s->kda_S = xcalloc(model_n_kda(d) * S_size_(d) + 1, sizeof(real));
+    s->conv = xcalloc(model_n_kda(d) * conv_size_(d) + 1, sizeof(real));
+    s->latent = xcalloc((size_t)model_n_mla(d) * cap * lat_w_(d) + 1, sizeof(real));
+}
+
+void mtrl_decode_state_free(mtrl_decode_state *s) {
+    if (!s) return;
+    free(s->kda_S);
+    free(s->conv);
+    free(s->latent);
+    memset(s, 0, sizeof *s);
+}
+
+void mtrl_decode_state_reset(mtrl_decode_state *s, const mtrl_model *m) {
+    const mtrl_model_dims *d = &m->dims;
+    s->pos = 0;
+    memset(s->kda_S, 0, sizeof(real) * model_n_kda(d) * S_size_(d));
+    memset(s->conv, 0, sizeof(real) * model_n_kda(d) * conv_size_(d));
+}
+
+void mtrl_decode_state_copy(mtrl_decode_state *dst, const mtrl_decode_state *src, const mtrl_model *m) {
+    const mtrl_model_dims *d = &m->dims;
+    MTRL_CHECKF(dst->cap >= src->pos, "decode state copy: capacity %d < position %d", dst->cap, src->pos);
+    memcpy(dst->kda_S, src->kda_S, sizeof(real) * model_n_kda(d) * S_size_(d));
+    memcpy(dst->conv, src->conv, sizeof(real) * model_n_kda(d) * conv_size_(d));
+    size_t lw = lat_w_(d);
+    for (int j = 0; j < model_n_mla(d); j++)
+        memcpy(dst->latent + (size_t)j * dst->cap * lw, src->latent + (size_t)j * src->cap * lw,
+               sizeof(real) * (size_t)src->pos * lw);
+    dst->pos = src->pos;
+}
+
+void mtrl_model_prefill(mtrl_model *m, mtrl_decode_state *s, const uint32_t *tokens, int n, real *logits_last) {
+    ws_impl *w = ws_get_(m);
+    MTRL_CHECKF(s->pos + n <= s->cap, "prefill of %d tokens at position %d overflows capacity %d", n, s->pos, s->cap);
+    int seg = n < PREFILL_SEGMENT ? (n > 0 ? n : 1) : PREFILL_SEGMENT;
+    arena_ensure_(&w->infer, seg_arena_bytes(&m->dims, seg, s->cap));
+    seq_io io = state_io_(s);
+    for (int t0 = 0; t0 < n; t0 += seg) {
+        int T = n - t0 < seg ? n - t0 : seg;
+        mtrl_arena_reset(&w->infer);
+        seg_cache c;
+        seg_forward(m, &w->infer, SEG_CHUNK, T, tokens + t0, &io, NULL, &c);
+        if (t0 + T == n && logits_last)
+            memcpy(logits_last, c.logits + (size_t)(T - 1) * m->dims.V, sizeof(real) * m->dims.V);
+    }
+    s->pos = io.t0;
+}
+
+void mtrl_model_decode(mtrl_model *m, mtrl_decode_state *const *states, int B, const uint32_t *tokens, real *logits,
+                       uint8_t *routing_out) {
+    ws_impl *w = ws_get_(m);
+    arena_ensure_(&w->infer, seg_arena_bytes(&m->dims, B, 1));
+    mtrl_arena_reset(&w->infer);
+    seq_io ios[256];
+    seq_io *io = B <= 256 ? ios : xmalloc(sizeof(seq_io) * (size_t)B);
+    for (int r = 0; r < B; r++) io[r] = state_io_(states[r]);
+    seg_out so = {NULL, NULL, NULL, logits, NULL, routing_out, 0};
+    seg_cache c;
+    seg_forward(m, &w->infer, SEG_DECODE, B, tokens, io, &so, &c);
+    for (int r = 0; r < B; r++) states[r]->pos = io[r].t0;
+    if (io != ios) free(io);
+}
+
+void mtrl_model_logits(mtrl_model *m, const uint32_t *tokens, int len, int segment, real *logits) {
+    mtrl_decode_state s;
+    mtrl_decode_state_init(&s, m, len);
+    ws_impl *w = ws_get_(m);
+    int seg = segment > 0 && segment < len ? segment : (len > 0 ? len : 1);
+    arena_ensure_(&w->infer, seg_arena_bytes(&m->dims, seg, len));
+    seq_io io = state_io_(&s);
+    for (int t0 = 0; t0 < len; t0 += seg) {
+        int T = len - t0 < seg ? len - t0 : seg;
+        mtrl_arena_reset(&w->infer);
+        seg_out so = {NULL, NULL, NULL, logits + (size_t)t0 * m->dims.V, NULL, NULL, 0};
+        seg_cache c;
+        seg_forward(m, &w->infer, SEG_CHUNK, T, tokens + t0, &io, &so, &c);
+    }
+    mtrl_decode_state_free(&s);
+}

@@ -1,0 +1,124 @@
+// model_ws.h: internals of the backbone shared by its forward, backward and drivers. Not part
+// of the public API (model.h).
+//
+// A segment is T consecutive tokens of one sequence (mode SEG_CHUNK), or T rows that are the
+// next token of T different sequences (mode SEG_DECODE). Per-token work (norms, projections,
+// AttnRes, FFN, MoE) is the same in both; only the token mixers differ: the chunked KDA form and
+// causal attention over the sequence's latents, or the recurrent KDA step, the conv window
+// step and the absorbed decode, each row with its own state.
+//
+// Cross-segment state lives in seq_io: the KDA state and conv windows of each KDA layer (updated
+// in place as the segment runs) and the MLA latents of each MLA layer (rows t0.. written).
+// The activations a segment's backward needs live in seg_cache, carved from one arena that is
+// reset per segment; nothing of a segment outlives its backward.
+#ifndef MTRL_MODEL_WS_H
+#define MTRL_MODEL_WS_H
+
+#include "common/arena.h"
+#include "common/model/model.h"
+
+enum { SEG_CHUNK = 0, SEG_DECODE = 1 };
+
+typedef struct seq_io {
+    real *kda_S;   // [n_kda][H][D][D]
+    real *conv;    // [n_kda][3][W-1][H*D]
+    real *latent;  // [n_mla][cap][dc+dr]
+    int cap;       // latent rows per MLA layer
+    int t0;        // absolute position of the segment's first token
+} seq_io;
+
+// Gradients flowing backwards across a segment boundary (same layout as seq_io's state).
+typedef struct seq_grad {
+    real *dS;      // [n_kda][H][D][D]: ∂L/∂(state leaving the segment) in, ∂L/∂(state entering) out
+    real *dconv;   // [n_kda][3][W-1][H*D]: likewise for the conv windows
+    real *dlatent; // [n_mla][cap][dc+dr], accumulated over the whole sequence
+} seq_grad;
+
+typedef struct layer_cache {
+    int nsrc_a, nsrc_f;
+    real *alpha_a, *alpha_f;     // [T][nsrc]
+    real *h_a, *rstd1, *x1;      // site output, its RMSNorm
+    real *h_f, *rstd2, *x2;
+    real *mix, *ffn;             // sublayer outputs [T][d]
+    // KDA
+    real *pq, *pk, *pv;          // [T][HD] before the conv
+    real *cst;                   // [3][W-1][HD] conv state entering the segment
+    real *cq, *ck, *cv;          // after conv + SiLU
+    real *qn, *kn;               // L2-normalised (q scaled by D^-1/2)
+    real *f1, *f, *g;            // gate path
+    real *bl, *beta;             // [T][H]
+    real *S0, *S_tiles;          // state entering, per-tile states
+    real *o, *z1, *z, *y;
+    // MLA
+    real *q;                     // [T][mH][dn+dr]
+    real *craw, *kr, *rstd_c;    // [T][dc], [T][dr], [T]
+    real *qt, *ol, *lse;         // absorbed query, latent-space output, log-sum-exp
+    real *a, *gl, *ag;           // [T][mH*dv]
+    // FFN
+    real *u1, *u3;               // dense [T][dense_I]
+    real *zr, *sr, *wr;          // router logits, scores [T][E]; weights [T][k]
+    int *sel, *offsets, *perm, *pos;
+    real *Xp, *eu1, *eu3, *Yp;   // permuted rows
+    real *su1, *su3;             // shared expert
+} layer_cache;
+
+typedef struct seg_cache {
+    int T, mode;
+    real *emb;                           // [T][d]
+    real *part[2 * MTRL_MAX_LAYERS + 1]; // partial sum seen by site j (NULL = empty)
+    real *blocks[MTRL_MAX_LAYERS + 1];   // committed block sums; blocks[0] = emb
+    int nb_site[2 * MTRL_MAX_LAYERS + 1];// committed blocks visible to site j
+    layer_cache layer[MTRL_MAX_LAYERS];
+    int nsrc_o;
+    real *alpha_o, *h_o, *rstd_f, *xf;
+    real *logits;                        // [T][V]
+} seg_cache;
+
+// What a segment forward produces besides the state update.
+typedef struct seg_out {
+    const int *targets;        // [T] next-token ids (-1 = none), for logp
+    real *logp, *entropy;      // [T] (nullable)
+    real *logits;              // [T][V] copy-out (nullable)
+    const uint8_t *routing_in; // [T][n_moe][k] to replay (nullable)
+    uint8_t *routing_out;      // [T][n_moe][k] (nullable)
+    int qb_stats;              // accumulate QB β and loads into the model
+} seg_out;
+
+// Per-batch workspace of the last forward.
+typedef struct mtrl_model_ws {
+    mtrl_arena arena;     // per-segment activations
+    int seg_T;            // the arena's planned segment length
+    int seg_Tk;           // ... and longest key range
+    // per sequence: boundary states and latents
+    int n_seq;
+    int *seg_len;         // the segment length used for each sequence
+    real **bound_S;       // per sequence: [n_seg+1][n_kda][H][D][D]
+    real **bound_conv;    // per sequence: [n_seg+1][n_kda][3][W-1][HD]
+    real **latent;        // per sequence: [n_mla][len][dc+dr]
+    size_t state_bytes;   // bytes of the above
+} mtrl_model_ws;
+
+// Forward of one segment (model_fwd.c). tokens: the segment's T token ids (SEG_CHUNK) or the
+// T rows' ids (SEG_DECODE); io: one state (chunk) or T states (decode). c: caches (carved from
+// the arena) when save != 0, else temporaries that the call releases.
+void seg_forward(mtrl_model *m, mtrl_arena *ar, int mode, int T, const uint32_t *tokens, seq_io *io, seg_out *out,
+                 seg_cache *c);
+
+// Backward of the segment whose caches c the forward saved (model_bwd.c): dlogp/dentropy [T];
+// g: gradients crossing the boundary (in: from the segment after, out: to the segment before).
+// Parameter gradients accumulate into m->G.
+void seg_backward(mtrl_model *m, mtrl_arena *ar, seg_cache *c, const uint32_t *tokens, const int *targets,
+                  const seq_io *io, const real *dlogp, const real *dentropy, seq_grad *g);
+
+// Arena bytes one segment of T tokens (keys up to Tk) needs for forward caches and backward.
+size_t seg_arena_bytes(const mtrl_model_dims *d, int T, int Tk);
+
+int model_n_kda(const mtrl_model_dims *d);
+int model_n_mla(const mtrl_model_dims *d);
+// Index of layer l among the KDA (or MLA) layers.
+int model_kda_index(const mtrl_model_dims *d, int l);
+int model_mla_index(const mtrl_model_dims *d, int l);
+
+void mtrl_model_ws_free(mtrl_model *m);
+
+#endif
