@@ -1,0 +1,334 @@
+// retrieval.c: the built-in `retrieval` env: find one fact in a long generated document.
+//
+// The document is doc_tokens bytes (1 byte = 1 token for the byte-level tokenizer) of lines
+//     k004821=v930511\n
+// with unique keys of fixed width (a seeded permutation of 0 .. 10^w - 1, w >= 3 so keys are
+// sparse and cannot be guessed from their neighbours) and random 6-digit values. The queried
+// line is drawn uniformly from all lines, so the fact sits anywhere in the document. The same
+// seed gives the same document and question. Generation is a tight loop without printf: about
+// 10 ms for 1M tokens.
+//
+// Prompt, inline_doc=0 (tools needed):
+//     "A document of 4096 bytes holds lines key=value. Tools: search(text) returns the lines
+//      containing text with their byte offsets; read(offset,length) returns bytes of the
+//      document. What is the value of k004821?\n"
+// Prompt, inline_doc=1 (long-context recall): the whole document, then
+//     "What is the value of k004821?\n"
+// Answer: the value exactly as written ("v930511"); surrounding whitespace is ignored.
+// Reward 1 for the exact value, 0 otherwise (no partial credit).
+// Tools (observations capped at max_obs_bytes):
+//     search(text)         "<offset>: <line>\n" per matching line, at most 16 lines;
+//                          "no match for 'text'" when none
+//     read(offset,length)  the raw bytes doc[offset .. offset+length), length cut to
+//                          max_obs_bytes and to the end of the document
+// A tool call past max_tool_calls ends the episode with reward 0.
+// Config: doc_tokens=64..8388608 (4096), inline_doc=0|1 (0), max_obs_bytes=64..1048576 (2048),
+//         max_tool_calls=1..1000 (8).
+// demo: search(<key>) then the answer; with inline_doc=1 only the answer (the point of that
+// mode is recall from the context, and a warm start should teach exactly that).
+#ifndef _GNU_SOURCE
+#define _GNU_SOURCE // memmem
+#endif
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "common/check.h"
+#include "common/rng.h"
+#include "env/builtin/builtin.h"
+#include "env/env_util.h"
+
+#define RETRIEVAL_TOOLS "search, read"
+#define RETRIEVAL_MAX_HITS 16
+#define RETRIEVAL_VALUE_DIGITS 6
+
+typedef struct retrieval_env {
+    size_t doc_tokens, max_obs_bytes;
+    int inline_doc, max_tool_calls;
+    env_buf doc;     // the document; with inline_doc the question follows it (the prompt)
+    size_t doc_len;  // bytes of doc that are the document
+    env_buf prompt;  // the prompt when !inline_doc
+    env_buf obs;
+    char key[16], value[16];
+    char demo_call[32];
+    mtrl_env_action demo[2];
+    int tool_calls, done;
+} retrieval_env;
+
+static int retrieval_create_(const char *config, void **self, char *err, size_t cap) {
+    env_config cfg;
+    if (env_config_parse(&cfg, "retrieval", config, err, cap)) return MTRL_ENV_ERR;
+    long long doc_tokens, inline_doc, max_obs, mtc;
+    int bad = env_config_int(&cfg, "doc_tokens", 4096, 64, 8 << 20, &doc_tokens, err, cap) ||
+              env_config_int(&cfg, "inline_doc", 0, 0, 1, &inline_doc, err, cap) ||
+              env_config_int(&cfg, "max_obs_bytes", 2048, 64, 1 << 20, &max_obs, err, cap) ||
+              env_config_int(&cfg, "max_tool_calls", 8, 1, 1000, &mtc, err, cap) ||
+              env_config_finish(&cfg, "doc_tokens, inline_doc, max_obs_bytes, max_tool_calls", err, cap);
+    env_config_free(&cfg);
+    if (bad) return MTRL_ENV_ERR;
+    retrieval_env *e = xcalloc(1, sizeof *e);
+    e->doc_tokens = (size_t)doc_tokens;
+    e->inline_doc = (int)inline_doc;
+    e->max_obs_bytes = (size_t)max_obs;
+    e->max_tool_calls = (int)mtc;
+    e->done = 1;
+    *self = e;
+    return MTRL_ENV_OK;
+}
+
+static void retrieval_destroy_(void *self) {
+    retrieval_env *e = self;
+    if (!e) return;
+    env_buf_free(&e->doc);
+    env_buf_free(&e->prompt);
+    env_buf_free(&e->obs);
+    free(e);
+}
+
+// ---- document generation --------------------------------------------------------------------
+
+static uint64_t mix64_(uint64_t x) { // splitmix64 finaliser: a cheap, good 64-bit mixer
+    x ^= x >> 30;
+    x *= 0xbf58476d1ce4e5b9ull;
+    x ^= x >> 27;
+    x *= 0x94d049bb133111ebull;
+    x ^= x >> 31;
+    return x;
+}
+
+// A keyed permutation of [0, range): a 4-round Feistel network on 2*half bits (a bijection on
+// [0, 4^half)), walked until the value falls inside the range (cycle walking keeps it a
+// bijection on the range). 4^half < 4*range, so the walk takes under 4 steps on average.
+static uint64_t permute_(uint64_t x, uint64_t range, int half, const uint64_t rk[4]) {
+    uint64_t mask = (1ull << half) - 1;
+    do {
+        uint64_t l = x >> half, r = x & mask;
+        for (int k = 0; k < 4; k++) {
+            uint64_t t = l ^ (mix64_(r ^ rk[k]) & mask);
+            l = r;
+            r = t;
+        }
+        x = (l << half) | r;
+    } while (x >= range);
+    return x;
+}
+
+static void put_digits_(char *p, uint64_t v, int width) {
+    for (int i = width - 1; i >= 0; i--) {
+        p[i] = (char)('0' + v % 10);
+        v /= 10;
+    }
+}
+
+static void retrieval_generate_(retrieval_env *e, uint64_t seed) {
+    // Key width w: the smallest >= 3 with at least 4 unused keys per used one.
+    int w = 3;
+    size_t lines;
+    uint64_t range;
+    for (;;) {
+        lines = e->doc_tokens / (size_t)(w + 4 + RETRIEVAL_VALUE_DIGITS); // "k" w "=v" 6 "\n"
+        range = 1;
+        for (int i = 0; i < w; i++) range *= 10;
+        if (range >= 4 * (uint64_t)lines || w == 15) break;
+        w++;
+    }
+    if (lines == 0) lines = 1;
+    int half = 1;
+    while ((1ull << (2 * half)) < range) half++;
+    uint64_t stream = mtrl_rng_stream("env.retrieval", 0, 0);
+    uint64_t rk[4];
+    for (int k = 0; k < 4; k++) rk[k] = mtrl_rng_u64(seed, stream, (uint64_t)k);
+    uint64_t vseed = mtrl_rng_u64(seed, stream, 4);
+    size_t q = (size_t)(mtrl_rng_uniform(seed, stream, 5) * (double)lines);
+    if (q >= lines) q = lines - 1;
+
+    size_t line_len = (size_t)w + 4 + RETRIEVAL_VALUE_DIGITS;
+    env_buf_clear(&e->doc);
+    char *p = env_buf_reserve(&e->doc, lines * line_len + 128);
+    for (size_t i = 0; i < lines; i++) {
+        uint64_t key = permute_(i, range, half, rk);
+        uint64_t val = mix64_(vseed + i) % 1000000u;
+        p[0] = 'k';
+        put_digits_(p + 1, key, w);
+        p[1 + w] = '=';
+        p[2 + w] = 'v';
+        put_digits_(p + 3 + w, val, RETRIEVAL_VALUE_DIGITS);
+        p[line_len - 1] = '\n';
+        if (i == q) {
+            memcpy(e->key, p, (size_t)w + 1);
+            e->key[w + 1] = 0;
+            memcpy(e->value, p + 2 + w, 1 + RETRIEVAL_VALUE_DIGITS);
+            e->value[1 + RETRIEVAL_VALUE_DIGITS] = 0;
+        }
+        p += line_len;
+    }
+    e->doc.len = e->doc_len = lines * line_len;
+    e->doc.data[e->doc.len] = 0;
+}
+
+static int retrieval_reset_(void *self, uint64_t seed, mtrl_env_bytes *prompt, char *err, size_t cap) {
+    (void)err, (void)cap;
+    retrieval_env *e = self;
+    retrieval_generate_(e, seed);
+    e->tool_calls = 0;
+    e->done = 0;
+    snprintf(e->demo_call, sizeof e->demo_call, "search(%s)", e->key);
+    if (e->inline_doc) {
+        env_buf_printf(&e->doc, "What is the value of %s?\n", e->key);
+        prompt->data = e->doc.data;
+        prompt->len = e->doc.len;
+    } else {
+        env_buf_clear(&e->prompt);
+        env_buf_printf(&e->prompt,
+                       "A document of %zu bytes holds lines key=value. Tools: search(text) returns the lines "
+                       "containing text with their byte offsets; read(offset,length) returns bytes of the "
+                       "document. What is the value of %s?\n",
+                       e->doc_len, e->key);
+        prompt->data = e->prompt.data;
+        prompt->len = e->prompt.len;
+    }
+    return MTRL_ENV_OK;
+}
+
+// ---- tools ----------------------------------------------------------------------------------
+
+static int tool_search_(retrieval_env *e, const char *text, size_t n) {
+    if (n == 0) {
+        env_buf_puts(&e->obs, "error: search needs text, e.g. search(k1234)");
+        return 1;
+    }
+    if (n > 256) {
+        env_buf_puts(&e->obs, "error: search text longer than 256 bytes");
+        return 1;
+    }
+    const char *doc = e->doc.data, *end = doc + e->doc_len, *at = doc;
+    int hits = 0;
+    while (at < end) {
+        const char *m = memmem(at, (size_t)(end - at), text, n);
+        if (!m) break;
+        const char *ls = m;
+        while (ls > doc && ls[-1] != '\n') ls--;
+        const char *le = memchr(m, '\n', (size_t)(end - m));
+        le = le ? le : end;
+        char head[32];
+        int hn = snprintf(head, sizeof head, "%zu: ", (size_t)(ls - doc));
+        size_t need = (size_t)hn + (size_t)(le - ls) + 1;
+        if (hits == RETRIEVAL_MAX_HITS || e->obs.len + need + 32 > e->max_obs_bytes) {
+            env_buf_puts(&e->obs, "(more matches not shown)\n");
+            break;
+        }
+        env_buf_append(&e->obs, head, (size_t)hn);
+        env_buf_append(&e->obs, ls, (size_t)(le - ls));
+        env_buf_puts(&e->obs, "\n");
+        hits++;
+        at = le < end ? le + 1 : end; // one entry per line, however often it matches
+    }
+    if (hits == 0 && e->obs.len == 0) {
+        env_buf_puts(&e->obs, "no match for '");
+        env_buf_append_shown(&e->obs, text, n, 40);
+        env_buf_puts(&e->obs, "'");
+    }
+    return 0;
+}
+
+static int tool_read_(retrieval_env *e, const char *args, size_t n) {
+    const char *comma = memchr(args, ',', n);
+    int64_t off, len;
+    if (!comma || env_parse_i64(args, (size_t)(comma - args), &off) ||
+        env_parse_i64(comma + 1, n - (size_t)(comma - args) - 1, &len)) {
+        env_buf_puts(&e->obs, "error: read needs two integers, read(offset,length), e.g. read(0,64)");
+        return 1;
+    }
+    if (off < 0 || len < 0) {
+        env_buf_puts(&e->obs, "error: read offset and length must not be negative");
+        return 1;
+    }
+    if ((uint64_t)off >= e->doc_len) {
+        env_buf_printf(&e->obs, "error: offset %lld is past the end of the document (%zu bytes)", (long long)off,
+                       e->doc_len);
+        return 1;
+    }
+    size_t l = (size_t)len;
+    if (l > e->max_obs_bytes) l = e->max_obs_bytes;
+    if (l > e->doc_len - (size_t)off) l = e->doc_len - (size_t)off;
+    env_buf_append(&e->obs, e->doc.data + off, l);
+    return 0;
+}
+
+static int retrieval_step_(void *self, uint32_t kind, const char *action, size_t len, mtrl_env_step_out *out,
+                           char *err, size_t cap) {
+    retrieval_env *e = self;
+    if (e->done) {
+        snprintf(err, cap, "retrieval: step after the episode ended; call reset first");
+        return MTRL_ENV_ERR;
+    }
+    env_buf_clear(&e->obs);
+    env_buf_puts(&e->obs, "");
+    if (kind == MTRL_ENV_ACTION_ANSWER) {
+        const char *a = action;
+        size_t n = len;
+        env_trim(&a, &n);
+        out->reward = (n == strlen(e->value) && !memcmp(a, e->value, n)) ? 1.0 : 0.0;
+        out->done = e->done = 1;
+    } else if (kind == MTRL_ENV_ACTION_TOOL) {
+        env_tool_call c;
+        if (++e->tool_calls > e->max_tool_calls) {
+            env_buf_printf(&e->obs, "error: tool call limit (%d) reached; episode over", e->max_tool_calls);
+            out->done = e->done = 1;
+            out->tool_error = 1;
+        } else if (env_tool_parse(action, len, &c)) {
+            env_tool_error_malformed(&e->obs, action, len, RETRIEVAL_TOOLS);
+            out->tool_error = 1;
+        } else if (env_tool_is(&c, "search")) {
+            out->tool_error = tool_search_(e, c.args, c.args_len);
+        } else if (env_tool_is(&c, "read")) {
+            out->tool_error = tool_read_(e, c.args, c.args_len);
+        } else {
+            env_tool_error_unknown(&e->obs, &c, RETRIEVAL_TOOLS);
+            out->tool_error = 1;
+        }
+    } else {
+        snprintf(err, cap, "retrieval: unknown action kind %u (expected TOOL=1 or ANSWER=2)", kind);
+        return MTRL_ENV_ERR;
+    }
+    out->obs.data = e->obs.data;
+    out->obs.len = e->obs.len;
+    return MTRL_ENV_OK;
+}
+
+static int retrieval_demo_(void *self, mtrl_env_demo_out *out, char *err, size_t cap) {
+    retrieval_env *e = self;
+    if (e->done) {
+        snprintf(err, cap, "retrieval: demo needs an episode; call reset first");
+        return MTRL_ENV_ERR;
+    }
+    size_t k = 0;
+    if (!e->inline_doc) e->demo[k++] = (mtrl_env_action){MTRL_ENV_ACTION_TOOL, e->demo_call, strlen(e->demo_call)};
+    e->demo[k++] = (mtrl_env_action){MTRL_ENV_ACTION_ANSWER, e->value, strlen(e->value)};
+    out->actions = e->demo;
+    out->count = k;
+    return MTRL_ENV_OK;
+}
+
+static int retrieval_describe_(void *self, mtrl_env_bytes *out, char *err, size_t cap) {
+    (void)self, (void)err, (void)cap;
+    static const char text[] = "search(text): the document's lines containing text, with their byte offsets\n"
+                               "read(offset,length): length bytes of the document from offset\n";
+    out->data = text;
+    out->len = sizeof text - 1;
+    return MTRL_ENV_OK;
+}
+
+const mtrl_env_api env_retrieval_api = {
+    .abi_version = MTRL_ENV_ABI_VERSION,
+    .struct_size = sizeof(mtrl_env_api),
+    .name = "retrieval",
+    .version = "1",
+    .flags = MTRL_ENV_FLAG_THREAD_SAFE,
+    .create = retrieval_create_,
+    .destroy = retrieval_destroy_,
+    .reset = retrieval_reset_,
+    .step = retrieval_step_,
+    .demo = retrieval_demo_,
+    .describe = retrieval_describe_,
+};

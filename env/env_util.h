@@ -1,0 +1,90 @@
+// env_util.h: small pieces the built-in envs and the host share (internal to env/).
+//
+// - env_buf: a growable byte buffer (xrealloc: never fails), always NUL-terminated so text
+//   can be printed, though lengths are explicit.
+// - env_config: parses the ABI's config string (key=value pairs separated by newlines or ';')
+//   and reads typed values with range checks. Errors name the env, the key and the allowed
+//   range; unknown keys are refused with the list of known ones.
+// - env_tool_parse: splits a tool call `name(args)` into name and args.
+// - env_tool_error: formats the standard error observations for malformed/unknown calls.
+// Error buffers follow the ABI: (char *err, size_t cap), NUL-terminated, may be truncated.
+#ifndef MTRL_ENV_UTIL_H
+#define MTRL_ENV_UTIL_H
+
+#include <stdarg.h>
+#include <stddef.h>
+#include <stdint.h>
+
+// ---- growable buffer ------------------------------------------------------------------------
+
+typedef struct env_buf {
+    char *data; // NUL-terminated after every append; NULL until the first append
+    size_t len;
+    size_t cap;
+} env_buf;
+
+void env_buf_clear(env_buf *b); // len = 0, keeps the memory
+void env_buf_free(env_buf *b);
+// Makes room for `extra` more bytes and returns a pointer to the end (len is not changed).
+char *env_buf_reserve(env_buf *b, size_t extra);
+void env_buf_append(env_buf *b, const void *data, size_t n);
+void env_buf_puts(env_buf *b, const char *s);
+void env_buf_printf(env_buf *b, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
+
+// ---- config strings -------------------------------------------------------------------------
+
+typedef struct env_config_item {
+    char *key;
+    char *value;
+    int used; // set when a getter read it; env_config_finish refuses unread keys
+} env_config_item;
+
+typedef struct env_config {
+    const char *env; // env name for messages (not owned)
+    env_config_item *items;
+    int count;
+} env_config;
+
+// Parses text (may be NULL or empty). Refuses a pair without '=', an empty key and duplicates.
+int env_config_parse(env_config *cfg, const char *env, const char *text, char *err, size_t cap);
+void env_config_free(env_config *cfg);
+// Integer value of key (decimal, strict: the whole value must be a number), or def when absent.
+// Out of [min, max] or not a number: error naming the key and the range.
+int env_config_int(env_config *cfg, const char *key, long long def, long long min, long long max,
+                   long long *out, char *err, size_t cap);
+// String value of key, or def when absent (pointer into cfg, valid until env_config_free).
+const char *env_config_str(env_config *cfg, const char *key, const char *def);
+// Refuses keys no getter read: "calc: unknown config key 'digit'; known keys: digits, ops, ...".
+int env_config_finish(env_config *cfg, const char *known, char *err, size_t cap);
+
+// ---- tool calls -----------------------------------------------------------------------------
+
+typedef struct env_tool_call {
+    const char *name; // points into the action bytes
+    size_t name_len;
+    const char *args; // between the parentheses, surrounding whitespace trimmed
+    size_t args_len;
+} env_tool_call;
+
+// Parses `name(args)` with optional whitespace around the whole call. name is
+// [A-Za-z_][A-Za-z0-9_]*, the call must end with ')'. Returns 0, or -1 when malformed.
+int env_tool_parse(const char *s, size_t n, env_tool_call *out);
+int env_tool_is(const env_tool_call *c, const char *name);
+
+// Writes the standard error observations into b (cleared first):
+//   "error: malformed tool call 'xy z'; expected name(args); tools: search, read"
+//   "error: unknown tool 'foo'; tools: search, read"
+// The quoted text is cut at 40 bytes and non-printable bytes become '?'.
+void env_tool_error_malformed(env_buf *b, const char *action, size_t n, const char *tools);
+void env_tool_error_unknown(env_buf *b, const env_tool_call *c, const char *tools);
+// Appends s[0..n) quoted-safe (cut at max bytes, non-printables as '?').
+void env_buf_append_shown(env_buf *b, const char *s, size_t n, size_t max);
+
+// ---- small parsers --------------------------------------------------------------------------
+
+// Strict decimal integer over s[0..n) (optional sign, digits, nothing else). Returns 0 or -1.
+int env_parse_i64(const char *s, size_t n, int64_t *out);
+// Trims ASCII whitespace at both ends of s[0..*n) in place (advances *s, shrinks *n).
+void env_trim(const char **s, size_t *n);
+
+#endif
