@@ -182,6 +182,18 @@ void mtrl_model_prefill(mtrl_model *m, mtrl_decode_state *s, const uint32_t *tok
 void mtrl_model_decode(mtrl_model *m, mtrl_decode_state *const *states, int B, const uint32_t *tokens, real *logits,
                        uint8_t *routing_out);
 
+// ---- checkpoints and published weights (safetensors, common/checkpoint.h) ----------------------------
+// Writes the parameters and QB β, plus with_optimizer: the AdamW moments and the step. Metadata:
+// mtrl.format, step, version, dtype, and the caller's key/value pairs (config hash, RNG seed,
+// run counters). path != NULL writes a file atomically; else *mem/*mem_len get a malloc'ed buffer.
+mtrl_status mtrl_model_save(const mtrl_model *m, const char *path, void **mem, size_t *mem_len, int with_optimizer,
+                            const char *const *meta, int n_meta, mtrl_error *err);
+// Loads what mtrl_model_save wrote into an initialised model of the same dims. Every tensor's
+// dtype and shape is checked before any byte is read, so a mismatch (named in the message)
+// leaves the model untouched. with_optimizer also restores the moments, the step and version.
+struct mtrl_ckpt;
+mtrl_status mtrl_model_load(mtrl_model *m, struct mtrl_ckpt *c, int with_optimizer, mtrl_error *err);
+
 // Index of layer l among the MoE layers, or -1 for the dense layer.
 static inline int mtrl_model_moe_index(int l) { return l - 1; }
 

@@ -1,0 +1,113 @@
+// model_ckpt.c: checkpoints and published weights of the backbone (see model.h).
+#include <inttypes.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "common/check.h"
+#include "common/checkpoint.h"
+#include "common/model/model.h"
+
+#if REAL_IS_F64
+#define REAL_DT MTRL_DT_F64
+#else
+#define REAL_DT MTRL_DT_F32
+#endif
+
+// The entries of a save: every parameter, then β, then (optionally) both moments of each.
+typedef struct save_list {
+    mtrl_ckpt_entry *e;
+    char (*names)[MTRL_TT_NAME_MAX + 16];
+    int n;
+} save_list;
+
+static void list_build_(const mtrl_model *m, int with_optimizer, save_list *l) {
+    int n = m->params.n * (with_optimizer ? 3 : 1) + 1;
+    l->e = xcalloc((size_t)n, sizeof *l->e);
+    l->names = xcalloc((size_t)n, sizeof *l->names);
+    l->n = 0;
+    for (int pass = 0; pass < (with_optimizer ? 3 : 1); pass++) {
+        const char *prefix = pass == 0 ? "" : pass == 1 ? "adam_m." : "adam_v.";
+        const char *base = pass == 0 ? (const char *)m->params.base : pass == 1 ? (const char *)m->adam_m : (const char *)m->adam_v;
+        for (int i = 0; i < m->params.n; i++) {
+            const mtrl_tensor *t = &m->params.items[i];
+            mtrl_ckpt_entry *x = &l->e[l->n];
+            snprintf(l->names[l->n], sizeof l->names[l->n], "%s%s", prefix, t->name);
+            MTRL_CHECKF(strlen(l->names[l->n]) < MTRL_TT_NAME_MAX, "checkpoint name too long: %s", l->names[l->n]);
+            x->name = l->names[l->n];
+            x->dtype = t->dtype;
+            x->ndim = t->ndim;
+            memcpy(x->shape, t->shape, sizeof x->shape);
+            x->data = base + t->offset;
+            x->nbytes = t->nbytes;
+            l->n++;
+        }
+        if (pass == 0) {
+            mtrl_ckpt_entry *x = &l->e[l->n];
+            snprintf(l->names[l->n], sizeof l->names[l->n], "qb_beta");
+            x->name = l->names[l->n];
+            x->dtype = REAL_DT;
+            x->ndim = 2;
+            x->shape[0] = m->dims.L;
+            x->shape[1] = m->dims.E;
+            x->data = m->qb_beta;
+            x->nbytes = sizeof(real) * (size_t)m->dims.L * (size_t)m->dims.E;
+            l->n++;
+        }
+    }
+}
+
+mtrl_status mtrl_model_save(const mtrl_model *m, const char *path, void **mem, size_t *mem_len, int with_optimizer,
+                            const char *const *meta, int n_meta, mtrl_error *err) {
+    save_list l;
+    list_build_(m, with_optimizer, &l);
+    char step[32], version[32];
+    snprintf(step, sizeof step, "%ld", m->step);
+    snprintf(version, sizeof version, "%" PRIu32, m->version);
+    int nm = n_meta + 4;
+    const char **kv = xcalloc((size_t)(2 * nm), sizeof(char *));
+    kv[0] = "mtrl.format"; kv[1] = "1";
+    kv[2] = "step"; kv[3] = step;
+    kv[4] = "version"; kv[5] = version;
+    kv[6] = "optimizer"; kv[7] = with_optimizer ? "adamw" : "none";
+    for (int i = 0; i < 2 * n_meta; i++) kv[8 + i] = meta[i];
+    mtrl_status st = path ? mtrl_ckpt_write_file(path, l.e, l.n, kv, nm, err)
+                          : mtrl_ckpt_write_mem(mem, mem_len, l.e, l.n, kv, nm, err);
+    free(kv);
+    free(l.e);
+    free(l.names);
+    return st;
+}
+
+mtrl_status mtrl_model_load(mtrl_model *m, mtrl_ckpt *c, int with_optimizer, mtrl_error *err) {
+    save_list l;
+    list_build_(m, with_optimizer, &l);
+    mtrl_status st = MTRL_OK;
+    // Check every tensor first, so a mismatch changes nothing.
+    for (int i = 0; i < l.n && st == MTRL_OK; i++) {
+        int k = mtrl_ckpt_find(c, l.e[i].name);
+        if (k < 0) {
+            st = mtrl_error_set(err, MTRL_ERR_MISMATCH, "%s: has no tensor %s (a checkpoint of another model?)", c->source,
+                                l.e[i].name);
+            break;
+        }
+        const mtrl_ckpt_tensor *t = &c->t[k];
+        int same = t->dtype == l.e[i].dtype && t->ndim == l.e[i].ndim;
+        for (int d = 0; same && d < t->ndim; d++) same = t->shape[d] == l.e[i].shape[d];
+        if (!same) st = mtrl_ckpt_read(c, l.e[i].name, l.e[i].dtype, l.e[i].ndim, l.e[i].shape, NULL, err);
+    }
+    const char *s = mtrl_ckpt_meta(c, "step"), *v = mtrl_ckpt_meta(c, "version");
+    if (st == MTRL_OK && with_optimizer && (!s || !v))
+        st = mtrl_error_set(err, MTRL_ERR_FORMAT, "%s: no step/version metadata: not an mtrl training checkpoint", c->source);
+    for (int i = 0; i < l.n && st == MTRL_OK; i++)
+        st = mtrl_ckpt_read(c, l.e[i].name, l.e[i].dtype, l.e[i].ndim, l.e[i].shape, (void *)l.e[i].data, err);
+    if (st == MTRL_OK && with_optimizer) {
+        m->step = strtol(s, NULL, 10);
+        m->version = (uint32_t)strtoul(v, NULL, 10);
+    } else if (st == MTRL_OK && v) {
+        m->version = (uint32_t)strtoul(v, NULL, 10);
+    }
+    free(l.e);
+    free(l.names);
+    return st;
+}
