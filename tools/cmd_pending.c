@@ -14,4 +14,3 @@ int cmd_learner(int argc, char **argv) { (void)argc; (void)argv; return pending_
 int cmd_actor(int argc, char **argv) { (void)argc; (void)argv; return pending_("actor", "the RL loop (issue 4)"); }
 int cmd_replay(int argc, char **argv) { (void)argc; (void)argv; return pending_("replay", "replay (issue 5)"); }
 int cmd_report(int argc, char **argv) { (void)argc; (void)argv; return pending_("report", "report (issue 5)"); }
-int cmd_bench(int argc, char **argv) { (void)argc; (void)argv; return pending_("bench", "the backbone benchmarks (issue 3)"); }

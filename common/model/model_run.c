@@ -121,7 +121,7 @@ void mtrl_model_forward(mtrl_model *m, const mtrl_batch *b, int segment, real *l
             seg_cache *c = w->keep ? &s->kept[g] : &tmp;
             if (!w->keep) mtrl_arena_reset(&w->pub.arena);
             seg_forward(m, &w->pub.arena, SEG_CHUNK, T, b->tokens[i] + t0, &io, &so, c);
-            if (w->pub.arena.peak > m->peak_activation_bytes && !w->keep) m->peak_activation_bytes = w->pub.arena.peak;
+            if (w->pub.arena.peak > m->peak_activation_bytes) m->peak_activation_bytes = w->pub.arena.peak;
         }
         if (routing_out && routing_out[i]) memcpy(routing_out[i], s->routing, (size_t)len * rw);
         free(S);
@@ -167,7 +167,7 @@ void mtrl_model_backward(mtrl_model *m, const mtrl_batch *b, const real *dlogp, 
             size_t mark = mtrl_arena_mark(&w->pub.arena);
             seg_backward(m, &w->pub.arena, c, b->tokens[i] + t0, s->targets + t0, &io, dlogp + off + t0,
                          dentropy ? dentropy + off + t0 : NULL, &g);
-            if (w->pub.arena.peak > m->peak_activation_bytes && !w->keep) m->peak_activation_bytes = w->pub.arena.peak;
+            if (w->pub.arena.peak > m->peak_activation_bytes) m->peak_activation_bytes = w->pub.arena.peak;
             mtrl_arena_release(&w->pub.arena, mark);
         }
         free(dS);

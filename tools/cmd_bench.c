@@ -1,0 +1,143 @@
+// cmd_bench.c: `mtrl bench ops|model|rl`: timings with the command and machine stated.
+//
+//   mtrl bench model [--device cpu|cuda] [--preset tiny|small] [--tokens N] [--seqs B] [--segment S] [--reps R]
+//       forward and forward+backward tokens/s of the backbone on random tokens, and peak memory
+//   mtrl bench ops --device cuda [...]   the CUDA kernels against the measured ceilings
+#include <stdlib.h>
+#include <string.h>
+#include <sys/resource.h>
+#include <sys/utsname.h>
+#include <unistd.h>
+
+#include "common/config.h"
+#include "common/model/model.h"
+#include "common/rng.h"
+#include "common/timeutil.h"
+#include "common/tokenizer.h"
+#include "tools/cli.h"
+#ifdef MTRL_HAVE_CUDA_BENCH
+#include "kernels/cuda/kernels_cuda.h"
+#endif
+
+#define BENCH_USAGE "mtrl bench model [--device cpu|cuda] [--preset tiny|small] [--tokens N] [--seqs B] [--segment S] [--reps R] | mtrl bench ops --device cuda"
+
+static void print_machine_(void) {
+    struct utsname u;
+    uname(&u);
+    char cpu[256] = "unknown cpu";
+    FILE *f = fopen("/proc/cpuinfo", "r");
+    if (f) {
+        char line[512];
+        while (fgets(line, sizeof line, f))
+            if (!strncmp(line, "model name", 10)) {
+                char *c = strchr(line, ':');
+                if (c) snprintf(cpu, sizeof cpu, "%s", c + 2);
+                cpu[strcspn(cpu, "\n")] = '\0';
+                break;
+            }
+        fclose(f);
+    }
+    char when[32];
+    mtrl_time_iso(mtrl_time_wall(), when, sizeof when);
+    printf("machine: %s, %ld cores, %s %s; %s\n", cpu, sysconf(_SC_NPROCESSORS_ONLN), u.sysname, u.machine, when);
+}
+
+static int bench_model_(int argc, char **argv) {
+    const char *device = "cpu", *preset = "tiny";
+    int tokens = 2048, seqs = 8, segment = 0, reps = 3;
+    for (int i = 1; i < argc; i++) {
+        const char *a = argv[i];
+        const char *v = i + 1 < argc ? argv[i + 1] : NULL;
+        if (!strcmp(a, "--device") && v) { device = v; i++; }
+        else if (!strcmp(a, "--preset") && v) { preset = v; i++; }
+        else if (!strcmp(a, "--tokens") && v) { tokens = atoi(v); i++; }
+        else if (!strcmp(a, "--seqs") && v) { seqs = atoi(v); i++; }
+        else if (!strcmp(a, "--segment") && v) { segment = atoi(v); i++; }
+        else if (!strcmp(a, "--reps") && v) { reps = atoi(v); i++; }
+        else return cli_usage_error("bench", BENCH_USAGE, "unknown option '%s'", a);
+    }
+    if (strcmp(device, "cpu"))
+        return cli_usage_error("bench", BENCH_USAGE, "--device %s: the model on CUDA has not landed (issue 6); use --device cpu", device);
+    if (tokens < seqs || seqs < 1 || reps < 1) return cli_usage_error("bench", BENCH_USAGE, "need tokens >= seqs >= 1 and reps >= 1");
+    char text[256];
+    snprintf(text, sizeof text, "[env]\nname = calc\n[model]\npreset = %s\n", preset);
+    mtrl_config cfg;
+    mtrl_config_errors errs = {0};
+    if (mtrl_config_load_text(&cfg, "--preset", text, NULL, 0, &errs) != MTRL_OK) {
+        mtrl_config_errors_print(&errs, stderr);
+        mtrl_config_errors_free(&errs);
+        return 2;
+    }
+    mtrl_model_dims d;
+    mtrl_error err;
+    if (mtrl_model_dims_from_config(&d, &cfg.model, MTRL_VOCAB, &err) != MTRL_OK) {
+        fprintf(stderr, "mtrl bench: %s\n", err.msg);
+        return 2;
+    }
+    mtrl_model m;
+    mtrl_model_init(&m, &d, 1);
+    int per = tokens / seqs;
+    uint32_t *tok = malloc(sizeof(uint32_t) * (size_t)seqs * per);
+    const uint32_t **toks = malloc(sizeof(*toks) * (size_t)seqs);
+    int *len = malloc(sizeof(int) * (size_t)seqs);
+    for (int i = 0; i < seqs; i++) {
+        for (int t = 0; t < per; t++) tok[(size_t)i * per + t] = (uint32_t)(mtrl_rng_u64(1, (uint64_t)i, (uint64_t)t) % 256);
+        toks[i] = tok + (size_t)i * per;
+        len[i] = per;
+    }
+    mtrl_batch b = {seqs, toks, len, NULL};
+    real *logp = malloc(sizeof(real) * (size_t)seqs * per), *c = malloc(sizeof(real) * (size_t)seqs * per);
+    for (int t = 0; t < seqs * per; t++) c[t] = (real)(1.0 / (seqs * per));
+    print_machine_();
+    printf("model: preset %s, %zu parameters, %d layers (%s), d=%d, %d experts top-%d; batch %d x %d tokens, segment %d, OMP threads %s\n",
+           preset, mtrl_model_param_count(&m), d.L, d.mixer, d.d, d.E, d.k, seqs, per, segment,
+           getenv("OMP_NUM_THREADS") ? getenv("OMP_NUM_THREADS") : "default");
+    double best_f = 1e30, best_fb = 1e30;
+    mtrl_model_forward(&m, &b, segment, logp, NULL, NULL); // warm-up
+    for (int r = 0; r < reps; r++) {
+        double t0 = mtrl_time_mono();
+        mtrl_model_forward(&m, &b, segment, logp, NULL, NULL);
+        double t1 = mtrl_time_mono();
+        mtrl_model_zero_grads(&m);
+        mtrl_model_backward(&m, &b, c, NULL);
+        double t2 = mtrl_time_mono();
+        if (t1 - t0 < best_f) best_f = t1 - t0;
+        if (t2 - t0 < best_fb) best_fb = t2 - t0;
+        mtrl_model_qb_apply(&m);
+    }
+    struct rusage ru;
+    getrusage(RUSAGE_SELF, &ru);
+    double ntok = (double)seqs * per;
+    printf("forward:          %10.0f tokens/s  (%.3f s for %.0f tokens, best of %d)\n", ntok / best_f, best_f, ntok, reps);
+    printf("forward+backward: %10.0f tokens/s  (%.3f s)\n", ntok / best_fb, best_fb);
+    printf("memory: parameters %.1f MB (x4 with gradients and AdamW), peak segment activations %.1f MB, peak RSS %.1f MB\n",
+           m.params.total / 1e6, m.peak_activation_bytes / 1e6, ru.ru_maxrss / 1e3);
+    free(tok);
+    free(toks);
+    free(len);
+    free(logp);
+    free(c);
+    mtrl_model_free(&m);
+    return 0;
+}
+
+int cmd_bench(int argc, char **argv) {
+    if (argc < 2 || cli_is_help(argv[1])) {
+        printf("usage: %s\n", BENCH_USAGE);
+        return argc < 2 ? 2 : 0;
+    }
+    if (!strcmp(argv[1], "model")) return bench_model_(argc - 1, argv + 1);
+    if (!strcmp(argv[1], "ops")) {
+#ifdef MTRL_HAVE_CUDA_BENCH
+        return mtrl_bench_ops_cuda(argc - 1, argv + 1);
+#else
+        fprintf(stderr, "mtrl bench ops: the CUDA kernel benchmarks are not in this build (issue 6)\n");
+        return 2;
+#endif
+    }
+    if (!strcmp(argv[1], "rl")) {
+        fprintf(stderr, "mtrl bench rl: not available yet: lands with the RL loop (issue 4)\n");
+        return 2;
+    }
+    return cli_usage_error("bench", BENCH_USAGE, "unknown benchmark '%s'", argv[1]);
+}
