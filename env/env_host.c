@@ -74,7 +74,10 @@ const char *mtrl_env_name(const mtrl_env *e) { return e->name; }
 const char *mtrl_env_version(const mtrl_env *e) { return e->version; }
 int mtrl_env_isolated(const mtrl_env *e) { return e->o.isolate; }
 int mtrl_env_has_demo(const mtrl_env *e) { return e->has_demo; }
-void mtrl_env_stats_get(const mtrl_env *e, mtrl_env_stats *out) { *out = e->st; }
+void mtrl_env_stats_get(const mtrl_env *e, mtrl_env_stats *out) {
+    *out = e->st;
+    out->child_pid = e->pid > 0 ? (int)e->pid : 0;
+}
 
 // ---- the child: start, stop, reap -----------------------------------------------------------
 
@@ -154,8 +157,7 @@ static int child_reap_(pid_t pid, int grace_ms, int *wstatus) {
 static void child_forget_(mtrl_env *e) {
     if (e->fd >= 0) close(e->fd);
     e->fd = -1;
-    e->pid = 0;
-    e->in_episode = 0;
+    e->pid = 0; // in_episode is the caller's to end (so the abort is counted once)
 }
 
 // Kills the child at once (it hung, or broke the protocol).
@@ -458,6 +460,16 @@ mtrl_status mtrl_env_reset(mtrl_env *e, uint64_t seed, mtrl_env_result *out, mtr
                          e->o.cpu_limit_s);
                 child_stop_(e);
             }
+        }
+        int ws;
+        if (e->pid > 0 && waitpid(e->pid, &ws, WNOHANG) == e->pid) {
+            // It died between episodes (killed from outside, or a plug-in thread crashed):
+            // nothing was in flight, so say why and start afresh.
+            LOG_WARN("env '%s': env host pid %d died between episodes (%s %d); starting a fresh one", e->name,
+                     (int)e->pid, WIFSIGNALED(ws) ? "signal" : "exit status",
+                     WIFSIGNALED(ws) ? WTERMSIG(ws) : WEXITSTATUS(ws));
+            e->pid = 0;
+            child_forget_(e);
         }
         if (e->pid <= 0) {
             st = child_start_(e, err);

@@ -108,6 +108,7 @@ typedef struct mtrl_env_stats {
     uint64_t aborts;   // episodes ended by an error, crash or timeout
     uint64_t restarts; // isolated children started after the first
     double last_latency_s;
+    int child_pid;     // isolated: the running child's pid, 0 when none (for logs and tests)
 } mtrl_env_stats;
 
 // Opens an env. opts may be NULL (defaults: in-process). On error *out is NULL.

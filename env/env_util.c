@@ -6,6 +6,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <strings.h>
 
 #include "common/check.h"
 
@@ -163,14 +164,33 @@ int env_config_int(env_config *cfg, const char *key, long long def, long long mi
     return 0;
 }
 
+int env_config_bool(env_config *cfg, const char *key, int def, int *out, char *err, size_t cap) {
+    env_config_item *it = config_find_(cfg, key);
+    if (!it) {
+        *out = def;
+        return 0;
+    }
+    static const char *yes[] = {"1", "true", "yes", "on"}, *no[] = {"0", "false", "no", "off"};
+    for (int i = 0; i < 4; i++) {
+        if (!strcasecmp(it->value, yes[i])) return *out = 1, 0;
+        if (!strcasecmp(it->value, no[i])) return *out = 0, 0;
+    }
+    snprintf(err, cap, "%s: config %s='%s' is not a boolean; use 1/0, true/false, yes/no or on/off", cfg->env, key,
+             it->value);
+    return -1;
+}
+
 const char *env_config_str(env_config *cfg, const char *key, const char *def) {
     env_config_item *it = config_find_(cfg, key);
     return it ? it->value : def;
 }
 
 int env_config_finish(env_config *cfg, const char *known, char *err, size_t cap) {
+    static const char *shared[] = {ENV_CONFIG_SHARED_KEYS};
     for (int i = 0; i < cfg->count; i++) {
-        if (!cfg->items[i].used) {
+        int is_shared = 0;
+        for (size_t k = 0; k < sizeof shared / sizeof shared[0]; k++) is_shared |= !strcmp(cfg->items[i].key, shared[k]);
+        if (!cfg->items[i].used && !is_shared) {
             snprintf(err, cap, "%s: unknown config key '%s'; known keys: %s", cfg->env, cfg->items[i].key, known);
             return -1;
         }

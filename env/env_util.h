@@ -52,10 +52,18 @@ void env_config_free(env_config *cfg);
 // Out of [min, max] or not a number: error naming the key and the range.
 int env_config_int(env_config *cfg, const char *key, long long def, long long min, long long max,
                    long long *out, char *err, size_t cap);
+// Boolean value of key: 1/0, true/false, yes/no, on/off (any case), or def when absent.
+int env_config_bool(env_config *cfg, const char *key, int def, int *out, char *err, size_t cap);
 // String value of key, or def when absent (pointer into cfg, valid until env_config_free).
 const char *env_config_str(env_config *cfg, const char *key, const char *def);
 // Refuses keys no getter read: "calc: unknown config key 'digit'; known keys: digits, ops, ...".
+// Keys of the experiment's [env] section that belong to another built-in or to the host
+// (ENV_CONFIG_SHARED_KEYS) are ignored, so a caller may pass the whole section to any env.
 int env_config_finish(env_config *cfg, const char *known, char *err, size_t cap);
+#define ENV_CONFIG_SHARED_KEYS                                                                    \
+    "name", "plugin", "args", "isolate", "step_timeout_ms", "digits", "ops", "doc_tokens", "inline_doc", \
+        "max_tool_calls", "max_obs_bytes", "base_url", "index_path", "allow_loopback", "timeout_ms",     \
+        "connect_timeout_ms", "max_bytes", "max_redirects"
 
 // ---- tool calls -----------------------------------------------------------------------------
 

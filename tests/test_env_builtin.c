@@ -200,6 +200,21 @@ static void test_calc(void) {
     TEST_CONTAINS(err.msg, "given twice");
     TEST_EQ_INT(mtrl_env_open(&bad, "calc", "ops", NULL, &err), MTRL_ERR_USAGE);
     TEST_CONTAINS(err.msg, "is not key=value");
+    // Keys of the [env] section meant for other built-ins or the host are ignored, so the
+    // actor may pass the whole section.
+    TEST_EQ_INT(mtrl_env_open(&bad, "calc", "doc_tokens=100;isolate=true;base_url=http://x", NULL, &err), MTRL_OK);
+    mtrl_env_close(bad);
+    bad = NULL;
+    // max_tool_calls=0: no tools; the first call ends the episode.
+    TEST_EQ_INT(mtrl_env_open(&bad, "calc", "max_tool_calls=0", NULL, &err), MTRL_OK);
+    if (bad) {
+        TEST_CHECK(mtrl_env_reset(bad, 1, &r, &err) == MTRL_OK);
+        r = step(bad, MTRL_ENV_ACTION_TOOL, "calc(1+1)");
+        TEST_EQ_INT(r.done, 1);
+        TEST_EQ_INT(r.reward * 1000, 0);
+        mtrl_env_close(bad);
+        bad = NULL;
+    }
     TEST_EQ_INT(mtrl_env_open(&bad, "calculator", "", NULL, &err), MTRL_ERR_NOTFOUND);
     TEST_CONTAINS(err.msg, "unknown env 'calculator'; built-in envs are retrieval, calc, http");
 }
@@ -281,8 +296,22 @@ static void test_retrieval(void) {
     TEST_EQ_INT(steps, 2);
     mtrl_env_close(e);
 
+    // The observation cap holds even for notes and errors.
+    e = open_env("retrieval", "doc_tokens=300;max_obs_bytes=8");
+    if (e) {
+        TEST_CHECK(mtrl_env_reset(e, 5, &r, &err) == MTRL_OK);
+        r = step(e, MTRL_ENV_ACTION_TOOL, "search(k)");
+        TEST_EQ_INT(r.obs_len, 8);
+        r = step(e, MTRL_ENV_ACTION_TOOL, "nonsense");
+        TEST_EQ_INT(r.obs_len, 8);
+        mtrl_env_close(e);
+    }
+    mtrl_env *bad = NULL;
+    TEST_EQ_INT(mtrl_env_open(&bad, "retrieval", "inline_doc=maybe", NULL, &err), MTRL_ERR_USAGE);
+    TEST_CONTAINS(err.msg, "inline_doc='maybe' is not a boolean");
+
     // Inline mode: the prompt is the document plus the question; the demo is the answer alone.
-    e = open_env("retrieval", "doc_tokens=300;inline_doc=1");
+    e = open_env("retrieval", "doc_tokens=300;inline_doc=true");
     if (e) {
         TEST_CHECK(mtrl_env_reset(e, 5, &r, &err) == MTRL_OK);
         TEST_CHECKF(r.obs_len > 250 && r.obs_len < 360, "inline prompt %zu bytes", r.obs_len);

@@ -11,7 +11,8 @@
 // (division truncates toward zero); errors come back as observations ("error: division by
 // zero", "error: unexpected 'x' at position 3"). A tool call past max_tool_calls ends the
 // episode with reward 0.
-// Config: digits=1..6 (1), ops=1..4 (1), max_tool_calls=1..1000 (4).
+// Config: digits=1..6 (1), ops=1..4 (1), max_tool_calls=0..1000 (4; 0: any tool call ends the
+// episode). Keys of other built-ins are ignored (env_util.h).
 // demo: calc(<the problem's expression>), then the answer.
 #include <stdio.h>
 #include <stdlib.h>
@@ -178,7 +179,7 @@ static int calc_create_(const char *config, void **self, char *err, size_t cap) 
     long long digits, ops, mtc;
     int bad = env_config_int(&cfg, "digits", 1, 1, 6, &digits, err, cap) ||
               env_config_int(&cfg, "ops", 1, 1, 4, &ops, err, cap) ||
-              env_config_int(&cfg, "max_tool_calls", 4, 1, 1000, &mtc, err, cap) ||
+              env_config_int(&cfg, "max_tool_calls", 4, 0, 1000, &mtc, err, cap) ||
               env_config_finish(&cfg, "digits, ops, max_tool_calls", err, cap);
     env_config_free(&cfg);
     if (bad) return MTRL_ENV_ERR;

@@ -26,7 +26,8 @@
 // spellings, DNS names that resolve inward and DNS rebinding.
 // Config: base_url (required), index_path (/index.txt), allow_loopback=0|1 (0),
 //         connect_timeout_ms=1..60000 (2000), timeout_ms=1..600000 (5000),
-//         max_bytes=16..67108864 (65536), max_redirects=0..10 (3), max_tool_calls=1..1000 (8).
+//         max_bytes=16..67108864 (65536), max_redirects=0..10 (3), max_tool_calls=0..1000 (8).
+//         Keys of other built-ins are ignored (env_util.h).
 // Without an asynchronous resolver in libcurl, name resolution cannot time out (NOSIGNAL);
 // this is logged once. Run the env isolated (env_host.h) to bound it from outside.
 #include <arpa/inet.h>
@@ -284,15 +285,16 @@ typedef struct http_env {
 static int http_create_(const char *config, void **self, char *err, size_t cap) {
     env_config cfg;
     if (env_config_parse(&cfg, "http", config, err, cap)) return MTRL_ENV_ERR;
-    long long loop, cto, to, maxb, redirs, mtc;
+    long long cto, to, maxb, redirs, mtc;
+    int loop;
     const char *base = env_config_str(&cfg, "base_url", NULL);
     const char *index = env_config_str(&cfg, "index_path", "/index.txt");
-    int bad = env_config_int(&cfg, "allow_loopback", 0, 0, 1, &loop, err, cap) ||
+    int bad = env_config_bool(&cfg, "allow_loopback", 0, &loop, err, cap) ||
               env_config_int(&cfg, "connect_timeout_ms", 2000, 1, 60000, &cto, err, cap) ||
               env_config_int(&cfg, "timeout_ms", 5000, 1, 600000, &to, err, cap) ||
               env_config_int(&cfg, "max_bytes", 65536, 16, 64 << 20, &maxb, err, cap) ||
               env_config_int(&cfg, "max_redirects", 3, 0, 10, &redirs, err, cap) ||
-              env_config_int(&cfg, "max_tool_calls", 8, 1, 1000, &mtc, err, cap) ||
+              env_config_int(&cfg, "max_tool_calls", 8, 0, 1000, &mtc, err, cap) ||
               env_config_finish(&cfg,
                                 "base_url, index_path, allow_loopback, connect_timeout_ms, timeout_ms, max_bytes, "
                                 "max_redirects, max_tool_calls",
@@ -320,7 +322,7 @@ static int http_create_(const char *config, void **self, char *err, size_t cap) 
     while (bl > 0 && e->base_url[bl - 1] == '/') e->base_url[--bl] = 0;
     e->index_path = xstrdup(index);
     e->o = (env_http_opts){.connect_timeout_ms = cto, .timeout_ms = to, .max_bytes = (size_t)maxb,
-                           .max_redirects = redirs, .allow_loopback = (int)loop};
+                           .max_redirects = redirs, .allow_loopback = loop};
     e->max_tool_calls = (int)mtc;
     e->done = 1;
     env_config_free(&cfg);
@@ -365,9 +367,11 @@ static int page_value_(const char *body, size_t n, const char *key, char *out, s
         const char *l = p;
         size_t ln = (size_t)(le - p);
         env_trim(&l, &ln);
-        if (ln > kl && !memcmp(l, key, kl) && l[kl] == '=') {
-            const char *v = l + kl + 1;
-            size_t vn = ln - kl - 1;
+        size_t at = kl;
+        while (at < ln && (l[at] == ' ' || l[at] == '\t')) at++; // "key = value" is fine too
+        if (at < ln && !memcmp(l, key, kl) && l[at] == '=') {
+            const char *v = l + at + 1;
+            size_t vn = ln - at - 1;
             env_trim(&v, &vn);
             if (vn == 0 || vn >= cap) return -1;
             memcpy(out, v, vn);

@@ -22,8 +22,8 @@
 //     read(offset,length)  the raw bytes doc[offset .. offset+length), length cut to
 //                          max_obs_bytes and to the end of the document
 // A tool call past max_tool_calls ends the episode with reward 0.
-// Config: doc_tokens=64..8388608 (4096), inline_doc=0|1 (0), max_obs_bytes=64..1048576 (2048),
-//         max_tool_calls=1..1000 (8).
+// Config: doc_tokens=16..16777216 (4096), inline_doc=0|1 (0), max_obs_bytes=1..16777216 (2048),
+//         max_tool_calls=0..1000 (8). Keys of other built-ins are ignored (env_util.h).
 // demo: search(<key>) then the answer; with inline_doc=1 only the answer (the point of that
 // mode is recall from the context, and a warm start should teach exactly that).
 #ifndef _GNU_SOURCE
@@ -58,17 +58,18 @@ typedef struct retrieval_env {
 static int retrieval_create_(const char *config, void **self, char *err, size_t cap) {
     env_config cfg;
     if (env_config_parse(&cfg, "retrieval", config, err, cap)) return MTRL_ENV_ERR;
-    long long doc_tokens, inline_doc, max_obs, mtc;
-    int bad = env_config_int(&cfg, "doc_tokens", 4096, 64, 8 << 20, &doc_tokens, err, cap) ||
-              env_config_int(&cfg, "inline_doc", 0, 0, 1, &inline_doc, err, cap) ||
-              env_config_int(&cfg, "max_obs_bytes", 2048, 64, 1 << 20, &max_obs, err, cap) ||
-              env_config_int(&cfg, "max_tool_calls", 8, 1, 1000, &mtc, err, cap) ||
+    long long doc_tokens, max_obs, mtc;
+    int inline_doc;
+    int bad = env_config_int(&cfg, "doc_tokens", 4096, 16, 1 << 24, &doc_tokens, err, cap) ||
+              env_config_bool(&cfg, "inline_doc", 0, &inline_doc, err, cap) ||
+              env_config_int(&cfg, "max_obs_bytes", 2048, 1, 1 << 24, &max_obs, err, cap) ||
+              env_config_int(&cfg, "max_tool_calls", 8, 0, 1000, &mtc, err, cap) ||
               env_config_finish(&cfg, "doc_tokens, inline_doc, max_obs_bytes, max_tool_calls", err, cap);
     env_config_free(&cfg);
     if (bad) return MTRL_ENV_ERR;
     retrieval_env *e = xcalloc(1, sizeof *e);
     e->doc_tokens = (size_t)doc_tokens;
-    e->inline_doc = (int)inline_doc;
+    e->inline_doc = inline_doc;
     e->max_obs_bytes = (size_t)max_obs;
     e->max_tool_calls = (int)mtc;
     e->done = 1;
@@ -290,6 +291,10 @@ static int retrieval_step_(void *self, uint32_t kind, const char *action, size_t
     } else {
         snprintf(err, cap, "retrieval: unknown action kind %u (expected TOOL=1 or ANSWER=2)", kind);
         return MTRL_ENV_ERR;
+    }
+    if (e->obs.len > e->max_obs_bytes) { // the cap holds for every observation, notes included
+        e->obs.len = e->max_obs_bytes;
+        e->obs.data[e->obs.len] = 0;
     }
     out->obs.data = e->obs.data;
     out->obs.len = e->obs.len;
