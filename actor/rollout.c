@@ -1,0 +1,333 @@
+// rollout.c: batched tool-use episodes on the decode form (see rollout.h).
+#include "actor/rollout.h"
+
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "common/check.h"
+#include "common/log.h"
+#include "common/rng.h"
+#include "common/timeutil.h"
+#include "common/tokenizer.h"
+#include "kernels/ref/ops_ref.h"
+
+typedef struct slot {
+    int active;
+    mtrl_env *env;
+    mtrl_decode_state st;
+    mtrl_traj traj;
+    real *logits;          // [V]: the distribution of the next token
+    uint64_t turn_start;   // first token of the current model turn
+    int64_t tool_open;     // position of the open TOOL_OPEN, or -1
+    uint32_t turn;         // tool calls so far
+    int needs_decode;      // the last sampled token must be fed to the model
+} slot;
+
+struct mtrl_rollout {
+    mtrl_rollout_params p;
+    mtrl_model *m;
+    slot *slots;
+    int n;
+    int stop_new;
+    uint64_t next_group;   // counter of groups started by this actor incarnation
+    uint64_t next_episode;
+    // scratch for the batched decode
+    mtrl_decode_state **dstates;
+    uint32_t *dtokens;
+    real *dlogits;
+    int *dslot;
+    uint32_t *ptok;        // prefill tokens
+};
+
+void mtrl_rollout_params_from_config(mtrl_rollout_params *p, const mtrl_config *cfg, uint32_t actor_id,
+                                     uint32_t incarnation) {
+    memset(p, 0, sizeof *p);
+    p->seed = (uint64_t)cfg->run.seed;
+    p->actor_id = actor_id;
+    p->incarnation = incarnation;
+    p->group_size = (int)cfg->algo.group_size;
+    int g = p->group_size;
+    p->slots = (int)((cfg->actor.episodes_in_flight + g - 1) / g * g);
+    p->max_tokens = (int)cfg->actor.max_tokens;
+    p->max_turn_tokens = (int)cfg->actor.max_turn_tokens;
+    p->temperature = cfg->actor.temperature;
+    p->top_p = cfg->actor.top_p;
+    p->record_routing = cfg->actor.routing_replay;
+}
+
+// The env options and config string of [env] (shared with the learner's warm-up and replay).
+static void env_config_(const mtrl_config *cfg, char *buf, size_t cap, mtrl_env_opts *o) {
+    const mtrl_cfg_env *e = &cfg->env;
+    snprintf(buf, cap,
+             "digits=%ld;ops=%ld;doc_tokens=%ld;inline_doc=%d;max_tool_calls=%ld;max_obs_bytes=%ld;base_url=%s;"
+             "allow_loopback=%d;timeout_ms=%ld%s%s",
+             e->digits, e->ops, e->doc_tokens, e->inline_doc, e->max_tool_calls, e->max_obs_bytes, e->base_url,
+             e->allow_loopback, e->timeout_ms, e->args[0] ? ";" : "", e->args);
+    mtrl_env_opts_default(o);
+    o->isolate = e->isolate;
+    o->call_timeout_ms = (int)e->step_timeout_ms;
+}
+
+mtrl_status mtrl_rollout_open_env(const mtrl_config *cfg, mtrl_env **out, mtrl_error *err) {
+    char conf[2048];
+    mtrl_env_opts o;
+    env_config_(cfg, conf, sizeof conf, &o);
+    const char *name = !strcmp(cfg->env.name, "plugin") ? cfg->env.plugin : cfg->env.name;
+    return mtrl_env_open(out, name, conf, &o, err);
+}
+
+mtrl_status mtrl_rollout_init(mtrl_rollout **out, const mtrl_rollout_params *p, const mtrl_config *cfg, mtrl_model *m,
+                              mtrl_error *err) {
+    mtrl_rollout *r = xcalloc(1, sizeof *r);
+    r->p = *p;
+    r->m = m;
+    r->n = p->slots;
+    r->slots = xcalloc((size_t)r->n, sizeof(slot));
+    int V = m->dims.V;
+    for (int i = 0; i < r->n; i++) {
+        slot *s = &r->slots[i];
+        mtrl_status st = mtrl_rollout_open_env(cfg, &s->env, err);
+        if (st != MTRL_OK) {
+            mtrl_rollout_free(r);
+            return st;
+        }
+        mtrl_decode_state_init(&s->st, m, p->max_tokens);
+        mtrl_traj_init(&s->traj);
+        s->logits = xcalloc((size_t)V, sizeof(real));
+    }
+    r->dstates = xcalloc((size_t)r->n, sizeof(*r->dstates));
+    r->dtokens = xcalloc((size_t)r->n, sizeof(uint32_t));
+    r->dlogits = xcalloc((size_t)r->n * V, sizeof(real));
+    r->dslot = xcalloc((size_t)r->n, sizeof(int));
+    r->ptok = xcalloc((size_t)p->max_tokens + 2, sizeof(uint32_t));
+    *out = r;
+    return MTRL_OK;
+}
+
+void mtrl_rollout_free(mtrl_rollout *r) {
+    if (!r) return;
+    for (int i = 0; i < r->n; i++) {
+        slot *s = &r->slots[i];
+        if (s->env) mtrl_env_close(s->env);
+        mtrl_decode_state_free(&s->st);
+        mtrl_traj_free(&s->traj);
+        free(s->logits);
+    }
+    free(r->slots);
+    free(r->dstates);
+    free(r->dtokens);
+    free(r->dlogits);
+    free(r->dslot);
+    free(r->ptok);
+    free(r);
+}
+
+void mtrl_rollout_stop_new(mtrl_rollout *r) { r->stop_new = 1; }
+int mtrl_rollout_slot_count(const mtrl_rollout *r) { return r->n; }
+mtrl_traj *mtrl_rollout_slot(mtrl_rollout *r, int i) { return r->slots[i].active ? &r->slots[i].traj : NULL; }
+
+// ---- one episode's steps (shared by the batched engine and run_one) ------------------------------------
+
+// Feeds n tokens of a kind that carries no loss into the trajectory and the model state.
+static void feed_(mtrl_model *m, slot *s, const uint32_t *tok, int n, uint8_t kind) {
+    for (int i = 0; i < n; i++) mtrl_traj_append(&s->traj, tok[i], 0.0f, m->version, kind, NULL);
+    mtrl_model_prefill(m, &s->st, tok, n, s->logits);
+}
+
+static void finish_(slot *s, mtrl_ep_status status, double reward, const char *reason) {
+    s->traj.status = status;
+    s->traj.reward = reward;
+    if (reason) mtrl_traj_set_reason(&s->traj, "%s", reason);
+    s->traj.end_wall = mtrl_time_wall();
+    s->active = 0;
+}
+
+// Starts an episode in s: env reset, BOS + prompt prefilled. Returns 0 when the episode ended
+// at once (env failure or a prompt over the budget).
+static int start_(const mtrl_rollout_params *p, mtrl_model *m, slot *s, uint64_t task_seed, uint64_t episode_id,
+                  uint64_t group_id, uint32_t *buf) {
+    mtrl_traj_reset(&s->traj);
+    mtrl_traj *t = &s->traj;
+    t->episode_id = episode_id;
+    t->group_id = group_id;
+    t->task_seed = task_seed;
+    t->actor_id = p->actor_id;
+    t->incarnation = p->incarnation;
+    t->sample_seed = p->seed;
+    t->sample_stream = mtrl_rng_stream("sample", episode_id, 0);
+    t->start_wall = mtrl_time_wall();
+    mtrl_traj_set_env(t, mtrl_env_name(s->env));
+    s->active = 1;
+    s->turn = 0;
+    s->tool_open = -1;
+    s->needs_decode = 0;
+    mtrl_decode_state_reset(&s->st, m);
+    mtrl_env_result res;
+    mtrl_error err;
+    if (mtrl_env_reset(s->env, task_seed, &res, &err) != MTRL_OK) {
+        finish_(s, MTRL_EP_ABORTED, 0, err.msg);
+        return 0;
+    }
+    if ((int)res.obs_len + 2 > p->max_tokens) {
+        char why[128];
+        snprintf(why, sizeof why, "prompt of %zu tokens does not fit the budget of %d", res.obs_len + 1, p->max_tokens);
+        finish_(s, MTRL_EP_TRUNCATED, 0, why);
+        return 0;
+    }
+    buf[0] = MTRL_TOK_BOS;
+    mtrl_tok_encode(res.obs, res.obs_len, buf + 1);
+    feed_(m, s, buf, (int)res.obs_len + 1, MTRL_TOK_PROMPT);
+    s->turn_start = t->n_tokens;
+    return 1;
+}
+
+// Bytes of the model tokens in [from, to) (specials dropped) into out (cap bytes, NUL-terminated).
+static size_t turn_bytes_(const mtrl_traj *t, uint64_t from, uint64_t to, char *out, size_t cap) {
+    return mtrl_tok_bytes(t->ids + from, (size_t)(to - from), out, cap);
+}
+
+// Samples the next token of s and acts on it. Returns 1 when the token must be fed to the
+// model by a decode step, 0 when the episode ended or the model state was advanced by a prefill.
+static int advance_(const mtrl_rollout_params *p, mtrl_model *m, slot *s, uint32_t *buf) {
+    mtrl_traj *t = &s->traj;
+    uint64_t pos = t->n_tokens;
+    double u = mtrl_rng_uniform(t->sample_seed, t->sample_stream, pos);
+    real lp;
+    int tok = sample_logits(m->dims.V, s->logits, (real)p->temperature, (real)p->top_p, u, &lp);
+    mtrl_traj_append(t, (uint32_t)tok, (float)lp, m->version, MTRL_TOK_MODEL, NULL);
+    char text[4096];
+    if (tok == MTRL_TOK_EOS) {
+        turn_bytes_(t, s->turn_start, t->n_tokens - 1, text, sizeof text);
+        mtrl_env_result res;
+        mtrl_error err;
+        if (mtrl_env_step(s->env, MTRL_ENV_ACTION_ANSWER, text, strlen(text), &res, &err) != MTRL_OK) {
+            finish_(s, MTRL_EP_ABORTED, 0, err.msg);
+            return 0;
+        }
+        mtrl_traj_add_turn_reward(t, res.reward);
+        finish_(s, MTRL_EP_COMPLETE, res.reward, NULL);
+        return 0;
+    }
+    if (tok == MTRL_TOK_TOOL_OPEN && s->tool_open < 0) s->tool_open = (int64_t)pos;
+    if (tok == MTRL_TOK_TOOL_CLOSE && s->tool_open >= 0) {
+        turn_bytes_(t, (uint64_t)s->tool_open + 1, pos, text, sizeof text);
+        mtrl_env_result res;
+        mtrl_error err;
+        uint32_t turn = s->turn++;
+        if (mtrl_env_step(s->env, MTRL_ENV_ACTION_TOOL, text, strlen(text), &res, &err) != MTRL_OK) {
+            mtrl_traj_add_tool_call(t, turn, "", text, (uint32_t)strlen(text), NULL, 0, 0, (int32_t)err.code, err.msg);
+            finish_(s, MTRL_EP_ABORTED, 0, err.msg);
+            return 0;
+        }
+        char name[64];
+        size_t nl = strcspn(text, "(");
+        snprintf(name, sizeof name, "%.*s", (int)(nl < 63 ? nl : 63), text);
+        mtrl_traj_add_tool_call(t, turn, name, text, (uint32_t)strlen(text), res.obs, (uint32_t)res.obs_len,
+                                res.latency_s, res.tool_error ? 1 : 0, res.tool_error ? "tool error" : NULL);
+        mtrl_traj_add_turn_reward(t, res.reward);
+        if (res.done) {
+            finish_(s, MTRL_EP_COMPLETE, res.reward, NULL);
+            return 0;
+        }
+        // The TOOL_CLOSE the model sampled, then the observation (cut to the budget).
+        long room = (long)p->max_tokens - (long)t->n_tokens - 2;
+        if (room < 1) {
+            finish_(s, MTRL_EP_TRUNCATED, 0, "token budget spent by a tool observation");
+            return 0;
+        }
+        size_t n = res.obs_len < (size_t)room ? res.obs_len : (size_t)room;
+        buf[0] = (uint32_t)tok;
+        buf[1] = MTRL_TOK_RESULT_OPEN;
+        mtrl_tok_encode(res.obs, n, buf + 2);
+        buf[n + 2] = MTRL_TOK_RESULT_CLOSE;
+        for (size_t i = 1; i < n + 3; i++) mtrl_traj_append(t, buf[i], 0.0f, m->version, MTRL_TOK_TOOL, NULL);
+        mtrl_model_prefill(m, &s->st, buf, (int)n + 3, s->logits);
+        s->tool_open = -1;
+        s->turn_start = t->n_tokens;
+        return 0;
+    }
+    if ((int)t->n_tokens >= p->max_tokens) {
+        finish_(s, MTRL_EP_TRUNCATED, 0, "token budget reached");
+        return 0;
+    }
+    if ((int)(t->n_tokens - s->turn_start) >= p->max_turn_tokens) {
+        finish_(s, MTRL_EP_TRUNCATED, 0, "turn token limit reached");
+        return 0;
+    }
+    return 1;
+}
+
+// ---- the batched engine --------------------------------------------------------------------------------
+
+static void start_groups_(mtrl_rollout *r, const mtrl_rollout_events *ev) {
+    int G = r->p.group_size;
+    for (int g0 = 0; g0 + G <= r->n && !r->stop_new; g0 += G) {
+        int idle = 1;
+        for (int i = g0; i < g0 + G; i++) idle &= !r->slots[i].active;
+        if (!idle) continue;
+        uint64_t gi = r->next_group++;
+        uint64_t task_seed = mtrl_rng_u64(r->p.seed, mtrl_rng_stream("task", r->p.actor_id, r->p.incarnation), gi);
+        uint64_t group_id = ((uint64_t)r->p.actor_id << 48) | ((uint64_t)(r->p.incarnation & 0xffff) << 32) | (gi & 0xffffffff);
+        for (int i = g0; i < g0 + G; i++) {
+            uint64_t eid = ((uint64_t)r->p.actor_id << 48) | ((uint64_t)(r->p.incarnation & 0xffff) << 32) |
+                           (r->next_episode++ & 0xffffffff);
+            slot *s = &r->slots[i];
+            int live = start_(&r->p, r->m, s, task_seed, eid, group_id, r->ptok);
+            if (ev && ev->begin) ev->begin(ev->user, &s->traj);
+            if (!live && ev && ev->end) ev->end(ev->user, &s->traj);
+        }
+    }
+}
+
+int mtrl_rollout_step(mtrl_rollout *r, const mtrl_rollout_events *ev) {
+    start_groups_(r, ev);
+    int nd = 0;
+    for (int i = 0; i < r->n; i++) {
+        slot *s = &r->slots[i];
+        if (!s->active) continue;
+        if (advance_(&r->p, r->m, s, r->ptok)) {
+            r->dstates[nd] = &s->st;
+            r->dtokens[nd] = s->traj.ids[s->traj.n_tokens - 1];
+            r->dslot[nd] = i;
+            nd++;
+        } else if (!s->active && ev && ev->end) {
+            ev->end(ev->user, &s->traj);
+        }
+    }
+    if (nd > 0) {
+        mtrl_model_decode(r->m, r->dstates, nd, r->dtokens, r->dlogits, NULL);
+        int V = r->m->dims.V;
+        for (int j = 0; j < nd; j++) memcpy(r->slots[r->dslot[j]].logits, r->dlogits + (size_t)j * V, sizeof(real) * V);
+    }
+    int live = 0;
+    for (int i = 0; i < r->n; i++) live += r->slots[i].active;
+    return live;
+}
+
+mtrl_status mtrl_rollout_run_one(const mtrl_rollout_params *p, mtrl_model *m, mtrl_env *env, uint64_t task_seed,
+                                 uint64_t episode_id, uint64_t group_id, mtrl_traj *out, mtrl_error *err) {
+    (void)err;
+    slot s;
+    memset(&s, 0, sizeof s);
+    s.env = env;
+    mtrl_decode_state_init(&s.st, m, p->max_tokens);
+    mtrl_traj_init(&s.traj);
+    s.logits = xcalloc((size_t)m->dims.V, sizeof(real));
+    uint32_t *buf = xcalloc((size_t)p->max_tokens + 2, sizeof(uint32_t));
+    if (start_(p, m, &s, task_seed, episode_id, group_id, buf)) {
+        while (s.active) {
+            if (advance_(p, m, &s, buf)) {
+                mtrl_decode_state *one[1] = {&s.st};
+                uint32_t last = s.traj.ids[s.traj.n_tokens - 1];
+                mtrl_model_decode(m, one, 1, &last, s.logits, NULL);
+            }
+        }
+    }
+    mtrl_traj_swap(out, &s.traj);
+    mtrl_traj_free(&s.traj);
+    mtrl_decode_state_free(&s.st);
+    free(s.logits);
+    free(buf);
+    return MTRL_OK;
+}

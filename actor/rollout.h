@@ -1,0 +1,82 @@
+// rollout.h: tool-use episodes on the backbone's decode form, many at once.
+//
+// An episode reads (common/tokenizer.h):
+//     BOS prompt | model: text TOOL_OPEN call TOOL_CLOSE | RESULT_OPEN observation RESULT_CLOSE | ... | model: answer EOS
+// Prompt and observation tokens are fed through the chunked form (prefill) and never trained
+// on (kinds PROMPT and TOOL); model tokens are sampled from the logits with temperature and
+// top-p, each with its behaviour log-prob and the weight version that produced it (kind MODEL).
+// The text between TOOL_OPEN and TOOL_CLOSE goes to env.step as a TOOL action; the text since
+// the last observation goes as the ANSWER when the model emits EOS. An episode ends when the
+// env says done (COMPLETE), or as TRUNCATED when the token budget or the per-turn limit runs out
+// (no reward), or as ABORTED when the env fails (crash, timeout, error: the reason is kept).
+//
+// Episodes come in groups of G (same task seed, independent sampling streams) for group-
+// relative advantages. Every random choice is a pure function of counters: the task seed of
+// group g is mtrl_rng_u64(run seed, stream("task", actor, incarnation), g) and the sample for
+// token t of episode e uses mtrl_rng_uniform(run seed, stream("sample", e, 0), t), so replay
+// re-executes an episode exactly (mtrl_rollout_run_one with the same weights and env).
+//
+// mtrl_rollout_step advances every in-flight episode by one token with one batched decode call;
+// finished episodes are handed to the caller, and free slots start new groups until
+// mtrl_rollout_stop_new is called.
+#ifndef MTRL_ACTOR_ROLLOUT_H
+#define MTRL_ACTOR_ROLLOUT_H
+
+#include <stdint.h>
+
+#include "common/config.h"
+#include "common/model/model.h"
+#include "common/status.h"
+#include "common/traj.h"
+#include "env/env_host.h"
+
+typedef struct mtrl_rollout mtrl_rollout;
+
+typedef struct mtrl_rollout_params {
+    uint64_t seed;           // [run] seed
+    uint32_t actor_id, incarnation;
+    int slots;               // [actor] episodes_in_flight (rounded up to a multiple of group_size)
+    int group_size;          // [algo] group_size
+    int max_tokens;          // [actor] max_tokens
+    int max_turn_tokens;     // [actor] max_turn_tokens
+    double temperature, top_p;
+    int record_routing;      // [actor] routing_replay
+} mtrl_rollout_params;
+
+void mtrl_rollout_params_from_config(mtrl_rollout_params *p, const mtrl_config *cfg, uint32_t actor_id,
+                                     uint32_t incarnation);
+
+// Opens `slots` env instances (config [env]) and decode states. The model is borrowed and
+// may have its weights replaced between steps (the version is read per token).
+mtrl_status mtrl_rollout_init(mtrl_rollout **out, const mtrl_rollout_params *p, const mtrl_config *cfg, mtrl_model *m,
+                              mtrl_error *err);
+void mtrl_rollout_free(mtrl_rollout *r);
+
+// Callbacks. begin: an episode started (its prompt is in the trajectory). end: it finished;
+// the trajectory is the callee's to keep (swap it out) until the callback returns.
+typedef struct mtrl_rollout_events {
+    void *user;
+    void (*begin)(void *user, mtrl_traj *t);
+    void (*end)(void *user, mtrl_traj *t);
+} mtrl_rollout_events;
+
+// One generation step for every in-flight episode. Returns the number of episodes in flight
+// after the step (0 when stopped and drained).
+int mtrl_rollout_step(mtrl_rollout *r, const mtrl_rollout_events *ev);
+
+// No new groups start after this; in-flight episodes run to their end.
+void mtrl_rollout_stop_new(mtrl_rollout *r);
+
+// The in-flight trajectory of slot i (NULL when the slot is idle), for streaming chunks.
+mtrl_traj *mtrl_rollout_slot(mtrl_rollout *r, int i);
+int mtrl_rollout_slot_count(const mtrl_rollout *r);
+
+// Opens the env of an experiment's [env] section (built-in or plug-in, isolated or not).
+mtrl_status mtrl_rollout_open_env(const mtrl_config *cfg, mtrl_env **out, mtrl_error *err);
+
+// Runs one episode alone (replay --reexec): the task seed, episode id and sampling stream of a
+// recorded episode, on the given model and env. The result is written to out.
+mtrl_status mtrl_rollout_run_one(const mtrl_rollout_params *p, mtrl_model *m, mtrl_env *env, uint64_t task_seed,
+                                 uint64_t episode_id, uint64_t group_id, mtrl_traj *out, mtrl_error *err);
+
+#endif
