@@ -122,6 +122,7 @@ static _Noreturn void child_exec_(const spawn_plan *p) {
     int dn = open("/dev/null", O_RDONLY | O_CLOEXEC);
     if (dn > 0) dup2(dn, 0);
     else if (dn == 0) fcntl(0, F_SETFD, 0);
+    if (p->sock == 2 && dn >= 0) dup2(dn, 2); // stderr was our socket (the host had closed fd 2)
     dup2(2, 1);
     if (syscall(SYS_close_range, ENV_CHILD_FD + 1, ~0u, 0) != 0)
         for (long fd = ENV_CHILD_FD + 1; fd < p->max_fd; fd++) close((int)fd);
@@ -306,6 +307,16 @@ static mtrl_status child_start_(mtrl_env *e, mtrl_error *err) {
     if (e->o.nofile_limit > 0) {
         p.set_nofile = 1;
         p.nofile.rlim_cur = p.nofile.rlim_max = (rlim_t)e->o.nofile_limit;
+    }
+    // An unprivileged process cannot raise a hard limit: ask for at most the current one, so
+    // setrlimit in the child cannot fail and leave the soft limit unset.
+    struct { int on, res; struct rlimit *want; } lims[] = {
+        {p.set_as, RLIMIT_AS, &p.as}, {p.set_cpu, RLIMIT_CPU, &p.cpu}, {p.set_nofile, RLIMIT_NOFILE, &p.nofile}};
+    for (size_t i = 0; i < sizeof lims / sizeof lims[0]; i++) {
+        struct rlimit cur;
+        if (!lims[i].on || getrlimit(lims[i].res, &cur) != 0 || cur.rlim_max == RLIM_INFINITY) continue;
+        if (lims[i].want->rlim_max > cur.rlim_max) lims[i].want->rlim_max = cur.rlim_max;
+        if (lims[i].want->rlim_cur > lims[i].want->rlim_max) lims[i].want->rlim_cur = lims[i].want->rlim_max;
     }
     sigemptyset(&p.empty);
     p.max_fd = sysconf(_SC_OPEN_MAX);
@@ -515,6 +526,10 @@ mtrl_status mtrl_env_step(mtrl_env *e, uint32_t kind, const char *action, size_t
     if (!action && len) return mtrl_error_set(err, MTRL_ERR_USAGE, "env '%s': NULL action with a length", e->name);
     double t0 = mtrl_time_mono();
     if (e->o.isolate) {
+        if ((uint64_t)len > ENV_WIRE_MAX_REQUEST)
+            return abort_(e, mtrl_error_set(err, MTRL_ERR_LIMIT,
+                                            "env '%s': action of %zu bytes is over the %llu-byte request cap", e->name,
+                                            len, (unsigned long long)ENV_WIRE_MAX_REQUEST));
         env_wire_rep rep;
         mtrl_status st = call_(e, ENV_OP_STEP, kind, 0, action, len, e->o.call_timeout_ms, "step", &rep, err);
         if (st != MTRL_OK) return abort_(e, st);

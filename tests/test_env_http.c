@@ -104,6 +104,10 @@ static void serve_conn(int fd) {
         wait_client_gone(fd);
     } else if (!strcmp(path, "/to-file")) {
         respond(fd, 302, "Location: file:///etc/passwd\r\n", "");
+    } else if (!strcmp(path, "/to-mapped")) {
+        char loc[128];
+        snprintf(loc, sizeof loc, "Location: http://[::ffff:127.0.0.1]:%d/facts/1\r\n", srv_port);
+        respond(fd, 302, loc, "");
     } else if (!strcmp(path, "/loop")) {
         respond(fd, 302, "Location: /loop\r\n", "");
     } else {
@@ -230,6 +234,19 @@ static void test_fetch(void) {
     TEST_CONTAINS(r.error, "refused: 127.0.0.1 is a loopback address (set allow_loopback=1 to allow it)");
     printf("refused: %s\n", r.error);
     env_http_result_free(&r);
+    // Other spellings of loopback are refused too: the check runs on the resolved address.
+    const char *spellings[][2] = {{"http://0x7f.1:%d/facts/1", "127.0.0.1 is a loopback address"},
+                                  {"http://2130706433:%d/facts/1", "127.0.0.1 is a loopback address"},
+                                  {"http://localhost:%d/facts/1", "is a loopback address"},
+                                  {"http://[::1]:%d/facts/1", "::1 is a loopback address"},
+                                  {"http://[::ffff:127.0.0.1]:%d/facts/1", "is a v4-mapped IPv6 address"}};
+    for (size_t i = 0; i < sizeof spellings / sizeof spellings[0]; i++) {
+        snprintf(url, sizeof url, spellings[i][0], srv_port);
+        TEST_EQ_INT(env_http_fetch(&o, url, &r), -1);
+        TEST_CHECKF(r.refused == 1, "%s: %s", url, r.error);
+        TEST_CONTAINS(r.error, spellings[i][1]);
+        env_http_result_free(&r);
+    }
     sleep_ms(100);
     TEST_EQ_INT(atomic_load(&srv_conns), before);
 
@@ -295,7 +312,7 @@ static void run_env(int isolate) {
     mtrl_env_opts_default(&eo);
     eo.isolate = isolate;
     char config[512];
-    snprintf(config, sizeof config, "base_url=http://127.0.0.1:%d/;allow_loopback=1;timeout_ms=2000;max_bytes=1024",
+    snprintf(config, sizeof config, "base_url=http://127.0.0.1:%d/;allow_loopback=1;timeout_ms=2000;max_bytes=1024;max_tool_calls=10",
              srv_port);
     mtrl_env *e = NULL;
     mtrl_error err = {0};
@@ -331,8 +348,13 @@ static void run_env(int isolate) {
         TEST_CONTAINS(r.obs, "error: get needs a path that starts with '/'");
         TEST_CHECK(mtrl_env_step(e, MTRL_ENV_ACTION_TOOL, "get(/big)", 9, &r, &err) == MTRL_OK);
         TEST_CONTAINS(r.obs, "error: response larger than 1024 bytes; aborted at the cap");
+        // A redirect to a refused address: checked again at connect, reported to the model.
+        TEST_CHECK(mtrl_env_step(e, MTRL_ENV_ACTION_TOOL, "get(/to-mapped)", 15, &r, &err) == MTRL_OK);
+        TEST_CONTAINS(r.obs, "error: refused: ::ffff:127.0.0.1 is a v4-mapped IPv6 address");
+        TEST_EQ_INT(r.tool_error, 1);
         TEST_CHECK(mtrl_env_step(e, MTRL_ENV_ACTION_TOOL, "post(/x)", 8, &r, &err) == MTRL_OK);
         TEST_CONTAINS(r.obs, "error: unknown tool 'post'; tools: get");
+        if (seed == 0 && !isolate) printf("http observation: %.*s\n", (int)r.obs_len, r.obs);
         TEST_EQ_INT(r.done, 0);
         if (seed % 2) {
             TEST_CHECK(mtrl_env_step(e, MTRL_ENV_ACTION_ANSWER, ans, strlen(ans), &r, &err) == MTRL_OK);

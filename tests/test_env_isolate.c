@@ -335,6 +335,11 @@ static void test_child_setup(void) {
 int main(void) {
     const char *b = getenv("MTRL_BUILD");
     snprintf(libdir, sizeof libdir, "%s/lib", b ? b : ".");
+#if defined(__SANITIZE_ADDRESS__)
+    // AddressSanitizer turns SIGSEGV into exit status 1; let the env children die of the real
+    // signal, as they do in a normal build (children read ASAN_OPTIONS when they start).
+    setenv("ASAN_OPTIONS", "handle_segv=0", 1);
+#endif
     test_crash("mtrl_env_bad_segv", "env crashed: signal 11 (Segmentation fault) during step");
     test_crash("mtrl_env_bad_abort", "env crashed: signal 6 (Aborted) during step");
     test_hang();
