@@ -1,0 +1,254 @@
+// train.c: the learner's optimizer steps (see train.h).
+#include "learner/train.h"
+
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "common/check.h"
+#include "common/timeutil.h"
+#include "common/tokenizer.h"
+
+mtrl_status mtrl_train_algo_config(const mtrl_config *cfg, mtrl_algo_config *a, mtrl_error *err) {
+    *a = mtrl_algo_config_default();
+    a->advantage = (mtrl_algo_advantage)mtrl_algo_advantage_parse(cfg->algo.advantage);
+    a->loss = (mtrl_algo_loss)mtrl_algo_loss_parse(cfg->algo.loss);
+    a->correction = (mtrl_algo_correction)mtrl_algo_correction_parse(cfg->algo.correction);
+    a->aggregation = (mtrl_algo_agg)mtrl_algo_agg_parse(cfg->algo.aggregation);
+    a->eps_low = cfg->algo.eps_low;
+    a->eps_high = cfg->algo.eps_high;
+    a->dual_clip = cfg->algo.dual_clip;
+    a->tis_cap = cfg->algo.tis_cap;
+    a->seq_mask_low = cfg->algo.seq_mask_low;
+    a->seq_mask_high = cfg->algo.seq_mask_high;
+    a->agg_constant = (double)cfg->algo.agg_constant;
+    a->entropy_coef = cfg->algo.entropy_coef;
+    char msg[512];
+    if (mtrl_algo_config_check(a, msg, sizeof msg) != MTRL_OK)
+        return mtrl_error_set(err, MTRL_ERR_USAGE, "%s: [algo]: %s", cfg->path, msg);
+    return MTRL_OK;
+}
+
+// The batch of sequences the model sees: each episode's token ids.
+typedef struct seq_batch {
+    mtrl_batch b;
+    const uint32_t **toks;
+    int *len;
+    size_t total;
+} seq_batch;
+
+static void seq_batch_init_(seq_batch *s, mtrl_traj *const *eps, int n) {
+    s->toks = xmalloc(sizeof(*s->toks) * (size_t)(n ? n : 1));
+    s->len = xmalloc(sizeof(int) * (size_t)(n ? n : 1));
+    s->total = 0;
+    for (int i = 0; i < n; i++) {
+        s->toks[i] = eps[i]->ids;
+        s->len[i] = (int)eps[i]->n_tokens;
+        s->total += eps[i]->n_tokens;
+    }
+    s->b = (mtrl_batch){n, s->toks, s->len, NULL};
+}
+
+static void seq_batch_free_(seq_batch *s) {
+    free(s->toks);
+    free(s->len);
+}
+
+static int segment_of_(const mtrl_config *cfg) { return (int)cfg->model.segment; }
+
+void mtrl_train_rl_step(mtrl_model *m, const mtrl_config *cfg, const mtrl_algo_config *a, mtrl_traj *const *eps, int n,
+                        mtrl_step_stats *st) {
+    double t_start = mtrl_time_mono();
+    memset(st, 0, sizeof *st);
+    seq_batch sb;
+    seq_batch_init_(&sb, eps, n);
+    size_t T = sb.total;
+    real *logp_pos = xcalloc(T + 1, sizeof(real)), *ent_pos = xcalloc(T + 1, sizeof(real));
+    mtrl_model_forward(m, &sb.b, segment_of_(cfg), logp_pos, ent_pos, NULL);
+    // Per-token arrays (token j predicted at position j - 1).
+    float *logp = xcalloc(T + 1, sizeof(float)), *behav = xcalloc(T + 1, sizeof(float));
+    float *ent = xcalloc(T + 1, sizeof(float)), *adv = xcalloc(T + 1, sizeof(float));
+    float *dlogp = xcalloc(T + 1, sizeof(float)), *dent = xcalloc(T + 1, sizeof(float));
+    uint8_t *mask = xcalloc(T + 1, 1);
+    size_t *off = xmalloc(sizeof(size_t) * (size_t)(n + 1));
+    double *rew = xmalloc(sizeof(double) * (size_t)(n ? n : 1)), *adv_ep = xmalloc(sizeof(double) * (size_t)(n ? n : 1));
+    size_t o = 0;
+    double stale_sum = 0;
+    for (int i = 0; i < n; i++) {
+        const mtrl_traj *t = eps[i];
+        off[i] = o;
+        for (uint64_t j = 0; j < t->n_tokens; j++) {
+            if (j > 0) {
+                logp[o + j] = (float)logp_pos[o + j - 1];
+                ent[o + j] = (float)ent_pos[o + j - 1];
+            }
+            behav[o + j] = t->logprob[j];
+            mask[o + j] = j > 0 && t->kind[j] == MTRL_TOK_MODEL;
+            if (mask[o + j]) {
+                double s = (double)m->version - (double)t->version[j];
+                stale_sum += s;
+                if (s > st->staleness_max) st->staleness_max = s;
+            }
+        }
+        o += t->n_tokens;
+        rew[i] = t->reward;
+        st->reward_mean += t->reward;
+        st->success_rate += t->reward > 0;
+        st->tool_calls_mean += t->n_tools;
+        st->episode_len_mean += (double)t->n_tokens;
+        st->model_tokens += (long)t->n_model;
+    }
+    off[n] = o;
+    // Group-relative advantages: groups are runs of equal group_id (in any order of arrival).
+    int *done = xcalloc((size_t)(n ? n : 1), sizeof(int));
+    int *idx = xmalloc(sizeof(int) * (size_t)(n ? n : 1));
+    double *gr = xmalloc(sizeof(double) * (size_t)(n ? n : 1)), *ga = xmalloc(sizeof(double) * (size_t)(n ? n : 1));
+    for (int i = 0; i < n; i++) {
+        if (done[i]) continue;
+        int g = 0;
+        for (int j = i; j < n; j++)
+            if (!done[j] && eps[j]->group_id == eps[i]->group_id) {
+                done[j] = 1;
+                idx[g] = j;
+                gr[g++] = rew[j];
+            }
+        mtrl_algo_advantages(a->advantage, gr, (size_t)g, ga);
+        for (int k = 0; k < g; k++) adv_ep[idx[k]] = ga[k];
+        st->groups++;
+    }
+    mtrl_algo_advantages_broadcast(adv_ep, off, (size_t)n, adv);
+    // π_old = the learner's own log-prob now (a detached copy).
+    float *logp_old = xmalloc(sizeof(float) * (T + 1));
+    memcpy(logp_old, logp, sizeof(float) * (T + 1));
+    mtrl_algo_batch ab = {(size_t)n, off, logp, logp_old, behav, adv, mask, ent, 0, 0};
+    mtrl_algo_stats as;
+    double loss = 0;
+    mtrl_status s = mtrl_algo_policy_loss(a, &ab, &loss, dlogp, dent, &as);
+    MTRL_CHECKF(s == MTRL_OK, "policy loss refused a well-formed batch");
+    // Back to per-position gradients.
+    real *dlp = xcalloc(T + 1, sizeof(real)), *dep = xcalloc(T + 1, sizeof(real));
+    for (int i = 0; i < n; i++)
+        for (size_t j = off[i] + 1; j < off[i + 1]; j++) {
+            dlp[j - 1] = dlogp[j];
+            dep[j - 1] = dent[j];
+        }
+    mtrl_model_zero_grads(m);
+    mtrl_model_backward(m, &sb.b, dlp, a->entropy_coef != 0 ? dep : NULL);
+    st->grad_norm = mtrl_model_optimizer_step(m, (real)cfg->learner.lr, (real)cfg->learner.beta1, (real)cfg->learner.beta2,
+                                              (real)cfg->learner.eps, (real)cfg->learner.weight_decay,
+                                              (real)cfg->learner.grad_clip);
+    if (cfg->learner.qb) mtrl_model_qb_apply(m);
+    m->version++;
+    st->episodes = n;
+    st->tokens = (long)T;
+    st->loss = loss;
+    st->pg_loss = as.pg_loss;
+    st->entropy_mean = as.entropy_mean;
+    st->clip_low = as.clip_low_frac;
+    st->clip_high = as.clip_high_frac;
+    st->clip_dual = as.dual_clip_frac;
+    st->ratio_mean = as.ratio_mean;
+    st->masked_frac = as.masked_frac;
+    st->kl_k1 = as.kl_k1;
+    st->kl_k3 = as.kl_k3;
+    st->logp_absdiff = as.logp_absdiff_mean;
+    if (n) {
+        st->reward_mean /= n;
+        st->success_rate /= n;
+        st->tool_calls_mean /= n;
+        st->episode_len_mean /= n;
+    }
+    st->staleness_mean = as.n_tokens ? stale_sum / (double)as.n_tokens : 0;
+    st->seconds = mtrl_time_mono() - t_start;
+    free(logp_pos); free(ent_pos); free(logp); free(behav); free(ent); free(adv); free(dlogp); free(dent);
+    free(mask); free(off); free(rew); free(adv_ep); free(done); free(idx); free(gr); free(ga); free(logp_old);
+    free(dlp); free(dep);
+    seq_batch_free_(&sb);
+}
+
+double mtrl_train_sft_step(mtrl_model *m, const mtrl_config *cfg, mtrl_traj *const *eps, int n, double lr) {
+    seq_batch sb;
+    seq_batch_init_(&sb, eps, n);
+    size_t T = sb.total;
+    real *logp = xcalloc(T + 1, sizeof(real)), *dlp = xcalloc(T + 1, sizeof(real));
+    mtrl_model_forward(m, &sb.b, segment_of_(cfg), logp, NULL, NULL);
+    size_t count = 0;
+    for (int i = 0; i < n; i++)
+        for (uint64_t j = 1; j < eps[i]->n_tokens; j++) count += eps[i]->kind[j] == MTRL_TOK_MODEL;
+    double loss = 0;
+    size_t o = 0;
+    for (int i = 0; i < n; i++) {
+        for (uint64_t j = 1; j < eps[i]->n_tokens; j++)
+            if (eps[i]->kind[j] == MTRL_TOK_MODEL) {
+                loss -= logp[o + j - 1];
+                dlp[o + j - 1] = (real)(-1.0 / (double)(count ? count : 1));
+            }
+        o += eps[i]->n_tokens;
+    }
+    mtrl_model_zero_grads(m);
+    mtrl_model_backward(m, &sb.b, dlp, NULL);
+    mtrl_model_optimizer_step(m, (real)lr, (real)cfg->learner.beta1, (real)cfg->learner.beta2, (real)cfg->learner.eps,
+                              (real)cfg->learner.weight_decay, (real)cfg->learner.grad_clip);
+    if (cfg->learner.qb) mtrl_model_qb_apply(m);
+    m->version++;
+    free(logp);
+    free(dlp);
+    seq_batch_free_(&sb);
+    return count ? loss / (double)count : 0;
+}
+
+static void append_bytes_(mtrl_traj *t, const char *b, size_t n, uint8_t kind) {
+    for (size_t i = 0; i < n; i++) mtrl_traj_append(t, (unsigned char)b[i], 0.0f, 0, kind, NULL);
+}
+
+mtrl_status mtrl_train_demo_episode(mtrl_env *env, uint64_t seed, int max_tokens, mtrl_traj *out, mtrl_error *err) {
+    mtrl_traj_reset(out);
+    mtrl_env_result res;
+    mtrl_status s = mtrl_env_reset(env, seed, &res, err);
+    if (s != MTRL_OK) return s;
+    out->task_seed = seed;
+    mtrl_traj_set_env(out, mtrl_env_name(env));
+    mtrl_traj_append(out, MTRL_TOK_BOS, 0.0f, 0, MTRL_TOK_PROMPT, NULL);
+    append_bytes_(out, res.obs, res.obs_len, MTRL_TOK_PROMPT);
+    mtrl_env_demo_out demo;
+    if (!mtrl_env_has_demo(env))
+        return mtrl_error_set(err, MTRL_ERR_PLUGIN, "env %s has no demo(); [warmup] steps needs one", mtrl_env_name(env));
+    s = mtrl_env_demo(env, &demo, err);
+    if (s != MTRL_OK) return s;
+    // Copy the actions: the demo's memory is valid only until the next call on the env.
+    size_t na = demo.count;
+    mtrl_env_action *acts = xcalloc(na ? na : 1, sizeof *acts);
+    for (size_t i = 0; i < na; i++) {
+        acts[i].kind = demo.actions[i].kind;
+        acts[i].len = demo.actions[i].len;
+        char *d = xmalloc(acts[i].len + 1);
+        memcpy(d, demo.actions[i].data, acts[i].len);
+        acts[i].data = d;
+    }
+    for (size_t i = 0; i < na && s == MTRL_OK; i++) {
+        const mtrl_env_action *a = &acts[i];
+        if (a->kind == MTRL_ENV_ACTION_TOOL) {
+            mtrl_traj_append(out, MTRL_TOK_TOOL_OPEN, 0.0f, 0, MTRL_TOK_MODEL, NULL);
+            append_bytes_(out, a->data, a->len, MTRL_TOK_MODEL);
+            mtrl_traj_append(out, MTRL_TOK_TOOL_CLOSE, 0.0f, 0, MTRL_TOK_MODEL, NULL);
+            s = mtrl_env_step(env, a->kind, a->data, a->len, &res, err);
+            if (s != MTRL_OK) break;
+            mtrl_traj_append(out, MTRL_TOK_RESULT_OPEN, 0.0f, 0, MTRL_TOK_TOOL, NULL);
+            append_bytes_(out, res.obs, res.obs_len, MTRL_TOK_TOOL);
+            mtrl_traj_append(out, MTRL_TOK_RESULT_CLOSE, 0.0f, 0, MTRL_TOK_TOOL, NULL);
+        } else {
+            append_bytes_(out, a->data, a->len, MTRL_TOK_MODEL);
+            mtrl_traj_append(out, MTRL_TOK_EOS, 0.0f, 0, MTRL_TOK_MODEL, NULL);
+            s = mtrl_env_step(env, a->kind, a->data, a->len, &res, err);
+            if (s == MTRL_OK) out->reward = res.reward;
+        }
+    }
+    for (size_t i = 0; i < na; i++) free((void *)acts[i].data);
+    free(acts);
+    if (s != MTRL_OK) return s;
+    if ((int)out->n_tokens > max_tokens)
+        return mtrl_error_set(err, MTRL_ERR_LIMIT, "demo episode of %llu tokens exceeds [actor] max_tokens = %d",
+                              (unsigned long long)out->n_tokens, max_tokens);
+    out->status = MTRL_EP_COMPLETE;
+    return MTRL_OK;
+}

@@ -1,0 +1,54 @@
+// train.h: one optimizer step of the learner, RL or supervised, on committed trajectories.
+//
+// RL step (architecture §3): the episodes of complete groups → group-relative advantages from
+// their rewards → learner log-probs and entropies of every token (forward, segmented when
+// [model] segment > 0) → the policy loss of [algo] (learner/algo.h) over MODEL tokens, with
+// the behaviour log-probs of the actor for importance correction → backward → AdamW → QB β
+// from this batch's routing (after the step) → weight version + 1.
+//
+// Token j of an episode is predicted at position j − 1, so the model's per-position arrays are
+// shifted by one against the trajectory's per-token arrays; the first token (BOS) has none.
+// π_old of the ratio is the learner's own log-prob at the start of the step (one optimizer step
+// per batch), so the PPO ratio is 1 at the gradient point and the correction weights compare the
+// learner with the behaviour policy (decoupled PPO, rl-systems.md §3).
+#ifndef MTRL_LEARNER_TRAIN_H
+#define MTRL_LEARNER_TRAIN_H
+
+#include "common/config.h"
+#include "common/model/model.h"
+#include "common/traj.h"
+#include "env/env_host.h"
+#include "learner/algo.h"
+
+typedef struct mtrl_step_stats {
+    int episodes, groups;
+    long tokens, model_tokens;
+    double reward_mean, success_rate;
+    double loss, pg_loss, entropy_mean;
+    double clip_low, clip_high, clip_dual, ratio_mean, masked_frac;
+    double kl_k1, kl_k3, logp_absdiff;       // learner vs behaviour, over model tokens
+    double grad_norm;
+    double staleness_mean, staleness_max;    // versions between a token's and the learner's
+    double tool_calls_mean, episode_len_mean;
+    double seconds;
+} mtrl_step_stats;
+
+// [algo] of a config as the algorithm's own struct; MTRL_ERR_USAGE with a message when the
+// combination is invalid.
+mtrl_status mtrl_train_algo_config(const mtrl_config *cfg, mtrl_algo_config *a, mtrl_error *err);
+
+// One RL step over n finished episodes (COMPLETE or TRUNCATED; grouped by group_id in any
+// order). Fills st. The model's version is incremented.
+void mtrl_train_rl_step(mtrl_model *m, const mtrl_config *cfg, const mtrl_algo_config *a, mtrl_traj *const *eps, int n,
+                        mtrl_step_stats *st);
+
+// One supervised step (the [warmup] stage): mean negative log-likelihood of the MODEL tokens.
+// Returns the loss before the step. The version is incremented.
+double mtrl_train_sft_step(mtrl_model *m, const mtrl_config *cfg, mtrl_traj *const *eps, int n, double lr);
+
+// A demonstration episode from env.demo(): the prompt, then each action as the model would
+// have written it (tool calls between TOOL_OPEN/TOOL_CLOSE with their observations, the answer
+// and EOS), within max_tokens. MTRL_ERR_PLUGIN when the env has no demo.
+mtrl_status mtrl_train_demo_episode(mtrl_env *env, uint64_t seed, int max_tokens, mtrl_traj *out, mtrl_error *err);
+
+#endif
