@@ -315,9 +315,11 @@ void mtrl_traj_slice_encode(mtrl_wbuf *out, const mtrl_traj_slice *s) {
     mtrl_wbuf_u64(out, s->offset);
     mtrl_wbuf_u32(out, s->count);
     mtrl_wbuf_u32(out, t->routing_width);
-    mtrl_wbuf_bytes(out, t->ids + a, (size_t)n * 4);
-    mtrl_wbuf_bytes(out, t->logprob + a, (size_t)n * 4);
-    mtrl_wbuf_bytes(out, t->kind + a, (size_t)n);
+    if (n) { // the arrays are NULL in an episode without tokens
+        mtrl_wbuf_bytes(out, t->ids + a, (size_t)n * 4);
+        mtrl_wbuf_bytes(out, t->logprob + a, (size_t)n * 4);
+        mtrl_wbuf_bytes(out, t->kind + a, (size_t)n);
+    }
     // Versions change rarely within an episode (once per weight refresh): run-length code them.
     size_t at_runs = out->len;
     mtrl_wbuf_u32(out, 0);
@@ -332,7 +334,7 @@ void mtrl_traj_slice_encode(mtrl_wbuf *out, const mtrl_traj_slice *s) {
     }
     mtrl_wbuf_put_u32_at(out, at_runs, runs);
     size_t rb = mtrl_traj_routing_row_bytes(t);
-    if (rb) mtrl_wbuf_bytes(out, t->routing + a * rb, (size_t)n * rb);
+    if (rb && n) mtrl_wbuf_bytes(out, t->routing + a * rb, (size_t)n * rb);
 }
 
 void mtrl_traj_summary_encode_with(mtrl_wbuf *out, const mtrl_traj *t, uint64_t total_tokens,

@@ -119,6 +119,7 @@ int mtrl_rbuf_need(mtrl_rbuf *r, uint64_t n, const char *field) {
 
 const uint8_t *mtrl_rbuf_take(mtrl_rbuf *r, uint64_t n, const char *field) {
     if (!mtrl_rbuf_need(r, n, field)) return NULL;
+    if (!r->p) return (const uint8_t *)""; // an empty input: nothing to point into
     const uint8_t *p = r->p + r->pos;
     r->pos += (size_t)n;
     return p;
