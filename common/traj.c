@@ -93,9 +93,8 @@ void mtrl_traj_free(mtrl_traj *t) {
 void mtrl_traj_reset(mtrl_traj *t) {
     summary_clear_(t);
     free(t->env);
-    // Keep the token arrays and their capacity; routing rows are sized by the routing shape,
-    // so drop them (a different shape may follow).
-    free(t->routing);
+    // Keep every array and its capacity: a learner that reuses trajectories then stops paying
+    // for first-touch page faults, which dominate streaming a fresh 1M-token episode.
     mtrl_traj saved = *t;
     mtrl_traj_init(t);
     t->ids = saved.ids;
@@ -103,6 +102,8 @@ void mtrl_traj_reset(mtrl_traj *t) {
     t->version = saved.version;
     t->kind = saved.kind;
     t->cap_tokens = saved.ids ? saved.cap_tokens : 0;
+    t->routing = saved.routing;
+    t->cap_routing = saved.cap_routing;
     t->tools = saved.tools;
     t->cap_tools = saved.cap_tools;
     t->turn_rewards = saved.turn_rewards;
@@ -132,12 +133,10 @@ void mtrl_traj_set_reason(mtrl_traj *t, const char *fmt, ...) {
 
 void mtrl_traj_set_routing(mtrl_traj *t, uint32_t width, int u16) {
     MTRL_CHECKF(t->n_tokens == 0, "routing shape set after %llu tokens", (unsigned long long)t->n_tokens);
-    free(t->routing);
-    t->routing = NULL;
     t->routing_width = width;
     // The flag means nothing without routing; clearing it keeps the encoding canonical.
     t->flags = (width && u16) ? MTRL_TRAJ_ROUTING_U16 : 0;
-    t->cap_routing = 0; // rows are allocated by mtrl_traj_reserve, as tokens arrive
+    // The routing buffer (cap_routing bytes) is kept; mtrl_traj_reserve grows it as tokens arrive.
 }
 
 uint32_t mtrl_traj_routing_id(const mtrl_traj *t, uint64_t i, uint32_t j) {
@@ -159,17 +158,20 @@ void mtrl_traj_reserve(mtrl_traj *t, uint64_t n) {
         t->kind = xrealloc(t->kind, (size_t)cap);
         t->cap_tokens = cap;
     }
-    // Routing rows grow on their own schedule: a reset keeps the token capacity of an earlier
-    // episode, and sizing rows by that capacity would let a small input of a wider routing
-    // shape allocate far more than it holds.
-    if (t->routing_width && n > t->cap_routing) {
-        uint64_t cap = t->cap_routing ? 2 * t->cap_routing : 256;
-        if (cap < n) cap = n;
-        if (cap > t->cap_tokens) cap = t->cap_tokens;
-        size_t rb = mtrl_traj_routing_row_bytes(t);
-        MTRL_CHECKF(cap <= SIZE_MAX / rb, "routing capacity %llu rows", (unsigned long long)cap);
-        t->routing = xrealloc(t->routing, (size_t)cap * rb);
-        t->cap_routing = cap;
+    // Routing bytes grow on their own schedule (at most doubling, or to what is needed): a reset
+    // keeps the token capacity of an earlier episode, and sizing the routing by that capacity
+    // would let a small input of a wider routing shape allocate far more than it holds.
+    size_t rb = mtrl_traj_routing_row_bytes(t);
+    if (rb) {
+        MTRL_CHECKF(n <= SIZE_MAX / rb, "routing of %llu rows", (unsigned long long)n);
+        uint64_t need = n * rb;
+        if (need > t->cap_routing) {
+            uint64_t cap = t->cap_routing ? 2 * t->cap_routing : 256 * (uint64_t)rb;
+            if (cap < need) cap = need;
+            if (cap > t->cap_tokens * rb) cap = t->cap_tokens * rb;
+            t->routing = xrealloc(t->routing, (size_t)cap);
+            t->cap_routing = cap;
+        }
     }
 }
 
@@ -367,6 +369,12 @@ void mtrl_traj_summary_encode(mtrl_wbuf *out, const mtrl_traj *t) {
 
 void mtrl_traj_encode(mtrl_wbuf *out, const mtrl_traj *t) {
     MTRL_CHECKF(t->n_tokens <= UINT32_MAX, "episode of %llu tokens", (unsigned long long)t->n_tokens);
+    // Reserve the slice's exact size up front: growing a buffer of hundreds of MB by doubling
+    // copies it several times into freshly faulted pages.
+    uint64_t runs = 0;
+    for (uint64_t i = 0; i < t->n_tokens; i++) runs += (i == 0 || t->version[i] != t->version[i - 1]);
+    mtrl_wbuf_reserve(out, 256 + (t->env ? strlen(t->env) : 0) + 28 + (size_t)t->n_tokens * (9 + mtrl_traj_routing_row_bytes(t)) +
+                               (size_t)runs * 8);
     prefix_(out, TAG_EPISODE, 0);
     mtrl_traj_header_encode(out, t);
     mtrl_traj_slice s = mtrl_traj_slice_of(t, 0, (uint32_t)t->n_tokens);

@@ -136,7 +136,7 @@ typedef struct mtrl_traj {
     uint32_t *version;       // (n_tokens) weight version that produced the token
     uint8_t *kind;           // (n_tokens) mtrl_tok_kind
     uint8_t *routing;        // (n_tokens, routing_width * id_bytes); NULL when width is 0
-    uint64_t cap_routing;    // routing rows allocated
+    uint64_t cap_routing;    // routing bytes allocated
     uint64_t n_model;        // tokens of kind MODEL
     uint32_t version_min;    // over MODEL tokens; 0/0 when there are none
     uint32_t version_max;
@@ -155,7 +155,7 @@ typedef struct mtrl_traj {
 
 void mtrl_traj_init(mtrl_traj *t);
 void mtrl_traj_free(mtrl_traj *t);  // NULL-safe; leaves t initialised and empty
-void mtrl_traj_reset(mtrl_traj *t); // empties t, keeps the token arrays' capacity
+void mtrl_traj_reset(mtrl_traj *t); // empties t, keeps the token and routing buffers for reuse
 void mtrl_traj_swap(mtrl_traj *a, mtrl_traj *b);
 
 void mtrl_traj_set_env(mtrl_traj *t, const char *env);

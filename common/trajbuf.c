@@ -33,6 +33,13 @@ uint8_t *mtrl_wbuf_grow(mtrl_wbuf *b, size_t n) {
     return p;
 }
 
+void mtrl_wbuf_reserve(mtrl_wbuf *b, size_t n) {
+    MTRL_CHECKF(n <= SIZE_MAX - b->len, "buffer size overflow");
+    if (b->len + n <= b->cap) return;
+    b->data = xrealloc(b->data, b->len + n);
+    b->cap = b->len + n;
+}
+
 void mtrl_wbuf_bytes(mtrl_wbuf *b, const void *p, size_t n) {
     if (n) memcpy(mtrl_wbuf_grow(b, n), p, n);
 }

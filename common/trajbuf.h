@@ -38,6 +38,8 @@ void mtrl_wbuf_free(mtrl_wbuf *b);            // NULL-safe; leaves an empty buff
 void mtrl_wbuf_reset(mtrl_wbuf *b);           // len = 0, keeps the allocation
 // Reserves n more bytes and returns a pointer to them (len grows by n); contents undefined.
 uint8_t *mtrl_wbuf_grow(mtrl_wbuf *b, size_t n);
+// Makes room for n more bytes without writing them (one allocation instead of doublings).
+void mtrl_wbuf_reserve(mtrl_wbuf *b, size_t n);
 void mtrl_wbuf_bytes(mtrl_wbuf *b, const void *p, size_t n);
 void mtrl_wbuf_u8(mtrl_wbuf *b, uint8_t v);
 void mtrl_wbuf_u16(mtrl_wbuf *b, uint16_t v);

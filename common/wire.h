@@ -295,6 +295,9 @@ size_t mtrl_wire_asm_abort_actor(mtrl_wire_asm *a, uint32_t actor_id, uint32_t i
 // Moves the oldest closed episode into *out (its previous contents are freed) and returns 1,
 // or returns 0 when none is waiting.
 int mtrl_wire_asm_pop(mtrl_wire_asm *a, mtrl_traj *out);
+// Hands a finished trajectory back (t is left empty): the next BEGIN reuses its token and
+// routing buffers instead of faulting in fresh memory. Up to 4 are kept; the rest are freed.
+void mtrl_wire_asm_recycle(mtrl_wire_asm *a, mtrl_traj *t);
 
 size_t mtrl_wire_asm_open_count(const mtrl_wire_asm *a, uint32_t actor_id, uint32_t incarnation);
 uint64_t mtrl_wire_asm_open_bytes(const mtrl_wire_asm *a); // payload bytes held by open episodes

@@ -14,6 +14,7 @@
 #include "common/timeutil.h"
 
 #define CLOSED_RING 1024 // recently closed episodes remembered, to tell late from unknown
+#define POOL_MAX 4       // recycled trajectories kept for reuse (see mtrl_wire_asm_recycle)
 
 typedef struct asm_key {
     uint32_t actor, inc;
@@ -45,6 +46,8 @@ struct mtrl_wire_asm {
     size_t n_actors, cap_actors;
     uint64_t open_bytes;
     mtrl_wire_stats stats;
+    mtrl_traj pool[POOL_MAX]; // emptied trajectories whose buffers the next BEGINs reuse
+    size_t n_pool;
 };
 
 mtrl_wire_asm *mtrl_wire_asm_new(const mtrl_wire_limits *lim) {
@@ -63,6 +66,7 @@ void mtrl_wire_asm_free(mtrl_wire_asm *a) {
     if (!a) return;
     for (size_t i = 0; i < a->n_open; i++) ep_free_(a->open[i]);
     for (size_t i = a->done_head; i < a->n_done; i++) mtrl_traj_free(&a->done[i]); // popped ones belong to callers
+    for (size_t i = 0; i < a->n_pool; i++) mtrl_traj_free(&a->pool[i]);
     free(a->open);
     free(a->done);
     free(a->actors);
@@ -129,6 +133,16 @@ int mtrl_wire_asm_pop(mtrl_wire_asm *a, mtrl_traj *out) {
     return 1;
 }
 
+void mtrl_wire_asm_recycle(mtrl_wire_asm *a, mtrl_traj *t) {
+    if (a->n_pool < POOL_MAX) {
+        mtrl_traj_reset(t); // keeps the token and routing buffers
+        a->pool[a->n_pool++] = *t;
+        mtrl_traj_init(t);
+    } else {
+        mtrl_traj_free(t);
+    }
+}
+
 static void count_close_(mtrl_wire_asm *a, mtrl_ep_status st) {
     if (st == MTRL_EP_REJECTED) a->stats.rejected++;
     else if (st == MTRL_EP_ABORTED) a->stats.aborted++;
@@ -140,7 +154,9 @@ static void close_at_(mtrl_wire_asm *a, size_t i) {
     asm_ep *e = a->open[i];
     a->open[i] = a->open[--a->n_open];
     a->open_bytes -= e->bytes;
-    if (e->t.end_wall == 0) e->t.end_wall = mtrl_time_wall();
+    // An episode the learner ends (aborted, rejected) ends now; the actor's own summary stands.
+    if (e->t.end_wall == 0 && (e->t.status == MTRL_EP_ABORTED || e->t.status == MTRL_EP_REJECTED))
+        e->t.end_wall = mtrl_time_wall();
     count_close_(a, e->t.status);
     remember_closed_(a, e->key);
     push_done_(a, &e->t);
@@ -250,7 +266,8 @@ static mtrl_status feed_begin_(mtrl_wire_asm *a, asm_key k, const void *payload,
         return MTRL_OK;
     }
     mtrl_traj t;
-    mtrl_traj_init(&t);
+    if (a->n_pool) t = a->pool[--a->n_pool]; // reuse a recycled trajectory's buffers
+    else mtrl_traj_init(&t);
     mtrl_error e2;
     char why[MTRL_ERROR_MSG_MAX + 64];
     mtrl_status st = mtrl_traj_header_decode(&t, payload, n, &a->lim.traj, &e2);

@@ -55,7 +55,7 @@ static void test_roundtrip(void) {
                  cases[c].width);
         check_roundtrip(&t, label);
     }
-    // Random shapes.
+    // Random shapes, reusing one trajectory (reset keeps buffers across routing shapes).
     for (int k = 0; k < 30; k++) {
         tg_traj(&t, &r, tg_below(&r, 700), tg_below(&r, 3) ? tg_below(&r, 24) : 0, (int)tg_below(&r, 2),
                 tg_below(&r, 6));

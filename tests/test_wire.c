@@ -227,6 +227,24 @@ static void test_malformed(void) {
     fix_crc(h, p, 12);
     expect_bad(h, 40, p, 12, &lim_, MTRL_ERR_LIMIT, "layers x experts: 65536 x 65536 over max_routing_cells");
 
+    // BYE / ERROR text over max_text; WEIGHTS chunk_count over max_weight_chunks.
+    small = lim_;
+    small.max_text = 8;
+    mtrl_wire_encode_error(&o, 1, "123456789");
+    expect_bad(o.hdr, 40, o.payload.data, o.payload.len, &small, MTRL_ERR_LIMIT, "wire ERROR: at byte 16: payload of 17 bytes over the cap of 16");
+    small.max_text = 9;
+    mtrl_wire_encode_bye(&o, "0123456789");
+    memcpy(h, o.hdr, 40);
+    memcpy(p, o.payload.data, o.payload.len);
+    mtrl_st64(h + 16, 13);
+    fix_crc(h, p, 13);
+    expect_bad(h, 40, p, 13, &small, MTRL_ERR_LIMIT, "wire BYE: at byte 0: reason: length 10 over the cap of 9 bytes");
+    small = lim_;
+    small.max_weight_chunks = 4;
+    uint8_t w8[8] = {0};
+    mtrl_wire_encode_weights(&o, 1, 0, 5, 8, 0, w8, 8);
+    expect_bad(o.hdr, 40, o.payload.data, o.payload.len, &small, MTRL_ERR_LIMIT, "chunk_count: 5 (must be 1..max_weight_chunks=4)");
+
     // WEIGHTS: digest, offsets, chunk index.
     uint8_t blob[64] = {1, 2, 3};
     mtrl_wire_encode_weights(&o, 1, 0, 2, 64, 0, blob, 64);
@@ -355,6 +373,21 @@ static void test_assembler(void) {
     TEST_EQ_INT(feed(a, 1, 0, &s.msg[s.n - 1], &err), MTRL_OK);
     TEST_EQ_INT(mtrl_wire_asm_stats(a)->late, 2);
     TEST_EQ_INT(mtrl_wire_asm_pop(a, &got), 0);
+    stream_free(&s);
+
+    // A recycled trajectory's buffers carry the next episode (with another routing shape).
+    uint32_t *old_ids = got.ids;
+    mtrl_wire_asm_recycle(a, &got);
+    TEST_CHECK(got.ids == NULL && got.n_tokens == 0);
+    tg_traj(&t, &r, 2500, 3, 1, 1);
+    t.actor_id = 1;
+    t.incarnation = 0;
+    t.episode_id = 150;
+    stream_build(&s, &t, 1000);
+    for (int i = 0; i < s.n; i++) TEST_EQ_INT(feed(a, 1, 0, &s.msg[i], &err), MTRL_OK);
+    TEST_EQ_INT(mtrl_wire_asm_pop(a, &got), 1);
+    TEST_CHECK(got.ids == old_ids); // the same allocation, reused
+    TEST_CHECKF(mtrl_traj_equal(&got, &t, why, sizeof why), "episode in recycled buffers: %s", why);
     stream_free(&s);
 
     // A dropped chunk: the next one is a gap -> REJECTED, never committed.

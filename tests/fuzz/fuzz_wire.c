@@ -56,6 +56,7 @@ static void fw_drain_(mtrl_wire_asm *a, mtrl_traj *t) {
             fw_fail_("a committed episode's digest does not match its tokens");
         if ((t->status == MTRL_EP_REJECTED || t->status == MTRL_EP_ABORTED) && !t->reason)
             fw_fail_("a rejected or aborted episode has no reason");
+        if (t->n_tokens & 1) mtrl_wire_asm_recycle(a, t); // later episodes reuse its buffers
     }
 }
 
