@@ -1,6 +1,8 @@
 // rollout.c: batched tool-use episodes on the decode form (see rollout.h).
 #include "actor/rollout.h"
 
+#include "env/env_config.h"
+
 #include <math.h>
 #include <stdlib.h>
 #include <string.h>
@@ -56,27 +58,6 @@ void mtrl_rollout_params_from_config(mtrl_rollout_params *p, const mtrl_config *
     p->record_routing = cfg->actor.routing_replay;
 }
 
-// The env options and config string of [env] (shared with the learner's warm-up and replay).
-static void env_config_(const mtrl_config *cfg, char *buf, size_t cap, mtrl_env_opts *o) {
-    const mtrl_cfg_env *e = &cfg->env;
-    snprintf(buf, cap,
-             "digits=%ld;ops=%ld;doc_tokens=%ld;inline_doc=%d;max_tool_calls=%ld;max_obs_bytes=%ld;base_url=%s;"
-             "allow_loopback=%d;timeout_ms=%ld%s%s",
-             e->digits, e->ops, e->doc_tokens, e->inline_doc, e->max_tool_calls, e->max_obs_bytes, e->base_url,
-             e->allow_loopback, e->timeout_ms, e->args[0] ? ";" : "", e->args);
-    mtrl_env_opts_default(o);
-    o->isolate = e->isolate;
-    o->call_timeout_ms = (int)e->step_timeout_ms;
-}
-
-mtrl_status mtrl_rollout_open_env(const mtrl_config *cfg, mtrl_env **out, mtrl_error *err) {
-    char conf[2048];
-    mtrl_env_opts o;
-    env_config_(cfg, conf, sizeof conf, &o);
-    const char *name = !strcmp(cfg->env.name, "plugin") ? cfg->env.plugin : cfg->env.name;
-    return mtrl_env_open(out, name, conf, &o, err);
-}
-
 mtrl_status mtrl_rollout_init(mtrl_rollout **out, const mtrl_rollout_params *p, const mtrl_config *cfg, mtrl_model *m,
                               mtrl_error *err) {
     mtrl_rollout *r = xcalloc(1, sizeof *r);
@@ -87,7 +68,7 @@ mtrl_status mtrl_rollout_init(mtrl_rollout **out, const mtrl_rollout_params *p, 
     int V = m->dims.V;
     for (int i = 0; i < r->n; i++) {
         slot *s = &r->slots[i];
-        mtrl_status st = mtrl_rollout_open_env(cfg, &s->env, err);
+        mtrl_status st = mtrl_env_open_config(cfg, &s->env, err);
         if (st != MTRL_OK) {
             mtrl_rollout_free(r);
             return st;

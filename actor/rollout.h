@@ -71,9 +71,6 @@ void mtrl_rollout_stop_new(mtrl_rollout *r);
 mtrl_traj *mtrl_rollout_slot(mtrl_rollout *r, int i);
 int mtrl_rollout_slot_count(const mtrl_rollout *r);
 
-// Opens the env of an experiment's [env] section (built-in or plug-in, isolated or not).
-mtrl_status mtrl_rollout_open_env(const mtrl_config *cfg, mtrl_env **out, mtrl_error *err);
-
 // Runs one episode alone (replay --reexec): the task seed, episode id and sampling stream of a
 // recorded episode, on the given model and env. The result is written to out.
 mtrl_status mtrl_rollout_run_one(const mtrl_rollout_params *p, mtrl_model *m, mtrl_env *env, uint64_t task_seed,

@@ -56,10 +56,21 @@ static void seq_batch_free_(seq_batch *s) {
 
 static int segment_of_(const mtrl_config *cfg) { return (int)cfg->model.segment; }
 
+// QB after the step (model.md §4.3); with [learner] qb off β stays and only the step's
+// routing statistics are cleared.
+static void qb_after_step_(mtrl_model *m, const mtrl_config *cfg) {
+    int frozen = m->qb_frozen;
+    if (!cfg->learner.qb) m->qb_frozen = 1;
+    mtrl_model_qb_apply(m);
+    m->qb_frozen = frozen;
+}
+
 void mtrl_train_rl_step(mtrl_model *m, const mtrl_config *cfg, const mtrl_algo_config *a, mtrl_traj *const *eps, int n,
                         mtrl_step_stats *st) {
     double t_start = mtrl_time_mono();
+    long *loads = st->loads;
     memset(st, 0, sizeof *st);
+    st->loads = loads;
     seq_batch sb;
     seq_batch_init_(&sb, eps, n);
     size_t T = sb.total;
@@ -137,7 +148,10 @@ void mtrl_train_rl_step(mtrl_model *m, const mtrl_config *cfg, const mtrl_algo_c
     st->grad_norm = mtrl_model_optimizer_step(m, (real)cfg->learner.lr, (real)cfg->learner.beta1, (real)cfg->learner.beta2,
                                               (real)cfg->learner.eps, (real)cfg->learner.weight_decay,
                                               (real)cfg->learner.grad_clip);
-    if (cfg->learner.qb) mtrl_model_qb_apply(m);
+    // Loads of this step's routing, read before QB consumes them.
+    for (int l = 1; l < m->dims.L; l++) st->max_violation[l] = mtrl_model_load_violation(m, l);
+    if (st->loads) memcpy(st->loads, m->load, sizeof(long) * (size_t)m->dims.L * (size_t)m->dims.E);
+    qb_after_step_(m, cfg);
     m->version++;
     st->episodes = n;
     st->tokens = (long)T;
@@ -189,7 +203,7 @@ double mtrl_train_sft_step(mtrl_model *m, const mtrl_config *cfg, mtrl_traj *con
     mtrl_model_backward(m, &sb.b, dlp, NULL);
     mtrl_model_optimizer_step(m, (real)lr, (real)cfg->learner.beta1, (real)cfg->learner.beta2, (real)cfg->learner.eps,
                               (real)cfg->learner.weight_decay, (real)cfg->learner.grad_clip);
-    if (cfg->learner.qb) mtrl_model_qb_apply(m);
+    qb_after_step_(m, cfg);
     m->version++;
     free(logp);
     free(dlp);

@@ -31,6 +31,8 @@ typedef struct mtrl_step_stats {
     double staleness_mean, staleness_max;    // versions between a token's and the learner's
     double tool_calls_mean, episode_len_mean;
     double seconds;
+    long *loads;                             // caller's [L][E] buffer (nullable): expert loads of the step
+    double max_violation[MTRL_MAX_LAYERS];   // per MoE layer, of this step's routing
 } mtrl_step_stats;
 
 // [algo] of a config as the algorithm's own struct; MTRL_ERR_USAGE with a message when the
@@ -38,7 +40,8 @@ typedef struct mtrl_step_stats {
 mtrl_status mtrl_train_algo_config(const mtrl_config *cfg, mtrl_algo_config *a, mtrl_error *err);
 
 // One RL step over n finished episodes (COMPLETE or TRUNCATED; grouped by group_id in any
-// order). Fills st. The model's version is incremented.
+// order). Fills st (set st->loads before the call to receive the expert loads). The model's
+// version is incremented.
 void mtrl_train_rl_step(mtrl_model *m, const mtrl_config *cfg, const mtrl_algo_config *a, mtrl_traj *const *eps, int n,
                         mtrl_step_stats *st);
 

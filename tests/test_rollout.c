@@ -8,6 +8,7 @@
 #include <string.h>
 
 #include "actor/rollout.h"
+#include "env/env_config.h"
 #include "common/config.h"
 #include "common/tokenizer.h"
 #include "tests/testhelp.h"
@@ -68,7 +69,7 @@ int main(void) {
     }
     // Re-execute every episode alone: identical tokens, log-probs and status.
     mtrl_env *env;
-    TEST_EQ_INT(mtrl_rollout_open_env(&cfg, &env, &err), MTRL_OK);
+    TEST_EQ_INT(mtrl_env_open_config(&cfg, &env, &err), MTRL_OK);
     for (int i = 0; i < c.n; i++) {
         mtrl_traj *t = &c.eps[i], again;
         mtrl_traj_init(&again);

@@ -9,8 +9,5 @@ static int pending_(const char *name, const char *what) {
     return 2;
 }
 
-int cmd_run(int argc, char **argv) { (void)argc; (void)argv; return pending_("run", "the RL loop (issue 4)"); }
-int cmd_learner(int argc, char **argv) { (void)argc; (void)argv; return pending_("learner", "the RL loop (issue 4)"); }
-int cmd_actor(int argc, char **argv) { (void)argc; (void)argv; return pending_("actor", "the RL loop (issue 4)"); }
 int cmd_replay(int argc, char **argv) { (void)argc; (void)argv; return pending_("replay", "replay (issue 5)"); }
 int cmd_report(int argc, char **argv) { (void)argc; (void)argv; return pending_("report", "report (issue 5)"); }

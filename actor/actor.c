@@ -1,0 +1,347 @@
+// actor.c: the actor process (see actor.h).
+#include "actor/actor.h"
+
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+#include <unistd.h>
+#include <zmq.h>
+
+#include "actor/rollout.h"
+#include "common/check.h"
+#include "common/checkpoint.h"
+#include "common/log.h"
+#include "common/timeutil.h"
+#include "common/tokenizer.h"
+#include "common/wire.h"
+
+#define HELLO_PATIENCE_S 120.0
+
+typedef struct stream {
+    uint64_t episode_id;
+    uint64_t sent;     // tokens sent in CHUNKs
+    uint32_t seq;      // CHUNKs sent
+} stream;
+
+typedef struct outmsg {
+    mtrl_wire_out o;
+} outmsg;
+
+typedef struct actor {
+    uint32_t id, incarnation;
+    void *zctx;
+    mtrl_wire_sock sock;
+    mtrl_wire_limits lim;
+    mtrl_wire_stats rx;
+    mtrl_config cfg;
+    int have_cfg;
+    uint64_t run_id;
+    mtrl_model model;
+    int have_model, have_weights;
+    mtrl_rollout *ro;
+    int64_t credit;
+    // weights being received
+    uint8_t *wbuf;
+    uint64_t wlen, wgot;
+    uint32_t wversion, wcount, wseen;
+    // episode streams and the outbox
+    stream *streams;
+    int n_streams, cap_streams;
+    outmsg *out;
+    int n_out, cap_out, out_head;
+    double last_heard, last_sent;
+    int bye;
+    long episodes_done;
+} actor;
+
+// ---- outbox under credit -----------------------------------------------------------------------------------
+
+static mtrl_wire_out *queue_(actor *a) {
+    if (a->n_out == a->cap_out) {
+        if (a->out_head > 0) {
+            memmove(a->out, a->out + a->out_head, sizeof *a->out * (size_t)(a->n_out - a->out_head));
+            a->n_out -= a->out_head;
+            a->out_head = 0;
+        }
+        if (a->n_out == a->cap_out) {
+            a->cap_out = a->cap_out ? 2 * a->cap_out : 64;
+            a->out = xrealloc(a->out, sizeof *a->out * (size_t)a->cap_out);
+        }
+    }
+    mtrl_wire_out *o = &a->out[a->n_out++].o;
+    mtrl_wire_out_init(o);
+    return o;
+}
+
+static int send_now_(actor *a, mtrl_wire_out *o) {
+    mtrl_error err;
+    if (mtrl_wire_send(&a->sock, NULL, o, &err) != MTRL_OK) {
+        LOG_WARN("send failed: %s", err.msg);
+        return 0;
+    }
+    a->last_sent = mtrl_time_mono();
+    return 1;
+}
+
+// Sends queued episode messages while the credit lasts.
+static void flush_(actor *a) {
+    while (a->out_head < a->n_out) {
+        mtrl_wire_out *o = &a->out[a->out_head].o;
+        int64_t cost = (int64_t)(o->payload.len + MTRL_WIRE_HDR_SIZE);
+        if (cost > a->credit) break;
+        if (!send_now_(a, o)) break;
+        a->credit -= cost;
+        mtrl_wire_out_free(o);
+        a->out_head++;
+    }
+    if (a->out_head == a->n_out) a->out_head = a->n_out = 0;
+}
+
+static int outbox_len_(const actor *a) { return a->n_out - a->out_head; }
+
+// ---- episode streams ---------------------------------------------------------------------------------------
+
+static stream *stream_find_(actor *a, uint64_t id) {
+    for (int i = 0; i < a->n_streams; i++)
+        if (a->streams[i].episode_id == id) return &a->streams[i];
+    return NULL;
+}
+
+static void queue_chunks_(actor *a, stream *s, const mtrl_traj *t, int final) {
+    uint64_t chunk = (uint64_t)a->cfg.actor.chunk_tokens;
+    while (t->n_tokens - s->sent >= chunk || (final && t->n_tokens > s->sent)) {
+        uint64_t n = t->n_tokens - s->sent < chunk ? t->n_tokens - s->sent : chunk;
+        mtrl_wire_encode_chunk(queue_(a), t, s->seq++, s->sent, (uint32_t)n);
+        s->sent += n;
+    }
+}
+
+static void on_begin_(void *u, mtrl_traj *t) {
+    actor *a = u;
+    if (a->n_streams == a->cap_streams) {
+        a->cap_streams = a->cap_streams ? 2 * a->cap_streams : 64;
+        a->streams = xrealloc(a->streams, sizeof *a->streams * (size_t)a->cap_streams);
+    }
+    a->streams[a->n_streams++] = (stream){t->episode_id, 0, 0};
+    mtrl_wire_encode_begin(queue_(a), t);
+}
+
+static void on_end_(void *u, mtrl_traj *t) {
+    actor *a = u;
+    stream *s = stream_find_(a, t->episode_id);
+    if (!s) return;
+    queue_chunks_(a, s, t, 1);
+    mtrl_wire_encode_end(queue_(a), t, s->seq);
+    *s = a->streams[--a->n_streams];
+    a->episodes_done++;
+}
+
+// ---- messages from the learner -----------------------------------------------------------------------------
+
+static int setup_(actor *a, const mtrl_wire_msg *m) {
+    mtrl_config_errors errs = {0};
+    if (mtrl_config_load_text(&a->cfg, "<experiment from the learner>", m->text ? m->text : "", NULL, 0, &errs) != MTRL_OK) {
+        for (int i = 0; i < errs.n; i++) LOG_ERROR("%s", errs.msgs[i]);
+        mtrl_config_errors_free(&errs);
+        return 0;
+    }
+    mtrl_config_errors_free(&errs);
+    mtrl_model_dims d;
+    mtrl_error err;
+    if (mtrl_model_dims_from_config(&d, &a->cfg.model, MTRL_VOCAB, &err) != MTRL_OK) {
+        LOG_ERROR("%s", err.msg);
+        return 0;
+    }
+    if (a->have_model) {
+        mtrl_rollout_free(a->ro);
+        a->ro = NULL;
+        mtrl_model_free(&a->model);
+    }
+    mtrl_model_init(&a->model, &d, (uint64_t)a->cfg.run.seed);
+    a->model.qb_frozen = 1; // β comes with the weights; actors never update it
+    a->have_model = 1;
+    a->have_weights = 0;
+    a->have_cfg = 1;
+    a->run_id = m->run_id;
+    a->credit = (int64_t)m->credit_bytes;
+    mtrl_rollout_params p;
+    mtrl_rollout_params_from_config(&p, &a->cfg, a->id, a->incarnation);
+    if (mtrl_rollout_init(&a->ro, &p, &a->cfg, &a->model, &err) != MTRL_OK) {
+        LOG_ERROR("%s", err.msg);
+        return 0;
+    }
+    // Whatever was queued for an earlier learner means nothing to this one.
+    for (int i = a->out_head; i < a->n_out; i++) mtrl_wire_out_free(&a->out[i].o);
+    a->out_head = a->n_out = 0;
+    a->n_streams = 0;
+    LOG_INFO("run %llu: %d episodes in flight, model %zu parameters", (unsigned long long)a->run_id, p.slots,
+             mtrl_model_param_count(&a->model));
+    return 1;
+}
+
+static void weights_chunk_(actor *a, const mtrl_wire_msg *m) {
+    if (m->chunk_index == 0 || m->weight_version != a->wversion || m->blob_bytes != a->wlen) {
+        free(a->wbuf);
+        a->wbuf = xmalloc(m->blob_bytes ? m->blob_bytes : 1);
+        a->wlen = m->blob_bytes;
+        a->wgot = 0;
+        a->wseen = 0;
+        a->wversion = m->weight_version;
+        a->wcount = m->chunk_count;
+    }
+    if (m->blob_offset + m->data_len > a->wlen) return;
+    memcpy(a->wbuf + m->blob_offset, m->data, m->data_len);
+    a->wgot += m->data_len;
+    a->wseen++;
+    if (a->wseen < a->wcount || a->wgot != a->wlen || !a->have_model) return;
+    mtrl_ckpt c;
+    mtrl_error err;
+    mtrl_status s = mtrl_ckpt_open_mem(&c, a->wbuf, a->wlen, &err);
+    if (s == MTRL_OK) {
+        s = mtrl_model_load(&a->model, &c, 0, &err);
+        mtrl_ckpt_close(&c);
+    }
+    if (s != MTRL_OK) {
+        LOG_ERROR("weights version %u refused: %s", a->wversion, err.msg);
+        return;
+    }
+    a->model.version = a->wversion;
+    a->have_weights = 1;
+    free(a->wbuf);
+    a->wbuf = NULL;
+    LOG_DEBUG("weights version %u loaded", a->wversion);
+}
+
+// Handles everything waiting on the socket (waits up to timeout_ms for the first message).
+static int poll_(actor *a, int timeout_ms) {
+    mtrl_wire_in in;
+    mtrl_error err;
+    int got = 0;
+    mtrl_status s = mtrl_wire_recv(&a->sock, timeout_ms, &in, &a->rx, &err);
+    while (s == MTRL_OK) {
+        got++;
+        a->last_heard = mtrl_time_mono();
+        mtrl_wire_msg m;
+        mtrl_wire_msg_init(&m);
+        if (mtrl_wire_decode(in.hdr_bytes, MTRL_WIRE_HDR_SIZE, in.payload, in.payload_len, &a->lim, &m, &err) != MTRL_OK) {
+            LOG_WARN("dropped a message from the learner: %s", err.msg);
+        } else {
+            switch (in.hdr.type) {
+            case MTRL_WIRE_WELCOME:
+                if (!a->have_cfg || m.run_id != a->run_id) {
+                    if (!setup_(a, &m)) a->bye = 2;
+                } else {
+                    a->credit = (int64_t)m.credit_bytes;
+                }
+                break;
+            case MTRL_WIRE_WEIGHTS: weights_chunk_(a, &m); break;
+            case MTRL_WIRE_CREDIT: a->credit += (int64_t)m.credit_bytes; break;
+            case MTRL_WIRE_BYE:
+                LOG_INFO("learner said BYE: %s", m.text ? m.text : "");
+                a->bye = 1;
+                break;
+            case MTRL_WIRE_ERROR: LOG_WARN("learner error: %s", m.text ? m.text : ""); break;
+            default: break;
+            }
+        }
+        mtrl_wire_msg_free(&m);
+        s = mtrl_wire_recv(&a->sock, 0, &in, &a->rx, &err);
+    }
+    return got;
+}
+
+static void hello_(actor *a) {
+    mtrl_wire_out o;
+    mtrl_wire_out_init(&o);
+    mtrl_wire_encode_hello(&o, a->id, a->incarnation, 0);
+    send_now_(a, &o);
+    mtrl_wire_out_free(&o);
+}
+
+int mtrl_actor_main(const char *endpoint, uint32_t actor_id, volatile sig_atomic_t *stop) {
+    actor a;
+    memset(&a, 0, sizeof a);
+    a.id = actor_id;
+    struct timespec ts;
+    clock_gettime(CLOCK_REALTIME, &ts);
+    a.incarnation = (uint32_t)((uint64_t)ts.tv_nsec ^ ((uint64_t)getpid() << 12) ^ (uint64_t)ts.tv_sec) | 1u;
+    char tag[32];
+    snprintf(tag, sizeof tag, "actor %u", actor_id);
+    mtrl_log_set_tag(tag);
+    a.zctx = zmq_ctx_new();
+    a.lim = mtrl_wire_limits_default();
+    mtrl_wire_sockopts so = mtrl_wire_sockopts_default();
+    mtrl_error err;
+    if (mtrl_wire_dealer_open(&a.sock, a.zctx, endpoint, a.id, a.incarnation, &a.lim, &so, &err) != MTRL_OK) {
+        LOG_ERROR("%s", err.msg);
+        zmq_ctx_term(a.zctx);
+        return 1;
+    }
+    // Handshake: HELLO until a WELCOME and the first weights arrive.
+    double t0 = mtrl_time_mono(), last_hello = -1e9;
+    while (!*stop && !a.bye && !(a.have_cfg && a.have_weights)) {
+        double now = mtrl_time_mono();
+        if (now - t0 > HELLO_PATIENCE_S) {
+            LOG_ERROR("the learner at %s did not answer for %.0f s", endpoint, HELLO_PATIENCE_S);
+            a.bye = 2;
+            break;
+        }
+        if (!a.have_cfg && now - last_hello > 2.0) {
+            hello_(&a);
+            last_hello = now;
+        }
+        poll_(&a, 100);
+    }
+    double hb = 1e-3 * (double)(a.have_cfg ? a.cfg.actor.heartbeat_ms : 1000);
+    double quiet = 1e-3 * (double)(a.have_cfg ? a.cfg.learner.heartbeat_timeout_ms : 5000);
+    mtrl_rollout_events ev = {&a, on_begin_, on_end_};
+    a.last_heard = mtrl_time_mono();
+    while (!*stop && !a.bye) {
+        int backlog = outbox_len_(&a);
+        poll_(&a, backlog ? 20 : 0);
+        flush_(&a);
+        double now = mtrl_time_mono();
+        if (now - a.last_sent > hb) {
+            mtrl_wire_out o;
+            mtrl_wire_out_init(&o);
+            mtrl_wire_encode_heartbeat(&o);
+            send_now_(&a, &o);
+            mtrl_wire_out_free(&o);
+        }
+        if (now - a.last_heard > quiet) {
+            // The learner went away (restart?): say HELLO again; the DEALER reconnects itself.
+            LOG_WARN("learner silent for %.1f s: saying HELLO again", now - a.last_heard);
+            hello_(&a);
+            a.last_heard = now;
+        }
+        if (outbox_len_(&a) > 0 && a.credit <= 0) continue; // generation waits for credit
+        if (a.ro) {
+            mtrl_rollout_step(a.ro, &ev);
+            for (int i = 0; i < mtrl_rollout_slot_count(a.ro); i++) {
+                mtrl_traj *t = mtrl_rollout_slot(a.ro, i);
+                stream *s = t ? stream_find_(&a, t->episode_id) : NULL;
+                if (s) queue_chunks_(&a, s, t, 0);
+            }
+            flush_(&a);
+        }
+    }
+    // Say goodbye (the learner aborts whatever is still open) and leave.
+    if (a.have_cfg) {
+        mtrl_wire_out o;
+        mtrl_wire_out_init(&o);
+        mtrl_wire_encode_bye(&o, *stop ? "actor stopped" : "learner said BYE");
+        send_now_(&a, &o);
+        mtrl_wire_out_free(&o);
+    }
+    int rc = a.bye == 2 ? 1 : 0;
+    LOG_INFO("%ld episodes streamed; leaving", a.episodes_done);
+    mtrl_rollout_free(a.ro);
+    if (a.have_model) mtrl_model_free(&a.model);
+    for (int i = a.out_head; i < a.n_out; i++) mtrl_wire_out_free(&a.out[i].o);
+    free(a.out);
+    free(a.streams);
+    free(a.wbuf);
+    mtrl_wire_sock_close(&a.sock);
+    zmq_ctx_term(a.zctx);
+    return rc;
+}

@@ -1,0 +1,21 @@
+// actor.h: the actor process (`mtrl actor --connect ENDPOINT`), architecture §3 and §5.
+//
+// It says HELLO to the learner with its id and a fresh incarnation, builds the model and env
+// from the experiment the WELCOME carries, loads the weights the learner sends, then runs
+// episodes (actor/rollout.h) and streams each as BEGIN, CHUNKs of at most [actor] chunk_tokens
+// tokens as they are produced, and END, never sending more bytes than the learner's credit
+// allows (generation pauses while the credit is spent). New weights are applied between
+// generation steps; every token keeps the version that produced it. Heartbeats both ways; when
+// the learner goes quiet the actor says HELLO again (the DEALER reconnects by itself) and
+// restarts its episodes under the new WELCOME. A BYE from the learner, or *stop, ends it.
+#ifndef MTRL_ACTOR_H
+#define MTRL_ACTOR_H
+
+#include <signal.h>
+#include <stdint.h>
+
+// Returns the process exit code: 0 after a BYE or *stop, 1 when the learner never answered or
+// the experiment it sent cannot be run here.
+int mtrl_actor_main(const char *endpoint, uint32_t actor_id, volatile sig_atomic_t *stop);
+
+#endif

@@ -1,0 +1,26 @@
+// env_config.c: the [env] section to an open env (see env_config.h).
+#include "env/env_config.h"
+
+#include <stdio.h>
+#include <string.h>
+
+mtrl_status mtrl_env_open_config(const mtrl_config *cfg, mtrl_env **out, mtrl_error *err) {
+    const mtrl_cfg_env *e = &cfg->env;
+    // Built-ins ignore the keys of the other built-ins, so the whole section passes through;
+    // `args` carries what the schema does not know (plug-in keys).
+    char conf[2048];
+    snprintf(conf, sizeof conf,
+             "digits=%ld;ops=%ld;doc_tokens=%ld;inline_doc=%d;max_tool_calls=%ld;max_obs_bytes=%ld;%s%s%s"
+             "allow_loopback=%d;timeout_ms=%ld%s%s",
+             e->digits, e->ops, e->doc_tokens, e->inline_doc, e->max_tool_calls, e->max_obs_bytes,
+             e->base_url[0] ? "base_url=" : "", e->base_url, e->base_url[0] ? ";" : "", e->allow_loopback, e->timeout_ms,
+             e->args[0] ? ";" : "", e->args);
+    mtrl_env_opts o;
+    mtrl_env_opts_default(&o);
+    o.isolate = e->isolate;
+    o.call_timeout_ms = (int)e->step_timeout_ms;
+    const char *name = !strcmp(e->name, "plugin") ? e->plugin : e->name;
+    // A plug-in is opened with only its own keys (`args`): it may refuse unknown ones.
+    if (!strcmp(e->name, "plugin")) return mtrl_env_open(out, name, e->args, &o, err);
+    return mtrl_env_open(out, name, conf, &o, err);
+}

@@ -1,0 +1,686 @@
+// learner.c: the learner process (see learner.h).
+#include "learner/learner.h"
+
+#include <errno.h>
+#include <inttypes.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/stat.h>
+#include <unistd.h>
+#include <zmq.h>
+
+#include "env/env_config.h"
+#include "common/check.h"
+#include "common/checkpoint.h"
+#include "common/hash.h"
+#include "common/rng.h"
+#include "common/log.h"
+#include "common/store.h"
+#include "common/timeutil.h"
+#include "common/tokenizer.h"
+#include "common/trajfile.h"
+#include "common/wire.h"
+#include "learner/train.h"
+
+#define MAX_ACTORS 256
+#define WEIGHTS_CHUNK ((size_t)4 << 20)
+
+typedef struct actor_rec {
+    uint32_t id, incarnation;
+    mtrl_wire_peer peer;
+    double last_seen;
+    int alive;
+    uint64_t owed;          // payload bytes received and not yet returned as credit
+} actor_rec;
+
+typedef struct group_buf {
+    uint64_t id;
+    mtrl_traj **eps;
+    int n;
+    double last_arrival;
+} group_buf;
+
+struct mtrl_learner {
+    mtrl_config cfg;
+    char *config_text;
+    uint64_t config_hash;
+    char config_hash_hex[17];
+    void *zctx;
+    mtrl_wire_sock sock;
+    mtrl_wire_limits lim;
+    mtrl_wire_asm *asm_;
+    mtrl_wire_stats rx;
+    mtrl_store *store;
+    int64_t run_id;
+    char traj_path[1024];
+    mtrl_trajfile_writer tw;
+    mtrl_wbuf scratch;
+    mtrl_model model;
+    mtrl_algo_config algo;
+    void *blob;
+    size_t blob_len;
+    actor_rec actors[MAX_ACTORS];
+    int n_actors;
+    group_buf *groups;
+    int n_groups, cap_groups;
+    long step;
+    long episodes_by_status[MTRL_EP_REJECTED + 1];
+    long stale_dropped, groups_dropped;
+    long episodes_seen;      // finished episodes, for keep_trajectories = every_N
+    long tokens_seen;
+    long *loads;
+    double t_start;
+    int progress;
+    mtrl_progress prog;
+    void (*tick)(void *);
+    void *tick_user;
+    double last_reward;
+};
+
+// ---- helpers -----------------------------------------------------------------------------------------------
+
+static void event_(mtrl_learner *l, mtrl_log_level lv, const char *fmt, ...) __attribute__((format(printf, 3, 4)));
+static void event_(mtrl_learner *l, mtrl_log_level lv, const char *fmt, ...) {
+    char msg[1024];
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(msg, sizeof msg, fmt, ap);
+    va_end(ap);
+    mtrl_log(lv, "%s", msg);
+    if (l->store) mtrl_store_event_log(l->store, l->run_id, lv, msg, NULL);
+}
+
+static int mkdir_p_(const char *path) {
+    char buf[1024];
+    snprintf(buf, sizeof buf, "%s", path);
+    for (char *p = buf + 1; *p; p++)
+        if (*p == '/') {
+            *p = '\0';
+            if (mkdir(buf, 0755) != 0 && errno != EEXIST) return -1;
+            *p = '/';
+        }
+    return mkdir(buf, 0755) != 0 && errno != EEXIST ? -1 : 0;
+}
+
+static actor_rec *actor_find_(mtrl_learner *l, const mtrl_wire_peer *p) {
+    for (int i = 0; i < l->n_actors; i++)
+        if (l->actors[i].peer.len == p->len && !memcmp(l->actors[i].peer.id, p->id, p->len)) return &l->actors[i];
+    return NULL;
+}
+
+static void send_(mtrl_learner *l, actor_rec *a, mtrl_wire_out *o) {
+    mtrl_error err;
+    if (mtrl_wire_send(&l->sock, &a->peer, o, &err) != MTRL_OK) {
+        LOG_WARN("send to actor %u failed: %s", a->id, err.msg);
+        if (err.code == MTRL_ERR_PEER) a->alive = 0;
+    }
+}
+
+static void publish_(mtrl_learner *l) {
+    free(l->blob);
+    l->blob = NULL;
+    mtrl_error err;
+    MTRL_CHECKF(mtrl_model_save(&l->model, NULL, &l->blob, &l->blob_len, 0, NULL, 0, &err) == MTRL_OK, "%s", err.msg);
+}
+
+static void send_weights_(mtrl_learner *l, actor_rec *a) {
+    uint32_t count = (uint32_t)((l->blob_len + WEIGHTS_CHUNK - 1) / WEIGHTS_CHUNK);
+    mtrl_wire_out o;
+    mtrl_wire_out_init(&o);
+    for (uint32_t c = 0; c < count; c++) {
+        uint64_t off = (uint64_t)c * WEIGHTS_CHUNK;
+        uint64_t n = l->blob_len - off < WEIGHTS_CHUNK ? l->blob_len - off : WEIGHTS_CHUNK;
+        mtrl_wire_encode_weights(&o, l->model.version, c, count, l->blob_len, off, (const uint8_t *)l->blob + off, n);
+        send_(l, a, &o);
+    }
+    mtrl_wire_out_free(&o);
+}
+
+// ---- committing episodes -----------------------------------------------------------------------------------
+
+static int keep_traj_(mtrl_learner *l, const mtrl_traj *t) {
+    const char *k = l->cfg.run.keep_trajectories;
+    if (!strcmp(k, "all")) return 1;
+    if (!strcmp(k, "failures")) return t->status != MTRL_EP_COMPLETE || t->reward <= 0;
+    long every = strtol(k + 6, NULL, 10);
+    return every > 0 && l->episodes_seen % every == 0;
+}
+
+static group_buf *group_get_(mtrl_learner *l, uint64_t id) {
+    for (int i = 0; i < l->n_groups; i++)
+        if (l->groups[i].id == id) return &l->groups[i];
+    if (l->n_groups == l->cap_groups) {
+        l->cap_groups = l->cap_groups ? 2 * l->cap_groups : 16;
+        l->groups = xrealloc(l->groups, sizeof *l->groups * (size_t)l->cap_groups);
+    }
+    group_buf *g = &l->groups[l->n_groups++];
+    memset(g, 0, sizeof *g);
+    g->id = id;
+    g->eps = xcalloc((size_t)l->cfg.algo.group_size, sizeof(mtrl_traj *));
+    return g;
+}
+
+static void group_drop_(mtrl_learner *l, int i) {
+    group_buf *g = &l->groups[i];
+    for (int k = 0; k < g->n; k++) {
+        mtrl_traj_free(g->eps[k]);
+        free(g->eps[k]);
+    }
+    free(g->eps);
+    l->groups[i] = l->groups[--l->n_groups];
+}
+
+// Records a closed episode (file + SQLite) and files it into its group for training.
+static void commit_(mtrl_learner *l, mtrl_traj *t) {
+    mtrl_error err;
+    l->episodes_seen++;
+    l->tokens_seen += (long)t->n_tokens;
+    if (t->status <= MTRL_EP_REJECTED) l->episodes_by_status[t->status]++;
+    int64_t off = -1;
+    const char *path = NULL;
+    if (keep_traj_(l, t) && t->n_tokens > 0) {
+        uint64_t o;
+        if (mtrl_trajfile_append_traj(&l->tw, t, &l->scratch, &o, &err) == MTRL_OK) {
+            off = (int64_t)o;
+            path = l->traj_path;
+        } else {
+            event_(l, MTRL_LOG_ERROR, "trajectory file: %s", err.msg);
+        }
+    }
+    if (mtrl_store_episode_log(l->store, l->run_id, t, path, off, l->step, &err) != MTRL_OK)
+        event_(l, MTRL_LOG_ERROR, "run store: %s", err.msg);
+    int trainable = t->status == MTRL_EP_COMPLETE || t->status == MTRL_EP_TRUNCATED;
+    if (trainable && t->n_model > 0 && (long)l->model.version - (long)t->version_min > l->cfg.learner.max_staleness) {
+        l->stale_dropped++;
+        trainable = 0;
+    }
+    if (t->status == MTRL_EP_ABORTED || t->status == MTRL_EP_REJECTED)
+        LOG_WARN("episode %" PRIu64 " %s: %s", t->episode_id, mtrl_ep_status_name(t->status), t->reason ? t->reason : "");
+    group_buf *g = group_get_(l, t->group_id);
+    g->last_arrival = mtrl_time_mono();
+    mtrl_traj *keep = xmalloc(sizeof *keep);
+    mtrl_traj_init(keep);
+    mtrl_traj_swap(keep, t);
+    if (!trainable) keep->status = keep->status == MTRL_EP_COMPLETE || keep->status == MTRL_EP_TRUNCATED
+                                       ? MTRL_EP_REJECTED : keep->status; // stale: held out of training
+    if (g->n < l->cfg.algo.group_size) g->eps[g->n++] = keep;
+    else {
+        mtrl_traj_free(keep);
+        free(keep);
+    }
+}
+
+static int group_trainable_(const group_buf *g) {
+    int n = 0;
+    for (int k = 0; k < g->n; k++) n += g->eps[k]->status == MTRL_EP_COMPLETE || g->eps[k]->status == MTRL_EP_TRUNCATED;
+    return n;
+}
+
+// A group is final when all G episodes arrived, or when it has waited long past the heartbeat
+// timeout (its actor died before starting the rest).
+static int group_final_(const mtrl_learner *l, const group_buf *g, double now) {
+    return g->n >= l->cfg.algo.group_size || now - g->last_arrival > 3e-3 * (double)l->cfg.learner.heartbeat_timeout_ms;
+}
+
+// ---- messages ---------------------------------------------------------------------------------------------------
+
+static void handle_(mtrl_learner *l, mtrl_wire_in *in) {
+    mtrl_error err;
+    actor_rec *a = actor_find_(l, &in->peer);
+    uint16_t type = in->hdr.type;
+    if (type == MTRL_WIRE_HELLO) {
+        mtrl_wire_msg m;
+        mtrl_wire_msg_init(&m);
+        if (mtrl_wire_decode(in->hdr_bytes, MTRL_WIRE_HDR_SIZE, in->payload, in->payload_len, &l->lim, &m, &err) != MTRL_OK) {
+            mtrl_wire_stats_invalid(&l->rx, err.msg);
+            mtrl_wire_msg_free(&m);
+            return;
+        }
+        // A new incarnation of a known actor id: its older incarnation's episodes are over.
+        for (int i = 0; i < l->n_actors; i++) {
+            actor_rec *o = &l->actors[i];
+            if (o->id == m.actor_id && o->incarnation != m.incarnation && o->alive) {
+                size_t n = mtrl_wire_asm_abort_actor(l->asm_, o->id, o->incarnation, "actor restarted (new incarnation)");
+                if (n) event_(l, MTRL_LOG_WARN, "actor %u restarted: %zu open episodes aborted", o->id, n);
+                o->alive = 0;
+            }
+        }
+        if (!a) {
+            if (l->n_actors == MAX_ACTORS) {
+                for (int i = 0; i < l->n_actors; i++)
+                    if (!l->actors[i].alive) { l->actors[i] = l->actors[--l->n_actors]; break; }
+            }
+            if (l->n_actors == MAX_ACTORS) {
+                mtrl_wire_msg_free(&m);
+                return;
+            }
+            a = &l->actors[l->n_actors++];
+            memset(a, 0, sizeof *a);
+            a->peer = in->peer;
+        }
+        a->id = m.actor_id;
+        a->incarnation = m.incarnation;
+        a->alive = 1;
+        a->last_seen = mtrl_time_mono();
+        event_(l, MTRL_LOG_INFO, "actor %u (incarnation %u) joined", a->id, a->incarnation);
+        mtrl_wire_out o;
+        mtrl_wire_out_init(&o);
+        mtrl_wire_encode_welcome(&o, (uint64_t)l->run_id, l->config_hash, l->model.version,
+                                 (uint64_t)l->cfg.learner.credit_bytes, l->config_text);
+        send_(l, a, &o);
+        mtrl_wire_out_free(&o);
+        send_weights_(l, a);
+        mtrl_wire_msg_free(&m);
+        return;
+    }
+    if (!a || !a->alive) {
+        mtrl_wire_stats_invalid(&l->rx, "message from an actor that has not said HELLO (or is dead)");
+        return;
+    }
+    a->last_seen = mtrl_time_mono();
+    switch (type) {
+    case MTRL_WIRE_BEGIN:
+    case MTRL_WIRE_CHUNK:
+    case MTRL_WIRE_END:
+        if (mtrl_wire_asm_feed(l->asm_, a->id, a->incarnation, &in->hdr, in->payload, in->payload_len, &err) != MTRL_OK)
+            LOG_WARN("actor %u: %s", a->id, err.msg);
+        a->owed += in->payload_len + MTRL_WIRE_HDR_SIZE;
+        break;
+    case MTRL_WIRE_WEIGHTS_REQ:
+        send_weights_(l, a);
+        break;
+    case MTRL_WIRE_HEARTBEAT:
+    case MTRL_WIRE_ROUTING_STATS:
+        break;
+    case MTRL_WIRE_BYE: {
+        size_t n = mtrl_wire_asm_abort_actor(l->asm_, a->id, a->incarnation, "actor said BYE");
+        event_(l, MTRL_LOG_INFO, "actor %u left (%zu open episodes aborted)", a->id, n);
+        a->alive = 0;
+        break;
+    }
+    default:
+        mtrl_wire_stats_invalid(&l->rx, "unexpected message type from an actor");
+    }
+}
+
+// Returns credit for what was consumed, while the learner holds less than the sum of credits.
+static void grant_credit_(mtrl_learner *l) {
+    uint64_t cap = (uint64_t)l->cfg.learner.credit_bytes * (uint64_t)(l->n_actors ? l->n_actors : 1);
+    if (mtrl_wire_asm_open_bytes(l->asm_) > cap) return;
+    mtrl_wire_out o;
+    mtrl_wire_out_init(&o);
+    for (int i = 0; i < l->n_actors; i++) {
+        actor_rec *a = &l->actors[i];
+        if (!a->alive || a->owed == 0) continue;
+        mtrl_wire_encode_credit(&o, a->owed);
+        send_(l, a, &o);
+        a->owed = 0;
+    }
+    mtrl_wire_out_free(&o);
+}
+
+static void check_heartbeats_(mtrl_learner *l) {
+    double now = mtrl_time_mono();
+    double timeout = 1e-3 * (double)l->cfg.learner.heartbeat_timeout_ms;
+    mtrl_wire_out o;
+    mtrl_wire_out_init(&o);
+    mtrl_wire_encode_heartbeat(&o);
+    for (int i = 0; i < l->n_actors; i++) {
+        actor_rec *a = &l->actors[i];
+        if (!a->alive) continue;
+        if (now - a->last_seen > timeout) {
+            size_t n = mtrl_wire_asm_abort_actor(l->asm_, a->id, a->incarnation, "actor stopped heartbeating");
+            event_(l, MTRL_LOG_WARN, "actor %u (incarnation %u) silent for %.1f s: dead, %zu open episodes aborted", a->id,
+                   a->incarnation, now - a->last_seen, n);
+            a->alive = 0;
+            continue;
+        }
+        send_(l, a, &o);
+    }
+    mtrl_wire_out_free(&o);
+}
+
+// ---- steps ------------------------------------------------------------------------------------------------------
+
+static void log_metric_(mtrl_learner *l, const char *name, double v) {
+    mtrl_store_metric_log(l->store, l->run_id, l->step, name, v, 0, NULL);
+}
+
+static void checkpoint_(mtrl_learner *l) {
+    char path[1200], hex[65], step[32], run[32];
+    snprintf(path, sizeof path, "%s/ckpt-%06ld.safetensors", l->cfg.run.out_dir, l->step);
+    snprintf(step, sizeof step, "%ld", l->step);
+    snprintf(run, sizeof run, "%lld", (long long)l->run_id);
+    const char *meta[] = {"config_hash", l->config_hash_hex, "run", run, "learner_step", step};
+    mtrl_error err;
+    if (mtrl_model_save(&l->model, path, NULL, NULL, 1, meta, 3, &err) != MTRL_OK) {
+        event_(l, MTRL_LOG_ERROR, "checkpoint: %s", err.msg);
+        return;
+    }
+    mtrl_sha256_file_hex(path, hex);
+    mtrl_store_checkpoint_log(l->store, l->run_id, l->step, l->model.version, path, hex, NULL);
+    // Retention: the newest keep_checkpoints files stay (0 = all). Rows stay as history.
+    long keep = l->cfg.run.keep_checkpoints;
+    if (keep > 0) {
+        mtrl_store_checkpoint *rows;
+        size_t n;
+        if (mtrl_store_checkpoints(l->store, l->run_id, &rows, &n, NULL) == MTRL_OK) {
+            for (size_t i = 0; i + (size_t)keep < n; i++) unlink(rows[i].path);
+            free(rows);
+        }
+    }
+}
+
+static void rl_step_(mtrl_learner *l, int *ready, int n_ready) {
+    mtrl_traj **batch = NULL;
+    int nb = 0, cap = 0;
+    for (int r = 0; r < n_ready; r++) {
+        group_buf *g = &l->groups[ready[r]];
+        for (int k = 0; k < g->n; k++) {
+            if (g->eps[k]->status != MTRL_EP_COMPLETE && g->eps[k]->status != MTRL_EP_TRUNCATED) continue;
+            if (nb == cap) {
+                cap = cap ? 2 * cap : 64;
+                batch = xrealloc(batch, sizeof *batch * (size_t)cap);
+            }
+            batch[nb++] = g->eps[k];
+        }
+    }
+    mtrl_step_stats st;
+    st.loads = l->loads;
+    mtrl_train_rl_step(&l->model, &l->cfg, &l->algo, batch, nb, &st);
+    l->step++;
+    publish_(l);
+    for (int i = 0; i < l->n_actors; i++)
+        if (l->actors[i].alive) send_weights_(l, &l->actors[i]);
+    mtrl_error err;
+    if (mtrl_store_begin(l->store, &err) == MTRL_OK) {
+        double el = mtrl_time_mono() - l->t_start;
+        log_metric_(l, "reward", st.reward_mean);
+        log_metric_(l, "success", st.success_rate);
+        log_metric_(l, "loss", st.loss);
+        log_metric_(l, "pg_loss", st.pg_loss);
+        log_metric_(l, "entropy", st.entropy_mean);
+        log_metric_(l, "clip_low", st.clip_low);
+        log_metric_(l, "clip_high", st.clip_high);
+        log_metric_(l, "clip_dual", st.clip_dual);
+        log_metric_(l, "ratio", st.ratio_mean);
+        log_metric_(l, "mismatch_k1", st.kl_k1);
+        log_metric_(l, "mismatch_k3", st.kl_k3);
+        log_metric_(l, "mismatch_absdiff", st.logp_absdiff);
+        log_metric_(l, "masked_frac", st.masked_frac);
+        log_metric_(l, "grad_norm", st.grad_norm);
+        log_metric_(l, "staleness_mean", st.staleness_mean);
+        log_metric_(l, "staleness_max", st.staleness_max);
+        log_metric_(l, "tool_calls", st.tool_calls_mean);
+        log_metric_(l, "episode_len", st.episode_len_mean);
+        log_metric_(l, "episodes", st.episodes);
+        log_metric_(l, "learner_tokens_per_s", st.seconds > 0 ? st.tokens / st.seconds : 0);
+        log_metric_(l, "tokens_per_s", el > 0 ? l->tokens_seen / el : 0);
+        log_metric_(l, "episodes_per_s", el > 0 ? l->episodes_seen / el : 0);
+        log_metric_(l, "step_seconds", st.seconds);
+        log_metric_(l, "stale_dropped", (double)l->stale_dropped);
+        log_metric_(l, "groups_dropped", (double)l->groups_dropped);
+        log_metric_(l, "episodes_aborted", (double)l->episodes_by_status[MTRL_EP_ABORTED]);
+        log_metric_(l, "episodes_rejected", (double)l->episodes_by_status[MTRL_EP_REJECTED]);
+        log_metric_(l, "version", l->model.version);
+        const mtrl_model_dims *d = &l->model.dims;
+        double worst = 0;
+        for (int ly = 1; ly < d->L; ly++) {
+            char name[64];
+            snprintf(name, sizeof name, "max_violation.%d", ly);
+            log_metric_(l, name, st.max_violation[ly]);
+            if (st.max_violation[ly] > worst) worst = st.max_violation[ly];
+            for (int e = 0; e < d->E; e++)
+                mtrl_store_expert_log(l->store, l->run_id, l->step, ly, e, (double)l->loads[(size_t)ly * d->E + e],
+                                      (double)l->model.qb_beta[(size_t)ly * d->E + e], NULL);
+        }
+        log_metric_(l, "max_violation", worst);
+        if (mtrl_store_commit(l->store, &err) != MTRL_OK) event_(l, MTRL_LOG_ERROR, "run store: %s", err.msg);
+    } else {
+        event_(l, MTRL_LOG_ERROR, "run store: %s", err.msg);
+    }
+    l->last_reward = st.reward_mean;
+    if (l->cfg.run.checkpoint_every > 0 && l->step % l->cfg.run.checkpoint_every == 0) checkpoint_(l);
+    free(batch);
+}
+
+static void warmup_(mtrl_learner *l) {
+    long steps = l->cfg.warmup.steps;
+    if (steps <= 0 || l->model.step > 0) return;
+    mtrl_env *env;
+    mtrl_error err;
+    if (mtrl_env_open_config(&l->cfg, &env, &err) != MTRL_OK) {
+        event_(l, MTRL_LOG_ERROR, "warm-up: %s", err.msg);
+        return;
+    }
+    int B = (int)l->cfg.warmup.batch;
+    mtrl_traj *demos = xcalloc((size_t)B, sizeof(mtrl_traj));
+    mtrl_traj **dp = xcalloc((size_t)B, sizeof(mtrl_traj *));
+    for (int i = 0; i < B; i++) {
+        mtrl_traj_init(&demos[i]);
+        dp[i] = &demos[i];
+    }
+    event_(l, MTRL_LOG_INFO, "warm-up: %ld supervised steps on %s demonstrations", steps, mtrl_env_name(env));
+    for (long s = 0; s < steps; s++) {
+        int ok = 1;
+        for (int i = 0; i < B && ok; i++) {
+            uint64_t seed = mtrl_rng_u64((uint64_t)l->cfg.run.seed, mtrl_rng_stream("warmup", 0, 0), (uint64_t)(s * B + i));
+            ok = mtrl_train_demo_episode(env, seed, (int)l->cfg.actor.max_tokens, &demos[i], &err) == MTRL_OK;
+        }
+        if (!ok) {
+            event_(l, MTRL_LOG_ERROR, "warm-up stopped: %s", err.msg);
+            break;
+        }
+        double loss = mtrl_train_sft_step(&l->model, &l->cfg, dp, B, l->cfg.warmup.lr);
+        mtrl_store_metric_log(l->store, l->run_id, -steps + s, "warmup_loss", loss, 0, NULL);
+        if (l->progress) mtrl_progress_update(&l->prog, s + 1 == steps, "warm-up %ld/%ld | loss %.3f", s + 1, steps, loss);
+    }
+    if (l->progress) mtrl_progress_end(&l->prog);
+    // RL starts with a fresh optimizer: the moments of the supervised stage do not carry over.
+    memset(l->model.adam_m, 0, l->model.params.total);
+    memset(l->model.adam_v, 0, l->model.params.total);
+    for (int i = 0; i < B; i++) mtrl_traj_free(&demos[i]);
+    free(demos);
+    free(dp);
+    mtrl_env_close(env);
+    publish_(l);
+}
+
+// ---- lifecycle ---------------------------------------------------------------------------------------------------
+
+static mtrl_status resume_(mtrl_learner *l, mtrl_error *err) {
+    mtrl_status st = mtrl_store_run_latest(l->store, &l->run_id, err);
+    if (st != MTRL_OK) return mtrl_error_wrap(err, "--resume");
+    mtrl_store_checkpoint *rows;
+    size_t n;
+    if ((st = mtrl_store_checkpoints(l->store, l->run_id, &rows, &n, err)) != MTRL_OK) return st;
+    if (n == 0) {
+        free(rows);
+        return mtrl_error_set(err, MTRL_ERR_NOTFOUND, "--resume: run %lld has no checkpoint to resume from", (long long)l->run_id);
+    }
+    mtrl_ckpt c;
+    st = mtrl_ckpt_open_file(&c, rows[n - 1].path, err);
+    if (st == MTRL_OK) {
+        const char *h = mtrl_ckpt_meta(&c, "config_hash");
+        if (h && strcmp(h, l->config_hash_hex))
+            st = mtrl_error_set(err, MTRL_ERR_MISMATCH, "--resume: %s was written with config %s, this config is %s",
+                                rows[n - 1].path, h, l->config_hash_hex);
+        if (st == MTRL_OK) st = mtrl_model_load(&l->model, &c, 1, err);
+        const char *ls = mtrl_ckpt_meta(&c, "learner_step");
+        if (st == MTRL_OK) l->step = ls ? strtol(ls, NULL, 10) : rows[n - 1].step;
+        mtrl_ckpt_close(&c);
+    }
+    free(rows);
+    if (st == MTRL_OK) {
+        mtrl_store_run_set_status(l->store, l->run_id, MTRL_RUN_RUNNING, NULL);
+        event_(l, MTRL_LOG_INFO, "resumed run %lld at step %ld (version %u)", (long long)l->run_id, l->step, l->model.version);
+    }
+    return st;
+}
+
+mtrl_status mtrl_learner_open(mtrl_learner **out, const mtrl_config *cfg, const mtrl_learner_opts *opts,
+                              mtrl_error *err) {
+    mtrl_learner *l = xcalloc(1, sizeof *l);
+    l->cfg = *cfg;
+    l->progress = opts && opts->progress;
+    l->tick = opts ? opts->tick : NULL;
+    l->tick_user = opts ? opts->tick_user : NULL;
+    mtrl_progress_init(&l->prog, 5.0);
+    l->config_text = mtrl_config_to_ini(cfg);
+    l->config_hash = mtrl_config_hash(cfg);
+    mtrl_hash64_hex(l->config_hash, l->config_hash_hex);
+    mtrl_status st = mtrl_train_algo_config(cfg, &l->algo, err);
+    mtrl_model_dims d;
+    if (st == MTRL_OK) st = mtrl_model_dims_from_config(&d, &cfg->model, MTRL_VOCAB, err);
+    if (st == MTRL_OK && strcmp(cfg->model.device, "cpu"))
+        st = mtrl_error_set(err, MTRL_ERR_USAGE, "%s: [model] device = %s: the learner on CUDA has not landed (issue 6)",
+                            cfg->path, cfg->model.device);
+    if (st == MTRL_OK && mkdir_p_(cfg->run.out_dir) != 0)
+        st = mtrl_error_set(err, MTRL_ERR_IO, "[run] out_dir %s: cannot create: %s", cfg->run.out_dir, strerror(errno));
+    if (st != MTRL_OK) {
+        free(l->config_text);
+        free(l);
+        return st;
+    }
+    mtrl_model_init(&l->model, &d, (uint64_t)cfg->run.seed);
+    l->loads = xcalloc((size_t)d.L * (size_t)d.E, sizeof(long));
+    const char *db = opts && opts->db ? opts->db : cfg->run.db;
+    st = mtrl_store_open(&l->store, db, 0, err);
+    if (st == MTRL_OK) {
+        if (opts && opts->resume) {
+            st = resume_(l, err);
+        } else {
+            char hex[17];
+            mtrl_hash64_hex(l->config_hash, hex);
+            mtrl_store_run_info info = {cfg->run.name, l->config_text, hex, NULL, NULL, 0};
+            st = mtrl_store_run_create(l->store, &info, &l->run_id, err);
+        }
+    }
+    if (st == MTRL_OK) {
+        snprintf(l->traj_path, sizeof l->traj_path, "%s/traj-run%lld.bin", cfg->run.out_dir, (long long)l->run_id);
+        st = mtrl_trajfile_writer_open(&l->tw, l->traj_path, 0, err);
+    }
+    if (st == MTRL_OK) {
+        l->zctx = zmq_ctx_new();
+        l->lim = mtrl_wire_limits_default();
+        mtrl_wire_sockopts so = mtrl_wire_sockopts_default();
+        st = mtrl_wire_router_open(&l->sock, l->zctx, cfg->learner.endpoint, &l->lim, &so, err);
+    }
+    if (st != MTRL_OK) {
+        mtrl_learner_close(l);
+        return st;
+    }
+    l->asm_ = mtrl_wire_asm_new(&l->lim);
+    mtrl_wbuf_init(&l->scratch);
+    publish_(l);
+    event_(l, MTRL_LOG_INFO, "run %lld (%s): learner on %s, model %zu parameters, store %s", (long long)l->run_id,
+           cfg->run.name, l->sock.endpoint, mtrl_model_param_count(&l->model), db);
+    *out = l;
+    return MTRL_OK;
+}
+
+const char *mtrl_learner_endpoint(const mtrl_learner *l) { return l->sock.endpoint; }
+long long mtrl_learner_run_id(const mtrl_learner *l) { return (long long)l->run_id; }
+
+int mtrl_learner_run(mtrl_learner *l, volatile sig_atomic_t *stop) {
+    l->t_start = mtrl_time_mono();
+    warmup_(l);
+    if (*stop) goto killed;
+    // Actors that said HELLO during the warm-up got version 0; send them the warmed-up weights.
+    double last_hb = 0;
+    int G = (int)l->cfg.algo.group_size, need = (int)l->cfg.learner.batch_groups;
+    double deadline = l->cfg.run.max_minutes > 0 ? l->t_start + 60.0 * l->cfg.run.max_minutes : 0;
+    int *ready = xmalloc(sizeof(int) * (size_t)need);
+    mtrl_traj popped;
+    mtrl_traj_init(&popped);
+    while (l->step < l->cfg.run.steps && !*stop) {
+        mtrl_wire_in in;
+        mtrl_error err;
+        mtrl_status s = mtrl_wire_recv(&l->sock, 20, &in, &l->rx, &err);
+        while (s == MTRL_OK) {
+            handle_(l, &in);
+            s = mtrl_wire_recv(&l->sock, 0, &in, &l->rx, &err);
+        }
+        if (s != MTRL_ERR_TIMEOUT) LOG_WARN("dropped a message: %s", err.msg);
+        if (mtrl_store_begin(l->store, &err) == MTRL_OK) {
+            while (mtrl_wire_asm_pop(l->asm_, &popped)) commit_(l, &popped);
+            mtrl_store_commit(l->store, &err);
+        }
+        grant_credit_(l);
+        if (l->tick) l->tick(l->tick_user);
+        double now = mtrl_time_mono();
+        if (now - last_hb > 1e-3 * (double)l->cfg.actor.heartbeat_ms) {
+            check_heartbeats_(l);
+            last_hb = now;
+        }
+        // Final groups: train on those with at least 2 trainable episodes, drop the others.
+        int n_ready = 0;
+        for (int i = 0; i < l->n_groups && n_ready < need; i++) {
+            if (!group_final_(l, &l->groups[i], now)) continue;
+            if (group_trainable_(&l->groups[i]) < (G > 1 ? 2 : 1)) {
+                l->groups_dropped++;
+                group_drop_(l, i--);
+                continue;
+            }
+            ready[n_ready++] = i;
+        }
+        if (n_ready == need) {
+            rl_step_(l, ready, n_ready);
+            // drop the consumed groups, highest index first so the others keep their place
+            for (int r = n_ready - 1; r >= 0; r--) group_drop_(l, ready[r]);
+        }
+        if (l->progress) {
+            int live = 0;
+            for (int i = 0; i < l->n_actors; i++) live += l->actors[i].alive;
+            double el = mtrl_time_mono() - l->t_start;
+            mtrl_progress_update(&l->prog, 0, "step %ld/%ld | reward %.3f | %.1f episodes/s | %.0f tokens/s | actors %d | aborted %ld",
+                                 l->step, l->cfg.run.steps, l->last_reward, el > 0 ? l->episodes_seen / el : 0,
+                                 el > 0 ? l->tokens_seen / el : 0, live, l->episodes_by_status[MTRL_EP_ABORTED]);
+        }
+        if (deadline > 0 && now > deadline) {
+            event_(l, MTRL_LOG_WARN, "[run] max_minutes reached at step %ld", l->step);
+            break;
+        }
+    }
+    mtrl_traj_free(&popped);
+    free(ready);
+    if (l->progress) mtrl_progress_end(&l->prog);
+    checkpoint_(l);
+    // Tell the actors the run is over.
+    mtrl_wire_out o;
+    mtrl_wire_out_init(&o);
+    mtrl_wire_encode_bye(&o, *stop ? "run killed" : "run finished");
+    for (int i = 0; i < l->n_actors; i++)
+        if (l->actors[i].alive) send_(l, &l->actors[i], &o);
+    mtrl_wire_out_free(&o);
+    if (*stop) goto killed;
+    mtrl_store_run_set_status(l->store, l->run_id, MTRL_RUN_FINISHED, NULL);
+    event_(l, MTRL_LOG_INFO, "run %lld finished: %ld steps, %ld episodes (%ld complete, %ld truncated, %ld aborted, %ld rejected)",
+           (long long)l->run_id, l->step, l->episodes_seen, l->episodes_by_status[MTRL_EP_COMPLETE],
+           l->episodes_by_status[MTRL_EP_TRUNCATED], l->episodes_by_status[MTRL_EP_ABORTED],
+           l->episodes_by_status[MTRL_EP_REJECTED]);
+    return 0;
+killed:
+    mtrl_store_run_set_status(l->store, l->run_id, MTRL_RUN_KILLED, NULL);
+    event_(l, MTRL_LOG_WARN, "run %lld killed at step %ld", (long long)l->run_id, l->step);
+    return 1;
+}
+
+void mtrl_learner_close(mtrl_learner *l) {
+    if (!l) return;
+    mtrl_error err;
+    if (l->tw.fd >= 0 && l->tw.path) mtrl_trajfile_writer_close(&l->tw, &err);
+    mtrl_wire_sock_close(&l->sock);
+    if (l->zctx) zmq_ctx_term(l->zctx);
+    mtrl_wire_asm_free(l->asm_);
+    while (l->n_groups) group_drop_(l, l->n_groups - 1);
+    free(l->groups);
+    mtrl_store_close(l->store);
+    mtrl_model_free(&l->model);
+    mtrl_wbuf_free(&l->scratch);
+    free(l->blob);
+    free(l->loads);
+    free(l->config_text);
+    free(l);
+}

@@ -1,0 +1,46 @@
+// learner.h: the learner process (architecture §3, §5, §6).
+//
+// It binds a ZeroMQ ROUTER, welcomes actors (HELLO → WELCOME with the resolved experiment, so
+// an actor builds the same model and env), serves weights (WEIGHTS_REQ → WEIGHTS chunks of the
+// safetensors blob of the current version), assembles streamed episodes (BEGIN / CHUNK / END,
+// common/wire.h) and commits each finished one to the trajectory file and the run store. When
+// `[learner] batch_groups` groups of `[algo] group_size` episodes are complete it takes one
+// optimizer step (learner/train.h), updates QB β after the step, publishes version + 1 and logs
+// metrics and expert loads. Episodes older than `max_staleness` versions are recorded but not
+// trained on. Actors silent for `heartbeat_timeout_ms` are dead: their open episodes are
+// aborted. Credit (bytes an actor may have in flight) is returned as the learner consumes
+// episodes, so the learner holds at most Σ credit of unassembled bytes.
+//
+// An optional [warmup] stage runs first: supervised steps on env demonstrations.
+// Checkpoints (parameters, AdamW, β, step, version, counters) every `checkpoint_every` steps
+// and at the end; `resume` continues the last run of the database from its last checkpoint.
+#ifndef MTRL_LEARNER_H
+#define MTRL_LEARNER_H
+
+#include <signal.h>
+
+#include "common/config.h"
+#include "common/status.h"
+
+typedef struct mtrl_learner mtrl_learner;
+
+typedef struct mtrl_learner_opts {
+    const char *db;        // run store path (NULL: [run] db)
+    int resume;            // continue the latest run of db from its last checkpoint
+    int progress;          // draw the progress line on stderr
+    void (*tick)(void *user); // called every loop iteration (mtrl run restarts dead actors there)
+    void *tick_user;
+} mtrl_learner_opts;
+
+mtrl_status mtrl_learner_open(mtrl_learner **out, const mtrl_config *cfg, const mtrl_learner_opts *opts,
+                              mtrl_error *err);
+// The endpoint actors connect to (the bound port when the config says tcp://...:*).
+const char *mtrl_learner_endpoint(const mtrl_learner *l);
+long long mtrl_learner_run_id(const mtrl_learner *l);
+
+// Runs until [run] steps optimizer steps are done (0), *stop becomes non-zero (the run is
+// marked killed, 1), or the run fails (1, with the reason logged and stored).
+int mtrl_learner_run(mtrl_learner *l, volatile sig_atomic_t *stop);
+void mtrl_learner_close(mtrl_learner *l);
+
+#endif

@@ -1,0 +1,216 @@
+// cmd_run.c: `mtrl run`, `mtrl learner` and `mtrl actor` (architecture §2).
+//
+// `mtrl run EXPERIMENT.ini` is the learner in this process plus [actor] count local actor
+// processes (fork + exec of `mtrl actor --connect ENDPOINT --id N`). An actor that dies is
+// started again (its open episodes are aborted by the learner), with a pause that doubles up
+// to 30 s. SIGINT/SIGTERM stop the run cleanly: actors are told and reaped, the run is marked
+// killed, exit code 1. Exit codes: 0 finished, 1 failed or killed, 2 bad usage or config.
+#include <errno.h>
+#include <signal.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/wait.h>
+#include <time.h>
+#include <unistd.h>
+
+#include "actor/actor.h"
+#include "common/config.h"
+#include "common/log.h"
+#include "common/timeutil.h"
+#include "learner/learner.h"
+#include "tools/cli.h"
+
+#define RUN_USAGE "mtrl run EXPERIMENT.ini [--db runs.db] [--resume] [--set section.key=value ...]"
+#define LEARNER_USAGE "mtrl learner EXPERIMENT.ini [--db runs.db] [--resume] [--set section.key=value ...]"
+#define ACTOR_USAGE "mtrl actor --connect tcp://HOST:PORT [--id N] [--gpu N]"
+
+static volatile sig_atomic_t stop_;
+
+static void on_signal_(int sig) {
+    (void)sig;
+    stop_ = 1;
+}
+
+static void install_signals_(void) {
+    struct sigaction sa;
+    memset(&sa, 0, sizeof sa);
+    sa.sa_handler = on_signal_;
+    sigaction(SIGINT, &sa, NULL);
+    sigaction(SIGTERM, &sa, NULL);
+    signal(SIGPIPE, SIG_IGN);
+}
+
+typedef struct run_args {
+    const char *path, *db;
+    int resume;
+    const char *sets[64];
+    int n_sets;
+} run_args;
+
+static int parse_run_args_(const char *name, const char *usage, int argc, char **argv, run_args *a) {
+    memset(a, 0, sizeof *a);
+    for (int i = 1; i < argc; i++) {
+        if (cli_is_help(argv[i])) {
+            printf("usage: %s\n", usage);
+            return 0;
+        }
+        if (!strcmp(argv[i], "--db") && i + 1 < argc) a->db = argv[++i];
+        else if (!strcmp(argv[i], "--resume")) a->resume = 1;
+        else if (!strcmp(argv[i], "--set") && i + 1 < argc) {
+            if (a->n_sets < 64) a->sets[a->n_sets++] = argv[++i];
+        } else if (!strncmp(argv[i], "--set=", 6)) {
+            if (a->n_sets < 64) a->sets[a->n_sets++] = argv[i] + 6;
+        } else if (argv[i][0] == '-') return cli_usage_error(name, usage, "unknown option '%s'", argv[i]);
+        else if (a->path) return cli_usage_error(name, usage, "more than one experiment file given");
+        else a->path = argv[i];
+    }
+    if (!a->path) return cli_usage_error(name, usage, "no experiment file given");
+    return -1; // go on
+}
+
+static int load_config_(const run_args *a, mtrl_config *cfg) {
+    mtrl_config_errors errs = {0};
+    if (mtrl_config_load(cfg, a->path, a->sets, a->n_sets, &errs) != MTRL_OK) {
+        mtrl_config_errors_print(&errs, stderr);
+        mtrl_config_errors_free(&errs);
+        return 0;
+    }
+    return 1;
+}
+
+typedef struct child {
+    pid_t pid;
+    int id;
+    int restarts;
+    double next_start;
+} child;
+
+static pid_t spawn_actor_(const char *endpoint, int id) {
+    char ids[16];
+    snprintf(ids, sizeof ids, "%d", id);
+    pid_t pid = fork();
+    if (pid == 0) {
+        execl("/proc/self/exe", "mtrl", "actor", "--connect", endpoint, "--id", ids, (char *)NULL);
+        _exit(127);
+    }
+    return pid;
+}
+
+typedef struct supervisor {
+    child *kids;
+    int n;
+    const char *endpoint;
+} supervisor;
+
+// Restarts actors that died while the run goes on, with a pause that doubles up to 30 s.
+static void supervise_(void *user) {
+    supervisor *s = user;
+    double now = mtrl_time_mono();
+    for (int i = 0; i < s->n; i++) {
+        child *k = &s->kids[i];
+        if (k->pid > 0) {
+            int status;
+            if (waitpid(k->pid, &status, WNOHANG) != k->pid) continue;
+            if (WIFSIGNALED(status)) LOG_WARN("actor %d (pid %d) died: signal %d; restarting", k->id, (int)k->pid, WTERMSIG(status));
+            else LOG_WARN("actor %d (pid %d) exited with status %d; restarting", k->id, (int)k->pid, WEXITSTATUS(status));
+            k->pid = 0;
+            double pause = k->restarts < 5 ? (double)(1 << k->restarts) : 30.0;
+            k->next_start = now + (pause > 30 ? 30 : pause);
+            k->restarts++;
+        } else if (now >= k->next_start) {
+            k->pid = spawn_actor_(s->endpoint, k->id);
+        }
+    }
+}
+
+int cmd_run(int argc, char **argv) {
+    run_args a;
+    int rc = parse_run_args_("run", RUN_USAGE, argc, argv, &a);
+    if (rc >= 0) return rc;
+    mtrl_config cfg;
+    if (!load_config_(&a, &cfg)) return 2;
+    install_signals_();
+    mtrl_log_set_tag("learner");
+    mtrl_learner *l;
+    mtrl_error err;
+    supervisor sv = {0};
+    mtrl_learner_opts o = {a.db, a.resume, 1, supervise_, &sv};
+    if (mtrl_learner_open(&l, &cfg, &o, &err) != MTRL_OK) {
+        fprintf(stderr, "mtrl run: %s\n", err.msg);
+        return err.code == MTRL_ERR_USAGE ? 2 : 1;
+    }
+    const char *endpoint = mtrl_learner_endpoint(l);
+    int n = (int)cfg.actor.count;
+    child *kids = calloc((size_t)(n ? n : 1), sizeof(child));
+    for (int i = 0; i < n; i++) {
+        kids[i].id = i + 1;
+        kids[i].pid = spawn_actor_(endpoint, kids[i].id);
+    }
+    sv = (supervisor){kids, n, endpoint};
+    rc = mtrl_learner_run(l, &stop_);
+    mtrl_learner_close(l);
+    // Reap the actors: they got a BYE; give them a moment, then stop them.
+    for (int i = 0; i < n; i++)
+        if (kids[i].pid > 0) kill(kids[i].pid, SIGTERM);
+    double t0 = mtrl_time_mono();
+    for (int i = 0; i < n; i++) {
+        while (kids[i].pid > 0) {
+            int status;
+            pid_t w = waitpid(kids[i].pid, &status, WNOHANG);
+            if (w == kids[i].pid || (w < 0 && errno == ECHILD)) break;
+            if (mtrl_time_mono() - t0 > 5) {
+                kill(kids[i].pid, SIGKILL);
+                waitpid(kids[i].pid, &status, 0);
+                break;
+            }
+            struct timespec ts = {0, 20 * 1000 * 1000};
+            nanosleep(&ts, NULL);
+        }
+    }
+    free(kids);
+    return rc;
+}
+
+int cmd_learner(int argc, char **argv) {
+    run_args a;
+    int rc = parse_run_args_("learner", LEARNER_USAGE, argc, argv, &a);
+    if (rc >= 0) return rc;
+    mtrl_config cfg;
+    if (!load_config_(&a, &cfg)) return 2;
+    install_signals_();
+    mtrl_log_set_tag("learner");
+    mtrl_learner *l;
+    mtrl_error err;
+    mtrl_learner_opts o = {a.db, a.resume, 1, NULL, NULL};
+    if (mtrl_learner_open(&l, &cfg, &o, &err) != MTRL_OK) {
+        fprintf(stderr, "mtrl learner: %s\n", err.msg);
+        return err.code == MTRL_ERR_USAGE ? 2 : 1;
+    }
+    printf("%s\n", mtrl_learner_endpoint(l));
+    fflush(stdout);
+    rc = mtrl_learner_run(l, &stop_);
+    mtrl_learner_close(l);
+    return rc;
+}
+
+int cmd_actor(int argc, char **argv) {
+    const char *endpoint = NULL;
+    long id = 1;
+    for (int i = 1; i < argc; i++) {
+        if (cli_is_help(argv[i])) {
+            printf("usage: %s\n", ACTOR_USAGE);
+            return 0;
+        }
+        if (!strcmp(argv[i], "--connect") && i + 1 < argc) endpoint = argv[++i];
+        else if (!strcmp(argv[i], "--id") && i + 1 < argc) {
+            char *end;
+            id = strtol(argv[++i], &end, 10);
+            if (*end || id < 0 || id > 65535) return cli_usage_error("actor", ACTOR_USAGE, "--id %s: expected 0..65535", argv[i]);
+        } else if (!strcmp(argv[i], "--gpu") && i + 1 < argc) {
+            i++; // the actor on CUDA lands with issue 6; the flag is accepted so launch scripts need no change
+        } else return cli_usage_error("actor", ACTOR_USAGE, "unknown option '%s'", argv[i]);
+    }
+    if (!endpoint) return cli_usage_error("actor", ACTOR_USAGE, "--connect ENDPOINT is required");
+    install_signals_();
+    return mtrl_actor_main(endpoint, (uint32_t)id, &stop_);
+}
