@@ -262,9 +262,9 @@ int mtrl_actor_main(const char *endpoint, uint32_t actor_id, volatile sig_atomic
     actor a;
     memset(&a, 0, sizeof a);
     a.id = actor_id;
-    struct timespec ts;
-    clock_gettime(CLOCK_REALTIME, &ts);
-    a.incarnation = (uint32_t)((uint64_t)ts.tv_nsec ^ ((uint64_t)getpid() << 12) ^ (uint64_t)ts.tv_sec) | 1u;
+    // Incarnations must grow: the learner treats a higher one as a restart of the same actor and
+    // a lower one as stale. Tenths of a second since 2024-01-01 fit 32 bits for 13 years.
+    a.incarnation = (uint32_t)((mtrl_time_wall() - 1704067200.0) * 10.0);
     char tag[32];
     snprintf(tag, sizeof tag, "actor %u", actor_id);
     mtrl_log_set_tag(tag);

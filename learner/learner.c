@@ -113,7 +113,12 @@ static void send_(mtrl_learner *l, actor_rec *a, mtrl_wire_out *o) {
     mtrl_error err;
     if (mtrl_wire_send(&l->sock, &a->peer, o, &err) != MTRL_OK) {
         LOG_WARN("send to actor %u failed: %s", a->id, err.msg);
-        if (err.code == MTRL_ERR_PEER) a->alive = 0;
+        if (err.code == MTRL_ERR_PEER && a->alive) {
+            // ZeroMQ's own heartbeat (or the TCP close) found the peer gone before ours timed out.
+            a->alive = 0;
+            size_t n = mtrl_wire_asm_abort_actor(l->asm_, a->id, a->incarnation, "actor connection lost (no heartbeat)");
+            event_(l, MTRL_LOG_WARN, "actor %u (incarnation %u) disconnected: %zu open episodes aborted", a->id, a->incarnation, n);
+        }
     }
 }
 

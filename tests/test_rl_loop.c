@@ -1,0 +1,303 @@
+// mtrl-test: cpu fault timeout=900
+// The RL loop with real processes, real ZeroMQ on loopback and real SQLite files:
+//  1. `mtrl run` of a short experiment finishes; the store has the run, reward per step, expert
+//     loads and β, episodes by status; every committed episode's digest matches its file.
+//  2. An actor killed with SIGKILL mid-episode: its open episodes become `aborted` (heartbeat
+//     timeout), training continues, a restarted actor (new incarnation) rejoins.
+//  3. Malformed and oversized messages sent to the learner are dropped without a crash.
+//  4. The example plug-in (.so built against env/mtrl_env.h alone) runs in an experiment.
+//  5. A crashing isolated plug-in aborts only its episodes; the run finishes.
+#include <errno.h>
+#include <signal.h>
+#include <sqlite3.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/wait.h>
+#include <time.h>
+#include <unistd.h>
+#include <zmq.h>
+
+#include "common/store.h"
+#include "common/traj.h"
+#include "common/trajfile.h"
+#include "tests/testhelp.h"
+
+static char dir_[256];
+static const char *bin_;
+
+static void sleep_ms(int ms) {
+    struct timespec ts = {ms / 1000, (long)(ms % 1000) * 1000000L};
+    nanosleep(&ts, NULL);
+}
+
+static void write_file(const char *path, const char *text) {
+    FILE *f = fopen(path, "w");
+    fputs(text, f);
+    fclose(f);
+}
+
+// Runs argv to completion with stdout/stderr to a log; returns the exit status (or 128 + signal).
+static int run_cmd(char *const argv[], const char *log) {
+    fflush(NULL);
+    pid_t pid = fork();
+    if (pid == 0) {
+        FILE *f = freopen(log, "a", stderr);
+        (void)f;
+        dup2(2, 1);
+        execv(argv[0], argv);
+        _exit(127);
+    }
+    int st;
+    waitpid(pid, &st, 0);
+    return WIFEXITED(st) ? WEXITSTATUS(st) : 128 + WTERMSIG(st);
+}
+
+static pid_t start_cmd(char *const argv[], const char *log) {
+    fflush(NULL);
+    pid_t pid = fork();
+    if (pid == 0) {
+        FILE *f = freopen(log, "a", stderr);
+        (void)f;
+        f = freopen(log, "a", stdout);
+        (void)f;
+        execv(argv[0], argv);
+        _exit(127);
+    }
+    return pid;
+}
+
+static long long query_int(const char *db, const char *sql) {
+    sqlite3 *h;
+    long long v = -1;
+    if (sqlite3_open_v2(db, &h, SQLITE_OPEN_READONLY, NULL) != SQLITE_OK) return -1;
+    sqlite3_busy_timeout(h, 5000);
+    sqlite3_stmt *st;
+    if (sqlite3_prepare_v2(h, sql, -1, &st, NULL) == SQLITE_OK && sqlite3_step(st) == SQLITE_ROW) v = sqlite3_column_int64(st, 0);
+    sqlite3_finalize(st);
+    sqlite3_close(h);
+    return v;
+}
+
+static void query_text(const char *db, const char *sql, char *out, size_t cap) {
+    sqlite3 *h;
+    out[0] = '\0';
+    if (sqlite3_open_v2(db, &h, SQLITE_OPEN_READONLY, NULL) != SQLITE_OK) return;
+    sqlite3_busy_timeout(h, 5000);
+    sqlite3_stmt *st;
+    if (sqlite3_prepare_v2(h, sql, -1, &st, NULL) == SQLITE_OK && sqlite3_step(st) == SQLITE_ROW && sqlite3_column_text(st, 0))
+        snprintf(out, cap, "%s", (const char *)sqlite3_column_text(st, 0));
+    sqlite3_finalize(st);
+    sqlite3_close(h);
+}
+
+static const char *BASE =
+    "[run]\nname = test\nseed = 3\nsteps = %d\nout_dir = %s/runs-%s\ncheckpoint_every = 2\n"
+    "[model]\npreset = tiny\n"
+    "[env]\nname = %s\nplugin = %s\nisolate = %s\nstep_timeout_ms = 2000\nmax_tool_calls = 2\n"
+    "[actor]\ncount = 2\nepisodes_in_flight = 4\nmax_tokens = 40\nmax_turn_tokens = 12\nheartbeat_ms = 200\n"
+    "[learner]\nbatch_groups = 2\nheartbeat_timeout_ms = 1500\n"
+    "[algo]\ngroup_size = 2\n";
+
+static void make_experiment(const char *name, int steps, const char *env, const char *plugin, const char *isolate,
+                            char *path, size_t cap, const char *extra) {
+    char text[2048];
+    int n = snprintf(text, sizeof text, BASE, steps, dir_, name, env, plugin, isolate);
+    snprintf(text + n, sizeof text - (size_t)n, "%s", extra ? extra : "");
+    snprintf(path, cap, "%s/%s.ini", dir_, name);
+    write_file(path, text);
+}
+
+// Every committed episode with a trajectory file: the file's record decodes and its digest is
+// the one in the store.
+static void check_digests(const char *db) {
+    mtrl_store *s;
+    mtrl_error err;
+    TEST_EQ_INT(mtrl_store_open(&s, db, 1, &err), MTRL_OK);
+    sqlite3 *h = mtrl_store_sqlite(s);
+    sqlite3_stmt *st;
+    sqlite3_prepare_v2(h, "SELECT traj_path, traj_offset, digest, tokens FROM episodes WHERE traj_path IS NOT NULL", -1, &st,
+                       NULL);
+    int n = 0, good = 0;
+    mtrl_traj_limits lim = mtrl_traj_limits_default();
+    while (sqlite3_step(st) == SQLITE_ROW) {
+        const char *path = (const char *)sqlite3_column_text(st, 0);
+        int64_t off = sqlite3_column_int64(st, 1);
+        const char *digest = (const char *)sqlite3_column_text(st, 2);
+        mtrl_trajfile_reader r;
+        mtrl_traj t;
+        mtrl_traj_init(&t);
+        if (mtrl_trajfile_reader_open(&r, path, &err) == MTRL_OK) {
+            if (mtrl_trajfile_read_traj_at(&r, (uint64_t)off, &lim, &t, &err) == MTRL_OK) {
+                char hex[32];
+                snprintf(hex, sizeof hex, "%016llx", (unsigned long long)mtrl_traj_digest_compute(&t));
+                good += digest && !strcmp(hex, digest) && (int64_t)t.n_tokens == sqlite3_column_int64(st, 3);
+            }
+            mtrl_trajfile_reader_close(&r);
+        }
+        mtrl_traj_free(&t);
+        n++;
+    }
+    sqlite3_finalize(st);
+    mtrl_store_close(s);
+    printf("digests: %d of %d episode files match the store\n", good, n);
+    TEST_CHECK(n > 0);
+    TEST_EQ_INT(good, n);
+}
+
+static void test_short_run(void) {
+    char ini[512], db[512], log[512];
+    make_experiment("short", 3, "calc", "", "false", ini, sizeof ini, NULL);
+    snprintf(db, sizeof db, "%s/short.db", dir_);
+    snprintf(log, sizeof log, "%s/short.log", dir_);
+    char *argv[] = {(char *)bin_, "run", ini, "--db", db, NULL};
+    int rc = run_cmd(argv, log);
+    TEST_EQ_INT(rc, 0);
+    char status[64];
+    query_text(db, "SELECT status FROM runs WHERE id = 1", status, sizeof status);
+    TEST_EQ_STR(status, "finished");
+    TEST_EQ_INT(query_int(db, "SELECT count(*) FROM metrics WHERE name = 'reward'"), 3);
+    TEST_CHECK(query_int(db, "SELECT count(*) FROM episodes") >= 8);
+    TEST_CHECK(query_int(db, "SELECT count(*) FROM experts") == 3 * 3 * 8); // steps x MoE layers x experts
+    TEST_CHECK(query_int(db, "SELECT count(*) FROM checkpoints") >= 1);
+    TEST_EQ_INT(query_int(db, "SELECT count(*) FROM episodes WHERE status NOT IN ('complete','truncated','aborted','rejected')"), 0);
+    check_digests(db);
+}
+
+// Sends garbage to the learner: a non-mtrl frame, a header claiming a payload far over the cap,
+// a message with too many frames, and a chunk for an episode nobody began.
+static void send_garbage(const char *endpoint) {
+    void *ctx = zmq_ctx_new();
+    void *s = zmq_socket(ctx, ZMQ_DEALER);
+    int linger = 100;
+    zmq_setsockopt(s, ZMQ_LINGER, &linger, sizeof linger);
+    zmq_connect(s, endpoint);
+    zmq_send(s, "hello there", 11, 0);
+    unsigned char hdr[40] = {'M', 'T', 'R', 'L', 1, 0, 5, 0};
+    for (int i = 16; i < 24; i++) hdr[i] = 0x7f; // payload length ~ 9e18
+    zmq_send(s, hdr, sizeof hdr, 0);
+    zmq_send(s, "a", 1, ZMQ_SNDMORE);
+    zmq_send(s, "b", 1, ZMQ_SNDMORE);
+    zmq_send(s, "c", 1, 0);
+    sleep_ms(300);
+    zmq_close(s);
+    zmq_ctx_term(ctx);
+}
+
+static void test_actor_killed(void) {
+    char ini[512], db[512], log[512], epfile[512];
+    // Long episodes streamed in small chunks, so the actor is always in the middle of some.
+    make_experiment("kill", 12, "calc", "", "false", ini, sizeof ini, NULL);
+    snprintf(db, sizeof db, "%s/kill.db", dir_);
+    snprintf(log, sizeof log, "%s/kill.log", dir_);
+    snprintf(epfile, sizeof epfile, "%s/kill.endpoint", dir_);
+    // The learner alone prints its endpoint on stdout.
+    fflush(NULL);
+    pid_t lp = fork();
+    if (lp == 0) {
+        FILE *f = freopen(log, "a", stderr);
+        f = freopen(epfile, "w", stdout);
+        (void)f;
+        execl(bin_, bin_, "learner", ini, "--db", db, "--set", "actor.max_tokens=1500", "--set",
+              "actor.max_turn_tokens=1500", "--set", "actor.chunk_tokens=16", (char *)NULL);
+        _exit(127);
+    }
+    char endpoint[256] = "";
+    for (int i = 0; i < 200 && !endpoint[0]; i++) {
+        sleep_ms(50);
+        FILE *f = fopen(epfile, "r");
+        if (f) {
+            if (fgets(endpoint, sizeof endpoint, f)) endpoint[strcspn(endpoint, "\n")] = '\0';
+            fclose(f);
+        }
+    }
+    TEST_CHECKF(endpoint[0], "the learner printed no endpoint");
+    char *a1[] = {(char *)bin_, "actor", "--connect", endpoint, "--id", "1", NULL};
+    char *a2[] = {(char *)bin_, "actor", "--connect", endpoint, "--id", "2", NULL};
+    pid_t p1 = start_cmd(a1, log), p2 = start_cmd(a2, log);
+    // Wait until actor 1 has committed episodes, then kill it in the middle of its next ones.
+    for (int i = 0; i < 600 && query_int(db, "SELECT count(*) FROM episodes WHERE actor = 1") < 1; i++) sleep_ms(50);
+    TEST_CHECK(query_int(db, "SELECT count(*) FROM episodes WHERE actor = 1") >= 1);
+    sleep_ms(100);
+    kill(p1, SIGKILL);
+    waitpid(p1, NULL, 0);
+    send_garbage(endpoint);
+    // The learner notices the silence, aborts the open episodes, and keeps training with actor 2.
+    for (int i = 0; i < 200 && query_int(db, "SELECT count(*) FROM episodes WHERE status = 'aborted'") < 1; i++) sleep_ms(50);
+    long long aborted = query_int(db, "SELECT count(*) FROM episodes WHERE status = 'aborted' AND actor = 1");
+    TEST_CHECKF(aborted >= 1, "no aborted episode of the killed actor");
+    char reason[256];
+    query_text(db, "SELECT abort_reason FROM episodes WHERE status = 'aborted' AND actor = 1 LIMIT 1", reason, sizeof reason);
+    TEST_CONTAINS(reason, "heartbeat");
+    long long step_before = query_int(db, "SELECT max(step) FROM metrics WHERE name = 'reward'");
+    // A restarted actor 1 rejoins with a new incarnation.
+    pid_t p1b = start_cmd(a1, log);
+    int st;
+    for (int i = 0; i < 1200; i++) {
+        if (waitpid(lp, &st, WNOHANG) == lp) break;
+        sleep_ms(50);
+    }
+    TEST_CHECK(WIFEXITED(st) && WEXITSTATUS(st) == 0);
+    long long step_after = query_int(db, "SELECT max(step) FROM metrics WHERE name = 'reward'");
+    printf("actor killed: %lld aborted episodes (%s); steps %lld -> %lld\n", aborted, reason, step_before, step_after);
+    TEST_EQ_INT(step_after, 12);
+    TEST_CHECK(query_int(db, "SELECT count(DISTINCT incarnation) FROM episodes WHERE actor = 1") >= 2);
+    char status[64];
+    query_text(db, "SELECT status FROM runs WHERE id = 1", status, sizeof status);
+    TEST_EQ_STR(status, "finished");
+    kill(p2, SIGTERM);
+    kill(p1b, SIGTERM);
+    waitpid(p2, NULL, 0);
+    waitpid(p1b, NULL, 0);
+    check_digests(db);
+}
+
+static void test_plugins(void) {
+    const char *build = getenv("MTRL_BUILD");
+    char so[512], ini[512], db[512], log[512];
+    // 4. the example plug-in
+    snprintf(so, sizeof so, "%s/lib/libmtrl_env_example.so", build);
+    make_experiment("plugin", 2, "plugin", so, "false", ini, sizeof ini, NULL);
+    snprintf(db, sizeof db, "%s/plugin.db", dir_);
+    snprintf(log, sizeof log, "%s/plugin.log", dir_);
+    char *argv[] = {(char *)bin_, "run", ini, "--db", db, NULL};
+    TEST_EQ_INT(run_cmd(argv, log), 0);
+    char env[64];
+    query_text(db, "SELECT env FROM episodes LIMIT 1", env, sizeof env);
+    TEST_EQ_STR(env, "reverse");
+    // 5. a plug-in that segfaults on a third of its episodes, isolated
+    snprintf(so, sizeof so, "%s/lib/libmtrl_env_bad_segv_sometimes.so", build);
+    make_experiment("crash", 3, "plugin", so, "true", ini, sizeof ini, NULL);
+    snprintf(db, sizeof db, "%s/crash.db", dir_);
+    snprintf(log, sizeof log, "%s/crash.log", dir_);
+    char *argv2[] = {(char *)bin_, "run", ini, "--db", db, NULL};
+    TEST_EQ_INT(run_cmd(argv2, log), 0);
+    long long crashed = query_int(db, "SELECT count(*) FROM episodes WHERE status = 'aborted' AND abort_reason LIKE '%crashed%'");
+    long long fine = query_int(db, "SELECT count(*) FROM episodes WHERE status IN ('complete','truncated')");
+    printf("crashing plug-in: %lld episodes aborted by the crash, %lld finished\n", crashed, fine);
+    TEST_CHECK(crashed >= 1);
+    TEST_CHECK(fine >= 4);
+    char status[64];
+    query_text(db, "SELECT status FROM runs WHERE id = 1", status, sizeof status);
+    TEST_EQ_STR(status, "finished");
+}
+
+int main(void) {
+    bin_ = getenv("MTRL_BIN");
+    if (!bin_ || access(bin_, X_OK) != 0) test_skip("MTRL_BIN (the mtrl command) is not set");
+    snprintf(dir_, sizeof dir_, "/tmp/mtrl-rl-XXXXXX");
+    TEST_CHECK(mkdtemp(dir_) != NULL);
+    setenv("OMP_NUM_THREADS", "1", 1);
+    test_short_run();
+    test_actor_killed();
+    test_plugins();
+    int rc = test_report();
+    if (rc == 0) {
+        char cmd[600];
+        snprintf(cmd, sizeof cmd, "rm -rf %s", dir_);
+        if (system(cmd) != 0) fprintf(stderr, "could not remove %s\n", dir_);
+    } else {
+        fprintf(stderr, "logs kept in %s\n", dir_);
+    }
+    return rc;
+}
