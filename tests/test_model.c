@@ -14,6 +14,7 @@
 
 #include "common/config.h"
 #include "common/model/model.h"
+#include "common/model/model_ws.h"
 #include "common/rng.h"
 #include "tests/testhelp.h"
 
@@ -71,8 +72,7 @@ static double run_loss(mtrl_model *m, mtrl_batch *b, int segment, const real *c,
     return L;
 }
 
-static void test_gradcheck(void) {
-    mtrl_model_dims d = small_dims(4, 2, "KKMK");
+static void test_gradcheck(mtrl_model_dims d, const char *label, int probes_max) {
     mtrl_model m;
     mtrl_model_init(&m, &d, 11);
     perturb_params(&m, 5);
@@ -106,7 +106,7 @@ static void test_gradcheck(void) {
     for (int i = 0; i < m.params.n; i++) {
         mtrl_tensor *t = &m.params.items[i];
         real *p = t->ptr, *g = (real *)((char *)m.grads + t->offset);
-        int probes = t->numel < 3 ? (int)t->numel : 3;
+        int probes = (int)t->numel < probes_max ? (int)t->numel : probes_max;
         for (int k = 0; k < probes; k++) {
             size_t j = (size_t)(mtrl_rng_u64(7, (uint64_t)i, (uint64_t)k) % t->numel);
             real keep = p[j];
@@ -127,8 +127,8 @@ static void test_gradcheck(void) {
             if (err > worst) { worst = err; worst_name = t->name; }
         }
     }
-    printf("gradcheck: %d entries over %d tensors, worst relative error %.3g (%s)\n", checked, m.params.n, worst,
-           worst_name);
+    printf("gradcheck %s: %d entries over %d tensors, worst relative error %.3g (%s)\n", label, checked, m.params.n,
+           worst, worst_name);
     TEST_EQ_INT(bad, 0);
     for (int i = 0; i < NS; i++) free(rout[i]);
     mtrl_model_free(&m);
@@ -289,8 +289,53 @@ static void test_qb_outside_gradient(void) {
     mtrl_model_free(&m);
 }
 
+// The `tiny` preset itself (4 layers KKKM, d = 64, 8 experts top-2, vocabulary 264).
+static mtrl_model_dims tiny_dims(void) {
+    mtrl_config cfg;
+    mtrl_config_errors errs = {0};
+    mtrl_config_load_text(&cfg, "tiny", "[env]\nname = calc\n[model]\npreset = tiny\n", NULL, 0, &errs);
+    mtrl_config_errors_free(&errs);
+    mtrl_model_dims d;
+    mtrl_model_dims_from_config(&d, &cfg.model, 264, NULL);
+    return d;
+}
+
+// I8 (stack): with a block size S >= L no block is ever committed, so every site sees exactly
+// {embedding, partial sum} (the first mixer only the embedding); with S = 1 site j of layer l
+// sees l + 1 committed blocks.
+static void test_attnres_blocks(void) {
+    for (int S = 1; S <= 8; S *= 8) {
+        mtrl_model_dims d = small_dims(4, S, "KKKM");
+        mtrl_model m;
+        mtrl_model_init(&m, &d, 2);
+        mtrl_arena ar;
+        mtrl_arena_init(&ar, seg_arena_bytes(&d, 8, 8));
+        mtrl_decode_state s;
+        mtrl_decode_state_init(&s, &m, 8);
+        seq_io io = {s.kda_S, s.conv, s.latent, s.cap, 0};
+        uint32_t tok[8];
+        make_tokens(tok, 8, 9);
+        seg_cache c;
+        seg_forward(&m, &ar, SEG_CHUNK, 8, tok, &io, NULL, &c);
+        int ok = 1;
+        for (int l = 0; l < d.L; l++) {
+            int want = S >= d.L ? 1 : l + 1;
+            ok &= c.nb_site[2 * l] == want && c.nb_site[2 * l + 1] == want;
+            ok &= c.layer[l].nsrc_a == (l == 0 || (S == 1 && l > 0) ? want : want + 1);
+            ok &= c.layer[l].nsrc_f == want + 1;
+        }
+        ok &= c.nsrc_o == (S >= d.L ? 2 : d.L + 1);
+        TEST_CHECKF(ok, "AttnRes site sources wrong for block size %d", S);
+        mtrl_decode_state_free(&s);
+        mtrl_arena_free(&ar);
+        mtrl_model_free(&m);
+    }
+}
+
 int main(void) {
-    test_gradcheck();
+    test_gradcheck(small_dims(4, 2, "KKMK"), "small", 3);
+    test_gradcheck(tiny_dims(), "tiny preset", 1);
+    test_attnres_blocks();
     test_segmented();
     test_prefill_decode();
     test_qb_outside_gradient();
