@@ -1,0 +1,358 @@
+// bench_cuda.cu: `mtrl bench ops --device cuda` (mtrl_bench_ops_cuda): times the CUDA kernels
+// with CUDA events (warm-up, median of repeats, random inputs, working sets far above the 60 MB
+// L2 or rotated among several copies) and prints time, achieved TFLOP/s or GB/s and the fraction
+// of the ceilings measured in the same run (bf16 GEMM 8192³ through cuBLAS; device-to-device
+// copy, bytes read + written). performance.md's reference ceilings are 755 TFLOP/s, 4.17 TB/s.
+#include <algorithm>
+#include <ctime>
+#include <math.h>
+#include <string.h>
+#include <vector>
+
+#include "kernels/cuda/cuda_common.cuh"
+
+namespace {
+
+struct Bench {
+    mtrl_cuda_ctx *c;
+    cudaEvent_t a, b;
+    int reps = 5;
+    double gemm_tflops = 755.0, copy_tbps = 4.17;  // replaced by this run's measurements
+};
+
+template <class F>
+double time_ms(Bench &B, F fn, int warm = 1, int reps = -1) {
+    if (reps < 0) reps = B.reps;
+    for (int i = 0; i < warm; i++) fn();
+    CUDA_CHECK(cudaStreamSynchronize(B.c->stream));
+    std::vector<float> t;
+    for (int r = 0; r < reps; r++) {
+        CUDA_CHECK(cudaEventRecord(B.a, B.c->stream));
+        fn();
+        CUDA_CHECK(cudaEventRecord(B.b, B.c->stream));
+        CUDA_CHECK(cudaEventSynchronize(B.b));
+        float ms;
+        CUDA_CHECK(cudaEventElapsedTime(&ms, B.a, B.b));
+        t.push_back(ms);
+    }
+    std::sort(t.begin(), t.end());
+    return t[t.size() / 2];
+}
+
+__global__ void fill_k(size_t n, float *p, float lo, float hi, uint32_t seed) {
+    for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n; i += (size_t)gridDim.x * blockDim.x) {
+        uint32_t h = (uint32_t)(i * 2654435761u) ^ (seed * 0x9e3779b9u);
+        h ^= h >> 15; h *= 0x2c1b3c6du; h ^= h >> 12; h *= 0x297a2d39u; h ^= h >> 15;
+        p[i] = lo + (hi - lo) * ((h >> 8) * (1.f / 16777216.f));
+    }
+}
+__global__ void scale_k(size_t n, float *p, float s) {
+    for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n; i += (size_t)gridDim.x * blockDim.x) p[i] *= s;
+}
+static uint32_t seed_ = 1;
+float *rnd(Bench &B, size_t n, float lo, float hi) {
+    float *p = (float *)mtrl_cuda_malloc(n * sizeof(float));
+    fill_k<<<4096, 256, 0, B.c->stream>>>(n, p, lo, hi, seed_++);
+    CUDA_LAUNCH_CHECK();
+    return p;
+}
+mtrl_bf16 *rnd_bf16(Bench &B, size_t n, float lo, float hi) {
+    float *t = rnd(B, n, lo, hi);
+    mtrl_bf16 *p = (mtrl_bf16 *)mtrl_cuda_malloc(n * 2);
+    mtrl_cuda_f32_to_bf16(B.c, n, t, p);
+    mtrl_cuda_sync(B.c);
+    mtrl_cuda_free(t);
+    return p;
+}
+
+void row(const char *what, const char *shape, double ms, double work, const char *unit,
+         double ceiling) {
+    double rate = work / (ms * 1e-3);
+    if (!strcmp(unit, "TFLOP/s")) rate /= 1e12;
+    else if (!strcmp(unit, "GB/s")) rate /= 1e9;
+    else if (!strcmp(unit, "Mtok/s")) rate /= 1e6;
+    if (ceiling > 0)
+        printf("%-34s %-34s %10.3f ms %10.1f %-7s %5.1f%% of ceiling\n", what, shape, ms, rate,
+               unit, 100.0 * rate / ceiling);
+    else
+        printf("%-34s %-34s %10.3f ms %10.1f %-7s\n", what, shape, ms, rate, unit);
+    fflush(stdout);
+}
+
+void bench_ceilings(Bench &B) {
+    size_t n = (size_t)1 << 31;  // 2 GiB
+    void *x = mtrl_cuda_malloc(n), *y = mtrl_cuda_malloc(n);
+    CUDA_CHECK(cudaMemsetAsync(x, 1, n, B.c->stream));
+    double ms = time_ms(B, [&] { CUDA_CHECK(cudaMemcpyAsync(y, x, n, cudaMemcpyDeviceToDevice, B.c->stream)); }, 2, 10);
+    B.copy_tbps = 2.0 * n / (ms * 1e-3) / 1e12;
+    printf("%-34s %-34s %10.3f ms %10.1f GB/s    (ceiling used below: %.2f TB/s)\n", "copy (read + write)",
+           "2 GiB", ms, 2.0 * n / (ms * 1e-3) / 1e9, B.copy_tbps);
+    mtrl_cuda_free(x);
+    mtrl_cuda_free(y);
+    int m = 8192;
+    mtrl_bf16 *A = rnd_bf16(B, (size_t)m * m, -1, 1), *Bm = rnd_bf16(B, (size_t)m * m, -1, 1);
+    mtrl_bf16 *C = (mtrl_bf16 *)mtrl_cuda_malloc((size_t)m * m * 2);
+    ms = time_ms(B, [&] { mtrl_gemm(B.c, 0, 0, m, m, m, 1.f, A, m, Bm, m, MTRL_BF16, 0.f, C, m, MTRL_BF16); }, 3, 10);
+    B.gemm_tflops = 2.0 * m * m * (double)m / (ms * 1e-3) / 1e12;
+    printf("%-34s %-34s %10.3f ms %10.1f TFLOP/s (ceiling used below)\n", "bf16 GEMM (cuBLAS)", "8192^3",
+           ms, B.gemm_tflops);
+    mtrl_cuda_free(A);
+    mtrl_cuda_free(Bm);
+    mtrl_cuda_free(C);
+}
+
+// KDA chunk forward / forward+backward at H heads, K = V = 128.
+void bench_kda(Bench &B, int T, int H) {
+    const int K = 128, V = 128;
+    size_t nqk = (size_t)T * H * K, nt = (T + 15) / 16;
+    float *q = rnd(B, nqk, -1, 1), *k = rnd(B, nqk, -1, 1), *v = rnd(B, nqk, -1, 1);
+    float *g = rnd(B, nqk, -4.9f, -0.01f), *beta = rnd(B, (size_t)T * H, 0.05f, 0.95f);
+    mtrl_l2norm_fwd(B.c, T * H, K, q, 1e-6f, q, NULL);
+    mtrl_l2norm_fwd(B.c, T * H, K, k, 1e-6f, k, NULL);
+    scale_k<<<4096, 256, 0, B.c->stream>>>(nqk, q, 1.f / sqrtf((float)K));
+    float *o = (float *)mtrl_cuda_malloc(nqk * 4), *Sf = (float *)mtrl_cuda_malloc((size_t)H * K * V * 4);
+    mtrl_cuda_sync(B.c);
+    char shape[64];
+    snprintf(shape, sizeof shape, "T=%d H=%d K=V=128", T, H);
+    // Nominal work of the 16-tile algorithm per tile and head: X, P, W, U (4 x 16x16x128 x2),
+    // Δ, Q⁺S, S' (3 x 16x128x128 x2), PΔ (16x16x128 x2) = 1.77 MFLOP.
+    double flops = (double)nt * H * (4.0 * 65536 + 3.0 * 524288 + 65536);
+    double ms = time_ms(B, [&] { mtrl_kda_chunk_fwd(B.c, T, H, K, V, q, k, v, g, beta, NULL, o, Sf, NULL); });
+    row("KDA chunk fwd", shape, ms, flops, "TFLOP/s", B.gemm_tflops);
+    row("  (tokens)", "", ms, (double)T, "Mtok/s", 0);
+    double bytes = 4.0 * (4 * nqk + (size_t)T * H + nqk);  // q k v g beta read, o written
+    row("  (bytes floor: inputs + o)", "", ms, bytes, "GB/s", B.copy_tbps * 1e3);
+    // forward storing the tile states, then backward
+    float *St = (float *)mtrl_cuda_malloc(nt * H * K * V * 4);
+    float *dout = rnd(B, nqk, -1, 1);
+    float *dq = (float *)mtrl_cuda_malloc(nqk * 4), *dk = (float *)mtrl_cuda_malloc(nqk * 4),
+          *dv = (float *)mtrl_cuda_malloc(nqk * 4), *dg = (float *)mtrl_cuda_malloc(nqk * 4),
+          *db = (float *)mtrl_cuda_malloc((size_t)T * H * 4), *dS0 = (float *)mtrl_cuda_malloc((size_t)H * K * V * 4);
+    double ms_fs = time_ms(B, [&] { mtrl_kda_chunk_fwd(B.c, T, H, K, V, q, k, v, g, beta, NULL, o, Sf, St); });
+    double ms_b = time_ms(B, [&] {
+        mtrl_kda_chunk_bwd(B.c, T, H, K, V, q, k, v, g, beta, NULL, St, dout, NULL, dq, dk, dv, dg, db, dS0);
+    }, 1, 3);
+    row("KDA chunk fwd (storing S_tiles)", shape, ms_fs, (double)T, "Mtok/s", 0);
+    row("KDA chunk bwd", shape, ms_b, (double)T, "Mtok/s", 0);
+    row("KDA chunk fwd+bwd", shape, ms_fs + ms_b, (double)T, "Mtok/s", 0);
+    size_t free_b, total_b;
+    CUDA_CHECK(cudaMemGetInfo(&free_b, &total_b));
+    printf("%-34s %-34s device memory in use %.1f GiB (inputs, grads, S_tiles, scratch)\n", "", "",
+           (total_b - free_b) / 1073741824.0);
+    void *ps[] = {q, k, v, g, beta, o, Sf, St, dout, dq, dk, dv, dg, db, dS0};
+    for (void *p : ps) mtrl_cuda_free(p);
+}
+
+void bench_kda_step(Bench &B, int Bsz, int H) {
+    const int K = 128, V = 128;
+    size_t nS = (size_t)Bsz * H * K * V;
+    float *q = rnd(B, (size_t)Bsz * H * K, -0.1f, 0.1f), *k = rnd(B, (size_t)Bsz * H * K, -0.1f, 0.1f),
+          *v = rnd(B, (size_t)Bsz * H * V, -1, 1), *g = rnd(B, (size_t)Bsz * H * K, -1.f, -0.01f),
+          *beta = rnd(B, (size_t)Bsz * H, 0.1f, 0.9f), *o = (float *)mtrl_cuda_malloc((size_t)Bsz * H * V * 4);
+    const int NR = 4;  // rotate state copies (each 128 MB at B = 64) so L2 holds none
+    float *S[NR];
+    for (int i = 0; i < NR; i++) S[i] = rnd(B, nS, -0.1f, 0.1f);
+    int it = 0;
+    double ms = time_ms(B, [&] { mtrl_kda_step(B.c, Bsz, H, K, V, q, k, v, g, beta, S[it++ % NR], o); }, 2, 20);
+    char shape[64];
+    snprintf(shape, sizeof shape, "B=%d H=%d K=V=128", Bsz, H);
+    double bytes = 2.0 * nS * 4 + 4.0 * Bsz * H * (3 * K + 2 * V + 1);
+    row("KDA decode step", shape, ms, bytes, "GB/s", B.copy_tbps * 1e3);
+    for (int i = 0; i < NR; i++) mtrl_cuda_free(S[i]);
+    void *ps[] = {q, k, v, g, beta, o};
+    for (void *p : ps) mtrl_cuda_free(p);
+}
+
+// Causal attention. absorbed: MQA over the 576-wide latent (Hk = 1, Dv = 512 aliased);
+// otherwise MHA with H heads of Dk = Dv = 128 (SDPA's shape in the anchors).
+void bench_attn(Bench &B, int T, int H, int absorbed) {
+    int Hk = absorbed ? 1 : H, Dk = absorbed ? 576 : 128, Dv = absorbed ? 512 : 128;
+    int ldk = Hk * Dk, ldv = absorbed ? ldk : Hk * Dv;
+    mtrl_bf16 *q = rnd_bf16(B, (size_t)T * H * Dk, -1, 1), *k = rnd_bf16(B, (size_t)T * ldk, -1, 1);
+    mtrl_bf16 *v = absorbed ? k : rnd_bf16(B, (size_t)T * ldv, -1, 1);
+    mtrl_bf16 *dout = rnd_bf16(B, (size_t)T * H * Dv, -1, 1);
+    float *o = (float *)mtrl_cuda_malloc((size_t)T * H * Dv * 4), *lse = (float *)mtrl_cuda_malloc((size_t)T * H * 4);
+    float *dq = (float *)mtrl_cuda_malloc((size_t)T * H * Dk * 4), *dk = (float *)mtrl_cuda_malloc((size_t)T * ldk * 4);
+    float *dv = absorbed ? dk : (float *)mtrl_cuda_malloc((size_t)T * ldv * 4);
+    CUDA_CHECK(cudaMemsetAsync(dk, 0, (size_t)T * ldk * 4, B.c->stream));
+    if (!absorbed) CUDA_CHECK(cudaMemsetAsync(dv, 0, (size_t)T * ldv * 4, B.c->stream));
+    float scale = 1.f / sqrtf(absorbed ? 192.f : 128.f);
+    char shape[80];
+    snprintf(shape, sizeof shape, absorbed ? "T=%d H=%d MQA Dk=576 Dv=512" : "T=%d H=%d Dk=Dv=128", T, H);
+    double fl = (double)T * T * H * (Dk + Dv);  // causal: half of 2 T² H (Dk + Dv)
+    double ms = time_ms(B, [&] { mtrl_attn_causal_fwd(B.c, T, T, H, Hk, Dk, Dv, scale, q, k, ldk, v, ldv, o, lse); }, 1, 3);
+    row(absorbed ? "MLA attention fwd (absorbed)" : "attention fwd (MHA shape)", shape, ms, fl, "TFLOP/s", B.gemm_tflops);
+    double msb = time_ms(B, [&] {
+        mtrl_attn_causal_bwd(B.c, T, T, H, Hk, Dk, Dv, scale, q, k, ldk, v, ldv, o, lse, dout, dq, dk, dv);
+    }, 1, 3);
+    // fwd+bwd counted as 3.5 x the forward (the anchors' convention: bwd = 2.5 x fwd)
+    row(absorbed ? "MLA attention fwd+bwd (absorbed)" : "attention fwd+bwd (MHA shape)", shape, ms + msb, 3.5 * fl,
+        "TFLOP/s", B.gemm_tflops);
+    mtrl_cuda_free(q); mtrl_cuda_free(k); mtrl_cuda_free(dout); mtrl_cuda_free(o); mtrl_cuda_free(lse);
+    mtrl_cuda_free(dq); mtrl_cuda_free(dk);
+    if (!absorbed) { mtrl_cuda_free(v); mtrl_cuda_free(dv); }
+}
+
+void bench_decode(Bench &B, int Bsz, int Tk, int H) {
+    const int dn = 128, dr = 64, dv = 128, dc = 512, ld = dc + dr;
+    size_t rows = (size_t)Bsz * Tk;
+    mtrl_bf16 *lat = rnd_bf16(B, rows * ld, -1, 1);
+    float *q = rnd(B, (size_t)Bsz * H * (dn + dr), -1, 1), *W = rnd(B, (size_t)H * (dn + dv) * dc, -0.05f, 0.05f);
+    float *a = (float *)mtrl_cuda_malloc((size_t)Bsz * H * dv * 4);
+    std::vector<long long> st(Bsz);
+    std::vector<int> len(Bsz, Tk);
+    for (int b = 0; b < Bsz; b++) st[b] = (long long)b * Tk;
+    long long *d_st = (long long *)mtrl_cuda_malloc(sizeof(long long) * Bsz);
+    int *d_len = (int *)mtrl_cuda_malloc(sizeof(int) * Bsz);
+    mtrl_cuda_upload(d_st, st.data(), sizeof(long long) * Bsz);
+    mtrl_cuda_upload(d_len, len.data(), sizeof(int) * Bsz);
+    double ms = time_ms(B, [&] {
+        mtrl_mla_decode_absorbed(B.c, Bsz, H, dn, dr, dv, dc, 1.f / sqrtf(192.f), q, W, lat, MTRL_BF16, ld, d_st,
+                                 d_len, Tk, a);
+    }, 2, 10);
+    char shape[80];
+    snprintf(shape, sizeof shape, "B=%d Tk=%d H=%d bf16 latent", Bsz, Tk, H);
+    row("MLA absorbed decode", shape, ms, (double)rows * ld * 2, "GB/s", B.copy_tbps * 1e3);
+    mtrl_cuda_free(lat); mtrl_cuda_free(q); mtrl_cuda_free(W); mtrl_cuda_free(a);
+    mtrl_cuda_free(d_st); mtrl_cuda_free(d_len);
+}
+
+// Expert GEMMs: E experts x rows each (or skewed), D -> F, bf16 operands, one GEMM per expert;
+// then the full SwiGLU experts forward and forward+backward at D = 2048, I = 1024.
+void bench_moe(Bench &B, int E, int rows, int D, int F) {
+    size_t R = (size_t)E * rows;
+    mtrl_bf16 *X = rnd_bf16(B, R * D, -1, 1), *W = rnd_bf16(B, (size_t)E * F * D, -0.05f, 0.05f);
+    float *Y = (float *)mtrl_cuda_malloc(R * F * 4);
+    for (int skew = 0; skew < 2; skew++) {
+        std::vector<int> off(E + 1, 0);
+        long s = 0;
+        for (int e = 0; e < E; e++) {
+            int r = skew ? (int)((double)R * (e + 1) / (E * (E + 1) / 2.0)) : rows;
+            off[e] = (int)s;
+            s += r;
+        }
+        off[E] = (int)R;
+        double ms = time_ms(B, [&] {
+            for (int e = 0; e < E; e++) {
+                int r0 = off[e], n = off[e + 1] - r0;
+                if (n > 0)
+                    mtrl_gemm(B.c, 0, 1, n, F, D, 1.f, X + (size_t)r0 * D, D, W + (size_t)e * F * D, D,
+                              MTRL_BF16, 0.f, Y + (size_t)r0 * F, F, MTRL_F32);
+            }
+        });
+        char shape[80];
+        snprintf(shape, sizeof shape, "E=%d rows=%zu %d->%d %s", E, R, D, F, skew ? "skewed" : "balanced");
+        row("expert GEMMs (loop of cuBLAS)", shape, ms, 2.0 * R * D * F, "TFLOP/s", B.gemm_tflops);
+    }
+    mtrl_cuda_free(Y);
+    // full SwiGLU experts, balanced, I = F
+    int I = F;
+    mtrl_bf16 *W3 = rnd_bf16(B, (size_t)E * I * D, -0.05f, 0.05f), *W2 = rnd_bf16(B, (size_t)E * D * I, -0.05f, 0.05f);
+    float *u1 = (float *)mtrl_cuda_malloc(R * I * 4), *u3 = (float *)mtrl_cuda_malloc(R * I * 4),
+          *Yp = (float *)mtrl_cuda_malloc(R * D * 4);
+    std::vector<int> off(E + 1);
+    for (int e = 0; e <= E; e++) off[e] = e * rows;
+    char shape[80];
+    snprintf(shape, sizeof shape, "E=%d rows=%zu D=%d I=%d", E, R, D, I);
+    double ms = time_ms(B, [&] { mtrl_moe_experts_fwd(B.c, E, D, I, off.data(), X, W, W3, W2, MTRL_BF16, u1, u3, Yp); }, 1, 3);
+    row("SwiGLU experts fwd (bf16)", shape, ms, 6.0 * R * D * I, "TFLOP/s", B.gemm_tflops);
+    float *dX = (float *)mtrl_cuda_malloc(R * D * 4), *dW1 = (float *)mtrl_cuda_malloc((size_t)E * I * D * 4),
+          *dW3 = (float *)mtrl_cuda_malloc((size_t)E * I * D * 4), *dW2 = (float *)mtrl_cuda_malloc((size_t)E * I * D * 4);
+    double msb = time_ms(B, [&] {
+        mtrl_moe_experts_bwd(B.c, E, D, I, off.data(), X, W, W3, W2, MTRL_BF16, u1, u3, Yp, dX, dW1, dW3, dW2);
+    }, 1, 3);
+    row("SwiGLU experts bwd (bf16)", shape, msb, 12.0 * R * D * I, "TFLOP/s", B.gemm_tflops);
+    void *ps[] = {X, W, W3, W2, u1, u3, Yp, dX, dW1, dW3, dW2};
+    for (void *p : ps) mtrl_cuda_free(p);
+}
+
+void bench_small_ops(Bench &B) {
+    int N = 65536, D = 2304;
+    float *x = rnd(B, (size_t)N * D, -2, 2), *w = rnd(B, D, 0.5f, 1.5f), *y = (float *)mtrl_cuda_malloc((size_t)N * D * 4);
+    double ms = time_ms(B, [&] { mtrl_rmsnorm_fwd(B.c, N, D, x, w, 1e-5f, y, NULL); }, 2, 10);
+    row("RMSNorm fwd", "N=65536 D=2304", ms, 2.0 * N * D * 4, "GB/s", B.copy_tbps * 1e3);
+    mtrl_cuda_free(x); mtrl_cuda_free(y); mtrl_cuda_free(w);
+    int Nl = 4096, V = 163840;
+    float *l = rnd(B, (size_t)Nl * V, -5, 5), *lp = (float *)mtrl_cuda_malloc(Nl * 4), *ent = (float *)mtrl_cuda_malloc(Nl * 4);
+    std::vector<int> tg(Nl);
+    for (int i = 0; i < Nl; i++) tg[i] = (i * 7919) % V;
+    int *d_tg = (int *)mtrl_cuda_malloc(sizeof(int) * Nl);
+    mtrl_cuda_upload(d_tg, tg.data(), sizeof(int) * Nl);
+    ms = time_ms(B, [&] { mtrl_logprob_fwd(B.c, Nl, V, l, d_tg, lp, ent); }, 2, 10);
+    row("log-prob + entropy fwd", "N=4096 V=163840", ms, 4.0 * Nl * V, "GB/s", B.copy_tbps * 1e3);
+    mtrl_cuda_free(l); mtrl_cuda_free(lp); mtrl_cuda_free(ent); mtrl_cuda_free(d_tg);
+}
+
+std::vector<int> parse_list(const char *s) {
+    std::vector<int> v;
+    while (s && *s) {
+        v.push_back(atoi(s));
+        const char *c = strchr(s, ',');
+        s = c ? c + 1 : nullptr;
+    }
+    return v;
+}
+
+}  // namespace
+
+extern "C" int mtrl_bench_ops_cuda(int argc, char **argv) {
+    const char *only = "copy,gemm,kda,step,attn,decode,moe,ops";
+    std::vector<int> kdaT = {8192, 65536, 262144}, attnT = {8192, 32768};
+    int reps = 5, H = 16;
+    for (int i = 1; i < argc; i++) {
+        const char *a = argv[i];
+        const char *val = i + 1 < argc ? argv[i + 1] : nullptr;
+        if (i == 1 && !strcmp(a, "ops")) continue;  // tolerate the sub-command word
+        if (!strcmp(a, "--device")) { i++; continue; }
+        if (!strcmp(a, "--only") && val) { only = val; i++; }
+        else if (!strcmp(a, "--kda-T") && val) { kdaT = parse_list(val); i++; }
+        else if (!strcmp(a, "--attn-T") && val) { attnT = parse_list(val); i++; }
+        else if (!strcmp(a, "--reps") && val) { reps = atoi(val); i++; }
+        else if (!strcmp(a, "--heads") && val) { H = atoi(val); i++; }
+        else {
+            fprintf(stderr, "usage: mtrl bench ops --device cuda [--only copy,gemm,kda,step,attn,decode,moe,ops] "
+                            "[--kda-T 8192,65536] [--attn-T 8192,32768] [--heads 16] [--reps N]\n");
+            return 2;
+        }
+    }
+    if (mtrl_cuda_device_count() <= 0) {
+        fprintf(stderr, "mtrl bench ops: no CUDA device\n");
+        return 77;
+    }
+    auto want = [&](const char *k) {
+        const char *p = strstr(only, k);
+        return p && (p == only || p[-1] == ',') && (p[strlen(k)] == 0 || p[strlen(k)] == ',');
+    };
+    Bench B;
+    B.c = mtrl_cuda_ctx_create(0, NULL);
+    B.reps = reps < 1 ? 1 : reps;
+    CUDA_CHECK(cudaEventCreate(&B.a));
+    CUDA_CHECK(cudaEventCreate(&B.b));
+    cudaDeviceProp p;
+    CUDA_CHECK(cudaGetDeviceProperties(&p, 0));
+    time_t now = time(NULL);
+    char when[64];
+    strftime(when, sizeof when, "%Y-%m-%d %H:%M UTC", gmtime(&now));
+    printf("mtrl bench ops --device cuda: %s, %d SMs, %.0f MB L2, CUDA runtime %d; %s; median of %d repeats\n",
+           p.name, p.multiProcessorCount, p.l2CacheSize / 1e6, CUDART_VERSION, when, B.reps);
+    printf("%-34s %-34s %13s %18s\n", "kernel", "shape", "time", "rate");
+    if (want("copy") || want("gemm")) bench_ceilings(B);
+    if (want("kda"))
+        for (int T : kdaT) bench_kda(B, T, H);
+    if (want("step")) bench_kda_step(B, 64, H);
+    if (want("attn"))
+        for (int T : attnT) {
+            bench_attn(B, T, H, 1);
+            bench_attn(B, T, H, 0);
+        }
+    if (want("decode")) {
+        bench_decode(B, 64, 32768, 16);
+        bench_decode(B, 8, 131072, 16);
+    }
+    if (want("moe")) bench_moe(B, 64, 8192, 2048, 1024);
+    if (want("ops")) bench_small_ops(B);
+    CUDA_CHECK(cudaEventDestroy(B.a));
+    CUDA_CHECK(cudaEventDestroy(B.b));
+    mtrl_cuda_ctx_destroy(B.c);
+    return 0;
+}

@@ -1,0 +1,199 @@
+// cuda_common.cuh: what every kernels/cuda/*.cu file shares: the check macros, the context
+// (cuBLAS handle, stream, scratch), small device helpers (reductions, bf16, mma.sync).
+#ifndef MTRL_CUDA_COMMON_CUH
+#define MTRL_CUDA_COMMON_CUH
+
+#include <cublas_v2.h>
+#include <cuda_bf16.h>
+#include <cuda_runtime.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+
+#include "kernels/cuda/kernels_cuda.h"
+
+// ---- checks ---------------------------------------------------------------------------------
+#define CUDA_CHECK(call)                                                                   \
+    do {                                                                                   \
+        cudaError_t e_ = (call);                                                           \
+        if (e_ != cudaSuccess) {                                                           \
+            fprintf(stderr, "%s:%d: CUDA error %s (%s) in %s\n", __FILE__, __LINE__,       \
+                    cudaGetErrorName(e_), cudaGetErrorString(e_), #call);                  \
+            abort();                                                                       \
+        }                                                                                  \
+    } while (0)
+// After every kernel launch: launch-configuration errors show here, asynchronous faults at the
+// next synchronising call.
+#define CUDA_LAUNCH_CHECK() CUDA_CHECK(cudaGetLastError())
+#define CUBLAS_CHECK(call)                                                                 \
+    do {                                                                                   \
+        cublasStatus_t s_ = (call);                                                        \
+        if (s_ != CUBLAS_STATUS_SUCCESS) {                                                 \
+            fprintf(stderr, "%s:%d: cuBLAS error %d (%s) in %s\n", __FILE__, __LINE__,     \
+                    (int)s_, cublasGetStatusString(s_), #call);                            \
+            abort();                                                                       \
+        }                                                                                  \
+    } while (0)
+// Argument checks of the launchers: print and return -1.
+#define MTRL_CUDA_REQUIRE(cond, ...)                                                       \
+    do {                                                                                   \
+        if (!(cond)) {                                                                     \
+            fprintf(stderr, "%s:%d: %s: unsupported arguments (%s): ", __FILE__, __LINE__, \
+                    __func__, #cond);                                                      \
+            fprintf(stderr, __VA_ARGS__);                                                  \
+            fputc('\n', stderr);                                                           \
+            return -1;                                                                     \
+        }                                                                                  \
+    } while (0)
+
+// ---- context --------------------------------------------------------------------------------
+struct mtrl_cuda_ctx {
+    int device;
+    cudaStream_t stream;
+    cublasHandle_t blas;
+    void *scratch;
+    size_t scratch_bytes;
+    int sms;             // multiprocessor count
+    size_t smem_optin;   // largest dynamic shared memory a block may opt in to
+};
+
+// Scratch of at least `bytes` (grow-only; growing waits for the device, then reallocates).
+void *mtrl_ctx_scratch(mtrl_cuda_ctx *ctx, size_t bytes);
+
+// Carves aligned pieces out of one scratch allocation: first a sizing pass (base NULL), then
+// the real one.
+struct ws_carver {
+    char *base;
+    size_t off;
+    template <class T>
+    T *take(size_t n) {
+        off = (off + 255) & ~(size_t)255;
+        T *p = base ? (T *)(base + off) : nullptr;
+        off += n * sizeof(T);
+        return p;
+    }
+};
+
+static inline unsigned cdiv(size_t a, size_t b) { return (unsigned)((a + b - 1) / b); }
+
+// ---- device helpers -------------------------------------------------------------------------
+__device__ __forceinline__ float warp_sum(float v) {
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+    return v;
+}
+__device__ __forceinline__ float warp_max(float v) {
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
+    return v;
+}
+__device__ __forceinline__ double warp_sum_d(double v) {
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+    return v;
+}
+// Sum over the block (blockDim.x a multiple of 32, <= 1024); every thread gets the result.
+// `red` is shared scratch of >= 33 floats. Fixed order: deterministic.
+__device__ __forceinline__ float block_sum(float v, float *red) {
+    int lane = threadIdx.x & 31, w = threadIdx.x >> 5, nw = blockDim.x >> 5;
+    v = warp_sum(v);
+    __syncthreads();
+    if (lane == 0) red[w] = v;
+    __syncthreads();
+    if (w == 0) {
+        float x = lane < nw ? red[lane] : 0.f;
+        x = warp_sum(x);
+        if (lane == 0) red[32] = x;
+    }
+    __syncthreads();
+    return red[32];
+}
+__device__ __forceinline__ double block_sum_d(double v, double *red) {
+    int lane = threadIdx.x & 31, w = threadIdx.x >> 5, nw = blockDim.x >> 5;
+    v = warp_sum_d(v);
+    __syncthreads();
+    if (lane == 0) red[w] = v;
+    __syncthreads();
+    if (w == 0) {
+        double x = lane < nw ? red[lane] : 0.0;
+        x = warp_sum_d(x);
+        if (lane == 0) red[32] = x;
+    }
+    __syncthreads();
+    return red[32];
+}
+__device__ __forceinline__ float block_max(float v, float *red) {
+    int lane = threadIdx.x & 31, w = threadIdx.x >> 5, nw = blockDim.x >> 5;
+    v = warp_max(v);
+    __syncthreads();
+    if (lane == 0) red[w] = v;
+    __syncthreads();
+    if (w == 0) {
+        float x = lane < nw ? red[lane] : -INFINITY;
+        x = warp_max(x);
+        if (lane == 0) red[32] = x;
+    }
+    __syncthreads();
+    return red[32];
+}
+
+__device__ __forceinline__ float sigmoidf_(float y) {
+    return y >= 0.f ? 1.f / (1.f + __expf(-y)) : __expf(y) / (1.f + __expf(y));
+}
+// Accurate variant (expf) where the result is compared with the fp64 oracle closely.
+__device__ __forceinline__ float sigmoid_acc(float y) {
+    return y >= 0.f ? 1.f / (1.f + expf(-y)) : expf(y) / (1.f + expf(y));
+}
+
+__device__ __forceinline__ float bf2f(__nv_bfloat16 x) { return __bfloat162float(x); }
+__device__ __forceinline__ float bf2f(uint16_t x) {
+    return __uint_as_float(((uint32_t)x) << 16);
+}
+__device__ __forceinline__ uint32_t pack_bf16(float lo, float hi) {
+    __nv_bfloat162 p = __floats2bfloat162_rn(lo, hi);  // .x = lo (low 16 bits), .y = hi
+    return *reinterpret_cast<uint32_t *>(&p);
+}
+__device__ __forceinline__ uint32_t pack_bf16_raw(uint16_t lo, uint16_t hi) {
+    return (uint32_t)lo | ((uint32_t)hi << 16);
+}
+
+// D = A B + D for one m16n8k16 tile: bf16 operands, fp32 accumulators. Fragment layout
+// (PTX ISA, "mma.m16n8k16" for .bf16), with g = lane >> 2 and t = lane & 3:
+//   A (16x16, row): a[0] = (g, 2t..2t+1), a[1] = (g+8, 2t..), a[2] = (g, 2t+8..), a[3] = (g+8, 2t+8..)
+//   B (16x8, k x n): b[0] = (k = 2t..2t+1, n = g), b[1] = (k = 2t+8..2t+9, n = g)
+//   C (16x8): c[0..1] = (g, 2t..2t+1), c[2..3] = (g+8, 2t..2t+1)
+// Each 32-bit register holds two bf16, the lower column (or k) in the low half.
+__device__ __forceinline__ void mma_bf16_16816(float *c, const uint32_t *a, const uint32_t *b) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 "
+        "{%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+}
+
+// cp.async of 16 bytes global -> shared (both 16-byte aligned).
+__device__ __forceinline__ void cp_async16(void *smem, const void *gmem) {
+    unsigned s = (unsigned)__cvta_generic_to_shared(smem);
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(s), "l"(gmem));
+}
+// The same, filling 16 zero bytes instead when pred is false (gmem must still be a valid address).
+__device__ __forceinline__ void cp_async16_pred(void *smem, const void *gmem, bool pred) {
+    unsigned s = (unsigned)__cvta_generic_to_shared(smem);
+    int n = pred ? 16 : 0;
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(s), "l"(gmem), "r"(n));
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
+template <int N>
+__device__ __forceinline__ void cp_async_wait() {
+    asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
+}
+
+// Raises a kernel's dynamic shared-memory limit when it needs more than 48 KB.
+template <class F>
+static inline void set_smem(F *kernel, size_t bytes) {
+    if (bytes > 48 * 1024)
+        CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                        (int)bytes));
+}
+
+#endif

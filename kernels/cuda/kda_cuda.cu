@@ -1,0 +1,954 @@
+// kda_cuda.cu: Kimi Delta Attention on the GPU (model.md §2; the oracle is kernels/ref/kda_ref.c,
+// whose chunked form this file mirrors product for product).
+//
+// Chunked forward, three passes over 16-token tiles (C = 16, midpoint reference row m =
+// min(8, c-1), the lower-bounded gate makes every factor lie in [e^-40, e^40], so the diagonal
+// tile uses the same "scale the operands, then multiply" path as everything else):
+//   1. kda_prep_k, grid (tiles, heads): everything of a tile that does not depend on the state:
+//      G = cumsum(g), the scaled operands, M, P, T = (I + M)^-1 (forward substitution, fp32),
+//      W = T diag(β) K⁺, U = T diag(β) V, Q⁺, K^e, e^γ. Written to scratch.
+//   2. kda_state_fwd_k, grid (V/16, heads): the only sequential part. Each block owns 16 columns
+//      of the state (columns of S evolve independently), holds them in registers, and walks the
+//      tiles: Δ = U − W S, O = Q⁺ S + P Δ, S' = diag(e^γ) S + K^eᵀ Δ. The next tile's operands
+//      stream in with cp.async while the current one is computed.
+// Backward (§2.4):
+//   1. kda_prep_k again (W, Q⁺, K^e, P, e^γ);
+//   2. kda_state_bwd_k, grid (V/16, heads), last tile to first: dΔ = Pᵀ dO + K^e dS',
+//      dS ← diag(e^γ) dS' + Q⁺ᵀ dO − Wᵀ dΔ; stores dΔ and every tile's dS';
+//   3. kda_tile_bwd_k, grid (tiles, heads): the rest of §2.4 for each tile in parallel, from the
+//      tile's incoming S (S_tiles) and outgoing-state gradient dS'.
+// Arithmetic is fp32 throughout (SIMT); the state, G, T and all accumulators are fp32.
+#include <math.h>
+
+#include "kernels/cuda/cuda_common.cuh"
+
+#define KT 16  // tile rows
+
+// ---- small products in shared memory --------------------------------------------------------
+//
+// C[m][n] = alpha Σ_k A(m,k) B(k,n) + beta C[m][n] with A(m,k) = A[m*sam + k*sak] and
+// B(k,n) = B[k*sbk + n*sbn] (so any transpose is a choice of strides). Each thread owns an
+// RM x RN micro-tile whose rows/columns are strided (m = mt + p*MT, n = nt + q*NT), so the
+// threads of a warp read consecutive columns. beta = 0 overwrites (NaN in C is not kept).
+// The caller synchronises before and after.
+template <int RM, int RN>
+__device__ void smm(int M, int N, int Kd, float alpha, const float *A, int sam, int sak,
+                    const float *B, int sbk, int sbn, float beta, float *C, int ldc) {
+    int MT = (M + RM - 1) / RM, NT = (N + RN - 1) / RN;
+    for (int id = threadIdx.x; id < MT * NT; id += blockDim.x) {
+        int mt = id / NT, nt = id % NT;
+        float acc[RM][RN];
+#pragma unroll
+        for (int p = 0; p < RM; p++)
+#pragma unroll
+            for (int q = 0; q < RN; q++) acc[p][q] = 0.f;
+        for (int kk = 0; kk < Kd; kk++) {
+            float a[RM], b[RN];
+#pragma unroll
+            for (int p = 0; p < RM; p++) {
+                int m = mt + p * MT;
+                a[p] = m < M ? A[m * sam + kk * sak] : 0.f;
+            }
+#pragma unroll
+            for (int q = 0; q < RN; q++) {
+                int n = nt + q * NT;
+                b[q] = n < N ? B[kk * sbk + n * sbn] : 0.f;
+            }
+#pragma unroll
+            for (int p = 0; p < RM; p++)
+#pragma unroll
+                for (int q = 0; q < RN; q++) acc[p][q] = fmaf(a[p], b[q], acc[p][q]);
+        }
+#pragma unroll
+        for (int p = 0; p < RM; p++) {
+            int m = mt + p * MT;
+            if (m >= M) continue;
+#pragma unroll
+            for (int q = 0; q < RN; q++) {
+                int n = nt + q * NT;
+                if (n >= N) continue;
+                float r = alpha * acc[p][q];
+                C[m * ldc + n] = beta == 0.f ? r : r + beta * C[m * ldc + n];
+            }
+        }
+    }
+}
+
+// ---- one tile's state-independent part (shared by the forward prep and the tile backward) --
+
+struct TileSh {
+    float *q, *k, *G, *v;  // [16][LK] (v: [16][LV]); G holds g, then its row cumsum
+    float *A, *Qh, *B;     // K̂⁺, Q̂⁺, K̂⁻ [16][LK]
+    float *X, *P, *M, *T;  // [16][17]: X = K̂⁺K̂⁻ᵀ (unmasked), P = Tril(Q̂⁺K̂⁻ᵀ), M, T
+    float *b;              // β [16]
+    float *Gm, *gam;       // reference row G_m and γ = G_15 [K]
+};
+
+// Loads rows t0 .. t0+cr-1 of head h; rows cr..15 are zero (k = q = v = 0, β = 0, g = 0), which
+// leaves every real output and S' unchanged (§2.3).
+__device__ void tile_load(const TileSh &s, int K, int V, int H, int h, int t0, int cr,
+                          const float *q, const float *k, const float *v, const float *g,
+                          const float *beta) {
+    int LK = K + 1, LV = V + 1;
+    for (int i = threadIdx.x; i < KT * K; i += blockDim.x) {
+        int r = i / K, d = i % K;
+        bool in = r < cr;
+        size_t o = ((size_t)(t0 + r) * H + h) * K + d;
+        s.q[r * LK + d] = in ? q[o] : 0.f;
+        s.k[r * LK + d] = in ? k[o] : 0.f;
+        s.G[r * LK + d] = in ? g[o] : 0.f;
+    }
+    for (int i = threadIdx.x; i < KT * V; i += blockDim.x) {
+        int r = i / V, j = i % V;
+        s.v[r * LV + j] = r < cr ? v[((size_t)(t0 + r) * H + h) * V + j] : 0.f;
+    }
+    if (threadIdx.x < KT) {
+        int r = threadIdx.x;
+        s.b[r] = r < cr ? beta[(size_t)(t0 + r) * H + h] : 0.f;
+    }
+}
+
+// After tile_load and a barrier: G, γ, G_m, scaled operands, X, P, M, T. Ends with a barrier.
+__device__ void tile_prep(const TileSh &s, int K, int cr) {
+    int LK = K + 1;
+    int m = cr - 1 < 8 ? cr - 1 : 8;
+    for (int d = threadIdx.x; d < K; d += blockDim.x) {
+        float acc = 0.f;
+#pragma unroll
+        for (int r = 0; r < KT; r++) {
+            acc += s.G[r * LK + d];
+            s.G[r * LK + d] = acc;
+        }
+        s.gam[d] = acc;  // padded rows have g = 0, so G_15 = G_{c-1}
+        s.Gm[d] = s.G[m * LK + d];
+    }
+    __syncthreads();
+    for (int i = threadIdx.x; i < KT * K; i += blockDim.x) {
+        int r = i / K, d = i % K;
+        float G = s.G[r * LK + d], Gm = s.Gm[d];
+        float e = expf(G - Gm), ei = expf(Gm - G);
+        float kv = s.k[r * LK + d];
+        s.A[r * LK + d] = kv * e;
+        s.Qh[r * LK + d] = s.q[r * LK + d] * e;
+        s.B[r * LK + d] = kv * ei;
+    }
+    __syncthreads();
+    for (int idx = threadIdx.x; idx < KT * KT; idx += blockDim.x) {
+        int i = idx >> 4, j = idx & 15;
+        float x = 0.f, p = 0.f;
+        const float *a = s.A + i * LK, *qh = s.Qh + i * LK, *bb = s.B + j * LK;
+        for (int d = 0; d < K; d++) {
+            x = fmaf(a[d], bb[d], x);
+            p = fmaf(qh[d], bb[d], p);
+        }
+        // Mask by select, never by multiply: the masked entries may be large (§2.5).
+        s.X[i * 17 + j] = x;
+        s.M[i * 17 + j] = j < i ? s.b[i] * x : 0.f;
+        s.P[i * 17 + j] = j <= i ? p : 0.f;
+    }
+    __syncthreads();
+    // T = (I + M)^-1 by forward substitution: lane j owns column j of T.
+    if (threadIdx.x < KT) {
+        int j = threadIdx.x;
+        float col[KT];
+#pragma unroll
+        for (int i = 0; i < KT; i++) {
+            float acc = 0.f;
+#pragma unroll
+            for (int l = 0; l < i; l++) acc = fmaf(s.M[i * 17 + l], col[l], acc);
+            col[i] = i == j ? 1.f : (i > j ? -acc : 0.f);
+        }
+#pragma unroll
+        for (int i = 0; i < KT; i++) s.T[i * 17 + j] = col[i];
+    }
+    __syncthreads();
+}
+
+__host__ __device__ static size_t tile_sh_floats(int K, int V) {
+    return (size_t)6 * KT * (K + 1) + (size_t)KT * (V + 1) + 4 * KT * 17 + KT + 2 * K;
+}
+__device__ float *tile_sh_carve(TileSh &s, float *p, int K, int V) {
+    int LK = K + 1, LV = V + 1;
+    s.q = p; p += KT * LK;
+    s.k = p; p += KT * LK;
+    s.G = p; p += KT * LK;
+    s.A = p; p += KT * LK;
+    s.Qh = p; p += KT * LK;
+    s.B = p; p += KT * LK;
+    s.v = p; p += KT * LV;
+    s.X = p; p += KT * 17;
+    s.P = p; p += KT * 17;
+    s.M = p; p += KT * 17;
+    s.T = p; p += KT * 17;
+    s.b = p; p += KT;
+    s.Gm = p; p += K;
+    s.gam = p; p += K;
+    return p;
+}
+
+// ---- pass 1: per-tile preparation ------------------------------------------------------------
+//
+// Scratch layouts (Tp = 16 * tiles): Wk, Qp, Ke [H][Tp][K]; Uk [H][Tp][V]; Pm [H][tiles][16][16];
+// eg [H][tiles][K] (= e^γ). Padded rows are written as zeros.
+__global__ void __launch_bounds__(256) kda_prep_k(int T, int H, int K, int V, const float *q,
+                                                  const float *k, const float *v,
+                                                  const float *g, const float *beta, float *Wk,
+                                                  float *Uk, float *Qp, float *Ke, float *Pm,
+                                                  float *eg) {
+    extern __shared__ float sm[];
+    TileSh s;
+    float *Ush = tile_sh_carve(s, sm, K, V);  // [16][LV] after the tile arrays
+    int n = blockIdx.x, h = blockIdx.y, nt = gridDim.x, t0 = n * KT;
+    int cr = T - t0 < KT ? T - t0 : KT;
+    size_t Tp = (size_t)nt * KT;
+    int LK = K + 1, LV = V + 1;
+    tile_load(s, K, V, H, h, t0, cr, q, k, v, g, beta);
+    __syncthreads();
+    tile_prep(s, K, cr);
+    // W = T diag(β) K⁺ and U = T diag(β) V (K̂⁺ and Q̂⁺ are no longer needed: reuse them).
+    float *Kb = s.A, *Wsh = s.Qh;
+    for (int i = threadIdx.x; i < KT * K; i += blockDim.x) {
+        int r = i / K, d = i % K;
+        Kb[r * LK + d] = s.b[r] * s.k[r * LK + d] * expf(s.G[r * LK + d]);
+    }
+    for (int i = threadIdx.x; i < KT * V; i += blockDim.x) {
+        int r = i / V, j = i % V;
+        s.v[r * LV + j] *= s.b[r];
+    }
+    __syncthreads();
+    smm<1, 4>(KT, K, KT, 1.f, s.T, 17, 1, Kb, LK, 1, 0.f, Wsh, LK);
+    smm<1, 4>(KT, V, KT, 1.f, s.T, 17, 1, s.v, LV, 1, 0.f, Ush, LV);
+    __syncthreads();
+    for (int i = threadIdx.x; i < KT * K; i += blockDim.x) {
+        int r = i / K, d = i % K;
+        Wk[((size_t)h * Tp + t0 + r) * K + d] = Wsh[r * LK + d];
+    }
+    for (int i = threadIdx.x; i < KT * V; i += blockDim.x) {
+        int r = i / V, j = i % V;
+        Uk[((size_t)h * Tp + t0 + r) * V + j] = Ush[r * LV + j];
+    }
+    for (int i = threadIdx.x; i < KT * K; i += blockDim.x) {
+        int r = i / K, d = i % K;
+        float G = s.G[r * LK + d];
+        size_t o = ((size_t)h * Tp + t0 + r) * K + d;
+        Qp[o] = s.q[r * LK + d] * expf(G);
+        Ke[o] = s.k[r * LK + d] * expf(s.gam[d] - G);
+    }
+    for (int d = threadIdx.x; d < K; d += blockDim.x)
+        eg[((size_t)h * nt + n) * K + d] = expf(s.gam[d]);
+    for (int i = threadIdx.x; i < KT * KT; i += blockDim.x)
+        Pm[((size_t)h * nt + n) * KT * KT + i] = s.P[(i >> 4) * 17 + (i & 15)];
+}
+
+// ---- pass 2: the sequential state pass, forward ------------------------------------------------
+
+#define VS 16  // state columns per block
+#define RGS 272  // stride of one row group in the reduction buffers (16 x 16 + 16: no conflicts)
+
+// Per-tile operand buffer of the state passes (one of two, double-buffered).
+struct StBuf {
+    float *W, *Q, *E;  // [16][K]: W, Q⁺, K^e
+    float *U;          // [16][16]: U (fwd) or dO (bwd), this block's 16 columns
+    float *P;          // [16][16]
+    float *eg;         // [K]
+};
+__host__ __device__ static size_t stbuf_floats(int K) { return (size_t)3 * KT * K + 2 * KT * KT + K; }
+__device__ void stbuf_carve(StBuf &b, float *p, int K) {
+    b.W = p; p += KT * K;
+    b.Q = p; p += KT * K;
+    b.E = p; p += KT * K;
+    b.U = p; p += KT * KT;
+    b.P = p; p += KT * KT;
+    b.eg = p;
+}
+// Issues the cp.async copies of tile n into buffer b (uv: the [..][V] source of U or dO, with
+// row index (uv_row0 + r) and a validity bound on rows for dO).
+__device__ void stbuf_load(const StBuf &b, int K, int V, int h, int n, int nt, size_t Tp,
+                           const float *Wk, const float *Qp, const float *Ke, const float *Pm,
+                           const float *eg, const float *uv, size_t uv_stride_row,
+                           size_t uv_off, int uv_rows, int j0) {
+    size_t base = ((size_t)h * Tp + (size_t)n * KT) * K;
+    int nk = KT * K / 4;
+    for (int i = threadIdx.x; i < nk; i += blockDim.x) {
+        cp_async16(b.W + 4 * i, Wk + base + 4 * i);
+        cp_async16(b.Q + 4 * i, Qp + base + 4 * i);
+        cp_async16(b.E + 4 * i, Ke + base + 4 * i);
+    }
+    for (int i = threadIdx.x; i < KT * 4; i += blockDim.x) {
+        int r = i >> 2, c4 = (i & 3) * 4;
+        bool ok = r < uv_rows;
+        const float *src = ok ? uv + uv_off + (size_t)r * uv_stride_row + j0 + c4 : uv;
+        cp_async16_pred(b.U + r * KT + c4, src, ok);
+        cp_async16(b.P + 4 * i, Pm + ((size_t)h * nt + n) * KT * KT + 4 * i);
+    }
+    for (int i = threadIdx.x; i < K / 4; i += blockDim.x)
+        cp_async16(b.eg + 4 * i, eg + ((size_t)h * nt + n) * K + 4 * i);
+}
+
+// grid (V/16, H), 256 threads: thread t owns column jj = t & 15 of the block's 16 and rows
+// d = rg + 16 i (rg = t >> 4) of the state.
+__global__ void __launch_bounds__(256) kda_state_fwd_k(int T, int H, int K, int V, int nt,
+                                                       const float *Wk, const float *Uk,
+                                                       const float *Qp, const float *Ke,
+                                                       const float *Pm, const float *eg,
+                                                       const float *S0, float *o,
+                                                       float *S_final, float *S_tiles) {
+    extern __shared__ float sm[];
+    int h = blockIdx.y, j0 = blockIdx.x * VS;
+    int jj = threadIdx.x & 15, rg = threadIdx.x >> 4, NR = K / 16;
+    size_t Tp = (size_t)nt * KT;
+    size_t stf = stbuf_floats(K);
+    float *p = sm + 2 * stf;
+    float *redW = p; p += 16 * RGS;
+    float *redQ = p; p += 16 * RGS;
+    float *sD = p;  // Δ [16][16]
+
+    float s[16];
+#pragma unroll
+    for (int i = 0; i < 16; i++) {
+        int d = rg + 16 * i;
+        s[i] = (i < NR && S0) ? S0[((size_t)h * K + d) * V + j0 + jj] : 0.f;
+    }
+    {
+        StBuf b0;
+        stbuf_carve(b0, sm, K);
+        stbuf_load(b0, K, V, h, 0, nt, Tp, Wk, Qp, Ke, Pm, eg, Uk, V, (size_t)h * Tp * V, KT, j0);
+        cp_async_commit();
+    }
+    for (int n = 0; n < nt; n++) {
+        StBuf b, bn;
+        stbuf_carve(b, sm + (n & 1) * stf, K);
+        stbuf_carve(bn, sm + ((n + 1) & 1) * stf, K);
+        cp_async_wait<0>();
+        __syncthreads();
+        if (n + 1 < nt) {
+            stbuf_load(bn, K, V, h, n + 1, nt, Tp, Wk, Qp, Ke, Pm, eg, Uk, V,
+                       ((size_t)h * Tp + (size_t)(n + 1) * KT) * V, KT, j0);
+            cp_async_commit();
+        }
+        if (S_tiles) {
+#pragma unroll
+            for (int i = 0; i < 16; i++)
+                if (i < NR)
+                    S_tiles[(((size_t)n * H + h) * K + rg + 16 * i) * V + j0 + jj] = s[i];
+        }
+        // Partial products over this thread's rows: W S and Q⁺ S for all 16 tile rows.
+        float pw[KT], pq[KT];
+#pragma unroll
+        for (int r = 0; r < KT; r++) pw[r] = pq[r] = 0.f;
+#pragma unroll
+        for (int i = 0; i < 16; i++) {
+            if (i < NR) {
+                int d = rg + 16 * i;
+#pragma unroll
+                for (int r = 0; r < KT; r++) {
+                    pw[r] = fmaf(b.W[r * K + d], s[i], pw[r]);
+                    pq[r] = fmaf(b.Q[r * K + d], s[i], pq[r]);
+                }
+            }
+        }
+#pragma unroll
+        for (int r = 0; r < KT; r++) {
+            redW[rg * RGS + r * 16 + jj] = pw[r];
+            redQ[rg * RGS + r * 16 + jj] = pq[r];
+        }
+        __syncthreads();
+        // Thread (jj, r = rg): Δ[r][jj] = U − Σ (W S), and the Q⁺ S part of O.
+        int r = rg;
+        float ws = 0.f, qs = 0.f;
+        for (int g2 = 0; g2 < 16; g2++) {
+            ws += redW[g2 * RGS + r * 16 + jj];
+            qs += redQ[g2 * RGS + r * 16 + jj];
+        }
+        sD[r * 16 + jj] = b.U[r * KT + jj] - ws;
+        __syncthreads();
+        if (o) {
+            float acc = qs;
+            for (int l = 0; l <= r; l++) acc = fmaf(b.P[r * KT + l], sD[l * 16 + jj], acc);
+            int t = n * KT + r;
+            if (t < T) o[((size_t)t * H + h) * V + j0 + jj] = acc;
+        }
+        // S' = diag(e^γ) S + K^eᵀ Δ.
+#pragma unroll
+        for (int i = 0; i < 16; i++) {
+            if (i < NR) {
+                int d = rg + 16 * i;
+                float acc = b.eg[d] * s[i];
+#pragma unroll
+                for (int l = 0; l < KT; l++) acc = fmaf(b.E[l * K + d], sD[l * 16 + jj], acc);
+                s[i] = acc;
+            }
+        }
+    }
+    if (S_final) {
+#pragma unroll
+        for (int i = 0; i < 16; i++)
+            if (i < NR) S_final[((size_t)h * K + rg + 16 * i) * V + j0 + jj] = s[i];
+    }
+}
+
+// ---- backward pass 2: the sequential state-gradient pass -------------------------------------
+//
+// grid (V/16, H), last tile to first. Writes dD = dΔ [H][Tp][V] and dS_tiles [tiles][H][K][V]
+// (tile n's entry is ∂L/∂S' of tile n, i.e. the gradient of its OUTGOING state).
+__global__ void __launch_bounds__(256) kda_state_bwd_k(int T, int H, int K, int V, int nt,
+                                                       const float *Wk, const float *Qp,
+                                                       const float *Ke, const float *Pm,
+                                                       const float *eg, const float *dout,
+                                                       const float *dS_final, float *dD,
+                                                       float *dS_tiles, float *dS0) {
+    extern __shared__ float sm[];
+    int h = blockIdx.y, j0 = blockIdx.x * VS;
+    int jj = threadIdx.x & 15, rg = threadIdx.x >> 4, NR = K / 16;
+    size_t Tp = (size_t)nt * KT;
+    size_t stf = stbuf_floats(K);
+    float *p = sm + 2 * stf;
+    float *redE = p; p += 16 * RGS;
+    float *sdD = p;  // dΔ [16][16]
+
+    float s[16];  // dS for rows rg + 16 i, column jj
+#pragma unroll
+    for (int i = 0; i < 16; i++) {
+        int d = rg + 16 * i;
+        s[i] = (i < NR && dS_final) ? dS_final[((size_t)h * K + d) * V + j0 + jj] : 0.f;
+    }
+    auto load = [&](int n, const StBuf &b) {
+        int rows = T - n * KT < KT ? T - n * KT : KT;
+        stbuf_load(b, K, V, h, n, nt, Tp, Wk, Qp, Ke, Pm, eg, dout, (size_t)H * V,
+                   ((size_t)n * KT * H + h) * V, rows, j0);
+        cp_async_commit();
+    };
+    {
+        StBuf b0;
+        stbuf_carve(b0, sm + ((nt - 1) & 1) * stf, K);
+        load(nt - 1, b0);
+    }
+    for (int n = nt - 1; n >= 0; n--) {
+        StBuf b, bn;
+        stbuf_carve(b, sm + (n & 1) * stf, K);
+        stbuf_carve(bn, sm + ((n + 1) & 1) * stf, K);  // (n - 1) & 1 == (n + 1) & 1
+        cp_async_wait<0>();
+        __syncthreads();
+        if (n > 0) load(n - 1, bn);
+#pragma unroll
+        for (int i = 0; i < 16; i++)
+            if (i < NR) dS_tiles[(((size_t)n * H + h) * K + rg + 16 * i) * V + j0 + jj] = s[i];
+        float pe[KT];
+#pragma unroll
+        for (int r = 0; r < KT; r++) pe[r] = 0.f;
+#pragma unroll
+        for (int i = 0; i < 16; i++) {
+            if (i < NR) {
+                int d = rg + 16 * i;
+#pragma unroll
+                for (int r = 0; r < KT; r++) pe[r] = fmaf(b.E[r * K + d], s[i], pe[r]);
+            }
+        }
+#pragma unroll
+        for (int r = 0; r < KT; r++) redE[rg * RGS + r * 16 + jj] = pe[r];
+        __syncthreads();
+        {
+            int r = rg;
+            float acc = 0.f;
+            for (int g2 = 0; g2 < 16; g2++) acc += redE[g2 * RGS + r * 16 + jj];
+            // + (Pᵀ dO)[r][jj] = Σ_{l >= r} P[l][r] dO[l][jj]
+            for (int l = r; l < KT; l++) acc = fmaf(b.P[l * KT + r], b.U[l * KT + jj], acc);
+            sdD[r * 16 + jj] = acc;
+            dD[((size_t)h * Tp + (size_t)n * KT + r) * V + j0 + jj] = acc;
+        }
+        __syncthreads();
+        // dS ← diag(e^γ) dS' + Q⁺ᵀ dO − Wᵀ dΔ
+#pragma unroll
+        for (int i = 0; i < 16; i++) {
+            if (i < NR) {
+                int d = rg + 16 * i;
+                float acc = b.eg[d] * s[i];
+#pragma unroll
+                for (int l = 0; l < KT; l++) {
+                    acc = fmaf(b.Q[l * K + d], b.U[l * KT + jj], acc);
+                    acc = fmaf(-b.W[l * K + d], sdD[l * 16 + jj], acc);
+                }
+                s[i] = acc;
+            }
+        }
+    }
+    if (dS0) {
+#pragma unroll
+        for (int i = 0; i < 16; i++)
+            if (i < NR) dS0[((size_t)h * K + rg + 16 * i) * V + j0 + jj] = s[i];
+    }
+}
+
+// ---- backward pass 3: everything else, per tile in parallel ------------------------------------
+
+#define CW 32  // state columns staged in shared memory at a time
+#define LC 33
+
+static size_t tile_bwd_floats(int K, int V) {
+    size_t LK = K + 1, LV = V + 1;
+    return tile_sh_floats(K, V) + 8 * KT * LK /* Kp Wm dQp dKe dW dA dQh dB */ +
+           3 * KT * LV /* Dl dD dO */ + 2 * (size_t)K * LC + 5 * KT * 17 /* dP dT tmp dM ... */ +
+           KT /* db */ + K /* dgS */;
+}
+
+__global__ void __launch_bounds__(256) kda_tile_bwd_k(int T, int H, int K, int V, const float *q,
+                                                      const float *k, const float *v,
+                                                      const float *g, const float *beta,
+                                                      const float *S_tiles, const float *dout,
+                                                      const float *dD, const float *dS_tiles,
+                                                      float *dq, float *dk, float *dv, float *dg,
+                                                      float *dbeta) {
+    extern __shared__ float sm[];
+    TileSh s;
+    float *p = tile_sh_carve(s, sm, K, V);
+    int LK = K + 1, LV = V + 1;
+    float *Kp = p; p += KT * LK;
+    float *Wm = p; p += KT * LK;   // W, then Y_W = Tᵀ dW
+    float *dQp = p; p += KT * LK;  // dQ⁺, then dQ
+    float *dKe = p; p += KT * LK;  // dK^e, then dK
+    float *dW = p; p += KT * LK;   // dW, then dG
+    float *dA = p; p += KT * LK;
+    float *dQh = p; p += KT * LK;
+    float *dB = p; p += KT * LK;
+    float *Dl = p; p += KT * LV;   // U, then Δ
+    float *sdD = p; p += KT * LV;  // dΔ
+    float *sdO = p; p += KT * LV;  // dO, then Y_U
+    float *Sc = p; p += K * LC;    // S[:, chunk]
+    float *dSc = p; p += K * LC;   // dS'[:, chunk]
+    float *dP = p; p += KT * 17;
+    float *dT = p; p += KT * 17;
+    float *tmp = p; p += KT * 17;
+    float *dM = p; p += KT * 17;
+    p += KT * 17;                  // spare
+    float *db = p; p += KT;
+    float *dgS = p; p += K;        // dγ_S, then dγ
+
+    int n = blockIdx.x, h = blockIdx.y, nt = gridDim.x, t0 = n * KT;
+    int cr = T - t0 < KT ? T - t0 : KT;
+    size_t Tp = (size_t)nt * KT;
+    const float *S = S_tiles + ((size_t)n * H + h) * K * V;
+    const float *dS = dS_tiles + ((size_t)n * H + h) * K * V;
+
+    tile_load(s, K, V, H, h, t0, cr, q, k, v, g, beta);
+    for (int i = threadIdx.x; i < KT * V; i += blockDim.x) {
+        int r = i / V, j = i % V;
+        sdO[r * LV + j] = r < cr ? dout[((size_t)(t0 + r) * H + h) * V + j] : 0.f;
+        sdD[r * LV + j] = dD[((size_t)h * Tp + t0 + r) * V + j];
+    }
+    __syncthreads();
+    tile_prep(s, K, cr);
+    // K⁺, then W = T diag(β) K⁺ and U = T diag(β) V.
+    for (int i = threadIdx.x; i < KT * K; i += blockDim.x) {
+        int r = i / K, d = i % K;
+        Kp[r * LK + d] = s.k[r * LK + d] * expf(s.G[r * LK + d]);
+    }
+    for (int i = threadIdx.x; i < KT * KT; i += blockDim.x) {
+        int r = i >> 4, l = i & 15;
+        tmp[r * 17 + l] = s.T[r * 17 + l] * s.b[l];  // T diag(β)
+    }
+    for (int i = threadIdx.x; i < KT * 17; i += blockDim.x) dP[i] = 0.f;
+    for (int i = threadIdx.x; i < KT * LK; i += blockDim.x) dQp[i] = dKe[i] = dW[i] = 0.f;
+    for (int d = threadIdx.x; d < K; d += blockDim.x) dgS[d] = 0.f;
+    __syncthreads();
+    smm<1, 4>(KT, K, KT, 1.f, tmp, 17, 1, Kp, LK, 1, 0.f, Wm, LK);
+    smm<1, 4>(KT, V, KT, 1.f, tmp, 17, 1, s.v, LV, 1, 0.f, Dl, LV);
+    __syncthreads();
+    // Column chunks of S and dS': Δ = U − W S, dP += dO Δᵀ, dQ⁺ += dO Sᵀ, dK^e += Δ dS'ᵀ,
+    // dW −= dΔ Sᵀ, dγ_S += rowsum(S ⊙ dS').
+    for (int c0 = 0; c0 < V; c0 += CW) {
+        int cw = V - c0 < CW ? V - c0 : CW;
+        for (int i = threadIdx.x; i < K * cw; i += blockDim.x) {
+            int d = i / cw, j = i % cw;
+            Sc[d * LC + j] = S[(size_t)d * V + c0 + j];
+            dSc[d * LC + j] = dS[(size_t)d * V + c0 + j];
+        }
+        __syncthreads();
+        smm<1, 2>(KT, cw, K, -1.f, Wm, LK, 1, Sc, LC, 1, 1.f, Dl + c0, LV);
+        for (int d = threadIdx.x; d < K; d += blockDim.x) {
+            float acc = 0.f;
+            for (int j = 0; j < cw; j++) acc = fmaf(Sc[d * LC + j], dSc[d * LC + j], acc);
+            dgS[d] += acc;
+        }
+        __syncthreads();
+        smm<1, 1>(KT, KT, cw, 1.f, sdO + c0, LV, 1, Dl + c0, 1, LV, 1.f, dP, 17);
+        smm<2, 4>(KT, K, cw, 1.f, sdO + c0, LV, 1, Sc, 1, LC, 1.f, dQp, LK);
+        smm<2, 4>(KT, K, cw, 1.f, Dl + c0, LV, 1, dSc, 1, LC, 1.f, dKe, LK);
+        smm<2, 4>(KT, K, cw, -1.f, sdD + c0, LV, 1, Sc, 1, LC, 1.f, dW, LK);
+        __syncthreads();
+    }
+    // dγ_S = e^γ ⊙ rowsum(S ⊙ dS')
+    for (int d = threadIdx.x; d < K; d += blockDim.x) dgS[d] *= expf(s.gam[d]);
+    // Y_W = Tᵀ dW (into Wm), Y_U = Tᵀ dΔ (into sdO), dT = dW (diag(β)K⁺)ᵀ + dΔ (diag(β)V)ᵀ.
+    smm<1, 4>(KT, K, KT, 1.f, s.T, 1, 17, dW, LK, 1, 0.f, Wm, LK);
+    smm<1, 4>(KT, V, KT, 1.f, s.T, 1, 17, sdD, LV, 1, 0.f, sdO, LV);
+    smm<1, 1>(KT, KT, K, 1.f, dW, LK, 1, Kp, 1, LK, 0.f, dT, 17);
+    __syncthreads();
+    smm<1, 1>(KT, KT, V, 1.f, sdD, LV, 1, s.v, 1, LV, 1.f, dT, 17);
+    __syncthreads();
+    for (int i = threadIdx.x; i < KT * KT; i += blockDim.x) {
+        int r = i >> 4, l = i & 15;
+        dT[r * 17 + l] *= s.b[l];
+    }
+    __syncthreads();
+    // dM = StrictTril(−Tᵀ dT Tᵀ)
+    smm<1, 1>(KT, KT, KT, 1.f, s.T, 1, 17, dT, 17, 1, 0.f, tmp, 17);
+    __syncthreads();
+    smm<1, 1>(KT, KT, KT, -1.f, tmp, 17, 1, s.T, 1, 17, 0.f, dM, 17);
+    __syncthreads();
+    // dβ_i = Σ K⁺⊙Y_W + Σ V⊙Y_U + Σ_{j<i} dM ⊙ X; then dM ← diag(β) dM (masked), dP masked.
+    {
+        int w = threadIdx.x >> 5, lane = threadIdx.x & 31, nw = blockDim.x >> 5;
+        for (int i = w; i < KT; i += nw) {
+            float acc = 0.f;
+            for (int d = lane; d < K; d += 32) acc = fmaf(Kp[i * LK + d], Wm[i * LK + d], acc);
+            for (int j = lane; j < V; j += 32) acc = fmaf(s.v[i * LV + j], sdO[i * LV + j], acc);
+            if (lane < i) acc = fmaf(dM[i * 17 + lane], s.X[i * 17 + lane], acc);
+            acc = warp_sum(acc);
+            if (lane == 0) db[i] = acc;
+        }
+    }
+    __syncthreads();
+    for (int i = threadIdx.x; i < KT * KT; i += blockDim.x) {
+        int r = i >> 4, l = i & 15;
+        dM[r * 17 + l] = l < r ? s.b[r] * dM[r * 17 + l] : 0.f;
+        if (l > r) dP[r * 17 + l] = 0.f;
+    }
+    // dV = diag(β) Y_U
+    for (int i = threadIdx.x; i < KT * V; i += blockDim.x) {
+        int r = i / V, j = i % V;
+        if (r < cr) dv[((size_t)(t0 + r) * H + h) * V + j] = s.b[r] * sdO[r * LV + j];
+    }
+    // Inter-tile operands back to the unscaled inputs, one column d per thread:
+    //   dQ = dQ⁺ e^G, dK = β Y_W e^G + dK^e e^{γ−G}, dG = Q tq + K tk − K te,
+    //   dγ = dγ_S + Σ_r K te.
+    for (int d = threadIdx.x; d < K; d += blockDim.x) {
+        float gsum = 0.f, gm = s.gam[d];
+        for (int r = 0; r < KT; r++) {
+            int i = r * LK + d;
+            float G = s.G[i];
+            float e1 = expf(G), e2 = expf(gm - G);
+            float tq = dQp[i] * e1, tk = s.b[r] * Wm[i] * e1, te = dKe[i] * e2;
+            float kv = s.k[i];
+            dQp[i] = tq;
+            dKe[i] = tk + te;
+            dW[i] = s.q[i] * tq + kv * tk - kv * te;
+            gsum = fmaf(kv, te, gsum);
+        }
+        dgS[d] += gsum;
+    }
+    __syncthreads();
+    // Intra-tile blocks: dK̂⁺ = diag(β)dM K̂⁻, dQ̂⁺ = dP K̂⁻, dK̂⁻ = (diag(β)dM)ᵀ K̂⁺ + dPᵀ Q̂⁺.
+    smm<1, 4>(KT, K, KT, 1.f, dM, 17, 1, s.B, LK, 1, 0.f, dA, LK);
+    smm<1, 4>(KT, K, KT, 1.f, dP, 17, 1, s.B, LK, 1, 0.f, dQh, LK);
+    smm<1, 4>(KT, K, KT, 1.f, dM, 1, 17, s.A, LK, 1, 0.f, dB, LK);
+    __syncthreads();
+    smm<1, 4>(KT, K, KT, 1.f, dP, 1, 17, s.Qh, LK, 1, 1.f, dB, LK);
+    __syncthreads();
+    for (int d = threadIdx.x; d < K; d += blockDim.x) {
+        float Gm = s.Gm[d];
+        float acc = 0.f;
+        float col[KT];
+#pragma unroll
+        for (int r = 0; r < KT; r++) {
+            int i = r * LK + d;
+            float G = s.G[i];
+            float eA = expf(G - Gm), eB = expf(Gm - G);
+            float ta = dA[i] * eA, tq = dQh[i] * eA, tb = dB[i] * eB;
+            float kv = s.k[i];
+            float dqv = dQp[i] + tq, dkv = dKe[i] + ta + tb;
+            float dG = dW[i] + kv * ta + s.q[i] * tq - kv * tb;
+            if (r == KT - 1) dG += dgS[d];
+            col[r] = dG;
+            if (r < cr) {
+                size_t o = ((size_t)(t0 + r) * H + h) * K + d;
+                dq[o] = dqv;
+                dk[o] = dkv;
+            }
+        }
+        // dg_r = Σ_{r' >= r} dG_{r'}
+#pragma unroll
+        for (int r = KT - 1; r >= 0; r--) {
+            acc += col[r];
+            if (r < cr) dg[((size_t)(t0 + r) * H + h) * K + d] = acc;
+        }
+    }
+    if (threadIdx.x < KT && (int)threadIdx.x < cr)
+        dbeta[(size_t)(t0 + threadIdx.x) * H + h] = db[threadIdx.x];
+}
+
+// ---- decode step -------------------------------------------------------------------------------
+//
+// grid (V/32, H, B), 256 threads: lane = column j (32 per block), warp w = rows d = w + 8 i.
+// Each column of S evolves on its own: S̃ = e^g S; r = v − S̃ᵀk; S = S̃ + β k r; o = Sᵀ q.
+__global__ void __launch_bounds__(256) kda_step_k(int H, int K, int V, const float *q,
+                                                  const float *k, const float *v,
+                                                  const float *g, const float *beta, float *S,
+                                                  float *o) {
+    __shared__ float red[2][8][32];
+    __shared__ float sk[256], sq[256], se[256];
+    int b = blockIdx.z, h = blockIdx.y, j = blockIdx.x * 32 + (threadIdx.x & 31);
+    int w = threadIdx.x >> 5, NR = K / 8;
+    size_t bh = (size_t)b * H + h;
+    for (int d = threadIdx.x; d < K; d += blockDim.x) {
+        sk[d] = k[bh * K + d];
+        sq[d] = q[bh * K + d];
+        se[d] = expf(g[bh * K + d]);
+    }
+    __syncthreads();
+    float *Sp = S + bh * K * V;
+    bool col_ok = j < V;
+    float sv[32];
+    float kS = 0.f;
+#pragma unroll
+    for (int i = 0; i < 32; i++) {
+        if (i < NR) {
+            int d = w + 8 * i;
+            float x = col_ok ? Sp[(size_t)d * V + j] * se[d] : 0.f;
+            sv[i] = x;
+            kS = fmaf(x, sk[d], kS);
+        }
+    }
+    red[0][w][threadIdx.x & 31] = kS;
+    __syncthreads();
+    float tot = 0.f;
+    for (int i = 0; i < 8; i++) tot += red[0][i][threadIdx.x & 31];
+    float br = col_ok ? beta[bh] * (v[bh * V + j] - tot) : 0.f;
+    float oq = 0.f;
+#pragma unroll
+    for (int i = 0; i < 32; i++) {
+        if (i < NR) {
+            int d = w + 8 * i;
+            float x = fmaf(br, sk[d], sv[i]);
+            if (col_ok) Sp[(size_t)d * V + j] = x;
+            oq = fmaf(x, sq[d], oq);
+        }
+    }
+    red[1][w][threadIdx.x & 31] = oq;
+    __syncthreads();
+    if (w == 0 && col_ok) {
+        float acc = 0.f;
+        for (int i = 0; i < 8; i++) acc += red[1][i][threadIdx.x & 31];
+        o[bh * V + j] = acc;
+    }
+}
+
+// ---- gate --------------------------------------------------------------------------------------
+
+__global__ void kda_gate_fwd_k(size_t n, int H, int K, const float *f, const float *A_log,
+                               const float *dt_bias, float g_min, float *g) {
+    int HK = H * K;
+    for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n;
+         i += (size_t)gridDim.x * blockDim.x) {
+        int c = (int)(i % HK), h = c / K;
+        float a = expf(A_log[h]);
+        g[i] = g_min * sigmoid_acc(a * (f[i] + dt_bias[c]));
+    }
+}
+
+// Partial sums over a range of tokens, per column c = h*K + d: pdb = Σ a dy, pdA = Σ a x dy.
+__global__ void kda_gate_bwd_k(int T, int H, int K, int tchunk, const float *f,
+                               const float *A_log, const float *dt_bias, float g_min,
+                               const float *dg, float *df, double *pdb, double *pdA) {
+    int HK = H * K, c = blockIdx.x * blockDim.x + threadIdx.x;
+    if (c >= HK) return;
+    int h = c / K, t0 = blockIdx.y * tchunk, t1 = t0 + tchunk < T ? t0 + tchunk : T;
+    float a = expf(A_log[h]), bias = dt_bias[c];
+    double sb = 0, sa = 0;
+    for (int t = t0; t < t1; t++) {
+        size_t i = (size_t)t * HK + c;
+        float x = f[i] + bias;
+        float s = sigmoid_acc(a * x);
+        float dy = dg[i] * g_min * s * (1.f - s);
+        df[i] = a * dy;
+        sb += (double)(a * dy);
+        sa += (double)a * (double)x * (double)dy;
+    }
+    pdb[(size_t)blockIdx.y * HK + c] = sb;
+    pdA[(size_t)blockIdx.y * HK + c] = sa;
+}
+
+// Fixed-order final sums: ddt_bias[c] += Σ_splits pdb; dA_log[h] += Σ_d Σ_splits pdA.
+__global__ void kda_gate_bwd_reduce_k(int H, int K, int nsplit, const double *pdb,
+                                      const double *pdA, float *dA_log, float *ddt_bias) {
+    int HK = H * K;
+    int c = blockIdx.x * blockDim.x + threadIdx.x;
+    if (c < HK) {
+        double s = 0;
+        for (int i = 0; i < nsplit; i++) s += pdb[(size_t)i * HK + c];
+        ddt_bias[c] += (float)s;
+    }
+    if (c < H) {
+        double s = 0;
+        for (int d = 0; d < K; d++)
+            for (int i = 0; i < nsplit; i++) s += pdA[(size_t)i * HK + c * K + d];
+        dA_log[c] += (float)s;
+    }
+}
+
+// ---- launchers ---------------------------------------------------------------------------------
+
+extern "C" int mtrl_kda_gate_fwd(mtrl_cuda_ctx *c, int T, int H, int K, const float *f,
+                                 const float *A_log, const float *dt_bias, float g_min,
+                                 float *g) {
+    MTRL_CUDA_REQUIRE(T >= 0 && H > 0 && K > 0, "T=%d H=%d K=%d", T, H, K);
+    size_t n = (size_t)T * H * K;
+    if (!n) return 0;
+    unsigned grid = cdiv(n, 256) < 8192 ? cdiv(n, 256) : 8192;
+    kda_gate_fwd_k<<<grid, 256, 0, c->stream>>>(n, H, K, f, A_log, dt_bias, g_min, g);
+    CUDA_LAUNCH_CHECK();
+    return 0;
+}
+
+extern "C" int mtrl_kda_gate_bwd(mtrl_cuda_ctx *c, int T, int H, int K, const float *f,
+                                 const float *A_log, const float *dt_bias, float g_min,
+                                 const float *dg, float *df, float *dA_log, float *ddt_bias) {
+    MTRL_CUDA_REQUIRE(T >= 0 && H > 0 && K > 0, "T=%d H=%d K=%d", T, H, K);
+    if (T == 0) return 0;
+    int HK = H * K;
+    int nsplit = (int)(((size_t)c->sms * 8 * 256 + HK - 1) / HK);
+    if (nsplit > T) nsplit = T;
+    if (nsplit < 1) nsplit = 1;
+    int tchunk = (T + nsplit - 1) / nsplit;
+    nsplit = (T + tchunk - 1) / tchunk;
+    double *pdb = (double *)mtrl_ctx_scratch(c, sizeof(double) * 2 * (size_t)nsplit * HK);
+    double *pdA = pdb + (size_t)nsplit * HK;
+    dim3 grid(cdiv(HK, 256), nsplit);
+    kda_gate_bwd_k<<<grid, 256, 0, c->stream>>>(T, H, K, tchunk, f, A_log, dt_bias, g_min, dg,
+                                                df, pdb, pdA);
+    CUDA_LAUNCH_CHECK();
+    kda_gate_bwd_reduce_k<<<cdiv(HK, 256), 256, 0, c->stream>>>(H, K, nsplit, pdb, pdA, dA_log,
+                                                                ddt_bias);
+    CUDA_LAUNCH_CHECK();
+    return 0;
+}
+
+struct KdaWs {
+    float *Wk, *Uk, *Qp, *Ke, *Pm, *eg;
+};
+static void kda_ws_take(ws_carver &cv, KdaWs &w, int H, int K, int V, int nt) {
+    size_t Tp = (size_t)nt * KT;
+    w.Wk = cv.take<float>((size_t)H * Tp * K);
+    w.Uk = cv.take<float>((size_t)H * Tp * V);
+    w.Qp = cv.take<float>((size_t)H * Tp * K);
+    w.Ke = cv.take<float>((size_t)H * Tp * K);
+    w.Pm = cv.take<float>((size_t)H * nt * KT * KT);
+    w.eg = cv.take<float>((size_t)H * nt * K);
+}
+
+static int kda_check_(mtrl_cuda_ctx *c, int T, int H, int K, int V) {
+    MTRL_CUDA_REQUIRE(T >= 0 && H > 0, "T=%d H=%d", T, H);
+    MTRL_CUDA_REQUIRE(K % 16 == 0 && V % 16 == 0 && K >= 16 && V >= 16 && K <= 128 && V <= 128,
+                      "K=%d V=%d (multiples of 16, at most 128)", K, V);
+    size_t need = sizeof(float) * tile_bwd_floats(K, V);
+    MTRL_CUDA_REQUIRE(need <= c->smem_optin, "shared memory %zu > %zu", need, c->smem_optin);
+    return 0;
+}
+
+static void kda_launch_prep_(mtrl_cuda_ctx *c, int T, int H, int K, int V, int nt,
+                             const float *q, const float *k, const float *v, const float *g,
+                             const float *beta, const KdaWs &w) {
+    size_t sh = sizeof(float) * (tile_sh_floats(K, V) + (size_t)KT * (V + 1));
+    set_smem(kda_prep_k, sh);
+    kda_prep_k<<<dim3(nt, H), 256, sh, c->stream>>>(T, H, K, V, q, k, v, g, beta, w.Wk, w.Uk,
+                                                    w.Qp, w.Ke, w.Pm, w.eg);
+    CUDA_LAUNCH_CHECK();
+}
+
+static size_t state_smem_(int K, int redbufs) {
+    return sizeof(float) * (2 * stbuf_floats(K) + (size_t)redbufs * 16 * RGS + 16 * 16);
+}
+
+extern "C" int mtrl_kda_chunk_fwd(mtrl_cuda_ctx *c, int T, int H, int K, int V, const float *q,
+                                  const float *k, const float *v, const float *g,
+                                  const float *beta, const float *S0, float *o, float *S_final,
+                                  float *S_tiles) {
+    if (kda_check_(c, T, H, K, V)) return -1;
+    size_t KV = (size_t)K * V;
+    if (T == 0) {
+        if (S_final) {
+            if (S0) CUDA_CHECK(cudaMemcpyAsync(S_final, S0, sizeof(float) * H * KV,
+                                               cudaMemcpyDeviceToDevice, c->stream));
+            else CUDA_CHECK(cudaMemsetAsync(S_final, 0, sizeof(float) * H * KV, c->stream));
+        }
+        return 0;
+    }
+    int nt = (T + KT - 1) / KT;
+    ws_carver cv{nullptr, 0};
+    KdaWs w;
+    kda_ws_take(cv, w, H, K, V, nt);
+    cv.base = (char *)mtrl_ctx_scratch(c, cv.off);
+    cv.off = 0;
+    kda_ws_take(cv, w, H, K, V, nt);
+    kda_launch_prep_(c, T, H, K, V, nt, q, k, v, g, beta, w);
+    size_t sh = state_smem_(K, 2);
+    set_smem(kda_state_fwd_k, sh);
+    kda_state_fwd_k<<<dim3(V / VS, H), 256, sh, c->stream>>>(T, H, K, V, nt, w.Wk, w.Uk, w.Qp,
+                                                             w.Ke, w.Pm, w.eg, S0, o, S_final,
+                                                             S_tiles);
+    CUDA_LAUNCH_CHECK();
+    return 0;
+}
+
+extern "C" int mtrl_kda_chunk_bwd(mtrl_cuda_ctx *c, int T, int H, int K, int V, const float *q,
+                                  const float *k, const float *v, const float *g,
+                                  const float *beta, const float *S0, const float *S_tiles,
+                                  const float *dout, const float *dS_final, float *dq, float *dk,
+                                  float *dv, float *dg, float *dbeta, float *dS0) {
+    if (kda_check_(c, T, H, K, V)) return -1;
+    size_t KV = (size_t)K * V;
+    if (T == 0) {
+        if (dS0) {
+            if (dS_final) CUDA_CHECK(cudaMemcpyAsync(dS0, dS_final, sizeof(float) * H * KV,
+                                                     cudaMemcpyDeviceToDevice, c->stream));
+            else CUDA_CHECK(cudaMemsetAsync(dS0, 0, sizeof(float) * H * KV, c->stream));
+        }
+        return 0;
+    }
+    int nt = (T + KT - 1) / KT;
+    size_t Tp = (size_t)nt * KT;
+    KdaWs w;
+    float *dD = nullptr, *dSt = nullptr, *own = nullptr;
+    auto carve = [&](ws_carver &cv) {
+        kda_ws_take(cv, w, H, K, V, nt);
+        dD = cv.take<float>((size_t)H * Tp * V);
+        dSt = cv.take<float>((size_t)nt * H * KV);
+        own = S_tiles ? nullptr : cv.take<float>((size_t)nt * H * KV);
+    };
+    ws_carver sz{nullptr, 0};
+    carve(sz);
+    ws_carver cv{(char *)mtrl_ctx_scratch(c, sz.off), 0};
+    carve(cv);
+    kda_launch_prep_(c, T, H, K, V, nt, q, k, v, g, beta, w);
+    if (!S_tiles) {  // recompute every tile's incoming state (fla's disable_recompute=False)
+        size_t sh = state_smem_(K, 2);
+        set_smem(kda_state_fwd_k, sh);
+        kda_state_fwd_k<<<dim3(V / VS, H), 256, sh, c->stream>>>(
+            T, H, K, V, nt, w.Wk, w.Uk, w.Qp, w.Ke, w.Pm, w.eg, S0, nullptr, nullptr, own);
+        CUDA_LAUNCH_CHECK();
+        S_tiles = own;
+    }
+    size_t sh = state_smem_(K, 1);
+    set_smem(kda_state_bwd_k, sh);
+    kda_state_bwd_k<<<dim3(V / VS, H), 256, sh, c->stream>>>(T, H, K, V, nt, w.Wk, w.Qp, w.Ke,
+                                                             w.Pm, w.eg, dout, dS_final, dD,
+                                                             dSt, dS0);
+    CUDA_LAUNCH_CHECK();
+    sh = sizeof(float) * tile_bwd_floats(K, V);
+    set_smem(kda_tile_bwd_k, sh);
+    kda_tile_bwd_k<<<dim3(nt, H), 256, sh, c->stream>>>(T, H, K, V, q, k, v, g, beta, S_tiles,
+                                                        dout, dD, dSt, dq, dk, dv, dg, dbeta);
+    CUDA_LAUNCH_CHECK();
+    return 0;
+}
+
+extern "C" int mtrl_kda_step(mtrl_cuda_ctx *c, int B, int H, int K, int V, const float *q,
+                             const float *k, const float *v, const float *g, const float *beta,
+                             float *S, float *o) {
+    MTRL_CUDA_REQUIRE(B >= 0 && H > 0 && K % 8 == 0 && K >= 8 && K <= 256 && V > 0,
+                      "B=%d H=%d K=%d V=%d (K a multiple of 8, at most 256)", B, H, K, V);
+    if (B == 0) return 0;
+    dim3 grid(cdiv(V, 32), H, B);
+    kda_step_k<<<grid, 256, 0, c->stream>>>(H, K, V, q, k, v, g, beta, S, o);
+    CUDA_LAUNCH_CHECK();
+    return 0;
+}

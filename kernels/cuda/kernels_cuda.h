@@ -1,0 +1,251 @@
+// kernels_cuda.h: the C entry points of the CUDA kernels (plain C11, includable without the
+// CUDA headers). Every function mirrors one function of the CPU reference in kernels/ref/ (the
+// contract: same shapes, same row-major layouts, same "+=" / overwrite rules), operating on
+// DEVICE pointers, asynchronously on the context's stream.
+//
+// Conventions:
+//   * All pointers are device pointers unless the name ends in _host. The caller owns them.
+//   * Launchers return 0, or -1 for arguments the kernels do not support (a message naming the
+//     argument goes to stderr; nothing was launched). A failing CUDA or cuBLAS call is a bug or a
+//     lost device: it prints file:line and aborts (CUDA_CHECK / CUBLAS_CHECK in cuda_common.cuh).
+//   * Nothing is synchronised unless stated; mtrl_cuda_sync() waits and checks.
+//   * A launcher may use the context's scratch buffer (grown on demand; growing it synchronises
+//     the device). Scratch never carries data from one call to the next.
+//   * Precision: fp32 arithmetic unless a function takes bf16 operands (mtrl_bf16, the bit
+//     pattern of __nv_bfloat16); those multiply on tensor cores with fp32 accumulation.
+//   * Reductions are done in a fixed order: results are bit-reproducible run to run (no
+//     floating-point atomics anywhere).
+#ifndef MTRL_KERNELS_CUDA_H
+#define MTRL_KERNELS_CUDA_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+typedef struct CUstream_st *mtrl_stream;  // the same type as cudaStream_t; NULL = default stream
+typedef uint16_t mtrl_bf16;               // storage of one bf16 value
+typedef struct mtrl_cuda_ctx mtrl_cuda_ctx;
+
+enum { MTRL_F32 = 0, MTRL_BF16 = 1 };  // element types of GEMM operands and some buffers
+
+// ---- context, buffers, conversions --------------------------------------------------------
+
+// Number of usable CUDA devices; 0 when there is none or the driver cannot be reached (never
+// aborts, so a test can call it first and skip).
+int mtrl_cuda_device_count(void);
+// One context per thread and stream: cuBLAS handle, the stream, a scratch buffer. stream may be
+// NULL (the default stream). Selects `device` for the calling thread.
+mtrl_cuda_ctx *mtrl_cuda_ctx_create(int device, mtrl_stream stream);
+void mtrl_cuda_ctx_destroy(mtrl_cuda_ctx *ctx);
+mtrl_stream mtrl_cuda_ctx_stream(const mtrl_cuda_ctx *ctx);
+// Waits for the context's stream and checks for errors (aborts on one).
+void mtrl_cuda_sync(mtrl_cuda_ctx *ctx);
+
+void *mtrl_cuda_malloc(size_t bytes);  // cudaMalloc; aborts on failure; 0 bytes gives NULL
+void mtrl_cuda_free(void *p);          // NULL is fine
+void mtrl_cuda_upload(void *dst, const void *src_host, size_t bytes);    // synchronous
+void mtrl_cuda_download(void *dst_host, const void *src, size_t bytes);  // synchronous
+// Elementwise conversions (round to nearest even); n elements.
+void mtrl_cuda_f32_to_bf16(mtrl_cuda_ctx *ctx, size_t n, const float *x, mtrl_bf16 *y);
+void mtrl_cuda_bf16_to_f32(mtrl_cuda_ctx *ctx, size_t n, const mtrl_bf16 *x, float *y);
+// Fills n floats with value (e.g. NaN to poison an output before a test).
+void mtrl_cuda_fill_f32(mtrl_cuda_ctx *ctx, size_t n, float value, float *x);
+
+// ---- dense GEMM (cuBLAS) -------------------------------------------------------------------
+//
+// Row-major, exactly gemm_ref: C[M][N] = alpha op(A)[M][K] op(B)[K][N] + beta C, op(X) = X or
+// Xᵀ as stored with row strides lda/ldb/ldc. ab_type: MTRL_F32 (true fp32, no TF32) or
+// MTRL_BF16 (tensor cores, fp32 accumulation); A and B share the type. c_type: MTRL_F32 or
+// MTRL_BF16 (the result is rounded once). beta = 0 overwrites C.
+int mtrl_gemm(mtrl_cuda_ctx *ctx, int trans_a, int trans_b, int M, int N, int K, float alpha,
+              const void *A, int lda, const void *B, int ldb, int ab_type, float beta, void *C,
+              int ldc, int c_type);
+// The same for `batch` independent products at element strides sA, sB, sC.
+int mtrl_gemm_batched(mtrl_cuda_ctx *ctx, int trans_a, int trans_b, int M, int N, int K,
+                      float alpha, const void *A, int lda, long long sA, const void *B, int ldb,
+                      long long sB, int ab_type, float beta, void *C, int ldc, long long sC,
+                      int c_type, int batch);
+// A linear layer y = x Wᵀ (x [T][k], W [n][k], y [T][n]) and its two backward products:
+//     dx [T][k] = dy W   (beta = 1 accumulates),     dW [n][k] = dyᵀ x (beta = 1 accumulates).
+// x/W/dy share `type`; y, dx, dW are fp32. For MTRL_BF16 the caller keeps bf16 copies of the
+// fp32 master weights (mtrl_cuda_f32_to_bf16 once per step) and of the activations.
+int mtrl_linear_fwd(mtrl_cuda_ctx *ctx, int T, int n, int k, const void *x, const void *W,
+                    int type, float beta, float *y);
+int mtrl_linear_bwd_dx(mtrl_cuda_ctx *ctx, int T, int n, int k, const void *dy, const void *W,
+                       int type, float beta, float *dx);
+int mtrl_linear_bwd_dw(mtrl_cuda_ctx *ctx, int T, int n, int k, const void *dy, const void *x,
+                       int type, float beta, float *dW);
+
+// ---- KDA (kda_ref.h) -----------------------------------------------------------------------
+//
+// Layouts as kda_ref.h: q, k, g, dq, dk, dg [T][H][K]; v, o, dv, dout [T][H][V]; beta, dbeta
+// [T][H]; states [H][K][V] (fp32). One sequence per call. Requirements: K and V multiples of
+// 16, at most 128 for the chunked form (the model uses 128) and 256 for the decode step; every
+// g in (g_min, 0) with g_min >= -11 (§2.5). Arithmetic: fp32 (SIMT) in this version.
+int mtrl_kda_gate_fwd(mtrl_cuda_ctx *ctx, int T, int H, int K, const float *f,
+                      const float *A_log, const float *dt_bias, float g_min, float *g);
+// df overwritten; dA_log [H] and ddt_bias [H*K] ACCUMULATED (+=), as kda_gate_bwd.
+int mtrl_kda_gate_bwd(mtrl_cuda_ctx *ctx, int T, int H, int K, const float *f,
+                      const float *A_log, const float *dt_bias, float g_min, const float *dg,
+                      float *df, float *dA_log, float *ddt_bias);
+// Chunked forward in 16-token tiles (§2.3). S0, o, S_final, S_tiles nullable. S_tiles receives
+// the incoming state of every tile, [ceil(T/16)][H][K][V] (what the backward needs).
+int mtrl_kda_chunk_fwd(mtrl_cuda_ctx *ctx, int T, int H, int K, int V, const float *q,
+                       const float *k, const float *v, const float *g, const float *beta,
+                       const float *S0, float *o, float *S_final, float *S_tiles);
+// Chunked backward (§2.4). S_tiles as written by the forward, or NULL (recomputed into
+// scratch). dS_final NULL = zero; dS0 nullable; every other output overwritten.
+int mtrl_kda_chunk_bwd(mtrl_cuda_ctx *ctx, int T, int H, int K, int V, const float *q,
+                       const float *k, const float *v, const float *g, const float *beta,
+                       const float *S0, const float *S_tiles, const float *dout,
+                       const float *dS_final, float *dq, float *dk, float *dv, float *dg,
+                       float *dbeta, float *dS0);
+// One decode token for B sequences (kda_step per sequence): q, k, g [B][H][K]; v [B][H][V];
+// beta [B][H]; S [B][H][K][V] updated in place; o [B][H][V].
+int mtrl_kda_step(mtrl_cuda_ctx *ctx, int B, int H, int K, int V, const float *q,
+                  const float *k, const float *v, const float *g, const float *beta, float *S,
+                  float *o);
+
+// ---- causal attention / MLA (mla_ref.h) ----------------------------------------------------
+//
+// attn_causal_fwd/bwd of mla_ref.h on bf16 operands (flash style: tiles, online softmax, the
+// log-sum-exp saved, nothing Tq x Tk stored). q [Tq][H][Dk]; key of token s, key head j at
+// k + s*ldk + j*Dk; value at v + s*ldv + j*Dv. Query row i is at position Tk - Tq + i.
+// The absorbed MLA passes Hk = 1, v = k, ldv = ldk, Dv = dc < Dk ("aliased" values).
+// Requirements: Dk, Dv multiples of 16, Dv <= 512, Dk <= 576, H % Hk == 0; Tq <= Tk.
+// o [Tq][H][Dv], lse [Tq][H] (fp32).
+int mtrl_attn_causal_fwd(mtrl_cuda_ctx *ctx, int Tq, int Tk, int H, int Hk, int Dk, int Dv,
+                         float scale, const mtrl_bf16 *q, const mtrl_bf16 *k, int ldk,
+                         const mtrl_bf16 *v, int ldv, float *o, float *lse);
+// dq [Tq][H][Dk] overwritten; dk, dv ACCUMULATED (+=) with the strides of k, v. With aliased
+// values (Hk = 1, v == k, ldv == ldk) dv must equal dk (one latent gradient); otherwise dk and
+// dv must not overlap. o and lse are the forward's; dout [Tq][H][Dv] bf16.
+int mtrl_attn_causal_bwd(mtrl_cuda_ctx *ctx, int Tq, int Tk, int H, int Hk, int Dk, int Dv,
+                         float scale, const mtrl_bf16 *q, const mtrl_bf16 *k, int ldk,
+                         const mtrl_bf16 *v, int ldv, const float *o, const float *lse,
+                         const mtrl_bf16 *dout, float *dq, float *dk, float *dv);
+// Absorbed MLA decode (mla_decode_absorbed_ld) for B sequences of different lengths, one new
+// query token each. q [B][H][dn+dr] (fp32); W_kvb [H*(dn+dv)][dc] (fp32); the latent caches of
+// all sequences live in one pool `lat` (element type lat_type: MTRL_F32 or MTRL_BF16) with row
+// stride ld >= dc+dr, each row [ĉ ; k^r]: sequence b's Tk = seq_len[b] rows start at row
+// seq_start[b] (device arrays [B]; seq_len[b] >= 1, the new token's row included). max_len: a
+// host-side upper bound of the seq_len (sizes the split over the cache). a [B][H][dv]
+// overwritten. Split-K over 256-key chunks merged in a fixed order. Requirements: H <= 32,
+// dc <= 512, dc + dr <= 640.
+int mtrl_mla_decode_absorbed(mtrl_cuda_ctx *ctx, int B, int H, int dn, int dr, int dv, int dc,
+                             float scale, const float *q, const float *W_kvb, const void *lat,
+                             int lat_type, int ld, const long long *seq_start,
+                             const int *seq_len, int max_len, float *a);
+
+// ---- MoE (moe_ref.h) ----------------------------------------------------------------------
+//
+// N tokens, E experts, K experts per token, D model width, I expert width, R = N*K rows.
+// sel, pos [N][K], offsets [E+1], perm_token [R] are int32 device arrays.
+// Router: as moe_router_fwd (top-K of z − beta, ties to the lower id, slots in descending
+// order; K <= 16, E <= 1024).
+int mtrl_moe_router_fwd(mtrl_cuda_ctx *ctx, int N, int E, int K, const float *z,
+                        const float *beta, int score_softmax, float rho, int replay, int *sel,
+                        float *w, float *s);
+int mtrl_moe_router_bwd(mtrl_cuda_ctx *ctx, int N, int E, int K, const float *s, const int *sel,
+                        const float *w, int score_softmax, float rho, const float *dw,
+                        float *dz);
+// Stable counting sort by expert (moe_dispatch): deterministic, no atomics on the order.
+int mtrl_moe_dispatch(mtrl_cuda_ctx *ctx, int N, int E, int K, const int *sel, int *offsets,
+                      int *perm_token, int *pos);
+// X_perm[pos[t][j]] = x[t]; x fp32 [N][D]; X_perm [R][D] of x_type (MTRL_F32 or MTRL_BF16:
+// rounded on the way).
+int mtrl_moe_gather(mtrl_cuda_ctx *ctx, int N, int K, int D, const int *pos, const float *x,
+                    void *X_perm, int x_type);
+int mtrl_moe_combine_fwd(mtrl_cuda_ctx *ctx, int N, int K, int D, const int *pos,
+                         const float *w, const float *Y_perm, float *y);
+int mtrl_moe_combine_bwd(mtrl_cuda_ctx *ctx, int N, int K, int D, const int *pos,
+                         const float *w, const float *Y_perm, const float *dy, float *dY_perm,
+                         float *dw);
+int mtrl_moe_scatter_bwd(mtrl_cuda_ctx *ctx, int N, int K, int D, const int *pos,
+                         const float *dX_perm, float *dx);
+// Grouped SwiGLU experts (moe_experts_fwd/bwd) as a loop of cuBLAS GEMMs over the experts
+// (measured faster than cuBLAS's grouped API, performance.md). offsets_host: a HOST copy of
+// offsets [E+1] (the caller downloads it once per layer). type: operand type of X_perm and
+// the weights W1, W3 [E][I][D], W2 [E][D][I] (MTRL_F32 or MTRL_BF16 copies of the fp32
+// masters). u1, u3 [R][I] fp32 saved; Y_perm [R][D] fp32. Backward: dY_perm fp32; dX_perm
+// [R][D] fp32 overwritten; dW1, dW3, dW2 fp32 += (each nullable).
+int mtrl_moe_experts_fwd(mtrl_cuda_ctx *ctx, int E, int D, int I, const int *offsets_host,
+                         const void *X_perm, const void *W1, const void *W3, const void *W2,
+                         int type, float *u1, float *u3, float *Y_perm);
+int mtrl_moe_experts_bwd(mtrl_cuda_ctx *ctx, int E, int D, int I, const int *offsets_host,
+                         const void *X_perm, const void *W1, const void *W3, const void *W2,
+                         int type, const float *u1, const float *u3, const float *dY_perm,
+                         float *dX_perm, float *dW1, float *dW3, float *dW2);
+// load [E] (overwritten): slots per expert.
+int mtrl_moe_load_count(mtrl_cuda_ctx *ctx, int N, int E, int K, const int *sel, int *load);
+// QB practical-form update (qb_beta_from_batch): exact selections (radix select on the fp32
+// bit patterns). beta_old nullable; beta_new may alias beta_old. Returns 0, 1 when skipped (as
+// the reference: ⌊NK/E⌋ = 0, ⌊NK/E⌋+1 > N, K >= E; then beta_new = beta_old), or -1.
+int mtrl_qb_beta_from_batch(mtrl_cuda_ctx *ctx, int N, int E, int K, const float *z,
+                            const float *beta_old, float *beta_new);
+
+// ---- per-token ops (ops_ref.h, attnres_ref.h); all fp32 ------------------------------------
+int mtrl_rmsnorm_fwd(mtrl_cuda_ctx *ctx, int N, int D, const float *x, const float *w, float eps,
+                     float *y, float *rstd);
+// dw += (nullable); rstd nullable (recomputed).
+int mtrl_rmsnorm_bwd(mtrl_cuda_ctx *ctx, int N, int D, const float *x, const float *w,
+                     const float *rstd, float eps, const float *dy, float *dx, float *dw);
+int mtrl_l2norm_fwd(mtrl_cuda_ctx *ctx, int N, int D, const float *x, float eps, float *y,
+                    float *rnorm);
+int mtrl_l2norm_bwd(mtrl_cuda_ctx *ctx, int N, int D, const float *x, float eps,
+                    const float *dy, float *dx);
+int mtrl_gated_rmsnorm_fwd(mtrl_cuda_ctx *ctx, int N, int D, const float *x, const float *z,
+                           const float *w, float eps, float *y);
+int mtrl_gated_rmsnorm_bwd(mtrl_cuda_ctx *ctx, int N, int D, const float *x, const float *z,
+                           const float *w, float eps, const float *dy, float *dx, float *dz,
+                           float *dw);
+int mtrl_swiglu_fwd(mtrl_cuda_ctx *ctx, int N, int I, const float *u1, const float *u3,
+                    float *m);
+int mtrl_swiglu_bwd(mtrl_cuda_ctx *ctx, int N, int I, const float *u1, const float *u3,
+                    const float *dm, float *du1, float *du3);
+// Short conv + SiLU over one sequence (shortconv_fwd/bwd/state_bwd/step of ops_ref.h).
+// W <= 8. state_in, state_out, dstate_in nullable as in the reference.
+int mtrl_shortconv_fwd(mtrl_cuda_ctx *ctx, int T, int C, int W, const float *x, const float *w,
+                       const float *state_in, float *y, float *state_out);
+int mtrl_shortconv_bwd(mtrl_cuda_ctx *ctx, int T, int C, int W, const float *x, const float *w,
+                       const float *state_in, const float *dy, float *dx, float *dw,
+                       float *dstate_in);
+int mtrl_shortconv_state_bwd(mtrl_cuda_ctx *ctx, int T, int C, int W, const float *dstate_out,
+                             float *dx, float *dstate_in);
+// B decode tokens of B sequences: x1 [B][C], windows [B][W-1][C] updated, y1 [B][C].
+int mtrl_shortconv_step(mtrl_cuda_ctx *ctx, int B, int C, int W, const float *x1,
+                        const float *w, float *window, float *y1);
+// Log-prob / entropy over a vocabulary row (logits_logprob_fwd/bwd); V any size (tiled).
+int mtrl_logprob_fwd(mtrl_cuda_ctx *ctx, int N, int V, const float *logits, const int *targets,
+                     float *logp, float *entropy);
+int mtrl_logprob_bwd(mtrl_cuda_ctx *ctx, int N, int V, const float *logits, const int *targets,
+                     const float *dlogp, const float *dentropy, float *dlogits);
+// AdamW (adamw_update).
+int mtrl_adamw(mtrl_cuda_ctx *ctx, size_t n, float *param, const float *grad, float *m,
+               float *v, float lr, float beta1, float beta2, float eps, float weight_decay,
+               long step);
+// One Block-AttnRes site (attnres_site_fwd/bwd). V_host: a HOST array of S device pointers
+// (S <= 64). alpha [N][S] nullable in the forward; required in the backward. dV_host: S
+// device pointers (entries nullable), each ACCUMULATED; dw, dgamma += (nullable).
+int mtrl_attnres_site_fwd(mtrl_cuda_ctx *ctx, int N, int D, int S, const float *const *V_host,
+                          const float *w, const float *gamma, float eps, float *h,
+                          float *alpha);
+int mtrl_attnres_site_bwd(mtrl_cuda_ctx *ctx, int N, int D, int S, const float *const *V_host,
+                          const float *w, const float *gamma, float eps, const float *alpha,
+                          const float *dh, float *const *dV_host, float *dw, float *dgamma);
+
+// ---- benchmarks ----------------------------------------------------------------------------
+// `mtrl bench ops --device cuda [--only kda,attn,decode,moe,gemm,copy] [--kda-T 8192,65536]
+// [--attn-T 8192,32768] [--reps N]`: times each kernel with CUDA events (warm-up, median of
+// repeats) and prints ms, TFLOP/s or GB/s and the fraction of the measured ceilings. argv[0]
+// is the word "ops". Returns 0, 2 for bad arguments, 77 when there is no device.
+int mtrl_bench_ops_cuda(int argc, char **argv);
+
+#ifdef __cplusplus
+}
+#endif
+
+#endif

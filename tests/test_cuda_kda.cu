@@ -1,0 +1,204 @@
+// mtrl-test: gpu f64 timeout=600
+// test_cuda_kda.cu: the CUDA KDA kernels against the fp64 CPU reference (kernels/ref/kda_ref.h):
+// gate fwd/bwd, chunked forward (o, final state, per-tile states) and backward (dq, dk, dv, dg,
+// dβ, dS0), with and without stored tile states, and the batched decode step.
+// Cases: T not a multiple of 16 (tails), T < 16, S0 ≠ 0, random g in (g_min, 0) and the decay
+// at the bound (g ≡ g_min + 1e-3), K = V ∈ {16, 32, 128}. Outputs are poisoned with NaN first.
+// Tolerances (fp32 arithmetic on the GPU): ‖out − ref‖/‖ref‖ ≤ 1e-4 everywhere (2e-4 for the
+// backward at the bound, where e^{±40} factors amplify fp32 rounding).
+#include "tests/testhelp.h"
+#include "kernels/cuda/cuda_testutil.h"
+#include "kernels/ref/kda_ref.h"
+
+static const double GMIN = -5.0;
+
+// q (scaled, L2-normalised), k (L2-normalised), v, g, β as the layer feeds the core.
+static void make_inputs(int T, int H, int K, int V, int bound, double *q, double *k, double *v,
+                        double *g, double *beta) {
+    for (int t = 0; t < T; t++)
+        for (int h = 0; h < H; h++) {
+            double *qq = q + ((size_t)t * H + h) * K, *kk = k + ((size_t)t * H + h) * K;
+            double nq = 0, nk = 0;
+            for (int d = 0; d < K; d++) {
+                qq[d] = tu_normal();
+                kk[d] = tu_normal();
+                nq += qq[d] * qq[d];
+                nk += kk[d] * kk[d];
+            }
+            for (int d = 0; d < K; d++) {
+                qq[d] = (double)(float)(qq[d] / sqrt(nq + 1e-6) / sqrt((double)K));
+                kk[d] = (double)(float)(kk[d] / sqrt(nk + 1e-6));
+            }
+        }
+    tu_fill_normal(v, (size_t)T * H * V, 1.0);
+    for (size_t i = 0; i < (size_t)T * H * K; i++) {
+        double s = 1.0 / (1.0 + exp(-2.0 * tu_normal()));
+        g[i] = bound ? (double)(float)(GMIN + 1e-3) : (double)(float)(GMIN * s);
+        if (!(g[i] > GMIN && g[i] < 0)) g[i] = -0.5;
+    }
+    for (size_t i = 0; i < (size_t)T * H; i++)
+        beta[i] = (double)(float)(1.0 / (1.0 + exp(-tu_normal())));
+}
+
+static void test_chunk(mtrl_cuda_ctx *ctx, int T, int H, int K, int V, int bound) {
+    char what[160];
+    printf("chunk T=%d H=%d K=%d V=%d %s\n", T, H, K, V, bound ? "g = g_min + 1e-3" : "random g");
+    size_t nqk = (size_t)T * H * K, nv = (size_t)T * H * V, nb = (size_t)T * H,
+           ns = (size_t)H * K * V;
+    int nt = kda_tile_count(T);
+    double *q = tu_alloc(nqk), *k = tu_alloc(nqk), *v = tu_alloc(nv), *g = tu_alloc(nqk),
+           *beta = tu_alloc(nb), *S0 = tu_alloc(ns);
+    make_inputs(T, H, K, V, bound, q, k, v, g, beta);
+    tu_fill_normal(S0, ns, 0.5);
+    // reference
+    double *o = tu_alloc(nv), *Sf = tu_alloc(ns), *St = tu_alloc((size_t)nt * ns);
+    kda_chunk_fwd(T, H, K, V, q, k, v, g, beta, S0, o, Sf, St);
+    double *dout = tu_alloc(nv), *dSf = tu_alloc(ns);
+    tu_fill_normal(dout, nv, 1.0);
+    tu_fill_normal(dSf, ns, 1.0);
+    double *dq = tu_alloc(nqk), *dk = tu_alloc(nqk), *dv = tu_alloc(nv), *dg = tu_alloc(nqk),
+           *db = tu_alloc(nb), *dS0 = tu_alloc(ns);
+    kda_chunk_bwd(T, H, K, V, q, k, v, g, beta, S0, St, dout, dSf, dq, dk, dv, dg, db, dS0);
+    // GPU
+    float *d_q = tu_dev_f32(q, nqk), *d_k = tu_dev_f32(k, nqk), *d_v = tu_dev_f32(v, nv),
+          *d_g = tu_dev_f32(g, nqk), *d_b = tu_dev_f32(beta, nb), *d_S0 = tu_dev_f32(S0, ns),
+          *d_dout = tu_dev_f32(dout, nv), *d_dSf = tu_dev_f32(dSf, ns);
+    float *d_o = tu_dev_nan(ctx, nv), *d_Sf = tu_dev_nan(ctx, ns),
+          *d_St = tu_dev_nan(ctx, (size_t)nt * ns);
+    TEST_EQ_INT(mtrl_kda_chunk_fwd(ctx, T, H, K, V, d_q, d_k, d_v, d_g, d_b, d_S0, d_o, d_Sf,
+                                   d_St), 0);
+    mtrl_cuda_sync(ctx);
+    double *got = tu_alloc((size_t)nt * ns > nqk ? (size_t)nt * ns : nqk);
+    double tol = bound ? 2e-4 : 1e-4;
+    tu_get_f32(got, d_o, nv);
+    snprintf(what, sizeof what, "fwd o");
+    TU_CHECK_REL(what, got, o, nv, 1e-4);
+    tu_get_f32(got, d_Sf, ns);
+    TU_CHECK_REL("fwd S_final", got, Sf, ns, 1e-4);
+    tu_get_f32(got, d_St, (size_t)nt * ns);
+    TU_CHECK_REL("fwd S_tiles", got, St, (size_t)nt * ns, 1e-4);
+    // backward, with the stored states and then recomputing them
+    for (int stored = 1; stored >= 0; stored--) {
+        float *e_dq = tu_dev_nan(ctx, nqk), *e_dk = tu_dev_nan(ctx, nqk), *e_dv = tu_dev_nan(ctx, nv),
+              *e_dg = tu_dev_nan(ctx, nqk), *e_db = tu_dev_nan(ctx, nb), *e_dS0 = tu_dev_nan(ctx, ns);
+        TEST_EQ_INT(mtrl_kda_chunk_bwd(ctx, T, H, K, V, d_q, d_k, d_v, d_g, d_b, d_S0,
+                                       stored ? d_St : NULL, d_dout, d_dSf, e_dq, e_dk, e_dv, e_dg,
+                                       e_db, e_dS0), 0);
+        mtrl_cuda_sync(ctx);
+        const char *tag = stored ? "bwd" : "bwd (states recomputed)";
+        struct { const char *n; float *d; double *r; size_t len; } outs[] = {
+            {"dq", e_dq, dq, nqk}, {"dk", e_dk, dk, nqk}, {"dv", e_dv, dv, nv},
+            {"dg", e_dg, dg, nqk}, {"dbeta", e_db, db, nb}, {"dS0", e_dS0, dS0, ns}};
+        for (int i = 0; i < 6; i++) {
+            tu_get_f32(got, outs[i].d, outs[i].len);
+            snprintf(what, sizeof what, "%s %s", tag, outs[i].n);
+            TU_CHECK_REL(what, got, outs[i].r, outs[i].len, tol);
+            mtrl_cuda_free(outs[i].d);
+        }
+    }
+    // zero dS_final (NULL) path: compare dS0 and dq only
+    {
+        double *dS0b = tu_alloc(ns), *dqb = tu_alloc(nqk), *dkb = tu_alloc(nqk), *dvb = tu_alloc(nv),
+               *dgb = tu_alloc(nqk), *dbb = tu_alloc(nb);
+        kda_chunk_bwd(T, H, K, V, q, k, v, g, beta, S0, St, dout, NULL, dqb, dkb, dvb, dgb, dbb, dS0b);
+        float *e_dq = tu_dev_nan(ctx, nqk), *e_dk = tu_dev_nan(ctx, nqk), *e_dv = tu_dev_nan(ctx, nv),
+              *e_dg = tu_dev_nan(ctx, nqk), *e_db = tu_dev_nan(ctx, nb), *e_dS0 = tu_dev_nan(ctx, ns);
+        TEST_EQ_INT(mtrl_kda_chunk_bwd(ctx, T, H, K, V, d_q, d_k, d_v, d_g, d_b, d_S0, d_St, d_dout,
+                                       NULL, e_dq, e_dk, e_dv, e_dg, e_db, e_dS0), 0);
+        mtrl_cuda_sync(ctx);
+        tu_get_f32(got, e_dg, nqk);
+        TU_CHECK_REL("bwd (dS_final = 0) dg", got, dgb, nqk, tol);
+        tu_get_f32(got, e_dS0, ns);
+        TU_CHECK_REL("bwd (dS_final = 0) dS0", got, dS0b, ns, tol);
+        mtrl_cuda_free(e_dq); mtrl_cuda_free(e_dk); mtrl_cuda_free(e_dv);
+        mtrl_cuda_free(e_dg); mtrl_cuda_free(e_db); mtrl_cuda_free(e_dS0);
+        free(dS0b); free(dqb); free(dkb); free(dvb); free(dgb); free(dbb);
+    }
+    float *ptrs[] = {d_q, d_k, d_v, d_g, d_b, d_S0, d_dout, d_dSf, d_o, d_Sf, d_St};
+    for (size_t i = 0; i < sizeof ptrs / sizeof *ptrs; i++) mtrl_cuda_free(ptrs[i]);
+    double *hp[] = {q, k, v, g, beta, S0, o, Sf, St, dout, dSf, dq, dk, dv, dg, db, dS0, got};
+    for (size_t i = 0; i < sizeof hp / sizeof *hp; i++) free(hp[i]);
+}
+
+static void test_step(mtrl_cuda_ctx *ctx, int B, int H, int K, int V) {
+    printf("step B=%d H=%d K=%d V=%d\n", B, H, K, V);
+    size_t nqk = (size_t)B * H * K, nv = (size_t)B * H * V, ns = (size_t)B * H * K * V;
+    double *q = tu_alloc(nqk), *k = tu_alloc(nqk), *v = tu_alloc(nv), *g = tu_alloc(nqk),
+           *beta = tu_alloc((size_t)B * H), *S = tu_alloc(ns), *o = tu_alloc(nv);
+    make_inputs(B, H, K, V, 0, q, k, v, g, beta);  // B "tokens" = one token of each sequence
+    tu_fill_normal(S, ns, 0.5);
+    float *d_q = tu_dev_f32(q, nqk), *d_k = tu_dev_f32(k, nqk), *d_v = tu_dev_f32(v, nv),
+          *d_g = tu_dev_f32(g, nqk), *d_b = tu_dev_f32(beta, (size_t)B * H),
+          *d_S = tu_dev_f32(S, ns), *d_o = tu_dev_nan(ctx, nv);
+    for (int b = 0; b < B; b++)
+        kda_step(H, K, V, q + (size_t)b * H * K, k + (size_t)b * H * K, v + (size_t)b * H * V,
+                 g + (size_t)b * H * K, beta + (size_t)b * H, S + (size_t)b * H * K * V,
+                 o + (size_t)b * H * V);
+    TEST_EQ_INT(mtrl_kda_step(ctx, B, H, K, V, d_q, d_k, d_v, d_g, d_b, d_S, d_o), 0);
+    mtrl_cuda_sync(ctx);
+    double *got = tu_alloc(ns);
+    tu_get_f32(got, d_o, nv);
+    TU_CHECK_REL("step o", got, o, nv, 1e-4);
+    tu_get_f32(got, d_S, ns);
+    TU_CHECK_REL("step S", got, S, ns, 1e-4);
+    float *ptrs[] = {d_q, d_k, d_v, d_g, d_b, d_S, d_o};
+    for (size_t i = 0; i < 7; i++) mtrl_cuda_free(ptrs[i]);
+    double *hp[] = {q, k, v, g, beta, S, o, got};
+    for (size_t i = 0; i < 8; i++) free(hp[i]);
+}
+
+static void test_gate(mtrl_cuda_ctx *ctx, int T, int H, int K) {
+    printf("gate T=%d H=%d K=%d\n", T, H, K);
+    size_t n = (size_t)T * H * K;
+    double *f = tu_alloc(n), *A = tu_alloc(H), *bias = tu_alloc((size_t)H * K), *g = tu_alloc(n),
+           *dg = tu_alloc(n), *df = tu_alloc(n), *dA = tu_alloc(H), *dbias = tu_alloc((size_t)H * K);
+    tu_fill_normal(f, n, 1.0);
+    tu_fill_normal(A, H, 0.3);
+    tu_fill_normal(bias, (size_t)H * K, 1.0);
+    tu_fill_normal(dg, n, 1.0);
+    tu_fill_normal(dA, H, 1.0);  // accumulated onto: start nonzero
+    tu_fill_normal(dbias, (size_t)H * K, 1.0);
+    float *d_f = tu_dev_f32(f, n), *d_A = tu_dev_f32(A, H), *d_bias = tu_dev_f32(bias, (size_t)H * K),
+          *d_dg = tu_dev_f32(dg, n), *d_dA = tu_dev_f32(dA, H),
+          *d_dbias = tu_dev_f32(dbias, (size_t)H * K), *d_g = tu_dev_nan(ctx, n),
+          *d_df = tu_dev_nan(ctx, n);
+    kda_gate_fwd(T, H, K, f, A, bias, GMIN, g);
+    kda_gate_bwd(T, H, K, f, A, bias, GMIN, dg, df, dA, dbias);
+    TEST_EQ_INT(mtrl_kda_gate_fwd(ctx, T, H, K, d_f, d_A, d_bias, (float)GMIN, d_g), 0);
+    TEST_EQ_INT(mtrl_kda_gate_bwd(ctx, T, H, K, d_f, d_A, d_bias, (float)GMIN, d_dg, d_df, d_dA,
+                                  d_dbias), 0);
+    mtrl_cuda_sync(ctx);
+    double *got = tu_alloc(n);
+    tu_get_f32(got, d_g, n);
+    TU_CHECK_REL("gate g", got, g, n, 1e-5);
+    tu_get_f32(got, d_df, n);
+    TU_CHECK_REL("gate df", got, df, n, 1e-5);
+    tu_get_f32(got, d_dA, H);
+    TU_CHECK_REL("gate dA_log (+=)", got, dA, H, 1e-5);
+    tu_get_f32(got, d_dbias, (size_t)H * K);
+    TU_CHECK_REL("gate ddt_bias (+=)", got, dbias, (size_t)H * K, 1e-5);
+    float *ptrs[] = {d_f, d_A, d_bias, d_dg, d_dA, d_dbias, d_g, d_df};
+    for (size_t i = 0; i < 8; i++) mtrl_cuda_free(ptrs[i]);
+    double *hp[] = {f, A, bias, g, dg, df, dA, dbias, got};
+    for (size_t i = 0; i < 9; i++) free(hp[i]);
+}
+
+int main(void) {
+    if (mtrl_cuda_device_count() <= 0) test_skip("no CUDA device");
+    mtrl_cuda_ctx *ctx = mtrl_cuda_ctx_create(0, NULL);
+    tu_seed(42);
+    test_gate(ctx, 300, 3, 32);
+    test_chunk(ctx, 1, 1, 16, 16, 0);
+    test_chunk(ctx, 15, 2, 32, 32, 0);
+    test_chunk(ctx, 16, 2, 32, 32, 0);
+    test_chunk(ctx, 17, 2, 32, 48, 0);
+    test_chunk(ctx, 200, 2, 16, 16, 0);
+    test_chunk(ctx, 100, 2, 32, 32, 1);
+    test_chunk(ctx, 77, 2, 128, 128, 0);
+    test_chunk(ctx, 61, 1, 128, 128, 1);
+    test_step(ctx, 5, 3, 32, 32);
+    test_step(ctx, 4, 2, 128, 128);
+    test_step(ctx, 3, 2, 16, 48);
+    mtrl_cuda_ctx_destroy(ctx);
+    return test_report();
+}

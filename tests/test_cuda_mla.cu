@@ -1,0 +1,142 @@
+// mtrl-test: gpu f64 timeout=600
+// test_cuda_mla.cu: the CUDA attention kernels against the fp64 CPU reference (mla_ref.h):
+// causal flash forward (o, lse) and backward (dq overwritten; dk, dv accumulated onto nonzero
+// buffers) for the absorbed MLA form (Hk = 1, values aliasing the first dc latent columns, the
+// model's shapes: Dk = dc + dr = 576, Dv = 512, and the tiny preset's Dk = 40 that needs zero
+// padding to 48), a segment attending to a longer prefix (Tq < Tk), and the general form (Hk = 2,
+// separate values); and the absorbed decode over a batch of sequences of different lengths
+// (fp32 and bf16 latent caches).
+// Tolerances: attention takes bf16 operands: ‖out − ref‖/‖ref‖ ≤ 1e-2 against the reference on
+// the unrounded inputs. Decode: fp32 cache ≤ 1e-4; bf16 cache ≤ 1e-2.
+#include "tests/testhelp.h"
+#include "kernels/cuda/cuda_testutil.h"
+#include "kernels/ref/mla_ref.h"
+
+static void test_attn(mtrl_cuda_ctx *ctx, int Tq, int Tk, int H, int Hk, int Dk, int Dv, int alias) {
+    printf("attention Tq=%d Tk=%d H=%d Hk=%d Dk=%d Dv=%d %s\n", Tq, Tk, H, Hk, Dk, Dv,
+           alias ? "(values alias the keys)" : "");
+    double scale = 1.0 / sqrt((double)(alias ? 192 : Dk));
+    int ldk = alias ? Dk : Hk * Dk, ldv = alias ? Dk : Hk * Dv;
+    size_t nq = (size_t)Tq * H * Dk, nk = (size_t)Tk * ldk, nv = alias ? 0 : (size_t)Tk * ldv,
+           no = (size_t)Tq * H * Dv, nl = (size_t)Tq * H;
+    double *q = tu_alloc(nq), *k = tu_alloc(nk), *v = tu_alloc(nv ? nv : 1), *dout = tu_alloc(no);
+    tu_fill_normal(q, nq, 1.0);
+    tu_fill_normal(k, nk, 1.0);
+    if (!alias) tu_fill_normal(v, nv, 1.0);
+    tu_fill_normal(dout, no, 1.0);
+    const double *vv = alias ? k : v;
+    double *o = tu_alloc(no), *lse = tu_alloc(nl);
+    attn_causal_fwd(Tq, Tk, H, Hk, Dk, Dv, scale, q, k, ldk, vv, ldv, o, lse);
+    double *dq = tu_alloc(nq), *dk = tu_alloc(nk), *dv = alias ? dk : tu_alloc(nv);
+    tu_fill_normal(dk, nk, 1.0);  // accumulated onto
+    if (!alias) tu_fill_normal(dv, nv, 1.0);
+    double *dk0 = tu_alloc(nk), *dv0 = tu_alloc(nv ? nv : 1);
+    memcpy(dk0, dk, sizeof(double) * nk);
+    if (!alias) memcpy(dv0, dv, sizeof(double) * nv);
+    float *e_dk = tu_dev_f32(dk, nk), *e_dv = alias ? e_dk : tu_dev_f32(dv, nv);
+    attn_causal_bwd(Tq, Tk, H, Hk, Dk, Dv, scale, q, k, ldk, vv, ldv, o, lse, dout, dq, dk, dv);
+
+    mtrl_bf16 *d_q = tu_dev_bf16(q, nq), *d_k = tu_dev_bf16(k, nk),
+              *d_v = alias ? d_k : tu_dev_bf16(v, nv), *d_do = tu_dev_bf16(dout, no);
+    float *d_o = tu_dev_nan(ctx, no), *d_lse = tu_dev_nan(ctx, nl), *e_dq = tu_dev_nan(ctx, nq);
+    TEST_EQ_INT(mtrl_attn_causal_fwd(ctx, Tq, Tk, H, Hk, Dk, Dv, (float)scale, d_q, d_k, ldk, d_v,
+                                     ldv, d_o, d_lse), 0);
+    TEST_EQ_INT(mtrl_attn_causal_bwd(ctx, Tq, Tk, H, Hk, Dk, Dv, (float)scale, d_q, d_k, ldk, d_v,
+                                     ldv, d_o, d_lse, d_do, e_dq, e_dk, e_dv), 0);
+    mtrl_cuda_sync(ctx);
+    size_t big = nq > nk ? nq : nk;
+    if (nv > big) big = nv;
+    if (no > big) big = no;
+    double *got = tu_alloc(big);
+    tu_get_f32(got, d_o, no);
+    TU_CHECK_REL("fwd o", got, o, no, 1e-2);
+    tu_get_f32(got, d_lse, nl);
+    TU_CHECK_REL("fwd lse", got, lse, nl, 1e-2);
+    tu_get_f32(got, e_dq, nq);
+    TU_CHECK_REL("bwd dq", got, dq, nq, 1e-2);
+    // dk/dv: compare the increments (accumulated buffer minus its start) so the start values do
+    // not dilute the error.
+    double *inc = tu_alloc(big), *ref_inc = tu_alloc(big);
+    tu_get_f32(got, e_dk, nk);
+    for (size_t i = 0; i < nk; i++) {
+        inc[i] = got[i] - dk0[i];
+        ref_inc[i] = dk[i] - dk0[i];
+    }
+    TU_CHECK_REL(alias ? "bwd dk (+=, dk and dv aliased)" : "bwd dk (+=)", inc, ref_inc, nk, 1e-2);
+    if (!alias) {
+        tu_get_f32(got, e_dv, nv);
+        for (size_t i = 0; i < nv; i++) {
+            inc[i] = got[i] - dv0[i];
+            ref_inc[i] = dv[i] - dv0[i];
+        }
+        TU_CHECK_REL("bwd dv (+=)", inc, ref_inc, nv, 1e-2);
+    }
+    free(inc);
+    free(ref_inc);
+    free(dk0);
+    free(dv0);
+    mtrl_cuda_free(d_q); mtrl_cuda_free(d_k); if (!alias) mtrl_cuda_free(d_v); mtrl_cuda_free(d_do);
+    mtrl_cuda_free(d_o); mtrl_cuda_free(d_lse); mtrl_cuda_free(e_dq); mtrl_cuda_free(e_dk);
+    if (!alias) mtrl_cuda_free(e_dv);
+    free(q); free(k); free(v); free(dout); free(o); free(lse); free(dq); free(dk);
+    if (!alias) free(dv);
+    free(got);
+}
+
+static void test_decode(mtrl_cuda_ctx *ctx, int B, const int *lens, int H, int dn, int dr, int dv,
+                        int dc, int lat_type) {
+    printf("decode B=%d H=%d dn=%d dr=%d dv=%d dc=%d %s cache\n", B, H, dn, dr, dv, dc,
+           lat_type == MTRL_BF16 ? "bf16" : "fp32");
+    int ld = dc + dr + 8, max_len = 0;
+    long long *start = (long long *)malloc(sizeof(long long) * B);
+    long long rows = 0;
+    for (int b = 0; b < B; b++) {
+        rows += 3;  // a gap before each sequence
+        start[b] = rows;
+        rows += lens[b];
+        if (lens[b] > max_len) max_len = lens[b];
+    }
+    size_t npool = (size_t)rows * ld, nq = (size_t)B * H * (dn + dr), nw = (size_t)H * (dn + dv) * dc;
+    double *pool = tu_alloc(npool), *q = tu_alloc(nq), *W = tu_alloc(nw), *a = tu_alloc((size_t)B * H * dv);
+    tu_fill_normal(pool, npool, 1.0);
+    tu_fill_normal(q, nq, 1.0);
+    tu_fill_normal(W, nw, 1.0 / sqrt((double)dc));
+    double scale = 1.0 / sqrt((double)(dn + dr));
+    for (int b = 0; b < B; b++)
+        mla_decode_absorbed_ld(H, dn, dr, dv, dc, scale, q + (size_t)b * H * (dn + dr), W,
+                               pool + (size_t)start[b] * ld, ld, pool + (size_t)start[b] * ld + dc, ld,
+                               lens[b], a + (size_t)b * H * dv);
+    void *d_pool = lat_type == MTRL_BF16 ? (void *)tu_dev_bf16(pool, npool) : (void *)tu_dev_f32(pool, npool);
+    float *d_q = tu_dev_f32(q, nq), *d_W = tu_dev_f32(W, nw), *d_a = tu_dev_nan(ctx, (size_t)B * H * dv);
+    long long *d_start = (long long *)mtrl_cuda_malloc(sizeof(long long) * B);
+    mtrl_cuda_upload(d_start, start, sizeof(long long) * B);
+    int *d_len = tu_dev_i32(lens, B);
+    TEST_EQ_INT(mtrl_mla_decode_absorbed(ctx, B, H, dn, dr, dv, dc, (float)scale, d_q, d_W, d_pool,
+                                         lat_type, ld, d_start, d_len, max_len, d_a), 0);
+    mtrl_cuda_sync(ctx);
+    double *got = tu_alloc((size_t)B * H * dv);
+    tu_get_f32(got, d_a, (size_t)B * H * dv);
+    TU_CHECK_REL("decode a", got, a, (size_t)B * H * dv, lat_type == MTRL_BF16 ? 1e-2 : 1e-4);
+    mtrl_cuda_free(d_pool); mtrl_cuda_free(d_q); mtrl_cuda_free(d_W); mtrl_cuda_free(d_a);
+    mtrl_cuda_free(d_start); mtrl_cuda_free(d_len);
+    free(start); free(pool); free(q); free(W); free(a); free(got);
+}
+
+int main(void) {
+    if (mtrl_cuda_device_count() <= 0) test_skip("no CUDA device");
+    mtrl_cuda_ctx *ctx = mtrl_cuda_ctx_create(0, NULL);
+    tu_seed(3);
+    test_attn(ctx, 150, 150, 4, 1, 40, 32, 1);    // tiny preset latent (dc 32 + dr 8)
+    test_attn(ctx, 200, 200, 8, 1, 576, 512, 1);  // model shapes (dc 512 + dr 64)
+    test_attn(ctx, 70, 190, 4, 1, 576, 512, 1);   // a segment after a 120-token prefix
+    test_attn(ctx, 130, 130, 4, 2, 48, 32, 0);    // general: 2 key heads, separate values
+    test_attn(ctx, 1, 33, 2, 1, 80, 64, 1);       // one query row
+    int lens1[5] = {1, 17, 256, 300, 700};
+    test_decode(ctx, 5, lens1, 8, 32, 16, 32, 64, MTRL_F32);
+    test_decode(ctx, 5, lens1, 8, 32, 16, 32, 64, MTRL_BF16);
+    int lens2[3] = {1000, 1, 2049};
+    test_decode(ctx, 3, lens2, 32, 128, 64, 128, 512, MTRL_BF16);
+    test_decode(ctx, 3, lens2, 32, 128, 64, 128, 512, MTRL_F32);
+    mtrl_cuda_ctx_destroy(ctx);
+    return test_report();
+}
