@@ -1,34 +1,63 @@
 // gemm_ref.c: plain row-major GEMM for the CPU reference (see gemm_ref.h).
+//
+// Accumulation: in the fp64 build everything is double. In the fp32 build a dot product keeps
+// 8 float partial sums (a fixed order, so the compiler can put them in one vector register)
+// that are added in double at the end, and a streamed row of C accumulates in float. Every
+// element of C is computed the same way whatever M is, so a row's result does not depend on
+// the other rows of the batch (the actor's batched decode relies on that).
 #include "gemm_ref.h"
 
 #include <stddef.h>
 #include <stdlib.h>
 
+#if REAL_IS_F64
+typedef double acc_t;
+#else
+typedef float acc_t;
+#endif
+
+#define LANES 8
+
+// The hot loops are compiled twice, for AVX2+FMA machines and for any x86-64, and picked at load
+// time (GCC/clang function multi-versioning); other targets get the plain version.
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__) && !defined(__SANITIZE_ADDRESS__)
+#define HOT_CLONES __attribute__((target_clones("arch=x86-64-v3", "default")))
+#else
+#define HOT_CLONES
+#endif
+
+static inline double dot_(const real *a, const real *b, int K) {
+    acc_t s[LANES] = {0};
+    int k = 0;
+    for (; k + LANES <= K; k += LANES)
+        for (int l = 0; l < LANES; l++) s[l] += (acc_t)a[k + l] * (acc_t)b[k + l];
+    double t = 0.0;
+    for (int l = 0; l < LANES; l++) t += (double)s[l];
+    for (; k < K; k++) t += (double)a[k] * (double)b[k];
+    return t;
+}
+
 // One row of C: acc[0..N) = op(A)[i,:] · op(B). The NN and TN forms stream rows of B so the
 // inner loop is contiguous and vectorises; NT is a contiguous dot product per element.
-static void gemm_row_(int trans_a, int trans_b, int i, int N, int K, const real *A, int lda,
-                      const real *B, int ldb, double *acc) {
-    for (int j = 0; j < N; j++) acc[j] = 0.0;
+HOT_CLONES static void gemm_row_(int trans_a, int trans_b, int i, int N, int K, const real *A, int lda, const real *B, int ldb,
+                      acc_t *acc, double *out) {
     if (!trans_b) {
+        for (int j = 0; j < N; j++) acc[j] = 0;
         for (int k = 0; k < K; k++) {
-            double a = trans_a ? A[(size_t)k * lda + i] : A[(size_t)i * lda + k];
-            if (a == 0.0) continue;
+            acc_t a = trans_a ? (acc_t)A[(size_t)k * lda + i] : (acc_t)A[(size_t)i * lda + k];
+            if (a == 0) continue;
             const real *b = B + (size_t)k * ldb;
-            for (int j = 0; j < N; j++) acc[j] += a * (double)b[j];
+            for (int j = 0; j < N; j++) acc[j] += a * (acc_t)b[j];
         }
+        for (int j = 0; j < N; j++) out[j] = (double)acc[j];
     } else if (!trans_a) {
         const real *a = A + (size_t)i * lda;
-        for (int j = 0; j < N; j++) {
-            const real *b = B + (size_t)j * ldb;
-            double s = 0.0;
-            for (int k = 0; k < K; k++) s += (double)a[k] * (double)b[k];
-            acc[j] = s;
-        }
+        for (int j = 0; j < N; j++) out[j] = dot_(a, B + (size_t)j * ldb, K);
     } else {
         for (int j = 0; j < N; j++) {
             double s = 0.0;
             for (int k = 0; k < K; k++) s += (double)A[(size_t)k * lda + i] * (double)B[(size_t)j * ldb + k];
-            acc[j] = s;
+            out[j] = s;
         }
     }
 }
@@ -41,17 +70,20 @@ void gemm_ref(int trans_a, int trans_b, int M, int N, int K, real alpha, const r
     long long work = (long long)M * N * (K > 0 ? K : 1);
     #pragma omp parallel if (work > (1 << 17))
     {
-        double stack_acc[512];
-        double *acc = N <= 512 ? stack_acc : malloc(sizeof(double) * (size_t)N);
+        acc_t stack_acc[512];
+        double stack_out[512];
+        acc_t *acc = N <= 512 ? stack_acc : malloc(sizeof(acc_t) * (size_t)N);
+        double *out = N <= 512 ? stack_out : malloc(sizeof(double) * (size_t)N);
         #pragma omp for schedule(static)
         for (int i = 0; i < M; i++) {
             real *c = C + (size_t)i * ldc;
-            gemm_row_(trans_a, trans_b, i, N, K, A, lda, B, ldb, acc);
+            gemm_row_(trans_a, trans_b, i, N, K, A, lda, B, ldb, acc, out);
             for (int j = 0; j < N; j++) {
                 double prev = beta == 0 ? 0.0 : (double)beta * (double)c[j];
-                c[j] = (real)((double)alpha * acc[j] + prev);
+                c[j] = (real)((double)alpha * out[j] + prev);
             }
         }
         if (acc != stack_acc) free(acc);
+        if (out != stack_out) free(out);
     }
 }
