@@ -4,6 +4,7 @@
 // through its own INI text with the same hash, and the shipped experiments load.
 #include <stdlib.h>
 #include <string.h>
+#include <sys/wait.h>
 
 #include "common/config.h"
 #include "tests/testhelp.h"
@@ -132,6 +133,22 @@ int main(void) {
         e = load_errors(ENV "[model]\npreset = tiny\nd_model = 48\n", NULL, 0, &other);
         free(e);
         TEST_CHECK(mtrl_config_hash(&other) != mtrl_config_hash(&cfg));
+    }
+
+    // Every experiment INI also parses with Python's configparser (strict: no duplicate sections
+    // or keys), so the format is plain INI and no dialect of ours.
+    {
+        const char *src = getenv("MTRL_SRC");
+        char cmd[2048];
+        snprintf(cmd, sizeof cmd,
+                 "command -v python3 >/dev/null || exit 77; cd '%s' && python3 -c \"import configparser,glob,sys\n"
+                 "files=sorted(glob.glob('experiments/*.ini'))\nassert files\nfor f in files:\n"
+                 "    c=configparser.ConfigParser(strict=True, interpolation=None)\n    c.read_file(open(f))\n"
+                 "    assert c.has_section('env'), f\nprint(len(files), 'experiment files parse with configparser')\"",
+                 src ? src : ".");
+        int rc = system(cmd);
+        if (WIFEXITED(rc) && WEXITSTATUS(rc) == 77) printf("python3 not found: configparser check skipped\n");
+        else TEST_CHECKF(WIFEXITED(rc) && WEXITSTATUS(rc) == 0, "an experiment file does not parse with configparser");
     }
 
     // custom preset requires explicit sizes
