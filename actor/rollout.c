@@ -8,6 +8,7 @@
 #include <string.h>
 
 #include "common/check.h"
+#include "common/hash.h"
 #include "common/log.h"
 #include "common/rng.h"
 #include "common/timeutil.h"
@@ -310,5 +311,130 @@ mtrl_status mtrl_rollout_run_one(const mtrl_rollout_params *p, mtrl_model *m, mt
     mtrl_decode_state_free(&s.st);
     free(s.logits);
     free(buf);
+    return MTRL_OK;
+}
+
+// ---- snapshot / resume ---------------------------------------------------------------------------------------
+
+#define SNAP_MAGIC "MTRLSNAP"
+#define SNAP_VERSION 1u
+
+static void put_reals_(mtrl_wbuf *b, const real *x, size_t n) {
+    for (size_t i = 0; i < n; i++) mtrl_wbuf_f32(b, (float)x[i]);
+}
+
+static int get_reals_(mtrl_rbuf *rb, real *x, size_t n, const char *field) {
+    if (!mtrl_rbuf_need(rb, 4 * (uint64_t)n, field)) return 0;
+    for (size_t i = 0; i < n; i++) x[i] = (real)mtrl_rbuf_f32(rb, field);
+    return 1;
+}
+
+// The shape numbers a snapshot must agree on with the model it resumes into.
+static void snap_shape_(const mtrl_model *m, uint32_t s[8]) {
+    const mtrl_model_dims *d = &m->dims;
+    int nk = 0;
+    for (int l = 0; l < d->L; l++) nk += d->mixer[l] == 'K';
+    s[0] = (uint32_t)d->L; s[1] = (uint32_t)nk; s[2] = (uint32_t)d->H; s[3] = (uint32_t)d->D;
+    s[4] = (uint32_t)d->W; s[5] = (uint32_t)d->dc; s[6] = (uint32_t)d->dr; s[7] = (uint32_t)d->V;
+}
+
+mtrl_status mtrl_rollout_snapshot(mtrl_rollout *r, int i, mtrl_wbuf *out, mtrl_error *err) {
+    if (i < 0 || i >= r->n || !r->slots[i].active)
+        return mtrl_error_set(err, MTRL_ERR_STATE, "snapshot: slot %d has no episode in flight", i);
+    slot *s = &r->slots[i];
+    const mtrl_model_dims *d = &r->m->dims;
+    size_t start = out->len;
+    mtrl_wbuf_bytes(out, SNAP_MAGIC, 8);
+    mtrl_wbuf_u32(out, SNAP_VERSION);
+    uint32_t shape[8];
+    snap_shape_(r->m, shape);
+    for (int k = 0; k < 8; k++) mtrl_wbuf_u32(out, shape[k]);
+    // The trajectory as a whole-episode record; an in-flight episode has no final status, so it
+    // travels as ABORTED with this reason and comes back OPEN.
+    mtrl_traj *t = &s->traj;
+    mtrl_ep_status keep = t->status;
+    t->status = MTRL_EP_ABORTED;
+    mtrl_traj_set_reason(t, "in-flight snapshot");
+    mtrl_wbuf tb;
+    mtrl_wbuf_init(&tb);
+    mtrl_traj_encode(&tb, t);
+    t->status = keep;
+    mtrl_traj_set_reason(t, "%s", "");
+    mtrl_wbuf_u64(out, tb.len);
+    mtrl_wbuf_bytes(out, tb.data, tb.len);
+    mtrl_wbuf_free(&tb);
+    mtrl_wbuf_u64(out, s->turn_start);
+    mtrl_wbuf_u64(out, (uint64_t)s->tool_open);
+    mtrl_wbuf_u32(out, s->turn);
+    mtrl_wbuf_u32(out, (uint32_t)s->st.pos);
+    int nk = (int)shape[1], nm = d->L - nk;
+    size_t S_sz = (size_t)d->H * d->D * d->D, C_sz = (size_t)3 * (d->W - 1) * d->H * d->D, lw = (size_t)d->dc + d->dr;
+    put_reals_(out, s->st.kda_S, (size_t)nk * S_sz);
+    put_reals_(out, s->st.conv, (size_t)nk * C_sz);
+    for (int j = 0; j < nm; j++) put_reals_(out, s->st.latent + (size_t)j * s->st.cap * lw, (size_t)s->st.pos * lw);
+    put_reals_(out, s->logits, (size_t)d->V);
+    mtrl_wbuf_u32(out, mtrl_crc32c(0, out->data + start, out->len - start));
+    return MTRL_OK;
+}
+
+mtrl_status mtrl_rollout_resume(mtrl_rollout *r, int i, const void *buf, size_t n, mtrl_error *err) {
+    if (i < 0 || i >= r->n || r->slots[i].active)
+        return mtrl_error_set(err, MTRL_ERR_STATE, "resume: slot %d is not idle", i);
+    if (n < 12 + 4 || memcmp(buf, SNAP_MAGIC, 8))
+        return mtrl_error_set(err, MTRL_ERR_FORMAT, "resume: not an episode snapshot (bad magic)");
+    const uint8_t *p = buf;
+    if (mtrl_crc32c(0, p, n - 4) != mtrl_le32(p + n - 4))
+        return mtrl_error_set(err, MTRL_ERR_FORMAT, "resume: snapshot CRC mismatch (torn or corrupt)");
+    mtrl_rbuf rb;
+    mtrl_rbuf_init(&rb, p, n - 4, "episode snapshot", err);
+    mtrl_rbuf_take(&rb, 8, "magic");
+    uint32_t ver = mtrl_rbuf_u32(&rb, "version");
+    if (ver != SNAP_VERSION) return mtrl_error_set(err, MTRL_ERR_FORMAT, "resume: snapshot version %u, expected %u", ver, SNAP_VERSION);
+    uint32_t shape[8], want[8];
+    snap_shape_(r->m, want);
+    for (int k = 0; k < 8; k++) shape[k] = mtrl_rbuf_u32(&rb, "shape");
+    if (rb.status != MTRL_OK) return rb.status;
+    if (memcmp(shape, want, sizeof shape))
+        return mtrl_error_set(err, MTRL_ERR_MISMATCH, "resume: the snapshot was taken with another model shape");
+    slot *s = &r->slots[i];
+    const mtrl_model_dims *d = &r->m->dims;
+    uint64_t tlen = mtrl_rbuf_u64(&rb, "trajectory length");
+    const uint8_t *tp = mtrl_rbuf_take(&rb, tlen, "trajectory");
+    if (!tp) return rb.status;
+    mtrl_traj_limits lim = mtrl_traj_limits_default();
+    mtrl_status st = mtrl_traj_decode(&s->traj, tp, tlen, &lim, err);
+    if (st != MTRL_OK) return st;
+    s->traj.status = MTRL_EP_OPEN;
+    mtrl_traj_set_reason(&s->traj, "%s", "");
+    s->turn_start = mtrl_rbuf_u64(&rb, "turn start");
+    s->tool_open = (int64_t)mtrl_rbuf_u64(&rb, "tool open");
+    s->turn = mtrl_rbuf_u32(&rb, "turn");
+    uint32_t pos = mtrl_rbuf_u32(&rb, "position");
+    if (rb.status != MTRL_OK) return rb.status;
+    // Between generation steps every token has been fed to the model: positions == tokens.
+    if (pos > (uint32_t)s->st.cap || pos != s->traj.n_tokens)
+        return mtrl_error_set(err, MTRL_ERR_FORMAT, "resume: %u positions for %llu tokens (decode state capacity %d)", pos,
+                              (unsigned long long)s->traj.n_tokens, s->st.cap);
+    int nk = (int)shape[1], nm = d->L - nk;
+    size_t S_sz = (size_t)d->H * d->D * d->D, C_sz = (size_t)3 * (d->W - 1) * d->H * d->D, lw = (size_t)d->dc + d->dr;
+    int ok = get_reals_(&rb, s->st.kda_S, (size_t)nk * S_sz, "KDA states") &&
+             get_reals_(&rb, s->st.conv, (size_t)nk * C_sz, "conv windows");
+    for (int j = 0; j < nm && ok; j++) ok = get_reals_(&rb, s->st.latent + (size_t)j * s->st.cap * lw, (size_t)pos * lw, "MLA latents");
+    ok = ok && get_reals_(&rb, s->logits, (size_t)d->V, "logits");
+    if (!ok || rb.status != MTRL_OK) return rb.status != MTRL_OK ? rb.status : MTRL_ERR_FORMAT;
+    s->st.pos = (int)pos;
+    // The env: reset with the task seed, then the recorded tool calls, checking every result.
+    mtrl_env_result res;
+    if ((st = mtrl_env_reset(s->env, s->traj.task_seed, &res, err)) != MTRL_OK) return mtrl_error_wrap(err, "resume");
+    for (uint32_t k = 0; k < s->traj.n_tools; k++) {
+        const mtrl_tool_call *tc = &s->traj.tools[k];
+        if ((st = mtrl_env_step(s->env, MTRL_ENV_ACTION_TOOL, (const char *)tc->args, tc->args_len, &res, err)) != MTRL_OK)
+            return mtrl_error_wrap(err, "resume: re-running tool call %u", k);
+        if (res.obs_len != tc->result_len || (res.obs_len && memcmp(res.obs, tc->result, res.obs_len)))
+            return mtrl_error_set(err, MTRL_ERR_MISMATCH,
+                                  "resume: the env answered tool call %u differently than recorded (not deterministic)", k);
+    }
+    s->needs_decode = 0;
+    s->active = 1;
     return MTRL_OK;
 }

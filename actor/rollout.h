@@ -28,6 +28,7 @@
 #include "common/model/model.h"
 #include "common/status.h"
 #include "common/traj.h"
+#include "common/trajbuf.h"
 #include "env/env_host.h"
 
 typedef struct mtrl_rollout mtrl_rollout;
@@ -70,6 +71,18 @@ void mtrl_rollout_stop_new(mtrl_rollout *r);
 // The in-flight trajectory of slot i (NULL when the slot is idle), for streaming chunks.
 mtrl_traj *mtrl_rollout_slot(mtrl_rollout *r, int i);
 int mtrl_rollout_slot_count(const mtrl_rollout *r);
+
+// ---- snapshot and resume of an in-flight episode -------------------------------------------------
+// A snapshot holds everything the episode needs to go on exactly as if it had not stopped:
+// the trajectory so far (tokens, log-probs, versions, tool calls), the decode state (KDA
+// states, conv windows, MLA latents of every position so far), the next-token logits and the
+// turn bookkeeping; the sampler needs nothing more (it is a function of the token position).
+// The env is brought back by re-running its reset(seed) and the recorded tool calls; a result
+// that differs from the recorded one refuses the resume (the env is not deterministic).
+// Format: "MTRLSNAP", version, the parts above, CRC-32C of everything before it.
+mtrl_status mtrl_rollout_snapshot(mtrl_rollout *r, int slot, mtrl_wbuf *out, mtrl_error *err);
+// Resumes into an idle slot of r (same model shape; the weights may be newer).
+mtrl_status mtrl_rollout_resume(mtrl_rollout *r, int slot, const void *buf, size_t n, mtrl_error *err);
 
 // Runs one episode alone (replay --reexec): the task seed, episode id and sampling stream of a
 // recorded episode, on the given model and env. The result is written to out.
