@@ -285,17 +285,40 @@ __device__ void stbuf_load(const StBuf &b, int K, int V, int h, int n, int nt, s
         cp_async16(b.eg + 4 * i, eg + ((size_t)h * nt + n) * K + 4 * i);
 }
 
-// grid (V/16, H), 256 threads: thread t owns column jj = t & 15 of the block's 16 and rows
-// d = rg + 16 i (rg = t >> 4) of the state.
+// NR consecutive floats from shared memory (16-byte loads when NR % 4 == 0; p aligned then).
+template <int NR>
+__device__ __forceinline__ void ld_part(float *x, const float *p) {
+    if constexpr (NR % 4 == 0) {
+#pragma unroll
+        for (int i = 0; i < NR; i += 4) {
+            float4 v = *reinterpret_cast<const float4 *>(p + i);
+            x[i] = v.x; x[i + 1] = v.y; x[i + 2] = v.z; x[i + 3] = v.w;
+        }
+    } else if constexpr (NR % 2 == 0) {
+#pragma unroll
+        for (int i = 0; i < NR; i += 2) {
+            float2 v = *reinterpret_cast<const float2 *>(p + i);
+            x[i] = v.x; x[i + 1] = v.y;
+        }
+    } else {
+#pragma unroll
+        for (int i = 0; i < NR; i++) x[i] = p[i];
+    }
+}
+
+// grid (V/16, H), 256 threads: thread t owns column jj = t & 15 of the block's 16 and the NR =
+// K/16 consecutive state rows d = rg NR + i (rg = t >> 4), so its slices of the W, Q⁺, K^e rows
+// are contiguous (vector loads).
+template <int NR>
 __global__ void __launch_bounds__(256) kda_state_fwd_k(int T, int H, int K, int V, int nt,
                                                        const float *Wk, const float *Uk,
                                                        const float *Qp, const float *Ke,
                                                        const float *Pm, const float *eg,
                                                        const float *S0, float *o,
                                                        float *S_final, float *S_tiles) {
-    extern __shared__ float sm[];
+    extern __shared__ __align__(16) float sm[];
     int h = blockIdx.y, j0 = blockIdx.x * VS;
-    int jj = threadIdx.x & 15, rg = threadIdx.x >> 4, NR = K / 16;
+    int jj = threadIdx.x & 15, rg = threadIdx.x >> 4, d0 = rg * NR;
     size_t Tp = (size_t)nt * KT;
     size_t stf = stbuf_floats(K);
     float *p = sm + 2 * stf;
@@ -303,12 +326,9 @@ __global__ void __launch_bounds__(256) kda_state_fwd_k(int T, int H, int K, int 
     float *redQ = p; p += 16 * RGS;
     float *sD = p;  // Δ [16][16]
 
-    float s[16];
+    float s[NR];
 #pragma unroll
-    for (int i = 0; i < 16; i++) {
-        int d = rg + 16 * i;
-        s[i] = (i < NR && S0) ? S0[((size_t)h * K + d) * V + j0 + jj] : 0.f;
-    }
+    for (int i = 0; i < NR; i++) s[i] = S0 ? S0[((size_t)h * K + d0 + i) * V + j0 + jj] : 0.f;
     {
         StBuf b0;
         stbuf_carve(b0, sm, K);
@@ -328,34 +348,28 @@ __global__ void __launch_bounds__(256) kda_state_fwd_k(int T, int H, int K, int 
         }
         if (S_tiles) {
 #pragma unroll
-            for (int i = 0; i < 16; i++)
-                if (i < NR)
-                    S_tiles[(((size_t)n * H + h) * K + rg + 16 * i) * V + j0 + jj] = s[i];
+            for (int i = 0; i < NR; i++)
+                S_tiles[(((size_t)n * H + h) * K + d0 + i) * V + j0 + jj] = s[i];
         }
         // Partial products over this thread's rows: W S and Q⁺ S for all 16 tile rows.
-        float pw[KT], pq[KT];
-#pragma unroll
-        for (int r = 0; r < KT; r++) pw[r] = pq[r] = 0.f;
-#pragma unroll
-        for (int i = 0; i < 16; i++) {
-            if (i < NR) {
-                int d = rg + 16 * i;
-#pragma unroll
-                for (int r = 0; r < KT; r++) {
-                    pw[r] = fmaf(b.W[r * K + d], s[i], pw[r]);
-                    pq[r] = fmaf(b.Q[r * K + d], s[i], pq[r]);
-                }
-            }
-        }
 #pragma unroll
         for (int r = 0; r < KT; r++) {
-            redW[rg * RGS + r * 16 + jj] = pw[r];
-            redQ[rg * RGS + r * 16 + jj] = pq[r];
+            float wv[NR], qv[NR], pw = 0.f, pq = 0.f;
+            ld_part<NR>(wv, b.W + r * K + d0);
+            ld_part<NR>(qv, b.Q + r * K + d0);
+#pragma unroll
+            for (int i = 0; i < NR; i++) {
+                pw = fmaf(wv[i], s[i], pw);
+                pq = fmaf(qv[i], s[i], pq);
+            }
+            redW[rg * RGS + r * 16 + jj] = pw;
+            redQ[rg * RGS + r * 16 + jj] = pq;
         }
         __syncthreads();
         // Thread (jj, r = rg): Δ[r][jj] = U − Σ (W S), and the Q⁺ S part of O.
         int r = rg;
         float ws = 0.f, qs = 0.f;
+#pragma unroll
         for (int g2 = 0; g2 < 16; g2++) {
             ws += redW[g2 * RGS + r * 16 + jj];
             qs += redQ[g2 * RGS + r * 16 + jj];
@@ -369,21 +383,21 @@ __global__ void __launch_bounds__(256) kda_state_fwd_k(int T, int H, int K, int 
             if (t < T) o[((size_t)t * H + h) * V + j0 + jj] = acc;
         }
         // S' = diag(e^γ) S + K^eᵀ Δ.
+        float ev[NR];
+        ld_part<NR>(ev, b.eg + d0);
 #pragma unroll
-        for (int i = 0; i < 16; i++) {
-            if (i < NR) {
-                int d = rg + 16 * i;
-                float acc = b.eg[d] * s[i];
+        for (int i = 0; i < NR; i++) s[i] *= ev[i];
 #pragma unroll
-                for (int l = 0; l < KT; l++) acc = fmaf(b.E[l * K + d], sD[l * 16 + jj], acc);
-                s[i] = acc;
-            }
+        for (int l = 0; l < KT; l++) {
+            float kv[NR], dl = sD[l * 16 + jj];
+            ld_part<NR>(kv, b.E + l * K + d0);
+#pragma unroll
+            for (int i = 0; i < NR; i++) s[i] = fmaf(kv[i], dl, s[i]);
         }
     }
     if (S_final) {
 #pragma unroll
-        for (int i = 0; i < 16; i++)
-            if (i < NR) S_final[((size_t)h * K + rg + 16 * i) * V + j0 + jj] = s[i];
+        for (int i = 0; i < NR; i++) S_final[((size_t)h * K + d0 + i) * V + j0 + jj] = s[i];
     }
 }
 
@@ -391,27 +405,26 @@ __global__ void __launch_bounds__(256) kda_state_fwd_k(int T, int H, int K, int 
 //
 // grid (V/16, H), last tile to first. Writes dD = dΔ [H][Tp][V] and dS_tiles [tiles][H][K][V]
 // (tile n's entry is ∂L/∂S' of tile n, i.e. the gradient of its OUTGOING state).
+template <int NR>
 __global__ void __launch_bounds__(256) kda_state_bwd_k(int T, int H, int K, int V, int nt,
                                                        const float *Wk, const float *Qp,
                                                        const float *Ke, const float *Pm,
                                                        const float *eg, const float *dout,
                                                        const float *dS_final, float *dD,
                                                        float *dS_tiles, float *dS0) {
-    extern __shared__ float sm[];
+    extern __shared__ __align__(16) float sm[];
     int h = blockIdx.y, j0 = blockIdx.x * VS;
-    int jj = threadIdx.x & 15, rg = threadIdx.x >> 4, NR = K / 16;
+    int jj = threadIdx.x & 15, rg = threadIdx.x >> 4, d0 = rg * NR;
     size_t Tp = (size_t)nt * KT;
     size_t stf = stbuf_floats(K);
     float *p = sm + 2 * stf;
     float *redE = p; p += 16 * RGS;
     float *sdD = p;  // dΔ [16][16]
 
-    float s[16];  // dS for rows rg + 16 i, column jj
+    float s[NR];  // dS for rows d0 + i, column jj
 #pragma unroll
-    for (int i = 0; i < 16; i++) {
-        int d = rg + 16 * i;
-        s[i] = (i < NR && dS_final) ? dS_final[((size_t)h * K + d) * V + j0 + jj] : 0.f;
-    }
+    for (int i = 0; i < NR; i++)
+        s[i] = dS_final ? dS_final[((size_t)h * K + d0 + i) * V + j0 + jj] : 0.f;
     auto load = [&](int n, const StBuf &b) {
         int rows = T - n * KT < KT ? T - n * KT : KT;
         stbuf_load(b, K, V, h, n, nt, Tp, Wk, Qp, Ke, Pm, eg, dout, (size_t)H * V,
@@ -431,25 +444,21 @@ __global__ void __launch_bounds__(256) kda_state_bwd_k(int T, int H, int K, int 
         __syncthreads();
         if (n > 0) load(n - 1, bn);
 #pragma unroll
-        for (int i = 0; i < 16; i++)
-            if (i < NR) dS_tiles[(((size_t)n * H + h) * K + rg + 16 * i) * V + j0 + jj] = s[i];
-        float pe[KT];
+        for (int i = 0; i < NR; i++)
+            dS_tiles[(((size_t)n * H + h) * K + d0 + i) * V + j0 + jj] = s[i];
 #pragma unroll
-        for (int r = 0; r < KT; r++) pe[r] = 0.f;
+        for (int r = 0; r < KT; r++) {
+            float ev[NR], pe = 0.f;
+            ld_part<NR>(ev, b.E + r * K + d0);
 #pragma unroll
-        for (int i = 0; i < 16; i++) {
-            if (i < NR) {
-                int d = rg + 16 * i;
-#pragma unroll
-                for (int r = 0; r < KT; r++) pe[r] = fmaf(b.E[r * K + d], s[i], pe[r]);
-            }
+            for (int i = 0; i < NR; i++) pe = fmaf(ev[i], s[i], pe);
+            redE[rg * RGS + r * 16 + jj] = pe;
         }
-#pragma unroll
-        for (int r = 0; r < KT; r++) redE[rg * RGS + r * 16 + jj] = pe[r];
         __syncthreads();
         {
             int r = rg;
             float acc = 0.f;
+#pragma unroll
             for (int g2 = 0; g2 < 16; g2++) acc += redE[g2 * RGS + r * 16 + jj];
             // + (Pᵀ dO)[r][jj] = Σ_{l >= r} P[l][r] dO[l][jj]
             for (int l = r; l < KT; l++) acc = fmaf(b.P[l * KT + r], b.U[l * KT + jj], acc);
@@ -458,24 +467,22 @@ __global__ void __launch_bounds__(256) kda_state_bwd_k(int T, int H, int K, int 
         }
         __syncthreads();
         // dS ← diag(e^γ) dS' + Q⁺ᵀ dO − Wᵀ dΔ
+        float gv[NR];
+        ld_part<NR>(gv, b.eg + d0);
 #pragma unroll
-        for (int i = 0; i < 16; i++) {
-            if (i < NR) {
-                int d = rg + 16 * i;
-                float acc = b.eg[d] * s[i];
+        for (int i = 0; i < NR; i++) s[i] *= gv[i];
 #pragma unroll
-                for (int l = 0; l < KT; l++) {
-                    acc = fmaf(b.Q[l * K + d], b.U[l * KT + jj], acc);
-                    acc = fmaf(-b.W[l * K + d], sdD[l * 16 + jj], acc);
-                }
-                s[i] = acc;
-            }
+        for (int l = 0; l < KT; l++) {
+            float qv[NR], wv[NR], go = b.U[l * KT + jj], gd = sdD[l * 16 + jj];
+            ld_part<NR>(qv, b.Q + l * K + d0);
+            ld_part<NR>(wv, b.W + l * K + d0);
+#pragma unroll
+            for (int i = 0; i < NR; i++) s[i] = fmaf(qv[i], go, fmaf(-wv[i], gd, s[i]));
         }
     }
     if (dS0) {
 #pragma unroll
-        for (int i = 0; i < 16; i++)
-            if (i < NR) dS0[((size_t)h * K + rg + 16 * i) * V + j0 + jj] = s[i];
+        for (int i = 0; i < NR; i++) dS0[((size_t)h * K + d0 + i) * V + j0 + jj] = s[i];
     }
 }
 
@@ -858,6 +865,49 @@ static size_t state_smem_(int K, int redbufs) {
     return sizeof(float) * (2 * stbuf_floats(K) + (size_t)redbufs * 16 * RGS + 16 * 16);
 }
 
+template <int NR>
+static void state_fwd_nr_(mtrl_cuda_ctx *c, int T, int H, int K, int V, int nt, const KdaWs &w,
+                          const float *S0, float *o, float *S_final, float *S_tiles) {
+    size_t sh = state_smem_(K, 2);
+    set_smem(kda_state_fwd_k<NR>, sh);
+    kda_state_fwd_k<NR><<<dim3(V / VS, H), 256, sh, c->stream>>>(T, H, K, V, nt, w.Wk, w.Uk, w.Qp,
+                                                                 w.Ke, w.Pm, w.eg, S0, o, S_final,
+                                                                 S_tiles);
+    CUDA_LAUNCH_CHECK();
+}
+template <int NR>
+static void state_bwd_nr_(mtrl_cuda_ctx *c, int T, int H, int K, int V, int nt, const KdaWs &w,
+                          const float *dout, const float *dS_final, float *dD, float *dSt,
+                          float *dS0) {
+    size_t sh = state_smem_(K, 1);
+    set_smem(kda_state_bwd_k<NR>, sh);
+    kda_state_bwd_k<NR><<<dim3(V / VS, H), 256, sh, c->stream>>>(T, H, K, V, nt, w.Wk, w.Qp, w.Ke,
+                                                                 w.Pm, w.eg, dout, dS_final, dD,
+                                                                 dSt, dS0);
+    CUDA_LAUNCH_CHECK();
+}
+#define KDA_NR_SWITCH(F, ...)                          \
+    switch (K / 16) {                                  \
+    case 1: F<1>(__VA_ARGS__); break;                  \
+    case 2: F<2>(__VA_ARGS__); break;                  \
+    case 3: F<3>(__VA_ARGS__); break;                  \
+    case 4: F<4>(__VA_ARGS__); break;                  \
+    case 5: F<5>(__VA_ARGS__); break;                  \
+    case 6: F<6>(__VA_ARGS__); break;                  \
+    case 7: F<7>(__VA_ARGS__); break;                  \
+    default: F<8>(__VA_ARGS__); break;                 \
+    }
+static void launch_state_fwd_(mtrl_cuda_ctx *c, int T, int H, int K, int V, int nt,
+                              const KdaWs &w, const float *S0, float *o, float *S_final,
+                              float *S_tiles) {
+    KDA_NR_SWITCH(state_fwd_nr_, c, T, H, K, V, nt, w, S0, o, S_final, S_tiles)
+}
+static void launch_state_bwd_(mtrl_cuda_ctx *c, int T, int H, int K, int V, int nt,
+                              const KdaWs &w, const float *dout, const float *dS_final,
+                              float *dD, float *dSt, float *dS0) {
+    KDA_NR_SWITCH(state_bwd_nr_, c, T, H, K, V, nt, w, dout, dS_final, dD, dSt, dS0)
+}
+
 extern "C" int mtrl_kda_chunk_fwd(mtrl_cuda_ctx *c, int T, int H, int K, int V, const float *q,
                                   const float *k, const float *v, const float *g,
                                   const float *beta, const float *S0, float *o, float *S_final,
@@ -880,12 +930,7 @@ extern "C" int mtrl_kda_chunk_fwd(mtrl_cuda_ctx *c, int T, int H, int K, int V, 
     cv.off = 0;
     kda_ws_take(cv, w, H, K, V, nt);
     kda_launch_prep_(c, T, H, K, V, nt, q, k, v, g, beta, w);
-    size_t sh = state_smem_(K, 2);
-    set_smem(kda_state_fwd_k, sh);
-    kda_state_fwd_k<<<dim3(V / VS, H), 256, sh, c->stream>>>(T, H, K, V, nt, w.Wk, w.Uk, w.Qp,
-                                                             w.Ke, w.Pm, w.eg, S0, o, S_final,
-                                                             S_tiles);
-    CUDA_LAUNCH_CHECK();
+    launch_state_fwd_(c, T, H, K, V, nt, w, S0, o, S_final, S_tiles);
     return 0;
 }
 
@@ -920,20 +965,11 @@ extern "C" int mtrl_kda_chunk_bwd(mtrl_cuda_ctx *c, int T, int H, int K, int V, 
     carve(cv);
     kda_launch_prep_(c, T, H, K, V, nt, q, k, v, g, beta, w);
     if (!S_tiles) {  // recompute every tile's incoming state (fla's disable_recompute=False)
-        size_t sh = state_smem_(K, 2);
-        set_smem(kda_state_fwd_k, sh);
-        kda_state_fwd_k<<<dim3(V / VS, H), 256, sh, c->stream>>>(
-            T, H, K, V, nt, w.Wk, w.Uk, w.Qp, w.Ke, w.Pm, w.eg, S0, nullptr, nullptr, own);
-        CUDA_LAUNCH_CHECK();
+        launch_state_fwd_(c, T, H, K, V, nt, w, S0, nullptr, nullptr, own);
         S_tiles = own;
     }
-    size_t sh = state_smem_(K, 1);
-    set_smem(kda_state_bwd_k, sh);
-    kda_state_bwd_k<<<dim3(V / VS, H), 256, sh, c->stream>>>(T, H, K, V, nt, w.Wk, w.Qp, w.Ke,
-                                                             w.Pm, w.eg, dout, dS_final, dD,
-                                                             dSt, dS0);
-    CUDA_LAUNCH_CHECK();
-    sh = sizeof(float) * tile_bwd_floats(K, V);
+    launch_state_bwd_(c, T, H, K, V, nt, w, dout, dS_final, dD, dSt, dS0);
+    size_t sh = sizeof(float) * tile_bwd_floats(K, V);
     set_smem(kda_tile_bwd_k, sh);
     kda_tile_bwd_k<<<dim3(nt, H), 256, sh, c->stream>>>(T, H, K, V, q, k, v, g, beta, S_tiles,
                                                         dout, dD, dSt, dq, dk, dv, dg, dbeta);

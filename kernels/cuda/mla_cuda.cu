@@ -40,28 +40,56 @@ __device__ __forceinline__ uint32_t ld32(const uint16_t *p) {
     return *reinterpret_cast<const uint32_t *>(p);
 }
 
+// ldmatrix: four 8x8 b16 matrices; lane l supplies the (16-byte aligned) address of row l % 8
+// of matrix l / 8. Thread (g = lane/4, t = lane%4) receives elements (g, 2t..2t+1) of each
+// matrix (.trans: elements (2t..2t+1, g)), i.e. exactly the mma.m16n8k16 fragment layout.
+__device__ __forceinline__ void ldsm_x4(uint32_t *r, const uint16_t *p) {
+    unsigned a = (unsigned)__cvta_generic_to_shared(p);
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(a));
+}
+__device__ __forceinline__ void ldsm_x4_t(uint32_t *r, const uint16_t *p) {
+    unsigned a = (unsigned)__cvta_generic_to_shared(p);
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(a));
+}
+// A fragment of the 16 x 16 block at (row 0, col k0) of a row-major matrix.
+__device__ __forceinline__ void frag_a(uint32_t *a, const uint16_t *A, int lda, int k0, int lane) {
+    ldsm_x4(a, A + (lane & 15) * lda + k0 + ((lane >> 4) << 3));
+}
+// B fragments of two adjacent n-tiles (n0, n0 + 8) at k0 from an n-major matrix (element
+// (k, n) at B[n*ldb + k]): b[0..1] for tile n0, b[2..3] for tile n0 + 8.
+__device__ __forceinline__ void frag_b2_nk(uint32_t *b, const uint16_t *B, int ldb, int k0, int n0,
+                                           int lane) {
+    ldsm_x4(b, B + (n0 + (lane & 7) + ((lane >> 4) << 3)) * ldb + k0 + (((lane >> 3) & 1) << 3));
+}
+// The same from a k-major matrix (element (k, n) at B[k*ldb + n]), through ldmatrix.trans.
+__device__ __forceinline__ void frag_b2_kn(uint32_t *b, const uint16_t *B, int ldb, int k0, int n0,
+                                           int lane) {
+    ldsm_x4_t(b, B + (k0 + (lane & 7) + (((lane >> 3) & 1) << 3)) * ldb + n0 + ((lane >> 4) << 3));
+}
+
 // acc[nt] (16 x 8 tiles) += A[16 rows][kdim] · B[8 NT rows][kdim]ᵀ, A and B row-major in shared
-// memory ("n-major" B: key rows with contiguous k). A points at the warp's first row.
+// memory ("n-major" B: key rows with contiguous k). A points at the warp's first row. NT even.
 template <int NT>
 __device__ __forceinline__ void warp_mm_nk(float (*acc)[4], const uint16_t *A, int lda,
                                            const uint16_t *B, int ldb, int kdim, int lane) {
-    int g = lane >> 2, t = lane & 3;
     for (int k0 = 0; k0 < kdim; k0 += 16) {
         uint32_t a[4];
-        a[0] = ld32(A + g * lda + k0 + 2 * t);
-        a[1] = ld32(A + (g + 8) * lda + k0 + 2 * t);
-        a[2] = ld32(A + g * lda + k0 + 2 * t + 8);
-        a[3] = ld32(A + (g + 8) * lda + k0 + 2 * t + 8);
+        frag_a(a, A, lda, k0, lane);
 #pragma unroll
-        for (int nt = 0; nt < NT; nt++) {
-            const uint16_t *bp = B + (nt * 8 + g) * ldb + k0 + 2 * t;
-            uint32_t b[2] = {ld32(bp), ld32(bp + 8)};
+        for (int nt = 0; nt < NT; nt += 2) {
+            uint32_t b[4];
+            frag_b2_nk(b, B, ldb, k0, nt * 8, lane);
             mma_bf16_16816(acc[nt], a, b);
+            mma_bf16_16816(acc[nt + 1], a, b + 2);
         }
     }
 }
 
-// B fragment from a k-major matrix (element (k, n) at B[k*ldb + n]).
+// B fragment from a k-major matrix (element (k, n) at B[k*ldb + n]), one tile, plain loads.
 __device__ __forceinline__ void frag_b_kn(uint32_t *b, const uint16_t *B, int ldb, int k0, int n0,
                                           int lane) {
     int g = lane >> 2, t = lane & 3;
@@ -70,21 +98,23 @@ __device__ __forceinline__ void frag_b_kn(uint32_t *b, const uint16_t *B, int ld
     b[1] = pack_bf16_raw(bp[8 * ldb], bp[9 * ldb]);
 }
 
-// acc[nt] += A[16][kdim] · B[kdim][8 nt ..], B k-major; tiles nt < ntw (ntw <= MAXNT).
+// acc[nt] += A[16][kdim] · B[kdim][8 nt ..], B k-major; tiles nt < ntw (ntw <= MAXNT), in pairs
+// through ldmatrix.trans (an odd last tile through plain loads).
 template <int MAXNT>
 __device__ __forceinline__ void warp_mm_kn(float (*acc)[4], const uint16_t *A, int lda,
                                            const uint16_t *B, int ldb, int kdim, int lane,
                                            int ntw) {
-    int g = lane >> 2, t = lane & 3;
     for (int k0 = 0; k0 < kdim; k0 += 16) {
         uint32_t a[4];
-        a[0] = ld32(A + g * lda + k0 + 2 * t);
-        a[1] = ld32(A + (g + 8) * lda + k0 + 2 * t);
-        a[2] = ld32(A + g * lda + k0 + 2 * t + 8);
-        a[3] = ld32(A + (g + 8) * lda + k0 + 2 * t + 8);
+        frag_a(a, A, lda, k0, lane);
 #pragma unroll
-        for (int nt = 0; nt < MAXNT; nt++) {
-            if (nt < ntw) {
+        for (int nt = 0; nt < MAXNT; nt += 2) {
+            if (nt + 1 < ntw) {
+                uint32_t b[4];
+                frag_b2_kn(b, B, ldb, k0, nt * 8, lane);
+                mma_bf16_16816(acc[nt], a, b);
+                mma_bf16_16816(acc[nt + 1], a, b + 2);
+            } else if (nt < ntw) {
                 uint32_t b[2];
                 frag_b_kn(b, B, ldb, k0, nt * 8, lane);
                 mma_bf16_16816(acc[nt], a, b);
@@ -434,7 +464,7 @@ __global__ void __launch_bounds__(256, 1) attn_bwd_dq_k(AttnArgs a, const uint16
     }
 }
 
-#define DKV_MAXU 18  // (Dk [+ Dv]) / 8 tiles over 4 column groups: <= 576 / 32
+#define DKV_MAXU 18  // (Dk [+ Dv]) / 8 tiles over 4 column groups: <= 576 / 32 (even)
 
 __global__ void __launch_bounds__(256, 1) attn_bwd_dkv_k(AttnArgs a, const uint16_t *dout,
                                                          const float *lse, const float *D,
@@ -479,34 +509,32 @@ __global__ void __launch_bounds__(256, 1) attn_bwd_dkv_k(AttnArgs a, const uint1
             s.ZT[c * LDT + r] = __bfloat16_as_ushort(__float2bfloat16_rn(dz));
         }
         __syncthreads();
-        // acc[keys 16 kg.., columns] += ZTᵀ-rows · Q (dK part) and PT · dO (dV part)
+        // acc[keys 16 kg.., columns] += ZT · Q (dK part) and PT · dO (dV part). The warp owns
+        // column-tile pairs v = cg + 4u (tiles 2v, 2v + 1; Dkp/8 and Dv/8 are even, so a pair
+        // never straddles the dK / dV boundary).
         for (int k0 = 0; k0 < ABM; k0 += 16) {
             uint32_t az[4], ap[4];
-            const uint16_t *Az = s.ZT + kg * 16 * LDT, *Ap = s.PT + kg * 16 * LDT;
-            az[0] = ld32(Az + g * LDT + k0 + 2 * t);
-            az[1] = ld32(Az + (g + 8) * LDT + k0 + 2 * t);
-            az[2] = ld32(Az + g * LDT + k0 + 2 * t + 8);
-            az[3] = ld32(Az + (g + 8) * LDT + k0 + 2 * t + 8);
-            ap[0] = ld32(Ap + g * LDT + k0 + 2 * t);
-            ap[1] = ld32(Ap + (g + 8) * LDT + k0 + 2 * t);
-            ap[2] = ld32(Ap + g * LDT + k0 + 2 * t + 8);
-            ap[3] = ld32(Ap + (g + 8) * LDT + k0 + 2 * t + 8);
+            frag_a(az, s.ZT + kg * 16 * LDT, LDT, k0, lane);
+            frag_a(ap, s.PT + kg * 16 * LDT, LDT, k0, lane);
 #pragma unroll
-            for (int u = 0; u < DKV_MAXU; u++) {
-                int nt = cg + 4 * u;
+            for (int u = 0; u < DKV_MAXU / 2; u++) {
+                int nt = 2 * (cg + 4 * u);
                 if (nt < ntiles) {
                     int c = nt * 8;
-                    uint32_t b[2];
+                    uint32_t b[4];
                     if (c < a.Dkp) {
-                        frag_b_kn(b, s.Q, LDQ, k0, c, lane);
-                        mma_bf16_16816(acc[u], az, b);
+                        frag_b2_kn(b, s.Q, LDQ, k0, c, lane);
+                        mma_bf16_16816(acc[2 * u], az, b);
+                        mma_bf16_16816(acc[2 * u + 1], az, b + 2);
                         if (a.alias && c < a.Dv) {
-                            frag_b_kn(b, s.dO, LDO, k0, c, lane);
-                            mma_bf16_16816(acc[u], ap, b);
+                            frag_b2_kn(b, s.dO, LDO, k0, c, lane);
+                            mma_bf16_16816(acc[2 * u], ap, b);
+                            mma_bf16_16816(acc[2 * u + 1], ap, b + 2);
                         }
                     } else {
-                        frag_b_kn(b, s.dO, LDO, k0, c - a.Dkp, lane);
-                        mma_bf16_16816(acc[u], ap, b);
+                        frag_b2_kn(b, s.dO, LDO, k0, c - a.Dkp, lane);
+                        mma_bf16_16816(acc[2 * u], ap, b);
+                        mma_bf16_16816(acc[2 * u + 1], ap, b + 2);
                     }
                 }
             }
@@ -519,7 +547,7 @@ __global__ void __launch_bounds__(256, 1) attn_bwd_dkv_k(AttnArgs a, const uint1
         if (key >= a.Tk) continue;
 #pragma unroll
         for (int u = 0; u < DKV_MAXU; u++) {
-            int nt = cg + 4 * u;
+            int nt = 2 * (cg + 4 * (u >> 1)) + (u & 1);
             int c = nt * 8 + 2 * t;
             if (nt < ntiles && (c < a.Dk || c >= a.Dkp)) {
                 float *dst = c < a.Dk ? dk + (size_t)key * a.ldk + (size_t)j * a.Dk + c
