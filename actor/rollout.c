@@ -21,6 +21,7 @@ typedef struct slot {
     mtrl_decode_state st;
     mtrl_traj traj;
     real *logits;          // [V]: the distribution of the next token
+    uint8_t *rrow;         // [max_tokens + 2][n_moe][k] routing scratch (record_routing)
     uint64_t turn_start;   // first token of the current model turn
     int64_t tool_open;     // position of the open TOOL_OPEN, or -1
     uint32_t turn;         // tool calls so far
@@ -39,6 +40,7 @@ struct mtrl_rollout {
     mtrl_decode_state **dstates;
     uint32_t *dtokens;
     real *dlogits;
+    uint8_t *drouting;     // [slots][n_moe][k]
     int *dslot;
     uint32_t *ptok;        // prefill tokens
 };
@@ -77,11 +79,13 @@ mtrl_status mtrl_rollout_init(mtrl_rollout **out, const mtrl_rollout_params *p, 
         mtrl_decode_state_init(&s->st, m, p->max_tokens);
         mtrl_traj_init(&s->traj);
         s->logits = xcalloc((size_t)V, sizeof(real));
+        s->rrow = xcalloc((size_t)(p->max_tokens + 2) * (size_t)(m->dims.n_moe * m->dims.k) + 1, 1);
     }
     r->dstates = xcalloc((size_t)r->n, sizeof(*r->dstates));
     r->dtokens = xcalloc((size_t)r->n, sizeof(uint32_t));
     r->dlogits = xcalloc((size_t)r->n * V, sizeof(real));
     r->dslot = xcalloc((size_t)r->n, sizeof(int));
+    r->drouting = xcalloc((size_t)r->n * (size_t)(m->dims.n_moe * m->dims.k) + 1, 1);
     r->ptok = xcalloc((size_t)p->max_tokens + 2, sizeof(uint32_t));
     *out = r;
     return MTRL_OK;
@@ -95,12 +99,14 @@ void mtrl_rollout_free(mtrl_rollout *r) {
         mtrl_decode_state_free(&s->st);
         mtrl_traj_free(&s->traj);
         free(s->logits);
+        free(s->rrow);
     }
     free(r->slots);
     free(r->dstates);
     free(r->dtokens);
     free(r->dlogits);
     free(r->dslot);
+    free(r->drouting);
     free(r->ptok);
     free(r);
 }
@@ -111,10 +117,17 @@ mtrl_traj *mtrl_rollout_slot(mtrl_rollout *r, int i) { return r->slots[i].active
 
 // ---- one episode's steps (shared by the batched engine and run_one) ------------------------------------
 
-// Feeds n tokens of a kind that carries no loss into the trajectory and the model state.
-static void feed_(mtrl_model *m, slot *s, const uint32_t *tok, int n, uint8_t kind) {
-    for (int i = 0; i < n; i++) mtrl_traj_append(&s->traj, tok[i], 0.0f, m->version, kind, NULL);
-    mtrl_model_prefill(m, &s->st, tok, n, s->logits);
+// Feeds tok[skip..n) as tokens of a kind that carries no loss into the trajectory, and all n
+// into the model state (tok[0..skip) were appended already, when they were sampled). With
+// routing recorded, every fed token's row comes from the prefill.
+static void feed_(mtrl_model *m, slot *s, const uint32_t *tok, int n, int skip, uint8_t kind) {
+    mtrl_traj *t = &s->traj;
+    uint8_t *rr = t->routing_width ? s->rrow : NULL;
+    uint64_t first = t->n_tokens - (uint64_t)skip;
+    mtrl_model_prefill(m, &s->st, tok, n, s->logits, rr);
+    for (int i = skip; i < n; i++)
+        mtrl_traj_append(t, tok[i], 0.0f, m->version, kind, rr ? rr + (size_t)i * t->routing_width : NULL);
+    for (int i = 0; rr && i < skip; i++) memcpy(t->routing + (first + (uint64_t)i) * t->routing_width, rr + (size_t)i * t->routing_width, t->routing_width);
 }
 
 static void finish_(slot *s, mtrl_ep_status status, double reward, const char *reason) {
@@ -140,6 +153,10 @@ static int start_(const mtrl_rollout_params *p, mtrl_model *m, slot *s, uint64_t
     t->sample_stream = mtrl_rng_stream("sample", episode_id, 0);
     t->start_wall = mtrl_time_wall();
     mtrl_traj_set_env(t, mtrl_env_name(s->env));
+    if (p->record_routing) {
+        mtrl_traj_set_routing(t, (uint32_t)(m->dims.n_moe * m->dims.k), 0);
+        memset(s->rrow, 0, t->routing_width);
+    }
     s->active = 1;
     s->turn = 0;
     s->tool_open = -1;
@@ -159,7 +176,7 @@ static int start_(const mtrl_rollout_params *p, mtrl_model *m, slot *s, uint64_t
     }
     buf[0] = MTRL_TOK_BOS;
     mtrl_tok_encode(res.obs, res.obs_len, buf + 1);
-    feed_(m, s, buf, (int)res.obs_len + 1, MTRL_TOK_PROMPT);
+    feed_(m, s, buf, (int)res.obs_len + 1, 0, MTRL_TOK_PROMPT);
     s->turn_start = t->n_tokens;
     return 1;
 }
@@ -177,7 +194,9 @@ static int advance_(const mtrl_rollout_params *p, mtrl_model *m, slot *s, uint32
     double u = mtrl_rng_uniform(t->sample_seed, t->sample_stream, pos);
     real lp;
     int tok = sample_logits(m->dims.V, s->logits, (real)p->temperature, (real)p->top_p, u, &lp);
-    mtrl_traj_append(t, (uint32_t)tok, (float)lp, m->version, MTRL_TOK_MODEL, NULL);
+    // The routing of a sampled token is known once it is fed to the model: a zero row now,
+    // filled in after the decode (or the prefill of a tool result).
+    mtrl_traj_append(t, (uint32_t)tok, (float)lp, m->version, MTRL_TOK_MODEL, t->routing_width ? s->rrow : NULL);
     char text[4096];
     if (tok == MTRL_TOK_EOS) {
         turn_bytes_(t, s->turn_start, t->n_tokens - 1, text, sizeof text);
@@ -223,8 +242,7 @@ static int advance_(const mtrl_rollout_params *p, mtrl_model *m, slot *s, uint32
         buf[1] = MTRL_TOK_RESULT_OPEN;
         mtrl_tok_encode(res.obs, n, buf + 2);
         buf[n + 2] = MTRL_TOK_RESULT_CLOSE;
-        for (size_t i = 1; i < n + 3; i++) mtrl_traj_append(t, buf[i], 0.0f, m->version, MTRL_TOK_TOOL, NULL);
-        mtrl_model_prefill(m, &s->st, buf, (int)n + 3, s->logits);
+        feed_(m, s, buf, (int)n + 3, 1, MTRL_TOK_TOOL);
         s->tool_open = -1;
         s->turn_start = t->n_tokens;
         return 0;
@@ -278,9 +296,15 @@ int mtrl_rollout_step(mtrl_rollout *r, const mtrl_rollout_events *ev) {
         }
     }
     if (nd > 0) {
-        mtrl_model_decode(r->m, r->dstates, nd, r->dtokens, r->dlogits, NULL);
+        size_t rw = (size_t)(r->m->dims.n_moe * r->m->dims.k);
+        uint8_t *rout = r->p.record_routing ? r->drouting : NULL;
+        mtrl_model_decode(r->m, r->dstates, nd, r->dtokens, r->dlogits, rout);
         int V = r->m->dims.V;
-        for (int j = 0; j < nd; j++) memcpy(r->slots[r->dslot[j]].logits, r->dlogits + (size_t)j * V, sizeof(real) * V);
+        for (int j = 0; j < nd; j++) {
+            slot *s = &r->slots[r->dslot[j]];
+            memcpy(s->logits, r->dlogits + (size_t)j * V, sizeof(real) * V);
+            if (rout) memcpy(s->traj.routing + (s->traj.n_tokens - 1) * rw, rout + (size_t)j * rw, rw);
+        }
     }
     int live = 0;
     for (int i = 0; i < r->n; i++) live += r->slots[i].active;
@@ -296,13 +320,15 @@ mtrl_status mtrl_rollout_run_one(const mtrl_rollout_params *p, mtrl_model *m, mt
     mtrl_decode_state_init(&s.st, m, p->max_tokens);
     mtrl_traj_init(&s.traj);
     s.logits = xcalloc((size_t)m->dims.V, sizeof(real));
+    s.rrow = xcalloc((size_t)(p->max_tokens + 2) * (size_t)(m->dims.n_moe * m->dims.k) + 1, 1);
     uint32_t *buf = xcalloc((size_t)p->max_tokens + 2, sizeof(uint32_t));
     if (start_(p, m, &s, task_seed, episode_id, group_id, buf)) {
         while (s.active) {
             if (advance_(p, m, &s, buf)) {
                 mtrl_decode_state *one[1] = {&s.st};
                 uint32_t last = s.traj.ids[s.traj.n_tokens - 1];
-                mtrl_model_decode(m, one, 1, &last, s.logits, NULL);
+                uint8_t *rr = s.traj.routing_width ? s.traj.routing + (s.traj.n_tokens - 1) * s.traj.routing_width : NULL;
+                mtrl_model_decode(m, one, 1, &last, s.logits, rr);
             }
         }
     }
@@ -310,6 +336,7 @@ mtrl_status mtrl_rollout_run_one(const mtrl_rollout_params *p, mtrl_model *m, mt
     mtrl_traj_free(&s.traj);
     mtrl_decode_state_free(&s.st);
     free(s.logits);
+    free(s.rrow);
     free(buf);
     return MTRL_OK;
 }

@@ -108,6 +108,7 @@
     X(algo, aggregation, ENUM, "token_mean", 0, 0, "token_mean|seq_mean_token_mean|constant", "loss aggregation") \
     X(algo, agg_constant, INT, "1024", 1, 1 << 30, NULL, "token count L of the constant aggregation (Dr.GRPO)") \
     X(algo, entropy_coef, FLOAT, "0", -10, 10, NULL, "entropy bonus coefficient")                 \
+    X(algo, mask_truncated, BOOL, "false", 0, 0, NULL, "overlong filtering: truncated episodes carry no loss (they still count in their group's advantages)") \
     X(algo, routing_replay, BOOL, "false", 0, 0, NULL, "train with the actor's recorded routing (R3)")
 
 #define MTRL_CFG_WARMUP(X)                                                                          \

@@ -309,10 +309,13 @@ static void handle_(mtrl_learner *l, mtrl_wire_in *in) {
     }
 }
 
-// Returns credit for what was consumed, while the learner holds less than the sum of credits.
+// Returns credit for what was consumed, while the learner holds less than the sum of credits
+// and has fewer than two batches of groups waiting: episodes produced faster than the learner
+// trains would only go stale, so the actors wait instead (backpressure).
 static void grant_credit_(mtrl_learner *l) {
     uint64_t cap = (uint64_t)l->cfg.learner.credit_bytes * (uint64_t)(l->n_actors ? l->n_actors : 1);
     if (mtrl_wire_asm_open_bytes(l->asm_) > cap) return;
+    if (l->n_groups >= 2 * l->cfg.learner.batch_groups) return;
     mtrl_wire_out o;
     mtrl_wire_out_init(&o);
     for (int i = 0; i < l->n_actors; i++) {

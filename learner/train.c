@@ -33,24 +33,33 @@ mtrl_status mtrl_train_algo_config(const mtrl_config *cfg, mtrl_algo_config *a, 
 typedef struct seq_batch {
     mtrl_batch b;
     const uint32_t **toks;
+    const uint8_t **routing;
     int *len;
     size_t total;
 } seq_batch;
 
-static void seq_batch_init_(seq_batch *s, mtrl_traj *const *eps, int n) {
+// The model's view of the episodes. Routing replay (R3): when every episode carries the
+// actor's routing with the model's width, the learner's forward and backward use it.
+static void seq_batch_init_(seq_batch *s, mtrl_traj *const *eps, int n, const mtrl_model *m) {
     s->toks = xmalloc(sizeof(*s->toks) * (size_t)(n ? n : 1));
+    s->routing = xmalloc(sizeof(*s->routing) * (size_t)(n ? n : 1));
     s->len = xmalloc(sizeof(int) * (size_t)(n ? n : 1));
     s->total = 0;
+    int all_routed = n > 0;
+    uint32_t width = (uint32_t)(m->dims.n_moe * m->dims.k);
     for (int i = 0; i < n; i++) {
         s->toks[i] = eps[i]->ids;
+        s->routing[i] = eps[i]->routing;
+        all_routed &= eps[i]->routing_width == width && !(eps[i]->flags & MTRL_TRAJ_ROUTING_U16) && eps[i]->routing;
         s->len[i] = (int)eps[i]->n_tokens;
         s->total += eps[i]->n_tokens;
     }
-    s->b = (mtrl_batch){n, s->toks, s->len, NULL};
+    s->b = (mtrl_batch){n, s->toks, s->len, all_routed ? s->routing : NULL};
 }
 
 static void seq_batch_free_(seq_batch *s) {
     free(s->toks);
+    free(s->routing);
     free(s->len);
 }
 
@@ -72,9 +81,10 @@ void mtrl_train_rl_step(mtrl_model *m, const mtrl_config *cfg, const mtrl_algo_c
     memset(st, 0, sizeof *st);
     st->loads = loads;
     seq_batch sb;
-    seq_batch_init_(&sb, eps, n);
+    seq_batch_init_(&sb, eps, n, m);
     size_t T = sb.total;
     real *logp_pos = xcalloc(T + 1, sizeof(real)), *ent_pos = xcalloc(T + 1, sizeof(real));
+    m->replay_routing = cfg->algo.routing_replay && sb.b.routing != NULL;
     mtrl_model_forward(m, &sb.b, segment_of_(cfg), logp_pos, ent_pos, NULL);
     // Per-token arrays (token j predicted at position j - 1).
     float *logp = xcalloc(T + 1, sizeof(float)), *behav = xcalloc(T + 1, sizeof(float));
@@ -94,7 +104,9 @@ void mtrl_train_rl_step(mtrl_model *m, const mtrl_config *cfg, const mtrl_algo_c
                 ent[o + j] = (float)ent_pos[o + j - 1];
             }
             behav[o + j] = t->logprob[j];
-            mask[o + j] = j > 0 && t->kind[j] == MTRL_TOK_MODEL;
+            // Overlong filtering (DAPO): a truncated episode's tokens carry no loss.
+            mask[o + j] = j > 0 && t->kind[j] == MTRL_TOK_MODEL &&
+                          !(cfg->algo.mask_truncated && t->status == MTRL_EP_TRUNCATED);
             if (mask[o + j]) {
                 double s = (double)m->version - (double)t->version[j];
                 stale_sum += s;
@@ -182,7 +194,9 @@ void mtrl_train_rl_step(mtrl_model *m, const mtrl_config *cfg, const mtrl_algo_c
 
 double mtrl_train_sft_step(mtrl_model *m, const mtrl_config *cfg, mtrl_traj *const *eps, int n, double lr) {
     seq_batch sb;
-    seq_batch_init_(&sb, eps, n);
+    seq_batch_init_(&sb, eps, n, m);
+    sb.b.routing = NULL; // demonstrations carry no routing
+    m->replay_routing = 0;
     size_t T = sb.total;
     real *logp = xcalloc(T + 1, sizeof(real)), *dlp = xcalloc(T + 1, sizeof(real));
     mtrl_model_forward(m, &sb.b, segment_of_(cfg), logp, NULL, NULL);

@@ -226,10 +226,10 @@ static void test_prefill_decode(void) {
         mtrl_decode_state_init(&s0, &m, T);
         mtrl_decode_state_init(&s1, &m, T);
         real last[32];
-        mtrl_model_prefill(&m, &s0, tok, sp, last);
+        mtrl_model_prefill(&m, &s0, tok, sp, last, NULL);
         double err = max_rel_diff(last, full + (size_t)(sp - 1) * d.V, (size_t)d.V);
         int pre = sp < 5 ? sp : 5;
-        mtrl_model_prefill(&m, &s1, tok, pre, NULL);
+        mtrl_model_prefill(&m, &s1, tok, pre, NULL, NULL);
         for (int t = pre; t < sp; t++) {
             mtrl_decode_state *one[1] = {&s1};
             mtrl_model_decode(&m, one, 1, &tok[t], logits[0], NULL);

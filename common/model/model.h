@@ -174,8 +174,10 @@ size_t mtrl_decode_state_bytes(const mtrl_model *m, int cap);
 void mtrl_decode_state_copy(mtrl_decode_state *dst, const mtrl_decode_state *src, const mtrl_model *m);
 
 // Feeds n tokens into a state through the chunked form; logits_last [V] (nullable) are the
-// logits after the last token. The state's capacity must hold pos + n tokens.
-void mtrl_model_prefill(mtrl_model *m, mtrl_decode_state *s, const uint32_t *tokens, int n, real *logits_last);
+// logits after the last token; routing_out (nullable) [n][n_moe][k] the experts each token
+// took. The state's capacity must hold pos + n tokens.
+void mtrl_model_prefill(mtrl_model *m, mtrl_decode_state *s, const uint32_t *tokens, int n, real *logits_last,
+                        uint8_t *routing_out);
 
 // One token for each of B sequences (the recurrent form, batched projections): tokens [B],
 // states[B], logits [B][V]. routing_out (nullable) [B][n_moe][k].

@@ -225,7 +225,8 @@ void mtrl_decode_state_copy(mtrl_decode_state *dst, const mtrl_decode_state *src
     dst->pos = src->pos;
 }
 
-void mtrl_model_prefill(mtrl_model *m, mtrl_decode_state *s, const uint32_t *tokens, int n, real *logits_last) {
+void mtrl_model_prefill(mtrl_model *m, mtrl_decode_state *s, const uint32_t *tokens, int n, real *logits_last,
+                        uint8_t *routing_out) {
     ws_impl *w = ws_get_(m);
     MTRL_CHECKF(s->pos + n <= s->cap, "prefill of %d tokens at position %d overflows capacity %d", n, s->pos, s->cap);
     int seg = n < PREFILL_SEGMENT ? (n > 0 ? n : 1) : PREFILL_SEGMENT;
@@ -235,7 +236,9 @@ void mtrl_model_prefill(mtrl_model *m, mtrl_decode_state *s, const uint32_t *tok
         int T = n - t0 < seg ? n - t0 : seg;
         mtrl_arena_reset(&w->infer);
         seg_cache c;
-        seg_forward(m, &w->infer, SEG_CHUNK, T, tokens + t0, &io, NULL, &c);
+        seg_out so = {NULL, NULL, NULL, NULL, NULL,
+                      routing_out ? routing_out + (size_t)t0 * m->dims.n_moe * m->dims.k : NULL, 0};
+        seg_forward(m, &w->infer, SEG_CHUNK, T, tokens + t0, &io, &so, &c);
         if (t0 + T == n && logits_last)
             memcpy(logits_last, c.logits + (size_t)(T - 1) * m->dims.V, sizeof(real) * m->dims.V);
     }
