@@ -510,11 +510,13 @@ static mtrl_status resume_(mtrl_learner *l, mtrl_error *err) {
     mtrl_ckpt c;
     st = mtrl_ckpt_open_file(&c, rows[n - 1].path, err);
     if (st == MTRL_OK) {
+        // A changed experiment is allowed (more steps, another learning rate); a changed model
+        // is not, and mtrl_model_load refuses it naming the first tensor that differs.
         const char *h = mtrl_ckpt_meta(&c, "config_hash");
         if (h && strcmp(h, l->config_hash_hex))
-            st = mtrl_error_set(err, MTRL_ERR_MISMATCH, "--resume: %s was written with config %s, this config is %s",
-                                rows[n - 1].path, h, l->config_hash_hex);
-        if (st == MTRL_OK) st = mtrl_model_load(&l->model, &c, 1, err);
+            event_(l, MTRL_LOG_WARN, "--resume: %s was written with config %s, this config is %s; continuing",
+                   rows[n - 1].path, h, l->config_hash_hex);
+        st = mtrl_model_load(&l->model, &c, 1, err);
         const char *ls = mtrl_ckpt_meta(&c, "learner_step");
         if (st == MTRL_OK) l->step = ls ? strtol(ls, NULL, 10) : rows[n - 1].step;
         mtrl_ckpt_close(&c);

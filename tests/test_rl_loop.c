@@ -162,6 +162,15 @@ static void test_short_run(void) {
     TEST_CHECK(query_int(db, "SELECT count(*) FROM checkpoints") >= 1);
     TEST_EQ_INT(query_int(db, "SELECT count(*) FROM episodes WHERE status NOT IN ('complete','truncated','aborted','rejected')"), 0);
     check_digests(db);
+    // `mtrl run --resume` continues the same run from its last checkpoint to the new step count.
+    char *resume[] = {(char *)bin_, "run", ini, "--db", db, "--resume", "--set", "run.steps=5", NULL};
+    TEST_EQ_INT(run_cmd(resume, log), 0);
+    TEST_EQ_INT(query_int(db, "SELECT count(*) FROM runs"), 1);
+    query_text(db, "SELECT status FROM runs WHERE id = 1", status, sizeof status);
+    TEST_EQ_STR(status, "finished");
+    TEST_EQ_INT(query_int(db, "SELECT max(step) FROM metrics WHERE name = 'reward'"), 5);
+    TEST_EQ_INT(query_int(db, "SELECT count(*) FROM metrics WHERE name = 'reward'"), 5);
+    TEST_EQ_INT(query_int(db, "SELECT max(value) FROM metrics WHERE name = 'version'"), 5);
 }
 
 // Sends garbage to the learner: a non-mtrl frame, a header claiming a payload far over the cap,
