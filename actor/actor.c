@@ -36,6 +36,7 @@ typedef struct actor {
     mtrl_config cfg;
     int have_cfg;
     uint64_t run_id;
+    uint64_t config_hash;
     mtrl_model model;
     int have_model, have_weights;
     mtrl_rollout *ro;
@@ -163,6 +164,7 @@ static int setup_(actor *a, const mtrl_wire_msg *m) {
     a->have_weights = 0;
     a->have_cfg = 1;
     a->run_id = m->run_id;
+    a->config_hash = m->config_hash;
     a->credit = (int64_t)m->credit_bytes;
     mtrl_rollout_params p;
     mtrl_rollout_params_from_config(&p, &a->cfg, a->id, a->incarnation);
@@ -228,7 +230,8 @@ static int poll_(actor *a, int timeout_ms) {
         } else {
             switch (in.hdr.type) {
             case MTRL_WIRE_WELCOME:
-                if (!a->have_cfg || m.run_id != a->run_id) {
+                // A new run, or a new stage of this one: rebuild model, env and episodes.
+                if (!a->have_cfg || m.run_id != a->run_id || m.config_hash != a->config_hash) {
                     if (!setup_(a, &m)) a->bye = 2;
                 } else {
                     a->credit = (int64_t)m.credit_bytes;
@@ -315,7 +318,7 @@ int mtrl_actor_main(const char *endpoint, uint32_t actor_id, volatile sig_atomic
             a.last_heard = now;
         }
         if (outbox_len_(&a) > 0 && a.credit <= 0) continue; // generation waits for credit
-        if (a.ro) {
+        if (a.ro && a.have_weights) {
             mtrl_rollout_step(a.ro, &ev);
             for (int i = 0; i < mtrl_rollout_slot_count(a.ro); i++) {
                 mtrl_traj *t = mtrl_rollout_slot(a.ro, i);

@@ -15,7 +15,7 @@
 #define MTRL_CFG_RUN(X)                                                                             \
     X(run, name, STR, "run", 0, 0, NULL, "a name for the run, shown in the run store")              \
     X(run, seed, INT, "1", 0, 4294967295.0, NULL, "seed of every random stream (init, tasks, sampling)") \
-    X(run, steps, INT, "50", 1, 1e9, NULL, "optimizer steps of the RL stage")                      \
+    X(run, steps, INT, "50", 1, 1e9, NULL, "optimizer steps of the RL stage (with [stage.N] sections: their sum instead)") \
     X(run, db, STR, "runs.db", 0, 0, NULL, "SQLite run store (created when missing)")               \
     X(run, out_dir, STR, "runs", 0, 0, NULL, "folder for trajectory files and checkpoints")         \
     X(run, keep_trajectories, STR, "all", 0, 0, NULL, "which episodes keep their trajectory file: all, failures or every_N") \

@@ -42,7 +42,10 @@ typedef struct group_buf {
 } group_buf;
 
 struct mtrl_learner {
-    mtrl_config cfg;
+    mtrl_config cfg;        // the experiment as it applies now (the current stage's overrides in)
+    mtrl_config base;       // the experiment as loaded
+    int stage;              // current [stage.N] (0-based), -1 without stages
+    long total_steps;       // [run] steps, or the sum of the stages' steps
     char *config_text;
     uint64_t config_hash;
     char config_hash_hex[17];
@@ -349,6 +352,52 @@ static void check_heartbeats_(mtrl_learner *l) {
     mtrl_wire_out_free(&o);
 }
 
+// ---- the context ladder ([stage.N]) ----------------------------------------------------------------------------
+
+// The stage that step `step` (0-based, the next step to take) belongs to.
+static int stage_of_(const mtrl_learner *l, long step) {
+    long end = 0;
+    for (int s = 0; s < l->base.n_stages; s++) {
+        end += l->base.stage[s].steps;
+        if (step < end) return s;
+    }
+    return l->base.n_stages - 1;
+}
+
+// Applies stage s to the experiment: its context is the episode budget, its document length the
+// retrieval env's, its group size and batch the learner's. The actors get a new WELCOME with the
+// resolved experiment (they rebuild their episodes) and the current weights. Groups of the old
+// stage that are not complete are dropped: the group size may change.
+static void group_drop_(mtrl_learner *l, int i);
+static void stage_enter_(mtrl_learner *l, int s) {
+    mtrl_config c = l->base;
+    const mtrl_cfg_stage *st = &c.stage[s];
+    if (st->context > 0) c.actor.max_tokens = st->context;
+    if (st->doc_tokens > 0) c.env.doc_tokens = st->doc_tokens;
+    if (st->group_size > 0) c.algo.group_size = st->group_size;
+    if (st->batch_groups > 0) c.learner.batch_groups = st->batch_groups;
+    if (c.actor.max_turn_tokens > c.actor.max_tokens) c.actor.max_turn_tokens = c.actor.max_tokens;
+    l->cfg = c;
+    l->stage = s;
+    free(l->config_text);
+    l->config_text = mtrl_config_to_ini(&c);
+    l->config_hash = mtrl_config_hash(&c);
+    mtrl_hash64_hex(l->config_hash, l->config_hash_hex);
+    while (l->n_groups) group_drop_(l, l->n_groups - 1);
+    event_(l, MTRL_LOG_INFO, "stage %d of %d from step %ld: context %ld tokens, document %ld, group %ld, batch %ld groups", s + 1,
+           l->base.n_stages, l->step, c.actor.max_tokens, c.env.doc_tokens, c.algo.group_size, c.learner.batch_groups);
+    mtrl_wire_out o;
+    mtrl_wire_out_init(&o);
+    mtrl_wire_encode_welcome(&o, (uint64_t)l->run_id, l->config_hash, l->model.version, (uint64_t)c.learner.credit_bytes,
+                             l->config_text);
+    for (int i = 0; i < l->n_actors; i++)
+        if (l->actors[i].alive) {
+            send_(l, &l->actors[i], &o);
+            send_weights_(l, &l->actors[i]);
+        }
+    mtrl_wire_out_free(&o);
+}
+
 // ---- steps ------------------------------------------------------------------------------------------------------
 
 static void log_metric_(mtrl_learner *l, const char *name, double v) {
@@ -432,6 +481,13 @@ static void rl_step_(mtrl_learner *l, int *ready, int n_ready) {
         log_metric_(l, "episodes_aborted", (double)l->episodes_by_status[MTRL_EP_ABORTED]);
         log_metric_(l, "episodes_rejected", (double)l->episodes_by_status[MTRL_EP_REJECTED]);
         log_metric_(l, "version", l->model.version);
+        if (l->stage >= 0) {
+            char name[64];
+            log_metric_(l, "stage", l->stage + 1);
+            snprintf(name, sizeof name, "reward.stage%d", l->stage + 1);
+            log_metric_(l, name, st.reward_mean);
+            log_metric_(l, "context", (double)l->cfg.actor.max_tokens);
+        }
         const mtrl_model_dims *d = &l->model.dims;
         double worst = 0;
         for (int ly = 1; ly < d->L; ly++) {
@@ -533,6 +589,13 @@ mtrl_status mtrl_learner_open(mtrl_learner **out, const mtrl_config *cfg, const 
                               mtrl_error *err) {
     mtrl_learner *l = xcalloc(1, sizeof *l);
     l->cfg = *cfg;
+    l->base = *cfg;
+    l->stage = -1;
+    l->total_steps = cfg->run.steps;
+    if (cfg->n_stages > 0) {
+        l->total_steps = 0;
+        for (int s = 0; s < cfg->n_stages; s++) l->total_steps += cfg->stage[s].steps;
+    }
     l->progress = opts && opts->progress;
     l->tick = opts ? opts->tick : NULL;
     l->tick_user = opts ? opts->tick_user : NULL;
@@ -604,7 +667,9 @@ int mtrl_learner_run(mtrl_learner *l, volatile sig_atomic_t *stop) {
     int *ready = xmalloc(sizeof(int) * (size_t)need);
     mtrl_traj popped;
     mtrl_traj_init(&popped);
-    while (l->step < l->cfg.run.steps && !*stop) {
+    if (l->base.n_stages > 0) stage_enter_(l, stage_of_(l, l->step));
+    while (l->step < l->total_steps && !*stop) {
+        if (l->base.n_stages > 0 && stage_of_(l, l->step) != l->stage) stage_enter_(l, stage_of_(l, l->step));
         mtrl_wire_in in;
         mtrl_error err;
         mtrl_status s = mtrl_wire_recv(&l->sock, 20, &in, &l->rx, &err);
@@ -645,7 +710,7 @@ int mtrl_learner_run(mtrl_learner *l, volatile sig_atomic_t *stop) {
             for (int i = 0; i < l->n_actors; i++) live += l->actors[i].alive;
             double el = mtrl_time_mono() - l->t_start;
             mtrl_progress_update(&l->prog, 0, "step %ld/%ld | reward %.3f | %.1f episodes/s | %.0f tokens/s | actors %d | aborted %ld",
-                                 l->step, l->cfg.run.steps, l->last_reward, el > 0 ? l->episodes_seen / el : 0,
+                                 l->step, l->total_steps, l->last_reward, el > 0 ? l->episodes_seen / el : 0,
                                  el > 0 ? l->tokens_seen / el : 0, live, l->episodes_by_status[MTRL_EP_ABORTED]);
         }
         if (deadline > 0 && now > deadline) {

@@ -261,6 +261,35 @@ static void test_actor_killed(void) {
     check_digests(db);
 }
 
+// [stage.N]: the run moves through the context ladder at step boundaries; actors rebuild their
+// episodes for each stage; per-stage metrics are logged.
+static void test_stages(void) {
+    char ini[512], db[512], log[512], text[2048];
+    snprintf(ini, sizeof ini, "%s/stages.ini", dir_);
+    snprintf(db, sizeof db, "%s/stages.db", dir_);
+    snprintf(log, sizeof log, "%s/stages.log", dir_);
+    snprintf(text, sizeof text,
+             "[run]\nname = stages\nseed = 4\nout_dir = %s/runs-stages\n[model]\npreset = tiny\n"
+             "[env]\nname = retrieval\ndoc_tokens = 32\ninline_doc = true\n[actor]\ncount = 2\nepisodes_in_flight = 4\nmax_turn_tokens = 24\n"
+             "heartbeat_ms = 200\n[learner]\nbatch_groups = 2\n[algo]\ngroup_size = 2\n"
+             "[stage.1]\ncontext = 300\ndoc_tokens = 32\nsteps = 2\n"
+             "[stage.2]\ncontext = 600\ndoc_tokens = 300\nsteps = 2\ngroup_size = 4\nbatch_groups = 1\n",
+             dir_);
+    write_file(ini, text);
+    char *argv[] = {(char *)bin_, "run", ini, "--db", db, NULL};
+    TEST_EQ_INT(run_cmd(argv, log), 0);
+    TEST_EQ_INT(query_int(db, "SELECT count(*) FROM metrics WHERE name = 'stage' AND value = 1"), 2);
+    TEST_EQ_INT(query_int(db, "SELECT count(*) FROM metrics WHERE name = 'stage' AND value = 2"), 2);
+    TEST_EQ_INT(query_int(db, "SELECT max(value) FROM metrics WHERE name = 'context'"), 600);
+    TEST_EQ_INT(query_int(db, "SELECT count(*) FROM metrics WHERE name = 'reward.stage2'"), 2);
+    // stage 2 episodes are longer (their prompt holds a longer document) and within the budget
+    TEST_CHECK(query_int(db, "SELECT max(tokens) FROM episodes WHERE step >= 3") > 300);
+    TEST_CHECK(query_int(db, "SELECT max(tokens) FROM episodes") <= 600);
+    char status[64];
+    query_text(db, "SELECT status FROM runs WHERE id = 1", status, sizeof status);
+    TEST_EQ_STR(status, "finished");
+}
+
 static void test_plugins(void) {
     const char *build = getenv("MTRL_BUILD");
     char so[512], ini[512], db[512], log[512];
@@ -300,6 +329,7 @@ int main(void) {
     test_short_run();
     test_actor_killed();
     test_plugins();
+    test_stages();
     int rc = test_report();
     if (rc == 0) {
         char cmd[600];
