@@ -230,12 +230,9 @@ static int poll_(actor *a, int timeout_ms) {
         } else {
             switch (in.hdr.type) {
             case MTRL_WIRE_WELCOME:
-                // A new run, or a new stage of this one: rebuild model, env and episodes.
-                if (!a->have_cfg || m.run_id != a->run_id || m.config_hash != a->config_hash) {
-                    if (!setup_(a, &m)) a->bye = 2;
-                } else {
-                    a->credit = (int64_t)m.credit_bytes;
-                }
+                // The first WELCOME, a new stage, or a learner that restarted (its assembler
+                // knows nothing of our open episodes): rebuild model, env and episodes.
+                if (!setup_(a, &m)) a->bye = 2;
                 break;
             case MTRL_WIRE_WEIGHTS: weights_chunk_(a, &m); break;
             case MTRL_WIRE_CREDIT: a->credit += (int64_t)m.credit_bytes; break;

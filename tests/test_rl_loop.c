@@ -7,6 +7,7 @@
 //  3. Malformed and oversized messages sent to the learner are dropped without a crash.
 //  4. The example plug-in (.so built against env/mtrl_env.h alone) runs in an experiment.
 //  5. A crashing isolated plug-in aborts only its episodes; the run finishes.
+#include <dirent.h>
 #include <errno.h>
 #include <signal.h>
 #include <sqlite3.h>
@@ -261,6 +262,54 @@ static void test_actor_killed(void) {
     check_digests(db);
 }
 
+// SIGINT stops a run cleanly: exit code 1, the run marked killed, its actors gone.
+static void test_sigint(void) {
+    char ini[512], db[512], log[512];
+    make_experiment("sigint", 100000, "calc", "", "false", ini, sizeof ini, NULL);
+    snprintf(db, sizeof db, "%s/sigint.db", dir_);
+    snprintf(log, sizeof log, "%s/sigint.log", dir_);
+    char *argv[] = {(char *)bin_, "run", ini, "--db", db, NULL};
+    pid_t p = start_cmd(argv, log);
+    for (int i = 0; i < 600 && query_int(db, "SELECT count(*) FROM metrics WHERE name = 'reward'") < 2; i++) sleep_ms(50);
+    kill(p, SIGINT);
+    int st = 0;
+    for (int i = 0; i < 400; i++) {
+        if (waitpid(p, &st, WNOHANG) == p) break;
+        sleep_ms(50);
+    }
+    TEST_CHECKF(WIFEXITED(st) && WEXITSTATUS(st) == 1, "mtrl run after SIGINT: status %d", st);
+    char status[64];
+    query_text(db, "SELECT status FROM runs WHERE id = 1", status, sizeof status);
+    TEST_EQ_STR(status, "killed");
+    // No actor of this run is left: no process has the run's endpoint on its command line.
+    char endpoint[128] = "", line[1024];
+    FILE *f = fopen(log, "r");
+    while (f && fgets(line, sizeof line, f)) {
+        char *at = strstr(line, "learner on ");
+        if (at && sscanf(at + 11, "%127[^,]", endpoint) == 1) break;
+    }
+    if (f) fclose(f);
+    TEST_CHECK(endpoint[0] != '\0');
+    int left = 0;
+    DIR *proc = opendir("/proc");
+    struct dirent *de;
+    while (proc && endpoint[0] && (de = readdir(proc))) {
+        if (de->d_name[0] < '0' || de->d_name[0] > '9') continue;
+        char path[300], cmdline[2048];
+        snprintf(path, sizeof path, "/proc/%s/cmdline", de->d_name);
+        FILE *c = fopen(path, "r");
+        if (!c) continue;
+        size_t n = fread(cmdline, 1, sizeof cmdline - 1, c);
+        fclose(c);
+        for (size_t i = 0; i < n; i++)
+            if (!cmdline[i]) cmdline[i] = ' ';
+        cmdline[n] = '\0';
+        left += strstr(cmdline, endpoint) != NULL && strstr(cmdline, "actor") != NULL;
+    }
+    if (proc) closedir(proc);
+    TEST_EQ_INT(left, 0);
+}
+
 // [stage.N]: the run moves through the context ladder at step boundaries; actors rebuild their
 // episodes for each stage; per-stage metrics are logged.
 static void test_stages(void) {
@@ -330,6 +379,7 @@ int main(void) {
     test_actor_killed();
     test_plugins();
     test_stages();
+    test_sigint();
     int rc = test_report();
     if (rc == 0) {
         char cmd[600];
