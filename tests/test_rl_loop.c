@@ -114,7 +114,9 @@ static void make_experiment(const char *name, int steps, const char *env, const 
 static void check_digests(const char *db) {
     mtrl_store *s;
     mtrl_error err;
-    TEST_EQ_INT(mtrl_store_open(&s, db, 1, &err), MTRL_OK);
+    mtrl_status opened = mtrl_store_open(&s, db, 1, &err);
+    TEST_EQ_INT(opened, MTRL_OK);
+    if (opened != MTRL_OK) return;
     sqlite3 *h = mtrl_store_sqlite(s);
     sqlite3_stmt *st;
     sqlite3_prepare_v2(h, "SELECT traj_path, traj_offset, digest, tokens FROM episodes WHERE traj_path IS NOT NULL", -1, &st,
