@@ -51,6 +51,7 @@ typedef struct actor {
     outmsg *out;
     int n_out, cap_out, out_head;
     double last_heard, last_sent;
+    int rehello;           // a HELLO was sent again because the learner went quiet
     int bye;
     long episodes_done;
 } actor;
@@ -231,8 +232,12 @@ static int poll_(actor *a, int timeout_ms) {
             switch (in.hdr.type) {
             case MTRL_WIRE_WELCOME:
                 // The first WELCOME, a new stage, or a learner that restarted (its assembler
-                // knows nothing of our open episodes): rebuild model, env and episodes.
-                if (!setup_(a, &m)) a->bye = 2;
+                // knows nothing of our open episodes): rebuild model, env and episodes. A WELCOME
+                // answering a duplicate HELLO of the handshake changes nothing.
+                if (!a->have_cfg || m.run_id != a->run_id || m.config_hash != a->config_hash || a->rehello) {
+                    if (!setup_(a, &m)) a->bye = 2;
+                    a->rehello = 0;
+                }
                 break;
             case MTRL_WIRE_WEIGHTS: weights_chunk_(a, &m); break;
             case MTRL_WIRE_CREDIT: a->credit += (int64_t)m.credit_bytes; break;
@@ -279,7 +284,7 @@ int mtrl_actor_main(const char *endpoint, uint32_t actor_id, volatile sig_atomic
     }
     // Handshake: HELLO until a WELCOME and the first weights arrive.
     double t0 = mtrl_time_mono(), last_hello = -1e9;
-    while (!*stop && !a.bye && !(a.have_cfg && a.have_weights)) {
+    while (!*stop && !a.bye && !a.have_cfg) {
         double now = mtrl_time_mono();
         if (now - t0 > HELLO_PATIENCE_S) {
             LOG_ERROR("the learner at %s did not answer for %.0f s", endpoint, HELLO_PATIENCE_S);
@@ -297,8 +302,10 @@ int mtrl_actor_main(const char *endpoint, uint32_t actor_id, volatile sig_atomic
     mtrl_rollout_events ev = {&a, on_begin_, on_end_};
     a.last_heard = mtrl_time_mono();
     while (!*stop && !a.bye) {
-        int backlog = outbox_len_(&a);
-        poll_(&a, backlog ? 20 : 0);
+        // Wait on the socket when there is nothing to generate (no weights or credit yet, or a
+        // backlog to send); otherwise just look.
+        int idle = !a.ro || !a.have_weights || a.credit <= 0 || outbox_len_(&a) > 0;
+        poll_(&a, idle ? 20 : 0);
         flush_(&a);
         double now = mtrl_time_mono();
         if (now - a.last_sent > hb) {
@@ -312,9 +319,10 @@ int mtrl_actor_main(const char *endpoint, uint32_t actor_id, volatile sig_atomic
             // The learner went away (restart?): say HELLO again; the DEALER reconnects itself.
             LOG_WARN("learner silent for %.1f s: saying HELLO again", now - a.last_heard);
             hello_(&a);
+            a.rehello = 1;
             a.last_heard = now;
         }
-        if (outbox_len_(&a) > 0 && a.credit <= 0) continue; // generation waits for credit
+        if (a.credit <= 0) continue; // generation waits for credit (none at all during the learner's warm-up)
         if (a.ro && a.have_weights) {
             mtrl_rollout_step(a.ro, &ev);
             for (int i = 0; i < mtrl_rollout_slot_count(a.ro); i++) {

@@ -30,6 +30,7 @@ typedef struct actor_rec {
     uint32_t id, incarnation;
     mtrl_wire_peer peer;
     double last_seen;
+    double welcomed;        // when the last WELCOME went out
     int alive;
     uint64_t owed;          // payload bytes received and not yet returned as credit
 } actor_rec;
@@ -78,6 +79,8 @@ struct mtrl_learner {
     mtrl_progress prog;
     void (*tick)(void *);
     void *tick_user;
+    int warming;             // in the warm-up: actors are welcomed with no credit (they wait)
+    double last_hb;
     double last_reward;
 };
 
@@ -245,6 +248,14 @@ static void handle_(mtrl_learner *l, mtrl_wire_in *in) {
             mtrl_wire_msg_free(&m);
             return;
         }
+        // A repeated HELLO of a welcomed incarnation (the actor resends it until it hears from
+        // us; they queue while the learner is busy, e.g. in the warm-up): one WELCOME is enough.
+        if (a && a->alive && a->id == m.actor_id && a->incarnation == m.incarnation &&
+            mtrl_time_mono() - a->welcomed < 1e-3 * (double)l->cfg.learner.heartbeat_timeout_ms) {
+            a->last_seen = mtrl_time_mono();
+            mtrl_wire_msg_free(&m);
+            return;
+        }
         // A new incarnation of a known actor id: its older incarnation's episodes are over.
         for (int i = 0; i < l->n_actors; i++) {
             actor_rec *o = &l->actors[i];
@@ -271,14 +282,15 @@ static void handle_(mtrl_learner *l, mtrl_wire_in *in) {
         a->incarnation = m.incarnation;
         a->alive = 1;
         a->last_seen = mtrl_time_mono();
+        a->welcomed = a->last_seen;
         event_(l, MTRL_LOG_INFO, "actor %u (incarnation %u) joined", a->id, a->incarnation);
         mtrl_wire_out o;
         mtrl_wire_out_init(&o);
         mtrl_wire_encode_welcome(&o, (uint64_t)l->run_id, l->config_hash, l->model.version,
-                                 (uint64_t)l->cfg.learner.credit_bytes, l->config_text);
+                                 l->warming ? 0 : (uint64_t)l->cfg.learner.credit_bytes, l->config_text);
         send_(l, a, &o);
         mtrl_wire_out_free(&o);
-        send_weights_(l, a);
+        if (!l->warming) send_weights_(l, a);
         mtrl_wire_msg_free(&m);
         return;
     }
@@ -509,6 +521,25 @@ static void rl_step_(mtrl_learner *l, int *ready, int n_ready) {
     free(batch);
 }
 
+// Answers whatever the actors sent and keeps the heartbeats going (the main loop's first half;
+// the warm-up calls it between its steps so actors are welcomed, not left waiting).
+static void pump_(mtrl_learner *l, int timeout_ms) {
+    mtrl_wire_in in;
+    mtrl_error err;
+    mtrl_status s = mtrl_wire_recv(&l->sock, timeout_ms, &in, &l->rx, &err);
+    while (s == MTRL_OK) {
+        handle_(l, &in);
+        s = mtrl_wire_recv(&l->sock, 0, &in, &l->rx, &err);
+    }
+    if (s != MTRL_ERR_TIMEOUT) LOG_WARN("dropped a message: %s", err.msg);
+    double now = mtrl_time_mono();
+    if (now - l->last_hb > 1e-3 * (double)l->cfg.actor.heartbeat_ms) {
+        check_heartbeats_(l);
+        l->last_hb = now;
+    }
+    if (l->tick) l->tick(l->tick_user);
+}
+
 static void warmup_(mtrl_learner *l) {
     long steps = l->cfg.warmup.steps;
     if (steps <= 0 || l->model.step > 0) return;
@@ -526,7 +557,9 @@ static void warmup_(mtrl_learner *l) {
         dp[i] = &demos[i];
     }
     event_(l, MTRL_LOG_INFO, "warm-up: %ld supervised steps on %s demonstrations", steps, mtrl_env_name(env));
+    l->warming = 1;
     for (long s = 0; s < steps; s++) {
+        pump_(l, 0);
         int ok = 1;
         for (int i = 0; i < B && ok; i++) {
             uint64_t seed = mtrl_rng_u64((uint64_t)l->cfg.run.seed, mtrl_rng_stream("warmup", 0, 0), (uint64_t)(s * B + i));
@@ -549,6 +582,17 @@ static void warmup_(mtrl_learner *l) {
     free(dp);
     mtrl_env_close(env);
     publish_(l);
+    // The actors welcomed during the warm-up get the trained weights and their credit now.
+    l->warming = 0;
+    mtrl_wire_out o;
+    mtrl_wire_out_init(&o);
+    mtrl_wire_encode_credit(&o, (uint64_t)l->cfg.learner.credit_bytes);
+    for (int i = 0; i < l->n_actors; i++)
+        if (l->actors[i].alive) {
+            send_weights_(l, &l->actors[i]);
+            send_(l, &l->actors[i], &o);
+        }
+    mtrl_wire_out_free(&o);
 }
 
 // ---- lifecycle ---------------------------------------------------------------------------------------------------
@@ -660,8 +704,6 @@ int mtrl_learner_run(mtrl_learner *l, volatile sig_atomic_t *stop) {
     l->t_start = mtrl_time_mono();
     warmup_(l);
     if (*stop) goto killed;
-    // Actors that said HELLO during the warm-up got version 0; send them the warmed-up weights.
-    double last_hb = 0;
     int G = (int)l->cfg.algo.group_size, need = (int)l->cfg.learner.batch_groups;
     double deadline = l->cfg.run.max_minutes > 0 ? l->t_start + 60.0 * l->cfg.run.max_minutes : 0;
     int *ready = xmalloc(sizeof(int) * (size_t)need);
@@ -670,25 +712,14 @@ int mtrl_learner_run(mtrl_learner *l, volatile sig_atomic_t *stop) {
     if (l->base.n_stages > 0) stage_enter_(l, stage_of_(l, l->step));
     while (l->step < l->total_steps && !*stop) {
         if (l->base.n_stages > 0 && stage_of_(l, l->step) != l->stage) stage_enter_(l, stage_of_(l, l->step));
-        mtrl_wire_in in;
         mtrl_error err;
-        mtrl_status s = mtrl_wire_recv(&l->sock, 20, &in, &l->rx, &err);
-        while (s == MTRL_OK) {
-            handle_(l, &in);
-            s = mtrl_wire_recv(&l->sock, 0, &in, &l->rx, &err);
-        }
-        if (s != MTRL_ERR_TIMEOUT) LOG_WARN("dropped a message: %s", err.msg);
+        pump_(l, 20);
         if (mtrl_store_begin(l->store, &err) == MTRL_OK) {
             while (mtrl_wire_asm_pop(l->asm_, &popped)) commit_(l, &popped);
             mtrl_store_commit(l->store, &err);
         }
         grant_credit_(l);
-        if (l->tick) l->tick(l->tick_user);
         double now = mtrl_time_mono();
-        if (now - last_hb > 1e-3 * (double)l->cfg.actor.heartbeat_ms) {
-            check_heartbeats_(l);
-            last_hb = now;
-        }
         // Final groups: train on those with at least 2 trainable episodes, drop the others.
         int n_ready = 0;
         for (int i = 0; i < l->n_groups && n_ready < need; i++) {
