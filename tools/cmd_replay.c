@@ -381,7 +381,7 @@ void replay_layout_free(replay_layout *L) {
 
 static void rule_(const char *title, const char *col, const char *extra) {
     printf("\n%s── %s%s", col, title, C_RESET);
-    if (extra && extra[0]) printf(" %s%s%s", C_DIM, extra, C_RESET);
+    if (extra && extra[0]) printf(" %s(%s)%s", C_DIM, extra, C_RESET);
     printf("\n");
 }
 

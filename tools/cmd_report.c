@@ -283,7 +283,7 @@ static void add_series_(report_series **s, size_t *ns, size_t *cap, const run_da
     if (nr == 1) {
         snprintf(q->label, sizeof q->label, "%s", m->name);
         q->color = palette_[mi % 8];
-        q->dash = "";
+        q->dash = dashes_[mi % 6]; // curves that coincide (loss = pg_loss) stay visible
     } else {
         snprintf(q->label, sizeof q->label, "run %lld (%s): %s", (long long)r->id, r->row.name, m->name);
         q->color = palette_[ri % 8];
@@ -404,13 +404,18 @@ static void write_experts_(FILE *f, const run_data *r) {
         group[i] = (int)(i / E);
     }
     for (int l = 0; l < NL; l++) snprintf(llabels[l], sizeof llabels[l], "layer %d", l + minl);
-    char title[512], note[512];
+    double mm_max = 1;
+    for (size_t i = 0; i < (size_t)NL * C; i++)
+        if (isfinite(mm[i]) && mm[i] > mm_max) mm_max = mm[i];
+    if (mm_max < 1.5) mm_max = 1.5;
+    char title[512], note[512], top[32];
+    snprintf(top, sizeof top, mm_max >= 8 ? "%.3g (or idle)" : "%.3g", mm_max);
     fprintf(f, "<h3 class=\"runhead\">run %lld (", (long long)r->id);
     report_esc(f, r->row.name);
     fprintf(f, "): %d MoE layers × %d experts, %zu steps</h3>\n", NL, E, C);
     snprintf(title, sizeof title, "Run %lld: max/min expert load per layer", (long long)r->id);
     report_heat h = {title, "1 = every expert of the layer got the same number of tokens; capped at 8 (an idle expert shows as 8)",
-                     "layer_ratio", r->id, (size_t)NL, C, mm, llabels, NULL, steps, REPORT_SCALE_SEQ, 1.0, 8.0, 0, "1", "8 (or idle)"};
+                     "layer_ratio", r->id, (size_t)NL, C, mm, llabels, NULL, steps, REPORT_SCALE_SEQ, 1.0, mm_max, 0, "1", top};
     report_heatmap(f, &h);
     if (R <= 1024) {
         snprintf(title, sizeof title, "Run %lld: expert load relative to the layer mean", (long long)r->id);

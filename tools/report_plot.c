@@ -160,8 +160,8 @@ void report_line_panel(FILE *f, const char *title, const char *note, const repor
         double xa = xt0, xb = xt0 + xst * (nxt - 1), ya = yt0, yb = yt0 + yst * (nyt - 1);
         // for x, keep the data range itself when the ticks would leave a lot of empty room
         if (x1 > x0) {
-            xa = x0;
-            xb = x1;
+            xa = x0 - xt0 <= 0.05 * (x1 - x0) ? xt0 : x0;
+            xb = xt0 + xst * (nxt - 1) - x1 <= 0.05 * (x1 - x0) ? xt0 + xst * (nxt - 1) : x1;
         }
         double pw = W - ML_ - MR_, ph = H - MT_ - MB_;
 #define SX_(x) (ML_ + ((x) - xa) / (xb - xa) * pw)
@@ -269,7 +269,11 @@ static void colour_(const report_heat *h, double v, char *out) {
 #define HR_ 110
 
 void report_heatmap(FILE *f, const report_heat *h) {
-    size_t C = h->cols, R = h->rows, DC = C > 400 ? 400 : C;
+    // at most 400 columns, and about 30000 cells per map (a big model's many rows get fewer)
+    size_t C = h->cols, R = h->rows, maxc = R ? 30000 / R : 400;
+    if (maxc > 400) maxc = 400;
+    if (maxc < 20) maxc = 20;
+    size_t DC = C > maxc ? maxc : C;
     fputs("<div class=\"panel wide\">\n<h3>", f);
     report_esc(f, h->title);
     fputs("</h3>\n", f);

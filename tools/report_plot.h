@@ -62,8 +62,8 @@ typedef struct report_heat {
     const char *unit_lo, *unit_hi; // colour-bar end labels (may be NULL: numbers)
 } report_heat;
 
-// A heatmap of rows x columns (columns are steps); more than 400 columns are averaged into 400
-// buckets. Each cell is a <rect class="cell">; the <svg> carries data-rows, data-cols (before
+// A heatmap of rows x columns (columns are steps); columns beyond min(400, 30000 / rows) are
+// averaged into that many buckets, so a page stays a few MB whatever the run's length. Each cell is a <rect class="cell">; the <svg> carries data-rows, data-cols (before
 // bucketing) and data-drawn-cols.
 void report_heatmap(FILE *f, const report_heat *h);
 
