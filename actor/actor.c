@@ -51,7 +51,6 @@ typedef struct actor {
     outmsg *out;
     int n_out, cap_out, out_head;
     double last_heard, last_sent;
-    int rehello;           // a HELLO was sent again because the learner went quiet
     int bye;
     long episodes_done;
 } actor;
@@ -231,12 +230,15 @@ static int poll_(actor *a, int timeout_ms) {
         } else {
             switch (in.hdr.type) {
             case MTRL_WIRE_WELCOME:
-                // The first WELCOME, a new stage, or a learner that restarted (its assembler
-                // knows nothing of our open episodes): rebuild model, env and episodes. A WELCOME
-                // answering a duplicate HELLO of the handshake changes nothing.
-                if (!a->have_cfg || m.run_id != a->run_id || m.config_hash != a->config_hash || a->rehello) {
+                // The first WELCOME, another run or a new stage: rebuild model, env and
+                // episodes. A WELCOME of the same run and stage (an answer to a repeated HELLO, a
+                // learner that was only slow) just resets the credit. A learner restarted with
+                // --resume does not know our open episodes: it drops their chunks, they are lost,
+                // and the next episodes go through.
+                if (!a->have_cfg || m.run_id != a->run_id || m.config_hash != a->config_hash) {
                     if (!setup_(a, &m)) a->bye = 2;
-                    a->rehello = 0;
+                } else {
+                    a->credit = (int64_t)m.credit_bytes;
                 }
                 break;
             case MTRL_WIRE_WEIGHTS: weights_chunk_(a, &m); break;
@@ -298,7 +300,9 @@ int mtrl_actor_main(const char *endpoint, uint32_t actor_id, volatile sig_atomic
         poll_(&a, 100);
     }
     double hb = 1e-3 * (double)(a.have_cfg ? a.cfg.actor.heartbeat_ms : 1000);
-    double quiet = 1e-3 * (double)(a.have_cfg ? a.cfg.learner.heartbeat_timeout_ms : 5000);
+    // The learner is single-threaded: a long optimizer step keeps it quiet. Only a silence much
+    // longer than the heartbeat timeout means it went away.
+    double quiet = 3e-3 * (double)(a.have_cfg ? a.cfg.learner.heartbeat_timeout_ms : 5000);
     mtrl_rollout_events ev = {&a, on_begin_, on_end_};
     a.last_heard = mtrl_time_mono();
     while (!*stop && !a.bye) {
@@ -319,7 +323,6 @@ int mtrl_actor_main(const char *endpoint, uint32_t actor_id, volatile sig_atomic
             // The learner went away (restart?): say HELLO again; the DEALER reconnects itself.
             LOG_WARN("learner silent for %.1f s: saying HELLO again", now - a.last_heard);
             hello_(&a);
-            a.rehello = 1;
             a.last_heard = now;
         }
         if (a.credit <= 0) continue; // generation waits for credit (none at all during the learner's warm-up)

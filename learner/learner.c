@@ -249,7 +249,7 @@ static void handle_(mtrl_learner *l, mtrl_wire_in *in) {
             return;
         }
         // A repeated HELLO of a welcomed incarnation (the actor resends it until it hears from
-        // us; they queue while the learner is busy, e.g. in the warm-up): one WELCOME is enough.
+        // us; they queue while the learner is busy): one WELCOME per heartbeat timeout is enough.
         if (a && a->alive && a->id == m.actor_id && a->incarnation == m.incarnation &&
             mtrl_time_mono() - a->welcomed < 1e-3 * (double)l->cfg.learner.heartbeat_timeout_ms) {
             a->last_seen = mtrl_time_mono();
