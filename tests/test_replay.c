@@ -21,6 +21,9 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include "common/store.h"
+#include "common/traj.h"
+#include "common/trajfile.h"
 #include "tests/testhelp.h"
 
 static const char *bin_, *src_;
@@ -432,6 +435,78 @@ int main(void) {
     TEST_EQ_INT(r.rc, 1);
     TEST_CONTAINS(r.err, "no trajectory file");
     result_free_(&r);
+
+    // an aborted episode (its actor died half-way): the same episode cut in half, logged in a new
+    // run of the copy with the same config; it renders with its reason, and re-executes to a
+    // run whose first half is the recording
+    {
+        mtrl_store *st = NULL;
+        mtrl_error err;
+        TEST_EQ_INT(mtrl_store_open(&st, cdb, 0, &err), MTRL_OK);
+        mtrl_store_run row;
+        char *config = NULL;
+        int64_t run2 = 0;
+        mtrl_traj t, half;
+        mtrl_traj_init(&t);
+        mtrl_traj_init(&half);
+        long long eoff = q_int_(cdb, "SELECT traj_offset FROM episodes WHERE run = 1 AND traj_offset >= 0 AND model_tokens > 4 "
+                                     "AND version_max = 0 AND status = 'truncated' LIMIT 1");
+        long long eid = q_int_(cdb, "SELECT id FROM episodes WHERE run = 1 AND traj_offset >= 0 AND model_tokens > 4 "
+                                    "AND version_max = 0 AND status = 'truncated' LIMIT 1");
+        mtrl_trajfile_reader rd;
+        mtrl_traj_limits lim = mtrl_traj_limits_default();
+        TEST_EQ_INT(mtrl_trajfile_reader_open(&rd, cbin, &err), MTRL_OK);
+        TEST_EQ_INT(mtrl_trajfile_read_traj_at(&rd, (uint64_t)eoff, &lim, &t, &err), MTRL_OK);
+        mtrl_trajfile_reader_close(&rd);
+        TEST_EQ_INT(mtrl_store_run_get(st, 1, &row, &config, &err), MTRL_OK);
+        mtrl_store_run_info info = {"aborted-copy", config, row.config_hash, NULL, NULL, 0};
+        TEST_EQ_INT(mtrl_store_run_create(st, &info, &run2, &err), MTRL_OK);
+        half.episode_id = t.episode_id;
+        half.group_id = t.group_id;
+        half.task_seed = t.task_seed;
+        half.actor_id = t.actor_id;
+        half.incarnation = t.incarnation;
+        half.sample_seed = t.sample_seed;
+        half.sample_stream = t.sample_stream;
+        half.start_wall = t.start_wall;
+        mtrl_traj_set_env(&half, t.env);
+        mtrl_traj_set_routing(&half, t.routing_width, (t.flags & MTRL_TRAJ_ROUTING_U16) != 0);
+        uint64_t k = t.n_tokens - 3;
+        for (uint64_t i = 0; i < k; i++)
+            mtrl_traj_append(&half, t.ids[i], t.logprob[i], t.version[i], t.kind[i],
+                             t.routing_width ? t.routing + i * mtrl_traj_routing_row_bytes(&t) : NULL);
+        half.status = MTRL_EP_ABORTED;
+        mtrl_traj_set_reason(&half, "actor 1 (incarnation %u) lost: no heartbeat", t.incarnation);
+        half.end_wall = t.end_wall;
+        mtrl_trajfile_writer w;
+        uint64_t hoff = 0;
+        TEST_EQ_INT(mtrl_trajfile_writer_open(&w, cbin, 1, &err), MTRL_OK);
+        TEST_EQ_INT(mtrl_trajfile_append_traj(&w, &half, NULL, &hoff, &err), MTRL_OK);
+        mtrl_trajfile_writer_close(&w, &err);
+        TEST_EQ_INT(mtrl_store_episode_log(st, run2, &half, "runs/traj-run1.bin", (int64_t)hoff, 0, &err), MTRL_OK);
+        mtrl_store_close(st);
+        char aid[32], rn[32];
+        snprintf(aid, sizeof aid, "%lld", eid);
+        snprintf(rn, sizeof rn, "%lld", (long long)run2);
+        r = RUN("replay", "--db", "copy/runs.db", "--episode", aid, "--run", rn, "--reexec");
+        TEST_EQ_INT(r.rc, 0);
+        TEST_CONTAINS(r.out, "aborted: actor 1");
+        TEST_CONTAINS(r.out, "no heartbeat");
+        snprintf(buf, sizeof buf, "identical over the %llu recorded tokens", (unsigned long long)k);
+        TEST_CONTAINS(r.out, buf);
+        printf("%s", r.out);
+        result_free_(&r);
+        // without --run: the episode is in both runs; the newest is shown, and stderr says so
+        r = RUN("replay", "--db", "copy/runs.db", "--episode", aid, "--json");
+        TEST_EQ_INT(r.rc, 0);
+        TEST_CHECK(json_ok_(r.out));
+        TEST_CONTAINS(r.out, "\"status\":\"aborted\"");
+        TEST_CONTAINS(r.err, "choose with --run");
+        result_free_(&r);
+        free(config);
+        mtrl_traj_free(&t);
+        mtrl_traj_free(&half);
+    }
 
     // ---- 3. lookup and usage errors ---------------------------------------------------------------
     r = RUN("replay", "--db", "runs.db", "--episode", "12345");

@@ -109,7 +109,7 @@ void replay_put_ids(FILE *f, const uint32_t *ids, size_t n, int colour, int esca
         if (colour) fputs("\033[2m", f);
         if (name) fputs(name, f);
         else fprintf(f, "<|id %u|>", ids[i]);
-        if (colour) fputs("\033[0m", f);
+        if (colour) fputs("\033[22m", f); // normal intensity: the caller's colour goes on
     }
 }
 
@@ -521,9 +521,9 @@ static void print_body_(const replay_session *s) {
         const replay_turn *u = &L.turns[k];
         char ver[64];
         print_versions_(t, u->begin, u->end, ver, sizeof ver);
-        const char *what = u->eos ? "answer" : u->close >= 0 ? "model turn" : "model turn (cut off)";
+        const char *what = u->eos ? "answer, turn" : "model turn";
         char title[64];
-        snprintf(title, sizeof title, "%s %zu", what, k + 1);
+        snprintf(title, sizeof title, "%s %zu%s", what, k + 1, !u->eos && u->close < 0 ? ", cut off" : "");
         snprintf(extra, sizeof extra, "%zu tokens, %s", u->end - u->begin, ver);
         rule_(title, C_GREEN, extra);
         if (u->close >= 0) {
@@ -734,7 +734,11 @@ static void print_reexec_(const replay_reexec *r) {
     if (r->note[0]) printf("   note        %s%s%s\n", C_YELLOW, r->note, C_RESET);
     printf("   re-run      %" PRIu64 " tokens, %" PRIu64 " model, status %s, reward %g\n", r->re.n_tokens, r->re.n_model,
            mtrl_ep_status_name(r->re.status), r->re.reward);
-    if (r->kind == REPLAY_SAME) {
+    if (r->prefix_ok) {
+        printf("   result      %sidentical over the %ld recorded tokens%s (the recording stopped early)\n", C_GREEN, r->at,
+               C_RESET);
+        printf("               %s\n", r->why);
+    } else if (r->kind == REPLAY_SAME) {
         printf("   result      %sidentical%s", C_GREEN, C_RESET);
         printf(": every token id, kind, behaviour log-prob and version equal; same status and reward\n");
         if (r->why[0]) printf("               %s\n", r->why);
@@ -938,7 +942,7 @@ static void print_json_(const replay_session *s, const replay_rescore *rs, const
             fputc('}', f);
         } else {
             fprintf(f, "{\"identical\":%s,\"result\":\"%s\",\"at\":", rx->kind == REPLAY_SAME ? "true" : "false",
-                    diverge_name_(rx->kind));
+                    rx->prefix_ok ? "prefix" : diverge_name_(rx->kind));
             if (rx->at >= 0) fprintf(f, "%ld", rx->at);
             else fputs("null", f);
             fprintf(f, ",\"version\":%u,\"weights\":", rx->version);
