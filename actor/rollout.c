@@ -21,6 +21,7 @@ typedef struct slot {
     mtrl_decode_state st;
     mtrl_traj traj;
     real *logits;          // [V]: the distribution of the next token
+    uint32_t logits_version; // the weights that computed them (the next model token's version)
     uint8_t *rrow;         // [max_tokens + 2][n_moe][k] routing scratch (record_routing)
     uint64_t turn_start;   // first token of the current model turn
     int64_t tool_open;     // position of the open TOOL_OPEN, or -1
@@ -125,6 +126,7 @@ static void feed_(mtrl_model *m, slot *s, const uint32_t *tok, int n, int skip, 
     uint8_t *rr = t->routing_width ? s->rrow : NULL;
     uint64_t first = t->n_tokens - (uint64_t)skip;
     mtrl_model_prefill(m, &s->st, tok, n, s->logits, rr);
+    s->logits_version = m->version;
     for (int i = skip; i < n; i++)
         mtrl_traj_append(t, tok[i], 0.0f, m->version, kind, rr ? rr + (size_t)i * t->routing_width : NULL);
     for (int i = 0; rr && i < skip; i++) memcpy(t->routing + (first + (uint64_t)i) * t->routing_width, rr + (size_t)i * t->routing_width, t->routing_width);
@@ -196,7 +198,9 @@ static int advance_(const mtrl_rollout_params *p, mtrl_model *m, slot *s, uint32
     int tok = sample_logits(m->dims.V, s->logits, (real)p->temperature, (real)p->top_p, u, &lp);
     // The routing of a sampled token is known once it is fed to the model: a zero row now,
     // filled in after the decode (or the prefill of a tool result).
-    mtrl_traj_append(t, (uint32_t)tok, (float)lp, m->version, MTRL_TOK_MODEL, t->routing_width ? s->rrow : NULL);
+    // The token's version is that of the weights whose logits it was sampled from: after a
+    // weight swap the first token still comes from the old weights' logits.
+    mtrl_traj_append(t, (uint32_t)tok, (float)lp, s->logits_version, MTRL_TOK_MODEL, t->routing_width ? s->rrow : NULL);
     char text[4096];
     if (tok == MTRL_TOK_EOS) {
         turn_bytes_(t, s->turn_start, t->n_tokens - 1, text, sizeof text);
@@ -303,6 +307,7 @@ int mtrl_rollout_step(mtrl_rollout *r, const mtrl_rollout_events *ev) {
         for (int j = 0; j < nd; j++) {
             slot *s = &r->slots[r->dslot[j]];
             memcpy(s->logits, r->dlogits + (size_t)j * V, sizeof(real) * V);
+            s->logits_version = r->m->version;
             if (rout) memcpy(s->traj.routing + (s->traj.n_tokens - 1) * rw, rout + (size_t)j * rw, rw);
         }
     }
@@ -329,6 +334,7 @@ mtrl_status mtrl_rollout_run_one(const mtrl_rollout_params *p, mtrl_model *m, mt
                 uint32_t last = s.traj.ids[s.traj.n_tokens - 1];
                 uint8_t *rr = s.traj.routing_width ? s.traj.routing + (s.traj.n_tokens - 1) * s.traj.routing_width : NULL;
                 mtrl_model_decode(m, one, 1, &last, s.logits, rr);
+                s.logits_version = m->version;
             }
         }
     }

@@ -582,6 +582,8 @@ static void warmup_(mtrl_learner *l) {
     free(dp);
     mtrl_env_close(env);
     publish_(l);
+    // The warmed-up weights are the first behaviour policy: keep them for replay and rescoring.
+    checkpoint_(l);
     // The actors welcomed during the warm-up get the trained weights and their credit now.
     l->warming = 0;
     mtrl_wire_out o;
