@@ -153,7 +153,9 @@ static int setup_(actor *a, const mtrl_wire_msg *m) {
         LOG_ERROR("%s", err.msg);
         return 0;
     }
+    uint64_t next_group = 0, next_episode = 0;
     if (a->have_model) {
+        if (a->ro) mtrl_rollout_counters(a->ro, &next_group, &next_episode);
         mtrl_rollout_free(a->ro);
         a->ro = NULL;
         mtrl_model_free(&a->model);
@@ -168,6 +170,8 @@ static int setup_(actor *a, const mtrl_wire_msg *m) {
     a->credit = (int64_t)m->credit_bytes;
     mtrl_rollout_params p;
     mtrl_rollout_params_from_config(&p, &a->cfg, a->id, a->incarnation);
+    p.first_group = next_group;
+    p.first_episode = next_episode;
     if (mtrl_rollout_init(&a->ro, &p, &a->cfg, &a->model, &err) != MTRL_OK) {
         LOG_ERROR("%s", err.msg);
         return 0;

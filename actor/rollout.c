@@ -67,6 +67,8 @@ mtrl_status mtrl_rollout_init(mtrl_rollout **out, const mtrl_rollout_params *p, 
     mtrl_rollout *r = xcalloc(1, sizeof *r);
     r->p = *p;
     r->m = m;
+    r->next_group = p->first_group;
+    r->next_episode = p->first_episode;
     r->n = p->slots;
     r->slots = xcalloc((size_t)r->n, sizeof(slot));
     int V = m->dims.V;
@@ -113,6 +115,11 @@ void mtrl_rollout_free(mtrl_rollout *r) {
 }
 
 void mtrl_rollout_stop_new(mtrl_rollout *r) { r->stop_new = 1; }
+
+void mtrl_rollout_counters(const mtrl_rollout *r, uint64_t *next_group, uint64_t *next_episode) {
+    *next_group = r->next_group;
+    *next_episode = r->next_episode;
+}
 int mtrl_rollout_slot_count(const mtrl_rollout *r) { return r->n; }
 mtrl_traj *mtrl_rollout_slot(mtrl_rollout *r, int i) { return r->slots[i].active ? &r->slots[i].traj : NULL; }
 

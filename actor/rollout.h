@@ -42,6 +42,8 @@ typedef struct mtrl_rollout_params {
     int max_turn_tokens;     // [actor] max_turn_tokens
     double temperature, top_p;
     int record_routing;      // [actor] routing_replay
+    uint64_t first_group;    // counters to start from: an actor that rebuilds its rollout (a new
+    uint64_t first_episode;  // stage) continues them, so episode ids never repeat in a run
 } mtrl_rollout_params;
 
 void mtrl_rollout_params_from_config(mtrl_rollout_params *p, const mtrl_config *cfg, uint32_t actor_id,
@@ -64,6 +66,9 @@ typedef struct mtrl_rollout_events {
 // One generation step for every in-flight episode. Returns the number of episodes in flight
 // after the step (0 when stopped and drained).
 int mtrl_rollout_step(mtrl_rollout *r, const mtrl_rollout_events *ev);
+
+// The counters of groups and episodes started so far (to continue them in a new rollout).
+void mtrl_rollout_counters(const mtrl_rollout *r, uint64_t *next_group, uint64_t *next_episode);
 
 // No new groups start after this; in-flight episodes run to their end.
 void mtrl_rollout_stop_new(mtrl_rollout *r);
