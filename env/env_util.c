@@ -269,3 +269,50 @@ int env_parse_i64(const char *s, size_t n, int64_t *out) {
     *out = v;
     return 0;
 }
+
+env_step_kind env_step_begin(const char *env, int *done, int *tool_calls, int max_tool_calls, const char *tools,
+                             uint32_t kind, const char *action, size_t len, env_buf *obs, mtrl_env_step_out *out,
+                             env_tool_call *c, char *err, size_t cap) {
+    if (*done) {
+        snprintf(err, cap, "%s: step after the episode ended; call reset first", env);
+        return ENV_STEP_ERR;
+    }
+    if (kind != MTRL_ENV_ACTION_ANSWER && kind != MTRL_ENV_ACTION_TOOL) {
+        snprintf(err, cap, "%s: unknown action kind %u (expected TOOL=1 or ANSWER=2)", env, kind);
+        return ENV_STEP_ERR;
+    }
+    env_buf_clear(obs);
+    env_buf_puts(obs, "");
+    if (kind == MTRL_ENV_ACTION_ANSWER) {
+        out->done = *done = 1;
+        return ENV_STEP_ANSWER;
+    }
+    if (++*tool_calls > max_tool_calls) {
+        env_buf_printf(obs, "error: tool call limit (%d) reached; episode over", max_tool_calls);
+        out->done = *done = 1;
+        out->tool_error = 1;
+        return ENV_STEP_DONE;
+    }
+    if (env_tool_parse(action, len, c)) {
+        env_tool_error_malformed(obs, action, len, tools);
+        out->tool_error = 1;
+        return ENV_STEP_DONE;
+    }
+    return ENV_STEP_TOOL;
+}
+
+void env_step_end(env_buf *obs, size_t max_obs, mtrl_env_step_out *out) {
+    if (max_obs > 0 && obs->len > max_obs) { // the cap holds for every observation, notes included
+        obs->len = max_obs;
+        obs->data[obs->len] = 0;
+    }
+    out->obs.data = obs->data;
+    out->obs.len = obs->len;
+}
+
+int env_answer_is(const char *action, size_t len, const char *expected) {
+    const char *a = action;
+    size_t n = len;
+    env_trim(&a, &n);
+    return n == strlen(expected) && !memcmp(a, expected, n);
+}

@@ -15,6 +15,9 @@
 #include <stddef.h>
 #include <stdint.h>
 
+#include "env/mtrl_env.h"
+#include <stdint.h>
+
 // ---- growable buffer ------------------------------------------------------------------------
 
 typedef struct env_buf {
@@ -94,5 +97,20 @@ void env_buf_append_shown(env_buf *b, const char *s, size_t n, size_t max);
 int env_parse_i64(const char *s, size_t n, int64_t *out);
 // Trims ASCII whitespace at both ends of s[0..*n) in place (advances *s, shrinks *n).
 void env_trim(const char **s, size_t *n);
+
+// The skeleton every built-in's step shares. It refuses a step after the episode ended and an
+// unknown action kind (err set: ENV_STEP_ERR); starts the observation empty; for an ANSWER ends
+// the episode (ENV_STEP_ANSWER: the caller sets the reward); for a TOOL call past max_tool_calls
+// ends the episode with an error observation, and for a malformed call writes the error
+// observation (both ENV_STEP_DONE: out is complete but for obs); otherwise fills c with the
+// parsed call for the env to run (ENV_STEP_TOOL). `tools` is the env's tool list for messages.
+typedef enum env_step_kind { ENV_STEP_ERR = -1, ENV_STEP_DONE = 0, ENV_STEP_TOOL = 1, ENV_STEP_ANSWER = 2 } env_step_kind;
+env_step_kind env_step_begin(const char *env, int *done, int *tool_calls, int max_tool_calls, const char *tools,
+                             uint32_t kind, const char *action, size_t len, env_buf *obs, mtrl_env_step_out *out,
+                             env_tool_call *c, char *err, size_t cap);
+// 1 when the answer, trimmed of surrounding whitespace, is exactly `expected`.
+int env_answer_is(const char *action, size_t len, const char *expected);
+// Ends a step: out->obs points at obs (cut to max_obs bytes when max_obs > 0).
+void env_step_end(env_buf *obs, size_t max_obs, mtrl_env_step_out *out);
 
 #endif

@@ -238,47 +238,34 @@ static int calc_reset_(void *self, uint64_t seed, mtrl_env_bytes *prompt, char *
 static int calc_step_(void *self, uint32_t kind, const char *action, size_t len, mtrl_env_step_out *out,
                       char *err, size_t cap) {
     calc_env *e = self;
-    if (e->done) {
-        snprintf(err, cap, "calc: step after the episode ended; call reset first");
-        return MTRL_ENV_ERR;
-    }
-    env_buf_clear(&e->obs);
-    env_buf_puts(&e->obs, "");
-    if (kind == MTRL_ENV_ACTION_ANSWER) {
+    env_tool_call c;
+    switch (env_step_begin("calc", &e->done, &e->tool_calls, e->max_tool_calls, CALC_TOOLS, kind, action, len, &e->obs,
+                           out, &c, err, cap)) {
+    case ENV_STEP_ERR: return MTRL_ENV_ERR;
+    case ENV_STEP_DONE: break;
+    case ENV_STEP_ANSWER: {
         int64_t got, want;
         env_parse_i64(e->answer, strlen(e->answer), &want);
         out->reward = (env_parse_i64(action, len, &got) == 0 && got == want) ? 1.0 : 0.0;
-        out->done = e->done = 1;
-    } else if (kind == MTRL_ENV_ACTION_TOOL) {
-        if (++e->tool_calls > e->max_tool_calls) {
-            env_buf_printf(&e->obs, "error: tool call limit (%d) reached; episode over", e->max_tool_calls);
-            out->done = e->done = 1;
+        break;
+    }
+    case ENV_STEP_TOOL:
+        if (!env_tool_is(&c, "calc")) {
+            env_tool_error_unknown(&e->obs, &c, CALC_TOOLS);
             out->tool_error = 1;
         } else {
-            env_tool_call c;
-            if (env_tool_parse(action, len, &c)) {
-                env_tool_error_malformed(&e->obs, action, len, CALC_TOOLS);
-                out->tool_error = 1;
-            } else if (!env_tool_is(&c, "calc")) {
-                env_tool_error_unknown(&e->obs, &c, CALC_TOOLS);
-                out->tool_error = 1;
+            int64_t v;
+            char why[160];
+            if (env_calc_eval(c.args, c.args_len, &v, why, sizeof why) == 0) {
+                env_buf_printf(&e->obs, "%lld", (long long)v);
             } else {
-                int64_t v;
-                char why[160];
-                if (env_calc_eval(c.args, c.args_len, &v, why, sizeof why) == 0) {
-                    env_buf_printf(&e->obs, "%lld", (long long)v);
-                } else {
-                    env_buf_printf(&e->obs, "error: %s", why);
-                    out->tool_error = 1;
-                }
+                env_buf_printf(&e->obs, "error: %s", why);
+                out->tool_error = 1;
             }
         }
-    } else {
-        snprintf(err, cap, "calc: unknown action kind %u (expected TOOL=1 or ANSWER=2)", kind);
-        return MTRL_ENV_ERR;
+        break;
     }
-    out->obs.data = e->obs.data;
-    out->obs.len = e->obs.len;
+    env_step_end(&e->obs, 0, out);
     return MTRL_ENV_OK;
 }
 

@@ -460,28 +460,14 @@ static int http_reset_(void *self, uint64_t seed, mtrl_env_bytes *prompt, char *
 static int http_step_(void *self, uint32_t kind, const char *action, size_t len, mtrl_env_step_out *out,
                       char *err, size_t cap) {
     http_env *e = self;
-    if (e->done) {
-        snprintf(err, cap, "http: step after the episode ended; call reset first");
-        return MTRL_ENV_ERR;
-    }
-    env_buf_clear(&e->obs);
-    env_buf_puts(&e->obs, "");
-    if (kind == MTRL_ENV_ACTION_ANSWER) {
-        const char *a = action;
-        size_t n = len;
-        env_trim(&a, &n);
-        out->reward = (n == strlen(e->value) && !memcmp(a, e->value, n)) ? 1.0 : 0.0;
-        out->done = e->done = 1;
-    } else if (kind == MTRL_ENV_ACTION_TOOL) {
-        env_tool_call c;
-        if (++e->tool_calls > e->max_tool_calls) {
-            env_buf_printf(&e->obs, "error: tool call limit (%d) reached; episode over", e->max_tool_calls);
-            out->done = e->done = 1;
-            out->tool_error = 1;
-        } else if (env_tool_parse(action, len, &c)) {
-            env_tool_error_malformed(&e->obs, action, len, HTTP_TOOLS);
-            out->tool_error = 1;
-        } else if (!env_tool_is(&c, "get")) {
+    env_tool_call c;
+    env_step_kind k = env_step_begin("http", &e->done, &e->tool_calls, e->max_tool_calls, HTTP_TOOLS, kind, action, len,
+                                     &e->obs, out, &c, err, cap);
+    if (k == ENV_STEP_ERR) return MTRL_ENV_ERR;
+    if (k == ENV_STEP_ANSWER) {
+        out->reward = env_answer_is(action, len, e->value) ? 1.0 : 0.0;
+    } else if (k == ENV_STEP_TOOL) {
+        if (!env_tool_is(&c, "get")) {
             env_tool_error_unknown(&e->obs, &c, HTTP_TOOLS);
             out->tool_error = 1;
         } else if (!path_ok_(c.args, c.args_len)) {
@@ -502,12 +488,8 @@ static int http_step_(void *self, uint32_t kind, const char *action, size_t len,
             }
             env_http_result_free(&r);
         }
-    } else {
-        snprintf(err, cap, "http: unknown action kind %u (expected TOOL=1 or ANSWER=2)", kind);
-        return MTRL_ENV_ERR;
     }
-    out->obs.data = e->obs.data;
-    out->obs.len = e->obs.len;
+    env_step_end(&e->obs, 0, out);
     return MTRL_ENV_OK;
 }
 

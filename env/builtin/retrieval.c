@@ -259,28 +259,14 @@ static int tool_read_(retrieval_env *e, const char *args, size_t n) {
 static int retrieval_step_(void *self, uint32_t kind, const char *action, size_t len, mtrl_env_step_out *out,
                            char *err, size_t cap) {
     retrieval_env *e = self;
-    if (e->done) {
-        snprintf(err, cap, "retrieval: step after the episode ended; call reset first");
-        return MTRL_ENV_ERR;
-    }
-    env_buf_clear(&e->obs);
-    env_buf_puts(&e->obs, "");
-    if (kind == MTRL_ENV_ACTION_ANSWER) {
-        const char *a = action;
-        size_t n = len;
-        env_trim(&a, &n);
-        out->reward = (n == strlen(e->value) && !memcmp(a, e->value, n)) ? 1.0 : 0.0;
-        out->done = e->done = 1;
-    } else if (kind == MTRL_ENV_ACTION_TOOL) {
-        env_tool_call c;
-        if (++e->tool_calls > e->max_tool_calls) {
-            env_buf_printf(&e->obs, "error: tool call limit (%d) reached; episode over", e->max_tool_calls);
-            out->done = e->done = 1;
-            out->tool_error = 1;
-        } else if (env_tool_parse(action, len, &c)) {
-            env_tool_error_malformed(&e->obs, action, len, RETRIEVAL_TOOLS);
-            out->tool_error = 1;
-        } else if (env_tool_is(&c, "search")) {
+    env_tool_call c;
+    env_step_kind k = env_step_begin("retrieval", &e->done, &e->tool_calls, e->max_tool_calls, RETRIEVAL_TOOLS, kind,
+                                     action, len, &e->obs, out, &c, err, cap);
+    if (k == ENV_STEP_ERR) return MTRL_ENV_ERR;
+    if (k == ENV_STEP_ANSWER) {
+        out->reward = env_answer_is(action, len, e->value) ? 1.0 : 0.0;
+    } else if (k == ENV_STEP_TOOL) {
+        if (env_tool_is(&c, "search")) {
             out->tool_error = tool_search_(e, c.args, c.args_len);
         } else if (env_tool_is(&c, "read")) {
             out->tool_error = tool_read_(e, c.args, c.args_len);
@@ -288,16 +274,8 @@ static int retrieval_step_(void *self, uint32_t kind, const char *action, size_t
             env_tool_error_unknown(&e->obs, &c, RETRIEVAL_TOOLS);
             out->tool_error = 1;
         }
-    } else {
-        snprintf(err, cap, "retrieval: unknown action kind %u (expected TOOL=1 or ANSWER=2)", kind);
-        return MTRL_ENV_ERR;
     }
-    if (e->obs.len > e->max_obs_bytes) { // the cap holds for every observation, notes included
-        e->obs.len = e->max_obs_bytes;
-        e->obs.data[e->obs.len] = 0;
-    }
-    out->obs.data = e->obs.data;
-    out->obs.len = e->obs.len;
+    env_step_end(&e->obs, e->max_obs_bytes, out);
     return MTRL_ENV_OK;
 }
 
