@@ -21,56 +21,16 @@
 #include <unistd.h>
 
 #include "tests/testhelp.h"
+#include "tests/testproc.h"
 
 static const char *bin_, *src_;
 static char dir_[256];
 
-static char *slurp_(const char *path) {
-    FILE *f = fopen(path, "rb");
-    if (!f) return strdup("");
-    fseek(f, 0, SEEK_END);
-    long n = ftell(f);
-    fseek(f, 0, SEEK_SET);
-    char *b = malloc((size_t)n + 1);
-    size_t got = fread(b, 1, (size_t)n, f);
-    b[got] = 0;
-    fclose(f);
-    return b;
-}
-
-typedef struct result {
-    int rc;
-    char *out, *err;
-} result;
-
-static void result_free_(result *r) {
-    free(r->out);
-    free(r->err);
-}
-
-static result run_(char *const argv[]) {
-    char o[512], e[512];
-    snprintf(o, sizeof o, "%s/stdout.txt", dir_);
-    snprintf(e, sizeof e, "%s/stderr.txt", dir_);
-    fflush(NULL);
-    pid_t pid = fork();
-    if (pid == 0) {
-        if (chdir(dir_) != 0) _exit(126);
-        int fo = open(o, O_WRONLY | O_CREAT | O_TRUNC, 0644), fe = open(e, O_WRONLY | O_CREAT | O_TRUNC, 0644);
-        dup2(fo, 1);
-        dup2(fe, 2);
-        setenv("OMP_NUM_THREADS", "1", 1);
-        execv(argv[0], argv);
-        _exit(127);
-    }
-    int st;
-    waitpid(pid, &st, 0);
-    result r;
-    r.rc = WIFEXITED(st) ? WEXITSTATUS(st) : 128 + WTERMSIG(st);
-    r.out = slurp_(o);
-    r.err = slurp_(e);
-    return r;
-}
+// The helpers of tests/testproc.h under this file's short names.
+typedef test_result result;
+#define result_free_ test_result_free
+static result run_(char *const argv[]) { return test_run_in(dir_, argv); }
+static char *slurp_(const char *path) { return test_slurp(path, NULL); }
 
 #define RUN(...) run_((char *const[]){(char *)bin_, __VA_ARGS__, NULL})
 

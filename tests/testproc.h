@@ -1,0 +1,64 @@
+// testproc.h: running the mtrl command from a test and reading what it wrote.
+//     test_result r = test_run_in(dir, (char *[]){bin, "replay", "--db", db, NULL});
+//     ... r.rc, r.out (stdout), r.err (stderr) ...; test_result_free(&r);
+// The command runs in `dir` with OMP_NUM_THREADS=1; its output goes through files in dir.
+#ifndef MTRL_TESTPROC_H
+#define MTRL_TESTPROC_H
+
+#include <fcntl.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+// A file's contents, NUL-terminated ("" when it cannot be read); *len (nullable) = its size.
+static inline char *test_slurp(const char *path, size_t *len) {
+    FILE *f = fopen(path, "rb");
+    if (!f) return strdup("");
+    fseek(f, 0, SEEK_END);
+    long n = ftell(f);
+    fseek(f, 0, SEEK_SET);
+    char *b = malloc((size_t)n + 1);
+    size_t got = fread(b, 1, (size_t)n, f);
+    b[got] = 0;
+    fclose(f);
+    if (len) *len = got;
+    return b;
+}
+
+typedef struct test_result {
+    int rc; // exit status, or 128 + signal
+    char *out, *err;
+} test_result;
+
+static inline void test_result_free(test_result *r) {
+    free(r->out);
+    free(r->err);
+}
+
+static inline test_result test_run_in(const char *dir, char *const argv[]) {
+    char o[512], e[512];
+    snprintf(o, sizeof o, "%s/stdout.txt", dir);
+    snprintf(e, sizeof e, "%s/stderr.txt", dir);
+    fflush(NULL);
+    pid_t pid = fork();
+    if (pid == 0) {
+        if (chdir(dir) != 0) _exit(126);
+        int fo = open(o, O_WRONLY | O_CREAT | O_TRUNC, 0644), fe = open(e, O_WRONLY | O_CREAT | O_TRUNC, 0644);
+        dup2(fo, 1);
+        dup2(fe, 2);
+        setenv("OMP_NUM_THREADS", "1", 1);
+        execv(argv[0], argv);
+        _exit(127);
+    }
+    int st;
+    waitpid(pid, &st, 0);
+    test_result r;
+    r.rc = WIFEXITED(st) ? WEXITSTATUS(st) : 128 + WTERMSIG(st);
+    r.out = test_slurp(o, NULL);
+    r.err = test_slurp(e, NULL);
+    return r;
+}
+
+#endif
