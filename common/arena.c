@@ -16,11 +16,21 @@ void mtrl_arena_init(mtrl_arena *a, size_t cap) {
     a->cap = cap;
     a->used = 0;
     a->peak = 0;
+    a->borrowed = 0;
+}
+
+void mtrl_arena_init_over(mtrl_arena *a, void *base, size_t cap) {
+    MTRL_CHECKF(base != NULL || cap == 0, "arena over a NULL block of %zu bytes", cap);
+    a->base = base;
+    a->cap = cap;
+    a->used = 0;
+    a->peak = 0;
+    a->borrowed = 1;
 }
 
 void mtrl_arena_free(mtrl_arena *a) {
     if (!a) return;
-    free(a->base);
+    if (!a->borrowed) free(a->base);
     memset(a, 0, sizeof *a);
 }
 

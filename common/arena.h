@@ -19,9 +19,14 @@ typedef struct mtrl_arena {
     size_t cap;   // bytes reserved
     size_t used;  // bytes handed out (including alignment padding)
     size_t peak;  // largest `used` ever reached
+    int borrowed; // base belongs to the caller (mtrl_arena_init_over)
 } mtrl_arena;
 
 void mtrl_arena_init(mtrl_arena *a, size_t cap);
+// An arena over the caller's block [base, base + cap), e.g. device memory: the arena only does
+// address arithmetic on it (never reads or writes it, except mtrl_arena_calloc, which must not
+// be used on memory the host cannot write). mtrl_arena_free forgets the block without freeing it.
+void mtrl_arena_init_over(mtrl_arena *a, void *base, size_t cap);
 void mtrl_arena_free(mtrl_arena *a); // harmless on a zeroed or freed arena
 
 // Uninitialised memory, 64-byte aligned. Aborts (check.h) when the arena is full.

@@ -1,7 +1,8 @@
 // cmd_bench.c: `mtrl bench ops|model|rl`: timings with the command and machine stated.
 //
-//   mtrl bench model [--device cpu|cuda] [--preset tiny|small] [--tokens N] [--seqs B] [--segment S] [--reps R]
-//       forward and forward+backward tokens/s of the backbone on random tokens, and peak memory
+//   mtrl bench model [--device cpu|cuda|cuda:N] [--preset tiny|small] [--tokens N] [--seqs B] [--segment S] [--reps R]
+//       forward and forward+backward tokens/s of the backbone on random tokens, batched decode
+//       tokens/s (B sequences, one token each per step), and peak memory
 //   mtrl bench ops --device cuda [...]   the CUDA kernels against the measured ceilings
 #include <stdlib.h>
 #include <string.h>
@@ -56,8 +57,9 @@ static int bench_model_(int argc, char **argv) {
         else if (!strcmp(a, "--reps") && v) { reps = atoi(v); i++; }
         else return cli_usage_error("bench", BENCH_USAGE, "unknown option '%s'", a);
     }
-    if (strcmp(device, "cpu"))
-        return cli_usage_error("bench", BENCH_USAGE, "--device %s: the model on CUDA has not landed (issue 6); use --device cpu", device);
+    int dev, gpu;
+    if (mtrl_model_parse_device(device, &dev, &gpu))
+        return cli_usage_error("bench", BENCH_USAGE, "--device %s: expected cpu, cuda or cuda:N", device);
     if (tokens < seqs || seqs < 1 || reps < 1) return cli_usage_error("bench", BENCH_USAGE, "need tokens >= seqs >= 1 and reps >= 1");
     char text[256];
     snprintf(text, sizeof text, "[env]\nname = calc\n[model]\npreset = %s\n", preset);
@@ -75,7 +77,10 @@ static int bench_model_(int argc, char **argv) {
         return 2;
     }
     mtrl_model m;
-    mtrl_model_init(&m, &d, 1);
+    if (mtrl_model_init_on(&m, &d, 1, dev, gpu, &err) != MTRL_OK) {
+        fprintf(stderr, "mtrl bench: %s\n", err.msg);
+        return dev == MTRL_DEVICE_CUDA && mtrl_model_cuda_devices() == 0 ? 77 : 2;
+    }
     int per = tokens / seqs;
     uint32_t *tok = malloc(sizeof(uint32_t) * (size_t)seqs * per);
     const uint32_t **toks = malloc(sizeof(*toks) * (size_t)seqs);
@@ -89,8 +94,8 @@ static int bench_model_(int argc, char **argv) {
     real *logp = malloc(sizeof(real) * (size_t)seqs * per), *c = malloc(sizeof(real) * (size_t)seqs * per);
     for (int t = 0; t < seqs * per; t++) c[t] = (real)(1.0 / (seqs * per));
     print_machine_();
-    printf("model: preset %s, %zu parameters, %d layers (%s), d=%d, %d experts top-%d; batch %d x %d tokens, segment %d, OMP threads %s\n",
-           preset, mtrl_model_param_count(&m), d.L, d.mixer, d.d, d.E, d.k, seqs, per, segment,
+    printf("model: preset %s on %s, %zu parameters, %d layers (%s), d=%d, %d experts top-%d; batch %d x %d tokens, segment %d, OMP threads %s\n",
+           preset, device, mtrl_model_param_count(&m), d.L, d.mixer, d.d, d.E, d.k, seqs, per, segment,
            getenv("OMP_NUM_THREADS") ? getenv("OMP_NUM_THREADS") : "default");
     double best_f = 1e30, best_fb = 1e30;
     mtrl_model_forward(&m, &b, segment, logp, NULL, NULL); // warm-up
@@ -105,11 +110,39 @@ static int bench_model_(int argc, char **argv) {
         if (t2 - t0 < best_fb) best_fb = t2 - t0;
         mtrl_model_qb_apply(&m);
     }
+    // Batched decode: each sequence prefilled with 16 tokens, then steps of one token per sequence.
+    enum { PRE = 16, STEPS = 16 };
+    mtrl_decode_state *st = malloc(sizeof(*st) * (size_t)seqs), **sp = malloc(sizeof(*sp) * (size_t)seqs);
+    real *lg = malloc(sizeof(real) * (size_t)seqs * d.V);
+    uint32_t *in = malloc(sizeof(uint32_t) * (size_t)seqs);
+    double best_d = 1e30;
+    for (int r = 0; r < reps; r++) {
+        for (int i = 0; i < seqs; i++) {
+            if (r == 0) mtrl_decode_state_init(&st[i], &m, PRE + STEPS + 1);
+            mtrl_decode_state_reset(&st[i], &m);
+            mtrl_model_prefill(&m, &st[i], toks[i], PRE < per ? PRE : per, NULL, NULL);
+            sp[i] = &st[i];
+        }
+        double t0 = mtrl_time_mono();
+        for (int s = 0; s < STEPS; s++) {
+            for (int i = 0; i < seqs; i++) in[i] = toks[i][(PRE + s) % per];
+            mtrl_model_decode(&m, sp, seqs, in, lg, NULL);
+        }
+        double t1 = mtrl_time_mono();
+        if (t1 - t0 < best_d) best_d = t1 - t0;
+    }
+    for (int i = 0; i < seqs; i++) mtrl_decode_state_free(&st[i]);
+    free(st);
+    free(sp);
+    free(lg);
+    free(in);
     struct rusage ru;
     getrusage(RUSAGE_SELF, &ru);
     double ntok = (double)seqs * per;
     printf("forward:          %10.0f tokens/s  (%.3f s for %.0f tokens, best of %d)\n", ntok / best_f, best_f, ntok, reps);
     printf("forward+backward: %10.0f tokens/s  (%.3f s)\n", ntok / best_fb, best_fb);
+    printf("decode:           %10.0f tokens/s  (%d sequences x %d steps in %.3f s, %.2f ms per step)\n",
+           seqs * (double)STEPS / best_d, seqs, STEPS, best_d, best_d / STEPS * 1e3);
     printf("memory: parameters %.1f MB (x4 with gradients and AdamW), peak segment activations %.1f MB, peak RSS %.1f MB\n",
            m.params.total / 1e6, m.peak_activation_bytes / 1e6, ru.ru_maxrss / 1e3);
     free(tok);

@@ -6,6 +6,7 @@
 # (shared/bench/anchors_gpu.py, copied to .carry/; fla source in .fla/) in the same command.
 #
 #   usage (repository root): tools/gpu_bench.sh [tests] [bench] [anchors]   (default: all three)
+#                            tools/gpu_bench.sh model-prepare | model      (the backbone; see below)
 #   env: OUT (log folder, default /tmp/mtrl-gpu-out), BENCH_ARGS (extra `bench ops` arguments),
 #        ANCHOR_ARGS (extra anchors_gpu.py arguments), JOBS (parallel compiles, default nproc)
 # Logs: $OUT/gpu.log (everything, in order), $OUT/anchors.json. A failing test is rerun once
@@ -20,6 +21,57 @@ LOG=$OUT/gpu.log
 what=${*:-tests bench anchors}
 has() { [[ " $what " == *" $1 "* ]]; }
 log() { echo "$@" | tee -a "$LOG"; }
+
+# ---- the backbone on the GPU: `model-prepare` here, `model` on the GPU machine ------------------
+# The model links common/ (inih, libsodium), which the GPU machine lacks, so it is built on a
+# CUDA build machine: `tools/gpu_bench.sh model-prepare` (MODEL_BUILD: a -DMTRL_CUDA=ON build
+# folder, default build-gpum) puts tests/test_cuda_model, a `mtrl bench model` driver and the two
+# shared libraries into .carry/gpu (git-ignored: pass it as carry). On the GPU machine
+# `tools/gpu_bench.sh model` runs the test (one process per case; a failing case again under
+# compute-sanitizer memcheck), then `mtrl bench model --device cuda` for tiny and small.
+# Env: CASES (default "0 1 2"), NO_BENCH=1, MODEL_BENCH_ARGS. Logs: $OUT/model.log, $OUT/test_N.log.
+if has model-prepare; then
+  MB=${MODEL_BUILD:-build-gpum}; C=.carry/gpu
+  ninja -C "$MB" test_cuda_model mtrl_model mtrl_common mtrl_kernels mtrl_kernels_cuda || exit 1
+  mkdir -p "$C" "$B"
+  cp "$MB/test_cuda_model" "$C/"
+  printf 'int cmd_bench(int, char **);\nint main(int c, char **v) { return cmd_bench(c, v); }\n' >"$B/bench_main.c"
+  for f in "$B/bench_main.c" tools/cmd_bench.c tools/cli.c; do
+    gcc -O2 -std=c11 -D_GNU_SOURCE -DMTRL_HAVE_CUDA=1 -I. -c "$f" -o "$B/$(basename "$f" .c).o" || exit 1
+  done
+  g++ -o "$C/bench_model" "$B/bench_main.o" "$B/cmd_bench.o" "$B/cli.o" "$MB/common/libmtrl_model.a" \
+    "$MB/kernels/libmtrl_kernels_cuda.a" "$MB/kernels/libmtrl_kernels.a" "$MB/common/libmtrl_common.a" -fopenmp -lm \
+    -Wl,--as-needed $(pkg-config --libs inih libsodium) -L/usr/local/cuda/lib64 -lcudart -lcublas -lcublasLt || exit 1
+  for l in $(ldd "$C/test_cuda_model" "$C/bench_model" | awk '/libinih|libsodium/ {print $3}' | sort -u); do cp -L "$l" "$C/"; done
+  ls -la "$C"
+  exit 0
+fi
+if has model; then
+  C=$PWD/.carry/gpu; ML=$OUT/model.log
+  export LD_LIBRARY_PATH=$C:/usr/local/cuda/lib64:/usr/local/cuda/targets/x86_64-linux/lib:${LD_LIBRARY_PATH:-}
+  export OMP_NUM_THREADS=${OMP_NUM_THREADS:-$(nproc)}
+  { date -u; nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv; ldd "$C/test_cuda_model" | grep -i "not found\|cuda\|cublas"; } >"$ML" 2>&1
+  for c in ${CASES:-0 1 2}; do
+    t0=$(date +%s)
+    timeout -s KILL "${TEST_TIMEOUT:-200}" "$C/test_cuda_model" "$c" >"$OUT/test_$c.log" 2>&1
+    rc=$?
+    echo "== test_cuda_model case $c: exit $rc ($(( $(date +%s) - t0 )) s)" >>"$ML"
+    grep -v "^    " "$OUT/test_$c.log" | tail -25 >>"$ML"
+    if [ $rc -ne 0 ] && [ $rc -ne 77 ] && command -v compute-sanitizer >/dev/null; then
+      echo "-- case $c under compute-sanitizer memcheck" >>"$ML"
+      timeout -s KILL 120 compute-sanitizer --tool memcheck --print-limit 10 "$C/test_cuda_model" "$c" 2>&1 | grep -v "^    " | head -60 >>"$ML"
+    fi
+  done
+  if [ -z "${NO_BENCH:-}" ]; then
+    echo "== mtrl bench model --device cuda --preset tiny" >>"$ML"
+    timeout -s KILL 60 "$C/bench_model" model --device cuda --preset tiny --tokens 8192 --seqs 8 --reps 3 ${MODEL_BENCH_ARGS:-} >>"$ML" 2>&1
+    echo "== mtrl bench model --device cuda --preset small" >>"$ML"
+    timeout -s KILL 150 "$C/bench_model" model --device cuda --preset small --tokens 16384 --seqs 8 --reps 3 ${MODEL_BENCH_ARGS:-} >>"$ML" 2>&1
+  fi
+  echo "== done $(date -u)" >>"$ML"
+  cat "$ML"
+  exit 0
+fi
 
 log "== $(date -u '+%Y-%m-%d %H:%M:%S UTC') $(git rev-parse --short HEAD 2>/dev/null) (+ working tree)"
 nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm,clocks.sm --format=csv >>"$LOG" 2>&1

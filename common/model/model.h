@@ -1,4 +1,5 @@
-// model.h: the backbone (model.md) assembled from the reference ops of kernels/ref.
+// model.h: the backbone (model.md) assembled from the ops of a backend (backend.h): the CPU
+// reference of kernels/ref, or the CUDA kernels of kernels/cuda (see "Devices" below).
 //
 // A hybrid stack of L layers; layer l mixes tokens with KDA (lower-bounded decay, §2) or gated
 // MLA (NoPE, §3), then applies an FFN: dense SwiGLU in layer 0, MoE with a sigmoid router,
@@ -29,6 +30,27 @@
 //     mtrl_model_qb_apply(m)                                                // β for the next step
 // The forward stores what the backward needs inside the model's batch workspace; a forward
 // must precede each backward with the same batch.
+//
+// Devices (model.md is the math; backend.h the operations): the same code runs on the CPU
+// reference (MTRL_DEVICE_CPU, fp32 or fp64) or on one GPU (MTRL_DEVICE_CUDA, the fp32 build
+// with MTRL_HAVE_CUDA), chosen once by mtrl_model_init_on (from `[model] device`:
+// mtrl_model_parse_device(cfg->model.device, &device, &gpu)). On a GPU:
+//   * parameters, gradients and both AdamW moments live in one device block each; the host
+//     block m->params (and m->grads, m->adam_m, m->adam_v) is a MIRROR, the source for
+//     checkpoints and published weights. mtrl_model_save refreshes it from the device and
+//     mtrl_model_load uploads what it read, so checkpoints need no extra call. Code that reads
+//     or writes the host blocks directly calls mtrl_model_to_host / mtrl_model_to_device.
+//   * QB's β is kept on the host (m->qb_beta, set by mtrl_model_qb_apply) and copied to the
+//     device by the calls that change it; after writing m->qb_beta by hand, call
+//     mtrl_model_to_device.
+//   * the per-segment activations, the boundary states of a batch and every decode state
+//     (KDA S, conv windows, MLA latents) live on the device. mtrl_decode_state_download /
+//     _upload move a state's contents to and from host arrays (snapshots).
+//   * inputs and outputs of the calls (tokens, log-probs, logits, routing, dlogp) stay host
+//     arrays; every call returns with its host outputs written.
+//   * arithmetic: fp32 everywhere (GEMMs through cuBLAS in true fp32, no TF32) except the MLA
+//     causal attention of the chunked form, which multiplies bf16 copies of the absorbed
+//     queries, the latents and dout with fp32 accumulation (the only attention kernel).
 #ifndef MTRL_MODEL_H
 #define MTRL_MODEL_H
 
@@ -41,6 +63,10 @@
 #include "kernels/ref/real.h"
 
 #define MTRL_MAX_LAYERS 128
+
+struct mtrl_backend; // backend.h
+
+enum { MTRL_DEVICE_CPU = 0, MTRL_DEVICE_CUDA = 1 };
 
 typedef struct mtrl_model_dims {
     int L, d, V;
@@ -98,20 +124,30 @@ typedef struct mtrl_batch {
     const uint8_t *const *routing;
 } mtrl_batch;
 
-// Per-sequence decode state (the recurrent form).
+// Per-sequence decode state (the recurrent form). The arrays live where the model computes
+// (device memory for a CUDA model: never dereference them on the host there).
 typedef struct mtrl_decode_state {
     int pos;        // tokens consumed so far
     int cap;        // latent cache capacity in tokens
     real *kda_S;    // [n_kda][H][D][D]
     real *conv;     // [n_kda][3][W-1][H*D]  (q, k, v windows)
     real *latent;   // [n_mla][cap][dc+dr]
+    void *block;    // the one allocation holding the three
+    struct mtrl_backend *be; // the backend that allocated it
 } mtrl_decode_state;
 
 typedef struct mtrl_model {
     mtrl_model_dims dims;
     mtrl_tt params;             // the parameter table and its block
     real *grads, *adam_m, *adam_v; // same layout as params (params.total bytes each)
-    mtrl_model_ptrs P, G;       // pointers into params and grads
+    mtrl_model_ptrs P, G;       // pointers into params and grads (host blocks)
+    // Where the model computes: the backend and its copies of the blocks. On the CPU these are
+    // the host blocks themselves (dP == P, d_params == params.base, ...).
+    int device, gpu;            // MTRL_DEVICE_*, CUDA device index
+    struct mtrl_backend *be;
+    void *d_params, *d_grads, *d_adam_m, *d_adam_v;
+    mtrl_model_ptrs dP, dG;     // pointers into d_params and d_grads
+    real *d_qb_beta;            // [L][E]
     long step;                  // optimizer steps taken
     uint32_t version;           // weight version (published)
     // Quantile Balancing (model.md §4.3): β per MoE layer, outside the gradient path.
@@ -131,9 +167,29 @@ typedef struct mtrl_model {
 mtrl_status mtrl_model_dims_from_config(mtrl_model_dims *d, const mtrl_cfg_model *cfg, int vocab, mtrl_error *err);
 
 // Allocates parameters (initialised from the counter RNG with `seed`), gradients and AdamW
-// moments, one block each.
+// moments, one block each, on the CPU.
 void mtrl_model_init(mtrl_model *m, const mtrl_model_dims *dims, uint64_t seed);
+// The same on a device: MTRL_DEVICE_CPU (gpu ignored) or MTRL_DEVICE_CUDA on GPU `gpu`. The
+// initial values are the CPU's, bit for bit (initialised on the host, then uploaded). Returns
+// MTRL_ERR_USAGE with a message (m left zeroed) when this build has no CUDA backend (the CPU-
+// only or the fp64 build), there is no such GPU, or the dims exceed what the CUDA kernels take
+// (KDA head dim a multiple of 16 <= 128; MLA dc a multiple of 16 <= 512, dc + dr a multiple of 8
+// <= 576, heads <= 32; top_k <= 16; conv kernel <= 8).
+mtrl_status mtrl_model_init_on(mtrl_model *m, const mtrl_model_dims *dims, uint64_t seed, int device, int gpu,
+                               mtrl_error *err);
+// Usable CUDA devices for a model in this build (0: CPU only).
+int mtrl_model_cuda_devices(void);
+// Reads "cpu" / "cuda" / "cuda:N" (the [model] device value). Returns 0, or -1 for anything else.
+int mtrl_model_parse_device(const char *s, int *device, int *gpu);
 void mtrl_model_free(mtrl_model *m);
+
+// Host mirror <-> device (no-ops on the CPU). to_host copies parameters, gradients and
+// moments into the host blocks; to_device copies parameters, gradients, moments and β from the
+// host. Both wait for the device.
+void mtrl_model_to_host(mtrl_model *m);
+void mtrl_model_to_device(mtrl_model *m);
+// Zeroes both AdamW moments (a fresh optimizer), wherever they live.
+void mtrl_model_optimizer_reset(mtrl_model *m);
 
 size_t mtrl_model_param_count(const mtrl_model *m);
 void mtrl_model_zero_grads(mtrl_model *m);
@@ -165,13 +221,20 @@ int mtrl_model_qb_apply(mtrl_model *m);
 // Max load violation of one layer in the current step's statistics.
 double mtrl_model_load_violation(const mtrl_model *m, int layer);
 
-// Decode states.
+// Decode states, on the model's device. Free them before the model.
 void mtrl_decode_state_init(mtrl_decode_state *s, const mtrl_model *m, int cap);
 void mtrl_decode_state_free(mtrl_decode_state *s);
 void mtrl_decode_state_reset(mtrl_decode_state *s, const mtrl_model *m);
 size_t mtrl_decode_state_bytes(const mtrl_model *m, int cap);
 // Copies a state (snapshot/resume); dst must have been initialised with cap >= src->pos.
 void mtrl_decode_state_copy(mtrl_decode_state *dst, const mtrl_decode_state *src, const mtrl_model *m);
+// A state's contents as host arrays laid out like the CPU fields: kda_S [n_kda][H][D][D], conv
+// [n_kda][3][W-1][H*D], latent [n_mla][pos][dc+dr] (the pos rows in use of each layer, packed).
+// download reads s (any device); upload writes s (cap >= pos) and sets s->pos = pos.
+void mtrl_decode_state_download(const mtrl_model *m, const mtrl_decode_state *s, real *kda_S, real *conv,
+                                real *latent);
+void mtrl_decode_state_upload(const mtrl_model *m, mtrl_decode_state *s, int pos, const real *kda_S,
+                              const real *conv, const real *latent);
 
 // Feeds n tokens into a state through the chunked form; logits_last [V] (nullable) are the
 // logits after the last token; routing_out (nullable) [n][n_moe][k] the experts each token

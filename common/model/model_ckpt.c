@@ -6,6 +6,7 @@
 
 #include "common/check.h"
 #include "common/checkpoint.h"
+#include "common/model/backend.h"
 #include "common/model/model.h"
 
 #if REAL_IS_F64
@@ -57,8 +58,21 @@ static void list_build_(const mtrl_model *m, int with_optimizer, save_list *l) {
     }
 }
 
+// A model on a device: the host blocks are a mirror; refresh the parts a save writes.
+static void refresh_host_(const mtrl_model *m, int with_optimizer) {
+    if (m->device == MTRL_DEVICE_CPU) return;
+    mtrl_backend *be = m->be;
+    size_t total = m->params.total;
+    be->download(be, m->params.base, m->d_params, total);
+    if (with_optimizer) {
+        be->download(be, m->adam_m, m->d_adam_m, total);
+        be->download(be, m->adam_v, m->d_adam_v, total);
+    }
+}
+
 mtrl_status mtrl_model_save(const mtrl_model *m, const char *path, void **mem, size_t *mem_len, int with_optimizer,
                             const char *const *meta, int n_meta, mtrl_error *err) {
+    refresh_host_(m, with_optimizer);
     save_list l;
     list_build_(m, with_optimizer, &l);
     char step[32], version[32];
@@ -101,6 +115,17 @@ mtrl_status mtrl_model_load(mtrl_model *m, mtrl_ckpt *c, int with_optimizer, mtr
         st = mtrl_error_set(err, MTRL_ERR_FORMAT, "%s: no step/version metadata: not an mtrl training checkpoint", c->source);
     for (int i = 0; i < l.n && st == MTRL_OK; i++)
         st = mtrl_ckpt_read(c, l.e[i].name, l.e[i].dtype, l.e[i].ndim, l.e[i].shape, (void *)l.e[i].data, err);
+    if (st == MTRL_OK && m->device != MTRL_DEVICE_CPU) {
+        mtrl_backend *be = m->be;
+        size_t total = m->params.total;
+        be->upload(be, m->d_params, m->params.base, total);
+        be->upload(be, m->d_qb_beta, m->qb_beta, sizeof(real) * (size_t)m->dims.L * (size_t)m->dims.E);
+        if (with_optimizer) {
+            be->upload(be, m->d_adam_m, m->adam_m, total);
+            be->upload(be, m->d_adam_v, m->adam_v, total);
+        }
+        be->sync(be);
+    }
     if (st == MTRL_OK && with_optimizer) {
         m->step = strtol(s, NULL, 10);
         m->version = (uint32_t)strtoul(v, NULL, 10);

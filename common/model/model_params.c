@@ -6,11 +6,11 @@
 #include <string.h>
 
 #include "common/check.h"
+#include "common/model/backend.h"
 #include "common/model/model.h"
 #include "common/model/model_ws.h"
 #include "common/rng.h"
 #include "kernels/ref/moe_ref.h"
-#include "kernels/ref/ops_ref.h"
 
 mtrl_status mtrl_model_dims_from_config(mtrl_model_dims *d, const mtrl_cfg_model *c, int vocab, mtrl_error *err) {
     memset(d, 0, sizeof *d);
@@ -163,6 +163,8 @@ static void point_(const mtrl_tt *t, void *base, const mtrl_model_dims *d, mtrl_
 // as in GPT-2; norms 1; AttnRes pseudo-queries 0 (a site starts as the mean of its sources,
 // model.md §6.1); KDA A_log 0 and dt_bias = softplus⁻¹(dt), dt log-uniform in [1e-3, 0.1]
 // (fla's init, model.md §2.1); conv weights N(0, 1/W) around a mild identity.
+// Every value depends only on (seed, tensor, index), so the loops run in parallel with the
+// same result for any thread count.
 static void init_(mtrl_model *m, uint64_t seed) {
     const mtrl_model_dims *d = &m->dims;
     for (int i = 0; i < m->params.n; i++) {
@@ -170,31 +172,79 @@ static void init_(mtrl_model *m, uint64_t seed) {
         real *x = t->ptr;
         uint64_t stream = mtrl_rng_stream(t->name, 0, 0);
         const char *nm = t->name;
-        size_t n = t->numel;
+        long n = (long)t->numel;
+        int big = n > 65536;
         int is_norm = strstr(nm, "norm") != NULL || !strcmp(nm, "attnres.g");
         if (is_norm) {
-            for (size_t j = 0; j < n; j++) x[j] = 1;
+            for (long j = 0; j < n; j++) x[j] = 1;
         } else if (!strcmp(nm, "attnres.w") || strstr(nm, "A_log")) {
-            for (size_t j = 0; j < n; j++) x[j] = 0;
+            for (long j = 0; j < n; j++) x[j] = 0;
         } else if (strstr(nm, "dt_bias")) {
-            for (size_t j = 0; j < n; j++) {
-                double u = mtrl_rng_uniform(seed, stream, j);
+#pragma omp parallel for schedule(static) if (big)
+            for (long j = 0; j < n; j++) {
+                double u = mtrl_rng_uniform(seed, stream, (uint64_t)j);
                 double dt = exp(log(1e-3) + u * (log(0.1) - log(1e-3)));
                 if (dt < 1e-4) dt = 1e-4;
                 x[j] = (real)(dt + log(-expm1(-dt))); // softplus^-1(dt)
             }
         } else if (strstr(nm, "conv_")) {
-            for (size_t j = 0; j < n; j++) x[j] = (real)(mtrl_rng_normal(seed, stream, j) / sqrt((double)d->W));
+#pragma omp parallel for schedule(static) if (big)
+            for (long j = 0; j < n; j++) x[j] = (real)(mtrl_rng_normal(seed, stream, (uint64_t)j) / sqrt((double)d->W));
         } else {
             double std = d->init_std;
             if (strstr(nm, ".wo") || strstr(nm, "w2")) std /= sqrt(2.0 * d->L);
             if (!strcmp(nm, "embed")) std = 1.0;
-            for (size_t j = 0; j < n; j++) x[j] = (real)(std * mtrl_rng_normal(seed, stream, j));
+#pragma omp parallel for schedule(static) if (big)
+            for (long j = 0; j < n; j++) x[j] = (real)(std * mtrl_rng_normal(seed, stream, (uint64_t)j));
         }
     }
 }
 
-void mtrl_model_init(mtrl_model *m, const mtrl_model_dims *dims, uint64_t seed) {
+// What the CUDA kernels take (kernels_cuda.h); NULL when the dims fit.
+static const char *cuda_dims_problem_(const mtrl_model_dims *d, char *buf, size_t n) {
+    int kda = model_n_kda(d) > 0, mla = model_n_mla(d) > 0;
+    if (kda && (d->D % 16 || d->D > 128))
+        snprintf(buf, n, "kda_head_dim = %d: the CUDA KDA kernels take multiples of 16 up to 128", d->D);
+    else if (kda && (d->W < 1 || d->W > 8))
+        snprintf(buf, n, "conv_kernel = %d: the CUDA short conv takes 1..8", d->W);
+    else if (mla && (d->dc % 16 || d->dc > 512))
+        snprintf(buf, n, "mla_latent_dim = %d: the CUDA attention takes multiples of 16 up to 512", d->dc);
+    else if (mla && ((d->dc + d->dr) % 8 || d->dc + d->dr > 576))
+        snprintf(buf, n, "mla_latent_dim + mla_rope_dim = %d: the CUDA attention takes multiples of 8 up to 576",
+                 d->dc + d->dr);
+    else if (mla && d->mH > 32)
+        snprintf(buf, n, "mla_heads = %d: the CUDA MLA decode takes at most 32", d->mH);
+    else if (d->L > 1 && (d->k > 16 || d->E > 1024))
+        snprintf(buf, n, "experts = %d, top_k = %d: the CUDA router takes at most 1024 and 16", d->E, d->k);
+    else if ((d->L + d->S - 1) / d->S + 1 > 64)
+        snprintf(buf, n, "%d AttnRes sources: the CUDA site kernel takes at most 64", (d->L + d->S - 1) / d->S + 1);
+    else
+        return NULL;
+    return buf;
+}
+
+int mtrl_model_cuda_devices(void) { return mtrl_backend_cuda_devices(); }
+
+int mtrl_model_parse_device(const char *s, int *device, int *gpu) {
+    *gpu = 0;
+    if (!strcmp(s, "cpu")) {
+        *device = MTRL_DEVICE_CPU;
+        return 0;
+    }
+    if (!strncmp(s, "cuda", 4)) {
+        *device = MTRL_DEVICE_CUDA;
+        if (!s[4]) return 0;
+        char *end;
+        long g = s[4] == ':' ? strtol(s + 5, &end, 10) : -1;
+        if (s[4] == ':' && end != s + 5 && !*end && g >= 0 && g < 1024) {
+            *gpu = (int)g;
+            return 0;
+        }
+    }
+    return -1;
+}
+
+static void alloc_host_(mtrl_model *m, const mtrl_model_dims *dims, uint64_t seed) {
     memset(m, 0, sizeof *m);
     m->dims = *dims;
     mtrl_tt_init(&m->params);
@@ -218,9 +268,93 @@ void mtrl_model_init(mtrl_model *m, const mtrl_model_dims *dims, uint64_t seed) 
     m->load = xcalloc(LE, sizeof(long));
 }
 
+void mtrl_model_init(mtrl_model *m, const mtrl_model_dims *dims, uint64_t seed) {
+    alloc_host_(m, dims, seed);
+    m->device = MTRL_DEVICE_CPU;
+    m->be = mtrl_backend_cpu();
+    m->d_params = m->params.base;
+    m->d_grads = m->grads;
+    m->d_adam_m = m->adam_m;
+    m->d_adam_v = m->adam_v;
+    m->dP = m->P;
+    m->dG = m->G;
+    m->d_qb_beta = m->qb_beta;
+}
+
+mtrl_status mtrl_model_init_on(mtrl_model *m, const mtrl_model_dims *dims, uint64_t seed, int device, int gpu,
+                               mtrl_error *err) {
+    if (device == MTRL_DEVICE_CPU) {
+        mtrl_model_init(m, dims, seed);
+        return MTRL_OK;
+    }
+    memset(m, 0, sizeof *m);
+    if (device != MTRL_DEVICE_CUDA) return mtrl_error_set(err, MTRL_ERR_USAGE, "unknown model device %d", device);
+    char msg[256];
+    const char *why = cuda_dims_problem_(dims, msg, sizeof msg);
+    if (why) return mtrl_error_set(err, MTRL_ERR_USAGE, "[model] device = cuda: %s", why);
+    char bmsg[256] = "";
+    mtrl_backend *be = mtrl_backend_cuda_create(gpu, bmsg, sizeof bmsg);
+    if (!be) return mtrl_error_set(err, MTRL_ERR_USAGE, "[model] device = cuda: %s", bmsg);
+    alloc_host_(m, dims, seed);
+    m->device = MTRL_DEVICE_CUDA;
+    m->gpu = gpu;
+    m->be = be;
+    size_t total = m->params.total, LE = (size_t)dims->L * (size_t)dims->E;
+    m->d_params = be->alloc(be, total);
+    m->d_grads = be->alloc(be, total);
+    m->d_adam_m = be->alloc(be, total);
+    m->d_adam_v = be->alloc(be, total);
+    m->d_qb_beta = be->alloc(be, sizeof(real) * LE);
+    point_(&m->params, m->d_params, dims, &m->dP);
+    point_(&m->params, m->d_grads, dims, &m->dG);
+    mtrl_model_to_device(m);
+    return MTRL_OK;
+}
+
+void mtrl_model_to_host(mtrl_model *m) {
+    if (m->device == MTRL_DEVICE_CPU) return;
+    mtrl_backend *be = m->be;
+    size_t total = m->params.total;
+    be->download(be, m->params.base, m->d_params, total);
+    be->download(be, m->grads, m->d_grads, total);
+    be->download(be, m->adam_m, m->d_adam_m, total);
+    be->download(be, m->adam_v, m->d_adam_v, total);
+}
+
+void mtrl_model_to_device(mtrl_model *m) {
+    if (m->device == MTRL_DEVICE_CPU) return;
+    mtrl_backend *be = m->be;
+    size_t total = m->params.total;
+    be->upload(be, m->d_params, m->params.base, total);
+    be->upload(be, m->d_grads, m->grads, total);
+    be->upload(be, m->d_adam_m, m->adam_m, total);
+    be->upload(be, m->d_adam_v, m->adam_v, total);
+    be->upload(be, m->d_qb_beta, m->qb_beta, sizeof(real) * (size_t)m->dims.L * (size_t)m->dims.E);
+    be->sync(be);
+}
+
+void mtrl_model_optimizer_reset(mtrl_model *m) {
+    size_t total = m->params.total;
+    memset(m->adam_m, 0, total);
+    memset(m->adam_v, 0, total);
+    if (m->device != MTRL_DEVICE_CPU) {
+        m->be->zero(m->be, m->d_adam_m, total);
+        m->be->zero(m->be, m->d_adam_v, total);
+        m->be->sync(m->be);
+    }
+}
+
 void mtrl_model_free(mtrl_model *m) {
     if (!m) return;
     mtrl_model_ws_free(m);
+    if (m->be && m->device != MTRL_DEVICE_CPU) {
+        m->be->release(m->be, m->d_params);
+        m->be->release(m->be, m->d_grads);
+        m->be->release(m->be, m->d_adam_m);
+        m->be->release(m->be, m->d_adam_v);
+        m->be->release(m->be, m->d_qb_beta);
+        mtrl_backend_destroy(m->be);
+    }
     mtrl_tt_free(&m->params);
     free(m->grads);
     free(m->adam_m);
@@ -238,27 +372,29 @@ size_t mtrl_model_param_count(const mtrl_model *m) {
     return n;
 }
 
-void mtrl_model_zero_grads(mtrl_model *m) { memset(m->grads, 0, m->params.total); }
+void mtrl_model_zero_grads(mtrl_model *m) { m->be->zero(m->be, m->d_grads, m->params.total); }
 
 double mtrl_model_optimizer_step(mtrl_model *m, real lr, real beta1, real beta2, real eps, real weight_decay,
                                  real clip) {
+    mtrl_backend *be = m->be;
     double sq = 0;
     for (int i = 0; i < m->params.n; i++) {
         const mtrl_tensor *t = &m->params.items[i];
-        sq += grad_sq_norm(t->numel, (real *)((char *)m->grads + t->offset));
+        sq += be->grad_sq_norm(be, t->numel, (real *)((char *)m->d_grads + t->offset));
     }
     double norm = sqrt(sq);
     real scale = (clip > 0 && norm > clip) ? (real)(clip / norm) : (real)1;
     m->step++;
     for (int i = 0; i < m->params.n; i++) {
         const mtrl_tensor *t = &m->params.items[i];
-        real *g = (real *)((char *)m->grads + t->offset);
-        if (scale != 1) scale_inplace(t->numel, g, scale);
+        real *g = (real *)((char *)m->d_grads + t->offset);
+        if (scale != 1) be->scale(be, t->numel, g, scale);
         // No weight decay on norms, gains, biases and AttnRes queries (1-D tensors).
         real wd = t->ndim >= 2 && strncmp(t->name, "attnres.", 8) ? weight_decay : 0;
-        adamw_update(t->numel, (real *)t->ptr, g, (real *)((char *)m->adam_m + t->offset),
-                     (real *)((char *)m->adam_v + t->offset), lr, beta1, beta2, eps, wd, m->step);
+        be->adamw(be, t->numel, (real *)((char *)m->d_params + t->offset), g, (real *)((char *)m->d_adam_m + t->offset),
+                  (real *)((char *)m->d_adam_v + t->offset), lr, beta1, beta2, eps, wd, m->step);
     }
+    be->sync(be);
     return norm;
 }
 
@@ -276,6 +412,10 @@ int mtrl_model_qb_apply(mtrl_model *m) {
             m->qb_sum[(size_t)l * d->E + e] = 0;
             m->load[(size_t)l * d->E + e] = 0;
         }
+    }
+    if (updated && m->device != MTRL_DEVICE_CPU) {
+        m->be->upload(m->be, m->d_qb_beta, m->qb_beta, sizeof(real) * (size_t)d->L * (size_t)d->E);
+        m->be->sync(m->be);
     }
     return updated;
 }

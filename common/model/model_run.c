@@ -1,9 +1,11 @@
 // model_run.c: the drivers of the three execution forms (model.h): batched forward/backward
 // over segments, logits, prefill and batched recurrent decode.
+#include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
 
 #include "common/check.h"
+#include "common/model/backend.h"
 #include "common/model/model_ws.h"
 #include "kernels/ref/kda_ref.h"
 
@@ -12,9 +14,9 @@
 
 typedef struct ws_seq {
     int len, seg, n_seg;
-    real *bound_S;     // [n_seg][n_kda][H][D][D] state entering each segment
-    real *bound_conv;  // [n_seg][n_kda][3][W-1][HD]
-    real *latent;      // [n_mla][len][dc+dr]
+    real *bound_S;     // [n_seg][n_kda][H][D][D] state entering each segment   (backend memory)
+    real *bound_conv;  // [n_seg][n_kda][3][W-1][HD]                            (backend memory)
+    real *latent;      // [n_mla][len][dc+dr]                                   (backend memory)
     uint8_t *routing;  // [len][n_moe][k] chosen in the forward, replayed by the recompute
     int *targets;      // [len]
     seg_cache *kept;   // [n_seg] when activations are kept
@@ -24,6 +26,8 @@ typedef struct ws_impl {
     mtrl_model_ws pub;
     ws_seq *seqs;
     int keep;
+    mtrl_arena state;   // the batch's boundary states and latents, plus the running S and conv
+    real *run_S, *run_C;
     mtrl_arena infer;   // prefill / decode / logits scratch
 } ws_impl;
 
@@ -31,21 +35,32 @@ static size_t S_size_(const mtrl_model_dims *d) { return (size_t)d->H * d->D * d
 static size_t conv_size_(const mtrl_model_dims *d) { return (size_t)3 * (d->W - 1) * d->H * d->D; }
 static size_t lat_w_(const mtrl_model_dims *d) { return (size_t)d->dc + d->dr; }
 
+// Arenas over one block of the backend's memory.
+static void be_arena_init_(mtrl_backend *be, mtrl_arena *a, size_t cap) {
+    mtrl_arena_init_over(a, be->alloc(be, cap), cap);
+}
+static void be_arena_free_(mtrl_backend *be, mtrl_arena *a) {
+    if (a->base) be->release(be, a->base);
+    a->borrowed = 1;
+    mtrl_arena_free(a);
+}
+// Bytes an arena needs for pieces of these sizes (64-byte aligned each).
+static size_t carve_bytes_(size_t bytes) { return (bytes + 63) & ~(size_t)63; }
+#define RALLOC(a, n) ((real *)mtrl_arena_alloc((a), sizeof(real) * (size_t)(n)))
+
 void mtrl_model_ws_free(mtrl_model *m) {
     ws_impl *w = (ws_impl *)m->ws;
     if (!w) return;
     for (int i = 0; i < w->pub.n_seq; i++) {
         ws_seq *s = &w->seqs[i];
-        free(s->bound_S);
-        free(s->bound_conv);
-        free(s->latent);
         free(s->routing);
         free(s->targets);
         free(s->kept);
     }
     free(w->seqs);
-    mtrl_arena_free(&w->pub.arena);
-    mtrl_arena_free(&w->infer);
+    be_arena_free_(m->be, &w->pub.arena);
+    be_arena_free_(m->be, &w->state);
+    be_arena_free_(m->be, &w->infer);
     free(w);
     m->ws = NULL;
 }
@@ -65,15 +80,16 @@ static void ws_reset_batch_(mtrl_model *m) {
     w->infer = keep;
 }
 
-static void arena_ensure_(mtrl_arena *a, size_t bytes) {
+static void arena_ensure_(mtrl_backend *be, mtrl_arena *a, size_t bytes) {
     if (a->cap >= bytes) return;
-    mtrl_arena_free(a);
-    mtrl_arena_init(a, bytes);
+    be_arena_free_(be, a);
+    be_arena_init_(be, a, bytes);
 }
 
 void mtrl_model_forward(mtrl_model *m, const mtrl_batch *b, int segment, real *logp, real *entropy,
                         uint8_t *const *routing_out) {
     const mtrl_model_dims *d = &m->dims;
+    mtrl_backend *be = m->be;
     ws_reset_batch_(m);
     ws_impl *w = ws_get_(m);
     int n_kda = model_n_kda(d), n_mla = model_n_mla(d);
@@ -82,7 +98,7 @@ void mtrl_model_forward(mtrl_model *m, const mtrl_batch *b, int segment, real *l
     w->pub.n_seq = b->n;
     w->seqs = xcalloc((size_t)(b->n ? b->n : 1), sizeof(ws_seq));
     int max_seg = 1, max_len = 1;
-    size_t keep_bytes = 0;
+    size_t keep_bytes = 0, state_cap = carve_bytes_(sizeof(real) * S_sz) + carve_bytes_(sizeof(real) * C_sz);
     for (int i = 0; i < b->n; i++) {
         ws_seq *s = &w->seqs[i];
         s->len = b->len[i];
@@ -91,29 +107,39 @@ void mtrl_model_forward(mtrl_model *m, const mtrl_batch *b, int segment, real *l
         if (s->seg > max_seg) max_seg = s->seg;
         if (s->len > max_len) max_len = s->len;
         keep_bytes += seg_arena_bytes(d, s->seg, s->len) * (size_t)s->n_seg;
+        state_cap += carve_bytes_(sizeof(real) * (size_t)s->n_seg * S_sz) +
+                     carve_bytes_(sizeof(real) * (size_t)s->n_seg * C_sz) +
+                     carve_bytes_(sizeof(real) * (size_t)n_mla * s->len * LW);
     }
     w->keep = segment <= 0 && keep_bytes <= KEEP_BYTES_MAX;
-    mtrl_arena_init(&w->pub.arena, w->keep ? keep_bytes : seg_arena_bytes(d, max_seg, max_len));
+    be_arena_init_(be, &w->pub.arena, w->keep ? keep_bytes : seg_arena_bytes(d, max_seg, max_len));
     w->pub.seg_T = max_seg;
     w->pub.seg_Tk = max_len;
+    // One block for every sequence's boundary states and latents, zero-filled.
+    be_arena_init_(be, &w->state, state_cap);
+    be->zero(be, w->state.base, state_cap);
+    w->run_S = RALLOC(&w->state, S_sz);
+    w->run_C = RALLOC(&w->state, C_sz);
     size_t off = 0;
     for (int i = 0; i < b->n; i++) {
         ws_seq *s = &w->seqs[i];
         int len = s->len;
-        s->bound_S = xcalloc((size_t)s->n_seg * S_sz + 1, sizeof(real));
-        s->bound_conv = xcalloc((size_t)s->n_seg * C_sz + 1, sizeof(real));
-        s->latent = xcalloc((size_t)n_mla * len * LW + 1, sizeof(real));
+        s->bound_S = RALLOC(&w->state, (size_t)s->n_seg * S_sz);
+        s->bound_conv = RALLOC(&w->state, (size_t)s->n_seg * C_sz);
+        s->latent = RALLOC(&w->state, (size_t)n_mla * len * LW);
         s->routing = xcalloc((size_t)len * rw + 1, 1);
         s->targets = xmalloc(sizeof(int) * (size_t)(len + 1));
         for (int t = 0; t < len; t++) s->targets[t] = t + 1 < len ? (int)b->tokens[i][t + 1] : -1;
         if (w->keep) s->kept = xcalloc((size_t)s->n_seg, sizeof(seg_cache));
         w->pub.state_bytes += sizeof(real) * ((size_t)s->n_seg * (S_sz + C_sz) + (size_t)n_mla * len * LW);
-        real *S = xcalloc(S_sz + 1, sizeof(real)), *C = xcalloc(C_sz + 1, sizeof(real));
+        real *S = w->run_S, *C = w->run_C;
+        be->zero(be, S, sizeof(real) * S_sz);
+        be->zero(be, C, sizeof(real) * C_sz);
         seq_io io = {S, C, s->latent, len, 0};
         for (int g = 0; g < s->n_seg; g++) {
             int t0 = g * s->seg, T = len - t0 < s->seg ? len - t0 : s->seg;
-            memcpy(s->bound_S + (size_t)g * S_sz, S, sizeof(real) * S_sz);
-            memcpy(s->bound_conv + (size_t)g * C_sz, C, sizeof(real) * C_sz);
+            be->copy(be, s->bound_S + (size_t)g * S_sz, S, sizeof(real) * S_sz);
+            be->copy(be, s->bound_conv + (size_t)g * C_sz, C, sizeof(real) * C_sz);
             const uint8_t *rin = m->replay_routing && b->routing ? b->routing[i] + (size_t)t0 * rw : NULL;
             seg_out so = {s->targets + t0, logp ? logp + off + t0 : NULL, entropy ? entropy + off + t0 : NULL, NULL,
                           rin, s->routing + (size_t)t0 * rw, 1};
@@ -124,29 +150,40 @@ void mtrl_model_forward(mtrl_model *m, const mtrl_batch *b, int segment, real *l
             if (w->pub.arena.peak > m->peak_activation_bytes) m->peak_activation_bytes = w->pub.arena.peak;
         }
         if (routing_out && routing_out[i]) memcpy(routing_out[i], s->routing, (size_t)len * rw);
-        free(S);
-        free(C);
         off += (size_t)len;
     }
+    be->sync(be);
 }
 
 void mtrl_model_backward(mtrl_model *m, const mtrl_batch *b, const real *dlogp, const real *dentropy) {
     const mtrl_model_dims *d = &m->dims;
+    mtrl_backend *be = m->be;
     ws_impl *w = (ws_impl *)m->ws;
     MTRL_CHECKF(w && w->pub.n_seq == b->n, "mtrl_model_backward needs the forward of the same batch first");
     int n_kda = model_n_kda(d), n_mla = model_n_mla(d);
     size_t S_sz = S_size_(d) * n_kda, C_sz = conv_size_(d) * n_kda, LW = lat_w_(d);
     size_t rw = (size_t)d->n_moe * d->k;
     size_t off_total = 0;
-    for (int i = 0; i < b->n; i++) off_total += (size_t)b->len[i];
+    int max_len = 1;
+    for (int i = 0; i < b->n; i++) {
+        off_total += (size_t)b->len[i];
+        if (b->len[i] > max_len) max_len = b->len[i];
+    }
+    // Gradients crossing segment boundaries (one sequence at a time).
+    mtrl_arena ga;
+    size_t lat_max = (size_t)n_mla * max_len * LW;
+    be_arena_init_(be, &ga, 2 * carve_bytes_(sizeof(real) * S_sz) + 2 * carve_bytes_(sizeof(real) * C_sz) +
+                                carve_bytes_(sizeof(real) * lat_max));
+    real *dS = RALLOC(&ga, S_sz), *dC = RALLOC(&ga, C_sz), *dlat = RALLOC(&ga, lat_max);
+    real *S = RALLOC(&ga, S_sz), *C = RALLOC(&ga, C_sz);
     size_t off = off_total;
     for (int i = b->n - 1; i >= 0; i--) {
         ws_seq *s = &w->seqs[i];
         int len = s->len;
         off -= (size_t)len;
-        real *dS = xcalloc(S_sz + 1, sizeof(real)), *dC = xcalloc(C_sz + 1, sizeof(real));
-        real *dlat = xcalloc((size_t)n_mla * len * LW + 1, sizeof(real));
-        real *S = xmalloc(sizeof(real) * (S_sz + 1)), *C = xmalloc(sizeof(real) * (C_sz + 1));
+        be->zero(be, dS, sizeof(real) * S_sz);
+        be->zero(be, dC, sizeof(real) * C_sz);
+        be->zero(be, dlat, sizeof(real) * (size_t)n_mla * len * LW);
         seq_grad g = {dS, dC, dlat};
         for (int gi = s->n_seg - 1; gi >= 0; gi--) {
             int t0 = gi * s->seg, T = len - t0 < s->seg ? len - t0 : s->seg;
@@ -156,8 +193,8 @@ void mtrl_model_backward(mtrl_model *m, const mtrl_batch *b, const real *dlogp, 
                 c = &s->kept[gi];
             } else {
                 // Recompute the segment from its boundary state, replaying the forward's routing.
-                memcpy(S, s->bound_S + (size_t)gi * S_sz, sizeof(real) * S_sz);
-                memcpy(C, s->bound_conv + (size_t)gi * C_sz, sizeof(real) * C_sz);
+                be->copy(be, S, s->bound_S + (size_t)gi * S_sz, sizeof(real) * S_sz);
+                be->copy(be, C, s->bound_conv + (size_t)gi * C_sz, sizeof(real) * C_sz);
                 io.t0 = t0;
                 seg_out so = {s->targets + t0, NULL, NULL, NULL, s->routing + (size_t)t0 * rw, NULL, 0};
                 mtrl_arena_reset(&w->pub.arena);
@@ -170,12 +207,9 @@ void mtrl_model_backward(mtrl_model *m, const mtrl_batch *b, const real *dlogp, 
             if (w->pub.arena.peak > m->peak_activation_bytes) m->peak_activation_bytes = w->pub.arena.peak;
             mtrl_arena_release(&w->pub.arena, mark);
         }
-        free(dS);
-        free(dC);
-        free(dlat);
-        free(S);
-        free(C);
     }
+    be->sync(be);
+    be_arena_free_(be, &ga);
 }
 
 // ---- inference ---------------------------------------------------------------------------------------------
@@ -189,48 +223,96 @@ size_t mtrl_decode_state_bytes(const mtrl_model *m, int cap) {
     return sizeof(real) * (model_n_kda(d) * (S_size_(d) + conv_size_(d)) + (size_t)model_n_mla(d) * cap * lat_w_(d));
 }
 
+static size_t gcd_(size_t a, size_t b) {
+    while (b) {
+        size_t t = a % b;
+        a = b;
+        b = t;
+    }
+    return a;
+}
+
 void mtrl_decode_state_init(mtrl_decode_state *s, const mtrl_model *m, int cap) {
     const mtrl_model_dims *d = &m->dims;
+    mtrl_backend *be = m->be;
     memset(s, 0, sizeof *s);
     s->cap = cap;
-    s->kda_S = xcalloc(model_n_kda(d) * S_size_(d) + 1, sizeof(real));
-    s->conv = xcalloc(model_n_kda(d) * conv_size_(d) + 1, sizeof(real));
-    s->latent = xcalloc((size_t)model_n_mla(d) * cap * lat_w_(d) + 1, sizeof(real));
+    s->be = be;
+    // One block: KDA states, conv windows, then the latents, whose start is a multiple of the
+    // latent row size (so the CUDA decode can address every state's cache from one base).
+    size_t kb = sizeof(real) * model_n_kda(d) * S_size_(d), cb = sizeof(real) * model_n_kda(d) * conv_size_(d);
+    size_t row = sizeof(real) * lat_w_(d), lb = sizeof(real) * (size_t)model_n_mla(d) * cap * lat_w_(d);
+    size_t al = row / gcd_(row, 64) * 64;
+    size_t bytes = carve_bytes_(kb) + carve_bytes_(cb) + al + lb + 64;
+    char *blk = be->alloc(be, bytes);
+    be->zero(be, blk, bytes);
+    s->block = blk;
+    s->kda_S = (real *)blk;
+    s->conv = (real *)(blk + carve_bytes_(kb));
+    uintptr_t lat = (uintptr_t)(blk + carve_bytes_(kb) + carve_bytes_(cb));
+    lat = (lat + al - 1) / al * al;
+    s->latent = (real *)lat;
 }
 
 void mtrl_decode_state_free(mtrl_decode_state *s) {
     if (!s) return;
-    free(s->kda_S);
-    free(s->conv);
-    free(s->latent);
+    if (s->be) s->be->release(s->be, s->block);
     memset(s, 0, sizeof *s);
 }
 
 void mtrl_decode_state_reset(mtrl_decode_state *s, const mtrl_model *m) {
     const mtrl_model_dims *d = &m->dims;
     s->pos = 0;
-    memset(s->kda_S, 0, sizeof(real) * model_n_kda(d) * S_size_(d));
-    memset(s->conv, 0, sizeof(real) * model_n_kda(d) * conv_size_(d));
+    m->be->zero(m->be, s->kda_S, sizeof(real) * model_n_kda(d) * S_size_(d));
+    m->be->zero(m->be, s->conv, sizeof(real) * model_n_kda(d) * conv_size_(d));
 }
 
 void mtrl_decode_state_copy(mtrl_decode_state *dst, const mtrl_decode_state *src, const mtrl_model *m) {
     const mtrl_model_dims *d = &m->dims;
+    mtrl_backend *be = m->be;
     MTRL_CHECKF(dst->cap >= src->pos, "decode state copy: capacity %d < position %d", dst->cap, src->pos);
-    memcpy(dst->kda_S, src->kda_S, sizeof(real) * model_n_kda(d) * S_size_(d));
-    memcpy(dst->conv, src->conv, sizeof(real) * model_n_kda(d) * conv_size_(d));
+    be->copy(be, dst->kda_S, src->kda_S, sizeof(real) * model_n_kda(d) * S_size_(d));
+    be->copy(be, dst->conv, src->conv, sizeof(real) * model_n_kda(d) * conv_size_(d));
     size_t lw = lat_w_(d);
     for (int j = 0; j < model_n_mla(d); j++)
-        memcpy(dst->latent + (size_t)j * dst->cap * lw, src->latent + (size_t)j * src->cap * lw,
-               sizeof(real) * (size_t)src->pos * lw);
+        be->copy(be, dst->latent + (size_t)j * dst->cap * lw, src->latent + (size_t)j * src->cap * lw,
+                 sizeof(real) * (size_t)src->pos * lw);
     dst->pos = src->pos;
+}
+
+void mtrl_decode_state_download(const mtrl_model *m, const mtrl_decode_state *s, real *kda_S, real *conv,
+                                real *latent) {
+    const mtrl_model_dims *d = &m->dims;
+    mtrl_backend *be = m->be;
+    size_t lw = lat_w_(d);
+    be->download(be, kda_S, s->kda_S, sizeof(real) * model_n_kda(d) * S_size_(d));
+    be->download(be, conv, s->conv, sizeof(real) * model_n_kda(d) * conv_size_(d));
+    for (int j = 0; j < model_n_mla(d); j++)
+        be->download(be, latent + (size_t)j * s->pos * lw, s->latent + (size_t)j * s->cap * lw,
+                     sizeof(real) * (size_t)s->pos * lw);
+}
+
+void mtrl_decode_state_upload(const mtrl_model *m, mtrl_decode_state *s, int pos, const real *kda_S,
+                              const real *conv, const real *latent) {
+    const mtrl_model_dims *d = &m->dims;
+    mtrl_backend *be = m->be;
+    MTRL_CHECKF(pos >= 0 && pos <= s->cap, "decode state upload: position %d, capacity %d", pos, s->cap);
+    size_t lw = lat_w_(d);
+    be->upload(be, s->kda_S, kda_S, sizeof(real) * model_n_kda(d) * S_size_(d));
+    be->upload(be, s->conv, conv, sizeof(real) * model_n_kda(d) * conv_size_(d));
+    for (int j = 0; j < model_n_mla(d); j++)
+        be->upload(be, s->latent + (size_t)j * s->cap * lw, latent + (size_t)j * pos * lw, sizeof(real) * (size_t)pos * lw);
+    be->sync(be);
+    s->pos = pos;
 }
 
 void mtrl_model_prefill(mtrl_model *m, mtrl_decode_state *s, const uint32_t *tokens, int n, real *logits_last,
                         uint8_t *routing_out) {
     ws_impl *w = ws_get_(m);
+    mtrl_backend *be = m->be;
     MTRL_CHECKF(s->pos + n <= s->cap, "prefill of %d tokens at position %d overflows capacity %d", n, s->pos, s->cap);
     int seg = n < PREFILL_SEGMENT ? (n > 0 ? n : 1) : PREFILL_SEGMENT;
-    arena_ensure_(&w->infer, seg_arena_bytes(&m->dims, seg, s->cap));
+    arena_ensure_(be, &w->infer, seg_arena_bytes(&m->dims, seg, s->cap));
     seq_io io = state_io_(s);
     for (int t0 = 0; t0 < n; t0 += seg) {
         int T = n - t0 < seg ? n - t0 : seg;
@@ -240,15 +322,16 @@ void mtrl_model_prefill(mtrl_model *m, mtrl_decode_state *s, const uint32_t *tok
                       routing_out ? routing_out + (size_t)t0 * m->dims.n_moe * m->dims.k : NULL, 0};
         seg_forward(m, &w->infer, SEG_CHUNK, T, tokens + t0, &io, &so, &c);
         if (t0 + T == n && logits_last)
-            memcpy(logits_last, c.logits + (size_t)(T - 1) * m->dims.V, sizeof(real) * m->dims.V);
+            be->download(be, logits_last, c.logits + (size_t)(T - 1) * m->dims.V, sizeof(real) * m->dims.V);
     }
+    be->sync(be);
     s->pos = io.t0;
 }
 
 void mtrl_model_decode(mtrl_model *m, mtrl_decode_state *const *states, int B, const uint32_t *tokens, real *logits,
                        uint8_t *routing_out) {
     ws_impl *w = ws_get_(m);
-    arena_ensure_(&w->infer, seg_arena_bytes(&m->dims, B, 1));
+    arena_ensure_(m->be, &w->infer, seg_arena_bytes(&m->dims, B, 1));
     mtrl_arena_reset(&w->infer);
     seq_io ios[256];
     seq_io *io = B <= 256 ? ios : xmalloc(sizeof(seq_io) * (size_t)B);
@@ -256,6 +339,7 @@ void mtrl_model_decode(mtrl_model *m, mtrl_decode_state *const *states, int B, c
     seg_out so = {NULL, NULL, NULL, logits, NULL, routing_out, 0};
     seg_cache c;
     seg_forward(m, &w->infer, SEG_DECODE, B, tokens, io, &so, &c);
+    m->be->sync(m->be);
     for (int r = 0; r < B; r++) states[r]->pos = io[r].t0;
     if (io != ios) free(io);
 }
@@ -265,7 +349,7 @@ void mtrl_model_logits(mtrl_model *m, const uint32_t *tokens, int len, int segme
     mtrl_decode_state_init(&s, m, len);
     ws_impl *w = ws_get_(m);
     int seg = segment > 0 && segment < len ? segment : (len > 0 ? len : 1);
-    arena_ensure_(&w->infer, seg_arena_bytes(&m->dims, seg, len));
+    arena_ensure_(m->be, &w->infer, seg_arena_bytes(&m->dims, seg, len));
     seq_io io = state_io_(&s);
     for (int t0 = 0; t0 < len; t0 += seg) {
         int T = len - t0 < seg ? len - t0 : seg;
@@ -274,5 +358,6 @@ void mtrl_model_logits(mtrl_model *m, const uint32_t *tokens, int len, int segme
         seg_cache c;
         seg_forward(m, &w->infer, SEG_CHUNK, T, tokens + t0, &io, &so, &c);
     }
+    m->be->sync(m->be);
     mtrl_decode_state_free(&s);
 }

@@ -11,6 +11,8 @@
 // in place as the segment runs) and the MLA latents of each MLA layer (rows t0.. written).
 // The activations a segment's backward needs live in seg_cache, carved from one arena that is
 // reset per segment; nothing of a segment outlives its backward.
+// Every array here lives where the model's backend computes (backend.h: device memory for a
+// CUDA model); the arenas are arenas over one backend block (mtrl_arena_init_over).
 #ifndef MTRL_MODEL_WS_H
 #define MTRL_MODEL_WS_H
 
@@ -106,7 +108,7 @@ void seg_forward(mtrl_model *m, mtrl_arena *ar, int mode, int T, const uint32_t 
 
 // Backward of the segment whose caches c the forward saved (model_bwd.c): dlogp/dentropy [T];
 // g: gradients crossing the boundary (in: from the segment after, out: to the segment before).
-// Parameter gradients accumulate into m->G.
+// Parameter gradients accumulate into m->dG.
 void seg_backward(mtrl_model *m, mtrl_arena *ar, seg_cache *c, const uint32_t *tokens, const int *targets,
                   const seq_io *io, const real *dlogp, const real *dentropy, seq_grad *g);
 

@@ -1,0 +1,172 @@
+// backend.h: the operations the backbone runs, behind one table of function pointers, so the
+// ONE model implementation (model_fwd.c, model_bwd.c, model_run.c, model_params.c) runs on the
+// CPU reference or on the GPU. Not part of the public API (model.h selects the device).
+//
+//   CPU  (backend_cpu.c): every entry calls the kernels/ref function of the same name, or is
+//        the loop the model used to run inline, so results are bit-identical to the reference.
+//   CUDA (backend_cuda.c, fp32 build with MTRL_HAVE_CUDA only): the launchers of
+//        kernels/cuda/kernels_cuda.h on device pointers, plus the small kernels of
+//        model_cuda.cu (elementwise ops, embedding, pointer-array gathers, norms).
+//
+// Conventions (every entry):
+//   * Pointers are the backend's memory (device memory for CUDA), except arguments whose name
+//     ends in _h: host memory. Arrays of pointers (`*_h` of pointers) are host arrays holding
+//     backend pointers.
+//   * Shapes, layouts and the overwrite / "+=" rules are those of the kernels/ref function with
+//     the same name (its header documents them). Batched decode entries (shortconv_step,
+//     kda_step, mla_decode) take one state pointer per row instead of one contiguous block.
+//   * Everything is ordered on one stream: an entry may return before the device finished,
+//     except download, grad_sq_norm, moe_load_count and qb_beta, which return host results.
+//   * Arguments the CUDA kernels do not support abort with a message (check.h); the model
+//     checks its dimensions against the kernels' limits when it is created on a GPU.
+#ifndef MTRL_MODEL_BACKEND_H
+#define MTRL_MODEL_BACKEND_H
+
+#include <stddef.h>
+
+#include "kernels/ref/real.h"
+
+typedef struct mtrl_backend mtrl_backend;
+
+struct mtrl_backend {
+    int device; // MTRL_DEVICE_CPU or MTRL_DEVICE_CUDA (model.h)
+    int gpu;    // CUDA device index
+    void *impl; // the CUDA backend's private state (context, scratch)
+
+    // ---- memory --------------------------------------------------------------------------------
+    void *(*alloc)(mtrl_backend *, size_t bytes); // uninitialised, at least 64-byte aligned; 0 bytes: a valid pointer
+    void (*release)(mtrl_backend *, void *p);     // NULL is fine
+    void (*zero)(mtrl_backend *, void *p, size_t bytes);
+    void (*copy)(mtrl_backend *, void *dst, const void *src, size_t bytes);
+    void (*upload)(mtrl_backend *, void *dst, const void *src_h, size_t bytes);
+    void (*download)(mtrl_backend *, void *dst_h, const void *src, size_t bytes);
+    void (*sync)(mtrl_backend *);
+    // dst[r*ldd + j] = src[r*lds + j] for r < rows, j < n.
+    void (*copy_rows)(mtrl_backend *, int rows, int n, const real *src, int lds, real *dst, int ldd);
+    // dst[b*n ..] = src_h[b][0..n)  /  dst_h[b][0..n) = src[b*n ..], b < B.
+    void (*gather)(mtrl_backend *, int B, size_t n, const real *const *src_h, real *dst);
+    void (*scatter)(mtrl_backend *, int B, size_t n, const real *src, real *const *dst_h);
+
+    // ---- elementwise (the loops the model runs between kernels) --------------------------------
+    void (*sigmoid)(mtrl_backend *, size_t n, const real *x, real *y);                    // y = σ(x)
+    void (*sigmoid_mul)(mtrl_backend *, size_t n, const real *x, const real *a, real *y); // y = σ(x) a
+    // da = dy σ(x), dx = dy a σ(x)(1 − σ(x)).
+    void (*sigmoid_mul_bwd)(mtrl_backend *, size_t n, const real *x, const real *a, const real *dy, real *da,
+                            real *dx);
+    void (*dsigmoid)(mtrl_backend *, size_t n, const real *s, real *dy); // dy *= s (1 − s), s = σ(·)
+    // y = a + b (a NULL: y = 0 + b). y may alias a or b.
+    void (*add)(mtrl_backend *, size_t n, const real *a, const real *b, real *y);
+    void (*scale)(mtrl_backend *, size_t n, real *x, real s); // x *= s
+
+    // ---- dense ---------------------------------------------------------------------------------
+    void (*gemm)(mtrl_backend *, int trans_a, int trans_b, int M, int N, int K, real alpha, const real *A, int lda,
+                 const real *B, int ldb, real beta, real *C, int ldc);
+
+    // ---- per-token ops (ops_ref.h) -----------------------------------------------------------------
+    void (*rmsnorm_fwd)(mtrl_backend *, int N, int D, const real *x, const real *w, real eps, real *y, real *rstd);
+    void (*rmsnorm_bwd)(mtrl_backend *, int N, int D, const real *x, const real *w, const real *rstd, real eps,
+                        const real *dy, real *dx, real *dw);
+    void (*l2norm_fwd)(mtrl_backend *, int N, int D, const real *x, real eps, real *y);
+    void (*l2norm_bwd)(mtrl_backend *, int N, int D, const real *x, real eps, const real *dy, real *dx);
+    void (*gated_rmsnorm_fwd)(mtrl_backend *, int N, int D, const real *x, const real *z, const real *w, real eps,
+                              real *y);
+    void (*gated_rmsnorm_bwd)(mtrl_backend *, int N, int D, const real *x, const real *z, const real *w, real eps,
+                              const real *dy, real *dx, real *dz, real *dw);
+    void (*shortconv_fwd)(mtrl_backend *, int T, int C, int W, const real *x, const real *w, const real *state_in,
+                          real *y, real *state_out);
+    void (*shortconv_bwd)(mtrl_backend *, int T, int C, int W, const real *x, const real *w, const real *state_in,
+                          const real *dy, real *dx, real *dw, real *dstate_in);
+    void (*shortconv_state_bwd)(mtrl_backend *, int T, int C, int W, const real *dstate_out, real *dx,
+                                real *dstate_in);
+    // B decode rows: x1, y1 [B][C]; row r's window [W−1][C] at window_h[r] (updated).
+    void (*shortconv_step)(mtrl_backend *, int B, int C, int W, const real *x1, const real *w,
+                           real *const *window_h, real *y1);
+    void (*embedding_fwd)(mtrl_backend *, int N, int D, const int *ids_h, const real *E, real *x);
+    void (*embedding_bwd)(mtrl_backend *, int N, int D, const int *ids_h, const real *dx, real *dE);
+    // logp_h, entropy_h (nullable) [N] on the host.
+    void (*logprob_fwd)(mtrl_backend *, int N, int V, const real *logits, const int *targets_h, real *logp_h,
+                        real *entropy_h);
+    void (*logprob_bwd)(mtrl_backend *, int N, int V, const real *logits, const int *targets_h, const real *dlogp_h,
+                        const real *dentropy_h, real *dlogits);
+    void (*adamw)(mtrl_backend *, size_t n, real *param, const real *grad, real *m, real *v, real lr, real beta1,
+                  real beta2, real eps, real weight_decay, long step);
+    double (*grad_sq_norm)(mtrl_backend *, size_t n, const real *grad);
+
+    // ---- KDA (kda_ref.h) ---------------------------------------------------------------------------
+    void (*kda_gate_fwd)(mtrl_backend *, int T, int H, int K, const real *f, const real *A_log, const real *dt_bias,
+                         real g_min, real *g);
+    void (*kda_gate_bwd)(mtrl_backend *, int T, int H, int K, const real *f, const real *A_log, const real *dt_bias,
+                         real g_min, const real *dg, real *df, real *dA_log, real *ddt_bias);
+    void (*kda_chunk_fwd)(mtrl_backend *, int T, int H, int K, int V, const real *q, const real *k, const real *v,
+                          const real *g, const real *beta, const real *S0, real *o, real *S_final, real *S_tiles);
+    void (*kda_chunk_bwd)(mtrl_backend *, int T, int H, int K, int V, const real *q, const real *k, const real *v,
+                          const real *g, const real *beta, const real *S0, const real *S_tiles, const real *dout,
+                          const real *dS_final, real *dq, real *dk, real *dv, real *dg, real *dbeta, real *dS0);
+    // B decode rows (q, k, g [B][H][K], v, o [B][H][V], beta [B][H]); row r's state at S_h[r].
+    void (*kda_step)(mtrl_backend *, int B, int H, int K, int V, const real *q, const real *k, const real *v,
+                     const real *g, const real *beta, real *const *S_h, real *o);
+
+    // ---- attention / MLA (mla_ref.h) ---------------------------------------------------------------
+    void (*attn_causal_fwd)(mtrl_backend *, int Tq, int Tk, int H, int Hk, int Dk, int Dv, real scale, const real *q,
+                            const real *k, int ldk, const real *v, int ldv, real *o, real *lse);
+    void (*attn_causal_bwd)(mtrl_backend *, int Tq, int Tk, int H, int Hk, int Dk, int Dv, real scale, const real *q,
+                            const real *k, int ldk, const real *v, int ldv, const real *o, const real *lse,
+                            const real *dout, real *dq, real *dk, real *dv);
+    void (*mla_absorb_q)(mtrl_backend *, int N, int H, int dn, int dr, int dv, int dc, const real *q,
+                         const real *W_kvb, real *qt);
+    void (*mla_absorb_q_bwd)(mtrl_backend *, int N, int H, int dn, int dr, int dv, int dc, const real *q,
+                             const real *W_kvb, const real *dqt, real *dq, real *dW_kvb);
+    void (*mla_up_v)(mtrl_backend *, int N, int H, int dn, int dv, int dc, const real *cstar, const real *W_kvb,
+                     real *a);
+    void (*mla_up_v_bwd)(mtrl_backend *, int N, int H, int dn, int dv, int dc, const real *cstar, const real *W_kvb,
+                         const real *da, real *dcstar, real *dW_kvb);
+    // B decode rows: q [B][H][dn+dr], a [B][H][dv]; row r reads the interleaved latent cache
+    // lat_h[r] ([Tk_h[r]][ld] rows [ĉ ; k^r], its own token's row included).
+    void (*mla_decode)(mtrl_backend *, int B, int H, int dn, int dr, int dv, int dc, real scale, const real *q,
+                       const real *W_kvb, const real *const *lat_h, int ld, const int *Tk_h, real *a);
+
+    // ---- MoE (moe_ref.h) ---------------------------------------------------------------------------
+    void (*moe_router_fwd)(mtrl_backend *, int N, int E, int K, const real *z, const real *beta, int score_softmax,
+                           real rho, int replay, int *sel, real *w, real *s);
+    void (*moe_router_bwd)(mtrl_backend *, int N, int E, int K, const real *s, const int *sel, const real *w,
+                           int score_softmax, real rho, const real *dw, real *dz);
+    void (*moe_dispatch)(mtrl_backend *, int N, int E, int K, const int *sel, int *offsets, int *perm_token, int *pos);
+    void (*moe_gather)(mtrl_backend *, int N, int K, int D, const int *pos, const real *x, real *X_perm);
+    void (*moe_combine_fwd)(mtrl_backend *, int N, int K, int D, const int *pos, const real *w, const real *Y_perm,
+                            real *y);
+    void (*moe_combine_bwd)(mtrl_backend *, int N, int K, int D, const int *pos, const real *w, const real *Y_perm,
+                            const real *dy, real *dY_perm, real *dw);
+    void (*moe_scatter_bwd)(mtrl_backend *, int N, int K, int D, const int *pos, const real *dX_perm, real *dx);
+    void (*moe_experts_fwd)(mtrl_backend *, int E, int D, int I, const int *offsets, const real *X_perm,
+                            const real *W1, const real *W3, const real *W2, real *u1, real *u3, real *Y_perm);
+    void (*moe_experts_bwd)(mtrl_backend *, int E, int D, int I, const int *offsets, const real *X_perm,
+                            const real *W1, const real *W3, const real *W2, const real *u1, const real *u3,
+                            const real *dY_perm, real *dX_perm, real *dW1, real *dW3, real *dW2);
+    void (*moe_swiglu_fwd)(mtrl_backend *, int N, int D, int I, const real *x, const real *W1, const real *W3,
+                           const real *W2, real *u1, real *u3, real *y);
+    void (*moe_swiglu_bwd)(mtrl_backend *, int N, int D, int I, const real *x, const real *W1, const real *W3,
+                           const real *W2, const real *u1, const real *u3, const real *dy, real *dx, real *dW1,
+                           real *dW3, real *dW2);
+    void (*moe_load_count)(mtrl_backend *, int N, int E, int K, const int *sel, int *load_h);
+    // qb_beta_from_batch with the new β returned on the host.
+    int (*qb_beta)(mtrl_backend *, int N, int E, int K, const real *z, const real *beta_old, real *beta_new_h);
+
+    // ---- Block AttnRes (attnres_ref.h); V_h / dV_h: host arrays of S backend pointers ---------------
+    void (*attnres_site_fwd)(mtrl_backend *, int N, int D, int S, const real *const *V_h, const real *w,
+                             const real *gamma, real eps, real *h, real *alpha);
+    void (*attnres_site_bwd)(mtrl_backend *, int N, int D, int S, const real *const *V_h, const real *w,
+                             const real *gamma, real eps, const real *alpha, const real *dh, real *const *dV_h,
+                             real *dw, real *dgamma);
+};
+
+// The CPU backend (one shared, stateless instance).
+mtrl_backend *mtrl_backend_cpu(void);
+
+// A CUDA backend on GPU `gpu`, or NULL with a message in err_msg (built without CUDA, the fp64
+// build, or no such device). mtrl_backend_destroy frees it (the CPU instance is left alone).
+mtrl_backend *mtrl_backend_cuda_create(int gpu, char *err_msg, size_t err_len);
+void mtrl_backend_destroy(mtrl_backend *be);
+// Number of CUDA devices this build can use (0 without CUDA support or without a device).
+int mtrl_backend_cuda_devices(void);
+
+#endif

@@ -1,0 +1,489 @@
+// backend_cuda.c: the CUDA backend (backend.h): the launchers of kernels/cuda/kernels_cuda.h
+// and the small kernels of model_cuda.cu on device memory, on one stream.
+//
+// Precision: fp32 activations, states and gradients. GEMMs are cuBLAS in true fp32 (MTRL_F32,
+// no TF32), chosen over bf16 operands so the GPU model agrees with the fp32 CPU model to about
+// 1e-5 relative everywhere but the MLA attention: the only causal-attention kernel multiplies
+// bf16 operands (tensor cores, fp32 accumulation), so the chunked form converts the absorbed
+// queries, the latent cache and dout to bf16 copies per call (errors ~1e-3 relative).
+//
+// Decode states are separate allocations per sequence, while the batched decode kernels take
+// one block: kda_step and shortconv_step gather the B states into scratch, run, and scatter
+// them back; mla_decode addresses every sequence's latent cache from the lowest one (the
+// decode states align their latents for that; otherwise it runs one launch per sequence).
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "common/check.h"
+#include "common/model/backend.h"
+#include "common/model/model.h"
+
+#if defined(MTRL_HAVE_CUDA) && !REAL_IS_F64
+
+#include "common/model/model_cuda.h"
+#include "kernels/cuda/kernels_cuda.h"
+
+typedef mtrl_backend BE;
+
+typedef struct cuda_impl {
+    mtrl_cuda_ctx *ctx;
+    char *scratch;        // the backend's own scratch (the launchers use the context's)
+    size_t scratch_bytes;
+    double *sq_part;      // [MTRL_MC_SQ_BLOCKS]
+} cuda_impl;
+
+#define CTX(be) (((cuda_impl *)(be)->impl)->ctx)
+// A launcher that refuses its arguments is a model bug (the dims were checked at init).
+#define OK(call) MTRL_CHECKF((call) == 0, "CUDA launcher refused its arguments: %s", #call)
+
+// Scratch of at least `bytes` (grow-only; growing waits for the stream).
+static char *scratch_(BE *be, size_t bytes) {
+    cuda_impl *x = be->impl;
+    if (bytes > x->scratch_bytes) {
+        mtrl_mc_free(x->ctx, x->scratch);
+        x->scratch_bytes = bytes + bytes / 4 + ((size_t)1 << 20);
+        x->scratch = mtrl_mc_malloc(x->scratch_bytes);
+    }
+    return x->scratch;
+}
+// Carving: aligned offsets into one scratch request.
+static size_t take_(size_t *off, size_t bytes) {
+    size_t o = (*off + 255) & ~(size_t)255;
+    *off = o + bytes;
+    return o;
+}
+
+// ---- memory ----------------------------------------------------------------------------------------
+
+static void *alloc_(BE *be, size_t bytes) { (void)be; return mtrl_mc_malloc(bytes); }
+static void release_(BE *be, void *p) { mtrl_mc_free(CTX(be), p); }
+static void zero_(BE *be, void *p, size_t bytes) { mtrl_mc_zero(CTX(be), p, bytes); }
+static void copy_(BE *be, void *dst, const void *src, size_t bytes) { mtrl_mc_copy(CTX(be), dst, src, bytes); }
+static void upload_(BE *be, void *dst, const void *src, size_t bytes) { mtrl_mc_upload(CTX(be), dst, src, bytes); }
+static void download_(BE *be, void *dst, const void *src, size_t bytes) {
+    mtrl_mc_download(CTX(be), dst, src, bytes);
+}
+static void sync_(BE *be) { mtrl_cuda_sync(CTX(be)); }
+static void copy_rows_(BE *be, int rows, int n, const real *src, int lds, real *dst, int ldd) {
+    mtrl_mc_copy_rows(CTX(be), rows, n, src, lds, dst, ldd);
+}
+// Uploads a host array of B pointers into scratch at *off; returns the device array.
+static void *ptrs_(BE *be, char *base, size_t o, int B, const void *const *ptrs_h) {
+    mtrl_mc_upload(CTX(be), base + o, ptrs_h, sizeof(void *) * (size_t)B);
+    return base + o;
+}
+static void gather_(BE *be, int B, size_t n, const real *const *src_h, real *dst) {
+    if (B <= 0 || !n) return;
+    char *s = scratch_(be, sizeof(void *) * (size_t)B);
+    mtrl_mc_gather(CTX(be), B, n, ptrs_(be, s, 0, B, (const void *const *)src_h), dst);
+}
+static void scatter_(BE *be, int B, size_t n, const real *src, real *const *dst_h) {
+    if (B <= 0 || !n) return;
+    char *s = scratch_(be, sizeof(void *) * (size_t)B);
+    mtrl_mc_scatter(CTX(be), B, n, src, ptrs_(be, s, 0, B, (const void *const *)dst_h));
+}
+
+// ---- elementwise ------------------------------------------------------------------------------------
+
+static void sigmoid_(BE *be, size_t n, const real *x, real *y) { mtrl_mc_sigmoid(CTX(be), n, x, y); }
+static void sigmoid_mul_(BE *be, size_t n, const real *x, const real *a, real *y) {
+    mtrl_mc_sigmoid_mul(CTX(be), n, x, a, y);
+}
+static void sigmoid_mul_bwd_(BE *be, size_t n, const real *x, const real *a, const real *dy, real *da, real *dx) {
+    mtrl_mc_sigmoid_mul_bwd(CTX(be), n, x, a, dy, da, dx);
+}
+static void dsigmoid_(BE *be, size_t n, const real *s, real *dy) { mtrl_mc_dsigmoid(CTX(be), n, s, dy); }
+static void add_(BE *be, size_t n, const real *a, const real *b, real *y) { mtrl_mc_add(CTX(be), n, a, b, y); }
+static void scale_(BE *be, size_t n, real *x, real s) { mtrl_mc_scale(CTX(be), n, x, s); }
+
+// ---- dense (true fp32) --------------------------------------------------------------------------------
+
+static void gemm_(BE *be, int ta, int tb, int M, int N, int K, real alpha, const real *A, int lda, const real *B,
+                  int ldb, real beta, real *C, int ldc) {
+    OK(mtrl_gemm(CTX(be), ta, tb, M, N, K, alpha, A, lda, B, ldb, MTRL_F32, beta, C, ldc, MTRL_F32));
+}
+
+// ---- per-token ops ------------------------------------------------------------------------------------
+
+static void rmsnorm_fwd_(BE *be, int N, int D, const real *x, const real *w, real eps, real *y, real *rstd) {
+    OK(mtrl_rmsnorm_fwd(CTX(be), N, D, x, w, eps, y, rstd));
+}
+static void rmsnorm_bwd_(BE *be, int N, int D, const real *x, const real *w, const real *rstd, real eps,
+                         const real *dy, real *dx, real *dw) {
+    OK(mtrl_rmsnorm_bwd(CTX(be), N, D, x, w, rstd, eps, dy, dx, dw));
+}
+static void l2norm_fwd_(BE *be, int N, int D, const real *x, real eps, real *y) {
+    OK(mtrl_l2norm_fwd(CTX(be), N, D, x, eps, y, NULL));
+}
+static void l2norm_bwd_(BE *be, int N, int D, const real *x, real eps, const real *dy, real *dx) {
+    OK(mtrl_l2norm_bwd(CTX(be), N, D, x, eps, dy, dx));
+}
+static void gated_rmsnorm_fwd_(BE *be, int N, int D, const real *x, const real *z, const real *w, real eps,
+                               real *y) {
+    OK(mtrl_gated_rmsnorm_fwd(CTX(be), N, D, x, z, w, eps, y));
+}
+static void gated_rmsnorm_bwd_(BE *be, int N, int D, const real *x, const real *z, const real *w, real eps,
+                               const real *dy, real *dx, real *dz, real *dw) {
+    OK(mtrl_gated_rmsnorm_bwd(CTX(be), N, D, x, z, w, eps, dy, dx, dz, dw));
+}
+static void shortconv_fwd_(BE *be, int T, int C, int W, const real *x, const real *w, const real *si, real *y,
+                           real *so) {
+    OK(mtrl_shortconv_fwd(CTX(be), T, C, W, x, w, si, y, so));
+}
+static void shortconv_bwd_(BE *be, int T, int C, int W, const real *x, const real *w, const real *si,
+                           const real *dy, real *dx, real *dw, real *dsi) {
+    OK(mtrl_shortconv_bwd(CTX(be), T, C, W, x, w, si, dy, dx, dw, dsi));
+}
+static void shortconv_state_bwd_(BE *be, int T, int C, int W, const real *dso, real *dx, real *dsi) {
+    OK(mtrl_shortconv_state_bwd(CTX(be), T, C, W, dso, dx, dsi));
+}
+// Gathers the B per-row states (n floats each) into scratch, runs `run` on the block, scatters back.
+static float *states_in_(BE *be, int B, size_t n, real *const *st_h, float ***dev_ptrs) {
+    size_t off = 0, op = take_(&off, sizeof(void *) * (size_t)B), ob = take_(&off, sizeof(float) * (size_t)B * n);
+    char *s = scratch_(be, off);
+    *dev_ptrs = ptrs_(be, s, op, B, (const void *const *)st_h);
+    mtrl_mc_gather(CTX(be), B, n, (const float *const *)*dev_ptrs, (float *)(s + ob));
+    return (float *)(s + ob);
+}
+static void shortconv_step_(BE *be, int B, int C, int W, const real *x1, const real *w, real *const *win,
+                            real *y1) {
+    if (B <= 0) return;
+    size_t n = (size_t)(W - 1) * C;
+    if (!n) {
+        OK(mtrl_shortconv_step(CTX(be), B, C, W, x1, w, NULL, y1));
+        return;
+    }
+    float **dp;
+    float *blk = states_in_(be, B, n, win, &dp);
+    OK(mtrl_shortconv_step(CTX(be), B, C, W, x1, w, blk, y1));
+    mtrl_mc_scatter(CTX(be), B, n, blk, dp);
+}
+static void embedding_fwd_(BE *be, int N, int D, const int *ids, const real *E, real *x) {
+    if (N <= 0) return;
+    int *d = (int *)scratch_(be, sizeof(int) * (size_t)N);
+    mtrl_mc_upload(CTX(be), d, ids, sizeof(int) * (size_t)N);
+    mtrl_mc_embedding_fwd(CTX(be), N, D, d, E, x);
+}
+static void embedding_bwd_(BE *be, int N, int D, const int *ids, const real *dx, real *dE) {
+    if (N <= 0) return;
+    int *d = (int *)scratch_(be, sizeof(int) * (size_t)N);
+    mtrl_mc_upload(CTX(be), d, ids, sizeof(int) * (size_t)N);
+    mtrl_mc_embedding_bwd(CTX(be), N, D, d, dx, dE);
+}
+static void logprob_fwd_(BE *be, int N, int V, const real *logits, const int *tg, real *logp, real *ent) {
+    if (N <= 0) return;
+    size_t off = 0, ot = take_(&off, sizeof(int) * (size_t)N), ol = take_(&off, sizeof(float) * (size_t)N),
+           oe = take_(&off, sizeof(float) * (size_t)N);
+    char *s = scratch_(be, off);
+    mtrl_mc_upload(CTX(be), s + ot, tg, sizeof(int) * (size_t)N);
+    OK(mtrl_logprob_fwd(CTX(be), N, V, logits, (int *)(s + ot), (float *)(s + ol), ent ? (float *)(s + oe) : NULL));
+    mtrl_mc_download(CTX(be), logp, s + ol, sizeof(float) * (size_t)N);
+    if (ent) mtrl_mc_download(CTX(be), ent, s + oe, sizeof(float) * (size_t)N);
+}
+static void logprob_bwd_(BE *be, int N, int V, const real *logits, const int *tg, const real *dlogp,
+                         const real *dent, real *dlogits) {
+    if (N <= 0) return;
+    size_t off = 0, ot = take_(&off, sizeof(int) * (size_t)N), ol = take_(&off, sizeof(float) * (size_t)N),
+           oe = take_(&off, sizeof(float) * (size_t)N);
+    char *s = scratch_(be, off);
+    mtrl_mc_upload(CTX(be), s + ot, tg, sizeof(int) * (size_t)N);
+    mtrl_mc_upload(CTX(be), s + ol, dlogp, sizeof(float) * (size_t)N);
+    if (dent) mtrl_mc_upload(CTX(be), s + oe, dent, sizeof(float) * (size_t)N);
+    OK(mtrl_logprob_bwd(CTX(be), N, V, logits, (int *)(s + ot), (float *)(s + ol), dent ? (float *)(s + oe) : NULL,
+                        dlogits));
+}
+static void adamw_(BE *be, size_t n, real *p, const real *g, real *m, real *v, real lr, real b1, real b2, real eps,
+                   real wd, long step) {
+    OK(mtrl_adamw(CTX(be), n, p, g, m, v, lr, b1, b2, eps, wd, step));
+}
+static double grad_sq_norm_(BE *be, size_t n, const real *g) {
+    cuda_impl *x = be->impl;
+    return mtrl_mc_sq_norm(x->ctx, n, g, x->sq_part);
+}
+
+// ---- KDA -----------------------------------------------------------------------------------------------
+
+static void kda_gate_fwd_(BE *be, int T, int H, int K, const real *f, const real *A, const real *b, real gm,
+                          real *g) {
+    OK(mtrl_kda_gate_fwd(CTX(be), T, H, K, f, A, b, gm, g));
+}
+static void kda_gate_bwd_(BE *be, int T, int H, int K, const real *f, const real *A, const real *b, real gm,
+                          const real *dg, real *df, real *dA, real *db) {
+    OK(mtrl_kda_gate_bwd(CTX(be), T, H, K, f, A, b, gm, dg, df, dA, db));
+}
+static void kda_chunk_fwd_(BE *be, int T, int H, int K, int V, const real *q, const real *k, const real *v,
+                           const real *g, const real *beta, const real *S0, real *o, real *Sf, real *St) {
+    OK(mtrl_kda_chunk_fwd(CTX(be), T, H, K, V, q, k, v, g, beta, S0, o, Sf, St));
+}
+static void kda_chunk_bwd_(BE *be, int T, int H, int K, int V, const real *q, const real *k, const real *v,
+                           const real *g, const real *beta, const real *S0, const real *St, const real *dout,
+                           const real *dSf, real *dq, real *dk, real *dv, real *dg, real *dbeta, real *dS0) {
+    OK(mtrl_kda_chunk_bwd(CTX(be), T, H, K, V, q, k, v, g, beta, S0, St, dout, dSf, dq, dk, dv, dg, dbeta, dS0));
+}
+static void kda_step_(BE *be, int B, int H, int K, int V, const real *q, const real *k, const real *v,
+                      const real *g, const real *beta, real *const *S, real *o) {
+    if (B <= 0) return;
+    size_t n = (size_t)H * K * V;
+    float **dp;
+    float *blk = states_in_(be, B, n, S, &dp);
+    OK(mtrl_kda_step(CTX(be), B, H, K, V, q, k, v, g, beta, blk, o));
+    mtrl_mc_scatter(CTX(be), B, n, blk, dp);
+}
+
+// ---- attention / MLA -------------------------------------------------------------------------------------
+//
+// The attention kernel takes bf16 q, k, v (and dout): convert into scratch. k (and v when it is
+// not the same array) are converted as Tk whole rows of their stride.
+
+static void attn_causal_fwd_(BE *be, int Tq, int Tk, int H, int Hk, int Dk, int Dv, real scale, const real *q,
+                             const real *k, int ldk, const real *v, int ldv, real *o, real *lse) {
+    int alias = v == k && ldv == ldk;
+    size_t nq = (size_t)Tq * H * Dk, nk = (size_t)Tk * ldk, nv = alias ? 0 : (size_t)Tk * ldv;
+    size_t off = 0, oq = take_(&off, 2 * nq), ok = take_(&off, 2 * nk), ov = take_(&off, 2 * nv);
+    char *s = scratch_(be, off);
+    mtrl_cuda_ctx *c = CTX(be);
+    mtrl_cuda_f32_to_bf16(c, nq, q, (mtrl_bf16 *)(s + oq));
+    mtrl_cuda_f32_to_bf16(c, nk, k, (mtrl_bf16 *)(s + ok));
+    if (!alias) mtrl_cuda_f32_to_bf16(c, nv, v, (mtrl_bf16 *)(s + ov));
+    const mtrl_bf16 *vb = (const mtrl_bf16 *)(s + (alias ? ok : ov));
+    OK(mtrl_attn_causal_fwd(c, Tq, Tk, H, Hk, Dk, Dv, scale, (mtrl_bf16 *)(s + oq), (mtrl_bf16 *)(s + ok), ldk, vb,
+                            ldv, o, lse));
+}
+static void attn_causal_bwd_(BE *be, int Tq, int Tk, int H, int Hk, int Dk, int Dv, real scale, const real *q,
+                             const real *k, int ldk, const real *v, int ldv, const real *o, const real *lse,
+                             const real *dout, real *dq, real *dk, real *dv) {
+    int alias = v == k && ldv == ldk;
+    size_t nq = (size_t)Tq * H * Dk, nk = (size_t)Tk * ldk, nv = alias ? 0 : (size_t)Tk * ldv,
+           nd = (size_t)Tq * H * Dv;
+    size_t off = 0, oq = take_(&off, 2 * nq), ok = take_(&off, 2 * nk), ov = take_(&off, 2 * nv),
+           od = take_(&off, 2 * nd);
+    char *s = scratch_(be, off);
+    mtrl_cuda_ctx *c = CTX(be);
+    mtrl_cuda_f32_to_bf16(c, nq, q, (mtrl_bf16 *)(s + oq));
+    mtrl_cuda_f32_to_bf16(c, nk, k, (mtrl_bf16 *)(s + ok));
+    if (!alias) mtrl_cuda_f32_to_bf16(c, nv, v, (mtrl_bf16 *)(s + ov));
+    mtrl_cuda_f32_to_bf16(c, nd, dout, (mtrl_bf16 *)(s + od));
+    const mtrl_bf16 *vb = (const mtrl_bf16 *)(s + (alias ? ok : ov));
+    OK(mtrl_attn_causal_bwd(c, Tq, Tk, H, Hk, Dk, Dv, scale, (mtrl_bf16 *)(s + oq), (mtrl_bf16 *)(s + ok), ldk, vb,
+                            ldv, o, lse, (mtrl_bf16 *)(s + od), dq, dk, alias ? dk : dv));
+}
+// W_kvb [H*(dn+dv)][dc]: head h's W_UK at h*(dn+dv)*dc, its W_UV dn*dc further (mla_ref.h).
+static void mla_absorb_q_(BE *be, int N, int H, int dn, int dr, int dv, int dc, const real *q, const real *W,
+                          real *qt) {
+    mtrl_cuda_ctx *c = CTX(be);
+    int ldq = H * (dn + dr), ldt = H * (dc + dr);
+    long long sw = (long long)(dn + dv) * dc;
+    OK(mtrl_gemm_batched(c, 0, 0, N, dc, dn, 1.f, q, ldq, dn + dr, W, dc, sw, MTRL_F32, 0.f, qt, ldt, dc + dr,
+                         MTRL_F32, H));
+    mtrl_mc_copy_rows(c, N * H, dr, q + dn, dn + dr, qt + dc, dc + dr);
+}
+static void mla_absorb_q_bwd_(BE *be, int N, int H, int dn, int dr, int dv, int dc, const real *q, const real *W,
+                              const real *dqt, real *dq, real *dW) {
+    mtrl_cuda_ctx *c = CTX(be);
+    int ldq = H * (dn + dr), ldt = H * (dc + dr);
+    long long sw = (long long)(dn + dv) * dc;
+    OK(mtrl_gemm_batched(c, 0, 1, N, dn, dc, 1.f, dqt, ldt, dc + dr, W, dc, sw, MTRL_F32, 0.f, dq, ldq, dn + dr,
+                         MTRL_F32, H));
+    mtrl_mc_copy_rows(c, N * H, dr, dqt + dc, dc + dr, dq + dn, dn + dr);
+    if (dW)
+        OK(mtrl_gemm_batched(c, 1, 0, dn, dc, N, 1.f, q, ldq, dn + dr, dqt, ldt, dc + dr, MTRL_F32, 1.f, dW, dc, sw,
+                             MTRL_F32, H));
+}
+static void mla_up_v_(BE *be, int N, int H, int dn, int dv, int dc, const real *cs, const real *W, real *a) {
+    OK(mtrl_gemm_batched(CTX(be), 0, 1, N, dv, dc, 1.f, cs, H * dc, dc, W + (size_t)dn * dc, dc,
+                         (long long)(dn + dv) * dc, MTRL_F32, 0.f, a, H * dv, dv, MTRL_F32, H));
+}
+static void mla_up_v_bwd_(BE *be, int N, int H, int dn, int dv, int dc, const real *cs, const real *W,
+                          const real *da, real *dcs, real *dW) {
+    mtrl_cuda_ctx *c = CTX(be);
+    long long sw = (long long)(dn + dv) * dc;
+    OK(mtrl_gemm_batched(c, 0, 0, N, dc, dv, 1.f, da, H * dv, dv, W + (size_t)dn * dc, dc, sw, MTRL_F32, 0.f, dcs,
+                         H * dc, dc, MTRL_F32, H));
+    if (dW)
+        OK(mtrl_gemm_batched(c, 1, 0, dv, dc, N, 1.f, da, H * dv, dv, cs, H * dc, dc, MTRL_F32, 1.f,
+                             dW + (size_t)dn * dc, dc, sw, MTRL_F32, H));
+}
+static void mla_decode_(BE *be, int B, int H, int dn, int dr, int dv, int dc, real scale, const real *q,
+                        const real *W, const real *const *lat, int ld, const int *Tk, real *a) {
+    if (B <= 0) return;
+    mtrl_cuda_ctx *c = CTX(be);
+    uintptr_t base = (uintptr_t)lat[0];
+    int max_len = 1;
+    for (int r = 0; r < B; r++) {
+        if ((uintptr_t)lat[r] < base) base = (uintptr_t)lat[r];
+        if (Tk[r] > max_len) max_len = Tk[r];
+    }
+    size_t row = sizeof(float) * (size_t)ld;
+    int pooled = 1;
+    for (int r = 0; r < B && pooled; r++) pooled = ((uintptr_t)lat[r] - base) % row == 0;
+    size_t off = 0, os = take_(&off, sizeof(long long) * (size_t)B), ol = take_(&off, sizeof(int) * (size_t)B);
+    char *s = scratch_(be, off);
+    long long *st = xmalloc(sizeof(long long) * (size_t)B);
+    if (pooled) {
+        for (int r = 0; r < B; r++) st[r] = (long long)(((uintptr_t)lat[r] - base) / row);
+        mtrl_mc_upload(c, s + os, st, sizeof(long long) * (size_t)B);
+        mtrl_mc_upload(c, s + ol, Tk, sizeof(int) * (size_t)B);
+        OK(mtrl_mla_decode_absorbed(c, B, H, dn, dr, dv, dc, scale, q, W, (const void *)base, MTRL_F32, ld,
+                                    (const long long *)(s + os), (const int *)(s + ol), max_len, a));
+    } else {
+        // One launch per sequence, each on its own cache (start row 0).
+        memset(st, 0, sizeof(long long) * (size_t)B);
+        mtrl_mc_upload(c, s + os, st, sizeof(long long) * (size_t)B);
+        mtrl_mc_upload(c, s + ol, Tk, sizeof(int) * (size_t)B);
+        for (int r = 0; r < B; r++)
+            OK(mtrl_mla_decode_absorbed(c, 1, H, dn, dr, dv, dc, scale, q + (size_t)r * H * (dn + dr), W, lat[r],
+                                        MTRL_F32, ld, (const long long *)(s + os), (const int *)(s + ol) + r, Tk[r],
+                                        a + (size_t)r * H * dv));
+    }
+    free(st);
+}
+
+// ---- MoE ----------------------------------------------------------------------------------------------------
+
+static void moe_router_fwd_(BE *be, int N, int E, int K, const real *z, const real *beta, int sm, real rho,
+                            int replay, int *sel, real *w, real *s) {
+    OK(mtrl_moe_router_fwd(CTX(be), N, E, K, z, beta, sm, rho, replay, sel, w, s));
+}
+static void moe_router_bwd_(BE *be, int N, int E, int K, const real *s, const int *sel, const real *w, int sm,
+                            real rho, const real *dw, real *dz) {
+    OK(mtrl_moe_router_bwd(CTX(be), N, E, K, s, sel, w, sm, rho, dw, dz));
+}
+static void moe_dispatch_(BE *be, int N, int E, int K, const int *sel, int *off, int *perm, int *pos) {
+    OK(mtrl_moe_dispatch(CTX(be), N, E, K, sel, off, perm, pos));
+}
+static void moe_gather_(BE *be, int N, int K, int D, const int *pos, const real *x, real *Xp) {
+    OK(mtrl_moe_gather(CTX(be), N, K, D, pos, x, Xp, MTRL_F32));
+}
+static void moe_combine_fwd_(BE *be, int N, int K, int D, const int *pos, const real *w, const real *Yp, real *y) {
+    OK(mtrl_moe_combine_fwd(CTX(be), N, K, D, pos, w, Yp, y));
+}
+static void moe_combine_bwd_(BE *be, int N, int K, int D, const int *pos, const real *w, const real *Yp,
+                             const real *dy, real *dYp, real *dw) {
+    OK(mtrl_moe_combine_bwd(CTX(be), N, K, D, pos, w, Yp, dy, dYp, dw));
+}
+static void moe_scatter_bwd_(BE *be, int N, int K, int D, const int *pos, const real *dXp, real *dx) {
+    OK(mtrl_moe_scatter_bwd(CTX(be), N, K, D, pos, dXp, dx));
+}
+// The expert loop needs the segment offsets on the host.
+static int *offsets_h_(BE *be, int E, const int *off) {
+    int *h = xmalloc(sizeof(int) * (size_t)(E + 1));
+    mtrl_mc_download(CTX(be), h, off, sizeof(int) * (size_t)(E + 1));
+    return h;
+}
+static void moe_experts_fwd_(BE *be, int E, int D, int I, const int *off, const real *Xp, const real *W1,
+                             const real *W3, const real *W2, real *u1, real *u3, real *Yp) {
+    int *h = offsets_h_(be, E, off);
+    OK(mtrl_moe_experts_fwd(CTX(be), E, D, I, h, Xp, W1, W3, W2, MTRL_F32, u1, u3, Yp));
+    free(h);
+}
+static void moe_experts_bwd_(BE *be, int E, int D, int I, const int *off, const real *Xp, const real *W1,
+                             const real *W3, const real *W2, const real *u1, const real *u3, const real *dYp,
+                             real *dXp, real *dW1, real *dW3, real *dW2) {
+    int *h = offsets_h_(be, E, off);
+    OK(mtrl_moe_experts_bwd(CTX(be), E, D, I, h, Xp, W1, W3, W2, MTRL_F32, u1, u3, dYp, dXp, dW1, dW3, dW2));
+    free(h);
+}
+// Dense SwiGLU = one expert over all rows (as moe_swiglu_fwd/bwd of the reference).
+static void moe_swiglu_fwd_(BE *be, int N, int D, int I, const real *x, const real *W1, const real *W3,
+                            const real *W2, real *u1, real *u3, real *y) {
+    if (N <= 0) return;
+    int h[2] = {0, N};
+    OK(mtrl_moe_experts_fwd(CTX(be), 1, D, I, h, x, W1, W3, W2, MTRL_F32, u1, u3, y));
+}
+static void moe_swiglu_bwd_(BE *be, int N, int D, int I, const real *x, const real *W1, const real *W3,
+                            const real *W2, const real *u1, const real *u3, const real *dy, real *dx, real *dW1,
+                            real *dW3, real *dW2) {
+    if (N <= 0) return;
+    int h[2] = {0, N};
+    OK(mtrl_moe_experts_bwd(CTX(be), 1, D, I, h, x, W1, W3, W2, MTRL_F32, u1, u3, dy, dx, dW1, dW3, dW2));
+}
+static void moe_load_count_(BE *be, int N, int E, int K, const int *sel, int *load) {
+    int *d = (int *)scratch_(be, sizeof(int) * (size_t)E);
+    OK(mtrl_moe_load_count(CTX(be), N, E, K, sel, d));
+    mtrl_mc_download(CTX(be), load, d, sizeof(int) * (size_t)E);
+}
+static int qb_beta_(BE *be, int N, int E, int K, const real *z, const real *bo, real *bn) {
+    float *d = (float *)scratch_(be, sizeof(float) * (size_t)E);
+    int r = mtrl_qb_beta_from_batch(CTX(be), N, E, K, z, bo, d);
+    MTRL_CHECKF(r >= 0, "mtrl_qb_beta_from_batch refused N=%d E=%d K=%d", N, E, K);
+    mtrl_mc_download(CTX(be), bn, d, sizeof(float) * (size_t)E);
+    return r;
+}
+
+// ---- AttnRes -------------------------------------------------------------------------------------------------
+
+static void attnres_site_fwd_(BE *be, int N, int D, int S, const real *const *V, const real *w, const real *g,
+                              real eps, real *h, real *alpha) {
+    OK(mtrl_attnres_site_fwd(CTX(be), N, D, S, V, w, g, eps, h, alpha));
+}
+static void attnres_site_bwd_(BE *be, int N, int D, int S, const real *const *V, const real *w, const real *g,
+                              real eps, const real *alpha, const real *dh, real *const *dV, real *dw, real *dg) {
+    OK(mtrl_attnres_site_bwd(CTX(be), N, D, S, V, w, g, eps, alpha, dh, dV, dw, dg));
+}
+
+static const mtrl_backend cuda_template_ = {
+    .device = MTRL_DEVICE_CUDA,
+    .alloc = alloc_, .release = release_, .zero = zero_, .copy = copy_, .upload = upload_, .download = download_,
+    .sync = sync_, .copy_rows = copy_rows_, .gather = gather_, .scatter = scatter_,
+    .sigmoid = sigmoid_, .sigmoid_mul = sigmoid_mul_, .sigmoid_mul_bwd = sigmoid_mul_bwd_, .dsigmoid = dsigmoid_,
+    .add = add_, .scale = scale_, .gemm = gemm_,
+    .rmsnorm_fwd = rmsnorm_fwd_, .rmsnorm_bwd = rmsnorm_bwd_, .l2norm_fwd = l2norm_fwd_, .l2norm_bwd = l2norm_bwd_,
+    .gated_rmsnorm_fwd = gated_rmsnorm_fwd_, .gated_rmsnorm_bwd = gated_rmsnorm_bwd_,
+    .shortconv_fwd = shortconv_fwd_, .shortconv_bwd = shortconv_bwd_, .shortconv_state_bwd = shortconv_state_bwd_,
+    .shortconv_step = shortconv_step_, .embedding_fwd = embedding_fwd_, .embedding_bwd = embedding_bwd_,
+    .logprob_fwd = logprob_fwd_, .logprob_bwd = logprob_bwd_, .adamw = adamw_, .grad_sq_norm = grad_sq_norm_,
+    .kda_gate_fwd = kda_gate_fwd_, .kda_gate_bwd = kda_gate_bwd_, .kda_chunk_fwd = kda_chunk_fwd_,
+    .kda_chunk_bwd = kda_chunk_bwd_, .kda_step = kda_step_,
+    .attn_causal_fwd = attn_causal_fwd_, .attn_causal_bwd = attn_causal_bwd_, .mla_absorb_q = mla_absorb_q_,
+    .mla_absorb_q_bwd = mla_absorb_q_bwd_, .mla_up_v = mla_up_v_, .mla_up_v_bwd = mla_up_v_bwd_,
+    .mla_decode = mla_decode_,
+    .moe_router_fwd = moe_router_fwd_, .moe_router_bwd = moe_router_bwd_, .moe_dispatch = moe_dispatch_,
+    .moe_gather = moe_gather_, .moe_combine_fwd = moe_combine_fwd_, .moe_combine_bwd = moe_combine_bwd_,
+    .moe_scatter_bwd = moe_scatter_bwd_, .moe_experts_fwd = moe_experts_fwd_, .moe_experts_bwd = moe_experts_bwd_,
+    .moe_swiglu_fwd = moe_swiglu_fwd_, .moe_swiglu_bwd = moe_swiglu_bwd_, .moe_load_count = moe_load_count_,
+    .qb_beta = qb_beta_, .attnres_site_fwd = attnres_site_fwd_, .attnres_site_bwd = attnres_site_bwd_,
+};
+
+int mtrl_backend_cuda_devices(void) { return mtrl_cuda_device_count(); }
+
+mtrl_backend *mtrl_backend_cuda_create(int gpu, char *err_msg, size_t err_len) {
+    int n = mtrl_cuda_device_count();
+    if (gpu < 0 || gpu >= n) {
+        snprintf(err_msg, err_len, "GPU %d requested, %d CUDA device%s usable", gpu, n, n == 1 ? "" : "s");
+        return NULL;
+    }
+    mtrl_backend *be = xmalloc(sizeof *be);
+    *be = cuda_template_;
+    be->gpu = gpu;
+    cuda_impl *x = xcalloc(1, sizeof *x);
+    x->ctx = mtrl_cuda_ctx_create(gpu, NULL);
+    x->sq_part = mtrl_mc_malloc(sizeof(double) * MTRL_MC_SQ_BLOCKS);
+    be->impl = x;
+    return be;
+}
+
+void mtrl_backend_cuda_destroy_(mtrl_backend *be) {
+    cuda_impl *x = be->impl;
+    mtrl_cuda_sync(x->ctx);
+    mtrl_mc_free(x->ctx, x->scratch);
+    mtrl_mc_free(x->ctx, x->sq_part);
+    mtrl_cuda_ctx_destroy(x->ctx);
+    free(x);
+    free(be);
+}
+
+#else
+
+int mtrl_backend_cuda_devices(void) { return 0; }
+
+mtrl_backend *mtrl_backend_cuda_create(int gpu, char *err_msg, size_t err_len) {
+    (void)gpu;
+    snprintf(err_msg, err_len, "%s",
+             REAL_IS_F64 ? "the fp64 build has no CUDA backend"
+                         : "this build has no CUDA support (configure with -DMTRL_CUDA=ON on a machine with nvcc)");
+    return NULL;
+}
+
+#endif

@@ -1,0 +1,166 @@
+// model_cuda.cu: the small kernels of the backbone's CUDA backend (model_cuda.h): elementwise
+// ops between the kernels of kernels/cuda, the embedding, pointer-array gathers, Σ x².
+#include <math.h>
+
+#include "common/model/model_cuda.h"
+#include "kernels/cuda/cuda_common.cuh"
+
+#define MC_T 256
+
+static unsigned grid_(size_t n) {
+    size_t b = (n + MC_T - 1) / MC_T;
+    return (unsigned)(b < 65536 ? (b ? b : 1) : 65536);
+}
+#define FOR_I(n) for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < (n); i += (size_t)gridDim.x * blockDim.x)
+
+// ---- memory ---------------------------------------------------------------------------------------
+
+extern "C" void *mtrl_mc_malloc(size_t bytes) {
+    void *p = NULL;
+    CUDA_CHECK(cudaMalloc(&p, bytes ? bytes : 1));
+    return p;
+}
+extern "C" void mtrl_mc_free(mtrl_cuda_ctx *c, void *p) {
+    if (!p) return;
+    CUDA_CHECK(cudaStreamSynchronize(c->stream));
+    CUDA_CHECK(cudaFree(p));
+}
+extern "C" void mtrl_mc_zero(mtrl_cuda_ctx *c, void *p, size_t bytes) {
+    if (bytes) CUDA_CHECK(cudaMemsetAsync(p, 0, bytes, c->stream));
+}
+extern "C" void mtrl_mc_copy(mtrl_cuda_ctx *c, void *dst, const void *src, size_t bytes) {
+    if (bytes && dst != src) CUDA_CHECK(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToDevice, c->stream));
+}
+extern "C" void mtrl_mc_upload(mtrl_cuda_ctx *c, void *dst, const void *src, size_t bytes) {
+    // From pageable memory the copy is staged before the call returns: src may be reused.
+    if (bytes) CUDA_CHECK(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyHostToDevice, c->stream));
+}
+extern "C" void mtrl_mc_download(mtrl_cuda_ctx *c, void *dst, const void *src, size_t bytes) {
+    if (bytes) CUDA_CHECK(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToHost, c->stream));
+    CUDA_CHECK(cudaStreamSynchronize(c->stream));
+}
+extern "C" void mtrl_mc_copy_rows(mtrl_cuda_ctx *c, int rows, int n, const float *src, int lds, float *dst,
+                                  int ldd) {
+    if (rows <= 0 || n <= 0) return;
+    CUDA_CHECK(cudaMemcpy2DAsync(dst, sizeof(float) * (size_t)ldd, src, sizeof(float) * (size_t)lds,
+                                 sizeof(float) * (size_t)n, (size_t)rows, cudaMemcpyDeviceToDevice, c->stream));
+}
+
+__global__ void mc_gather_k(size_t n, const float *const *ptrs, float *dst) {
+    const float *s = ptrs[blockIdx.y];
+    float *d = dst + (size_t)blockIdx.y * n;
+    for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n; i += (size_t)gridDim.x * blockDim.x)
+        d[i] = s[i];
+}
+__global__ void mc_scatter_k(size_t n, const float *src, float *const *ptrs) {
+    float *d = ptrs[blockIdx.y];
+    const float *s = src + (size_t)blockIdx.y * n;
+    for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n; i += (size_t)gridDim.x * blockDim.x)
+        d[i] = s[i];
+}
+static dim3 rows_grid_(int B, size_t n) {
+    size_t b = (n + MC_T - 1) / MC_T;
+    return dim3((unsigned)(b < 1024 ? (b ? b : 1) : 1024), (unsigned)B);
+}
+extern "C" void mtrl_mc_gather(mtrl_cuda_ctx *c, int B, size_t n, const float *const *ptrs, float *dst) {
+    if (B <= 0 || !n) return;
+    mc_gather_k<<<rows_grid_(B, n), MC_T, 0, c->stream>>>(n, ptrs, dst);
+    CUDA_LAUNCH_CHECK();
+}
+extern "C" void mtrl_mc_scatter(mtrl_cuda_ctx *c, int B, size_t n, const float *src, float *const *ptrs) {
+    if (B <= 0 || !n) return;
+    mc_scatter_k<<<rows_grid_(B, n), MC_T, 0, c->stream>>>(n, src, ptrs);
+    CUDA_LAUNCH_CHECK();
+}
+
+// ---- elementwise (sigmoid_acc: expf, as the kernels compared closely with the oracle) -------------
+
+__global__ void mc_sigmoid_k(size_t n, const float *x, float *y) { FOR_I(n) y[i] = sigmoid_acc(x[i]); }
+__global__ void mc_sigmoid_mul_k(size_t n, const float *x, const float *a, float *y) {
+    FOR_I(n) y[i] = sigmoid_acc(x[i]) * a[i];
+}
+__global__ void mc_sigmoid_mul_bwd_k(size_t n, const float *x, const float *a, const float *dy, float *da,
+                                     float *dx) {
+    FOR_I(n) {
+        float s = sigmoid_acc(x[i]), g = dy[i];
+        da[i] = g * s;
+        dx[i] = g * a[i] * s * (1.f - s);
+    }
+}
+__global__ void mc_dsigmoid_k(size_t n, const float *s, float *dy) { FOR_I(n) dy[i] *= s[i] * (1.f - s[i]); }
+__global__ void mc_add_k(size_t n, const float *a, const float *b, float *y) {
+    FOR_I(n) y[i] = (a ? a[i] : 0.f) + b[i];
+}
+__global__ void mc_scale_k(size_t n, float *x, float s) { FOR_I(n) x[i] *= s; }
+
+#define LAUNCH_EW(kernel, n, ...)                                                  \
+    do {                                                                           \
+        if (!(n)) return;                                                          \
+        kernel<<<grid_(n), MC_T, 0, c->stream>>>((n), __VA_ARGS__);                \
+        CUDA_LAUNCH_CHECK();                                                       \
+    } while (0)
+
+extern "C" void mtrl_mc_sigmoid(mtrl_cuda_ctx *c, size_t n, const float *x, float *y) { LAUNCH_EW(mc_sigmoid_k, n, x, y); }
+extern "C" void mtrl_mc_sigmoid_mul(mtrl_cuda_ctx *c, size_t n, const float *x, const float *a, float *y) {
+    LAUNCH_EW(mc_sigmoid_mul_k, n, x, a, y);
+}
+extern "C" void mtrl_mc_sigmoid_mul_bwd(mtrl_cuda_ctx *c, size_t n, const float *x, const float *a, const float *dy,
+                                        float *da, float *dx) {
+    LAUNCH_EW(mc_sigmoid_mul_bwd_k, n, x, a, dy, da, dx);
+}
+extern "C" void mtrl_mc_dsigmoid(mtrl_cuda_ctx *c, size_t n, const float *s, float *dy) { LAUNCH_EW(mc_dsigmoid_k, n, s, dy); }
+extern "C" void mtrl_mc_add(mtrl_cuda_ctx *c, size_t n, const float *a, const float *b, float *y) {
+    LAUNCH_EW(mc_add_k, n, a, b, y);
+}
+extern "C" void mtrl_mc_scale(mtrl_cuda_ctx *c, size_t n, float *x, float s) { LAUNCH_EW(mc_scale_k, n, x, s); }
+
+// ---- embedding --------------------------------------------------------------------------------------
+
+__global__ void mc_embed_fwd_k(int N, int D, const int *ids, const float *E, float *x) {
+    size_t n = (size_t)N * D;
+    FOR_I(n) {
+        int t = (int)(i / D), j = (int)(i % D), id = ids[t];
+        x[i] = id >= 0 ? E[(size_t)id * D + j] : 0.f;
+    }
+}
+// One thread per column: the tokens are added in order (repeated ids sum deterministically).
+__global__ void mc_embed_bwd_k(int N, int D, const int *ids, const float *dx, float *dE) {
+    int j = blockIdx.x * blockDim.x + threadIdx.x;
+    if (j >= D) return;
+    for (int t = 0; t < N; t++) {
+        int id = ids[t];
+        if (id >= 0) dE[(size_t)id * D + j] += dx[(size_t)t * D + j];
+    }
+}
+extern "C" void mtrl_mc_embedding_fwd(mtrl_cuda_ctx *c, int N, int D, const int *ids, const float *E, float *x) {
+    if (N <= 0 || D <= 0) return;
+    mc_embed_fwd_k<<<grid_((size_t)N * D), MC_T, 0, c->stream>>>(N, D, ids, E, x);
+    CUDA_LAUNCH_CHECK();
+}
+extern "C" void mtrl_mc_embedding_bwd(mtrl_cuda_ctx *c, int N, int D, const int *ids, const float *dx, float *dE) {
+    if (N <= 0 || D <= 0) return;
+    mc_embed_bwd_k<<<cdiv(D, 64), 64, 0, c->stream>>>(N, D, ids, dx, dE);
+    CUDA_LAUNCH_CHECK();
+}
+
+// ---- Σ x² ---------------------------------------------------------------------------------------------
+
+__global__ void mc_sq_k(size_t n, const float *x, double *part) {
+    __shared__ double red[33];
+    double s = 0;
+    for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n; i += (size_t)gridDim.x * blockDim.x) {
+        double v = x[i];
+        s += v * v;
+    }
+    s = block_sum_d(s, red);
+    if (threadIdx.x == 0) part[blockIdx.x] = s;
+}
+extern "C" double mtrl_mc_sq_norm(mtrl_cuda_ctx *c, size_t n, const float *x, double *part) {
+    if (!n) return 0;
+    mc_sq_k<<<MTRL_MC_SQ_BLOCKS, MC_T, 0, c->stream>>>(n, x, part);
+    CUDA_LAUNCH_CHECK();
+    double h[MTRL_MC_SQ_BLOCKS], s = 0;
+    mtrl_mc_download(c, h, part, sizeof h);
+    for (int b = 0; b < MTRL_MC_SQ_BLOCKS; b++) s += h[b];
+    return s;
+}

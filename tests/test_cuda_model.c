@@ -1,0 +1,505 @@
+// mtrl-test: gpu timeout=900
+// The backbone on the GPU: the ONE model implementation on the CUDA backend (backend_cuda.c)
+// against the same code on the fp32 CPU backend, for the `tiny` preset, tiny with every layer
+// KDA (no bf16 anywhere: the fp32 tolerances), and a reduced `small` (4 layers, d 256, KDA
+// head dim 128, MLA latent 256 + 32).
+//   * initial parameters identical; host <-> device copies exact;
+//   * forward log-probs / entropies and every gradient, with the CPU's routing replayed (R3), so
+//     near-tied experts cannot pick different experts; the GPU's own routing agrees with the CPU's
+//     on almost every choice; loads equal, QB β close;
+//   * one AdamW step from the same gradients (clipping active): parameters and moments;
+//   * logits (mtrl_model_logits) per token;
+//   * on the GPU alone: segmented == unsegmented (forward and gradients, routing replayed),
+//     prefill-then-decode == one prefill (split points 1, 15, 16, 17, batched decode of two
+//     states at different positions; tokens whose decode routing differs are counted, not
+//     compared), runs are bit-reproducible, a checkpoint saved from the GPU and loaded into another
+//     GPU model reproduces its logits bit for bit.
+// Tolerances per case (relative L2 errors ||gpu − cpu|| / ||cpu|| unless stated):
+//   fp32 only (all-KDA): log-probs 3e-5, gradients 2e-3 per tensor, logits 3e-5 (max abs / max |logit|),
+//   decode vs prefill 1e-4;
+//   with MLA (bf16 attention operands in the chunked form): log-probs 5e-3, gradients 8e-2 per
+//   tensor (the W_kvb / latent chain, which only the bf16 attention feeds, dominates), logits
+//   2e-2, QB β 5e-3 absolute; decode (fp32 absorbed decode) vs prefill (bf16 attention): 2e-2.
+// Segmented vs unsegmented on the GPU: log-probs 1e-4; gradients 2e-4 (fp32 only), 1e-2 with MLA
+// (the attention kernel rounds its probabilities to bf16 relative to a running maximum that
+// depends on how the queries are split, so the two runs differ at the bf16 level).
+// Measured on an H200 (2026-11-30): tiny logp 2.6e-6, gradients 3.3e-3 (layers.3.mla.wq), logits
+// 5.1e-4, decode 3.1e-4, segmented 7.8e-5; all-KDA logp 8.0e-8, gradients 2.3e-5, logits 3.4e-6,
+// decode 1.2e-5, segmented 7.5e-6; reduced small logp 4.4e-5, gradients 1.5e-2
+// (layers.1.mla.kv_norm), logits 2.0e-3, decode 5.8e-3, segmented 2.5e-3; AdamW parameters
+// within 2.4e-7; the GPU's own routing equal to the CPU's on every choice.
+// Before the device check it runs the host-side checks of any build: an arena over a caller's
+// block, the device parser, mtrl_model_init_on refusing what the kernels cannot take.
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "common/arena.h"
+#include "common/checkpoint.h"
+#include "common/config.h"
+#include "common/model/model.h"
+#include "common/rng.h"
+#include "tests/testhelp.h"
+
+_Static_assert(!REAL_IS_F64, "this test compares the GPU with the fp32 CPU build");
+
+static mtrl_model_dims dims_(const char *model_ini, int vocab) {
+    mtrl_config cfg;
+    char text[1024];
+    snprintf(text, sizeof text, "[env]\nname = calc\n[model]\n%s", model_ini);
+    mtrl_config_errors errs = {0};
+    mtrl_status st = mtrl_config_load_text(&cfg, "test", text, NULL, 0, &errs);
+    if (st != MTRL_OK) mtrl_config_errors_print(&errs, stderr);
+    mtrl_config_errors_free(&errs);
+    mtrl_model_dims d;
+    mtrl_error err;
+    st = mtrl_model_dims_from_config(&d, &cfg.model, vocab, &err);
+    if (st != MTRL_OK) fprintf(stderr, "%s\n", err.msg);
+    return d;
+}
+
+static double rel_l2_(const real *a, const real *b, size_t n) { return test_rel_err_f(a, b, n); }
+
+// max |a − b| / max |b|
+static double max_rel_(const real *a, const real *b, size_t n) {
+    double num = 0, den = 0;
+    for (size_t i = 0; i < n; i++) {
+        double x = fabs((double)a[i] - (double)b[i]);
+        if (x > num) num = x;
+        if (fabs((double)b[i]) > den) den = fabs((double)b[i]);
+    }
+    return num / (den > 0 ? den : 1);
+}
+
+// ---- host side (any build) ------------------------------------------------------------------------------
+
+static void test_host_side(void) {
+    // An arena over a caller's block: address arithmetic only; free leaves the block alone.
+    unsigned char *block = malloc(4096);
+    mtrl_arena a;
+    mtrl_arena_init_over(&a, block, 1000);
+    TEST_CHECK(a.base == block && a.cap == 1000 && a.used == 0 && a.borrowed);
+    void *p1 = mtrl_arena_alloc(&a, 100);
+    size_t mk = mtrl_arena_mark(&a);
+    void *p2 = mtrl_arena_try_alloc(&a, 100, 64);
+    TEST_CHECK(p1 == (void *)block || (uintptr_t)p1 % 64 == 0);
+    TEST_CHECK(p2 && (uintptr_t)p2 % 64 == 0 && (unsigned char *)p2 >= (unsigned char *)p1 + 100);
+    TEST_CHECK(mtrl_arena_try_alloc(&a, 2000, 64) == NULL);
+    mtrl_arena_release(&a, mk);
+    TEST_EQ_INT(a.used, mk);
+    TEST_CHECK(a.peak >= mk + 100);
+    mtrl_arena_free(&a);
+    TEST_CHECK(a.base == NULL && a.cap == 0);
+    block[4095] = 7; // still ours
+    free(block);
+    mtrl_arena_init_over(&a, NULL, 0);
+    TEST_CHECK(mtrl_arena_try_alloc(&a, 1, 64) == NULL);
+    mtrl_arena_free(&a);
+
+    int dev = -1, gpu = -1;
+    TEST_EQ_INT(mtrl_model_parse_device("cpu", &dev, &gpu), 0);
+    TEST_CHECK(dev == MTRL_DEVICE_CPU && gpu == 0);
+    TEST_EQ_INT(mtrl_model_parse_device("cuda", &dev, &gpu), 0);
+    TEST_CHECK(dev == MTRL_DEVICE_CUDA && gpu == 0);
+    TEST_EQ_INT(mtrl_model_parse_device("cuda:3", &dev, &gpu), 0);
+    TEST_CHECK(dev == MTRL_DEVICE_CUDA && gpu == 3);
+    TEST_EQ_INT(mtrl_model_parse_device("cuda:", &dev, &gpu), -1);
+    TEST_EQ_INT(mtrl_model_parse_device("cuda:x", &dev, &gpu), -1);
+    TEST_EQ_INT(mtrl_model_parse_device("gpu", &dev, &gpu), -1);
+
+    // KDA head dim 8 is below what the CUDA kernels take: refused with a message, model zeroed.
+    mtrl_model_dims d = dims_("preset = tiny\nkda_head_dim = 8\n", 64);
+    mtrl_model m;
+    mtrl_error err;
+    TEST_EQ_INT(mtrl_model_init_on(&m, &d, 1, MTRL_DEVICE_CUDA, 0, &err), MTRL_ERR_USAGE);
+    TEST_CONTAINS(err.msg, "kda_head_dim");
+    TEST_CHECK(m.params.base == NULL && m.be == NULL);
+    // The CPU through init_on is mtrl_model_init.
+    mtrl_model m2;
+    d = dims_("preset = tiny\n", 64);
+    TEST_EQ_INT(mtrl_model_init_on(&m, &d, 5, MTRL_DEVICE_CPU, 0, &err), MTRL_OK);
+    mtrl_model_init(&m2, &d, 5);
+    TEST_CHECK(m.params.total == m2.params.total && !memcmp(m.params.base, m2.params.base, m.params.total));
+    TEST_CHECK(m.device == MTRL_DEVICE_CPU && m.d_params == m.params.base && m.dP.embed == m.P.embed);
+    mtrl_model_free(&m);
+    mtrl_model_free(&m2);
+    if (mtrl_model_cuda_devices() == 0) {
+        TEST_EQ_INT(mtrl_model_init_on(&m, &d, 1, MTRL_DEVICE_CUDA, 0, &err), MTRL_ERR_USAGE);
+        printf("no CUDA model device: %s\n", err.msg);
+    }
+}
+
+// ---- GPU vs CPU ------------------------------------------------------------------------------------------
+
+typedef struct gcase {
+    const char *name, *ini;
+    int vocab, nseq, lens[3];
+    double tol_logp, tol_grad, tol_logits, tol_decode, tol_beta, tol_seg;
+} gcase;
+
+// Non-zero AttnRes queries, gates and QB β, so every path carries signal.
+static void perturb_(mtrl_model *m, uint64_t seed) {
+    const mtrl_model_dims *d = &m->dims;
+    for (size_t i = 0; i < (size_t)(2 * d->L + 1) * d->d; i++) {
+        m->P.site_w[i] = (real)(0.5 * mtrl_rng_normal(seed, 1, i));
+        m->P.site_g[i] = (real)(1.0 + 0.2 * mtrl_rng_normal(seed, 2, i));
+    }
+    for (int l = 0; l < d->L; l++)
+        if (m->P.layer[l].A_log)
+            for (int h = 0; h < d->H; h++) m->P.layer[l].A_log[h] = (real)(0.3 * mtrl_rng_normal(seed, 3 + l, h));
+    for (size_t i = d->E; i < (size_t)d->L * d->E; i++) m->qb_beta[i] = (real)(0.05 * mtrl_rng_normal(seed, 90, i));
+}
+
+typedef struct batch_ {
+    int n, total;
+    int len[3];
+    uint32_t *tok[3];
+    const uint32_t *ctok[3];
+    real *c, *e;
+    mtrl_batch b;
+} batch_;
+
+static void batch_make_(batch_ *B, const gcase *k, uint64_t seed) {
+    memset(B, 0, sizeof *B);
+    B->n = k->nseq;
+    for (int i = 0; i < B->n; i++) {
+        B->len[i] = k->lens[i];
+        B->tok[i] = malloc(sizeof(uint32_t) * (size_t)B->len[i]);
+        for (int t = 0; t < B->len[i]; t++) B->tok[i][t] = (uint32_t)(mtrl_rng_u64(seed, 10 + i, t) % (uint64_t)k->vocab);
+        B->ctok[i] = B->tok[i];
+        B->total += B->len[i];
+    }
+    B->c = malloc(sizeof(real) * (size_t)B->total);
+    B->e = malloc(sizeof(real) * (size_t)B->total);
+    for (int t = 0; t < B->total; t++) {
+        B->c[t] = (real)mtrl_rng_normal(seed, 20, t);
+        B->e[t] = (real)(0.2 * mtrl_rng_normal(seed, 21, t));
+    }
+    B->b = (mtrl_batch){B->n, B->ctok, B->len, NULL};
+}
+
+static void batch_free_(batch_ *B) {
+    for (int i = 0; i < B->n; i++) free(B->tok[i]);
+    free(B->c);
+    free(B->e);
+}
+
+// Worst relative L2 error over the parameter tensors of two gradient (or parameter) blocks.
+static double worst_tensor_(const mtrl_model *m, const void *got, const void *want, const char **name, int print) {
+    double worst = 0;
+    *name = "";
+    for (int i = 0; i < m->params.n; i++) {
+        const mtrl_tensor *t = &m->params.items[i];
+        double r = rel_l2_((const real *)((const char *)got + t->offset), (const real *)((const char *)want + t->offset),
+                           t->numel);
+        if (print) printf("    %-28s rel %.3g\n", t->name, r);
+        if (!(r <= worst)) {
+            worst = r;
+            *name = t->name;
+        }
+    }
+    return worst;
+}
+
+static void test_case_(const gcase *k) {
+    printf("== %s\n", k->name);
+    mtrl_model_dims d = dims_(k->ini, k->vocab);
+    size_t rw = (size_t)d.n_moe * d.k;
+    mtrl_model mc, mg;
+    mtrl_error err;
+    mtrl_model_init(&mc, &d, 7);
+    mtrl_status st = mtrl_model_init_on(&mg, &d, 7, MTRL_DEVICE_CUDA, 0, &err);
+    TEST_EQ_INT(st, MTRL_OK);
+    if (st != MTRL_OK) {
+        fprintf(stderr, "%s\n", err.msg);
+        mtrl_model_free(&mc);
+        return;
+    }
+    size_t total = mc.params.total;
+    TEST_CHECK(mg.device == MTRL_DEVICE_CUDA && mg.d_params != mg.params.base);
+    TEST_CHECK(!memcmp(mg.params.base, mc.params.base, total)); // same initial values
+    mtrl_model_to_host(&mg);
+    TEST_CHECK(!memcmp(mg.params.base, mc.params.base, total)); // exact round trip
+    perturb_(&mc, 3);
+    memcpy(mg.params.base, mc.params.base, total);
+    memcpy(mg.qb_beta, mc.qb_beta, sizeof(real) * (size_t)d.L * d.E);
+    mtrl_model_to_device(&mg);
+    printf("  %zu parameters, layers %s, d %d, V %d\n", mtrl_model_param_count(&mc), d.mixer, d.d, d.V);
+
+    batch_ B;
+    batch_make_(&B, k, 5);
+    size_t tot = (size_t)B.total;
+    real *lp_c = calloc(tot, sizeof(real)), *en_c = calloc(tot, sizeof(real));
+    real *lp_g = calloc(tot, sizeof(real)), *en_g = calloc(tot, sizeof(real));
+    uint8_t *rc[3] = {0}, *rg[3] = {0};
+    const uint8_t *rcc[3] = {0};
+    for (int i = 0; i < B.n; i++) {
+        rc[i] = calloc((size_t)B.len[i] * rw + 1, 1);
+        rg[i] = calloc((size_t)B.len[i] * rw + 1, 1);
+        rcc[i] = rc[i];
+    }
+
+    // 1. forwards: the CPU with its own routing; the GPU with its own (agreement), then replaying the CPU's.
+    mtrl_model_zero_grads(&mc);
+    mtrl_model_forward(&mc, &B.b, 0, lp_c, en_c, rc);
+    mg.qb_frozen = 1;
+    mtrl_model_forward(&mg, &B.b, 0, lp_g, en_g, rg);
+    mtrl_model_qb_apply(&mg); // frozen: clears the loads, keeps β
+    mg.qb_frozen = 0;
+    size_t same = 0, all = 0;
+    for (int i = 0; i < B.n; i++)
+        for (size_t j = 0; j < (size_t)B.len[i] * rw; j++) same += rc[i][j] == rg[i][j], all++;
+    double agree = all ? (double)same / all : 1;
+    printf("  own routing: %zu of %zu choices equal (%.4f)\n", same, all, agree);
+    TEST_CHECKF(agree >= 0.97, "GPU routing agrees on %.4f of the choices", agree);
+    mtrl_batch br = B.b;
+    br.routing = rcc;
+    mg.replay_routing = 1;
+    mtrl_model_zero_grads(&mg);
+    mtrl_model_forward(&mg, &br, 0, lp_g, en_g, NULL);
+    double e_lp = rel_l2_(lp_g, lp_c, tot), e_en = rel_l2_(en_g, en_c, tot), lp_abs = 0;
+    for (size_t t = 0; t < tot; t++) lp_abs = fmax(lp_abs, fabs((double)lp_g[t] - lp_c[t]));
+    printf("  forward (CPU routing replayed): logp rel %.3g (max abs %.3g), entropy rel %.3g\n", e_lp, lp_abs, e_en);
+    TEST_CHECKF(e_lp <= k->tol_logp, "logp rel %.3g > %.3g", e_lp, k->tol_logp);
+    TEST_CHECKF(e_en <= k->tol_logp, "entropy rel %.3g > %.3g", e_en, k->tol_logp);
+    // Loads equal (the same experts), QB sums close.
+    int loads_equal = 1;
+    for (size_t i = 0; i < (size_t)d.L * d.E; i++) loads_equal &= mc.load[i] == mg.load[i];
+    TEST_CHECK(loads_equal);
+    for (int l = 1; l < d.L; l++) TEST_EQ_INT(mg.qb_count[l], mc.qb_count[l]);
+
+    // 2. backward: every gradient.
+    mtrl_model_backward(&mc, &B.b, B.c, B.e);
+    mtrl_model_backward(&mg, &br, B.c, B.e);
+    mtrl_model_to_host(&mg);
+    const char *wn;
+    double wg = worst_tensor_(&mc, mg.grads, mc.grads, &wn, 1);
+    printf("  gradients: worst rel %.3g (%s)\n", wg, wn);
+    TEST_CHECKF(wg <= k->tol_grad, "gradient of %s rel %.3g > %.3g", wn, wg, k->tol_grad);
+
+    // 3. QB: β from this step's batch, applied on both.
+    mtrl_model_qb_apply(&mc);
+    mtrl_model_qb_apply(&mg);
+    double wb = 0;
+    for (size_t i = 0; i < (size_t)d.L * d.E; i++) wb = fmax(wb, fabs((double)mg.qb_beta[i] - mc.qb_beta[i]));
+    printf("  QB beta after apply: max abs diff %.3g\n", wb);
+    TEST_CHECKF(wb <= k->tol_beta, "beta differs by %.3g > %.3g", wb, k->tol_beta);
+    memcpy(mg.qb_beta, mc.qb_beta, sizeof(real) * (size_t)d.L * d.E); // continue from equal β
+
+    // 4. one AdamW step from the same gradients, clipping active.
+    memcpy(mg.grads, mc.grads, total);
+    mtrl_model_to_device(&mg);
+    double sq = 0;
+    for (size_t i = 0; i < total / sizeof(real); i++) sq += (double)mc.grads[i] * mc.grads[i];
+    real clip = (real)(0.5 * sqrt(sq));
+    double nc = mtrl_model_optimizer_step(&mc, (real)1e-3, (real)0.9, (real)0.95, (real)1e-8, (real)0.1, clip);
+    double ng = mtrl_model_optimizer_step(&mg, (real)1e-3, (real)0.9, (real)0.95, (real)1e-8, (real)0.1, clip);
+    TEST_CLOSE(ng, nc, 1e-6, 0);
+    TEST_EQ_INT(mg.step, mc.step);
+    mtrl_model_to_host(&mg);
+    double pmax = 0;
+    for (size_t i = 0; i < total / sizeof(real); i++)
+        pmax = fmax(pmax, fabs((double)((real *)mg.params.base)[i] - ((real *)mc.params.base)[i]));
+    double wm = worst_tensor_(&mc, mg.adam_m, mc.adam_m, &wn, 0);
+    const char *wn2;
+    double wv = worst_tensor_(&mc, mg.adam_v, mc.adam_v, &wn2, 0);
+    printf("  AdamW: grad norm %.9g vs %.9g, params max abs diff %.3g, m rel %.3g (%s), v rel %.3g (%s)\n", ng, nc,
+           pmax, wm, wn, wv, wn2);
+    TEST_CHECKF(pmax <= 2e-6, "parameters differ by %.3g after one step", pmax);
+    TEST_CHECKF(wm <= 1e-5 && wv <= 1e-5, "moments differ: m %.3g, v %.3g", wm, wv);
+    // continue from exactly the CPU's parameters
+    memcpy(mg.params.base, mc.params.base, total);
+    mtrl_model_to_device(&mg);
+
+    // 5. logits of every position (each model routes on its own: count the tokens that differ).
+    int T = B.len[0], V = d.V;
+    real *lc = malloc(sizeof(real) * (size_t)T * V), *lg = malloc(sizeof(real) * (size_t)T * V);
+    real *lg2 = malloc(sizeof(real) * (size_t)T * V);
+    mtrl_model_logits(&mc, B.tok[0], T, 0, lc);
+    mtrl_model_logits(&mg, B.tok[0], T, 0, lg);
+    int off_tokens = 0;
+    double worst_tok = 0, scale = 0;
+    for (size_t i = 0; i < (size_t)T * V; i++) scale = fmax(scale, fabs((double)lc[i]));
+    for (int t = 0; t < T; t++) {
+        double e = 0;
+        for (int v = 0; v < V; v++) e = fmax(e, fabs((double)lg[(size_t)t * V + v] - lc[(size_t)t * V + v]));
+        e /= scale;
+        if (e > k->tol_logits) off_tokens++;
+        else worst_tok = fmax(worst_tok, e);
+    }
+    printf("  logits: %d of %d positions beyond %.1g (routing flips), the others within %.3g of max |logit| %.3g\n",
+           off_tokens, T, k->tol_logits, worst_tok, scale);
+    TEST_CHECKF(off_tokens <= 1 + T / 20, "%d of %d positions' logits differ", off_tokens, T);
+    // bit-reproducible on the GPU
+    mtrl_model_logits(&mg, B.tok[0], T, 0, lg2);
+    TEST_CHECK(!memcmp(lg, lg2, sizeof(real) * (size_t)T * V));
+
+    // 6. segmented == unsegmented on the GPU (routing of the unsegmented forward replayed).
+    mg.replay_routing = 0;
+    mtrl_model_zero_grads(&mg);
+    mtrl_model_forward(&mg, &B.b, 0, lp_g, NULL, rg);
+    mtrl_model_backward(&mg, &B.b, B.c, NULL);
+    mtrl_model_to_host(&mg);
+    real *g0 = malloc(total);
+    memcpy(g0, mg.grads, total);
+    const uint8_t *rgc[3] = {rg[0], rg[1], rg[2]};
+    mtrl_batch bs = B.b;
+    bs.routing = rgc;
+    mg.replay_routing = 1;
+    real *lp_s = calloc(tot, sizeof(real));
+    int segs[2] = {16, 24};
+    for (int s = 0; s < 2; s++) {
+        mtrl_model_zero_grads(&mg);
+        mtrl_model_forward(&mg, &bs, segs[s], lp_s, NULL, NULL);
+        mtrl_model_backward(&mg, &bs, B.c, NULL);
+        mtrl_model_to_host(&mg);
+        double el = rel_l2_(lp_s, lp_g, tot);
+        double wsg = worst_tensor_(&mg, mg.grads, g0, &wn, 0);
+        printf("  segment %d on the GPU: logp rel %.3g, worst gradient rel %.3g (%s)\n", segs[s], el, wsg, wn);
+        TEST_CHECKF(el <= 1e-4, "segment %d: logp rel %.3g", segs[s], el);
+        TEST_CHECKF(wsg <= k->tol_seg, "segment %d: gradient of %s rel %.3g > %.3g", segs[s], wn, wsg, k->tol_seg);
+    }
+    mg.replay_routing = 0;
+    mtrl_model_qb_apply(&mg);
+
+    // 7. prefill-then-decode == one prefill, on the GPU (reference logits with the β now in use).
+    mtrl_model_logits(&mg, B.tok[0], T, 0, lg);
+    uint8_t *rfull = calloc((size_t)T * rw + 1, 1), *rdec = calloc(2 * rw + 1, 1);
+    {
+        mtrl_decode_state s;
+        mtrl_decode_state_init(&s, &mg, T);
+        mtrl_model_prefill(&mg, &s, B.tok[0], T, NULL, rfull);
+        TEST_EQ_INT(s.pos, T);
+        mtrl_decode_state_free(&s);
+    }
+    int splits[4] = {1, 15, 16, 17};
+    double worst_dec = 0;
+    int flips = 0, compared = 0;
+    real *row = malloc(sizeof(real) * 2 * (size_t)V);
+    for (int si = 0; si < 4; si++) {
+        int sp = splits[si];
+        if (sp >= T) continue;
+        mtrl_decode_state s0, s1;
+        mtrl_decode_state_init(&s0, &mg, T);
+        mtrl_decode_state_init(&s1, &mg, T);
+        mtrl_model_prefill(&mg, &s0, B.tok[0], sp, row, NULL);
+        worst_dec = fmax(worst_dec, max_rel_(row, lg + (size_t)(sp - 1) * V, (size_t)V));
+        // s1 runs 3 tokens ahead of s0: both decode in one batch (different cache lengths).
+        int sp2 = sp + 3 < T ? sp + 3 : T;
+        mtrl_model_prefill(&mg, &s1, B.tok[0], sp2, NULL, NULL);
+        for (int t = sp; t < T; t++) {
+            int t1 = t + (sp2 - sp), nb = t1 < T ? 2 : 1, at[2] = {t, t1};
+            mtrl_decode_state *two[2] = {&s0, &s1};
+            uint32_t in[2] = {B.tok[0][t], t1 < T ? B.tok[0][t1] : 0};
+            mtrl_model_decode(&mg, two, nb, in, row, rdec);
+            for (int r = 0; r < nb; r++) {
+                int flip = memcmp(rdec + (size_t)r * rw, rfull + (size_t)at[r] * rw, rw) != 0;
+                if (flip) {
+                    flips++;
+                    continue;
+                }
+                compared++;
+                worst_dec = fmax(worst_dec, max_rel_(row + (size_t)r * V, lg + (size_t)at[r] * V, (size_t)V));
+            }
+        }
+        TEST_EQ_INT(s0.pos, T);
+        TEST_EQ_INT(s1.pos, T);
+        mtrl_decode_state_free(&s0);
+        mtrl_decode_state_free(&s1);
+    }
+    printf("  prefill-then-decode vs prefill: worst %.3g of max |logit| over %d rows (%d rows with other routing skipped)\n",
+           worst_dec, compared, flips);
+    TEST_CHECKF(worst_dec <= k->tol_decode, "decode logits differ by %.3g", worst_dec);
+    TEST_CHECKF(flips <= 1 + compared / 10, "%d decode rows routed differently", flips);
+    // snapshot round trip of a decode state through host arrays
+    {
+        mtrl_decode_state s0, s1;
+        mtrl_decode_state_init(&s0, &mg, T);
+        mtrl_decode_state_init(&s1, &mg, T);
+        int sp = T / 2;
+        mtrl_model_prefill(&mg, &s0, B.tok[0], sp, NULL, NULL);
+        size_t bytes = mtrl_decode_state_bytes(&mg, T);
+        real *hs = malloc(bytes), *hc = malloc(bytes), *hl = malloc(bytes);
+        mtrl_decode_state_download(&mg, &s0, hs, hc, hl);
+        mtrl_decode_state_upload(&mg, &s1, sp, hs, hc, hl);
+        mtrl_decode_state *a1[1] = {&s0}, *b1[1] = {&s1};
+        mtrl_model_decode(&mg, a1, 1, &B.tok[0][sp], row, NULL);
+        mtrl_model_decode(&mg, b1, 1, &B.tok[0][sp], row + V, NULL);
+        TEST_CHECK(!memcmp(row, row + V, sizeof(real) * (size_t)V));
+        free(hs);
+        free(hc);
+        free(hl);
+        mtrl_decode_state_free(&s0);
+        mtrl_decode_state_free(&s1);
+    }
+
+    // 8. a checkpoint of the GPU model, loaded into another GPU model: same weights, same logits.
+    {
+        void *mem = NULL;
+        size_t mem_len = 0;
+        TEST_EQ_INT(mtrl_model_save(&mg, NULL, &mem, &mem_len, 1, NULL, 0, &err), MTRL_OK);
+        mtrl_model m2;
+        TEST_EQ_INT(mtrl_model_init_on(&m2, &d, 99, MTRL_DEVICE_CUDA, 0, &err), MTRL_OK);
+        mtrl_ckpt ck;
+        TEST_EQ_INT(mtrl_ckpt_open_mem(&ck, mem, mem_len, &err), MTRL_OK);
+        TEST_EQ_INT(mtrl_model_load(&m2, &ck, 1, &err), MTRL_OK);
+        mtrl_ckpt_close(&ck);
+        mtrl_model_to_host(&m2);
+        TEST_CHECK(!memcmp(m2.params.base, mg.params.base, total));
+        TEST_CHECK(!memcmp(m2.adam_v, mg.adam_v, total));
+        TEST_EQ_INT(m2.step, mg.step);
+        mtrl_model_logits(&m2, B.tok[0], T, 0, lg2);
+        TEST_CHECK(!memcmp(lg, lg2, sizeof(real) * (size_t)T * V));
+        mtrl_model_optimizer_reset(&m2);
+        mtrl_model_to_host(&m2);
+        int zero = 1;
+        for (size_t i = 0; i < total / sizeof(real); i++) zero &= ((real *)m2.adam_m)[i] == 0;
+        TEST_CHECK(zero);
+        mtrl_model_free(&m2);
+        free(mem);
+    }
+
+    free(row);
+    free(rfull);
+    free(rdec);
+    free(lp_s);
+    free(g0);
+    free(lc);
+    free(lg);
+    free(lg2);
+    for (int i = 0; i < B.n; i++) {
+        free(rc[i]);
+        free(rg[i]);
+    }
+    free(lp_c);
+    free(en_c);
+    free(lp_g);
+    free(en_g);
+    batch_free_(&B);
+    mtrl_model_free(&mc);
+    mtrl_model_free(&mg);
+}
+
+// argv[1] (optional): run only that case (0, 1, 2), e.g. one process per case on a device.
+int main(int argc, char **argv) {
+    int only = argc > 1 ? atoi(argv[1]) : -1;
+    test_host_side();
+    if (mtrl_model_cuda_devices() == 0) {
+        printf("host-side checks: %d passed, %d failed\n", test_passed_, test_failed_);
+        if (test_failed_) return test_report();
+        test_skip("no CUDA device (or a build without CUDA)");
+    }
+    static const gcase cases[] = {
+        {"tiny (KKKM, bf16 attention)", "preset = tiny\n", 64, 3, {37, 70, 5}, 5e-3, 8e-2, 2e-2, 2e-2, 5e-3, 1e-2},
+        {"tiny, every layer KDA (fp32 only)", "preset = tiny\nhybrid = KKKK\n", 64, 3, {37, 70, 5}, 3e-5, 2e-3, 3e-5,
+         1e-4, 1e-5, 2e-4},
+        {"reduced small (KMKM, d 256, KDA 2x128, MLA 4 heads, latent 256+32, 16 experts top-4)",
+         "preset = custom\nlayers = 4\nd_model = 256\nhybrid = KMKM\nkda_heads = 2\nkda_head_dim = 128\n"
+         "mla_heads = 4\nmla_nope_dim = 64\nmla_rope_dim = 32\nmla_v_dim = 64\nmla_latent_dim = 256\n"
+         "dense_inter = 512\nexperts = 16\ntop_k = 4\nshared_experts = 1\nexpert_inter = 128\nattnres_block = 2\n",
+         512, 2, {96, 41, 0}, 5e-3, 8e-2, 2e-2, 2e-2, 5e-3, 1e-2},
+    };
+    for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++)
+        if (only < 0 || (size_t)only == i) test_case_(&cases[i]);
+    return test_report();
+}
