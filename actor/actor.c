@@ -29,6 +29,7 @@ typedef struct outmsg {
 
 typedef struct actor {
     uint32_t id, incarnation;
+    int gpu;               // --gpu N (-1: the experiment's choice)
     void *zctx;
     mtrl_wire_sock sock;
     mtrl_wire_limits lim;
@@ -160,7 +161,16 @@ static int setup_(actor *a, const mtrl_wire_msg *m) {
         a->ro = NULL;
         mtrl_model_free(&a->model);
     }
-    mtrl_model_init(&a->model, &d, (uint64_t)a->cfg.run.seed);
+    int device = MTRL_DEVICE_CPU, gpu = 0;
+    if (mtrl_model_parse_device(a->cfg.model.device, &device, &gpu) != 0) {
+        LOG_ERROR("[model] device = %s: expected cpu or cuda", a->cfg.model.device);
+        return 0;
+    }
+    if (a->gpu >= 0) gpu = a->gpu;
+    if (mtrl_model_init_on(&a->model, &d, (uint64_t)a->cfg.run.seed, device, gpu, &err) != MTRL_OK) {
+        LOG_ERROR("%s", err.msg);
+        return 0;
+    }
     a->model.qb_frozen = 1; // β comes with the weights; actors never update it
     a->have_model = 1;
     a->have_weights = 0;
@@ -269,10 +279,11 @@ static void hello_(actor *a) {
     mtrl_wire_out_free(&o);
 }
 
-int mtrl_actor_main(const char *endpoint, uint32_t actor_id, volatile sig_atomic_t *stop) {
+int mtrl_actor_main(const char *endpoint, uint32_t actor_id, int gpu, volatile sig_atomic_t *stop) {
     actor a;
     memset(&a, 0, sizeof a);
     a.id = actor_id;
+    a.gpu = gpu;
     // Incarnations must grow: the learner treats a higher one as a restart of the same actor and
     // a lower one as stale. Tenths of a second since 2024-01-01 fit 32 bits for 13 years.
     a.incarnation = (uint32_t)((mtrl_time_wall() - 1704067200.0) * 10.0);

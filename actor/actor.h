@@ -16,6 +16,7 @@
 
 // Returns the process exit code: 0 after a BYE or *stop, 1 when the learner never answered or
 // the experiment it sent cannot be run here.
-int mtrl_actor_main(const char *endpoint, uint32_t actor_id, volatile sig_atomic_t *stop);
+// gpu: the CUDA device for a [model] device = cuda experiment (-1: the experiment's choice).
+int mtrl_actor_main(const char *endpoint, uint32_t actor_id, int gpu, volatile sig_atomic_t *stop);
 
 #endif

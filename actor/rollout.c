@@ -409,9 +409,16 @@ mtrl_status mtrl_rollout_snapshot(mtrl_rollout *r, int i, mtrl_wbuf *out, mtrl_e
     mtrl_wbuf_u32(out, (uint32_t)s->st.pos);
     int nk = (int)shape[1], nm = d->L - nk;
     size_t S_sz = (size_t)d->H * d->D * d->D, C_sz = (size_t)3 * (d->W - 1) * d->H * d->D, lw = (size_t)d->dc + d->dr;
-    put_reals_(out, s->st.kda_S, (size_t)nk * S_sz);
-    put_reals_(out, s->st.conv, (size_t)nk * C_sz);
-    for (int j = 0; j < nm; j++) put_reals_(out, s->st.latent + (size_t)j * s->st.cap * lw, (size_t)s->st.pos * lw);
+    // The state as host arrays (it may live on a GPU): latents packed, pos rows per layer.
+    real *hS = xmalloc(sizeof(real) * ((size_t)nk * S_sz + 1)), *hC = xmalloc(sizeof(real) * ((size_t)nk * C_sz + 1));
+    real *hL = xmalloc(sizeof(real) * ((size_t)nm * (size_t)s->st.pos * lw + 1));
+    mtrl_decode_state_download(r->m, &s->st, hS, hC, hL);
+    put_reals_(out, hS, (size_t)nk * S_sz);
+    put_reals_(out, hC, (size_t)nk * C_sz);
+    put_reals_(out, hL, (size_t)nm * (size_t)s->st.pos * lw);
+    free(hS);
+    free(hC);
+    free(hL);
     put_reals_(out, s->logits, (size_t)d->V);
     mtrl_wbuf_u32(out, mtrl_crc32c(0, out->data + start, out->len - start));
     return MTRL_OK;
@@ -457,12 +464,15 @@ mtrl_status mtrl_rollout_resume(mtrl_rollout *r, int i, const void *buf, size_t 
                               (unsigned long long)s->traj.n_tokens, s->st.cap);
     int nk = (int)shape[1], nm = d->L - nk;
     size_t S_sz = (size_t)d->H * d->D * d->D, C_sz = (size_t)3 * (d->W - 1) * d->H * d->D, lw = (size_t)d->dc + d->dr;
-    int ok = get_reals_(&rb, s->st.kda_S, (size_t)nk * S_sz, "KDA states") &&
-             get_reals_(&rb, s->st.conv, (size_t)nk * C_sz, "conv windows");
-    for (int j = 0; j < nm && ok; j++) ok = get_reals_(&rb, s->st.latent + (size_t)j * s->st.cap * lw, (size_t)pos * lw, "MLA latents");
-    ok = ok && get_reals_(&rb, s->logits, (size_t)d->V, "logits");
+    real *hS = xmalloc(sizeof(real) * ((size_t)nk * S_sz + 1)), *hC = xmalloc(sizeof(real) * ((size_t)nk * C_sz + 1));
+    real *hL = xmalloc(sizeof(real) * ((size_t)nm * pos * lw + 1));
+    int ok = get_reals_(&rb, hS, (size_t)nk * S_sz, "KDA states") && get_reals_(&rb, hC, (size_t)nk * C_sz, "conv windows") &&
+             get_reals_(&rb, hL, (size_t)nm * pos * lw, "MLA latents") && get_reals_(&rb, s->logits, (size_t)d->V, "logits");
+    if (ok && rb.status == MTRL_OK) mtrl_decode_state_upload(r->m, &s->st, (int)pos, hS, hC, hL);
+    free(hS);
+    free(hC);
+    free(hL);
     if (!ok || rb.status != MTRL_OK) return rb.status != MTRL_OK ? rb.status : MTRL_ERR_FORMAT;
-    s->st.pos = (int)pos;
     // The env: reset with the task seed, then the recorded tool calls, checking every result.
     mtrl_env_result res;
     if ((st = mtrl_env_reset(s->env, s->traj.task_seed, &res, err)) != MTRL_OK) return mtrl_error_wrap(err, "resume");

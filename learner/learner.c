@@ -575,8 +575,7 @@ static void warmup_(mtrl_learner *l) {
     }
     if (l->progress) mtrl_progress_end(&l->prog);
     // RL starts with a fresh optimizer: the moments of the supervised stage do not carry over.
-    memset(l->model.adam_m, 0, l->model.params.total);
-    memset(l->model.adam_v, 0, l->model.params.total);
+    mtrl_model_optimizer_reset(&l->model);
     for (int i = 0; i < B; i++) mtrl_traj_free(&demos[i]);
     free(demos);
     free(dp);
@@ -652,17 +651,18 @@ mtrl_status mtrl_learner_open(mtrl_learner **out, const mtrl_config *cfg, const 
     mtrl_status st = mtrl_train_algo_config(cfg, &l->algo, err);
     mtrl_model_dims d;
     if (st == MTRL_OK) st = mtrl_model_dims_from_config(&d, &cfg->model, MTRL_VOCAB, err);
-    if (st == MTRL_OK && strcmp(cfg->model.device, "cpu"))
-        st = mtrl_error_set(err, MTRL_ERR_USAGE, "%s: [model] device = %s: the learner on CUDA has not landed (issue 6)",
-                            cfg->path, cfg->model.device);
+    int device = MTRL_DEVICE_CPU, gpu = 0;
+    if (st == MTRL_OK && mtrl_model_parse_device(cfg->model.device, &device, &gpu) != 0)
+        st = mtrl_error_set(err, MTRL_ERR_USAGE, "%s: [model] device = %s: expected cpu or cuda", cfg->path, cfg->model.device);
+    if (st == MTRL_OK) st = mtrl_model_init_on(&l->model, &d, (uint64_t)cfg->run.seed, device, gpu, err);
     if (st == MTRL_OK && mkdir_p_(cfg->run.out_dir) != 0)
         st = mtrl_error_set(err, MTRL_ERR_IO, "[run] out_dir %s: cannot create: %s", cfg->run.out_dir, strerror(errno));
     if (st != MTRL_OK) {
+        if (l->model.params.base) mtrl_model_free(&l->model);
         free(l->config_text);
         free(l);
         return st;
     }
-    mtrl_model_init(&l->model, &d, (uint64_t)cfg->run.seed);
     l->loads = xcalloc((size_t)d.L * (size_t)d.E, sizeof(long));
     const char *db = opts && opts->db ? opts->db : cfg->run.db;
     st = mtrl_store_open(&l->store, db, 0, err);

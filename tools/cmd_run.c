@@ -195,7 +195,7 @@ int cmd_learner(int argc, char **argv) {
 
 int cmd_actor(int argc, char **argv) {
     const char *endpoint = NULL;
-    long id = 1;
+    long id = 1, gpu = -1;
     for (int i = 1; i < argc; i++) {
         if (cli_is_help(argv[i])) {
             printf("usage: %s\n", ACTOR_USAGE);
@@ -207,10 +207,12 @@ int cmd_actor(int argc, char **argv) {
             id = strtol(argv[++i], &end, 10);
             if (*end || id < 0 || id > 65535) return cli_usage_error("actor", ACTOR_USAGE, "--id %s: expected 0..65535", argv[i]);
         } else if (!strcmp(argv[i], "--gpu") && i + 1 < argc) {
-            i++; // the actor on CUDA lands with issue 6; the flag is accepted so launch scripts need no change
+            char *end;
+            gpu = strtol(argv[++i], &end, 10);
+            if (*end || gpu < 0 || gpu > 1024) return cli_usage_error("actor", ACTOR_USAGE, "--gpu %s: expected a device index", argv[i]);
         } else return cli_usage_error("actor", ACTOR_USAGE, "unknown option '%s'", argv[i]);
     }
     if (!endpoint) return cli_usage_error("actor", ACTOR_USAGE, "--connect ENDPOINT is required");
     install_signals_();
-    return mtrl_actor_main(endpoint, (uint32_t)id, &stop_);
+    return mtrl_actor_main(endpoint, (uint32_t)id, (int)gpu, &stop_);
 }

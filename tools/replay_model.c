@@ -88,6 +88,7 @@ static mtrl_status model_load_(const replay_session *s, mtrl_model *m, int *init
     mtrl_status st = model_dims_(s, &d, err);
     if (st != MTRL_OK) return st;
     if (*inited) mtrl_model_free(m);
+    // Replay rescoring runs on the CPU: the fp32 reference the actor's numbers are checked against.
     mtrl_model_init(m, &d, (uint64_t)s->cfg.run.seed);
     *inited = 1;
     m->qb_frozen = 1; // replay never moves β
