@@ -24,7 +24,9 @@
 #include "learner/train.h"
 
 #define MAX_ACTORS 256
-#define WEIGHTS_CHUNK ((size_t)4 << 20)
+// Weights travel in chunks of 32 MiB: few enough messages for ZeroMQ's high-water mark (1000
+// messages) even for a 1.2 B-parameter fp32 model, small enough for the frame cap (64 MiB).
+#define WEIGHTS_CHUNK ((size_t)32 << 20)
 
 typedef struct actor_rec {
     uint32_t id, incarnation;
@@ -416,14 +418,16 @@ static void log_metric_(mtrl_learner *l, const char *name, double v) {
     mtrl_store_metric_log(l->store, l->run_id, l->step, name, v, 0, NULL);
 }
 
-static void checkpoint_(mtrl_learner *l) {
+// with_optimizer: also the AdamW moments and step (what --resume needs; 3x the bytes). The
+// checkpoint after the warm-up holds only the weights (what replay needs).
+static void checkpoint_(mtrl_learner *l, int with_optimizer) {
     char path[1200], hex[65], step[32], run[32];
     snprintf(path, sizeof path, "%s/ckpt-%06ld.safetensors", l->cfg.run.out_dir, l->step);
     snprintf(step, sizeof step, "%ld", l->step);
     snprintf(run, sizeof run, "%lld", (long long)l->run_id);
     const char *meta[] = {"config_hash", l->config_hash_hex, "run", run, "learner_step", step};
     mtrl_error err;
-    if (mtrl_model_save(&l->model, path, NULL, NULL, 1, meta, 3, &err) != MTRL_OK) {
+    if (mtrl_model_save(&l->model, path, NULL, NULL, with_optimizer, meta, 3, &err) != MTRL_OK) {
         event_(l, MTRL_LOG_ERROR, "checkpoint: %s", err.msg);
         return;
     }
@@ -517,7 +521,7 @@ static void rl_step_(mtrl_learner *l, int *ready, int n_ready) {
         event_(l, MTRL_LOG_ERROR, "run store: %s", err.msg);
     }
     l->last_reward = st.reward_mean;
-    if (l->cfg.run.checkpoint_every > 0 && l->step % l->cfg.run.checkpoint_every == 0) checkpoint_(l);
+    if (l->cfg.run.checkpoint_every > 0 && l->step % l->cfg.run.checkpoint_every == 0) checkpoint_(l, 1);
     free(batch);
 }
 
@@ -582,7 +586,7 @@ static void warmup_(mtrl_learner *l) {
     mtrl_env_close(env);
     publish_(l);
     // The warmed-up weights are the first behaviour policy: keep them for replay and rescoring.
-    checkpoint_(l);
+    checkpoint_(l, 0);
     // The actors welcomed during the warm-up get the trained weights and their credit now.
     l->warming = 0;
     mtrl_wire_out o;
@@ -754,7 +758,7 @@ int mtrl_learner_run(mtrl_learner *l, volatile sig_atomic_t *stop) {
     mtrl_traj_free(&popped);
     free(ready);
     if (l->progress) mtrl_progress_end(&l->prog);
-    checkpoint_(l);
+    checkpoint_(l, 1);
     // Tell the actors the run is over.
     mtrl_wire_out o;
     mtrl_wire_out_init(&o);
