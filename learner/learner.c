@@ -131,10 +131,13 @@ static void send_(mtrl_learner *l, actor_rec *a, mtrl_wire_out *o) {
 }
 
 static void publish_(mtrl_learner *l) {
+    double t0 = mtrl_time_mono();
     free(l->blob);
     l->blob = NULL;
     mtrl_error err;
     MTRL_CHECKF(mtrl_model_save(&l->model, NULL, &l->blob, &l->blob_len, 0, NULL, 0, &err) == MTRL_OK, "%s", err.msg);
+    double dt = mtrl_time_mono() - t0;
+    if (dt > 1.0) LOG_INFO("weights version %u serialised: %.2f GB in %.1f s", l->model.version, l->blob_len / 1e9, dt);
 }
 
 static void send_weights_(mtrl_learner *l, actor_rec *a) {
@@ -432,6 +435,7 @@ static void checkpoint_(mtrl_learner *l, int with_optimizer) {
         return;
     }
     mtrl_sha256_file_hex(path, hex);
+    LOG_INFO("checkpoint %s written", path);
     mtrl_store_checkpoint_log(l->store, l->run_id, l->step, l->model.version, path, hex, NULL);
     // Retention: the newest keep_checkpoints files stay (0 = all). Rows stay as history.
     long keep = l->cfg.run.keep_checkpoints;
