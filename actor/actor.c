@@ -5,6 +5,7 @@
 #include <string.h>
 #include <time.h>
 #include <unistd.h>
+#include <omp.h>
 #include <zmq.h>
 
 #include "actor/rollout.h"
@@ -150,6 +151,7 @@ static int setup_(actor *a, const mtrl_wire_msg *m) {
     mtrl_config_errors_free(&errs);
     mtrl_model_dims d;
     mtrl_error err;
+    omp_set_num_threads(mtrl_config_threads(&a->cfg));
     if (mtrl_model_dims_from_config(&d, &a->cfg.model, MTRL_VOCAB, &err) != MTRL_OK) {
         LOG_ERROR("%s", err.msg);
         return 0;

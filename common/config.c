@@ -9,6 +9,7 @@
 #include <stddef.h>
 #include <stdlib.h>
 #include <string.h>
+#include <unistd.h>
 
 #include "common/check.h"
 #include "common/hash.h"
@@ -646,4 +647,11 @@ static void print_key_rows_(FILE *f, const cfg_field *tab, int n, const char *se
 void mtrl_config_print_keys(FILE *f) {
     print_key_rows_(f, cfg_fields_, N_FIELDS, NULL);
     print_key_rows_(f, cfg_stage_fields_, N_STAGE_FIELDS, "stage.N");
+}
+
+int mtrl_config_threads(const mtrl_config *cfg) {
+    if (cfg->learner.threads > 0) return (int)cfg->learner.threads;
+    long cores = sysconf(_SC_NPROCESSORS_ONLN);
+    long share = cores / (1 + (cfg->actor.count > 0 ? cfg->actor.count : 0));
+    return share < 1 ? 1 : (int)share;
 }

@@ -92,7 +92,7 @@
     X(learner, qb_actor_stats, BOOL, "false", 0, 0, NULL, "also average QB over actor routing statistics") \
     X(learner, heartbeat_timeout_ms, INT, "5000", 100, 3600000, NULL, "an actor silent this long is dead") \
     X(learner, credit_bytes, INT, "4194304", 4096, 1LL << 40, NULL, "bytes an actor may have in flight") \
-    X(learner, threads, INT, "0", 0, 1024, NULL, "OpenMP threads of the learner (0 = all cores)")
+    X(learner, threads, INT, "0", 0, 1024, NULL, "OpenMP threads of the learner and of each local actor (0 = the cores shared evenly)")
 
 #define MTRL_CFG_ALGO(X)                                                                            \
     X(algo, advantage, ENUM, "grpo", 0, 0, "grpo|dr_grpo|rloo", "group-relative advantage estimator") \

@@ -8,6 +8,7 @@
 #include <string.h>
 #include <sys/stat.h>
 #include <unistd.h>
+#include <omp.h>
 #include <zmq.h>
 
 #include "env/env_config.h"
@@ -651,6 +652,7 @@ mtrl_status mtrl_learner_open(mtrl_learner **out, const mtrl_config *cfg, const 
     }
     l->progress = opts && opts->progress;
     l->tick = opts ? opts->tick : NULL;
+    omp_set_num_threads(mtrl_config_threads(cfg));
     l->tick_user = opts ? opts->tick_user : NULL;
     mtrl_progress_init(&l->prog, 5.0);
     l->config_text = mtrl_config_to_ini(cfg);

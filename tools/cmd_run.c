@@ -90,6 +90,8 @@ static pid_t spawn_actor_(const char *endpoint, int id) {
     snprintf(ids, sizeof ids, "%d", id);
     pid_t pid = fork();
     if (pid == 0) {
+        // Idle OpenMP threads sleep instead of spinning: the actors share cores with the learner.
+        setenv("OMP_WAIT_POLICY", "PASSIVE", 0);
         execl("/proc/self/exe", "mtrl", "actor", "--connect", endpoint, "--id", ids, (char *)NULL);
         _exit(127);
     }
