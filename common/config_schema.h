@@ -89,7 +89,6 @@
     X(learner, grad_clip, FLOAT, "1.0", 0, 1e9, NULL, "global gradient-norm clip (0 = off)")     \
     X(learner, max_staleness, INT, "4", 0, 1 << 20, NULL, "drop episodes whose oldest token is this many versions old") \
     X(learner, qb, BOOL, "true", 0, 0, NULL, "update the router bias by Quantile Balancing")       \
-    X(learner, qb_actor_stats, BOOL, "false", 0, 0, NULL, "also average QB over actor routing statistics") \
     X(learner, heartbeat_timeout_ms, INT, "5000", 100, 3600000, NULL, "an actor silent this long is dead") \
     X(learner, credit_bytes, INT, "4194304", 4096, 1LL << 40, NULL, "bytes an actor may have in flight") \
     X(learner, threads, INT, "0", 0, 1024, NULL, "OpenMP threads of the learner and of each local actor (0 = the cores shared evenly)")
