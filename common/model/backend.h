@@ -26,6 +26,19 @@
 
 #include "kernels/ref/real.h"
 
+// Every operation of a backend, for building the tables (one entry per line of mtrl_backend).
+#define MTRL_BACKEND_OPS(X) \
+    X(alloc) X(release) X(zero) X(copy) X(upload) X(download) \
+    X(sync) X(copy_rows) X(gather) X(scatter) X(sigmoid) X(sigmoid_mul) \
+    X(sigmoid_mul_bwd) X(dsigmoid) X(add) X(scale) X(gemm) X(rmsnorm_fwd) \
+    X(rmsnorm_bwd) X(l2norm_fwd) X(l2norm_bwd) X(gated_rmsnorm_fwd) X(gated_rmsnorm_bwd) X(shortconv_fwd) \
+    X(shortconv_bwd) X(shortconv_state_bwd) X(shortconv_step) X(embedding_fwd) X(embedding_bwd) X(logprob_fwd) \
+    X(logprob_bwd) X(adamw) X(grad_sq_norm) X(kda_gate_fwd) X(kda_gate_bwd) X(kda_chunk_fwd) \
+    X(kda_chunk_bwd) X(kda_step) X(attn_causal_fwd) X(attn_causal_bwd) X(mla_absorb_q) X(mla_absorb_q_bwd) \
+    X(mla_up_v) X(mla_up_v_bwd) X(mla_decode) X(moe_router_fwd) X(moe_router_bwd) X(moe_dispatch) \
+    X(moe_gather) X(moe_combine_fwd) X(moe_combine_bwd) X(moe_scatter_bwd) X(moe_experts_fwd) X(moe_experts_bwd) \
+    X(moe_swiglu_fwd) X(moe_swiglu_bwd) X(moe_load_count) X(qb_beta) X(attnres_site_fwd) X(attnres_site_bwd)
+
 typedef struct mtrl_backend mtrl_backend;
 
 struct mtrl_backend {

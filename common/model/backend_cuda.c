@@ -423,27 +423,10 @@ static void attnres_site_bwd_(BE *be, int N, int D, int S, const real *const *V,
     OK(mtrl_attnres_site_bwd(CTX(be), N, D, S, V, w, g, eps, alpha, dh, dV, dw, dg));
 }
 
+#define BACKEND_ENTRY_(name) .name = name##_,
 static const mtrl_backend cuda_template_ = {
     .device = MTRL_DEVICE_CUDA,
-    .alloc = alloc_, .release = release_, .zero = zero_, .copy = copy_, .upload = upload_, .download = download_,
-    .sync = sync_, .copy_rows = copy_rows_, .gather = gather_, .scatter = scatter_,
-    .sigmoid = sigmoid_, .sigmoid_mul = sigmoid_mul_, .sigmoid_mul_bwd = sigmoid_mul_bwd_, .dsigmoid = dsigmoid_,
-    .add = add_, .scale = scale_, .gemm = gemm_,
-    .rmsnorm_fwd = rmsnorm_fwd_, .rmsnorm_bwd = rmsnorm_bwd_, .l2norm_fwd = l2norm_fwd_, .l2norm_bwd = l2norm_bwd_,
-    .gated_rmsnorm_fwd = gated_rmsnorm_fwd_, .gated_rmsnorm_bwd = gated_rmsnorm_bwd_,
-    .shortconv_fwd = shortconv_fwd_, .shortconv_bwd = shortconv_bwd_, .shortconv_state_bwd = shortconv_state_bwd_,
-    .shortconv_step = shortconv_step_, .embedding_fwd = embedding_fwd_, .embedding_bwd = embedding_bwd_,
-    .logprob_fwd = logprob_fwd_, .logprob_bwd = logprob_bwd_, .adamw = adamw_, .grad_sq_norm = grad_sq_norm_,
-    .kda_gate_fwd = kda_gate_fwd_, .kda_gate_bwd = kda_gate_bwd_, .kda_chunk_fwd = kda_chunk_fwd_,
-    .kda_chunk_bwd = kda_chunk_bwd_, .kda_step = kda_step_,
-    .attn_causal_fwd = attn_causal_fwd_, .attn_causal_bwd = attn_causal_bwd_, .mla_absorb_q = mla_absorb_q_,
-    .mla_absorb_q_bwd = mla_absorb_q_bwd_, .mla_up_v = mla_up_v_, .mla_up_v_bwd = mla_up_v_bwd_,
-    .mla_decode = mla_decode_,
-    .moe_router_fwd = moe_router_fwd_, .moe_router_bwd = moe_router_bwd_, .moe_dispatch = moe_dispatch_,
-    .moe_gather = moe_gather_, .moe_combine_fwd = moe_combine_fwd_, .moe_combine_bwd = moe_combine_bwd_,
-    .moe_scatter_bwd = moe_scatter_bwd_, .moe_experts_fwd = moe_experts_fwd_, .moe_experts_bwd = moe_experts_bwd_,
-    .moe_swiglu_fwd = moe_swiglu_fwd_, .moe_swiglu_bwd = moe_swiglu_bwd_, .moe_load_count = moe_load_count_,
-    .qb_beta = qb_beta_, .attnres_site_fwd = attnres_site_fwd_, .attnres_site_bwd = attnres_site_bwd_,
+    MTRL_BACKEND_OPS(BACKEND_ENTRY_)
 };
 
 int mtrl_backend_cuda_devices(void) { return mtrl_cuda_device_count(); }
