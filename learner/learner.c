@@ -336,7 +336,10 @@ static void handle_(mtrl_learner *l, mtrl_wire_in *in) {
 static void grant_credit_(mtrl_learner *l) {
     uint64_t cap = (uint64_t)l->cfg.learner.credit_bytes * (uint64_t)(l->n_actors ? l->n_actors : 1);
     if (mtrl_wire_asm_open_bytes(l->asm_) > cap) return;
-    if (l->n_groups >= 2 * l->cfg.learner.batch_groups) return;
+    // Only complete groups count: a partial group's other episodes still need credit to arrive.
+    int complete = 0;
+    for (int i = 0; i < l->n_groups; i++) complete += l->groups[i].n >= l->cfg.algo.group_size;
+    if (complete >= 2 * l->cfg.learner.batch_groups) return;
     mtrl_wire_out o;
     mtrl_wire_out_init(&o);
     for (int i = 0; i < l->n_actors; i++) {
