@@ -43,6 +43,7 @@ typedef struct actor {
     int have_model, have_weights;
     mtrl_rollout *ro;
     int64_t credit;
+    int64_t credit_full;   // the credit of the last WELCOME: nothing is in flight when credit >= it
     // weights being received
     uint8_t *wbuf;
     uint64_t wlen, wgot;
@@ -91,7 +92,9 @@ static void flush_(actor *a) {
     while (a->out_head < a->n_out) {
         mtrl_wire_out *o = &a->out[a->out_head].o;
         int64_t cost = (int64_t)(o->payload.len + MTRL_WIRE_HDR_SIZE);
-        if (cost > a->credit) break;
+        // A message larger than the whole credit goes alone, when nothing else is in flight;
+        // otherwise a small credit and a large chunk would wait for each other forever.
+        if (cost > a->credit && !(cost > a->credit_full && a->credit >= a->credit_full)) break;
         if (!send_now_(a, o)) break;
         a->credit -= cost;
         mtrl_wire_out_free(o);
@@ -180,6 +183,7 @@ static int setup_(actor *a, const mtrl_wire_msg *m) {
     a->run_id = m->run_id;
     a->config_hash = m->config_hash;
     a->credit = (int64_t)m->credit_bytes;
+    a->credit_full = (int64_t)m->credit_bytes;
     mtrl_rollout_params p;
     mtrl_rollout_params_from_config(&p, &a->cfg, a->id, a->incarnation);
     p.first_group = next_group;
@@ -255,10 +259,15 @@ static int poll_(actor *a, int timeout_ms) {
                     if (!setup_(a, &m)) a->bye = 2;
                 } else {
                     a->credit = (int64_t)m.credit_bytes;
+                    a->credit_full = (int64_t)m.credit_bytes;
                 }
                 break;
             case MTRL_WIRE_WEIGHTS: weights_chunk_(a, &m); break;
-            case MTRL_WIRE_CREDIT: a->credit += (int64_t)m.credit_bytes; break;
+            case MTRL_WIRE_CREDIT:
+                a->credit += (int64_t)m.credit_bytes;
+                // After a warm-up WELCOME with no credit, the first grant sets the full credit.
+                if (a->credit_full < a->credit) a->credit_full = a->credit;
+                break;
             case MTRL_WIRE_BYE:
                 LOG_INFO("learner said BYE: %s", m.text ? m.text : "");
                 a->bye = 1;

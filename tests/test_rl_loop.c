@@ -176,6 +176,22 @@ static void test_short_run(void) {
     TEST_EQ_INT(query_int(db, "SELECT max(value) FROM metrics WHERE name = 'version'"), 5);
 }
 
+// Episodes larger than the whole credit still stream (one message at a time when nothing else
+// is in flight) instead of waiting forever: 4 KiB of credit, 600-token episodes in one chunk.
+static void test_small_credit(void) {
+    char ini[512], db[512], log[512];
+    make_experiment("credit", 3, "calc", "", "false", ini, sizeof ini, NULL);
+    snprintf(db, sizeof db, "%s/credit.db", dir_);
+    snprintf(log, sizeof log, "%s/credit.log", dir_);
+    char *argv[] = {(char *)bin_, "run", ini, "--db", db, "--set", "learner.credit_bytes=4096", "--set", "actor.chunk_tokens=2048",
+                    "--set", "actor.max_tokens=600", "--set", "actor.max_turn_tokens=600", NULL};
+    TEST_EQ_INT(run_cmd(argv, log), 0);
+    TEST_CHECK(query_int(db, "SELECT max(tokens) FROM episodes") > 400); // over 4 KiB on the wire
+    char status[64];
+    query_text(db, "SELECT status FROM runs WHERE id = 1", status, sizeof status);
+    TEST_EQ_STR(status, "finished");
+}
+
 // Sends garbage to the learner: a non-mtrl frame, a header claiming a payload far over the cap,
 // a message with too many frames, and a chunk for an episode nobody began.
 static void send_garbage(const char *endpoint) {
@@ -378,6 +394,7 @@ int main(void) {
     TEST_CHECK(mkdtemp(dir_) != NULL);
     setenv("OMP_NUM_THREADS", "1", 1);
     test_short_run();
+    test_small_credit();
     test_actor_killed();
     test_plugins();
     test_stages();
