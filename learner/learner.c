@@ -330,12 +330,13 @@ static void handle_(mtrl_learner *l, mtrl_wire_in *in) {
     }
 }
 
-// Returns credit for what was consumed, while the learner holds less than the sum of credits
-// and has fewer than two batches of groups waiting: episodes produced faster than the learner
-// trains would only go stale, so the actors wait instead (backpressure).
+// Returns credit for every message consumed (an actor never has more than its credit in flight,
+// or one message larger than it: the learner holds at most the sum of the credits plus one such
+// message per actor, and the assembler caps each episode), while fewer than two batches of
+// complete groups wait: episodes produced faster than the learner trains would only go stale, so
+// the actors wait instead (backpressure). Open episodes are never starved of credit: their END
+// must get through.
 static void grant_credit_(mtrl_learner *l) {
-    uint64_t cap = (uint64_t)l->cfg.learner.credit_bytes * (uint64_t)(l->n_actors ? l->n_actors : 1);
-    if (mtrl_wire_asm_open_bytes(l->asm_) > cap) return;
     // Only complete groups count: a partial group's other episodes still need credit to arrive.
     int complete = 0;
     for (int i = 0; i < l->n_groups; i++) complete += l->groups[i].n >= l->cfg.algo.group_size;
