@@ -34,16 +34,7 @@ static char *slurp_(const char *path) { return test_slurp(path, NULL); }
 
 #define RUN(...) run_((char *const[]){(char *)bin_, __VA_ARGS__, NULL})
 
-static long long q_int_(const char *db, const char *sql) {
-    sqlite3 *h;
-    long long v = -1;
-    if (sqlite3_open_v2(db, &h, SQLITE_OPEN_READONLY, NULL) != SQLITE_OK) return -1;
-    sqlite3_stmt *st;
-    if (sqlite3_prepare_v2(h, sql, -1, &st, NULL) == SQLITE_OK && sqlite3_step(st) == SQLITE_ROW) v = sqlite3_column_int64(st, 0);
-    sqlite3_finalize(st);
-    sqlite3_close(h);
-    return v;
-}
+#define q_int_ test_query_int
 
 static int make_run_(const char *seed) {
     char ini[1024], sd[64];

@@ -23,6 +23,7 @@
 #include "common/traj.h"
 #include "common/trajfile.h"
 #include "tests/testhelp.h"
+#include "tests/testproc.h"
 
 static char dir_[256];
 static const char *bin_;
@@ -68,17 +69,7 @@ static pid_t start_cmd(char *const argv[], const char *log) {
     return pid;
 }
 
-static long long query_int(const char *db, const char *sql) {
-    sqlite3 *h;
-    long long v = -1;
-    if (sqlite3_open_v2(db, &h, SQLITE_OPEN_READONLY, NULL) != SQLITE_OK) return -1;
-    sqlite3_busy_timeout(h, 5000);
-    sqlite3_stmt *st;
-    if (sqlite3_prepare_v2(h, sql, -1, &st, NULL) == SQLITE_OK && sqlite3_step(st) == SQLITE_ROW) v = sqlite3_column_int64(st, 0);
-    sqlite3_finalize(st);
-    sqlite3_close(h);
-    return v;
-}
+#define query_int test_query_int
 
 static void query_text(const char *db, const char *sql, char *out, size_t cap) {
     sqlite3 *h;

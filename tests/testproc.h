@@ -6,6 +6,7 @@
 #define MTRL_TESTPROC_H
 
 #include <fcntl.h>
+#include <sqlite3.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -59,6 +60,23 @@ static inline test_result test_run_in(const char *dir, char *const argv[]) {
     r.out = test_slurp(o, NULL);
     r.err = test_slurp(e, NULL);
     return r;
+}
+
+// The first column of the first row of a query on a run store opened read-only (waits for a
+// writer up to 5 s), or -1 when the store or the query fails or returns no row.
+static inline long long test_query_int(const char *db, const char *sql) {
+    sqlite3 *h;
+    long long v = -1;
+    if (sqlite3_open_v2(db, &h, SQLITE_OPEN_READONLY, NULL) != SQLITE_OK) {
+        sqlite3_close(h);
+        return -1;
+    }
+    sqlite3_busy_timeout(h, 5000);
+    sqlite3_stmt *st = NULL;
+    if (sqlite3_prepare_v2(h, sql, -1, &st, NULL) == SQLITE_OK && sqlite3_step(st) == SQLITE_ROW) v = sqlite3_column_int64(st, 0);
+    sqlite3_finalize(st);
+    sqlite3_close(h);
+    return v;
 }
 
 #endif
