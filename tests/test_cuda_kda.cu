@@ -1,7 +1,8 @@
 // mtrl-test: gpu f64 timeout=600
 // test_cuda_kda.cu: the CUDA KDA kernels against the fp64 CPU reference (kernels/ref/kda_ref.h):
 // gate fwd/bwd, chunked forward (o, final state, per-tile states) and backward (dq, dk, dv, dg,
-// dβ, dS0), with and without stored tile states, and the batched decode step.
+// dβ, dS0), with and without stored tile states, and the batched decode step (both kernels: v2
+// where the shape allows it, then v1 forced through MTRL_DECODE_V1=1; B = 1 and B = 64).
 // Cases: T not a multiple of 16 (tails), T < 16, S0 ≠ 0, random g in (g_min, 0) and the decay
 // at the bound (g ≡ g_min + 1e-3), K = V ∈ {16, 32, 128}. Outputs are poisoned with NaN first.
 // Tolerances (fp32 arithmetic on the GPU): ‖out − ref‖/‖ref‖ ≤ 1e-4 everywhere (2e-4 for the
@@ -120,31 +121,52 @@ static void test_chunk(mtrl_cuda_ctx *ctx, int T, int H, int K, int V, int bound
     for (size_t i = 0; i < sizeof hp / sizeof *hp; i++) free(hp[i]);
 }
 
-static void test_step(mtrl_cuda_ctx *ctx, int B, int H, int K, int V) {
-    printf("step B=%d H=%d K=%d V=%d\n", B, H, K, V);
+// Sets MTRL_DECODE_V1 for the decode launchers (read at each call): version 1 forces the first
+// kernel, version 2 leaves the launcher's default (v2 where the shape allows it).
+static void set_decode_version(int version) {
+    if (version == 1) setenv("MTRL_DECODE_V1", "1", 1);
+    else unsetenv("MTRL_DECODE_V1");
+}
+
+// B sequences, one token each; both kernels (v2 where supported, then v1) from the same inputs
+// and the same starting state, each against the fp64 reference.
+static void test_step(mtrl_cuda_ctx *ctx, int B, int H, int K, int V, int bound) {
     size_t nqk = (size_t)B * H * K, nv = (size_t)B * H * V, ns = (size_t)B * H * K * V;
     double *q = tu_alloc(nqk), *k = tu_alloc(nqk), *v = tu_alloc(nv), *g = tu_alloc(nqk),
-           *beta = tu_alloc((size_t)B * H), *S = tu_alloc(ns), *o = tu_alloc(nv);
-    make_inputs(B, H, K, V, 0, q, k, v, g, beta);  // B "tokens" = one token of each sequence
-    tu_fill_normal(S, ns, 0.5);
-    float *d_q = tu_dev_f32(q, nqk), *d_k = tu_dev_f32(k, nqk), *d_v = tu_dev_f32(v, nv),
-          *d_g = tu_dev_f32(g, nqk), *d_b = tu_dev_f32(beta, (size_t)B * H),
-          *d_S = tu_dev_f32(S, ns), *d_o = tu_dev_nan(ctx, nv);
+           *beta = tu_alloc((size_t)B * H), *S0 = tu_alloc(ns), *S = tu_alloc(ns), *o = tu_alloc(nv);
+    make_inputs(B, H, K, V, bound, q, k, v, g, beta);  // B "tokens" = one token of each sequence
+    tu_fill_normal(S0, ns, 0.5);
+    memcpy(S, S0, sizeof(double) * ns);
     for (int b = 0; b < B; b++)
         kda_step(H, K, V, q + (size_t)b * H * K, k + (size_t)b * H * K, v + (size_t)b * H * V,
                  g + (size_t)b * H * K, beta + (size_t)b * H, S + (size_t)b * H * K * V,
                  o + (size_t)b * H * V);
-    TEST_EQ_INT(mtrl_kda_step(ctx, B, H, K, V, d_q, d_k, d_v, d_g, d_b, d_S, d_o), 0);
-    mtrl_cuda_sync(ctx);
+    float *d_q = tu_dev_f32(q, nqk), *d_k = tu_dev_f32(k, nqk), *d_v = tu_dev_f32(v, nv),
+          *d_g = tu_dev_f32(g, nqk), *d_b = tu_dev_f32(beta, (size_t)B * H);
     double *got = tu_alloc(ns);
-    tu_get_f32(got, d_o, nv);
-    TU_CHECK_REL("step o", got, o, nv, 1e-4);
-    tu_get_f32(got, d_S, ns);
-    TU_CHECK_REL("step S", got, S, ns, 1e-4);
-    float *ptrs[] = {d_q, d_k, d_v, d_g, d_b, d_S, d_o};
-    for (size_t i = 0; i < 7; i++) mtrl_cuda_free(ptrs[i]);
-    double *hp[] = {q, k, v, g, beta, S, o, got};
-    for (size_t i = 0; i < 8; i++) free(hp[i]);
+    for (int version = 2; version >= 1; version--) {
+        set_decode_version(version);
+        int runs = mtrl_kda_step_version(H, K, V);
+        printf("step B=%d H=%d K=%d V=%d %s: kernel v%d%s\n", B, H, K, V,
+               bound ? "g = g_min + 1e-3" : "random g", runs,
+               version == 2 && runs == 1 ? " (shape not supported by v2)" : "");
+        if (version == 2 && runs == 1) continue;  // the v1 pass below covers it
+        TEST_EQ_INT(runs, version);
+        float *d_S = tu_dev_f32(S0, ns), *d_o = tu_dev_nan(ctx, nv);
+        TEST_EQ_INT(mtrl_kda_step(ctx, B, H, K, V, d_q, d_k, d_v, d_g, d_b, d_S, d_o), 0);
+        mtrl_cuda_sync(ctx);
+        tu_get_f32(got, d_o, nv);
+        TU_CHECK_REL(version == 2 ? "step o (v2)" : "step o (v1)", got, o, nv, 1e-4);
+        tu_get_f32(got, d_S, ns);
+        TU_CHECK_REL(version == 2 ? "step S (v2)" : "step S (v1)", got, S, ns, 1e-4);
+        mtrl_cuda_free(d_S);
+        mtrl_cuda_free(d_o);
+    }
+    set_decode_version(2);
+    float *ptrs[] = {d_q, d_k, d_v, d_g, d_b};
+    for (size_t i = 0; i < 5; i++) mtrl_cuda_free(ptrs[i]);
+    double *hp[] = {q, k, v, g, beta, S0, S, o, got};
+    for (size_t i = 0; i < 9; i++) free(hp[i]);
 }
 
 static void test_gate(mtrl_cuda_ctx *ctx, int T, int H, int K) {
@@ -196,9 +218,14 @@ int main(void) {
     test_chunk(ctx, 100, 2, 32, 32, 1);
     test_chunk(ctx, 77, 2, 128, 128, 0);
     test_chunk(ctx, 61, 1, 128, 128, 1);
-    test_step(ctx, 5, 3, 32, 32);
-    test_step(ctx, 4, 2, 128, 128);
-    test_step(ctx, 3, 2, 16, 48);
+    test_step(ctx, 5, 3, 32, 32, 0);       // v1 only (V % 64 != 0)
+    test_step(ctx, 3, 2, 16, 48, 0);       // v1 only
+    test_step(ctx, 4, 2, 128, 128, 0);
+    test_step(ctx, 1, 16, 128, 128, 0);    // B = 1
+    test_step(ctx, 64, 16, 128, 128, 0);   // B = 64, the model's head shape
+    test_step(ctx, 64, 16, 128, 128, 1);   // decay at the lower bound
+    test_step(ctx, 3, 5, 64, 192, 0);      // K = 64 (4 rows per thread), three column slices
+    test_step(ctx, 2, 3, 256, 64, 1);      // K = 256 (16 rows per thread), at the bound
     mtrl_cuda_ctx_destroy(ctx);
     return test_report();
 }

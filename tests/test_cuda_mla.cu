@@ -5,7 +5,8 @@
 // model's shapes: Dk = dc + dr = 576, Dv = 512, and the tiny preset's Dk = 40 that needs zero
 // padding to 48), a segment attending to a longer prefix (Tq < Tk), and the general form (Hk = 2,
 // separate values); and the absorbed decode over a batch of sequences of different lengths
-// (fp32 and bf16 latent caches).
+// (fp32 and bf16 latent caches; each case through both kernels: v2 where the arguments allow it,
+// then v1 forced through MTRL_DECODE_V1=1).
 // Tolerances: attention takes bf16 operands: ‖out − ref‖/‖ref‖ ≤ 1e-2 against the reference on
 // the unrounded inputs. Decode: fp32 cache ≤ 1e-4; bf16 cache ≤ 1e-2.
 #include "tests/testhelp.h"
@@ -83,10 +84,18 @@ static void test_attn(mtrl_cuda_ctx *ctx, int Tq, int Tk, int H, int Hk, int Dk,
     free(got);
 }
 
+// Sets MTRL_DECODE_V1 for the decode launchers (read at each call): version 1 forces the first
+// kernel, version 2 leaves the launcher's default (v2 where the shape allows it).
+static void set_decode_version(int version) {
+    if (version == 1) setenv("MTRL_DECODE_V1", "1", 1);
+    else unsetenv("MTRL_DECODE_V1");
+}
+
+// B sequences of lengths lens[] in one pool (a gap of 3 rows before each, row stride dc+dr+8),
+// one query token each. Both kernels (v2 where the arguments allow it, then v1 forced) on the
+// same inputs, each against the fp64 reference (which sees the unrounded cache and query).
 static void test_decode(mtrl_cuda_ctx *ctx, int B, const int *lens, int H, int dn, int dr, int dv,
                         int dc, int lat_type) {
-    printf("decode B=%d H=%d dn=%d dr=%d dv=%d dc=%d %s cache\n", B, H, dn, dr, dv, dc,
-           lat_type == MTRL_BF16 ? "bf16" : "fp32");
     int ld = dc + dr + 8, max_len = 0;
     long long *start = (long long *)malloc(sizeof(long long) * B);
     long long rows = 0;
@@ -107,17 +116,30 @@ static void test_decode(mtrl_cuda_ctx *ctx, int B, const int *lens, int H, int d
                                pool + (size_t)start[b] * ld, ld, pool + (size_t)start[b] * ld + dc, ld,
                                lens[b], a + (size_t)b * H * dv);
     void *d_pool = lat_type == MTRL_BF16 ? (void *)tu_dev_bf16(pool, npool) : (void *)tu_dev_f32(pool, npool);
-    float *d_q = tu_dev_f32(q, nq), *d_W = tu_dev_f32(W, nw), *d_a = tu_dev_nan(ctx, (size_t)B * H * dv);
+    float *d_q = tu_dev_f32(q, nq), *d_W = tu_dev_f32(W, nw);
     long long *d_start = (long long *)mtrl_cuda_malloc(sizeof(long long) * B);
     mtrl_cuda_upload(d_start, start, sizeof(long long) * B);
     int *d_len = tu_dev_i32(lens, B);
-    TEST_EQ_INT(mtrl_mla_decode_absorbed(ctx, B, H, dn, dr, dv, dc, (float)scale, d_q, d_W, d_pool,
-                                         lat_type, ld, d_start, d_len, max_len, d_a), 0);
-    mtrl_cuda_sync(ctx);
     double *got = tu_alloc((size_t)B * H * dv);
-    tu_get_f32(got, d_a, (size_t)B * H * dv);
-    TU_CHECK_REL("decode a", got, a, (size_t)B * H * dv, lat_type == MTRL_BF16 ? 1e-2 : 1e-4);
-    mtrl_cuda_free(d_pool); mtrl_cuda_free(d_q); mtrl_cuda_free(d_W); mtrl_cuda_free(d_a);
+    for (int version = 2; version >= 1; version--) {
+        set_decode_version(version);
+        int runs = mtrl_mla_decode_version(ctx, H, dr, dc, lat_type, ld);
+        printf("decode B=%d H=%d dn=%d dr=%d dv=%d dc=%d max_len=%d %s cache: kernel v%d%s\n", B, H,
+               dn, dr, dv, dc, max_len, lat_type == MTRL_BF16 ? "bf16" : "fp32", runs,
+               version == 2 && runs == 1 ? " (arguments not supported by v2)" : "");
+        if (version == 2 && runs == 1) continue;  // the v1 pass below covers it
+        TEST_EQ_INT(runs, version);
+        float *d_a = tu_dev_nan(ctx, (size_t)B * H * dv);
+        TEST_EQ_INT(mtrl_mla_decode_absorbed(ctx, B, H, dn, dr, dv, dc, (float)scale, d_q, d_W, d_pool,
+                                             lat_type, ld, d_start, d_len, max_len, d_a), 0);
+        mtrl_cuda_sync(ctx);
+        tu_get_f32(got, d_a, (size_t)B * H * dv);
+        TU_CHECK_REL(version == 2 ? "decode a (v2)" : "decode a (v1)", got, a, (size_t)B * H * dv,
+                     lat_type == MTRL_BF16 ? 1e-2 : 1e-4);
+        mtrl_cuda_free(d_a);
+    }
+    set_decode_version(2);
+    mtrl_cuda_free(d_pool); mtrl_cuda_free(d_q); mtrl_cuda_free(d_W);
     mtrl_cuda_free(d_start); mtrl_cuda_free(d_len);
     free(start); free(pool); free(q); free(W); free(a); free(got);
 }
@@ -135,8 +157,25 @@ int main(void) {
     test_decode(ctx, 5, lens1, 8, 32, 16, 32, 64, MTRL_F32);
     test_decode(ctx, 5, lens1, 8, 32, 16, 32, 64, MTRL_BF16);
     int lens2[3] = {1000, 1, 2049};
-    test_decode(ctx, 3, lens2, 32, 128, 64, 128, 512, MTRL_BF16);
+    test_decode(ctx, 3, lens2, 32, 128, 64, 128, 512, MTRL_BF16);  // H = 32: two row tiles in v2
     test_decode(ctx, 3, lens2, 32, 128, 64, 128, 512, MTRL_F32);
+    // v2 shapes (model dims dc 512 + dr 64, H = 16 unless stated): one key; one long sequence in
+    // many splits; B = 64 of mixed lengths around the 64-key tile and the split length; B = 8
+    // short sequences (one split each); H < 16 and H = 20 (zero-padded rows), dc = 128 / 256.
+    int lens3[1] = {1};
+    test_decode(ctx, 1, lens3, 16, 128, 64, 128, 512, MTRL_BF16);
+    int lens4[1] = {50001};
+    test_decode(ctx, 1, lens4, 16, 128, 64, 128, 512, MTRL_BF16);
+    int lens5[64];
+    const int edge[16] = {1, 2, 31, 32, 33, 63, 64, 65, 127, 128, 129, 255, 256, 257, 1023, 3001};
+    for (int b = 0; b < 64; b++) lens5[b] = b < 16 ? edge[b] : 1 + (int)(tu_unif() * 3000);
+    test_decode(ctx, 64, lens5, 16, 128, 64, 128, 512, MTRL_BF16);
+    int lens6[8] = {1, 5, 64, 100, 200, 255, 256, 129};
+    test_decode(ctx, 8, lens6, 16, 128, 64, 128, 512, MTRL_BF16);
+    int lens7[3] = {1, 700, 4099};
+    test_decode(ctx, 3, lens7, 8, 64, 32, 64, 128, MTRL_BF16);     // dc 128 + dr 32, H = 8
+    int lens8[2] = {333, 5000};
+    test_decode(ctx, 2, lens8, 20, 64, 32, 96, 256, MTRL_BF16);    // dc 256 + dr 32, H = 20
     mtrl_cuda_ctx_destroy(ctx);
     return test_report();
 }

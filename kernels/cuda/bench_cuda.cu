@@ -5,6 +5,7 @@
 // copy, bytes read + written). performance.md's reference ceilings are 755 TFLOP/s, 4.17 TB/s.
 #include <algorithm>
 #include <ctime>
+#include <stdlib.h>
 #include <math.h>
 #include <string.h>
 #include <vector>
@@ -143,21 +144,46 @@ void bench_kda(Bench &B, int T, int H) {
     for (void *p : ps) mtrl_cuda_free(p);
 }
 
+// Selects the decode kernels for the launchers (MTRL_DECODE_V1, read at each call): 1 forces
+// v1, 2 leaves the default (v2 where the shape allows it).
+void set_decode_version(int version) {
+    if (version == 1) setenv("MTRL_DECODE_V1", "1", 1);
+    else unsetenv("MTRL_DECODE_V1");
+}
+
+// KDA decode step, v2 and v1: B sequences x H heads, K = V = 128, fp32 state read + written.
+// NR state copies rotate (each >= 67 MB at B = 64, so the working set is >= 4x the L2). Two
+// timings: one launch between two events (median), and NR x 4 launches back to back divided by
+// their count (launch gaps overlap the previous kernel, as in a decode loop over layers).
 void bench_kda_step(Bench &B, int Bsz, int H) {
     const int K = 128, V = 128;
     size_t nS = (size_t)Bsz * H * K * V;
     float *q = rnd(B, (size_t)Bsz * H * K, -0.1f, 0.1f), *k = rnd(B, (size_t)Bsz * H * K, -0.1f, 0.1f),
           *v = rnd(B, (size_t)Bsz * H * V, -1, 1), *g = rnd(B, (size_t)Bsz * H * K, -1.f, -0.01f),
           *beta = rnd(B, (size_t)Bsz * H, 0.1f, 0.9f), *o = (float *)mtrl_cuda_malloc((size_t)Bsz * H * V * 4);
-    const int NR = 4;  // rotate state copies (each 128 MB at B = 64) so L2 holds none
+    const int NR = 4;
     float *S[NR];
     for (int i = 0; i < NR; i++) S[i] = rnd(B, nS, -0.1f, 0.1f);
-    int it = 0;
-    double ms = time_ms(B, [&] { mtrl_kda_step(B.c, Bsz, H, K, V, q, k, v, g, beta, S[it++ % NR], o); }, 2, 20);
     char shape[64];
     snprintf(shape, sizeof shape, "B=%d H=%d K=V=128", Bsz, H);
     double bytes = 2.0 * nS * 4 + 4.0 * Bsz * H * (3 * K + 2 * V + 1);
-    row("KDA decode step", shape, ms, bytes, "GB/s", B.copy_tbps * 1e3);
+    for (int version = 2; version >= 1; version--) {
+        set_decode_version(version);
+        int it = 0;
+        double ms = time_ms(B, [&] { mtrl_kda_step(B.c, Bsz, H, K, V, q, k, v, g, beta, S[it++ % NR], o); }, 2, 20);
+        const int nb = 4 * NR;
+        double ms_b2b = time_ms(B, [&] {
+            for (int i = 0; i < nb; i++) mtrl_kda_step(B.c, Bsz, H, K, V, q, k, v, g, beta, S[i % NR], o);
+        }, 1, 5) / nb;
+        char what[64];
+        snprintf(what, sizeof what, "KDA decode step v%d%s", mtrl_kda_step_version(H, K, V),
+                 version == 2 && mtrl_kda_step_version(H, K, V) == 1 ? " (v2 n/a)" : "");
+        row(what, shape, ms, bytes, "GB/s", B.copy_tbps * 1e3);
+        snprintf(what, sizeof what, "  (%d launches back to back, each)", nb);
+        row(what, "", ms_b2b, bytes, "GB/s", B.copy_tbps * 1e3);
+    }
+    set_decode_version(2);
+    printf("%-34s %-34s bytes per step %.1f MB (state read + written, inputs, o)\n", "", "", bytes / 1e6);
     for (int i = 0; i < NR; i++) mtrl_cuda_free(S[i]);
     void *ps[] = {q, k, v, g, beta, o};
     for (void *p : ps) mtrl_cuda_free(p);
@@ -193,9 +219,20 @@ void bench_attn(Bench &B, int T, int H, int absorbed) {
     if (!absorbed) { mtrl_cuda_free(v); mtrl_cuda_free(dv); }
 }
 
+// MLA absorbed decode, v2 and v1: Bsz sequences of Tk cached positions (bf16 latent rows of
+// dc + dr = 576), H heads, one query token each. The rate counts the latent-cache bytes only
+// (read once); each shape reads >= 1.2 GB, far above the L2, so no rotation is needed.
 void bench_decode(Bench &B, int Bsz, int Tk, int H) {
     const int dn = 128, dr = 64, dv = 128, dc = 512, ld = dc + dr;
     size_t rows = (size_t)Bsz * Tk;
+    double lat_bytes = (double)rows * ld * 2;
+    size_t free_b, total_b;
+    CUDA_CHECK(cudaMemGetInfo(&free_b, &total_b));
+    if (3.5 * lat_bytes > (double)free_b) {  // the bf16 cache plus its fp32 staging while filled
+        printf("%-34s B=%d Tk=%d: skipped (%.1f GB of latents does not fit)\n", "MLA absorbed decode", Bsz,
+               Tk, lat_bytes / 1e9);
+        return;
+    }
     mtrl_bf16 *lat = rnd_bf16(B, rows * ld, -1, 1);
     float *q = rnd(B, (size_t)Bsz * H * (dn + dr), -1, 1), *W = rnd(B, (size_t)H * (dn + dv) * dc, -0.05f, 0.05f);
     float *a = (float *)mtrl_cuda_malloc((size_t)Bsz * H * dv * 4);
@@ -206,13 +243,28 @@ void bench_decode(Bench &B, int Bsz, int Tk, int H) {
     int *d_len = (int *)mtrl_cuda_malloc(sizeof(int) * Bsz);
     mtrl_cuda_upload(d_st, st.data(), sizeof(long long) * Bsz);
     mtrl_cuda_upload(d_len, len.data(), sizeof(int) * Bsz);
-    double ms = time_ms(B, [&] {
-        mtrl_mla_decode_absorbed(B.c, Bsz, H, dn, dr, dv, dc, 1.f / sqrtf(192.f), q, W, lat, MTRL_BF16, ld, d_st,
-                                 d_len, Tk, a);
-    }, 2, 10);
     char shape[80];
     snprintf(shape, sizeof shape, "B=%d Tk=%d H=%d bf16 latent", Bsz, Tk, H);
-    row("MLA absorbed decode", shape, ms, (double)rows * ld * 2, "GB/s", B.copy_tbps * 1e3);
+    for (int version = 2; version >= 1; version--) {
+        set_decode_version(version);
+        int runs = mtrl_mla_decode_version(B.c, H, dr, dc, MTRL_BF16, ld);
+        auto call = [&] {
+            mtrl_mla_decode_absorbed(B.c, Bsz, H, dn, dr, dv, dc, 1.f / sqrtf(192.f), q, W, lat, MTRL_BF16, ld, d_st,
+                                     d_len, Tk, a);
+        };
+        double ms = time_ms(B, call, 2, version == 2 ? 10 : 3);
+        char what[64];
+        snprintf(what, sizeof what, "MLA absorbed decode v%d%s", runs, version == 2 && runs == 1 ? " (v2 n/a)" : "");
+        row(what, shape, ms, lat_bytes, "GB/s", B.copy_tbps * 1e3);
+        if (version == 2) {  // steady state: the host's launch work overlaps the previous call
+            const int nb = 4;
+            double ms_b2b = time_ms(B, [&] { for (int i = 0; i < nb; i++) call(); }, 1, 5) / nb;
+            snprintf(what, sizeof what, "  (%d calls back to back, each)", nb);
+            row(what, "", ms_b2b, lat_bytes, "GB/s", B.copy_tbps * 1e3);
+        }
+    }
+    set_decode_version(2);
+    printf("%-34s %-34s latent bytes read %.2f GB\n", "", "", lat_bytes / 1e9);
     mtrl_cuda_free(lat); mtrl_cuda_free(q); mtrl_cuda_free(W); mtrl_cuda_free(a);
     mtrl_cuda_free(d_st); mtrl_cuda_free(d_len);
 }
@@ -299,6 +351,7 @@ extern "C" int mtrl_bench_ops_cuda(int argc, char **argv) {
     const char *only = "copy,gemm,kda,step,attn,decode,moe,ops";
     std::vector<int> kdaT = {8192, 65536, 262144}, attnT = {8192, 32768};
     int reps = 5, H = 16;
+    const char *decode_shapes = "1x1048576,8x131072,64x32768,16x524288";  // MLA decode, B x Tk
     for (int i = 1; i < argc; i++) {
         const char *a = argv[i];
         const char *val = i + 1 < argc ? argv[i + 1] : nullptr;
@@ -309,9 +362,11 @@ extern "C" int mtrl_bench_ops_cuda(int argc, char **argv) {
         else if (!strcmp(a, "--attn-T") && val) { attnT = parse_list(val); i++; }
         else if (!strcmp(a, "--reps") && val) { reps = atoi(val); i++; }
         else if (!strcmp(a, "--heads") && val) { H = atoi(val); i++; }
+        else if (!strcmp(a, "--decode-shapes") && val) { decode_shapes = val; i++; }
         else {
             fprintf(stderr, "usage: mtrl bench ops --device cuda [--only copy,gemm,kda,step,attn,decode,moe,ops] "
-                            "[--kda-T 8192,65536] [--attn-T 8192,32768] [--heads 16] [--reps N]\n");
+                            "[--kda-T 8192,65536] [--attn-T 8192,32768] [--heads 16] [--decode-shapes 1x1048576,8x131072] "
+                            "[--reps N]\n");
             return 2;
         }
     }
@@ -337,18 +392,29 @@ extern "C" int mtrl_bench_ops_cuda(int argc, char **argv) {
            p.name, p.multiProcessorCount, p.l2CacheSize / 1e6, CUDART_VERSION, when, B.reps);
     printf("%-34s %-34s %13s %18s\n", "kernel", "shape", "time", "rate");
     if (want("copy") || want("gemm")) bench_ceilings(B);
+    else
+        printf("%-34s %-34s (ceilings not measured in this run: %.2f TB/s copy, %.0f TFLOP/s bf16 from "
+               "performance.md; add copy,gemm to --only to measure them)\n", "", "", B.copy_tbps, B.gemm_tflops);
     if (want("kda"))
         for (int T : kdaT) bench_kda(B, T, H);
-    if (want("step")) bench_kda_step(B, 64, H);
+    if (want("step")) {
+        bench_kda_step(B, 64, H);
+        bench_kda_step(B, 256, H);
+    }
     if (want("attn"))
         for (int T : attnT) {
             bench_attn(B, T, H, 1);
             bench_attn(B, T, H, 0);
         }
-    if (want("decode")) {
-        bench_decode(B, 64, 32768, 16);
-        bench_decode(B, 8, 131072, 16);
-    }
+    if (want("decode"))
+        for (const char *p = decode_shapes; p && *p;) {  // "BxT,BxT,..."
+            int bb = atoi(p);
+            const char *x = strchr(p, 'x');
+            const char *cm = strchr(p, ',');
+            int tt = x && (!cm || x < cm) ? atoi(x + 1) : 0;
+            if (bb > 0 && tt > 0) bench_decode(B, bb, tt, H);
+            p = cm ? cm + 1 : nullptr;
+        }
     if (want("moe")) bench_moe(B, 64, 8192, 2048, 1024);
     if (want("ops")) bench_small_ops(B);
     CUDA_CHECK(cudaEventDestroy(B.a));

@@ -18,7 +18,20 @@
 //   3. kda_tile_bwd_k, grid (tiles, heads): the rest of §2.4 for each tile in parallel, from the
 //      tile's incoming S (S_tiles) and outgoing-state gradient dS'.
 // Arithmetic is fp32 throughout (SIMT); the state, G, T and all accumulators are fp32.
+//
+// Decode step (mtrl_kda_step), two kernels behind one launcher:
+//   v2 kda_step2_k (default), grid (V/64, H, B), 256 threads: a block owns 64 columns of one
+//      head's state; thread (warp w, lane l) holds rows r0 .. r0+K/16-1, r0 = (2w + l/16) K/16,
+//      columns 4 (l%16) .. +3 of the slice as float4 registers. S is read once (16-byte loads,
+//      all issued before any arithmetic) and written once; kᵀS̃ and qᵀS' are reduced over rows
+//      in registers, across the two half-warps by one shuffle and across the 8 warps through
+//      4 KB of shared memory (fixed order). Supports K in {64, 128, 256}, V % 64 == 0 and
+//      16-byte aligned pointers; anything else runs v1.
+//   v1 kda_step_k: the first version (one block per 32 columns, 4-byte accesses), kept as the
+//      fallback and selected for every shape by the environment variable MTRL_DECODE_V1=1
+//      (read at each call).
 #include <math.h>
+#include <stdlib.h>
 
 #include "kernels/cuda/cuda_common.cuh"
 
@@ -977,12 +990,130 @@ extern "C" int mtrl_kda_chunk_bwd(mtrl_cuda_ctx *c, int T, int H, int K, int V, 
     return 0;
 }
 
+// ---- decode step, v2 --------------------------------------------------------------------------
+//
+// grid (V/64, H, B), 256 threads. NP = K/16 rows per thread (see the file comment). Per column j
+// of the slice: S̃ = e^g ⊙ S (rows scaled), kS = S̃ᵀk, r = v − kS, S' = S̃ + β k rᵀ, o = S'ᵀq, the
+// same operation order per element as the reference (kda_head_step_), fp32 with fma.
+template <int NP>
+__global__ void __launch_bounds__(256) kda_step2_k(int H, int K, int V,
+                                                   const float *__restrict__ q,
+                                                   const float *__restrict__ k,
+                                                   const float *__restrict__ v,
+                                                   const float *__restrict__ g,
+                                                   const float *__restrict__ beta, float *S,
+                                                   float *o) {
+    static_assert(NP % 4 == 0, "rows per thread are loaded as float4");
+    __shared__ float4 red[2][8][16];  // [k S̃ | q S'][warp][column quad]
+    const int lane = threadIdx.x & 31, w = threadIdx.x >> 5, half = lane >> 4, c4 = lane & 15;
+    const size_t bh = (size_t)blockIdx.z * H + blockIdx.y;
+    const int col = blockIdx.x * 64 + c4 * 4;
+    const int r0 = (w * 2 + half) * NP;
+    float *Sp = S + (bh * K + r0) * V + col;
+    // State first (the bytes that matter), then the row parameters; all loads independent.
+    float4 s[NP];
+#pragma unroll
+    for (int p = 0; p < NP; p++) s[p] = __ldcs(reinterpret_cast<const float4 *>(Sp + (size_t)p * V));
+    float kk[NP], qq[NP], ee[NP];
+    const float4 *k4 = reinterpret_cast<const float4 *>(k + bh * K + r0);
+    const float4 *q4 = reinterpret_cast<const float4 *>(q + bh * K + r0);
+    const float4 *g4 = reinterpret_cast<const float4 *>(g + bh * K + r0);
+#pragma unroll
+    for (int p = 0; p < NP / 4; p++) {
+        float4 a = __ldg(k4 + p), c = __ldg(q4 + p), e = __ldg(g4 + p);
+        kk[4 * p] = a.x; kk[4 * p + 1] = a.y; kk[4 * p + 2] = a.z; kk[4 * p + 3] = a.w;
+        qq[4 * p] = c.x; qq[4 * p + 1] = c.y; qq[4 * p + 2] = c.z; qq[4 * p + 3] = c.w;
+        ee[4 * p] = e.x; ee[4 * p + 1] = e.y; ee[4 * p + 2] = e.z; ee[4 * p + 3] = e.w;
+    }
+    const float4 vv = __ldg(reinterpret_cast<const float4 *>(v + bh * V + col));
+    const float bt = __ldg(beta + bh);
+    // S̃ = e^g S and the partial k·S̃ over this thread's rows
+    float4 ks = make_float4(0.f, 0.f, 0.f, 0.f);
+#pragma unroll
+    for (int p = 0; p < NP; p++) {
+        const float e = expf(ee[p]);
+        s[p].x *= e; s[p].y *= e; s[p].z *= e; s[p].w *= e;
+        ks.x = fmaf(kk[p], s[p].x, ks.x);
+        ks.y = fmaf(kk[p], s[p].y, ks.y);
+        ks.z = fmaf(kk[p], s[p].z, ks.z);
+        ks.w = fmaf(kk[p], s[p].w, ks.w);
+    }
+    ks.x += __shfl_xor_sync(0xffffffffu, ks.x, 16);
+    ks.y += __shfl_xor_sync(0xffffffffu, ks.y, 16);
+    ks.z += __shfl_xor_sync(0xffffffffu, ks.z, 16);
+    ks.w += __shfl_xor_sync(0xffffffffu, ks.w, 16);
+    if (!half) red[0][w][c4] = ks;
+    __syncthreads();
+    float4 tot = red[0][0][c4];
+#pragma unroll
+    for (int i = 1; i < 8; i++) {
+        const float4 x = red[0][i][c4];
+        tot.x += x.x; tot.y += x.y; tot.z += x.z; tot.w += x.w;
+    }
+    // β r, the rank-1 update, the write-back and the partial q·S'
+    const float4 br = make_float4(bt * (vv.x - tot.x), bt * (vv.y - tot.y), bt * (vv.z - tot.z),
+                                  bt * (vv.w - tot.w));
+    float4 oq = make_float4(0.f, 0.f, 0.f, 0.f);
+#pragma unroll
+    for (int p = 0; p < NP; p++) {
+        s[p].x = fmaf(kk[p], br.x, s[p].x);
+        s[p].y = fmaf(kk[p], br.y, s[p].y);
+        s[p].z = fmaf(kk[p], br.z, s[p].z);
+        s[p].w = fmaf(kk[p], br.w, s[p].w);
+        __stcs(reinterpret_cast<float4 *>(Sp + (size_t)p * V), s[p]);
+        oq.x = fmaf(qq[p], s[p].x, oq.x);
+        oq.y = fmaf(qq[p], s[p].y, oq.y);
+        oq.z = fmaf(qq[p], s[p].z, oq.z);
+        oq.w = fmaf(qq[p], s[p].w, oq.w);
+    }
+    oq.x += __shfl_xor_sync(0xffffffffu, oq.x, 16);
+    oq.y += __shfl_xor_sync(0xffffffffu, oq.y, 16);
+    oq.z += __shfl_xor_sync(0xffffffffu, oq.z, 16);
+    oq.w += __shfl_xor_sync(0xffffffffu, oq.w, 16);
+    if (!half) red[1][w][c4] = oq;
+    __syncthreads();
+    if (w == 0 && !half) {
+        float4 acc = red[1][0][c4];
+#pragma unroll
+        for (int i = 1; i < 8; i++) {
+            const float4 x = red[1][i][c4];
+            acc.x += x.x; acc.y += x.y; acc.z += x.z; acc.w += x.w;
+        }
+        *reinterpret_cast<float4 *>(o + bh * V + col) = acc;
+    }
+}
+
+static int decode_v1_forced_() {
+    const char *e = getenv("MTRL_DECODE_V1");
+    return e && e[0] == '1';
+}
+static int aligned16_(const void *p) { return ((uintptr_t)p & 15u) == 0; }
+
+extern "C" int mtrl_kda_step_version(int H, int K, int V) {
+    if (decode_v1_forced_()) return 1;
+    return H > 0 && (K == 64 || K == 128 || K == 256) && V > 0 && V % 64 == 0 ? 2 : 1;
+}
+
 extern "C" int mtrl_kda_step(mtrl_cuda_ctx *c, int B, int H, int K, int V, const float *q,
                              const float *k, const float *v, const float *g, const float *beta,
                              float *S, float *o) {
     MTRL_CUDA_REQUIRE(B >= 0 && H > 0 && K % 8 == 0 && K >= 8 && K <= 256 && V > 0,
                       "B=%d H=%d K=%d V=%d (K a multiple of 8, at most 256)", B, H, K, V);
     if (B == 0) return 0;
+    const int v2 = mtrl_kda_step_version(H, K, V) == 2 && aligned16_(q) && aligned16_(k) &&
+                   aligned16_(v) && aligned16_(g) && aligned16_(S) && aligned16_(o) &&
+                   H <= 65535 && B <= 65535;
+    if (v2) {
+        dim3 grid(V / 64, H, B);
+        if (K == 64)
+            kda_step2_k<4><<<grid, 256, 0, c->stream>>>(H, K, V, q, k, v, g, beta, S, o);
+        else if (K == 128)
+            kda_step2_k<8><<<grid, 256, 0, c->stream>>>(H, K, V, q, k, v, g, beta, S, o);
+        else
+            kda_step2_k<16><<<grid, 256, 0, c->stream>>>(H, K, V, q, k, v, g, beta, S, o);
+        CUDA_LAUNCH_CHECK();
+        return 0;
+    }
     dim3 grid(cdiv(V, 32), H, B);
     kda_step_k<<<grid, 256, 0, c->stream>>>(H, K, V, q, k, v, g, beta, S, o);
     CUDA_LAUNCH_CHECK();

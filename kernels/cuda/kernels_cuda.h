@@ -105,9 +105,14 @@ int mtrl_kda_chunk_bwd(mtrl_cuda_ctx *ctx, int T, int H, int K, int V, const flo
                        float *dbeta, float *dS0);
 // One decode token for B sequences (kda_step per sequence): q, k, g [B][H][K]; v [B][H][V];
 // beta [B][H]; S [B][H][K][V] updated in place; o [B][H][V].
+// Two kernels (kda_cuda.cu): v2 (state in registers, 16-byte accesses) for K in {64, 128, 256},
+// V % 64 == 0 and 16-byte aligned pointers; v1 for every other shape, or for all shapes when the
+// environment variable MTRL_DECODE_V1=1 (read at each call).
 int mtrl_kda_step(mtrl_cuda_ctx *ctx, int B, int H, int K, int V, const float *q,
                   const float *k, const float *v, const float *g, const float *beta, float *S,
                   float *o);
+// The kernel mtrl_kda_step runs for this shape (given 16-byte aligned pointers): 2 or 1.
+int mtrl_kda_step_version(int H, int K, int V);
 
 // ---- causal attention / MLA (mla_ref.h) ----------------------------------------------------
 //
@@ -133,12 +138,20 @@ int mtrl_attn_causal_bwd(mtrl_cuda_ctx *ctx, int Tq, int Tk, int H, int Hk, int 
 // stride ld >= dc+dr, each row [ĉ ; k^r]: sequence b's Tk = seq_len[b] rows start at row
 // seq_start[b] (device arrays [B]; seq_len[b] >= 1, the new token's row included). max_len: a
 // host-side upper bound of the seq_len (sizes the split over the cache). a [B][H][dv]
-// overwritten. Split-K over 256-key chunks merged in a fixed order. Requirements: H <= 32,
-// dc <= 512, dc + dr <= 640.
+// overwritten. Split-K over the cache, partial results merged in a fixed order (deterministic).
+// Requirements: H <= 32, dc <= 512, dc + dr <= 640.
+// Two kernels (mla_cuda.cu): v2 (tensor cores: bf16 query and cache, fp32 softmax and
+// accumulation; splits sized from B, max_len and the SM count) for a bf16 cache with
+// dc in {128, 256, 512}, (dc + dr) % 32 == 0, ld % 8 == 0 and a 16-byte aligned pool (fastest
+// for H <= 16 with dc = 512, dr = 64: the query stays in registers); v1 (fp32 SIMT, 256-key
+// splits) for every other case, or for all cases when MTRL_DECODE_V1=1 (read at each call).
 int mtrl_mla_decode_absorbed(mtrl_cuda_ctx *ctx, int B, int H, int dn, int dr, int dv, int dc,
                              float scale, const float *q, const float *W_kvb, const void *lat,
                              int lat_type, int ld, const long long *seq_start,
                              const int *seq_len, int max_len, float *a);
+// The kernel mtrl_mla_decode_absorbed runs for these arguments (given a 16-byte aligned pool):
+// 2 or 1.
+int mtrl_mla_decode_version(mtrl_cuda_ctx *ctx, int H, int dr, int dc, int lat_type, int ld);
 
 // ---- MoE (moe_ref.h) ----------------------------------------------------------------------
 //
@@ -238,10 +251,12 @@ int mtrl_attnres_site_bwd(mtrl_cuda_ctx *ctx, int N, int D, int S, const float *
                           const float *dh, float *const *dV_host, float *dw, float *dgamma);
 
 // ---- benchmarks ----------------------------------------------------------------------------
-// `mtrl bench ops --device cuda [--only kda,attn,decode,moe,gemm,copy] [--kda-T 8192,65536]
-// [--attn-T 8192,32768] [--reps N]`: times each kernel with CUDA events (warm-up, median of
-// repeats) and prints ms, TFLOP/s or GB/s and the fraction of the measured ceilings. argv[0]
-// is the word "ops". Returns 0, 2 for bad arguments, 77 when there is no device.
+// `mtrl bench ops --device cuda [--only copy,gemm,kda,step,attn,decode,moe,ops]
+// [--kda-T 8192,65536] [--attn-T 8192,32768] [--heads 16] [--decode-shapes 1x1048576,8x131072]
+// [--reps N]`: times each kernel with CUDA events (warm-up, median of repeats) and prints ms,
+// TFLOP/s or GB/s and the fraction of the measured ceilings. The decode rows (step, decode)
+// print the v2 and v1 kernels side by side (MTRL_DECODE_V1 is set and unset by the bench).
+// argv[0] is the word "ops". Returns 0, 2 for bad arguments, 77 when there is no device.
 int mtrl_bench_ops_cuda(int argc, char **argv);
 
 #ifdef __cplusplus

@@ -14,10 +14,31 @@
 //             attn_bwd_dkv_k, grid (key blocks of 32, Hk): for every row block that sees the
 //             keys, recompute P and dZ and accumulate dK = scale dZᵀ Q and dV = Pᵀ dO in
 //             registers (one accumulator when V aliases K), added once to dk / dv.
-// Decode. mla_decode_k (fp32 SIMT): split-K over 256-key chunks of each sequence's latent cache,
-// all H heads per chunk (MQA), partial (m, l, acc) merged in chunk order by mla_decode_merge_k;
-// the query absorption and the value up-projection are cuBLAS batched GEMMs over heads.
+// Decode (mtrl_mla_decode_absorbed). The query absorption q̃ = [W_UKᵀ qⁿ ; qʳ] and the value
+// up-projection a = W_UV c* are cuBLAS batched GEMMs over heads (fp32); between them, one of the
+// split-K attention kernels below over each sequence's latent cache, all H heads per split (MQA),
+// and a merge of the per-split results in split order (deterministic).
+//   v2 (default; bf16 cache only). grid (splits, B), 256 threads (8 warps), one block per SM.
+//      A split (L keys; L from B, max_len and the SM count: dec2_split_len_) streams through
+//      shared memory ONCE in 32-key stages (cp.async 16 B, a ring of stages), two stages per
+//      64-key tile. Per tile, mma.sync m16n8k16 (bf16 operands, fp32 accumulation) with the heads
+//      as M (16 rows, zero rows for H < 16): S = Q̃ Kᵀ (warp w: keys 8w..8w+7 over all Dk dims),
+//      online softmax in base 2 (row maxima exchanged through shared memory, P stored as bf16),
+//      then O += P V with V = the first dc columns of the same rows (warp w: value columns
+//      w dc/8 .. +dc/8, accumulators in registers). Writes per-split (m, l, O[H][dc]);
+//      mla_decode2_merge_k merges. Two kernels:
+//      * mla_decode2r_k (H <= 16 and (dc, dr) = (512, 64) or (128, 32)): Q̃ held in registers as
+//        mma A fragments, 6 stages, 2 barriers per tile (2 to 4 stages in flight).
+//      * mla_decode2_k (other v2 shapes, e.g. H in 17..32): Q̃ in shared memory (ldmatrix per
+//        k-step), two row tiles when H > 16, 5 stages (4 where shared memory is short),
+//        3 barriers per tile.
+//      v2 shapes: dc in {128, 256, 512}, (dc + dr) % 32 == 0, H <= 32, ld % 8 == 0, 16-byte
+//      aligned pool. Anything else (fp32 cache, the tiny preset's dc = 32) runs v1.
+//   v1 mla_decode_k (fp32 SIMT): split-K over 256-key chunks, dot products from shared memory,
+//      partial (m, l, acc) merged in chunk order by mla_decode_merge_k. Kept as the fallback;
+//      MTRL_DECODE_V1=1 in the environment selects it for every shape (read at each call).
 #include <math.h>
+#include <stdlib.h>
 
 #include "kernels/cuda/cuda_common.cuh"
 
@@ -751,6 +772,568 @@ __global__ void mla_copy_rope_k(int BH, int dn, int dr, int dc, const float *q, 
     qt[(size_t)bh * (dc + dr) + dc + r] = q[(size_t)bh * (dn + dr) + dn + r];
 }
 
+// ---- absorbed decode, v2 (tensor cores) ---------------------------------------------------------
+
+#define D2_CH 32            // keys per cp.async stage
+#define D2_TN 64            // keys per compute tile (two stages)
+#define D2_LDP (D2_TN + 8)  // row stride of P in shared memory (bf16): 144 B, conflict-free ldmatrix
+
+struct Dec2Args {
+    int H, Dk, dc, ld, L, nsplit;
+    float sl2;                      // softmax scale * log2(e)
+    const float *qt;                // [B][H][Dk] absorbed queries (fp32)
+    const uint16_t *lat;            // bf16 pool, row stride ld
+    const long long *seq_start;
+    const int *seq_len;
+    float *pm, *pl, *pacc;          // [B][nsplit][H] (base-2 max, sum), [B][nsplit][H][dc]
+};
+
+// Shared memory of mla_decode2_k: NST key stages and Q̃ ([rows][Dk + 8] bf16: the 16-byte pad
+// makes 8 consecutive rows hit 8 different 16-byte bank groups, so ldmatrix is conflict-free),
+// P [rows][D2_LDP] bf16, row maxima and sums [8 warps][32] and the final maxima [32] (fp32).
+static size_t dec2_smem_(int MT, int NST, int Dk) {
+    size_t LDS = (size_t)Dk + 8;
+    return 2 * ((size_t)NST * D2_CH * LDS + (size_t)MT * 16 * LDS + (size_t)MT * 16 * D2_LDP) +
+           4 * (8 * 32 * 2 + 32);
+}
+
+// grid (nsplit, B), 256 threads (8 warps), one block per SM. MT: row tiles of 16 heads; NTW:
+// 8-column mma tiles per warp in P V (dc = 64 NTW); NST: stages in the cp.async ring (>= 4).
+//
+// Pipeline: chunk c (32 keys) lives in stage c % NST. The prologue issues chunks 0 .. NST-3;
+// iteration `it` (tile = chunks 2it, 2it+1) waits until at most NST-4 groups are pending (so
+// chunks <= 2it+1 landed), passes barrier A (every warp is done with tile it-1), then issues
+// chunks 2it+NST-2 and 2it+NST-1 into the stages tile it-1 used. One commit group per chunk,
+// empty groups past the end, so the counts are uniform. Chunks of the last tile beyond the
+// split's end are zero-filled (the P V product must not meet stale or uninitialised bits).
+template <int MT, int NTW, int NST>
+__global__ void __launch_bounds__(256, 1) mla_decode2_k(Dec2Args a) {
+    static_assert(NST >= 4 && NTW % 2 == 0 && (MT == 1 || MT == 2), "mla_decode2_k shape");
+    extern __shared__ __align__(16) unsigned char dec2_sm[];
+    const int Dk = a.Dk, LDS = Dk + 8, PR = Dk >> 3;  // PR: 16-byte pieces per key row
+    uint16_t *sK = reinterpret_cast<uint16_t *>(dec2_sm);
+    uint16_t *sQ = sK + (size_t)NST * D2_CH * LDS;
+    uint16_t *sP = sQ + (size_t)MT * 16 * LDS;
+    float *sRedM = reinterpret_cast<float *>(sP + MT * 16 * D2_LDP);  // [8][32]
+    float *sRedL = sRedM + 8 * 32;                                     // [8][32]
+    float *sMf = sRedL + 8 * 32;                                       // [32]
+    const int tid = threadIdx.x, lane = tid & 31, w = tid >> 5, g = lane >> 2, t = lane & 3;
+    const int b = blockIdx.y, split = blockIdx.x;
+    const int len = a.seq_len[b];
+    const int c0 = split * a.L;
+    if (c0 >= len) return;  // this sequence is shorter: no split here (uniform per block)
+    const int nkeys = len - c0 < a.L ? len - c0 : a.L;
+    const int ntile = (nkeys + D2_TN - 1) / D2_TN, nchunk = 2 * ntile;
+    const uint16_t *base = a.lat + (size_t)a.seq_start[b] * (size_t)a.ld;  // key 0 of the sequence
+
+    // Pieces (16 bytes) of a chunk are numbered i = r PR + pc; thread tid copies i = tid + 256 j,
+    // its (row, piece) advanced incrementally (no division per piece).
+    const int r_first = tid / PR, pc_first = tid - r_first * PR;
+    const int r_step = 256 / PR, pc_step = 256 - r_step * PR;
+    auto issue = [&](int ch) {
+        if (ch < nchunk) {
+            uint16_t *dst = sK + (size_t)(ch % NST) * D2_CH * LDS;
+            const int kc = ch * D2_CH;  // first key of the chunk, from c0
+            const uint16_t *src = base + ((size_t)c0 + kc) * (size_t)a.ld;
+            int r = r_first, pc = pc_first;
+            while (r < D2_CH) {
+                const bool ok = kc + r < nkeys;  // else 16 zero bytes (src-size 0)
+                cp_async16_pred(dst + r * LDS + pc * 8, ok ? src + r * a.ld + pc * 8 : base, ok);
+                r += r_step;
+                pc += pc_step;
+                if (pc >= PR) {
+                    pc -= PR;
+                    r++;
+                }
+            }
+        }
+        cp_async_commit();
+    };
+#pragma unroll
+    for (int ch = 0; ch < NST - 2; ch++) issue(ch);
+
+    // Q̃ rows of this sequence as bf16; rows H .. MT*16-1 are zero.
+    {
+        const int q4 = Dk >> 2;
+        const float *qb = a.qt + (size_t)b * a.H * Dk;
+        for (int i = tid; i < MT * 16 * q4; i += 256) {
+            const int r = i / q4, c = (i - r * q4) * 4;
+            float4 x = make_float4(0.f, 0.f, 0.f, 0.f);
+            if (r < a.H) x = *reinterpret_cast<const float4 *>(qb + (size_t)r * Dk + c);
+            uint2 pk;
+            pk.x = pack_bf16(x.x, x.y);
+            pk.y = pack_bf16(x.z, x.w);
+            *reinterpret_cast<uint2 *>(sQ + r * LDS + c) = pk;
+        }
+    }
+
+    float oacc[MT][NTW][4];
+    float mrun[MT][2], lrun[MT][2];
+#pragma unroll
+    for (int mt = 0; mt < MT; mt++) {
+#pragma unroll
+        for (int nt = 0; nt < NTW; nt++)
+#pragma unroll
+            for (int e = 0; e < 4; e++) oacc[mt][nt][e] = 0.f;
+        mrun[mt][0] = mrun[mt][1] = -INFINITY;
+        lrun[mt][0] = lrun[mt][1] = 0.f;
+    }
+    const int col0 = w * (NTW * 8);  // this warp's first value column in P V
+
+    for (int it = 0; it < ntile; it++) {
+        cp_async_wait<NST - 4>();
+        __syncthreads();  // A: chunks 2it, 2it+1 visible; tile it-1 fully consumed
+        issue(2 * it + NST - 2);
+        issue(2 * it + NST - 1);
+
+        // ---- S = Q̃ Kᵀ for keys 8w .. 8w+7 of the tile (two accumulators per row tile) ----
+        const uint16_t *kb = sK + (size_t)((2 * it + (w >> 2)) % NST) * D2_CH * LDS +
+                             ((w & 3) * 8 + (lane & 7)) * LDS + ((lane >> 3) << 3);
+        float sacc[MT][2][4];
+#pragma unroll
+        for (int mt = 0; mt < MT; mt++)
+#pragma unroll
+            for (int e = 0; e < 4; e++) sacc[mt][0][e] = sacc[mt][1][e] = 0.f;
+#pragma unroll 2
+        for (int k0 = 0; k0 < Dk; k0 += 32) {
+            uint32_t bk[4];  // b[0..1]: dims k0 .. k0+15, b[2..3]: k0+16 .. k0+31 (n = key)
+            ldsm_x4(bk, kb + k0);
+#pragma unroll
+            for (int mt = 0; mt < MT; mt++) {
+                uint32_t a0[4], a1[4];
+                frag_a(a0, sQ + mt * 16 * LDS, LDS, k0, lane);
+                frag_a(a1, sQ + mt * 16 * LDS, LDS, k0 + 16, lane);
+                mma_bf16_16816(sacc[mt][0], a0, bk);
+                mma_bf16_16816(sacc[mt][1], a1, bk + 2);
+            }
+        }
+        // Scores (base 2), keys past the split's end masked; row maxima of this warp's 8 keys.
+        const int kidx = it * D2_TN + 8 * w + 2 * t;  // key (from c0) of element 0; element 1: +1
+        float sc[MT][4];
+#pragma unroll
+        for (int mt = 0; mt < MT; mt++) {
+#pragma unroll
+            for (int e = 0; e < 4; e++) {
+                const float x = (sacc[mt][0][e] + sacc[mt][1][e]) * a.sl2;
+                sc[mt][e] = kidx + (e & 1) < nkeys ? x : -INFINITY;
+            }
+            float m0 = fmaxf(sc[mt][0], sc[mt][1]), m1 = fmaxf(sc[mt][2], sc[mt][3]);
+            m0 = fmaxf(m0, __shfl_xor_sync(0xffffffffu, m0, 1));
+            m0 = fmaxf(m0, __shfl_xor_sync(0xffffffffu, m0, 2));
+            m1 = fmaxf(m1, __shfl_xor_sync(0xffffffffu, m1, 1));
+            m1 = fmaxf(m1, __shfl_xor_sync(0xffffffffu, m1, 2));
+            if (t == 0) {
+                sRedM[w * 32 + mt * 16 + g] = m0;
+                sRedM[w * 32 + mt * 16 + g + 8] = m1;
+            }
+        }
+        __syncthreads();  // B: every warp's row maxima
+        // Online softmax: the tile's row max over the 8 warps (same order in every thread, so
+        // every thread holds identical running maxima), rescale, P = 2^(s - m) as bf16.
+#pragma unroll
+        for (int mt = 0; mt < MT; mt++)
+#pragma unroll
+            for (int hr = 0; hr < 2; hr++) {
+                const int row = mt * 16 + g + 8 * hr;
+                float tm = sRedM[row];
+#pragma unroll
+                for (int i = 1; i < 8; i++) tm = fmaxf(tm, sRedM[i * 32 + row]);
+                const float mn = fmaxf(mrun[mt][hr], tm);  // finite: the tile has a valid key
+                const float al = exp2f(mrun[mt][hr] - mn);  // first tile: 2^-inf = 0
+                mrun[mt][hr] = mn;
+                const __nv_bfloat162 pb =
+                    __floats2bfloat162_rn(exp2f(sc[mt][2 * hr] - mn), exp2f(sc[mt][2 * hr + 1] - mn));
+                lrun[mt][hr] = fmaf(lrun[mt][hr], al, __low2float(pb) + __high2float(pb));
+                *reinterpret_cast<__nv_bfloat162 *>(sP + row * D2_LDP + 8 * w + 2 * t) = pb;
+#pragma unroll
+                for (int nt = 0; nt < NTW; nt++) {
+                    oacc[mt][nt][2 * hr] *= al;
+                    oacc[mt][nt][2 * hr + 1] *= al;
+                }
+            }
+        __syncthreads();  // C: P complete
+
+        // ---- O += P V: keys of the tile as k (16 per step), this warp's value columns as n ----
+#pragma unroll
+        for (int ks = 0; ks < D2_TN / 16; ks++) {
+            const uint16_t *vb =
+                sK + (size_t)((2 * it + (ks >> 1)) % NST) * D2_CH * LDS + (ks & 1) * 16 * LDS;
+            uint32_t pa[MT][4];
+#pragma unroll
+            for (int mt = 0; mt < MT; mt++) frag_a(pa[mt], sP + mt * 16 * D2_LDP, D2_LDP, ks * 16, lane);
+#pragma unroll
+            for (int np = 0; np < NTW / 2; np++) {
+                uint32_t bv[4];
+                frag_b2_kn(bv, vb, LDS, 0, col0 + np * 16, lane);
+#pragma unroll
+                for (int mt = 0; mt < MT; mt++) {
+                    mma_bf16_16816(oacc[mt][2 * np], pa[mt], bv);
+                    mma_bf16_16816(oacc[mt][2 * np + 1], pa[mt], bv + 2);
+                }
+            }
+        }
+    }
+    cp_async_wait<0>();  // only empty groups can be pending here
+
+    // ---- per-split results: m (base 2), l, O (unnormalised) ----
+#pragma unroll
+    for (int mt = 0; mt < MT; mt++)
+#pragma unroll
+        for (int hr = 0; hr < 2; hr++) {
+            const int row = mt * 16 + g + 8 * hr;
+            float l = lrun[mt][hr];
+            l += __shfl_xor_sync(0xffffffffu, l, 1);
+            l += __shfl_xor_sync(0xffffffffu, l, 2);
+            if (t == 0) {
+                sRedL[w * 32 + row] = l;
+                if (w == 0) sMf[row] = mrun[mt][hr];
+            }
+        }
+    __syncthreads();
+    const size_t pb0 = ((size_t)b * a.nsplit + split) * a.H;
+    if (tid < MT * 16 && tid < a.H) {
+        float l = sRedL[tid];
+#pragma unroll
+        for (int i = 1; i < 8; i++) l += sRedL[i * 32 + tid];
+        a.pm[pb0 + tid] = sMf[tid];
+        a.pl[pb0 + tid] = l;
+    }
+#pragma unroll
+    for (int mt = 0; mt < MT; mt++)
+#pragma unroll
+        for (int hr = 0; hr < 2; hr++) {
+            const int row = mt * 16 + g + 8 * hr;
+            if (row < a.H) {
+                float *dst = a.pacc + (pb0 + row) * a.dc + col0 + 2 * t;
+#pragma unroll
+                for (int nt = 0; nt < NTW; nt++)
+                    *reinterpret_cast<float2 *>(dst + nt * 8) =
+                        make_float2(oacc[mt][nt][2 * hr], oacc[mt][nt][2 * hr + 1]);
+            }
+        }
+}
+
+// Shared memory of mla_decode2r_k: 6 key stages, P, row maxima / sums / final maxima.
+#define D2R_NST 6
+static size_t dec2r_smem_(int Dk) {
+    return 2 * ((size_t)D2R_NST * D2_CH * ((size_t)Dk + 8) + 16 * D2_LDP) + 4 * (8 * 32 * 2 + 32);
+}
+
+// The same attention with Q̃ in registers: H <= 16 (one row tile), Dk = 16 KS. Each thread keeps
+// the mma A fragments of all KS k-steps (4 KS registers), so the score product reads only the
+// keys from shared memory; that frees the 18 KB of Q̃ for a sixth stage, and the tile loop
+// needs two barriers instead of three:
+//   S(it) -> row maxima -> barrier B(it) -> issue tile it+2 into tile it-1's stages -> P(it)
+//   -> wait for tile it+1 -> barrier C(it) -> O += P(it) V(it)
+// B(it): maxima visible, and every warp is past PV(it-1), so tile it-1's stages are free.
+// C(it): P(it) visible, and tile it+1 landed and visible for S(it+1). One commit group per
+// chunk: the prologue commits tiles 0 and 1 (4 groups), every iteration 2 more; at C(it) the
+// groups of tile it+2 may still be pending (wait_group 2). 2 to 4 chunks stay in flight.
+template <int KS, int NTW>
+__global__ void __launch_bounds__(256, 1) mla_decode2r_k(Dec2Args a) {
+    static_assert(KS % 2 == 0 && NTW % 2 == 0, "mla_decode2r_k shape");
+    constexpr int NST = D2R_NST, Dk = 16 * KS, LDS = Dk + 8, PR = Dk / 8;
+    extern __shared__ __align__(16) unsigned char dec2_sm[];
+    uint16_t *sK = reinterpret_cast<uint16_t *>(dec2_sm);
+    uint16_t *sP = sK + (size_t)NST * D2_CH * LDS;
+    float *sRedM = reinterpret_cast<float *>(sP + 16 * D2_LDP);  // [8][32] (rows 0..15 used)
+    float *sRedL = sRedM + 8 * 32;                               // [8][32]
+    float *sMf = sRedL + 8 * 32;                                 // [32]
+    const int tid = threadIdx.x, lane = tid & 31, w = tid >> 5, g = lane >> 2, t = lane & 3;
+    const int b = blockIdx.y, split = blockIdx.x;
+    const int len = a.seq_len[b];
+    const int c0 = split * a.L;
+    if (c0 >= len) return;
+    const int nkeys = len - c0 < a.L ? len - c0 : a.L;
+    const int ntile = (nkeys + D2_TN - 1) / D2_TN, nchunk = 2 * ntile;
+    const uint16_t *base = a.lat + (size_t)a.seq_start[b] * (size_t)a.ld;
+
+    const int r_first = tid / PR, pc_first = tid - r_first * PR;
+    constexpr int r_step = 256 / PR, pc_step = 256 - r_step * PR;
+    auto issue = [&](int ch) {
+        if (ch < nchunk) {
+            uint16_t *dst = sK + (size_t)(ch % NST) * D2_CH * LDS;
+            const int kc = ch * D2_CH;
+            const uint16_t *src = base + ((size_t)c0 + kc) * (size_t)a.ld;
+            int r = r_first, pc = pc_first;
+            while (r < D2_CH) {
+                const bool ok = kc + r < nkeys;
+                cp_async16_pred(dst + r * LDS + pc * 8, ok ? src + r * a.ld + pc * 8 : base, ok);
+                r += r_step;
+                pc += pc_step;
+                if (pc >= PR) {
+                    pc -= PR;
+                    r++;
+                }
+            }
+        }
+        cp_async_commit();
+    };
+#pragma unroll
+    for (int ch = 0; ch < 4; ch++) issue(ch);
+
+    // Q̃ as A fragments straight from global memory (fp32 -> bf16): a[0] (g, 2t..), a[1] (g+8,
+    // 2t..), a[2] (g, 2t+8..), a[3] (g+8, 2t+8..) of k-step ks; rows >= H are zero.
+    uint32_t qf[KS][4];
+    {
+        const float *q0 = a.qt + ((size_t)b * a.H + g) * Dk + 2 * t;
+        const float *q1 = q0 + (size_t)8 * Dk;
+        const bool h0 = g < a.H, h1 = g + 8 < a.H;
+#pragma unroll
+        for (int ks = 0; ks < KS; ks++) {
+            float2 x0 = make_float2(0.f, 0.f), x1 = x0, x2 = x0, x3 = x0;
+            if (h0) {
+                x0 = *reinterpret_cast<const float2 *>(q0 + ks * 16);
+                x2 = *reinterpret_cast<const float2 *>(q0 + ks * 16 + 8);
+            }
+            if (h1) {
+                x1 = *reinterpret_cast<const float2 *>(q1 + ks * 16);
+                x3 = *reinterpret_cast<const float2 *>(q1 + ks * 16 + 8);
+            }
+            qf[ks][0] = pack_bf16(x0.x, x0.y);
+            qf[ks][1] = pack_bf16(x1.x, x1.y);
+            qf[ks][2] = pack_bf16(x2.x, x2.y);
+            qf[ks][3] = pack_bf16(x3.x, x3.y);
+        }
+    }
+
+    float oacc[NTW][4];
+    float mrun[2] = {-INFINITY, -INFINITY}, lrun[2] = {0.f, 0.f};
+#pragma unroll
+    for (int nt = 0; nt < NTW; nt++)
+#pragma unroll
+        for (int e = 0; e < 4; e++) oacc[nt][e] = 0.f;
+    const int col0 = w * (NTW * 8);
+
+    cp_async_wait<2>();  // tile 0 (chunks 0, 1) landed; tile 1 may be pending
+    __syncthreads();
+
+    for (int it = 0; it < ntile; it++) {
+        // ---- S = Q̃ Kᵀ for keys 8w .. 8w+7 of the tile: four independent accumulators ----
+        const uint16_t *kb = sK + (size_t)((2 * it + (w >> 2)) % NST) * D2_CH * LDS +
+                             ((w & 3) * 8 + (lane & 7)) * LDS + ((lane >> 3) << 3);
+        float sacc[4][4];
+#pragma unroll
+        for (int j = 0; j < 4; j++)
+#pragma unroll
+            for (int e = 0; e < 4; e++) sacc[j][e] = 0.f;
+#pragma unroll
+        for (int ks = 0; ks < KS; ks += 2) {
+            uint32_t bk[4];  // b[0..1]: k-step ks, b[2..3]: k-step ks+1 (n = key)
+            ldsm_x4(bk, kb + ks * 16);
+            mma_bf16_16816(sacc[ks & 2], qf[ks], bk);
+            mma_bf16_16816(sacc[(ks & 2) + 1], qf[ks + 1], bk + 2);
+        }
+        const int kidx = it * D2_TN + 8 * w + 2 * t;
+        float sc[4];
+#pragma unroll
+        for (int e = 0; e < 4; e++) {
+            const float x = ((sacc[0][e] + sacc[1][e]) + (sacc[2][e] + sacc[3][e])) * a.sl2;
+            sc[e] = kidx + (e & 1) < nkeys ? x : -INFINITY;
+        }
+        {
+            float m0 = fmaxf(sc[0], sc[1]), m1 = fmaxf(sc[2], sc[3]);
+            m0 = fmaxf(m0, __shfl_xor_sync(0xffffffffu, m0, 1));
+            m0 = fmaxf(m0, __shfl_xor_sync(0xffffffffu, m0, 2));
+            m1 = fmaxf(m1, __shfl_xor_sync(0xffffffffu, m1, 1));
+            m1 = fmaxf(m1, __shfl_xor_sync(0xffffffffu, m1, 2));
+            if (t == 0) {
+                sRedM[w * 32 + g] = m0;
+                sRedM[w * 32 + g + 8] = m1;
+            }
+        }
+        __syncthreads();  // B(it)
+        issue(2 * it + 4);
+        issue(2 * it + 5);
+#pragma unroll
+        for (int hr = 0; hr < 2; hr++) {
+            const int row = g + 8 * hr;
+            float tm = sRedM[row];
+#pragma unroll
+            for (int i = 1; i < 8; i++) tm = fmaxf(tm, sRedM[i * 32 + row]);
+            const float mn = fmaxf(mrun[hr], tm);
+            const float al = exp2f(mrun[hr] - mn);
+            mrun[hr] = mn;
+            const __nv_bfloat162 pb =
+                __floats2bfloat162_rn(exp2f(sc[2 * hr] - mn), exp2f(sc[2 * hr + 1] - mn));
+            lrun[hr] = fmaf(lrun[hr], al, __low2float(pb) + __high2float(pb));
+            *reinterpret_cast<__nv_bfloat162 *>(sP + row * D2_LDP + 8 * w + 2 * t) = pb;
+#pragma unroll
+            for (int nt = 0; nt < NTW; nt++) {
+                oacc[nt][2 * hr] *= al;
+                oacc[nt][2 * hr + 1] *= al;
+            }
+        }
+        cp_async_wait<2>();  // tile it+1 landed (tile it+2 may be pending)
+        __syncthreads();     // C(it)
+
+        // ---- O += P V ----
+#pragma unroll
+        for (int ks = 0; ks < D2_TN / 16; ks++) {
+            const uint16_t *vb =
+                sK + (size_t)((2 * it + (ks >> 1)) % NST) * D2_CH * LDS + (ks & 1) * 16 * LDS;
+            uint32_t pa[4];
+            frag_a(pa, sP, D2_LDP, ks * 16, lane);
+#pragma unroll
+            for (int np = 0; np < NTW / 2; np++) {
+                uint32_t bv[4];
+                frag_b2_kn(bv, vb, LDS, 0, col0 + np * 16, lane);
+                mma_bf16_16816(oacc[2 * np], pa, bv);
+                mma_bf16_16816(oacc[2 * np + 1], pa, bv + 2);
+            }
+        }
+    }
+    cp_async_wait<0>();
+
+#pragma unroll
+    for (int hr = 0; hr < 2; hr++) {
+        const int row = g + 8 * hr;
+        float l = lrun[hr];
+        l += __shfl_xor_sync(0xffffffffu, l, 1);
+        l += __shfl_xor_sync(0xffffffffu, l, 2);
+        if (t == 0) {
+            sRedL[w * 32 + row] = l;
+            if (w == 0) sMf[row] = mrun[hr];
+        }
+    }
+    __syncthreads();
+    const size_t pb0 = ((size_t)b * a.nsplit + split) * a.H;
+    if (tid < 16 && tid < a.H) {
+        float l = sRedL[tid];
+#pragma unroll
+        for (int i = 1; i < 8; i++) l += sRedL[i * 32 + tid];
+        a.pm[pb0 + tid] = sMf[tid];
+        a.pl[pb0 + tid] = l;
+    }
+#pragma unroll
+    for (int hr = 0; hr < 2; hr++) {
+        const int row = g + 8 * hr;
+        if (row < a.H) {
+            float *dst = a.pacc + (pb0 + row) * a.dc + col0 + 2 * t;
+#pragma unroll
+            for (int nt = 0; nt < NTW; nt++)
+                *reinterpret_cast<float2 *>(dst + nt * 8) =
+                    make_float2(oacc[nt][2 * hr], oacc[nt][2 * hr + 1]);
+        }
+    }
+}
+
+// cstar[b][h] = Σ_s 2^{m_s − M} O_s / Σ_s 2^{m_s − M} l_s over the used splits. grid (B, H),
+// 512 threads: 4 groups of 128; group j sums the splits s ≡ j (mod 4) in increasing order (4
+// columns per thread and step), then the 4 group sums are added in group order: a fixed order,
+// so the result is deterministic.
+__global__ void __launch_bounds__(512) mla_decode2_merge_k(int H, int dc, int nsplit, int L,
+                                                           const int *seq_len, const float *pm,
+                                                           const float *pl, const float *pacc,
+                                                           float *cstar) {
+    __shared__ float4 part[3][128];
+    const int b = blockIdx.x, h = blockIdx.y, grp = threadIdx.x >> 7, tg = threadIdx.x & 127;
+    int used = (seq_len[b] + L - 1) / L;
+    if (used > nsplit) used = nsplit;
+    const size_t base = (size_t)b * nsplit * H + h;  // + s * H
+    float M = -INFINITY;
+    for (int s = 0; s < used; s++) M = fmaxf(M, pm[base + (size_t)s * H]);
+    float Ls = 0.f;
+    for (int s = 0; s < used; s++) Ls += pl[base + (size_t)s * H] * exp2f(pm[base + (size_t)s * H] - M);
+    const float inv = 1.f / Ls;
+    for (int c0 = 0; c0 < dc; c0 += 512) {  // uniform trip count: the barriers below are safe
+        const int c = c0 + tg * 4;
+        float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
+        if (c < dc) {
+#pragma unroll 4
+            for (int s = grp; s < used; s += 4) {
+                const size_t i = base + (size_t)s * H;
+                const float wgt = exp2f(pm[i] - M);
+                const float4 x = *reinterpret_cast<const float4 *>(pacc + i * dc + c);
+                acc.x = fmaf(x.x, wgt, acc.x);
+                acc.y = fmaf(x.y, wgt, acc.y);
+                acc.z = fmaf(x.z, wgt, acc.z);
+                acc.w = fmaf(x.w, wgt, acc.w);
+            }
+        }
+        if (grp > 0) part[grp - 1][tg] = acc;
+        __syncthreads();
+        if (grp == 0 && c < dc) {
+#pragma unroll
+            for (int j = 0; j < 3; j++) {
+                const float4 x = part[j][tg];
+                acc.x += x.x; acc.y += x.y; acc.z += x.z; acc.w += x.w;
+            }
+            acc.x *= inv; acc.y *= inv; acc.z *= inv; acc.w *= inv;
+            *reinterpret_cast<float4 *>(cstar + ((size_t)b * H + h) * dc + c) = acc;
+        }
+        __syncthreads();
+    }
+}
+
+typedef void (*dec2_kernel_t)(Dec2Args);
+template <int MT, int NST>
+static dec2_kernel_t dec2_pick_ntw_(int dc) {
+    switch (dc) {
+        case 128: return mla_decode2_k<MT, 2, NST>;
+        case 256: return mla_decode2_k<MT, 4, NST>;
+        case 512: return mla_decode2_k<MT, 8, NST>;
+        default: return nullptr;
+    }
+}
+static dec2_kernel_t dec2_pick_(int MT, int NST, int dc) {
+    if (MT == 1) return NST == 5 ? dec2_pick_ntw_<1, 5>(dc) : dec2_pick_ntw_<1, 4>(dc);
+    return NST == 5 ? dec2_pick_ntw_<2, 5>(dc) : dec2_pick_ntw_<2, 4>(dc);
+}
+// The register-Q̃ kernel for this shape, or nullptr: H <= 16 and (dc, dr) = (512, 64) (the
+// model) or (128, 32) (a test shape).
+static dec2_kernel_t dec2r_pick_(int H, int dc, int Dk) {
+    if (H > 16) return nullptr;
+    if (dc == 512 && Dk == 576) return mla_decode2r_k<36, 8>;
+    if (dc == 128 && Dk == 160) return mla_decode2r_k<10, 2>;
+    return nullptr;
+}
+// Stages for the v2 kernel at this shape: 5 when the shared memory allows, else 4, else 0.
+static int dec2_stages_(const mtrl_cuda_ctx *c, int H, int Dk) {
+    const int MT = H <= 16 ? 1 : 2;
+    if (dec2_smem_(MT, 5, Dk) <= c->smem_optin) return 5;
+    if (dec2_smem_(MT, 4, Dk) <= c->smem_optin) return 4;
+    return 0;
+}
+// Keys per split: the multiple of 64 in [256, 8192] that minimises waves x (L + 128), a wave
+// being one block on every SM and 128 keys the cost of a block's start, its partial results and
+// their merge. Candidates: about 1 .. 16 waves of blocks.
+static int dec2_split_len_(int B, int max_len, int sms) {
+    if (sms < 1) sms = 1;
+    long long bestL = 256;
+    double best = 1e300;
+    for (int wv = 1; wv <= 16; wv++) {
+        long long want = (long long)wv * sms / B;
+        if (want < 1) want = 1;
+        long long L = (max_len + want - 1) / want;
+        L = (L + 63) / 64 * 64;
+        if (L < 256) L = 256;
+        if (L > 8192) L = 8192;
+        long long blocks = (long long)B * ((max_len + L - 1) / L);
+        double cost = (double)((blocks + sms - 1) / sms) * (double)(L + 128);
+        if (cost < best) {
+            best = cost;
+            bestL = L;
+        }
+    }
+    return (int)bestL;
+}
+
+static int decode_v1_forced_() {
+    const char *e = getenv("MTRL_DECODE_V1");
+    return e && e[0] == '1';
+}
+
+extern "C" int mtrl_mla_decode_version(mtrl_cuda_ctx *c, int H, int dr, int dc, int lat_type,
+                                       int ld) {
+    if (decode_v1_forced_()) return 1;
+    const int Dk = dc + dr;
+    if (lat_type != MTRL_BF16 || H < 1 || H > 32 || !(dc == 128 || dc == 256 || dc == 512) ||
+        dr < 0 || Dk % 32 != 0 || Dk > 640 || ld < Dk || ld % 8 != 0)
+        return 1;
+    return dec2_stages_(c, H, Dk) ? 2 : 1;
+}
+
 extern "C" int mtrl_mla_decode_absorbed(mtrl_cuda_ctx *c, int B, int H, int dn, int dr, int dv,
                                         int dc, float scale, const float *q, const float *W_kvb,
                                         const void *lat, int lat_type, int ld,
@@ -762,7 +1345,12 @@ extern "C" int mtrl_mla_decode_absorbed(mtrl_cuda_ctx *c, int B, int H, int dn, 
                       ld, max_len);
     MTRL_CUDA_REQUIRE(lat_type == MTRL_F32 || lat_type == MTRL_BF16, "lat_type=%d", lat_type);
     if (B == 0) return 0;
-    const int Dk = dc + dr, nch = (max_len + DCH - 1) / DCH;
+    const int Dk = dc + dr;
+    const int v2 = mtrl_mla_decode_version(c, H, dr, dc, lat_type, ld) == 2 &&
+                   ((uintptr_t)lat & 15u) == 0 && B <= 65535;
+    // v1: 256-key chunks; v2: splits of L keys. nch = splits per sequence (partials per split).
+    const int L = v2 ? dec2_split_len_(B, max_len, c->sms) : DCH;
+    const int nch = (max_len + L - 1) / L;
     ws_carver sz{nullptr, 0};
     sz.take<float>((size_t)B * H * Dk);
     sz.take<float>((size_t)B * H * dc);
@@ -781,22 +1369,43 @@ extern "C" int mtrl_mla_decode_absorbed(mtrl_cuda_ctx *c, int B, int H, int dn, 
         mla_copy_rope_k<<<cdiv((size_t)B * H * dr, 256), 256, 0, c->stream>>>(B * H, dn, dr, dc, q, qt);
         CUDA_LAUNCH_CHECK();
     }
-    size_t sh = sizeof(float) * ((size_t)H * Dk + (size_t)DSB * (Dk + 1) + (size_t)H * DSB + 3 * H);
-    MTRL_CUDA_REQUIRE(sh <= c->smem_optin, "shared memory %zu > %zu", sh, c->smem_optin);
-    dim3 grid(nch, B);
-    if (lat_type == MTRL_BF16) {
-        set_smem(mla_decode_k<uint16_t>, sh);
-        mla_decode_k<uint16_t><<<grid, 256, sh, c->stream>>>(H, Dk, dc, scale, qt,
-                                                             (const uint16_t *)lat, ld, seq_start,
-                                                             seq_len, nch, pm, pl, pacc);
+    if (v2) {
+        const int MT = H <= 16 ? 1 : 2, NST = dec2_stages_(c, H, Dk);
+        dec2_kernel_t kern = dec2_pick_(MT, NST, dc);
+        size_t sh = dec2_smem_(MT, NST, Dk);
+        dec2_kernel_t kr = dec2r_pick_(H, dc, Dk);
+        if (kr && dec2r_smem_(Dk) <= c->smem_optin) {
+            kern = kr;
+            sh = dec2r_smem_(Dk);
+        }
+        set_smem(kern, sh);
+        Dec2Args da;
+        da.H = H; da.Dk = Dk; da.dc = dc; da.ld = ld; da.L = L; da.nsplit = nch;
+        da.sl2 = scale * LOG2E_F;
+        da.qt = qt; da.lat = (const uint16_t *)lat; da.seq_start = seq_start; da.seq_len = seq_len;
+        da.pm = pm; da.pl = pl; da.pacc = pacc;
+        kern<<<dim3(nch, B), 256, sh, c->stream>>>(da);
+        CUDA_LAUNCH_CHECK();
+        mla_decode2_merge_k<<<dim3(B, H), 512, 0, c->stream>>>(H, dc, nch, L, seq_len, pm, pl, pacc, cstar);
+        CUDA_LAUNCH_CHECK();
     } else {
-        set_smem(mla_decode_k<float>, sh);
-        mla_decode_k<float><<<grid, 256, sh, c->stream>>>(H, Dk, dc, scale, qt, (const float *)lat,
-                                                          ld, seq_start, seq_len, nch, pm, pl, pacc);
+        size_t sh = sizeof(float) * ((size_t)H * Dk + (size_t)DSB * (Dk + 1) + (size_t)H * DSB + 3 * H);
+        MTRL_CUDA_REQUIRE(sh <= c->smem_optin, "shared memory %zu > %zu", sh, c->smem_optin);
+        dim3 grid(nch, B);
+        if (lat_type == MTRL_BF16) {
+            set_smem(mla_decode_k<uint16_t>, sh);
+            mla_decode_k<uint16_t><<<grid, 256, sh, c->stream>>>(H, Dk, dc, scale, qt,
+                                                                 (const uint16_t *)lat, ld, seq_start,
+                                                                 seq_len, nch, pm, pl, pacc);
+        } else {
+            set_smem(mla_decode_k<float>, sh);
+            mla_decode_k<float><<<grid, 256, sh, c->stream>>>(H, Dk, dc, scale, qt, (const float *)lat,
+                                                              ld, seq_start, seq_len, nch, pm, pl, pacc);
+        }
+        CUDA_LAUNCH_CHECK();
+        mla_decode_merge_k<<<dim3(B, H), 256, 0, c->stream>>>(H, dc, nch, seq_len, pm, pl, pacc, cstar);
+        CUDA_LAUNCH_CHECK();
     }
-    CUDA_LAUNCH_CHECK();
-    mla_decode_merge_k<<<dim3(B, H), 256, 0, c->stream>>>(H, dc, nch, seq_len, pm, pl, pacc, cstar);
-    CUDA_LAUNCH_CHECK();
     // a[b][h] = W_UV,h cstar[b][h]  (for each head: [B x dc] x [dv x dc]ᵀ)
     return mtrl_gemm_batched(c, 0, 1, B, dv, dc, 1.f, cstar, H * dc, dc, W_kvb + (size_t)dn * dc, dc,
                              (long long)(dn + dv) * dc, MTRL_F32, 0.f, a, H * dv, dv, MTRL_F32, H);
