@@ -15,6 +15,8 @@
 #include "common/timeutil.h"
 #include "common/tokenizer.h"
 #include "common/wire.h"
+#include "common/wire_auth.h"
+#include "common/wire_monitor.h"
 
 #define HELLO_PATIENCE_S 120.0
 
@@ -33,6 +35,8 @@ typedef struct actor {
     int gpu;               // --gpu N (-1: the experiment's choice)
     void *zctx;
     mtrl_wire_sock sock;
+    mtrl_wire_monitor mon;
+    int resync;            // waiting for the WELCOME that answers a resynchronising HELLO
     mtrl_wire_limits lim;
     mtrl_wire_stats rx;
     mtrl_config cfg;
@@ -53,7 +57,7 @@ typedef struct actor {
     int n_streams, cap_streams;
     outmsg *out;
     int n_out, cap_out, out_head;
-    double last_heard, last_sent;
+    double last_heard, last_sent, last_qb;
     int bye;
     long episodes_done;
 } actor;
@@ -94,7 +98,8 @@ static void flush_(actor *a) {
         int64_t cost = (int64_t)(o->payload.len + MTRL_WIRE_HDR_SIZE);
         // A message larger than the whole credit goes alone, when nothing else is in flight;
         // otherwise a small credit and a large chunk would wait for each other forever.
-        if (cost > a->credit && !(cost > a->credit_full && a->credit >= a->credit_full)) break;
+        // No credit at all (the learner's warm-up) means wait.
+        if (cost > a->credit && !(a->credit_full > 0 && cost > a->credit_full && a->credit >= a->credit_full)) break;
         if (!send_now_(a, o)) break;
         a->credit -= cost;
         mtrl_wire_out_free(o);
@@ -144,6 +149,32 @@ static void on_end_(void *u, mtrl_traj *t) {
 
 // ---- messages from the learner -----------------------------------------------------------------------------
 
+static void hello_(actor *a) {
+    mtrl_wire_out o;
+    mtrl_wire_out_init(&o);
+    mtrl_wire_encode_hello(&o, a->id, a->incarnation, 0);
+    send_now_(a, &o);
+    mtrl_wire_out_free(&o);
+}
+
+// (Re)builds the episodes in flight for the current config and incarnation; counters continue
+// so episode and group ids stay unique. Whatever was queued before means nothing now.
+static int rollout_build_(actor *a, uint64_t next_group, uint64_t next_episode) {
+    mtrl_rollout_params p;
+    mtrl_error err;
+    mtrl_rollout_params_from_config(&p, &a->cfg, a->id, a->incarnation);
+    p.first_group = next_group;
+    p.first_episode = next_episode;
+    if (mtrl_rollout_init(&a->ro, &p, &a->cfg, &a->model, &err) != MTRL_OK) {
+        LOG_ERROR("%s", err.msg);
+        return 0;
+    }
+    for (int i = a->out_head; i < a->n_out; i++) mtrl_wire_out_free(&a->out[i].o);
+    a->out_head = a->n_out = 0;
+    a->n_streams = 0;
+    return 1;
+}
+
 static int setup_(actor *a, const mtrl_wire_msg *m) {
     mtrl_config_errors errs = {0};
     if (mtrl_config_load_text(&a->cfg, "<experiment from the learner>", m->text ? m->text : "", NULL, 0, &errs) != MTRL_OK) {
@@ -176,7 +207,10 @@ static int setup_(actor *a, const mtrl_wire_msg *m) {
         LOG_ERROR("%s", err.msg);
         return 0;
     }
-    a->model.qb_frozen = 1; // β comes with the weights; actors never update it
+    // β comes with the weights; actors never apply a β of their own. With qb_actor_stats they sum
+    // the β each decode batch implies (and the loads) for the learner (send_qb_stats_).
+    a->model.qb_decode_stats = a->cfg.learner.qb_actor_stats;
+    a->model.qb_frozen = !a->model.qb_decode_stats;
     a->have_model = 1;
     a->have_weights = 0;
     a->have_cfg = 1;
@@ -184,21 +218,58 @@ static int setup_(actor *a, const mtrl_wire_msg *m) {
     a->config_hash = m->config_hash;
     a->credit = (int64_t)m->credit_bytes;
     a->credit_full = (int64_t)m->credit_bytes;
-    mtrl_rollout_params p;
-    mtrl_rollout_params_from_config(&p, &a->cfg, a->id, a->incarnation);
-    p.first_group = next_group;
-    p.first_episode = next_episode;
-    if (mtrl_rollout_init(&a->ro, &p, &a->cfg, &a->model, &err) != MTRL_OK) {
-        LOG_ERROR("%s", err.msg);
-        return 0;
-    }
-    // Whatever was queued for an earlier learner means nothing to this one.
-    for (int i = a->out_head; i < a->n_out; i++) mtrl_wire_out_free(&a->out[i].o);
-    a->out_head = a->n_out = 0;
-    a->n_streams = 0;
-    LOG_INFO("run %llu: %d episodes in flight, model %zu parameters", (unsigned long long)a->run_id, p.slots,
-             mtrl_model_param_count(&a->model));
+    if (!rollout_build_(a, next_group, next_episode)) return 0;
+    LOG_INFO("run %llu: %d episodes in flight, model %zu parameters", (unsigned long long)a->run_id,
+             mtrl_rollout_slot_count(a->ro), mtrl_model_param_count(&a->model));
     return 1;
+}
+
+// Gives up every episode in flight and says HELLO as a new incarnation: the learner aborts what
+// it holds of the old one (its open episodes may have lost messages) and answers with a WELCOME
+// of the same run, which restores the credit; model and weights stay.
+static void resync_(actor *a, const char *why) {
+    uint64_t next_group = 0, next_episode = 0;
+    int open = 0;
+    if (a->ro) {
+        mtrl_rollout_counters(a->ro, &next_group, &next_episode);
+        for (int i = 0; i < mtrl_rollout_slot_count(a->ro); i++) open += mtrl_rollout_slot(a->ro, i) != NULL;
+    }
+    uint32_t now = (uint32_t)((mtrl_time_wall() - 1704067200.0) * 10.0);
+    a->incarnation = now > a->incarnation ? now : a->incarnation + 1;
+    LOG_WARN("%s: %d episodes in flight given up; HELLO as incarnation %u", why, open, a->incarnation);
+    if (a->ro) {
+        mtrl_rollout_free(a->ro);
+        a->ro = NULL;
+        if (!rollout_build_(a, next_group, next_episode)) a->bye = 2;
+    }
+    a->credit = 0;
+    a->resync = 1;
+    hello_(a);
+}
+
+// Sends the QB statistics decoded since the last call (ROUTING_STATS, stamped with the weight
+// version they were routed with) and clears them. Outside the credit: a few KB per heartbeat.
+static void send_qb_stats_(actor *a) {
+    mtrl_model *m = &a->model;
+    if (!a->have_model || !m->qb_decode_stats) return;
+    int L = m->dims.L, E = m->dims.E, any = 0;
+    for (int l = 0; l < L; l++) any |= m->qb_count[l] > 0;
+    if (!any) return;
+    size_t LE = (size_t)L * E;
+    uint64_t *counts = xmalloc(sizeof *counts * LE);
+    uint32_t *batches = xmalloc(sizeof *batches * (size_t)L);
+    for (size_t i = 0; i < LE; i++) counts[i] = m->load[i] > 0 ? (uint64_t)m->load[i] : 0;
+    for (int l = 0; l < L; l++) batches[l] = (uint32_t)m->qb_count[l];
+    mtrl_wire_out o;
+    mtrl_wire_out_init(&o);
+    mtrl_wire_encode_routing_stats(&o, m->version, (uint32_t)L, (uint32_t)E, counts, batches, m->qb_sum);
+    send_now_(a, &o);
+    mtrl_wire_out_free(&o);
+    free(counts);
+    free(batches);
+    memset(m->qb_sum, 0, sizeof *m->qb_sum * LE);
+    memset(m->qb_count, 0, sizeof *m->qb_count * (size_t)L);
+    memset(m->load, 0, sizeof *m->load * LE);
 }
 
 static void weights_chunk_(actor *a, const mtrl_wire_msg *m) {
@@ -216,6 +287,7 @@ static void weights_chunk_(actor *a, const mtrl_wire_msg *m) {
     a->wgot += m->data_len;
     a->wseen++;
     if (a->wseen < a->wcount || a->wgot != a->wlen || !a->have_model) return;
+    send_qb_stats_(a); // what the old β routed goes out under the old version
     mtrl_ckpt c;
     mtrl_error err;
     mtrl_status s = mtrl_ckpt_open_mem(&c, a->wbuf, a->wlen, &err);
@@ -256,11 +328,12 @@ static int poll_(actor *a, int timeout_ms) {
                 // --resume does not know our open episodes: it drops their chunks, they are lost,
                 // and the next episodes go through.
                 if (!a->have_cfg || m.run_id != a->run_id || m.config_hash != a->config_hash) {
-                    if (!setup_(a, &m)) a->bye = 2;
+                    if (!setup_(a, &m)) a->bye = 3; // the experiment cannot run here
                 } else {
                     a->credit = (int64_t)m.credit_bytes;
                     a->credit_full = (int64_t)m.credit_bytes;
                 }
+                a->resync = 0;
                 break;
             case MTRL_WIRE_WEIGHTS: weights_chunk_(a, &m); break;
             case MTRL_WIRE_CREDIT:
@@ -272,7 +345,12 @@ static int poll_(actor *a, int timeout_ms) {
                 LOG_INFO("learner said BYE: %s", m.text ? m.text : "");
                 a->bye = 1;
                 break;
-            case MTRL_WIRE_ERROR: LOG_WARN("learner error: %s", m.text ? m.text : ""); break;
+            case MTRL_WIRE_ERROR:
+                // MTRL_ERR_PEER: the learner does not know this incarnation (it declared it dead,
+                // or it restarted): what it holds of our episodes is gone.
+                if (m.code == MTRL_ERR_PEER && a->have_cfg && !a->resync) resync_(a, "the learner does not know this actor");
+                else if (m.code != MTRL_ERR_PEER) LOG_WARN("learner error: %s", m.text ? m.text : "");
+                break;
             default: break;
             }
         }
@@ -280,14 +358,6 @@ static int poll_(actor *a, int timeout_ms) {
         s = mtrl_wire_recv(&a->sock, 0, &in, &a->rx, &err);
     }
     return got;
-}
-
-static void hello_(actor *a) {
-    mtrl_wire_out o;
-    mtrl_wire_out_init(&o);
-    mtrl_wire_encode_hello(&o, a->id, a->incarnation, 0);
-    send_now_(a, &o);
-    mtrl_wire_out_free(&o);
 }
 
 int mtrl_actor_main(const char *endpoint, uint32_t actor_id, int gpu, volatile sig_atomic_t *stop) {
@@ -304,14 +374,23 @@ int mtrl_actor_main(const char *endpoint, uint32_t actor_id, int gpu, volatile s
     a.zctx = zmq_ctx_new();
     a.lim = mtrl_wire_limits_default();
     mtrl_wire_sockopts so = mtrl_wire_sockopts_default();
+    // ZeroMQ's own heartbeat only guards against dead TCP peers here; the learner's silence is
+    // judged by the application (below), which knows the learner may be busy for a long step.
+    so.heartbeat_timeout_ms = 60000;
+    mtrl_wire_auth_client_apply(&so); // --curve-server-key / --curve-key of mtrl actor (tools/cmd_run.c)
     mtrl_error err;
     if (mtrl_wire_dealer_open(&a.sock, a.zctx, endpoint, a.id, a.incarnation, &a.lim, &so, &err) != MTRL_OK) {
         LOG_ERROR("%s", err.msg);
         zmq_ctx_term(a.zctx);
         return 1;
     }
+    if (mtrl_wire_monitor_open(&a.mon, &a.sock,
+                               ZMQ_EVENT_CONNECTED | ZMQ_EVENT_DISCONNECTED | ZMQ_EVENT_HANDSHAKE_FAILED_NO_DETAIL |
+                                   ZMQ_EVENT_HANDSHAKE_FAILED_PROTOCOL | ZMQ_EVENT_HANDSHAKE_FAILED_AUTH,
+                               &err) != MTRL_OK)
+        LOG_WARN("%s (connection drops will only be noticed by the heartbeats)", err.msg);
     // Handshake: HELLO until a WELCOME and the first weights arrive.
-    double t0 = mtrl_time_mono(), last_hello = -1e9;
+    double t0 = mtrl_time_mono(), last_hello = -1e9, last_refused = -1e9;
     while (!*stop && !a.bye && !a.have_cfg) {
         double now = mtrl_time_mono();
         if (now - t0 > HELLO_PATIENCE_S) {
@@ -324,6 +403,17 @@ int mtrl_actor_main(const char *endpoint, uint32_t actor_id, int gpu, volatile s
             last_hello = now;
         }
         poll_(&a, 100);
+        mtrl_wire_event ev_; // a drop before the WELCOME loses nothing of ours
+        while (mtrl_wire_monitor_next(&a.mon, &ev_)) {
+            // A refused handshake is the one thing the actor can tell the user (wrong keys).
+            if (ev_.event & (ZMQ_EVENT_HANDSHAKE_FAILED_NO_DETAIL | ZMQ_EVENT_HANDSHAKE_FAILED_PROTOCOL |
+                             ZMQ_EVENT_HANDSHAKE_FAILED_AUTH)) {
+                if (now - last_refused > 5.0) LOG_WARN("%s: %s (check the CURVE keys)", ev_.address, ev_.name);
+                last_refused = now;
+            } else {
+                LOG_DEBUG("connection %s: %s", ev_.name, ev_.address);
+            }
+        }
     }
     double hb = 1e-3 * (double)(a.have_cfg ? a.cfg.actor.heartbeat_ms : 1000);
     // The learner is single-threaded: a long optimizer step keeps it quiet. Only a silence much
@@ -336,8 +426,27 @@ int mtrl_actor_main(const char *endpoint, uint32_t actor_id, int gpu, volatile s
         // backlog to send); otherwise just look.
         int idle = !a.ro || !a.have_weights || a.credit <= 0 || outbox_len_(&a) > 0;
         poll_(&a, idle ? 20 : 0);
+        mtrl_wire_event ev_;
+        while (mtrl_wire_monitor_next(&a.mon, &ev_)) {
+            if (ev_.event != ZMQ_EVENT_DISCONNECTED) {
+                LOG_DEBUG("connection %s: %s", ev_.name, ev_.address);
+                continue;
+            }
+            // Messages in flight on the dropped connection are lost both ways; the learner may
+            // hold our episodes open waiting for them. Start over as a new incarnation.
+            if (!a.resync && a.have_cfg) resync_(&a, "connection to the learner dropped");
+        }
         flush_(&a);
         double now = mtrl_time_mono();
+        if (a.resync) {
+            // Generation waits for the WELCOME; the HELLO is repeated in case it was lost too.
+            if (now - a.last_sent > 2.0) hello_(&a);
+            continue;
+        }
+        if (now - a.last_qb > hb) {
+            send_qb_stats_(&a);
+            a.last_qb = now;
+        }
         if (now - a.last_sent > hb) {
             mtrl_wire_out o;
             mtrl_wire_out_init(&o);
@@ -370,7 +479,7 @@ int mtrl_actor_main(const char *endpoint, uint32_t actor_id, int gpu, volatile s
         send_now_(&a, &o);
         mtrl_wire_out_free(&o);
     }
-    int rc = a.bye == 2 ? 1 : 0;
+    int rc = a.bye == 3 ? MTRL_ACTOR_EXIT_UNUSABLE : a.bye == 2 ? 1 : 0;
     LOG_INFO("%ld episodes streamed; leaving", a.episodes_done);
     mtrl_rollout_free(a.ro);
     if (a.have_model) mtrl_model_free(&a.model);
@@ -378,6 +487,7 @@ int mtrl_actor_main(const char *endpoint, uint32_t actor_id, int gpu, volatile s
     free(a.out);
     free(a.streams);
     free(a.wbuf);
+    mtrl_wire_monitor_close(&a.mon);
     mtrl_wire_sock_close(&a.sock);
     zmq_ctx_term(a.zctx);
     return rc;

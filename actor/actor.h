@@ -17,6 +17,9 @@
 // Returns the process exit code: 0 after a BYE or *stop, 1 when the learner never answered or
 // the experiment it sent cannot be run here.
 // gpu: the CUDA device for a [model] device = cuda experiment (-1: the experiment's choice).
+// Exit status of an actor that cannot run the experiment at all (an env plug-in that does not
+// load, a model that does not fit): restarting it would fail the same way.
+#define MTRL_ACTOR_EXIT_UNUSABLE 3
 int mtrl_actor_main(const char *endpoint, uint32_t actor_id, int gpu, volatile sig_atomic_t *stop);
 
 #endif

@@ -10,6 +10,7 @@
 #include "common/check.h"
 #include "common/hash.h"
 #include "common/log.h"
+#include "common/model/model_plan.h"
 #include "common/rng.h"
 #include "common/timeutil.h"
 #include "common/tokenizer.h"
@@ -66,6 +67,33 @@ mtrl_status mtrl_rollout_init(mtrl_rollout **out, const mtrl_rollout_params *p, 
                               mtrl_error *err) {
     mtrl_rollout *r = xcalloc(1, sizeof *r);
     r->p = *p;
+    // Memory accounting: every episode in flight holds a decode state of max_tokens (KDA states,
+    // conv windows, the MLA latent cache). When they do not all fit in 90% of the device's free
+    // memory, episodes get the capacity that fits and end `truncated` there, with the reason,
+    // instead of the actor running out of memory at 1M tokens.
+    {
+        size_t free_b = 0, total_b = 0, scratch_b = 0, peak_b = 0;
+        mtrl_model_mem_info(m, &free_b, &total_b, &scratch_b, &peak_b);
+        size_t fixed = mtrl_decode_state_bytes(m, 0), per_tok = mtrl_decode_state_bytes(m, 1) - fixed;
+        double budget = 0.9 * (double)free_b - (double)(512u << 20);
+        double fit = per_tok > 0 ? (budget / p->slots - (double)fixed) / (double)per_tok : 1e18;
+        if (free_b > 0 && fit < p->max_tokens) {
+            if (fit < 64) {
+                mtrl_status st = mtrl_error_set(err, MTRL_ERR_NOMEM,
+                    "actor: %d episodes in flight of [actor] max_tokens = %d need %.2f GiB of decode state, "
+                    "%.2f GiB free: lower episodes_in_flight or max_tokens", p->slots, p->max_tokens,
+                    (double)p->slots * (double)mtrl_decode_state_bytes(m, p->max_tokens) / (1 << 30),
+                    (double)free_b / (1 << 30));
+                free(r);
+                return st;
+            }
+            r->p.max_tokens = (int)fit;
+            r->p.memory_capped = 1;
+            LOG_WARN("actor: %d episodes of %d tokens do not fit %.2f GiB free: episodes end truncated at %d tokens",
+                     p->slots, p->max_tokens, (double)free_b / (1 << 30), r->p.max_tokens);
+        }
+    }
+    p = &r->p;
     r->m = m;
     r->next_group = p->first_group;
     r->next_episode = p->first_episode;
@@ -259,7 +287,7 @@ static int advance_(const mtrl_rollout_params *p, mtrl_model *m, slot *s, uint32
         return 0;
     }
     if ((int)t->n_tokens >= p->max_tokens) {
-        finish_(s, MTRL_EP_TRUNCATED, 0, "token budget reached");
+        finish_(s, MTRL_EP_TRUNCATED, 0, p->memory_capped ? "the actor's memory budget reached" : "token budget reached");
         return 0;
     }
     if ((int)(t->n_tokens - s->turn_start) >= p->max_turn_tokens) {

@@ -38,7 +38,8 @@ typedef struct mtrl_rollout_params {
     uint32_t actor_id, incarnation;
     int slots;               // [actor] episodes_in_flight (rounded up to a multiple of group_size)
     int group_size;          // [algo] group_size
-    int max_tokens;          // [actor] max_tokens
+    int max_tokens;          // [actor] max_tokens (mtrl_rollout_init lowers it to what memory holds)
+    int memory_capped;       // set by mtrl_rollout_init: max_tokens was lowered to fit the memory
     int max_turn_tokens;     // [actor] max_turn_tokens
     double temperature, top_p;
     int record_routing;      // [actor] routing_replay

@@ -24,11 +24,14 @@ static void json_str_(FILE *f, const char *s) {
     fputc('"', f);
 }
 
-static int write_stream_(FILE *f, const mtrl_ckpt_entry *e, int n, const char *const *meta, int n_meta) {
+// The safetensors header: u64 length, then the JSON padded with spaces to a multiple of 8 (as
+// the reference writer does). Returns the malloc'd prefix (length + JSON) and its size.
+static unsigned char *header_build_(const mtrl_ckpt_entry *e, int n, const char *const *meta, int n_meta,
+                                    size_t *prefix_len) {
     char *hdr = NULL;
     size_t hlen = 0;
     FILE *h = open_memstream(&hdr, &hlen);
-    if (!h) return -1;
+    if (!h) return NULL;
     fputc('{', h);
     uint64_t off = 0;
     for (int i = 0; i < n; i++) {
@@ -51,13 +54,22 @@ static int write_stream_(FILE *f, const mtrl_ckpt_entry *e, int n, const char *c
     }
     fputc('}', h);
     fclose(h);
-    // Pad the header with spaces to a multiple of 8 (as the reference writer does).
     uint64_t padded = (hlen + 7) & ~(uint64_t)7;
-    unsigned char len8[8];
-    for (int i = 0; i < 8; i++) len8[i] = (unsigned char)(padded >> (8 * i));
-    int bad = fwrite(len8, 1, 8, f) != 8 || fwrite(hdr, 1, hlen, f) != hlen;
-    for (uint64_t i = hlen; i < padded && !bad; i++) bad = fputc(' ', f) == EOF;
+    unsigned char *p = xmalloc(8 + padded);
+    for (int i = 0; i < 8; i++) p[i] = (unsigned char)(padded >> (8 * i));
+    memcpy(p + 8, hdr, hlen);
+    memset(p + 8 + hlen, ' ', padded - hlen);
     free(hdr);
+    *prefix_len = 8 + padded;
+    return p;
+}
+
+static int write_stream_(FILE *f, const mtrl_ckpt_entry *e, int n, const char *const *meta, int n_meta) {
+    size_t plen;
+    unsigned char *prefix = header_build_(e, n, meta, n_meta, &plen);
+    if (!prefix) return -1;
+    int bad = fwrite(prefix, 1, plen, f) != plen;
+    free(prefix);
     for (int i = 0; i < n && !bad; i++) bad = fwrite(e[i].data, 1, e[i].nbytes, f) != e[i].nbytes;
     return bad ? -1 : 0;
 }
@@ -87,15 +99,24 @@ mtrl_status mtrl_ckpt_write_file(const char *path, const mtrl_ckpt_entry *e, int
 
 mtrl_status mtrl_ckpt_write_mem(void **out, size_t *out_len, const mtrl_ckpt_entry *e, int n,
                                 const char *const *meta, int n_meta, mtrl_error *err) {
-    char *buf = NULL;
-    size_t len = 0;
-    FILE *f = open_memstream(&buf, &len);
-    if (!f) return mtrl_error_set(err, MTRL_ERR_NOMEM, "cannot open a memory stream for weights");
-    int bad = write_stream_(f, e, n, meta, n_meta);
-    fclose(f);
-    if (bad) {
-        free(buf);
-        return mtrl_error_set(err, MTRL_ERR_NOMEM, "writing weights to memory failed");
+    // One allocation of the exact size: a growing memory stream would copy gigabytes of
+    // weights several times over.
+    size_t plen;
+    unsigned char *prefix = header_build_(e, n, meta, n_meta, &plen);
+    if (!prefix) return mtrl_error_set(err, MTRL_ERR_NOMEM, "cannot build the weights header");
+    size_t len = plen;
+    for (int i = 0; i < n; i++) len += e[i].nbytes;
+    unsigned char *buf = malloc(len);
+    if (!buf) {
+        free(prefix);
+        return mtrl_error_set(err, MTRL_ERR_NOMEM, "cannot allocate %zu bytes for the weights", len);
+    }
+    memcpy(buf, prefix, plen);
+    free(prefix);
+    size_t at = plen;
+    for (int i = 0; i < n; i++) {
+        memcpy(buf + at, e[i].data, e[i].nbytes);
+        at += e[i].nbytes;
     }
     *out = buf;
     *out_len = len;

@@ -471,6 +471,12 @@ static void check_whole_(cfg_parse *ps) {
     }
     if (!strcmp(cfg->env.name, "plugin") && !cfg->env.plugin[0])
         errs_add(ps->errs, "%s: [env] name = plugin needs plugin = path/to/env.so", ps->name);
+    if (cfg->learner.curve_key[0] && !cfg->learner.curve_allow[0])
+        errs_add(ps->errs, "%s: [learner] curve_key needs curve_allow: the actors' public keys (a file, one key a "
+                 "line, or a folder of .pub files)", ps->name);
+    if (cfg->learner.curve_allow[0] && !cfg->learner.curve_key[0])
+        errs_add(ps->errs, "%s: [learner] curve_allow has no effect without curve_key (the learner's key file, from "
+                 "mtrl keygen)", ps->name);
     if (cfg->algo.eps_low >= 1.0)
         errs_add(ps->errs, "%s: [algo] eps_low must be below 1 (ratios are clipped to [1 - eps_low, 1 + eps_high])", ps->name);
 }

@@ -80,6 +80,8 @@
 
 #define MTRL_CFG_LEARNER(X)                                                                         \
     X(learner, endpoint, STR, "tcp://127.0.0.1:*", 0, 0, NULL, "ROUTER endpoint; * = pick a free port") \
+    X(learner, curve_key, STR, "", 0, 0, NULL, "the learner's CURVE key file (mtrl keygen STEM writes STEM.key); empty = no CURVE, plain text: keep the endpoint on loopback") \
+    X(learner, curve_allow, STR, "", 0, 0, NULL, "actors allowed in with CURVE: a file of public keys (one a line) or a folder of .pub files; required with curve_key") \
     X(learner, batch_groups, INT, "4", 1, 1 << 20, NULL, "groups of episodes per optimizer step")  \
     X(learner, lr, FLOAT, "3e-3", 0, 10, NULL, "AdamW learning rate")                             \
     X(learner, beta1, FLOAT, "0.9", 0, 0.999999, NULL, "AdamW beta1")                            \
@@ -89,6 +91,7 @@
     X(learner, grad_clip, FLOAT, "1.0", 0, 1e9, NULL, "global gradient-norm clip (0 = off)")     \
     X(learner, max_staleness, INT, "4", 0, 1 << 20, NULL, "drop episodes whose oldest token is this many versions old") \
     X(learner, qb, BOOL, "true", 0, 0, NULL, "update the router bias by Quantile Balancing")       \
+    X(learner, qb_actor_stats, BOOL, "false", 0, 0, NULL, "also fold the beta implied by the actors' decode-time routing into each QB update") \
     X(learner, heartbeat_timeout_ms, INT, "5000", 100, 3600000, NULL, "an actor silent this long is dead") \
     X(learner, credit_bytes, INT, "4194304", 4096, 1LL << 40, NULL, "bytes an actor may have in flight") \
     X(learner, threads, INT, "0", 0, 1024, NULL, "OpenMP threads of the learner and of each local actor (0 = the cores shared evenly)")

@@ -3,6 +3,7 @@
 
 #include <sodium.h>
 #include <stdio.h>
+#include <stdlib.h>
 #include <string.h>
 
 uint64_t mtrl_hash64(const void *data, size_t n, uint64_t seed) {
@@ -48,8 +49,77 @@ static void crc32c_init_(void) {
     crc32c_ready_ = 1;
 }
 
-// Slicing-by-8. The table is built on first use; a benign race builds identical tables.
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+// The CRC register update is linear over GF(2): crc(c, X) = shift(c, |X|) ^ crc(0, X), where
+// shift(c, n) runs c through n zero bytes. shift is a 32x32 bit matrix; its columns (the images
+// of the single bits) are computed once for the two distances the interleaved loop needs.
+static uint32_t crc32c_cols_[2][32]; // [0]: 4096 bytes, [1]: 8192 bytes
+
+__attribute__((target("sse4.2"))) static uint32_t crc32c_zeros_(uint32_t c, size_t n) {
+    uint64_t r = c;
+    for (size_t i = 0; i < n; i += 8) r = __builtin_ia32_crc32di(r, 0);
+    return (uint32_t)r;
+}
+
+static void crc32c_cols_init_(void) {
+    for (int b = 0; b < 32; b++) {
+        crc32c_cols_[0][b] = crc32c_zeros_(1u << b, 4096);
+        crc32c_cols_[1][b] = crc32c_zeros_(1u << b, 8192);
+    }
+}
+
+static uint32_t crc32c_shift_(uint32_t c, size_t n) {
+    const uint32_t *col = crc32c_cols_[n == 8192];
+    uint32_t r = 0;
+    for (int b = 0; b < 32; b++) r ^= col[b] & (0u - ((c >> b) & 1));
+    return r;
+}
+
+// SSE4.2's crc32 instruction computes exactly CRC-32C, 8 bytes per instruction: ~10x the table
+// version, which matters for the gigabytes of weights the wire checks on every publish.
+__attribute__((target("sse4.2"))) static uint32_t crc32c_hw_(uint32_t crc, const unsigned char *p, size_t n) {
+    uint64_t c = ~crc;
+    // Three independent streams hide the instruction's 3-cycle latency on long buffers.
+    while (n >= 3 * 4096) {
+        uint64_t c1 = 0, c2 = 0;
+        for (size_t i = 0; i < 4096; i += 8) {
+            uint64_t a, b, d;
+            memcpy(&a, p + i, 8);
+            memcpy(&b, p + 4096 + i, 8);
+            memcpy(&d, p + 8192 + i, 8);
+            c = __builtin_ia32_crc32di(c, a);
+            c1 = __builtin_ia32_crc32di(c1, b);
+            c2 = __builtin_ia32_crc32di(c2, d);
+        }
+        // Combine: shift c over 8192 bytes and c1 over 4096 bytes of zeros, then xor.
+        c = crc32c_shift_((uint32_t)c, 8192) ^ crc32c_shift_((uint32_t)c1, 4096) ^ (uint32_t)c2;
+        p += 3 * 4096;
+        n -= 3 * 4096;
+    }
+    while (n >= 8) {
+        uint64_t a;
+        memcpy(&a, p, 8);
+        c = __builtin_ia32_crc32di(c, a);
+        p += 8;
+        n -= 8;
+    }
+    while (n--) c = __builtin_ia32_crc32qi((uint32_t)c, *p++);
+    return ~(uint32_t)c;
+}
+#define MTRL_CRC32C_HW 1
+#endif
+
+// Slicing-by-8 (or the SSE4.2 instruction where the CPU has it). The table is built on first
+// use; a benign race builds identical tables.
 uint32_t mtrl_crc32c(uint32_t crc, const void *data, size_t n) {
+#ifdef MTRL_CRC32C_HW
+    static int hw = -1;
+    if (hw < 0) {
+        hw = __builtin_cpu_supports("sse4.2") ? 1 : 0;
+        if (hw) crc32c_cols_init_(); // a benign race builds identical columns
+    }
+    if (hw && !getenv("MTRL_CRC32C_SOFT")) return crc32c_hw_(crc, data, n);
+#endif
     if (!crc32c_ready_) crc32c_init_();
     const unsigned char *p = data;
     crc = ~crc;

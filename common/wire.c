@@ -2,6 +2,7 @@
 // The socket helpers are in wire_sock.c and the episode assembler in wire_asm.c.
 #include "common/wire.h"
 
+#include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -135,18 +136,24 @@ static void weights_payload_(mtrl_wbuf *b, uint32_t version, uint32_t chunk_inde
 void mtrl_wire_encode_weights(mtrl_wire_out *o, uint32_t version, uint32_t chunk_index, uint32_t chunk_count,
                               uint64_t blob_bytes, uint64_t offset, const void *data, uint64_t n) {
     weights_payload_(begin_(o), version, chunk_index, chunk_count, blob_bytes, offset,
-                     mtrl_hash64(data, (size_t)n, 0), data, n);
+                     mtrl_crc32c(0, data, (size_t)n), data, n);
     finish_(o, MTRL_WIRE_WEIGHTS, chunk_index, 0);
 }
 
-void mtrl_wire_encode_routing_stats(mtrl_wire_out *o, uint32_t version, uint32_t layers, uint32_t experts,
-                                    const uint64_t *counts) {
-    mtrl_wbuf *b = begin_(o);
+static void routing_stats_payload_(mtrl_wbuf *b, uint32_t version, uint32_t layers, uint32_t experts,
+                                   const uint64_t *counts, const uint32_t *batches, const double *beta_sum) {
     mtrl_wbuf_u32(b, version);
     mtrl_wbuf_u32(b, layers);
     mtrl_wbuf_u32(b, experts);
     uint64_t cells = (uint64_t)layers * experts;
     for (uint64_t i = 0; i < cells; i++) mtrl_wbuf_u64(b, counts[i]);
+    for (uint32_t l = 0; l < layers; l++) mtrl_wbuf_u32(b, batches ? batches[l] : 0);
+    for (uint64_t i = 0; i < cells; i++) mtrl_wbuf_f64(b, beta_sum ? beta_sum[i] : 0.0);
+}
+
+void mtrl_wire_encode_routing_stats(mtrl_wire_out *o, uint32_t version, uint32_t layers, uint32_t experts,
+                                    const uint64_t *counts, const uint32_t *batches, const double *beta_sum) {
+    routing_stats_payload_(begin_(o), version, layers, experts, counts, batches, beta_sum);
     finish_(o, MTRL_WIRE_ROUTING_STATS, 0, 0);
 }
 
@@ -177,7 +184,7 @@ static uint64_t type_cap_(uint16_t type, const mtrl_wire_limits *lim) {
     case MTRL_WIRE_WELCOME: cap = 32 + (uint64_t)lim->max_config; break;
     case MTRL_WIRE_CREDIT: cap = 8; break;
     case MTRL_WIRE_WEIGHTS_REQ: cap = 4; break;
-    case MTRL_WIRE_ROUTING_STATS: cap = 12 + 8 * (uint64_t)lim->max_routing_cells; break;
+    case MTRL_WIRE_ROUTING_STATS: cap = 12 + 20 * (uint64_t)lim->max_routing_cells; break; // layers <= cells
     case MTRL_WIRE_HEARTBEAT: cap = 0; break;
     case MTRL_WIRE_BYE: cap = 4 + (uint64_t)lim->max_text; break;
     case MTRL_WIRE_ERROR: cap = 8 + (uint64_t)lim->max_text; break;
@@ -246,6 +253,8 @@ void mtrl_wire_msg_free(mtrl_wire_msg *m) {
     if (!m) return;
     free(m->text);
     free(m->counts);
+    free(m->qb_batches);
+    free(m->qb_beta_sum);
     mtrl_traj_free(&m->traj);
     mtrl_wire_msg_init(m);
 }
@@ -255,6 +264,8 @@ static void msg_reset_(mtrl_wire_msg *m) {
     mtrl_traj keep = m->traj;
     free(m->text);
     free(m->counts);
+    free(m->qb_batches);
+    free(m->qb_beta_sum);
     memset(m, 0, sizeof *m);
     m->traj = keep;
     mtrl_traj_reset(&m->traj);
@@ -331,7 +342,7 @@ static mtrl_status decode_payload_(const void *payload, size_t n, const mtrl_wir
         const uint8_t *d = mtrl_rbuf_take(&r, len, "data");
         if (!d) return r.status;
         if (trailing_(&r)) return r.status;
-        uint64_t got = mtrl_hash64(d, (size_t)len, 0);
+        uint64_t got = mtrl_crc32c(0, d, (size_t)len);
         if (got != m->chunk_digest)
             return mtrl_rbuf_fail_at(&r, at_n - 8, MTRL_ERR_FORMAT,
                                      "digest mismatch: chunk %u says %016llx, its bytes hash to %016llx",
@@ -350,9 +361,24 @@ static mtrl_status decode_payload_(const void *payload, size_t n, const mtrl_wir
             return mtrl_rbuf_fail_at(&r, 4, MTRL_ERR_LIMIT, "layers x experts: %u x %u over max_routing_cells=%u",
                                      m->layers, m->experts, lim->max_routing_cells);
         const uint8_t *c = mtrl_rbuf_take(&r, cells * 8, "counts");
-        if (!c || trailing_(&r)) return r.status;
+        if (!c) return r.status;
+        const uint8_t *nb = mtrl_rbuf_take(&r, (uint64_t)m->layers * 4, "batches");
+        if (!nb) return r.status;
+        size_t at_beta = r.pos;
+        const uint8_t *bs = mtrl_rbuf_take(&r, cells * 8, "beta_sum");
+        if (!bs || trailing_(&r)) return r.status;
         m->counts = xmalloc((size_t)(cells ? cells : 1) * 8);
+        m->qb_batches = xmalloc((size_t)(m->layers ? m->layers : 1) * 4);
+        m->qb_beta_sum = xmalloc((size_t)(cells ? cells : 1) * 8);
         for (uint64_t i = 0; i < cells; i++) m->counts[i] = mtrl_le64(c + 8 * i);
+        for (uint32_t l = 0; l < m->layers; l++) m->qb_batches[l] = mtrl_le32(nb + 4 * l);
+        for (uint64_t i = 0; i < cells; i++) {
+            uint64_t u = mtrl_le64(bs + 8 * i);
+            memcpy(&m->qb_beta_sum[i], &u, 8);
+            if (!isfinite(m->qb_beta_sum[i]))
+                return mtrl_rbuf_fail_at(&r, at_beta + 8 * i, MTRL_ERR_FORMAT, "beta_sum[%llu]: not a finite number",
+                                         (unsigned long long)i);
+        }
         return MTRL_OK;
     }
     case MTRL_WIRE_BEGIN:
@@ -420,14 +446,9 @@ void mtrl_wire_msg_encode(mtrl_wire_out *o, const mtrl_wire_msg *m) {
         weights_payload_(b, m->weight_version, m->chunk_index, m->chunk_count, m->blob_bytes, m->blob_offset,
                          m->chunk_digest, m->data, m->data_len);
         break;
-    case MTRL_WIRE_ROUTING_STATS: {
-        mtrl_wbuf_u32(b, m->weight_version);
-        mtrl_wbuf_u32(b, m->layers);
-        mtrl_wbuf_u32(b, m->experts);
-        uint64_t cells = (uint64_t)m->layers * m->experts;
-        for (uint64_t i = 0; i < cells; i++) mtrl_wbuf_u64(b, m->counts[i]);
+    case MTRL_WIRE_ROUTING_STATS:
+        routing_stats_payload_(b, m->weight_version, m->layers, m->experts, m->counts, m->qb_batches, m->qb_beta_sum);
         break;
-    }
     case MTRL_WIRE_BEGIN: mtrl_traj_header_encode(b, &m->traj); break;
     case MTRL_WIRE_CHUNK: {
         MTRL_CHECK(m->traj.n_tokens <= UINT32_MAX);

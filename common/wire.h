@@ -28,9 +28,13 @@
 //     END           the traj.h summary encoding     (id = episode id, seq = chunks sent)
 //     WEIGHTS_REQ   u32 version wanted
 //     WEIGHTS       u32 version, u32 chunk_index, u32 chunk_count, u64 blob_bytes (whole blob),
-//                   u64 offset (of this chunk in the blob), u64 digest (mtrl_hash64 of this
-//                   chunk's bytes, seed 0), u64 n, n raw bytes
-//     ROUTING_STATS u32 version, u32 layers, u32 experts, u64 counts[layers * experts]
+//                   u64 offset (of this chunk in the blob), u64 digest (mtrl_crc32c of this
+//                   chunk's bytes: fast in hardware, as gigabytes pass per publish), u64 n,
+//                   n raw bytes
+//     ROUTING_STATS u32 version (of the weights routed with), u32 layers, u32 experts,
+//                   u64 counts[layers * experts] (tokens per expert), u32 batches[layers] and
+//                   f64 beta_sum[layers * experts] (QB: the β each decode batch implied, summed;
+//                   finite)
 //     HEARTBEAT     empty
 //     BYE           str reason (may be empty)
 //     ERROR         i32 code (mtrl_status), str text
@@ -134,8 +138,9 @@ void mtrl_wire_encode_weights_req(mtrl_wire_out *o, uint64_t request_id, uint32_
 // Computes the chunk digest.
 void mtrl_wire_encode_weights(mtrl_wire_out *o, uint32_t version, uint32_t chunk_index, uint32_t chunk_count,
                               uint64_t blob_bytes, uint64_t offset, const void *data, uint64_t n);
+// batches and beta_sum may be NULL (zeros: loads only).
 void mtrl_wire_encode_routing_stats(mtrl_wire_out *o, uint32_t version, uint32_t layers, uint32_t experts,
-                                    const uint64_t *counts);
+                                    const uint64_t *counts, const uint32_t *batches, const double *beta_sum);
 void mtrl_wire_encode_heartbeat(mtrl_wire_out *o);
 void mtrl_wire_encode_bye(mtrl_wire_out *o, const char *reason);
 void mtrl_wire_encode_error(mtrl_wire_out *o, int32_t code, const char *text);
@@ -169,6 +174,8 @@ typedef struct mtrl_wire_msg {
     // ROUTING_STATS
     uint32_t layers, experts;
     uint64_t *counts;        // (layers, experts) owned
+    uint32_t *qb_batches;    // (layers) owned
+    double *qb_beta_sum;     // (layers, experts) owned
     // ERROR
     int32_t code;
 } mtrl_wire_msg;
@@ -207,9 +214,21 @@ typedef struct mtrl_wire_sockopts {
     int heartbeat_timeout_ms;  // ZMQ_HEARTBEAT_TIMEOUT: 5000
     int reconnect_ivl_ms;      // DEALER ZMQ_RECONNECT_IVL: 100
     int reconnect_ivl_max_ms;  // DEALER ZMQ_RECONNECT_IVL_MAX: 32000
+    // CURVE (RFC 26), binary 32-byte keys. All zero (the default) = the NULL mechanism, no
+    // encryption, as before. Fill these through common/wire_auth.h rather than by hand.
+    // The ROUTER reads only the server fields, the DEALER only the client fields.
+    int curve_server;                  // ROUTER: be a CURVE server (needs a ZAP handler, below)
+    int curve_client;                  // DEALER: be a CURVE client
+    uint8_t curve_secret_key[32];      // own secret key (server or client)
+    uint8_t curve_public_key[32];      // client: own public key (the server's allow-list has it)
+    uint8_t curve_server_key[32];      // client: the server's public key
 } mtrl_wire_sockopts;
 
+// The values above; CURVE off.
 mtrl_wire_sockopts mtrl_wire_sockopts_default(void);
+
+// The ZAP domain the ROUTER names in its authentication requests (ZMQ_ZAP_DOMAIN).
+#define MTRL_WIRE_ZAP_DOMAIN "mtrl"
 
 typedef struct mtrl_wire_peer {
     uint8_t id[256];  // ZeroMQ routing id
@@ -230,10 +249,19 @@ typedef struct mtrl_wire_sock {
 // Learner side: ROUTER bound to endpoint, ZMQ_ROUTER_MANDATORY=1, ZMQ_ROUTER_HANDOVER=1,
 // ZMQ_MAXMSGSIZE = lim->max_payload (a larger frame disconnects the peer), bounded linger,
 // heartbeats. opts may be NULL for the defaults.
+// With opts->curve_server: ZMQ_CURVE_SERVER, ZMQ_CURVE_SECRETKEY, ZMQ_ZAP_DOMAIN
+// (MTRL_WIRE_ZAP_DOMAIN) and ZMQ_ZAP_ENFORCE_DOMAIN=1 are set before the bind. A CURVE server
+// with no ZAP handler would let in every client that knows its public key ("Stonehouse"), so
+// this refuses (MTRL_ERR_STATE) unless a ZAP handler is bound at inproc://zeromq.zap.01 in
+// zmq_ctx (common/wire_auth.h starts one), and (MTRL_ERR_USAGE) when libzmq lacks CURVE or
+// ZMQ_ZAP_ENFORCE_DOMAIN.
 mtrl_status mtrl_wire_router_open(mtrl_wire_sock *s, void *zmq_ctx, const char *endpoint,
                                   const mtrl_wire_limits *lim, const mtrl_wire_sockopts *opts, mtrl_error *err);
 // Actor side: DEALER connected to endpoint with a fresh ZMQ_ROUTING_ID per incarnation
 // ("a<actor>.i<incarnation>.<random>"), reconnect backoff, heartbeats, bounded linger.
+// With opts->curve_client: ZMQ_CURVE_SERVERKEY, ZMQ_CURVE_PUBLICKEY and ZMQ_CURVE_SECRETKEY are
+// set before the connect. A refused handshake is not an error here: the DEALER keeps retrying
+// and nothing gets through (the learner counts the refusal).
 mtrl_status mtrl_wire_dealer_open(mtrl_wire_sock *s, void *zmq_ctx, const char *endpoint, uint32_t actor_id,
                                   uint32_t incarnation, const mtrl_wire_limits *lim, const mtrl_wire_sockopts *opts,
                                   mtrl_error *err);

@@ -4,7 +4,8 @@
 // fails instead of being dropped silently, ROUTER_HANDOVER so a restarted actor reusing an id is
 // accepted, MAXMSGSIZE so one oversized frame disconnects its peer before it is buffered,
 // bounded LINGER so zmq_ctx_term cannot hang, ZMTP heartbeats for dead-peer detection, and a
-// fresh ROUTING_ID per actor incarnation.
+// fresh ROUTING_ID per actor incarnation. CURVE options are set here too, before bind/connect;
+// keys, allow-lists and the ZAP handler live in wire_auth.c.
 #include "common/wire.h"
 
 #include <errno.h>
@@ -20,6 +21,7 @@
 
 mtrl_wire_sockopts mtrl_wire_sockopts_default(void) {
     mtrl_wire_sockopts o;
+    memset(&o, 0, sizeof o); // CURVE off
     o.linger_ms = 500;
     o.send_timeout_ms = 5000;
     o.heartbeat_ivl_ms = 1000;
@@ -75,6 +77,96 @@ static mtrl_status common_opts_(mtrl_wire_sock *s, const mtrl_wire_sockopts *o, 
     return MTRL_OK;
 }
 
+// ZMQ_ZAP_ENFORCE_DOMAIN is still a draft option in libzmq 4.3 (zmq.h declares it only under
+// ZMQ_BUILD_DRAFT_API); Debian's libzmq5 is built with the drafts and accepts it.
+#ifndef ZMQ_ZAP_ENFORCE_DOMAIN
+#define ZMQ_ZAP_ENFORCE_DOMAIN 93
+#endif
+
+static int key_is_zero_(const uint8_t k[32]) {
+    uint8_t acc = 0;
+    for (int i = 0; i < 32; i++) acc |= k[i];
+    return acc == 0;
+}
+
+// 1 when something is bound at the ZAP endpoint of ctx. Binding a probe is the only way to ask
+// libzmq: it fails with EADDRINUSE when a handler holds the endpoint. The probe gives the
+// endpoint back at once (zmq_unbind of an inproc endpoint is synchronous).
+static int zap_handler_present_(void *ctx) {
+    void *probe = zmq_socket(ctx, ZMQ_PAIR);
+    if (!probe) return 0;
+    int present = 0;
+    if (zmq_bind(probe, "inproc://zeromq.zap.01") == 0) zmq_unbind(probe, "inproc://zeromq.zap.01");
+    else present = zmq_errno() == EADDRINUSE;
+    int zero = 0;
+    zmq_setsockopt(probe, ZMQ_LINGER, &zero, sizeof zero);
+    zmq_close(probe);
+    return present;
+}
+
+#define SETKEY_(s, opt, key, err)                                                    \
+    do {                                                                             \
+        if (zmq_setsockopt((s)->sock, (opt), (key), 32) != 0) {                      \
+            mtrl_status st_ = zerr_((err), MTRL_ERR_IO, "setsockopt " #opt);         \
+            mtrl_wire_sock_close(s);                                                 \
+            return st_;                                                              \
+        }                                                                            \
+    } while (0)
+
+// Server side of CURVE, before the bind (options set after a bind apply to later connections
+// only, and a connection accepted in between would be plain text).
+static mtrl_status curve_server_opts_(mtrl_wire_sock *s, const mtrl_wire_sockopts *o, mtrl_error *err) {
+    mtrl_status st = MTRL_OK;
+    if (!zmq_has("curve"))
+        st = mtrl_error_set(err, MTRL_ERR_USAGE, "zmq: this libzmq has no CURVE support (built without libsodium)");
+    else if (key_is_zero_(o->curve_secret_key))
+        st = mtrl_error_set(err, MTRL_ERR_USAGE, "wire: CURVE server without a secret key");
+    else if (!zap_handler_present_(s->ctx))
+        st = mtrl_error_set(err, MTRL_ERR_STATE,
+                            "wire: refusing a CURVE server with no ZAP handler in its zmq context: any client knowing "
+                            "the server's public key would be let in; start one first (mtrl_wire_auth_server_init)");
+    if (st) {
+        mtrl_wire_sock_close(s);
+        return st;
+    }
+    if (zmq_setsockopt(s->sock, ZMQ_ZAP_DOMAIN, MTRL_WIRE_ZAP_DOMAIN, strlen(MTRL_WIRE_ZAP_DOMAIN)) != 0) {
+        st = zerr_(err, MTRL_ERR_IO, "setsockopt ZMQ_ZAP_DOMAIN");
+        mtrl_wire_sock_close(s);
+        return st;
+    }
+    // Without it a handler that went away would again mean "let everyone in" (src/curve_server.cpp).
+    int one = 1;
+    if (zmq_setsockopt(s->sock, ZMQ_ZAP_ENFORCE_DOMAIN, &one, sizeof one) != 0) {
+        st = mtrl_error_set(err, MTRL_ERR_USAGE,
+                            "zmq: this libzmq does not support ZMQ_ZAP_ENFORCE_DOMAIN (built without the draft API): %s; "
+                            "refusing CURVE, since a missing ZAP handler would then admit any client",
+                            zmq_strerror(zmq_errno()));
+        mtrl_wire_sock_close(s);
+        return st;
+    }
+    SETOPT_(s, ZMQ_CURVE_SERVER, 1, err);
+    SETKEY_(s, ZMQ_CURVE_SECRETKEY, o->curve_secret_key, err);
+    return MTRL_OK;
+}
+
+// Client side of CURVE, before the connect.
+static mtrl_status curve_client_opts_(mtrl_wire_sock *s, const mtrl_wire_sockopts *o, mtrl_error *err) {
+    mtrl_status st = MTRL_OK;
+    if (!zmq_has("curve"))
+        st = mtrl_error_set(err, MTRL_ERR_USAGE, "zmq: this libzmq has no CURVE support (built without libsodium)");
+    else if (key_is_zero_(o->curve_server_key) || key_is_zero_(o->curve_public_key) ||
+             key_is_zero_(o->curve_secret_key))
+        st = mtrl_error_set(err, MTRL_ERR_USAGE, "wire: CURVE client needs the server's public key and its own keypair");
+    if (st) {
+        mtrl_wire_sock_close(s);
+        return st;
+    }
+    SETKEY_(s, ZMQ_CURVE_SERVERKEY, o->curve_server_key, err);
+    SETKEY_(s, ZMQ_CURVE_PUBLICKEY, o->curve_public_key, err);
+    SETKEY_(s, ZMQ_CURVE_SECRETKEY, o->curve_secret_key, err);
+    return MTRL_OK;
+}
+
 static void last_endpoint_(mtrl_wire_sock *s) {
     size_t n = sizeof s->endpoint;
     if (zmq_getsockopt(s->sock, ZMQ_LAST_ENDPOINT, s->endpoint, &n) != 0) s->endpoint[0] = '\0';
@@ -91,6 +183,10 @@ mtrl_status mtrl_wire_router_open(mtrl_wire_sock *s, void *zmq_ctx, const char *
     SETOPT_(s, ZMQ_ROUTER_HANDOVER, 1, err);
     st = common_opts_(s, &o, err);
     if (st) return st;
+    if (o.curve_server) {
+        st = curve_server_opts_(s, &o, err);
+        if (st) return st;
+    }
     if (zmq_bind(s->sock, endpoint) != 0) {
         st = mtrl_error_set(err, MTRL_ERR_IO, "zmq: cannot bind %s: %s", endpoint, zmq_strerror(zmq_errno()));
         mtrl_wire_sock_close(s);
@@ -123,6 +219,10 @@ mtrl_status mtrl_wire_dealer_open(mtrl_wire_sock *s, void *zmq_ctx, const char *
     SETOPT_(s, ZMQ_RECONNECT_IVL_MAX, (int)o.reconnect_ivl_max_ms, err);
     st = common_opts_(s, &o, err);
     if (st) return st;
+    if (o.curve_client) {
+        st = curve_client_opts_(s, &o, err);
+        if (st) return st;
+    }
     if (zmq_connect(s->sock, endpoint) != 0) {
         st = mtrl_error_set(err, MTRL_ERR_IO, "zmq: cannot connect to %s: %s", endpoint, zmq_strerror(zmq_errno()));
         mtrl_wire_sock_close(s);

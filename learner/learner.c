@@ -12,6 +12,7 @@
 #include <zmq.h>
 
 #include "env/env_config.h"
+#include "common/fsutil.h"
 #include "common/check.h"
 #include "common/checkpoint.h"
 #include "common/hash.h"
@@ -22,6 +23,9 @@
 #include "common/tokenizer.h"
 #include "common/trajfile.h"
 #include "common/wire.h"
+#include "common/wire_auth.h"
+#include "common/wire_monitor.h"
+#include "common/wire_shared.h"
 #include "learner/train.h"
 
 #define MAX_ACTORS 256
@@ -55,6 +59,10 @@ struct mtrl_learner {
     char config_hash_hex[17];
     void *zctx;
     mtrl_wire_sock sock;
+    mtrl_wire_monitor mon;
+    double last_mon_warn;      // handshake failures are logged at most once a second
+    mtrl_wire_auth_server *auth; // CURVE ZAP handler; NULL without [learner] curve_key
+    double last_unknown_reply; // rate limit of the "say HELLO" answers to unknown peers
     mtrl_wire_limits lim;
     mtrl_wire_asm *asm_;
     mtrl_wire_stats rx;
@@ -65,8 +73,8 @@ struct mtrl_learner {
     mtrl_wbuf scratch;
     mtrl_model model;
     mtrl_algo_config algo;
-    void *blob;
-    size_t blob_len;
+    mtrl_wire_shared **wmsg; // the current weights as encoded WEIGHTS messages, shared by all sends
+    uint32_t n_wmsg;
     actor_rec actors[MAX_ACTORS];
     int n_actors;
     group_buf *groups;
@@ -77,6 +85,8 @@ struct mtrl_learner {
     long episodes_seen;      // finished episodes, for keep_trajectories = every_N
     long tokens_seen;
     long *loads;
+    double *actor_qb_sum;    // [L][E] β sums from the actors' ROUTING_STATS since the last step
+    long *actor_qb_n;        // [L] decode batches summed
     double t_start;
     int progress;
     mtrl_progress prog;
@@ -85,6 +95,7 @@ struct mtrl_learner {
     int warming;             // in the warm-up: actors are welcomed with no credit (they wait)
     double last_hb;
     double last_reward;
+    char failed[256];        // mtrl_learner_fail's reason: the run ends as failed
 };
 
 // ---- helpers -----------------------------------------------------------------------------------------------
@@ -100,27 +111,15 @@ static void event_(mtrl_learner *l, mtrl_log_level lv, const char *fmt, ...) {
     if (l->store) mtrl_store_event_log(l->store, l->run_id, lv, msg, NULL);
 }
 
-static int mkdir_p_(const char *path) {
-    char buf[1024];
-    snprintf(buf, sizeof buf, "%s", path);
-    for (char *p = buf + 1; *p; p++)
-        if (*p == '/') {
-            *p = '\0';
-            if (mkdir(buf, 0755) != 0 && errno != EEXIST) return -1;
-            *p = '/';
-        }
-    return mkdir(buf, 0755) != 0 && errno != EEXIST ? -1 : 0;
-}
-
 static actor_rec *actor_find_(mtrl_learner *l, const mtrl_wire_peer *p) {
     for (int i = 0; i < l->n_actors; i++)
         if (l->actors[i].peer.len == p->len && !memcmp(l->actors[i].peer.id, p->id, p->len)) return &l->actors[i];
     return NULL;
 }
 
-static void send_(mtrl_learner *l, actor_rec *a, mtrl_wire_out *o) {
-    mtrl_error err;
-    if (mtrl_wire_send(&l->sock, &a->peer, o, &err) != MTRL_OK) {
+static void sent_(mtrl_learner *l, actor_rec *a, mtrl_status st, const mtrl_error *e) {
+    mtrl_error err = *e;
+    if (st != MTRL_OK) {
         LOG_WARN("send to actor %u failed: %s", a->id, err.msg);
         if (err.code == MTRL_ERR_PEER && a->alive) {
             // ZeroMQ's own heartbeat (or the TCP close) found the peer gone before ours timed out.
@@ -131,27 +130,48 @@ static void send_(mtrl_learner *l, actor_rec *a, mtrl_wire_out *o) {
     }
 }
 
+static void send_(mtrl_learner *l, actor_rec *a, mtrl_wire_out *o) {
+    mtrl_error err;
+    sent_(l, a, mtrl_wire_send(&l->sock, &a->peer, o, &err), &err);
+}
+
+static void wmsg_free_(mtrl_learner *l) {
+    for (uint32_t c = 0; c < l->n_wmsg; c++) mtrl_wire_shared_release(l->wmsg[c]);
+    free(l->wmsg);
+    l->wmsg = NULL;
+    l->n_wmsg = 0;
+}
+
+// Serialises the weights and encodes them as WEIGHTS messages once per version; every actor is
+// then sent the same bytes (messages still queued for an actor keep the older version alive).
 static void publish_(mtrl_learner *l) {
     double t0 = mtrl_time_mono();
-    free(l->blob);
-    l->blob = NULL;
+    void *blob = NULL;
+    size_t len = 0;
     mtrl_error err;
-    MTRL_CHECKF(mtrl_model_save(&l->model, NULL, &l->blob, &l->blob_len, 0, NULL, 0, &err) == MTRL_OK, "%s", err.msg);
+    MTRL_CHECKF(mtrl_model_save(&l->model, NULL, &blob, &len, 0, NULL, 0, &err) == MTRL_OK, "%s", err.msg);
+    wmsg_free_(l);
+    l->n_wmsg = (uint32_t)((len + WEIGHTS_CHUNK - 1) / WEIGHTS_CHUNK);
+    l->wmsg = xcalloc(l->n_wmsg, sizeof *l->wmsg);
+    mtrl_wire_out o;
+    mtrl_wire_out_init(&o);
+    for (uint32_t c = 0; c < l->n_wmsg; c++) {
+        uint64_t off = (uint64_t)c * WEIGHTS_CHUNK;
+        uint64_t n = len - off < WEIGHTS_CHUNK ? len - off : WEIGHTS_CHUNK;
+        mtrl_wire_encode_weights(&o, l->model.version, c, l->n_wmsg, len, off, (const uint8_t *)blob + off, n);
+        l->wmsg[c] = mtrl_wire_shared_take(&o);
+    }
+    mtrl_wire_out_free(&o);
+    free(blob);
     double dt = mtrl_time_mono() - t0;
-    if (dt > 1.0) LOG_INFO("weights version %u serialised: %.2f GB in %.1f s", l->model.version, l->blob_len / 1e9, dt);
+    if (dt > 1.0) LOG_INFO("weights version %u serialised: %.2f GB in %.1f s", l->model.version, len / 1e9, dt);
 }
 
 static void send_weights_(mtrl_learner *l, actor_rec *a) {
-    uint32_t count = (uint32_t)((l->blob_len + WEIGHTS_CHUNK - 1) / WEIGHTS_CHUNK);
-    mtrl_wire_out o;
-    mtrl_wire_out_init(&o);
-    for (uint32_t c = 0; c < count; c++) {
-        uint64_t off = (uint64_t)c * WEIGHTS_CHUNK;
-        uint64_t n = l->blob_len - off < WEIGHTS_CHUNK ? l->blob_len - off : WEIGHTS_CHUNK;
-        mtrl_wire_encode_weights(&o, l->model.version, c, count, l->blob_len, off, (const uint8_t *)l->blob + off, n);
-        send_(l, a, &o);
+    for (uint32_t c = 0; c < l->n_wmsg && a->alive; c++) {
+        mtrl_error err;
+        sent_(l, a, mtrl_wire_shared_send(&l->sock, &a->peer, l->wmsg[c], &err), &err);
     }
-    mtrl_wire_out_free(&o);
 }
 
 // ---- committing episodes -----------------------------------------------------------------------------------
@@ -242,6 +262,50 @@ static int group_final_(const mtrl_learner *l, const group_buf *g, double now) {
 
 // ---- messages ---------------------------------------------------------------------------------------------------
 
+// Actor-side QB statistics ([learner] qb_actor_stats): the β sums of the actors' decode batches
+// since the last step, kept when routed with weights no staler than max_staleness.
+static void qb_stats_in_(mtrl_learner *l, actor_rec *a, const mtrl_wire_in *in) {
+    if (!l->cfg.learner.qb_actor_stats) return;
+    mtrl_wire_msg m;
+    mtrl_wire_msg_init(&m);
+    mtrl_error err;
+    const mtrl_model_dims *d = &l->model.dims;
+    if (mtrl_wire_decode(in->hdr_bytes, MTRL_WIRE_HDR_SIZE, in->payload, in->payload_len, &l->lim, &m, &err) != MTRL_OK) {
+        mtrl_wire_stats_invalid(&l->rx, err.msg);
+    } else if (m.layers != (uint32_t)d->L || m.experts != (uint32_t)d->E) {
+        char why[160];
+        snprintf(why, sizeof why, "actor %u: ROUTING_STATS of %u x %u, the model has %d layers x %d experts", a->id,
+                 m.layers, m.experts, d->L, d->E);
+        mtrl_wire_stats_invalid(&l->rx, why);
+    } else if ((long)l->model.version - (long)m.weight_version <= l->cfg.learner.max_staleness) {
+        for (int ly = 1; ly < d->L; ly++) {
+            l->actor_qb_n[ly] += m.qb_batches[ly];
+            for (int e = 0; e < d->E; e++) l->actor_qb_sum[(size_t)ly * d->E + e] += m.qb_beta_sum[(size_t)ly * d->E + e];
+        }
+    }
+    mtrl_wire_msg_free(&m);
+}
+
+// Folds the actors' statistics into this step's QB update as one batch: their mean β counts as
+// much as one of the learner's own batches, however many decode steps it averages (those are a
+// few tokens each and would otherwise drown the learner's view of the trained batch).
+static long qb_stats_fold_(mtrl_learner *l) {
+    const mtrl_model_dims *d = &l->model.dims;
+    long n = 0;
+    for (int ly = 1; ly < d->L; ly++) {
+        if (l->actor_qb_n[ly] == 0) continue;
+        n += l->actor_qb_n[ly];
+        for (int e = 0; e < d->E; e++) {
+            size_t i = (size_t)ly * d->E + e;
+            l->model.qb_sum[i] += l->actor_qb_sum[i] / (double)l->actor_qb_n[ly];
+            l->actor_qb_sum[i] = 0;
+        }
+        l->model.qb_count[ly]++;
+        l->actor_qb_n[ly] = 0;
+    }
+    return n;
+}
+
 static void handle_(mtrl_learner *l, mtrl_wire_in *in) {
     mtrl_error err;
     actor_rec *a = actor_find_(l, &in->peer);
@@ -302,6 +366,19 @@ static void handle_(mtrl_learner *l, mtrl_wire_in *in) {
     }
     if (!a || !a->alive) {
         mtrl_wire_stats_invalid(&l->rx, "message from an actor that has not said HELLO (or is dead)");
+        // Tell it, so it starts over instead of streaming into the void (an actor declared dead
+        // while only slow, or one whose connection dropped and came back). At most a few
+        // answers per second: a flood from an unknown peer gets no amplification.
+        double now = mtrl_time_mono();
+        if (type != MTRL_WIRE_BYE && now - l->last_unknown_reply > 0.2) {
+            l->last_unknown_reply = now;
+            mtrl_wire_out o;
+            mtrl_wire_out_init(&o);
+            mtrl_wire_encode_error(&o, MTRL_ERR_PEER, "this learner does not know that actor incarnation: say HELLO");
+            mtrl_error e2;
+            mtrl_wire_send(&l->sock, &in->peer, &o, &e2); // a peer that is gone: nothing to do
+            mtrl_wire_out_free(&o);
+        }
         return;
     }
     a->last_seen = mtrl_time_mono();
@@ -316,8 +393,10 @@ static void handle_(mtrl_learner *l, mtrl_wire_in *in) {
     case MTRL_WIRE_WEIGHTS_REQ:
         send_weights_(l, a);
         break;
-    case MTRL_WIRE_HEARTBEAT:
     case MTRL_WIRE_ROUTING_STATS:
+        qb_stats_in_(l, a, in);
+        break;
+    case MTRL_WIRE_HEARTBEAT:
         break;
     case MTRL_WIRE_BYE: {
         size_t n = mtrl_wire_asm_abort_actor(l->asm_, a->id, a->incarnation, "actor said BYE");
@@ -470,6 +549,7 @@ static void rl_step_(mtrl_learner *l, int *ready, int n_ready) {
     }
     mtrl_step_stats st;
     st.loads = l->loads;
+    long qb_actor = qb_stats_fold_(l); // summed before the step's own batches; applied after it
     mtrl_train_rl_step(&l->model, &l->cfg, &l->algo, batch, nb, &st);
     l->step++;
     publish_(l);
@@ -525,6 +605,7 @@ static void rl_step_(mtrl_learner *l, int *ready, int n_ready) {
                                       (double)l->model.qb_beta[(size_t)ly * d->E + e], NULL);
         }
         log_metric_(l, "max_violation", worst);
+        if (l->cfg.learner.qb_actor_stats) log_metric_(l, "qb_actor_batches", (double)qb_actor);
         if (mtrl_store_commit(l->store, &err) != MTRL_OK) event_(l, MTRL_LOG_ERROR, "run store: %s", err.msg);
     } else {
         event_(l, MTRL_LOG_ERROR, "run store: %s", err.msg);
@@ -545,6 +626,15 @@ static void pump_(mtrl_learner *l, int timeout_ms) {
         s = mtrl_wire_recv(&l->sock, 0, &in, &l->rx, &err);
     }
     if (s != MTRL_ERR_TIMEOUT) LOG_WARN("dropped a message: %s", err.msg);
+    mtrl_wire_event ev;
+    while (mtrl_wire_monitor_next(&l->mon, &ev)) {
+        if (ev.event == ZMQ_EVENT_DISCONNECTED) {
+            LOG_DEBUG("connection from %s closed", ev.address);
+        } else if (mtrl_time_mono() - l->last_mon_warn > 1.0) { // a refused peer retries every 100 ms
+            l->last_mon_warn = mtrl_time_mono();
+            event_(l, MTRL_LOG_WARN, "connection from %s: %s", ev.address, ev.name);
+        }
+    }
     double now = mtrl_time_mono();
     if (now - l->last_hb > 1e-3 * (double)l->cfg.actor.heartbeat_ms) {
         check_heartbeats_(l);
@@ -669,7 +759,7 @@ mtrl_status mtrl_learner_open(mtrl_learner **out, const mtrl_config *cfg, const 
     if (st == MTRL_OK && mtrl_model_parse_device(cfg->model.device, &device, &gpu) != 0)
         st = mtrl_error_set(err, MTRL_ERR_USAGE, "%s: [model] device = %s: expected cpu or cuda", cfg->path, cfg->model.device);
     if (st == MTRL_OK) st = mtrl_model_init_on(&l->model, &d, (uint64_t)cfg->run.seed, device, gpu, err);
-    if (st == MTRL_OK && mkdir_p_(cfg->run.out_dir) != 0)
+    if (st == MTRL_OK && mtrl_mkdir_p(cfg->run.out_dir) != 0)
         st = mtrl_error_set(err, MTRL_ERR_IO, "[run] out_dir %s: cannot create: %s", cfg->run.out_dir, strerror(errno));
     if (st != MTRL_OK) {
         if (l->model.params.base) mtrl_model_free(&l->model);
@@ -678,6 +768,8 @@ mtrl_status mtrl_learner_open(mtrl_learner **out, const mtrl_config *cfg, const 
         return st;
     }
     l->loads = xcalloc((size_t)d.L * (size_t)d.E, sizeof(long));
+    l->actor_qb_sum = xcalloc((size_t)d.L * (size_t)d.E, sizeof(double));
+    l->actor_qb_n = xcalloc((size_t)d.L, sizeof(long));
     const char *db = opts && opts->db ? opts->db : cfg->run.db;
     st = mtrl_store_open(&l->store, db, 0, err);
     if (st == MTRL_OK) {
@@ -698,7 +790,19 @@ mtrl_status mtrl_learner_open(mtrl_learner **out, const mtrl_config *cfg, const 
         l->zctx = zmq_ctx_new();
         l->lim = mtrl_wire_limits_default();
         mtrl_wire_sockopts so = mtrl_wire_sockopts_default();
-        st = mtrl_wire_router_open(&l->sock, l->zctx, cfg->learner.endpoint, &l->lim, &so, err);
+        // ZeroMQ's heartbeat drops a connection silently, losing what was in flight: give it the
+        // same patience as the application's own heartbeat, which aborts episodes explicitly.
+        so.heartbeat_timeout_ms = (int)cfg->learner.heartbeat_timeout_ms;
+        if (cfg->learner.curve_key[0])
+            st = mtrl_wire_auth_server_init(&l->auth, l->zctx, cfg->learner.curve_key, cfg->learner.curve_allow, &so, err);
+        if (st == MTRL_OK) st = mtrl_wire_router_open(&l->sock, l->zctx, cfg->learner.endpoint, &l->lim, &so, err);
+        mtrl_wire_key_wipe(&so, sizeof so);
+        if (st == MTRL_OK &&
+            mtrl_wire_monitor_open(&l->mon, &l->sock,
+                                   ZMQ_EVENT_DISCONNECTED | ZMQ_EVENT_HANDSHAKE_FAILED_NO_DETAIL |
+                                       ZMQ_EVENT_HANDSHAKE_FAILED_PROTOCOL | ZMQ_EVENT_HANDSHAKE_FAILED_AUTH,
+                                   err) != MTRL_OK)
+            LOG_WARN("%s", err->msg);
     }
     if (st != MTRL_OK) {
         mtrl_learner_close(l);
@@ -726,7 +830,7 @@ int mtrl_learner_run(mtrl_learner *l, volatile sig_atomic_t *stop) {
     mtrl_traj popped;
     mtrl_traj_init(&popped);
     if (l->base.n_stages > 0) stage_enter_(l, stage_of_(l, l->step));
-    while (l->step < l->total_steps && !*stop) {
+    while (l->step < l->total_steps && !*stop && !l->failed[0]) {
         if (l->base.n_stages > 0 && stage_of_(l, l->step) != l->stage) stage_enter_(l, stage_of_(l, l->step));
         mtrl_error err;
         pump_(l, 20);
@@ -777,6 +881,11 @@ int mtrl_learner_run(mtrl_learner *l, volatile sig_atomic_t *stop) {
         if (l->actors[i].alive) send_(l, &l->actors[i], &o);
     mtrl_wire_out_free(&o);
     if (*stop) goto killed;
+    if (l->failed[0]) {
+        mtrl_store_run_set_status(l->store, l->run_id, MTRL_RUN_FAILED, NULL);
+        event_(l, MTRL_LOG_ERROR, "run %lld failed at step %ld: %s", (long long)l->run_id, l->step, l->failed);
+        return 1;
+    }
     mtrl_store_run_set_status(l->store, l->run_id, MTRL_RUN_FINISHED, NULL);
     event_(l, MTRL_LOG_INFO, "run %lld finished: %ld steps, %ld episodes (%ld complete, %ld truncated, %ld aborted, %ld rejected)",
            (long long)l->run_id, l->step, l->episodes_seen, l->episodes_by_status[MTRL_EP_COMPLETE],
@@ -789,11 +898,17 @@ killed:
     return 1;
 }
 
+void mtrl_learner_fail(mtrl_learner *l, const char *why) {
+    snprintf(l->failed, sizeof l->failed, "%s", why && why[0] ? why : "failed");
+}
+
 void mtrl_learner_close(mtrl_learner *l) {
     if (!l) return;
     mtrl_error err;
     if (l->tw.fd >= 0 && l->tw.path) mtrl_trajfile_writer_close(&l->tw, &err);
+    mtrl_wire_monitor_close(&l->mon);
     mtrl_wire_sock_close(&l->sock);
+    mtrl_wire_auth_server_free(l->auth); // after the ROUTER, before zmq_ctx_term
     if (l->zctx) zmq_ctx_term(l->zctx);
     mtrl_wire_asm_free(l->asm_);
     while (l->n_groups) group_drop_(l, l->n_groups - 1);
@@ -801,8 +916,10 @@ void mtrl_learner_close(mtrl_learner *l) {
     mtrl_store_close(l->store);
     mtrl_model_free(&l->model);
     mtrl_wbuf_free(&l->scratch);
-    free(l->blob);
+    wmsg_free_(l);
     free(l->loads);
+    free(l->actor_qb_sum);
+    free(l->actor_qb_n);
     free(l->config_text);
     free(l);
 }

@@ -41,6 +41,9 @@ long long mtrl_learner_run_id(const mtrl_learner *l);
 // Runs until [run] steps optimizer steps are done (0), *stop becomes non-zero (the run is
 // marked killed, 1), or the run fails (1, with the reason logged and stored).
 int mtrl_learner_run(mtrl_learner *l, volatile sig_atomic_t *stop);
+// Ends the run as `failed` with the reason (logged as an event) at the next turn of the loop:
+// for a supervisor whose actors cannot run the experiment at all. Safe from the tick callback.
+void mtrl_learner_fail(mtrl_learner *l, const char *why);
 void mtrl_learner_close(mtrl_learner *l);
 
 #endif

@@ -6,6 +6,8 @@
 #include <string.h>
 
 #include "common/check.h"
+#include "common/log.h"
+#include "common/model/model_plan.h"
 #include "common/timeutil.h"
 #include "common/tokenizer.h"
 
@@ -63,7 +65,24 @@ static void seq_batch_free_(seq_batch *s) {
     free(s->len);
 }
 
-static int segment_of_(const mtrl_config *cfg) { return (int)cfg->model.segment; }
+// The segment length of a step: [model] segment, or with 0 the memory planner's choice for this
+// batch on the model's device (common/model/model_plan.h): segment 0 itself when it keeps every
+// activation within the free memory (no recompute), else the largest multiple of 64 that fits.
+// A batch that fits at no segment stops the learner with the planner's message.
+static int segment_of_(const mtrl_model *m, const mtrl_config *cfg, const mtrl_batch *b) {
+    if (cfg->model.segment > 0) return (int)cfg->model.segment;
+    mtrl_model_plan p;
+    mtrl_error err;
+    mtrl_status st = mtrl_model_plan_batch(&p, m, b, &err);
+    MTRL_CHECKF(st == MTRL_OK, "learner: %s (set [model] segment, or fewer or shorter episodes per step)", err.msg);
+    int seg = p.keep ? 0 : p.segment;
+    static int last = -1;
+    if (seg != last && p.segment < p.tokens)
+        LOG_INFO("learner: segment %d for %d episodes of up to %ld tokens (planned %.2f GiB of %.2f GiB)", p.segment,
+                 p.seqs, p.tokens, (double)p.total / (1 << 30), (double)p.budget / (1 << 30));
+    last = seg;
+    return seg;
+}
 
 // QB after the step (model.md §4.3); with [learner] qb off β stays and only the step's
 // routing statistics are cleared.
@@ -85,7 +104,7 @@ void mtrl_train_rl_step(mtrl_model *m, const mtrl_config *cfg, const mtrl_algo_c
     size_t T = sb.total;
     real *logp_pos = xcalloc(T + 1, sizeof(real)), *ent_pos = xcalloc(T + 1, sizeof(real));
     m->replay_routing = cfg->algo.routing_replay && sb.b.routing != NULL;
-    mtrl_model_forward(m, &sb.b, segment_of_(cfg), logp_pos, ent_pos, NULL);
+    mtrl_model_forward(m, &sb.b, segment_of_(m, cfg, &sb.b), logp_pos, ent_pos, NULL);
     // Per-token arrays (token j predicted at position j - 1).
     float *logp = xcalloc(T + 1, sizeof(float)), *behav = xcalloc(T + 1, sizeof(float));
     float *ent = xcalloc(T + 1, sizeof(float)), *adv = xcalloc(T + 1, sizeof(float));
@@ -199,7 +218,7 @@ double mtrl_train_sft_step(mtrl_model *m, const mtrl_config *cfg, mtrl_traj *con
     m->replay_routing = 0;
     size_t T = sb.total;
     real *logp = xcalloc(T + 1, sizeof(real)), *dlp = xcalloc(T + 1, sizeof(real));
-    mtrl_model_forward(m, &sb.b, segment_of_(cfg), logp, NULL, NULL);
+    mtrl_model_forward(m, &sb.b, segment_of_(m, cfg, &sb.b), logp, NULL, NULL);
     size_t count = 0;
     for (int i = 0; i < n; i++)
         for (uint64_t j = 1; j < eps[i]->n_tokens; j++) count += eps[i]->kind[j] == MTRL_TOK_MODEL;

@@ -80,6 +80,8 @@ int main(void) {
     expect_error("[env]\nname = plugin\n", "[env] name = plugin needs plugin = path/to/env.so");
     expect_error(ENV "[model]\nhybrid = KKX\n", "[model] hybrid = 'KKX'");
     expect_error(ENV "[run]\nkeep_trajectories = every_0\n", "keep_trajectories: 'every_0'");
+    expect_error(ENV "[learner]\ncurve_key = learner.key\n", "[learner] curve_key needs curve_allow");
+    expect_error(ENV "[learner]\ncurve_allow = actors/\n", "[learner] curve_allow has no effect without curve_key");
 
     // every error is collected: three problems, three messages
     {

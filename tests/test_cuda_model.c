@@ -40,23 +40,11 @@
 #include "common/model/model.h"
 #include "common/rng.h"
 #include "tests/testhelp.h"
+#include "tests/testmodel.h"
 
 _Static_assert(!REAL_IS_F64, "this test compares the GPU with the fp32 CPU build");
 
-static mtrl_model_dims dims_(const char *model_ini, int vocab) {
-    mtrl_config cfg;
-    char text[1024];
-    snprintf(text, sizeof text, "[env]\nname = calc\n[model]\n%s", model_ini);
-    mtrl_config_errors errs = {0};
-    mtrl_status st = mtrl_config_load_text(&cfg, "test", text, NULL, 0, &errs);
-    if (st != MTRL_OK) mtrl_config_errors_print(&errs, stderr);
-    mtrl_config_errors_free(&errs);
-    mtrl_model_dims d;
-    mtrl_error err;
-    st = mtrl_model_dims_from_config(&d, &cfg.model, vocab, &err);
-    if (st != MTRL_OK) fprintf(stderr, "%s\n", err.msg);
-    return d;
-}
+static mtrl_model_dims dims_(const char *model_ini, int vocab) { return test_model_dims(model_ini, vocab); }
 
 static double rel_l2_(const real *a, const real *b, size_t n) { return test_rel_err_f(a, b, n); }
 

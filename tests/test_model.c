@@ -17,27 +17,19 @@
 #include "common/model/model_ws.h"
 #include "common/rng.h"
 #include "tests/testhelp.h"
+#include "tests/testmodel.h"
 
 _Static_assert(REAL_IS_F64, "this test needs the fp64 build");
 
 static mtrl_model_dims small_dims(int layers, int S, const char *hybrid) {
-    mtrl_config cfg;
     char text[512];
     snprintf(text, sizeof text,
-             "[env]\nname = calc\n[model]\npreset = custom\nlayers = %d\nd_model = 16\nhybrid = %s\nkda_heads = 2\n"
+             "preset = custom\nlayers = %d\nd_model = 16\nhybrid = %s\nkda_heads = 2\n"
              "kda_head_dim = 8\nmla_heads = 2\nmla_nope_dim = 8\nmla_rope_dim = 4\nmla_v_dim = 8\nmla_latent_dim = 12\n"
              "dense_inter = 24\nexperts = 4\ntop_k = 2\nshared_experts = 1\nexpert_inter = 12\nattnres_block = %d\n"
              "init_std = 0.3\n",
              layers, hybrid, S);
-    mtrl_config_errors errs = {0};
-    mtrl_status st = mtrl_config_load_text(&cfg, "test", text, NULL, 0, &errs);
-    if (st != MTRL_OK) mtrl_config_errors_print(&errs, stderr);
-    mtrl_config_errors_free(&errs);
-    mtrl_model_dims d;
-    mtrl_error err;
-    st = mtrl_model_dims_from_config(&d, &cfg.model, 32, &err);
-    if (st != MTRL_OK) fprintf(stderr, "%s\n", err.msg);
-    return d;
+    return test_model_dims(text, 32);
 }
 
 // Non-zero AttnRes queries and gate parameters so every path carries gradient.

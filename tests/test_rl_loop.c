@@ -157,7 +157,9 @@ static void test_short_run(void) {
     TEST_EQ_INT(query_int(db, "SELECT count(*) FROM episodes WHERE status NOT IN ('complete','truncated','aborted','rejected')"), 0);
     check_digests(db);
     // `mtrl run --resume` continues the same run from its last checkpoint to the new step count.
-    char *resume[] = {(char *)bin_, "run", ini, "--db", db, "--resume", "--set", "run.steps=5", NULL};
+    // The resumed part also folds the actors' decode-time QB statistics into each update.
+    char *resume[] = {(char *)bin_, "run", ini, "--db", db, "--resume", "--set", "run.steps=5",
+                      "--set", "learner.qb_actor_stats=true", NULL};
     TEST_EQ_INT(run_cmd(resume, log), 0);
     TEST_EQ_INT(query_int(db, "SELECT count(*) FROM runs"), 1);
     query_text(db, "SELECT status FROM runs WHERE id = 1", status, sizeof status);
@@ -165,6 +167,9 @@ static void test_short_run(void) {
     TEST_EQ_INT(query_int(db, "SELECT max(step) FROM metrics WHERE name = 'reward'"), 5);
     TEST_EQ_INT(query_int(db, "SELECT count(*) FROM metrics WHERE name = 'reward'"), 5);
     TEST_EQ_INT(query_int(db, "SELECT max(value) FROM metrics WHERE name = 'version'"), 5);
+    long long qb_actor = query_int(db, "SELECT count(*) FROM metrics WHERE name = 'qb_actor_batches' AND value > 0");
+    printf("resumed run: %lld steps folded actor-side QB statistics in\n", qb_actor);
+    TEST_CHECK(qb_actor >= 1);
 }
 
 // Episodes larger than the whole credit still stream (one message at a time when nothing else
@@ -249,6 +254,17 @@ static void test_actor_killed(void) {
     query_text(db, "SELECT abort_reason FROM episodes WHERE status = 'aborted' AND actor = 1 LIMIT 1", reason, sizeof reason);
     TEST_CONTAINS(reason, "heartbeat");
     long long step_before = query_int(db, "SELECT max(step) FROM metrics WHERE name = 'reward'");
+    // Actor 2 stopped (SIGSTOP) past the heartbeat timeout is declared dead although its process
+    // lives; once continued it must notice (the learner answers "say HELLO", or the connection
+    // dropped) and start over as a new incarnation instead of streaming into the void.
+    long long inc2 = query_int(db, "SELECT count(DISTINCT incarnation) FROM episodes WHERE actor = 2");
+    kill(p2, SIGSTOP);
+    // Dead by the application's heartbeat, or by ZeroMQ's (a send to it then fails).
+    const char *dead = "SELECT count(*) FROM events WHERE message LIKE 'actor 2 %' AND "
+                       "(message LIKE '%dead%' OR message LIKE '%disconnected%')";
+    for (int i = 0; i < 200 && query_int(db, dead) < 1; i++) sleep_ms(50);
+    TEST_CHECK(query_int(db, dead) >= 1);
+    kill(p2, SIGCONT);
     // A restarted actor 1 rejoins with a new incarnation.
     pid_t p1b = start_cmd(a1, log);
     int st;
@@ -261,6 +277,18 @@ static void test_actor_killed(void) {
     printf("actor killed: %lld aborted episodes (%s); steps %lld -> %lld\n", aborted, reason, step_before, step_after);
     TEST_EQ_INT(step_after, 12);
     TEST_CHECK(query_int(db, "SELECT count(DISTINCT incarnation) FROM episodes WHERE actor = 1") >= 2);
+    long long inc2_after = query_int(db, "SELECT count(DISTINCT incarnation) FROM episodes WHERE actor = 2");
+    long long done2 = query_int(db, "SELECT count(*) FROM episodes e WHERE actor = 2 AND status = 'complete' AND "
+                                    "incarnation = (SELECT max(incarnation) FROM episodes WHERE actor = 2)");
+    printf("actor stopped: incarnations %lld -> %lld, %lld complete episodes of the newest\n", inc2, inc2_after, done2);
+    TEST_CHECK(inc2_after > inc2);
+    TEST_CHECK(done2 >= 1);
+    char *text = test_slurp(log, NULL);
+    TEST_CHECK(text != NULL);
+    // (Messages the actor sent between the drop and noticing it may arrive without their BEGIN:
+    // the learner drops them, and the new incarnation's HELLO aborts what it held of the old.)
+    TEST_CONTAINS(text, "HELLO as incarnation");
+    free(text);
     char status[64];
     query_text(db, "SELECT status FROM runs WHERE id = 1", status, sizeof status);
     TEST_EQ_STR(status, "finished");
@@ -376,6 +404,20 @@ static void test_plugins(void) {
     char status[64];
     query_text(db, "SELECT status FROM runs WHERE id = 1", status, sizeof status);
     TEST_EQ_STR(status, "finished");
+    // 6. a plug-in path that does not load: the actors cannot run the experiment, so they are not
+    // restarted forever; the run ends `failed`, exit 1, with the loader's message in the log.
+    make_experiment("noplugin", 3, "plugin", "/nonexistent/env.so", "false", ini, sizeof ini, NULL);
+    snprintf(db, sizeof db, "%s/noplugin.db", dir_);
+    snprintf(log, sizeof log, "%s/noplugin.log", dir_);
+    char *argv3[] = {(char *)bin_, "run", ini, "--db", db, NULL};
+    TEST_EQ_INT(run_cmd(argv3, log), 1);
+    query_text(db, "SELECT status FROM runs WHERE id = 1", status, sizeof status);
+    TEST_EQ_STR(status, "failed");
+    char *text = test_slurp(log, NULL);
+    TEST_CHECK(text != NULL);
+    TEST_CONTAINS(text, "/nonexistent/env.so");
+    TEST_CONTAINS(text, "no actor can run this experiment");
+    free(text);
 }
 
 int main(void) {

@@ -5,6 +5,7 @@
 // REJECTED; dead or restarted actors -> ABORTED; duplicates ignored), and a real DEALER/ROUTER
 // pair over tcp://127.0.0.1 carries a multi-chunk episode end to end and survives a frame over
 // ZMQ_MAXMSGSIZE.
+#include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -104,15 +105,31 @@ static void test_messages(void) {
     TEST_EQ_INT(m.blob_offset, 1000);
     TEST_EQ_INT(m.data_len, 1000);
     TEST_CHECK(m.data && memcmp(m.data, blob + 1000, 1000) == 0);
-    TEST_EQ_INT(m.chunk_digest, mtrl_hash64(blob + 1000, 1000, 0));
+    TEST_EQ_INT(m.chunk_digest, mtrl_crc32c(0, blob + 1000, 1000));
 
     uint64_t counts[3 * 5];
-    for (int i = 0; i < 15; i++) counts[i] = (uint64_t)i * 1000003u;
-    mtrl_wire_encode_routing_stats(&o, 9, 3, 5, counts);
+    uint32_t batches[3] = {0, 7, 11};
+    double beta_sum[3 * 5];
+    for (int i = 0; i < 15; i++) {
+        counts[i] = (uint64_t)i * 1000003u;
+        beta_sum[i] = 0.37 * i - 2.5;
+    }
+    mtrl_wire_encode_routing_stats(&o, 9, 3, 5, counts, batches, beta_sum);
     decode_ok(&o, &m, "ROUTING_STATS");
     TEST_EQ_INT(m.layers, 3);
     TEST_EQ_INT(m.experts, 5);
     TEST_CHECK(m.counts && memcmp(m.counts, counts, sizeof counts) == 0);
+    TEST_CHECK(m.qb_batches && memcmp(m.qb_batches, batches, sizeof batches) == 0);
+    TEST_CHECK(m.qb_beta_sum && memcmp(m.qb_beta_sum, beta_sum, sizeof beta_sum) == 0);
+    // A β sum that is not a number is refused, naming the field.
+    beta_sum[4] = NAN;
+    mtrl_wire_encode_routing_stats(&o, 9, 3, 5, counts, batches, beta_sum);
+    {
+        mtrl_error e;
+        TEST_CHECK(mtrl_wire_decode(o.hdr, MTRL_WIRE_HDR_SIZE, o.payload.data, o.payload.len, &lim_, &m, &e) ==
+                   MTRL_ERR_FORMAT);
+        TEST_CONTAINS(e.msg, "beta_sum[4]");
+    }
 
     mtrl_wire_encode_heartbeat(&o);
     decode_ok(&o, &m, "HEARTBEAT");
@@ -214,10 +231,10 @@ static void test_malformed(void) {
     small = lim_;
     small.max_routing_cells = 14;
     uint64_t counts[15] = {0};
-    mtrl_wire_encode_routing_stats(&o, 1, 3, 5, counts);
+    mtrl_wire_encode_routing_stats(&o, 1, 3, 5, counts, NULL, NULL);
     small.max_payload = lim_.max_payload;
     memcpy(h, o.hdr, 40);
-    expect_bad(h, 40, o.payload.data, o.payload.len, &small, MTRL_ERR_LIMIT, "over the cap");
+    expect_bad(h, 40, o.payload.data, o.payload.len, &small, MTRL_ERR_LIMIT, "3 x 5 over max_routing_cells=14");
     // ... and a cell count the payload cannot hold (layers x experts overflowing 32 bits).
     memcpy(p, o.payload.data, 12);
     mtrl_st32(p + 4, 0x10000);

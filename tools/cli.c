@@ -1,6 +1,8 @@
 // cli.c: shared helpers of the subcommands (see cli.h).
 #include "tools/cli.h"
 
+#include "common/config.h"
+
 #include <stdarg.h>
 #include <string.h>
 
@@ -23,4 +25,15 @@ int cli_collect_sets(int argc, char **argv, const char **sets, int max) {
         else if (!strncmp(argv[i], "--set=", 6)) sets[n++] = argv[i] + 6;
     }
     return n;
+}
+
+int cli_config_load(const char *name, const char *path, int argc, char **argv, mtrl_config *cfg) {
+    const char *sets[64];
+    int n_sets = cli_collect_sets(argc, argv, sets, 64);
+    mtrl_config_errors errs = {0};
+    if (mtrl_config_load(cfg, path, sets, n_sets, &errs) == MTRL_OK) return 1;
+    mtrl_config_errors_print(&errs, stderr);
+    fprintf(stderr, "mtrl %s: %d problem%s in %s\n", name, errs.n, errs.n == 1 ? "" : "s", path);
+    mtrl_config_errors_free(&errs);
+    return 0;
 }

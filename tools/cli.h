@@ -14,6 +14,8 @@ int cmd_actor(int argc, char **argv);
 int cmd_replay(int argc, char **argv);
 int cmd_report(int argc, char **argv);
 int cmd_bench(int argc, char **argv);
+int cmd_plan(int argc, char **argv);
+int cmd_keygen(int argc, char **argv);
 
 // Prints "mtrl NAME: MESSAGE" and the usage line to stderr; returns 2.
 int cli_usage_error(const char *name, const char *usage, const char *fmt, ...) __attribute__((format(printf, 3, 4)));
@@ -24,5 +26,10 @@ int cli_is_help(const char *arg);
 // Collects the --set section.key=value options from argv; returns the count (pointers into argv).
 // Also accepts --set=section.key=value.
 int cli_collect_sets(int argc, char **argv, const char **sets, int max);
+
+// Loads the experiment at path with the --set options of argv into *cfg. On errors prints them
+// all and "mtrl NAME: N problems in PATH" to stderr and returns 0; 1 on success.
+struct mtrl_config;
+int cli_config_load(const char *name, const char *path, int argc, char **argv, struct mtrl_config *cfg);
 
 #endif

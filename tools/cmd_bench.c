@@ -143,6 +143,27 @@ static int bench_model_(int argc, char **argv) {
     printf("forward+backward: %10.0f tokens/s  (%.3f s)\n", ntok / best_fb, best_fb);
     printf("decode:           %10.0f tokens/s  (%d sequences x %d steps in %.3f s, %.2f ms per step)\n",
            seqs * (double)STEPS / best_d, seqs, STEPS, best_d, best_d / STEPS * 1e3);
+    // Model FLOPs utilisation, the usual convention: 6 FLOPs per active matmul parameter per
+    // trained token (forward 2, backward 4; experts count k/E of their parameters, the embedding
+    // lookup none) plus causal attention 3 x 2 x mH x (dn+dr + dv) x T/2 per token and MLA layer
+    // (training form: per-head keys of dn+dr, values of dv). KDA's state products (< 1% here) are
+    // left out. Peaks: the H200's bf16 dense spec (989 TFLOP/s) and the cuBLAS 8192^3 GEMM
+    // measured on it (781 TFLOP/s, docs/perf.md).
+    double active = 0;
+    for (int i = 0; i < m.params.n; i++) {
+        const mtrl_tensor *t = &m.params.items[i];
+        double n = (double)t->nbytes / sizeof(real);
+        if (!strcmp(t->name, "embed") || t->ndim < 2) continue;
+        if (strstr(t->name, ".ew")) n *= (double)d.k / d.E;
+        active += n;
+    }
+    int n_mla = 0;
+    for (int l = 0; l < d.L; l++) n_mla += d.mixer[l] == 'M';
+    double flops_tok = 6 * active + 3.0 * 2 * n_mla * d.mH * (double)(d.dn + d.dr + d.dv) * (per / 2.0);
+    double tflops = flops_tok * ntok / best_fb / 1e12;
+    printf("model FLOPs:      %.3g GFLOP per trained token (%.4g M active matmul parameters); %.3g TFLOP/s = MFU %.2g%% "
+           "of 989 (spec), %.2g%% of 781 (measured GEMM)\n",
+           flops_tok / 1e9, active / 1e6, tflops, 100 * tflops / 989, 100 * tflops / 781);
     printf("memory: parameters %.1f MB (x4 with gradients and AdamW), peak segment activations %.1f MB, peak RSS %.1f MB\n",
            m.params.total / 1e6, m.peak_activation_bytes / 1e6, ru.ru_maxrss / 1e3);
     free(tok);

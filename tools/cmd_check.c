@@ -29,16 +29,8 @@ int cmd_check(int argc, char **argv) {
         path = argv[i];
     }
     if (!path) return cli_usage_error("check", CHECK_USAGE, "no experiment file given");
-    const char *sets[64];
-    int n_sets = cli_collect_sets(argc, argv, sets, 64);
     mtrl_config cfg;
-    mtrl_config_errors errs = {0};
-    if (mtrl_config_load(&cfg, path, sets, n_sets, &errs) != MTRL_OK) {
-        mtrl_config_errors_print(&errs, stderr);
-        fprintf(stderr, "mtrl check: %d problem%s in %s\n", errs.n, errs.n == 1 ? "" : "s", path);
-        mtrl_config_errors_free(&errs);
-        return 2;
-    }
+    if (!cli_config_load("check", path, argc, argv, &cfg)) return 2;
     char *ini = mtrl_config_to_ini(&cfg);
     printf("; resolved from %s, config hash %016" PRIx64 "\n%s", path, mtrl_config_hash(&cfg), ini);
     free(ini);

@@ -25,6 +25,7 @@
 #include <time.h>
 #include <unistd.h>
 
+#include "common/fsutil.h"
 #include "common/check.h"
 #include "common/store.h"
 #include "tools/cli.h"
@@ -634,18 +635,6 @@ static int write_page_(const char *dir, const char *dbpath, mtrl_store *s, run_d
     return 0;
 }
 
-static int mkdir_p_(const char *dir) {
-    char buf[4096];
-    snprintf(buf, sizeof buf, "%s", dir);
-    for (char *p = buf + 1; *p; p++)
-        if (*p == '/') {
-            *p = 0;
-            if (mkdir(buf, 0755) != 0 && errno != EEXIST) return -1;
-            *p = '/';
-        }
-    return mkdir(buf, 0755) != 0 && errno != EEXIST ? -1 : 0;
-}
-
 int cmd_report(int argc, char **argv) {
     const char *db = NULL, *out = NULL;
     int64_t ids[REPORT_MAX_RUNS];
@@ -706,7 +695,7 @@ int cmd_report(int argc, char **argv) {
         rc = run_load_(s, db, ids[i], &runs[i]);
         loaded = i + 1;
     }
-    if (!rc && mkdir_p_(out) != 0) {
+    if (!rc && mtrl_mkdir_p(out) != 0) {
         fprintf(stderr, "mtrl report: %s: cannot create: %s\n", out, strerror(errno));
         rc = 1;
     }

@@ -5,24 +5,35 @@
 // started again (its open episodes are aborted by the learner), with a pause that doubles up
 // to 30 s. SIGINT/SIGTERM stop the run cleanly: actors are told and reaped, the run is marked
 // killed, exit code 1. Exit codes: 0 finished, 1 failed or killed, 2 bad usage or config.
+//
+// CURVE ([learner] curve_key): `mtrl actor` takes --curve-server-key LEARNER.pub and
+// --curve-key ACTOR.key, checks them here (a bad file is a usage error, exit 2, naming it) and
+// hands them to the actor through mtrl_wire_auth_client_set. `mtrl run` gives its local actors
+// an ephemeral keypair that only this learner process trusts (mtrl_wire_auth_local_init: files
+// in a private folder under [run] out_dir, deleted at the end), so the allow-list on disk holds
+// only the remote actors.
 #include <errno.h>
 #include <signal.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/stat.h>
 #include <sys/wait.h>
 #include <time.h>
 #include <unistd.h>
 
 #include "actor/actor.h"
+#include "common/fsutil.h"
 #include "common/config.h"
 #include "common/log.h"
 #include "common/timeutil.h"
+#include "common/wire_auth.h"
 #include "learner/learner.h"
 #include "tools/cli.h"
 
 #define RUN_USAGE "mtrl run EXPERIMENT.ini [--db runs.db] [--resume] [--set section.key=value ...]"
 #define LEARNER_USAGE "mtrl learner EXPERIMENT.ini [--db runs.db] [--resume] [--set section.key=value ...]"
-#define ACTOR_USAGE "mtrl actor --connect tcp://HOST:PORT [--id N] [--gpu N]"
+#define ACTOR_USAGE                                                                                    \
+    "mtrl actor --connect tcp://HOST:PORT [--id N] [--gpu N] [--curve-server-key LEARNER.pub --curve-key ACTOR.key]"
 
 static volatile sig_atomic_t stop_;
 
@@ -83,16 +94,25 @@ typedef struct child {
     int id;
     int restarts;
     double next_start;
+    int gave_up;       // exited with MTRL_ACTOR_EXIT_UNUSABLE: not restarted
 } child;
 
-static pid_t spawn_actor_(const char *endpoint, int id) {
+// curve (nullable): the local actors' key files when the learner runs CURVE.
+static pid_t spawn_actor_(const char *endpoint, int id, const mtrl_wire_auth_local *curve) {
     char ids[16];
     snprintf(ids, sizeof ids, "%d", id);
+    char *args[] = {"mtrl", "actor", "--connect", (char *)endpoint, "--id", ids, NULL, NULL, NULL, NULL, NULL};
+    if (curve && curve->dir[0]) {
+        args[6] = "--curve-server-key";
+        args[7] = (char *)curve->server_pub;
+        args[8] = "--curve-key";
+        args[9] = (char *)curve->key_file;
+    }
     pid_t pid = fork();
     if (pid == 0) {
         // Idle OpenMP threads sleep instead of spinning: the actors share cores with the learner.
         setenv("OMP_WAIT_POLICY", "PASSIVE", 0);
-        execl("/proc/self/exe", "mtrl", "actor", "--connect", endpoint, "--id", ids, (char *)NULL);
+        execv("/proc/self/exe", args);
         _exit(127);
     }
     return pid;
@@ -102,6 +122,8 @@ typedef struct supervisor {
     child *kids;
     int n;
     const char *endpoint;
+    const mtrl_wire_auth_local *curve;
+    mtrl_learner *l;
 } supervisor;
 
 // Restarts actors that died while the run goes on, with a pause that doubles up to 30 s.
@@ -113,14 +135,23 @@ static void supervise_(void *user) {
         if (k->pid > 0) {
             int status;
             if (waitpid(k->pid, &status, WNOHANG) != k->pid) continue;
+            if (WIFEXITED(status) && WEXITSTATUS(status) == MTRL_ACTOR_EXIT_UNUSABLE) {
+                LOG_ERROR("actor %d cannot run this experiment (its error is above); not restarted", k->id);
+                k->pid = 0;
+                k->gave_up = 1;
+                int left = 0;
+                for (int j = 0; j < s->n; j++) left += !s->kids[j].gave_up;
+                if (left == 0 && s->l) mtrl_learner_fail(s->l, "no actor can run this experiment (see the actors' errors)");
+                continue;
+            }
             if (WIFSIGNALED(status)) LOG_WARN("actor %d (pid %d) died: signal %d; restarting", k->id, (int)k->pid, WTERMSIG(status));
             else LOG_WARN("actor %d (pid %d) exited with status %d; restarting", k->id, (int)k->pid, WEXITSTATUS(status));
             k->pid = 0;
             double pause = k->restarts < 5 ? (double)(1 << k->restarts) : 30.0;
             k->next_start = now + (pause > 30 ? 30 : pause);
             k->restarts++;
-        } else if (now >= k->next_start) {
-            k->pid = spawn_actor_(s->endpoint, k->id);
+        } else if (!k->gave_up && now >= k->next_start) {
+            k->pid = spawn_actor_(s->endpoint, k->id, s->curve);
         }
     }
 }
@@ -135,10 +166,24 @@ int cmd_run(int argc, char **argv) {
     mtrl_log_set_tag("learner");
     mtrl_learner *l;
     mtrl_error err;
+    // With CURVE the local actors need a key the learner accepts; it must be trusted before the
+    // learner starts its ZAP handler (in mtrl_learner_open).
+    mtrl_wire_auth_local curve = {0};
+    if (cfg.learner.curve_key[0] && cfg.actor.count > 0) {
+        mtrl_status st = MTRL_OK;
+        if (mtrl_mkdir_p(cfg.run.out_dir) != 0)
+            st = mtrl_error_set(&err, MTRL_ERR_IO, "[run] out_dir %s: cannot create: %s", cfg.run.out_dir, strerror(errno));
+        if (st == MTRL_OK) st = mtrl_wire_auth_local_init(&curve, cfg.run.out_dir, cfg.learner.curve_key, &err);
+        if (st != MTRL_OK) {
+            fprintf(stderr, "mtrl run: %s\n", err.msg);
+            return st == MTRL_ERR_IO ? 1 : 2;
+        }
+    }
     supervisor sv = {0};
     mtrl_learner_opts o = {a.db, a.resume, 1, supervise_, &sv};
     if (mtrl_learner_open(&l, &cfg, &o, &err) != MTRL_OK) {
         fprintf(stderr, "mtrl run: %s\n", err.msg);
+        mtrl_wire_auth_local_free(&curve);
         return err.code == MTRL_ERR_USAGE ? 2 : 1;
     }
     const char *endpoint = mtrl_learner_endpoint(l);
@@ -146,9 +191,9 @@ int cmd_run(int argc, char **argv) {
     child *kids = calloc((size_t)(n ? n : 1), sizeof(child));
     for (int i = 0; i < n; i++) {
         kids[i].id = i + 1;
-        kids[i].pid = spawn_actor_(endpoint, kids[i].id);
+        kids[i].pid = spawn_actor_(endpoint, kids[i].id, &curve);
     }
-    sv = (supervisor){kids, n, endpoint};
+    sv = (supervisor){kids, n, endpoint, &curve, l};
     rc = mtrl_learner_run(l, &stop_);
     mtrl_learner_close(l);
     // Reap the actors: they got a BYE; give them a moment, then stop them.
@@ -170,6 +215,7 @@ int cmd_run(int argc, char **argv) {
         }
     }
     free(kids);
+    mtrl_wire_auth_local_free(&curve);
     return rc;
 }
 
@@ -196,7 +242,7 @@ int cmd_learner(int argc, char **argv) {
 }
 
 int cmd_actor(int argc, char **argv) {
-    const char *endpoint = NULL;
+    const char *endpoint = NULL, *server_pub = NULL, *client_key = NULL;
     long id = 1, gpu = -1;
     for (int i = 1; i < argc; i++) {
         if (cli_is_help(argv[i])) {
@@ -212,9 +258,26 @@ int cmd_actor(int argc, char **argv) {
             char *end;
             gpu = strtol(argv[++i], &end, 10);
             if (*end || gpu < 0 || gpu > 1024) return cli_usage_error("actor", ACTOR_USAGE, "--gpu %s: expected a device index", argv[i]);
-        } else return cli_usage_error("actor", ACTOR_USAGE, "unknown option '%s'", argv[i]);
+        } else if (!strcmp(argv[i], "--curve-server-key") && i + 1 < argc) server_pub = argv[++i];
+        else if (!strcmp(argv[i], "--curve-key") && i + 1 < argc) client_key = argv[++i];
+        else return cli_usage_error("actor", ACTOR_USAGE, "unknown option '%s'", argv[i]);
     }
     if (!endpoint) return cli_usage_error("actor", ACTOR_USAGE, "--connect ENDPOINT is required");
+    if (!server_pub != !client_key)
+        return cli_usage_error("actor", ACTOR_USAGE, "CURVE needs both --curve-server-key (the learner's .pub) and "
+                               "--curve-key (this actor's .key)");
+    if (server_pub) {
+        // Checked now, so a bad key file is a clear usage error instead of a handshake that
+        // silently never completes.
+        mtrl_wire_sockopts so = mtrl_wire_sockopts_default();
+        mtrl_error err;
+        if (mtrl_wire_auth_client_opts(&so, server_pub, client_key, &err) != MTRL_OK) {
+            fprintf(stderr, "mtrl actor: %s\n", err.msg);
+            return err.code == MTRL_ERR_IO ? 1 : 2;
+        }
+        mtrl_wire_auth_client_set(&so);
+        mtrl_wire_key_wipe(&so, sizeof so);
+    }
     install_signals_();
     return mtrl_actor_main(endpoint, (uint32_t)id, (int)gpu, &stop_);
 }

@@ -21,9 +21,11 @@ run)
   export LD_LIBRARY_PATH=$repo/.carry/dev/lib:${LD_LIBRARY_PATH:-}
   nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$out/gpu.txt"
   if [ "${SKIP_TESTS:-0}" = 0 ]; then
-  for t in .carry/dev/test_cuda_*; do
+  # TESTS="test_cuda_model test_cuda_kda" runs only those (default: every carried gpu test).
+  for t in ${TESTS:-.carry/dev/test_cuda_*}; do
+    [ -x "$t" ] || t=.carry/dev/$t
     n=$(basename "$t")
-    "$t" > "$out/$n.log" 2>&1
+    timeout "${TEST_SECONDS:-300}" "$t" > "$out/$n.log" 2>&1
     echo "$n: exit $? | $(tail -n 1 "$out/$n.log")"
   done | tee "$out/tests.txt"
   .carry/dev/mtrl bench model --device cuda --preset small --tokens 8192 --seqs 4 --reps 2 2>&1 | tee "$out/bench_model_small.txt"
@@ -42,6 +44,8 @@ print("episodes by status:", q("select status, count(*) from episodes group by s
 print("reward by 5 steps:", q("select step/5, round(avg(value),3) from metrics where name='reward' group by step/5"))
 for m in ("learner_tokens_per_s", "tokens_per_s", "episodes_per_s", "step_seconds"):
     print(m, q(f"select round(avg(value),1), round(max(value),1) from metrics where name='{m}'"))
+print("reward per step:", [round(v, 3) for (v,) in q("select value from metrics where name='reward' order by step")])
+print("events (warnings):", q("select message from events where level in ('W','E','warn','error','WARN','ERROR') limit 12"))
 print("warm-up loss first/last:", q("select value from metrics where name='warmup_loss' order by step limit 1"),
       q("select value from metrics where name='warmup_loss' order by step desc limit 1"))
 e = q("select reward from episodes where status in ('complete','truncated') order by started")

@@ -19,6 +19,8 @@ static const subcommand subcommands_[] = {
     {"replay", cmd_replay, "show, rescore or re-execute a recorded episode"},
     {"report", cmd_report, "write an HTML report and CSVs of a run"},
     {"bench", cmd_bench, "benchmarks: ops, model, rl"},
+    {"plan", cmd_plan, "memory plan of the learner step: segment length and bytes per block"},
+    {"keygen", cmd_keygen, "write a CURVE keypair (STEM.key, STEM.pub) for remote actors"},
 };
 #define N_SUBCOMMANDS ((int)(sizeof subcommands_ / sizeof subcommands_[0]))
 
@@ -30,10 +32,12 @@ static void print_help_(FILE *f) {
     fprintf(f, "\n    mtrl run EXPERIMENT.ini [--db runs.db] [--set section.key=value ...]\n"
                "    mtrl check EXPERIMENT.ini [--set ...] [--keys]\n"
                "    mtrl learner EXPERIMENT.ini\n"
-               "    mtrl actor --connect tcp://HOST:PORT [--gpu N]\n"
+               "    mtrl actor --connect tcp://HOST:PORT [--gpu N] [--curve-server-key L.pub --curve-key A.key]\n"
                "    mtrl replay --db runs.db --episode ID [--rescore] [--reexec]\n"
                "    mtrl report --db runs.db [--run ID] --out DIR\n"
                "    mtrl bench [ops|model|rl] ...\n"
+               "    mtrl plan EXPERIMENT.ini [--tokens T] [--batch B] [--device cpu|cuda] [--budget-gib G]\n"
+               "    mtrl keygen STEM\n"
                "\nexit codes: 0 done, 1 the run failed, 2 bad usage or bad config\n");
 }
 

@@ -16,7 +16,8 @@
 //     the same name (its header documents them). Batched decode entries (shortconv_step,
 //     kda_step, mla_decode) take one state pointer per row instead of one contiguous block.
 //   * Everything is ordered on one stream: an entry may return before the device finished,
-//     except download, grad_sq_norm, moe_load_count and qb_beta, which return host results.
+//     except download, grad_sq_norm, moe_load_count, qb_beta and mem_info, which return host
+//     results.
 //   * Arguments the CUDA kernels do not support abort with a message (check.h); the model
 //     checks its dimensions against the kernels' limits when it is created on a GPU.
 #ifndef MTRL_MODEL_BACKEND_H
@@ -37,7 +38,8 @@
     X(kda_chunk_bwd) X(kda_step) X(attn_causal_fwd) X(attn_causal_bwd) X(mla_absorb_q) X(mla_absorb_q_bwd) \
     X(mla_up_v) X(mla_up_v_bwd) X(mla_decode) X(moe_router_fwd) X(moe_router_bwd) X(moe_dispatch) \
     X(moe_gather) X(moe_combine_fwd) X(moe_combine_bwd) X(moe_scatter_bwd) X(moe_experts_fwd) X(moe_experts_bwd) \
-    X(moe_swiglu_fwd) X(moe_swiglu_bwd) X(moe_load_count) X(qb_beta) X(attnres_site_fwd) X(attnres_site_bwd)
+    X(moe_swiglu_fwd) X(moe_swiglu_bwd) X(moe_load_count) X(qb_beta) X(attnres_site_fwd) X(attnres_site_bwd) \
+    X(mem_info)
 
 typedef struct mtrl_backend mtrl_backend;
 
@@ -54,6 +56,12 @@ struct mtrl_backend {
     void (*upload)(mtrl_backend *, void *dst, const void *src_h, size_t bytes);
     void (*download)(mtrl_backend *, void *dst_h, const void *src, size_t bytes);
     void (*sync)(mtrl_backend *);
+    // The memory the backend allocates from: free and total bytes (CPU: MemAvailable and
+    // MemTotal of /proc/meminfo, 0 when unreadable; CUDA: cudaMemGetInfo of its GPU); the
+    // scratch the backend and its kernels hold now (grow-only buffers, CUDA; 0 on the CPU); the
+    // high-water mark of all it has held since it was created: allocations plus scratch (CUDA;
+    // 0 on the CPU, which does not count). Every pointer nullable; host results.
+    void (*mem_info)(mtrl_backend *, size_t *free_h, size_t *total_h, size_t *scratch_h, size_t *peak_h);
     // dst[r*ldd + j] = src[r*lds + j] for r < rows, j < n.
     void (*copy_rows)(mtrl_backend *, int rows, int n, const real *src, int lds, real *dst, int ldd);
     // dst[b*n ..] = src_h[b][0..n)  /  dst_h[b][0..n) = src[b*n ..], b < B.

@@ -1,6 +1,7 @@
 // backend_cpu.c: the CPU backend (backend.h): the kernels/ref functions and the loops the model
 // runs between them, on host memory. Results are those of the reference, bit for bit.
 #include <math.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -293,6 +294,26 @@ static void attnres_site_bwd_(BE *be, int N, int D, int S, const real *const *V,
                               real eps, const real *alpha, const real *dh, real *const *dV, real *dw, real *dg) {
     (void)be;
     attnres_site_bwd(N, D, S, V, w, g, eps, alpha, dh, dV, dw, dg);
+}
+
+// MemAvailable and MemTotal of /proc/meminfo (kB there), 0 when unreadable.
+static void mem_info_(BE *be, size_t *free_h, size_t *total_h, size_t *scratch_h, size_t *peak_h) {
+    (void)be;
+    size_t avail = 0, total = 0;
+    FILE *f = fopen("/proc/meminfo", "r");
+    if (f) {
+        char line[256];
+        unsigned long long kb;
+        while (fgets(line, sizeof line, f)) {
+            if (sscanf(line, "MemAvailable: %llu kB", &kb) == 1) avail = (size_t)kb * 1024;
+            else if (sscanf(line, "MemTotal: %llu kB", &kb) == 1) total = (size_t)kb * 1024;
+        }
+        fclose(f);
+    }
+    if (free_h) *free_h = avail;
+    if (total_h) *total_h = total;
+    if (scratch_h) *scratch_h = 0;
+    if (peak_h) *peak_h = 0;
 }
 
 // Host memory: uploads and downloads are plain copies.

@@ -27,24 +27,65 @@
 
 typedef mtrl_backend BE;
 
+typedef struct live_block {
+    void *p;
+    size_t bytes;
+} live_block;
+
 typedef struct cuda_impl {
     mtrl_cuda_ctx *ctx;
     char *scratch;        // the backend's own scratch (the launchers use the context's)
     size_t scratch_bytes;
     double *sq_part;      // [MTRL_MC_SQ_BLOCKS]
+    // What the backend holds, for mem_info: the blocks of alloc_ (and sq_part), their sum, and
+    // the high-water mark of that sum plus both scratches.
+    live_block *live;
+    int n_live, cap_live;
+    size_t live_bytes, peak_bytes;
 } cuda_impl;
 
 #define CTX(be) (((cuda_impl *)(be)->impl)->ctx)
 // A launcher that refuses its arguments is a model bug (the dims were checked at init).
 #define OK(call) MTRL_CHECKF((call) == 0, "CUDA launcher refused its arguments: %s", #call)
 
+// ---- what the backend holds ---------------------------------------------------------------------------
+//
+// Held bytes change at alloc_/release_ and when either scratch grows; the context's scratch grows
+// inside launchers, between those events, and never shrinks. Sampling before and after every
+// change (and at mem_info) therefore sees the exact high-water mark of the sum.
+
+static void sample_(cuda_impl *x) {
+    size_t held = x->live_bytes + x->scratch_bytes + mtrl_mc_ctx_scratch_bytes(x->ctx);
+    if (held > x->peak_bytes) x->peak_bytes = held;
+}
+static void track_(cuda_impl *x, void *p, size_t bytes) {
+    if (x->n_live == x->cap_live) {
+        x->cap_live = x->cap_live ? 2 * x->cap_live : 64;
+        x->live = xrealloc(x->live, sizeof(live_block) * (size_t)x->cap_live);
+    }
+    x->live[x->n_live++] = (live_block){p, bytes};
+    x->live_bytes += bytes;
+    sample_(x);
+}
+static void untrack_(cuda_impl *x, void *p) {
+    sample_(x);
+    for (int i = x->n_live - 1; i >= 0; i--)
+        if (x->live[i].p == p) {
+            x->live_bytes -= x->live[i].bytes;
+            x->live[i] = x->live[--x->n_live];
+            return;
+        }
+}
+
 // Scratch of at least `bytes` (grow-only; growing waits for the stream).
 static char *scratch_(BE *be, size_t bytes) {
     cuda_impl *x = be->impl;
     if (bytes > x->scratch_bytes) {
+        sample_(x);
         mtrl_mc_free(x->ctx, x->scratch);
         x->scratch_bytes = bytes + bytes / 4 + ((size_t)1 << 20);
         x->scratch = mtrl_mc_malloc(x->scratch_bytes);
+        sample_(x);
     }
     return x->scratch;
 }
@@ -57,8 +98,26 @@ static size_t take_(size_t *off, size_t bytes) {
 
 // ---- memory ----------------------------------------------------------------------------------------
 
-static void *alloc_(BE *be, size_t bytes) { (void)be; return mtrl_mc_malloc(bytes); }
-static void release_(BE *be, void *p) { mtrl_mc_free(CTX(be), p); }
+static void *alloc_(BE *be, size_t bytes) {
+    void *p = mtrl_mc_malloc(bytes);
+    track_(be->impl, p, bytes ? bytes : 1);
+    return p;
+}
+static void release_(BE *be, void *p) {
+    if (!p) return;
+    untrack_(be->impl, p);
+    mtrl_mc_free(CTX(be), p);
+}
+static void mem_info_(BE *be, size_t *free_h, size_t *total_h, size_t *scratch_h, size_t *peak_h) {
+    cuda_impl *x = be->impl;
+    size_t fr = 0, tot = 0;
+    if (free_h || total_h) mtrl_mc_mem_info(x->ctx, &fr, &tot);
+    sample_(x);
+    if (free_h) *free_h = fr;
+    if (total_h) *total_h = tot;
+    if (scratch_h) *scratch_h = x->scratch_bytes + mtrl_mc_ctx_scratch_bytes(x->ctx);
+    if (peak_h) *peak_h = x->peak_bytes;
+}
 static void zero_(BE *be, void *p, size_t bytes) { mtrl_mc_zero(CTX(be), p, bytes); }
 static void copy_(BE *be, void *dst, const void *src, size_t bytes) { mtrl_mc_copy(CTX(be), dst, src, bytes); }
 static void upload_(BE *be, void *dst, const void *src, size_t bytes) { mtrl_mc_upload(CTX(be), dst, src, bytes); }
@@ -442,8 +501,8 @@ mtrl_backend *mtrl_backend_cuda_create(int gpu, char *err_msg, size_t err_len) {
     be->gpu = gpu;
     cuda_impl *x = xcalloc(1, sizeof *x);
     x->ctx = mtrl_cuda_ctx_create(gpu, NULL);
-    x->sq_part = mtrl_mc_malloc(sizeof(double) * MTRL_MC_SQ_BLOCKS);
     be->impl = x;
+    x->sq_part = alloc_(be, sizeof(double) * MTRL_MC_SQ_BLOCKS);
     return be;
 }
 
@@ -453,6 +512,7 @@ void mtrl_backend_cuda_destroy_(mtrl_backend *be) {
     mtrl_mc_free(x->ctx, x->scratch);
     mtrl_mc_free(x->ctx, x->sq_part);
     mtrl_cuda_ctx_destroy(x->ctx);
+    free(x->live);
     free(x);
     free(be);
 }

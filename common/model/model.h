@@ -21,6 +21,7 @@
 //     only per-boundary states and the MLA latents (O(T × (dc + dr)) per MLA layer); the
 //     backward walks segments last to first, recomputes each from its boundary state and gives
 //     the exact gradient of the whole sequence. Activation memory is O(S), not O(T).
+//     model_plan.h chooses S from the device's free memory (and counts every block of a step).
 //
 // Training protocol (the learner, replay):
 //     mtrl_model_forward(m, batch, segment, logp, entropy, routing_out)   // all tokens' log-probs
@@ -156,6 +157,8 @@ typedef struct mtrl_model {
     int *qb_count;              // [L] number of batches summed
     long *load;                 // [L][E] routing load this step (metrics)
     int qb_frozen;              // eval mode: β never changes
+    int qb_decode_stats;        // decode batches also sum the β they imply and their loads into
+                                // qb_sum / qb_count / load (actors sending QB statistics)
     int replay_routing;         // mtrl_model_forward uses batch->routing when set
     // Workspace of the last forward (for its backward); owned here, sized per batch.
     struct mtrl_model_ws *ws;
@@ -223,9 +226,10 @@ double mtrl_model_load_violation(const mtrl_model *m, int layer);
 
 // Decode states, on the model's device. Free them before the model.
 void mtrl_decode_state_init(mtrl_decode_state *s, const mtrl_model *m, int cap);
+// Device bytes a decode state of capacity cap takes (what init allocates): for memory budgets.
+size_t mtrl_decode_state_bytes(const mtrl_model *m, int cap);
 void mtrl_decode_state_free(mtrl_decode_state *s);
 void mtrl_decode_state_reset(mtrl_decode_state *s, const mtrl_model *m);
-size_t mtrl_decode_state_bytes(const mtrl_model *m, int cap);
 // Copies a state (snapshot/resume); dst must have been initialised with cap >= src->pos.
 void mtrl_decode_state_copy(mtrl_decode_state *dst, const mtrl_decode_state *src, const mtrl_model *m);
 // A state's contents as host arrays laid out like the CPU fields: kda_S [n_kda][H][D][D], conv

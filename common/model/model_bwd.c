@@ -36,27 +36,28 @@ static void kda_backward_(mtrl_model *m, mtrl_arena *ar, int l, int T, const lay
     mtrl_backend *be = m->be;
     int H = d->H, D = d->D, HD = H * D, W = d->W, ki = model_kda_index(d, l);
     size_t S_sz = (size_t)H * D * D, w1 = (size_t)(W - 1) * HD;
-    real *dy = ALLOC(T * HD);
+    real *dy = ALLOC((size_t)T * HD);
     proj_bwd_(be, T, d->d, HD, c->y, p->wo, dout, dy, 0, gp->wo);
-    real *d_o = ALLOC(T * HD), *dz = ALLOC(T * HD);
+    real *d_o = ALLOC((size_t)T * HD), *dz = ALLOC((size_t)T * HD);
     be->gated_rmsnorm_bwd(be, T * H, D, c->o, c->z, p->onorm, d->eps, dy, d_o, dz, gp->onorm);
-    real *dz1 = ALLOC(T * D);
+    real *dz1 = ALLOC((size_t)T * D);
     proj_bwd_(be, T, HD, D, c->z1, p->wz2, dz, dz1, 0, gp->wz2);
     proj_bwd_(be, T, D, d->d, c->x1, p->wz1, dz1, dx1, 1, gp->wz1);
-    real *dqn = ALLOC(T * HD), *dkn = ALLOC(T * HD), *dcv = ALLOC(T * HD), *dg = ALLOC(T * HD);
-    real *dbeta = ALLOC(T * H), *dS0 = ALLOC(S_sz);
+    real *dqn = ALLOC((size_t)T * HD), *dkn = ALLOC((size_t)T * HD);
+    real *dcv = ALLOC((size_t)T * HD), *dg = ALLOC((size_t)T * HD);
+    real *dbeta = ALLOC((size_t)T * H), *dS0 = ALLOC(S_sz);
     real *dS = g->dS + (size_t)ki * S_sz;
     be->kda_chunk_bwd(be, T, H, D, D, c->qn, c->kn, c->cv, c->g, c->beta, c->S0, c->S_tiles, d_o, dS, dqn, dkn, dcv,
                       dg, dbeta, dS0);
     be->copy(be, dS, dS0, sizeof(real) * S_sz);
     be->dsigmoid(be, (size_t)T * H, c->beta, dbeta);
     proj_bwd_(be, T, H, d->d, c->x1, p->wbeta, dbeta, dx1, 1, gp->wbeta);
-    real *df = ALLOC(T * HD), *df1 = ALLOC(T * D);
+    real *df = ALLOC((size_t)T * HD), *df1 = ALLOC((size_t)T * D);
     be->kda_gate_bwd(be, T, H, D, c->f, p->A_log, p->dt_bias, d->g_min, dg, df, gp->A_log, gp->dt_bias);
     proj_bwd_(be, T, HD, D, c->f1, p->wf2, df, df1, 0, gp->wf2);
     proj_bwd_(be, T, D, d->d, c->x1, p->wf1, df1, dx1, 1, gp->wf1);
     // q = D^-1/2 · L2Norm(q̃), k = L2Norm(k̃): back through the norms to the conv outputs.
-    real *dcq = ALLOC(T * HD), *dck = ALLOC(T * HD);
+    real *dcq = ALLOC((size_t)T * HD), *dck = ALLOC((size_t)T * HD);
     be->scale(be, (size_t)T * HD, dqn, (real)(1.0 / sqrt((double)D)));
     be->l2norm_bwd(be, T * H, D, c->cq, (real)1e-6, dqn, dcq);
     be->l2norm_bwd(be, T * H, D, c->ck, (real)1e-6, dkn, dck);
@@ -70,7 +71,7 @@ static void kda_backward_(mtrl_model *m, mtrl_arena *ar, int l, int T, const lay
     real *cgw[3] = {gp->conv_q, gp->conv_k, gp->conv_v};
     const real *Wp[3] = {p->wq, p->wk, p->wv};
     real *gW[3] = {gp->wq, gp->wk, gp->wv};
-    real *dpx = ALLOC(T * HD);
+    real *dpx = ALLOC((size_t)T * HD);
     for (int s = 0; s < 3; s++) {
         be->shortconv_bwd(be, T, HD, W, px[s], cw[s], c->cst + s * w1, dc3[s], dpx, cgw[s], dst_in + s * w1);
         be->shortconv_state_bwd(be, T, HD, W, dconv + s * w1, dpx, dst_in + s * w1);
@@ -91,16 +92,16 @@ static void mla_backward_(mtrl_model *m, mtrl_arena *ar, int l, int T, const lay
     int mi = model_mla_index(d, l), Adv = mH * dv;
     real scale = (real)(1.0 / sqrt((double)(dn + dr)));
     int t0 = io->t0 - T; // io->t0 is the position after this segment
-    real *dag = ALLOC(T * Adv);
+    real *dag = ALLOC((size_t)T * Adv);
     proj_bwd_(be, T, d->d, Adv, d->mla_gate ? c->ag : c->a, p->mo, dout, dag, 0, gp->mo);
     real *da = dag;
     if (d->mla_gate) {
-        da = ALLOC(T * Adv);
-        real *dgl = ALLOC(T * Adv);
+        da = ALLOC((size_t)T * Adv);
+        real *dgl = ALLOC((size_t)T * Adv);
         be->sigmoid_mul_bwd(be, (size_t)T * Adv, c->gl, c->a, dag, da, dgl);
         proj_bwd_(be, T, Adv, d->d, c->x1, p->mg, dgl, dx1, 1, gp->mg);
     }
-    real *dol = ALLOC(T * mH * dc), *dqt = ALLOC(T * mH * ld), *dq = ALLOC(T * mH * (dn + dr));
+    real *dol = ALLOC((size_t)T * mH * dc), *dqt = ALLOC((size_t)T * mH * ld), *dq = ALLOC((size_t)T * mH * (dn + dr));
     be->mla_up_v_bwd(be, T, mH, dn, dv, dc, c->ol, p->mkvb, da, dol, gp->mkvb);
     const real *lat = io->latent + (size_t)mi * io->cap * ld;
     real *dlat = g->dlatent + (size_t)mi * io->cap * ld;
@@ -109,7 +110,7 @@ static void mla_backward_(mtrl_model *m, mtrl_arena *ar, int l, int T, const lay
     be->mla_absorb_q_bwd(be, T, mH, dn, dr, dv, dc, c->q, p->mkvb, dqt, dq, gp->mkvb);
     proj_bwd_(be, T, mH * (dn + dr), d->d, c->x1, p->mq, dq, dx1, 1, gp->mq);
     // This segment's latent rows have received every gradient (later segments ran first).
-    real *dchat = ALLOC(T * dc), *dlraw = ALLOC(T * ld), *dcraw = ALLOC(T * dc);
+    real *dchat = ALLOC((size_t)T * dc), *dlraw = ALLOC((size_t)T * ld), *dcraw = ALLOC((size_t)T * dc);
     be->copy_rows(be, T, dc, dlat + (size_t)t0 * ld, ld, dchat, dc);
     be->rmsnorm_bwd(be, T, dc, c->craw, p->mkv_norm, c->rstd_c, d->eps, dchat, dcraw, gp->mkv_norm);
     be->copy_rows(be, T, dc, dcraw, dc, dlraw, ld);
@@ -131,7 +132,8 @@ static void ffn_backward_(mtrl_model *m, mtrl_arena *ar, int l, int T, const lay
         return;
     }
     int E = d->E, K = d->k, R = T * K;
-    real *dYp = ALLOC(R * d->d), *dw = ALLOC(T * K), *dXp = ALLOC(R * d->d), *dz = ALLOC(T * E);
+    real *dYp = ALLOC((size_t)R * d->d), *dw = ALLOC((size_t)T * K);
+    real *dXp = ALLOC((size_t)R * d->d), *dz = ALLOC((size_t)T * E);
     be->moe_combine_bwd(be, T, K, d->d, c->pos, c->wr, c->Yp, dout, dYp, dw);
     be->moe_experts_bwd(be, E, d->d, d->I, c->offsets, c->Xp, p->ew1, p->ew3, p->ew2, c->eu1, c->eu3, dYp, dXp,
                         gp->ew1, gp->ew3, gp->ew2);
@@ -141,7 +143,7 @@ static void ffn_backward_(mtrl_model *m, mtrl_arena *ar, int l, int T, const lay
     proj_bwd_(be, T, E, d->d, c->x2, p->router, dz, dx2, 1, gp->router);
     if (d->n_shared > 0) {
         int SI = d->n_shared * d->I;
-        real *dxs = ALLOC(T * d->d);
+        real *dxs = ALLOC((size_t)T * d->d);
         be->moe_swiglu_bwd(be, T, d->d, SI, c->x2, p->sw1, p->sw3, p->sw2, c->su1, c->su3, dout, dxs, gp->sw1,
                            gp->sw3, gp->sw2);
         be->add(be, (size_t)T * d->d, dx2, dxs, dx2);
@@ -174,7 +176,7 @@ void seg_backward(mtrl_model *m, mtrl_arena *ar, seg_cache *c, const uint32_t *t
     // LM head and final norm.
     real *dlogits = ALLOC((size_t)T * d->V);
     be->logprob_bwd(be, T, d->V, c->logits, targets, dlogp, dentropy, dlogits);
-    real *dxf = ALLOC(T * D), *dh = ALLOC(T * D);
+    real *dxf = ALLOC((size_t)T * D), *dh = ALLOC((size_t)T * D);
     proj_bwd_(be, T, d->V, D, c->xf, m->dP.lm_head, dlogits, dxf, 0, m->dG.lm_head);
     be->rmsnorm_bwd(be, T, D, c->h_o, m->dP.final_norm, c->rstd_f, d->eps, dxf, dh, m->dG.final_norm);
     int nb = c->nb_site[2 * L];
@@ -182,7 +184,7 @@ void seg_backward(mtrl_model *m, mtrl_arena *ar, seg_cache *c, const uint32_t *t
     for (int b = 0; b < nb; b++) dB[b] = zalloc_(be, ar, (size_t)T * D);
     real *dp = zalloc_(be, ar, (size_t)T * D);
     site_backward_(m, c, 2 * L, c->nsrc_o, c->alpha_o, dh, dB, dp);
-    real *dx = ALLOC(T * D);
+    real *dx = ALLOC((size_t)T * D);
     for (int l = L - 1; l >= 0; l--) {
         layer_cache *lc = &c->layer[l];
         size_t mark = mtrl_arena_mark(ar);

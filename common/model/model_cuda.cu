@@ -46,6 +46,18 @@ extern "C" void mtrl_mc_copy_rows(mtrl_cuda_ctx *c, int rows, int n, const float
                                  sizeof(float) * (size_t)n, (size_t)rows, cudaMemcpyDeviceToDevice, c->stream));
 }
 
+extern "C" void mtrl_mc_mem_info(mtrl_cuda_ctx *c, size_t *free_h, size_t *total_h) {
+    int cur = 0;
+    CUDA_CHECK(cudaGetDevice(&cur));
+    if (cur != c->device) CUDA_CHECK(cudaSetDevice(c->device));
+    size_t fr = 0, tot = 0;
+    CUDA_CHECK(cudaMemGetInfo(&fr, &tot));
+    if (cur != c->device) CUDA_CHECK(cudaSetDevice(cur));
+    *free_h = fr;
+    *total_h = tot;
+}
+extern "C" size_t mtrl_mc_ctx_scratch_bytes(const mtrl_cuda_ctx *c) { return c->scratch ? c->scratch_bytes : 0; }
+
 __global__ void mc_gather_k(size_t n, const float *const *ptrs, float *dst) {
     const float *s = ptrs[blockIdx.y];
     float *d = dst + (size_t)blockIdx.y * n;

@@ -22,6 +22,10 @@ void mtrl_mc_upload(mtrl_cuda_ctx *ctx, void *dst, const void *src_h, size_t byt
 void mtrl_mc_download(mtrl_cuda_ctx *ctx, void *dst_h, const void *src, size_t bytes); // waits
 // dst[r*ldd + j] = src[r*lds + j], r < rows, j < n (floats).
 void mtrl_mc_copy_rows(mtrl_cuda_ctx *ctx, int rows, int n, const float *src, int lds, float *dst, int ldd);
+// Free and total bytes of the context's GPU (cudaMemGetInfo on its device); the bytes of the
+// context's own scratch (kernels_cuda.h: grown by the launchers, never shrunk).
+void mtrl_mc_mem_info(mtrl_cuda_ctx *ctx, size_t *free_h, size_t *total_h);
+size_t mtrl_mc_ctx_scratch_bytes(const mtrl_cuda_ctx *ctx);
 // ptrs: a DEVICE array of B device pointers. gather: dst[b*n + i] = ptrs[b][i]; scatter: the inverse.
 void mtrl_mc_gather(mtrl_cuda_ctx *ctx, int B, size_t n, const float *const *ptrs, float *dst);
 void mtrl_mc_scatter(mtrl_cuda_ctx *ctx, int B, size_t n, const float *src, float *const *ptrs);

@@ -49,11 +49,11 @@ static void kda_forward_(mtrl_model *m, mtrl_arena *ar, int l, int mode, int T, 
     mtrl_backend *be = m->be;
     int H = d->H, D = d->D, HD = H * D, W = d->W, ki = model_kda_index(d, l);
     size_t conv_sz = (size_t)3 * (W - 1) * HD, S_sz = (size_t)H * D * D;
-    c->pq = ALLOC(T * HD); c->pk = ALLOC(T * HD); c->pv = ALLOC(T * HD);
+    c->pq = ALLOC((size_t)T * HD); c->pk = ALLOC((size_t)T * HD); c->pv = ALLOC((size_t)T * HD);
     proj_(be, T, HD, d->d, x1, p->wq, c->pq);
     proj_(be, T, HD, d->d, x1, p->wk, c->pk);
     proj_(be, T, HD, d->d, x1, p->wv, c->pv);
-    c->cq = ALLOC(T * HD); c->ck = ALLOC(T * HD); c->cv = ALLOC(T * HD);
+    c->cq = ALLOC((size_t)T * HD); c->ck = ALLOC((size_t)T * HD); c->cv = ALLOC((size_t)T * HD);
     size_t w1 = (size_t)(W - 1) * HD;
     if (mode == SEG_CHUNK) {
         real *st = io->conv + (size_t)ki * conv_sz;
@@ -72,18 +72,18 @@ static void kda_forward_(mtrl_model *m, mtrl_arena *ar, int l, int mode, int T, 
         }
         free(win);
     }
-    c->qn = ALLOC(T * HD); c->kn = ALLOC(T * HD);
+    c->qn = ALLOC((size_t)T * HD); c->kn = ALLOC((size_t)T * HD);
     be->l2norm_fwd(be, T * H, D, c->cq, (real)1e-6, c->qn);
     be->l2norm_fwd(be, T * H, D, c->ck, (real)1e-6, c->kn);
     be->scale(be, (size_t)T * HD, c->qn, (real)(1.0 / sqrt((double)D)));
-    c->f1 = ALLOC(T * D); c->f = ALLOC(T * HD); c->g = ALLOC(T * HD);
+    c->f1 = ALLOC((size_t)T * D); c->f = ALLOC((size_t)T * HD); c->g = ALLOC((size_t)T * HD);
     proj_(be, T, D, d->d, x1, p->wf1, c->f1);
     proj_(be, T, HD, D, c->f1, p->wf2, c->f);
     be->kda_gate_fwd(be, T, H, D, c->f, p->A_log, p->dt_bias, d->g_min, c->g);
-    c->bl = ALLOC(T * H); c->beta = ALLOC(T * H);
+    c->bl = ALLOC((size_t)T * H); c->beta = ALLOC((size_t)T * H);
     proj_(be, T, H, d->d, x1, p->wbeta, c->bl);
     be->sigmoid(be, (size_t)T * H, c->bl, c->beta);
-    c->o = ALLOC(T * HD);
+    c->o = ALLOC((size_t)T * HD);
     if (mode == SEG_CHUNK) {
         real *S = io->kda_S + (size_t)ki * S_sz;
         c->S0 = ALLOC(S_sz);
@@ -96,7 +96,7 @@ static void kda_forward_(mtrl_model *m, mtrl_arena *ar, int l, int mode, int T, 
         be->kda_step(be, T, H, D, D, c->qn, c->kn, c->cv, c->g, c->beta, Sr, c->o);
         free(Sr);
     }
-    c->z1 = ALLOC(T * D); c->z = ALLOC(T * HD); c->y = ALLOC(T * HD);
+    c->z1 = ALLOC((size_t)T * D); c->z = ALLOC((size_t)T * HD); c->y = ALLOC((size_t)T * HD);
     proj_(be, T, D, d->d, x1, p->wz1, c->z1);
     proj_(be, T, HD, D, c->z1, p->wz2, c->z);
     be->gated_rmsnorm_fwd(be, T * H, D, c->o, c->z, p->onorm, d->eps, c->y);
@@ -113,14 +113,14 @@ static void mla_forward_(mtrl_model *m, mtrl_arena *ar, int l, int mode, int T, 
     int mH = d->mH, dn = d->dn, dr = d->dr, dv = d->dv, dc = d->dc, ld = dc + dr;
     int mi = model_mla_index(d, l);
     real scale = (real)(1.0 / sqrt((double)(dn + dr)));
-    c->q = ALLOC(T * mH * (dn + dr));
+    c->q = ALLOC((size_t)T * mH * (dn + dr));
     proj_(be, T, mH * (dn + dr), d->d, x1, p->mq, c->q);
-    real *lraw = ALLOC(T * ld);
+    real *lraw = ALLOC((size_t)T * ld);
     proj_(be, T, ld, d->d, x1, p->mkva, lraw);
-    c->craw = ALLOC(T * dc); c->kr = ALLOC(T * dr); c->rstd_c = ALLOC(T);
+    c->craw = ALLOC((size_t)T * dc); c->kr = ALLOC((size_t)T * dr); c->rstd_c = ALLOC(T);
     be->copy_rows(be, T, dc, lraw, ld, c->craw, dc);
     be->copy_rows(be, T, dr, lraw + dc, ld, c->kr, dr);
-    real *chat = ALLOC(T * dc);
+    real *chat = ALLOC((size_t)T * dc);
     be->rmsnorm_fwd(be, T, dc, c->craw, p->mkv_norm, d->eps, chat, c->rstd_c);
     // The new latent rows [ĉ ; k^r] join the sequence's cache.
     if (mode == SEG_CHUNK) {
@@ -139,11 +139,11 @@ static void mla_forward_(mtrl_model *m, mtrl_arena *ar, int l, int mode, int T, 
         if (dr > 0) be->scatter(be, T, (size_t)dr, c->kr, rows + T);
         free(rows);
     }
-    c->a = ALLOC(T * mH * dv);
+    c->a = ALLOC((size_t)T * mH * dv);
     if (mode == SEG_CHUNK) {
         const real *lat = io->latent + (size_t)mi * io->cap * ld;
         int Tk = io->t0 + T;
-        c->qt = ALLOC(T * mH * ld); c->ol = ALLOC(T * mH * dc); c->lse = ALLOC(T * mH);
+        c->qt = ALLOC((size_t)T * mH * ld); c->ol = ALLOC((size_t)T * mH * dc); c->lse = ALLOC((size_t)T * mH);
         be->mla_absorb_q(be, T, mH, dn, dr, dv, dc, c->q, p->mkvb, c->qt);
         be->attn_causal_fwd(be, T, Tk, mH, 1, ld, dc, scale, c->qt, lat, ld, lat, ld, c->ol, c->lse);
         be->mla_up_v(be, T, mH, dn, dv, dc, c->ol, p->mkvb, c->a);
@@ -160,7 +160,7 @@ static void mla_forward_(mtrl_model *m, mtrl_arena *ar, int l, int mode, int T, 
     }
     const real *ag = c->a;
     if (d->mla_gate) {
-        c->gl = ALLOC(T * mH * dv); c->ag = ALLOC(T * mH * dv);
+        c->gl = ALLOC((size_t)T * mH * dv); c->ag = ALLOC((size_t)T * mH * dv);
         proj_(be, T, mH * dv, d->d, x1, p->mg, c->gl);
         be->sigmoid_mul(be, (size_t)T * mH * dv, c->gl, c->a, c->ag);
         ag = c->ag;
@@ -176,13 +176,14 @@ static void ffn_forward_(mtrl_model *m, mtrl_arena *ar, int l, int T, const real
     const mtrl_layer_ptrs *p = &m->dP.layer[l];
     mtrl_backend *be = m->be;
     if (l == 0) {
-        c->u1 = ALLOC(T * d->dense_I); c->u3 = ALLOC(T * d->dense_I);
+        c->u1 = ALLOC((size_t)T * d->dense_I); c->u3 = ALLOC((size_t)T * d->dense_I);
         be->moe_swiglu_fwd(be, T, d->d, d->dense_I, x2, p->w1, p->w3, p->w2, c->u1, c->u3, out);
         return;
     }
     int E = d->E, K = d->k, mi = l - 1;
-    c->zr = ALLOC(T * E); c->sr = ALLOC(T * E); c->wr = ALLOC(T * K);
-    c->sel = IALLOC(T * K); c->offsets = IALLOC(E + 1); c->perm = IALLOC(T * K); c->pos = IALLOC(T * K);
+    c->zr = ALLOC((size_t)T * E); c->sr = ALLOC((size_t)T * E); c->wr = ALLOC((size_t)T * K);
+    c->sel = IALLOC((size_t)T * K); c->offsets = IALLOC(E + 1);
+    c->perm = IALLOC((size_t)T * K); c->pos = IALLOC((size_t)T * K);
     proj_(be, T, E, d->d, x2, p->router, c->zr);
     const real *beta = m->d_qb_beta + (size_t)l * E;
     int replay = so && so->routing_in;
@@ -215,14 +216,15 @@ static void ffn_forward_(mtrl_model *m, mtrl_arena *ar, int l, int T, const real
     }
     be->moe_dispatch(be, T, E, K, c->sel, c->offsets, c->perm, c->pos);
     int R = T * K;
-    c->Xp = ALLOC(R * d->d); c->eu1 = ALLOC(R * d->I); c->eu3 = ALLOC(R * d->I); c->Yp = ALLOC(R * d->d);
+    c->Xp = ALLOC((size_t)R * d->d); c->eu1 = ALLOC((size_t)R * d->I);
+    c->eu3 = ALLOC((size_t)R * d->I); c->Yp = ALLOC((size_t)R * d->d);
     be->moe_gather(be, T, K, d->d, c->pos, x2, c->Xp);
     be->moe_experts_fwd(be, E, d->d, d->I, c->offsets, c->Xp, p->ew1, p->ew3, p->ew2, c->eu1, c->eu3, c->Yp);
     be->moe_combine_fwd(be, T, K, d->d, c->pos, c->wr, c->Yp, out);
     if (d->n_shared > 0) {
         int SI = d->n_shared * d->I;
-        c->su1 = ALLOC(T * SI); c->su3 = ALLOC(T * SI);
-        real *ys = ALLOC(T * d->d);
+        c->su1 = ALLOC((size_t)T * SI); c->su3 = ALLOC((size_t)T * SI);
+        real *ys = ALLOC((size_t)T * d->d);
         be->moe_swiglu_fwd(be, T, d->d, SI, x2, p->sw1, p->sw3, p->sw2, c->su1, c->su3, ys);
         be->add(be, (size_t)T * d->d, out, ys, out);
     }
@@ -249,7 +251,7 @@ void seg_forward(mtrl_model *m, mtrl_arena *ar, int mode, int T, const uint32_t 
     int ids[4096];
     int *tid = T <= 4096 ? ids : xmalloc(sizeof(int) * (size_t)T);
     for (int t = 0; t < T; t++) tid[t] = (int)tokens[t];
-    c->emb = ALLOC(T * D);
+    c->emb = ALLOC((size_t)T * D);
     be->embedding_fwd(be, T, D, tid, m->dP.embed, c->emb);
     if (tid != ids) free(tid);
     c->blocks[0] = c->emb;
@@ -267,16 +269,16 @@ void seg_forward(mtrl_model *m, mtrl_arena *ar, int mode, int T, const uint32_t 
         c->part[j] = p;
         c->nb_site[j] = nb;
         lc->nsrc_a = site_sources_(c, j, src);
-        lc->alpha_a = ALLOC(T * lc->nsrc_a);
-        lc->h_a = ALLOC(T * D);
+        lc->alpha_a = ALLOC((size_t)T * lc->nsrc_a);
+        lc->h_a = ALLOC((size_t)T * D);
         be->attnres_site_fwd(be, T, D, lc->nsrc_a, src, m->dP.site_w + (size_t)j * D, m->dP.site_g + (size_t)j * D,
                              d->eps, lc->h_a, lc->alpha_a);
-        lc->rstd1 = ALLOC(T); lc->x1 = ALLOC(T * D);
+        lc->rstd1 = ALLOC(T); lc->x1 = ALLOC((size_t)T * D);
         be->rmsnorm_fwd(be, T, D, lc->h_a, m->dP.layer[l].norm1, d->eps, lc->x1, lc->rstd1);
-        lc->mix = ALLOC(T * D);
+        lc->mix = ALLOC((size_t)T * D);
         if (d->mixer[l] == 'K') kda_forward_(m, ar, l, mode, T, lc->x1, io, lc, lc->mix);
         else mla_forward_(m, ar, l, mode, T, lc->x1, io, lc, lc->mix);
-        real *pn = ALLOC(T * D);
+        real *pn = ALLOC((size_t)T * D);
         be->add(be, (size_t)T * D, p, lc->mix, pn);
         p = pn;
         // FFN sublayer j = 2l + 1
@@ -284,15 +286,15 @@ void seg_forward(mtrl_model *m, mtrl_arena *ar, int mode, int T, const uint32_t 
         c->part[j] = p;
         c->nb_site[j] = nb;
         lc->nsrc_f = site_sources_(c, j, src);
-        lc->alpha_f = ALLOC(T * lc->nsrc_f);
-        lc->h_f = ALLOC(T * D);
+        lc->alpha_f = ALLOC((size_t)T * lc->nsrc_f);
+        lc->h_f = ALLOC((size_t)T * D);
         be->attnres_site_fwd(be, T, D, lc->nsrc_f, src, m->dP.site_w + (size_t)j * D, m->dP.site_g + (size_t)j * D,
                              d->eps, lc->h_f, lc->alpha_f);
-        lc->rstd2 = ALLOC(T); lc->x2 = ALLOC(T * D);
+        lc->rstd2 = ALLOC(T); lc->x2 = ALLOC((size_t)T * D);
         be->rmsnorm_fwd(be, T, D, lc->h_f, m->dP.layer[l].norm2, d->eps, lc->x2, lc->rstd2);
-        lc->ffn = ALLOC(T * D);
+        lc->ffn = ALLOC((size_t)T * D);
         ffn_forward_(m, ar, l, T, lc->x2, lc, lc->ffn, out);
-        pn = ALLOC(T * D);
+        pn = ALLOC((size_t)T * D);
         be->add(be, (size_t)T * D, p, lc->ffn, pn);
         p = pn;
     }
@@ -300,11 +302,11 @@ void seg_forward(mtrl_model *m, mtrl_arena *ar, int mode, int T, const uint32_t 
     c->part[j] = p;
     c->nb_site[j] = nb;
     c->nsrc_o = site_sources_(c, j, src);
-    c->alpha_o = ALLOC(T * c->nsrc_o);
-    c->h_o = ALLOC(T * D);
+    c->alpha_o = ALLOC((size_t)T * c->nsrc_o);
+    c->h_o = ALLOC((size_t)T * D);
     be->attnres_site_fwd(be, T, D, c->nsrc_o, src, m->dP.site_w + (size_t)j * D, m->dP.site_g + (size_t)j * D, d->eps,
                          c->h_o, c->alpha_o);
-    c->rstd_f = ALLOC(T); c->xf = ALLOC(T * D);
+    c->rstd_f = ALLOC(T); c->xf = ALLOC((size_t)T * D);
     be->rmsnorm_fwd(be, T, D, c->h_o, m->dP.final_norm, d->eps, c->xf, c->rstd_f);
     c->logits = ALLOC((size_t)T * d->V);
     proj_(be, T, d->V, D, c->xf, m->dP.lm_head, c->logits);
@@ -315,23 +317,86 @@ void seg_forward(mtrl_model *m, mtrl_arena *ar, int mode, int T, const uint32_t 
         for (int r = 0; r < T; r++) io[r].t0 += 1;
 }
 
+// ---- arena sizing ---------------------------------------------------------------------------------------
+//
+// The bytes of the ALLOCs above (forward caches) and of model_bwd.c (backward temporaries), each
+// rounded to the arena's 64-byte alignment: the memory planner (model_plan.c) and the drivers
+// (model_run.c) size the activation arena with these, so KEEP THEM IN STEP with the ALLOCs.
+// tests/test_model_plan.c checks them against the arena's measured peak.
+
+static size_t rb_(size_t n) { return (n * sizeof(real) + 63) & ~(size_t)63; }
+static size_t ib_(size_t n) { return (n * sizeof(int) + 63) & ~(size_t)63; }
+
+// Committed AttnRes blocks the sites of layer l see (l = L: the output site), as seg_forward
+// commits them: one more at every layer l > 0 with l % S == 0, none after the last layer.
+static int blocks_at_(const mtrl_model_dims *d, int l) { return 1 + (l < d->L ? l : d->L - 1) / d->S; }
+
+static size_t kda_fwd_bytes_(const mtrl_model_dims *d, size_t T) {
+    size_t HD = (size_t)d->H * d->D, S_sz = (size_t)d->H * d->D * d->D;
+    return 13 * rb_(T * HD) + rb_((size_t)3 * (d->W - 1) * HD) + 2 * rb_(T * d->D) + 2 * rb_(T * d->H) + rb_(S_sz) +
+           rb_((size_t)kda_tile_count((int)T) * S_sz);
+}
+static size_t mla_fwd_bytes_(const mtrl_model_dims *d, size_t T) {
+    size_t mH = (size_t)d->mH, ld = (size_t)d->dc + d->dr;
+    return rb_(T * mH * (d->dn + d->dr)) + rb_(T * ld) + 2 * rb_(T * d->dc) + rb_(T * d->dr) + rb_(T) +
+           rb_(T * mH * d->dv) * (d->mla_gate ? 3 : 1) + rb_(T * mH * ld) + rb_(T * mH * d->dc) + rb_(T * mH);
+}
+static size_t ffn_fwd_bytes_(const mtrl_model_dims *d, int l, size_t T) {
+    if (l == 0) return 2 * rb_(T * d->dense_I);
+    size_t K = (size_t)d->k, R = T * K, SI = (size_t)d->n_shared * d->I;
+    size_t b = 2 * rb_(T * d->E) + rb_(T * K) + 3 * ib_(T * K) + ib_((size_t)d->E + 1) + 2 * rb_(R * d->d) +
+               2 * rb_(R * d->I);
+    if (d->n_shared > 0) b += 2 * rb_(T * SI) + rb_(T * d->d);
+    return b;
+}
+static size_t kda_bwd_bytes_(const mtrl_model_dims *d, size_t T) {
+    size_t HD = (size_t)d->H * d->D;
+    return 11 * rb_(T * HD) + 2 * rb_(T * d->D) + rb_(T * d->H) + rb_((size_t)d->H * d->D * d->D) +
+           rb_((size_t)3 * (d->W - 1) * HD);
+}
+static size_t mla_bwd_bytes_(const mtrl_model_dims *d, size_t T) {
+    size_t mH = (size_t)d->mH, ld = (size_t)d->dc + d->dr;
+    return rb_(T * mH * d->dv) * (d->mla_gate ? 3 : 1) + rb_(T * mH * d->dc) + rb_(T * mH * ld) +
+           rb_(T * mH * (d->dn + d->dr)) + 2 * rb_(T * d->dc) + rb_(T * ld);
+}
+static size_t ffn_bwd_bytes_(const mtrl_model_dims *d, int l, size_t T) {
+    if (l == 0) return 0;
+    size_t R = T * d->k;
+    return 2 * rb_(R * d->d) + rb_(T * d->k) + rb_(T * d->E) + (d->n_shared > 0 ? rb_(T * d->d) : 0);
+}
+
+size_t seg_fwd_bytes(const mtrl_model_dims *d, int T_) {
+    size_t T = (size_t)(T_ > 0 ? T_ : 1), D = (size_t)d->d;
+    size_t b = rb_(T * D); // emb
+    for (int l = 0; l < d->L; l++) {
+        int nb = blocks_at_(d, l);
+        // the partial sum is empty only at the first layer of a block (layer 0 included)
+        int nsrc_a = nb + (l % d->S != 0);
+        b += rb_(T * nsrc_a) + 2 * rb_(T * D) + rb_(T) + rb_(T * D) + rb_(T * D); // alpha_a, h_a, x1, rstd1, mix, pn
+        b += d->mixer[l] == 'K' ? kda_fwd_bytes_(d, T) : mla_fwd_bytes_(d, T);
+        b += rb_(T * (nb + 1)) + 2 * rb_(T * D) + rb_(T) + 2 * rb_(T * D); // alpha_f, h_f, x2, rstd2, ffn, pn
+        b += ffn_fwd_bytes_(d, l, T);
+    }
+    int nb = blocks_at_(d, d->L);
+    b += rb_(T * (nb + 1)) + 2 * rb_(T * D) + rb_(T) + rb_(T * d->V); // alpha_o, h_o, xf, rstd_f, logits
+    return b;
+}
+
+size_t seg_bwd_bytes(const mtrl_model_dims *d, int T_) {
+    size_t T = (size_t)(T_ > 0 ? T_ : 1), D = (size_t)d->d;
+    int nb = blocks_at_(d, d->L);
+    // dlogits, dxf, dh, dB[nb], dp, dx
+    size_t b = rb_(T * d->V) + 2 * rb_(T * D) + (size_t)(nb + 1) * rb_(T * D) + rb_(T * D);
+    size_t layer = 0;
+    for (int l = 0; l < d->L; l++) {
+        size_t f = ffn_bwd_bytes_(d, l, T), x = d->mixer[l] == 'K' ? kda_bwd_bytes_(d, T) : mla_bwd_bytes_(d, T);
+        if (f > layer) layer = f;
+        if (x > layer) layer = x;
+    }
+    return b + layer;
+}
+
 size_t seg_arena_bytes(const mtrl_model_dims *d, int T, int Tk) {
-    (void)Tk;
-    size_t HD = (size_t)d->H * d->D, mla = (size_t)d->mH * (d->dn + d->dr), ld = (size_t)d->dc + d->dr;
-    size_t kda_tok = 13 * HD + 2 * (size_t)d->D + 2 * (size_t)d->H;
-    size_t mla_tok = mla + 3 * ld + (size_t)d->mH * ld + (size_t)d->mH * d->dc + d->mH + 3 * (size_t)d->mH * d->dv + 2;
-    size_t mix_tok = kda_tok > mla_tok ? kda_tok : mla_tok;
-    size_t ffn_tok = 2 * (size_t)d->dense_I + 2 * (size_t)d->E + 4 * (size_t)d->k + 2 * (size_t)d->k * d->d +
-                     2 * (size_t)d->k * d->I + 2 * (size_t)d->n_shared * d->I + d->d;
-    size_t nb = (size_t)(d->L + d->S - 1) / d->S + 2;
-    size_t site_tok = 2 * nb + 8 * (size_t)d->d + 4;
-    size_t layer_tok = mix_tok + ffn_tok + site_tok;
-    size_t per_tok = (size_t)d->L * layer_tok + 2 * (size_t)d->V + 4 * (size_t)d->d + nb;
-    size_t S_sz = (size_t)d->H * d->D * d->D;
-    size_t fixed_layer = ((size_t)kda_tile_count(T) + 4) * S_sz + 6 * (size_t)(d->W) * HD + (size_t)d->E + 64;
-    // backward temporaries: one layer's worth of gradients plus dB, dp and the head.
-    size_t bwd_tok = 2 * layer_tok + nb * (size_t)d->d + 4 * (size_t)d->d + (size_t)d->V;
-    size_t floats = (size_t)T * (per_tok + bwd_tok) + (size_t)d->L * fixed_layer + 2 * fixed_layer;
-    size_t allocs = (size_t)d->L * 160 + 256;
-    return floats * sizeof(real) * 5 / 4 + allocs * 64 + (1u << 20);
+    (void)Tk; // the attention reads the keys from the sequence's latents, not from the arena
+    return seg_fwd_bytes(d, T) + seg_bwd_bytes(d, T) + 4096;
 }

@@ -127,6 +127,15 @@ static void build_table_(mtrl_tt *t, const mtrl_model_dims *d) {
     }
 }
 
+size_t model_param_bytes(const mtrl_model_dims *d) {
+    mtrl_tt t;
+    mtrl_tt_init(&t);
+    build_table_(&t, d);
+    size_t n = mtrl_tt_layout(&t);
+    mtrl_tt_free(&t);
+    return n;
+}
+
 static real *at_(const mtrl_tt *t, void *base, const char *name) {
     int i = mtrl_tt_find(t, name);
     return i < 0 ? NULL : (real *)((char *)base + t->items[i].offset);

@@ -9,9 +9,6 @@
 #include "common/model/model_ws.h"
 #include "kernels/ref/kda_ref.h"
 
-// Activations of a chunked batch are kept (no recompute in the backward) when they fit here.
-#define KEEP_BYTES_MAX ((size_t)1 << 30)
-
 typedef struct ws_seq {
     int len, seg, n_seg;
     real *bound_S;     // [n_seg][n_kda][H][D][D] state entering each segment   (backend memory)
@@ -86,6 +83,43 @@ static void arena_ensure_(mtrl_backend *be, mtrl_arena *a, size_t bytes) {
     be_arena_init_(be, a, bytes);
 }
 
+// The segment length of a sequence of len tokens.
+static int seg_of_(int len, int segment) { return segment > 0 && segment < len ? segment : (len > 0 ? len : 1); }
+
+// The gradient block of the backward for sequences of up to max_len tokens.
+static size_t grad_bytes_(const mtrl_model_dims *d, int max_len) {
+    size_t S_sz = S_size_(d) * model_n_kda(d), C_sz = conv_size_(d) * model_n_kda(d);
+    return 2 * carve_bytes_(sizeof(real) * S_sz) + 2 * carve_bytes_(sizeof(real) * C_sz) +
+           carve_bytes_(sizeof(real) * (size_t)model_n_mla(d) * (size_t)max_len * lat_w_(d));
+}
+
+void ws_sizes_for(const mtrl_model_dims *d, int n, const int *len, int segment, ws_sizes *out) {
+    int n_kda = model_n_kda(d), n_mla = model_n_mla(d);
+    size_t S_sz = S_size_(d) * n_kda, C_sz = conv_size_(d) * n_kda, LW = lat_w_(d);
+    int max_seg = 1, max_len = 1;
+    size_t keep_bytes = 0, state_cap = carve_bytes_(sizeof(real) * S_sz) + carve_bytes_(sizeof(real) * C_sz);
+    for (int i = 0; i < n; i++) {
+        int seg = seg_of_(len[i], segment), n_seg = (len[i] + seg - 1) / seg;
+        if (seg > max_seg) max_seg = seg;
+        if (len[i] > max_len) max_len = len[i];
+        keep_bytes += seg_arena_bytes(d, seg, len[i]) * (size_t)n_seg;
+        state_cap += carve_bytes_(sizeof(real) * (size_t)n_seg * S_sz) +
+                     carve_bytes_(sizeof(real) * (size_t)n_seg * C_sz) +
+                     carve_bytes_(sizeof(real) * (size_t)n_mla * (size_t)len[i] * LW);
+    }
+    out->keep = segment <= 0 && keep_bytes <= MTRL_KEEP_BYTES_MAX;
+    out->max_seg = max_seg;
+    out->max_len = max_len;
+    out->arena = out->keep ? keep_bytes : seg_arena_bytes(d, max_seg, max_len);
+    out->state = state_cap;
+    out->grad = grad_bytes_(d, max_len);
+}
+
+size_t ws_held_bytes(const mtrl_model *m) {
+    const ws_impl *w = (const ws_impl *)m->ws;
+    return w ? w->pub.arena.cap + w->state.cap : 0;
+}
+
 void mtrl_model_forward(mtrl_model *m, const mtrl_batch *b, int segment, real *logp, real *entropy,
                         uint8_t *const *routing_out) {
     const mtrl_model_dims *d = &m->dims;
@@ -97,25 +131,20 @@ void mtrl_model_forward(mtrl_model *m, const mtrl_batch *b, int segment, real *l
     size_t rw = (size_t)d->n_moe * d->k;
     w->pub.n_seq = b->n;
     w->seqs = xcalloc((size_t)(b->n ? b->n : 1), sizeof(ws_seq));
-    int max_seg = 1, max_len = 1;
-    size_t keep_bytes = 0, state_cap = carve_bytes_(sizeof(real) * S_sz) + carve_bytes_(sizeof(real) * C_sz);
     for (int i = 0; i < b->n; i++) {
         ws_seq *s = &w->seqs[i];
         s->len = b->len[i];
-        s->seg = segment > 0 && segment < s->len ? segment : (s->len > 0 ? s->len : 1);
+        s->seg = seg_of_(s->len, segment);
         s->n_seg = (s->len + s->seg - 1) / s->seg;
-        if (s->seg > max_seg) max_seg = s->seg;
-        if (s->len > max_len) max_len = s->len;
-        keep_bytes += seg_arena_bytes(d, s->seg, s->len) * (size_t)s->n_seg;
-        state_cap += carve_bytes_(sizeof(real) * (size_t)s->n_seg * S_sz) +
-                     carve_bytes_(sizeof(real) * (size_t)s->n_seg * C_sz) +
-                     carve_bytes_(sizeof(real) * (size_t)n_mla * s->len * LW);
     }
-    w->keep = segment <= 0 && keep_bytes <= KEEP_BYTES_MAX;
-    be_arena_init_(be, &w->pub.arena, w->keep ? keep_bytes : seg_arena_bytes(d, max_seg, max_len));
-    w->pub.seg_T = max_seg;
-    w->pub.seg_Tk = max_len;
+    ws_sizes sz;
+    ws_sizes_for(d, b->n, b->len, segment, &sz);
+    w->keep = sz.keep;
+    be_arena_init_(be, &w->pub.arena, sz.arena);
+    w->pub.seg_T = sz.max_seg;
+    w->pub.seg_Tk = sz.max_len;
     // One block for every sequence's boundary states and latents, zero-filled.
+    size_t state_cap = sz.state;
     be_arena_init_(be, &w->state, state_cap);
     be->zero(be, w->state.base, state_cap);
     w->run_S = RALLOC(&w->state, S_sz);
@@ -172,8 +201,7 @@ void mtrl_model_backward(mtrl_model *m, const mtrl_batch *b, const real *dlogp, 
     // Gradients crossing segment boundaries (one sequence at a time).
     mtrl_arena ga;
     size_t lat_max = (size_t)n_mla * max_len * LW;
-    be_arena_init_(be, &ga, 2 * carve_bytes_(sizeof(real) * S_sz) + 2 * carve_bytes_(sizeof(real) * C_sz) +
-                                carve_bytes_(sizeof(real) * lat_max));
+    be_arena_init_(be, &ga, grad_bytes_(d, max_len));
     real *dS = RALLOC(&ga, S_sz), *dC = RALLOC(&ga, C_sz), *dlat = RALLOC(&ga, lat_max);
     real *S = RALLOC(&ga, S_sz), *C = RALLOC(&ga, C_sz);
     size_t off = off_total;
@@ -218,11 +246,6 @@ void mtrl_model_backward(mtrl_model *m, const mtrl_batch *b, const real *dlogp, 
 
 static seq_io state_io_(const mtrl_decode_state *s) { return (seq_io){s->kda_S, s->conv, s->latent, s->cap, s->pos}; }
 
-size_t mtrl_decode_state_bytes(const mtrl_model *m, int cap) {
-    const mtrl_model_dims *d = &m->dims;
-    return sizeof(real) * (model_n_kda(d) * (S_size_(d) + conv_size_(d)) + (size_t)model_n_mla(d) * cap * lat_w_(d));
-}
-
 static size_t gcd_(size_t a, size_t b) {
     while (b) {
         size_t t = a % b;
@@ -230,6 +253,14 @@ static size_t gcd_(size_t a, size_t b) {
         b = t;
     }
     return a;
+}
+
+size_t mtrl_decode_state_bytes(const mtrl_model *m, int cap) {
+    const mtrl_model_dims *d = &m->dims;
+    size_t kb = sizeof(real) * model_n_kda(d) * S_size_(d), cb = sizeof(real) * model_n_kda(d) * conv_size_(d);
+    size_t row = sizeof(real) * lat_w_(d), lb = sizeof(real) * (size_t)model_n_mla(d) * (size_t)cap * lat_w_(d);
+    size_t al = row / gcd_(row, 64) * 64;
+    return carve_bytes_(kb) + carve_bytes_(cb) + al + lb + 64;
 }
 
 void mtrl_decode_state_init(mtrl_decode_state *s, const mtrl_model *m, int cap) {
@@ -241,9 +272,9 @@ void mtrl_decode_state_init(mtrl_decode_state *s, const mtrl_model *m, int cap) 
     // One block: KDA states, conv windows, then the latents, whose start is a multiple of the
     // latent row size (so the CUDA decode can address every state's cache from one base).
     size_t kb = sizeof(real) * model_n_kda(d) * S_size_(d), cb = sizeof(real) * model_n_kda(d) * conv_size_(d);
-    size_t row = sizeof(real) * lat_w_(d), lb = sizeof(real) * (size_t)model_n_mla(d) * cap * lat_w_(d);
+    size_t row = sizeof(real) * lat_w_(d);
     size_t al = row / gcd_(row, 64) * 64;
-    size_t bytes = carve_bytes_(kb) + carve_bytes_(cb) + al + lb + 64;
+    size_t bytes = mtrl_decode_state_bytes(m, cap);
     char *blk = be->alloc(be, bytes);
     be->zero(be, blk, bytes);
     s->block = blk;
@@ -336,7 +367,7 @@ void mtrl_model_decode(mtrl_model *m, mtrl_decode_state *const *states, int B, c
     seq_io ios[256];
     seq_io *io = B <= 256 ? ios : xmalloc(sizeof(seq_io) * (size_t)B);
     for (int r = 0; r < B; r++) io[r] = state_io_(states[r]);
-    seg_out so = {NULL, NULL, NULL, logits, NULL, routing_out, 0};
+    seg_out so = {NULL, NULL, NULL, logits, NULL, routing_out, m->qb_decode_stats};
     seg_cache c;
     seg_forward(m, &w->infer, SEG_DECODE, B, tokens, io, &so, &c);
     m->be->sync(m->be);

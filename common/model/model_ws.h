@@ -112,8 +112,35 @@ void seg_forward(mtrl_model *m, mtrl_arena *ar, int mode, int T, const uint32_t 
 void seg_backward(mtrl_model *m, mtrl_arena *ar, seg_cache *c, const uint32_t *tokens, const int *targets,
                   const seq_io *io, const real *dlogp, const real *dentropy, seq_grad *g);
 
-// Arena bytes one segment of T tokens (keys up to Tk) needs for forward caches and backward.
+// Arena bytes one segment of T tokens (keys up to Tk) needs for forward caches and backward:
+// seg_fwd_bytes (the caches seg_forward carves) + seg_bwd_bytes (the most seg_backward carves on
+// top of them) + a little slack. Exact mirrors of the allocations (64-byte aligned), see model_fwd.c.
 size_t seg_arena_bytes(const mtrl_model_dims *d, int T, int Tk);
+size_t seg_fwd_bytes(const mtrl_model_dims *d, int T);
+size_t seg_bwd_bytes(const mtrl_model_dims *d, int T);
+
+// The device (backend) blocks mtrl_model_forward / _backward allocate for a batch of n sequences
+// of len[i] tokens with `segment` (model_run.c computes them with this function, the memory
+// planner model_plan.c reads them):
+typedef struct ws_sizes {
+    int keep;        // segment <= 0 and every activation fits in MTRL_KEEP_BYTES_MAX: no recompute
+    int max_seg;     // the longest segment
+    int max_len;     // the longest sequence
+    size_t arena;    // activation arena: kept segments, or one segment's forward + backward
+    size_t state;    // boundary KDA states and conv windows of every segment, MLA latents, running state
+    size_t grad;     // the backward's block: ∂/∂latents of the longest sequence, dS, dconv, S, conv
+} ws_sizes;
+void ws_sizes_for(const mtrl_model_dims *d, int n, const int *len, int segment, ws_sizes *out);
+// Bytes of the batch workspace the model holds now (activation and state arenas of the last
+// forward; both are freed by the next forward).
+size_t ws_held_bytes(const mtrl_model *m);
+
+// Activations of a chunked batch are kept (no recompute in the backward) when they fit here.
+#define MTRL_KEEP_BYTES_MAX ((size_t)1 << 30)
+
+// Bytes of the parameter block of these dims (the same table mtrl_model_init lays out); the
+// gradient block and each AdamW moment have the same size.
+size_t model_param_bytes(const mtrl_model_dims *d);
 
 int model_n_kda(const mtrl_model_dims *d);
 int model_n_mla(const mtrl_model_dims *d);

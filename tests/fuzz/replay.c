@@ -52,7 +52,7 @@ static void seed_wire(mtrl_wbuf *b, tg_rng *r) {
     put_msg(b, 1, &o);
     uint64_t counts[2 * 4];
     for (int i = 0; i < 8; i++) counts[i] = tg_u64(r) % 1000;
-    mtrl_wire_encode_routing_stats(&o, 7, 2, 4, counts);
+    mtrl_wire_encode_routing_stats(&o, 7, 2, 4, counts, NULL, NULL);
     put_msg(b, 1, &o);
     mtrl_wire_encode_weights_req(&o, 5, 8);
     put_msg(b, 1, &o);

@@ -1,0 +1,121 @@
+// cmd_plan.c: `mtrl plan EXPERIMENT.ini`: the memory plan of the experiment's learner step
+// (common/model/model_plan.h): the segment length the learner would use with [model] segment = 0
+// and what every block of the step takes, for a batch of sequences on a device and a budget.
+//
+//   mtrl plan EXPERIMENT.ini [--tokens T] [--batch B] [--device cpu|cuda|cuda:N] [--budget-gib G] [--set ...]
+//
+// Defaults: T = the longest stage context (else [actor] max_tokens); B = that stage's episodes per
+// step (group_size x batch_groups); the device of [model] device; the budget = the device's free
+// memory now. Exit 0 with the plan, 1 when nothing fits (the message says what the least needs),
+// 2 for bad usage.
+#include <stdlib.h>
+#include <string.h>
+
+#include "common/config.h"
+#include "common/model/model_plan.h"
+#include "common/tokenizer.h"
+#include "tools/cli.h"
+
+#define PLAN_USAGE                                                                                 \
+    "mtrl plan EXPERIMENT.ini [--tokens T] [--batch B] [--device cpu|cuda|cuda:N] [--budget-gib G] " \
+    "[--set section.key=value ...]"
+
+int cmd_plan(int argc, char **argv) {
+    const char *path = NULL, *device = NULL;
+    long tokens = 0, batch = 0;
+    double budget_gib = 0;
+    for (int i = 1; i < argc; i++) {
+        const char *a = argv[i], *v = i + 1 < argc ? argv[i + 1] : NULL;
+        char *end = NULL;
+        if (cli_is_help(a)) {
+            printf("usage: %s\n\n"
+                   "Prints the memory plan of the experiment's learner step: the segment length S the\n"
+                   "learner uses with [model] segment = 0 (the largest multiple of 64 that fits the budget\n"
+                   "minus a 5%% margin, or the whole episode), and the bytes of the parameters, gradients,\n"
+                   "AdamW moments, boundary states, MLA latents and their gradients, one segment's\n"
+                   "activations, scratch, and the host arrays.\n"
+                   "  --tokens T      tokens per episode (default: the longest [stage.N] context, else\n"
+                   "                  [actor] max_tokens)\n"
+                   "  --batch B       episodes per learner step (default: that stage's group_size x batch_groups)\n"
+                   "  --device D      cpu, cuda or cuda:N (default: [model] device)\n"
+                   "  --budget-gib G  memory to plan for (default: the device's free memory now)\n"
+                   "Exit 1 when nothing fits, with what the least needs.\n",
+                   PLAN_USAGE);
+            return 0;
+        }
+        if (!strcmp(a, "--set")) { i++; continue; }
+        if (!strncmp(a, "--set=", 6)) continue;
+        if (!strcmp(a, "--tokens") && v) {
+            tokens = strtol(v, &end, 10);
+            if (*end || tokens < 1 || tokens > (1L << 30))
+                return cli_usage_error("plan", PLAN_USAGE, "--tokens %s: expected 1..1073741824", v);
+            i++;
+        } else if (!strcmp(a, "--batch") && v) {
+            batch = strtol(v, &end, 10);
+            if (*end || batch < 1 || batch > (1L << 20))
+                return cli_usage_error("plan", PLAN_USAGE, "--batch %s: expected 1..1048576", v);
+            i++;
+        } else if (!strcmp(a, "--device") && v) {
+            device = v;
+            i++;
+        } else if (!strcmp(a, "--budget-gib") && v) {
+            budget_gib = strtod(v, &end);
+            if (*end || !(budget_gib > 0) || budget_gib > 1e6)
+                return cli_usage_error("plan", PLAN_USAGE, "--budget-gib %s: expected a positive number of GiB", v);
+            i++;
+        } else if (a[0] == '-') {
+            return cli_usage_error("plan", PLAN_USAGE, "unknown option '%s'", a);
+        } else if (path) {
+            return cli_usage_error("plan", PLAN_USAGE, "more than one experiment file given");
+        } else {
+            path = a;
+        }
+    }
+    if (!path) return cli_usage_error("plan", PLAN_USAGE, "no experiment file given");
+    mtrl_config cfg;
+    if (!cli_config_load("plan", path, argc, argv, &cfg)) return 2;
+    // The longest stage and its batch: episodes per step = group_size x batch_groups.
+    long ctx = cfg.actor.max_tokens, groups = cfg.learner.batch_groups, gsize = cfg.algo.group_size;
+    for (int s = 0; s < cfg.n_stages; s++) {
+        const mtrl_cfg_stage *st = &cfg.stage[s];
+        long c = st->context > 0 ? st->context : cfg.actor.max_tokens;
+        if (c >= ctx) {
+            ctx = c;
+            groups = st->batch_groups > 0 ? st->batch_groups : cfg.learner.batch_groups;
+            gsize = st->group_size > 0 ? st->group_size : cfg.algo.group_size;
+        }
+    }
+    if (!tokens) tokens = ctx;
+    if (!batch) batch = groups * gsize;
+    int dev, gpu;
+    if (!device) device = cfg.model.device;
+    if (mtrl_model_parse_device(device, &dev, &gpu))
+        return cli_usage_error("plan", PLAN_USAGE, "--device %s: expected cpu, cuda or cuda:N", device);
+    mtrl_model_dims d;
+    mtrl_error err;
+    if (mtrl_model_dims_from_config(&d, &cfg.model, MTRL_VOCAB, &err) != MTRL_OK) {
+        fprintf(stderr, "mtrl plan: %s: %s\n", path, err.msg);
+        return 2;
+    }
+    size_t budget;
+    if (budget_gib > 0) {
+        budget = (size_t)(budget_gib * (double)((size_t)1 << 30));
+    } else {
+        size_t total;
+        if (mtrl_model_device_memory(dev, gpu, &budget, &total, &err) != MTRL_OK) {
+            fprintf(stderr, "mtrl plan: %s; give the memory with --budget-gib G\n", err.msg);
+            return 2;
+        }
+        printf("free memory of %s: %.2f of %.2f GiB\n", device, (double)budget / (1 << 30), (double)total / (1 << 30));
+    }
+    printf("experiment %s: model preset %s, %d layers (%s), d=%d, %d experts top-%d\n", path, cfg.model.preset, d.L,
+           d.mixer, d.d, d.E, d.k);
+    mtrl_model_plan p;
+    mtrl_status st = mtrl_model_plan_uniform(&p, &d, dev, tokens, (int)batch, budget, &err);
+    mtrl_model_plan_print(&p, stdout);
+    if (st != MTRL_OK) {
+        fprintf(stderr, "mtrl plan: %s\n", err.msg);
+        return 1;
+    }
+    return 0;
+}
