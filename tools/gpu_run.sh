@@ -45,6 +45,9 @@ print("reward by 5 steps:", q("select step/5, round(avg(value),3) from metrics w
 for m in ("learner_tokens_per_s", "tokens_per_s", "episodes_per_s", "step_seconds"):
     print(m, q(f"select round(avg(value),1), round(max(value),1) from metrics where name='{m}'"))
 print("reward per step:", [round(v, 3) for (v,) in q("select value from metrics where name='reward' order by step")])
+# Why a run does or does not learn: the learner-vs-behaviour mismatch, clipping, gradient, entropy.
+for m in ("mismatch_absdiff", "mismatch_k3", "clip_low", "clip_high", "ratio", "grad_norm", "entropy", "staleness_mean"):
+    print(m, "per step:", [round(v, 4) for (v,) in q(f"select value from metrics where name='{m}' order by step")])
 print("events (warnings):", q("select message from events where level in ('W','E','warn','error','WARN','ERROR') limit 12"))
 print("warm-up loss first/last:", q("select value from metrics where name='warmup_loss' order by step limit 1"),
       q("select value from metrics where name='warmup_loss' order by step desc limit 1"))
