@@ -149,7 +149,10 @@ static void publish_(mtrl_learner *l) {
     void *blob = NULL;
     size_t len = 0;
     mtrl_error err;
-    MTRL_CHECKF(mtrl_model_save(&l->model, NULL, &blob, &len, 0, NULL, 0, &err) == MTRL_OK, "%s", err.msg);
+    if (!strcmp(l->cfg.learner.publish_dtype, "bf16"))
+        MTRL_CHECKF(mtrl_model_save_bf16(&l->model, &blob, &len, &err) == MTRL_OK, "%s", err.msg);
+    else
+        MTRL_CHECKF(mtrl_model_save(&l->model, NULL, &blob, &len, 0, NULL, 0, &err) == MTRL_OK, "%s", err.msg);
     wmsg_free_(l);
     l->n_wmsg = (uint32_t)((len + WEIGHTS_CHUNK - 1) / WEIGHTS_CHUNK);
     l->wmsg = xcalloc(l->n_wmsg, sizeof *l->wmsg);

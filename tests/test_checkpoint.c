@@ -6,6 +6,7 @@
 //  - a checkpoint of another shape is refused naming the first mismatching tensor, and the
 //    model is left untouched; torn and corrupt files are refused with a precise message;
 //  - published weights round-trip through memory.
+#include <math.h>
 #include <stdlib.h>
 #include <string.h>
 #include <unistd.h>
@@ -154,6 +155,44 @@ int main(void) {
     TEST_CHECK(memcmp(w.qb_beta, b.qb_beta, sizeof(real) * (size_t)d.L * d.E) == 0);
     TEST_EQ_INT(w.version, b.version);
     free(mem);
+
+    // ... and as bf16 matrices (publish_dtype = bf16): half the bytes; matrices come back as
+    // their bf16 rounding (nearest even: relative error <= 2^-8, the unit roundoff of an 8-bit
+    // significand), vectors and β exactly.
+    size_t full_len = mem_len;
+    TEST_EQ_INT(mtrl_model_save_bf16(&b, &mem, &mem_len, &err), MTRL_OK);
+    printf("published weights: %zu bytes fp32, %zu bytes with bf16 matrices\n", full_len, mem_len);
+    TEST_CHECK(mem_len < full_len * 6 / 10);
+    mtrl_model w2;
+    mtrl_model_init(&w2, &d, 43);
+    TEST_EQ_INT(mtrl_ckpt_open_mem(&c, mem, mem_len, &err), MTRL_OK);
+    TEST_CHECK(c.t[mtrl_ckpt_find(&c, "lm_head")].dtype == MTRL_DT_BF16);
+    TEST_EQ_INT(mtrl_model_load(&w2, &c, 0, &err), MTRL_OK);
+    // Optimizer state never comes from bf16: a training resume of this blob is refused.
+    TEST_CHECK(mtrl_model_load(&w2, &c, 1, &err) != MTRL_OK);
+    mtrl_ckpt_close(&c);
+    double worst = 0;
+    int vec_exact = 1, changed = 0;
+    for (int i = 0; i < b.params.n; i++) {
+        const mtrl_tensor *t = &b.params.items[i];
+        const real *x = (const real *)((const char *)b.params.base + t->offset);
+        const real *y = (const real *)((const char *)w2.params.base + t->offset);
+        for (size_t k = 0; k < t->numel; k++) {
+            if (t->ndim < 2) vec_exact &= x[k] == y[k];
+            else if (x[k] != 0) {
+                double r = fabs((double)y[k] - (double)x[k]) / fabs((double)x[k]);
+                if (r > worst) worst = r;
+                changed |= y[k] != x[k];
+            }
+        }
+    }
+    printf("bf16 matrices: worst relative rounding %.3g\n", worst);
+    TEST_CHECK(worst <= 1.0 / 256 && changed);
+    TEST_CHECK(vec_exact);
+    TEST_CHECK(memcmp(w2.qb_beta, b.qb_beta, sizeof(real) * (size_t)d.L * d.E) == 0);
+    TEST_EQ_INT(w2.version, b.version);
+    free(mem);
+    mtrl_model_free(&w2);
 
     mtrl_model_free(&ref);
     mtrl_model_free(&a);

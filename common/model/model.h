@@ -257,6 +257,10 @@ void mtrl_model_decode(mtrl_model *m, mtrl_decode_state *const *states, int B, c
 // run counters). path != NULL writes a file atomically; else *mem/*mem_len get a malloc'ed buffer.
 mtrl_status mtrl_model_save(const mtrl_model *m, const char *path, void **mem, size_t *mem_len, int with_optimizer,
                             const char *const *meta, int n_meta, mtrl_error *err);
+// The published weights (no optimizer state) with every matrix (ndim >= 2) as bf16, rounded to
+// nearest even, and vectors and QB β as they are: half the bytes of mtrl_model_save for the
+// actors. *mem / *mem_len get a malloc'ed buffer. mtrl_model_load widens bf16 matrices back.
+mtrl_status mtrl_model_save_bf16(const mtrl_model *m, void **mem, size_t *mem_len, mtrl_error *err);
 // Loads what mtrl_model_save wrote into an initialised model of the same dims. Every tensor's
 // dtype and shape is checked before any byte is read, so a mismatch (named in the message)
 // leaves the model untouched. with_optimizer also restores the moments, the step and version.

@@ -93,6 +93,79 @@ mtrl_status mtrl_model_save(const mtrl_model *m, const char *path, void **mem, s
     return st;
 }
 
+// bf16 is the top half of an fp32; rounding to nearest even keeps NaN a (quiet) NaN.
+static uint16_t f32_to_bf16_(float f) {
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    if ((u & 0x7f800000u) == 0x7f800000u && (u & 0x7fffffu)) return (uint16_t)((u >> 16) | 0x40);
+    u += 0x7fffu + ((u >> 16) & 1);
+    return (uint16_t)(u >> 16);
+}
+
+static float bf16_to_f32_(uint16_t h) {
+    uint32_t u = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+}
+
+mtrl_status mtrl_model_save_bf16(const mtrl_model *m, void **mem, size_t *mem_len, mtrl_error *err) {
+    refresh_host_(m, 0);
+    save_list l;
+    list_build_(m, 0, &l);
+    size_t half = 0;
+    for (int i = 0; i < l.n; i++)
+        if (l.e[i].ndim >= 2 && l.e[i].dtype == REAL_DT && strcmp(l.e[i].name, "qb_beta")) half += l.e[i].nbytes / sizeof(real);
+    uint16_t *buf = malloc(sizeof(uint16_t) * (half ? half : 1));
+    if (!buf) {
+        free(l.e);
+        free(l.names);
+        return mtrl_error_set(err, MTRL_ERR_NOMEM, "cannot allocate %zu bytes for bf16 weights", 2 * half);
+    }
+    size_t at = 0;
+    for (int i = 0; i < l.n; i++) {
+        mtrl_ckpt_entry *x = &l.e[i];
+        if (x->ndim < 2 || x->dtype != REAL_DT || !strcmp(x->name, "qb_beta")) continue;
+        size_t n = x->nbytes / sizeof(real);
+        const real *src = x->data;
+        uint16_t *dst = buf + at;
+        #pragma omp parallel for schedule(static)
+        for (size_t k = 0; k < n; k++) dst[k] = f32_to_bf16_((float)src[k]);
+        x->data = dst;
+        x->dtype = MTRL_DT_BF16;
+        x->nbytes = 2 * n;
+        at += n;
+    }
+    char step[32], version[32];
+    snprintf(step, sizeof step, "%ld", m->step);
+    snprintf(version, sizeof version, "%" PRIu32, m->version);
+    const char *kv[] = {"mtrl.format", "1", "step", step, "version", version, "optimizer", "none", "weights", "bf16"};
+    mtrl_status st = mtrl_ckpt_write_mem(mem, mem_len, l.e, l.n, kv, 5, err);
+    free(buf);
+    free(l.e);
+    free(l.names);
+    return st;
+}
+
+// Reads tensor i of the list into its place: as stored, or widened from bf16 (published weights).
+static mtrl_status read_entry_(mtrl_ckpt *c, const mtrl_ckpt_entry *x, mtrl_error *err) {
+    int k = mtrl_ckpt_find(c, x->name);
+    if (k >= 0 && c->t[k].dtype == MTRL_DT_BF16 && x->dtype != MTRL_DT_BF16) {
+        size_t n = x->nbytes / sizeof(real);
+        uint16_t *h = malloc(sizeof(uint16_t) * (n ? n : 1));
+        if (!h) return mtrl_error_set(err, MTRL_ERR_NOMEM, "cannot allocate %zu bytes to widen %s", 2 * n, x->name);
+        mtrl_status st = mtrl_ckpt_read(c, x->name, MTRL_DT_BF16, x->ndim, x->shape, h, err);
+        real *dst = (real *)x->data;
+        if (st == MTRL_OK) {
+            #pragma omp parallel for schedule(static)
+            for (size_t i = 0; i < n; i++) dst[i] = (real)bf16_to_f32_(h[i]);
+        }
+        free(h);
+        return st;
+    }
+    return mtrl_ckpt_read(c, x->name, x->dtype, x->ndim, x->shape, (void *)x->data, err);
+}
+
 mtrl_status mtrl_model_load(mtrl_model *m, mtrl_ckpt *c, int with_optimizer, mtrl_error *err) {
     save_list l;
     list_build_(m, with_optimizer, &l);
@@ -106,15 +179,16 @@ mtrl_status mtrl_model_load(mtrl_model *m, mtrl_ckpt *c, int with_optimizer, mtr
             break;
         }
         const mtrl_ckpt_tensor *t = &c->t[k];
-        int same = t->dtype == l.e[i].dtype && t->ndim == l.e[i].ndim;
+        // bf16 matrices (mtrl_model_save_bf16) are widened on reading.
+        int widen = t->dtype == MTRL_DT_BF16 && l.e[i].dtype != MTRL_DT_BF16 && !with_optimizer;
+        int same = (t->dtype == l.e[i].dtype || widen) && t->ndim == l.e[i].ndim;
         for (int d = 0; same && d < t->ndim; d++) same = t->shape[d] == l.e[i].shape[d];
         if (!same) st = mtrl_ckpt_read(c, l.e[i].name, l.e[i].dtype, l.e[i].ndim, l.e[i].shape, NULL, err);
     }
     const char *s = mtrl_ckpt_meta(c, "step"), *v = mtrl_ckpt_meta(c, "version");
     if (st == MTRL_OK && with_optimizer && (!s || !v))
         st = mtrl_error_set(err, MTRL_ERR_FORMAT, "%s: no step/version metadata: not an mtrl training checkpoint", c->source);
-    for (int i = 0; i < l.n && st == MTRL_OK; i++)
-        st = mtrl_ckpt_read(c, l.e[i].name, l.e[i].dtype, l.e[i].ndim, l.e[i].shape, (void *)l.e[i].data, err);
+    for (int i = 0; i < l.n && st == MTRL_OK; i++) st = read_entry_(c, &l.e[i], err);
     if (st == MTRL_OK && m->device != MTRL_DEVICE_CPU) {
         mtrl_backend *be = m->be;
         size_t total = m->params.total;
