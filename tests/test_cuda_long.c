@@ -80,14 +80,7 @@ static int model_(mtrl_model *m, const mtrl_model_dims *d, uint64_t seed) {
         fprintf(stderr, "model: %s\n", err.msg);
         return 0;
     }
-    for (size_t i = 0; i < (size_t)(2 * d->L + 1) * d->d; i++) {
-        m->P.site_w[i] = (real)(0.5 * mtrl_rng_normal(seed, 1, i));
-        m->P.site_g[i] = (real)(1.0 + 0.2 * mtrl_rng_normal(seed, 2, i));
-    }
-    for (int l = 0; l < d->L; l++)
-        if (m->P.layer[l].A_log)
-            for (int h = 0; h < d->H; h++) m->P.layer[l].A_log[h] = (real)(0.3 * mtrl_rng_normal(seed, 3 + l, h));
-    for (size_t i = d->E; i < (size_t)d->L * d->E; i++) m->qb_beta[i] = (real)(0.05 * mtrl_rng_normal(seed, 90, i));
+    test_model_perturb(m, seed);
     mtrl_model_to_device(m);
     return 1;
 }

@@ -125,19 +125,6 @@ typedef struct gcase {
     double tol_logp, tol_grad, tol_logits, tol_decode, tol_beta, tol_seg;
 } gcase;
 
-// Non-zero AttnRes queries, gates and QB β, so every path carries signal.
-static void perturb_(mtrl_model *m, uint64_t seed) {
-    const mtrl_model_dims *d = &m->dims;
-    for (size_t i = 0; i < (size_t)(2 * d->L + 1) * d->d; i++) {
-        m->P.site_w[i] = (real)(0.5 * mtrl_rng_normal(seed, 1, i));
-        m->P.site_g[i] = (real)(1.0 + 0.2 * mtrl_rng_normal(seed, 2, i));
-    }
-    for (int l = 0; l < d->L; l++)
-        if (m->P.layer[l].A_log)
-            for (int h = 0; h < d->H; h++) m->P.layer[l].A_log[h] = (real)(0.3 * mtrl_rng_normal(seed, 3 + l, h));
-    for (size_t i = d->E; i < (size_t)d->L * d->E; i++) m->qb_beta[i] = (real)(0.05 * mtrl_rng_normal(seed, 90, i));
-}
-
 typedef struct batch_ {
     int n, total;
     int len[3];
@@ -208,7 +195,7 @@ static void test_case_(const gcase *k) {
     TEST_CHECK(!memcmp(mg.params.base, mc.params.base, total)); // same initial values
     mtrl_model_to_host(&mg);
     TEST_CHECK(!memcmp(mg.params.base, mc.params.base, total)); // exact round trip
-    perturb_(&mc, 3);
+    test_model_perturb(&mc, 3);
     memcpy(mg.params.base, mc.params.base, total);
     memcpy(mg.qb_beta, mc.qb_beta, sizeof(real) * (size_t)d.L * d.E);
     mtrl_model_to_device(&mg);

@@ -7,6 +7,7 @@
 
 #include "common/config.h"
 #include "common/model/model.h"
+#include "common/rng.h"
 
 // The dims of "[model]\n<model_ini>" (an [env] section is added, as the config requires); a bad
 // config prints its errors and returns zeroed dims, which the caller's checks then catch.
@@ -26,6 +27,21 @@ static inline mtrl_model_dims test_model_dims(const char *model_ini, int vocab) 
         memset(&d, 0, sizeof d);
     }
     return d;
+}
+
+// Non-zero AttnRes queries, key-norm gains, KDA A_log and QB β (initialised at 0 or 1 otherwise),
+// so every path of the model carries signal in a comparison. Host parameters only: a model on a
+// device needs mtrl_model_to_device afterwards.
+static inline void test_model_perturb(mtrl_model *m, uint64_t seed) {
+    const mtrl_model_dims *d = &m->dims;
+    for (size_t i = 0; i < (size_t)(2 * d->L + 1) * d->d; i++) {
+        m->P.site_w[i] = (real)(0.5 * mtrl_rng_normal(seed, 1, i));
+        m->P.site_g[i] = (real)(1.0 + 0.2 * mtrl_rng_normal(seed, 2, i));
+    }
+    for (int l = 0; l < d->L; l++)
+        if (m->P.layer[l].A_log)
+            for (int h = 0; h < d->H; h++) m->P.layer[l].A_log[h] = (real)(0.3 * mtrl_rng_normal(seed, 3 + l, h));
+    for (size_t i = d->E; i < (size_t)d->L * d->E; i++) m->qb_beta[i] = (real)(0.05 * mtrl_rng_normal(seed, 90, i));
 }
 
 #endif
