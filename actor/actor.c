@@ -1,6 +1,8 @@
 // actor.c: the actor process (see actor.h).
 #include "actor/actor.h"
 
+#include <errno.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <time.h>
@@ -11,6 +13,7 @@
 #include "actor/rollout.h"
 #include "common/check.h"
 #include "common/checkpoint.h"
+#include "common/fsutil.h"
 #include "common/log.h"
 #include "common/timeutil.h"
 #include "common/tokenizer.h"
@@ -58,6 +61,10 @@ typedef struct actor {
     outmsg *out;
     int n_out, cap_out, out_head;
     double last_heard, last_sent, last_qb;
+    // snapshots of long episodes in flight ([actor] snapshot_dir): per slot, the episode whose
+    // snapshot file exists and its length then
+    uint64_t *snap_ep, *snap_at;
+    int n_snap;
     int bye;
     long episodes_done;
 } actor;
@@ -147,6 +154,109 @@ static void on_end_(void *u, mtrl_traj *t) {
     a->episodes_done++;
 }
 
+// ---- snapshots of long episodes ([actor] snapshot_dir) --------------------------------------------------------
+//
+// Every episode in flight is written to <dir>/a<actor>.s<slot>.snap (atomically: temp + rename)
+// each time it grows by snapshot_tokens; the file goes when the episode ends. A restarted actor
+// resumes every snapshot of its id into a free slot (decode state, tokens, RNG position, env
+// replayed) under a fresh episode id and streams it again from its first token: a 1M-token
+// episode costs the tokens since its last snapshot, not all of them.
+
+static void snap_path_(const actor *a, int slot, char *buf, size_t cap) {
+    snprintf(buf, cap, "%s/a%u.s%d.snap", a->cfg.actor.snapshot_dir, a->id, slot);
+}
+
+static int file_write_atomic_(const char *path, const void *p, size_t n) {
+    char tmp[1200];
+    snprintf(tmp, sizeof tmp, "%s.tmp", path);
+    FILE *f = fopen(tmp, "wb");
+    if (!f) return -1;
+    int bad = fwrite(p, 1, n, f) != n;
+    bad |= fflush(f) != 0 || fsync(fileno(f)) != 0;
+    bad |= fclose(f) != 0;
+    if (bad || rename(tmp, path) != 0) {
+        unlink(tmp);
+        return -1;
+    }
+    return 0;
+}
+
+static void snap_write_(actor *a, int i, const mtrl_traj *t) {
+    mtrl_wbuf b;
+    mtrl_wbuf_init(&b);
+    mtrl_error err;
+    char path[1100];
+    snap_path_(a, i, path, sizeof path);
+    if (mtrl_rollout_snapshot(a->ro, i, &b, &err) != MTRL_OK) LOG_WARN("snapshot of slot %d: %s", i, err.msg);
+    else if (file_write_atomic_(path, b.data, b.len) != 0) LOG_WARN("snapshot %s: %s", path, strerror(errno));
+    else {
+        a->snap_ep[i] = t->episode_id;
+        a->snap_at[i] = t->n_tokens;
+    }
+    mtrl_wbuf_free(&b);
+}
+
+// After a generation step: new snapshots where episodes grew enough; old ones of finished episodes go.
+static void snapshots_(actor *a) {
+    if (!a->cfg.actor.snapshot_dir[0] || !a->ro) return;
+    for (int i = 0; i < a->n_snap; i++) {
+        mtrl_traj *t = mtrl_rollout_slot(a->ro, i);
+        if (a->snap_ep[i] && (!t || t->episode_id != a->snap_ep[i])) {
+            char path[1100];
+            snap_path_(a, i, path, sizeof path);
+            unlink(path);
+            a->snap_ep[i] = a->snap_at[i] = 0;
+        }
+        if (t && t->n_tokens >= a->snap_at[i] + (uint64_t)a->cfg.actor.snapshot_tokens) snap_write_(a, i, t);
+    }
+}
+
+static void on_begin_(void *u, mtrl_traj *t);
+
+// At start: resumes the snapshots an earlier process of this actor id left.
+static void snapshots_resume_(actor *a) {
+    const char *dir = a->cfg.actor.snapshot_dir;
+    if (!dir[0]) return;
+    if (mtrl_mkdir_p(dir) != 0) {
+        LOG_WARN("[actor] snapshot_dir %s: %s; no snapshots", dir, strerror(errno));
+        return;
+    }
+    // Read them all first: resuming into slot k rewrites slot k's file.
+    int n = a->n_snap, got = 0;
+    mtrl_wbuf *bufs = xcalloc((size_t)n, sizeof *bufs);
+    for (int i = 0; i < n; i++) {
+        char path[1100];
+        snap_path_(a, i, path, sizeof path);
+        mtrl_wbuf_init(&bufs[i]);
+        FILE *f = fopen(path, "rb");
+        if (!f) continue;
+        char chunk[1 << 16];
+        size_t r;
+        while ((r = fread(chunk, 1, sizeof chunk, f)) > 0) mtrl_wbuf_bytes(&bufs[i], chunk, r);
+        fclose(f);
+        unlink(path);
+        got++;
+    }
+    int slot = 0;
+    for (int i = 0; i < n && got; i++) {
+        if (!bufs[i].len) continue;
+        while (slot < n && mtrl_rollout_slot(a->ro, slot)) slot++;
+        mtrl_error err;
+        if (slot < n && mtrl_rollout_resume(a->ro, slot, bufs[i].data, bufs[i].len, &err) == MTRL_OK) {
+            uint64_t old = mtrl_rollout_adopt(a->ro, slot);
+            mtrl_traj *t = mtrl_rollout_slot(a->ro, slot);
+            LOG_INFO("resumed episode %llu as %llu at %llu tokens (snapshot of slot %d)", (unsigned long long)old,
+                     (unsigned long long)t->episode_id, (unsigned long long)t->n_tokens, i);
+            on_begin_(a, t);
+            snap_write_(a, slot, t);
+        } else {
+            LOG_WARN("snapshot of slot %d not resumed: %s", i, slot < n ? err.msg : "no free slot");
+        }
+    }
+    for (int i = 0; i < n; i++) mtrl_wbuf_free(&bufs[i]);
+    free(bufs);
+}
+
 // ---- messages from the learner -----------------------------------------------------------------------------
 
 static void hello_(actor *a) {
@@ -172,6 +282,11 @@ static int rollout_build_(actor *a, uint64_t next_group, uint64_t next_episode) 
     for (int i = a->out_head; i < a->n_out; i++) mtrl_wire_out_free(&a->out[i].o);
     a->out_head = a->n_out = 0;
     a->n_streams = 0;
+    a->n_snap = mtrl_rollout_slot_count(a->ro);
+    free(a->snap_ep);
+    free(a->snap_at);
+    a->snap_ep = xcalloc((size_t)a->n_snap, sizeof *a->snap_ep);
+    a->snap_at = xcalloc((size_t)a->n_snap, sizeof *a->snap_at);
     return 1;
 }
 
@@ -221,6 +336,7 @@ static int setup_(actor *a, const mtrl_wire_msg *m) {
     if (!rollout_build_(a, next_group, next_episode)) return 0;
     LOG_INFO("run %llu: %d episodes in flight, model %zu parameters", (unsigned long long)a->run_id,
              mtrl_rollout_slot_count(a->ro), mtrl_model_param_count(&a->model));
+    snapshots_resume_(a);
     return 1;
 }
 
@@ -468,6 +584,7 @@ int mtrl_actor_main(const char *endpoint, uint32_t actor_id, int gpu, volatile s
                 stream *s = t ? stream_find_(&a, t->episode_id) : NULL;
                 if (s) queue_chunks_(&a, s, t, 0);
             }
+            snapshots_(&a);
             flush_(&a);
         }
     }
@@ -479,6 +596,14 @@ int mtrl_actor_main(const char *endpoint, uint32_t actor_id, int gpu, volatile s
         send_now_(&a, &o);
         mtrl_wire_out_free(&o);
     }
+    // The run is over: its snapshots mean nothing to the next one. (Stopped by a signal, they
+    // stay: a restarted actor resumes them.)
+    if (a.bye == 1 && a.have_cfg && a.cfg.actor.snapshot_dir[0])
+        for (int i = 0; i < a.n_snap; i++) {
+            char path[1100];
+            snap_path_(&a, i, path, sizeof path);
+            unlink(path);
+        }
     int rc = a.bye == 3 ? MTRL_ACTOR_EXIT_UNUSABLE : a.bye == 2 ? 1 : 0;
     LOG_INFO("%ld episodes streamed; leaving", a.episodes_done);
     mtrl_rollout_free(a.ro);
@@ -486,6 +611,8 @@ int mtrl_actor_main(const char *endpoint, uint32_t actor_id, int gpu, volatile s
     for (int i = a.out_head; i < a.n_out; i++) mtrl_wire_out_free(&a.out[i].o);
     free(a.out);
     free(a.streams);
+    free(a.snap_ep);
+    free(a.snap_at);
     free(a.wbuf);
     mtrl_wire_monitor_close(&a.mon);
     mtrl_wire_sock_close(&a.sock);

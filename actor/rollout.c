@@ -452,6 +452,17 @@ mtrl_status mtrl_rollout_snapshot(mtrl_rollout *r, int i, mtrl_wbuf *out, mtrl_e
     return MTRL_OK;
 }
 
+uint64_t mtrl_rollout_adopt(mtrl_rollout *r, int i) {
+    MTRL_CHECKF(i >= 0 && i < r->n && r->slots[i].active, "adopt: slot %d has no episode", i);
+    mtrl_traj *t = &r->slots[i].traj;
+    uint64_t old = t->episode_id;
+    t->actor_id = r->p.actor_id;
+    t->incarnation = r->p.incarnation;
+    t->episode_id = ((uint64_t)r->p.actor_id << 48) | ((uint64_t)(r->p.incarnation & 0xffff) << 32) |
+                    (r->next_episode++ & 0xffffffff);
+    return old;
+}
+
 mtrl_status mtrl_rollout_resume(mtrl_rollout *r, int i, const void *buf, size_t n, mtrl_error *err) {
     if (i < 0 || i >= r->n || r->slots[i].active)
         return mtrl_error_set(err, MTRL_ERR_STATE, "resume: slot %d is not idle", i);

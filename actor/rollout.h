@@ -89,6 +89,10 @@ int mtrl_rollout_slot_count(const mtrl_rollout *r);
 mtrl_status mtrl_rollout_snapshot(mtrl_rollout *r, int slot, mtrl_wbuf *out, mtrl_error *err);
 // Resumes into an idle slot of r (same model shape; the weights may be newer).
 mtrl_status mtrl_rollout_resume(mtrl_rollout *r, int slot, const void *buf, size_t n, mtrl_error *err);
+// After a resume in another process: the episode continues as this rollout's actor incarnation
+// under a fresh episode id (the learner recorded the old stream as aborted when the old
+// incarnation went away); its tokens, group and sampling stream stay. Returns the old id.
+uint64_t mtrl_rollout_adopt(mtrl_rollout *r, int slot);
 
 // Runs one episode alone (replay --reexec): the task seed, episode id and sampling stream of a
 // recorded episode, on the given model and env. The result is written to out.

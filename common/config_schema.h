@@ -76,7 +76,9 @@
     X(actor, top_p, FLOAT, "1.0", 0.01, 1, NULL, "nucleus sampling mass")                          \
     X(actor, routing_replay, BOOL, "false", 0, 0, NULL, "record routing for the learner to replay (R3)") \
     X(actor, chunk_tokens, INT, "4096", 16, 1 << 24, NULL, "tokens per CHUNK message")             \
-    X(actor, heartbeat_ms, INT, "1000", 50, 600000, NULL, "heartbeat interval")
+    X(actor, heartbeat_ms, INT, "1000", 50, 600000, NULL, "heartbeat interval")                    \
+    X(actor, snapshot_dir, STR, "", 0, 0, NULL, "folder for snapshots of long episodes in flight; a restarted actor resumes them (empty = off)") \
+    X(actor, snapshot_tokens, INT, "65536", 16, 1 << 30, NULL, "snapshot an episode in flight each time it grows by this many tokens")
 
 #define MTRL_CFG_LEARNER(X)                                                                         \
     X(learner, endpoint, STR, "tcp://127.0.0.1:*", 0, 0, NULL, "ROUTER endpoint; * = pick a free port") \

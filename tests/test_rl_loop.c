@@ -224,8 +224,11 @@ static void test_actor_killed(void) {
         FILE *f = freopen(log, "a", stderr);
         f = freopen(epfile, "w", stdout);
         (void)f;
+        char snaps[600];
+        snprintf(snaps, sizeof snaps, "actor.snapshot_dir=%s/snaps", dir_);
         execl(bin_, bin_, "learner", ini, "--db", db, "--set", "actor.max_tokens=1500", "--set",
-              "actor.max_turn_tokens=1500", "--set", "actor.chunk_tokens=16", (char *)NULL);
+              "actor.max_turn_tokens=1500", "--set", "actor.chunk_tokens=16", "--set", snaps, "--set",
+              "actor.snapshot_tokens=32", (char *)NULL);
         _exit(127);
     }
     char endpoint[256] = "";
@@ -290,6 +293,22 @@ static void test_actor_killed(void) {
     // (Messages the actor sent between the drop and noticing it may arrive without their BEGIN:
     // the learner drops them, and the new incarnation's HELLO aborts what it held of the old.)
     TEST_CONTAINS(text, "HELLO as incarnation");
+    // The killed actor's episodes in flight were snapshotted; its successor resumed them under
+    // new ids and they finished (their tokens from before the kill included).
+    const char *res = strstr(text, "actor 1: resumed episode ");
+    TEST_CHECKF(res != NULL, "the restarted actor resumed no snapshot");
+    if (res) {
+        unsigned long long old_id = 0, new_id = 0, at = 0;
+        TEST_EQ_INT(sscanf(res, "actor 1: resumed episode %llu as %llu at %llu tokens", &old_id, &new_id, &at), 3);
+        char q[200];
+        snprintf(q, sizeof q, "SELECT tokens FROM episodes WHERE id = %lld AND status IN ('complete','truncated')",
+                 (long long)new_id);
+        long long toks = query_int(db, q);
+        snprintf(q, sizeof q, "SELECT count(*) FROM episodes WHERE id = %lld AND status = 'aborted'", (long long)old_id);
+        printf("resumed episode %llu as %llu at %llu tokens: finished with %lld tokens\n", old_id, new_id, at, toks);
+        TEST_CHECK(toks >= (long long)at && at >= 32);
+        TEST_EQ_INT(query_int(db, q), 1);
+    }
     free(text);
     char status[64];
     query_text(db, "SELECT status FROM runs WHERE id = 1", status, sizeof status);
