@@ -220,6 +220,18 @@ static void test_command_(void) {
     r = test_run_in(dir, (char *[]){(char *)bin, "plan", ini, "--tokens", "0", NULL});
     TEST_EQ_INT(r.rc, 2);
     test_result_free(&r);
+    // `mtrl bench long`: one episode through the actor's prefill and decode and the learner's
+    // planned step (what docs/perf.md records at 1M tokens on the GPU), here 600 tokens of tiny.
+    r = test_run_in(dir, (char *[]){(char *)bin, "bench", "long", "--tokens", "600", "--decode", "4", NULL});
+    printf("%s", r.out);
+    TEST_EQ_INT(r.rc, 0);
+    TEST_CONTAINS(r.out, "actor:   prefill");
+    TEST_CONTAINS(r.out, "ms per token at 600..604 context");
+    TEST_CONTAINS(r.out, "learner: segment ");
+    test_result_free(&r);
+    r = test_run_in(dir, (char *[]){(char *)bin, "bench", "long", "--decode", "0", NULL});
+    TEST_EQ_INT(r.rc, 2);
+    test_result_free(&r);
     char cmd[1200];
     snprintf(cmd, sizeof cmd, "rm -rf %s", dir);
     TEST_EQ_INT(system(cmd), 0);

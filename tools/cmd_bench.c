@@ -3,6 +3,9 @@
 //   mtrl bench model [--device cpu|cuda|cuda:N] [--preset tiny|small] [--tokens N] [--seqs B] [--segment S] [--reps R]
 //       forward and forward+backward tokens/s of the backbone on random tokens, batched decode
 //       tokens/s (B sequences, one token each per step), and peak memory
+//   mtrl bench long [--device cpu|cuda] [--preset tiny|small] [--tokens T] [--decode N]
+//       one T-token episode: the actor's prefill time and decode time per token at that context,
+//       the learner's forward+backward with the planned segment, and the memory of each
 //   mtrl bench ops --device cuda [...]   the CUDA kernels against the measured ceilings
 #include <stdlib.h>
 #include <string.h>
@@ -12,6 +15,7 @@
 
 #include "common/config.h"
 #include "common/model/model.h"
+#include "common/model/model_plan.h"
 #include "common/rng.h"
 #include "common/timeutil.h"
 #include "common/tokenizer.h"
@@ -20,7 +24,7 @@
 #include "kernels/cuda/kernels_cuda.h"
 #endif
 
-#define BENCH_USAGE "mtrl bench model [--device cpu|cuda] [--preset tiny|small] [--tokens N] [--seqs B] [--segment S] [--reps R] | mtrl bench ops --device cuda"
+#define BENCH_USAGE "mtrl bench model [--device cpu|cuda] [--preset tiny|small] [--tokens N] [--seqs B] [--segment S] [--reps R] | mtrl bench long [--device cpu|cuda] [--preset tiny|small] [--tokens T] [--decode N] | mtrl bench ops --device cuda"
 
 static void print_machine_(void) {
     struct utsname u;
@@ -43,24 +47,11 @@ static void print_machine_(void) {
     printf("machine: %s, %ld cores, %s %s; %s\n", cpu, sysconf(_SC_NPROCESSORS_ONLN), u.sysname, u.machine, when);
 }
 
-static int bench_model_(int argc, char **argv) {
-    const char *device = "cpu", *preset = "tiny";
-    int tokens = 2048, seqs = 8, segment = 0, reps = 3;
-    for (int i = 1; i < argc; i++) {
-        const char *a = argv[i];
-        const char *v = i + 1 < argc ? argv[i + 1] : NULL;
-        if (!strcmp(a, "--device") && v) { device = v; i++; }
-        else if (!strcmp(a, "--preset") && v) { preset = v; i++; }
-        else if (!strcmp(a, "--tokens") && v) { tokens = atoi(v); i++; }
-        else if (!strcmp(a, "--seqs") && v) { seqs = atoi(v); i++; }
-        else if (!strcmp(a, "--segment") && v) { segment = atoi(v); i++; }
-        else if (!strcmp(a, "--reps") && v) { reps = atoi(v); i++; }
-        else return cli_usage_error("bench", BENCH_USAGE, "unknown option '%s'", a);
-    }
+// The preset's model on the device (cpu, cuda, cuda:N): 0, or the exit code (77: no GPU here).
+static int model_open_(const char *device, const char *preset, mtrl_model *m) {
     int dev, gpu;
     if (mtrl_model_parse_device(device, &dev, &gpu))
         return cli_usage_error("bench", BENCH_USAGE, "--device %s: expected cpu, cuda or cuda:N", device);
-    if (tokens < seqs || seqs < 1 || reps < 1) return cli_usage_error("bench", BENCH_USAGE, "need tokens >= seqs >= 1 and reps >= 1");
     char text[256];
     snprintf(text, sizeof text, "[env]\nname = calc\n[model]\npreset = %s\n", preset);
     mtrl_config cfg;
@@ -76,11 +67,32 @@ static int bench_model_(int argc, char **argv) {
         fprintf(stderr, "mtrl bench: %s\n", err.msg);
         return 2;
     }
-    mtrl_model m;
-    if (mtrl_model_init_on(&m, &d, 1, dev, gpu, &err) != MTRL_OK) {
+    if (mtrl_model_init_on(m, &d, 1, dev, gpu, &err) != MTRL_OK) {
         fprintf(stderr, "mtrl bench: %s\n", err.msg);
         return dev == MTRL_DEVICE_CUDA && mtrl_model_cuda_devices() == 0 ? 77 : 2;
     }
+    return 0;
+}
+
+static int bench_model_(int argc, char **argv) {
+    const char *device = "cpu", *preset = "tiny";
+    int tokens = 2048, seqs = 8, segment = 0, reps = 3;
+    for (int i = 1; i < argc; i++) {
+        const char *a = argv[i];
+        const char *v = i + 1 < argc ? argv[i + 1] : NULL;
+        if (!strcmp(a, "--device") && v) { device = v; i++; }
+        else if (!strcmp(a, "--preset") && v) { preset = v; i++; }
+        else if (!strcmp(a, "--tokens") && v) { tokens = atoi(v); i++; }
+        else if (!strcmp(a, "--seqs") && v) { seqs = atoi(v); i++; }
+        else if (!strcmp(a, "--segment") && v) { segment = atoi(v); i++; }
+        else if (!strcmp(a, "--reps") && v) { reps = atoi(v); i++; }
+        else return cli_usage_error("bench", BENCH_USAGE, "unknown option '%s'", a);
+    }
+    if (tokens < seqs || seqs < 1 || reps < 1) return cli_usage_error("bench", BENCH_USAGE, "need tokens >= seqs >= 1 and reps >= 1");
+    mtrl_model m;
+    int rc = model_open_(device, preset, &m);
+    if (rc) return rc;
+    const mtrl_model_dims d = m.dims;
     int per = tokens / seqs;
     uint32_t *tok = malloc(sizeof(uint32_t) * (size_t)seqs * per);
     const uint32_t **toks = malloc(sizeof(*toks) * (size_t)seqs);
@@ -175,6 +187,83 @@ static int bench_model_(int argc, char **argv) {
     return 0;
 }
 
+// One long episode, what issue 8's table asks for: the actor's prefill of T tokens (chunked
+// form) and its decode time per token at that context, then the learner's forward+backward of
+// the T-token sequence with the planner's segment, and the memory of each.
+static int bench_long_(int argc, char **argv) {
+    const char *device = "cpu", *preset = "tiny";
+    int tokens = 8192, steps = 16;
+    for (int i = 1; i < argc; i++) {
+        const char *a = argv[i];
+        const char *v = i + 1 < argc ? argv[i + 1] : NULL;
+        if (!strcmp(a, "--device") && v) { device = v; i++; }
+        else if (!strcmp(a, "--preset") && v) { preset = v; i++; }
+        else if (!strcmp(a, "--tokens") && v) { tokens = atoi(v); i++; }
+        else if (!strcmp(a, "--decode") && v) { steps = atoi(v); i++; }
+        else return cli_usage_error("bench", BENCH_USAGE, "unknown option '%s'", a);
+    }
+    if (tokens < 2 || steps < 1) return cli_usage_error("bench", BENCH_USAGE, "need --tokens >= 2 and --decode >= 1");
+    mtrl_model m;
+    int rc = model_open_(device, preset, &m);
+    if (rc) return rc;
+    print_machine_();
+    printf("long episode: preset %s on %s, %zu parameters, %d tokens\n", preset, device, mtrl_model_param_count(&m), tokens);
+    uint32_t *tok = malloc(sizeof(uint32_t) * ((size_t)tokens + (size_t)steps));
+    for (size_t t = 0; t < (size_t)tokens + (size_t)steps; t++) tok[t] = (uint32_t)(mtrl_rng_u64(1, 7, t) % 256);
+    size_t fr0 = 0, tot = 0, scr = 0, peak = 0;
+    mtrl_model_mem_info(&m, &fr0, &tot, &scr, &peak);
+    // actor: prefill, then decode one token at a time at that context
+    mtrl_decode_state st;
+    mtrl_decode_state_init(&st, &m, tokens + steps);
+    double t0 = mtrl_time_mono();
+    mtrl_model_prefill(&m, &st, tok, tokens, NULL, NULL);
+    double t1 = mtrl_time_mono();
+    real *row = malloc(sizeof(real) * (size_t)m.dims.V);
+    mtrl_decode_state *sp[1] = {&st};
+    for (int k = 0; k < steps; k++) mtrl_model_decode(&m, sp, 1, &tok[tokens + k], row, NULL);
+    double t2 = mtrl_time_mono();
+    printf("actor:   prefill %.2f s (%.0f tokens/s); decode %.2f ms per token at %d..%d context; decode state %.1f MiB\n",
+           t1 - t0, tokens / (t1 - t0), (t2 - t1) / steps * 1e3, tokens, tokens + steps,
+           (double)mtrl_decode_state_bytes(&m, tokens + steps) / (1 << 20));
+    mtrl_decode_state_free(&st);
+    // learner: the whole sequence, segment from the planner
+    const uint32_t *tp[1] = {tok};
+    int len[1] = {tokens};
+    mtrl_batch b = {1, tp, len, NULL};
+    mtrl_model_plan plan;
+    mtrl_error err;
+    if (mtrl_model_plan_batch(&plan, &m, &b, &err) != MTRL_OK) {
+        fprintf(stderr, "mtrl bench long: %s\n", err.msg);
+        free(tok);
+        free(row);
+        mtrl_model_free(&m);
+        return 1;
+    }
+    mtrl_model_plan_print(&plan, stdout);
+    int seg = plan.keep ? 0 : plan.segment;
+    real *logp = malloc(sizeof(real) * (size_t)tokens), *c = malloc(sizeof(real) * (size_t)tokens);
+    for (int t = 0; t < tokens; t++) c[t] = (real)(1.0 / tokens);
+    double t3 = mtrl_time_mono();
+    mtrl_model_forward(&m, &b, seg, logp, NULL, NULL);
+    double t4 = mtrl_time_mono();
+    mtrl_model_zero_grads(&m);
+    mtrl_model_backward(&m, &b, c, NULL);
+    double t5 = mtrl_time_mono();
+    mtrl_model_mem_info(&m, &fr0, &tot, &scr, &peak);
+    struct rusage ru;
+    getrusage(RUSAGE_SELF, &ru);
+    printf("learner: segment %d: forward %.2f s, backward %.2f s (%.0f tokens/s forward+backward); peak RSS %.2f GiB",
+           seg, t4 - t3, t5 - t4, tokens / (t5 - t3), ru.ru_maxrss / 1048576.0);
+    if (peak > 0) printf("; device high-water %.2f GiB", (double)peak / (1 << 30));
+    printf("\n");
+    free(logp);
+    free(c);
+    free(tok);
+    free(row);
+    mtrl_model_free(&m);
+    return 0;
+}
+
 int cmd_bench(int argc, char **argv) {
     if (argc < 2 || cli_is_help(argv[1])) {
         printf("usage: %s\n", BENCH_USAGE);
@@ -189,9 +278,6 @@ int cmd_bench(int argc, char **argv) {
         return 2;
 #endif
     }
-    if (!strcmp(argv[1], "rl")) {
-        fprintf(stderr, "mtrl bench rl: not available yet: lands with the RL loop (issue 4)\n");
-        return 2;
-    }
+    if (!strcmp(argv[1], "long")) return bench_long_(argc - 1, argv + 1);
     return cli_usage_error("bench", BENCH_USAGE, "unknown benchmark '%s'", argv[1]);
 }

@@ -30,6 +30,12 @@ run)
   done | tee "$out/tests.txt"
   .carry/dev/mtrl bench model --device cuda --preset small --tokens 8192 --seqs 4 --reps 2 2>&1 | tee "$out/bench_model_small.txt"
   fi
+  # BENCH_LONG="--preset small --tokens 131072": one long episode (actor prefill and decode,
+  # the learner's planned step, memory) before the quickstart.
+  if [ -n "${BENCH_LONG:-}" ]; then
+    timeout "${LONG_SECONDS:-300}" .carry/dev/mtrl bench long --device cuda $BENCH_LONG 2>&1 | tee "$out/bench_long.txt"
+  fi
+  [ "${SKIP_QG:-0}" = 1 ] && exit 0
   rm -rf /tmp/qg && mkdir -p /tmp/qg && cd /tmp/qg
   start=$(date +%s)
   timeout "${QG_SECONDS:-330}" "$repo/.carry/dev/mtrl" run "$repo/experiments/quickstart-gpu.ini" --db runs.db \
