@@ -340,24 +340,25 @@ static int setup_(actor *a, const mtrl_wire_msg *m) {
     return 1;
 }
 
-// Gives up every episode in flight and says HELLO as a new incarnation: the learner aborts what
-// it holds of the old one (its open episodes may have lost messages) and answers with a WELCOME
-// of the same run, which restores the credit; model and weights stay.
+// Starts over as a new incarnation and says HELLO: the learner aborts what it holds of the old
+// one (messages of the dropped connection may be missing), answers with a WELCOME of the same run
+// (the credit comes back; model and weights stay), and the episodes in flight go on under new
+// ids, streamed again from their first token: nothing generated is lost.
 static void resync_(actor *a, const char *why) {
-    uint64_t next_group = 0, next_episode = 0;
-    int open = 0;
-    if (a->ro) {
-        mtrl_rollout_counters(a->ro, &next_group, &next_episode);
-        for (int i = 0; i < mtrl_rollout_slot_count(a->ro); i++) open += mtrl_rollout_slot(a->ro, i) != NULL;
-    }
     uint32_t now = (uint32_t)((mtrl_time_wall() - 1704067200.0) * 10.0);
     a->incarnation = now > a->incarnation ? now : a->incarnation + 1;
-    LOG_WARN("%s: %d episodes in flight given up; HELLO as incarnation %u", why, open, a->incarnation);
+    for (int i = a->out_head; i < a->n_out; i++) mtrl_wire_out_free(&a->out[i].o);
+    a->out_head = a->n_out = 0;
+    a->n_streams = 0;
+    int kept = 0;
     if (a->ro) {
-        mtrl_rollout_free(a->ro);
-        a->ro = NULL;
-        if (!rollout_build_(a, next_group, next_episode)) a->bye = 2;
+        kept = mtrl_rollout_reincarnate(a->ro, a->incarnation);
+        for (int i = 0; i < mtrl_rollout_slot_count(a->ro); i++) {
+            mtrl_traj *t = mtrl_rollout_slot(a->ro, i);
+            if (t) on_begin_(a, t);
+        }
     }
+    LOG_WARN("%s: HELLO as incarnation %u; %d episodes in flight go on under new ids", why, a->incarnation, kept);
     a->credit = 0;
     a->resync = 1;
     hello_(a);

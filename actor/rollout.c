@@ -463,6 +463,17 @@ uint64_t mtrl_rollout_adopt(mtrl_rollout *r, int i) {
     return old;
 }
 
+int mtrl_rollout_reincarnate(mtrl_rollout *r, uint32_t incarnation) {
+    r->p.incarnation = incarnation;
+    int n = 0;
+    for (int i = 0; i < r->n; i++)
+        if (r->slots[i].active) {
+            mtrl_rollout_adopt(r, i);
+            n++;
+        }
+    return n;
+}
+
 mtrl_status mtrl_rollout_resume(mtrl_rollout *r, int i, const void *buf, size_t n, mtrl_error *err) {
     if (i < 0 || i >= r->n || r->slots[i].active)
         return mtrl_error_set(err, MTRL_ERR_STATE, "resume: slot %d is not idle", i);

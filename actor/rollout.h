@@ -93,6 +93,10 @@ mtrl_status mtrl_rollout_resume(mtrl_rollout *r, int slot, const void *buf, size
 // under a fresh episode id (the learner recorded the old stream as aborted when the old
 // incarnation went away); its tokens, group and sampling stream stay. Returns the old id.
 uint64_t mtrl_rollout_adopt(mtrl_rollout *r, int slot);
+// The actor starts over as a new incarnation (its connection to the learner was lost): every
+// episode in flight is adopted under it (mtrl_rollout_adopt), and new episodes get its ids.
+// Returns the number of episodes in flight.
+int mtrl_rollout_reincarnate(mtrl_rollout *r, uint32_t incarnation);
 
 // Runs one episode alone (replay --reexec): the task seed, episode id and sampling stream of a
 // recorded episode, on the given model and env. The result is written to out.

@@ -293,6 +293,7 @@ static void test_actor_killed(void) {
     // (Messages the actor sent between the drop and noticing it may arrive without their BEGIN:
     // the learner drops them, and the new incarnation's HELLO aborts what it held of the old.)
     TEST_CONTAINS(text, "HELLO as incarnation");
+    TEST_CONTAINS(text, "episodes in flight go on under new ids");
     // The killed actor's episodes in flight were snapshotted; its successor resumed them under
     // new ids and they finished (their tokens from before the kill included).
     const char *res = strstr(text, "actor 1: resumed episode ");
