@@ -14,6 +14,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/stat.h>
 #include <sys/wait.h>
 #include <time.h>
 #include <unistd.h>
@@ -321,6 +322,66 @@ static void test_actor_killed(void) {
     check_digests(db);
 }
 
+// CURVE end to end: `mtrl run` with [learner] curve_key / curve_allow finishes (its local actors
+// get a throw-away key the learner trusts), and while it runs an actor whose key is not on the
+// allow-list is refused (the learner logs the refused key) and gets nothing through.
+static void test_curve(void) {
+    char ini[512], db[512], log[512], stem[512], allow[512];
+    snprintf(allow, sizeof allow, "%s/allowed", dir_);
+    TEST_CHECK(mkdir(allow, 0755) == 0);
+    const char *names[] = {"learner", "stranger"};
+    for (int i = 0; i < 2; i++) {
+        snprintf(stem, sizeof stem, "%s/%s", dir_, names[i]);
+        char *kg[] = {(char *)bin_, "keygen", stem, NULL};
+        snprintf(log, sizeof log, "%s/keygen.log", dir_);
+        TEST_EQ_INT(run_cmd(kg, log), 0);
+    }
+    make_experiment("curve", 30, "calc", "", "false", ini, sizeof ini, NULL);
+    snprintf(db, sizeof db, "%s/curve.db", dir_);
+    snprintf(log, sizeof log, "%s/curve.log", dir_);
+    char key_set[700], allow_set[700];
+    snprintf(key_set, sizeof key_set, "learner.curve_key=%s/learner.key", dir_);
+    snprintf(allow_set, sizeof allow_set, "learner.curve_allow=%s", allow);
+    char *argv[] = {(char *)bin_, "run", ini, "--db", db, "--set", key_set, "--set", allow_set, NULL};
+    pid_t run = start_cmd(argv, log);
+    // The endpoint the learner bound (an ephemeral port), from its log line.
+    char endpoint[128] = "";
+    for (int i = 0; i < 400 && !endpoint[0]; i++) {
+        sleep_ms(50);
+        char *t = test_slurp(log, NULL);
+        const char *at = t ? strstr(t, "learner on tcp://") : NULL;
+        if (at) sscanf(at + strlen("learner on "), "%127[^,]", endpoint);
+        free(t);
+    }
+    TEST_CHECKF(endpoint[0], "the learner logged no endpoint");
+    // A stranger with a valid key pair that is not on the list, holding the right learner key.
+    char server_pub[600], stranger_key[600];
+    snprintf(server_pub, sizeof server_pub, "%s/learner.pub", dir_);
+    snprintf(stranger_key, sizeof stranger_key, "%s/stranger.key", dir_);
+    for (int i = 0; i < 200 && query_int(db, "SELECT count(*) FROM episodes") < 1; i++) sleep_ms(50);
+    char *st_argv[] = {(char *)bin_, "actor", "--connect", endpoint, "--id", "9", "--curve-server-key",
+                       server_pub, "--curve-key", stranger_key, NULL};
+    pid_t stranger = start_cmd(st_argv, log);
+    int status;
+    for (int i = 0; i < 2400; i++) {
+        if (waitpid(run, &status, WNOHANG) == run) break;
+        sleep_ms(50);
+    }
+    TEST_CHECK(WIFEXITED(status) && WEXITSTATUS(status) == 0);
+    kill(stranger, SIGTERM);
+    waitpid(stranger, NULL, 0);
+    char st[64];
+    query_text(db, "SELECT status FROM runs WHERE id = 1", st, sizeof st);
+    TEST_EQ_STR(st, "finished");
+    TEST_EQ_INT(query_int(db, "SELECT count(*) FROM episodes WHERE actor = 9"), 0);
+    char *text = test_slurp(log, NULL);
+    TEST_CHECK(text != NULL);
+    TEST_CONTAINS(text, "refused CURVE client");
+    printf("curve: run finished with %lld episodes; the stranger was refused\n",
+           query_int(db, "SELECT count(*) FROM episodes"));
+    free(text);
+}
+
 // SIGINT stops a run cleanly: exit code 1, the run marked killed, its actors gone.
 static void test_sigint(void) {
     char ini[512], db[512], log[512];
@@ -452,6 +513,7 @@ int main(void) {
     test_small_credit();
     test_actor_killed();
     test_plugins();
+    test_curve();
     test_stages();
     test_sigint();
     int rc = test_report();
