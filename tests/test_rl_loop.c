@@ -307,8 +307,12 @@ static void test_actor_killed(void) {
                  (long long)new_id);
         long long toks = query_int(db, q);
         snprintf(q, sizeof q, "SELECT count(*) FROM episodes WHERE id = %lld AND status = 'aborted'", (long long)old_id);
-        printf("resumed episode %llu as %llu at %llu tokens: finished with %lld tokens\n", old_id, new_id, at, toks);
-        TEST_CHECK(toks >= (long long)at && at >= 32);
+        printf("resumed episode %llu as %llu at %llu tokens: %s %lld tokens\n", old_id, new_id, at,
+               toks >= 0 ? "finished with" : "still running at the end of the run; tokens", toks);
+        TEST_CHECK(at >= 32);
+        // It may still be running when the 12 steps are done (up to 1500 tokens); if it finished,
+        // its tokens from before the kill are in it.
+        TEST_CHECK(toks < 0 || toks >= (long long)at);
         // The old stream is on record as aborted, unless none of it had reached the learner yet
         // (its BEGIN still waiting for credit when the actor was killed).
         TEST_CHECK(query_int(db, q) <= 1);
