@@ -162,8 +162,9 @@ static void on_end_(void *u, mtrl_traj *t) {
 // replayed) under a fresh episode id and streams it again from its first token: a 1M-token
 // episode costs the tokens since its last snapshot, not all of them.
 
+// The run id is in the name: a snapshot left by a killed actor of another run is never resumed.
 static void snap_path_(const actor *a, int slot, char *buf, size_t cap) {
-    snprintf(buf, cap, "%s/a%u.s%d.snap", a->cfg.actor.snapshot_dir, a->id, slot);
+    snprintf(buf, cap, "%s/a%u.r%llu.s%d.snap", a->cfg.actor.snapshot_dir, a->id, (unsigned long long)a->run_id, slot);
 }
 
 static int file_write_atomic_(const char *path, const void *p, size_t n) {
@@ -213,7 +214,7 @@ static void snapshots_(actor *a) {
 
 static void on_begin_(void *u, mtrl_traj *t);
 
-// At start: resumes the snapshots an earlier process of this actor id left.
+// At start: resumes the snapshots an earlier process of this actor id left in this run.
 static void snapshots_resume_(actor *a) {
     const char *dir = a->cfg.actor.snapshot_dir;
     if (!dir[0]) return;
@@ -282,6 +283,12 @@ static int rollout_build_(actor *a, uint64_t next_group, uint64_t next_episode) 
     for (int i = a->out_head; i < a->n_out; i++) mtrl_wire_out_free(&a->out[i].o);
     a->out_head = a->n_out = 0;
     a->n_streams = 0;
+    // A rebuild (a new stage) ends the episodes the snapshots were of.
+    for (int i = 0; i < a->n_snap && a->cfg.actor.snapshot_dir[0]; i++) {
+        char path[1100];
+        snap_path_(a, i, path, sizeof path);
+        unlink(path);
+    }
     a->n_snap = mtrl_rollout_slot_count(a->ro);
     free(a->snap_ep);
     free(a->snap_at);
@@ -306,6 +313,7 @@ static int setup_(actor *a, const mtrl_wire_msg *m) {
         return 0;
     }
     uint64_t next_group = 0, next_episode = 0;
+    int first = !a->have_model; // a later setup is a new stage: its episodes in flight are over
     if (a->have_model) {
         if (a->ro) mtrl_rollout_counters(a->ro, &next_group, &next_episode);
         mtrl_rollout_free(a->ro);
@@ -336,7 +344,7 @@ static int setup_(actor *a, const mtrl_wire_msg *m) {
     if (!rollout_build_(a, next_group, next_episode)) return 0;
     LOG_INFO("run %llu: %d episodes in flight, model %zu parameters", (unsigned long long)a->run_id,
              mtrl_rollout_slot_count(a->ro), mtrl_model_param_count(&a->model));
-    snapshots_resume_(a);
+    if (first) snapshots_resume_(a);
     return 1;
 }
 
