@@ -271,6 +271,11 @@ void mtrl_wire_sock_close(mtrl_wire_sock *s); // NULL-safe
 // DEALER. MTRL_ERR_PEER when the ROUTER does not know the peer (or it went away),
 // MTRL_ERR_TIMEOUT when the send would block past send_timeout_ms.
 mtrl_status mtrl_wire_send(mtrl_wire_sock *s, const mtrl_wire_peer *peer, const mtrl_wire_out *o, mtrl_error *err);
+// The same for an encoded header (MTRL_WIRE_HDR_SIZE bytes) and a payload that ZeroMQ borrows
+// instead of copying: ffn(payload, hint) is called exactly once, from any thread, when ZeroMQ no
+// longer needs it (also when the send fails). See wire_shared.h.
+mtrl_status mtrl_wire_send_borrowed(mtrl_wire_sock *s, const mtrl_wire_peer *peer, const uint8_t *hdr, void *payload,
+                                    size_t n, void (*ffn)(void *data, void *hint), void *hint, mtrl_error *err);
 
 // A received message: header decoded, payload checked (length, CRC) but not decoded. Borrowed
 // from the socket: valid until the next mtrl_wire_recv or close.

@@ -243,33 +243,58 @@ void mtrl_wire_sock_close(mtrl_wire_sock *s) {
     sock_clear_(s);
 }
 
+static mtrl_status send_err_(mtrl_error *err, int first) {
+    int e = zmq_errno();
+    if (e == EHOSTUNREACH)
+        return mtrl_error_set(err, MTRL_ERR_PEER, "zmq: the peer is unknown or gone (ROUTER_MANDATORY)");
+    if (e == EAGAIN)
+        return mtrl_error_set(err, MTRL_ERR_TIMEOUT, "zmq: send %s: the peer is not taking messages (queue full)",
+                              first ? "refused" : "stalled mid-message");
+    return mtrl_error_set(err, MTRL_ERR_IO, "zmq: send failed: %s", zmq_strerror(e));
+}
+
 static mtrl_status send_frame_(mtrl_wire_sock *s, const void *p, size_t n, int more, int first, mtrl_error *err) {
     for (;;) {
         if (zmq_send(s->sock, p, n, more ? ZMQ_SNDMORE : 0) >= 0) return MTRL_OK;
-        int e = zmq_errno();
-        if (e == EINTR) continue;
-        if (e == EHOSTUNREACH)
-            return mtrl_error_set(err, MTRL_ERR_PEER, "zmq: the peer is unknown or gone (ROUTER_MANDATORY)");
-        if (e == EAGAIN)
-            return mtrl_error_set(err, MTRL_ERR_TIMEOUT, "zmq: send %s: the peer is not taking messages (queue full)",
-                                  first ? "refused" : "stalled mid-message");
-        return mtrl_error_set(err, MTRL_ERR_IO, "zmq: send failed: %s", zmq_strerror(e));
+        if (zmq_errno() != EINTR) return send_err_(err, first);
     }
 }
 
-mtrl_status mtrl_wire_send(mtrl_wire_sock *s, const mtrl_wire_peer *peer, const mtrl_wire_out *o, mtrl_error *err) {
-    if (!s->sock) return mtrl_error_set(err, MTRL_ERR_STATE, "wire: socket is not open");
-    int has_payload = o->payload.len > 0;
-    mtrl_status st;
-    if (s->router) {
-        if (!peer || peer->len == 0) return mtrl_error_set(err, MTRL_ERR_STATE, "wire: ROUTER send needs a peer");
-        st = send_frame_(s, peer->id, peer->len, 1, 1, err);
-        if (st) return st;
+// The identity frame (ROUTER) and the header; then the payload goes as a copy (data, n) or, with
+// ffn, borrowed: ZeroMQ calls ffn(data, hint) when done with it, also when the send fails.
+static mtrl_status send_(mtrl_wire_sock *s, const mtrl_wire_peer *peer, const uint8_t *hdr, void *data, size_t n,
+                         void (*ffn)(void *, void *), void *hint, mtrl_error *err) {
+    mtrl_status st = MTRL_OK;
+    if (!s->sock) st = mtrl_error_set(err, MTRL_ERR_STATE, "wire: socket is not open");
+    else if (s->router && (!peer || peer->len == 0)) st = mtrl_error_set(err, MTRL_ERR_STATE, "wire: ROUTER send needs a peer");
+    if (!st && s->router) st = send_frame_(s, peer->id, peer->len, 1, 1, err);
+    if (!st) st = send_frame_(s, hdr, MTRL_WIRE_HDR_SIZE, n > 0, !s->router, err);
+    if (st || n == 0 || !ffn) {
+        if (!st && n > 0) st = send_frame_(s, data, n, 0, 0, err);
+        if (ffn) ffn(data, hint);
+        return st;
     }
-    st = send_frame_(s, o->hdr, MTRL_WIRE_HDR_SIZE, has_payload, !s->router, err);
-    if (st) return st;
-    if (has_payload) st = send_frame_(s, o->payload.data, o->payload.len, 0, 0, err);
+    zmq_msg_t m;
+    if (zmq_msg_init_data(&m, data, n, ffn, hint) != 0) {
+        ffn(data, hint);
+        return mtrl_error_set(err, MTRL_ERR_NOMEM, "zmq: cannot wrap a payload: %s", zmq_strerror(zmq_errno()));
+    }
+    for (;;) {
+        if (zmq_msg_send(&m, s->sock, 0) >= 0) return MTRL_OK;
+        if (zmq_errno() != EINTR) break;
+    }
+    st = send_err_(err, 0);
+    zmq_msg_close(&m); // releases the payload through ffn
     return st;
+}
+
+mtrl_status mtrl_wire_send(mtrl_wire_sock *s, const mtrl_wire_peer *peer, const mtrl_wire_out *o, mtrl_error *err) {
+    return send_(s, peer, o->hdr, o->payload.data, o->payload.len, NULL, NULL, err);
+}
+
+mtrl_status mtrl_wire_send_borrowed(mtrl_wire_sock *s, const mtrl_wire_peer *peer, const uint8_t *hdr, void *payload,
+                                    size_t n, void (*ffn)(void *data, void *hint), void *hint, mtrl_error *err) {
+    return send_(s, peer, hdr, payload, n, ffn, hint, err);
 }
 
 static void peer_text_(const mtrl_wire_peer *p, char *buf, size_t cap) {

@@ -12,12 +12,12 @@
 #include <zmq.h>
 
 #include "env/env_config.h"
-#include "common/fsutil.h"
 #include "common/check.h"
 #include "common/checkpoint.h"
+#include "common/fsutil.h"
 #include "common/hash.h"
-#include "common/rng.h"
 #include "common/log.h"
+#include "common/rng.h"
 #include "common/store.h"
 #include "common/timeutil.h"
 #include "common/tokenizer.h"
@@ -117,11 +117,11 @@ static actor_rec *actor_find_(mtrl_learner *l, const mtrl_wire_peer *p) {
     return NULL;
 }
 
-static void sent_(mtrl_learner *l, actor_rec *a, mtrl_status st, const mtrl_error *e) {
-    mtrl_error err = *e;
+// After a send to actor a: a peer ZeroMQ no longer knows is dead.
+static void sent_(mtrl_learner *l, actor_rec *a, mtrl_status st, const mtrl_error *err) {
     if (st != MTRL_OK) {
-        LOG_WARN("send to actor %u failed: %s", a->id, err.msg);
-        if (err.code == MTRL_ERR_PEER && a->alive) {
+        LOG_WARN("send to actor %u failed: %s", a->id, err->msg);
+        if (err->code == MTRL_ERR_PEER && a->alive) {
             // ZeroMQ's own heartbeat (or the TCP close) found the peer gone before ours timed out.
             a->alive = 0;
             size_t n = mtrl_wire_asm_abort_actor(l->asm_, a->id, a->incarnation, "actor connection lost (no heartbeat)");
