@@ -117,6 +117,13 @@ static void flush_(actor *a) {
 
 static int outbox_len_(const actor *a) { return a->n_out - a->out_head; }
 
+// Drops everything queued and every open stream: what they belong to will not reach the learner.
+static void outbox_clear_(actor *a) {
+    for (int i = a->out_head; i < a->n_out; i++) mtrl_wire_out_free(&a->out[i].o);
+    a->out_head = a->n_out = 0;
+    a->n_streams = 0;
+}
+
 // ---- episode streams ---------------------------------------------------------------------------------------
 
 static stream *stream_find_(actor *a, uint64_t id) {
@@ -167,19 +174,11 @@ static void snap_path_(const actor *a, int slot, char *buf, size_t cap) {
     snprintf(buf, cap, "%s/a%u.r%llu.s%d.snap", a->cfg.actor.snapshot_dir, a->id, (unsigned long long)a->run_id, slot);
 }
 
-static int file_write_atomic_(const char *path, const void *p, size_t n) {
+static int snap_file_write_(const char *path, const mtrl_wbuf *b) {
     char tmp[1200];
-    snprintf(tmp, sizeof tmp, "%s.tmp", path);
-    FILE *f = fopen(tmp, "wb");
+    FILE *f = mtrl_file_atomic_begin(path, tmp, sizeof tmp);
     if (!f) return -1;
-    int bad = fwrite(p, 1, n, f) != n;
-    bad |= fflush(f) != 0 || fsync(fileno(f)) != 0;
-    bad |= fclose(f) != 0;
-    if (bad || rename(tmp, path) != 0) {
-        unlink(tmp);
-        return -1;
-    }
-    return 0;
+    return mtrl_file_atomic_end(f, tmp, path, fwrite(b->data, 1, b->len, f) != b->len) ? -1 : 0;
 }
 
 static void snap_write_(actor *a, int i, const mtrl_traj *t) {
@@ -189,7 +188,7 @@ static void snap_write_(actor *a, int i, const mtrl_traj *t) {
     char path[1100];
     snap_path_(a, i, path, sizeof path);
     if (mtrl_rollout_snapshot(a->ro, i, &b, &err) != MTRL_OK) LOG_WARN("snapshot of slot %d: %s", i, err.msg);
-    else if (file_write_atomic_(path, b.data, b.len) != 0) LOG_WARN("snapshot %s: %s", path, strerror(errno));
+    else if (snap_file_write_(path, &b) != 0) LOG_WARN("snapshot %s: %s", path, strerror(errno));
     else {
         a->snap_ep[i] = t->episode_id;
         a->snap_at[i] = t->n_tokens;
@@ -197,17 +196,19 @@ static void snap_write_(actor *a, int i, const mtrl_traj *t) {
     mtrl_wbuf_free(&b);
 }
 
+static void snap_remove_(actor *a, int i) {
+    char path[1100];
+    snap_path_(a, i, path, sizeof path);
+    unlink(path);
+    a->snap_ep[i] = a->snap_at[i] = 0;
+}
+
 // After a generation step: new snapshots where episodes grew enough; old ones of finished episodes go.
 static void snapshots_(actor *a) {
     if (!a->cfg.actor.snapshot_dir[0] || !a->ro) return;
     for (int i = 0; i < a->n_snap; i++) {
         mtrl_traj *t = mtrl_rollout_slot(a->ro, i);
-        if (a->snap_ep[i] && (!t || t->episode_id != a->snap_ep[i])) {
-            char path[1100];
-            snap_path_(a, i, path, sizeof path);
-            unlink(path);
-            a->snap_ep[i] = a->snap_at[i] = 0;
-        }
+        if (a->snap_ep[i] && (!t || t->episode_id != a->snap_ep[i])) snap_remove_(a, i);
         if (t && t->n_tokens >= a->snap_at[i] + (uint64_t)a->cfg.actor.snapshot_tokens) snap_write_(a, i, t);
     }
 }
@@ -280,15 +281,9 @@ static int rollout_build_(actor *a, uint64_t next_group, uint64_t next_episode) 
         LOG_ERROR("%s", err.msg);
         return 0;
     }
-    for (int i = a->out_head; i < a->n_out; i++) mtrl_wire_out_free(&a->out[i].o);
-    a->out_head = a->n_out = 0;
-    a->n_streams = 0;
+    outbox_clear_(a);
     // A rebuild (a new stage) ends the episodes the snapshots were of.
-    for (int i = 0; i < a->n_snap && a->cfg.actor.snapshot_dir[0]; i++) {
-        char path[1100];
-        snap_path_(a, i, path, sizeof path);
-        unlink(path);
-    }
+    for (int i = 0; i < a->n_snap && a->cfg.actor.snapshot_dir[0]; i++) snap_remove_(a, i);
     a->n_snap = mtrl_rollout_slot_count(a->ro);
     free(a->snap_ep);
     free(a->snap_at);
@@ -355,9 +350,7 @@ static int setup_(actor *a, const mtrl_wire_msg *m) {
 static void resync_(actor *a, const char *why) {
     uint32_t now = (uint32_t)((mtrl_time_wall() - 1704067200.0) * 10.0);
     a->incarnation = now > a->incarnation ? now : a->incarnation + 1;
-    for (int i = a->out_head; i < a->n_out; i++) mtrl_wire_out_free(&a->out[i].o);
-    a->out_head = a->n_out = 0;
-    a->n_streams = 0;
+    outbox_clear_(a);
     int kept = 0;
     if (a->ro) {
         kept = mtrl_rollout_reincarnate(a->ro, a->incarnation);
@@ -608,11 +601,7 @@ int mtrl_actor_main(const char *endpoint, uint32_t actor_id, int gpu, volatile s
     // The run is over: its snapshots mean nothing to the next one. (Stopped by a signal, they
     // stay: a restarted actor resumes them.)
     if (a.bye == 1 && a.have_cfg && a.cfg.actor.snapshot_dir[0])
-        for (int i = 0; i < a.n_snap; i++) {
-            char path[1100];
-            snap_path_(&a, i, path, sizeof path);
-            unlink(path);
-        }
+        for (int i = 0; i < a.n_snap; i++) snap_remove_(&a, i);
     int rc = a.bye == 3 ? MTRL_ACTOR_EXIT_UNUSABLE : a.bye == 2 ? 1 : 0;
     LOG_INFO("%ld episodes streamed; leaving", a.episodes_done);
     mtrl_rollout_free(a.ro);

@@ -8,6 +8,7 @@
 #include <unistd.h>
 
 #include "common/check.h"
+#include "common/fsutil.h"
 
 #define HEADER_MAX ((uint64_t)100 << 20) // a header over 100 MiB is refused as corrupt
 
@@ -77,23 +78,13 @@ static int write_stream_(FILE *f, const mtrl_ckpt_entry *e, int n, const char *c
 mtrl_status mtrl_ckpt_write_file(const char *path, const mtrl_ckpt_entry *e, int n, const char *const *meta,
                                  int n_meta, mtrl_error *err) {
     char tmp[1024];
-    snprintf(tmp, sizeof tmp, "%s.tmp", path);
-    FILE *f = fopen(tmp, "wb");
+    FILE *f = mtrl_file_atomic_begin(path, tmp, sizeof tmp);
     if (!f) return mtrl_error_set(err, MTRL_ERR_IO, "%s: cannot create: %s", tmp, strerror(errno));
-    int bad = write_stream_(f, e, n, meta, n_meta);
-    bad |= fflush(f) != 0;
-    bad |= fsync(fileno(f)) != 0;
-    bad |= fclose(f) != 0;
-    if (bad) {
-        int saved = errno;
-        unlink(tmp);
-        return mtrl_error_set(err, MTRL_ERR_IO, "%s: write failed: %s (nothing was replaced)", path, strerror(saved));
-    }
-    if (rename(tmp, path) != 0) {
-        int saved = errno;
-        unlink(tmp);
-        return mtrl_error_set(err, MTRL_ERR_IO, "%s: rename failed: %s", path, strerror(saved));
-    }
+    int where = mtrl_file_atomic_end(f, tmp, path, write_stream_(f, e, n, meta, n_meta));
+    if (where == MTRL_FILE_WRITE_FAILED)
+        return mtrl_error_set(err, MTRL_ERR_IO, "%s: write failed: %s (nothing was replaced)", path, strerror(errno));
+    if (where == MTRL_FILE_RENAME_FAILED)
+        return mtrl_error_set(err, MTRL_ERR_IO, "%s: rename failed: %s", path, strerror(errno));
     return MTRL_OK;
 }
 

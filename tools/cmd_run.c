@@ -22,8 +22,8 @@
 #include <unistd.h>
 
 #include "actor/actor.h"
-#include "common/fsutil.h"
 #include "common/config.h"
+#include "common/fsutil.h"
 #include "common/log.h"
 #include "common/timeutil.h"
 #include "common/wire_auth.h"
