@@ -70,11 +70,10 @@ static void refresh_host_(const mtrl_model *m, int with_optimizer) {
     }
 }
 
-mtrl_status mtrl_model_save(const mtrl_model *m, const char *path, void **mem, size_t *mem_len, int with_optimizer,
-                            const char *const *meta, int n_meta, mtrl_error *err) {
-    refresh_host_(m, with_optimizer);
-    save_list l;
-    list_build_(m, with_optimizer, &l);
+// Writes the list to path (atomically) or to a malloc'ed buffer, with the model's metadata and
+// the caller's, and frees the list.
+static mtrl_status list_write_(const mtrl_model *m, save_list *l, int with_optimizer, const char *const *meta,
+                               int n_meta, const char *path, void **mem, size_t *mem_len, mtrl_error *err) {
     char step[32], version[32];
     snprintf(step, sizeof step, "%ld", m->step);
     snprintf(version, sizeof version, "%" PRIu32, m->version);
@@ -85,12 +84,20 @@ mtrl_status mtrl_model_save(const mtrl_model *m, const char *path, void **mem, s
     kv[4] = "version"; kv[5] = version;
     kv[6] = "optimizer"; kv[7] = with_optimizer ? "adamw" : "none";
     for (int i = 0; i < 2 * n_meta; i++) kv[8 + i] = meta[i];
-    mtrl_status st = path ? mtrl_ckpt_write_file(path, l.e, l.n, kv, nm, err)
-                          : mtrl_ckpt_write_mem(mem, mem_len, l.e, l.n, kv, nm, err);
+    mtrl_status st = path ? mtrl_ckpt_write_file(path, l->e, l->n, kv, nm, err)
+                          : mtrl_ckpt_write_mem(mem, mem_len, l->e, l->n, kv, nm, err);
     free(kv);
-    free(l.e);
-    free(l.names);
+    free(l->e);
+    free(l->names);
     return st;
+}
+
+mtrl_status mtrl_model_save(const mtrl_model *m, const char *path, void **mem, size_t *mem_len, int with_optimizer,
+                            const char *const *meta, int n_meta, mtrl_error *err) {
+    refresh_host_(m, with_optimizer);
+    save_list l;
+    list_build_(m, with_optimizer, &l);
+    return list_write_(m, &l, with_optimizer, meta, n_meta, path, mem, mem_len, err);
 }
 
 // bf16 is the top half of an fp32; rounding to nearest even keeps NaN a (quiet) NaN.
@@ -109,13 +116,18 @@ static float bf16_to_f32_(uint16_t h) {
     return f;
 }
 
+// The tensors published as bf16: every matrix of parameters (β stays as it is).
+static int published_bf16_(const mtrl_ckpt_entry *x) {
+    return x->ndim >= 2 && x->dtype == REAL_DT && strcmp(x->name, "qb_beta") != 0;
+}
+
 mtrl_status mtrl_model_save_bf16(const mtrl_model *m, void **mem, size_t *mem_len, mtrl_error *err) {
     refresh_host_(m, 0);
     save_list l;
     list_build_(m, 0, &l);
     size_t half = 0;
     for (int i = 0; i < l.n; i++)
-        if (l.e[i].ndim >= 2 && l.e[i].dtype == REAL_DT && strcmp(l.e[i].name, "qb_beta")) half += l.e[i].nbytes / sizeof(real);
+        if (published_bf16_(&l.e[i])) half += l.e[i].nbytes / sizeof(real);
     uint16_t *buf = malloc(sizeof(uint16_t) * (half ? half : 1));
     if (!buf) {
         free(l.e);
@@ -125,7 +137,7 @@ mtrl_status mtrl_model_save_bf16(const mtrl_model *m, void **mem, size_t *mem_le
     size_t at = 0;
     for (int i = 0; i < l.n; i++) {
         mtrl_ckpt_entry *x = &l.e[i];
-        if (x->ndim < 2 || x->dtype != REAL_DT || !strcmp(x->name, "qb_beta")) continue;
+        if (!published_bf16_(x)) continue;
         size_t n = x->nbytes / sizeof(real);
         const real *src = x->data;
         uint16_t *dst = buf + at;
@@ -136,14 +148,9 @@ mtrl_status mtrl_model_save_bf16(const mtrl_model *m, void **mem, size_t *mem_le
         x->nbytes = 2 * n;
         at += n;
     }
-    char step[32], version[32];
-    snprintf(step, sizeof step, "%ld", m->step);
-    snprintf(version, sizeof version, "%" PRIu32, m->version);
-    const char *kv[] = {"mtrl.format", "1", "step", step, "version", version, "optimizer", "none", "weights", "bf16"};
-    mtrl_status st = mtrl_ckpt_write_mem(mem, mem_len, l.e, l.n, kv, 5, err);
+    const char *meta[] = {"weights", "bf16"};
+    mtrl_status st = list_write_(m, &l, 0, meta, 1, NULL, mem, mem_len, err);
     free(buf);
-    free(l.e);
-    free(l.names);
     return st;
 }
 
