@@ -22,3 +22,14 @@ void mtrl_time_iso(double wall, char *buf, int cap) {
     gmtime_r(&t, &tm);
     strftime(buf, (size_t)cap, "%Y-%m-%dT%H:%M:%SZ", &tm);
 }
+
+void mtrl_time_utc(double wall, char *buf, int cap) {
+    if (wall <= 0) {
+        snprintf(buf, (size_t)cap, "-");
+        return;
+    }
+    time_t t = (time_t)wall;
+    struct tm tm;
+    gmtime_r(&t, &tm);
+    strftime(buf, (size_t)cap, "%Y-%m-%d %H:%M:%S UTC", &tm);
+}

@@ -48,17 +48,6 @@ static mtrl_model_dims dims_(const char *model_ini, int vocab) { return test_mod
 
 static double rel_l2_(const real *a, const real *b, size_t n) { return test_rel_err_f(a, b, n); }
 
-// max |a − b| / max |b|
-static double max_rel_(const real *a, const real *b, size_t n) {
-    double num = 0, den = 0;
-    for (size_t i = 0; i < n; i++) {
-        double x = fabs((double)a[i] - (double)b[i]);
-        if (x > num) num = x;
-        if (fabs((double)b[i]) > den) den = fabs((double)b[i]);
-    }
-    return num / (den > 0 ? den : 1);
-}
-
 // ---- host side (any build) ------------------------------------------------------------------------------
 
 static void test_host_side(void) {
@@ -358,7 +347,7 @@ static void test_case_(const gcase *k) {
         mtrl_decode_state_init(&s0, &mg, T);
         mtrl_decode_state_init(&s1, &mg, T);
         mtrl_model_prefill(&mg, &s0, B.tok[0], sp, row, NULL);
-        worst_dec = fmax(worst_dec, max_rel_(row, lg + (size_t)(sp - 1) * V, (size_t)V));
+        worst_dec = fmax(worst_dec, test_max_rel(row, lg + (size_t)(sp - 1) * V, (size_t)V));
         // s1 runs 3 tokens ahead of s0: both decode in one batch (different cache lengths).
         int sp2 = sp + 3 < T ? sp + 3 : T;
         mtrl_model_prefill(&mg, &s1, B.tok[0], sp2, NULL, NULL);
@@ -374,7 +363,7 @@ static void test_case_(const gcase *k) {
                     continue;
                 }
                 compared++;
-                worst_dec = fmax(worst_dec, max_rel_(row + (size_t)r * V, lg + (size_t)at[r] * V, (size_t)V));
+                worst_dec = fmax(worst_dec, test_max_rel(row + (size_t)r * V, lg + (size_t)at[r] * V, (size_t)V));
             }
         }
         TEST_EQ_INT(s0.pos, T);

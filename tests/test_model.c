@@ -126,16 +126,6 @@ static void test_gradcheck(mtrl_model_dims d, const char *label, int probes_max)
     mtrl_model_free(&m);
 }
 
-static double max_rel_diff(const real *a, const real *b, size_t n) {
-    double num = 0, den = 0;
-    for (size_t i = 0; i < n; i++) {
-        double x = fabs((double)a[i] - (double)b[i]);
-        if (x > num) num = x;
-        if (fabs((double)b[i]) > den) den = fabs((double)b[i]);
-    }
-    return num / (den > 0 ? den : 1);
-}
-
 static void test_segmented(void) {
     mtrl_model_dims d = small_dims(4, 2, "KMKM");
     mtrl_model m;
@@ -169,7 +159,7 @@ static void test_segmented(void) {
         const char *wn = "";
         for (int i = 0; i < m.params.n; i++) {
             mtrl_tensor *t = &m.params.items[i];
-            double r = max_rel_diff((real *)((char *)m.grads + t->offset), (real *)((char *)g0 + t->offset), t->numel);
+            double r = test_max_rel((real *)((char *)m.grads + t->offset), (real *)((char *)g0 + t->offset), t->numel);
             if (r > worst) { worst = r; wn = t->name; }
         }
         printf("segment %d: loss %.15g vs %.15g, worst gradient rel diff %.3g (%s), peak activations %zu bytes\n",
@@ -219,7 +209,7 @@ static void test_prefill_decode(void) {
         mtrl_decode_state_init(&s1, &m, T);
         real last[32];
         mtrl_model_prefill(&m, &s0, tok, sp, last, NULL);
-        double err = max_rel_diff(last, full + (size_t)(sp - 1) * d.V, (size_t)d.V);
+        double err = test_max_rel(last, full + (size_t)(sp - 1) * d.V, (size_t)d.V);
         int pre = sp < 5 ? sp : 5;
         mtrl_model_prefill(&m, &s1, tok, pre, NULL, NULL);
         for (int t = pre; t < sp; t++) {
@@ -230,8 +220,8 @@ static void test_prefill_decode(void) {
             mtrl_decode_state *two[2] = {&s0, &s1};
             uint32_t in[2] = {tok[t], tok[t]};
             mtrl_model_decode(&m, two, 2, in, logits[0], NULL);
-            double e0 = max_rel_diff(logits[0], full + (size_t)t * d.V, (size_t)d.V);
-            double e1 = max_rel_diff(logits[0] + d.V, full + (size_t)t * d.V, (size_t)d.V);
+            double e0 = test_max_rel(logits[0], full + (size_t)t * d.V, (size_t)d.V);
+            double e1 = test_max_rel(logits[0] + d.V, full + (size_t)t * d.V, (size_t)d.V);
             if (e0 > err) err = e0;
             if (e1 > err) err = e1;
         }
@@ -240,7 +230,7 @@ static void test_prefill_decode(void) {
         // Segmented logits agree too.
         real *segl = malloc(sizeof(real) * T * d.V);
         mtrl_model_logits(&m, tok, T, sp, segl);
-        TEST_CHECK(max_rel_diff(segl, full, (size_t)T * d.V) < 1e-10);
+        TEST_CHECK(test_max_rel(segl, full, (size_t)T * d.V) < 1e-10);
         free(segl);
         mtrl_decode_state_free(&s0);
         mtrl_decode_state_free(&s1);

@@ -2,6 +2,7 @@
 #ifndef MTRL_TESTMODEL_H
 #define MTRL_TESTMODEL_H
 
+#include <math.h>
 #include <stdio.h>
 #include <string.h>
 
@@ -42,6 +43,17 @@ static inline void test_model_perturb(mtrl_model *m, uint64_t seed) {
         if (m->P.layer[l].A_log)
             for (int h = 0; h < d->H; h++) m->P.layer[l].A_log[h] = (real)(0.3 * mtrl_rng_normal(seed, 3 + l, h));
     for (size_t i = d->E; i < (size_t)d->L * d->E; i++) m->qb_beta[i] = (real)(0.05 * mtrl_rng_normal(seed, 90, i));
+}
+
+// max |a - b| / max |b| over n values (a vector's error relative to its largest entry).
+static inline double test_max_rel(const real *a, const real *b, size_t n) {
+    double num = 0, den = 0;
+    for (size_t i = 0; i < n; i++) {
+        double x = fabs((double)a[i] - (double)b[i]);
+        if (x > num) num = x;
+        if (fabs((double)b[i]) > den) den = fabs((double)b[i]);
+    }
+    return num / (den > 0 ? den : 1);
 }
 
 #endif

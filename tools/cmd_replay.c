@@ -13,10 +13,10 @@
 #include <sqlite3.h>
 #include <stdlib.h>
 #include <string.h>
-#include <time.h>
 #include <unistd.h>
 
 #include "common/check.h"
+#include "common/timeutil.h"
 #include "common/tokenizer.h"
 #include "common/trajfile.h"
 #include "tools/cli.h"
@@ -417,17 +417,6 @@ static void block_bytes_(const char *label, const uint8_t *b, size_t n, const ch
     free(buf);
 }
 
-static void fmt_time_(double wall, char *out, size_t cap) {
-    if (wall <= 0) {
-        snprintf(out, cap, "-");
-        return;
-    }
-    time_t tt = (time_t)wall;
-    struct tm tm;
-    gmtime_r(&tt, &tm);
-    strftime(out, cap, "%Y-%m-%d %H:%M:%S UTC", &tm);
-}
-
 static const char *status_col_(mtrl_ep_status st) {
     switch (st) {
     case MTRL_EP_COMPLETE: return C_GREEN;
@@ -463,7 +452,7 @@ static void print_header_(const replay_session *s) {
     else printf("%u..%u (the weights changed during the episode)", e->version_min, e->version_max);
     printf("\n   tool calls  %lld\n", (long long)e->tool_calls);
     char t0[64];
-    fmt_time_(e->started, t0, sizeof t0);
+    mtrl_time_utc(e->started, t0, (int)sizeof t0);
     printf("   wall        %s", t0);
     if (e->ended > 0 && e->started > 0) printf(", %.3f s", e->ended - e->started);
     printf("\n");

@@ -25,9 +25,10 @@
 #include <time.h>
 #include <unistd.h>
 
-#include "common/fsutil.h"
 #include "common/check.h"
+#include "common/fsutil.h"
 #include "common/store.h"
+#include "common/timeutil.h"
 #include "tools/cli.h"
 #include "tools/report_plot.h"
 
@@ -444,17 +445,6 @@ static void write_experts_(FILE *f, const run_data *r) {
 
 // ---- the page -----------------------------------------------------------------------------------
 
-static void fmt_time_(double t, char *out, size_t cap) {
-    if (t <= 0) {
-        snprintf(out, cap, "-");
-        return;
-    }
-    time_t tt = (time_t)t;
-    struct tm tm;
-    gmtime_r(&tt, &tm);
-    strftime(out, cap, "%Y-%m-%d %H:%M:%S UTC", &tm);
-}
-
 static void fmt_dur_(double s, char *out, size_t cap) {
     if (!(s >= 0)) snprintf(out, cap, "-");
     else if (s < 120) snprintf(out, cap, "%.1f s", s);
@@ -491,7 +481,7 @@ static void write_summary_(FILE *f, run_data *runs, int nr) {
     ROW_("status", "%s", mtrl_run_status_name(r->row.status));
     fputs("<tr><th>started</th>", f);
     for (int i = 0; i < nr; i++) {
-        fmt_time_(runs[i].row.started, buf, sizeof buf);
+        mtrl_time_utc(runs[i].row.started, buf, (int)sizeof buf);
         td_(f, buf);
     }
     fputs("</tr>\n<tr><th>duration</th>", f);
@@ -554,7 +544,7 @@ static void write_events_(FILE *f, mtrl_store *s, const run_data *r) {
                     (long long)r->id);
         }
         char t[64];
-        fmt_time_(sqlite3_column_double(st, 0), t, sizeof t);
+        mtrl_time_utc(sqlite3_column_double(st, 0), t, (int)sizeof t);
         const char *lv = (const char *)sqlite3_column_text(st, 1), *msg = (const char *)sqlite3_column_text(st, 2);
         fprintf(f, "<tr class=\"%s\">", lv && !strcmp(lv, "error") ? "error" : "warn");
         td_(f, t);
@@ -590,8 +580,7 @@ static const char css_[] =
 static int write_page_(const char *dir, const char *dbpath, mtrl_store *s, run_data *runs, int nr) {
     char path[4096], tmp[4200];
     snprintf(path, sizeof path, "%s/index.html", dir);
-    snprintf(tmp, sizeof tmp, "%s.tmp", path);
-    FILE *f = fopen(tmp, "w");
+    FILE *f = mtrl_file_atomic_begin(path, tmp, sizeof tmp);
     if (!f) {
         fprintf(stderr, "mtrl report: %s: %s\n", tmp, strerror(errno));
         return 1;
@@ -606,7 +595,7 @@ static int write_page_(const char *dir, const char *dbpath, mtrl_store *s, run_d
     fprintf(f, "</title>\n<style>\n%s</style>\n</head>\n<body>\n<h1>mtrl report</h1>\n<p class=\"sub\">", css_);
     report_esc(f, dbpath);
     char now[64];
-    fmt_time_((double)time(NULL), now, sizeof now);
+    mtrl_time_utc((double)time(NULL), now, (int)sizeof now);
     fprintf(f, " · %d run%s · generated %s · data: <a href=\"metrics.csv\">metrics.csv</a>, <a href=\"experts.csv\">experts.csv</a></p>\n",
             nr, nr == 1 ? "" : "s", now);
     fputs("<nav><a href=\"#runs\">runs</a><a href=\"#training\">training</a><a href=\"#experts\">experts</a>"
@@ -627,9 +616,8 @@ static int write_page_(const char *dir, const char *dbpath, mtrl_store *s, run_d
     fputs("<h2 id=\"events\">Warnings and errors</h2>\n", f);
     for (int i = 0; i < nr; i++) write_events_(f, s, &runs[i]);
     fputs("</body>\n</html>\n", f);
-    if (fclose(f) != 0 || rename(tmp, path) != 0) {
+    if (mtrl_file_atomic_end(f, tmp, path, 0)) {
         fprintf(stderr, "mtrl report: %s: %s\n", path, strerror(errno));
-        unlink(tmp);
         return 1;
     }
     return 0;
