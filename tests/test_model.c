@@ -7,7 +7,9 @@
 //  - the peak activation memory of the segmented backward grows with the segment, not the
 //    sequence;
 //  - prefill-then-decode == one full prefill (split points 1, 15, 16, 17, T % 16 != 0);
-//  - QB: β gets no gradient, is set only by mtrl_model_qb_apply after the step.
+//  - QB: β gets no gradient, is set only by mtrl_model_qb_apply after the step;
+//  - a packed batch (short sequences end to end in one segment) == the sequences one at a time:
+//    log-probs, entropies, routing and every gradient, with and without kept activations.
 #include <math.h>
 #include <stdlib.h>
 #include <string.h>
@@ -62,6 +64,22 @@ static double run_loss(mtrl_model *m, mtrl_batch *b, int segment, const real *c,
     free(logp);
     free(ent);
     return L;
+}
+
+// The largest relative difference of the model's gradients from ref (a copy of an earlier
+// m->grads), over every tensor; *name: the tensor where it is.
+static double grads_worst_(const mtrl_model *m, const real *ref, const char **name) {
+    double worst = 0;
+    for (int i = 0; i < m->params.n; i++) {
+        const mtrl_tensor *t = &m->params.items[i];
+        double r = test_max_rel((real *)((char *)m->grads + t->offset), (const real *)((const char *)ref + t->offset),
+                                t->numel);
+        if (r > worst) {
+            worst = r;
+            *name = t->name;
+        }
+    }
+    return worst;
 }
 
 static void test_gradcheck(mtrl_model_dims d, const char *label, int probes_max) {
@@ -155,13 +173,8 @@ static void test_segmented(void) {
         double L = run_loss(&m, &b, segs[s], c, e, 1);
         peak[s] = m.peak_activation_bytes;
         TEST_CLOSE(L, L0, 1e-12, 0);
-        double worst = 0;
         const char *wn = "";
-        for (int i = 0; i < m.params.n; i++) {
-            mtrl_tensor *t = &m.params.items[i];
-            double r = test_max_rel((real *)((char *)m.grads + t->offset), (real *)((char *)g0 + t->offset), t->numel);
-            if (r > worst) { worst = r; wn = t->name; }
-        }
+        double worst = grads_worst_(&m, g0, &wn);
         printf("segment %d: loss %.15g vs %.15g, worst gradient rel diff %.3g (%s), peak activations %zu bytes\n",
                segs[s], L, L0, worst, wn, peak[s]);
         TEST_CHECKF(worst <= 1e-9, "segment %d: gradient differs by %.3g in %s", segs[s], worst, wn);
@@ -186,6 +199,68 @@ static void test_segmented(void) {
     TEST_CHECKF(m.peak_activation_bytes < peak[0] * 11 / 10, "peak grew from %zu to %zu", peak[0],
                 m.peak_activation_bytes);
     free(g0);
+    mtrl_model_free(&m);
+}
+
+// Packing (model_ws.h MTRL_PACK_TOKENS): the batch's short sequences run end to end as one
+// segment, each from the zero state and attending only to itself. Lengths: 1 token, a multiple
+// of the KDA tile, tails; with segment 48 the 80-token sequence is segmented on its own and the
+// others form packs of at most 48 tokens.
+static void test_packed(void) {
+    mtrl_model_dims d = small_dims(4, 2, "KMKM");
+    mtrl_model m;
+    mtrl_model_init(&m, &d, 14);
+    perturb_params(&m, 8);
+    enum { NS = 6, TOT = 37 + 16 + 1 + 80 + 21 + 9 };
+    int len[NS] = {37, 16, 1, 80, 21, 9};
+    uint32_t tok[TOT];
+    make_tokens(tok, TOT, 9);
+    const uint32_t *toks[NS];
+    real c[TOT], e[TOT];
+    for (int t = 0; t < TOT; t++) {
+        c[t] = (real)mtrl_rng_normal(6, 1, t);
+        e[t] = (real)(0.2 * mtrl_rng_normal(6, 2, t));
+    }
+    size_t rw = (size_t)d.n_moe * d.k, nb = m.params.total;
+    uint8_t *rout[NS], *rone[NS];
+    for (int i = 0, o = 0; i < NS; o += len[i++]) {
+        toks[i] = tok + o;
+        rout[i] = calloc((size_t)len[i] * rw, 1);
+        rone[i] = calloc((size_t)len[i] * rw, 1);
+    }
+    // The reference: one sequence per forward/backward, gradients summed.
+    real lp1[TOT], en1[TOT], lp[TOT], en[TOT];
+    mtrl_model_zero_grads(&m);
+    for (int i = 0, o = 0; i < NS; o += len[i++]) {
+        mtrl_batch b1 = {1, toks + i, len + i, NULL};
+        mtrl_model_forward(&m, &b1, 0, lp1 + o, en1 + o, rone + i);
+        mtrl_model_backward(&m, &b1, c + o, e + o);
+    }
+    real *g1 = malloc(nb);
+    memcpy(g1, m.grads, nb);
+    int segs[2] = {0, 48};
+    for (int s = 0; s < 2; s++) {
+        mtrl_batch b = {NS, toks, len, NULL};
+        mtrl_model_zero_grads(&m);
+        mtrl_model_forward(&m, &b, segs[s], lp, en, rout);
+        mtrl_model_backward(&m, &b, c, e);
+        const char *wn = "";
+        double worst = grads_worst_(&m, g1, &wn);
+        int same_routing = 1;
+        for (int i = 0; i < NS; i++) same_routing &= memcmp(rout[i], rone[i], (size_t)len[i] * rw) == 0;
+        double el = test_max_rel(lp, lp1, TOT), ee = test_max_rel(en, en1, TOT);
+        printf("packed batch, segment %d: log-prob rel diff %.3g, entropy %.3g, worst gradient %.3g (%s)\n", segs[s], el,
+               ee, worst, wn);
+        TEST_CHECKF(el <= 1e-12 && ee <= 1e-12, "segment %d: log-probs differ by %.3g, entropies by %.3g", segs[s], el,
+                    ee);
+        TEST_CHECKF(worst <= 1e-10, "segment %d: gradient differs by %.3g in %s", segs[s], worst, wn);
+        TEST_CHECKF(same_routing, "segment %d: packed routing differs from one sequence at a time", segs[s]);
+    }
+    for (int i = 0; i < NS; i++) {
+        free(rout[i]);
+        free(rone[i]);
+    }
+    free(g1);
     mtrl_model_free(&m);
 }
 
@@ -294,7 +369,7 @@ static void test_attnres_blocks(void) {
         mtrl_arena_init(&ar, seg_arena_bytes(&d, 8, 8));
         mtrl_decode_state s;
         mtrl_decode_state_init(&s, &m, 8);
-        seq_io io = {s.kda_S, s.conv, s.latent, s.cap, 0};
+        seq_io io = {s.kda_S, s.conv, s.latent, s.cap, 0, 0, NULL};
         uint32_t tok[8];
         make_tokens(tok, 8, 9);
         seg_cache c;
@@ -319,6 +394,7 @@ int main(void) {
     test_gradcheck(tiny_dims(), "tiny preset", 1);
     test_attnres_blocks();
     test_segmented();
+    test_packed();
     test_prefill_decode();
     test_qb_outside_gradient();
     return test_report();

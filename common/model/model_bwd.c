@@ -9,6 +9,7 @@
 #include "common/check.h"
 #include "common/model/backend.h"
 #include "common/model/model_ws.h"
+#include "kernels/ref/kda_ref.h"
 
 #define ALLOC(n) ((real *)mtrl_arena_alloc(ar, sizeof(real) * (size_t)(n)))
 
@@ -28,8 +29,8 @@ static void proj_bwd_(mtrl_backend *be, int T, int n, int k, const real *x, cons
 
 // ---- KDA --------------------------------------------------------------------------------------------------
 
-static void kda_backward_(mtrl_model *m, mtrl_arena *ar, int l, int T, const layer_cache *c, const real *dout,
-                          real *dx1, seq_grad *g) {
+static void kda_backward_(mtrl_model *m, mtrl_arena *ar, int l, int T, const layer_cache *c, const seq_io *io,
+                          const real *dout, real *dx1, seq_grad *g) {
     const mtrl_model_dims *d = &m->dims;
     const mtrl_layer_ptrs *p = &m->dP.layer[l];
     mtrl_layer_ptrs *gp = &m->dG.layer[l];
@@ -47,9 +48,22 @@ static void kda_backward_(mtrl_model *m, mtrl_arena *ar, int l, int T, const lay
     real *dcv = ALLOC((size_t)T * HD), *dg = ALLOC((size_t)T * HD);
     real *dbeta = ALLOC((size_t)T * H), *dS0 = ALLOC(S_sz);
     real *dS = g->dS + (size_t)ki * S_sz;
-    be->kda_chunk_bwd(be, T, H, D, D, c->qn, c->kn, c->cv, c->g, c->beta, c->S0, c->S_tiles, d_o, dS, dqn, dkn, dcv,
-                      dg, dbeta, dS0);
-    be->copy(be, dS, dS0, sizeof(real) * S_sz);
+    if (!io->n_piece) {
+        be->kda_chunk_bwd(be, T, H, D, D, c->qn, c->kn, c->cv, c->g, c->beta, c->S0, c->S_tiles, d_o, dS, dqn, dkn,
+                          dcv, dg, dbeta, dS0);
+        be->copy(be, dS, dS0, sizeof(real) * S_sz);
+    } else {
+        // Packed pieces: each ends its sequence (no gradient arrives through its final state).
+        size_t tile = 0;
+        for (int i = 0; i < io->n_piece; i++) {
+            int o = io->piece[i], Ti = io->piece[i + 1] - o;
+            size_t x = (size_t)o * HD, h = (size_t)o * H;
+            be->kda_chunk_bwd(be, Ti, H, D, D, c->qn + x, c->kn + x, c->cv + x, c->g + x, c->beta + h, c->S0,
+                              c->S_tiles + tile * S_sz, d_o + x, NULL, dqn + x, dkn + x, dcv + x, dg + x, dbeta + h,
+                              dS0);
+            tile += (size_t)kda_tile_count(Ti);
+        }
+    }
     be->dsigmoid(be, (size_t)T * H, c->beta, dbeta);
     proj_bwd_(be, T, H, d->d, c->x1, p->wbeta, dbeta, dx1, 1, gp->wbeta);
     real *df = ALLOC((size_t)T * HD), *df1 = ALLOC((size_t)T * D);
@@ -73,11 +87,19 @@ static void kda_backward_(mtrl_model *m, mtrl_arena *ar, int l, int T, const lay
     real *gW[3] = {gp->wq, gp->wk, gp->wv};
     real *dpx = ALLOC((size_t)T * HD);
     for (int s = 0; s < 3; s++) {
-        be->shortconv_bwd(be, T, HD, W, px[s], cw[s], c->cst + s * w1, dc3[s], dpx, cgw[s], dst_in + s * w1);
-        be->shortconv_state_bwd(be, T, HD, W, dconv + s * w1, dpx, dst_in + s * w1);
+        if (!io->n_piece) {
+            be->shortconv_bwd(be, T, HD, W, px[s], cw[s], c->cst + s * w1, dc3[s], dpx, cgw[s], dst_in + s * w1);
+            be->shortconv_state_bwd(be, T, HD, W, dconv + s * w1, dpx, dst_in + s * w1);
+        } else {
+            for (int i = 0; i < io->n_piece; i++) {
+                size_t o = (size_t)io->piece[i] * HD;
+                int Ti = io->piece[i + 1] - io->piece[i];
+                be->shortconv_bwd(be, Ti, HD, W, px[s] + o, cw[s], c->cst + s * w1, dc3[s] + o, dpx + o, cgw[s], NULL);
+            }
+        }
         proj_bwd_(be, T, HD, d->d, c->x1, Wp[s], dpx, dx1, 1, gW[s]);
     }
-    be->copy(be, dconv, dst_in, sizeof(real) * 3 * w1);
+    if (!io->n_piece) be->copy(be, dconv, dst_in, sizeof(real) * 3 * w1);
 }
 
 // ---- MLA --------------------------------------------------------------------------------------------------
@@ -105,8 +127,18 @@ static void mla_backward_(mtrl_model *m, mtrl_arena *ar, int l, int T, const lay
     be->mla_up_v_bwd(be, T, mH, dn, dv, dc, c->ol, p->mkvb, da, dol, gp->mkvb);
     const real *lat = io->latent + (size_t)mi * io->cap * ld;
     real *dlat = g->dlatent + (size_t)mi * io->cap * ld;
-    be->attn_causal_bwd(be, T, t0 + T, mH, 1, ld, dc, scale, c->qt, lat, ld, lat, ld, c->ol, c->lse, dol, dqt, dlat,
-                        dlat);
+    if (!io->n_piece) {
+        be->attn_causal_bwd(be, T, t0 + T, mH, 1, ld, dc, scale, c->qt, lat, ld, lat, ld, c->ol, c->lse, dol, dqt,
+                            dlat, dlat);
+    } else {
+        for (int i = 0; i < io->n_piece; i++) {
+            size_t o = (size_t)io->piece[i];
+            int Ti = io->piece[i + 1] - io->piece[i];
+            be->attn_causal_bwd(be, Ti, Ti, mH, 1, ld, dc, scale, c->qt + o * mH * ld, lat + o * ld, ld, lat + o * ld,
+                                ld, c->ol + o * mH * dc, c->lse + o * mH, dol + o * mH * dc, dqt + o * mH * ld,
+                                dlat + o * ld, dlat + o * ld);
+        }
+    }
     be->mla_absorb_q_bwd(be, T, mH, dn, dr, dv, dc, c->q, p->mkvb, dqt, dq, gp->mkvb);
     proj_bwd_(be, T, mH * (dn + dr), d->d, c->x1, p->mq, dq, dx1, 1, gp->mq);
     // This segment's latent rows have received every gradient (later segments ran first).
@@ -195,7 +227,7 @@ void seg_backward(mtrl_model *m, mtrl_arena *ar, seg_cache *c, const uint32_t *t
         mtrl_arena_release(ar, mark);
         // Mixer sublayer.
         be->zero(be, dx, sizeof(real) * (size_t)T * D);
-        if (d->mixer[l] == 'K') kda_backward_(m, ar, l, T, lc, dp, dx, g);
+        if (d->mixer[l] == 'K') kda_backward_(m, ar, l, T, lc, io, dp, dx, g);
         else mla_backward_(m, ar, l, T, lc, io, dp, dx, g);
         be->rmsnorm_bwd(be, T, D, lc->h_a, m->dP.layer[l].norm1, lc->rstd1, d->eps, dx, dh, m->dG.layer[l].norm1);
         if (!c->part[2 * l]) be->zero(be, dp, sizeof(real) * (size_t)T * D); // p_before was empty

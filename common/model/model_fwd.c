@@ -58,10 +58,18 @@ static void kda_forward_(mtrl_model *m, mtrl_arena *ar, int l, int mode, int T, 
     if (mode == SEG_CHUNK) {
         real *st = io->conv + (size_t)ki * conv_sz;
         c->cst = ALLOC(conv_sz);
-        be->copy(be, c->cst, st, sizeof(real) * conv_sz);
-        be->shortconv_fwd(be, T, HD, W, c->pq, p->conv_q, c->cst, c->cq, st);
-        be->shortconv_fwd(be, T, HD, W, c->pk, p->conv_k, c->cst + w1, c->ck, st + w1);
-        be->shortconv_fwd(be, T, HD, W, c->pv, p->conv_v, c->cst + 2 * w1, c->cv, st + 2 * w1);
+        // A packed segment's pieces all start from the zero window; st takes their scratch.
+        if (io->n_piece) be->zero(be, c->cst, sizeof(real) * conv_sz);
+        else be->copy(be, c->cst, st, sizeof(real) * conv_sz);
+        const real *px[3] = {c->pq, c->pk, c->pv}, *cw[3] = {p->conv_q, p->conv_k, p->conv_v};
+        real *cy[3] = {c->cq, c->ck, c->cv};
+        int np = io->n_piece ? io->n_piece : 1;
+        for (int s = 0; s < 3; s++)
+            for (int i = 0; i < np; i++) {
+                size_t o = io->n_piece ? (size_t)io->piece[i] * HD : 0;
+                int Ti = io->n_piece ? io->piece[i + 1] - io->piece[i] : T;
+                be->shortconv_fwd(be, Ti, HD, W, px[s] + o, cw[s], c->cst + s * w1, cy[s] + o, st + s * w1);
+            }
     } else {
         real **win = xmalloc(sizeof(real *) * (size_t)T);
         const real *px[3] = {c->pq, c->pk, c->pv}, *cw[3] = {p->conv_q, p->conv_k, p->conv_v};
@@ -87,9 +95,18 @@ static void kda_forward_(mtrl_model *m, mtrl_arena *ar, int l, int mode, int T, 
     if (mode == SEG_CHUNK) {
         real *S = io->kda_S + (size_t)ki * S_sz;
         c->S0 = ALLOC(S_sz);
-        be->copy(be, c->S0, S, sizeof(real) * S_sz);
-        c->S_tiles = ALLOC((size_t)kda_tile_count(T) * S_sz);
-        be->kda_chunk_fwd(be, T, H, D, D, c->qn, c->kn, c->cv, c->g, c->beta, c->S0, c->o, S, c->S_tiles);
+        if (io->n_piece) be->zero(be, c->S0, sizeof(real) * S_sz);
+        else be->copy(be, c->S0, S, sizeof(real) * S_sz);
+        c->S_tiles = ALLOC((size_t)seg_kda_tiles(T, io) * S_sz);
+        int np = io->n_piece ? io->n_piece : 1;
+        size_t tile = 0;
+        for (int i = 0; i < np; i++) {
+            int o = io->n_piece ? io->piece[i] : 0, Ti = io->n_piece ? io->piece[i + 1] - o : T;
+            size_t x = (size_t)o * HD, h = (size_t)o * H;
+            be->kda_chunk_fwd(be, Ti, H, D, D, c->qn + x, c->kn + x, c->cv + x, c->g + x, c->beta + h, c->S0, c->o + x,
+                              S, c->S_tiles + tile * S_sz);
+            tile += (size_t)kda_tile_count(Ti);
+        }
     } else {
         real **Sr = xmalloc(sizeof(real *) * (size_t)T);
         for (int r = 0; r < T; r++) Sr[r] = io[r].kda_S + (size_t)ki * S_sz;
@@ -145,7 +162,17 @@ static void mla_forward_(mtrl_model *m, mtrl_arena *ar, int l, int mode, int T, 
         int Tk = io->t0 + T;
         c->qt = ALLOC((size_t)T * mH * ld); c->ol = ALLOC((size_t)T * mH * dc); c->lse = ALLOC((size_t)T * mH);
         be->mla_absorb_q(be, T, mH, dn, dr, dv, dc, c->q, p->mkvb, c->qt);
-        be->attn_causal_fwd(be, T, Tk, mH, 1, ld, dc, scale, c->qt, lat, ld, lat, ld, c->ol, c->lse);
+        if (!io->n_piece) {
+            be->attn_causal_fwd(be, T, Tk, mH, 1, ld, dc, scale, c->qt, lat, ld, lat, ld, c->ol, c->lse);
+        } else {
+            MTRL_CHECK(io->t0 == 0);
+            for (int i = 0; i < io->n_piece; i++) {
+                size_t o = (size_t)io->piece[i];
+                int Ti = io->piece[i + 1] - io->piece[i];
+                be->attn_causal_fwd(be, Ti, Ti, mH, 1, ld, dc, scale, c->qt + o * mH * ld, lat + o * ld, ld,
+                                    lat + o * ld, ld, c->ol + o * mH * dc, c->lse + o * mH);
+            }
+        }
         be->mla_up_v(be, T, mH, dn, dv, dc, c->ol, p->mkvb, c->a);
     } else {
         const real **lat = xmalloc(sizeof(real *) * (size_t)T);
@@ -331,10 +358,10 @@ static size_t ib_(size_t n) { return (n * sizeof(int) + 63) & ~(size_t)63; }
 // commits them: one more at every layer l > 0 with l % S == 0, none after the last layer.
 static int blocks_at_(const mtrl_model_dims *d, int l) { return 1 + (l < d->L ? l : d->L - 1) / d->S; }
 
-static size_t kda_fwd_bytes_(const mtrl_model_dims *d, size_t T) {
+static size_t kda_fwd_bytes_(const mtrl_model_dims *d, size_t T, size_t tiles) {
     size_t HD = (size_t)d->H * d->D, S_sz = (size_t)d->H * d->D * d->D;
     return 13 * rb_(T * HD) + rb_((size_t)3 * (d->W - 1) * HD) + 2 * rb_(T * d->D) + 2 * rb_(T * d->H) + rb_(S_sz) +
-           rb_((size_t)kda_tile_count((int)T) * S_sz);
+           rb_(tiles * S_sz);
 }
 static size_t mla_fwd_bytes_(const mtrl_model_dims *d, size_t T) {
     size_t mH = (size_t)d->mH, ld = (size_t)d->dc + d->dr;
@@ -365,7 +392,14 @@ static size_t ffn_bwd_bytes_(const mtrl_model_dims *d, int l, size_t T) {
     return 2 * rb_(R * d->d) + rb_(T * d->k) + rb_(T * d->E) + (d->n_shared > 0 ? rb_(T * d->d) : 0);
 }
 
-size_t seg_fwd_bytes(const mtrl_model_dims *d, int T_) {
+int seg_kda_tiles(int T, const seq_io *io) {
+    if (!io || !io->n_piece) return kda_tile_count(T);
+    int n = 0;
+    for (int i = 0; i < io->n_piece; i++) n += kda_tile_count(io->piece[i + 1] - io->piece[i]);
+    return n;
+}
+
+static size_t fwd_bytes_(const mtrl_model_dims *d, int T_, int tiles) {
     size_t T = (size_t)(T_ > 0 ? T_ : 1), D = (size_t)d->d;
     size_t b = rb_(T * D); // emb
     for (int l = 0; l < d->L; l++) {
@@ -373,7 +407,7 @@ size_t seg_fwd_bytes(const mtrl_model_dims *d, int T_) {
         // the partial sum is empty only at the first layer of a block (layer 0 included)
         int nsrc_a = nb + (l % d->S != 0);
         b += rb_(T * nsrc_a) + 2 * rb_(T * D) + rb_(T) + rb_(T * D) + rb_(T * D); // alpha_a, h_a, x1, rstd1, mix, pn
-        b += d->mixer[l] == 'K' ? kda_fwd_bytes_(d, T) : mla_fwd_bytes_(d, T);
+        b += d->mixer[l] == 'K' ? kda_fwd_bytes_(d, T, (size_t)tiles) : mla_fwd_bytes_(d, T);
         b += rb_(T * (nb + 1)) + 2 * rb_(T * D) + rb_(T) + 2 * rb_(T * D); // alpha_f, h_f, x2, rstd2, ffn, pn
         b += ffn_fwd_bytes_(d, l, T);
     }
@@ -396,7 +430,13 @@ size_t seg_bwd_bytes(const mtrl_model_dims *d, int T_) {
     return b + layer;
 }
 
+size_t seg_fwd_bytes(const mtrl_model_dims *d, int T) { return fwd_bytes_(d, T, kda_tile_count(T > 0 ? T : 1)); }
+
 size_t seg_arena_bytes(const mtrl_model_dims *d, int T, int Tk) {
     (void)Tk; // the attention reads the keys from the sequence's latents, not from the arena
     return seg_fwd_bytes(d, T) + seg_bwd_bytes(d, T) + 4096;
+}
+
+size_t seg_pack_arena_bytes(const mtrl_model_dims *d, int T, int tiles) {
+    return fwd_bytes_(d, T, tiles) + seg_bwd_bytes(d, T) + 4096;
 }

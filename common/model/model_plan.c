@@ -138,17 +138,15 @@ static void eval_(mtrl_model_plan *p, const mtrl_model_dims *d, size_t P, int de
     ws_sizes ws;
     ws_sizes_for(d, n, len, segment, &ws);
     p->keep = ws.keep;
-    size_t lat = 0;
-    for (int i = 0; i < n; i++)
-        lat += (R * (size_t)model_n_mla(d) * (size_t)len[i] * ((size_t)d->dc + d->dr) + 63) & ~(size_t)63;
-    p->latents = lat;
-    p->boundary = ws.state - lat;
+    p->latents = ws.latent;
+    p->boundary = ws.state - ws.latent;
     p->latent_grads = ws.grad;
     p->activations = ws.arena;
     if (cuda) {
         size_t breq = 0;
         for (int i = 0; i < n; i++)
             breq = max_(breq, backend_request_(d, (size_t)len[i], (size_t)seg_len_(len[i], segment)));
+        if (ws.max_pack > 0) breq = max_(breq, backend_request_(d, (size_t)ws.max_pack, (size_t)ws.max_pack));
         size_t creq = ctx_request_(d, (size_t)ws.max_seg);
         p->scratch = breq + breq / 4 + ((size_t)1 << 20) + creq + creq / 8 + ((size_t)1 << 20);
         p->runtime = MTRL_PLAN_CUDA_RUNTIME;

@@ -19,9 +19,22 @@ typedef struct ws_seq {
     seg_cache *kept;   // [n_seg] when activations are kept
 } ws_seq;
 
+// A packed segment: sequences i0 .. i0+n-1 end to end (model_ws.h MTRL_PACK_TOKENS).
+typedef struct ws_pack {
+    int i0, n, T;
+    int *piece;        // [n+1] token offsets of the sequences in the pack
+    uint32_t *tokens;  // [T]
+    int *targets;      // [T]
+    uint8_t *routing;  // [T][n_moe][k] chosen in the forward, replayed by the recompute
+    real *latent;      // [n_mla][T][dc+dr]                                     (backend memory)
+    seg_cache kept;    // when activations are kept
+} ws_pack;
+
 typedef struct ws_impl {
     mtrl_model_ws pub;
     ws_seq *seqs;
+    int n_pack;
+    ws_pack *packs;    // [n_pack]; a pack of one sequence runs as that sequence (seqs[i0])
     int keep;
     mtrl_arena state;   // the batch's boundary states and latents, plus the running S and conv
     real *run_S, *run_C;
@@ -55,6 +68,14 @@ void mtrl_model_ws_free(mtrl_model *m) {
         free(s->kept);
     }
     free(w->seqs);
+    for (int k = 0; k < w->n_pack; k++) {
+        ws_pack *p = &w->packs[k];
+        free(p->piece);
+        free(p->tokens);
+        free(p->targets);
+        free(p->routing);
+    }
+    free(w->packs);
     be_arena_free_(m->be, &w->pub.arena);
     be_arena_free_(m->be, &w->state);
     be_arena_free_(m->be, &w->infer);
@@ -93,31 +114,135 @@ static size_t grad_bytes_(const mtrl_model_dims *d, int max_len) {
            carve_bytes_(sizeof(real) * (size_t)model_n_mla(d) * (size_t)max_len * lat_w_(d));
 }
 
+// Splits a batch into packs (model_ws.h): pack k holds sequences first[k] .. first[k+1]-1, in
+// order. Returns the number of packs; first has room for n + 1 entries.
+static int packs_of_(int n, const int *len, int segment, int *first) {
+    int cap = segment > 0 ? segment : MTRL_PACK_TOKENS, np = 0, tok = 0, open = 0;
+    for (int i = 0; i < n; i++) {
+        int fits = len[i] <= cap; // one segment, and room for it in a pack
+        if (!open || !fits || tok + len[i] > cap) {
+            first[np++] = i;
+            tok = 0;
+        }
+        tok += len[i];
+        open = fits;
+    }
+    first[np] = n;
+    return np;
+}
+
 void ws_sizes_for(const mtrl_model_dims *d, int n, const int *len, int segment, ws_sizes *out) {
     int n_kda = model_n_kda(d), n_mla = model_n_mla(d);
     size_t S_sz = S_size_(d) * n_kda, C_sz = conv_size_(d) * n_kda, LW = lat_w_(d);
-    int max_seg = 1, max_len = 1;
-    size_t keep_bytes = 0, state_cap = carve_bytes_(sizeof(real) * S_sz) + carve_bytes_(sizeof(real) * C_sz);
-    for (int i = 0; i < n; i++) {
-        int seg = seg_of_(len[i], segment), n_seg = (len[i] + seg - 1) / seg;
-        if (seg > max_seg) max_seg = seg;
-        if (len[i] > max_len) max_len = len[i];
-        keep_bytes += seg_arena_bytes(d, seg, len[i]) * (size_t)n_seg;
-        state_cap += carve_bytes_(sizeof(real) * (size_t)n_seg * S_sz) +
-                     carve_bytes_(sizeof(real) * (size_t)n_seg * C_sz) +
-                     carve_bytes_(sizeof(real) * (size_t)n_mla * (size_t)len[i] * LW);
+    int max_seg = 1, max_len = 1, max_pack = 0;
+    size_t keep_bytes = 0, one_seg = 0, state_cap = carve_bytes_(sizeof(real) * S_sz) + carve_bytes_(sizeof(real) * C_sz);
+    size_t lat = 0;
+    int *first = xmalloc(sizeof(int) * (size_t)(n + 1));
+    int np = packs_of_(n, len, segment, first);
+    for (int k = 0; k < np; k++) {
+        int i = first[k];
+        if (first[k + 1] - i == 1) {
+            int seg = seg_of_(len[i], segment), n_seg = (len[i] + seg - 1) / seg;
+            if (seg > max_seg) max_seg = seg;
+            if (len[i] > max_len) max_len = len[i];
+            keep_bytes += seg_arena_bytes(d, seg, len[i]) * (size_t)n_seg;
+            if (seg_arena_bytes(d, seg, len[i]) > one_seg) one_seg = seg_arena_bytes(d, seg, len[i]);
+            size_t l = carve_bytes_(sizeof(real) * (size_t)n_mla * (size_t)len[i] * LW);
+            state_cap += carve_bytes_(sizeof(real) * (size_t)n_seg * S_sz) +
+                         carve_bytes_(sizeof(real) * (size_t)n_seg * C_sz) + l;
+            lat += l;
+            continue;
+        }
+        int T = 0, tiles = 0;
+        for (; i < first[k + 1]; i++) {
+            T += len[i];
+            tiles += kda_tile_count(len[i]);
+            if (len[i] > max_len) max_len = len[i];
+        }
+        if (T > max_pack) max_pack = T;
+        size_t a = seg_pack_arena_bytes(d, T, tiles), l = carve_bytes_(sizeof(real) * (size_t)n_mla * (size_t)T * LW);
+        keep_bytes += a;
+        if (a > one_seg) one_seg = a;
+        state_cap += l;
+        lat += l;
     }
+    free(first);
     out->keep = segment <= 0 && keep_bytes <= MTRL_KEEP_BYTES_MAX;
-    out->max_seg = max_seg;
+    out->max_seg = max_seg > max_pack ? max_seg : max_pack;
     out->max_len = max_len;
-    out->arena = out->keep ? keep_bytes : seg_arena_bytes(d, max_seg, max_len);
+    out->max_pack = max_pack;
+    out->arena = out->keep ? keep_bytes : one_seg;
     out->state = state_cap;
-    out->grad = grad_bytes_(d, max_len);
+    out->latent = lat;
+    out->grad = grad_bytes_(d, max_len > max_pack ? max_len : max_pack);
 }
 
 size_t ws_held_bytes(const mtrl_model *m) {
     const ws_impl *w = (const ws_impl *)m->ws;
     return w ? w->pub.arena.cap + w->state.cap : 0;
+}
+
+// Forward of a packed segment: its sequences' tokens end to end in one seg_forward, each
+// sequence a piece that starts from the zero state (model_ws.h seq_io).
+static void pack_forward_(mtrl_model *m, const mtrl_batch *b, ws_pack *pk, real *logp, real *entropy,
+                          uint8_t *const *routing_out) {
+    ws_impl *w = (ws_impl *)m->ws;
+    const mtrl_model_dims *d = &m->dims;
+    size_t rw = (size_t)d->n_moe * d->k, lat = (size_t)model_n_mla(d) * lat_w_(d);
+    int T = 0;
+    pk->piece = xmalloc(sizeof(int) * (size_t)(pk->n + 1));
+    for (int j = 0; j < pk->n; j++) {
+        pk->piece[j] = T;
+        T += b->len[pk->i0 + j];
+    }
+    pk->piece[pk->n] = T;
+    pk->T = T;
+    pk->tokens = xmalloc(sizeof(uint32_t) * (size_t)T);
+    pk->targets = xmalloc(sizeof(int) * (size_t)T);
+    pk->routing = xcalloc((size_t)T * rw + 1, 1);
+    int replay = m->replay_routing && b->routing;
+    uint8_t *rin = replay ? xmalloc((size_t)T * rw + 1) : NULL;
+    for (int j = 0; j < pk->n; j++) {
+        int i = pk->i0 + j, o = pk->piece[j], len = b->len[i];
+        memcpy(pk->tokens + o, b->tokens[i], sizeof(uint32_t) * (size_t)len);
+        for (int t = 0; t < len; t++) pk->targets[o + t] = t + 1 < len ? (int)b->tokens[i][t + 1] : -1;
+        if (replay) memcpy(rin + (size_t)o * rw, b->routing[i], (size_t)len * rw);
+    }
+    pk->latent = RALLOC(&w->state, (size_t)T * lat);
+    w->pub.state_bytes += sizeof(real) * (size_t)T * lat;
+    seq_io io = {w->run_S, w->run_C, pk->latent, T, 0, pk->n, pk->piece};
+    seg_out so = {pk->targets, logp, entropy, NULL, rin, pk->routing, 1};
+    seg_cache tmp, *c = w->keep ? &pk->kept : &tmp;
+    if (!w->keep) mtrl_arena_reset(&w->pub.arena);
+    seg_forward(m, &w->pub.arena, SEG_CHUNK, T, pk->tokens, &io, &so, c);
+    if (w->pub.arena.peak > m->peak_activation_bytes) m->peak_activation_bytes = w->pub.arena.peak;
+    for (int j = 0; routing_out && j < pk->n; j++)
+        if (routing_out[pk->i0 + j])
+            memcpy(routing_out[pk->i0 + j], pk->routing + (size_t)pk->piece[j] * rw, (size_t)b->len[pk->i0 + j] * rw);
+    free(rin);
+}
+
+// Backward of a packed segment (its forward recomputed first unless kept); dlat, S, C: the
+// gradient block's latent gradients and scratch states, dlogp/dentropy: the pack's slices.
+static void pack_backward_(mtrl_model *m, ws_pack *pk, real *dS, real *dC, real *dlat, real *S, real *C,
+                           const real *dlogp, const real *dentropy) {
+    ws_impl *w = (ws_impl *)m->ws;
+    mtrl_backend *be = m->be;
+    be->zero(be, dlat, sizeof(real) * (size_t)pk->T * (size_t)model_n_mla(&m->dims) * lat_w_(&m->dims));
+    seq_grad g = {dS, dC, dlat};
+    seq_io io = {S, C, pk->latent, pk->T, pk->T, pk->n, pk->piece};
+    seg_cache tmp, *c = &pk->kept;
+    if (!w->keep) {
+        io.t0 = 0;
+        seg_out so = {pk->targets, NULL, NULL, NULL, pk->routing, NULL, 0};
+        mtrl_arena_reset(&w->pub.arena);
+        seg_forward(m, &w->pub.arena, SEG_CHUNK, pk->T, pk->tokens, &io, &so, &tmp);
+        c = &tmp;
+    }
+    size_t mark = mtrl_arena_mark(&w->pub.arena);
+    seg_backward(m, &w->pub.arena, c, pk->tokens, pk->targets, &io, dlogp, dentropy, &g);
+    if (w->pub.arena.peak > m->peak_activation_bytes) m->peak_activation_bytes = w->pub.arena.peak;
+    mtrl_arena_release(&w->pub.arena, mark);
 }
 
 void mtrl_model_forward(mtrl_model *m, const mtrl_batch *b, int segment, real *logp, real *entropy,
@@ -149,8 +274,22 @@ void mtrl_model_forward(mtrl_model *m, const mtrl_batch *b, int segment, real *l
     be->zero(be, w->state.base, state_cap);
     w->run_S = RALLOC(&w->state, S_sz);
     w->run_C = RALLOC(&w->state, C_sz);
+    int *first = xmalloc(sizeof(int) * (size_t)(b->n + 1));
+    w->n_pack = packs_of_(b->n, b->len, segment, first);
+    w->packs = xcalloc((size_t)(w->n_pack ? w->n_pack : 1), sizeof(ws_pack));
+    for (int k = 0; k < w->n_pack; k++) {
+        w->packs[k].i0 = first[k];
+        w->packs[k].n = first[k + 1] - first[k];
+    }
+    free(first);
     size_t off = 0;
-    for (int i = 0; i < b->n; i++) {
+    for (int k = 0; k < w->n_pack; k++) {
+        if (w->packs[k].n > 1) {
+            pack_forward_(m, b, &w->packs[k], logp ? logp + off : NULL, entropy ? entropy + off : NULL, routing_out);
+            off += (size_t)w->packs[k].T;
+            continue;
+        }
+        int i = w->packs[k].i0;
         ws_seq *s = &w->seqs[i];
         int len = s->len;
         s->bound_S = RALLOC(&w->state, (size_t)s->n_seg * S_sz);
@@ -164,7 +303,7 @@ void mtrl_model_forward(mtrl_model *m, const mtrl_batch *b, int segment, real *l
         real *S = w->run_S, *C = w->run_C;
         be->zero(be, S, sizeof(real) * S_sz);
         be->zero(be, C, sizeof(real) * C_sz);
-        seq_io io = {S, C, s->latent, len, 0};
+        seq_io io = {S, C, s->latent, len, 0, 0, NULL};
         for (int g = 0; g < s->n_seg; g++) {
             int t0 = g * s->seg, T = len - t0 < s->seg ? len - t0 : s->seg;
             be->copy(be, s->bound_S + (size_t)g * S_sz, S, sizeof(real) * S_sz);
@@ -198,6 +337,8 @@ void mtrl_model_backward(mtrl_model *m, const mtrl_batch *b, const real *dlogp, 
         off_total += (size_t)b->len[i];
         if (b->len[i] > max_len) max_len = b->len[i];
     }
+    for (int k = 0; k < w->n_pack; k++)
+        if (w->packs[k].T > max_len) max_len = w->packs[k].T;
     // Gradients crossing segment boundaries (one sequence at a time).
     mtrl_arena ga;
     size_t lat_max = (size_t)n_mla * max_len * LW;
@@ -205,7 +346,14 @@ void mtrl_model_backward(mtrl_model *m, const mtrl_batch *b, const real *dlogp, 
     real *dS = RALLOC(&ga, S_sz), *dC = RALLOC(&ga, C_sz), *dlat = RALLOC(&ga, lat_max);
     real *S = RALLOC(&ga, S_sz), *C = RALLOC(&ga, C_sz);
     size_t off = off_total;
-    for (int i = b->n - 1; i >= 0; i--) {
+    for (int k = w->n_pack - 1; k >= 0; k--) {
+        ws_pack *pk = &w->packs[k];
+        if (pk->n > 1) {
+            off -= (size_t)pk->T;
+            pack_backward_(m, pk, dS, dC, dlat, S, C, dlogp + off, dentropy ? dentropy + off : NULL);
+            continue;
+        }
+        int i = pk->i0;
         ws_seq *s = &w->seqs[i];
         int len = s->len;
         off -= (size_t)len;
@@ -215,7 +363,7 @@ void mtrl_model_backward(mtrl_model *m, const mtrl_batch *b, const real *dlogp, 
         seq_grad g = {dS, dC, dlat};
         for (int gi = s->n_seg - 1; gi >= 0; gi--) {
             int t0 = gi * s->seg, T = len - t0 < s->seg ? len - t0 : s->seg;
-            seq_io io = {S, C, s->latent, len, t0 + T};
+            seq_io io = {S, C, s->latent, len, t0 + T, 0, NULL};
             seg_cache tmp, *c;
             if (w->keep) {
                 c = &s->kept[gi];
@@ -244,7 +392,7 @@ void mtrl_model_backward(mtrl_model *m, const mtrl_batch *b, const real *dlogp, 
 
 #define PREFILL_SEGMENT 256
 
-static seq_io state_io_(const mtrl_decode_state *s) { return (seq_io){s->kda_S, s->conv, s->latent, s->cap, s->pos}; }
+static seq_io state_io_(const mtrl_decode_state *s) { return (seq_io){s->kda_S, s->conv, s->latent, s->cap, s->pos, 0, NULL}; }
 
 static size_t gcd_(size_t a, size_t b) {
     while (b) {

@@ -27,6 +27,12 @@ typedef struct seq_io {
     real *latent;  // [n_mla][cap][dc+dr]
     int cap;       // latent rows per MLA layer
     int t0;        // absolute position of the segment's first token
+    // A packed segment (SEG_CHUNK only): n_piece > 0 whole sequences laid end to end, piece i
+    // at tokens piece[i] .. piece[i+1]-1 of the segment (host array [n_piece+1]). Each piece
+    // starts from the zero state and attends only to itself; kda_S and conv then receive
+    // nothing meaningful. n_piece = 0: the segment continues the state above (one sequence).
+    int n_piece;
+    const int *piece;
 } seq_io;
 
 // Gradients flowing backwards across a segment boundary (same layout as seq_io's state).
@@ -118,6 +124,16 @@ void seg_backward(mtrl_model *m, mtrl_arena *ar, seg_cache *c, const uint32_t *t
 size_t seg_arena_bytes(const mtrl_model_dims *d, int T, int Tk);
 size_t seg_fwd_bytes(const mtrl_model_dims *d, int T);
 size_t seg_bwd_bytes(const mtrl_model_dims *d, int T);
+// The same for a packed segment of T tokens whose pieces have `tiles` KDA tiles in all
+// (Σ kda_tile_count(piece length): each piece stores its own tile states).
+size_t seg_pack_arena_bytes(const mtrl_model_dims *d, int T, int tiles);
+// KDA tiles whose states a chunked segment of T tokens stores (io: its pieces, nullable).
+int seg_kda_tiles(int T, const seq_io *io);
+// Packing of a batch (model_run.c): consecutive sequences that each fit in one segment are laid
+// end to end into packed segments of up to MTRL_PACK_TOKENS tokens (or `segment` when set), so
+// a learner step over many short episodes runs a few large GEMMs instead of one small set per
+// episode. A sequence longer than that, or cut into segments, is a pack of its own.
+#define MTRL_PACK_TOKENS 4096
 
 // The device (backend) blocks mtrl_model_forward / _backward allocate for a batch of n sequences
 // of len[i] tokens with `segment` (model_run.c computes them with this function, the memory
@@ -126,9 +142,11 @@ typedef struct ws_sizes {
     int keep;        // segment <= 0 and every activation fits in MTRL_KEEP_BYTES_MAX: no recompute
     int max_seg;     // the longest segment
     int max_len;     // the longest sequence
+    int max_pack;    // the longest packed segment of several sequences (0: none)
     size_t arena;    // activation arena: kept segments, or one segment's forward + backward
     size_t state;    // boundary KDA states and conv windows of every segment, MLA latents, running state
-    size_t grad;     // the backward's block: ∂/∂latents of the longest sequence, dS, dconv, S, conv
+    size_t latent;   // ... of which MLA latents
+    size_t grad;     // the backward's block: ∂/∂latents of the longest sequence or pack, dS, dconv, S, conv
 } ws_sizes;
 void ws_sizes_for(const mtrl_model_dims *d, int n, const int *len, int segment, ws_sizes *out);
 // Bytes of the batch workspace the model holds now (activation and state arenas of the last
