@@ -88,6 +88,7 @@ struct mtrl_learner {
     double *actor_qb_sum;    // [L][E] β sums from the actors' ROUTING_STATS since the last step
     long *actor_qb_n;        // [L] decode batches summed
     double t_start;
+    double t_last_step;    // when the last RL step ended (0: none yet)
     int progress;
     mtrl_progress prog;
     void (*tick)(void *);
@@ -144,7 +145,8 @@ static void wmsg_free_(mtrl_learner *l) {
 
 // Serialises the weights and encodes them as WEIGHTS messages once per version; every actor is
 // then sent the same bytes (messages still queued for an actor keep the older version alive).
-static void publish_(mtrl_learner *l) {
+// Returns the seconds it took.
+static double publish_(mtrl_learner *l) {
     double t0 = mtrl_time_mono();
     void *blob = NULL;
     size_t len = 0;
@@ -168,6 +170,7 @@ static void publish_(mtrl_learner *l) {
     free(blob);
     double dt = mtrl_time_mono() - t0;
     if (dt > 1.0) LOG_INFO("weights version %u serialised: %.2f GB in %.1f s", l->model.version, len / 1e9, dt);
+    return dt;
 }
 
 static void send_weights_(mtrl_learner *l, actor_rec *a) {
@@ -555,9 +558,13 @@ static void rl_step_(mtrl_learner *l, int *ready, int n_ready) {
     long qb_actor = qb_stats_fold_(l); // summed before the step's own batches; applied after it
     mtrl_train_rl_step(&l->model, &l->cfg, &l->algo, batch, nb, &st);
     l->step++;
-    publish_(l);
+    double t_pub = mtrl_time_mono(), pub_serialise = publish_(l);
     for (int i = 0; i < l->n_actors; i++)
         if (l->actors[i].alive) send_weights_(l, &l->actors[i]);
+    t_pub = mtrl_time_mono() - t_pub;
+    // Wall time from the previous step's end: the learner's step plus its wait for episodes.
+    double now = mtrl_time_mono(), cycle = l->t_last_step > 0 ? now - l->t_last_step : now - l->t_start;
+    l->t_last_step = now;
     mtrl_error err;
     if (mtrl_store_begin(l->store, &err) == MTRL_OK) {
         double el = mtrl_time_mono() - l->t_start;
@@ -584,6 +591,9 @@ static void rl_step_(mtrl_learner *l, int *ready, int n_ready) {
         log_metric_(l, "tokens_per_s", el > 0 ? l->tokens_seen / el : 0);
         log_metric_(l, "episodes_per_s", el > 0 ? l->episodes_seen / el : 0);
         log_metric_(l, "step_seconds", st.seconds);
+        log_metric_(l, "publish_seconds", t_pub);
+        log_metric_(l, "publish_serialise_seconds", pub_serialise);
+        log_metric_(l, "cycle_seconds", cycle);
         log_metric_(l, "stale_dropped", (double)l->stale_dropped);
         log_metric_(l, "groups_dropped", (double)l->groups_dropped);
         log_metric_(l, "episodes_aborted", (double)l->episodes_by_status[MTRL_EP_ABORTED]);

@@ -36,31 +36,27 @@ run)
     timeout "${LONG_SECONDS:-300}" .carry/dev/mtrl bench long --device cuda $BENCH_LONG 2>&1 | tee "$out/bench_long.txt"
   fi
   [ "${SKIP_QG:-0}" = 1 ] && exit 0
-  rm -rf /tmp/qg && mkdir -p /tmp/qg && cd /tmp/qg
-  start=$(date +%s)
-  timeout "${QG_SECONDS:-330}" "$repo/.carry/dev/mtrl" run "$repo/experiments/quickstart-gpu.ini" --db runs.db \
-    --set run.out_dir=/tmp/qg/runs --set run.keep_checkpoints=1 > "$out/quickstart_gpu.log" 2>&1
-  echo "quickstart-gpu: exit $? after $(( $(date +%s) - start )) s" | tee "$out/quickstart_gpu_summary.txt"
-  python3 - >> "$out/quickstart_gpu_summary.txt" <<'PY'
-import sqlite3
-c = sqlite3.connect("runs.db")
-q = lambda s: c.execute(s).fetchall()
-print("run:", q("select id, status, round(ended - started, 1) from runs"))
-print("episodes by status:", q("select status, count(*) from episodes group by status"))
-print("reward by 5 steps:", q("select step/5, round(avg(value),3) from metrics where name='reward' group by step/5"))
-for m in ("learner_tokens_per_s", "tokens_per_s", "episodes_per_s", "step_seconds"):
-    print(m, q(f"select round(avg(value),1), round(max(value),1) from metrics where name='{m}'"))
-print("reward per step:", [round(v, 3) for (v,) in q("select value from metrics where name='reward' order by step")])
-# Why a run does or does not learn: the learner-vs-behaviour mismatch, clipping, gradient, entropy.
-for m in ("mismatch_absdiff", "mismatch_k3", "clip_low", "clip_high", "ratio", "grad_norm", "entropy", "staleness_mean"):
-    print(m, "per step:", [round(v, 4) for (v,) in q(f"select value from metrics where name='{m}' order by step")])
-print("events (warnings):", q("select message from events where level in ('W','E','warn','error','WARN','ERROR') limit 12"))
-print("warm-up loss first/last:", q("select value from metrics where name='warmup_loss' order by step limit 1"),
-      q("select value from metrics where name='warmup_loss' order by step desc limit 1"))
-e = q("select reward from episodes where status in ('complete','truncated') order by started")
-n = len(e) // 5
-if n: print("first 20%% of episodes %.3f, last 20%% %.3f (%d episodes)" % (sum(r for (r,) in e[:n]) / n, sum(r for (r,) in e[-n:]) / n, len(e)))
-PY
-  cat "$out/quickstart_gpu_summary.txt"
+  # QG_SETS="learner.lr=2e-5;learner.lr=6e-5 warmup.steps=8": variants of the experiment run at
+  # once, variant i on GPU i mod (GPUs) with those --set overrides (default: one, as written).
+  # Each runs in /tmp/qg<i>; its log and summary are $out/quickstart_gpu<i>.log / _summary<i>.txt.
+  ngpu=$(nvidia-smi -L | wc -l)
+  IFS=';' read -r -a sets <<< "${QG_SETS:-}"
+  [ ${#sets[@]} -eq 0 ] && sets=("")
+  for i in "${!sets[@]}"; do
+    (
+      dir=/tmp/qg$i
+      rm -rf "$dir" && mkdir -p "$dir" && cd "$dir" || exit 1
+      args=()
+      for kv in ${sets[$i]}; do args+=(--set "$kv"); done
+      start=$(date +%s)
+      CUDA_VISIBLE_DEVICES=$(( i % ngpu )) timeout "${QG_SECONDS:-330}" "$repo/.carry/dev/mtrl" run \
+        "$repo/experiments/quickstart-gpu.ini" --db runs.db --set run.out_dir=$dir/runs --set run.keep_checkpoints=1 \
+        "${args[@]}" > "$out/quickstart_gpu$i.log" 2>&1
+      echo "quickstart-gpu variant $i [${sets[$i]}]: exit $? after $(( $(date +%s) - start )) s" > "$out/quickstart_gpu_summary$i.txt"
+      python3 "$repo/tools/run_summary.py" runs.db >> "$out/quickstart_gpu_summary$i.txt" 2>&1
+    ) &
+  done
+  wait
+  cat "$out"/quickstart_gpu_summary*.txt
   ;;
 esac

@@ -1,0 +1,28 @@
+#!/usr/bin/env python3
+"""run_summary.py RUNS_DB: what a GPU run of an experiment did, from its run store (tools/gpu_run.sh).
+
+Prints the run's status, episodes by status, the reward per step and per 5 steps, the learner's
+and the actors' rates, and per step the numbers that say why a run does or does not learn: the
+learner-vs-behaviour mismatch, clipping, gradient norm, entropy, staleness.
+"""
+import sqlite3
+import sys
+
+c = sqlite3.connect(sys.argv[1] if len(sys.argv) > 1 else "runs.db")
+q = lambda s: c.execute(s).fetchall()
+print("run:", q("select id, status, round(ended - started, 1) from runs"))
+print("episodes by status:", q("select status, count(*) from episodes group by status"))
+print("reward by 5 steps:", q("select step/5, round(avg(value),3) from metrics where name='reward' group by step/5"))
+for m in ("learner_tokens_per_s", "tokens_per_s", "episodes_per_s", "step_seconds", "publish_seconds",
+          "publish_serialise_seconds", "cycle_seconds"):
+    print(m, q(f"select round(avg(value),1), round(max(value),1) from metrics where name='{m}'"))
+print("reward per step:", [round(v, 3) for (v,) in q("select value from metrics where name='reward' order by step")])
+# Why a run does or does not learn: the learner-vs-behaviour mismatch, clipping, gradient, entropy.
+for m in ("mismatch_absdiff", "mismatch_k3", "clip_low", "clip_high", "ratio", "grad_norm", "entropy", "staleness_mean"):
+    print(m, "per step:", [round(v, 4) for (v,) in q(f"select value from metrics where name='{m}' order by step")])
+print("events (warnings):", q("select message from events where level in ('W','E','warn','error','WARN','ERROR') limit 12"))
+print("warm-up loss first/last:", q("select value from metrics where name='warmup_loss' order by step limit 1"),
+      q("select value from metrics where name='warmup_loss' order by step desc limit 1"))
+e = q("select reward from episodes where status in ('complete','truncated') order by started")
+n = len(e) // 5
+if n: print("first 20%% of episodes %.3f, last 20%% %.3f (%d episodes)" % (sum(r for (r,) in e[:n]) / n, sum(r for (r,) in e[-n:]) / n, len(e)))
