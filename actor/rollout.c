@@ -177,8 +177,9 @@ static void finish_(slot *s, mtrl_ep_status status, double reward, const char *r
 
 // Starts an episode in s: env reset, BOS + prompt prefilled. Returns 0 when the episode ended
 // at once (env failure or a prompt over the budget).
-static int start_(const mtrl_rollout_params *p, mtrl_model *m, slot *s, uint64_t task_seed, uint64_t episode_id,
-                  uint64_t group_id, uint32_t *buf) {
+// twin: the group's first slot, started just before with the same task (NULL for the first).
+static int start_(const mtrl_rollout_params *p, mtrl_model *m, slot *s, const slot *twin, uint64_t task_seed,
+                  uint64_t episode_id, uint64_t group_id, uint32_t *buf) {
     mtrl_traj_reset(&s->traj);
     mtrl_traj *t = &s->traj;
     t->episode_id = episode_id;
@@ -213,7 +214,21 @@ static int start_(const mtrl_rollout_params *p, mtrl_model *m, slot *s, uint64_t
     }
     buf[0] = MTRL_TOK_BOS;
     mtrl_tok_encode(res.obs, res.obs_len, buf + 1);
-    feed_(m, s, buf, (int)res.obs_len + 1, 0, MTRL_TOK_PROMPT);
+    int n = (int)res.obs_len + 1;
+    if (twin && twin->active && twin->traj.n_tokens == (uint64_t)n && twin->logits_version == m->version &&
+        !memcmp(twin->traj.ids, buf, sizeof(uint32_t) * (size_t)n)) {
+        // A group's episodes share their prompt: one prefill per group, the others copy its state
+        // (the prefill is deterministic, so this is exactly what their own prefill would give).
+        mtrl_decode_state_copy(&s->st, &twin->st, m);
+        memcpy(s->logits, twin->logits, sizeof(real) * (size_t)m->dims.V);
+        s->logits_version = twin->logits_version;
+        const mtrl_traj *tw = &twin->traj;
+        for (int i = 0; i < n; i++)
+            mtrl_traj_append(t, buf[i], 0.0f, m->version, MTRL_TOK_PROMPT,
+                             t->routing_width ? tw->routing + (size_t)i * tw->routing_width : NULL);
+    } else {
+        feed_(m, s, buf, n, 0, MTRL_TOK_PROMPT);
+    }
     s->turn_start = t->n_tokens;
     return 1;
 }
@@ -312,7 +327,7 @@ static void start_groups_(mtrl_rollout *r, const mtrl_rollout_events *ev) {
             uint64_t eid = ((uint64_t)r->p.actor_id << 48) | ((uint64_t)(r->p.incarnation & 0xffff) << 32) |
                            (r->next_episode++ & 0xffffffff);
             slot *s = &r->slots[i];
-            int live = start_(&r->p, r->m, s, task_seed, eid, group_id, r->ptok);
+            int live = start_(&r->p, r->m, s, i > g0 ? &r->slots[g0] : NULL, task_seed, eid, group_id, r->ptok);
             if (ev && ev->begin) ev->begin(ev->user, &s->traj);
             if (!live && ev && ev->end) ev->end(ev->user, &s->traj);
         }
@@ -362,7 +377,7 @@ mtrl_status mtrl_rollout_run_one(const mtrl_rollout_params *p, mtrl_model *m, mt
     s.logits = xcalloc((size_t)m->dims.V, sizeof(real));
     s.rrow = xcalloc((size_t)(p->max_tokens + 2) * (size_t)(m->dims.n_moe * m->dims.k) + 1, 1);
     uint32_t *buf = xcalloc((size_t)p->max_tokens + 2, sizeof(uint32_t));
-    if (start_(p, m, &s, task_seed, episode_id, group_id, buf)) {
+    if (start_(p, m, &s, NULL, task_seed, episode_id, group_id, buf)) {
         while (s.active) {
             if (advance_(p, m, &s, buf)) {
                 mtrl_decode_state *one[1] = {&s.st};
