@@ -802,6 +802,10 @@ mtrl_status mtrl_learner_open(mtrl_learner **out, const mtrl_config *cfg, const 
     if (st == MTRL_OK) {
         l->zctx = zmq_ctx_new();
         l->lim = mtrl_wire_limits_default();
+        // An actor keeps every slot busy (episodes_in_flight rounded up to whole groups, as
+        // mtrl_rollout_params_from_config sizes them): that many episodes may be open at once.
+        uint32_t g = (uint32_t)cfg->algo.group_size, slots = ((uint32_t)cfg->actor.episodes_in_flight + g - 1) / g * g;
+        if (slots > l->lim.max_open_per_actor) l->lim.max_open_per_actor = slots;
         mtrl_wire_sockopts so = mtrl_wire_sockopts_default();
         // ZeroMQ's heartbeat drops a connection silently, losing what was in flight: give it the
         // same patience as the application's own heartbeat, which aborts episodes explicitly.

@@ -145,12 +145,15 @@ static void test_short_run(void) {
     make_experiment("short", 3, "calc", "", "false", ini, sizeof ini, NULL);
     snprintf(db, sizeof db, "%s/short.db", dir_);
     snprintf(log, sizeof log, "%s/short.log", dir_);
-    char *argv[] = {(char *)bin_, "run", ini, "--db", db, NULL};
+    // 66 episodes in flight per actor: more than the wire's default of 64 open episodes, which
+    // the learner raises to what the experiment's actors keep open (none may be rejected).
+    char *argv[] = {(char *)bin_, "run", ini, "--db", db, "--set", "actor.episodes_in_flight=66", NULL};
     int rc = run_cmd(argv, log);
     TEST_EQ_INT(rc, 0);
     char status[64];
     query_text(db, "SELECT status FROM runs WHERE id = 1", status, sizeof status);
     TEST_EQ_STR(status, "finished");
+    TEST_EQ_INT(query_int(db, "SELECT count(*) FROM episodes WHERE status = 'rejected'"), 0);
     TEST_EQ_INT(query_int(db, "SELECT count(*) FROM metrics WHERE name = 'reward'"), 3);
     TEST_CHECK(query_int(db, "SELECT count(*) FROM episodes") >= 8);
     TEST_CHECK(query_int(db, "SELECT count(*) FROM experts") == 3 * 3 * 8); // steps x MoE layers x experts
