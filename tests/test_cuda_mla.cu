@@ -8,14 +8,22 @@
 // (fp32 and bf16 latent caches; each case through both kernels: v2 where the arguments allow it,
 // then v1 forced through MTRL_DECODE_V1=1).
 // Tolerances: attention takes bf16 operands: ‖out − ref‖/‖ref‖ ≤ 1e-2 against the reference on
-// the unrounded inputs. Decode: fp32 cache ≤ 1e-4; bf16 cache ≤ 1e-2.
+// the unrounded inputs. Attention runs the v2 kernels where the shape allows them (twice:
+// bit-identical), then v1 forced through MTRL_ATTN_V1=1. Decode: fp32 cache ≤ 1e-4; bf16 cache ≤ 1e-2.
 #include "tests/testhelp.h"
 #include "kernels/cuda/cuda_testutil.h"
 #include "kernels/ref/mla_ref.h"
 
+// Sets MTRL_ATTN_V1 for the attention launchers (read at each call): version 1 forces the v1
+// kernels, version 2 leaves the default (v2 where the shape allows it).
+static void set_attn_version(int version) {
+    if (version == 1) setenv("MTRL_ATTN_V1", "1", 1);
+    else unsetenv("MTRL_ATTN_V1");
+}
+
+// Forward and backward through both kernel sets (v2 where the shape allows it, then v1 forced)
+// on the same inputs, each against the fp64 reference; v2 twice, the two runs bit-identical.
 static void test_attn(mtrl_cuda_ctx *ctx, int Tq, int Tk, int H, int Hk, int Dk, int Dv, int alias) {
-    printf("attention Tq=%d Tk=%d H=%d Hk=%d Dk=%d Dv=%d %s\n", Tq, Tk, H, Hk, Dk, Dv,
-           alias ? "(values alias the keys)" : "");
     double scale = 1.0 / sqrt((double)(alias ? 192 : Dk));
     int ldk = alias ? Dk : Hk * Dk, ldv = alias ? Dk : Hk * Dv;
     size_t nq = (size_t)Tq * H * Dk, nk = (size_t)Tk * ldk, nv = alias ? 0 : (size_t)Tk * ldv,
@@ -34,51 +42,85 @@ static void test_attn(mtrl_cuda_ctx *ctx, int Tq, int Tk, int H, int Hk, int Dk,
     double *dk0 = tu_alloc(nk), *dv0 = tu_alloc(nv ? nv : 1);
     memcpy(dk0, dk, sizeof(double) * nk);
     if (!alias) memcpy(dv0, dv, sizeof(double) * nv);
-    float *e_dk = tu_dev_f32(dk, nk), *e_dv = alias ? e_dk : tu_dev_f32(dv, nv);
     attn_causal_bwd(Tq, Tk, H, Hk, Dk, Dv, scale, q, k, ldk, vv, ldv, o, lse, dout, dq, dk, dv);
 
     mtrl_bf16 *d_q = tu_dev_bf16(q, nq), *d_k = tu_dev_bf16(k, nk),
               *d_v = alias ? d_k : tu_dev_bf16(v, nv), *d_do = tu_dev_bf16(dout, no);
-    float *d_o = tu_dev_nan(ctx, no), *d_lse = tu_dev_nan(ctx, nl), *e_dq = tu_dev_nan(ctx, nq);
-    TEST_EQ_INT(mtrl_attn_causal_fwd(ctx, Tq, Tk, H, Hk, Dk, Dv, (float)scale, d_q, d_k, ldk, d_v,
-                                     ldv, d_o, d_lse), 0);
-    TEST_EQ_INT(mtrl_attn_causal_bwd(ctx, Tq, Tk, H, Hk, Dk, Dv, (float)scale, d_q, d_k, ldk, d_v,
-                                     ldv, d_o, d_lse, d_do, e_dq, e_dk, e_dv), 0);
-    mtrl_cuda_sync(ctx);
     size_t big = nq > nk ? nq : nk;
     if (nv > big) big = nv;
     if (no > big) big = no;
-    double *got = tu_alloc(big);
-    tu_get_f32(got, d_o, no);
-    TU_CHECK_REL("fwd o", got, o, no, 1e-2);
-    tu_get_f32(got, d_lse, nl);
-    TU_CHECK_REL("fwd lse", got, lse, nl, 1e-2);
-    tu_get_f32(got, e_dq, nq);
-    TU_CHECK_REL("bwd dq", got, dq, nq, 1e-2);
-    // dk/dv: compare the increments (accumulated buffer minus its start) so the start values do
-    // not dilute the error.
-    double *inc = tu_alloc(big), *ref_inc = tu_alloc(big);
-    tu_get_f32(got, e_dk, nk);
-    for (size_t i = 0; i < nk; i++) {
-        inc[i] = got[i] - dk0[i];
-        ref_inc[i] = dk[i] - dk0[i];
-    }
-    TU_CHECK_REL(alias ? "bwd dk (+=, dk and dv aliased)" : "bwd dk (+=)", inc, ref_inc, nk, 1e-2);
-    if (!alias) {
-        tu_get_f32(got, e_dv, nv);
-        for (size_t i = 0; i < nv; i++) {
-            inc[i] = got[i] - dv0[i];
-            ref_inc[i] = dv[i] - dv0[i];
+    double *got = tu_alloc(big), *inc = tu_alloc(big), *ref_inc = tu_alloc(big);
+    // the first v2 run's results (float bits), compared with the second
+    size_t nall = no + nl + nq + nk + nv;
+    float *first = (float *)malloc(sizeof(float) * nall), *again = (float *)malloc(sizeof(float) * nall);
+    for (int version = 2; version >= 1; version--) {
+        set_attn_version(version);
+        int vf = mtrl_attn_causal_version(H, Hk, Dk, Dv, alias, 0);
+        int vb = mtrl_attn_causal_version(H, Hk, Dk, Dv, alias, 1);
+        printf("attention Tq=%d Tk=%d H=%d Hk=%d Dk=%d Dv=%d%s: fwd v%d, bwd v%d\n", Tq, Tk, H, Hk,
+               Dk, Dv, alias ? " (values alias the keys)" : "", vf, vb);
+        if (version == 2 && vf == 1 && vb == 1) continue;  // the v1 pass covers it
+        if (version == 1) {
+            TEST_EQ_INT(vf, 1);
+            TEST_EQ_INT(vb, 1);
         }
-        TU_CHECK_REL("bwd dv (+=)", inc, ref_inc, nv, 1e-2);
+        for (int run = 0; run < (version == 2 ? 2 : 1); run++) {
+            float *d_o = tu_dev_nan(ctx, no), *d_lse = tu_dev_nan(ctx, nl), *e_dq = tu_dev_nan(ctx, nq);
+            float *e_dk = tu_dev_f32(dk0, nk), *e_dv = alias ? e_dk : tu_dev_f32(dv0, nv);
+            TEST_EQ_INT(mtrl_attn_causal_fwd(ctx, Tq, Tk, H, Hk, Dk, Dv, (float)scale, d_q, d_k, ldk,
+                                             d_v, ldv, d_o, d_lse), 0);
+            TEST_EQ_INT(mtrl_attn_causal_bwd(ctx, Tq, Tk, H, Hk, Dk, Dv, (float)scale, d_q, d_k, ldk,
+                                             d_v, ldv, d_o, d_lse, d_do, e_dq, e_dk, e_dv), 0);
+            mtrl_cuda_sync(ctx);
+            float *bits = run == 0 ? first : again;
+            mtrl_cuda_download(bits, d_o, sizeof(float) * no);
+            mtrl_cuda_download(bits + no, d_lse, sizeof(float) * nl);
+            mtrl_cuda_download(bits + no + nl, e_dq, sizeof(float) * nq);
+            mtrl_cuda_download(bits + no + nl + nq, e_dk, sizeof(float) * nk);
+            if (!alias) mtrl_cuda_download(bits + no + nl + nq + nk, e_dv, sizeof(float) * nv);
+            if (run == 0) {
+                char what[64];
+#define ATT_NAME(s) (snprintf(what, sizeof what, "%s (fwd v%d, bwd v%d)", s, vf, vb), what)
+                tu_get_f32(got, d_o, no);
+                TU_CHECK_REL(ATT_NAME("fwd o"), got, o, no, 1e-2);
+                tu_get_f32(got, d_lse, nl);
+                TU_CHECK_REL(ATT_NAME("fwd lse"), got, lse, nl, 1e-2);
+                tu_get_f32(got, e_dq, nq);
+                TU_CHECK_REL(ATT_NAME("bwd dq"), got, dq, nq, 1e-2);
+                // dk/dv: compare the increments (accumulated buffer minus its start) so the
+                // start values do not dilute the error.
+                tu_get_f32(got, e_dk, nk);
+                for (size_t i = 0; i < nk; i++) {
+                    inc[i] = got[i] - dk0[i];
+                    ref_inc[i] = dk[i] - dk0[i];
+                }
+                TU_CHECK_REL(ATT_NAME(alias ? "bwd dk (+=, dk and dv aliased)" : "bwd dk (+=)"), inc,
+                             ref_inc, nk, 1e-2);
+                if (!alias) {
+                    tu_get_f32(got, e_dv, nv);
+                    for (size_t i = 0; i < nv; i++) {
+                        inc[i] = got[i] - dv0[i];
+                        ref_inc[i] = dv[i] - dv0[i];
+                    }
+                    TU_CHECK_REL(ATT_NAME("bwd dv (+=)"), inc, ref_inc, nv, 1e-2);
+                }
+#undef ATT_NAME
+            } else {
+                int same = memcmp(first, again, sizeof(float) * nall) == 0;
+                printf("  two v2 runs bit-identical (o, lse, dq, dk, dv): %s\n", same ? "yes" : "NO");
+                TEST_CHECK(same);
+            }
+            mtrl_cuda_free(d_o); mtrl_cuda_free(d_lse); mtrl_cuda_free(e_dq); mtrl_cuda_free(e_dk);
+            if (!alias) mtrl_cuda_free(e_dv);
+        }
     }
+    set_attn_version(2);
+    free(first); free(again);
     free(inc);
     free(ref_inc);
     free(dk0);
     free(dv0);
     mtrl_cuda_free(d_q); mtrl_cuda_free(d_k); if (!alias) mtrl_cuda_free(d_v); mtrl_cuda_free(d_do);
-    mtrl_cuda_free(d_o); mtrl_cuda_free(d_lse); mtrl_cuda_free(e_dq); mtrl_cuda_free(e_dk);
-    if (!alias) mtrl_cuda_free(e_dv);
     free(q); free(k); free(v); free(dout); free(o); free(lse); free(dq); free(dk);
     if (!alias) free(dv);
     free(got);
@@ -144,8 +186,10 @@ static void test_decode(mtrl_cuda_ctx *ctx, int B, const int *lens, int H, int d
     free(start); free(pool); free(q); free(W); free(a); free(got);
 }
 
-int main(void) {
+// `test_cuda_mla attn` runs the attention cases alone (the decode cases take most of the time).
+int main(int argc, char **argv) {
     if (mtrl_cuda_device_count() <= 0) test_skip("no CUDA device");
+    const int attn_only = argc > 1 && !strcmp(argv[1], "attn");
     mtrl_cuda_ctx *ctx = mtrl_cuda_ctx_create(0, NULL);
     tu_seed(3);
     test_attn(ctx, 150, 150, 4, 1, 40, 32, 1);    // tiny preset latent (dc 32 + dr 8)
@@ -153,6 +197,20 @@ int main(void) {
     test_attn(ctx, 70, 190, 4, 1, 576, 512, 1);   // a segment after a 120-token prefix
     test_attn(ctx, 130, 130, 4, 2, 48, 32, 0);    // general: 2 key heads, separate values
     test_attn(ctx, 1, 33, 2, 1, 80, 64, 1);       // one query row
+    // v2 shapes: the absorbed forward (Tq < Tk; key and packed-row counts that are not multiples
+    // of the 64-key tile or the 64-row block), MHA Dk = Dv = 128 (forward and backward), GQA,
+    // Tq < Tk, tails, one query row, exact tiles.
+    test_attn(ctx, 37, 301, 4, 1, 576, 512, 1);
+    test_attn(ctx, 200, 200, 16, 1, 576, 512, 1);  // the bench's H = 16: 4 tokens per block
+    test_attn(ctx, 200, 200, 4, 4, 128, 128, 0);   // MHA, 200 = 3 x 64 + 8
+    test_attn(ctx, 77, 333, 3, 3, 128, 128, 0);    // a segment after a 256-token prefix
+    test_attn(ctx, 150, 190, 4, 2, 128, 128, 0);   // GQA: 2 heads per key head
+    test_attn(ctx, 1, 65, 2, 2, 128, 128, 0);      // one query row, 65 keys
+    test_attn(ctx, 64, 64, 1, 1, 128, 128, 0);     // exact tiles
+    if (attn_only) {
+        mtrl_cuda_ctx_destroy(ctx);
+        return test_report();
+    }
     int lens1[5] = {1, 17, 256, 300, 700};
     test_decode(ctx, 5, lens1, 8, 32, 16, 32, 64, MTRL_F32);
     test_decode(ctx, 5, lens1, 8, 32, 16, 32, 64, MTRL_BF16);

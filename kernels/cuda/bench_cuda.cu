@@ -206,14 +206,26 @@ void bench_attn(Bench &B, int T, int H, int absorbed) {
     char shape[80];
     snprintf(shape, sizeof shape, absorbed ? "T=%d H=%d MQA Dk=576 Dv=512" : "T=%d H=%d Dk=Dv=128", T, H);
     double fl = (double)T * T * H * (Dk + Dv);  // causal: half of 2 T² H (Dk + Dv)
-    double ms = time_ms(B, [&] { mtrl_attn_causal_fwd(B.c, T, T, H, Hk, Dk, Dv, scale, q, k, ldk, v, ldv, o, lse); }, 1, 3);
-    row(absorbed ? "MLA attention fwd (absorbed)" : "attention fwd (MHA shape)", shape, ms, fl, "TFLOP/s", B.gemm_tflops);
-    double msb = time_ms(B, [&] {
-        mtrl_attn_causal_bwd(B.c, T, T, H, Hk, Dk, Dv, scale, q, k, ldk, v, ldv, o, lse, dout, dq, dk, dv);
-    }, 1, 3);
-    // fwd+bwd counted as 3.5 x the forward (the anchors' convention: bwd = 2.5 x fwd)
-    row(absorbed ? "MLA attention fwd+bwd (absorbed)" : "attention fwd+bwd (MHA shape)", shape, ms + msb, 3.5 * fl,
-        "TFLOP/s", B.gemm_tflops);
+    // v2 (where the shape allows it) and v1 (MTRL_ATTN_V1=1) on the same inputs
+    for (int version = 2; version >= 1; version--) {
+        if (version == 1) setenv("MTRL_ATTN_V1", "1", 1);
+        else unsetenv("MTRL_ATTN_V1");
+        int vf = mtrl_attn_causal_version(H, Hk, Dk, Dv, absorbed, 0);
+        int vb = mtrl_attn_causal_version(H, Hk, Dk, Dv, absorbed, 1);
+        char what[80];
+        double ms = time_ms(B, [&] { mtrl_attn_causal_fwd(B.c, T, T, H, Hk, Dk, Dv, scale, q, k, ldk, v, ldv, o, lse); }, 1, 3);
+        snprintf(what, sizeof what, "%s fwd v%d", absorbed ? "MLA attention (absorbed)" : "attention (MHA shape)", vf);
+        row(what, shape, ms, fl, "TFLOP/s", B.gemm_tflops);
+        double msb = time_ms(B, [&] {
+            mtrl_attn_causal_bwd(B.c, T, T, H, Hk, Dk, Dv, scale, q, k, ldk, v, ldv, o, lse, dout, dq, dk, dv);
+        }, 1, 3);
+        // fwd+bwd counted as 3.5 x the forward (the anchors' convention: bwd = 2.5 x fwd)
+        snprintf(what, sizeof what, "  fwd+bwd (fwd v%d, bwd v%d)", vf, vb);
+        row(what, shape, ms + msb, 3.5 * fl, "TFLOP/s", B.gemm_tflops);
+        snprintf(what, sizeof what, "  bwd alone (v%d)", vb);
+        row(what, shape, msb, 2.5 * fl, "TFLOP/s", B.gemm_tflops);
+    }
+    unsetenv("MTRL_ATTN_V1");
     mtrl_cuda_free(q); mtrl_cuda_free(k); mtrl_cuda_free(dout); mtrl_cuda_free(o); mtrl_cuda_free(lse);
     mtrl_cuda_free(dq); mtrl_cuda_free(dk);
     if (!absorbed) { mtrl_cuda_free(v); mtrl_cuda_free(dv); }

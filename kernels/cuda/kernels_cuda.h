@@ -122,9 +122,17 @@ int mtrl_kda_step_version(int H, int K, int V);
 // The absorbed MLA passes Hk = 1, v = k, ldv = ldk, Dv = dc < Dk ("aliased" values).
 // Requirements: Dk, Dv multiples of 16, Dv <= 512, Dk <= 576, H % Hk == 0; Tq <= Tk.
 // o [Tq][H][Dv], lse [Tq][H] (fp32).
+// Two kernel sets (docs/kernel-lab.md, "Causal attention (P4)"): v2 (attn_tc_cuda.cu, FA2 style)
+// for Dk = Dv = 128 with separate values (any Hk), and for the forward of the absorbed shape
+// (Hk = 1, Dk = 576, Dv = 512 aliased); v1 (mla_cuda.cu) for every other shape, or for all
+// shapes when the environment variable MTRL_ATTN_V1=1 (read at each call).
 int mtrl_attn_causal_fwd(mtrl_cuda_ctx *ctx, int Tq, int Tk, int H, int Hk, int Dk, int Dv,
                          float scale, const mtrl_bf16 *q, const mtrl_bf16 *k, int ldk,
                          const mtrl_bf16 *v, int ldv, float *o, float *lse);
+// The kernel mtrl_attn_causal_fwd (bwd = 0) or _bwd (bwd = 1) runs for this shape: 2 or 1
+// (given 16-byte aligned o and 8-byte aligned dq, dk, dv; v1 runs otherwise).
+// alias: the values are the first Dv columns of the keys (Hk = 1, v == k, ldv == ldk).
+int mtrl_attn_causal_version(int H, int Hk, int Dk, int Dv, int alias, int bwd);
 // dq [Tq][H][Dk] overwritten; dk, dv ACCUMULATED (+=) with the strides of k, v. With aliased
 // values (Hk = 1, v == k, ldv == ldk) dv must equal dk (one latent gradient); otherwise dk and
 // dv must not overlap. o and lse are the forward's; dout [Tq][H][Dv] bf16.

@@ -2,7 +2,10 @@
 // flash style, and the absorbed decode over a batch of latent caches (model.md §3; the oracle
 // is kernels/ref/mla_ref.c: attn_causal_fwd/bwd, mla_decode_absorbed_ld).
 //
-// Training form. Query rows are packed per key head j: row ρ = (token i, head g of the group),
+// Training form. The kernels below are v1; the launchers run v2 (attn_tc_cuda.cu: FA2 style,
+// register-resident scores, cp.async double buffering) for the shapes it takes (see
+// mtrl_attn_causal_version) unless MTRL_ATTN_V1=1 is set (read at each call).
+// Query rows are packed per key head j: row ρ = (token i, head g of the group),
 // i = ρ / G, head h = j G + ρ % G, G = H / Hk, so the absorbed MLA (Hk = 1, one 576-wide key
 // head shared by all H heads) multiplies 64 packed rows against each key tile it loads. Every
 // product is mma.sync m16n8k16 (bf16 operands, fp32 accumulation); nothing Tq x Tk is stored.
@@ -604,12 +607,25 @@ static int attn_args_(mtrl_cuda_ctx *c, AttnArgs &a, int Tq, int Tk, int H, int 
     return 0;
 }
 
+// v2 (attn_tc_cuda.cu): return 1 without launching for shapes they do not take, or when
+// MTRL_ATTN_V1=1; the arguments are checked here first.
+extern "C" int mtrl_attn2_causal_fwd(mtrl_cuda_ctx *c, int Tq, int Tk, int H, int Hk, int Dk,
+                                     int Dv, float scale, const mtrl_bf16 *q, const mtrl_bf16 *k,
+                                     int ldk, const mtrl_bf16 *v, int ldv, float *o, float *lse);
+extern "C" int mtrl_attn2_causal_bwd(mtrl_cuda_ctx *c, int Tq, int Tk, int H, int Hk, int Dk,
+                                     int Dv, float scale, const mtrl_bf16 *q, const mtrl_bf16 *k,
+                                     int ldk, const mtrl_bf16 *v, int ldv, const float *o,
+                                     const float *lse, const mtrl_bf16 *dout, float *dq,
+                                     float *dk, float *dv);
+
 extern "C" int mtrl_attn_causal_fwd(mtrl_cuda_ctx *c, int Tq, int Tk, int H, int Hk, int Dk,
                                     int Dv, float scale, const mtrl_bf16 *q, const mtrl_bf16 *k,
                                     int ldk, const mtrl_bf16 *v, int ldv, float *o, float *lse) {
     AttnArgs a;
     if (attn_args_(c, a, Tq, Tk, H, Hk, Dk, Dv, scale, q, k, ldk, v, ldv)) return -1;
     if (Tq == 0) return 0;
+    int r2 = mtrl_attn2_causal_fwd(c, Tq, Tk, H, Hk, Dk, Dv, scale, q, k, ldk, v, ldv, o, lse);
+    if (r2 <= 0) return r2;
     FwdSm s;
     size_t sh = fwd_sm_carve(s, nullptr, a.Dkp, Dv, a.alias);
     MTRL_CUDA_REQUIRE(sh <= c->smem_optin, "shared memory %zu > %zu", sh, c->smem_optin);
@@ -630,6 +646,9 @@ extern "C" int mtrl_attn_causal_bwd(mtrl_cuda_ctx *c, int Tq, int Tk, int H, int
     if (a.alias) MTRL_CUDA_REQUIRE(dv == dk, "aliased values need dv == dk");
     MTRL_CUDA_REQUIRE(((uintptr_t)dout & 15) == 0, "dout must be 16-byte aligned");
     if (Tq == 0) return 0;
+    int r2 = mtrl_attn2_causal_bwd(c, Tq, Tk, H, Hk, Dk, Dv, scale, q, k, ldk, v, ldv, o, lse,
+                                   dout, dq, dk, dv);
+    if (r2 <= 0) return r2;
     BwdSm s;
     size_t sh1 = dq_sm_carve(s, nullptr, a.Dkp, Dv, a.alias);
     size_t sh2 = dkv_sm_carve(s, nullptr, a.Dkp, Dv, a.alias);

@@ -1,0 +1,742 @@
+// attn_tc_cuda.cu: v2 of the causal attention of the training form (mtrl_attn_causal_fwd/bwd;
+// the launchers in mla_cuda.cu dispatch here), FlashAttention-2 style: every product is
+// mma.sync m16n8k16 (bf16 operands, fp32 accumulation), fragments through ldmatrix, the K/V (or
+// Q/dO) tiles stream through shared memory with cp.async, double-buffered (tile n+1 is in flight
+// while tile n is multiplied), and the score tile never leaves registers: the accumulator layout
+// of S = Q Kᵀ is, two n-tiles at a time, the A-fragment layout of P for P V (the FA2 register
+// trick), so there is no shared-memory round trip and no barrier between the two products.
+//
+// Query rows are packed per key head j as in v1: row ρ = (token ρ / G, head j G + ρ % G), G = H / Hk,
+// so MHA (G = 1) blocks are 64 consecutive tokens of one head and the absorbed MQA (Hk = 1,
+// G = H) blocks are 64 / H tokens x all heads against one shared key tile.
+//
+//   forward  attn2_fwd_k<DK, DVS, NVW, BN, QREG, ALIAS>: grid (row blocks of 64, Hk, value
+//            slices), 4 NVW warps. Warp (rg = w % 4, vg = w / 4) owns query rows 16 rg.. and
+//            value columns vg DVS ..+DVS of the block's slice. Online softmax in base 2 in
+//            registers (row maxima across the 4 threads of a quad by shuffles; the row sums stay
+//            per-thread partials until the end). Key tiles past the block's last row are skipped,
+//            and only tiles that cross the diagonal are masked. Row blocks are launched heaviest
+//            (last) first, so the causal triangle's long blocks do not form the tail.
+//            * MHA Dk = Dv = 128: <128, 128, 1, 64, Q in registers, separate V>. 68 KB of shared
+//              memory (Q staged through the second stage), 3 blocks per SM.
+//            * absorbed Dk = 576, Dv = 512 aliased: <576, 256, 2, 64, Q in shared memory, V = the
+//              first 512 columns of the key tile>: 8 warps, the two warps of a row group compute
+//              the same S (Q Kᵀ over 576 is redone, 65% of the issued mma work is useful) and
+//              each accumulates 256 value columns (128 accumulator registers). 224 KB of shared
+//              memory (Q + two key stages), one block per SM.
+//   backward (Dk = Dv = 128, values not aliased) in three launches, nothing atomic:
+//            attn2_bwd_pre_k: D = rowsum(dO ⊙ O);
+//            attn2_bwd_dkv_k: grid (key blocks of 64, Hk); warp w owns 16 keys and holds their
+//              dK, dV (fp32, 128 registers); for each 64-row tile of queries that see the keys
+//              (Q, dO, lse, D double-buffered), Sᵀ = K Qᵀ, Pᵀ, dV += Pᵀ dO, dPᵀ = V dOᵀ,
+//              dSᵀ = Pᵀ ⊙ (dPᵀ − D), dK += dSᵀ Q, all in registers; added once to dk / dv (+=);
+//            attn2_bwd_dq_k: grid (row blocks of 64, Hk); Q and dO fragments in registers; for
+//              each key tile, S, P, dP = dO Vᵀ, dS, dQ += dS K; dq written once (overwrite).
+//            So S and dP are computed twice (7 products instead of FA2's 5): the price of a
+//            deterministic dq without floating-point atomics.
+// MTRL_ATTN_V1=1 in the environment selects the v1 kernels of mla_cuda.cu (read at each call).
+#include <math.h>
+#include <stdlib.h>
+
+#include "kernels/cuda/cuda_common.cuh"
+
+namespace {
+
+constexpr int BM = 64;  // packed query rows per block (4 row groups of 16)
+constexpr float kLog2e = 1.4426950408889634f, kLn2 = 0.6931471805599453f;
+
+struct A2 {
+    int Tq, Tk, H, G, off, nrows, Dk, Dv;  // off = Tk - Tq: position of query row 0
+    int ldk, ldv;
+    float scale, sl2;  // softmax scale, scale * log2(e)
+    const uint16_t *q, *k, *v;
+};
+
+__device__ __forceinline__ void ldsm4(uint32_t *r, const uint16_t *p) {
+    unsigned a = (unsigned)__cvta_generic_to_shared(p);
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(a));
+}
+__device__ __forceinline__ void ldsm4t(uint32_t *r, const uint16_t *p) {
+    unsigned a = (unsigned)__cvta_generic_to_shared(p);
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(a));
+}
+// Lane addresses of the three fragment loads (see cuda_common.cuh for the fragment layouts):
+// A: the 16 x 16 block at (row 0, col k0) of a row-major matrix.
+__device__ __forceinline__ const uint16_t *adr_a(const uint16_t *A, int ld, int k0, int lane) {
+    return A + (lane & 15) * ld + k0 + ((lane >> 4) << 3);
+}
+// B of n-tiles n0, n0 + 8 from an n-major matrix (element (k, n) at B[n ld + k]): ldsm4.
+__device__ __forceinline__ const uint16_t *adr_b_nk(const uint16_t *B, int ld, int k0, int n0,
+                                                    int lane) {
+    return B + (n0 + (lane & 7) + ((lane >> 4) << 3)) * ld + k0 + (((lane >> 3) & 1) << 3);
+}
+// The same from a k-major matrix (element (k, n) at B[k ld + n]): ldsm4t.
+__device__ __forceinline__ const uint16_t *adr_b_kn(const uint16_t *B, int ld, int k0, int n0,
+                                                    int lane) {
+    return B + (k0 + (lane & 7) + (((lane >> 3) & 1) << 3)) * ld + n0 + ((lane >> 4) << 3);
+}
+
+// 2^x on the special-function unit (ex2.approx: ~2 ulp; 2^-inf = +0).
+__device__ __forceinline__ float ex2(float x) {
+    float y;
+    asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
+    return y;
+}
+
+// Index (token * H + head) of packed row rho of key head j.
+__device__ __forceinline__ size_t row_ih(const A2 &a, int j, int rho) {
+    int i = rho / a.G;
+    return (size_t)i * a.H + (size_t)j * a.G + (rho - i * a.G);
+}
+
+// cp.async of ROWS x COLS bf16 (COLS % 8 == 0) into dst (row stride ldd) by NT threads; row r
+// comes from src(r), or is zero-filled when src(r) is null (`any`: a valid dummy address).
+template <int NT, int ROWS, int COLS, class F>
+__device__ __forceinline__ void load_tile(uint16_t *dst, int ldd, F src, const uint16_t *any) {
+    constexpr int C8 = COLS / 8;
+#pragma unroll 4
+    for (int i = threadIdx.x; i < ROWS * C8; i += NT) {
+        int r = i / C8, c = i - r * C8;
+        const uint16_t *s = src(r);
+        cp_async16_pred(dst + r * ldd + c * 8, s ? s + c * 8 : any, s != nullptr);
+    }
+}
+
+// The A fragment of the 16 x 16 block kk of P from the fp32 accumulators of S (n-tiles 2kk,
+// 2kk + 1): a C tile (g, 2t..2t+1 | g+8, 2t..2t+1) is half of an A fragment.
+__device__ __forceinline__ void acc_to_a(uint32_t *af, const float *c0, const float *c1) {
+    af[0] = pack_bf16(c0[0], c0[1]);
+    af[1] = pack_bf16(c0[2], c0[3]);
+    af[2] = pack_bf16(c1[0], c1[1]);
+    af[3] = pack_bf16(c1[2], c1[3]);
+}
+
+// ---- forward --------------------------------------------------------------------------------
+
+template <int DK, int DVS, int NVW, int BN, bool QREG, bool ALIAS>
+struct FwdCfg {
+    static constexpr int NT = 128 * NVW;
+    static constexpr int DVB = DVS * NVW;  // value columns per block
+    static constexpr int LDK = DK + 8;     // +16 bytes per row: ldmatrix without bank conflicts
+    static constexpr int LDV = ALIAS ? LDK : DVB + 8;
+    static constexpr int KSZ = BN * LDK, VSZ = ALIAS ? 0 : BN * LDV, STG = KSZ + VSZ;
+    // QREG: Q is staged through stage 1 and then lives in registers.
+    static constexpr size_t smem() {
+        return sizeof(uint16_t) * (QREG ? (size_t)2 * STG : (size_t)BM * LDK + 2 * (size_t)STG);
+    }
+    static_assert(!QREG || BM * LDK <= STG, "Q staging must fit into one stage");
+    static_assert(DK % 16 == 0 && DVS % 16 == 0 && BN % 16 == 0, "tile shapes");
+};
+
+template <int DK, int DVS, int NVW, int BN, bool QREG, bool ALIAS, int MINB>
+__global__ void __launch_bounds__(128 * NVW, MINB)
+    attn2_fwd_k(A2 a, float *__restrict__ o, float *__restrict__ lse) {
+    using C = FwdCfg<DK, DVS, NVW, BN, QREG, ALIAS>;
+    constexpr int NT = C::NT, LDK = C::LDK, LDV = C::LDV, KSZ = C::KSZ, STG = C::STG;
+    constexpr int NST = BN / 8, NOT = DVS / 8;
+    extern __shared__ __align__(16) unsigned char sm_[];
+    uint16_t *smem = reinterpret_cast<uint16_t *>(sm_);
+    uint16_t *sQ = QREG ? smem + STG : smem;
+    uint16_t *sT = QREG ? smem : smem + BM * LDK;  // the two key/value stages
+
+    const int tid = threadIdx.x, lane = tid & 31, w = tid >> 5, rg = w & 3, vg = w >> 2;
+    const int g = lane >> 2, t = lane & 3;
+    const int j = blockIdx.y, rho0 = (gridDim.x - 1 - blockIdx.x) * BM;
+    const int vc0 = blockIdx.z * C::DVB;  // the block's first value column
+
+    load_tile<NT, BM, DK>(sQ, LDK, [&](int r) -> const uint16_t * {
+        int rho = rho0 + r;
+        return rho < a.nrows ? a.q + row_ih(a, j, rho) * DK : nullptr;
+    }, a.q);
+    cp_async_commit();
+    const int last = min(rho0 + BM, a.nrows) - 1;
+    const int nkb = (a.off + last / a.G) / BN + 1;  // key tiles up to the block's last row
+    auto issue = [&](int kb) {
+        const int s0 = kb * BN;
+        uint16_t *dK = sT + (kb & 1) * STG;
+        load_tile<NT, BN, DK>(dK, LDK, [&](int r) -> const uint16_t * {
+            return s0 + r < a.Tk ? a.k + (size_t)(s0 + r) * a.ldk + (size_t)j * DK : nullptr;
+        }, a.k);
+        if (!ALIAS)
+            load_tile<NT, BN, C::DVB>(dK + KSZ, LDV, [&](int r) -> const uint16_t * {
+                return s0 + r < a.Tk ? a.v + (size_t)(s0 + r) * a.ldv + (size_t)j * a.Dv + vc0
+                                     : nullptr;
+            }, a.v);
+        cp_async_commit();
+    };
+    issue(0);
+
+    uint32_t qf[QREG ? DK / 16 : 1][4];
+    if (QREG) {
+        cp_async_wait<1>();  // Q landed (tile 0 may still be in flight)
+        __syncthreads();
+#pragma unroll
+        for (int ks = 0; ks < (QREG ? DK / 16 : 0); ks++)
+            ldsm4(qf[ks], adr_a(sQ + rg * 16 * LDK, LDK, ks * 16, lane));
+        __syncthreads();  // stage 1 is free for tile 1
+    }
+
+    float oacc[NOT][4];
+#pragma unroll
+    for (int i = 0; i < NOT; i++) oacc[i][0] = oacc[i][1] = oacc[i][2] = oacc[i][3] = 0.f;
+    float m0 = -INFINITY, m1 = -INFINITY, l0 = 0.f, l1 = 0.f;  // rows g and g + 8, base 2
+    const int r0 = rho0 + rg * 16 + g;
+    const int pos0 = a.off + r0 / a.G, pos1 = a.off + (r0 + 8) / a.G;
+    const int pos_first = a.off + rho0 / a.G;  // the block's earliest row
+
+    for (int kb = 0; kb < nkb; kb++) {
+        if (kb + 1 < nkb) {
+            issue(kb + 1);
+            cp_async_wait<1>();
+        } else {
+            cp_async_wait<0>();
+        }
+        __syncthreads();
+        const uint16_t *tK = sT + (kb & 1) * STG;
+        const uint16_t *tV = (ALIAS ? tK + vc0 : tK + KSZ) + vg * DVS;
+        float s[NST][4];
+#pragma unroll
+        for (int i = 0; i < NST; i++) s[i][0] = s[i][1] = s[i][2] = s[i][3] = 0.f;
+#pragma unroll
+        for (int ks = 0; ks < DK / 16; ks++) {
+            uint32_t af[4];
+            if (QREG) {
+                af[0] = qf[QREG ? ks : 0][0];
+                af[1] = qf[QREG ? ks : 0][1];
+                af[2] = qf[QREG ? ks : 0][2];
+                af[3] = qf[QREG ? ks : 0][3];
+            } else {
+                ldsm4(af, adr_a(sQ + rg * 16 * LDK, LDK, ks * 16, lane));
+            }
+#pragma unroll
+            for (int np = 0; np < NST / 2; np++) {
+                uint32_t b[4];
+                ldsm4(b, adr_b_nk(tK, LDK, ks * 16, np * 16, lane));
+                mma_bf16_16816(s[2 * np], af, b);
+                mma_bf16_16816(s[2 * np + 1], af, b + 2);
+            }
+        }
+        // scale to base 2 and mask the keys after each row's position (only tiles that cross
+        // the diagonal; keys past Tk are always after every row's position)
+        const int s0 = kb * BN;
+        const bool diag = s0 + BN - 1 > pos_first;
+        float mx0 = -INFINITY, mx1 = -INFINITY;
+#pragma unroll
+        for (int nt = 0; nt < NST; nt++) {
+#pragma unroll
+            for (int e = 0; e < 2; e++) {
+                int key = s0 + nt * 8 + 2 * t + e;
+                float x0 = s[nt][e] * a.sl2, x1 = s[nt][2 + e] * a.sl2;
+                if (diag) {
+                    x0 = key > pos0 ? -INFINITY : x0;
+                    x1 = key > pos1 ? -INFINITY : x1;
+                }
+                s[nt][e] = x0;
+                s[nt][2 + e] = x1;
+                mx0 = fmaxf(mx0, x0);
+                mx1 = fmaxf(mx1, x1);
+            }
+        }
+        mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, 1));
+        mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, 2));
+        mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 1));
+        mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 2));
+        const float mn0 = fmaxf(m0, mx0), mn1 = fmaxf(m1, mx1);
+        // a row with no visible key yet keeps exponent base 0 (no -inf - -inf)
+        const float b0 = mn0 == -INFINITY ? 0.f : mn0, b1 = mn1 == -INFINITY ? 0.f : mn1;
+        const float al0 = ex2(m0 - b0), al1 = ex2(m1 - b1);
+        m0 = mn0;
+        m1 = mn1;
+        float ps0 = 0.f, ps1 = 0.f;
+#pragma unroll
+        for (int nt = 0; nt < NST; nt++) {
+            s[nt][0] = ex2(s[nt][0] - b0);
+            s[nt][1] = ex2(s[nt][1] - b0);
+            s[nt][2] = ex2(s[nt][2] - b1);
+            s[nt][3] = ex2(s[nt][3] - b1);
+            ps0 += s[nt][0] + s[nt][1];
+            ps1 += s[nt][2] + s[nt][3];
+        }
+        l0 = l0 * al0 + ps0;
+        l1 = l1 * al1 + ps1;
+#pragma unroll
+        for (int i = 0; i < NOT; i++) {
+            oacc[i][0] *= al0;
+            oacc[i][1] *= al0;
+            oacc[i][2] *= al1;
+            oacc[i][3] *= al1;
+        }
+        // O += P V (P straight from the accumulators)
+#pragma unroll
+        for (int kk = 0; kk < BN / 16; kk++) {
+            uint32_t af[4];
+            acc_to_a(af, s[2 * kk], s[2 * kk + 1]);
+#pragma unroll
+            for (int dp = 0; dp < NOT / 2; dp++) {
+                uint32_t b[4];
+                ldsm4t(b, adr_b_kn(tV, LDV, kk * 16, dp * 16, lane));
+                mma_bf16_16816(oacc[2 * dp], af, b);
+                mma_bf16_16816(oacc[2 * dp + 1], af, b + 2);
+            }
+        }
+        __syncthreads();  // this stage is overwritten by the next iteration's issue
+    }
+
+    // o = O / l; lse = ln 2 (m + log2 l). The row sums are per-thread partials until here.
+    l0 += __shfl_xor_sync(0xffffffffu, l0, 1);
+    l0 += __shfl_xor_sync(0xffffffffu, l0, 2);
+    l1 += __shfl_xor_sync(0xffffffffu, l1, 1);
+    l1 += __shfl_xor_sync(0xffffffffu, l1, 2);
+#pragma unroll
+    for (int hr = 0; hr < 2; hr++) {
+        const int rho = r0 + 8 * hr;
+        if (rho >= a.nrows) continue;
+        const float l = hr ? l1 : l0, m = hr ? m1 : m0;
+        const float inv = l > 0.f ? 1.f / l : 0.f;
+        const size_t ih = row_ih(a, j, rho);
+        float *orow = o + ih * a.Dv + vc0 + vg * DVS;
+#pragma unroll
+        for (int i = 0; i < NOT; i++)
+            *reinterpret_cast<float2 *>(orow + i * 8 + 2 * t) =
+                make_float2(oacc[i][2 * hr] * inv, oacc[i][2 * hr + 1] * inv);
+        if (vg == 0 && t == 0 && blockIdx.z == 0) lse[ih] = (m + log2f(l)) * kLn2;
+    }
+}
+
+// ---- backward -------------------------------------------------------------------------------
+
+// D[i][h] = Σ_c dO[i][h][c] O[i][h][c]: one warp per (i, h), fixed order.
+__global__ void attn2_bwd_pre_k(int rows, int Dv, const uint16_t *__restrict__ dout,
+                                const float *__restrict__ o, float *__restrict__ D) {
+    const int row = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5), lane = threadIdx.x & 31;
+    if (row >= rows) return;
+    const uint16_t *dr = dout + (size_t)row * Dv;
+    const float *orow = o + (size_t)row * Dv;
+    float acc = 0.f;
+    for (int c = lane * 4; c < Dv; c += 128) {  // Dv % 16 == 0: whole groups of 4
+        uint2 d = *reinterpret_cast<const uint2 *>(dr + c);
+        float4 x = *reinterpret_cast<const float4 *>(orow + c);
+        acc = fmaf(bf2f((uint16_t)(d.x & 0xffffu)), x.x, acc);
+        acc = fmaf(bf2f((uint16_t)(d.x >> 16)), x.y, acc);
+        acc = fmaf(bf2f((uint16_t)(d.y & 0xffffu)), x.z, acc);
+        acc = fmaf(bf2f((uint16_t)(d.y >> 16)), x.w, acc);
+    }
+    acc = warp_sum(acc);
+    if (lane == 0) D[row] = acc;
+}
+
+// dK, dV of 64 keys per block (Dk = Dv = D). Shared memory: K, V [64][D+8] once; Q, dO
+// [2][64][D+8], lse (base 2) and D [2][64] per row tile.
+template <int D>
+struct DkvCfg {
+    static constexpr int LD = D + 8, BN = 64, TSZ = BM * LD;
+    static constexpr size_t smem() {
+        return sizeof(uint16_t) * (size_t)6 * TSZ + sizeof(float) * 4 * BM;
+    }
+};
+
+template <int D>
+__global__ void __launch_bounds__(128, 2)
+    attn2_bwd_dkv_k(A2 a, const uint16_t *__restrict__ dout, const float *__restrict__ lse,
+                    const float *__restrict__ Dd, float *__restrict__ dk, float *__restrict__ dv) {
+    using C = DkvCfg<D>;
+    constexpr int LD = C::LD, TSZ = C::TSZ, BN = C::BN, NRT = BM / 8, NDT = D / 8;
+    extern __shared__ __align__(16) unsigned char sm_[];
+    uint16_t *sK = reinterpret_cast<uint16_t *>(sm_), *sV = sK + TSZ, *sQ = sV + TSZ,
+             *sO = sQ + 2 * TSZ;  // sQ, sO: two stages each
+    float *sL = reinterpret_cast<float *>(sO + 2 * TSZ), *sD = sL + 2 * BM;
+
+    const int tid = threadIdx.x, lane = tid & 31, w = tid >> 5, g = lane >> 2, t = lane & 3;
+    const int j = blockIdx.y, s0 = blockIdx.x * BN;
+    const int kw0 = s0 + 16 * w;  // the warp's first key
+    const int i_first = s0 - a.off > 0 ? s0 - a.off : 0;  // first token that sees key s0
+    const int rt0 = i_first * a.G / BM, nrt = (a.nrows + BM - 1) / BM;
+
+    load_tile<128, BN, D>(sK, LD, [&](int r) -> const uint16_t * {
+        return s0 + r < a.Tk ? a.k + (size_t)(s0 + r) * a.ldk + (size_t)j * D : nullptr;
+    }, a.k);
+    load_tile<128, BN, D>(sV, LD, [&](int r) -> const uint16_t * {
+        return s0 + r < a.Tk ? a.v + (size_t)(s0 + r) * a.ldv + (size_t)j * D : nullptr;
+    }, a.v);
+    auto issue = [&](int rt) {
+        const int st = rt & 1, rho0 = rt * BM;
+        load_tile<128, BM, D>(sQ + st * TSZ, LD, [&](int r) -> const uint16_t * {
+            int rho = rho0 + r;
+            return rho < a.nrows ? a.q + row_ih(a, j, rho) * D : nullptr;
+        }, a.q);
+        load_tile<128, BM, D>(sO + st * TSZ, LD, [&](int r) -> const uint16_t * {
+            int rho = rho0 + r;
+            return rho < a.nrows ? dout + row_ih(a, j, rho) * D : nullptr;
+        }, dout);
+        if (tid < BM) {  // rows past the end: P = 2^-inf = 0, so they add nothing
+            int rho = rho0 + tid;
+            size_t ih = rho < a.nrows ? row_ih(a, j, rho) : 0;
+            sL[st * BM + tid] = rho < a.nrows ? lse[ih] * kLog2e : INFINITY;
+            sD[st * BM + tid] = rho < a.nrows ? Dd[ih] : 0.f;
+        }
+        cp_async_commit();
+    };
+    if (rt0 < nrt) issue(rt0);  // (K, V ride in the same group)
+    else cp_async_commit();
+
+    float dka[NDT][4], dva[NDT][4];
+#pragma unroll
+    for (int i = 0; i < NDT; i++) {
+        dka[i][0] = dka[i][1] = dka[i][2] = dka[i][3] = 0.f;
+        dva[i][0] = dva[i][1] = dva[i][2] = dva[i][3] = 0.f;
+    }
+    for (int rt = rt0; rt < nrt; rt++) {
+        if (rt + 1 < nrt) {
+            issue(rt + 1);
+            cp_async_wait<1>();
+        } else {
+            cp_async_wait<0>();
+        }
+        __syncthreads();
+        const int st = rt & 1, rho0 = rt * BM;
+        const uint16_t *tQ = sQ + st * TSZ, *tO = sO + st * TSZ;
+        const float *tL = sL + st * BM, *tD = sD + st * BM;
+        // Sᵀ = K Qᵀ: the warp's 16 keys x 64 rows
+        float p[NRT][4];
+#pragma unroll
+        for (int i = 0; i < NRT; i++) p[i][0] = p[i][1] = p[i][2] = p[i][3] = 0.f;
+#pragma unroll
+        for (int ks = 0; ks < D / 16; ks++) {
+            uint32_t af[4];
+            ldsm4(af, adr_a(sK + 16 * w * LD, LD, ks * 16, lane));
+#pragma unroll
+            for (int np = 0; np < NRT / 2; np++) {
+                uint32_t b[4];
+                ldsm4(b, adr_b_nk(tQ, LD, ks * 16, np * 16, lane));
+                mma_bf16_16816(p[2 * np], af, b);
+                mma_bf16_16816(p[2 * np + 1], af, b + 2);
+            }
+        }
+        // Pᵀ = 2^(S sl2 - lse2), zero after each row's position
+        const bool diag = a.off + rho0 / a.G < s0 + BN - 1;
+#pragma unroll
+        for (int nt = 0; nt < NRT; nt++) {
+#pragma unroll
+            for (int e = 0; e < 2; e++) {
+                const int r = nt * 8 + 2 * t + e;
+                const float L = tL[r];
+                float x0 = ex2(p[nt][e] * a.sl2 - L), x1 = ex2(p[nt][2 + e] * a.sl2 - L);
+                if (diag) {
+                    const int pos = a.off + (rho0 + r) / a.G;
+                    x0 = kw0 + g > pos ? 0.f : x0;
+                    x1 = kw0 + g + 8 > pos ? 0.f : x1;
+                }
+                p[nt][e] = x0;
+                p[nt][2 + e] = x1;
+            }
+        }
+        // dV += Pᵀ dO
+#pragma unroll
+        for (int kk = 0; kk < BM / 16; kk++) {
+            uint32_t af[4];
+            acc_to_a(af, p[2 * kk], p[2 * kk + 1]);
+#pragma unroll
+            for (int dp = 0; dp < NDT / 2; dp++) {
+                uint32_t b[4];
+                ldsm4t(b, adr_b_kn(tO, LD, kk * 16, dp * 16, lane));
+                mma_bf16_16816(dva[2 * dp], af, b);
+                mma_bf16_16816(dva[2 * dp + 1], af, b + 2);
+            }
+        }
+        // dPᵀ = V dOᵀ, then dSᵀ = Pᵀ ⊙ (dPᵀ − D) in place
+        float dp_[NRT][4];
+#pragma unroll
+        for (int i = 0; i < NRT; i++) dp_[i][0] = dp_[i][1] = dp_[i][2] = dp_[i][3] = 0.f;
+#pragma unroll
+        for (int ks = 0; ks < D / 16; ks++) {
+            uint32_t af[4];
+            ldsm4(af, adr_a(sV + 16 * w * LD, LD, ks * 16, lane));
+#pragma unroll
+            for (int np = 0; np < NRT / 2; np++) {
+                uint32_t b[4];
+                ldsm4(b, adr_b_nk(tO, LD, ks * 16, np * 16, lane));
+                mma_bf16_16816(dp_[2 * np], af, b);
+                mma_bf16_16816(dp_[2 * np + 1], af, b + 2);
+            }
+        }
+#pragma unroll
+        for (int nt = 0; nt < NRT; nt++) {
+#pragma unroll
+            for (int e = 0; e < 2; e++) {
+                const float dd = tD[nt * 8 + 2 * t + e];
+                dp_[nt][e] = p[nt][e] * (dp_[nt][e] - dd);
+                dp_[nt][2 + e] = p[nt][2 + e] * (dp_[nt][2 + e] - dd);
+            }
+        }
+        // dK += dSᵀ Q (the softmax scale is applied once at the end)
+#pragma unroll
+        for (int kk = 0; kk < BM / 16; kk++) {
+            uint32_t af[4];
+            acc_to_a(af, dp_[2 * kk], dp_[2 * kk + 1]);
+#pragma unroll
+            for (int dp = 0; dp < NDT / 2; dp++) {
+                uint32_t b[4];
+                ldsm4t(b, adr_b_kn(tQ, LD, kk * 16, dp * 16, lane));
+                mma_bf16_16816(dka[2 * dp], af, b);
+                mma_bf16_16816(dka[2 * dp + 1], af, b + 2);
+            }
+        }
+        __syncthreads();  // this stage is overwritten by the next iteration's issue
+    }
+    cp_async_wait<0>();
+    // dk += scale dK, dv += dV: one block owns these rows, one read-modify-write each
+#pragma unroll
+    for (int hr = 0; hr < 2; hr++) {
+        const int key = kw0 + g + 8 * hr;
+        if (key >= a.Tk) continue;
+        float *kr = dk + (size_t)key * a.ldk + (size_t)j * D + 2 * t;
+        float *vr = dv + (size_t)key * a.ldv + (size_t)j * D + 2 * t;
+#pragma unroll
+        for (int i = 0; i < NDT; i++) {
+            float2 x = *reinterpret_cast<float2 *>(kr + i * 8);
+            x.x += a.scale * dka[i][2 * hr];
+            x.y += a.scale * dka[i][2 * hr + 1];
+            *reinterpret_cast<float2 *>(kr + i * 8) = x;
+            float2 y = *reinterpret_cast<float2 *>(vr + i * 8);
+            y.x += dva[i][2 * hr];
+            y.y += dva[i][2 * hr + 1];
+            *reinterpret_cast<float2 *>(vr + i * 8) = y;
+        }
+    }
+}
+
+// dQ of 64 packed rows per block (Dk = Dv = D). Shared memory: two stages of K, V [64][D+8];
+// Q and dO are staged through the second one, then live in registers.
+template <int D>
+struct DqCfg {
+    static constexpr int LD = D + 8, BN = 64, STG = 2 * BN * LD;
+    static constexpr size_t smem() { return sizeof(uint16_t) * (size_t)2 * STG; }
+};
+
+template <int D>
+__global__ void __launch_bounds__(128, 2)
+    attn2_bwd_dq_k(A2 a, const uint16_t *__restrict__ dout, const float *__restrict__ lse,
+                   const float *__restrict__ Dd, float *__restrict__ dq) {
+    using C = DqCfg<D>;
+    constexpr int LD = C::LD, BN = C::BN, STG = C::STG, NST = BN / 8, NDT = D / 8, KS = D / 16;
+    extern __shared__ __align__(16) unsigned char sm_[];
+    uint16_t *sT = reinterpret_cast<uint16_t *>(sm_);
+    const int tid = threadIdx.x, lane = tid & 31, w = tid >> 5, g = lane >> 2, t = lane & 3;
+    const int j = blockIdx.y, rho0 = (gridDim.x - 1 - blockIdx.x) * BM;
+
+    auto rowsrc = [&](const uint16_t *base) {
+        return [=, &a](int r) -> const uint16_t * {
+            int rho = rho0 + r;
+            return rho < a.nrows ? base + row_ih(a, j, rho) * D : nullptr;
+        };
+    };
+    load_tile<128, BM, D>(sT + STG, LD, rowsrc(a.q), a.q);
+    load_tile<128, BM, D>(sT + STG + BN * LD, LD, rowsrc(dout), dout);
+    cp_async_commit();
+    const int last = min(rho0 + BM, a.nrows) - 1;
+    const int nkb = (a.off + last / a.G) / BN + 1;
+    auto issue = [&](int kb) {
+        const int s0 = kb * BN;
+        uint16_t *dK = sT + (kb & 1) * STG;
+        load_tile<128, BN, D>(dK, LD, [&](int r) -> const uint16_t * {
+            return s0 + r < a.Tk ? a.k + (size_t)(s0 + r) * a.ldk + (size_t)j * D : nullptr;
+        }, a.k);
+        load_tile<128, BN, D>(dK + BN * LD, LD, [&](int r) -> const uint16_t * {
+            return s0 + r < a.Tk ? a.v + (size_t)(s0 + r) * a.ldv + (size_t)j * D : nullptr;
+        }, a.v);
+        cp_async_commit();
+    };
+    issue(0);
+    const int r0 = rho0 + 16 * w + g;
+    float L0 = 0.f, L1 = 0.f, D0 = 0.f, D1 = 0.f;  // rows past the end: finite, not stored
+    if (r0 < a.nrows) {
+        size_t ih = row_ih(a, j, r0);
+        L0 = lse[ih] * kLog2e;
+        D0 = Dd[ih];
+    }
+    if (r0 + 8 < a.nrows) {
+        size_t ih = row_ih(a, j, r0 + 8);
+        L1 = lse[ih] * kLog2e;
+        D1 = Dd[ih];
+    }
+    const int pos0 = a.off + r0 / a.G, pos1 = a.off + (r0 + 8) / a.G;
+    const int pos_first = a.off + rho0 / a.G;
+    uint32_t qf[KS][4], of[KS][4];
+    cp_async_wait<1>();
+    __syncthreads();
+#pragma unroll
+    for (int ks = 0; ks < KS; ks++) {
+        ldsm4(qf[ks], adr_a(sT + STG + 16 * w * LD, LD, ks * 16, lane));
+        ldsm4(of[ks], adr_a(sT + STG + BN * LD + 16 * w * LD, LD, ks * 16, lane));
+    }
+    __syncthreads();
+
+    float acc[NDT][4];
+#pragma unroll
+    for (int i = 0; i < NDT; i++) acc[i][0] = acc[i][1] = acc[i][2] = acc[i][3] = 0.f;
+    for (int kb = 0; kb < nkb; kb++) {
+        if (kb + 1 < nkb) {
+            issue(kb + 1);
+            cp_async_wait<1>();
+        } else {
+            cp_async_wait<0>();
+        }
+        __syncthreads();
+        const uint16_t *tK = sT + (kb & 1) * STG, *tV = tK + BN * LD;
+        float p[NST][4], dp_[NST][4];
+#pragma unroll
+        for (int i = 0; i < NST; i++) {
+            p[i][0] = p[i][1] = p[i][2] = p[i][3] = 0.f;
+            dp_[i][0] = dp_[i][1] = dp_[i][2] = dp_[i][3] = 0.f;
+        }
+#pragma unroll
+        for (int ks = 0; ks < KS; ks++) {
+#pragma unroll
+            for (int np = 0; np < NST / 2; np++) {
+                uint32_t b[4];
+                ldsm4(b, adr_b_nk(tK, LD, ks * 16, np * 16, lane));
+                mma_bf16_16816(p[2 * np], qf[ks], b);
+                mma_bf16_16816(p[2 * np + 1], qf[ks], b + 2);
+                ldsm4(b, adr_b_nk(tV, LD, ks * 16, np * 16, lane));
+                mma_bf16_16816(dp_[2 * np], of[ks], b);
+                mma_bf16_16816(dp_[2 * np + 1], of[ks], b + 2);
+            }
+        }
+        const int s0 = kb * BN;
+        const bool diag = s0 + BN - 1 > pos_first;
+#pragma unroll
+        for (int nt = 0; nt < NST; nt++) {
+#pragma unroll
+            for (int e = 0; e < 2; e++) {
+                const int key = s0 + nt * 8 + 2 * t + e;
+                float x0 = ex2(p[nt][e] * a.sl2 - L0), x1 = ex2(p[nt][2 + e] * a.sl2 - L1);
+                if (diag) {
+                    x0 = key > pos0 ? 0.f : x0;
+                    x1 = key > pos1 ? 0.f : x1;
+                }
+                dp_[nt][e] = x0 * (dp_[nt][e] - D0);
+                dp_[nt][2 + e] = x1 * (dp_[nt][2 + e] - D1);
+            }
+        }
+        // dQ += dS K
+#pragma unroll
+        for (int kk = 0; kk < BN / 16; kk++) {
+            uint32_t af[4];
+            acc_to_a(af, dp_[2 * kk], dp_[2 * kk + 1]);
+#pragma unroll
+            for (int dp = 0; dp < NDT / 2; dp++) {
+                uint32_t b[4];
+                ldsm4t(b, adr_b_kn(tK, LD, kk * 16, dp * 16, lane));
+                mma_bf16_16816(acc[2 * dp], af, b);
+                mma_bf16_16816(acc[2 * dp + 1], af, b + 2);
+            }
+        }
+        __syncthreads();
+    }
+#pragma unroll
+    for (int hr = 0; hr < 2; hr++) {
+        const int rho = r0 + 8 * hr;
+        if (rho >= a.nrows) continue;
+        float *drow = dq + row_ih(a, j, rho) * D + 2 * t;
+#pragma unroll
+        for (int i = 0; i < NDT; i++)
+            *reinterpret_cast<float2 *>(drow + i * 8) =
+                make_float2(a.scale * acc[i][2 * hr], a.scale * acc[i][2 * hr + 1]);
+    }
+}
+
+int attn_v1_forced_() {
+    const char *e = getenv("MTRL_ATTN_V1");
+    return e && e[0] == '1';
+}
+
+A2 make_args(int Tq, int Tk, int H, int Hk, int Dk, int Dv, float scale, const mtrl_bf16 *q,
+             const mtrl_bf16 *k, int ldk, const mtrl_bf16 *v, int ldv) {
+    A2 a;
+    a.Tq = Tq; a.Tk = Tk; a.H = H; a.G = H / Hk; a.off = Tk - Tq; a.nrows = Tq * (H / Hk);
+    a.Dk = Dk; a.Dv = Dv; a.ldk = ldk; a.ldv = ldv;
+    a.scale = scale; a.sl2 = scale * kLog2e;
+    a.q = q; a.k = k; a.v = v;
+    return a;
+}
+
+// Forward configurations measured in docs/kernel-lab.md; MTRL_ATTN2_FWD=N (a lab knob, read at
+// each call) picks another than the default 0.
+template <int DK, int DVS, int NVW, int BN, bool QREG, bool ALIAS, int MINB>
+int launch_fwd_(mtrl_cuda_ctx *c, const A2 &a, int Hk, float *o, float *lse) {
+    using Cf = FwdCfg<DK, DVS, NVW, BN, QREG, ALIAS>;
+    auto kernel = attn2_fwd_k<DK, DVS, NVW, BN, QREG, ALIAS, MINB>;
+    const size_t sh = Cf::smem();
+    MTRL_CUDA_REQUIRE(sh <= c->smem_optin, "shared memory %zu > %zu", sh, c->smem_optin);
+    set_smem(kernel, sh);
+    dim3 grid(cdiv((size_t)a.nrows, BM), Hk, a.Dv / Cf::DVB);
+    kernel<<<grid, Cf::NT, sh, c->stream>>>(a, o, lse);
+    CUDA_LAUNCH_CHECK();
+    return 0;
+}
+int fwd_variant_() {
+    const char *e = getenv("MTRL_ATTN2_FWD");
+    return e ? atoi(e) : 0;
+}
+
+}  // namespace
+
+// Which kernel runs (2 or 1); see kernels_cuda.h.
+extern "C" int mtrl_attn_causal_version(int H, int Hk, int Dk, int Dv, int alias, int bwd) {
+    if (attn_v1_forced_() || H <= 0 || Hk <= 0 || H % Hk) return 1;
+    if (!alias && Dk == 128 && Dv == 128) return 2;
+    if (!bwd && alias && Hk == 1 && Dk == 576 && Dv == 512) return 2;
+    return 1;
+}
+
+// The v2 launchers behind mtrl_attn_causal_fwd/bwd (mla_cuda.cu has checked the arguments:
+// Tq <= Tk, 16-byte aligned rows and pointers, dv == dk when aliased). They return 1, launching
+// nothing, for a shape v2 does not take, so the caller runs v1.
+extern "C" int mtrl_attn2_causal_fwd(mtrl_cuda_ctx *c, int Tq, int Tk, int H, int Hk, int Dk,
+                                     int Dv, float scale, const mtrl_bf16 *q, const mtrl_bf16 *k,
+                                     int ldk, const mtrl_bf16 *v, int ldv, float *o, float *lse) {
+    const int alias = Hk == 1 && v == k && ldv == ldk && Dv <= Dk;
+    if (mtrl_attn_causal_version(H, Hk, Dk, Dv, alias, 0) != 2) return 1;
+    if ((uintptr_t)o & 7) return 1;  // float2 stores
+    if (Tq == 0) return 0;
+    A2 a = make_args(Tq, Tk, H, Hk, Dk, Dv, scale, q, k, ldk, v, ldv);
+    const int var = fwd_variant_();
+    if (!alias) {
+        if (var == 1) return launch_fwd_<128, 128, 1, 64, true, false, 2>(c, a, Hk, o, lse);
+        if (var == 2) return launch_fwd_<128, 128, 1, 128, true, false, 2>(c, a, Hk, o, lse);
+        return launch_fwd_<128, 128, 1, 64, true, false, 3>(c, a, Hk, o, lse);
+    }
+    if (var == 1) return launch_fwd_<576, 256, 2, 32, false, true, 1>(c, a, 1, o, lse);
+    return launch_fwd_<576, 256, 2, 64, false, true, 1>(c, a, 1, o, lse);
+}
+
+extern "C" int mtrl_attn2_causal_bwd(mtrl_cuda_ctx *c, int Tq, int Tk, int H, int Hk, int Dk,
+                                     int Dv, float scale, const mtrl_bf16 *q, const mtrl_bf16 *k,
+                                     int ldk, const mtrl_bf16 *v, int ldv, const float *o,
+                                     const float *lse, const mtrl_bf16 *dout, float *dq,
+                                     float *dk, float *dv) {
+    const int alias = Hk == 1 && v == k && ldv == ldk && Dv <= Dk;
+    if (mtrl_attn_causal_version(H, Hk, Dk, Dv, alias, 1) != 2) return 1;
+    if (((uintptr_t)o & 15) || (((uintptr_t)dq | (uintptr_t)dk | (uintptr_t)dv) & 7))
+        return 1;  // float4 loads of o, float2 accesses of dq, dk, dv
+    if (Tq == 0) return 0;
+    A2 a = make_args(Tq, Tk, H, Hk, Dk, Dv, scale, q, k, ldk, v, ldv);
+    float *D = (float *)mtrl_ctx_scratch(c, sizeof(float) * (size_t)Tq * H);
+    const int rows = Tq * H;
+    attn2_bwd_pre_k<<<cdiv(rows, 8), 256, 0, c->stream>>>(rows, Dv, dout, o, D);
+    CUDA_LAUNCH_CHECK();
+    const size_t sh_kv = DkvCfg<128>::smem(), sh_q = DqCfg<128>::smem();
+    set_smem(attn2_bwd_dkv_k<128>, sh_kv);
+    attn2_bwd_dkv_k<128><<<dim3(cdiv(Tk, 64), Hk), 128, sh_kv, c->stream>>>(a, dout, lse, D, dk,
+                                                                            dv);
+    CUDA_LAUNCH_CHECK();
+    set_smem(attn2_bwd_dq_k<128>, sh_q);
+    attn2_bwd_dq_k<128><<<dim3(cdiv((size_t)a.nrows, BM), Hk), 128, sh_q, c->stream>>>(
+        a, dout, lse, D, dq);
+    CUDA_LAUNCH_CHECK();
+    return 0;
+}
