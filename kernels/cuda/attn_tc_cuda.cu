@@ -6,32 +6,37 @@
 // of S = Q Kᵀ is, two n-tiles at a time, the A-fragment layout of P for P V (the FA2 register
 // trick), so there is no shared-memory round trip and no barrier between the two products.
 //
-// Query rows are packed per key head j as in v1: row ρ = (token ρ / G, head j G + ρ % G), G = H / Hk,
-// so MHA (G = 1) blocks are 64 consecutive tokens of one head and the absorbed MQA (Hk = 1,
-// G = H) blocks are 64 / H tokens x all heads against one shared key tile.
+// Query rows are packed per key head j as in v1: row ρ = (token ρ / G, head j G + ρ % G),
+// G = H / Hk, so MHA (G = 1) blocks are consecutive tokens of one head and the absorbed MQA
+// (Hk = 1, G = H) blocks are 64 / H tokens x all heads against one shared key tile.
 //
-//   forward  attn2_fwd_k<DK, DVS, NVW, BN, QREG, ALIAS>: grid (row blocks of 64, Hk, value
-//            slices), 4 NVW warps. Warp (rg = w % 4, vg = w / 4) owns query rows 16 rg.. and
-//            value columns vg DVS ..+DVS of the block's slice. Online softmax in base 2 in
-//            registers (row maxima across the 4 threads of a quad by shuffles; the row sums stay
-//            per-thread partials until the end). Key tiles past the block's last row are skipped,
-//            and only tiles that cross the diagonal are masked. Row blocks are launched heaviest
-//            (last) first, so the causal triangle's long blocks do not form the tail.
-//            * MHA Dk = Dv = 128: <128, 128, 1, 64, Q in registers, separate V>. 68 KB of shared
-//              memory (Q staged through the second stage), 3 blocks per SM.
+//   forward  attn2_fwd_k<DK, DVS, NVW, BN, QREG, ALIAS, MT, MINB>: grid (row blocks of 64 MT,
+//            Hk, value slices), 4 NVW warps. Warp (rg = w % 4, vg = w / 4) owns the query rows
+//            16 rg + 64 mt (mt < MT) and value columns vg DVS ..+DVS of the block's slice. Online
+//            softmax in base 2 in registers (row maxima across the 4 threads of a quad by
+//            shuffles; the row sums stay per-thread partials until the end). Key tiles past the
+//            block's last row are skipped, and only tiles that cross the diagonal are masked. Row
+//            blocks are launched heaviest (last) first, so the causal triangle's long blocks do
+//            not form the tail.
+//            * MHA Dk = Dv = 128 (default, configuration 4): <128, 128, 1, 64, Q in shared
+//              memory, separate V, MT = 2>: each K / V fragment read through ldmatrix feeds two
+//              row tiles (with MT = 1 the loop is bound by one ldmatrix.x4 per two mma: 242 vs
+//              299 TFLOP/s at 32K). 104 KB of shared memory, 255 registers, 2 blocks per SM.
 //            * absorbed Dk = 576, Dv = 512 aliased: <576, 256, 2, 64, Q in shared memory, V = the
-//              first 512 columns of the key tile>: 8 warps, the two warps of a row group compute
-//              the same S (Q Kᵀ over 576 is redone, 65% of the issued mma work is useful) and
-//              each accumulates 256 value columns (128 accumulator registers). 224 KB of shared
-//              memory (Q + two key stages), one block per SM.
-//   backward (Dk = Dv = 128, values not aliased) in three launches, nothing atomic:
+//              first 512 columns of the key tile, MT = 1>: 8 warps, the two warps of a row group
+//              compute the same S (Q Kᵀ over 576 is redone, 65% of the issued mma work is useful)
+//              and each accumulates 256 value columns (128 accumulator registers). 224 KB of
+//              shared memory (Q + two key stages), one block per SM.
+//   backward (Dk = Dv = 128, values not aliased; the absorbed shape runs v1) in three launches,
+//            nothing atomic:
 //            attn2_bwd_pre_k: D = rowsum(dO ⊙ O);
 //            attn2_bwd_dkv_k: grid (key blocks of 64, Hk); warp w owns 16 keys and holds their
 //              dK, dV (fp32, 128 registers); for each 64-row tile of queries that see the keys
 //              (Q, dO, lse, D double-buffered), Sᵀ = K Qᵀ, Pᵀ, dV += Pᵀ dO, dPᵀ = V dOᵀ,
 //              dSᵀ = Pᵀ ⊙ (dPᵀ − D), dK += dSᵀ Q, all in registers; added once to dk / dv (+=);
-//            attn2_bwd_dq_k: grid (row blocks of 64, Hk); Q and dO fragments in registers; for
-//              each key tile, S, P, dP = dO Vᵀ, dS, dQ += dS K; dq written once (overwrite).
+//            attn2_bwd_dq_k<D, BN, MT>: grid (row blocks of 64 MT, Hk); for each key tile, S, P,
+//              dP = dO Vᵀ, dS, dQ += dS K; dq written once (overwrite). Default BN = 32, MT = 2
+//              (Q and dO fragments from shared memory); <64, 1> keeps them in registers.
 //            So S and dP are computed twice (7 products instead of FA2's 5): the price of a
 //            deterministic dq without floating-point atomics.
 // MTRL_ATTN_V1=1 in the environment selects the v1 kernels of mla_cuda.cu (read at each call).
@@ -117,43 +122,47 @@ __device__ __forceinline__ void acc_to_a(uint32_t *af, const float *c0, const fl
 
 // ---- forward --------------------------------------------------------------------------------
 
-template <int DK, int DVS, int NVW, int BN, bool QREG, bool ALIAS>
+// MT: row tiles of 16 per warp (the block has 64 MT rows; warp rg owns rows 16 rg + 64 mt): each
+// key / value fragment read from shared memory then feeds MT products, which is what bounds the
+// loop when MT = 1 (one ldmatrix.x4 per two mma).
+template <int DK, int DVS, int NVW, int BN, bool QREG, bool ALIAS, int MT>
 struct FwdCfg {
     static constexpr int NT = 128 * NVW;
+    static constexpr int BMB = BM * MT;    // packed rows per block
     static constexpr int DVB = DVS * NVW;  // value columns per block
     static constexpr int LDK = DK + 8;     // +16 bytes per row: ldmatrix without bank conflicts
     static constexpr int LDV = ALIAS ? LDK : DVB + 8;
     static constexpr int KSZ = BN * LDK, VSZ = ALIAS ? 0 : BN * LDV, STG = KSZ + VSZ;
     // QREG: Q is staged through stage 1 and then lives in registers.
     static constexpr size_t smem() {
-        return sizeof(uint16_t) * (QREG ? (size_t)2 * STG : (size_t)BM * LDK + 2 * (size_t)STG);
+        return sizeof(uint16_t) * (QREG ? (size_t)2 * STG : (size_t)BMB * LDK + 2 * (size_t)STG);
     }
-    static_assert(!QREG || BM * LDK <= STG, "Q staging must fit into one stage");
+    static_assert(!QREG || (MT == 1 && BM * LDK <= STG), "Q staging must fit into one stage");
     static_assert(DK % 16 == 0 && DVS % 16 == 0 && BN % 16 == 0, "tile shapes");
 };
 
-template <int DK, int DVS, int NVW, int BN, bool QREG, bool ALIAS, int MINB>
+template <int DK, int DVS, int NVW, int BN, bool QREG, bool ALIAS, int MT, int MINB>
 __global__ void __launch_bounds__(128 * NVW, MINB)
     attn2_fwd_k(A2 a, float *__restrict__ o, float *__restrict__ lse) {
-    using C = FwdCfg<DK, DVS, NVW, BN, QREG, ALIAS>;
+    using C = FwdCfg<DK, DVS, NVW, BN, QREG, ALIAS, MT>;
     constexpr int NT = C::NT, LDK = C::LDK, LDV = C::LDV, KSZ = C::KSZ, STG = C::STG;
-    constexpr int NST = BN / 8, NOT = DVS / 8;
+    constexpr int BMB = C::BMB, NST = BN / 8, NOT = DVS / 8;
     extern __shared__ __align__(16) unsigned char sm_[];
     uint16_t *smem = reinterpret_cast<uint16_t *>(sm_);
     uint16_t *sQ = QREG ? smem + STG : smem;
-    uint16_t *sT = QREG ? smem : smem + BM * LDK;  // the two key/value stages
+    uint16_t *sT = QREG ? smem : smem + BMB * LDK;  // the two key/value stages
 
     const int tid = threadIdx.x, lane = tid & 31, w = tid >> 5, rg = w & 3, vg = w >> 2;
     const int g = lane >> 2, t = lane & 3;
-    const int j = blockIdx.y, rho0 = (gridDim.x - 1 - blockIdx.x) * BM;
+    const int j = blockIdx.y, rho0 = (gridDim.x - 1 - blockIdx.x) * BMB;
     const int vc0 = blockIdx.z * C::DVB;  // the block's first value column
 
-    load_tile<NT, BM, DK>(sQ, LDK, [&](int r) -> const uint16_t * {
+    load_tile<NT, BMB, DK>(sQ, LDK, [&](int r) -> const uint16_t * {
         int rho = rho0 + r;
         return rho < a.nrows ? a.q + row_ih(a, j, rho) * DK : nullptr;
     }, a.q);
     cp_async_commit();
-    const int last = min(rho0 + BM, a.nrows) - 1;
+    const int last = min(rho0 + BMB, a.nrows) - 1;
     const int nkb = (a.off + last / a.G) / BN + 1;  // key tiles up to the block's last row
     auto issue = [&](int kb) {
         const int s0 = kb * BN;
@@ -180,12 +189,19 @@ __global__ void __launch_bounds__(128 * NVW, MINB)
         __syncthreads();  // stage 1 is free for tile 1
     }
 
-    float oacc[NOT][4];
+    float oacc[MT][NOT][4];
+    float m[MT][2], l[MT][2];  // rows g and g + 8 of each row tile, base 2
 #pragma unroll
-    for (int i = 0; i < NOT; i++) oacc[i][0] = oacc[i][1] = oacc[i][2] = oacc[i][3] = 0.f;
-    float m0 = -INFINITY, m1 = -INFINITY, l0 = 0.f, l1 = 0.f;  // rows g and g + 8, base 2
-    const int r0 = rho0 + rg * 16 + g;
-    const int pos0 = a.off + r0 / a.G, pos1 = a.off + (r0 + 8) / a.G;
+    for (int mt = 0; mt < MT; mt++) {
+#pragma unroll
+        for (int i = 0; i < NOT; i++)
+            oacc[mt][i][0] = oacc[mt][i][1] = oacc[mt][i][2] = oacc[mt][i][3] = 0.f;
+#pragma unroll
+        for (int h = 0; h < 2; h++) {
+            m[mt][h] = -INFINITY;
+            l[mt][h] = 0.f;
+        }
+    }
     const int pos_first = a.off + rho0 / a.G;  // the block's earliest row
 
     for (int kb = 0; kb < nkb; kb++) {
@@ -198,112 +214,132 @@ __global__ void __launch_bounds__(128 * NVW, MINB)
         __syncthreads();
         const uint16_t *tK = sT + (kb & 1) * STG;
         const uint16_t *tV = (ALIAS ? tK + vc0 : tK + KSZ) + vg * DVS;
-        float s[NST][4];
+        float s[MT][NST][4];
 #pragma unroll
-        for (int i = 0; i < NST; i++) s[i][0] = s[i][1] = s[i][2] = s[i][3] = 0.f;
+        for (int mt = 0; mt < MT; mt++)
+#pragma unroll
+            for (int i = 0; i < NST; i++) s[mt][i][0] = s[mt][i][1] = s[mt][i][2] = s[mt][i][3] = 0.f;
 #pragma unroll
         for (int ks = 0; ks < DK / 16; ks++) {
-            uint32_t af[4];
-            if (QREG) {
-                af[0] = qf[QREG ? ks : 0][0];
-                af[1] = qf[QREG ? ks : 0][1];
-                af[2] = qf[QREG ? ks : 0][2];
-                af[3] = qf[QREG ? ks : 0][3];
-            } else {
-                ldsm4(af, adr_a(sQ + rg * 16 * LDK, LDK, ks * 16, lane));
+            uint32_t af[MT][4];
+#pragma unroll
+            for (int mt = 0; mt < MT; mt++) {
+                if (QREG) {
+#pragma unroll
+                    for (int e = 0; e < 4; e++) af[mt][e] = qf[QREG ? ks : 0][e];
+                } else {
+                    ldsm4(af[mt], adr_a(sQ + (mt * BM + rg * 16) * LDK, LDK, ks * 16, lane));
+                }
             }
 #pragma unroll
             for (int np = 0; np < NST / 2; np++) {
                 uint32_t b[4];
                 ldsm4(b, adr_b_nk(tK, LDK, ks * 16, np * 16, lane));
-                mma_bf16_16816(s[2 * np], af, b);
-                mma_bf16_16816(s[2 * np + 1], af, b + 2);
+#pragma unroll
+                for (int mt = 0; mt < MT; mt++) {
+                    mma_bf16_16816(s[mt][2 * np], af[mt], b);
+                    mma_bf16_16816(s[mt][2 * np + 1], af[mt], b + 2);
+                }
             }
         }
         // scale to base 2 and mask the keys after each row's position (only tiles that cross
         // the diagonal; keys past Tk are always after every row's position)
         const int s0 = kb * BN;
         const bool diag = s0 + BN - 1 > pos_first;
-        float mx0 = -INFINITY, mx1 = -INFINITY;
 #pragma unroll
-        for (int nt = 0; nt < NST; nt++) {
-#pragma unroll
-            for (int e = 0; e < 2; e++) {
-                int key = s0 + nt * 8 + 2 * t + e;
-                float x0 = s[nt][e] * a.sl2, x1 = s[nt][2 + e] * a.sl2;
-                if (diag) {
-                    x0 = key > pos0 ? -INFINITY : x0;
-                    x1 = key > pos1 ? -INFINITY : x1;
-                }
-                s[nt][e] = x0;
-                s[nt][2 + e] = x1;
-                mx0 = fmaxf(mx0, x0);
-                mx1 = fmaxf(mx1, x1);
+        for (int mt = 0; mt < MT; mt++) {
+            float mx0 = -INFINITY, mx1 = -INFINITY;
+            int pos0 = 0, pos1 = 0;  // the rows' positions, needed on diagonal tiles only
+            if (diag) {
+                const int r = rho0 + mt * BM + rg * 16 + g;
+                pos0 = a.off + r / a.G;
+                pos1 = a.off + (r + 8) / a.G;
             }
-        }
-        mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, 1));
-        mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, 2));
-        mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 1));
-        mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 2));
-        const float mn0 = fmaxf(m0, mx0), mn1 = fmaxf(m1, mx1);
-        // a row with no visible key yet keeps exponent base 0 (no -inf - -inf)
-        const float b0 = mn0 == -INFINITY ? 0.f : mn0, b1 = mn1 == -INFINITY ? 0.f : mn1;
-        const float al0 = ex2(m0 - b0), al1 = ex2(m1 - b1);
-        m0 = mn0;
-        m1 = mn1;
-        float ps0 = 0.f, ps1 = 0.f;
 #pragma unroll
-        for (int nt = 0; nt < NST; nt++) {
-            s[nt][0] = ex2(s[nt][0] - b0);
-            s[nt][1] = ex2(s[nt][1] - b0);
-            s[nt][2] = ex2(s[nt][2] - b1);
-            s[nt][3] = ex2(s[nt][3] - b1);
-            ps0 += s[nt][0] + s[nt][1];
-            ps1 += s[nt][2] + s[nt][3];
-        }
-        l0 = l0 * al0 + ps0;
-        l1 = l1 * al1 + ps1;
+            for (int nt = 0; nt < NST; nt++) {
 #pragma unroll
-        for (int i = 0; i < NOT; i++) {
-            oacc[i][0] *= al0;
-            oacc[i][1] *= al0;
-            oacc[i][2] *= al1;
-            oacc[i][3] *= al1;
+                for (int e = 0; e < 2; e++) {
+                    int key = s0 + nt * 8 + 2 * t + e;
+                    float x0 = s[mt][nt][e] * a.sl2, x1 = s[mt][nt][2 + e] * a.sl2;
+                    if (diag) {
+                        x0 = key > pos0 ? -INFINITY : x0;
+                        x1 = key > pos1 ? -INFINITY : x1;
+                    }
+                    s[mt][nt][e] = x0;
+                    s[mt][nt][2 + e] = x1;
+                    mx0 = fmaxf(mx0, x0);
+                    mx1 = fmaxf(mx1, x1);
+                }
+            }
+            mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, 1));
+            mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, 2));
+            mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 1));
+            mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 2));
+            const float mn0 = fmaxf(m[mt][0], mx0), mn1 = fmaxf(m[mt][1], mx1);
+            // a row with no visible key yet keeps exponent base 0 (no -inf - -inf)
+            const float b0 = mn0 == -INFINITY ? 0.f : mn0, b1 = mn1 == -INFINITY ? 0.f : mn1;
+            const float al0 = ex2(m[mt][0] - b0), al1 = ex2(m[mt][1] - b1);
+            m[mt][0] = mn0;
+            m[mt][1] = mn1;
+            float ps0 = 0.f, ps1 = 0.f;
+#pragma unroll
+            for (int nt = 0; nt < NST; nt++) {
+                s[mt][nt][0] = ex2(s[mt][nt][0] - b0);
+                s[mt][nt][1] = ex2(s[mt][nt][1] - b0);
+                s[mt][nt][2] = ex2(s[mt][nt][2] - b1);
+                s[mt][nt][3] = ex2(s[mt][nt][3] - b1);
+                ps0 += s[mt][nt][0] + s[mt][nt][1];
+                ps1 += s[mt][nt][2] + s[mt][nt][3];
+            }
+            l[mt][0] = l[mt][0] * al0 + ps0;
+            l[mt][1] = l[mt][1] * al1 + ps1;
+#pragma unroll
+            for (int i = 0; i < NOT; i++) {
+                oacc[mt][i][0] *= al0;
+                oacc[mt][i][1] *= al0;
+                oacc[mt][i][2] *= al1;
+                oacc[mt][i][3] *= al1;
+            }
         }
         // O += P V (P straight from the accumulators)
 #pragma unroll
         for (int kk = 0; kk < BN / 16; kk++) {
-            uint32_t af[4];
-            acc_to_a(af, s[2 * kk], s[2 * kk + 1]);
+            uint32_t af[MT][4];
+#pragma unroll
+            for (int mt = 0; mt < MT; mt++) acc_to_a(af[mt], s[mt][2 * kk], s[mt][2 * kk + 1]);
 #pragma unroll
             for (int dp = 0; dp < NOT / 2; dp++) {
                 uint32_t b[4];
                 ldsm4t(b, adr_b_kn(tV, LDV, kk * 16, dp * 16, lane));
-                mma_bf16_16816(oacc[2 * dp], af, b);
-                mma_bf16_16816(oacc[2 * dp + 1], af, b + 2);
+#pragma unroll
+                for (int mt = 0; mt < MT; mt++) {
+                    mma_bf16_16816(oacc[mt][2 * dp], af[mt], b);
+                    mma_bf16_16816(oacc[mt][2 * dp + 1], af[mt], b + 2);
+                }
             }
         }
         __syncthreads();  // this stage is overwritten by the next iteration's issue
     }
 
     // o = O / l; lse = ln 2 (m + log2 l). The row sums are per-thread partials until here.
-    l0 += __shfl_xor_sync(0xffffffffu, l0, 1);
-    l0 += __shfl_xor_sync(0xffffffffu, l0, 2);
-    l1 += __shfl_xor_sync(0xffffffffu, l1, 1);
-    l1 += __shfl_xor_sync(0xffffffffu, l1, 2);
 #pragma unroll
-    for (int hr = 0; hr < 2; hr++) {
-        const int rho = r0 + 8 * hr;
-        if (rho >= a.nrows) continue;
-        const float l = hr ? l1 : l0, m = hr ? m1 : m0;
-        const float inv = l > 0.f ? 1.f / l : 0.f;
-        const size_t ih = row_ih(a, j, rho);
-        float *orow = o + ih * a.Dv + vc0 + vg * DVS;
+    for (int mt = 0; mt < MT; mt++) {
 #pragma unroll
-        for (int i = 0; i < NOT; i++)
-            *reinterpret_cast<float2 *>(orow + i * 8 + 2 * t) =
-                make_float2(oacc[i][2 * hr] * inv, oacc[i][2 * hr + 1] * inv);
-        if (vg == 0 && t == 0 && blockIdx.z == 0) lse[ih] = (m + log2f(l)) * kLn2;
+        for (int hr = 0; hr < 2; hr++) {
+            float lr = l[mt][hr];
+            lr += __shfl_xor_sync(0xffffffffu, lr, 1);
+            lr += __shfl_xor_sync(0xffffffffu, lr, 2);
+            const int rho = rho0 + mt * BM + rg * 16 + g + 8 * hr;
+            if (rho >= a.nrows) continue;
+            const float inv = lr > 0.f ? 1.f / lr : 0.f;
+            const size_t ih = row_ih(a, j, rho);
+            float *orow = o + ih * a.Dv + vc0 + vg * DVS;
+#pragma unroll
+            for (int i = 0; i < NOT; i++)
+                *reinterpret_cast<float2 *>(orow + i * 8 + 2 * t) =
+                    make_float2(oacc[mt][i][2 * hr] * inv, oacc[mt][i][2 * hr + 1] * inv);
+            if (vg == 0 && t == 0 && blockIdx.z == 0) lse[ih] = (m[mt][hr] + log2f(lr)) * kLn2;
+        }
     }
 }
 
@@ -509,24 +545,32 @@ __global__ void __launch_bounds__(128, 2)
     }
 }
 
-// dQ of 64 packed rows per block (Dk = Dv = D). Shared memory: two stages of K, V [64][D+8];
-// Q and dO are staged through the second one, then live in registers.
-template <int D>
+// dQ of 64 MT packed rows per block (Dk = Dv = D; warp w owns rows 16 w + 64 mt). Shared
+// memory: two stages of K, V [BN][D+8]. MT = 1: Q and dO are staged through the second stage,
+// then live in registers; MT = 2: they stay in shared memory (no room in registers), and each
+// K / V fragment feeds two row tiles.
+template <int D, int BN, int MT>
 struct DqCfg {
-    static constexpr int LD = D + 8, BN = 64, STG = 2 * BN * LD;
-    static constexpr size_t smem() { return sizeof(uint16_t) * (size_t)2 * STG; }
+    static constexpr int LD = D + 8, STG = 2 * BN * LD, BMB = BM * MT;
+    static constexpr bool QREG = MT == 1;
+    static constexpr size_t smem() {
+        return sizeof(uint16_t) * ((size_t)2 * STG + (QREG ? 0 : (size_t)2 * BMB * LD));
+    }
+    static_assert(!QREG || BN == BM, "Q and dO staging must fit into one stage");
 };
 
-template <int D>
+template <int D, int BN, int MT>
 __global__ void __launch_bounds__(128, 2)
     attn2_bwd_dq_k(A2 a, const uint16_t *__restrict__ dout, const float *__restrict__ lse,
                    const float *__restrict__ Dd, float *__restrict__ dq) {
-    using C = DqCfg<D>;
-    constexpr int LD = C::LD, BN = C::BN, STG = C::STG, NST = BN / 8, NDT = D / 8, KS = D / 16;
+    using C = DqCfg<D, BN, MT>;
+    constexpr int LD = C::LD, STG = C::STG, BMB = C::BMB, NST = BN / 8, NDT = D / 8, KS = D / 16;
+    constexpr bool QREG = C::QREG;
     extern __shared__ __align__(16) unsigned char sm_[];
     uint16_t *sT = reinterpret_cast<uint16_t *>(sm_);
+    uint16_t *sQ = QREG ? sT + STG : sT + 2 * STG, *sO = QREG ? sT + STG + BN * LD : sQ + BMB * LD;
     const int tid = threadIdx.x, lane = tid & 31, w = tid >> 5, g = lane >> 2, t = lane & 3;
-    const int j = blockIdx.y, rho0 = (gridDim.x - 1 - blockIdx.x) * BM;
+    const int j = blockIdx.y, rho0 = (gridDim.x - 1 - blockIdx.x) * BMB;
 
     auto rowsrc = [&](const uint16_t *base) {
         return [=, &a](int r) -> const uint16_t * {
@@ -534,10 +578,10 @@ __global__ void __launch_bounds__(128, 2)
             return rho < a.nrows ? base + row_ih(a, j, rho) * D : nullptr;
         };
     };
-    load_tile<128, BM, D>(sT + STG, LD, rowsrc(a.q), a.q);
-    load_tile<128, BM, D>(sT + STG + BN * LD, LD, rowsrc(dout), dout);
+    load_tile<128, BMB, D>(sQ, LD, rowsrc(a.q), a.q);
+    load_tile<128, BMB, D>(sO, LD, rowsrc(dout), dout);
     cp_async_commit();
-    const int last = min(rho0 + BM, a.nrows) - 1;
+    const int last = min(rho0 + BMB, a.nrows) - 1;
     const int nkb = (a.off + last / a.G) / BN + 1;
     auto issue = [&](int kb) {
         const int s0 = kb * BN;
@@ -551,33 +595,38 @@ __global__ void __launch_bounds__(128, 2)
         cp_async_commit();
     };
     issue(0);
-    const int r0 = rho0 + 16 * w + g;
-    float L0 = 0.f, L1 = 0.f, D0 = 0.f, D1 = 0.f;  // rows past the end: finite, not stored
-    if (r0 < a.nrows) {
-        size_t ih = row_ih(a, j, r0);
-        L0 = lse[ih] * kLog2e;
-        D0 = Dd[ih];
-    }
-    if (r0 + 8 < a.nrows) {
-        size_t ih = row_ih(a, j, r0 + 8);
-        L1 = lse[ih] * kLog2e;
-        D1 = Dd[ih];
-    }
-    const int pos0 = a.off + r0 / a.G, pos1 = a.off + (r0 + 8) / a.G;
+    float Lr[MT][2], Dr[MT][2];  // rows past the end: finite, not stored
+#pragma unroll
+    for (int mt = 0; mt < MT; mt++)
+#pragma unroll
+        for (int h = 0; h < 2; h++) {
+            const int rho = rho0 + mt * BM + 16 * w + g + 8 * h;
+            Lr[mt][h] = 0.f;
+            Dr[mt][h] = 0.f;
+            if (rho < a.nrows) {
+                size_t ih = row_ih(a, j, rho);
+                Lr[mt][h] = lse[ih] * kLog2e;
+                Dr[mt][h] = Dd[ih];
+            }
+        }
     const int pos_first = a.off + rho0 / a.G;
-    uint32_t qf[KS][4], of[KS][4];
-    cp_async_wait<1>();
-    __syncthreads();
+    uint32_t qf[QREG ? KS : 1][4], of[QREG ? KS : 1][4];
+    if (QREG) {
+        cp_async_wait<1>();
+        __syncthreads();
 #pragma unroll
-    for (int ks = 0; ks < KS; ks++) {
-        ldsm4(qf[ks], adr_a(sT + STG + 16 * w * LD, LD, ks * 16, lane));
-        ldsm4(of[ks], adr_a(sT + STG + BN * LD + 16 * w * LD, LD, ks * 16, lane));
+        for (int ks = 0; ks < (QREG ? KS : 0); ks++) {
+            ldsm4(qf[ks], adr_a(sQ + 16 * w * LD, LD, ks * 16, lane));
+            ldsm4(of[ks], adr_a(sO + 16 * w * LD, LD, ks * 16, lane));
+        }
+        __syncthreads();
     }
-    __syncthreads();
 
-    float acc[NDT][4];
+    float acc[MT][NDT][4];
 #pragma unroll
-    for (int i = 0; i < NDT; i++) acc[i][0] = acc[i][1] = acc[i][2] = acc[i][3] = 0.f;
+    for (int mt = 0; mt < MT; mt++)
+#pragma unroll
+        for (int i = 0; i < NDT; i++) acc[mt][i][0] = acc[mt][i][1] = acc[mt][i][2] = acc[mt][i][3] = 0.f;
     for (int kb = 0; kb < nkb; kb++) {
         if (kb + 1 < nkb) {
             issue(kb + 1);
@@ -587,66 +636,115 @@ __global__ void __launch_bounds__(128, 2)
         }
         __syncthreads();
         const uint16_t *tK = sT + (kb & 1) * STG, *tV = tK + BN * LD;
-        float p[NST][4], dp_[NST][4];
+        float p[MT][NST][4], dp_[MT][NST][4];
 #pragma unroll
-        for (int i = 0; i < NST; i++) {
-            p[i][0] = p[i][1] = p[i][2] = p[i][3] = 0.f;
-            dp_[i][0] = dp_[i][1] = dp_[i][2] = dp_[i][3] = 0.f;
-        }
+        for (int mt = 0; mt < MT; mt++)
+#pragma unroll
+            for (int i = 0; i < NST; i++) {
+                p[mt][i][0] = p[mt][i][1] = p[mt][i][2] = p[mt][i][3] = 0.f;
+                dp_[mt][i][0] = dp_[mt][i][1] = dp_[mt][i][2] = dp_[mt][i][3] = 0.f;
+            }
 #pragma unroll
         for (int ks = 0; ks < KS; ks++) {
+            uint32_t aq[MT][4], ao[MT][4];
+#pragma unroll
+            for (int mt = 0; mt < MT; mt++) {
+                if (QREG) {
+#pragma unroll
+                    for (int e = 0; e < 4; e++) {
+                        aq[mt][e] = qf[QREG ? ks : 0][e];
+                        ao[mt][e] = of[QREG ? ks : 0][e];
+                    }
+                } else {
+                    ldsm4(aq[mt], adr_a(sQ + (mt * BM + 16 * w) * LD, LD, ks * 16, lane));
+                    ldsm4(ao[mt], adr_a(sO + (mt * BM + 16 * w) * LD, LD, ks * 16, lane));
+                }
+            }
 #pragma unroll
             for (int np = 0; np < NST / 2; np++) {
                 uint32_t b[4];
                 ldsm4(b, adr_b_nk(tK, LD, ks * 16, np * 16, lane));
-                mma_bf16_16816(p[2 * np], qf[ks], b);
-                mma_bf16_16816(p[2 * np + 1], qf[ks], b + 2);
+#pragma unroll
+                for (int mt = 0; mt < MT; mt++) {
+                    mma_bf16_16816(p[mt][2 * np], aq[mt], b);
+                    mma_bf16_16816(p[mt][2 * np + 1], aq[mt], b + 2);
+                }
                 ldsm4(b, adr_b_nk(tV, LD, ks * 16, np * 16, lane));
-                mma_bf16_16816(dp_[2 * np], of[ks], b);
-                mma_bf16_16816(dp_[2 * np + 1], of[ks], b + 2);
+#pragma unroll
+                for (int mt = 0; mt < MT; mt++) {
+                    mma_bf16_16816(dp_[mt][2 * np], ao[mt], b);
+                    mma_bf16_16816(dp_[mt][2 * np + 1], ao[mt], b + 2);
+                }
             }
         }
         const int s0 = kb * BN;
         const bool diag = s0 + BN - 1 > pos_first;
 #pragma unroll
-        for (int nt = 0; nt < NST; nt++) {
+        for (int mt = 0; mt < MT; mt++) {
+            int pos0 = 0, pos1 = 0;
+            if (diag) {
+                const int r = rho0 + mt * BM + 16 * w + g;
+                pos0 = a.off + r / a.G;
+                pos1 = a.off + (r + 8) / a.G;
+            }
 #pragma unroll
-            for (int e = 0; e < 2; e++) {
-                const int key = s0 + nt * 8 + 2 * t + e;
-                float x0 = ex2(p[nt][e] * a.sl2 - L0), x1 = ex2(p[nt][2 + e] * a.sl2 - L1);
-                if (diag) {
-                    x0 = key > pos0 ? 0.f : x0;
-                    x1 = key > pos1 ? 0.f : x1;
+            for (int nt = 0; nt < NST; nt++) {
+#pragma unroll
+                for (int e = 0; e < 2; e++) {
+                    const int key = s0 + nt * 8 + 2 * t + e;
+                    float x0 = ex2(p[mt][nt][e] * a.sl2 - Lr[mt][0]);
+                    float x1 = ex2(p[mt][nt][2 + e] * a.sl2 - Lr[mt][1]);
+                    if (diag) {
+                        x0 = key > pos0 ? 0.f : x0;
+                        x1 = key > pos1 ? 0.f : x1;
+                    }
+                    dp_[mt][nt][e] = x0 * (dp_[mt][nt][e] - Dr[mt][0]);
+                    dp_[mt][nt][2 + e] = x1 * (dp_[mt][nt][2 + e] - Dr[mt][1]);
                 }
-                dp_[nt][e] = x0 * (dp_[nt][e] - D0);
-                dp_[nt][2 + e] = x1 * (dp_[nt][2 + e] - D1);
             }
         }
         // dQ += dS K
 #pragma unroll
         for (int kk = 0; kk < BN / 16; kk++) {
-            uint32_t af[4];
-            acc_to_a(af, dp_[2 * kk], dp_[2 * kk + 1]);
+            uint32_t af[MT][4];
+#pragma unroll
+            for (int mt = 0; mt < MT; mt++) acc_to_a(af[mt], dp_[mt][2 * kk], dp_[mt][2 * kk + 1]);
 #pragma unroll
             for (int dp = 0; dp < NDT / 2; dp++) {
                 uint32_t b[4];
                 ldsm4t(b, adr_b_kn(tK, LD, kk * 16, dp * 16, lane));
-                mma_bf16_16816(acc[2 * dp], af, b);
-                mma_bf16_16816(acc[2 * dp + 1], af, b + 2);
+#pragma unroll
+                for (int mt = 0; mt < MT; mt++) {
+                    mma_bf16_16816(acc[mt][2 * dp], af[mt], b);
+                    mma_bf16_16816(acc[mt][2 * dp + 1], af[mt], b + 2);
+                }
             }
         }
         __syncthreads();
     }
 #pragma unroll
-    for (int hr = 0; hr < 2; hr++) {
-        const int rho = r0 + 8 * hr;
-        if (rho >= a.nrows) continue;
-        float *drow = dq + row_ih(a, j, rho) * D + 2 * t;
+    for (int mt = 0; mt < MT; mt++)
 #pragma unroll
-        for (int i = 0; i < NDT; i++)
-            *reinterpret_cast<float2 *>(drow + i * 8) =
-                make_float2(a.scale * acc[i][2 * hr], a.scale * acc[i][2 * hr + 1]);
-    }
+        for (int hr = 0; hr < 2; hr++) {
+            const int rho = rho0 + mt * BM + 16 * w + g + 8 * hr;
+            if (rho >= a.nrows) continue;
+            float *drow = dq + row_ih(a, j, rho) * D + 2 * t;
+#pragma unroll
+            for (int i = 0; i < NDT; i++)
+                *reinterpret_cast<float2 *>(drow + i * 8) =
+                    make_float2(a.scale * acc[mt][i][2 * hr], a.scale * acc[mt][i][2 * hr + 1]);
+        }
+}
+
+template <int BN, int MT>
+void launch_dq_(mtrl_cuda_ctx *c, const A2 &a, int Hk, const uint16_t *dout, const float *lse,
+                const float *D, float *dq) {
+    using Cq = DqCfg<128, BN, MT>;
+    auto kernel = attn2_bwd_dq_k<128, BN, MT>;
+    set_smem(kernel, Cq::smem());
+    kernel<<<dim3(cdiv((size_t)a.nrows, Cq::BMB), Hk), 128, Cq::smem(), c->stream>>>(a, dout, lse,
+                                                                                     D, dq);
+    CUDA_LAUNCH_CHECK();
 }
 
 int attn_v1_forced_() {
@@ -664,23 +762,24 @@ A2 make_args(int Tq, int Tk, int H, int Hk, int Dk, int Dv, float scale, const m
     return a;
 }
 
-// Forward configurations measured in docs/kernel-lab.md; MTRL_ATTN2_FWD=N (a lab knob, read at
-// each call) picks another than the default 0.
-template <int DK, int DVS, int NVW, int BN, bool QREG, bool ALIAS, int MINB>
+// Forward configurations, numbered as measured in docs/kernel-lab.md; MTRL_ATTN2_FWD=N (a lab
+// knob, read at each call) picks another than the default: 4 for the MHA shape (two row tiles
+// per warp), and 0 for the absorbed shape (any value other than 1).
+template <int DK, int DVS, int NVW, int BN, bool QREG, bool ALIAS, int MT, int MINB>
 int launch_fwd_(mtrl_cuda_ctx *c, const A2 &a, int Hk, float *o, float *lse) {
-    using Cf = FwdCfg<DK, DVS, NVW, BN, QREG, ALIAS>;
-    auto kernel = attn2_fwd_k<DK, DVS, NVW, BN, QREG, ALIAS, MINB>;
+    using Cf = FwdCfg<DK, DVS, NVW, BN, QREG, ALIAS, MT>;
+    auto kernel = attn2_fwd_k<DK, DVS, NVW, BN, QREG, ALIAS, MT, MINB>;
     const size_t sh = Cf::smem();
     MTRL_CUDA_REQUIRE(sh <= c->smem_optin, "shared memory %zu > %zu", sh, c->smem_optin);
     set_smem(kernel, sh);
-    dim3 grid(cdiv((size_t)a.nrows, BM), Hk, a.Dv / Cf::DVB);
+    dim3 grid(cdiv((size_t)a.nrows, Cf::BMB), Hk, a.Dv / Cf::DVB);
     kernel<<<grid, Cf::NT, sh, c->stream>>>(a, o, lse);
     CUDA_LAUNCH_CHECK();
     return 0;
 }
 int fwd_variant_() {
     const char *e = getenv("MTRL_ATTN2_FWD");
-    return e ? atoi(e) : 0;
+    return e ? atoi(e) : 4;
 }
 
 }  // namespace
@@ -706,12 +805,15 @@ extern "C" int mtrl_attn2_causal_fwd(mtrl_cuda_ctx *c, int Tq, int Tk, int H, in
     A2 a = make_args(Tq, Tk, H, Hk, Dk, Dv, scale, q, k, ldk, v, ldv);
     const int var = fwd_variant_();
     if (!alias) {
-        if (var == 1) return launch_fwd_<128, 128, 1, 64, true, false, 2>(c, a, Hk, o, lse);
-        if (var == 2) return launch_fwd_<128, 128, 1, 128, true, false, 2>(c, a, Hk, o, lse);
-        return launch_fwd_<128, 128, 1, 64, true, false, 3>(c, a, Hk, o, lse);
+        if (var == 1) return launch_fwd_<128, 128, 1, 64, true, false, 1, 2>(c, a, Hk, o, lse);
+        if (var == 2) return launch_fwd_<128, 128, 1, 128, true, false, 1, 2>(c, a, Hk, o, lse);
+        if (var == 3) return launch_fwd_<128, 128, 1, 64, false, false, 2, 1>(c, a, Hk, o, lse);
+        if (var == 4) return launch_fwd_<128, 128, 1, 64, false, false, 2, 2>(c, a, Hk, o, lse);
+        if (var == 5) return launch_fwd_<128, 128, 1, 32, false, false, 2, 2>(c, a, Hk, o, lse);
+        return launch_fwd_<128, 128, 1, 64, true, false, 1, 3>(c, a, Hk, o, lse);
     }
-    if (var == 1) return launch_fwd_<576, 256, 2, 32, false, true, 1>(c, a, 1, o, lse);
-    return launch_fwd_<576, 256, 2, 64, false, true, 1>(c, a, 1, o, lse);
+    if (var == 1) return launch_fwd_<576, 256, 2, 32, false, true, 1, 1>(c, a, 1, o, lse);
+    return launch_fwd_<576, 256, 2, 64, false, true, 1, 1>(c, a, 1, o, lse);
 }
 
 extern "C" int mtrl_attn2_causal_bwd(mtrl_cuda_ctx *c, int Tq, int Tk, int H, int Hk, int Dk,
@@ -729,14 +831,16 @@ extern "C" int mtrl_attn2_causal_bwd(mtrl_cuda_ctx *c, int Tq, int Tk, int H, in
     const int rows = Tq * H;
     attn2_bwd_pre_k<<<cdiv(rows, 8), 256, 0, c->stream>>>(rows, Dv, dout, o, D);
     CUDA_LAUNCH_CHECK();
-    const size_t sh_kv = DkvCfg<128>::smem(), sh_q = DqCfg<128>::smem();
+    const size_t sh_kv = DkvCfg<128>::smem();
     set_smem(attn2_bwd_dkv_k<128>, sh_kv);
     attn2_bwd_dkv_k<128><<<dim3(cdiv(Tk, 64), Hk), 128, sh_kv, c->stream>>>(a, dout, lse, D, dk,
                                                                             dv);
     CUDA_LAUNCH_CHECK();
-    set_smem(attn2_bwd_dq_k<128>, sh_q);
-    attn2_bwd_dq_k<128><<<dim3(cdiv((size_t)a.nrows, BM), Hk), 128, sh_q, c->stream>>>(
-        a, dout, lse, D, dq);
-    CUDA_LAUNCH_CHECK();
+    // MTRL_ATTN2_DQ=0 (a lab knob, read at each call) selects the first dq configuration (one
+    // row tile per warp, Q and dO in registers, 64-key tiles); the default is 1 (two row tiles
+    // per warp, 32-key tiles: 6% faster at 32K, docs/kernel-lab.md).
+    const char *e = getenv("MTRL_ATTN2_DQ");
+    if (e && atoi(e) == 0) launch_dq_<64, 1>(c, a, Hk, dout, lse, D, dq);
+    else launch_dq_<32, 2>(c, a, Hk, dout, lse, D, dq);
     return 0;
 }
