@@ -20,6 +20,8 @@ run)
   mkdir -p "$out"
   export LD_LIBRARY_PATH=$repo/.carry/dev/lib:${LD_LIBRARY_PATH:-}
   nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$out/gpu.txt"
+  # TEST_GPU=N runs the tests and the model benchmark on GPU N only.
+  [ -n "${TEST_GPU:-}" ] && export CUDA_VISIBLE_DEVICES=$TEST_GPU
   if [ "${SKIP_TESTS:-0}" = 0 ]; then
   # TESTS="test_cuda_model test_cuda_kda" runs only those (default: every carried gpu test).
   for t in ${TESTS:-.carry/dev/test_cuda_*}; do
@@ -36,9 +38,11 @@ run)
     timeout "${LONG_SECONDS:-300}" .carry/dev/mtrl bench long --device cuda $BENCH_LONG 2>&1 | tee "$out/bench_long.txt"
   fi
   [ "${SKIP_QG:-0}" = 1 ] && exit 0
+  unset CUDA_VISIBLE_DEVICES
   # QG_SETS="learner.lr=2e-5;learner.lr=6e-5 warmup.steps=8": variants of the experiment run at
   # once, variant i on GPU i mod (GPUs) with those --set overrides (default: one, as written).
   # Each runs in /tmp/qg<i>; its log and summary are $out/quickstart_gpu<i>.log / _summary<i>.txt.
+  # QG_GPU=N starts the variants at GPU N (e.g. the gpu tests on GPU 0, the experiment on GPU 1).
   ngpu=$(nvidia-smi -L | wc -l)
   IFS=';' read -r -a sets <<< "${QG_SETS:-}"
   [ ${#sets[@]} -eq 0 ] && sets=("")
@@ -49,7 +53,7 @@ run)
       args=()
       for kv in ${sets[$i]}; do args+=(--set "$kv"); done
       start=$(date +%s)
-      CUDA_VISIBLE_DEVICES=$(( i % ngpu )) timeout "${QG_SECONDS:-330}" "$repo/.carry/dev/mtrl" run \
+      CUDA_VISIBLE_DEVICES=$(( (${QG_GPU:-0} + i) % ngpu )) timeout "${QG_SECONDS:-330}" "$repo/.carry/dev/mtrl" run \
         "$repo/experiments/quickstart-gpu.ini" --db runs.db --set run.out_dir=$dir/runs --set run.keep_checkpoints=1 \
         "${args[@]}" > "$out/quickstart_gpu$i.log" 2>&1
       echo "quickstart-gpu variant $i [${sets[$i]}]: exit $? after $(( $(date +%s) - start )) s" > "$out/quickstart_gpu_summary$i.txt"

@@ -132,7 +132,8 @@ int seg_kda_tiles(int T, const seq_io *io);
 // Packing of a batch (model_run.c): consecutive sequences that each fit in one segment are laid
 // end to end into packed segments of up to MTRL_PACK_TOKENS tokens (or `segment` when set), so
 // a learner step over many short episodes runs a few large GEMMs instead of one small set per
-// episode. A sequence longer than that, or cut into segments, is a pack of its own.
+// episode. A sequence longer than that, or cut into segments, is a pack of its own. QB's
+// routing statistics are taken per segment, so a pack gives one β estimate for all its tokens.
 #define MTRL_PACK_TOKENS 4096
 
 // The device (backend) blocks mtrl_model_forward / _backward allocate for a batch of n sequences
