@@ -57,29 +57,17 @@ struct A2 {
     const uint16_t *q, *k, *v;
 };
 
-__device__ __forceinline__ void ldsm4(uint32_t *r, const uint16_t *p) {
-    unsigned a = (unsigned)__cvta_generic_to_shared(p);
-    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
-                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-                 : "r"(a));
-}
-__device__ __forceinline__ void ldsm4t(uint32_t *r, const uint16_t *p) {
-    unsigned a = (unsigned)__cvta_generic_to_shared(p);
-    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
-                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-                 : "r"(a));
-}
 // Lane addresses of the three fragment loads (see cuda_common.cuh for the fragment layouts):
 // A: the 16 x 16 block at (row 0, col k0) of a row-major matrix.
 __device__ __forceinline__ const uint16_t *adr_a(const uint16_t *A, int ld, int k0, int lane) {
     return A + (lane & 15) * ld + k0 + ((lane >> 4) << 3);
 }
-// B of n-tiles n0, n0 + 8 from an n-major matrix (element (k, n) at B[n ld + k]): ldsm4.
+// B of n-tiles n0, n0 + 8 from an n-major matrix (element (k, n) at B[n ld + k]): ldsm_x4.
 __device__ __forceinline__ const uint16_t *adr_b_nk(const uint16_t *B, int ld, int k0, int n0,
                                                     int lane) {
     return B + (n0 + (lane & 7) + ((lane >> 4) << 3)) * ld + k0 + (((lane >> 3) & 1) << 3);
 }
-// The same from a k-major matrix (element (k, n) at B[k ld + n]): ldsm4t.
+// The same from a k-major matrix (element (k, n) at B[k ld + n]): ldsm_x4_t.
 __device__ __forceinline__ const uint16_t *adr_b_kn(const uint16_t *B, int ld, int k0, int n0,
                                                     int lane) {
     return B + (k0 + (lane & 7) + (((lane >> 3) & 1) << 3)) * ld + n0 + ((lane >> 4) << 3);
@@ -185,7 +173,7 @@ __global__ void __launch_bounds__(128 * NVW, MINB)
         __syncthreads();
 #pragma unroll
         for (int ks = 0; ks < (QREG ? DK / 16 : 0); ks++)
-            ldsm4(qf[ks], adr_a(sQ + rg * 16 * LDK, LDK, ks * 16, lane));
+            ldsm_x4(qf[ks], adr_a(sQ + rg * 16 * LDK, LDK, ks * 16, lane));
         __syncthreads();  // stage 1 is free for tile 1
     }
 
@@ -228,13 +216,13 @@ __global__ void __launch_bounds__(128 * NVW, MINB)
 #pragma unroll
                     for (int e = 0; e < 4; e++) af[mt][e] = qf[QREG ? ks : 0][e];
                 } else {
-                    ldsm4(af[mt], adr_a(sQ + (mt * BM + rg * 16) * LDK, LDK, ks * 16, lane));
+                    ldsm_x4(af[mt], adr_a(sQ + (mt * BM + rg * 16) * LDK, LDK, ks * 16, lane));
                 }
             }
 #pragma unroll
             for (int np = 0; np < NST / 2; np++) {
                 uint32_t b[4];
-                ldsm4(b, adr_b_nk(tK, LDK, ks * 16, np * 16, lane));
+                ldsm_x4(b, adr_b_nk(tK, LDK, ks * 16, np * 16, lane));
 #pragma unroll
                 for (int mt = 0; mt < MT; mt++) {
                     mma_bf16_16816(s[mt][2 * np], af[mt], b);
@@ -310,7 +298,7 @@ __global__ void __launch_bounds__(128 * NVW, MINB)
 #pragma unroll
             for (int dp = 0; dp < NOT / 2; dp++) {
                 uint32_t b[4];
-                ldsm4t(b, adr_b_kn(tV, LDV, kk * 16, dp * 16, lane));
+                ldsm_x4_t(b, adr_b_kn(tV, LDV, kk * 16, dp * 16, lane));
 #pragma unroll
                 for (int mt = 0; mt < MT; mt++) {
                     mma_bf16_16816(oacc[mt][2 * dp], af[mt], b);
@@ -443,11 +431,11 @@ __global__ void __launch_bounds__(128, 2)
 #pragma unroll
         for (int ks = 0; ks < D / 16; ks++) {
             uint32_t af[4];
-            ldsm4(af, adr_a(sK + 16 * w * LD, LD, ks * 16, lane));
+            ldsm_x4(af, adr_a(sK + 16 * w * LD, LD, ks * 16, lane));
 #pragma unroll
             for (int np = 0; np < NRT / 2; np++) {
                 uint32_t b[4];
-                ldsm4(b, adr_b_nk(tQ, LD, ks * 16, np * 16, lane));
+                ldsm_x4(b, adr_b_nk(tQ, LD, ks * 16, np * 16, lane));
                 mma_bf16_16816(p[2 * np], af, b);
                 mma_bf16_16816(p[2 * np + 1], af, b + 2);
             }
@@ -478,7 +466,7 @@ __global__ void __launch_bounds__(128, 2)
 #pragma unroll
             for (int dp = 0; dp < NDT / 2; dp++) {
                 uint32_t b[4];
-                ldsm4t(b, adr_b_kn(tO, LD, kk * 16, dp * 16, lane));
+                ldsm_x4_t(b, adr_b_kn(tO, LD, kk * 16, dp * 16, lane));
                 mma_bf16_16816(dva[2 * dp], af, b);
                 mma_bf16_16816(dva[2 * dp + 1], af, b + 2);
             }
@@ -490,11 +478,11 @@ __global__ void __launch_bounds__(128, 2)
 #pragma unroll
         for (int ks = 0; ks < D / 16; ks++) {
             uint32_t af[4];
-            ldsm4(af, adr_a(sV + 16 * w * LD, LD, ks * 16, lane));
+            ldsm_x4(af, adr_a(sV + 16 * w * LD, LD, ks * 16, lane));
 #pragma unroll
             for (int np = 0; np < NRT / 2; np++) {
                 uint32_t b[4];
-                ldsm4(b, adr_b_nk(tO, LD, ks * 16, np * 16, lane));
+                ldsm_x4(b, adr_b_nk(tO, LD, ks * 16, np * 16, lane));
                 mma_bf16_16816(dp_[2 * np], af, b);
                 mma_bf16_16816(dp_[2 * np + 1], af, b + 2);
             }
@@ -516,7 +504,7 @@ __global__ void __launch_bounds__(128, 2)
 #pragma unroll
             for (int dp = 0; dp < NDT / 2; dp++) {
                 uint32_t b[4];
-                ldsm4t(b, adr_b_kn(tQ, LD, kk * 16, dp * 16, lane));
+                ldsm_x4_t(b, adr_b_kn(tQ, LD, kk * 16, dp * 16, lane));
                 mma_bf16_16816(dka[2 * dp], af, b);
                 mma_bf16_16816(dka[2 * dp + 1], af, b + 2);
             }
@@ -616,8 +604,8 @@ __global__ void __launch_bounds__(128, 2)
         __syncthreads();
 #pragma unroll
         for (int ks = 0; ks < (QREG ? KS : 0); ks++) {
-            ldsm4(qf[ks], adr_a(sQ + 16 * w * LD, LD, ks * 16, lane));
-            ldsm4(of[ks], adr_a(sO + 16 * w * LD, LD, ks * 16, lane));
+            ldsm_x4(qf[ks], adr_a(sQ + 16 * w * LD, LD, ks * 16, lane));
+            ldsm_x4(of[ks], adr_a(sO + 16 * w * LD, LD, ks * 16, lane));
         }
         __syncthreads();
     }
@@ -656,20 +644,20 @@ __global__ void __launch_bounds__(128, 2)
                         ao[mt][e] = of[QREG ? ks : 0][e];
                     }
                 } else {
-                    ldsm4(aq[mt], adr_a(sQ + (mt * BM + 16 * w) * LD, LD, ks * 16, lane));
-                    ldsm4(ao[mt], adr_a(sO + (mt * BM + 16 * w) * LD, LD, ks * 16, lane));
+                    ldsm_x4(aq[mt], adr_a(sQ + (mt * BM + 16 * w) * LD, LD, ks * 16, lane));
+                    ldsm_x4(ao[mt], adr_a(sO + (mt * BM + 16 * w) * LD, LD, ks * 16, lane));
                 }
             }
 #pragma unroll
             for (int np = 0; np < NST / 2; np++) {
                 uint32_t b[4];
-                ldsm4(b, adr_b_nk(tK, LD, ks * 16, np * 16, lane));
+                ldsm_x4(b, adr_b_nk(tK, LD, ks * 16, np * 16, lane));
 #pragma unroll
                 for (int mt = 0; mt < MT; mt++) {
                     mma_bf16_16816(p[mt][2 * np], aq[mt], b);
                     mma_bf16_16816(p[mt][2 * np + 1], aq[mt], b + 2);
                 }
-                ldsm4(b, adr_b_nk(tV, LD, ks * 16, np * 16, lane));
+                ldsm_x4(b, adr_b_nk(tV, LD, ks * 16, np * 16, lane));
 #pragma unroll
                 for (int mt = 0; mt < MT; mt++) {
                     mma_bf16_16816(dp_[mt][2 * np], ao[mt], b);
@@ -712,7 +700,7 @@ __global__ void __launch_bounds__(128, 2)
 #pragma unroll
             for (int dp = 0; dp < NDT / 2; dp++) {
                 uint32_t b[4];
-                ldsm4t(b, adr_b_kn(tK, LD, kk * 16, dp * 16, lane));
+                ldsm_x4_t(b, adr_b_kn(tK, LD, kk * 16, dp * 16, lane));
 #pragma unroll
                 for (int mt = 0; mt < MT; mt++) {
                     mma_bf16_16816(acc[mt][2 * dp], af[mt], b);

@@ -171,6 +171,21 @@ __device__ __forceinline__ void mma_bf16_16816(float *c, const uint32_t *a, cons
         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
 }
 
+// ldmatrix: four 8x8 b16 matrices; lane l supplies the (16-byte aligned) address of row l % 8
+// of matrix l / 8. Thread (g = lane/4, t = lane%4) receives elements (g, 2t..2t+1) of each
+// matrix (.trans: elements (2t..2t+1, g)), i.e. exactly the mma.m16n8k16 fragment layout.
+__device__ __forceinline__ void ldsm_x4(uint32_t *r, const uint16_t *p) {
+    unsigned a = (unsigned)__cvta_generic_to_shared(p);
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(a));
+}
+__device__ __forceinline__ void ldsm_x4_t(uint32_t *r, const uint16_t *p) {
+    unsigned a = (unsigned)__cvta_generic_to_shared(p);
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(a));
+}
 // cp.async of 16 bytes global -> shared (both 16-byte aligned).
 __device__ __forceinline__ void cp_async16(void *smem, const void *gmem) {
     unsigned s = (unsigned)__cvta_generic_to_shared(smem);

@@ -64,21 +64,6 @@ __device__ __forceinline__ uint32_t ld32(const uint16_t *p) {
     return *reinterpret_cast<const uint32_t *>(p);
 }
 
-// ldmatrix: four 8x8 b16 matrices; lane l supplies the (16-byte aligned) address of row l % 8
-// of matrix l / 8. Thread (g = lane/4, t = lane%4) receives elements (g, 2t..2t+1) of each
-// matrix (.trans: elements (2t..2t+1, g)), i.e. exactly the mma.m16n8k16 fragment layout.
-__device__ __forceinline__ void ldsm_x4(uint32_t *r, const uint16_t *p) {
-    unsigned a = (unsigned)__cvta_generic_to_shared(p);
-    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
-                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-                 : "r"(a));
-}
-__device__ __forceinline__ void ldsm_x4_t(uint32_t *r, const uint16_t *p) {
-    unsigned a = (unsigned)__cvta_generic_to_shared(p);
-    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
-                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-                 : "r"(a));
-}
 // A fragment of the 16 x 16 block at (row 0, col k0) of a row-major matrix.
 __device__ __forceinline__ void frag_a(uint32_t *a, const uint16_t *A, int lda, int k0, int lane) {
     ldsm_x4(a, A + (lane & 15) * lda + k0 + ((lane >> 4) << 3));
