@@ -68,14 +68,15 @@ mtrl_status mtrl_rollout_init(mtrl_rollout **out, const mtrl_rollout_params *p, 
     mtrl_rollout *r = xcalloc(1, sizeof *r);
     r->p = *p;
     // Memory accounting: every episode in flight holds a decode state of max_tokens (KDA states,
-    // conv windows, the MLA latent cache). When they do not all fit in 90% of the device's free
+    // conv windows, the MLA latent cache); prefill and decode share one scratch
+    // (mtrl_model_infer_bytes). When the states do not all fit in 90% of the device's free
     // memory, episodes get the capacity that fits and end `truncated` there, with the reason,
     // instead of the actor running out of memory at 1M tokens.
     {
         size_t free_b = 0, total_b = 0, scratch_b = 0, peak_b = 0;
         mtrl_model_mem_info(m, &free_b, &total_b, &scratch_b, &peak_b);
         size_t fixed = mtrl_decode_state_bytes(m, 0), per_tok = mtrl_decode_state_bytes(m, 1) - fixed;
-        double budget = 0.9 * (double)free_b - (double)(512u << 20);
+        double budget = 0.9 * (double)free_b - (double)(512u << 20) - (double)mtrl_model_infer_bytes(m, p->slots);
         double fit = per_tok > 0 ? (budget / p->slots - (double)fixed) / (double)per_tok : 1e18;
         if (free_b > 0 && fit < p->max_tokens) {
             if (fit < 64) {

@@ -228,6 +228,14 @@ double mtrl_model_load_violation(const mtrl_model *m, int layer);
 void mtrl_decode_state_init(mtrl_decode_state *s, const mtrl_model *m, int cap);
 // Device bytes a decode state of capacity cap takes (what init allocates): for memory budgets.
 size_t mtrl_decode_state_bytes(const mtrl_model *m, int cap);
+// Device bytes of the scratch that mtrl_model_prefill and mtrl_model_decode share: one prefill
+// segment's forward (MTRL_PREFILL_SEGMENT tokens, fewer for shorter prompts) or one decode
+// batch of `batch` rows, whichever is larger. For the actor's memory budget.
+size_t mtrl_model_infer_bytes(const mtrl_model *m, int batch);
+// Prompts and tool results are prefilled in segments of up to this many tokens: long enough for
+// a GPU's attention and GEMMs to fill the device on a long document, short enough that one
+// segment's forward caches stay a small part of an actor's memory.
+#define MTRL_PREFILL_SEGMENT 1024
 void mtrl_decode_state_free(mtrl_decode_state *s);
 void mtrl_decode_state_reset(mtrl_decode_state *s, const mtrl_model *m);
 // Copies a state (snapshot/resume); dst must have been initialised with cap >= src->pos.

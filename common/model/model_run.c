@@ -390,7 +390,13 @@ void mtrl_model_backward(mtrl_model *m, const mtrl_batch *b, const real *dlogp, 
 
 // ---- inference ---------------------------------------------------------------------------------------------
 
-#define PREFILL_SEGMENT 256
+// The inference scratch: forward caches only (nothing is kept for a backward).
+static size_t infer_bytes_(const mtrl_model_dims *d, int T) { return seg_fwd_bytes(d, T) + 4096; }
+
+size_t mtrl_model_infer_bytes(const mtrl_model *m, int batch) {
+    size_t a = infer_bytes_(&m->dims, MTRL_PREFILL_SEGMENT), b = infer_bytes_(&m->dims, batch);
+    return a > b ? a : b;
+}
 
 static seq_io state_io_(const mtrl_decode_state *s) { return (seq_io){s->kda_S, s->conv, s->latent, s->cap, s->pos, 0, NULL}; }
 
@@ -490,8 +496,8 @@ void mtrl_model_prefill(mtrl_model *m, mtrl_decode_state *s, const uint32_t *tok
     ws_impl *w = ws_get_(m);
     mtrl_backend *be = m->be;
     MTRL_CHECKF(s->pos + n <= s->cap, "prefill of %d tokens at position %d overflows capacity %d", n, s->pos, s->cap);
-    int seg = n < PREFILL_SEGMENT ? (n > 0 ? n : 1) : PREFILL_SEGMENT;
-    arena_ensure_(be, &w->infer, seg_arena_bytes(&m->dims, seg, s->cap));
+    int seg = n < MTRL_PREFILL_SEGMENT ? (n > 0 ? n : 1) : MTRL_PREFILL_SEGMENT;
+    arena_ensure_(be, &w->infer, infer_bytes_(&m->dims, seg));
     seq_io io = state_io_(s);
     for (int t0 = 0; t0 < n; t0 += seg) {
         int T = n - t0 < seg ? n - t0 : seg;
@@ -510,7 +516,7 @@ void mtrl_model_prefill(mtrl_model *m, mtrl_decode_state *s, const uint32_t *tok
 void mtrl_model_decode(mtrl_model *m, mtrl_decode_state *const *states, int B, const uint32_t *tokens, real *logits,
                        uint8_t *routing_out) {
     ws_impl *w = ws_get_(m);
-    arena_ensure_(m->be, &w->infer, seg_arena_bytes(&m->dims, B, 1));
+    arena_ensure_(m->be, &w->infer, infer_bytes_(&m->dims, B));
     mtrl_arena_reset(&w->infer);
     seq_io ios[256];
     seq_io *io = B <= 256 ? ios : xmalloc(sizeof(seq_io) * (size_t)B);
@@ -528,7 +534,7 @@ void mtrl_model_logits(mtrl_model *m, const uint32_t *tokens, int len, int segme
     mtrl_decode_state_init(&s, m, len);
     ws_impl *w = ws_get_(m);
     int seg = segment > 0 && segment < len ? segment : (len > 0 ? len : 1);
-    arena_ensure_(m->be, &w->infer, seg_arena_bytes(&m->dims, seg, len));
+    arena_ensure_(m->be, &w->infer, infer_bytes_(&m->dims, seg));
     seq_io io = state_io_(&s);
     for (int t0 = 0; t0 < len; t0 += seg) {
         int T = len - t0 < seg ? len - t0 : seg;
