@@ -13,6 +13,8 @@
 //    numbers;
 //  - T = 1,048,576 with the `small` preset plans on the CPU and on a GPU budget without size_t
 //    overflow (every block sane and consistent), and prints;
+//  - prefill (SEG_PREFILL, no caches) peaks exactly at its mirror seg_prefill_bytes, at most
+//    half the cached forward of the same segment;
 //  - the free-memory query and the live-model planning work; `mtrl plan` prints a plan.
 #include <stdlib.h>
 #include <string.h>
@@ -112,6 +114,24 @@ static void test_activations_(const char *name, const char *ini) {
         TEST_CHECKF(planned_state >= state_bytes + running && planned_state <= state_bytes + running + slack,
                     "%s: planned state %zu vs workspace %zu + running %zu", name, planned_state, state_bytes, running);
     }
+    // Prefill keeps no caches for a backward: its scratch peak is the prefill mirror (to the
+    // 64-byte alignment) for a prompt longer than one prefill segment, and far below the cached
+    // forward of the same segment.
+    enum { NP = MTRL_PREFILL_SEGMENT + 300 };
+    uint32_t *tok = malloc(sizeof(uint32_t) * NP);
+    for (int t = 0; t < NP; t++) tok[t] = (uint32_t)((t * 7 + 3) % d.V);
+    mtrl_decode_state s;
+    mtrl_decode_state_init(&s, &m, NP);
+    m.peak_infer_bytes = 0;
+    mtrl_model_prefill(&m, &s, tok, NP, NULL, NULL);
+    size_t pf = seg_prefill_bytes(&d, MTRL_PREFILL_SEGMENT), cached = seg_fwd_bytes(&d, MTRL_PREFILL_SEGMENT);
+    printf("  prefill of %d tokens: scratch peak %zu bytes, mirror %zu (cached forward %zu)\n", NP, m.peak_infer_bytes,
+           pf, cached);
+    TEST_CHECKF(pf >= m.peak_infer_bytes && pf - m.peak_infer_bytes < 64, "%s: prefill mirror %zu, measured %zu", name,
+                pf, m.peak_infer_bytes);
+    TEST_CHECKF(pf < cached / 2, "%s: prefill needs %zu, the cached forward %zu", name, pf, cached);
+    mtrl_decode_state_free(&s);
+    free(tok);
     mtrl_model_free(&m);
 }
 

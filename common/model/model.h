@@ -163,6 +163,7 @@ typedef struct mtrl_model {
     // Workspace of the last forward (for its backward); owned here, sized per batch.
     struct mtrl_model_ws *ws;
     size_t peak_activation_bytes; // high-water mark of per-segment activations (bench, tests)
+    size_t peak_infer_bytes;      // ... of the prefill / logits scratch (tests)
 } mtrl_model;
 
 // Fills dims from a resolved [model] config and the vocabulary size. Returns MTRL_OK or
@@ -233,9 +234,11 @@ size_t mtrl_decode_state_bytes(const mtrl_model *m, int cap);
 // batch of `batch` rows, whichever is larger. For the actor's memory budget.
 size_t mtrl_model_infer_bytes(const mtrl_model *m, int batch);
 // Prompts and tool results are prefilled in segments of up to this many tokens: long enough for
-// a GPU's attention and GEMMs to fill the device on a long document, short enough that one
-// segment's forward caches stay a small part of an actor's memory.
-#define MTRL_PREFILL_SEGMENT 1024
+// a GPU's attention and GEMMs to fill the device on a long document (and few conversions of the
+// latent cache to the attention's bf16 operands: one per segment and MLA layer), short enough
+// that one segment's forward stays a small part of an actor's memory (prefill keeps no caches
+// for a backward: ~230 KB a token for `small`, 1.9 GB a segment).
+#define MTRL_PREFILL_SEGMENT 8192
 void mtrl_decode_state_free(mtrl_decode_state *s);
 void mtrl_decode_state_reset(mtrl_decode_state *s, const mtrl_model *m);
 // Copies a state (snapshot/resume); dst must have been initialised with cap >= src->pos.

@@ -55,7 +55,7 @@ static void kda_forward_(mtrl_model *m, mtrl_arena *ar, int l, int mode, int T, 
     proj_(be, T, HD, d->d, x1, p->wv, c->pv);
     c->cq = ALLOC((size_t)T * HD); c->ck = ALLOC((size_t)T * HD); c->cv = ALLOC((size_t)T * HD);
     size_t w1 = (size_t)(W - 1) * HD;
-    if (mode == SEG_CHUNK) {
+    if (mode != SEG_DECODE) {
         real *st = io->conv + (size_t)ki * conv_sz;
         c->cst = ALLOC(conv_sz);
         // A packed segment's pieces all start from the zero window; st takes their scratch.
@@ -92,7 +92,7 @@ static void kda_forward_(mtrl_model *m, mtrl_arena *ar, int l, int mode, int T, 
     proj_(be, T, H, d->d, x1, p->wbeta, c->bl);
     be->sigmoid(be, (size_t)T * H, c->bl, c->beta);
     c->o = ALLOC((size_t)T * HD);
-    if (mode == SEG_CHUNK) {
+    if (mode != SEG_DECODE) {
         real *S = io->kda_S + (size_t)ki * S_sz;
         c->S0 = ALLOC(S_sz);
         if (io->n_piece) be->zero(be, c->S0, sizeof(real) * S_sz);
@@ -140,7 +140,7 @@ static void mla_forward_(mtrl_model *m, mtrl_arena *ar, int l, int mode, int T, 
     real *chat = ALLOC((size_t)T * dc);
     be->rmsnorm_fwd(be, T, dc, c->craw, p->mkv_norm, d->eps, chat, c->rstd_c);
     // The new latent rows [ĉ ; k^r] join the sequence's cache.
-    if (mode == SEG_CHUNK) {
+    if (mode != SEG_DECODE) {
         MTRL_CHECKF(io->t0 + T <= io->cap, "MLA latent cache full: position %d, capacity %d", io->t0 + T - 1, io->cap);
         real *row = io->latent + ((size_t)mi * io->cap + (size_t)io->t0) * ld;
         be->copy_rows(be, T, dc, chat, dc, row, ld);
@@ -157,7 +157,7 @@ static void mla_forward_(mtrl_model *m, mtrl_arena *ar, int l, int mode, int T, 
         free(rows);
     }
     c->a = ALLOC((size_t)T * mH * dv);
-    if (mode == SEG_CHUNK) {
+    if (mode != SEG_DECODE) {
         const real *lat = io->latent + (size_t)mi * io->cap * ld;
         int Tk = io->t0 + T;
         c->qt = ALLOC((size_t)T * mH * ld); c->ol = ALLOC((size_t)T * mH * dc); c->lse = ALLOC((size_t)T * mH);
@@ -285,12 +285,17 @@ void seg_forward(mtrl_model *m, mtrl_arena *ar, int mode, int T, const uint32_t 
     int nb = 1;
     real *p = NULL;
     const real *src[MTRL_MAX_LAYERS + 2];
+    // SEG_PREFILL keeps nothing for a backward: each layer's temporaries are released once its
+    // output (the partial sum, allocated first so that it survives) is formed.
+    int prefill = mode == SEG_PREFILL;
     for (int l = 0; l < L; l++) {
         layer_cache *lc = &c->layer[l];
         if (l > 0 && l % d->S == 0) {
             c->blocks[nb++] = p;
             p = NULL;
         }
+        real *p_out = prefill ? ALLOC((size_t)T * D) : NULL;
+        size_t mark = mtrl_arena_mark(ar);
         // mixer sublayer j = 2l
         int j = 2 * l;
         c->part[j] = p;
@@ -321,9 +326,10 @@ void seg_forward(mtrl_model *m, mtrl_arena *ar, int mode, int T, const uint32_t 
         be->rmsnorm_fwd(be, T, D, lc->h_f, m->dP.layer[l].norm2, d->eps, lc->x2, lc->rstd2);
         lc->ffn = ALLOC((size_t)T * D);
         ffn_forward_(m, ar, l, T, lc->x2, lc, lc->ffn, out);
-        pn = ALLOC((size_t)T * D);
+        pn = prefill ? p_out : ALLOC((size_t)T * D);
         be->add(be, (size_t)T * D, p, lc->ffn, pn);
         p = pn;
+        if (prefill) mtrl_arena_release(ar, mark);
     }
     int j = 2 * L;
     c->part[j] = p;
@@ -339,7 +345,7 @@ void seg_forward(mtrl_model *m, mtrl_arena *ar, int mode, int T, const uint32_t 
     proj_(be, T, d->V, D, c->xf, m->dP.lm_head, c->logits);
     if (out && out->logits) be->download(be, out->logits, c->logits, sizeof(real) * (size_t)T * d->V);
     if (out && out->logp) be->logprob_fwd(be, T, d->V, c->logits, out->targets, out->logp, out->entropy);
-    if (mode == SEG_CHUNK) io->t0 += T;
+    if (mode != SEG_DECODE) io->t0 += T;
     else
         for (int r = 0; r < T; r++) io[r].t0 += 1;
 }
@@ -399,21 +405,41 @@ int seg_kda_tiles(int T, const seq_io *io) {
     return n;
 }
 
-static size_t fwd_bytes_(const mtrl_model_dims *d, int T_, int tiles) {
-    size_t T = (size_t)(T_ > 0 ? T_ : 1), D = (size_t)d->d;
-    size_t b = rb_(T * D); // emb
-    for (int l = 0; l < d->L; l++) {
-        int nb = blocks_at_(d, l);
-        // the partial sum is empty only at the first layer of a block (layer 0 included)
-        int nsrc_a = nb + (l % d->S != 0);
-        b += rb_(T * nsrc_a) + 2 * rb_(T * D) + rb_(T) + rb_(T * D) + rb_(T * D); // alpha_a, h_a, x1, rstd1, mix, pn
-        b += d->mixer[l] == 'K' ? kda_fwd_bytes_(d, T, (size_t)tiles) : mla_fwd_bytes_(d, T);
-        b += rb_(T * (nb + 1)) + 2 * rb_(T * D) + rb_(T) + 2 * rb_(T * D); // alpha_f, h_f, x2, rstd2, ffn, pn
-        b += ffn_fwd_bytes_(d, l, T);
-    }
+// The ALLOCs of layer l of seg_forward (its last partial sum included).
+static size_t layer_fwd_bytes_(const mtrl_model_dims *d, int l, size_t T, size_t tiles) {
+    size_t D = (size_t)d->d;
+    int nb = blocks_at_(d, l);
+    // the partial sum is empty only at the first layer of a block (layer 0 included)
+    int nsrc_a = nb + (l % d->S != 0);
+    size_t b = rb_(T * nsrc_a) + 2 * rb_(T * D) + rb_(T) + rb_(T * D) + rb_(T * D); // alpha_a, h_a, x1, rstd1, mix, pn
+    b += d->mixer[l] == 'K' ? kda_fwd_bytes_(d, T, tiles) : mla_fwd_bytes_(d, T);
+    b += rb_(T * (nb + 1)) + 2 * rb_(T * D) + rb_(T) + 2 * rb_(T * D); // alpha_f, h_f, x2, rstd2, ffn, pn
+    return b + ffn_fwd_bytes_(d, l, T);
+}
+
+// The output site, the final norm and the logits.
+static size_t head_fwd_bytes_(const mtrl_model_dims *d, size_t T) {
     int nb = blocks_at_(d, d->L);
-    b += rb_(T * (nb + 1)) + 2 * rb_(T * D) + rb_(T) + rb_(T * d->V); // alpha_o, h_o, xf, rstd_f, logits
-    return b;
+    return rb_(T * (nb + 1)) + 2 * rb_(T * (size_t)d->d) + rb_(T) + rb_(T * d->V); // alpha_o, h_o, xf, rstd_f, logits
+}
+
+static size_t fwd_bytes_(const mtrl_model_dims *d, int T_, int tiles) {
+    size_t T = (size_t)(T_ > 0 ? T_ : 1);
+    size_t b = rb_(T * d->d); // emb
+    for (int l = 0; l < d->L; l++) b += layer_fwd_bytes_(d, l, T, (size_t)tiles);
+    return b + head_fwd_bytes_(d, T);
+}
+
+size_t seg_prefill_bytes(const mtrl_model_dims *d, int T_) {
+    size_t T = (size_t)(T_ > 0 ? T_ : 1), tiles = (size_t)kda_tile_count((int)T), out = rb_(T * d->d);
+    // emb and the outputs of the layers so far stay; on top, one layer's temporaries at a time
+    // (its output excluded), or the head after the last layer
+    size_t most = (size_t)(d->L + 1) * out + head_fwd_bytes_(d, T);
+    for (int l = 0; l < d->L; l++) {
+        size_t t = (size_t)(l + 2) * out + layer_fwd_bytes_(d, l, T, tiles) - out;
+        if (t > most) most = t;
+    }
+    return most;
 }
 
 size_t seg_bwd_bytes(const mtrl_model_dims *d, int T_) {

@@ -390,11 +390,13 @@ void mtrl_model_backward(mtrl_model *m, const mtrl_batch *b, const real *dlogp, 
 
 // ---- inference ---------------------------------------------------------------------------------------------
 
-// The inference scratch: forward caches only (nothing is kept for a backward).
-static size_t infer_bytes_(const mtrl_model_dims *d, int T) { return seg_fwd_bytes(d, T) + 4096; }
+// The inference scratch: a prefill segment's forward (nothing kept for a backward), or a
+// decode batch's.
+static size_t prefill_bytes_(const mtrl_model_dims *d, int T) { return seg_prefill_bytes(d, T) + 4096; }
+static size_t decode_bytes_(const mtrl_model_dims *d, int B) { return seg_fwd_bytes(d, B) + 4096; }
 
 size_t mtrl_model_infer_bytes(const mtrl_model *m, int batch) {
-    size_t a = infer_bytes_(&m->dims, MTRL_PREFILL_SEGMENT), b = infer_bytes_(&m->dims, batch);
+    size_t a = prefill_bytes_(&m->dims, MTRL_PREFILL_SEGMENT), b = decode_bytes_(&m->dims, batch);
     return a > b ? a : b;
 }
 
@@ -497,7 +499,7 @@ void mtrl_model_prefill(mtrl_model *m, mtrl_decode_state *s, const uint32_t *tok
     mtrl_backend *be = m->be;
     MTRL_CHECKF(s->pos + n <= s->cap, "prefill of %d tokens at position %d overflows capacity %d", n, s->pos, s->cap);
     int seg = n < MTRL_PREFILL_SEGMENT ? (n > 0 ? n : 1) : MTRL_PREFILL_SEGMENT;
-    arena_ensure_(be, &w->infer, infer_bytes_(&m->dims, seg));
+    arena_ensure_(be, &w->infer, prefill_bytes_(&m->dims, seg));
     seq_io io = state_io_(s);
     for (int t0 = 0; t0 < n; t0 += seg) {
         int T = n - t0 < seg ? n - t0 : seg;
@@ -505,7 +507,8 @@ void mtrl_model_prefill(mtrl_model *m, mtrl_decode_state *s, const uint32_t *tok
         seg_cache c;
         seg_out so = {NULL, NULL, NULL, NULL, NULL,
                       routing_out ? routing_out + (size_t)t0 * m->dims.n_moe * m->dims.k : NULL, 0};
-        seg_forward(m, &w->infer, SEG_CHUNK, T, tokens + t0, &io, &so, &c);
+        seg_forward(m, &w->infer, SEG_PREFILL, T, tokens + t0, &io, &so, &c);
+        if (w->infer.peak > m->peak_infer_bytes) m->peak_infer_bytes = w->infer.peak;
         if (t0 + T == n && logits_last)
             be->download(be, logits_last, c.logits + (size_t)(T - 1) * m->dims.V, sizeof(real) * m->dims.V);
     }
@@ -516,7 +519,7 @@ void mtrl_model_prefill(mtrl_model *m, mtrl_decode_state *s, const uint32_t *tok
 void mtrl_model_decode(mtrl_model *m, mtrl_decode_state *const *states, int B, const uint32_t *tokens, real *logits,
                        uint8_t *routing_out) {
     ws_impl *w = ws_get_(m);
-    arena_ensure_(m->be, &w->infer, infer_bytes_(&m->dims, B));
+    arena_ensure_(m->be, &w->infer, decode_bytes_(&m->dims, B));
     mtrl_arena_reset(&w->infer);
     seq_io ios[256];
     seq_io *io = B <= 256 ? ios : xmalloc(sizeof(seq_io) * (size_t)B);
@@ -534,14 +537,14 @@ void mtrl_model_logits(mtrl_model *m, const uint32_t *tokens, int len, int segme
     mtrl_decode_state_init(&s, m, len);
     ws_impl *w = ws_get_(m);
     int seg = segment > 0 && segment < len ? segment : (len > 0 ? len : 1);
-    arena_ensure_(m->be, &w->infer, infer_bytes_(&m->dims, seg));
+    arena_ensure_(m->be, &w->infer, prefill_bytes_(&m->dims, seg));
     seq_io io = state_io_(&s);
     for (int t0 = 0; t0 < len; t0 += seg) {
         int T = len - t0 < seg ? len - t0 : seg;
         mtrl_arena_reset(&w->infer);
         seg_out so = {NULL, NULL, NULL, logits + (size_t)t0 * m->dims.V, NULL, NULL, 0};
         seg_cache c;
-        seg_forward(m, &w->infer, SEG_CHUNK, T, tokens + t0, &io, &so, &c);
+        seg_forward(m, &w->infer, SEG_PREFILL, T, tokens + t0, &io, &so, &c);
     }
     m->be->sync(m->be);
     mtrl_decode_state_free(&s);

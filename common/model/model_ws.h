@@ -19,7 +19,10 @@
 #include "common/arena.h"
 #include "common/model/model.h"
 
-enum { SEG_CHUNK = 0, SEG_DECODE = 1 };
+// SEG_PREFILL: SEG_CHUNK that keeps nothing for a backward (prefill, logits): each layer's
+// temporaries are released as soon as its output exists, so a long prompt runs in long
+// segments (seg_prefill_bytes) and the caches of seg_cache are not valid afterwards.
+enum { SEG_CHUNK = 0, SEG_DECODE = 1, SEG_PREFILL = 2 };
 
 typedef struct seq_io {
     real *kda_S;   // [n_kda][H][D][D]
@@ -127,6 +130,8 @@ size_t seg_bwd_bytes(const mtrl_model_dims *d, int T);
 // The same for a packed segment of T tokens whose pieces have `tiles` KDA tiles in all
 // (Σ kda_tile_count(piece length): each piece stores its own tile states).
 size_t seg_pack_arena_bytes(const mtrl_model_dims *d, int T, int tiles);
+// Arena bytes of one SEG_PREFILL segment of T tokens (the peak of its forward).
+size_t seg_prefill_bytes(const mtrl_model_dims *d, int T);
 // KDA tiles whose states a chunked segment of T tokens stores (io: its pieces, nullable).
 int seg_kda_tiles(int T, const seq_io *io);
 // Packing of a batch (model_run.c): consecutive sequences that each fit in one segment are laid
