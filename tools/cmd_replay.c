@@ -64,6 +64,19 @@ static size_t utf8_len_(const uint8_t *b, size_t n) {
     return len;
 }
 
+// Text the model or an env produced (a tool's name, an error, a reason) for a line of the
+// view: control bytes become \xNN, so an escape sequence in it never reaches the terminal.
+static const char *esc_(const char *s, char *buf, size_t cap) {
+    size_t o = 0;
+    for (; *s && o + 5 < cap; s++) {
+        unsigned char c = (unsigned char)*s;
+        if (c < 0x20 || c == 0x7f) o += (size_t)snprintf(buf + o, cap - o, "\\x%02x", c);
+        else buf[o++] = (char)c;
+    }
+    buf[o] = 0;
+    return buf;
+}
+
 void replay_put_bytes(FILE *f, const uint8_t *b, size_t n, int escape_ws) {
     for (size_t i = 0; i < n;) {
         uint8_t c = b[i];
@@ -435,7 +448,8 @@ static void print_header_(const replay_session *s) {
     printf("   actor       %u, incarnation %u\n", e->actor, e->incarnation);
     printf("   env         %s, task seed %" PRIu64 "\n", e->env[0] ? e->env : "-", e->seed);
     printf("   status      %s%s%s", status_col_(e->status), mtrl_ep_status_name(e->status), C_RESET);
-    if (e->abort_reason[0]) printf(": %s", e->abort_reason);
+    char eb[512];
+    if (e->abort_reason[0]) printf(": %s", esc_(e->abort_reason, eb, sizeof eb));
     printf("\n   reward      %g\n", e->reward);
     printf("   tokens      %lld, %lld of them model tokens", (long long)e->tokens, (long long)e->model_tokens);
     if (s->have_traj) {
@@ -466,14 +480,16 @@ static void print_header_(const replay_session *s) {
 static void print_tool_(const mtrl_traj *t, long k, size_t ordinal) {
     const mtrl_tool_call *c = &t->tools[k];
     char title[256], extra[256];
-    snprintf(title, sizeof title, "tool call %zu: %s", ordinal, c->name && c->name[0] ? c->name : "(unnamed)");
+    char eb[512];
+    snprintf(title, sizeof title, "tool call %zu: %s", ordinal,
+             c->name && c->name[0] ? esc_(c->name, eb, sizeof eb) : "(unnamed)");
     if (c->error && c->error[0])
         snprintf(extra, sizeof extra, "status %d, error, %.3f ms", c->status, c->latency * 1e3);
     else snprintf(extra, sizeof extra, "ok, %.3f ms", c->latency * 1e3);
     rule_(title, C_MAGENTA, extra);
     block_bytes_("arguments", c->args, c->args_len, C_MAGENTA);
     block_bytes_("result", c->result, c->result_len, C_MAGENTA);
-    if (c->error && c->error[0]) printf("   %-11s %s%s%s\n", "error", C_RED, c->error, C_RESET);
+    if (c->error && c->error[0]) printf("   %-11s %s%s%s\n", "error", C_RED, esc_(c->error, eb, sizeof eb), C_RESET);
 }
 
 // Whether the observation tokens [b, e) are RESULT_OPEN result RESULT_CLOSE for this result.
@@ -559,7 +575,8 @@ static void print_body_(const replay_session *s) {
                           L.n_other, C_RESET);
     rule_("end", status_col_(t->status), "");
     printf("   status      %s%s%s", status_col_(t->status), mtrl_ep_status_name(t->status), C_RESET);
-    if (t->reason && t->reason[0]) printf(": %s", t->reason);
+    char eb[512];
+    if (t->reason && t->reason[0]) printf(": %s", esc_(t->reason, eb, sizeof eb));
     printf("\n   reward      %g\n", t->reward);
     if (t->n_turn_rewards) {
         printf("   per turn    ");
