@@ -90,6 +90,12 @@ mtrl_status mtrl_ckpt_write_file(const char *path, const mtrl_ckpt_entry *e, int
 
 mtrl_status mtrl_ckpt_write_mem(void **out, size_t *out_len, const mtrl_ckpt_entry *e, int n,
                                 const char *const *meta, int n_meta, mtrl_error *err) {
+    for (int i = 0; i < n; i++) MTRL_CHECKF(e[i].data || !e[i].nbytes, "tensor %s has no data", e[i].name);
+    return mtrl_ckpt_write_mem_at(out, out_len, e, n, meta, n_meta, NULL, err);
+}
+
+mtrl_status mtrl_ckpt_write_mem_at(void **out, size_t *out_len, const mtrl_ckpt_entry *e, int n,
+                                   const char *const *meta, int n_meta, size_t *data_at, mtrl_error *err) {
     // One allocation of the exact size: a growing memory stream would copy gigabytes of
     // weights several times over.
     size_t plen;
@@ -106,7 +112,8 @@ mtrl_status mtrl_ckpt_write_mem(void **out, size_t *out_len, const mtrl_ckpt_ent
     free(prefix);
     size_t at = plen;
     for (int i = 0; i < n; i++) {
-        memcpy(buf + at, e[i].data, e[i].nbytes);
+        if (data_at) data_at[i] = at;
+        if (e[i].data) memcpy(buf + at, e[i].data, e[i].nbytes);
         at += e[i].nbytes;
     }
     *out = buf;

@@ -35,6 +35,12 @@ mtrl_status mtrl_ckpt_write_file(const char *path, const mtrl_ckpt_entry *e, int
 // The same into a malloc'ed buffer (*out, *out_len); the caller frees *out.
 mtrl_status mtrl_ckpt_write_mem(void **out, size_t *out_len, const mtrl_ckpt_entry *e, int n,
                                 const char *const *meta, int n_meta, mtrl_error *err);
+// The same, but the nbytes of every entry whose data is NULL are left for the caller to fill
+// (e.g. converted straight into the buffer, with no copy in between): data_at [n] receives
+// where each entry's bytes start in *out (a multiple of the element size: the header is padded
+// to 8 bytes and every tensor before is whole).
+mtrl_status mtrl_ckpt_write_mem_at(void **out, size_t *out_len, const mtrl_ckpt_entry *e, int n,
+                                   const char *const *meta, int n_meta, size_t *data_at, mtrl_error *err);
 
 typedef struct mtrl_ckpt_tensor {
     char name[MTRL_TT_NAME_MAX];

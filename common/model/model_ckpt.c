@@ -71,9 +71,11 @@ static void refresh_host_(const mtrl_model *m, int with_optimizer) {
 }
 
 // Writes the list to path (atomically) or to a malloc'ed buffer, with the model's metadata and
-// the caller's, and frees the list.
+// the caller's, and frees the list. data_at (buffer only, nullable): where each entry's bytes
+// start, for entries the caller fills itself (data NULL: mtrl_ckpt_write_mem_at).
 static mtrl_status list_write_(const mtrl_model *m, save_list *l, int with_optimizer, const char *const *meta,
-                               int n_meta, const char *path, void **mem, size_t *mem_len, mtrl_error *err) {
+                               int n_meta, const char *path, void **mem, size_t *mem_len, size_t *data_at,
+                               mtrl_error *err) {
     char step[32], version[32];
     snprintf(step, sizeof step, "%ld", m->step);
     snprintf(version, sizeof version, "%" PRIu32, m->version);
@@ -85,7 +87,7 @@ static mtrl_status list_write_(const mtrl_model *m, save_list *l, int with_optim
     kv[6] = "optimizer"; kv[7] = with_optimizer ? "adamw" : "none";
     for (int i = 0; i < 2 * n_meta; i++) kv[8 + i] = meta[i];
     mtrl_status st = path ? mtrl_ckpt_write_file(path, l->e, l->n, kv, nm, err)
-                          : mtrl_ckpt_write_mem(mem, mem_len, l->e, l->n, kv, nm, err);
+                          : mtrl_ckpt_write_mem_at(mem, mem_len, l->e, l->n, kv, nm, data_at, err);
     free(kv);
     free(l->e);
     free(l->names);
@@ -97,7 +99,7 @@ mtrl_status mtrl_model_save(const mtrl_model *m, const char *path, void **mem, s
     refresh_host_(m, with_optimizer);
     save_list l;
     list_build_(m, with_optimizer, &l);
-    return list_write_(m, &l, with_optimizer, meta, n_meta, path, mem, mem_len, err);
+    return list_write_(m, &l, with_optimizer, meta, n_meta, path, mem, mem_len, NULL, err);
 }
 
 // bf16 is the top half of an fp32; rounding to nearest even keeps NaN a (quiet) NaN.
@@ -125,32 +127,34 @@ mtrl_status mtrl_model_save_bf16(const mtrl_model *m, void **mem, size_t *mem_le
     refresh_host_(m, 0);
     save_list l;
     list_build_(m, 0, &l);
-    size_t half = 0;
-    for (int i = 0; i < l.n; i++)
-        if (published_bf16_(&l.e[i])) half += l.e[i].nbytes / sizeof(real);
-    uint16_t *buf = malloc(sizeof(uint16_t) * (half ? half : 1));
-    if (!buf) {
-        free(l.e);
-        free(l.names);
-        return mtrl_error_set(err, MTRL_ERR_NOMEM, "cannot allocate %zu bytes for bf16 weights", 2 * half);
-    }
-    size_t at = 0;
-    for (int i = 0; i < l.n; i++) {
+    // The matrices are rounded straight into the blob (no bf16 copy in between): their entries
+    // go in without data and are filled where the writer put them.
+    int n = l.n;
+    const real **src = xcalloc((size_t)(n ? n : 1), sizeof(*src));
+    size_t *at = xmalloc(sizeof(size_t) * (size_t)(n ? n : 1)), *count = xcalloc((size_t)(n ? n : 1), sizeof(size_t));
+    for (int i = 0; i < n; i++) {
         mtrl_ckpt_entry *x = &l.e[i];
         if (!published_bf16_(x)) continue;
-        size_t n = x->nbytes / sizeof(real);
-        const real *src = x->data;
-        uint16_t *dst = buf + at;
-        #pragma omp parallel for schedule(static)
-        for (size_t k = 0; k < n; k++) dst[k] = f32_to_bf16_((float)src[k]);
-        x->data = dst;
+        src[i] = x->data;
+        x->data = NULL;
         x->dtype = MTRL_DT_BF16;
-        x->nbytes = 2 * n;
-        at += n;
+        count[i] = x->nbytes / sizeof(real);
+        x->nbytes = count[i] * sizeof(uint16_t);
     }
     const char *meta[] = {"weights", "bf16"};
-    mtrl_status st = list_write_(m, &l, 0, meta, 1, NULL, mem, mem_len, err);
-    free(buf);
+    mtrl_status st = list_write_(m, &l, 0, meta, 1, NULL, mem, mem_len, at, err);
+    for (int i = 0; st == MTRL_OK && i < n; i++) {
+        if (!src[i]) continue;
+        MTRL_CHECKF(at[i] % sizeof(uint16_t) == 0, "bf16 tensor %d at an odd offset", i);
+        uint16_t *dst = (uint16_t *)((unsigned char *)*mem + at[i]);
+        const real *s = src[i];
+        size_t c = count[i];
+        #pragma omp parallel for schedule(static)
+        for (size_t k = 0; k < c; k++) dst[k] = f32_to_bf16_((float)s[k]);
+    }
+    free(src);
+    free(at);
+    free(count);
     return st;
 }
 
