@@ -3,7 +3,8 @@
 # machine lacks libzmq, libinih and libsodium, which the full configure requires), run every
 # tests/test_cuda_*.cu against the fp64 CPU reference, run `mtrl bench ops` (through a small
 # driver around mtrl_bench_ops_cuda) and, when present, the anchors script
-# (shared/bench/anchors_gpu.py, copied to .carry/; fla source in .fla/) in the same command.
+# (shared/bench/anchors_gpu.py, copied to .carry/; fla source in .fla/) in the same command,
+# the anchors first so that `bench ops --anchors` prints each kernel's ratio to its anchor.
 #
 #   usage (repository root): tools/gpu_bench.sh [tests] [bench] [anchors]   (default: all three)
 #                            tools/gpu_bench.sh model-prepare | model      (the backbone; see below)
@@ -130,19 +131,22 @@ if has tests; then
   grep -E "FAIL|passed, " "$LOG" | grep -v "^  .* ok$" >"$OUT/summary.txt"
 fi
 
-# ---- benchmarks -------------------------------------------------------------------------------
-if has bench; then
-  # One process per section, so a crash in one section still leaves the others.
-  for sec in copy,gemm kda step attn decode moe ops; do
-    log "== bench $sec"
-    timeout -s KILL 400 "$B/mtrl_bench" ops --device cuda --only "$sec" ${BENCH_ARGS:-} 2>&1 | tee -a "$LOG" >>"$OUT/bench.txt"
-  done
-fi
-
-# ---- anchors ----------------------------------------------------------------------------------
+# ---- anchors (first: the benchmarks print their ratios to them) -----------------------------
 if has anchors && [ -f .carry/anchors_gpu.py ]; then
   log "== anchors (shared/bench/anchors_gpu.py)"
   FLA_PATH=${FLA_PATH:-.fla} PYTHONUNBUFFERED=1 timeout -s KILL 480 python3 .carry/anchors_gpu.py \
     --json "$OUT/anchors.json" ${ANCHOR_ARGS:-} 2>&1 | grep -v "Warning\|warn(" | tee -a "$LOG" >>"$OUT/anchors.txt"
 fi
+
+# ---- benchmarks -------------------------------------------------------------------------------
+if has bench; then
+  # One process per section, so a crash in one section still leaves the others.
+  # With the anchors of this run (above), every kernel's row is followed by its ratio to them.
+  AARG=(); [ -s "$OUT/anchors.json" ] && AARG=(--anchors "$OUT/anchors.json")
+  for sec in copy,gemm kda step attn decode moe ops; do
+    log "== bench $sec"
+    timeout -s KILL 400 "$B/mtrl_bench" ops --device cuda --only "$sec" "${AARG[@]}" ${BENCH_ARGS:-} 2>&1 | tee -a "$LOG" >>"$OUT/bench.txt"
+  done
+fi
+
 log "== done $(date -u '+%H:%M:%S')"

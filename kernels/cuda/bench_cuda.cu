@@ -4,10 +4,13 @@
 // of the ceilings measured in the same run (bf16 GEMM 8192³ through cuBLAS; device-to-device
 // copy, bytes read + written). performance.md's reference ceilings are 755 TFLOP/s, 4.17 TB/s.
 #include <algorithm>
+#include <cerrno>
+#include <cstdio>
 #include <ctime>
 #include <stdlib.h>
 #include <math.h>
 #include <string.h>
+#include <string>
 #include <vector>
 
 #include "kernels/cuda/cuda_common.cuh"
@@ -19,7 +22,28 @@ struct Bench {
     cudaEvent_t a, b;
     int reps = 5;
     double gemm_tflops = 755.0, copy_tbps = 4.17;  // replaced by this run's measurements
+    std::string anchors;  // the JSON of shared/bench/anchors_gpu.py from the same machine (--anchors)
 };
+
+// A number of the anchors' JSON (a flat object written by anchors_gpu.py): "key": value.
+bool anchor(const Bench &B, const std::string &key, double *v) {
+    size_t at = B.anchors.find("\"" + key + "\"");
+    if (at == std::string::npos) return false;
+    at = B.anchors.find(':', at);
+    if (at == std::string::npos) return false;
+    char *end = nullptr;
+    *v = strtod(B.anchors.c_str() + at + 1, &end);
+    return end != B.anchors.c_str() + at + 1;
+}
+
+// The line under a row that compares it with its anchor: ours / theirs for a time (lower is
+// better), or for a rate (higher is better), with the performance.md target of that ratio.
+void vs(const Bench &B, const std::string &key, double ours, const char *what, const char *target) {
+    double theirs;
+    if (B.anchors.empty() || !anchor(B, key, &theirs) || theirs <= 0) return;
+    printf("%-34s %-34s %10.2fx %s (anchor %.3g; target %s)\n", "", "", ours / theirs, what, theirs, target);
+    fflush(stdout);
+}
 
 template <class F>
 double time_ms(Bench &B, F fn, int warm = 1, int reps = -1) {
@@ -120,6 +144,8 @@ void bench_kda(Bench &B, int T, int H) {
     double flops = (double)nt * H * (4.0 * 65536 + 3.0 * 524288 + 65536);
     double ms = time_ms(B, [&] { mtrl_kda_chunk_fwd(B.c, T, H, K, V, q, k, v, g, beta, NULL, o, Sf, NULL); });
     row("KDA chunk fwd", shape, ms, flops, "TFLOP/s", B.gemm_tflops);
+    std::string ak = "kda_H" + std::to_string(H) + "_T" + std::to_string(T);
+    vs(B, ak + "_fwd_ms", ms, "the time of fla chunk_kda fwd", "P1 <= 0.65x");
     row("  (tokens)", "", ms, (double)T, "Mtok/s", 0);
     double bytes = 4.0 * (4 * nqk + (size_t)T * H + nqk);  // q k v g beta read, o written
     row("  (bytes floor: inputs + o)", "", ms, bytes, "GB/s", B.copy_tbps * 1e3);
@@ -136,6 +162,7 @@ void bench_kda(Bench &B, int T, int H) {
     row("KDA chunk fwd (storing S_tiles)", shape, ms_fs, (double)T, "Mtok/s", 0);
     row("KDA chunk bwd", shape, ms_b, (double)T, "Mtok/s", 0);
     row("KDA chunk fwd+bwd", shape, ms_fs + ms_b, (double)T, "Mtok/s", 0);
+    vs(B, ak + "_fwdbwd_ms", ms_fs + ms_b, "the time of fla chunk_kda fwd+bwd", "P2 <= 0.8x");
     size_t free_b, total_b;
     CUDA_CHECK(cudaMemGetInfo(&free_b, &total_b));
     printf("%-34s %-34s device memory in use %.1f GiB (inputs, grads, S_tiles, scratch)\n", "", "",
@@ -216,12 +243,23 @@ void bench_attn(Bench &B, int T, int H, int absorbed) {
         double ms = time_ms(B, [&] { mtrl_attn_causal_fwd(B.c, T, T, H, Hk, Dk, Dv, scale, q, k, ldk, v, ldv, o, lse); }, 1, 3);
         snprintf(what, sizeof what, "%s fwd v%d", absorbed ? "MLA attention (absorbed)" : "attention (MHA shape)", vf);
         row(what, shape, ms, fl, "TFLOP/s", B.gemm_tflops);
+        // the anchors are SDPA at H = 16, D = 128: the MHA shape only
+        bool same = !absorbed && H == 16;
+        if (same) {
+            vs(B, "sdpa_cudnn_T" + std::to_string(T) + "_fwd_tflops", fl / (ms * 1e-3) / 1e12, "the TFLOP/s of SDPA cuDNN fwd", "P4 >= 1.0x");
+            vs(B, "sdpa_fa2_T" + std::to_string(T) + "_fwd_tflops", fl / (ms * 1e-3) / 1e12, "the TFLOP/s of SDPA FA2 fwd", "P4 never below 1.0x");
+        }
         double msb = time_ms(B, [&] {
             mtrl_attn_causal_bwd(B.c, T, T, H, Hk, Dk, Dv, scale, q, k, ldk, v, ldv, o, lse, dout, dq, dk, dv);
         }, 1, 3);
         // fwd+bwd counted as 3.5 x the forward (the anchors' convention: bwd = 2.5 x fwd)
         snprintf(what, sizeof what, "  fwd+bwd (fwd v%d, bwd v%d)", vf, vb);
         row(what, shape, ms + msb, 3.5 * fl, "TFLOP/s", B.gemm_tflops);
+        if (same) {
+            double r = 3.5 * fl / ((ms + msb) * 1e-3) / 1e12;
+            vs(B, "sdpa_cudnn_T" + std::to_string(T) + "_fwdbwd_tflops", r, "the TFLOP/s of SDPA cuDNN fwd+bwd", "P4 >= 1.0x");
+            vs(B, "sdpa_fa2_T" + std::to_string(T) + "_fwdbwd_tflops", r, "the TFLOP/s of SDPA FA2 fwd+bwd", "P4 never below 1.0x");
+        }
         snprintf(what, sizeof what, "  bwd alone (v%d)", vb);
         row(what, shape, msb, 2.5 * fl, "TFLOP/s", B.gemm_tflops);
     }
@@ -307,6 +345,9 @@ void bench_moe(Bench &B, int E, int rows, int D, int F) {
         char shape[80];
         snprintf(shape, sizeof shape, "E=%d rows=%zu %d->%d %s", E, R, D, F, skew ? "skewed" : "balanced");
         row("expert GEMMs (loop of cuBLAS)", shape, ms, 2.0 * R * D * F, "TFLOP/s", B.gemm_tflops);
+        // the anchor: torch._grouped_mm on 64 experts x 8192 rows, 2048 -> 1024, balanced
+        if (!skew && E == 64 && rows == 8192 && D == 2048 && F == 1024)
+            vs(B, "grouped_mm_tflops", 2.0 * R * D * F / (ms * 1e-3) / 1e12, "the TFLOP/s of torch._grouped_mm", "P6 >= 1.0x");
     }
     mtrl_cuda_free(Y);
     // full SwiGLU experts, balanced, I = F
@@ -364,6 +405,7 @@ extern "C" int mtrl_bench_ops_cuda(int argc, char **argv) {
     std::vector<int> kdaT = {8192, 65536, 262144}, attnT = {8192, 32768};
     int reps = 5, H = 16;
     const char *decode_shapes = "1x1048576,8x131072,64x32768,16x524288";  // MLA decode, B x Tk
+    const char *anchors_path = nullptr;
     for (int i = 1; i < argc; i++) {
         const char *a = argv[i];
         const char *val = i + 1 < argc ? argv[i + 1] : nullptr;
@@ -375,10 +417,11 @@ extern "C" int mtrl_bench_ops_cuda(int argc, char **argv) {
         else if (!strcmp(a, "--reps") && val) { reps = atoi(val); i++; }
         else if (!strcmp(a, "--heads") && val) { H = atoi(val); i++; }
         else if (!strcmp(a, "--decode-shapes") && val) { decode_shapes = val; i++; }
+        else if (!strcmp(a, "--anchors") && val) { anchors_path = val; i++; }
         else {
             fprintf(stderr, "usage: mtrl bench ops --device cuda [--only copy,gemm,kda,step,attn,decode,moe,ops] "
                             "[--kda-T 8192,65536] [--attn-T 8192,32768] [--heads 16] [--decode-shapes 1x1048576,8x131072] "
-                            "[--reps N]\n");
+                            "[--reps N] [--anchors anchors.json]\n");
             return 2;
         }
     }
@@ -391,6 +434,23 @@ extern "C" int mtrl_bench_ops_cuda(int argc, char **argv) {
         return p && (p == only || p[-1] == ',') && (p[strlen(k)] == 0 || p[strlen(k)] == ',');
     };
     Bench B;
+    if (anchors_path) {
+        // The anchors of the same machine and command (tools/gpu_bench.sh runs them first): each
+        // kernel's row is followed by its ratio to the anchor.
+        FILE *f = fopen(anchors_path, "rb");
+        if (!f) {
+            fprintf(stderr, "mtrl bench ops: --anchors %s: %s\n", anchors_path, strerror(errno));
+            return 2;
+        }
+        char buf[4096];
+        size_t n;
+        while ((n = fread(buf, 1, sizeof buf, f)) > 0) B.anchors.append(buf, n);
+        fclose(f);
+        if (B.anchors.find('{') == std::string::npos) {
+            fprintf(stderr, "mtrl bench ops: --anchors %s: not the JSON of anchors_gpu.py\n", anchors_path);
+            return 2;
+        }
+    }
     B.c = mtrl_cuda_ctx_create(0, NULL);
     B.reps = reps < 1 ? 1 : reps;
     CUDA_CHECK(cudaEventCreate(&B.a));

@@ -261,9 +261,13 @@ int mtrl_attnres_site_bwd(mtrl_cuda_ctx *ctx, int N, int D, int S, const float *
 // ---- benchmarks ----------------------------------------------------------------------------
 // `mtrl bench ops --device cuda [--only copy,gemm,kda,step,attn,decode,moe,ops]
 // [--kda-T 8192,65536] [--attn-T 8192,32768] [--heads 16] [--decode-shapes 1x1048576,8x131072]
-// [--reps N]`: times each kernel with CUDA events (warm-up, median of repeats) and prints ms,
-// TFLOP/s or GB/s and the fraction of the measured ceilings. The decode rows (step, decode)
-// print the v2 and v1 kernels side by side (MTRL_DECODE_V1 is set and unset by the bench).
+// [--reps N] [--anchors anchors.json]`: times each kernel with CUDA events (warm-up, median of
+// repeats) and prints ms, TFLOP/s or GB/s and the fraction of the measured ceilings. The decode
+// rows (step, decode) print the v2 and v1 kernels side by side (MTRL_DECODE_V1 is set and unset
+// by the bench). --anchors: the JSON that shared/bench/anchors_gpu.py wrote on the same machine;
+// the KDA chunk, attention (MHA shape) and expert-GEMM rows are then followed by their ratio to
+// the anchor (fla chunk_kda time, SDPA cuDNN / FA2 TFLOP/s, torch._grouped_mm TFLOP/s) and the
+// performance.md target of that ratio.
 // argv[0] is the word "ops". Returns 0, 2 for bad arguments, 77 when there is no device.
 int mtrl_bench_ops_cuda(int argc, char **argv);
 
