@@ -28,6 +28,9 @@ typedef struct slot {
     int64_t tool_open;     // position of the open TOOL_OPEN, or -1
     uint32_t turn;         // tool calls so far
     int needs_decode;      // the last sampled token must be fed to the model
+    uint32_t *pend;        // [max_tokens + 3] tokens to feed at the end of the step (a tool result)
+    int pend_n, pend_skip; // ... how many, and how many of them are in the trajectory already
+    uint8_t pend_kind;
 } slot;
 
 struct mtrl_rollout {
@@ -45,6 +48,13 @@ struct mtrl_rollout {
     uint8_t *drouting;     // [slots][n_moe][k]
     int *dslot;
     uint32_t *ptok;        // prefill tokens
+    // scratch for the batched prefill of the step's pending feeds
+    slot **fslot;
+    mtrl_decode_state **fstates;
+    const uint32_t **ftok;
+    int *flen;
+    uint8_t **frout;
+    real *flogits;         // [slots][V]
 };
 
 void mtrl_rollout_params_from_config(mtrl_rollout_params *p, const mtrl_config *cfg, uint32_t actor_id,
@@ -112,7 +122,14 @@ mtrl_status mtrl_rollout_init(mtrl_rollout **out, const mtrl_rollout_params *p, 
         mtrl_traj_init(&s->traj);
         s->logits = xcalloc((size_t)V, sizeof(real));
         s->rrow = xcalloc((size_t)(p->max_tokens + 2) * (size_t)(m->dims.n_moe * m->dims.k) + 1, 1);
+        s->pend = xcalloc((size_t)p->max_tokens + 3, sizeof(uint32_t));
     }
+    r->fslot = xcalloc((size_t)r->n, sizeof(*r->fslot));
+    r->fstates = xcalloc((size_t)r->n, sizeof(*r->fstates));
+    r->ftok = xcalloc((size_t)r->n, sizeof(*r->ftok));
+    r->flen = xcalloc((size_t)r->n, sizeof(int));
+    r->frout = xcalloc((size_t)r->n, sizeof(*r->frout));
+    r->flogits = xcalloc((size_t)r->n * V, sizeof(real));
     r->dstates = xcalloc((size_t)r->n, sizeof(*r->dstates));
     r->dtokens = xcalloc((size_t)r->n, sizeof(uint32_t));
     r->dlogits = xcalloc((size_t)r->n * V, sizeof(real));
@@ -132,8 +149,15 @@ void mtrl_rollout_free(mtrl_rollout *r) {
         mtrl_traj_free(&s->traj);
         free(s->logits);
         free(s->rrow);
+        free(s->pend);
     }
     free(r->slots);
+    free(r->fslot);
+    free(r->fstates);
+    free(r->ftok);
+    free(r->flen);
+    free(r->frout);
+    free(r->flogits);
     free(r->dstates);
     free(r->dtokens);
     free(r->dlogits);
@@ -157,11 +181,27 @@ mtrl_traj *mtrl_rollout_slot(mtrl_rollout *r, int i) { return r->slots[i].active
 // Feeds tok[skip..n) as tokens of a kind that carries no loss into the trajectory, and all n
 // into the model state (tok[0..skip) were appended already, when they were sampled). With
 // routing recorded, every fed token's row comes from the prefill.
+static void fed_(mtrl_model *m, slot *s, const uint32_t *tok, int n, int skip, uint8_t kind);
+
 static void feed_(mtrl_model *m, slot *s, const uint32_t *tok, int n, int skip, uint8_t kind) {
+    mtrl_model_prefill(m, &s->st, tok, n, s->logits, s->traj.routing_width ? s->rrow : NULL);
+    fed_(m, s, tok, n, skip, kind);
+}
+
+// The same, at the end of the step, batched with the other slots' (flush_).
+static void queue_(slot *s, const uint32_t *tok, int n, int skip, uint8_t kind) {
+    memcpy(s->pend, tok, sizeof(uint32_t) * (size_t)n);
+    s->pend_n = n;
+    s->pend_skip = skip;
+    s->pend_kind = kind;
+}
+
+// After the prefill of tok[0..n) into s (its logits and routing rows in s->logits, s->rrow):
+// the trajectory gets the tokens.
+static void fed_(mtrl_model *m, slot *s, const uint32_t *tok, int n, int skip, uint8_t kind) {
     mtrl_traj *t = &s->traj;
     uint8_t *rr = t->routing_width ? s->rrow : NULL;
     uint64_t first = t->n_tokens - (uint64_t)skip;
-    mtrl_model_prefill(m, &s->st, tok, n, s->logits, rr);
     s->logits_version = m->version;
     for (int i = skip; i < n; i++)
         mtrl_traj_append(t, tok[i], 0.0f, m->version, kind, rr ? rr + (size_t)i * t->routing_width : NULL);
@@ -241,7 +281,8 @@ static size_t turn_bytes_(const mtrl_traj *t, uint64_t from, uint64_t to, char *
 
 // Samples the next token of s and acts on it. Returns 1 when the token must be fed to the
 // model by a decode step, 0 when the episode ended or the model state was advanced by a prefill.
-static int advance_(const mtrl_rollout_params *p, mtrl_model *m, slot *s, uint32_t *buf) {
+// defer: queue a tool result for the step's batched prefill instead of prefilling it now.
+static int advance_(const mtrl_rollout_params *p, mtrl_model *m, slot *s, uint32_t *buf, int defer) {
     mtrl_traj *t = &s->traj;
     uint64_t pos = t->n_tokens;
     double u = mtrl_rng_uniform(t->sample_seed, t->sample_stream, pos);
@@ -297,7 +338,8 @@ static int advance_(const mtrl_rollout_params *p, mtrl_model *m, slot *s, uint32
         buf[1] = MTRL_TOK_RESULT_OPEN;
         mtrl_tok_encode(res.obs, n, buf + 2);
         buf[n + 2] = MTRL_TOK_RESULT_CLOSE;
-        feed_(m, s, buf, (int)n + 3, 1, MTRL_TOK_TOOL);
+        if (defer) queue_(s, buf, (int)n + 3, 1, MTRL_TOK_TOOL);
+        else feed_(m, s, buf, (int)n + 3, 1, MTRL_TOK_TOOL);
         s->tool_open = -1;
         s->turn_start = t->n_tokens;
         return 0;
@@ -335,13 +377,37 @@ static void start_groups_(mtrl_rollout *r, const mtrl_rollout_events *ev) {
     }
 }
 
+// The step's queued feeds, in one batched prefill (mtrl_model_prefill_many): a tool result is
+// a prefill of a few tokens, and one each would cost a pass over every layer apiece.
+static void flush_(mtrl_rollout *r) {
+    int k = 0, V = r->m->dims.V;
+    for (int i = 0; i < r->n; i++) {
+        slot *s = &r->slots[i];
+        if (!s->active || !s->pend_n) continue;
+        r->fslot[k] = s;
+        r->fstates[k] = &s->st;
+        r->ftok[k] = s->pend;
+        r->flen[k] = s->pend_n;
+        r->frout[k] = s->traj.routing_width ? s->rrow : NULL;
+        k++;
+    }
+    if (!k) return;
+    mtrl_model_prefill_many(r->m, r->fstates, k, r->ftok, r->flen, r->flogits, r->frout);
+    for (int j = 0; j < k; j++) {
+        slot *s = r->fslot[j];
+        memcpy(s->logits, r->flogits + (size_t)j * V, sizeof(real) * (size_t)V);
+        fed_(r->m, s, s->pend, s->pend_n, s->pend_skip, s->pend_kind);
+        s->pend_n = 0;
+    }
+}
+
 int mtrl_rollout_step(mtrl_rollout *r, const mtrl_rollout_events *ev) {
     start_groups_(r, ev);
     int nd = 0;
     for (int i = 0; i < r->n; i++) {
         slot *s = &r->slots[i];
         if (!s->active) continue;
-        if (advance_(&r->p, r->m, s, r->ptok)) {
+        if (advance_(&r->p, r->m, s, r->ptok, 1)) {
             r->dstates[nd] = &s->st;
             r->dtokens[nd] = s->traj.ids[s->traj.n_tokens - 1];
             r->dslot[nd] = i;
@@ -362,6 +428,7 @@ int mtrl_rollout_step(mtrl_rollout *r, const mtrl_rollout_events *ev) {
             if (rout) memcpy(s->traj.routing + (s->traj.n_tokens - 1) * rw, rout + (size_t)j * rw, rw);
         }
     }
+    flush_(r);
     int live = 0;
     for (int i = 0; i < r->n; i++) live += r->slots[i].active;
     return live;
@@ -380,7 +447,7 @@ mtrl_status mtrl_rollout_run_one(const mtrl_rollout_params *p, mtrl_model *m, mt
     uint32_t *buf = xcalloc((size_t)p->max_tokens + 2, sizeof(uint32_t));
     if (start_(p, m, &s, NULL, task_seed, episode_id, group_id, buf)) {
         while (s.active) {
-            if (advance_(p, m, &s, buf)) {
+            if (advance_(p, m, &s, buf, 0)) {
                 mtrl_decode_state *one[1] = {&s.st};
                 uint32_t last = s.traj.ids[s.traj.n_tokens - 1];
                 uint8_t *rr = s.traj.routing_width ? s.traj.routing + (s.traj.n_tokens - 1) * s.traj.routing_width : NULL;

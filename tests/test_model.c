@@ -9,7 +9,8 @@
 //  - prefill-then-decode == one full prefill (split points 1, 15, 16, 17, T % 16 != 0);
 //  - QB: β gets no gradient, is set only by mtrl_model_qb_apply after the step;
 //  - a packed batch (short sequences end to end in one segment) == the sequences one at a time:
-//    log-probs, entropies, routing and every gradient, with and without kept activations.
+//    log-probs, entropies, routing and every gradient, with and without kept activations;
+//  - several sequences prefilled at once (mtrl_model_prefill_many) == one prefill each.
 #include <math.h>
 #include <stdlib.h>
 #include <string.h>
@@ -264,6 +265,67 @@ static void test_packed(void) {
     mtrl_model_free(&m);
 }
 
+// mtrl_model_prefill_many (the actor's batched tool results) == one mtrl_model_prefill per
+// sequence: four states at different positions (fresh, after 17 and after 3 tokens), new
+// pieces of 20, 5, 16 and 1 tokens; the last-token logits, then one batched decode step from the
+// states it left (KDA states, conv windows, latents and positions all used), and the routing.
+static void test_prefill_many(void) {
+    mtrl_model_dims d = small_dims(4, 2, "KMKM");
+    mtrl_model m;
+    mtrl_model_init(&m, &d, 15);
+    perturb_params(&m, 9);
+    enum { N = 4, CAP = 64 };
+    int before[N] = {0, 17, 3, 0}, len[N] = {20, 5, 16, 1};
+    uint32_t tok[N][CAP];
+    for (int i = 0; i < N; i++) make_tokens(tok[i], CAP, 20 + (uint64_t)i);
+    mtrl_decode_state one[N], many[N];
+    mtrl_decode_state *pm[N], *po[N];
+    const uint32_t *fresh[N];
+    size_t rw = (size_t)d.n_moe * d.k;
+    uint8_t *r1[N], *rm[N];
+    real *l1 = malloc(sizeof(real) * N * d.V), *lm = malloc(sizeof(real) * N * d.V);
+    for (int i = 0; i < N; i++) {
+        mtrl_decode_state_init(&one[i], &m, CAP);
+        mtrl_decode_state_init(&many[i], &m, CAP);
+        if (before[i]) {
+            mtrl_model_prefill(&m, &one[i], tok[i], before[i], NULL, NULL);
+            mtrl_model_prefill(&m, &many[i], tok[i], before[i], NULL, NULL);
+        }
+        fresh[i] = tok[i] + before[i];
+        r1[i] = calloc((size_t)len[i] * rw, 1);
+        rm[i] = calloc((size_t)len[i] * rw, 1);
+        pm[i] = &many[i];
+        po[i] = &one[i];
+        mtrl_model_prefill(&m, &one[i], fresh[i], len[i], l1 + (size_t)i * d.V, r1[i]);
+    }
+    mtrl_model_prefill_many(&m, pm, N, fresh, len, lm, rm);
+    double el = test_max_rel(lm, l1, (size_t)N * d.V);
+    int same_routing = 1, same_pos = 1;
+    for (int i = 0; i < N; i++) {
+        same_routing &= memcmp(r1[i], rm[i], (size_t)len[i] * rw) == 0;
+        same_pos &= many[i].pos == one[i].pos && one[i].pos == before[i] + len[i];
+    }
+    uint32_t next[N];
+    for (int i = 0; i < N; i++) next[i] = tok[i][before[i] + len[i]];
+    real *d1 = malloc(sizeof(real) * N * d.V), *dm = malloc(sizeof(real) * N * d.V);
+    mtrl_model_decode(&m, po, N, next, d1, NULL);
+    mtrl_model_decode(&m, pm, N, next, dm, NULL);
+    double ed = test_max_rel(dm, d1, (size_t)N * d.V);
+    printf("prefill of 4 sequences at once: last logits rel diff %.3g, next decode step %.3g\n", el, ed);
+    TEST_CHECKF(el <= 1e-12, "prefill_many logits differ by %.3g", el);
+    TEST_CHECKF(ed <= 1e-12, "the states prefill_many left differ: decode logits by %.3g", ed);
+    TEST_CHECK(same_routing);
+    TEST_CHECK(same_pos);
+    for (int i = 0; i < N; i++) {
+        mtrl_decode_state_free(&one[i]);
+        mtrl_decode_state_free(&many[i]);
+        free(r1[i]);
+        free(rm[i]);
+    }
+    free(l1); free(lm); free(d1); free(dm);
+    mtrl_model_free(&m);
+}
+
 static void test_prefill_decode(void) {
     mtrl_model_dims d = small_dims(4, 2, "KKKM");
     mtrl_model m;
@@ -369,7 +431,7 @@ static void test_attnres_blocks(void) {
         mtrl_arena_init(&ar, seg_arena_bytes(&d, 8, 8));
         mtrl_decode_state s;
         mtrl_decode_state_init(&s, &m, 8);
-        seq_io io = {s.kda_S, s.conv, s.latent, s.cap, 0, 0, NULL};
+        seq_io io = {s.kda_S, s.conv, s.latent, s.cap, 0, 0, NULL, NULL};
         uint32_t tok[8];
         make_tokens(tok, 8, 9);
         seg_cache c;
@@ -396,6 +458,7 @@ int main(void) {
     test_segmented();
     test_packed();
     test_prefill_decode();
+    test_prefill_many();
     test_qb_outside_gradient();
     return test_report();
 }

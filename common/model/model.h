@@ -229,6 +229,14 @@ double mtrl_model_load_violation(const mtrl_model *m, int layer);
 void mtrl_decode_state_init(mtrl_decode_state *s, const mtrl_model *m, int cap);
 // Device bytes a decode state of capacity cap takes (what init allocates): for memory budgets.
 size_t mtrl_decode_state_bytes(const mtrl_model *m, int cap);
+// Prefill of n sequences at once (the actor's tool results, prompts): tokens[i] (lens[i] >= 1
+// tokens) continue states[i] (distinct states). Sequences are laid end to end into packed
+// segments of up to MTRL_PREFILL_SEGMENT tokens, one forward each instead of one per sequence;
+// a longer one runs alone. logits_last [n][V] (nullable): the distribution after each one's
+// last token; routing_out [n] (nullable, entries nullable): as mtrl_model_prefill's. The same
+// as n calls of mtrl_model_prefill, up to the rounding of GEMMs over more rows.
+void mtrl_model_prefill_many(mtrl_model *m, mtrl_decode_state *const *states, int n, const uint32_t *const *tokens,
+                             const int *lens, real *logits_last, uint8_t *const *routing_out);
 // Device bytes of the scratch that mtrl_model_prefill and mtrl_model_decode share: one prefill
 // segment's forward (MTRL_PREFILL_SEGMENT tokens, fewer for shorter prompts) or one decode
 // batch of `batch` rows, whichever is larger. For the actor's memory budget.

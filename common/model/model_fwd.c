@@ -56,9 +56,10 @@ static void kda_forward_(mtrl_model *m, mtrl_arena *ar, int l, int mode, int T, 
     c->cq = ALLOC((size_t)T * HD); c->ck = ALLOC((size_t)T * HD); c->cv = ALLOC((size_t)T * HD);
     size_t w1 = (size_t)(W - 1) * HD;
     if (mode != SEG_DECODE) {
-        real *st = io->conv + (size_t)ki * conv_sz;
         c->cst = ALLOC(conv_sz);
-        // A packed segment's pieces all start from the zero window; st takes their scratch.
+        // A packed segment's pieces start from the zero window (io's window takes their
+        // scratch), or each from its own window (piece_io: the window is copied to cst first).
+        real *st = io->piece_io ? NULL : io->conv + (size_t)ki * conv_sz;
         if (io->n_piece) be->zero(be, c->cst, sizeof(real) * conv_sz);
         else be->copy(be, c->cst, st, sizeof(real) * conv_sz);
         const real *px[3] = {c->pq, c->pk, c->pv}, *cw[3] = {p->conv_q, p->conv_k, p->conv_v};
@@ -68,7 +69,9 @@ static void kda_forward_(mtrl_model *m, mtrl_arena *ar, int l, int mode, int T, 
             for (int i = 0; i < np; i++) {
                 size_t o = io->n_piece ? (size_t)io->piece[i] * HD : 0;
                 int Ti = io->n_piece ? io->piece[i + 1] - io->piece[i] : T;
-                be->shortconv_fwd(be, Ti, HD, W, px[s] + o, cw[s], c->cst + s * w1, cy[s] + o, st + s * w1);
+                real *out_st = io->piece_io ? io->piece_io[i].conv + (size_t)ki * conv_sz + s * w1 : st + s * w1;
+                if (io->piece_io) be->copy(be, c->cst + s * w1, out_st, sizeof(real) * w1);
+                be->shortconv_fwd(be, Ti, HD, W, px[s] + o, cw[s], c->cst + s * w1, cy[s] + o, out_st);
             }
     } else {
         real **win = xmalloc(sizeof(real *) * (size_t)T);
@@ -93,18 +96,24 @@ static void kda_forward_(mtrl_model *m, mtrl_arena *ar, int l, int mode, int T, 
     be->sigmoid(be, (size_t)T * H, c->bl, c->beta);
     c->o = ALLOC((size_t)T * HD);
     if (mode != SEG_DECODE) {
-        real *S = io->kda_S + (size_t)ki * S_sz;
+        real *S = io->piece_io ? NULL : io->kda_S + (size_t)ki * S_sz;
         c->S0 = ALLOC(S_sz);
         if (io->n_piece) be->zero(be, c->S0, sizeof(real) * S_sz);
         else be->copy(be, c->S0, S, sizeof(real) * S_sz);
-        c->S_tiles = ALLOC((size_t)seg_kda_tiles(T, io) * S_sz);
+        // the tile states are for a backward: a prefill stores none
+        c->S_tiles = mode == SEG_PREFILL ? NULL : ALLOC((size_t)seg_kda_tiles(T, io) * S_sz);
         int np = io->n_piece ? io->n_piece : 1;
         size_t tile = 0;
         for (int i = 0; i < np; i++) {
             int o = io->n_piece ? io->piece[i] : 0, Ti = io->n_piece ? io->piece[i + 1] - o : T;
             size_t x = (size_t)o * HD, h = (size_t)o * H;
+            real *S_out = S;
+            if (io->piece_io) { // the piece's own state in, its successor out
+                S_out = io->piece_io[i].kda_S + (size_t)ki * S_sz;
+                be->copy(be, c->S0, S_out, sizeof(real) * S_sz);
+            }
             be->kda_chunk_fwd(be, Ti, H, D, D, c->qn + x, c->kn + x, c->cv + x, c->g + x, c->beta + h, c->S0, c->o + x,
-                              S, c->S_tiles + tile * S_sz);
+                              S_out, c->S_tiles ? c->S_tiles + tile * S_sz : NULL);
             tile += (size_t)kda_tile_count(Ti);
         }
     } else {
@@ -140,7 +149,17 @@ static void mla_forward_(mtrl_model *m, mtrl_arena *ar, int l, int mode, int T, 
     real *chat = ALLOC((size_t)T * dc);
     be->rmsnorm_fwd(be, T, dc, c->craw, p->mkv_norm, d->eps, chat, c->rstd_c);
     // The new latent rows [ĉ ; k^r] join the sequence's cache.
-    if (mode != SEG_DECODE) {
+    if (mode != SEG_DECODE && io->piece_io) {
+        for (int i = 0; i < io->n_piece; i++) {
+            const seq_io *pi = &io->piece_io[i];
+            int o = io->piece[i], Ti = io->piece[i + 1] - o;
+            MTRL_CHECKF(pi->t0 + Ti <= pi->cap, "MLA latent cache full: position %d, capacity %d", pi->t0 + Ti - 1,
+                        pi->cap);
+            real *row = pi->latent + ((size_t)mi * pi->cap + (size_t)pi->t0) * ld;
+            be->copy_rows(be, Ti, dc, chat + (size_t)o * dc, dc, row, ld);
+            be->copy_rows(be, Ti, dr, c->kr + (size_t)o * dr, dr, row + dc, ld);
+        }
+    } else if (mode != SEG_DECODE) {
         MTRL_CHECKF(io->t0 + T <= io->cap, "MLA latent cache full: position %d, capacity %d", io->t0 + T - 1, io->cap);
         real *row = io->latent + ((size_t)mi * io->cap + (size_t)io->t0) * ld;
         be->copy_rows(be, T, dc, chat, dc, row, ld);
@@ -158,19 +177,26 @@ static void mla_forward_(mtrl_model *m, mtrl_arena *ar, int l, int mode, int T, 
     }
     c->a = ALLOC((size_t)T * mH * dv);
     if (mode != SEG_DECODE) {
-        const real *lat = io->latent + (size_t)mi * io->cap * ld;
-        int Tk = io->t0 + T;
         c->qt = ALLOC((size_t)T * mH * ld); c->ol = ALLOC((size_t)T * mH * dc); c->lse = ALLOC((size_t)T * mH);
         be->mla_absorb_q(be, T, mH, dn, dr, dv, dc, c->q, p->mkvb, c->qt);
         if (!io->n_piece) {
-            be->attn_causal_fwd(be, T, Tk, mH, 1, ld, dc, scale, c->qt, lat, ld, lat, ld, c->ol, c->lse);
+            const real *lat = io->latent + (size_t)mi * io->cap * ld;
+            be->attn_causal_fwd(be, T, io->t0 + T, mH, 1, ld, dc, scale, c->qt, lat, ld, lat, ld, c->ol, c->lse);
         } else {
-            MTRL_CHECK(io->t0 == 0);
+            // Each piece attends to its own keys: from its own cache (piece_io: the earlier
+            // positions too), or to its rows of the packed latents.
+            MTRL_CHECK(io->piece_io || io->t0 == 0);
             for (int i = 0; i < io->n_piece; i++) {
                 size_t o = (size_t)io->piece[i];
-                int Ti = io->piece[i + 1] - io->piece[i];
-                be->attn_causal_fwd(be, Ti, Ti, mH, 1, ld, dc, scale, c->qt + o * mH * ld, lat + o * ld, ld,
-                                    lat + o * ld, ld, c->ol + o * mH * dc, c->lse + o * mH);
+                int Ti = io->piece[i + 1] - io->piece[i], Tk = Ti;
+                const real *lat = io->latent + ((size_t)mi * io->cap + o) * ld;
+                if (io->piece_io) {
+                    const seq_io *pi = &io->piece_io[i];
+                    lat = pi->latent + (size_t)mi * pi->cap * ld;
+                    Tk = pi->t0 + Ti;
+                }
+                be->attn_causal_fwd(be, Ti, Tk, mH, 1, ld, dc, scale, c->qt + o * mH * ld, lat, ld, lat, ld,
+                                    c->ol + o * mH * dc, c->lse + o * mH);
             }
         }
         be->mla_up_v(be, T, mH, dn, dv, dc, c->ol, p->mkvb, c->a);
@@ -345,7 +371,10 @@ void seg_forward(mtrl_model *m, mtrl_arena *ar, int mode, int T, const uint32_t 
     proj_(be, T, d->V, D, c->xf, m->dP.lm_head, c->logits);
     if (out && out->logits) be->download(be, out->logits, c->logits, sizeof(real) * (size_t)T * d->V);
     if (out && out->logp) be->logprob_fwd(be, T, d->V, c->logits, out->targets, out->logp, out->entropy);
-    if (mode != SEG_DECODE) io->t0 += T;
+    if (mode != SEG_DECODE) {
+        io->t0 += T;
+        for (int i = 0; io->piece_io && i < io->n_piece; i++) io->piece_io[i].t0 += io->piece[i + 1] - io->piece[i];
+    }
     else
         for (int r = 0; r < T; r++) io[r].t0 += 1;
 }
@@ -431,7 +460,7 @@ static size_t fwd_bytes_(const mtrl_model_dims *d, int T_, int tiles) {
 }
 
 size_t seg_prefill_bytes(const mtrl_model_dims *d, int T_) {
-    size_t T = (size_t)(T_ > 0 ? T_ : 1), tiles = (size_t)kda_tile_count((int)T), out = rb_(T * d->d);
+    size_t T = (size_t)(T_ > 0 ? T_ : 1), tiles = 0, out = rb_(T * d->d); // no tile states
     // emb and the outputs of the layers so far stay; on top, one layer's temporaries at a time
     // (its output excluded), or the head after the last layer
     size_t most = (size_t)(d->L + 1) * out + head_fwd_bytes_(d, T);

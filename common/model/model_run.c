@@ -210,7 +210,7 @@ static void pack_forward_(mtrl_model *m, const mtrl_batch *b, ws_pack *pk, real 
     }
     pk->latent = RALLOC(&w->state, (size_t)T * lat);
     w->pub.state_bytes += sizeof(real) * (size_t)T * lat;
-    seq_io io = {w->run_S, w->run_C, pk->latent, T, 0, pk->n, pk->piece};
+    seq_io io = {w->run_S, w->run_C, pk->latent, T, 0, pk->n, pk->piece, NULL};
     seg_out so = {pk->targets, logp, entropy, NULL, rin, pk->routing, 1};
     seg_cache tmp, *c = w->keep ? &pk->kept : &tmp;
     if (!w->keep) mtrl_arena_reset(&w->pub.arena);
@@ -230,7 +230,7 @@ static void pack_backward_(mtrl_model *m, ws_pack *pk, real *dS, real *dC, real 
     mtrl_backend *be = m->be;
     be->zero(be, dlat, sizeof(real) * (size_t)pk->T * (size_t)model_n_mla(&m->dims) * lat_w_(&m->dims));
     seq_grad g = {dS, dC, dlat};
-    seq_io io = {S, C, pk->latent, pk->T, pk->T, pk->n, pk->piece};
+    seq_io io = {S, C, pk->latent, pk->T, pk->T, pk->n, pk->piece, NULL};
     seg_cache tmp, *c = &pk->kept;
     if (!w->keep) {
         io.t0 = 0;
@@ -303,7 +303,7 @@ void mtrl_model_forward(mtrl_model *m, const mtrl_batch *b, int segment, real *l
         real *S = w->run_S, *C = w->run_C;
         be->zero(be, S, sizeof(real) * S_sz);
         be->zero(be, C, sizeof(real) * C_sz);
-        seq_io io = {S, C, s->latent, len, 0, 0, NULL};
+        seq_io io = {S, C, s->latent, len, 0, 0, NULL, NULL};
         for (int g = 0; g < s->n_seg; g++) {
             int t0 = g * s->seg, T = len - t0 < s->seg ? len - t0 : s->seg;
             be->copy(be, s->bound_S + (size_t)g * S_sz, S, sizeof(real) * S_sz);
@@ -363,7 +363,7 @@ void mtrl_model_backward(mtrl_model *m, const mtrl_batch *b, const real *dlogp, 
         seq_grad g = {dS, dC, dlat};
         for (int gi = s->n_seg - 1; gi >= 0; gi--) {
             int t0 = gi * s->seg, T = len - t0 < s->seg ? len - t0 : s->seg;
-            seq_io io = {S, C, s->latent, len, t0 + T, 0, NULL};
+            seq_io io = {S, C, s->latent, len, t0 + T, 0, NULL, NULL};
             seg_cache tmp, *c;
             if (w->keep) {
                 c = &s->kept[gi];
@@ -400,7 +400,7 @@ size_t mtrl_model_infer_bytes(const mtrl_model *m, int batch) {
     return a > b ? a : b;
 }
 
-static seq_io state_io_(const mtrl_decode_state *s) { return (seq_io){s->kda_S, s->conv, s->latent, s->cap, s->pos, 0, NULL}; }
+static seq_io state_io_(const mtrl_decode_state *s) { return (seq_io){s->kda_S, s->conv, s->latent, s->cap, s->pos, 0, NULL, NULL}; }
 
 static size_t gcd_(size_t a, size_t b) {
     while (b) {
@@ -514,6 +514,68 @@ void mtrl_model_prefill(mtrl_model *m, mtrl_decode_state *s, const uint32_t *tok
     }
     be->sync(be);
     s->pos = io.t0;
+}
+
+// One packed prefill of sequences i0 .. i0+k-1 (each fits, all together <= MTRL_PREFILL_SEGMENT).
+static void prefill_pack_(mtrl_model *m, mtrl_decode_state *const *states, int i0, int k, const uint32_t *const *tokens,
+                          const int *lens, real *logits_last, uint8_t *const *routing_out) {
+    ws_impl *w = ws_get_(m);
+    mtrl_backend *be = m->be;
+    const mtrl_model_dims *d = &m->dims;
+    size_t rw = (size_t)d->n_moe * d->k;
+    int *piece = xmalloc(sizeof(int) * (size_t)(k + 1)), T = 0;
+    seq_io *pio = xmalloc(sizeof(seq_io) * (size_t)k);
+    int want_routing = 0;
+    for (int j = 0; j < k; j++) {
+        mtrl_decode_state *st = states[i0 + j];
+        MTRL_CHECKF(st->pos + lens[i0 + j] <= st->cap, "prefill of %d tokens at position %d overflows capacity %d",
+                    lens[i0 + j], st->pos, st->cap);
+        piece[j] = T;
+        T += lens[i0 + j];
+        pio[j] = state_io_(st);
+        want_routing |= routing_out && routing_out[i0 + j];
+    }
+    piece[k] = T;
+    uint32_t *tok = xmalloc(sizeof(uint32_t) * (size_t)T);
+    for (int j = 0; j < k; j++) memcpy(tok + piece[j], tokens[i0 + j], sizeof(uint32_t) * (size_t)lens[i0 + j]);
+    uint8_t *rout = want_routing ? xmalloc((size_t)T * rw + 1) : NULL;
+    arena_ensure_(be, &w->infer, prefill_bytes_(d, T));
+    mtrl_arena_reset(&w->infer);
+    seq_io io = {NULL, NULL, NULL, 0, 0, k, piece, pio};
+    seg_out so = {NULL, NULL, NULL, NULL, NULL, rout, 0};
+    seg_cache c;
+    seg_forward(m, &w->infer, SEG_PREFILL, T, tok, &io, &so, &c);
+    if (w->infer.peak > m->peak_infer_bytes) m->peak_infer_bytes = w->infer.peak;
+    for (int j = 0; j < k; j++) {
+        if (logits_last)
+            be->download(be, logits_last + (size_t)(i0 + j) * d->V, c.logits + (size_t)(piece[j + 1] - 1) * d->V,
+                         sizeof(real) * d->V);
+        if (rout && routing_out[i0 + j])
+            memcpy(routing_out[i0 + j], rout + (size_t)piece[j] * rw, (size_t)lens[i0 + j] * rw);
+        states[i0 + j]->pos = pio[j].t0;
+    }
+    free(rout);
+    free(tok);
+    free(pio);
+    free(piece);
+}
+
+void mtrl_model_prefill_many(mtrl_model *m, mtrl_decode_state *const *states, int n, const uint32_t *const *tokens,
+                             const int *lens, real *logits_last, uint8_t *const *routing_out) {
+    const int V = m->dims.V;
+    for (int i = 0; i < n;) {
+        if (lens[i] > MTRL_PREFILL_SEGMENT) { // a long one alone, in its own segments
+            mtrl_model_prefill(m, states[i], tokens[i], lens[i], logits_last ? logits_last + (size_t)i * V : NULL,
+                               routing_out ? routing_out[i] : NULL);
+            i++;
+            continue;
+        }
+        int k = 0, T = 0;
+        while (i + k < n && lens[i + k] <= MTRL_PREFILL_SEGMENT && T + lens[i + k] <= MTRL_PREFILL_SEGMENT) T += lens[i + k++];
+        prefill_pack_(m, states, i, k, tokens, lens, logits_last, routing_out);
+        i += k;
+    }
+    m->be->sync(m->be);
 }
 
 void mtrl_model_decode(mtrl_model *m, mtrl_decode_state *const *states, int B, const uint32_t *tokens, real *logits,

@@ -36,6 +36,10 @@ typedef struct seq_io {
     // nothing meaningful. n_piece = 0: the segment continues the state above (one sequence).
     int n_piece;
     const int *piece;
+    // With pieces: NULL (each piece from the zero state: the learner's packs), or [n_piece]
+    // states each piece continues from and advances (prefill of several sequences at once,
+    // SEG_PREFILL only: nothing is kept for a backward).
+    struct seq_io *piece_io;
 } seq_io;
 
 // Gradients flowing backwards across a segment boundary (same layout as seq_io's state).
