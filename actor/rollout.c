@@ -31,6 +31,7 @@ typedef struct slot {
     uint32_t *pend;        // [max_tokens + 3] tokens to feed at the end of the step (a tool result)
     int pend_n, pend_skip; // ... how many, and how many of them are in the trajectory already
     uint8_t pend_kind;
+    const struct slot *copy_of; // the group's first slot, whose prompt state this one copies after the flush
 } slot;
 
 struct mtrl_rollout {
@@ -206,6 +207,22 @@ static void fed_(mtrl_model *m, slot *s, const uint32_t *tok, int n, int skip, u
     for (int i = skip; i < n; i++)
         mtrl_traj_append(t, tok[i], 0.0f, m->version, kind, rr ? rr + (size_t)i * t->routing_width : NULL);
     for (int i = 0; rr && i < skip; i++) memcpy(t->routing + (first + (uint64_t)i) * t->routing_width, rr + (size_t)i * t->routing_width, t->routing_width);
+    // the next model turn starts after the prompt or the tool's result
+    s->turn_start = t->n_tokens;
+}
+
+// A group's episodes share their prompt: one prefill per group, the others copy its state, logits
+// and routing rows (the prefill is deterministic, so this is exactly what their own would give).
+static void copy_prompt_(mtrl_model *m, slot *s, const slot *twin) {
+    mtrl_decode_state_copy(&s->st, &twin->st, m);
+    memcpy(s->logits, twin->logits, sizeof(real) * (size_t)m->dims.V);
+    s->logits_version = twin->logits_version;
+    const mtrl_traj *tw = &twin->traj;
+    mtrl_traj *t = &s->traj;
+    for (uint64_t i = 0; i < tw->n_tokens; i++)
+        mtrl_traj_append(t, tw->ids[i], 0.0f, tw->version[i], MTRL_TOK_PROMPT,
+                         t->routing_width ? tw->routing + i * tw->routing_width : NULL);
+    s->turn_start = t->n_tokens;
 }
 
 static void finish_(slot *s, mtrl_ep_status status, double reward, const char *reason) {
@@ -219,8 +236,10 @@ static void finish_(slot *s, mtrl_ep_status status, double reward, const char *r
 // Starts an episode in s: env reset, BOS + prompt prefilled. Returns 0 when the episode ended
 // at once (env failure or a prompt over the budget).
 // twin: the group's first slot, started just before with the same task (NULL for the first).
+// defer: queue the prompt for the batched prefill of the groups started together (flush_), or
+// with a twin whose queued prompt is the same, copy the twin's state after that prefill.
 static int start_(const mtrl_rollout_params *p, mtrl_model *m, slot *s, const slot *twin, uint64_t task_seed,
-                  uint64_t episode_id, uint64_t group_id, uint32_t *buf) {
+                  uint64_t episode_id, uint64_t group_id, uint32_t *buf, int defer) {
     mtrl_traj_reset(&s->traj);
     mtrl_traj *t = &s->traj;
     t->episode_id = episode_id;
@@ -240,6 +259,8 @@ static int start_(const mtrl_rollout_params *p, mtrl_model *m, slot *s, const sl
     s->turn = 0;
     s->tool_open = -1;
     s->needs_decode = 0;
+    s->pend_n = 0;
+    s->copy_of = NULL;
     mtrl_decode_state_reset(&s->st, m);
     mtrl_env_result res;
     mtrl_error err;
@@ -256,21 +277,11 @@ static int start_(const mtrl_rollout_params *p, mtrl_model *m, slot *s, const sl
     buf[0] = MTRL_TOK_BOS;
     mtrl_tok_encode(res.obs, res.obs_len, buf + 1);
     int n = (int)res.obs_len + 1;
-    if (twin && twin->active && twin->traj.n_tokens == (uint64_t)n && twin->logits_version == m->version &&
-        !memcmp(twin->traj.ids, buf, sizeof(uint32_t) * (size_t)n)) {
-        // A group's episodes share their prompt: one prefill per group, the others copy its state
-        // (the prefill is deterministic, so this is exactly what their own prefill would give).
-        mtrl_decode_state_copy(&s->st, &twin->st, m);
-        memcpy(s->logits, twin->logits, sizeof(real) * (size_t)m->dims.V);
-        s->logits_version = twin->logits_version;
-        const mtrl_traj *tw = &twin->traj;
-        for (int i = 0; i < n; i++)
-            mtrl_traj_append(t, buf[i], 0.0f, m->version, MTRL_TOK_PROMPT,
-                             t->routing_width ? tw->routing + (size_t)i * tw->routing_width : NULL);
-    } else {
-        feed_(m, s, buf, n, 0, MTRL_TOK_PROMPT);
-    }
-    s->turn_start = t->n_tokens;
+    if (!defer) feed_(m, s, buf, n, 0, MTRL_TOK_PROMPT);
+    else if (twin && twin->active && twin->pend_n == n && twin->pend_kind == MTRL_TOK_PROMPT &&
+             !memcmp(twin->pend, buf, sizeof(uint32_t) * (size_t)n))
+        s->copy_of = twin;
+    else queue_(s, buf, n, 0, MTRL_TOK_PROMPT);
     return 1;
 }
 
@@ -338,10 +349,9 @@ static int advance_(const mtrl_rollout_params *p, mtrl_model *m, slot *s, uint32
         buf[1] = MTRL_TOK_RESULT_OPEN;
         mtrl_tok_encode(res.obs, n, buf + 2);
         buf[n + 2] = MTRL_TOK_RESULT_CLOSE;
-        if (defer) queue_(s, buf, (int)n + 3, 1, MTRL_TOK_TOOL);
+        if (defer) queue_(s, buf, (int)n + 3, 1, MTRL_TOK_TOOL); // turn_start moves when it is fed
         else feed_(m, s, buf, (int)n + 3, 1, MTRL_TOK_TOOL);
         s->tool_open = -1;
-        s->turn_start = t->n_tokens;
         return 0;
     }
     if ((int)t->n_tokens >= p->max_tokens) {
@@ -357,6 +367,8 @@ static int advance_(const mtrl_rollout_params *p, mtrl_model *m, slot *s, uint32
 
 // ---- the batched engine --------------------------------------------------------------------------------
 
+static void flush_(mtrl_rollout *r);
+
 static void start_groups_(mtrl_rollout *r, const mtrl_rollout_events *ev) {
     int G = r->p.group_size;
     for (int g0 = 0; g0 + G <= r->n && !r->stop_new; g0 += G) {
@@ -370,10 +382,18 @@ static void start_groups_(mtrl_rollout *r, const mtrl_rollout_events *ev) {
             uint64_t eid = ((uint64_t)r->p.actor_id << 48) | ((uint64_t)(r->p.incarnation & 0xffff) << 32) |
                            (r->next_episode++ & 0xffffffff);
             slot *s = &r->slots[i];
-            int live = start_(&r->p, r->m, s, i > g0 ? &r->slots[g0] : NULL, task_seed, eid, group_id, r->ptok);
+            int live = start_(&r->p, r->m, s, i > g0 ? &r->slots[g0] : NULL, task_seed, eid, group_id, r->ptok, 1);
             if (ev && ev->begin) ev->begin(ev->user, &s->traj);
             if (!live && ev && ev->end) ev->end(ev->user, &s->traj);
         }
+    }
+    // The prompts of every group started here in one prefill, then the groups' copies.
+    flush_(r);
+    for (int i = 0; i < r->n; i++) {
+        slot *s = &r->slots[i];
+        if (!s->copy_of) continue;
+        if (s->active) copy_prompt_(r->m, s, s->copy_of);
+        s->copy_of = NULL;
     }
 }
 
@@ -445,7 +465,7 @@ mtrl_status mtrl_rollout_run_one(const mtrl_rollout_params *p, mtrl_model *m, mt
     s.logits = xcalloc((size_t)m->dims.V, sizeof(real));
     s.rrow = xcalloc((size_t)(p->max_tokens + 2) * (size_t)(m->dims.n_moe * m->dims.k) + 1, 1);
     uint32_t *buf = xcalloc((size_t)p->max_tokens + 2, sizeof(uint32_t));
-    if (start_(p, m, &s, NULL, task_seed, episode_id, group_id, buf)) {
+    if (start_(p, m, &s, NULL, task_seed, episode_id, group_id, buf, 0)) {
         while (s.active) {
             if (advance_(p, m, &s, buf, 0)) {
                 mtrl_decode_state *one[1] = {&s.st};

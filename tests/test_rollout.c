@@ -3,7 +3,9 @@
 //  - episodes are well formed (BOS + prompt as PROMPT tokens, MODEL tokens with log-probs <= 0
 //    and the weight version, valid statuses, groups of G with one task seed);
 //  - batched generation is batch-invariant: re-running any episode alone from its task seed and
-//    episode id (mtrl_rollout_run_one, what replay --reexec does) reproduces it token for token;
+//    episode id (mtrl_rollout_run_one, what replay --reexec does) reproduces it token for token,
+//    and after a warm-up, when episodes call the tool, with the same status, reward and calls
+//    (the engine prefills the prompts and tool results of a step together);
 //  - snapshot/resume: an in-flight episode (after a short warm-up, so it uses the calc tool)
 //    snapshotted mid-way and resumed in a fresh rollout continues with exactly the tokens the
 //    uninterrupted episode produced; a corrupt snapshot is refused.
@@ -86,20 +88,21 @@ int main(void) {
         mtrl_traj_free(&again);
     }
     // Snapshot / resume. A short supervised warm-up first, so episodes call the calc tool.
-    for (int s = 0; s < 30; s++) {
-        mtrl_traj demos[8], *dp[8];
-        for (int i = 0; i < 8; i++) {
+    // (the quickstart's: enough that some answers are right, so rewards can tell turns apart)
+    for (int s = 0; s < 90; s++) {
+        mtrl_traj demos[16], *dp[16];
+        for (int i = 0; i < 16; i++) {
             mtrl_traj_init(&demos[i]);
-            TEST_EQ_INT(mtrl_train_demo_episode(env, 100 + 8 * (uint64_t)s + (uint64_t)i, 40, &demos[i], &err), MTRL_OK);
+            TEST_EQ_INT(mtrl_train_demo_episode(env, 100 + 16 * (uint64_t)s + (uint64_t)i, 40, &demos[i], &err), MTRL_OK);
             dp[i] = &demos[i];
         }
-        mtrl_train_sft_step(&m, &cfg, dp, 8, 1e-2);
-        for (int i = 0; i < 8; i++) mtrl_traj_free(&demos[i]);
+        mtrl_train_sft_step(&m, &cfg, dp, 16, 5e-3);
+        for (int i = 0; i < 16; i++) mtrl_traj_free(&demos[i]);
     }
     mtrl_env_close(env);
     for (int i = 0; i < c.n; i++) mtrl_traj_free(&c.eps[i]);
     mtrl_rollout_free(r);
-    int snaps = 0, with_tools = 0;
+    int snaps = 0, with_tools = 0, alone = 0, alone_tools = 0, alone_rewarded = 0;
     for (int round = 0; round < 6; round++) {
         TEST_EQ_INT(mtrl_rollout_init(&r, &p, &cfg, &m, &err), MTRL_OK);
         collected a = {0};
@@ -121,6 +124,26 @@ int main(void) {
         // Uninterrupted: run everything to the end.
         mtrl_rollout_stop_new(r);
         while (mtrl_rollout_step(r, &eva) > 0) {}
+        // The batched engine (prompts and tool results prefilled together at the end of a step)
+        // == each episode alone, now that they call the tool: tokens, status, reward, tool calls.
+        mtrl_env *env1;
+        TEST_EQ_INT(mtrl_env_open_config(&cfg, &env1, &err), MTRL_OK);
+        for (int k = 0; k < a.n; k++) {
+            mtrl_traj *x = &a.eps[k], again;
+            mtrl_traj_init(&again);
+            mtrl_rollout_run_one(&p, &m, env1, x->task_seed, x->episode_id, x->group_id, &again, &err);
+            int same = again.n_tokens == x->n_tokens && again.status == x->status && again.reward == x->reward &&
+                       again.n_tools == x->n_tools;
+            for (uint64_t q = 0; same && q < x->n_tokens; q++)
+                same = again.ids[q] == x->ids[q] && again.logprob[q] == x->logprob[q] && again.kind[q] == x->kind[q];
+            TEST_CHECKF(same, "episode %llu (%u tool calls, reward %g) differs when re-executed alone (reward %g)",
+                        (unsigned long long)x->episode_id, x->n_tools, x->reward, again.reward);
+            alone += same;
+            alone_tools += same && x->n_tools > 0;
+            alone_rewarded += same && x->n_tools > 0 && x->reward > 0;
+            mtrl_traj_free(&again);
+        }
+        mtrl_env_close(env1);
         // Resumed: a fresh rollout, each snapshot into its slot.
         mtrl_rollout *r2;
         TEST_EQ_INT(mtrl_rollout_init(&r2, &p, &cfg, &m, &err), MTRL_OK);
@@ -161,6 +184,9 @@ int main(void) {
         mtrl_rollout_free(r);
     }
     printf("snapshot/resume: %d episodes resumed identically, %d snapshots taken after a tool call\n", snaps, with_tools);
+    printf("after the warm-up: %d episodes identical when re-executed alone, %d of them with tool calls, %d of those "
+           "rewarded\n", alone, alone_tools, alone_rewarded);
+    TEST_CHECK(alone_tools >= 1 && alone_rewarded >= 1);
     TEST_CHECK(snaps >= 6);
     TEST_CHECK(with_tools >= 1);
     mtrl_model_free(&m);
