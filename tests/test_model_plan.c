@@ -15,7 +15,8 @@
 //    overflow (every block sane and consistent), and prints;
 //  - prefill (SEG_PREFILL, no caches) peaks exactly at its mirror seg_prefill_bytes, at most
 //    half the cached forward of the same segment;
-//  - the free-memory query and the live-model planning work; `mtrl plan` prints a plan.
+//  - the free-memory query and the live-model planning work; `mtrl plan` prints a plan; `mtrl bench
+//    long` runs one episode, with a preset or an experiment's model (--config).
 #include <stdlib.h>
 #include <string.h>
 
@@ -251,6 +252,19 @@ static void test_command_(void) {
     test_result_free(&r);
     r = test_run_in(dir, (char *[]){(char *)bin, "bench", "long", "--decode", "0", NULL});
     TEST_EQ_INT(r.rc, 2);
+    test_result_free(&r);
+    // --config: the experiment's model and device (the quickstart's tiny on the CPU)
+    char qs[1024];
+    snprintf(qs, sizeof qs, "%s/experiments/quickstart.ini", src);
+    r = test_run_in(dir, (char *[]){(char *)bin, "bench", "long", "--config", qs, "--tokens", "300", "--decode", "2", NULL});
+    TEST_EQ_INT(r.rc, 0);
+    TEST_CONTAINS(r.out, "the model of ");
+    TEST_CONTAINS(r.out, "quickstart.ini on cpu");
+    TEST_CONTAINS(r.out, "ms per token at 300..302 context");
+    test_result_free(&r);
+    r = test_run_in(dir, (char *[]){(char *)bin, "bench", "long", "--config", "/nonexistent/x.ini", NULL});
+    TEST_EQ_INT(r.rc, 2);
+    TEST_CONTAINS(r.err, "/nonexistent/x.ini");
     test_result_free(&r);
     char cmd[1200];
     snprintf(cmd, sizeof cmd, "rm -rf %s", dir);

@@ -1,11 +1,13 @@
-// cmd_bench.c: `mtrl bench ops|model|rl`: timings with the command and machine stated.
+// cmd_bench.c: `mtrl bench ops|model|long`: timings with the command and machine stated.
 //
-//   mtrl bench model [--device cpu|cuda|cuda:N] [--preset tiny|small] [--tokens N] [--seqs B] [--segment S] [--reps R]
+//   mtrl bench model [--device cpu|cuda|cuda:N] [--preset tiny|small | --config EXPERIMENT.ini] [--tokens N] [--seqs B]
+//                    [--segment S] [--reps R]
 //       forward and forward+backward tokens/s of the backbone on random tokens, batched decode
 //       tokens/s (B sequences, one token each per step), and peak memory
-//   mtrl bench long [--device cpu|cuda] [--preset tiny|small] [--tokens T] [--decode N]
+//   mtrl bench long [--device cpu|cuda] [--preset tiny|small | --config EXPERIMENT.ini] [--tokens T] [--decode N]
 //       one T-token episode: the actor's prefill time and decode time per token at that context,
 //       the learner's forward+backward with the planned segment, and the memory of each
+//   --config EXPERIMENT.ini: the experiment's [model] (and its device, unless --device is given)
 //   mtrl bench ops --device cuda [...]   the CUDA kernels against the measured ceilings
 #include <stdlib.h>
 #include <string.h>
@@ -24,7 +26,7 @@
 #include "kernels/cuda/kernels_cuda.h"
 #endif
 
-#define BENCH_USAGE "mtrl bench model [--device cpu|cuda] [--preset tiny|small] [--tokens N] [--seqs B] [--segment S] [--reps R] | mtrl bench long [--device cpu|cuda] [--preset tiny|small] [--tokens T] [--decode N] | mtrl bench ops --device cuda"
+#define BENCH_USAGE "mtrl bench model [--device cpu|cuda] [--preset tiny|small | --config EXPERIMENT.ini] [--tokens N] [--seqs B] [--segment S] [--reps R] | mtrl bench long [--device cpu|cuda] [--preset tiny|small | --config EXPERIMENT.ini] [--tokens T] [--decode N] | mtrl bench ops --device cuda"
 
 static void print_machine_(void) {
     struct utsname u;
@@ -47,20 +49,27 @@ static void print_machine_(void) {
     printf("machine: %s, %ld cores, %s %s; %s\n", cpu, sysconf(_SC_NPROCESSORS_ONLN), u.sysname, u.machine, when);
 }
 
-// The preset's model on the device (cpu, cuda, cuda:N): 0, or the exit code (77: no GPU here).
-static int model_open_(const char *device, const char *preset, mtrl_model *m) {
+// The model of --config EXPERIMENT.ini ([model], and its device unless --device is given), or
+// of the preset, on the device (cpu, cuda, cuda:N): 0, or the exit code (77: no GPU here).
+static int model_open_(const char *device, const char *preset, const char *config, mtrl_model *m) {
+    mtrl_config cfg;
+    if (config) {
+        if (!cli_config_load("bench", config, 0, NULL, &cfg)) return 2;
+        if (!device) device = cfg.model.device;
+    } else {
+        char text[256];
+        snprintf(text, sizeof text, "[env]\nname = calc\n[model]\npreset = %s\n", preset);
+        mtrl_config_errors errs = {0};
+        if (mtrl_config_load_text(&cfg, "--preset", text, NULL, 0, &errs) != MTRL_OK) {
+            mtrl_config_errors_print(&errs, stderr);
+            mtrl_config_errors_free(&errs);
+            return 2;
+        }
+    }
+    if (!device) device = "cpu";
     int dev, gpu;
     if (mtrl_model_parse_device(device, &dev, &gpu))
         return cli_usage_error("bench", BENCH_USAGE, "--device %s: expected cpu, cuda or cuda:N", device);
-    char text[256];
-    snprintf(text, sizeof text, "[env]\nname = calc\n[model]\npreset = %s\n", preset);
-    mtrl_config cfg;
-    mtrl_config_errors errs = {0};
-    if (mtrl_config_load_text(&cfg, "--preset", text, NULL, 0, &errs) != MTRL_OK) {
-        mtrl_config_errors_print(&errs, stderr);
-        mtrl_config_errors_free(&errs);
-        return 2;
-    }
     mtrl_model_dims d;
     mtrl_error err;
     if (mtrl_model_dims_from_config(&d, &cfg.model, MTRL_VOCAB, &err) != MTRL_OK) {
@@ -75,13 +84,14 @@ static int model_open_(const char *device, const char *preset, mtrl_model *m) {
 }
 
 static int bench_model_(int argc, char **argv) {
-    const char *device = "cpu", *preset = "tiny";
+    const char *device = NULL, *preset = "tiny", *config = NULL;
     int tokens = 2048, seqs = 8, segment = 0, reps = 3;
     for (int i = 1; i < argc; i++) {
         const char *a = argv[i];
         const char *v = i + 1 < argc ? argv[i + 1] : NULL;
         if (!strcmp(a, "--device") && v) { device = v; i++; }
         else if (!strcmp(a, "--preset") && v) { preset = v; i++; }
+        else if (!strcmp(a, "--config") && v) { config = v; i++; }
         else if (!strcmp(a, "--tokens") && v) { tokens = atoi(v); i++; }
         else if (!strcmp(a, "--seqs") && v) { seqs = atoi(v); i++; }
         else if (!strcmp(a, "--segment") && v) { segment = atoi(v); i++; }
@@ -90,7 +100,7 @@ static int bench_model_(int argc, char **argv) {
     }
     if (tokens < seqs || seqs < 1 || reps < 1) return cli_usage_error("bench", BENCH_USAGE, "need tokens >= seqs >= 1 and reps >= 1");
     mtrl_model m;
-    int rc = model_open_(device, preset, &m);
+    int rc = model_open_(device, preset, config, &m);
     if (rc) return rc;
     const mtrl_model_dims d = m.dims;
     int per = tokens / seqs;
@@ -106,8 +116,9 @@ static int bench_model_(int argc, char **argv) {
     real *logp = malloc(sizeof(real) * (size_t)seqs * per), *c = malloc(sizeof(real) * (size_t)seqs * per);
     for (int t = 0; t < seqs * per; t++) c[t] = (real)(1.0 / (seqs * per));
     print_machine_();
-    printf("model: preset %s on %s, %zu parameters, %d layers (%s), d=%d, %d experts top-%d; batch %d x %d tokens, segment %d, OMP threads %s\n",
-           preset, device, mtrl_model_param_count(&m), d.L, d.mixer, d.d, d.E, d.k, seqs, per, segment,
+    printf("model: %s%s on %s, %zu parameters, %d layers (%s), d=%d, %d experts top-%d; batch %d x %d tokens, segment %d, OMP threads %s\n",
+           config ? "the model of " : "preset ", config ? config : preset, m.device == MTRL_DEVICE_CUDA ? "cuda" : "cpu",
+           mtrl_model_param_count(&m), d.L, d.mixer, d.d, d.E, d.k, seqs, per, segment,
            getenv("OMP_NUM_THREADS") ? getenv("OMP_NUM_THREADS") : "default");
     double best_f = 1e30, best_fb = 1e30;
     mtrl_model_forward(&m, &b, segment, logp, NULL, NULL); // warm-up
@@ -191,23 +202,25 @@ static int bench_model_(int argc, char **argv) {
 // form) and its decode time per token at that context, then the learner's forward+backward of
 // the T-token sequence with the planner's segment, and the memory of each.
 static int bench_long_(int argc, char **argv) {
-    const char *device = "cpu", *preset = "tiny";
+    const char *device = NULL, *preset = "tiny", *config = NULL;
     int tokens = 8192, steps = 16;
     for (int i = 1; i < argc; i++) {
         const char *a = argv[i];
         const char *v = i + 1 < argc ? argv[i + 1] : NULL;
         if (!strcmp(a, "--device") && v) { device = v; i++; }
         else if (!strcmp(a, "--preset") && v) { preset = v; i++; }
+        else if (!strcmp(a, "--config") && v) { config = v; i++; }
         else if (!strcmp(a, "--tokens") && v) { tokens = atoi(v); i++; }
         else if (!strcmp(a, "--decode") && v) { steps = atoi(v); i++; }
         else return cli_usage_error("bench", BENCH_USAGE, "unknown option '%s'", a);
     }
     if (tokens < 2 || steps < 1) return cli_usage_error("bench", BENCH_USAGE, "need --tokens >= 2 and --decode >= 1");
     mtrl_model m;
-    int rc = model_open_(device, preset, &m);
+    int rc = model_open_(device, preset, config, &m);
     if (rc) return rc;
     print_machine_();
-    printf("long episode: preset %s on %s, %zu parameters, %d tokens\n", preset, device, mtrl_model_param_count(&m), tokens);
+    printf("long episode: %s%s on %s, %zu parameters, %d tokens\n", config ? "the model of " : "preset ",
+           config ? config : preset, m.device == MTRL_DEVICE_CUDA ? "cuda" : "cpu", mtrl_model_param_count(&m), tokens);
     uint32_t *tok = malloc(sizeof(uint32_t) * ((size_t)tokens + (size_t)steps));
     for (size_t t = 0; t < (size_t)tokens + (size_t)steps; t++) tok[t] = (uint32_t)(mtrl_rng_u64(1, 7, t) % 256);
     size_t fr0 = 0, tot = 0, scr = 0, peak = 0;
