@@ -39,28 +39,51 @@ run)
   fi
   [ "${SKIP_QG:-0}" = 1 ] && exit 0
   unset CUDA_VISIBLE_DEVICES
+  # QG_INI=experiments/retrieval-1m.ini runs another experiment (default quickstart-gpu.ini).
   # QG_SETS="learner.lr=2e-5;learner.lr=6e-5 warmup.steps=8": variants of the experiment run at
   # once, variant i on GPU i mod (GPUs) with those --set overrides (default: one, as written).
-  # Each runs in /tmp/qg<i>; its log and summary are $out/quickstart_gpu<i>.log / _summary<i>.txt.
-  # QG_GPU=N starts the variants at GPU N (e.g. the gpu tests on GPU 0, the experiment on GPU 1).
+  # Each runs in $QG_DIR<i> (default /tmp/qg<i>); its log and summary are $out/quickstart_gpu<i>.log
+  # / _summary<i>.txt. QG_GPU=N starts the variants at GPU N (e.g. the gpu tests on GPU 0, the
+  # experiment on GPU 1). QG_DIR=$PWD/.runs/qg with QG_RESUME=1: a run stopped by QG_SECONDS goes
+  # on from its last checkpoint at the next call (a warm machine keeps the ignored .runs/).
+  # Every 2 s the GPU memory of each process goes to $out/gpu_mem.csv; the summary has each
+  # process's peak.
   ngpu=$(nvidia-smi -L | wc -l)
+  ini=$repo/${QG_INI:-experiments/quickstart-gpu.ini}
+  nvidia-smi --query-compute-apps=timestamp,pid,process_name,used_memory --format=csv,noheader -l 2 \
+    > "$out/gpu_mem.csv" 2>/dev/null &
+  memlog=$!
   IFS=';' read -r -a sets <<< "${QG_SETS:-}"
   [ ${#sets[@]} -eq 0 ] && sets=("")
+  pids=()
   for i in "${!sets[@]}"; do
     (
-      dir=/tmp/qg$i
-      rm -rf "$dir" && mkdir -p "$dir" && cd "$dir" || exit 1
+      dir=${QG_DIR:-/tmp/qg}$i
       args=()
+      if [ "${QG_RESUME:-0}" = 1 ] && [ -f "$dir/runs.db" ]; then args+=(--resume); else rm -rf "$dir"; fi
+      mkdir -p "$dir" && cd "$dir" || exit 1
       for kv in ${sets[$i]}; do args+=(--set "$kv"); done
       start=$(date +%s)
       CUDA_VISIBLE_DEVICES=$(( (${QG_GPU:-0} + i) % ngpu )) timeout "${QG_SECONDS:-330}" "$repo/.carry/dev/mtrl" run \
-        "$repo/experiments/quickstart-gpu.ini" --db runs.db --set run.out_dir=$dir/runs --set run.keep_checkpoints=1 \
-        "${args[@]}" > "$out/quickstart_gpu$i.log" 2>&1
-      echo "quickstart-gpu variant $i [${sets[$i]}]: exit $? after $(( $(date +%s) - start )) s" > "$out/quickstart_gpu_summary$i.txt"
+        "$ini" --db runs.db --set run.out_dir=$dir/runs --set run.keep_checkpoints=1 \
+        "${args[@]}" >> "$out/quickstart_gpu$i.log" 2>&1
+      echo "$(basename "$ini") variant $i [${sets[$i]}]: exit $? after $(( $(date +%s) - start )) s" > "$out/quickstart_gpu_summary$i.txt"
       python3 "$repo/tools/run_summary.py" runs.db >> "$out/quickstart_gpu_summary$i.txt" 2>&1
     ) &
+    pids+=($!)
   done
-  wait
+  wait "${pids[@]}"
+  kill "$memlog" 2>/dev/null
+  python3 - "$out/gpu_mem.csv" <<'PY' >> "$out"/quickstart_gpu_summary0.txt
+import sys, collections
+peak = collections.defaultdict(int)
+for line in open(sys.argv[1]):
+    f = [x.strip() for x in line.split(",")]
+    if len(f) == 4 and f[3].endswith("MiB"):
+        k = f[1] + " " + f[2]
+        peak[k] = max(peak[k], int(f[3].split()[0]))
+for k, v in sorted(peak.items()): print("GPU memory peak: pid %s: %.2f GiB" % (k, v / 1024))
+PY
   cat "$out"/quickstart_gpu_summary*.txt
   ;;
 esac

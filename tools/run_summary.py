@@ -26,3 +26,16 @@ print("warm-up loss first/last:", q("select value from metrics where name='warmu
 e = q("select reward from episodes where status in ('complete','truncated') order by started")
 n = len(e) // 5
 if n: print("first 20%% of episodes %.3f, last 20%% %.3f (%d episodes)" % (sum(r for (r,) in e[:n]) / n, sum(r for (r,) in e[-n:]) / n, len(e)))
+# Per stage (experiments with [stage.N]): steps, mean reward and success, episode length, the
+# learner's seconds per step, and the longest episode.
+st = q("select m.value, count(*), round(avg(r.value), 3), round(avg(s.value), 3), round(avg(l.value), 0), "
+       "round(avg(t.value), 1) from metrics m join metrics r on r.run = m.run and r.step = m.step and r.name = 'reward' "
+       "join metrics s on s.run = m.run and s.step = m.step and s.name = 'success' "
+       "join metrics l on l.run = m.run and l.step = m.step and l.name = 'episode_len' "
+       "join metrics t on t.run = m.run and t.step = m.step and t.name = 'step_seconds' "
+       "where m.name = 'stage' group by m.value order by m.value")
+for (stage, steps, rew, succ, eplen, secs) in st:
+    print("stage %d: %d steps, reward %s, success %s, mean episode %s tokens, learner %s s a step" %
+          (stage, steps, rew, succ, eplen, secs))
+if st:
+    print("longest episode:", q("select max(tokens) from episodes"))
