@@ -48,6 +48,13 @@ run)
   # on from its last checkpoint at the next call (a warm machine keeps the ignored .runs/).
   # Every 2 s the GPU memory of each process goes to $out/gpu_mem.csv; the summary has each
   # process's peak.
+  # MPS=1: the learner and actor processes share each GPU through CUDA MPS (their kernels run
+  # side by side instead of in alternating time slices); the daemon is stopped afterwards.
+  if [ "${MPS:-0}" = 1 ] && command -v nvidia-cuda-mps-control >/dev/null; then
+    export CUDA_MPS_PIPE_DIRECTORY=/tmp/mps-pipe CUDA_MPS_LOG_DIRECTORY=/tmp/mps-log
+    mkdir -p "$CUDA_MPS_PIPE_DIRECTORY" "$CUDA_MPS_LOG_DIRECTORY"
+    nvidia-cuda-mps-control -d && echo "CUDA MPS daemon started" | tee -a "$out/gpu.txt"
+  fi
   ngpu=$(nvidia-smi -L | wc -l)
   ini=$repo/${QG_INI:-experiments/quickstart-gpu.ini}
   nvidia-smi --query-compute-apps=timestamp,pid,process_name,used_memory --format=csv,noheader -l 2 \
@@ -74,6 +81,7 @@ run)
   done
   wait "${pids[@]}"
   kill "$memlog" 2>/dev/null
+  [ "${MPS:-0}" = 1 ] && echo quit | nvidia-cuda-mps-control 2>/dev/null
   python3 - "$out/gpu_mem.csv" <<'PY' >> "$out"/quickstart_gpu_summary0.txt
 import sys, collections
 peak = collections.defaultdict(int)
