@@ -314,6 +314,7 @@ void seg_forward(mtrl_model *m, mtrl_arena *ar, int mode, int T, const uint32_t 
     // SEG_PREFILL keeps nothing for a backward: each layer's temporaries are released once its
     // output (the partial sum, allocated first so that it survives) is formed.
     int prefill = mode == SEG_PREFILL;
+    MTRL_CHECKF(mode == SEG_DECODE || !io->piece_io || prefill, "pieces with their own states need SEG_PREFILL");
     for (int l = 0; l < L; l++) {
         layer_cache *lc = &c->layer[l];
         if (l > 0 && l % d->S == 0) {
