@@ -3,14 +3,28 @@
 # (mtrl, the gpu tests, and the shared libraries the machine lacks: libzmq, libsodium, libinih...):
 # every gpu test, the model benchmark, and the quickstart-gpu experiment. Logs go to $OUT.
 #   here:   cmake --build build && tools/gpu_run.sh prepare
+#           (PREP_REV=HEAD tools/gpu_run.sh prepare: build that commit in a clean worktree,
+#           ../mtrl-gpu-build, so that uncommitted work in this tree does not travel in the binaries)
 #   there:  tools/gpu_run.sh run
 set -uo pipefail
 cd "$(dirname "$0")/.."
 repo=$PWD
 case "${1:-run}" in
 prepare)
+  bld=build
+  if [ -n "${PREP_REV:-}" ]; then
+    wt=$(cd .. && pwd)/mtrl-gpu-build
+    rev=$(git rev-parse "$PREP_REV") || exit 1
+    [ -d "$wt" ] || git worktree add -f --detach "$wt" "$rev" || exit 1
+    git -C "$wt" checkout -q --detach "$rev" || exit 1
+    [ -f "$wt/build/build.ninja" ] || cmake -S "$wt" -B "$wt/build" -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo \
+      -DMTRL_CUDA=ON >/dev/null || exit 1
+    ninja -C "$wt/build" mtrl $(cd "$wt/tests" && ls test_cuda_*.c* | sed 's/\.cu\?$//; s/\.c$//') || exit 1
+    bld=$wt/build
+    echo "built $rev in $wt"
+  fi
   rm -rf .carry/dev && mkdir -p .carry/dev/lib
-  cp build/mtrl build/test_cuda_* .carry/dev/
+  cp "$bld"/mtrl "$bld"/test_cuda_* .carry/dev/
   for l in libzmq.so.5 libsodium.so.23 libpgm-5.3.so.0 libnorm.so.1 libbsd.so.0 libmd.so.0 libinih.so.1; do
     cp -L "/lib/x86_64-linux-gnu/$l" .carry/dev/lib/
   done
