@@ -563,6 +563,10 @@ static void prefill_pack_(mtrl_model *m, mtrl_decode_state *const *states, int i
 void mtrl_model_prefill_many(mtrl_model *m, mtrl_decode_state *const *states, int n, const uint32_t *const *tokens,
                              const int *lens, real *logits_last, uint8_t *const *routing_out) {
     const int V = m->dims.V;
+    // one state twice would be read and advanced by two pieces of one forward
+    for (int i = 0; i < n; i++)
+        for (int j = i + 1; j < n; j++)
+            MTRL_CHECKF(states[i] != states[j], "mtrl_model_prefill_many: states %d and %d are the same", i, j);
     for (int i = 0; i < n;) {
         if (lens[i] > MTRL_PREFILL_SEGMENT) { // a long one alone, in its own segments
             mtrl_model_prefill(m, states[i], tokens[i], lens[i], logits_last ? logits_last + (size_t)i * V : NULL,
