@@ -42,28 +42,6 @@ static int colour_;
 
 // ---- text helpers -------------------------------------------------------------------------------
 
-// Length of the valid UTF-8 sequence at b[0..n) (2..4), or 0 when b[0] does not start one.
-static size_t utf8_len_(const uint8_t *b, size_t n) {
-    uint8_t c = b[0];
-    size_t len;
-    uint8_t lo = 0x80, hi = 0xbf;
-    if (c >= 0xc2 && c <= 0xdf) len = 2;
-    else if (c >= 0xe0 && c <= 0xef) {
-        len = 3;
-        if (c == 0xe0) lo = 0xa0;
-        if (c == 0xed) hi = 0x9f;
-    } else if (c >= 0xf0 && c <= 0xf4) {
-        len = 4;
-        if (c == 0xf0) lo = 0x90;
-        if (c == 0xf4) hi = 0x8f;
-    } else return 0;
-    if (n < len) return 0;
-    if (b[1] < lo || b[1] > hi) return 0;
-    for (size_t i = 2; i < len; i++)
-        if (b[i] < 0x80 || b[i] > 0xbf) return 0;
-    return len;
-}
-
 // Text the model or an env produced (a tool's name, an error, a reason) for a line of the
 // view: control bytes become \xNN, so an escape sequence in it never reaches the terminal.
 static const char *esc_(const char *s, char *buf, size_t cap) {
@@ -77,64 +55,6 @@ static const char *esc_(const char *s, char *buf, size_t cap) {
     return buf;
 }
 
-void replay_put_bytes(FILE *f, const uint8_t *b, size_t n, int escape_ws) {
-    for (size_t i = 0; i < n;) {
-        uint8_t c = b[i];
-        if (c < 0x80) {
-            if ((c == '\n' || c == '\t') && !escape_ws) fputc(c, f);
-            else if (c == '\n') fputs("\\n", f);
-            else if (c == '\t') fputs("\\t", f);
-            else if (c < 0x20 || c == 0x7f) fprintf(f, "\\x%02x", c);
-            else fputc(c, f);
-            i++;
-            continue;
-        }
-        size_t len = utf8_len_(b + i, n - i);
-        if (len) {
-            fwrite(b + i, 1, len, f);
-            i += len;
-        } else {
-            fprintf(f, "\\x%02x", c);
-            i++;
-        }
-    }
-}
-
-void replay_put_ids(FILE *f, const uint32_t *ids, size_t n, int colour, int escape_ws) {
-    uint8_t buf[256];
-    size_t nb = 0;
-    for (size_t i = 0; i <= n; i++) {
-        int is_byte = i < n && ids[i] < 256;
-        if (is_byte && nb < sizeof buf) {
-            buf[nb++] = (uint8_t)ids[i];
-            continue;
-        }
-        if (nb) {
-            replay_put_bytes(f, buf, nb, escape_ws);
-            nb = 0;
-        }
-        if (i == n) break;
-        if (is_byte) { // buffer was full
-            buf[nb++] = (uint8_t)ids[i];
-            continue;
-        }
-        const char *name = mtrl_tok_special_name(ids[i]);
-        if (colour) fputs("\033[2m", f);
-        if (name) fputs(name, f);
-        else fprintf(f, "<|id %u|>", ids[i]);
-        if (colour) fputs("\033[22m", f); // normal intensity: the caller's colour goes on
-    }
-}
-
-void replay_token_text(uint32_t id, char *out, size_t cap) {
-    const char *name = mtrl_tok_special_name(id);
-    if (name) snprintf(out, cap, "%s", name);
-    else if (id >= 256) snprintf(out, cap, "<|id %u|>", id);
-    else if (id == '\n') snprintf(out, cap, "\\n");
-    else if (id == '\t') snprintf(out, cap, "\\t");
-    else if (id < 0x20 || id == 0x7f || id >= 0x80) snprintf(out, cap, "\\x%02x", id);
-    else snprintf(out, cap, "%c", (char)id);
-}
 
 static const char *kind_name_(uint8_t k) {
     switch (k) {
@@ -148,33 +68,27 @@ static const char *kind_name_(uint8_t k) {
 
 // ---- JSON ---------------------------------------------------------------------------------------
 
+// JSON's ASCII escapes.
+static const char *json_ascii_(uint8_t c, char *buf, const void *u) {
+    (void)u;
+    switch (c) {
+    case '"': return "\\\"";
+    case '\\': return "\\\\";
+    case '\n': return "\\n";
+    case '\t': return "\\t";
+    case '\r': return "\\r";
+    default:
+        if (c < 0x20 || c == 0x7f) {
+            snprintf(buf, 16, "\\u%04x", c);
+            return buf;
+        }
+        return NULL;
+    }
+}
+
 static void json_bytes_(FILE *f, const uint8_t *b, size_t n) {
     fputc('"', f);
-    for (size_t i = 0; i < n;) {
-        uint8_t c = b[i];
-        if (c < 0x80) {
-            switch (c) {
-            case '"': fputs("\\\"", f); break;
-            case '\\': fputs("\\\\", f); break;
-            case '\n': fputs("\\n", f); break;
-            case '\t': fputs("\\t", f); break;
-            case '\r': fputs("\\r", f); break;
-            default:
-                if (c < 0x20 || c == 0x7f) fprintf(f, "\\u%04x", c);
-                else fputc(c, f);
-            }
-            i++;
-            continue;
-        }
-        size_t len = utf8_len_(b + i, n - i);
-        if (len) {
-            fwrite(b + i, 1, len, f);
-            i += len;
-        } else {
-            fprintf(f, "\\\\x%02x", c); // the text view's escape, as literal text
-            i++;
-        }
-    }
+    replay_put_escaped(f, b, n, json_ascii_, NULL, "\\\\x%02x"); // invalid bytes: the text view's escape, as text
     fputc('"', f);
 }
 
@@ -206,19 +120,6 @@ static void json_f32_(FILE *f, float v) {
 }
 
 // ---- session ------------------------------------------------------------------------------------
-
-void replay_resolve_path(const replay_session *s, const char *stored, char *out, size_t cap) {
-    // Absolute: as stored. Relative (a run started with a relative out_dir): relative to the
-    // directory of the database first (the learner's working directory when it was given a
-    // relative --db, and what survives moving a run's directory), else to ours.
-    snprintf(out, cap, "%s", stored);
-    if (!stored[0] || stored[0] == '/') return;
-    const char *slash = strrchr(s->db, '/');
-    if (!slash) return;
-    char cand[8192];
-    snprintf(cand, sizeof cand, "%.*s/%s", (int)(slash - s->db), s->db, stored);
-    if (access(cand, F_OK) == 0 || access(stored, F_OK) != 0) snprintf(out, cap, "%s", cand);
-}
 
 static void session_free_(replay_session *s) {
     mtrl_store_close(s->store);

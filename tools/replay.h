@@ -1,5 +1,6 @@
 // replay.h: the pieces of `mtrl replay` (tools/cmd_replay.c renders, tools/replay_model.c
-// rescores and re-executes). Internal to the mtrl command; not a library API.
+// rescores and re-executes, tools/replay_text.c has the text and path helpers both use).
+// Internal to the mtrl command; not a library API.
 //
 // One replay session: the run store opened read-only, the episode's store row, its trajectory
 // (when the learner kept a file), the run's resolved config and retained checkpoints. Paths the
@@ -140,6 +141,14 @@ void replay_reexec_free(replay_reexec *r);
 // <|name|>. colour: wrap specials in dim ANSI.
 void replay_put_ids(FILE *f, const uint32_t *ids, size_t n, int colour, int escape_ws);
 void replay_put_bytes(FILE *f, const uint8_t *b, size_t n, int escape_ws);
+// Length of the valid UTF-8 sequence at b[0..n) (2..4), or 0 when b[0] does not start one.
+size_t replay_utf8_len(const uint8_t *b, size_t n);
+// Writes b[0..n): valid UTF-8 sequences as they are, a byte >= 0x80 that starts none through
+// invalid_fmt (printf of the byte), an ASCII byte as ascii() returns it (NULL: the byte itself;
+// buf has room for 16 characters). The text view and the JSON output differ only in those two.
+typedef const char *(*replay_ascii_fn)(uint8_t c, char *buf, const void *u);
+void replay_put_escaped(FILE *f, const uint8_t *b, size_t n, replay_ascii_fn ascii, const void *u,
+                        const char *invalid_fmt);
 // The display text of one token into out (cap bytes).
 void replay_token_text(uint32_t id, char *out, size_t cap);
 
