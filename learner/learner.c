@@ -558,10 +558,16 @@ static void rl_step_(mtrl_learner *l, int *ready, int n_ready) {
     long qb_actor = qb_stats_fold_(l); // summed before the step's own batches; applied after it
     mtrl_train_rl_step(&l->model, &l->cfg, &l->algo, batch, nb, &st);
     l->step++;
-    double t_pub = mtrl_time_mono(), pub_serialise = publish_(l);
-    for (int i = 0; i < l->n_actors; i++)
-        if (l->actors[i].alive) send_weights_(l, &l->actors[i]);
-    t_pub = mtrl_time_mono() - t_pub;
+    // [learner] publish_every: the actors get every N-th version (each publish costs the learner
+    // the serialisation and each actor a load); the others stay on the learner.
+    double t_pub = 0, pub_serialise = 0;
+    if (l->step % l->cfg.learner.publish_every == 0) {
+        t_pub = mtrl_time_mono();
+        pub_serialise = publish_(l);
+        for (int i = 0; i < l->n_actors; i++)
+            if (l->actors[i].alive) send_weights_(l, &l->actors[i]);
+        t_pub = mtrl_time_mono() - t_pub;
+    }
     // Wall time from the previous step's end: the learner's step plus its wait for episodes.
     double now = mtrl_time_mono(), cycle = l->t_last_step > 0 ? now - l->t_last_step : now - l->t_start;
     l->t_last_step = now;

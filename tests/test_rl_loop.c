@@ -179,15 +179,20 @@ static void test_short_run(void) {
 // Episodes larger than the whole credit still stream (one message at a time when nothing else
 // is in flight) instead of waiting forever: 4 KiB of credit (~300 tokens on the wire), and
 // retrieval episodes of a ~200-token prompt plus turns of up to 500 tokens, each in one chunk.
-// The weights go out with bf16 matrices here (publish_dtype = bf16).
+// The weights go out with bf16 matrices here (publish_dtype = bf16), every second version.
 static void test_small_credit(void) {
     char ini[512], db[512], log[512];
     make_experiment("credit", 3, "retrieval", "", "false", ini, sizeof ini, NULL);
     snprintf(db, sizeof db, "%s/credit.db", dir_);
     snprintf(log, sizeof log, "%s/credit.log", dir_);
     char *argv[] = {(char *)bin_, "run", ini, "--db", db, "--set", "learner.credit_bytes=4096", "--set", "actor.chunk_tokens=2048",
-                    "--set", "actor.max_tokens=800", "--set", "actor.max_turn_tokens=500", "--set", "learner.publish_dtype=bf16", NULL};
+                    "--set", "actor.max_tokens=800", "--set", "actor.max_turn_tokens=500", "--set", "learner.publish_dtype=bf16",
+                    "--set", "learner.publish_every=2", NULL};
     TEST_EQ_INT(run_cmd(argv, log), 0);
+    // publish_every = 2: the actors only ever had the even versions (0, 2, ...)
+    TEST_EQ_INT(query_int(db, "SELECT count(*) FROM episodes WHERE model_tokens > 0 AND (version_min % 2 = 1 OR "
+                              "version_max % 2 = 1)"), 0);
+    TEST_CHECK(query_int(db, "SELECT count(*) FROM episodes WHERE model_tokens > 0") > 0);
     TEST_CHECK(query_int(db, "SELECT max(tokens) FROM episodes") > 400); // over 4 KiB on the wire
     char status[64];
     query_text(db, "SELECT status FROM runs WHERE id = 1", status, sizeof status);
