@@ -49,9 +49,33 @@ static void print_machine_(void) {
     printf("machine: %s, %ld cores, %s %s; %s\n", cpu, sysconf(_SC_NPROCESSORS_ONLN), u.sysname, u.machine, when);
 }
 
+// The model a benchmark runs and its size: the options `bench model` and `bench long` share.
+typedef struct bench_src {
+    const char *device, *preset, *config;
+    int tokens;
+} bench_src;
+
+// Takes option a (with value v) when it is one of bench_src's: 1, else 0.
+static int src_opt_(bench_src *s, const char *a, const char *v) {
+    if (!v) return 0;
+    if (!strcmp(a, "--device")) s->device = v;
+    else if (!strcmp(a, "--preset")) s->preset = v;
+    else if (!strcmp(a, "--config")) s->config = v;
+    else if (!strcmp(a, "--tokens")) s->tokens = atoi(v);
+    else return 0;
+    return 1;
+}
+
+// "preset tiny" or "the model of EXPERIMENT.ini", for the report line.
+static const char *src_label_(const bench_src *s, char *buf, size_t cap) {
+    snprintf(buf, cap, "%s%s", s->config ? "the model of " : "preset ", s->config ? s->config : s->preset);
+    return buf;
+}
+
 // The model of --config EXPERIMENT.ini ([model], and its device unless --device is given), or
 // of the preset, on the device (cpu, cuda, cuda:N): 0, or the exit code (77: no GPU here).
-static int model_open_(const char *device, const char *preset, const char *config, mtrl_model *m) {
+static int model_open_(const bench_src *src, mtrl_model *m) {
+    const char *device = src->device, *preset = src->preset, *config = src->config;
     mtrl_config cfg;
     if (config) {
         if (!cli_config_load("bench", config, 0, NULL, &cfg)) return 2;
@@ -84,23 +108,21 @@ static int model_open_(const char *device, const char *preset, const char *confi
 }
 
 static int bench_model_(int argc, char **argv) {
-    const char *device = NULL, *preset = "tiny", *config = NULL;
-    int tokens = 2048, seqs = 8, segment = 0, reps = 3;
+    bench_src src = {NULL, "tiny", NULL, 2048};
+    int seqs = 8, segment = 0, reps = 3;
     for (int i = 1; i < argc; i++) {
         const char *a = argv[i];
         const char *v = i + 1 < argc ? argv[i + 1] : NULL;
-        if (!strcmp(a, "--device") && v) { device = v; i++; }
-        else if (!strcmp(a, "--preset") && v) { preset = v; i++; }
-        else if (!strcmp(a, "--config") && v) { config = v; i++; }
-        else if (!strcmp(a, "--tokens") && v) { tokens = atoi(v); i++; }
+        if (src_opt_(&src, a, v)) i++;
         else if (!strcmp(a, "--seqs") && v) { seqs = atoi(v); i++; }
         else if (!strcmp(a, "--segment") && v) { segment = atoi(v); i++; }
         else if (!strcmp(a, "--reps") && v) { reps = atoi(v); i++; }
         else return cli_usage_error("bench", BENCH_USAGE, "unknown option '%s'", a);
     }
+    int tokens = src.tokens;
     if (tokens < seqs || seqs < 1 || reps < 1) return cli_usage_error("bench", BENCH_USAGE, "need tokens >= seqs >= 1 and reps >= 1");
     mtrl_model m;
-    int rc = model_open_(device, preset, config, &m);
+    int rc = model_open_(&src, &m);
     if (rc) return rc;
     const mtrl_model_dims d = m.dims;
     int per = tokens / seqs;
@@ -116,8 +138,9 @@ static int bench_model_(int argc, char **argv) {
     real *logp = malloc(sizeof(real) * (size_t)seqs * per), *c = malloc(sizeof(real) * (size_t)seqs * per);
     for (int t = 0; t < seqs * per; t++) c[t] = (real)(1.0 / (seqs * per));
     print_machine_();
-    printf("model: %s%s on %s, %zu parameters, %d layers (%s), d=%d, %d experts top-%d; batch %d x %d tokens, segment %d, OMP threads %s\n",
-           config ? "the model of " : "preset ", config ? config : preset, m.device == MTRL_DEVICE_CUDA ? "cuda" : "cpu",
+    char label[1100];
+    printf("model: %s on %s, %zu parameters, %d layers (%s), d=%d, %d experts top-%d; batch %d x %d tokens, segment %d, OMP threads %s\n",
+           src_label_(&src, label, sizeof label), m.device == MTRL_DEVICE_CUDA ? "cuda" : "cpu",
            mtrl_model_param_count(&m), d.L, d.mixer, d.d, d.E, d.k, seqs, per, segment,
            getenv("OMP_NUM_THREADS") ? getenv("OMP_NUM_THREADS") : "default");
     double best_f = 1e30, best_fb = 1e30;
@@ -202,25 +225,24 @@ static int bench_model_(int argc, char **argv) {
 // form) and its decode time per token at that context, then the learner's forward+backward of
 // the T-token sequence with the planner's segment, and the memory of each.
 static int bench_long_(int argc, char **argv) {
-    const char *device = NULL, *preset = "tiny", *config = NULL;
-    int tokens = 8192, steps = 16;
+    bench_src src = {NULL, "tiny", NULL, 8192};
+    int steps = 16;
     for (int i = 1; i < argc; i++) {
         const char *a = argv[i];
         const char *v = i + 1 < argc ? argv[i + 1] : NULL;
-        if (!strcmp(a, "--device") && v) { device = v; i++; }
-        else if (!strcmp(a, "--preset") && v) { preset = v; i++; }
-        else if (!strcmp(a, "--config") && v) { config = v; i++; }
-        else if (!strcmp(a, "--tokens") && v) { tokens = atoi(v); i++; }
+        if (src_opt_(&src, a, v)) i++;
         else if (!strcmp(a, "--decode") && v) { steps = atoi(v); i++; }
         else return cli_usage_error("bench", BENCH_USAGE, "unknown option '%s'", a);
     }
+    int tokens = src.tokens;
     if (tokens < 2 || steps < 1) return cli_usage_error("bench", BENCH_USAGE, "need --tokens >= 2 and --decode >= 1");
     mtrl_model m;
-    int rc = model_open_(device, preset, config, &m);
+    int rc = model_open_(&src, &m);
     if (rc) return rc;
     print_machine_();
-    printf("long episode: %s%s on %s, %zu parameters, %d tokens\n", config ? "the model of " : "preset ",
-           config ? config : preset, m.device == MTRL_DEVICE_CUDA ? "cuda" : "cpu", mtrl_model_param_count(&m), tokens);
+    char label[1100];
+    printf("long episode: %s on %s, %zu parameters, %d tokens\n", src_label_(&src, label, sizeof label),
+           m.device == MTRL_DEVICE_CUDA ? "cuda" : "cpu", mtrl_model_param_count(&m), tokens);
     uint32_t *tok = malloc(sizeof(uint32_t) * ((size_t)tokens + (size_t)steps));
     for (size_t t = 0; t < (size_t)tokens + (size_t)steps; t++) tok[t] = (uint32_t)(mtrl_rng_u64(1, 7, t) % 256);
     size_t fr0 = 0, tot = 0, scr = 0, peak = 0;
