@@ -56,7 +56,7 @@ static void kda_backward_(mtrl_model *m, mtrl_arena *ar, int l, int T, const lay
         // Packed pieces: each ends its sequence (no gradient arrives through its final state).
         size_t tile = 0;
         for (int i = 0; i < io->n_piece; i++) {
-            int o = io->piece[i], Ti = io->piece[i + 1] - o;
+            int Ti, o = seq_piece(io, T, i, &Ti);
             size_t x = (size_t)o * HD, h = (size_t)o * H;
             be->kda_chunk_bwd(be, Ti, H, D, D, c->qn + x, c->kn + x, c->cv + x, c->g + x, c->beta + h, c->S0,
                               c->S_tiles + tile * S_sz, d_o + x, NULL, dqn + x, dkn + x, dcv + x, dg + x, dbeta + h,
@@ -92,8 +92,8 @@ static void kda_backward_(mtrl_model *m, mtrl_arena *ar, int l, int T, const lay
             be->shortconv_state_bwd(be, T, HD, W, dconv + s * w1, dpx, dst_in + s * w1);
         } else {
             for (int i = 0; i < io->n_piece; i++) {
-                size_t o = (size_t)io->piece[i] * HD;
-                int Ti = io->piece[i + 1] - io->piece[i];
+                int Ti;
+                size_t o = (size_t)seq_piece(io, T, i, &Ti) * HD;
                 be->shortconv_bwd(be, Ti, HD, W, px[s] + o, cw[s], c->cst + s * w1, dc3[s] + o, dpx + o, cgw[s], NULL);
             }
         }
@@ -132,8 +132,8 @@ static void mla_backward_(mtrl_model *m, mtrl_arena *ar, int l, int T, const lay
                             dlat, dlat);
     } else {
         for (int i = 0; i < io->n_piece; i++) {
-            size_t o = (size_t)io->piece[i];
-            int Ti = io->piece[i + 1] - io->piece[i];
+            int Ti;
+            size_t o = (size_t)seq_piece(io, T, i, &Ti);
             be->attn_causal_bwd(be, Ti, Ti, mH, 1, ld, dc, scale, c->qt + o * mH * ld, lat + o * ld, ld, lat + o * ld,
                                 ld, c->ol + o * mH * dc, c->lse + o * mH, dol + o * mH * dc, dqt + o * mH * ld,
                                 dlat + o * ld, dlat + o * ld);

@@ -64,11 +64,10 @@ static void kda_forward_(mtrl_model *m, mtrl_arena *ar, int l, int mode, int T, 
         else be->copy(be, c->cst, st, sizeof(real) * conv_sz);
         const real *px[3] = {c->pq, c->pk, c->pv}, *cw[3] = {p->conv_q, p->conv_k, p->conv_v};
         real *cy[3] = {c->cq, c->ck, c->cv};
-        int np = io->n_piece ? io->n_piece : 1;
         for (int s = 0; s < 3; s++)
-            for (int i = 0; i < np; i++) {
-                size_t o = io->n_piece ? (size_t)io->piece[i] * HD : 0;
-                int Ti = io->n_piece ? io->piece[i + 1] - io->piece[i] : T;
+            for (int i = 0; i < seq_pieces(io); i++) {
+                int Ti;
+                size_t o = (size_t)seq_piece(io, T, i, &Ti) * HD;
                 real *out_st = io->piece_io ? io->piece_io[i].conv + (size_t)ki * conv_sz + s * w1 : st + s * w1;
                 if (io->piece_io) be->copy(be, c->cst + s * w1, out_st, sizeof(real) * w1);
                 be->shortconv_fwd(be, Ti, HD, W, px[s] + o, cw[s], c->cst + s * w1, cy[s] + o, out_st);
@@ -102,10 +101,9 @@ static void kda_forward_(mtrl_model *m, mtrl_arena *ar, int l, int mode, int T, 
         else be->copy(be, c->S0, S, sizeof(real) * S_sz);
         // the tile states are for a backward: a prefill stores none
         c->S_tiles = mode == SEG_PREFILL ? NULL : ALLOC((size_t)seg_kda_tiles(T, io) * S_sz);
-        int np = io->n_piece ? io->n_piece : 1;
         size_t tile = 0;
-        for (int i = 0; i < np; i++) {
-            int o = io->n_piece ? io->piece[i] : 0, Ti = io->n_piece ? io->piece[i + 1] - o : T;
+        for (int i = 0; i < seq_pieces(io); i++) {
+            int Ti, o = seq_piece(io, T, i, &Ti);
             size_t x = (size_t)o * HD, h = (size_t)o * H;
             real *S_out = S;
             if (io->piece_io) { // the piece's own state in, its successor out
@@ -152,7 +150,7 @@ static void mla_forward_(mtrl_model *m, mtrl_arena *ar, int l, int mode, int T, 
     if (mode != SEG_DECODE && io->piece_io) {
         for (int i = 0; i < io->n_piece; i++) {
             const seq_io *pi = &io->piece_io[i];
-            int o = io->piece[i], Ti = io->piece[i + 1] - o;
+            int Ti, o = seq_piece(io, T, i, &Ti);
             MTRL_CHECKF(pi->t0 + Ti <= pi->cap, "MLA latent cache full: position %d, capacity %d", pi->t0 + Ti - 1,
                         pi->cap);
             real *row = pi->latent + ((size_t)mi * pi->cap + (size_t)pi->t0) * ld;
@@ -187,8 +185,9 @@ static void mla_forward_(mtrl_model *m, mtrl_arena *ar, int l, int mode, int T, 
             // positions too), or to its rows of the packed latents.
             MTRL_CHECK(io->piece_io || io->t0 == 0);
             for (int i = 0; i < io->n_piece; i++) {
-                size_t o = (size_t)io->piece[i];
-                int Ti = io->piece[i + 1] - io->piece[i], Tk = Ti;
+                int Ti;
+                size_t o = (size_t)seq_piece(io, T, i, &Ti);
+                int Tk = Ti;
                 const real *lat = io->latent + ((size_t)mi * io->cap + o) * ld;
                 if (io->piece_io) {
                     const seq_io *pi = &io->piece_io[i];
@@ -374,7 +373,10 @@ void seg_forward(mtrl_model *m, mtrl_arena *ar, int mode, int T, const uint32_t 
     if (out && out->logp) be->logprob_fwd(be, T, d->V, c->logits, out->targets, out->logp, out->entropy);
     if (mode != SEG_DECODE) {
         io->t0 += T;
-        for (int i = 0; io->piece_io && i < io->n_piece; i++) io->piece_io[i].t0 += io->piece[i + 1] - io->piece[i];
+        for (int i = 0, len; io->piece_io && i < io->n_piece; i++) {
+            seq_piece(io, T, i, &len);
+            io->piece_io[i].t0 += len;
+        }
     }
     else
         for (int r = 0; r < T; r++) io[r].t0 += 1;
@@ -431,7 +433,10 @@ static size_t ffn_bwd_bytes_(const mtrl_model_dims *d, int l, size_t T) {
 int seg_kda_tiles(int T, const seq_io *io) {
     if (!io || !io->n_piece) return kda_tile_count(T);
     int n = 0;
-    for (int i = 0; i < io->n_piece; i++) n += kda_tile_count(io->piece[i + 1] - io->piece[i]);
+    for (int i = 0, len; i < io->n_piece; i++) {
+        seq_piece(io, T, i, &len);
+        n += kda_tile_count(len);
+    }
     return n;
 }
 

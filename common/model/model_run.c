@@ -182,6 +182,11 @@ size_t ws_held_bytes(const mtrl_model *m) {
     return w ? w->pub.arena.cap + w->state.cap : 0;
 }
 
+// The next-token targets of a sequence of len tokens (-1 after its last).
+static void targets_of_(const uint32_t *tok, int len, int *out) {
+    for (int t = 0; t < len; t++) out[t] = t + 1 < len ? (int)tok[t + 1] : -1;
+}
+
 // Forward of a packed segment: its sequences' tokens end to end in one seg_forward, each
 // sequence a piece that starts from the zero state (model_ws.h seq_io).
 static void pack_forward_(mtrl_model *m, const mtrl_batch *b, ws_pack *pk, real *logp, real *entropy,
@@ -205,7 +210,7 @@ static void pack_forward_(mtrl_model *m, const mtrl_batch *b, ws_pack *pk, real 
     for (int j = 0; j < pk->n; j++) {
         int i = pk->i0 + j, o = pk->piece[j], len = b->len[i];
         memcpy(pk->tokens + o, b->tokens[i], sizeof(uint32_t) * (size_t)len);
-        for (int t = 0; t < len; t++) pk->targets[o + t] = t + 1 < len ? (int)b->tokens[i][t + 1] : -1;
+        targets_of_(b->tokens[i], len, pk->targets + o);
         if (replay) memcpy(rin + (size_t)o * rw, b->routing[i], (size_t)len * rw);
     }
     pk->latent = RALLOC(&w->state, (size_t)T * lat);
@@ -297,7 +302,7 @@ void mtrl_model_forward(mtrl_model *m, const mtrl_batch *b, int segment, real *l
         s->latent = RALLOC(&w->state, (size_t)n_mla * len * LW);
         s->routing = xcalloc((size_t)len * rw + 1, 1);
         s->targets = xmalloc(sizeof(int) * (size_t)(len + 1));
-        for (int t = 0; t < len; t++) s->targets[t] = t + 1 < len ? (int)b->tokens[i][t + 1] : -1;
+        targets_of_(b->tokens[i], len, s->targets);
         if (w->keep) s->kept = xcalloc((size_t)s->n_seg, sizeof(seg_cache));
         w->pub.state_bytes += sizeof(real) * ((size_t)s->n_seg * (S_sz + C_sz) + (size_t)n_mla * len * LW);
         real *S = w->run_S, *C = w->run_C;

@@ -42,6 +42,18 @@ typedef struct seq_io {
     struct seq_io *piece_io;
 } seq_io;
 
+// The pieces of a chunked segment: n_piece, or 1 (the whole segment) when it has none.
+static inline int seq_pieces(const seq_io *io) { return io->n_piece ? io->n_piece : 1; }
+// Piece i of a chunked segment of T tokens: its first token in the segment; *len its length.
+static inline int seq_piece(const seq_io *io, int T, int i, int *len) {
+    if (!io->n_piece) {
+        *len = T;
+        return 0;
+    }
+    *len = io->piece[i + 1] - io->piece[i];
+    return io->piece[i];
+}
+
 // Gradients flowing backwards across a segment boundary (same layout as seq_io's state).
 typedef struct seq_grad {
     real *dS;      // [n_kda][H][D][D]: ∂L/∂(state leaving the segment) in, ∂L/∂(state entering) out
