@@ -60,8 +60,8 @@ static void kda_forward_(mtrl_model *m, mtrl_arena *ar, int l, int mode, int T, 
         // A packed segment's pieces start from the zero window (io's window takes their
         // scratch), or each from its own window (piece_io: the window is copied to cst first).
         real *st = io->piece_io ? NULL : io->conv + (size_t)ki * conv_sz;
-        if (io->n_piece) be->zero(be, c->cst, sizeof(real) * conv_sz);
-        else be->copy(be, c->cst, st, sizeof(real) * conv_sz);
+        if (!io->n_piece) be->copy(be, c->cst, st, sizeof(real) * conv_sz);
+        else if (!io->piece_io) be->zero(be, c->cst, sizeof(real) * conv_sz);
         const real *px[3] = {c->pq, c->pk, c->pv}, *cw[3] = {p->conv_q, p->conv_k, p->conv_v};
         real *cy[3] = {c->cq, c->ck, c->cv};
         for (int s = 0; s < 3; s++)
@@ -97,8 +97,8 @@ static void kda_forward_(mtrl_model *m, mtrl_arena *ar, int l, int mode, int T, 
     if (mode != SEG_DECODE) {
         real *S = io->piece_io ? NULL : io->kda_S + (size_t)ki * S_sz;
         c->S0 = ALLOC(S_sz);
-        if (io->n_piece) be->zero(be, c->S0, sizeof(real) * S_sz);
-        else be->copy(be, c->S0, S, sizeof(real) * S_sz);
+        if (!io->n_piece) be->copy(be, c->S0, S, sizeof(real) * S_sz);
+        else if (!io->piece_io) be->zero(be, c->S0, sizeof(real) * S_sz); // piece_io: each piece's own, below
         // the tile states are for a backward: a prefill stores none
         c->S_tiles = mode == SEG_PREFILL ? NULL : ALLOC((size_t)seg_kda_tiles(T, io) * S_sz);
         size_t tile = 0;
