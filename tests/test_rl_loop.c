@@ -219,6 +219,21 @@ static void send_garbage(const char *endpoint) {
     zmq_ctx_term(ctx);
 }
 
+// Whether dir holds a snapshot of an episode in flight of actor id (a<id>.r<run>.s<slot>.snap).
+static int snapshot_of_actor_(const char *dir, int id) {
+    DIR *d = opendir(dir);
+    if (!d) return 0;
+    char prefix[32];
+    snprintf(prefix, sizeof prefix, "a%d.r", id);
+    int found = 0;
+    for (struct dirent *e; !found && (e = readdir(d));) {
+        size_t n = strlen(e->d_name);
+        found = !strncmp(e->d_name, prefix, strlen(prefix)) && n > 5 && !strcmp(e->d_name + n - 5, ".snap");
+    }
+    closedir(d);
+    return found;
+}
+
 static void test_actor_killed(void) {
     char ini[512], db[512], log[512], epfile[512];
     // Long episodes streamed in small chunks, so the actor is always in the middle of some.
@@ -253,10 +268,14 @@ static void test_actor_killed(void) {
     char *a1[] = {(char *)bin_, "actor", "--connect", endpoint, "--id", "1", NULL};
     char *a2[] = {(char *)bin_, "actor", "--connect", endpoint, "--id", "2", NULL};
     pid_t p1 = start_cmd(a1, log), p2 = start_cmd(a2, log);
-    // Wait until actor 1 has committed episodes, then kill it in the middle of its next ones.
+    // Wait until actor 1 has committed episodes and snapshotted one in flight, then kill it in
+    // the middle of its next ones (a fixed delay raced the snapshots on a loaded machine).
     for (int i = 0; i < 600 && query_int(db, "SELECT count(*) FROM episodes WHERE actor = 1") < 1; i++) sleep_ms(50);
     TEST_CHECK(query_int(db, "SELECT count(*) FROM episodes WHERE actor = 1") >= 1);
-    sleep_ms(100);
+    char snapdir[600];
+    snprintf(snapdir, sizeof snapdir, "%s/snaps", dir_);
+    for (int i = 0; i < 600 && !snapshot_of_actor_(snapdir, 1); i++) sleep_ms(20);
+    TEST_CHECKF(snapshot_of_actor_(snapdir, 1), "actor 1 wrote no snapshot of an episode in flight");
     kill(p1, SIGKILL);
     waitpid(p1, NULL, 0);
     send_garbage(endpoint);
