@@ -57,28 +57,8 @@ struct A2 {
     const uint16_t *q, *k, *v;
 };
 
-// Lane addresses of the three fragment loads (see cuda_common.cuh for the fragment layouts):
-// A: the 16 x 16 block at (row 0, col k0) of a row-major matrix.
-__device__ __forceinline__ const uint16_t *adr_a(const uint16_t *A, int ld, int k0, int lane) {
-    return A + (lane & 15) * ld + k0 + ((lane >> 4) << 3);
-}
-// B of n-tiles n0, n0 + 8 from an n-major matrix (element (k, n) at B[n ld + k]): ldsm_x4.
-__device__ __forceinline__ const uint16_t *adr_b_nk(const uint16_t *B, int ld, int k0, int n0,
-                                                    int lane) {
-    return B + (n0 + (lane & 7) + ((lane >> 4) << 3)) * ld + k0 + (((lane >> 3) & 1) << 3);
-}
-// The same from a k-major matrix (element (k, n) at B[k ld + n]): ldsm_x4_t.
-__device__ __forceinline__ const uint16_t *adr_b_kn(const uint16_t *B, int ld, int k0, int n0,
-                                                    int lane) {
-    return B + (k0 + (lane & 7) + (((lane >> 3) & 1) << 3)) * ld + n0 + ((lane >> 4) << 3);
-}
-
-// 2^x on the special-function unit (ex2.approx: ~2 ulp; 2^-inf = +0).
-__device__ __forceinline__ float ex2(float x) {
-    float y;
-    asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
-    return y;
-}
+// adr_a, adr_b_nk, adr_b_kn (the lane addresses of the ldmatrix fragment loads) and ex2 are in
+// cuda_common.cuh (shared with the KDA v3 kernels).
 
 // Index (token * H + head) of packed row rho of key head j.
 __device__ __forceinline__ size_t row_ih(const A2 &a, int j, int rho) {

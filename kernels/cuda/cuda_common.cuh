@@ -186,6 +186,31 @@ __device__ __forceinline__ void ldsm_x4_t(uint32_t *r, const uint16_t *p) {
                  : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
                  : "r"(a));
 }
+// Lane addresses of the three fragment loads (fragment layouts: mma_bf16_16816 above); moved here
+// from attn_tc_cuda.cu unchanged. With x4 loads the four registers are, in order:
+// A: the 16 x 16 block at (row 0, col k0) of a row-major matrix: r[0..3] = a[0..3] (ldsm_x4).
+__device__ __forceinline__ const uint16_t *adr_a(const uint16_t *A, int ld, int k0, int lane) {
+    return A + (lane & 15) * ld + k0 + ((lane >> 4) << 3);
+}
+// B of n-tiles n0, n0 + 8 (k rows k0..k0+15) from an n-major matrix (element (k, n) at B[n ld + k]):
+// ldsm_x4; r[0], r[1] = b[0], b[1] of n-tile n0 and r[2], r[3] = b[0], b[1] of n-tile n0 + 8.
+__device__ __forceinline__ const uint16_t *adr_b_nk(const uint16_t *B, int ld, int k0, int n0,
+                                                    int lane) {
+    return B + (n0 + (lane & 7) + ((lane >> 4) << 3)) * ld + k0 + (((lane >> 3) & 1) << 3);
+}
+// The same from a k-major matrix (element (k, n) at B[k ld + n]): ldsm_x4_t, same register order.
+__device__ __forceinline__ const uint16_t *adr_b_kn(const uint16_t *B, int ld, int k0, int n0,
+                                                    int lane) {
+    return B + (k0 + (lane & 7) + (((lane >> 3) & 1) << 3)) * ld + n0 + ((lane >> 4) << 3);
+}
+
+// 2^x on the special-function unit (ex2.approx: ~2 ulp; 2^-inf = +0).
+__device__ __forceinline__ float ex2(float x) {
+    float y;
+    asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
+    return y;
+}
+
 // cp.async of 16 bytes global -> shared (both 16-byte aligned).
 __device__ __forceinline__ void cp_async16(void *smem, const void *gmem) {
     unsigned s = (unsigned)__cvta_generic_to_shared(smem);
