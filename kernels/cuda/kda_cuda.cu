@@ -18,6 +18,10 @@
 //   3. kda_tile_bwd_k, grid (tiles, heads): the rest of §2.4 for each tile in parallel, from the
 //      tile's incoming S (S_tiles) and outgoing-state gradient dS'.
 // Arithmetic is fp32 throughout (SIMT); the state, G, T and all accumulators are fp32.
+// Forward v3 (kda_tc_cuda.cu): the same tiles with the products on tensor cores (bf16 operands,
+// fp32 state and accumulators) for K = V = 128 (16-byte aligned q, k, v, g); the kernels above
+// are v2, which runs every other shape, the backward's state recomputation, and every shape
+// when the environment variable MTRL_KDA_V2=1 (read at each call).
 //
 // Decode step (mtrl_kda_step), two kernels behind one launcher:
 //   v2 kda_step2_k (default), grid (V/64, H, B), 256 threads: a block owns 64 columns of one
@@ -921,6 +925,23 @@ static void launch_state_bwd_(mtrl_cuda_ctx *c, int T, int H, int K, int V, int 
     KDA_NR_SWITCH(state_bwd_nr_, c, T, H, K, V, nt, w, dout, dS_final, dD, dSt, dS0)
 }
 
+// v3 (kda_tc_cuda.cu): tensor cores, K = V = 128.
+int kda3_supports(int H, int K, int V, const float *q, const float *k, const float *v,
+                  const float *g);
+int kda3_chunk_fwd(mtrl_cuda_ctx *c, int T, int H, const float *q, const float *k,
+                   const float *v, const float *g, const float *beta, const float *S0, float *o,
+                   float *S_final, float *S_tiles);
+
+static int kda_v2_forced_() {
+    const char *e = getenv("MTRL_KDA_V2");
+    return e && e[0] == '1';
+}
+
+extern "C" int mtrl_kda_chunk_fwd_version(int H, int K, int V) {
+    if (kda_v2_forced_()) return 2;
+    return H > 0 && H <= 65535 && K == 128 && V == 128 ? 3 : 2;
+}
+
 extern "C" int mtrl_kda_chunk_fwd(mtrl_cuda_ctx *c, int T, int H, int K, int V, const float *q,
                                   const float *k, const float *v, const float *g,
                                   const float *beta, const float *S0, float *o, float *S_final,
@@ -935,6 +956,8 @@ extern "C" int mtrl_kda_chunk_fwd(mtrl_cuda_ctx *c, int T, int H, int K, int V, 
         }
         return 0;
     }
+    if (mtrl_kda_chunk_fwd_version(H, K, V) == 3 && kda3_supports(H, K, V, q, k, v, g))
+        return kda3_chunk_fwd(c, T, H, q, k, v, g, beta, S0, o, S_final, S_tiles);
     int nt = (T + KT - 1) / KT;
     ws_carver cv{nullptr, 0};
     KdaWs w;

@@ -84,7 +84,7 @@ int mtrl_linear_bwd_dw(mtrl_cuda_ctx *ctx, int T, int n, int k, const void *dy, 
 // Layouts as kda_ref.h: q, k, g, dq, dk, dg [T][H][K]; v, o, dv, dout [T][H][V]; beta, dbeta
 // [T][H]; states [H][K][V] (fp32). One sequence per call. Requirements: K and V multiples of
 // 16, at most 128 for the chunked form (the model uses 128) and 256 for the decode step; every
-// g in (g_min, 0) with g_min >= -11 (§2.5). Arithmetic: fp32 (SIMT) in this version.
+// g in (g_min, 0) with g_min >= -11 (§2.5). Arithmetic: fp32 (SIMT), except the chunked forward v3 below.
 int mtrl_kda_gate_fwd(mtrl_cuda_ctx *ctx, int T, int H, int K, const float *f,
                       const float *A_log, const float *dt_bias, float g_min, float *g);
 // df overwritten; dA_log [H] and ddt_bias [H*K] ACCUMULATED (+=), as kda_gate_bwd.
@@ -93,9 +93,14 @@ int mtrl_kda_gate_bwd(mtrl_cuda_ctx *ctx, int T, int H, int K, const float *f,
                       float *df, float *dA_log, float *ddt_bias);
 // Chunked forward in 16-token tiles (§2.3). S0, o, S_final, S_tiles nullable. S_tiles receives
 // the incoming state of every tile, [ceil(T/16)][H][K][V] (what the backward needs).
+// Two kernels: v3 (kda_tc_cuda.cu: mma.sync with bf16 operands, fp32 state and accumulators;
+// ‖err‖/‖ref‖ ≈ 2e-3) for K = V = 128 and 16-byte aligned q, k, v, g; v2 (fp32 SIMT) for every
+// other shape, or for all shapes when the environment variable MTRL_KDA_V2=1 (read at each call).
 int mtrl_kda_chunk_fwd(mtrl_cuda_ctx *ctx, int T, int H, int K, int V, const float *q,
                        const float *k, const float *v, const float *g, const float *beta,
                        const float *S0, float *o, float *S_final, float *S_tiles);
+// The forward kernel mtrl_kda_chunk_fwd runs for this shape (given 16-byte aligned inputs): 3 or 2.
+int mtrl_kda_chunk_fwd_version(int H, int K, int V);
 // Chunked backward (§2.4). S_tiles as written by the forward, or NULL (recomputed into
 // scratch). dS_final NULL = zero; dS0 nullable; every other output overwritten.
 int mtrl_kda_chunk_bwd(mtrl_cuda_ctx *ctx, int T, int H, int K, int V, const float *q,

@@ -1,0 +1,475 @@
+// kda_tc_cuda.cu: KDA chunked forward v3, the tile products on tensor cores (mma.sync m16n8k16,
+// bf16 operands, fp32 accumulation; the state, G, T and every accumulator stay fp32).
+// mtrl_kda_chunk_fwd (kda_cuda.cu) dispatches here for K = V = 128 unless MTRL_KDA_V2=1.
+//
+// The algebra is v2's and the reference's, tile for tile (model.md §2.3: 16-token tiles, the
+// midpoint reference row m = min(8, c-1) for the diagonal products, padded rows k = q = v = 0,
+// β = 0, g = 0). Two launches:
+//
+//   1. kda3_prep_k, grid (ceil(tiles/4), H), 4 warps, one warp per (tile, head), no block
+//      barriers. Lane l owns the columns 4l..4l+3 (K = V = 128 = 32 x 4) of all 16 rows:
+//      G = cumsum(g) in fp32 (in registers), the scaled operands (ex2.approx, exponents within
+//      ±40 on the diagonal products and <= 0 elsewhere, §2.5), then on tensor cores
+//      X = K̂⁺K̂⁻ᵀ and P = Q̂⁺K̂⁻ᵀ (16 x 16, k = 128), M = StrictTril(diag(β) X) and
+//      T = (I + M)^-1 by fp32 forward substitution (16 lanes, as v2), then W = T (β K⁺) and
+//      U = T (β V) (16 x 128, k = 16; T rounded to bf16 for this product, as fla does).
+//      It writes one record per (head, tile) to scratch, 17 KB for K = V = 128 (Rec below):
+//      −W, Q⁺, K^e, U, P as bf16 and e^γ as fp32.
+//   2. kda3_state_k<WPB, WO>, grid (V / (16 WPB), H), WPB warps: the sequential pass. Warp w owns
+//      16 value columns j0..j0+15 of one head and holds the transposed state Sᵀ (16 x K, fp32) as
+//      mma accumulators: st[nd][0..3] = Sᵀ(j0+g, 8nd+2t), Sᵀ(j0+g, 8nd+2t+1), Sᵀ(j0+g+8, 8nd+2t),
+//      Sᵀ(j0+g+8, 8nd+2t+1) (g = lane/4, t = lane%4), 64 registers at K = 128. The warp owns all K
+//      rows of its columns, so nothing is reduced across warps. Per tile (transposed §2.3):
+//        Δᵀ  = Uᵀ + Sᵀ (−W)ᵀ                  16 x 16, k = K   (A = Sᵀ, B = −W from smem)
+//        Oᵀ  = Sᵀ Q⁺ᵀ + Δᵀ Pᵀ                 16 x 16          (A = Sᵀ, then A = Δᵀ)
+//        S'ᵀ = Sᵀ diag(e^γ) + Δᵀ K^e           16 x K, k = 16   (A = Δᵀ, B = K^e)
+//      Sᵀ and Δᵀ enter the next products as A operands straight from their accumulators: the
+//      C layout of two adjacent 8-column n-tiles, packed to bf16 pairs, is the A layout of one
+//      16-column k-step (the FA2 register trick, acc_to_a in attn_tc_cuda.cu). So the state is
+//      rounded to bf16 only as an operand (as fla's chunk_gated_delta_rule_fwd_h does) and is
+//      accumulated in fp32. The block's warps share one ring of NST = 6 shared-memory stages
+//      (one tile record each, the block's U columns only; cp.async, 5 tiles in flight), one
+//      block barrier per tile. WO = false skips O (o == NULL).
+//
+// Accuracy: bf16 operands (8 significant bits) against the fp64 reference, ‖out − ref‖/‖ref‖
+// about 2e-3 (o, S_final, S_tiles; tests/test_cuda_kda.cu checks 1e-2, the project's bf16
+// tolerance). tf32 (m16n8k8) would halve the error's exponent but has half the mma rate and no
+// ldmatrix / accumulator-to-operand reuse, and fla, the anchor, is bf16.
+// The result does not depend on WPB (each warp's arithmetic is the same), so the variants are
+// bit-identical; MTRL_KDA3_WPB=1|2|4|8 in the environment picks one (read at each call, for
+// measuring), default 4.
+#include <math.h>
+#include <stdlib.h>
+
+#include "kernels/cuda/cuda_common.cuh"
+
+namespace {
+
+constexpr int C3 = 16;   // tile rows
+constexpr int K3 = 128;  // the only K and V this version takes
+constexpr int V3 = 128;
+constexpr int LD3 = K3 + 8;  // bf16 row stride in shared memory (272 B: ldmatrix conflict-free)
+constexpr int LDP3 = 24;     // P rows in shared memory (48 B: the 8 row addresses of an ldmatrix
+                             // hit 8 distinct 16-byte bank groups)
+constexpr int NST3 = 6;      // ring stages of the state pass
+constexpr float kLog2e3 = 1.4426950408889634f;
+
+// One (head, tile) record in scratch; byte offsets. All 16-byte aligned.
+struct Rec {
+    static constexpr int W = 0;                  // −W  [16][K] bf16
+    static constexpr int Q = W + C3 * K3 * 2;    // Q⁺  [16][K] bf16
+    static constexpr int E = Q + C3 * K3 * 2;    // K^e [16][K] bf16
+    static constexpr int U = E + C3 * K3 * 2;    // U   [16][V] bf16
+    static constexpr int P = U + C3 * V3 * 2;    // P   [16][16] bf16 (lower triangle, diagonal incl.)
+    static constexpr int EG = P + C3 * C3 * 2;   // e^γ [K] fp32
+    static constexpr int BYTES = EG + K3 * 4;    // 17408
+};
+static_assert(Rec::BYTES % 16 == 0 && Rec::P % 16 == 0 && Rec::EG % 16 == 0, "record alignment");
+
+__device__ __forceinline__ float e2x(float x) { return ex2(x * kLog2e3); }  // e^x, ~2 ulp + arg rounding
+
+__device__ __forceinline__ uint2 pack4(float a, float b, float c, float d) {
+    return make_uint2(pack_bf16(a, b), pack_bf16(c, d));
+}
+__device__ __forceinline__ float4 ldg4_or0(const float *p, bool ok) {
+    return ok ? __ldg(reinterpret_cast<const float4 *>(p)) : make_float4(0.f, 0.f, 0.f, 0.f);
+}
+__device__ __forceinline__ float comp(const float4 &x, int c) {
+    return c == 0 ? x.x : c == 1 ? x.y : c == 2 ? x.z : x.w;
+}
+
+// ---- pass 1: the per-tile record ---------------------------------------------------------------
+
+// Shared memory of one warp: K̂⁺ (later the −W staging), Q̂⁺ (later the U staging), K̂⁻, β K⁺,
+// β V as bf16 [16][LD3]; M and T as fp32 [16][17].
+constexpr int PREP_WARP_BYTES = 5 * C3 * LD3 * 2 + 2 * C3 * 17 * 4;  // 23936
+static_assert(PREP_WARP_BYTES % 16 == 0, "per-warp shared memory alignment");
+
+__global__ void __launch_bounds__(128) kda3_prep_k(int T, int H, int nt, const float *__restrict__ q,
+                                                   const float *__restrict__ k,
+                                                   const float *__restrict__ v,
+                                                   const float *__restrict__ g,
+                                                   const float *__restrict__ beta,
+                                                   unsigned char *__restrict__ rec) {
+    extern __shared__ __align__(16) unsigned char sm3_[];
+    const int lane = threadIdx.x & 31, w = threadIdx.x >> 5;
+    const int n = blockIdx.x * 4 + w, h = blockIdx.y;
+    if (n >= nt) return;  // no block barriers in this kernel
+    uint16_t *sKp = reinterpret_cast<uint16_t *>(sm3_ + w * PREP_WARP_BYTES);
+    uint16_t *sQh = sKp + C3 * LD3, *sKm = sQh + C3 * LD3, *sBK = sKm + C3 * LD3,
+             *sBV = sBK + C3 * LD3;
+    float *sM = reinterpret_cast<float *>(sBV + C3 * LD3), *sT = sM + C3 * 17;
+    unsigned char *R = rec + ((size_t)h * nt + n) * Rec::BYTES;
+
+    const int t0 = n * C3, cr = min(C3, T - t0), m = min(8, cr - 1), d0 = 4 * lane;
+    const int gq = lane >> 2, tq = lane & 3;  // fragment coordinates (g, t)
+    const float bl = lane < cr ? beta[(size_t)(t0 + lane) * H + h] : 0.f;  // β of row `lane`
+
+    // G = cumsum(g) over the tile's rows for this lane's 4 columns (padded rows: g = 0, so
+    // G_15 = G_{c-1} = γ); Gm = G_m (selected, not indexed: m is not a compile-time constant).
+    float4 G[C3];
+#pragma unroll
+    for (int r = 0; r < C3; r++) G[r] = ldg4_or0(g + ((size_t)(t0 + r) * H + h) * K3 + d0, r < cr);
+#pragma unroll
+    for (int r = 1; r < C3; r++) {
+        G[r].x += G[r - 1].x; G[r].y += G[r - 1].y; G[r].z += G[r - 1].z; G[r].w += G[r - 1].w;
+    }
+    float4 Gm = G[0];
+#pragma unroll
+    for (int r = 1; r <= 8; r++)
+        if (r == m) Gm = G[r];
+    const float4 gam = G[C3 - 1];
+    // e^γ (fp32) for the state pass
+    *reinterpret_cast<float4 *>(R + Rec::EG + 4 * d0) =
+        make_float4(e2x(gam.x), e2x(gam.y), e2x(gam.z), e2x(gam.w));
+
+    // Scaled operands, 4 rows at a time (12 independent 16-byte loads in flight per lane):
+    //   to shared memory (bf16): K̂⁺ = k e^{G−Gm}, Q̂⁺ = q e^{G−Gm}, K̂⁻ = k e^{Gm−G}, β K⁺ = β k e^{G},
+    //   β V; to the record (bf16): Q⁺ = q e^{G}, K^e = k e^{γ−G}.
+#pragma unroll
+    for (int r0 = 0; r0 < C3; r0 += 4) {
+        float4 qv[4], kv[4], vv[4];
+#pragma unroll
+        for (int i = 0; i < 4; i++) {
+            const int r = r0 + i;
+            const size_t row = (size_t)(t0 + r) * H + h;
+            qv[i] = ldg4_or0(q + row * K3 + d0, r < cr);
+            kv[i] = ldg4_or0(k + row * K3 + d0, r < cr);
+            vv[i] = ldg4_or0(v + row * V3 + d0, r < cr);
+        }
+#pragma unroll
+        for (int i = 0; i < 4; i++) {
+            const int r = r0 + i;
+            const float br = __shfl_sync(0xffffffffu, bl, r);
+            float kp[4], qh[4], km[4], bk[4], qp[4], ke[4], bv[4];
+#pragma unroll
+            for (int c = 0; c < 4; c++) {
+                const float Gc = comp(G[r], c), Gmc = comp(Gm, c), gc = comp(gam, c);
+                const float kc = comp(kv[i], c), qc = comp(qv[i], c);
+                const float e1 = e2x(Gc - Gmc), e2 = e2x(Gmc - Gc), e3 = e2x(Gc), e4 = e2x(gc - Gc);
+                kp[c] = kc * e1;
+                qh[c] = qc * e1;
+                km[c] = kc * e2;
+                bk[c] = br * (kc * e3);
+                qp[c] = qc * e3;
+                ke[c] = kc * e4;
+                bv[c] = br * comp(vv[i], c);
+            }
+            *reinterpret_cast<uint2 *>(sKp + r * LD3 + d0) = pack4(kp[0], kp[1], kp[2], kp[3]);
+            *reinterpret_cast<uint2 *>(sQh + r * LD3 + d0) = pack4(qh[0], qh[1], qh[2], qh[3]);
+            *reinterpret_cast<uint2 *>(sKm + r * LD3 + d0) = pack4(km[0], km[1], km[2], km[3]);
+            *reinterpret_cast<uint2 *>(sBK + r * LD3 + d0) = pack4(bk[0], bk[1], bk[2], bk[3]);
+            *reinterpret_cast<uint2 *>(sBV + r * LD3 + d0) = pack4(bv[0], bv[1], bv[2], bv[3]);
+            *reinterpret_cast<uint2 *>(R + Rec::Q + (r * K3 + d0) * 2) = pack4(qp[0], qp[1], qp[2], qp[3]);
+            *reinterpret_cast<uint2 *>(R + Rec::E + (r * K3 + d0) * 2) = pack4(ke[0], ke[1], ke[2], ke[3]);
+        }
+    }
+    __syncwarp();
+
+    // X = K̂⁺ K̂⁻ᵀ and P = Q̂⁺ K̂⁻ᵀ: A = K̂⁺ / Q̂⁺ (row i = token, col = d), B(k = d, n = token j) =
+    // K̂⁻[j][d] (n-major). Accumulator x[nt][c] = X(i, j), i = g + 8 (c >> 1), j = 8 nt + 2t + (c & 1).
+    float x[2][4] = {}, p[2][4] = {};
+#pragma unroll
+    for (int kd = 0; kd < K3 / 16; kd++) {
+        uint32_t a[4], aq[4], b[4];
+        ldsm_x4(a, adr_a(sKp, LD3, 16 * kd, lane));
+        ldsm_x4(aq, adr_a(sQh, LD3, 16 * kd, lane));
+        ldsm_x4(b, adr_b_nk(sKm, LD3, 16 * kd, 0, lane));
+        mma_bf16_16816(x[0], a, b);
+        mma_bf16_16816(x[1], a, b + 2);
+        mma_bf16_16816(p[0], aq, b);
+        mma_bf16_16816(p[1], aq, b + 2);
+    }
+    // M = StrictTril(diag(β) X) to shared memory (fp32), P = Tril(Q̂⁺K̂⁻ᵀ) to the record (bf16).
+    // Masks by select, never by multiply: the upper entries may be as large as e^75 (§2.5).
+    {
+        const float bg[2] = {__shfl_sync(0xffffffffu, bl, gq), __shfl_sync(0xffffffffu, bl, gq + 8)};
+#pragma unroll
+        for (int nt2 = 0; nt2 < 2; nt2++)
+#pragma unroll
+            for (int hf = 0; hf < 2; hf++) {
+                const int i = gq + 8 * hf, j = 8 * nt2 + 2 * tq;
+                sM[i * 17 + j] = j < i ? bg[hf] * x[nt2][2 * hf] : 0.f;
+                sM[i * 17 + j + 1] = j + 1 < i ? bg[hf] * x[nt2][2 * hf + 1] : 0.f;
+                *reinterpret_cast<uint32_t *>(R + Rec::P + (i * C3 + j) * 2) =
+                    pack_bf16(j <= i ? p[nt2][2 * hf] : 0.f, j + 1 <= i ? p[nt2][2 * hf + 1] : 0.f);
+            }
+    }
+    __syncwarp();
+    // T = (I + M)^-1 by forward substitution, fp32: lane j < 16 owns column j (as v2's tile_prep).
+    if (lane < C3) {
+        const int j = lane;
+        float col[C3];
+#pragma unroll
+        for (int i = 0; i < C3; i++) {
+            float acc = 0.f;
+#pragma unroll
+            for (int l = 0; l < i; l++) acc = fmaf(sM[i * 17 + l], col[l], acc);
+            col[i] = i == j ? 1.f : (i > j ? -acc : 0.f);
+        }
+#pragma unroll
+        for (int i = 0; i < C3; i++) sT[i * 17 + j] = col[i];
+    }
+    __syncwarp();
+    // T as the A fragment (row i = token, col l = token): a[0] = T(g, 2t..2t+1), a[1] = T(g+8, 2t..),
+    // a[2] = T(g, 2t+8..), a[3] = T(g+8, 2t+8..).
+    uint32_t ta[4];
+    ta[0] = pack_bf16(sT[gq * 17 + 2 * tq], sT[gq * 17 + 2 * tq + 1]);
+    ta[1] = pack_bf16(sT[(gq + 8) * 17 + 2 * tq], sT[(gq + 8) * 17 + 2 * tq + 1]);
+    ta[2] = pack_bf16(sT[gq * 17 + 2 * tq + 8], sT[gq * 17 + 2 * tq + 9]);
+    ta[3] = pack_bf16(sT[(gq + 8) * 17 + 2 * tq + 8], sT[(gq + 8) * 17 + 2 * tq + 9]);
+    // W = T (β K⁺) and U = T (β V): B(k = token l, n = column) = (β K⁺)[l][d], k-major (ldsm .trans).
+    // Results (C layout: row i = g / g+8, columns 16 pp + 8 half + 2t..2t+1) are staged as bf16
+    // in the K̂⁺ (−W) and Q̂⁺ (U) buffers, free since the barrier above, then copied out in rows.
+#pragma unroll
+    for (int pp = 0; pp < K3 / 16; pp++) {
+        uint32_t b[4], bu[4];
+        ldsm_x4_t(b, adr_b_kn(sBK, LD3, 0, 16 * pp, lane));
+        ldsm_x4_t(bu, adr_b_kn(sBV, LD3, 0, 16 * pp, lane));
+        float w0[4] = {}, w1[4] = {}, u0[4] = {}, u1[4] = {};
+        mma_bf16_16816(w0, ta, b);
+        mma_bf16_16816(w1, ta, b + 2);
+        mma_bf16_16816(u0, ta, bu);
+        mma_bf16_16816(u1, ta, bu + 2);
+        const int c0 = 16 * pp + 2 * tq, c1 = c0 + 8;
+        *reinterpret_cast<uint32_t *>(sKp + gq * LD3 + c0) = pack_bf16(-w0[0], -w0[1]);
+        *reinterpret_cast<uint32_t *>(sKp + (gq + 8) * LD3 + c0) = pack_bf16(-w0[2], -w0[3]);
+        *reinterpret_cast<uint32_t *>(sKp + gq * LD3 + c1) = pack_bf16(-w1[0], -w1[1]);
+        *reinterpret_cast<uint32_t *>(sKp + (gq + 8) * LD3 + c1) = pack_bf16(-w1[2], -w1[3]);
+        *reinterpret_cast<uint32_t *>(sQh + gq * LD3 + c0) = pack_bf16(u0[0], u0[1]);
+        *reinterpret_cast<uint32_t *>(sQh + (gq + 8) * LD3 + c0) = pack_bf16(u0[2], u0[3]);
+        *reinterpret_cast<uint32_t *>(sQh + gq * LD3 + c1) = pack_bf16(u1[0], u1[1]);
+        *reinterpret_cast<uint32_t *>(sQh + (gq + 8) * LD3 + c1) = pack_bf16(u1[2], u1[3]);
+    }
+    __syncwarp();
+    // Copy out −W and U: rows of K (V) bf16 in 16-byte pieces, 256 contiguous bytes per row.
+#pragma unroll
+    for (int i = lane; i < C3 * K3 / 8; i += 32) {
+        const int r = i / (K3 / 8), c = i % (K3 / 8);
+        *reinterpret_cast<uint4 *>(R + Rec::W + (r * K3 + c * 8) * 2) =
+            *reinterpret_cast<const uint4 *>(sKp + r * LD3 + c * 8);
+        *reinterpret_cast<uint4 *>(R + Rec::U + (r * V3 + c * 8) * 2) =
+            *reinterpret_cast<const uint4 *>(sQh + r * LD3 + c * 8);
+    }
+}
+
+// ---- pass 2: the sequential state pass ----------------------------------------------------------
+
+// One ring stage (bytes): −W, Q⁺, K^e [16][LD3] bf16, P [16][LDP3] bf16, e^γ [K] fp32, then the
+// block's U columns [16][LDU] bf16 with LDU = 16 WPB + 8 (the scalar U reads of a warp then hit
+// distinct banks: rows 2t + c are 2 (LDU / 2) words apart, ≡ 8 mod 32).
+template <int WPB>
+struct StCfg {
+    static constexpr int LDU = 16 * WPB + 8;
+    static constexpr int SW = 0, SQ = SW + C3 * LD3 * 2, SE = SQ + C3 * LD3 * 2,
+                         SP = SE + C3 * LD3 * 2, SEG = SP + C3 * LDP3 * 2, SU = SEG + K3 * 4,
+                         STAGE = SU + C3 * LDU * 2;
+    static constexpr size_t smem() { return (size_t)NST3 * STAGE; }
+    static_assert(STAGE % 16 == 0 && SP % 16 == 0 && SEG % 16 == 0 && SU % 16 == 0, "stage alignment");
+};
+
+template <int WPB, bool WO>
+__global__ void __launch_bounds__(32 * WPB, 1)
+    kda3_state_k(int T, int H, int nt, const unsigned char *__restrict__ rec,
+                 const float *S0, float *__restrict__ o, float *S_final,
+                 float *__restrict__ S_tiles) {
+    using Cf = StCfg<WPB>;
+    constexpr int NTH = 32 * WPB, LDU = Cf::LDU, NB = K3 / 8;
+    extern __shared__ __align__(16) unsigned char sm3_[];
+    const int tid = threadIdx.x, lane = tid & 31, w = tid >> 5, gq = lane >> 2, tq = lane & 3;
+    const int h = blockIdx.y, jb = blockIdx.x * 16 * WPB;  // the block's first value column
+    const int jw = 16 * w, j0 = jb + jw;                     // the warp's, in the block / global
+
+    auto issue = [&](int n) {
+        const unsigned char *R = rec + ((size_t)h * nt + n) * Rec::BYTES;
+        unsigned char *st = sm3_ + (n % NST3) * Cf::STAGE;
+        // −W, Q⁺, K^e: contiguous in the record ([3][16][K]), padded rows in the stage.
+        for (int i = tid; i < 3 * C3 * (K3 / 8); i += NTH) {
+            const int r = i / (K3 / 8), c = i % (K3 / 8);  // r = matrix * 16 + row
+            cp_async16(st + r * LD3 * 2 + c * 16, R + r * K3 * 2 + c * 16);
+        }
+        for (int i = tid; i < C3 * 2; i += NTH)
+            cp_async16(st + Cf::SP + (i >> 1) * LDP3 * 2 + (i & 1) * 16, R + Rec::P + i * 16);
+        for (int i = tid; i < K3 / 4; i += NTH) cp_async16(st + Cf::SEG + i * 16, R + Rec::EG + i * 16);
+        for (int i = tid; i < C3 * 2 * WPB; i += NTH) {
+            const int r = i / (2 * WPB), c = i % (2 * WPB);
+            cp_async16(st + Cf::SU + r * LDU * 2 + c * 16, R + Rec::U + (r * V3 + jb) * 2 + c * 16);
+        }
+    };
+#pragma unroll 1
+    for (int s = 0; s < NST3 - 1; s++) {
+        if (s < nt) issue(s);
+        cp_async_commit();  // empty groups keep the count uniform
+    }
+
+    // Sᵀ in the accumulator layout: st[nd][c] = S(d, j), d = 8 nd + 2t + (c & 1), j = j0 + g + 8 (c >> 1).
+    float st[NB][4];
+#pragma unroll
+    for (int nd = 0; nd < NB; nd++)
+#pragma unroll
+        for (int c = 0; c < 4; c++) {
+            const int d = 8 * nd + 2 * tq + (c & 1), j = j0 + gq + 8 * (c >> 1);
+            st[nd][c] = S0 ? S0[((size_t)h * K3 + d) * V3 + j] : 0.f;
+        }
+
+#pragma unroll 1
+    for (int n = 0; n < nt; n++) {
+        cp_async_wait<NST3 - 2>();  // tile n's group has landed (this thread's copies)
+        __syncthreads();            // everyone's copies visible; everyone is done with tile n - 1
+        if (n + NST3 - 1 < nt) issue(n + NST3 - 1);  // into tile n - 1's stage
+        cp_async_commit();
+        const unsigned char *sb = sm3_ + (n % NST3) * Cf::STAGE;
+        const uint16_t *sW = reinterpret_cast<const uint16_t *>(sb + Cf::SW),
+                       *sQ = reinterpret_cast<const uint16_t *>(sb + Cf::SQ),
+                       *sE = reinterpret_cast<const uint16_t *>(sb + Cf::SE),
+                       *sP = reinterpret_cast<const uint16_t *>(sb + Cf::SP),
+                       *sU = reinterpret_cast<const uint16_t *>(sb + Cf::SU);
+        const float *sEG = reinterpret_cast<const float *>(sb + Cf::SEG);
+
+        if (S_tiles) {  // the incoming state of tile n (fp32): each store fills four 32-byte sectors
+            float *Sd = S_tiles + ((size_t)n * H + h) * K3 * V3;
+#pragma unroll
+            for (int nd = 0; nd < NB; nd++)
+#pragma unroll
+                for (int c = 0; c < 4; c++)
+                    __stcs(Sd + (size_t)(8 * nd + 2 * tq + (c & 1)) * V3 + j0 + gq + 8 * (c >> 1),
+                           st[nd][c]);
+        }
+        // Sᵀ as A fragments, k-step kd = columns d 16 kd..16 kd + 15 (rows j0 + g, j0 + g + 8):
+        // a[0] = (g, 2t..2t+1) = st[2kd][0..1], a[1] = (g+8, 2t..) = st[2kd][2..3],
+        // a[2] = (g, 2t+8..) = st[2kd+1][0..1], a[3] = (g+8, 2t+8..) = st[2kd+1][2..3].
+        uint32_t sa[K3 / 16][4];
+#pragma unroll
+        for (int kd = 0; kd < K3 / 16; kd++) {
+            sa[kd][0] = pack_bf16(st[2 * kd][0], st[2 * kd][1]);
+            sa[kd][1] = pack_bf16(st[2 * kd][2], st[2 * kd][3]);
+            sa[kd][2] = pack_bf16(st[2 * kd + 1][0], st[2 * kd + 1][1]);
+            sa[kd][3] = pack_bf16(st[2 * kd + 1][2], st[2 * kd + 1][3]);
+        }
+        // Δᵀ (rows j, columns = tokens s) = Uᵀ + Sᵀ(−W)ᵀ: B(k = d, n = s) = (−W)[s][d], n-major.
+        // dl[ns][c] = Δᵀ(j0 + g + 8 (c >> 1), 8 ns + 2t + (c & 1)); even / odd k-steps in two
+        // accumulators (chains of 4 instead of 8).
+        float dl[2][4], dx[2][4] = {}, oa[2][4] = {};
+#pragma unroll
+        for (int ns = 0; ns < 2; ns++)
+#pragma unroll
+            for (int c = 0; c < 4; c++)
+                dl[ns][c] = bf2f(sU[(8 * ns + 2 * tq + (c & 1)) * LDU + jw + gq + 8 * (c >> 1)]);
+#pragma unroll
+        for (int kd = 0; kd < K3 / 16; kd++) {
+            uint32_t b[4];
+            ldsm_x4(b, adr_b_nk(sW, LD3, 16 * kd, 0, lane));
+            float(*acc)[4] = (kd & 1) ? dx : dl;
+            mma_bf16_16816(acc[0], sa[kd], b);
+            mma_bf16_16816(acc[1], sa[kd], b + 2);
+            if (WO) {  // Oᵀ = Sᵀ Q⁺ᵀ: B(k = d, n = s) = Q⁺[s][d]
+                uint32_t bq[4];
+                ldsm_x4(bq, adr_b_nk(sQ, LD3, 16 * kd, 0, lane));
+                mma_bf16_16816(oa[0], sa[kd], bq);
+                mma_bf16_16816(oa[1], sa[kd], bq + 2);
+            }
+        }
+#pragma unroll
+        for (int ns = 0; ns < 2; ns++)
+#pragma unroll
+            for (int c = 0; c < 4; c++) dl[ns][c] += dx[ns][c];
+        // Δᵀ as the A fragment of one k-step over the 16 tokens (same packing as sa).
+        uint32_t da[4];
+        da[0] = pack_bf16(dl[0][0], dl[0][1]);
+        da[1] = pack_bf16(dl[0][2], dl[0][3]);
+        da[2] = pack_bf16(dl[1][0], dl[1][1]);
+        da[3] = pack_bf16(dl[1][2], dl[1][3]);
+        if (WO) {
+            // Oᵀ += Δᵀ Pᵀ: B(k = s, n = token r) = P[r][s], n-major.
+            uint32_t bp[4];
+            ldsm_x4(bp, adr_b_nk(sP, LDP3, 0, 0, lane));
+            mma_bf16_16816(oa[0], da, bp);
+            mma_bf16_16816(oa[1], da, bp + 2);
+            // oa[ns][c] = O(token 8 ns + 2t + (c & 1), column j0 + g + 8 (c >> 1))
+#pragma unroll
+            for (int ns = 0; ns < 2; ns++)
+#pragma unroll
+                for (int c = 0; c < 4; c++) {
+                    const int tok = n * C3 + 8 * ns + 2 * tq + (c & 1);
+                    if (tok < T) o[((size_t)tok * H + h) * V3 + j0 + gq + 8 * (c >> 1)] = oa[ns][c];
+                }
+        }
+        // S'ᵀ = Sᵀ diag(e^γ) + Δᵀ K^e: B(k = s, n = d) = K^e[s][d], k-major (ldsm .trans).
+#pragma unroll
+        for (int nd = 0; nd < NB; nd++) {
+            const float2 e = *reinterpret_cast<const float2 *>(sEG + 8 * nd + 2 * tq);
+            st[nd][0] *= e.x;
+            st[nd][1] *= e.y;
+            st[nd][2] *= e.x;
+            st[nd][3] *= e.y;
+        }
+#pragma unroll
+        for (int pp = 0; pp < K3 / 16; pp++) {
+            uint32_t b[4];
+            ldsm_x4_t(b, adr_b_kn(sE, LD3, 0, 16 * pp, lane));
+            mma_bf16_16816(st[2 * pp], da, b);
+            mma_bf16_16816(st[2 * pp + 1], da, b + 2);
+        }
+    }
+    cp_async_wait<0>();
+    if (S_final) {
+#pragma unroll
+        for (int nd = 0; nd < NB; nd++)
+#pragma unroll
+            for (int c = 0; c < 4; c++)
+                S_final[((size_t)h * K3 + 8 * nd + 2 * tq + (c & 1)) * V3 + j0 + gq + 8 * (c >> 1)] =
+                    st[nd][c];
+    }
+}
+
+int env_wpb_() {
+    const char *e = getenv("MTRL_KDA3_WPB");
+    int x = e ? atoi(e) : 0;
+    return x == 1 || x == 2 || x == 4 || x == 8 ? x : 4;
+}
+
+template <int WPB, bool WO>
+void launch_state3_(mtrl_cuda_ctx *c, int T, int H, int nt, const unsigned char *rec,
+                    const float *S0, float *o, float *S_final, float *S_tiles) {
+    const size_t sh = StCfg<WPB>::smem();
+    set_smem(kda3_state_k<WPB, WO>, sh);
+    kda3_state_k<WPB, WO><<<dim3(V3 / (16 * WPB), H), 32 * WPB, sh, c->stream>>>(T, H, nt, rec, S0, o,
+                                                                               S_final, S_tiles);
+    CUDA_LAUNCH_CHECK();
+}
+template <int WPB>
+void launch_state3_wo_(mtrl_cuda_ctx *c, int T, int H, int nt, const unsigned char *rec,
+                       const float *S0, float *o, float *S_final, float *S_tiles) {
+    if (o) launch_state3_<WPB, true>(c, T, H, nt, rec, S0, o, S_final, S_tiles);
+    else launch_state3_<WPB, false>(c, T, H, nt, rec, S0, o, S_final, S_tiles);
+}
+
+int kda3_aligned16_(const void *p) { return ((uintptr_t)p & 15u) == 0; }
+
+}  // namespace
+
+// Whether v3 takes this call (kda_cuda.cu decides the environment override).
+int kda3_supports(int H, int K, int V, const float *q, const float *k, const float *v,
+                  const float *g) {
+    return K == K3 && V == V3 && H > 0 && H <= 65535 && kda3_aligned16_(q) && kda3_aligned16_(k) &&
+           kda3_aligned16_(v) && kda3_aligned16_(g);
+}
+
+// The v3 forward (T >= 1; shapes checked by kda3_supports).
+int kda3_chunk_fwd(mtrl_cuda_ctx *c, int T, int H, const float *q, const float *k,
+                   const float *v, const float *g, const float *beta, const float *S0, float *o,
+                   float *S_final, float *S_tiles) {
+    const int nt = (T + C3 - 1) / C3;
+    unsigned char *rec = (unsigned char *)mtrl_ctx_scratch(c, (size_t)H * nt * Rec::BYTES);
+    const size_t shp = 4 * (size_t)PREP_WARP_BYTES;
+    set_smem(kda3_prep_k, shp);
+    kda3_prep_k<<<dim3((nt + 3) / 4, H), 128, shp, c->stream>>>(T, H, nt, q, k, v, g, beta, rec);
+    CUDA_LAUNCH_CHECK();
+    switch (env_wpb_()) {
+    case 1: launch_state3_wo_<1>(c, T, H, nt, rec, S0, o, S_final, S_tiles); break;
+    case 2: launch_state3_wo_<2>(c, T, H, nt, rec, S0, o, S_final, S_tiles); break;
+    case 8: launch_state3_wo_<8>(c, T, H, nt, rec, S0, o, S_final, S_tiles); break;
+    default: launch_state3_wo_<4>(c, T, H, nt, rec, S0, o, S_final, S_tiles); break;
+    }
+    return 0;
+}
