@@ -6,7 +6,16 @@
 // Cases: T not a multiple of 16 (tails), T < 16, S0 ≠ 0, random g in (g_min, 0) and the decay
 // at the bound (g ≡ g_min + 1e-3), K = V ∈ {16, 32, 128}. Outputs are poisoned with NaN first.
 // Tolerances (fp32 arithmetic on the GPU): ‖out − ref‖/‖ref‖ ≤ 1e-4 everywhere (2e-4 for the
-// backward at the bound, where e^{±40} factors amplify fp32 rounding).
+// backward at the bound, where e^{±40} factors amplify fp32 rounding). These cases run the v2
+// forward (MTRL_KDA_V2=1 set around them: the K = V = 128 ones would otherwise take v3).
+// Forward v3 (kda_tc_cuda.cu, tensor cores, bf16 operands, fp32 state; K = V = 128): test_chunk_v3
+// checks o, S_final and S_tiles against the fp64 reference at 1e-2 (the project's bf16 tolerance;
+// a numpy model of v3's rounding points gives 3.3e-3–3.8e-3 for o, 2.3e-3–3.0e-3 for S_final at
+// T = 61..1000), and against v2 at 1e-2; random inputs, S0 ≠ 0, T in {1, 15, 16, 17, 100, 333,
+// 1000} (tails and T < 16), H = 16 and 64, the decay at the bound. A fragment-layout error gives
+// O(1) errors. Every block width (MTRL_KDA3_WPB = 1, 2, 4, 8) must give bit-identical results,
+// the prefill form (no S_tiles, o only or S_final only) the same bits as the training form, and
+// two runs the same bits.
 #include "tests/testhelp.h"
 #include "kernels/cuda/cuda_testutil.h"
 #include "kernels/ref/kda_ref.h"
@@ -121,6 +130,125 @@ static void test_chunk(mtrl_cuda_ctx *ctx, int T, int H, int K, int V, int bound
     for (size_t i = 0; i < sizeof hp / sizeof *hp; i++) free(hp[i]);
 }
 
+static void set_env(const char *name, const char *val) {
+    if (val) setenv(name, val, 1);
+    else unsetenv(name);
+}
+
+static int same_bits(const float *a, const float *b, size_t n) {
+    return memcmp(a, b, n * sizeof(float)) == 0;
+}
+
+// Forward v3 against the fp64 reference and against v2 (K = V = 128).
+static void test_chunk_v3(mtrl_cuda_ctx *ctx, int T, int H, int bound) {
+    const int K = 128, V = 128;
+    set_env("MTRL_KDA_V2", NULL);
+    set_env("MTRL_KDA3_WPB", NULL);
+    int ver = mtrl_kda_chunk_fwd_version(H, K, V);
+    printf("chunk v3 T=%d H=%d K=V=128 %s: kernel v%d\n", T, H, bound ? "g = g_min + 1e-3" : "random g", ver);
+    TEST_EQ_INT(ver, 3);
+    size_t nqk = (size_t)T * H * K, nv = (size_t)T * H * V, nb = (size_t)T * H, ns = (size_t)H * K * V;
+    int nt = kda_tile_count(T);
+    size_t nst = (size_t)nt * ns;
+    double *q = tu_alloc(nqk), *k = tu_alloc(nqk), *v = tu_alloc(nv), *g = tu_alloc(nqk),
+           *beta = tu_alloc(nb), *S0 = tu_alloc(ns);
+    make_inputs(T, H, K, V, bound, q, k, v, g, beta);
+    tu_fill_normal(S0, ns, 0.5);
+    double *o = tu_alloc(nv), *Sf = tu_alloc(ns), *St = tu_alloc(nst);
+    kda_chunk_fwd(T, H, K, V, q, k, v, g, beta, S0, o, Sf, St);
+    float *d_q = tu_dev_f32(q, nqk), *d_k = tu_dev_f32(k, nqk), *d_v = tu_dev_f32(v, nv),
+          *d_g = tu_dev_f32(g, nqk), *d_b = tu_dev_f32(beta, nb), *d_S0 = tu_dev_f32(S0, ns);
+    float *d_o = tu_dev_nan(ctx, nv), *d_Sf = tu_dev_nan(ctx, ns), *d_St = tu_dev_nan(ctx, nst);
+    double *got = tu_alloc(nst > nv ? nst : nv);
+    float *ho = (float *)malloc(sizeof(float) * nv), *hS = (float *)malloc(sizeof(float) * ns),
+          *hSt = (float *)malloc(sizeof(float) * nst), *tmp = (float *)malloc(sizeof(float) * (nst > nv ? nst : nv));
+    const double tol = 1e-2;
+    // default block width, training form (o, S_final, S_tiles)
+    TEST_EQ_INT(mtrl_kda_chunk_fwd(ctx, T, H, K, V, d_q, d_k, d_v, d_g, d_b, d_S0, d_o, d_Sf, d_St), 0);
+    mtrl_cuda_sync(ctx);
+    mtrl_cuda_download(ho, d_o, sizeof(float) * nv);
+    mtrl_cuda_download(hS, d_Sf, sizeof(float) * ns);
+    mtrl_cuda_download(hSt, d_St, sizeof(float) * nst);
+    tu_get_f32(got, d_o, nv);
+    TU_CHECK_REL("v3 o vs fp64", got, o, nv, tol);
+    tu_get_f32(got, d_Sf, ns);
+    TU_CHECK_REL("v3 S_final vs fp64", got, Sf, ns, tol);
+    tu_get_f32(got, d_St, nst);
+    TU_CHECK_REL("v3 S_tiles vs fp64", got, St, nst, tol);
+    // every block width, and the prefill forms, bit for bit
+    static const char *wpbs[] = {"1", "2", "4", "8"};
+    for (int i = 0; i < 4; i++) {
+        set_env("MTRL_KDA3_WPB", wpbs[i]);
+        float *e_o = tu_dev_nan(ctx, nv), *e_Sf = tu_dev_nan(ctx, ns), *e_St = tu_dev_nan(ctx, nst);
+        TEST_EQ_INT(mtrl_kda_chunk_fwd(ctx, T, H, K, V, d_q, d_k, d_v, d_g, d_b, d_S0, e_o, e_Sf, e_St), 0);
+        mtrl_cuda_sync(ctx);
+        char what[96];
+        mtrl_cuda_download(tmp, e_o, sizeof(float) * nv);
+        snprintf(what, sizeof what, "WPB=%s o bit-identical", wpbs[i]);
+        TEST_CHECKF(same_bits(tmp, ho, nv), "%s", what);
+        mtrl_cuda_download(tmp, e_Sf, sizeof(float) * ns);
+        TEST_CHECKF(same_bits(tmp, hS, ns), "WPB=%s S_final bit-identical", wpbs[i]);
+        mtrl_cuda_download(tmp, e_St, sizeof(float) * nst);
+        TEST_CHECKF(same_bits(tmp, hSt, nst), "WPB=%s S_tiles bit-identical", wpbs[i]);
+        // prefill form: o and S_final, no tile states
+        float *f_o = tu_dev_nan(ctx, nv), *f_Sf = tu_dev_nan(ctx, ns);
+        TEST_EQ_INT(mtrl_kda_chunk_fwd(ctx, T, H, K, V, d_q, d_k, d_v, d_g, d_b, d_S0, f_o, f_Sf, NULL), 0);
+        mtrl_cuda_sync(ctx);
+        mtrl_cuda_download(tmp, f_o, sizeof(float) * nv);
+        TEST_CHECKF(same_bits(tmp, ho, nv), "WPB=%s prefill o bit-identical", wpbs[i]);
+        mtrl_cuda_download(tmp, f_Sf, sizeof(float) * ns);
+        TEST_CHECKF(same_bits(tmp, hS, ns), "WPB=%s prefill S_final bit-identical", wpbs[i]);
+        // states only (o = NULL: the kernel without the output products)
+        float *s_Sf = tu_dev_nan(ctx, ns);
+        TEST_EQ_INT(mtrl_kda_chunk_fwd(ctx, T, H, K, V, d_q, d_k, d_v, d_g, d_b, d_S0, NULL, s_Sf, NULL), 0);
+        mtrl_cuda_sync(ctx);
+        mtrl_cuda_download(tmp, s_Sf, sizeof(float) * ns);
+        TEST_CHECKF(same_bits(tmp, hS, ns), "WPB=%s S_final without o bit-identical", wpbs[i]);
+        printf("  WPB=%s: o, S_final, S_tiles, prefill and state-only forms bit-identical to the default\n", wpbs[i]);
+        float *fr[] = {e_o, e_Sf, e_St, f_o, f_Sf, s_Sf};
+        for (size_t z = 0; z < 6; z++) mtrl_cuda_free(fr[z]);
+    }
+    set_env("MTRL_KDA3_WPB", NULL);
+    // S0 = NULL (zero initial state)
+    {
+        double *o0 = tu_alloc(nv), *Sf0 = tu_alloc(ns), *St0 = tu_alloc(nst);
+        kda_chunk_fwd(T, H, K, V, q, k, v, g, beta, NULL, o0, Sf0, St0);
+        float *z_o = tu_dev_nan(ctx, nv), *z_Sf = tu_dev_nan(ctx, ns);
+        TEST_EQ_INT(mtrl_kda_chunk_fwd(ctx, T, H, K, V, d_q, d_k, d_v, d_g, d_b, NULL, z_o, z_Sf, NULL), 0);
+        mtrl_cuda_sync(ctx);
+        tu_get_f32(got, z_o, nv);
+        TU_CHECK_REL("v3 o vs fp64 (S0 = 0)", got, o0, nv, tol);
+        tu_get_f32(got, z_Sf, ns);
+        TU_CHECK_REL("v3 S_final vs fp64 (S0 = 0)", got, Sf0, ns, tol);
+        mtrl_cuda_free(z_o); mtrl_cuda_free(z_Sf);
+        free(o0); free(Sf0); free(St0);
+    }
+    // v3 against v2 (same inputs, v2 forced)
+    set_env("MTRL_KDA_V2", "1");
+    TEST_EQ_INT(mtrl_kda_chunk_fwd_version(H, K, V), 2);
+    {
+        float *w_o = tu_dev_nan(ctx, nv), *w_Sf = tu_dev_nan(ctx, ns);
+        TEST_EQ_INT(mtrl_kda_chunk_fwd(ctx, T, H, K, V, d_q, d_k, d_v, d_g, d_b, d_S0, w_o, w_Sf, NULL), 0);
+        mtrl_cuda_sync(ctx);
+        double *v3o = tu_alloc(nv), *v3S = tu_alloc(ns);
+        for (size_t i = 0; i < nv; i++) v3o[i] = ho[i];
+        for (size_t i = 0; i < ns; i++) v3S[i] = hS[i];
+        tu_get_f32(got, w_o, nv);
+        TU_CHECK_REL("v2 o vs fp64", got, o, nv, 1e-4);
+        TU_CHECK_REL("v3 o vs v2", v3o, got, nv, tol);
+        tu_get_f32(got, w_Sf, ns);
+        TU_CHECK_REL("v3 S_final vs v2", v3S, got, ns, tol);
+        mtrl_cuda_free(w_o); mtrl_cuda_free(w_Sf);
+        free(v3o); free(v3S);
+    }
+    set_env("MTRL_KDA_V2", NULL);
+    float *ptrs[] = {d_q, d_k, d_v, d_g, d_b, d_S0, d_o, d_Sf, d_St};
+    for (size_t i = 0; i < sizeof ptrs / sizeof *ptrs; i++) mtrl_cuda_free(ptrs[i]);
+    double *hp[] = {q, k, v, g, beta, S0, o, Sf, St, got};
+    for (size_t i = 0; i < sizeof hp / sizeof *hp; i++) free(hp[i]);
+    free(ho); free(hS); free(hSt); free(tmp);
+}
+
 // Sets MTRL_DECODE_V1 for the decode launchers (read at each call): version 1 forces the first
 // kernel, version 2 leaves the launcher's default (v2 where the shape allows it).
 static void set_decode_version(int version) {
@@ -210,6 +338,7 @@ int main(void) {
     mtrl_cuda_ctx *ctx = mtrl_cuda_ctx_create(0, NULL);
     tu_seed(42);
     test_gate(ctx, 300, 3, 32);
+    set_env("MTRL_KDA_V2", "1");  // the fp32 (1e-4) chunk cases below check v2
     test_chunk(ctx, 1, 1, 16, 16, 0);
     test_chunk(ctx, 15, 2, 32, 32, 0);
     test_chunk(ctx, 16, 2, 32, 32, 0);
@@ -218,6 +347,16 @@ int main(void) {
     test_chunk(ctx, 100, 2, 32, 32, 1);
     test_chunk(ctx, 77, 2, 128, 128, 0);
     test_chunk(ctx, 61, 1, 128, 128, 1);
+    set_env("MTRL_KDA_V2", NULL);
+    test_chunk_v3(ctx, 1, 16, 0);      // T < 16: one partial tile
+    test_chunk_v3(ctx, 15, 16, 0);
+    test_chunk_v3(ctx, 16, 16, 0);
+    test_chunk_v3(ctx, 17, 16, 0);
+    test_chunk_v3(ctx, 100, 16, 1);    // decay at the lower bound
+    test_chunk_v3(ctx, 333, 16, 0);    // more tiles than ring stages, tail of 13
+    test_chunk_v3(ctx, 1000, 16, 0);
+    test_chunk_v3(ctx, 77, 64, 0);     // H = 64
+    test_chunk_v3(ctx, 250, 64, 1);
     test_step(ctx, 5, 3, 32, 32, 0);       // v1 only (V % 64 != 0)
     test_step(ctx, 3, 2, 16, 48, 0);       // v1 only
     test_step(ctx, 4, 2, 128, 128, 0);
