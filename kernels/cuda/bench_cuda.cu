@@ -143,12 +143,30 @@ void bench_kda(Bench &B, int T, int H) {
     // Δ, Q⁺S, S' (3 x 16x128x128 x2), PΔ (16x16x128 x2) = 1.77 MFLOP.
     double flops = (double)nt * H * (4.0 * 65536 + 3.0 * 524288 + 65536);
     double ms = time_ms(B, [&] { mtrl_kda_chunk_fwd(B.c, T, H, K, V, q, k, v, g, beta, NULL, o, Sf, NULL); });
-    row("KDA chunk fwd", shape, ms, flops, "TFLOP/s", B.gemm_tflops);
+    char what[64];
+    snprintf(what, sizeof what, "KDA chunk fwd (v%d)", mtrl_kda_chunk_fwd_version(H, K, V));
+    row(what, shape, ms, flops, "TFLOP/s", B.gemm_tflops);
     std::string ak = "kda_H" + std::to_string(H) + "_T" + std::to_string(T);
     vs(B, ak + "_fwd_ms", ms, "the time of fla chunk_kda fwd", "P1 <= 0.65x");
     row("  (tokens)", "", ms, (double)T, "Mtok/s", 0);
     double bytes = 4.0 * (4 * nqk + (size_t)T * H + nqk);  // q k v g beta read, o written
     row("  (bytes floor: inputs + o)", "", ms, bytes, "GB/s", B.copy_tbps * 1e3);
+    if (mtrl_kda_chunk_fwd_version(H, K, V) == 3) {
+        // v3's block widths (MTRL_KDA3_WPB: warps of 16 value columns per block; default 4) and v2
+        static const char *wpbs[] = {"1", "2", "8"};
+        for (const char *w : wpbs) {
+            setenv("MTRL_KDA3_WPB", w, 1);
+            double m3 = time_ms(B, [&] { mtrl_kda_chunk_fwd(B.c, T, H, K, V, q, k, v, g, beta, NULL, o, Sf, NULL); });
+            snprintf(what, sizeof what, "  v3, MTRL_KDA3_WPB=%s", w);
+            row(what, shape, m3, flops, "TFLOP/s", B.gemm_tflops);
+        }
+        unsetenv("MTRL_KDA3_WPB");
+        setenv("MTRL_KDA_V2", "1", 1);
+        double m2 = time_ms(B, [&] { mtrl_kda_chunk_fwd(B.c, T, H, K, V, q, k, v, g, beta, NULL, o, Sf, NULL); }, 1, 3);
+        unsetenv("MTRL_KDA_V2");
+        row("  v2 (MTRL_KDA_V2=1)", shape, m2, flops, "TFLOP/s", B.gemm_tflops);
+        printf("%-34s %-34s v3 / v2 time %.3f\n", "", "", ms / m2);
+    }
     // forward storing the tile states, then backward
     float *St = (float *)mtrl_cuda_malloc(nt * H * K * V * 4);
     float *dout = rnd(B, nqk, -1, 1);
