@@ -19,7 +19,17 @@
 //   decode vs prefill 1e-4;
 //   with MLA (bf16 attention operands in the chunked form): log-probs 5e-3, gradients 8e-2 per
 //   tensor (the W_kvb / latent chain, which only the bf16 attention feeds, dominates), logits
-//   2e-2, QB β 5e-3 absolute; decode (fp32 absorbed decode) vs prefill (bf16 attention): 2e-2.
+//   2e-2, QB β 5e-3 absolute; decode (bf16 latent cache) vs prefill (bf16 attention) and vs the
+//   CPU's decode: 2e-2 of max |logit|.
+// The MLA latents are stored bf16 on the GPU (backend.h latent_size). Per MLA case, a second GPU
+// model created with MTRL_LATENT_FP32=1 (fp32 latents, rounded to bf16 per attention call: the
+// earlier path) is compared with the default one:
+//   * forward log-probs and every gradient (routing replayed): the attention sees the same bf16
+//     operands either way (rounded once when stored vs per call, both to nearest even), so the
+//     two agree to 1e-6 relative (expected bit for bit; printed);
+//   * decode logits (bf16 vs fp32 cache, each against the CPU's decode): 2e-2 of max |logit|;
+//   * memory: a decode state's latent bytes and the planned / held latents of a batch halve,
+//     the latent gradients do not.
 // Segmented vs unsegmented on the GPU: log-probs 1e-4; gradients 2e-4 (fp32 only), 1e-2 with MLA
 // (the attention kernel rounds its probabilities to bf16 relative to a running maximum that
 // depends on how the queries are split, so the two runs differ at the bf16 level).
@@ -29,7 +39,9 @@
 // (layers.1.mla.kv_norm), logits 2.0e-3, decode 5.8e-3, segmented 2.5e-3; AdamW parameters
 // within 2.4e-7; the GPU's own routing equal to the CPU's on every choice.
 // Before the device check it runs the host-side checks of any build: an arena over a caller's
-// block, the device parser, mtrl_model_init_on refusing what the kernels cannot take.
+// block, the device parser, mtrl_model_init_on refusing what the kernels cannot take, the latent
+// element sizes (2 on CUDA, 4 under MTRL_LATENT_FP32=1, `real` on the CPU) and the planner's
+// latent bytes for each.
 #include <math.h>
 #include <stdlib.h>
 #include <string.h>
@@ -37,7 +49,10 @@
 #include "common/arena.h"
 #include "common/checkpoint.h"
 #include "common/config.h"
+#include "common/model/backend.h"
 #include "common/model/model.h"
+#include "common/model/model_plan.h"
+#include "common/model/model_ws.h"
 #include "common/rng.h"
 #include "tests/testhelp.h"
 #include "tests/testmodel.h"
@@ -104,6 +119,38 @@ static void test_host_side(void) {
         TEST_EQ_INT(mtrl_model_init_on(&m, &d, 1, MTRL_DEVICE_CUDA, 0, &err), MTRL_ERR_USAGE);
         printf("no CUDA model device: %s\n", err.msg);
     }
+
+    // Latent element sizes (backend.h mtrl_backend_latent_size): the CPU keeps `real`; a CUDA
+    // backend stores bf16, fp32 under MTRL_LATENT_FP32=1 (a build without CUDA has only the
+    // CPU's). The planner sizes the latents with it: half the bytes, and no bf16 copy of the
+    // keys in the attention's scratch.
+    TEST_EQ_INT((int)mtrl_backend_latent_size(MTRL_DEVICE_CPU), (int)sizeof(real));
+    size_t lat16 = mtrl_backend_latent_size(MTRL_DEVICE_CUDA);
+    setenv("MTRL_LATENT_FP32", "1", 1);
+    size_t lat32 = mtrl_backend_latent_size(MTRL_DEVICE_CUDA);
+    mtrl_model_plan p16, p32;
+    d = dims_("preset = custom\nlayers = 4\nd_model = 256\nhybrid = KMKM\nkda_heads = 2\nkda_head_dim = 128\n"
+              "mla_heads = 4\nmla_nope_dim = 64\nmla_rope_dim = 32\nmla_v_dim = 64\nmla_latent_dim = 256\n"
+              "dense_inter = 512\nexperts = 16\ntop_k = 4\nshared_experts = 1\nexpert_inter = 128\nattnres_block = 2\n",
+              512);
+    int plen[1] = {100000};
+    mtrl_model_plan_eval(&p32, &d, MTRL_DEVICE_CUDA, 1, plen, 8192, 0);
+    unsetenv("MTRL_LATENT_FP32");
+    mtrl_model_plan_eval(&p16, &d, MTRL_DEVICE_CUDA, 1, plen, 8192, 0);
+    printf("latent element: CUDA %zu bytes, %zu with MTRL_LATENT_FP32=1; plan of %d tokens: latents %.1f MiB vs "
+           "%.1f, scratch %.1f MiB vs %.1f\n",
+           lat16, lat32, plen[0], p16.latents / 1048576.0, p32.latents / 1048576.0, p16.scratch / 1048576.0,
+           p32.scratch / 1048576.0);
+#ifdef MTRL_HAVE_CUDA
+    TEST_EQ_INT((int)lat16, 2);
+    TEST_EQ_INT((int)lat32, 4);
+    TEST_CHECKF(2 * p16.latents >= p32.latents && 2 * p16.latents <= p32.latents + 64,
+                "planned latents %zu (bf16) vs %zu (fp32)", p16.latents, p32.latents);
+    TEST_CHECK(p16.scratch < p32.scratch);
+    TEST_CHECK(p16.latent_grads == p32.latent_grads); // the gradients stay fp32
+#else
+    TEST_CHECK(lat16 == sizeof(real) && lat32 == sizeof(real) && p16.latents == p32.latents);
+#endif
 }
 
 // ---- GPU vs CPU ------------------------------------------------------------------------------------------
@@ -433,8 +480,10 @@ static void test_case_(const gcase *k) {
         mtrl_decode_state_init(&s1, &mg, T);
         int sp = T / 2;
         mtrl_model_prefill(&mg, &s0, B.tok[0], sp, NULL, NULL);
-        size_t bytes = mtrl_decode_state_bytes(&mg, T);
-        real *hs = malloc(bytes), *hc = malloc(bytes), *hl = malloc(bytes);
+        // host arrays are `real` whatever the device stores (bf16 latents widened, then rounded
+        // back on upload: the same bits)
+        size_t bytes = mtrl_decode_state_bytes(&mg, T), lbytes = sizeof(real) * (size_t)model_n_mla(&d) * sp * (d.dc + d.dr);
+        real *hs = malloc(bytes), *hc = malloc(bytes), *hl = malloc(lbytes + 1);
         mtrl_decode_state_download(&mg, &s0, hs, hc, hl);
         mtrl_decode_state_upload(&mg, &s1, sp, hs, hc, hl);
         mtrl_decode_state *a1[1] = {&s0}, *b1[1] = {&s1};
@@ -495,6 +544,144 @@ static void test_case_(const gcase *k) {
     mtrl_model_free(&mg);
 }
 
+// ---- bf16 latents vs MTRL_LATENT_FP32 vs the CPU (MLA cases) ----------------------------------------
+
+// Prefill of sp tokens, then one decode step per token up to T, into logits [T][V] (rows < sp
+// stay untouched) and the decode's routing rout [T][n_moe][k].
+static void decode_run_(mtrl_model *m, const uint32_t *tok, int T, int sp, real *logits, uint8_t *rout) {
+    size_t rw = (size_t)m->dims.n_moe * m->dims.k;
+    mtrl_decode_state s;
+    mtrl_decode_state_init(&s, m, T);
+    mtrl_model_prefill(m, &s, tok, sp, NULL, NULL);
+    mtrl_decode_state *one[1] = {&s};
+    for (int t = sp; t < T; t++)
+        mtrl_model_decode(m, one, 1, &tok[t], logits + (size_t)t * m->dims.V, rout + (size_t)t * rw);
+    mtrl_decode_state_free(&s);
+}
+
+// Worst max-rel of decode rows sp..T-1 of a against b, skipping rows whose routing differs
+// (counted in *flips).
+static double decode_cmp_(const mtrl_model *m, int T, int sp, const real *a, const uint8_t *ra, const real *b,
+                          const uint8_t *rb, int *flips) {
+    size_t rw = (size_t)m->dims.n_moe * m->dims.k, V = (size_t)m->dims.V;
+    double worst = 0;
+    for (int t = sp; t < T; t++) {
+        if (memcmp(ra + (size_t)t * rw, rb + (size_t)t * rw, rw)) {
+            (*flips)++;
+            continue;
+        }
+        worst = fmax(worst, test_max_rel(a + (size_t)t * V, b + (size_t)t * V, V));
+    }
+    return worst;
+}
+
+static void test_latent_paths_(const gcase *k) {
+    printf("== %s: bf16 latents vs MTRL_LATENT_FP32=1 vs the CPU\n", k->name);
+    mtrl_model_dims d = dims_(k->ini, k->vocab);
+    size_t rw = (size_t)d.n_moe * d.k;
+    mtrl_model mc, mg, mf;
+    mtrl_error err;
+    mtrl_model_init(&mc, &d, 7);
+    TEST_EQ_INT(mtrl_model_init_on(&mg, &d, 7, MTRL_DEVICE_CUDA, 0, &err), MTRL_OK);
+    setenv("MTRL_LATENT_FP32", "1", 1); // read when the backend is created
+    TEST_EQ_INT(mtrl_model_init_on(&mf, &d, 7, MTRL_DEVICE_CUDA, 0, &err), MTRL_OK);
+    unsetenv("MTRL_LATENT_FP32");
+    TEST_EQ_INT((int)mg.be->latent_size, 2);
+    TEST_EQ_INT((int)mf.be->latent_size, 4);
+    TEST_EQ_INT((int)mc.be->latent_size, (int)sizeof(real));
+    test_model_perturb(&mc, 3);
+    size_t total = mc.params.total;
+    mtrl_model *gpu[2] = {&mg, &mf};
+    for (int i = 0; i < 2; i++) {
+        memcpy(gpu[i]->params.base, mc.params.base, total);
+        memcpy(gpu[i]->qb_beta, mc.qb_beta, sizeof(real) * (size_t)d.L * d.E);
+        mtrl_model_to_device(gpu[i]);
+        gpu[i]->qb_frozen = 1;
+    }
+    mc.qb_frozen = 1;
+
+    // Memory: a decode state's latents and a batch's latents take half the bytes.
+    int cap = 1024;
+    size_t lg16 = mtrl_decode_state_bytes(&mg, cap) - mtrl_decode_state_bytes(&mg, 0);
+    size_t lg32 = mtrl_decode_state_bytes(&mf, cap) - mtrl_decode_state_bytes(&mf, 0);
+    printf("  decode state latents of %d tokens: %zu bytes bf16, %zu fp32\n", cap, lg16, lg32);
+    TEST_CHECK(2 * lg16 == lg32);
+
+    batch_ B;
+    batch_make_(&B, k, 5);
+    size_t tot = (size_t)B.total;
+    real *lp16 = calloc(tot, sizeof(real)), *lp32 = calloc(tot, sizeof(real));
+    uint8_t *rr[3] = {0};
+    const uint8_t *rrc[3] = {0};
+    for (int i = 0; i < B.n; i++) {
+        rr[i] = calloc((size_t)B.len[i] * rw + 1, 1);
+        rrc[i] = rr[i];
+    }
+    mtrl_model_plan p16, p32;
+    TEST_EQ_INT(mtrl_model_plan_batch(&p16, &mg, &B.b, &err), MTRL_OK);
+    TEST_EQ_INT(mtrl_model_plan_batch(&p32, &mf, &B.b, &err), MTRL_OK);
+    // forward + backward on both, the fp32-latent model's routing replayed by the bf16 one
+    mtrl_model_zero_grads(&mf);
+    mtrl_model_forward(&mf, &B.b, 0, lp32, NULL, rr);
+    size_t st32 = mf.ws->state_bytes;
+    mtrl_model_backward(&mf, &B.b, B.c, B.e);
+    mtrl_batch br = B.b;
+    br.routing = rrc;
+    mg.replay_routing = 1;
+    mtrl_model_zero_grads(&mg);
+    mtrl_model_forward(&mg, &br, 0, lp16, NULL, NULL);
+    size_t st16 = mg.ws->state_bytes;
+    mtrl_model_backward(&mg, &br, B.c, B.e);
+    mg.replay_routing = 0;
+    mtrl_model_to_host(&mg);
+    mtrl_model_to_host(&mf);
+    printf("  planned latents %zu bytes bf16, %zu fp32 (gradients %zu, %zu); held state %zu vs %zu\n", p16.latents,
+           p32.latents, p16.latent_grads, p32.latent_grads, st16, st32);
+    TEST_CHECK(2 * p16.latents >= p32.latents && 2 * p16.latents <= p32.latents + 64 * 3);
+    TEST_CHECK(p16.latent_grads == p32.latent_grads);
+    TEST_CHECK(st16 < st32);
+    const char *wn;
+    double elp = rel_l2_(lp16, lp32, tot), wg = worst_tensor_(&mc, mg.grads, mf.grads, &wn, 0);
+    int same = !memcmp(lp16, lp32, sizeof(real) * tot) && !memcmp(mg.grads, mf.grads, total);
+    printf("  bf16 vs fp32 latents: logp rel %.3g, worst gradient rel %.3g (%s); bit-identical: %s\n", elp, wg, wn,
+           same ? "yes" : "no");
+    TEST_CHECKF(elp <= 1e-6, "logp rel %.3g between the latent types", elp);
+    TEST_CHECKF(wg <= 1e-6, "gradient of %s rel %.3g between the latent types", wn, wg);
+
+    // Decode over a bf16 / fp32 cache vs the CPU's decode (each model routes on its own).
+    int T = B.len[0], V = d.V, sp = T / 2;
+    real *dc = calloc((size_t)T * V, sizeof(real)), *d16 = calloc((size_t)T * V, sizeof(real)),
+         *d32 = calloc((size_t)T * V, sizeof(real));
+    uint8_t *rc = calloc((size_t)T * rw + 1, 1), *r16 = calloc((size_t)T * rw + 1, 1), *r32 = calloc((size_t)T * rw + 1, 1);
+    decode_run_(&mc, B.tok[0], T, sp, dc, rc);
+    decode_run_(&mg, B.tok[0], T, sp, d16, r16);
+    decode_run_(&mf, B.tok[0], T, sp, d32, r32);
+    int f16 = 0, f32 = 0, fgg = 0;
+    double e16 = decode_cmp_(&mc, T, sp, d16, r16, dc, rc, &f16), e32 = decode_cmp_(&mc, T, sp, d32, r32, dc, rc, &f32);
+    double egg = decode_cmp_(&mc, T, sp, d16, r16, d32, r32, &fgg);
+    printf("  decode of %d tokens after a %d-token prefill, worst of max |logit|: bf16 cache vs CPU %.3g, fp32 cache "
+           "vs CPU %.3g, bf16 vs fp32 cache %.3g (rows with other routing skipped: %d, %d, %d)\n",
+           T - sp, sp, e16, e32, egg, f16, f32, fgg);
+    TEST_CHECKF(e16 <= k->tol_decode, "bf16-cache decode vs CPU %.3g", e16);
+    TEST_CHECKF(e32 <= k->tol_decode, "fp32-cache decode vs CPU %.3g", e32);
+    TEST_CHECKF(egg <= k->tol_decode, "bf16 vs fp32 cache decode %.3g", egg);
+    TEST_CHECK(f16 <= 1 + (T - sp) / 10 && f32 <= 1 + (T - sp) / 10);
+
+    free(dc);
+    free(d16);
+    free(d32);
+    free(rc);
+    free(r16);
+    free(r32);
+    for (int i = 0; i < B.n; i++) free(rr[i]);
+    free(lp16);
+    free(lp32);
+    batch_free_(&B);
+    mtrl_model_free(&mc);
+    mtrl_model_free(&mg);
+    mtrl_model_free(&mf);
+}
+
 // argv[1] (optional): run only that case (0, 1, 2), e.g. one process per case on a device.
 int main(int argc, char **argv) {
     int only = argc > 1 ? atoi(argv[1]) : -1;
@@ -515,6 +702,9 @@ int main(int argc, char **argv) {
          512, 2, {96, 41, 0}, 5e-3, 8e-2, 2e-2, 2e-2, 5e-3, 1e-2},
     };
     for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++)
-        if (only < 0 || (size_t)only == i) test_case_(&cases[i]);
+        if (only < 0 || (size_t)only == i) {
+            test_case_(&cases[i]);
+            if (strchr(dims_(cases[i].ini, cases[i].vocab).mixer, 'M')) test_latent_paths_(&cases[i]);
+        }
     return test_report();
 }

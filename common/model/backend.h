@@ -39,7 +39,7 @@
     X(mla_up_v) X(mla_up_v_bwd) X(mla_decode) X(moe_router_fwd) X(moe_router_bwd) X(moe_dispatch) \
     X(moe_gather) X(moe_combine_fwd) X(moe_combine_bwd) X(moe_scatter_bwd) X(moe_experts_fwd) X(moe_experts_bwd) \
     X(moe_swiglu_fwd) X(moe_swiglu_bwd) X(moe_load_count) X(qb_beta) X(attnres_site_fwd) X(attnres_site_bwd) \
-    X(mem_info)
+    X(mem_info) X(latent_put) X(latent_download) X(latent_upload)
 
 typedef struct mtrl_backend mtrl_backend;
 
@@ -47,6 +47,10 @@ struct mtrl_backend {
     int device; // MTRL_DEVICE_CPU or MTRL_DEVICE_CUDA (model.h)
     int gpu;    // CUDA device index
     void *impl; // the CUDA backend's private state (context, scratch)
+    // Bytes of one element of an MLA latent cache (mtrl_backend_latent_size): every latent
+    // pointer below (`const void *` in the attention and decode entries, decode states, the
+    // batch workspace) points to elements of this size, and every byte count of latents uses it.
+    size_t latent_size;
 
     // ---- memory --------------------------------------------------------------------------------
     void *(*alloc)(mtrl_backend *, size_t bytes); // uninitialised, at least 64-byte aligned; 0 bytes: a valid pointer
@@ -127,11 +131,25 @@ struct mtrl_backend {
     void (*kda_step)(mtrl_backend *, int B, int H, int K, int V, const real *q, const real *k, const real *v,
                      const real *g, const real *beta, real *const *S_h, real *o);
 
+    // ---- MLA latent caches (elements of latent_size) -----------------------------------------------
+    // The one way latent rows are written: dst_h[b][r*ldd + j] = src[(b*rows + r)*lds + j]
+    // rounded to the latent type, b < B, r < rows, j < n. The chunked form writes its T rows
+    // (B = 1, rows = T), the decode one row for each of B sequences (rows = 1). dst_h: a host
+    // array of B backend pointers to latent elements.
+    void (*latent_put)(mtrl_backend *, int B, int rows, int n, const real *src, int lds, void *const *dst_h,
+                       int ldd);
+    // n latent elements to host `real`s (widened exactly) / from host `real`s (rounded), for
+    // snapshots: host arrays stay `real` whatever the backend stores.
+    void (*latent_download)(mtrl_backend *, size_t n, const void *src, real *dst_h);
+    void (*latent_upload)(mtrl_backend *, size_t n, const real *src_h, void *dst);
+
     // ---- attention / MLA (mla_ref.h) ---------------------------------------------------------------
+    // k and v are latent caches (latent_size elements; the model runs this attention over
+    // latents only); every other array is `real`, the gradients dk, dv included.
     void (*attn_causal_fwd)(mtrl_backend *, int Tq, int Tk, int H, int Hk, int Dk, int Dv, real scale, const real *q,
-                            const real *k, int ldk, const real *v, int ldv, real *o, real *lse);
+                            const void *k, int ldk, const void *v, int ldv, real *o, real *lse);
     void (*attn_causal_bwd)(mtrl_backend *, int Tq, int Tk, int H, int Hk, int Dk, int Dv, real scale, const real *q,
-                            const real *k, int ldk, const real *v, int ldv, const real *o, const real *lse,
+                            const void *k, int ldk, const void *v, int ldv, const real *o, const real *lse,
                             const real *dout, real *dq, real *dk, real *dv);
     void (*mla_absorb_q)(mtrl_backend *, int N, int H, int dn, int dr, int dv, int dc, const real *q,
                          const real *W_kvb, real *qt);
@@ -142,9 +160,9 @@ struct mtrl_backend {
     void (*mla_up_v_bwd)(mtrl_backend *, int N, int H, int dn, int dv, int dc, const real *cstar, const real *W_kvb,
                          const real *da, real *dcstar, real *dW_kvb);
     // B decode rows: q [B][H][dn+dr], a [B][H][dv]; row r reads the interleaved latent cache
-    // lat_h[r] ([Tk_h[r]][ld] rows [ĉ ; k^r], its own token's row included).
+    // lat_h[r] ([Tk_h[r]][ld] rows [ĉ ; k^r] of latent elements, its own token's row included).
     void (*mla_decode)(mtrl_backend *, int B, int H, int dn, int dr, int dv, int dc, real scale, const real *q,
-                       const real *W_kvb, const real *const *lat_h, int ld, const int *Tk_h, real *a);
+                       const real *W_kvb, const void *const *lat_h, int ld, const int *Tk_h, real *a);
 
     // ---- MoE (moe_ref.h) ---------------------------------------------------------------------------
     void (*moe_router_fwd)(mtrl_backend *, int N, int E, int K, const real *z, const real *beta, int score_softmax,
@@ -182,6 +200,21 @@ struct mtrl_backend {
 
 // The CPU backend (one shared, stateless instance).
 mtrl_backend *mtrl_backend_cpu(void);
+
+// The latent element size a backend of `device` stores (its latent_size; the memory planner
+// sizes latents with it before any backend exists):
+//   MTRL_DEVICE_CPU   sizeof(real): the reference keeps its precision (fp64 in the tests);
+//   MTRL_DEVICE_CUDA  2, bf16 (issue 8: a 1M-token episode's latents stay resident at half the
+//                     bytes, and the attention and the absorbed decode read them as their bf16
+//                     operands with no conversion pass); 4 (fp32, converted to bf16 per
+//                     attention call, the fp32 decode kernel) when the environment has
+//                     MTRL_LATENT_FP32=1 at the backend's creation, the earlier path kept as a
+//                     fallback and for the GPU tests to compare against.
+size_t mtrl_backend_latent_size(int device);
+// Element i of a latent array (pointer arithmetic in latent elements).
+static inline void *mtrl_latent_at(const mtrl_backend *be, const void *base, size_t i) {
+    return (char *)base + be->latent_size * i;
+}
 
 // A CUDA backend on GPU `gpu`, or NULL with a message in err_msg (built without CUDA, the fp64
 // build, or no such device). mtrl_backend_destroy frees it (the CPU instance is left alone).

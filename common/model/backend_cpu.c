@@ -186,13 +186,21 @@ static void kda_step_(BE *be, int B, int H, int K, int V, const real *q, const r
     }
 }
 
+// ---- latents: `real` elements (latent_size = sizeof(real)), so the reference runs unchanged ----------
+
+static void latent_put_(BE *be, int B, int rows, int n, const real *src, int lds, void *const *dst, int ldd) {
+    for (int b = 0; b < B; b++) copy_rows_(be, rows, n, src + (size_t)b * rows * lds, lds, dst[b], ldd);
+}
+static void latent_download_(BE *be, size_t n, const void *src, real *dst) { copy_(be, dst, src, sizeof(real) * n); }
+static void latent_upload_(BE *be, size_t n, const real *src, void *dst) { copy_(be, dst, src, sizeof(real) * n); }
+
 static void attn_causal_fwd_(BE *be, int Tq, int Tk, int H, int Hk, int Dk, int Dv, real scale, const real *q,
-                             const real *k, int ldk, const real *v, int ldv, real *o, real *lse) {
+                             const void *k, int ldk, const void *v, int ldv, real *o, real *lse) {
     (void)be;
     attn_causal_fwd(Tq, Tk, H, Hk, Dk, Dv, scale, q, k, ldk, v, ldv, o, lse);
 }
 static void attn_causal_bwd_(BE *be, int Tq, int Tk, int H, int Hk, int Dk, int Dv, real scale, const real *q,
-                             const real *k, int ldk, const real *v, int ldv, const real *o, const real *lse,
+                             const void *k, int ldk, const void *v, int ldv, const real *o, const real *lse,
                              const real *dout, real *dq, real *dk, real *dv) {
     (void)be;
     attn_causal_bwd(Tq, Tk, H, Hk, Dk, Dv, scale, q, k, ldk, v, ldv, o, lse, dout, dq, dk, dv);
@@ -217,11 +225,13 @@ static void mla_up_v_bwd_(BE *be, int N, int H, int dn, int dv, int dc, const re
     mla_up_v_bwd(N, H, dn, dv, dc, cs, W, da, dcs, dW);
 }
 static void mla_decode_(BE *be, int B, int H, int dn, int dr, int dv, int dc, real scale, const real *q,
-                        const real *W, const real *const *lat, int ld, const int *Tk, real *a) {
+                        const real *W, const void *const *lat, int ld, const int *Tk, real *a) {
     (void)be;
-    for (int r = 0; r < B; r++)
-        mla_decode_absorbed_ld(H, dn, dr, dv, dc, scale, q + (size_t)r * H * (dn + dr), W, lat[r], ld, lat[r] + dc,
-                               ld, Tk[r], a + (size_t)r * H * dv);
+    for (int r = 0; r < B; r++) {
+        const real *L = lat[r];
+        mla_decode_absorbed_ld(H, dn, dr, dv, dc, scale, q + (size_t)r * H * (dn + dr), W, L, ld, L + dc, ld, Tk[r],
+                               a + (size_t)r * H * dv);
+    }
 }
 
 static void moe_router_fwd_(BE *be, int N, int E, int K, const real *z, const real *beta, int sm, real rho,
@@ -323,6 +333,7 @@ static void download_(BE *be, void *dst, const void *src, size_t bytes) { copy_(
 #define BACKEND_ENTRY_(name) .name = name##_,
 static mtrl_backend cpu_ = {
     .device = MTRL_DEVICE_CPU,
+    .latent_size = sizeof(real),
     MTRL_BACKEND_OPS(BACKEND_ENTRY_)
 };
 

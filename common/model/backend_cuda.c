@@ -5,7 +5,11 @@
 // no TF32), chosen over bf16 operands so the GPU model agrees with the fp32 CPU model to about
 // 1e-5 relative everywhere but the MLA attention: the only causal-attention kernel multiplies
 // bf16 operands (tensor cores, fp32 accumulation), so the chunked form converts the absorbed
-// queries, the latent cache and dout to bf16 copies per call (errors ~1e-3 relative).
+// queries and dout to bf16 copies per call (errors ~1e-3 relative). The MLA latents are STORED
+// as bf16 (latent_size 2, issue 8): rows are rounded once when written (latent_put), the
+// attention and the absorbed decode (its tensor-core v2 kernel) read them as they are, and
+// their gradients stay fp32. MTRL_LATENT_FP32=1 at creation keeps fp32 latents (converted per
+// attention call, the fp32 decode kernel): the earlier path, for comparison.
 //
 // Decode states are separate allocations per sequence, while the batched decode kernels take
 // one block: kda_step and shortconv_step gather the B states into scratch, run, and scatter
@@ -16,6 +20,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "common/bf16.h"
 #include "common/check.h"
 #include "common/model/backend.h"
 #include "common/model/model.h"
@@ -291,42 +296,85 @@ static void kda_step_(BE *be, int B, int H, int K, int V, const real *q, const r
     mtrl_mc_scatter(CTX(be), B, n, blk, dp);
 }
 
+// ---- MLA latents ------------------------------------------------------------------------------------------
+//
+// Stored as bf16 (latent_size 2) or, under MTRL_LATENT_FP32=1, fp32 (backend.h
+// mtrl_backend_latent_size).
+
+static int lat_type_(const BE *be) { return be->latent_size == 2 ? MTRL_BF16 : MTRL_F32; }
+
+static void latent_put_(BE *be, int B, int rows, int n, const real *src, int lds, void *const *dst, int ldd) {
+    if (B <= 0 || rows <= 0 || n <= 0) return;
+    char *s = scratch_(be, sizeof(void *) * (size_t)B);
+    mtrl_mc_latent_put(CTX(be), B, rows, n, src, lds, ptrs_(be, s, 0, B, (const void *const *)dst), ldd,
+                       lat_type_(be));
+}
+// Through the host: a bf16 cache crosses as bf16 (half the bytes of the bus) and is widened or
+// rounded there, with the GPU's rounding (common/bf16.h).
+static void latent_download_(BE *be, size_t n, const void *src, real *dst) {
+    if (lat_type_(be) == MTRL_F32) {
+        mtrl_mc_download(CTX(be), dst, src, sizeof(float) * n);
+        return;
+    }
+    uint16_t *h = xmalloc(2 * n + 2);
+    mtrl_mc_download(CTX(be), h, src, 2 * n);
+    for (size_t i = 0; i < n; i++) dst[i] = mtrl_bf16_to_f32(h[i]);
+    free(h);
+}
+static void latent_upload_(BE *be, size_t n, const real *src, void *dst) {
+    if (lat_type_(be) == MTRL_F32) {
+        mtrl_mc_upload(CTX(be), dst, src, sizeof(float) * n);
+        return;
+    }
+    uint16_t *h = xmalloc(2 * n + 2);
+    for (size_t i = 0; i < n; i++) h[i] = mtrl_bf16_from_f32(src[i]);
+    mtrl_mc_upload(CTX(be), dst, h, 2 * n); // staged before it returns: h may go
+    free(h);
+}
+
 // ---- attention / MLA -------------------------------------------------------------------------------------
 //
-// The attention kernel takes bf16 q, k, v (and dout): convert into scratch. k (and v when it is
-// not the same array) are converted as Tk whole rows of their stride.
+// The attention kernel takes bf16 q, k, v (and dout). q and dout are converted into scratch per
+// call; k and v are latents, read as stored when they are bf16, else (MTRL_LATENT_FP32)
+// converted too, as Tk whole rows of their stride (v only when it is not the same array).
+
+// The bf16 form of Tk latent rows of stride ld at `lat`: the cache itself, or its copy at
+// scratch offset o (reserved by the caller: lat_copy_bytes_).
+static size_t lat_copy_bytes_(const BE *be, int Tk, int ld, int needed) {
+    return needed && lat_type_(be) == MTRL_F32 ? 2 * (size_t)Tk * ld : 0;
+}
+static const mtrl_bf16 *lat_bf16_(BE *be, char *s, size_t o, int Tk, int ld, const void *lat) {
+    if (lat_type_(be) == MTRL_BF16) return lat;
+    mtrl_cuda_f32_to_bf16(CTX(be), (size_t)Tk * ld, lat, (mtrl_bf16 *)(s + o));
+    return (const mtrl_bf16 *)(s + o);
+}
 
 static void attn_causal_fwd_(BE *be, int Tq, int Tk, int H, int Hk, int Dk, int Dv, real scale, const real *q,
-                             const real *k, int ldk, const real *v, int ldv, real *o, real *lse) {
+                             const void *k, int ldk, const void *v, int ldv, real *o, real *lse) {
     int alias = v == k && ldv == ldk;
-    size_t nq = (size_t)Tq * H * Dk, nk = (size_t)Tk * ldk, nv = alias ? 0 : (size_t)Tk * ldv;
-    size_t off = 0, oq = take_(&off, 2 * nq), ok = take_(&off, 2 * nk), ov = take_(&off, 2 * nv);
+    size_t nq = (size_t)Tq * H * Dk;
+    size_t off = 0, oq = take_(&off, 2 * nq), ok = take_(&off, lat_copy_bytes_(be, Tk, ldk, 1)),
+           ov = take_(&off, lat_copy_bytes_(be, Tk, ldv, !alias));
     char *s = scratch_(be, off);
     mtrl_cuda_ctx *c = CTX(be);
     mtrl_cuda_f32_to_bf16(c, nq, q, (mtrl_bf16 *)(s + oq));
-    mtrl_cuda_f32_to_bf16(c, nk, k, (mtrl_bf16 *)(s + ok));
-    if (!alias) mtrl_cuda_f32_to_bf16(c, nv, v, (mtrl_bf16 *)(s + ov));
-    const mtrl_bf16 *vb = (const mtrl_bf16 *)(s + (alias ? ok : ov));
-    OK(mtrl_attn_causal_fwd(c, Tq, Tk, H, Hk, Dk, Dv, scale, (mtrl_bf16 *)(s + oq), (mtrl_bf16 *)(s + ok), ldk, vb,
-                            ldv, o, lse));
+    const mtrl_bf16 *kb = lat_bf16_(be, s, ok, Tk, ldk, k), *vb = alias ? kb : lat_bf16_(be, s, ov, Tk, ldv, v);
+    OK(mtrl_attn_causal_fwd(c, Tq, Tk, H, Hk, Dk, Dv, scale, (mtrl_bf16 *)(s + oq), kb, ldk, vb, ldv, o, lse));
 }
 static void attn_causal_bwd_(BE *be, int Tq, int Tk, int H, int Hk, int Dk, int Dv, real scale, const real *q,
-                             const real *k, int ldk, const real *v, int ldv, const real *o, const real *lse,
+                             const void *k, int ldk, const void *v, int ldv, const real *o, const real *lse,
                              const real *dout, real *dq, real *dk, real *dv) {
     int alias = v == k && ldv == ldk;
-    size_t nq = (size_t)Tq * H * Dk, nk = (size_t)Tk * ldk, nv = alias ? 0 : (size_t)Tk * ldv,
-           nd = (size_t)Tq * H * Dv;
-    size_t off = 0, oq = take_(&off, 2 * nq), ok = take_(&off, 2 * nk), ov = take_(&off, 2 * nv),
-           od = take_(&off, 2 * nd);
+    size_t nq = (size_t)Tq * H * Dk, nd = (size_t)Tq * H * Dv;
+    size_t off = 0, oq = take_(&off, 2 * nq), ok = take_(&off, lat_copy_bytes_(be, Tk, ldk, 1)),
+           ov = take_(&off, lat_copy_bytes_(be, Tk, ldv, !alias)), od = take_(&off, 2 * nd);
     char *s = scratch_(be, off);
     mtrl_cuda_ctx *c = CTX(be);
     mtrl_cuda_f32_to_bf16(c, nq, q, (mtrl_bf16 *)(s + oq));
-    mtrl_cuda_f32_to_bf16(c, nk, k, (mtrl_bf16 *)(s + ok));
-    if (!alias) mtrl_cuda_f32_to_bf16(c, nv, v, (mtrl_bf16 *)(s + ov));
+    const mtrl_bf16 *kb = lat_bf16_(be, s, ok, Tk, ldk, k), *vb = alias ? kb : lat_bf16_(be, s, ov, Tk, ldv, v);
     mtrl_cuda_f32_to_bf16(c, nd, dout, (mtrl_bf16 *)(s + od));
-    const mtrl_bf16 *vb = (const mtrl_bf16 *)(s + (alias ? ok : ov));
-    OK(mtrl_attn_causal_bwd(c, Tq, Tk, H, Hk, Dk, Dv, scale, (mtrl_bf16 *)(s + oq), (mtrl_bf16 *)(s + ok), ldk, vb,
-                            ldv, o, lse, (mtrl_bf16 *)(s + od), dq, dk, alias ? dk : dv));
+    OK(mtrl_attn_causal_bwd(c, Tq, Tk, H, Hk, Dk, Dv, scale, (mtrl_bf16 *)(s + oq), kb, ldk, vb, ldv, o, lse,
+                            (mtrl_bf16 *)(s + od), dq, dk, alias ? dk : dv));
 }
 // W_kvb [H*(dn+dv)][dc]: head h's W_UK at h*(dn+dv)*dc, its W_UV dn*dc further (mla_ref.h).
 static void mla_absorb_q_(BE *be, int N, int H, int dn, int dr, int dv, int dc, const real *q, const real *W,
@@ -365,7 +413,7 @@ static void mla_up_v_bwd_(BE *be, int N, int H, int dn, int dv, int dc, const re
                              dW + (size_t)dn * dc, dc, sw, MTRL_F32, H));
 }
 static void mla_decode_(BE *be, int B, int H, int dn, int dr, int dv, int dc, real scale, const real *q,
-                        const real *W, const real *const *lat, int ld, const int *Tk, real *a) {
+                        const real *W, const void *const *lat, int ld, const int *Tk, real *a) {
     if (B <= 0) return;
     mtrl_cuda_ctx *c = CTX(be);
     uintptr_t base = (uintptr_t)lat[0];
@@ -374,7 +422,7 @@ static void mla_decode_(BE *be, int B, int H, int dn, int dr, int dv, int dc, re
         if ((uintptr_t)lat[r] < base) base = (uintptr_t)lat[r];
         if (Tk[r] > max_len) max_len = Tk[r];
     }
-    size_t row = sizeof(float) * (size_t)ld;
+    size_t row = be->latent_size * (size_t)ld;
     int pooled = 1;
     for (int r = 0; r < B && pooled; r++) pooled = ((uintptr_t)lat[r] - base) % row == 0;
     size_t off = 0, os = take_(&off, sizeof(long long) * (size_t)B), ol = take_(&off, sizeof(int) * (size_t)B);
@@ -384,7 +432,7 @@ static void mla_decode_(BE *be, int B, int H, int dn, int dr, int dv, int dc, re
         for (int r = 0; r < B; r++) st[r] = (long long)(((uintptr_t)lat[r] - base) / row);
         mtrl_mc_upload(c, s + os, st, sizeof(long long) * (size_t)B);
         mtrl_mc_upload(c, s + ol, Tk, sizeof(int) * (size_t)B);
-        OK(mtrl_mla_decode_absorbed(c, B, H, dn, dr, dv, dc, scale, q, W, (const void *)base, MTRL_F32, ld,
+        OK(mtrl_mla_decode_absorbed(c, B, H, dn, dr, dv, dc, scale, q, W, (const void *)base, lat_type_(be), ld,
                                     (const long long *)(s + os), (const int *)(s + ol), max_len, a));
     } else {
         // One launch per sequence, each on its own cache (start row 0).
@@ -393,7 +441,7 @@ static void mla_decode_(BE *be, int B, int H, int dn, int dr, int dv, int dc, re
         mtrl_mc_upload(c, s + ol, Tk, sizeof(int) * (size_t)B);
         for (int r = 0; r < B; r++)
             OK(mtrl_mla_decode_absorbed(c, 1, H, dn, dr, dv, dc, scale, q + (size_t)r * H * (dn + dr), W, lat[r],
-                                        MTRL_F32, ld, (const long long *)(s + os), (const int *)(s + ol) + r, Tk[r],
+                                        lat_type_(be), ld, (const long long *)(s + os), (const int *)(s + ol) + r, Tk[r],
                                         a + (size_t)r * H * dv));
     }
     free(st);
@@ -490,6 +538,12 @@ static const mtrl_backend cuda_template_ = {
 
 int mtrl_backend_cuda_devices(void) { return mtrl_cuda_device_count(); }
 
+size_t mtrl_backend_latent_size(int device) {
+    if (device != MTRL_DEVICE_CUDA) return sizeof(real);
+    const char *e = getenv("MTRL_LATENT_FP32");
+    return e && !strcmp(e, "1") ? sizeof(float) : 2;
+}
+
 mtrl_backend *mtrl_backend_cuda_create(int gpu, char *err_msg, size_t err_len) {
     int n = mtrl_cuda_device_count();
     if (gpu < 0 || gpu >= n) {
@@ -499,6 +553,7 @@ mtrl_backend *mtrl_backend_cuda_create(int gpu, char *err_msg, size_t err_len) {
     mtrl_backend *be = xmalloc(sizeof *be);
     *be = cuda_template_;
     be->gpu = gpu;
+    be->latent_size = mtrl_backend_latent_size(MTRL_DEVICE_CUDA);
     cuda_impl *x = xcalloc(1, sizeof *x);
     x->ctx = mtrl_cuda_ctx_create(gpu, NULL);
     be->impl = x;
@@ -520,6 +575,11 @@ void mtrl_backend_cuda_destroy_(mtrl_backend *be) {
 #else
 
 int mtrl_backend_cuda_devices(void) { return 0; }
+
+size_t mtrl_backend_latent_size(int device) {
+    (void)device; // no CUDA backend in this build: only the CPU's latents exist
+    return sizeof(real);
+}
 
 mtrl_backend *mtrl_backend_cuda_create(int gpu, char *err_msg, size_t err_len) {
     (void)gpu;

@@ -51,7 +51,13 @@
 //     arrays; every call returns with its host outputs written.
 //   * arithmetic: fp32 everywhere (GEMMs through cuBLAS in true fp32, no TF32) except the MLA
 //     causal attention of the chunked form, which multiplies bf16 copies of the absorbed
-//     queries, the latents and dout with fp32 accumulation (the only attention kernel).
+//     queries and dout with the bf16 latents, fp32 accumulation (the only attention kernel).
+//   * MLA latents (the learner's batch workspace, every decode state) are stored as bf16,
+//     rounded once when their rows are written (issue 8: half the bytes of a long episode's
+//     resident cache; the absorbed decode runs its bf16 tensor-core kernel); their gradients
+//     stay fp32 and accumulate across segments. MTRL_LATENT_FP32=1 in the environment when the
+//     model is created keeps them fp32 (backend.h mtrl_backend_latent_size). Host arrays of
+//     latents (snapshots: mtrl_decode_state_download / _upload) are `real` either way.
 #ifndef MTRL_MODEL_H
 #define MTRL_MODEL_H
 
@@ -132,7 +138,7 @@ typedef struct mtrl_decode_state {
     int cap;        // latent cache capacity in tokens
     real *kda_S;    // [n_kda][H][D][D]
     real *conv;     // [n_kda][3][W-1][H*D]  (q, k, v windows)
-    real *latent;   // [n_mla][cap][dc+dr]
+    void *latent;   // [n_mla][cap][dc+dr] of the backend's latent type (`real` on the CPU, bf16 on a GPU)
     void *block;    // the one allocation holding the three
     struct mtrl_backend *be; // the backend that allocated it
 } mtrl_decode_state;
@@ -227,7 +233,8 @@ double mtrl_model_load_violation(const mtrl_model *m, int layer);
 
 // Decode states, on the model's device. Free them before the model.
 void mtrl_decode_state_init(mtrl_decode_state *s, const mtrl_model *m, int cap);
-// Device bytes a decode state of capacity cap takes (what init allocates): for memory budgets.
+// Device bytes a decode state of capacity cap takes (what init allocates, latents at the
+// backend's latent element size): for memory budgets.
 size_t mtrl_decode_state_bytes(const mtrl_model *m, int cap);
 // Prefill of n sequences at once (the actor's tool results, prompts): tokens[i] (lens[i] >= 1
 // tokens) continue states[i] (distinct states). Sequences are laid end to end into packed
@@ -242,8 +249,9 @@ void mtrl_model_prefill_many(mtrl_model *m, mtrl_decode_state *const *states, in
 // batch of `batch` rows, whichever is larger. For the actor's memory budget.
 size_t mtrl_model_infer_bytes(const mtrl_model *m, int batch);
 // Prompts and tool results are prefilled in segments of up to this many tokens: long enough for
-// a GPU's attention and GEMMs to fill the device on a long document (and few conversions of the
-// latent cache to the attention's bf16 operands: one per segment and MLA layer), short enough
+// a GPU's attention and GEMMs to fill the device on a long document (few, full launches per MLA
+// layer; with MTRL_LATENT_FP32=1 also few conversions of the latent cache to the attention's
+// bf16 operands: one per segment and MLA layer), short enough
 // that one segment's forward stays a small part of an actor's memory (prefill keeps no caches
 // for a backward: ~230 KB a token for `small`, 1.9 GB a segment).
 #define MTRL_PREFILL_SEGMENT 8192
@@ -253,7 +261,10 @@ void mtrl_decode_state_reset(mtrl_decode_state *s, const mtrl_model *m);
 void mtrl_decode_state_copy(mtrl_decode_state *dst, const mtrl_decode_state *src, const mtrl_model *m);
 // A state's contents as host arrays laid out like the CPU fields: kda_S [n_kda][H][D][D], conv
 // [n_kda][3][W-1][H*D], latent [n_mla][pos][dc+dr] (the pos rows in use of each layer, packed).
-// download reads s (any device); upload writes s (cap >= pos) and sets s->pos = pos.
+// download reads s (any device); upload writes s (cap >= pos) and sets s->pos = pos. The host
+// arrays are `real` whatever the device stores: bf16 latents are widened exactly on download
+// and rounded on upload, so a snapshot's format does not depend on the device (and a bf16 state
+// downloaded and uploaded again is bit for bit the same).
 void mtrl_decode_state_download(const mtrl_model *m, const mtrl_decode_state *s, real *kda_S, real *conv,
                                 real *latent);
 void mtrl_decode_state_upload(const mtrl_model *m, mtrl_decode_state *s, int pos, const real *kda_S,

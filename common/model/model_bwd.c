@@ -125,7 +125,7 @@ static void mla_backward_(mtrl_model *m, mtrl_arena *ar, int l, int T, const lay
     }
     real *dol = ALLOC((size_t)T * mH * dc), *dqt = ALLOC((size_t)T * mH * ld), *dq = ALLOC((size_t)T * mH * (dn + dr));
     be->mla_up_v_bwd(be, T, mH, dn, dv, dc, c->ol, p->mkvb, da, dol, gp->mkvb);
-    const real *lat = io->latent + (size_t)mi * io->cap * ld;
+    const void *lat = mtrl_latent_at(be, io->latent, (size_t)mi * io->cap * ld);
     real *dlat = g->dlatent + (size_t)mi * io->cap * ld;
     if (!io->n_piece) {
         be->attn_causal_bwd(be, T, t0 + T, mH, 1, ld, dc, scale, c->qt, lat, ld, lat, ld, c->ol, c->lse, dol, dqt,
@@ -134,8 +134,9 @@ static void mla_backward_(mtrl_model *m, mtrl_arena *ar, int l, int T, const lay
         for (int i = 0; i < io->n_piece; i++) {
             int Ti;
             size_t o = (size_t)seq_piece(io, T, i, &Ti);
-            be->attn_causal_bwd(be, Ti, Ti, mH, 1, ld, dc, scale, c->qt + o * mH * ld, lat + o * ld, ld, lat + o * ld,
-                                ld, c->ol + o * mH * dc, c->lse + o * mH, dol + o * mH * dc, dqt + o * mH * ld,
+            const void *lo = mtrl_latent_at(be, lat, o * ld);
+            be->attn_causal_bwd(be, Ti, Ti, mH, 1, ld, dc, scale, c->qt + o * mH * ld, lo, ld, lo, ld,
+                                c->ol + o * mH * dc, c->lse + o * mH, dol + o * mH * dc, dqt + o * mH * ld,
                                 dlat + o * ld, dlat + o * ld);
         }
     }

@@ -4,6 +4,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "common/bf16.h"
 #include "common/check.h"
 #include "common/checkpoint.h"
 #include "common/model/backend.h"
@@ -102,22 +103,6 @@ mtrl_status mtrl_model_save(const mtrl_model *m, const char *path, void **mem, s
     return list_write_(m, &l, with_optimizer, meta, n_meta, path, mem, mem_len, NULL, err);
 }
 
-// bf16 is the top half of an fp32; rounding to nearest even keeps NaN a (quiet) NaN.
-static uint16_t f32_to_bf16_(float f) {
-    uint32_t u;
-    memcpy(&u, &f, 4);
-    if ((u & 0x7f800000u) == 0x7f800000u && (u & 0x7fffffu)) return (uint16_t)((u >> 16) | 0x40);
-    u += 0x7fffu + ((u >> 16) & 1);
-    return (uint16_t)(u >> 16);
-}
-
-static float bf16_to_f32_(uint16_t h) {
-    uint32_t u = (uint32_t)h << 16;
-    float f;
-    memcpy(&f, &u, 4);
-    return f;
-}
-
 // The tensors published as bf16: every matrix of parameters (β stays as it is).
 static int published_bf16_(const mtrl_ckpt_entry *x) {
     return x->ndim >= 2 && x->dtype == REAL_DT && strcmp(x->name, "qb_beta") != 0;
@@ -150,7 +135,7 @@ mtrl_status mtrl_model_save_bf16(const mtrl_model *m, void **mem, size_t *mem_le
         const real *s = src[i];
         size_t c = count[i];
         #pragma omp parallel for schedule(static)
-        for (size_t k = 0; k < c; k++) dst[k] = f32_to_bf16_((float)s[k]);
+        for (size_t k = 0; k < c; k++) dst[k] = mtrl_bf16_from_f32((float)s[k]);
     }
     free(src);
     free(at);
@@ -169,7 +154,7 @@ static mtrl_status read_entry_(mtrl_ckpt *c, const mtrl_ckpt_entry *x, mtrl_erro
         real *dst = (real *)x->data;
         if (st == MTRL_OK) {
             #pragma omp parallel for schedule(static)
-            for (size_t i = 0; i < n; i++) dst[i] = (real)bf16_to_f32_(h[i]);
+            for (size_t i = 0; i < n; i++) dst[i] = (real)mtrl_bf16_to_f32(h[i]);
         }
         free(h);
         return st;

@@ -85,6 +85,33 @@ extern "C" void mtrl_mc_scatter(mtrl_cuda_ctx *c, int B, size_t n, const float *
     CUDA_LAUNCH_CHECK();
 }
 
+// One thread per element of the B x rows x n block; blockIdx.y picks the destination pointer.
+template <typename T>
+__device__ __forceinline__ T latent_of_(float x);
+template <>
+__device__ __forceinline__ float latent_of_<float>(float x) { return x; }
+template <>
+__device__ __forceinline__ __nv_bfloat16 latent_of_<__nv_bfloat16>(float x) { return __float2bfloat16_rn(x); }
+
+template <typename T>
+__global__ void mc_latent_put_k(int rows, int n, const float *src, int lds, void *const *ptrs, int ldd) {
+    T *d = (T *)ptrs[blockIdx.y];
+    const float *s = src + (size_t)blockIdx.y * rows * lds;
+    size_t m = (size_t)rows * n;
+    for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < m; i += (size_t)gridDim.x * blockDim.x) {
+        size_t r = i / (size_t)n, j = i % (size_t)n;
+        d[r * ldd + j] = latent_of_<T>(s[r * lds + j]);
+    }
+}
+extern "C" void mtrl_mc_latent_put(mtrl_cuda_ctx *c, int B, int rows, int n, const float *src, int lds,
+                                   void *const *ptrs, int ldd, int type) {
+    if (B <= 0 || rows <= 0 || n <= 0) return;
+    dim3 g = rows_grid_(B, (size_t)rows * n);
+    if (type == MTRL_BF16) mc_latent_put_k<__nv_bfloat16><<<g, MC_T, 0, c->stream>>>(rows, n, src, lds, ptrs, ldd);
+    else mc_latent_put_k<float><<<g, MC_T, 0, c->stream>>>(rows, n, src, lds, ptrs, ldd);
+    CUDA_LAUNCH_CHECK();
+}
+
 // ---- elementwise (sigmoid_acc: expf, as the kernels compared closely with the oracle) -------------
 
 __global__ void mc_sigmoid_k(size_t n, const float *x, float *y) { FOR_I(n) y[i] = sigmoid_acc(x[i]); }

@@ -129,6 +129,19 @@ static void kda_forward_(mtrl_model *m, mtrl_arena *ar, int l, int mode, int T, 
 
 // ---- gated MLA, absorbed over the latent (model.md §3.1, §3.3) ------------------------------------
 
+// Writes rows [ĉ ; k^r] of B caches: cache b's rows are dst_h[b] (latent elements, row stride ld)
+// and take `rows` consecutive rows of chat [.][dc] and kr [.][dr] (backend.h latent_put rounds
+// them to the stored type).
+static void latent_write_(mtrl_backend *be, int B, int rows, int dc, int dr, const real *chat, const real *kr,
+                          void *const *dst_h) {
+    int ld = dc + dr;
+    void **kdst = xmalloc(sizeof(void *) * (size_t)B);
+    for (int b = 0; b < B; b++) kdst[b] = mtrl_latent_at(be, dst_h[b], (size_t)dc);
+    be->latent_put(be, B, rows, dc, chat, dc, dst_h, ld);
+    if (dr > 0) be->latent_put(be, B, rows, dr, kr, dr, kdst, ld);
+    free(kdst);
+}
+
 static void mla_forward_(mtrl_model *m, mtrl_arena *ar, int l, int mode, int T, const real *x1, seq_io *io,
                          layer_cache *c, real *out) {
     const mtrl_model_dims *d = &m->dims;
@@ -153,24 +166,20 @@ static void mla_forward_(mtrl_model *m, mtrl_arena *ar, int l, int mode, int T, 
             int Ti, o = seq_piece(io, T, i, &Ti);
             MTRL_CHECKF(pi->t0 + Ti <= pi->cap, "MLA latent cache full: position %d, capacity %d", pi->t0 + Ti - 1,
                         pi->cap);
-            real *row = pi->latent + ((size_t)mi * pi->cap + (size_t)pi->t0) * ld;
-            be->copy_rows(be, Ti, dc, chat + (size_t)o * dc, dc, row, ld);
-            be->copy_rows(be, Ti, dr, c->kr + (size_t)o * dr, dr, row + dc, ld);
+            void *row = mtrl_latent_at(be, pi->latent, ((size_t)mi * pi->cap + (size_t)pi->t0) * ld);
+            latent_write_(be, 1, Ti, dc, dr, chat + (size_t)o * dc, c->kr + (size_t)o * dr, &row);
         }
     } else if (mode != SEG_DECODE) {
         MTRL_CHECKF(io->t0 + T <= io->cap, "MLA latent cache full: position %d, capacity %d", io->t0 + T - 1, io->cap);
-        real *row = io->latent + ((size_t)mi * io->cap + (size_t)io->t0) * ld;
-        be->copy_rows(be, T, dc, chat, dc, row, ld);
-        be->copy_rows(be, T, dr, c->kr, dr, row + dc, ld);
+        void *row = mtrl_latent_at(be, io->latent, ((size_t)mi * io->cap + (size_t)io->t0) * ld);
+        latent_write_(be, 1, T, dc, dr, chat, c->kr, &row);
     } else {
-        real **rows = xmalloc(sizeof(real *) * (size_t)T * 2);
+        void **rows = xmalloc(sizeof(void *) * (size_t)T);
         for (int t = 0; t < T; t++) {
             MTRL_CHECKF(io[t].t0 < io[t].cap, "MLA latent cache full: position %d, capacity %d", io[t].t0, io[t].cap);
-            rows[t] = io[t].latent + ((size_t)mi * io[t].cap + (size_t)io[t].t0) * ld;
-            rows[T + t] = rows[t] + dc;
+            rows[t] = mtrl_latent_at(be, io[t].latent, ((size_t)mi * io[t].cap + (size_t)io[t].t0) * ld);
         }
-        be->scatter(be, T, (size_t)dc, chat, rows);
-        if (dr > 0) be->scatter(be, T, (size_t)dr, c->kr, rows + T);
+        latent_write_(be, T, 1, dc, dr, chat, c->kr, rows);
         free(rows);
     }
     c->a = ALLOC((size_t)T * mH * dv);
@@ -178,7 +187,7 @@ static void mla_forward_(mtrl_model *m, mtrl_arena *ar, int l, int mode, int T, 
         c->qt = ALLOC((size_t)T * mH * ld); c->ol = ALLOC((size_t)T * mH * dc); c->lse = ALLOC((size_t)T * mH);
         be->mla_absorb_q(be, T, mH, dn, dr, dv, dc, c->q, p->mkvb, c->qt);
         if (!io->n_piece) {
-            const real *lat = io->latent + (size_t)mi * io->cap * ld;
+            const void *lat = mtrl_latent_at(be, io->latent, (size_t)mi * io->cap * ld);
             be->attn_causal_fwd(be, T, io->t0 + T, mH, 1, ld, dc, scale, c->qt, lat, ld, lat, ld, c->ol, c->lse);
         } else {
             // Each piece attends to its own keys: from its own cache (piece_io: the earlier
@@ -188,10 +197,10 @@ static void mla_forward_(mtrl_model *m, mtrl_arena *ar, int l, int mode, int T, 
                 int Ti;
                 size_t o = (size_t)seq_piece(io, T, i, &Ti);
                 int Tk = Ti;
-                const real *lat = io->latent + ((size_t)mi * io->cap + o) * ld;
+                const void *lat = mtrl_latent_at(be, io->latent, ((size_t)mi * io->cap + o) * ld);
                 if (io->piece_io) {
                     const seq_io *pi = &io->piece_io[i];
-                    lat = pi->latent + (size_t)mi * pi->cap * ld;
+                    lat = mtrl_latent_at(be, pi->latent, (size_t)mi * pi->cap * ld);
                     Tk = pi->t0 + Ti;
                 }
                 be->attn_causal_fwd(be, Ti, Tk, mH, 1, ld, dc, scale, c->qt + o * mH * ld, lat, ld, lat, ld,
@@ -200,10 +209,10 @@ static void mla_forward_(mtrl_model *m, mtrl_arena *ar, int l, int mode, int T, 
         }
         be->mla_up_v(be, T, mH, dn, dv, dc, c->ol, p->mkvb, c->a);
     } else {
-        const real **lat = xmalloc(sizeof(real *) * (size_t)T);
+        const void **lat = xmalloc(sizeof(void *) * (size_t)T);
         int *Tk = xmalloc(sizeof(int) * (size_t)T);
         for (int r = 0; r < T; r++) {
-            lat[r] = io[r].latent + (size_t)mi * io[r].cap * ld;
+            lat[r] = mtrl_latent_at(be, io[r].latent, (size_t)mi * io[r].cap * ld);
             Tk[r] = io[r].t0 + 1;
         }
         be->mla_decode(be, T, mH, dn, dr, dv, dc, scale, c->q, p->mkvb, lat, ld, Tk, c->a);

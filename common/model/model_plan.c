@@ -13,8 +13,9 @@
 // Two grow-only buffers, both kept until the model is freed:
 //   * the backend's (backend_cuda.c scratch_): grows to request × 5/4 + 1 MiB. Its largest
 //     requests are the bf16 copies the attention takes (attn_causal_fwd_/_bwd_): the absorbed
-//     queries [T][mH][dc+dr], the latents of every key so far [Tk][dc+dr] and, in the backward,
-//     dout [T][mH][dc]; small ones: token ids, targets, log-probs.
+//     queries [T][mH][dc+dr], in the backward dout [T][mH][dc] and, with fp32 latents only
+//     (MTRL_LATENT_FP32=1), the latents of every key so far [Tk][dc+dr] (bf16 latents are read
+//     where they are); small ones: token ids, targets, log-probs.
 //   * the kernels' context's (core_cuda.cu mtrl_ctx_scratch): grows to request × 9/8 + 1 MiB.
 //     Requests per launcher (kda_cuda.cu, moe_cuda.cu, ops_cuda.cu, mla_cuda.cu): the KDA chunk
 //     workspace (W, U, Q⁺, K^e, P, e^γ per tile; in the backward also dD and dS per tile), the MoE
@@ -90,8 +91,9 @@ static size_t ctx_request_(const mtrl_model_dims *d, size_t T) {
     return req;
 }
 
-// The largest request to the backend's own scratch for a sequence of len tokens in segments of seg.
-static size_t backend_request_(const mtrl_model_dims *d, size_t len, size_t seg) {
+// The largest request to the backend's own scratch for a sequence of len tokens in segments of seg,
+// latents of lat_size bytes an element.
+static size_t backend_request_(const mtrl_model_dims *d, size_t lat_size, size_t len, size_t seg) {
     size_t req = 0, T = seg < len ? seg : len;
     size_t small[3] = {4 * T, 4 * T, 4 * T}; // logprob_fwd_/_bwd_: targets, log-probs, entropies
     req = max_(req, carve_(small, 3));
@@ -100,7 +102,8 @@ static size_t backend_request_(const mtrl_model_dims *d, size_t len, size_t seg)
         // the last segment (keys: the whole sequence) and the last full one before it
         size_t Tq[2] = {len - (n_seg - 1) * seg, seg}, Tk[2] = {len, (n_seg - 1) * seg};
         for (int i = 0; i < (n_seg > 1 ? 2 : 1); i++) {
-            size_t p[4] = {2 * Tq[i] * mH * ld, 2 * Tk[i] * ld, 0, 2 * Tq[i] * mH * (size_t)d->dc};
+            size_t lat_copy = lat_size == 2 ? 0 : 2 * Tk[i] * ld;
+            size_t p[4] = {2 * Tq[i] * mH * ld, lat_copy, 0, 2 * Tq[i] * mH * (size_t)d->dc};
             req = max_(req, carve_(p, 4)); // attn_causal_bwd_ (the forward takes the first three)
         }
     }
@@ -112,9 +115,10 @@ static size_t backend_request_(const mtrl_model_dims *d, size_t len, size_t seg)
 static int seg_len_(int len, int segment) { return segment > 0 && segment < len ? segment : (len > 0 ? len : 1); }
 
 // mtrl_model_plan_eval with the parameter block's size P given (the search evaluates thousands
-// of segment lengths; laying out the parameter table each time would dominate).
-static void eval_(mtrl_model_plan *p, const mtrl_model_dims *d, size_t P, int device, int n, const int *len,
-                  int segment, size_t budget) {
+// of segment lengths; laying out the parameter table each time would dominate) and the latent
+// element size (backend.h latent_size).
+static void eval_(mtrl_model_plan *p, const mtrl_model_dims *d, size_t P, int device, size_t lat_size, int n,
+                  const int *len, int segment, size_t budget) {
     memset(p, 0, sizeof *p);
     p->device = device;
     p->seqs = n;
@@ -136,7 +140,7 @@ static void eval_(mtrl_model_plan *p, const mtrl_model_dims *d, size_t P, int de
     // β (+ on the CPU its host bookkeeping: sums, counts, loads; on a GPU the Σx² partials)
     p->qb = LE * R + (cuda ? sizeof(double) * 256 : LE * (sizeof(double) + sizeof(long)) + (size_t)d->L * sizeof(int));
     ws_sizes ws;
-    ws_sizes_for(d, n, len, segment, &ws);
+    ws_sizes_for(d, lat_size, n, len, segment, &ws);
     p->keep = ws.keep;
     p->latents = ws.latent;
     p->boundary = ws.state - ws.latent;
@@ -145,8 +149,9 @@ static void eval_(mtrl_model_plan *p, const mtrl_model_dims *d, size_t P, int de
     if (cuda) {
         size_t breq = 0;
         for (int i = 0; i < n; i++)
-            breq = max_(breq, backend_request_(d, (size_t)len[i], (size_t)seg_len_(len[i], segment)));
-        if (ws.max_pack > 0) breq = max_(breq, backend_request_(d, (size_t)ws.max_pack, (size_t)ws.max_pack));
+            breq = max_(breq, backend_request_(d, lat_size, (size_t)len[i], (size_t)seg_len_(len[i], segment)));
+        if (ws.max_pack > 0)
+            breq = max_(breq, backend_request_(d, lat_size, (size_t)ws.max_pack, (size_t)ws.max_pack));
         size_t creq = ctx_request_(d, (size_t)ws.max_seg);
         p->scratch = breq + breq / 4 + ((size_t)1 << 20) + creq + creq / 8 + ((size_t)1 << 20);
         p->runtime = MTRL_PLAN_CUDA_RUNTIME;
@@ -169,7 +174,7 @@ static void eval_(mtrl_model_plan *p, const mtrl_model_dims *d, size_t P, int de
 
 void mtrl_model_plan_eval(mtrl_model_plan *p, const mtrl_model_dims *d, int device, int n, const int *len, int segment,
                           size_t budget) {
-    eval_(p, d, model_param_bytes(d), device, n, len, segment, budget);
+    eval_(p, d, model_param_bytes(d), device, mtrl_backend_latent_size(device), n, len, segment, budget);
 }
 
 static double gib_(size_t b) { return (double)b / (double)((size_t)1 << 30); }
@@ -180,8 +185,9 @@ static char *size_str_(char *buf, size_t b) {
     return buf;
 }
 
-mtrl_status mtrl_model_plan_make(mtrl_model_plan *p, const mtrl_model_dims *d, int device, int n, const int *len,
-                                 size_t budget, mtrl_error *err) {
+// mtrl_model_plan_make with the latent element size given (a live model: its backend's).
+static mtrl_status make_(mtrl_model_plan *p, const mtrl_model_dims *d, int device, size_t lat_size, int n,
+                         const int *len, size_t budget, mtrl_error *err) {
     int max_len = 1;
     for (int i = 0; i < n; i++)
         if (len[i] > max_len) max_len = len[i];
@@ -196,7 +202,7 @@ mtrl_status mtrl_model_plan_make(mtrl_model_plan *p, const mtrl_model_dims *d, i
     size_t P = model_param_bytes(d);
     for (long s = MTRL_PLAN_SEGMENT_STEP;; s += MTRL_PLAN_SEGMENT_STEP) {
         int S = s < max_len ? (int)s : max_len;
-        eval_(&cur, d, P, device, n, len, S, budget);
+        eval_(&cur, d, P, device, lat_size, n, len, S, budget);
         if (s == MTRL_PLAN_SEGMENT_STEP || cur.total < least.total) least = cur;
         if (cur.total <= budget && budget - cur.total >= cur.margin) {
             best = cur;
@@ -221,10 +227,15 @@ mtrl_status mtrl_model_plan_make(mtrl_model_plan *p, const mtrl_model_dims *d, i
     // Segment 0 keeps every activation when they fit under MTRL_KEEP_BYTES_MAX (no recompute
     // in the backward): note whether that fits the budget too.
     mtrl_model_plan k0;
-    eval_(&k0, d, P, device, n, len, 0, budget);
+    eval_(&k0, d, P, device, lat_size, n, len, 0, budget);
     *p = best;
     p->keep = k0.keep && k0.total <= budget && budget - k0.total >= k0.margin;
     return MTRL_OK;
+}
+
+mtrl_status mtrl_model_plan_make(mtrl_model_plan *p, const mtrl_model_dims *d, int device, int n, const int *len,
+                                 size_t budget, mtrl_error *err) {
+    return make_(p, d, device, mtrl_backend_latent_size(device), n, len, budget, err);
 }
 
 mtrl_status mtrl_model_plan_uniform(mtrl_model_plan *p, const mtrl_model_dims *d, int device, long tokens, int seqs,
@@ -268,7 +279,7 @@ mtrl_status mtrl_model_plan_batch(mtrl_model_plan *p, const mtrl_model *m, const
     const mtrl_model_dims *d = &m->dims;
     size_t held = 4 * m->params.total + ws_held_bytes(m) + scratch;
     if (m->device == MTRL_DEVICE_CUDA) held += sizeof(real) * (size_t)d->L * d->E;
-    return mtrl_model_plan_make(p, d, m->device, b->n, b->len, fr + held, err);
+    return make_(p, d, m->device, m->be->latent_size, b->n, b->len, fr + held, err);
 }
 
 // ---- printing -------------------------------------------------------------------------------------------------

@@ -7,11 +7,13 @@
 // picks the largest S that fits. The per-segment and per-batch blocks are not estimated: they come
 // from the functions the model sizes its own allocations with (seg_arena_bytes, ws_sizes_for in
 // model_ws.h), so the plan and the allocation cannot drift apart. The scratch of the CUDA
-// backend and kernels (grow-only buffers: the bf16 copies of queries, latents and dout for the
-// attention, the KDA and MoE backward workspaces) mirrors backend_cuda.c and kernels/cuda/*.cu,
+// backend and kernels (grow-only buffers: the bf16 copies of queries and dout for the
+// attention, and of the latents when they are stored fp32, the KDA and MoE backward workspaces) mirrors backend_cuda.c and kernels/cuda/*.cu,
 // with their growth factors.
 //
-// What is counted (bytes; fp32 model: 4 per value):
+// What is counted (bytes; fp32 model: 4 per value, except the MLA latents: the backend's latent
+// element size, backend.h mtrl_backend_latent_size: 2 (bf16) on a GPU unless MTRL_LATENT_FP32=1;
+// their gradients stay `real`):
 //   model        parameters, gradients, both AdamW moments (4 x the parameter block), QB β
 //   episode      boundary KDA states and conv windows of every segment of every sequence, the
 //                MLA latents of every sequence (state arena of the forward), and in the backward

@@ -13,7 +13,7 @@ typedef struct ws_seq {
     int len, seg, n_seg;
     real *bound_S;     // [n_seg][n_kda][H][D][D] state entering each segment   (backend memory)
     real *bound_conv;  // [n_seg][n_kda][3][W-1][HD]                            (backend memory)
-    real *latent;      // [n_mla][len][dc+dr]                                   (backend memory)
+    void *latent;      // [n_mla][len][dc+dr] latent elements                   (backend memory)
     uint8_t *routing;  // [len][n_moe][k] chosen in the forward, replayed by the recompute
     int *targets;      // [len]
     seg_cache *kept;   // [n_seg] when activations are kept
@@ -26,7 +26,7 @@ typedef struct ws_pack {
     uint32_t *tokens;  // [T]
     int *targets;      // [T]
     uint8_t *routing;  // [T][n_moe][k] chosen in the forward, replayed by the recompute
-    real *latent;      // [n_mla][T][dc+dr]                                     (backend memory)
+    void *latent;      // [n_mla][T][dc+dr] latent elements                     (backend memory)
     seg_cache kept;    // when activations are kept
 } ws_pack;
 
@@ -57,6 +57,8 @@ static void be_arena_free_(mtrl_backend *be, mtrl_arena *a) {
 // Bytes an arena needs for pieces of these sizes (64-byte aligned each).
 static size_t carve_bytes_(size_t bytes) { return (bytes + 63) & ~(size_t)63; }
 #define RALLOC(a, n) ((real *)mtrl_arena_alloc((a), sizeof(real) * (size_t)(n)))
+// n latent elements of the model's backend (backend.h latent_size).
+#define LALLOC(m, a, n) mtrl_arena_alloc((a), (m)->be->latent_size * (size_t)(n))
 
 void mtrl_model_ws_free(mtrl_model *m) {
     ws_impl *w = (ws_impl *)m->ws;
@@ -131,7 +133,7 @@ static int packs_of_(int n, const int *len, int segment, int *first) {
     return np;
 }
 
-void ws_sizes_for(const mtrl_model_dims *d, int n, const int *len, int segment, ws_sizes *out) {
+void ws_sizes_for(const mtrl_model_dims *d, size_t lat_size, int n, const int *len, int segment, ws_sizes *out) {
     int n_kda = model_n_kda(d), n_mla = model_n_mla(d);
     size_t S_sz = S_size_(d) * n_kda, C_sz = conv_size_(d) * n_kda, LW = lat_w_(d);
     int max_seg = 1, max_len = 1, max_pack = 0;
@@ -147,7 +149,7 @@ void ws_sizes_for(const mtrl_model_dims *d, int n, const int *len, int segment, 
             if (len[i] > max_len) max_len = len[i];
             keep_bytes += seg_arena_bytes(d, seg, len[i]) * (size_t)n_seg;
             if (seg_arena_bytes(d, seg, len[i]) > one_seg) one_seg = seg_arena_bytes(d, seg, len[i]);
-            size_t l = carve_bytes_(sizeof(real) * (size_t)n_mla * (size_t)len[i] * LW);
+            size_t l = carve_bytes_(lat_size * (size_t)n_mla * (size_t)len[i] * LW);
             state_cap += carve_bytes_(sizeof(real) * (size_t)n_seg * S_sz) +
                          carve_bytes_(sizeof(real) * (size_t)n_seg * C_sz) + l;
             lat += l;
@@ -160,7 +162,7 @@ void ws_sizes_for(const mtrl_model_dims *d, int n, const int *len, int segment, 
             if (len[i] > max_len) max_len = len[i];
         }
         if (T > max_pack) max_pack = T;
-        size_t a = seg_pack_arena_bytes(d, T, tiles), l = carve_bytes_(sizeof(real) * (size_t)n_mla * (size_t)T * LW);
+        size_t a = seg_pack_arena_bytes(d, T, tiles), l = carve_bytes_(lat_size * (size_t)n_mla * (size_t)T * LW);
         keep_bytes += a;
         if (a > one_seg) one_seg = a;
         state_cap += l;
@@ -213,8 +215,8 @@ static void pack_forward_(mtrl_model *m, const mtrl_batch *b, ws_pack *pk, real 
         targets_of_(b->tokens[i], len, pk->targets + o);
         if (replay) memcpy(rin + (size_t)o * rw, b->routing[i], (size_t)len * rw);
     }
-    pk->latent = RALLOC(&w->state, (size_t)T * lat);
-    w->pub.state_bytes += sizeof(real) * (size_t)T * lat;
+    pk->latent = LALLOC(m, &w->state, (size_t)T * lat);
+    w->pub.state_bytes += m->be->latent_size * (size_t)T * lat;
     seq_io io = {w->run_S, w->run_C, pk->latent, T, 0, pk->n, pk->piece, NULL};
     seg_out so = {pk->targets, logp, entropy, NULL, rin, pk->routing, 1};
     seg_cache tmp, *c = w->keep ? &pk->kept : &tmp;
@@ -268,7 +270,7 @@ void mtrl_model_forward(mtrl_model *m, const mtrl_batch *b, int segment, real *l
         s->n_seg = (s->len + s->seg - 1) / s->seg;
     }
     ws_sizes sz;
-    ws_sizes_for(d, b->n, b->len, segment, &sz);
+    ws_sizes_for(d, be->latent_size, b->n, b->len, segment, &sz);
     w->keep = sz.keep;
     be_arena_init_(be, &w->pub.arena, sz.arena);
     w->pub.seg_T = sz.max_seg;
@@ -299,12 +301,13 @@ void mtrl_model_forward(mtrl_model *m, const mtrl_batch *b, int segment, real *l
         int len = s->len;
         s->bound_S = RALLOC(&w->state, (size_t)s->n_seg * S_sz);
         s->bound_conv = RALLOC(&w->state, (size_t)s->n_seg * C_sz);
-        s->latent = RALLOC(&w->state, (size_t)n_mla * len * LW);
+        s->latent = LALLOC(m, &w->state, (size_t)n_mla * len * LW);
         s->routing = xcalloc((size_t)len * rw + 1, 1);
         s->targets = xmalloc(sizeof(int) * (size_t)(len + 1));
         targets_of_(b->tokens[i], len, s->targets);
         if (w->keep) s->kept = xcalloc((size_t)s->n_seg, sizeof(seg_cache));
-        w->pub.state_bytes += sizeof(real) * ((size_t)s->n_seg * (S_sz + C_sz) + (size_t)n_mla * len * LW);
+        w->pub.state_bytes +=
+            sizeof(real) * (size_t)s->n_seg * (S_sz + C_sz) + be->latent_size * (size_t)n_mla * len * LW;
         real *S = w->run_S, *C = w->run_C;
         be->zero(be, S, sizeof(real) * S_sz);
         be->zero(be, C, sizeof(real) * C_sz);
@@ -419,7 +422,7 @@ static size_t gcd_(size_t a, size_t b) {
 size_t mtrl_decode_state_bytes(const mtrl_model *m, int cap) {
     const mtrl_model_dims *d = &m->dims;
     size_t kb = sizeof(real) * model_n_kda(d) * S_size_(d), cb = sizeof(real) * model_n_kda(d) * conv_size_(d);
-    size_t row = sizeof(real) * lat_w_(d), lb = sizeof(real) * (size_t)model_n_mla(d) * (size_t)cap * lat_w_(d);
+    size_t row = m->be->latent_size * lat_w_(d), lb = row * (size_t)model_n_mla(d) * (size_t)cap;
     size_t al = row / gcd_(row, 64) * 64;
     return carve_bytes_(kb) + carve_bytes_(cb) + al + lb + 64;
 }
@@ -433,7 +436,7 @@ void mtrl_decode_state_init(mtrl_decode_state *s, const mtrl_model *m, int cap) 
     // One block: KDA states, conv windows, then the latents, whose start is a multiple of the
     // latent row size (so the CUDA decode can address every state's cache from one base).
     size_t kb = sizeof(real) * model_n_kda(d) * S_size_(d), cb = sizeof(real) * model_n_kda(d) * conv_size_(d);
-    size_t row = sizeof(real) * lat_w_(d);
+    size_t row = be->latent_size * lat_w_(d);
     size_t al = row / gcd_(row, 64) * 64;
     size_t bytes = mtrl_decode_state_bytes(m, cap);
     char *blk = be->alloc(be, bytes);
@@ -443,7 +446,7 @@ void mtrl_decode_state_init(mtrl_decode_state *s, const mtrl_model *m, int cap) 
     s->conv = (real *)(blk + carve_bytes_(kb));
     uintptr_t lat = (uintptr_t)(blk + carve_bytes_(kb) + carve_bytes_(cb));
     lat = (lat + al - 1) / al * al;
-    s->latent = (real *)lat;
+    s->latent = (void *)lat;
 }
 
 void mtrl_decode_state_free(mtrl_decode_state *s) {
@@ -467,8 +470,8 @@ void mtrl_decode_state_copy(mtrl_decode_state *dst, const mtrl_decode_state *src
     be->copy(be, dst->conv, src->conv, sizeof(real) * model_n_kda(d) * conv_size_(d));
     size_t lw = lat_w_(d);
     for (int j = 0; j < model_n_mla(d); j++)
-        be->copy(be, dst->latent + (size_t)j * dst->cap * lw, src->latent + (size_t)j * src->cap * lw,
-                 sizeof(real) * (size_t)src->pos * lw);
+        be->copy(be, mtrl_latent_at(be, dst->latent, (size_t)j * dst->cap * lw),
+                 mtrl_latent_at(be, src->latent, (size_t)j * src->cap * lw), be->latent_size * (size_t)src->pos * lw);
     dst->pos = src->pos;
 }
 
@@ -480,8 +483,8 @@ void mtrl_decode_state_download(const mtrl_model *m, const mtrl_decode_state *s,
     be->download(be, kda_S, s->kda_S, sizeof(real) * model_n_kda(d) * S_size_(d));
     be->download(be, conv, s->conv, sizeof(real) * model_n_kda(d) * conv_size_(d));
     for (int j = 0; j < model_n_mla(d); j++)
-        be->download(be, latent + (size_t)j * s->pos * lw, s->latent + (size_t)j * s->cap * lw,
-                     sizeof(real) * (size_t)s->pos * lw);
+        be->latent_download(be, (size_t)s->pos * lw, mtrl_latent_at(be, s->latent, (size_t)j * s->cap * lw),
+                            latent + (size_t)j * s->pos * lw);
 }
 
 void mtrl_decode_state_upload(const mtrl_model *m, mtrl_decode_state *s, int pos, const real *kda_S,
@@ -493,7 +496,8 @@ void mtrl_decode_state_upload(const mtrl_model *m, mtrl_decode_state *s, int pos
     be->upload(be, s->kda_S, kda_S, sizeof(real) * model_n_kda(d) * S_size_(d));
     be->upload(be, s->conv, conv, sizeof(real) * model_n_kda(d) * conv_size_(d));
     for (int j = 0; j < model_n_mla(d); j++)
-        be->upload(be, s->latent + (size_t)j * s->cap * lw, latent + (size_t)j * pos * lw, sizeof(real) * (size_t)pos * lw);
+        be->latent_upload(be, (size_t)pos * lw, latent + (size_t)j * pos * lw,
+                          mtrl_latent_at(be, s->latent, (size_t)j * s->cap * lw));
     be->sync(be);
     s->pos = pos;
 }

@@ -27,7 +27,7 @@ enum { SEG_CHUNK = 0, SEG_DECODE = 1, SEG_PREFILL = 2 };
 typedef struct seq_io {
     real *kda_S;   // [n_kda][H][D][D]
     real *conv;    // [n_kda][3][W-1][H*D]
-    real *latent;  // [n_mla][cap][dc+dr]
+    void *latent;  // [n_mla][cap][dc+dr] latent elements (backend.h latent_size)
     int cap;       // latent rows per MLA layer
     int t0;        // absolute position of the segment's first token
     // A packed segment (SEG_CHUNK only): n_piece > 0 whole sequences laid end to end, piece i
@@ -58,7 +58,7 @@ static inline int seq_piece(const seq_io *io, int T, int i, int *len) {
 typedef struct seq_grad {
     real *dS;      // [n_kda][H][D][D]: ∂L/∂(state leaving the segment) in, ∂L/∂(state entering) out
     real *dconv;   // [n_kda][3][W-1][H*D]: likewise for the conv windows
-    real *dlatent; // [n_mla][cap][dc+dr], accumulated over the whole sequence
+    real *dlatent; // [n_mla][cap][dc+dr] (`real` whatever the latents are), accumulated over the whole sequence
 } seq_grad;
 
 typedef struct layer_cache {
@@ -121,7 +121,7 @@ typedef struct mtrl_model_ws {
     int *seg_len;         // the segment length used for each sequence
     real **bound_S;       // per sequence: [n_seg+1][n_kda][H][D][D]
     real **bound_conv;    // per sequence: [n_seg+1][n_kda][3][W-1][HD]
-    real **latent;        // per sequence: [n_mla][len][dc+dr]
+    void **latent;        // per sequence: [n_mla][len][dc+dr] latent elements
     size_t state_bytes;   // bytes of the above
 } mtrl_model_ws;
 
@@ -158,8 +158,9 @@ int seg_kda_tiles(int T, const seq_io *io);
 #define MTRL_PACK_TOKENS 4096
 
 // The device (backend) blocks mtrl_model_forward / _backward allocate for a batch of n sequences
-// of len[i] tokens with `segment` (model_run.c computes them with this function, the memory
-// planner model_plan.c reads them):
+// of len[i] tokens with `segment`, with latents of lat_size bytes an element (backend.h
+// latent_size; model_run.c computes them with this function, the memory planner model_plan.c
+// reads them):
 typedef struct ws_sizes {
     int keep;        // segment <= 0 and every activation fits in MTRL_KEEP_BYTES_MAX: no recompute
     int max_seg;     // the longest segment
@@ -168,9 +169,9 @@ typedef struct ws_sizes {
     size_t arena;    // activation arena: kept segments, or one segment's forward + backward
     size_t state;    // boundary KDA states and conv windows of every segment, MLA latents, running state
     size_t latent;   // ... of which MLA latents
-    size_t grad;     // the backward's block: ∂/∂latents of the longest sequence or pack, dS, dconv, S, conv
+    size_t grad;     // the backward's block: ∂/∂latents (`real`) of the longest sequence or pack, dS, dconv, S, conv
 } ws_sizes;
-void ws_sizes_for(const mtrl_model_dims *d, int n, const int *len, int segment, ws_sizes *out);
+void ws_sizes_for(const mtrl_model_dims *d, size_t lat_size, int n, const int *len, int segment, ws_sizes *out);
 // Bytes of the batch workspace the model holds now (activation and state arenas of the last
 // forward; both are freed by the next forward).
 size_t ws_held_bytes(const mtrl_model *m);
