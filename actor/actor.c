@@ -161,6 +161,25 @@ static void on_end_(void *u, mtrl_traj *t) {
     a->episodes_done++;
 }
 
+// A heartbeat when nothing was sent for a heartbeat period: the learner declares an actor dead
+// after heartbeat_timeout_ms of silence.
+static void heartbeat_(actor *a, double now) {
+    double hb = 1e-3 * (double)(a->have_cfg ? a->cfg.actor.heartbeat_ms : 1000);
+    if (now - a->last_sent <= hb) return;
+    mtrl_wire_out o;
+    mtrl_wire_out_init(&o);
+    mtrl_wire_encode_heartbeat(&o);
+    send_now_(a, &o);
+    mtrl_wire_out_free(&o);
+}
+
+// Between the rounds of a long prefill (a 1M-token document is minutes of prefill on a CPU and
+// ~20 s on a GPU): only the heartbeat; the socket is not read, so nothing changes the rollout.
+static void on_tick_(void *u) {
+    actor *a = u;
+    heartbeat_(a, mtrl_time_mono());
+}
+
 // ---- snapshots of long episodes ([actor] snapshot_dir) --------------------------------------------------------
 //
 // Every episode in flight is written to <dir>/a<actor>.s<slot>.snap (atomically: temp + rename)
@@ -537,7 +556,7 @@ int mtrl_actor_main(const char *endpoint, uint32_t actor_id, int gpu, volatile s
     // The learner is single-threaded: a long optimizer step keeps it quiet. Only a silence much
     // longer than the heartbeat timeout means it went away.
     double quiet = 3e-3 * (double)(a.have_cfg ? a.cfg.learner.heartbeat_timeout_ms : 5000);
-    mtrl_rollout_events ev = {&a, on_begin_, on_end_};
+    mtrl_rollout_events ev = {&a, on_begin_, on_end_, on_tick_};
     a.last_heard = mtrl_time_mono();
     while (!*stop && !a.bye) {
         // Wait on the socket when there is nothing to generate (no weights or credit yet, or a
@@ -565,13 +584,7 @@ int mtrl_actor_main(const char *endpoint, uint32_t actor_id, int gpu, volatile s
             send_qb_stats_(&a);
             a.last_qb = now;
         }
-        if (now - a.last_sent > hb) {
-            mtrl_wire_out o;
-            mtrl_wire_out_init(&o);
-            mtrl_wire_encode_heartbeat(&o);
-            send_now_(&a, &o);
-            mtrl_wire_out_free(&o);
-        }
+        heartbeat_(&a, now);
         if (now - a.last_heard > quiet) {
             // The learner went away (restart?): say HELLO again; the DEALER reconnects itself.
             LOG_WARN("learner silent for %.1f s: saying HELLO again", now - a.last_heard);

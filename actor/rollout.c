@@ -30,6 +30,7 @@ typedef struct slot {
     int needs_decode;      // the last sampled token must be fed to the model
     uint32_t *pend;        // [max_tokens + 3] tokens to feed at the end of the step (a tool result)
     int pend_n, pend_skip; // ... how many, and how many of them are in the trajectory already
+    int pend_at;           // ... how many of them the rounds of the flush have fed so far
     uint8_t pend_kind;
     const struct slot *copy_of; // the group's first slot, whose prompt state this one copies after the flush
 } slot;
@@ -193,6 +194,7 @@ static void feed_(mtrl_model *m, slot *s, const uint32_t *tok, int n, int skip, 
 static void queue_(slot *s, const uint32_t *tok, int n, int skip, uint8_t kind) {
     memcpy(s->pend, tok, sizeof(uint32_t) * (size_t)n);
     s->pend_n = n;
+    s->pend_at = 0;
     s->pend_skip = skip;
     s->pend_kind = kind;
 }
@@ -259,7 +261,7 @@ static int start_(const mtrl_rollout_params *p, mtrl_model *m, slot *s, const sl
     s->turn = 0;
     s->tool_open = -1;
     s->needs_decode = 0;
-    s->pend_n = 0;
+    s->pend_n = s->pend_at = 0;
     s->copy_of = NULL;
     mtrl_decode_state_reset(&s->st, m);
     mtrl_env_result res;
@@ -367,7 +369,7 @@ static int advance_(const mtrl_rollout_params *p, mtrl_model *m, slot *s, uint32
 
 // ---- the batched engine --------------------------------------------------------------------------------
 
-static void flush_(mtrl_rollout *r);
+static void flush_(mtrl_rollout *r, const mtrl_rollout_events *ev);
 
 static void start_groups_(mtrl_rollout *r, const mtrl_rollout_events *ev) {
     int G = r->p.group_size;
@@ -388,7 +390,7 @@ static void start_groups_(mtrl_rollout *r, const mtrl_rollout_events *ev) {
         }
     }
     // The prompts of every group started here in one prefill, then the groups' copies.
-    flush_(r);
+    flush_(r, ev);
     for (int i = 0; i < r->n; i++) {
         slot *s = &r->slots[i];
         if (!s->copy_of) continue;
@@ -397,27 +399,47 @@ static void start_groups_(mtrl_rollout *r, const mtrl_rollout_events *ev) {
     }
 }
 
-// The step's queued feeds, in one batched prefill (mtrl_model_prefill_many): a tool result is
-// a prefill of a few tokens, and one each would cost a pass over every layer apiece.
-static void flush_(mtrl_rollout *r) {
-    int k = 0, V = r->m->dims.V;
-    for (int i = 0; i < r->n; i++) {
-        slot *s = &r->slots[i];
-        if (!s->active || !s->pend_n) continue;
-        r->fslot[k] = s;
-        r->fstates[k] = &s->st;
-        r->ftok[k] = s->pend;
-        r->flen[k] = s->pend_n;
-        r->frout[k] = s->traj.routing_width ? s->rrow : NULL;
-        k++;
-    }
-    if (!k) return;
-    mtrl_model_prefill_many(r->m, r->fstates, k, r->ftok, r->flen, r->flogits, r->frout);
-    for (int j = 0; j < k; j++) {
-        slot *s = r->fslot[j];
-        memcpy(s->logits, r->flogits + (size_t)j * V, sizeof(real) * (size_t)V);
-        fed_(r->m, s, s->pend, s->pend_n, s->pend_skip, s->pend_kind);
-        s->pend_n = 0;
+// The step's queued feeds, batched (mtrl_model_prefill_many): a tool result is a prefill of a few
+// tokens, and one each would cost a pass over every layer apiece. A long feed (a 1M-token
+// document) goes in rounds of one prefill segment per sequence, at most one segment's worth of
+// tokens a round, with ev->tick between rounds: the caller's heartbeats keep going through
+// minutes of prefill. The pieces start at multiples of MTRL_PREFILL_SEGMENT of each feed, where
+// one whole prefill would cut its segments, so the rounds change no result.
+static void flush_(mtrl_rollout *r, const mtrl_rollout_events *ev) {
+    int V = r->m->dims.V;
+    for (;;) {
+        int k = 0, total = 0, more = 0;
+        for (int i = 0; i < r->n; i++) {
+            slot *s = &r->slots[i];
+            if (!s->active || s->pend_at >= s->pend_n) continue;
+            int len = s->pend_n - s->pend_at;
+            if (len > MTRL_PREFILL_SEGMENT) len = MTRL_PREFILL_SEGMENT;
+            if (k > 0 && total + len > MTRL_PREFILL_SEGMENT) {
+                more = 1;
+                continue;
+            }
+            r->fslot[k] = s;
+            r->fstates[k] = &s->st;
+            r->ftok[k] = s->pend + s->pend_at;
+            r->flen[k] = len;
+            r->frout[k] = s->traj.routing_width ? s->rrow + (size_t)s->pend_at * s->traj.routing_width : NULL;
+            total += len;
+            k++;
+        }
+        if (!k) return;
+        mtrl_model_prefill_many(r->m, r->fstates, k, r->ftok, r->flen, r->flogits, r->frout);
+        for (int j = 0; j < k; j++) {
+            slot *s = r->fslot[j];
+            s->pend_at += r->flen[j];
+            if (s->pend_at < s->pend_n) {
+                more = 1;
+                continue;
+            }
+            memcpy(s->logits, r->flogits + (size_t)j * V, sizeof(real) * (size_t)V);
+            fed_(r->m, s, s->pend, s->pend_n, s->pend_skip, s->pend_kind);
+            s->pend_n = s->pend_at = 0;
+        }
+        if (more && ev && ev->tick) ev->tick(ev->user);
     }
 }
 
@@ -448,7 +470,7 @@ int mtrl_rollout_step(mtrl_rollout *r, const mtrl_rollout_events *ev) {
             if (rout) memcpy(s->traj.routing + (s->traj.n_tokens - 1) * rw, rout + (size_t)j * rw, rw);
         }
     }
-    flush_(r);
+    flush_(r, ev);
     int live = 0;
     for (int i = 0; i < r->n; i++) live += r->slots[i].active;
     return live;

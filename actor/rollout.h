@@ -57,11 +57,15 @@ mtrl_status mtrl_rollout_init(mtrl_rollout **out, const mtrl_rollout_params *p, 
 void mtrl_rollout_free(mtrl_rollout *r);
 
 // Callbacks. begin: an episode started (its prompt is in the trajectory). end: it finished;
-// the trajectory is the callee's to keep (swap it out) until the callback returns.
+// the trajectory is the callee's to keep (swap it out) until the callback returns. tick (may be
+// NULL): called between the rounds of a long prefill (one segment of MTRL_PREFILL_SEGMENT
+// tokens each, a fraction of a second on a GPU), so that a step spent prefilling 1M-token
+// documents does not silence the caller's heartbeats; it must not call into the rollout.
 typedef struct mtrl_rollout_events {
     void *user;
     void (*begin)(void *user, mtrl_traj *t);
     void (*end)(void *user, mtrl_traj *t);
+    void (*tick)(void *user);
 } mtrl_rollout_events;
 
 // One generation step for every in-flight episode. Returns the number of episodes in flight

@@ -8,7 +8,10 @@
 //    (the engine prefills the prompts and tool results of a step together);
 //  - snapshot/resume: an in-flight episode (after a short warm-up, so it uses the calc tool)
 //    snapshotted mid-way and resumed in a fresh rollout continues with exactly the tokens the
-//    uninterrupted episode produced; a corrupt snapshot is refused.
+//    uninterrupted episode produced; a corrupt snapshot is refused;
+//  - a prompt longer than two prefill segments (a retrieval document) is prefilled in rounds with
+//    the tick callback between them (the actor's heartbeats), and the episodes are the same as
+//    when re-executed alone (one whole prefill).
 #include <stdlib.h>
 #include <string.h>
 
@@ -22,13 +25,65 @@
 
 typedef struct collected {
     mtrl_traj eps[64];
-    int n, begun;
+    int n, begun, ticks;
 } collected;
 
 static void on_begin(void *u, mtrl_traj *t) { (void)t; ((collected *)u)->begun++; }
 static void on_end(void *u, mtrl_traj *t) {
     collected *c = u;
     if (c->n < 64) { mtrl_traj_init(&c->eps[c->n]); mtrl_traj_swap(&c->eps[c->n], t); c->n++; }
+}
+
+static void on_tick(void *u) { ((collected *)u)->ticks++; }
+
+// A retrieval document of 2.5 prefill segments inline in the prompt, two episodes of one group.
+static void long_prompt_case_(void) {
+    mtrl_config cfg;
+    mtrl_config_errors errs = {0};
+    char text[512];
+    int doc = MTRL_PREFILL_SEGMENT * 5 / 2;
+    snprintf(text, sizeof text,
+             "[run]\nseed = 3\n[env]\nname = retrieval\ninline_doc = true\ndoc_tokens = %d\n[actor]\n"
+             "episodes_in_flight = 2\nmax_tokens = %d\nmax_turn_tokens = 8\n[algo]\ngroup_size = 2\n",
+             doc, doc + 96);
+    TEST_EQ_INT(mtrl_config_load_text(&cfg, "long.ini", text, NULL, 0, &errs), MTRL_OK);
+    mtrl_config_errors_free(&errs);
+    mtrl_model_dims d;
+    mtrl_model_dims_from_config(&d, &cfg.model, MTRL_VOCAB, NULL);
+    mtrl_model m;
+    mtrl_model_init(&m, &d, 4);
+    mtrl_rollout_params p;
+    mtrl_rollout_params_from_config(&p, &cfg, 1, 2);
+    mtrl_rollout *r;
+    mtrl_error err;
+    TEST_EQ_INT(mtrl_rollout_init(&r, &p, &cfg, &m, &err), MTRL_OK);
+    collected c = {0};
+    mtrl_rollout_events ev = {&c, NULL, on_end, on_tick};
+    mtrl_rollout_step(r, &ev);
+    int ticks = c.ticks;
+    mtrl_rollout_stop_new(r);
+    while (mtrl_rollout_step(r, &ev) > 0) {}
+    printf("long prompt of %d tokens: %d ticks in its prefill, %d episodes\n", doc, ticks, c.n);
+    TEST_CHECKF(ticks >= 2, "%d ticks while prefilling %d tokens in segments of %d", ticks, doc, MTRL_PREFILL_SEGMENT);
+    TEST_EQ_INT(c.n, 2);
+    mtrl_env *env;
+    TEST_EQ_INT(mtrl_env_open_config(&cfg, &env, &err), MTRL_OK);
+    for (int i = 0; i < c.n; i++) {
+        mtrl_traj *t = &c.eps[i], again;
+        mtrl_traj_init(&again);
+        mtrl_rollout_run_one(&p, &m, env, t->task_seed, t->episode_id, t->group_id, &again, &err);
+        TEST_CHECK(t->n_tokens > (uint64_t)doc);
+        int same = again.n_tokens == t->n_tokens && again.status == t->status;
+        for (uint64_t k = 0; same && k < t->n_tokens; k++)
+            same = again.ids[k] == t->ids[k] && again.logprob[k] == t->logprob[k] && again.kind[k] == t->kind[k];
+        TEST_CHECKF(same, "long-prompt episode %d (%llu tokens) differs when re-executed alone", i,
+                    (unsigned long long)t->n_tokens);
+        mtrl_traj_free(&again);
+        mtrl_traj_free(t);
+    }
+    mtrl_env_close(env);
+    mtrl_rollout_free(r);
+    mtrl_model_free(&m);
 }
 
 int main(void) {
@@ -49,7 +104,7 @@ int main(void) {
     mtrl_error err;
     TEST_EQ_INT(mtrl_rollout_init(&r, &p, &cfg, &m, &err), MTRL_OK);
     collected c = {0};
-    mtrl_rollout_events ev = {&c, on_begin, on_end};
+    mtrl_rollout_events ev = {&c, on_begin, on_end, NULL};
     int steps = 0;
     while (c.n < 12 && steps < 2000) {
         mtrl_rollout_step(r, &ev);
@@ -106,7 +161,7 @@ int main(void) {
     for (int round = 0; round < 6; round++) {
         TEST_EQ_INT(mtrl_rollout_init(&r, &p, &cfg, &m, &err), MTRL_OK);
         collected a = {0};
-        mtrl_rollout_events eva = {&a, NULL, on_end};
+        mtrl_rollout_events eva = {&a, NULL, on_end, NULL};
         // Run a few steps into the first groups (further each round), snapshot every live slot.
         for (int k = 0; k < 6 + 3 * round; k++) mtrl_rollout_step(r, &eva);
         mtrl_wbuf snap[6];
@@ -149,7 +204,7 @@ int main(void) {
         TEST_EQ_INT(mtrl_rollout_init(&r2, &p, &cfg, &m, &err), MTRL_OK);
         mtrl_rollout_stop_new(r2);
         collected b = {0};
-        mtrl_rollout_events evb = {&b, NULL, on_end};
+        mtrl_rollout_events evb = {&b, NULL, on_end, NULL};
         for (int i = 0; i < 6; i++)
             if (live[i]) TEST_EQ_INT(mtrl_rollout_resume(r2, i, snap[i].data, snap[i].len, &err), MTRL_OK);
         while (mtrl_rollout_step(r2, &evb) > 0) {}
@@ -190,5 +245,6 @@ int main(void) {
     TEST_CHECK(snaps >= 6);
     TEST_CHECK(with_tools >= 1);
     mtrl_model_free(&m);
+    long_prompt_case_();
     return test_report();
 }
