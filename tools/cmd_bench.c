@@ -2,7 +2,8 @@
 //
 //   mtrl bench model [--device cpu|cuda|cuda:N] [--preset tiny|small | --config EXPERIMENT.ini] [--tokens N] [--seqs B]
 //                    [--segment S] [--reps R]
-//       forward and forward+backward tokens/s of the backbone on random tokens, batched decode
+//       forward and forward+backward tokens/s (segment: the learner's memory planner's unless
+//       --segment is given) of the backbone on random tokens, batched decode
 //       tokens/s (B sequences, one token each per step), and peak memory
 //   mtrl bench long [--device cpu|cuda] [--preset tiny|small | --config EXPERIMENT.ini] [--tokens T] [--decode N]
 //       one T-token episode: the actor's prefill time and decode time per token at that context,
@@ -107,6 +108,20 @@ static int model_open_(const bench_src *src, mtrl_model *m) {
     return 0;
 }
 
+// The learner's memory plan of batch b on m (printed): *seg is the segment length that the
+// learner would use (0: the whole sequences in one segment). 1 when no plan fits.
+static int plan_segment_(mtrl_model *m, const mtrl_batch *b, const char *cmd, int *seg) {
+    mtrl_model_plan plan;
+    mtrl_error err;
+    if (mtrl_model_plan_batch(&plan, m, b, &err) != MTRL_OK) {
+        fprintf(stderr, "mtrl bench %s: %s\n", cmd, err.msg);
+        return 1;
+    }
+    mtrl_model_plan_print(&plan, stdout);
+    *seg = plan.keep ? 0 : plan.segment;
+    return 0;
+}
+
 static int bench_model_(int argc, char **argv) {
     bench_src src = {NULL, "tiny", NULL, 2048};
     int seqs = 8, segment = 0, reps = 3;
@@ -138,6 +153,12 @@ static int bench_model_(int argc, char **argv) {
     real *logp = malloc(sizeof(real) * (size_t)seqs * per), *c = malloc(sizeof(real) * (size_t)seqs * per);
     for (int t = 0; t < seqs * per; t++) c[t] = (real)(1.0 / (seqs * per));
     print_machine_();
+    // without --segment, the learner's: the planner's segment from the device's free memory
+    if (segment == 0 && plan_segment_(&m, &b, "model", &segment)) {
+        free(tok); free(toks); free(len); free(logp); free(c);
+        mtrl_model_free(&m);
+        return 1;
+    }
     char label[1100];
     printf("model: %s on %s, %zu parameters, %d layers (%s), d=%d, %d experts top-%d; batch %d x %d tokens, segment %d, OMP threads %s\n",
            src_label_(&src, label, sizeof label), m.device == MTRL_DEVICE_CUDA ? "cuda" : "cpu",
@@ -265,17 +286,13 @@ static int bench_long_(int argc, char **argv) {
     const uint32_t *tp[1] = {tok};
     int len[1] = {tokens};
     mtrl_batch b = {1, tp, len, NULL};
-    mtrl_model_plan plan;
-    mtrl_error err;
-    if (mtrl_model_plan_batch(&plan, &m, &b, &err) != MTRL_OK) {
-        fprintf(stderr, "mtrl bench long: %s\n", err.msg);
+    int seg;
+    if (plan_segment_(&m, &b, "long", &seg)) {
         free(tok);
         free(row);
         mtrl_model_free(&m);
         return 1;
     }
-    mtrl_model_plan_print(&plan, stdout);
-    int seg = plan.keep ? 0 : plan.segment;
     real *logp = malloc(sizeof(real) * (size_t)tokens), *c = malloc(sizeof(real) * (size_t)tokens);
     for (int t = 0; t < tokens; t++) c[t] = (real)(1.0 / tokens);
     double t3 = mtrl_time_mono();
