@@ -328,20 +328,25 @@ static int setup_(actor *a, const mtrl_wire_msg *m) {
     }
     uint64_t next_group = 0, next_episode = 0;
     int first = !a->have_model; // a later setup is a new stage: its episodes in flight are over
-    if (a->have_model) {
-        if (a->ro) mtrl_rollout_counters(a->ro, &next_group, &next_episode);
-        mtrl_rollout_free(a->ro);
-        a->ro = NULL;
-        mtrl_model_free(&a->model);
-    }
     int device = MTRL_DEVICE_CPU, gpu = 0;
     if (mtrl_model_parse_device(a->cfg.model.device, &device, &gpu) != 0) {
         LOG_ERROR("[model] device = %s: expected cpu or cuda", a->cfg.model.device);
         return 0;
     }
     if (a->gpu >= 0) gpu = a->gpu;
-    if (mtrl_model_init_on(&a->model, &d, (uint64_t)a->cfg.run.seed, device, gpu, &err) != MTRL_OK) {
+    // A new stage of the same run keeps the model: building one is seconds of silence on a GPU
+    // (the learner would declare the actor dead) and the stage's weights replace its values anyway.
+    int keep = a->have_model && m->run_id == a->run_id && !memcmp(&a->model.dims, &d, sizeof d) &&
+               a->model.device == device && a->model.gpu == gpu;
+    if (a->have_model) {
+        if (a->ro) mtrl_rollout_counters(a->ro, &next_group, &next_episode);
+        mtrl_rollout_free(a->ro);
+        a->ro = NULL;
+        if (!keep) mtrl_model_free(&a->model);
+    }
+    if (!keep && mtrl_model_init_on(&a->model, &d, (uint64_t)a->cfg.run.seed, device, gpu, &err) != MTRL_OK) {
         LOG_ERROR("%s", err.msg);
+        a->have_model = 0;
         return 0;
     }
     // β comes with the weights; actors never apply a β of their own. With qb_actor_stats they sum

@@ -53,6 +53,7 @@ struct mtrl_learner {
     mtrl_config cfg;        // the experiment as it applies now (the current stage's overrides in)
     mtrl_config base;       // the experiment as loaded
     int stage;              // current [stage.N] (0-based), -1 without stages
+    uint32_t stage_version; // the weight version the current stage started with (see stage_enter_)
     long total_steps;       // [run] steps, or the sum of the stages' steps
     char *config_text;
     uint64_t config_hash;
@@ -82,6 +83,7 @@ struct mtrl_learner {
     long step;
     long episodes_by_status[MTRL_EP_REJECTED + 1];
     long stale_dropped, groups_dropped;
+    long stage_dropped;      // episodes of an earlier stage that arrived after the stage changed
     long episodes_seen;      // finished episodes, for keep_trajectories = every_N
     long tokens_seen;
     long *loads;
@@ -234,6 +236,12 @@ static void commit_(mtrl_learner *l, mtrl_traj *t) {
     if (mtrl_store_episode_log(l->store, l->run_id, t, path, off, l->step, &err) != MTRL_OK)
         event_(l, MTRL_LOG_ERROR, "run store: %s", err.msg);
     int trainable = t->status == MTRL_EP_COMPLETE || t->status == MTRL_EP_TRUNCATED;
+    // An episode whose prompt came before the stage's weights was generated under the previous
+    // stage's context and document (the actor had not rebuilt yet): not this stage's data.
+    if (trainable && t->n_tokens > 0 && t->version[0] < l->stage_version) {
+        l->stage_dropped++;
+        trainable = 0;
+    }
     if (trainable && t->n_model > 0 && (long)l->model.version - (long)t->version_min > l->cfg.learner.max_staleness) {
         l->stale_dropped++;
         trainable = 0;
@@ -474,9 +482,12 @@ static int stage_of_(const mtrl_learner *l, long step) {
 // Applies stage s to the experiment: its context is the episode budget, its document length the
 // retrieval env's, its group size and batch the learner's. The actors get a new WELCOME with the
 // resolved experiment (they rebuild their episodes) and the current weights. Groups of the old
-// stage that are not complete are dropped: the group size may change.
+// stage that are not complete are dropped: the group size may change. next: a stage after the
+// first of this process; the weights get a new version (the same values) that marks this
+// stage's episodes: those whose prompt has an older version are the previous stage's, which
+// the actors were still finishing when the stage changed, and are not trained (commit_).
 static void group_drop_(mtrl_learner *l, int i);
-static void stage_enter_(mtrl_learner *l, int s) {
+static void stage_enter_(mtrl_learner *l, int s, int next) {
     mtrl_config c = l->base;
     const mtrl_cfg_stage *st = &c.stage[s];
     if (st->context > 0) c.actor.max_tokens = st->context;
@@ -491,6 +502,11 @@ static void stage_enter_(mtrl_learner *l, int s) {
     l->config_hash = mtrl_config_hash(&c);
     mtrl_hash64_hex(l->config_hash, l->config_hash_hex);
     while (l->n_groups) group_drop_(l, l->n_groups - 1);
+    if (next) {
+        l->model.version++;
+        publish_(l);
+        l->stage_version = l->model.version;
+    }
     event_(l, MTRL_LOG_INFO, "stage %d of %d from step %ld: context %ld tokens, document %ld, group %ld, batch %ld groups", s + 1,
            l->base.n_stages, l->step, c.actor.max_tokens, c.env.doc_tokens, c.algo.group_size, c.learner.batch_groups);
     mtrl_wire_out o;
@@ -602,6 +618,7 @@ static void rl_step_(mtrl_learner *l, int *ready, int n_ready) {
         log_metric_(l, "cycle_seconds", cycle);
         log_metric_(l, "stale_dropped", (double)l->stale_dropped);
         log_metric_(l, "groups_dropped", (double)l->groups_dropped);
+        if (l->stage >= 0) log_metric_(l, "stage_dropped", (double)l->stage_dropped);
         log_metric_(l, "episodes_aborted", (double)l->episodes_by_status[MTRL_EP_ABORTED]);
         log_metric_(l, "episodes_rejected", (double)l->episodes_by_status[MTRL_EP_REJECTED]);
         log_metric_(l, "version", l->model.version);
@@ -852,9 +869,9 @@ int mtrl_learner_run(mtrl_learner *l, volatile sig_atomic_t *stop) {
     int *ready = xmalloc(sizeof(int) * (size_t)need);
     mtrl_traj popped;
     mtrl_traj_init(&popped);
-    if (l->base.n_stages > 0) stage_enter_(l, stage_of_(l, l->step));
+    if (l->base.n_stages > 0) stage_enter_(l, stage_of_(l, l->step), 0);
     while (l->step < l->total_steps && !*stop && !l->failed[0]) {
-        if (l->base.n_stages > 0 && stage_of_(l, l->step) != l->stage) stage_enter_(l, stage_of_(l, l->step));
+        if (l->base.n_stages > 0 && stage_of_(l, l->step) != l->stage) stage_enter_(l, stage_of_(l, l->step), 1);
         mtrl_error err;
         pump_(l, 20);
         if (mtrl_store_begin(l->store, &err) == MTRL_OK) {

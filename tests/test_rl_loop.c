@@ -472,10 +472,10 @@ static void test_stages(void) {
     snprintf(log, sizeof log, "%s/stages.log", dir_);
     snprintf(text, sizeof text,
              "[run]\nname = stages\nseed = 4\nout_dir = %s/runs-stages\n[model]\npreset = tiny\n"
-             "[env]\nname = retrieval\ndoc_tokens = 32\ninline_doc = true\n[actor]\ncount = 2\nepisodes_in_flight = 4\nmax_turn_tokens = 24\n"
+             "[env]\nname = retrieval\ndoc_tokens = 32\ninline_doc = true\n[actor]\ncount = 2\nepisodes_in_flight = 8\nmax_turn_tokens = 24\n"
              "heartbeat_ms = 200\n[learner]\nbatch_groups = 2\n[algo]\ngroup_size = 2\n"
              "[stage.1]\ncontext = 300\ndoc_tokens = 32\nsteps = 2\n"
-             "[stage.2]\ncontext = 600\ndoc_tokens = 300\nsteps = 2\ngroup_size = 4\nbatch_groups = 1\n",
+             "[stage.2]\ncontext = 600\ndoc_tokens = 300\nsteps = 2\nbatch_groups = 1\n",
              dir_);
     write_file(ini, text);
     char *argv[] = {(char *)bin_, "run", ini, "--db", db, NULL};
@@ -487,6 +487,12 @@ static void test_stages(void) {
     // stage 2 episodes are longer (their prompt holds a longer document) and within the budget
     TEST_CHECK(query_int(db, "SELECT max(tokens) FROM episodes WHERE step >= 3") > 300);
     TEST_CHECK(query_int(db, "SELECT max(tokens) FROM episodes") <= 600);
+    // every stage-2 step trained stage-2 episodes only (a 300-token document in each prompt), not
+    // the stage-1 episodes the actors were finishing when the stage changed (8 in flight per actor
+    // and one group size for both stages: their groups are complete as soon as they arrive)
+    int short_len = query_int(db, "SELECT min(m.value) FROM metrics m JOIN metrics s ON s.run = m.run AND s.step = m.step "
+                                  "WHERE m.name = 'episode_len' AND s.name = 'stage' AND s.value = 2");
+    TEST_CHECKF(short_len > 300, "a stage-2 step trained episodes of %d tokens on average", short_len);
     char status[64];
     query_text(db, "SELECT status FROM runs WHERE id = 1", status, sizeof status);
     TEST_EQ_STR(status, "finished");
