@@ -7,7 +7,7 @@
 // at the bound (g ≡ g_min + 1e-3), K = V ∈ {16, 32, 128}. Outputs are poisoned with NaN first.
 // Tolerances (fp32 arithmetic on the GPU): ‖out − ref‖/‖ref‖ ≤ 1e-4 everywhere (2e-4 for the
 // backward at the bound, where e^{±40} factors amplify fp32 rounding). These cases run the v2
-// forward (MTRL_KDA_V2=1 set around them: the K = V = 128 ones would otherwise take v3).
+// forward (the default; MTRL_KDA_FWD=2 set around them all the same).
 // Forward v3 (kda_tc_cuda.cu, tensor cores, bf16 operands, fp32 state; K = V = 128): test_chunk_v3
 // checks o, S_final and S_tiles against the fp64 reference at 1e-2 (the project's bf16 tolerance;
 // a numpy model of v3's rounding points gives 3.3e-3–3.8e-3 for o, 2.3e-3–3.0e-3 for S_final at
@@ -142,7 +142,7 @@ static int same_bits(const float *a, const float *b, size_t n) {
 // Forward v3 against the fp64 reference and against v2 (K = V = 128).
 static void test_chunk_v3(mtrl_cuda_ctx *ctx, int T, int H, int bound) {
     const int K = 128, V = 128;
-    set_env("MTRL_KDA_V2", NULL);
+    set_env("MTRL_KDA_FWD", "3");
     set_env("MTRL_KDA3_WPB", NULL);
     int ver = mtrl_kda_chunk_fwd_version(H, K, V);
     printf("chunk v3 T=%d H=%d K=V=128 %s: kernel v%d\n", T, H, bound ? "g = g_min + 1e-3" : "random g", ver);
@@ -224,7 +224,7 @@ static void test_chunk_v3(mtrl_cuda_ctx *ctx, int T, int H, int bound) {
         free(o0); free(Sf0); free(St0);
     }
     // v3 against v2 (same inputs, v2 forced)
-    set_env("MTRL_KDA_V2", "1");
+    set_env("MTRL_KDA_FWD", "2");
     TEST_EQ_INT(mtrl_kda_chunk_fwd_version(H, K, V), 2);
     {
         float *w_o = tu_dev_nan(ctx, nv), *w_Sf = tu_dev_nan(ctx, ns);
@@ -241,7 +241,7 @@ static void test_chunk_v3(mtrl_cuda_ctx *ctx, int T, int H, int bound) {
         mtrl_cuda_free(w_o); mtrl_cuda_free(w_Sf);
         free(v3o); free(v3S);
     }
-    set_env("MTRL_KDA_V2", NULL);
+    set_env("MTRL_KDA_FWD", NULL);
     float *ptrs[] = {d_q, d_k, d_v, d_g, d_b, d_S0, d_o, d_Sf, d_St};
     for (size_t i = 0; i < sizeof ptrs / sizeof *ptrs; i++) mtrl_cuda_free(ptrs[i]);
     double *hp[] = {q, k, v, g, beta, S0, o, Sf, St, got};
@@ -338,7 +338,7 @@ int main(void) {
     mtrl_cuda_ctx *ctx = mtrl_cuda_ctx_create(0, NULL);
     tu_seed(42);
     test_gate(ctx, 300, 3, 32);
-    set_env("MTRL_KDA_V2", "1");  // the fp32 (1e-4) chunk cases below check v2
+    set_env("MTRL_KDA_FWD", "2");  // the fp32 (1e-4) chunk cases below check v2
     test_chunk(ctx, 1, 1, 16, 16, 0);
     test_chunk(ctx, 15, 2, 32, 32, 0);
     test_chunk(ctx, 16, 2, 32, 32, 0);
@@ -347,7 +347,7 @@ int main(void) {
     test_chunk(ctx, 100, 2, 32, 32, 1);
     test_chunk(ctx, 77, 2, 128, 128, 0);
     test_chunk(ctx, 61, 1, 128, 128, 1);
-    set_env("MTRL_KDA_V2", NULL);
+    set_env("MTRL_KDA_FWD", NULL);
     test_chunk_v3(ctx, 1, 16, 0);      // T < 16: one partial tile
     test_chunk_v3(ctx, 15, 16, 0);
     test_chunk_v3(ctx, 16, 16, 0);

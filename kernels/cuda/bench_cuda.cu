@@ -151,21 +151,26 @@ void bench_kda(Bench &B, int T, int H) {
     row("  (tokens)", "", ms, (double)T, "Mtok/s", 0);
     double bytes = 4.0 * (4 * nqk + (size_t)T * H + nqk);  // q k v g beta read, o written
     row("  (bytes floor: inputs + o)", "", ms, bytes, "GB/s", B.copy_tbps * 1e3);
-    if (mtrl_kda_chunk_fwd_version(H, K, V) == 3) {
-        // v3's block widths (MTRL_KDA3_WPB: warps of 16 value columns per block; default 4) and v2
-        static const char *wpbs[] = {"1", "2", "8"};
+    if (K == 128 && V == 128) {
+        // v3 (opt-in: MTRL_KDA_FWD=3) at each block width (MTRL_KDA3_WPB: warps of 16 value
+        // columns per block; default 4), against the default (v2) above
+        const char *prev = getenv("MTRL_KDA_FWD");
+        std::string keep = prev ? prev : "";
+        setenv("MTRL_KDA_FWD", "3", 1);
+        static const char *wpbs[] = {"4", "1", "2", "8"};
+        double m4 = 0;
         for (const char *w : wpbs) {
             setenv("MTRL_KDA3_WPB", w, 1);
             double m3 = time_ms(B, [&] { mtrl_kda_chunk_fwd(B.c, T, H, K, V, q, k, v, g, beta, NULL, o, Sf, NULL); });
-            snprintf(what, sizeof what, "  v3, MTRL_KDA3_WPB=%s", w);
+            if (w[0] == '4') m4 = m3;
+            snprintf(what, sizeof what, "  v3 (MTRL_KDA_FWD=3), WPB=%s", w);
             row(what, shape, m3, flops, "TFLOP/s", B.gemm_tflops);
         }
         unsetenv("MTRL_KDA3_WPB");
-        setenv("MTRL_KDA_V2", "1", 1);
-        double m2 = time_ms(B, [&] { mtrl_kda_chunk_fwd(B.c, T, H, K, V, q, k, v, g, beta, NULL, o, Sf, NULL); }, 1, 3);
-        unsetenv("MTRL_KDA_V2");
-        row("  v2 (MTRL_KDA_V2=1)", shape, m2, flops, "TFLOP/s", B.gemm_tflops);
-        printf("%-34s %-34s v3 / v2 time %.3f\n", "", "", ms / m2);
+        if (prev) setenv("MTRL_KDA_FWD", keep.c_str(), 1);
+        else unsetenv("MTRL_KDA_FWD");
+        if (mtrl_kda_chunk_fwd_version(H, K, V) == 2)
+            printf("%-34s %-34s v3 (WPB=4) / v2 time %.3f\n", "", "", m4 / ms);
     }
     // forward storing the tile states, then backward
     float *St = (float *)mtrl_cuda_malloc(nt * H * K * V * 4);

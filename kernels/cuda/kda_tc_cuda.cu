@@ -1,6 +1,6 @@
 // kda_tc_cuda.cu: KDA chunked forward v3, the tile products on tensor cores (mma.sync m16n8k16,
 // bf16 operands, fp32 accumulation; the state, G, T and every accumulator stay fp32).
-// mtrl_kda_chunk_fwd (kda_cuda.cu) dispatches here for K = V = 128 unless MTRL_KDA_V2=1.
+// mtrl_kda_chunk_fwd (kda_cuda.cu) dispatches here for K = V = 128 when MTRL_KDA_FWD=3 (opt-in).
 //
 // The algebra is v2's and the reference's, tile for tile (model.md §2.3: 16-token tiles, the
 // midpoint reference row m = min(8, c-1) for the diagonal products, padded rows k = q = v = 0,
