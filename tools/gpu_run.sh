@@ -38,13 +38,18 @@ run)
   [ -n "${TEST_GPU:-}" ] && export CUDA_VISIBLE_DEVICES=$TEST_GPU
   if [ "${SKIP_TESTS:-0}" = 0 ]; then
   # TESTS="test_cuda_model test_cuda_kda" runs only those (default: every carried gpu test).
+  # The device returns at most 8 files from $OUT: each test's whole log stays in $TEST_LOGS
+  # (default /tmp/mtrl-test-logs); $out/tests.txt gets each test's result line and its FAIL lines.
+  logs=${TEST_LOGS:-/tmp/mtrl-test-logs}
+  mkdir -p "$logs"
   for t in ${TESTS:-.carry/dev/test_cuda_*}; do
     [ -x "$t" ] || t=.carry/dev/$t
     n=$(basename "$t")
-    timeout "${TEST_SECONDS:-300}" "$t" > "$out/$n.log" 2>&1
-    echo "$n: exit $? | $(tail -n 1 "$out/$n.log")"
+    timeout "${TEST_SECONDS:-300}" "$t" > "$logs/$n.log" 2>&1
+    echo "$n: exit $? | $(tail -n 1 "$logs/$n.log")"
+    grep -h "FAIL" "$logs/$n.log" | head -20 | sed 's/^/    /'
   done | tee "$out/tests.txt"
-  .carry/dev/mtrl bench model --device cuda --preset small --tokens 8192 --seqs 4 --reps 2 2>&1 | tee "$out/bench_model_small.txt"
+  .carry/dev/mtrl bench model --device cuda --preset small --tokens 8192 --seqs 4 --reps 2 >> "$out/tests.txt" 2>&1
   fi
   # BENCH_LONG="--preset small --tokens 131072": one long episode (actor prefill and decode,
   # the learner's planned step, memory) before the quickstart.
