@@ -61,6 +61,7 @@
     X(env, ops, INT, "1", 1, 4, NULL, "calc: operations per problem")                           \
     X(env, doc_tokens, INT, "512", 16, 1 << 24, NULL, "retrieval: document length")               \
     X(env, inline_doc, BOOL, "false", 0, 0, NULL, "retrieval: put the whole document in the prompt") \
+    X(env, demo_search, BOOL, "false", 0, 0, NULL, "retrieval: with inline_doc, demos search(key) before the answer") \
     X(env, max_tool_calls, INT, "4", 0, 1000, NULL, "tool calls allowed per episode")            \
     X(env, max_obs_bytes, INT, "256", 1, 1 << 24, NULL, "cap on one tool observation")           \
     X(env, base_url, STR, "", 0, 0, NULL, "http: base URL the get tool may reach")               \

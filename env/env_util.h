@@ -64,7 +64,7 @@ const char *env_config_str(env_config *cfg, const char *key, const char *def);
 // (ENV_CONFIG_SHARED_KEYS) are ignored, so a caller may pass the whole section to any env.
 int env_config_finish(env_config *cfg, const char *known, char *err, size_t cap);
 #define ENV_CONFIG_SHARED_KEYS                                                                    \
-    "name", "plugin", "args", "isolate", "step_timeout_ms", "digits", "ops", "doc_tokens", "inline_doc", \
+    "name", "plugin", "args", "isolate", "step_timeout_ms", "digits", "ops", "doc_tokens", "inline_doc", "demo_search", \
         "max_tool_calls", "max_obs_bytes", "base_url", "index_path", "allow_loopback", "timeout_ms",     \
         "connect_timeout_ms", "max_bytes", "max_redirects"
 

@@ -322,6 +322,13 @@ static void test_retrieval(void) {
         TEST_EQ_INT(steps, 1);
         mtrl_env_close(e);
     }
+    // demo_search: inline, and the demo searches for the key first (2 steps), still reward 1
+    e = open_env("retrieval", "doc_tokens=300;inline_doc=true;demo_search=1");
+    if (e) {
+        for (uint64_t seed = 0; seed < 20; seed++) TEST_EQ_INT((int)(run_demo(e, seed, &steps) * 1000), 1000);
+        TEST_EQ_INT(steps, 2);
+        mtrl_env_close(e);
+    }
 }
 
 // 1M-token document: generation time printed, under one second; keys unique; the queried line

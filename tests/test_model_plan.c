@@ -21,6 +21,7 @@
 #include <string.h>
 
 #include "common/config.h"
+#include "common/model/backend.h"
 #include "common/model/model.h"
 #include "common/model/model_plan.h"
 #include "common/model/model_ws.h"
@@ -182,8 +183,8 @@ static void test_million_(void) {
         TEST_CHECK(p.segment >= 64 && p.segment % 64 == 0 && p.segment < T);
         TEST_CHECK((size_t)p.n_seg * (size_t)p.segment >= (size_t)T);
         TEST_CHECK(p.total + p.margin <= 130 * gib && p.total > p.activations && p.activations > gib);
-        // latents: n_mla layers x T x (dc + dr) values, whole
-        size_t lat = sizeof(real) * (size_t)model_n_mla(&d) * (size_t)T * (size_t)(d.dc + d.dr);
+        // latents: n_mla layers x T x (dc + dr) elements of the device's latent type, whole
+        size_t lat = mtrl_backend_latent_size(dev) * (size_t)model_n_mla(&d) * (size_t)T * (size_t)(d.dc + d.dr);
         TEST_CHECK(p.latents >= lat && p.latents < lat + 64);
         // the whole sequence as one segment: terabytes, no wrap-around
         mtrl_model_plan w;

@@ -22,10 +22,14 @@
 //     read(offset,length)  the raw bytes doc[offset .. offset+length), length cut to
 //                          max_obs_bytes and to the end of the document
 // A tool call past max_tool_calls ends the episode with reward 0.
-// Config: doc_tokens=16..16777216 (4096), inline_doc=0|1 (0), max_obs_bytes=1..16777216 (2048),
-//         max_tool_calls=0..1000 (8). Keys of other built-ins are ignored (env_util.h).
+// Config: doc_tokens=16..16777216 (4096), inline_doc=0|1 (0), demo_search=0|1 (0),
+//         max_obs_bytes=1..16777216 (2048), max_tool_calls=0..1000 (8). Keys of other built-ins
+//         are ignored (env_util.h).
 // demo: search(<key>) then the answer; with inline_doc=1 only the answer (the point of that
-// mode is recall from the context, and a warm start should teach exactly that).
+// mode is recall from the context, and a warm start should teach exactly that), unless
+// demo_search=1: then search(<key>) first there too, so a warm start teaches the tool that
+// finds the fact at any document length (what a context ladder trained at short documents
+// needs at 1M, where recall is hardest).
 #ifndef _GNU_SOURCE
 #define _GNU_SOURCE // memmem
 #endif
@@ -44,7 +48,7 @@
 
 typedef struct retrieval_env {
     size_t doc_tokens, max_obs_bytes;
-    int inline_doc, max_tool_calls;
+    int inline_doc, demo_search, max_tool_calls;
     env_buf doc;     // the document; with inline_doc the question follows it (the prompt)
     size_t doc_len;  // bytes of doc that are the document
     env_buf prompt;  // the prompt when !inline_doc
@@ -59,17 +63,19 @@ static int retrieval_create_(const char *config, void **self, char *err, size_t 
     env_config cfg;
     if (env_config_parse(&cfg, "retrieval", config, err, cap)) return MTRL_ENV_ERR;
     long long doc_tokens, max_obs, mtc;
-    int inline_doc;
+    int inline_doc, demo_search;
     int bad = env_config_int(&cfg, "doc_tokens", 4096, 16, 1 << 24, &doc_tokens, err, cap) ||
               env_config_bool(&cfg, "inline_doc", 0, &inline_doc, err, cap) ||
+              env_config_bool(&cfg, "demo_search", 0, &demo_search, err, cap) ||
               env_config_int(&cfg, "max_obs_bytes", 2048, 1, 1 << 24, &max_obs, err, cap) ||
               env_config_int(&cfg, "max_tool_calls", 8, 0, 1000, &mtc, err, cap) ||
-              env_config_finish(&cfg, "doc_tokens, inline_doc, max_obs_bytes, max_tool_calls", err, cap);
+              env_config_finish(&cfg, "doc_tokens, inline_doc, demo_search, max_obs_bytes, max_tool_calls", err, cap);
     env_config_free(&cfg);
     if (bad) return MTRL_ENV_ERR;
     retrieval_env *e = xcalloc(1, sizeof *e);
     e->doc_tokens = (size_t)doc_tokens;
     e->inline_doc = inline_doc;
+    e->demo_search = demo_search;
     e->max_obs_bytes = (size_t)max_obs;
     e->max_tool_calls = (int)mtc;
     e->done = 1;
@@ -286,7 +292,7 @@ static int retrieval_demo_(void *self, mtrl_env_demo_out *out, char *err, size_t
         return MTRL_ENV_ERR;
     }
     size_t k = 0;
-    if (!e->inline_doc) e->demo[k++] = (mtrl_env_action){MTRL_ENV_ACTION_TOOL, e->demo_call, strlen(e->demo_call)};
+    if (!e->inline_doc || e->demo_search) e->demo[k++] = (mtrl_env_action){MTRL_ENV_ACTION_TOOL, e->demo_call, strlen(e->demo_call)};
     e->demo[k++] = (mtrl_env_action){MTRL_ENV_ACTION_ANSWER, e->value, strlen(e->value)};
     out->actions = e->demo;
     out->count = k;
