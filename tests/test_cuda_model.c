@@ -30,6 +30,9 @@
 //   * decode logits (bf16 vs fp32 cache, each against the CPU's decode): 2e-2 of max |logit|;
 //   * memory: a decode state's latent bytes and the planned / held latents of a batch halve,
 //     the latent gradients do not.
+// Per case, a GPU model created with MTRL_GEMM_TF32=1 (its fp32 GEMMs on TF32 tensor cores)
+// against the default one on the same routing: log-probs within 1e-2, every gradient within
+// 5e-2, and not identical (the switch took effect). Not yet run on a GPU.
 // Segmented vs unsegmented on the GPU: log-probs 1e-4; gradients 2e-4 (fp32 only), 1e-2 with MLA
 // (the attention kernel rounds its probabilities to bf16 relative to a running maximum that
 // depends on how the queries are split, so the two runs differ at the bf16 level).
@@ -121,8 +124,8 @@ static void test_host_side(void) {
     }
 
     // Latent element sizes (backend.h mtrl_backend_latent_size): the CPU keeps `real`; a CUDA
-    // backend stores bf16, fp32 under MTRL_LATENT_FP32=1 (a build without CUDA has only the
-    // CPU's). The planner sizes the latents with it: half the bytes, and no bf16 copy of the
+    // backend stores bf16, fp32 under MTRL_LATENT_FP32=1 (the same answer in a build without
+    // CUDA, where a GPU plan says what a CUDA build allocates). The planner sizes the latents with it: half the bytes, and no bf16 copy of the
     // keys in the attention's scratch.
     TEST_EQ_INT((int)mtrl_backend_latent_size(MTRL_DEVICE_CPU), (int)sizeof(real));
     size_t lat16 = mtrl_backend_latent_size(MTRL_DEVICE_CUDA);
@@ -141,16 +144,12 @@ static void test_host_side(void) {
            "%.1f, scratch %.1f MiB vs %.1f\n",
            lat16, lat32, plen[0], p16.latents / 1048576.0, p32.latents / 1048576.0, p16.scratch / 1048576.0,
            p32.scratch / 1048576.0);
-#ifdef MTRL_HAVE_CUDA
     TEST_EQ_INT((int)lat16, 2);
     TEST_EQ_INT((int)lat32, 4);
     TEST_CHECKF(2 * p16.latents >= p32.latents && 2 * p16.latents <= p32.latents + 64,
                 "planned latents %zu (bf16) vs %zu (fp32)", p16.latents, p32.latents);
     TEST_CHECK(p16.scratch < p32.scratch);
     TEST_CHECK(p16.latent_grads == p32.latent_grads); // the gradients stay fp32
-#else
-    TEST_CHECK(lat16 == sizeof(real) && lat32 == sizeof(real) && p16.latents == p32.latents);
-#endif
 }
 
 // ---- GPU vs CPU ------------------------------------------------------------------------------------------
@@ -575,30 +574,91 @@ static double decode_cmp_(const mtrl_model *m, int T, int sp, const real *a, con
     return worst;
 }
 
+// Two GPU models with the CPU model mc's parameters (perturbed from init seed 7) and QB β, the
+// second created with the environment variable `var` = 1 (read when a backend is created); QB
+// frozen on all three.
+static void twins_(const mtrl_model_dims *d, const char *var, mtrl_model *mc, mtrl_model *ga, mtrl_model *gb) {
+    mtrl_error err;
+    mtrl_model_init(mc, d, 7);
+    TEST_EQ_INT(mtrl_model_init_on(ga, d, 7, MTRL_DEVICE_CUDA, 0, &err), MTRL_OK);
+    setenv(var, "1", 1);
+    TEST_EQ_INT(mtrl_model_init_on(gb, d, 7, MTRL_DEVICE_CUDA, 0, &err), MTRL_OK);
+    unsetenv(var);
+    test_model_perturb(mc, 3);
+    mtrl_model *gpu[2] = {ga, gb};
+    for (int i = 0; i < 2; i++) {
+        memcpy(gpu[i]->params.base, mc->params.base, mc->params.total);
+        memcpy(gpu[i]->qb_beta, mc->qb_beta, sizeof(real) * (size_t)d->L * d->E);
+        mtrl_model_to_device(gpu[i]);
+        gpu[i]->qb_frozen = 1;
+    }
+    mc->qb_frozen = 1;
+}
+
+// Forward + backward of B on a (its routing recorded into rr) and on b (replaying it, so both
+// take the same experts); log-probs into lpa / lpb, the state bytes each held after its forward
+// into *sta / *stb, the gradients downloaded to the host.
+static void fwd_bwd_pair_(mtrl_model *a, mtrl_model *b, batch_ *B, uint8_t *const *rr, const uint8_t *const *rrc,
+                          real *lpa, real *lpb, size_t *sta, size_t *stb) {
+    mtrl_model_zero_grads(a);
+    mtrl_model_forward(a, &B->b, 0, lpa, NULL, rr);
+    *sta = a->ws->state_bytes;
+    mtrl_model_backward(a, &B->b, B->c, B->e);
+    mtrl_batch br = B->b;
+    br.routing = rrc;
+    b->replay_routing = 1;
+    mtrl_model_zero_grads(b);
+    mtrl_model_forward(b, &br, 0, lpb, NULL, NULL);
+    *stb = b->ws->state_bytes;
+    mtrl_model_backward(b, &br, B->c, B->e);
+    b->replay_routing = 0;
+    mtrl_model_to_host(a);
+    mtrl_model_to_host(b);
+}
+
+// MTRL_GEMM_TF32=1 (the model's fp32 GEMMs on TF32 tensor cores) against the default true fp32,
+// on the same parameters and routing: log-probs within 1e-2 and every gradient within 5e-2
+// (TF32 rounds operands to 10-bit mantissas, ~5e-4 relative per product).
+static void test_tf32_(const gcase *k) {
+    printf("== %s: MTRL_GEMM_TF32=1 vs fp32 GEMMs\n", k->name);
+    mtrl_model_dims d = dims_(k->ini, k->vocab);
+    size_t rw = (size_t)d.n_moe * d.k;
+    mtrl_model mc, mg, mt;
+    twins_(&d, "MTRL_GEMM_TF32", &mc, &mg, &mt);
+    batch_ B;
+    batch_make_(&B, k, 11);
+    size_t tot = (size_t)B.total, sa, sb;
+    real *lpf = calloc(tot, sizeof(real)), *lpt = calloc(tot, sizeof(real));
+    uint8_t *rr[3] = {0};
+    const uint8_t *rrc[3] = {0};
+    for (int i = 0; i < B.n; i++) rrc[i] = rr[i] = calloc((size_t)B.len[i] * rw + 1, 1);
+    fwd_bwd_pair_(&mg, &mt, &B, rr, rrc, lpf, lpt, &sa, &sb);
+    const char *wn;
+    double elp = rel_l2_(lpt, lpf, tot), wg = worst_tensor_(&mc, mt.grads, mg.grads, &wn, 0);
+    printf("  tf32 vs fp32: logp rel %.3g, worst gradient rel %.3g (%s)\n", elp, wg, wn);
+    TEST_CHECKF(elp > 0, "TF32 changed nothing: is MTRL_GEMM_TF32 read?");
+    TEST_CHECKF(elp <= 1e-2, "logp rel %.3g with TF32 GEMMs", elp);
+    TEST_CHECKF(wg <= 5e-2, "gradient of %s rel %.3g with TF32 GEMMs", wn, wg);
+    for (int i = 0; i < B.n; i++) free(rr[i]);
+    free(lpf);
+    free(lpt);
+    batch_free_(&B);
+    mtrl_model_free(&mc);
+    mtrl_model_free(&mg);
+    mtrl_model_free(&mt);
+}
+
 static void test_latent_paths_(const gcase *k) {
     printf("== %s: bf16 latents vs MTRL_LATENT_FP32=1 vs the CPU\n", k->name);
     mtrl_model_dims d = dims_(k->ini, k->vocab);
     size_t rw = (size_t)d.n_moe * d.k;
     mtrl_model mc, mg, mf;
-    mtrl_error err;
-    mtrl_model_init(&mc, &d, 7);
-    TEST_EQ_INT(mtrl_model_init_on(&mg, &d, 7, MTRL_DEVICE_CUDA, 0, &err), MTRL_OK);
-    setenv("MTRL_LATENT_FP32", "1", 1); // read when the backend is created
-    TEST_EQ_INT(mtrl_model_init_on(&mf, &d, 7, MTRL_DEVICE_CUDA, 0, &err), MTRL_OK);
-    unsetenv("MTRL_LATENT_FP32");
+    twins_(&d, "MTRL_LATENT_FP32", &mc, &mg, &mf);
     TEST_EQ_INT((int)mg.be->latent_size, 2);
     TEST_EQ_INT((int)mf.be->latent_size, 4);
     TEST_EQ_INT((int)mc.be->latent_size, (int)sizeof(real));
-    test_model_perturb(&mc, 3);
     size_t total = mc.params.total;
-    mtrl_model *gpu[2] = {&mg, &mf};
-    for (int i = 0; i < 2; i++) {
-        memcpy(gpu[i]->params.base, mc.params.base, total);
-        memcpy(gpu[i]->qb_beta, mc.qb_beta, sizeof(real) * (size_t)d.L * d.E);
-        mtrl_model_to_device(gpu[i]);
-        gpu[i]->qb_frozen = 1;
-    }
-    mc.qb_frozen = 1;
+    mtrl_error err;
 
     // Memory: a decode state's latents and a batch's latents take half the bytes.
     int cap = 1024;
@@ -621,20 +681,8 @@ static void test_latent_paths_(const gcase *k) {
     TEST_EQ_INT(mtrl_model_plan_batch(&p16, &mg, &B.b, &err), MTRL_OK);
     TEST_EQ_INT(mtrl_model_plan_batch(&p32, &mf, &B.b, &err), MTRL_OK);
     // forward + backward on both, the fp32-latent model's routing replayed by the bf16 one
-    mtrl_model_zero_grads(&mf);
-    mtrl_model_forward(&mf, &B.b, 0, lp32, NULL, rr);
-    size_t st32 = mf.ws->state_bytes;
-    mtrl_model_backward(&mf, &B.b, B.c, B.e);
-    mtrl_batch br = B.b;
-    br.routing = rrc;
-    mg.replay_routing = 1;
-    mtrl_model_zero_grads(&mg);
-    mtrl_model_forward(&mg, &br, 0, lp16, NULL, NULL);
-    size_t st16 = mg.ws->state_bytes;
-    mtrl_model_backward(&mg, &br, B.c, B.e);
-    mg.replay_routing = 0;
-    mtrl_model_to_host(&mg);
-    mtrl_model_to_host(&mf);
+    size_t st32, st16;
+    fwd_bwd_pair_(&mf, &mg, &B, rr, rrc, lp32, lp16, &st32, &st16);
     printf("  planned latents %zu bytes bf16, %zu fp32 (gradients %zu, %zu); held state %zu vs %zu\n", p16.latents,
            p32.latents, p16.latent_grads, p32.latent_grads, st16, st32);
     TEST_CHECK(2 * p16.latents >= p32.latents && 2 * p16.latents <= p32.latents + 64 * 3);
@@ -705,6 +753,7 @@ int main(int argc, char **argv) {
         if (only < 0 || (size_t)only == i) {
             test_case_(&cases[i]);
             if (strchr(dims_(cases[i].ini, cases[i].vocab).mixer, 'M')) test_latent_paths_(&cases[i]);
+            test_tf32_(&cases[i]);
         }
     return test_report();
 }

@@ -160,8 +160,10 @@ static int bench_model_(int argc, char **argv) {
         return 1;
     }
     char label[1100];
+    const char *tf32 = getenv("MTRL_GEMM_TF32");
     printf("model: %s on %s, %zu parameters, %d layers (%s), d=%d, %d experts top-%d; batch %d x %d tokens, segment %d, OMP threads %s\n",
-           src_label_(&src, label, sizeof label), m.device == MTRL_DEVICE_CUDA ? "cuda" : "cpu",
+           src_label_(&src, label, sizeof label),
+           m.device != MTRL_DEVICE_CUDA ? "cpu" : tf32 && !strcmp(tf32, "1") ? "cuda (TF32 GEMMs)" : "cuda",
            mtrl_model_param_count(&m), d.L, d.mixer, d.d, d.E, d.k, seqs, per, segment,
            getenv("OMP_NUM_THREADS") ? getenv("OMP_NUM_THREADS") : "default");
     double best_f = 1e30, best_fb = 1e30;

@@ -32,6 +32,8 @@ extern "C" mtrl_cuda_ctx *mtrl_cuda_ctx_create(int device, mtrl_stream stream) {
     return c;
 }
 
+extern "C" void mtrl_cuda_ctx_set_tf32(mtrl_cuda_ctx *c, int on) { c->tf32 = on != 0; }
+
 extern "C" void mtrl_cuda_ctx_destroy(mtrl_cuda_ctx *c) {
     if (!c) return;
     CUDA_CHECK(cudaStreamSynchronize(c->stream));
@@ -120,6 +122,11 @@ extern "C" void mtrl_cuda_fill_f32(mtrl_cuda_ctx *c, size_t n, float v, float *x
 
 static cudaDataType_t dt_(int t) { return t == MTRL_BF16 ? CUDA_R_16BF : CUDA_R_32F; }
 
+// fp32 products: true fp32 unless the context asks for TF32 tensor cores.
+static cublasComputeType_t compute_(const mtrl_cuda_ctx *c, int ab_type) {
+    return ab_type == MTRL_F32 && c->tf32 ? CUBLAS_COMPUTE_32F_FAST_TF32 : CUBLAS_COMPUTE_32F;
+}
+
 extern "C" int mtrl_gemm(mtrl_cuda_ctx *c, int ta, int tb, int M, int N, int K, float alpha,
                          const void *A, int lda, const void *B, int ldb, int ab_type, float beta,
                          void *C, int ldc, int c_type) {
@@ -130,7 +137,7 @@ extern "C" int mtrl_gemm(mtrl_cuda_ctx *c, int ta, int tb, int M, int N, int K, 
     if (M == 0 || N == 0) return 0;
     cublasOperation_t oa = ta ? CUBLAS_OP_T : CUBLAS_OP_N, ob = tb ? CUBLAS_OP_T : CUBLAS_OP_N;
     CUBLAS_CHECK(cublasGemmEx(c->blas, ob, oa, N, M, K, &alpha, B, dt_(ab_type), ldb, A,
-                              dt_(ab_type), lda, &beta, C, dt_(c_type), ldc, CUBLAS_COMPUTE_32F,
+                              dt_(ab_type), lda, &beta, C, dt_(c_type), ldc, compute_(c, ab_type),
                               CUBLAS_GEMM_DEFAULT));
     return 0;
 }
@@ -148,7 +155,7 @@ extern "C" int mtrl_gemm_batched(mtrl_cuda_ctx *c, int ta, int tb, int M, int N,
     cublasOperation_t oa = ta ? CUBLAS_OP_T : CUBLAS_OP_N, ob = tb ? CUBLAS_OP_T : CUBLAS_OP_N;
     CUBLAS_CHECK(cublasGemmStridedBatchedEx(c->blas, ob, oa, N, M, K, &alpha, B, dt_(ab_type),
                                             ldb, sB, A, dt_(ab_type), lda, sA, &beta, C,
-                                            dt_(c_type), ldc, sC, batch, CUBLAS_COMPUTE_32F,
+                                            dt_(c_type), ldc, sC, batch, compute_(c, ab_type),
                                             CUBLAS_GEMM_DEFAULT));
     return 0;
 }

@@ -54,6 +54,7 @@ struct mtrl_cuda_ctx {
     void *scratch;
     size_t scratch_bytes;
     int sms;             // multiprocessor count
+    int tf32;            // fp32 GEMM operands multiply as TF32 (mtrl_cuda_ctx_set_tf32)
     size_t smem_optin;   // largest dynamic shared memory a block may opt in to
 };
 
