@@ -6,6 +6,8 @@
 #           (PREP_REV=HEAD tools/gpu_run.sh prepare: build that commit in a clean worktree,
 #           ../mtrl-gpu-build, so that uncommitted work in this tree does not travel in the binaries)
 #   there:  tools/gpu_run.sh run
+#           tools/gpu_run.sh session   (two GPUs: the tests and benchmarks on one, the experiment on
+#           the other, in one call; see the verb)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 repo=$PWD
@@ -112,5 +114,35 @@ for line in open(sys.argv[1]):
 for k, v in sorted(peak.items()): print("GPU memory peak: pid %s: %.2f GiB" % (k, v / 1024))
 PY
   cat "$out"/quickstart_gpu_summary*.txt
+  ;;
+session)
+  # One call of a two-GPU machine (nvidia-h200-x2) that ends within SESSION_SECONDS (default 560):
+  # GPU 0 runs every gpu test, then the model benchmark of `small` at 65,536 tokens (fp32 and
+  # MTRL_GEMM_TF32=1 GEMMs, and TF32 at 4 x 2048) and the KDA forward benchmark (v2 and v3);
+  # GPU 1 runs the experiment (QG_INI, QG_SETS, QG_DIR, QG_RESUME as for `run`) until the
+  # deadline. A device returns at most 8 files: $OUT/tests.txt, $OUT/bench.txt and the
+  # experiment's four under $OUT/x (log, summary, gpu.txt, gpu_mem.csv).
+  out=${OUT:-/tmp/out}
+  mkdir -p "$out/x"
+  secs=${SESSION_SECONDS:-560}
+  end=$(( $(date +%s) + secs ))
+  ( OUT=$out/x SKIP_TESTS=1 QG_GPU=1 QG_SECONDS=$(( secs - 15 )) "$0" run > /dev/null 2>&1 ) &
+  (
+    OUT=/tmp/mtrl-session-tests TEST_GPU=0 SKIP_QG=1 "$0" run > /dev/null 2>&1
+    cp /tmp/mtrl-session-tests/tests.txt "$out/tests.txt"
+    export CUDA_VISIBLE_DEVICES=0 LD_LIBRARY_PATH=$repo/.carry/dev/lib:${LD_LIBRARY_PATH:-}
+    left() { echo $(( end - $(date +%s) - 10 )); }
+    b=.carry/dev/mtrl
+    {
+      [ "$(left)" -gt 60 ] && timeout "$(left)" $b bench model --device cuda --preset small --tokens 65536 --seqs 1 --reps 2
+      [ "$(left)" -gt 30 ] && MTRL_GEMM_TF32=1 timeout "$(left)" $b bench model --device cuda --preset small --tokens 8192 --seqs 4 --reps 2
+      [ "$(left)" -gt 60 ] && MTRL_GEMM_TF32=1 timeout "$(left)" $b bench model --device cuda --preset small --tokens 65536 --seqs 1 --reps 2
+      [ "$(left)" -gt 30 ] && timeout "$(left)" $b bench ops --device cuda --only kda --kda-T 8192,65536,262144
+    } > "$out/bench.txt" 2>&1
+  ) &
+  wait
+  cat "$out/tests.txt"
+  grep -E "^model:|^forward|^model FLOPs|KDA chunk fwd|  v3" "$out/bench.txt"
+  tail -25 "$out/x/quickstart_gpu_summary0.txt" 2>/dev/null
   ;;
 esac
