@@ -15,7 +15,12 @@
 // 1000} (tails and T < 16), H = 16 and 64, the decay at the bound. A fragment-layout error gives
 // O(1) errors. Every block width (MTRL_KDA3_WPB = 1, 2, 4, 8) must give bit-identical results,
 // the prefill form (no S_tiles, o only or S_final only) the same bits as the training form, and
-// two runs the same bits.
+// two runs the same bits. H = 2 and 8 (the models' head counts) with partial tiles as well.
+// The model's use (test_chunk_model_, v2 and v3; K = V = 128, H = 2 and 8, the model's gate at
+// initialisation): segments chained through S_final -> S0 bit-identical to one call, the v2
+// backward on the forward's own S_tiles and the gate backward (dA_log) against fp64, prefill then
+// decode steps; v3's backward and decode numbers are checked at the model's tolerances only with
+// MTRL_KDA3_STRICT=1 (the gate for making v3 the default; see test_kda_v3_emu.c for why v3 fails).
 #include "tests/testhelp.h"
 #include "kernels/cuda/cuda_testutil.h"
 #include "kernels/ref/kda_ref.h"
@@ -249,6 +254,167 @@ static void test_chunk_v3(mtrl_cuda_ctx *ctx, int T, int H, int bound) {
     free(ho); free(hS); free(hSt); free(tmp);
 }
 
+// The model's use of the chunked forward, at the kernel level (what test_cuda_model and
+// test_cuda_long exercise through the layer; K = V = 128, H = 2 and 8 as the `reduced small` and
+// 64K models): the gate of the model at initialisation (A_log = 0, dt_bias = softplus⁻¹(dt), dt
+// log-uniform in [1e-3, 0.1], f ~ N(0, 0.5²): slow decays, g in about (-0.6, 0)), S0 ≠ 0, T not a
+// multiple of 16 and segments of `seg` tokens chained through S_final -> S0 as the model does.
+// For the forward `ver` (2 or 3, MTRL_KDA_FWD):
+//   * the training form against fp64 (o, S_final, S_tiles);
+//   * segmented == one call, bit for bit (seg a multiple of 16: the same tiles, the state handed
+//     over in fp32), o and S_tiles: the invariant the model's segmented-vs-whole tests rest on;
+//   * mtrl_kda_chunk_bwd on the forward's own S_tiles, then mtrl_kda_gate_bwd: dg and the decay
+//     gradient dA_log (ΣΣ dg ∂g/∂A_log: a small sum of large terms, the tensor the model tests
+//     flagged) against fp64 from fp64 states;
+//   * prefill then decode: the prefill form (S_tiles NULL) over the first T − 8 tokens, then
+//     mtrl_kda_step token by token from its S_final: o of those 8 tokens against fp64, max |Δ| /
+//     max |o| (the model's decode-vs-prefill measure).
+// Tolerances are the model's: dA_log 8e-2 (test_cuda_model's per-tensor gradient tolerance),
+// decode 2e-2 of max |o|; fp32 (v2) must also meet 1e-3 on dA_log. v2 is checked; v3 (bf16
+// operands, ≈ 4e-3 relative in o and S_tiles) is printed and checked only with
+// MTRL_KDA3_STRICT=1 in the environment: the gate for making v3 the model's default. With the
+// model's own upstream gradients v3 measured 0.11–0.55 on dA_log and 0.17 on decode (see
+// docs/kernel-lab.md, "Why not the default"); here, random dout, the cancellation is milder.
+static void test_chunk_model_(mtrl_cuda_ctx *ctx, int T, int H, int seg, int ver) {
+    const int K = 128, V = 128;
+    set_env("MTRL_KDA_FWD", ver == 3 ? "3" : "2");
+    set_env("MTRL_KDA3_WPB", NULL);
+    const char *strict_env = getenv("MTRL_KDA3_STRICT");
+    const int strict = ver == 2 || (strict_env && strict_env[0] == '1');
+    printf("chunk (model use) v%d T=%d H=%d segments of %d%s\n", ver, T, H, seg, strict ? "" : " (v3: printed, MTRL_KDA3_STRICT=1 checks)");
+    TEST_EQ_INT(mtrl_kda_chunk_fwd_version(H, K, V), ver);
+    size_t nqk = (size_t)T * H * K, nv = (size_t)T * H * V, nb = (size_t)T * H, ns = (size_t)H * K * V;
+    int nt = kda_tile_count(T);
+    size_t nst = (size_t)nt * ns;
+    double *q = tu_alloc(nqk), *k = tu_alloc(nqk), *v = tu_alloc(nv), *g = tu_alloc(nqk),
+           *beta = tu_alloc(nb), *S0 = tu_alloc(ns), *f = tu_alloc(nqk), *A = tu_alloc(H),
+           *bias = tu_alloc((size_t)H * K);
+    make_inputs(T, H, K, V, 0, q, k, v, g, beta);  // g replaced by the gate below
+    tu_fill_normal(f, nqk, 0.5);
+    for (int i = 0; i < H * K; i++) {
+        double dt = exp(log(1e-3) + tu_unif() * (log(0.1) - log(1e-3)));
+        bias[i] = (double)(float)log(expm1(dt));
+    }
+    kda_gate_fwd(T, H, K, f, A, bias, GMIN, g);
+    for (size_t i = 0; i < nqk; i++) g[i] = (double)(float)g[i];
+    tu_fill_normal(S0, ns, 0.1);
+    double *o = tu_alloc(nv), *Sf = tu_alloc(ns), *St = tu_alloc(nst), *dout = tu_alloc(nv);
+    kda_chunk_fwd(T, H, K, V, q, k, v, g, beta, S0, o, Sf, St);
+    tu_fill_normal(dout, nv, 1.0);
+    double *dq = tu_alloc(nqk), *dk = tu_alloc(nqk), *dv = tu_alloc(nv), *dg = tu_alloc(nqk),
+           *db = tu_alloc(nb), *dS0 = tu_alloc(ns), *df = tu_alloc(nqk), *dA = tu_alloc(H),
+           *dbias = tu_alloc((size_t)H * K);
+    kda_chunk_bwd(T, H, K, V, q, k, v, g, beta, S0, St, dout, NULL, dq, dk, dv, dg, db, dS0);
+    kda_gate_bwd(T, H, K, f, A, bias, GMIN, dg, df, dA, dbias);
+    float *d_q = tu_dev_f32(q, nqk), *d_k = tu_dev_f32(k, nqk), *d_v = tu_dev_f32(v, nv),
+          *d_g = tu_dev_f32(g, nqk), *d_b = tu_dev_f32(beta, nb), *d_S0 = tu_dev_f32(S0, ns),
+          *d_f = tu_dev_f32(f, nqk), *d_A = tu_dev_f32(A, H), *d_bias = tu_dev_f32(bias, (size_t)H * K),
+          *d_dout = tu_dev_f32(dout, nv);
+    float *d_o = tu_dev_nan(ctx, nv), *d_Sf = tu_dev_nan(ctx, ns), *d_St = tu_dev_nan(ctx, nst);
+    double *got = tu_alloc(nst > nqk ? nst : nqk);
+    const double tol = ver == 2 ? 1e-4 : 1e-2;
+    char what[128];
+    // training form, one call
+    TEST_EQ_INT(mtrl_kda_chunk_fwd(ctx, T, H, K, V, d_q, d_k, d_v, d_g, d_b, d_S0, d_o, d_Sf, d_St), 0);
+    mtrl_cuda_sync(ctx);
+    tu_get_f32(got, d_o, nv);
+    snprintf(what, sizeof what, "v%d o vs fp64", ver);
+    TU_CHECK_REL(what, got, o, nv, tol);
+    tu_get_f32(got, d_Sf, ns);
+    snprintf(what, sizeof what, "v%d S_final vs fp64", ver);
+    TU_CHECK_REL(what, got, Sf, ns, tol);
+    tu_get_f32(got, d_St, nst);
+    snprintf(what, sizeof what, "v%d S_tiles vs fp64", ver);
+    TU_CHECK_REL(what, got, St, nst, tol);
+    // segmented, S_final -> S0 chained through two buffers (ping-pong), tiles at the same offsets
+    {
+        float *h1 = (float *)malloc(sizeof(float) * (nst > nv ? nst : nv)),
+              *h2 = (float *)malloc(sizeof(float) * (nst > nv ? nst : nv));
+        float *s_o = tu_dev_nan(ctx, nv), *s_St = tu_dev_nan(ctx, nst), *s_S[2] = {tu_dev_nan(ctx, ns), tu_dev_nan(ctx, ns)};
+        const float *Sin = d_S0;
+        int tile = 0, which = 0;
+        for (int t0 = 0; t0 < T; t0 += seg) {
+            int Ti = T - t0 < seg ? T - t0 : seg;
+            size_t x = (size_t)t0 * H * K, xv = (size_t)t0 * H * V, xb = (size_t)t0 * H;
+            TEST_EQ_INT(mtrl_kda_chunk_fwd(ctx, Ti, H, K, V, d_q + x, d_k + x, d_v + xv, d_g + x, d_b + xb, Sin,
+                                           s_o + xv, s_S[which], s_St + (size_t)tile * ns), 0);
+            Sin = s_S[which];
+            which ^= 1;
+            tile += kda_tile_count(Ti);
+        }
+        mtrl_cuda_sync(ctx);
+        mtrl_cuda_download(h1, d_o, sizeof(float) * nv);
+        mtrl_cuda_download(h2, s_o, sizeof(float) * nv);
+        TEST_CHECKF(same_bits(h1, h2, nv), "v%d segments of %d: o not bit-identical to one call", ver, seg);
+        mtrl_cuda_download(h1, d_St, sizeof(float) * nst);
+        mtrl_cuda_download(h2, s_St, sizeof(float) * nst);
+        TEST_CHECKF(same_bits(h1, h2, nst), "v%d segments of %d: S_tiles not bit-identical to one call", ver, seg);
+        mtrl_cuda_download(h1, d_Sf, sizeof(float) * ns);
+        mtrl_cuda_download(h2, Sin, sizeof(float) * ns);
+        TEST_CHECKF(same_bits(h1, h2, ns), "v%d segments of %d: S_final not bit-identical to one call", ver, seg);
+        printf("  segments of %d: o, S_tiles, S_final bit-identical to one call: %s\n", seg,
+               same_bits(h1, h2, ns) ? "yes" : "NO");
+        mtrl_cuda_free(s_o); mtrl_cuda_free(s_St); mtrl_cuda_free(s_S[0]); mtrl_cuda_free(s_S[1]);
+        free(h1); free(h2);
+    }
+    // backward on the forward's own tile states, then the gate's backward (dA_log)
+    {
+        float *e_dq = tu_dev_nan(ctx, nqk), *e_dk = tu_dev_nan(ctx, nqk), *e_dv = tu_dev_nan(ctx, nv),
+              *e_dg = tu_dev_nan(ctx, nqk), *e_db = tu_dev_nan(ctx, nb), *e_dS0 = tu_dev_nan(ctx, ns),
+              *e_df = tu_dev_nan(ctx, nqk);
+        double *zero = tu_alloc((size_t)H * K);
+        float *e_dA = tu_dev_f32(zero, H), *e_dbias = tu_dev_f32(zero, (size_t)H * K);
+        TEST_EQ_INT(mtrl_kda_chunk_bwd(ctx, T, H, K, V, d_q, d_k, d_v, d_g, d_b, d_S0, d_St, d_dout, NULL, e_dq,
+                                       e_dk, e_dv, e_dg, e_db, e_dS0), 0);
+        TEST_EQ_INT(mtrl_kda_gate_bwd(ctx, T, H, K, d_f, d_A, d_bias, (float)GMIN, e_dg, e_df, e_dA, e_dbias), 0);
+        mtrl_cuda_sync(ctx);
+        tu_get_f32(got, e_dg, nqk);
+        double edg = tu_relerr(got, dg, nqk);
+        tu_get_f32(got, e_dA, H);
+        double edA = tu_relerr(got, dA, H);
+        double sabs = 0;
+        for (size_t i = 0; i < nqk; i++) sabs += fabs(dg[i] * g[i]);
+        printf("  bwd on v%d's S_tiles: dg rel %.3e; dA_log rel %.3e (fp64 dA_log", ver, edg, edA);
+        for (int h = 0; h < H; h++) printf(" %.4g", dA[h]);
+        printf("; sum |dg g| %.4g)\n", sabs);
+        if (strict) {
+            snprintf(what, sizeof what, "v%d bwd dA_log (model tolerance)", ver);
+            TEST_CHECKF(edA <= (ver == 2 ? 1e-3 : 8e-2), "%s: rel %.3e", what, edA);
+            TEST_CHECKF(edg <= (ver == 2 ? 1e-3 : 1e-2), "v%d bwd dg: rel %.3e", ver, edg);
+        }
+        float *fr[] = {e_dq, e_dk, e_dv, e_dg, e_db, e_dS0, e_df, e_dA, e_dbias};
+        for (size_t z = 0; z < 9; z++) mtrl_cuda_free(fr[z]);
+        free(zero);
+    }
+    // prefill (no S_tiles) of T - 8 tokens, then the decode step from its S_final
+    {
+        int Tp = T > 8 ? T - 8 : 1;
+        float *p_o = tu_dev_nan(ctx, nv), *p_S = tu_dev_nan(ctx, ns);
+        TEST_EQ_INT(mtrl_kda_chunk_fwd(ctx, Tp, H, K, V, d_q, d_k, d_v, d_g, d_b, d_S0, p_o, p_S, NULL), 0);
+        for (int t = Tp; t < T; t++)
+            TEST_EQ_INT(mtrl_kda_step(ctx, 1, H, K, V, d_q + (size_t)t * H * K, d_k + (size_t)t * H * K,
+                                      d_v + (size_t)t * H * V, d_g + (size_t)t * H * K, d_b + (size_t)t * H, p_S,
+                                      p_o + (size_t)t * H * V), 0);
+        mtrl_cuda_sync(ctx);
+        tu_get_f32(got, p_o, nv);
+        double mx = 0, md = 0, mp = 0;
+        for (size_t i = 0; i < nv; i++) mx = fmax(mx, fabs(o[i]));
+        for (size_t i = (size_t)Tp * H * V; i < nv; i++) md = fmax(md, fabs(got[i] - o[i]));
+        for (size_t i = 0; i < (size_t)Tp * H * V; i++) mp = fmax(mp, fabs(got[i] - o[i]));
+        printf("  prefill %d + decode %d: max |Δo| / max |o| prefill %.3e, decode %.3e\n", Tp, T - Tp, mp / mx, md / mx);
+        if (strict) {
+            TEST_CHECKF(mp / mx <= 2e-2, "v%d prefill o: %.3e of max |o|", ver, mp / mx);
+            TEST_CHECKF(md / mx <= 2e-2, "v%d decode after prefill o: %.3e of max |o|", ver, md / mx);
+        }
+        mtrl_cuda_free(p_o); mtrl_cuda_free(p_S);
+    }
+    set_env("MTRL_KDA_FWD", NULL);
+    float *ptrs[] = {d_q, d_k, d_v, d_g, d_b, d_S0, d_f, d_A, d_bias, d_dout, d_o, d_Sf, d_St};
+    for (size_t i = 0; i < sizeof ptrs / sizeof *ptrs; i++) mtrl_cuda_free(ptrs[i]);
+    double *hp[] = {q, k, v, g, beta, S0, f, A, bias, o, Sf, St, dout, dq, dk, dv, dg, db, dS0, df, dA, dbias, got};
+    for (size_t i = 0; i < sizeof hp / sizeof *hp; i++) free(hp[i]);
+}
+
 // Sets MTRL_DECODE_V1 for the decode launchers (read at each call): version 1 forces the first
 // kernel, version 2 leaves the launcher's default (v2 where the shape allows it).
 static void set_decode_version(int version) {
@@ -357,6 +523,14 @@ int main(void) {
     test_chunk_v3(ctx, 1000, 16, 0);
     test_chunk_v3(ctx, 77, 64, 0);     // H = 64
     test_chunk_v3(ctx, 250, 64, 1);
+    test_chunk_v3(ctx, 24, 2, 0);      // H = 2 (the `reduced small` model): a partial second tile
+    test_chunk_v3(ctx, 41, 2, 1);
+    test_chunk_v3(ctx, 96, 8, 0);      // H = 8 (the 64K model)
+    for (int ver = 2; ver <= 3; ver++) {  // the model's use: segments, backward, decode
+        test_chunk_model_(ctx, 96, 2, 16, ver);
+        test_chunk_model_(ctx, 137, 2, 48, ver);
+        test_chunk_model_(ctx, 200, 8, 64, ver);
+    }
     test_step(ctx, 5, 3, 32, 32, 0);       // v1 only (V % 64 != 0)
     test_step(ctx, 3, 2, 16, 48, 0);       // v1 only
     test_step(ctx, 4, 2, 128, 128, 0);
