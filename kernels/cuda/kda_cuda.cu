@@ -23,8 +23,13 @@
 // environment variable MTRL_KDA_FWD=3 (read at each call). It is not the default: it passes its
 // kernel tests (1e-2 of fp64) and runs 2.6x faster than v2 on an H200, but with it the model's
 // GPU tests fail (segmented vs whole-sequence gradients off by 0.56 relative L2 at 64K, decode
-// vs prefill logits 0.17 of max |logit|), because the backward still recomputes states with v2
-// (docs/kernel-lab.md). The kernels above are v2.
+// vs prefill logits 0.17 of max |logit|). The cause is its precision, not an indexing error and
+// not the backward: the model always stores S_tiles, so mtrl_kda_chunk_bwd never recomputes
+// states, and the decode failure involves no backward. v3's bf16 operands put ≈ 4e-3 relative
+// error into o and the states of every KDA layer (at H = 2 as at H = 16); the model amplifies
+// that through MoE routing flips and through the decay gradient (dA_log, a sum ~100x smaller
+// than the sum of its terms' magnitudes). tests/test_kda_v3_emu.c reproduces every failure on
+// the CPU with v3's rounding emulated (docs/kernel-lab.md). The kernels above are v2.
 //
 // Decode step (mtrl_kda_step), two kernels behind one launcher:
 //   v2 kda_step2_k (default), grid (V/64, H, B), 256 threads: a block owns 64 columns of one

@@ -99,8 +99,8 @@ int mtrl_kda_gate_bwd(mtrl_cuda_ctx *ctx, int T, int H, int K, const float *f,
 // the incoming state of every tile, [ceil(T/16)][H][K][V] (what the backward needs).
 // Two kernels: v2 (fp32 SIMT), the default for every shape; v3 (kda_tc_cuda.cu: mma.sync with
 // bf16 operands, fp32 state and accumulators; ‖err‖/‖ref‖ ≈ 3e-3) for K = V = 128 and 16-byte
-// aligned q, k, v, g when the environment variable MTRL_KDA_FWD=3 (read at each call): opt-in
-// until the backward recomputes its states with v3 too (kda_cuda.cu says why).
+// aligned q, k, v, g when the environment variable MTRL_KDA_FWD=3 (read at each call): opt-in,
+// its bf16 error fails the model's tests (kda_cuda.cu and tests/test_kda_v3_emu.c say why).
 int mtrl_kda_chunk_fwd(mtrl_cuda_ctx *ctx, int T, int H, int K, int V, const float *q,
                        const float *k, const float *v, const float *g, const float *beta,
                        const float *S0, float *o, float *S_final, float *S_tiles);
