@@ -128,6 +128,12 @@ static void test_host_side(void) {
     // CUDA, where a GPU plan says what a CUDA build allocates). The planner sizes the latents with it: half the bytes, and no bf16 copy of the
     // keys in the attention's scratch.
     TEST_EQ_INT((int)mtrl_backend_latent_size(MTRL_DEVICE_CPU), (int)sizeof(real));
+    // TF32 GEMMs: only a CUDA backend, only with MTRL_GEMM_TF32=1
+    TEST_EQ_INT(mtrl_backend_gemm_tf32(MTRL_DEVICE_CUDA), 0);
+    setenv("MTRL_GEMM_TF32", "1", 1);
+    TEST_EQ_INT(mtrl_backend_gemm_tf32(MTRL_DEVICE_CUDA), 1);
+    TEST_EQ_INT(mtrl_backend_gemm_tf32(MTRL_DEVICE_CPU), 0);
+    unsetenv("MTRL_GEMM_TF32");
     size_t lat16 = mtrl_backend_latent_size(MTRL_DEVICE_CUDA);
     setenv("MTRL_LATENT_FP32", "1", 1);
     size_t lat32 = mtrl_backend_latent_size(MTRL_DEVICE_CUDA);

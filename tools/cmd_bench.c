@@ -17,6 +17,7 @@
 #include <unistd.h>
 
 #include "common/config.h"
+#include "common/model/backend.h"
 #include "common/model/model.h"
 #include "common/model/model_plan.h"
 #include "common/rng.h"
@@ -160,10 +161,9 @@ static int bench_model_(int argc, char **argv) {
         return 1;
     }
     char label[1100];
-    const char *tf32 = getenv("MTRL_GEMM_TF32");
     printf("model: %s on %s, %zu parameters, %d layers (%s), d=%d, %d experts top-%d; batch %d x %d tokens, segment %d, OMP threads %s\n",
            src_label_(&src, label, sizeof label),
-           m.device != MTRL_DEVICE_CUDA ? "cpu" : tf32 && !strcmp(tf32, "1") ? "cuda (TF32 GEMMs)" : "cuda",
+           m.device != MTRL_DEVICE_CUDA ? "cpu" : mtrl_backend_gemm_tf32(m.device) ? "cuda (TF32 GEMMs)" : "cuda",
            mtrl_model_param_count(&m), d.L, d.mixer, d.d, d.E, d.k, seqs, per, segment,
            getenv("OMP_NUM_THREADS") ? getenv("OMP_NUM_THREADS") : "default");
     double best_f = 1e30, best_fb = 1e30;

@@ -211,6 +211,11 @@ mtrl_backend *mtrl_backend_cpu(void);
 //                     MTRL_LATENT_FP32=1 at the backend's creation, the earlier path kept as a
 //                     fallback and for the GPU tests to compare against.
 size_t mtrl_backend_latent_size(int device);
+// 1 when a backend for `device` runs its fp32 GEMMs on TF32 tensor cores (10-bit mantissa
+// inputs, fp32 accumulation, ~1e-3 relative): CUDA with MTRL_GEMM_TF32=1 in the environment at
+// the backend's creation (opt-in; the GPU tests hold the default fp32 model to ~1e-5 of the CPU,
+// test_cuda_model compares the two). 0 otherwise.
+int mtrl_backend_gemm_tf32(int device);
 // Element i of a latent array (pointer arithmetic in latent elements).
 static inline void *mtrl_latent_at(const mtrl_backend *be, const void *base, size_t i) {
     return (char *)base + be->latent_size * i;

@@ -1,10 +1,11 @@
 // backend_cuda.c: the CUDA backend (backend.h): the launchers of kernels/cuda/kernels_cuda.h
 // and the small kernels of model_cuda.cu on device memory, on one stream.
 //
-// Precision: fp32 activations, states and gradients. GEMMs are cuBLAS in true fp32 (MTRL_F32,
-// no TF32 unless MTRL_GEMM_TF32=1 when the backend is created), chosen over bf16 operands so the GPU model agrees with the fp32 CPU model to about
-// 1e-5 relative everywhere but the MLA attention: the only causal-attention kernel multiplies
-// bf16 operands (tensor cores, fp32 accumulation), so the chunked form converts the absorbed
+// Precision: fp32 activations, states and gradients. GEMMs are cuBLAS in true fp32 (MTRL_F32;
+// TF32 only under MTRL_GEMM_TF32=1, backend.h mtrl_backend_gemm_tf32), chosen over bf16
+// operands so the GPU model agrees with the fp32 CPU model to about 1e-5 relative everywhere
+// but the MLA attention: the only causal-attention kernel multiplies bf16 operands (tensor
+// cores, fp32 accumulation), so the chunked form converts the absorbed
 // queries and dout to bf16 copies per call (errors ~1e-3 relative). The MLA latents are STORED
 // as bf16 (latent_size 2, issue 8): rows are rounded once when written (latent_put), the
 // attention and the absorbed decode (its tensor-core v2 kernel) read them as they are, and
@@ -550,10 +551,7 @@ mtrl_backend *mtrl_backend_cuda_create(int gpu, char *err_msg, size_t err_len) {
     be->latent_size = mtrl_backend_latent_size(MTRL_DEVICE_CUDA);
     cuda_impl *x = xcalloc(1, sizeof *x);
     x->ctx = mtrl_cuda_ctx_create(gpu, NULL);
-    // MTRL_GEMM_TF32=1: the model's fp32 GEMMs on TF32 tensor cores (opt-in: the GPU tests hold
-    // the fp32 model to ~1e-5 of the CPU; TF32 is ~1e-3, test_cuda_model compares the two)
-    const char *tf = getenv("MTRL_GEMM_TF32");
-    mtrl_cuda_ctx_set_tf32(x->ctx, tf && !strcmp(tf, "1"));
+    mtrl_cuda_ctx_set_tf32(x->ctx, mtrl_backend_gemm_tf32(MTRL_DEVICE_CUDA));
     be->impl = x;
     x->sq_part = alloc_(be, sizeof(double) * MTRL_MC_SQ_BLOCKS);
     return be;
@@ -584,10 +582,17 @@ mtrl_backend *mtrl_backend_cuda_create(int gpu, char *err_msg, size_t err_len) {
 
 #endif
 
+// The environment's switches of a CUDA backend, read when one is created: "1" turns one on.
+static int env_on_(const char *name) {
+    const char *e = getenv(name);
+    return e && !strcmp(e, "1");
+}
+
 // One answer in every build, so that a plan for a GPU (`mtrl plan --device cuda`) made where
 // there is none says what a CUDA build will allocate.
 size_t mtrl_backend_latent_size(int device) {
     if (device != MTRL_DEVICE_CUDA) return sizeof(real);
-    const char *e = getenv("MTRL_LATENT_FP32");
-    return e && !strcmp(e, "1") ? sizeof(float) : 2;
+    return env_on_("MTRL_LATENT_FP32") ? sizeof(float) : 2;
 }
+
+int mtrl_backend_gemm_tf32(int device) { return device == MTRL_DEVICE_CUDA && env_on_("MTRL_GEMM_TF32"); }
