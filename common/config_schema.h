@@ -21,7 +21,8 @@
     X(run, keep_trajectories, STR, "all", 0, 0, NULL, "which episodes keep their trajectory file: all, failures or every_N") \
     X(run, keep_checkpoints, INT, "3", 0, 1e6, NULL, "checkpoints kept on disk (0 = all)")          \
     X(run, checkpoint_every, INT, "10", 0, 1e9, NULL, "steps between checkpoints (0 = only the last)") \
-    X(run, max_minutes, FLOAT, "0", 0, 1e6, NULL, "stop the run after this many minutes (0 = no limit)")
+    X(run, max_minutes, FLOAT, "0", 0, 1e6, NULL, "stop the run after this many minutes (0 = no limit)") \
+    X(run, stop_before_stage, INT, "0", 0, 16, NULL, "stop cleanly (checkpoint) when the run reaches stage N; --resume goes on into it (0 = never)")
 
 #define MTRL_CFG_MODEL(X)                                                                           \
     X(model, preset, ENUM, "tiny", 0, 0, "tiny|small|custom", "size preset; explicit fields override it") \
@@ -62,6 +63,7 @@
     X(env, doc_tokens, INT, "512", 16, 1 << 24, NULL, "retrieval: document length")               \
     X(env, inline_doc, BOOL, "false", 0, 0, NULL, "retrieval: put the whole document in the prompt") \
     X(env, demo_search, BOOL, "false", 0, 0, NULL, "retrieval: with inline_doc, demos search(key) before the answer") \
+    X(env, key_digits, INT, "0", 0, 15, NULL, "retrieval: digits of every key (0 = the fewest that keep keys sparse at this length)") \
     X(env, max_tool_calls, INT, "4", 0, 1000, NULL, "tool calls allowed per episode")            \
     X(env, max_obs_bytes, INT, "256", 1, 1 << 24, NULL, "cap on one tool observation")           \
     X(env, base_url, STR, "", 0, 0, NULL, "http: base URL the get tool may reach")               \
@@ -128,7 +130,8 @@
     X(stage, steps, INT, "1", 1, 1e9, NULL, "optimizer steps in this stage")                      \
     X(stage, doc_tokens, INT, "0", 0, 1 << 30, NULL, "retrieval document length (0 = [env] doc_tokens)") \
     X(stage, group_size, INT, "0", 0, 4096, NULL, "episodes per task (0 = [algo] group_size)")     \
-    X(stage, batch_groups, INT, "0", 0, 1 << 20, NULL, "groups per step (0 = [learner] batch_groups)")
+    X(stage, batch_groups, INT, "0", 0, 1 << 20, NULL, "groups per step (0 = [learner] batch_groups)") \
+    X(stage, episodes_in_flight, INT, "0", 0, 1 << 20, NULL, "episodes each actor runs at once (0 = [actor] episodes_in_flight)")
 
 #define MTRL_CFG_MAX_STAGES 16
 

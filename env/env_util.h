@@ -65,7 +65,7 @@ const char *env_config_str(env_config *cfg, const char *key, const char *def);
 int env_config_finish(env_config *cfg, const char *known, char *err, size_t cap);
 #define ENV_CONFIG_SHARED_KEYS                                                                    \
     "name", "plugin", "args", "isolate", "step_timeout_ms", "digits", "ops", "doc_tokens", "inline_doc", "demo_search", \
-        "max_tool_calls", "max_obs_bytes", "base_url", "index_path", "allow_loopback", "timeout_ms",     \
+        "key_digits", "max_tool_calls", "max_obs_bytes", "base_url", "index_path", "allow_loopback", "timeout_ms",     \
         "connect_timeout_ms", "max_bytes", "max_redirects"
 
 // ---- tool calls -----------------------------------------------------------------------------

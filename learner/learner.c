@@ -494,6 +494,7 @@ static void stage_enter_(mtrl_learner *l, int s, int next) {
     if (st->doc_tokens > 0) c.env.doc_tokens = st->doc_tokens;
     if (st->group_size > 0) c.algo.group_size = st->group_size;
     if (st->batch_groups > 0) c.learner.batch_groups = st->batch_groups;
+    if (st->episodes_in_flight > 0) c.actor.episodes_in_flight = st->episodes_in_flight;
     if (c.actor.max_turn_tokens > c.actor.max_tokens) c.actor.max_turn_tokens = c.actor.max_tokens;
     l->cfg = c;
     l->stage = s;
@@ -827,8 +828,14 @@ mtrl_status mtrl_learner_open(mtrl_learner **out, const mtrl_config *cfg, const 
         l->lim = mtrl_wire_limits_default();
         // An actor keeps every slot busy (episodes_in_flight rounded up to whole groups, as
         // mtrl_rollout_params_from_config sizes them): that many episodes may be open at once.
-        uint32_t g = (uint32_t)cfg->algo.group_size, slots = ((uint32_t)cfg->actor.episodes_in_flight + g - 1) / g * g;
-        if (slots > l->lim.max_open_per_actor) l->lim.max_open_per_actor = slots;
+        // With [stage.N] sections, the largest of any stage.
+        for (int s = -1; s < cfg->n_stages; s++) {
+            const mtrl_cfg_stage *sg = s >= 0 ? &cfg->stage[s] : NULL;
+            uint32_t g = (uint32_t)(sg && sg->group_size > 0 ? sg->group_size : cfg->algo.group_size);
+            uint32_t n = (uint32_t)(sg && sg->episodes_in_flight > 0 ? sg->episodes_in_flight : cfg->actor.episodes_in_flight);
+            uint32_t slots = (n + g - 1) / g * g;
+            if (slots > l->lim.max_open_per_actor) l->lim.max_open_per_actor = slots;
+        }
         mtrl_wire_sockopts so = mtrl_wire_sockopts_default();
         // ZeroMQ's heartbeat drops a connection silently, losing what was in flight: give it the
         // same patience as the application's own heartbeat, which aborts episodes explicitly.
@@ -871,7 +878,15 @@ int mtrl_learner_run(mtrl_learner *l, volatile sig_atomic_t *stop) {
     mtrl_traj_init(&popped);
     if (l->base.n_stages > 0) stage_enter_(l, stage_of_(l, l->step), 0);
     while (l->step < l->total_steps && !*stop && !l->failed[0]) {
-        if (l->base.n_stages > 0 && stage_of_(l, l->step) != l->stage) stage_enter_(l, stage_of_(l, l->step), 1);
+        if (l->base.n_stages > 0 && stage_of_(l, l->step) != l->stage) {
+            // stop_before_stage: a sitting ends here with a checkpoint; --resume starts in it
+            if (stage_of_(l, l->step) + 1 == l->cfg.run.stop_before_stage) {
+                event_(l, MTRL_LOG_INFO, "[run] stop_before_stage %ld: stopping at step %ld, before stage %d", l->cfg.run.stop_before_stage,
+                       l->step, stage_of_(l, l->step) + 1);
+                break;
+            }
+            stage_enter_(l, stage_of_(l, l->step), 1);
+        }
         mtrl_error err;
         pump_(l, 20);
         if (mtrl_store_begin(l->store, &err) == MTRL_OK) {

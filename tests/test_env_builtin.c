@@ -329,6 +329,26 @@ static void test_retrieval(void) {
         TEST_EQ_INT(steps, 2);
         mtrl_env_close(e);
     }
+    // key_digits: one key width at every length (a context ladder's stages differ in length
+    // only); automatic, 300 tokens get 3-digit keys. Too small a width for the document gives
+    // fewer lines, never a repeated key; widths 1..2 are refused.
+    for (int kd = 0; kd <= 6; kd += 3) {
+        char conf[96];
+        snprintf(conf, sizeof conf, "doc_tokens=%d;inline_doc=true;demo_search=1;key_digits=%d", kd == 3 ? 100000 : 300, kd);
+        e = open_env("retrieval", conf);
+        if (!e) continue;
+        TEST_CHECK(mtrl_env_reset(e, 9, &r, &err) == MTRL_OK);
+        int want = kd ? kd : 3;
+        size_t line = strcspn(r.obs, "\n") + 1;
+        TEST_EQ_INT((int)line - 10, want);
+        const char *q = strstr(r.obs, "What is the value of k");
+        TEST_CHECK(q && strspn(q + 22, "0123456789") == (size_t)want);
+        if (kd == 3) TEST_EQ_INT((int)((r.obs_len - strlen(q)) / line), 1000); // 10^3 keys, no repeats
+        TEST_EQ_INT((int)(run_demo(e, 9, &steps) * 1000), 1000);
+        mtrl_env_close(e);
+    }
+    TEST_EQ_INT(mtrl_env_open(&bad, "retrieval", "key_digits=2", NULL, &err), MTRL_ERR_USAGE);
+    TEST_CONTAINS(err.msg, "key_digits=2");
 }
 
 // 1M-token document: generation time printed, under one second; keys unique; the queried line

@@ -464,7 +464,9 @@ static void test_sigint(void) {
 }
 
 // [stage.N]: the run moves through the context ladder at step boundaries; actors rebuild their
-// episodes for each stage; per-stage metrics are logged.
+// episodes for each stage (with the stage's episodes_in_flight); per-stage metrics are logged.
+// It runs in two sittings: run.stop_before_stage=2 stops it with a checkpoint before stage 2,
+// and --resume (with the same setting) goes on into stage 2 and finishes.
 static void test_stages(void) {
     char ini[512], db[512], log[512], text[2048];
     snprintf(ini, sizeof ini, "%s/stages.ini", dir_);
@@ -475,11 +477,23 @@ static void test_stages(void) {
              "[env]\nname = retrieval\ndoc_tokens = 32\ninline_doc = true\n[actor]\ncount = 2\nepisodes_in_flight = 8\nmax_turn_tokens = 24\n"
              "heartbeat_ms = 200\n[learner]\nbatch_groups = 2\n[algo]\ngroup_size = 2\n"
              "[stage.1]\ncontext = 300\ndoc_tokens = 32\nsteps = 2\n"
-             "[stage.2]\ncontext = 600\ndoc_tokens = 300\nsteps = 2\nbatch_groups = 1\n",
+             "[stage.2]\ncontext = 600\ndoc_tokens = 300\nsteps = 2\nbatch_groups = 1\nepisodes_in_flight = 4\n",
              dir_);
     write_file(ini, text);
-    char *argv[] = {(char *)bin_, "run", ini, "--db", db, NULL};
+    char *argv[] = {(char *)bin_, "run", ini, "--db", db, "--set", "run.stop_before_stage=2", NULL};
     TEST_EQ_INT(run_cmd(argv, log), 0);
+    TEST_EQ_INT(query_int(db, "SELECT count(*) FROM metrics WHERE name = 'stage' AND value = 1"), 2);
+    TEST_EQ_INT(query_int(db, "SELECT count(*) FROM metrics WHERE name = 'stage' AND value = 2"), 0);
+    TEST_EQ_INT(query_int(db, "SELECT max(step) FROM checkpoints"), 2);
+    char *first = test_slurp(log, NULL);
+    TEST_CHECKF(first && strstr(first, "stop_before_stage 2: stopping at step 2"), "no stop_before_stage line in %s", log);
+    TEST_CHECKF(first && !strstr(first, "4 episodes in flight"), "stage 2's episodes_in_flight before stage 2 (%s)", log);
+    free(first);
+    char *again[] = {(char *)bin_, "run", ini, "--db", db, "--resume", "--set", "run.stop_before_stage=2", NULL};
+    TEST_EQ_INT(run_cmd(again, log), 0);
+    char *second = test_slurp(log, NULL);
+    TEST_CHECKF(second && strstr(second, "4 episodes in flight"), "the actors did not take stage 2's episodes_in_flight (%s)", log);
+    free(second);
     TEST_EQ_INT(query_int(db, "SELECT count(*) FROM metrics WHERE name = 'stage' AND value = 1"), 2);
     TEST_EQ_INT(query_int(db, "SELECT count(*) FROM metrics WHERE name = 'stage' AND value = 2"), 2);
     TEST_EQ_INT(query_int(db, "SELECT max(value) FROM metrics WHERE name = 'context'"), 600);

@@ -23,6 +23,9 @@
 //                          max_obs_bytes and to the end of the document
 // A tool call past max_tool_calls ends the episode with reward 0.
 // Config: doc_tokens=16..16777216 (4096), inline_doc=0|1 (0), demo_search=0|1 (0),
+//         key_digits=0|3..15 (0: the smallest width >= 3 with at least 4 unused keys per line, so
+//         it grows with the document: 4 digits at 5.6K tokens, 6 at 1M; a context ladder fixes it
+//         so that only the length changes between stages, not the format the model copies),
 //         max_obs_bytes=1..16777216 (2048), max_tool_calls=0..1000 (8). Keys of other built-ins
 //         are ignored (env_util.h).
 // demo: search(<key>) then the answer; with inline_doc=1 only the answer (the point of that
@@ -48,7 +51,7 @@
 
 typedef struct retrieval_env {
     size_t doc_tokens, max_obs_bytes;
-    int inline_doc, demo_search, max_tool_calls;
+    int inline_doc, demo_search, max_tool_calls, key_digits;
     env_buf doc;     // the document; with inline_doc the question follows it (the prompt)
     size_t doc_len;  // bytes of doc that are the document
     env_buf prompt;  // the prompt when !inline_doc
@@ -62,22 +65,29 @@ typedef struct retrieval_env {
 static int retrieval_create_(const char *config, void **self, char *err, size_t cap) {
     env_config cfg;
     if (env_config_parse(&cfg, "retrieval", config, err, cap)) return MTRL_ENV_ERR;
-    long long doc_tokens, max_obs, mtc;
+    long long doc_tokens, max_obs, mtc, kd;
     int inline_doc, demo_search;
     int bad = env_config_int(&cfg, "doc_tokens", 4096, 16, 1 << 24, &doc_tokens, err, cap) ||
               env_config_bool(&cfg, "inline_doc", 0, &inline_doc, err, cap) ||
               env_config_bool(&cfg, "demo_search", 0, &demo_search, err, cap) ||
               env_config_int(&cfg, "max_obs_bytes", 2048, 1, 1 << 24, &max_obs, err, cap) ||
               env_config_int(&cfg, "max_tool_calls", 8, 0, 1000, &mtc, err, cap) ||
-              env_config_finish(&cfg, "doc_tokens, inline_doc, demo_search, max_obs_bytes, max_tool_calls", err, cap);
+              env_config_int(&cfg, "key_digits", 0, 0, 15, &kd, err, cap) ||
+              env_config_finish(&cfg, "doc_tokens, inline_doc, demo_search, key_digits, max_obs_bytes, max_tool_calls", err,
+                                cap);
     env_config_free(&cfg);
     if (bad) return MTRL_ENV_ERR;
+    if (kd > 0 && kd < 3) {
+        snprintf(err, cap, "retrieval: key_digits=%lld: use 0 (automatic) or 3..15", kd);
+        return MTRL_ENV_ERR;
+    }
     retrieval_env *e = xcalloc(1, sizeof *e);
     e->doc_tokens = (size_t)doc_tokens;
     e->inline_doc = inline_doc;
     e->demo_search = demo_search;
     e->max_obs_bytes = (size_t)max_obs;
     e->max_tool_calls = (int)mtc;
+    e->key_digits = (int)kd;
     e->done = 1;
     *self = e;
     return MTRL_ENV_OK;
@@ -128,14 +138,20 @@ static void put_digits_(char *p, uint64_t v, int width) {
 }
 
 static void retrieval_generate_(retrieval_env *e, uint64_t seed) {
-    // Key width w: the smallest >= 3 with at least 4 unused keys per used one.
-    int w = 3;
+    // Key width w: key_digits, or the smallest >= 3 with at least 4 unused keys per used one.
+    // A fixed width too small for the document gives fewer lines (one per key) and a shorter
+    // document, never a repeated key.
+    int w = e->key_digits ? e->key_digits : 3;
     size_t lines;
     uint64_t range;
     for (;;) {
         lines = e->doc_tokens / (size_t)(w + 4 + RETRIEVAL_VALUE_DIGITS); // "k" w "=v" 6 "\n"
         range = 1;
         for (int i = 0; i < w; i++) range *= 10;
+        if (e->key_digits) {
+            if (lines > range) lines = (size_t)range;
+            break;
+        }
         if (range >= 4 * (uint64_t)lines || w == 15) break;
         w++;
     }
