@@ -871,9 +871,13 @@ int mtrl_learner_run(mtrl_learner *l, volatile sig_atomic_t *stop) {
     l->t_start = mtrl_time_mono();
     warmup_(l);
     if (*stop) goto killed;
-    int G = (int)l->cfg.algo.group_size, need = (int)l->cfg.learner.batch_groups;
     double deadline = l->cfg.run.max_minutes > 0 ? l->t_start + 60.0 * l->cfg.run.max_minutes : 0;
-    int *ready = xmalloc(sizeof(int) * (size_t)need);
+    // room for the largest batch of any stage; the group size and batch are read from l->cfg at
+    // every iteration, which stage_enter_ sets
+    long max_need = l->base.learner.batch_groups;
+    for (int s = 0; s < l->base.n_stages; s++)
+        if (l->base.stage[s].batch_groups > max_need) max_need = l->base.stage[s].batch_groups;
+    int *ready = xmalloc(sizeof(int) * (size_t)max_need);
     mtrl_traj popped;
     mtrl_traj_init(&popped);
     if (l->base.n_stages > 0) stage_enter_(l, stage_of_(l, l->step), 0);
@@ -895,6 +899,7 @@ int mtrl_learner_run(mtrl_learner *l, volatile sig_atomic_t *stop) {
         }
         grant_credit_(l);
         double now = mtrl_time_mono();
+        int G = (int)l->cfg.algo.group_size, need = (int)l->cfg.learner.batch_groups;
         // Final groups: train on those with at least 2 trainable episodes, drop the others.
         int n_ready = 0;
         for (int i = 0; i < l->n_groups && n_ready < need; i++) {

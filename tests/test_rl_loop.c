@@ -498,6 +498,15 @@ static void test_stages(void) {
     TEST_EQ_INT(query_int(db, "SELECT count(*) FROM metrics WHERE name = 'stage' AND value = 2"), 2);
     TEST_EQ_INT(query_int(db, "SELECT max(value) FROM metrics WHERE name = 'context'"), 600);
     TEST_EQ_INT(query_int(db, "SELECT count(*) FROM metrics WHERE name = 'reward.stage2'"), 2);
+    // each step trained its stage's batch: 2 groups of 2 in stage 1, 1 group of 2 in stage 2
+    for (int stage = 1; stage <= 2; stage++) {
+        char q[256];
+        snprintf(q, sizeof q,
+                 "SELECT count(*) FROM metrics m JOIN metrics s ON s.run = m.run AND s.step = m.step "
+                 "WHERE m.name = 'episodes' AND s.name = 'stage' AND s.value = %d AND m.value = %d",
+                 stage, stage == 1 ? 4 : 2);
+        TEST_EQ_INT(query_int(db, q), 2);
+    }
     // stage 2 episodes are longer (their prompt holds a longer document) and within the budget
     TEST_CHECK(query_int(db, "SELECT max(tokens) FROM episodes WHERE step >= 3") > 300);
     TEST_CHECK(query_int(db, "SELECT max(tokens) FROM episodes") <= 600);
