@@ -446,7 +446,9 @@ static void grant_credit_(mtrl_learner *l) {
     mtrl_wire_out_free(&o);
 }
 
-static void check_heartbeats_(mtrl_learner *l) {
+// Sends a heartbeat to every live actor; judge: first declares dead those silent for longer
+// than heartbeat_timeout_ms (only where their messages are being received: not mid-step).
+static void check_heartbeats_(mtrl_learner *l, int judge) {
     double now = mtrl_time_mono();
     double timeout = 1e-3 * (double)l->cfg.learner.heartbeat_timeout_ms;
     mtrl_wire_out o;
@@ -455,7 +457,7 @@ static void check_heartbeats_(mtrl_learner *l) {
     for (int i = 0; i < l->n_actors; i++) {
         actor_rec *a = &l->actors[i];
         if (!a->alive) continue;
-        if (now - a->last_seen > timeout) {
+        if (judge && now - a->last_seen > timeout) {
             size_t n = mtrl_wire_asm_abort_actor(l->asm_, a->id, a->incarnation, "actor stopped heartbeating");
             event_(l, MTRL_LOG_WARN, "actor %u (incarnation %u) silent for %.1f s: dead, %zu open episodes aborted", a->id,
                    a->incarnation, now - a->last_seen, n);
@@ -674,10 +676,22 @@ static void pump_(mtrl_learner *l, int timeout_ms) {
     }
     double now = mtrl_time_mono();
     if (now - l->last_hb > 1e-3 * (double)l->cfg.actor.heartbeat_ms) {
-        check_heartbeats_(l);
+        check_heartbeats_(l, 1);
         l->last_hb = now;
     }
     if (l->tick) l->tick(l->tick_user);
+}
+
+// The model's segment_hook during a step: a 1M-token episode's step takes minutes, and an actor
+// that hears nothing for 3 heartbeat timeouts says HELLO again (and gets a WELCOME with the
+// weights after the step). Heartbeats go out; nothing is received (the actors' messages wait
+// in the socket for the step's end, when pump_ reads them before judging anyone's silence).
+static void step_hook_(void *user) {
+    mtrl_learner *l = user;
+    double now = mtrl_time_mono();
+    if (now - l->last_hb <= 1e-3 * (double)l->cfg.actor.heartbeat_ms) return;
+    check_heartbeats_(l, 0);
+    l->last_hb = now;
 }
 
 static void warmup_(mtrl_learner *l) {
@@ -856,6 +870,8 @@ mtrl_status mtrl_learner_open(mtrl_learner **out, const mtrl_config *cfg, const 
         return st;
     }
     l->asm_ = mtrl_wire_asm_new(&l->lim);
+    l->model.segment_hook = step_hook_;
+    l->model.segment_hook_user = l;
     mtrl_wbuf_init(&l->scratch);
     publish_(l);
     event_(l, MTRL_LOG_INFO, "run %lld (%s): learner on %s, model %zu parameters, store %s", (long long)l->run_id,

@@ -145,6 +145,8 @@ static void test_gradcheck(mtrl_model_dims d, const char *label, int probes_max)
     mtrl_model_free(&m);
 }
 
+static void count_hook_(void *user) { ++*(int *)user; }
+
 static void test_segmented(void) {
     mtrl_model_dims d = small_dims(4, 2, "KMKM");
     mtrl_model m;
@@ -181,6 +183,17 @@ static void test_segmented(void) {
         TEST_CHECKF(worst <= 1e-9, "segment %d: gradient differs by %.3g in %s", segs[s], worst, wn);
     }
     TEST_CHECK(peak[0] < peak[1] && peak[1] < peak[2]);
+    // The segment hook runs after every segment of the forward and of the backward: 200 tokens
+    // at segment 48 are 5 segments.
+    int hooks = 0;
+    m.segment_hook = count_hook_;
+    m.segment_hook_user = &hooks;
+    real lp[T];
+    mtrl_model_forward(&m, &b, 48, lp, NULL, NULL);
+    TEST_EQ_INT(hooks, 5);
+    mtrl_model_backward(&m, &b, c, NULL);
+    TEST_EQ_INT(hooks, 10);
+    m.segment_hook = NULL;
     // Peak activation memory follows the segment length, not the sequence: doubling the
     // sequence at segment 16 keeps the peak within a few percent (only the latents grow).
     enum { T2 = 400 };

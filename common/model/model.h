@@ -166,6 +166,11 @@ typedef struct mtrl_model {
     int qb_decode_stats;        // decode batches also sum the β they imply and their loads into
                                 // qb_sum / qb_count / load (actors sending QB statistics)
     int replay_routing;         // mtrl_model_forward uses batch->routing when set
+    // Called after each segment of a segmented forward and backward (nullable): a learner step
+    // over a 1M-token episode takes minutes, and its owner keeps its connections alive from
+    // here (the learner sends heartbeats). It must not touch the model.
+    void (*segment_hook)(void *user);
+    void *segment_hook_user;
     // Workspace of the last forward (for its backward); owned here, sized per batch.
     struct mtrl_model_ws *ws;
     size_t peak_activation_bytes; // high-water mark of per-segment activations (bench, tests)

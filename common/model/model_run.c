@@ -324,6 +324,7 @@ void mtrl_model_forward(mtrl_model *m, const mtrl_batch *b, int segment, real *l
             if (!w->keep) mtrl_arena_reset(&w->pub.arena);
             seg_forward(m, &w->pub.arena, SEG_CHUNK, T, b->tokens[i] + t0, &io, &so, c);
             if (w->pub.arena.peak > m->peak_activation_bytes) m->peak_activation_bytes = w->pub.arena.peak;
+            if (m->segment_hook) m->segment_hook(m->segment_hook_user);
         }
         if (routing_out && routing_out[i]) memcpy(routing_out[i], s->routing, (size_t)len * rw);
         off += (size_t)len;
@@ -390,6 +391,7 @@ void mtrl_model_backward(mtrl_model *m, const mtrl_batch *b, const real *dlogp, 
                          dentropy ? dentropy + off + t0 : NULL, &g);
             if (w->pub.arena.peak > m->peak_activation_bytes) m->peak_activation_bytes = w->pub.arena.peak;
             mtrl_arena_release(&w->pub.arena, mark);
+            if (m->segment_hook) m->segment_hook(m->segment_hook_user);
         }
     }
     be->sync(be);
