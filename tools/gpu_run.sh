@@ -134,6 +134,9 @@ session)
     left() { echo $(( end - $(date +%s) - 10 )); }
     b=.carry/dev/mtrl
     {
+      # SESSION_EXTRA="MTRL_KDA_FWD=3 .carry/dev/test_cuda_model; ...": commands run first here
+      # (GPU 0, after the tests), their output into bench.txt
+      [ -n "${SESSION_EXTRA:-}" ] && timeout "$(left)" bash -c "$SESSION_EXTRA"
       [ "$(left)" -gt 60 ] && timeout "$(left)" $b bench model --device cuda --preset small --tokens 65536 --seqs 1 --reps 2
       [ "$(left)" -gt 30 ] && MTRL_GEMM_TF32=1 timeout "$(left)" $b bench model --device cuda --preset small --tokens 8192 --seqs 4 --reps 2
       [ "$(left)" -gt 60 ] && MTRL_GEMM_TF32=1 timeout "$(left)" $b bench model --device cuda --preset small --tokens 65536 --seqs 1 --reps 2
