@@ -15,6 +15,7 @@
 //    overflow (every block sane and consistent), and prints;
 //  - prefill (SEG_PREFILL, no caches) peaks exactly at its mirror seg_prefill_bytes, at most
 //    half the cached forward of the same segment;
+//  - MTRL_GEMM_BF16=1: a GPU plan counts the bf16 weight copy and its operand copies;
 //  - the free-memory query and the live-model planning work; `mtrl plan` prints a plan; `mtrl bench
 //    long` runs one episode, with a preset or an experiment's model (--config).
 #include <stdlib.h>
@@ -196,6 +197,28 @@ static void test_million_(void) {
     }
 }
 
+// MTRL_GEMM_BF16=1 (backend.h): a GPU plan adds the bf16 copy of the parameters (2 bytes a
+// parameter, half the fp32 block) and sizes the scratch for the GEMMs' bf16 operand copies (the
+// LM head's dy [T][V] at least); the other lines are unchanged. A CPU plan has no copy.
+static void test_gemm_bf16_(void) {
+    mtrl_model_dims d = dims_("preset = small\n");
+    int T = 8192;
+    mtrl_model_plan f, h, c;
+    mtrl_model_plan_eval(&f, &d, MTRL_DEVICE_CUDA, 1, &T, 4096, 0);
+    setenv("MTRL_GEMM_BF16", "1", 1);
+    mtrl_model_plan_eval(&h, &d, MTRL_DEVICE_CUDA, 1, &T, 4096, 0);
+    mtrl_model_plan_eval(&c, &d, MTRL_DEVICE_CPU, 1, &T, 4096, 0);
+    unsetenv("MTRL_GEMM_BF16");
+    printf("small, 8192 tokens in segments of 4096 on a GPU: bf16 weight copy %.2f GiB, scratch %.2f GiB (fp32 "
+           "GEMMs %.2f)\n",
+           (double)h.weights_bf16 / (1 << 30), (double)h.scratch / (1 << 30), (double)f.scratch / (1 << 30));
+    TEST_EQ_INT(f.weights_bf16, 0);
+    TEST_EQ_INT(c.weights_bf16, 0);
+    TEST_CHECK(h.weights_bf16 == h.params / 2 && h.params == f.params);
+    TEST_CHECK(h.scratch >= 2 * (size_t)4096 * (size_t)d.V);
+    TEST_CHECK(h.total - h.weights_bf16 - h.scratch == f.total - f.scratch);
+}
+
 static void test_live_model_(void) {
     size_t fr = 0, tot = 0;
     mtrl_error err;
@@ -277,6 +300,7 @@ int main(void) {
     test_activations_("reduced", reduced_ini_);
     test_budget_();
     test_million_();
+    test_gemm_bf16_();
     test_live_model_();
     test_command_();
     return test_report();

@@ -45,6 +45,13 @@ static inline void test_model_perturb(mtrl_model *m, uint64_t seed) {
     for (size_t i = d->E; i < (size_t)d->L * d->E; i++) m->qb_beta[i] = (real)(0.05 * mtrl_rng_normal(seed, 90, i));
 }
 
+// test_cuda_model's `reduced small` case (KMKM, d 256, KDA 2 x 128, MLA 4 heads, latent 256 + 32,
+// 16 experts top-4, one shared expert), vocabulary 512.
+#define TEST_INI_REDUCED_SMALL                                                                          \
+    "preset = custom\nlayers = 4\nd_model = 256\nhybrid = KMKM\nkda_heads = 2\nkda_head_dim = 128\n"      \
+    "mla_heads = 4\nmla_nope_dim = 64\nmla_rope_dim = 32\nmla_v_dim = 64\nmla_latent_dim = 256\n"          \
+    "dense_inter = 512\nexperts = 16\ntop_k = 4\nshared_experts = 1\nexpert_inter = 128\nattnres_block = 2\n"
+
 // max |a - b| / max |b| over n values (a vector's error relative to its largest entry).
 static inline double test_max_rel(const real *a, const real *b, size_t n) {
     double num = 0, den = 0;

@@ -161,9 +161,13 @@ static int bench_model_(int argc, char **argv) {
         return 1;
     }
     char label[1100];
+    // the GEMM precision of a GPU run (backend.h: bf16 wins over TF32)
+    const char *on = m.device != MTRL_DEVICE_CUDA      ? "cpu"
+                     : m.be->gemm_bf16                 ? "cuda (bf16 GEMMs)"
+                     : mtrl_backend_gemm_tf32(m.device) ? "cuda (TF32 GEMMs)"
+                                                       : "cuda";
     printf("model: %s on %s, %zu parameters, %d layers (%s), d=%d, %d experts top-%d; batch %d x %d tokens, segment %d, OMP threads %s\n",
-           src_label_(&src, label, sizeof label),
-           m.device != MTRL_DEVICE_CUDA ? "cpu" : mtrl_backend_gemm_tf32(m.device) ? "cuda (TF32 GEMMs)" : "cuda",
+           src_label_(&src, label, sizeof label), on,
            mtrl_model_param_count(&m), d.L, d.mixer, d.d, d.E, d.k, seqs, per, segment,
            getenv("OMP_NUM_THREADS") ? getenv("OMP_NUM_THREADS") : "default");
     double best_f = 1e30, best_fb = 1e30;

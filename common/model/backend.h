@@ -39,7 +39,7 @@
     X(mla_up_v) X(mla_up_v_bwd) X(mla_decode) X(moe_router_fwd) X(moe_router_bwd) X(moe_dispatch) \
     X(moe_gather) X(moe_combine_fwd) X(moe_combine_bwd) X(moe_scatter_bwd) X(moe_experts_fwd) X(moe_experts_bwd) \
     X(moe_swiglu_fwd) X(moe_swiglu_bwd) X(moe_load_count) X(qb_beta) X(attnres_site_fwd) X(attnres_site_bwd) \
-    X(mem_info) X(latent_put) X(latent_download) X(latent_upload)
+    X(mem_info) X(latent_put) X(latent_download) X(latent_upload) X(weights_changed)
 
 typedef struct mtrl_backend mtrl_backend;
 
@@ -51,6 +51,9 @@ struct mtrl_backend {
     // pointer below (`const void *` in the attention and decode entries, decode states, the
     // batch workspace) points to elements of this size, and every byte count of latents uses it.
     size_t latent_size;
+    // 1 when the dense GEMMs take bf16 operands (mtrl_backend_gemm_bf16 at the backend's
+    // creation): the memory planner of a live model counts the bf16 weight copies with it.
+    int gemm_bf16;
 
     // ---- memory --------------------------------------------------------------------------------
     void *(*alloc)(mtrl_backend *, size_t bytes); // uninitialised, at least 64-byte aligned; 0 bytes: a valid pointer
@@ -60,6 +63,13 @@ struct mtrl_backend {
     void (*upload)(mtrl_backend *, void *dst, const void *src_h, size_t bytes);
     void (*download)(mtrl_backend *, void *dst_h, const void *src, size_t bytes);
     void (*sync)(mtrl_backend *);
+    // The model's fp32 master weights, the one parameter block [params, params + n), were
+    // created, uploaded, loaded or stepped. A backend whose GEMMs take bf16 operands
+    // (gemm_bf16) rounds its bf16 copy of the block here (allocated on the first call, freed
+    // with the backend) and from then on reads a weight operand of gemm and of the MoE / SwiGLU
+    // entries (a pointer inside the block) from that copy: the copy is as fresh as the last
+    // call, so every writer of the block calls it. No-op otherwise (the CPU, fp32 and TF32).
+    void (*weights_changed)(mtrl_backend *, const real *params, size_t n);
     // The memory the backend allocates from: free and total bytes (CPU: MemAvailable and
     // MemTotal of /proc/meminfo, 0 when unreadable; CUDA: cudaMemGetInfo of its GPU); the
     // scratch the backend and its kernels hold now (grow-only buffers, CUDA; 0 on the CPU); the
@@ -214,8 +224,20 @@ size_t mtrl_backend_latent_size(int device);
 // 1 when a backend for `device` runs its fp32 GEMMs on TF32 tensor cores (10-bit mantissa
 // inputs, fp32 accumulation, ~1e-3 relative): CUDA with MTRL_GEMM_TF32=1 in the environment at
 // the backend's creation (opt-in; the GPU tests hold the default fp32 model to ~1e-5 of the CPU,
-// test_cuda_model compares the two). 0 otherwise.
+// test_cuda_model compares the two), unless MTRL_GEMM_BF16=1 is set too. 0 otherwise.
 int mtrl_backend_gemm_tf32(int device);
+// 1 when a backend for `device` multiplies the model's dense projections, the MoE experts and
+// the dense SwiGLU FFNs with bf16 operands on tensor cores (fp32 accumulation, fp32 outputs and
+// gradients; 8-bit mantissa inputs, ~4e-3 relative per operand): CUDA with MTRL_GEMM_BF16=1
+// in the environment at the backend's creation. Opt-in, the issue's "dense projections through
+// cuBLAS, bf16 operands, fp32 accumulation, fp32 master weights converted per step": the
+// fp32 master weights, gradients and AdamW moments stay as they are; the backend keeps one bf16
+// copy of the parameter block (2 bytes a parameter, refreshed at weights_changed) and rounds
+// the activation / dy operands into its scratch per GEMM. The MLA absorption products
+// (mla_absorb_q, mla_up_v, a batched GEMM per head) stay fp32. BF16 wins over TF32 when both
+// are set (mtrl_backend_gemm_tf32 is then 0, so those remaining fp32 GEMMs stay true fp32):
+// one setting names a run's GEMM precision. 0 otherwise (the default: true fp32).
+int mtrl_backend_gemm_bf16(int device);
 // Element i of a latent array (pointer arithmetic in latent elements).
 static inline void *mtrl_latent_at(const mtrl_backend *be, const void *base, size_t i) {
     return (char *)base + be->latent_size * i;

@@ -11,6 +11,15 @@
 // attention and the absorbed decode (its tensor-core v2 kernel) read them as they are, and
 // their gradients stay fp32. MTRL_LATENT_FP32=1 at creation keeps fp32 latents (converted per
 // attention call, the fp32 decode kernel): the earlier path, for comparison.
+// MTRL_GEMM_BF16=1 at creation (backend.h mtrl_backend_gemm_bf16; it wins over TF32) gives the
+// dense projections, the MoE experts and the dense SwiGLU FFNs bf16 operands with fp32
+// accumulation and fp32 results, for the tensor-core rate (the fp32 GEMMs ran the model at
+// fp32 speed, docs/perf.md P7): the weights from one bf16 copy of the parameter block that
+// weights_changed_ refreshes (once per optimizer step, load or upload: converting per GEMM
+// would repeat the same rounding for every segment), the activations and dy rounded into
+// scratch per GEMM (they change every call). The master weights, the optimizer and every
+// gradient stay fp32, so the rounding costs accuracy per step (~4e-3 relative per operand)
+// without accumulating in the weights.
 //
 // Decode states are separate allocations per sequence, while the batched decode kernels take
 // one block: kda_step and shortconv_step gather the B states into scratch, run, and scatter
@@ -48,6 +57,12 @@ typedef struct cuda_impl {
     live_block *live;
     int n_live, cap_live;
     size_t live_bytes, peak_bytes;
+    // MTRL_GEMM_BF16 (be->gemm_bf16): the bf16 copy w16 of the fp32 parameter block w32 of w_n
+    // values that weights_changed_ last saw; one allocation for the backend's lifetime (a model
+    // has one parameter block), rounded again at every weights_changed_.
+    const real *w32;
+    size_t w_n;
+    mtrl_bf16 *w16;
 } cuda_impl;
 
 #define CTX(be) (((cuda_impl *)(be)->impl)->ctx)
@@ -163,11 +178,58 @@ static void dsigmoid_(BE *be, size_t n, const real *s, real *dy) { mtrl_mc_dsigm
 static void add_(BE *be, size_t n, const real *a, const real *b, real *y) { mtrl_mc_add(CTX(be), n, a, b, y); }
 static void scale_(BE *be, size_t n, real *x, real s) { mtrl_mc_scale(CTX(be), n, x, s); }
 
-// ---- dense (true fp32) --------------------------------------------------------------------------------
+// ---- dense: true fp32 (TF32 opt-in), or bf16 operands ----------------------------------------------------
+//
+// With gemm_bf16 every operand of gemm_ and of the expert entries is taken as bf16: a master
+// weight (a pointer inside the parameter block) from the backend's copy, rounded once per
+// weights_changed_ (once per optimizer step, not once per GEMM: a weight feeds several GEMMs
+// per segment and every segment of a step); anything else (activations, dy) rounded into the
+// backend's scratch per call (stream-ordered, so the next call may reuse it). Outputs and
+// gradients stay fp32 (cuBLAS accumulates in fp32; beta = 1 accumulates into fp32 dW).
+
+static void weights_changed_(BE *be, const real *params, size_t n) {
+    cuda_impl *x = be->impl;
+    if (!be->gemm_bf16) return;
+    if (n != x->w_n) {
+        release_(be, x->w16);
+        x->w16 = alloc_(be, 2 * n);
+        x->w_n = n;
+    }
+    x->w32 = params;
+    mtrl_cuda_f32_to_bf16(x->ctx, n, params, x->w16);
+}
+// The bf16 copy of p when p points into the master weights, else NULL.
+static const mtrl_bf16 *weight_bf16_(const BE *be, const real *p) {
+    const cuda_impl *x = be->impl;
+    uintptr_t a = (uintptr_t)p, lo = (uintptr_t)x->w32, hi = (uintptr_t)(x->w32 + x->w_n);
+    return x->w16 && a >= lo && a < hi ? x->w16 + (p - x->w32) : NULL;
+}
+// Elements a GEMM reads of a row-major operand of rows x cols with row stride ld.
+static size_t span_(int rows, int cols, int ld) {
+    return rows > 0 && cols > 0 ? (size_t)(rows - 1) * (size_t)ld + (size_t)cols : 0;
+}
+// Scratch bytes the bf16 form of n values at p takes: none for a master weight.
+static size_t bf16_bytes_(const BE *be, const real *p, size_t n) { return weight_bf16_(be, p) ? 0 : 2 * n; }
+// The bf16 form of n values at p: the weights' copy, or p rounded into scratch at s + o
+// (reserved by the caller: bf16_bytes_).
+static const mtrl_bf16 *bf16_of_(BE *be, char *s, size_t o, const real *p, size_t n) {
+    const mtrl_bf16 *w = weight_bf16_(be, p);
+    if (w) return w;
+    mtrl_cuda_f32_to_bf16(CTX(be), n, p, (mtrl_bf16 *)(s + o));
+    return (const mtrl_bf16 *)(s + o);
+}
 
 static void gemm_(BE *be, int ta, int tb, int M, int N, int K, real alpha, const real *A, int lda, const real *B,
                   int ldb, real beta, real *C, int ldc) {
-    OK(mtrl_gemm(CTX(be), ta, tb, M, N, K, alpha, A, lda, B, ldb, MTRL_F32, beta, C, ldc, MTRL_F32));
+    if (!be->gemm_bf16) {
+        OK(mtrl_gemm(CTX(be), ta, tb, M, N, K, alpha, A, lda, B, ldb, MTRL_F32, beta, C, ldc, MTRL_F32));
+        return;
+    }
+    size_t na = span_(ta ? K : M, ta ? M : K, lda), nb = span_(tb ? N : K, tb ? K : N, ldb);
+    size_t off = 0, oa = take_(&off, bf16_bytes_(be, A, na)), ob = take_(&off, bf16_bytes_(be, B, nb));
+    char *s = scratch_(be, off);
+    OK(mtrl_gemm(CTX(be), ta, tb, M, N, K, alpha, bf16_of_(be, s, oa, A, na), lda, bf16_of_(be, s, ob, B, nb), ldb,
+                 MTRL_BF16, beta, C, ldc, MTRL_F32));
 }
 
 // ---- per-token ops ------------------------------------------------------------------------------------
@@ -480,17 +542,42 @@ static int *offsets_h_(BE *be, int E, const int *off) {
     mtrl_mc_download(CTX(be), h, off, sizeof(int) * (size_t)(E + 1));
     return h;
 }
+// The operands of the expert GEMMs, op = {X [R][D], W1, W3 [E][I][D], W2 [E][D][I]}: as they
+// are (MTRL_F32), or replaced by their bf16 forms (MTRL_BF16, gemm_bf16: X rounded into
+// scratch, the weights' copies; the launchers round dY and the SwiGLU products themselves).
+static int experts_operands_(BE *be, int E, int D, int I, size_t R, const void *op[4]) {
+    if (!be->gemm_bf16) return MTRL_F32;
+    size_t n[4] = {R * (size_t)D, (size_t)E * I * D, (size_t)E * I * D, (size_t)E * D * I}, o[4], off = 0;
+    for (int i = 0; i < 4; i++) o[i] = take_(&off, bf16_bytes_(be, op[i], n[i]));
+    char *s = scratch_(be, off);
+    for (int i = 0; i < 4; i++) op[i] = bf16_of_(be, s, o[i], op[i], n[i]);
+    return MTRL_BF16;
+}
+// mtrl_moe_experts_fwd / _bwd on the host offsets h [E+1], in the backend's operand type.
+static void experts_fwd_(BE *be, int E, int D, int I, const int *h, const real *X, const real *W1, const real *W3,
+                         const real *W2, real *u1, real *u3, real *Y) {
+    const void *op[4] = {X, W1, W3, W2};
+    int type = experts_operands_(be, E, D, I, (size_t)h[E], op);
+    OK(mtrl_moe_experts_fwd(CTX(be), E, D, I, h, op[0], op[1], op[2], op[3], type, u1, u3, Y));
+}
+static void experts_bwd_(BE *be, int E, int D, int I, const int *h, const real *X, const real *W1, const real *W3,
+                         const real *W2, const real *u1, const real *u3, const real *dY, real *dX, real *dW1,
+                         real *dW3, real *dW2) {
+    const void *op[4] = {X, W1, W3, W2};
+    int type = experts_operands_(be, E, D, I, (size_t)h[E], op);
+    OK(mtrl_moe_experts_bwd(CTX(be), E, D, I, h, op[0], op[1], op[2], op[3], type, u1, u3, dY, dX, dW1, dW3, dW2));
+}
 static void moe_experts_fwd_(BE *be, int E, int D, int I, const int *off, const real *Xp, const real *W1,
                              const real *W3, const real *W2, real *u1, real *u3, real *Yp) {
     int *h = offsets_h_(be, E, off);
-    OK(mtrl_moe_experts_fwd(CTX(be), E, D, I, h, Xp, W1, W3, W2, MTRL_F32, u1, u3, Yp));
+    experts_fwd_(be, E, D, I, h, Xp, W1, W3, W2, u1, u3, Yp);
     free(h);
 }
 static void moe_experts_bwd_(BE *be, int E, int D, int I, const int *off, const real *Xp, const real *W1,
                              const real *W3, const real *W2, const real *u1, const real *u3, const real *dYp,
                              real *dXp, real *dW1, real *dW3, real *dW2) {
     int *h = offsets_h_(be, E, off);
-    OK(mtrl_moe_experts_bwd(CTX(be), E, D, I, h, Xp, W1, W3, W2, MTRL_F32, u1, u3, dYp, dXp, dW1, dW3, dW2));
+    experts_bwd_(be, E, D, I, h, Xp, W1, W3, W2, u1, u3, dYp, dXp, dW1, dW3, dW2);
     free(h);
 }
 // Dense SwiGLU = one expert over all rows (as moe_swiglu_fwd/bwd of the reference).
@@ -498,14 +585,14 @@ static void moe_swiglu_fwd_(BE *be, int N, int D, int I, const real *x, const re
                             const real *W2, real *u1, real *u3, real *y) {
     if (N <= 0) return;
     int h[2] = {0, N};
-    OK(mtrl_moe_experts_fwd(CTX(be), 1, D, I, h, x, W1, W3, W2, MTRL_F32, u1, u3, y));
+    experts_fwd_(be, 1, D, I, h, x, W1, W3, W2, u1, u3, y);
 }
 static void moe_swiglu_bwd_(BE *be, int N, int D, int I, const real *x, const real *W1, const real *W3,
                             const real *W2, const real *u1, const real *u3, const real *dy, real *dx, real *dW1,
                             real *dW3, real *dW2) {
     if (N <= 0) return;
     int h[2] = {0, N};
-    OK(mtrl_moe_experts_bwd(CTX(be), 1, D, I, h, x, W1, W3, W2, MTRL_F32, u1, u3, dy, dx, dW1, dW3, dW2));
+    experts_bwd_(be, 1, D, I, h, x, W1, W3, W2, u1, u3, dy, dx, dW1, dW3, dW2);
 }
 static void moe_load_count_(BE *be, int N, int E, int K, const int *sel, int *load) {
     int *d = (int *)scratch_(be, sizeof(int) * (size_t)E);
@@ -551,6 +638,7 @@ mtrl_backend *mtrl_backend_cuda_create(int gpu, char *err_msg, size_t err_len) {
     be->latent_size = mtrl_backend_latent_size(MTRL_DEVICE_CUDA);
     cuda_impl *x = xcalloc(1, sizeof *x);
     x->ctx = mtrl_cuda_ctx_create(gpu, NULL);
+    be->gemm_bf16 = mtrl_backend_gemm_bf16(MTRL_DEVICE_CUDA);
     mtrl_cuda_ctx_set_tf32(x->ctx, mtrl_backend_gemm_tf32(MTRL_DEVICE_CUDA));
     be->impl = x;
     x->sq_part = alloc_(be, sizeof(double) * MTRL_MC_SQ_BLOCKS);
@@ -562,6 +650,7 @@ void mtrl_backend_cuda_destroy_(mtrl_backend *be) {
     mtrl_cuda_sync(x->ctx);
     mtrl_mc_free(x->ctx, x->scratch);
     mtrl_mc_free(x->ctx, x->sq_part);
+    mtrl_mc_free(x->ctx, x->w16);
     mtrl_cuda_ctx_destroy(x->ctx);
     free(x->live);
     free(x);
@@ -595,4 +684,8 @@ size_t mtrl_backend_latent_size(int device) {
     return env_on_("MTRL_LATENT_FP32") ? sizeof(float) : 2;
 }
 
-int mtrl_backend_gemm_tf32(int device) { return device == MTRL_DEVICE_CUDA && env_on_("MTRL_GEMM_TF32"); }
+int mtrl_backend_gemm_bf16(int device) { return device == MTRL_DEVICE_CUDA && env_on_("MTRL_GEMM_BF16"); }
+
+int mtrl_backend_gemm_tf32(int device) {
+    return device == MTRL_DEVICE_CUDA && env_on_("MTRL_GEMM_TF32") && !mtrl_backend_gemm_bf16(device);
+}

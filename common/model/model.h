@@ -52,6 +52,9 @@
 //   * arithmetic: fp32 everywhere (GEMMs through cuBLAS in true fp32, no TF32) except the MLA
 //     causal attention of the chunked form, which multiplies bf16 copies of the absorbed
 //     queries and dout with the bf16 latents, fp32 accumulation (the only attention kernel).
+//     Opt-in at creation: MTRL_GEMM_TF32=1 (TF32 GEMMs) or MTRL_GEMM_BF16=1 (bf16 operands for
+//     the projections and FFN / expert GEMMs from a bf16 copy of the weights that the backend
+//     refreshes whenever the parameter block changes; backend.h mtrl_backend_gemm_bf16).
 //   * MLA latents (the learner's batch workspace, every decode state) are stored as bf16,
 //     rounded once when their rows are written (issue 8: half the bytes of a long episode's
 //     resident cache; the absorbed decode runs its bf16 tensor-core kernel); their gradients

@@ -9,6 +9,7 @@
 #include "common/checkpoint.h"
 #include "common/model/backend.h"
 #include "common/model/model.h"
+#include "common/model/model_ws.h"
 
 #if REAL_IS_F64
 #define REAL_DT MTRL_DT_F64
@@ -189,6 +190,7 @@ mtrl_status mtrl_model_load(mtrl_model *m, mtrl_ckpt *c, int with_optimizer, mtr
         mtrl_backend *be = m->be;
         size_t total = m->params.total;
         be->upload(be, m->d_params, m->params.base, total);
+        model_weights_changed(m);
         be->upload(be, m->d_qb_beta, m->qb_beta, sizeof(real) * (size_t)m->dims.L * (size_t)m->dims.E);
         if (with_optimizer) {
             be->upload(be, m->d_adam_m, m->adam_m, total);

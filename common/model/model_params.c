@@ -330,11 +330,16 @@ void mtrl_model_to_host(mtrl_model *m) {
     be->download(be, m->adam_v, m->d_adam_v, total);
 }
 
+void model_weights_changed(mtrl_model *m) {
+    m->be->weights_changed(m->be, m->d_params, m->params.total / sizeof(real));
+}
+
 void mtrl_model_to_device(mtrl_model *m) {
     if (m->device == MTRL_DEVICE_CPU) return;
     mtrl_backend *be = m->be;
     size_t total = m->params.total;
     be->upload(be, m->d_params, m->params.base, total);
+    model_weights_changed(m);
     be->upload(be, m->d_grads, m->grads, total);
     be->upload(be, m->d_adam_m, m->adam_m, total);
     be->upload(be, m->d_adam_v, m->adam_v, total);
@@ -403,6 +408,7 @@ double mtrl_model_optimizer_step(mtrl_model *m, real lr, real beta1, real beta2,
         be->adamw(be, t->numel, (real *)((char *)m->d_params + t->offset), g, (real *)((char *)m->d_adam_m + t->offset),
                   (real *)((char *)m->d_adam_v + t->offset), lr, beta1, beta2, eps, wd, m->step);
     }
+    model_weights_changed(m);
     be->sync(be);
     return norm;
 }

@@ -15,14 +15,31 @@
 //     requests are the bf16 copies the attention takes (attn_causal_fwd_/_bwd_): the absorbed
 //     queries [T][mH][dc+dr], in the backward dout [T][mH][dc] and, with fp32 latents only
 //     (MTRL_LATENT_FP32=1), the latents of every key so far [Tk][dc+dr] (bf16 latents are read
-//     where they are); small ones: token ids, targets, log-probs.
+//     where they are); small ones: token ids, targets, log-probs. With bf16 GEMM operands
+//     (MTRL_GEMM_BF16=1) also the bf16 copies of each GEMM's non-weight operands: the largest
+//     is a projection's dW = dyᵀ x (dy [T][n] and x [T][k], the LM head's dy [T][V] first) or
+//     the experts' X_perm [T·k][d].
 //   * the kernels' context's (core_cuda.cu mtrl_ctx_scratch): grows to request × 9/8 + 1 MiB.
 //     Requests per launcher (kda_cuda.cu, moe_cuda.cu, ops_cuda.cu, mla_cuda.cu): the KDA chunk
 //     workspace (W, U, Q⁺, K^e, P, e^γ per tile; in the backward also dD and dS per tile), the MoE
-//     expert backward (dY, dm, m, du1, du3 per routed row), the conv backward, the column
+//     expert backward (dY, dm, m, du1, du3 per routed row; dY, m, du1, du3 bf16 with bf16 GEMM
+//     operands), the conv backward, the column
 //     reductions of the norms and AttnRes sites, the gate backward's partial sums.
 // Every piece of one request starts 256-byte aligned (backend_cuda.c take_, ws_carver::take).
 // CUDA arrays are fp32 whatever `real` is.
+
+// What a CUDA backend stores in reduced precision (backend.h): the latent element size, and
+// whether its GEMMs take bf16 operands (a bf16 copy of the parameters, operand copies in scratch).
+typedef struct plan_prec {
+    size_t lat_size;
+    int gemm_bf16;
+} plan_prec;
+
+// A backend of `device` created now (the environment's switches).
+static plan_prec prec_of_device_(int device) {
+    return (plan_prec){mtrl_backend_latent_size(device), mtrl_backend_gemm_bf16(device)};
+}
+static plan_prec prec_of_backend_(const mtrl_backend *be) { return (plan_prec){be->latent_size, be->gemm_bf16}; }
 
 #define PLAN_SMS 160 // multiprocessors assumed for the split counts (H100/H200: 132, B200: 148)
 
@@ -48,14 +65,14 @@ static size_t norm_dw_req_(size_t N, size_t D) {
     size_t p[2] = {4 * row_splits_(N, D) * D, 4 * N};
     return carve_(p, 2);
 }
-// moe_experts_bwd over R rows of width D -> I: dY, dm, m | du1 | du3.
-static size_t experts_bwd_req_(size_t R, size_t D, size_t I) {
-    size_t p[3] = {4 * R * D, 4 * R * I, 3 * 4 * R * I};
+// moe_experts_bwd over R rows of width D -> I with operands of es bytes: dY, dm (fp32), m | du1 | du3.
+static size_t experts_bwd_req_(size_t R, size_t D, size_t I, size_t es) {
+    size_t p[3] = {es * R * D, 4 * R * I, 3 * es * R * I};
     return carve_(p, 3);
 }
 
-// The largest request to the context's scratch in a segment of T tokens.
-static size_t ctx_request_(const mtrl_model_dims *d, size_t T) {
+// The largest request to the context's scratch in a segment of T tokens (GEMM operands of es bytes).
+static size_t ctx_request_(const mtrl_model_dims *d, size_t T, size_t es) {
     size_t D = (size_t)d->d, req = 0;
     int nb = 1 + (d->L - 1) / d->S; // committed blocks at the output site
     if (model_n_kda(d) > 0) {
@@ -80,23 +97,44 @@ static size_t ctx_request_(const mtrl_model_dims *d, size_t T) {
     req = max_(req, norm_dw_req_(T, D)); // norm1, norm2, final norm
     size_t site[2] = {4 * T * (size_t)(nb + 1), 4 * row_splits_(T, D) * D};
     req = max_(req, carve_(site, 2)); // attnres_site_bwd
-    req = max_(req, experts_bwd_req_(T, D, (size_t)d->dense_I)); // layer 0's dense FFN
+    req = max_(req, experts_bwd_req_(T, D, (size_t)d->dense_I, es)); // layer 0's dense FFN
     if (d->L > 1) {
         size_t R = T * (size_t)d->k;
-        req = max_(req, experts_bwd_req_(R, D, (size_t)d->I));
-        if (d->n_shared > 0) req = max_(req, experts_bwd_req_(T, D, (size_t)d->n_shared * d->I));
+        req = max_(req, experts_bwd_req_(R, D, (size_t)d->I, es));
+        if (d->n_shared > 0) req = max_(req, experts_bwd_req_(T, D, (size_t)d->n_shared * d->I, es));
         req = max_(req, 4 * cdiv_(R, 1024) * (size_t)d->E); // moe_dispatch counts
         req = max_(req, 4 * T);                               // qb_beta_from_batch alpha
     }
     return req;
 }
 
-// The largest request to the backend's own scratch for a sequence of len tokens in segments of seg,
-// latents of lat_size bytes an element.
-static size_t backend_request_(const mtrl_model_dims *d, size_t lat_size, size_t len, size_t seg) {
-    size_t req = 0, T = seg < len ? seg : len;
+// With bf16 GEMM operands, the largest bf16 operand copies one GEMM of a T-token segment puts
+// in the backend's scratch (backend_cuda.c gemm_, experts_operands_): for y = x Wᵀ (x [T][k],
+// W [n][k]) the backward's dW = dyᵀ x rounds dy and x (the forward only x, dx only dy; W is
+// the weights' copy); the expert entries round X [rows][d] (weights: the copy).
+static size_t gemm_bf16_request_(const mtrl_model_dims *d, size_t T) {
+    size_t HD = (size_t)d->H * d->D, D = (size_t)d->d, kda = model_n_kda(d) > 0, mla = model_n_mla(d) > 0;
+    // {present, n, k} of every projection shape of model_fwd.c
+    size_t proj[][3] = {{1, (size_t)d->V, D}, {d->L > 1, (size_t)d->E, D}, // LM head, router
+                        {kda, HD, D}, {kda, (size_t)d->D, D}, {kda, HD, (size_t)d->D}, {kda, (size_t)d->H, D},
+                        {kda, D, HD}, {mla, (size_t)d->mH * (d->dn + d->dr), D}, {mla, (size_t)d->dc + d->dr, D},
+                        {mla && d->mla_gate, (size_t)d->mH * d->dv, D}, {mla, D, (size_t)d->mH * d->dv}};
+    size_t req = 0;
+    for (size_t i = 0; i < sizeof proj / sizeof proj[0]; i++) {
+        size_t p[2] = {2 * T * proj[i][1], 2 * T * proj[i][2]};
+        if (proj[i][0]) req = max_(req, carve_(p, 2));
+    }
+    size_t rows = d->L > 1 ? T * (size_t)d->k : T; // routed rows (dense FFN, shared experts: T)
+    size_t x[4] = {2 * rows * D, 0, 0, 0};
+    return max_(req, carve_(x, 4));
+}
+
+// The largest request to the backend's own scratch for a sequence of len tokens in segments of seg.
+static size_t backend_request_(const mtrl_model_dims *d, plan_prec pr, size_t len, size_t seg) {
+    size_t req = 0, T = seg < len ? seg : len, lat_size = pr.lat_size;
     size_t small[3] = {4 * T, 4 * T, 4 * T}; // logprob_fwd_/_bwd_: targets, log-probs, entropies
     req = max_(req, carve_(small, 3));
+    if (pr.gemm_bf16) req = max_(req, gemm_bf16_request_(d, T));
     if (model_n_mla(d) > 0) {
         size_t mH = (size_t)d->mH, ld = (size_t)d->dc + d->dr, n_seg = cdiv_(len, seg);
         // the last segment (keys: the whole sequence) and the last full one before it
@@ -115,9 +153,9 @@ static size_t backend_request_(const mtrl_model_dims *d, size_t lat_size, size_t
 static int seg_len_(int len, int segment) { return segment > 0 && segment < len ? segment : (len > 0 ? len : 1); }
 
 // mtrl_model_plan_eval with the parameter block's size P given (the search evaluates thousands
-// of segment lengths; laying out the parameter table each time would dominate) and the latent
-// element size (backend.h latent_size).
-static void eval_(mtrl_model_plan *p, const mtrl_model_dims *d, size_t P, int device, size_t lat_size, int n,
+// of segment lengths; laying out the parameter table each time would dominate) and the
+// backend's reduced precisions.
+static void eval_(mtrl_model_plan *p, const mtrl_model_dims *d, size_t P, int device, plan_prec pr, int n,
                   const int *len, int segment, size_t budget) {
     memset(p, 0, sizeof *p);
     p->device = device;
@@ -137,10 +175,11 @@ static void eval_(mtrl_model_plan *p, const mtrl_model_dims *d, size_t P, int de
     p->params = P;
     p->grads = P;
     p->adam = 2 * P;
+    p->weights_bf16 = cuda && pr.gemm_bf16 ? P / sizeof(real) * 2 : 0;
     // β (+ on the CPU its host bookkeeping: sums, counts, loads; on a GPU the Σx² partials)
     p->qb = LE * R + (cuda ? sizeof(double) * 256 : LE * (sizeof(double) + sizeof(long)) + (size_t)d->L * sizeof(int));
     ws_sizes ws;
-    ws_sizes_for(d, lat_size, n, len, segment, &ws);
+    ws_sizes_for(d, pr.lat_size, n, len, segment, &ws);
     p->keep = ws.keep;
     p->latents = ws.latent;
     p->boundary = ws.state - ws.latent;
@@ -149,10 +188,10 @@ static void eval_(mtrl_model_plan *p, const mtrl_model_dims *d, size_t P, int de
     if (cuda) {
         size_t breq = 0;
         for (int i = 0; i < n; i++)
-            breq = max_(breq, backend_request_(d, lat_size, (size_t)len[i], (size_t)seg_len_(len[i], segment)));
+            breq = max_(breq, backend_request_(d, pr, (size_t)len[i], (size_t)seg_len_(len[i], segment)));
         if (ws.max_pack > 0)
-            breq = max_(breq, backend_request_(d, lat_size, (size_t)ws.max_pack, (size_t)ws.max_pack));
-        size_t creq = ctx_request_(d, (size_t)ws.max_seg);
+            breq = max_(breq, backend_request_(d, pr, (size_t)ws.max_pack, (size_t)ws.max_pack));
+        size_t creq = ctx_request_(d, (size_t)ws.max_seg, pr.gemm_bf16 ? 2 : 4);
         p->scratch = breq + breq / 4 + ((size_t)1 << 20) + creq + creq / 8 + ((size_t)1 << 20);
         p->runtime = MTRL_PLAN_CUDA_RUNTIME;
     } else {
@@ -166,7 +205,7 @@ static void eval_(mtrl_model_plan *p, const mtrl_model_dims *d, size_t P, int de
     // advantages, gradients and mask (learner/train.c).
     p->host_episode = p->total_tokens * (4 + 4 + 4 + 1 + rw + 4 + rw + 4 * R + 6 * 4 + 4 + 1);
     p->host_mirrors = cuda ? 4 * P + LE * (R + sizeof(double) + sizeof(long)) : 0;
-    p->total = p->params + p->grads + p->adam + p->qb + p->boundary + p->latents + p->latent_grads + p->activations +
+    p->total = p->params + p->grads + p->adam + p->weights_bf16 + p->qb + p->boundary + p->latents + p->latent_grads + p->activations +
                p->scratch + p->runtime + (cuda ? 0 : p->host_episode);
     p->host_total = cuda ? p->host_mirrors + p->host_episode : p->total;
     p->margin = budget / 20;
@@ -174,7 +213,7 @@ static void eval_(mtrl_model_plan *p, const mtrl_model_dims *d, size_t P, int de
 
 void mtrl_model_plan_eval(mtrl_model_plan *p, const mtrl_model_dims *d, int device, int n, const int *len, int segment,
                           size_t budget) {
-    eval_(p, d, model_param_bytes(d), device, mtrl_backend_latent_size(device), n, len, segment, budget);
+    eval_(p, d, model_param_bytes(d), device, prec_of_device_(device), n, len, segment, budget);
 }
 
 static double gib_(size_t b) { return (double)b / (double)((size_t)1 << 30); }
@@ -185,8 +224,8 @@ static char *size_str_(char *buf, size_t b) {
     return buf;
 }
 
-// mtrl_model_plan_make with the latent element size given (a live model: its backend's).
-static mtrl_status make_(mtrl_model_plan *p, const mtrl_model_dims *d, int device, size_t lat_size, int n,
+// mtrl_model_plan_make with the reduced precisions given (a live model: its backend's).
+static mtrl_status make_(mtrl_model_plan *p, const mtrl_model_dims *d, int device, plan_prec pr, int n,
                          const int *len, size_t budget, mtrl_error *err) {
     int max_len = 1;
     for (int i = 0; i < n; i++)
@@ -202,7 +241,7 @@ static mtrl_status make_(mtrl_model_plan *p, const mtrl_model_dims *d, int devic
     size_t P = model_param_bytes(d);
     for (long s = MTRL_PLAN_SEGMENT_STEP;; s += MTRL_PLAN_SEGMENT_STEP) {
         int S = s < max_len ? (int)s : max_len;
-        eval_(&cur, d, P, device, lat_size, n, len, S, budget);
+        eval_(&cur, d, P, device, pr, n, len, S, budget);
         if (s == MTRL_PLAN_SEGMENT_STEP || cur.total < least.total) least = cur;
         if (cur.total <= budget && budget - cur.total >= cur.margin) {
             best = cur;
@@ -219,7 +258,7 @@ static mtrl_status make_(mtrl_model_plan *p, const mtrl_model_dims *d, int devic
                               "plus a 5%% margin; the budget is %s",
                               n, n == 1 ? "" : "s", max_len, size_str_(need, least.total),
                               device == MTRL_DEVICE_CUDA ? "GPU" : "host", least.segment,
-                              size_str_(model, least.params + least.grads + least.adam + least.qb),
+                              size_str_(model, least.params + least.grads + least.adam + least.weights_bf16 + least.qb),
                               size_str_(state, least.boundary + least.latents + least.latent_grads),
                               size_str_(act, least.activations), size_str_(scr, least.scratch),
                               size_str_(rt, least.runtime), size_str_(bud, budget));
@@ -227,7 +266,7 @@ static mtrl_status make_(mtrl_model_plan *p, const mtrl_model_dims *d, int devic
     // Segment 0 keeps every activation when they fit under MTRL_KEEP_BYTES_MAX (no recompute
     // in the backward): note whether that fits the budget too.
     mtrl_model_plan k0;
-    eval_(&k0, d, P, device, lat_size, n, len, 0, budget);
+    eval_(&k0, d, P, device, pr, n, len, 0, budget);
     *p = best;
     p->keep = k0.keep && k0.total <= budget && budget - k0.total >= k0.margin;
     return MTRL_OK;
@@ -235,7 +274,7 @@ static mtrl_status make_(mtrl_model_plan *p, const mtrl_model_dims *d, int devic
 
 mtrl_status mtrl_model_plan_make(mtrl_model_plan *p, const mtrl_model_dims *d, int device, int n, const int *len,
                                  size_t budget, mtrl_error *err) {
-    return make_(p, d, device, mtrl_backend_latent_size(device), n, len, budget, err);
+    return make_(p, d, device, prec_of_device_(device), n, len, budget, err);
 }
 
 mtrl_status mtrl_model_plan_uniform(mtrl_model_plan *p, const mtrl_model_dims *d, int device, long tokens, int seqs,
@@ -279,7 +318,8 @@ mtrl_status mtrl_model_plan_batch(mtrl_model_plan *p, const mtrl_model *m, const
     const mtrl_model_dims *d = &m->dims;
     size_t held = 4 * m->params.total + ws_held_bytes(m) + scratch;
     if (m->device == MTRL_DEVICE_CUDA) held += sizeof(real) * (size_t)d->L * d->E;
-    return make_(p, d, m->device, m->be->latent_size, b->n, b->len, fr + held, err);
+    if (m->be->gemm_bf16) held += m->params.total / sizeof(real) * 2; // the weights' bf16 copy
+    return make_(p, d, m->device, prec_of_backend_(m->be), b->n, b->len, fr + held, err);
 }
 
 // ---- printing -------------------------------------------------------------------------------------------------
@@ -306,6 +346,7 @@ void mtrl_model_plan_print(const mtrl_model_plan *p, FILE *f) {
     row_(f, "parameters", (double)p->params);
     row_(f, "gradients", (double)p->grads);
     row_(f, "AdamW moments (m, v)", (double)p->adam);
+    if (p->weights_bf16) row_(f, "bf16 weight copy (MTRL_GEMM_BF16)", (double)p->weights_bf16);
     row_(f, "QB beta and constants", (double)p->qb);
     row_(f, "boundary states (KDA S, conv windows)", (double)p->boundary);
     row_(f, "MLA latents", (double)p->latents);

@@ -14,7 +14,8 @@
 // What is counted (bytes; fp32 model: 4 per value, except the MLA latents: the backend's latent
 // element size, backend.h mtrl_backend_latent_size: 2 (bf16) on a GPU unless MTRL_LATENT_FP32=1;
 // their gradients stay `real`):
-//   model        parameters, gradients, both AdamW moments (4 x the parameter block), QB β
+//   model        parameters, gradients, both AdamW moments (4 x the parameter block), QB β;
+//                with bf16 GEMM operands (MTRL_GEMM_BF16=1, backend.h) the weights' bf16 copy
 //   episode      boundary KDA states and conv windows of every segment of every sequence, the
 //                MLA latents of every sequence (state arena of the forward), and in the backward
 //                ∂L/∂latents of the longest sequence with the running dS / dconv / S / conv
@@ -75,6 +76,8 @@ typedef struct mtrl_model_plan {
     size_t params;           // parameter block
     size_t grads;            // gradient block
     size_t adam;             // both AdamW moments
+    size_t weights_bf16;     // CUDA with bf16 GEMM operands (MTRL_GEMM_BF16=1): the bf16 copy of
+                             // the parameter block (2 bytes a parameter); 0 otherwise
     size_t qb;               // QB β and the backend's small constants
     size_t boundary;         // KDA states and conv windows entering every segment, running state
     size_t latents;          // MLA latents of every sequence

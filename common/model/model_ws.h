@@ -191,4 +191,9 @@ int model_mla_index(const mtrl_model_dims *d, int l);
 
 void mtrl_model_ws_free(mtrl_model *m);
 
+// Tells the backend the parameter block on its side changed (backend.h weights_changed: a
+// backend with bf16 GEMM operands re-rounds its weight copy). Every writer of m->d_params calls
+// it: creation and mtrl_model_to_device, mtrl_model_load, mtrl_model_optimizer_step.
+void model_weights_changed(mtrl_model *m);
+
 #endif
