@@ -26,11 +26,12 @@
 // Split, measured here (x86, 2026-11-30). Kernel level, worst of o, S_final, S_tiles against fp64
 // over the cases: fp32 forward 4.0e-7, bf16 3.7e-3, split (all groups) 6.9e-6; splitting only
 // some groups (MTRL_EMU_SUBSETS=1 prints them) leaves 1.7e-3–3.4e-3 (X and P alone 3.3e-3, W and
-// U alone 3.4e-3, the state pass alone 2.9e-3, any two 1.7e-3–3.0e-3): every product needs it. Model level (fp32 / bf16 /
-// split): segment 24 logp 4.6e-8 / 4.2e-4 / 9.3e-7; segmented gradient 9.9e-6 / 0.111 / 2.2e-4;
-// decode vs prefill 1.2e-5 / 0.116 / 4.2e-4 (routing flips 0 / 22 / 0); against the fp32
-// forward's gradients on the same routing — / 0.115 / 3.2e-4. Not modelled: the tensor cores'
-// fp32 accumulation order and truncation, ex2.approx (the emulation takes exp in double).
+// U alone 3.4e-3, the state pass alone 2.9e-3, any two 1.7e-3–3.0e-3): every product needs it.
+// Model level (fp32 / bf16 / split): segment 24 logp 4.6e-8 / 4.1e-4 / 1.0e-6; segmented gradient
+// 9.9e-6 / 0.112 / 2.1e-4; decode vs prefill 1.2e-5 / 0.116 / 4.7e-4 (routing flips 0 / 22 / 0);
+// against the fp32 forward's gradients on the same routing — / 0.116 / 3.3e-4. Not modelled: the
+// tensor cores' fp32 accumulation order and truncation (products are summed in double here) and
+// ex2.approx's own ~2 ulp (its argument's fp32 rounding is modelled, ex_).
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
@@ -46,7 +47,9 @@
 _Static_assert(!REAL_IS_F64, "the fp32 model");
 
 static float bf_(float x) { uint32_t u; memcpy(&u, &x, 4); u = (u + 0x7FFFu + ((u >> 16) & 1u)) & 0xFFFF0000u; memcpy(&x, &u, 4); return x; }
-static float ex_(float x) { return (float)exp((double)x); }
+// e^x as the kernel forms it (e2x: ex2.approx of the fp32 product x log2 e; the arg rounding, up to
+// 2.6e-6 relative at |x| = 40, is kept, the ~2 ulp of ex2.approx are not)
+static float ex_(float x) { return (float)exp2((double)(x * 1.4426950408889634f)); }
 // Which operands the emulated kernel carries as split bf16 ("bf16x3", MTRL_KDA3_SPLIT=1 in
 // kda_tc_cuda.cu): a = a_hi + a_lo, a_hi = bf16(a), a_lo = bf16(a − a_hi) (~16 significant
 // bits), each product a·b as a_hi b_hi + a_hi b_lo + a_lo b_hi (a_lo b_lo, 2^-16 relative, dropped).
