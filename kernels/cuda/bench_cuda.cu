@@ -157,6 +157,9 @@ void bench_kda(Bench &B, int T, int H) {
         const char *prev = getenv("MTRL_KDA_FWD");
         std::string keep = prev ? prev : "";
         setenv("MTRL_KDA_FWD", "3", 1);
+        const char *prev_split = getenv("MTRL_KDA3_SPLIT");  // bf16 first, whatever the caller set
+        std::string keep_split = prev_split ? prev_split : "";
+        unsetenv("MTRL_KDA3_SPLIT");
         static const char *wpbs[] = {"4", "1", "2", "8"};
         double m4 = 0;
         for (const char *w : wpbs) {
@@ -167,10 +170,18 @@ void bench_kda(Bench &B, int T, int H) {
             row(what, shape, m3, flops, "TFLOP/s", B.gemm_tflops);
         }
         unsetenv("MTRL_KDA3_WPB");
+        // bf16x3 (MTRL_KDA3_SPLIT=1: split-bf16 operands, 3 mma per product, a 34 KB record) at
+        // the default width; the nominal FLOPs as above, not the 3x the tensor cores execute
+        setenv("MTRL_KDA3_SPLIT", "1", 1);
+        double mx = time_ms(B, [&] { mtrl_kda_chunk_fwd(B.c, T, H, K, V, q, k, v, g, beta, NULL, o, Sf, NULL); });
+        row("  v3 bf16x3 (MTRL_KDA3_SPLIT=1)", shape, mx, flops, "TFLOP/s", B.gemm_tflops);
+        if (prev_split) setenv("MTRL_KDA3_SPLIT", keep_split.c_str(), 1);
+        else unsetenv("MTRL_KDA3_SPLIT");
         if (prev) setenv("MTRL_KDA_FWD", keep.c_str(), 1);
         else unsetenv("MTRL_KDA_FWD");
         if (mtrl_kda_chunk_fwd_version(H, K, V) == 2)
-            printf("%-34s %-34s v3 (WPB=4) / v2 time %.3f\n", "", "", m4 / ms);
+            printf("%-34s %-34s v3 (WPB=4) / v2 time %.3f, v3 bf16x3 / v2 %.3f, bf16x3 / bf16 %.3f\n", "", "",
+                   m4 / ms, mx / ms, mx / m4);
     }
     // forward storing the tile states, then backward
     float *St = (float *)mtrl_cuda_malloc(nt * H * K * V * 4);

@@ -29,7 +29,9 @@
 // error into o and the states of every KDA layer (at H = 2 as at H = 16); the model amplifies
 // that through MoE routing flips and through the decay gradient (dA_log, a sum ~100x smaller
 // than the sum of its terms' magnitudes). tests/test_kda_v3_emu.c reproduces every failure on
-// the CPU with v3's rounding emulated (docs/kernel-lab.md). The kernels above are v2.
+// the CPU with v3's rounding emulated (docs/kernel-lab.md). MTRL_KDA3_SPLIT=1 (with
+// MTRL_KDA_FWD=3) runs v3 with split-bf16 operands (bf16x3, ~16 bits; emulated 6.9e-6 of fp64, not
+// yet run on a GPU). The kernels above are v2.
 //
 // Decode step (mtrl_kda_step), two kernels behind one launcher:
 //   v2 kda_step2_k (default), grid (V/64, H, B), 256 threads: a block owns 64 columns of one

@@ -35,9 +35,30 @@
 // about 2e-3 (o, S_final, S_tiles; tests/test_cuda_kda.cu checks 1e-2, the project's bf16
 // tolerance). tf32 (m16n8k8) would halve the error's exponent but has half the mma rate and no
 // ldmatrix / accumulator-to-operand reuse, and fla, the anchor, is bf16.
+// bf16x3 (MTRL_KDA3_SPLIT=1 in the environment, read at each call; opt-in, default off): every
+// product — X, P, W, U in the prep, Δ, O and S' in the state pass — takes split-bf16 operands,
+// a = a_hi + a_lo with a_hi = bf16(a), a_lo = bf16(a − a_hi) (~16 significant bits), as
+// a_lo b_hi + a_hi b_lo + a_hi b_hi into the same fp32 accumulator (a_lo b_lo dropped), and the
+// record carries the lo part of −W, Q⁺, K^e, U, P. Why all of them: tests/test_kda_v3_emu.c
+// emulates the roundings against an fp64 recurrence (worst of o, S_final, S_tiles): bf16 3.7e-3,
+// splitting every group 6.9e-6 (fp32's own forward 4.0e-7), splitting only the state pass, only
+// the prep, or any two of {X and P, W and U, state pass} 1.7e-3–3.4e-3. At the model level (the
+// `reduced small` case the GPU tests failed) the split brings decode vs prefill from 0.116 to
+// 4.7e-4 of max |logit| and segmented vs whole gradients (worst tensor) from 0.112 to 2.1e-4, with
+// no routing flips (bf16: 22). test_cuda_kda checks it at 1e-4. Cost (predicted, not measured):
+// 3x the mma (150 instead of 50 per tile and warp in the state pass), twice the B-fragment loads,
+// the record 34,304 B instead of 17,408 (9.2 GB of scratch at T = 256K, H = 16), the state pass's
+// shared memory 196,608 B at WPB = 4 (one block per SM, as before), the prep's 182,784 B (one
+// block of 4 warps per SM instead of two). ptxas (sm_90, nvcc 13): state pass with O 252 / 254 /
+// 254 / 245 registers at WPB = 1 / 2 / 4 / 8, without O 223 / 223 / 223 / 219, prep 147; no
+// spills. The state pass is latency-bound (1.44 µs per tile measured for bf16) and the three mma
+// of a product accumulate into one register set, so its dependent chains triple: expect it 2–3x
+// slower, v3 bf16x3 ≈ 0.8–1.2x v2's time. Not yet run on a GPU.
+// The bf16 path compiles to the PTX it had before this mode (state pass identical; prep the same
+// instructions, a few address computations reordered), so its results are unchanged.
 // The result does not depend on WPB (each warp's arithmetic is the same), so the variants are
-// bit-identical; MTRL_KDA3_WPB=1|2|4|8 in the environment picks one (read at each call, for
-// measuring), default 4.
+// bit-identical (in either precision); MTRL_KDA3_WPB=1|2|4|8 in the environment picks one (read at
+// each call, for measuring), default 4.
 #include <math.h>
 #include <stdlib.h>
 
@@ -54,22 +75,88 @@ constexpr int LDP3 = 24;     // P rows in shared memory (48 B: the 8 row address
 constexpr int NST3 = 6;      // ring stages of the state pass
 constexpr float kLog2e3 = 1.4426950408889634f;
 
-// One (head, tile) record in scratch; byte offsets. All 16-byte aligned.
+// One (head, tile) record in scratch; byte offsets, all 16-byte aligned. With bf16x3 (X = true,
+// below) every bf16 matrix also has its lo part: the lo planes of −W, Q⁺, K^e follow their three
+// hi planes (so the state pass copies the [3 NP][16][K] block in one loop), U's and P's lo part
+// follows their hi part. Without X the layout is v3's as measured.
+template <bool X>
 struct Rec {
-    static constexpr int W = 0;                  // −W  [16][K] bf16
-    static constexpr int Q = W + C3 * K3 * 2;    // Q⁺  [16][K] bf16
-    static constexpr int E = Q + C3 * K3 * 2;    // K^e [16][K] bf16
-    static constexpr int U = E + C3 * K3 * 2;    // U   [16][V] bf16
-    static constexpr int P = U + C3 * V3 * 2;    // P   [16][16] bf16 (lower triangle, diagonal incl.)
-    static constexpr int EG = P + C3 * C3 * 2;   // e^γ [K] fp32
-    static constexpr int BYTES = EG + K3 * 4;    // 17408
+    static constexpr int NP = X ? 2 : 1;           // parts of each bf16 matrix: hi (, lo)
+    static constexpr int PL = C3 * K3 * 2;         // one [16][K] bf16 plane
+    static constexpr int W = 0;                    // −W  [16][K] bf16
+    static constexpr int Q = W + PL;               // Q⁺  [16][K] bf16
+    static constexpr int E = Q + PL;               // K^e [16][K] bf16
+    static constexpr int LO3 = 3 * PL;             // lo of −W, Q⁺, K^e at W, Q, E + LO3
+    static constexpr int U = NP * LO3;             // U   [16][V] bf16, lo at U + LOU
+    static constexpr int LOU = C3 * V3 * 2;
+    static constexpr int P = U + NP * LOU;         // P   [16][16] bf16 (lower triangle, diagonal
+    static constexpr int LOP = C3 * C3 * 2;        //     incl.), lo at P + LOP
+    static constexpr int EG = P + NP * LOP;        // e^γ [K] fp32
+    static constexpr int BYTES = EG + K3 * 4;      // 17408; bf16x3 34304
 };
-static_assert(Rec::BYTES % 16 == 0 && Rec::P % 16 == 0 && Rec::EG % 16 == 0, "record alignment");
+static_assert(Rec<false>::BYTES == 17408 && Rec<true>::BYTES == 34304, "record sizes (documented)");
+static_assert(Rec<true>::P % 16 == 0 && Rec<true>::EG % 16 == 0 && Rec<false>::P % 16 == 0 &&
+                  Rec<false>::EG % 16 == 0 && Rec<true>::BYTES % 16 == 0,
+              "record alignment");
 
 __device__ __forceinline__ float e2x(float x) { return ex2(x * kLog2e3); }  // e^x, ~2 ulp + arg rounding
 
-__device__ __forceinline__ uint2 pack4(float a, float b, float c, float d) {
-    return make_uint2(pack_bf16(a, b), pack_bf16(c, d));
+// bf16x3 (MTRL_KDA3_SPLIT=1): x = hi + lo with hi = bf16(x) and lo = bf16(x − hi) (x − hi is exact
+// in fp32), ~16 significant bits. pack_split packs a pair (the lower column in the low half) as a
+// hi and a lo word; where only hi is used (X = false) the lo arithmetic is dead code, so the bf16
+// path compiles to what it was.
+__device__ __forceinline__ void pack_split(float a, float b, uint32_t &hi, uint32_t &lo) {
+    hi = pack_bf16(a, b);
+    lo = pack_bf16(a - bf2f((uint16_t)(hi & 0xffffu)), b - bf2f((uint16_t)(hi >> 16)));
+}
+// Two adjacent accumulator n-tiles c0, c1 (8 columns each) as the A fragment of one 16-wide
+// k-step (the FA2 register trick, acc_to_a in attn_tc_cuda.cu): a[0] = c0[0..1], a[1] = c0[2..3],
+// a[2] = c1[0..1], a[3] = c1[2..3]; hi and lo parts.
+__device__ __forceinline__ void acc_to_a_split(const float *c0, const float *c1, uint32_t *hi,
+                                               uint32_t *lo) {
+    pack_split(c0[0], c0[1], hi[0], lo[0]);
+    pack_split(c0[2], c0[3], hi[1], lo[1]);
+    pack_split(c1[0], c1[1], hi[2], lo[2]);
+    pack_split(c1[2], c1[3], hi[3], lo[3]);
+}
+// Stores two (st2) or four (st4) values as bf16 at p and, with X, their lo parts at p + lo.
+template <bool X>
+__device__ __forceinline__ void st2(uint16_t *p, int lo, float a, float b) {
+    uint32_t h, l;
+    pack_split(a, b, h, l);
+    *reinterpret_cast<uint32_t *>(p) = h;
+    if (X) *reinterpret_cast<uint32_t *>(p + lo) = l;
+}
+template <bool X>
+__device__ __forceinline__ void st4(uint16_t *p, int lo, const float *x) {
+    uint32_t h0, l0, h1, l1;
+    pack_split(x[0], x[1], h0, l0);
+    pack_split(x[2], x[3], h1, l1);
+    *reinterpret_cast<uint2 *>(p) = make_uint2(h0, h1);
+    if (X) *reinterpret_cast<uint2 *>(p + lo) = make_uint2(l0, l1);
+}
+// Fragment loads of the hi part at p and, with X, the lo part at p + lo (ldmatrix, .trans).
+template <bool X>
+__device__ __forceinline__ void ldsm_split(uint32_t *hi, uint32_t *lo, const uint16_t *p, int off) {
+    ldsm_x4(hi, p);
+    if (X) ldsm_x4(lo, p + off);
+}
+template <bool X>
+__device__ __forceinline__ void ldsm_split_t(uint32_t *hi, uint32_t *lo, const uint16_t *p, int off) {
+    ldsm_x4_t(hi, p);
+    if (X) ldsm_x4_t(lo, p + off);
+}
+// c += a b on one m16n8k16 tile. With X, from hi / lo fragments: a_lo b_hi + a_hi b_lo + a_hi b_hi
+// (the small terms first; a_lo b_lo, 2^-16 relative, is dropped): 3 mma instead of 1. Without X
+// the lo fragments are not read.
+template <bool X>
+__device__ __forceinline__ void mma_split(float *c, const uint32_t *ah, const uint32_t *al,
+                                          const uint32_t *bh, const uint32_t *bl) {
+    if (X) {
+        mma_bf16_16816(c, al, bh);
+        mma_bf16_16816(c, ah, bl);
+    }
+    mma_bf16_16816(c, ah, bh);
 }
 __device__ __forceinline__ float4 ldg4_or0(const float *p, bool ok) {
     return ok ? __ldg(reinterpret_cast<const float4 *>(p)) : make_float4(0.f, 0.f, 0.f, 0.f);
@@ -81,25 +168,35 @@ __device__ __forceinline__ float comp(const float4 &x, int c) {
 // ---- pass 1: the per-tile record ---------------------------------------------------------------
 
 // Shared memory of one warp: K̂⁺ (later the −W staging), Q̂⁺ (later the U staging), K̂⁻, β K⁺,
-// β V as bf16 [16][LD3]; M and T as fp32 [16][17].
-constexpr int PREP_WARP_BYTES = 5 * C3 * LD3 * 2 + 2 * C3 * 17 * 4;  // 23936
-static_assert(PREP_WARP_BYTES % 16 == 0, "per-warp shared memory alignment");
+// β V as bf16 [16][LD3] (with X, then their five lo planes, LO elements on); M and T as fp32
+// [16][17].
+template <bool X>
+struct PrepCfg {
+    static constexpr int LO = 5 * C3 * LD3;
+    static constexpr int WARP_BYTES = Rec<X>::NP * LO * 2 + 2 * C3 * 17 * 4;  // 23936; bf16x3 45696
+    static_assert(WARP_BYTES % 16 == 0 && (LO * 2) % 16 == 0, "per-warp shared memory alignment");
+};
 
+template <bool X>
 __global__ void __launch_bounds__(128) kda3_prep_k(int T, int H, int nt, const float *__restrict__ q,
                                                    const float *__restrict__ k,
                                                    const float *__restrict__ v,
                                                    const float *__restrict__ g,
                                                    const float *__restrict__ beta,
                                                    unsigned char *__restrict__ rec) {
+    using Rc = Rec<X>;
+    constexpr int LO = PrepCfg<X>::LO;  // lo planes in shared memory (elements)
     extern __shared__ __align__(16) unsigned char sm3_[];
     const int lane = threadIdx.x & 31, w = threadIdx.x >> 5;
     const int n = blockIdx.x * 4 + w, h = blockIdx.y;
     if (n >= nt) return;  // no block barriers in this kernel
-    uint16_t *sKp = reinterpret_cast<uint16_t *>(sm3_ + w * PREP_WARP_BYTES);
+    uint16_t *sKp = reinterpret_cast<uint16_t *>(sm3_ + w * PrepCfg<X>::WARP_BYTES);
     uint16_t *sQh = sKp + C3 * LD3, *sKm = sQh + C3 * LD3, *sBK = sKm + C3 * LD3,
              *sBV = sBK + C3 * LD3;
-    float *sM = reinterpret_cast<float *>(sBV + C3 * LD3), *sT = sM + C3 * 17;
-    unsigned char *R = rec + ((size_t)h * nt + n) * Rec::BYTES;
+    float *sM = reinterpret_cast<float *>(sKp + Rc::NP * LO), *sT = sM + C3 * 17;
+    unsigned char *R = rec + ((size_t)h * nt + n) * Rc::BYTES;
+    // the record's bf16 matrix at byte offset m, element e (R + m + 2e, as the bf16 path addressed it)
+    auto rec16 = [&](int m, int e) { return reinterpret_cast<uint16_t *>(R + m + e * 2); };
 
     const int t0 = n * C3, cr = min(C3, T - t0), m = min(8, cr - 1), d0 = 4 * lane;
     const int gq = lane >> 2, tq = lane & 3;  // fragment coordinates (g, t)
@@ -120,12 +217,12 @@ __global__ void __launch_bounds__(128) kda3_prep_k(int T, int H, int nt, const f
         if (r == m) Gm = G[r];
     const float4 gam = G[C3 - 1];
     // e^γ (fp32) for the state pass
-    *reinterpret_cast<float4 *>(R + Rec::EG + 4 * d0) =
+    *reinterpret_cast<float4 *>(R + Rc::EG + 4 * d0) =
         make_float4(e2x(gam.x), e2x(gam.y), e2x(gam.z), e2x(gam.w));
 
     // Scaled operands, 4 rows at a time (12 independent 16-byte loads in flight per lane):
     //   to shared memory (bf16): K̂⁺ = k e^{G−Gm}, Q̂⁺ = q e^{G−Gm}, K̂⁻ = k e^{Gm−G}, β K⁺ = β k e^{G},
-    //   β V; to the record (bf16): Q⁺ = q e^{G}, K^e = k e^{γ−G}.
+    //   β V; to the record (bf16): Q⁺ = q e^{G}, K^e = k e^{γ−G}. With X, each with its lo part.
 #pragma unroll
     for (int r0 = 0; r0 < C3; r0 += 4) {
         float4 qv[4], kv[4], vv[4];
@@ -155,13 +252,13 @@ __global__ void __launch_bounds__(128) kda3_prep_k(int T, int H, int nt, const f
                 ke[c] = kc * e4;
                 bv[c] = br * comp(vv[i], c);
             }
-            *reinterpret_cast<uint2 *>(sKp + r * LD3 + d0) = pack4(kp[0], kp[1], kp[2], kp[3]);
-            *reinterpret_cast<uint2 *>(sQh + r * LD3 + d0) = pack4(qh[0], qh[1], qh[2], qh[3]);
-            *reinterpret_cast<uint2 *>(sKm + r * LD3 + d0) = pack4(km[0], km[1], km[2], km[3]);
-            *reinterpret_cast<uint2 *>(sBK + r * LD3 + d0) = pack4(bk[0], bk[1], bk[2], bk[3]);
-            *reinterpret_cast<uint2 *>(sBV + r * LD3 + d0) = pack4(bv[0], bv[1], bv[2], bv[3]);
-            *reinterpret_cast<uint2 *>(R + Rec::Q + (r * K3 + d0) * 2) = pack4(qp[0], qp[1], qp[2], qp[3]);
-            *reinterpret_cast<uint2 *>(R + Rec::E + (r * K3 + d0) * 2) = pack4(ke[0], ke[1], ke[2], ke[3]);
+            st4<X>(sKp + r * LD3 + d0, LO, kp);
+            st4<X>(sQh + r * LD3 + d0, LO, qh);
+            st4<X>(sKm + r * LD3 + d0, LO, km);
+            st4<X>(sBK + r * LD3 + d0, LO, bk);
+            st4<X>(sBV + r * LD3 + d0, LO, bv);
+            st4<X>(rec16(Rc::Q, r * K3 + d0), Rc::LO3 / 2, qp);
+            st4<X>(rec16(Rc::E, r * K3 + d0), Rc::LO3 / 2, ke);
         }
     }
     __syncwarp();
@@ -171,14 +268,14 @@ __global__ void __launch_bounds__(128) kda3_prep_k(int T, int H, int nt, const f
     float x[2][4] = {}, p[2][4] = {};
 #pragma unroll
     for (int kd = 0; kd < K3 / 16; kd++) {
-        uint32_t a[4], aq[4], b[4];
-        ldsm_x4(a, adr_a(sKp, LD3, 16 * kd, lane));
-        ldsm_x4(aq, adr_a(sQh, LD3, 16 * kd, lane));
-        ldsm_x4(b, adr_b_nk(sKm, LD3, 16 * kd, 0, lane));
-        mma_bf16_16816(x[0], a, b);
-        mma_bf16_16816(x[1], a, b + 2);
-        mma_bf16_16816(p[0], aq, b);
-        mma_bf16_16816(p[1], aq, b + 2);
+        uint32_t a[4], aq[4], b[4], al[4], aql[4], bl[4];
+        ldsm_split<X>(a, al, adr_a(sKp, LD3, 16 * kd, lane), LO);
+        ldsm_split<X>(aq, aql, adr_a(sQh, LD3, 16 * kd, lane), LO);
+        ldsm_split<X>(b, bl, adr_b_nk(sKm, LD3, 16 * kd, 0, lane), LO);
+        mma_split<X>(x[0], a, al, b, bl);
+        mma_split<X>(x[1], a, al, b + 2, bl + 2);
+        mma_split<X>(p[0], aq, aql, b, bl);
+        mma_split<X>(p[1], aq, aql, b + 2, bl + 2);
     }
     // M = StrictTril(diag(β) X) to shared memory (fp32), P = Tril(Q̂⁺K̂⁻ᵀ) to the record (bf16).
     // Masks by select, never by multiply: the upper entries may be as large as e^75 (§2.5).
@@ -191,8 +288,8 @@ __global__ void __launch_bounds__(128) kda3_prep_k(int T, int H, int nt, const f
                 const int i = gq + 8 * hf, j = 8 * nt2 + 2 * tq;
                 sM[i * 17 + j] = j < i ? bg[hf] * x[nt2][2 * hf] : 0.f;
                 sM[i * 17 + j + 1] = j + 1 < i ? bg[hf] * x[nt2][2 * hf + 1] : 0.f;
-                *reinterpret_cast<uint32_t *>(R + Rec::P + (i * C3 + j) * 2) =
-                    pack_bf16(j <= i ? p[nt2][2 * hf] : 0.f, j + 1 <= i ? p[nt2][2 * hf + 1] : 0.f);
+                st2<X>(rec16(Rc::P, i * C3 + j), Rc::LOP / 2, j <= i ? p[nt2][2 * hf] : 0.f,
+                       j + 1 <= i ? p[nt2][2 * hf + 1] : 0.f);
             }
     }
     __syncwarp();
@@ -213,43 +310,51 @@ __global__ void __launch_bounds__(128) kda3_prep_k(int T, int H, int nt, const f
     __syncwarp();
     // T as the A fragment (row i = token, col l = token): a[0] = T(g, 2t..2t+1), a[1] = T(g+8, 2t..),
     // a[2] = T(g, 2t+8..), a[3] = T(g+8, 2t+8..).
-    uint32_t ta[4];
-    ta[0] = pack_bf16(sT[gq * 17 + 2 * tq], sT[gq * 17 + 2 * tq + 1]);
-    ta[1] = pack_bf16(sT[(gq + 8) * 17 + 2 * tq], sT[(gq + 8) * 17 + 2 * tq + 1]);
-    ta[2] = pack_bf16(sT[gq * 17 + 2 * tq + 8], sT[gq * 17 + 2 * tq + 9]);
-    ta[3] = pack_bf16(sT[(gq + 8) * 17 + 2 * tq + 8], sT[(gq + 8) * 17 + 2 * tq + 9]);
+    uint32_t ta[4], tl[4];
+    pack_split(sT[gq * 17 + 2 * tq], sT[gq * 17 + 2 * tq + 1], ta[0], tl[0]);
+    pack_split(sT[(gq + 8) * 17 + 2 * tq], sT[(gq + 8) * 17 + 2 * tq + 1], ta[1], tl[1]);
+    pack_split(sT[gq * 17 + 2 * tq + 8], sT[gq * 17 + 2 * tq + 9], ta[2], tl[2]);
+    pack_split(sT[(gq + 8) * 17 + 2 * tq + 8], sT[(gq + 8) * 17 + 2 * tq + 9], ta[3], tl[3]);
     // W = T (β K⁺) and U = T (β V): B(k = token l, n = column) = (β K⁺)[l][d], k-major (ldsm .trans).
     // Results (C layout: row i = g / g+8, columns 16 pp + 8 half + 2t..2t+1) are staged as bf16
-    // in the K̂⁺ (−W) and Q̂⁺ (U) buffers, free since the barrier above, then copied out in rows.
+    // in the K̂⁺ (−W) and Q̂⁺ (U) buffers (and their lo planes), free since the barrier above, then
+    // copied out in rows.
 #pragma unroll
     for (int pp = 0; pp < K3 / 16; pp++) {
-        uint32_t b[4], bu[4];
-        ldsm_x4_t(b, adr_b_kn(sBK, LD3, 0, 16 * pp, lane));
-        ldsm_x4_t(bu, adr_b_kn(sBV, LD3, 0, 16 * pp, lane));
+        uint32_t b[4], bu[4], bl[4], bul[4];
+        ldsm_split_t<X>(b, bl, adr_b_kn(sBK, LD3, 0, 16 * pp, lane), LO);
+        ldsm_split_t<X>(bu, bul, adr_b_kn(sBV, LD3, 0, 16 * pp, lane), LO);
         float w0[4] = {}, w1[4] = {}, u0[4] = {}, u1[4] = {};
-        mma_bf16_16816(w0, ta, b);
-        mma_bf16_16816(w1, ta, b + 2);
-        mma_bf16_16816(u0, ta, bu);
-        mma_bf16_16816(u1, ta, bu + 2);
+        mma_split<X>(w0, ta, tl, b, bl);
+        mma_split<X>(w1, ta, tl, b + 2, bl + 2);
+        mma_split<X>(u0, ta, tl, bu, bul);
+        mma_split<X>(u1, ta, tl, bu + 2, bul + 2);
         const int c0 = 16 * pp + 2 * tq, c1 = c0 + 8;
-        *reinterpret_cast<uint32_t *>(sKp + gq * LD3 + c0) = pack_bf16(-w0[0], -w0[1]);
-        *reinterpret_cast<uint32_t *>(sKp + (gq + 8) * LD3 + c0) = pack_bf16(-w0[2], -w0[3]);
-        *reinterpret_cast<uint32_t *>(sKp + gq * LD3 + c1) = pack_bf16(-w1[0], -w1[1]);
-        *reinterpret_cast<uint32_t *>(sKp + (gq + 8) * LD3 + c1) = pack_bf16(-w1[2], -w1[3]);
-        *reinterpret_cast<uint32_t *>(sQh + gq * LD3 + c0) = pack_bf16(u0[0], u0[1]);
-        *reinterpret_cast<uint32_t *>(sQh + (gq + 8) * LD3 + c0) = pack_bf16(u0[2], u0[3]);
-        *reinterpret_cast<uint32_t *>(sQh + gq * LD3 + c1) = pack_bf16(u1[0], u1[1]);
-        *reinterpret_cast<uint32_t *>(sQh + (gq + 8) * LD3 + c1) = pack_bf16(u1[2], u1[3]);
+        st2<X>(sKp + gq * LD3 + c0, LO, -w0[0], -w0[1]);
+        st2<X>(sKp + (gq + 8) * LD3 + c0, LO, -w0[2], -w0[3]);
+        st2<X>(sKp + gq * LD3 + c1, LO, -w1[0], -w1[1]);
+        st2<X>(sKp + (gq + 8) * LD3 + c1, LO, -w1[2], -w1[3]);
+        st2<X>(sQh + gq * LD3 + c0, LO, u0[0], u0[1]);
+        st2<X>(sQh + (gq + 8) * LD3 + c0, LO, u0[2], u0[3]);
+        st2<X>(sQh + gq * LD3 + c1, LO, u1[0], u1[1]);
+        st2<X>(sQh + (gq + 8) * LD3 + c1, LO, u1[2], u1[3]);
     }
     __syncwarp();
-    // Copy out −W and U: rows of K (V) bf16 in 16-byte pieces, 256 contiguous bytes per row.
+    // Copy out −W and U (hi, then with X lo): rows of K (V) bf16 in 16-byte pieces, 256 contiguous
+    // bytes per row.
 #pragma unroll
     for (int i = lane; i < C3 * K3 / 8; i += 32) {
         const int r = i / (K3 / 8), c = i % (K3 / 8);
-        *reinterpret_cast<uint4 *>(R + Rec::W + (r * K3 + c * 8) * 2) =
+        *reinterpret_cast<uint4 *>(R + Rc::W + (r * K3 + c * 8) * 2) =
             *reinterpret_cast<const uint4 *>(sKp + r * LD3 + c * 8);
-        *reinterpret_cast<uint4 *>(R + Rec::U + (r * V3 + c * 8) * 2) =
+        *reinterpret_cast<uint4 *>(R + Rc::U + (r * V3 + c * 8) * 2) =
             *reinterpret_cast<const uint4 *>(sQh + r * LD3 + c * 8);
+        if constexpr (X) {
+            *reinterpret_cast<uint4 *>(R + Rc::W + Rc::LO3 + (r * K3 + c * 8) * 2) =
+                *reinterpret_cast<const uint4 *>(sKp + LO + r * LD3 + c * 8);
+            *reinterpret_cast<uint4 *>(R + Rc::U + Rc::LOU + (r * V3 + c * 8) * 2) =
+                *reinterpret_cast<const uint4 *>(sQh + LO + r * LD3 + c * 8);
+        }
     }
 }
 
@@ -257,43 +362,54 @@ __global__ void __launch_bounds__(128) kda3_prep_k(int T, int H, int nt, const f
 
 // One ring stage (bytes): −W, Q⁺, K^e [16][LD3] bf16, P [16][LDP3] bf16, e^γ [K] fp32, then the
 // block's U columns [16][LDU] bf16 with LDU = 16 WPB + 8 (the scalar U reads of a warp then hit
-// distinct banks: rows 2t + c are 2 (LDU / 2) words apart, ≡ 8 mod 32).
-template <int WPB>
+// distinct banks: rows 2t + c are 2 (LDU / 2) words apart, ≡ 8 mod 32). With X each bf16 matrix
+// has its lo part too (as in the record: the lo planes of −W, Q⁺, K^e after their hi planes, P's
+// and U's after theirs): 32,768 B per stage at WPB = 4 instead of 16,640 (6 stages: 178,176 /
+// 184,320 / 196,608 / 221,184 B at WPB = 1 / 2 / 4 / 8, within the 232,448 B an sm_90 block may
+// opt in to).
+template <int WPB, bool X>
 struct StCfg {
-    static constexpr int LDU = 16 * WPB + 8;
+    static constexpr int NP = Rec<X>::NP, LDU = 16 * WPB + 8;
     static constexpr int SW = 0, SQ = SW + C3 * LD3 * 2, SE = SQ + C3 * LD3 * 2,
-                         SP = SE + C3 * LD3 * 2, SEG = SP + C3 * LDP3 * 2, SU = SEG + K3 * 4,
-                         STAGE = SU + C3 * LDU * 2;
+                         LO3 = 3 * C3 * LD3 * 2,  // lo of −W, Q⁺, K^e at SW, SQ, SE + LO3
+                         SP = NP * LO3, LOP = C3 * LDP3 * 2, SEG = SP + NP * LOP, SU = SEG + K3 * 4,
+                         LOU = C3 * LDU * 2, STAGE = SU + NP * LOU;
     static constexpr size_t smem() { return (size_t)NST3 * STAGE; }
-    static_assert(STAGE % 16 == 0 && SP % 16 == 0 && SEG % 16 == 0 && SU % 16 == 0, "stage alignment");
+    static_assert(STAGE % 16 == 0 && SP % 16 == 0 && SEG % 16 == 0 && SU % 16 == 0 && LOP % 16 == 0 &&
+                      LOU % 16 == 0 && LO3 % 16 == 0,
+                  "stage alignment");
+    static_assert(NST3 * STAGE <= 232448, "the sm_90 opt-in shared memory per block");
 };
 
-template <int WPB, bool WO>
+template <int WPB, bool WO, bool X>
 __global__ void __launch_bounds__(32 * WPB, 1)
     kda3_state_k(int T, int H, int nt, const unsigned char *__restrict__ rec,
                  const float *S0, float *__restrict__ o, float *S_final,
                  float *__restrict__ S_tiles) {
-    using Cf = StCfg<WPB>;
+    using Cf = StCfg<WPB, X>;
+    using Rc = Rec<X>;
     constexpr int NTH = 32 * WPB, LDU = Cf::LDU, NB = K3 / 8;
+    constexpr int LO3 = Cf::LO3 / 2, LOP = Cf::LOP / 2, LOU = Cf::LOU / 2;  // lo parts (elements)
     extern __shared__ __align__(16) unsigned char sm3_[];
     const int tid = threadIdx.x, lane = tid & 31, w = tid >> 5, gq = lane >> 2, tq = lane & 3;
     const int h = blockIdx.y, jb = blockIdx.x * 16 * WPB;  // the block's first value column
     const int jw = 16 * w, j0 = jb + jw;                     // the warp's, in the block / global
 
     auto issue = [&](int n) {
-        const unsigned char *R = rec + ((size_t)h * nt + n) * Rec::BYTES;
+        const unsigned char *R = rec + ((size_t)h * nt + n) * Rc::BYTES;
         unsigned char *st = sm3_ + (n % NST3) * Cf::STAGE;
-        // −W, Q⁺, K^e: contiguous in the record ([3][16][K]), padded rows in the stage.
-        for (int i = tid; i < 3 * C3 * (K3 / 8); i += NTH) {
+        // −W, Q⁺, K^e (then their lo planes): contiguous in the record ([3 NP][16][K]), padded rows
+        // in the stage. P and U: the lo part's rows follow the hi part's, in the record and here.
+        for (int i = tid; i < 3 * Cf::NP * C3 * (K3 / 8); i += NTH) {
             const int r = i / (K3 / 8), c = i % (K3 / 8);  // r = matrix * 16 + row
             cp_async16(st + r * LD3 * 2 + c * 16, R + r * K3 * 2 + c * 16);
         }
-        for (int i = tid; i < C3 * 2; i += NTH)
-            cp_async16(st + Cf::SP + (i >> 1) * LDP3 * 2 + (i & 1) * 16, R + Rec::P + i * 16);
-        for (int i = tid; i < K3 / 4; i += NTH) cp_async16(st + Cf::SEG + i * 16, R + Rec::EG + i * 16);
-        for (int i = tid; i < C3 * 2 * WPB; i += NTH) {
-            const int r = i / (2 * WPB), c = i % (2 * WPB);
-            cp_async16(st + Cf::SU + r * LDU * 2 + c * 16, R + Rec::U + (r * V3 + jb) * 2 + c * 16);
+        for (int i = tid; i < Cf::NP * C3 * 2; i += NTH)
+            cp_async16(st + Cf::SP + (i >> 1) * LDP3 * 2 + (i & 1) * 16, R + Rc::P + i * 16);
+        for (int i = tid; i < K3 / 4; i += NTH) cp_async16(st + Cf::SEG + i * 16, R + Rc::EG + i * 16);
+        for (int i = tid; i < Cf::NP * C3 * 2 * WPB; i += NTH) {
+            const int r = i / (2 * WPB), c = i % (2 * WPB);  // r = part * 16 + row
+            cp_async16(st + Cf::SU + r * LDU * 2 + c * 16, R + Rc::U + (r * V3 + jb) * 2 + c * 16);
         }
     };
 #pragma unroll 1
@@ -338,13 +454,17 @@ __global__ void __launch_bounds__(32 * WPB, 1)
         // Sᵀ as A fragments, k-step kd = columns d 16 kd..16 kd + 15 (rows j0 + g, j0 + g + 8):
         // a[0] = (g, 2t..2t+1) = st[2kd][0..1], a[1] = (g+8, 2t..) = st[2kd][2..3],
         // a[2] = (g, 2t+8..) = st[2kd+1][0..1], a[3] = (g+8, 2t+8..) = st[2kd+1][2..3].
-        uint32_t sa[K3 / 16][4];
+        // bf16: all k-steps packed up front (as measured). bf16x3: hi and lo packed per k-step in
+        // the loop below, so the lo fragments hold no registers across it.
+        uint32_t sa[X ? 1 : K3 / 16][4];
+        if constexpr (!X) {
 #pragma unroll
-        for (int kd = 0; kd < K3 / 16; kd++) {
-            sa[kd][0] = pack_bf16(st[2 * kd][0], st[2 * kd][1]);
-            sa[kd][1] = pack_bf16(st[2 * kd][2], st[2 * kd][3]);
-            sa[kd][2] = pack_bf16(st[2 * kd + 1][0], st[2 * kd + 1][1]);
-            sa[kd][3] = pack_bf16(st[2 * kd + 1][2], st[2 * kd + 1][3]);
+            for (int kd = 0; kd < K3 / 16; kd++) {
+                sa[kd][0] = pack_bf16(st[2 * kd][0], st[2 * kd][1]);
+                sa[kd][1] = pack_bf16(st[2 * kd][2], st[2 * kd][3]);
+                sa[kd][2] = pack_bf16(st[2 * kd + 1][0], st[2 * kd + 1][1]);
+                sa[kd][3] = pack_bf16(st[2 * kd + 1][2], st[2 * kd + 1][3]);
+            }
         }
         // Δᵀ (rows j, columns = tokens s) = Uᵀ + Sᵀ(−W)ᵀ: B(k = d, n = s) = (−W)[s][d], n-major.
         // dl[ns][c] = Δᵀ(j0 + g + 8 (c >> 1), 8 ns + 2t + (c & 1)); even / odd k-steps in two
@@ -353,38 +473,41 @@ __global__ void __launch_bounds__(32 * WPB, 1)
 #pragma unroll
         for (int ns = 0; ns < 2; ns++)
 #pragma unroll
-            for (int c = 0; c < 4; c++)
-                dl[ns][c] = bf2f(sU[(8 * ns + 2 * tq + (c & 1)) * LDU + jw + gq + 8 * (c >> 1)]);
+            for (int c = 0; c < 4; c++) {
+                const int iu = (8 * ns + 2 * tq + (c & 1)) * LDU + jw + gq + 8 * (c >> 1);
+                dl[ns][c] = bf2f(sU[iu]);
+                if constexpr (X) dl[ns][c] += bf2f(sU[iu + LOU]);  // exact: hi + lo has 16 bits
+            }
 #pragma unroll
         for (int kd = 0; kd < K3 / 16; kd++) {
-            uint32_t b[4];
-            ldsm_x4(b, adr_b_nk(sW, LD3, 16 * kd, 0, lane));
+            uint32_t ah[4], al[4];
+            if constexpr (X) acc_to_a_split(st[2 * kd], st[2 * kd + 1], ah, al);
+            const uint32_t *a = X ? ah : sa[X ? 0 : kd];
+            uint32_t b[4], bl[4];
+            ldsm_split<X>(b, bl, adr_b_nk(sW, LD3, 16 * kd, 0, lane), LO3);
             float(*acc)[4] = (kd & 1) ? dx : dl;
-            mma_bf16_16816(acc[0], sa[kd], b);
-            mma_bf16_16816(acc[1], sa[kd], b + 2);
+            mma_split<X>(acc[0], a, al, b, bl);
+            mma_split<X>(acc[1], a, al, b + 2, bl + 2);
             if (WO) {  // Oᵀ = Sᵀ Q⁺ᵀ: B(k = d, n = s) = Q⁺[s][d]
-                uint32_t bq[4];
-                ldsm_x4(bq, adr_b_nk(sQ, LD3, 16 * kd, 0, lane));
-                mma_bf16_16816(oa[0], sa[kd], bq);
-                mma_bf16_16816(oa[1], sa[kd], bq + 2);
+                uint32_t bq[4], bql[4];
+                ldsm_split<X>(bq, bql, adr_b_nk(sQ, LD3, 16 * kd, 0, lane), LO3);
+                mma_split<X>(oa[0], a, al, bq, bql);
+                mma_split<X>(oa[1], a, al, bq + 2, bql + 2);
             }
         }
 #pragma unroll
         for (int ns = 0; ns < 2; ns++)
 #pragma unroll
             for (int c = 0; c < 4; c++) dl[ns][c] += dx[ns][c];
-        // Δᵀ as the A fragment of one k-step over the 16 tokens (same packing as sa).
-        uint32_t da[4];
-        da[0] = pack_bf16(dl[0][0], dl[0][1]);
-        da[1] = pack_bf16(dl[0][2], dl[0][3]);
-        da[2] = pack_bf16(dl[1][0], dl[1][1]);
-        da[3] = pack_bf16(dl[1][2], dl[1][3]);
+        // Δᵀ as the A fragment of one k-step over the 16 tokens (same packing as sa; lo with X).
+        uint32_t da[4], dal[4];
+        acc_to_a_split(dl[0], dl[1], da, dal);
         if (WO) {
             // Oᵀ += Δᵀ Pᵀ: B(k = s, n = token r) = P[r][s], n-major.
-            uint32_t bp[4];
-            ldsm_x4(bp, adr_b_nk(sP, LDP3, 0, 0, lane));
-            mma_bf16_16816(oa[0], da, bp);
-            mma_bf16_16816(oa[1], da, bp + 2);
+            uint32_t bp[4], bpl[4];
+            ldsm_split<X>(bp, bpl, adr_b_nk(sP, LDP3, 0, 0, lane), LOP);
+            mma_split<X>(oa[0], da, dal, bp, bpl);
+            mma_split<X>(oa[1], da, dal, bp + 2, bpl + 2);
             // oa[ns][c] = O(token 8 ns + 2t + (c & 1), column j0 + g + 8 (c >> 1))
 #pragma unroll
             for (int ns = 0; ns < 2; ns++)
@@ -405,10 +528,10 @@ __global__ void __launch_bounds__(32 * WPB, 1)
         }
 #pragma unroll
         for (int pp = 0; pp < K3 / 16; pp++) {
-            uint32_t b[4];
-            ldsm_x4_t(b, adr_b_kn(sE, LD3, 0, 16 * pp, lane));
-            mma_bf16_16816(st[2 * pp], da, b);
-            mma_bf16_16816(st[2 * pp + 1], da, b + 2);
+            uint32_t b[4], bl[4];
+            ldsm_split_t<X>(b, bl, adr_b_kn(sE, LD3, 0, 16 * pp, lane), LO3);
+            mma_split<X>(st[2 * pp], da, dal, b, bl);
+            mma_split<X>(st[2 * pp + 1], da, dal, b + 2, bl + 2);
         }
     }
     cp_async_wait<0>();
@@ -428,20 +551,46 @@ int env_wpb_() {
     return x == 1 || x == 2 || x == 4 || x == 8 ? x : 4;
 }
 
-template <int WPB, bool WO>
+// MTRL_KDA3_SPLIT=1: the bf16x3 products (read at each call, as MTRL_KDA3_WPB).
+int env_split_() {
+    const char *e = getenv("MTRL_KDA3_SPLIT");
+    return e && e[0] == '1' && e[1] == 0;
+}
+
+template <int WPB, bool WO, bool X>
 void launch_state3_(mtrl_cuda_ctx *c, int T, int H, int nt, const unsigned char *rec,
                     const float *S0, float *o, float *S_final, float *S_tiles) {
-    const size_t sh = StCfg<WPB>::smem();
-    set_smem(kda3_state_k<WPB, WO>, sh);
-    kda3_state_k<WPB, WO><<<dim3(V3 / (16 * WPB), H), 32 * WPB, sh, c->stream>>>(T, H, nt, rec, S0, o,
-                                                                               S_final, S_tiles);
+    const size_t sh = StCfg<WPB, X>::smem();
+    set_smem(kda3_state_k<WPB, WO, X>, sh);
+    kda3_state_k<WPB, WO, X><<<dim3(V3 / (16 * WPB), H), 32 * WPB, sh, c->stream>>>(T, H, nt, rec, S0, o,
+                                                                                  S_final, S_tiles);
     CUDA_LAUNCH_CHECK();
 }
-template <int WPB>
+template <int WPB, bool X>
 void launch_state3_wo_(mtrl_cuda_ctx *c, int T, int H, int nt, const unsigned char *rec,
                        const float *S0, float *o, float *S_final, float *S_tiles) {
-    if (o) launch_state3_<WPB, true>(c, T, H, nt, rec, S0, o, S_final, S_tiles);
-    else launch_state3_<WPB, false>(c, T, H, nt, rec, S0, o, S_final, S_tiles);
+    if (o) launch_state3_<WPB, true, X>(c, T, H, nt, rec, S0, o, S_final, S_tiles);
+    else launch_state3_<WPB, false, X>(c, T, H, nt, rec, S0, o, S_final, S_tiles);
+}
+
+// The two launches at one precision (X: bf16x3).
+template <bool X>
+int kda3_fwd_(mtrl_cuda_ctx *c, int T, int H, const float *q, const float *k, const float *v,
+              const float *g, const float *beta, const float *S0, float *o, float *S_final,
+              float *S_tiles) {
+    const int nt = (T + C3 - 1) / C3;
+    unsigned char *rec = (unsigned char *)mtrl_ctx_scratch(c, (size_t)H * nt * Rec<X>::BYTES);
+    const size_t shp = 4 * (size_t)PrepCfg<X>::WARP_BYTES;
+    set_smem(kda3_prep_k<X>, shp);
+    kda3_prep_k<X><<<dim3((nt + 3) / 4, H), 128, shp, c->stream>>>(T, H, nt, q, k, v, g, beta, rec);
+    CUDA_LAUNCH_CHECK();
+    switch (env_wpb_()) {
+    case 1: launch_state3_wo_<1, X>(c, T, H, nt, rec, S0, o, S_final, S_tiles); break;
+    case 2: launch_state3_wo_<2, X>(c, T, H, nt, rec, S0, o, S_final, S_tiles); break;
+    case 8: launch_state3_wo_<8, X>(c, T, H, nt, rec, S0, o, S_final, S_tiles); break;
+    default: launch_state3_wo_<4, X>(c, T, H, nt, rec, S0, o, S_final, S_tiles); break;
+    }
+    return 0;
 }
 
 int kda3_aligned16_(const void *p) { return ((uintptr_t)p & 15u) == 0; }
@@ -455,21 +604,10 @@ int kda3_supports(int H, int K, int V, const float *q, const float *k, const flo
            kda3_aligned16_(v) && kda3_aligned16_(g);
 }
 
-// The v3 forward (T >= 1; shapes checked by kda3_supports).
+// The v3 forward (T >= 1; shapes checked by kda3_supports); bf16x3 with MTRL_KDA3_SPLIT=1.
 int kda3_chunk_fwd(mtrl_cuda_ctx *c, int T, int H, const float *q, const float *k,
                    const float *v, const float *g, const float *beta, const float *S0, float *o,
                    float *S_final, float *S_tiles) {
-    const int nt = (T + C3 - 1) / C3;
-    unsigned char *rec = (unsigned char *)mtrl_ctx_scratch(c, (size_t)H * nt * Rec::BYTES);
-    const size_t shp = 4 * (size_t)PREP_WARP_BYTES;
-    set_smem(kda3_prep_k, shp);
-    kda3_prep_k<<<dim3((nt + 3) / 4, H), 128, shp, c->stream>>>(T, H, nt, q, k, v, g, beta, rec);
-    CUDA_LAUNCH_CHECK();
-    switch (env_wpb_()) {
-    case 1: launch_state3_wo_<1>(c, T, H, nt, rec, S0, o, S_final, S_tiles); break;
-    case 2: launch_state3_wo_<2>(c, T, H, nt, rec, S0, o, S_final, S_tiles); break;
-    case 8: launch_state3_wo_<8>(c, T, H, nt, rec, S0, o, S_final, S_tiles); break;
-    default: launch_state3_wo_<4>(c, T, H, nt, rec, S0, o, S_final, S_tiles); break;
-    }
-    return 0;
+    return env_split_() ? kda3_fwd_<true>(c, T, H, q, k, v, g, beta, S0, o, S_final, S_tiles)
+                        : kda3_fwd_<false>(c, T, H, q, k, v, g, beta, S0, o, S_final, S_tiles);
 }
