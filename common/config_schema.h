@@ -97,7 +97,7 @@
     X(learner, max_staleness, INT, "4", 0, 1 << 20, NULL, "drop episodes whose oldest token is this many versions old") \
     X(learner, qb, BOOL, "true", 0, 0, NULL, "update the router bias by Quantile Balancing")       \
     X(learner, publish_every, INT, "1", 1, 1000000, NULL, "send the actors every N-th weight version (fewer loads; episodes get up to N-1 versions staler: raise max_staleness with it)") \
-    X(learner, publish_dtype, ENUM, "fp32", 0, 0, "fp32|bf16", "weights sent to the actors: fp32, or bf16 matrices (half the bytes; the GPU's GEMMs round to bf16 anyway)") \
+    X(learner, publish_dtype, ENUM, "fp32", 0, 0, "fp32|bf16", "weights sent to the actors: fp32, or bf16 matrices (half the bytes; the actors then sample from rounded weights, which the learner's importance correction sees as mismatch)") \
     X(learner, qb_actor_stats, BOOL, "false", 0, 0, NULL, "also fold the beta implied by the actors' decode-time routing into each QB update") \
     X(learner, heartbeat_timeout_ms, INT, "5000", 100, 3600000, NULL, "an actor silent this long is dead") \
     X(learner, credit_bytes, INT, "4194304", 4096, 1LL << 40, NULL, "bytes an actor may have in flight") \
