@@ -100,6 +100,7 @@
     X(learner, publish_dtype, ENUM, "fp32", 0, 0, "fp32|bf16", "weights sent to the actors: fp32, or bf16 matrices (half the bytes; the actors then sample from rounded weights, which the learner's importance correction sees as mismatch)") \
     X(learner, qb_actor_stats, BOOL, "false", 0, 0, NULL, "also fold the beta implied by the actors' decode-time routing into each QB update") \
     X(learner, heartbeat_timeout_ms, INT, "5000", 100, 3600000, NULL, "an actor silent this long is dead") \
+    X(learner, actor_start_timeout_ms, INT, "120000", 100, 3600000, NULL, "... or this long after its WELCOME, before its first message (it builds its model and envs)") \
     X(learner, credit_bytes, INT, "4194304", 4096, 1LL << 40, NULL, "bytes an actor may have in flight") \
     X(learner, threads, INT, "0", 0, 1024, NULL, "OpenMP threads of the learner and of each local actor (0 = the cores shared evenly)")
 

@@ -39,6 +39,9 @@ typedef struct actor_rec {
     double last_seen;
     double welcomed;        // when the last WELCOME went out
     int alive;
+    int heard;              // a message came after the last WELCOME: the actor is set up (until
+                            // then it builds its model and envs, seconds of silence on a GPU,
+                            // and actor_start_timeout_ms applies instead of heartbeat_timeout_ms)
     uint64_t owed;          // payload bytes received and not yet returned as credit
 } actor_rec;
 
@@ -367,6 +370,7 @@ static void handle_(mtrl_learner *l, mtrl_wire_in *in) {
         a->alive = 1;
         a->last_seen = mtrl_time_mono();
         a->welcomed = a->last_seen;
+        a->heard = 0;
         event_(l, MTRL_LOG_INFO, "actor %u (incarnation %u) joined", a->id, a->incarnation);
         mtrl_wire_out o;
         mtrl_wire_out_init(&o);
@@ -396,6 +400,7 @@ static void handle_(mtrl_learner *l, mtrl_wire_in *in) {
         return;
     }
     a->last_seen = mtrl_time_mono();
+    a->heard = 1;
     switch (type) {
     case MTRL_WIRE_BEGIN:
     case MTRL_WIRE_CHUNK:
@@ -447,16 +452,17 @@ static void grant_credit_(mtrl_learner *l) {
 }
 
 // Sends a heartbeat to every live actor; judge: first declares dead those silent for longer
-// than heartbeat_timeout_ms (only where their messages are being received: not mid-step).
+// than heartbeat_timeout_ms, or actor_start_timeout_ms while one has sent nothing since its
+// WELCOME (only where their messages are being received: not mid-step).
 static void check_heartbeats_(mtrl_learner *l, int judge) {
     double now = mtrl_time_mono();
-    double timeout = 1e-3 * (double)l->cfg.learner.heartbeat_timeout_ms;
     mtrl_wire_out o;
     mtrl_wire_out_init(&o);
     mtrl_wire_encode_heartbeat(&o);
     for (int i = 0; i < l->n_actors; i++) {
         actor_rec *a = &l->actors[i];
         if (!a->alive) continue;
+        double timeout = 1e-3 * (double)(a->heard ? l->cfg.learner.heartbeat_timeout_ms : l->cfg.learner.actor_start_timeout_ms);
         if (judge && now - a->last_seen > timeout) {
             size_t n = mtrl_wire_asm_abort_actor(l->asm_, a->id, a->incarnation, "actor stopped heartbeating");
             event_(l, MTRL_LOG_WARN, "actor %u (incarnation %u) silent for %.1f s: dead, %zu open episodes aborted", a->id,
@@ -520,6 +526,7 @@ static void stage_enter_(mtrl_learner *l, int s, int next) {
         if (l->actors[i].alive) {
             send_(l, &l->actors[i], &o);
             send_weights_(l, &l->actors[i]);
+            l->actors[i].heard = 0; // it rebuilds its episodes and envs
         }
     mtrl_wire_out_free(&o);
 }
