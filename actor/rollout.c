@@ -374,6 +374,7 @@ static void flush_(mtrl_rollout *r, const mtrl_rollout_events *ev);
 static void start_groups_(mtrl_rollout *r, const mtrl_rollout_events *ev) {
     int G = r->p.group_size;
     for (int g0 = 0; g0 + G <= r->n && !r->stop_new; g0 += G) {
+        if (r->p.max_groups && r->next_group - r->p.first_group >= r->p.max_groups) break;
         int idle = 1;
         for (int i = g0; i < g0 + G; i++) idle &= !r->slots[i].active;
         if (!idle) continue;

@@ -45,6 +45,7 @@ typedef struct mtrl_rollout_params {
     int record_routing;      // [actor] routing_replay
     uint64_t first_group;    // counters to start from: an actor that rebuilds its rollout (a new
     uint64_t first_episode;  // stage) continues them, so episode ids never repeat in a run
+    uint64_t max_groups;     // no new group after this many (0: until mtrl_rollout_stop_new)
 } mtrl_rollout_params;
 
 void mtrl_rollout_params_from_config(mtrl_rollout_params *p, const mtrl_config *cfg, uint32_t actor_id,

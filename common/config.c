@@ -661,3 +661,15 @@ int mtrl_config_threads(const mtrl_config *cfg) {
     long share = cores / (1 + (cfg->actor.count > 0 ? cfg->actor.count : 0));
     return share < 1 ? 1 : (int)share;
 }
+
+mtrl_config mtrl_config_stage(const mtrl_config *base, int s) {
+    mtrl_config c = *base;
+    const mtrl_cfg_stage *st = &base->stage[s];
+    if (st->context > 0) c.actor.max_tokens = st->context;
+    if (st->doc_tokens > 0) c.env.doc_tokens = st->doc_tokens;
+    if (st->group_size > 0) c.algo.group_size = st->group_size;
+    if (st->batch_groups > 0) c.learner.batch_groups = st->batch_groups;
+    if (st->episodes_in_flight > 0) c.actor.episodes_in_flight = st->episodes_in_flight;
+    if (c.actor.max_turn_tokens > c.actor.max_tokens) c.actor.max_turn_tokens = c.actor.max_tokens;
+    return c;
+}

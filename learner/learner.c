@@ -496,14 +496,7 @@ static int stage_of_(const mtrl_learner *l, long step) {
 // the actors were still finishing when the stage changed, and are not trained (commit_).
 static void group_drop_(mtrl_learner *l, int i);
 static void stage_enter_(mtrl_learner *l, int s, int next) {
-    mtrl_config c = l->base;
-    const mtrl_cfg_stage *st = &c.stage[s];
-    if (st->context > 0) c.actor.max_tokens = st->context;
-    if (st->doc_tokens > 0) c.env.doc_tokens = st->doc_tokens;
-    if (st->group_size > 0) c.algo.group_size = st->group_size;
-    if (st->batch_groups > 0) c.learner.batch_groups = st->batch_groups;
-    if (st->episodes_in_flight > 0) c.actor.episodes_in_flight = st->episodes_in_flight;
-    if (c.actor.max_turn_tokens > c.actor.max_tokens) c.actor.max_turn_tokens = c.actor.max_tokens;
+    mtrl_config c = mtrl_config_stage(&l->base, s);
     l->cfg = c;
     l->stage = s;
     free(l->config_text);

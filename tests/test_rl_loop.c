@@ -583,6 +583,58 @@ static void test_plugins(void) {
     }
 }
 
+// `mtrl eval`: the stage run's last checkpoint on fresh tasks at stage 2 (its 600-token context):
+// the episodes asked for, each printed, the totals; the same checkpoint gives the same episodes
+// (sampling is a function of counters); bad input is refused naming it.
+static void test_eval(void) {
+    char ini[512], ckpt[512], log[2][512];
+    snprintf(ini, sizeof ini, "%s/stages.ini", dir_);
+    snprintf(ckpt, sizeof ckpt, "%s/runs-stages/ckpt-000004.safetensors", dir_);
+    char *out[2];
+    for (int i = 0; i < 2; i++) {
+        snprintf(log[i], sizeof log[i], "%s/eval%d.log", dir_, i);
+        char *argv[] = {(char *)bin_, "eval", ini, "--checkpoint", ckpt, "--stage", "2", "--episodes", "6", NULL};
+        TEST_EQ_INT(run_cmd(argv, log[i]), 0);
+        out[i] = test_slurp(log[i], NULL);
+    }
+    TEST_CHECK(out[0] && out[1]);
+    if (out[0] && out[1]) {
+        TEST_CONTAINS(out[0], "up to 600 tokens each");
+        TEST_CONTAINS(out[0], "episode 6: ");
+        TEST_CONTAINS(out[0], "6 episodes in "); // 3 groups of 2, no more
+        TEST_CHECK(strstr(out[0], "episode 7: ") == NULL);
+        // the same lines but for the timings: compare up to each line's ", N.N s since start"
+        const char *a = out[0], *b = out[1];
+        int same = 1;
+        while (*a && *b && same) {
+            size_t la = strcspn(a, "\n"), lb = strcspn(b, "\n");
+            const char *ta = strstr(a, " s since start"), *tb = strstr(b, " s since start");
+            if (ta && ta < a + la) la = (size_t)(strrchr(a, ',') - a);
+            if (tb && tb < b + lb) lb = (size_t)(strrchr(b, ',') - b);
+            if (!strncmp(a, "6 episodes in", 13)) break; // the totals carry the time too
+            same = la == lb && !memcmp(a, b, la);
+            a += strcspn(a, "\n") + (a[strcspn(a, "\n")] != 0);
+            b += strcspn(b, "\n") + (b[strcspn(b, "\n")] != 0);
+        }
+        TEST_CHECKF(same, "two evaluations of one checkpoint differ (%s, %s)", log[0], log[1]);
+    }
+    free(out[0]);
+    free(out[1]);
+    char bad[512];
+    snprintf(bad, sizeof bad, "%s/eval-bad.log", dir_);
+    char *argv3[] = {(char *)bin_, "eval", ini, "--stage", "3", NULL};
+    TEST_EQ_INT(run_cmd(argv3, bad), 2);
+    char *argv4[] = {(char *)bin_, "eval", ini, "--checkpoint", "/nonexistent/ckpt.safetensors", NULL};
+    TEST_EQ_INT(run_cmd(argv4, bad), 1);
+    char *text = test_slurp(bad, NULL);
+    TEST_CHECK(text != NULL);
+    if (text) {
+        TEST_CONTAINS(text, "has 2 stages");
+        TEST_CONTAINS(text, "/nonexistent/ckpt.safetensors");
+    }
+    free(text);
+}
+
 int main(void) {
     bin_ = getenv("MTRL_BIN");
     if (!bin_ || access(bin_, X_OK) != 0) test_skip("MTRL_BIN (the mtrl command) is not set");
@@ -595,6 +647,7 @@ int main(void) {
     test_plugins();
     test_curve();
     test_stages();
+    test_eval();
     test_sigint();
     int rc = test_report();
     if (rc == 0) {

@@ -15,6 +15,7 @@ int cmd_replay(int argc, char **argv);
 int cmd_report(int argc, char **argv);
 int cmd_bench(int argc, char **argv);
 int cmd_plan(int argc, char **argv);
+int cmd_eval(int argc, char **argv);
 int cmd_keygen(int argc, char **argv);
 
 // Prints "mtrl NAME: MESSAGE" and the usage line to stderr; returns 2.

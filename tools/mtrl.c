@@ -20,6 +20,7 @@ static const subcommand subcommands_[] = {
     {"report", cmd_report, "write an HTML report and CSVs of a run"},
     {"bench", cmd_bench, "benchmarks: ops, model, rl"},
     {"plan", cmd_plan, "memory plan of the learner step: segment length and bytes per block"},
+    {"eval", cmd_eval, "success rate of a checkpoint on fresh tasks (a stage of the ladder)"},
     {"keygen", cmd_keygen, "write a CURVE keypair (STEM.key, STEM.pub) for remote actors"},
 };
 #define N_SUBCOMMANDS ((int)(sizeof subcommands_ / sizeof subcommands_[0]))
@@ -37,6 +38,7 @@ static void print_help_(FILE *f) {
                "    mtrl report --db runs.db [--run ID] --out DIR\n"
                "    mtrl bench [ops|model|rl] ...\n"
                "    mtrl plan EXPERIMENT.ini [--tokens T] [--batch B] [--device cpu|cuda] [--budget-gib G]\n"
+               "    mtrl eval EXPERIMENT.ini [--checkpoint FILE] [--episodes N] [--stage K] [--device D]\n"
                "    mtrl keygen STEM\n"
                "\nexit codes: 0 done, 1 the run failed, 2 bad usage or bad config\n");
 }
