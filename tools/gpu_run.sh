@@ -144,6 +144,15 @@ session)
       [ "$(left)" -gt 30 ] && MTRL_GEMM_BF16=1 timeout "$(left)" $b bench model --device cuda --preset small --tokens 8192 --seqs 4 --reps 2
       [ "$(left)" -gt 60 ] && MTRL_GEMM_BF16=1 timeout "$(left)" $b bench model --device cuda --preset small --tokens 65536 --seqs 1 --reps 2
       [ "$(left)" -gt 30 ] && timeout "$(left)" $b bench ops --device cuda --only kda --kda-T 8192,65536,262144
+      # PROFILE=1: Nsight Compute on the KDA v3 kernels (the first 4 launches at T = 65,536: the
+      # prep and state passes), stall reasons and throughputs as text (issue 7: why 1.44 us per
+      # tile, not the predicted 0.2-0.28)
+      if [ "${PROFILE:-0}" = 1 ] && [ "$(left)" -gt 60 ] && command -v ncu >/dev/null; then
+        timeout "$(left)" ncu --clock-control none --kernel-name regex:kda3 --launch-count 4 \
+          --section SpeedOfLight --section Occupancy --section LaunchStats --section WarpStateStats \
+          --section SchedulerStats --section MemoryWorkloadAnalysis \
+          $b bench ops --device cuda --only kda --kda-T 65536 2>&1 | tail -400
+      fi
     } > "$out/bench.txt" 2>&1
   ) &
   wait
