@@ -147,8 +147,9 @@ session)
       # PROFILE=1: Nsight Compute on the KDA v3 kernels (the first 4 launches at T = 65,536: the
       # prep and state passes), stall reasons and throughputs as text (issue 7: why 1.44 us per
       # tile, not the predicted 0.2-0.28)
-      if [ "${PROFILE:-0}" = 1 ] && [ "$(left)" -gt 60 ] && command -v ncu >/dev/null; then
-        timeout "$(left)" ncu --clock-control none --kernel-name regex:kda3 --launch-count 4 \
+      ncu=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -n 1)
+      if [ "${PROFILE:-0}" = 1 ] && [ "$(left)" -gt 60 ] && [ -n "$ncu" ]; then
+        timeout "$(left)" "$ncu" --clock-control none --kernel-name regex:kda3 --launch-count 4 \
           --section SpeedOfLight --section Occupancy --section LaunchStats --section WarpStateStats \
           --section SchedulerStats --section MemoryWorkloadAnalysis \
           $b bench ops --device cuda --only kda --kda-T 65536 2>&1 | tail -400
