@@ -564,7 +564,7 @@ static void test_plugins(void) {
     TEST_CONTAINS(text, "no actor can run this experiment");
     free(text);
     // 7. an actor slow to set up (its first env takes 4 s to create, as a model build on a GPU
-    // takes seconds) is silent after its WELCOME for longer than heartbeat_timeout_ms (1.5 s):
+    // takes seconds) is silent after its WELCOME for longer than heartbeat_timeout_ms (2.5 s):
     // it is not dead under actor_start_timeout_ms (default 120 s); with 1 s it is (declared
     // dead, then it says HELLO again and the run still finishes)
     snprintf(so, sizeof so, "%s/lib/libmtrl_env_bad_slow_start.so", build);
@@ -572,8 +572,11 @@ static void test_plugins(void) {
         make_experiment(strict ? "slowstart1" : "slowstart0", 3, "plugin", so, "false", ini, sizeof ini, NULL);
         snprintf(db, sizeof db, "%s/slowstart%d.db", dir_, strict);
         snprintf(log, sizeof log, "%s/slowstart%d.log", dir_, strict);
-        char *argv4[] = {(char *)bin_, "run", ini, "--db", db, "--set", "learner.actor_start_timeout_ms=1000", NULL};
-        if (!strict) argv4[5] = NULL;
+        // 2.5 s heartbeat timeout: well under the 4 s setup, and well over a heartbeat (200 ms)
+        // delayed on a loaded machine
+        char *argv4[] = {(char *)bin_, "run", ini, "--db", db, "--set", "learner.heartbeat_timeout_ms=2500",
+                         "--set", "learner.actor_start_timeout_ms=1000", NULL};
+        if (!strict) argv4[7] = NULL;
         TEST_EQ_INT(run_cmd(argv4, log), 0);
         text = test_slurp(log, NULL);
         int dead = text && strstr(text, "s: dead") != NULL;
