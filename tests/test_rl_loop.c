@@ -598,7 +598,8 @@ static size_t eval_line_len_(const char *p) {
 
 // `mtrl eval`: the stage run's last checkpoint on fresh tasks at stage 2 (its 600-token context):
 // the episodes asked for, each printed, the totals; the same checkpoint gives the same episodes
-// (sampling is a function of counters); bad input is refused naming it.
+// (sampling is a function of counters); bad input is refused naming it. And `mtrl report` of the
+// stage run: its context-ladder table.
 static void test_eval(void) {
     char ini[512], ckpt[512], log[2][512];
     snprintf(ini, sizeof ini, "%s/stages.ini", dir_);
@@ -629,6 +630,22 @@ static void test_eval(void) {
     }
     free(out[0]);
     free(out[1]);
+    // the report of the stage run has its ladder table: stage 2 at a 600-token context, 2 steps
+    char db[512], rep[512], page[600], rlog[512];
+    snprintf(db, sizeof db, "%s/stages.db", dir_);
+    snprintf(rep, sizeof rep, "%s/report-stages", dir_);
+    snprintf(rlog, sizeof rlog, "%s/report-stages.log", dir_);
+    char *argv5[] = {(char *)bin_, "report", "--db", db, "--out", rep, NULL};
+    TEST_EQ_INT(run_cmd(argv5, rlog), 0);
+    snprintf(page, sizeof page, "%s/index.html", rep);
+    char *html = test_slurp(page, NULL);
+    TEST_CHECK(html != NULL);
+    if (html) {
+        TEST_CONTAINS(html, "<h2 id=\"ladder\">Context ladder</h2>");
+        TEST_CONTAINS(html, "</span>run 1</td><td>1</td><td>300</td><td>2</td>");
+        TEST_CONTAINS(html, "</span>run 1</td><td>2</td><td>600</td><td>2</td>");
+    }
+    free(html);
     char bad[512];
     snprintf(bad, sizeof bad, "%s/eval-bad.log", dir_);
     char *argv3[] = {(char *)bin_, "eval", ini, "--stage", "3", NULL};

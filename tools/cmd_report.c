@@ -528,6 +528,67 @@ static void write_summary_(FILE *f, run_data *runs, int nr) {
     fputs("</table>\n", f);
 }
 
+// The value of series m at `step` (NAN without one; the steps are ascending).
+static double metric_at_(const metric_series *m, int64_t step) {
+    if (!m) return NAN;
+    size_t lo = 0, hi = m->n;
+    while (lo < hi) {
+        size_t mid = lo + (hi - lo) / 2;
+        if (m->steps[mid] < step) lo = mid + 1;
+        else hi = mid;
+    }
+    return lo < m->n && m->steps[lo] == step ? m->values[lo] : NAN;
+}
+
+// Runs with a [stage.N] ladder: one row per stage, over the steps the learner logged in it
+// (metric `stage`): context, steps, mean reward and success, mean trained episode, learner time.
+static void write_ladder_(FILE *f, run_data *runs, int nr) {
+    int any = 0;
+    for (int i = 0; i < nr; i++) any |= metric_find_(&runs[i], "stage") != NULL;
+    if (!any) return;
+    fputs("<h2 id=\"ladder\">Context ladder</h2>\n<table class=\"summary\">\n<tr><th>run</th><th>stage</th><th>context</th>"
+          "<th>steps</th><th>reward</th><th>success</th><th>mean trained episode</th><th>learner s per step</th></tr>\n",
+          f);
+    static const char *cols[] = {"context", "reward", "success", "episode_len", "step_seconds"};
+    for (int i = 0; i < nr; i++) {
+        run_data *r = &runs[i];
+        metric_series *st = metric_find_(r, "stage"), *c[5];
+        if (!st) continue;
+        for (int k = 0; k < 5; k++) c[k] = metric_find_(r, cols[k]);
+        int max_stage = 0;
+        for (size_t j = 0; j < st->n; j++)
+            if ((int)st->values[j] > max_stage) max_stage = (int)st->values[j];
+        for (int s = 1; s <= max_stage; s++) {
+            double sum[5] = {0}, ctx = 0;
+            long n[5] = {0}, steps = 0;
+            for (size_t j = 0; j < st->n; j++) {
+                if ((int)st->values[j] != s) continue;
+                steps++;
+                for (int k = 0; k < 5; k++) {
+                    double v = metric_at_(c[k], st->steps[j]);
+                    if (v == v) sum[k] += v, n[k]++;
+                    if (k == 0 && v > ctx) ctx = v;
+                }
+            }
+            if (!steps) continue;
+            char buf[64];
+            fprintf(f, "<tr><td><span class=\"swatch\" style=\"background:%s\"></span>run %lld</td><td>%d</td>", palette_[i % 8],
+                    (long long)r->id, s);
+            snprintf(buf, sizeof buf, "%.0f", ctx);
+            td_(f, n[0] ? buf : "-");
+            snprintf(buf, sizeof buf, "%ld", steps);
+            td_(f, buf);
+            static const char *fmt[5] = {"", "%.3f", "%.3f", "%.0f tokens", "%.1f"};
+            for (int k = 1; k < 5; k++) {
+                snprintf(buf, sizeof buf, fmt[k], n[k] ? sum[k] / (double)n[k] : 0.0);
+                td_(f, n[k] ? buf : "-");
+            }
+            fputs("</tr>\n", f);
+        }
+    }
+    fputs("</table>\n", f);
+}
+
 static void write_events_(FILE *f, mtrl_store *s, const run_data *r) {
     sqlite3 *db = mtrl_store_sqlite(s);
     sqlite3_stmt *st;
@@ -598,10 +659,13 @@ static int write_page_(const char *dir, const char *dbpath, mtrl_store *s, run_d
     mtrl_time_utc((double)time(NULL), now, (int)sizeof now);
     fprintf(f, " · %d run%s · generated %s · data: <a href=\"metrics.csv\">metrics.csv</a>, <a href=\"experts.csv\">experts.csv</a></p>\n",
             nr, nr == 1 ? "" : "s", now);
-    fputs("<nav><a href=\"#runs\">runs</a><a href=\"#training\">training</a><a href=\"#experts\">experts</a>"
-          "<a href=\"#config\">config</a><a href=\"#events\">events</a></nav>\n",
-          f);
+    int ladder = 0;
+    for (int i = 0; i < nr; i++) ladder |= metric_find_(&runs[i], "stage") != NULL;
+    fprintf(f, "<nav><a href=\"#runs\">runs</a>%s<a href=\"#training\">training</a><a href=\"#experts\">experts</a>"
+               "<a href=\"#config\">config</a><a href=\"#events\">events</a></nav>\n",
+            ladder ? "<a href=\"#ladder\">ladder</a>" : "");
     write_summary_(f, runs, nr);
+    write_ladder_(f, runs, nr);
     write_panels_(f, runs, nr);
     fputs("<h2 id=\"experts\">Experts</h2>\n", f);
     for (int i = 0; i < nr; i++) write_experts_(f, &runs[i]);
