@@ -451,11 +451,14 @@ static void grant_credit_(mtrl_learner *l) {
     mtrl_wire_out_free(&o);
 }
 
-// Sends a heartbeat to every live actor; judge: first declares dead those silent for longer
-// than heartbeat_timeout_ms, or actor_start_timeout_ms while one has sent nothing since its
-// WELCOME (only where their messages are being received: not mid-step).
+// Once per [actor] heartbeat_ms (earlier calls do nothing): sends a heartbeat to every live
+// actor; judge: first declares dead those silent for longer than heartbeat_timeout_ms, or
+// actor_start_timeout_ms while one has sent nothing since its WELCOME (only where their
+// messages are being received: not mid-step).
 static void check_heartbeats_(mtrl_learner *l, int judge) {
     double now = mtrl_time_mono();
+    if (now - l->last_hb <= 1e-3 * (double)l->cfg.actor.heartbeat_ms) return;
+    l->last_hb = now;
     mtrl_wire_out o;
     mtrl_wire_out_init(&o);
     mtrl_wire_encode_heartbeat(&o);
@@ -674,11 +677,7 @@ static void pump_(mtrl_learner *l, int timeout_ms) {
             event_(l, MTRL_LOG_WARN, "connection from %s: %s", ev.address, ev.name);
         }
     }
-    double now = mtrl_time_mono();
-    if (now - l->last_hb > 1e-3 * (double)l->cfg.actor.heartbeat_ms) {
-        check_heartbeats_(l, 1);
-        l->last_hb = now;
-    }
+    check_heartbeats_(l, 1);
     if (l->tick) l->tick(l->tick_user);
 }
 
@@ -686,13 +685,7 @@ static void pump_(mtrl_learner *l, int timeout_ms) {
 // that hears nothing for 3 heartbeat timeouts says HELLO again (and gets a WELCOME with the
 // weights after the step). Heartbeats go out; nothing is received (the actors' messages wait
 // in the socket for the step's end, when pump_ reads them before judging anyone's silence).
-static void step_hook_(void *user) {
-    mtrl_learner *l = user;
-    double now = mtrl_time_mono();
-    if (now - l->last_hb <= 1e-3 * (double)l->cfg.actor.heartbeat_ms) return;
-    check_heartbeats_(l, 0);
-    l->last_hb = now;
-}
+static void step_hook_(void *user) { check_heartbeats_(user, 0); }
 
 static void warmup_(mtrl_learner *l) {
     long steps = l->cfg.warmup.steps;
@@ -844,10 +837,8 @@ mtrl_status mtrl_learner_open(mtrl_learner **out, const mtrl_config *cfg, const 
         // mtrl_rollout_params_from_config sizes them): that many episodes may be open at once.
         // With [stage.N] sections, the largest of any stage.
         for (int s = -1; s < cfg->n_stages; s++) {
-            const mtrl_cfg_stage *sg = s >= 0 ? &cfg->stage[s] : NULL;
-            uint32_t g = (uint32_t)(sg && sg->group_size > 0 ? sg->group_size : cfg->algo.group_size);
-            uint32_t n = (uint32_t)(sg && sg->episodes_in_flight > 0 ? sg->episodes_in_flight : cfg->actor.episodes_in_flight);
-            uint32_t slots = (n + g - 1) / g * g;
+            mtrl_config c = s < 0 ? *cfg : mtrl_config_stage(cfg, s);
+            uint32_t g = (uint32_t)c.algo.group_size, slots = ((uint32_t)c.actor.episodes_in_flight + g - 1) / g * g;
             if (slots > l->lim.max_open_per_actor) l->lim.max_open_per_actor = slots;
         }
         mtrl_wire_sockopts so = mtrl_wire_sockopts_default();
@@ -891,21 +882,24 @@ int mtrl_learner_run(mtrl_learner *l, volatile sig_atomic_t *stop) {
     // room for the largest batch of any stage; the group size and batch are read from l->cfg at
     // every iteration, which stage_enter_ sets
     long max_need = l->base.learner.batch_groups;
-    for (int s = 0; s < l->base.n_stages; s++)
-        if (l->base.stage[s].batch_groups > max_need) max_need = l->base.stage[s].batch_groups;
+    for (int s = 0; s < l->base.n_stages; s++) {
+        long n = mtrl_config_stage(&l->base, s).learner.batch_groups;
+        if (n > max_need) max_need = n;
+    }
     int *ready = xmalloc(sizeof(int) * (size_t)max_need);
     mtrl_traj popped;
     mtrl_traj_init(&popped);
     if (l->base.n_stages > 0) stage_enter_(l, stage_of_(l, l->step), 0);
     while (l->step < l->total_steps && !*stop && !l->failed[0]) {
-        if (l->base.n_stages > 0 && stage_of_(l, l->step) != l->stage) {
+        int s = l->base.n_stages > 0 ? stage_of_(l, l->step) : -1;
+        if (s != l->stage) {
             // stop_before_stage: a sitting ends here with a checkpoint; --resume starts in it
-            if (stage_of_(l, l->step) + 1 == l->cfg.run.stop_before_stage) {
-                event_(l, MTRL_LOG_INFO, "[run] stop_before_stage %ld: stopping at step %ld, before stage %d", l->cfg.run.stop_before_stage,
-                       l->step, stage_of_(l, l->step) + 1);
+            if (s + 1 == l->cfg.run.stop_before_stage) {
+                event_(l, MTRL_LOG_INFO, "[run] stop_before_stage %ld: stopping at step %ld, before stage %d",
+                       l->cfg.run.stop_before_stage, l->step, s + 1);
                 break;
             }
-            stage_enter_(l, stage_of_(l, l->step), 1);
+            stage_enter_(l, s, 1);
         }
         mtrl_error err;
         pump_(l, 20);

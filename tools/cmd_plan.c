@@ -75,18 +75,13 @@ int cmd_plan(int argc, char **argv) {
     mtrl_config cfg;
     if (!cli_config_load("plan", path, argc, argv, &cfg)) return 2;
     // The longest stage and its batch: episodes per step = group_size x batch_groups.
-    long ctx = cfg.actor.max_tokens, groups = cfg.learner.batch_groups, gsize = cfg.algo.group_size;
+    mtrl_config longest = cfg;
     for (int s = 0; s < cfg.n_stages; s++) {
-        const mtrl_cfg_stage *st = &cfg.stage[s];
-        long c = st->context > 0 ? st->context : cfg.actor.max_tokens;
-        if (c >= ctx) {
-            ctx = c;
-            groups = st->batch_groups > 0 ? st->batch_groups : cfg.learner.batch_groups;
-            gsize = st->group_size > 0 ? st->group_size : cfg.algo.group_size;
-        }
+        mtrl_config c = mtrl_config_stage(&cfg, s);
+        if (c.actor.max_tokens >= longest.actor.max_tokens) longest = c;
     }
-    if (!tokens) tokens = ctx;
-    if (!batch) batch = groups * gsize;
+    if (!tokens) tokens = longest.actor.max_tokens;
+    if (!batch) batch = longest.learner.batch_groups * longest.algo.group_size;
     int dev, gpu;
     if (!device) device = cfg.model.device;
     if (mtrl_model_parse_device(device, &dev, &gpu))

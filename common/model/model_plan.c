@@ -40,6 +40,8 @@ static plan_prec prec_of_device_(int device) {
     return (plan_prec){mtrl_backend_latent_size(device), mtrl_backend_gemm_bf16(device)};
 }
 static plan_prec prec_of_backend_(const mtrl_backend *be) { return (plan_prec){be->latent_size, be->gemm_bf16}; }
+// The bf16 copy of a parameter block of P bytes that a backend with bf16 GEMM operands holds.
+static size_t weights_bf16_bytes_(size_t P) { return P / sizeof(real) * 2; }
 
 #define PLAN_SMS 160 // multiprocessors assumed for the split counts (H100/H200: 132, B200: 148)
 
@@ -175,7 +177,7 @@ static void eval_(mtrl_model_plan *p, const mtrl_model_dims *d, size_t P, int de
     p->params = P;
     p->grads = P;
     p->adam = 2 * P;
-    p->weights_bf16 = cuda && pr.gemm_bf16 ? P / sizeof(real) * 2 : 0;
+    p->weights_bf16 = cuda && pr.gemm_bf16 ? weights_bf16_bytes_(P) : 0;
     // β (+ on the CPU its host bookkeeping: sums, counts, loads; on a GPU the Σx² partials)
     p->qb = LE * R + (cuda ? sizeof(double) * 256 : LE * (sizeof(double) + sizeof(long)) + (size_t)d->L * sizeof(int));
     ws_sizes ws;
@@ -318,7 +320,7 @@ mtrl_status mtrl_model_plan_batch(mtrl_model_plan *p, const mtrl_model *m, const
     const mtrl_model_dims *d = &m->dims;
     size_t held = 4 * m->params.total + ws_held_bytes(m) + scratch;
     if (m->device == MTRL_DEVICE_CUDA) held += sizeof(real) * (size_t)d->L * d->E;
-    if (m->be->gemm_bf16) held += m->params.total / sizeof(real) * 2; // the weights' bf16 copy
+    if (m->be->gemm_bf16) held += weights_bf16_bytes_(m->params.total); // the weights' bf16 copy
     return make_(p, d, m->device, prec_of_backend_(m->be), b->n, b->len, fr + held, err);
 }
 
