@@ -127,6 +127,24 @@ void bench_ceilings(Bench &B) {
 }
 
 // KDA chunk forward / forward+backward at H heads, K = V = 128.
+// Sets (value) or unsets (NULL) an environment variable for its scope, then puts back what the
+// caller had: the opt-in kernel switches a benchmark compares.
+struct scoped_env {
+    const char *name;
+    bool had;
+    std::string prev;
+    scoped_env(const char *n, const char *value) : name(n), had(getenv(n) != nullptr), prev(had ? getenv(n) : "") {
+        if (value) setenv(n, value, 1);
+        else unsetenv(n);
+    }
+    ~scoped_env() {
+        if (had) setenv(name, prev.c_str(), 1);
+        else unsetenv(name);
+    }
+    scoped_env(const scoped_env &) = delete;
+    scoped_env &operator=(const scoped_env &) = delete;
+};
+
 void bench_kda(Bench &B, int T, int H) {
     const int K = 128, V = 128;
     size_t nqk = (size_t)T * H * K, nt = (T + 15) / 16;
@@ -154,31 +172,23 @@ void bench_kda(Bench &B, int T, int H) {
     if (K == 128 && V == 128) {
         // v3 (opt-in: MTRL_KDA_FWD=3) at each block width (MTRL_KDA3_WPB: warps of 16 value
         // columns per block; default 4), against the default (v2) above
-        const char *prev = getenv("MTRL_KDA_FWD");
-        std::string keep = prev ? prev : "";
-        setenv("MTRL_KDA_FWD", "3", 1);
-        const char *prev_split = getenv("MTRL_KDA3_SPLIT");  // bf16 first, whatever the caller set
-        std::string keep_split = prev_split ? prev_split : "";
-        unsetenv("MTRL_KDA3_SPLIT");
-        static const char *wpbs[] = {"4", "1", "2", "8"};
-        double m4 = 0;
-        for (const char *w : wpbs) {
-            setenv("MTRL_KDA3_WPB", w, 1);
-            double m3 = time_ms(B, [&] { mtrl_kda_chunk_fwd(B.c, T, H, K, V, q, k, v, g, beta, NULL, o, Sf, NULL); });
-            if (w[0] == '4') m4 = m3;
-            snprintf(what, sizeof what, "  v3 (MTRL_KDA_FWD=3), WPB=%s", w);
-            row(what, shape, m3, flops, "TFLOP/s", B.gemm_tflops);
-        }
-        unsetenv("MTRL_KDA3_WPB");
-        // bf16x3 (MTRL_KDA3_SPLIT=1: split-bf16 operands, 3 mma per product, a 34 KB record) at
-        // the default width; the nominal FLOPs as above, not the 3x the tensor cores execute
-        setenv("MTRL_KDA3_SPLIT", "1", 1);
-        double mx = time_ms(B, [&] { mtrl_kda_chunk_fwd(B.c, T, H, K, V, q, k, v, g, beta, NULL, o, Sf, NULL); });
-        row("  v3 bf16x3 (MTRL_KDA3_SPLIT=1)", shape, mx, flops, "TFLOP/s", B.gemm_tflops);
-        if (prev_split) setenv("MTRL_KDA3_SPLIT", keep_split.c_str(), 1);
-        else unsetenv("MTRL_KDA3_SPLIT");
-        if (prev) setenv("MTRL_KDA_FWD", keep.c_str(), 1);
-        else unsetenv("MTRL_KDA_FWD");
+        double m4 = 0, mx = 0;
+        {
+            scoped_env fwd("MTRL_KDA_FWD", "3"), split("MTRL_KDA3_SPLIT", NULL);  // bf16 first
+            static const char *wpbs[] = {"4", "1", "2", "8"};
+            for (const char *w : wpbs) {
+                scoped_env wpb("MTRL_KDA3_WPB", w);
+                double m3 = time_ms(B, [&] { mtrl_kda_chunk_fwd(B.c, T, H, K, V, q, k, v, g, beta, NULL, o, Sf, NULL); });
+                if (w[0] == '4') m4 = m3;
+                snprintf(what, sizeof what, "  v3 (MTRL_KDA_FWD=3), WPB=%s", w);
+                row(what, shape, m3, flops, "TFLOP/s", B.gemm_tflops);
+            }
+            // bf16x3 (MTRL_KDA3_SPLIT=1: split-bf16 operands, 3 mma per product, a 34 KB record)
+            // at the default width; the nominal FLOPs as above, not the 3x the tensor cores execute
+            scoped_env wpb("MTRL_KDA3_WPB", NULL), x3("MTRL_KDA3_SPLIT", "1");
+            mx = time_ms(B, [&] { mtrl_kda_chunk_fwd(B.c, T, H, K, V, q, k, v, g, beta, NULL, o, Sf, NULL); });
+            row("  v3 bf16x3 (MTRL_KDA3_SPLIT=1)", shape, mx, flops, "TFLOP/s", B.gemm_tflops);
+        }  // the caller's MTRL_KDA_FWD, _SPLIT and _WPB again
         if (mtrl_kda_chunk_fwd_version(H, K, V) == 2)
             printf("%-34s %-34s v3 (WPB=4) / v2 time %.3f, v3 bf16x3 / v2 %.3f, bf16x3 / bf16 %.3f\n", "", "",
                    m4 / ms, mx / ms, mx / m4);

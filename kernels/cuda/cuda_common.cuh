@@ -9,6 +9,7 @@
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
+#include <string.h>
 
 #include "kernels/cuda/kernels_cuda.h"
 
@@ -76,6 +77,13 @@ struct ws_carver {
 };
 
 static inline unsigned cdiv(size_t a, size_t b) { return (unsigned)((a + b - 1) / b); }
+
+// 1 when the environment variable `name` is exactly `value`: the launchers' opt-in switches,
+// read at each call (so that a test or a benchmark can flip them between calls).
+static inline int env_is(const char *name, const char *value) {
+    const char *e = getenv(name);
+    return e && !strcmp(e, value);
+}
 
 // ---- device helpers -------------------------------------------------------------------------
 __device__ __forceinline__ float warp_sum(float v) {

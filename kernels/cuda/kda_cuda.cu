@@ -942,13 +942,8 @@ int kda3_chunk_fwd(mtrl_cuda_ctx *c, int T, int H, const float *q, const float *
                    const float *v, const float *g, const float *beta, const float *S0, float *o,
                    float *S_final, float *S_tiles);
 
-static int kda_v3_chosen_() {
-    const char *e = getenv("MTRL_KDA_FWD");
-    return e && e[0] == '3' && e[1] == 0;
-}
-
 extern "C" int mtrl_kda_chunk_fwd_version(int H, int K, int V) {
-    if (!kda_v3_chosen_()) return 2;
+    if (!env_is("MTRL_KDA_FWD", "3")) return 2;
     return H > 0 && H <= 65535 && K == 128 && V == 128 ? 3 : 2;
 }
 

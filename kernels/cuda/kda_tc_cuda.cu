@@ -551,11 +551,6 @@ int env_wpb_() {
     return x == 1 || x == 2 || x == 4 || x == 8 ? x : 4;
 }
 
-// MTRL_KDA3_SPLIT=1: the bf16x3 products (read at each call, as MTRL_KDA3_WPB).
-int env_split_() {
-    const char *e = getenv("MTRL_KDA3_SPLIT");
-    return e && e[0] == '1' && e[1] == 0;
-}
 
 template <int WPB, bool WO, bool X>
 void launch_state3_(mtrl_cuda_ctx *c, int T, int H, int nt, const unsigned char *rec,
@@ -608,6 +603,6 @@ int kda3_supports(int H, int K, int V, const float *q, const float *k, const flo
 int kda3_chunk_fwd(mtrl_cuda_ctx *c, int T, int H, const float *q, const float *k,
                    const float *v, const float *g, const float *beta, const float *S0, float *o,
                    float *S_final, float *S_tiles) {
-    return env_split_() ? kda3_fwd_<true>(c, T, H, q, k, v, g, beta, S0, o, S_final, S_tiles)
-                        : kda3_fwd_<false>(c, T, H, q, k, v, g, beta, S0, o, S_final, S_tiles);
+    return env_is("MTRL_KDA3_SPLIT", "1") ? kda3_fwd_<true>(c, T, H, q, k, v, g, beta, S0, o, S_final, S_tiles)
+                                          : kda3_fwd_<false>(c, T, H, q, k, v, g, beta, S0, o, S_final, S_tiles);
 }
