@@ -32,7 +32,8 @@
 //     the latent gradients do not.
 // Per case, a GPU model created with MTRL_GEMM_TF32=1 (its fp32 GEMMs on TF32 tensor cores)
 // against the default one on the same routing: log-probs within 1e-2, every gradient within
-// 5e-2, and not identical (the switch took effect). Not yet run on a GPU.
+// 5e-2 but the per-head A_log gradients' 0.25 (gemm_switch_vs_fp32_ says why), and not
+// identical (the switch took effect). Passed on an H200 (ebe612f, 2026-11-30).
 // Per case, a GPU model created with MTRL_GEMM_BF16=1 (bf16 operands for the projections,
 // experts and dense FFNs) against the default one likewise: log-probs within 2e-2, every
 // gradient within 0.75 (A_log 0.5; test_bf16_ says why so loose), not identical; and its bf16 weight copy follows an AdamW
