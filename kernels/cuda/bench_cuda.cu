@@ -162,7 +162,8 @@ void bench_kda(Bench &B, int T, int H) {
     double flops = (double)nt * H * (4.0 * 65536 + 3.0 * 524288 + 65536);
     double ms = time_ms(B, [&] { mtrl_kda_chunk_fwd(B.c, T, H, K, V, q, k, v, g, beta, NULL, o, Sf, NULL); });
     char what[64];
-    snprintf(what, sizeof what, "KDA chunk fwd (v%d)", mtrl_kda_chunk_fwd_version(H, K, V));
+    int ver = mtrl_kda_chunk_fwd_version(H, K, V);
+    snprintf(what, sizeof what, "KDA chunk fwd (v%d%s)", ver, ver == 3 && !env_is("MTRL_KDA3_SPLIT", "0") ? " bf16x3" : "");
     row(what, shape, ms, flops, "TFLOP/s", B.gemm_tflops);
     std::string ak = "kda_H" + std::to_string(H) + "_T" + std::to_string(T);
     vs(B, ak + "_fwd_ms", ms, "the time of fla chunk_kda fwd", "P1 <= 0.65x");
@@ -170,28 +171,28 @@ void bench_kda(Bench &B, int T, int H) {
     double bytes = 4.0 * (4 * nqk + (size_t)T * H + nqk);  // q k v g beta read, o written
     row("  (bytes floor: inputs + o)", "", ms, bytes, "GB/s", B.copy_tbps * 1e3);
     if (K == 128 && V == 128) {
-        // v3 (opt-in: MTRL_KDA_FWD=3) at each block width (MTRL_KDA3_WPB: warps of 16 value
-        // columns per block; default 4), against the default (v2) above
-        double m4 = 0, mx = 0;
+        // the default (v3 bf16x3 where the shape allows it) against v2 (MTRL_KDA_FWD=2, fp32
+        // SIMT) and v3 with plain bf16 operands (MTRL_KDA3_SPLIT=0) at each block width
+        // (MTRL_KDA3_WPB: warps of 16 value columns per block; default 4)
+        double m2 = 0, m4 = 0;
         {
-            scoped_env fwd("MTRL_KDA_FWD", "3"), split("MTRL_KDA3_SPLIT", NULL);  // bf16 first
+            scoped_env fwd("MTRL_KDA_FWD", "2");
+            m2 = time_ms(B, [&] { mtrl_kda_chunk_fwd(B.c, T, H, K, V, q, k, v, g, beta, NULL, o, Sf, NULL); });
+            row("  v2 (MTRL_KDA_FWD=2)", shape, m2, flops, "TFLOP/s", B.gemm_tflops);
+        }
+        {
+            scoped_env fwd("MTRL_KDA_FWD", NULL), split("MTRL_KDA3_SPLIT", "0");
             static const char *wpbs[] = {"4", "1", "2", "8"};
             for (const char *w : wpbs) {
                 scoped_env wpb("MTRL_KDA3_WPB", w);
                 double m3 = time_ms(B, [&] { mtrl_kda_chunk_fwd(B.c, T, H, K, V, q, k, v, g, beta, NULL, o, Sf, NULL); });
                 if (w[0] == '4') m4 = m3;
-                snprintf(what, sizeof what, "  v3 (MTRL_KDA_FWD=3), WPB=%s", w);
+                snprintf(what, sizeof what, "  v3 bf16 (MTRL_KDA3_SPLIT=0), WPB=%s", w);
                 row(what, shape, m3, flops, "TFLOP/s", B.gemm_tflops);
             }
-            // bf16x3 (MTRL_KDA3_SPLIT=1: split-bf16 operands, 3 mma per product, a 34 KB record)
-            // at the default width; the nominal FLOPs as above, not the 3x the tensor cores execute
-            scoped_env wpb("MTRL_KDA3_WPB", NULL), x3("MTRL_KDA3_SPLIT", "1");
-            mx = time_ms(B, [&] { mtrl_kda_chunk_fwd(B.c, T, H, K, V, q, k, v, g, beta, NULL, o, Sf, NULL); });
-            row("  v3 bf16x3 (MTRL_KDA3_SPLIT=1)", shape, mx, flops, "TFLOP/s", B.gemm_tflops);
         }  // the caller's MTRL_KDA_FWD, _SPLIT and _WPB again
-        if (mtrl_kda_chunk_fwd_version(H, K, V) == 2)
-            printf("%-34s %-34s v3 (WPB=4) / v2 time %.3f, v3 bf16x3 / v2 %.3f, bf16x3 / bf16 %.3f\n", "", "",
-                   m4 / ms, mx / ms, mx / m4);
+        printf("%-34s %-34s default / v2 time %.3f, v3 bf16 (WPB=4) / v2 %.3f, default / v3 bf16 %.3f\n", "", "",
+               ms / m2, m4 / m2, ms / m4);
     }
     // forward storing the tile states, then backward
     float *St = (float *)mtrl_cuda_malloc(nt * H * K * V * 4);

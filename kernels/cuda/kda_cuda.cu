@@ -18,20 +18,16 @@
 //   3. kda_tile_bwd_k, grid (tiles, heads): the rest of §2.4 for each tile in parallel, from the
 //      tile's incoming S (S_tiles) and outgoing-state gradient dS'.
 // Arithmetic is fp32 throughout (SIMT); the state, G, T and all accumulators are fp32.
-// Forward v3 (kda_tc_cuda.cu): the same tiles with the products on tensor cores (bf16 operands,
-// fp32 state and accumulators) for K = V = 128 (16-byte aligned q, k, v, g), only with the
-// environment variable MTRL_KDA_FWD=3 (read at each call). It is not the default: it passes its
-// kernel tests (1e-2 of fp64) and runs 2.6x faster than v2 on an H200, but with it the model's
-// GPU tests fail (segmented vs whole-sequence gradients off by 0.56 relative L2 at 64K, decode
-// vs prefill logits 0.17 of max |logit|). The cause is its precision, not an indexing error and
-// not the backward: the model always stores S_tiles, so mtrl_kda_chunk_bwd never recomputes
-// states, and the decode failure involves no backward. v3's bf16 operands put ≈ 4e-3 relative
-// error into o and the states of every KDA layer (at H = 2 as at H = 16); the model amplifies
-// that through MoE routing flips and through the decay gradient (dA_log, a sum ~100x smaller
-// than the sum of its terms' magnitudes). tests/test_kda_v3_emu.c reproduces every failure on
-// the CPU with v3's rounding emulated (docs/kernel-lab.md). MTRL_KDA3_SPLIT=1 (with
-// MTRL_KDA_FWD=3) runs v3 with split-bf16 operands (bf16x3, ~16 bits; emulated 6.9e-6 of fp64, not
-// yet run on a GPU). The kernels above are v2.
+// Forward v3 (kda_tc_cuda.cu): the same tiles with the products on tensor cores, fp32 state and
+// accumulators, for K = V = 128 (16-byte aligned q, k, v, g): THE DEFAULT there since 2026-11-30,
+// with split-bf16 operands (bf16x3, ~16 significant bits). On an H200 it passed every gpu test
+// (test_cuda_kda's v3 cases at 1e-4 of fp64, measured 7.3e-6; test_cuda_model, 280 checks, with
+// it) and took 0.56x v2's time at T = 8K..256K, H = 16 (docs/perf.md). MTRL_KDA_FWD=2 in the
+// environment (read at each call) forces v2, the kernels above (fp32 SIMT; every other shape
+// runs it). MTRL_KDA3_SPLIT=0 runs v3 with plain bf16 operands (0.39x v2's time): it passes its
+// kernel tests at 1e-2 but not the model's (segmented vs whole gradients 0.56 relative at 64K,
+// decode vs prefill 0.17 of max |logit|: MoE routing flips and the decay gradient, a small sum of
+// large terms, amplify its 4e-3; tests/test_kda_v3_emu.c reproduces this on the CPU).
 //
 // Decode step (mtrl_kda_step), two kernels behind one launcher:
 //   v2 kda_step2_k (default), grid (V/64, H, B), 256 threads: a block owns 64 columns of one
@@ -943,7 +939,7 @@ int kda3_chunk_fwd(mtrl_cuda_ctx *c, int T, int H, const float *q, const float *
                    float *S_final, float *S_tiles);
 
 extern "C" int mtrl_kda_chunk_fwd_version(int H, int K, int V) {
-    if (!env_is("MTRL_KDA_FWD", "3")) return 2;
+    if (env_is("MTRL_KDA_FWD", "2")) return 2;
     return H > 0 && H <= 65535 && K == 128 && V == 128 ? 3 : 2;
 }
 

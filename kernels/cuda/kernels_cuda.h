@@ -97,10 +97,11 @@ int mtrl_kda_gate_bwd(mtrl_cuda_ctx *ctx, int T, int H, int K, const float *f,
                       float *df, float *dA_log, float *ddt_bias);
 // Chunked forward in 16-token tiles (§2.3). S0, o, S_final, S_tiles nullable. S_tiles receives
 // the incoming state of every tile, [ceil(T/16)][H][K][V] (what the backward needs).
-// Two kernels: v2 (fp32 SIMT), the default for every shape; v3 (kda_tc_cuda.cu: mma.sync with
-// bf16 operands, fp32 state and accumulators; ‖err‖/‖ref‖ ≈ 3e-3) for K = V = 128 and 16-byte
-// aligned q, k, v, g when the environment variable MTRL_KDA_FWD=3 (read at each call): opt-in,
-// its bf16 error fails the model's tests (kda_cuda.cu and tests/test_kda_v3_emu.c say why).
+// Two kernels: v3 (kda_tc_cuda.cu: mma.sync with split-bf16 operands, fp32 state and
+// accumulators; ‖err‖/‖ref‖ ≈ 7e-6 on an H200), the default for K = V = 128 and 16-byte aligned
+// q, k, v, g; v2 (fp32 SIMT) for every other shape, or forced by the environment variable
+// MTRL_KDA_FWD=2. MTRL_KDA3_SPLIT=0: v3 with plain bf16 operands (≈ 3e-3; fails the model's
+// tests: kda_cuda.cu and tests/test_kda_v3_emu.c say why). Both variables read at each call.
 int mtrl_kda_chunk_fwd(mtrl_cuda_ctx *ctx, int T, int H, int K, int V, const float *q,
                        const float *k, const float *v, const float *g, const float *beta,
                        const float *S0, float *o, float *S_final, float *S_tiles);
