@@ -67,6 +67,8 @@ typedef struct actor {
     int n_snap;
     int bye;
     long episodes_done;
+    int out_peak;          // the most messages the outbox held (backpressure: see the main loop)
+    uint64_t out_peak_bytes;
 } actor;
 
 // ---- outbox under credit -----------------------------------------------------------------------------------
@@ -116,6 +118,15 @@ static void flush_(actor *a) {
 }
 
 static int outbox_len_(const actor *a) { return a->n_out - a->out_head; }
+
+// Records the outbox's high-water mark (printed when the actor leaves).
+static void outbox_note_peak_(actor *a) {
+    if (outbox_len_(a) <= a->out_peak) return;
+    a->out_peak = outbox_len_(a);
+    uint64_t b = 0;
+    for (int i = a->out_head; i < a->n_out; i++) b += a->out[i].o.payload.len + MTRL_WIRE_HDR_SIZE;
+    if (b > a->out_peak_bytes) a->out_peak_bytes = b;
+}
 
 // Drops everything queued and every open stream: what they belong to will not reach the learner.
 static void outbox_clear_(actor *a) {
@@ -596,7 +607,12 @@ int mtrl_actor_main(const char *endpoint, uint32_t actor_id, int gpu, volatile s
             hello_(&a);
             a.last_heard = now;
         }
-        if (a.credit <= 0) continue; // generation waits for credit (none at all during the learner's warm-up)
+        // Generation waits for credit (none at all during the learner's warm-up) and for the
+        // outbox to drain: what it would produce could not be sent either, and an actor that
+        // generates on under a small remainder of credit runs ahead of a busy learner without
+        // bound (at 1M tokens: 18 documents prefilled during one learner step, each a 1.8 MB
+        // chunk waiting behind the last, on the GPU the learner was using).
+        if (a.credit <= 0 || outbox_len_(&a) > 0) continue;
         if (a.ro && a.have_weights) {
             mtrl_rollout_step(a.ro, &ev);
             for (int i = 0; i < mtrl_rollout_slot_count(a.ro); i++) {
@@ -605,6 +621,7 @@ int mtrl_actor_main(const char *endpoint, uint32_t actor_id, int gpu, volatile s
                 if (s) queue_chunks_(&a, s, t, 0);
             }
             snapshots_(&a);
+            outbox_note_peak_(&a);
             flush_(&a);
         }
     }
@@ -621,7 +638,8 @@ int mtrl_actor_main(const char *endpoint, uint32_t actor_id, int gpu, volatile s
     if (a.bye == 1 && a.have_cfg && a.cfg.actor.snapshot_dir[0])
         for (int i = 0; i < a.n_snap; i++) snap_remove_(&a, i);
     int rc = a.bye == 3 ? MTRL_ACTOR_EXIT_UNUSABLE : a.bye == 2 ? 1 : 0;
-    LOG_INFO("%ld episodes streamed; leaving", a.episodes_done);
+    LOG_INFO("%ld episodes streamed; outbox peak %d messages, %.1f KB; leaving", a.episodes_done, a.out_peak,
+             a.out_peak_bytes / 1e3);
     mtrl_rollout_free(a.ro);
     if (a.have_model) mtrl_model_free(&a.model);
     for (int i = a.out_head; i < a.n_out; i++) mtrl_wire_out_free(&a.out[i].o);

@@ -199,6 +199,36 @@ static void test_small_credit(void) {
     TEST_EQ_STR(status, "finished");
 }
 
+// Backpressure reaches generation: an actor whose outbox holds messages the credit does not yet
+// cover generates nothing more (actor.c's main loop). Without that it generated on under any
+// remainder of credit, and at 1M tokens prefilled 18 documents during one learner step. Here
+// 4 KiB of credit, 64-token chunks and 1000-token inline documents (each new episode queues
+// BEGIN and ~16 prompt chunks at once): one rollout step of 4 slots can queue at most
+// 4 × (ceil(1200 / 64) + 2) = 84 messages, and the outbox must never hold more. Measured on
+// x86 (2026-11-30): 64 with the check; 2,475–2,597 without it.
+static void test_backpressure(void) {
+    char ini[512], db[512], log[512];
+    make_experiment("backpressure", 8, "retrieval", "", "false", ini, sizeof ini, NULL);
+    snprintf(db, sizeof db, "%s/backpressure.db", dir_);
+    snprintf(log, sizeof log, "%s/backpressure.log", dir_);
+    char *argv[] = {(char *)bin_, "run", ini, "--db", db, "--set", "learner.credit_bytes=4096", "--set", "actor.chunk_tokens=64",
+                    "--set", "actor.max_tokens=1200", "--set", "actor.max_turn_tokens=8", "--set", "env.inline_doc=true",
+                    "--set", "env.doc_tokens=1000", "--set", "env.max_tool_calls=0", NULL};
+    TEST_EQ_INT(run_cmd(argv, log), 0);
+    char *text = test_slurp(log, NULL);
+    TEST_CHECK(text != NULL);
+    int actors = 0;
+    for (const char *p = text; p && (p = strstr(p, "outbox peak ")) != NULL; p++) {
+        int peak = atoi(p + strlen("outbox peak "));
+        printf("backpressure: an actor's outbox held at most %d messages (bound 84)\n", peak);
+        TEST_CHECKF(peak >= 1 && peak <= 84, "outbox peak %d messages: the actor generated past its credit", peak);
+        actors++;
+    }
+    TEST_EQ_INT(actors, 2);
+    free(text);
+    TEST_CHECK(query_int(db, "SELECT count(*) FROM episodes WHERE status IN ('complete', 'truncated')") >= 16);
+}
+
 // Sends garbage to the learner: a non-mtrl frame, a header claiming a payload far over the cap,
 // a message with too many frames, and a chunk for an episode nobody began.
 static void send_garbage(const char *endpoint) {
@@ -669,6 +699,7 @@ int main(void) {
     setenv("OMP_NUM_THREADS", "1", 1);
     test_short_run();
     test_small_credit();
+    test_backpressure();
     test_actor_killed();
     test_plugins();
     test_curve();
