@@ -32,6 +32,10 @@
 // the CPU with v3's rounding emulated (docs/kernel-lab.md). MTRL_KDA3_SPLIT=1 (with
 // MTRL_KDA_FWD=3) runs v3 with split-bf16 operands (bf16x3, ~16 bits; emulated 6.9e-6 of fp64, not
 // yet run on a GPU). The kernels above are v2.
+// Backward v3 (kda_tc_bwd_cuda.cu, MTRL_KDA_BWD=3 in the environment, read at each call; opt-in,
+// K = V = 128, 16-byte aligned q, k, v, g, dout): pass 1 writes v3's bf16x3 records instead of v2's
+// prep buffers and pass 2 runs on tensor cores with split-bf16 operands over them (recomputed
+// states, when S_tiles is NULL, come from v3's bf16x3 forward state pass); pass 3 is unchanged.
 //
 // Decode step (mtrl_kda_step), two kernels behind one launcher:
 //   v2 kda_step2_k (default), grid (V/64, H, B), 256 threads: a block owns 64 columns of one
@@ -942,6 +946,20 @@ int kda3_chunk_fwd(mtrl_cuda_ctx *c, int T, int H, const float *q, const float *
                    const float *v, const float *g, const float *beta, const float *S0, float *o,
                    float *S_final, float *S_tiles);
 
+// v3 backward state-gradient pass (kda_tc_bwd_cuda.cu) over v3's bf16x3 records (kda_tc_cuda.cu).
+size_t kda3_rec_bytes(int split);
+void kda3_prep_launch(mtrl_cuda_ctx *c, int T, int H, const float *q, const float *k, const float *v,
+                      const float *g, const float *beta, unsigned char *rec, int split);
+void kda3_state_fwd_launch(mtrl_cuda_ctx *c, int T, int H, const unsigned char *rec, const float *S0,
+                           float *o, float *S_final, float *S_tiles, int split);
+void kda3_state_bwd_launch(mtrl_cuda_ctx *c, int T, int H, const unsigned char *rec, const float *dout,
+                           const float *dS_final, float *dD, float *dSt, float *dS0);
+
+extern "C" int mtrl_kda_chunk_bwd_version(int H, int K, int V) {
+    if (!env_is("MTRL_KDA_BWD", "3")) return 2;
+    return H > 0 && H <= 65535 && K == 128 && V == 128 ? 3 : 2;
+}
+
 extern "C" int mtrl_kda_chunk_fwd_version(int H, int K, int V) {
     if (!env_is("MTRL_KDA_FWD", "3")) return 2;
     return H > 0 && H <= 65535 && K == 128 && V == 128 ? 3 : 2;
@@ -992,10 +1010,16 @@ extern "C" int mtrl_kda_chunk_bwd(mtrl_cuda_ctx *c, int T, int H, int K, int V, 
     }
     int nt = (T + KT - 1) / KT;
     size_t Tp = (size_t)nt * KT;
+    // v3: the state-gradient pass on tensor cores from v3's bf16x3 records (which replace v2's
+    // prep buffers; recomputed states come from v3's bf16x3 forward state pass).
+    const bool v3 = mtrl_kda_chunk_bwd_version(H, K, V) == 3 && kda3_supports(H, K, V, q, k, v, g) &&
+                    ((uintptr_t)dout & 15u) == 0;
     KdaWs w;
+    unsigned char *rec = nullptr;
     float *dD = nullptr, *dSt = nullptr, *own = nullptr;
     auto carve = [&](ws_carver &cv) {
-        kda_ws_take(cv, w, H, K, V, nt);
+        if (v3) rec = cv.take<unsigned char>((size_t)H * nt * kda3_rec_bytes(1));
+        else kda_ws_take(cv, w, H, K, V, nt);
         dD = cv.take<float>((size_t)H * Tp * V);
         dSt = cv.take<float>((size_t)nt * H * KV);
         own = S_tiles ? nullptr : cv.take<float>((size_t)nt * H * KV);
@@ -1004,12 +1028,21 @@ extern "C" int mtrl_kda_chunk_bwd(mtrl_cuda_ctx *c, int T, int H, int K, int V, 
     carve(sz);
     ws_carver cv{(char *)mtrl_ctx_scratch(c, sz.off), 0};
     carve(cv);
-    kda_launch_prep_(c, T, H, K, V, nt, q, k, v, g, beta, w);
-    if (!S_tiles) {  // recompute every tile's incoming state (fla's disable_recompute=False)
-        launch_state_fwd_(c, T, H, K, V, nt, w, S0, nullptr, nullptr, own);
-        S_tiles = own;
+    if (v3) {
+        kda3_prep_launch(c, T, H, q, k, v, g, beta, rec, 1);
+        if (!S_tiles) {
+            kda3_state_fwd_launch(c, T, H, rec, S0, nullptr, nullptr, own, 1);
+            S_tiles = own;
+        }
+        kda3_state_bwd_launch(c, T, H, rec, dout, dS_final, dD, dSt, dS0);
+    } else {
+        kda_launch_prep_(c, T, H, K, V, nt, q, k, v, g, beta, w);
+        if (!S_tiles) {  // recompute every tile's incoming state (fla's disable_recompute=False)
+            launch_state_fwd_(c, T, H, K, V, nt, w, S0, nullptr, nullptr, own);
+            S_tiles = own;
+        }
+        launch_state_bwd_(c, T, H, K, V, nt, w, dout, dS_final, dD, dSt, dS0);
     }
-    launch_state_bwd_(c, T, H, K, V, nt, w, dout, dS_final, dD, dSt, dS0);
     size_t sh = sizeof(float) * tile_bwd_floats(K, V);
     set_smem(kda_tile_bwd_k, sh);
     kda_tile_bwd_k<<<dim3(nt, H), 256, sh, c->stream>>>(T, H, K, V, q, k, v, g, beta, S_tiles,
