@@ -47,6 +47,10 @@
 // fp64 operands: worst of dD, dS_tiles, dS0 5.2e-6 relative (plain bf16 2.6e-3, fp32 operands
 // 1.4e-7; checked there at 2e-5); test_cuda_kda checks the whole backward with it at 1e-4 of fp64
 // (2e-4 at the decay's bound, as v2).
+// Layout: tools/kda_v3/lanes_bwd.py transcribes this kernel's fragment index expressions (dSᵀ, dOᵀ,
+// dΔᵀ as A operands; the K^e, P, Q⁺, −W fragment loads; the dD and dS stores) over a lane-level
+// model of ldmatrix and mma and matches the step's matrix algebra at fp32 rounding (1e-7; a layout
+// mistake gives O(1)).
 // Cost (predicted, not measured): 150 mma per tile and warp (48 + 6 for dΔ, 96 for the update), as
 // the forward bf16x3 state pass with O, the same ring and one block per SM; the SIMT pass it
 // replaces is ~1/4 of the v2 backward's time. Not yet run on a GPU.
