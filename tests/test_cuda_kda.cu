@@ -33,9 +33,11 @@
 // states; T = 1, 16, 61, 77, 333; the decay at the bound at T = 16 and 61) at v2's tolerances
 // (1e-4, 2e-4 at the bound: test_kda_v3_bwd_emu.c's emulation puts v3's pass 2 within 5.2e-6 of
 // fp64 in dD, dS_tiles and dS0, and pass 3 is v2's), its dS0 not bit-identical to v2's (the switch
-// took effect) and every MTRL_KDA3_WPB giving the same bits; the dS_final = 0 case then runs v3.
-// In test_chunk_model_ the backward and gate backward run with it too: dg 1e-3 and dA_log 1e-2
-// whenever that forward is checked. Not yet run on a GPU.
+// took effect) and every MTRL_KDA3_WPB giving the same bits; the dS_final = 0 case with v3 too.
+// In test_chunk_model_ the backward and gate backward run with it too (and with MTRL_KDA_BWD_TILE=3
+// as well): dg 1e-3 and dA_log 1e-2 whenever that forward is checked. MTRL_KDA_BWD_TILE=3 (pass 3's products on tensor cores,
+// bf16x3, every shape): every test_chunk backward case again, with v2's and v3's pass 2, at the same
+// tolerances (not emulated: the forward's bf16x3 products measured 7e-6 of fp64). Not yet run on a GPU.
 #include "tests/testhelp.h"
 #include "kernels/cuda/cuda_testutil.h"
 #include "kernels/ref/kda_ref.h"
@@ -115,8 +117,13 @@ static void test_chunk(mtrl_cuda_ctx *ctx, int T, int H, int K, int V, int bound
     // tolerance (test_kda_v3_bwd_emu.c: v3's pass 2 within 5.2e-6 of fp64 in dD, dS_tiles, dS0)
     const int v3ok = K == 128 && V == 128;
     float *h_v2 = NULL, *h_x = NULL;  // v2's dS0 and dq (stored states), to see v3 take effect
-    for (int bv = 2; bv <= (v3ok ? 3 : 2); bv++) {
+    // Then both again with pass 3's products on tensor cores (MTRL_KDA_BWD_TILE=3, bf16x3; every
+    // shape), at the same tolerances.
+    for (int cf = 0; cf < 4; cf++) {
+        const int bv = cf & 1 ? 3 : 2, tile3 = cf >> 1;
+        if (bv == 3 && !v3ok) continue;
         set_env("MTRL_KDA_BWD", bv == 3 ? "3" : NULL);
+        set_env("MTRL_KDA_BWD_TILE", tile3 ? "3" : NULL);
         TEST_EQ_INT(mtrl_kda_chunk_bwd_version(H, K, V), bv);
         for (int stored = 1; stored >= 0; stored--) {
             float *e_dq = tu_dev_nan(ctx, nqk), *e_dk = tu_dev_nan(ctx, nqk), *e_dv = tu_dev_nan(ctx, nv),
@@ -125,8 +132,9 @@ static void test_chunk(mtrl_cuda_ctx *ctx, int T, int H, int K, int V, int bound
                                            stored ? d_St : NULL, d_dout, d_dSf, e_dq, e_dk, e_dv, e_dg,
                                            e_db, e_dS0), 0);
             mtrl_cuda_sync(ctx);
-            const char *tag = bv == 3 ? (stored ? "v3 bwd" : "v3 bwd (states recomputed)")
-                                      : (stored ? "bwd" : "bwd (states recomputed)");
+            char tag[96];
+            snprintf(tag, sizeof tag, "%sbwd%s%s", bv == 3 ? "v3 " : "", tile3 ? " (tile TC)" : "",
+                     stored ? "" : " (states recomputed)");
             struct { const char *n; float *d; double *r; size_t len; } outs[] = {
                 {"dq", e_dq, dq, nqk}, {"dk", e_dk, dk, nqk}, {"dv", e_dv, dv, nv},
                 {"dg", e_dg, dg, nqk}, {"dbeta", e_db, db, nb}, {"dS0", e_dS0, dS0, ns}};
@@ -135,7 +143,7 @@ static void test_chunk(mtrl_cuda_ctx *ctx, int T, int H, int K, int V, int bound
                 snprintf(what, sizeof what, "%s %s", tag, outs[i].n);
                 TU_CHECK_REL(what, got, outs[i].r, outs[i].len, tol);
             }
-            if (v3ok && stored) {
+            if (v3ok && stored && !tile3) {
                 float *hs = (float *)malloc(sizeof(float) * (ns + nqk));
                 mtrl_cuda_download(hs, e_dS0, sizeof(float) * ns);
                 mtrl_cuda_download(hs + ns, e_dq, sizeof(float) * nqk);
@@ -145,7 +153,7 @@ static void test_chunk(mtrl_cuda_ctx *ctx, int T, int H, int K, int V, int bound
                     h_x = hs;
                 }
             }
-            if (bv == 3 && stored) {  // every block width (MTRL_KDA3_WPB) gives the same bits
+            if (bv == 3 && stored && !tile3) {  // every block width (MTRL_KDA3_WPB) gives the same bits
                 static const char *wpbs[] = {"1", "2", "8"};
                 float *hw = (float *)malloc(sizeof(float) * (ns + nqk));
                 for (int wi = 0; wi < 3; wi++) {
@@ -166,8 +174,11 @@ static void test_chunk(mtrl_cuda_ctx *ctx, int T, int H, int K, int V, int bound
     }
     free(h_v2);
     free(h_x);
-    // zero dS_final (NULL) path: compare dS0 and dq only (the last backward version above)
-    {
+    // zero dS_final (NULL) path: compare dg and dS0 only; the default backward, then (K = V = 128)
+    // v3's state-gradient pass with pass 3 on tensor cores
+    for (int cf = 0; cf < (v3ok ? 2 : 1); cf++) {
+        set_env("MTRL_KDA_BWD", cf ? "3" : NULL);
+        set_env("MTRL_KDA_BWD_TILE", cf ? "3" : NULL);
         double *dS0b = tu_alloc(ns), *dqb = tu_alloc(nqk), *dkb = tu_alloc(nqk), *dvb = tu_alloc(nv),
                *dgb = tu_alloc(nqk), *dbb = tu_alloc(nb);
         kda_chunk_bwd(T, H, K, V, q, k, v, g, beta, S0, St, dout, NULL, dqb, dkb, dvb, dgb, dbb, dS0b);
@@ -177,10 +188,11 @@ static void test_chunk(mtrl_cuda_ctx *ctx, int T, int H, int K, int V, int bound
                                        NULL, e_dq, e_dk, e_dv, e_dg, e_db, e_dS0), 0);
         mtrl_cuda_sync(ctx);
         tu_get_f32(got, e_dg, nqk);
-        TU_CHECK_REL("bwd (dS_final = 0) dg", got, dgb, nqk, tol);
+        TU_CHECK_REL(cf ? "v3 bwd (tile TC, dS_final = 0) dg" : "bwd (dS_final = 0) dg", got, dgb, nqk, tol);
         tu_get_f32(got, e_dS0, ns);
-        TU_CHECK_REL("bwd (dS_final = 0) dS0", got, dS0b, ns, tol);
+        TU_CHECK_REL(cf ? "v3 bwd (tile TC, dS_final = 0) dS0" : "bwd (dS_final = 0) dS0", got, dS0b, ns, tol);
         set_env("MTRL_KDA_BWD", NULL);
+        set_env("MTRL_KDA_BWD_TILE", NULL);
         mtrl_cuda_free(e_dq); mtrl_cuda_free(e_dk); mtrl_cuda_free(e_dv);
         mtrl_cuda_free(e_dg); mtrl_cuda_free(e_db); mtrl_cuda_free(e_dS0);
         free(dS0b); free(dqb); free(dkb); free(dvb); free(dgb); free(dbb);
@@ -437,9 +449,11 @@ static void test_chunk_model_(mtrl_cuda_ctx *ctx, int T, int H, int seg, int ver
     // backward on the forward's own tile states, then the gate's backward (dA_log); with the v2
     // state-gradient pass, then with v3's (MTRL_KDA_BWD=3, bf16x3), checked at the bf16x3
     // forward's tolerances (dg 1e-3, dA_log 1e-2) whenever the forward is checked
-    for (int bv = 2; bv <= 3; bv++) {
+    for (int cf = 0; cf < 3; cf++) {  // v2; v3 pass 2; v3 pass 2 and pass 3 on tensor cores
+        const int bv = cf ? 3 : 2;
         set_env("MTRL_KDA_BWD", bv == 3 ? "3" : NULL);
-        const char *btag = bv == 3 ? " (v3 bwd)" : "";
+        set_env("MTRL_KDA_BWD_TILE", cf == 2 ? "3" : NULL);
+        const char *btag = cf == 2 ? " (v3 bwd, tile TC)" : bv == 3 ? " (v3 bwd)" : "";
         const double tdA = bv == 3 && tol_dA < 1e-2 ? 1e-2 : tol_dA;
         float *e_dq = tu_dev_nan(ctx, nqk), *e_dk = tu_dev_nan(ctx, nqk), *e_dv = tu_dev_nan(ctx, nv),
               *e_dg = tu_dev_nan(ctx, nqk), *e_db = tu_dev_nan(ctx, nb), *e_dS0 = tu_dev_nan(ctx, ns),
@@ -469,6 +483,7 @@ static void test_chunk_model_(mtrl_cuda_ctx *ctx, int T, int H, int seg, int ver
         free(zero);
     }
     set_env("MTRL_KDA_BWD", NULL);
+    set_env("MTRL_KDA_BWD_TILE", NULL);
     // prefill (no S_tiles) of T - 8 tokens, then the decode step from its S_final
     {
         int Tp = T > 8 ? T - 8 : 1;

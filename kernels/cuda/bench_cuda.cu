@@ -212,8 +212,15 @@ void bench_kda(Bench &B, int T, int H) {
             mtrl_kda_chunk_bwd(B.c, T, H, K, V, q, k, v, g, beta, NULL, St, dout, NULL, dq, dk, dv, dg, db, dS0);
         }, 1, 3);
         row("  v3 bwd (MTRL_KDA_BWD=3)", shape, mb3, (double)T, "Mtok/s", 0);
-        printf("%-34s %-34s v3 bwd / v2 bwd time %.3f\n", "", "", mb3 / ms_b);
-    }  // the caller's MTRL_KDA_BWD and _WPB again
+        // and pass 3's products on tensor cores too (MTRL_KDA_BWD_TILE=3, bf16x3)
+        scoped_env tile("MTRL_KDA_BWD_TILE", "3");
+        double mbt = time_ms(B, [&] {
+            mtrl_kda_chunk_bwd(B.c, T, H, K, V, q, k, v, g, beta, NULL, St, dout, NULL, dq, dk, dv, dg, db, dS0);
+        }, 1, 3);
+        row("  v3 bwd + tile TC (_TILE=3)", shape, mbt, (double)T, "Mtok/s", 0);
+        printf("%-34s %-34s v3 bwd / default bwd time %.3f, v3 bwd + tile TC / default %.3f\n", "", "", mb3 / ms_b,
+               mbt / ms_b);
+    }  // the caller's MTRL_KDA_BWD, _BWD_TILE and _WPB again
     row("KDA chunk fwd+bwd", shape, ms_fs + ms_b, (double)T, "Mtok/s", 0);
     vs(B, ak + "_fwdbwd_ms", ms_fs + ms_b, "the time of fla chunk_kda fwd+bwd", "P2 <= 0.8x");
     size_t free_b, total_b;

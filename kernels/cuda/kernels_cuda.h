@@ -113,7 +113,8 @@ int mtrl_kda_chunk_bwd_version(int H, int K, int V);
 // The sequential state-gradient pass has two kernels: v2 (fp32 SIMT), the default; v3
 // (kda_tc_bwd_cuda.cu: mma.sync with split-bf16 operands, bf16x3, fp32 accumulators) for K = V = 128
 // and 16-byte aligned q, k, v, g, dout when the environment variable MTRL_KDA_BWD=3 (read at each
-// call): opt-in. The per-tile pass is fp32 SIMT either way.
+// call): opt-in. The per-tile pass is fp32 SIMT unless MTRL_KDA_BWD_TILE=3 (opt-in, any shape): its
+// products then run on tensor cores with bf16x3 operands.
 int mtrl_kda_chunk_bwd(mtrl_cuda_ctx *ctx, int T, int H, int K, int V, const float *q,
                        const float *k, const float *v, const float *g, const float *beta,
                        const float *S0, const float *S_tiles, const float *dout,

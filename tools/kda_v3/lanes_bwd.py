@@ -5,7 +5,8 @@
 # expressions are transcribed and compared with the same step as whole matrices with the same bf16
 # roundings: dΔ = K^e dS + Pᵀ dO, dS' = diag(e^γ) dS + Q⁺ᵀ dO + (−W)ᵀ dΔ. Errors at fp32 rounding
 # (~1e-7 relative) mean the index expressions agree with the algebra; a layout mistake gives O(1).
-# usage: python3 tools/kda_v3/lanes_bwd.py   (numpy; about a minute)
+# Then kda_cuda.cu's smm16_tc (pass 3's products on tensor cores, MTRL_KDA_BWD_TILE=3) the same way.
+# usage: python3 tools/kda_v3/lanes_bwd.py   (numpy; a few seconds)
 import numpy as np
 rng=np.random.default_rng(5)
 def bfbits(x):
@@ -103,3 +104,42 @@ for w in range(WPB):
     err.append((float(np.abs(Dg-D).max()/np.abs(D).max()), float(np.abs(S2g-S2).max()/np.abs(S2).max())))
 print("backward state step, warp errors (dΔ, dS'):", err)
 assert all(e < 1e-5 for p in err for e in p), "layout mismatch"
+
+# ---- kda_cuda.cu's smm16_tc (MTRL_KDA_BWD_TILE=3): fragments gathered from fp32 arrays with any
+# strides (transcribed; hi parts), C = alpha A B + beta C for M = 16; A and B read transposed here.
+def smm16_tc(N,Kd,alpha,A,sam,sak,B,sbk,sbn,beta,C,ldc,nw=8):
+    for w in range(nw):
+        for nt in range(w,N//8,nw):
+            n0=8*nt; c=[[0.0]*4 for _ in range(32)]
+            for k0 in range(0,Kd,16):
+                Af=[];Bf=[]
+                for l in range(32):
+                    g,t=l>>2,l&3; a=[]; b=[]
+                    for r in range(4):
+                        m=g+8*(r&1); kk=k0+2*t+8*(r>>1); a.append(pack(A[m*sam+kk*sak],A[m*sam+(kk+1)*sak]))
+                    for r in range(2):
+                        kk=k0+2*t+8*r; b.append(pack(B[kk*sbk+(n0+g)*sbn],B[(kk+1)*sbk+(n0+g)*sbn]))
+                    Af.append(a); Bf.append(b)
+                c=mma(c,Af,Bf)
+            for l in range(32):
+                g,t=l>>2,l&3
+                for r in range(4):
+                    o=(g+8*(r>>1))*ldc+n0+2*t+(r&1); v=alpha*c[l][r]
+                    C[o]=v if beta==0 else v+beta*C[o]
+N,Kd=48,32; LA=Kd+3; LB=16+5
+Am=rng.standard_normal((16,Kd)).astype(np.float32); Bm=rng.standard_normal((Kd,N)).astype(np.float32)
+Ct=rng.standard_normal((16,N)).astype(np.float32)
+Aflat=np.zeros(Kd*LA,np.float32)   # A stored transposed: A(m, k) at k LA + m
+for m in range(16):
+    for k in range(Kd): Aflat[k*LA+m]=Am[m,k]
+Bflat=np.zeros(N*(Kd+1),np.float32)  # B stored n-major: B(k, n) at n (Kd + 1) + k
+for k in range(Kd):
+    for n in range(N): Bflat[n*(Kd+1)+k]=Bm[k,n]
+Cf=np.zeros(16*LB*4,np.float32); ldc=N+3
+for m in range(16): Cf[m*ldc:m*ldc+N]=Ct[m]
+smm16_tc(N,Kd,-1.0,Aflat,1,LA,Bflat,1,Kd+1,1.0,Cf,ldc)
+Cg=np.array([Cf[m*ldc:m*ldc+N] for m in range(16)])
+ref=Ct-bq(Am)@bq(Bm)
+e=float(np.abs(Cg-ref).max()/np.abs(ref).max())
+print("smm16_tc (transposed A, n-major B, beta 1) error:", e)
+assert e < 1e-5, "smm16_tc layout mismatch"
