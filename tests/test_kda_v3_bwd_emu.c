@@ -18,15 +18,22 @@
 //     mma (dOᵀQ⁺ then dΔᵀ(−W), per 8-column n-tile).
 //   Also printed: the same emulation with plain bf16 operands (no lo parts, the bf16 record), and
 //     with fp32 operands (fp64 operands rounded to fp32, no bf16) as the fp32 baseline.
-// Checks: dS0 of the fp64 pass vs the reference backward <= 1e-9; the emulated bf16x3 pass's
-// ‖out − fp64‖/‖fp64‖ for dD, dS_tiles and dS0 (worst over the cases) <= 2e-5, the tolerance this
-// emulation supports for the kernel (test_cuda_kda checks the whole backward with it at 1e-4 of
-// fp64, 2e-4 at the bound, as v2); and bf16 at least 20x worse than bf16x3 (the emulation resolves
-// the split: a lo part dropped or misapplied shows here). Measured here (x86, 2026-11-30), worst of
-// dD, dS_tiles, dS0 over the cases: bf16x3 5.2e-6 (dD 4.0e-6–5.2e-6, dS0 2.6e-6–4.5e-6, dS_tiles
-// <= 9.3e-7), plain bf16 2.6e-3, fp32 operands 1.4e-7; the fp64 pass's dS0 vs kda_chunk_bwd 8.2e-16.
-// Not modelled: the tensor cores' accumulation inside one mma, ex2.approx's own ~2 ulp, and pass 3
-// (fp32 SIMT, unchanged), through which these errors reach dq, dk, dv, dg, dβ.
+//   Gradients: pass 3 (kda_tile_bwd_k's algebra, pass3_64_) in fp64 from the tile states of the fp64
+//     reference forward (S0 ~ N(0, 0.5²)), once on the fp64 pass's dD and dS_tiles (checked against
+//     kda_chunk_bwd's dq, dk, dv, dg, dβ at 1e-9) and once on each emulated pass's: the gradient
+//     error that pass 2 alone puts in (pass 3 is linear in dΔ and dS'; its own fp32 rounding on the
+//     GPU is v2's, which test_cuda_kda already bounds at 1e-4).
+// Checks: the fp64 pass's dS0 and the fp64 pass 3's gradients vs the reference backward <= 1e-9;
+// the emulated bf16x3 pass's ‖out − fp64‖/‖fp64‖ for dD, dS_tiles and dS0 (worst over the cases)
+// <= 2e-5 and the gradients it leads to (worst of dq, dk, dv, dg, dβ) <= 5e-5: with v2's own error
+// that justifies test_cuda_kda's 1e-4 (2e-4 at the bound) for MTRL_KDA_BWD=3; and bf16 at least 20x
+// worse than bf16x3 (the emulation resolves the split: a lo part dropped or misapplied shows here).
+// Measured here (x86, 2026-11-30), worst over the cases: dD, dS_tiles, dS0 bf16x3 5.2e-6 (dD
+// 4.0e-6–5.2e-6, dS0 2.6e-6–4.5e-6, dS_tiles <= 9.3e-7), plain bf16 2.6e-3, fp32 operands 1.4e-7;
+// gradients bf16x3 1.7e-5 (dβ at T = 17; 4.5e-6–1.0e-5 elsewhere), bf16 7.8e-3, fp32 operands
+// 2.0e-7; fp64 pass vs kda_chunk_bwd: dS0 8.2e-16, gradients 1.0e-13.
+// Not modelled: the tensor cores' accumulation inside one mma, ex2.approx's own ~2 ulp, pass 3's
+// fp32 rounding (v2's), and MTRL_KDA_BWD_TILE=3 (pass 3 on tensor cores).
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
@@ -271,12 +278,178 @@ static void pass64_(int T, int H, int h, int nt, const tile_ops_ *ops, const flo
         for (int j = 0; j < V; j++) dS0[((size_t)h * K + d) * V + j] = dS[d][j];
 }
 
+// Pass 3 (kda_cuda.cu's kda_tile_bwd_k, kda_ref.c's kda_chunk_bwd_) in fp64 for tile n of head h,
+// from the tile's incoming state S, the gradient of its outgoing state dS (both [K][V]) and its
+// dΔ (dDt, [16][V]): dq, dk, dv, dg, dβ of its rows. The intra-tile products with their exponentials
+// written out (e^{G_i − G_j}, no reference row: fp64 has the range). Linear in (dO, dΔ, dS) for
+// fixed inputs, so feeding it pass 2's outputs from the emulated kernel and from fp64 gives the
+// gradient error pass 2 alone causes.
+static void pass3_64_(int T, int H, int h, int n, const float *q, const float *k, const float *v, const float *g,
+                      const float *beta, const double *S, const double *dS, const double *dDt, const float *dout,
+                      double *dq, double *dk, double *dv, double *dg, double *db) {
+    int t0 = C * n, cr = T - t0 < C ? T - t0 : C;
+    static double G[C][K], kk[C][K], qq[C][K], vv[C][V], dO[C][V], Kp[C][K], D[C][V], W[C][K], dQp[C][K], dKe[C][K],
+        dW[C][K], YW[C][K], YU[C][V], dQ[C][K], dK[C][K], dG[C][K], dgam[K];
+    double bb[C], X[C][C], Tm[C][C], dP[C][C], dT[C][C], tmp[C][C], dM[C][C];
+    for (int r = 0; r < C; r++) {
+        int t = t0 + r, in = r < cr;
+        bb[r] = in ? beta[(size_t)t * H + h] : 0.0;
+        for (int d = 0; d < K; d++) {
+            size_t ix = ((size_t)t * H + h) * K + d;
+            kk[r][d] = in ? k[ix] : 0.0;
+            qq[r][d] = in ? q[ix] : 0.0;
+            G[r][d] = (in ? g[ix] : 0.0) + (r ? G[r - 1][d] : 0.0);
+        }
+        for (int j = 0; j < V; j++) {
+            vv[r][j] = in ? v[((size_t)t * H + h) * V + j] : 0.0;
+            dO[r][j] = in ? dout[((size_t)t * H + h) * V + j] : 0.0;
+        }
+    }
+    for (int r = 0; r < C; r++)
+        for (int d = 0; d < K; d++) Kp[r][d] = kk[r][d] * exp(G[r][d]);
+    for (int i = 0; i < C; i++)
+        for (int j = 0; j < C; j++) {
+            double x = 0;
+            if (j < i)
+                for (int d = 0; d < K; d++) x += kk[i][d] * kk[j][d] * exp(G[i][d] - G[j][d]);
+            X[i][j] = x;
+        }
+    for (int j = 0; j < C; j++)
+        for (int i = 0; i < C; i++) {
+            double acc = 0;
+            for (int l = 0; l < i; l++) acc += (l < i ? bb[i] * X[i][l] : 0.0) * Tm[l][j];
+            Tm[i][j] = i == j ? 1.0 : (i > j ? -acc : 0.0);
+        }
+    // W = T diag(β) K⁺, Δ = T diag(β) V − W S
+    for (int r = 0; r < C; r++) {
+        for (int d = 0; d < K; d++) {
+            double w = 0;
+            for (int l = 0; l < C; l++) w += Tm[r][l] * bb[l] * Kp[l][d];
+            W[r][d] = w;
+        }
+        for (int j = 0; j < V; j++) {
+            double u = 0;
+            for (int l = 0; l < C; l++) u += Tm[r][l] * bb[l] * vv[l][j];
+            D[r][j] = u;
+        }
+    }
+    for (int r = 0; r < C; r++)
+        for (int d = 0; d < K; d++)
+            for (int j = 0; j < V; j++) D[r][j] -= W[r][d] * S[d * V + j];
+    for (int d = 0; d < K; d++) {
+        double acc = 0;
+        for (int j = 0; j < V; j++) acc += S[d * V + j] * dS[d * V + j];
+        dgam[d] = exp(G[C - 1][d]) * acc;
+    }
+    // dP = dO Δᵀ, dQ⁺ = dO Sᵀ, dK^e = Δ dS'ᵀ, dW = −dΔ Sᵀ, Y_W = Tᵀ dW, Y_U = Tᵀ dΔ
+    for (int i = 0; i < C; i++)
+        for (int j = 0; j < C; j++) {
+            double a = 0;
+            for (int x = 0; x < V; x++) a += dO[i][x] * D[j][x];
+            dP[i][j] = a;
+        }
+    for (int r = 0; r < C; r++)
+        for (int d = 0; d < K; d++) {
+            double a = 0, b = 0, c = 0;
+            for (int j = 0; j < V; j++) {
+                a += dO[r][j] * S[d * V + j];
+                b += D[r][j] * dS[d * V + j];
+                c -= dDt[r * V + j] * S[d * V + j];
+            }
+            dQp[r][d] = a;
+            dKe[r][d] = b;
+            dW[r][d] = c;
+        }
+    for (int r = 0; r < C; r++) {
+        for (int d = 0; d < K; d++) {
+            double a = 0;
+            for (int l = 0; l < C; l++) a += Tm[l][r] * dW[l][d];
+            YW[r][d] = a;
+        }
+        for (int j = 0; j < V; j++) {
+            double a = 0;
+            for (int l = 0; l < C; l++) a += Tm[l][r] * dDt[l * V + j];
+            YU[r][j] = a;
+        }
+    }
+    // dT = dW (diag(β)K⁺)ᵀ + dΔ (diag(β)V)ᵀ; dM = StrictTril(−Tᵀ dT Tᵀ)
+    for (int i = 0; i < C; i++)
+        for (int l = 0; l < C; l++) {
+            double a = 0;
+            for (int d = 0; d < K; d++) a += dW[i][d] * bb[l] * Kp[l][d];
+            for (int j = 0; j < V; j++) a += dDt[i * V + j] * bb[l] * vv[l][j];
+            dT[i][l] = a;
+        }
+    for (int i = 0; i < C; i++)
+        for (int j = 0; j < C; j++) {
+            double a = 0;
+            for (int l = 0; l < C; l++) a += Tm[l][i] * dT[l][j];
+            tmp[i][j] = a;
+        }
+    for (int i = 0; i < C; i++)
+        for (int j = 0; j < C; j++) {
+            double a = 0;
+            for (int l = 0; l < C; l++) a += tmp[i][l] * Tm[j][l];
+            dM[i][j] = j < i ? -a : 0.0;
+        }
+    for (int i = 0; i < C; i++) {
+        double b = 0;
+        for (int d = 0; d < K; d++) b += Kp[i][d] * YW[i][d];
+        for (int j = 0; j < V; j++) b += vv[i][j] * YU[i][j];
+        for (int j = 0; j < i; j++) b += dM[i][j] * X[i][j];
+        for (int j = 0; j < C; j++) {
+            dM[i][j] = j < i ? bb[i] * dM[i][j] : 0.0;
+            if (j > i) dP[i][j] = 0.0;
+        }
+        if (i < cr) {
+            size_t th = (size_t)(t0 + i) * H + h;
+            db[th] = b;
+            for (int j = 0; j < V; j++) dv[th * V + j] = bb[i] * YU[i][j];
+        }
+    }
+    for (int r = 0; r < C; r++)
+        for (int d = 0; d < K; d++) {
+            double eg = exp(G[r][d]), ee = exp(G[C - 1][d] - G[r][d]);
+            double tq = dQp[r][d] * eg, tk = bb[r] * YW[r][d] * eg, te = dKe[r][d] * ee;
+            dQ[r][d] = tq;
+            dK[r][d] = tk + te;
+            dG[r][d] = qq[r][d] * tq + kk[r][d] * tk - kk[r][d] * te;
+            dgam[d] += kk[r][d] * te;
+        }
+    // intra-tile: X_ij (j < i, through dM) and P_ij (j <= i, through dP), E = e^{G_i − G_j}
+    for (int i = 0; i < C; i++)
+        for (int j = 0; j <= i; j++)
+            for (int d = 0; d < K; d++) {
+                double E = exp(G[i][d] - G[j][d]), a = dM[i][j], p = dP[i][j];
+                double ta = a * kk[j][d] * E, tq = p * kk[j][d] * E, tb = (a * kk[i][d] + p * qq[i][d]) * E;
+                dK[i][d] += ta;
+                dQ[i][d] += tq;
+                dG[i][d] += kk[i][d] * ta + qq[i][d] * tq;
+                dK[j][d] += tb;
+                dG[j][d] -= kk[j][d] * tb;
+            }
+    for (int d = 0; d < K; d++) {
+        dG[C - 1][d] += dgam[d];
+        double acc = 0;
+        for (int r = C - 1; r >= 0; r--) {
+            acc += dG[r][d];
+            if (r < cr) {
+                size_t o = ((size_t)(t0 + r) * H + h) * K + d;
+                dg[o] = acc;
+                dq[o] = dQ[r][d];
+                dk[o] = dK[r][d];
+            }
+        }
+    }
+}
+
 // ---- inputs: test_kda_v3_emu.c's op_inputs_, plus dO and dS_final -----------------------------------
 enum { G_RANDOM, G_BOUND, G_MODEL };
 typedef struct { int T, H, gk; } opcase_;
 static double rng_n_(uint64_t *ctr) { return mtrl_rng_normal(11, 1, (*ctr)++); }
 
-static void op_inputs_(const opcase_ *c, float *q, float *k, float *v, float *g, float *beta, float *dout, float *dSf) {
+static void op_inputs_(const opcase_ *c, float *q, float *k, float *v, float *g, float *beta, float *dout, float *dSf,
+                       float *S0) {
     uint64_t ctr = (uint64_t)c->T * 1000 + (uint64_t)c->H * 10 + (uint64_t)c->gk;
     for (int t = 0; t < c->T; t++)
         for (int h = 0; h < c->H; h++) {
@@ -302,6 +475,7 @@ static void op_inputs_(const opcase_ *c, float *q, float *k, float *v, float *g,
     for (size_t i = 0; i < (size_t)c->T * c->H; i++) beta[i] = (float)(1.0 / (1.0 + exp(-rng_n_(&ctr))));
     for (size_t i = 0; i < (size_t)c->T * c->H * V; i++) dout[i] = (float)rng_n_(&ctr);
     for (size_t i = 0; i < (size_t)c->H * K * V; i++) dSf[i] = (float)rng_n_(&ctr);
+    for (size_t i = 0; i < (size_t)c->H * K * V; i++) S0[i] = (float)(0.5 * rng_n_(&ctr));
 }
 
 static double rel_fd_(const float *a, const double *b, size_t n) {
@@ -319,39 +493,63 @@ int main(void) {
     static const opcase_ cases[] = {{1, 2, G_RANDOM}, {17, 2, G_RANDOM}, {41, 2, G_BOUND}, {100, 4, G_BOUND},
                                     {333, 2, G_RANDOM}, {96, 8, G_RANDOM}, {137, 2, G_MODEL}};
     static const char *pname[] = {"bf16", "bf16x3", "fp32"};
-    double worst[3] = {0, 0, 0}, worst_ref = 0;
-    printf("||out - fp64|| / ||fp64|| of the emulated state-gradient pass (dD, dS_tiles, dS0):\n");
+    static const char *gname[] = {"dq", "dk", "dv", "dg", "dbeta"};
+    double worst[3] = {0, 0, 0}, worst_ref = 0, gworst[3] = {0, 0, 0}, gworst_ref = 0;
+    printf("||out - fp64|| / ||fp64|| of the emulated state-gradient pass (dD, dS_tiles, dS0), then of the gradients "
+           "pass 3 (fp64) makes from its output (worst of dq, dk, dv, dg, dbeta):\n");
     for (size_t ci = 0; ci < sizeof cases / sizeof *cases; ci++) {
         const opcase_ *c = &cases[ci];
         int T = c->T, H = c->H, nt = (T + C - 1) / C;
-        size_t nqk = (size_t)T * H * K, nv = (size_t)T * H * V, ns = (size_t)H * K * V, nd = (size_t)H * nt * C * V;
+        size_t nqk = (size_t)T * H * K, nv = (size_t)T * H * V, ns = (size_t)H * K * V, nd = (size_t)H * nt * C * V,
+               nb = (size_t)T * H, Tp = (size_t)nt * C;
         float *q = malloc(4 * nqk), *k = malloc(4 * nqk), *v = malloc(4 * nv), *g = malloc(4 * nqk),
-              *beta = malloc(4 * (size_t)T * H), *dout = malloc(4 * nv), *dSf = malloc(4 * ns), *dD = malloc(4 * nd),
-              *dSt = malloc(4 * ns * nt), *dS0 = malloc(4 * ns);
-        double *dD64 = malloc(8 * nd), *dSt64 = malloc(8 * ns * nt), *dS064 = malloc(8 * ns);
+              *beta = malloc(4 * nb), *dout = malloc(4 * nv), *dSf = malloc(4 * ns), *S0 = malloc(4 * ns),
+              *dD = malloc(4 * nd), *dSt = malloc(4 * ns * nt), *dS0 = malloc(4 * ns);
+        double *dD64 = malloc(8 * nd), *dSt64 = malloc(8 * ns * nt), *dS064 = malloc(8 * ns), *St64 = malloc(8 * ns * nt),
+               *xD = malloc(8 * nd), *xSt = malloc(8 * ns * nt);
+        double *gr[3][5], *gref[5];  // [0] pass 3 on fp64 pass 2, [1] on the emulated pass 2; gref: kda_chunk_bwd
+        size_t glen[5] = {nqk, nqk, nv, nqk, nb};
+        for (int a = 0; a < 5; a++) {
+            gref[a] = malloc(8 * glen[a]);
+            for (int b = 0; b < 2; b++) gr[b][a] = malloc(8 * glen[a]);
+        }
         tile_ops_ *o64 = malloc(sizeof(tile_ops_) * nt), *oe = malloc(sizeof(tile_ops_) * nt);
-        op_inputs_(c, q, k, v, g, beta, dout, dSf);
+        op_inputs_(c, q, k, v, g, beta, dout, dSf, S0);
         for (int h = 0; h < H; h++) {
             for (int n = 0; n < nt; n++) prep64_(T, H, h, n, q, k, g, beta, &o64[n]);
             pass64_(T, H, h, nt, o64, dout, dSf, dD64, dSt64, dS064);
         }
-        {  // the fp64 pass's dS0 against the reference backward's (fp64 throughout)
-            double *a[9];
-            size_t sz[9] = {nqk, nqk, nv, nqk, (size_t)T * H, nv, ns, nqk, nqk};
-            for (int i = 0; i < 9; i++) a[i] = malloc(8 * sz[i]);
+        {  // the fp64 reference forward (tile states) and backward (gradients, dS0)
+            double *a[8];
+            size_t sz[8] = {nqk, nqk, nv, nqk, nb, nv, ns, ns};
+            for (int i = 0; i < 8; i++) a[i] = malloc(8 * sz[i]);
             for (size_t i = 0; i < nqk; i++) { a[0][i] = q[i]; a[1][i] = k[i]; a[3][i] = g[i]; }
             for (size_t i = 0; i < nv; i++) { a[2][i] = v[i]; a[5][i] = dout[i]; }
-            for (size_t i = 0; i < (size_t)T * H; i++) a[4][i] = beta[i];
-            for (size_t i = 0; i < ns; i++) a[6][i] = dSf[i];
-            double *S0 = calloc(ns, 8), *rdS0 = malloc(8 * ns), *dv = malloc(8 * nv), *db = malloc(8 * (size_t)T * H),
-                   *dq = malloc(8 * nqk), *dk = malloc(8 * nqk), *dg = malloc(8 * nqk);
-            kda_chunk_bwd(T, H, K, V, a[0], a[1], a[2], a[3], a[4], S0, NULL, a[5], a[6], dq, dk, dv, dg, db, rdS0);
+            for (size_t i = 0; i < nb; i++) a[4][i] = beta[i];
+            for (size_t i = 0; i < ns; i++) { a[6][i] = dSf[i]; a[7][i] = S0[i]; }
+            double *rdS0 = malloc(8 * ns);
+            kda_chunk_fwd(T, H, K, V, a[0], a[1], a[2], a[3], a[4], a[7], NULL, NULL, St64);
+            kda_chunk_bwd(T, H, K, V, a[0], a[1], a[2], a[3], a[4], a[7], St64, a[5], a[6], gref[0], gref[1], gref[2],
+                          gref[3], gref[4], rdS0);
             double e = rel_dd_(dS064, rdS0, ns);
             worst_ref = fmax(worst_ref, e);
             printf("  T=%4d H=%d g %-6s fp64 pass dS0 vs kda_chunk_bwd %.1e", T, H,
                    c->gk == G_BOUND ? "bound" : c->gk == G_MODEL ? "model" : "random", e);
-            for (int i = 0; i < 9; i++) free(a[i]);
-            free(S0); free(rdS0); free(dv); free(db); free(dq); free(dk); free(dg);
+            for (int i = 0; i < 8; i++) free(a[i]);
+            free(rdS0);
+        }
+        // pass 3 in fp64 on fp64 pass-2 outputs, against the reference backward
+        for (int h = 0; h < H; h++)
+            for (int n = 0; n < nt; n++) {
+                size_t so = ((size_t)n * H + h) * K * V;
+                pass3_64_(T, H, h, n, q, k, v, g, beta, St64 + so, dSt64 + so, dD64 + ((size_t)h * Tp + (size_t)n * C) * V,
+                          dout, gr[0][0], gr[0][1], gr[0][2], gr[0][3], gr[0][4]);
+            }
+        {
+            double e = 0;
+            for (int a = 0; a < 5; a++) e = fmax(e, rel_dd_(gr[0][a], gref[a], glen[a]));
+            gworst_ref = fmax(gworst_ref, e);
+            printf(", its pass 3 vs kda_chunk_bwd %.1e\n   ", e);
         }
         for (int prec = 0; prec < 3; prec++) {
             for (int h = 0; h < H; h++) {
@@ -363,14 +561,35 @@ int main(void) {
             }
             double ed = rel_fd_(dD, dD64, nd), et = rel_fd_(dSt, dSt64, ns * nt), e0 = rel_fd_(dS0, dS064, ns);
             worst[prec] = fmax(worst[prec], fmax(ed, fmax(et, e0)));
-            printf(" | %s dD %.2e dSt %.2e dS0 %.2e", pname[prec], ed, et, e0);
+            for (size_t i = 0; i < nd; i++) xD[i] = dD[i];
+            for (size_t i = 0; i < ns * nt; i++) xSt[i] = dSt[i];
+            for (int h = 0; h < H; h++)
+                for (int n = 0; n < nt; n++) {
+                    size_t so = ((size_t)n * H + h) * K * V;
+                    pass3_64_(T, H, h, n, q, k, v, g, beta, St64 + so, xSt + so, xD + ((size_t)h * Tp + (size_t)n * C) * V,
+                              dout, gr[1][0], gr[1][1], gr[1][2], gr[1][3], gr[1][4]);
+                }
+            double ge = 0;
+            int gw = 0;
+            for (int a = 0; a < 5; a++) {
+                double x = rel_dd_(gr[1][a], gr[0][a], glen[a]);
+                if (x > ge) { ge = x; gw = a; }
+            }
+            gworst[prec] = fmax(gworst[prec], ge);
+            printf(" | %s dD %.2e dSt %.2e dS0 %.2e grad %.2e (%s)", pname[prec], ed, et, e0, ge, gname[gw]);
         }
         printf("\n");
-        free(q); free(k); free(v); free(g); free(beta); free(dout); free(dSf); free(dD); free(dSt); free(dS0);
-        free(dD64); free(dSt64); free(dS064); free(o64); free(oe);
+        free(q); free(k); free(v); free(g); free(beta); free(dout); free(dSf); free(S0); free(dD); free(dSt); free(dS0);
+        free(dD64); free(dSt64); free(dS064); free(St64); free(xD); free(xSt); free(o64); free(oe);
+        for (int a = 0; a < 5; a++) { free(gref[a]); free(gr[0][a]); free(gr[1][a]); }
     }
-    printf("worst over the cases: fp64 pass dS0 vs the reference %.2e; emulated bf16 %.2e, bf16x3 %.2e, fp32 "
-           "operands %.2e\n", worst_ref, worst[PREC_BF16], worst[PREC_X3], worst[PREC_F32]);
+    printf("worst over the cases: fp64 pass dS0 vs the reference %.2e, fp64 pass 3 vs the reference %.2e; pass 2 "
+           "emulated: bf16 %.2e (gradients %.2e), bf16x3 %.2e (gradients %.2e), fp32 operands %.2e (gradients %.2e)\n",
+           worst_ref, gworst_ref, worst[PREC_BF16], gworst[PREC_BF16], worst[PREC_X3], gworst[PREC_X3],
+           worst[PREC_F32], gworst[PREC_F32]);
+    TEST_CHECKF(gworst_ref <= 1e-9, "fp64 pass 3 vs kda_chunk_bwd %.3g: the pass's algebra", gworst_ref);
+    TEST_CHECKF(gworst[PREC_X3] <= 5e-5, "gradients from the emulated bf16x3 pass 2 vs fp64 %.3g (tolerance 5e-5)",
+                gworst[PREC_X3]);
     TEST_CHECKF(worst_ref <= 1e-9, "fp64 pass dS0 vs kda_chunk_bwd %.3g: the pass's algebra", worst_ref);
     TEST_CHECKF(worst[PREC_X3] <= 2e-5, "emulated bf16x3 state-gradient pass vs fp64 %.3g (tolerance 2e-5)",
                 worst[PREC_X3]);
