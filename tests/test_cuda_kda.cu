@@ -37,7 +37,8 @@
 // In test_chunk_model_ the backward and gate backward run with it too (and with MTRL_KDA_BWD_TILE=3
 // as well): dg 1e-3 and dA_log 1e-2 whenever that forward is checked. MTRL_KDA_BWD_TILE=3 (pass 3's products on tensor cores,
 // bf16x3, every shape): every test_chunk backward case again, with v2's and v3's pass 2, at the same
-// tolerances (not emulated: the forward's bf16x3 products measured 7e-6 of fp64). Not yet run on a GPU.
+// tolerances (test_kda_v3_bwd_emu.c emulates its operand rounding: gradients within 2e-5 of fp64 with
+// both switches). Not yet run on a GPU.
 #include "tests/testhelp.h"
 #include "kernels/cuda/cuda_testutil.h"
 #include "kernels/ref/kda_ref.h"

@@ -37,12 +37,16 @@
 // prep buffers and pass 2 runs on tensor cores with split-bf16 operands over them (recomputed
 // states, when S_tiles is NULL, come from v3's bf16x3 forward state pass); pass 3 is unchanged.
 // MTRL_KDA_BWD_TILE=3 (read at each call; opt-in, any shape, with either pass 2): pass 3's products
-// of 16 rows (all but the two 16 x 16 x 16 with T) on tensor cores, kda_tile_bwd_k<true> through
-// smm16_tc: mma.sync m16n8k16 with bf16x3 operands split as they are gathered from fp32 shared
-// memory (scalar loads, no ldmatrix: the staging and layouts stay v2's), fp32 accumulators; 105
-// registers (v2's instance 128; ptxas sm_90), the same shared memory and grid. Not emulated (the
-// forward's bf16x3 products measured 7e-6 of fp64); test_cuda_kda checks it at v2's tolerances.
-// tools/kda_v3/lanes_bwd.py checks smm16_tc's fragment indexing (1e-7). Not yet run on a GPU.
+// with S, dS', Δ, dΔ, dO, W, K⁺, V and T (W, U, Δ, dP, dQ⁺, dK^e, dW, Y_W, Y_U, dT) on tensor cores,
+// kda_tile_bwd_k<true> through smm16_tc: mma.sync m16n8k16 with bf16x3 operands split as they are
+// gathered from fp32 shared memory (scalar loads, no ldmatrix: the staging and layouts stay v2's),
+// fp32 accumulators; the intra-tile products (dA, dQ̂, dK̂⁻: operands scaled by e^{±40} at the
+// decay's bound, then cancelled in dG) and those with T alone stay SIMT fp32. ptxas (sm_90, nvcc
+// 13): 107 registers (<false>: 128), no spills; the same shared memory and grid. tests/test_kda_v3_bwd_emu.c
+// emulates its operand rounding: gradients within 2e-5 of fp64 (1.3e-4 in dg at the bound with the
+// intra-tile products on tensor cores too, hence SIMT there); test_cuda_kda checks it at v2's
+// tolerances. tools/kda_v3/lanes_bwd.py checks smm16_tc's fragment indexing (1e-7). Not yet run on
+// a GPU.
 //
 // Decode step (mtrl_kda_step), two kernels behind one launcher:
 //   v2 kda_step2_k (default), grid (V/64, H, B), 256 threads: a block owns 64 columns of one
@@ -587,8 +591,9 @@ static size_t tile_bwd_floats(int K, int V) {
            KT /* db */ + K /* dgS */;
 }
 
-// TC: the products of 16 rows (all but the two 16 x 16 x 16 ones with T) on tensor cores with
-// bf16x3 operands (smm16_tc; MTRL_KDA_BWD_TILE=3, opt-in), else SIMT fp32 (smm).
+// TC: the products of 16 rows on tensor cores with bf16x3 operands (smm16_tc; MTRL_KDA_BWD_TILE=3,
+// opt-in), except the two 16 x 16 x 16 with T and the four intra-tile ones (dA, dQ̂, dK̂⁻), which stay
+// SIMT fp32 (smm) as without TC.
 template <bool TC>
 __global__ void __launch_bounds__(256) kda_tile_bwd_k(int T, int H, int K, int V, const float *q,
                                                       const float *k, const float *v,
@@ -737,11 +742,14 @@ __global__ void __launch_bounds__(256) kda_tile_bwd_k(int T, int H, int K, int V
     }
     __syncthreads();
     // Intra-tile blocks: dK̂⁺ = diag(β)dM K̂⁻, dQ̂⁺ = dP K̂⁻, dK̂⁻ = (diag(β)dM)ᵀ K̂⁺ + dPᵀ Q̂⁺.
-    mm16<TC, 1, 4>(K, KT, 1.f, dM, 17, 1, s.B, LK, 1, 0.f, dA, LK);
-    mm16<TC, 1, 4>(K, KT, 1.f, dP, 17, 1, s.B, LK, 1, 0.f, dQh, LK);
-    mm16<TC, 1, 4>(K, KT, 1.f, dM, 1, 17, s.A, LK, 1, 0.f, dB, LK);
+    // fp32 SIMT even with TC: the scaled operands span e^{±40} at the decay's bound and dG
+    // cancels their products (test_kda_v3_bwd_emu.c: bf16x3 here gives dg 1.3e-4 of fp64 there,
+    // against 2e-5 with these four in fp32).
+    smm<1, 4>(KT, K, KT, 1.f, dM, 17, 1, s.B, LK, 1, 0.f, dA, LK);
+    smm<1, 4>(KT, K, KT, 1.f, dP, 17, 1, s.B, LK, 1, 0.f, dQh, LK);
+    smm<1, 4>(KT, K, KT, 1.f, dM, 1, 17, s.A, LK, 1, 0.f, dB, LK);
     __syncthreads();
-    mm16<TC, 1, 4>(K, KT, 1.f, dP, 1, 17, s.Qh, LK, 1, 1.f, dB, LK);
+    smm<1, 4>(KT, K, KT, 1.f, dP, 1, 17, s.Qh, LK, 1, 1.f, dB, LK);
     __syncthreads();
     for (int d = threadIdx.x; d < K; d += blockDim.x) {
         float Gm = s.Gm[d];
