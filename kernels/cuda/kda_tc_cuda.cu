@@ -56,6 +56,9 @@
 // slower, v3 bf16x3 ≈ 0.8–1.2x v2's time. Not yet run on a GPU.
 // The bf16 path compiles to the PTX it had before this mode (state pass identical; prep the same
 // instructions, a few address computations reordered), so its results are unchanged.
+// The record layout, the split helpers and the launchers kda3_prep_launch / kda3_state_fwd_launch
+// are shared through kda_tc.cuh with the backward's state-gradient pass (kda_tc_bwd_cuda.cu,
+// MTRL_KDA_BWD=3), which reads the bf16x3 record.
 // The result does not depend on WPB (each warp's arithmetic is the same), so the variants are
 // bit-identical (in either precision); MTRL_KDA3_WPB=1|2|4|8 in the environment picks one (read at
 // each call, for measuring), default 4.
