@@ -29,16 +29,16 @@
 // v3 bf16x3 runs the same cases, always checked: o, S_final, S_tiles 1e-4, dA_log 1e-2, dg 1e-3,
 // prefill and decode 1e-3 of max |o|.
 // Backward v3 (kda_tc_bwd_cuda.cu, MTRL_KDA_BWD=3: the state-gradient pass on tensor cores, bf16x3
-// operands): every K = V = 128 backward case of test_chunk runs again with it (stored and recomputed
-// states; T = 1, 16, 61, 77, 333; the decay at the bound at T = 16 and 61) at v2's tolerances
-// (1e-4, 2e-4 at the bound: test_kda_v3_bwd_emu.c's emulation puts v3's pass 2 within 5.2e-6 of
-// fp64 in dD, dS_tiles and dS0 and the gradients it leads to within 1.7e-5; pass 3 is v2's), its dS0 not bit-identical to v2's (the switch
-// took effect) and every MTRL_KDA3_WPB giving the same bits; the dS_final = 0 case with v3 too.
-// In test_chunk_model_ the backward and gate backward run with it too (and with MTRL_KDA_BWD_TILE=3
-// as well): dg 1e-3 and dA_log 1e-2 whenever that forward is checked. MTRL_KDA_BWD_TILE=3 (pass 3's products on tensor cores,
-// bf16x3, every shape): every test_chunk backward case again, with v2's and v3's pass 2, at the same
-// tolerances (test_kda_v3_bwd_emu.c emulates its operand rounding: gradients within 2e-5 of fp64 with
-// both switches). Not yet run on a GPU.
+// operands): every K = V = 128 backward case of test_chunk runs again with it (stored and
+// recomputed states; T = 1, 16, 61, 77, 333; the decay at the bound at T = 16 and 61) at v2's
+// tolerances (1e-4, 2e-4 at the bound: test_kda_v3_bwd_emu.c's emulation puts v3's pass 2 within
+// 5.2e-6 of fp64 in dD, dS_tiles and dS0 and the gradients it leads to within 1.7e-5; pass 3 is
+// v2's), its dS0 not bit-identical to v2's (the switch took effect) and every MTRL_KDA3_WPB giving
+// the same bits; the dS_final = 0 case with v3 too. MTRL_KDA_BWD_TILE=3 (pass 3's products on
+// tensor cores, bf16x3, every shape): every test_chunk backward case again, with v2's and v3's
+// pass 2, at the same tolerances (emulated: gradients within 2e-5 of fp64 with both switches). In
+// test_chunk_model_ the backward and gate backward run with MTRL_KDA_BWD=3 and then with both
+// switches too: dg 1e-3 and dA_log 1e-2 whenever that forward is checked. Not yet run on a GPU.
 #include "tests/testhelp.h"
 #include "kernels/cuda/cuda_testutil.h"
 #include "kernels/ref/kda_ref.h"
