@@ -28,6 +28,21 @@
 // kernel tests at 1e-2 but not the model's (segmented vs whole gradients 0.56 relative at 64K,
 // decode vs prefill 0.17 of max |logit|: MoE routing flips and the decay gradient, a small sum of
 // large terms, amplify its 4e-3; tests/test_kda_v3_emu.c reproduces this on the CPU).
+// Backward v3 (kda_tc_bwd_cuda.cu, MTRL_KDA_BWD=3 in the environment, read at each call; opt-in,
+// K = V = 128, 16-byte aligned q, k, v, g, dout): pass 1 writes v3's bf16x3 records instead of v2's
+// prep buffers and pass 2 runs on tensor cores with split-bf16 operands over them (recomputed
+// states, when S_tiles is NULL, come from v3's bf16x3 forward state pass); pass 3 is unchanged.
+// MTRL_KDA_BWD_TILE=3 (read at each call; opt-in, any shape, with either pass 2): pass 3's products
+// with S, dS', Δ, dΔ, dO, W, K⁺, V and T (W, U, Δ, dP, dQ⁺, dK^e, dW, Y_W, Y_U, dT) on tensor cores,
+// kda_tile_bwd_k<true> through smm16_tc: mma.sync m16n8k16 with bf16x3 operands split as they are
+// gathered from fp32 shared memory (scalar loads, no ldmatrix: the staging and layouts stay v2's),
+// fp32 accumulators; the intra-tile products (dA, dQ̂, dK̂⁻: operands scaled by e^{±40} at the
+// decay's bound, then cancelled in dG) and those with T alone stay SIMT fp32. ptxas (sm_90, nvcc
+// 13): 107 registers (<false>: 128), no spills; the same shared memory and grid. tests/test_kda_v3_bwd_emu.c
+// emulates its operand rounding: gradients within 2e-5 of fp64 (1.3e-4 in dg at the bound with the
+// intra-tile products on tensor cores too, hence SIMT there); test_cuda_kda checks it at v2's
+// tolerances. tools/kda_v3/lanes_bwd.py checks smm16_tc's fragment indexing (1e-7). Not yet run on
+// a GPU.
 //
 // Decode step (mtrl_kda_step), two kernels behind one launcher:
 //   v2 kda_step2_k (default), grid (V/64, H, B), 256 threads: a block owns 64 columns of one
@@ -95,6 +110,57 @@ __device__ void smm(int M, int N, int Kd, float alpha, const float *A, int sam, 
             }
         }
     }
+}
+
+// The same for M = 16 on tensor cores (mma.sync m16n8k16), operands split to bf16x3 as they are
+// read (a = hi + lo, hi = bf16(a), lo = bf16(a − hi); a_lo b_hi + a_hi b_lo + a_hi b_hi into an fp32
+// accumulator, as kda_tc_cuda.cu's bf16x3): ~16 significant bits per product instead of fp32's 24.
+// N % 8 == 0, Kd % 16 == 0. Warp w computes the 8-column n-tiles w, w + 8, ... (each over all of
+// Kd); fragments are gathered with scalar loads from fp32 shared memory (any strides), so this
+// replaces smm call for call. The caller synchronises before and after.
+__device__ __forceinline__ void split2_(float a, float b, uint32_t &hi, uint32_t &lo) {
+    hi = pack_bf16(a, b);
+    lo = pack_bf16(a - bf2f((uint16_t)(hi & 0xffffu)), b - bf2f((uint16_t)(hi >> 16)));
+}
+__device__ void smm16_tc(int N, int Kd, float alpha, const float *A, int sam, int sak, const float *B,
+                         int sbk, int sbn, float beta, float *C, int ldc) {
+    const int lane = threadIdx.x & 31, nw = blockDim.x >> 5, g = lane >> 2, t = lane & 3;
+    for (int nt = threadIdx.x >> 5; nt < N / 8; nt += nw) {
+        const int n0 = 8 * nt;
+        float c[4] = {0.f, 0.f, 0.f, 0.f};
+        for (int k0 = 0; k0 < Kd; k0 += 16) {
+            uint32_t ah[4], al[4], bh[2], bl[2];
+            // A: a[r] = (row g + 8 (r & 1), k = k0 + 2t + 8 (r >> 1) .. +1)
+#pragma unroll
+            for (int r = 0; r < 4; r++) {
+                const int m = g + 8 * (r & 1), kk = k0 + 2 * t + 8 * (r >> 1);
+                split2_(A[m * sam + kk * sak], A[m * sam + (kk + 1) * sak], ah[r], al[r]);
+            }
+            // B: b[r] = (k = k0 + 2t + 8 r .. +1, column n0 + g)
+#pragma unroll
+            for (int r = 0; r < 2; r++) {
+                const int kk = k0 + 2 * t + 8 * r;
+                split2_(B[kk * sbk + (n0 + g) * sbn], B[(kk + 1) * sbk + (n0 + g) * sbn], bh[r], bl[r]);
+            }
+            mma_bf16_16816(c, al, bh);
+            mma_bf16_16816(c, ah, bl);
+            mma_bf16_16816(c, ah, bh);
+        }
+        // C: c[r] = (row g + 8 (r >> 1), column n0 + 2t + (r & 1))
+#pragma unroll
+        for (int r = 0; r < 4; r++) {
+            float *o = C + (g + 8 * (r >> 1)) * ldc + n0 + 2 * t + (r & 1);
+            const float v = alpha * c[r];
+            *o = beta == 0.f ? v : v + beta * *o;
+        }
+    }
+}
+// smm with M = KT, on tensor cores (bf16x3) when TC.
+template <bool TC, int RM, int RN>
+__device__ __forceinline__ void mm16(int N, int Kd, float alpha, const float *A, int sam, int sak,
+                                     const float *B, int sbk, int sbn, float beta, float *C, int ldc) {
+    if constexpr (TC) smm16_tc(N, Kd, alpha, A, sam, sak, B, sbk, sbn, beta, C, ldc);
+    else smm<RM, RN>(16, N, Kd, alpha, A, sam, sak, B, sbk, sbn, beta, C, ldc);
 }
 
 // ---- one tile's state-independent part (shared by the forward prep and the tile backward) --
@@ -521,6 +587,10 @@ static size_t tile_bwd_floats(int K, int V) {
            KT /* db */ + K /* dgS */;
 }
 
+// TC: the products of 16 rows on tensor cores with bf16x3 operands (smm16_tc; MTRL_KDA_BWD_TILE=3,
+// opt-in), except the two 16 x 16 x 16 with T and the four intra-tile ones (dA, dQ̂, dK̂⁻), which stay
+// SIMT fp32 (smm) as without TC.
+template <bool TC>
 __global__ void __launch_bounds__(256) kda_tile_bwd_k(int T, int H, int K, int V, const float *q,
                                                       const float *k, const float *v,
                                                       const float *g, const float *beta,
@@ -580,8 +650,8 @@ __global__ void __launch_bounds__(256) kda_tile_bwd_k(int T, int H, int K, int V
     for (int i = threadIdx.x; i < KT * LK; i += blockDim.x) dQp[i] = dKe[i] = dW[i] = 0.f;
     for (int d = threadIdx.x; d < K; d += blockDim.x) dgS[d] = 0.f;
     __syncthreads();
-    smm<1, 4>(KT, K, KT, 1.f, tmp, 17, 1, Kp, LK, 1, 0.f, Wm, LK);
-    smm<1, 4>(KT, V, KT, 1.f, tmp, 17, 1, s.v, LV, 1, 0.f, Dl, LV);
+    mm16<TC, 1, 4>(K, KT, 1.f, tmp, 17, 1, Kp, LK, 1, 0.f, Wm, LK);
+    mm16<TC, 1, 4>(V, KT, 1.f, tmp, 17, 1, s.v, LV, 1, 0.f, Dl, LV);
     __syncthreads();
     // Column chunks of S and dS': Δ = U − W S, dP += dO Δᵀ, dQ⁺ += dO Sᵀ, dK^e += Δ dS'ᵀ,
     // dW −= dΔ Sᵀ, dγ_S += rowsum(S ⊙ dS').
@@ -593,27 +663,27 @@ __global__ void __launch_bounds__(256) kda_tile_bwd_k(int T, int H, int K, int V
             dSc[d * LC + j] = dS[(size_t)d * V + c0 + j];
         }
         __syncthreads();
-        smm<1, 2>(KT, cw, K, -1.f, Wm, LK, 1, Sc, LC, 1, 1.f, Dl + c0, LV);
+        mm16<TC, 1, 2>(cw, K, -1.f, Wm, LK, 1, Sc, LC, 1, 1.f, Dl + c0, LV);
         for (int d = threadIdx.x; d < K; d += blockDim.x) {
             float acc = 0.f;
             for (int j = 0; j < cw; j++) acc = fmaf(Sc[d * LC + j], dSc[d * LC + j], acc);
             dgS[d] += acc;
         }
         __syncthreads();
-        smm<1, 1>(KT, KT, cw, 1.f, sdO + c0, LV, 1, Dl + c0, 1, LV, 1.f, dP, 17);
-        smm<2, 4>(KT, K, cw, 1.f, sdO + c0, LV, 1, Sc, 1, LC, 1.f, dQp, LK);
-        smm<2, 4>(KT, K, cw, 1.f, Dl + c0, LV, 1, dSc, 1, LC, 1.f, dKe, LK);
-        smm<2, 4>(KT, K, cw, -1.f, sdD + c0, LV, 1, Sc, 1, LC, 1.f, dW, LK);
+        mm16<TC, 1, 1>(KT, cw, 1.f, sdO + c0, LV, 1, Dl + c0, 1, LV, 1.f, dP, 17);
+        mm16<TC, 2, 4>(K, cw, 1.f, sdO + c0, LV, 1, Sc, 1, LC, 1.f, dQp, LK);
+        mm16<TC, 2, 4>(K, cw, 1.f, Dl + c0, LV, 1, dSc, 1, LC, 1.f, dKe, LK);
+        mm16<TC, 2, 4>(K, cw, -1.f, sdD + c0, LV, 1, Sc, 1, LC, 1.f, dW, LK);
         __syncthreads();
     }
     // dγ_S = e^γ ⊙ rowsum(S ⊙ dS')
     for (int d = threadIdx.x; d < K; d += blockDim.x) dgS[d] *= expf(s.gam[d]);
     // Y_W = Tᵀ dW (into Wm), Y_U = Tᵀ dΔ (into sdO), dT = dW (diag(β)K⁺)ᵀ + dΔ (diag(β)V)ᵀ.
-    smm<1, 4>(KT, K, KT, 1.f, s.T, 1, 17, dW, LK, 1, 0.f, Wm, LK);
-    smm<1, 4>(KT, V, KT, 1.f, s.T, 1, 17, sdD, LV, 1, 0.f, sdO, LV);
-    smm<1, 1>(KT, KT, K, 1.f, dW, LK, 1, Kp, 1, LK, 0.f, dT, 17);
+    mm16<TC, 1, 4>(K, KT, 1.f, s.T, 1, 17, dW, LK, 1, 0.f, Wm, LK);
+    mm16<TC, 1, 4>(V, KT, 1.f, s.T, 1, 17, sdD, LV, 1, 0.f, sdO, LV);
+    mm16<TC, 1, 1>(KT, K, 1.f, dW, LK, 1, Kp, 1, LK, 0.f, dT, 17);
     __syncthreads();
-    smm<1, 1>(KT, KT, V, 1.f, sdD, LV, 1, s.v, 1, LV, 1.f, dT, 17);
+    mm16<TC, 1, 1>(KT, V, 1.f, sdD, LV, 1, s.v, 1, LV, 1.f, dT, 17);
     __syncthreads();
     for (int i = threadIdx.x; i < KT * KT; i += blockDim.x) {
         int r = i >> 4, l = i & 15;
@@ -668,6 +738,9 @@ __global__ void __launch_bounds__(256) kda_tile_bwd_k(int T, int H, int K, int V
     }
     __syncthreads();
     // Intra-tile blocks: dK̂⁺ = diag(β)dM K̂⁻, dQ̂⁺ = dP K̂⁻, dK̂⁻ = (diag(β)dM)ᵀ K̂⁺ + dPᵀ Q̂⁺.
+    // fp32 SIMT even with TC: the scaled operands span e^{±40} at the decay's bound and dG
+    // cancels their products (test_kda_v3_bwd_emu.c: bf16x3 here gives dg 1.3e-4 of fp64 there,
+    // against 2e-5 with these four in fp32).
     smm<1, 4>(KT, K, KT, 1.f, dM, 17, 1, s.B, LK, 1, 0.f, dA, LK);
     smm<1, 4>(KT, K, KT, 1.f, dP, 17, 1, s.B, LK, 1, 0.f, dQh, LK);
     smm<1, 4>(KT, K, KT, 1.f, dM, 1, 17, s.A, LK, 1, 0.f, dB, LK);
@@ -938,6 +1011,20 @@ int kda3_chunk_fwd(mtrl_cuda_ctx *c, int T, int H, const float *q, const float *
                    const float *v, const float *g, const float *beta, const float *S0, float *o,
                    float *S_final, float *S_tiles);
 
+// v3 backward state-gradient pass (kda_tc_bwd_cuda.cu) over v3's bf16x3 records (kda_tc_cuda.cu).
+size_t kda3_rec_bytes(int split);
+void kda3_prep_launch(mtrl_cuda_ctx *c, int T, int H, const float *q, const float *k, const float *v,
+                      const float *g, const float *beta, unsigned char *rec, int split);
+void kda3_state_fwd_launch(mtrl_cuda_ctx *c, int T, int H, const unsigned char *rec, const float *S0,
+                           float *o, float *S_final, float *S_tiles, int split);
+void kda3_state_bwd_launch(mtrl_cuda_ctx *c, int T, int H, const unsigned char *rec, const float *dout,
+                           const float *dS_final, float *dD, float *dSt, float *dS0);
+
+extern "C" int mtrl_kda_chunk_bwd_version(int H, int K, int V) {
+    if (!env_is("MTRL_KDA_BWD", "3")) return 2;
+    return H > 0 && H <= 65535 && K == 128 && V == 128 ? 3 : 2;
+}
+
 extern "C" int mtrl_kda_chunk_fwd_version(int H, int K, int V) {
     if (env_is("MTRL_KDA_FWD", "2")) return 2;
     return H > 0 && H <= 65535 && K == 128 && V == 128 ? 3 : 2;
@@ -988,10 +1075,16 @@ extern "C" int mtrl_kda_chunk_bwd(mtrl_cuda_ctx *c, int T, int H, int K, int V, 
     }
     int nt = (T + KT - 1) / KT;
     size_t Tp = (size_t)nt * KT;
+    // v3: the state-gradient pass on tensor cores from v3's bf16x3 records (which replace v2's
+    // prep buffers; recomputed states come from v3's bf16x3 forward state pass).
+    const bool v3 = mtrl_kda_chunk_bwd_version(H, K, V) == 3 && kda3_supports(H, K, V, q, k, v, g) &&
+                    ((uintptr_t)dout & 15u) == 0;
     KdaWs w;
+    unsigned char *rec = nullptr;
     float *dD = nullptr, *dSt = nullptr, *own = nullptr;
     auto carve = [&](ws_carver &cv) {
-        kda_ws_take(cv, w, H, K, V, nt);
+        if (v3) rec = cv.take<unsigned char>((size_t)H * nt * kda3_rec_bytes(1));
+        else kda_ws_take(cv, w, H, K, V, nt);
         dD = cv.take<float>((size_t)H * Tp * V);
         dSt = cv.take<float>((size_t)nt * H * KV);
         own = S_tiles ? nullptr : cv.take<float>((size_t)nt * H * KV);
@@ -1000,16 +1093,31 @@ extern "C" int mtrl_kda_chunk_bwd(mtrl_cuda_ctx *c, int T, int H, int K, int V, 
     carve(sz);
     ws_carver cv{(char *)mtrl_ctx_scratch(c, sz.off), 0};
     carve(cv);
-    kda_launch_prep_(c, T, H, K, V, nt, q, k, v, g, beta, w);
-    if (!S_tiles) {  // recompute every tile's incoming state (fla's disable_recompute=False)
-        launch_state_fwd_(c, T, H, K, V, nt, w, S0, nullptr, nullptr, own);
-        S_tiles = own;
+    if (v3) {
+        kda3_prep_launch(c, T, H, q, k, v, g, beta, rec, 1);
+        if (!S_tiles) {
+            kda3_state_fwd_launch(c, T, H, rec, S0, nullptr, nullptr, own, 1);
+            S_tiles = own;
+        }
+        kda3_state_bwd_launch(c, T, H, rec, dout, dS_final, dD, dSt, dS0);
+    } else {
+        kda_launch_prep_(c, T, H, K, V, nt, q, k, v, g, beta, w);
+        if (!S_tiles) {  // recompute every tile's incoming state (fla's disable_recompute=False)
+            launch_state_fwd_(c, T, H, K, V, nt, w, S0, nullptr, nullptr, own);
+            S_tiles = own;
+        }
+        launch_state_bwd_(c, T, H, K, V, nt, w, dout, dS_final, dD, dSt, dS0);
     }
-    launch_state_bwd_(c, T, H, K, V, nt, w, dout, dS_final, dD, dSt, dS0);
     size_t sh = sizeof(float) * tile_bwd_floats(K, V);
-    set_smem(kda_tile_bwd_k, sh);
-    kda_tile_bwd_k<<<dim3(nt, H), 256, sh, c->stream>>>(T, H, K, V, q, k, v, g, beta, S_tiles,
-                                                        dout, dD, dSt, dq, dk, dv, dg, dbeta);
+    if (env_is("MTRL_KDA_BWD_TILE", "3")) {  // pass 3's products on tensor cores (bf16x3), opt-in
+        set_smem(kda_tile_bwd_k<true>, sh);
+        kda_tile_bwd_k<true><<<dim3(nt, H), 256, sh, c->stream>>>(T, H, K, V, q, k, v, g, beta, S_tiles,
+                                                                  dout, dD, dSt, dq, dk, dv, dg, dbeta);
+    } else {
+        set_smem(kda_tile_bwd_k<false>, sh);
+        kda_tile_bwd_k<false><<<dim3(nt, H), 256, sh, c->stream>>>(T, H, K, V, q, k, v, g, beta, S_tiles,
+                                                                   dout, dD, dSt, dq, dk, dv, dg, dbeta);
+    }
     CUDA_LAUNCH_CHECK();
     return 0;
 }

@@ -62,108 +62,19 @@
 // 39% of the stall); the prep pass runs at 3.38 TB/s (70% of DRAM peak, 0.99 ms).
 // The bf16 path compiles to the PTX it had before this mode (state pass identical; prep the same
 // instructions, a few address computations reordered), so its results are unchanged.
+// The record layout, the split helpers and the launchers kda3_prep_launch / kda3_state_fwd_launch
+// are shared through kda_tc.cuh with the backward's state-gradient pass (kda_tc_bwd_cuda.cu,
+// MTRL_KDA_BWD=3), which reads the bf16x3 record.
 // The result does not depend on WPB (each warp's arithmetic is the same), so the variants are
 // bit-identical (in either precision); MTRL_KDA3_WPB=1|2|4|8 in the environment picks one (read at
 // each call, for measuring), default 4.
 #include <math.h>
 #include <stdlib.h>
 
-#include "kernels/cuda/cuda_common.cuh"
+#include "kernels/cuda/kda_tc.cuh"
 
 namespace {
 
-constexpr int C3 = 16;   // tile rows
-constexpr int K3 = 128;  // the only K and V this version takes
-constexpr int V3 = 128;
-constexpr int LD3 = K3 + 8;  // bf16 row stride in shared memory (272 B: ldmatrix conflict-free)
-constexpr int LDP3 = 24;     // P rows in shared memory (48 B: the 8 row addresses of an ldmatrix
-                             // hit 8 distinct 16-byte bank groups)
-constexpr int NST3 = 6;      // ring stages of the state pass
-constexpr float kLog2e3 = 1.4426950408889634f;
-
-// One (head, tile) record in scratch; byte offsets, all 16-byte aligned. With bf16x3 (X = true,
-// below) every bf16 matrix also has its lo part: the lo planes of −W, Q⁺, K^e follow their three
-// hi planes (so the state pass copies the [3 NP][16][K] block in one loop), U's and P's lo part
-// follows their hi part. Without X the layout is v3's as measured.
-template <bool X>
-struct Rec {
-    static constexpr int NP = X ? 2 : 1;           // parts of each bf16 matrix: hi (, lo)
-    static constexpr int PL = C3 * K3 * 2;         // one [16][K] bf16 plane
-    static constexpr int W = 0;                    // −W  [16][K] bf16
-    static constexpr int Q = W + PL;               // Q⁺  [16][K] bf16
-    static constexpr int E = Q + PL;               // K^e [16][K] bf16
-    static constexpr int LO3 = 3 * PL;             // lo of −W, Q⁺, K^e at W, Q, E + LO3
-    static constexpr int U = NP * LO3;             // U   [16][V] bf16, lo at U + LOU
-    static constexpr int LOU = C3 * V3 * 2;
-    static constexpr int P = U + NP * LOU;         // P   [16][16] bf16 (lower triangle, diagonal
-    static constexpr int LOP = C3 * C3 * 2;        //     incl.), lo at P + LOP
-    static constexpr int EG = P + NP * LOP;        // e^γ [K] fp32
-    static constexpr int BYTES = EG + K3 * 4;      // 17408; bf16x3 34304
-};
-static_assert(Rec<false>::BYTES == 17408 && Rec<true>::BYTES == 34304, "record sizes (documented)");
-static_assert(Rec<true>::P % 16 == 0 && Rec<true>::EG % 16 == 0 && Rec<false>::P % 16 == 0 &&
-                  Rec<false>::EG % 16 == 0 && Rec<true>::BYTES % 16 == 0,
-              "record alignment");
-
-__device__ __forceinline__ float e2x(float x) { return ex2(x * kLog2e3); }  // e^x, ~2 ulp + arg rounding
-
-// bf16x3 (the default): x = hi + lo with hi = bf16(x) and lo = bf16(x − hi) (x − hi is exact
-// in fp32), ~16 significant bits. pack_split packs a pair (the lower column in the low half) as a
-// hi and a lo word; where only hi is used (X = false) the lo arithmetic is dead code, so the bf16
-// path compiles to what it was.
-__device__ __forceinline__ void pack_split(float a, float b, uint32_t &hi, uint32_t &lo) {
-    hi = pack_bf16(a, b);
-    lo = pack_bf16(a - bf2f((uint16_t)(hi & 0xffffu)), b - bf2f((uint16_t)(hi >> 16)));
-}
-// Two adjacent accumulator n-tiles c0, c1 (8 columns each) as the A fragment of one 16-wide
-// k-step (the FA2 register trick, acc_to_a in attn_tc_cuda.cu): a[0] = c0[0..1], a[1] = c0[2..3],
-// a[2] = c1[0..1], a[3] = c1[2..3]; hi and lo parts.
-__device__ __forceinline__ void acc_to_a_split(const float *c0, const float *c1, uint32_t *hi,
-                                               uint32_t *lo) {
-    pack_split(c0[0], c0[1], hi[0], lo[0]);
-    pack_split(c0[2], c0[3], hi[1], lo[1]);
-    pack_split(c1[0], c1[1], hi[2], lo[2]);
-    pack_split(c1[2], c1[3], hi[3], lo[3]);
-}
-// Stores two (st2) or four (st4) values as bf16 at p and, with X, their lo parts at p + lo.
-template <bool X>
-__device__ __forceinline__ void st2(uint16_t *p, int lo, float a, float b) {
-    uint32_t h, l;
-    pack_split(a, b, h, l);
-    *reinterpret_cast<uint32_t *>(p) = h;
-    if (X) *reinterpret_cast<uint32_t *>(p + lo) = l;
-}
-template <bool X>
-__device__ __forceinline__ void st4(uint16_t *p, int lo, const float *x) {
-    uint32_t h0, l0, h1, l1;
-    pack_split(x[0], x[1], h0, l0);
-    pack_split(x[2], x[3], h1, l1);
-    *reinterpret_cast<uint2 *>(p) = make_uint2(h0, h1);
-    if (X) *reinterpret_cast<uint2 *>(p + lo) = make_uint2(l0, l1);
-}
-// Fragment loads of the hi part at p and, with X, the lo part at p + lo (ldmatrix, .trans).
-template <bool X>
-__device__ __forceinline__ void ldsm_split(uint32_t *hi, uint32_t *lo, const uint16_t *p, int off) {
-    ldsm_x4(hi, p);
-    if (X) ldsm_x4(lo, p + off);
-}
-template <bool X>
-__device__ __forceinline__ void ldsm_split_t(uint32_t *hi, uint32_t *lo, const uint16_t *p, int off) {
-    ldsm_x4_t(hi, p);
-    if (X) ldsm_x4_t(lo, p + off);
-}
-// c += a b on one m16n8k16 tile. With X, from hi / lo fragments: a_lo b_hi + a_hi b_lo + a_hi b_hi
-// (the small terms first; a_lo b_lo, 2^-16 relative, is dropped): 3 mma instead of 1. Without X
-// the lo fragments are not read.
-template <bool X>
-__device__ __forceinline__ void mma_split(float *c, const uint32_t *ah, const uint32_t *al,
-                                          const uint32_t *bh, const uint32_t *bl) {
-    if (X) {
-        mma_bf16_16816(c, al, bh);
-        mma_bf16_16816(c, ah, bl);
-    }
-    mma_bf16_16816(c, ah, bh);
-}
 __device__ __forceinline__ float4 ldg4_or0(const float *p, bool ok) {
     return ok ? __ldg(reinterpret_cast<const float4 *>(p)) : make_float4(0.f, 0.f, 0.f, 0.f);
 }
@@ -551,12 +462,6 @@ __global__ void __launch_bounds__(32 * WPB, 1)
     }
 }
 
-int env_wpb_() {
-    const char *e = getenv("MTRL_KDA3_WPB");
-    int x = e ? atoi(e) : 0;
-    return x == 1 || x == 2 || x == 4 || x == 8 ? x : 4;
-}
-
 
 template <int WPB, bool WO, bool X>
 void launch_state3_(mtrl_cuda_ctx *c, int T, int H, int nt, const unsigned char *rec,
@@ -574,24 +479,27 @@ void launch_state3_wo_(mtrl_cuda_ctx *c, int T, int H, int nt, const unsigned ch
     else launch_state3_<WPB, false, X>(c, T, H, nt, rec, S0, o, S_final, S_tiles);
 }
 
-// The two launches at one precision (X: bf16x3).
+// The prep (one record per head and tile into rec) and the state pass over the records, at one
+// precision (X: bf16x3).
 template <bool X>
-int kda3_fwd_(mtrl_cuda_ctx *c, int T, int H, const float *q, const float *k, const float *v,
-              const float *g, const float *beta, const float *S0, float *o, float *S_final,
-              float *S_tiles) {
+void kda3_prep_(mtrl_cuda_ctx *c, int T, int H, const float *q, const float *k, const float *v,
+                const float *g, const float *beta, unsigned char *rec) {
     const int nt = (T + C3 - 1) / C3;
-    unsigned char *rec = (unsigned char *)mtrl_ctx_scratch(c, (size_t)H * nt * Rec<X>::BYTES);
     const size_t shp = 4 * (size_t)PrepCfg<X>::WARP_BYTES;
     set_smem(kda3_prep_k<X>, shp);
     kda3_prep_k<X><<<dim3((nt + 3) / 4, H), 128, shp, c->stream>>>(T, H, nt, q, k, v, g, beta, rec);
     CUDA_LAUNCH_CHECK();
+}
+template <bool X>
+void kda3_state_(mtrl_cuda_ctx *c, int T, int H, const unsigned char *rec, const float *S0, float *o,
+                 float *S_final, float *S_tiles) {
+    const int nt = (T + C3 - 1) / C3;
     switch (env_wpb_()) {
     case 1: launch_state3_wo_<1, X>(c, T, H, nt, rec, S0, o, S_final, S_tiles); break;
     case 2: launch_state3_wo_<2, X>(c, T, H, nt, rec, S0, o, S_final, S_tiles); break;
     case 8: launch_state3_wo_<8, X>(c, T, H, nt, rec, S0, o, S_final, S_tiles); break;
     default: launch_state3_wo_<4, X>(c, T, H, nt, rec, S0, o, S_final, S_tiles); break;
     }
-    return 0;
 }
 
 int kda3_aligned16_(const void *p) { return ((uintptr_t)p & 15u) == 0; }
@@ -605,10 +513,26 @@ int kda3_supports(int H, int K, int V, const float *q, const float *k, const flo
            kda3_aligned16_(v) && kda3_aligned16_(g);
 }
 
-// The v3 forward (T >= 1; shapes checked by kda3_supports); bf16x3 unless MTRL_KDA3_SPLIT=0.
+size_t kda3_rec_bytes(int split) { return split ? Rec<true>::BYTES : Rec<false>::BYTES; }
+void kda3_prep_launch(mtrl_cuda_ctx *c, int T, int H, const float *q, const float *k, const float *v,
+                      const float *g, const float *beta, unsigned char *rec, int split) {
+    if (split) kda3_prep_<true>(c, T, H, q, k, v, g, beta, rec);
+    else kda3_prep_<false>(c, T, H, q, k, v, g, beta, rec);
+}
+void kda3_state_fwd_launch(mtrl_cuda_ctx *c, int T, int H, const unsigned char *rec, const float *S0,
+                           float *o, float *S_final, float *S_tiles, int split) {
+    if (split) kda3_state_<true>(c, T, H, rec, S0, o, S_final, S_tiles);
+    else kda3_state_<false>(c, T, H, rec, S0, o, S_final, S_tiles);
+}
+
+// The v3 forward (T >= 1; shapes checked by kda3_supports); bf16x3 unless MTRL_KDA3_SPLIT=0. The
+// records live at the start of the context's scratch.
 int kda3_chunk_fwd(mtrl_cuda_ctx *c, int T, int H, const float *q, const float *k,
                    const float *v, const float *g, const float *beta, const float *S0, float *o,
                    float *S_final, float *S_tiles) {
-    return env_is("MTRL_KDA3_SPLIT", "0") ? kda3_fwd_<false>(c, T, H, q, k, v, g, beta, S0, o, S_final, S_tiles)
-                                          : kda3_fwd_<true>(c, T, H, q, k, v, g, beta, S0, o, S_final, S_tiles);
+    const int split = !env_is("MTRL_KDA3_SPLIT", "0"), nt = (T + C3 - 1) / C3;
+    unsigned char *rec = (unsigned char *)mtrl_ctx_scratch(c, (size_t)H * nt * kda3_rec_bytes(split));
+    kda3_prep_launch(c, T, H, q, k, v, g, beta, rec, split);
+    kda3_state_fwd_launch(c, T, H, rec, S0, o, S_final, S_tiles, split);
+    return 0;
 }
