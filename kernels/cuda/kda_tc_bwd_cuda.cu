@@ -52,9 +52,13 @@
 // dΔᵀ as A operands; the K^e, P, Q⁺, −W fragment loads; the dD and dS stores) over a lane-level
 // model of ldmatrix and mma and matches the step's matrix algebra at fp32 rounding (1e-7; a layout
 // mistake gives O(1)).
-// Cost (predicted, not measured): 150 mma per tile and warp (48 + 6 for dΔ, 96 for the update), as
-// the forward bf16x3 state pass with O, the same ring and one block per SM; the SIMT pass it
-// replaces is ~1/4 of the v2 backward's time. Not yet run on a GPU.
+// Cost (predicted): 150 mma per tile and warp (48 + 6 for dΔ, 96 for the update), as the forward
+// bf16x3 state pass with O, the same ring and one block per SM; the SIMT pass it replaces was
+// guessed at ~1/4 of the v2 backward's time. Measured on an H200 (7b96fd7, 2026-11-30, T = 8K /
+// 64K / 256K, H = 16): the whole backward 7.81 / 61.85 / 246.7 ms with it against 8.12 / 64.15 /
+// 255.8 ms (0.96x), so pass 2 was a small part: pass 3 (per tile, in parallel) dominates. With
+// MTRL_KDA_BWD_TILE=3 too: 7.15 / 56.83 / 225.5 ms (0.88x). test_cuda_kda passed with both
+// (2,151 checks; worst v3 backward error 3.5e-5 of fp64), and test_cuda_model (280) with each.
 #include <math.h>
 #include <stdlib.h>
 
