@@ -71,6 +71,8 @@ static void kda_backward_(mtrl_model *m, mtrl_arena *ar, int l, int T, const lay
             tile += (size_t)kda_tile_count(Ti);
         }
     }
+    // the gate's backward next to the delta rule's (the profile's KDA core); dx1 still takes
+    // wz1, wbeta, wf1, then q/k/v in that order
     real *df = ALLOC((size_t)T * HD), *df1 = ALLOC((size_t)T * D);
     be->kda_gate_bwd(be, T, H, D, c->f, p->A_log, p->dt_bias, d->g_min, dg, df, gp->A_log, gp->dt_bias);
     model_prof_end(m, MTRL_PROF_KDA_CORE, t);

@@ -101,6 +101,7 @@ static void kda_forward_(mtrl_model *m, mtrl_arena *ar, int l, int mode, int T, 
     be->sigmoid(be, (size_t)T * H, c->bl, c->beta);
     model_prof_end(m, MTRL_PROF_KDA_ELEM, t);
     c->o = ALLOC((size_t)T * HD);
+    // the gate next to the delta rule: together they are the profile's KDA core
     t = model_prof_begin(m);
     be->kda_gate_fwd(be, T, H, D, c->f, p->A_log, p->dt_bias, d->g_min, c->g);
     if (mode != SEG_DECODE) {
