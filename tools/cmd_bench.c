@@ -1,10 +1,13 @@
 // cmd_bench.c: `mtrl bench ops|model|long`: timings with the command and machine stated.
 //
 //   mtrl bench model [--device cpu|cuda|cuda:N] [--preset tiny|small | --config EXPERIMENT.ini] [--tokens N] [--seqs B]
-//                    [--segment S] [--reps R]
+//                    [--segment S] [--reps R] [--profile]
 //       forward and forward+backward tokens/s (segment: the learner's memory planner's unless
 //       --segment is given) of the backbone on random tokens, batched decode
-//       tokens/s (B sequences, one token each per step), and peak memory
+//       tokens/s (B sequences, one token each per step), and peak memory. --profile: one more
+//       forward+backward+optimizer step after the timed ones with the model's profile on
+//       (model.h: the device synchronised at each phase boundary), printed as a table of
+//       phases; the tokens/s above are measured without it
 //   mtrl bench long [--device cpu|cuda] [--preset tiny|small | --config EXPERIMENT.ini] [--tokens T] [--decode N]
 //       one T-token episode: the actor's prefill time and decode time per token at that context,
 //       the learner's forward+backward with the planned segment, and the memory of each
@@ -28,7 +31,7 @@
 #include "kernels/cuda/kernels_cuda.h"
 #endif
 
-#define BENCH_USAGE "mtrl bench model [--device cpu|cuda] [--preset tiny|small | --config EXPERIMENT.ini] [--tokens N] [--seqs B] [--segment S] [--reps R] | mtrl bench long [--device cpu|cuda] [--preset tiny|small | --config EXPERIMENT.ini] [--tokens T] [--decode N] | mtrl bench ops --device cuda"
+#define BENCH_USAGE "mtrl bench model [--device cpu|cuda] [--preset tiny|small | --config EXPERIMENT.ini] [--tokens N] [--seqs B] [--segment S] [--reps R] [--profile] | mtrl bench long [--device cpu|cuda] [--preset tiny|small | --config EXPERIMENT.ini] [--tokens T] [--decode N] | mtrl bench ops --device cuda"
 
 static void print_machine_(void) {
     struct utsname u;
@@ -123,9 +126,46 @@ static int plan_segment_(mtrl_model *m, const mtrl_batch *b, const char *cmd, in
     return 0;
 }
 
+// One learner step (forward, backward, AdamW) with the model's profile on, and its table: each
+// phase that ran, its share of the step, and the share no phase took (the drivers' work between
+// phases, the syncs themselves). best_fb: the unprofiled forward+backward, for comparison.
+static void profile_step_(mtrl_model *m, const mtrl_batch *b, int segment, real *logp, const real *dlogp,
+                          double best_fb) {
+    mtrl_model_profile prof;
+    memset(&prof, 0, sizeof prof);
+    m->profile = &prof;
+    double t0 = mtrl_time_mono();
+    mtrl_model_forward(m, b, segment, logp, NULL, NULL);
+    mtrl_model_zero_grads(m);
+    mtrl_model_backward(m, b, dlogp, NULL);
+    double t1 = mtrl_time_mono();
+    mtrl_model_optimizer_step(m, (real)1e-4, (real)0.9, (real)0.95, (real)1e-8, (real)0.1, (real)1);
+    double t2 = mtrl_time_mono();
+    m->profile = NULL;
+    double step = t2 - t0, sum = 0, pass_sum[MTRL_PROF_PASSES] = {0};
+    printf("profile: one forward+backward+optimizer step, device synchronised at every phase boundary: %.1f ms "
+           "(forward+backward %.1f ms; unprofiled best %.1f ms)\n",
+           step * 1e3, (t1 - t0) * 1e3, best_fb * 1e3);
+    printf("  %-22s %8s %12s %8s\n", "phase", "calls", "total ms", "% step");
+    for (int p = 0; p < MTRL_PROF_PASSES; p++)
+        for (int k = 0; k < MTRL_PROF_BLOCKS; k++) {
+            if (!prof.calls[p][k]) continue;
+            char name[64];
+            printf("  %-22s %8ld %12.2f %7.1f%%\n", mtrl_model_profile_name(p, k, name, sizeof name), prof.calls[p][k],
+                   prof.sec[p][k] * 1e3, 100 * prof.sec[p][k] / step);
+            sum += prof.sec[p][k];
+            pass_sum[p] += prof.sec[p][k];
+        }
+    printf("  passes: fwd %.2f ms, recompute %.2f ms, bwd (optimizer included) %.2f ms\n", pass_sum[MTRL_PROF_FWD] * 1e3,
+           pass_sum[MTRL_PROF_RECOMPUTE] * 1e3, pass_sum[MTRL_PROF_BWD] * 1e3);
+    printf("  sum of phases %.2f ms = %.1f%% of the profiled step; %.2f ms in no phase (state copies, zeroing, "
+           "bookkeeping, sync overhead)\n",
+           sum * 1e3, 100 * sum / step, (step - sum) * 1e3);
+}
+
 static int bench_model_(int argc, char **argv) {
     bench_src src = {NULL, "tiny", NULL, 2048};
-    int seqs = 8, segment = 0, reps = 3;
+    int seqs = 8, segment = 0, reps = 3, profile = 0;
     for (int i = 1; i < argc; i++) {
         const char *a = argv[i];
         const char *v = i + 1 < argc ? argv[i + 1] : NULL;
@@ -133,6 +173,7 @@ static int bench_model_(int argc, char **argv) {
         else if (!strcmp(a, "--seqs") && v) { seqs = atoi(v); i++; }
         else if (!strcmp(a, "--segment") && v) { segment = atoi(v); i++; }
         else if (!strcmp(a, "--reps") && v) { reps = atoi(v); i++; }
+        else if (!strcmp(a, "--profile")) profile = 1;
         else return cli_usage_error("bench", BENCH_USAGE, "unknown option '%s'", a);
     }
     int tokens = src.tokens;
@@ -239,6 +280,7 @@ static int bench_model_(int argc, char **argv) {
            flops_tok / 1e9, active / 1e6, tflops, 100 * tflops / 989, 100 * tflops / 781);
     printf("memory: parameters %.1f MB (x4 with gradients and AdamW), peak segment activations %.1f MB, peak RSS %.1f MB\n",
            m.params.total / 1e6, m.peak_activation_bytes / 1e6, ru.ru_maxrss / 1e3);
+    if (profile) profile_step_(&m, &b, segment, logp, c, best_fb);
     free(tok);
     free(toks);
     free(len);

@@ -146,6 +146,51 @@ typedef struct mtrl_decode_state {
     struct mtrl_backend *be; // the backend that allocated it
 } mtrl_decode_state;
 
+// ---- profile (opt-in; `mtrl bench model --profile`) --------------------------------------------------
+// Where a forward, backward and optimizer step spend their time, by sub-block of the model. While
+// m->profile is set, every phase below is timed with the device synchronised (be->sync) before
+// the clock is read at both of its ends, so asynchronous GPU work lands in the phase that issued
+// it. Those syncs serialise the host and the device, so a profiled call is slower than an
+// unprofiled one: time the throughput without the profile, profile one extra call. NULL (the
+// default) costs one pointer test per phase. Numerics do not change (tests/test_model_profile.c).
+//
+// Each interval is counted under a pass and a block; calls counts intervals, not layers (a KDA
+// layer's forward times its projections in five intervals). Phases do not nest, and the work
+// between them (state copies at segment boundaries, arena bookkeeping) is in no phase: the sum
+// of the phases against the wall time of the call is the attribution's coverage.
+enum {
+    MTRL_PROF_FWD,       // mtrl_model_forward (and prefill, logits, decode, which use the same code)
+    MTRL_PROF_RECOMPUTE, // the forward of each segment that mtrl_model_backward recomputes (segmented
+                         // backward, or a batch too large to keep its activations)
+    MTRL_PROF_BWD,       // the backward proper, and mtrl_model_optimizer_step
+    MTRL_PROF_PASSES
+};
+enum {
+    MTRL_PROF_EMBED,       // embedding lookup / its gradient scatter
+    MTRL_PROF_SITE,        // AttnRes sites (the output site included), pre-norms, residual adds
+    MTRL_PROF_KDA_PROJ,    // KDA GEMMs: q/k/v, gate f1/f2, beta, output gate z1/z2, wo
+    MTRL_PROF_KDA_ELEM,    // KDA short convs, L2 norms, sigmoid, gated RMSNorm (memory-bound)
+    MTRL_PROF_KDA_CORE,    // KDA gate and the chunked delta rule (kda_gate_*, kda_chunk_* / kda_step)
+    MTRL_PROF_MLA_PROJ,    // MLA GEMMs: q, kv_a, gate, output
+    MTRL_PROF_MLA_ELEM,    // MLA latent RMSNorm, latent rows written / read, gate sigmoid
+    MTRL_PROF_MLA_ABSORB,  // MLA kv_b absorbed into the queries and out of the latent output
+    MTRL_PROF_MLA_ATTN,    // MLA causal attention over the latents (attn_causal_*, mla_decode)
+    MTRL_PROF_FFN_DENSE,   // layer 0's dense SwiGLU
+    MTRL_PROF_MOE_ROUTE,   // router GEMM, top-k, QB statistics, dispatch, gather / combine / scatter
+    MTRL_PROF_MOE_EXPERTS, // the routed experts' grouped SwiGLU
+    MTRL_PROF_MOE_SHARED,  // the shared experts
+    MTRL_PROF_HEAD,        // final RMSNorm, LM head GEMM, log-probs (and their gradients)
+    MTRL_PROF_OPTIM,       // mtrl_model_optimizer_step (pass MTRL_PROF_BWD)
+    MTRL_PROF_BLOCKS
+};
+typedef struct mtrl_model_profile {
+    long calls[MTRL_PROF_PASSES][MTRL_PROF_BLOCKS]; // timed intervals
+    double sec[MTRL_PROF_PASSES][MTRL_PROF_BLOCKS]; // their total wall time, device synchronised
+    int pass; // MTRL_PROF_*: set by the drivers (MTRL_PROF_FWD outside mtrl_model_backward)
+} mtrl_model_profile;
+// "fwd.kda.proj", "recompute.site", "bwd.optimizer", ...: a phase's name for tables.
+const char *mtrl_model_profile_name(int pass, int block, char *buf, size_t cap);
+
 typedef struct mtrl_model {
     mtrl_model_dims dims;
     mtrl_tt params;             // the parameter table and its block
@@ -178,6 +223,9 @@ typedef struct mtrl_model {
     struct mtrl_model_ws *ws;
     size_t peak_activation_bytes; // high-water mark of per-segment activations (bench, tests)
     size_t peak_infer_bytes;      // ... of the prefill / logits scratch (tests)
+    // The per-phase timing the calls add to while set (nullable; see "profile" above). Zero it
+    // before the calls to profile; the caller owns it.
+    mtrl_model_profile *profile;
 } mtrl_model;
 
 // Fills dims from a resolved [model] config and the vocabulary size. Returns MTRL_OK or

@@ -50,9 +50,12 @@ static void kda_forward_(mtrl_model *m, mtrl_arena *ar, int l, int mode, int T, 
     int H = d->H, D = d->D, HD = H * D, W = d->W, ki = model_kda_index(d, l);
     size_t conv_sz = (size_t)3 * (W - 1) * HD, S_sz = (size_t)H * D * D;
     c->pq = ALLOC((size_t)T * HD); c->pk = ALLOC((size_t)T * HD); c->pv = ALLOC((size_t)T * HD);
+    double t = model_prof_begin(m);
     proj_(be, T, HD, d->d, x1, p->wq, c->pq);
     proj_(be, T, HD, d->d, x1, p->wk, c->pk);
     proj_(be, T, HD, d->d, x1, p->wv, c->pv);
+    model_prof_end(m, MTRL_PROF_KDA_PROJ, t);
+    t = model_prof_begin(m);
     c->cq = ALLOC((size_t)T * HD); c->ck = ALLOC((size_t)T * HD); c->cv = ALLOC((size_t)T * HD);
     size_t w1 = (size_t)(W - 1) * HD;
     if (mode != SEG_DECODE) {
@@ -86,14 +89,21 @@ static void kda_forward_(mtrl_model *m, mtrl_arena *ar, int l, int mode, int T, 
     be->l2norm_fwd(be, T * H, D, c->cq, (real)1e-6, c->qn);
     be->l2norm_fwd(be, T * H, D, c->ck, (real)1e-6, c->kn);
     be->scale(be, (size_t)T * HD, c->qn, (real)(1.0 / sqrt((double)D)));
+    model_prof_end(m, MTRL_PROF_KDA_ELEM, t);
     c->f1 = ALLOC((size_t)T * D); c->f = ALLOC((size_t)T * HD); c->g = ALLOC((size_t)T * HD);
+    c->bl = ALLOC((size_t)T * H); c->beta = ALLOC((size_t)T * H);
+    t = model_prof_begin(m);
     proj_(be, T, D, d->d, x1, p->wf1, c->f1);
     proj_(be, T, HD, D, c->f1, p->wf2, c->f);
-    be->kda_gate_fwd(be, T, H, D, c->f, p->A_log, p->dt_bias, d->g_min, c->g);
-    c->bl = ALLOC((size_t)T * H); c->beta = ALLOC((size_t)T * H);
     proj_(be, T, H, d->d, x1, p->wbeta, c->bl);
+    model_prof_end(m, MTRL_PROF_KDA_PROJ, t);
+    t = model_prof_begin(m);
     be->sigmoid(be, (size_t)T * H, c->bl, c->beta);
+    model_prof_end(m, MTRL_PROF_KDA_ELEM, t);
     c->o = ALLOC((size_t)T * HD);
+    // the gate next to the delta rule: together they are the profile's KDA core
+    t = model_prof_begin(m);
+    be->kda_gate_fwd(be, T, H, D, c->f, p->A_log, p->dt_bias, d->g_min, c->g);
     if (mode != SEG_DECODE) {
         real *S = io->piece_io ? NULL : io->kda_S + (size_t)ki * S_sz;
         c->S0 = ALLOC(S_sz);
@@ -120,11 +130,18 @@ static void kda_forward_(mtrl_model *m, mtrl_arena *ar, int l, int mode, int T, 
         be->kda_step(be, T, H, D, D, c->qn, c->kn, c->cv, c->g, c->beta, Sr, c->o);
         free(Sr);
     }
+    model_prof_end(m, MTRL_PROF_KDA_CORE, t);
     c->z1 = ALLOC((size_t)T * D); c->z = ALLOC((size_t)T * HD); c->y = ALLOC((size_t)T * HD);
+    t = model_prof_begin(m);
     proj_(be, T, D, d->d, x1, p->wz1, c->z1);
     proj_(be, T, HD, D, c->z1, p->wz2, c->z);
+    model_prof_end(m, MTRL_PROF_KDA_PROJ, t);
+    t = model_prof_begin(m);
     be->gated_rmsnorm_fwd(be, T * H, D, c->o, c->z, p->onorm, d->eps, c->y);
+    model_prof_end(m, MTRL_PROF_KDA_ELEM, t);
+    t = model_prof_begin(m);
     proj_(be, T, d->d, HD, c->y, p->wo, out);
+    model_prof_end(m, MTRL_PROF_KDA_PROJ, t);
 }
 
 // ---- gated MLA, absorbed over the latent (model.md §3.1, §3.3) ------------------------------------
@@ -151,10 +168,13 @@ static void mla_forward_(mtrl_model *m, mtrl_arena *ar, int l, int mode, int T, 
     int mi = model_mla_index(d, l);
     real scale = (real)(1.0 / sqrt((double)(dn + dr)));
     c->q = ALLOC((size_t)T * mH * (dn + dr));
-    proj_(be, T, mH * (dn + dr), d->d, x1, p->mq, c->q);
     real *lraw = ALLOC((size_t)T * ld);
+    double t = model_prof_begin(m);
+    proj_(be, T, mH * (dn + dr), d->d, x1, p->mq, c->q);
     proj_(be, T, ld, d->d, x1, p->mkva, lraw);
+    model_prof_end(m, MTRL_PROF_MLA_PROJ, t);
     c->craw = ALLOC((size_t)T * dc); c->kr = ALLOC((size_t)T * dr); c->rstd_c = ALLOC(T);
+    t = model_prof_begin(m);
     be->copy_rows(be, T, dc, lraw, ld, c->craw, dc);
     be->copy_rows(be, T, dr, lraw + dc, ld, c->kr, dr);
     real *chat = ALLOC((size_t)T * dc);
@@ -182,10 +202,14 @@ static void mla_forward_(mtrl_model *m, mtrl_arena *ar, int l, int mode, int T, 
         latent_write_(be, T, 1, dc, dr, chat, c->kr, rows);
         free(rows);
     }
+    model_prof_end(m, MTRL_PROF_MLA_ELEM, t);
     c->a = ALLOC((size_t)T * mH * dv);
     if (mode != SEG_DECODE) {
         c->qt = ALLOC((size_t)T * mH * ld); c->ol = ALLOC((size_t)T * mH * dc); c->lse = ALLOC((size_t)T * mH);
+        t = model_prof_begin(m);
         be->mla_absorb_q(be, T, mH, dn, dr, dv, dc, c->q, p->mkvb, c->qt);
+        model_prof_end(m, MTRL_PROF_MLA_ABSORB, t);
+        t = model_prof_begin(m);
         if (!io->n_piece) {
             const void *lat = mtrl_latent_at(be, io->latent, (size_t)mi * io->cap * ld);
             be->attn_causal_fwd(be, T, io->t0 + T, mH, 1, ld, dc, scale, c->qt, lat, ld, lat, ld, c->ol, c->lse);
@@ -207,7 +231,10 @@ static void mla_forward_(mtrl_model *m, mtrl_arena *ar, int l, int mode, int T, 
                                     c->ol + o * mH * dc, c->lse + o * mH);
             }
         }
+        model_prof_end(m, MTRL_PROF_MLA_ATTN, t);
+        t = model_prof_begin(m);
         be->mla_up_v(be, T, mH, dn, dv, dc, c->ol, p->mkvb, c->a);
+        model_prof_end(m, MTRL_PROF_MLA_ABSORB, t);
     } else {
         const void **lat = xmalloc(sizeof(void *) * (size_t)T);
         int *Tk = xmalloc(sizeof(int) * (size_t)T);
@@ -215,18 +242,26 @@ static void mla_forward_(mtrl_model *m, mtrl_arena *ar, int l, int mode, int T, 
             lat[r] = mtrl_latent_at(be, io[r].latent, (size_t)mi * io[r].cap * ld);
             Tk[r] = io[r].t0 + 1;
         }
+        t = model_prof_begin(m);
         be->mla_decode(be, T, mH, dn, dr, dv, dc, scale, c->q, p->mkvb, lat, ld, Tk, c->a);
+        model_prof_end(m, MTRL_PROF_MLA_ATTN, t);
         free(lat);
         free(Tk);
     }
     const real *ag = c->a;
     if (d->mla_gate) {
         c->gl = ALLOC((size_t)T * mH * dv); c->ag = ALLOC((size_t)T * mH * dv);
+        t = model_prof_begin(m);
         proj_(be, T, mH * dv, d->d, x1, p->mg, c->gl);
+        model_prof_end(m, MTRL_PROF_MLA_PROJ, t);
+        t = model_prof_begin(m);
         be->sigmoid_mul(be, (size_t)T * mH * dv, c->gl, c->a, c->ag);
+        model_prof_end(m, MTRL_PROF_MLA_ELEM, t);
         ag = c->ag;
     }
+    t = model_prof_begin(m);
     proj_(be, T, d->d, mH * dv, ag, p->mo, out);
+    model_prof_end(m, MTRL_PROF_MLA_PROJ, t);
 }
 
 // ---- FFN: dense SwiGLU (layer 0) or MoE (model.md §4) -----------------------------------------------
@@ -238,13 +273,19 @@ static void ffn_forward_(mtrl_model *m, mtrl_arena *ar, int l, int T, const real
     mtrl_backend *be = m->be;
     if (l == 0) {
         c->u1 = ALLOC((size_t)T * d->dense_I); c->u3 = ALLOC((size_t)T * d->dense_I);
+        double t = model_prof_begin(m);
         be->moe_swiglu_fwd(be, T, d->d, d->dense_I, x2, p->w1, p->w3, p->w2, c->u1, c->u3, out);
+        model_prof_end(m, MTRL_PROF_FFN_DENSE, t);
         return;
     }
     int E = d->E, K = d->k, mi = l - 1;
     c->zr = ALLOC((size_t)T * E); c->sr = ALLOC((size_t)T * E); c->wr = ALLOC((size_t)T * K);
     c->sel = IALLOC((size_t)T * K); c->offsets = IALLOC(E + 1);
     c->perm = IALLOC((size_t)T * K); c->pos = IALLOC((size_t)T * K);
+    int R = T * K;
+    c->Xp = ALLOC((size_t)R * d->d); c->eu1 = ALLOC((size_t)R * d->I);
+    c->eu3 = ALLOC((size_t)R * d->I); c->Yp = ALLOC((size_t)R * d->d);
+    double t = model_prof_begin(m);
     proj_(be, T, E, d->d, x2, p->router, c->zr);
     const real *beta = m->d_qb_beta + (size_t)l * E;
     int replay = so && so->routing_in;
@@ -276,18 +317,22 @@ static void ffn_forward_(mtrl_model *m, mtrl_arena *ar, int l, int T, const real
         }
     }
     be->moe_dispatch(be, T, E, K, c->sel, c->offsets, c->perm, c->pos);
-    int R = T * K;
-    c->Xp = ALLOC((size_t)R * d->d); c->eu1 = ALLOC((size_t)R * d->I);
-    c->eu3 = ALLOC((size_t)R * d->I); c->Yp = ALLOC((size_t)R * d->d);
     be->moe_gather(be, T, K, d->d, c->pos, x2, c->Xp);
+    model_prof_end(m, MTRL_PROF_MOE_ROUTE, t);
+    t = model_prof_begin(m);
     be->moe_experts_fwd(be, E, d->d, d->I, c->offsets, c->Xp, p->ew1, p->ew3, p->ew2, c->eu1, c->eu3, c->Yp);
+    model_prof_end(m, MTRL_PROF_MOE_EXPERTS, t);
+    t = model_prof_begin(m);
     be->moe_combine_fwd(be, T, K, d->d, c->pos, c->wr, c->Yp, out);
+    model_prof_end(m, MTRL_PROF_MOE_ROUTE, t);
     if (d->n_shared > 0) {
         int SI = d->n_shared * d->I;
         c->su1 = ALLOC((size_t)T * SI); c->su3 = ALLOC((size_t)T * SI);
         real *ys = ALLOC((size_t)T * d->d);
+        t = model_prof_begin(m);
         be->moe_swiglu_fwd(be, T, d->d, SI, x2, p->sw1, p->sw3, p->sw2, c->su1, c->su3, ys);
         be->add(be, (size_t)T * d->d, out, ys, out);
+        model_prof_end(m, MTRL_PROF_MOE_SHARED, t);
     }
 }
 
@@ -313,7 +358,9 @@ void seg_forward(mtrl_model *m, mtrl_arena *ar, int mode, int T, const uint32_t 
     int *tid = T <= 4096 ? ids : xmalloc(sizeof(int) * (size_t)T);
     for (int t = 0; t < T; t++) tid[t] = (int)tokens[t];
     c->emb = ALLOC((size_t)T * D);
+    double t = model_prof_begin(m);
     be->embedding_fwd(be, T, D, tid, m->dP.embed, c->emb);
+    model_prof_end(m, MTRL_PROF_EMBED, t);
     if (tid != ids) free(tid);
     c->blocks[0] = c->emb;
     int nb = 1;
@@ -338,15 +385,19 @@ void seg_forward(mtrl_model *m, mtrl_arena *ar, int mode, int T, const uint32_t 
         lc->nsrc_a = site_sources_(c, j, src);
         lc->alpha_a = ALLOC((size_t)T * lc->nsrc_a);
         lc->h_a = ALLOC((size_t)T * D);
+        lc->rstd1 = ALLOC(T); lc->x1 = ALLOC((size_t)T * D);
+        t = model_prof_begin(m);
         be->attnres_site_fwd(be, T, D, lc->nsrc_a, src, m->dP.site_w + (size_t)j * D, m->dP.site_g + (size_t)j * D,
                              d->eps, lc->h_a, lc->alpha_a);
-        lc->rstd1 = ALLOC(T); lc->x1 = ALLOC((size_t)T * D);
         be->rmsnorm_fwd(be, T, D, lc->h_a, m->dP.layer[l].norm1, d->eps, lc->x1, lc->rstd1);
+        model_prof_end(m, MTRL_PROF_SITE, t);
         lc->mix = ALLOC((size_t)T * D);
         if (d->mixer[l] == 'K') kda_forward_(m, ar, l, mode, T, lc->x1, io, lc, lc->mix);
         else mla_forward_(m, ar, l, mode, T, lc->x1, io, lc, lc->mix);
         real *pn = ALLOC((size_t)T * D);
+        t = model_prof_begin(m);
         be->add(be, (size_t)T * D, p, lc->mix, pn);
+        model_prof_end(m, MTRL_PROF_SITE, t);
         p = pn;
         // FFN sublayer j = 2l + 1
         j = 2 * l + 1;
@@ -355,14 +406,18 @@ void seg_forward(mtrl_model *m, mtrl_arena *ar, int mode, int T, const uint32_t 
         lc->nsrc_f = site_sources_(c, j, src);
         lc->alpha_f = ALLOC((size_t)T * lc->nsrc_f);
         lc->h_f = ALLOC((size_t)T * D);
+        lc->rstd2 = ALLOC(T); lc->x2 = ALLOC((size_t)T * D);
+        t = model_prof_begin(m);
         be->attnres_site_fwd(be, T, D, lc->nsrc_f, src, m->dP.site_w + (size_t)j * D, m->dP.site_g + (size_t)j * D,
                              d->eps, lc->h_f, lc->alpha_f);
-        lc->rstd2 = ALLOC(T); lc->x2 = ALLOC((size_t)T * D);
         be->rmsnorm_fwd(be, T, D, lc->h_f, m->dP.layer[l].norm2, d->eps, lc->x2, lc->rstd2);
+        model_prof_end(m, MTRL_PROF_SITE, t);
         lc->ffn = ALLOC((size_t)T * D);
         ffn_forward_(m, ar, l, T, lc->x2, lc, lc->ffn, out);
         pn = prefill ? p_out : ALLOC((size_t)T * D);
+        t = model_prof_begin(m);
         be->add(be, (size_t)T * D, p, lc->ffn, pn);
+        model_prof_end(m, MTRL_PROF_SITE, t);
         p = pn;
         if (prefill) mtrl_arena_release(ar, mark);
     }
@@ -372,14 +427,18 @@ void seg_forward(mtrl_model *m, mtrl_arena *ar, int mode, int T, const uint32_t 
     c->nsrc_o = site_sources_(c, j, src);
     c->alpha_o = ALLOC((size_t)T * c->nsrc_o);
     c->h_o = ALLOC((size_t)T * D);
+    t = model_prof_begin(m);
     be->attnres_site_fwd(be, T, D, c->nsrc_o, src, m->dP.site_w + (size_t)j * D, m->dP.site_g + (size_t)j * D, d->eps,
                          c->h_o, c->alpha_o);
+    model_prof_end(m, MTRL_PROF_SITE, t);
     c->rstd_f = ALLOC(T); c->xf = ALLOC((size_t)T * D);
-    be->rmsnorm_fwd(be, T, D, c->h_o, m->dP.final_norm, d->eps, c->xf, c->rstd_f);
     c->logits = ALLOC((size_t)T * d->V);
+    t = model_prof_begin(m);
+    be->rmsnorm_fwd(be, T, D, c->h_o, m->dP.final_norm, d->eps, c->xf, c->rstd_f);
     proj_(be, T, d->V, D, c->xf, m->dP.lm_head, c->logits);
     if (out && out->logits) be->download(be, out->logits, c->logits, sizeof(real) * (size_t)T * d->V);
     if (out && out->logp) be->logprob_fwd(be, T, d->V, c->logits, out->targets, out->logp, out->entropy);
+    model_prof_end(m, MTRL_PROF_HEAD, t);
     if (mode != SEG_DECODE) {
         io->t0 += T;
         for (int i = 0, len; io->piece_io && i < io->n_piece; i++) {

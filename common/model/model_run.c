@@ -1,6 +1,7 @@
 // model_run.c: the drivers of the three execution forms (model.h): batched forward/backward
 // over segments, logits, prefill and batched recurrent decode.
 #include <stdint.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -189,6 +190,22 @@ static void targets_of_(const uint32_t *tok, int len, int *out) {
     for (int t = 0; t < len; t++) out[t] = t + 1 < len ? (int)tok[t + 1] : -1;
 }
 
+// The pass the profile's phases count under (model.h): MTRL_PROF_FWD except inside
+// mtrl_model_backward, so prefill, logits and decode count as forward.
+static void prof_pass_(mtrl_model *m, int pass) {
+    if (m->profile) m->profile->pass = pass;
+}
+
+const char *mtrl_model_profile_name(int pass, int block, char *buf, size_t cap) {
+    static const char *const pass_name[MTRL_PROF_PASSES] = {"fwd", "recompute", "bwd"};
+    static const char *const block_name[MTRL_PROF_BLOCKS] = {
+        "embed",    "site",        "kda.proj",    "kda.elem",   "kda.core", "mla.proj", "mla.elem",  "mla.absorb",
+        "mla.attn", "ffn.dense",   "moe.route",   "moe.experts", "moe.shared", "head",    "optimizer"};
+    if (pass < 0 || pass >= MTRL_PROF_PASSES || block < 0 || block >= MTRL_PROF_BLOCKS) snprintf(buf, cap, "?");
+    else snprintf(buf, cap, "%s.%s", pass_name[pass], block_name[block]);
+    return buf;
+}
+
 // Forward of a packed segment: its sequences' tokens end to end in one seg_forward, each
 // sequence a piece that starts from the zero state (model_ws.h seq_io).
 static void pack_forward_(mtrl_model *m, const mtrl_batch *b, ws_pack *pk, real *logp, real *entropy,
@@ -243,7 +260,9 @@ static void pack_backward_(mtrl_model *m, ws_pack *pk, real *dS, real *dC, real 
         io.t0 = 0;
         seg_out so = {pk->targets, NULL, NULL, NULL, pk->routing, NULL, 0};
         mtrl_arena_reset(&w->pub.arena);
+        prof_pass_(m, MTRL_PROF_RECOMPUTE);
         seg_forward(m, &w->pub.arena, SEG_CHUNK, pk->T, pk->tokens, &io, &so, &tmp);
+        prof_pass_(m, MTRL_PROF_BWD);
         c = &tmp;
     }
     size_t mark = mtrl_arena_mark(&w->pub.arena);
@@ -348,6 +367,7 @@ void mtrl_model_backward(mtrl_model *m, const mtrl_batch *b, const real *dlogp, 
     }
     for (int k = 0; k < w->n_pack; k++)
         if (w->packs[k].T > max_len) max_len = w->packs[k].T;
+    prof_pass_(m, MTRL_PROF_BWD);
     // Gradients crossing segment boundaries (one sequence at a time).
     mtrl_arena ga;
     size_t lat_max = (size_t)n_mla * max_len * LW;
@@ -383,7 +403,9 @@ void mtrl_model_backward(mtrl_model *m, const mtrl_batch *b, const real *dlogp, 
                 io.t0 = t0;
                 seg_out so = {s->targets + t0, NULL, NULL, NULL, s->routing + (size_t)t0 * rw, NULL, 0};
                 mtrl_arena_reset(&w->pub.arena);
+                prof_pass_(m, MTRL_PROF_RECOMPUTE);
                 seg_forward(m, &w->pub.arena, SEG_CHUNK, T, b->tokens[i] + t0, &io, &so, &tmp);
+                prof_pass_(m, MTRL_PROF_BWD);
                 c = &tmp;
             }
             size_t mark = mtrl_arena_mark(&w->pub.arena);
@@ -396,6 +418,7 @@ void mtrl_model_backward(mtrl_model *m, const mtrl_batch *b, const real *dlogp, 
     }
     be->sync(be);
     be_arena_free_(be, &ga);
+    prof_pass_(m, MTRL_PROF_FWD);
 }
 
 // ---- inference ---------------------------------------------------------------------------------------------

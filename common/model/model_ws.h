@@ -17,7 +17,9 @@
 #define MTRL_MODEL_WS_H
 
 #include "common/arena.h"
+#include "common/model/backend.h"
 #include "common/model/model.h"
+#include "common/timeutil.h"
 
 // SEG_PREFILL: SEG_CHUNK that keeps nothing for a backward (prefill, logits): each layer's
 // temporaries are released as soon as its output exists, so a long prompt runs in long
@@ -190,6 +192,22 @@ int model_kda_index(const mtrl_model_dims *d, int l);
 int model_mla_index(const mtrl_model_dims *d, int l);
 
 void mtrl_model_ws_free(mtrl_model *m);
+
+// A phase of the profile (model.h): t = model_prof_begin(m); ...; model_prof_end(m, block, t)
+// adds the interval to block under the profile's current pass. Both ends wait for the device, so
+// the work issued inside is what is timed. No-ops (one test) when m->profile is NULL.
+static inline double model_prof_begin(mtrl_model *m) {
+    if (!m->profile) return 0;
+    m->be->sync(m->be);
+    return mtrl_time_mono();
+}
+static inline void model_prof_end(mtrl_model *m, int block, double t0) {
+    mtrl_model_profile *p = m->profile;
+    if (!p) return;
+    m->be->sync(m->be);
+    p->calls[p->pass][block]++;
+    p->sec[p->pass][block] += mtrl_time_mono() - t0;
+}
 
 // Tells the backend the parameter block on its side changed (backend.h weights_changed: a
 // backend with bf16 GEMM operands re-rounds its weight copy). Every writer of m->d_params calls
