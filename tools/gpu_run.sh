@@ -127,7 +127,8 @@ PY
 session)
   # One call of a two-GPU machine (nvidia-h200-x2) that ends within SESSION_SECONDS (default 560):
   # GPU 0 runs every gpu test, then SESSION_EXTRA, the model benchmark of `small` at 65,536
-  # tokens (fp32, MTRL_GEMM_TF32=1 and MTRL_GEMM_BF16=1 GEMMs, and the latter two at 4 x 2048) and
+  # tokens (fp32 with its per-phase profile, MTRL_GEMM_TF32=1 and MTRL_GEMM_BF16=1 GEMMs, and
+  # the latter two at 4 x 2048) and
   # the KDA forward benchmark (v2, v3 and v3 bf16x3);
   # GPU 1 runs the experiment (QG_INI, QG_SETS, QG_DIR, QG_RESUME as for `run`) until the
   # deadline. A device returns at most 8 files: $OUT/tests.txt, $OUT/bench.txt and the
@@ -147,7 +148,9 @@ session)
       # SESSION_EXTRA="MTRL_KDA_FWD=3 .carry/dev/test_cuda_model; ...": commands run first here
       # (GPU 0, after the tests), their output into bench.txt
       [ -n "${SESSION_EXTRA:-}" ] && timeout "$(left)" bash -c "$SESSION_EXTRA"
-      [ "$(left)" -gt 60 ] && timeout "$(left)" $b bench model --device cuda --preset small --tokens 65536 --seqs 1 --reps 2
+      # --profile: one more step timed per phase (device synchronised at each boundary): where the
+      # 64K step's time goes (P7)
+      [ "$(left)" -gt 60 ] && timeout "$(left)" $b bench model --device cuda --preset small --tokens 65536 --seqs 1 --reps 2 --profile
       [ "$(left)" -gt 30 ] && MTRL_GEMM_TF32=1 timeout "$(left)" $b bench model --device cuda --preset small --tokens 8192 --seqs 4 --reps 2
       [ "$(left)" -gt 60 ] && MTRL_GEMM_TF32=1 timeout "$(left)" $b bench model --device cuda --preset small --tokens 65536 --seqs 1 --reps 2
       [ "$(left)" -gt 30 ] && MTRL_GEMM_BF16=1 timeout "$(left)" $b bench model --device cuda --preset small --tokens 8192 --seqs 4 --reps 2
