@@ -9,8 +9,10 @@
 //       (model.h: the device synchronised at each phase boundary), printed as a table of
 //       phases; the tokens/s above are measured without it
 //   mtrl bench long [--device cpu|cuda] [--preset tiny|small | --config EXPERIMENT.ini] [--tokens T] [--decode N]
+//                   [--profile]
 //       one T-token episode: the actor's prefill time and decode time per token at that context,
-//       the learner's forward+backward with the planned segment, and the memory of each
+//       the learner's forward+backward with the planned segment, and the memory of each.
+//       --profile: that learner step timed per phase (the same table as bench model's)
 //   --config EXPERIMENT.ini: the experiment's [model] (and its device, unless --device is given)
 //   mtrl bench ops --device cuda [...]   the CUDA kernels against the measured ceilings
 #include <stdlib.h>
@@ -31,7 +33,7 @@
 #include "kernels/cuda/kernels_cuda.h"
 #endif
 
-#define BENCH_USAGE "mtrl bench model [--device cpu|cuda] [--preset tiny|small | --config EXPERIMENT.ini] [--tokens N] [--seqs B] [--segment S] [--reps R] [--profile] | mtrl bench long [--device cpu|cuda] [--preset tiny|small | --config EXPERIMENT.ini] [--tokens T] [--decode N] | mtrl bench ops --device cuda"
+#define BENCH_USAGE "mtrl bench model [--device cpu|cuda] [--preset tiny|small | --config EXPERIMENT.ini] [--tokens N] [--seqs B] [--segment S] [--reps R] [--profile] | mtrl bench long [--device cpu|cuda] [--preset tiny|small | --config EXPERIMENT.ini] [--tokens T] [--decode N] [--profile] | mtrl bench ops --device cuda"
 
 static void print_machine_(void) {
     struct utsname u;
@@ -126,9 +128,29 @@ static int plan_segment_(mtrl_model *m, const mtrl_batch *b, const char *cmd, in
     return 0;
 }
 
-// One learner step (forward, backward, AdamW) with the model's profile on, and its table: each
-// phase that ran, its share of the step, and the share no phase took (the drivers' work between
-// phases, the syncs themselves). best_fb: the unprofiled forward+backward, for comparison.
+// The table of a profiled step that took `step` seconds: each phase that ran, its share of the
+// step, and the share no phase took (the drivers' work between phases, the syncs themselves).
+static void profile_print_(const mtrl_model_profile *prof, double step) {
+    double sum = 0, pass_sum[MTRL_PROF_PASSES] = {0};
+    printf("  %-22s %8s %12s %8s\n", "phase", "calls", "total ms", "% step");
+    for (int p = 0; p < MTRL_PROF_PASSES; p++)
+        for (int k = 0; k < MTRL_PROF_BLOCKS; k++) {
+            if (!prof->calls[p][k]) continue;
+            char name[64];
+            printf("  %-22s %8ld %12.2f %7.1f%%\n", mtrl_model_profile_name(p, k, name, sizeof name), prof->calls[p][k],
+                   prof->sec[p][k] * 1e3, 100 * prof->sec[p][k] / step);
+            sum += prof->sec[p][k];
+            pass_sum[p] += prof->sec[p][k];
+        }
+    printf("  passes: fwd %.2f ms, recompute %.2f ms, bwd (optimizer included) %.2f ms\n", pass_sum[MTRL_PROF_FWD] * 1e3,
+           pass_sum[MTRL_PROF_RECOMPUTE] * 1e3, pass_sum[MTRL_PROF_BWD] * 1e3);
+    printf("  sum of phases %.2f ms = %.1f%% of the profiled step; %.2f ms in no phase (state copies, zeroing, "
+           "bookkeeping, sync overhead)\n",
+           sum * 1e3, 100 * sum / step, (step - sum) * 1e3);
+}
+
+// One learner step (forward, backward, AdamW) with the model's profile on, and its table.
+// best_fb: the unprofiled forward+backward, for comparison.
 static void profile_step_(mtrl_model *m, const mtrl_batch *b, int segment, real *logp, const real *dlogp,
                           double best_fb) {
     mtrl_model_profile prof;
@@ -142,25 +164,10 @@ static void profile_step_(mtrl_model *m, const mtrl_batch *b, int segment, real 
     mtrl_model_optimizer_step(m, (real)1e-4, (real)0.9, (real)0.95, (real)1e-8, (real)0.1, (real)1);
     double t2 = mtrl_time_mono();
     m->profile = NULL;
-    double step = t2 - t0, sum = 0, pass_sum[MTRL_PROF_PASSES] = {0};
     printf("profile: one forward+backward+optimizer step, device synchronised at every phase boundary: %.1f ms "
            "(forward+backward %.1f ms; unprofiled best %.1f ms)\n",
-           step * 1e3, (t1 - t0) * 1e3, best_fb * 1e3);
-    printf("  %-22s %8s %12s %8s\n", "phase", "calls", "total ms", "% step");
-    for (int p = 0; p < MTRL_PROF_PASSES; p++)
-        for (int k = 0; k < MTRL_PROF_BLOCKS; k++) {
-            if (!prof.calls[p][k]) continue;
-            char name[64];
-            printf("  %-22s %8ld %12.2f %7.1f%%\n", mtrl_model_profile_name(p, k, name, sizeof name), prof.calls[p][k],
-                   prof.sec[p][k] * 1e3, 100 * prof.sec[p][k] / step);
-            sum += prof.sec[p][k];
-            pass_sum[p] += prof.sec[p][k];
-        }
-    printf("  passes: fwd %.2f ms, recompute %.2f ms, bwd (optimizer included) %.2f ms\n", pass_sum[MTRL_PROF_FWD] * 1e3,
-           pass_sum[MTRL_PROF_RECOMPUTE] * 1e3, pass_sum[MTRL_PROF_BWD] * 1e3);
-    printf("  sum of phases %.2f ms = %.1f%% of the profiled step; %.2f ms in no phase (state copies, zeroing, "
-           "bookkeeping, sync overhead)\n",
-           sum * 1e3, 100 * sum / step, (step - sum) * 1e3);
+           (t2 - t0) * 1e3, (t1 - t0) * 1e3, best_fb * 1e3);
+    profile_print_(&prof, t2 - t0);
 }
 
 static int bench_model_(int argc, char **argv) {
@@ -295,12 +302,13 @@ static int bench_model_(int argc, char **argv) {
 // the T-token sequence with the planner's segment, and the memory of each.
 static int bench_long_(int argc, char **argv) {
     bench_src src = {NULL, "tiny", NULL, 8192};
-    int steps = 16;
+    int steps = 16, profile = 0;
     for (int i = 1; i < argc; i++) {
         const char *a = argv[i];
         const char *v = i + 1 < argc ? argv[i + 1] : NULL;
         if (src_opt_(&src, a, v)) i++;
         else if (!strcmp(a, "--decode") && v) { steps = atoi(v); i++; }
+        else if (!strcmp(a, "--profile")) profile = 1;
         else return cli_usage_error("bench", BENCH_USAGE, "unknown option '%s'", a);
     }
     int tokens = src.tokens;
@@ -343,6 +351,11 @@ static int bench_long_(int argc, char **argv) {
     }
     real *logp = malloc(sizeof(real) * (size_t)tokens), *c = malloc(sizeof(real) * (size_t)tokens);
     for (int t = 0; t < tokens; t++) c[t] = (real)(1.0 / tokens);
+    // --profile: this step itself, per phase (a second 1M-token step would cost minutes); its
+    // syncs make it a little slower than an unprofiled one
+    mtrl_model_profile prof;
+    memset(&prof, 0, sizeof prof);
+    if (profile) m.profile = &prof;
     double t3 = mtrl_time_mono();
     mtrl_model_forward(&m, &b, seg, logp, NULL, NULL);
     double t4 = mtrl_time_mono();
@@ -356,6 +369,11 @@ static int bench_long_(int argc, char **argv) {
            seg, t4 - t3, t5 - t4, tokens / (t5 - t3), ru.ru_maxrss / 1048576.0);
     if (peak > 0) printf("; device high-water %.2f GiB", (double)peak / (1 << 30));
     printf("\n");
+    if (profile) {
+        m.profile = NULL;
+        printf("profile: the learner step above (forward + backward), device synchronised at every phase boundary\n");
+        profile_print_(&prof, t5 - t3);
+    }
     free(logp);
     free(c);
     free(tok);
