@@ -16,6 +16,10 @@
 // O(1) errors. Every block width (MTRL_KDA3_WPB = 1, 2, 4, 8) must give bit-identical results,
 // the prefill form (no S_tiles, o only or S_final only) the same bits as the training form, and
 // two runs the same bits. H = 2 and 8 (the models' head counts) with partial tiles as well.
+// The cluster state pass (MTRL_KDA3_CLUSTER = 1 (8 blocks of 1 warp per head, thread-block
+// clusters, multicast bulk copies), 4, 2) must give the default's bits in every v3 case, both
+// precisions, in the training, prefill and state-only forms (T = 5, 7, 131, 419, 1203 at H = 2,
+// 16, 64 added for it), and the backward recomputing its states through it the same dS0 and dq.
 // Every v3 case runs twice: bf16 as above (MTRL_KDA3_SPLIT=0), then bf16x3 (the default: split-bf16 operands,
 // ~16 significant bits) against fp64 and v2 at 1e-4 (test_kda_v3_emu.c's emulation of the split
 // gives at most 6.9e-6 on such inputs, fp32's 4e-7; the margin covers the tensor cores' fp32
@@ -172,6 +176,21 @@ static void test_chunk(mtrl_cuda_ctx *ctx, int T, int H, int K, int V, int bound
                 set_env("MTRL_KDA3_WPB", NULL);
                 free(hw);
             }
+            if (bv == 3 && !stored && !tile3) {  // the recomputed states through the cluster state pass
+                float *hr = (float *)malloc(sizeof(float) * 2 * (ns + nqk));
+                mtrl_cuda_download(hr, e_dS0, sizeof(float) * ns);
+                mtrl_cuda_download(hr + ns, e_dq, sizeof(float) * nqk);
+                set_env("MTRL_KDA3_CLUSTER", "1");
+                TEST_EQ_INT(mtrl_kda_chunk_bwd(ctx, T, H, K, V, d_q, d_k, d_v, d_g, d_b, d_S0, NULL, d_dout,
+                                               d_dSf, e_dq, e_dk, e_dv, e_dg, e_db, e_dS0), 0);
+                mtrl_cuda_sync(ctx);
+                set_env("MTRL_KDA3_CLUSTER", NULL);
+                mtrl_cuda_download(hr + ns + nqk, e_dS0, sizeof(float) * ns);
+                mtrl_cuda_download(hr + 2 * ns + nqk, e_dq, sizeof(float) * nqk);
+                TEST_CHECKF(same_bits(hr, hr + ns + nqk, ns + nqk),
+                            "v3 bwd (states recomputed) MTRL_KDA3_CLUSTER=1: dS0, dq not bit-identical");
+                free(hr);
+            }
             for (int i = 0; i < 6; i++) mtrl_cuda_free(outs[i].d);
         }
     }
@@ -321,6 +340,24 @@ static void test_chunk_v3(mtrl_cuda_ctx *ctx, int T, int H, int bound) {
             v3_same_bits_(ctx, tag, form, T, H, in, 0, 0, ho, hS, hSt, tmp);
             printf("  WPB=%s: o, S_final, S_tiles, prefill and state-only forms bit-identical to the default\n", wpbs[i]);
         }
+        set_env("MTRL_KDA3_WPB", NULL);
+        // the cluster state pass (MTRL_KDA3_CLUSTER: 1 = 8 blocks of 1 warp per head, 4, 2), bit for
+        // bit, in the same three forms; MTRL_KDA3_WPB set to a non-default width must not matter
+        static const char *cls[] = {"1", "4", "2"};
+        for (int i = 0; i < 3; i++) {
+            set_env("MTRL_KDA3_CLUSTER", cls[i]);
+            set_env("MTRL_KDA3_WPB", i == 0 ? "1" : NULL);
+            char form[48];
+            snprintf(form, sizeof form, "CLUSTER=%s", cls[i]);
+            v3_same_bits_(ctx, tag, form, T, H, in, 1, 1, ho, hS, hSt, tmp);
+            snprintf(form, sizeof form, "CLUSTER=%s prefill", cls[i]);
+            v3_same_bits_(ctx, tag, form, T, H, in, 1, 0, ho, hS, hSt, tmp);
+            snprintf(form, sizeof form, "CLUSTER=%s without o", cls[i]);
+            v3_same_bits_(ctx, tag, form, T, H, in, 0, 0, ho, hS, hSt, tmp);
+            printf("  MTRL_KDA3_CLUSTER=%s: o, S_final, S_tiles, prefill and state-only forms bit-identical to the default\n",
+                   cls[i]);
+        }
+        set_env("MTRL_KDA3_CLUSTER", NULL);
         set_env("MTRL_KDA3_WPB", NULL);
         // S0 = NULL (zero initial state)
         {
@@ -637,6 +674,11 @@ int main(void) {
     test_chunk_v3(ctx, 24, 2, 0);      // H = 2 (the `reduced small` model): a partial second tile
     test_chunk_v3(ctx, 41, 2, 1);
     test_chunk_v3(ctx, 96, 8, 0);      // H = 8 (the 64K model)
+    test_chunk_v3(ctx, 7, 2, 0);       // the cluster pass (MTRL_KDA3_CLUSTER, every case above too):
+    test_chunk_v3(ctx, 5, 64, 1);      //   T < 16 at H = 2, 64; a tail and more tiles than the ring
+    test_chunk_v3(ctx, 1203, 16, 0);   //   many times over (76 tiles, tail of 3) at H = 16, 2, 64
+    test_chunk_v3(ctx, 419, 2, 1);
+    test_chunk_v3(ctx, 131, 64, 0);
     for (int run = 0; run < 3; run++) {  // the model's use (v2, v3, v3 bf16x3): segments, backward, decode
         const int ver = run ? 3 : 2, split = run == 2;
         test_chunk_model_(ctx, 96, 2, 16, ver, split);

@@ -193,6 +193,20 @@ void bench_kda(Bench &B, int T, int H) {
         }  // the caller's MTRL_KDA_FWD, _SPLIT and _WPB again
         printf("%-34s %-34s default / v2 time %.3f, v3 bf16 (WPB=4) / v2 %.3f, default / v3 bf16 %.3f\n", "", "",
                ms / m2, m4 / m2, ms / m4);
+        {
+            // the default with the cluster state pass (MTRL_KDA3_CLUSTER=1: thread-block clusters
+            // of 8 blocks of 1 warp per head, the K side of each tile record multicast once per
+            // cluster; 4 and 2: clusters of 4 blocks of 2 warps, 2 of 4), against the default
+            scoped_env fwd("MTRL_KDA_FWD", NULL), wpb("MTRL_KDA3_WPB", NULL);
+            static const char *cls[] = {"1", "4", "2"};
+            for (const char *cl : cls) {
+                scoped_env clu("MTRL_KDA3_CLUSTER", cl);
+                double mc = time_ms(B, [&] { mtrl_kda_chunk_fwd(B.c, T, H, K, V, q, k, v, g, beta, NULL, o, Sf, NULL); });
+                snprintf(what, sizeof what, "  default, MTRL_KDA3_CLUSTER=%s", cl);
+                row(what, shape, mc, flops, "TFLOP/s", B.gemm_tflops);
+                printf("%-34s %-34s MTRL_KDA3_CLUSTER=%s / default time %.3f\n", "", "", cl, mc / ms);
+            }
+        }  // the caller's MTRL_KDA_FWD, _WPB and _CLUSTER again
     }
     // forward storing the tile states, then backward
     float *St = (float *)mtrl_cuda_malloc(nt * H * K * V * 4);

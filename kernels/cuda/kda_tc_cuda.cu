@@ -68,6 +68,10 @@
 // The result does not depend on WPB (each warp's arithmetic is the same), so the variants are
 // bit-identical (in either precision); MTRL_KDA3_WPB=1|2|4|8 in the environment picks one (read at
 // each call, for measuring), default 4.
+// MTRL_KDA3_CLUSTER=1 in the environment (read at each call; opt-in) runs the state pass as
+// kda3_state_cl_k instead: the 8 warps of a head in a thread-block cluster of 8 blocks of 1 warp,
+// the K side of each tile record multicast once per cluster into every block's ring (see its
+// comment); bit-identical to the default in either precision (tests/test_cuda_kda.cu checks it).
 #include <math.h>
 #include <stdlib.h>
 
@@ -479,6 +483,339 @@ void launch_state3_wo_(mtrl_cuda_ctx *c, int T, int H, int nt, const unsigned ch
     else launch_state3_<WPB, false, X>(c, T, H, nt, rec, S0, o, S_final, S_tiles);
 }
 
+// ---- pass 2, cluster form (opt-in: MTRL_KDA3_CLUSTER=1) -------------------------------------------
+//
+// kda3_state_cl_k<CL, WO, X>: the state pass with the CL blocks of one head in a thread-block
+// cluster (sm_90, __cluster_dims__(CL, 1, 1), grid (CL, H)), WPB = 8 / CL warps per block, so the
+// V / 16 = 8 warps of a head are spread over CL SMs instead of V / (16 WPB) independent blocks
+// that each load the whole K-side record. CL = 8 (the default of the switch): 8 blocks of 1 warp
+// per head, 128 blocks at H = 16 instead of kda3_state_k's 32 blocks of 4 warps.
+//
+// Design: the K-side part of each tile record (−W, Q⁺, K^e with their lo planes, P, e^γ: 26,112 B
+// of the 34,304 with bf16x3, 13,312 of 17,408 without) is read from global memory once per
+// cluster with the Hopper bulk-copy engine, cp.async.bulk ... .multicast::cluster: one copy
+// lands at the same offset in the shared memory of all CL blocks and signals each block's own
+// mbarrier (complete_tx). The copies of a tile are split over the cluster (piece i of the tile's
+// 3 NP 16 rows of 256 B (−W, Q⁺, K^e, padded to LD3 in the stage), NP 16 rows of 32 B (P, padded
+// to LDP3) and one 512 B piece (e^γ) is issued by rank i mod CL, one piece per thread), so every
+// block gets a full local copy of the K side in exactly kda3_state_k's stage layout (StCfg<WPB,
+// X>), and its own U columns come in through a plain (not multicast) bulk copy per row. Why
+// multicast into every block rather than one slice per block read by the peers through DSMEM:
+// the B operands are read with ldmatrix, which takes only the CTA's own shared memory (DSMEM is
+// reachable by ld/st.shared::cluster only: 4-byte scalar fragment loads at remote latency on the
+// critical chain of a latency-bound pass); with a local copy each warp runs kda3_state_k's
+// arithmetic verbatim (the body below is a copy: same products, same order), so the results are
+// bit-identical to the default (either precision, any WPB) and the L2 → SM traffic of the K side
+// is once per cluster, as at WPB = 8, not once per block (WPB = 1's 4x). PTX notes that
+// .multicast::cluster "is optimized for sm_90a" and may be slower on other targets; this project
+// builds sm_90 (CMAKE_CUDA_ARCHITECTURES 90), so kernels/CMakeLists.txt passes ptxas
+// --suppress-async-bulk-multicast-advisory-warning for this file (ptxas's advisory is about the
+// compute_90 PTX JIT-compiled for future architectures, not the sm_90 SASS an H200 runs). Measure
+// it first (bench ops --only kda prints the ratio); if the multicast is the cost, build for 90a.
+//
+// Synchronisation (ring of NST3 = 6 stages, 5 tiles in flight, as kda3_state_k):
+//   * full[s] (one mbarrier per stage and block, count 1): for each tile m put in stage s, the
+//     block's thread 0 arrives with expect_tx(all bytes the block receives for the tile: the K
+//     side from every rank's multicasts plus its own U rows), and every copy landing in this
+//     block's stage completes its bytes there. Peers' bytes may land before the expect_tx (the
+//     tx-count may go negative; the phase cannot complete before thread 0's arrival). Consumers
+//     wait on the phase parity (m / NST3) & 1 (all threads: no block barrier is needed).
+//   * stage reuse (the WAR between a peer still reading stage s and my multicast overwriting
+//     it): tile n + 5 goes into the stage of tile n − 1, in every block of the cluster. Each
+//     thread arrives on the cluster barrier (barrier.cluster.arrive.release) at the end of tile
+//     n − 1, after its last read of that stage (the ldmatrix of K^e and the e^γ loads, volatile
+//     asm / memory clobber keep them before the arrive), and waits on it
+//     (barrier.cluster.wait.acquire) in tile n, after the Δ and O products and just before it
+//     issues tile n + 5: no block can write into any block's stage (n − 1) % 6 before all
+//     threads of the cluster finished reading it. The wait sits half a tile after the arrive,
+//     so the barrier's latency hides behind the Δ products unless the blocks drift apart. It is
+//     skipped (arrive and wait both) where there is nothing to issue (the last 5 tiles). The
+//     mbarrier phase can't be confused: a block's full[s] for tile m + 6 receives bytes only
+//     after that cluster barrier, i.e. after the block itself completed tile m's phase and read it.
+//   * start: thread 0 initialises the mbarriers, fence.mbarrier_init.release.cluster, then a
+//     full cluster barrier before any copy is issued (a peer's multicast signals my mbarriers).
+//     End: a full cluster barrier before exit, so no block leaves while a copy it issued may
+//     still be landing in a peer, or a peer's copy in it (every block waits for all its tiles).
+//
+// Shared memory per block: NST3 x StCfg<WPB, X>::STAGE + 6 mbarriers: bf16x3 178,224 /
+// 184,368 / 196,656 B at CL = 8 / 4 / 2 (WPB = 1 / 2 / 4); bf16 (X = false) 6 x 15,104 + 48 =
+// 90,672 at CL = 8; one block per SM either way, the 8 blocks of a cluster on 8 SMs of one GPC
+// (an H200 GPC has 16–18 SMs, so 2 clusters of 8 per GPC: 16 heads at once; the launch reports
+// an error if a cluster cannot be placed).
+// Registers (ptxas, sm_90, nvcc 13.0, -Xptxas -v; no spills, 0-byte stack): bf16x3 with O 238 at
+// CL = 8 / 4 / 2, without O 213 / 211 / 211; bf16 with O 211 / 211 / 213, without O 227 (all
+// three); against kda3_state_k's 252 / 254 / 254 / 245 (bf16x3 with O, WPB = 1 / 2 / 4 / 8), which
+// this change leaves as they were. One warp per block, so registers do not limit anything.
+// Expected cost per tile (not measured: the first GPU run is the next session's): each warp runs
+// kda3_state_k's chain (bf16x3 with O: 150 mma, 50 ldmatrix.x4, the A-operand packing), which is
+// what bounds the default (Nsight Compute at T = 64K: 4.87 ms / 4,096 tiles = 1.19 µs per tile; one warp per
+// scheduler, an instruction every 3.7 cycles). Moving the 4 warps of a default block onto 4 SMs
+// does not shorten that chain; what it removes from it, per warp and tile: the default's ~12.5
+// 16-byte cp.async per thread (1,600 per tile over 128 threads) and their address arithmetic
+// (here ~1 bulk copy and ~1 U row per thread), the block barrier, and 3 of the 4 warps' share of
+// one SM's shared-memory pipe (4 x 25.6 KB of ldmatrix per tile at WPB = 4, plus the 34 KB the
+// cp.async write: roughly 40% of the SM's 128 B/clk at 1.19 µs; here a quarter of that). What it
+// adds: one cluster barrier per tile (arrive at the end of tile n − 1, wait half a tile later:
+// hidden unless the 8 blocks drift apart by more than that) and the multicast copies' latency
+// (5 tiles ahead, as before). Estimate: 0.75–1.0x the default's state-pass time (the chain's
+// share of memory-pipe stalls is what the profile should confirm); at H = 16 the 16 clusters of 8
+// need 2 per GPC (an H200 GPC has 16–18 SMs usable; the launch fails with an error, not a wrong
+// result, if a cluster cannot be placed, and it queues when H x 8 exceeds the resident clusters).
+template <int CL, bool X>
+struct ClCfg {
+    static constexpr int WPB = 8 / CL, NP = Rec<X>::NP;
+    using St = StCfg<WPB, X>;
+    static constexpr int NROW = 3 * NP * C3,       // −W, Q⁺, K^e rows of 256 B
+        NPR = NP * C3,                              // P rows of 32 B
+        NPC = NROW + NPR + 1,                       // + e^γ (512 B): multicast pieces per tile
+        KBYTES = NROW * K3 * 2 + NPR * C3 * 2 + K3 * 4,  // K side received per tile
+        UROW = 16 * WPB * 2,                        // bytes of one of the block's U rows
+        TX = KBYTES + NP * C3 * UROW;               // bytes a block receives per tile
+    static constexpr int BAR = NST3 * St::STAGE;    // mbarriers after the ring
+    static constexpr size_t smem() { return (size_t)BAR + NST3 * 8; }
+    static_assert(BAR % 16 == 0 && UROW % 16 == 0 && TX < (1 << 20), "bulk copy sizes");
+    static_assert(smem() <= 232448, "the sm_90 opt-in shared memory per block");
+    static_assert((CL == 2 || CL == 4 || CL == 8) && 8 % CL == 0, "cluster sizes");
+};
+
+__device__ __forceinline__ uint32_t smem_u32_(const void *p) { return (uint32_t)__cvta_generic_to_shared(p); }
+__device__ __forceinline__ void mbar_init_(uint32_t b, unsigned count) {
+    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(b), "r"(count) : "memory");
+}
+__device__ __forceinline__ void mbar_expect_tx_(uint32_t b, unsigned bytes) {
+    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(b), "r"(bytes) : "memory");
+}
+__device__ __forceinline__ void mbar_wait_(uint32_t b, unsigned parity) {
+    asm volatile(
+        "{\n"
+        ".reg .pred p;\n"
+        "WAIT:\n"
+        "mbarrier.try_wait.parity.shared::cta.b64 p, [%0], %1;\n"
+        "@!p bra WAIT;\n"
+        "}\n" ::"r"(b),
+        "r"(parity)
+        : "memory");
+}
+__device__ __forceinline__ void cluster_arrive_() { asm volatile("barrier.cluster.arrive.release;\n" ::: "memory"); }
+__device__ __forceinline__ void cluster_wait_() { asm volatile("barrier.cluster.wait.acquire;\n" ::: "memory"); }
+__device__ __forceinline__ unsigned cluster_rank_() {
+    unsigned r;
+    asm volatile("mov.u32 %0, %%cluster_ctarank;\n" : "=r"(r));
+    return r;
+}
+// Bulk copy global -> the same shared offset in every block of `mask`, completing bytes on the
+// mbarrier at the same offset in each.
+__device__ __forceinline__ void bulk_mc_(uint32_t dst, const void *src, unsigned bytes, uint32_t bar,
+                                         uint16_t mask) {
+    asm volatile(
+        "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes.multicast::cluster "
+        "[%0], [%1], %2, [%3], %4;\n" ::"r"(dst),
+        "l"(src), "r"(bytes), "r"(bar), "h"(mask)
+        : "memory");
+}
+// Bulk copy global -> this block's shared memory.
+__device__ __forceinline__ void bulk_(uint32_t dst, const void *src, unsigned bytes, uint32_t bar) {
+    asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];\n" ::"r"(dst),
+                 "l"(src), "r"(bytes), "r"(bar)
+                 : "memory");
+}
+
+template <int CL, bool WO, bool X>
+__global__ void __cluster_dims__(CL, 1, 1) __launch_bounds__(32 * (8 / CL), 1)
+    kda3_state_cl_k(int T, int H, int nt, const unsigned char *__restrict__ rec,
+                    const float *S0, float *__restrict__ o, float *S_final,
+                    float *__restrict__ S_tiles) {
+    using Cc = ClCfg<CL, X>;
+    constexpr int WPB = Cc::WPB;
+    using Cf = StCfg<WPB, X>;
+    using Rc = Rec<X>;
+    constexpr int NTH = 32 * WPB, LDU = Cf::LDU, NB = K3 / 8;
+    constexpr int LO3 = Cf::LO3 / 2, LOP = Cf::LOP / 2, LOU = Cf::LOU / 2;  // lo parts (elements)
+    extern __shared__ __align__(16) unsigned char sm3_[];
+    const int tid = threadIdx.x, lane = tid & 31, w = tid >> 5, gq = lane >> 2, tq = lane & 3;
+    const int h = blockIdx.y, jb = blockIdx.x * 16 * WPB;  // the block's first value column
+    const int jw = 16 * w, j0 = jb + jw;                     // the warp's, in the block / global
+    const int rank = (int)cluster_rank_();
+    const uint32_t bar0 = smem_u32_(sm3_ + Cc::BAR);
+
+    if (tid == 0) {
+        for (int s = 0; s < NST3; s++) mbar_init_(bar0 + 8 * s, 1);
+        asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+    }
+    cluster_arrive_();  // every block's mbarriers initialised before any copy signals them
+    cluster_wait_();
+
+    // Tile m into stage m % NST3 of every block: this block's share of the multicast pieces, its
+    // own U rows, and its own expect_tx.
+    auto issue = [&](int m) {
+        const unsigned char *R = rec + ((size_t)h * nt + m) * Rc::BYTES;
+        const int s = m % NST3;
+        const uint32_t st = smem_u32_(sm3_ + s * Cf::STAGE), bar = bar0 + 8 * s;
+        if (tid == 0) mbar_expect_tx_(bar, Cc::TX);
+        for (int i = rank + CL * tid; i < Cc::NPC; i += CL * NTH) {
+            if (i < Cc::NROW)  // row i of [3 NP][16][K]
+                bulk_mc_(st + i * LD3 * 2, R + i * K3 * 2, K3 * 2, bar, (uint16_t)((1u << CL) - 1));
+            else if (i < Cc::NROW + Cc::NPR)  // P (then its lo part) row i − NROW
+                bulk_mc_(st + Cf::SP + (i - Cc::NROW) * LDP3 * 2, R + Rc::P + (i - Cc::NROW) * C3 * 2, C3 * 2,
+                         bar, (uint16_t)((1u << CL) - 1));
+            else
+                bulk_mc_(st + Cf::SEG, R + Rc::EG, K3 * 4, bar, (uint16_t)((1u << CL) - 1));
+        }
+        for (int r = tid; r < Cf::NP * C3; r += NTH)  // r = part * 16 + row
+            bulk_(st + Cf::SU + r * LDU * 2, R + Rc::U + (r * V3 + jb) * 2, Cc::UROW, bar);
+    };
+#pragma unroll 1
+    for (int s = 0; s < NST3 - 1 && s < nt; s++) issue(s);
+
+    // Sᵀ in the accumulator layout: st[nd][c] = S(d, j), d = 8 nd + 2t + (c & 1), j = j0 + g + 8 (c >> 1).
+    float st[NB][4];
+#pragma unroll
+    for (int nd = 0; nd < NB; nd++)
+#pragma unroll
+        for (int c = 0; c < 4; c++) {
+            const int d = 8 * nd + 2 * tq + (c & 1), j = j0 + gq + 8 * (c >> 1);
+            st[nd][c] = S0 ? S0[((size_t)h * K3 + d) * V3 + j] : 0.f;
+        }
+
+#pragma unroll 1
+    for (int n = 0; n < nt; n++) {
+        mbar_wait_(bar0 + 8 * (n % NST3), (unsigned)(n / NST3) & 1u);  // tile n has landed here
+        const bool refill = n + NST3 - 1 < nt;  // tile n + 5 goes into tile n − 1's stage
+        const unsigned char *sb = sm3_ + (n % NST3) * Cf::STAGE;
+        const uint16_t *sW = reinterpret_cast<const uint16_t *>(sb + Cf::SW),
+                       *sQ = reinterpret_cast<const uint16_t *>(sb + Cf::SQ),
+                       *sE = reinterpret_cast<const uint16_t *>(sb + Cf::SE),
+                       *sP = reinterpret_cast<const uint16_t *>(sb + Cf::SP),
+                       *sU = reinterpret_cast<const uint16_t *>(sb + Cf::SU);
+        const float *sEG = reinterpret_cast<const float *>(sb + Cf::SEG);
+
+        // From here to the end of the tile: kda3_state_k's body verbatim (the refill excepted).
+        if (S_tiles) {  // the incoming state of tile n (fp32): each store fills four 32-byte sectors
+            float *Sd = S_tiles + ((size_t)n * H + h) * K3 * V3;
+#pragma unroll
+            for (int nd = 0; nd < NB; nd++)
+#pragma unroll
+                for (int c = 0; c < 4; c++)
+                    __stcs(Sd + (size_t)(8 * nd + 2 * tq + (c & 1)) * V3 + j0 + gq + 8 * (c >> 1),
+                           st[nd][c]);
+        }
+        uint32_t sa[X ? 1 : K3 / 16][4];
+        if constexpr (!X) {
+#pragma unroll
+            for (int kd = 0; kd < K3 / 16; kd++) {
+                sa[kd][0] = pack_bf16(st[2 * kd][0], st[2 * kd][1]);
+                sa[kd][1] = pack_bf16(st[2 * kd][2], st[2 * kd][3]);
+                sa[kd][2] = pack_bf16(st[2 * kd + 1][0], st[2 * kd + 1][1]);
+                sa[kd][3] = pack_bf16(st[2 * kd + 1][2], st[2 * kd + 1][3]);
+            }
+        }
+        float dl[2][4], dx[2][4] = {}, oa[2][4] = {};
+#pragma unroll
+        for (int ns = 0; ns < 2; ns++)
+#pragma unroll
+            for (int c = 0; c < 4; c++) {
+                const int iu = (8 * ns + 2 * tq + (c & 1)) * LDU + jw + gq + 8 * (c >> 1);
+                dl[ns][c] = bf2f(sU[iu]);
+                if constexpr (X) dl[ns][c] += bf2f(sU[iu + LOU]);  // exact: hi + lo has 16 bits
+            }
+#pragma unroll
+        for (int kd = 0; kd < K3 / 16; kd++) {
+            uint32_t ah[4], al[4];
+            if constexpr (X) acc_to_a_split(st[2 * kd], st[2 * kd + 1], ah, al);
+            const uint32_t *a = X ? ah : sa[X ? 0 : kd];
+            uint32_t b[4], bl[4];
+            ldsm_split<X>(b, bl, adr_b_nk(sW, LD3, 16 * kd, 0, lane), LO3);
+            float(*acc)[4] = (kd & 1) ? dx : dl;
+            mma_split<X>(acc[0], a, al, b, bl);
+            mma_split<X>(acc[1], a, al, b + 2, bl + 2);
+            if (WO) {  // Oᵀ = Sᵀ Q⁺ᵀ: B(k = d, n = s) = Q⁺[s][d]
+                uint32_t bq[4], bql[4];
+                ldsm_split<X>(bq, bql, adr_b_nk(sQ, LD3, 16 * kd, 0, lane), LO3);
+                mma_split<X>(oa[0], a, al, bq, bql);
+                mma_split<X>(oa[1], a, al, bq + 2, bql + 2);
+            }
+        }
+        // the refill: every thread of the cluster is done with tile n − 1's stage (its arrive at
+        // the end of tile n − 1), then tile n + 5 into it
+        if (refill) {
+            if (n > 0) cluster_wait_();
+            issue(n + NST3 - 1);
+        }
+#pragma unroll
+        for (int ns = 0; ns < 2; ns++)
+#pragma unroll
+            for (int c = 0; c < 4; c++) dl[ns][c] += dx[ns][c];
+        uint32_t da[4], dal[4];
+        acc_to_a_split(dl[0], dl[1], da, dal);
+        if (WO) {
+            uint32_t bp[4], bpl[4];
+            ldsm_split<X>(bp, bpl, adr_b_nk(sP, LDP3, 0, 0, lane), LOP);
+            mma_split<X>(oa[0], da, dal, bp, bpl);
+            mma_split<X>(oa[1], da, dal, bp + 2, bpl + 2);
+#pragma unroll
+            for (int ns = 0; ns < 2; ns++)
+#pragma unroll
+                for (int c = 0; c < 4; c++) {
+                    const int tok = n * C3 + 8 * ns + 2 * tq + (c & 1);
+                    if (tok < T) o[((size_t)tok * H + h) * V3 + j0 + gq + 8 * (c >> 1)] = oa[ns][c];
+                }
+        }
+#pragma unroll
+        for (int nd = 0; nd < NB; nd++) {
+            const float2 e = *reinterpret_cast<const float2 *>(sEG + 8 * nd + 2 * tq);
+            st[nd][0] *= e.x;
+            st[nd][1] *= e.y;
+            st[nd][2] *= e.x;
+            st[nd][3] *= e.y;
+        }
+#pragma unroll
+        for (int pp = 0; pp < K3 / 16; pp++) {
+            uint32_t b[4], bl[4];
+            ldsm_split_t<X>(b, bl, adr_b_kn(sE, LD3, 0, 16 * pp, lane), LO3);
+            mma_split<X>(st[2 * pp], da, dal, b, bl);
+            mma_split<X>(st[2 * pp + 1], da, dal, b + 2, bl + 2);
+        }
+        // done reading this stage; the wait that pairs with this arrive is in tile n + 1, which
+        // refills this stage iff n + 1 + 5 < nt
+        if (n + NST3 < nt) cluster_arrive_();
+    }
+    if (S_final) {
+#pragma unroll
+        for (int nd = 0; nd < NB; nd++)
+#pragma unroll
+            for (int c = 0; c < 4; c++)
+                S_final[((size_t)h * K3 + 8 * nd + 2 * tq + (c & 1)) * V3 + j0 + gq + 8 * (c >> 1)] =
+                    st[nd][c];
+    }
+    cluster_arrive_();  // no block exits while a copy it issued, or one into it, may be in flight
+    cluster_wait_();
+}
+
+template <int CL, bool WO, bool X>
+void launch_state3_cl_(mtrl_cuda_ctx *c, int T, int H, int nt, const unsigned char *rec,
+                       const float *S0, float *o, float *S_final, float *S_tiles) {
+    const size_t sh = ClCfg<CL, X>::smem();
+    set_smem(kda3_state_cl_k<CL, WO, X>, sh);
+    kda3_state_cl_k<CL, WO, X><<<dim3(CL, H), 32 * (8 / CL), sh, c->stream>>>(T, H, nt, rec, S0, o, S_final,
+                                                                             S_tiles);
+    CUDA_LAUNCH_CHECK();
+}
+template <int CL, bool X>
+void launch_state3_cl_wo_(mtrl_cuda_ctx *c, int T, int H, int nt, const unsigned char *rec,
+                          const float *S0, float *o, float *S_final, float *S_tiles) {
+    if (o) launch_state3_cl_<CL, true, X>(c, T, H, nt, rec, S0, o, S_final, S_tiles);
+    else launch_state3_cl_<CL, false, X>(c, T, H, nt, rec, S0, o, S_final, S_tiles);
+}
+// MTRL_KDA3_CLUSTER in the environment (read at each call): 1 or 8: the cluster state pass with 8
+// blocks of 1 warp per head; 4 / 2: clusters of 4 blocks of 2 warps / 2 blocks of 4 warps (for
+// measuring); anything else: 0, kda3_state_k (the default).
+inline int env_cluster_() {
+    if (env_is("MTRL_KDA3_CLUSTER", "1") || env_is("MTRL_KDA3_CLUSTER", "8")) return 8;
+    if (env_is("MTRL_KDA3_CLUSTER", "4")) return 4;
+    if (env_is("MTRL_KDA3_CLUSTER", "2")) return 2;
+    return 0;
+}
+
 // The prep (one record per head and tile into rec) and the state pass over the records, at one
 // precision (X: bf16x3).
 template <bool X>
@@ -494,6 +831,12 @@ template <bool X>
 void kda3_state_(mtrl_cuda_ctx *c, int T, int H, const unsigned char *rec, const float *S0, float *o,
                  float *S_final, float *S_tiles) {
     const int nt = (T + C3 - 1) / C3;
+    switch (env_cluster_()) {  // opt-in: MTRL_KDA3_CLUSTER (then MTRL_KDA3_WPB is not read)
+    case 8: launch_state3_cl_wo_<8, X>(c, T, H, nt, rec, S0, o, S_final, S_tiles); return;
+    case 4: launch_state3_cl_wo_<4, X>(c, T, H, nt, rec, S0, o, S_final, S_tiles); return;
+    case 2: launch_state3_cl_wo_<2, X>(c, T, H, nt, rec, S0, o, S_final, S_tiles); return;
+    default: break;
+    }
     switch (env_wpb_()) {
     case 1: launch_state3_wo_<1, X>(c, T, H, nt, rec, S0, o, S_final, S_tiles); break;
     case 2: launch_state3_wo_<2, X>(c, T, H, nt, rec, S0, o, S_final, S_tiles); break;
