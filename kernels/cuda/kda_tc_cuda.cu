@@ -585,16 +585,25 @@ __device__ __forceinline__ void mbar_init_(uint32_t b, unsigned count) {
 __device__ __forceinline__ void mbar_expect_tx_(uint32_t b, unsigned bytes) {
     asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(b), "r"(bytes) : "memory");
 }
+// Waits for the phase of parity `parity` to complete. A phase that never completes (a byte count
+// or a piece assignment wrong: this kernel's first GPU run was after it was written) traps after
+// 2^24 polls (each try_wait may suspend for a while: at least ~1 s, at most minutes) instead of
+// hanging the test: the launch then fails with an error.
 __device__ __forceinline__ void mbar_wait_(uint32_t b, unsigned parity) {
-    asm volatile(
-        "{\n"
-        ".reg .pred p;\n"
-        "WAIT:\n"
-        "mbarrier.try_wait.parity.shared::cta.b64 p, [%0], %1;\n"
-        "@!p bra WAIT;\n"
-        "}\n" ::"r"(b),
-        "r"(parity)
-        : "memory");
+    for (unsigned spins = 0;; spins++) {
+        uint32_t ok;
+        asm volatile(
+            "{\n"
+            ".reg .pred p;\n"
+            "mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n"
+            "selp.u32 %0, 1, 0, p;\n"
+            "}\n"
+            : "=r"(ok)
+            : "r"(b), "r"(parity)
+            : "memory");
+        if (ok) return;
+        if (spins == (1u << 24)) __trap();
+    }
 }
 __device__ __forceinline__ void cluster_arrive_() { asm volatile("barrier.cluster.arrive.release;\n" ::: "memory"); }
 __device__ __forceinline__ void cluster_wait_() { asm volatile("barrier.cluster.wait.acquire;\n" ::: "memory"); }
