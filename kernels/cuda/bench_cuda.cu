@@ -15,6 +15,9 @@
 
 #include "kernels/cuda/cuda_common.cuh"
 
+// kda_tc_cuda.cu: clusters of the KDA v3 cluster state pass resident at once (cl = 8, 4, 2).
+int kda3_cluster_max_active(int cl, int split);
+
 namespace {
 
 struct Bench {
@@ -204,7 +207,9 @@ void bench_kda(Bench &B, int T, int H) {
                 double mc = time_ms(B, [&] { mtrl_kda_chunk_fwd(B.c, T, H, K, V, q, k, v, g, beta, NULL, o, Sf, NULL); });
                 snprintf(what, sizeof what, "  default, MTRL_KDA3_CLUSTER=%s", cl);
                 row(what, shape, mc, flops, "TFLOP/s", B.gemm_tflops);
-                printf("%-34s %-34s MTRL_KDA3_CLUSTER=%s / default time %.3f\n", "", "", cl, mc / ms);
+                const int ncl = cl[0] == '1' ? 8 : atoi(cl);
+                printf("%-34s %-34s MTRL_KDA3_CLUSTER=%s / default time %.3f (clusters of %d resident at once: %d, "
+                       "H = %d)\n", "", "", cl, mc / ms, ncl, kda3_cluster_max_active(ncl, !env_is("MTRL_KDA3_SPLIT", "0")), H);
             }
         }  // the caller's MTRL_KDA_FWD, _WPB and _CLUSTER again
     }

@@ -815,6 +815,30 @@ void launch_state3_cl_wo_(mtrl_cuda_ctx *c, int T, int H, int nt, const unsigned
     if (o) launch_state3_cl_<CL, true, X>(c, T, H, nt, rec, S0, o, S_final, S_tiles);
     else launch_state3_cl_<CL, false, X>(c, T, H, nt, rec, S0, o, S_final, S_tiles);
 }
+// How many clusters of the with-O kernel the device holds at once (cudaOccupancyMaxActiveClusters;
+// -1 if the query fails): H of them run concurrently only if this is >= H.
+template <int CL, bool X>
+int cl_max_active_() {
+    const size_t sh = ClCfg<CL, X>::smem();
+    set_smem(kda3_state_cl_k<CL, true, X>, sh);
+    cudaLaunchAttribute a = {};
+    a.id = cudaLaunchAttributeClusterDimension;
+    a.val.clusterDim.x = CL;
+    a.val.clusterDim.y = 1;
+    a.val.clusterDim.z = 1;
+    cudaLaunchConfig_t cfg = {};
+    cfg.gridDim = dim3(CL, 1, 1);
+    cfg.blockDim = dim3(32 * (8 / CL), 1, 1);
+    cfg.dynamicSmemBytes = sh;
+    cfg.attrs = &a;
+    cfg.numAttrs = 1;
+    int n = 0;
+    if (cudaOccupancyMaxActiveClusters(&n, kda3_state_cl_k<CL, true, X>, &cfg) != cudaSuccess) {
+        (void)cudaGetLastError();
+        return -1;
+    }
+    return n;
+}
 // MTRL_KDA3_CLUSTER in the environment (read at each call): 1 or 8: the cluster state pass with 8
 // blocks of 1 warp per head; 4 / 2: clusters of 4 blocks of 2 warps / 2 blocks of 4 warps (for
 // measuring); anything else: 0, kda3_state_k (the default).
@@ -863,6 +887,14 @@ int kda3_supports(int H, int K, int V, const float *q, const float *k, const flo
                   const float *g) {
     return K == K3 && V == V3 && H > 0 && H <= 65535 && kda3_aligned16_(q) && kda3_aligned16_(k) &&
            kda3_aligned16_(v) && kda3_aligned16_(g);
+}
+
+// The cluster state pass's resident clusters (cl = 8, 4, 2; split: bf16x3), for bench ops.
+int kda3_cluster_max_active(int cl, int split) {
+    if (cl == 8) return split ? cl_max_active_<8, true>() : cl_max_active_<8, false>();
+    if (cl == 4) return split ? cl_max_active_<4, true>() : cl_max_active_<4, false>();
+    if (cl == 2) return split ? cl_max_active_<2, true>() : cl_max_active_<2, false>();
+    return -1;
 }
 
 size_t kda3_rec_bytes(int split) { return split ? Rec<true>::BYTES : Rec<false>::BYTES; }
