@@ -51,6 +51,10 @@
 
 static const double GMIN = -5.0;
 
+// kda_tc_cuda.cu: the cluster size of the last v3 forward state pass launched (0: the default
+// kernel; MTRL_KDA3_CLUSTER=1 gives 8).
+int kda3_last_state_cluster();
+
 // q (scaled, L2-normalised), k (L2-normalised), v, g, β as the layer feeds the core.
 static void make_inputs(int T, int H, int K, int V, int bound, double *q, double *k, double *v,
                         double *g, double *beta) {
@@ -185,6 +189,7 @@ static void test_chunk(mtrl_cuda_ctx *ctx, int T, int H, int K, int V, int bound
                                                d_dSf, e_dq, e_dk, e_dv, e_dg, e_db, e_dS0), 0);
                 mtrl_cuda_sync(ctx);
                 set_env("MTRL_KDA3_CLUSTER", NULL);
+                TEST_EQ_INT(kda3_last_state_cluster(), 8);
                 mtrl_cuda_download(hr + ns + nqk, e_dS0, sizeof(float) * ns);
                 mtrl_cuda_download(hr + 2 * ns + nqk, e_dq, sizeof(float) * nqk);
                 TEST_CHECKF(same_bits(hr, hr + ns + nqk, ns + nqk),
@@ -313,6 +318,7 @@ static void test_chunk_v3(mtrl_cuda_ctx *ctx, int T, int H, int bound) {
     for (int split = 0; split <= 1; split++) {
         set_env("MTRL_KDA3_SPLIT", split ? "1" : "0");
         set_env("MTRL_KDA3_WPB", NULL);
+        set_env("MTRL_KDA3_CLUSTER", NULL);  // the default's bits are the reference
         const char *tag = split ? "v3 bf16x3" : "v3";
         const double tol = split ? 1e-4 : 1e-2;
         char what[128];
@@ -322,6 +328,7 @@ static void test_chunk_v3(mtrl_cuda_ctx *ctx, int T, int H, int bound) {
         // default block width, training form (o, S_final, S_tiles)
         TEST_EQ_INT(mtrl_kda_chunk_fwd(ctx, T, H, K, V, d_q, d_k, d_v, d_g, d_b, d_S0, d_o, d_Sf, d_St), 0);
         mtrl_cuda_sync(ctx);
+        TEST_EQ_INT(kda3_last_state_cluster(), 0);
         mtrl_cuda_download(ho, d_o, sizeof(float) * nv);
         mtrl_cuda_download(hS, d_Sf, sizeof(float) * ns);
         mtrl_cuda_download(hSt, d_St, sizeof(float) * nst);
@@ -354,6 +361,7 @@ static void test_chunk_v3(mtrl_cuda_ctx *ctx, int T, int H, int bound) {
             v3_same_bits_(ctx, tag, form, T, H, in, 1, 0, ho, hS, hSt, tmp);
             snprintf(form, sizeof form, "CLUSTER=%s without o", cls[i]);
             v3_same_bits_(ctx, tag, form, T, H, in, 0, 0, ho, hS, hSt, tmp);
+            TEST_EQ_INT(kda3_last_state_cluster(), i == 0 ? 8 : atoi(cls[i]));  // the switch took effect
             printf("  MTRL_KDA3_CLUSTER=%s: o, S_final, S_tiles, prefill and state-only forms bit-identical to the default\n",
                    cls[i]);
         }

@@ -839,6 +839,7 @@ int cl_max_active_() {
     }
     return n;
 }
+int kda3_last_cluster_ = 0;  // the cluster size of the last state pass launched (0: kda3_state_k)
 // MTRL_KDA3_CLUSTER in the environment (read at each call): 1 or 8: the cluster state pass with 8
 // blocks of 1 warp per head; 4 / 2: clusters of 4 blocks of 2 warps / 2 blocks of 4 warps (for
 // measuring); anything else: 0, kda3_state_k (the default).
@@ -864,7 +865,8 @@ template <bool X>
 void kda3_state_(mtrl_cuda_ctx *c, int T, int H, const unsigned char *rec, const float *S0, float *o,
                  float *S_final, float *S_tiles) {
     const int nt = (T + C3 - 1) / C3;
-    switch (env_cluster_()) {  // opt-in: MTRL_KDA3_CLUSTER (then MTRL_KDA3_WPB is not read)
+    kda3_last_cluster_ = env_cluster_();
+    switch (kda3_last_cluster_) {  // opt-in: MTRL_KDA3_CLUSTER (then MTRL_KDA3_WPB is not read)
     case 8: launch_state3_cl_wo_<8, X>(c, T, H, nt, rec, S0, o, S_final, S_tiles); return;
     case 4: launch_state3_cl_wo_<4, X>(c, T, H, nt, rec, S0, o, S_final, S_tiles); return;
     case 2: launch_state3_cl_wo_<2, X>(c, T, H, nt, rec, S0, o, S_final, S_tiles); return;
@@ -889,6 +891,9 @@ int kda3_supports(int H, int K, int V, const float *q, const float *k, const flo
            kda3_aligned16_(v) && kda3_aligned16_(g);
 }
 
+// The cluster size of the last forward state pass launched (0: kda3_state_k), for the tests to see
+// that MTRL_KDA3_CLUSTER took effect (the results are bit-identical by design).
+int kda3_last_state_cluster() { return kda3_last_cluster_; }
 // The cluster state pass's resident clusters (cl = 8, 4, 2; split: bf16x3), for bench ops.
 int kda3_cluster_max_active(int cl, int split) {
     if (cl == 8) return split ? cl_max_active_<8, true>() : cl_max_active_<8, false>();
