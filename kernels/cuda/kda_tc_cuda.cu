@@ -548,7 +548,7 @@ void launch_state3_wo_(mtrl_cuda_ctx *c, int T, int H, int nt, const unsigned ch
 // this change leaves as they were. One warp per block, so registers do not limit anything.
 // Expected cost per tile (not measured: the first GPU run is the next session's): each warp runs
 // kda3_state_k's chain (bf16x3 with O: 150 mma, 50 ldmatrix.x4, the A-operand packing), which is
-// what bounds the default (Nsight Compute at T = 64K: 4.87 ms / 4,096 tiles = 1.19 µs per tile; one warp per
+// what bounds the default (Nsight Compute, bf16 v3 at T = 64K: 4.87 ms / 4,096 tiles = 1.19 µs per tile; one warp per
 // scheduler, an instruction every 3.7 cycles). Moving the 4 warps of a default block onto 4 SMs
 // does not shorten that chain; what it removes from it, per warp and tile: the default's ~12.5
 // 16-byte cp.async per thread (1,600 per tile over 128 threads) and their address arithmetic
