@@ -250,6 +250,18 @@ int main(int argc, char **argv) {
     test_attn_x(ctx, 200, 1000, 8, 8, 192, 128, 0, 1); // a segment after an 800-token prefix
     test_attn_x(ctx, 150, 190, 4, 2, 192, 128, 0, 1);  // GQA: 2 heads per key head
     test_attn_x(ctx, 128, 128, 2, 2, 192, 128, 0, 1);  // exact tiles
+    // the lab configurations of this shape (read at each call): forward 1 (Q in registers) with
+    // 64-row dK/dV tiles, then forward 3 (64-key stages)
+    setenv("MTRL_ATTN2_FWD", "1", 1);
+    setenv("MTRL_ATTN2_DKV", "64", 1);
+    printf("MTRL_ATTN2_FWD=1 MTRL_ATTN2_DKV=64:\n");
+    test_attn_x(ctx, 200, 1000, 8, 8, 192, 128, 0, 1);
+    test_attn_x(ctx, 63, 63, 2, 2, 192, 128, 0, 1);
+    setenv("MTRL_ATTN2_FWD", "3", 1);
+    unsetenv("MTRL_ATTN2_DKV");
+    printf("MTRL_ATTN2_FWD=3:\n");
+    test_attn_x(ctx, 200, 1000, 8, 8, 192, 128, 0, 1);
+    unsetenv("MTRL_ATTN2_FWD");
     if (attn_only) {
         mtrl_cuda_ctx_destroy(ctx);
         return test_report();

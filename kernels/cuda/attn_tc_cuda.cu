@@ -49,12 +49,14 @@
 //              and dV fit beside Sᵀ and dPᵀ because the query tile is 32 rows (16 + 16 registers
 //              instead of 32 + 32 at 64 rows, the same 192 live accumulators as the 128 shape):
 //              251 registers, no spills, 85 KB (K 64 x 200, V 64 x 136, two stages of Q 32 x 200
-//              and dO 32 x 136), 2 blocks per SM; 64-row tiles would need 127 KB (one block per
-//              SM) and 64 more registers. The price: the warp's K / V A-fragments are read once
-//              per 32 rows instead of per 64 (6 ldmatrix per 8 mma in Sᵀ and dPᵀ instead of 5),
-//              and twice the barriers. dq <192, 128, 32, 1, Q and dO from shared memory>: dQ is
-//              96 registers (MT = 2 would need 192), 216 registers, no spills, 84 KB, 2 blocks
-//              per SM (64-key stages would take 126 KB). Not yet measured.
+//              and dO 32 x 136), 2 blocks per SM. 64-row tiles (MTRL_ATTN2_DKV=64, a lab knob
+//              read at each call) also compile without spills (255 registers) but need 127 KB,
+//              one block per SM. The price of 32 rows: the warp's K / V A-fragments are read
+//              once per 32 rows instead of per 64 (6 ldmatrix per 8 mma in Sᵀ and dPᵀ instead
+//              of 5), and twice the barriers. dq <192, 128, 32, 1, Q and dO from shared
+//              memory>: dQ is 96 registers (MT = 2 would need 192), 216 registers, no spills,
+//              84 KB, 2 blocks per SM (64-key stages: 126 KB; with Q and dO in registers ptxas
+//              spills 116 B). Not yet measured.
 //            So S and dP are computed twice (7 products instead of FA2's 5): the price of a
 //            deterministic dq without floating-point atomics.
 // MTRL_ATTN_V1=1 in the environment selects the v1 kernels of mla_cuda.cu (read at each call).
@@ -861,7 +863,12 @@ extern "C" int mtrl_attn2_causal_bwd(mtrl_cuda_ctx *c, int Tq, int Tk, int H, in
     attn2_bwd_pre_k<<<cdiv(rows, 8), 256, 0, c->stream>>>(rows, Dv, dout, o, D);
     CUDA_LAUNCH_CHECK();
     if (Dk == 192) {  // Dv = 128: 32-row query tiles in dkv, one row tile per warp in dq
-        if (launch_dkv_<192, 128, 32>(c, a, Hk, dout, lse, D, dk, dv)) return -1;
+        const char *ek = getenv("MTRL_ATTN2_DKV");  // lab knob: 64 = 64-row tiles, 1 block/SM
+        if (ek && atoi(ek) == 64) {
+            if (launch_dkv_<192, 128, 64>(c, a, Hk, dout, lse, D, dk, dv)) return -1;
+        } else if (launch_dkv_<192, 128, 32>(c, a, Hk, dout, lse, D, dk, dv)) {
+            return -1;
+        }
         return launch_dq_<192, 128, 32, 1, false>(c, a, Hk, dout, lse, D, dq);
     }
     if (launch_dkv_<128, 128, 64>(c, a, Hk, dout, lse, D, dk, dv)) return -1;
