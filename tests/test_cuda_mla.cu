@@ -237,6 +237,7 @@ int main(int argc, char **argv) {
     test_attn(ctx, 150, 190, 4, 2, 128, 128, 0);   // GQA: 2 heads per key head
     test_attn(ctx, 1, 65, 2, 2, 128, 128, 0);      // one query row, 65 keys
     test_attn(ctx, 64, 64, 1, 1, 128, 128, 0);     // exact tiles
+    const uint64_t rng_before_192 = tu_state_;  // restored after: the decode inputs as before
     // v2 MHA Dk = 192, Dv = 128 (the naive MLA form of the small preset: d_n 128 + d_r 64 key
     // columns, d_v 128): must run v2, and v1 must agree with it. Token counts that are not
     // multiples of the 32- / 64-row tiles or the 32- / 64-key tiles, one token, Tq < Tk
@@ -262,6 +263,7 @@ int main(int argc, char **argv) {
     printf("MTRL_ATTN2_FWD=3:\n");
     test_attn_x(ctx, 200, 1000, 8, 8, 192, 128, 0, 1);
     unsetenv("MTRL_ATTN2_FWD");
+    tu_state_ = rng_before_192;
     if (attn_only) {
         mtrl_cuda_ctx_destroy(ctx);
         return test_report();
