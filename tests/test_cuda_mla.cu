@@ -4,7 +4,8 @@
 // buffers) for the absorbed MLA form (Hk = 1, values aliasing the first dc latent columns, the
 // model's shapes: Dk = dc + dr = 576, Dv = 512, and the tiny preset's Dk = 40 that needs zero
 // padding to 48), a segment attending to a longer prefix (Tq < Tk), and the general form (Hk = 2,
-// separate values); and the absorbed decode over a batch of sequences of different lengths
+// separate values); MHA Dk = 192, Dv = 128 (the naive MLA form: must run v2, v1 checked
+// against it too); and the absorbed decode over a batch of sequences of different lengths
 // (fp32 and bf16 latent caches; each case through both kernels: v2 where the arguments allow it,
 // then v1 forced through MTRL_DECODE_V1=1).
 // Tolerances: attention takes bf16 operands: ‖out − ref‖/‖ref‖ ≤ 1e-2 against the reference on
@@ -23,7 +24,10 @@ static void set_attn_version(int version) {
 
 // Forward and backward through both kernel sets (v2 where the shape allows it, then v1 forced)
 // on the same inputs, each against the fp64 reference; v2 twice, the two runs bit-identical.
-static void test_attn(mtrl_cuda_ctx *ctx, int Tq, int Tk, int H, int Hk, int Dk, int Dv, int alias) {
+// expect_v2: the shape must run v2 (mtrl_attn_causal_version reports 2 for forward and
+// backward), and v1's o, lse, dq and dk / dv increments must agree with v2's within 1e-2.
+static void test_attn_x(mtrl_cuda_ctx *ctx, int Tq, int Tk, int H, int Hk, int Dk, int Dv,
+                        int alias, int expect_v2) {
     double scale = 1.0 / sqrt((double)(alias ? 192 : Dk));
     int ldk = alias ? Dk : Hk * Dk, ldv = alias ? Dk : Hk * Dv;
     size_t nq = (size_t)Tq * H * Dk, nk = (size_t)Tk * ldk, nv = alias ? 0 : (size_t)Tk * ldv,
@@ -59,6 +63,10 @@ static void test_attn(mtrl_cuda_ctx *ctx, int Tq, int Tk, int H, int Hk, int Dk,
         int vb = mtrl_attn_causal_version(H, Hk, Dk, Dv, alias, 1);
         printf("attention Tq=%d Tk=%d H=%d Hk=%d Dk=%d Dv=%d%s: fwd v%d, bwd v%d\n", Tq, Tk, H, Hk,
                Dk, Dv, alias ? " (values alias the keys)" : "", vf, vb);
+        if (version == 2 && expect_v2) {
+            TEST_EQ_INT(vf, 2);
+            TEST_EQ_INT(vb, 2);
+        }
         if (version == 2 && vf == 1 && vb == 1) continue;  // the v1 pass covers it
         if (version == 1) {
             TEST_EQ_INT(vf, 1);
@@ -72,7 +80,8 @@ static void test_attn(mtrl_cuda_ctx *ctx, int Tq, int Tk, int H, int Hk, int Dk,
             TEST_EQ_INT(mtrl_attn_causal_bwd(ctx, Tq, Tk, H, Hk, Dk, Dv, (float)scale, d_q, d_k, ldk,
                                              d_v, ldv, d_o, d_lse, d_do, e_dq, e_dk, e_dv), 0);
             mtrl_cuda_sync(ctx);
-            float *bits = run == 0 ? first : again;
+            // v2's first run in `first`; v2's second run and v1's run in `again`
+            float *bits = version == 2 && run == 0 ? first : again;
             mtrl_cuda_download(bits, d_o, sizeof(float) * no);
             mtrl_cuda_download(bits + no, d_lse, sizeof(float) * nl);
             mtrl_cuda_download(bits + no + nl, e_dq, sizeof(float) * nq);
@@ -105,6 +114,23 @@ static void test_attn(mtrl_cuda_ctx *ctx, int Tq, int Tk, int H, int Hk, int Dk,
                     TU_CHECK_REL(ATT_NAME("bwd dv (+=)"), inc, ref_inc, nv, 1e-2);
                 }
 #undef ATT_NAME
+                if (version == 1 && expect_v2) {  // v1 against v2 (v2's bits from its first run)
+                    // offsets of o, lse, dq, dk, dv in the bit buffers; dk, dv as increments
+                    const size_t off[5] = {0, no, no + nl, no + nl + nq, no + nl + nq + nk};
+                    const size_t len[5] = {no, nl, nq, nk, nv};
+                    const double *start[5] = {NULL, NULL, NULL, dk0, dv0};
+                    const char *nm[5] = {"v1 vs v2: fwd o", "v1 vs v2: fwd lse", "v1 vs v2: bwd dq",
+                                         "v1 vs v2: bwd dk (increments)",
+                                         "v1 vs v2: bwd dv (increments)"};
+                    for (int b = 0; b < (alias ? 4 : 5); b++) {
+                        for (size_t i = 0; i < len[b]; i++) {
+                            double s0 = start[b] ? start[b][i] : 0.0;
+                            inc[i] = (double)again[off[b] + i] - s0;
+                            ref_inc[i] = (double)first[off[b] + i] - s0;
+                        }
+                        TU_CHECK_REL(nm[b], inc, ref_inc, len[b], 1e-2);
+                    }
+                }
             } else {
                 int same = memcmp(first, again, sizeof(float) * nall) == 0;
                 printf("  two v2 runs bit-identical (o, lse, dq, dk, dv): %s\n", same ? "yes" : "NO");
@@ -124,6 +150,10 @@ static void test_attn(mtrl_cuda_ctx *ctx, int Tq, int Tk, int H, int Hk, int Dk,
     free(q); free(k); free(v); free(dout); free(o); free(lse); free(dq); free(dk);
     if (!alias) free(dv);
     free(got);
+}
+
+static void test_attn(mtrl_cuda_ctx *ctx, int Tq, int Tk, int H, int Hk, int Dk, int Dv, int alias) {
+    test_attn_x(ctx, Tq, Tk, H, Hk, Dk, Dv, alias, 0);
 }
 
 // Sets MTRL_DECODE_V1 for the decode launchers (read at each call): version 1 forces the first
@@ -207,6 +237,33 @@ int main(int argc, char **argv) {
     test_attn(ctx, 150, 190, 4, 2, 128, 128, 0);   // GQA: 2 heads per key head
     test_attn(ctx, 1, 65, 2, 2, 128, 128, 0);      // one query row, 65 keys
     test_attn(ctx, 64, 64, 1, 1, 128, 128, 0);     // exact tiles
+    const uint64_t rng_before_192 = tu_state_;  // restored after: the decode inputs as before
+    // v2 MHA Dk = 192, Dv = 128 (the naive MLA form of the small preset: d_n 128 + d_r 64 key
+    // columns, d_v 128): must run v2, and v1 must agree with it. Token counts that are not
+    // multiples of the 32- / 64-row tiles or the 32- / 64-key tiles, one token, Tq < Tk
+    // (segments after a prefix), H = 2 and 8, one GQA case, exact tiles.
+    test_attn_x(ctx, 1, 1, 2, 2, 192, 128, 0, 1);      // one token
+    test_attn_x(ctx, 63, 63, 8, 8, 192, 128, 0, 1);
+    test_attn_x(ctx, 200, 200, 2, 2, 192, 128, 0, 1);  // 200 = 6 x 32 + 8
+    test_attn_x(ctx, 1000, 1000, 8, 8, 192, 128, 0, 1);
+    test_attn_x(ctx, 1, 65, 2, 2, 192, 128, 0, 1);     // one query row after 64 keys
+    test_attn_x(ctx, 77, 333, 2, 2, 192, 128, 0, 1);   // a segment after a 256-token prefix
+    test_attn_x(ctx, 200, 1000, 8, 8, 192, 128, 0, 1); // a segment after an 800-token prefix
+    test_attn_x(ctx, 150, 190, 4, 2, 192, 128, 0, 1);  // GQA: 2 heads per key head
+    test_attn_x(ctx, 128, 128, 2, 2, 192, 128, 0, 1);  // exact tiles
+    // the lab configurations of this shape (read at each call): forward 1 (Q in registers) with
+    // 64-row dK/dV tiles, then forward 3 (64-key stages)
+    setenv("MTRL_ATTN2_FWD", "1", 1);
+    setenv("MTRL_ATTN2_DKV", "64", 1);
+    printf("MTRL_ATTN2_FWD=1 MTRL_ATTN2_DKV=64:\n");
+    test_attn_x(ctx, 200, 1000, 8, 8, 192, 128, 0, 1);
+    test_attn_x(ctx, 63, 63, 2, 2, 192, 128, 0, 1);
+    setenv("MTRL_ATTN2_FWD", "3", 1);
+    unsetenv("MTRL_ATTN2_DKV");
+    printf("MTRL_ATTN2_FWD=3:\n");
+    test_attn_x(ctx, 200, 1000, 8, 8, 192, 128, 0, 1);
+    unsetenv("MTRL_ATTN2_FWD");
+    tu_state_ = rng_before_192;
     if (attn_only) {
         mtrl_cuda_ctx_destroy(ctx);
         return test_report();

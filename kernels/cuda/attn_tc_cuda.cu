@@ -27,16 +27,36 @@
 //              compute the same S (Q Kᵀ over 576 is redone, 65% of the issued mma work is useful)
 //              and each accumulates 256 value columns (128 accumulator registers). 224 KB of
 //              shared memory (Q + two key stages), one block per SM.
-//   backward (Dk = Dv = 128, values not aliased; the absorbed shape runs v1) in three launches,
-//            nothing atomic:
+//            * MHA Dk = 192, Dv = 128 (the naive MLA form: d_n + d_r = 128 + 64 keys, d_v = 128
+//              values): <192, 128, 1, 32, Q in shared memory, separate V, MT = 2, 2 blocks per
+//              SM>: 240 registers, no spills, 92 KB (Q 128 x 200 + two stages of 32 keys x
+//              (200 + 136) bf16). With 64-key stages (MTRL_ATTN2_FWD=3) it is 134 KB, one block
+//              per SM, 255 registers and 72 B of spills; MTRL_ATTN2_FWD=1 keeps Q in registers
+//              (MT = 1, 64-key stages, 216 registers, 84 KB, 2 blocks per SM). Not yet measured.
+//   backward (Dk = Dv = 128 or Dk = 192, Dv = 128, values not aliased; the absorbed shape runs
+//            v1) in three launches, nothing atomic:
 //            attn2_bwd_pre_k: D = rowsum(dO ⊙ O);
-//            attn2_bwd_dkv_k: grid (key blocks of 64, Hk); warp w owns 16 keys and holds their
-//              dK, dV (fp32, 128 registers); for each 64-row tile of queries that see the keys
-//              (Q, dO, lse, D double-buffered), Sᵀ = K Qᵀ, Pᵀ, dV += Pᵀ dO, dPᵀ = V dOᵀ,
-//              dSᵀ = Pᵀ ⊙ (dPᵀ − D), dK += dSᵀ Q, all in registers; added once to dk / dv (+=);
-//            attn2_bwd_dq_k<D, BN, MT>: grid (row blocks of 64 MT, Hk); for each key tile, S, P,
-//              dP = dO Vᵀ, dS, dQ += dS K; dq written once (overwrite). Default BN = 32, MT = 2
-//              (Q and dO fragments from shared memory); <64, 1> keeps them in registers.
+//            attn2_bwd_dkv_k<DK, DV, BR>: grid (key blocks of 64, Hk); warp w owns 16 keys and
+//              holds their dK, dV (fp32, (DK + DV) / 2 registers); for each BR-row tile of
+//              queries that see the keys (Q, dO, lse, D double-buffered), Sᵀ = K Qᵀ, Pᵀ,
+//              dV += Pᵀ dO, dPᵀ = V dOᵀ, dSᵀ = Pᵀ ⊙ (dPᵀ − D), dK += dSᵀ Q, all in registers;
+//              added once to dk / dv (+=);
+//            attn2_bwd_dq_k<DK, DV, BN, MT, QREG>: grid (row blocks of 64 MT, Hk); for each key
+//              tile, S, P, dP = dO Vᵀ, dS, dQ += dS K; dq written once (overwrite). Dk = Dv = 128:
+//              default BN = 32, MT = 2 (Q and dO fragments from shared memory); <64, 1, QREG>
+//              keeps them in registers.
+//            Dk = 192, Dv = 128: dkv <192, 128, BR = 32>: the 96 + 64 accumulator registers of dK
+//              and dV fit beside Sᵀ and dPᵀ because the query tile is 32 rows (16 + 16 registers
+//              instead of 32 + 32 at 64 rows, the same 192 live accumulators as the 128 shape):
+//              251 registers, no spills, 85 KB (K 64 x 200, V 64 x 136, two stages of Q 32 x 200
+//              and dO 32 x 136), 2 blocks per SM. 64-row tiles (MTRL_ATTN2_DKV=64, a lab knob
+//              read at each call) also compile without spills (255 registers) but need 127 KB,
+//              one block per SM. The price of 32 rows: the warp's K / V A-fragments are read
+//              once per 32 rows instead of per 64 (6 ldmatrix per 8 mma in Sᵀ and dPᵀ instead
+//              of 5), and twice the barriers. dq <192, 128, 32, 1, Q and dO from shared
+//              memory>: dQ is 96 registers (MT = 2 would need 192), 216 registers, no spills,
+//              84 KB, 2 blocks per SM (64-key stages: 126 KB; with Q and dO in registers ptxas
+//              spills 116 B). Not yet measured.
 //            So S and dP are computed twice (7 products instead of FA2's 5): the price of a
 //            deterministic dq without floating-point atomics.
 // MTRL_ATTN_V1=1 in the environment selects the v1 kernels of mla_cuda.cu (read at each call).
@@ -333,65 +353,72 @@ __global__ void attn2_bwd_pre_k(int rows, int Dv, const uint16_t *__restrict__ d
     if (lane == 0) D[row] = acc;
 }
 
-// dK, dV of 64 keys per block (Dk = Dv = D). Shared memory: K, V [64][D+8] once; Q, dO
-// [2][64][D+8], lse (base 2) and D [2][64] per row tile.
-template <int D>
+// dK, dV of 64 keys per block (key columns DK, value columns DV). Shared memory: K [64][DK+8]
+// and V [64][DV+8] once; Q [2][BR][DK+8], dO [2][BR][DV+8], lse (base 2) and D [2][BR] per
+// row tile of BR packed query rows (BR = 64 for Dk = Dv = 128; 32 for Dk = 192, Dv = 128, where
+// 64-row stages would take 127 KB and one block per SM).
+template <int DK, int DV, int BR>
 struct DkvCfg {
-    static constexpr int LD = D + 8, BN = 64, TSZ = BM * LD;
+    static constexpr int LDK = DK + 8, LDV = DV + 8, BN = 64;
+    static constexpr int KSZ = BN * LDK, VSZ = BN * LDV, QSZ = BR * LDK, OSZ = BR * LDV;
     static constexpr size_t smem() {
-        return sizeof(uint16_t) * (size_t)6 * TSZ + sizeof(float) * 4 * BM;
+        return sizeof(uint16_t) * ((size_t)KSZ + VSZ + 2 * (size_t)QSZ + 2 * (size_t)OSZ) +
+               sizeof(float) * 4 * BR;
     }
+    static_assert(DK % 16 == 0 && DV % 16 == 0 && BR % 16 == 0 && BR <= BM, "tile shapes");
 };
 
-template <int D>
+template <int DK, int DV, int BR>
 __global__ void __launch_bounds__(128, 2)
     attn2_bwd_dkv_k(A2 a, const uint16_t *__restrict__ dout, const float *__restrict__ lse,
                     const float *__restrict__ Dd, float *__restrict__ dk, float *__restrict__ dv) {
-    using C = DkvCfg<D>;
-    constexpr int LD = C::LD, TSZ = C::TSZ, BN = C::BN, NRT = BM / 8, NDT = D / 8;
+    using C = DkvCfg<DK, DV, BR>;
+    constexpr int LDK = C::LDK, LDV = C::LDV, BN = C::BN, NRT = BR / 8, NKT = DK / 8,
+                  NVT = DV / 8, NMX = NKT > NVT ? NKT : NVT;
     extern __shared__ __align__(16) unsigned char sm_[];
-    uint16_t *sK = reinterpret_cast<uint16_t *>(sm_), *sV = sK + TSZ, *sQ = sV + TSZ,
-             *sO = sQ + 2 * TSZ;  // sQ, sO: two stages each
-    float *sL = reinterpret_cast<float *>(sO + 2 * TSZ), *sD = sL + 2 * BM;
+    uint16_t *sK = reinterpret_cast<uint16_t *>(sm_), *sV = sK + C::KSZ, *sQ = sV + C::VSZ,
+             *sO = sQ + 2 * C::QSZ;  // sQ, sO: two stages each
+    float *sL = reinterpret_cast<float *>(sO + 2 * C::OSZ), *sD = sL + 2 * BR;
 
     const int tid = threadIdx.x, lane = tid & 31, w = tid >> 5, g = lane >> 2, t = lane & 3;
     const int j = blockIdx.y, s0 = blockIdx.x * BN;
     const int kw0 = s0 + 16 * w;  // the warp's first key
     const int i_first = s0 - a.off > 0 ? s0 - a.off : 0;  // first token that sees key s0
-    const int rt0 = i_first * a.G / BM, nrt = (a.nrows + BM - 1) / BM;
+    const int rt0 = i_first * a.G / BR, nrt = (a.nrows + BR - 1) / BR;
 
-    load_tile<128, BN, D>(sK, LD, [&](int r) -> const uint16_t * {
-        return s0 + r < a.Tk ? a.k + (size_t)(s0 + r) * a.ldk + (size_t)j * D : nullptr;
+    load_tile<128, BN, DK>(sK, LDK, [&](int r) -> const uint16_t * {
+        return s0 + r < a.Tk ? a.k + (size_t)(s0 + r) * a.ldk + (size_t)j * DK : nullptr;
     }, a.k);
-    load_tile<128, BN, D>(sV, LD, [&](int r) -> const uint16_t * {
-        return s0 + r < a.Tk ? a.v + (size_t)(s0 + r) * a.ldv + (size_t)j * D : nullptr;
+    load_tile<128, BN, DV>(sV, LDV, [&](int r) -> const uint16_t * {
+        return s0 + r < a.Tk ? a.v + (size_t)(s0 + r) * a.ldv + (size_t)j * DV : nullptr;
     }, a.v);
     auto issue = [&](int rt) {
-        const int st = rt & 1, rho0 = rt * BM;
-        load_tile<128, BM, D>(sQ + st * TSZ, LD, [&](int r) -> const uint16_t * {
+        const int st = rt & 1, rho0 = rt * BR;
+        load_tile<128, BR, DK>(sQ + st * C::QSZ, LDK, [&](int r) -> const uint16_t * {
             int rho = rho0 + r;
-            return rho < a.nrows ? a.q + row_ih(a, j, rho) * D : nullptr;
+            return rho < a.nrows ? a.q + row_ih(a, j, rho) * DK : nullptr;
         }, a.q);
-        load_tile<128, BM, D>(sO + st * TSZ, LD, [&](int r) -> const uint16_t * {
+        load_tile<128, BR, DV>(sO + st * C::OSZ, LDV, [&](int r) -> const uint16_t * {
             int rho = rho0 + r;
-            return rho < a.nrows ? dout + row_ih(a, j, rho) * D : nullptr;
+            return rho < a.nrows ? dout + row_ih(a, j, rho) * DV : nullptr;
         }, dout);
-        if (tid < BM) {  // rows past the end: P = 2^-inf = 0, so they add nothing
+        if (tid < BR) {  // rows past the end: P = 2^-inf = 0, so they add nothing
             int rho = rho0 + tid;
             size_t ih = rho < a.nrows ? row_ih(a, j, rho) : 0;
-            sL[st * BM + tid] = rho < a.nrows ? lse[ih] * kLog2e : INFINITY;
-            sD[st * BM + tid] = rho < a.nrows ? Dd[ih] : 0.f;
+            sL[st * BR + tid] = rho < a.nrows ? lse[ih] * kLog2e : INFINITY;
+            sD[st * BR + tid] = rho < a.nrows ? Dd[ih] : 0.f;
         }
         cp_async_commit();
     };
     if (rt0 < nrt) issue(rt0);  // (K, V ride in the same group)
     else cp_async_commit();
 
-    float dka[NDT][4], dva[NDT][4];
+    float dka[NKT][4], dva[NVT][4];
 #pragma unroll
-    for (int i = 0; i < NDT; i++) {
-        dka[i][0] = dka[i][1] = dka[i][2] = dka[i][3] = 0.f;
-        dva[i][0] = dva[i][1] = dva[i][2] = dva[i][3] = 0.f;
+    for (int i = 0; i < NMX; i++) {
+        const int ik = i < NKT ? i : 0, iv = i < NVT ? i : 0;  // (clamped: no dead overrun)
+        if (i < NKT) dka[ik][0] = dka[ik][1] = dka[ik][2] = dka[ik][3] = 0.f;
+        if (i < NVT) dva[iv][0] = dva[iv][1] = dva[iv][2] = dva[iv][3] = 0.f;
     }
     for (int rt = rt0; rt < nrt; rt++) {
         if (rt + 1 < nrt) {
@@ -401,21 +428,21 @@ __global__ void __launch_bounds__(128, 2)
             cp_async_wait<0>();
         }
         __syncthreads();
-        const int st = rt & 1, rho0 = rt * BM;
-        const uint16_t *tQ = sQ + st * TSZ, *tO = sO + st * TSZ;
-        const float *tL = sL + st * BM, *tD = sD + st * BM;
-        // Sᵀ = K Qᵀ: the warp's 16 keys x 64 rows
+        const int st = rt & 1, rho0 = rt * BR;
+        const uint16_t *tQ = sQ + st * C::QSZ, *tO = sO + st * C::OSZ;
+        const float *tL = sL + st * BR, *tD = sD + st * BR;
+        // Sᵀ = K Qᵀ: the warp's 16 keys x BR rows
         float p[NRT][4];
 #pragma unroll
         for (int i = 0; i < NRT; i++) p[i][0] = p[i][1] = p[i][2] = p[i][3] = 0.f;
 #pragma unroll
-        for (int ks = 0; ks < D / 16; ks++) {
+        for (int ks = 0; ks < DK / 16; ks++) {
             uint32_t af[4];
-            ldsm_x4(af, adr_a(sK + 16 * w * LD, LD, ks * 16, lane));
+            ldsm_x4(af, adr_a(sK + 16 * w * LDK, LDK, ks * 16, lane));
 #pragma unroll
             for (int np = 0; np < NRT / 2; np++) {
                 uint32_t b[4];
-                ldsm_x4(b, adr_b_nk(tQ, LD, ks * 16, np * 16, lane));
+                ldsm_x4(b, adr_b_nk(tQ, LDK, ks * 16, np * 16, lane));
                 mma_bf16_16816(p[2 * np], af, b);
                 mma_bf16_16816(p[2 * np + 1], af, b + 2);
             }
@@ -440,13 +467,13 @@ __global__ void __launch_bounds__(128, 2)
         }
         // dV += Pᵀ dO
 #pragma unroll
-        for (int kk = 0; kk < BM / 16; kk++) {
+        for (int kk = 0; kk < BR / 16; kk++) {
             uint32_t af[4];
             acc_to_a(af, p[2 * kk], p[2 * kk + 1]);
 #pragma unroll
-            for (int dp = 0; dp < NDT / 2; dp++) {
+            for (int dp = 0; dp < NVT / 2; dp++) {
                 uint32_t b[4];
-                ldsm_x4_t(b, adr_b_kn(tO, LD, kk * 16, dp * 16, lane));
+                ldsm_x4_t(b, adr_b_kn(tO, LDV, kk * 16, dp * 16, lane));
                 mma_bf16_16816(dva[2 * dp], af, b);
                 mma_bf16_16816(dva[2 * dp + 1], af, b + 2);
             }
@@ -456,13 +483,13 @@ __global__ void __launch_bounds__(128, 2)
 #pragma unroll
         for (int i = 0; i < NRT; i++) dp_[i][0] = dp_[i][1] = dp_[i][2] = dp_[i][3] = 0.f;
 #pragma unroll
-        for (int ks = 0; ks < D / 16; ks++) {
+        for (int ks = 0; ks < DV / 16; ks++) {
             uint32_t af[4];
-            ldsm_x4(af, adr_a(sV + 16 * w * LD, LD, ks * 16, lane));
+            ldsm_x4(af, adr_a(sV + 16 * w * LDV, LDV, ks * 16, lane));
 #pragma unroll
             for (int np = 0; np < NRT / 2; np++) {
                 uint32_t b[4];
-                ldsm_x4(b, adr_b_nk(tO, LD, ks * 16, np * 16, lane));
+                ldsm_x4(b, adr_b_nk(tO, LDV, ks * 16, np * 16, lane));
                 mma_bf16_16816(dp_[2 * np], af, b);
                 mma_bf16_16816(dp_[2 * np + 1], af, b + 2);
             }
@@ -478,13 +505,13 @@ __global__ void __launch_bounds__(128, 2)
         }
         // dK += dSᵀ Q (the softmax scale is applied once at the end)
 #pragma unroll
-        for (int kk = 0; kk < BM / 16; kk++) {
+        for (int kk = 0; kk < BR / 16; kk++) {
             uint32_t af[4];
             acc_to_a(af, dp_[2 * kk], dp_[2 * kk + 1]);
 #pragma unroll
-            for (int dp = 0; dp < NDT / 2; dp++) {
+            for (int dp = 0; dp < NKT / 2; dp++) {
                 uint32_t b[4];
-                ldsm_x4_t(b, adr_b_kn(tQ, LD, kk * 16, dp * 16, lane));
+                ldsm_x4_t(b, adr_b_kn(tQ, LDK, kk * 16, dp * 16, lane));
                 mma_bf16_16816(dka[2 * dp], af, b);
                 mma_bf16_16816(dka[2 * dp + 1], af, b + 2);
             }
@@ -497,68 +524,77 @@ __global__ void __launch_bounds__(128, 2)
     for (int hr = 0; hr < 2; hr++) {
         const int key = kw0 + g + 8 * hr;
         if (key >= a.Tk) continue;
-        float *kr = dk + (size_t)key * a.ldk + (size_t)j * D + 2 * t;
-        float *vr = dv + (size_t)key * a.ldv + (size_t)j * D + 2 * t;
+        float *kr = dk + (size_t)key * a.ldk + (size_t)j * DK + 2 * t;
+        float *vr = dv + (size_t)key * a.ldv + (size_t)j * DV + 2 * t;
 #pragma unroll
-        for (int i = 0; i < NDT; i++) {
-            float2 x = *reinterpret_cast<float2 *>(kr + i * 8);
-            x.x += a.scale * dka[i][2 * hr];
-            x.y += a.scale * dka[i][2 * hr + 1];
-            *reinterpret_cast<float2 *>(kr + i * 8) = x;
-            float2 y = *reinterpret_cast<float2 *>(vr + i * 8);
-            y.x += dva[i][2 * hr];
-            y.y += dva[i][2 * hr + 1];
-            *reinterpret_cast<float2 *>(vr + i * 8) = y;
+        for (int i = 0; i < NMX; i++) {  // (dk, dv interleaved while both have column tiles)
+            if (i < NKT) {
+                const int ik = i < NKT ? i : 0;
+                float2 x = *reinterpret_cast<float2 *>(kr + i * 8);
+                x.x += a.scale * dka[ik][2 * hr];
+                x.y += a.scale * dka[ik][2 * hr + 1];
+                *reinterpret_cast<float2 *>(kr + i * 8) = x;
+            }
+            if (i < NVT) {
+                const int iv = i < NVT ? i : 0;
+                float2 y = *reinterpret_cast<float2 *>(vr + i * 8);
+                y.x += dva[iv][2 * hr];
+                y.y += dva[iv][2 * hr + 1];
+                *reinterpret_cast<float2 *>(vr + i * 8) = y;
+            }
         }
     }
 }
 
-// dQ of 64 MT packed rows per block (Dk = Dv = D; warp w owns rows 16 w + 64 mt). Shared
-// memory: two stages of K, V [BN][D+8]. MT = 1: Q and dO are staged through the second stage,
-// then live in registers; MT = 2: they stay in shared memory (no room in registers), and each
-// K / V fragment feeds two row tiles.
-template <int D, int BN, int MT>
+// dQ of 64 MT packed rows per block (key columns DK, value columns DV; warp w owns rows
+// 16 w + 64 mt). Shared memory: two stages of K [BN][DK+8], V [BN][DV+8]. QREG (MT = 1, BN = 64):
+// Q and dO are staged through the second stage, then live in registers; otherwise they stay in
+// shared memory (MT = 2: no room in registers, and each K / V fragment feeds two row tiles;
+// Dk = 192: dQ alone takes 96 accumulator registers).
+template <int DK, int DV, int BN, int MT, bool QREG_>
 struct DqCfg {
-    static constexpr int LD = D + 8, STG = 2 * BN * LD, BMB = BM * MT;
-    static constexpr bool QREG = MT == 1;
+    static constexpr int LDK = DK + 8, LDV = DV + 8, STG = BN * (LDK + LDV), BMB = BM * MT;
+    static constexpr bool QREG = QREG_;
     static constexpr size_t smem() {
-        return sizeof(uint16_t) * ((size_t)2 * STG + (QREG ? 0 : (size_t)2 * BMB * LD));
+        return sizeof(uint16_t) * ((size_t)2 * STG + (QREG ? 0 : (size_t)BMB * (LDK + LDV)));
     }
-    static_assert(!QREG || BN == BM, "Q and dO staging must fit into one stage");
+    static_assert(!QREG || (MT == 1 && BN == BM), "Q and dO staging must fit into one stage");
+    static_assert(DK % 16 == 0 && DV % 16 == 0 && BN % 16 == 0, "tile shapes");
 };
 
-template <int D, int BN, int MT>
+template <int DK, int DV, int BN, int MT, bool QREG_>
 __global__ void __launch_bounds__(128, 2)
     attn2_bwd_dq_k(A2 a, const uint16_t *__restrict__ dout, const float *__restrict__ lse,
                    const float *__restrict__ Dd, float *__restrict__ dq) {
-    using C = DqCfg<D, BN, MT>;
-    constexpr int LD = C::LD, STG = C::STG, BMB = C::BMB, NST = BN / 8, NDT = D / 8, KS = D / 16;
+    using C = DqCfg<DK, DV, BN, MT, QREG_>;
+    constexpr int LDK = C::LDK, LDV = C::LDV, STG = C::STG, BMB = C::BMB, NST = BN / 8,
+                  NDT = DK / 8, KSK = DK / 16, KSV = DV / 16, KS = KSK > KSV ? KSK : KSV;
     constexpr bool QREG = C::QREG;
     extern __shared__ __align__(16) unsigned char sm_[];
     uint16_t *sT = reinterpret_cast<uint16_t *>(sm_);
-    uint16_t *sQ = QREG ? sT + STG : sT + 2 * STG, *sO = QREG ? sT + STG + BN * LD : sQ + BMB * LD;
+    uint16_t *sQ = QREG ? sT + STG : sT + 2 * STG, *sO = sQ + BMB * LDK;
     const int tid = threadIdx.x, lane = tid & 31, w = tid >> 5, g = lane >> 2, t = lane & 3;
     const int j = blockIdx.y, rho0 = (gridDim.x - 1 - blockIdx.x) * BMB;
 
-    auto rowsrc = [&](const uint16_t *base) {
+    auto rowsrc = [&](const uint16_t *base, int ld) {
         return [=, &a](int r) -> const uint16_t * {
             int rho = rho0 + r;
-            return rho < a.nrows ? base + row_ih(a, j, rho) * D : nullptr;
+            return rho < a.nrows ? base + row_ih(a, j, rho) * ld : nullptr;
         };
     };
-    load_tile<128, BMB, D>(sQ, LD, rowsrc(a.q), a.q);
-    load_tile<128, BMB, D>(sO, LD, rowsrc(dout), dout);
+    load_tile<128, BMB, DK>(sQ, LDK, rowsrc(a.q, DK), a.q);
+    load_tile<128, BMB, DV>(sO, LDV, rowsrc(dout, DV), dout);
     cp_async_commit();
     const int last = min(rho0 + BMB, a.nrows) - 1;
     const int nkb = (a.off + last / a.G) / BN + 1;
     auto issue = [&](int kb) {
         const int s0 = kb * BN;
         uint16_t *dK = sT + (kb & 1) * STG;
-        load_tile<128, BN, D>(dK, LD, [&](int r) -> const uint16_t * {
-            return s0 + r < a.Tk ? a.k + (size_t)(s0 + r) * a.ldk + (size_t)j * D : nullptr;
+        load_tile<128, BN, DK>(dK, LDK, [&](int r) -> const uint16_t * {
+            return s0 + r < a.Tk ? a.k + (size_t)(s0 + r) * a.ldk + (size_t)j * DK : nullptr;
         }, a.k);
-        load_tile<128, BN, D>(dK + BN * LD, LD, [&](int r) -> const uint16_t * {
-            return s0 + r < a.Tk ? a.v + (size_t)(s0 + r) * a.ldv + (size_t)j * D : nullptr;
+        load_tile<128, BN, DV>(dK + BN * LDK, LDV, [&](int r) -> const uint16_t * {
+            return s0 + r < a.Tk ? a.v + (size_t)(s0 + r) * a.ldv + (size_t)j * DV : nullptr;
         }, a.v);
         cp_async_commit();
     };
@@ -578,14 +614,14 @@ __global__ void __launch_bounds__(128, 2)
             }
         }
     const int pos_first = a.off + rho0 / a.G;
-    uint32_t qf[QREG ? KS : 1][4], of[QREG ? KS : 1][4];
+    uint32_t qf[QREG ? KSK : 1][4], of[QREG ? KSV : 1][4];
     if (QREG) {
         cp_async_wait<1>();
         __syncthreads();
 #pragma unroll
         for (int ks = 0; ks < (QREG ? KS : 0); ks++) {
-            ldsm_x4(qf[ks], adr_a(sQ + 16 * w * LD, LD, ks * 16, lane));
-            ldsm_x4(of[ks], adr_a(sO + 16 * w * LD, LD, ks * 16, lane));
+            if (ks < KSK) ldsm_x4(qf[ks < KSK ? ks : 0], adr_a(sQ + 16 * w * LDK, LDK, ks * 16, lane));
+            if (ks < KSV) ldsm_x4(of[ks < KSV ? ks : 0], adr_a(sO + 16 * w * LDV, LDV, ks * 16, lane));
         }
         __syncthreads();
     }
@@ -603,7 +639,7 @@ __global__ void __launch_bounds__(128, 2)
             cp_async_wait<0>();
         }
         __syncthreads();
-        const uint16_t *tK = sT + (kb & 1) * STG, *tV = tK + BN * LD;
+        const uint16_t *tK = sT + (kb & 1) * STG, *tV = tK + BN * LDK;
         float p[MT][NST][4], dp_[MT][NST][4];
 #pragma unroll
         for (int mt = 0; mt < MT; mt++)
@@ -614,34 +650,40 @@ __global__ void __launch_bounds__(128, 2)
             }
 #pragma unroll
         for (int ks = 0; ks < KS; ks++) {
+            // (S over the DK key columns, dP over the DV value columns: both while ks < both)
+            const bool kq = ks < KSK, kv = ks < KSV;
             uint32_t aq[MT][4], ao[MT][4];
 #pragma unroll
             for (int mt = 0; mt < MT; mt++) {
                 if (QREG) {
 #pragma unroll
                     for (int e = 0; e < 4; e++) {
-                        aq[mt][e] = qf[QREG ? ks : 0][e];
-                        ao[mt][e] = of[QREG ? ks : 0][e];
+                        if (kq) aq[mt][e] = qf[QREG && kq ? ks : 0][e];
+                        if (kv) ao[mt][e] = of[QREG && kv ? ks : 0][e];
                     }
                 } else {
-                    ldsm_x4(aq[mt], adr_a(sQ + (mt * BM + 16 * w) * LD, LD, ks * 16, lane));
-                    ldsm_x4(ao[mt], adr_a(sO + (mt * BM + 16 * w) * LD, LD, ks * 16, lane));
+                    if (kq) ldsm_x4(aq[mt], adr_a(sQ + (mt * BM + 16 * w) * LDK, LDK, ks * 16, lane));
+                    if (kv) ldsm_x4(ao[mt], adr_a(sO + (mt * BM + 16 * w) * LDV, LDV, ks * 16, lane));
                 }
             }
 #pragma unroll
             for (int np = 0; np < NST / 2; np++) {
                 uint32_t b[4];
-                ldsm_x4(b, adr_b_nk(tK, LD, ks * 16, np * 16, lane));
+                if (kq) {
+                    ldsm_x4(b, adr_b_nk(tK, LDK, ks * 16, np * 16, lane));
 #pragma unroll
-                for (int mt = 0; mt < MT; mt++) {
-                    mma_bf16_16816(p[mt][2 * np], aq[mt], b);
-                    mma_bf16_16816(p[mt][2 * np + 1], aq[mt], b + 2);
+                    for (int mt = 0; mt < MT; mt++) {
+                        mma_bf16_16816(p[mt][2 * np], aq[mt], b);
+                        mma_bf16_16816(p[mt][2 * np + 1], aq[mt], b + 2);
+                    }
                 }
-                ldsm_x4(b, adr_b_nk(tV, LD, ks * 16, np * 16, lane));
+                if (kv) {
+                    ldsm_x4(b, adr_b_nk(tV, LDV, ks * 16, np * 16, lane));
 #pragma unroll
-                for (int mt = 0; mt < MT; mt++) {
-                    mma_bf16_16816(dp_[mt][2 * np], ao[mt], b);
-                    mma_bf16_16816(dp_[mt][2 * np + 1], ao[mt], b + 2);
+                    for (int mt = 0; mt < MT; mt++) {
+                        mma_bf16_16816(dp_[mt][2 * np], ao[mt], b);
+                        mma_bf16_16816(dp_[mt][2 * np + 1], ao[mt], b + 2);
+                    }
                 }
             }
         }
@@ -680,7 +722,7 @@ __global__ void __launch_bounds__(128, 2)
 #pragma unroll
             for (int dp = 0; dp < NDT / 2; dp++) {
                 uint32_t b[4];
-                ldsm_x4_t(b, adr_b_kn(tK, LD, kk * 16, dp * 16, lane));
+                ldsm_x4_t(b, adr_b_kn(tK, LDK, kk * 16, dp * 16, lane));
 #pragma unroll
                 for (int mt = 0; mt < MT; mt++) {
                     mma_bf16_16816(acc[mt][2 * dp], af[mt], b);
@@ -696,7 +738,7 @@ __global__ void __launch_bounds__(128, 2)
         for (int hr = 0; hr < 2; hr++) {
             const int rho = rho0 + mt * BM + 16 * w + g + 8 * hr;
             if (rho >= a.nrows) continue;
-            float *drow = dq + row_ih(a, j, rho) * D + 2 * t;
+            float *drow = dq + row_ih(a, j, rho) * DK + 2 * t;
 #pragma unroll
             for (int i = 0; i < NDT; i++)
                 *reinterpret_cast<float2 *>(drow + i * 8) =
@@ -704,15 +746,30 @@ __global__ void __launch_bounds__(128, 2)
         }
 }
 
-template <int BN, int MT>
-void launch_dq_(mtrl_cuda_ctx *c, const A2 &a, int Hk, const uint16_t *dout, const float *lse,
+template <int DK, int DV, int BN, int MT, bool QREG>
+int launch_dq_(mtrl_cuda_ctx *c, const A2 &a, int Hk, const uint16_t *dout, const float *lse,
                 const float *D, float *dq) {
-    using Cq = DqCfg<128, BN, MT>;
-    auto kernel = attn2_bwd_dq_k<128, BN, MT>;
+    using Cq = DqCfg<DK, DV, BN, MT, QREG>;
+    auto kernel = attn2_bwd_dq_k<DK, DV, BN, MT, QREG>;
+    MTRL_CUDA_REQUIRE(Cq::smem() <= c->smem_optin, "shared memory %zu > %zu", Cq::smem(),
+                      c->smem_optin);
     set_smem(kernel, Cq::smem());
     kernel<<<dim3(cdiv((size_t)a.nrows, Cq::BMB), Hk), 128, Cq::smem(), c->stream>>>(a, dout, lse,
                                                                                      D, dq);
     CUDA_LAUNCH_CHECK();
+    return 0;
+}
+
+template <int DK, int DV, int BR>
+int launch_dkv_(mtrl_cuda_ctx *c, const A2 &a, int Hk, const uint16_t *dout, const float *lse,
+                const float *D, float *dk, float *dv) {
+    const size_t sh = DkvCfg<DK, DV, BR>::smem();
+    MTRL_CUDA_REQUIRE(sh <= c->smem_optin, "shared memory %zu > %zu", sh, c->smem_optin);
+    set_smem(attn2_bwd_dkv_k<DK, DV, BR>, sh);
+    attn2_bwd_dkv_k<DK, DV, BR><<<dim3(cdiv(a.Tk, 64), Hk), 128, sh, c->stream>>>(a, dout, lse, D,
+                                                                                  dk, dv);
+    CUDA_LAUNCH_CHECK();
+    return 0;
 }
 
 int attn_v1_forced_() {
@@ -756,6 +813,7 @@ int fwd_variant_() {
 extern "C" int mtrl_attn_causal_version(int H, int Hk, int Dk, int Dv, int alias, int bwd) {
     if (attn_v1_forced_() || H <= 0 || Hk <= 0 || H % Hk) return 1;
     if (!alias && Dk == 128 && Dv == 128) return 2;
+    if (!alias && Dk == 192 && Dv == 128) return 2;  // naive MLA: d_n + d_r = 192, d_v = 128
     if (!bwd && alias && Hk == 1 && Dk == 576 && Dv == 512) return 2;
     return 1;
 }
@@ -772,6 +830,11 @@ extern "C" int mtrl_attn2_causal_fwd(mtrl_cuda_ctx *c, int Tq, int Tk, int H, in
     if (Tq == 0) return 0;
     A2 a = make_args(Tq, Tk, H, Hk, Dk, Dv, scale, q, k, ldk, v, ldv);
     const int var = fwd_variant_();
+    if (!alias && Dk == 192) {  // Dv = 128
+        if (var == 1) return launch_fwd_<192, 128, 1, 64, true, false, 1, 2>(c, a, Hk, o, lse);
+        if (var == 3) return launch_fwd_<192, 128, 1, 64, false, false, 2, 1>(c, a, Hk, o, lse);
+        return launch_fwd_<192, 128, 1, 32, false, false, 2, 2>(c, a, Hk, o, lse);
+    }
     if (!alias) {
         if (var == 1) return launch_fwd_<128, 128, 1, 64, true, false, 1, 2>(c, a, Hk, o, lse);
         if (var == 2) return launch_fwd_<128, 128, 1, 128, true, false, 1, 2>(c, a, Hk, o, lse);
@@ -799,16 +862,20 @@ extern "C" int mtrl_attn2_causal_bwd(mtrl_cuda_ctx *c, int Tq, int Tk, int H, in
     const int rows = Tq * H;
     attn2_bwd_pre_k<<<cdiv(rows, 8), 256, 0, c->stream>>>(rows, Dv, dout, o, D);
     CUDA_LAUNCH_CHECK();
-    const size_t sh_kv = DkvCfg<128>::smem();
-    set_smem(attn2_bwd_dkv_k<128>, sh_kv);
-    attn2_bwd_dkv_k<128><<<dim3(cdiv(Tk, 64), Hk), 128, sh_kv, c->stream>>>(a, dout, lse, D, dk,
-                                                                            dv);
-    CUDA_LAUNCH_CHECK();
+    if (Dk == 192) {  // Dv = 128: 32-row query tiles in dkv, one row tile per warp in dq
+        const char *ek = getenv("MTRL_ATTN2_DKV");  // lab knob: 64 = 64-row tiles, 1 block/SM
+        if (ek && atoi(ek) == 64) {
+            if (launch_dkv_<192, 128, 64>(c, a, Hk, dout, lse, D, dk, dv)) return -1;
+        } else if (launch_dkv_<192, 128, 32>(c, a, Hk, dout, lse, D, dk, dv)) {
+            return -1;
+        }
+        return launch_dq_<192, 128, 32, 1, false>(c, a, Hk, dout, lse, D, dq);
+    }
+    if (launch_dkv_<128, 128, 64>(c, a, Hk, dout, lse, D, dk, dv)) return -1;
     // MTRL_ATTN2_DQ=0 (a lab knob, read at each call) selects the first dq configuration (one
     // row tile per warp, Q and dO in registers, 64-key tiles); the default is 1 (two row tiles
     // per warp, 32-key tiles: 6% faster at 32K, docs/kernel-lab.md).
     const char *e = getenv("MTRL_ATTN2_DQ");
-    if (e && atoi(e) == 0) launch_dq_<64, 1>(c, a, Hk, dout, lse, D, dq);
-    else launch_dq_<32, 2>(c, a, Hk, dout, lse, D, dq);
-    return 0;
+    if (e && atoi(e) == 0) return launch_dq_<128, 128, 64, 1, true>(c, a, Hk, dout, lse, D, dq);
+    return launch_dq_<128, 128, 32, 2, false>(c, a, Hk, dout, lse, D, dq);
 }

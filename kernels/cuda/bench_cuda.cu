@@ -296,10 +296,15 @@ void bench_kda_step(Bench &B, int Bsz, int H) {
     for (void *p : ps) mtrl_cuda_free(p);
 }
 
-// Causal attention. absorbed: MQA over the 576-wide latent (Hk = 1, Dv = 512 aliased);
-// otherwise MHA with H heads of Dk = Dv = 128 (SDPA's shape in the anchors).
-void bench_attn(Bench &B, int T, int H, int absorbed) {
-    int Hk = absorbed ? 1 : H, Dk = absorbed ? 576 : 128, Dv = absorbed ? 512 : 128;
+// Causal attention. mode 1 (absorbed): MQA over the 576-wide latent (Hk = 1, Dv = 512 aliased);
+// mode 0: MHA with H heads of Dk = Dv = 128 (SDPA's shape in the anchors); mode 2 (naive MLA,
+// keys and values up-projected per head): MHA with Dk = d_n + d_r = 192, Dv = d_v = 128, the
+// small preset's dims. fwd+bwd is counted as 3.5 x the forward for every mode (the anchors'
+// convention); at Dk = 192, Dv = 128 the backward's products are (3 Dk + 2 Dv) / (Dk + Dv) = 2.6
+// forwards, so that row understates its TFLOP/s by 3%.
+void bench_attn(Bench &B, int T, int H, int mode) {
+    const int absorbed = mode == 1, naive = mode == 2;
+    int Hk = absorbed ? 1 : H, Dk = absorbed ? 576 : naive ? 192 : 128, Dv = absorbed ? 512 : 128;
     int ldk = Hk * Dk, ldv = absorbed ? ldk : Hk * Dv;
     mtrl_bf16 *q = rnd_bf16(B, (size_t)T * H * Dk, -1, 1), *k = rnd_bf16(B, (size_t)T * ldk, -1, 1);
     mtrl_bf16 *v = absorbed ? k : rnd_bf16(B, (size_t)T * ldv, -1, 1);
@@ -309,9 +314,11 @@ void bench_attn(Bench &B, int T, int H, int absorbed) {
     float *dv = absorbed ? dk : (float *)mtrl_cuda_malloc((size_t)T * ldv * 4);
     CUDA_CHECK(cudaMemsetAsync(dk, 0, (size_t)T * ldk * 4, B.c->stream));
     if (!absorbed) CUDA_CHECK(cudaMemsetAsync(dv, 0, (size_t)T * ldv * 4, B.c->stream));
-    float scale = 1.f / sqrtf(absorbed ? 192.f : 128.f);
+    float scale = 1.f / sqrtf(absorbed || naive ? 192.f : 128.f);
     char shape[80];
-    snprintf(shape, sizeof shape, absorbed ? "T=%d H=%d MQA Dk=576 Dv=512" : "T=%d H=%d Dk=Dv=128", T, H);
+    snprintf(shape, sizeof shape,
+             absorbed ? "T=%d H=%d MQA Dk=576 Dv=512" : naive ? "T=%d H=%d Dk=192 Dv=128" : "T=%d H=%d Dk=Dv=128",
+             T, H);
     double fl = (double)T * T * H * (Dk + Dv);  // causal: half of 2 T² H (Dk + Dv)
     // v2 (where the shape allows it) and v1 (MTRL_ATTN_V1=1) on the same inputs
     for (int version = 2; version >= 1; version--) {
@@ -321,10 +328,11 @@ void bench_attn(Bench &B, int T, int H, int absorbed) {
         int vb = mtrl_attn_causal_version(H, Hk, Dk, Dv, absorbed, 1);
         char what[80];
         double ms = time_ms(B, [&] { mtrl_attn_causal_fwd(B.c, T, T, H, Hk, Dk, Dv, scale, q, k, ldk, v, ldv, o, lse); }, 1, 3);
-        snprintf(what, sizeof what, "%s fwd v%d", absorbed ? "MLA attention (absorbed)" : "attention (MHA shape)", vf);
+        snprintf(what, sizeof what, "%s fwd v%d",
+                 absorbed ? "MLA attention (absorbed)" : naive ? "MLA attention (naive)" : "attention (MHA shape)", vf);
         row(what, shape, ms, fl, "TFLOP/s", B.gemm_tflops);
         // the anchors are SDPA at H = 16, D = 128: the MHA shape only
-        bool same = !absorbed && H == 16;
+        bool same = mode == 0 && H == 16;
         if (same) {
             vs(B, "sdpa_cudnn_T" + std::to_string(T) + "_fwd_tflops", fl / (ms * 1e-3) / 1e12, "the TFLOP/s of SDPA cuDNN fwd", "P4 >= 1.0x");
             vs(B, "sdpa_fa2_T" + std::to_string(T) + "_fwd_tflops", fl / (ms * 1e-3) / 1e12, "the TFLOP/s of SDPA FA2 fwd", "P4 never below 1.0x");
@@ -557,6 +565,7 @@ extern "C" int mtrl_bench_ops_cuda(int argc, char **argv) {
         for (int T : attnT) {
             bench_attn(B, T, H, 1);
             bench_attn(B, T, H, 0);
+            bench_attn(B, T, 8, 2);  // naive MLA at the small preset's 8 heads
         }
     if (want("decode"))
         for (const char *p = decode_shapes; p && *p;) {  // "BxT,BxT,..."

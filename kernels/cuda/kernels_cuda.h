@@ -141,7 +141,8 @@ int mtrl_kda_step_version(int H, int K, int V);
 // Requirements: Dk, Dv multiples of 16, Dv <= 512, Dk <= 576, H % Hk == 0; Tq <= Tk.
 // o [Tq][H][Dv], lse [Tq][H] (fp32).
 // Two kernel sets (docs/kernel-lab.md, "Causal attention (P4)"): v2 (attn_tc_cuda.cu, FA2 style)
-// for Dk = Dv = 128 with separate values (any Hk), and for the forward of the absorbed shape
+// for Dk = Dv = 128 and for Dk = 192, Dv = 128 (the naive MLA form: d_n + d_r keys, d_v values)
+// with separate values (any Hk), and for the forward of the absorbed shape
 // (Hk = 1, Dk = 576, Dv = 512 aliased); v1 (mla_cuda.cu) for every other shape, or for all
 // shapes when the environment variable MTRL_ATTN_V1=1 (read at each call).
 int mtrl_attn_causal_fwd(mtrl_cuda_ctx *ctx, int Tq, int Tk, int H, int Hk, int Dk, int Dv,
