@@ -8,7 +8,7 @@
 //     + Q⁺ᵀ dO − Wᵀ dΔ. Its dS0 is checked against the fp64 reference backward (kda_ref.h's
 //     kda_chunk_bwd, a separate derivation) at 1e-9: the algebra read from the kernel is right.
 //   emulated kernel: the operands as v3's bf16x3 prep forms them (the C port of
-//     rounding_model.py in test_kda_v3_emu.c, every group split: ex_'s argument rounding, T and
+//     rounding_model.py in test_kda_v3_emu.c, every group split: kemu_exp's argument rounding, T and
 //     the prep's products from split operands, −W, Q⁺, K^e, P rounded to hi + lo bf16, e^γ fp32),
 //     then the pass as the kernel runs it: dS and dΔ fp32, split to hi + lo as A operands, dO (fp32)
 //     split, each m16n8k16 as a_lo b_hi, a_hi b_lo, a_hi b_hi into the fp32 accumulator (each mma's
@@ -47,25 +47,21 @@
 
 #include "common/rng.h"
 #include "kernels/ref/kda_ref.h"
+#include "tests/kdaemu.h"
 #include "tests/testhelp.h"
 
 _Static_assert(REAL_IS_F64, "the fp64 reference build");
 
 enum { K = 128, V = 128, C = 16 };
 
-static float bf_(float x) { uint32_t u; memcpy(&u, &x, 4); u = (u + 0x7FFFu + ((u >> 16) & 1u)) & 0xFFFF0000u; memcpy(&x, &u, 4); return x; }
-// e^x as the kernel forms it (e2x: ex2.approx of the fp32 product x log2 e; the arg rounding kept)
-static float ex_(float x) { return (float)exp2((double)(x * 1.4426950408889634f)); }
-
 // Operand precision of the emulated kernel: PREC_BF16 hi only, PREC_X3 hi + lo (bf16x3), PREC_F32
 // the fp64 operands rounded to fp32 (hi = the fp32 value, lo = 0; the baseline).
 enum { PREC_BF16, PREC_X3, PREC_F32 };
 static void sp_(float x, int prec, float *hi, float *lo) {
     if (prec == PREC_F32) { *hi = x; *lo = 0.f; return; }
-    *hi = bf_(x);
-    *lo = prec == PREC_X3 ? bf_(x - *hi) : 0.f;
+    *hi = kemu_bf16(x);
+    *lo = prec == PREC_X3 ? kemu_bf16(x - *hi) : 0.f;
 }
-static double mul3_(float ah, float al, float bh, float bl) { return (double)ah * bh + (double)ah * bl + (double)al * bh; }
 
 // One tile's operands of the state-gradient pass. hi / lo for the emulation ([0], [1]); fp64 in
 // the *64 arrays.
@@ -147,26 +143,26 @@ static void prep_emu_(int prec, int T, int H, int h, int n, const float *q, cons
     for (int d = 0; d < K; d++) {
         float acc = 0.f;
         for (int r = 0; r < C; r++) { acc += r < cr ? g[((size_t)(t0 + r) * H + h) * K + d] : 0.f; G[r][d] = acc; }
-        o->eg[d] = ex_(G[C - 1][d]);
+        o->eg[d] = kemu_exp(G[C - 1][d]);
     }
     for (int r = 0; r < C; r++)
         for (int d = 0; d < K; d++) {
             size_t ix = ((size_t)(t0 + r) * H + h) * K + d;
             float qq = r < cr ? q[ix] : 0.f, kk = r < cr ? k[ix] : 0.f;
             float Gc = G[r][d], Gm = G[m][d], ga = G[C - 1][d];
-            sp_(kk * ex_(Gc - Gm), prec, &Kp[0][r][d], &Kp[1][r][d]);
-            sp_(qq * ex_(Gc - Gm), prec, &Qh[0][r][d], &Qh[1][r][d]);
-            sp_(kk * ex_(Gm - Gc), prec, &Km[0][r][d], &Km[1][r][d]);
-            sp_(bb[r] * (kk * ex_(Gc)), prec, &BK[0][r][d], &BK[1][r][d]);
-            sp_(qq * ex_(Gc), prec, &o->Q[0][r][d], &o->Q[1][r][d]);
-            sp_(kk * ex_(ga - Gc), prec, &o->E[0][r][d], &o->E[1][r][d]);
+            sp_(kk * kemu_exp(Gc - Gm), prec, &Kp[0][r][d], &Kp[1][r][d]);
+            sp_(qq * kemu_exp(Gc - Gm), prec, &Qh[0][r][d], &Qh[1][r][d]);
+            sp_(kk * kemu_exp(Gm - Gc), prec, &Km[0][r][d], &Km[1][r][d]);
+            sp_(bb[r] * (kk * kemu_exp(Gc)), prec, &BK[0][r][d], &BK[1][r][d]);
+            sp_(qq * kemu_exp(Gc), prec, &o->Q[0][r][d], &o->Q[1][r][d]);
+            sp_(kk * kemu_exp(ga - Gc), prec, &o->E[0][r][d], &o->E[1][r][d]);
         }
     for (int i = 0; i < C; i++)
         for (int j = 0; j < C; j++) {
             double x = 0, p = 0;
             for (int d = 0; d < K; d++) {
-                x += mul3_(Kp[0][i][d], Kp[1][i][d], Km[0][j][d], Km[1][j][d]);
-                p += mul3_(Qh[0][i][d], Qh[1][i][d], Km[0][j][d], Km[1][j][d]);
+                x += kemu_mul3(Kp[0][i][d], Kp[1][i][d], Km[0][j][d], Km[1][j][d]);
+                p += kemu_mul3(Qh[0][i][d], Qh[1][i][d], Km[0][j][d], Km[1][j][d]);
             }
             sp_(j <= i ? (float)p : 0.f, prec, &o->P[0][i][j], &o->P[1][i][j]);
             M[i][j] = j < i ? bb[i] * (float)x : 0.f;
@@ -183,7 +179,7 @@ static void prep_emu_(int prec, int T, int H, int h, int n, const float *q, cons
     for (int i = 0; i < C; i++)
         for (int d = 0; d < K; d++) {
             double w = 0;
-            for (int l = 0; l < C; l++) w += mul3_(Tb[0][i][l], Tb[1][i][l], BK[0][l][d], BK[1][l][d]);
+            for (int l = 0; l < C; l++) w += kemu_mul3(Tb[0][i][l], Tb[1][i][l], BK[0][l][d], BK[1][l][d]);
             sp_(-(float)w, prec, &o->W[0][i][d], &o->W[1][i][d]);
         }
 }
@@ -297,7 +293,7 @@ static void pass64_(int T, int H, int h, int nt, const tile_ops_ *ops, const flo
 static int p3x_ = 0;
 static double o_(double x) {
     if (!p3x_) return x;
-    float f = (float)x, hi = bf_(f), lo = bf_(f - hi);
+    float f = (float)x, hi = kemu_bf16(f), lo = kemu_bf16(f - hi);
     return (double)hi + (double)lo;
 }
 static double r_(double x) { return p3x_ ? (double)(float)x : x; }
@@ -477,62 +473,27 @@ static void pass3_64_(int T, int H, int h, int n, const float *q, const float *k
     }
 }
 
-// ---- inputs: test_kda_v3_emu.c's op_inputs_, plus dO and dS_final -----------------------------------
-enum { G_RANDOM, G_BOUND, G_MODEL };
-typedef struct { int T, H, gk; } opcase_;
-static double rng_n_(uint64_t *ctr) { return mtrl_rng_normal(11, 1, (*ctr)++); }
+// ---- inputs: kdaemu.h's cases, plus dO, dS_final and S0 --------------------------------------------
 
-static void op_inputs_(const opcase_ *c, float *q, float *k, float *v, float *g, float *beta, float *dout, float *dSf,
+static void op_inputs_(const kemu_case *c, float *q, float *k, float *v, float *g, float *beta, float *dout, float *dSf,
                        float *S0) {
-    uint64_t ctr = (uint64_t)c->T * 1000 + (uint64_t)c->H * 10 + (uint64_t)c->gk;
-    for (int t = 0; t < c->T; t++)
-        for (int h = 0; h < c->H; h++) {
-            float *qq = q + ((size_t)t * c->H + h) * K, *kk = k + ((size_t)t * c->H + h) * K;
-            double a[K], b[K], nq = 0, nk = 0;
-            for (int d = 0; d < K; d++) { a[d] = rng_n_(&ctr); b[d] = rng_n_(&ctr); nq += a[d] * a[d]; nk += b[d] * b[d]; }
-            for (int d = 0; d < K; d++) {
-                qq[d] = (float)(a[d] / sqrt(nq + 1e-6) / sqrt((double)K));
-                kk[d] = (float)(b[d] / sqrt(nk + 1e-6));
-            }
-        }
-    for (size_t i = 0; i < (size_t)c->T * c->H * V; i++) v[i] = (float)rng_n_(&ctr);
-    for (size_t i = 0; i < (size_t)c->T * c->H * K; i++) {
-        double x;
-        if (c->gk == G_BOUND) x = -5.0 + 1e-3;
-        else if (c->gk == G_MODEL) {
-            int hd = (int)(i % ((size_t)c->H * K));
-            double dt = exp(log(1e-3) + mtrl_rng_uniform(11, 2, (uint64_t)hd) * (log(0.1) - log(1e-3)));
-            x = -5.0 / (1.0 + exp(-(0.5 * rng_n_(&ctr) + log(expm1(dt)))));
-        } else x = -5.0 / (1.0 + exp(-2.0 * rng_n_(&ctr)));
-        g[i] = (float)x < 0.f && (float)x > -5.f ? (float)x : -0.5f;
-    }
-    for (size_t i = 0; i < (size_t)c->T * c->H; i++) beta[i] = (float)(1.0 / (1.0 + exp(-rng_n_(&ctr))));
-    for (size_t i = 0; i < (size_t)c->T * c->H * V; i++) dout[i] = (float)rng_n_(&ctr);
-    for (size_t i = 0; i < (size_t)c->H * K * V; i++) dSf[i] = (float)rng_n_(&ctr);
-    for (size_t i = 0; i < (size_t)c->H * K * V; i++) S0[i] = (float)(0.5 * rng_n_(&ctr));
+    uint64_t ctr = kemu_inputs(c, q, k, v, g, beta);
+    for (size_t i = 0; i < (size_t)c->T * c->H * V; i++) dout[i] = (float)kemu_normal(&ctr);
+    for (size_t i = 0; i < (size_t)c->H * K * V; i++) dSf[i] = (float)kemu_normal(&ctr);
+    for (size_t i = 0; i < (size_t)c->H * K * V; i++) S0[i] = (float)(0.5 * kemu_normal(&ctr));
 }
 
-static double rel_fd_(const float *a, const double *b, size_t n) {
-    double num = 0, den = 0;
-    for (size_t i = 0; i < n; i++) { num += (a[i] - b[i]) * (a[i] - b[i]); den += b[i] * b[i]; }
-    return sqrt(num) / (den > 0 ? sqrt(den) : 1e-300);
-}
-static double rel_dd_(const double *a, const double *b, size_t n) {
-    double num = 0, den = 0;
-    for (size_t i = 0; i < n; i++) { num += (a[i] - b[i]) * (a[i] - b[i]); den += b[i] * b[i]; }
-    return sqrt(num) / (den > 0 ? sqrt(den) : 1e-300);
-}
 
 int main(void) {
-    static const opcase_ cases[] = {{1, 2, G_RANDOM}, {17, 2, G_RANDOM}, {41, 2, G_BOUND}, {100, 4, G_BOUND},
-                                    {333, 2, G_RANDOM}, {96, 8, G_RANDOM}, {137, 2, G_MODEL}};
+    static const kemu_case cases[] = {{1, 2, KEMU_G_RANDOM}, {17, 2, KEMU_G_RANDOM}, {41, 2, KEMU_G_BOUND}, {100, 4, KEMU_G_BOUND},
+                                    {333, 2, KEMU_G_RANDOM}, {96, 8, KEMU_G_RANDOM}, {137, 2, KEMU_G_MODEL}};
     static const char *pname[] = {"bf16", "bf16x3", "fp32"};
     static const char *gname[] = {"dq", "dk", "dv", "dg", "dbeta"};
     double worst[3] = {0, 0, 0}, worst_ref = 0, gworst[3] = {0, 0, 0}, gworst_ref = 0, tworst[3] = {0, 0, 0};
     printf("||out - fp64|| / ||fp64|| of the emulated state-gradient pass (dD, dS_tiles, dS0), then of the gradients "
            "pass 3 (fp64) makes from its output (worst of dq, dk, dv, dg, dbeta):\n");
     for (size_t ci = 0; ci < sizeof cases / sizeof *cases; ci++) {
-        const opcase_ *c = &cases[ci];
+        const kemu_case *c = &cases[ci];
         int T = c->T, H = c->H, nt = (T + C - 1) / C;
         size_t nqk = (size_t)T * H * K, nv = (size_t)T * H * V, ns = (size_t)H * K * V, nd = (size_t)H * nt * C * V,
                nb = (size_t)T * H, Tp = (size_t)nt * C;
@@ -565,10 +526,10 @@ int main(void) {
             kda_chunk_fwd(T, H, K, V, a[0], a[1], a[2], a[3], a[4], a[7], NULL, NULL, St64);
             kda_chunk_bwd(T, H, K, V, a[0], a[1], a[2], a[3], a[4], a[7], St64, a[5], a[6], gref[0], gref[1], gref[2],
                           gref[3], gref[4], rdS0);
-            double e = rel_dd_(dS064, rdS0, ns);
+            double e = kemu_rel_dd(dS064, rdS0, ns);
             worst_ref = fmax(worst_ref, e);
             printf("  T=%4d H=%d g %-6s fp64 pass dS0 vs kda_chunk_bwd %.1e", T, H,
-                   c->gk == G_BOUND ? "bound" : c->gk == G_MODEL ? "model" : "random", e);
+                   c->gk == KEMU_G_BOUND ? "bound" : c->gk == KEMU_G_MODEL ? "model" : "random", e);
             for (int i = 0; i < 8; i++) free(a[i]);
             free(rdS0);
         }
@@ -581,7 +542,7 @@ int main(void) {
             }
         {
             double e = 0;
-            for (int a = 0; a < 5; a++) e = fmax(e, rel_dd_(gr[0][a], gref[a], glen[a]));
+            for (int a = 0; a < 5; a++) e = fmax(e, kemu_rel_dd(gr[0][a], gref[a], glen[a]));
             gworst_ref = fmax(gworst_ref, e);
             printf(", its pass 3 vs kda_chunk_bwd %.1e\n   ", e);
         }
@@ -593,7 +554,7 @@ int main(void) {
                 }
                 pass_emu_(prec, T, H, h, nt, oe, dout, dSf, dD, dSt, dS0);
             }
-            double ed = rel_fd_(dD, dD64, nd), et = rel_fd_(dSt, dSt64, ns * nt), e0 = rel_fd_(dS0, dS064, ns);
+            double ed = kemu_rel_fd(dD, dD64, nd), et = kemu_rel_fd(dSt, dSt64, ns * nt), e0 = kemu_rel_fd(dS0, dS064, ns);
             worst[prec] = fmax(worst[prec], fmax(ed, fmax(et, e0)));
             for (size_t i = 0; i < nd; i++) xD[i] = dD[i];
             for (size_t i = 0; i < ns * nt; i++) xSt[i] = dSt[i];
@@ -606,7 +567,7 @@ int main(void) {
             double ge = 0;
             int gw = 0;
             for (int a = 0; a < 5; a++) {
-                double x = rel_dd_(gr[1][a], gr[0][a], glen[a]);
+                double x = kemu_rel_dd(gr[1][a], gr[0][a], glen[a]);
                 if (x > ge) { ge = x; gw = a; }
             }
             gworst[prec] = fmax(gworst[prec], ge);
@@ -625,7 +586,7 @@ int main(void) {
                 double te = 0;
                 int tw = 0;
                 for (int a = 0; a < 5; a++) {
-                    double x = rel_dd_(gr[1][a], gr[0][a], glen[a]);
+                    double x = kemu_rel_dd(gr[1][a], gr[0][a], glen[a]);
                     if (x > te) { te = x; tw = a; }
                 }
                 tworst[src] = fmax(tworst[src], te);

@@ -31,7 +31,7 @@
 // 9.9e-6 / 0.112 / 2.1e-4; decode vs prefill 1.2e-5 / 0.116 / 4.7e-4 (routing flips 0 / 22 / 0);
 // against the fp32 forward's gradients on the same routing — / 0.116 / 3.3e-4. Not modelled: the
 // tensor cores' fp32 accumulation order and truncation (products are summed in double here) and
-// ex2.approx's own ~2 ulp (its argument's fp32 rounding is modelled, ex_).
+// ex2.approx's own ~2 ulp (its argument's fp32 rounding is modelled, kemu_exp).
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
@@ -41,15 +41,12 @@
 #include "common/model/backend.h"
 #include "common/model/model.h"
 #include "common/rng.h"
+#include "tests/kdaemu.h"
 #include "tests/testhelp.h"
 #include "tests/testmodel.h"
 
 _Static_assert(!REAL_IS_F64, "the fp32 model");
 
-static float bf_(float x) { uint32_t u; memcpy(&u, &x, 4); u = (u + 0x7FFFu + ((u >> 16) & 1u)) & 0xFFFF0000u; memcpy(&x, &u, 4); return x; }
-// e^x as the kernel forms it (e2x: ex2.approx of the fp32 product x log2 e; the arg rounding, up to
-// 2.6e-6 relative at |x| = 40, is kept, the ~2 ulp of ex2.approx are not)
-static float ex_(float x) { return (float)exp2((double)(x * 1.4426950408889634f)); }
 // Which operands the emulated kernel carries as split bf16 ("bf16x3", MTRL_KDA3_SPLIT=1 in
 // kda_tc_cuda.cu): a = a_hi + a_lo, a_hi = bf16(a), a_lo = bf16(a − a_hi) (~16 significant
 // bits), each product a·b as a_hi b_hi + a_hi b_lo + a_lo b_hi (a_lo b_lo, 2^-16 relative, dropped).
@@ -59,13 +56,8 @@ enum { EMU_SPLIT_XP = 1, EMU_SPLIT_WU = 2, EMU_SPLIT_STATE = 4, EMU_SPLIT_ALL = 
 
 // hi = bf16(x), lo = bf16(x − hi) (x − hi is exact in fp32) when split, else lo = 0
 static void sp_(float x, int split, float *hi, float *lo) {
-    *hi = bf_(x);
-    *lo = split ? bf_(x - *hi) : 0.f;
-}
-// a·b from hi/lo parts as the tensor cores form it (exact in double): one product when the lo
-// parts are 0, the three of bf16x3 otherwise
-static double mul3_(float ah, float al, float bh, float bl) {
-    return (double)ah * bh + (double)ah * bl + (double)al * bh;
+    *hi = kemu_bf16(x);
+    *lo = split ? kemu_bf16(x - *hi) : 0.f;
 }
 
 // numpy rounding_model.py's v3 (bf16 operands at the kernel's points, fp32 state), K = V = 128,
@@ -86,27 +78,27 @@ static void emu_v3_(int split, int T, int H, int K, int V, const real *q, const 
             for (int d = 0; d < K; d++) {
                 float acc = 0.f;
                 for (int r = 0; r < 16; r++) { acc += r < cr ? g[((size_t)(t0 + r) * H + h) * K + d] : 0.f; G[r][d] = acc; }
-                eg[d] = ex_(G[15][d]);
+                eg[d] = kemu_exp(G[15][d]);
             }
             for (int r = 0; r < 16; r++)
                 for (int d = 0; d < K; d++) {
                     size_t ix = ((size_t)(t0 + r) * H + h) * K + d;
                     float qq = r < cr ? q[ix] : 0.f, kk = r < cr ? k[ix] : 0.f, vv = r < cr ? v[((size_t)(t0 + r) * H + h) * V + d] : 0.f;
                     float Gc = G[r][d], Gm = G[m][d], ga = G[15][d];
-                    sp_(kk * ex_(Gc - Gm), sx, &Kp[0][r][d], &Kp[1][r][d]);
-                    sp_(qq * ex_(Gc - Gm), sx, &Qh[0][r][d], &Qh[1][r][d]);
-                    sp_(kk * ex_(Gm - Gc), sx, &Km[0][r][d], &Km[1][r][d]);
-                    sp_(bb[r] * (kk * ex_(Gc)), sw, &BK[0][r][d], &BK[1][r][d]);
+                    sp_(kk * kemu_exp(Gc - Gm), sx, &Kp[0][r][d], &Kp[1][r][d]);
+                    sp_(qq * kemu_exp(Gc - Gm), sx, &Qh[0][r][d], &Qh[1][r][d]);
+                    sp_(kk * kemu_exp(Gm - Gc), sx, &Km[0][r][d], &Km[1][r][d]);
+                    sp_(bb[r] * (kk * kemu_exp(Gc)), sw, &BK[0][r][d], &BK[1][r][d]);
                     sp_(bb[r] * vv, sw, &BV[0][r][d], &BV[1][r][d]);
-                    sp_(qq * ex_(Gc), ss, &Qp[0][r][d], &Qp[1][r][d]);
-                    sp_(kk * ex_(ga - Gc), ss, &Ke[0][r][d], &Ke[1][r][d]);
+                    sp_(qq * kemu_exp(Gc), ss, &Qp[0][r][d], &Qp[1][r][d]);
+                    sp_(kk * kemu_exp(ga - Gc), ss, &Ke[0][r][d], &Ke[1][r][d]);
                 }
             for (int i = 0; i < 16; i++)
                 for (int j = 0; j < 16; j++) {
                     double x = 0, p = 0;
                     for (int d = 0; d < K; d++) {
-                        x += mul3_(Kp[0][i][d], Kp[1][i][d], Km[0][j][d], Km[1][j][d]);
-                        p += mul3_(Qh[0][i][d], Qh[1][i][d], Km[0][j][d], Km[1][j][d]);
+                        x += kemu_mul3(Kp[0][i][d], Kp[1][i][d], Km[0][j][d], Km[1][j][d]);
+                        p += kemu_mul3(Qh[0][i][d], Qh[1][i][d], Km[0][j][d], Km[1][j][d]);
                     }
                     sp_(j <= i ? (float)p : 0.f, ss, &P[0][i][j], &P[1][i][j]);
                     M[i][j] = j < i ? bb[i] * (float)x : 0.f;
@@ -121,8 +113,8 @@ static void emu_v3_(int split, int T, int H, int K, int V, const real *q, const 
                 for (int d = 0; d < K; d++) {
                     double w = 0, u = 0;
                     for (int l = 0; l < 16; l++) {
-                        w += mul3_(Tb[0][i][l], Tb[1][i][l], BK[0][l][d], BK[1][l][d]);
-                        u += mul3_(Tb[0][i][l], Tb[1][i][l], BV[0][l][d], BV[1][l][d]);
+                        w += kemu_mul3(Tb[0][i][l], Tb[1][i][l], BK[0][l][d], BK[1][l][d]);
+                        u += kemu_mul3(Tb[0][i][l], Tb[1][i][l], BV[0][l][d], BV[1][l][d]);
                     }
                     sp_(-(float)w, ss, &Wn[0][i][d], &Wn[1][i][d]);
                     sp_((float)u, ss, &U[0][i][d], &U[1][i][d]);
@@ -132,21 +124,21 @@ static void emu_v3_(int split, int T, int H, int K, int V, const real *q, const 
             for (int s = 0; s < 16; s++)
                 for (int j = 0; j < V; j++) {
                     double acc = (double)U[0][s][j] + U[1][s][j];
-                    for (int d = 0; d < K; d++) acc += mul3_(Wn[0][s][d], Wn[1][s][d], Sb[d * V + j], Sl[d * V + j]);
+                    for (int d = 0; d < K; d++) acc += kemu_mul3(Wn[0][s][d], Wn[1][s][d], Sb[d * V + j], Sl[d * V + j]);
                     sp_((float)acc, ss, &Db[0][s][j], &Db[1][s][j]);
                 }
             if (o)
                 for (int r = 0; r < cr; r++)
                     for (int j = 0; j < V; j++) {
                         double acc = 0;
-                        for (int d = 0; d < K; d++) acc += mul3_(Qp[0][r][d], Qp[1][r][d], Sb[d * V + j], Sl[d * V + j]);
-                        for (int s = 0; s < 16; s++) acc += mul3_(P[0][r][s], P[1][r][s], Db[0][s][j], Db[1][s][j]);
+                        for (int d = 0; d < K; d++) acc += kemu_mul3(Qp[0][r][d], Qp[1][r][d], Sb[d * V + j], Sl[d * V + j]);
+                        for (int s = 0; s < 16; s++) acc += kemu_mul3(P[0][r][s], P[1][r][s], Db[0][s][j], Db[1][s][j]);
                         o[((size_t)(t0 + r) * H + h) * V + j] = (float)acc;
                     }
             for (int d = 0; d < K; d++)
                 for (int j = 0; j < V; j++) {
                     double acc = (double)eg[d] * S[d * V + j];
-                    for (int s = 0; s < 16; s++) acc += mul3_(Ke[0][s][d], Ke[1][s][d], Db[0][s][j], Db[1][s][j]);
+                    for (int s = 0; s < 16; s++) acc += kemu_mul3(Ke[0][s][d], Ke[1][s][d], Db[0][s][j], Db[1][s][j]);
                     S[d * V + j] = (float)acc;
                 }
         }
@@ -181,37 +173,12 @@ static void fwd_(mtrl_backend *be, int T, int H, int K, int V, const real *q, co
 // β = σ(N(0, 1)), S0 ~ N(0, 0.5²)); g random in (−5, 0), at the bound (−5 + 1e-3), or the model's
 // gate at initialisation (−5 σ(f + softplus⁻¹(dt)), f ~ N(0, 0.5²), dt log-uniform in [1e-3, 0.1]:
 // slow decays, test_chunk_model_'s). What test_cuda_kda's v3 cases should measure on the GPU.
-enum { G_RANDOM, G_BOUND, G_MODEL };
-typedef struct { int T, H, gk; } opcase_;
 
-static double rng_n_(uint64_t *ctr) { return mtrl_rng_normal(11, 1, (*ctr)++); }
 
-static void op_inputs_(const opcase_ *c, float *q, float *k, float *v, float *g, float *beta, float *S0) {
-    const int K = 128, V = 128;
-    uint64_t ctr = (uint64_t)c->T * 1000 + (uint64_t)c->H * 10 + (uint64_t)c->gk;
-    for (int t = 0; t < c->T; t++)
-        for (int h = 0; h < c->H; h++) {
-            float *qq = q + ((size_t)t * c->H + h) * K, *kk = k + ((size_t)t * c->H + h) * K;
-            double a[128], b[128], nq = 0, nk = 0;
-            for (int d = 0; d < K; d++) { a[d] = rng_n_(&ctr); b[d] = rng_n_(&ctr); nq += a[d] * a[d]; nk += b[d] * b[d]; }
-            for (int d = 0; d < K; d++) {
-                qq[d] = (float)(a[d] / sqrt(nq + 1e-6) / sqrt((double)K));
-                kk[d] = (float)(b[d] / sqrt(nk + 1e-6));
-            }
-        }
-    for (size_t i = 0; i < (size_t)c->T * c->H * V; i++) v[i] = (float)rng_n_(&ctr);
-    for (size_t i = 0; i < (size_t)c->T * c->H * K; i++) {
-        double x;
-        if (c->gk == G_BOUND) x = -5.0 + 1e-3;
-        else if (c->gk == G_MODEL) {
-            int hd = (int)(i % ((size_t)c->H * K));  // the per-(head, column) dt_bias
-            double dt = exp(log(1e-3) + mtrl_rng_uniform(11, 2, (uint64_t)hd) * (log(0.1) - log(1e-3)));
-            x = -5.0 / (1.0 + exp(-(0.5 * rng_n_(&ctr) + log(expm1(dt)))));
-        } else x = -5.0 / (1.0 + exp(-2.0 * rng_n_(&ctr)));
-        g[i] = (float)x < 0.f && (float)x > -5.f ? (float)x : -0.5f;
-    }
-    for (size_t i = 0; i < (size_t)c->T * c->H; i++) beta[i] = (float)(1.0 / (1.0 + exp(-rng_n_(&ctr))));
-    for (size_t i = 0; i < (size_t)c->H * K * V; i++) S0[i] = (float)(0.5 * rng_n_(&ctr));
+// The case's inputs (kdaemu.h) and S0 ~ N(0, 0.25).
+static void op_inputs_(const kemu_case *c, float *q, float *k, float *v, float *g, float *beta, float *S0) {
+    uint64_t ctr = kemu_inputs(c, q, k, v, g, beta);
+    for (size_t i = 0; i < (size_t)c->H * KEMU_K * KEMU_V; i++) S0[i] = (float)(0.5 * kemu_normal(&ctr));
 }
 
 // The token recurrence in fp64 (kda_ref.h's definition): o, S_final, and the state entering each
@@ -245,22 +212,17 @@ static void ref64_(int T, int H, const float *q, const float *k, const float *v,
     free(S);
 }
 
-static double rel_fd_(const float *a, const double *b, size_t n) {
-    double num = 0, den = 0;
-    for (size_t i = 0; i < n; i++) { num += (a[i] - b[i]) * (a[i] - b[i]); den += b[i] * b[i]; }
-    return sqrt(num) / (den > 0 ? sqrt(den) : 1e-300);
-}
 
 // Worst ‖out − ref‖/‖ref‖ over o, S_final and S_tiles of each case, per forward: [0] the fp32
 // forward (the CPU backend's chunked form), [1 + mask] the emulated v3 with split groups `mask`:
 // none and all, every subset with subsets set (MTRL_EMU_SUBSETS=1; the others stay 0).
 static void op_level_(mtrl_backend *be, int subsets, double worst[1 + 8]) {
-    static const opcase_ cases[] = {{1, 2, G_RANDOM}, {17, 2, G_RANDOM}, {41, 2, G_BOUND}, {100, 4, G_BOUND},
-                                    {333, 2, G_RANDOM}, {96, 8, G_RANDOM}, {137, 2, G_MODEL}};
+    static const kemu_case cases[] = {{1, 2, KEMU_G_RANDOM}, {17, 2, KEMU_G_RANDOM}, {41, 2, KEMU_G_BOUND}, {100, 4, KEMU_G_BOUND},
+                                    {333, 2, KEMU_G_RANDOM}, {96, 8, KEMU_G_RANDOM}, {137, 2, KEMU_G_MODEL}};
     const int K = 128, V = 128;
     for (int i = 0; i < 9; i++) worst[i] = 0;
     for (size_t ci = 0; ci < sizeof cases / sizeof *cases; ci++) {
-        const opcase_ *c = &cases[ci];
+        const kemu_case *c = &cases[ci];
         int T = c->T, H = c->H, nt = (T + 15) / 16;
         size_t nqk = (size_t)T * H * K, nv = (size_t)T * H * V, ns = (size_t)H * K * V;
         float *q = malloc(4 * nqk), *k = malloc(4 * nqk), *v = malloc(4 * nv), *g = malloc(4 * nqk),
@@ -269,12 +231,12 @@ static void op_level_(mtrl_backend *be, int subsets, double worst[1 + 8]) {
         double *o64 = malloc(8 * nv), *Sf64 = malloc(8 * ns), *St64 = malloc(8 * ns * nt);
         op_inputs_(c, q, k, v, g, beta, S0);
         ref64_(T, H, q, k, v, g, beta, S0, o64, Sf64, St64);
-        printf("  T=%4d H=%d g %-6s", T, H, c->gk == G_BOUND ? "bound" : c->gk == G_MODEL ? "model" : "random");
+        printf("  T=%4d H=%d g %-6s", T, H, c->gk == KEMU_G_BOUND ? "bound" : c->gk == KEMU_G_MODEL ? "model" : "random");
         for (int f = 0; f < 9; f++) {
             if (!subsets && f != 0 && f != 1 && f != 1 + EMU_SPLIT_ALL) continue;
             if (f == 0) fwd_fp32_(be, T, H, K, V, q, k, v, g, beta, S0, o, Sf, St);
             else emu_v3_(f - 1, T, H, K, V, q, k, v, g, beta, S0, o, Sf, St);
-            double eo = rel_fd_(o, o64, nv), es = rel_fd_(Sf, Sf64, ns), et = rel_fd_(St, St64, ns * nt);
+            double eo = kemu_rel_fd(o, o64, nv), es = kemu_rel_fd(Sf, Sf64, ns), et = kemu_rel_fd(St, St64, ns * nt);
             double w = fmax(eo, fmax(es, et));
             worst[f] = fmax(worst[f], w);
             if (f == 0 || f == 1 || f == 1 + EMU_SPLIT_ALL)
