@@ -391,7 +391,7 @@ void mtrl_model_zero_grads(mtrl_model *m) { m->be->zero(m->be, m->d_grads, m->pa
 double mtrl_model_optimizer_step(mtrl_model *m, real lr, real beta1, real beta2, real eps, real weight_decay,
                                  real clip) {
     mtrl_backend *be = m->be;
-    double t = model_prof_begin(m);
+    double t_prof = model_prof_begin(m);
     double sq = 0;
     for (int i = 0; i < m->params.n; i++) {
         const mtrl_tensor *t = &m->params.items[i];
@@ -411,10 +411,7 @@ double mtrl_model_optimizer_step(mtrl_model *m, real lr, real beta1, real beta2,
     }
     model_weights_changed(m);
     be->sync(be);
-    // counted with the backward pass: the learner's step after it (the pass is FWD out here)
-    if (m->profile) m->profile->pass = MTRL_PROF_BWD;
-    model_prof_end(m, MTRL_PROF_OPTIM, t);
-    if (m->profile) m->profile->pass = MTRL_PROF_FWD;
+    model_prof_end_in(m, MTRL_PROF_BWD, MTRL_PROF_OPTIM, t_prof); // the learner's step, after its backward
     return norm;
 }
 

@@ -201,12 +201,16 @@ static inline double model_prof_begin(mtrl_model *m) {
     m->be->sync(m->be);
     return mtrl_time_mono();
 }
-static inline void model_prof_end(mtrl_model *m, int block, double t0) {
+// ... under an explicit pass instead (the optimizer's step counts with the backward).
+static inline void model_prof_end_in(mtrl_model *m, int pass, int block, double t0) {
     mtrl_model_profile *p = m->profile;
     if (!p) return;
     m->be->sync(m->be);
-    p->calls[p->pass][block]++;
-    p->sec[p->pass][block] += mtrl_time_mono() - t0;
+    p->calls[pass][block]++;
+    p->sec[pass][block] += mtrl_time_mono() - t0;
+}
+static inline void model_prof_end(mtrl_model *m, int block, double t0) {
+    if (m->profile) model_prof_end_in(m, m->profile->pass, block, t0);
 }
 
 // Tells the backend the parameter block on its side changed (backend.h weights_changed: a
