@@ -9,33 +9,7 @@
 # usage: python3 tools/kda_v3/lanes_bwd.py   (numpy; a few seconds)
 import numpy as np
 rng=np.random.default_rng(5)
-def bfbits(x):
-    u=np.asarray(x,np.float32).view(np.uint32).astype(np.uint64)
-    return (((u+0x7FFF+((u>>16)&1))>>16)&0xFFFF).astype(np.uint16)
-def bits2f(b): return (np.asarray(b,np.uint32)<<16).view(np.float32)
-def pack(lo,hi): return (int(bfbits(lo)), int(bfbits(hi)))
-def ldsm_x4(sm, addr, trans=False):
-    out=[[None]*4 for _ in range(32)]
-    for mi in range(4):
-        M=np.array([sm[addr[mi*8+r]:addr[mi*8+r]+8] for r in range(8)])
-        for lane in range(32):
-            g,t=lane>>2,lane&3
-            out[lane][mi]=(M[g,2*t],M[g,2*t+1]) if not trans else (M[2*t,g],M[2*t+1,g])
-    return out
-def mma(C,A,B):
-    Am=np.zeros((16,16)); Bm=np.zeros((16,8)); Cm=np.zeros((16,8))
-    for lane in range(32):
-        g,t=lane>>2,lane&3
-        for (r,c0),p in zip([(g,2*t),(g+8,2*t),(g,2*t+8),(g+8,2*t+8)],A[lane]):
-            Am[r,c0]=bits2f(p[0]); Am[r,c0+1]=bits2f(p[1])
-        for k0,p in zip([2*t,2*t+8],B[lane]):
-            Bm[k0,g]=bits2f(p[0]); Bm[k0+1,g]=bits2f(p[1])
-        c=C[lane]; Cm[g,2*t]=c[0];Cm[g,2*t+1]=c[1];Cm[g+8,2*t]=c[2];Cm[g+8,2*t+1]=c[3]
-    D=(Cm+Am@Bm).astype(np.float32)
-    return [[D[l>>2,2*(l&3)],D[l>>2,2*(l&3)+1],D[(l>>2)+8,2*(l&3)],D[(l>>2)+8,2*(l&3)+1]] for l in range(32)]
-def adr_b_nk(base,ld,k0,n0): return [base+(n0+(l&7)+((l>>4)<<3))*ld+k0+(((l>>3)&1)<<3) for l in range(32)]
-def adr_b_kn(base,ld,k0,n0): return [base+(k0+(l&7)+(((l>>3)&1)<<3))*ld+n0+((l>>4)<<3) for l in range(32)]
-def acc_to_a(c0,c1): return [pack(c0[0],c0[1]),pack(c0[2],c0[3]),pack(c1[0],c1[1]),pack(c1[2],c1[3])]
+from lanemodel import bfbits, bits2f, pack, ldsm_x4, mma, adr_b_nk, adr_b_kn, acc_to_a
 K=V=128; LD=K+8; LDP=24; WPB=2; LDO=16*WPB+4
 Wn=rng.standard_normal((16,K)).astype(np.float32); Qp=rng.standard_normal((16,K)).astype(np.float32)
 Ke=rng.standard_normal((16,K)).astype(np.float32); P=np.tril(rng.standard_normal((16,16))).astype(np.float32)
