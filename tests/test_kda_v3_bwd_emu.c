@@ -484,6 +484,30 @@ static void op_inputs_(const kemu_case *c, float *q, float *k, float *v, float *
 }
 
 
+// pass3_64_ over every head and tile: gradients gr[0..4] (dq, dk, dv, dg, dβ) from the tile
+// states St, the pass-2 outputs dSt [tiles][H][K][V] and dD [H][Tp][V].
+static void pass3_all_(int T, int H, int nt, const float *q, const float *k, const float *v, const float *g,
+                       const float *beta, const double *St, const double *dSt, const double *dD, const float *dout,
+                       double *const gr[5]) {
+    size_t Tp = (size_t)nt * C;
+    for (int h = 0; h < H; h++)
+        for (int n = 0; n < nt; n++) {
+            size_t so = ((size_t)n * H + h) * K * V;
+            pass3_64_(T, H, h, n, q, k, v, g, beta, St + so, dSt + so, dD + ((size_t)h * Tp + (size_t)n * C) * V, dout,
+                      gr[0], gr[1], gr[2], gr[3], gr[4]);
+        }
+}
+// The worst of the five gradients of gr against ref (relative L2), and which one (*which).
+static double grad_worst_(double *const gr[5], double *const ref[5], const size_t len[5], int *which) {
+    double worst = 0;
+    *which = 0;
+    for (int a = 0; a < 5; a++) {
+        double x = kemu_rel_dd(gr[a], ref[a], len[a]);
+        if (x > worst) { worst = x; *which = a; }
+    }
+    return worst;
+}
+
 int main(void) {
     static const kemu_case cases[] = {{1, 2, KEMU_G_RANDOM}, {17, 2, KEMU_G_RANDOM}, {41, 2, KEMU_G_BOUND}, {100, 4, KEMU_G_BOUND},
                                     {333, 2, KEMU_G_RANDOM}, {96, 8, KEMU_G_RANDOM}, {137, 2, KEMU_G_MODEL}};
@@ -496,7 +520,7 @@ int main(void) {
         const kemu_case *c = &cases[ci];
         int T = c->T, H = c->H, nt = (T + C - 1) / C;
         size_t nqk = (size_t)T * H * K, nv = (size_t)T * H * V, ns = (size_t)H * K * V, nd = (size_t)H * nt * C * V,
-               nb = (size_t)T * H, Tp = (size_t)nt * C;
+               nb = (size_t)T * H;
         float *q = malloc(4 * nqk), *k = malloc(4 * nqk), *v = malloc(4 * nv), *g = malloc(4 * nqk),
               *beta = malloc(4 * nb), *dout = malloc(4 * nv), *dSf = malloc(4 * ns), *S0 = malloc(4 * ns),
               *dD = malloc(4 * nd), *dSt = malloc(4 * ns * nt), *dS0 = malloc(4 * ns);
@@ -534,15 +558,10 @@ int main(void) {
             free(rdS0);
         }
         // pass 3 in fp64 on fp64 pass-2 outputs, against the reference backward
-        for (int h = 0; h < H; h++)
-            for (int n = 0; n < nt; n++) {
-                size_t so = ((size_t)n * H + h) * K * V;
-                pass3_64_(T, H, h, n, q, k, v, g, beta, St64 + so, dSt64 + so, dD64 + ((size_t)h * Tp + (size_t)n * C) * V,
-                          dout, gr[0][0], gr[0][1], gr[0][2], gr[0][3], gr[0][4]);
-            }
+        pass3_all_(T, H, nt, q, k, v, g, beta, St64, dSt64, dD64, dout, gr[0]);
         {
-            double e = 0;
-            for (int a = 0; a < 5; a++) e = fmax(e, kemu_rel_dd(gr[0][a], gref[a], glen[a]));
+            int w;
+            double e = grad_worst_(gr[0], gref, glen, &w);
             gworst_ref = fmax(gworst_ref, e);
             printf(", its pass 3 vs kda_chunk_bwd %.1e\n   ", e);
         }
@@ -558,37 +577,19 @@ int main(void) {
             worst[prec] = fmax(worst[prec], fmax(ed, fmax(et, e0)));
             for (size_t i = 0; i < nd; i++) xD[i] = dD[i];
             for (size_t i = 0; i < ns * nt; i++) xSt[i] = dSt[i];
-            for (int h = 0; h < H; h++)
-                for (int n = 0; n < nt; n++) {
-                    size_t so = ((size_t)n * H + h) * K * V;
-                    pass3_64_(T, H, h, n, q, k, v, g, beta, St64 + so, xSt + so, xD + ((size_t)h * Tp + (size_t)n * C) * V,
-                              dout, gr[1][0], gr[1][1], gr[1][2], gr[1][3], gr[1][4]);
-                }
-            double ge = 0;
-            int gw = 0;
-            for (int a = 0; a < 5; a++) {
-                double x = kemu_rel_dd(gr[1][a], gr[0][a], glen[a]);
-                if (x > ge) { ge = x; gw = a; }
-            }
+            pass3_all_(T, H, nt, q, k, v, g, beta, St64, xSt, xD, dout, gr[1]);
+            int gw;
+            double ge = grad_worst_(gr[1], gr[0], glen, &gw);
             gworst[prec] = fmax(gworst[prec], ge);
             printf(" | %s dD %.2e dSt %.2e dS0 %.2e grad %.2e (%s)", pname[prec], ed, et, e0, ge, gname[gw]);
             if (prec != PREC_X3) continue;
             // pass 3 on tensor cores (MTRL_KDA_BWD_TILE=3) after the bf16x3 pass 2, and after the fp64 one
             for (int src = 0; src < 3; src++) {
                 p3x_ = src == 2 ? 2 : 1;
-                for (int h = 0; h < H; h++)
-                    for (int n = 0; n < nt; n++) {
-                        size_t so = ((size_t)n * H + h) * K * V, dO_ = ((size_t)h * Tp + (size_t)n * C) * V;
-                        pass3_64_(T, H, h, n, q, k, v, g, beta, St64 + so, (src ? dSt64 : xSt) + so,
-                                  (src ? dD64 : xD) + dO_, dout, gr[1][0], gr[1][1], gr[1][2], gr[1][3], gr[1][4]);
-                    }
+                pass3_all_(T, H, nt, q, k, v, g, beta, St64, src ? dSt64 : xSt, src ? dD64 : xD, dout, gr[1]);
                 p3x_ = 0;
-                double te = 0;
-                int tw = 0;
-                for (int a = 0; a < 5; a++) {
-                    double x = kemu_rel_dd(gr[1][a], gr[0][a], glen[a]);
-                    if (x > te) { te = x; tw = a; }
-                }
+                int tw;
+                double te = grad_worst_(gr[1], gr[0], glen, &tw);
                 tworst[src] = fmax(tworst[src], te);
                 printf(" | %s %.2e (%s)", src == 2 ? "tile TC, intra too" : src ? "tile TC alone" : "+ tile TC", te,
                        gname[tw]);
