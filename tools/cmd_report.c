@@ -540,12 +540,17 @@ static double metric_at_(const metric_series *m, int64_t step) {
     return lo < m->n && m->steps[lo] == step ? m->values[lo] : NAN;
 }
 
+// Whether any run climbed a [stage.N] ladder (the learner logs metric `stage`).
+static int has_ladder_(run_data *runs, int nr) {
+    for (int i = 0; i < nr; i++)
+        if (metric_find_(&runs[i], "stage")) return 1;
+    return 0;
+}
+
 // Runs with a [stage.N] ladder: one row per stage, over the steps the learner logged in it
 // (metric `stage`): context, steps, mean reward and success, mean trained episode, learner time.
 static void write_ladder_(FILE *f, run_data *runs, int nr) {
-    int any = 0;
-    for (int i = 0; i < nr; i++) any |= metric_find_(&runs[i], "stage") != NULL;
-    if (!any) return;
+    if (!has_ladder_(runs, nr)) return;
     fputs("<h2 id=\"ladder\">Context ladder</h2>\n<table class=\"summary\">\n<tr><th>run</th><th>stage</th><th>context</th>"
           "<th>steps</th><th>reward</th><th>success</th><th>mean trained episode</th><th>learner s per step</th></tr>\n",
           f);
@@ -659,11 +664,9 @@ static int write_page_(const char *dir, const char *dbpath, mtrl_store *s, run_d
     mtrl_time_utc((double)time(NULL), now, (int)sizeof now);
     fprintf(f, " · %d run%s · generated %s · data: <a href=\"metrics.csv\">metrics.csv</a>, <a href=\"experts.csv\">experts.csv</a></p>\n",
             nr, nr == 1 ? "" : "s", now);
-    int ladder = 0;
-    for (int i = 0; i < nr; i++) ladder |= metric_find_(&runs[i], "stage") != NULL;
     fprintf(f, "<nav><a href=\"#runs\">runs</a>%s<a href=\"#training\">training</a><a href=\"#experts\">experts</a>"
                "<a href=\"#config\">config</a><a href=\"#events\">events</a></nav>\n",
-            ladder ? "<a href=\"#ladder\">ladder</a>" : "");
+            has_ladder_(runs, nr) ? "<a href=\"#ladder\">ladder</a>" : "");
     write_summary_(f, runs, nr);
     write_ladder_(f, runs, nr);
     write_panels_(f, runs, nr);
