@@ -47,6 +47,14 @@ static void test_attn_x(mtrl_cuda_ctx *ctx, int Tq, int Tk, int H, int Hk, int D
     memcpy(dk0, dk, sizeof(double) * nk);
     if (!alias) memcpy(dv0, dv, sizeof(double) * nv);
     attn_causal_bwd(Tq, Tk, H, Hk, Dk, Dv, scale, q, k, ldk, vv, ldv, o, lse, dout, dq, dk, dv);
+    // One key (Tq = Tk = 1): the softmax over it is the constant 1, so dq and the dk increment
+    // are exactly zero; the fp64 reference leaves ~1e-17 of rounding there, which a relative
+    // error would divide by. Set them to their exact value: the checks become absolute.
+    const int one_key = Tk == 1;
+    if (one_key) {
+        memset(dq, 0, sizeof(double) * nq);
+        if (!alias) memcpy(dk, dk0, sizeof(double) * nk);
+    }
 
     mtrl_bf16 *d_q = tu_dev_bf16(q, nq), *d_k = tu_dev_bf16(k, nk),
               *d_v = alias ? d_k : tu_dev_bf16(v, nv), *d_do = tu_dev_bf16(dout, no);
@@ -123,6 +131,7 @@ static void test_attn_x(mtrl_cuda_ctx *ctx, int Tq, int Tk, int H, int Hk, int D
                                          "v1 vs v2: bwd dk (increments)",
                                          "v1 vs v2: bwd dv (increments)"};
                     for (int b = 0; b < (alias ? 4 : 5); b++) {
+                        if (one_key && (b == 2 || (b == 3 && !alias))) continue;  // noise on an exact 0
                         for (size_t i = 0; i < len[b]; i++) {
                             double s0 = start[b] ? start[b][i] : 0.0;
                             inc[i] = (double)again[off[b] + i] - s0;

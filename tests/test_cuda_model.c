@@ -1,8 +1,10 @@
 // mtrl-test: gpu timeout=900
 // The backbone on the GPU: the ONE model implementation on the CUDA backend (backend_cuda.c)
 // against the same code on the fp32 CPU backend, for the `tiny` preset, tiny with every layer
-// KDA (no bf16 anywhere: the fp32 tolerances), and a reduced `small` (4 layers, d 256, KDA
-// head dim 128, MLA latent 256 + 32).
+// KDA (no bf16 anywhere: the fp32 tolerances), a reduced `small` (4 layers, d 256, KDA head dim
+// 128, MLA latent 256 + 32), the same with MLA trained in the absorbed form (the others train
+// naive, the default: model.h mla_absorbed), and a 2-layer one at small's MLA widths (the naive
+// form's attention on the tensor-core Dk = 192 kernels).
 //   * initial parameters identical; host <-> device copies exact;
 //   * forward log-probs / entropies and every gradient, with the CPU's routing replayed (R3), so
 //     near-tied experts cannot pick different experts; the GPU's own routing agrees with the CPU's
@@ -888,6 +890,18 @@ int main(int argc, char **argv) {
          "mla_heads = 4\nmla_nope_dim = 64\nmla_rope_dim = 32\nmla_v_dim = 64\nmla_latent_dim = 256\n"
          "dense_inter = 512\nexperts = 16\ntop_k = 4\nshared_experts = 1\nexpert_inter = 128\nattnres_block = 2\n",
          512, 2, {96, 41, 0}, 5e-3, 8e-2, 2e-2, 2e-2, 5e-3, 1e-2},
+        // the same in the absorbed training form (model.h mla_absorbed; the cases above train naive)
+        {"reduced small, MLA trained absorbed", "preset = custom\nlayers = 4\nd_model = 256\nhybrid = KMKM\nkda_heads = 2\n"
+         "kda_head_dim = 128\nmla_heads = 4\nmla_nope_dim = 64\nmla_rope_dim = 32\nmla_v_dim = 64\nmla_latent_dim = 256\n"
+         "dense_inter = 512\nexperts = 16\ntop_k = 4\nshared_experts = 1\nexpert_inter = 128\nattnres_block = 2\n"
+         "mla_train = absorbed\n", 512, 2, {96, 41, 0}, 5e-3, 8e-2, 2e-2, 2e-2, 5e-3, 1e-2},
+        // small's MLA widths (d_n 128 + d_r 64, d_v 128, latent 512), 2 heads: the naive form on
+        // the tensor-core attention's Dk = 192, Dv = 128 kernels
+        {"reduced small at small's MLA widths (naive: attention v2 at Dk 192)", "preset = custom\nlayers = 2\n"
+         "d_model = 256\nhybrid = KM\nkda_heads = 2\nkda_head_dim = 128\nmla_heads = 2\nmla_nope_dim = 128\n"
+         "mla_rope_dim = 64\nmla_v_dim = 128\nmla_latent_dim = 512\ndense_inter = 512\nexperts = 16\ntop_k = 4\n"
+         "shared_experts = 1\nexpert_inter = 128\nattnres_block = 2\n", 512, 2, {96, 41, 0}, 5e-3, 8e-2, 2e-2, 2e-2,
+         5e-3, 1e-2},
     };
     for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++)
         if (only < 0 || (size_t)only == i) {

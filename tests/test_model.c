@@ -168,6 +168,21 @@ static void test_segmented(void) {
     double L0 = run_loss(&m, &b, 0, c, e, 1);
     real *g0 = malloc(nb);
     memcpy(g0, m.grads, nb);
+    // The two forms of MLA training (model.h mla_absorbed) are the same function: the absorbed
+    // form (MQA over the latents) against the naive one (keys and values expanded per head,
+    // the default), whole and in segments of 48 (keys from earlier segments).
+    for (int seg = 0; seg <= 48; seg += 48) {
+        mtrl_model_zero_grads(&m);
+        m.dims.mla_absorbed = 1;
+        double La = run_loss(&m, &b, seg, c, e, 1);
+        m.dims.mla_absorbed = 0;
+        const char *wn = "";
+        double worst = grads_worst_(&m, g0, &wn);
+        printf("MLA absorbed vs naive form, segment %d: loss %.15g vs %.15g, worst gradient rel diff %.3g (%s)\n",
+               seg, La, L0, worst, wn);
+        TEST_CLOSE(La, L0, 1e-12, 0);
+        TEST_CHECKF(worst <= 1e-9, "absorbed form, segment %d: gradient differs by %.3g in %s", seg, worst, wn);
+    }
     int segs[3] = {16, 48, 64};
     size_t peak[3];
     for (int s = 0; s < 3; s++) {
@@ -194,8 +209,10 @@ static void test_segmented(void) {
     mtrl_model_backward(&m, &b, c, NULL);
     TEST_EQ_INT(hooks, 10);
     m.segment_hook = NULL;
-    // Peak activation memory follows the segment length, not the sequence: doubling the
-    // sequence at segment 16 keeps the peak within a few percent (only the latents grow).
+    // Peak activation memory follows the segment length, not the sequence, in the absorbed form:
+    // doubling the sequence at segment 16 keeps the peak within a few percent (only the
+    // latents grow). The naive form expands every key so far: its peak grows, up to the mirror of
+    // the last segment (model_ws.h seg_arena_bytes).
     enum { T2 = 400 };
     uint32_t tok2[T2];
     make_tokens(tok2, T2, 4);
@@ -204,14 +221,32 @@ static void test_segmented(void) {
     mtrl_batch b2 = {1, toks2, len2, NULL};
     real c2[T2];
     for (int t = 0; t < T2; t++) c2[t] = (real)mtrl_rng_normal(5, 1, t);
-    mtrl_model_zero_grads(&m);
-    m.peak_activation_bytes = 0;
     real lp2[T2];
-    mtrl_model_forward(&m, &b2, 16, lp2, NULL, NULL);
-    mtrl_model_backward(&m, &b2, c2, NULL);
-    printf("segment 16: peak %zu bytes at T=%d, %zu bytes at T=%d\n", peak[0], T, m.peak_activation_bytes, T2);
-    TEST_CHECKF(m.peak_activation_bytes < peak[0] * 11 / 10, "peak grew from %zu to %zu", peak[0],
-                m.peak_activation_bytes);
+    for (int absorbed = 0; absorbed <= 1; absorbed++) {
+        m.dims.mla_absorbed = absorbed;
+        size_t p1 = peak[0];
+        if (absorbed) {
+            mtrl_model_zero_grads(&m);
+            m.peak_activation_bytes = 0;
+            run_loss(&m, &b, 16, c, e, 1);
+            p1 = m.peak_activation_bytes;
+        }
+        mtrl_model_zero_grads(&m);
+        m.peak_activation_bytes = 0;
+        mtrl_model_forward(&m, &b2, 16, lp2, NULL, NULL);
+        mtrl_model_backward(&m, &b2, c2, NULL);
+        size_t p2 = m.peak_activation_bytes;
+        printf("segment 16, %s form: peak %zu bytes at T=%d, %zu bytes at T=%d\n", absorbed ? "absorbed" : "naive", p1, T,
+               p2, T2);
+        if (absorbed) TEST_CHECKF(p2 < p1 * 11 / 10, "absorbed: peak grew from %zu to %zu", p1, p2);
+        else {
+            // (T2 is 25 whole segments: the last one's mirror is exact)
+            size_t mirror = seg_arena_bytes(&m.dims, 16, T2) - 4096;
+            TEST_CHECKF(p2 > p1 && p2 <= mirror, "naive: peak grew from %zu to %zu, mirror at T=%d %zu", p1, p2, T2,
+                        mirror);
+        }
+    }
+    m.dims.mla_absorbed = 0;
     free(g0);
     mtrl_model_free(&m);
 }

@@ -4,8 +4,10 @@
 //  - for the `tiny` preset and a reduced config (MLA in the middle, no gate, no shared expert,
 //    AttnRes blocks of 3), several (T, S) and a two-sequence batch with segment 0: the planned
 //    activation bytes are >= the arena's measured peak (mtrl_model_forward + _backward) and at
-//    most 1.5x it; the forward's own peak equals the forward-cache mirror (seg_fwd_bytes) and
-//    the whole step's peak the forward + backward mirror, both to the arena's 64-byte alignment;
+//    most 1.5x it; the forward's own peak equals the forward mirror (seg_fwd_bytes: its caches,
+//    or the naive MLA form's expanded keys on top of those so far) and the whole step's peak the
+//    step mirror (seg_arena_bytes), the most over the segments, both to the arena's 64-byte
+//    alignment;
 //    the planned boundary states + latents equal the workspace's state bytes plus alignment;
 //  - the planned segment is a multiple of 64 (or the whole sequence) and never shrinks as the
 //    budget grows; the plan fits its budget minus the margin;
@@ -99,12 +101,22 @@ static void test_activations_(const char *name, const char *ini) {
                     "%s T=%d S=%d: planned %zu vs measured %zu", name, len[0], seg, p.activations, peak);
         if (!p.keep) {
             // One segment's caches, then its backward on top: the mirrors to the 64-byte alignment.
+            // The naive MLA form expands every key so far: segment k of a sequence (T_k tokens
+            // ending at token e_k) needs seg_arena_bytes(T_k, e_k); the step peaks at the most
+            // of them (the planner takes the bound (longest segment, longest sequence)).
             int S = 1;
+            size_t f = 0, fb = 0;
             for (int i = 0; i < n; i++) {
                 int s = seg > 0 && seg < len[i] ? seg : len[i];
                 if (s > S) S = s;
+                for (int e = 0; e < len[i];) {
+                    int Tk_ = e + s < len[i] ? e + s : len[i], Ts = Tk_ - e;
+                    size_t fs = seg_fwd_bytes(&d, Ts, Tk_), as = seg_arena_bytes(&d, Ts, Tk_) - 4096;
+                    if (fs > f) f = fs;
+                    if (as > fb) fb = as;
+                    e = Tk_;
+                }
             }
-            size_t f = seg_fwd_bytes(&d, S), fb = f + seg_bwd_bytes(&d, S);
             TEST_CHECKF(f >= fwd_peak && f - fwd_peak < 64, "%s S=%d: forward mirror %zu, measured %zu", name, S, f,
                         fwd_peak);
             TEST_CHECKF(fb >= peak && fb - peak < 64, "%s S=%d: forward + backward mirror %zu, measured %zu", name, S,
@@ -127,7 +139,7 @@ static void test_activations_(const char *name, const char *ini) {
     mtrl_decode_state_init(&s, &m, NP);
     m.peak_infer_bytes = 0;
     mtrl_model_prefill(&m, &s, tok, NP, NULL, NULL);
-    size_t pf = seg_prefill_bytes(&d, MTRL_PREFILL_SEGMENT), cached = seg_fwd_bytes(&d, MTRL_PREFILL_SEGMENT);
+    size_t pf = seg_prefill_bytes(&d, MTRL_PREFILL_SEGMENT), cached = seg_fwd_bytes(&d, MTRL_PREFILL_SEGMENT, 0);
     printf("  prefill of %d tokens: scratch peak %zu bytes, mirror %zu (cached forward %zu)\n", NP, m.peak_infer_bytes,
            pf, cached);
     TEST_CHECKF(pf >= m.peak_infer_bytes && pf - m.peak_infer_bytes < 64, "%s: prefill mirror %zu, measured %zu", name,

@@ -36,10 +36,10 @@
     X(shortconv_bwd) X(shortconv_state_bwd) X(shortconv_step) X(embedding_fwd) X(embedding_bwd) X(logprob_fwd) \
     X(logprob_bwd) X(adamw) X(grad_sq_norm) X(kda_gate_fwd) X(kda_gate_bwd) X(kda_chunk_fwd) \
     X(kda_chunk_bwd) X(kda_step) X(attn_causal_fwd) X(attn_causal_bwd) X(mla_absorb_q) X(mla_absorb_q_bwd) \
-    X(mla_up_v) X(mla_up_v_bwd) X(mla_decode) X(moe_router_fwd) X(moe_router_bwd) X(moe_dispatch) \
+    X(mla_up_v) X(mla_up_v_bwd) X(mla_expand_kv) X(mla_expand_kv_bwd) X(mla_decode) X(moe_router_fwd) X(moe_router_bwd) X(moe_dispatch) \
     X(moe_gather) X(moe_combine_fwd) X(moe_combine_bwd) X(moe_scatter_bwd) X(moe_experts_fwd) X(moe_experts_bwd) \
     X(moe_swiglu_fwd) X(moe_swiglu_bwd) X(moe_load_count) X(qb_beta) X(attnres_site_fwd) X(attnres_site_bwd) \
-    X(mem_info) X(latent_put) X(latent_download) X(latent_upload) X(weights_changed)
+    X(mem_info) X(latent_put) X(latent_get) X(latent_download) X(latent_upload) X(weights_changed)
 
 typedef struct mtrl_backend mtrl_backend;
 
@@ -148,6 +148,9 @@ struct mtrl_backend {
     // array of B backend pointers to latent elements.
     void (*latent_put)(mtrl_backend *, int B, int rows, int n, const real *src, int lds, void *const *dst_h,
                        int ldd);
+    // The reverse of one block of latent_put: dst[r*ldd + j] = src[r*lds + j] (latent elements
+    // widened exactly to `real`), r < rows, j < n.
+    void (*latent_get)(mtrl_backend *, int rows, int n, const void *src, int lds, real *dst, int ldd);
     // n latent elements to host `real`s (widened exactly) / from host `real`s (rounded), for
     // snapshots: host arrays stay `real` whatever the backend stores.
     void (*latent_download)(mtrl_backend *, size_t n, const void *src, real *dst_h);
@@ -169,6 +172,13 @@ struct mtrl_backend {
                      real *a);
     void (*mla_up_v_bwd)(mtrl_backend *, int N, int H, int dn, int dv, int dc, const real *cstar, const real *W_kvb,
                          const real *da, real *dcstar, real *dW_kvb);
+    // The naive form's keys and values from N latent rows (c, kr: `real`, row strides ldc, ldr)
+    // and the gradients back (dlat_c, dlat_kr, dW_kvb +=).
+    void (*mla_expand_kv)(mtrl_backend *, int N, int H, int dn, int dr, int dv, int dc, const real *c, int ldc,
+                          const real *kr, int ldr, const real *W_kvb, real *k, real *v);
+    void (*mla_expand_kv_bwd)(mtrl_backend *, int N, int H, int dn, int dr, int dv, int dc, const real *c, int ldc,
+                              const real *W_kvb, const real *dk, const real *dvals, real *dlat_c, int ld_c,
+                              real *dlat_kr, int ld_kr, real *dW_kvb);
     // B decode rows: q [B][H][dn+dr], a [B][H][dv]; row r reads the interleaved latent cache
     // lat_h[r] ([Tk_h[r]][ld] rows [ĉ ; k^r] of latent elements, its own token's row included).
     void (*mla_decode)(mtrl_backend *, int B, int H, int dn, int dr, int dv, int dc, real scale, const real *q,

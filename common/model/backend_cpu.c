@@ -191,6 +191,9 @@ static void kda_step_(BE *be, int B, int H, int K, int V, const real *q, const r
 static void latent_put_(BE *be, int B, int rows, int n, const real *src, int lds, void *const *dst, int ldd) {
     for (int b = 0; b < B; b++) copy_rows_(be, rows, n, src + (size_t)b * rows * lds, lds, dst[b], ldd);
 }
+static void latent_get_(BE *be, int rows, int n, const void *src, int lds, real *dst, int ldd) {
+    copy_rows_(be, rows, n, src, lds, dst, ldd);
+}
 static void latent_download_(BE *be, size_t n, const void *src, real *dst) { copy_(be, dst, src, sizeof(real) * n); }
 static void latent_upload_(BE *be, size_t n, const real *src, void *dst) { copy_(be, dst, src, sizeof(real) * n); }
 
@@ -223,6 +226,17 @@ static void mla_up_v_bwd_(BE *be, int N, int H, int dn, int dv, int dc, const re
                           const real *da, real *dcs, real *dW) {
     (void)be;
     mla_up_v_bwd(N, H, dn, dv, dc, cs, W, da, dcs, dW);
+}
+static void mla_expand_kv_(BE *be, int N, int H, int dn, int dr, int dv, int dc, const real *c, int ldc,
+                           const real *kr, int ldr, const real *W, real *k, real *v) {
+    (void)be;
+    mla_expand_kv(N, H, dn, dr, dv, dc, c, ldc, kr, ldr, W, k, v);
+}
+static void mla_expand_kv_bwd_(BE *be, int N, int H, int dn, int dr, int dv, int dc, const real *c, int ldc,
+                               const real *W, const real *dk, const real *dvals, real *dlat_c, int ld_c,
+                               real *dlat_kr, int ld_kr, real *dW) {
+    (void)be;
+    mla_expand_kv_bwd(N, H, dn, dr, dv, dc, c, ldc, W, dk, dvals, dlat_c, ld_c, dlat_kr, ld_kr, dW);
 }
 static void mla_decode_(BE *be, int B, int H, int dn, int dr, int dv, int dc, real scale, const real *q,
                         const real *W, const void *const *lat, int ld, const int *Tk, real *a) {

@@ -372,6 +372,9 @@ static void latent_put_(BE *be, int B, int rows, int n, const real *src, int lds
     mtrl_mc_latent_put(CTX(be), B, rows, n, src, lds, ptrs_(be, s, 0, B, (const void *const *)dst), ldd,
                        lat_type_(be));
 }
+static void latent_get_(BE *be, int rows, int n, const void *src, int lds, real *dst, int ldd) {
+    mtrl_mc_latent_get(CTX(be), rows, n, src, lds, dst, ldd, lat_type_(be));
+}
 // Through the host: a bf16 cache crosses as bf16 (half the bytes of the bus) and is widened or
 // rounded there, with the GPU's rounding (common/bf16.h).
 static void latent_download_(BE *be, size_t n, const void *src, real *dst) {
@@ -460,6 +463,42 @@ static void mla_absorb_q_bwd_(BE *be, int N, int H, int dn, int dr, int dv, int 
     if (dW)
         OK(mtrl_gemm_batched(c, 1, 0, dn, dc, N, 1.f, q, ldq, dn + dr, dqt, ldt, dc + dr, MTRL_F32, 1.f, dW, dc, sw,
                              MTRL_F32, H));
+}
+// The naive form (mla_ref.h mla_expand_kv): one strided batch over the heads per product (ĉ is
+// the same A for every head: stride 0), fp32 as the absorption products; k^r copied per head.
+static void mla_expand_kv_(BE *be, int N, int H, int dn, int dr, int dv, int dc, const real *cl, int ldc,
+                           const real *kr, int ldr, const real *W, real *k, real *v) {
+    mtrl_cuda_ctx *c = CTX(be);
+    int ldk = H * (dn + dr);
+    long long sw = (long long)(dn + dv) * dc;
+    OK(mtrl_gemm_batched(c, 0, 1, N, dn, dc, 1.f, cl, ldc, 0, W, dc, sw, MTRL_F32, 0.f, k, ldk, dn + dr, MTRL_F32,
+                         H));
+    OK(mtrl_gemm_batched(c, 0, 1, N, dv, dc, 1.f, cl, ldc, 0, W + (size_t)dn * dc, dc, sw, MTRL_F32, 0.f, v, H * dv,
+                         dv, MTRL_F32, H));
+    for (int h = 0; h < H; h++) mtrl_mc_copy_rows(c, N, dr, kr, ldr, k + (size_t)h * (dn + dr) + dn, ldk);
+}
+// dlat_c += Σ_h (dk^n_h W_UK,h + dv_h W_UV,h): a sum over heads, so one GEMM per head and product
+// accumulating in place (beta 1); dW per head is one strided batch; dlat_kr += Σ_h dk^r_h.
+static void mla_expand_kv_bwd_(BE *be, int N, int H, int dn, int dr, int dv, int dc, const real *cl, int ldc,
+                               const real *W, const real *dk, const real *dvals, real *dlat_c, int ld_c,
+                               real *dlat_kr, int ld_kr, real *dW) {
+    mtrl_cuda_ctx *c = CTX(be);
+    int ldk = H * (dn + dr);
+    long long sw = (long long)(dn + dv) * dc;
+    for (int h = 0; h < H; h++) {
+        const real *Wh = W + (size_t)h * sw;
+        OK(mtrl_gemm(c, 0, 0, N, dc, dn, 1.f, dk + (size_t)h * (dn + dr), ldk, Wh, dc, MTRL_F32, 1.f, dlat_c, ld_c,
+                     MTRL_F32));
+        OK(mtrl_gemm(c, 0, 0, N, dc, dv, 1.f, dvals + (size_t)h * dv, H * dv, Wh + (size_t)dn * dc, dc, MTRL_F32,
+                     1.f, dlat_c, ld_c, MTRL_F32));
+    }
+    if (dr > 0) mtrl_mc_sum_heads(c, N, H, dr, dk + dn, ldk, dn + dr, dlat_kr, ld_kr);
+    if (dW) {
+        OK(mtrl_gemm_batched(c, 1, 0, dn, dc, N, 1.f, dk, ldk, dn + dr, cl, ldc, 0, MTRL_F32, 1.f, dW, dc, sw,
+                             MTRL_F32, H));
+        OK(mtrl_gemm_batched(c, 1, 0, dv, dc, N, 1.f, dvals, H * dv, dv, cl, ldc, 0, MTRL_F32, 1.f,
+                             dW + (size_t)dn * dc, dc, sw, MTRL_F32, H));
+    }
 }
 static void mla_up_v_(BE *be, int N, int H, int dn, int dv, int dc, const real *cs, const real *W, real *a) {
     OK(mtrl_gemm_batched(CTX(be), 0, 1, N, dv, dc, 1.f, cs, H * dc, dc, W + (size_t)dn * dc, dc,

@@ -84,6 +84,11 @@ typedef struct mtrl_model_dims {
     int H, D, W;                     // KDA heads, head dim (d_k = d_v), conv kernel
     int mH, dn, dr, dv, dc;          // MLA heads and dims
     int mla_gate;
+    // The learner's chunked forward and backward (SEG_CHUNK) run MLA in the absorbed form (1,
+    // [model] mla_train = absorbed) or the naive one (0, the default): keys and values expanded
+    // per head from the latents (mla_ref.h mla_expand_kv), attention with Hk = H over Dk = dn+dr,
+    // Dv = dv. The same function either way; decode and prefill stay absorbed.
+    int mla_absorbed;
     int dense_I;                     // FFN width of layer 0
     int E, k, n_shared, I;           // experts, top-k, shared experts, expert width
     int S;                           // AttnRes block size in layers

@@ -149,30 +149,60 @@ static void mla_backward_(mtrl_model *m, mtrl_arena *ar, int l, int T, const lay
         proj_bwd_(be, T, Adv, d->d, c->x1, p->mg, dgl, dx1, 1, gp->mg);
         model_prof_end(m, MTRL_PROF_MLA_PROJ, t);
     }
-    real *dol = ALLOC((size_t)T * mH * dc), *dqt = ALLOC((size_t)T * mH * ld), *dq = ALLOC((size_t)T * mH * (dn + dr));
-    t = model_prof_begin(m);
-    be->mla_up_v_bwd(be, T, mH, dn, dv, dc, c->ol, p->mkvb, da, dol, gp->mkvb);
-    model_prof_end(m, MTRL_PROF_MLA_ABSORB, t);
     const void *lat = mtrl_latent_at(be, io->latent, (size_t)mi * io->cap * ld);
     real *dlat = g->dlatent + (size_t)mi * io->cap * ld;
-    t = model_prof_begin(m);
-    if (!io->n_piece) {
-        be->attn_causal_bwd(be, T, t0 + T, mH, 1, ld, dc, scale, c->qt, lat, ld, lat, ld, c->ol, c->lse, dol, dqt,
-                            dlat, dlat);
-    } else {
-        for (int i = 0; i < io->n_piece; i++) {
+    real *dq;
+    if (!d->mla_absorbed) {
+        // Naive form (model_fwd.c): the keys and values expanded again, their gradients over
+        // every key so far (a packed segment: its own rows) folded back into the latents'.
+        dq = ALLOC((size_t)T * mH * (dn + dr));
+        int Tk = io->n_piece ? T : t0 + T, ldk = mH * (dn + dr);
+        size_t mark = mtrl_arena_mark(ar);
+        void *kx = ALLOC((size_t)Tk * ldk), *vx = ALLOC((size_t)Tk * mH * dv);
+        real *lr = ALLOC((size_t)Tk * ld);
+        t = model_prof_begin(m);
+        seg_mla_expand(m, ar, l, Tk, lat, kx, vx, lr);
+        real *dk = zalloc_(be, ar, (size_t)Tk * ldk), *dvv = zalloc_(be, ar, (size_t)Tk * mH * dv);
+        model_prof_end(m, MTRL_PROF_MLA_ABSORB, t);
+        t = model_prof_begin(m);
+        for (int i = 0; i < seq_pieces(io); i++) {
             int Ti;
-            size_t o = (size_t)seq_piece(io, T, i, &Ti);
-            const void *lo = mtrl_latent_at(be, lat, o * ld);
-            be->attn_causal_bwd(be, Ti, Ti, mH, 1, ld, dc, scale, c->qt + o * mH * ld, lo, ld, lo, ld,
-                                c->ol + o * mH * dc, c->lse + o * mH, dol + o * mH * dc, dqt + o * mH * ld,
-                                dlat + o * ld, dlat + o * ld);
+            size_t o = (size_t)seq_piece(io, T, i, &Ti), ko = io->n_piece ? o : 0;
+            be->attn_causal_bwd(be, Ti, io->n_piece ? Ti : Tk, mH, mH, dn + dr, dv, scale, c->q + o * mH * (dn + dr),
+                                mtrl_latent_at(be, kx, ko * ldk), ldk, mtrl_latent_at(be, vx, ko * mH * dv), mH * dv,
+                                c->a + o * mH * dv, c->lse + o * mH, da + o * mH * dv, dq + o * mH * (dn + dr),
+                                dk + ko * ldk, dvv + ko * mH * dv);
         }
+        model_prof_end(m, MTRL_PROF_MLA_ATTN, t);
+        t = model_prof_begin(m);
+        be->mla_expand_kv_bwd(be, Tk, mH, dn, dr, dv, dc, lr, ld, p->mkvb, dk, dvv, dlat, ld, dlat + dc, ld, gp->mkvb);
+        model_prof_end(m, MTRL_PROF_MLA_ABSORB, t);
+        mtrl_arena_release(ar, mark);
+    } else {
+        real *dol = ALLOC((size_t)T * mH * dc), *dqt = ALLOC((size_t)T * mH * ld);
+        dq = ALLOC((size_t)T * mH * (dn + dr));
+        t = model_prof_begin(m);
+        be->mla_up_v_bwd(be, T, mH, dn, dv, dc, c->ol, p->mkvb, da, dol, gp->mkvb);
+        model_prof_end(m, MTRL_PROF_MLA_ABSORB, t);
+        t = model_prof_begin(m);
+        if (!io->n_piece) {
+            be->attn_causal_bwd(be, T, t0 + T, mH, 1, ld, dc, scale, c->qt, lat, ld, lat, ld, c->ol, c->lse, dol, dqt,
+                                dlat, dlat);
+        } else {
+            for (int i = 0; i < io->n_piece; i++) {
+                int Ti;
+                size_t o = (size_t)seq_piece(io, T, i, &Ti);
+                const void *lo = mtrl_latent_at(be, lat, o * ld);
+                be->attn_causal_bwd(be, Ti, Ti, mH, 1, ld, dc, scale, c->qt + o * mH * ld, lo, ld, lo, ld,
+                                    c->ol + o * mH * dc, c->lse + o * mH, dol + o * mH * dc, dqt + o * mH * ld,
+                                    dlat + o * ld, dlat + o * ld);
+            }
+        }
+        model_prof_end(m, MTRL_PROF_MLA_ATTN, t);
+        t = model_prof_begin(m);
+        be->mla_absorb_q_bwd(be, T, mH, dn, dr, dv, dc, c->q, p->mkvb, dqt, dq, gp->mkvb);
+        model_prof_end(m, MTRL_PROF_MLA_ABSORB, t);
     }
-    model_prof_end(m, MTRL_PROF_MLA_ATTN, t);
-    t = model_prof_begin(m);
-    be->mla_absorb_q_bwd(be, T, mH, dn, dr, dv, dc, c->q, p->mkvb, dqt, dq, gp->mkvb);
-    model_prof_end(m, MTRL_PROF_MLA_ABSORB, t);
     t = model_prof_begin(m);
     proj_bwd_(be, T, mH * (dn + dr), d->d, c->x1, p->mq, dq, dx1, 1, gp->mq);
     model_prof_end(m, MTRL_PROF_MLA_PROJ, t);

@@ -112,6 +112,42 @@ extern "C" void mtrl_mc_latent_put(mtrl_cuda_ctx *c, int B, int rows, int n, con
     CUDA_LAUNCH_CHECK();
 }
 
+template <typename T>
+__global__ void mc_latent_get_k(int rows, int n, const T *src, int lds, float *dst, int ldd) {
+    size_t m = (size_t)rows * n;
+    for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < m; i += (size_t)gridDim.x * blockDim.x) {
+        size_t r = i / (size_t)n, j = i % (size_t)n;
+        dst[r * ldd + j] = (float)src[r * lds + j];
+    }
+}
+extern "C" void mtrl_mc_latent_get(mtrl_cuda_ctx *c, int rows, int n, const void *src, int lds, float *dst,
+                                   int ldd, int type) {
+    if (rows <= 0 || n <= 0) return;
+    size_t m = (size_t)rows * n;
+    if (type == MTRL_BF16)
+        mc_latent_get_k<<<grid_(m), MC_T, 0, c->stream>>>(rows, n, (const __nv_bfloat16 *)src, lds, dst, ldd);
+    else mc_latent_get_k<<<grid_(m), MC_T, 0, c->stream>>>(rows, n, (const float *)src, lds, dst, ldd);
+    CUDA_LAUNCH_CHECK();
+}
+
+// One thread per (row, column): the H heads summed in order (deterministic).
+__global__ void mc_sum_heads_k(int N, int H, int n, const float *src, int lds, int hs, float *dst, int ldd) {
+    size_t m = (size_t)N * n;
+    for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < m; i += (size_t)gridDim.x * blockDim.x) {
+        size_t t = i / (size_t)n, j = i % (size_t)n;
+        const float *s = src + t * lds + j;
+        float acc = dst[t * ldd + j];
+        for (int h = 0; h < H; h++) acc += s[(size_t)h * hs];
+        dst[t * ldd + j] = acc;
+    }
+}
+extern "C" void mtrl_mc_sum_heads(mtrl_cuda_ctx *c, int N, int H, int n, const float *src, int lds, int hs,
+                                  float *dst, int ldd) {
+    if (N <= 0 || n <= 0) return;
+    mc_sum_heads_k<<<grid_((size_t)N * n), MC_T, 0, c->stream>>>(N, H, n, src, lds, hs, dst, ldd);
+    CUDA_LAUNCH_CHECK();
+}
+
 // ---- elementwise (sigmoid_acc: expf, as the kernels compared closely with the oracle) -------------
 
 __global__ void mc_sigmoid_k(size_t n, const float *x, float *y) { FOR_I(n) y[i] = sigmoid_acc(x[i]); }

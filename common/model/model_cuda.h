@@ -34,6 +34,12 @@ void mtrl_mc_scatter(mtrl_cuda_ctx *ctx, int B, size_t n, const float *src, floa
 // ptrs[b][r*ldd + j] = src[(b*rows + r)*lds + j], r < rows, j < n.
 void mtrl_mc_latent_put(mtrl_cuda_ctx *ctx, int B, int rows, int n, const float *src, int lds, void *const *ptrs,
                         int ldd, int type);
+// The reverse (backend.h latent_get): dst[r*ldd + j] = src[r*lds + j] widened to fp32.
+void mtrl_mc_latent_get(mtrl_cuda_ctx *ctx, int rows, int n, const void *src, int lds, float *dst, int ldd,
+                        int type);
+// dst[t*ldd + j] += Σ_h src[t*lds + h*hs + j] for t < N, j < n, the heads in order.
+void mtrl_mc_sum_heads(mtrl_cuda_ctx *ctx, int N, int H, int n, const float *src, int lds, int hs, float *dst,
+                       int ldd);
 
 // ---- elementwise ------------------------------------------------------------------------------
 void mtrl_mc_sigmoid(mtrl_cuda_ctx *ctx, size_t n, const float *x, float *y);

@@ -159,6 +159,19 @@ static void latent_write_(mtrl_backend *be, int B, int rows, int dc, int dr, con
     free(kdst);
 }
 
+void seg_mla_expand(mtrl_model *m, mtrl_arena *ar, int l, int Tk, const void *lat, void *kx, void *vx, real *lr) {
+    const mtrl_model_dims *d = &m->dims;
+    mtrl_backend *be = m->be;
+    int mH = d->mH, dn = d->dn, dr = d->dr, dv = d->dv, dc = d->dc, ld = dc + dr, ldk = mH * (dn + dr);
+    size_t mark = mtrl_arena_mark(ar);
+    real *k = ALLOC((size_t)Tk * ldk), *v = ALLOC((size_t)Tk * mH * dv);
+    be->latent_get(be, Tk, ld, lat, ld, lr, ld);
+    be->mla_expand_kv(be, Tk, mH, dn, dr, dv, dc, lr, ld, lr + dc, ld, m->dP.layer[l].mkvb, k, v);
+    be->latent_put(be, 1, Tk, ldk, k, ldk, &kx, ldk);
+    be->latent_put(be, 1, Tk, mH * dv, v, mH * dv, &vx, mH * dv);
+    mtrl_arena_release(ar, mark);
+}
+
 static void mla_forward_(mtrl_model *m, mtrl_arena *ar, int l, int mode, int T, const real *x1, seq_io *io,
                          layer_cache *c, real *out) {
     const mtrl_model_dims *d = &m->dims;
@@ -204,7 +217,32 @@ static void mla_forward_(mtrl_model *m, mtrl_arena *ar, int l, int mode, int T, 
     }
     model_prof_end(m, MTRL_PROF_MLA_ELEM, t);
     c->a = ALLOC((size_t)T * mH * dv);
-    if (mode != SEG_DECODE) {
+    if (mode == SEG_CHUNK && !d->mla_absorbed) {
+        // Naive form: every key so far (a packed segment: its own rows) expanded per head,
+        // attention with Hk = H over Dk = dn+dr, Dv = dv, straight into a.
+        MTRL_CHECK(!io->piece_io);
+        c->lse = ALLOC((size_t)T * mH);
+        int Tk = io->n_piece ? T : io->t0 + T, ldk = mH * (dn + dr);
+        size_t mark = mtrl_arena_mark(ar);
+        void *kx = ALLOC((size_t)Tk * ldk), *vx = ALLOC((size_t)Tk * mH * dv);
+        real *lr = ALLOC((size_t)Tk * ld);
+        t = model_prof_begin(m);
+        MTRL_CHECK(!io->n_piece || io->t0 == 0);
+        const void *lat = mtrl_latent_at(be, io->latent, (size_t)mi * io->cap * ld);
+        seg_mla_expand(m, ar, l, Tk, lat, kx, vx, lr);
+        model_prof_end(m, MTRL_PROF_MLA_ABSORB, t);
+        t = model_prof_begin(m);
+        for (int i = 0; i < seq_pieces(io); i++) {
+            int Ti;
+            size_t o = (size_t)seq_piece(io, T, i, &Ti);
+            size_t ko = io->n_piece ? o : 0; // a piece's keys are its own rows
+            be->attn_causal_fwd(be, Ti, io->n_piece ? Ti : Tk, mH, mH, dn + dr, dv, scale, c->q + o * mH * (dn + dr),
+                                mtrl_latent_at(be, kx, ko * ldk), ldk, mtrl_latent_at(be, vx, ko * mH * dv), mH * dv,
+                                c->a + o * mH * dv, c->lse + o * mH);
+        }
+        model_prof_end(m, MTRL_PROF_MLA_ATTN, t);
+        mtrl_arena_release(ar, mark);
+    } else if (mode != SEG_DECODE) {
         c->qt = ALLOC((size_t)T * mH * ld); c->ol = ALLOC((size_t)T * mH * dc); c->lse = ALLOC((size_t)T * mH);
         t = model_prof_begin(m);
         be->mla_absorb_q(be, T, mH, dn, dr, dv, dc, c->q, p->mkvb, c->qt);
@@ -469,10 +507,23 @@ static size_t kda_fwd_bytes_(const mtrl_model_dims *d, size_t T, size_t tiles) {
     return 13 * rb_(T * HD) + rb_((size_t)3 * (d->W - 1) * HD) + 2 * rb_(T * d->D) + 2 * rb_(T * d->H) + rb_(S_sz) +
            rb_(tiles * S_sz);
 }
-static size_t mla_fwd_bytes_(const mtrl_model_dims *d, size_t T) {
+// The MLA forward's caches up to its attention: q, lraw, craw, kr, rstd_c, ĉ, a, lse.
+static size_t mla_fwd_head_bytes_(const mtrl_model_dims *d, size_t T) {
     size_t mH = (size_t)d->mH, ld = (size_t)d->dc + d->dr;
     return rb_(T * mH * (d->dn + d->dr)) + rb_(T * ld) + 2 * rb_(T * d->dc) + rb_(T * d->dr) + rb_(T) +
-           rb_(T * mH * d->dv) * (d->mla_gate ? 3 : 1) + rb_(T * mH * ld) + rb_(T * mH * d->dc) + rb_(T * mH);
+           rb_(T * mH * d->dv) + rb_(T * mH);
+}
+// Every cache of the MLA forward: the absorbed form adds its query and latent-space output.
+static size_t mla_fwd_bytes_(const mtrl_model_dims *d, size_t T, int absorbed) {
+    size_t mH = (size_t)d->mH, ld = (size_t)d->dc + d->dr;
+    return mla_fwd_head_bytes_(d, T) + rb_(T * mH * d->dv) * (d->mla_gate ? 2 : 0) +
+           (absorbed ? rb_(T * mH * ld) + rb_(T * mH * d->dc) : 0);
+}
+// The naive form's temporaries over Tk keys (released after its attention): kx, vx, lr, then
+// the expansion's k, v (seg_mla_expand) or, in the backward, the gradients dk, dv in their place.
+static size_t mla_naive_bytes_(const mtrl_model_dims *d, size_t Tk) {
+    size_t mH = (size_t)d->mH, kw = Tk * mH * (d->dn + d->dr), vw = Tk * mH * d->dv;
+    return 2 * rb_(kw) + 2 * rb_(vw) + rb_(Tk * (d->dc + d->dr));
 }
 static size_t ffn_fwd_bytes_(const mtrl_model_dims *d, int l, size_t T) {
     if (l == 0) return 2 * rb_(T * d->dense_I);
@@ -487,10 +538,14 @@ static size_t kda_bwd_bytes_(const mtrl_model_dims *d, size_t T) {
     return 11 * rb_(T * HD) + 2 * rb_(T * d->D) + rb_(T * d->H) + rb_((size_t)d->H * d->D * d->D) +
            rb_((size_t)3 * (d->W - 1) * HD);
 }
-static size_t mla_bwd_bytes_(const mtrl_model_dims *d, size_t T) {
-    size_t mH = (size_t)d->mH, ld = (size_t)d->dc + d->dr;
-    return rb_(T * mH * d->dv) * (d->mla_gate ? 3 : 1) + rb_(T * mH * d->dc) + rb_(T * mH * ld) +
-           rb_(T * mH * (d->dn + d->dr)) + 2 * rb_(T * d->dc) + rb_(T * ld);
+// dag (da, dgl), the absorbed form's dol, dqt, then dq; the naive form's temporaries (released)
+// or the latent rows' dĉ, dlraw, dcraw after them.
+static size_t mla_bwd_bytes_(const mtrl_model_dims *d, size_t T, size_t Tk) {
+    size_t mH = (size_t)d->mH, ld = (size_t)d->dc + d->dr, tail = 2 * rb_(T * d->dc) + rb_(T * ld);
+    size_t b = rb_(T * mH * d->dv) * (d->mla_gate ? 3 : 1) + rb_(T * mH * (d->dn + d->dr));
+    if (d->mla_absorbed) return b + rb_(T * mH * d->dc) + rb_(T * mH * ld) + tail;
+    size_t naive = mla_naive_bytes_(d, Tk);
+    return b + (naive > tail ? naive : tail);
 }
 static size_t ffn_bwd_bytes_(const mtrl_model_dims *d, int l, size_t T) {
     if (l == 0) return 0;
@@ -508,14 +563,21 @@ int seg_kda_tiles(int T, const seq_io *io) {
     return n;
 }
 
-// The ALLOCs of layer l of seg_forward (its last partial sum included).
-static size_t layer_fwd_bytes_(const mtrl_model_dims *d, int l, size_t T, size_t tiles) {
+// The ALLOCs of layer l of seg_forward before its mixer: alpha_a, h_a, rstd1, x1, mix.
+static size_t layer_pre_bytes_(const mtrl_model_dims *d, int l, size_t T) {
+    size_t D = (size_t)d->d;
+    // the partial sum is empty only at the first layer of a block (layer 0 included)
+    int nsrc_a = blocks_at_(d, l) + (l % d->S != 0);
+    return rb_(T * nsrc_a) + 2 * rb_(T * D) + rb_(T) + rb_(T * D);
+}
+
+// The ALLOCs of layer l of seg_forward (its last partial sum included); MLA in the absorbed
+// form or not.
+static size_t layer_fwd_bytes_(const mtrl_model_dims *d, int l, size_t T, size_t tiles, int absorbed) {
     size_t D = (size_t)d->d;
     int nb = blocks_at_(d, l);
-    // the partial sum is empty only at the first layer of a block (layer 0 included)
-    int nsrc_a = nb + (l % d->S != 0);
-    size_t b = rb_(T * nsrc_a) + 2 * rb_(T * D) + rb_(T) + rb_(T * D) + rb_(T * D); // alpha_a, h_a, x1, rstd1, mix, pn
-    b += d->mixer[l] == 'K' ? kda_fwd_bytes_(d, T, tiles) : mla_fwd_bytes_(d, T);
+    size_t b = layer_pre_bytes_(d, l, T) + rb_(T * D); // + pn
+    b += d->mixer[l] == 'K' ? kda_fwd_bytes_(d, T, tiles) : mla_fwd_bytes_(d, T, absorbed);
     b += rb_(T * (nb + 1)) + 2 * rb_(T * D) + rb_(T) + 2 * rb_(T * D); // alpha_f, h_f, x2, rstd2, ffn, pn
     return b + ffn_fwd_bytes_(d, l, T);
 }
@@ -526,11 +588,21 @@ static size_t head_fwd_bytes_(const mtrl_model_dims *d, size_t T) {
     return rb_(T * (nb + 1)) + 2 * rb_(T * (size_t)d->d) + rb_(T) + rb_(T * d->V); // alpha_o, h_o, xf, rstd_f, logits
 }
 
-static size_t fwd_bytes_(const mtrl_model_dims *d, int T_, int tiles) {
-    size_t T = (size_t)(T_ > 0 ? T_ : 1);
+// The caches a SEG_CHUNK forward keeps (*kept) and its peak: the naive MLA form's temporaries
+// over Tk keys sit on top of the caches so far while its attention runs.
+static size_t fwd_bytes_(const mtrl_model_dims *d, int T_, int tiles, int Tk, size_t *kept) {
+    size_t T = (size_t)(T_ > 0 ? T_ : 1), peak = 0;
     size_t b = rb_(T * d->d); // emb
-    for (int l = 0; l < d->L; l++) b += layer_fwd_bytes_(d, l, T, (size_t)tiles);
-    return b + head_fwd_bytes_(d, T);
+    for (int l = 0; l < d->L; l++) {
+        if (d->mixer[l] == 'M' && !d->mla_absorbed && Tk > 0) {
+            size_t at = b + layer_pre_bytes_(d, l, T) + mla_fwd_head_bytes_(d, T) + mla_naive_bytes_(d, (size_t)Tk);
+            if (at > peak) peak = at;
+        }
+        b += layer_fwd_bytes_(d, l, T, (size_t)tiles, d->mla_absorbed);
+    }
+    b += head_fwd_bytes_(d, T);
+    if (kept) *kept = b;
+    return b > peak ? b : peak;
 }
 
 size_t seg_prefill_bytes(const mtrl_model_dims *d, int T_) {
@@ -539,33 +611,39 @@ size_t seg_prefill_bytes(const mtrl_model_dims *d, int T_) {
     // (its output excluded), or the head after the last layer
     size_t most = (size_t)(d->L + 1) * out + head_fwd_bytes_(d, T);
     for (int l = 0; l < d->L; l++) {
-        size_t t = (size_t)(l + 2) * out + layer_fwd_bytes_(d, l, T, tiles) - out;
+        size_t t = (size_t)(l + 2) * out + layer_fwd_bytes_(d, l, T, tiles, 1) - out; // prefill: absorbed
         if (t > most) most = t;
     }
     return most;
 }
 
-size_t seg_bwd_bytes(const mtrl_model_dims *d, int T_) {
+size_t seg_bwd_bytes(const mtrl_model_dims *d, int T_, int Tk) {
     size_t T = (size_t)(T_ > 0 ? T_ : 1), D = (size_t)d->d;
     int nb = blocks_at_(d, d->L);
     // dlogits, dxf, dh, dB[nb], dp, dx
     size_t b = rb_(T * d->V) + 2 * rb_(T * D) + (size_t)(nb + 1) * rb_(T * D) + rb_(T * D);
     size_t layer = 0;
     for (int l = 0; l < d->L; l++) {
-        size_t f = ffn_bwd_bytes_(d, l, T), x = d->mixer[l] == 'K' ? kda_bwd_bytes_(d, T) : mla_bwd_bytes_(d, T);
+        size_t f = ffn_bwd_bytes_(d, l, T),
+               x = d->mixer[l] == 'K' ? kda_bwd_bytes_(d, T) : mla_bwd_bytes_(d, T, (size_t)(Tk > 0 ? Tk : 1));
         if (f > layer) layer = f;
         if (x > layer) layer = x;
     }
     return b + layer;
 }
 
-size_t seg_fwd_bytes(const mtrl_model_dims *d, int T) { return fwd_bytes_(d, T, kda_tile_count(T > 0 ? T : 1)); }
+size_t seg_fwd_bytes(const mtrl_model_dims *d, int T, int Tk) {
+    return fwd_bytes_(d, T, kda_tile_count(T > 0 ? T : 1), Tk, NULL);
+}
+
+// The forward's peak, or its caches with the backward on top, whichever is more.
+static size_t arena_bytes_(const mtrl_model_dims *d, int T, int tiles, int Tk) {
+    size_t kept, peak = fwd_bytes_(d, T, tiles, Tk, &kept), step = kept + seg_bwd_bytes(d, T, Tk);
+    return (peak > step ? peak : step) + 4096;
+}
 
 size_t seg_arena_bytes(const mtrl_model_dims *d, int T, int Tk) {
-    (void)Tk; // the attention reads the keys from the sequence's latents, not from the arena
-    return seg_fwd_bytes(d, T) + seg_bwd_bytes(d, T) + 4096;
+    return arena_bytes_(d, T, kda_tile_count(T > 0 ? T : 1), Tk);
 }
 
-size_t seg_pack_arena_bytes(const mtrl_model_dims *d, int T, int tiles) {
-    return fwd_bytes_(d, T, tiles) + seg_bwd_bytes(d, T) + 4096;
-}
+size_t seg_pack_arena_bytes(const mtrl_model_dims *d, int T, int tiles) { return arena_bytes_(d, T, tiles, T); }

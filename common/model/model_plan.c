@@ -15,7 +15,8 @@
 //     requests are the bf16 copies the attention takes (attn_causal_fwd_/_bwd_): the absorbed
 //     queries [T][mH][dc+dr], in the backward dout [T][mH][dc] and, with fp32 latents only
 //     (MTRL_LATENT_FP32=1), the latents of every key so far [Tk][dc+dr] (bf16 latents are read
-//     where they are); small ones: token ids, targets, log-probs. With bf16 GEMM operands
+//     where they are); in the naive form the queries [T][mH][dn+dr], dout [T][mH][dv] and, with
+//     fp32 latents, the expanded keys and values of every key so far; small ones: token ids, targets, log-probs. With bf16 GEMM operands
 //     (MTRL_GEMM_BF16=1) also the bf16 copies of each GEMM's non-weight operands: the largest
 //     is a projection's dW = dyᵀ x (dy [T][n] and x [T][k], the LM head's dy [T][V] first) or
 //     the experts' X_perm [T·k][d].
@@ -142,9 +143,15 @@ static size_t backend_request_(const mtrl_model_dims *d, plan_prec pr, size_t le
         // the last segment (keys: the whole sequence) and the last full one before it
         size_t Tq[2] = {len - (n_seg - 1) * seg, seg}, Tk[2] = {len, (n_seg - 1) * seg};
         for (int i = 0; i < (n_seg > 1 ? 2 : 1); i++) {
-            size_t lat_copy = lat_size == 2 ? 0 : 2 * Tk[i] * ld;
-            size_t p[4] = {2 * Tq[i] * mH * ld, lat_copy, 0, 2 * Tq[i] * mH * (size_t)d->dc};
-            req = max_(req, carve_(p, 4)); // attn_causal_bwd_ (the forward takes the first three)
+            if (d->mla_absorbed) {
+                size_t lat_copy = lat_size == 2 ? 0 : 2 * Tk[i] * ld;
+                size_t p[4] = {2 * Tq[i] * mH * ld, lat_copy, 0, 2 * Tq[i] * mH * (size_t)d->dc};
+                req = max_(req, carve_(p, 4)); // attn_causal_bwd_ (the forward takes the first three)
+            } else { // naive: q [Tq][mH][dn+dr], the expanded k and v (copied when fp32), dout [Tq][mH][dv]
+                size_t kw = mH * (size_t)(d->dn + d->dr), vw = mH * (size_t)d->dv, f32 = lat_size != 2;
+                size_t p[4] = {2 * Tq[i] * kw, f32 * 2 * Tk[i] * kw, f32 * 2 * Tk[i] * vw, 2 * Tq[i] * vw};
+                req = max_(req, carve_(p, 4));
+            }
         }
     }
     return req;

@@ -426,7 +426,7 @@ void mtrl_model_backward(mtrl_model *m, const mtrl_batch *b, const real *dlogp, 
 // The inference scratch: a prefill segment's forward (nothing kept for a backward), or a
 // decode batch's.
 static size_t prefill_bytes_(const mtrl_model_dims *d, int T) { return seg_prefill_bytes(d, T) + 4096; }
-static size_t decode_bytes_(const mtrl_model_dims *d, int B) { return seg_fwd_bytes(d, B) + 4096; }
+static size_t decode_bytes_(const mtrl_model_dims *d, int B) { return seg_fwd_bytes(d, B, 0) + 4096; }
 
 size_t mtrl_model_infer_bytes(const mtrl_model *m, int batch) {
     size_t a = prefill_bytes_(&m->dims, MTRL_PREFILL_SEGMENT), b = decode_bytes_(&m->dims, batch);

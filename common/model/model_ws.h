@@ -139,12 +139,22 @@ void seg_forward(mtrl_model *m, mtrl_arena *ar, int mode, int T, const uint32_t 
 void seg_backward(mtrl_model *m, mtrl_arena *ar, seg_cache *c, const uint32_t *tokens, const int *targets,
                   const seq_io *io, const real *dlogp, const real *dentropy, seq_grad *g);
 
+// MLA layer l's naive form (model.md §3.1, mla_ref.h mla_expand_kv): the keys and values of Tk
+// latent rows lat ([ĉ ; k^r], stride dc+dr) in the latent type at kx [Tk][mH][dn+dr] and vx
+// [Tk][mH][dv] (the attention reads keys and values as latents; the caller's arena blocks of
+// `real`s, latent_size <= sizeof(real)); the rows widened to `real` at lr [Tk][dc+dr] (the
+// backward's dW_kvb needs ĉ). The `real` k and v of the expansion are carved from ar and
+// released before returning.
+void seg_mla_expand(mtrl_model *m, mtrl_arena *ar, int l, int Tk, const void *lat, void *kx, void *vx, real *lr);
+
 // Arena bytes one segment of T tokens (keys up to Tk) needs for forward caches and backward:
-// seg_fwd_bytes (the caches seg_forward carves) + seg_bwd_bytes (the most seg_backward carves on
-// top of them) + a little slack. Exact mirrors of the allocations (64-byte aligned), see model_fwd.c.
+// the larger of the forward's peak (seg_fwd_bytes) and its caches with seg_bwd_bytes (the most
+// seg_backward carves on top of them), + a little slack. Exact mirrors of the allocations
+// (64-byte aligned), see model_fwd.c. Tk matters to the naive MLA form only (its keys and
+// values are expanded into the arena); Tk = 0: none (decode).
 size_t seg_arena_bytes(const mtrl_model_dims *d, int T, int Tk);
-size_t seg_fwd_bytes(const mtrl_model_dims *d, int T);
-size_t seg_bwd_bytes(const mtrl_model_dims *d, int T);
+size_t seg_fwd_bytes(const mtrl_model_dims *d, int T, int Tk);
+size_t seg_bwd_bytes(const mtrl_model_dims *d, int T, int Tk);
 // The same for a packed segment of T tokens whose pieces have `tiles` KDA tiles in all
 // (Σ kda_tile_count(piece length): each piece stores its own tile states).
 size_t seg_pack_arena_bytes(const mtrl_model_dims *d, int T, int tiles);

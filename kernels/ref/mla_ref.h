@@ -10,9 +10,11 @@
 //                     value; then a_h = W_UV,h ĉ*_h.
 //
 // Both give the same a (exactly, in exact arithmetic: q^n·(W_UK ĉ) = (W_UKᵀ q^n)·ĉ and NoPE puts
-// nothing position-dependent between). The model uses the absorbed form for decode AND for
-// training, so a long episode keeps only the 576-wide latent per token; the expanded form is
-// the reference the tests compare against (invariant I4).
+// nothing position-dependent between). A long episode keeps only the 576-wide latent per token;
+// the model decodes (and prefills) in the absorbed form, and trains in the expanded ("naive")
+// one by default, expanding every key so far from the latents per segment ([model] mla_train:
+// 2 (dn+dr+dv) instead of 2 (dc+dr+dc) FLOPs per query-key pair and head, 3.4x fewer at
+// small's widths), or absorbed (mla_train = absorbed). The tests compare the two (invariant I4).
 //
 // Shapes and symbols: Tq query rows, Tk key rows, H query heads, Hk key heads (H % Hk == 0;
 // query head h reads key head h / (H/Hk)), Dk key width, Dv value width; MLA: dn (nope), dr
