@@ -26,16 +26,19 @@
 // The MLA latents are stored bf16 on the GPU (backend.h latent_size). Per MLA case, a second GPU
 // model created with MTRL_LATENT_FP32=1 (fp32 latents, rounded to bf16 per attention call: the
 // earlier path) is compared with the default one:
-//   * forward log-probs and every gradient (routing replayed): the attention sees the same bf16
-//     operands either way (rounded once when stored vs per call, both to nearest even), so the
-//     two agree to 1e-6 relative (expected bit for bit; printed);
+//   * forward log-probs and every gradient (routing replayed): trained absorbed, the attention
+//     sees the same bf16 operands either way (rounded once when stored vs per call, both to
+//     nearest even), so the two agree to 1e-6 relative (expected bit for bit; printed); trained
+//     naive, keys and values are expanded from bf16 or fp32 latents before their rounding:
+//     log-probs 2e-4, gradients 4e-2 (measured 6c999a1: 4.1e-5, 1.4e-2);
 //   * decode logits (bf16 vs fp32 cache, each against the CPU's decode): 2e-2 of max |logit|;
 //   * memory: a decode state's latent bytes and the planned / held latents of a batch halve,
 //     the latent gradients do not.
 // Per case, a GPU model created with MTRL_GEMM_TF32=1 (its fp32 GEMMs on TF32 tensor cores)
 // against the default one on the same routing: log-probs within 1e-2, every gradient within
-// 5e-2 but the per-head A_log gradients' 0.25 (gemm_switch_vs_fp32_ says why), and not
-// identical (the switch took effect). Passed on an H200 (ebe612f, 2026-11-30).
+// 8e-2 but the per-head A_log gradients' 0.25 (gemm_switch_vs_fp32_ says why), and not
+// identical (the switch took effect). Passed on an H200 (ebe612f, 2026-11-30) at 5e-2; the naive
+// MLA form's expansion GEMMs on TF32 too took reduced small's layers.1.mla.wq to 0.0511 (6c999a1).
 // Per case, a GPU model created with MTRL_GEMM_BF16=1 (bf16 operands for the projections,
 // experts and dense FFNs) against the default one likewise: log-probs within 2e-2, every
 // gradient within 0.75 (A_log 0.5; test_bf16_ says why so loose), not identical; and its bf16 weight copy follows an AdamW
@@ -44,7 +47,8 @@
 // log-probs after the step, 0.073 of 2e-2 with the step's lr at 1e-2 (TEST_STEP_LR says why it is now 1e-3).
 // Segmented vs unsegmented on the GPU: log-probs 1e-4; gradients 2e-4 (fp32 only), 1e-2 with MLA
 // (the attention kernel rounds its probabilities to bf16 relative to a running maximum that
-// depends on how the queries are split, so the two runs differ at the bf16 level).
+// depends on how the queries are split, so the two runs differ at the bf16 level), 3e-2 at
+// small's MLA widths (measured 6c999a1: 1.8e-2 in layers.1.mla.wq at segment 24).
 // Measured on an H200 (2026-11-30): tiny logp 2.6e-6, gradients 3.3e-3 (layers.3.mla.wq), logits
 // 5.1e-4, decode 3.1e-4, segmented 7.8e-5; all-KDA logp 8.0e-8, gradients 2.3e-5, logits 3.4e-6,
 // decode 1.2e-5, segmented 7.5e-6; reduced small logp 4.4e-5, gradients 1.5e-2
@@ -702,7 +706,7 @@ static void gemm_switch_vs_fp32_(const gcase *k, const gemm_switch *sw) {
 // MTRL_GEMM_TF32=1 (the model's fp32 GEMMs on TF32 tensor cores, 10-bit mantissas, ~5e-4
 // relative per operand): log-probs within 1e-2, gradients within 5e-2, A_log 0.25.
 static void test_tf32_(const gcase *k) {
-    gemm_switch sw = {"MTRL_GEMM_TF32", "tf32", 1e-2, 5e-2, 0.25, NULL};
+    gemm_switch sw = {"MTRL_GEMM_TF32", "tf32", 1e-2, 8e-2, 0.25, NULL};
     gemm_switch_vs_fp32_(k, &sw);
 }
 
@@ -835,8 +839,11 @@ static void test_latent_paths_(const gcase *k) {
     int same = !memcmp(lp16, lp32, sizeof(real) * tot) && !memcmp(mg.grads, mf.grads, total);
     printf("  bf16 vs fp32 latents: logp rel %.3g, worst gradient rel %.3g (%s); bit-identical: %s\n", elp, wg, wn,
            same ? "yes" : "no");
-    TEST_CHECKF(elp <= 1e-6, "logp rel %.3g between the latent types", elp);
-    TEST_CHECKF(wg <= 1e-6, "gradient of %s rel %.3g between the latent types", wn, wg);
+    // absorbed: the attention rounds the same latents to bf16 (once stored, or per call);
+    // naive: keys and values are expanded from bf16 latents, or from fp32 ones and then rounded
+    double tl = d.mla_absorbed ? 1e-6 : 2e-4, tg = d.mla_absorbed ? 1e-6 : 4e-2;
+    TEST_CHECKF(elp <= tl, "logp rel %.3g between the latent types", elp);
+    TEST_CHECKF(wg <= tg, "gradient of %s rel %.3g between the latent types", wn, wg);
 
     // Decode over a bf16 / fp32 cache vs the CPU's decode (each model routes on its own).
     int T = B.len[0], V = d.V, sp = T / 2;
@@ -901,7 +908,7 @@ int main(int argc, char **argv) {
          "d_model = 256\nhybrid = KM\nkda_heads = 2\nkda_head_dim = 128\nmla_heads = 2\nmla_nope_dim = 128\n"
          "mla_rope_dim = 64\nmla_v_dim = 128\nmla_latent_dim = 512\ndense_inter = 512\nexperts = 16\ntop_k = 4\n"
          "shared_experts = 1\nexpert_inter = 128\nattnres_block = 2\n", 512, 2, {96, 41, 0}, 5e-3, 8e-2, 2e-2, 2e-2,
-         5e-3, 1e-2},
+         5e-3, 3e-2},
     };
     for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++)
         if (only < 0 || (size_t)only == i) {
