@@ -225,21 +225,19 @@ void bench_kda(Bench &B, int T, int H) {
     }, 1, 3);
     row("KDA chunk fwd (storing S_tiles)", shape, ms_fs, (double)T, "Mtok/s", 0);
     row("KDA chunk bwd", shape, ms_b, (double)T, "Mtok/s", 0);
-    if (K == 128 && V == 128) {
-        // v3 backward (opt-in: MTRL_KDA_BWD=3: the state-gradient pass on tensor cores, bf16x3)
-        scoped_env bwd("MTRL_KDA_BWD", "3"), wpb("MTRL_KDA3_WPB", NULL);
-        double mb3 = time_ms(B, [&] {
-            mtrl_kda_chunk_bwd(B.c, T, H, K, V, q, k, v, g, beta, NULL, St, dout, NULL, dq, dk, dv, dg, db, dS0);
-        }, 1, 3);
-        row("  v3 bwd (MTRL_KDA_BWD=3)", shape, mb3, (double)T, "Mtok/s", 0);
-        // and pass 3's products on tensor cores too (MTRL_KDA_BWD_TILE=3, bf16x3)
-        scoped_env tile("MTRL_KDA_BWD_TILE", "3");
+    {
+        // the v2 kernels: pass 3 in fp32 SIMT (MTRL_KDA_BWD_TILE=2), then pass 2 too (MTRL_KDA_BWD=2)
+        scoped_env tile("MTRL_KDA_BWD_TILE", "2"), wpb("MTRL_KDA3_WPB", NULL);
         double mbt = time_ms(B, [&] {
             mtrl_kda_chunk_bwd(B.c, T, H, K, V, q, k, v, g, beta, NULL, St, dout, NULL, dq, dk, dv, dg, db, dS0);
         }, 1, 3);
-        row("  v3 bwd + tile TC (_TILE=3)", shape, mbt, (double)T, "Mtok/s", 0);
-        printf("%-34s %-34s v3 bwd / default bwd time %.3f, v3 bwd + tile TC / default %.3f\n", "", "", mb3 / ms_b,
-               mbt / ms_b);
+        row("  pass 3 SIMT (_BWD_TILE=2)", shape, mbt, (double)T, "Mtok/s", 0);
+        scoped_env bwd("MTRL_KDA_BWD", "2");
+        double mb2 = time_ms(B, [&] {
+            mtrl_kda_chunk_bwd(B.c, T, H, K, V, q, k, v, g, beta, NULL, St, dout, NULL, dq, dk, dv, dg, db, dS0);
+        }, 1, 3);
+        row("  v2 bwd (_BWD=2 _BWD_TILE=2)", shape, mb2, (double)T, "Mtok/s", 0);
+        printf("%-34s %-34s default bwd / v2 bwd time %.3f, pass 3 SIMT / v2 %.3f\n", "", "", ms_b / mb2, mbt / mb2);
     }  // the caller's MTRL_KDA_BWD, _BWD_TILE and _WPB again
     row("KDA chunk fwd+bwd", shape, ms_fs + ms_b, (double)T, "Mtok/s", 0);
     vs(B, ak + "_fwdbwd_ms", ms_fs + ms_b, "the time of fla chunk_kda fwd+bwd", "P2 <= 0.8x");

@@ -28,11 +28,12 @@
 // kernel tests at 1e-2 but not the model's (segmented vs whole gradients 0.56 relative at 64K,
 // decode vs prefill 0.17 of max |logit|: MoE routing flips and the decay gradient, a small sum of
 // large terms, amplify its 4e-3; tests/test_kda_v3_emu.c reproduces this on the CPU).
-// Backward v3 (kda_tc_bwd_cuda.cu, MTRL_KDA_BWD=3 in the environment, read at each call; opt-in,
-// K = V = 128, 16-byte aligned q, k, v, g, dout): pass 1 writes v3's bf16x3 records instead of v2's
+// Backward v3 (kda_tc_bwd_cuda.cu; the default for K = V = 128, 16-byte aligned q, k, v, g, dout;
+// MTRL_KDA_BWD=2 in the environment, read at each call, runs v2's instead): pass 1 writes v3's bf16x3 records instead of v2's
 // prep buffers and pass 2 runs on tensor cores with split-bf16 operands over them (recomputed
 // states, when S_tiles is NULL, come from v3's bf16x3 forward state pass); pass 3 is unchanged.
-// MTRL_KDA_BWD_TILE=3 (read at each call; opt-in, any shape, with either pass 2): pass 3's products
+// Pass 3 on tensor cores (the default, any shape, with either pass 2; MTRL_KDA_BWD_TILE=2, read at
+// each call, runs the SIMT <false>; =3 names the default): pass 3's products
 // with S, dS', Δ, dΔ, dO, W, K⁺, V and T (W, U, Δ, dP, dQ⁺, dK^e, dW, Y_W, Y_U, dT) on tensor cores,
 // kda_tile_bwd_k<true> through smm16_tc: mma.sync m16n8k16 with bf16x3 operands split as they are
 // gathered from fp32 shared memory (scalar loads, no ldmatrix: the staging and layouts stay v2's),
@@ -44,7 +45,8 @@
 // tolerances. tools/kda_v3/lanes_bwd.py checks smm16_tc's fragment indexing (1e-7). On an H200
 // (7b96fd7): test_cuda_kda 2,151 passed, test_cuda_model 280 passed with MTRL_KDA_BWD=3 and with
 // both switches; the backward takes 0.96x (pass 2 alone) and 0.88x (both) the SIMT backward's
-// time at 8K-256K. Both stay opt-in until test_cuda_long has run with them.
+// time at 8K-256K. test_cuda_long passed with both (88f894a, 18 checks), and both became the
+// default (MTRL_KDA_BWD=3 and MTRL_KDA_BWD_TILE=3 name it; =2 selects v2's kernels).
 //
 // Decode step (mtrl_kda_step), two kernels behind one launcher:
 //   v2 kda_step2_k (default), grid (V/64, H, B), 256 threads: a block owns 64 columns of one
@@ -589,8 +591,8 @@ static size_t tile_bwd_floats(int K, int V) {
            KT /* db */ + K /* dgS */;
 }
 
-// TC: the products of 16 rows on tensor cores with bf16x3 operands (smm16_tc; MTRL_KDA_BWD_TILE=3,
-// opt-in), except the two 16 x 16 x 16 with T and the four intra-tile ones (dA, dQ̂, dK̂⁻), which stay
+// TC: the products of 16 rows on tensor cores with bf16x3 operands (smm16_tc; the default,
+// MTRL_KDA_BWD_TILE=2 runs <false>), except the two 16 x 16 x 16 with T and the four intra-tile ones (dA, dQ̂, dK̂⁻), which stay
 // SIMT fp32 (smm) as without TC.
 template <bool TC>
 __global__ void __launch_bounds__(256) kda_tile_bwd_k(int T, int H, int K, int V, const float *q,
@@ -1023,7 +1025,7 @@ void kda3_state_bwd_launch(mtrl_cuda_ctx *c, int T, int H, const unsigned char *
                            const float *dS_final, float *dD, float *dSt, float *dS0);
 
 extern "C" int mtrl_kda_chunk_bwd_version(int H, int K, int V) {
-    if (!env_is("MTRL_KDA_BWD", "3")) return 2;
+    if (env_is("MTRL_KDA_BWD", "2")) return 2;
     return H > 0 && H <= 65535 && K == 128 && V == 128 ? 3 : 2;
 }
 
@@ -1111,7 +1113,7 @@ extern "C" int mtrl_kda_chunk_bwd(mtrl_cuda_ctx *c, int T, int H, int K, int V, 
         launch_state_bwd_(c, T, H, K, V, nt, w, dout, dS_final, dD, dSt, dS0);
     }
     size_t sh = sizeof(float) * tile_bwd_floats(K, V);
-    if (env_is("MTRL_KDA_BWD_TILE", "3")) {  // pass 3's products on tensor cores (bf16x3), opt-in
+    if (!env_is("MTRL_KDA_BWD_TILE", "2")) {  // pass 3's products on tensor cores (bf16x3), the default
         set_smem(kda_tile_bwd_k<true>, sh);
         kda_tile_bwd_k<true><<<dim3(nt, H), 256, sh, c->stream>>>(T, H, K, V, q, k, v, g, beta, S_tiles,
                                                                   dout, dD, dSt, dq, dk, dv, dg, dbeta);

@@ -2,7 +2,8 @@
 // mtrl_kda_chunk_bwd, kda_cuda.cu's kda_state_bwd_k) on tensor cores: mma.sync m16n8k16 with
 // split-bf16 operands (bf16x3: a = a_hi + a_lo, 3 mma per product, ~16 significant bits), fp32
 // accumulation; dS, dΔ and every accumulator fp32. mtrl_kda_chunk_bwd (kda_cuda.cu) takes this
-// path for K = V = 128 only when MTRL_KDA_BWD=3 is in the environment (read at each call; opt-in);
+// path for K = V = 128 (the default since 2026-11-30; MTRL_KDA_BWD=2 in the environment, read at
+// each call, runs v2's SIMT pass instead);
 // passes 1 and 3 change as follows, pass 3 (kda_tile_bwd_k, SIMT fp32) not at all:
 //
 //   1. Operands: v3's per-tile record (kda_tc_cuda.cu's kda3_prep_k<bf16x3>, 34,304 B per head
@@ -58,7 +59,8 @@
 // 64K / 256K, H = 16): the whole backward 7.81 / 61.85 / 246.7 ms with it against 8.12 / 64.15 /
 // 255.8 ms (0.96x), so pass 2 was a small part: pass 3 (per tile, in parallel) dominates. With
 // MTRL_KDA_BWD_TILE=3 too: 7.15 / 56.83 / 225.5 ms (0.88x). test_cuda_kda passed with both
-// (2,151 checks; worst v3 backward error 3.5e-5 of fp64), and test_cuda_model (280) with each.
+// (2,151 checks; worst v3 backward error 3.5e-5 of fp64), and test_cuda_model (280) with each;
+// test_cuda_long (18) with both on 88f894a, after which both became the default.
 #include <math.h>
 #include <stdlib.h>
 

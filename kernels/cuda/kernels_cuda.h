@@ -111,11 +111,11 @@ int mtrl_kda_chunk_fwd_version(int H, int K, int V);
 int mtrl_kda_chunk_bwd_version(int H, int K, int V);
 // Chunked backward (§2.4). S_tiles as written by the forward, or NULL (recomputed into
 // scratch). dS_final NULL = zero; dS0 nullable; every other output overwritten.
-// The sequential state-gradient pass has two kernels: v2 (fp32 SIMT), the default; v3
-// (kda_tc_bwd_cuda.cu: mma.sync with split-bf16 operands, bf16x3, fp32 accumulators) for K = V = 128
-// and 16-byte aligned q, k, v, g, dout when the environment variable MTRL_KDA_BWD=3 (read at each
-// call): opt-in. The per-tile pass is fp32 SIMT unless MTRL_KDA_BWD_TILE=3 (opt-in, any shape): its
-// products then run on tensor cores with bf16x3 operands.
+// The sequential state-gradient pass has two kernels: v3 (kda_tc_bwd_cuda.cu: mma.sync with
+// split-bf16 operands, bf16x3, fp32 accumulators), the default for K = V = 128 and 16-byte aligned
+// q, k, v, g, dout; v2 (fp32 SIMT) for every other shape, or when the environment variable
+// MTRL_KDA_BWD=2 (read at each call). The per-tile pass runs its products on tensor cores with
+// bf16x3 operands (any shape), or in fp32 SIMT when MTRL_KDA_BWD_TILE=2 (read at each call).
 int mtrl_kda_chunk_bwd(mtrl_cuda_ctx *ctx, int T, int H, int K, int V, const float *q,
                        const float *k, const float *v, const float *g, const float *beta,
                        const float *S0, const float *S_tiles, const float *dout,
