@@ -12,7 +12,7 @@
 //  - the planned segment is a multiple of 64 (or the whole sequence) and never shrinks as the
 //    budget grows; the plan fits its budget minus the margin;
 //  - a budget below what the least segment needs gives MTRL_ERR_NOMEM and a message with both
-//    numbers;
+//    numbers (and, MLA trained naive, the absorbed form, which needs less there);
 //  - T = 1,048,576 with the `small` preset plans on the CPU and on a GPU budget without size_t
 //    overflow (every block sane and consistent), and prints;
 //  - prefill (SEG_PREFILL, no caches) peaks exactly at its mirror seg_prefill_bytes, at most
@@ -163,6 +163,15 @@ static void test_budget_(void) {
     printf("below the minimum: %s\n", err.msg);
     size_t least = p.total;
     TEST_CHECK(least > ((size_t)1 << 20));
+    // The message names the absorbed MLA training form, which needs less for long sequences (its
+    // least segment does not expand the keys of the whole sequence), and only in the naive form.
+    TEST_CONTAINS(err.msg, "mla_train = absorbed");
+    d.mla_absorbed = 1;
+    TEST_EQ_INT(mtrl_model_plan_make(&p, &d, MTRL_DEVICE_CPU, 3, len, (size_t)1 << 20, &err), MTRL_ERR_NOMEM);
+    TEST_CHECK(strstr(err.msg, "mla_train") == NULL);
+    printf("least: naive %zu bytes, absorbed %zu\n", least, p.total);
+    TEST_CHECK(p.total < least);
+    d.mla_absorbed = 0;
     // Budgets from the least up: the segment never shrinks, and every plan fits.
     int last = 0, fits = 0;
     for (double b = (double)least; b < (double)least * 64; b *= 1.07) {

@@ -264,13 +264,17 @@ static mtrl_status make_(mtrl_model_plan *p, const mtrl_model_dims *d, int devic
         return mtrl_error_set(err, MTRL_ERR_NOMEM,
                               "the learner step of %d sequence%s of up to %d tokens needs at least %s on the %s "
                               "(segment %d: model %s, episode state %s, activations %s, scratch %s, runtime %s) "
-                              "plus a 5%% margin; the budget is %s",
+                              "plus a 5%% margin; the budget is %s%s",
                               n, n == 1 ? "" : "s", max_len, size_str_(need, least.total),
                               device == MTRL_DEVICE_CUDA ? "GPU" : "host", least.segment,
                               size_str_(model, least.params + least.grads + least.adam + least.weights_bf16 + least.qb),
                               size_str_(state, least.boundary + least.latents + least.latent_grads),
                               size_str_(act, least.activations), size_str_(scr, least.scratch),
-                              size_str_(rt, least.runtime), size_str_(bud, budget));
+                              size_str_(rt, least.runtime), size_str_(bud, budget),
+                              model_n_mla(d) > 0 && !d->mla_absorbed
+                                  ? " (MLA trained in the naive form expands every key so far in each segment: "
+                                    "[model] mla_train = absorbed needs less for long sequences)"
+                                  : "");
     }
     // Segment 0 keeps every activation when they fit under MTRL_KEEP_BYTES_MAX (no recompute
     // in the backward): note whether that fits the budget too.
