@@ -88,7 +88,8 @@ mtrl_status mtrl_rollout_init(mtrl_rollout **out, const mtrl_rollout_params *p, 
         size_t free_b = 0, total_b = 0, scratch_b = 0, peak_b = 0;
         mtrl_model_mem_info(m, &free_b, &total_b, &scratch_b, &peak_b);
         size_t fixed = mtrl_decode_state_bytes(m, 0), per_tok = mtrl_decode_state_bytes(m, 1) - fixed;
-        double budget = 0.9 * (double)free_b - (double)(512u << 20) - (double)mtrl_model_infer_bytes(m, p->slots);
+        double budget = 0.9 * (double)free_b - (double)(512u << 20) -
+                        (double)mtrl_model_infer_bytes(m, p->slots, p->max_tokens);
         double fit = per_tok > 0 ? (budget / p->slots - (double)fixed) / (double)per_tok : 1e18;
         if (free_b > 0 && fit < p->max_tokens) {
             if (fit < 64) {

@@ -325,8 +325,9 @@ static void test_packed(void) {
 // sequence: four states at different positions (fresh, after 17 and after 3 tokens), new
 // pieces of 20, 5, 16 and 1 tokens; the last-token logits, then one batched decode step from the
 // states it left (KDA states, conv windows, latents and positions all used), and the routing.
-static void test_prefill_many(void) {
+static void test_prefill_many(int prefill_naive) {
     mtrl_model_dims d = small_dims(4, 2, "KMKM");
+    d.mla_prefill_naive = prefill_naive;
     mtrl_model m;
     mtrl_model_init(&m, &d, 15);
     perturb_params(&m, 9);
@@ -367,7 +368,8 @@ static void test_prefill_many(void) {
     mtrl_model_decode(&m, po, N, next, d1, NULL);
     mtrl_model_decode(&m, pm, N, next, dm, NULL);
     double ed = test_max_rel(dm, d1, (size_t)N * d.V);
-    printf("prefill of 4 sequences at once: last logits rel diff %.3g, next decode step %.3g\n", el, ed);
+    printf("prefill of 4 sequences at once%s: last logits rel diff %.3g, next decode step %.3g\n",
+           prefill_naive ? " (naive MLA prefill)" : "", el, ed);
     TEST_CHECKF(el <= 1e-12, "prefill_many logits differ by %.3g", el);
     TEST_CHECKF(ed <= 1e-12, "the states prefill_many left differ: decode logits by %.3g", ed);
     TEST_CHECK(same_routing);
@@ -382,8 +384,9 @@ static void test_prefill_many(void) {
     mtrl_model_free(&m);
 }
 
-static void test_prefill_decode(void) {
+static void test_prefill_decode(int prefill_naive) {
     mtrl_model_dims d = small_dims(4, 2, "KKKM");
+    d.mla_prefill_naive = prefill_naive;
     mtrl_model m;
     mtrl_model_init(&m, &d, 13);
     perturb_params(&m, 7);
@@ -418,7 +421,8 @@ static void test_prefill_decode(void) {
             if (e0 > err) err = e0;
             if (e1 > err) err = e1;
         }
-        printf("prefill %d then decode to %d: max rel diff of logits %.3g\n", sp, T, err);
+        printf("prefill %d then decode to %d%s: max rel diff of logits %.3g\n", sp, T,
+               prefill_naive ? " (naive MLA prefill)" : "", err);
         TEST_CHECKF(err < 1e-10, "split %d: %.3g", sp, err);
         // Segmented logits agree too.
         real *segl = malloc(sizeof(real) * T * d.V);
@@ -513,8 +517,10 @@ int main(void) {
     test_attnres_blocks();
     test_segmented();
     test_packed();
-    test_prefill_decode();
-    test_prefill_many();
+    test_prefill_decode(0);
+    test_prefill_decode(1);
+    test_prefill_many(0);
+    test_prefill_many(1);
     test_qb_outside_gradient();
     return test_report();
 }

@@ -16,7 +16,8 @@
 //  - T = 1,048,576 with the `small` preset plans on the CPU and on a GPU budget without size_t
 //    overflow (every block sane and consistent), and prints;
 //  - prefill (SEG_PREFILL, no caches) peaks exactly at its mirror seg_prefill_bytes, at most
-//    half the cached forward of the same segment;
+//    half the cached forward of the same segment; in the naive MLA prefill form at the most of
+//    its segments' mirrors (the expanded keys so far);
 //  - MTRL_GEMM_BF16=1: a GPU plan counts the bf16 weight copy and its operand copies;
 //  - the free-memory query and the live-model planning work; `mtrl plan` prints a plan; `mtrl bench
 //    long` runs one episode, with a preset or an experiment's model (--config).
@@ -139,13 +140,29 @@ static void test_activations_(const char *name, const char *ini) {
     mtrl_decode_state_init(&s, &m, NP);
     m.peak_infer_bytes = 0;
     mtrl_model_prefill(&m, &s, tok, NP, NULL, NULL);
-    size_t pf = seg_prefill_bytes(&d, MTRL_PREFILL_SEGMENT), cached = seg_fwd_bytes(&d, MTRL_PREFILL_SEGMENT, 0);
+    size_t pf = seg_prefill_bytes(&d, MTRL_PREFILL_SEGMENT, NP), cached = seg_fwd_bytes(&d, MTRL_PREFILL_SEGMENT, 0);
     printf("  prefill of %d tokens: scratch peak %zu bytes, mirror %zu (cached forward %zu)\n", NP, m.peak_infer_bytes,
            pf, cached);
     TEST_CHECKF(pf >= m.peak_infer_bytes && pf - m.peak_infer_bytes < 64, "%s: prefill mirror %zu, measured %zu", name,
                 pf, m.peak_infer_bytes);
     TEST_CHECKF(pf < cached / 2, "%s: prefill needs %zu, the cached forward %zu", name, pf, cached);
     mtrl_decode_state_free(&s);
+    // The naive prefill form ([model] mla_prefill = naive) expands every key so far: its peak is
+    // the most of its segments' mirrors (keys up to the end of each).
+    if (model_n_mla(&d) > 0) {
+        m.dims.mla_prefill_naive = 1;
+        mtrl_model_ws_free(&m); // a fresh inference arena: its peak restarts
+        mtrl_decode_state_init(&s, &m, NP);
+        m.peak_infer_bytes = 0;
+        mtrl_model_prefill(&m, &s, tok, NP, NULL, NULL);
+        size_t p1 = seg_prefill_bytes(&m.dims, MTRL_PREFILL_SEGMENT, MTRL_PREFILL_SEGMENT),
+               p2 = seg_prefill_bytes(&m.dims, NP - MTRL_PREFILL_SEGMENT, NP), pn = p1 > p2 ? p1 : p2;
+        printf("  naive prefill of %d tokens: scratch peak %zu bytes, mirror %zu\n", NP, m.peak_infer_bytes, pn);
+        TEST_CHECKF(pn >= m.peak_infer_bytes && pn - m.peak_infer_bytes < 64, "%s: naive prefill mirror %zu, measured %zu",
+                    name, pn, m.peak_infer_bytes);
+        mtrl_decode_state_free(&s);
+        m.dims.mla_prefill_naive = 0;
+    }
     free(tok);
     mtrl_model_free(&m);
 }

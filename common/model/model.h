@@ -87,8 +87,12 @@ typedef struct mtrl_model_dims {
     // The learner's chunked forward and backward (SEG_CHUNK) run MLA in the absorbed form (1,
     // [model] mla_train = absorbed) or the naive one (0, the default): keys and values expanded
     // per head from the latents (mla_ref.h mla_expand_kv), attention with Hk = H over Dk = dn+dr,
-    // Dv = dv. The same function either way; decode and prefill stay absorbed.
+    // Dv = dv. The same function either way; decode stays absorbed.
     int mla_absorbed;
+    // Prefill (SEG_PREFILL) in the naive form too (1, [model] mla_prefill = naive) or absorbed
+    // (0, the default): the inference scratch then holds the expanded keys of every key so far
+    // (mtrl_model_infer_bytes takes the capacity for it).
+    int mla_prefill_naive;
     int dense_I;                     // FFN width of layer 0
     int E, k, n_shared, I;           // experts, top-k, shared experts, expert width
     int S;                           // AttnRes block size in layers
@@ -306,9 +310,10 @@ size_t mtrl_decode_state_bytes(const mtrl_model *m, int cap);
 void mtrl_model_prefill_many(mtrl_model *m, mtrl_decode_state *const *states, int n, const uint32_t *const *tokens,
                              const int *lens, real *logits_last, uint8_t *const *routing_out);
 // Device bytes of the scratch that mtrl_model_prefill and mtrl_model_decode share: one prefill
-// segment's forward (MTRL_PREFILL_SEGMENT tokens, fewer for shorter prompts) or one decode
+// segment's forward (MTRL_PREFILL_SEGMENT tokens, fewer for shorter prompts; with [model]
+// mla_prefill = naive also the expanded keys of a sequence of up to `cap` tokens) or one decode
 // batch of `batch` rows, whichever is larger. For the actor's memory budget.
-size_t mtrl_model_infer_bytes(const mtrl_model *m, int batch);
+size_t mtrl_model_infer_bytes(const mtrl_model *m, int batch, int cap);
 // Prompts and tool results are prefilled in segments of up to this many tokens: long enough for
 // a GPU's attention and GEMMs to fill the device on a long document (few, full launches per MLA
 // layer; with MTRL_LATENT_FP32=1 also few conversions of the latent cache to the attention's

@@ -217,7 +217,7 @@ static void mla_forward_(mtrl_model *m, mtrl_arena *ar, int l, int mode, int T, 
     }
     model_prof_end(m, MTRL_PROF_MLA_ELEM, t);
     c->a = ALLOC((size_t)T * mH * dv);
-    if (mode == SEG_CHUNK && !d->mla_absorbed) {
+    if ((mode == SEG_CHUNK && !d->mla_absorbed) || (mode == SEG_PREFILL && d->mla_prefill_naive && !io->piece_io)) {
         // Naive form: every key so far (a packed segment: its own rows) expanded per head,
         // attention with Hk = H over Dk = dn+dr, Dv = dv, straight into a.
         MTRL_CHECK(!io->piece_io);
@@ -242,6 +242,28 @@ static void mla_forward_(mtrl_model *m, mtrl_arena *ar, int l, int mode, int T, 
         }
         model_prof_end(m, MTRL_PROF_MLA_ATTN, t);
         mtrl_arena_release(ar, mark);
+    } else if (mode == SEG_PREFILL && d->mla_prefill_naive) {
+        // Naive prefill of pieces that continue their own caches: each piece's keys so far
+        // expanded in turn (its scratch released before the next), the piece's rows attending.
+        c->lse = ALLOC((size_t)T * mH);
+        int ldk = mH * (dn + dr);
+        for (int i = 0; i < io->n_piece; i++) {
+            const seq_io *pi = &io->piece_io[i];
+            int Ti;
+            size_t o = (size_t)seq_piece(io, T, i, &Ti);
+            int Tk = pi->t0 + Ti;
+            size_t mark = mtrl_arena_mark(ar);
+            void *kx = ALLOC((size_t)Tk * ldk), *vx = ALLOC((size_t)Tk * mH * dv);
+            real *lr = ALLOC((size_t)Tk * ld);
+            t = model_prof_begin(m);
+            seg_mla_expand(m, ar, l, Tk, mtrl_latent_at(be, pi->latent, (size_t)mi * pi->cap * ld), kx, vx, lr);
+            model_prof_end(m, MTRL_PROF_MLA_ABSORB, t);
+            t = model_prof_begin(m);
+            be->attn_causal_fwd(be, Ti, Tk, mH, mH, dn + dr, dv, scale, c->q + o * mH * (dn + dr), kx, ldk, vx, mH * dv,
+                                c->a + o * mH * dv, c->lse + o * mH);
+            model_prof_end(m, MTRL_PROF_MLA_ATTN, t);
+            mtrl_arena_release(ar, mark);
+        }
     } else if (mode != SEG_DECODE) {
         c->qt = ALLOC((size_t)T * mH * ld); c->ol = ALLOC((size_t)T * mH * dc); c->lse = ALLOC((size_t)T * mH);
         t = model_prof_begin(m);
@@ -605,14 +627,21 @@ static size_t fwd_bytes_(const mtrl_model_dims *d, int T_, int tiles, int Tk, si
     return b > peak ? b : peak;
 }
 
-size_t seg_prefill_bytes(const mtrl_model_dims *d, int T_) {
+size_t seg_prefill_bytes(const mtrl_model_dims *d, int T_, int Tk) {
     size_t T = (size_t)(T_ > 0 ? T_ : 1), tiles = 0, out = rb_(T * d->d); // no tile states
+    int naive = d->mla_prefill_naive;
     // emb and the outputs of the layers so far stay; on top, one layer's temporaries at a time
-    // (its output excluded), or the head after the last layer
+    // (its output excluded), or the head after the last layer; in the naive form the expanded
+    // keys of up to Tk keys on top of the MLA layer's caches up to its attention
     size_t most = (size_t)(d->L + 1) * out + head_fwd_bytes_(d, T);
     for (int l = 0; l < d->L; l++) {
-        size_t t = (size_t)(l + 2) * out + layer_fwd_bytes_(d, l, T, tiles, 1) - out; // prefill: absorbed
+        size_t t = (size_t)(l + 2) * out + layer_fwd_bytes_(d, l, T, tiles, !naive) - out;
         if (t > most) most = t;
+        if (naive && d->mixer[l] == 'M' && Tk > 0) {
+            t = (size_t)(l + 2) * out + layer_pre_bytes_(d, l, T) + mla_fwd_head_bytes_(d, T) +
+                mla_naive_bytes_(d, (size_t)Tk);
+            if (t > most) most = t;
+        }
     }
     return most;
 }

@@ -27,6 +27,7 @@ mtrl_status mtrl_model_dims_from_config(mtrl_model_dims *d, const mtrl_cfg_model
     d->dc = (int)c->mla_latent_dim;
     d->mla_gate = c->mla_gate;
     d->mla_absorbed = !strcmp(c->mla_train, "absorbed");
+    d->mla_prefill_naive = !strcmp(c->mla_prefill, "naive");
     d->dense_I = (int)c->dense_inter;
     d->E = (int)c->experts;
     d->k = (int)c->top_k;
@@ -222,11 +223,11 @@ static const char *cuda_dims_problem_(const mtrl_model_dims *d, char *buf, size_
     else if (mla && ((d->dc + d->dr) % 8 || d->dc + d->dr > 576))
         snprintf(buf, n, "mla_latent_dim + mla_rope_dim = %d: the CUDA attention takes multiples of 8 up to 576",
                  d->dc + d->dr);
-    else if (mla && !d->mla_absorbed &&
+    else if (mla && (!d->mla_absorbed || d->mla_prefill_naive) &&
              ((d->dn + d->dr) % 8 || d->dv % 16 || (d->dn + d->dr + 15) / 16 * 16 + d->dv > 576))
         snprintf(buf, n, "mla_nope_dim + mla_rope_dim = %d, mla_v_dim = %d: the CUDA attention of mla_train = naive "
                  "takes key widths of multiples of 8 and value widths of multiples of 16, together up to 576 "
-                 "(or set mla_train = absorbed)", d->dn + d->dr, d->dv);
+                 "(or set mla_train = absorbed and mla_prefill = absorbed)", d->dn + d->dr, d->dv);
     else if (mla && d->mH > 32)
         snprintf(buf, n, "mla_heads = %d: the CUDA MLA decode takes at most 32", d->mH);
     else if (d->L > 1 && (d->k > 16 || d->E > 1024))

@@ -423,13 +423,13 @@ void mtrl_model_backward(mtrl_model *m, const mtrl_batch *b, const real *dlogp, 
 
 // ---- inference ---------------------------------------------------------------------------------------------
 
-// The inference scratch: a prefill segment's forward (nothing kept for a backward), or a
-// decode batch's.
-static size_t prefill_bytes_(const mtrl_model_dims *d, int T) { return seg_prefill_bytes(d, T) + 4096; }
+// The inference scratch: a prefill segment's forward (nothing kept for a backward; keys up to
+// Tk after it), or a decode batch's.
+static size_t prefill_bytes_(const mtrl_model_dims *d, int T, int Tk) { return seg_prefill_bytes(d, T, Tk) + 4096; }
 static size_t decode_bytes_(const mtrl_model_dims *d, int B) { return seg_fwd_bytes(d, B, 0) + 4096; }
 
-size_t mtrl_model_infer_bytes(const mtrl_model *m, int batch) {
-    size_t a = prefill_bytes_(&m->dims, MTRL_PREFILL_SEGMENT), b = decode_bytes_(&m->dims, batch);
+size_t mtrl_model_infer_bytes(const mtrl_model *m, int batch, int cap) {
+    size_t a = prefill_bytes_(&m->dims, MTRL_PREFILL_SEGMENT, cap), b = decode_bytes_(&m->dims, batch);
     return a > b ? a : b;
 }
 
@@ -533,7 +533,7 @@ void mtrl_model_prefill(mtrl_model *m, mtrl_decode_state *s, const uint32_t *tok
     mtrl_backend *be = m->be;
     MTRL_CHECKF(s->pos + n <= s->cap, "prefill of %d tokens at position %d overflows capacity %d", n, s->pos, s->cap);
     int seg = n < MTRL_PREFILL_SEGMENT ? (n > 0 ? n : 1) : MTRL_PREFILL_SEGMENT;
-    arena_ensure_(be, &w->infer, prefill_bytes_(&m->dims, seg));
+    arena_ensure_(be, &w->infer, prefill_bytes_(&m->dims, seg, s->pos + n));
     seq_io io = state_io_(s);
     for (int t0 = 0; t0 < n; t0 += seg) {
         int T = n - t0 < seg ? n - t0 : seg;
@@ -559,9 +559,10 @@ static void prefill_pack_(mtrl_model *m, mtrl_decode_state *const *states, int i
     size_t rw = (size_t)d->n_moe * d->k;
     int *piece = xmalloc(sizeof(int) * (size_t)(k + 1)), T = 0;
     seq_io *pio = xmalloc(sizeof(seq_io) * (size_t)k);
-    int want_routing = 0;
+    int want_routing = 0, Tk = 0;
     for (int j = 0; j < k; j++) {
         mtrl_decode_state *st = states[i0 + j];
+        if (st->pos + lens[i0 + j] > Tk) Tk = st->pos + lens[i0 + j];
         MTRL_CHECKF(st->pos + lens[i0 + j] <= st->cap, "prefill of %d tokens at position %d overflows capacity %d",
                     lens[i0 + j], st->pos, st->cap);
         piece[j] = T;
@@ -573,7 +574,7 @@ static void prefill_pack_(mtrl_model *m, mtrl_decode_state *const *states, int i
     uint32_t *tok = xmalloc(sizeof(uint32_t) * (size_t)T);
     for (int j = 0; j < k; j++) memcpy(tok + piece[j], tokens[i0 + j], sizeof(uint32_t) * (size_t)lens[i0 + j]);
     uint8_t *rout = want_routing ? xmalloc((size_t)T * rw + 1) : NULL;
-    arena_ensure_(be, &w->infer, prefill_bytes_(d, T));
+    arena_ensure_(be, &w->infer, prefill_bytes_(d, T, Tk));
     mtrl_arena_reset(&w->infer);
     seq_io io = {NULL, NULL, NULL, 0, 0, k, piece, pio};
     seg_out so = {NULL, NULL, NULL, NULL, NULL, rout, 0};
@@ -637,7 +638,7 @@ void mtrl_model_logits(mtrl_model *m, const uint32_t *tokens, int len, int segme
     mtrl_decode_state_init(&s, m, len);
     ws_impl *w = ws_get_(m);
     int seg = segment > 0 && segment < len ? segment : (len > 0 ? len : 1);
-    arena_ensure_(m->be, &w->infer, prefill_bytes_(&m->dims, seg));
+    arena_ensure_(m->be, &w->infer, prefill_bytes_(&m->dims, seg, len));
     seq_io io = state_io_(&s);
     for (int t0 = 0; t0 < len; t0 += seg) {
         int T = len - t0 < seg ? len - t0 : seg;

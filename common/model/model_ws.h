@@ -158,8 +158,9 @@ size_t seg_bwd_bytes(const mtrl_model_dims *d, int T, int Tk);
 // The same for a packed segment of T tokens whose pieces have `tiles` KDA tiles in all
 // (Σ kda_tile_count(piece length): each piece stores its own tile states).
 size_t seg_pack_arena_bytes(const mtrl_model_dims *d, int T, int tiles);
-// Arena bytes of one SEG_PREFILL segment of T tokens (the peak of its forward).
-size_t seg_prefill_bytes(const mtrl_model_dims *d, int T);
+// Arena bytes of one SEG_PREFILL segment of T tokens (the peak of its forward); Tk: the most
+// keys any of its sequences has after it (the naive prefill form's expanded keys; 0: none).
+size_t seg_prefill_bytes(const mtrl_model_dims *d, int T, int Tk);
 // KDA tiles whose states a chunked segment of T tokens stores (io: its pieces, nullable).
 int seg_kda_tiles(int T, const seq_io *io);
 // Packing of a batch (model_run.c): consecutive sequences that each fit in one segment are laid
