@@ -74,6 +74,15 @@ static int src_opt_(bench_src *s, const char *a, const char *v) {
 }
 
 // "preset tiny" or "the model of EXPERIMENT.ini", for the report line.
+// ", MLA trained naive, prefill absorbed" (model.h mla_absorbed, mla_prefill_naive): which
+// attention form the numbers of a model with MLA layers are for; "" without MLA.
+static const char *mla_forms_(const mtrl_model_dims *d) {
+    if (!strchr(d->mixer, 'M')) return "";
+    static const char *forms[4] = {", MLA trained naive, prefill absorbed", ", MLA trained absorbed, prefill absorbed",
+                                   ", MLA trained naive, prefill naive", ", MLA trained absorbed, prefill naive"};
+    return forms[(d->mla_absorbed ? 1 : 0) + (d->mla_prefill_naive ? 2 : 0)];
+}
+
 static const char *src_label_(const bench_src *s, char *buf, size_t cap) {
     snprintf(buf, cap, "%s%s", s->config ? "the model of " : "preset ", s->config ? s->config : s->preset);
     return buf;
@@ -214,10 +223,11 @@ static int bench_model_(int argc, char **argv) {
                      : m.be->gemm_bf16                 ? "cuda (bf16 GEMMs)"
                      : mtrl_backend_gemm_tf32(m.device) ? "cuda (TF32 GEMMs)"
                                                        : "cuda";
-    printf("model: %s on %s, %zu parameters, %d layers (%s), d=%d, %d experts top-%d; batch %d x %d tokens, segment %d, OMP threads %s\n",
+    printf("model: %s on %s, %zu parameters, %d layers (%s), d=%d, %d experts top-%d%s; batch %d x %d tokens, segment %d, OMP threads %s\n",
            src_label_(&src, label, sizeof label), on,
-           mtrl_model_param_count(&m), d.L, d.mixer, d.d, d.E, d.k, seqs, per, segment,
-           getenv("OMP_NUM_THREADS") ? getenv("OMP_NUM_THREADS") : "default");
+           mtrl_model_param_count(&m), d.L, d.mixer, d.d, d.E, d.k,
+           mla_forms_(&d), seqs, per,
+           segment, getenv("OMP_NUM_THREADS") ? getenv("OMP_NUM_THREADS") : "default");
     double best_f = 1e30, best_fb = 1e30;
     mtrl_model_forward(&m, &b, segment, logp, NULL, NULL); // warm-up
     for (int r = 0; r < reps; r++) {
@@ -318,8 +328,8 @@ static int bench_long_(int argc, char **argv) {
     if (rc) return rc;
     print_machine_();
     char label[1100];
-    printf("long episode: %s on %s, %zu parameters, %d tokens\n", src_label_(&src, label, sizeof label),
-           m.device == MTRL_DEVICE_CUDA ? "cuda" : "cpu", mtrl_model_param_count(&m), tokens);
+    printf("long episode: %s on %s, %zu parameters%s, %d tokens\n", src_label_(&src, label, sizeof label),
+           m.device == MTRL_DEVICE_CUDA ? "cuda" : "cpu", mtrl_model_param_count(&m), mla_forms_(&m.dims), tokens);
     uint32_t *tok = malloc(sizeof(uint32_t) * ((size_t)tokens + (size_t)steps));
     for (size_t t = 0; t < (size_t)tokens + (size_t)steps; t++) tok[t] = (uint32_t)(mtrl_rng_u64(1, 7, t) % 256);
     size_t fr0 = 0, tot = 0, scr = 0, peak = 0;
