@@ -158,10 +158,8 @@ static void mla_backward_(mtrl_model *m, mtrl_arena *ar, int l, int T, const lay
         dq = ALLOC((size_t)T * mH * (dn + dr));
         int Tk = io->n_piece ? T : t0 + T, ldk = mH * (dn + dr);
         size_t mark = mtrl_arena_mark(ar);
-        void *kx = ALLOC((size_t)Tk * ldk), *vx = ALLOC((size_t)Tk * mH * dv);
-        real *lr = ALLOC((size_t)Tk * ld);
         t = model_prof_begin(m);
-        seg_mla_expand(m, ar, l, Tk, lat, kx, vx, lr);
+        mla_kv x = seg_mla_expand(m, ar, l, Tk, lat);
         real *dk = zalloc_(be, ar, (size_t)Tk * ldk), *dvv = zalloc_(be, ar, (size_t)Tk * mH * dv);
         model_prof_end(m, MTRL_PROF_MLA_ABSORB, t);
         t = model_prof_begin(m);
@@ -169,13 +167,13 @@ static void mla_backward_(mtrl_model *m, mtrl_arena *ar, int l, int T, const lay
             int Ti;
             size_t o = (size_t)seq_piece(io, T, i, &Ti), ko = io->n_piece ? o : 0;
             be->attn_causal_bwd(be, Ti, io->n_piece ? Ti : Tk, mH, mH, dn + dr, dv, scale, c->q + o * mH * (dn + dr),
-                                mtrl_latent_at(be, kx, ko * ldk), ldk, mtrl_latent_at(be, vx, ko * mH * dv), mH * dv,
+                                mtrl_latent_at(be, x.k, ko * ldk), ldk, mtrl_latent_at(be, x.v, ko * mH * dv), mH * dv,
                                 c->a + o * mH * dv, c->lse + o * mH, da + o * mH * dv, dq + o * mH * (dn + dr),
                                 dk + ko * ldk, dvv + ko * mH * dv);
         }
         model_prof_end(m, MTRL_PROF_MLA_ATTN, t);
         t = model_prof_begin(m);
-        be->mla_expand_kv_bwd(be, Tk, mH, dn, dr, dv, dc, lr, ld, p->mkvb, dk, dvv, dlat, ld, dlat + dc, ld, gp->mkvb);
+        be->mla_expand_kv_bwd(be, Tk, mH, dn, dr, dv, dc, x.lr, ld, p->mkvb, dk, dvv, dlat, ld, dlat + dc, ld, gp->mkvb);
         model_prof_end(m, MTRL_PROF_MLA_ABSORB, t);
         mtrl_arena_release(ar, mark);
     } else {

@@ -159,17 +159,22 @@ static void latent_write_(mtrl_backend *be, int B, int rows, int dc, int dr, con
     free(kdst);
 }
 
-void seg_mla_expand(mtrl_model *m, mtrl_arena *ar, int l, int Tk, const void *lat, void *kx, void *vx, real *lr) {
+mla_kv seg_mla_expand(mtrl_model *m, mtrl_arena *ar, int l, int Tk, const void *lat) {
     const mtrl_model_dims *d = &m->dims;
     mtrl_backend *be = m->be;
     int mH = d->mH, dn = d->dn, dr = d->dr, dv = d->dv, dc = d->dc, ld = dc + dr, ldk = mH * (dn + dr);
+    mla_kv x;
+    x.k = ALLOC((size_t)Tk * ldk);
+    x.v = ALLOC((size_t)Tk * mH * dv);
+    x.lr = ALLOC((size_t)Tk * ld);
     size_t mark = mtrl_arena_mark(ar);
     real *k = ALLOC((size_t)Tk * ldk), *v = ALLOC((size_t)Tk * mH * dv);
-    be->latent_get(be, Tk, ld, lat, ld, lr, ld);
-    be->mla_expand_kv(be, Tk, mH, dn, dr, dv, dc, lr, ld, lr + dc, ld, m->dP.layer[l].mkvb, k, v);
-    be->latent_put(be, 1, Tk, ldk, k, ldk, &kx, ldk);
-    be->latent_put(be, 1, Tk, mH * dv, v, mH * dv, &vx, mH * dv);
+    be->latent_get(be, Tk, ld, lat, ld, x.lr, ld);
+    be->mla_expand_kv(be, Tk, mH, dn, dr, dv, dc, x.lr, ld, x.lr + dc, ld, m->dP.layer[l].mkvb, k, v);
+    be->latent_put(be, 1, Tk, ldk, k, ldk, &x.k, ldk);
+    be->latent_put(be, 1, Tk, mH * dv, v, mH * dv, &x.v, mH * dv);
     mtrl_arena_release(ar, mark);
+    return x;
 }
 
 static void mla_forward_(mtrl_model *m, mtrl_arena *ar, int l, int mode, int T, const real *x1, seq_io *io,
@@ -224,12 +229,9 @@ static void mla_forward_(mtrl_model *m, mtrl_arena *ar, int l, int mode, int T, 
         c->lse = ALLOC((size_t)T * mH);
         int Tk = io->n_piece ? T : io->t0 + T, ldk = mH * (dn + dr);
         size_t mark = mtrl_arena_mark(ar);
-        void *kx = ALLOC((size_t)Tk * ldk), *vx = ALLOC((size_t)Tk * mH * dv);
-        real *lr = ALLOC((size_t)Tk * ld);
         t = model_prof_begin(m);
         MTRL_CHECK(!io->n_piece || io->t0 == 0);
-        const void *lat = mtrl_latent_at(be, io->latent, (size_t)mi * io->cap * ld);
-        seg_mla_expand(m, ar, l, Tk, lat, kx, vx, lr);
+        mla_kv x = seg_mla_expand(m, ar, l, Tk, mtrl_latent_at(be, io->latent, (size_t)mi * io->cap * ld));
         model_prof_end(m, MTRL_PROF_MLA_ABSORB, t);
         t = model_prof_begin(m);
         for (int i = 0; i < seq_pieces(io); i++) {
@@ -237,7 +239,7 @@ static void mla_forward_(mtrl_model *m, mtrl_arena *ar, int l, int mode, int T, 
             size_t o = (size_t)seq_piece(io, T, i, &Ti);
             size_t ko = io->n_piece ? o : 0; // a piece's keys are its own rows
             be->attn_causal_fwd(be, Ti, io->n_piece ? Ti : Tk, mH, mH, dn + dr, dv, scale, c->q + o * mH * (dn + dr),
-                                mtrl_latent_at(be, kx, ko * ldk), ldk, mtrl_latent_at(be, vx, ko * mH * dv), mH * dv,
+                                mtrl_latent_at(be, x.k, ko * ldk), ldk, mtrl_latent_at(be, x.v, ko * mH * dv), mH * dv,
                                 c->a + o * mH * dv, c->lse + o * mH);
         }
         model_prof_end(m, MTRL_PROF_MLA_ATTN, t);
@@ -253,13 +255,11 @@ static void mla_forward_(mtrl_model *m, mtrl_arena *ar, int l, int mode, int T, 
             size_t o = (size_t)seq_piece(io, T, i, &Ti);
             int Tk = pi->t0 + Ti;
             size_t mark = mtrl_arena_mark(ar);
-            void *kx = ALLOC((size_t)Tk * ldk), *vx = ALLOC((size_t)Tk * mH * dv);
-            real *lr = ALLOC((size_t)Tk * ld);
             t = model_prof_begin(m);
-            seg_mla_expand(m, ar, l, Tk, mtrl_latent_at(be, pi->latent, (size_t)mi * pi->cap * ld), kx, vx, lr);
+            mla_kv x = seg_mla_expand(m, ar, l, Tk, mtrl_latent_at(be, pi->latent, (size_t)mi * pi->cap * ld));
             model_prof_end(m, MTRL_PROF_MLA_ABSORB, t);
             t = model_prof_begin(m);
-            be->attn_causal_fwd(be, Ti, Tk, mH, mH, dn + dr, dv, scale, c->q + o * mH * (dn + dr), kx, ldk, vx, mH * dv,
+            be->attn_causal_fwd(be, Ti, Tk, mH, mH, dn + dr, dv, scale, c->q + o * mH * (dn + dr), x.k, ldk, x.v, mH * dv,
                                 c->a + o * mH * dv, c->lse + o * mH);
             model_prof_end(m, MTRL_PROF_MLA_ATTN, t);
             mtrl_arena_release(ar, mark);

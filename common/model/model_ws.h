@@ -139,13 +139,18 @@ void seg_forward(mtrl_model *m, mtrl_arena *ar, int mode, int T, const uint32_t 
 void seg_backward(mtrl_model *m, mtrl_arena *ar, seg_cache *c, const uint32_t *tokens, const int *targets,
                   const seq_io *io, const real *dlogp, const real *dentropy, seq_grad *g);
 
-// MLA layer l's naive form (model.md §3.1, mla_ref.h mla_expand_kv): the keys and values of Tk
-// latent rows lat ([ĉ ; k^r], stride dc+dr) in the latent type at kx [Tk][mH][dn+dr] and vx
-// [Tk][mH][dv] (the attention reads keys and values as latents; the caller's arena blocks of
-// `real`s, latent_size <= sizeof(real)); the rows widened to `real` at lr [Tk][dc+dr] (the
-// backward's dW_kvb needs ĉ). The `real` k and v of the expansion are carved from ar and
-// released before returning.
-void seg_mla_expand(mtrl_model *m, mtrl_arena *ar, int l, int Tk, const void *lat, void *kx, void *vx, real *lr);
+// MLA layer l's naive form (model.md §3.1, mla_ref.h mla_expand_kv) over Tk latent rows lat
+// ([ĉ ; k^r], stride dc+dr), carved from ar in this order and left there for the caller to
+// release: the keys k [Tk][mH][dn+dr] and values v [Tk][mH][dv] in the latent type (the
+// attention reads keys and values as latents; blocks of `real`s, latent_size <= sizeof(real)),
+// then the rows widened to `real`, lr [Tk][dc+dr] (the backward's dW_kvb needs ĉ). The `real` k
+// and v of the expansion are carved after them and released before returning (model_fwd.c
+// mla_naive_bytes_ counts all five).
+typedef struct mla_kv {
+    void *k, *v;
+    real *lr;
+} mla_kv;
+mla_kv seg_mla_expand(mtrl_model *m, mtrl_arena *ar, int l, int Tk, const void *lat);
 
 // Arena bytes one segment of T tokens (keys up to Tk) needs for forward caches and backward:
 // the larger of the forward's peak (seg_fwd_bytes) and its caches with seg_bwd_bytes (the most
