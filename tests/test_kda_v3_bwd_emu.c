@@ -502,7 +502,7 @@ static double grad_worst_(double *const gr[5], double *const ref[5], const size_
     double worst = 0;
     *which = 0;
     for (int a = 0; a < 5; a++) {
-        double x = kemu_rel_dd(gr[a], ref[a], len[a]);
+        double x = test_rel_err_d(gr[a], ref[a], len[a]);
         if (x > worst) { worst = x; *which = a; }
     }
     return worst;
@@ -550,7 +550,7 @@ int main(void) {
             kda_chunk_fwd(T, H, K, V, a[0], a[1], a[2], a[3], a[4], a[7], NULL, NULL, St64);
             kda_chunk_bwd(T, H, K, V, a[0], a[1], a[2], a[3], a[4], a[7], St64, a[5], a[6], gref[0], gref[1], gref[2],
                           gref[3], gref[4], rdS0);
-            double e = kemu_rel_dd(dS064, rdS0, ns);
+            double e = test_rel_err_d(dS064, rdS0, ns);
             worst_ref = fmax(worst_ref, e);
             printf("  T=%4d H=%d g %-6s fp64 pass dS0 vs kda_chunk_bwd %.1e", T, H,
                    c->gk == KEMU_G_BOUND ? "bound" : c->gk == KEMU_G_MODEL ? "model" : "random", e);
