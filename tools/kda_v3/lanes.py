@@ -9,31 +9,24 @@
 # Lane-level emulation of kda3 fragment code (ldmatrix / mma.m16n8k16 / pack_bf16 per cuda_common.cuh).
 import numpy as np
 rng=np.random.default_rng(3)
-from lanemodel import bfbits, bits2f, pack, ldsm_x4, mma, adr_a, adr_b_nk, adr_b_kn
+from lanemodel import (bfbits, bits2f, pack, ldsm_x4, mma, adr_a, adr_b_nk, adr_b_kn, draw_record, record_offsets,
+                       put_record, state_frags, scale_frags, frags_matrix)
 K=V=128; LD=K+8; LDP=24; WPB=2; LDU=16*WPB+8
 # one stage: matrices
-Wn=rng.standard_normal((16,K)).astype(np.float32); Qp=rng.standard_normal((16,K)).astype(np.float32)
-Ke=rng.standard_normal((16,K)).astype(np.float32); P=np.tril(rng.standard_normal((16,16))).astype(np.float32)
+Wn,Qp,Ke,P=draw_record(rng,K)
 U=rng.standard_normal((16,V)).astype(np.float32); eg=rng.random(K).astype(np.float32)
 S=rng.standard_normal((K,V)).astype(np.float32)
 bq=lambda x: bits2f(bfbits(x)).astype(np.float64)
 # smem layout like StCfg (element units of b16)
-SW=0; SQ=16*LD; SE=2*16*LD; SP=3*16*LD; SU_=SP+16*LDP  # (eg kept separately)
+SW,SQ,SE,SP=record_offsets(LD); SU_=SP+16*LDP  # (eg kept separately)
 sm=np.zeros(SU_+16*LDU,np.uint16)
-for r in range(16):
-    sm[SW+r*LD:SW+r*LD+K]=bfbits(Wn[r]); sm[SQ+r*LD:SQ+r*LD+K]=bfbits(Qp[r]); sm[SE+r*LD:SE+r*LD+K]=bfbits(Ke[r])
-    sm[SP+r*LDP:SP+r*LDP+16]=bfbits(P[r])
+put_record(sm,LD,LDP,Wn,Qp,Ke,P)
 jb=16*WPB*1  # blockIdx.x = 1
 for r in range(16): sm[SU_+r*LDU:SU_+r*LDU+16*WPB]=bfbits(U[r,jb:jb+16*WPB])
 err=[]
 for w in range(WPB):
     jw=16*w; j0=jb+jw
-    st=[[[0.0]*4 for _ in range(16)] for _ in range(32)]
-    for l in range(32):
-        g,t=l>>2,l&3
-        for nd in range(16):
-            for c in range(4):
-                d=8*nd+2*t+(c&1); j=j0+g+8*(c>>1); st[l][nd][c]=S[d,j]
+    st=state_frags(S,j0)
     sa=[[ [pack(st[l][2*kd][0],st[l][2*kd][1]),pack(st[l][2*kd][2],st[l][2*kd][3]),pack(st[l][2*kd+1][0],st[l][2*kd+1][1]),pack(st[l][2*kd+1][2],st[l][2*kd+1][3])] for l in range(32)] for kd in range(8)]
     dl=[[[0.0]*4 for _ in range(32)] for _ in range(2)]
     for l in range(32):
@@ -50,9 +43,7 @@ for w in range(WPB):
     da=[[pack(dl[0][l][0],dl[0][l][1]),pack(dl[0][l][2],dl[0][l][3]),pack(dl[1][l][0],dl[1][l][1]),pack(dl[1][l][2],dl[1][l][3])] for l in range(32)]
     bp=ldsm_x4(sm,adr_b_nk(SP,LDP,0,0))
     oa[0]=mma(oa[0],da,[x[0:2] for x in bp]); oa[1]=mma(oa[1],da,[x[2:4] for x in bp])
-    for l in range(32):
-        for nd in range(16):
-            t=l&3; st[l][nd][0]*=eg[8*nd+2*t]; st[l][nd][1]*=eg[8*nd+2*t+1]; st[l][nd][2]*=eg[8*nd+2*t]; st[l][nd][3]*=eg[8*nd+2*t+1]
+    scale_frags(st,eg)
     for pp in range(8):
         b=ldsm_x4(sm,adr_b_kn(SE,LD,0,16*pp),trans=True)
         A=da
@@ -61,13 +52,11 @@ for w in range(WPB):
     # reference (matrix level, same roundings)
     Sb=bq(S[:,j0:j0+16]); D=bq(U[:,j0:j0+16])+bq(Wn)@Sb; Db=bq(D)
     O=bq(Qp)@Sb+bq(P)@Db; S2=eg[:,None]*S[:,j0:j0+16]+bq(Ke).T@Db
-    Og=np.zeros((16,16)); S2g=np.zeros((K,16))
+    Og=np.zeros((16,16)); S2g=frags_matrix(st,K)
     for l in range(32):
         g,t=l>>2,l&3
         for ns in range(2):
             for c in range(4): Og[8*ns+2*t+(c&1), g+8*(c>>1)]=oa[ns][l][c]
-        for nd in range(16):
-            for c in range(4): S2g[8*nd+2*t+(c&1), g+8*(c>>1)]=st[l][nd][c]
     err.append((np.abs(Og-O).max()/np.abs(O).max(), np.abs(S2g-S2).max()/np.abs(S2).max()))
 print("state step warp errors (O, S'):", err)
 

@@ -9,29 +9,23 @@
 # usage: python3 tools/kda_v3/lanes_bwd.py   (numpy; a few seconds)
 import numpy as np
 rng=np.random.default_rng(5)
-from lanemodel import bfbits, bits2f, pack, ldsm_x4, mma, adr_b_nk, adr_b_kn, acc_to_a
+from lanemodel import (bfbits, bits2f, pack, ldsm_x4, mma, adr_b_nk, adr_b_kn, acc_to_a, draw_record, record_offsets,
+                       put_record, state_frags, scale_frags, frags_matrix)
 K=V=128; LD=K+8; LDP=24; WPB=2; LDO=16*WPB+4
-Wn=rng.standard_normal((16,K)).astype(np.float32); Qp=rng.standard_normal((16,K)).astype(np.float32)
-Ke=rng.standard_normal((16,K)).astype(np.float32); P=np.tril(rng.standard_normal((16,16))).astype(np.float32)
+Wn,Qp,Ke,P=draw_record(rng,K)
 dO=rng.standard_normal((16,V)).astype(np.float32); eg=rng.random(K).astype(np.float32)
 dS=rng.standard_normal((K,V)).astype(np.float32)
 bq=lambda x: bits2f(bfbits(x)).astype(np.float64)
-SW=0; SQ=16*LD; SE=2*16*LD; SP=3*16*LD
+SW,SQ,SE,SP=record_offsets(LD)
 sm=np.zeros(SP+16*LDP,np.uint16)
-for r in range(16):
-    sm[SW+r*LD:SW+r*LD+K]=bfbits(Wn[r]); sm[SQ+r*LD:SQ+r*LD+K]=bfbits(Qp[r]); sm[SE+r*LD:SE+r*LD+K]=bfbits(Ke[r])
-    sm[SP+r*LDP:SP+r*LDP+16]=bfbits(P[r])
+put_record(sm,LD,LDP,Wn,Qp,Ke,P)
 jb=16*WPB*1  # blockIdx.x = 1
 sO=np.zeros(16*LDO,np.float32)
 for r in range(16): sO[r*LDO:r*LDO+16*WPB]=dO[r,jb:jb+16*WPB]
 err=[]
 for w in range(WPB):
     jw=16*w; j0=jb+jw
-    st=[[[0.0]*4 for _ in range(16)] for _ in range(32)]
-    for l in range(32):
-        g,t=l>>2,l&3
-        for nd in range(16):
-            for c in range(4): st[l][nd][c]=dS[8*nd+2*t+(c&1), j0+g+8*(c>>1)]
+    st=state_frags(dS,j0)
     # dOᵀ A fragments: r = 0..3, l = 2t + 8 (r >> 1), j = jw + g + 8 (r & 1)
     oh=[]
     for l in range(32):
@@ -57,20 +51,13 @@ for w in range(WPB):
                 dl[ns][l][c]=np.float32(dl[ns][l][c]+dx[ns][l][c])
                 Dg[8*ns+2*t+(c&1), g+8*(c>>1)]=dl[ns][l][c]
     da=[acc_to_a(dl[0][l],dl[1][l]) for l in range(32)]
-    for l in range(32):
-        t=l&3
-        for nd in range(16):
-            st[l][nd][0]*=eg[8*nd+2*t]; st[l][nd][1]*=eg[8*nd+2*t+1]; st[l][nd][2]*=eg[8*nd+2*t]; st[l][nd][3]*=eg[8*nd+2*t+1]
+    scale_frags(st,eg)
     for pp in range(8):
         b=ldsm_x4(sm,adr_b_kn(SQ,LD,0,16*pp),trans=True); bw=ldsm_x4(sm,adr_b_kn(SW,LD,0,16*pp),trans=True)
         c0=mma([st[l][2*pp] for l in range(32)],oh,[x[0:2] for x in b]); c1=mma([st[l][2*pp+1] for l in range(32)],oh,[x[2:4] for x in b])
         c0=mma(c0,da,[x[0:2] for x in bw]); c1=mma(c1,da,[x[2:4] for x in bw])
         for l in range(32): st[l][2*pp]=c0[l]; st[l][2*pp+1]=c1[l]
-    S2g=np.zeros((K,16))
-    for l in range(32):
-        g,t=l>>2,l&3
-        for nd in range(16):
-            for c in range(4): S2g[8*nd+2*t+(c&1), g+8*(c>>1)]=st[l][nd][c]
+    S2g=frags_matrix(st,K)
     # matrix level, same roundings
     Sb=bq(dS[:,j0:j0+16]); Ob=bq(dO[:,j0:j0+16])
     D=bq(Ke)@Sb+bq(P).T@Ob; Db=bq(D)
