@@ -604,6 +604,12 @@ static size_t layer_fwd_bytes_(const mtrl_model_dims *d, int l, size_t T, size_t
     return b + ffn_fwd_bytes_(d, l, T);
 }
 
+// What MLA layer l of a naive forward holds while its attention runs, on top of what the
+// segment held before the layer: its caches so far and the expanded keys of Tk keys.
+static size_t mla_naive_at_attn_(const mtrl_model_dims *d, int l, size_t T, size_t Tk) {
+    return layer_pre_bytes_(d, l, T) + mla_fwd_head_bytes_(d, T) + mla_naive_bytes_(d, Tk);
+}
+
 // The output site, the final norm and the logits.
 static size_t head_fwd_bytes_(const mtrl_model_dims *d, size_t T) {
     int nb = blocks_at_(d, d->L);
@@ -617,7 +623,7 @@ static size_t fwd_bytes_(const mtrl_model_dims *d, int T_, int tiles, int Tk, si
     size_t b = rb_(T * d->d); // emb
     for (int l = 0; l < d->L; l++) {
         if (d->mixer[l] == 'M' && !d->mla_absorbed && Tk > 0) {
-            size_t at = b + layer_pre_bytes_(d, l, T) + mla_fwd_head_bytes_(d, T) + mla_naive_bytes_(d, (size_t)Tk);
+            size_t at = b + mla_naive_at_attn_(d, l, T, (size_t)Tk);
             if (at > peak) peak = at;
         }
         b += layer_fwd_bytes_(d, l, T, (size_t)tiles, d->mla_absorbed);
@@ -638,8 +644,7 @@ size_t seg_prefill_bytes(const mtrl_model_dims *d, int T_, int Tk) {
         size_t t = (size_t)(l + 2) * out + layer_fwd_bytes_(d, l, T, tiles, !naive) - out;
         if (t > most) most = t;
         if (naive && d->mixer[l] == 'M' && Tk > 0) {
-            t = (size_t)(l + 2) * out + layer_pre_bytes_(d, l, T) + mla_fwd_head_bytes_(d, T) +
-                mla_naive_bytes_(d, (size_t)Tk);
+            t = (size_t)(l + 2) * out + mla_naive_at_attn_(d, l, T, (size_t)Tk);
             if (t > most) most = t;
         }
     }
