@@ -272,6 +272,25 @@ int main(int argc, char **argv) {
     printf("MTRL_ATTN2_FWD=3:\n");
     test_attn_x(ctx, 200, 1000, 8, 8, 192, 128, 0, 1);
     unsetenv("MTRL_ATTN2_FWD");
+    // v3 dK / dV (wgmma, sm_90a: 128-key blocks of two warpgroups, 64-row query tiles) where the
+    // device is an H100 / H200 (compute capability 9.0; elsewhere these rerun v2): both of its
+    // shapes, tails of the 128-key block and the 64-row tile, Tq < Tk, GQA, one token
+    setenv("MTRL_ATTN3_DKV", "1", 1);
+    printf("MTRL_ATTN3_DKV=1:\n");
+    test_attn_x(ctx, 1, 1, 2, 2, 192, 128, 0, 1);
+    test_attn_x(ctx, 63, 63, 8, 8, 192, 128, 0, 1);
+    test_attn_x(ctx, 200, 200, 2, 2, 192, 128, 0, 1);
+    test_attn_x(ctx, 1000, 1000, 8, 8, 192, 128, 0, 1);
+    test_attn_x(ctx, 1, 65, 2, 2, 192, 128, 0, 1);
+    test_attn_x(ctx, 77, 333, 2, 2, 192, 128, 0, 1);
+    test_attn_x(ctx, 200, 1000, 8, 8, 192, 128, 0, 1);
+    test_attn_x(ctx, 150, 190, 4, 2, 192, 128, 0, 1);
+    test_attn_x(ctx, 256, 256, 2, 2, 192, 128, 0, 1);  // exact 128-key blocks
+    test_attn_x(ctx, 200, 200, 4, 4, 128, 128, 0, 1);
+    test_attn_x(ctx, 77, 333, 3, 3, 128, 128, 0, 1);
+    test_attn_x(ctx, 150, 190, 4, 2, 128, 128, 0, 1);
+    test_attn_x(ctx, 1, 65, 2, 2, 128, 128, 0, 1);
+    unsetenv("MTRL_ATTN3_DKV");
     tu_state_ = rng_before_192;
     if (attn_only) {
         mtrl_cuda_ctx_destroy(ctx);

@@ -63,28 +63,16 @@
 #include <math.h>
 #include <stdlib.h>
 
+#include "kernels/cuda/attn_args.cuh"
 #include "kernels/cuda/cuda_common.cuh"
 
 namespace {
 
 constexpr int BM = 64;  // packed query rows per block (4 row groups of 16)
-constexpr float kLog2e = 1.4426950408889634f, kLn2 = 0.6931471805599453f;
-
-struct A2 {
-    int Tq, Tk, H, G, off, nrows, Dk, Dv;  // off = Tk - Tq: position of query row 0
-    int ldk, ldv;
-    float scale, sl2;  // softmax scale, scale * log2(e)
-    const uint16_t *q, *k, *v;
-};
+constexpr float kLog2e = kAttnLog2e, kLn2 = 0.6931471805599453f;
 
 // adr_a, adr_b_nk, adr_b_kn (the lane addresses of the ldmatrix fragment loads) and ex2 are in
 // cuda_common.cuh (shared with the KDA v3 kernels).
-
-// Index (token * H + head) of packed row rho of key head j.
-__device__ __forceinline__ size_t row_ih(const A2 &a, int j, int rho) {
-    int i = rho / a.G;
-    return (size_t)i * a.H + (size_t)j * a.G + (rho - i * a.G);
-}
 
 // cp.async of ROWS x COLS bf16 (COLS % 8 == 0) into dst (row stride ldd) by NT threads; row r
 // comes from src(r), or is zero-filled when src(r) is null (`any`: a valid dummy address).
@@ -772,20 +760,16 @@ int launch_dkv_(mtrl_cuda_ctx *c, const A2 &a, int Hk, const uint16_t *dout, con
     return 0;
 }
 
+int dkv3_wanted_() {
+    const char *e = getenv("MTRL_ATTN3_DKV");
+    return e && e[0] == '1';
+}
+
 int attn_v1_forced_() {
     const char *e = getenv("MTRL_ATTN_V1");
     return e && e[0] == '1';
 }
 
-A2 make_args(int Tq, int Tk, int H, int Hk, int Dk, int Dv, float scale, const mtrl_bf16 *q,
-             const mtrl_bf16 *k, int ldk, const mtrl_bf16 *v, int ldv) {
-    A2 a;
-    a.Tq = Tq; a.Tk = Tk; a.H = H; a.G = H / Hk; a.off = Tk - Tq; a.nrows = Tq * (H / Hk);
-    a.Dk = Dk; a.Dv = Dv; a.ldk = ldk; a.ldv = ldv;
-    a.scale = scale; a.sl2 = scale * kLog2e;
-    a.q = q; a.k = k; a.v = v;
-    return a;
-}
 
 // Forward configurations, numbered as measured in docs/kernel-lab.md; MTRL_ATTN2_FWD=N (a lab
 // knob, read at each call) picks another than the default: 4 for the MHA shape (two row tiles
@@ -828,7 +812,7 @@ extern "C" int mtrl_attn2_causal_fwd(mtrl_cuda_ctx *c, int Tq, int Tk, int H, in
     if (mtrl_attn_causal_version(H, Hk, Dk, Dv, alias, 0) != 2) return 1;
     if ((uintptr_t)o & 7) return 1;  // float2 stores
     if (Tq == 0) return 0;
-    A2 a = make_args(Tq, Tk, H, Hk, Dk, Dv, scale, q, k, ldk, v, ldv);
+    A2 a = attn_args_make(Tq, Tk, H, Hk, Dk, Dv, scale, q, k, ldk, v, ldv);
     const int var = fwd_variant_();
     if (!alias && Dk == 192) {  // Dv = 128
         if (var == 1) return launch_fwd_<192, 128, 1, 64, true, false, 1, 2>(c, a, Hk, o, lse);
@@ -857,11 +841,19 @@ extern "C" int mtrl_attn2_causal_bwd(mtrl_cuda_ctx *c, int Tq, int Tk, int H, in
     if (((uintptr_t)o & 15) || (((uintptr_t)dq | (uintptr_t)dk | (uintptr_t)dv) & 7))
         return 1;  // float4 loads of o, float2 accesses of dq, dk, dv
     if (Tq == 0) return 0;
-    A2 a = make_args(Tq, Tk, H, Hk, Dk, Dv, scale, q, k, ldk, v, ldv);
+    A2 a = attn_args_make(Tq, Tk, H, Hk, Dk, Dv, scale, q, k, ldk, v, ldv);
     float *D = (float *)mtrl_ctx_scratch(c, sizeof(float) * (size_t)Tq * H);
     const int rows = Tq * H;
     attn2_bwd_pre_k<<<cdiv(rows, 8), 256, 0, c->stream>>>(rows, Dv, dout, o, D);
     CUDA_LAUNCH_CHECK();
+    // dK / dV on wgmma (sm90a/attn_wg_cuda.cu) where the device and shape allow it;
+    // MTRL_ATTN3_DKV=1 (read at each call) selects it; until measured, v2 below is the default.
+    const int dkv3 = dkv3_wanted_() ? attn3_dkv_launch(c, a, Hk, dout, lse, D, dk, dv) : 1;
+    if (dkv3 < 0) return -1;
+    if (dkv3 == 0) {
+        if (Dk == 192) return launch_dq_<192, 128, 32, 1, false>(c, a, Hk, dout, lse, D, dq);
+        return launch_dq_<128, 128, 32, 2, false>(c, a, Hk, dout, lse, D, dq);
+    }
     if (Dk == 192) {  // Dv = 128: 32-row query tiles in dkv, one row tile per warp in dq
         const char *ek = getenv("MTRL_ATTN2_DKV");  // lab knob: 64 = 64-row tiles, 1 block/SM
         if (ek && atoi(ek) == 64) {

@@ -29,6 +29,7 @@ extern "C" mtrl_cuda_ctx *mtrl_cuda_ctx_create(int device, mtrl_stream stream) {
     CUDA_CHECK(cudaGetDeviceProperties(&p, device));
     c->sms = p.multiProcessorCount;
     c->smem_optin = p.sharedMemPerBlockOptin;
+    c->cc = p.major * 10 + p.minor;
     return c;
 }
 

@@ -57,6 +57,7 @@ struct mtrl_cuda_ctx {
     int sms;             // multiprocessor count
     int tf32;            // fp32 GEMM operands multiply as TF32 (mtrl_cuda_ctx_set_tf32)
     size_t smem_optin;   // largest dynamic shared memory a block may opt in to
+    int cc;              // compute capability, major * 10 + minor (90: H100 / H200)
 };
 
 // Scratch of at least `bytes` (grow-only; growing waits for the device, then reallocates).

@@ -1,0 +1,44 @@
+// attn_args.cuh: the arguments of one causal attention call as the tensor-core kernels see them
+// (v2 in attn_tc_cuda.cu, the sm_90a wgmma kernels in sm90a/), and the packing of query rows.
+//
+// Query rows are packed per key head j: row ρ = (token ρ / G, head j G + ρ % G), G = H / Hk, so
+// MHA (G = 1) rows are consecutive tokens of one head and MQA rows are all heads of a token.
+#ifndef MTRL_ATTN_ARGS_CUH
+#define MTRL_ATTN_ARGS_CUH
+#include <stdint.h>
+
+#include "kernels/cuda/cuda_common.cuh"
+
+struct A2 {
+    int Tq, Tk, H, G, off, nrows, Dk, Dv;  // off = Tk - Tq: position of query row 0
+    int ldk, ldv;
+    float scale, sl2;  // softmax scale, scale * log2(e)
+    const uint16_t *q, *k, *v;
+};
+
+constexpr float kAttnLog2e = 1.4426950408889634f;
+
+// Index (token * H + head) of packed row rho of key head j.
+__device__ __forceinline__ size_t row_ih(const A2 &a, int j, int rho) {
+    int i = rho / a.G;
+    return (size_t)i * a.H + (size_t)j * a.G + (rho - i * a.G);
+}
+
+static inline A2 attn_args_make(int Tq, int Tk, int H, int Hk, int Dk, int Dv, float scale,
+                                const mtrl_bf16 *q, const mtrl_bf16 *k, int ldk,
+                                const mtrl_bf16 *v, int ldv) {
+    A2 a;
+    a.Tq = Tq; a.Tk = Tk; a.H = H; a.G = H / Hk; a.off = Tk - Tq; a.nrows = Tq * (H / Hk);
+    a.Dk = Dk; a.Dv = Dv; a.ldk = ldk; a.ldv = ldv;
+    a.scale = scale; a.sl2 = scale * kAttnLog2e;
+    a.q = (const uint16_t *)q; a.k = (const uint16_t *)k; a.v = (const uint16_t *)v;
+    return a;
+}
+
+// The sm_90a dK / dV kernel (sm90a/attn_wg_cuda.cu): launched for Dk = 128 or 192 with Dv = 128
+// on a compute capability 9.0 device; returns 1 without launching anything otherwise (the caller
+// runs v2), 0 when launched, -1 on a launch error. D = rowsum(dO ⊙ O) per packed row.
+int attn3_dkv_launch(mtrl_cuda_ctx *c, const A2 &a, int Hk, const uint16_t *dout,
+                     const float *lse, const float *D, float *dk, float *dv);
+
+#endif
