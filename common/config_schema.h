@@ -39,7 +39,7 @@
     X(model, mla_latent_dim, INT, "0", 0, 8192, NULL, "MLA d_c, the kv latent (0 = preset)")       \
     X(model, mla_gate, BOOL, "true", 0, 0, NULL, "sigmoid output gate on MLA")                     \
     X(model, mla_train, ENUM, "naive", 0, 0, "naive|absorbed", "MLA attention form of the learner's forward and backward: naive (keys and values expanded per head, Dk = d_n + d_r: 3.4x fewer attention FLOPs at small's widths) or absorbed (MQA over the latents, as decode)") \
-    X(model, mla_prefill, ENUM, "absorbed", 0, 0, "absorbed|naive", "MLA attention form of prefill (prompts, documents, tool results): absorbed, or naive (fewer attention FLOPs; its scratch grows with the context, by the expanded keys of every token so far)") \
+    X(model, mla_prefill, ENUM, "naive", 0, 0, "naive|absorbed", "MLA attention form of prefill (prompts, documents, tool results): naive (keys and values expanded per head: fewer attention FLOPs; its scratch grows with the context, by the expanded keys of every token so far), or absorbed (attention over the latents, as decode)") \
     X(model, dense_inter, INT, "0", 0, 1 << 20, NULL, "intermediate width of the dense FFN of layer 0 (0 = preset)") \
     X(model, experts, INT, "0", 0, 4096, NULL, "routed experts per MoE layer (0 = preset)")       \
     X(model, top_k, INT, "0", 0, 64, NULL, "experts per token (0 = preset)")                      \

@@ -4,8 +4,9 @@
 // buffers) for the absorbed MLA form (Hk = 1, values aliasing the first dc latent columns, the
 // model's shapes: Dk = dc + dr = 576, Dv = 512, and the tiny preset's Dk = 40 that needs zero
 // padding to 48), a segment attending to a longer prefix (Tq < Tk), and the general form (Hk = 2,
-// separate values); MHA Dk = 192, Dv = 128 (the naive MLA form: must run v2, v1 checked
-// against it too); and the absorbed decode over a batch of sequences of different lengths
+// separate values); MHA Dk = 192, Dv = 128 (the naive MLA form: must run v2 or v3, v1 checked
+// against it too; v3, the wgmma kernels, is the default on an H100 / H200, and MTRL_ATTN3=0
+// cases run v2 there); and the absorbed decode over a batch of sequences of different lengths
 // (fp32 and bf16 latent caches; each case through both kernels: v2 where the arguments allow it,
 // then v1 forced through MTRL_DECODE_V1=1).
 // Tolerances: attention takes bf16 operands: ‖out − ref‖/‖ref‖ ≤ 1e-2 against the reference on
@@ -24,8 +25,9 @@ static void set_attn_version(int version) {
 
 // Forward and backward through both kernel sets (v2 where the shape allows it, then v1 forced)
 // on the same inputs, each against the fp64 reference; v2 twice, the two runs bit-identical.
-// expect_v2: the shape must run v2 (mtrl_attn_causal_version reports 2 for forward and
-// backward), and v1's o, lse, dq and dk / dv increments must agree with v2's within 1e-2.
+// expect_v2: the shape must run v2 or v3 (mtrl_attn_causal_version reports 2 or 3 for forward
+// and backward), and v1's o, lse, dq and dk / dv increments must agree with it within 1e-2
+// (the lines "v1 vs v2" compare against whichever of the two ran).
 static void test_attn_x(mtrl_cuda_ctx *ctx, int Tq, int Tk, int H, int Hk, int Dk, int Dv,
                         int alias, int expect_v2) {
     double scale = 1.0 / sqrt((double)(alias ? 192 : Dk));
@@ -71,9 +73,9 @@ static void test_attn_x(mtrl_cuda_ctx *ctx, int Tq, int Tk, int H, int Hk, int D
         int vb = mtrl_attn_causal_version(H, Hk, Dk, Dv, alias, 1);
         printf("attention Tq=%d Tk=%d H=%d Hk=%d Dk=%d Dv=%d%s: fwd v%d, bwd v%d\n", Tq, Tk, H, Hk,
                Dk, Dv, alias ? " (values alias the keys)" : "", vf, vb);
-        if (version == 2 && expect_v2) {
-            TEST_EQ_INT(vf, 2);
-            TEST_EQ_INT(vb, 2);
+        if (version == 2 && expect_v2) {  // v2 or v3 (MTRL_ATTN3: v3 on an H100 / H200)
+            TEST_CHECK(vf >= 2);
+            TEST_CHECK(vb >= 2);
         }
         if (version == 2 && vf == 1 && vb == 1) continue;  // the v1 pass covers it
         if (version == 1) {
@@ -262,6 +264,7 @@ int main(int argc, char **argv) {
     test_attn_x(ctx, 128, 128, 2, 2, 192, 128, 0, 1);  // exact tiles
     // the lab configurations of this shape (read at each call): forward 1 (Q in registers) with
     // 64-row dK/dV tiles, then forward 3 (64-key stages)
+    setenv("MTRL_ATTN3", "0", 1);
     setenv("MTRL_ATTN2_FWD", "1", 1);
     setenv("MTRL_ATTN2_DKV", "64", 1);
     printf("MTRL_ATTN2_FWD=1 MTRL_ATTN2_DKV=64:\n");
@@ -272,25 +275,24 @@ int main(int argc, char **argv) {
     printf("MTRL_ATTN2_FWD=3:\n");
     test_attn_x(ctx, 200, 1000, 8, 8, 192, 128, 0, 1);
     unsetenv("MTRL_ATTN2_FWD");
-    // v3 dK / dV (wgmma, sm_90a: 128-key blocks of two warpgroups, 64-row query tiles) where the
-    // device is an H100 / H200 (compute capability 9.0; elsewhere these rerun v2): both of its
-    // shapes, tails of the 128-key block and the 64-row tile, Tq < Tk, GQA, one token
-    setenv("MTRL_ATTN3_DKV", "1", 1);
-    printf("MTRL_ATTN3_DKV=1:\n");
+    unsetenv("MTRL_ATTN3");
+    // v2 where v3 is the default (H100 / H200; elsewhere these rerun v2): MTRL_ATTN3=0, both
+    // of v3's shapes, tails of the tiles, Tq < Tk, GQA, one token
+    setenv("MTRL_ATTN3", "0", 1);
+    printf("MTRL_ATTN3=0:\n");
     test_attn_x(ctx, 1, 1, 2, 2, 192, 128, 0, 1);
-    test_attn_x(ctx, 63, 63, 8, 8, 192, 128, 0, 1);
     test_attn_x(ctx, 200, 200, 2, 2, 192, 128, 0, 1);
     test_attn_x(ctx, 1000, 1000, 8, 8, 192, 128, 0, 1);
-    test_attn_x(ctx, 1, 65, 2, 2, 192, 128, 0, 1);
     test_attn_x(ctx, 77, 333, 2, 2, 192, 128, 0, 1);
-    test_attn_x(ctx, 200, 1000, 8, 8, 192, 128, 0, 1);
     test_attn_x(ctx, 150, 190, 4, 2, 192, 128, 0, 1);
-    test_attn_x(ctx, 256, 256, 2, 2, 192, 128, 0, 1);  // exact 128-key blocks
     test_attn_x(ctx, 200, 200, 4, 4, 128, 128, 0, 1);
-    test_attn_x(ctx, 77, 333, 3, 3, 128, 128, 0, 1);
     test_attn_x(ctx, 150, 190, 4, 2, 128, 128, 0, 1);
-    test_attn_x(ctx, 1, 65, 2, 2, 128, 128, 0, 1);
-    unsetenv("MTRL_ATTN3_DKV");
+    unsetenv("MTRL_ATTN3");
+    // v3's own tile boundaries (128 keys / 128 rows per block, 64-row and 64-key tiles)
+    test_attn_x(ctx, 256, 256, 2, 2, 192, 128, 0, 1);
+    test_attn_x(ctx, 129, 129, 2, 2, 192, 128, 0, 1);
+    test_attn_x(ctx, 127, 383, 2, 2, 192, 128, 0, 1);
+    test_attn_x(ctx, 64, 64, 1, 1, 128, 128, 0, 1);
     tu_state_ = rng_before_192;
     if (attn_only) {
         mtrl_cuda_ctx_destroy(ctx);

@@ -89,8 +89,8 @@ typedef struct mtrl_model_dims {
     // per head from the latents (mla_ref.h mla_expand_kv), attention with Hk = H over Dk = dn+dr,
     // Dv = dv. The same function either way; decode stays absorbed.
     int mla_absorbed;
-    // Prefill (SEG_PREFILL) in the naive form too (1, [model] mla_prefill = naive) or absorbed
-    // (0, the default): the inference scratch then holds the expanded keys of every key so far
+    // Prefill (SEG_PREFILL) in the naive form too (1, the default, [model] mla_prefill = naive)
+    // or absorbed (0): naive, the inference scratch holds the expanded keys of every key so far
     // (mtrl_model_infer_bytes takes the capacity for it).
     int mla_prefill_naive;
     int dense_I;                     // FFN width of layer 0

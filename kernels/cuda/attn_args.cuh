@@ -40,5 +40,10 @@ static inline A2 attn_args_make(int Tq, int Tk, int H, int Hk, int Dk, int Dv, f
 // runs v2), 0 when launched, -1 on a launch error. D = rowsum(dO ⊙ O) per packed row.
 int attn3_dkv_launch(mtrl_cuda_ctx *c, const A2 &a, int Hk, const uint16_t *dout,
                      const float *lse, const float *D, float *dk, float *dv);
+// The same for the forward (o, lse overwritten).
+int attn3_fwd_launch(mtrl_cuda_ctx *c, const A2 &a, int Hk, float *o, float *lse);
+// The same for dQ (overwritten).
+int attn3_dq_launch(mtrl_cuda_ctx *c, const A2 &a, int Hk, const uint16_t *dout,
+                    const float *lse, const float *D, float *dq);
 
 #endif

@@ -760,9 +760,16 @@ int launch_dkv_(mtrl_cuda_ctx *c, const A2 &a, int Hk, const uint16_t *dout, con
     return 0;
 }
 
-int dkv3_wanted_() {
-    const char *e = getenv("MTRL_ATTN3_DKV");
-    return e && e[0] == '1';
+// v3 (sm90a/attn_wg_cuda.cu) unless MTRL_ATTN3=0 (read at each call), on a compute capability
+// 9.0 device (its code is sm_90a only).
+int attn3_on_() {
+    const char *e = getenv("MTRL_ATTN3");
+    if (e && e[0] == '0') return 0;
+    int dev = 0, major = 0, minor = 0;
+    if (cudaGetDevice(&dev) != cudaSuccess) return 0;
+    cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev);
+    cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, dev);
+    return major == 9 && minor == 0;
 }
 
 int attn_v1_forced_() {
@@ -793,11 +800,11 @@ int fwd_variant_() {
 
 }  // namespace
 
-// Which kernel runs (2 or 1); see kernels_cuda.h.
+// Which kernel runs (3, 2 or 1); see kernels_cuda.h.
 extern "C" int mtrl_attn_causal_version(int H, int Hk, int Dk, int Dv, int alias, int bwd) {
     if (attn_v1_forced_() || H <= 0 || Hk <= 0 || H % Hk) return 1;
-    if (!alias && Dk == 128 && Dv == 128) return 2;
-    if (!alias && Dk == 192 && Dv == 128) return 2;  // naive MLA: d_n + d_r = 192, d_v = 128
+    // naive MLA: d_n + d_r = 192, d_v = 128
+    if (!alias && (Dk == 128 || Dk == 192) && Dv == 128) return attn3_on_() ? 3 : 2;
     if (!bwd && alias && Hk == 1 && Dk == 576 && Dv == 512) return 2;
     return 1;
 }
@@ -809,10 +816,15 @@ extern "C" int mtrl_attn2_causal_fwd(mtrl_cuda_ctx *c, int Tq, int Tk, int H, in
                                      int Dv, float scale, const mtrl_bf16 *q, const mtrl_bf16 *k,
                                      int ldk, const mtrl_bf16 *v, int ldv, float *o, float *lse) {
     const int alias = Hk == 1 && v == k && ldv == ldk && Dv <= Dk;
-    if (mtrl_attn_causal_version(H, Hk, Dk, Dv, alias, 0) != 2) return 1;
+    const int ver = mtrl_attn_causal_version(H, Hk, Dk, Dv, alias, 0);
+    if (ver < 2) return 1;
     if ((uintptr_t)o & 7) return 1;  // float2 stores
     if (Tq == 0) return 0;
     A2 a = attn_args_make(Tq, Tk, H, Hk, Dk, Dv, scale, q, k, ldk, v, ldv);
+    if (ver == 3) {
+        const int r = attn3_fwd_launch(c, a, Hk, o, lse);
+        if (r <= 0) return r;  // else: declined, v2 below
+    }
     const int var = fwd_variant_();
     if (!alias && Dk == 192) {  // Dv = 128
         if (var == 1) return launch_fwd_<192, 128, 1, 64, true, false, 1, 2>(c, a, Hk, o, lse);
@@ -837,7 +849,8 @@ extern "C" int mtrl_attn2_causal_bwd(mtrl_cuda_ctx *c, int Tq, int Tk, int H, in
                                      const float *lse, const mtrl_bf16 *dout, float *dq,
                                      float *dk, float *dv) {
     const int alias = Hk == 1 && v == k && ldv == ldk && Dv <= Dk;
-    if (mtrl_attn_causal_version(H, Hk, Dk, Dv, alias, 1) != 2) return 1;
+    const int ver = mtrl_attn_causal_version(H, Hk, Dk, Dv, alias, 1);
+    if (ver < 2) return 1;
     if (((uintptr_t)o & 15) || (((uintptr_t)dq | (uintptr_t)dk | (uintptr_t)dv) & 7))
         return 1;  // float4 loads of o, float2 accesses of dq, dk, dv
     if (Tq == 0) return 0;
@@ -846,11 +859,12 @@ extern "C" int mtrl_attn2_causal_bwd(mtrl_cuda_ctx *c, int Tq, int Tk, int H, in
     const int rows = Tq * H;
     attn2_bwd_pre_k<<<cdiv(rows, 8), 256, 0, c->stream>>>(rows, Dv, dout, o, D);
     CUDA_LAUNCH_CHECK();
-    // dK / dV on wgmma (sm90a/attn_wg_cuda.cu) where the device and shape allow it;
-    // MTRL_ATTN3_DKV=1 (read at each call) selects it; until measured, v2 below is the default.
-    const int dkv3 = dkv3_wanted_() ? attn3_dkv_launch(c, a, Hk, dout, lse, D, dk, dv) : 1;
+    // v3: dK / dV and dQ on wgmma (sm90a/attn_wg_cuda.cu)
+    const int dkv3 = ver == 3 ? attn3_dkv_launch(c, a, Hk, dout, lse, D, dk, dv) : 1;
     if (dkv3 < 0) return -1;
     if (dkv3 == 0) {
+        const int dq3 = attn3_dq_launch(c, a, Hk, dout, lse, D, dq);
+        if (dq3 <= 0) return dq3;
         if (Dk == 192) return launch_dq_<192, 128, 32, 1, false>(c, a, Hk, dout, lse, D, dq);
         return launch_dq_<128, 128, 32, 2, false>(c, a, Hk, dout, lse, D, dq);
     }

@@ -318,15 +318,15 @@ void bench_attn(Bench &B, int T, int H, int mode) {
              absorbed ? "T=%d H=%d MQA Dk=576 Dv=512" : naive ? "T=%d H=%d Dk=192 Dv=128" : "T=%d H=%d Dk=Dv=128",
              T, H);
     double fl = (double)T * T * H * (Dk + Dv);  // causal: half of 2 T² H (Dk + Dv)
-    // v2 with the wgmma dK / dV (pass 3, MTRL_ATTN3_DKV=1: H100 / H200, not the absorbed shape),
-    // v2 alone (MTRL_ATTN3_DKV=0) and v1 (MTRL_ATTN_V1=1) on the same inputs
+    // v3 (wgmma: H100 / H200, not the absorbed shape), v2 (MTRL_ATTN3=0) and v1
+    // (MTRL_ATTN_V1=1) on the same inputs
     for (int version = 3; version >= 1; version--) {
         if (version == 3 && (absorbed || B.c->cc != 90)) continue;
         if (version == 1) setenv("MTRL_ATTN_V1", "1", 1);
         else unsetenv("MTRL_ATTN_V1");
-        setenv("MTRL_ATTN3_DKV", version == 3 ? "1" : "0", 1);
+        setenv("MTRL_ATTN3", version == 3 ? "1" : "0", 1);
         int vf = mtrl_attn_causal_version(H, Hk, Dk, Dv, absorbed, 0);
-        int vb = version == 3 ? 3 : mtrl_attn_causal_version(H, Hk, Dk, Dv, absorbed, 1);
+        int vb = mtrl_attn_causal_version(H, Hk, Dk, Dv, absorbed, 1);
         char what[80];
         double ms = time_ms(B, [&] { mtrl_attn_causal_fwd(B.c, T, T, H, Hk, Dk, Dv, scale, q, k, ldk, v, ldv, o, lse); }, 1, 3);
         snprintf(what, sizeof what, "%s fwd v%d",
@@ -353,7 +353,7 @@ void bench_attn(Bench &B, int T, int H, int mode) {
         row(what, shape, msb, 2.5 * fl, "TFLOP/s", B.gemm_tflops);
     }
     unsetenv("MTRL_ATTN_V1");
-    unsetenv("MTRL_ATTN3_DKV");
+    unsetenv("MTRL_ATTN3");
     mtrl_cuda_free(q); mtrl_cuda_free(k); mtrl_cuda_free(dout); mtrl_cuda_free(o); mtrl_cuda_free(lse);
     mtrl_cuda_free(dq); mtrl_cuda_free(dk);
     if (!absorbed) { mtrl_cuda_free(v); mtrl_cuda_free(dv); }

@@ -140,15 +140,17 @@ int mtrl_kda_step_version(int H, int K, int V);
 // The absorbed MLA passes Hk = 1, v = k, ldv = ldk, Dv = dc < Dk ("aliased" values).
 // Requirements: Dk, Dv multiples of 16, Dv <= 512, Dk <= 576, H % Hk == 0; Tq <= Tk.
 // o [Tq][H][Dv], lse [Tq][H] (fp32).
-// Two kernel sets (docs/kernel-lab.md, "Causal attention (P4)"): v2 (attn_tc_cuda.cu, FA2 style)
+// Three kernel sets (docs/kernel-lab.md, "Causal attention (P4)"): v3 (sm90a/attn_wg_cuda.cu,
+// Hopper's wgmma; compute capability 9.0 only) and v2 (attn_tc_cuda.cu, FA2 style, mma.sync)
 // for Dk = Dv = 128 and for Dk = 192, Dv = 128 (the naive MLA form: d_n + d_r keys, d_v values)
-// with separate values (any Hk), and for the forward of the absorbed shape
-// (Hk = 1, Dk = 576, Dv = 512 aliased); v1 (mla_cuda.cu) for every other shape, or for all
-// shapes when the environment variable MTRL_ATTN_V1=1 (read at each call).
+// with separate values (any Hk): v3 on an H100 / H200 unless MTRL_ATTN3=0, else v2; v2 for the
+// forward of the absorbed shape (Hk = 1, Dk = 576, Dv = 512 aliased); v1 (mla_cuda.cu) for
+// every other shape, or for all shapes when MTRL_ATTN_V1=1 (both variables read at each call).
 int mtrl_attn_causal_fwd(mtrl_cuda_ctx *ctx, int Tq, int Tk, int H, int Hk, int Dk, int Dv,
                          float scale, const mtrl_bf16 *q, const mtrl_bf16 *k, int ldk,
                          const mtrl_bf16 *v, int ldv, float *o, float *lse);
-// The kernel mtrl_attn_causal_fwd (bwd = 0) or _bwd (bwd = 1) runs for this shape: 2 or 1
+// The kernel mtrl_attn_causal_fwd (bwd = 0) or _bwd (bwd = 1) runs for this shape on the
+// current device: 3, 2 or 1
 // (given 16-byte aligned o and 8-byte aligned dq, dk, dv; v1 runs otherwise).
 // alias: the values are the first Dv columns of the keys (Hk = 1, v == k, ldv == ldk).
 int mtrl_attn_causal_version(int H, int Hk, int Dk, int Dv, int alias, int bwd);

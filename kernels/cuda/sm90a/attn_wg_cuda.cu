@@ -1,4 +1,4 @@
-// attn_wg_cuda.cu: v3 of the causal attention's dK / dV (the backward's larger half), on
+// attn_wg_cuda.cu: v3 of the causal attention (forward, and the backward's dK / dV and dQ), on
 // Hopper's warpgroup MMA: every product is a wgmma reading its shared-memory operands through
 // descriptors (wgmma.cuh), so the operand fragments no longer pass through registers
 // (v2, attn_tc_cuda.cu, spends 251 registers and runs at 12% occupancy: docs/kernel-lab.md).
@@ -186,6 +186,299 @@ __global__ void __launch_bounds__(256, 1)
 #endif
 }
 
+// Forward: o and lse of 128 packed query rows per block (two warpgroups x 64 rows; the block's
+// Q tile is loaded once), 128-key tiles of K and V through two cp.async stages:
+//   S = Q Kᵀ    wgmma m64n128k16, A = the warpgroup's Q rows (K-major), B = the K tile (K-major)
+//   online softmax in base 2 in registers (rows g, g + 8 of each warp: quad shuffles)
+//   O += P V    wgmma m64n(DV)k16, A = P from registers, B = the V tile (MN-major)
+// Shared memory (Dk 192): Q 48 KB, two stages of K 48 KB + V 32 KB.
+template <int DK, int DV>
+struct Wfwd {
+    static constexpr int BM = 128, BN = 128, NT = 256;
+    static constexpr int QB = BM * DK * 2, KB = BN * DK * 2, VB = BN * DV * 2;
+    static constexpr int oQ = 0, oK = QB, oV = QB + 2 * KB;
+    static constexpr size_t smem() { return (size_t)oV + 2 * VB + 1024; }
+    static_assert(DK % 64 == 0 && DV % 64 == 0, "64-column blocks");
+};
+
+template <int DK, int DV>
+__global__ void __launch_bounds__(256, 1)
+    attn3_fwd_k(A2 a, float *__restrict__ o, float *__restrict__ lse) {
+#if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
+    using C = Wfwd<DK, DV>;
+    constexpr int BM = C::BM, BN = C::BN, NT = C::NT;
+    extern __shared__ __align__(1024) unsigned char sm_raw[];
+    const uint32_t raw = (uint32_t)__cvta_generic_to_shared(sm_raw);
+    unsigned char *sm = sm_raw + ((1024u - (raw & 1023u)) & 1023u);
+    const uint32_t base = (uint32_t)__cvta_generic_to_shared(sm);
+
+    const int tid = threadIdx.x, wg = tid >> 7, wi = (tid >> 5) & 3, lane = tid & 31;
+    const int g = lane >> 2, t = lane & 3;
+    const int j = blockIdx.y, rho0 = (gridDim.x - 1 - blockIdx.x) * BM;  // heaviest first
+    wg_load_tile<NT, BM, DK>(sm + C::oQ, tid, [&](int r) -> const uint16_t * {
+        const int rho = rho0 + r;
+        return rho < a.nrows ? a.q + row_ih(a, j, rho) * DK : nullptr;
+    }, a.q);
+    auto issue = [&](int kb) {
+        const int k0 = kb * BN, st = kb & 1;
+        wg_load_tile<NT, BN, DK>(sm + C::oK + st * C::KB, tid, [&](int r) -> const uint16_t * {
+            return k0 + r < a.Tk ? a.k + (size_t)(k0 + r) * a.ldk + (size_t)j * DK : nullptr;
+        }, a.k);
+        wg_load_tile<NT, BN, DV>(sm + C::oV + st * C::VB, tid, [&](int r) -> const uint16_t * {
+            return k0 + r < a.Tk ? a.v + (size_t)(k0 + r) * a.ldv + (size_t)j * DV : nullptr;
+        }, a.v);
+        cp_async_commit();
+    };
+    issue(0);  // (Q rides in the same group)
+    int pos[2];
+#pragma unroll
+    for (int h = 0; h < 2; h++) pos[h] = a.off + (rho0 + 64 * wg + 16 * wi + g + 8 * h) / a.G;
+    const int last = min(rho0 + BM, a.nrows) - 1;
+    const int nkb = (a.off + last / a.G) / BN + 1;  // key tiles up to the block's last row
+    const int wlast = min(rho0 + 64 * wg + 63, a.nrows - 1);
+    const int wpos_last = a.off + wlast / a.G;  // the warpgroup's last row
+    const int wpos_first = a.off + (rho0 + 64 * wg) / a.G;
+
+    float oacc[DV / 2], m[2] = {-INFINITY, -INFINITY}, l[2] = {0.f, 0.f};
+#pragma unroll
+    for (int i = 0; i < DV / 2; i++) oacc[i] = 0.f;
+    for (int kb = 0; kb < nkb; kb++) {
+        if (kb + 1 < nkb) {
+            issue(kb + 1);
+            cp_async_wait<1>();
+        } else {
+            cp_async_wait<0>();
+        }
+        wg_fence_proxy();
+        __syncthreads();
+        const int k0 = kb * BN, st = kb & 1;
+        if (k0 <= wpos_last) {
+            const uint32_t tK = base + C::oK + st * C::KB, tV = base + C::oV + st * C::VB;
+            float s[BN / 2];
+            wg_fence();
+#pragma unroll
+            for (int ks = 0; ks < DK / 16; ks++)
+                wg_ss<0>(s, wg_desc_k(base + C::oQ, BM, 64 * wg, ks), wg_desc_k(tK, BN, 0, ks), ks);
+            wg_commit();
+            wg_wait<0>();
+            wg_hold(s);
+            const bool diag = k0 + BN - 1 > wpos_first;
+            float mx[2] = {-INFINITY, -INFINITY};
+#pragma unroll
+            for (int n8 = 0; n8 < BN / 8; n8++)
+#pragma unroll
+                for (int h = 0; h < 2; h++)
+#pragma unroll
+                    for (int e = 0; e < 2; e++) {
+                        float x = s[4 * n8 + 2 * h + e] * a.sl2;
+                        if (diag) x = k0 + 8 * n8 + 2 * t + e > pos[h] ? -INFINITY : x;
+                        s[4 * n8 + 2 * h + e] = x;
+                        mx[h] = fmaxf(mx[h], x);
+                    }
+            float al[2], bse[2];
+#pragma unroll
+            for (int h = 0; h < 2; h++) {
+                mx[h] = fmaxf(mx[h], __shfl_xor_sync(0xffffffffu, mx[h], 1));
+                mx[h] = fmaxf(mx[h], __shfl_xor_sync(0xffffffffu, mx[h], 2));
+                const float mn = fmaxf(m[h], mx[h]);
+                // a row with no visible key yet keeps exponent base 0 (no -inf - -inf)
+                bse[h] = mn == -INFINITY ? 0.f : mn;
+                al[h] = ex2(m[h] - bse[h]);
+                m[h] = mn;
+            }
+            float ps[2] = {0.f, 0.f};
+#pragma unroll
+            for (int n8 = 0; n8 < BN / 8; n8++)
+#pragma unroll
+                for (int h = 0; h < 2; h++)
+#pragma unroll
+                    for (int e = 0; e < 2; e++) {
+                        const float p = ex2(s[4 * n8 + 2 * h + e] - bse[h]);
+                        s[4 * n8 + 2 * h + e] = p;
+                        ps[h] += p;
+                    }
+#pragma unroll
+            for (int h = 0; h < 2; h++) l[h] = l[h] * al[h] + ps[h];
+#pragma unroll
+            for (int n8 = 0; n8 < DV / 8; n8++)
+#pragma unroll
+                for (int h = 0; h < 2; h++) {
+                    oacc[4 * n8 + 2 * h] *= al[h];
+                    oacc[4 * n8 + 2 * h + 1] *= al[h];
+                }
+            uint32_t pa[BN / 16][4];
+#pragma unroll
+            for (int kk = 0; kk < BN / 16; kk++)
+#pragma unroll
+                for (int h = 0; h < 4; h++) pa[kk][h] = pack_bf16(s[8 * kk + 2 * h], s[8 * kk + 2 * h + 1]);
+            wg_fence();
+#pragma unroll
+            for (int kk = 0; kk < BN / 16; kk++) wg_rs<1>(oacc, pa[kk], wg_desc_mn(tV, BN, 0, kk), 1);
+            wg_commit();
+            wg_wait<0>();
+            wg_hold(oacc);
+        }
+        __syncthreads();  // this stage is overwritten by the next iteration's issue
+    }
+    cp_async_wait<0>();
+    // o = O / l; lse = ln 2 (m + log2 l). The row sums are per-thread partials until here.
+#pragma unroll
+    for (int h = 0; h < 2; h++) {
+        float lr = l[h];
+        lr += __shfl_xor_sync(0xffffffffu, lr, 1);
+        lr += __shfl_xor_sync(0xffffffffu, lr, 2);
+        const int rho = rho0 + 64 * wg + 16 * wi + g + 8 * h;
+        if (rho >= a.nrows) continue;
+        const float inv = lr > 0.f ? 1.f / lr : 0.f;
+        const size_t ih = row_ih(a, j, rho);
+        float *orow = o + ih * DV + 2 * t;
+#pragma unroll
+        for (int n8 = 0; n8 < DV / 8; n8++)
+            *reinterpret_cast<float2 *>(orow + 8 * n8) =
+                make_float2(oacc[4 * n8 + 2 * h] * inv, oacc[4 * n8 + 2 * h + 1] * inv);
+        if (t == 0) lse[ih] = (m[h] + log2f(lr)) * 0.6931471805599453f;
+    }
+#endif
+}
+
+// dQ of 128 packed query rows per block (two warpgroups x 64 rows; the block's Q and dO are
+// loaded once), 64-key tiles of K and V through two cp.async stages:
+//   S = Q Kᵀ    wgmma m64n64k16, A = the warpgroup's Q rows (K-major), B = the K tile (K-major)
+//   dP = dO Vᵀ  the same over DV
+//   dS = P ⊙ (dP − D), P = 2^(S sl2 − lse2) zero after each row's position
+//   dQ += dS K  wgmma m64n(DK)k16, A = dS from registers, B = the K tile (MN-major)
+// then dq = scale dQ (overwrite). Shared memory (Dk 192): Q 48 KB, dO 32 KB, two stages of
+// K 24 KB + V 16 KB.
+template <int DK, int DV>
+struct Wdq {
+    static constexpr int BM = 128, BN = 64, NT = 256;
+    static constexpr int QB = BM * DK * 2, OB = BM * DV * 2, KB = BN * DK * 2, VB = BN * DV * 2;
+    static constexpr int oQ = 0, oO = QB, oK = QB + OB, oV = oK + 2 * KB;
+    static constexpr size_t smem() { return (size_t)oV + 2 * VB + 1024; }
+    static_assert(DK % 64 == 0 && DV % 64 == 0, "64-column blocks");
+};
+
+template <int DK, int DV>
+__global__ void __launch_bounds__(256, 1)
+    attn3_bwd_dq_k(A2 a, const uint16_t *__restrict__ dout, const float *__restrict__ lse,
+                   const float *__restrict__ Dd, float *__restrict__ dq) {
+#if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
+    using C = Wdq<DK, DV>;
+    constexpr int BM = C::BM, BN = C::BN, NT = C::NT;
+    extern __shared__ __align__(1024) unsigned char sm_raw[];
+    const uint32_t raw = (uint32_t)__cvta_generic_to_shared(sm_raw);
+    unsigned char *sm = sm_raw + ((1024u - (raw & 1023u)) & 1023u);
+    const uint32_t base = (uint32_t)__cvta_generic_to_shared(sm);
+
+    const int tid = threadIdx.x, wg = tid >> 7, wi = (tid >> 5) & 3, lane = tid & 31;
+    const int g = lane >> 2, t = lane & 3;
+    const int j = blockIdx.y, rho0 = (gridDim.x - 1 - blockIdx.x) * BM;  // heaviest first
+    wg_load_tile<NT, BM, DK>(sm + C::oQ, tid, [&](int r) -> const uint16_t * {
+        const int rho = rho0 + r;
+        return rho < a.nrows ? a.q + row_ih(a, j, rho) * DK : nullptr;
+    }, a.q);
+    wg_load_tile<NT, BM, DV>(sm + C::oO, tid, [&](int r) -> const uint16_t * {
+        const int rho = rho0 + r;
+        return rho < a.nrows ? dout + row_ih(a, j, rho) * DV : nullptr;
+    }, dout);
+    auto issue = [&](int kb) {
+        const int k0 = kb * BN, st = kb & 1;
+        wg_load_tile<NT, BN, DK>(sm + C::oK + st * C::KB, tid, [&](int r) -> const uint16_t * {
+            return k0 + r < a.Tk ? a.k + (size_t)(k0 + r) * a.ldk + (size_t)j * DK : nullptr;
+        }, a.k);
+        wg_load_tile<NT, BN, DV>(sm + C::oV + st * C::VB, tid, [&](int r) -> const uint16_t * {
+            return k0 + r < a.Tk ? a.v + (size_t)(k0 + r) * a.ldv + (size_t)j * DV : nullptr;
+        }, a.v);
+        cp_async_commit();
+    };
+    issue(0);  // (Q, dO ride in the same group)
+    // the thread's two rows (g, g + 8 of its warp's 16): positions, lse (base 2), D
+    int pos[2];
+    float L[2], Dr[2];
+#pragma unroll
+    for (int h = 0; h < 2; h++) {
+        const int rho = rho0 + 64 * wg + 16 * wi + g + 8 * h;
+        pos[h] = a.off + rho / a.G;
+        const size_t ih = rho < a.nrows ? row_ih(a, j, rho) : 0;
+        L[h] = rho < a.nrows ? lse[ih] * kAttnLog2e : INFINITY;
+        Dr[h] = rho < a.nrows ? Dd[ih] : 0.f;
+    }
+    const int last = min(rho0 + BM, a.nrows) - 1;
+    const int nkb = (a.off + last / a.G) / BN + 1;  // key tiles up to the block's last row
+    const int wlast = min(rho0 + 64 * wg + 63, a.nrows - 1);
+    const int wpos_last = a.off + (wlast >= 0 ? wlast : 0) / a.G;  // the warpgroup's last row
+    const int wpos_first = a.off + (rho0 + 64 * wg) / a.G;
+
+    float acc[DK / 2];
+#pragma unroll
+    for (int i = 0; i < DK / 2; i++) acc[i] = 0.f;
+    for (int kb = 0; kb < nkb; kb++) {
+        if (kb + 1 < nkb) {
+            issue(kb + 1);
+            cp_async_wait<1>();
+        } else {
+            cp_async_wait<0>();
+        }
+        wg_fence_proxy();
+        __syncthreads();
+        const int k0 = kb * BN, st = kb & 1;
+        if (k0 <= wpos_last) {  // some key of the tile is visible to the warpgroup's rows
+            const uint32_t tK = base + C::oK + st * C::KB, tV = base + C::oV + st * C::VB;
+            float s[32], dp[32];
+            wg_fence();
+#pragma unroll
+            for (int ks = 0; ks < DK / 16; ks++)
+                wg_ss<0>(s, wg_desc_k(base + C::oQ, BM, 64 * wg, ks), wg_desc_k(tK, BN, 0, ks), ks);
+#pragma unroll
+            for (int ks = 0; ks < DV / 16; ks++)
+                wg_ss<0>(dp, wg_desc_k(base + C::oO, BM, 64 * wg, ks), wg_desc_k(tV, BN, 0, ks), ks);
+            wg_commit();
+            wg_wait<0>();
+            wg_hold(s);
+            wg_hold(dp);
+            const bool diag = k0 + BN - 1 > wpos_first;
+#pragma unroll
+            for (int n8 = 0; n8 < 8; n8++) {
+#pragma unroll
+                for (int e = 0; e < 2; e++) {
+                    const int key = k0 + 8 * n8 + 2 * t + e;
+#pragma unroll
+                    for (int h = 0; h < 2; h++) {
+                        float p = ex2(s[4 * n8 + 2 * h + e] * a.sl2 - L[h]);
+                        if (diag) p = key > pos[h] ? 0.f : p;
+                        dp[4 * n8 + 2 * h + e] = p * (dp[4 * n8 + 2 * h + e] - Dr[h]);
+                    }
+                }
+            }
+            uint32_t da[4][4];
+#pragma unroll
+            for (int kk = 0; kk < 4; kk++)
+#pragma unroll
+                for (int h = 0; h < 4; h++)
+                    da[kk][h] = pack_bf16(dp[8 * kk + 2 * h], dp[8 * kk + 2 * h + 1]);
+            wg_fence();
+#pragma unroll
+            for (int kk = 0; kk < 4; kk++) wg_rs<1>(acc, da[kk], wg_desc_mn(tK, BN, 0, kk), 1);
+            wg_commit();
+            wg_wait<0>();
+            wg_hold(acc);
+        }
+        __syncthreads();  // this stage is overwritten by the next iteration's issue
+    }
+    cp_async_wait<0>();
+#pragma unroll
+    for (int h = 0; h < 2; h++) {
+        const int rho = rho0 + 64 * wg + 16 * wi + g + 8 * h;
+        if (rho >= a.nrows) continue;
+        float *qr = dq + row_ih(a, j, rho) * DK + 2 * t;
+#pragma unroll
+        for (int n8 = 0; n8 < DK / 8; n8++)
+            *reinterpret_cast<float2 *>(qr + 8 * n8) =
+                make_float2(a.scale * acc[4 * n8 + 2 * h], a.scale * acc[4 * n8 + 2 * h + 1]);
+    }
+#endif
+}
+
 template <int DK, int DV>
 int launch_dkv3_(mtrl_cuda_ctx *c, const A2 &a, int Hk, const uint16_t *dout, const float *lse,
                  const float *D, float *dk, float *dv) {
@@ -199,7 +492,46 @@ int launch_dkv3_(mtrl_cuda_ctx *c, const A2 &a, int Hk, const uint16_t *dout, co
     return 0;
 }
 
+template <int DK, int DV>
+int launch_dq3_(mtrl_cuda_ctx *c, const A2 &a, int Hk, const uint16_t *dout, const float *lse,
+                const float *D, float *dq) {
+    using C = Wdq<DK, DV>;
+    const size_t sh = C::smem();
+    MTRL_CUDA_REQUIRE(sh <= c->smem_optin, "shared memory %zu > %zu", sh, c->smem_optin);
+    set_smem(attn3_bwd_dq_k<DK, DV>, sh);
+    attn3_bwd_dq_k<DK, DV><<<dim3(cdiv((size_t)a.nrows, C::BM), Hk), C::NT, sh, c->stream>>>(
+        a, dout, lse, D, dq);
+    CUDA_LAUNCH_CHECK();
+    return 0;
+}
+
+template <int DK, int DV>
+int launch_fwd3_(mtrl_cuda_ctx *c, const A2 &a, int Hk, float *o, float *lse) {
+    using C = Wfwd<DK, DV>;
+    const size_t sh = C::smem();
+    MTRL_CUDA_REQUIRE(sh <= c->smem_optin, "shared memory %zu > %zu", sh, c->smem_optin);
+    set_smem(attn3_fwd_k<DK, DV>, sh);
+    attn3_fwd_k<DK, DV><<<dim3(cdiv((size_t)a.nrows, C::BM), Hk), C::NT, sh, c->stream>>>(a, o, lse);
+    CUDA_LAUNCH_CHECK();
+    return 0;
+}
+
 }  // namespace
+
+int attn3_fwd_launch(mtrl_cuda_ctx *c, const A2 &a, int Hk, float *o, float *lse) {
+    if (c->cc != 90 || a.Dv != 128) return 1;
+    if (a.Dk == 192) return launch_fwd3_<192, 128>(c, a, Hk, o, lse);
+    if (a.Dk == 128) return launch_fwd3_<128, 128>(c, a, Hk, o, lse);
+    return 1;
+}
+
+int attn3_dq_launch(mtrl_cuda_ctx *c, const A2 &a, int Hk, const uint16_t *dout,
+                    const float *lse, const float *D, float *dq) {
+    if (c->cc != 90 || a.Dv != 128) return 1;
+    if (a.Dk == 192) return launch_dq3_<192, 128>(c, a, Hk, dout, lse, D, dq);
+    if (a.Dk == 128) return launch_dq3_<128, 128>(c, a, Hk, dout, lse, D, dq);
+    return 1;
+}
 
 int attn3_dkv_launch(mtrl_cuda_ctx *c, const A2 &a, int Hk, const uint16_t *dout,
                      const float *lse, const float *D, float *dk, float *dv) {
