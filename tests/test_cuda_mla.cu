@@ -288,6 +288,17 @@ int main(int argc, char **argv) {
     test_attn_x(ctx, 200, 200, 4, 4, 128, 128, 0, 1);
     test_attn_x(ctx, 150, 190, 4, 2, 128, 128, 0, 1);
     unsetenv("MTRL_ATTN3");
+    // the v3 forward without warp specialisation (a lab variant: MTRL_ATTN3_WS=0)
+    setenv("MTRL_ATTN3_WS", "0", 1);
+    printf("MTRL_ATTN3_WS=0:\n");
+    test_attn_x(ctx, 1, 1, 2, 2, 192, 128, 0, 1);
+    test_attn_x(ctx, 1000, 1000, 8, 8, 192, 128, 0, 1);
+    test_attn_x(ctx, 77, 333, 2, 2, 192, 128, 0, 1);
+    test_attn_x(ctx, 150, 190, 4, 2, 192, 128, 0, 1);
+    test_attn_x(ctx, 129, 129, 2, 2, 192, 128, 0, 1);
+    test_attn_x(ctx, 200, 200, 4, 4, 128, 128, 0, 1);
+    test_attn_x(ctx, 1, 65, 2, 2, 128, 128, 0, 1);
+    unsetenv("MTRL_ATTN3_WS");
     // v3's own tile boundaries (128 keys / 128 rows per block, 64-row and 64-key tiles)
     test_attn_x(ctx, 256, 256, 2, 2, 192, 128, 0, 1);
     test_attn_x(ctx, 129, 129, 2, 2, 192, 128, 0, 1);

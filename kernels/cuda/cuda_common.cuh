@@ -238,6 +238,45 @@ __device__ __forceinline__ void cp_async_wait() {
     asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
 }
 
+// ---- mbarriers (shared-memory barriers with phases; sm_90) -----------------------------------
+__device__ __forceinline__ void mbar_init(uint32_t b, unsigned count) {
+    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(b), "r"(count) : "memory");
+}
+__device__ __forceinline__ void mbar_expect_tx(uint32_t b, unsigned bytes) {
+    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(b), "r"(bytes) : "memory");
+}
+// Waits for the phase of parity `parity` to complete. A phase that never completes (a byte count
+// or a piece assignment wrong: kda_tc_cuda.cu's cluster pass first ran after it was written) traps after
+// 2^24 polls (each try_wait may suspend for a while: at least ~1 s, at most minutes) instead of
+// hanging the test: the launch then fails with an error.
+__device__ __forceinline__ void mbar_wait(uint32_t b, unsigned parity) {
+    for (unsigned spins = 0;; spins++) {
+        uint32_t ok;
+        asm volatile(
+            "{\n"
+            ".reg .pred p;\n"
+            "mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n"
+            "selp.u32 %0, 1, 0, p;\n"
+            "}\n"
+            : "=r"(ok)
+            : "r"(b), "r"(parity)
+            : "memory");
+        if (ok) return;
+        if (spins == (1u << 24)) __trap();
+    }
+}
+__device__ __forceinline__ void mbar_arrive(uint32_t b) {
+    asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(b) : "memory");
+}
+// Named barriers 1..15 (0 is __syncthreads): `count` threads (a multiple of 32) meet; arrive
+// signals without waiting.
+__device__ __forceinline__ void named_bar_sync(int id, int count) {
+    asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(count) : "memory");
+}
+__device__ __forceinline__ void named_bar_arrive(int id, int count) {
+    asm volatile("bar.arrive %0, %1;\n" ::"r"(id), "r"(count) : "memory");
+}
+
 // Raises a kernel's dynamic shared-memory limit when it needs more than 48 KB.
 template <class F>
 static inline void set_smem(F *kernel, size_t bytes) {

@@ -579,32 +579,6 @@ struct ClCfg {
 };
 
 __device__ __forceinline__ uint32_t smem_u32_(const void *p) { return (uint32_t)__cvta_generic_to_shared(p); }
-__device__ __forceinline__ void mbar_init_(uint32_t b, unsigned count) {
-    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(b), "r"(count) : "memory");
-}
-__device__ __forceinline__ void mbar_expect_tx_(uint32_t b, unsigned bytes) {
-    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(b), "r"(bytes) : "memory");
-}
-// Waits for the phase of parity `parity` to complete. A phase that never completes (a byte count
-// or a piece assignment wrong: this kernel's first GPU run was after it was written) traps after
-// 2^24 polls (each try_wait may suspend for a while: at least ~1 s, at most minutes) instead of
-// hanging the test: the launch then fails with an error.
-__device__ __forceinline__ void mbar_wait_(uint32_t b, unsigned parity) {
-    for (unsigned spins = 0;; spins++) {
-        uint32_t ok;
-        asm volatile(
-            "{\n"
-            ".reg .pred p;\n"
-            "mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n"
-            "selp.u32 %0, 1, 0, p;\n"
-            "}\n"
-            : "=r"(ok)
-            : "r"(b), "r"(parity)
-            : "memory");
-        if (ok) return;
-        if (spins == (1u << 24)) __trap();
-    }
-}
 __device__ __forceinline__ void cluster_arrive_() { asm volatile("barrier.cluster.arrive.release;\n" ::: "memory"); }
 __device__ __forceinline__ void cluster_wait_() { asm volatile("barrier.cluster.wait.acquire;\n" ::: "memory"); }
 __device__ __forceinline__ unsigned cluster_rank_() {
@@ -648,7 +622,7 @@ __global__ void __cluster_dims__(CL, 1, 1) __launch_bounds__(32 * (8 / CL), 1)
     const uint32_t bar0 = smem_u32_(sm3_ + Cc::BAR);
 
     if (tid == 0) {
-        for (int s = 0; s < NST3; s++) mbar_init_(bar0 + 8 * s, 1);
+        for (int s = 0; s < NST3; s++) mbar_init(bar0 + 8 * s, 1);
         asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
     }
     cluster_arrive_();  // every block's mbarriers initialised before any copy signals them
@@ -660,7 +634,7 @@ __global__ void __cluster_dims__(CL, 1, 1) __launch_bounds__(32 * (8 / CL), 1)
         const unsigned char *R = rec + ((size_t)h * nt + m) * Rc::BYTES;
         const int s = m % NST3;
         const uint32_t st = smem_u32_(sm3_ + s * Cf::STAGE), bar = bar0 + 8 * s;
-        if (tid == 0) mbar_expect_tx_(bar, Cc::TX);
+        if (tid == 0) mbar_expect_tx(bar, Cc::TX);
         for (int i = rank + CL * tid; i < Cc::NPC; i += CL * NTH) {
             if (i < Cc::NROW)  // row i of [3 NP][16][K]
                 bulk_mc_(st + i * LD3 * 2, R + i * K3 * 2, K3 * 2, bar, (uint16_t)((1u << CL) - 1));
@@ -688,7 +662,7 @@ __global__ void __cluster_dims__(CL, 1, 1) __launch_bounds__(32 * (8 / CL), 1)
 
 #pragma unroll 1
     for (int n = 0; n < nt; n++) {
-        mbar_wait_(bar0 + 8 * (n % NST3), (unsigned)(n / NST3) & 1u);  // tile n has landed here
+        mbar_wait(bar0 + 8 * (n % NST3), (unsigned)(n / NST3) & 1u);  // tile n has landed here
         const bool refill = n + NST3 - 1 < nt;  // tile n + 5 goes into tile n − 1's stage
         const unsigned char *sb = sm3_ + (n % NST3) * Cf::STAGE;
         const uint16_t *sW = reinterpret_cast<const uint16_t *>(sb + Cf::SW),

@@ -3,7 +3,20 @@
 // descriptors (wgmma.cuh), so the operand fragments no longer pass through registers
 // (v2, attn_tc_cuda.cu, spends 251 registers and runs at 12% occupancy: docs/kernel-lab.md).
 // Compiled for sm_90a only (the arch-specific wgmma instructions); the launcher declines any
-// other device, and the caller runs v2.
+// other device, and the caller runs v2. Dk = 128 or 192 (the naive MLA form), Dv = 128.
+//
+// Three kernels run by default (all deterministic: nothing atomic, fixed summation order):
+//   attn3_fwd_ws_k  the forward, warp-specialised (FA3's structure): a producer warp streams
+//                   K / V tiles by bulk tensor copies (TMA) into two stages guarded by mbarriers,
+//                   two consumer warpgroups of 64 query rows take turns on the tensor cores
+//                   (named barriers: one's softmax runs while the other's products do).
+//   attn3_bwd_dkv_k dK / dV, below: two warpgroups in step (one __syncthreads per tile).
+//   attn3_bwd_dq_ws_k  dQ, warp-specialised as the forward.
+// attn3_fwd_k and attn3_bwd_dq_k are the same products with the warpgroups in step and cp.async
+// loads by every thread (MTRL_ATTN3_WS=0, a lab knob): 1.5-1.7x slower forward (docs/kernel-lab.md).
+// A warp-specialised dK / dV was measured and dropped: its consumers need more than the 168
+// registers per thread of a 384-thread block (ptxas kept that limit despite setmaxnreg), spilled
+// ~1 KB and ran 1.3x slower than the kernel in step.
 //
 // attn3_bwd_dkv_k<DK, DV>: grid (key blocks of 128, Hk), 256 threads = two warpgroups; warpgroup
 // w owns keys 64 w .. 64 w + 63 of the block and holds their dK (DK / 2 fp32 registers per
@@ -20,6 +33,7 @@
 // summation order is fixed, so results are bit-reproducible).
 // Shared memory (Dk 192): K 48 KB, V 32 KB, two stages of Q 24 KB + dO 16 KB, lse and D.
 #include <math.h>
+#include <stdlib.h>
 
 #include "kernels/cuda/attn_args.cuh"
 #include "kernels/cuda/sm90a/wgmma.cuh"
@@ -35,6 +49,124 @@ struct Wdkv {
     static constexpr size_t smem() { return (size_t)oL + 4 * BR * sizeof(float) + 1024; }
     static_assert(DK % 64 == 0 && DV % 64 == 0, "64-column blocks");
 };
+
+// One warpgroup's dK / dV work on one query tile, in two halves (as the forward's).
+template <int DK, int DV, int BR>
+struct Dkv3Rows {
+    float dka[DK / 2], dva[DV / 2], sT[BR / 2], dpT[BR / 2];
+    int kr0, kr1;  // the thread's key rows
+};
+template <int DK, int DV, int BN, int BR>
+__device__ __forceinline__ void dkv3_issue(Dkv3Rows<DK, DV, BR> &r, uint32_t sK, uint32_t sV, int wg,
+                                           uint32_t tQ, uint32_t tO) {
+    wg_fence();
+#pragma unroll
+    for (int ks = 0; ks < DK / 16; ks++)
+        wg_ss<0>(r.sT, wg_desc_k(sK, BN, 64 * wg, ks), wg_desc_k(tQ, BR, 0, ks), ks);
+#pragma unroll
+    for (int ks = 0; ks < DV / 16; ks++)
+        wg_ss<0>(r.dpT, wg_desc_k(sV, BN, 64 * wg, ks), wg_desc_k(tO, BR, 0, ks), ks);
+    wg_commit();
+}
+// tL, tD: the tile's lse (base 2; +inf past the last row) and D; column c is packed row rho0 + c.
+template <int DK, int DV, int BR>
+__device__ __forceinline__ void dkv3_finish(Dkv3Rows<DK, DV, BR> &r, const A2 &a, uint32_t tQ,
+                                            uint32_t tO, const float *tL, const float *tD,
+                                            int rho0, bool diag, int t) {
+    wg_wait<0>();
+    wg_hold(r.sT);
+    wg_hold(r.dpT);
+#pragma unroll
+    for (int n8 = 0; n8 < BR / 8; n8++) {
+#pragma unroll
+        for (int e = 0; e < 2; e++) {
+            const int c = 8 * n8 + 2 * t + e;
+            const float L = tL[c], dd = tD[c];
+            float x0 = ex2(r.sT[4 * n8 + e] * a.sl2 - L);
+            float x1 = ex2(r.sT[4 * n8 + 2 + e] * a.sl2 - L);
+            if (diag) {
+                const int pos = a.off + (rho0 + c) / a.G;
+                x0 = r.kr0 > pos ? 0.f : x0;
+                x1 = r.kr1 > pos ? 0.f : x1;
+            }
+            r.sT[4 * n8 + e] = x0;
+            r.sT[4 * n8 + 2 + e] = x1;
+            r.dpT[4 * n8 + e] = x0 * (r.dpT[4 * n8 + e] - dd);
+            r.dpT[4 * n8 + 2 + e] = x1 * (r.dpT[4 * n8 + 2 + e] - dd);
+        }
+    }
+    uint32_t pa[BR / 16][4], da[BR / 16][4];  // A fragments of the 16-row K steps
+#pragma unroll
+    for (int kk = 0; kk < BR / 16; kk++) {
+#pragma unroll
+        for (int h = 0; h < 4; h++) {
+            pa[kk][h] = pack_bf16(r.sT[8 * kk + 2 * h], r.sT[8 * kk + 2 * h + 1]);
+            da[kk][h] = pack_bf16(r.dpT[8 * kk + 2 * h], r.dpT[8 * kk + 2 * h + 1]);
+        }
+    }
+    wg_fence();
+#pragma unroll
+    for (int kk = 0; kk < BR / 16; kk++) wg_rs<1>(r.dva, pa[kk], wg_desc_mn(tO, BR, 0, kk), 1);
+#pragma unroll
+    for (int kk = 0; kk < BR / 16; kk++) wg_rs<1>(r.dka, da[kk], wg_desc_mn(tQ, BR, 0, kk), 1);
+    wg_commit();
+    wg_wait<0>();
+    wg_hold(r.dka);
+    wg_hold(r.dva);
+}
+template <int DK, int DV, int BR>
+__device__ __forceinline__ void dkv3_init(Dkv3Rows<DK, DV, BR> &r, int kr0) {
+#pragma unroll
+    for (int i = 0; i < DK / 2; i++) r.dka[i] = 0.f;
+#pragma unroll
+    for (int i = 0; i < DV / 2; i++) r.dva[i] = 0.f;
+    r.kr0 = kr0;
+    r.kr1 = kr0 + 8;
+}
+// dk += scale dK, dv += dV: the block owns these keys, one read-modify-write each.
+template <int DK, int DV, int BR>
+__device__ __forceinline__ void dkv3_store(const Dkv3Rows<DK, DV, BR> &r, const A2 &a, int j, int t,
+                                           float *dk, float *dv) {
+#pragma unroll
+    for (int hr = 0; hr < 2; hr++) {
+        const int key = hr ? r.kr1 : r.kr0;
+        if (key >= a.Tk) continue;
+        float *kr = dk + (size_t)key * a.ldk + (size_t)j * DK + 2 * t;
+        float *vr = dv + (size_t)key * a.ldv + (size_t)j * DV + 2 * t;
+#pragma unroll
+        for (int n8 = 0; n8 < DK / 8; n8++) {
+            float2 x = *reinterpret_cast<float2 *>(kr + 8 * n8);
+            x.x += a.scale * r.dka[4 * n8 + 2 * hr];
+            x.y += a.scale * r.dka[4 * n8 + 2 * hr + 1];
+            *reinterpret_cast<float2 *>(kr + 8 * n8) = x;
+        }
+#pragma unroll
+        for (int n8 = 0; n8 < DV / 8; n8++) {
+            float2 y = *reinterpret_cast<float2 *>(vr + 8 * n8);
+            y.x += r.dva[4 * n8 + 2 * hr];
+            y.y += r.dva[4 * n8 + 2 * hr + 1];
+            *reinterpret_cast<float2 *>(vr + 8 * n8) = y;
+        }
+    }
+}
+// The block's K and V rows (cp.async by `nt` threads; landed after a wait).
+template <int NT, int BN, int DK, int DV>
+__device__ __forceinline__ void dkv3_load_kv(unsigned char *sK, unsigned char *sV, const A2 &a,
+                                             int j, int s0, int tid) {
+    wg_load_tile<NT, BN, DK>(sK, tid, [&](int r) -> const uint16_t * {
+        return s0 + r < a.Tk ? a.k + (size_t)(s0 + r) * a.ldk + (size_t)j * DK : nullptr;
+    }, a.k);
+    wg_load_tile<NT, BN, DV>(sV, tid, [&](int r) -> const uint16_t * {
+        return s0 + r < a.Tk ? a.v + (size_t)(s0 + r) * a.ldv + (size_t)j * DV : nullptr;
+    }, a.v);
+}
+// lse (base 2, +inf past the last row) and D of packed row rho.
+__device__ __forceinline__ void dkv3_row_ld(const A2 &a, int j, int rho, const float *lse,
+                                            const float *Dd, float *L, float *D) {
+    const size_t ih = rho < a.nrows ? row_ih(a, j, rho) : 0;
+    *L = rho < a.nrows ? lse[ih] * kAttnLog2e : INFINITY;
+    *D = rho < a.nrows ? Dd[ih] : 0.f;
+}
 
 template <int DK, int DV>
 __global__ void __launch_bounds__(256, 1)
@@ -56,12 +188,7 @@ __global__ void __launch_bounds__(256, 1)
     const int i_first = s0 - a.off > 0 ? s0 - a.off : 0;  // first token that sees key s0
     const int rt0 = i_first * a.G / BR, nrt = (a.nrows + BR - 1) / BR;
 
-    wg_load_tile<NT, BN, DK>(sm + C::oK, tid, [&](int r) -> const uint16_t * {
-        return s0 + r < a.Tk ? a.k + (size_t)(s0 + r) * a.ldk + (size_t)j * DK : nullptr;
-    }, a.k);
-    wg_load_tile<NT, BN, DV>(sm + C::oV, tid, [&](int r) -> const uint16_t * {
-        return s0 + r < a.Tk ? a.v + (size_t)(s0 + r) * a.ldv + (size_t)j * DV : nullptr;
-    }, a.v);
+    dkv3_load_kv<NT, BN, DK, DV>(sm + C::oK, sm + C::oV, a, j, s0, tid);
     auto issue = [&](int rt) {
         const int st = rt & 1, rho0 = rt * BR;
         wg_load_tile<NT, BR, DK>(sm + C::oQ + st * C::QB, tid, [&](int r) -> const uint16_t * {
@@ -72,24 +199,14 @@ __global__ void __launch_bounds__(256, 1)
             const int rho = rho0 + r;
             return rho < a.nrows ? dout + row_ih(a, j, rho) * DV : nullptr;
         }, dout);
-        if (tid < BR) {  // rows past the end: P = 2^-inf = 0, so they add nothing
-            const int rho = rho0 + tid;
-            const size_t ih = rho < a.nrows ? row_ih(a, j, rho) : 0;
-            sL[st * BR + tid] = rho < a.nrows ? lse[ih] * kAttnLog2e : INFINITY;
-            sD[st * BR + tid] = rho < a.nrows ? Dd[ih] : 0.f;
-        }
+        if (tid < BR) dkv3_row_ld(a, j, rho0 + tid, lse, Dd, sL + st * BR + tid, sD + st * BR + tid);
         cp_async_commit();
     };
     if (rt0 < nrt) issue(rt0);  // (K, V ride in the same group)
     else cp_async_commit();
 
-    float dka[DK / 2], dva[DV / 2];
-#pragma unroll
-    for (int i = 0; i < DK / 2; i++) dka[i] = 0.f;
-#pragma unroll
-    for (int i = 0; i < DV / 2; i++) dva[i] = 0.f;
-    const int kr0 = kw0 + 16 * wi + g, kr1 = kr0 + 8;  // the thread's two key rows
-
+    Dkv3Rows<DK, DV, BR> r;
+    dkv3_init(r, kw0 + 16 * wi + g);
     for (int rt = rt0; rt < nrt; rt++) {
         if (rt + 1 < nrt) {
             issue(rt + 1);
@@ -103,86 +220,14 @@ __global__ void __launch_bounds__(256, 1)
         const int last = (rho0 + BR < a.nrows ? rho0 + BR : a.nrows) - 1;
         if (a.off + last / a.G >= kw0) {  // some row of the tile sees the warpgroup's keys
             const uint32_t tQ = base + C::oQ + st * C::QB, tO = base + C::oO + st * C::OB;
-            float sT[32], dpT[32];
-            wg_fence();
-#pragma unroll
-            for (int ks = 0; ks < DK / 16; ks++)
-                wg_ss<0>(sT, wg_desc_k(base + C::oK, BN, 64 * wg, ks), wg_desc_k(tQ, BR, 0, ks),
-                         ks);
-#pragma unroll
-            for (int ks = 0; ks < DV / 16; ks++)
-                wg_ss<0>(dpT, wg_desc_k(base + C::oV, BN, 64 * wg, ks), wg_desc_k(tO, BR, 0, ks),
-                         ks);
-            wg_commit();
-            wg_wait<0>();
-            wg_hold(sT);
-            wg_hold(dpT);
-            // Pᵀ (in sT) and dSᵀ (in dpT); column c of the tile is packed row rho0 + c
-            const float *tL = sL + st * BR, *tD = sD + st * BR;
-            const bool diag = a.off + rho0 / a.G < kw0 + 63;
-#pragma unroll
-            for (int n8 = 0; n8 < 8; n8++) {
-#pragma unroll
-                for (int e = 0; e < 2; e++) {
-                    const int c = 8 * n8 + 2 * t + e;
-                    const float L = tL[c], dd = tD[c];
-                    float x0 = ex2(sT[4 * n8 + e] * a.sl2 - L);
-                    float x1 = ex2(sT[4 * n8 + 2 + e] * a.sl2 - L);
-                    if (diag) {
-                        const int pos = a.off + (rho0 + c) / a.G;
-                        x0 = kr0 > pos ? 0.f : x0;
-                        x1 = kr1 > pos ? 0.f : x1;
-                    }
-                    sT[4 * n8 + e] = x0;
-                    sT[4 * n8 + 2 + e] = x1;
-                    dpT[4 * n8 + e] = x0 * (dpT[4 * n8 + e] - dd);
-                    dpT[4 * n8 + 2 + e] = x1 * (dpT[4 * n8 + 2 + e] - dd);
-                }
-            }
-            uint32_t pa[4][4], da[4][4];  // A fragments of the four 16-row K steps
-#pragma unroll
-            for (int kk = 0; kk < 4; kk++) {
-#pragma unroll
-                for (int h = 0; h < 4; h++) {
-                    pa[kk][h] = pack_bf16(sT[8 * kk + 2 * h], sT[8 * kk + 2 * h + 1]);
-                    da[kk][h] = pack_bf16(dpT[8 * kk + 2 * h], dpT[8 * kk + 2 * h + 1]);
-                }
-            }
-            wg_fence();
-#pragma unroll
-            for (int kk = 0; kk < 4; kk++) wg_rs<1>(dva, pa[kk], wg_desc_mn(tO, BR, 0, kk), 1);
-#pragma unroll
-            for (int kk = 0; kk < 4; kk++) wg_rs<1>(dka, da[kk], wg_desc_mn(tQ, BR, 0, kk), 1);
-            wg_commit();
-            wg_wait<0>();
-            wg_hold(dka);
-            wg_hold(dva);
+            dkv3_issue<DK, DV, BN, BR>(r, base + C::oK, base + C::oV, wg, tQ, tO);
+            dkv3_finish<DK, DV, BR>(r, a, tQ, tO, sL + st * BR, sD + st * BR, rho0,
+                                    a.off + rho0 / a.G < kw0 + 63, t);
         }
         __syncthreads();  // this stage is overwritten by the next iteration's issue
     }
     cp_async_wait<0>();
-    // dk += scale dK, dv += dV: the block owns these keys, one read-modify-write each
-#pragma unroll
-    for (int hr = 0; hr < 2; hr++) {
-        const int key = hr ? kr1 : kr0;
-        if (key >= a.Tk) continue;
-        float *kr = dk + (size_t)key * a.ldk + (size_t)j * DK + 2 * t;
-        float *vr = dv + (size_t)key * a.ldv + (size_t)j * DV + 2 * t;
-#pragma unroll
-        for (int n8 = 0; n8 < DK / 8; n8++) {
-            float2 x = *reinterpret_cast<float2 *>(kr + 8 * n8);
-            x.x += a.scale * dka[4 * n8 + 2 * hr];
-            x.y += a.scale * dka[4 * n8 + 2 * hr + 1];
-            *reinterpret_cast<float2 *>(kr + 8 * n8) = x;
-        }
-#pragma unroll
-        for (int n8 = 0; n8 < DV / 8; n8++) {
-            float2 y = *reinterpret_cast<float2 *>(vr + 8 * n8);
-            y.x += dva[4 * n8 + 2 * hr];
-            y.y += dva[4 * n8 + 2 * hr + 1];
-            *reinterpret_cast<float2 *>(vr + 8 * n8) = y;
-        }
-    }
+    dkv3_store(r, a, j, t, dk, dv);
 #endif
 }
 
@@ -196,10 +241,159 @@ template <int DK, int DV>
 struct Wfwd {
     static constexpr int BM = 128, BN = 128, NT = 256;
     static constexpr int QB = BM * DK * 2, KB = BN * DK * 2, VB = BN * DV * 2;
-    static constexpr int oQ = 0, oK = QB, oV = QB + 2 * KB;
-    static constexpr size_t smem() { return (size_t)oV + 2 * VB + 1024; }
+    static constexpr int oQ = 0, oK = QB, oV = QB + 2 * KB, oBar = oV + 2 * VB;
+    // (+ 32: the warp-specialised kernel's four mbarriers)
+    static constexpr size_t smem() { return (size_t)oBar + 32 + 1024; }
     static_assert(DK % 64 == 0 && DV % 64 == 0, "64-column blocks");
 };
+
+// The producer of the warp-specialised kernels (one thread): key tiles 0..nkb-1 of key head j
+// (BN keys, DK key and DV value columns) into two stages (K at sK + st kstride, V likewise), one
+// bulk tensor copy per 64-column block, completing on full[st]; stage st is reused once both
+// consumer warpgroups have arrived on empty[st] (phase parity of the tile two before).
+template <int DK, int DV, int BN>
+__device__ __forceinline__ void ws_produce_kv(uint32_t sK, int kstride, uint32_t sV, int vstride,
+                                              uint32_t full0, uint32_t empty0, const CUtensorMap *tmK,
+                                              const CUtensorMap *tmV, int j, int nkb) {
+    for (int kb = 0; kb < nkb; kb++) {
+        const int k0 = kb * BN, st = kb & 1;
+        if (kb >= 2) mbar_wait(empty0 + 8 * st, (unsigned)((kb >> 1) - 1) & 1u);
+        const uint32_t full = full0 + 8 * st;
+        mbar_expect_tx(full, (unsigned)(BN * (DK + DV) * 2));  // rows past Tk: zero-filled, counted
+#pragma unroll
+        for (int cb = 0; cb < DK / 64; cb++)
+            tma_load_2d(sK + st * kstride + cb * BN * 128, tmK, j * DK + 64 * cb, k0, full);
+#pragma unroll
+        for (int cb = 0; cb < DV / 64; cb++)
+            tma_load_2d(sV + st * vstride + cb * BN * 128, tmV, j * DV + 64 * cb, k0, full);
+    }
+}
+
+// One warpgroup's work on one key tile of the forward, in two halves so that the warp-specialised
+// kernel can hand the tensor cores to the other warpgroup between them (Fwd3Rows: the thread's
+// state). fwd3_issue_s: S = Q Kᵀ (issued, committed, not waited for).
+template <int DK, int DV, int BN>
+struct Fwd3Rows {
+    float oacc[DV / 2], m[2], l[2], s[BN / 2];
+    int pos[2];  // positions of the thread's rows g, g + 8
+};
+template <int DK, int DV, int BN, int BM>
+__device__ __forceinline__ void fwd3_issue_s(Fwd3Rows<DK, DV, BN> &r, uint32_t tQ, int wg,
+                                             uint32_t tK) {
+    wg_fence();
+#pragma unroll
+    for (int ks = 0; ks < DK / 16; ks++)
+        wg_ss<0>(r.s, wg_desc_k(tQ, BM, 64 * wg, ks), wg_desc_k(tK, BN, 0, ks), ks);
+    wg_commit();
+}
+// fwd3_finish: waits for S, the online softmax (base 2, masked where the tile crosses the
+// diagonal: `diag`), O += P V, waits for it.
+template <int DK, int DV, int BN>
+__device__ __forceinline__ void fwd3_finish(Fwd3Rows<DK, DV, BN> &r, const A2 &a, uint32_t tV,
+                                            int k0, bool diag, int t) {
+    wg_wait<0>();
+    wg_hold(r.s);
+    float mx[2] = {-INFINITY, -INFINITY};
+#pragma unroll
+    for (int n8 = 0; n8 < BN / 8; n8++)
+#pragma unroll
+        for (int h = 0; h < 2; h++)
+#pragma unroll
+            for (int e = 0; e < 2; e++) {
+                float x = r.s[4 * n8 + 2 * h + e] * a.sl2;
+                if (diag) x = k0 + 8 * n8 + 2 * t + e > r.pos[h] ? -INFINITY : x;
+                r.s[4 * n8 + 2 * h + e] = x;
+                mx[h] = fmaxf(mx[h], x);
+            }
+    float al[2], bse[2];
+#pragma unroll
+    for (int h = 0; h < 2; h++) {
+        mx[h] = fmaxf(mx[h], __shfl_xor_sync(0xffffffffu, mx[h], 1));
+        mx[h] = fmaxf(mx[h], __shfl_xor_sync(0xffffffffu, mx[h], 2));
+        const float mn = fmaxf(r.m[h], mx[h]);
+        // a row with no visible key yet keeps exponent base 0 (no -inf - -inf)
+        bse[h] = mn == -INFINITY ? 0.f : mn;
+        al[h] = ex2(r.m[h] - bse[h]);
+        r.m[h] = mn;
+    }
+    float ps[2] = {0.f, 0.f};
+#pragma unroll
+    for (int n8 = 0; n8 < BN / 8; n8++)
+#pragma unroll
+        for (int h = 0; h < 2; h++)
+#pragma unroll
+            for (int e = 0; e < 2; e++) {
+                const float p = ex2(r.s[4 * n8 + 2 * h + e] - bse[h]);
+                r.s[4 * n8 + 2 * h + e] = p;
+                ps[h] += p;
+            }
+#pragma unroll
+    for (int h = 0; h < 2; h++) r.l[h] = r.l[h] * al[h] + ps[h];
+#pragma unroll
+    for (int n8 = 0; n8 < DV / 8; n8++)
+#pragma unroll
+        for (int h = 0; h < 2; h++) {
+            r.oacc[4 * n8 + 2 * h] *= al[h];
+            r.oacc[4 * n8 + 2 * h + 1] *= al[h];
+        }
+    uint32_t pa[BN / 16][4];
+#pragma unroll
+    for (int kk = 0; kk < BN / 16; kk++)
+#pragma unroll
+        for (int h = 0; h < 4; h++) pa[kk][h] = pack_bf16(r.s[8 * kk + 2 * h], r.s[8 * kk + 2 * h + 1]);
+    wg_fence();
+#pragma unroll
+    for (int kk = 0; kk < BN / 16; kk++) wg_rs<1>(r.oacc, pa[kk], wg_desc_mn(tV, BN, 0, kk), 1);
+    wg_commit();
+    wg_wait<0>();
+    wg_hold(r.oacc);
+}
+template <int DK, int DV, int BN>
+__device__ __forceinline__ void fwd3_init(Fwd3Rows<DK, DV, BN> &r, const A2 &a, int rho_g) {
+#pragma unroll
+    for (int i = 0; i < DV / 2; i++) r.oacc[i] = 0.f;
+#pragma unroll
+    for (int h = 0; h < 2; h++) {
+        r.m[h] = -INFINITY;
+        r.l[h] = 0.f;
+        r.pos[h] = a.off + (rho_g + 8 * h) / a.G;
+    }
+}
+// o = O / l; lse = ln 2 (m + log2 l) of the thread's rows rho_g, rho_g + 8. The row sums are
+// per-thread partials until here.
+template <int DK, int DV, int BN>
+__device__ __forceinline__ void fwd3_store(Fwd3Rows<DK, DV, BN> &r, const A2 &a, int j, int rho_g,
+                                           int t, float *o, float *lse) {
+#pragma unroll
+    for (int h = 0; h < 2; h++) {
+        float lr = r.l[h];
+        lr += __shfl_xor_sync(0xffffffffu, lr, 1);
+        lr += __shfl_xor_sync(0xffffffffu, lr, 2);
+        const int rho = rho_g + 8 * h;
+        if (rho >= a.nrows) continue;
+        const float inv = lr > 0.f ? 1.f / lr : 0.f;
+        const size_t ih = row_ih(a, j, rho);
+        float *orow = o + ih * DV + 2 * t;
+#pragma unroll
+        for (int n8 = 0; n8 < DV / 8; n8++)
+            *reinterpret_cast<float2 *>(orow + 8 * n8) =
+                make_float2(r.oacc[4 * n8 + 2 * h] * inv, r.oacc[4 * n8 + 2 * h + 1] * inv);
+        if (t == 0) lse[ih] = (r.m[h] + log2f(lr)) * 0.6931471805599453f;
+    }
+}
+
+// The block's key tiles (up to its last row) and the warpgroup's first and last row positions.
+struct Fwd3Span {
+    int nkb, wpos_first, wpos_last;
+};
+__device__ __forceinline__ Fwd3Span fwd3_span(const A2 &a, int rho0, int BM, int BN, int wg) {
+    Fwd3Span sp;
+    const int last = min(rho0 + BM, a.nrows) - 1;
+    sp.nkb = (a.off + last / a.G) / BN + 1;
+    sp.wpos_last = a.off + min(rho0 + 64 * wg + 63, a.nrows - 1) / a.G;
+    sp.wpos_first = a.off + (rho0 + 64 * wg) / a.G;
+    return sp;
+}
 
 template <int DK, int DV>
 __global__ void __launch_bounds__(256, 1)
@@ -230,20 +424,12 @@ __global__ void __launch_bounds__(256, 1)
         cp_async_commit();
     };
     issue(0);  // (Q rides in the same group)
-    int pos[2];
-#pragma unroll
-    for (int h = 0; h < 2; h++) pos[h] = a.off + (rho0 + 64 * wg + 16 * wi + g + 8 * h) / a.G;
-    const int last = min(rho0 + BM, a.nrows) - 1;
-    const int nkb = (a.off + last / a.G) / BN + 1;  // key tiles up to the block's last row
-    const int wlast = min(rho0 + 64 * wg + 63, a.nrows - 1);
-    const int wpos_last = a.off + wlast / a.G;  // the warpgroup's last row
-    const int wpos_first = a.off + (rho0 + 64 * wg) / a.G;
-
-    float oacc[DV / 2], m[2] = {-INFINITY, -INFINITY}, l[2] = {0.f, 0.f};
-#pragma unroll
-    for (int i = 0; i < DV / 2; i++) oacc[i] = 0.f;
-    for (int kb = 0; kb < nkb; kb++) {
-        if (kb + 1 < nkb) {
+    const int rho_g = rho0 + 64 * wg + 16 * wi + g;
+    const Fwd3Span sp = fwd3_span(a, rho0, BM, BN, wg);
+    Fwd3Rows<DK, DV, BN> r;
+    fwd3_init(r, a, rho_g);
+    for (int kb = 0; kb < sp.nkb; kb++) {
+        if (kb + 1 < sp.nkb) {
             issue(kb + 1);
             cp_async_wait<1>();
         } else {
@@ -252,92 +438,82 @@ __global__ void __launch_bounds__(256, 1)
         wg_fence_proxy();
         __syncthreads();
         const int k0 = kb * BN, st = kb & 1;
-        if (k0 <= wpos_last) {
-            const uint32_t tK = base + C::oK + st * C::KB, tV = base + C::oV + st * C::VB;
-            float s[BN / 2];
-            wg_fence();
-#pragma unroll
-            for (int ks = 0; ks < DK / 16; ks++)
-                wg_ss<0>(s, wg_desc_k(base + C::oQ, BM, 64 * wg, ks), wg_desc_k(tK, BN, 0, ks), ks);
-            wg_commit();
-            wg_wait<0>();
-            wg_hold(s);
-            const bool diag = k0 + BN - 1 > wpos_first;
-            float mx[2] = {-INFINITY, -INFINITY};
-#pragma unroll
-            for (int n8 = 0; n8 < BN / 8; n8++)
-#pragma unroll
-                for (int h = 0; h < 2; h++)
-#pragma unroll
-                    for (int e = 0; e < 2; e++) {
-                        float x = s[4 * n8 + 2 * h + e] * a.sl2;
-                        if (diag) x = k0 + 8 * n8 + 2 * t + e > pos[h] ? -INFINITY : x;
-                        s[4 * n8 + 2 * h + e] = x;
-                        mx[h] = fmaxf(mx[h], x);
-                    }
-            float al[2], bse[2];
-#pragma unroll
-            for (int h = 0; h < 2; h++) {
-                mx[h] = fmaxf(mx[h], __shfl_xor_sync(0xffffffffu, mx[h], 1));
-                mx[h] = fmaxf(mx[h], __shfl_xor_sync(0xffffffffu, mx[h], 2));
-                const float mn = fmaxf(m[h], mx[h]);
-                // a row with no visible key yet keeps exponent base 0 (no -inf - -inf)
-                bse[h] = mn == -INFINITY ? 0.f : mn;
-                al[h] = ex2(m[h] - bse[h]);
-                m[h] = mn;
-            }
-            float ps[2] = {0.f, 0.f};
-#pragma unroll
-            for (int n8 = 0; n8 < BN / 8; n8++)
-#pragma unroll
-                for (int h = 0; h < 2; h++)
-#pragma unroll
-                    for (int e = 0; e < 2; e++) {
-                        const float p = ex2(s[4 * n8 + 2 * h + e] - bse[h]);
-                        s[4 * n8 + 2 * h + e] = p;
-                        ps[h] += p;
-                    }
-#pragma unroll
-            for (int h = 0; h < 2; h++) l[h] = l[h] * al[h] + ps[h];
-#pragma unroll
-            for (int n8 = 0; n8 < DV / 8; n8++)
-#pragma unroll
-                for (int h = 0; h < 2; h++) {
-                    oacc[4 * n8 + 2 * h] *= al[h];
-                    oacc[4 * n8 + 2 * h + 1] *= al[h];
-                }
-            uint32_t pa[BN / 16][4];
-#pragma unroll
-            for (int kk = 0; kk < BN / 16; kk++)
-#pragma unroll
-                for (int h = 0; h < 4; h++) pa[kk][h] = pack_bf16(s[8 * kk + 2 * h], s[8 * kk + 2 * h + 1]);
-            wg_fence();
-#pragma unroll
-            for (int kk = 0; kk < BN / 16; kk++) wg_rs<1>(oacc, pa[kk], wg_desc_mn(tV, BN, 0, kk), 1);
-            wg_commit();
-            wg_wait<0>();
-            wg_hold(oacc);
+        if (k0 <= sp.wpos_last) {
+            fwd3_issue_s<DK, DV, BN, BM>(r, base + C::oQ, wg, base + C::oK + st * C::KB);
+            fwd3_finish(r, a, base + C::oV + st * C::VB, k0, k0 + BN - 1 > sp.wpos_first, t);
         }
         __syncthreads();  // this stage is overwritten by the next iteration's issue
     }
     cp_async_wait<0>();
-    // o = O / l; lse = ln 2 (m + log2 l). The row sums are per-thread partials until here.
-#pragma unroll
-    for (int h = 0; h < 2; h++) {
-        float lr = l[h];
-        lr += __shfl_xor_sync(0xffffffffu, lr, 1);
-        lr += __shfl_xor_sync(0xffffffffu, lr, 2);
-        const int rho = rho0 + 64 * wg + 16 * wi + g + 8 * h;
-        if (rho >= a.nrows) continue;
-        const float inv = lr > 0.f ? 1.f / lr : 0.f;
-        const size_t ih = row_ih(a, j, rho);
-        float *orow = o + ih * DV + 2 * t;
-#pragma unroll
-        for (int n8 = 0; n8 < DV / 8; n8++)
-            *reinterpret_cast<float2 *>(orow + 8 * n8) =
-                make_float2(oacc[4 * n8 + 2 * h] * inv, oacc[4 * n8 + 2 * h + 1] * inv);
-        if (t == 0) lse[ih] = (m[h] + log2f(lr)) * 0.6931471805599453f;
+    fwd3_store(r, a, j, rho_g, t, o, lse);
+#endif
+}
+
+// The forward, warp-specialised (FA3's structure): warps 0-7 are the two consumer warpgroups as
+// above, warp 8 the producer: one thread streams the K / V tiles into two stages by bulk tensor
+// copies (TMA: one instruction per 64-column block, the 128-byte swizzle applied by the copy,
+// rows past Tk zero-filled), which complete on full[s]; the consumers free a stage through
+// empty[s] once their products on it completed. (A first version had the producer warp issue
+// cp.async: 160 per lane per tile made it 2.2x slower than the kernel above.) Nothing else
+// keeps the warpgroups in step, and named barriers 1 and 2 make them take turns issuing S = Q Kᵀ
+// (ping-pong): one warpgroup's softmax runs while the other's products occupy the tensor cores.
+template <int DK, int DV>
+__global__ void __launch_bounds__(288, 1)
+    attn3_fwd_ws_k(A2 a, float *__restrict__ o, float *__restrict__ lse,
+                   const __grid_constant__ CUtensorMap tmK, const __grid_constant__ CUtensorMap tmV) {
+#if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
+    using C = Wfwd<DK, DV>;
+    constexpr int BM = C::BM, BN = C::BN;
+    extern __shared__ __align__(1024) unsigned char sm_raw[];
+    const uint32_t raw = (uint32_t)__cvta_generic_to_shared(sm_raw);
+    unsigned char *sm = sm_raw + ((1024u - (raw & 1023u)) & 1023u);
+    const uint32_t base = (uint32_t)__cvta_generic_to_shared(sm);
+    const uint32_t full0 = base + C::oBar, empty0 = full0 + 16;  // full[2], empty[2]
+
+    // (the warp index through a shuffle: ptxas then knows it is uniform across the warp, and keeps
+    // the wgmma of the branches below asynchronous; without it they are serialised, C7518)
+    const int tid = threadIdx.x, warp = __shfl_sync(0xffffffffu, tid >> 5, 0), lane = tid & 31;
+    const int j = blockIdx.y, rho0 = (gridDim.x - 1 - blockIdx.x) * BM;  // heaviest first
+    if (tid == 0) {
+        for (int st = 0; st < 2; st++) {
+            mbar_init(full0 + 8 * st, 1);     // the producer's expect_tx arrival
+            mbar_init(empty0 + 8 * st, 256);  // every consumer thread
+        }
     }
+    if (warp < 8)
+        wg_load_tile<256, BM, DK>(sm + C::oQ, tid, [&](int r) -> const uint16_t * {
+            const int rho = rho0 + r;
+            return rho < a.nrows ? a.q + row_ih(a, j, rho) * DK : nullptr;
+        }, a.q);
+    cp_async_commit();
+    cp_async_wait<0>();
+    wg_fence_proxy();
+    __syncthreads();  // Q landed, the mbarriers initialised
+    const int last = min(rho0 + BM, a.nrows) - 1;
+    const int nkb = (a.off + last / a.G) / BN + 1;
+
+    if (warp == 8) {  // producer: one thread, one bulk tensor copy per 64-column block
+        if (lane == 0) ws_produce_kv<DK, DV, BN>(base + C::oK, C::KB, base + C::oV, C::VB, full0,
+                                                 empty0, &tmK, &tmV, j, nkb);
+        return;
+    }
+    const int wg = warp >> 2, wi = warp & 3, g = lane >> 2, t = lane & 3;
+    const int rho_g = rho0 + 64 * wg + 16 * wi + g;
+    const Fwd3Span sp = fwd3_span(a, rho0, BM, BN, wg);
+    Fwd3Rows<DK, DV, BN> r;
+    fwd3_init(r, a, rho_g);
+    if (wg == 1) named_bar_arrive(1, 256);  // warpgroup 0 issues first
+    for (int kb = 0; kb < nkb; kb++) {
+        const int k0 = kb * BN, st = kb & 1;
+        mbar_wait(full0 + 8 * st, (unsigned)(kb >> 1) & 1u);  // (bulk copies: the async proxy)
+        const bool active = k0 <= sp.wpos_last;
+        named_bar_sync(1 + wg, 256);  // my turn
+        if (active) fwd3_issue_s<DK, DV, BN, BM>(r, base + C::oQ, wg, base + C::oK + st * C::KB);
+        if (!(wg == 1 && kb == nkb - 1)) named_bar_arrive(2 - wg, 256);  // the other's turn
+        if (active) fwd3_finish(r, a, base + C::oV + st * C::VB, k0, k0 + BN - 1 > sp.wpos_first, t);
+        mbar_arrive(empty0 + 8 * st);
+    }
+    fwd3_store(r, a, j, rho_g, t, o, lse);
 #endif
 }
 
@@ -353,10 +529,103 @@ template <int DK, int DV>
 struct Wdq {
     static constexpr int BM = 128, BN = 64, NT = 256;
     static constexpr int QB = BM * DK * 2, OB = BM * DV * 2, KB = BN * DK * 2, VB = BN * DV * 2;
-    static constexpr int oQ = 0, oO = QB, oK = QB + OB, oV = oK + 2 * KB;
-    static constexpr size_t smem() { return (size_t)oV + 2 * VB + 1024; }
+    static constexpr int oQ = 0, oO = QB, oK = QB + OB, oV = oK + 2 * KB, oBar = oV + 2 * VB;
+    // (+ 32: the warp-specialised kernel's four mbarriers)
+    static constexpr size_t smem() { return (size_t)oBar + 32 + 1024; }
     static_assert(DK % 64 == 0 && DV % 64 == 0, "64-column blocks");
 };
+
+// One warpgroup's dQ work on one key tile, in two halves (as the forward's).
+template <int DK>
+struct Dq3Rows {
+    float acc[DK / 2], s[32], dp[32], L[2], Dr[2];
+    int pos[2];
+};
+template <int DK, int DV, int BM, int BN>
+__device__ __forceinline__ void dq3_issue(Dq3Rows<DK> &r, uint32_t tQ, uint32_t tO, int wg,
+                                          uint32_t tK, uint32_t tV) {
+    wg_fence();
+#pragma unroll
+    for (int ks = 0; ks < DK / 16; ks++)
+        wg_ss<0>(r.s, wg_desc_k(tQ, BM, 64 * wg, ks), wg_desc_k(tK, BN, 0, ks), ks);
+#pragma unroll
+    for (int ks = 0; ks < DV / 16; ks++)
+        wg_ss<0>(r.dp, wg_desc_k(tO, BM, 64 * wg, ks), wg_desc_k(tV, BN, 0, ks), ks);
+    wg_commit();
+}
+template <int DK, int BN>
+__device__ __forceinline__ void dq3_finish(Dq3Rows<DK> &r, const A2 &a, uint32_t tK, int k0,
+                                           bool diag, int t) {
+    wg_wait<0>();
+    wg_hold(r.s);
+    wg_hold(r.dp);
+#pragma unroll
+    for (int n8 = 0; n8 < 8; n8++) {
+#pragma unroll
+        for (int e = 0; e < 2; e++) {
+            const int key = k0 + 8 * n8 + 2 * t + e;
+#pragma unroll
+            for (int h = 0; h < 2; h++) {
+                float p = ex2(r.s[4 * n8 + 2 * h + e] * a.sl2 - r.L[h]);
+                if (diag) p = key > r.pos[h] ? 0.f : p;
+                r.dp[4 * n8 + 2 * h + e] = p * (r.dp[4 * n8 + 2 * h + e] - r.Dr[h]);
+            }
+        }
+    }
+    uint32_t da[4][4];
+#pragma unroll
+    for (int kk = 0; kk < 4; kk++)
+#pragma unroll
+        for (int h = 0; h < 4; h++) da[kk][h] = pack_bf16(r.dp[8 * kk + 2 * h], r.dp[8 * kk + 2 * h + 1]);
+    wg_fence();
+#pragma unroll
+    for (int kk = 0; kk < 4; kk++) wg_rs<1>(r.acc, da[kk], wg_desc_mn(tK, BN, 0, kk), 1);
+    wg_commit();
+    wg_wait<0>();
+    wg_hold(r.acc);
+}
+// The thread's rows rho_g, rho_g + 8: positions, lse (base 2), D; dQ zeroed.
+template <int DK>
+__device__ __forceinline__ void dq3_init(Dq3Rows<DK> &r, const A2 &a, int j, int rho_g,
+                                         const float *lse, const float *Dd) {
+#pragma unroll
+    for (int i = 0; i < DK / 2; i++) r.acc[i] = 0.f;
+#pragma unroll
+    for (int h = 0; h < 2; h++) {
+        const int rho = rho_g + 8 * h;
+        r.pos[h] = a.off + rho / a.G;
+        const size_t ih = rho < a.nrows ? row_ih(a, j, rho) : 0;
+        r.L[h] = rho < a.nrows ? lse[ih] * kAttnLog2e : INFINITY;
+        r.Dr[h] = rho < a.nrows ? Dd[ih] : 0.f;
+    }
+}
+template <int DK>
+__device__ __forceinline__ void dq3_store(const Dq3Rows<DK> &r, const A2 &a, int j, int rho_g,
+                                          int t, float *dq) {
+#pragma unroll
+    for (int h = 0; h < 2; h++) {
+        const int rho = rho_g + 8 * h;
+        if (rho >= a.nrows) continue;
+        float *qr = dq + row_ih(a, j, rho) * DK + 2 * t;
+#pragma unroll
+        for (int n8 = 0; n8 < DK / 8; n8++)
+            *reinterpret_cast<float2 *>(qr + 8 * n8) =
+                make_float2(a.scale * r.acc[4 * n8 + 2 * h], a.scale * r.acc[4 * n8 + 2 * h + 1]);
+    }
+}
+// The block's Q and dO rows, by cp.async from the threads tid < nt (landed when it returns).
+template <int BM, int DK, int DV>
+__device__ __forceinline__ void dq3_load_rows(unsigned char *sQ, unsigned char *sO, const A2 &a,
+                                              int j, int rho0, int tid, const uint16_t *dout) {
+    wg_load_tile<256, BM, DK>(sQ, tid, [&](int r) -> const uint16_t * {
+        const int rho = rho0 + r;
+        return rho < a.nrows ? a.q + row_ih(a, j, rho) * DK : nullptr;
+    }, a.q);
+    wg_load_tile<256, BM, DV>(sO, tid, [&](int r) -> const uint16_t * {
+        const int rho = rho0 + r;
+        return rho < a.nrows ? dout + row_ih(a, j, rho) * DV : nullptr;
+    }, dout);
+}
 
 template <int DK, int DV>
 __global__ void __launch_bounds__(256, 1)
@@ -373,14 +642,7 @@ __global__ void __launch_bounds__(256, 1)
     const int tid = threadIdx.x, wg = tid >> 7, wi = (tid >> 5) & 3, lane = tid & 31;
     const int g = lane >> 2, t = lane & 3;
     const int j = blockIdx.y, rho0 = (gridDim.x - 1 - blockIdx.x) * BM;  // heaviest first
-    wg_load_tile<NT, BM, DK>(sm + C::oQ, tid, [&](int r) -> const uint16_t * {
-        const int rho = rho0 + r;
-        return rho < a.nrows ? a.q + row_ih(a, j, rho) * DK : nullptr;
-    }, a.q);
-    wg_load_tile<NT, BM, DV>(sm + C::oO, tid, [&](int r) -> const uint16_t * {
-        const int rho = rho0 + r;
-        return rho < a.nrows ? dout + row_ih(a, j, rho) * DV : nullptr;
-    }, dout);
+    dq3_load_rows<BM, DK, DV>(sm + C::oQ, sm + C::oO, a, j, rho0, tid, dout);
     auto issue = [&](int kb) {
         const int k0 = kb * BN, st = kb & 1;
         wg_load_tile<NT, BN, DK>(sm + C::oK + st * C::KB, tid, [&](int r) -> const uint16_t * {
@@ -392,28 +654,12 @@ __global__ void __launch_bounds__(256, 1)
         cp_async_commit();
     };
     issue(0);  // (Q, dO ride in the same group)
-    // the thread's two rows (g, g + 8 of its warp's 16): positions, lse (base 2), D
-    int pos[2];
-    float L[2], Dr[2];
-#pragma unroll
-    for (int h = 0; h < 2; h++) {
-        const int rho = rho0 + 64 * wg + 16 * wi + g + 8 * h;
-        pos[h] = a.off + rho / a.G;
-        const size_t ih = rho < a.nrows ? row_ih(a, j, rho) : 0;
-        L[h] = rho < a.nrows ? lse[ih] * kAttnLog2e : INFINITY;
-        Dr[h] = rho < a.nrows ? Dd[ih] : 0.f;
-    }
-    const int last = min(rho0 + BM, a.nrows) - 1;
-    const int nkb = (a.off + last / a.G) / BN + 1;  // key tiles up to the block's last row
-    const int wlast = min(rho0 + 64 * wg + 63, a.nrows - 1);
-    const int wpos_last = a.off + (wlast >= 0 ? wlast : 0) / a.G;  // the warpgroup's last row
-    const int wpos_first = a.off + (rho0 + 64 * wg) / a.G;
-
-    float acc[DK / 2];
-#pragma unroll
-    for (int i = 0; i < DK / 2; i++) acc[i] = 0.f;
-    for (int kb = 0; kb < nkb; kb++) {
-        if (kb + 1 < nkb) {
+    const int rho_g = rho0 + 64 * wg + 16 * wi + g;
+    Dq3Rows<DK> r;
+    dq3_init(r, a, j, rho_g, lse, Dd);
+    const Fwd3Span sp = fwd3_span(a, rho0, BM, BN, wg);
+    for (int kb = 0; kb < sp.nkb; kb++) {
+        if (kb + 1 < sp.nkb) {
             issue(kb + 1);
             cp_async_wait<1>();
         } else {
@@ -422,60 +668,78 @@ __global__ void __launch_bounds__(256, 1)
         wg_fence_proxy();
         __syncthreads();
         const int k0 = kb * BN, st = kb & 1;
-        if (k0 <= wpos_last) {  // some key of the tile is visible to the warpgroup's rows
+        if (k0 <= sp.wpos_last) {  // some key of the tile is visible to the warpgroup's rows
             const uint32_t tK = base + C::oK + st * C::KB, tV = base + C::oV + st * C::VB;
-            float s[32], dp[32];
-            wg_fence();
-#pragma unroll
-            for (int ks = 0; ks < DK / 16; ks++)
-                wg_ss<0>(s, wg_desc_k(base + C::oQ, BM, 64 * wg, ks), wg_desc_k(tK, BN, 0, ks), ks);
-#pragma unroll
-            for (int ks = 0; ks < DV / 16; ks++)
-                wg_ss<0>(dp, wg_desc_k(base + C::oO, BM, 64 * wg, ks), wg_desc_k(tV, BN, 0, ks), ks);
-            wg_commit();
-            wg_wait<0>();
-            wg_hold(s);
-            wg_hold(dp);
-            const bool diag = k0 + BN - 1 > wpos_first;
-#pragma unroll
-            for (int n8 = 0; n8 < 8; n8++) {
-#pragma unroll
-                for (int e = 0; e < 2; e++) {
-                    const int key = k0 + 8 * n8 + 2 * t + e;
-#pragma unroll
-                    for (int h = 0; h < 2; h++) {
-                        float p = ex2(s[4 * n8 + 2 * h + e] * a.sl2 - L[h]);
-                        if (diag) p = key > pos[h] ? 0.f : p;
-                        dp[4 * n8 + 2 * h + e] = p * (dp[4 * n8 + 2 * h + e] - Dr[h]);
-                    }
-                }
-            }
-            uint32_t da[4][4];
-#pragma unroll
-            for (int kk = 0; kk < 4; kk++)
-#pragma unroll
-                for (int h = 0; h < 4; h++)
-                    da[kk][h] = pack_bf16(dp[8 * kk + 2 * h], dp[8 * kk + 2 * h + 1]);
-            wg_fence();
-#pragma unroll
-            for (int kk = 0; kk < 4; kk++) wg_rs<1>(acc, da[kk], wg_desc_mn(tK, BN, 0, kk), 1);
-            wg_commit();
-            wg_wait<0>();
-            wg_hold(acc);
+            dq3_issue<DK, DV, BM, BN>(r, base + C::oQ, base + C::oO, wg, tK, tV);
+            dq3_finish<DK, BN>(r, a, tK, k0, k0 + BN - 1 > sp.wpos_first, t);
         }
         __syncthreads();  // this stage is overwritten by the next iteration's issue
     }
     cp_async_wait<0>();
-#pragma unroll
-    for (int h = 0; h < 2; h++) {
-        const int rho = rho0 + 64 * wg + 16 * wi + g + 8 * h;
-        if (rho >= a.nrows) continue;
-        float *qr = dq + row_ih(a, j, rho) * DK + 2 * t;
-#pragma unroll
-        for (int n8 = 0; n8 < DK / 8; n8++)
-            *reinterpret_cast<float2 *>(qr + 8 * n8) =
-                make_float2(a.scale * acc[4 * n8 + 2 * h], a.scale * acc[4 * n8 + 2 * h + 1]);
+    dq3_store(r, a, j, rho_g, t, dq);
+#endif
+}
+
+// dQ warp-specialised, as the forward: warps 0-7 consume, one thread of warps 8-11 streams the
+// K / V tiles by bulk tensor copies, the consumer warpgroups take turns issuing S and dP. A whole
+// producer warpgroup, because the consumers need more than the 168 registers per thread that a
+// block of nine warps may have (dQ alone holds 96 at Dk = 192): the producers give theirs back
+// (setmaxnreg.dec to 40) and the consumers take them (setmaxnreg.inc to 232).
+template <int DK, int DV>
+__global__ void __launch_bounds__(384, 1)
+    attn3_bwd_dq_ws_k(A2 a, const uint16_t *__restrict__ dout, const float *__restrict__ lse,
+                      const float *__restrict__ Dd, float *__restrict__ dq,
+                      const __grid_constant__ CUtensorMap tmK, const __grid_constant__ CUtensorMap tmV) {
+#if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
+    using C = Wdq<DK, DV>;
+    constexpr int BM = C::BM, BN = C::BN;
+    extern __shared__ __align__(1024) unsigned char sm_raw[];
+    const uint32_t raw = (uint32_t)__cvta_generic_to_shared(sm_raw);
+    unsigned char *sm = sm_raw + ((1024u - (raw & 1023u)) & 1023u);
+    const uint32_t base = (uint32_t)__cvta_generic_to_shared(sm);
+    const uint32_t full0 = base + C::oBar, empty0 = full0 + 16;
+
+    // (the warp index through a shuffle: ptxas then knows it is uniform across the warp, and keeps
+    // the wgmma of the branches below asynchronous; without it they are serialised, C7518)
+    const int tid = threadIdx.x, warp = __shfl_sync(0xffffffffu, tid >> 5, 0), lane = tid & 31;
+    const int j = blockIdx.y, rho0 = (gridDim.x - 1 - blockIdx.x) * BM;  // heaviest first
+    if (tid == 0)
+        for (int st = 0; st < 2; st++) {
+            mbar_init(full0 + 8 * st, 1);
+            mbar_init(empty0 + 8 * st, 256);
+        }
+    if (warp < 8) dq3_load_rows<BM, DK, DV>(sm + C::oQ, sm + C::oO, a, j, rho0, tid, dout);
+    cp_async_commit();
+    cp_async_wait<0>();
+    wg_fence_proxy();
+    __syncthreads();
+    const int last = min(rho0 + BM, a.nrows) - 1;
+    const int nkb = (a.off + last / a.G) / BN + 1;
+    if (warp >= 8) {
+        wg_setmaxnreg_dec<40>();
+        if (tid == 256) ws_produce_kv<DK, DV, BN>(base + C::oK, C::KB, base + C::oV, C::VB, full0,
+                                                  empty0, &tmK, &tmV, j, nkb);
+        return;
     }
+    wg_setmaxnreg_inc<232>();
+    const int wg = warp >> 2, wi = warp & 3, g = lane >> 2, t = lane & 3;
+    const int rho_g = rho0 + 64 * wg + 16 * wi + g;
+    Dq3Rows<DK> r;
+    dq3_init(r, a, j, rho_g, lse, Dd);
+    const Fwd3Span sp = fwd3_span(a, rho0, BM, BN, wg);
+    if (wg == 1) named_bar_arrive(1, 256);  // warpgroup 0 issues first
+    for (int kb = 0; kb < nkb; kb++) {
+        const int k0 = kb * BN, st = kb & 1;
+        const uint32_t tK = base + C::oK + st * C::KB, tV = base + C::oV + st * C::VB;
+        mbar_wait(full0 + 8 * st, (unsigned)(kb >> 1) & 1u);
+        const bool active = k0 <= sp.wpos_last;
+        named_bar_sync(1 + wg, 256);
+        if (active) dq3_issue<DK, DV, BM, BN>(r, base + C::oQ, base + C::oO, wg, tK, tV);
+        if (!(wg == 1 && kb == nkb - 1)) named_bar_arrive(2 - wg, 256);
+        if (active) dq3_finish<DK, BN>(r, a, tK, k0, k0 + BN - 1 > sp.wpos_first, t);
+        mbar_arrive(empty0 + 8 * st);
+    }
+    dq3_store(r, a, j, rho_g, t, dq);
 #endif
 }
 
@@ -494,42 +758,63 @@ int launch_dkv3_(mtrl_cuda_ctx *c, const A2 &a, int Hk, const uint16_t *dout, co
 
 template <int DK, int DV>
 int launch_dq3_(mtrl_cuda_ctx *c, const A2 &a, int Hk, const uint16_t *dout, const float *lse,
-                const float *D, float *dq) {
+                const float *D, float *dq, int ws) {
     using C = Wdq<DK, DV>;
     const size_t sh = C::smem();
+    const dim3 grid(cdiv((size_t)a.nrows, C::BM), Hk);
     MTRL_CUDA_REQUIRE(sh <= c->smem_optin, "shared memory %zu > %zu", sh, c->smem_optin);
-    set_smem(attn3_bwd_dq_k<DK, DV>, sh);
-    attn3_bwd_dq_k<DK, DV><<<dim3(cdiv((size_t)a.nrows, C::BM), Hk), C::NT, sh, c->stream>>>(
-        a, dout, lse, D, dq);
+    CUtensorMap tk, tv;
+    if (ws && !tma_map_rows(&tk, a.k, a.ldk, a.Tk, C::BN) && !tma_map_rows(&tv, a.v, a.ldv, a.Tk, C::BN)) {
+        set_smem(attn3_bwd_dq_ws_k<DK, DV>, sh);
+        attn3_bwd_dq_ws_k<DK, DV><<<grid, 384, sh, c->stream>>>(a, dout, lse, D, dq, tk, tv);
+    } else {
+        set_smem(attn3_bwd_dq_k<DK, DV>, sh);
+        attn3_bwd_dq_k<DK, DV><<<grid, C::NT, sh, c->stream>>>(a, dout, lse, D, dq);
+    }
     CUDA_LAUNCH_CHECK();
     return 0;
 }
 
 template <int DK, int DV>
-int launch_fwd3_(mtrl_cuda_ctx *c, const A2 &a, int Hk, float *o, float *lse) {
+int launch_fwd3_(mtrl_cuda_ctx *c, const A2 &a, int Hk, float *o, float *lse, int ws) {
     using C = Wfwd<DK, DV>;
     const size_t sh = C::smem();
+    const dim3 grid(cdiv((size_t)a.nrows, C::BM), Hk);
     MTRL_CUDA_REQUIRE(sh <= c->smem_optin, "shared memory %zu > %zu", sh, c->smem_optin);
-    set_smem(attn3_fwd_k<DK, DV>, sh);
-    attn3_fwd_k<DK, DV><<<dim3(cdiv((size_t)a.nrows, C::BM), Hk), C::NT, sh, c->stream>>>(a, o, lse);
+    CUtensorMap tk, tv;
+    if (ws && !tma_map_rows(&tk, a.k, a.ldk, a.Tk, C::BN) && !tma_map_rows(&tv, a.v, a.ldv, a.Tk, C::BN)) {
+        set_smem(attn3_fwd_ws_k<DK, DV>, sh);
+        attn3_fwd_ws_k<DK, DV><<<grid, 288, sh, c->stream>>>(a, o, lse, tk, tv);
+    } else {
+        set_smem(attn3_fwd_k<DK, DV>, sh);
+        attn3_fwd_k<DK, DV><<<grid, C::NT, sh, c->stream>>>(a, o, lse);
+    }
     CUDA_LAUNCH_CHECK();
     return 0;
+}
+
+// MTRL_ATTN3_WS=0 (a lab knob, read at each call): the kernels without warp specialisation.
+int ws_wanted_() {
+    const char *e = getenv("MTRL_ATTN3_WS");
+    return !(e && e[0] == '0');
 }
 
 }  // namespace
 
 int attn3_fwd_launch(mtrl_cuda_ctx *c, const A2 &a, int Hk, float *o, float *lse) {
     if (c->cc != 90 || a.Dv != 128) return 1;
-    if (a.Dk == 192) return launch_fwd3_<192, 128>(c, a, Hk, o, lse);
-    if (a.Dk == 128) return launch_fwd3_<128, 128>(c, a, Hk, o, lse);
+    const int ws = ws_wanted_();
+    if (a.Dk == 192) return launch_fwd3_<192, 128>(c, a, Hk, o, lse, ws);
+    if (a.Dk == 128) return launch_fwd3_<128, 128>(c, a, Hk, o, lse, ws);
     return 1;
 }
 
 int attn3_dq_launch(mtrl_cuda_ctx *c, const A2 &a, int Hk, const uint16_t *dout,
                     const float *lse, const float *D, float *dq) {
     if (c->cc != 90 || a.Dv != 128) return 1;
-    if (a.Dk == 192) return launch_dq3_<192, 128>(c, a, Hk, dout, lse, D, dq);
-    if (a.Dk == 128) return launch_dq3_<128, 128>(c, a, Hk, dout, lse, D, dq);
+    const int ws = ws_wanted_();
+    if (a.Dk == 192) return launch_dq3_<192, 128>(c, a, Hk, dout, lse, D, dq, ws);
+    if (a.Dk == 128) return launch_dq3_<128, 128>(c, a, Hk, dout, lse, D, dq, ws);
     return 1;
 }
 

@@ -19,6 +19,8 @@
 // proxy): cp.async wait, then wg_fence_proxy(), then a barrier.
 #ifndef MTRL_WGMMA_CUH
 #define MTRL_WGMMA_CUH
+#include <cuda.h>
+#include <cudaTypedefs.h>
 #include <stdint.h>
 
 #include "kernels/cuda/cuda_common.cuh"
@@ -48,6 +50,16 @@ template <int N>
 __device__ __forceinline__ void wg_wait() {
     asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(N) : "memory");
 }
+// Hands registers back to / takes them from the block's pool: every thread of the warpgroup
+// executes the same one (the warp-specialised kernels' producer and consumer warpgroups).
+template <int N>
+__device__ __forceinline__ void wg_setmaxnreg_dec() {
+    asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(N));
+}
+template <int N>
+__device__ __forceinline__ void wg_setmaxnreg_inc() {
+    asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(N));
+}
 // Orders this thread's generic-proxy shared-memory writes (cp.async included, once waited for)
 // before later async-proxy reads (wgmma operands).
 __device__ __forceinline__ void wg_fence_proxy() {
@@ -76,6 +88,42 @@ __device__ __forceinline__ void wg_load_tile(unsigned char *dst, int tid, F src,
         cp_async16_pred(dst + (c >> 3) * (ROWS * 128) + r * 128 + (((c & 7) ^ (r & 7)) << 4),
                         s ? s + c * 8 : any, s != nullptr);
     }
+}
+
+// ---- bulk tensor copies (TMA) into sw128 tiles ------------------------------------------------
+// One copy: the 64-column x `rows` box at (column c0, row r0) of the 2D bf16 tensor behind `map`
+// into the sw128 column block at shared address dst (1024-aligned), completing (with its byte
+// count) on the mbarrier at `bar`. Rows outside the tensor arrive as zeros.
+__device__ __forceinline__ void tma_load_2d(uint32_t dst, const CUtensorMap *map, int c0, int r0,
+                                            uint32_t bar) {
+    asm volatile(
+        "cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3}], [%4];\n" ::"r"(dst),
+        "l"((uint64_t)map), "r"(c0), "r"(r0), "r"(bar)
+        : "memory");
+}
+
+// The tensor map of `rows` rows of bf16 at `base`, `ld` elements apart (a multiple of 8), read in
+// boxes of 64 columns x box_rows rows with the 128-byte swizzle. 0, or -1 when the driver
+// declines (the caller then takes another path).
+static inline int tma_map_rows(CUtensorMap *map, const void *base, int ld, int rows, int box_rows) {
+    static PFN_cuTensorMapEncodeTiled_v12000 encode = nullptr;
+    if (!encode) {
+        void *fn = nullptr;
+        cudaDriverEntryPointQueryResult q;
+        if (cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &fn, 12000, cudaEnableDefault,
+                                             &q) != cudaSuccess || q != cudaDriverEntryPointSuccess || !fn)
+            return -1;
+        encode = (PFN_cuTensorMapEncodeTiled_v12000)fn;
+    }
+    if (((uintptr_t)base & 15) || (ld & 7) || rows < 1) return -1;
+    const cuuint64_t dim[2] = {(cuuint64_t)ld, (cuuint64_t)rows};
+    const cuuint64_t stride[1] = {(cuuint64_t)ld * 2};
+    const cuuint32_t box[2] = {64, (cuuint32_t)box_rows}, estride[2] = {1, 1};
+    return encode(map, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 2, const_cast<void *>(base), dim, stride, box,
+                  estride, CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
+                  CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) == CUDA_SUCCESS
+               ? 0
+               : -1;
 }
 
 #endif
