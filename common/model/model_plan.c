@@ -94,7 +94,10 @@ static size_t ctx_request_(const mtrl_model_dims *d, size_t T, size_t es) {
         req = max_(req, norm_dw_req_(T * H, K)); // gated_rmsnorm_bwd
     }
     if (model_n_mla(d) > 0) {
-        req = max_(req, 4 * T * (size_t)d->mH); // attn_causal_bwd: D [Tq][H]
+        // attn_causal_bwd: D [Tq][H]; with the v3 kernels and MHA rows also lse and D head-major,
+        // [2][H][Tq rounded up to 64] (attn_tc_cuda.cu)
+        size_t mH = (size_t)d->mH, dt[2] = {4 * T * mH, 8 * mH * (cdiv_(T, 64) * 64)};
+        req = max_(req, carve_(dt, 2));
         req = max_(req, norm_dw_req_(T, (size_t)d->dc)); // kv_a_layernorm
     }
     req = max_(req, norm_dw_req_(T, D)); // norm1, norm2, final norm

@@ -38,8 +38,11 @@ static inline A2 attn_args_make(int Tq, int Tk, int H, int Hk, int Dk, int Dv, f
 // The sm_90a dK / dV kernel (sm90a/attn_wg_cuda.cu): launched for Dk = 128 or 192 with Dv = 128
 // on a compute capability 9.0 device; returns 1 without launching anything otherwise (the caller
 // runs v2), 0 when launched, -1 on a launch error. D = rowsum(dO ⊙ O) per packed row.
+// Lt, Dt (MHA rows, else null): lse log2(e) and D head-major, npad rows per head (a multiple of
+// 64, +inf and 0 past Tq), which the ping-pong kernel streams by bulk copies.
 int attn3_dkv_launch(mtrl_cuda_ctx *c, const A2 &a, int Hk, const uint16_t *dout,
-                     const float *lse, const float *D, float *dk, float *dv);
+                     const float *lse, const float *D, const float *Lt, const float *Dt, int npad,
+                     float *dk, float *dv);
 // The same for the forward (o, lse overwritten).
 int attn3_fwd_launch(mtrl_cuda_ctx *c, const A2 &a, int Hk, float *o, float *lse);
 // The same for dQ (overwritten).

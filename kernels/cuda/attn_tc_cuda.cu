@@ -321,11 +321,23 @@ __global__ void __launch_bounds__(128 * NVW, MINB)
 
 // ---- backward -------------------------------------------------------------------------------
 
-// D[i][h] = Σ_c dO[i][h][c] O[i][h][c]: one warp per (i, h), fixed order.
+// D[i][h] = Σ_c dO[i][h][c] O[i][h][c]: one warp per (i, h), fixed order. With Lt (MHA rows,
+// for v3's dK / dV): also head-major copies Lt[h][i] = lse[i][h] log2(e) and Dt[h][i] = D[i][h],
+// npad rows per head, the rows Tq..npad-1 padded with +inf and 0 (warps past `rows` write those).
 __global__ void attn2_bwd_pre_k(int rows, int Dv, const uint16_t *__restrict__ dout,
-                                const float *__restrict__ o, float *__restrict__ D) {
+                                const float *__restrict__ o, float *__restrict__ D,
+                                const float *__restrict__ lse, int H, int Tq, int npad,
+                                float *__restrict__ Lt, float *__restrict__ Dt) {
     const int row = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5), lane = threadIdx.x & 31;
-    if (row >= rows) return;
+    if (row >= rows) {
+        const int p = row - rows, pads = npad - Tq;
+        if (Lt && lane == 0 && pads > 0 && p < H * pads) {
+            const int h = p / pads, i = Tq + p % pads;
+            Lt[(size_t)h * npad + i] = INFINITY;
+            Dt[(size_t)h * npad + i] = 0.f;
+        }
+        return;
+    }
     const uint16_t *dr = dout + (size_t)row * Dv;
     const float *orow = o + (size_t)row * Dv;
     float acc = 0.f;
@@ -338,7 +350,14 @@ __global__ void attn2_bwd_pre_k(int rows, int Dv, const uint16_t *__restrict__ d
         acc = fmaf(bf2f((uint16_t)(d.y >> 16)), x.w, acc);
     }
     acc = warp_sum(acc);
-    if (lane == 0) D[row] = acc;
+    if (lane == 0) {
+        D[row] = acc;
+        if (Lt) {
+            const int i = row / H, h = row - i * H;
+            Lt[(size_t)h * npad + i] = lse[row] * kLog2e;
+            Dt[(size_t)h * npad + i] = acc;
+        }
+    }
 }
 
 // dK, dV of 64 keys per block (key columns DK, value columns DV). Shared memory: K [64][DK+8]
@@ -855,12 +874,20 @@ extern "C" int mtrl_attn2_causal_bwd(mtrl_cuda_ctx *c, int Tq, int Tk, int H, in
         return 1;  // float4 loads of o, float2 accesses of dq, dk, dv
     if (Tq == 0) return 0;
     A2 a = attn_args_make(Tq, Tk, H, Hk, Dk, Dv, scale, q, k, ldk, v, ldv);
-    float *D = (float *)mtrl_ctx_scratch(c, sizeof(float) * (size_t)Tq * H);
-    const int rows = Tq * H;
-    attn2_bwd_pre_k<<<cdiv(rows, 8), 256, 0, c->stream>>>(rows, Dv, dout, o, D);
+    // D [Tq][H], and for v3 with MHA rows its head-major copies with lse (attn_args.cuh)
+    const int rows = Tq * H, npad = (Tq + 63) / 64 * 64, tcopy = ver == 3 && H == Hk;
+    ws_carver sz{nullptr, 0};
+    sz.take<float>((size_t)rows);
+    if (tcopy) sz.take<float>(2 * (size_t)H * npad);
+    ws_carver wc{(char *)mtrl_ctx_scratch(c, sz.off), 0};
+    float *D = wc.take<float>((size_t)rows), *Lt = tcopy ? wc.take<float>(2 * (size_t)H * npad) : nullptr;
+    float *Dt = tcopy ? Lt + (size_t)H * npad : nullptr;
+    const int warps = rows + (tcopy ? H * (npad - Tq) : 0);
+    attn2_bwd_pre_k<<<cdiv(warps, 8), 256, 0, c->stream>>>(rows, Dv, dout, o, D, lse, H, Tq, npad,
+                                                            Lt, Dt);
     CUDA_LAUNCH_CHECK();
     // v3: dK / dV and dQ on wgmma (sm90a/attn_wg_cuda.cu)
-    const int dkv3 = ver == 3 ? attn3_dkv_launch(c, a, Hk, dout, lse, D, dk, dv) : 1;
+    const int dkv3 = ver == 3 ? attn3_dkv_launch(c, a, Hk, dout, lse, D, Lt, Dt, npad, dk, dv) : 1;
     if (dkv3 < 0) return -1;
     if (dkv3 == 0) {
         const int dq3 = attn3_dq_launch(c, a, Hk, dout, lse, D, dq);

@@ -231,6 +231,97 @@ __global__ void __launch_bounds__(256, 1)
 #endif
 }
 
+// dK / dV with the warpgroups taking turns (MHA rows: G = 1, where a query tile is a box of the
+// Q and dO tensors). The same products as attn3_bwd_dkv_k; three stages of query tiles, each
+// filled by thread 0 with bulk copies (Q and dO by TMA; lse and D from the head-major copies Lt,
+// Dt) completing on full[st], freed through empty[st] by all 256 threads. No producer warp: the
+// consumers keep their 255 registers (a warp-specialised block of 288 or 384 threads is held to
+// 168 and spilled). Thread 0 refills a stage at the end of its own tile n (tile n + 2 into the
+// stage of tile n - 1, which the other warpgroup, at most a tile behind, has released), and
+// named barriers make the warpgroups take turns issuing Sᵀ and dPᵀ.
+template <int DK, int DV>
+struct WdkvPp {
+    static constexpr int BN = 128, BR = 64, NS = 3;
+    static constexpr int KB = BN * DK * 2, VB = BN * DV * 2, QB = BR * DK * 2, OB = BR * DV * 2;
+    static constexpr int oK = 0, oV = KB, oQ = KB + VB, oO = oQ + NS * QB, oL = oO + NS * OB;
+    static constexpr int oD = oL + NS * BR * 4, oBar = oD + NS * BR * 4;
+    static constexpr size_t smem() { return (size_t)oBar + 8 * 2 * NS + 1024; }
+};
+template <int DK, int DV>
+__global__ void __launch_bounds__(256, 1)
+    attn3_bwd_dkv_pp_k(A2 a, const uint16_t *__restrict__ dout, const float *__restrict__ Lt,
+                       const float *__restrict__ Dt, int npad, float *__restrict__ dk,
+                       float *__restrict__ dv, const __grid_constant__ CUtensorMap tmQ,
+                       const __grid_constant__ CUtensorMap tmO) {
+#if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
+    using C = WdkvPp<DK, DV>;
+    constexpr int BN = C::BN, BR = C::BR, NS = C::NS;
+    extern __shared__ __align__(1024) unsigned char sm_raw[];
+    const uint32_t raw = (uint32_t)__cvta_generic_to_shared(sm_raw);
+    unsigned char *sm = sm_raw + ((1024u - (raw & 1023u)) & 1023u);
+    const uint32_t base = (uint32_t)__cvta_generic_to_shared(sm);
+    const float *sL = reinterpret_cast<const float *>(sm + C::oL), *sD = reinterpret_cast<const float *>(sm + C::oD);
+    const uint32_t full0 = base + C::oBar, empty0 = full0 + 8 * NS;
+
+    const int tid = threadIdx.x, lane = tid & 31;
+    const int wg = __shfl_sync(0xffffffffu, tid >> 7, 0), wi = (tid >> 5) & 3;  // (uniform: C7518)
+    const int g = lane >> 2, t = lane & 3;
+    const int j = blockIdx.y, s0 = blockIdx.x * BN;
+    const int kw0 = s0 + 64 * wg;
+    const int i_first = s0 - a.off > 0 ? s0 - a.off : 0;  // first token that sees key s0
+    const int rt0 = i_first / BR, nt = (a.nrows + BR - 1) / BR - rt0;  // (G = 1)
+    if (tid == 0)
+        for (int st = 0; st < NS; st++) {
+            mbar_init(full0 + 8 * st, 1);
+            mbar_init(empty0 + 8 * st, 256);
+        }
+    dkv3_load_kv<256, BN, DK, DV>(sm + C::oK, sm + C::oV, a, j, s0, tid);
+    cp_async_commit();
+    cp_async_wait<0>();
+    wg_fence_proxy();
+    __syncthreads();
+    // tile n (rows (rt0 + n) BR ..) into stage n % NS, by thread 0
+    auto fill = [&](int n) {
+        const int st = n % NS, rho0 = (rt0 + n) * BR;
+        const uint32_t full = full0 + 8 * st;
+        mbar_expect_tx(full, (unsigned)(BR * (DK + DV) * 2 + 2 * BR * 4));
+#pragma unroll
+        for (int cb = 0; cb < DK / 64; cb++)
+            tma_load_2d(base + C::oQ + st * C::QB + cb * BR * 128, &tmQ, j * DK + 64 * cb, rho0, full);
+#pragma unroll
+        for (int cb = 0; cb < DV / 64; cb++)
+            tma_load_2d(base + C::oO + st * C::OB + cb * BR * 128, &tmO, j * DV + 64 * cb, rho0, full);
+        bulk_load(base + C::oL + st * BR * 4, Lt + (size_t)j * npad + rho0, BR * 4, full);
+        bulk_load(base + C::oD + st * BR * 4, Dt + (size_t)j * npad + rho0, BR * 4, full);
+    };
+    if (tid == 0)
+        for (int n = 0; n < 2 && n < nt; n++) fill(n);
+    Dkv3Rows<DK, DV, BR> r;
+    dkv3_init(r, kw0 + 16 * wi + g);
+    if (wg == 1) named_bar_arrive(1, 256);  // warpgroup 0 issues first
+    for (int n = 0; n < nt; n++) {
+        const int st = n % NS, rho0 = (rt0 + n) * BR;
+        const uint32_t tQ = base + C::oQ + st * C::QB, tO = base + C::oO + st * C::OB;
+        mbar_wait(full0 + 8 * st, (unsigned)(n / NS) & 1u);
+        const int last = (rho0 + BR < a.nrows ? rho0 + BR : a.nrows) - 1;
+        const bool active = a.off + last >= kw0;
+        named_bar_sync(1 + wg, 256);
+        if (active) dkv3_issue<DK, DV, BN, BR>(r, base + C::oK, base + C::oV, wg, tQ, tO);
+        if (!(wg == 1 && n == nt - 1)) named_bar_arrive(2 - wg, 256);
+        if (active)
+            dkv3_finish<DK, DV, BR>(r, a, tQ, tO, sL + st * BR, sD + st * BR, rho0,
+                                    a.off + rho0 < kw0 + 63, t);
+        mbar_arrive(empty0 + 8 * st);
+        if (tid == 0 && n + 2 < nt) {
+            const int m = n + 2;
+            if (m >= NS) mbar_wait(empty0 + 8 * (m % NS), (unsigned)(m / NS - 1) & 1u);
+            fill(m);
+        }
+    }
+    dkv3_store(r, a, j, t, dk, dv);
+#endif
+}
+
 // Forward: o and lse of 128 packed query rows per block (two warpgroups x 64 rows; the block's
 // Q tile is loaded once), 128-key tiles of K and V through two cp.async stages:
 //   S = Q Kᵀ    wgmma m64n128k16, A = the warpgroup's Q rows (K-major), B = the K tile (K-major)
@@ -743,10 +834,27 @@ __global__ void __launch_bounds__(384, 1)
 #endif
 }
 
+// MTRL_ATTN3_WS=0 (a lab knob, read at each call): the kernels with the warpgroups in step (no
+// warp specialisation or ping-pong).
+int ws_wanted_() {
+    const char *e = getenv("MTRL_ATTN3_WS");
+    return !(e && e[0] == '0');
+}
+
 template <int DK, int DV>
 int launch_dkv3_(mtrl_cuda_ctx *c, const A2 &a, int Hk, const uint16_t *dout, const float *lse,
-                 const float *D, float *dk, float *dv) {
+                 const float *D, const float *Lt, const float *Dt, int npad, float *dk, float *dv) {
     using C = Wdkv<DK, DV>;
+    using P = WdkvPp<DK, DV>;
+    CUtensorMap tq, to;
+    if (ws_wanted_() && a.G == 1 && Lt && P::smem() <= c->smem_optin &&
+        !tma_map_rows(&tq, a.q, a.H * DK, a.Tq, P::BR) && !tma_map_rows(&to, dout, a.H * DV, a.Tq, P::BR)) {
+        set_smem(attn3_bwd_dkv_pp_k<DK, DV>, P::smem());
+        attn3_bwd_dkv_pp_k<DK, DV><<<dim3(cdiv(a.Tk, P::BN), Hk), 256, P::smem(), c->stream>>>(
+            a, dout, Lt, Dt, npad, dk, dv, tq, to);
+        CUDA_LAUNCH_CHECK();
+        return 0;
+    }
     const size_t sh = C::smem();
     MTRL_CUDA_REQUIRE(sh <= c->smem_optin, "shared memory %zu > %zu", sh, c->smem_optin);
     set_smem(attn3_bwd_dkv_k<DK, DV>, sh);
@@ -793,12 +901,6 @@ int launch_fwd3_(mtrl_cuda_ctx *c, const A2 &a, int Hk, float *o, float *lse, in
     return 0;
 }
 
-// MTRL_ATTN3_WS=0 (a lab knob, read at each call): the kernels without warp specialisation.
-int ws_wanted_() {
-    const char *e = getenv("MTRL_ATTN3_WS");
-    return !(e && e[0] == '0');
-}
-
 }  // namespace
 
 int attn3_fwd_launch(mtrl_cuda_ctx *c, const A2 &a, int Hk, float *o, float *lse) {
@@ -819,9 +921,10 @@ int attn3_dq_launch(mtrl_cuda_ctx *c, const A2 &a, int Hk, const uint16_t *dout,
 }
 
 int attn3_dkv_launch(mtrl_cuda_ctx *c, const A2 &a, int Hk, const uint16_t *dout,
-                     const float *lse, const float *D, float *dk, float *dv) {
+                     const float *lse, const float *D, const float *Lt, const float *Dt, int npad,
+                     float *dk, float *dv) {
     if (c->cc != 90 || a.Dv != 128) return 1;  // sm_90a code runs on compute capability 9.0 only
-    if (a.Dk == 192) return launch_dkv3_<192, 128>(c, a, Hk, dout, lse, D, dk, dv);
-    if (a.Dk == 128) return launch_dkv3_<128, 128>(c, a, Hk, dout, lse, D, dk, dv);
+    if (a.Dk == 192) return launch_dkv3_<192, 128>(c, a, Hk, dout, lse, D, Lt, Dt, npad, dk, dv);
+    if (a.Dk == 128) return launch_dkv3_<128, 128>(c, a, Hk, dout, lse, D, Lt, Dt, npad, dk, dv);
     return 1;
 }

@@ -102,6 +102,14 @@ __device__ __forceinline__ void tma_load_2d(uint32_t dst, const CUtensorMap *map
         : "memory");
 }
 
+// One bulk copy of `bytes` (a multiple of 16) from global src (16-byte aligned) to shared dst,
+// completing on the mbarrier at `bar`.
+__device__ __forceinline__ void bulk_load(uint32_t dst, const void *src, unsigned bytes, uint32_t bar) {
+    asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];\n" ::"r"(dst),
+                 "l"(src), "r"(bytes), "r"(bar)
+                 : "memory");
+}
+
 // The tensor map of `rows` rows of bf16 at `base`, `ld` elements apart (a multiple of 8), read in
 // boxes of 64 columns x box_rows rows with the 128-byte swizzle. 0, or -1 when the driver
 // declines (the caller then takes another path).
