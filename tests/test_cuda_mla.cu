@@ -167,6 +167,20 @@ static void test_attn(mtrl_cuda_ctx *ctx, int Tq, int Tk, int H, int Hk, int Dk,
     test_attn_x(ctx, Tq, Tk, H, Hk, Dk, Dv, alias, 0);
 }
 
+// Both of v3's shapes (Dk = 192 or 128, Dv = 128) on tails of its tiles, Tq < Tk, GQA (which
+// the v3 ping-pong dK / dV declines), one token: run under the alternative kernel settings.
+static void test_v3_shapes(mtrl_cuda_ctx *ctx) {
+    test_attn_x(ctx, 1, 1, 2, 2, 192, 128, 0, 1);
+    test_attn_x(ctx, 200, 200, 2, 2, 192, 128, 0, 1);
+    test_attn_x(ctx, 1000, 1000, 8, 8, 192, 128, 0, 1);
+    test_attn_x(ctx, 77, 333, 2, 2, 192, 128, 0, 1);
+    test_attn_x(ctx, 150, 190, 4, 2, 192, 128, 0, 1);
+    test_attn_x(ctx, 129, 129, 2, 2, 192, 128, 0, 1);
+    test_attn_x(ctx, 200, 200, 4, 4, 128, 128, 0, 1);
+    test_attn_x(ctx, 150, 190, 4, 2, 128, 128, 0, 1);
+    test_attn_x(ctx, 1, 65, 2, 2, 128, 128, 0, 1);
+}
+
 // Sets MTRL_DECODE_V1 for the decode launchers (read at each call): version 1 forces the first
 // kernel, version 2 leaves the launcher's default (v2 where the shape allows it).
 static void set_decode_version(int version) {
@@ -276,29 +290,15 @@ int main(int argc, char **argv) {
     test_attn_x(ctx, 200, 1000, 8, 8, 192, 128, 0, 1);
     unsetenv("MTRL_ATTN2_FWD");
     unsetenv("MTRL_ATTN3");
-    // v2 where v3 is the default (H100 / H200; elsewhere these rerun v2): MTRL_ATTN3=0, both
-    // of v3's shapes, tails of the tiles, Tq < Tk, GQA, one token
-    setenv("MTRL_ATTN3", "0", 1);
-    printf("MTRL_ATTN3=0:\n");
-    test_attn_x(ctx, 1, 1, 2, 2, 192, 128, 0, 1);
-    test_attn_x(ctx, 200, 200, 2, 2, 192, 128, 0, 1);
-    test_attn_x(ctx, 1000, 1000, 8, 8, 192, 128, 0, 1);
-    test_attn_x(ctx, 77, 333, 2, 2, 192, 128, 0, 1);
-    test_attn_x(ctx, 150, 190, 4, 2, 192, 128, 0, 1);
-    test_attn_x(ctx, 200, 200, 4, 4, 128, 128, 0, 1);
-    test_attn_x(ctx, 150, 190, 4, 2, 128, 128, 0, 1);
-    unsetenv("MTRL_ATTN3");
-    // the v3 forward without warp specialisation (a lab variant: MTRL_ATTN3_WS=0)
-    setenv("MTRL_ATTN3_WS", "0", 1);
-    printf("MTRL_ATTN3_WS=0:\n");
-    test_attn_x(ctx, 1, 1, 2, 2, 192, 128, 0, 1);
-    test_attn_x(ctx, 1000, 1000, 8, 8, 192, 128, 0, 1);
-    test_attn_x(ctx, 77, 333, 2, 2, 192, 128, 0, 1);
-    test_attn_x(ctx, 150, 190, 4, 2, 192, 128, 0, 1);
-    test_attn_x(ctx, 129, 129, 2, 2, 192, 128, 0, 1);
-    test_attn_x(ctx, 200, 200, 4, 4, 128, 128, 0, 1);
-    test_attn_x(ctx, 1, 65, 2, 2, 128, 128, 0, 1);
-    unsetenv("MTRL_ATTN3_WS");
+    // v2 where v3 is the default (H100 / H200; elsewhere these rerun v2): MTRL_ATTN3=0; then v3
+    // with its dK / dV in step for MHA rows too (a lab variant: MTRL_ATTN3_WS=0)
+    const char *alt[2][2] = {{"MTRL_ATTN3", "0"}, {"MTRL_ATTN3_WS", "0"}};
+    for (int v = 0; v < 2; v++) {
+        setenv(alt[v][0], alt[v][1], 1);
+        printf("%s=%s:\n", alt[v][0], alt[v][1]);
+        test_v3_shapes(ctx);
+        unsetenv(alt[v][0]);
+    }
     // v3's own tile boundaries (128 keys / 128 rows per block, 64-row and 64-key tiles)
     test_attn_x(ctx, 256, 256, 2, 2, 192, 128, 0, 1);
     test_attn_x(ctx, 129, 129, 2, 2, 192, 128, 0, 1);

@@ -332,12 +332,6 @@ void bench_attn(Bench &B, int T, int H, int mode) {
         snprintf(what, sizeof what, "%s fwd v%d",
                  absorbed ? "MLA attention (absorbed)" : naive ? "MLA attention (naive)" : "attention (MHA shape)", vf);
         row(what, shape, ms, fl, "TFLOP/s", B.gemm_tflops);
-        if (version == 3) {  // the lab's v3 forward without warp specialisation (MTRL_ATTN3_WS=0)
-            setenv("MTRL_ATTN3_WS", "0", 1);
-            double ms1 = time_ms(B, [&] { mtrl_attn_causal_fwd(B.c, T, T, H, Hk, Dk, Dv, scale, q, k, ldk, v, ldv, o, lse); }, 1, 3);
-            unsetenv("MTRL_ATTN3_WS");
-            row("  fwd v3, not warp-specialised", shape, ms1, fl, "TFLOP/s", B.gemm_tflops);
-        }
         // the anchors are SDPA at H = 16, D = 128: the MHA shape only
         bool same = mode == 0 && H == 16;
         if (same) {

@@ -5,18 +5,20 @@
 // Compiled for sm_90a only (the arch-specific wgmma instructions); the launcher declines any
 // other device, and the caller runs v2. Dk = 128 or 192 (the naive MLA form), Dv = 128.
 //
-// Three kernels run by default (all deterministic: nothing atomic, fixed summation order):
-//   attn3_fwd_ws_k  the forward, warp-specialised (FA3's structure): a producer warp streams
-//                   K / V tiles by bulk tensor copies (TMA) into two stages guarded by mbarriers,
-//                   two consumer warpgroups of 64 query rows take turns on the tensor cores
-//                   (named barriers: one's softmax runs while the other's products do).
-//   attn3_bwd_dkv_k dK / dV, below: two warpgroups in step (one __syncthreads per tile).
-//   attn3_bwd_dq_ws_k  dQ, warp-specialised as the forward.
-// attn3_fwd_k and attn3_bwd_dq_k are the same products with the warpgroups in step and cp.async
-// loads by every thread (MTRL_ATTN3_WS=0, a lab knob): 1.5-1.7x slower forward (docs/kernel-lab.md).
-// A warp-specialised dK / dV was measured and dropped: its consumers need more than the 168
-// registers per thread of a 384-thread block (ptxas kept that limit despite setmaxnreg), spilled
-// ~1 KB and ran 1.3x slower than the kernel in step.
+// The kernels (all deterministic: nothing atomic, fixed summation order). In each, two
+// warpgroups of 64 rows (query rows, or keys for dK / dV) take turns on the tensor cores: named
+// barriers order their product issue, so one's softmax runs while the other's products do;
+// tiles stream into stages guarded by mbarriers (full: landed; empty: both warpgroups done).
+//   attn3_fwd_ws_k     the forward, warp-specialised (FA3's structure): a producer warp streams
+//                      K / V tiles by bulk tensor copies (TMA).
+//   attn3_bwd_dq_ws_k  dQ, the same with a producer warpgroup.
+//   attn3_bwd_dkv_pp_k dK / dV (MHA rows): thread 0 refills the query-tile stages; no producer
+//                      warp, because dK and dV take 255 registers per consumer thread.
+//   attn3_bwd_dkv_k    dK / dV with the warpgroups in step (a __syncthreads per tile, cp.async
+//                      by every thread): GQA rows, and MTRL_ATTN3_WS=0 (a lab knob).
+// Measured and dropped (docs/kernel-lab.md): the forward and dQ in step (the forward 1.5-1.7x
+// slower); a warp-specialised dK / dV (ptxas held a 384-thread block to 168 registers per
+// thread despite setmaxnreg: it spilled ~1 KB and ran 1.3x slower than in step).
 //
 // attn3_bwd_dkv_k<DK, DV>: grid (key blocks of 128, Hk), 256 threads = two warpgroups; warpgroup
 // w owns keys 64 w .. 64 w + 63 of the block and holds their dK (DK / 2 fp32 registers per
@@ -40,6 +42,31 @@
 
 namespace {
 
+// The kernels' dynamic shared memory from its first 1024-byte boundary (the sw128 tiles need
+// it; each kernel asks for 1 KB more than its layout).
+__device__ __forceinline__ unsigned char *smem_align1024(unsigned char *raw) {
+    const uint32_t a = (uint32_t)__cvta_generic_to_shared(raw);
+    return raw + ((1024u - (a & 1023u)) & 1023u);
+}
+// cp.async of ROWS packed query rows from rho0 (COLS columns of src: the queries a.q or dout)
+// into a sw128 tile; rows past the end zero-filled.
+template <int NT, int ROWS, int COLS>
+__device__ __forceinline__ void load_rows(unsigned char *dst, int tid, const A2 &a, int j, int rho0,
+                                          const uint16_t *src) {
+    wg_load_tile<NT, ROWS, COLS>(dst, tid, [&](int r) -> const uint16_t * {
+        const int rho = rho0 + r;
+        return rho < a.nrows ? src + row_ih(a, j, rho) * COLS : nullptr;
+    }, src);
+}
+// The same for ROWS keys (or values) from k0 of key head j: src a.k or a.v, row stride ld.
+template <int NT, int ROWS, int COLS>
+__device__ __forceinline__ void load_keys(unsigned char *dst, int tid, const A2 &a, int j, int k0,
+                                          const uint16_t *src, int ld) {
+    wg_load_tile<NT, ROWS, COLS>(dst, tid, [&](int r) -> const uint16_t * {
+        return k0 + r < a.Tk ? src + (size_t)(k0 + r) * ld + (size_t)j * COLS : nullptr;
+    }, src);
+}
+
 template <int DK, int DV>
 struct Wdkv {
     static constexpr int BN = 128, BR = 64, NT = 256;
@@ -50,6 +77,23 @@ struct Wdkv {
     static_assert(DK % 64 == 0 && DV % 64 == 0, "64-column blocks");
 };
 
+// The two products the backward starts a tile with, issued and committed (not waited for):
+// x = A1 B1ᵀ over K1 columns and y = A2 B2ᵀ over K2, A the warpgroup's 64 rows of sw128 tiles of
+// RA rows (a1, a2), B sw128 tiles of RB rows (b1, b2), both K-major; N = RB.
+template <int K1, int K2, int RA, int RB, int NH>
+__device__ __forceinline__ void wg_issue_pair(float (&x)[NH], float (&y)[NH], uint32_t a1,
+                                              uint32_t b1, uint32_t a2, uint32_t b2, int wg) {
+    static_assert(2 * NH == RB, "the products' N is the B tile's rows");
+    wg_fence();
+#pragma unroll
+    for (int ks = 0; ks < K1 / 16; ks++)
+        wg_ss<0>(x, wg_desc_k(a1, RA, 64 * wg, ks), wg_desc_k(b1, RB, 0, ks), ks);
+#pragma unroll
+    for (int ks = 0; ks < K2 / 16; ks++)
+        wg_ss<0>(y, wg_desc_k(a2, RA, 64 * wg, ks), wg_desc_k(b2, RB, 0, ks), ks);
+    wg_commit();
+}
+
 // One warpgroup's dK / dV work on one query tile, in two halves (as the forward's).
 template <int DK, int DV, int BR>
 struct Dkv3Rows {
@@ -59,14 +103,7 @@ struct Dkv3Rows {
 template <int DK, int DV, int BN, int BR>
 __device__ __forceinline__ void dkv3_issue(Dkv3Rows<DK, DV, BR> &r, uint32_t sK, uint32_t sV, int wg,
                                            uint32_t tQ, uint32_t tO) {
-    wg_fence();
-#pragma unroll
-    for (int ks = 0; ks < DK / 16; ks++)
-        wg_ss<0>(r.sT, wg_desc_k(sK, BN, 64 * wg, ks), wg_desc_k(tQ, BR, 0, ks), ks);
-#pragma unroll
-    for (int ks = 0; ks < DV / 16; ks++)
-        wg_ss<0>(r.dpT, wg_desc_k(sV, BN, 64 * wg, ks), wg_desc_k(tO, BR, 0, ks), ks);
-    wg_commit();
+    wg_issue_pair<DK, DV, BN, BR>(r.sT, r.dpT, sK, tQ, sV, tO, wg);  // Sᵀ = K Qᵀ, dPᵀ = V dOᵀ
 }
 // tL, tD: the tile's lse (base 2; +inf past the last row) and D; column c is packed row rho0 + c.
 template <int DK, int DV, int BR>
@@ -153,12 +190,8 @@ __device__ __forceinline__ void dkv3_store(const Dkv3Rows<DK, DV, BR> &r, const 
 template <int NT, int BN, int DK, int DV>
 __device__ __forceinline__ void dkv3_load_kv(unsigned char *sK, unsigned char *sV, const A2 &a,
                                              int j, int s0, int tid) {
-    wg_load_tile<NT, BN, DK>(sK, tid, [&](int r) -> const uint16_t * {
-        return s0 + r < a.Tk ? a.k + (size_t)(s0 + r) * a.ldk + (size_t)j * DK : nullptr;
-    }, a.k);
-    wg_load_tile<NT, BN, DV>(sV, tid, [&](int r) -> const uint16_t * {
-        return s0 + r < a.Tk ? a.v + (size_t)(s0 + r) * a.ldv + (size_t)j * DV : nullptr;
-    }, a.v);
+    load_keys<NT, BN, DK>(sK, tid, a, j, s0, a.k, a.ldk);
+    load_keys<NT, BN, DV>(sV, tid, a, j, s0, a.v, a.ldv);
 }
 // lse (base 2, +inf past the last row) and D of packed row rho.
 __device__ __forceinline__ void dkv3_row_ld(const A2 &a, int j, int rho, const float *lse,
@@ -176,8 +209,7 @@ __global__ void __launch_bounds__(256, 1)
     using C = Wdkv<DK, DV>;
     constexpr int BN = C::BN, BR = C::BR, NT = C::NT;
     extern __shared__ __align__(1024) unsigned char sm_raw[];
-    const uint32_t raw = (uint32_t)__cvta_generic_to_shared(sm_raw);
-    unsigned char *sm = sm_raw + ((1024u - (raw & 1023u)) & 1023u);
+    unsigned char *sm = smem_align1024(sm_raw);
     const uint32_t base = (uint32_t)__cvta_generic_to_shared(sm);
     float *sL = reinterpret_cast<float *>(sm + C::oL), *sD = sL + 2 * BR;
 
@@ -191,14 +223,8 @@ __global__ void __launch_bounds__(256, 1)
     dkv3_load_kv<NT, BN, DK, DV>(sm + C::oK, sm + C::oV, a, j, s0, tid);
     auto issue = [&](int rt) {
         const int st = rt & 1, rho0 = rt * BR;
-        wg_load_tile<NT, BR, DK>(sm + C::oQ + st * C::QB, tid, [&](int r) -> const uint16_t * {
-            const int rho = rho0 + r;
-            return rho < a.nrows ? a.q + row_ih(a, j, rho) * DK : nullptr;
-        }, a.q);
-        wg_load_tile<NT, BR, DV>(sm + C::oO + st * C::OB, tid, [&](int r) -> const uint16_t * {
-            const int rho = rho0 + r;
-            return rho < a.nrows ? dout + row_ih(a, j, rho) * DV : nullptr;
-        }, dout);
+        load_rows<NT, BR, DK>(sm + C::oQ + st * C::QB, tid, a, j, rho0, a.q);
+        load_rows<NT, BR, DV>(sm + C::oO + st * C::OB, tid, a, j, rho0, dout);
         if (tid < BR) dkv3_row_ld(a, j, rho0 + tid, lse, Dd, sL + st * BR + tid, sD + st * BR + tid);
         cp_async_commit();
     };
@@ -257,14 +283,13 @@ __global__ void __launch_bounds__(256, 1)
     using C = WdkvPp<DK, DV>;
     constexpr int BN = C::BN, BR = C::BR, NS = C::NS;
     extern __shared__ __align__(1024) unsigned char sm_raw[];
-    const uint32_t raw = (uint32_t)__cvta_generic_to_shared(sm_raw);
-    unsigned char *sm = sm_raw + ((1024u - (raw & 1023u)) & 1023u);
+    unsigned char *sm = smem_align1024(sm_raw);
     const uint32_t base = (uint32_t)__cvta_generic_to_shared(sm);
     const float *sL = reinterpret_cast<const float *>(sm + C::oL), *sD = reinterpret_cast<const float *>(sm + C::oD);
     const uint32_t full0 = base + C::oBar, empty0 = full0 + 8 * NS;
 
-    const int tid = threadIdx.x, lane = tid & 31;
-    const int wg = __shfl_sync(0xffffffffu, tid >> 7, 0), wi = (tid >> 5) & 3;  // (uniform: C7518)
+    const int tid = threadIdx.x, lane = tid & 31, warp = __shfl_sync(0xffffffffu, tid >> 5, 0);
+    const int wg = warp >> 2, wi = warp & 3;  // (through a shuffle: known warp-uniform, C7518)
     const int g = lane >> 2, t = lane & 3;
     const int j = blockIdx.y, s0 = blockIdx.x * BN;
     const int kw0 = s0 + 64 * wg;
@@ -294,8 +319,11 @@ __global__ void __launch_bounds__(256, 1)
         bulk_load(base + C::oL + st * BR * 4, Lt + (size_t)j * npad + rho0, BR * 4, full);
         bulk_load(base + C::oD + st * BR * 4, Dt + (size_t)j * npad + rho0, BR * 4, full);
     };
-    if (tid == 0)
-        for (int n = 0; n < 2 && n < nt; n++) fill(n);
+    if (warp == 0) {
+        if (lane == 0)
+            for (int n = 0; n < 2 && n < nt; n++) fill(n);
+        __syncwarp();
+    }
     Dkv3Rows<DK, DV, BR> r;
     dkv3_init(r, kw0 + 16 * wi + g);
     if (wg == 1) named_bar_arrive(1, 256);  // warpgroup 0 issues first
@@ -306,16 +334,23 @@ __global__ void __launch_bounds__(256, 1)
         const int last = (rho0 + BR < a.nrows ? rho0 + BR : a.nrows) - 1;
         const bool active = a.off + last >= kw0;
         named_bar_sync(1 + wg, 256);
-        if (active) dkv3_issue<DK, DV, BN, BR>(r, base + C::oK, base + C::oV, wg, tQ, tO);
-        if (!(wg == 1 && n == nt - 1)) named_bar_arrive(2 - wg, 256);
-        if (active)
+        const bool pass = !(wg == 1 && n == nt - 1);  // (the other warpgroup's last turn is taken)
+        if (active) {  // issue and finish in one region: ptxas keeps the wgmma asynchronous (C7515)
+            dkv3_issue<DK, DV, BN, BR>(r, base + C::oK, base + C::oV, wg, tQ, tO);
+            if (pass) named_bar_arrive(2 - wg, 256);
             dkv3_finish<DK, DV, BR>(r, a, tQ, tO, sL + st * BR, sD + st * BR, rho0,
                                     a.off + rho0 < kw0 + 63, t);
+        } else if (pass) {
+            named_bar_arrive(2 - wg, 256);
+        }
         mbar_arrive(empty0 + 8 * st);
-        if (tid == 0 && n + 2 < nt) {
-            const int m = n + 2;
-            if (m >= NS) mbar_wait(empty0 + 8 * (m % NS), (unsigned)(m / NS - 1) & 1u);
-            fill(m);
+        if (warp == 0 && n + 2 < nt) {  // (warp-uniform, then one lane: C7518)
+            if (lane == 0) {
+                const int m = n + 2;
+                if (m >= NS) mbar_wait(empty0 + 8 * (m % NS), (unsigned)(m / NS - 1) & 1u);
+                fill(m);
+            }
+            __syncwarp();
         }
     }
     dkv3_store(r, a, j, t, dk, dv);
@@ -323,17 +358,17 @@ __global__ void __launch_bounds__(256, 1)
 }
 
 // Forward: o and lse of 128 packed query rows per block (two warpgroups x 64 rows; the block's
-// Q tile is loaded once), 128-key tiles of K and V through two cp.async stages:
+// Q tile is loaded once), 128-key tiles of K and V through two stages:
 //   S = Q Kᵀ    wgmma m64n128k16, A = the warpgroup's Q rows (K-major), B = the K tile (K-major)
 //   online softmax in base 2 in registers (rows g, g + 8 of each warp: quad shuffles)
 //   O += P V    wgmma m64n(DV)k16, A = P from registers, B = the V tile (MN-major)
 // Shared memory (Dk 192): Q 48 KB, two stages of K 48 KB + V 32 KB.
 template <int DK, int DV>
 struct Wfwd {
-    static constexpr int BM = 128, BN = 128, NT = 256;
+    static constexpr int BM = 128, BN = 128;
     static constexpr int QB = BM * DK * 2, KB = BN * DK * 2, VB = BN * DV * 2;
     static constexpr int oQ = 0, oK = QB, oV = QB + 2 * KB, oBar = oV + 2 * VB;
-    // (+ 32: the warp-specialised kernel's four mbarriers)
+    // (+ 32: four mbarriers)
     static constexpr size_t smem() { return (size_t)oBar + 32 + 1024; }
     static_assert(DK % 64 == 0 && DV % 64 == 0, "64-column blocks");
 };
@@ -486,66 +521,12 @@ __device__ __forceinline__ Fwd3Span fwd3_span(const A2 &a, int rho0, int BM, int
     return sp;
 }
 
-template <int DK, int DV>
-__global__ void __launch_bounds__(256, 1)
-    attn3_fwd_k(A2 a, float *__restrict__ o, float *__restrict__ lse) {
-#if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
-    using C = Wfwd<DK, DV>;
-    constexpr int BM = C::BM, BN = C::BN, NT = C::NT;
-    extern __shared__ __align__(1024) unsigned char sm_raw[];
-    const uint32_t raw = (uint32_t)__cvta_generic_to_shared(sm_raw);
-    unsigned char *sm = sm_raw + ((1024u - (raw & 1023u)) & 1023u);
-    const uint32_t base = (uint32_t)__cvta_generic_to_shared(sm);
-
-    const int tid = threadIdx.x, wg = tid >> 7, wi = (tid >> 5) & 3, lane = tid & 31;
-    const int g = lane >> 2, t = lane & 3;
-    const int j = blockIdx.y, rho0 = (gridDim.x - 1 - blockIdx.x) * BM;  // heaviest first
-    wg_load_tile<NT, BM, DK>(sm + C::oQ, tid, [&](int r) -> const uint16_t * {
-        const int rho = rho0 + r;
-        return rho < a.nrows ? a.q + row_ih(a, j, rho) * DK : nullptr;
-    }, a.q);
-    auto issue = [&](int kb) {
-        const int k0 = kb * BN, st = kb & 1;
-        wg_load_tile<NT, BN, DK>(sm + C::oK + st * C::KB, tid, [&](int r) -> const uint16_t * {
-            return k0 + r < a.Tk ? a.k + (size_t)(k0 + r) * a.ldk + (size_t)j * DK : nullptr;
-        }, a.k);
-        wg_load_tile<NT, BN, DV>(sm + C::oV + st * C::VB, tid, [&](int r) -> const uint16_t * {
-            return k0 + r < a.Tk ? a.v + (size_t)(k0 + r) * a.ldv + (size_t)j * DV : nullptr;
-        }, a.v);
-        cp_async_commit();
-    };
-    issue(0);  // (Q rides in the same group)
-    const int rho_g = rho0 + 64 * wg + 16 * wi + g;
-    const Fwd3Span sp = fwd3_span(a, rho0, BM, BN, wg);
-    Fwd3Rows<DK, DV, BN> r;
-    fwd3_init(r, a, rho_g);
-    for (int kb = 0; kb < sp.nkb; kb++) {
-        if (kb + 1 < sp.nkb) {
-            issue(kb + 1);
-            cp_async_wait<1>();
-        } else {
-            cp_async_wait<0>();
-        }
-        wg_fence_proxy();
-        __syncthreads();
-        const int k0 = kb * BN, st = kb & 1;
-        if (k0 <= sp.wpos_last) {
-            fwd3_issue_s<DK, DV, BN, BM>(r, base + C::oQ, wg, base + C::oK + st * C::KB);
-            fwd3_finish(r, a, base + C::oV + st * C::VB, k0, k0 + BN - 1 > sp.wpos_first, t);
-        }
-        __syncthreads();  // this stage is overwritten by the next iteration's issue
-    }
-    cp_async_wait<0>();
-    fwd3_store(r, a, j, rho_g, t, o, lse);
-#endif
-}
-
-// The forward, warp-specialised (FA3's structure): warps 0-7 are the two consumer warpgroups as
-// above, warp 8 the producer: one thread streams the K / V tiles into two stages by bulk tensor
+// The forward, warp-specialised (FA3's structure): warps 0-7 are the two consumer warpgroups,
+// warp 8 the producer: one thread streams the K / V tiles into two stages by bulk tensor
 // copies (TMA: one instruction per 64-column block, the 128-byte swizzle applied by the copy,
 // rows past Tk zero-filled), which complete on full[s]; the consumers free a stage through
 // empty[s] once their products on it completed. (A first version had the producer warp issue
-// cp.async: 160 per lane per tile made it 2.2x slower than the kernel above.) Nothing else
+// cp.async: 160 per lane per tile made it 2.2x slower than the warpgroups in step.) Nothing else
 // keeps the warpgroups in step, and named barriers 1 and 2 make them take turns issuing S = Q Kᵀ
 // (ping-pong): one warpgroup's softmax runs while the other's products occupy the tensor cores.
 template <int DK, int DV>
@@ -556,8 +537,7 @@ __global__ void __launch_bounds__(288, 1)
     using C = Wfwd<DK, DV>;
     constexpr int BM = C::BM, BN = C::BN;
     extern __shared__ __align__(1024) unsigned char sm_raw[];
-    const uint32_t raw = (uint32_t)__cvta_generic_to_shared(sm_raw);
-    unsigned char *sm = sm_raw + ((1024u - (raw & 1023u)) & 1023u);
+    unsigned char *sm = smem_align1024(sm_raw);
     const uint32_t base = (uint32_t)__cvta_generic_to_shared(sm);
     const uint32_t full0 = base + C::oBar, empty0 = full0 + 16;  // full[2], empty[2]
 
@@ -572,10 +552,7 @@ __global__ void __launch_bounds__(288, 1)
         }
     }
     if (warp < 8)
-        wg_load_tile<256, BM, DK>(sm + C::oQ, tid, [&](int r) -> const uint16_t * {
-            const int rho = rho0 + r;
-            return rho < a.nrows ? a.q + row_ih(a, j, rho) * DK : nullptr;
-        }, a.q);
+        load_rows<256, BM, DK>(sm + C::oQ, tid, a, j, rho0, a.q);
     cp_async_commit();
     cp_async_wait<0>();
     wg_fence_proxy();
@@ -598,10 +575,15 @@ __global__ void __launch_bounds__(288, 1)
         const int k0 = kb * BN, st = kb & 1;
         mbar_wait(full0 + 8 * st, (unsigned)(kb >> 1) & 1u);  // (bulk copies: the async proxy)
         const bool active = k0 <= sp.wpos_last;
-        named_bar_sync(1 + wg, 256);  // my turn
-        if (active) fwd3_issue_s<DK, DV, BN, BM>(r, base + C::oQ, wg, base + C::oK + st * C::KB);
-        if (!(wg == 1 && kb == nkb - 1)) named_bar_arrive(2 - wg, 256);  // the other's turn
-        if (active) fwd3_finish(r, a, base + C::oV + st * C::VB, k0, k0 + BN - 1 > sp.wpos_first, t);
+        named_bar_sync(1 + wg, 256);                      // my turn
+        const bool pass = !(wg == 1 && kb == nkb - 1);  // the other's turn (not after its last)
+        if (active) {  // issue and finish in one region: ptxas keeps the wgmma asynchronous (C7515)
+            fwd3_issue_s<DK, DV, BN, BM>(r, base + C::oQ, wg, base + C::oK + st * C::KB);
+            if (pass) named_bar_arrive(2 - wg, 256);
+            fwd3_finish(r, a, base + C::oV + st * C::VB, k0, k0 + BN - 1 > sp.wpos_first, t);
+        } else if (pass) {
+            named_bar_arrive(2 - wg, 256);
+        }
         mbar_arrive(empty0 + 8 * st);
     }
     fwd3_store(r, a, j, rho_g, t, o, lse);
@@ -609,7 +591,7 @@ __global__ void __launch_bounds__(288, 1)
 }
 
 // dQ of 128 packed query rows per block (two warpgroups x 64 rows; the block's Q and dO are
-// loaded once), 64-key tiles of K and V through two cp.async stages:
+// loaded once), 64-key tiles of K and V through two stages:
 //   S = Q Kᵀ    wgmma m64n64k16, A = the warpgroup's Q rows (K-major), B = the K tile (K-major)
 //   dP = dO Vᵀ  the same over DV
 //   dS = P ⊙ (dP − D), P = 2^(S sl2 − lse2) zero after each row's position
@@ -618,10 +600,10 @@ __global__ void __launch_bounds__(288, 1)
 // K 24 KB + V 16 KB.
 template <int DK, int DV>
 struct Wdq {
-    static constexpr int BM = 128, BN = 64, NT = 256;
+    static constexpr int BM = 128, BN = 64;
     static constexpr int QB = BM * DK * 2, OB = BM * DV * 2, KB = BN * DK * 2, VB = BN * DV * 2;
     static constexpr int oQ = 0, oO = QB, oK = QB + OB, oV = oK + 2 * KB, oBar = oV + 2 * VB;
-    // (+ 32: the warp-specialised kernel's four mbarriers)
+    // (+ 32: four mbarriers)
     static constexpr size_t smem() { return (size_t)oBar + 32 + 1024; }
     static_assert(DK % 64 == 0 && DV % 64 == 0, "64-column blocks");
 };
@@ -635,14 +617,7 @@ struct Dq3Rows {
 template <int DK, int DV, int BM, int BN>
 __device__ __forceinline__ void dq3_issue(Dq3Rows<DK> &r, uint32_t tQ, uint32_t tO, int wg,
                                           uint32_t tK, uint32_t tV) {
-    wg_fence();
-#pragma unroll
-    for (int ks = 0; ks < DK / 16; ks++)
-        wg_ss<0>(r.s, wg_desc_k(tQ, BM, 64 * wg, ks), wg_desc_k(tK, BN, 0, ks), ks);
-#pragma unroll
-    for (int ks = 0; ks < DV / 16; ks++)
-        wg_ss<0>(r.dp, wg_desc_k(tO, BM, 64 * wg, ks), wg_desc_k(tV, BN, 0, ks), ks);
-    wg_commit();
+    wg_issue_pair<DK, DV, BM, BN>(r.s, r.dp, tQ, tK, tO, tV, wg);  // S = Q Kᵀ, dP = dO Vᵀ
 }
 template <int DK, int BN>
 __device__ __forceinline__ void dq3_finish(Dq3Rows<DK> &r, const A2 &a, uint32_t tK, int k0,
@@ -708,67 +683,8 @@ __device__ __forceinline__ void dq3_store(const Dq3Rows<DK> &r, const A2 &a, int
 template <int BM, int DK, int DV>
 __device__ __forceinline__ void dq3_load_rows(unsigned char *sQ, unsigned char *sO, const A2 &a,
                                               int j, int rho0, int tid, const uint16_t *dout) {
-    wg_load_tile<256, BM, DK>(sQ, tid, [&](int r) -> const uint16_t * {
-        const int rho = rho0 + r;
-        return rho < a.nrows ? a.q + row_ih(a, j, rho) * DK : nullptr;
-    }, a.q);
-    wg_load_tile<256, BM, DV>(sO, tid, [&](int r) -> const uint16_t * {
-        const int rho = rho0 + r;
-        return rho < a.nrows ? dout + row_ih(a, j, rho) * DV : nullptr;
-    }, dout);
-}
-
-template <int DK, int DV>
-__global__ void __launch_bounds__(256, 1)
-    attn3_bwd_dq_k(A2 a, const uint16_t *__restrict__ dout, const float *__restrict__ lse,
-                   const float *__restrict__ Dd, float *__restrict__ dq) {
-#if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
-    using C = Wdq<DK, DV>;
-    constexpr int BM = C::BM, BN = C::BN, NT = C::NT;
-    extern __shared__ __align__(1024) unsigned char sm_raw[];
-    const uint32_t raw = (uint32_t)__cvta_generic_to_shared(sm_raw);
-    unsigned char *sm = sm_raw + ((1024u - (raw & 1023u)) & 1023u);
-    const uint32_t base = (uint32_t)__cvta_generic_to_shared(sm);
-
-    const int tid = threadIdx.x, wg = tid >> 7, wi = (tid >> 5) & 3, lane = tid & 31;
-    const int g = lane >> 2, t = lane & 3;
-    const int j = blockIdx.y, rho0 = (gridDim.x - 1 - blockIdx.x) * BM;  // heaviest first
-    dq3_load_rows<BM, DK, DV>(sm + C::oQ, sm + C::oO, a, j, rho0, tid, dout);
-    auto issue = [&](int kb) {
-        const int k0 = kb * BN, st = kb & 1;
-        wg_load_tile<NT, BN, DK>(sm + C::oK + st * C::KB, tid, [&](int r) -> const uint16_t * {
-            return k0 + r < a.Tk ? a.k + (size_t)(k0 + r) * a.ldk + (size_t)j * DK : nullptr;
-        }, a.k);
-        wg_load_tile<NT, BN, DV>(sm + C::oV + st * C::VB, tid, [&](int r) -> const uint16_t * {
-            return k0 + r < a.Tk ? a.v + (size_t)(k0 + r) * a.ldv + (size_t)j * DV : nullptr;
-        }, a.v);
-        cp_async_commit();
-    };
-    issue(0);  // (Q, dO ride in the same group)
-    const int rho_g = rho0 + 64 * wg + 16 * wi + g;
-    Dq3Rows<DK> r;
-    dq3_init(r, a, j, rho_g, lse, Dd);
-    const Fwd3Span sp = fwd3_span(a, rho0, BM, BN, wg);
-    for (int kb = 0; kb < sp.nkb; kb++) {
-        if (kb + 1 < sp.nkb) {
-            issue(kb + 1);
-            cp_async_wait<1>();
-        } else {
-            cp_async_wait<0>();
-        }
-        wg_fence_proxy();
-        __syncthreads();
-        const int k0 = kb * BN, st = kb & 1;
-        if (k0 <= sp.wpos_last) {  // some key of the tile is visible to the warpgroup's rows
-            const uint32_t tK = base + C::oK + st * C::KB, tV = base + C::oV + st * C::VB;
-            dq3_issue<DK, DV, BM, BN>(r, base + C::oQ, base + C::oO, wg, tK, tV);
-            dq3_finish<DK, BN>(r, a, tK, k0, k0 + BN - 1 > sp.wpos_first, t);
-        }
-        __syncthreads();  // this stage is overwritten by the next iteration's issue
-    }
-    cp_async_wait<0>();
-    dq3_store(r, a, j, rho_g, t, dq);
-#endif
+    load_rows<256, BM, DK>(sQ, tid, a, j, rho0, a.q);
+    load_rows<256, BM, DV>(sO, tid, a, j, rho0, dout);
 }
 
 // dQ warp-specialised, as the forward: warps 0-7 consume, one thread of warps 8-11 streams the
@@ -785,8 +701,7 @@ __global__ void __launch_bounds__(384, 1)
     using C = Wdq<DK, DV>;
     constexpr int BM = C::BM, BN = C::BN;
     extern __shared__ __align__(1024) unsigned char sm_raw[];
-    const uint32_t raw = (uint32_t)__cvta_generic_to_shared(sm_raw);
-    unsigned char *sm = sm_raw + ((1024u - (raw & 1023u)) & 1023u);
+    unsigned char *sm = smem_align1024(sm_raw);
     const uint32_t base = (uint32_t)__cvta_generic_to_shared(sm);
     const uint32_t full0 = base + C::oBar, empty0 = full0 + 16;
 
@@ -825,17 +740,22 @@ __global__ void __launch_bounds__(384, 1)
         mbar_wait(full0 + 8 * st, (unsigned)(kb >> 1) & 1u);
         const bool active = k0 <= sp.wpos_last;
         named_bar_sync(1 + wg, 256);
-        if (active) dq3_issue<DK, DV, BM, BN>(r, base + C::oQ, base + C::oO, wg, tK, tV);
-        if (!(wg == 1 && kb == nkb - 1)) named_bar_arrive(2 - wg, 256);
-        if (active) dq3_finish<DK, BN>(r, a, tK, k0, k0 + BN - 1 > sp.wpos_first, t);
+        const bool pass = !(wg == 1 && kb == nkb - 1);
+        if (active) {
+            dq3_issue<DK, DV, BM, BN>(r, base + C::oQ, base + C::oO, wg, tK, tV);
+            if (pass) named_bar_arrive(2 - wg, 256);
+            dq3_finish<DK, BN>(r, a, tK, k0, k0 + BN - 1 > sp.wpos_first, t);
+        } else if (pass) {
+            named_bar_arrive(2 - wg, 256);
+        }
         mbar_arrive(empty0 + 8 * st);
     }
     dq3_store(r, a, j, rho_g, t, dq);
 #endif
 }
 
-// MTRL_ATTN3_WS=0 (a lab knob, read at each call): the kernels with the warpgroups in step (no
-// warp specialisation or ping-pong).
+// MTRL_ATTN3_WS=0 (a lab knob, read at each call): dK / dV with the warpgroups in step (no
+// ping-pong).
 int ws_wanted_() {
     const char *e = getenv("MTRL_ATTN3_WS");
     return !(e && e[0] == '0');
@@ -866,37 +786,31 @@ int launch_dkv3_(mtrl_cuda_ctx *c, const A2 &a, int Hk, const uint16_t *dout, co
 
 template <int DK, int DV>
 int launch_dq3_(mtrl_cuda_ctx *c, const A2 &a, int Hk, const uint16_t *dout, const float *lse,
-                const float *D, float *dq, int ws) {
+                const float *D, float *dq) {
     using C = Wdq<DK, DV>;
     const size_t sh = C::smem();
     const dim3 grid(cdiv((size_t)a.nrows, C::BM), Hk);
     MTRL_CUDA_REQUIRE(sh <= c->smem_optin, "shared memory %zu > %zu", sh, c->smem_optin);
     CUtensorMap tk, tv;
-    if (ws && !tma_map_rows(&tk, a.k, a.ldk, a.Tk, C::BN) && !tma_map_rows(&tv, a.v, a.ldv, a.Tk, C::BN)) {
-        set_smem(attn3_bwd_dq_ws_k<DK, DV>, sh);
-        attn3_bwd_dq_ws_k<DK, DV><<<grid, 384, sh, c->stream>>>(a, dout, lse, D, dq, tk, tv);
-    } else {
-        set_smem(attn3_bwd_dq_k<DK, DV>, sh);
-        attn3_bwd_dq_k<DK, DV><<<grid, C::NT, sh, c->stream>>>(a, dout, lse, D, dq);
-    }
+    if (tma_map_rows(&tk, a.k, a.ldk, a.Tk, C::BN) || tma_map_rows(&tv, a.v, a.ldv, a.Tk, C::BN))
+        return 1;  // declined: v2 runs
+    set_smem(attn3_bwd_dq_ws_k<DK, DV>, sh);
+    attn3_bwd_dq_ws_k<DK, DV><<<grid, 384, sh, c->stream>>>(a, dout, lse, D, dq, tk, tv);
     CUDA_LAUNCH_CHECK();
     return 0;
 }
 
 template <int DK, int DV>
-int launch_fwd3_(mtrl_cuda_ctx *c, const A2 &a, int Hk, float *o, float *lse, int ws) {
+int launch_fwd3_(mtrl_cuda_ctx *c, const A2 &a, int Hk, float *o, float *lse) {
     using C = Wfwd<DK, DV>;
     const size_t sh = C::smem();
     const dim3 grid(cdiv((size_t)a.nrows, C::BM), Hk);
     MTRL_CUDA_REQUIRE(sh <= c->smem_optin, "shared memory %zu > %zu", sh, c->smem_optin);
     CUtensorMap tk, tv;
-    if (ws && !tma_map_rows(&tk, a.k, a.ldk, a.Tk, C::BN) && !tma_map_rows(&tv, a.v, a.ldv, a.Tk, C::BN)) {
-        set_smem(attn3_fwd_ws_k<DK, DV>, sh);
-        attn3_fwd_ws_k<DK, DV><<<grid, 288, sh, c->stream>>>(a, o, lse, tk, tv);
-    } else {
-        set_smem(attn3_fwd_k<DK, DV>, sh);
-        attn3_fwd_k<DK, DV><<<grid, C::NT, sh, c->stream>>>(a, o, lse);
-    }
+    if (tma_map_rows(&tk, a.k, a.ldk, a.Tk, C::BN) || tma_map_rows(&tv, a.v, a.ldv, a.Tk, C::BN))
+        return 1;  // declined: v2 runs
+    set_smem(attn3_fwd_ws_k<DK, DV>, sh);
+    attn3_fwd_ws_k<DK, DV><<<grid, 288, sh, c->stream>>>(a, o, lse, tk, tv);
     CUDA_LAUNCH_CHECK();
     return 0;
 }
@@ -905,18 +819,16 @@ int launch_fwd3_(mtrl_cuda_ctx *c, const A2 &a, int Hk, float *o, float *lse, in
 
 int attn3_fwd_launch(mtrl_cuda_ctx *c, const A2 &a, int Hk, float *o, float *lse) {
     if (c->cc != 90 || a.Dv != 128) return 1;
-    const int ws = ws_wanted_();
-    if (a.Dk == 192) return launch_fwd3_<192, 128>(c, a, Hk, o, lse, ws);
-    if (a.Dk == 128) return launch_fwd3_<128, 128>(c, a, Hk, o, lse, ws);
+    if (a.Dk == 192) return launch_fwd3_<192, 128>(c, a, Hk, o, lse);
+    if (a.Dk == 128) return launch_fwd3_<128, 128>(c, a, Hk, o, lse);
     return 1;
 }
 
 int attn3_dq_launch(mtrl_cuda_ctx *c, const A2 &a, int Hk, const uint16_t *dout,
                     const float *lse, const float *D, float *dq) {
     if (c->cc != 90 || a.Dv != 128) return 1;
-    const int ws = ws_wanted_();
-    if (a.Dk == 192) return launch_dq3_<192, 128>(c, a, Hk, dout, lse, D, dq, ws);
-    if (a.Dk == 128) return launch_dq3_<128, 128>(c, a, Hk, dout, lse, D, dq, ws);
+    if (a.Dk == 192) return launch_dq3_<192, 128>(c, a, Hk, dout, lse, D, dq);
+    if (a.Dk == 128) return launch_dq3_<128, 128>(c, a, Hk, dout, lse, D, dq);
     return 1;
 }
 
