@@ -294,13 +294,13 @@ void bench_kda_step(Bench &B, int Bsz, int H) {
     for (void *p : ps) mtrl_cuda_free(p);
 }
 
-// Causal attention. mode 1 (absorbed): MQA over the 576-wide latent (Hk = 1, Dv = 512 aliased);
+// Causal attention (with_v1: also v1, forced). mode 1 (absorbed): MQA over the 576-wide latent (Hk = 1, Dv = 512 aliased);
 // mode 0: MHA with H heads of Dk = Dv = 128 (SDPA's shape in the anchors); mode 2 (naive MLA,
 // keys and values up-projected per head): MHA with Dk = d_n + d_r = 192, Dv = d_v = 128, the
 // small preset's dims. fwd+bwd is counted as 3.5 x the forward for every mode (the anchors'
 // convention); at Dk = 192, Dv = 128 the backward's products are (3 Dk + 2 Dv) / (Dk + Dv) = 2.6
 // forwards, so that row understates its TFLOP/s by 3%.
-void bench_attn(Bench &B, int T, int H, int mode) {
+void bench_attn(Bench &B, int T, int H, int mode, int with_v1) {
     const int absorbed = mode == 1, naive = mode == 2;
     int Hk = absorbed ? 1 : H, Dk = absorbed ? 576 : naive ? 192 : 128, Dv = absorbed ? 512 : 128;
     int ldk = Hk * Dk, ldv = absorbed ? ldk : Hk * Dv;
@@ -320,7 +320,7 @@ void bench_attn(Bench &B, int T, int H, int mode) {
     double fl = (double)T * T * H * (Dk + Dv);  // causal: half of 2 T² H (Dk + Dv)
     // v3 (wgmma: H100 / H200, not the absorbed shape), v2 (MTRL_ATTN3=0) and v1
     // (MTRL_ATTN_V1=1) on the same inputs
-    for (int version = 3; version >= 1; version--) {
+    for (int version = 3; version >= (with_v1 ? 1 : 2); version--) {
         if (version == 3 && (absorbed || B.c->cc != 90)) continue;
         if (version == 1) setenv("MTRL_ATTN_V1", "1", 1);
         else unsetenv("MTRL_ATTN_V1");
@@ -496,6 +496,8 @@ extern "C" int mtrl_bench_ops_cuda(int argc, char **argv) {
     int reps = 5, H = 16;
     const char *decode_shapes = "1x1048576,8x131072,64x32768,16x524288";  // MLA decode, B x Tk
     const char *anchors_path = nullptr;
+    const char *attn_shapes = "absorbed,mha,naive";
+    int attn_v1 = 1;  // --attn-v1 0: no v1 pass (its backward takes minutes at 128K)
     for (int i = 1; i < argc; i++) {
         const char *a = argv[i];
         const char *val = i + 1 < argc ? argv[i + 1] : nullptr;
@@ -504,13 +506,16 @@ extern "C" int mtrl_bench_ops_cuda(int argc, char **argv) {
         if (!strcmp(a, "--only") && val) { only = val; i++; }
         else if (!strcmp(a, "--kda-T") && val) { kdaT = parse_list(val); i++; }
         else if (!strcmp(a, "--attn-T") && val) { attnT = parse_list(val); i++; }
+        else if (!strcmp(a, "--attn-shapes") && val) { attn_shapes = val; i++; }
+        else if (!strcmp(a, "--attn-v1") && val) { attn_v1 = atoi(val); i++; }
         else if (!strcmp(a, "--reps") && val) { reps = atoi(val); i++; }
         else if (!strcmp(a, "--heads") && val) { H = atoi(val); i++; }
         else if (!strcmp(a, "--decode-shapes") && val) { decode_shapes = val; i++; }
         else if (!strcmp(a, "--anchors") && val) { anchors_path = val; i++; }
         else {
             fprintf(stderr, "usage: mtrl bench ops --device cuda [--only copy,gemm,kda,step,attn,decode,moe,ops] "
-                            "[--kda-T 8192,65536] [--attn-T 8192,32768] [--heads 16] [--decode-shapes 1x1048576,8x131072] "
+                            "[--kda-T 8192,65536] [--attn-T 8192,32768] [--attn-shapes absorbed,mha,naive] [--attn-v1 0|1] "
+                            "[--heads 16] [--decode-shapes 1x1048576,8x131072] "
                             "[--reps N] [--anchors anchors.json]\n");
             return 2;
         }
@@ -563,12 +568,17 @@ extern "C" int mtrl_bench_ops_cuda(int argc, char **argv) {
         bench_kda_step(B, 64, H);
         bench_kda_step(B, 256, H);
     }
-    if (want("attn"))
+    if (want("attn")) {
+        auto shape = [&](const char *k) {
+            const char *p = strstr(attn_shapes, k);
+            return p && (p == attn_shapes || p[-1] == ',') && (p[strlen(k)] == 0 || p[strlen(k)] == ',');
+        };
         for (int T : attnT) {
-            bench_attn(B, T, H, 1);
-            bench_attn(B, T, H, 0);
-            bench_attn(B, T, 8, 2);  // naive MLA at the small preset's 8 heads
+            if (shape("absorbed")) bench_attn(B, T, H, 1, attn_v1);
+            if (shape("mha")) bench_attn(B, T, H, 0, attn_v1);
+            if (shape("naive")) bench_attn(B, T, 8, 2, attn_v1);  // naive MLA at the small preset's 8 heads
         }
+    }
     if (want("decode"))
         for (const char *p = decode_shapes; p && *p;) {  // "BxT,BxT,..."
             int bb = atoi(p);
