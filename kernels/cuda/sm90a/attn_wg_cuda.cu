@@ -17,8 +17,8 @@
 //   attn3_bwd_dkv_k    dK / dV with the warpgroups in step (a __syncthreads per tile, cp.async
 //                      by every thread): GQA rows, and MTRL_ATTN3_WS=0 (a lab knob).
 // Measured and dropped (docs/kernel-lab.md): the forward and dQ in step (the forward 1.5-1.7x
-// slower); a warp-specialised dK / dV (ptxas held a 384-thread block to 168 registers per
-// thread despite setmaxnreg: it spilled ~1 KB and ran 1.3x slower than in step).
+// slower); a warp-specialised dK / dV (384 threads with setmaxnreg 24 / 240: ptxas reported 168
+// registers per thread and ~1 KB of spills, and it ran 1.3x slower than in step).
 //
 // attn3_bwd_dkv_k<DK, DV>: grid (key blocks of 128, Hk), 256 threads = two warpgroups; warpgroup
 // w owns keys 64 w .. 64 w + 63 of the block and holds their dK (DK / 2 fp32 registers per
@@ -261,8 +261,8 @@ __global__ void __launch_bounds__(256, 1)
 // Q and dO tensors). The same products as attn3_bwd_dkv_k; three stages of query tiles, each
 // filled by thread 0 with bulk copies (Q and dO by TMA; lse and D from the head-major copies Lt,
 // Dt) completing on full[st], freed through empty[st] by all 256 threads. No producer warp: the
-// consumers keep their 255 registers (a warp-specialised block of 288 or 384 threads is held to
-// 168 and spilled). Thread 0 refills a stage at the end of its own tile n (tile n + 2 into the
+// consumers keep their 255 registers (a warp-specialised block of 384 threads compiled to 168
+// per thread and spilled). Thread 0 refills a stage at the end of its own tile n (tile n + 2 into the
 // stage of tile n - 1, which the other warpgroup, at most a tile behind, has released), and
 // named barriers make the warpgroups take turns issuing Sᵀ and dPᵀ.
 template <int DK, int DV>
@@ -689,9 +689,9 @@ __device__ __forceinline__ void dq3_load_rows(unsigned char *sQ, unsigned char *
 
 // dQ warp-specialised, as the forward: warps 0-7 consume, one thread of warps 8-11 streams the
 // K / V tiles by bulk tensor copies, the consumer warpgroups take turns issuing S and dP. A whole
-// producer warpgroup, because the consumers need more than the 168 registers per thread that a
-// block of nine warps may have (dQ alone holds 96 at Dk = 192): the producers give theirs back
-// (setmaxnreg.dec to 40) and the consumers take them (setmaxnreg.inc to 232).
+// producer warpgroup that gives its registers back (setmaxnreg.dec to 40, the consumers .inc to
+// 232): with a producer warp (nine warps, 168 registers per thread) ptxas spilled 128 bytes at
+// Dk = 192, where dQ alone holds 96 accumulators; this way it compiles without spills.
 template <int DK, int DV>
 __global__ void __launch_bounds__(384, 1)
     attn3_bwd_dq_ws_k(A2 a, const uint16_t *__restrict__ dout, const float *__restrict__ lse,
@@ -784,6 +784,12 @@ int launch_dkv3_(mtrl_cuda_ctx *c, const A2 &a, int Hk, const uint16_t *dout, co
     return 0;
 }
 
+// The tensor maps of K and V (boxes of 64 columns x bn keys) for the warp-specialised kernels:
+// 0, or -1 when the driver declines them.
+static int kv_maps_(const A2 &a, int bn, CUtensorMap *tk, CUtensorMap *tv) {
+    return tma_map_rows(tk, a.k, a.ldk, a.Tk, bn) || tma_map_rows(tv, a.v, a.ldv, a.Tk, bn) ? -1 : 0;
+}
+
 template <int DK, int DV>
 int launch_dq3_(mtrl_cuda_ctx *c, const A2 &a, int Hk, const uint16_t *dout, const float *lse,
                 const float *D, float *dq) {
@@ -792,8 +798,7 @@ int launch_dq3_(mtrl_cuda_ctx *c, const A2 &a, int Hk, const uint16_t *dout, con
     const dim3 grid(cdiv((size_t)a.nrows, C::BM), Hk);
     MTRL_CUDA_REQUIRE(sh <= c->smem_optin, "shared memory %zu > %zu", sh, c->smem_optin);
     CUtensorMap tk, tv;
-    if (tma_map_rows(&tk, a.k, a.ldk, a.Tk, C::BN) || tma_map_rows(&tv, a.v, a.ldv, a.Tk, C::BN))
-        return 1;  // declined: v2 runs
+    if (kv_maps_(a, C::BN, &tk, &tv)) return 1;  // declined: v2 runs
     set_smem(attn3_bwd_dq_ws_k<DK, DV>, sh);
     attn3_bwd_dq_ws_k<DK, DV><<<grid, 384, sh, c->stream>>>(a, dout, lse, D, dq, tk, tv);
     CUDA_LAUNCH_CHECK();
@@ -807,8 +812,7 @@ int launch_fwd3_(mtrl_cuda_ctx *c, const A2 &a, int Hk, float *o, float *lse) {
     const dim3 grid(cdiv((size_t)a.nrows, C::BM), Hk);
     MTRL_CUDA_REQUIRE(sh <= c->smem_optin, "shared memory %zu > %zu", sh, c->smem_optin);
     CUtensorMap tk, tv;
-    if (tma_map_rows(&tk, a.k, a.ldk, a.Tk, C::BN) || tma_map_rows(&tv, a.v, a.ldv, a.Tk, C::BN))
-        return 1;  // declined: v2 runs
+    if (kv_maps_(a, C::BN, &tk, &tv)) return 1;  // declined: v2 runs
     set_smem(attn3_fwd_ws_k<DK, DV>, sh);
     attn3_fwd_ws_k<DK, DV><<<grid, 288, sh, c->stream>>>(a, o, lse, tk, tv);
     CUDA_LAUNCH_CHECK();
