@@ -24,6 +24,14 @@ __device__ __forceinline__ size_t row_ih(const A2 &a, int j, int rho) {
     return (size_t)i * a.H + (size_t)j * a.G + (rho - i * a.G);
 }
 
+// lse (base 2, +inf past the last row) and D of packed row rho.
+__device__ __forceinline__ void row_lse_d(const A2 &a, int j, int rho, const float *lse,
+                                          const float *Dd, float *L, float *D) {
+    const size_t ih = rho < a.nrows ? row_ih(a, j, rho) : 0;
+    *L = rho < a.nrows ? lse[ih] * kAttnLog2e : INFINITY;
+    *D = rho < a.nrows ? Dd[ih] : 0.f;
+}
+
 static inline A2 attn_args_make(int Tq, int Tk, int H, int Hk, int Dk, int Dv, float scale,
                                 const mtrl_bf16 *q, const mtrl_bf16 *k, int ldk,
                                 const mtrl_bf16 *v, int ldv) {

@@ -409,12 +409,8 @@ __global__ void __launch_bounds__(128, 2)
             int rho = rho0 + r;
             return rho < a.nrows ? dout + row_ih(a, j, rho) * DV : nullptr;
         }, dout);
-        if (tid < BR) {  // rows past the end: P = 2^-inf = 0, so they add nothing
-            int rho = rho0 + tid;
-            size_t ih = rho < a.nrows ? row_ih(a, j, rho) : 0;
-            sL[st * BR + tid] = rho < a.nrows ? lse[ih] * kLog2e : INFINITY;
-            sD[st * BR + tid] = rho < a.nrows ? Dd[ih] : 0.f;
-        }
+        // rows past the end: P = 2^-inf = 0, so they add nothing
+        if (tid < BR) row_lse_d(a, j, rho0 + tid, lse, Dd, sL + st * BR + tid, sD + st * BR + tid);
         cp_async_commit();
     };
     if (rt0 < nrt) issue(rt0);  // (K, V ride in the same group)
@@ -780,15 +776,10 @@ int launch_dkv_(mtrl_cuda_ctx *c, const A2 &a, int Hk, const uint16_t *dout, con
 }
 
 // v3 (sm90a/attn_wg_cuda.cu) unless MTRL_ATTN3=0 (read at each call), on a compute capability
-// 9.0 device (its code is sm_90a only).
-int attn3_on_() {
+// 9.0 device (cc: major * 10 + minor; its code is sm_90a only).
+int attn3_on_(int cc) {
     const char *e = getenv("MTRL_ATTN3");
-    if (e && e[0] == '0') return 0;
-    int dev = 0, major = 0, minor = 0;
-    if (cudaGetDevice(&dev) != cudaSuccess) return 0;
-    cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev);
-    cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, dev);
-    return major == 9 && minor == 0;
+    return !(e && e[0] == '0') && cc == 90;
 }
 
 int attn_v1_forced_() {
@@ -796,6 +787,14 @@ int attn_v1_forced_() {
     return e && e[0] == '1';
 }
 
+// Which kernel runs (3, 2 or 1) on a device of compute capability cc.
+int attn_version_(int H, int Hk, int Dk, int Dv, int alias, int bwd, int cc) {
+    if (attn_v1_forced_() || H <= 0 || Hk <= 0 || H % Hk) return 1;
+    // naive MLA: d_n + d_r = 192, d_v = 128
+    if (!alias && (Dk == 128 || Dk == 192) && Dv == 128) return attn3_on_(cc) ? 3 : 2;
+    if (!bwd && alias && Hk == 1 && Dk == 576 && Dv == 512) return 2;
+    return 1;
+}
 
 // Forward configurations, numbered as measured in docs/kernel-lab.md; MTRL_ATTN2_FWD=N (a lab
 // knob, read at each call) picks another than the default: 4 for the MHA shape (two row tiles
@@ -819,13 +818,15 @@ int fwd_variant_() {
 
 }  // namespace
 
-// Which kernel runs (3, 2 or 1); see kernels_cuda.h.
+// The same on the current device; see kernels_cuda.h. (The launchers below take the capability
+// from their context instead of asking the runtime at every call.)
 extern "C" int mtrl_attn_causal_version(int H, int Hk, int Dk, int Dv, int alias, int bwd) {
-    if (attn_v1_forced_() || H <= 0 || Hk <= 0 || H % Hk) return 1;
-    // naive MLA: d_n + d_r = 192, d_v = 128
-    if (!alias && (Dk == 128 || Dk == 192) && Dv == 128) return attn3_on_() ? 3 : 2;
-    if (!bwd && alias && Hk == 1 && Dk == 576 && Dv == 512) return 2;
-    return 1;
+    int dev = 0, major = 0, minor = 0;
+    if (cudaGetDevice(&dev) == cudaSuccess) {
+        cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev);
+        cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, dev);
+    }
+    return attn_version_(H, Hk, Dk, Dv, alias, bwd, major * 10 + minor);
 }
 
 // The v2 launchers behind mtrl_attn_causal_fwd/bwd (mla_cuda.cu has checked the arguments:
@@ -835,7 +836,7 @@ extern "C" int mtrl_attn2_causal_fwd(mtrl_cuda_ctx *c, int Tq, int Tk, int H, in
                                      int Dv, float scale, const mtrl_bf16 *q, const mtrl_bf16 *k,
                                      int ldk, const mtrl_bf16 *v, int ldv, float *o, float *lse) {
     const int alias = Hk == 1 && v == k && ldv == ldk && Dv <= Dk;
-    const int ver = mtrl_attn_causal_version(H, Hk, Dk, Dv, alias, 0);
+    const int ver = attn_version_(H, Hk, Dk, Dv, alias, 0, c->cc);
     if (ver < 2) return 1;
     if ((uintptr_t)o & 7) return 1;  // float2 stores
     if (Tq == 0) return 0;
@@ -868,7 +869,7 @@ extern "C" int mtrl_attn2_causal_bwd(mtrl_cuda_ctx *c, int Tq, int Tk, int H, in
                                      const float *lse, const mtrl_bf16 *dout, float *dq,
                                      float *dk, float *dv) {
     const int alias = Hk == 1 && v == k && ldv == ldk && Dv <= Dk;
-    const int ver = mtrl_attn_causal_version(H, Hk, Dk, Dv, alias, 1);
+    const int ver = attn_version_(H, Hk, Dk, Dv, alias, 1, c->cc);
     if (ver < 2) return 1;
     if (((uintptr_t)o & 15) || (((uintptr_t)dq | (uintptr_t)dk | (uintptr_t)dv) & 7))
         return 1;  // float4 loads of o, float2 accesses of dq, dk, dv

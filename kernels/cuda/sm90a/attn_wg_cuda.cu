@@ -67,6 +67,38 @@ __device__ __forceinline__ void load_keys(unsigned char *dst, int tid, const A2 
     }, src);
 }
 
+// The two warpgroups' turns on the tensor cores (named barriers 1 and 2, 256 threads):
+// pingpong_start lets warpgroup 0 go first; pingpong_tile waits for this warpgroup's turn,
+// issues its first products, hands the turn over (not after the other warpgroup's last tile:
+// no one would take it) and finishes the tile. Issue and finish stay in one branch so that
+// ptxas keeps the wgmma asynchronous (C7515); an inactive tile only passes the turn on.
+__device__ __forceinline__ void pingpong_start(int wg) {
+    if (wg == 1) named_bar_arrive(1, 256);
+}
+template <class Issue, class Finish>
+__device__ __forceinline__ void pingpong_tile(int wg, bool last_tile, bool active, Issue issue,
+                                              Finish finish) {
+    named_bar_sync(1 + wg, 256);
+    const bool pass = !(wg == 1 && last_tile);
+    if (active) {
+        issue();
+        if (pass) named_bar_arrive(2 - wg, 256);
+        finish();
+    } else if (pass) {
+        named_bar_arrive(2 - wg, 256);
+    }
+}
+// Thread 0 initialises the stages' mbarriers (8 bytes each): full[st] completes with `full_count`
+// arrivals (and the copies' bytes), empty[st] with every consumer thread's (256).
+__device__ __forceinline__ void stage_bars_init(uint32_t full0, uint32_t empty0, int ns,
+                                                unsigned full_count) {
+    if (threadIdx.x == 0)
+        for (int st = 0; st < ns; st++) {
+            mbar_init(full0 + 8 * st, full_count);
+            mbar_init(empty0 + 8 * st, 256);
+        }
+}
+
 template <int DK, int DV>
 struct Wdkv {
     static constexpr int BN = 128, BR = 64, NT = 256;
@@ -193,13 +225,6 @@ __device__ __forceinline__ void dkv3_load_kv(unsigned char *sK, unsigned char *s
     load_keys<NT, BN, DK>(sK, tid, a, j, s0, a.k, a.ldk);
     load_keys<NT, BN, DV>(sV, tid, a, j, s0, a.v, a.ldv);
 }
-// lse (base 2, +inf past the last row) and D of packed row rho.
-__device__ __forceinline__ void dkv3_row_ld(const A2 &a, int j, int rho, const float *lse,
-                                            const float *Dd, float *L, float *D) {
-    const size_t ih = rho < a.nrows ? row_ih(a, j, rho) : 0;
-    *L = rho < a.nrows ? lse[ih] * kAttnLog2e : INFINITY;
-    *D = rho < a.nrows ? Dd[ih] : 0.f;
-}
 
 template <int DK, int DV>
 __global__ void __launch_bounds__(256, 1)
@@ -225,7 +250,7 @@ __global__ void __launch_bounds__(256, 1)
         const int st = rt & 1, rho0 = rt * BR;
         load_rows<NT, BR, DK>(sm + C::oQ + st * C::QB, tid, a, j, rho0, a.q);
         load_rows<NT, BR, DV>(sm + C::oO + st * C::OB, tid, a, j, rho0, dout);
-        if (tid < BR) dkv3_row_ld(a, j, rho0 + tid, lse, Dd, sL + st * BR + tid, sD + st * BR + tid);
+        if (tid < BR) row_lse_d(a, j, rho0 + tid, lse, Dd, sL + st * BR + tid, sD + st * BR + tid);
         cp_async_commit();
     };
     if (rt0 < nrt) issue(rt0);  // (K, V ride in the same group)
@@ -295,11 +320,7 @@ __global__ void __launch_bounds__(256, 1)
     const int kw0 = s0 + 64 * wg;
     const int i_first = s0 - a.off > 0 ? s0 - a.off : 0;  // first token that sees key s0
     const int rt0 = i_first / BR, nt = (a.nrows + BR - 1) / BR - rt0;  // (G = 1)
-    if (tid == 0)
-        for (int st = 0; st < NS; st++) {
-            mbar_init(full0 + 8 * st, 1);
-            mbar_init(empty0 + 8 * st, 256);
-        }
+    stage_bars_init(full0, empty0, NS, 1);
     dkv3_load_kv<256, BN, DK, DV>(sm + C::oK, sm + C::oV, a, j, s0, tid);
     cp_async_commit();
     cp_async_wait<0>();
@@ -326,23 +347,18 @@ __global__ void __launch_bounds__(256, 1)
     }
     Dkv3Rows<DK, DV, BR> r;
     dkv3_init(r, kw0 + 16 * wi + g);
-    if (wg == 1) named_bar_arrive(1, 256);  // warpgroup 0 issues first
+    pingpong_start(wg);
     for (int n = 0; n < nt; n++) {
         const int st = n % NS, rho0 = (rt0 + n) * BR;
         const uint32_t tQ = base + C::oQ + st * C::QB, tO = base + C::oO + st * C::OB;
         mbar_wait(full0 + 8 * st, (unsigned)(n / NS) & 1u);
         const int last = (rho0 + BR < a.nrows ? rho0 + BR : a.nrows) - 1;
-        const bool active = a.off + last >= kw0;
-        named_bar_sync(1 + wg, 256);
-        const bool pass = !(wg == 1 && n == nt - 1);  // (the other warpgroup's last turn is taken)
-        if (active) {  // issue and finish in one region: ptxas keeps the wgmma asynchronous (C7515)
-            dkv3_issue<DK, DV, BN, BR>(r, base + C::oK, base + C::oV, wg, tQ, tO);
-            if (pass) named_bar_arrive(2 - wg, 256);
-            dkv3_finish<DK, DV, BR>(r, a, tQ, tO, sL + st * BR, sD + st * BR, rho0,
-                                    a.off + rho0 < kw0 + 63, t);
-        } else if (pass) {
-            named_bar_arrive(2 - wg, 256);
-        }
+        pingpong_tile(wg, n == nt - 1, a.off + last >= kw0,
+            [&] { dkv3_issue<DK, DV, BN, BR>(r, base + C::oK, base + C::oV, wg, tQ, tO); },
+            [&] {
+                dkv3_finish<DK, DV, BR>(r, a, tQ, tO, sL + st * BR, sD + st * BR, rho0,
+                                        a.off + rho0 < kw0 + 63, t);
+            });
         mbar_arrive(empty0 + 8 * st);
         if (warp == 0 && n + 2 < nt) {  // (warp-uniform, then one lane: C7518)
             if (lane == 0) {
@@ -508,14 +524,17 @@ __device__ __forceinline__ void fwd3_store(Fwd3Rows<DK, DV, BN> &r, const A2 &a,
     }
 }
 
-// The block's key tiles (up to its last row) and the warpgroup's first and last row positions.
-struct Fwd3Span {
-    int nkb, wpos_first, wpos_last;
-};
-__device__ __forceinline__ Fwd3Span fwd3_span(const A2 &a, int rho0, int BM, int BN, int wg) {
-    Fwd3Span sp;
+// The key tiles of BN keys that the block of BM packed rows from rho0 sees (up to its last row).
+__device__ __forceinline__ int key_tiles(const A2 &a, int rho0, int BM, int BN) {
     const int last = min(rho0 + BM, a.nrows) - 1;
-    sp.nkb = (a.off + last / a.G) / BN + 1;
+    return (a.off + last / a.G) / BN + 1;
+}
+// The warpgroup's first and last row positions.
+struct Fwd3Span {
+    int wpos_first, wpos_last;
+};
+__device__ __forceinline__ Fwd3Span fwd3_span(const A2 &a, int rho0, int wg) {
+    Fwd3Span sp;
     sp.wpos_last = a.off + min(rho0 + 64 * wg + 63, a.nrows - 1) / a.G;
     sp.wpos_first = a.off + (rho0 + 64 * wg) / a.G;
     return sp;
@@ -545,20 +564,14 @@ __global__ void __launch_bounds__(288, 1)
     // the wgmma of the branches below asynchronous; without it they are serialised, C7518)
     const int tid = threadIdx.x, warp = __shfl_sync(0xffffffffu, tid >> 5, 0), lane = tid & 31;
     const int j = blockIdx.y, rho0 = (gridDim.x - 1 - blockIdx.x) * BM;  // heaviest first
-    if (tid == 0) {
-        for (int st = 0; st < 2; st++) {
-            mbar_init(full0 + 8 * st, 1);     // the producer's expect_tx arrival
-            mbar_init(empty0 + 8 * st, 256);  // every consumer thread
-        }
-    }
+    stage_bars_init(full0, empty0, 2, 1);  // (full: the producer's expect_tx arrival)
     if (warp < 8)
         load_rows<256, BM, DK>(sm + C::oQ, tid, a, j, rho0, a.q);
     cp_async_commit();
     cp_async_wait<0>();
     wg_fence_proxy();
     __syncthreads();  // Q landed, the mbarriers initialised
-    const int last = min(rho0 + BM, a.nrows) - 1;
-    const int nkb = (a.off + last / a.G) / BN + 1;
+    const int nkb = key_tiles(a, rho0, BM, BN);
 
     if (warp == 8) {  // producer: one thread, one bulk tensor copy per 64-column block
         if (lane == 0) ws_produce_kv<DK, DV, BN>(base + C::oK, C::KB, base + C::oV, C::VB, full0,
@@ -567,23 +580,16 @@ __global__ void __launch_bounds__(288, 1)
     }
     const int wg = warp >> 2, wi = warp & 3, g = lane >> 2, t = lane & 3;
     const int rho_g = rho0 + 64 * wg + 16 * wi + g;
-    const Fwd3Span sp = fwd3_span(a, rho0, BM, BN, wg);
+    const Fwd3Span sp = fwd3_span(a, rho0, wg);
     Fwd3Rows<DK, DV, BN> r;
     fwd3_init(r, a, rho_g);
-    if (wg == 1) named_bar_arrive(1, 256);  // warpgroup 0 issues first
+    pingpong_start(wg);
     for (int kb = 0; kb < nkb; kb++) {
         const int k0 = kb * BN, st = kb & 1;
         mbar_wait(full0 + 8 * st, (unsigned)(kb >> 1) & 1u);  // (bulk copies: the async proxy)
-        const bool active = k0 <= sp.wpos_last;
-        named_bar_sync(1 + wg, 256);                      // my turn
-        const bool pass = !(wg == 1 && kb == nkb - 1);  // the other's turn (not after its last)
-        if (active) {  // issue and finish in one region: ptxas keeps the wgmma asynchronous (C7515)
-            fwd3_issue_s<DK, DV, BN, BM>(r, base + C::oQ, wg, base + C::oK + st * C::KB);
-            if (pass) named_bar_arrive(2 - wg, 256);
-            fwd3_finish(r, a, base + C::oV + st * C::VB, k0, k0 + BN - 1 > sp.wpos_first, t);
-        } else if (pass) {
-            named_bar_arrive(2 - wg, 256);
-        }
+        pingpong_tile(wg, kb == nkb - 1, k0 <= sp.wpos_last,
+            [&] { fwd3_issue_s<DK, DV, BN, BM>(r, base + C::oQ, wg, base + C::oK + st * C::KB); },
+            [&] { fwd3_finish(r, a, base + C::oV + st * C::VB, k0, k0 + BN - 1 > sp.wpos_first, t); });
         mbar_arrive(empty0 + 8 * st);
     }
     fwd3_store(r, a, j, rho_g, t, o, lse);
@@ -660,9 +666,7 @@ __device__ __forceinline__ void dq3_init(Dq3Rows<DK> &r, const A2 &a, int j, int
     for (int h = 0; h < 2; h++) {
         const int rho = rho_g + 8 * h;
         r.pos[h] = a.off + rho / a.G;
-        const size_t ih = rho < a.nrows ? row_ih(a, j, rho) : 0;
-        r.L[h] = rho < a.nrows ? lse[ih] * kAttnLog2e : INFINITY;
-        r.Dr[h] = rho < a.nrows ? Dd[ih] : 0.f;
+        row_lse_d(a, j, rho, lse, Dd, &r.L[h], &r.Dr[h]);
     }
 }
 template <int DK>
@@ -709,18 +713,13 @@ __global__ void __launch_bounds__(384, 1)
     // the wgmma of the branches below asynchronous; without it they are serialised, C7518)
     const int tid = threadIdx.x, warp = __shfl_sync(0xffffffffu, tid >> 5, 0), lane = tid & 31;
     const int j = blockIdx.y, rho0 = (gridDim.x - 1 - blockIdx.x) * BM;  // heaviest first
-    if (tid == 0)
-        for (int st = 0; st < 2; st++) {
-            mbar_init(full0 + 8 * st, 1);
-            mbar_init(empty0 + 8 * st, 256);
-        }
+    stage_bars_init(full0, empty0, 2, 1);
     if (warp < 8) dq3_load_rows<BM, DK, DV>(sm + C::oQ, sm + C::oO, a, j, rho0, tid, dout);
     cp_async_commit();
     cp_async_wait<0>();
     wg_fence_proxy();
     __syncthreads();
-    const int last = min(rho0 + BM, a.nrows) - 1;
-    const int nkb = (a.off + last / a.G) / BN + 1;
+    const int nkb = key_tiles(a, rho0, BM, BN);
     if (warp >= 8) {
         wg_setmaxnreg_dec<40>();
         if (tid == 256) ws_produce_kv<DK, DV, BN>(base + C::oK, C::KB, base + C::oV, C::VB, full0,
@@ -732,22 +731,15 @@ __global__ void __launch_bounds__(384, 1)
     const int rho_g = rho0 + 64 * wg + 16 * wi + g;
     Dq3Rows<DK> r;
     dq3_init(r, a, j, rho_g, lse, Dd);
-    const Fwd3Span sp = fwd3_span(a, rho0, BM, BN, wg);
-    if (wg == 1) named_bar_arrive(1, 256);  // warpgroup 0 issues first
+    const Fwd3Span sp = fwd3_span(a, rho0, wg);
+    pingpong_start(wg);
     for (int kb = 0; kb < nkb; kb++) {
         const int k0 = kb * BN, st = kb & 1;
         const uint32_t tK = base + C::oK + st * C::KB, tV = base + C::oV + st * C::VB;
         mbar_wait(full0 + 8 * st, (unsigned)(kb >> 1) & 1u);
-        const bool active = k0 <= sp.wpos_last;
-        named_bar_sync(1 + wg, 256);
-        const bool pass = !(wg == 1 && kb == nkb - 1);
-        if (active) {
-            dq3_issue<DK, DV, BM, BN>(r, base + C::oQ, base + C::oO, wg, tK, tV);
-            if (pass) named_bar_arrive(2 - wg, 256);
-            dq3_finish<DK, BN>(r, a, tK, k0, k0 + BN - 1 > sp.wpos_first, t);
-        } else if (pass) {
-            named_bar_arrive(2 - wg, 256);
-        }
+        pingpong_tile(wg, kb == nkb - 1, k0 <= sp.wpos_last,
+            [&] { dq3_issue<DK, DV, BM, BN>(r, base + C::oQ, base + C::oO, wg, tK, tV); },
+            [&] { dq3_finish<DK, BN>(r, a, tK, k0, k0 + BN - 1 > sp.wpos_first, t); });
         mbar_arrive(empty0 + 8 * st);
     }
     dq3_store(r, a, j, rho_g, t, dq);
