@@ -66,7 +66,8 @@ run)
   unset CUDA_VISIBLE_DEVICES
   # QG_INI=experiments/retrieval-1m.ini runs another experiment (default quickstart-gpu.ini).
   # QG_SETS="learner.lr=2e-5;learner.lr=6e-5 warmup.steps=8": variants of the experiment run at
-  # once, variant i on GPU i mod (GPUs) with those --set overrides (default: one, as written).
+  # once, variant i on GPU i mod (GPUs) with those --set overrides (default: one, as written);
+  # "run.seed=1 MTRL_GEMM_TF32=1": upper-case NAME=VALUE words are that variant's environment.
   # Each runs in $QG_DIR<i> (default /tmp/qg<i>); its log and summary are $out/quickstart_gpu<i>.log
   # / _summary<i>.txt. QG_GPU=N starts the variants at GPU N (e.g. the gpu tests on GPU 0, the
   # experiment on GPU 1). QG_DIR=$PWD/.runs/qg with QG_RESUME=1: a run stopped by QG_SECONDS goes
@@ -94,7 +95,11 @@ run)
       args=()
       if [ "${QG_RESUME:-0}" = 1 ] && [ -f "$dir/runs.db" ]; then args+=(--resume); else rm -rf "$dir"; fi
       mkdir -p "$dir" && cd "$dir" || exit 1
-      for kv in ${sets[$i]}; do args+=(--set "$kv"); done
+      # a word NAME=VALUE with an upper-case NAME is an environment variable of that variant
+      # (e.g. MTRL_GEMM_TF32=1: the learner and its actors inherit it), others are --set
+      for kv in ${sets[$i]}; do
+        if [[ $kv =~ ^[A-Z_][A-Z0-9_]*= ]]; then export "$kv"; else args+=(--set "$kv"); fi
+      done
       start=$(date +%s)
       CUDA_VISIBLE_DEVICES=$(( (${QG_GPU:-0} + i) % ngpu )) timeout "${QG_SECONDS:-330}" "$repo/.carry/dev/mtrl" run \
         "$ini" --db runs.db --set run.out_dir=$dir/runs --set run.keep_checkpoints=1 \
