@@ -197,19 +197,6 @@ void bench_kda(Bench &B, int T, int H) {
         printf("%-34s %-34s default / v2 time %.3f, v3 bf16 (WPB=4) / v2 %.3f, default / v3 bf16 %.3f\n", "", "",
                ms / m2, m4 / m2, ms / m4);
         {
-            // v4 (MTRL_KDA_FWD=4): 64-token chunks over v3's tiles, bf16x3 and plain bf16, against
-            // the anchor and v3 in the same precision
-            scoped_env fwd("MTRL_KDA_FWD", "4"), wpb("MTRL_KDA3_WPB", NULL);
-            double m4x = time_ms(B, [&] { mtrl_kda_chunk_fwd(B.c, T, H, K, V, q, k, v, g, beta, NULL, o, Sf, NULL); });
-            row("  v4 bf16x3 (MTRL_KDA_FWD=4)", shape, m4x, flops, "TFLOP/s", B.gemm_tflops);
-            vs(B, ak + "_fwd_ms", m4x, "the time of fla chunk_kda fwd", "P1 <= 0.65x");
-            scoped_env split("MTRL_KDA3_SPLIT", "0");
-            double m4b = time_ms(B, [&] { mtrl_kda_chunk_fwd(B.c, T, H, K, V, q, k, v, g, beta, NULL, o, Sf, NULL); });
-            row("  v4 bf16 (_FWD=4 _SPLIT=0)", shape, m4b, flops, "TFLOP/s", B.gemm_tflops);
-            vs(B, ak + "_fwd_ms", m4b, "the time of fla chunk_kda fwd", "P1 <= 0.65x");
-            printf("%-34s %-34s v4 bf16x3 / v3 bf16x3 time %.3f, v4 bf16 / v3 bf16 %.3f\n", "", "", m4x / ms, m4b / m4);
-        }
-        {
             // the default with the cluster state pass (MTRL_KDA3_CLUSTER=1: thread-block clusters
             // of 8 blocks of 1 warp per head, the K side of each tile record multicast once per
             // cluster; 4 and 2: clusters of 4 blocks of 2 warps, 2 of 4), against the default

@@ -1014,9 +1014,6 @@ int kda3_supports(int H, int K, int V, const float *q, const float *k, const flo
 int kda3_chunk_fwd(mtrl_cuda_ctx *c, int T, int H, const float *q, const float *k,
                    const float *v, const float *g, const float *beta, const float *S0, float *o,
                    float *S_final, float *S_tiles);
-// v4 (kda_tc64_cuda.cu): v3's tiles composed into 64-token chunks, forms without tile states.
-int kda4_chunk_fwd(mtrl_cuda_ctx *c, int T, int H, const float *q, const float *k, const float *v,
-                   const float *g, const float *beta, const float *S0, float *o, float *S_final);
 
 // v3 backward state-gradient pass (kda_tc_bwd_cuda.cu) over v3's bf16x3 records (kda_tc_cuda.cu).
 size_t kda3_rec_bytes(int split);
@@ -1034,8 +1031,7 @@ extern "C" int mtrl_kda_chunk_bwd_version(int H, int K, int V) {
 
 extern "C" int mtrl_kda_chunk_fwd_version(int H, int K, int V) {
     if (env_is("MTRL_KDA_FWD", "2")) return 2;
-    const int tc = H > 0 && H <= 65535 && K == 128 && V == 128;
-    return tc ? (env_is("MTRL_KDA_FWD", "4") ? 4 : 3) : 2;
+    return H > 0 && H <= 65535 && K == 128 && V == 128 ? 3 : 2;
 }
 
 extern "C" int mtrl_kda_chunk_fwd(mtrl_cuda_ctx *c, int T, int H, int K, int V, const float *q,
@@ -1052,11 +1048,8 @@ extern "C" int mtrl_kda_chunk_fwd(mtrl_cuda_ctx *c, int T, int H, int K, int V, 
         }
         return 0;
     }
-    const int ver = mtrl_kda_chunk_fwd_version(H, K, V);
-    if (ver >= 3 && kda3_supports(H, K, V, q, k, v, g)) {
-        if (ver == 4 && !S_tiles) return kda4_chunk_fwd(c, T, H, q, k, v, g, beta, S0, o, S_final);
+    if (mtrl_kda_chunk_fwd_version(H, K, V) == 3 && kda3_supports(H, K, V, q, k, v, g))
         return kda3_chunk_fwd(c, T, H, q, k, v, g, beta, S0, o, S_final, S_tiles);
-    }
     int nt = (T + KT - 1) / KT;
     ws_carver cv{nullptr, 0};
     KdaWs w;
