@@ -40,6 +40,7 @@
     X(model, mla_gate, BOOL, "true", 0, 0, NULL, "sigmoid output gate on MLA")                     \
     X(model, mla_train, ENUM, "naive", 0, 0, "naive|absorbed", "MLA attention form of the learner's forward and backward: naive (keys and values expanded per head, Dk = d_n + d_r: 3.4x fewer attention FLOPs at small's widths) or absorbed (MQA over the latents, as decode)") \
     X(model, mla_prefill, ENUM, "naive", 0, 0, "naive|absorbed", "MLA attention form of prefill (prompts, documents, tool results): naive (keys and values expanded per head: fewer attention FLOPs; its scratch grows with the context, by the expanded keys of every token so far), or absorbed (attention over the latents, as decode)") \
+    X(model, gemm, ENUM, "tf32", 0, 0, "tf32|fp32", "precision of the projection and expert GEMMs on a GPU (a CPU model computes in real): tf32 (TF32 tensor cores, 10-bit mantissa inputs, fp32 accumulation: the default since 2026-11-30, when three quickstart-gpu seeds per format learned alike, docs/precision.md) or fp32 (true fp32, what the GPU tests compare with the CPU). MTRL_GEMM_TF32=1 or 0 in the environment overrides it; MTRL_GEMM_BF16=1 (bf16 operands) wins over both") \
     X(model, dense_inter, INT, "0", 0, 1 << 20, NULL, "intermediate width of the dense FFN of layer 0 (0 = preset)") \
     X(model, experts, INT, "0", 0, 4096, NULL, "routed experts per MoE layer (0 = preset)")       \
     X(model, top_k, INT, "0", 0, 64, NULL, "experts per token (0 = preset)")                      \

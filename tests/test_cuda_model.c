@@ -141,11 +141,15 @@ static void test_host_side(void) {
     // CUDA, where a GPU plan says what a CUDA build allocates). The planner sizes the latents with it: half the bytes, and no bf16 copy of the
     // keys in the attention's scratch.
     TEST_EQ_INT((int)mtrl_backend_latent_size(MTRL_DEVICE_CPU), (int)sizeof(real));
-    // TF32 GEMMs: only a CUDA backend, only with MTRL_GEMM_TF32=1
-    TEST_EQ_INT(mtrl_backend_gemm_tf32(MTRL_DEVICE_CUDA), 0);
+    // TF32 GEMMs: only a CUDA backend; where the model asks ([model] gemm = tf32) unless
+    // MTRL_GEMM_TF32=0, or with MTRL_GEMM_TF32=1 (test_model.c checks the same on the CPU)
+    TEST_EQ_INT(mtrl_backend_gemm_tf32(MTRL_DEVICE_CUDA, 0), 0);
+    TEST_EQ_INT(mtrl_backend_gemm_tf32(MTRL_DEVICE_CUDA, 1), 1);
     setenv("MTRL_GEMM_TF32", "1", 1);
-    TEST_EQ_INT(mtrl_backend_gemm_tf32(MTRL_DEVICE_CUDA), 1);
-    TEST_EQ_INT(mtrl_backend_gemm_tf32(MTRL_DEVICE_CPU), 0);
+    TEST_EQ_INT(mtrl_backend_gemm_tf32(MTRL_DEVICE_CUDA, 0), 1);
+    TEST_EQ_INT(mtrl_backend_gemm_tf32(MTRL_DEVICE_CPU, 1), 0);
+    setenv("MTRL_GEMM_TF32", "0", 1);
+    TEST_EQ_INT(mtrl_backend_gemm_tf32(MTRL_DEVICE_CUDA, 1), 0);
     unsetenv("MTRL_GEMM_TF32");
     // bf16 GEMM operands: only a CUDA backend, only with MTRL_GEMM_BF16=1; they win over TF32
     TEST_EQ_INT(mtrl_backend_gemm_bf16(MTRL_DEVICE_CUDA), 0);
@@ -153,7 +157,7 @@ static void test_host_side(void) {
     TEST_EQ_INT(mtrl_backend_gemm_bf16(MTRL_DEVICE_CUDA), 1);
     TEST_EQ_INT(mtrl_backend_gemm_bf16(MTRL_DEVICE_CPU), 0);
     setenv("MTRL_GEMM_TF32", "1", 1);
-    TEST_EQ_INT(mtrl_backend_gemm_tf32(MTRL_DEVICE_CUDA), 0);
+    TEST_EQ_INT(mtrl_backend_gemm_tf32(MTRL_DEVICE_CUDA, 1), 0);
     unsetenv("MTRL_GEMM_TF32");
     unsetenv("MTRL_GEMM_BF16");
     size_t lat16 = mtrl_backend_latent_size(MTRL_DEVICE_CUDA);
@@ -708,6 +712,17 @@ static void gemm_switch_vs_fp32_(const gcase *k, const gemm_switch *sw) {
 static void test_tf32_(const gcase *k) {
     gemm_switch sw = {"MTRL_GEMM_TF32", "tf32", 1e-2, 8e-2, 0.25, NULL};
     gemm_switch_vs_fp32_(k, &sw);
+    // the model's own choice without the environment: [model] gemm = tf32 (the config's default)
+    // gives a TF32 backend, gemm = fp32 (the tests' dims) a true fp32 one
+    mtrl_model_dims d = dims_(k->ini, k->vocab);
+    for (int want = 0; want <= 1; want++) {
+        d.gemm_tf32 = want;
+        mtrl_model m;
+        mtrl_error err;
+        TEST_EQ_INT(mtrl_model_init_on(&m, &d, 1, MTRL_DEVICE_CUDA, 0, &err), MTRL_OK);
+        TEST_EQ_INT(m.be->gemm_tf32, want);
+        mtrl_model_free(&m);
+    }
 }
 
 // The forward of m over B replaying the routing rrc, log-probs into lp.

@@ -511,7 +511,41 @@ static void test_attnres_blocks(void) {
     }
 }
 
+// [model] gemm: TF32 GEMMs on a GPU by default (dims.gemm_tf32), fp32 on request, anything else
+// an error naming the key; and the environment's overrides (backend.h mtrl_backend_gemm_tf32: a
+// pure function in every build, so checked here without a GPU; test_cuda_model checks the
+// backends a GPU creates).
+static void test_gemm_precision(void) {
+    TEST_EQ_INT(tiny_dims().gemm_tf32, 1);
+    mtrl_config cfg;
+    mtrl_config_errors errs = {0};
+    TEST_EQ_INT(mtrl_config_load_text(&cfg, "t", "[env]\nname = calc\n[model]\npreset = tiny\ngemm = fp32\n", NULL, 0, &errs),
+                MTRL_OK);
+    mtrl_model_dims d;
+    TEST_EQ_INT(mtrl_model_dims_from_config(&d, &cfg.model, 264, NULL), MTRL_OK);
+    TEST_EQ_INT(d.gemm_tf32, 0);
+    mtrl_config_errors_free(&errs);
+    errs = (mtrl_config_errors){0};
+    TEST_CHECK(mtrl_config_load_text(&cfg, "t", "[env]\nname = calc\n[model]\ngemm = bf16\n", NULL, 0, &errs) != MTRL_OK);
+    TEST_CHECK(errs.n > 0 && strstr(errs.msgs[0], "gemm") != NULL);
+    mtrl_config_errors_free(&errs);
+    unsetenv("MTRL_GEMM_TF32");
+    unsetenv("MTRL_GEMM_BF16");
+    TEST_EQ_INT(mtrl_backend_gemm_tf32(MTRL_DEVICE_CUDA, 1), 1);
+    TEST_EQ_INT(mtrl_backend_gemm_tf32(MTRL_DEVICE_CUDA, 0), 0);
+    TEST_EQ_INT(mtrl_backend_gemm_tf32(MTRL_DEVICE_CPU, 1), 0);
+    setenv("MTRL_GEMM_TF32", "0", 1);
+    TEST_EQ_INT(mtrl_backend_gemm_tf32(MTRL_DEVICE_CUDA, 1), 0);
+    setenv("MTRL_GEMM_TF32", "1", 1);
+    TEST_EQ_INT(mtrl_backend_gemm_tf32(MTRL_DEVICE_CUDA, 0), 1);
+    setenv("MTRL_GEMM_BF16", "1", 1);
+    TEST_EQ_INT(mtrl_backend_gemm_tf32(MTRL_DEVICE_CUDA, 1), 0);
+    unsetenv("MTRL_GEMM_TF32");
+    unsetenv("MTRL_GEMM_BF16");
+}
+
 int main(void) {
+    test_gemm_precision();
     test_gradcheck(small_dims(4, 2, "KKMK"), "small", 3);
     test_gradcheck(tiny_dims(), "tiny preset", 1);
     test_attnres_blocks();

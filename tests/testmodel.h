@@ -27,6 +27,9 @@ static inline mtrl_model_dims test_model_dims(const char *model_ini, int vocab) 
         fprintf(stderr, "%s\n", err.msg);
         memset(&d, 0, sizeof d);
     }
+    // true fp32 GEMMs on a GPU ([model] gemm = fp32): the tests hold the GPU model to the CPU's
+    // fp32; test_cuda_model asks for TF32 through MTRL_GEMM_TF32=1 where it compares the two
+    d.gemm_tf32 = 0;
     return d;
 }
 

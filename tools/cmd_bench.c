@@ -221,7 +221,7 @@ static int bench_model_(int argc, char **argv) {
     // the GEMM precision of a GPU run (backend.h: bf16 wins over TF32)
     const char *on = m.device != MTRL_DEVICE_CUDA      ? "cpu"
                      : m.be->gemm_bf16                 ? "cuda (bf16 GEMMs)"
-                     : mtrl_backend_gemm_tf32(m.device) ? "cuda (TF32 GEMMs)"
+                     : m.be->gemm_tf32                 ? "cuda (TF32 GEMMs)"
                                                        : "cuda";
     printf("model: %s on %s, %zu parameters, %d layers (%s), d=%d, %d experts top-%d%s; batch %d x %d tokens, segment %d, OMP threads %s\n",
            src_label_(&src, label, sizeof label), on,

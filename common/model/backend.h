@@ -54,6 +54,9 @@ struct mtrl_backend {
     // 1 when the dense GEMMs take bf16 operands (mtrl_backend_gemm_bf16 at the backend's
     // creation): the memory planner of a live model counts the bf16 weight copies with it.
     int gemm_bf16;
+    // 1 when its fp32 GEMMs run on TF32 tensor cores (mtrl_backend_gemm_tf32 at the backend's
+    // creation, with the model's [model] gemm).
+    int gemm_tf32;
 
     // ---- memory --------------------------------------------------------------------------------
     void *(*alloc)(mtrl_backend *, size_t bytes); // uninitialised, at least 64-byte aligned; 0 bytes: a valid pointer
@@ -232,10 +235,12 @@ mtrl_backend *mtrl_backend_cpu(void);
 //                     fallback and for the GPU tests to compare against.
 size_t mtrl_backend_latent_size(int device);
 // 1 when a backend for `device` runs its fp32 GEMMs on TF32 tensor cores (10-bit mantissa
-// inputs, fp32 accumulation, ~1e-3 relative): CUDA with MTRL_GEMM_TF32=1 in the environment at
-// the backend's creation (opt-in; the GPU tests hold the default fp32 model to ~1e-5 of the CPU,
-// test_cuda_model compares the two), unless MTRL_GEMM_BF16=1 is set too. 0 otherwise.
-int mtrl_backend_gemm_tf32(int device);
+// inputs, fp32 accumulation, ~1e-3 relative): CUDA, where the model wants it (`want`: [model]
+// gemm = tf32, the default since 2026-11-30) and the environment at the backend's creation does
+// not say MTRL_GEMM_TF32=0, or where it says MTRL_GEMM_TF32=1; never with MTRL_GEMM_BF16=1. 0
+// otherwise. The GPU tests' models ask for fp32 (tests/testmodel.h): they hold the GPU model to
+// ~1e-5 of the CPU; test_cuda_model compares TF32 with it.
+int mtrl_backend_gemm_tf32(int device, int want);
 // 1 when a backend for `device` multiplies the model's dense projections, the MoE experts and
 // the dense SwiGLU FFNs with bf16 operands on tensor cores (fp32 accumulation, fp32 outputs and
 // gradients; 8-bit mantissa inputs, ~4e-3 relative per operand): CUDA with MTRL_GEMM_BF16=1
@@ -255,7 +260,7 @@ static inline void *mtrl_latent_at(const mtrl_backend *be, const void *base, siz
 
 // A CUDA backend on GPU `gpu`, or NULL with a message in err_msg (built without CUDA, the fp64
 // build, or no such device). mtrl_backend_destroy frees it (the CPU instance is left alone).
-mtrl_backend *mtrl_backend_cuda_create(int gpu, char *err_msg, size_t err_len);
+mtrl_backend *mtrl_backend_cuda_create(int gpu, int want_tf32, char *err_msg, size_t err_len);
 void mtrl_backend_destroy(mtrl_backend *be);
 // Number of CUDA devices this build can use (0 without CUDA support or without a device).
 int mtrl_backend_cuda_devices(void);

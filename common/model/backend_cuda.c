@@ -1,8 +1,9 @@
 // backend_cuda.c: the CUDA backend (backend.h): the launchers of kernels/cuda/kernels_cuda.h
 // and the small kernels of model_cuda.cu on device memory, on one stream.
 //
-// Precision: fp32 activations, states and gradients. GEMMs are cuBLAS in true fp32 (MTRL_F32;
-// TF32 only under MTRL_GEMM_TF32=1, backend.h mtrl_backend_gemm_tf32), chosen over bf16
+// Precision: fp32 activations, states and gradients. GEMMs are cuBLAS on TF32 tensor cores where
+// the model asks ([model] gemm = tf32, the default since 2026-11-30) or in true fp32 (MTRL_F32;
+// gemm = fp32, the GPU tests' setting; backend.h mtrl_backend_gemm_tf32), true fp32 chosen over bf16
 // operands so the GPU model agrees with the fp32 CPU model to about 1e-5 relative everywhere
 // but the MLA attention: the only causal-attention kernel multiplies bf16 operands (tensor
 // cores, fp32 accumulation), so the chunked form converts the absorbed
@@ -665,7 +666,7 @@ static const mtrl_backend cuda_template_ = {
 
 int mtrl_backend_cuda_devices(void) { return mtrl_cuda_device_count(); }
 
-mtrl_backend *mtrl_backend_cuda_create(int gpu, char *err_msg, size_t err_len) {
+mtrl_backend *mtrl_backend_cuda_create(int gpu, int want_tf32, char *err_msg, size_t err_len) {
     int n = mtrl_cuda_device_count();
     if (gpu < 0 || gpu >= n) {
         snprintf(err_msg, err_len, "GPU %d requested, %d CUDA device%s usable", gpu, n, n == 1 ? "" : "s");
@@ -678,7 +679,8 @@ mtrl_backend *mtrl_backend_cuda_create(int gpu, char *err_msg, size_t err_len) {
     cuda_impl *x = xcalloc(1, sizeof *x);
     x->ctx = mtrl_cuda_ctx_create(gpu, NULL);
     be->gemm_bf16 = mtrl_backend_gemm_bf16(MTRL_DEVICE_CUDA);
-    mtrl_cuda_ctx_set_tf32(x->ctx, mtrl_backend_gemm_tf32(MTRL_DEVICE_CUDA));
+    be->gemm_tf32 = mtrl_backend_gemm_tf32(MTRL_DEVICE_CUDA, want_tf32);
+    mtrl_cuda_ctx_set_tf32(x->ctx, be->gemm_tf32);
     be->impl = x;
     x->sq_part = alloc_(be, sizeof(double) * MTRL_MC_SQ_BLOCKS);
     return be;
@@ -700,8 +702,9 @@ void mtrl_backend_cuda_destroy_(mtrl_backend *be) {
 
 int mtrl_backend_cuda_devices(void) { return 0; }
 
-mtrl_backend *mtrl_backend_cuda_create(int gpu, char *err_msg, size_t err_len) {
+mtrl_backend *mtrl_backend_cuda_create(int gpu, int want_tf32, char *err_msg, size_t err_len) {
     (void)gpu;
+    (void)want_tf32;
     snprintf(err_msg, err_len, "%s",
              REAL_IS_F64 ? "the fp64 build has no CUDA backend"
                          : "this build has no CUDA support (configure with -DMTRL_CUDA=ON on a machine with nvcc)");
@@ -725,6 +728,10 @@ size_t mtrl_backend_latent_size(int device) {
 
 int mtrl_backend_gemm_bf16(int device) { return device == MTRL_DEVICE_CUDA && env_on_("MTRL_GEMM_BF16"); }
 
-int mtrl_backend_gemm_tf32(int device) {
-    return device == MTRL_DEVICE_CUDA && env_on_("MTRL_GEMM_TF32") && !mtrl_backend_gemm_bf16(device);
+int mtrl_backend_gemm_tf32(int device, int want) {
+    if (device != MTRL_DEVICE_CUDA || mtrl_backend_gemm_bf16(device)) return 0;
+    const char *e = getenv("MTRL_GEMM_TF32");
+    if (e && !strcmp(e, "1")) return 1;
+    if (e && !strcmp(e, "0")) return 0;
+    return want != 0;
 }

@@ -93,6 +93,10 @@ typedef struct mtrl_model_dims {
     // or absorbed (0): naive, the inference scratch holds the expanded keys of every key so far
     // (mtrl_model_infer_bytes takes the capacity for it).
     int mla_prefill_naive;
+    // The GPU's projection and expert GEMMs on TF32 tensor cores (1, the default, [model] gemm =
+    // tf32) or true fp32 (0); the environment may override it (backend.h mtrl_backend_gemm_tf32).
+    // A CPU model ignores it.
+    int gemm_tf32;
     int dense_I;                     // FFN width of layer 0
     int E, k, n_shared, I;           // experts, top-k, shared experts, expert width
     int S;                           // AttnRes block size in layers

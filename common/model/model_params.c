@@ -28,6 +28,7 @@ mtrl_status mtrl_model_dims_from_config(mtrl_model_dims *d, const mtrl_cfg_model
     d->mla_gate = c->mla_gate;
     d->mla_absorbed = !strcmp(c->mla_train, "absorbed");
     d->mla_prefill_naive = !strcmp(c->mla_prefill, "naive");
+    d->gemm_tf32 = !strcmp(c->gemm, "tf32");
     d->dense_I = (int)c->dense_inter;
     d->E = (int)c->experts;
     d->k = (int)c->top_k;
@@ -309,7 +310,7 @@ mtrl_status mtrl_model_init_on(mtrl_model *m, const mtrl_model_dims *dims, uint6
     const char *why = cuda_dims_problem_(dims, msg, sizeof msg);
     if (why) return mtrl_error_set(err, MTRL_ERR_USAGE, "[model] device = cuda: %s", why);
     char bmsg[256] = "";
-    mtrl_backend *be = mtrl_backend_cuda_create(gpu, bmsg, sizeof bmsg);
+    mtrl_backend *be = mtrl_backend_cuda_create(gpu, dims->gemm_tf32, bmsg, sizeof bmsg);
     if (!be) return mtrl_error_set(err, MTRL_ERR_USAGE, "[model] device = cuda: %s", bmsg);
     alloc_host_(m, dims, seed);
     m->device = MTRL_DEVICE_CUDA;

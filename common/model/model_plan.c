@@ -315,7 +315,7 @@ mtrl_status mtrl_model_device_memory(int device, int gpu, size_t *free_bytes, si
     }
     if (device != MTRL_DEVICE_CUDA) return mtrl_error_set(err, MTRL_ERR_USAGE, "unknown device %d", device);
     char msg[256] = "";
-    mtrl_backend *be = mtrl_backend_cuda_create(gpu, msg, sizeof msg);
+    mtrl_backend *be = mtrl_backend_cuda_create(gpu, 0, msg, sizeof msg);  // memory only
     if (!be) return mtrl_error_set(err, MTRL_ERR_USAGE, "no CUDA memory to query: %s", msg);
     be->mem_info(be, free_bytes, total_bytes, NULL, NULL);
     mtrl_backend_destroy(be);
