@@ -26,6 +26,7 @@ struct Bench {
     int reps = 5;
     double gemm_tflops = 755.0, copy_tbps = 4.17;  // replaced by this run's measurements
     std::string anchors;  // the JSON of shared/bench/anchors_gpu.py from the same machine (--anchors)
+    bool kda_fwd_only = false;  // --kda-fwd-only: the forward's rows without v2, the clusters and the backward
 };
 
 // A number of the anchors' JSON (a flat object written by anchors_gpu.py): "key": value.
@@ -178,7 +179,7 @@ void bench_kda(Bench &B, int T, int H) {
         // SIMT) and v3 with plain bf16 operands (MTRL_KDA3_SPLIT=0) at each block width
         // (MTRL_KDA3_WPB: warps of 16 value columns per block; default 4)
         double m2 = 0, m4 = 0;
-        {
+        if (!B.kda_fwd_only) {
             scoped_env fwd("MTRL_KDA_FWD", "2");
             m2 = time_ms(B, [&] { mtrl_kda_chunk_fwd(B.c, T, H, K, V, q, k, v, g, beta, NULL, o, Sf, NULL); });
             row("  v2 (MTRL_KDA_FWD=2)", shape, m2, flops, "TFLOP/s", B.gemm_tflops);
@@ -194,9 +195,30 @@ void bench_kda(Bench &B, int T, int H) {
                 row(what, shape, m3, flops, "TFLOP/s", B.gemm_tflops);
             }
         }  // the caller's MTRL_KDA_FWD, _SPLIT and _WPB again
-        printf("%-34s %-34s default / v2 time %.3f, v3 bf16 (WPB=4) / v2 %.3f, default / v3 bf16 %.3f\n", "", "",
-               ms / m2, m4 / m2, ms / m4);
+        if (m2 > 0)
+            printf("%-34s %-34s default / v2 time %.3f, v3 bf16 (WPB=4) / v2 %.3f, default / v3 bf16 %.3f\n", "", "",
+                   ms / m2, m4 / m2, ms / m4);
         {
+            // the state pass with its K rows split over 2 or 4 warps per column group
+            // (MTRL_KDA3_KSPLIT), in the default precision and in plain bf16
+            scoped_env fwd("MTRL_KDA_FWD", NULL), wpb("MTRL_KDA3_WPB", NULL);
+            static const char *kss[] = {"2", "4"};
+            for (const char *ks : kss) {
+                scoped_env ksp("MTRL_KDA3_KSPLIT", ks);
+                double mk = time_ms(B, [&] { mtrl_kda_chunk_fwd(B.c, T, H, K, V, q, k, v, g, beta, NULL, o, Sf, NULL); });
+                snprintf(what, sizeof what, "  default, MTRL_KDA3_KSPLIT=%s", ks);
+                row(what, shape, mk, flops, "TFLOP/s", B.gemm_tflops);
+                vs(B, ak + "_fwd_ms", mk, "the time of fla chunk_kda fwd", "P1 <= 0.65x");
+                scoped_env split("MTRL_KDA3_SPLIT", "0");
+                double mb = time_ms(B, [&] { mtrl_kda_chunk_fwd(B.c, T, H, K, V, q, k, v, g, beta, NULL, o, Sf, NULL); });
+                snprintf(what, sizeof what, "  bf16, MTRL_KDA3_KSPLIT=%s", ks);
+                row(what, shape, mb, flops, "TFLOP/s", B.gemm_tflops);
+                vs(B, ak + "_fwd_ms", mb, "the time of fla chunk_kda fwd", "P1 <= 0.65x");
+                printf("%-34s %-34s KSPLIT=%s / default time %.3f, bf16 KSPLIT=%s / v3 bf16 %.3f\n", "", "", ks,
+                       mk / ms, ks, mb / m4);
+            }
+        }
+        if (!B.kda_fwd_only) {
             // the default with the cluster state pass (MTRL_KDA3_CLUSTER=1: thread-block clusters
             // of 8 blocks of 1 warp per head, the K side of each tile record multicast once per
             // cluster; 4 and 2: clusters of 4 blocks of 2 warps, 2 of 4), against the default
@@ -212,6 +234,11 @@ void bench_kda(Bench &B, int T, int H) {
                        "H = %d)\n", "", "", cl, mc / ms, ncl, kda3_cluster_max_active(ncl, !env_is("MTRL_KDA3_SPLIT", "0")), H);
             }
         }  // the caller's MTRL_KDA_FWD, _WPB and _CLUSTER again
+    }
+    if (B.kda_fwd_only) {
+        mtrl_cuda_free(q); mtrl_cuda_free(k); mtrl_cuda_free(v); mtrl_cuda_free(g); mtrl_cuda_free(beta);
+        mtrl_cuda_free(o); mtrl_cuda_free(Sf);
+        return;
     }
     // forward storing the tile states, then backward
     float *St = (float *)mtrl_cuda_malloc(nt * H * K * V * 4);
@@ -496,6 +523,7 @@ extern "C" int mtrl_bench_ops_cuda(int argc, char **argv) {
     int reps = 5, H = 16;
     const char *decode_shapes = "1x1048576,8x131072,64x32768,16x524288";  // MLA decode, B x Tk
     const char *anchors_path = nullptr;
+    bool kda_fwd_only = false;
     const char *attn_shapes = "absorbed,mha,naive";
     int attn_v1 = 1;  // --attn-v1 0: no v1 pass (its backward takes minutes at 128K)
     for (int i = 1; i < argc; i++) {
@@ -512,11 +540,12 @@ extern "C" int mtrl_bench_ops_cuda(int argc, char **argv) {
         else if (!strcmp(a, "--heads") && val) { H = atoi(val); i++; }
         else if (!strcmp(a, "--decode-shapes") && val) { decode_shapes = val; i++; }
         else if (!strcmp(a, "--anchors") && val) { anchors_path = val; i++; }
+        else if (!strcmp(a, "--kda-fwd-only")) kda_fwd_only = true;
         else {
             fprintf(stderr, "usage: mtrl bench ops --device cuda [--only copy,gemm,kda,step,attn,decode,moe,ops] "
                             "[--kda-T 8192,65536] [--attn-T 8192,32768] [--attn-shapes absorbed,mha,naive] [--attn-v1 0|1] "
                             "[--heads 16] [--decode-shapes 1x1048576,8x131072] "
-                            "[--reps N] [--anchors anchors.json]\n");
+                            "[--reps N] [--anchors anchors.json] [--kda-fwd-only]\n");
             return 2;
         }
     }
@@ -548,6 +577,7 @@ extern "C" int mtrl_bench_ops_cuda(int argc, char **argv) {
     }
     B.c = mtrl_cuda_ctx_create(0, NULL);
     B.reps = reps < 1 ? 1 : reps;
+    B.kda_fwd_only = kda_fwd_only;
     CUDA_CHECK(cudaEventCreate(&B.a));
     CUDA_CHECK(cudaEventCreate(&B.b));
     cudaDeviceProp p;
