@@ -56,7 +56,6 @@ static const double GMIN = -5.0;
 // kda_tc_cuda.cu: the cluster size of the last v3 forward state pass launched (0: the default
 // kernel; MTRL_KDA3_CLUSTER=1 gives 8).
 int kda3_last_state_cluster();
-int kda3_last_state_ksplit();
 
 // q (scaled, L2-normalised), k (L2-normalised), v, g, β as the layer feeds the core.
 static void make_inputs(int T, int H, int K, int V, int bound, double *q, double *k, double *v,
@@ -370,39 +369,6 @@ static void test_chunk_v3(mtrl_cuda_ctx *ctx, int T, int H, int bound) {
         }
         set_env("MTRL_KDA3_CLUSTER", NULL);
         set_env("MTRL_KDA3_WPB", NULL);
-        // the K split (MTRL_KDA3_KSPLIT = 2, 4: the state's rows over 2 or 4 warps per column
-        // group, partial Δ summed in another order): against fp64 in the three outputs, every
-        // block width bit-identical to the split's default width
-        static const char *kss[] = {"2", "4"};
-        for (int i = 0; i < 2; i++) {
-            set_env("MTRL_KDA3_KSPLIT", kss[i]);
-            char tagk[48];
-            snprintf(tagk, sizeof tagk, "%s KSPLIT=%s", tag, kss[i]);
-            float *k_o = tu_dev_nan(ctx, nv), *k_Sf = tu_dev_nan(ctx, ns), *k_St = tu_dev_nan(ctx, nst);
-            TEST_EQ_INT(mtrl_kda_chunk_fwd(ctx, T, H, K, V, d_q, d_k, d_v, d_g, d_b, d_S0, k_o, k_Sf, k_St), 0);
-            mtrl_cuda_sync(ctx);
-            TEST_EQ_INT(kda3_last_state_ksplit(), atoi(kss[i]));  // the switch took effect
-            check_fwd_(tagk, "", k_o, k_Sf, k_St, o, Sf, St, nv, ns, nst, tol, got);
-            float *ko = (float *)malloc(sizeof(float) * nv), *kS = (float *)malloc(sizeof(float) * ns),
-                  *kSt = (float *)malloc(sizeof(float) * nst);
-            mtrl_cuda_download(ko, k_o, sizeof(float) * nv);
-            mtrl_cuda_download(kS, k_Sf, sizeof(float) * ns);
-            mtrl_cuda_download(kSt, k_St, sizeof(float) * nst);
-            static const char *wk[] = {"1", "2"};
-            for (int j = 0; j < 2; j++) {
-                set_env("MTRL_KDA3_WPB", wk[j]);
-                char form[48];
-                snprintf(form, sizeof form, "WPB=%s", wk[j]);
-                v3_same_bits_(ctx, tagk, form, T, H, in, 1, 1, ko, kS, kSt, tmp);
-                snprintf(form, sizeof form, "WPB=%s without o", wk[j]);
-                v3_same_bits_(ctx, tagk, form, T, H, in, 0, 0, ko, kS, kSt, tmp);
-            }
-            set_env("MTRL_KDA3_WPB", NULL);
-            printf("  %s: o, S_final, S_tiles against fp64; WPB = 1, 2 bit-identical to 4\n", tagk);
-            mtrl_cuda_free(k_o); mtrl_cuda_free(k_Sf); mtrl_cuda_free(k_St);
-            free(ko); free(kS); free(kSt);
-        }
-        set_env("MTRL_KDA3_KSPLIT", NULL);
         // S0 = NULL (zero initial state)
         {
             float *z_o = tu_dev_nan(ctx, nv), *z_Sf = tu_dev_nan(ctx, ns);

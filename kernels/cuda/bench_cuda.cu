@@ -198,26 +198,6 @@ void bench_kda(Bench &B, int T, int H) {
         if (m2 > 0)
             printf("%-34s %-34s default / v2 time %.3f, v3 bf16 (WPB=4) / v2 %.3f, default / v3 bf16 %.3f\n", "", "",
                    ms / m2, m4 / m2, ms / m4);
-        {
-            // the state pass with its K rows split over 2 or 4 warps per column group
-            // (MTRL_KDA3_KSPLIT), in the default precision and in plain bf16
-            scoped_env fwd("MTRL_KDA_FWD", NULL), wpb("MTRL_KDA3_WPB", NULL);
-            static const char *kss[] = {"2", "4"};
-            for (const char *ks : kss) {
-                scoped_env ksp("MTRL_KDA3_KSPLIT", ks);
-                double mk = time_ms(B, [&] { mtrl_kda_chunk_fwd(B.c, T, H, K, V, q, k, v, g, beta, NULL, o, Sf, NULL); });
-                snprintf(what, sizeof what, "  default, MTRL_KDA3_KSPLIT=%s", ks);
-                row(what, shape, mk, flops, "TFLOP/s", B.gemm_tflops);
-                vs(B, ak + "_fwd_ms", mk, "the time of fla chunk_kda fwd", "P1 <= 0.65x");
-                scoped_env split("MTRL_KDA3_SPLIT", "0");
-                double mb = time_ms(B, [&] { mtrl_kda_chunk_fwd(B.c, T, H, K, V, q, k, v, g, beta, NULL, o, Sf, NULL); });
-                snprintf(what, sizeof what, "  bf16, MTRL_KDA3_KSPLIT=%s", ks);
-                row(what, shape, mb, flops, "TFLOP/s", B.gemm_tflops);
-                vs(B, ak + "_fwd_ms", mb, "the time of fla chunk_kda fwd", "P1 <= 0.65x");
-                printf("%-34s %-34s KSPLIT=%s / default time %.3f, bf16 KSPLIT=%s / v3 bf16 %.3f\n", "", "", ks,
-                       mk / ms, ks, mb / m4);
-            }
-        }
         if (!B.kda_fwd_only) {
             // the default with the cluster state pass (MTRL_KDA3_CLUSTER=1: thread-block clusters
             // of 8 blocks of 1 warp per head, the K side of each tile record multicast once per

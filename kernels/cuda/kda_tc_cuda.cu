@@ -302,31 +302,19 @@ struct StCfg {
     static_assert(NST3 * STAGE <= 232448, "the sm_90 opt-in shared memory per block");
 };
 
-// KS (opt-in, MTRL_KDA3_KSPLIT=2 or 4, kda3_state_): the state's K rows split over KS warps per
-// value-column group, WPB x KS warps per block. Warp w + WPB kp holds rows d of part kp (K / KS
-// of them) of group w's 16 columns, so it issues 1 / KS of the tile's Δ, Q⁺S and S' products;
-// the parts' partial Δᵀ (and SᵀQ⁺ᵀ) meet in shared memory behind one named barrier per group
-// and tile and are summed part 0 + part 1 + .. in every warp (so all hold the same bits); part 0
-// adds ΔᵀPᵀ and stores O. Why: the pass is bound by one warp's issue rate per scheduler (Nsight
-// Compute, docs/kernel-lab.md); this gives each scheduler KS warps with 1 / KS of the work. KS = 1
-// is the kernel as it was.
-template <int WPB, bool WO, bool X, int KS = 1>
-__global__ void __launch_bounds__(32 * WPB * KS, 1)
+template <int WPB, bool WO, bool X>
+__global__ void __launch_bounds__(32 * WPB, 1)
     kda3_state_k(int T, int H, int nt, const unsigned char *__restrict__ rec,
                  const float *S0, float *__restrict__ o, float *S_final,
                  float *__restrict__ S_tiles) {
     using Cf = StCfg<WPB, X>;
     using Rc = Rec<X>;
-    constexpr int NTH = 32 * WPB * KS, LDU = Cf::LDU, NB = K3 / 8 / KS, KD = K3 / 16 / KS;
+    constexpr int NTH = 32 * WPB, LDU = Cf::LDU, NB = K3 / 8;
     constexpr int LO3 = Cf::LO3 / 2, LOP = Cf::LOP / 2, LOU = Cf::LOU / 2;  // lo parts (elements)
     extern __shared__ __align__(16) unsigned char sm3_[];
-    const int tid = threadIdx.x, lane = tid & 31, gq = lane >> 2, tq = lane & 3;
-    const int w = KS == 1 ? tid >> 5 : (tid >> 5) % WPB, kp = KS == 1 ? 0 : (tid >> 5) / WPB;
-    const int kb = kp * KD, dofs = 16 * kb;                // the part's first k-step and row d
+    const int tid = threadIdx.x, lane = tid & 31, w = tid >> 5, gq = lane >> 2, tq = lane & 3;
     const int h = blockIdx.y, jb = blockIdx.x * 16 * WPB;  // the block's first value column
     const int jw = 16 * w, j0 = jb + jw;                     // the warp's, in the block / global
-    // KS > 1: per group and part, the partial Δᵀ and SᵀQ⁺ᵀ (16 floats a lane), after the ring
-    float *xch = reinterpret_cast<float *>(sm3_ + Cf::smem());
 
     auto issue = [&](int n) {
         const unsigned char *R = rec + ((size_t)h * nt + n) * Rc::BYTES;
@@ -357,7 +345,7 @@ __global__ void __launch_bounds__(32 * WPB * KS, 1)
     for (int nd = 0; nd < NB; nd++)
 #pragma unroll
         for (int c = 0; c < 4; c++) {
-            const int d = dofs + 8 * nd + 2 * tq + (c & 1), j = j0 + gq + 8 * (c >> 1);
+            const int d = 8 * nd + 2 * tq + (c & 1), j = j0 + gq + 8 * (c >> 1);
             st[nd][c] = S0 ? S0[((size_t)h * K3 + d) * V3 + j] : 0.f;
         }
 
@@ -381,7 +369,7 @@ __global__ void __launch_bounds__(32 * WPB * KS, 1)
             for (int nd = 0; nd < NB; nd++)
 #pragma unroll
                 for (int c = 0; c < 4; c++)
-                    __stcs(Sd + (size_t)(dofs + 8 * nd + 2 * tq + (c & 1)) * V3 + j0 + gq + 8 * (c >> 1),
+                    __stcs(Sd + (size_t)(8 * nd + 2 * tq + (c & 1)) * V3 + j0 + gq + 8 * (c >> 1),
                            st[nd][c]);
         }
         // Sᵀ as A fragments, k-step kd = columns d 16 kd..16 kd + 15 (rows j0 + g, j0 + g + 8):
@@ -389,10 +377,10 @@ __global__ void __launch_bounds__(32 * WPB * KS, 1)
         // a[2] = (g, 2t+8..) = st[2kd+1][0..1], a[3] = (g+8, 2t+8..) = st[2kd+1][2..3].
         // bf16: all k-steps packed up front (as measured). bf16x3: hi and lo packed per k-step in
         // the loop below, so the lo fragments hold no registers across it.
-        uint32_t sa[X ? 1 : KD][4];
+        uint32_t sa[X ? 1 : K3 / 16][4];
         if constexpr (!X) {
 #pragma unroll
-            for (int kd = 0; kd < KD; kd++) {
+            for (int kd = 0; kd < K3 / 16; kd++) {
                 sa[kd][0] = pack_bf16(st[2 * kd][0], st[2 * kd][1]);
                 sa[kd][1] = pack_bf16(st[2 * kd][2], st[2 * kd][3]);
                 sa[kd][2] = pack_bf16(st[2 * kd + 1][0], st[2 * kd + 1][1]);
@@ -410,21 +398,20 @@ __global__ void __launch_bounds__(32 * WPB * KS, 1)
                 const int iu = (8 * ns + 2 * tq + (c & 1)) * LDU + jw + gq + 8 * (c >> 1);
                 dl[ns][c] = bf2f(sU[iu]);
                 if constexpr (X) dl[ns][c] += bf2f(sU[iu + LOU]);  // exact: hi + lo has 16 bits
-                if constexpr (KS > 1) dl[ns][c] = kp == 0 ? dl[ns][c] : 0.f;  // U once
             }
 #pragma unroll
-        for (int kd = 0; kd < KD; kd++) {
+        for (int kd = 0; kd < K3 / 16; kd++) {
             uint32_t ah[4], al[4];
             if constexpr (X) acc_to_a_split(st[2 * kd], st[2 * kd + 1], ah, al);
             const uint32_t *a = X ? ah : sa[X ? 0 : kd];
             uint32_t b[4], bl[4];
-            ldsm_split<X>(b, bl, adr_b_nk(sW, LD3, 16 * (kb + kd), 0, lane), LO3);
+            ldsm_split<X>(b, bl, adr_b_nk(sW, LD3, 16 * kd, 0, lane), LO3);
             float(*acc)[4] = (kd & 1) ? dx : dl;
             mma_split<X>(acc[0], a, al, b, bl);
             mma_split<X>(acc[1], a, al, b + 2, bl + 2);
             if (WO) {  // Oᵀ = Sᵀ Q⁺ᵀ: B(k = d, n = s) = Q⁺[s][d]
                 uint32_t bq[4], bql[4];
-                ldsm_split<X>(bq, bql, adr_b_nk(sQ, LD3, 16 * (kb + kd), 0, lane), LO3);
+                ldsm_split<X>(bq, bql, adr_b_nk(sQ, LD3, 16 * kd, 0, lane), LO3);
                 mma_split<X>(oa[0], a, al, bq, bql);
                 mma_split<X>(oa[1], a, al, bq + 2, bql + 2);
             }
@@ -433,28 +420,10 @@ __global__ void __launch_bounds__(32 * WPB * KS, 1)
         for (int ns = 0; ns < 2; ns++)
 #pragma unroll
             for (int c = 0; c < 4; c++) dl[ns][c] += dx[ns][c];
-        if constexpr (KS > 1) {  // the parts' sums: Δᵀ in every part, SᵀQ⁺ᵀ in part 0
-            float *mine = xch + (w * KS + kp) * 16 * 32 + lane;  // [16][32 lanes]: no bank conflicts
-#pragma unroll
-            for (int i = 0; i < 8; i++) {
-                mine[32 * i] = dl[i >> 2][i & 3];
-                if (WO) mine[32 * (8 + i)] = oa[i >> 2][i & 3];
-            }
-            named_bar_sync(1 + w, 32 * KS);
-#pragma unroll
-            for (int p = 0; p < KS; p++) {
-                const float *x = xch + (w * KS + p) * 16 * 32 + lane;
-#pragma unroll
-                for (int i = 0; i < 8; i++) {
-                    dl[i >> 2][i & 3] = p == 0 ? x[32 * i] : dl[i >> 2][i & 3] + x[32 * i];
-                    if (WO) oa[i >> 2][i & 3] = p == 0 ? x[32 * (8 + i)] : oa[i >> 2][i & 3] + x[32 * (8 + i)];
-                }
-            }
-        }
         // Δᵀ as the A fragment of one k-step over the 16 tokens (same packing as sa; lo with X).
         uint32_t da[4], dal[4];
         acc_to_a_split(dl[0], dl[1], da, dal);
-        if (WO && (KS == 1 || kp == 0)) {
+        if (WO) {
             // Oᵀ += Δᵀ Pᵀ: B(k = s, n = token r) = P[r][s], n-major.
             uint32_t bp[4], bpl[4];
             ldsm_split<X>(bp, bpl, adr_b_nk(sP, LDP3, 0, 0, lane), LOP);
@@ -472,16 +441,16 @@ __global__ void __launch_bounds__(32 * WPB * KS, 1)
         // S'ᵀ = Sᵀ diag(e^γ) + Δᵀ K^e: B(k = s, n = d) = K^e[s][d], k-major (ldsm .trans).
 #pragma unroll
         for (int nd = 0; nd < NB; nd++) {
-            const float2 e = *reinterpret_cast<const float2 *>(sEG + dofs + 8 * nd + 2 * tq);
+            const float2 e = *reinterpret_cast<const float2 *>(sEG + 8 * nd + 2 * tq);
             st[nd][0] *= e.x;
             st[nd][1] *= e.y;
             st[nd][2] *= e.x;
             st[nd][3] *= e.y;
         }
 #pragma unroll
-        for (int pp = 0; pp < KD; pp++) {
+        for (int pp = 0; pp < K3 / 16; pp++) {
             uint32_t b[4], bl[4];
-            ldsm_split_t<X>(b, bl, adr_b_kn(sE, LD3, 0, 16 * (kb + pp), lane), LO3);
+            ldsm_split_t<X>(b, bl, adr_b_kn(sE, LD3, 0, 16 * pp, lane), LO3);
             mma_split<X>(st[2 * pp], da, dal, b, bl);
             mma_split<X>(st[2 * pp + 1], da, dal, b + 2, bl + 2);
         }
@@ -492,26 +461,26 @@ __global__ void __launch_bounds__(32 * WPB * KS, 1)
         for (int nd = 0; nd < NB; nd++)
 #pragma unroll
             for (int c = 0; c < 4; c++)
-                S_final[((size_t)h * K3 + dofs + 8 * nd + 2 * tq + (c & 1)) * V3 + j0 + gq + 8 * (c >> 1)] =
+                S_final[((size_t)h * K3 + 8 * nd + 2 * tq + (c & 1)) * V3 + j0 + gq + 8 * (c >> 1)] =
                     st[nd][c];
     }
 }
 
 
-template <int WPB, bool WO, bool X, int KS = 1>
+template <int WPB, bool WO, bool X>
 void launch_state3_(mtrl_cuda_ctx *c, int T, int H, int nt, const unsigned char *rec,
                     const float *S0, float *o, float *S_final, float *S_tiles) {
-    const size_t sh = StCfg<WPB, X>::smem() + (KS > 1 ? (size_t)WPB * KS * 32 * 16 * 4 : 0);
-    set_smem(kda3_state_k<WPB, WO, X, KS>, sh);
-    kda3_state_k<WPB, WO, X, KS><<<dim3(V3 / (16 * WPB), H), 32 * WPB * KS, sh, c->stream>>>(T, H, nt, rec, S0,
-                                                                                         o, S_final, S_tiles);
+    const size_t sh = StCfg<WPB, X>::smem();
+    set_smem(kda3_state_k<WPB, WO, X>, sh);
+    kda3_state_k<WPB, WO, X><<<dim3(V3 / (16 * WPB), H), 32 * WPB, sh, c->stream>>>(T, H, nt, rec, S0, o,
+                                                                                  S_final, S_tiles);
     CUDA_LAUNCH_CHECK();
 }
-template <int WPB, bool X, int KS = 1>
+template <int WPB, bool X>
 void launch_state3_wo_(mtrl_cuda_ctx *c, int T, int H, int nt, const unsigned char *rec,
                        const float *S0, float *o, float *S_final, float *S_tiles) {
-    if (o) launch_state3_<WPB, true, X, KS>(c, T, H, nt, rec, S0, o, S_final, S_tiles);
-    else launch_state3_<WPB, false, X, KS>(c, T, H, nt, rec, S0, o, S_final, S_tiles);
+    if (o) launch_state3_<WPB, true, X>(c, T, H, nt, rec, S0, o, S_final, S_tiles);
+    else launch_state3_<WPB, false, X>(c, T, H, nt, rec, S0, o, S_final, S_tiles);
 }
 
 // ---- pass 2, cluster form (opt-in: MTRL_KDA3_CLUSTER=1) -------------------------------------------
@@ -845,7 +814,6 @@ int cl_max_active_() {
     return n;
 }
 int kda3_last_cluster_ = 0;  // the cluster size of the last state pass launched (0: kda3_state_k)
-int kda3_last_ksplit_ = 1;   // the K split of the last kda3_state_k launched (MTRL_KDA3_KSPLIT)
 // MTRL_KDA3_CLUSTER in the environment (read at each call): 1 or 8: the cluster state pass with 8
 // blocks of 1 warp per head; 4 / 2: clusters of 4 blocks of 2 warps / 2 blocks of 4 warps (for
 // measuring); anything else: 0, kda3_state_k (the default).
@@ -872,28 +840,11 @@ void kda3_state_(mtrl_cuda_ctx *c, int T, int H, const unsigned char *rec, const
                  float *S_final, float *S_tiles) {
     const int nt = (T + C3 - 1) / C3;
     kda3_last_cluster_ = env_cluster_();
-    kda3_last_ksplit_ = kda3_last_cluster_                 ? 1
-                        : env_is("MTRL_KDA3_KSPLIT", "2") ? 2
-                        : env_is("MTRL_KDA3_KSPLIT", "4") ? 4
-                                                           : 1;
     switch (kda3_last_cluster_) {  // opt-in: MTRL_KDA3_CLUSTER (then MTRL_KDA3_WPB is not read)
     case 8: launch_state3_cl_wo_<8, X>(c, T, H, nt, rec, S0, o, S_final, S_tiles); return;
     case 4: launch_state3_cl_wo_<4, X>(c, T, H, nt, rec, S0, o, S_final, S_tiles); return;
     case 2: launch_state3_cl_wo_<2, X>(c, T, H, nt, rec, S0, o, S_final, S_tiles); return;
     default: break;
-    }
-    if (kda3_last_ksplit_ > 1) {  // opt-in: K split over 2 or 4 warps per column group (WPB 8 runs 4)
-        const int wpb = env_wpb_();
-        if (kda3_last_ksplit_ == 2) {
-            if (wpb == 1) launch_state3_wo_<1, X, 2>(c, T, H, nt, rec, S0, o, S_final, S_tiles);
-            else if (wpb == 2) launch_state3_wo_<2, X, 2>(c, T, H, nt, rec, S0, o, S_final, S_tiles);
-            else launch_state3_wo_<4, X, 2>(c, T, H, nt, rec, S0, o, S_final, S_tiles);
-        } else {
-            if (wpb == 1) launch_state3_wo_<1, X, 4>(c, T, H, nt, rec, S0, o, S_final, S_tiles);
-            else if (wpb == 2) launch_state3_wo_<2, X, 4>(c, T, H, nt, rec, S0, o, S_final, S_tiles);
-            else launch_state3_wo_<4, X, 4>(c, T, H, nt, rec, S0, o, S_final, S_tiles);
-        }
-        return;
     }
     switch (env_wpb_()) {
     case 1: launch_state3_wo_<1, X>(c, T, H, nt, rec, S0, o, S_final, S_tiles); break;
@@ -917,9 +868,6 @@ int kda3_supports(int H, int K, int V, const float *q, const float *k, const flo
 // The cluster size of the last forward state pass launched (0: kda3_state_k), for the tests to see
 // that MTRL_KDA3_CLUSTER took effect (the results are bit-identical by design).
 int kda3_last_state_cluster() { return kda3_last_cluster_; }
-// The K split of the last forward state pass launched (1, or 2 under MTRL_KDA3_KSPLIT=2), for the
-// tests to see that the switch took effect.
-int kda3_last_state_ksplit() { return kda3_last_ksplit_; }
 // The cluster state pass's resident clusters (cl = 8, 4, 2; split: bf16x3), for bench ops.
 int kda3_cluster_max_active(int cl, int split) {
     if (cl == 8) return split ? cl_max_active_<8, true>() : cl_max_active_<8, false>();
