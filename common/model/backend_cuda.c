@@ -179,7 +179,7 @@ static void dsigmoid_(BE *be, size_t n, const real *s, real *dy) { mtrl_mc_dsigm
 static void add_(BE *be, size_t n, const real *a, const real *b, real *y) { mtrl_mc_add(CTX(be), n, a, b, y); }
 static void scale_(BE *be, size_t n, real *x, real s) { mtrl_mc_scale(CTX(be), n, x, s); }
 
-// ---- dense: true fp32 (TF32 opt-in), or bf16 operands ----------------------------------------------------
+// ---- dense: TF32 (the default), true fp32, or bf16 operands -----------------------------------------------
 //
 // With gemm_bf16 every operand of gemm_ and of the expert entries is taken as bf16: a master
 // weight (a pointer inside the parameter block) from the backend's copy, rounded once per

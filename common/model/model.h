@@ -49,10 +49,11 @@
 //     _upload move a state's contents to and from host arrays (snapshots).
 //   * inputs and outputs of the calls (tokens, log-probs, logits, routing, dlogp) stay host
 //     arrays; every call returns with its host outputs written.
-//   * arithmetic: fp32 everywhere (GEMMs through cuBLAS in true fp32, no TF32) except the MLA
-//     causal attention of the chunked form, which multiplies bf16 copies of the absorbed
-//     queries and dout with the bf16 latents, fp32 accumulation (the only attention kernel).
-//     Opt-in at creation: MTRL_GEMM_TF32=1 (TF32 GEMMs) or MTRL_GEMM_BF16=1 (bf16 operands for
+//   * arithmetic: fp32 everywhere but the GEMMs and the attention. The projection and expert
+//     GEMMs run through cuBLAS on TF32 tensor cores by default (dims.gemm_tf32, [model] gemm =
+//     tf32; gemm = fp32 or MTRL_GEMM_TF32=0 keeps true fp32, what the GPU tests compare with the
+//     CPU); the MLA causal attention multiplies bf16 copies of its operands, fp32 accumulation.
+//     Opt-in at creation: MTRL_GEMM_BF16=1 (bf16 operands for
 //     the projections and FFN / expert GEMMs from a bf16 copy of the weights that the backend
 //     refreshes whenever the parameter block changes; backend.h mtrl_backend_gemm_bf16).
 //   * MLA latents (the learner's batch workspace, every decode state) are stored as bf16,
