@@ -302,6 +302,105 @@ struct StCfg {
     static_assert(NST3 * STAGE <= 232448, "the sm_90 opt-in shared memory per block");
 };
 
+// One tile of the forward state pass for one warp, shared by kda3_state_k and its cluster form
+// kda3_state_cl_k (their results are bit-identical by construction): the stage's pointers sW, sQ,
+// sE, sP, sU, sEG, Sᵀ in st (updated to the tile's outgoing state); S_tiles gets the incoming state
+// of tile n, o (WO) the tile's output rows; MID runs between the Δ / Q⁺S products and the rest (the
+// cluster form's refill). A macro, not an inline function: as a function the same arithmetic
+// compiled to other machine code (tools/cubin_compare.py; docs/kernel-lab.md), and these kernels'
+// times were measured as they are. Its steps (the algebra: the header comment at the top):
+//   * S_tiles: the incoming state, fp32, each store filling four 32-byte sectors;
+//   * Sᵀ as A fragments per k-step kd (columns d 16 kd.., rows j0 + g, + 8): bf16 packed for all
+//     k-steps up front; bf16x3 packs hi and lo per k-step inside the loop, so the lo fragments
+//     hold no registers across it;
+//   * Δᵀ = Uᵀ + Sᵀ(−W)ᵀ (B = −W n-major), U read as hi + lo (exact: 16 bits), even and odd
+//     k-steps in two accumulators (chains of 4, not 8); with WO, Oᵀ = Sᵀ Q⁺ᵀ in the same loop;
+//   * Δᵀ as one A fragment (acc_to_a_split); with WO, Oᵀ += Δᵀ Pᵀ and the tile's rows of o
+//     (tokens < T);
+//   * S'ᵀ = Sᵀ diag(e^γ) + Δᵀ K^e (B = K^e k-major, ldmatrix .trans) in the accumulators.
+#define KDA3_STATE_TILE_(MID) \
+        if (S_tiles) {                                                                                \
+            float *Sd = S_tiles + ((size_t)n * H + h) * K3 * V3;                                      \
+_Pragma("unroll")                                                                                     \
+            for (int nd = 0; nd < NB; nd++)                                                           \
+_Pragma("unroll")                                                                                     \
+                for (int c = 0; c < 4; c++)                                                           \
+                    __stcs(Sd + (size_t)(8 * nd + 2 * tq + (c & 1)) * V3 + j0 + gq + 8 * (c >> 1),    \
+                           st[nd][c]);                                                                \
+        }                                                                                             \
+        uint32_t sa[X ? 1 : K3 / 16][4];                                                              \
+        if constexpr (!X) {                                                                           \
+_Pragma("unroll")                                                                                     \
+            for (int kd = 0; kd < K3 / 16; kd++) {                                                    \
+                sa[kd][0] = pack_bf16(st[2 * kd][0], st[2 * kd][1]);                                  \
+                sa[kd][1] = pack_bf16(st[2 * kd][2], st[2 * kd][3]);                                  \
+                sa[kd][2] = pack_bf16(st[2 * kd + 1][0], st[2 * kd + 1][1]);                          \
+                sa[kd][3] = pack_bf16(st[2 * kd + 1][2], st[2 * kd + 1][3]);                          \
+            }                                                                                         \
+        }                                                                                             \
+        float dl[2][4], dx[2][4] = {}, oa[2][4] = {};                                                 \
+_Pragma("unroll")                                                                                     \
+        for (int ns = 0; ns < 2; ns++)                                                                \
+_Pragma("unroll")                                                                                     \
+            for (int c = 0; c < 4; c++) {                                                             \
+                const int iu = (8 * ns + 2 * tq + (c & 1)) * LDU + jw + gq + 8 * (c >> 1);            \
+                dl[ns][c] = bf2f(sU[iu]);                                                             \
+                if constexpr (X) dl[ns][c] += bf2f(sU[iu + LOU]);                                     \
+            }                                                                                         \
+_Pragma("unroll")                                                                                     \
+        for (int kd = 0; kd < K3 / 16; kd++) {                                                        \
+            uint32_t ah[4], al[4];                                                                    \
+            if constexpr (X) acc_to_a_split(st[2 * kd], st[2 * kd + 1], ah, al);                      \
+            const uint32_t *a = X ? ah : sa[X ? 0 : kd];                                              \
+            uint32_t b[4], bl[4];                                                                     \
+            ldsm_split<X>(b, bl, adr_b_nk(sW, LD3, 16 * kd, 0, lane), LO3);                           \
+            float(*acc)[4] = (kd & 1) ? dx : dl;                                                      \
+            mma_split<X>(acc[0], a, al, b, bl);                                                       \
+            mma_split<X>(acc[1], a, al, b + 2, bl + 2);                                               \
+            if (WO) {                                                                                 \
+                uint32_t bq[4], bql[4];                                                               \
+                ldsm_split<X>(bq, bql, adr_b_nk(sQ, LD3, 16 * kd, 0, lane), LO3);                     \
+                mma_split<X>(oa[0], a, al, bq, bql);                                                  \
+                mma_split<X>(oa[1], a, al, bq + 2, bql + 2);                                          \
+            }                                                                                         \
+        }                                                                                             \
+        MID                                                                                           \
+_Pragma("unroll")                                                                                     \
+        for (int ns = 0; ns < 2; ns++)                                                                \
+_Pragma("unroll")                                                                                     \
+            for (int c = 0; c < 4; c++) dl[ns][c] += dx[ns][c];                                       \
+        uint32_t da[4], dal[4];                                                                       \
+        acc_to_a_split(dl[0], dl[1], da, dal);                                                        \
+        if (WO) {                                                                                     \
+            uint32_t bp[4], bpl[4];                                                                   \
+            ldsm_split<X>(bp, bpl, adr_b_nk(sP, LDP3, 0, 0, lane), LOP);                              \
+            mma_split<X>(oa[0], da, dal, bp, bpl);                                                    \
+            mma_split<X>(oa[1], da, dal, bp + 2, bpl + 2);                                            \
+_Pragma("unroll")                                                                                     \
+            for (int ns = 0; ns < 2; ns++)                                                            \
+_Pragma("unroll")                                                                                     \
+                for (int c = 0; c < 4; c++) {                                                         \
+                    const int tok = n * C3 + 8 * ns + 2 * tq + (c & 1);                               \
+                    if (tok < T) o[((size_t)tok * H + h) * V3 + j0 + gq + 8 * (c >> 1)] = oa[ns][c];  \
+                }                                                                                     \
+        }                                                                                             \
+_Pragma("unroll")                                                                                     \
+        for (int nd = 0; nd < NB; nd++) {                                                             \
+            const float2 e = *reinterpret_cast<const float2 *>(sEG + 8 * nd + 2 * tq);                \
+            st[nd][0] *= e.x;                                                                         \
+            st[nd][1] *= e.y;                                                                         \
+            st[nd][2] *= e.x;                                                                         \
+            st[nd][3] *= e.y;                                                                         \
+        }                                                                                             \
+_Pragma("unroll")                                                                                     \
+        for (int pp = 0; pp < K3 / 16; pp++) {                                                        \
+            uint32_t b[4], bl[4];                                                                     \
+            ldsm_split_t<X>(b, bl, adr_b_kn(sE, LD3, 0, 16 * pp, lane), LO3);                         \
+            mma_split<X>(st[2 * pp], da, dal, b, bl);                                                 \
+            mma_split<X>(st[2 * pp + 1], da, dal, b + 2, bl + 2);                                     \
+        }                                                                                             \
+        do {} while (0)
+
 template <int WPB, bool WO, bool X>
 __global__ void __launch_bounds__(32 * WPB, 1)
     kda3_state_k(int T, int H, int nt, const unsigned char *__restrict__ rec,
@@ -362,98 +461,7 @@ __global__ void __launch_bounds__(32 * WPB, 1)
                        *sP = reinterpret_cast<const uint16_t *>(sb + Cf::SP),
                        *sU = reinterpret_cast<const uint16_t *>(sb + Cf::SU);
         const float *sEG = reinterpret_cast<const float *>(sb + Cf::SEG);
-
-        if (S_tiles) {  // the incoming state of tile n (fp32): each store fills four 32-byte sectors
-            float *Sd = S_tiles + ((size_t)n * H + h) * K3 * V3;
-#pragma unroll
-            for (int nd = 0; nd < NB; nd++)
-#pragma unroll
-                for (int c = 0; c < 4; c++)
-                    __stcs(Sd + (size_t)(8 * nd + 2 * tq + (c & 1)) * V3 + j0 + gq + 8 * (c >> 1),
-                           st[nd][c]);
-        }
-        // Sᵀ as A fragments, k-step kd = columns d 16 kd..16 kd + 15 (rows j0 + g, j0 + g + 8):
-        // a[0] = (g, 2t..2t+1) = st[2kd][0..1], a[1] = (g+8, 2t..) = st[2kd][2..3],
-        // a[2] = (g, 2t+8..) = st[2kd+1][0..1], a[3] = (g+8, 2t+8..) = st[2kd+1][2..3].
-        // bf16: all k-steps packed up front (as measured). bf16x3: hi and lo packed per k-step in
-        // the loop below, so the lo fragments hold no registers across it.
-        uint32_t sa[X ? 1 : K3 / 16][4];
-        if constexpr (!X) {
-#pragma unroll
-            for (int kd = 0; kd < K3 / 16; kd++) {
-                sa[kd][0] = pack_bf16(st[2 * kd][0], st[2 * kd][1]);
-                sa[kd][1] = pack_bf16(st[2 * kd][2], st[2 * kd][3]);
-                sa[kd][2] = pack_bf16(st[2 * kd + 1][0], st[2 * kd + 1][1]);
-                sa[kd][3] = pack_bf16(st[2 * kd + 1][2], st[2 * kd + 1][3]);
-            }
-        }
-        // Δᵀ (rows j, columns = tokens s) = Uᵀ + Sᵀ(−W)ᵀ: B(k = d, n = s) = (−W)[s][d], n-major.
-        // dl[ns][c] = Δᵀ(j0 + g + 8 (c >> 1), 8 ns + 2t + (c & 1)); even / odd k-steps in two
-        // accumulators (chains of 4 instead of 8).
-        float dl[2][4], dx[2][4] = {}, oa[2][4] = {};
-#pragma unroll
-        for (int ns = 0; ns < 2; ns++)
-#pragma unroll
-            for (int c = 0; c < 4; c++) {
-                const int iu = (8 * ns + 2 * tq + (c & 1)) * LDU + jw + gq + 8 * (c >> 1);
-                dl[ns][c] = bf2f(sU[iu]);
-                if constexpr (X) dl[ns][c] += bf2f(sU[iu + LOU]);  // exact: hi + lo has 16 bits
-            }
-#pragma unroll
-        for (int kd = 0; kd < K3 / 16; kd++) {
-            uint32_t ah[4], al[4];
-            if constexpr (X) acc_to_a_split(st[2 * kd], st[2 * kd + 1], ah, al);
-            const uint32_t *a = X ? ah : sa[X ? 0 : kd];
-            uint32_t b[4], bl[4];
-            ldsm_split<X>(b, bl, adr_b_nk(sW, LD3, 16 * kd, 0, lane), LO3);
-            float(*acc)[4] = (kd & 1) ? dx : dl;
-            mma_split<X>(acc[0], a, al, b, bl);
-            mma_split<X>(acc[1], a, al, b + 2, bl + 2);
-            if (WO) {  // Oᵀ = Sᵀ Q⁺ᵀ: B(k = d, n = s) = Q⁺[s][d]
-                uint32_t bq[4], bql[4];
-                ldsm_split<X>(bq, bql, adr_b_nk(sQ, LD3, 16 * kd, 0, lane), LO3);
-                mma_split<X>(oa[0], a, al, bq, bql);
-                mma_split<X>(oa[1], a, al, bq + 2, bql + 2);
-            }
-        }
-#pragma unroll
-        for (int ns = 0; ns < 2; ns++)
-#pragma unroll
-            for (int c = 0; c < 4; c++) dl[ns][c] += dx[ns][c];
-        // Δᵀ as the A fragment of one k-step over the 16 tokens (same packing as sa; lo with X).
-        uint32_t da[4], dal[4];
-        acc_to_a_split(dl[0], dl[1], da, dal);
-        if (WO) {
-            // Oᵀ += Δᵀ Pᵀ: B(k = s, n = token r) = P[r][s], n-major.
-            uint32_t bp[4], bpl[4];
-            ldsm_split<X>(bp, bpl, adr_b_nk(sP, LDP3, 0, 0, lane), LOP);
-            mma_split<X>(oa[0], da, dal, bp, bpl);
-            mma_split<X>(oa[1], da, dal, bp + 2, bpl + 2);
-            // oa[ns][c] = O(token 8 ns + 2t + (c & 1), column j0 + g + 8 (c >> 1))
-#pragma unroll
-            for (int ns = 0; ns < 2; ns++)
-#pragma unroll
-                for (int c = 0; c < 4; c++) {
-                    const int tok = n * C3 + 8 * ns + 2 * tq + (c & 1);
-                    if (tok < T) o[((size_t)tok * H + h) * V3 + j0 + gq + 8 * (c >> 1)] = oa[ns][c];
-                }
-        }
-        // S'ᵀ = Sᵀ diag(e^γ) + Δᵀ K^e: B(k = s, n = d) = K^e[s][d], k-major (ldsm .trans).
-#pragma unroll
-        for (int nd = 0; nd < NB; nd++) {
-            const float2 e = *reinterpret_cast<const float2 *>(sEG + 8 * nd + 2 * tq);
-            st[nd][0] *= e.x;
-            st[nd][1] *= e.y;
-            st[nd][2] *= e.x;
-            st[nd][3] *= e.y;
-        }
-#pragma unroll
-        for (int pp = 0; pp < K3 / 16; pp++) {
-            uint32_t b[4], bl[4];
-            ldsm_split_t<X>(b, bl, adr_b_kn(sE, LD3, 0, 16 * pp, lane), LO3);
-            mma_split<X>(st[2 * pp], da, dal, b, bl);
-            mma_split<X>(st[2 * pp + 1], da, dal, b + 2, bl + 2);
-        }
+        KDA3_STATE_TILE_();
     }
     cp_async_wait<0>();
     if (S_final) {
@@ -672,92 +680,13 @@ __global__ void __cluster_dims__(CL, 1, 1) __launch_bounds__(32 * (8 / CL), 1)
                        *sU = reinterpret_cast<const uint16_t *>(sb + Cf::SU);
         const float *sEG = reinterpret_cast<const float *>(sb + Cf::SEG);
 
-        // From here to the end of the tile: kda3_state_k's body verbatim (the refill excepted).
-        if (S_tiles) {  // the incoming state of tile n (fp32): each store fills four 32-byte sectors
-            float *Sd = S_tiles + ((size_t)n * H + h) * K3 * V3;
-#pragma unroll
-            for (int nd = 0; nd < NB; nd++)
-#pragma unroll
-                for (int c = 0; c < 4; c++)
-                    __stcs(Sd + (size_t)(8 * nd + 2 * tq + (c & 1)) * V3 + j0 + gq + 8 * (c >> 1),
-                           st[nd][c]);
-        }
-        uint32_t sa[X ? 1 : K3 / 16][4];
-        if constexpr (!X) {
-#pragma unroll
-            for (int kd = 0; kd < K3 / 16; kd++) {
-                sa[kd][0] = pack_bf16(st[2 * kd][0], st[2 * kd][1]);
-                sa[kd][1] = pack_bf16(st[2 * kd][2], st[2 * kd][3]);
-                sa[kd][2] = pack_bf16(st[2 * kd + 1][0], st[2 * kd + 1][1]);
-                sa[kd][3] = pack_bf16(st[2 * kd + 1][2], st[2 * kd + 1][3]);
-            }
-        }
-        float dl[2][4], dx[2][4] = {}, oa[2][4] = {};
-#pragma unroll
-        for (int ns = 0; ns < 2; ns++)
-#pragma unroll
-            for (int c = 0; c < 4; c++) {
-                const int iu = (8 * ns + 2 * tq + (c & 1)) * LDU + jw + gq + 8 * (c >> 1);
-                dl[ns][c] = bf2f(sU[iu]);
-                if constexpr (X) dl[ns][c] += bf2f(sU[iu + LOU]);  // exact: hi + lo has 16 bits
-            }
-#pragma unroll
-        for (int kd = 0; kd < K3 / 16; kd++) {
-            uint32_t ah[4], al[4];
-            if constexpr (X) acc_to_a_split(st[2 * kd], st[2 * kd + 1], ah, al);
-            const uint32_t *a = X ? ah : sa[X ? 0 : kd];
-            uint32_t b[4], bl[4];
-            ldsm_split<X>(b, bl, adr_b_nk(sW, LD3, 16 * kd, 0, lane), LO3);
-            float(*acc)[4] = (kd & 1) ? dx : dl;
-            mma_split<X>(acc[0], a, al, b, bl);
-            mma_split<X>(acc[1], a, al, b + 2, bl + 2);
-            if (WO) {  // Oᵀ = Sᵀ Q⁺ᵀ: B(k = d, n = s) = Q⁺[s][d]
-                uint32_t bq[4], bql[4];
-                ldsm_split<X>(bq, bql, adr_b_nk(sQ, LD3, 16 * kd, 0, lane), LO3);
-                mma_split<X>(oa[0], a, al, bq, bql);
-                mma_split<X>(oa[1], a, al, bq + 2, bql + 2);
-            }
-        }
-        // the refill: every thread of the cluster is done with tile n − 1's stage (its arrive at
-        // the end of tile n − 1), then tile n + 5 into it
-        if (refill) {
+        // kda3_state_k's tile, with the refill between its Δ / Q⁺S products and the rest: every
+        // thread of the cluster is done with tile n − 1's stage (its arrive at the end of tile
+        // n − 1), then tile n + 5 into it
+        KDA3_STATE_TILE_(if (refill) {
             if (n > 0) cluster_wait_();
             issue(n + NST3 - 1);
-        }
-#pragma unroll
-        for (int ns = 0; ns < 2; ns++)
-#pragma unroll
-            for (int c = 0; c < 4; c++) dl[ns][c] += dx[ns][c];
-        uint32_t da[4], dal[4];
-        acc_to_a_split(dl[0], dl[1], da, dal);
-        if (WO) {
-            uint32_t bp[4], bpl[4];
-            ldsm_split<X>(bp, bpl, adr_b_nk(sP, LDP3, 0, 0, lane), LOP);
-            mma_split<X>(oa[0], da, dal, bp, bpl);
-            mma_split<X>(oa[1], da, dal, bp + 2, bpl + 2);
-#pragma unroll
-            for (int ns = 0; ns < 2; ns++)
-#pragma unroll
-                for (int c = 0; c < 4; c++) {
-                    const int tok = n * C3 + 8 * ns + 2 * tq + (c & 1);
-                    if (tok < T) o[((size_t)tok * H + h) * V3 + j0 + gq + 8 * (c >> 1)] = oa[ns][c];
-                }
-        }
-#pragma unroll
-        for (int nd = 0; nd < NB; nd++) {
-            const float2 e = *reinterpret_cast<const float2 *>(sEG + 8 * nd + 2 * tq);
-            st[nd][0] *= e.x;
-            st[nd][1] *= e.y;
-            st[nd][2] *= e.x;
-            st[nd][3] *= e.y;
-        }
-#pragma unroll
-        for (int pp = 0; pp < K3 / 16; pp++) {
-            uint32_t b[4], bl[4];
-            ldsm_split_t<X>(b, bl, adr_b_kn(sE, LD3, 0, 16 * pp, lane), LO3);
-            mma_split<X>(st[2 * pp], da, dal, b, bl);
-            mma_split<X>(st[2 * pp + 1], da, dal, b + 2, bl + 2);
-        }
+        });
         // done reading this stage; the wait that pairs with this arrive is in tile n + 1, which
         // refills this stage iff n + 1 + 5 < nt
         if (n + NST3 < nt) cluster_arrive_();
