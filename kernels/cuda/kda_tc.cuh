@@ -102,6 +102,55 @@ __device__ __forceinline__ void mma_split(float *c, const uint32_t *ah, const ui
     mma_bf16_16816(c, ah, bh);
 }
 
+// The K side of a ring stage of the sequential passes (bytes; the forward's StCfg and the
+// backward's StBwdCfg put their own part after KEND): −W, Q⁺, K^e [16][LD3] bf16 (then, with X,
+// their lo planes: LO3 on), P [16][LDP3] (then lo), e^γ [K] fp32.
+template <bool X>
+struct StKside {
+    static constexpr int NP = Rec<X>::NP;
+    static constexpr int SW = 0, SQ = SW + C3 * LD3 * 2, SE = SQ + C3 * LD3 * 2,
+                         LO3 = 3 * C3 * LD3 * 2,  // lo of −W, Q⁺, K^e at SW, SQ, SE + LO3
+                         SP = NP * LO3, LOP = C3 * LDP3 * 2, SEG = SP + NP * LOP, KEND = SEG + K3 * 4;
+    static_assert(SP % 16 == 0 && SEG % 16 == 0 && LOP % 16 == 0 && LO3 % 16 == 0 && KEND % 16 == 0,
+                  "stage alignment");
+};
+
+// What the sequential passes (kda_tc_cuda.cu's forward, kda_tc_bwd_cuda.cu's backward) share,
+// as macros because the same code as inline functions compiled to other machine code in them
+// (tools/cubin_compare.py), and their times were measured as they are:
+//   KDA3_STAGE_KSIDE_: the K side of tile record R into ring stage st by cp.async (thread tid of
+//     nth; np parts of each bf16 matrix): −W, Q⁺, K^e (then their lo planes), contiguous in the
+//     record ([3 np][16][K]), padded to LD3 rows at the stage's start; P (its lo rows after its hi
+//     rows) padded to LDP3 rows at byte sp; e^γ at byte seg.
+//   KDA3_STATE_LOAD_ / _STORE_: a warp's state (16 value columns j0.., all K rows) in the mma
+//     accumulator layout, st[nd][c] = S(d, j), d = 8 nd + 2t + (c & 1), j = j0 + g + 8 (c >> 1),
+//     from / to head h of S [H][K][V] (fp32); the load gives zeros where S is NULL.
+#define KDA3_STAGE_KSIDE_(st, R, sp, seg, tid, nth, np)                                          \
+    do {                                                                                          \
+        for (int i_ = (tid); i_ < 3 * (np) * C3 * (K3 / 8); i_ += (nth)) {                        \
+            const int r_ = i_ / (K3 / 8), c_ = i_ % (K3 / 8);                                     \
+            cp_async16((st) + r_ * LD3 * 2 + c_ * 16, (R) + r_ * K3 * 2 + c_ * 16);               \
+        }                                                                                         \
+        for (int i_ = (tid); i_ < (np) * C3 * 2; i_ += (nth))                                     \
+            cp_async16((st) + (sp) + (i_ >> 1) * LDP3 * 2 + (i_ & 1) * 16, (R) + Rec<X>::P + i_ * 16); \
+        for (int i_ = (tid); i_ < K3 / 4; i_ += (nth)) cp_async16((st) + (seg) + i_ * 16, (R) + Rec<X>::EG + i_ * 16); \
+    } while (0)
+#define KDA3_STATE_LOAD_(st, S, h, j0, gq, tq)                                                    \
+    do {                                                                                          \
+        _Pragma("unroll") for (int nd_ = 0; nd_ < K3 / 8; nd_++)                                  \
+        _Pragma("unroll") for (int c_ = 0; c_ < 4; c_++) {                                        \
+            const int d_ = 8 * nd_ + 2 * (tq) + (c_ & 1), j_ = (j0) + (gq) + 8 * (c_ >> 1);       \
+            (st)[nd_][c_] = (S) ? (S)[((size_t)(h) * K3 + d_) * V3 + j_] : 0.f;                 \
+        }                                                                                         \
+    } while (0)
+#define KDA3_STATE_STORE_(S, st, h, j0, gq, tq)                                                   \
+    do {                                                                                          \
+        _Pragma("unroll") for (int nd_ = 0; nd_ < K3 / 8; nd_++)                                  \
+        _Pragma("unroll") for (int c_ = 0; c_ < 4; c_++)                                          \
+            (S)[((size_t)(h) * K3 + 8 * nd_ + 2 * (tq) + (c_ & 1)) * V3 + (j0) + (gq) + 8 * (c_ >> 1)] = \
+                (st)[nd_][c_];                                                                    \
+    } while (0)
+
 // MTRL_KDA3_WPB=1|2|4|8 in the environment (read at each call): warps per block of the state
 // passes; default 4.
 inline int env_wpb_() {

@@ -72,16 +72,11 @@ namespace {
 // share a matrix: −W, Q⁺, K^e [16][LD3] bf16 (then their lo planes), P [16][LDP3] (then lo), e^γ,
 // then dO (fp32, the block's 16 WPB columns).
 template <int WPB, bool X>
-struct StBwdCfg {
-    static constexpr int NP = Rec<X>::NP, LDO = 16 * WPB + 4;
-    static constexpr int SW = 0, SQ = SW + C3 * LD3 * 2, SE = SQ + C3 * LD3 * 2,
-                         LO3 = 3 * C3 * LD3 * 2,  // lo of −W, Q⁺, K^e at SW, SQ, SE + LO3
-                         SP = NP * LO3, LOP = C3 * LDP3 * 2, SEG = SP + NP * LOP, SO = SEG + K3 * 4,
-                         STAGE = SO + C3 * LDO * 4;
+struct StBwdCfg : StKside<X> {
+    static constexpr int LDO = 16 * WPB + 4;
+    static constexpr int SO = StKside<X>::KEND, STAGE = SO + C3 * LDO * 4;
     static constexpr size_t smem() { return (size_t)NST3 * STAGE; }
-    static_assert(STAGE % 16 == 0 && SP % 16 == 0 && SEG % 16 == 0 && SO % 16 == 0 && LOP % 16 == 0 &&
-                      LO3 % 16 == 0 && (LDO * 4) % 16 == 0,
-                  "stage alignment");
+    static_assert(STAGE % 16 == 0 && (LDO * 4) % 16 == 0, "stage alignment");
     static_assert(NST3 * STAGE <= 232448, "the sm_90 opt-in shared memory per block");
 };
 
@@ -105,13 +100,7 @@ __global__ void __launch_bounds__(32 * WPB, 1)
         const int n = nt - 1 - i;
         const unsigned char *R = rec + ((size_t)h * nt + n) * Rc::BYTES;
         unsigned char *st = sm3_ + (i % NST3) * Cf::STAGE;
-        for (int x = tid; x < 3 * Cf::NP * C3 * (K3 / 8); x += NTH) {
-            const int r = x / (K3 / 8), c = x % (K3 / 8);  // r = matrix * 16 + row
-            cp_async16(st + r * LD3 * 2 + c * 16, R + r * K3 * 2 + c * 16);
-        }
-        for (int x = tid; x < Cf::NP * C3 * 2; x += NTH)
-            cp_async16(st + Cf::SP + (x >> 1) * LDP3 * 2 + (x & 1) * 16, R + Rc::P + x * 16);
-        for (int x = tid; x < K3 / 4; x += NTH) cp_async16(st + Cf::SEG + x * 16, R + Rc::EG + x * 16);
+        KDA3_STAGE_KSIDE_(st, R, Cf::SP, Cf::SEG, tid, NTH, Cf::NP);
         // dO rows of the tile, the block's columns; rows past T as zeros
         for (int x = tid; x < C3 * 4 * WPB; x += NTH) {
             const int r = x / (4 * WPB), c = x % (4 * WPB), tok = n * C3 + r;
@@ -128,13 +117,7 @@ __global__ void __launch_bounds__(32 * WPB, 1)
 
     // dSᵀ in the accumulator layout (as the forward's Sᵀ).
     float st[NB][4];
-#pragma unroll
-    for (int nd = 0; nd < NB; nd++)
-#pragma unroll
-        for (int c = 0; c < 4; c++) {
-            const int d = 8 * nd + 2 * tq + (c & 1), j = j0 + gq + 8 * (c >> 1);
-            st[nd][c] = dS_final ? dS_final[((size_t)h * K3 + d) * V3 + j] : 0.f;
-        }
+    KDA3_STATE_LOAD_(st, dS_final, h, j0, gq, tq);
 
 #pragma unroll 1
     for (int i = 0; i < nt; i++) {
@@ -221,13 +204,7 @@ __global__ void __launch_bounds__(32 * WPB, 1)
         }
     }
     cp_async_wait<0>();
-    if (dS0) {
-#pragma unroll
-        for (int nd = 0; nd < NB; nd++)
-#pragma unroll
-            for (int c = 0; c < 4; c++)
-                dS0[((size_t)h * K3 + 8 * nd + 2 * tq + (c & 1)) * V3 + j0 + gq + 8 * (c >> 1)] = st[nd][c];
-    }
+    if (dS0) KDA3_STATE_STORE_(dS0, st, h, j0, gq, tq);
 }
 
 template <int WPB, bool X>

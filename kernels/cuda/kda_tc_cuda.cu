@@ -289,16 +289,12 @@ __global__ void __launch_bounds__(128) kda3_prep_k(int T, int H, int nt, const f
 // 184,320 / 196,608 / 221,184 B at WPB = 1 / 2 / 4 / 8, within the 232,448 B an sm_90 block may
 // opt in to).
 template <int WPB, bool X>
-struct StCfg {
-    static constexpr int NP = Rec<X>::NP, LDU = 16 * WPB + 8;
-    static constexpr int SW = 0, SQ = SW + C3 * LD3 * 2, SE = SQ + C3 * LD3 * 2,
-                         LO3 = 3 * C3 * LD3 * 2,  // lo of −W, Q⁺, K^e at SW, SQ, SE + LO3
-                         SP = NP * LO3, LOP = C3 * LDP3 * 2, SEG = SP + NP * LOP, SU = SEG + K3 * 4,
-                         LOU = C3 * LDU * 2, STAGE = SU + NP * LOU;
+struct StCfg : StKside<X> {
+    using K = StKside<X>;
+    static constexpr int LDU = 16 * WPB + 8;
+    static constexpr int SU = K::KEND, LOU = C3 * LDU * 2, STAGE = SU + K::NP * LOU;
     static constexpr size_t smem() { return (size_t)NST3 * STAGE; }
-    static_assert(STAGE % 16 == 0 && SP % 16 == 0 && SEG % 16 == 0 && SU % 16 == 0 && LOP % 16 == 0 &&
-                      LOU % 16 == 0 && LO3 % 16 == 0,
-                  "stage alignment");
+    static_assert(STAGE % 16 == 0 && LOU % 16 == 0, "stage alignment");
     static_assert(NST3 * STAGE <= 232448, "the sm_90 opt-in shared memory per block");
 };
 
@@ -418,15 +414,8 @@ __global__ void __launch_bounds__(32 * WPB, 1)
     auto issue = [&](int n) {
         const unsigned char *R = rec + ((size_t)h * nt + n) * Rc::BYTES;
         unsigned char *st = sm3_ + (n % NST3) * Cf::STAGE;
-        // −W, Q⁺, K^e (then their lo planes): contiguous in the record ([3 NP][16][K]), padded rows
-        // in the stage. P and U: the lo part's rows follow the hi part's, in the record and here.
-        for (int i = tid; i < 3 * Cf::NP * C3 * (K3 / 8); i += NTH) {
-            const int r = i / (K3 / 8), c = i % (K3 / 8);  // r = matrix * 16 + row
-            cp_async16(st + r * LD3 * 2 + c * 16, R + r * K3 * 2 + c * 16);
-        }
-        for (int i = tid; i < Cf::NP * C3 * 2; i += NTH)
-            cp_async16(st + Cf::SP + (i >> 1) * LDP3 * 2 + (i & 1) * 16, R + Rc::P + i * 16);
-        for (int i = tid; i < K3 / 4; i += NTH) cp_async16(st + Cf::SEG + i * 16, R + Rc::EG + i * 16);
+        KDA3_STAGE_KSIDE_(st, R, Cf::SP, Cf::SEG, tid, NTH, Cf::NP);
+        // U: the block's columns, the lo part's rows after the hi part's (in the record and here)
         for (int i = tid; i < Cf::NP * C3 * 2 * WPB; i += NTH) {
             const int r = i / (2 * WPB), c = i % (2 * WPB);  // r = part * 16 + row
             cp_async16(st + Cf::SU + r * LDU * 2 + c * 16, R + Rc::U + (r * V3 + jb) * 2 + c * 16);
@@ -438,15 +427,8 @@ __global__ void __launch_bounds__(32 * WPB, 1)
         cp_async_commit();  // empty groups keep the count uniform
     }
 
-    // Sᵀ in the accumulator layout: st[nd][c] = S(d, j), d = 8 nd + 2t + (c & 1), j = j0 + g + 8 (c >> 1).
-    float st[NB][4];
-#pragma unroll
-    for (int nd = 0; nd < NB; nd++)
-#pragma unroll
-        for (int c = 0; c < 4; c++) {
-            const int d = 8 * nd + 2 * tq + (c & 1), j = j0 + gq + 8 * (c >> 1);
-            st[nd][c] = S0 ? S0[((size_t)h * K3 + d) * V3 + j] : 0.f;
-        }
+    float st[NB][4];  // Sᵀ in the accumulator layout (KDA3_STATE_LOAD_)
+    KDA3_STATE_LOAD_(st, S0, h, j0, gq, tq);
 
 #pragma unroll 1
     for (int n = 0; n < nt; n++) {
@@ -464,14 +446,7 @@ __global__ void __launch_bounds__(32 * WPB, 1)
         KDA3_STATE_TILE_();
     }
     cp_async_wait<0>();
-    if (S_final) {
-#pragma unroll
-        for (int nd = 0; nd < NB; nd++)
-#pragma unroll
-            for (int c = 0; c < 4; c++)
-                S_final[((size_t)h * K3 + 8 * nd + 2 * tq + (c & 1)) * V3 + j0 + gq + 8 * (c >> 1)] =
-                    st[nd][c];
-    }
+    if (S_final) KDA3_STATE_STORE_(S_final, st, h, j0, gq, tq);
 }
 
 
@@ -658,15 +633,8 @@ __global__ void __cluster_dims__(CL, 1, 1) __launch_bounds__(32 * (8 / CL), 1)
 #pragma unroll 1
     for (int s = 0; s < NST3 - 1 && s < nt; s++) issue(s);
 
-    // Sᵀ in the accumulator layout: st[nd][c] = S(d, j), d = 8 nd + 2t + (c & 1), j = j0 + g + 8 (c >> 1).
-    float st[NB][4];
-#pragma unroll
-    for (int nd = 0; nd < NB; nd++)
-#pragma unroll
-        for (int c = 0; c < 4; c++) {
-            const int d = 8 * nd + 2 * tq + (c & 1), j = j0 + gq + 8 * (c >> 1);
-            st[nd][c] = S0 ? S0[((size_t)h * K3 + d) * V3 + j] : 0.f;
-        }
+    float st[NB][4];  // Sᵀ in the accumulator layout (KDA3_STATE_LOAD_)
+    KDA3_STATE_LOAD_(st, S0, h, j0, gq, tq);
 
 #pragma unroll 1
     for (int n = 0; n < nt; n++) {
@@ -691,14 +659,7 @@ __global__ void __cluster_dims__(CL, 1, 1) __launch_bounds__(32 * (8 / CL), 1)
         // refills this stage iff n + 1 + 5 < nt
         if (n + NST3 < nt) cluster_arrive_();
     }
-    if (S_final) {
-#pragma unroll
-        for (int nd = 0; nd < NB; nd++)
-#pragma unroll
-            for (int c = 0; c < 4; c++)
-                S_final[((size_t)h * K3 + 8 * nd + 2 * tq + (c & 1)) * V3 + j0 + gq + 8 * (c >> 1)] =
-                    st[nd][c];
-    }
+    if (S_final) KDA3_STATE_STORE_(S_final, st, h, j0, gq, tq);
     cluster_arrive_();  // no block exits while a copy it issued, or one into it, may be in flight
     cluster_wait_();
 }
