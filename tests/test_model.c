@@ -244,7 +244,7 @@ static void test_segmented(void) {
         if (absorbed) TEST_CHECKF(p2 < p1 * 11 / 10, "absorbed: peak grew from %zu to %zu", p1, p2);
         else {
             // (T2 is 25 whole segments: the last one's mirror is exact)
-            size_t mirror = seg_arena_bytes(&m.dims, 16, T2) - 4096;
+            size_t mirror = seg_arena_bytes(&m.dims, 16, T2, m.be->latent_size) - 4096;
             TEST_CHECKF(p2 > p1 && p2 <= mirror, "naive: peak grew from %zu to %zu, mirror at T=%d %zu", p1, p2, T2,
                         mirror);
         }
@@ -488,7 +488,7 @@ static void test_attnres_blocks(void) {
         mtrl_model m;
         mtrl_model_init(&m, &d, 2);
         mtrl_arena ar;
-        mtrl_arena_init(&ar, seg_arena_bytes(&d, 8, 8));
+        mtrl_arena_init(&ar, seg_arena_bytes(&d, 8, 8, sizeof(real)));
         mtrl_decode_state s;
         mtrl_decode_state_init(&s, &m, 8);
         seq_io io = {s.kda_S, s.conv, s.latent, s.cap, 0, 0, NULL, NULL};

@@ -164,8 +164,8 @@ mla_kv seg_mla_expand(mtrl_model *m, mtrl_arena *ar, int l, int Tk, const void *
     mtrl_backend *be = m->be;
     int mH = d->mH, dn = d->dn, dr = d->dr, dv = d->dv, dc = d->dc, ld = dc + dr, ldk = mH * (dn + dr);
     mla_kv x;
-    x.k = ALLOC((size_t)Tk * ldk);
-    x.v = ALLOC((size_t)Tk * mH * dv);
+    x.k = mtrl_arena_alloc(ar, be->latent_size * (size_t)Tk * ldk);  // the latent type: bf16 on a GPU
+    x.v = mtrl_arena_alloc(ar, be->latent_size * (size_t)Tk * mH * dv);
     x.lr = ALLOC((size_t)Tk * ld);
     size_t mark = mtrl_arena_mark(ar);
     real *k = ALLOC((size_t)Tk * ldk), *v = ALLOC((size_t)Tk * mH * dv);
@@ -518,6 +518,7 @@ void seg_forward(mtrl_model *m, mtrl_arena *ar, int mode, int T, const uint32_t 
 // tests/test_model_plan.c checks them against the arena's measured peak.
 
 static size_t rb_(size_t n) { return (n * sizeof(real) + 63) & ~(size_t)63; }
+static size_t lb_(size_t n, size_t lat) { return (n * lat + 63) & ~(size_t)63; }  // n latent elements
 static size_t ib_(size_t n) { return (n * sizeof(int) + 63) & ~(size_t)63; }
 
 // Committed AttnRes blocks the sites of layer l see (l = L: the output site), as seg_forward
@@ -541,11 +542,12 @@ static size_t mla_fwd_bytes_(const mtrl_model_dims *d, size_t T, int absorbed) {
     return mla_fwd_head_bytes_(d, T) + rb_(T * mH * d->dv) * (d->mla_gate ? 2 : 0) +
            (absorbed ? rb_(T * mH * ld) + rb_(T * mH * d->dc) : 0);
 }
-// The naive form's temporaries over Tk keys (released after its attention): kx, vx, lr, then
-// the expansion's k, v (seg_mla_expand) or, in the backward, the gradients dk, dv in their place.
-static size_t mla_naive_bytes_(const mtrl_model_dims *d, size_t Tk) {
+// The naive form's temporaries over Tk keys (released after its attention): kx, vx in the latent
+// type (lat bytes an element), lr, then the expansion's k, v (seg_mla_expand) or, in the
+// backward, the gradients dk, dv in their place.
+static size_t mla_naive_bytes_(const mtrl_model_dims *d, size_t Tk, size_t lat) {
     size_t mH = (size_t)d->mH, kw = Tk * mH * (d->dn + d->dr), vw = Tk * mH * d->dv;
-    return 2 * rb_(kw) + 2 * rb_(vw) + rb_(Tk * (d->dc + d->dr));
+    return lb_(kw, lat) + lb_(vw, lat) + rb_(kw) + rb_(vw) + rb_(Tk * (d->dc + d->dr));
 }
 static size_t ffn_fwd_bytes_(const mtrl_model_dims *d, int l, size_t T) {
     if (l == 0) return 2 * rb_(T * d->dense_I);
@@ -562,11 +564,11 @@ static size_t kda_bwd_bytes_(const mtrl_model_dims *d, size_t T) {
 }
 // dag (da, dgl), the absorbed form's dol, dqt, then dq; the naive form's temporaries (released)
 // or the latent rows' dĉ, dlraw, dcraw after them.
-static size_t mla_bwd_bytes_(const mtrl_model_dims *d, size_t T, size_t Tk) {
+static size_t mla_bwd_bytes_(const mtrl_model_dims *d, size_t T, size_t Tk, size_t lat) {
     size_t mH = (size_t)d->mH, ld = (size_t)d->dc + d->dr, tail = 2 * rb_(T * d->dc) + rb_(T * ld);
     size_t b = rb_(T * mH * d->dv) * (d->mla_gate ? 3 : 1) + rb_(T * mH * (d->dn + d->dr));
     if (d->mla_absorbed) return b + rb_(T * mH * d->dc) + rb_(T * mH * ld) + tail;
-    size_t naive = mla_naive_bytes_(d, Tk);
+    size_t naive = mla_naive_bytes_(d, Tk, lat);
     return b + (naive > tail ? naive : tail);
 }
 static size_t ffn_bwd_bytes_(const mtrl_model_dims *d, int l, size_t T) {
@@ -606,8 +608,8 @@ static size_t layer_fwd_bytes_(const mtrl_model_dims *d, int l, size_t T, size_t
 
 // What MLA layer l of a naive forward holds while its attention runs, on top of what the
 // segment held before the layer: its caches so far and the expanded keys of Tk keys.
-static size_t mla_naive_at_attn_(const mtrl_model_dims *d, int l, size_t T, size_t Tk) {
-    return layer_pre_bytes_(d, l, T) + mla_fwd_head_bytes_(d, T) + mla_naive_bytes_(d, Tk);
+static size_t mla_naive_at_attn_(const mtrl_model_dims *d, int l, size_t T, size_t Tk, size_t lat) {
+    return layer_pre_bytes_(d, l, T) + mla_fwd_head_bytes_(d, T) + mla_naive_bytes_(d, Tk, lat);
 }
 
 // The output site, the final norm and the logits.
@@ -618,12 +620,12 @@ static size_t head_fwd_bytes_(const mtrl_model_dims *d, size_t T) {
 
 // The caches a SEG_CHUNK forward keeps (*kept) and its peak: the naive MLA form's temporaries
 // over Tk keys sit on top of the caches so far while its attention runs.
-static size_t fwd_bytes_(const mtrl_model_dims *d, int T_, int tiles, int Tk, size_t *kept) {
+static size_t fwd_bytes_(const mtrl_model_dims *d, int T_, int tiles, int Tk, size_t lat, size_t *kept) {
     size_t T = (size_t)(T_ > 0 ? T_ : 1), peak = 0;
     size_t b = rb_(T * d->d); // emb
     for (int l = 0; l < d->L; l++) {
         if (d->mixer[l] == 'M' && !d->mla_absorbed && Tk > 0) {
-            size_t at = b + mla_naive_at_attn_(d, l, T, (size_t)Tk);
+            size_t at = b + mla_naive_at_attn_(d, l, T, (size_t)Tk, lat);
             if (at > peak) peak = at;
         }
         b += layer_fwd_bytes_(d, l, T, (size_t)tiles, d->mla_absorbed);
@@ -633,7 +635,7 @@ static size_t fwd_bytes_(const mtrl_model_dims *d, int T_, int tiles, int Tk, si
     return b > peak ? b : peak;
 }
 
-size_t seg_prefill_bytes(const mtrl_model_dims *d, int T_, int Tk) {
+size_t seg_prefill_bytes(const mtrl_model_dims *d, int T_, int Tk, size_t lat) {
     size_t T = (size_t)(T_ > 0 ? T_ : 1), tiles = 0, out = rb_(T * d->d); // no tile states
     int naive = d->mla_prefill_naive;
     // emb and the outputs of the layers so far stay; on top, one layer's temporaries at a time
@@ -644,14 +646,14 @@ size_t seg_prefill_bytes(const mtrl_model_dims *d, int T_, int Tk) {
         size_t t = (size_t)(l + 2) * out + layer_fwd_bytes_(d, l, T, tiles, !naive) - out;
         if (t > most) most = t;
         if (naive && d->mixer[l] == 'M' && Tk > 0) {
-            t = (size_t)(l + 2) * out + mla_naive_at_attn_(d, l, T, (size_t)Tk);
+            t = (size_t)(l + 2) * out + mla_naive_at_attn_(d, l, T, (size_t)Tk, lat);
             if (t > most) most = t;
         }
     }
     return most;
 }
 
-size_t seg_bwd_bytes(const mtrl_model_dims *d, int T_, int Tk) {
+size_t seg_bwd_bytes(const mtrl_model_dims *d, int T_, int Tk, size_t lat) {
     size_t T = (size_t)(T_ > 0 ? T_ : 1), D = (size_t)d->d;
     int nb = blocks_at_(d, d->L);
     // dlogits, dxf, dh, dB[nb], dp, dx
@@ -659,25 +661,27 @@ size_t seg_bwd_bytes(const mtrl_model_dims *d, int T_, int Tk) {
     size_t layer = 0;
     for (int l = 0; l < d->L; l++) {
         size_t f = ffn_bwd_bytes_(d, l, T),
-               x = d->mixer[l] == 'K' ? kda_bwd_bytes_(d, T) : mla_bwd_bytes_(d, T, (size_t)(Tk > 0 ? Tk : 1));
+               x = d->mixer[l] == 'K' ? kda_bwd_bytes_(d, T) : mla_bwd_bytes_(d, T, (size_t)(Tk > 0 ? Tk : 1), lat);
         if (f > layer) layer = f;
         if (x > layer) layer = x;
     }
     return b + layer;
 }
 
-size_t seg_fwd_bytes(const mtrl_model_dims *d, int T, int Tk) {
-    return fwd_bytes_(d, T, kda_tile_count(T > 0 ? T : 1), Tk, NULL);
+size_t seg_fwd_bytes(const mtrl_model_dims *d, int T, int Tk, size_t lat) {
+    return fwd_bytes_(d, T, kda_tile_count(T > 0 ? T : 1), Tk, lat, NULL);
 }
 
 // The forward's peak, or its caches with the backward on top, whichever is more.
-static size_t arena_bytes_(const mtrl_model_dims *d, int T, int tiles, int Tk) {
-    size_t kept, peak = fwd_bytes_(d, T, tiles, Tk, &kept), step = kept + seg_bwd_bytes(d, T, Tk);
+static size_t arena_bytes_(const mtrl_model_dims *d, int T, int tiles, int Tk, size_t lat) {
+    size_t kept, peak = fwd_bytes_(d, T, tiles, Tk, lat, &kept), step = kept + seg_bwd_bytes(d, T, Tk, lat);
     return (peak > step ? peak : step) + 4096;
 }
 
-size_t seg_arena_bytes(const mtrl_model_dims *d, int T, int Tk) {
-    return arena_bytes_(d, T, kda_tile_count(T > 0 ? T : 1), Tk);
+size_t seg_arena_bytes(const mtrl_model_dims *d, int T, int Tk, size_t lat) {
+    return arena_bytes_(d, T, kda_tile_count(T > 0 ? T : 1), Tk, lat);
 }
 
-size_t seg_pack_arena_bytes(const mtrl_model_dims *d, int T, int tiles) { return arena_bytes_(d, T, tiles, T); }
+size_t seg_pack_arena_bytes(const mtrl_model_dims *d, int T, int tiles, size_t lat) {
+    return arena_bytes_(d, T, tiles, T, lat);
+}

@@ -148,8 +148,9 @@ void ws_sizes_for(const mtrl_model_dims *d, size_t lat_size, int n, const int *l
             int seg = seg_of_(len[i], segment), n_seg = (len[i] + seg - 1) / seg;
             if (seg > max_seg) max_seg = seg;
             if (len[i] > max_len) max_len = len[i];
-            keep_bytes += seg_arena_bytes(d, seg, len[i]) * (size_t)n_seg;
-            if (seg_arena_bytes(d, seg, len[i]) > one_seg) one_seg = seg_arena_bytes(d, seg, len[i]);
+            size_t a = seg_arena_bytes(d, seg, len[i], lat_size);
+            keep_bytes += a * (size_t)n_seg;
+            if (a > one_seg) one_seg = a;
             size_t l = carve_bytes_(lat_size * (size_t)n_mla * (size_t)len[i] * LW);
             state_cap += carve_bytes_(sizeof(real) * (size_t)n_seg * S_sz) +
                          carve_bytes_(sizeof(real) * (size_t)n_seg * C_sz) + l;
@@ -163,7 +164,7 @@ void ws_sizes_for(const mtrl_model_dims *d, size_t lat_size, int n, const int *l
             if (len[i] > max_len) max_len = len[i];
         }
         if (T > max_pack) max_pack = T;
-        size_t a = seg_pack_arena_bytes(d, T, tiles), l = carve_bytes_(lat_size * (size_t)n_mla * (size_t)T * LW);
+        size_t a = seg_pack_arena_bytes(d, T, tiles, lat_size), l = carve_bytes_(lat_size * (size_t)n_mla * (size_t)T * LW);
         keep_bytes += a;
         if (a > one_seg) one_seg = a;
         state_cap += l;
@@ -425,11 +426,13 @@ void mtrl_model_backward(mtrl_model *m, const mtrl_batch *b, const real *dlogp, 
 
 // The inference scratch: a prefill segment's forward (nothing kept for a backward; keys up to
 // Tk after it), or a decode batch's.
-static size_t prefill_bytes_(const mtrl_model_dims *d, int T, int Tk) { return seg_prefill_bytes(d, T, Tk) + 4096; }
-static size_t decode_bytes_(const mtrl_model_dims *d, int B) { return seg_fwd_bytes(d, B, 0) + 4096; }
+static size_t prefill_bytes_(const mtrl_model *m, int T, int Tk) {
+    return seg_prefill_bytes(&m->dims, T, Tk, m->be->latent_size) + 4096;
+}
+static size_t decode_bytes_(const mtrl_model *m, int B) { return seg_fwd_bytes(&m->dims, B, 0, m->be->latent_size) + 4096; }
 
 size_t mtrl_model_infer_bytes(const mtrl_model *m, int batch, int cap) {
-    size_t a = prefill_bytes_(&m->dims, MTRL_PREFILL_SEGMENT, cap), b = decode_bytes_(&m->dims, batch);
+    size_t a = prefill_bytes_(m, MTRL_PREFILL_SEGMENT, cap), b = decode_bytes_(m, batch);
     return a > b ? a : b;
 }
 
@@ -533,7 +536,7 @@ void mtrl_model_prefill(mtrl_model *m, mtrl_decode_state *s, const uint32_t *tok
     mtrl_backend *be = m->be;
     MTRL_CHECKF(s->pos + n <= s->cap, "prefill of %d tokens at position %d overflows capacity %d", n, s->pos, s->cap);
     int seg = n < MTRL_PREFILL_SEGMENT ? (n > 0 ? n : 1) : MTRL_PREFILL_SEGMENT;
-    arena_ensure_(be, &w->infer, prefill_bytes_(&m->dims, seg, s->pos + n));
+    arena_ensure_(be, &w->infer, prefill_bytes_(m, seg, s->pos + n));
     seq_io io = state_io_(s);
     for (int t0 = 0; t0 < n; t0 += seg) {
         int T = n - t0 < seg ? n - t0 : seg;
@@ -574,7 +577,7 @@ static void prefill_pack_(mtrl_model *m, mtrl_decode_state *const *states, int i
     uint32_t *tok = xmalloc(sizeof(uint32_t) * (size_t)T);
     for (int j = 0; j < k; j++) memcpy(tok + piece[j], tokens[i0 + j], sizeof(uint32_t) * (size_t)lens[i0 + j]);
     uint8_t *rout = want_routing ? xmalloc((size_t)T * rw + 1) : NULL;
-    arena_ensure_(be, &w->infer, prefill_bytes_(d, T, Tk));
+    arena_ensure_(be, &w->infer, prefill_bytes_(m, T, Tk));
     mtrl_arena_reset(&w->infer);
     seq_io io = {NULL, NULL, NULL, 0, 0, k, piece, pio};
     seg_out so = {NULL, NULL, NULL, NULL, NULL, rout, 0};
@@ -620,7 +623,7 @@ void mtrl_model_prefill_many(mtrl_model *m, mtrl_decode_state *const *states, in
 void mtrl_model_decode(mtrl_model *m, mtrl_decode_state *const *states, int B, const uint32_t *tokens, real *logits,
                        uint8_t *routing_out) {
     ws_impl *w = ws_get_(m);
-    arena_ensure_(m->be, &w->infer, decode_bytes_(&m->dims, B));
+    arena_ensure_(m->be, &w->infer, decode_bytes_(m, B));
     mtrl_arena_reset(&w->infer);
     seq_io ios[256];
     seq_io *io = B <= 256 ? ios : xmalloc(sizeof(seq_io) * (size_t)B);
@@ -638,7 +641,7 @@ void mtrl_model_logits(mtrl_model *m, const uint32_t *tokens, int len, int segme
     mtrl_decode_state_init(&s, m, len);
     ws_impl *w = ws_get_(m);
     int seg = segment > 0 && segment < len ? segment : (len > 0 ? len : 1);
-    arena_ensure_(m->be, &w->infer, prefill_bytes_(&m->dims, seg, len));
+    arena_ensure_(m->be, &w->infer, prefill_bytes_(m, seg, len));
     seq_io io = state_io_(&s);
     for (int t0 = 0; t0 < len; t0 += seg) {
         int T = len - t0 < seg ? len - t0 : seg;

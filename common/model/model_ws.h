@@ -142,7 +142,8 @@ void seg_backward(mtrl_model *m, mtrl_arena *ar, seg_cache *c, const uint32_t *t
 // MLA layer l's naive form (model.md §3.1, mla_ref.h mla_expand_kv) over Tk latent rows lat
 // ([ĉ ; k^r], stride dc+dr), carved from ar in this order and left there for the caller to
 // release: the keys k [Tk][mH][dn+dr] and values v [Tk][mH][dv] in the latent type (the
-// attention reads keys and values as latents; blocks of `real`s, latent_size <= sizeof(real)),
+// attention reads keys and values as latents; latent_size bytes an element: half a `real`'s on
+// a GPU),
 // then the rows widened to `real`, lr [Tk][dc+dr] (the backward's dW_kvb needs ĉ). The `real` k
 // and v of the expansion are carved after them and released before returning (model_fwd.c
 // mla_naive_bytes_ counts all five).
@@ -156,16 +157,17 @@ mla_kv seg_mla_expand(mtrl_model *m, mtrl_arena *ar, int l, int Tk, const void *
 // the larger of the forward's peak (seg_fwd_bytes) and its caches with seg_bwd_bytes (the most
 // seg_backward carves on top of them), + a little slack. Exact mirrors of the allocations
 // (64-byte aligned), see model_fwd.c. Tk matters to the naive MLA form only (its keys and
-// values are expanded into the arena); Tk = 0: none (decode).
-size_t seg_arena_bytes(const mtrl_model_dims *d, int T, int Tk);
-size_t seg_fwd_bytes(const mtrl_model_dims *d, int T, int Tk);
-size_t seg_bwd_bytes(const mtrl_model_dims *d, int T, int Tk);
+// values are expanded into the arena, lat bytes an element: the backend's latent_size); Tk = 0:
+// none (decode).
+size_t seg_arena_bytes(const mtrl_model_dims *d, int T, int Tk, size_t lat);
+size_t seg_fwd_bytes(const mtrl_model_dims *d, int T, int Tk, size_t lat);
+size_t seg_bwd_bytes(const mtrl_model_dims *d, int T, int Tk, size_t lat);
 // The same for a packed segment of T tokens whose pieces have `tiles` KDA tiles in all
 // (Σ kda_tile_count(piece length): each piece stores its own tile states).
-size_t seg_pack_arena_bytes(const mtrl_model_dims *d, int T, int tiles);
+size_t seg_pack_arena_bytes(const mtrl_model_dims *d, int T, int tiles, size_t lat);
 // Arena bytes of one SEG_PREFILL segment of T tokens (the peak of its forward); Tk: the most
 // keys any of its sequences has after it (the naive prefill form's expanded keys; 0: none).
-size_t seg_prefill_bytes(const mtrl_model_dims *d, int T, int Tk);
+size_t seg_prefill_bytes(const mtrl_model_dims *d, int T, int Tk, size_t lat);
 // KDA tiles whose states a chunked segment of T tokens stores (io: its pieces, nullable).
 int seg_kda_tiles(int T, const seq_io *io);
 // Packing of a batch (model_run.c): consecutive sequences that each fit in one segment are laid
