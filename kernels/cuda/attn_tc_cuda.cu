@@ -181,12 +181,7 @@ __global__ void __launch_bounds__(128 * NVW, MINB)
     const int pos_first = a.off + rho0 / a.G;  // the block's earliest row
 
     for (int kb = 0; kb < nkb; kb++) {
-        if (kb + 1 < nkb) {
-            issue(kb + 1);
-            cp_async_wait<1>();
-        } else {
-            cp_async_wait<0>();
-        }
+        cp_async_next(kb, nkb, issue);
         __syncthreads();
         const uint16_t *tK = sT + (kb & 1) * STG;
         const uint16_t *tV = (ALIAS ? tK + vc0 : tK + KSZ) + vg * DVS;
@@ -424,12 +419,7 @@ __global__ void __launch_bounds__(128, 2)
         if (i < NVT) dva[iv][0] = dva[iv][1] = dva[iv][2] = dva[iv][3] = 0.f;
     }
     for (int rt = rt0; rt < nrt; rt++) {
-        if (rt + 1 < nrt) {
-            issue(rt + 1);
-            cp_async_wait<1>();
-        } else {
-            cp_async_wait<0>();
-        }
+        cp_async_next(rt, nrt, issue);
         __syncthreads();
         const int st = rt & 1, rho0 = rt * BR;
         const uint16_t *tQ = sQ + st * C::QSZ, *tO = sO + st * C::OSZ;
@@ -635,12 +625,7 @@ __global__ void __launch_bounds__(128, 2)
 #pragma unroll
         for (int i = 0; i < NDT; i++) acc[mt][i][0] = acc[mt][i][1] = acc[mt][i][2] = acc[mt][i][3] = 0.f;
     for (int kb = 0; kb < nkb; kb++) {
-        if (kb + 1 < nkb) {
-            issue(kb + 1);
-            cp_async_wait<1>();
-        } else {
-            cp_async_wait<0>();
-        }
+        cp_async_next(kb, nkb, issue);
         __syncthreads();
         const uint16_t *tK = sT + (kb & 1) * STG, *tV = tK + BN * LDK;
         float p[MT][NST][4], dp_[MT][NST][4];

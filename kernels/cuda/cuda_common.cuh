@@ -237,6 +237,17 @@ template <int N>
 __device__ __forceinline__ void cp_async_wait() {
     asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
 }
+// Double buffering over tiles 0 .. n-1: before working on tile i, issue tile i + 1 (if there is
+// one) into the other buffer, then wait until tile i's copies (this thread's) have landed.
+template <class Issue>
+__device__ __forceinline__ void cp_async_next(int i, int n, Issue &&issue) {
+    if (i + 1 < n) {
+        issue(i + 1);
+        cp_async_wait<1>();
+    } else {
+        cp_async_wait<0>();
+    }
+}
 
 // ---- mbarriers (shared-memory barriers with phases; sm_90) -----------------------------------
 __device__ __forceinline__ void mbar_init(uint32_t b, unsigned count) {

@@ -259,12 +259,7 @@ __global__ void __launch_bounds__(256, 1)
     Dkv3Rows<DK, DV, BR> r;
     dkv3_init(r, kw0 + 16 * wi + g);
     for (int rt = rt0; rt < nrt; rt++) {
-        if (rt + 1 < nrt) {
-            issue(rt + 1);
-            cp_async_wait<1>();
-        } else {
-            cp_async_wait<0>();
-        }
+        cp_async_next(rt, nrt, issue);
         wg_fence_proxy();  // the landed cp.async bytes, visible to wgmma
         __syncthreads();
         const int st = rt & 1, rho0 = rt * BR;
