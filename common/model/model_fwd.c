@@ -517,9 +517,10 @@ void seg_forward(mtrl_model *m, mtrl_arena *ar, int mode, int T, const uint32_t 
 // (model_run.c) size the activation arena with these, so KEEP THEM IN STEP with the ALLOCs.
 // tests/test_model_plan.c checks them against the arena's measured peak.
 
-static size_t rb_(size_t n) { return (n * sizeof(real) + 63) & ~(size_t)63; }
-static size_t lb_(size_t n, size_t lat) { return (n * lat + 63) & ~(size_t)63; }  // n latent elements
-static size_t ib_(size_t n) { return (n * sizeof(int) + 63) & ~(size_t)63; }
+// n elements of `size` bytes, rounded to the arena's alignment; n reals, n ints
+static size_t lb_(size_t n, size_t size) { return (n * size + 63) & ~(size_t)63; }
+static size_t rb_(size_t n) { return lb_(n, sizeof(real)); }
+static size_t ib_(size_t n) { return lb_(n, sizeof(int)); }
 
 // Committed AttnRes blocks the sites of layer l see (l = L: the output site), as seg_forward
 // commits them: one more at every layer l > 0 with l % S == 0, none after the last layer.
