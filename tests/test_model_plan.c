@@ -104,14 +104,16 @@ static void test_activations_(const char *name, const char *ini) {
             // One segment's caches, then its backward on top: the mirrors to the 64-byte alignment.
             // The naive MLA form expands every key so far: segment k of a sequence (T_k tokens
             // ending at token e_k) needs seg_arena_bytes(T_k, e_k); the step peaks at the most
-            // of them (the planner takes the bound (longest segment, longest sequence)).
+            // of them (the planner takes the bound (longest segment, longest sequence)). The
+            // first segment takes the remainder (model_run.c seg_span_).
             int S = 1;
             size_t f = 0, fb = 0;
             for (int i = 0; i < n; i++) {
                 int s = seg > 0 && seg < len[i] ? seg : len[i];
                 if (s > S) S = s;
-                for (int e = 0; e < len[i];) {
-                    int Tk_ = e + s < len[i] ? e + s : len[i], Ts = Tk_ - e;
+                int ns = (len[i] + s - 1) / s;
+                for (int e = 0, g = 0; g < ns; g++) {
+                    int Ts = g ? s : len[i] - (ns - 1) * s, Tk_ = e + Ts;
                     size_t fs = seg_fwd_bytes(&d, Ts, Tk_, m.be->latent_size),
                            as = seg_arena_bytes(&d, Ts, Tk_, m.be->latent_size) - 4096;
                     if (fs > f) f = fs;

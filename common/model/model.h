@@ -17,10 +17,12 @@
 //     windows, MLA latent cache), one token per sequence per call; mtrl_model_prefill feeds a
 //     prompt through the chunked form into such a state.
 //  3. segmented: the same calls with segment = S > 0. Each sequence is cut into segments of S
-//     tokens; KDA states, conv windows and MLA latents cross the boundaries. The forward keeps
-//     only per-boundary states and the MLA latents (O(T × (dc + dr)) per MLA layer); the
-//     backward walks segments last to first, recomputes each from its boundary state and gives
-//     the exact gradient of the whole sequence. Activation memory is O(S), not O(T).
+//     tokens, the first taking the remainder (len - (n-1)·S); KDA states, conv windows and MLA
+//     latents cross the boundaries. The forward keeps only per-boundary states and the MLA
+//     latents (O(T × (dc + dr)) per MLA layer); the backward walks segments last to first,
+//     recomputes each from its boundary state (except the forward's very last, whose caches are
+//     still there) and gives the exact gradient of the whole sequence. Activation memory is
+//     O(S), not O(T).
 //     model_plan.h chooses S from the device's free memory (and counts every block of a step).
 //
 // Training protocol (the learner, replay):
@@ -281,8 +283,10 @@ void mtrl_model_zero_grads(mtrl_model *m);
 void mtrl_model_forward(mtrl_model *m, const mtrl_batch *b, int segment, real *logp, real *entropy,
                         uint8_t *const *routing_out);
 
-// Backward of L = Σ dlogp·logp + Σ dentropy·entropy over the batch of the last forward;
-// gradients ACCUMULATE into m->grads. dentropy nullable.
+// Backward of L = Σ dlogp·logp + Σ dentropy·entropy over the batch of the last forward, at the
+// weights of that forward (change none in between); gradients ACCUMULATE into m->grads.
+// dentropy nullable. The forward's last segment is not recomputed: its caches are still in the
+// workspace (one segment's forward less per step; a sequence of one segment recomputes nothing).
 void mtrl_model_backward(mtrl_model *m, const mtrl_batch *b, const real *dlogp, const real *dentropy);
 
 // Logits of every position of one sequence (tests, replay): logits [len][V].

@@ -142,19 +142,17 @@ static size_t backend_request_(const mtrl_model_dims *d, plan_prec pr, size_t le
     req = max_(req, carve_(small, 3));
     if (pr.gemm_bf16) req = max_(req, gemm_bf16_request_(d, T));
     if (model_n_mla(d) > 0) {
-        size_t mH = (size_t)d->mH, ld = (size_t)d->dc + d->dr, n_seg = cdiv_(len, seg);
-        // the last segment (keys: the whole sequence) and the last full one before it
-        size_t Tq[2] = {len - (n_seg - 1) * seg, seg}, Tk[2] = {len, (n_seg - 1) * seg};
-        for (int i = 0; i < (n_seg > 1 ? 2 : 1); i++) {
-            if (d->mla_absorbed) {
-                size_t lat_copy = lat_size == 2 ? 0 : 2 * Tk[i] * ld;
-                size_t p[4] = {2 * Tq[i] * mH * ld, lat_copy, 0, 2 * Tq[i] * mH * (size_t)d->dc};
-                req = max_(req, carve_(p, 4)); // attn_causal_bwd_ (the forward takes the first three)
-            } else { // naive: q [Tq][mH][dn+dr], the expanded k and v (copied when fp32), dout [Tq][mH][dv]
-                size_t kw = mH * (size_t)(d->dn + d->dr), vw = mH * (size_t)d->dv, f32 = lat_size != 2;
-                size_t p[4] = {2 * Tq[i] * kw, f32 * 2 * Tk[i] * kw, f32 * 2 * Tk[i] * vw, 2 * Tq[i] * vw};
-                req = max_(req, carve_(p, 4));
-            }
+        size_t mH = (size_t)d->mH, ld = (size_t)d->dc + d->dr;
+        // the last segment: the longest (the first takes the remainder, model_run.c) and keys
+        // over the whole sequence
+        if (d->mla_absorbed) {
+            size_t lat_copy = lat_size == 2 ? 0 : 2 * len * ld;
+            size_t p[4] = {2 * T * mH * ld, lat_copy, 0, 2 * T * mH * (size_t)d->dc};
+            req = max_(req, carve_(p, 4)); // attn_causal_bwd_ (the forward takes the first three)
+        } else { // naive: q [T][mH][dn+dr], the expanded k and v (copied when fp32), dout [T][mH][dv]
+            size_t kw = mH * (size_t)(d->dn + d->dr), vw = mH * (size_t)d->dv, f32 = lat_size != 2;
+            size_t p[4] = {2 * T * kw, f32 * 2 * len * kw, f32 * 2 * len * vw, 2 * T * vw};
+            req = max_(req, carve_(p, 4));
         }
     }
     return req;

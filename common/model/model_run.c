@@ -39,6 +39,12 @@ typedef struct ws_impl {
     int keep;
     mtrl_arena state;   // the batch's boundary states and latents, plus the running S and conv
     real *run_S, *run_C;
+    mtrl_arena grad;    // the backward's gradients crossing segment boundaries (grad_bytes_)
+    // The caches of the forward's last segment (pack tail_pack, segment tail_seg), still in the
+    // activation arena when the forward returns: the backward starts with that segment and takes
+    // them instead of recomputing it (tail_ok: valid until a backward or an optimizer step).
+    seg_cache tail;
+    int tail_pack, tail_seg, tail_ok;
     mtrl_arena infer;   // prefill / decode / logits scratch
 } ws_impl;
 
@@ -61,9 +67,8 @@ static size_t carve_bytes_(size_t bytes) { return (bytes + 63) & ~(size_t)63; }
 // n latent elements of the model's backend (backend.h latent_size).
 #define LALLOC(m, a, n) mtrl_arena_alloc((a), (m)->be->latent_size * (size_t)(n))
 
-void mtrl_model_ws_free(mtrl_model *m) {
-    ws_impl *w = (ws_impl *)m->ws;
-    if (!w) return;
+// Frees the batch's host bookkeeping (sequences and packs), keeping the arenas.
+static void ws_batch_clear_(ws_impl *w) {
     for (int i = 0; i < w->pub.n_seq; i++) {
         ws_seq *s = &w->seqs[i];
         free(s->routing);
@@ -79,8 +84,24 @@ void mtrl_model_ws_free(mtrl_model *m) {
         free(p->routing);
     }
     free(w->packs);
+    w->seqs = NULL;
+    w->packs = NULL;
+    w->n_pack = 0;
+    w->keep = 0;
+    w->tail_ok = 0;
+    w->run_S = w->run_C = NULL;
+    mtrl_arena arena = w->pub.arena;
+    w->pub = (mtrl_model_ws){0};
+    w->pub.arena = arena;
+}
+
+void mtrl_model_ws_free(mtrl_model *m) {
+    ws_impl *w = (ws_impl *)m->ws;
+    if (!w) return;
+    ws_batch_clear_(w);
     be_arena_free_(m->be, &w->pub.arena);
     be_arena_free_(m->be, &w->state);
+    be_arena_free_(m->be, &w->grad);
     be_arena_free_(m->be, &w->infer);
     free(w);
     m->ws = NULL;
@@ -91,24 +112,32 @@ static ws_impl *ws_get_(mtrl_model *m) {
     return (ws_impl *)m->ws;
 }
 
-// Frees the per-batch part, keeping the inference arena.
-static void ws_reset_batch_(mtrl_model *m) {
-    ws_impl *w = ws_get_(m);
-    mtrl_arena keep = w->infer;
-    w->infer = (mtrl_arena){0};
-    mtrl_model_ws_free(m);
-    w = ws_get_(m);
-    w->infer = keep;
-}
-
 static void arena_ensure_(mtrl_backend *be, mtrl_arena *a, size_t bytes) {
     if (a->cap >= bytes) return;
     be_arena_free_(be, a);
     be_arena_init_(be, a, bytes);
 }
+// A batch arena (activations, states, the backward's gradients) of at least `bytes`, empty. The
+// block of the last batch is kept when it is large enough: cudaMalloc and cudaFree of a ~100 GiB
+// activation arena at every forward cost a step of `small` at 64K tens of milliseconds on an
+// H200 (docs/perf.md P7). The planner counts held blocks as free (ws_held_bytes).
+static void arena_fit_(mtrl_backend *be, mtrl_arena *a, size_t bytes) {
+    arena_ensure_(be, a, bytes);
+    mtrl_arena_reset(a);
+    a->peak = 0;
+}
 
 // The segment length of a sequence of len tokens.
 static int seg_of_(int len, int segment) { return segment > 0 && segment < len ? segment : (len > 0 ? len : 1); }
+
+// Segment g of sequence s: tokens [*t0, *t0 + the length returned). The first segment takes the
+// remainder, so that the last one, whose caches the backward takes from the forward instead of
+// recomputing it (ws_impl tail), is a full one.
+static int seg_span_(const ws_seq *s, int g, int *t0) {
+    int r = s->len - (s->n_seg - 1) * s->seg;
+    *t0 = g ? r + (g - 1) * s->seg : 0;
+    return g ? s->seg : r;
+}
 
 // The gradient block of the backward for sequences of up to max_len tokens.
 static size_t grad_bytes_(const mtrl_model_dims *d, int max_len) {
@@ -183,7 +212,7 @@ void ws_sizes_for(const mtrl_model_dims *d, size_t lat_size, int n, const int *l
 
 size_t ws_held_bytes(const mtrl_model *m) {
     const ws_impl *w = (const ws_impl *)m->ws;
-    return w ? w->pub.arena.cap + w->state.cap : 0;
+    return w ? w->pub.arena.cap + w->state.cap + w->grad.cap : 0;
 }
 
 // The next-token targets of a sequence of len tokens (-1 after its last).
@@ -237,9 +266,14 @@ static void pack_forward_(mtrl_model *m, const mtrl_batch *b, ws_pack *pk, real 
     w->pub.state_bytes += m->be->latent_size * (size_t)T * lat;
     seq_io io = {w->run_S, w->run_C, pk->latent, T, 0, pk->n, pk->piece, NULL};
     seg_out so = {pk->targets, logp, entropy, NULL, rin, pk->routing, 1};
-    seg_cache tmp, *c = w->keep ? &pk->kept : &tmp;
+    seg_cache *c = w->keep ? &pk->kept : &w->tail;
     if (!w->keep) mtrl_arena_reset(&w->pub.arena);
     seg_forward(m, &w->pub.arena, SEG_CHUNK, T, pk->tokens, &io, &so, c);
+    if (!w->keep) {
+        w->tail_pack = (int)(pk - w->packs);
+        w->tail_seg = 0;
+        w->tail_ok = 1;
+    }
     if (w->pub.arena.peak > m->peak_activation_bytes) m->peak_activation_bytes = w->pub.arena.peak;
     for (int j = 0; routing_out && j < pk->n; j++)
         if (routing_out[pk->i0 + j])
@@ -249,7 +283,8 @@ static void pack_forward_(mtrl_model *m, const mtrl_batch *b, ws_pack *pk, real 
 
 // Backward of a packed segment (its forward recomputed first unless kept); dlat, S, C: the
 // gradient block's latent gradients and scratch states, dlogp/dentropy: the pack's slices.
-static void pack_backward_(mtrl_model *m, ws_pack *pk, real *dS, real *dC, real *dlat, real *S, real *C,
+// tail: the forward's caches of this pack are still in the arena (ws_impl tail).
+static void pack_backward_(mtrl_model *m, ws_pack *pk, int tail, real *dS, real *dC, real *dlat, real *S, real *C,
                            const real *dlogp, const real *dentropy) {
     ws_impl *w = (ws_impl *)m->ws;
     mtrl_backend *be = m->be;
@@ -257,7 +292,9 @@ static void pack_backward_(mtrl_model *m, ws_pack *pk, real *dS, real *dC, real 
     seq_grad g = {dS, dC, dlat};
     seq_io io = {S, C, pk->latent, pk->T, pk->T, pk->n, pk->piece, NULL};
     seg_cache tmp, *c = &pk->kept;
-    if (!w->keep) {
+    if (tail) {
+        c = &w->tail;
+    } else if (!w->keep) {
         io.t0 = 0;
         seg_out so = {pk->targets, NULL, NULL, NULL, pk->routing, NULL, 0};
         mtrl_arena_reset(&w->pub.arena);
@@ -276,8 +313,8 @@ void mtrl_model_forward(mtrl_model *m, const mtrl_batch *b, int segment, real *l
                         uint8_t *const *routing_out) {
     const mtrl_model_dims *d = &m->dims;
     mtrl_backend *be = m->be;
-    ws_reset_batch_(m);
     ws_impl *w = ws_get_(m);
+    ws_batch_clear_(w);
     int n_kda = model_n_kda(d), n_mla = model_n_mla(d);
     size_t S_sz = S_size_(d) * n_kda, C_sz = conv_size_(d) * n_kda, LW = lat_w_(d);
     size_t rw = (size_t)d->n_moe * d->k;
@@ -292,12 +329,12 @@ void mtrl_model_forward(mtrl_model *m, const mtrl_batch *b, int segment, real *l
     ws_sizes sz;
     ws_sizes_for(d, be->latent_size, b->n, b->len, segment, &sz);
     w->keep = sz.keep;
-    be_arena_init_(be, &w->pub.arena, sz.arena);
+    arena_fit_(be, &w->pub.arena, sz.arena);
     w->pub.seg_T = sz.max_seg;
     w->pub.seg_Tk = sz.max_len;
     // One block for every sequence's boundary states and latents, zero-filled.
     size_t state_cap = sz.state;
-    be_arena_init_(be, &w->state, state_cap);
+    arena_fit_(be, &w->state, state_cap);
     be->zero(be, w->state.base, state_cap);
     w->run_S = RALLOC(&w->state, S_sz);
     w->run_C = RALLOC(&w->state, C_sz);
@@ -333,16 +370,20 @@ void mtrl_model_forward(mtrl_model *m, const mtrl_batch *b, int segment, real *l
         be->zero(be, C, sizeof(real) * C_sz);
         seq_io io = {S, C, s->latent, len, 0, 0, NULL, NULL};
         for (int g = 0; g < s->n_seg; g++) {
-            int t0 = g * s->seg, T = len - t0 < s->seg ? len - t0 : s->seg;
+            int t0, T = seg_span_(s, g, &t0);
             be->copy(be, s->bound_S + (size_t)g * S_sz, S, sizeof(real) * S_sz);
             be->copy(be, s->bound_conv + (size_t)g * C_sz, C, sizeof(real) * C_sz);
             const uint8_t *rin = m->replay_routing && b->routing ? b->routing[i] + (size_t)t0 * rw : NULL;
             seg_out so = {s->targets + t0, logp ? logp + off + t0 : NULL, entropy ? entropy + off + t0 : NULL, NULL,
                           rin, s->routing + (size_t)t0 * rw, 1};
-            seg_cache tmp;
-            seg_cache *c = w->keep ? &s->kept[g] : &tmp;
+            seg_cache *c = w->keep ? &s->kept[g] : &w->tail;
             if (!w->keep) mtrl_arena_reset(&w->pub.arena);
             seg_forward(m, &w->pub.arena, SEG_CHUNK, T, b->tokens[i] + t0, &io, &so, c);
+            if (!w->keep) {
+                w->tail_pack = k;
+                w->tail_seg = g;
+                w->tail_ok = 1;
+            }
             if (w->pub.arena.peak > m->peak_activation_bytes) m->peak_activation_bytes = w->pub.arena.peak;
             if (m->segment_hook) m->segment_hook(m->segment_hook_user);
         }
@@ -370,17 +411,21 @@ void mtrl_model_backward(mtrl_model *m, const mtrl_batch *b, const real *dlogp, 
         if (w->packs[k].T > max_len) max_len = w->packs[k].T;
     prof_pass_(m, MTRL_PROF_BWD);
     // Gradients crossing segment boundaries (one sequence at a time).
-    mtrl_arena ga;
+    mtrl_arena *ga = &w->grad;
     size_t lat_max = (size_t)n_mla * max_len * LW;
-    be_arena_init_(be, &ga, grad_bytes_(d, max_len));
-    real *dS = RALLOC(&ga, S_sz), *dC = RALLOC(&ga, C_sz), *dlat = RALLOC(&ga, lat_max);
-    real *S = RALLOC(&ga, S_sz), *C = RALLOC(&ga, C_sz);
+    arena_fit_(be, ga, grad_bytes_(d, max_len));
+    real *dS = RALLOC(ga, S_sz), *dC = RALLOC(ga, C_sz), *dlat = RALLOC(ga, lat_max);
+    real *S = RALLOC(ga, S_sz), *C = RALLOC(ga, C_sz);
+    // The first segment this walk meets is the forward's last; later segments reset the arena.
+    int tail_ok = w->tail_ok;
+    w->tail_ok = 0;
     size_t off = off_total;
     for (int k = w->n_pack - 1; k >= 0; k--) {
         ws_pack *pk = &w->packs[k];
         if (pk->n > 1) {
             off -= (size_t)pk->T;
-            pack_backward_(m, pk, dS, dC, dlat, S, C, dlogp + off, dentropy ? dentropy + off : NULL);
+            pack_backward_(m, pk, tail_ok && k == w->tail_pack, dS, dC, dlat, S, C, dlogp + off,
+                           dentropy ? dentropy + off : NULL);
             continue;
         }
         int i = pk->i0;
@@ -392,11 +437,13 @@ void mtrl_model_backward(mtrl_model *m, const mtrl_batch *b, const real *dlogp, 
         be->zero(be, dlat, sizeof(real) * (size_t)n_mla * len * LW);
         seq_grad g = {dS, dC, dlat};
         for (int gi = s->n_seg - 1; gi >= 0; gi--) {
-            int t0 = gi * s->seg, T = len - t0 < s->seg ? len - t0 : s->seg;
+            int t0, T = seg_span_(s, gi, &t0);
             seq_io io = {S, C, s->latent, len, t0 + T, 0, NULL, NULL};
             seg_cache tmp, *c;
             if (w->keep) {
                 c = &s->kept[gi];
+            } else if (tail_ok && k == w->tail_pack && gi == w->tail_seg) {
+                c = &w->tail; // the forward's last segment: its caches are still in the arena
             } else {
                 // Recompute the segment from its boundary state, replaying the forward's routing.
                 be->copy(be, S, s->bound_S + (size_t)gi * S_sz, sizeof(real) * S_sz);
@@ -418,7 +465,6 @@ void mtrl_model_backward(mtrl_model *m, const mtrl_batch *b, const real *dlogp, 
         }
     }
     be->sync(be);
-    be_arena_free_(be, &ga);
     prof_pass_(m, MTRL_PROF_FWD);
 }
 

@@ -192,8 +192,10 @@ typedef struct ws_sizes {
     size_t grad;     // the backward's block: ∂/∂latents (`real`) of the longest sequence or pack, dS, dconv, S, conv
 } ws_sizes;
 void ws_sizes_for(const mtrl_model_dims *d, size_t lat_size, int n, const int *len, int segment, ws_sizes *out);
-// Bytes of the batch workspace the model holds now (activation and state arenas of the last
-// forward; both are freed by the next forward).
+// Bytes of the batch workspace the model holds now: the activation, state and gradient arenas.
+// They stay allocated after a step and the next batch reuses them when they are large enough
+// (a larger batch frees and reallocates each); mtrl_model_ws_free, or freeing the model, gives
+// them back. The planner counts them as free memory.
 size_t ws_held_bytes(const mtrl_model *m);
 
 // Activations of a chunked batch are kept (no recompute in the backward) when they fit here.
