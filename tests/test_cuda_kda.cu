@@ -131,12 +131,14 @@ static void test_chunk(mtrl_cuda_ctx *ctx, int T, int H, int K, int V, int bound
     const int v3ok = K == 128 && V == 128;
     float *h_v2 = NULL, *h_x = NULL;  // v2's dS0 and dq (stored states), to see v3 take effect
     // Then both again with pass 3's products on tensor cores (MTRL_KDA_BWD_TILE=3, bf16x3; every
-    // shape), at the same tolerances.
-    for (int cf = 0; cf < 4; cf++) {
+    // shape), at the same tolerances: its default block of 512 threads (tile3 = 1), then 256
+    // (tile3 = 2, MTRL_KDA_TILE_THREADS=256).
+    for (int cf = 0; cf < 6; cf++) {
         const int bv = cf & 1 ? 3 : 2, tile3 = cf >> 1;
         if (bv == 3 && !v3ok) continue;
         set_env("MTRL_KDA_BWD", bv == 3 ? "3" : "2");
         set_env("MTRL_KDA_BWD_TILE", tile3 ? "3" : "2");
+        set_env("MTRL_KDA_TILE_THREADS", tile3 == 2 ? "256" : NULL);
         TEST_EQ_INT(mtrl_kda_chunk_bwd_version(H, K, V), bv);
         for (int stored = 1; stored >= 0; stored--) {
             float *e_dq = tu_dev_nan(ctx, nqk), *e_dk = tu_dev_nan(ctx, nqk), *e_dv = tu_dev_nan(ctx, nv),
@@ -146,7 +148,8 @@ static void test_chunk(mtrl_cuda_ctx *ctx, int T, int H, int K, int V, int bound
                                            e_db, e_dS0), 0);
             mtrl_cuda_sync(ctx);
             char tag[96];
-            snprintf(tag, sizeof tag, "%sbwd%s%s", bv == 3 ? "v3 " : "", tile3 ? " (tile TC)" : "",
+            snprintf(tag, sizeof tag, "%sbwd%s%s", bv == 3 ? "v3 " : "",
+                     tile3 == 2 ? " (tile TC, 256 threads)" : tile3 ? " (tile TC)" : "",
                      stored ? "" : " (states recomputed)");
             struct { const char *n; float *d; double *r; size_t len; } outs[] = {
                 {"dq", e_dq, dq, nqk}, {"dk", e_dk, dk, nqk}, {"dv", e_dv, dv, nv},
@@ -201,6 +204,7 @@ static void test_chunk(mtrl_cuda_ctx *ctx, int T, int H, int K, int V, int bound
             for (int i = 0; i < 6; i++) mtrl_cuda_free(outs[i].d);
         }
     }
+    set_env("MTRL_KDA_TILE_THREADS", NULL);
     free(h_v2);
     free(h_x);
     // zero dS_final (NULL) path: compare dg and dS0 only; the default backward, then (K = V = 128)

@@ -594,14 +594,23 @@ static size_t tile_bwd_floats(int K, int V) {
 // TC: the products of 16 rows on tensor cores with bf16x3 operands (smm16_tc; the default,
 // MTRL_KDA_BWD_TILE=2 runs <false>), except the two 16 x 16 x 16 with T and the four intra-tile ones (dA, dQ̂, dK̂⁻), which stay
 // SIMT fp32 (smm) as without TC.
-template <bool TC>
-__global__ void __launch_bounds__(256) kda_tile_bwd_k(int T, int H, int K, int V, const float *q,
+// NTH threads (the default 512 with TC; 256 before 2026-12-01, MTRL_KDA_TILE_THREADS=256): the
+// block takes the SM's shared memory alone (194 KB), so its warps are all the SM has to hide
+// latency with (Nsight Compute at 256: 2 warps per scheduler, 0.27 eligible, 38% of the stalls on
+// global loads). The column chunks of S and dS' are fetched into registers one chunk ahead (PF
+// elements each a thread, K <= 128; larger K loads each chunk when it is used), so their global
+// latency overlaps the previous chunk's products; chunk 0's is issued before the tile loads.
+// KV = 128: K = V = 128 known at compile time (the default shape; the index arithmetic of every
+// loop folds: no integer division by a runtime K or V), 0: K_ and V_ as passed.
+template <bool TC, int NTH, int KV>
+__global__ void __launch_bounds__(NTH, 1) kda_tile_bwd_k(int T, int H, int K_, int V_, const float *q,
                                                       const float *k, const float *v,
                                                       const float *g, const float *beta,
                                                       const float *S_tiles, const float *dout,
                                                       const float *dD, const float *dS_tiles,
                                                       float *dq, float *dk, float *dv, float *dg,
                                                       float *dbeta) {
+    const int K = KV ? KV : K_, V = KV ? KV : V_;
     extern __shared__ float sm[];
     TileSh s;
     float *p = tile_sh_carve(s, sm, K, V);
@@ -633,8 +642,26 @@ __global__ void __launch_bounds__(256) kda_tile_bwd_k(int T, int H, int K, int V
     const float *S = S_tiles + ((size_t)n * H + h) * K * V;
     const float *dS = dS_tiles + ((size_t)n * H + h) * K * V;
 
+    // Chunk prefetch: element u of this thread is i = tid + u NTH of the K x cw chunk (d = i / cw,
+    // j = i % cw), as the direct copy below orders it.
+    constexpr int PF = 128 * CW / NTH;
+    const bool pf = K * CW <= PF * NTH;
+    float rS[PF], rD[PF];
+    auto fetch = [&](int c0) {
+        const int cw = V - c0 < CW ? V - c0 : CW;
+#pragma unroll
+        for (int u = 0; u < PF; u++) {
+            const int i = threadIdx.x + u * NTH, d = i / cw, j = i % cw;
+            if (i < K * cw) {
+                rS[u] = S[(size_t)d * V + c0 + j];
+                rD[u] = dS[(size_t)d * V + c0 + j];
+            }
+        }
+    };
+    if (pf) fetch(0);
+
     tile_load(s, K, V, H, h, t0, cr, q, k, v, g, beta);
-    for (int i = threadIdx.x; i < KT * V; i += blockDim.x) {
+    for (int i = threadIdx.x; i < KT * V; i += NTH) {
         int r = i / V, j = i % V;
         sdO[r * LV + j] = r < cr ? dout[((size_t)(t0 + r) * H + h) * V + j] : 0.f;
         sdD[r * LV + j] = dD[((size_t)h * Tp + t0 + r) * V + j];
@@ -642,17 +669,17 @@ __global__ void __launch_bounds__(256) kda_tile_bwd_k(int T, int H, int K, int V
     __syncthreads();
     tile_prep(s, K, cr);
     // K⁺, then W = T diag(β) K⁺ and U = T diag(β) V.
-    for (int i = threadIdx.x; i < KT * K; i += blockDim.x) {
+    for (int i = threadIdx.x; i < KT * K; i += NTH) {
         int r = i / K, d = i % K;
         Kp[r * LK + d] = s.k[r * LK + d] * expf(s.G[r * LK + d]);
     }
-    for (int i = threadIdx.x; i < KT * KT; i += blockDim.x) {
+    for (int i = threadIdx.x; i < KT * KT; i += NTH) {
         int r = i >> 4, l = i & 15;
         tmp[r * 17 + l] = s.T[r * 17 + l] * s.b[l];  // T diag(β)
     }
-    for (int i = threadIdx.x; i < KT * 17; i += blockDim.x) dP[i] = 0.f;
-    for (int i = threadIdx.x; i < KT * LK; i += blockDim.x) dQp[i] = dKe[i] = dW[i] = 0.f;
-    for (int d = threadIdx.x; d < K; d += blockDim.x) dgS[d] = 0.f;
+    for (int i = threadIdx.x; i < KT * 17; i += NTH) dP[i] = 0.f;
+    for (int i = threadIdx.x; i < KT * LK; i += NTH) dQp[i] = dKe[i] = dW[i] = 0.f;
+    for (int d = threadIdx.x; d < K; d += NTH) dgS[d] = 0.f;
     __syncthreads();
     mm16<TC, 1, 4>(K, KT, 1.f, tmp, 17, 1, Kp, LK, 1, 0.f, Wm, LK);
     mm16<TC, 1, 4>(V, KT, 1.f, tmp, 17, 1, s.v, LV, 1, 0.f, Dl, LV);
@@ -661,14 +688,26 @@ __global__ void __launch_bounds__(256) kda_tile_bwd_k(int T, int H, int K, int V
     // dW −= dΔ Sᵀ, dγ_S += rowsum(S ⊙ dS').
     for (int c0 = 0; c0 < V; c0 += CW) {
         int cw = V - c0 < CW ? V - c0 : CW;
-        for (int i = threadIdx.x; i < K * cw; i += blockDim.x) {
-            int d = i / cw, j = i % cw;
-            Sc[d * LC + j] = S[(size_t)d * V + c0 + j];
-            dSc[d * LC + j] = dS[(size_t)d * V + c0 + j];
+        if (pf) {
+#pragma unroll
+            for (int u = 0; u < PF; u++) {
+                const int i = threadIdx.x + u * NTH, d = i / cw, j = i % cw;
+                if (i < K * cw) {
+                    Sc[d * LC + j] = rS[u];
+                    dSc[d * LC + j] = rD[u];
+                }
+            }
+        } else {
+            for (int i = threadIdx.x; i < K * cw; i += NTH) {
+                int d = i / cw, j = i % cw;
+                Sc[d * LC + j] = S[(size_t)d * V + c0 + j];
+                dSc[d * LC + j] = dS[(size_t)d * V + c0 + j];
+            }
         }
         __syncthreads();
+        if (pf && c0 + CW < V) fetch(c0 + CW);  // in flight during this chunk's products
         mm16<TC, 1, 2>(cw, K, -1.f, Wm, LK, 1, Sc, LC, 1, 1.f, Dl + c0, LV);
-        for (int d = threadIdx.x; d < K; d += blockDim.x) {
+        for (int d = threadIdx.x; d < K; d += NTH) {
             float acc = 0.f;
             for (int j = 0; j < cw; j++) acc = fmaf(Sc[d * LC + j], dSc[d * LC + j], acc);
             dgS[d] += acc;
@@ -681,7 +720,7 @@ __global__ void __launch_bounds__(256) kda_tile_bwd_k(int T, int H, int K, int V
         __syncthreads();
     }
     // dγ_S = e^γ ⊙ rowsum(S ⊙ dS')
-    for (int d = threadIdx.x; d < K; d += blockDim.x) dgS[d] *= expf(s.gam[d]);
+    for (int d = threadIdx.x; d < K; d += NTH) dgS[d] *= expf(s.gam[d]);
     // Y_W = Tᵀ dW (into Wm), Y_U = Tᵀ dΔ (into sdO), dT = dW (diag(β)K⁺)ᵀ + dΔ (diag(β)V)ᵀ.
     mm16<TC, 1, 4>(K, KT, 1.f, s.T, 1, 17, dW, LK, 1, 0.f, Wm, LK);
     mm16<TC, 1, 4>(V, KT, 1.f, s.T, 1, 17, sdD, LV, 1, 0.f, sdO, LV);
@@ -689,7 +728,7 @@ __global__ void __launch_bounds__(256) kda_tile_bwd_k(int T, int H, int K, int V
     __syncthreads();
     mm16<TC, 1, 1>(KT, V, 1.f, sdD, LV, 1, s.v, 1, LV, 1.f, dT, 17);
     __syncthreads();
-    for (int i = threadIdx.x; i < KT * KT; i += blockDim.x) {
+    for (int i = threadIdx.x; i < KT * KT; i += NTH) {
         int r = i >> 4, l = i & 15;
         dT[r * 17 + l] *= s.b[l];
     }
@@ -701,7 +740,7 @@ __global__ void __launch_bounds__(256) kda_tile_bwd_k(int T, int H, int K, int V
     __syncthreads();
     // dβ_i = Σ K⁺⊙Y_W + Σ V⊙Y_U + Σ_{j<i} dM ⊙ X; then dM ← diag(β) dM (masked), dP masked.
     {
-        int w = threadIdx.x >> 5, lane = threadIdx.x & 31, nw = blockDim.x >> 5;
+        int w = threadIdx.x >> 5, lane = threadIdx.x & 31, nw = NTH >> 5;
         for (int i = w; i < KT; i += nw) {
             float acc = 0.f;
             for (int d = lane; d < K; d += 32) acc = fmaf(Kp[i * LK + d], Wm[i * LK + d], acc);
@@ -712,20 +751,20 @@ __global__ void __launch_bounds__(256) kda_tile_bwd_k(int T, int H, int K, int V
         }
     }
     __syncthreads();
-    for (int i = threadIdx.x; i < KT * KT; i += blockDim.x) {
+    for (int i = threadIdx.x; i < KT * KT; i += NTH) {
         int r = i >> 4, l = i & 15;
         dM[r * 17 + l] = l < r ? s.b[r] * dM[r * 17 + l] : 0.f;
         if (l > r) dP[r * 17 + l] = 0.f;
     }
     // dV = diag(β) Y_U
-    for (int i = threadIdx.x; i < KT * V; i += blockDim.x) {
+    for (int i = threadIdx.x; i < KT * V; i += NTH) {
         int r = i / V, j = i % V;
         if (r < cr) dv[((size_t)(t0 + r) * H + h) * V + j] = s.b[r] * sdO[r * LV + j];
     }
     // Inter-tile operands back to the unscaled inputs, one column d per thread:
     //   dQ = dQ⁺ e^G, dK = β Y_W e^G + dK^e e^{γ−G}, dG = Q tq + K tk − K te,
     //   dγ = dγ_S + Σ_r K te.
-    for (int d = threadIdx.x; d < K; d += blockDim.x) {
+    for (int d = threadIdx.x; d < K; d += NTH) {
         float gsum = 0.f, gm = s.gam[d];
         for (int r = 0; r < KT; r++) {
             int i = r * LK + d;
@@ -751,7 +790,7 @@ __global__ void __launch_bounds__(256) kda_tile_bwd_k(int T, int H, int K, int V
     __syncthreads();
     smm<1, 4>(KT, K, KT, 1.f, dP, 1, 17, s.Qh, LK, 1, 1.f, dB, LK);
     __syncthreads();
-    for (int d = threadIdx.x; d < K; d += blockDim.x) {
+    for (int d = threadIdx.x; d < K; d += NTH) {
         float Gm = s.Gm[d];
         float acc = 0.f;
         float col[KT];
@@ -1113,15 +1152,18 @@ extern "C" int mtrl_kda_chunk_bwd(mtrl_cuda_ctx *c, int T, int H, int K, int V, 
         launch_state_bwd_(c, T, H, K, V, nt, w, dout, dS_final, dD, dSt, dS0);
     }
     size_t sh = sizeof(float) * tile_bwd_floats(K, V);
-    if (!env_is("MTRL_KDA_BWD_TILE", "2")) {  // pass 3's products on tensor cores (bf16x3), the default
-        set_smem(kda_tile_bwd_k<true>, sh);
-        kda_tile_bwd_k<true><<<dim3(nt, H), 256, sh, c->stream>>>(T, H, K, V, q, k, v, g, beta, S_tiles,
-                                                                  dout, dD, dSt, dq, dk, dv, dg, dbeta);
-    } else {
-        set_smem(kda_tile_bwd_k<false>, sh);
-        kda_tile_bwd_k<false><<<dim3(nt, H), 256, sh, c->stream>>>(T, H, K, V, q, k, v, g, beta, S_tiles,
-                                                                   dout, dD, dSt, dq, dk, dv, dg, dbeta);
-    }
+    const dim3 grid(nt, H);
+#define KDA_TILE_BWD_(TC, NTH, KV)                                                                       \
+    do {                                                                                             \
+        set_smem(kda_tile_bwd_k<TC, NTH, KV>, sh);                                                   \
+        kda_tile_bwd_k<TC, NTH, KV><<<grid, NTH, sh, c->stream>>>(T, H, K, V, q, k, v, g, beta, S_tiles, \
+                                                                  dout, dD, dSt, dq, dk, dv, dg, dbeta); \
+    } while (0)
+    if (env_is("MTRL_KDA_BWD_TILE", "2")) KDA_TILE_BWD_(false, 256, 0);          // v2's SIMT pass 3
+    else if (env_is("MTRL_KDA_TILE_THREADS", "256")) KDA_TILE_BWD_(true, 256, 0); // tensor cores, 8 warps
+    else if (K == 128 && V == 128) KDA_TILE_BWD_(true, 512, 128);                // the default
+    else KDA_TILE_BWD_(true, 512, 0);
+#undef KDA_TILE_BWD_
     CUDA_LAUNCH_CHECK();
     return 0;
 }
