@@ -205,6 +205,40 @@ static void test_chunk(mtrl_cuda_ctx *ctx, int T, int H, int K, int V, int bound
         }
     }
     set_env("MTRL_KDA_TILE_THREADS", NULL);
+    // v3 with pass 2 in 3 pieces, each piece's pass 3 on a second stream (MTRL_KDA_BWD_PIECES; the
+    // default for H <= 8 from 256 tiles on): the same bits as in one piece, states stored and
+    // recomputed (the gradient handed from piece to piece is stored and loaded in fp32).
+    if (v3ok && nt >= 2) {
+        for (int stored = 1; stored >= 0; stored--) {
+            float *res[2][6];
+            for (int pc = 0; pc < 2; pc++) {
+                set_env("MTRL_KDA_BWD_PIECES", pc ? "3" : "1");
+                for (int i = 0; i < 6; i++) res[pc][i] = tu_dev_nan(ctx, i == 5 ? ns : i == 2 ? nv : i == 4 ? nb : nqk);
+                TEST_EQ_INT(mtrl_kda_chunk_bwd(ctx, T, H, K, V, d_q, d_k, d_v, d_g, d_b, d_S0, stored ? d_St : NULL,
+                                               d_dout, d_dSf, res[pc][0], res[pc][1], res[pc][2], res[pc][3], res[pc][4],
+                                               res[pc][5]), 0);
+                mtrl_cuda_sync(ctx);
+            }
+            set_env("MTRL_KDA_BWD_PIECES", NULL);
+            static const char *names[6] = {"dq", "dk", "dv", "dg", "dbeta", "dS0"};
+            for (int i = 0; i < 6; i++) {
+                size_t len = i == 5 ? ns : i == 2 ? nv : i == 4 ? nb : nqk;
+                float *a = (float *)malloc(sizeof(float) * len), *b = (float *)malloc(sizeof(float) * len);
+                mtrl_cuda_download(a, res[0][i], sizeof(float) * len);
+                mtrl_cuda_download(b, res[1][i], sizeof(float) * len);
+                TEST_CHECKF(same_bits(a, b, len), "v3 bwd in 3 pieces%s: %s differs from one piece",
+                            stored ? "" : " (states recomputed)", names[i]);
+                tu_get_f32(got, res[1][i], len);
+                snprintf(what, sizeof what, "v3 bwd in 3 pieces%s %s", stored ? "" : " (states recomputed)", names[i]);
+                const double *ref[6] = {dq, dk, dv, dg, db, dS0};
+                TU_CHECK_REL(what, got, ref[i], len, tol);
+                free(a);
+                free(b);
+                mtrl_cuda_free(res[0][i]);
+                mtrl_cuda_free(res[1][i]);
+            }
+        }
+    }
     free(h_v2);
     free(h_x);
     // zero dS_final (NULL) path: compare dg and dS0 only; the default backward, then (K = V = 128)

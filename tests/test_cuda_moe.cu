@@ -4,6 +4,7 @@
 // (exact offsets / permutation), gather, grouped SwiGLU experts forward / backward (fp32 and
 // bf16 operands), combine forward / backward, scatter backward, load counts and the QB update.
 // Cases include an empty expert (its bias makes it never chosen) and all tokens on one expert.
+// The experts' GEMMs run on several streams (GEMM lanes); one lane gives the same bits.
 // Logits and biases are multiples of 2^-8, so z − β is exact in fp32 and the selections
 // (including ties, broken by the lower id) must match the reference exactly.
 // Tolerances: fp32 arithmetic 1e-5 (router), 1e-4 (fp32-operand GEMMs); bf16 operands 1e-2;
@@ -166,6 +167,25 @@ static void test_block(mtrl_cuda_ctx *ctx, int N, int E, int K, int D, int I, in
     TU_CHECK_REL("combine bwd dw", got, dwr, R, tol);
     tu_get_f32(got, d_dXp, R * D);
     TU_CHECK_REL("experts bwd dX_perm", got, dXp, R * D, tol);
+    // The experts on one GEMM lane (MTRL_MOE_LANES=1) give the same bits as on the default lanes:
+    // each expert's GEMMs are the same cuBLAS calls, only on other streams.
+    {
+        float *y4 = (float *)malloc(sizeof(float) * R * D), *x4 = (float *)malloc(sizeof(float) * R * D),
+              *y1 = (float *)malloc(sizeof(float) * R * D), *x1 = (float *)malloc(sizeof(float) * R * D);
+        mtrl_cuda_download(y4, d_Yp, sizeof(float) * R * D);
+        mtrl_cuda_download(x4, d_dXp, sizeof(float) * R * D);
+        setenv("MTRL_MOE_LANES", "1", 1);
+        TEST_EQ_INT(mtrl_moe_experts_fwd(ctx, E, D, I, g_off, d_Xp, d_W1, d_W3, d_W2, type, d_u1, d_u3, d_Yp), 0);
+        TEST_EQ_INT(mtrl_moe_experts_bwd(ctx, E, D, I, g_off, d_Xp, d_W1, d_W3, d_W2, type, d_u1, d_u3, d_dYp,
+                                         d_dXp, NULL, NULL, NULL), 0);
+        mtrl_cuda_sync(ctx);
+        unsetenv("MTRL_MOE_LANES");
+        mtrl_cuda_download(y1, d_Yp, sizeof(float) * R * D);
+        mtrl_cuda_download(x1, d_dXp, sizeof(float) * R * D);
+        TEST_CHECKF(!memcmp(y1, y4, sizeof(float) * R * D), "experts Y_perm: 1 GEMM lane differs from the default");
+        TEST_CHECKF(!memcmp(x1, x4, sizeof(float) * R * D), "experts bwd dX_perm: 1 GEMM lane differs from the default");
+        free(y4); free(x4); free(y1); free(x1);
+    }
     // increments of the accumulated buffers
     double *inc = tu_alloc(big), *rinc = tu_alloc(big);
     tu_get_f32(got, d_dW1, nw1);

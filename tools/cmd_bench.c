@@ -292,8 +292,8 @@ static int bench_model_(int argc, char **argv) {
     for (int l = 0; l < d.L; l++) n_mla += d.mixer[l] == 'M';
     double flops_tok = 6 * active + 3.0 * 2 * n_mla * d.mH * (double)(d.dn + d.dr + d.dv) * (per / 2.0);
     double tflops = flops_tok * ntok / best_fb / 1e12;
-    printf("model FLOPs:      %.3g GFLOP per trained token (%.4g M active matmul parameters); %.3g TFLOP/s = MFU %.2g%% "
-           "of 989 (spec), %.2g%% of 781 (measured GEMM)\n",
+    printf("model FLOPs:      %.3g GFLOP per trained token (%.4g M active matmul parameters); %.3g TFLOP/s = MFU %.1f%% "
+           "of 989 (spec), %.1f%% of 781 (measured GEMM)\n",
            flops_tok / 1e9, active / 1e6, tflops, 100 * tflops / 989, 100 * tflops / 781);
     printf("memory: parameters %.1f MB (x4 with gradients and AdamW), peak segment activations %.1f MB, peak RSS %.1f MB\n",
            m.params.total / 1e6, m.peak_activation_bytes / 1e6, ru.ru_maxrss / 1e3);

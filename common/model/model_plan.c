@@ -68,9 +68,10 @@ static size_t norm_dw_req_(size_t N, size_t D) {
     size_t p[2] = {4 * row_splits_(N, D) * D, 4 * N};
     return carve_(p, 2);
 }
-// moe_experts_bwd over R rows of width D -> I with operands of es bytes: dY, dm (fp32), m | du1 | du3.
+// moe_experts_bwd over R rows of width D -> I with operands of es bytes: dY (bf16 operands only;
+// fp32 ones read the caller's), dm (fp32), m | du1 | du3.
 static size_t experts_bwd_req_(size_t R, size_t D, size_t I, size_t es) {
-    size_t p[3] = {es * R * D, 4 * R * I, 3 * es * R * I};
+    size_t p[3] = {es == 2 ? es * R * D : 0, 4 * R * I, 3 * es * R * I};
     return carve_(p, 3);
 }
 
@@ -80,10 +81,12 @@ static size_t ctx_request_(const mtrl_model_dims *d, size_t T, size_t es) {
     int nb = 1 + (d->L - 1) / d->S; // committed blocks at the output site
     if (model_n_kda(d) > 0) {
         size_t H = (size_t)d->H, K = (size_t)d->D, HK = H * K, nt = cdiv_(T, 16), Tp = nt * 16;
-        // W, U, Q⁺, K^e [H][Tp][K]; P [H][nt][16][16]; e^γ [H][nt][K]; dD [H][Tp][K]; dS [nt][H][K][K]
-        size_t ws[8] = {4 * H * Tp * K, 4 * H * Tp * K, 4 * H * Tp * K, 4 * H * Tp * K,
-                        4 * H * nt * 256, 4 * H * nt * K, 4 * H * Tp * K, 4 * nt * H * K * K};
-        req = max_(req, carve_(ws, 8)); // mtrl_kda_chunk_bwd (the forward takes the first six)
+        // W, U, Q⁺, K^e [H][Tp][K]; P [H][nt][16][16]; e^γ [H][nt][K]; dD [H][Tp][K]; dS [nt][H][K][K];
+        // v3's state gradient between the pieces of its pass 2, [H][K][K] (v3's tile records take
+        // what v2's first six do)
+        size_t ws[9] = {4 * H * Tp * K, 4 * H * Tp * K, 4 * H * Tp * K, 4 * H * Tp * K, 4 * H * nt * 256,
+                        4 * H * nt * K, 4 * H * Tp * K, 4 * nt * H * K * K, 4 * H * K * K};
+        req = max_(req, carve_(ws, 9)); // mtrl_kda_chunk_bwd (the forward takes the first six)
         size_t nsplit = cdiv_((size_t)PLAN_SMS * 8 * 256, HK);
         if (nsplit > T) nsplit = T;
         if (nsplit < 1) nsplit = 1;

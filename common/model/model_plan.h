@@ -54,10 +54,12 @@
 #include "common/status.h"
 
 #define MTRL_PLAN_SEGMENT_STEP 64          // segment lengths are multiples of this
-// Device memory a CUDA model uses outside its backend's blocks and scratch: cuBLAS workspace,
-// kernel images loaded on first launch, allocation rounding. Measured 0.01 GiB on an H200 after
-// a 1M-token step (tests/test_cuda_long.c (b)); reserved with room to spare.
-#define MTRL_PLAN_CUDA_RUNTIME ((size_t)256 << 20)
+// Device memory a CUDA model uses outside its backend's blocks and scratch: cuBLAS workspaces
+// (the context's, and 7 x 32 MiB for the GEMM lanes of the MoE experts, cuda_common.cuh), kernel
+// images loaded on first launch, allocation rounding. Measured 0.01 GiB on an H200 after a
+// 1M-token step (tests/test_cuda_long.c (b)) before the lanes (2026-11-30); reserved with room
+// to spare.
+#define MTRL_PLAN_CUDA_RUNTIME ((size_t)384 << 20)
 
 typedef struct mtrl_model_plan {
     // the request

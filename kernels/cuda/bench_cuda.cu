@@ -431,17 +431,28 @@ void bench_moe(Bench &B, int E, int rows, int D, int F) {
             s += r;
         }
         off[E] = (int)R;
-        double ms = time_ms(B, [&] {
-            for (int e = 0; e < E; e++) {
-                int r0 = off[e], n = off[e + 1] - r0;
-                if (n > 0)
-                    mtrl_gemm(B.c, 0, 1, n, F, D, 1.f, X + (size_t)r0 * D, D, W + (size_t)e * F * D, D,
-                              MTRL_BF16, 0.f, Y + (size_t)r0 * F, F, MTRL_F32);
-            }
-        });
+        // One cuBLAS call per expert on one stream, then on the GEMM lanes (cuda_common.cuh) as
+        // mtrl_moe_experts_* run them.
         char shape[80];
         snprintf(shape, sizeof shape, "E=%d rows=%zu %d->%d %s", E, R, D, F, skew ? "skewed" : "balanced");
-        row("expert GEMMs (loop of cuBLAS)", shape, ms, 2.0 * R * D * F, "TFLOP/s", B.gemm_tflops);
+        double ms_lane[2];
+        for (int li = 0; li < 2; li++) {
+            const int nl = li ? mtrl_ctx_lanes(B.c) : 1;
+            ms_lane[li] = time_ms(B, [&] {
+                mtrl_ctx_lanes_fork(B.c, nl);
+                for (int e = 0; e < E; e++) {
+                    int r0 = off[e], n = off[e + 1] - r0;
+                    if (n > 0)
+                        mtrl_gemm_lane(B.c, e % nl, 0, 1, n, F, D, 1.f, X + (size_t)r0 * D, D, W + (size_t)e * F * D,
+                                       D, MTRL_BF16, 0.f, Y + (size_t)r0 * F, F, MTRL_F32);
+                }
+                mtrl_ctx_lanes_join(B.c, nl);
+            });
+            char what[64];
+            snprintf(what, sizeof what, "expert GEMMs (cuBLAS loop, %d lane%s)", nl, nl == 1 ? "" : "s");
+            row(what, shape, ms_lane[li], 2.0 * R * D * F, "TFLOP/s", B.gemm_tflops);
+        }
+        double ms = ms_lane[1];
         // the anchor: torch._grouped_mm on 64 experts x 8192 rows, 2048 -> 1024, balanced
         if (!skew && E == 64 && rows == 8192 && D == 2048 && F == 1024)
             vs(B, "grouped_mm_tflops", 2.0 * R * D * F / (ms * 1e-3) / 1e12, "the TFLOP/s of torch._grouped_mm", "P6 >= 1.0x");
@@ -465,6 +476,44 @@ void bench_moe(Bench &B, int E, int rows, int D, int F) {
     }, 1, 3);
     row("SwiGLU experts bwd (bf16)", shape, msb, 12.0 * R * D * I, "TFLOP/s", B.gemm_tflops);
     void *ps[] = {X, W, W3, W2, u1, u3, Yp, dX, dW1, dW3, dW2};
+    for (void *p : ps) mtrl_cuda_free(p);
+}
+
+// The experts as the `small` learner step at 64K runs them: 64 experts, d 1024, I 512, top-6 of
+// a 51,456-token segment (~4,824 rows each), fp32 operands with TF32 (the default GEMM format),
+// forward and backward, on one GEMM lane and on the default lanes.
+void bench_moe_model(Bench &B) {
+    const int E = 64, D = 1024, I = 512, rows = 51456 * 6 / 64;
+    const size_t R = (size_t)E * rows;
+    float *X = rnd(B, R * D, -1, 1), *W1 = rnd(B, (size_t)E * I * D, -0.05f, 0.05f),
+          *W3 = rnd(B, (size_t)E * I * D, -0.05f, 0.05f), *W2 = rnd(B, (size_t)E * D * I, -0.05f, 0.05f);
+    float *u1 = (float *)mtrl_cuda_malloc(R * I * 4), *u3 = (float *)mtrl_cuda_malloc(R * I * 4),
+          *Yp = (float *)mtrl_cuda_malloc(R * D * 4), *dX = (float *)mtrl_cuda_malloc(R * D * 4),
+          *dW1 = (float *)mtrl_cuda_malloc((size_t)E * I * D * 4), *dW3 = (float *)mtrl_cuda_malloc((size_t)E * I * D * 4),
+          *dW2 = (float *)mtrl_cuda_malloc((size_t)E * I * D * 4);
+    std::vector<int> off(E + 1);
+    for (int e = 0; e <= E; e++) off[e] = e * rows;
+    char shape[80];
+    snprintf(shape, sizeof shape, "E=%d rows=%zu D=%d I=%d TF32", E, R, D, I);
+    mtrl_cuda_ctx_set_tf32(B.c, 1);
+    const char *was = getenv("MTRL_MOE_LANES");
+    for (int li = 0; li < 2; li++) {
+        if (!li) setenv("MTRL_MOE_LANES", "1", 1);
+        else if (was) setenv("MTRL_MOE_LANES", was, 1);
+        else unsetenv("MTRL_MOE_LANES");
+        const int nl = mtrl_ctx_lanes(B.c);
+        double ms = time_ms(B, [&] { mtrl_moe_experts_fwd(B.c, E, D, I, off.data(), X, W1, W3, W2, MTRL_F32, u1, u3, Yp); }, 1, 5);
+        char what[64];
+        snprintf(what, sizeof what, "model's experts fwd, %d lane%s", nl, nl == 1 ? "" : "s");
+        row(what, shape, ms, 6.0 * R * D * I, "TFLOP/s", B.gemm_tflops);
+        double msb = time_ms(B, [&] {
+            mtrl_moe_experts_bwd(B.c, E, D, I, off.data(), X, W1, W3, W2, MTRL_F32, u1, u3, Yp, dX, dW1, dW3, dW2);
+        }, 1, 5);
+        snprintf(what, sizeof what, "model's experts bwd, %d lane%s", nl, nl == 1 ? "" : "s");
+        row(what, shape, msb, 12.0 * R * D * I, "TFLOP/s", B.gemm_tflops);
+    }
+    mtrl_cuda_ctx_set_tf32(B.c, 0);
+    void *ps[] = {X, W1, W3, W2, u1, u3, Yp, dX, dW1, dW3, dW2};
     for (void *p : ps) mtrl_cuda_free(p);
 }
 
@@ -598,7 +647,10 @@ extern "C" int mtrl_bench_ops_cuda(int argc, char **argv) {
             if (bb > 0 && tt > 0) bench_decode(B, bb, tt, H);
             p = cm ? cm + 1 : nullptr;
         }
-    if (want("moe")) bench_moe(B, 64, 8192, 2048, 1024);
+    if (want("moe")) {
+        bench_moe(B, 64, 8192, 2048, 1024);
+        bench_moe_model(B);
+    }
     if (want("ops")) bench_small_ops(B);
     CUDA_CHECK(cudaEventDestroy(B.a));
     CUDA_CHECK(cudaEventDestroy(B.b));

@@ -38,6 +38,12 @@ extern "C" void mtrl_cuda_ctx_set_tf32(mtrl_cuda_ctx *c, int on) { c->tf32 = on 
 extern "C" void mtrl_cuda_ctx_destroy(mtrl_cuda_ctx *c) {
     if (!c) return;
     CUDA_CHECK(cudaStreamSynchronize(c->stream));
+    for (int i = 1; i < MTRL_CTX_LANES && c->lanes_made; i++) {
+        CUDA_CHECK(cudaStreamSynchronize(c->lane_stream[i]));
+        CUDA_CHECK(cudaStreamDestroy(c->lane_stream[i]));
+        CUDA_CHECK(cudaFree(c->lane_ws[i]));
+    }
+    for (int i = 0; i < MTRL_CTX_LANES && c->lanes_made; i++) CUDA_CHECK(cudaEventDestroy(c->lane_ev[i]));
     CUBLAS_CHECK(cublasDestroy(c->blas));
     if (c->scratch) CUDA_CHECK(cudaFree(c->scratch));
     free(c);
@@ -128,19 +134,80 @@ static cublasComputeType_t compute_(const mtrl_cuda_ctx *c, int ab_type) {
     return ab_type == MTRL_F32 && c->tf32 ? CUBLAS_COMPUTE_32F_FAST_TF32 : CUBLAS_COMPUTE_32F;
 }
 
-extern "C" int mtrl_gemm(mtrl_cuda_ctx *c, int ta, int tb, int M, int N, int K, float alpha,
-                         const void *A, int lda, const void *B, int ldb, int ab_type, float beta,
-                         void *C, int ldc, int c_type) {
+static int gemm_on_(mtrl_cuda_ctx *c, cublasHandle_t h, int ta, int tb, int M, int N, int K, float alpha,
+                    const void *A, int lda, const void *B, int ldb, int ab_type, float beta, void *C, int ldc,
+                    int c_type) {
     MTRL_CUDA_REQUIRE(M >= 0 && N >= 0 && K >= 0, "M=%d N=%d K=%d", M, N, K);
     MTRL_CUDA_REQUIRE(ab_type == MTRL_F32 || ab_type == MTRL_BF16, "ab_type=%d", ab_type);
     MTRL_CUDA_REQUIRE(c_type == MTRL_F32 || c_type == MTRL_BF16, "c_type=%d", c_type);
     MTRL_CUDA_REQUIRE(!(ab_type == MTRL_F32 && c_type == MTRL_BF16), "fp32 operands, bf16 C");
     if (M == 0 || N == 0) return 0;
     cublasOperation_t oa = ta ? CUBLAS_OP_T : CUBLAS_OP_N, ob = tb ? CUBLAS_OP_T : CUBLAS_OP_N;
-    CUBLAS_CHECK(cublasGemmEx(c->blas, ob, oa, N, M, K, &alpha, B, dt_(ab_type), ldb, A,
-                              dt_(ab_type), lda, &beta, C, dt_(c_type), ldc, compute_(c, ab_type),
-                              CUBLAS_GEMM_DEFAULT));
+    CUBLAS_CHECK(cublasGemmEx(h, ob, oa, N, M, K, &alpha, B, dt_(ab_type), ldb, A, dt_(ab_type), lda, &beta, C,
+                              dt_(c_type), ldc, compute_(c, ab_type), CUBLAS_GEMM_DEFAULT));
     return 0;
+}
+
+extern "C" int mtrl_gemm(mtrl_cuda_ctx *c, int ta, int tb, int M, int N, int K, float alpha,
+                         const void *A, int lda, const void *B, int ldb, int ab_type, float beta,
+                         void *C, int ldc, int c_type) {
+    return gemm_on_(c, c->blas, ta, tb, M, N, K, alpha, A, lda, B, ldb, ab_type, beta, C, ldc, c_type);
+}
+
+// ---- GEMM lanes (cuda_common.cuh) -------------------------------------------------------------
+
+int mtrl_ctx_lanes(const mtrl_cuda_ctx *c) {
+    (void)c;
+    const char *e = getenv("MTRL_MOE_LANES");
+    int n = e && *e ? atoi(e) : MTRL_CTX_LANES;
+    return n < 1 ? 1 : n > MTRL_CTX_LANES ? MTRL_CTX_LANES : n;
+}
+
+void mtrl_ctx_lanes_fork(mtrl_cuda_ctx *c, int n) {
+    if (n <= 1) return;
+    if (!c->lanes_made) {
+        for (int i = 0; i < MTRL_CTX_LANES; i++) CUDA_CHECK(cudaEventCreateWithFlags(&c->lane_ev[i], cudaEventDisableTiming));
+        c->lane_stream[0] = c->stream;
+        for (int i = 1; i < MTRL_CTX_LANES; i++) {
+            CUDA_CHECK(cudaStreamCreateWithFlags(&c->lane_stream[i], cudaStreamNonBlocking));
+            CUDA_CHECK(cudaMalloc(&c->lane_ws[i], MTRL_CTX_LANE_WS));
+        }
+        c->lanes_made = 1;
+    }
+    CUDA_CHECK(cudaEventRecord(c->lane_ev[0], c->stream));
+    for (int i = 1; i < n; i++) CUDA_CHECK(cudaStreamWaitEvent(c->lane_stream[i], c->lane_ev[0], 0));
+}
+
+void mtrl_ctx_lanes_join(mtrl_cuda_ctx *c, int n) {
+    for (int i = 1; i < n; i++) {
+        CUDA_CHECK(cudaEventRecord(c->lane_ev[i], c->lane_stream[i]));
+        CUDA_CHECK(cudaStreamWaitEvent(c->stream, c->lane_ev[i], 0));
+    }
+}
+
+void mtrl_ctx_lane_after(mtrl_cuda_ctx *c, int lane) {
+    lane %= MTRL_CTX_LANES;
+    if (lane == 0 || !c->lanes_made) return;
+    CUDA_CHECK(cudaEventRecord(c->lane_ev[0], c->stream));
+    CUDA_CHECK(cudaStreamWaitEvent(c->lane_stream[lane], c->lane_ev[0], 0));
+}
+
+cudaStream_t mtrl_ctx_lane_stream(const mtrl_cuda_ctx *c, int lane) {
+    return lane > 0 && c->lanes_made ? c->lane_stream[lane % MTRL_CTX_LANES] : c->stream;
+}
+
+int mtrl_gemm_lane(mtrl_cuda_ctx *c, int lane, int ta, int tb, int M, int N, int K, float alpha, const void *A,
+                   int lda, const void *B, int ldb, int ab_type, float beta, void *C, int ldc, int c_type) {
+    lane %= MTRL_CTX_LANES;
+    if (lane == 0 || !c->lanes_made)
+        return gemm_on_(c, c->blas, ta, tb, M, N, K, alpha, A, lda, B, ldb, ab_type, beta, C, ldc, c_type);
+    // cublasSetStream resets the handle's workspace to its default pool: set the lane's after it,
+    // and give the handle back to the context's stream (and its default workspace) afterwards.
+    CUBLAS_CHECK(cublasSetStream(c->blas, c->lane_stream[lane]));
+    CUBLAS_CHECK(cublasSetWorkspace(c->blas, c->lane_ws[lane], MTRL_CTX_LANE_WS));
+    int rc = gemm_on_(c, c->blas, ta, tb, M, N, K, alpha, A, lda, B, ldb, ab_type, beta, C, ldc, c_type);
+    CUBLAS_CHECK(cublasSetStream(c->blas, c->stream));
+    return rc;
 }
 
 extern "C" int mtrl_gemm_batched(mtrl_cuda_ctx *c, int ta, int tb, int M, int N, int K,

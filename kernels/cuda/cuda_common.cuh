@@ -13,6 +13,9 @@
 
 #include "kernels/cuda/kernels_cuda.h"
 
+#define MTRL_CTX_LANES 8
+#define MTRL_CTX_LANE_WS ((size_t)32 << 20)  // cuBLAS's recommended workspace on Hopper
+
 // ---- checks ---------------------------------------------------------------------------------
 #define CUDA_CHECK(call)                                                                   \
     do {                                                                                   \
@@ -58,7 +61,33 @@ struct mtrl_cuda_ctx {
     int tf32;            // fp32 GEMM operands multiply as TF32 (mtrl_cuda_ctx_set_tf32)
     size_t smem_optin;   // largest dynamic shared memory a block may opt in to
     int cc;              // compute capability, major * 10 + minor (90: H100 / H200)
+    // GEMM lanes 1 .. MTRL_CTX_LANES-1 (lane 0 is `stream`): non-blocking streams, created at the
+    // first mtrl_ctx_lanes_fork, that share `blas`: a GEMM on lane i sets the handle's stream to
+    // lane i's and its workspace to ws[i] (MTRL_CTX_LANE_WS bytes; concurrent GEMMs must not share
+    // one), then gives the handle back to `stream`. One handle, because each cuBLAS handle holds
+    // ~64 MiB of its own on an H200 (7 more came to 0.67 GiB outside the planner's blocks,
+    // 2026-12-01). ev[i]: lane i's fork / join event.
+    cudaStream_t lane_stream[MTRL_CTX_LANES];
+    void *lane_ws[MTRL_CTX_LANES];
+    cudaEvent_t lane_ev[MTRL_CTX_LANES];
+    int lanes_made;
 };
+
+// Independent GEMMs on several streams at once, for products too small to fill the GPU one at a
+// time (the MoE experts: one cuBLAS call per expert). mtrl_ctx_lanes(ctx) is how many lanes to
+// use (MTRL_MOE_LANES in the environment, read at each call: 1 .. MTRL_CTX_LANES, default
+// MTRL_CTX_LANES); fork makes lanes 1 .. n-1 wait for the work queued on ctx->stream so far;
+// mtrl_gemm_lane(ctx, i, ...) is mtrl_gemm on lane i % n; join makes ctx->stream wait for the
+// lanes' work. Between fork and join each lane runs its own chain (GEMMs, and kernels launched on
+// mtrl_ctx_lane_stream); the chains' outputs must be disjoint.
+int mtrl_ctx_lanes(const mtrl_cuda_ctx *ctx);
+void mtrl_ctx_lanes_fork(mtrl_cuda_ctx *ctx, int n);
+void mtrl_ctx_lanes_join(mtrl_cuda_ctx *ctx, int n);
+cudaStream_t mtrl_ctx_lane_stream(const mtrl_cuda_ctx *ctx, int lane);  // for kernels in a lane's chain
+// Between fork and join: lane `lane` waits for the work queued on ctx->stream so far.
+void mtrl_ctx_lane_after(mtrl_cuda_ctx *ctx, int lane);
+int mtrl_gemm_lane(mtrl_cuda_ctx *ctx, int lane, int ta, int tb, int M, int N, int K, float alpha, const void *A,
+                   int lda, const void *B, int ldb, int ab_type, float beta, void *C, int ldc, int c_type);
 
 // Scratch of at least `bytes` (grow-only; growing waits for the device, then reallocates).
 void *mtrl_ctx_scratch(mtrl_cuda_ctx *ctx, size_t bytes);

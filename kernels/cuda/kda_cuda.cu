@@ -602,8 +602,9 @@ static size_t tile_bwd_floats(int K, int V) {
 // latency overlaps the previous chunk's products; chunk 0's is issued before the tile loads.
 // KV = 128: K = V = 128 known at compile time (the default shape; the index arithmetic of every
 // loop folds: no integer division by a runtime K or V), 0: K_ and V_ as passed.
+// Grid (tiles, H): block x works on tile n0 + x of the sequence's nt.
 template <bool TC, int NTH, int KV>
-__global__ void __launch_bounds__(NTH, 1) kda_tile_bwd_k(int T, int H, int K_, int V_, const float *q,
+__global__ void __launch_bounds__(NTH, 1) kda_tile_bwd_k(int T, int H, int K_, int V_, int nt, int n0, const float *q,
                                                       const float *k, const float *v,
                                                       const float *g, const float *beta,
                                                       const float *S_tiles, const float *dout,
@@ -636,7 +637,7 @@ __global__ void __launch_bounds__(NTH, 1) kda_tile_bwd_k(int T, int H, int K_, i
     float *db = p; p += KT;
     float *dgS = p; p += K;        // dγ_S, then dγ
 
-    int n = blockIdx.x, h = blockIdx.y, nt = gridDim.x, t0 = n * KT;
+    int n = n0 + blockIdx.x, h = blockIdx.y, t0 = n * KT;
     int cr = T - t0 < KT ? T - t0 : KT;
     size_t Tp = (size_t)nt * KT;
     const float *S = S_tiles + ((size_t)n * H + h) * K * V;
@@ -1060,8 +1061,25 @@ void kda3_prep_launch(mtrl_cuda_ctx *c, int T, int H, const float *q, const floa
                       const float *g, const float *beta, unsigned char *rec, int split);
 void kda3_state_fwd_launch(mtrl_cuda_ctx *c, int T, int H, const unsigned char *rec, const float *S0,
                            float *o, float *S_final, float *S_tiles, int split);
-void kda3_state_bwd_launch(mtrl_cuda_ctx *c, int T, int H, const unsigned char *rec, const float *dout,
-                           const float *dS_final, float *dD, float *dSt, float *dS0);
+void kda3_state_bwd_launch(mtrl_cuda_ctx *c, int T, int H, int n_lo, int n_hi, const unsigned char *rec,
+                           const float *dout, const float *dS_final, float *dD, float *dSt, float *dS0);
+
+// Pieces of the v3 backward's state-gradient pass (pass 2), each followed by pass 3 over its
+// tiles on a second stream while pass 2 goes on with the next piece (mtrl_kda_chunk_bwd). Pass 2
+// walks the tiles in sequence on 2H blocks (K = V = 128, 4 warps each) and leaves the other SMs
+// idle; pass 3 over a piece's tiles can use them. Overlapped, the backward takes about
+// P2 / pieces + P3 x SMs / (SMs - 2H) instead of P2 + P3, and P3 / P2 grows with H (on an H200
+// at 64K: P2 8.9 ms whatever H, P3 28.5 ms at H = 16): it pays while pass 2 holds at most an
+// eighth of the SMs (H <= 8 on 132 SMs: `small`'s 8 heads), not at H = 16. Pieces of at least 256
+// tiles, at most 8. MTRL_KDA_BWD_PIECES=N in the environment (read at each call) forces N (1: no
+// overlap), for the benchmarks and tests.
+static int kda_bwd_pieces_(const mtrl_cuda_ctx *c, int H, int nt) {
+    const char *e = getenv("MTRL_KDA_BWD_PIECES");
+    int n = e && *e ? atoi(e) : (2 * H <= c->sms / 8 ? nt / 256 : 1);
+    n = n > 8 ? 8 : n;
+    n = n > nt ? nt : n;
+    return n < 1 ? 1 : n;
+}
 
 extern "C" int mtrl_kda_chunk_bwd_version(int H, int K, int V) {
     if (env_is("MTRL_KDA_BWD", "2")) return 2;
@@ -1124,13 +1142,14 @@ extern "C" int mtrl_kda_chunk_bwd(mtrl_cuda_ctx *c, int T, int H, int K, int V, 
                     ((uintptr_t)dout & 15u) == 0;
     KdaWs w;
     unsigned char *rec = nullptr;
-    float *dD = nullptr, *dSt = nullptr, *own = nullptr;
+    float *dD = nullptr, *dSt = nullptr, *own = nullptr, *dmid = nullptr;
     auto carve = [&](ws_carver &cv) {
         if (v3) rec = cv.take<unsigned char>((size_t)H * nt * kda3_rec_bytes(1));
         else kda_ws_take(cv, w, H, K, V, nt);
         dD = cv.take<float>((size_t)H * Tp * V);
         dSt = cv.take<float>((size_t)nt * H * KV);
         own = S_tiles ? nullptr : cv.take<float>((size_t)nt * H * KV);
+        if (v3) dmid = cv.take<float>((size_t)H * KV);
     };
     ws_carver sz{nullptr, 0};
     carve(sz);
@@ -1142,7 +1161,6 @@ extern "C" int mtrl_kda_chunk_bwd(mtrl_cuda_ctx *c, int T, int H, int K, int V, 
             kda3_state_fwd_launch(c, T, H, rec, S0, nullptr, nullptr, own, 1);
             S_tiles = own;
         }
-        kda3_state_bwd_launch(c, T, H, rec, dout, dS_final, dD, dSt, dS0);
     } else {
         kda_launch_prep_(c, T, H, K, V, nt, q, k, v, g, beta, w);
         if (!S_tiles) {  // recompute every tile's incoming state (fla's disable_recompute=False)
@@ -1151,20 +1169,42 @@ extern "C" int mtrl_kda_chunk_bwd(mtrl_cuda_ctx *c, int T, int H, int K, int V, 
         }
         launch_state_bwd_(c, T, H, K, V, nt, w, dout, dS_final, dD, dSt, dS0);
     }
+    // Pass 3 over tiles [n0, n1) on stream st.
     size_t sh = sizeof(float) * tile_bwd_floats(K, V);
-    const dim3 grid(nt, H);
-#define KDA_TILE_BWD_(TC, NTH, KV)                                                                       \
-    do {                                                                                             \
-        set_smem(kda_tile_bwd_k<TC, NTH, KV>, sh);                                                   \
-        kda_tile_bwd_k<TC, NTH, KV><<<grid, NTH, sh, c->stream>>>(T, H, K, V, q, k, v, g, beta, S_tiles, \
-                                                                  dout, dD, dSt, dq, dk, dv, dg, dbeta); \
+    auto pass3 = [&](int n0, int n1, cudaStream_t st) {
+        const dim3 grid(n1 - n0, H);
+#define KDA_TILE_BWD_(TC, NTH, KV)                                                                           \
+    do {                                                                                                     \
+        set_smem(kda_tile_bwd_k<TC, NTH, KV>, sh);                                                           \
+        kda_tile_bwd_k<TC, NTH, KV><<<grid, NTH, sh, st>>>(T, H, K, V, nt, n0, q, k, v, g, beta, S_tiles, dout, \
+                                                           dD, dSt, dq, dk, dv, dg, dbeta);                   \
     } while (0)
-    if (env_is("MTRL_KDA_BWD_TILE", "2")) KDA_TILE_BWD_(false, 256, 0);          // v2's SIMT pass 3
-    else if (env_is("MTRL_KDA_TILE_THREADS", "256")) KDA_TILE_BWD_(true, 256, 0); // tensor cores, 8 warps
-    else if (K == 128 && V == 128) KDA_TILE_BWD_(true, 512, 128);                // the default
-    else KDA_TILE_BWD_(true, 512, 0);
+        if (env_is("MTRL_KDA_BWD_TILE", "2")) KDA_TILE_BWD_(false, 256, 0);          // v2's SIMT pass 3
+        else if (env_is("MTRL_KDA_TILE_THREADS", "256")) KDA_TILE_BWD_(true, 256, 0); // tensor cores, 8 warps
+        else if (K == 128 && V == 128) KDA_TILE_BWD_(true, 512, 128);                // the default
+        else KDA_TILE_BWD_(true, 512, 0);
 #undef KDA_TILE_BWD_
-    CUDA_LAUNCH_CHECK();
+        CUDA_LAUNCH_CHECK();
+    };
+    const int np = v3 ? kda_bwd_pieces_(c, H, nt) : 1;
+    if (np <= 1) {
+        if (v3) kda3_state_bwd_launch(c, T, H, 0, nt, rec, dout, dS_final, dD, dSt, dS0);
+        pass3(0, nt, c->stream);
+        return 0;
+    }
+    // Pass 2 in np pieces from the last tiles to the first on the context's stream (the gradient
+    // entering one piece, dmid, leaves the next: each block reads its own columns of it first and
+    // writes them last), each piece's pass 3 on GEMM lane 1 once that piece is done.
+    mtrl_ctx_lanes_fork(c, 2);
+    cudaStream_t side = mtrl_ctx_lane_stream(c, 1);
+    for (int p = 0; p < np; p++) {
+        const int n1 = nt - (int)((long)nt * p / np), n0 = nt - (int)((long)nt * (p + 1) / np);
+        kda3_state_bwd_launch(c, T, H, n0, n1, rec, dout, p == 0 ? dS_final : dmid, dD, dSt,
+                              p == np - 1 ? dS0 : dmid);
+        mtrl_ctx_lane_after(c, 1);
+        pass3(n0, n1, side);
+    }
+    mtrl_ctx_lanes_join(c, 2);
     return 0;
 }
 

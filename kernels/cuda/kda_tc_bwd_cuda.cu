@@ -80,9 +80,11 @@ struct StBwdCfg : StKside<X> {
     static_assert(NST3 * STAGE <= 232448, "the sm_90 opt-in shared memory per block");
 };
 
+// Tiles [n_lo, n_hi) of nt (the whole sequence: 0, nt), last to first: dS_final is the gradient
+// of the state leaving tile n_hi - 1, dS0 the one entering tile n_lo.
 template <int WPB, bool X>
 __global__ void __launch_bounds__(32 * WPB, 1)
-    kda3_state_bwd_k(int T, int H, int nt, const unsigned char *__restrict__ rec,
+    kda3_state_bwd_k(int T, int H, int nt, int n_lo, int n_hi, const unsigned char *__restrict__ rec,
                      const float *__restrict__ dout, const float *dS_final, float *__restrict__ dD,
                      float *__restrict__ dS_tiles, float *dS0) {
     using Cf = StBwdCfg<WPB, X>;
@@ -95,9 +97,10 @@ __global__ void __launch_bounds__(32 * WPB, 1)
     const int jw = 16 * w, j0 = jb + jw;                     // the warp's, in the block / global
     const size_t Tp = (size_t)nt * C3;
 
-    // Step i (0 .. nt-1) works on tile nt-1-i in stage i % NST3.
+    // Step i (0 .. cnt-1) works on tile n_hi-1-i in stage i % NST3.
+    const int cnt = n_hi - n_lo;
     auto issue = [&](int i) {
-        const int n = nt - 1 - i;
+        const int n = n_hi - 1 - i;
         const unsigned char *R = rec + ((size_t)h * nt + n) * Rc::BYTES;
         unsigned char *st = sm3_ + (i % NST3) * Cf::STAGE;
         KDA3_STAGE_KSIDE_(st, R, Cf::SP, Cf::SEG, tid, NTH, Cf::NP);
@@ -111,7 +114,7 @@ __global__ void __launch_bounds__(32 * WPB, 1)
     };
 #pragma unroll 1
     for (int s = 0; s < NST3 - 1; s++) {
-        if (s < nt) issue(s);
+        if (s < cnt) issue(s);
         cp_async_commit();  // empty groups keep the count uniform
     }
 
@@ -120,11 +123,11 @@ __global__ void __launch_bounds__(32 * WPB, 1)
     KDA3_STATE_LOAD_(st, dS_final, h, j0, gq, tq);
 
 #pragma unroll 1
-    for (int i = 0; i < nt; i++) {
-        const int n = nt - 1 - i;
+    for (int i = 0; i < cnt; i++) {
+        const int n = n_hi - 1 - i;
         cp_async_wait<NST3 - 2>();  // step i's group has landed (this thread's copies)
         __syncthreads();            // everyone's copies visible; everyone is done with step i - 1
-        if (i + NST3 - 1 < nt) issue(i + NST3 - 1);  // into step i - 1's stage
+        if (i + NST3 - 1 < cnt) issue(i + NST3 - 1);  // into step i - 1's stage
         cp_async_commit();
         const unsigned char *sb = sm3_ + (i % NST3) * Cf::STAGE;
         const uint16_t *sW = reinterpret_cast<const uint16_t *>(sb + Cf::SW),
@@ -208,12 +211,12 @@ __global__ void __launch_bounds__(32 * WPB, 1)
 }
 
 template <int WPB, bool X>
-void launch_state_bwd3_(mtrl_cuda_ctx *c, int T, int H, int nt, const unsigned char *rec,
+void launch_state_bwd3_(mtrl_cuda_ctx *c, int T, int H, int nt, int n_lo, int n_hi, const unsigned char *rec,
                         const float *dout, const float *dS_final, float *dD, float *dSt, float *dS0) {
     const size_t sh = StBwdCfg<WPB, X>::smem();
     set_smem(kda3_state_bwd_k<WPB, X>, sh);
-    kda3_state_bwd_k<WPB, X><<<dim3(V3 / (16 * WPB), H), 32 * WPB, sh, c->stream>>>(T, H, nt, rec, dout,
-                                                                                   dS_final, dD, dSt, dS0);
+    kda3_state_bwd_k<WPB, X><<<dim3(V3 / (16 * WPB), H), 32 * WPB, sh, c->stream>>>(T, H, nt, n_lo, n_hi, rec,
+                                                                                   dout, dS_final, dD, dSt, dS0);
     CUDA_LAUNCH_CHECK();
 }
 
@@ -223,13 +226,14 @@ void launch_state_bwd3_(mtrl_cuda_ctx *c, int T, int H, int nt, const unsigned c
 // K = V = 128, dout 16-byte aligned): dD [H][Tp][V], dSt [tiles][H][K][V], dS0 (optional) as
 // kda_state_bwd_k writes them. bf16x3 only: plain bf16 operands fail the model's tests in the
 // forward (kda_cuda.cu), and the backward's dg is the same cancelling sum.
-void kda3_state_bwd_launch(mtrl_cuda_ctx *c, int T, int H, const unsigned char *rec, const float *dout,
-                           const float *dS_final, float *dD, float *dSt, float *dS0) {
+// Tiles [n_lo, n_hi) only (kda3_state_bwd_k): dS_final leaves tile n_hi - 1, dS0 enters n_lo.
+void kda3_state_bwd_launch(mtrl_cuda_ctx *c, int T, int H, int n_lo, int n_hi, const unsigned char *rec,
+                           const float *dout, const float *dS_final, float *dD, float *dSt, float *dS0) {
     const int nt = (T + C3 - 1) / C3;
     switch (env_wpb_()) {
-    case 1: launch_state_bwd3_<1, true>(c, T, H, nt, rec, dout, dS_final, dD, dSt, dS0); break;
-    case 2: launch_state_bwd3_<2, true>(c, T, H, nt, rec, dout, dS_final, dD, dSt, dS0); break;
-    case 8: launch_state_bwd3_<8, true>(c, T, H, nt, rec, dout, dS_final, dD, dSt, dS0); break;
-    default: launch_state_bwd3_<4, true>(c, T, H, nt, rec, dout, dS_final, dD, dSt, dS0); break;
+    case 1: launch_state_bwd3_<1, true>(c, T, H, nt, n_lo, n_hi, rec, dout, dS_final, dD, dSt, dS0); break;
+    case 2: launch_state_bwd3_<2, true>(c, T, H, nt, n_lo, n_hi, rec, dout, dS_final, dD, dSt, dS0); break;
+    case 8: launch_state_bwd3_<8, true>(c, T, H, nt, n_lo, n_hi, rec, dout, dS_final, dD, dSt, dS0); break;
+    default: launch_state_bwd3_<4, true>(c, T, H, nt, n_lo, n_hi, rec, dout, dS_final, dD, dSt, dS0); break;
     }
 }

@@ -436,6 +436,10 @@ static unsigned ew_grid_(size_t n) {
     return (unsigned)(b < 65536 ? (b ? b : 1) : 65536);
 }
 
+// The experts run as per-expert chains (their GEMMs and their rows' SwiGLU) on nl GEMM lanes at
+// once (cuda_common.cuh mtrl_ctx_lanes): one cuBLAS call per expert has too few tiles to fill the
+// GPU (`small` at 64K: ~4,800 rows by 512 or 1,024, about a wave; the weight gradients' 512 x
+// 1,024 outputs, 32 tiles), and a chain's elementwise pass overlaps the other lanes' GEMMs.
 extern "C" int mtrl_moe_experts_fwd(mtrl_cuda_ctx *c, int E, int D, int I, const int *offsets_host,
                                     const void *X_perm, const void *W1, const void *W3,
                                     const void *W2, int type, float *u1, float *u3,
@@ -447,25 +451,25 @@ extern "C" int mtrl_moe_experts_fwd(mtrl_cuda_ctx *c, int E, int D, int I, const
     const char *X = (const char *)X_perm, *w1 = (const char *)W1, *w3 = (const char *)W3,
                *w2 = (const char *)W2;
     char *m = (char *)mtrl_ctx_scratch(c, R * I * es);
+    const int nl = mtrl_ctx_lanes(c);
+    mtrl_ctx_lanes_fork(c, nl);
     for (int e = 0; e < E; e++) {
-        int r0 = offsets_host[e], rows = offsets_host[e + 1] - r0;
+        int r0 = offsets_host[e], rows = offsets_host[e + 1] - r0, ln = e % nl;
         if (rows <= 0) continue;
-        mtrl_gemm(c, 0, 1, rows, I, D, 1.f, X + (size_t)r0 * D * es, D, w1 + (size_t)e * I * D * es,
-                  D, type, 0.f, u1 + (size_t)r0 * I, I, MTRL_F32);
-        mtrl_gemm(c, 0, 1, rows, I, D, 1.f, X + (size_t)r0 * D * es, D, w3 + (size_t)e * I * D * es,
-                  D, type, 0.f, u3 + (size_t)r0 * I, I, MTRL_F32);
+        const char *Xe = X + (size_t)r0 * D * es;
+        float *u1e = u1 + (size_t)r0 * I, *u3e = u3 + (size_t)r0 * I;
+        char *me = m + (size_t)r0 * I * es;
+        size_t n = (size_t)rows * I;
+        mtrl_gemm_lane(c, ln, 0, 1, rows, I, D, 1.f, Xe, D, w1 + (size_t)e * I * D * es, D, type, 0.f, u1e, I, MTRL_F32);
+        mtrl_gemm_lane(c, ln, 0, 1, rows, I, D, 1.f, Xe, D, w3 + (size_t)e * I * D * es, D, type, 0.f, u3e, I, MTRL_F32);
+        cudaStream_t st = mtrl_ctx_lane_stream(c, ln);
+        if (type == MTRL_BF16) moe_swiglu_k<<<ew_grid_(n), 256, 0, st>>>(n, u1e, u3e, (__nv_bfloat16 *)me);
+        else moe_swiglu_k<<<ew_grid_(n), 256, 0, st>>>(n, u1e, u3e, (float *)me);
+        CUDA_LAUNCH_CHECK();
+        mtrl_gemm_lane(c, ln, 0, 1, rows, D, I, 1.f, me, I, w2 + (size_t)e * D * I * es, I, type, 0.f,
+                       Y_perm + (size_t)r0 * D, D, MTRL_F32);
     }
-    if (type == MTRL_BF16)
-        moe_swiglu_k<<<ew_grid_(R * I), 256, 0, c->stream>>>(R * I, u1, u3, (__nv_bfloat16 *)m);
-    else
-        moe_swiglu_k<<<ew_grid_(R * I), 256, 0, c->stream>>>(R * I, u1, u3, (float *)m);
-    CUDA_LAUNCH_CHECK();
-    for (int e = 0; e < E; e++) {
-        int r0 = offsets_host[e], rows = offsets_host[e + 1] - r0;
-        if (rows <= 0) continue;
-        mtrl_gemm(c, 0, 1, rows, D, I, 1.f, m + (size_t)r0 * I * es, I, w2 + (size_t)e * D * I * es,
-                  I, type, 0.f, Y_perm + (size_t)r0 * D, D, MTRL_F32);
-    }
+    mtrl_ctx_lanes_join(c, nl);
     return 0;
 }
 
@@ -480,50 +484,54 @@ extern "C" int mtrl_moe_experts_bwd(mtrl_cuda_ctx *c, int E, int D, int I, const
     if (!R) return 0;
     const char *X = (const char *)X_perm, *w1 = (const char *)W1, *w3 = (const char *)W3,
                *w2 = (const char *)W2;
+    // dY in the operand type: bf16 operands convert it into the scratch, fp32 ones read dY_perm.
     ws_carver sz{nullptr, 0};
-    sz.take<char>(R * D * es);
+    if (type == MTRL_BF16) sz.take<char>(R * D * es);
     sz.take<float>(R * I);
     sz.take<char>(3 * R * I * es);
     ws_carver cv{(char *)mtrl_ctx_scratch(c, sz.off), 0};
-    char *dY = cv.take<char>(R * D * es);
+    const char *dY = (const char *)dY_perm;
+    if (type == MTRL_BF16) {
+        char *h = cv.take<char>(R * D * es);
+        mtrl_cuda_f32_to_bf16(c, R * D, dY_perm, (mtrl_bf16 *)h);
+        dY = h;
+    }
     float *dm = cv.take<float>(R * I);
     char *m = cv.take<char>(3 * R * I * es), *du1 = m + R * I * es, *du3 = du1 + R * I * es;
-    if (type == MTRL_BF16) mtrl_cuda_f32_to_bf16(c, R * D, dY_perm, (mtrl_bf16 *)dY);
-    else CUDA_CHECK(cudaMemcpyAsync(dY, dY_perm, R * D * 4, cudaMemcpyDeviceToDevice, c->stream));
-    for (int e = 0; e < E; e++) {  // dm = dY W2[e]
-        int r0 = offsets_host[e], rows = offsets_host[e + 1] - r0;
-        if (rows <= 0) continue;
-        mtrl_gemm(c, 0, 0, rows, I, D, 1.f, dY + (size_t)r0 * D * es, D,
-                  w2 + (size_t)e * D * I * es, I, type, 0.f, dm + (size_t)r0 * I, I, MTRL_F32);
-    }
-    if (type == MTRL_BF16)
-        moe_swiglu_bwd_k<<<ew_grid_(R * I), 256, 0, c->stream>>>(
-            R * I, u1, u3, dm, (__nv_bfloat16 *)m, (__nv_bfloat16 *)du1, (__nv_bfloat16 *)du3);
-    else
-        moe_swiglu_bwd_k<<<ew_grid_(R * I), 256, 0, c->stream>>>(R * I, u1, u3, dm, (float *)m,
-                                                                 (float *)du1, (float *)du3);
-    CUDA_LAUNCH_CHECK();
+    const int nl = mtrl_ctx_lanes(c);
+    mtrl_ctx_lanes_fork(c, nl);
     for (int e = 0; e < E; e++) {
-        int r0 = offsets_host[e], rows = offsets_host[e + 1] - r0;
+        int r0 = offsets_host[e], rows = offsets_host[e + 1] - r0, ln = e % nl;
         if (rows <= 0) continue;
-        const char *dYe = dY + (size_t)r0 * D * es, *me = m + (size_t)r0 * I * es,
-                   *d1 = du1 + (size_t)r0 * I * es, *d3 = du3 + (size_t)r0 * I * es,
-                   *Xe = X + (size_t)r0 * D * es;
+        const char *dYe = dY + (size_t)r0 * D * es, *Xe = X + (size_t)r0 * D * es;
+        char *me = m + (size_t)r0 * I * es, *d1 = du1 + (size_t)r0 * I * es, *d3 = du3 + (size_t)r0 * I * es;
+        float *dme = dm + (size_t)r0 * I;
+        const float *u1e = u1 + (size_t)r0 * I, *u3e = u3 + (size_t)r0 * I;
+        size_t n = (size_t)rows * I;
+        // dm = dY W2[e], then m (for dW2), du1, du3
+        mtrl_gemm_lane(c, ln, 0, 0, rows, I, D, 1.f, dYe, D, w2 + (size_t)e * D * I * es, I, type, 0.f, dme, I,
+                       MTRL_F32);
+        cudaStream_t st = mtrl_ctx_lane_stream(c, ln);
+        if (type == MTRL_BF16)
+            moe_swiglu_bwd_k<<<ew_grid_(n), 256, 0, st>>>(n, u1e, u3e, dme, (__nv_bfloat16 *)me, (__nv_bfloat16 *)d1,
+                                                          (__nv_bfloat16 *)d3);
+        else
+            moe_swiglu_bwd_k<<<ew_grid_(n), 256, 0, st>>>(n, u1e, u3e, dme, (float *)me, (float *)d1, (float *)d3);
+        CUDA_LAUNCH_CHECK();
         if (dW2)  // dW2[e] += dYᵀ m
-            mtrl_gemm(c, 1, 0, D, I, rows, 1.f, dYe, D, me, I, type, 1.f,
-                      dW2 + (size_t)e * D * I, I, MTRL_F32);
+            mtrl_gemm_lane(c, ln, 1, 0, D, I, rows, 1.f, dYe, D, me, I, type, 1.f, dW2 + (size_t)e * D * I, I,
+                           MTRL_F32);
         // dX = du1 W1[e] + du3 W3[e]
-        mtrl_gemm(c, 0, 0, rows, D, I, 1.f, d1, I, w1 + (size_t)e * I * D * es, D, type, 0.f,
-                  dX_perm + (size_t)r0 * D, D, MTRL_F32);
-        mtrl_gemm(c, 0, 0, rows, D, I, 1.f, d3, I, w3 + (size_t)e * I * D * es, D, type, 1.f,
-                  dX_perm + (size_t)r0 * D, D, MTRL_F32);
+        mtrl_gemm_lane(c, ln, 0, 0, rows, D, I, 1.f, d1, I, w1 + (size_t)e * I * D * es, D, type, 0.f,
+                       dX_perm + (size_t)r0 * D, D, MTRL_F32);
+        mtrl_gemm_lane(c, ln, 0, 0, rows, D, I, 1.f, d3, I, w3 + (size_t)e * I * D * es, D, type, 1.f,
+                       dX_perm + (size_t)r0 * D, D, MTRL_F32);
         if (dW1)
-            mtrl_gemm(c, 1, 0, I, D, rows, 1.f, d1, I, Xe, D, type, 1.f, dW1 + (size_t)e * I * D, D,
-                      MTRL_F32);
+            mtrl_gemm_lane(c, ln, 1, 0, I, D, rows, 1.f, d1, I, Xe, D, type, 1.f, dW1 + (size_t)e * I * D, D, MTRL_F32);
         if (dW3)
-            mtrl_gemm(c, 1, 0, I, D, rows, 1.f, d3, I, Xe, D, type, 1.f, dW3 + (size_t)e * I * D, D,
-                      MTRL_F32);
+            mtrl_gemm_lane(c, ln, 1, 0, I, D, rows, 1.f, d3, I, Xe, D, type, 1.f, dW3 + (size_t)e * I * D, D, MTRL_F32);
     }
+    mtrl_ctx_lanes_join(c, nl);
     return 0;
 }
 
