@@ -16,7 +16,11 @@
 //   2. kda_state_bwd_k, grid (V/16, heads), last tile to first: dΔ = Pᵀ dO + K^e dS',
 //      dS ← diag(e^γ) dS' + Q⁺ᵀ dO − Wᵀ dΔ; stores dΔ and every tile's dS';
 //   3. kda_tile_bwd_k, grid (tiles, heads): the rest of §2.4 for each tile in parallel, from the
-//      tile's incoming S (S_tiles) and outgoing-state gradient dS'.
+//      tile's incoming S (S_tiles) and outgoing-state gradient dS'. Since 2026-12-01 its default
+//      block is 512 threads (K = V = 128 folded at compile time): 0.68x the backward's time of
+//      the 256-thread block at 8K-256K, H = 16. With v3's pass 2 and H <= 8, pass 2 runs in
+//      pieces and each piece's pass 3 on a second stream beside the next piece (kda_bwd_pieces_:
+//      0.72x the backward at 64K, H = 8).
 // Arithmetic is fp32 throughout (SIMT); the state, G, T and all accumulators are fp32.
 // Forward v3 (kda_tc_cuda.cu): the same tiles with the products on tensor cores, fp32 state and
 // accumulators, for K = V = 128 (16-byte aligned q, k, v, g): THE DEFAULT there since 2026-11-30,
@@ -151,6 +155,52 @@ __device__ void smm16_tc(int N, int Kd, float alpha, const float *A, int sam, in
             mma_bf16_16816(c, ah, bh);
         }
         // C: c[r] = (row g + 8 (r >> 1), column n0 + 2t + (r & 1))
+#pragma unroll
+        for (int r = 0; r < 4; r++) {
+            float *o = C + (g + 8 * (r >> 1)) * ldc + n0 + 2 * t + (r & 1);
+            const float v = alpha * c[r];
+            *o = beta == 0.f ? v : v + beta * *o;
+        }
+    }
+}
+// The same with A's fragments split once for the whole block (split_a16) instead of by every warp
+// as it gathers them: a block's warps share the A of a product of 16 rows (each takes its own
+// n-tiles of B), so smm16_tc split the same A fragments once per warp. frag[ks * 32 + lane]
+// holds, as two uint4 (hi, then lo), the registers lane `lane` passes as A at k-step ks
+// (smm16_tc's a[r] = (row g + 8 (r & 1), k = 16 ks + 2t + 8 (r >> 1) .. +1)); the lanes of a warp
+// read 32 consecutive 16-byte words. The same values and the same mma order as smm16_tc: the
+// same bits. Kd % 16 == 0; the caller synchronises between the split and the product.
+__device__ __forceinline__ void split_a16(int Kd, const float *A, int sam, int sak, uint4 *frag, int nth) {
+    for (int id = threadIdx.x; id < (Kd / 16) * 32; id += nth) {
+        const int ks = id >> 5, ln = id & 31, g = ln >> 2, t = ln & 3;
+        uint32_t h[4], l[4];
+#pragma unroll
+        for (int r = 0; r < 4; r++) {
+            const int m = g + 8 * (r & 1), kk = 16 * ks + 2 * t + 8 * (r >> 1);
+            split2_(A[m * sam + kk * sak], A[m * sam + (kk + 1) * sak], h[r], l[r]);
+        }
+        frag[2 * id] = make_uint4(h[0], h[1], h[2], h[3]);
+        frag[2 * id + 1] = make_uint4(l[0], l[1], l[2], l[3]);
+    }
+}
+__device__ __forceinline__ void smm16_tc_pa(int N, int Kd, float alpha, const uint4 *Af, const float *B, int sbk,
+                                            int sbn, float beta, float *C, int ldc) {
+    const int lane = threadIdx.x & 31, nw = blockDim.x >> 5, g = lane >> 2, t = lane & 3;
+    for (int nt = threadIdx.x >> 5; nt < N / 8; nt += nw) {
+        const int n0 = 8 * nt;
+        float c[4] = {0.f, 0.f, 0.f, 0.f};
+        for (int k0 = 0; k0 < Kd; k0 += 16) {
+            const uint4 H = Af[2 * ((k0 >> 4) * 32 + lane)], L = Af[2 * ((k0 >> 4) * 32 + lane) + 1];
+            uint32_t ah[4] = {H.x, H.y, H.z, H.w}, al[4] = {L.x, L.y, L.z, L.w}, bh[2], bl[2];
+#pragma unroll
+            for (int r = 0; r < 2; r++) {
+                const int kk = k0 + 2 * t + 8 * r;
+                split2_(B[kk * sbk + (n0 + g) * sbn], B[(kk + 1) * sbk + (n0 + g) * sbn], bh[r], bl[r]);
+            }
+            mma_bf16_16816(c, al, bh);
+            mma_bf16_16816(c, ah, bl);
+            mma_bf16_16816(c, ah, bh);
+        }
 #pragma unroll
         for (int r = 0; r < 4; r++) {
             float *o = C + (g + 8 * (r >> 1)) * ldc + n0 + 2 * t + (r & 1);
@@ -584,11 +634,14 @@ __global__ void __launch_bounds__(256) kda_state_bwd_k(int T, int H, int K, int 
 #define CW 32  // state columns staged in shared memory at a time
 #define LC 33
 
+// Pre-split A fragments (split_a16) of W (K / 16 k-steps) and of a chunk of dO, Δ, dΔ (CW / 16
+// each), 8 floats per lane and k-step, + 4 floats to align them to 16 bytes.
+static size_t tile_bwd_frag_floats(int K) { return 4 + ((size_t)K / 16 + 3 * (CW / 16)) * 32 * 8; }
 static size_t tile_bwd_floats(int K, int V) {
     size_t LK = K + 1, LV = V + 1;
     return tile_sh_floats(K, V) + 8 * KT * LK /* Kp Wm dQp dKe dW dA dQh dB */ +
            3 * KT * LV /* Dl dD dO */ + 2 * (size_t)K * LC + 5 * KT * 17 /* dP dT tmp dM ... */ +
-           KT /* db */ + K /* dgS */;
+           KT /* db */ + K /* dgS */ + tile_bwd_frag_floats(K);
 }
 
 // TC: the products of 16 rows on tensor cores with bf16x3 operands (smm16_tc; the default,
@@ -636,6 +689,11 @@ __global__ void __launch_bounds__(NTH, 1) kda_tile_bwd_k(int T, int H, int K_, i
     p += KT * 17;                  // spare
     float *db = p; p += KT;
     float *dgS = p; p += K;        // dγ_S, then dγ
+    // PA (K = V = 128 on tensor cores): the chunk products' A operands split once a block
+    // (split_a16): W for Δ; the chunk of dO (dP, dQ⁺), Δ (dK^e) and dΔ (dW).
+    constexpr bool PA = TC && KV == 128;
+    p = (float *)(((uintptr_t)p + 15) & ~(uintptr_t)15);
+    uint4 *fW = (uint4 *)p, *fO = fW + 2 * 32 * (K / 16), *fL = fO + 2 * 32 * (CW / 16), *fD = fL + 2 * 32 * (CW / 16);
 
     int n = n0 + blockIdx.x, h = blockIdx.y, t0 = n * KT;
     int cr = T - t0 < KT ? T - t0 : KT;
@@ -685,6 +743,7 @@ __global__ void __launch_bounds__(NTH, 1) kda_tile_bwd_k(int T, int H, int K_, i
     mm16<TC, 1, 4>(K, KT, 1.f, tmp, 17, 1, Kp, LK, 1, 0.f, Wm, LK);
     mm16<TC, 1, 4>(V, KT, 1.f, tmp, 17, 1, s.v, LV, 1, 0.f, Dl, LV);
     __syncthreads();
+    if constexpr (PA) split_a16(K, Wm, LK, 1, fW, NTH);  // used after the chunk loop's first barrier
     // Column chunks of S and dS': Δ = U − W S, dP += dO Δᵀ, dQ⁺ += dO Sᵀ, dK^e += Δ dS'ᵀ,
     // dW −= dΔ Sᵀ, dγ_S += rowsum(S ⊙ dS').
     for (int c0 = 0; c0 < V; c0 += CW) {
@@ -705,19 +764,33 @@ __global__ void __launch_bounds__(NTH, 1) kda_tile_bwd_k(int T, int H, int K_, i
                 dSc[d * LC + j] = dS[(size_t)d * V + c0 + j];
             }
         }
+        if constexpr (PA) {
+            split_a16(cw, sdO + c0, LV, 1, fO, NTH);
+            split_a16(cw, sdD + c0, LV, 1, fD, NTH);
+        }
         __syncthreads();
         if (pf && c0 + CW < V) fetch(c0 + CW);  // in flight during this chunk's products
-        mm16<TC, 1, 2>(cw, K, -1.f, Wm, LK, 1, Sc, LC, 1, 1.f, Dl + c0, LV);
+        if constexpr (PA) smm16_tc_pa(cw, K, -1.f, fW, Sc, LC, 1, 1.f, Dl + c0, LV);
+        else mm16<TC, 1, 2>(cw, K, -1.f, Wm, LK, 1, Sc, LC, 1, 1.f, Dl + c0, LV);
         for (int d = threadIdx.x; d < K; d += NTH) {
             float acc = 0.f;
             for (int j = 0; j < cw; j++) acc = fmaf(Sc[d * LC + j], dSc[d * LC + j], acc);
             dgS[d] += acc;
         }
         __syncthreads();
-        mm16<TC, 1, 1>(KT, cw, 1.f, sdO + c0, LV, 1, Dl + c0, 1, LV, 1.f, dP, 17);
-        mm16<TC, 2, 4>(K, cw, 1.f, sdO + c0, LV, 1, Sc, 1, LC, 1.f, dQp, LK);
-        mm16<TC, 2, 4>(K, cw, 1.f, Dl + c0, LV, 1, dSc, 1, LC, 1.f, dKe, LK);
-        mm16<TC, 2, 4>(K, cw, -1.f, sdD + c0, LV, 1, Sc, 1, LC, 1.f, dW, LK);
+        if constexpr (PA) {
+            split_a16(cw, Dl + c0, LV, 1, fL, NTH);
+            __syncthreads();
+            smm16_tc_pa(KT, cw, 1.f, fO, Dl + c0, 1, LV, 1.f, dP, 17);
+            smm16_tc_pa(K, cw, 1.f, fO, Sc, 1, LC, 1.f, dQp, LK);
+            smm16_tc_pa(K, cw, 1.f, fL, dSc, 1, LC, 1.f, dKe, LK);
+            smm16_tc_pa(K, cw, -1.f, fD, Sc, 1, LC, 1.f, dW, LK);
+        } else {
+            mm16<TC, 1, 1>(KT, cw, 1.f, sdO + c0, LV, 1, Dl + c0, 1, LV, 1.f, dP, 17);
+            mm16<TC, 2, 4>(K, cw, 1.f, sdO + c0, LV, 1, Sc, 1, LC, 1.f, dQp, LK);
+            mm16<TC, 2, 4>(K, cw, 1.f, Dl + c0, LV, 1, dSc, 1, LC, 1.f, dKe, LK);
+            mm16<TC, 2, 4>(K, cw, -1.f, sdD + c0, LV, 1, Sc, 1, LC, 1.f, dW, LK);
+        }
         __syncthreads();
     }
     // dγ_S = e^γ ⊙ rowsum(S ⊙ dS')
