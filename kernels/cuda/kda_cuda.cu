@@ -130,38 +130,41 @@ __device__ __forceinline__ void split2_(float a, float b, uint32_t &hi, uint32_t
     hi = pack_bf16(a, b);
     lo = pack_bf16(a - bf2f((uint16_t)(hi & 0xffffu)), b - bf2f((uint16_t)(hi >> 16)));
 }
+// The body of smm16_tc and smm16_tc_pa (a macro, not a function: an inline function or lambda
+// changed the kernels' machine code); A_FRAG_ fills ah, al for the k-step at k0.
+#define KDA_SMM16_TC_BODY_(A_FRAG_)                                                                     \
+    const int lane = threadIdx.x & 31, nw = blockDim.x >> 5, g = lane >> 2, t = lane & 3;               \
+    for (int nt = threadIdx.x >> 5; nt < N / 8; nt += nw) {                                             \
+        const int n0 = 8 * nt;                                                                          \
+        float c[4] = {0.f, 0.f, 0.f, 0.f};                                                              \
+        for (int k0 = 0; k0 < Kd; k0 += 16) {                                                           \
+            uint32_t ah[4], al[4], bh[2], bl[2];                                                        \
+            A_FRAG_;                                                                                    \
+            /* B: b[r] = (k = k0 + 2t + 8 r .. +1, column n0 + g) */                                    \
+            _Pragma("unroll") for (int r = 0; r < 2; r++) {                                             \
+                const int kk = k0 + 2 * t + 8 * r;                                                      \
+                split2_(B[kk * sbk + (n0 + g) * sbn], B[(kk + 1) * sbk + (n0 + g) * sbn], bh[r], bl[r]); \
+            }                                                                                           \
+            mma_bf16_16816(c, al, bh);                                                                  \
+            mma_bf16_16816(c, ah, bl);                                                                  \
+            mma_bf16_16816(c, ah, bh);                                                                  \
+        }                                                                                               \
+        /* C: c[r] = (row g + 8 (r >> 1), column n0 + 2t + (r & 1)) */                                  \
+        _Pragma("unroll") for (int r = 0; r < 4; r++) {                                                 \
+            float *o = C + (g + 8 * (r >> 1)) * ldc + n0 + 2 * t + (r & 1);                             \
+            const float v = alpha * c[r];                                                               \
+            *o = beta == 0.f ? v : v + beta * *o;                                                       \
+        }                                                                                               \
+    }
+// A: a[r] = (row g + 8 (r & 1), k = k0 + 2t + 8 (r >> 1) .. +1), gathered and split.
+#define KDA_A_FRAG_GATHER_(A, sam, sak, g, t, k0, ah, al)                                               \
+    _Pragma("unroll") for (int r_ = 0; r_ < 4; r_++) {                                                  \
+        const int m_ = (g) + 8 * (r_ & 1), kk_ = (k0) + 2 * (t) + 8 * (r_ >> 1);                        \
+        split2_((A)[m_ * (sam) + kk_ * (sak)], (A)[m_ * (sam) + (kk_ + 1) * (sak)], (ah)[r_], (al)[r_]); \
+    }
 __device__ void smm16_tc(int N, int Kd, float alpha, const float *A, int sam, int sak, const float *B,
                          int sbk, int sbn, float beta, float *C, int ldc) {
-    const int lane = threadIdx.x & 31, nw = blockDim.x >> 5, g = lane >> 2, t = lane & 3;
-    for (int nt = threadIdx.x >> 5; nt < N / 8; nt += nw) {
-        const int n0 = 8 * nt;
-        float c[4] = {0.f, 0.f, 0.f, 0.f};
-        for (int k0 = 0; k0 < Kd; k0 += 16) {
-            uint32_t ah[4], al[4], bh[2], bl[2];
-            // A: a[r] = (row g + 8 (r & 1), k = k0 + 2t + 8 (r >> 1) .. +1)
-#pragma unroll
-            for (int r = 0; r < 4; r++) {
-                const int m = g + 8 * (r & 1), kk = k0 + 2 * t + 8 * (r >> 1);
-                split2_(A[m * sam + kk * sak], A[m * sam + (kk + 1) * sak], ah[r], al[r]);
-            }
-            // B: b[r] = (k = k0 + 2t + 8 r .. +1, column n0 + g)
-#pragma unroll
-            for (int r = 0; r < 2; r++) {
-                const int kk = k0 + 2 * t + 8 * r;
-                split2_(B[kk * sbk + (n0 + g) * sbn], B[(kk + 1) * sbk + (n0 + g) * sbn], bh[r], bl[r]);
-            }
-            mma_bf16_16816(c, al, bh);
-            mma_bf16_16816(c, ah, bl);
-            mma_bf16_16816(c, ah, bh);
-        }
-        // C: c[r] = (row g + 8 (r >> 1), column n0 + 2t + (r & 1))
-#pragma unroll
-        for (int r = 0; r < 4; r++) {
-            float *o = C + (g + 8 * (r >> 1)) * ldc + n0 + 2 * t + (r & 1);
-            const float v = alpha * c[r];
-            *o = beta == 0.f ? v : v + beta * *o;
-        }
-    }
+    KDA_SMM16_TC_BODY_(KDA_A_FRAG_GATHER_(A, sam, sak, g, t, k0, ah, al))
 }
 // The same with A's fragments split once for the whole block (split_a16) instead of by every warp
 // as it gathers them: a block's warps share the A of a product of 16 rows (each takes its own
@@ -174,40 +177,16 @@ __device__ __forceinline__ void split_a16(int Kd, const float *A, int sam, int s
     for (int id = threadIdx.x; id < (Kd / 16) * 32; id += nth) {
         const int ks = id >> 5, ln = id & 31, g = ln >> 2, t = ln & 3;
         uint32_t h[4], l[4];
-#pragma unroll
-        for (int r = 0; r < 4; r++) {
-            const int m = g + 8 * (r & 1), kk = 16 * ks + 2 * t + 8 * (r >> 1);
-            split2_(A[m * sam + kk * sak], A[m * sam + (kk + 1) * sak], h[r], l[r]);
-        }
+        KDA_A_FRAG_GATHER_(A, sam, sak, g, t, 16 * ks, h, l)
         frag[2 * id] = make_uint4(h[0], h[1], h[2], h[3]);
         frag[2 * id + 1] = make_uint4(l[0], l[1], l[2], l[3]);
     }
 }
 __device__ __forceinline__ void smm16_tc_pa(int N, int Kd, float alpha, const uint4 *Af, const float *B, int sbk,
                                             int sbn, float beta, float *C, int ldc) {
-    const int lane = threadIdx.x & 31, nw = blockDim.x >> 5, g = lane >> 2, t = lane & 3;
-    for (int nt = threadIdx.x >> 5; nt < N / 8; nt += nw) {
-        const int n0 = 8 * nt;
-        float c[4] = {0.f, 0.f, 0.f, 0.f};
-        for (int k0 = 0; k0 < Kd; k0 += 16) {
-            const uint4 H = Af[2 * ((k0 >> 4) * 32 + lane)], L = Af[2 * ((k0 >> 4) * 32 + lane) + 1];
-            uint32_t ah[4] = {H.x, H.y, H.z, H.w}, al[4] = {L.x, L.y, L.z, L.w}, bh[2], bl[2];
-#pragma unroll
-            for (int r = 0; r < 2; r++) {
-                const int kk = k0 + 2 * t + 8 * r;
-                split2_(B[kk * sbk + (n0 + g) * sbn], B[(kk + 1) * sbk + (n0 + g) * sbn], bh[r], bl[r]);
-            }
-            mma_bf16_16816(c, al, bh);
-            mma_bf16_16816(c, ah, bl);
-            mma_bf16_16816(c, ah, bh);
-        }
-#pragma unroll
-        for (int r = 0; r < 4; r++) {
-            float *o = C + (g + 8 * (r >> 1)) * ldc + n0 + 2 * t + (r & 1);
-            const float v = alpha * c[r];
-            *o = beta == 0.f ? v : v + beta * *o;
-        }
-    }
+    KDA_SMM16_TC_BODY_(const uint4 H = Af[2 * ((k0 >> 4) * 32 + lane)]; const uint4 L = Af[2 * ((k0 >> 4) * 32 + lane) + 1];
+                       ah[0] = H.x; ah[1] = H.y; ah[2] = H.z; ah[3] = H.w;
+                       al[0] = L.x; al[1] = L.y; al[2] = L.z; al[3] = L.w)
 }
 // smm with M = KT, on tensor cores (bf16x3) when TC.
 template <bool TC, int RM, int RN>
