@@ -42,7 +42,7 @@ typedef struct ws_impl {
     mtrl_arena grad;    // the backward's gradients crossing segment boundaries (grad_bytes_)
     // The caches of the forward's last segment (pack tail_pack, segment tail_seg), still in the
     // activation arena when the forward returns: the backward starts with that segment and takes
-    // them instead of recomputing it (tail_ok: valid until a backward or an optimizer step).
+    // them instead of recomputing it (tail_ok: set by the forward, cleared by the backward).
     seg_cache tail;
     int tail_pack, tail_seg, tail_ok;
     mtrl_arena infer;   // prefill / decode / logits scratch
@@ -118,9 +118,9 @@ static void arena_ensure_(mtrl_backend *be, mtrl_arena *a, size_t bytes) {
     be_arena_init_(be, a, bytes);
 }
 // A batch arena (activations, states, the backward's gradients) of at least `bytes`, empty. The
-// block of the last batch is kept when it is large enough: cudaMalloc and cudaFree of a ~100 GiB
-// activation arena at every forward cost a step of `small` at 64K tens of milliseconds on an
-// H200 (docs/perf.md P7). The planner counts held blocks as free (ws_held_bytes).
+// block of the last batch is kept when it is large enough: cudaMalloc and cudaFree of the
+// ~110 GiB activation arena at every forward took ~390 ms of a 2.37 s step of `small` at 64K on
+// an H200 (docs/perf.md P7). The planner counts held blocks as free (ws_held_bytes).
 static void arena_fit_(mtrl_backend *be, mtrl_arena *a, size_t bytes) {
     arena_ensure_(be, a, bytes);
     mtrl_arena_reset(a);

@@ -118,13 +118,8 @@ typedef struct mtrl_model_ws {
     mtrl_arena arena;     // per-segment activations
     int seg_T;            // the arena's planned segment length
     int seg_Tk;           // ... and longest key range
-    // per sequence: boundary states and latents
-    int n_seq;
-    int *seg_len;         // the segment length used for each sequence
-    real **bound_S;       // per sequence: [n_seg+1][n_kda][H][D][D]
-    real **bound_conv;    // per sequence: [n_seg+1][n_kda][3][W-1][HD]
-    void **latent;        // per sequence: [n_mla][len][dc+dr] latent elements
-    size_t state_bytes;   // bytes of the above
+    int n_seq;            // sequences in the batch
+    size_t state_bytes;   // bytes of their boundary states and latents (model_run.c ws_seq, ws_pack)
 } mtrl_model_ws;
 
 // Forward of one segment (model_fwd.c). tokens: the segment's T token ids (SEG_CHUNK) or the
