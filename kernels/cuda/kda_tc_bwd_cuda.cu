@@ -4,7 +4,7 @@
 // accumulation; dS, dΔ and every accumulator fp32. mtrl_kda_chunk_bwd (kda_cuda.cu) takes this
 // path for K = V = 128 (the default since 2026-11-30; MTRL_KDA_BWD=2 in the environment, read at
 // each call, runs v2's SIMT pass instead);
-// passes 1 and 3 change as follows, pass 3 (kda_tile_bwd_k, SIMT fp32) not at all:
+// passes 1 and 2 change as follows (pass 3, kda_tile_bwd_k, and its pieces beside pass 2: kda_cuda.cu):
 //
 //   1. Operands: v3's per-tile record (kda_tc_cuda.cu's kda3_prep_k<bf16x3>, 34,304 B per head
 //      and tile) instead of v2's fp32 prep buffers: it holds exactly what this pass reads — −W,
