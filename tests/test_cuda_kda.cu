@@ -211,12 +211,15 @@ static void test_chunk(mtrl_cuda_ctx *ctx, int T, int H, int K, int V, int bound
     // 3 with 256 threads (MTRL_KDA_TILE_THREADS=256: each warp splits its A fragments itself)
     // gives the same bits as the default 512 (A fragments split once a block, split_a16).
     if (v3ok && nt >= 2) {
+        static const char *names[6] = {"dq", "dk", "dv", "dg", "dbeta", "dS0"};
+        const size_t lens[6] = {nqk, nqk, nv, nqk, nb, ns};
+        const double *ref[6] = {dq, dk, dv, dg, db, dS0};
         for (int stored = 1; stored >= 0; stored--) {
             float *res[3][6];
             for (int pc = 0; pc < 3; pc++) {
                 set_env("MTRL_KDA_BWD_PIECES", pc == 1 ? "3" : "1");
                 set_env("MTRL_KDA_TILE_THREADS", pc == 2 ? "256" : NULL);
-                for (int i = 0; i < 6; i++) res[pc][i] = tu_dev_nan(ctx, i == 5 ? ns : i == 2 ? nv : i == 4 ? nb : nqk);
+                for (int i = 0; i < 6; i++) res[pc][i] = tu_dev_nan(ctx, lens[i]);
                 TEST_EQ_INT(mtrl_kda_chunk_bwd(ctx, T, H, K, V, d_q, d_k, d_v, d_g, d_b, d_S0, stored ? d_St : NULL,
                                                d_dout, d_dSf, res[pc][0], res[pc][1], res[pc][2], res[pc][3], res[pc][4],
                                                res[pc][5]), 0);
@@ -224,9 +227,8 @@ static void test_chunk(mtrl_cuda_ctx *ctx, int T, int H, int K, int V, int bound
             }
             set_env("MTRL_KDA_BWD_PIECES", NULL);
             set_env("MTRL_KDA_TILE_THREADS", NULL);
-            static const char *names[6] = {"dq", "dk", "dv", "dg", "dbeta", "dS0"};
             for (int i = 0; i < 6; i++) {
-                size_t len = i == 5 ? ns : i == 2 ? nv : i == 4 ? nb : nqk;
+                size_t len = lens[i];
                 float *a = (float *)malloc(sizeof(float) * len), *b = (float *)malloc(sizeof(float) * len);
                 mtrl_cuda_download(a, res[0][i], sizeof(float) * len);
                 mtrl_cuda_download(b, res[1][i], sizeof(float) * len);
@@ -238,7 +240,6 @@ static void test_chunk(mtrl_cuda_ctx *ctx, int T, int H, int K, int V, int bound
                 mtrl_cuda_free(res[2][i]);
                 tu_get_f32(got, res[1][i], len);
                 snprintf(what, sizeof what, "v3 bwd in 3 pieces%s %s", stored ? "" : " (states recomputed)", names[i]);
-                const double *ref[6] = {dq, dk, dv, dg, db, dS0};
                 TU_CHECK_REL(what, got, ref[i], len, tol);
                 free(a);
                 free(b);

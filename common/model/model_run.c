@@ -127,6 +127,13 @@ static void arena_fit_(mtrl_backend *be, mtrl_arena *a, size_t bytes) {
     a->peak = 0;
 }
 
+// The forward just left segment `seg` of pack `pack` in the activation arena (ws_impl tail).
+static void tail_set_(ws_impl *w, int pack, int seg) {
+    w->tail_pack = pack;
+    w->tail_seg = seg;
+    w->tail_ok = 1;
+}
+
 // The segment length of a sequence of len tokens.
 static int seg_of_(int len, int segment) { return segment > 0 && segment < len ? segment : (len > 0 ? len : 1); }
 
@@ -269,11 +276,7 @@ static void pack_forward_(mtrl_model *m, const mtrl_batch *b, ws_pack *pk, real 
     seg_cache *c = w->keep ? &pk->kept : &w->tail;
     if (!w->keep) mtrl_arena_reset(&w->pub.arena);
     seg_forward(m, &w->pub.arena, SEG_CHUNK, T, pk->tokens, &io, &so, c);
-    if (!w->keep) {
-        w->tail_pack = (int)(pk - w->packs);
-        w->tail_seg = 0;
-        w->tail_ok = 1;
-    }
+    if (!w->keep) tail_set_(w, (int)(pk - w->packs), 0);
     if (w->pub.arena.peak > m->peak_activation_bytes) m->peak_activation_bytes = w->pub.arena.peak;
     for (int j = 0; routing_out && j < pk->n; j++)
         if (routing_out[pk->i0 + j])
@@ -379,11 +382,7 @@ void mtrl_model_forward(mtrl_model *m, const mtrl_batch *b, int segment, real *l
             seg_cache *c = w->keep ? &s->kept[g] : &w->tail;
             if (!w->keep) mtrl_arena_reset(&w->pub.arena);
             seg_forward(m, &w->pub.arena, SEG_CHUNK, T, b->tokens[i] + t0, &io, &so, c);
-            if (!w->keep) {
-                w->tail_pack = k;
-                w->tail_seg = g;
-                w->tail_ok = 1;
-            }
+            if (!w->keep) tail_set_(w, k, g);
             if (w->pub.arena.peak > m->peak_activation_bytes) m->peak_activation_bytes = w->pub.arena.peak;
             if (m->segment_hook) m->segment_hook(m->segment_hook_user);
         }
@@ -686,7 +685,7 @@ void mtrl_model_logits(mtrl_model *m, const uint32_t *tokens, int len, int segme
     mtrl_decode_state s;
     mtrl_decode_state_init(&s, m, len);
     ws_impl *w = ws_get_(m);
-    int seg = segment > 0 && segment < len ? segment : (len > 0 ? len : 1);
+    int seg = seg_of_(len, segment);
     arena_ensure_(m->be, &w->infer, prefill_bytes_(m, seg, len));
     seq_io io = state_io_(&s);
     for (int t0 = 0; t0 < len; t0 += seg) {

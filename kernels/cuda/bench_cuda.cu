@@ -534,6 +534,12 @@ void bench_small_ops(Bench &B) {
     mtrl_cuda_free(l); mtrl_cuda_free(lp); mtrl_cuda_free(ent); mtrl_cuda_free(d_tg);
 }
 
+// Whether the comma-separated list has the item k (its first occurrence must be a whole item).
+bool list_has(const char *list, const char *k) {
+    const char *p = strstr(list, k);
+    return p && (p == list || p[-1] == ',') && (p[strlen(k)] == 0 || p[strlen(k)] == ',');
+}
+
 std::vector<int> parse_list(const char *s) {
     std::vector<int> v;
     while (s && *s) {
@@ -582,10 +588,7 @@ extern "C" int mtrl_bench_ops_cuda(int argc, char **argv) {
         fprintf(stderr, "mtrl bench ops: no CUDA device\n");
         return 77;
     }
-    auto want = [&](const char *k) {
-        const char *p = strstr(only, k);
-        return p && (p == only || p[-1] == ',') && (p[strlen(k)] == 0 || p[strlen(k)] == ',');
-    };
+    auto want = [&](const char *k) { return list_has(only, k); };
     Bench B;
     if (anchors_path) {
         // The anchors of the same machine and command (tools/gpu_bench.sh runs them first): each
@@ -628,10 +631,7 @@ extern "C" int mtrl_bench_ops_cuda(int argc, char **argv) {
         bench_kda_step(B, 256, H);
     }
     if (want("attn")) {
-        auto shape = [&](const char *k) {
-            const char *p = strstr(attn_shapes, k);
-            return p && (p == attn_shapes || p[-1] == ',') && (p[strlen(k)] == 0 || p[strlen(k)] == ',');
-        };
+        auto shape = [&](const char *k) { return list_has(attn_shapes, k); };
         for (int T : attnT) {
             if (shape("absorbed")) bench_attn(B, T, H, 1, attn_v1);
             if (shape("mha")) bench_attn(B, T, H, 0, attn_v1);

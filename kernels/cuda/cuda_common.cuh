@@ -77,9 +77,9 @@ struct mtrl_cuda_ctx {
 // time (the MoE experts: one cuBLAS call per expert). mtrl_ctx_lanes(ctx) is how many lanes to
 // use (MTRL_MOE_LANES in the environment, read at each call: 1 .. MTRL_CTX_LANES, default
 // MTRL_CTX_LANES); fork makes lanes 1 .. n-1 wait for the work queued on ctx->stream so far;
-// mtrl_gemm_lane(ctx, i, ...) is mtrl_gemm on lane i % n; join makes ctx->stream wait for the
-// lanes' work. Between fork and join each lane runs its own chain (GEMMs, and kernels launched on
-// mtrl_ctx_lane_stream); the chains' outputs must be disjoint.
+// mtrl_gemm_lane(ctx, i, ...) is mtrl_gemm on lane i (callers pass i < n, e.g. e % n); join makes
+// ctx->stream wait for the lanes' work. Between fork and join each lane runs its own chain
+// (GEMMs, and kernels launched on mtrl_ctx_lane_stream); the chains' outputs must be disjoint.
 int mtrl_ctx_lanes(const mtrl_cuda_ctx *ctx);
 void mtrl_ctx_lanes_fork(mtrl_cuda_ctx *ctx, int n);
 void mtrl_ctx_lanes_join(mtrl_cuda_ctx *ctx, int n);
