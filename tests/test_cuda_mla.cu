@@ -233,6 +233,16 @@ static void test_decode(mtrl_cuda_ctx *ctx, int B, const int *lens, int H, int d
         tu_get_f32(got, d_a, (size_t)B * H * dv);
         TU_CHECK_REL(version == 2 ? "decode a (v2)" : "decode a (v1)", got, a, (size_t)B * H * dv,
                      lat_type == MTRL_BF16 ? 1e-2 : 1e-4);
+        // a second call gives the same bits (every sum in the merge runs in a fixed order)
+        float *a1 = (float *)malloc(sizeof(float) * B * H * dv), *a2 = (float *)malloc(sizeof(float) * B * H * dv);
+        mtrl_cuda_download(a1, d_a, sizeof(float) * B * H * dv);
+        TEST_EQ_INT(mtrl_mla_decode_absorbed(ctx, B, H, dn, dr, dv, dc, (float)scale, d_q, d_W, d_pool,
+                                             lat_type, ld, d_start, d_len, max_len, d_a), 0);
+        mtrl_cuda_sync(ctx);
+        mtrl_cuda_download(a2, d_a, sizeof(float) * B * H * dv);
+        TEST_CHECKF(memcmp(a1, a2, sizeof(float) * B * H * dv) == 0, "decode v%d: a second call, other bits", version);
+        free(a1);
+        free(a2);
         mtrl_cuda_free(d_a);
     }
     set_decode_version(2);
@@ -326,6 +336,10 @@ int main(int argc, char **argv) {
     const int edge[16] = {1, 2, 31, 32, 33, 63, 64, 65, 127, 128, 129, 255, 256, 257, 1023, 3001};
     for (int b = 0; b < 64; b++) lens5[b] = b < 16 ? edge[b] : 1 + (int)(tu_unif() * 3000);
     test_decode(ctx, 64, lens5, 16, 128, 64, 128, 512, MTRL_BF16);
+    // B = 16 and 24 on 132 SMs: the merge takes 8 and 16 sequences per block (the second block
+    // of 24 holds 8); B = 64 above takes 32, B = 8 below 4, B = 1 one.
+    test_decode(ctx, 16, lens5 + 8, 16, 128, 64, 128, 512, MTRL_BF16);
+    test_decode(ctx, 24, lens5 + 40, 16, 128, 64, 128, 512, MTRL_BF16);
     int lens6[8] = {1, 5, 64, 100, 200, 255, 256, 129};
     test_decode(ctx, 8, lens6, 16, 128, 64, 128, 512, MTRL_BF16);
     int lens7[3] = {1, 700, 4099};

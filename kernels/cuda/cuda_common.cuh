@@ -317,6 +317,63 @@ __device__ __forceinline__ void named_bar_arrive(int id, int count) {
     asm volatile("bar.arrive %0, %1;\n" ::"r"(id), "r"(count) : "memory");
 }
 
+// Thread-block clusters (sm_90): the cluster barrier (arrive with release, wait with acquire:
+// shared-memory writes before the arrive are visible to every block of the cluster after the
+// wait), this block's rank, and a load from another block's shared memory (distributed shared
+// memory: the same offset in block `rank`).
+__device__ __forceinline__ void cluster_arrive() { asm volatile("barrier.cluster.arrive.release;\n" ::: "memory"); }
+__device__ __forceinline__ void cluster_wait() { asm volatile("barrier.cluster.wait.acquire;\n" ::: "memory"); }
+__device__ __forceinline__ unsigned cluster_rank() {
+    unsigned r;
+    asm volatile("mov.u32 %0, %%cluster_ctarank;\n" : "=r"(r));
+    return r;
+}
+__device__ __forceinline__ float ld_dsmem_f32(const float *p, unsigned rank) {
+    unsigned a = (unsigned)__cvta_generic_to_shared(p), r;
+    float x;
+    asm volatile("mapa.shared::cluster.u32 %0, %1, %2;\n" : "=r"(r) : "r"(a), "r"(rank));
+    asm volatile("ld.shared::cluster.f32 %0, [%1];\n" : "=f"(x) : "r"(r) : "memory");
+    return x;
+}
+
+// Programmatic dependent launch (sm_90). A kernel launched with mtrl_launch_pdl may start
+// before the kernel ahead of it on the stream has finished: whatever it does before
+// pdl_wait() must not read that kernel's output (it may read older data: the kernel ahead was
+// launched the ordinary way, so everything before it had completed). pdl_wait() returns once the
+// kernel ahead has completed and its writes are visible; pdl_trigger() lets the next
+// PDL-launched kernel start (its blocks take SMs as this kernel's blocks leave). Both are no-ops
+// in a kernel launched the ordinary way.
+__device__ __forceinline__ void pdl_wait() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.wait;\n" ::: "memory");
+#endif
+}
+__device__ __forceinline__ void pdl_trigger() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
+#endif
+}
+// cluster_x > 1 also launches clusters of cluster_x blocks along x (grid.x a multiple of it).
+template <class... P, class... A>
+static inline void mtrl_launch_pdl(void (*kernel)(P...), dim3 grid, dim3 block, size_t smem,
+                                   cudaStream_t stream, int cluster_x, A &&...args) {
+    cudaLaunchConfig_t cfg = {};
+    cfg.gridDim = grid;
+    cfg.blockDim = block;
+    cfg.dynamicSmemBytes = smem;
+    cfg.stream = stream;
+    cudaLaunchAttribute attr[2] = {};
+    attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+    attr[0].val.programmaticStreamSerializationAllowed = 1;
+    attr[1].id = cudaLaunchAttributeClusterDimension;
+    attr[1].val.clusterDim.x = (unsigned)cluster_x;
+    attr[1].val.clusterDim.y = 1;
+    attr[1].val.clusterDim.z = 1;
+    cfg.attrs = attr;
+    cfg.numAttrs = cluster_x > 1 ? 2 : 1;
+    CUDA_CHECK(cudaLaunchKernelEx(&cfg, kernel, static_cast<P>(args)...));
+}
+
 // Raises a kernel's dynamic shared-memory limit when it needs more than 48 KB.
 template <class F>
 static inline void set_smem(F *kernel, size_t bytes) {

@@ -562,13 +562,6 @@ struct ClCfg {
 };
 
 __device__ __forceinline__ uint32_t smem_u32_(const void *p) { return (uint32_t)__cvta_generic_to_shared(p); }
-__device__ __forceinline__ void cluster_arrive_() { asm volatile("barrier.cluster.arrive.release;\n" ::: "memory"); }
-__device__ __forceinline__ void cluster_wait_() { asm volatile("barrier.cluster.wait.acquire;\n" ::: "memory"); }
-__device__ __forceinline__ unsigned cluster_rank_() {
-    unsigned r;
-    asm volatile("mov.u32 %0, %%cluster_ctarank;\n" : "=r"(r));
-    return r;
-}
 // Bulk copy global -> the same shared offset in every block of `mask`, completing bytes on the
 // mbarrier at the same offset in each.
 __device__ __forceinline__ void bulk_mc_(uint32_t dst, const void *src, unsigned bytes, uint32_t bar,
@@ -601,15 +594,15 @@ __global__ void __cluster_dims__(CL, 1, 1) __launch_bounds__(32 * (8 / CL), 1)
     const int tid = threadIdx.x, lane = tid & 31, w = tid >> 5, gq = lane >> 2, tq = lane & 3;
     const int h = blockIdx.y, jb = blockIdx.x * 16 * WPB;  // the block's first value column
     const int jw = 16 * w, j0 = jb + jw;                     // the warp's, in the block / global
-    const int rank = (int)cluster_rank_();
+    const int rank = (int)cluster_rank();
     const uint32_t bar0 = smem_u32_(sm3_ + Cc::BAR);
 
     if (tid == 0) {
         for (int s = 0; s < NST3; s++) mbar_init(bar0 + 8 * s, 1);
         asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
     }
-    cluster_arrive_();  // every block's mbarriers initialised before any copy signals them
-    cluster_wait_();
+    cluster_arrive();  // every block's mbarriers initialised before any copy signals them
+    cluster_wait();
 
     // Tile m into stage m % NST3 of every block: this block's share of the multicast pieces, its
     // own U rows, and its own expect_tx.
@@ -652,16 +645,16 @@ __global__ void __cluster_dims__(CL, 1, 1) __launch_bounds__(32 * (8 / CL), 1)
         // thread of the cluster is done with tile n − 1's stage (its arrive at the end of tile
         // n − 1), then tile n + 5 into it
         KDA3_STATE_TILE_(if (refill) {
-            if (n > 0) cluster_wait_();
+            if (n > 0) cluster_wait();
             issue(n + NST3 - 1);
         });
         // done reading this stage; the wait that pairs with this arrive is in tile n + 1, which
         // refills this stage iff n + 1 + 5 < nt
-        if (n + NST3 < nt) cluster_arrive_();
+        if (n + NST3 < nt) cluster_arrive();
     }
     if (S_final) KDA3_STATE_STORE_(S_final, st, h, j0, gq, tq);
-    cluster_arrive_();  // no block exits while a copy it issued, or one into it, may be in flight
-    cluster_wait_();
+    cluster_arrive();  // no block exits while a copy it issued, or one into it, may be in flight
+    cluster_wait();
 }
 
 template <int CL, bool WO, bool X>

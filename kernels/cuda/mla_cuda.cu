@@ -17,10 +17,16 @@
 //             attn_bwd_dkv_k, grid (key blocks of 32, Hk): for every row block that sees the
 //             keys, recompute P and dZ and accumulate dK = scale dZᵀ Q and dV = Pᵀ dO in
 //             registers (one accumulator when V aliases K), added once to dk / dv.
-// Decode (mtrl_mla_decode_absorbed). The query absorption q̃ = [W_UKᵀ qⁿ ; qʳ] and the value
-// up-projection a = W_UV c* are cuBLAS batched GEMMs over heads (fp32); between them, one of the
-// split-K attention kernels below over each sequence's latent cache, all H heads per split (MQA),
-// and a merge of the per-split results in split order (deterministic).
+// Decode (mtrl_mla_decode_absorbed): three launches.
+//   mla_absorb_q_k: q̃ = [W_UKᵀ qⁿ ; qʳ] for every (sequence, head) (fp32, one kernel for the
+//      product and the rope slice).
+//   One of the split-K attention kernels below over each sequence's latent cache, all H heads
+//      per split (MQA), writing per-split partials (m, l, O).
+//   mla_decode_merge_uv_k: merges the partials in split order (deterministic) and applies the
+//      value up-projection a = W_UV c* in the same kernel (clusters of blocks over c*'s columns,
+//      partial products added across the cluster in rank order).
+//   The attention and merge kernels are programmatic dependent launches: the attention kernel's
+//   first key loads overlap the absorption, the merge's W_UV load overlaps the attention's tail.
 //   v2 (default; bf16 cache only). grid (splits, B), 256 threads (8 warps), one block per SM.
 //      A split (L keys; L from B, max_len and the SM count: dec2_split_len_) streams through
 //      shared memory ONCE in 32-key stages (cp.async 16 B, a ring of stages), two stages per
@@ -28,8 +34,8 @@
 //      as M (16 rows, zero rows for H < 16): S = Q̃ Kᵀ (warp w: keys 8w..8w+7 over all Dk dims),
 //      online softmax in base 2 (row maxima exchanged through shared memory, P stored as bf16),
 //      then O += P V with V = the first dc columns of the same rows (warp w: value columns
-//      w dc/8 .. +dc/8, accumulators in registers). Writes per-split (m, l, O[H][dc]);
-//      mla_decode2_merge_k merges. Two kernels:
+//      w dc/8 .. +dc/8, accumulators in registers). Writes per-split (m, l, O[H][dc]).
+//      Two kernels:
 //      * mla_decode2r_k (H <= 16 and (dc, dr) = (512, 64) or (128, 32)): Q̃ held in registers as
 //        mma A fragments, 6 stages, 2 barriers per tile (2 to 4 stages in flight).
 //      * mla_decode2_k (other v2 shapes, e.g. H in 17..32): Q̃ in shared memory (ldmatrix per
@@ -38,7 +44,7 @@
 //      v2 shapes: dc in {128, 256, 512}, (dc + dr) % 32 == 0, H <= 32, ld % 8 == 0, 16-byte
 //      aligned pool. Anything else (fp32 cache, the tiny preset's dc = 32) runs v1.
 //   v1 mla_decode_k (fp32 SIMT): split-K over 256-key chunks, dot products from shared memory,
-//      partial (m, l, acc) merged in chunk order by mla_decode_merge_k. Kept as the fallback;
+//      partial (m, l, acc) with natural-base maxima, merged by the same merge kernel. The fallback;
 //      MTRL_DECODE_V1=1 in the environment selects it for every shape (read at each call).
 #include <math.h>
 #include <stdlib.h>
@@ -747,35 +753,6 @@ __global__ void __launch_bounds__(256) mla_decode_k(int H, int Dk, int Dv, float
     }
 }
 
-// cstar[b][h] = Σ_ch e^{m_ch − M} acc_ch / Σ_ch e^{m_ch − M} l_ch, chunks in order.
-__global__ void mla_decode_merge_k(int H, int Dv, int nch, const int *seq_len, const float *pm,
-                                   const float *pl, const float *pacc, float *cstar) {
-    int b = blockIdx.x, h = blockIdx.y;
-    int used = (seq_len[b] + DCH - 1) / DCH;
-    if (used > nch) used = nch;
-    size_t base = (size_t)b * nch * H;
-    float M = -INFINITY;
-    for (int ch = 0; ch < used; ch++) M = fmaxf(M, pm[base + (size_t)ch * H + h]);
-    float L = 0.f;
-    for (int ch = 0; ch < used; ch++) L += pl[base + (size_t)ch * H + h] * expf(pm[base + (size_t)ch * H + h] - M);
-    for (int col = threadIdx.x; col < Dv; col += blockDim.x) {
-        float acc = 0.f;
-        for (int ch = 0; ch < used; ch++) {
-            size_t i = base + (size_t)ch * H + h;
-            acc = fmaf(pacc[i * Dv + col], expf(pm[i] - M), acc);
-        }
-        cstar[((size_t)b * H + h) * Dv + col] = acc / L;
-    }
-}
-
-// qt[b][h][dc + r] = q[b][h][dn + r] (the un-rotated "rope" slice passes through).
-__global__ void mla_copy_rope_k(int BH, int dn, int dr, int dc, const float *q, float *qt) {
-    int i = blockIdx.x * blockDim.x + threadIdx.x;
-    if (i >= BH * dr) return;
-    int bh = i / dr, r = i % dr;
-    qt[(size_t)bh * (dc + dr) + dc + r] = q[(size_t)bh * (dn + dr) + dn + r];
-}
-
 // ---- absorbed decode, v2 (tensor cores) ---------------------------------------------------------
 
 #define D2_CH 32            // keys per cp.async stage
@@ -855,6 +832,8 @@ __global__ void __launch_bounds__(256, 1) mla_decode2_k(Dec2Args a) {
     };
 #pragma unroll
     for (int ch = 0; ch < NST - 2; ch++) issue(ch);
+    pdl_wait();     // Q̃ comes from the absorption kernel ahead; the keys above did not
+    pdl_trigger();  // the merge's blocks may take SMs as these leave
 
     // Q̃ rows of this sequence as bf16; rows H .. MT*16-1 are zero.
     {
@@ -1075,6 +1054,8 @@ __global__ void __launch_bounds__(256, 1) mla_decode2r_k(Dec2Args a) {
     };
 #pragma unroll
     for (int ch = 0; ch < 4; ch++) issue(ch);
+    pdl_wait();     // as in mla_decode2_k
+    pdl_trigger();
 
     // Q̃ as A fragments straight from global memory (fp32 -> bf16): a[0] (g, 2t..), a[1] (g+8,
     // 2t..), a[2] (g, 2t+8..), a[3] (g+8, 2t+8..) of k-step ks; rows >= H are zero.
@@ -1222,51 +1203,229 @@ __global__ void __launch_bounds__(256, 1) mla_decode2r_k(Dec2Args a) {
     }
 }
 
-// cstar[b][h] = Σ_s 2^{m_s − M} O_s / Σ_s 2^{m_s − M} l_s over the used splits. grid (B, H),
-// 512 threads: 4 groups of 128; group j sums the splits s ≡ j (mod 4) in increasing order (4
-// columns per thread and step), then the 4 group sums are added in group order: a fixed order,
-// so the result is deterministic.
-__global__ void __launch_bounds__(512) mla_decode2_merge_k(int H, int dc, int nsplit, int L,
-                                                           const int *seq_len, const float *pm,
-                                                           const float *pl, const float *pacc,
-                                                           float *cstar) {
-    __shared__ float4 part[3][128];
-    const int b = blockIdx.x, h = blockIdx.y, grp = threadIdx.x >> 7, tg = threadIdx.x & 127;
-    int used = (seq_len[b] + L - 1) / L;
-    if (used > nsplit) used = nsplit;
-    const size_t base = (size_t)b * nsplit * H + h;  // + s * H
-    float M = -INFINITY;
-    for (int s = 0; s < used; s++) M = fmaxf(M, pm[base + (size_t)s * H]);
-    float Ls = 0.f;
-    for (int s = 0; s < used; s++) Ls += pl[base + (size_t)s * H] * exp2f(pm[base + (size_t)s * H] - M);
-    const float inv = 1.f / Ls;
-    for (int c0 = 0; c0 < dc; c0 += 512) {  // uniform trip count: the barriers below are safe
-        const int c = c0 + tg * 4;
-        float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
-        if (c < dc) {
-#pragma unroll 4
-            for (int s = grp; s < used; s += 4) {
-                const size_t i = base + (size_t)s * H;
-                const float wgt = exp2f(pm[i] - M);
-                const float4 x = *reinterpret_cast<const float4 *>(pacc + i * dc + c);
-                acc.x = fmaf(x.x, wgt, acc.x);
-                acc.y = fmaf(x.y, wgt, acc.y);
-                acc.z = fmaf(x.z, wgt, acc.z);
-                acc.w = fmaf(x.w, wgt, acc.w);
-            }
-        }
-        if (grp > 0) part[grp - 1][tg] = acc;
-        __syncthreads();
-        if (grp == 0 && c < dc) {
+// ---- absorbed decode: the query absorption, and the merge with the value up-projection -------
+
+#define ABS_COLS 32  // columns of W_UK per block (one warp's coalesced 128 B)
+#define ABS_NS 8     // slices of the dn sum per block: 256 threads = ABS_COLS x ABS_NS
+#define ABS_BT 16    // sequences per block (W_UK read once for all of them)
+// dn padded so that each slice holds a multiple of 4 (q^n read as float4)
+__host__ __device__ static inline int absorb_dnp_(int dn) { return ((dn + 4 * ABS_NS - 1) / (4 * ABS_NS)) * 4 * ABS_NS; }
+static size_t absorb_smem_(int dn) {
+    return sizeof(float) * ((size_t)ABS_BT * absorb_dnp_(dn) + (ABS_NS - 1) * ABS_BT * ABS_COLS);
+}
+
+// qt[b][h] = [q^n_{b,h} W_UK,h ; q^r_{b,h}] (fp32; model.md §3). grid (H ceil(dc / 32),
+// ceil(B / 16)), 256 threads. Thread (slice sl, column c) sums n in slice sl of dn (dnp / 8
+// values, 4 at a time: one float4 of each sequence's q^n from shared memory per 4 products) for
+// the block's nb <= 16 sequences; W_UK,h is read once per block, coalesced, 16 loads in flight. The 8 slice sums are
+// added in slice order (deterministic). The first column tile's blocks also copy the rope slice
+// q^r. One launch instead of a cuBLAS batched GEMM plus a copy (docs/kernel-lab.md).
+__global__ void __launch_bounds__(256, 2) mla_absorb_q_k(int B, int H, int dn, int dr, int dv, int dc,
+                                                      const float *q, const float *W, float *qt) {
+    extern __shared__ __align__(16) float abs_sm[];  // sq [ABS_BT][dnp], part [ABS_NS-1][ABS_BT][ABS_COLS]
+    pdl_trigger();  // the attention kernel's blocks may take SMs as these leave
+    const int dnp = absorb_dnp_(dn);
+    float *sq = abs_sm, *part = abs_sm + (size_t)ABS_BT * dnp;
+    const int nct = (dc + ABS_COLS - 1) / ABS_COLS;
+    const int h = blockIdx.x / nct, ct = blockIdx.x - h * nct;
+    const int b0 = blockIdx.y * ABS_BT, nb = B - b0 < ABS_BT ? B - b0 : ABS_BT;
+    const size_t ldq = (size_t)H * (dn + dr), Dk = (size_t)dc + dr;
+    const float *qh = q + (size_t)b0 * ldq + (size_t)h * (dn + dr);  // q^n of sequence b0, head h
+    for (int i = threadIdx.x; i < nb * dnp; i += 256) {
+        const int j = i / dnp, n = i - j * dnp;
+        sq[i] = n < dn ? qh[(size_t)j * ldq + n] : 0.f;
+    }
+    __syncthreads();
+    const int col = threadIdx.x % ABS_COLS, sl = threadIdx.x / ABS_COLS, c = ct * ABS_COLS + col;
+    const int per = dnp / ABS_NS, n0 = sl * per;
+    float acc[ABS_BT];
 #pragma unroll
-            for (int j = 0; j < 3; j++) {
-                const float4 x = part[j][tg];
-                acc.x += x.x; acc.y += x.y; acc.z += x.z; acc.w += x.w;
+    for (int j = 0; j < ABS_BT; j++) acc[j] = 0.f;
+    if (c < dc) {
+        const float *w = W + (size_t)h * (dn + dv) * dc + c;  // W_UK,h column c
+        for (int nc = n0; nc < n0 + per; nc += 16) {  // 16 loads in flight (one pass at dn <= 128)
+            float x[16];
+#pragma unroll
+            for (int u = 0; u < 16; u++) x[u] = nc + u < n0 + per && nc + u < dn ? w[(size_t)(nc + u) * dc] : 0.f;
+#pragma unroll
+            for (int q4 = 0; q4 < 4; q4++) {
+                if (nc + 4 * q4 >= n0 + per) break;
+#pragma unroll
+                for (int j = 0; j < ABS_BT; j++)
+                    if (j < nb) {
+                        const float4 y = *reinterpret_cast<const float4 *>(sq + j * dnp + nc + 4 * q4);
+                        acc[j] = fmaf(y.x, x[4 * q4], fmaf(y.y, x[4 * q4 + 1],
+                                      fmaf(y.z, x[4 * q4 + 2], fmaf(y.w, x[4 * q4 + 3], acc[j]))));
+                    }
             }
-            acc.x *= inv; acc.y *= inv; acc.z *= inv; acc.w *= inv;
-            *reinterpret_cast<float4 *>(cstar + ((size_t)b * H + h) * dc + c) = acc;
         }
+    }
+    if (sl > 0)
+#pragma unroll
+        for (int j = 0; j < ABS_BT; j++)
+            if (j < nb) part[((sl - 1) * ABS_BT + j) * ABS_COLS + col] = acc[j];
+    __syncthreads();
+    if (sl == 0 && c < dc)
+        for (int j = 0; j < nb; j++) {
+            float x = acc[j];
+            for (int u = 0; u < ABS_NS - 1; u++) x += part[(u * ABS_BT + j) * ABS_COLS + col];
+            qt[((size_t)(b0 + j) * H + h) * Dk + c] = x;
+        }
+    if (ct == 0)
+        for (int i = threadIdx.x; i < nb * dr; i += 256) {
+            const int j = i / dr, r = i - j * dr;
+            qt[((size_t)(b0 + j) * H + h) * Dk + dc + r] = qh[(size_t)j * ldq + dn + r];
+        }
+}
+
+#define MRG_T 1024    // threads of a merge block: 8 groups of 128
+#define MRG_COLS 128  // columns of c* per block; a cluster of ceil(dc / 128) blocks spans dc
+#define MRG_BT 32     // most sequences per block (a power of 2)
+struct MrgArgs {
+    int B, H, dn, dv, dc, nsplit, L, bt;
+    float ms;  // 1 for base-2 maxima (v2), log2 e for natural ones (v1)
+    const int *seq_len;
+    const float *pm, *pl, *pacc, *W;
+    float *a;
+};
+// Shared memory of the merge, in floats: W_UV slice [dv][128], weights [bt][nsplit] (rounded to
+// 4 floats: the arrays after it are read as float4), group sums [max(8, bt)][128], c* [bt][128],
+// partial a [bt][dv]; then the used split counts [MRG_BT] (int).
+static size_t merge_w_floats_(int nsplit, int bt) { return ((size_t)bt * nsplit + 3) / 4 * 4; }
+static size_t merge_smem_(int nsplit, int dv, int bt) {
+    return sizeof(float) * ((size_t)dv * MRG_COLS + merge_w_floats_(nsplit, bt) +
+                            (size_t)(bt > 8 ? bt : 8) * MRG_COLS + (size_t)bt * MRG_COLS + (size_t)bt * dv) +
+           sizeof(int) * MRG_BT;
+}
+
+// a[b][h] = W_UV,h c*[b][h] with c* = Σ_s w_s O_s / Σ_s w_s l_s, w_s = 2^{(m_s − M) ms} over the
+// used splits. grid (nct = ceil(dc / 128), H, ceil(B / bt)), clusters of nct blocks along x,
+// 1024 threads; block ct owns columns 128 ct .. 128 ct + 127 of c* and of W_UV,h.
+//  1. Before waiting for the attention kernel: its slice of W_UV,h into shared memory.
+//  2. Warp j < nb: sequence b0 + j's M, then its weights w_s / Σ w_s l_s (lanes over splits,
+//     xor trees).
+//  3. c*: the 8 groups of 128 threads take gps = 8 / bt groups per sequence (bt <= 8) or bt / 8
+//     sequences each (bt > 8); group u of a sequence sums O_s over s ≡ u (mod gps) in increasing
+//     order (one column per thread); the group sums are added in group order.
+//  4. Partial a over this block's columns, 8 sequences at a time: 8 threads per row v of W_UV,h
+//     (16 columns each, from shared memory), an xor tree over the 8.
+//  5. Across the cluster: block ct adds the partials of rows v in its share, block 0's first,
+//     from distributed shared memory.
+// Every order is fixed: the result is deterministic. Replaces a merge kernel, the c* round trip
+// and a cuBLAS batched GEMM (W_UV read once per block, before the wait).
+__global__ void __launch_bounds__(MRG_T) mla_decode_merge_uv_k(MrgArgs m) {
+    extern __shared__ __align__(16) float mrg_sm[];
+    const int nct = gridDim.x, ct = blockIdx.x, h = blockIdx.y, bt = m.bt, dv = m.dv, dc = m.dc;
+    const int b0 = blockIdx.z * bt, nb = m.B - b0 < bt ? m.B - b0 : bt;
+    const int ncol = dc - ct * MRG_COLS < MRG_COLS ? dc - ct * MRG_COLS : MRG_COLS;
+    float *sWv = mrg_sm;                                    // [dv][128]
+    float *sw = sWv + (size_t)dv * MRG_COLS;                // [bt][nsplit]
+    float *part = sw + ((size_t)bt * m.nsplit + 3) / 4 * 4;  // [max(8, bt)][128] (merge_w_floats_)
+    float *sc = part + (size_t)(bt > 8 ? bt : 8) * MRG_COLS;  // [bt][128]
+    float *sa = sc + (size_t)bt * MRG_COLS;       // [bt][dv]
+    int *sused = reinterpret_cast<int *>(sa + (size_t)bt * dv);  // [MRG_BT]
+    const int tid = threadIdx.x, lane = tid & 31, wp = tid >> 5, grp = tid >> 7, cl = tid & 127;
+
+    const float *Wuv = m.W + ((size_t)h * (m.dn + dv) + m.dn) * dc + (size_t)ct * MRG_COLS;
+#pragma unroll 16
+    for (int i = tid; i < dv * MRG_COLS; i += MRG_T) {
+        const int v = i >> 7, cc = i & 127;
+        sWv[i] = cc < ncol ? Wuv[(size_t)v * dc + cc] : 0.f;
+    }
+    pdl_wait();  // the partials come from the kernel ahead
+
+    if (wp < nb) {
+        const int b = b0 + wp;
+        int used = (m.seq_len[b] + m.L - 1) / m.L;
+        if (used > m.nsplit) used = m.nsplit;
+        const size_t base = (size_t)b * m.nsplit * m.H + h;  // + s H
+        float mx = -INFINITY;
+        for (int s = lane; s < used; s += 32) mx = fmaxf(mx, m.pm[base + (size_t)s * m.H]);
+#pragma unroll
+        for (int o = 16; o > 0; o >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, o));
+        float l = 0.f;
+        for (int s = lane; s < used; s += 32) {
+            const float wgt = exp2f((m.pm[base + (size_t)s * m.H] - mx) * m.ms);
+            sw[wp * m.nsplit + s] = wgt;
+            l = fmaf(m.pl[base + (size_t)s * m.H], wgt, l);
+        }
+#pragma unroll
+        for (int o = 16; o > 0; o >>= 1) l += __shfl_xor_sync(0xffffffffu, l, o);
+        const float inv = 1.f / l;
+        for (int s = lane; s < used; s += 32) sw[wp * m.nsplit + s] *= inv;
+        if (lane == 0) sused[wp] = used;
+    }
+    __syncthreads();
+
+    const int gps = bt < 8 ? 8 / bt : 1, u = grp % gps, spg = bt > 8 ? bt / 8 : 1;
+    for (int jj = 0; jj < spg; jj++) {
+        const int j = grp / gps + jj * (8 / gps);  // sequence j, its group u
+        float acc = 0.f;
+        if (j < nb && cl < ncol) {
+            const int used = sused[j];
+            const float *x = m.pacc + (((size_t)(b0 + j) * m.nsplit) * m.H + h) * dc + ct * MRG_COLS + cl;
+            const float *wj = sw + j * m.nsplit;
+#pragma unroll 8
+            for (int s = u; s < used; s += gps) acc = fmaf(x[(size_t)s * m.H * dc], wj[s], acc);
+        }
+        part[(j * gps + u) * MRG_COLS + cl] = acc;
+    }
+    __syncthreads();
+    for (int i = tid; i < nb * MRG_COLS; i += MRG_T) {  // c*[jj] = its groups' sums in order
+        const int jj = i >> 7, c = i & 127;
+        float x = part[jj * gps * MRG_COLS + c];
+        for (int uu = 1; uu < gps; uu++) x += part[(jj * gps + uu) * MRG_COLS + c];
+        sc[i] = x;  // zero beyond ncol: the partials there are zero
+    }
+    __syncthreads();
+
+    const int sub = tid & 7;
+    for (int j0 = 0; j0 < nb; j0 += 8)
+        for (int v = tid >> 3; v < dv; v += MRG_T / 8) {
+            float d[8];
+#pragma unroll
+            for (int jj = 0; jj < 8; jj++) d[jj] = 0.f;
+#pragma unroll
+            for (int i = 0; i < MRG_COLS / 32; i++) {
+                const int c = 4 * sub + 32 * i;
+                const float4 wv = *reinterpret_cast<const float4 *>(sWv + v * MRG_COLS + c);
+#pragma unroll
+                for (int jj = 0; jj < 8; jj++)
+                    if (j0 + jj < nb) {
+                        const float4 y = *reinterpret_cast<const float4 *>(sc + (j0 + jj) * MRG_COLS + c);
+                        d[jj] = fmaf(wv.x, y.x, fmaf(wv.y, y.y, fmaf(wv.z, y.z, fmaf(wv.w, y.w, d[jj]))));
+                    }
+            }
+#pragma unroll
+            for (int jj = 0; jj < 8; jj++) {
+                float y = d[jj];
+                y += __shfl_xor_sync(0xffffffffu, y, 1);
+                y += __shfl_xor_sync(0xffffffffu, y, 2);
+                y += __shfl_xor_sync(0xffffffffu, y, 4);
+                if (sub == 0 && j0 + jj < nb) sa[(j0 + jj) * dv + v] = y;
+            }
+        }
+    if (nct > 1) {
+        cluster_arrive();
+        cluster_wait();
+    } else {
         __syncthreads();
+    }
+    const int vper = (dv + nct - 1) / nct, v0 = ct * vper, v1 = dv < v0 + vper ? dv : v0 + vper;
+    for (int i = tid; i < nb * vper; i += MRG_T) {
+        const int jj = i / vper, v = v0 + (i - jj * vper);
+        if (v < v1) {
+            float x = sa[jj * dv + v];
+            if (nct > 1) {
+                x = ld_dsmem_f32(sa + jj * dv + v, 0);
+                for (int r = 1; r < nct; r++) x += ld_dsmem_f32(sa + jj * dv + v, (unsigned)r);
+            }
+            m.a[((size_t)(b0 + jj) * m.H + h) * dv + v] = x;
+        }
+    }
+    if (nct > 1) {  // no block leaves while another may still read its partials
+        cluster_arrive();
+        cluster_wait();
     }
 }
 
@@ -1357,22 +1516,21 @@ extern "C" int mtrl_mla_decode_absorbed(mtrl_cuda_ctx *c, int B, int H, int dn, 
     const int nch = (max_len + L - 1) / L;
     ws_carver sz{nullptr, 0};
     sz.take<float>((size_t)B * H * Dk);
-    sz.take<float>((size_t)B * H * dc);
     sz.take<float>((size_t)B * nch * H * 2);
     sz.take<float>((size_t)B * nch * H * dc);
     ws_carver cv{(char *)mtrl_ctx_scratch(c, sz.off), 0};
     float *qt = cv.take<float>((size_t)B * H * Dk);
-    float *cstar = cv.take<float>((size_t)B * H * dc);
     float *pm = cv.take<float>((size_t)B * nch * H * 2), *pl = pm + (size_t)B * nch * H;
     float *pacc = cv.take<float>((size_t)B * nch * H * dc);
-    // qt[b][h][0:dc] = q^n_{b,h} W_UK,h (for each head h: [B x dn] x [dn x dc])
-    if (mtrl_gemm_batched(c, 0, 0, B, dc, dn, 1.f, q, H * (dn + dr), dn + dr, W_kvb, dc,
-                          (long long)(dn + dv) * dc, MTRL_F32, 0.f, qt, H * Dk, Dk, MTRL_F32, H))
-        return -1;
-    if (dr > 0) {
-        mla_copy_rope_k<<<cdiv((size_t)B * H * dr, 256), 256, 0, c->stream>>>(B * H, dn, dr, dc, q, qt);
-        CUDA_LAUNCH_CHECK();
-    }
+    // Three launches: absorption (ordinary launch: q may come from the kernel ahead), attention
+    // and merge (programmatic dependent launches: each starts while the one ahead drains; the
+    // attention kernel's first key loads overlap the absorption).
+    const size_t sh_abs = absorb_smem_(dn);
+    MTRL_CUDA_REQUIRE(sh_abs <= c->smem_optin, "dn=%d: absorption needs %zu B of shared memory", dn, sh_abs);
+    set_smem(mla_absorb_q_k, sh_abs);
+    mla_absorb_q_k<<<dim3(H * cdiv(dc, ABS_COLS), cdiv(B, ABS_BT)), 256, sh_abs, c->stream>>>(
+        B, H, dn, dr, dv, dc, q, W_kvb, qt);
+    CUDA_LAUNCH_CHECK();
     if (v2) {
         const int MT = H <= 16 ? 1 : 2, NST = dec2_stages_(c, H, Dk);
         dec2_kernel_t kern = dec2_pick_(MT, NST, dc);
@@ -1388,10 +1546,7 @@ extern "C" int mtrl_mla_decode_absorbed(mtrl_cuda_ctx *c, int B, int H, int dn, 
         da.sl2 = scale * LOG2E_F;
         da.qt = qt; da.lat = (const uint16_t *)lat; da.seq_start = seq_start; da.seq_len = seq_len;
         da.pm = pm; da.pl = pl; da.pacc = pacc;
-        kern<<<dim3(nch, B), 256, sh, c->stream>>>(da);
-        CUDA_LAUNCH_CHECK();
-        mla_decode2_merge_k<<<dim3(B, H), 512, 0, c->stream>>>(H, dc, nch, L, seq_len, pm, pl, pacc, cstar);
-        CUDA_LAUNCH_CHECK();
+        mtrl_launch_pdl(kern, dim3(nch, B), dim3(256), sh, c->stream, 1, da);
     } else {
         size_t sh = sizeof(float) * ((size_t)H * Dk + (size_t)DSB * (Dk + 1) + (size_t)H * DSB + 3 * H);
         MTRL_CUDA_REQUIRE(sh <= c->smem_optin, "shared memory %zu > %zu", sh, c->smem_optin);
@@ -1407,10 +1562,22 @@ extern "C" int mtrl_mla_decode_absorbed(mtrl_cuda_ctx *c, int B, int H, int dn, 
                                                               ld, seq_start, seq_len, nch, pm, pl, pacc);
         }
         CUDA_LAUNCH_CHECK();
-        mla_decode_merge_k<<<dim3(B, H), 256, 0, c->stream>>>(H, dc, nch, seq_len, pm, pl, pacc, cstar);
-        CUDA_LAUNCH_CHECK();
     }
-    // a[b][h] = W_UV,h cstar[b][h]  (for each head: [B x dc] x [dv x dc]ᵀ)
-    return mtrl_gemm_batched(c, 0, 1, B, dv, dc, 1.f, cstar, H * dc, dc, W_kvb + (size_t)dn * dc, dc,
-                             (long long)(dn + dv) * dc, MTRL_F32, 0.f, a, H * dv, dv, MTRL_F32, H);
+    // a[b][h] = W_UV,h c*[b][h]: clusters of nct blocks over dc, bt sequences per block: the
+    // smallest power of 2 that fits all blocks in one wave (one 1024-thread block per SM; a wave
+    // costs the block's chain of latencies, ~10 µs), if shared memory allows
+    const int nct = (int)cdiv(dc, MRG_COLS);
+    int bt = 1;
+    while (bt < MRG_BT && (long long)nct * H * cdiv(B, bt) > c->sms && merge_smem_(nch, dv, 2 * bt) <= c->smem_optin)
+        bt *= 2;
+    const size_t sh_mrg = merge_smem_(nch, dv, bt);
+    MTRL_CUDA_REQUIRE(sh_mrg <= c->smem_optin, "%d splits, dv=%d: the merge needs %zu B of shared memory",
+                      nch, dv, sh_mrg);
+    set_smem(mla_decode_merge_uv_k, sh_mrg);
+    MrgArgs ma;
+    ma.B = B; ma.H = H; ma.dn = dn; ma.dv = dv; ma.dc = dc; ma.nsplit = nch; ma.L = L; ma.bt = bt;
+    ma.ms = v2 ? 1.f : LOG2E_F;
+    ma.seq_len = seq_len; ma.pm = pm; ma.pl = pl; ma.pacc = pacc; ma.W = W_kvb; ma.a = a;
+    mtrl_launch_pdl(mla_decode_merge_uv_k, dim3(nct, H, cdiv(B, bt)), dim3(MRG_T), sh_mrg, c->stream, nct, ma);
+    return 0;
 }
