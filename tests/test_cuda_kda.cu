@@ -328,6 +328,18 @@ static void v3_same_bits_(mtrl_cuda_ctx *ctx, const char *tag, const char *form,
     mtrl_cuda_free(e_o); mtrl_cuda_free(e_Sf); mtrl_cuda_free(e_St);
 }
 
+// v3_same_bits_ in the three forms: training (o, S_final, S_tiles), prefill (o, S_final) and
+// state-only (S_final), each labelled `label`, `label prefill`, `label without o`.
+static void v3_three_forms_(mtrl_cuda_ctx *ctx, const char *tag, const char *label, int T, int H,
+                            const float *const *in, const float *ho, const float *hS, const float *hSt, float *tmp) {
+    char form[64];
+    v3_same_bits_(ctx, tag, label, T, H, in, 1, 1, ho, hS, hSt, tmp);
+    snprintf(form, sizeof form, "%s prefill", label);  // o and S_final, no tile states
+    v3_same_bits_(ctx, tag, form, T, H, in, 1, 0, ho, hS, hSt, tmp);
+    snprintf(form, sizeof form, "%s without o", label);  // the kernel without the output products
+    v3_same_bits_(ctx, tag, form, T, H, in, 0, 0, ho, hS, hSt, tmp);
+}
+
 // Forward v3 against the fp64 reference and against v2 (K = V = 128), in both precisions: bf16
 // (tolerance 1e-2) and bf16x3 (MTRL_KDA3_SPLIT=1: 1e-4, where test_kda_v3_emu.c's emulation of the
 // split gives at most 6.9e-6 on the same kinds of input).
@@ -389,13 +401,23 @@ static void test_chunk_v3(mtrl_cuda_ctx *ctx, int T, int H, int bound) {
             set_env("MTRL_KDA3_WPB", wpbs[i]);
             char form[48];
             snprintf(form, sizeof form, "WPB=%s", wpbs[i]);
-            v3_same_bits_(ctx, tag, form, T, H, in, 1, 1, ho, hS, hSt, tmp);
-            snprintf(form, sizeof form, "WPB=%s prefill", wpbs[i]);  // o and S_final, no tile states
-            v3_same_bits_(ctx, tag, form, T, H, in, 1, 0, ho, hS, hSt, tmp);
-            snprintf(form, sizeof form, "WPB=%s without o", wpbs[i]);  // the kernel without the output products
-            v3_same_bits_(ctx, tag, form, T, H, in, 0, 0, ho, hS, hSt, tmp);
+            v3_three_forms_(ctx, tag, form, T, H, in, ho, hS, hSt, tmp);
             printf("  WPB=%s: o, S_final, S_tiles, prefill and state-only forms bit-identical to the default\n", wpbs[i]);
         }
+        set_env("MTRL_KDA3_WPB", NULL);
+        // the forward in pieces (MTRL_KDA_FWD_PIECES; the default from 256 tiles on at H <= 16: the
+        // prep of later pieces on a second stream beside the state pass, the state handed from piece
+        // to piece in fp32), bit for bit, in the same three forms; 7 pieces with WPB = 2
+        static const char *pcs[] = {"2", "3", "7"};
+        for (int i = 0; i < 3; i++) {
+            set_env("MTRL_KDA_FWD_PIECES", pcs[i]);
+            set_env("MTRL_KDA3_WPB", i == 2 ? "2" : NULL);
+            char form[48];
+            snprintf(form, sizeof form, "%s pieces", pcs[i]);
+            v3_three_forms_(ctx, tag, form, T, H, in, ho, hS, hSt, tmp);
+        }
+        printf("  MTRL_KDA_FWD_PIECES=2, 3, 7: o, S_final, S_tiles, prefill and state-only forms bit-identical to one piece\n");
+        set_env("MTRL_KDA_FWD_PIECES", NULL);
         set_env("MTRL_KDA3_WPB", NULL);
         // the cluster state pass (MTRL_KDA3_CLUSTER: 1 = 8 blocks of 1 warp per head, 4, 2), bit for
         // bit, in the same three forms; MTRL_KDA3_WPB set to a non-default width must not matter
@@ -405,11 +427,7 @@ static void test_chunk_v3(mtrl_cuda_ctx *ctx, int T, int H, int bound) {
             set_env("MTRL_KDA3_WPB", i == 0 ? "1" : NULL);
             char form[48];
             snprintf(form, sizeof form, "CLUSTER=%s", cls[i]);
-            v3_same_bits_(ctx, tag, form, T, H, in, 1, 1, ho, hS, hSt, tmp);
-            snprintf(form, sizeof form, "CLUSTER=%s prefill", cls[i]);
-            v3_same_bits_(ctx, tag, form, T, H, in, 1, 0, ho, hS, hSt, tmp);
-            snprintf(form, sizeof form, "CLUSTER=%s without o", cls[i]);
-            v3_same_bits_(ctx, tag, form, T, H, in, 0, 0, ho, hS, hSt, tmp);
+            v3_three_forms_(ctx, tag, form, T, H, in, ho, hS, hSt, tmp);
             TEST_EQ_INT(kda3_last_state_cluster(), i == 0 ? 8 : atoi(cls[i]));  // the switch took effect
             printf("  MTRL_KDA3_CLUSTER=%s: o, S_final, S_tiles, prefill and state-only forms bit-identical to the default\n",
                    cls[i]);
@@ -422,6 +440,16 @@ static void test_chunk_v3(mtrl_cuda_ctx *ctx, int T, int H, int bound) {
             TEST_EQ_INT(mtrl_kda_chunk_fwd(ctx, T, H, K, V, d_q, d_k, d_v, d_g, d_b, NULL, z_o, z_Sf, NULL), 0);
             mtrl_cuda_sync(ctx);
             check_fwd_(tag, " (S0 = 0)", z_o, z_Sf, NULL, o0, Sf0, NULL, nv, ns, 0, tol, got);
+            // in 3 pieces: the first starts from zero, the others from the state handed on
+            float *zo = (float *)malloc(sizeof(float) * nv);
+            mtrl_cuda_download(zo, z_o, sizeof(float) * nv);
+            set_env("MTRL_KDA_FWD_PIECES", "3");
+            TEST_EQ_INT(mtrl_kda_chunk_fwd(ctx, T, H, K, V, d_q, d_k, d_v, d_g, d_b, NULL, z_o, z_Sf, NULL), 0);
+            mtrl_cuda_sync(ctx);
+            set_env("MTRL_KDA_FWD_PIECES", NULL);
+            mtrl_cuda_download(tmp, z_o, sizeof(float) * nv);
+            TEST_CHECKF(same_bits(tmp, zo, nv), "%s (S0 = 0) in 3 pieces: o not bit-identical to one piece", tag);
+            free(zo);
             mtrl_cuda_free(z_o); mtrl_cuda_free(z_Sf);
         }
         // against v2

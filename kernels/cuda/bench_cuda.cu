@@ -179,6 +179,18 @@ void bench_kda(Bench &B, int T, int H) {
         // SIMT) and v3 with plain bf16 operands (MTRL_KDA3_SPLIT=0) at each block width
         // (MTRL_KDA3_WPB: warps of 16 value columns per block; default 4)
         double m2 = 0, m4 = 0;
+        {
+            // the default in one piece and in 4 (MTRL_KDA_FWD_PIECES; default: up to 8 from 256
+            // tiles on at H <= 16, the prep of later pieces beside the state pass)
+            static const char *pcs[] = {"1", "4"};
+            for (const char *pc : pcs) {
+                scoped_env pieces("MTRL_KDA_FWD_PIECES", pc);
+                double mp = time_ms(B, [&] { mtrl_kda_chunk_fwd(B.c, T, H, K, V, q, k, v, g, beta, NULL, o, Sf, NULL); });
+                snprintf(what, sizeof what, "  default, MTRL_KDA_FWD_PIECES=%s", pc);
+                row(what, shape, mp, flops, "TFLOP/s", B.gemm_tflops);
+                printf("%-34s %-34s default / MTRL_KDA_FWD_PIECES=%s time %.3f\n", "", "", pc, ms / mp);
+            }
+        }
         if (!B.kda_fwd_only) {
             scoped_env fwd("MTRL_KDA_FWD", "2");
             m2 = time_ms(B, [&] { mtrl_kda_chunk_fwd(B.c, T, H, K, V, q, k, v, g, beta, NULL, o, Sf, NULL); });

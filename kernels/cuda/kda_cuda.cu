@@ -26,7 +26,8 @@
 // accumulators, for K = V = 128 (16-byte aligned q, k, v, g): THE DEFAULT there since 2026-11-30,
 // with split-bf16 operands (bf16x3, ~16 significant bits). On an H200 it passed every gpu test
 // (test_cuda_kda's v3 cases at 1e-4 of fp64, measured 7.3e-6; test_cuda_model, 280 checks, with
-// it) and took 0.56x v2's time at T = 8K..256K, H = 16 (docs/perf.md). MTRL_KDA_FWD=2 in the
+// it) and took 0.56x v2's time at T = 8K..256K, H = 16 (docs/perf.md); from 256 tiles on at
+// H <= 16 its prep runs in pieces beside the state pass (kda3_fwd_pieces_). MTRL_KDA_FWD=2 in the
 // environment (read at each call) forces v2, the kernels above (fp32 SIMT; every other shape
 // runs it). MTRL_KDA3_SPLIT=0 runs v3 with plain bf16 operands (0.39x v2's time): it passes its
 // kernel tests at 1e-2 but not the model's (segmented vs whole gradients 0.56 relative at 64K,

@@ -99,7 +99,8 @@ struct PrepCfg {
 };
 
 template <bool X>
-__global__ void __launch_bounds__(128) kda3_prep_k(int T, int H, int nt, const float *__restrict__ q,
+__global__ void __launch_bounds__(128) kda3_prep_k(int T, int H, int nt, int n_lo, int n_hi,
+                                                   const float *__restrict__ q,
                                                    const float *__restrict__ k,
                                                    const float *__restrict__ v,
                                                    const float *__restrict__ g,
@@ -109,8 +110,8 @@ __global__ void __launch_bounds__(128) kda3_prep_k(int T, int H, int nt, const f
     constexpr int LO = PrepCfg<X>::LO;  // lo planes in shared memory (elements)
     extern __shared__ __align__(16) unsigned char sm3_[];
     const int lane = threadIdx.x & 31, w = threadIdx.x >> 5;
-    const int n = blockIdx.x * 4 + w, h = blockIdx.y;
-    if (n >= nt) return;  // no block barriers in this kernel
+    const int n = n_lo + blockIdx.x * 4 + w, h = blockIdx.y;  // tiles n_lo .. n_hi - 1 of nt
+    if (n >= n_hi) return;  // no block barriers in this kernel
     uint16_t *sKp = reinterpret_cast<uint16_t *>(sm3_ + w * PrepCfg<X>::WARP_BYTES);
     uint16_t *sQh = sKp + C3 * LD3, *sKm = sQh + C3 * LD3, *sBK = sKm + C3 * LD3,
              *sBV = sBK + C3 * LD3;
@@ -399,7 +400,7 @@ _Pragma("unroll")                                                               
 
 template <int WPB, bool WO, bool X>
 __global__ void __launch_bounds__(32 * WPB, 1)
-    kda3_state_k(int T, int H, int nt, const unsigned char *__restrict__ rec,
+    kda3_state_k(int T, int H, int nt, int n_lo, int n_hi, const unsigned char *__restrict__ rec,
                  const float *S0, float *__restrict__ o, float *S_final,
                  float *__restrict__ S_tiles) {
     using Cf = StCfg<WPB, X>;
@@ -423,7 +424,7 @@ __global__ void __launch_bounds__(32 * WPB, 1)
     };
 #pragma unroll 1
     for (int s = 0; s < NST3 - 1; s++) {
-        if (s < nt) issue(s);
+        if (n_lo + s < n_hi) issue(n_lo + s);
         cp_async_commit();  // empty groups keep the count uniform
     }
 
@@ -431,10 +432,10 @@ __global__ void __launch_bounds__(32 * WPB, 1)
     KDA3_STATE_LOAD_(st, S0, h, j0, gq, tq);
 
 #pragma unroll 1
-    for (int n = 0; n < nt; n++) {
+    for (int n = n_lo; n < n_hi; n++) {
         cp_async_wait<NST3 - 2>();  // tile n's group has landed (this thread's copies)
         __syncthreads();            // everyone's copies visible; everyone is done with tile n - 1
-        if (n + NST3 - 1 < nt) issue(n + NST3 - 1);  // into tile n - 1's stage
+        if (n + NST3 - 1 < n_hi) issue(n + NST3 - 1);  // into tile n - 1's stage
         cp_async_commit();
         const unsigned char *sb = sm3_ + (n % NST3) * Cf::STAGE;
         const uint16_t *sW = reinterpret_cast<const uint16_t *>(sb + Cf::SW),
@@ -451,19 +452,19 @@ __global__ void __launch_bounds__(32 * WPB, 1)
 
 
 template <int WPB, bool WO, bool X>
-void launch_state3_(mtrl_cuda_ctx *c, int T, int H, int nt, const unsigned char *rec,
+void launch_state3_(mtrl_cuda_ctx *c, int T, int H, int nt, int n_lo, int n_hi, const unsigned char *rec,
                     const float *S0, float *o, float *S_final, float *S_tiles) {
     const size_t sh = StCfg<WPB, X>::smem();
     set_smem(kda3_state_k<WPB, WO, X>, sh);
-    kda3_state_k<WPB, WO, X><<<dim3(V3 / (16 * WPB), H), 32 * WPB, sh, c->stream>>>(T, H, nt, rec, S0, o,
-                                                                                  S_final, S_tiles);
+    kda3_state_k<WPB, WO, X><<<dim3(V3 / (16 * WPB), H), 32 * WPB, sh, c->stream>>>(T, H, nt, n_lo, n_hi, rec,
+                                                                                  S0, o, S_final, S_tiles);
     CUDA_LAUNCH_CHECK();
 }
 template <int WPB, bool X>
-void launch_state3_wo_(mtrl_cuda_ctx *c, int T, int H, int nt, const unsigned char *rec,
+void launch_state3_wo_(mtrl_cuda_ctx *c, int T, int H, int nt, int n_lo, int n_hi, const unsigned char *rec,
                        const float *S0, float *o, float *S_final, float *S_tiles) {
-    if (o) launch_state3_<WPB, true, X>(c, T, H, nt, rec, S0, o, S_final, S_tiles);
-    else launch_state3_<WPB, false, X>(c, T, H, nt, rec, S0, o, S_final, S_tiles);
+    if (o) launch_state3_<WPB, true, X>(c, T, H, nt, n_lo, n_hi, rec, S0, o, S_final, S_tiles);
+    else launch_state3_<WPB, false, X>(c, T, H, nt, n_lo, n_hi, rec, S0, o, S_final, S_tiles);
 }
 
 // ---- pass 2, cluster form (opt-in: MTRL_KDA3_CLUSTER=1) -------------------------------------------
@@ -707,22 +708,25 @@ inline int env_cluster_() {
     return 0;
 }
 
-// The prep (one record per head and tile into rec) and the state pass over the records, at one
-// precision (X: bf16x3).
+// The prep (one record per head and tile into rec) over tiles n_lo .. n_hi - 1 on `stream`, and
+// the state pass over the records of tiles n_lo .. n_hi - 1 (S0: the state entering tile n_lo,
+// S_final: the one leaving tile n_hi - 1), at one precision (X: bf16x3). The cluster form takes
+// whole sequences only (n_lo = 0, n_hi = nt).
 template <bool X>
-void kda3_prep_(mtrl_cuda_ctx *c, int T, int H, const float *q, const float *k, const float *v,
-                const float *g, const float *beta, unsigned char *rec) {
+void kda3_prep_(mtrl_cuda_ctx *c, cudaStream_t stream, int T, int H, int n_lo, int n_hi, const float *q,
+                const float *k, const float *v, const float *g, const float *beta, unsigned char *rec) {
     const int nt = (T + C3 - 1) / C3;
     const size_t shp = 4 * (size_t)PrepCfg<X>::WARP_BYTES;
     set_smem(kda3_prep_k<X>, shp);
-    kda3_prep_k<X><<<dim3((nt + 3) / 4, H), 128, shp, c->stream>>>(T, H, nt, q, k, v, g, beta, rec);
+    kda3_prep_k<X><<<dim3((n_hi - n_lo + 3) / 4, H), 128, shp, stream>>>(T, H, nt, n_lo, n_hi, q, k, v, g,
+                                                                        beta, rec);
     CUDA_LAUNCH_CHECK();
 }
 template <bool X>
-void kda3_state_(mtrl_cuda_ctx *c, int T, int H, const unsigned char *rec, const float *S0, float *o,
-                 float *S_final, float *S_tiles) {
+void kda3_state_(mtrl_cuda_ctx *c, int T, int H, int n_lo, int n_hi, const unsigned char *rec, const float *S0,
+                 float *o, float *S_final, float *S_tiles) {
     const int nt = (T + C3 - 1) / C3;
-    kda3_last_cluster_ = env_cluster_();
+    kda3_last_cluster_ = n_lo == 0 && n_hi == nt ? env_cluster_() : 0;
     switch (kda3_last_cluster_) {  // opt-in: MTRL_KDA3_CLUSTER (then MTRL_KDA3_WPB is not read)
     case 8: launch_state3_cl_wo_<8, X>(c, T, H, nt, rec, S0, o, S_final, S_tiles); return;
     case 4: launch_state3_cl_wo_<4, X>(c, T, H, nt, rec, S0, o, S_final, S_tiles); return;
@@ -730,10 +734,10 @@ void kda3_state_(mtrl_cuda_ctx *c, int T, int H, const unsigned char *rec, const
     default: break;
     }
     switch (env_wpb_()) {
-    case 1: launch_state3_wo_<1, X>(c, T, H, nt, rec, S0, o, S_final, S_tiles); break;
-    case 2: launch_state3_wo_<2, X>(c, T, H, nt, rec, S0, o, S_final, S_tiles); break;
-    case 8: launch_state3_wo_<8, X>(c, T, H, nt, rec, S0, o, S_final, S_tiles); break;
-    default: launch_state3_wo_<4, X>(c, T, H, nt, rec, S0, o, S_final, S_tiles); break;
+    case 1: launch_state3_wo_<1, X>(c, T, H, nt, n_lo, n_hi, rec, S0, o, S_final, S_tiles); break;
+    case 2: launch_state3_wo_<2, X>(c, T, H, nt, n_lo, n_hi, rec, S0, o, S_final, S_tiles); break;
+    case 8: launch_state3_wo_<8, X>(c, T, H, nt, n_lo, n_hi, rec, S0, o, S_final, S_tiles); break;
+    default: launch_state3_wo_<4, X>(c, T, H, nt, n_lo, n_hi, rec, S0, o, S_final, S_tiles); break;
     }
 }
 
@@ -760,25 +764,74 @@ int kda3_cluster_max_active(int cl, int split) {
 }
 
 size_t kda3_rec_bytes(int split) { return split ? Rec<true>::BYTES : Rec<false>::BYTES; }
+static void kda3_prep_range_(mtrl_cuda_ctx *c, cudaStream_t stream, int T, int H, int n_lo, int n_hi,
+                             const float *q, const float *k, const float *v, const float *g,
+                             const float *beta, unsigned char *rec, int split) {
+    if (split) kda3_prep_<true>(c, stream, T, H, n_lo, n_hi, q, k, v, g, beta, rec);
+    else kda3_prep_<false>(c, stream, T, H, n_lo, n_hi, q, k, v, g, beta, rec);
+}
+static void kda3_state_range_(mtrl_cuda_ctx *c, int T, int H, int n_lo, int n_hi, const unsigned char *rec,
+                              const float *S0, float *o, float *S_final, float *S_tiles, int split) {
+    if (split) kda3_state_<true>(c, T, H, n_lo, n_hi, rec, S0, o, S_final, S_tiles);
+    else kda3_state_<false>(c, T, H, n_lo, n_hi, rec, S0, o, S_final, S_tiles);
+}
+
+// Pieces of the v3 forward: the state pass runs 2H blocks (K = V = 128, 4 warps each) over the
+// tiles in sequence and leaves the other SMs idle; the prep of the next pieces runs there, on GEMM
+// lane 1, ahead of it. The forward then takes about prep / pieces + state instead of prep + state
+// (an H200 at 64K, H = 16, bf16x3: prep 2.4 ms, state 6.2 ms). It pays while the state pass holds
+// at most a quarter of the SMs (H <= 16 on 132 SMs). Pieces of at least 128 tiles, at most 8 (at
+// 8K, H = 16: 4 pieces 0.872 / 0.947 ms, 2 pieces 0.934 / 1.058 ms, one 1.061 / 1.074 ms in two
+// calls; experiments/results/2026-12-01-kda-fwd-pieces/).
+// MTRL_KDA_FWD_PIECES=N in the environment (read at each call) forces N (1: one piece), for the
+// benchmarks and tests; the cluster form (MTRL_KDA3_CLUSTER) runs one piece.
+static int kda3_fwd_pieces_(const mtrl_cuda_ctx *c, int H, int nt) {
+    const char *e = getenv("MTRL_KDA_FWD_PIECES");
+    int n = e && *e ? atoi(e) : (4 * H <= c->sms ? nt / 128 : 1);
+    if (env_cluster_()) n = 1;
+    n = n > 8 ? 8 : n;
+    n = n > nt ? nt : n;
+    return n < 1 ? 1 : n;
+}
+
 void kda3_prep_launch(mtrl_cuda_ctx *c, int T, int H, const float *q, const float *k, const float *v,
                       const float *g, const float *beta, unsigned char *rec, int split) {
-    if (split) kda3_prep_<true>(c, T, H, q, k, v, g, beta, rec);
-    else kda3_prep_<false>(c, T, H, q, k, v, g, beta, rec);
+    kda3_prep_range_(c, c->stream, T, H, 0, (T + C3 - 1) / C3, q, k, v, g, beta, rec, split);
 }
 void kda3_state_fwd_launch(mtrl_cuda_ctx *c, int T, int H, const unsigned char *rec, const float *S0,
                            float *o, float *S_final, float *S_tiles, int split) {
-    if (split) kda3_state_<true>(c, T, H, rec, S0, o, S_final, S_tiles);
-    else kda3_state_<false>(c, T, H, rec, S0, o, S_final, S_tiles);
+    kda3_state_range_(c, T, H, 0, (T + C3 - 1) / C3, rec, S0, o, S_final, S_tiles, split);
 }
 
 // The v3 forward (T >= 1; shapes checked by kda3_supports); bf16x3 unless MTRL_KDA3_SPLIT=0. The
-// records live at the start of the context's scratch.
+// records live at the start of the context's scratch, then (pieces > 1) the state between pieces
+// [H][K][V]: each warp reads its columns of it first and writes them last, so one buffer serves
+// every boundary, and the pieces give the same bits as one.
 int kda3_chunk_fwd(mtrl_cuda_ctx *c, int T, int H, const float *q, const float *k,
                    const float *v, const float *g, const float *beta, const float *S0, float *o,
                    float *S_final, float *S_tiles) {
     const int split = !env_is("MTRL_KDA3_SPLIT", "0"), nt = (T + C3 - 1) / C3;
-    unsigned char *rec = (unsigned char *)mtrl_ctx_scratch(c, (size_t)H * nt * kda3_rec_bytes(split));
-    kda3_prep_launch(c, T, H, q, k, v, g, beta, rec, split);
-    kda3_state_fwd_launch(c, T, H, rec, S0, o, S_final, S_tiles, split);
+    const int np = kda3_fwd_pieces_(c, H, nt);
+    ws_carver sz{nullptr, 0};
+    sz.take<unsigned char>((size_t)H * nt * kda3_rec_bytes(split));
+    if (np > 1) sz.take<float>((size_t)H * K3 * V3);
+    ws_carver cv{(char *)mtrl_ctx_scratch(c, sz.off), 0};
+    unsigned char *rec = cv.take<unsigned char>((size_t)H * nt * kda3_rec_bytes(split));
+    if (np <= 1) {
+        kda3_prep_range_(c, c->stream, T, H, 0, nt, q, k, v, g, beta, rec, split);
+        kda3_state_range_(c, T, H, 0, nt, rec, S0, o, S_final, S_tiles, split);
+        return 0;
+    }
+    float *smid = cv.take<float>((size_t)H * K3 * V3);
+    auto bound = [&](int p) { return (int)((long)nt * p / np); };
+    kda3_prep_range_(c, c->stream, T, H, 0, bound(1), q, k, v, g, beta, rec, split);
+    mtrl_ctx_lanes_fork(c, 2);
+    cudaStream_t side = mtrl_ctx_lane_stream(c, 1);
+    for (int p = 0; p < np; p++) {
+        if (p + 1 < np) kda3_prep_range_(c, side, T, H, bound(p + 1), bound(p + 2), q, k, v, g, beta, rec, split);
+        kda3_state_range_(c, T, H, bound(p), bound(p + 1), rec, p == 0 ? S0 : smid, o,
+                          p == np - 1 ? S_final : smid, S_tiles, split);
+        if (p + 1 < np) mtrl_ctx_lanes_join(c, 2);  // the next state piece waits for its records
+    }
     return 0;
 }
