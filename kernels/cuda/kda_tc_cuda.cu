@@ -779,15 +779,15 @@ static void kda3_state_range_(mtrl_cuda_ctx *c, int T, int H, int n_lo, int n_hi
 // Pieces of the v3 forward: the state pass runs 2H blocks (K = V = 128, 4 warps each) over the
 // tiles in sequence and leaves the other SMs idle; the prep of the next pieces runs there, on GEMM
 // lane 1, ahead of it. The forward then takes about prep / pieces + state instead of prep + state
-// (an H200 at 64K, H = 16, bf16x3: prep 2.4 ms, state 6.2 ms). It pays while the state pass holds
-// at most a quarter of the SMs (H <= 16 on 132 SMs). Pieces of at least 128 tiles, at most 8 (at
-// 8K, H = 16: 4 pieces 0.872 / 0.947 ms, 2 pieces 0.934 / 1.058 ms, one 1.061 / 1.074 ms in two
-// calls; experiments/results/2026-12-01-kda-fwd-pieces/).
+// (an H200 at 64K, H = 16, bf16x3: prep 2.4 ms, state 6.2 ms). Taken while the state pass's 2H
+// blocks hold at most a quarter of the SMs (H <= 16 on 132 SMs; measured at H = 8 and 16). Pieces
+// of at least 128 tiles, at most 8 (at 8K, H = 16: 4 pieces 0.872 / 0.947 ms, 2 pieces 0.934 /
+// 1.058 ms, one 1.061 / 1.074 ms in two calls; experiments/results/2026-12-01-kda-fwd-pieces/).
 // MTRL_KDA_FWD_PIECES=N in the environment (read at each call) forces N (1: one piece), for the
 // benchmarks and tests; the cluster form (MTRL_KDA3_CLUSTER) runs one piece.
 static int kda3_fwd_pieces_(const mtrl_cuda_ctx *c, int H, int nt) {
     const char *e = getenv("MTRL_KDA_FWD_PIECES");
-    int n = e && *e ? atoi(e) : (4 * H <= c->sms ? nt / 128 : 1);
+    int n = e && *e ? atoi(e) : (8 * H <= c->sms ? nt / 128 : 1);
     if (env_cluster_()) n = 1;
     n = n > 8 ? 8 : n;
     n = n > nt ? nt : n;
