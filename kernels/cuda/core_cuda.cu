@@ -158,9 +158,13 @@ extern "C" int mtrl_gemm(mtrl_cuda_ctx *c, int ta, int tb, int M, int N, int K, 
 
 int mtrl_ctx_lanes(const mtrl_cuda_ctx *c) {
     (void)c;
-    const char *e = getenv("MTRL_MOE_LANES");
-    int n = e && *e ? atoi(e) : MTRL_CTX_LANES;
-    return n < 1 ? 1 : n > MTRL_CTX_LANES ? MTRL_CTX_LANES : n;
+    return env_count("MTRL_MOE_LANES", MTRL_CTX_LANES, 1, MTRL_CTX_LANES);
+}
+
+// Lanes lo .. hi-1 wait for the work queued on the context's stream so far.
+static void lanes_wait_stream_(mtrl_cuda_ctx *c, int lo, int hi) {
+    CUDA_CHECK(cudaEventRecord(c->lane_ev[0], c->stream));
+    for (int i = lo; i < hi; i++) CUDA_CHECK(cudaStreamWaitEvent(c->lane_stream[i], c->lane_ev[0], 0));
 }
 
 void mtrl_ctx_lanes_fork(mtrl_cuda_ctx *c, int n) {
@@ -174,8 +178,7 @@ void mtrl_ctx_lanes_fork(mtrl_cuda_ctx *c, int n) {
         }
         c->lanes_made = 1;
     }
-    CUDA_CHECK(cudaEventRecord(c->lane_ev[0], c->stream));
-    for (int i = 1; i < n; i++) CUDA_CHECK(cudaStreamWaitEvent(c->lane_stream[i], c->lane_ev[0], 0));
+    lanes_wait_stream_(c, 1, n);
 }
 
 void mtrl_ctx_lanes_join(mtrl_cuda_ctx *c, int n) {
@@ -188,8 +191,7 @@ void mtrl_ctx_lanes_join(mtrl_cuda_ctx *c, int n) {
 void mtrl_ctx_lane_after(mtrl_cuda_ctx *c, int lane) {
     lane %= MTRL_CTX_LANES;
     if (lane == 0 || !c->lanes_made) return;
-    CUDA_CHECK(cudaEventRecord(c->lane_ev[0], c->stream));
-    CUDA_CHECK(cudaStreamWaitEvent(c->lane_stream[lane], c->lane_ev[0], 0));
+    lanes_wait_stream_(c, lane, lane + 1);
 }
 
 cudaStream_t mtrl_ctx_lane_stream(const mtrl_cuda_ctx *c, int lane) {

@@ -114,6 +114,14 @@ static inline int env_is(const char *name, const char *value) {
     const char *e = getenv(name);
     return e && !strcmp(e, value);
 }
+// A count knob read at each call: the environment variable `name` as an integer when it is set
+// and not empty, else `dflt`; either clamped to [lo, hi] (lo when hi < lo).
+static inline int env_count(const char *name, int dflt, int lo, int hi) {
+    const char *e = getenv(name);
+    int n = e && *e ? atoi(e) : dflt;
+    n = n > hi ? hi : n;
+    return n < lo ? lo : n;
+}
 
 // ---- device helpers -------------------------------------------------------------------------
 __device__ __forceinline__ float warp_sum(float v) {

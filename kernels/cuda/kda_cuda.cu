@@ -1127,11 +1127,7 @@ void kda3_state_bwd_launch(mtrl_cuda_ctx *c, int T, int H, int n_lo, int n_hi, c
 // tiles, at most 8. MTRL_KDA_BWD_PIECES=N in the environment (read at each call) forces N (1: no
 // overlap), for the benchmarks and tests.
 static int kda_bwd_pieces_(const mtrl_cuda_ctx *c, int H, int nt) {
-    const char *e = getenv("MTRL_KDA_BWD_PIECES");
-    int n = e && *e ? atoi(e) : (2 * H <= c->sms / 8 ? nt / 256 : 1);
-    n = n > 8 ? 8 : n;
-    n = n > nt ? nt : n;
-    return n < 1 ? 1 : n;
+    return env_count("MTRL_KDA_BWD_PIECES", 2 * H <= c->sms / 8 ? nt / 256 : 1, 1, nt < 8 ? nt : 8);
 }
 
 extern "C" int mtrl_kda_chunk_bwd_version(int H, int K, int V) {

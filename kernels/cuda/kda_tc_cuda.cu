@@ -786,12 +786,8 @@ static void kda3_state_range_(mtrl_cuda_ctx *c, int T, int H, int n_lo, int n_hi
 // MTRL_KDA_FWD_PIECES=N in the environment (read at each call) forces N (1: one piece), for the
 // benchmarks and tests; the cluster form (MTRL_KDA3_CLUSTER) runs one piece.
 static int kda3_fwd_pieces_(const mtrl_cuda_ctx *c, int H, int nt) {
-    const char *e = getenv("MTRL_KDA_FWD_PIECES");
-    int n = e && *e ? atoi(e) : (8 * H <= c->sms ? nt / 128 : 1);
-    if (env_cluster_()) n = 1;
-    n = n > 8 ? 8 : n;
-    n = n > nt ? nt : n;
-    return n < 1 ? 1 : n;
+    if (env_cluster_()) return 1;
+    return env_count("MTRL_KDA_FWD_PIECES", 8 * H <= c->sms ? nt / 128 : 1, 1, nt < 8 ? nt : 8);
 }
 
 void kda3_prep_launch(mtrl_cuda_ctx *c, int T, int H, const float *q, const float *k, const float *v,

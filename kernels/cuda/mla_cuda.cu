@@ -1217,9 +1217,10 @@ static size_t absorb_smem_(int dn) {
 // qt[b][h] = [q^n_{b,h} W_UK,h ; q^r_{b,h}] (fp32; model.md §3). grid (H ceil(dc / 32),
 // ceil(B / 16)), 256 threads. Thread (slice sl, column c) sums n in slice sl of dn (dnp / 8
 // values, 4 at a time: one float4 of each sequence's q^n from shared memory per 4 products) for
-// the block's nb <= 16 sequences; W_UK,h is read once per block, coalesced, 16 loads in flight. The 8 slice sums are
-// added in slice order (deterministic). The first column tile's blocks also copy the rope slice
-// q^r. One launch instead of a cuBLAS batched GEMM plus a copy (docs/kernel-lab.md).
+// the block's nb <= 16 sequences; W_UK,h is read once per block, coalesced, 16 loads in flight.
+// The 8 slice sums are added in slice order (deterministic). The first column tile's blocks also
+// copy the rope slice q^r. One launch instead of a cuBLAS batched GEMM plus a copy
+// (docs/kernel-lab.md).
 __global__ void __launch_bounds__(256, 2) mla_absorb_q_k(int B, int H, int dn, int dr, int dv, int dc,
                                                       const float *q, const float *W, float *qt) {
     extern __shared__ __align__(16) float abs_sm[];  // sq [ABS_BT][dnp], part [ABS_NS-1][ABS_BT][ABS_COLS]
