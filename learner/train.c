@@ -66,8 +66,9 @@ static void seq_batch_free_(seq_batch *s) {
 }
 
 // The segment length of a step: [model] segment, or with 0 the memory planner's choice for this
-// batch on the model's device (common/model/model_plan.h): segment 0 itself when it keeps every
-// activation within the free memory (no recompute), else the largest multiple of 64 that fits.
+// batch on the model's device (common/model/model_plan.h): the largest multiple of 64 that fits,
+// which is also how many tokens of short episodes one unit of mtrl_model_train packs (model.h:
+// each unit's backward follows its forward, so only episodes longer than it are recomputed).
 // A batch that fits at no segment stops the learner with the planner's message.
 static int segment_of_(const mtrl_model *m, const mtrl_config *cfg, const mtrl_batch *b) {
     if (cfg->model.segment > 0) return (int)cfg->model.segment;
@@ -75,13 +76,12 @@ static int segment_of_(const mtrl_model *m, const mtrl_config *cfg, const mtrl_b
     mtrl_error err;
     mtrl_status st = mtrl_model_plan_batch(&p, m, b, &err);
     MTRL_CHECKF(st == MTRL_OK, "learner: %s (set [model] segment, or fewer or shorter episodes per step)", err.msg);
-    int seg = p.keep ? 0 : p.segment;
     static int last = -1;
-    if (seg != last && p.segment < p.tokens)
+    if (p.segment != last && p.segment < p.tokens)
         LOG_INFO("learner: segment %d for %d episodes of up to %ld tokens (planned %.2f GiB of %.2f GiB)", p.segment,
                  p.seqs, p.tokens, (double)p.total / (1 << 30), (double)p.budget / (1 << 30));
-    last = seg;
-    return seg;
+    last = p.segment;
+    return p.segment;
 }
 
 // QB after the step (model.md §4.3); with [learner] qb off β stays and only the step's
@@ -91,6 +91,45 @@ static void qb_after_step_(mtrl_model *m, const mtrl_config *cfg) {
     if (!cfg->learner.qb) m->qb_frozen = 1;
     mtrl_model_qb_apply(m);
     m->qb_frozen = frozen;
+}
+
+// The per-token arrays of an RL step (token j of an episode predicted at position j - 1) and
+// what the loss of one unit of mtrl_model_train needs to run on its episodes alone.
+typedef struct rl_loss {
+    const mtrl_algo_config *a;
+    const size_t *off;                  // [n+1] token offsets of the episodes
+    float *logp, *logp_old, *behav, *ent, *adv, *dlogp, *dent;
+    const uint8_t *mask;
+    double token_denom, seq_denom;      // the whole batch's (algo.h: a unit's loss is its share)
+} rl_loss;
+
+// mtrl_model_loss_fn of an RL step: episodes i0 .. i0+n-1 have their log-probs; their share of
+// the batch's policy loss gives their dlogp (and dentropy) per position.
+static void rl_loss_unit_(void *user, int i0, int n, const real *logp_pos, const real *ent_pos, real *dlp, real *dep) {
+    rl_loss *r = user;
+    size_t o0 = r->off[i0];
+    size_t *loff = xmalloc(sizeof(size_t) * (size_t)(n + 1));
+    for (int k = 0; k <= n; k++) loff[k] = r->off[i0 + k] - o0;
+    for (int i = i0; i < i0 + n; i++)
+        for (size_t j = r->off[i] + 1; j < r->off[i + 1]; j++) {
+            r->logp[j] = (float)logp_pos[j - 1];
+            r->ent[j] = (float)ent_pos[j - 1];
+        }
+    // π_old = the learner's own log-prob now (a detached copy).
+    memcpy(r->logp_old + o0, r->logp + o0, sizeof(float) * loff[n]);
+    mtrl_algo_batch ab = {(size_t)n, loff, r->logp + o0, r->logp_old + o0, r->behav + o0, r->adv + o0, r->mask + o0,
+                          r->ent + o0, r->token_denom, r->seq_denom};
+    mtrl_algo_stats as;
+    double loss = 0;
+    mtrl_status s = mtrl_algo_policy_loss(r->a, &ab, &loss, r->dlogp + o0, r->dent + o0, &as);
+    MTRL_CHECKF(s == MTRL_OK, "policy loss refused a well-formed batch");
+    // Back to per-position gradients.
+    for (int i = i0; i < i0 + n; i++)
+        for (size_t j = r->off[i] + 1; j < r->off[i + 1]; j++) {
+            dlp[j - 1] = r->dlogp[j];
+            if (dep) dep[j - 1] = r->dent[j];
+        }
+    free(loff);
 }
 
 void mtrl_train_rl_step(mtrl_model *m, const mtrl_config *cfg, const mtrl_algo_config *a, mtrl_traj *const *eps, int n,
@@ -103,25 +142,19 @@ void mtrl_train_rl_step(mtrl_model *m, const mtrl_config *cfg, const mtrl_algo_c
     seq_batch_init_(&sb, eps, n, m);
     size_t T = sb.total;
     real *logp_pos = xcalloc(T + 1, sizeof(real)), *ent_pos = xcalloc(T + 1, sizeof(real));
-    m->replay_routing = cfg->algo.routing_replay && sb.b.routing != NULL;
-    mtrl_model_forward(m, &sb.b, segment_of_(m, cfg, &sb.b), logp_pos, ent_pos, NULL);
-    // Per-token arrays (token j predicted at position j - 1).
     float *logp = xcalloc(T + 1, sizeof(float)), *behav = xcalloc(T + 1, sizeof(float));
     float *ent = xcalloc(T + 1, sizeof(float)), *adv = xcalloc(T + 1, sizeof(float));
     float *dlogp = xcalloc(T + 1, sizeof(float)), *dent = xcalloc(T + 1, sizeof(float));
+    float *logp_old = xcalloc(T + 1, sizeof(float));
     uint8_t *mask = xcalloc(T + 1, 1);
     size_t *off = xmalloc(sizeof(size_t) * (size_t)(n + 1));
     double *rew = xmalloc(sizeof(double) * (size_t)(n ? n : 1)), *adv_ep = xmalloc(sizeof(double) * (size_t)(n ? n : 1));
-    size_t o = 0;
+    size_t o = 0, n_mask = 0;
     double stale_sum = 0;
     for (int i = 0; i < n; i++) {
         const mtrl_traj *t = eps[i];
         off[i] = o;
         for (uint64_t j = 0; j < t->n_tokens; j++) {
-            if (j > 0) {
-                logp[o + j] = (float)logp_pos[o + j - 1];
-                ent[o + j] = (float)ent_pos[o + j - 1];
-            }
             behav[o + j] = t->logprob[j];
             // Overlong filtering (DAPO): a truncated episode's tokens carry no loss.
             mask[o + j] = j > 0 && t->kind[j] == MTRL_TOK_MODEL &&
@@ -130,6 +163,7 @@ void mtrl_train_rl_step(mtrl_model *m, const mtrl_config *cfg, const mtrl_algo_c
                 double s = (double)m->version - (double)t->version[j];
                 stale_sum += s;
                 if (s > st->staleness_max) st->staleness_max = s;
+                n_mask++;
             }
         }
         o += t->n_tokens;
@@ -159,23 +193,20 @@ void mtrl_train_rl_step(mtrl_model *m, const mtrl_config *cfg, const mtrl_algo_c
         st->groups++;
     }
     mtrl_algo_advantages_broadcast(adv_ep, off, (size_t)n, adv);
-    // π_old = the learner's own log-prob now (a detached copy).
-    float *logp_old = xmalloc(sizeof(float) * (T + 1));
-    memcpy(logp_old, logp, sizeof(float) * (T + 1));
+    // Forward, loss and backward unit by unit (model.h mtrl_model_train), each unit's loss with
+    // the whole batch's denominators, so the gradients add up to the batch's.
+    rl_loss rl = {a, off, logp, logp_old, behav, ent, adv, dlogp, dent, mask, (double)n_mask, (double)n};
+    real *dlp = xcalloc(T + 1, sizeof(real)), *dep = xcalloc(T + 1, sizeof(real));
+    m->replay_routing = cfg->algo.routing_replay && sb.b.routing != NULL;
+    mtrl_model_zero_grads(m);
+    mtrl_model_train(m, &sb.b, segment_of_(m, cfg, &sb.b), logp_pos, ent_pos, dlp, a->entropy_coef != 0 ? dep : NULL,
+                     rl_loss_unit_, &rl);
+    // The step's loss and statistics over the whole batch (the gradients are the units' already).
     mtrl_algo_batch ab = {(size_t)n, off, logp, logp_old, behav, adv, mask, ent, 0, 0};
     mtrl_algo_stats as;
     double loss = 0;
     mtrl_status s = mtrl_algo_policy_loss(a, &ab, &loss, dlogp, dent, &as);
     MTRL_CHECKF(s == MTRL_OK, "policy loss refused a well-formed batch");
-    // Back to per-position gradients.
-    real *dlp = xcalloc(T + 1, sizeof(real)), *dep = xcalloc(T + 1, sizeof(real));
-    for (int i = 0; i < n; i++)
-        for (size_t j = off[i] + 1; j < off[i + 1]; j++) {
-            dlp[j - 1] = dlogp[j];
-            dep[j - 1] = dent[j];
-        }
-    mtrl_model_zero_grads(m);
-    mtrl_model_backward(m, &sb.b, dlp, a->entropy_coef != 0 ? dep : NULL);
     st->grad_norm = mtrl_model_optimizer_step(m, (real)cfg->learner.lr, (real)cfg->learner.beta1, (real)cfg->learner.beta2,
                                               (real)cfg->learner.eps, (real)cfg->learner.weight_decay,
                                               (real)cfg->learner.grad_clip);
@@ -211,6 +242,28 @@ void mtrl_train_rl_step(mtrl_model *m, const mtrl_config *cfg, const mtrl_algo_c
     seq_batch_free_(&sb);
 }
 
+// The supervised loss of one unit: mean negative log-likelihood of the batch's MODEL tokens.
+typedef struct sft_loss {
+    mtrl_traj *const *eps;
+    const size_t *off;      // [n+1] position offsets of the episodes
+    size_t count;           // MODEL tokens of the whole batch
+    double loss;            // Σ -logp so far
+} sft_loss;
+
+static void sft_loss_unit_(void *user, int i0, int n, const real *logp, const real *ent, real *dlp, real *dep) {
+    (void)ent;
+    (void)dep;
+    sft_loss *f = user;
+    for (int i = i0; i < i0 + n; i++) {
+        size_t o = f->off[i];
+        for (uint64_t j = 1; j < f->eps[i]->n_tokens; j++)
+            if (f->eps[i]->kind[j] == MTRL_TOK_MODEL) {
+                f->loss -= logp[o + j - 1];
+                dlp[o + j - 1] = (real)(-1.0 / (double)(f->count ? f->count : 1));
+            }
+    }
+}
+
 double mtrl_train_sft_step(mtrl_model *m, const mtrl_config *cfg, mtrl_traj *const *eps, int n, double lr) {
     seq_batch sb;
     seq_batch_init_(&sb, eps, n, m);
@@ -218,30 +271,24 @@ double mtrl_train_sft_step(mtrl_model *m, const mtrl_config *cfg, mtrl_traj *con
     m->replay_routing = 0;
     size_t T = sb.total;
     real *logp = xcalloc(T + 1, sizeof(real)), *dlp = xcalloc(T + 1, sizeof(real));
-    mtrl_model_forward(m, &sb.b, segment_of_(m, cfg, &sb.b), logp, NULL, NULL);
-    size_t count = 0;
-    for (int i = 0; i < n; i++)
-        for (uint64_t j = 1; j < eps[i]->n_tokens; j++) count += eps[i]->kind[j] == MTRL_TOK_MODEL;
-    double loss = 0;
-    size_t o = 0;
+    size_t *off = xmalloc(sizeof(size_t) * (size_t)(n + 1));
+    sft_loss f = {eps, off, 0, 0};
+    off[0] = 0;
     for (int i = 0; i < n; i++) {
-        for (uint64_t j = 1; j < eps[i]->n_tokens; j++)
-            if (eps[i]->kind[j] == MTRL_TOK_MODEL) {
-                loss -= logp[o + j - 1];
-                dlp[o + j - 1] = (real)(-1.0 / (double)(count ? count : 1));
-            }
-        o += eps[i]->n_tokens;
+        off[i + 1] = off[i] + eps[i]->n_tokens;
+        for (uint64_t j = 1; j < eps[i]->n_tokens; j++) f.count += eps[i]->kind[j] == MTRL_TOK_MODEL;
     }
     mtrl_model_zero_grads(m);
-    mtrl_model_backward(m, &sb.b, dlp, NULL);
+    mtrl_model_train(m, &sb.b, segment_of_(m, cfg, &sb.b), logp, NULL, dlp, NULL, sft_loss_unit_, &f);
     mtrl_model_optimizer_step(m, (real)lr, (real)cfg->learner.beta1, (real)cfg->learner.beta2, (real)cfg->learner.eps,
                               (real)cfg->learner.weight_decay, (real)cfg->learner.grad_clip);
     qb_after_step_(m, cfg);
     m->version++;
     free(logp);
     free(dlp);
+    free(off);
     seq_batch_free_(&sb);
-    return count ? loss / (double)count : 0;
+    return f.count ? f.loss / (double)f.count : 0;
 }
 
 static void append_bytes_(mtrl_traj *t, const char *b, size_t n, uint8_t kind) {

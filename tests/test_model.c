@@ -13,6 +13,8 @@
 //  - QB: β gets no gradient, is set only by mtrl_model_qb_apply after the step;
 //  - a packed batch (short sequences end to end in one segment) == the sequences one at a time:
 //    log-probs, entropies, routing and every gradient, with and without kept activations;
+//  - the learner's one-pass step (mtrl_model_train: forward, loss, backward unit by unit) ==
+//    the sequences one at a time, with only a too-long sequence's earlier segments recomputed;
 //  - several sequences prefilled at once (mtrl_model_prefill_many) == one prefill each.
 #include <math.h>
 #include <stdlib.h>
@@ -271,6 +273,33 @@ static void test_segmented(void) {
     mtrl_model_free(&m);
 }
 
+// The loss of test_packed's mtrl_model_train runs: the fixed coefficients c, e as dlogp and
+// dentropy of each unit's positions. Checks the contract: units come in batch order, cover the
+// batch once, and their log-probs are written when the loss sees them (lp starts as NaN).
+typedef struct train_check {
+    const real *c, *e;
+    const int *len;
+    int n, next, calls, ordered;
+    const real *lp;
+} train_check;
+
+static void train_check_loss_(void *user, int i0, int n, const real *logp, const real *ent, real *dlogp,
+                              real *dentropy) {
+    (void)ent;
+    train_check *tc = user;
+    tc->calls++;
+    tc->ordered &= i0 == tc->next && n >= 1 && i0 + n <= tc->n && logp == tc->lp;
+    int o = 0;
+    for (int i = 0; i < i0; i++) o += tc->len[i];
+    for (int i = i0; i < i0 + n && i < tc->n; i++)
+        for (int t = 0; t < tc->len[i]; t++, o++) {
+            tc->ordered &= !isnan(logp[o]);
+            dlogp[o] = tc->c[o];
+            dentropy[o] = tc->e[o];
+        }
+    tc->next = i0 + n;
+}
+
 // Packing (model_ws.h MTRL_PACK_TOKENS): the batch's short sequences run end to end as one
 // segment, each from the zero state and attending only to itself. Lengths: 1 token, a multiple
 // of the KDA tile, tails; with segment 48 the 80-token sequence is segmented on its own and the
@@ -329,6 +358,31 @@ static void test_packed(void) {
                     ee);
         TEST_CHECKF(worst <= (form ? 1e-9 : 1e-10), "segment %d: gradient differs by %.3g in %s", segs[s], worst, wn);
         TEST_CHECKF(same_routing, "segment %d: packed routing differs from one sequence at a time", segs[s]);
+    }
+    // mtrl_model_train (the learner's step: forward, loss and backward unit by unit) == the
+    // reference. Segment 0: packs of MTRL_PACK_TOKENS (one unit); 48: the 80-token sequence in
+    // two segments (its first recomputed, 32 tokens), the rest in packs of <= 48; 128: two packs.
+    int tsegs[3] = {0, 48, 128}, trecomp[3] = {0, 32, 0}, tunits[3] = {1, 4, 2};
+    for (int s = 0; s < 3; s++) {
+        mtrl_batch b = {NS, toks, len, NULL};
+        train_check tc = {c, e, len, NS, 0, 0, 1, NULL};
+        real dl[TOT], de[TOT];
+        for (int t = 0; t < TOT; t++) lp[t] = en[t] = dl[t] = de[t] = (real)NAN;
+        tc.lp = lp;
+        mtrl_model_zero_grads(&m);
+        mtrl_model_train(&m, &b, tsegs[s], lp, en, dl, de, train_check_loss_, &tc);
+        const char *wn = "";
+        double worst = grads_worst_(&m, g1, &wn);
+        double el = test_max_rel(lp, lp1, TOT), ee = test_max_rel(en, en1, TOT);
+        printf("mtrl_model_train, segment %d: %d units, %ld tokens recomputed, log-prob rel diff %.3g, entropy %.3g, "
+               "worst gradient %.3g (%s)\n", tsegs[s], tc.calls, m.recomputed_tokens, el, ee, worst, wn);
+        TEST_CHECKF(tc.ordered, "segment %d: the loss saw units out of order or before their log-probs", tsegs[s]);
+        TEST_EQ_INT(tc.next, NS);
+        TEST_CHECKF(el <= 1e-12 && ee <= 1e-12, "train, segment %d: log-probs differ by %.3g, entropies by %.3g",
+                    tsegs[s], el, ee);
+        TEST_CHECKF(worst <= 1e-10, "train, segment %d: gradient differs by %.3g in %s", tsegs[s], worst, wn);
+        TEST_EQ_INT(m.recomputed_tokens, trecomp[s]);
+        TEST_EQ_INT(tc.calls, tunits[s]);
     }
     for (int i = 0; i < NS; i++) {
         free(rout[i]);

@@ -14,6 +14,10 @@
 //       the learner's forward+backward with the planned segment, and the memory of each.
 //       --profile: that learner step timed per phase (the same table as bench model's)
 //   --config EXPERIMENT.ini: the experiment's [model] (and its device, unless --device is given)
+//   mtrl bench learner [--device cpu|cuda] [--preset tiny|small | --config EXPERIMENT.ini]
+//                      [--batches 1x65536,64x1024,512x128,1x262144+200x512] [--reps R] [--profile]
+//       the learner's step (mtrl_model_train with the planner's segment) on each batch in turn,
+//       in one process: tokens/s against the first batch, tokens recomputed, MFU
 //   mtrl bench ops --device cuda [...]   the CUDA kernels against the measured ceilings
 #include <stdlib.h>
 #include <string.h>
@@ -33,7 +37,7 @@
 #include "kernels/cuda/kernels_cuda.h"
 #endif
 
-#define BENCH_USAGE "mtrl bench model [--device cpu|cuda] [--preset tiny|small | --config EXPERIMENT.ini] [--tokens N] [--seqs B] [--segment S] [--reps R] [--profile] | mtrl bench long [--device cpu|cuda] [--preset tiny|small | --config EXPERIMENT.ini] [--tokens T] [--decode N] [--profile] | mtrl bench ops --device cuda"
+#define BENCH_USAGE "mtrl bench model [--device cpu|cuda] [--preset tiny|small | --config EXPERIMENT.ini] [--tokens N] [--seqs B] [--segment S] [--reps R] [--profile] | mtrl bench long [--device cpu|cuda] [--preset tiny|small | --config EXPERIMENT.ini] [--tokens T] [--decode N] [--profile] | mtrl bench learner [--device cpu|cuda] [--preset tiny|small | --config EXPERIMENT.ini] [--batches 1x65536,64x1024,512x128,1x262144+200x512] [--reps R] [--profile] | mtrl bench ops --device cuda"
 
 static void print_machine_(void) {
     struct utsname u;
@@ -133,8 +137,14 @@ static int plan_segment_(mtrl_model *m, const mtrl_batch *b, const char *cmd, in
         return 1;
     }
     mtrl_model_plan_print(&plan, stdout);
-    *seg = plan.keep ? 0 : plan.segment;
+    *seg = plan.segment;
     return 0;
+}
+
+// mtrl_model_loss_fn of the benchmarks: the gradient coefficients are fixed and already in
+// dlogp (the caller fills it before mtrl_model_train), so a unit's loss has nothing to write.
+static void bench_loss_(void *user, int i0, int n, const real *logp, const real *ent, real *dlogp, real *dent) {
+    (void)user, (void)i0, (void)n, (void)logp, (void)ent, (void)dlogp, (void)dent;
 }
 
 // The table of a profiled step that took `step` seconds: each phase that ran, its share of the
@@ -166,9 +176,8 @@ static void profile_step_(mtrl_model *m, const mtrl_batch *b, int segment, real 
     memset(&prof, 0, sizeof prof);
     m->profile = &prof;
     double t0 = mtrl_time_mono();
-    mtrl_model_forward(m, b, segment, logp, NULL, NULL);
     mtrl_model_zero_grads(m);
-    mtrl_model_backward(m, b, dlogp, NULL);
+    mtrl_model_train(m, b, segment, logp, NULL, (real *)dlogp, NULL, bench_loss_, NULL);
     double t1 = mtrl_time_mono();
     mtrl_model_optimizer_step(m, (real)1e-4, (real)0.9, (real)0.95, (real)1e-8, (real)0.1, (real)1);
     double t2 = mtrl_time_mono();
@@ -234,11 +243,14 @@ static int bench_model_(int argc, char **argv) {
         double t0 = mtrl_time_mono();
         mtrl_model_forward(&m, &b, segment, logp, NULL, NULL);
         double t1 = mtrl_time_mono();
-        mtrl_model_zero_grads(&m);
-        mtrl_model_backward(&m, &b, c, NULL);
+        mtrl_model_qb_apply(&m);
+        // the learner's step: forward, loss and backward unit by unit (model.h mtrl_model_train)
         double t2 = mtrl_time_mono();
+        mtrl_model_zero_grads(&m);
+        mtrl_model_train(&m, &b, segment, logp, NULL, c, NULL, bench_loss_, NULL);
+        double t3 = mtrl_time_mono();
         if (t1 - t0 < best_f) best_f = t1 - t0;
-        if (t2 - t0 < best_fb) best_fb = t2 - t0;
+        if (t3 - t2 < best_fb) best_fb = t3 - t2;
         mtrl_model_qb_apply(&m);
     }
     // Batched decode: each sequence prefilled with 16 tokens, then steps of one token per sequence.
@@ -271,7 +283,8 @@ static int bench_model_(int argc, char **argv) {
     getrusage(RUSAGE_SELF, &ru);
     double ntok = (double)seqs * per;
     printf("forward:          %10.0f tokens/s  (%.3f s for %.0f tokens, best of %d)\n", ntok / best_f, best_f, ntok, reps);
-    printf("forward+backward: %10.0f tokens/s  (%.3f s)\n", ntok / best_fb, best_fb);
+    printf("forward+backward: %10.0f tokens/s  (%.3f s; the learner's step, mtrl_model_train: %ld tokens recomputed)\n",
+           ntok / best_fb, best_fb, m.recomputed_tokens);
     printf("decode:           %10.0f tokens/s  (%d sequences x %d steps in %.3f s, %.2f ms per step)\n",
            seqs * (double)STEPS / best_d, seqs, STEPS, best_d, best_d / STEPS * 1e3);
     // Model FLOPs utilisation, the usual convention: 6 FLOPs per active matmul parameter per
@@ -305,6 +318,156 @@ static int bench_model_(int argc, char **argv) {
     free(c);
     mtrl_model_free(&m);
     return 0;
+}
+
+// The model FLOPs of training on sequences of these lengths (bench model's convention: 6 per
+// active matmul parameter and token, plus causal attention's 3 x 2 x mH x (dn+dr+dv) x len/2 per
+// token and MLA layer).
+static double train_flops_(const mtrl_model *m, int n, const int *len) {
+    const mtrl_model_dims *d = &m->dims;
+    double active = 0, tok = 0, attn = 0;
+    for (int i = 0; i < m->params.n; i++) {
+        const mtrl_tensor *t = &m->params.items[i];
+        double k = (double)t->nbytes / sizeof(real);
+        if (!strcmp(t->name, "embed") || t->ndim < 2) continue;
+        if (strstr(t->name, ".ew")) k *= (double)d->k / d->E;
+        active += k;
+    }
+    int n_mla = 0;
+    for (int l = 0; l < d->L; l++) n_mla += d->mixer[l] == 'M';
+    for (int i = 0; i < n; i++) {
+        tok += len[i];
+        attn += (double)len[i] * len[i] / 2.0;
+    }
+    return 6 * active * tok + 3.0 * 2 * n_mla * d->mH * (double)(d->dn + d->dr + d->dv) * attn;
+}
+
+// "1x65536,64x1024,1x262144+200x512": batches separated by commas, each a '+'-joined list of
+// COUNTxLEN groups. Fills *len (malloc'ed) with batch `which`'s lengths; returns their number,
+// 0 when there is no such batch, -1 for a malformed list.
+static int batch_lens_(const char *spec, int which, int **len) {
+    const char *p = spec;
+    *len = NULL;
+    for (int k = 0; k < which; k++) {
+        p = strchr(p, ',');
+        if (!p) return 0;
+        p++;
+    }
+    int n = 0, cap = 0;
+    for (;;) {
+        char *e;
+        long cnt = strtol(p, &e, 10), l;
+        if (e == p || *e != 'x' || cnt < 1 || cnt > 1000000) return -1;
+        p = e + 1;
+        l = strtol(p, &e, 10);
+        if (e == p || l < 1 || l > (1L << 30)) return -1;
+        p = e;
+        if (n + cnt > cap) {
+            cap = (int)(n + cnt) * 2;
+            *len = realloc(*len, sizeof(int) * (size_t)cap);
+        }
+        for (long j = 0; j < cnt; j++) (*len)[n++] = (int)l;
+        if (*p == '+') { p++; continue; }
+        if (*p == ',' || *p == '\0') return n;
+        return -1;
+    }
+}
+
+// Batch k's text in a --batches list (for the report line).
+static const char *spec_item_(const char *spec, int k, char *buf, size_t cap) {
+    const char *p = spec;
+    for (int i = 0; i < k && p; i++) {
+        p = strchr(p, ',');
+        if (p) p++;
+    }
+    size_t l = p ? strcspn(p, ",") : 0;
+    snprintf(buf, cap, "%.*s", (int)(l < cap ? l : cap - 1), p ? p : "");
+    return buf;
+}
+
+// `mtrl bench learner`: the learner's step (mtrl_model_train with the planner's segment, then
+// AdamW) on batches of given lengths in one process, so that many short sequences, mixed lengths
+// and one long sequence are compared on the same model and device (issue 21 R1).
+static int bench_learner_(int argc, char **argv) {
+    bench_src src = {NULL, "tiny", NULL, 0};
+    const char *spec = "1x4096,64x64,8x512";
+    int reps = 2, profile = 0;
+    for (int i = 1; i < argc; i++) {
+        const char *a = argv[i];
+        const char *v = i + 1 < argc ? argv[i + 1] : NULL;
+        if (src_opt_(&src, a, v)) i++;
+        else if (!strcmp(a, "--batches") && v) { spec = v; i++; }
+        else if (!strcmp(a, "--reps") && v) { reps = atoi(v); i++; }
+        else if (!strcmp(a, "--profile")) profile = 1;
+        else return cli_usage_error("bench", BENCH_USAGE, "unknown option '%s'", a);
+    }
+    int *len = NULL;
+    for (int k = 0;; k++) {
+        int n = batch_lens_(spec, k, &len);
+        free(len);
+        if (n == 0) break;
+        if (n < 0) return cli_usage_error("bench", BENCH_USAGE, "--batches %s: expected COUNTxLEN[+COUNTxLEN...][,...]", spec);
+    }
+    if (reps < 1) return cli_usage_error("bench", BENCH_USAGE, "need --reps >= 1");
+    mtrl_model m;
+    int rc = model_open_(&src, &m);
+    if (rc) return rc;
+    print_machine_();
+    char label[1100];
+    printf("learner step: %s on %s, %zu parameters%s; mtrl_model_train with the planner's segment, best of %d\n",
+           src_label_(&src, label, sizeof label), m.device == MTRL_DEVICE_CUDA ? "cuda" : "cpu", mtrl_model_param_count(&m),
+           mla_forms_(&m.dims), reps);
+    double first = 0;
+    for (int k = 0; rc == 0; k++) {
+        int n = batch_lens_(spec, k, &len);
+        if (n <= 0) break;
+        size_t total = 0;
+        for (int i = 0; i < n; i++) total += (size_t)len[i];
+        uint32_t *tok = malloc(sizeof(uint32_t) * total);
+        const uint32_t **toks = malloc(sizeof(*toks) * (size_t)n);
+        real *logp = malloc(sizeof(real) * total), *c = malloc(sizeof(real) * total);
+        for (size_t t = 0; t < total; t++) {
+            tok[t] = (uint32_t)(mtrl_rng_u64(1, 3, t) % 256);
+            c[t] = (real)(1.0 / (double)total);
+        }
+        for (int i = 0, o = 0; i < n; o += len[i++]) toks[i] = tok + o;
+        mtrl_batch b = {n, toks, len, NULL};
+        mtrl_model_plan plan;
+        mtrl_error err;
+        if (mtrl_model_plan_batch(&plan, &m, &b, &err) != MTRL_OK) {
+            fprintf(stderr, "mtrl bench learner: batch %d: %s\n", k + 1, err.msg);
+            rc = 1;
+        } else {
+            double best = 1e30, step = 0;
+            for (int r = 0; r <= reps; r++) { // the first is a warm-up
+                double t0 = mtrl_time_mono();
+                mtrl_model_zero_grads(&m);
+                mtrl_model_train(&m, &b, plan.segment, logp, NULL, c, NULL, bench_loss_, NULL);
+                double t1 = mtrl_time_mono();
+                mtrl_model_optimizer_step(&m, (real)1e-5, (real)0.9, (real)0.95, (real)1e-8, (real)0.1, (real)1);
+                mtrl_model_qb_apply(&m);
+                double t2 = mtrl_time_mono();
+                if (r > 0 && t1 - t0 < best) {
+                    best = t1 - t0;
+                    step = t2 - t0;
+                }
+            }
+            double tps = (double)total / best, tflops = train_flops_(&m, n, len) / best / 1e12;
+            if (k == 0) first = tps;
+            printf("batch %-28.*s %7d seqs %9zu tokens  segment %6d: %9.0f tokens/s (%.3f s; with AdamW %.3f s) = %.2fx "
+                   "batch 1; %ld tokens recomputed; %.3g TFLOP/s = MFU %.1f%% of 989\n",
+                   28, spec_item_(spec, k, label, sizeof label), n, total, plan.segment, tps, best, step, tps / first,
+                   m.recomputed_tokens, tflops, 100 * tflops / 989);
+            if (profile) profile_step_(&m, &b, plan.segment, logp, c, best);
+        }
+        free(tok);
+        free(toks);
+        free(logp);
+        free(c);
+        free(len);
+    }
+    mtrl_model_free(&m);
+    return rc;
 }
 
 // One long episode, what issue 8's table asks for: the actor's prefill of T tokens (chunked
@@ -407,5 +570,6 @@ int cmd_bench(int argc, char **argv) {
 #endif
     }
     if (!strcmp(argv[1], "long")) return bench_long_(argc - 1, argv + 1);
+    if (!strcmp(argv[1], "learner")) return bench_learner_(argc - 1, argv + 1);
     return cli_usage_error("bench", BENCH_USAGE, "unknown benchmark '%s'", argv[1]);
 }

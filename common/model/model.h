@@ -239,6 +239,8 @@ typedef struct mtrl_model {
     struct mtrl_model_ws *ws;
     size_t peak_activation_bytes; // high-water mark of per-segment activations (bench, tests)
     size_t peak_infer_bytes;      // ... of the prefill / logits scratch (tests)
+    long recomputed_tokens;       // tokens the last backward (or mtrl_model_train) ran a second
+                                  // forward for: 0 when every segment's caches were at hand
     // The per-phase timing the calls add to while set (nullable; see "profile" above). Zero it
     // before the calls to profile; the caller owns it.
     mtrl_model_profile *profile;
@@ -288,6 +290,23 @@ void mtrl_model_forward(mtrl_model *m, const mtrl_batch *b, int segment, real *l
 // dentropy nullable. The forward's last segment is not recomputed: its caches are still in the
 // workspace (one segment's forward less per step; a sequence of one segment recomputes nothing).
 void mtrl_model_backward(mtrl_model *m, const mtrl_batch *b, const real *dlogp, const real *dentropy);
+
+// The learner's step in one pass (form 1 or 3, the same gradient as forward + backward): the
+// batch is cut into units (packs of whole sequences that fit in one segment, laid end to end up
+// to `segment` tokens, or MTRL_PACK_TOKENS with segment 0; a longer sequence is a unit of its
+// own, cut into segments), and each unit runs its forward, then loss(), then its backward while
+// its caches are still in the arena. So a sequence of one segment is never recomputed and the
+// activations held are one segment's whatever the batch size; only the earlier segments of a
+// sequence longer than `segment` are recomputed (m->recomputed_tokens counts them).
+// loss(user, i0, n, logp, entropy, dlogp, dentropy) is called once per unit, in batch order,
+// after logp (and entropy, when non-NULL) of sequences i0 .. i0+n-1 are written; it fills
+// dlogp (and dentropy, when non-NULL) at those sequences' positions. All four arrays are the
+// whole batch's [Σ len], laid out as mtrl_model_forward's. Gradients ACCUMULATE into m->grads;
+// QB statistics and loads accumulate as a forward's. routing replay as mtrl_model_forward's.
+typedef void (*mtrl_model_loss_fn)(void *user, int i0, int n, const real *logp, const real *entropy, real *dlogp,
+                                   real *dentropy);
+void mtrl_model_train(mtrl_model *m, const mtrl_batch *b, int segment, real *logp, real *entropy, real *dlogp,
+                      real *dentropy, mtrl_model_loss_fn loss, void *user);
 
 // Logits of every position of one sequence (tests, replay): logits [len][V].
 void mtrl_model_logits(mtrl_model *m, const uint32_t *tokens, int len, int segment, real *logits);

@@ -242,10 +242,17 @@ static char *size_str_(char *buf, size_t b) {
 static mtrl_status make_(mtrl_model_plan *p, const mtrl_model_dims *d, int device, plan_prec pr, int n,
                          const int *len, size_t budget, mtrl_error *err) {
     int max_len = 1;
-    for (int i = 0; i < n; i++)
+    long total = 0;
+    for (int i = 0; i < n; i++) {
         if (len[i] > max_len) max_len = len[i];
-    // Candidates in increasing order: every multiple of the step below the longest sequence,
-    // then the whole sequence. The total is not monotonic in S (fewer, larger segments need
+        total += len[i];
+    }
+    // Past the longest sequence a longer segment still packs more short sequences into one
+    // unit (fewer, larger GEMMs), up to the batch's tokens or MTRL_PLAN_PACK_MAX.
+    int lim = max_len;
+    if (total > lim) lim = (int)(total < MTRL_PLAN_PACK_MAX ? total : (max_len > MTRL_PLAN_PACK_MAX ? max_len : MTRL_PLAN_PACK_MAX));
+    // Candidates in increasing order: every multiple of the step below the limit, then the
+    // limit itself. The total is not monotonic in S (fewer, larger segments need
     // fewer boundary states but a larger activation arena): keep the largest S that fits and,
     // for the message when none does, the one that needs least.
     mtrl_model_plan best, least, cur;
@@ -254,14 +261,14 @@ static mtrl_status make_(mtrl_model_plan *p, const mtrl_model_dims *d, int devic
     int have = 0;
     size_t P = model_param_bytes(d);
     for (long s = MTRL_PLAN_SEGMENT_STEP;; s += MTRL_PLAN_SEGMENT_STEP) {
-        int S = s < max_len ? (int)s : max_len;
+        int S = s < lim ? (int)s : lim;
         eval_(&cur, d, P, device, pr, n, len, S, budget);
         if (s == MTRL_PLAN_SEGMENT_STEP || cur.total < least.total) least = cur;
         if (cur.total <= budget && budget - cur.total >= cur.margin) {
             best = cur;
             have = 1;
         }
-        if (S == max_len) break;
+        if (S == lim) break;
     }
     if (!have) {
         *p = least;
@@ -353,8 +360,10 @@ void mtrl_model_plan_print(const mtrl_model_plan *p, FILE *f) {
     if (p->budget) fprintf(f, ", budget %.2f GiB", gib_(p->budget));
     fputc('\n', f);
     if (p->segment > 0)
-        fprintf(f, "segment %d tokens: %d segment%s of the longest sequence, recomputed in the backward\n", p->segment,
-                p->n_seg, p->n_seg == 1 ? "" : "s");
+        fprintf(f, "segment %d tokens: the longest sequence in %d segment%s (%s), shorter ones packed up to %d tokens "
+                "a unit (never recomputed by mtrl_model_train)\n",
+                p->segment, p->n_seg, p->n_seg == 1 ? "" : "s",
+                p->n_seg == 1 ? "not recomputed" : "all but the last recomputed in the backward", p->segment);
     else
         fprintf(f, "segment 0: one segment per sequence, activations %s\n",
                 p->keep ? "kept (no recompute)" : "recomputed");

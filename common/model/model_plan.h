@@ -54,6 +54,10 @@
 #include "common/status.h"
 
 #define MTRL_PLAN_SEGMENT_STEP 64          // segment lengths are multiples of this
+// The longest segment the planner offers beyond the batch's longest sequence: a segment is also
+// the most tokens of short sequences packed into one unit of mtrl_model_train (model.h), and past
+// a few tens of thousands of rows the GEMMs gain nothing while the arena keeps growing.
+#define MTRL_PLAN_PACK_MAX 65536
 // Device memory a CUDA model uses outside its backend's blocks and scratch: cuBLAS workspaces
 // (the context's, and 7 x 32 MiB for the GEMM lanes of the MoE experts, cuda_common.cuh), kernel
 // images loaded on first launch, allocation rounding. Measured 0.01 GiB on an H200 after a
@@ -101,7 +105,9 @@ void mtrl_model_plan_eval(mtrl_model_plan *p, const mtrl_model_dims *d, int devi
                           size_t budget);
 
 // Chooses the segment: the largest multiple of MTRL_PLAN_SEGMENT_STEP (or the whole longest
-// sequence) whose plan fits in budget minus the margin, and fills p with that plan; p->keep says
+// sequence; for a batch of several sequences up to the batch's tokens, at most
+// MTRL_PLAN_PACK_MAX, so that short sequences pack into large units) whose plan fits in budget
+// minus the margin, and fills p with that plan; p->keep says
 // whether segment 0 (every activation kept, no recompute) fits as well. When nothing
 // fits: MTRL_ERR_NOMEM with a message giving the least any segment needs, at which segment, and
 // the budget (p then holds the plan of that least segment).

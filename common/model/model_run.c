@@ -23,6 +23,7 @@ typedef struct ws_seq {
 // A packed segment: sequences i0 .. i0+n-1 end to end (model_ws.h MTRL_PACK_TOKENS).
 typedef struct ws_pack {
     int i0, n, T;
+    size_t off;        // the pack's first position in the batch's per-position arrays
     int *piece;        // [n+1] token offsets of the sequences in the pack
     uint32_t *tokens;  // [T]
     int *targets;      // [T]
@@ -45,6 +46,7 @@ typedef struct ws_impl {
     // them instead of recomputing it (tail_ok: set by the forward, cleared by the backward).
     seg_cache tail;
     int tail_pack, tail_seg, tail_ok;
+    int grad_len;       // the longest sequence or pack: the backward's latent-gradient rows
     mtrl_arena infer;   // prefill / decode / logits scratch
 } ws_impl;
 
@@ -212,6 +214,7 @@ void ws_sizes_for(const mtrl_model_dims *d, size_t lat_size, int n, const int *l
     out->max_len = max_len;
     out->max_pack = max_pack;
     out->arena = out->keep ? keep_bytes : one_seg;
+    out->one_seg = one_seg;
     out->state = state_cap;
     out->latent = lat;
     out->grad = grad_bytes_(d, max_len > max_pack ? max_len : max_pack);
@@ -304,6 +307,7 @@ static void pack_backward_(mtrl_model *m, ws_pack *pk, int tail, real *dS, real 
         prof_pass_(m, MTRL_PROF_RECOMPUTE);
         seg_forward(m, &w->pub.arena, SEG_CHUNK, pk->T, pk->tokens, &io, &so, &tmp);
         prof_pass_(m, MTRL_PROF_BWD);
+        m->recomputed_tokens += pk->T;
         c = &tmp;
     }
     size_t mark = mtrl_arena_mark(&w->pub.arena);
@@ -312,15 +316,16 @@ static void pack_backward_(mtrl_model *m, ws_pack *pk, int tail, real *dS, real 
     mtrl_arena_release(&w->pub.arena, mark);
 }
 
-void mtrl_model_forward(mtrl_model *m, const mtrl_batch *b, int segment, real *logp, real *entropy,
-                        uint8_t *const *routing_out) {
+// The batch's workspace for a forward over b with `segment` (model.h): the sequences' and packs'
+// bookkeeping, the activation arena (every segment's caches when w->keep, else one segment's;
+// train: never keep, each unit's backward follows its forward), the state block zero-filled.
+static ws_impl *batch_setup_(mtrl_model *m, const mtrl_batch *b, int segment, int train) {
     const mtrl_model_dims *d = &m->dims;
     mtrl_backend *be = m->be;
     ws_impl *w = ws_get_(m);
     ws_batch_clear_(w);
-    int n_kda = model_n_kda(d), n_mla = model_n_mla(d);
-    size_t S_sz = S_size_(d) * n_kda, C_sz = conv_size_(d) * n_kda, LW = lat_w_(d);
-    size_t rw = (size_t)d->n_moe * d->k;
+    int n_kda = model_n_kda(d);
+    size_t S_sz = S_size_(d) * n_kda, C_sz = conv_size_(d) * n_kda;
     w->pub.n_seq = b->n;
     w->seqs = xcalloc((size_t)(b->n ? b->n : 1), sizeof(ws_seq));
     for (int i = 0; i < b->n; i++) {
@@ -331,139 +336,202 @@ void mtrl_model_forward(mtrl_model *m, const mtrl_batch *b, int segment, real *l
     }
     ws_sizes sz;
     ws_sizes_for(d, be->latent_size, b->n, b->len, segment, &sz);
-    w->keep = sz.keep;
-    arena_fit_(be, &w->pub.arena, sz.arena);
+    w->keep = sz.keep && !train;
+    arena_fit_(be, &w->pub.arena, w->keep ? sz.arena : sz.one_seg);
     w->pub.seg_T = sz.max_seg;
     w->pub.seg_Tk = sz.max_len;
-    // One block for every sequence's boundary states and latents, zero-filled.
-    size_t state_cap = sz.state;
-    arena_fit_(be, &w->state, state_cap);
-    be->zero(be, w->state.base, state_cap);
+    w->grad_len = sz.max_len > sz.max_pack ? sz.max_len : sz.max_pack;
+    arena_fit_(be, &w->state, sz.state);
+    be->zero(be, w->state.base, sz.state);
     w->run_S = RALLOC(&w->state, S_sz);
     w->run_C = RALLOC(&w->state, C_sz);
     int *first = xmalloc(sizeof(int) * (size_t)(b->n + 1));
     w->n_pack = packs_of_(b->n, b->len, segment, first);
     w->packs = xcalloc((size_t)(w->n_pack ? w->n_pack : 1), sizeof(ws_pack));
-    for (int k = 0; k < w->n_pack; k++) {
-        w->packs[k].i0 = first[k];
-        w->packs[k].n = first[k + 1] - first[k];
-    }
-    free(first);
     size_t off = 0;
     for (int k = 0; k < w->n_pack; k++) {
-        if (w->packs[k].n > 1) {
-            pack_forward_(m, b, &w->packs[k], logp ? logp + off : NULL, entropy ? entropy + off : NULL, routing_out);
-            off += (size_t)w->packs[k].T;
-            continue;
-        }
-        int i = w->packs[k].i0;
-        ws_seq *s = &w->seqs[i];
-        int len = s->len;
-        s->bound_S = RALLOC(&w->state, (size_t)s->n_seg * S_sz);
-        s->bound_conv = RALLOC(&w->state, (size_t)s->n_seg * C_sz);
-        s->latent = LALLOC(m, &w->state, (size_t)n_mla * len * LW);
-        s->routing = xcalloc((size_t)len * rw + 1, 1);
-        s->targets = xmalloc(sizeof(int) * (size_t)(len + 1));
-        targets_of_(b->tokens[i], len, s->targets);
-        if (w->keep) s->kept = xcalloc((size_t)s->n_seg, sizeof(seg_cache));
-        w->pub.state_bytes +=
-            sizeof(real) * (size_t)s->n_seg * (S_sz + C_sz) + be->latent_size * (size_t)n_mla * len * LW;
-        real *S = w->run_S, *C = w->run_C;
-        be->zero(be, S, sizeof(real) * S_sz);
-        be->zero(be, C, sizeof(real) * C_sz);
-        seq_io io = {S, C, s->latent, len, 0, 0, NULL, NULL};
-        for (int g = 0; g < s->n_seg; g++) {
-            int t0, T = seg_span_(s, g, &t0);
-            be->copy(be, s->bound_S + (size_t)g * S_sz, S, sizeof(real) * S_sz);
-            be->copy(be, s->bound_conv + (size_t)g * C_sz, C, sizeof(real) * C_sz);
-            const uint8_t *rin = m->replay_routing && b->routing ? b->routing[i] + (size_t)t0 * rw : NULL;
-            seg_out so = {s->targets + t0, logp ? logp + off + t0 : NULL, entropy ? entropy + off + t0 : NULL, NULL,
-                          rin, s->routing + (size_t)t0 * rw, 1};
-            seg_cache *c = w->keep ? &s->kept[g] : &w->tail;
-            if (!w->keep) mtrl_arena_reset(&w->pub.arena);
-            seg_forward(m, &w->pub.arena, SEG_CHUNK, T, b->tokens[i] + t0, &io, &so, c);
-            if (!w->keep) tail_set_(w, k, g);
-            if (w->pub.arena.peak > m->peak_activation_bytes) m->peak_activation_bytes = w->pub.arena.peak;
-            if (m->segment_hook) m->segment_hook(m->segment_hook_user);
-        }
-        if (routing_out && routing_out[i]) memcpy(routing_out[i], s->routing, (size_t)len * rw);
-        off += (size_t)len;
+        ws_pack *pk = &w->packs[k];
+        pk->i0 = first[k];
+        pk->n = first[k + 1] - first[k];
+        pk->off = off;
+        for (int i = first[k]; i < first[k + 1]; i++) off += (size_t)b->len[i];
     }
-    be->sync(be);
+    free(first);
+    m->recomputed_tokens = 0;
+    return w;
+}
+
+// The sizes a sequence's forward and backward carve with: KDA state and conv window elements
+// of all KDA layers, a latent row, a token's routing bytes.
+typedef struct seq_sizes {
+    int n_mla;
+    size_t S_sz, C_sz, LW, rw;
+} seq_sizes;
+static seq_sizes seq_sizes_(const mtrl_model_dims *d) {
+    int n_kda = model_n_kda(d);
+    return (seq_sizes){model_n_mla(d), S_size_(d) * n_kda, conv_size_(d) * n_kda, lat_w_(d), (size_t)d->n_moe * d->k};
+}
+
+// Forward of a sequence that is a unit of its own (pack k of one sequence), segment after
+// segment; logp, entropy: its slices (nullable).
+static void seq_forward_(mtrl_model *m, const mtrl_batch *b, int k, real *logp, real *entropy,
+                         uint8_t *const *routing_out) {
+    mtrl_backend *be = m->be;
+    ws_impl *w = (ws_impl *)m->ws;
+    const seq_sizes z = seq_sizes_(&m->dims);
+    int i = w->packs[k].i0;
+    ws_seq *s = &w->seqs[i];
+    int len = s->len;
+    s->bound_S = RALLOC(&w->state, (size_t)s->n_seg * z.S_sz);
+    s->bound_conv = RALLOC(&w->state, (size_t)s->n_seg * z.C_sz);
+    s->latent = LALLOC(m, &w->state, (size_t)z.n_mla * len * z.LW);
+    s->routing = xcalloc((size_t)len * z.rw + 1, 1);
+    s->targets = xmalloc(sizeof(int) * (size_t)(len + 1));
+    targets_of_(b->tokens[i], len, s->targets);
+    if (w->keep) s->kept = xcalloc((size_t)s->n_seg, sizeof(seg_cache));
+    w->pub.state_bytes += sizeof(real) * (size_t)s->n_seg * (z.S_sz + z.C_sz) + be->latent_size * (size_t)z.n_mla * len * z.LW;
+    real *S = w->run_S, *C = w->run_C;
+    be->zero(be, S, sizeof(real) * z.S_sz);
+    be->zero(be, C, sizeof(real) * z.C_sz);
+    seq_io io = {S, C, s->latent, len, 0, 0, NULL, NULL};
+    for (int g = 0; g < s->n_seg; g++) {
+        int t0, T = seg_span_(s, g, &t0);
+        be->copy(be, s->bound_S + (size_t)g * z.S_sz, S, sizeof(real) * z.S_sz);
+        be->copy(be, s->bound_conv + (size_t)g * z.C_sz, C, sizeof(real) * z.C_sz);
+        const uint8_t *rin = m->replay_routing && b->routing ? b->routing[i] + (size_t)t0 * z.rw : NULL;
+        seg_out so = {s->targets + t0, logp ? logp + t0 : NULL, entropy ? entropy + t0 : NULL, NULL,
+                      rin, s->routing + (size_t)t0 * z.rw, 1};
+        seg_cache *c = w->keep ? &s->kept[g] : &w->tail;
+        if (!w->keep) mtrl_arena_reset(&w->pub.arena);
+        seg_forward(m, &w->pub.arena, SEG_CHUNK, T, b->tokens[i] + t0, &io, &so, c);
+        if (!w->keep) tail_set_(w, k, g);
+        if (w->pub.arena.peak > m->peak_activation_bytes) m->peak_activation_bytes = w->pub.arena.peak;
+        if (m->segment_hook) m->segment_hook(m->segment_hook_user);
+    }
+    if (routing_out && routing_out[i]) memcpy(routing_out[i], s->routing, (size_t)len * z.rw);
+}
+
+// Backward of the sequence of pack k of one sequence, its segments last to first, each
+// recomputed from its boundary state unless kept or the forward's tail (tail: pack k's last
+// segment is still in the arena). dS, dC, dlat, S, C: the gradient block's pieces.
+static void seq_backward_(mtrl_model *m, const mtrl_batch *b, int k, int tail, real *dS, real *dC, real *dlat,
+                          real *S, real *C, const real *dlogp, const real *dentropy) {
+    mtrl_backend *be = m->be;
+    ws_impl *w = (ws_impl *)m->ws;
+    const seq_sizes z = seq_sizes_(&m->dims);
+    int i = w->packs[k].i0;
+    ws_seq *s = &w->seqs[i];
+    int len = s->len;
+    be->zero(be, dS, sizeof(real) * z.S_sz);
+    be->zero(be, dC, sizeof(real) * z.C_sz);
+    be->zero(be, dlat, sizeof(real) * (size_t)z.n_mla * len * z.LW);
+    seq_grad g = {dS, dC, dlat};
+    for (int gi = s->n_seg - 1; gi >= 0; gi--) {
+        int t0, T = seg_span_(s, gi, &t0);
+        seq_io io = {S, C, s->latent, len, t0 + T, 0, NULL, NULL};
+        seg_cache tmp, *c;
+        if (w->keep) {
+            c = &s->kept[gi];
+        } else if (tail && gi == w->tail_seg) {
+            c = &w->tail; // the forward's last segment: its caches are still in the arena
+        } else {
+            // Recompute the segment from its boundary state, replaying the forward's routing.
+            be->copy(be, S, s->bound_S + (size_t)gi * z.S_sz, sizeof(real) * z.S_sz);
+            be->copy(be, C, s->bound_conv + (size_t)gi * z.C_sz, sizeof(real) * z.C_sz);
+            io.t0 = t0;
+            seg_out so = {s->targets + t0, NULL, NULL, NULL, s->routing + (size_t)t0 * z.rw, NULL, 0};
+            mtrl_arena_reset(&w->pub.arena);
+            prof_pass_(m, MTRL_PROF_RECOMPUTE);
+            seg_forward(m, &w->pub.arena, SEG_CHUNK, T, b->tokens[i] + t0, &io, &so, &tmp);
+            prof_pass_(m, MTRL_PROF_BWD);
+            m->recomputed_tokens += T;
+            c = &tmp;
+        }
+        size_t mark = mtrl_arena_mark(&w->pub.arena);
+        seg_backward(m, &w->pub.arena, c, b->tokens[i] + t0, s->targets + t0, &io, dlogp + t0,
+                     dentropy ? dentropy + t0 : NULL, &g);
+        if (w->pub.arena.peak > m->peak_activation_bytes) m->peak_activation_bytes = w->pub.arena.peak;
+        mtrl_arena_release(&w->pub.arena, mark);
+        if (m->segment_hook) m->segment_hook(m->segment_hook_user);
+    }
+}
+
+// Forward of unit k (a pack, or a sequence of its own); logp/entropy: the whole batch's arrays.
+static void unit_forward_(mtrl_model *m, const mtrl_batch *b, int k, real *logp, real *entropy,
+                          uint8_t *const *routing_out) {
+    ws_impl *w = (ws_impl *)m->ws;
+    ws_pack *pk = &w->packs[k];
+    real *lp = logp ? logp + pk->off : NULL, *en = entropy ? entropy + pk->off : NULL;
+    if (pk->n > 1) pack_forward_(m, b, pk, lp, en, routing_out);
+    else seq_forward_(m, b, k, lp, en, routing_out);
+}
+
+// The backward's gradient block for the batch of the last forward: dS, dC, dlat, S, C.
+typedef struct bwd_block {
+    real *dS, *dC, *dlat, *S, *C;
+} bwd_block;
+static bwd_block bwd_block_get_(mtrl_model *m) {
+    const mtrl_model_dims *d = &m->dims;
+    ws_impl *w = (ws_impl *)m->ws;
+    int n_kda = model_n_kda(d);
+    size_t S_sz = S_size_(d) * n_kda, C_sz = conv_size_(d) * n_kda;
+    mtrl_arena *ga = &w->grad;
+    arena_fit_(m->be, ga, grad_bytes_(d, w->grad_len));
+    bwd_block g;
+    g.dS = RALLOC(ga, S_sz);
+    g.dC = RALLOC(ga, C_sz);
+    g.dlat = RALLOC(ga, (size_t)model_n_mla(d) * (size_t)w->grad_len * lat_w_(d));
+    g.S = RALLOC(ga, S_sz);
+    g.C = RALLOC(ga, C_sz);
+    return g;
+}
+
+// Backward of unit k; dlogp/dentropy: the whole batch's arrays. tail: the unit's last segment
+// is the forward's last, still in the arena.
+static void unit_backward_(mtrl_model *m, const mtrl_batch *b, int k, int tail, const bwd_block *g, const real *dlogp,
+                           const real *dentropy) {
+    ws_impl *w = (ws_impl *)m->ws;
+    ws_pack *pk = &w->packs[k];
+    const real *dl = dlogp + pk->off, *de = dentropy ? dentropy + pk->off : NULL;
+    if (pk->n > 1) pack_backward_(m, pk, tail, g->dS, g->dC, g->dlat, g->S, g->C, dl, de);
+    else seq_backward_(m, b, k, tail, g->dS, g->dC, g->dlat, g->S, g->C, dl, de);
+}
+
+void mtrl_model_forward(mtrl_model *m, const mtrl_batch *b, int segment, real *logp, real *entropy,
+                        uint8_t *const *routing_out) {
+    ws_impl *w = batch_setup_(m, b, segment, 0);
+    for (int k = 0; k < w->n_pack; k++) unit_forward_(m, b, k, logp, entropy, routing_out);
+    m->be->sync(m->be);
 }
 
 void mtrl_model_backward(mtrl_model *m, const mtrl_batch *b, const real *dlogp, const real *dentropy) {
-    const mtrl_model_dims *d = &m->dims;
-    mtrl_backend *be = m->be;
     ws_impl *w = (ws_impl *)m->ws;
     MTRL_CHECKF(w && w->pub.n_seq == b->n, "mtrl_model_backward needs the forward of the same batch first");
-    int n_kda = model_n_kda(d), n_mla = model_n_mla(d);
-    size_t S_sz = S_size_(d) * n_kda, C_sz = conv_size_(d) * n_kda, LW = lat_w_(d);
-    size_t rw = (size_t)d->n_moe * d->k;
-    size_t off_total = 0;
-    int max_len = 1;
-    for (int i = 0; i < b->n; i++) {
-        off_total += (size_t)b->len[i];
-        if (b->len[i] > max_len) max_len = b->len[i];
-    }
-    for (int k = 0; k < w->n_pack; k++)
-        if (w->packs[k].T > max_len) max_len = w->packs[k].T;
     prof_pass_(m, MTRL_PROF_BWD);
-    // Gradients crossing segment boundaries (one sequence at a time).
-    mtrl_arena *ga = &w->grad;
-    size_t lat_max = (size_t)n_mla * max_len * LW;
-    arena_fit_(be, ga, grad_bytes_(d, max_len));
-    real *dS = RALLOC(ga, S_sz), *dC = RALLOC(ga, C_sz), *dlat = RALLOC(ga, lat_max);
-    real *S = RALLOC(ga, S_sz), *C = RALLOC(ga, C_sz);
-    // The first segment this walk meets is the forward's last; later segments reset the arena.
+    bwd_block g = bwd_block_get_(m);
+    m->recomputed_tokens = 0;
+    // The first unit this walk meets holds the forward's last segment; later ones reset the arena.
     int tail_ok = w->tail_ok;
     w->tail_ok = 0;
-    size_t off = off_total;
-    for (int k = w->n_pack - 1; k >= 0; k--) {
+    for (int k = w->n_pack - 1; k >= 0; k--) unit_backward_(m, b, k, tail_ok && k == w->tail_pack, &g, dlogp, dentropy);
+    m->be->sync(m->be);
+    prof_pass_(m, MTRL_PROF_FWD);
+}
+
+void mtrl_model_train(mtrl_model *m, const mtrl_batch *b, int segment, real *logp, real *entropy, real *dlogp,
+                      real *dentropy, mtrl_model_loss_fn loss, void *user) {
+    ws_impl *w = batch_setup_(m, b, segment, 1);
+    bwd_block g = bwd_block_get_(m);
+    for (int k = 0; k < w->n_pack; k++) {
         ws_pack *pk = &w->packs[k];
-        if (pk->n > 1) {
-            off -= (size_t)pk->T;
-            pack_backward_(m, pk, tail_ok && k == w->tail_pack, dS, dC, dlat, S, C, dlogp + off,
-                           dentropy ? dentropy + off : NULL);
-            continue;
-        }
-        int i = pk->i0;
-        ws_seq *s = &w->seqs[i];
-        int len = s->len;
-        off -= (size_t)len;
-        be->zero(be, dS, sizeof(real) * S_sz);
-        be->zero(be, dC, sizeof(real) * C_sz);
-        be->zero(be, dlat, sizeof(real) * (size_t)n_mla * len * LW);
-        seq_grad g = {dS, dC, dlat};
-        for (int gi = s->n_seg - 1; gi >= 0; gi--) {
-            int t0, T = seg_span_(s, gi, &t0);
-            seq_io io = {S, C, s->latent, len, t0 + T, 0, NULL, NULL};
-            seg_cache tmp, *c;
-            if (w->keep) {
-                c = &s->kept[gi];
-            } else if (tail_ok && k == w->tail_pack && gi == w->tail_seg) {
-                c = &w->tail; // the forward's last segment: its caches are still in the arena
-            } else {
-                // Recompute the segment from its boundary state, replaying the forward's routing.
-                be->copy(be, S, s->bound_S + (size_t)gi * S_sz, sizeof(real) * S_sz);
-                be->copy(be, C, s->bound_conv + (size_t)gi * C_sz, sizeof(real) * C_sz);
-                io.t0 = t0;
-                seg_out so = {s->targets + t0, NULL, NULL, NULL, s->routing + (size_t)t0 * rw, NULL, 0};
-                mtrl_arena_reset(&w->pub.arena);
-                prof_pass_(m, MTRL_PROF_RECOMPUTE);
-                seg_forward(m, &w->pub.arena, SEG_CHUNK, T, b->tokens[i] + t0, &io, &so, &tmp);
-                prof_pass_(m, MTRL_PROF_BWD);
-                c = &tmp;
-            }
-            size_t mark = mtrl_arena_mark(&w->pub.arena);
-            seg_backward(m, &w->pub.arena, c, b->tokens[i] + t0, s->targets + t0, &io, dlogp + off + t0,
-                         dentropy ? dentropy + off + t0 : NULL, &g);
-            if (w->pub.arena.peak > m->peak_activation_bytes) m->peak_activation_bytes = w->pub.arena.peak;
-            mtrl_arena_release(&w->pub.arena, mark);
-            if (m->segment_hook) m->segment_hook(m->segment_hook_user);
-        }
+        prof_pass_(m, MTRL_PROF_FWD);
+        unit_forward_(m, b, k, logp, entropy, NULL);
+        loss(user, pk->i0, pk->n, logp, entropy, dlogp, dentropy);
+        prof_pass_(m, MTRL_PROF_BWD);
+        unit_backward_(m, b, k, w->tail_ok && w->tail_pack == k, &g, dlogp, dentropy);
+        w->tail_ok = 0;
     }
-    be->sync(be);
+    m->be->sync(m->be);
     prof_pass_(m, MTRL_PROF_FWD);
 }
 

@@ -182,6 +182,7 @@ typedef struct ws_sizes {
     int max_len;     // the longest sequence
     int max_pack;    // the longest packed segment of several sequences (0: none)
     size_t arena;    // activation arena: kept segments, or one segment's forward + backward
+    size_t one_seg;  // ... of one segment (what mtrl_model_train holds: it never keeps)
     size_t state;    // boundary KDA states and conv windows of every segment, MLA latents, running state
     size_t latent;   // ... of which MLA latents
     size_t grad;     // the backward's block: ∂/∂latents (`real`) of the longest sequence or pack, dS, dconv, S, conv
