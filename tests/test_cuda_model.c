@@ -12,6 +12,7 @@
 //   * one AdamW step from the same gradients (clipping active): parameters and moments;
 //   * logits (mtrl_model_logits) per token;
 //   * on the GPU alone: segmented == unsegmented (forward and gradients, routing replayed),
+//     mtrl_model_train (the learner's one-pass step) == forward + backward,
 //     prefill-then-decode == one prefill (split points 1, 15, 16, 17, batched decode of two
 //     states at different positions; tokens whose decode routing differs are counted, not
 //     compared), several sequences prefilled at once == one prefill each, runs are bit-reproducible, a checkpoint saved from the GPU and loaded into another
@@ -253,6 +254,11 @@ static double worst_tensor_(const mtrl_model *m, const void *got, const void *wa
     return worst_tensor_of_(m, got, want, name, print, NULL, 0);
 }
 
+// mtrl_model_train's loss for a fixed L = Σ c·logp: dlogp already holds c.
+static void fixed_loss_(void *user, int i0, int n, const real *logp, const real *ent, real *dlogp, real *dent) {
+    (void)user, (void)i0, (void)n, (void)logp, (void)ent, (void)dlogp, (void)dent;
+}
+
 static void test_case_(const gcase *k) {
     printf("== %s\n", k->name);
     mtrl_model_dims d = dims_(k->ini, k->vocab);
@@ -411,6 +417,24 @@ static void test_case_(const gcase *k) {
         TEST_CHECKF(el <= 1e-4, "segment %d: logp rel %.3g", segs[s], el);
         TEST_CHECKF(wsg <= k->tol_seg, "segment %d: gradient of %s rel %.3g > %.3g", segs[s], wn, wsg, k->tol_seg);
     }
+    // 6b. the learner's one-pass step (mtrl_model_train: forward, loss, backward unit by unit)
+    // == forward + backward, packed (segment 0) and with the longest sequence cut (24).
+    real *dl = malloc(sizeof(real) * tot);
+    for (int s = 0; s < 2; s++) {
+        int seg = s ? 24 : 0;
+        memcpy(dl, B.c, sizeof(real) * tot);
+        mtrl_model_zero_grads(&mg);
+        mtrl_model_train(&mg, &bs, seg, lp_s, NULL, dl, NULL, fixed_loss_, NULL);
+        mtrl_model_to_host(&mg);
+        double el = rel_l2_(lp_s, lp_g, tot);
+        double wsg = worst_tensor_(&mg, mg.grads, g0, &wn, 0);
+        printf("  mtrl_model_train, segment %d on the GPU: logp rel %.3g, worst gradient rel %.3g (%s), %ld tokens "
+               "recomputed\n", seg, el, wsg, wn, mg.recomputed_tokens);
+        TEST_CHECKF(el <= 1e-4, "train, segment %d: logp rel %.3g", seg, el);
+        TEST_CHECKF(wsg <= k->tol_seg, "train, segment %d: gradient of %s rel %.3g > %.3g", seg, wn, wsg, k->tol_seg);
+        if (!s) TEST_EQ_INT(mg.recomputed_tokens, 0);
+    }
+    free(dl);
     mg.replay_routing = 0;
     mtrl_model_qb_apply(&mg);
 
