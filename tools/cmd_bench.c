@@ -18,6 +18,9 @@
 //                      [--batches 1x65536,64x1024,512x128,1x262144+200x512] [--reps R] [--profile]
 //       the learner's step (mtrl_model_train with the planner's segment) on each batch in turn,
 //       in one process: tokens/s against the first batch, tokens recomputed, MFU
+//   mtrl bench decode [--device cpu|cuda] [--preset tiny|small | --config EXPERIMENT.ini] [--batches 1,64,256]
+//                     [--ctx LO:HI] [--steps N] [--profile]
+//       batched decode at mixed contexts: ms per step against the step's memory roofline
 //   mtrl bench ops --device cuda [...]   the CUDA kernels against the measured ceilings
 #include <stdlib.h>
 #include <string.h>
@@ -37,7 +40,7 @@
 #include "kernels/cuda/kernels_cuda.h"
 #endif
 
-#define BENCH_USAGE "mtrl bench model [--device cpu|cuda] [--preset tiny|small | --config EXPERIMENT.ini] [--tokens N] [--seqs B] [--segment S] [--reps R] [--profile] | mtrl bench long [--device cpu|cuda] [--preset tiny|small | --config EXPERIMENT.ini] [--tokens T] [--decode N] [--profile] | mtrl bench learner [--device cpu|cuda] [--preset tiny|small | --config EXPERIMENT.ini] [--batches 1x65536,64x1024,512x128,1x262144+200x512] [--reps R] [--profile] | mtrl bench ops --device cuda"
+#define BENCH_USAGE "mtrl bench model [--device cpu|cuda] [--preset tiny|small | --config EXPERIMENT.ini] [--tokens N] [--seqs B] [--segment S] [--reps R] [--profile] | mtrl bench long [--device cpu|cuda] [--preset tiny|small | --config EXPERIMENT.ini] [--tokens T] [--decode N] [--profile] | mtrl bench learner [--device cpu|cuda] [--preset tiny|small | --config EXPERIMENT.ini] [--batches 1x65536,64x1024,512x128,1x262144+200x512] [--reps R] [--profile] | mtrl bench decode [--device cpu|cuda] [--preset tiny|small | --config EXPERIMENT.ini] [--batches 1,64,256] [--ctx LO:HI] [--steps N] [--profile] | mtrl bench ops --device cuda"
 
 static void print_machine_(void) {
     struct utsname u;
@@ -470,6 +473,138 @@ static int bench_learner_(int argc, char **argv) {
     return rc;
 }
 
+// The device's copy rate (bytes read + written per second) over a block of `bytes`, best of 5.
+static double copy_rate_(mtrl_model *m, size_t bytes) {
+    mtrl_backend *be = m->be;
+    char *a = be->alloc(be, bytes), *b = be->alloc(be, bytes);
+    be->zero(be, a, bytes);
+    be->copy(be, b, a, bytes);
+    be->sync(be);
+    double best = 1e30;
+    for (int r = 0; r < 5; r++) {
+        double t0 = mtrl_time_mono();
+        be->copy(be, b, a, bytes);
+        be->sync(be);
+        double t = mtrl_time_mono() - t0;
+        if (t < best) best = t;
+    }
+    be->release(be, a);
+    be->release(be, b);
+    return 2.0 * (double)bytes / best;
+}
+
+// Bytes one decode step must read at least: every matrix but the embedding (whose B rows are
+// negligible) once, the routed experts only where a row chose them (distinct[l]: experts hit in
+// MoE layer l this step), each sequence's KDA state and conv windows read and written, and its
+// MLA latents read (ctx[i] rows per MLA layer).
+static double decode_bytes_min_(const mtrl_model *m, int B, const int *ctx, const int *distinct) {
+    const mtrl_model_dims *d = &m->dims;
+    double wsz = m->be->gemm_bf16 ? 2 : sizeof(real), bytes = 0;
+    for (int i = 0; i < m->params.n; i++) {
+        const mtrl_tensor *t = &m->params.items[i];
+        double n = (double)t->nbytes / sizeof(real);
+        if (!strcmp(t->name, "embed")) continue;
+        double w = t->ndim >= 2 ? wsz : sizeof(real);
+        const char *ew = strstr(t->name, ".ew");
+        if (ew) {
+            int l = atoi(strstr(t->name, "layers.") ? strstr(t->name, "layers.") + 7 : "0");
+            n *= (double)distinct[l] / d->E;
+        }
+        bytes += n * w;
+    }
+    int n_kda = 0, n_mla = 0;
+    for (int l = 0; l < d->L; l++) {
+        n_kda += d->mixer[l] == 'K';
+        n_mla += d->mixer[l] == 'M';
+    }
+    double st = (double)n_kda * sizeof(real) * ((double)d->H * d->D * d->D + 3.0 * (d->W - 1) * d->H * d->D);
+    for (int i = 0; i < B; i++) bytes += 2 * st + (double)n_mla * ctx[i] * (d->dc + d->dr) * (double)m->be->latent_size;
+    return bytes;
+}
+
+// `mtrl bench decode`: batched decode steps (mtrl_model_decode, B sequences, one token each) at
+// contexts spread evenly over [lo, hi] (mixed lengths in one batch), for each B of --batches;
+// the step time against its memory roofline: the least bytes it must read (decode_bytes_min_)
+// at the copy rate measured in the same run (issue 21 R2). The states' latents are not
+// prefilled (the contexts' rows are zeros; the decode reads them all the same).
+static int bench_decode_(int argc, char **argv) {
+    bench_src src = {NULL, "tiny", NULL, 0};
+    const char *batches = "1,8,64";
+    int lo = 1024, hi = 32768, steps = 16, profile = 0;
+    for (int i = 1; i < argc; i++) {
+        const char *a = argv[i];
+        const char *v = i + 1 < argc ? argv[i + 1] : NULL;
+        if (src_opt_(&src, a, v)) i++;
+        else if (!strcmp(a, "--batches") && v) { batches = v; i++; }
+        else if (!strcmp(a, "--ctx") && v) {
+            if (sscanf(v, "%d:%d", &lo, &hi) != 2) lo = hi = atoi(v);
+            i++;
+        } else if (!strcmp(a, "--steps") && v) { steps = atoi(v); i++; }
+        else if (!strcmp(a, "--profile")) profile = 1;
+        else return cli_usage_error("bench", BENCH_USAGE, "unknown option '%s'", a);
+    }
+    if (lo < 1 || hi < lo || steps < 1) return cli_usage_error("bench", BENCH_USAGE, "need 1 <= lo <= hi (--ctx LO:HI) and --steps >= 1");
+    mtrl_model m;
+    int rc = model_open_(&src, &m);
+    if (rc) return rc;
+    const mtrl_model_dims *d = &m.dims;
+    print_machine_();
+    double rate = copy_rate_(&m, (size_t)1 << 30);
+    char label[1100];
+    printf("decode: %s on %s (%s weights), %zu parameters; contexts %d..%d; copy rate %.0f GB/s (1 GiB, read + write)\n",
+           src_label_(&src, label, sizeof label), m.device == MTRL_DEVICE_CUDA ? "cuda" : "cpu",
+           m.be->gemm_bf16 ? "bf16" : "fp32", mtrl_model_param_count(&m), lo, hi, rate / 1e9);
+    size_t rw = (size_t)d->n_moe * d->k;
+    for (const char *p = batches; rc == 0 && *p;) {
+        int B = atoi(p);
+        p += strcspn(p, ",");
+        if (*p == ',') p++;
+        if (B < 1) return cli_usage_error("bench", BENCH_USAGE, "--batches %s: expected B,B,...", batches);
+        mtrl_decode_state *st = malloc(sizeof(*st) * (size_t)B), **sp = malloc(sizeof(*sp) * (size_t)B);
+        int *ctx = malloc(sizeof(int) * (size_t)B), *distinct = calloc((size_t)d->L, sizeof(int));
+        real *lg = malloc(sizeof(real) * (size_t)B * d->V);
+        uint32_t *in = malloc(sizeof(uint32_t) * (size_t)B);
+        uint8_t *rout = malloc((size_t)B * rw + 1);
+        for (int i = 0; i < B; i++) {
+            ctx[i] = B == 1 ? hi : lo + (int)((long)(hi - lo) * i / (B - 1));
+            mtrl_decode_state_init(&st[i], &m, ctx[i] + steps + 2);
+            st[i].pos = ctx[i];
+            sp[i] = &st[i];
+            in[i] = (uint32_t)(mtrl_rng_u64(5, (uint64_t)i, 0) % 256);
+        }
+        mtrl_model_decode(&m, sp, B, in, lg, NULL); // warm-up
+        double t0 = mtrl_time_mono();
+        for (int s = 0; s < steps; s++) mtrl_model_decode(&m, sp, B, in, lg, s == steps - 1 ? rout : NULL);
+        double dt = (mtrl_time_mono() - t0) / steps;
+        // experts the last step's rows chose, per MoE layer
+        for (int l = 1; l < d->L; l++) {
+            unsigned char hit[256] = {0};
+            for (int i = 0; i < B; i++)
+                for (int j = 0; j < d->k; j++) hit[rout[(size_t)i * rw + (size_t)(l - 1) * d->k + j]] = 1;
+            for (int e = 0; e < d->E && e < 256; e++) distinct[l] += hit[e];
+        }
+        double bytes = decode_bytes_min_(&m, B, ctx, distinct), roof = bytes / (rate / 2);
+        printf("B %4d: %8.3f ms per step, %9.0f tokens/s; reads >= %.2f GB -> roofline %.3f ms = %.1f%% of it\n", B,
+               dt * 1e3, B / dt, bytes / 1e9, roof * 1e3, 100 * roof / dt);
+        if (profile) {
+            mtrl_model_profile prof;
+            memset(&prof, 0, sizeof prof);
+            m.profile = &prof;
+            double p0 = mtrl_time_mono();
+            mtrl_model_decode(&m, sp, B, in, lg, NULL);
+            double p1 = mtrl_time_mono();
+            m.profile = NULL;
+            printf("profile: one decode step of B = %d, device synchronised at every phase boundary: %.2f ms\n", B,
+                   (p1 - p0) * 1e3);
+            profile_print_(&prof, p1 - p0);
+        }
+        for (int i = 0; i < B; i++) mtrl_decode_state_free(&st[i]);
+        free(st); free(sp); free(ctx); free(distinct); free(lg); free(in); free(rout);
+    }
+    mtrl_model_free(&m);
+    return rc;
+}
+
 // One long episode, what issue 8's table asks for: the actor's prefill of T tokens (chunked
 // form) and its decode time per token at that context, then the learner's forward+backward of
 // the T-token sequence with the planner's segment, and the memory of each.
@@ -571,5 +706,6 @@ int cmd_bench(int argc, char **argv) {
     }
     if (!strcmp(argv[1], "long")) return bench_long_(argc - 1, argv + 1);
     if (!strcmp(argv[1], "learner")) return bench_learner_(argc - 1, argv + 1);
+    if (!strcmp(argv[1], "decode")) return bench_decode_(argc - 1, argv + 1);
     return cli_usage_error("bench", BENCH_USAGE, "unknown benchmark '%s'", argv[1]);
 }
