@@ -419,6 +419,14 @@ static void test_case_(const gcase *k) {
     }
     // 6b. the learner's one-pass step (mtrl_model_train: forward, loss, backward unit by unit)
     // == forward + backward, packed (segment 0) and with the longest sequence cut (24).
+    // The QB sums are put back afterwards, so that section 7 routes with the β it always had.
+    size_t LE = (size_t)d.L * d.E;
+    double *qs = malloc(sizeof(double) * LE);
+    int *qc = malloc(sizeof(int) * (size_t)d.L);
+    long *ql = malloc(sizeof(long) * LE);
+    memcpy(qs, mg.qb_sum, sizeof(double) * LE);
+    memcpy(qc, mg.qb_count, sizeof(int) * (size_t)d.L);
+    memcpy(ql, mg.load, sizeof(long) * LE);
     real *dl = malloc(sizeof(real) * tot);
     for (int s = 0; s < 2; s++) {
         int seg = s ? 24 : 0;
@@ -435,6 +443,12 @@ static void test_case_(const gcase *k) {
         if (!s) TEST_EQ_INT(mg.recomputed_tokens, 0);
     }
     free(dl);
+    memcpy(mg.qb_sum, qs, sizeof(double) * LE);
+    memcpy(mg.qb_count, qc, sizeof(int) * (size_t)d.L);
+    memcpy(mg.load, ql, sizeof(long) * LE);
+    free(qs);
+    free(qc);
+    free(ql);
     mg.replay_routing = 0;
     mtrl_model_qb_apply(&mg);
 
