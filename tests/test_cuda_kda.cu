@@ -687,6 +687,42 @@ static void test_step(mtrl_cuda_ctx *ctx, int B, int H, int K, int V, int bound)
         mtrl_cuda_free(d_o);
     }
     set_decode_version(2);
+    // Each row's state in its own allocation (the model's decode states), updated in place by
+    // mtrl_kda_step_rows: bit for bit the block form's output and states.
+    if (mtrl_kda_step_version(H, K, V) == 2) {
+        size_t n1 = (size_t)H * K * V;
+        float *d_S = tu_dev_f32(S0, ns), *d_o = tu_dev_nan(ctx, nv), *d_o2 = tu_dev_nan(ctx, nv);
+        float **rows = (float **)malloc(sizeof(float *) * (size_t)B), **d_rows = NULL;
+        for (int b = 0; b < B; b++) rows[b] = tu_dev_f32(S0 + (size_t)b * n1, n1);
+        TEST_EQ_INT(cudaMalloc((void **)&d_rows, sizeof(float *) * (size_t)B), cudaSuccess);
+        TEST_EQ_INT(cudaMemcpy(d_rows, rows, sizeof(float *) * (size_t)B, cudaMemcpyHostToDevice), cudaSuccess);
+        TEST_EQ_INT(mtrl_kda_step_rows_ok(B, H, K, V, d_q, d_k, d_v, d_g, rows, d_o2), 1);
+        TEST_EQ_INT(mtrl_kda_step(ctx, B, H, K, V, d_q, d_k, d_v, d_g, d_b, d_S, d_o), 0);
+        TEST_EQ_INT(mtrl_kda_step_rows(ctx, B, H, K, V, d_q, d_k, d_v, d_g, d_b, d_rows, d_o2), 0);
+        mtrl_cuda_sync(ctx);
+        float *ho = (float *)malloc(sizeof(float) * nv), *ho2 = (float *)malloc(sizeof(float) * nv);
+        float *hs = (float *)malloc(sizeof(float) * ns), *hs2 = (float *)malloc(sizeof(float) * n1);
+        cudaMemcpy(ho, d_o, sizeof(float) * nv, cudaMemcpyDeviceToHost);
+        cudaMemcpy(ho2, d_o2, sizeof(float) * nv, cudaMemcpyDeviceToHost);
+        cudaMemcpy(hs, d_S, sizeof(float) * ns, cudaMemcpyDeviceToHost);
+        int same = !memcmp(ho, ho2, sizeof(float) * nv);
+        for (int b = 0; b < B; b++) {
+            cudaMemcpy(hs2, rows[b], sizeof(float) * n1, cudaMemcpyDeviceToHost);
+            same &= !memcmp(hs + (size_t)b * n1, hs2, sizeof(float) * n1);
+        }
+        TEST_CHECKF(same, "step B=%d: mtrl_kda_step_rows differs from the block form", B);
+        // a misaligned state pointer is not for the rows form
+        float *bad = rows[0];
+        rows[0] = (float *)((char *)bad + 4);
+        TEST_EQ_INT(mtrl_kda_step_rows_ok(B, H, K, V, d_q, d_k, d_v, d_g, rows, d_o2), 0);
+        rows[0] = bad;
+        for (int b = 0; b < B; b++) mtrl_cuda_free(rows[b]);
+        cudaFree(d_rows);
+        free(rows); free(ho); free(ho2); free(hs); free(hs2);
+        mtrl_cuda_free(d_S);
+        mtrl_cuda_free(d_o);
+        mtrl_cuda_free(d_o2);
+    }
     float *ptrs[] = {d_q, d_k, d_v, d_g, d_b};
     for (size_t i = 0; i < 5; i++) mtrl_cuda_free(ptrs[i]);
     double *hp[] = {q, k, v, g, beta, S0, S, o, got};

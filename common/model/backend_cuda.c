@@ -23,7 +23,8 @@
 // without accumulating in the weights.
 //
 // Decode states are separate allocations per sequence, while the batched decode kernels take
-// one block: kda_step and shortconv_step gather the B states into scratch, run, and scatter
+// one block: kda_step runs on each row's state in place (mtrl_kda_step_rows) where its v2
+// kernel applies, else it and shortconv_step gather the B states into scratch, run, and scatter
 // them back; mla_decode addresses every sequence's latent cache from the lowest one (the
 // decode states align their latents for that; otherwise it runs one launch per sequence).
 #include <stdint.h>
@@ -354,6 +355,12 @@ static void kda_step_(BE *be, int B, int H, int K, int V, const real *q, const r
                       const real *g, const real *beta, real *const *S, real *o) {
     if (B <= 0) return;
     size_t n = (size_t)H * K * V;
+    if (mtrl_kda_step_rows_ok(B, H, K, V, q, k, v, g, (const float *const *)S, o)) {
+        // each state read and written once, in place (no gather into scratch and scatter back)
+        float **dp = ptrs_(be, scratch_(be, sizeof(void *) * (size_t)B), 0, B, (const void *const *)S);
+        OK(mtrl_kda_step_rows(CTX(be), B, H, K, V, q, k, v, g, beta, dp, o));
+        return;
+    }
     float **dp;
     float *blk = states_in_(be, B, n, S, &dp);
     OK(mtrl_kda_step(CTX(be), B, H, K, V, q, k, v, g, beta, blk, o));

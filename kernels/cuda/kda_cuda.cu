@@ -1269,14 +1269,16 @@ __global__ void __launch_bounds__(256) kda_step2_k(int H, int K, int V,
                                                    const float *__restrict__ v,
                                                    const float *__restrict__ g,
                                                    const float *__restrict__ beta, float *S,
-                                                   float *o) {
+                                                   float *const *S_rows, float *o) {
     static_assert(NP % 4 == 0, "rows per thread are loaded as float4");
     __shared__ float4 red[2][8][16];  // [k S̃ | q S'][warp][column quad]
     const int lane = threadIdx.x & 31, w = threadIdx.x >> 5, half = lane >> 4, c4 = lane & 15;
     const size_t bh = (size_t)blockIdx.z * H + blockIdx.y;
     const int col = blockIdx.x * 64 + c4 * 4;
     const int r0 = (w * 2 + half) * NP;
-    float *Sp = S + (bh * K + r0) * V + col;
+    // S_rows: row b's state is its own [H][K][V] block (decode states are separate
+    // allocations), read and written in place instead of gathered into S first
+    float *Sp = S_rows ? S_rows[blockIdx.z] + ((size_t)blockIdx.y * K + r0) * V + col : S + (bh * K + r0) * V + col;
     // State first (the bytes that matter), then the row parameters; all loads independent.
     float4 s[NP];
 #pragma unroll
@@ -1361,6 +1363,39 @@ extern "C" int mtrl_kda_step_version(int H, int K, int V) {
     return H > 0 && (K == 64 || K == 128 || K == 256) && V > 0 && V % 64 == 0 ? 2 : 1;
 }
 
+static void kda_step2_launch_(mtrl_cuda_ctx *c, int B, int H, int K, int V, const float *q, const float *k,
+                              const float *v, const float *g, const float *beta, float *S,
+                              float *const *S_rows, float *o) {
+    dim3 grid(V / 64, H, B);
+    if (K == 64)
+        kda_step2_k<4><<<grid, 256, 0, c->stream>>>(H, K, V, q, k, v, g, beta, S, S_rows, o);
+    else if (K == 128)
+        kda_step2_k<8><<<grid, 256, 0, c->stream>>>(H, K, V, q, k, v, g, beta, S, S_rows, o);
+    else
+        kda_step2_k<16><<<grid, 256, 0, c->stream>>>(H, K, V, q, k, v, g, beta, S, S_rows, o);
+    CUDA_LAUNCH_CHECK();
+}
+
+extern "C" int mtrl_kda_step_rows_ok(int B, int H, int K, int V, const float *q, const float *k,
+                                     const float *v, const float *g, const float *const *S_h,
+                                     const float *o) {
+    if (B <= 0 || mtrl_kda_step_version(H, K, V) != 2 || H > 65535 || B > 65535) return 0;
+    if (!aligned16_(q) || !aligned16_(k) || !aligned16_(v) || !aligned16_(g) || !aligned16_(o)) return 0;
+    for (int b = 0; b < B; b++)
+        if (!aligned16_(S_h[b])) return 0;
+    return 1;
+}
+
+extern "C" int mtrl_kda_step_rows(mtrl_cuda_ctx *c, int B, int H, int K, int V, const float *q,
+                                  const float *k, const float *v, const float *g,
+                                  const float *beta, float *const *S_rows, float *o) {
+    MTRL_CUDA_REQUIRE(B >= 0 && H > 0 && mtrl_kda_step_version(H, K, V) == 2 && H <= 65535 && B <= 65535,
+                      "B=%d H=%d K=%d V=%d (the v2 shapes: K in {64, 128, 256}, V %% 64 == 0)", B, H, K, V);
+    if (B == 0) return 0;
+    kda_step2_launch_(c, B, H, K, V, q, k, v, g, beta, NULL, S_rows, o);
+    return 0;
+}
+
 extern "C" int mtrl_kda_step(mtrl_cuda_ctx *c, int B, int H, int K, int V, const float *q,
                              const float *k, const float *v, const float *g, const float *beta,
                              float *S, float *o) {
@@ -1371,14 +1406,7 @@ extern "C" int mtrl_kda_step(mtrl_cuda_ctx *c, int B, int H, int K, int V, const
                    aligned16_(v) && aligned16_(g) && aligned16_(S) && aligned16_(o) &&
                    H <= 65535 && B <= 65535;
     if (v2) {
-        dim3 grid(V / 64, H, B);
-        if (K == 64)
-            kda_step2_k<4><<<grid, 256, 0, c->stream>>>(H, K, V, q, k, v, g, beta, S, o);
-        else if (K == 128)
-            kda_step2_k<8><<<grid, 256, 0, c->stream>>>(H, K, V, q, k, v, g, beta, S, o);
-        else
-            kda_step2_k<16><<<grid, 256, 0, c->stream>>>(H, K, V, q, k, v, g, beta, S, o);
-        CUDA_LAUNCH_CHECK();
+        kda_step2_launch_(c, B, H, K, V, q, k, v, g, beta, S, NULL, o);
         return 0;
     }
     dim3 grid(cdiv(V, 32), H, B);

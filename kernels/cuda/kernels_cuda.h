@@ -131,6 +131,15 @@ int mtrl_kda_step(mtrl_cuda_ctx *ctx, int B, int H, int K, int V, const float *q
                   float *o);
 // The kernel mtrl_kda_step runs for this shape (given 16-byte aligned pointers): 2 or 1.
 int mtrl_kda_step_version(int H, int K, int V);
+// The same step with each row's state in its own block: S_rows [B] DEVICE pointers to
+// [H][K][V] states, read and updated in place (the v2 kernel, no gather into one block: a decode
+// step of B sequences reads and writes each state once). Only where mtrl_kda_step_rows_ok says
+// so (the v2 shapes, 16-byte aligned q, k, v, g, o and states: S_h is the same B pointers on the
+// host); other calls are refused. Bit-identical to mtrl_kda_step on the gathered block.
+int mtrl_kda_step_rows_ok(int B, int H, int K, int V, const float *q, const float *k, const float *v,
+                          const float *g, const float *const *S_h, const float *o);
+int mtrl_kda_step_rows(mtrl_cuda_ctx *ctx, int B, int H, int K, int V, const float *q, const float *k,
+                       const float *v, const float *g, const float *beta, float *const *S_rows, float *o);
 
 // ---- causal attention / MLA (mla_ref.h) ----------------------------------------------------
 //
