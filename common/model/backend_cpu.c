@@ -14,6 +14,7 @@
 #include "kernels/ref/mla_ref.h"
 #include "kernels/ref/moe_ref.h"
 #include "kernels/ref/ops_ref.h"
+#include "kernels/ref/par_ref.h"
 
 typedef mtrl_backend BE;
 
@@ -130,7 +131,9 @@ static void shortconv_state_bwd_(BE *be, int T, int C, int W, const real *dso, r
 static void shortconv_step_(BE *be, int B, int C, int W, const real *x1, const real *w, real *const *win,
                             real *y1) {
     (void)be;
-    for (int r = 0; r < B; r++) shortconv_step(C, W, x1 + (size_t)r * C, w, win[r], y1 + (size_t)r * C);
+    // The batch's rows are the outer loop on a team when worth it; each row's step is serial.
+    REF_PAR_FOR(ref_par((2.0 * W + REF_FLOPS_EXP) * B * C),
+        for (int r = 0; r < B; r++) shortconv_step(C, W, x1 + (size_t)r * C, w, win[r], y1 + (size_t)r * C););
 }
 static void embedding_fwd_(BE *be, int N, int D, const int *ids, const real *E, real *x) {
     (void)be;
@@ -180,10 +183,11 @@ static void kda_chunk_bwd_(BE *be, int T, int H, int K, int V, const real *q, co
 static void kda_step_(BE *be, int B, int H, int K, int V, const real *q, const real *k, const real *v,
                       const real *g, const real *beta, real *const *S, real *o) {
     (void)be;
-    for (int r = 0; r < B; r++) {
-        size_t qo = (size_t)r * H * K, vo = (size_t)r * H * V;
-        kda_step(H, K, V, q + qo, k + qo, v + vo, g + qo, beta + (size_t)r * H, S[r], o + vo);
-    }
+    REF_PAR_FOR(ref_par((8.0 * K * V + REF_FLOPS_EXP * K) * B * H),
+        for (int r = 0; r < B; r++) {
+            size_t qo = (size_t)r * H * K, vo = (size_t)r * H * V;
+            kda_step(H, K, V, q + qo, k + qo, v + vo, g + qo, beta + (size_t)r * H, S[r], o + vo);
+        });
 }
 
 // ---- latents: `real` elements (latent_size = sizeof(real)), so the reference runs unchanged ----------
@@ -241,11 +245,14 @@ static void mla_expand_kv_bwd_(BE *be, int N, int H, int dn, int dr, int dv, int
 static void mla_decode_(BE *be, int B, int H, int dn, int dr, int dv, int dc, real scale, const real *q,
                         const real *W, const void *const *lat, int ld, const int *Tk, real *a) {
     (void)be;
-    for (int r = 0; r < B; r++) {
-        const real *L = lat[r];
-        mla_decode_absorbed_ld(H, dn, dr, dv, dc, scale, q + (size_t)r * H * (dn + dr), W, L, ld, L + dc, ld, Tk[r],
-                               a + (size_t)r * H * dv);
-    }
+    double flops = 0;  // the absorption and up-projection of every row, then its keys
+    for (int r = 0; r < B; r++) flops += 2.0 * H * dc * (dn + dv) + (4.0 * (dc + dr) + REF_FLOPS_EXP) * Tk[r] * H;
+    REF_PAR_FOR(ref_par(flops),
+        for (int r = 0; r < B; r++) {
+            const real *L = lat[r];
+            mla_decode_absorbed_ld(H, dn, dr, dv, dc, scale, q + (size_t)r * H * (dn + dr), W, L, ld, L + dc, ld,
+                                   Tk[r], a + (size_t)r * H * dv);
+        });
 }
 
 static void moe_router_fwd_(BE *be, int N, int E, int K, const real *z, const real *beta, int sm, real rho,

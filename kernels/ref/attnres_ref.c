@@ -3,6 +3,7 @@
 #include "attnres_ref.h"
 
 #include "gemm_ref.h"
+#include "par_ref.h"
 
 #include <math.h>
 #include <stddef.h>
@@ -45,26 +46,62 @@ static void attnres_token_softmax_(int D, int S, const real *const *V, size_t t,
     for (int i = 0; i < S; i++) a[i] /= sum;
 }
 
+// Tokens [t0, t1) of a site's forward: alpha (when given) and h.
+static void site_fwd_rows_(int t0, int t1, int D, int S, const real *const *V, const real *u, real eps, real *h,
+                           real *alpha) {
+    double *r = attnres_xmalloc_(sizeof(double) * 3 * (size_t)S), *z = r + S, *a = z + S;
+    for (int t = t0; t < t1; t++) {
+        attnres_token_softmax_(D, S, V, (size_t)t, u, eps, r, z, a);
+        if (alpha)
+            for (int i = 0; i < S; i++) alpha[(size_t)t * S + i] = (real)a[i];
+        real *ht = h + (size_t)t * D;
+        for (int d = 0; d < D; d++) {
+            double acc = 0;
+            for (int i = 0; i < S; i++) acc += a[i] * V[i][(size_t)t * D + d];
+            ht[d] = (real)acc;
+        }
+    }
+    free(r);
+}
+
+// Tokens [t0, t1) of a site's backward: dV accumulated, c[t][i] = dz_i r_i written.
+static void site_bwd_rows_(int t0, int t1, int D, int S, const real *const *V, const real *u, real eps,
+                           const real *alpha, const real *dh, real *const *dV, real *c) {
+    double *r = attnres_xmalloc_(sizeof(double) * 4 * (size_t)S);
+    double *z = r + S, *a = z + S, *da = a + S;
+    for (int t = t0; t < t1; t++) {
+        // Logits are recomputed even when alpha is given: the dV formula needs u·x̂_i = z_i.
+        attnres_token_softmax_(D, S, V, (size_t)t, u, eps, r, z, a);
+        if (alpha)
+            for (int i = 0; i < S; i++) a[i] = alpha[(size_t)t * S + i];
+        const real *dht = dh + (size_t)t * D;
+        double sad = 0;
+        for (int i = 0; i < S; i++) {
+            const real *v = V[i] + (size_t)t * D;
+            double dot = 0;
+            for (int d = 0; d < D; d++) dot += (double)dht[d] * v[d];
+            da[i] = dot;
+            sad += a[i] * dot;
+        }
+        for (int i = 0; i < S; i++) {
+            double dz = a[i] * (da[i] - sad), ci = dz * r[i];
+            c[(size_t)t * S + i] = (real)ci;
+            if (!dV[i]) continue;
+            const real *v = V[i] + (size_t)t * D;
+            real *g = dV[i] + (size_t)t * D;
+            double proj = r[i] * z[i] / D;  // x̂_i (u·x̂_i)/D = V_i r_i z_i / D
+            for (int d = 0; d < D; d++)
+                g[d] = (real)((double)g[d] + a[i] * dht[d] + ci * ((double)u[d] - proj * v[d]));
+        }
+    }
+    free(r);
+}
+
 void attnres_site_fwd(int N, int D, int S, const real *const *V, const real *w,
                       const real *gamma, real eps, real *h, real *alpha) {
     real *u = attnres_query_(D, w, gamma);
-    #pragma omp parallel if ((long)N * S * D > 32768)
-    {
-        double *r = attnres_xmalloc_(sizeof(double) * 3 * (size_t)S), *z = r + S, *a = z + S;
-        #pragma omp for schedule(static)
-        for (int t = 0; t < N; t++) {
-            attnres_token_softmax_(D, S, V, (size_t)t, u, eps, r, z, a);
-            if (alpha)
-                for (int i = 0; i < S; i++) alpha[(size_t)t * S + i] = (real)a[i];
-            real *ht = h + (size_t)t * D;
-            for (int d = 0; d < D; d++) {
-                double acc = 0;
-                for (int i = 0; i < S; i++) acc += a[i] * V[i][(size_t)t * D + d];
-                ht[d] = (real)acc;
-            }
-        }
-        free(r);
-    }
+    REF_PAR_RANGES(ref_par((5.0 * D + REF_FLOPS_EXP) * N * S), N, lo, hi,
+                   site_fwd_rows_((int)lo, (int)hi, D, S, V, u, eps, h, alpha));
     free(u);
 }
 
@@ -74,38 +111,8 @@ void attnres_site_bwd(int N, int D, int S, const real *const *V, const real *w,
     real *u = attnres_query_(D, w, gamma);
     // c[t][i] = dz_i r_i: the weight of V_i[t] in Σ dz_i x̂_i, the common factor of dw and dgamma.
     real *c = attnres_xmalloc_(sizeof(real) * (size_t)N * S);
-    #pragma omp parallel if ((long)N * S * D > 32768)
-    {
-        double *r = attnres_xmalloc_(sizeof(double) * 4 * (size_t)S);
-        double *z = r + S, *a = z + S, *da = a + S;
-        #pragma omp for schedule(static)
-        for (int t = 0; t < N; t++) {
-            // Logits are recomputed even when alpha is given: the dV formula needs u·x̂_i = z_i.
-            attnres_token_softmax_(D, S, V, (size_t)t, u, eps, r, z, a);
-            if (alpha)
-                for (int i = 0; i < S; i++) a[i] = alpha[(size_t)t * S + i];
-            const real *dht = dh + (size_t)t * D;
-            double sad = 0;
-            for (int i = 0; i < S; i++) {
-                const real *v = V[i] + (size_t)t * D;
-                double dot = 0;
-                for (int d = 0; d < D; d++) dot += (double)dht[d] * v[d];
-                da[i] = dot;
-                sad += a[i] * dot;
-            }
-            for (int i = 0; i < S; i++) {
-                double dz = a[i] * (da[i] - sad), ci = dz * r[i];
-                c[(size_t)t * S + i] = (real)ci;
-                if (!dV[i]) continue;
-                const real *v = V[i] + (size_t)t * D;
-                real *g = dV[i] + (size_t)t * D;
-                double proj = r[i] * z[i] / D;  // x̂_i (u·x̂_i)/D = V_i r_i z_i / D
-                for (int d = 0; d < D; d++)
-                    g[d] = (real)((double)g[d] + a[i] * dht[d] + ci * ((double)u[d] - proj * v[d]));
-            }
-        }
-        free(r);
-    }
+    REF_PAR_RANGES(ref_par((10.0 * D + REF_FLOPS_EXP) * N * S), N, lo, hi,
+                   site_bwd_rows_((int)lo, (int)hi, D, S, V, u, eps, alpha, dh, dV, c));
     if (dw || dgamma) {
         // G = Σ_{t,i} c[t][i] V_i[t]: a 1×N by N×D product per source (fixed order over tokens
         // inside gemm_ref, sources in order), so the result is independent of the thread count.
@@ -130,33 +137,33 @@ void attnres_phase1(int N, int D, int nb, const real *const *B, int P, const rea
     // Xh [nb][N][D]: the normalised blocks stacked, so all logits are one GEMM Z = Xh Uᵀ.
     real *Xh = attnres_xmalloc_(sizeof(real) * rows * D);
     real *Z = attnres_xmalloc_(sizeof(real) * rows * P);
-    #pragma omp parallel for schedule(static) if (rows * D > 32768)
-    for (long q = 0; q < (long)rows; q++) {
-        const real *v = B[q / N] + (size_t)(q % N) * D;
-        double r = attnres_rinv_(D, v, eps);
-        for (int d = 0; d < D; d++) Xh[(size_t)q * D + d] = (real)(r * v[d]);
-    }
+    REF_PAR_FOR(ref_par(2.0 * rows * D),
+        for (long q = 0; q < (long)rows; q++) {
+            const real *v = B[q / N] + (size_t)(q % N) * D;
+            double r = attnres_rinv_(D, v, eps);
+            for (int d = 0; d < D; d++) Xh[(size_t)q * D + d] = (real)(r * v[d]);
+        });
     gemm_ref(0, 1, (int)rows, P, D, 1, Xh, D, U, D, 0, Z, P);
-    #pragma omp parallel for schedule(static) if ((long)N * P * nb * D > 32768)
-    for (int t = 0; t < N; t++) {
-        for (int p = 0; p < P; p++) {
-            double mx = -INFINITY, sum = 0;
-            for (int b = 0; b < nb; b++) {
-                double zb = Z[((size_t)b * N + t) * P + p];
-                mx = zb > mx ? zb : mx;
+    REF_PAR_FOR(ref_par((REF_FLOPS_EXP + 2.0 * D) * N * P * nb),
+        for (int t = 0; t < N; t++) {
+            for (int p = 0; p < P; p++) {
+                double mx = -INFINITY, sum = 0;
+                for (int b = 0; b < nb; b++) {
+                    double zb = Z[((size_t)b * N + t) * P + p];
+                    mx = zb > mx ? zb : mx;
+                }
+                real *at = acc + ((size_t)p * N + t) * D;
+                for (int d = 0; d < D; d++) at[d] = 0;
+                for (int b = 0; b < nb; b++) {
+                    double e = exp(Z[((size_t)b * N + t) * P + p] - mx);
+                    sum += e;
+                    const real *v = B[b] + (size_t)t * D;
+                    for (int d = 0; d < D; d++) at[d] = (real)((double)at[d] + e * v[d]);
+                }
+                m[(size_t)p * N + t] = (real)mx;
+                l[(size_t)p * N + t] = (real)sum;
             }
-            real *at = acc + ((size_t)p * N + t) * D;
-            for (int d = 0; d < D; d++) at[d] = 0;
-            for (int b = 0; b < nb; b++) {
-                double e = exp(Z[((size_t)b * N + t) * P + p] - mx);
-                sum += e;
-                const real *v = B[b] + (size_t)t * D;
-                for (int d = 0; d < D; d++) at[d] = (real)((double)at[d] + e * v[d]);
-            }
-            m[(size_t)p * N + t] = (real)mx;
-            l[(size_t)p * N + t] = (real)sum;
-        }
-    }
+        });
     free(Z);
     free(Xh);
     free(U);
@@ -166,24 +173,24 @@ void attnres_phase2(int N, int D, const real *m, const real *l, const real *acc,
                     const real *Vp, const real *w, const real *gamma, real eps, real *h,
                     real *lse) {
     real *u = Vp ? attnres_query_(D, w, gamma) : NULL;
-    #pragma omp parallel for schedule(static) if ((long)N * D > 32768)
-    for (int t = 0; t < N; t++) {
-        const real *at = acc + (size_t)t * D;
-        real *ht = h + (size_t)t * D;
-        double mt = m[t], lt = l[t];
-        if (!Vp) {
-            for (int d = 0; d < D; d++) ht[d] = (real)(at[d] / lt);
-            if (lse) lse[t] = (real)(mt + log(lt));
-            continue;
-        }
-        const real *v = Vp + (size_t)t * D;
-        double dot = 0;
-        for (int d = 0; d < D; d++) dot += (double)u[d] * v[d];
-        double zp = attnres_rinv_(D, v, eps) * dot;
-        double m2 = zp > mt ? zp : mt;
-        double sc = exp(mt - m2), ep = exp(zp - m2), l2 = lt * sc + ep;
-        for (int d = 0; d < D; d++) ht[d] = (real)((at[d] * sc + ep * v[d]) / l2);
-        if (lse) lse[t] = (real)(m2 + log(l2));
-    }
+    REF_PAR_FOR(ref_par((REF_FLOPS_EXP + 4.0 * D) * N),
+        for (int t = 0; t < N; t++) {
+            const real *at = acc + (size_t)t * D;
+            real *ht = h + (size_t)t * D;
+            double mt = m[t], lt = l[t];
+            if (!Vp) {
+                for (int d = 0; d < D; d++) ht[d] = (real)(at[d] / lt);
+                if (lse) lse[t] = (real)(mt + log(lt));
+                continue;
+            }
+            const real *v = Vp + (size_t)t * D;
+            double dot = 0;
+            for (int d = 0; d < D; d++) dot += (double)u[d] * v[d];
+            double zp = attnres_rinv_(D, v, eps) * dot;
+            double m2 = zp > mt ? zp : mt;
+            double sc = exp(mt - m2), ep = exp(zp - m2), l2 = lt * sc + ep;
+            for (int d = 0; d < D; d++) ht[d] = (real)((at[d] * sc + ep * v[d]) / l2);
+            if (lse) lse[t] = (real)(m2 + log(l2));
+        });
     free(u);
 }

@@ -4,6 +4,7 @@
 #include "kernels/ref/kda_ref.h"
 
 #include "kernels/ref/gemm_ref.h"
+#include "kernels/ref/par_ref.h"
 
 #include <math.h>
 #include <stddef.h>
@@ -125,17 +126,17 @@ void kda_recurrent_fwd(int T, int H, int K, int V, const real *q, const real *k,
     real *state = kda_xmalloc_(sizeof(real) * H * KV);
     if (S0) memcpy(state, S0, sizeof(real) * H * KV);
     else memset(state, 0, sizeof(real) * H * KV);
-    #pragma omp parallel for schedule(static)
-    for (int h = 0; h < H; h++) {
-        real *S = state + h * KV;
-        if (S_all) memcpy(S_all + (size_t)h * KV, S, sizeof(real) * KV);
-        for (int t = 0; t < T; t++) {
-            size_t th = (size_t)t * H + h;
-            kda_head_step_(K, V, q + th * K, k + th * K, v + th * V, g + th * K, beta[th], S,
-                           o + th * V);
-            if (S_all) memcpy(S_all + ((size_t)(t + 1) * H + h) * KV, S, sizeof(real) * KV);
-        }
-    }
+    REF_PAR_FOR(ref_par(6.0 * T * H * KV),
+        for (int h = 0; h < H; h++) {
+            real *S = state + h * KV;
+            if (S_all) memcpy(S_all + (size_t)h * KV, S, sizeof(real) * KV);
+            for (int t = 0; t < T; t++) {
+                size_t th = (size_t)t * H + h;
+                kda_head_step_(K, V, q + th * K, k + th * K, v + th * V, g + th * K, beta[th], S,
+                               o + th * V);
+                if (S_all) memcpy(S_all + ((size_t)(t + 1) * H + h) * KV, S, sizeof(real) * KV);
+            }
+        });
     if (S_final) memcpy(S_final, state, sizeof(real) * H * KV);
     free(state);
 }
@@ -149,64 +150,64 @@ void kda_recurrent_bwd(int T, int H, int K, int V, const real *q, const real *k,
     // Per thread: dS [K][V], S̃ [K][V], r [V], dr [V].
     size_t per = 2 * KV + 2 * (size_t)V;
     real *pool = kda_xmalloc_(sizeof(real) * per * nth);
-    #pragma omp parallel for schedule(static)
-    for (int h = 0; h < H; h++) {
-        real *dS = pool + per * kda_thread_id_();
-        real *St = dS + KV, *r = St + KV, *dr = r + V;
-        if (dS_final) memcpy(dS, dS_final + h * KV, sizeof(real) * KV);
-        else memset(dS, 0, sizeof(real) * KV);
-        for (int t = T - 1; t >= 0; t--) {
-            size_t th = (size_t)t * H + h;
-            const real *qt = q + th * K, *kt = k + th * K, *vt = v + th * V, *gt = g + th * K;
-            const real *dot = dout + th * V;
-            const real *Sp = S_all + th * KV;               // S_{t-1}
-            const real *Sc = S_all + ((size_t)(t + 1) * H + h) * KV;  // S_t
-            double bt = (double)beta[th];
-            for (int d = 0; d < K; d++) {  // S̃ = D_t S_{t-1}
-                real e = (real)exp((double)gt[d]);
-                for (int j = 0; j < V; j++) St[(size_t)d * V + j] = Sp[(size_t)d * V + j] * e;
-            }
-            for (int j = 0; j < V; j++) {  // r = v − S̃ᵀ k
-                double acc = 0;
-                for (int d = 0; d < K; d++) acc += (double)St[(size_t)d * V + j] * (double)kt[d];
-                r[j] = (real)((double)vt[j] - acc);
-            }
-            for (int d = 0; d < K; d++) {  // dS += q doᵀ;  dq = S_t do
-                double acc = 0;
-                for (int j = 0; j < V; j++) {
-                    real *s = &dS[(size_t)d * V + j];
-                    *s = (real)((double)*s + (double)qt[d] * (double)dot[j]);
-                    acc += (double)Sc[(size_t)d * V + j] * (double)dot[j];
+    REF_PAR_FOR(ref_par(14.0 * T * H * KV),
+        for (int h = 0; h < H; h++) {
+            real *dS = pool + per * kda_thread_id_();
+            real *St = dS + KV, *r = St + KV, *dr = r + V;
+            if (dS_final) memcpy(dS, dS_final + h * KV, sizeof(real) * KV);
+            else memset(dS, 0, sizeof(real) * KV);
+            for (int t = T - 1; t >= 0; t--) {
+                size_t th = (size_t)t * H + h;
+                const real *qt = q + th * K, *kt = k + th * K, *vt = v + th * V, *gt = g + th * K;
+                const real *dot = dout + th * V;
+                const real *Sp = S_all + th * KV;               // S_{t-1}
+                const real *Sc = S_all + ((size_t)(t + 1) * H + h) * KV;  // S_t
+                double bt = (double)beta[th];
+                for (int d = 0; d < K; d++) {  // S̃ = D_t S_{t-1}
+                    real e = (real)exp((double)gt[d]);
+                    for (int j = 0; j < V; j++) St[(size_t)d * V + j] = Sp[(size_t)d * V + j] * e;
                 }
-                dq[th * K + d] = (real)acc;
-            }
-            for (int j = 0; j < V; j++) {  // dr = β dSᵀ k;  dv = dr
-                double acc = 0;
-                for (int d = 0; d < K; d++) acc += (double)dS[(size_t)d * V + j] * (double)kt[d];
-                dr[j] = (real)(bt * acc);
-                dv[th * V + j] = dr[j];
-            }
-            double db = 0;
-            for (int d = 0; d < K; d++) {
-                double dSr = 0, Sdr = 0, dgd = 0;
-                for (int j = 0; j < V; j++) {
-                    size_t i = (size_t)d * V + j;
-                    dSr += (double)dS[i] * (double)r[j];    // (dS r)_d
-                    Sdr += (double)St[i] * (double)dr[j];   // (S̃ dr)_d
-                    // dS̃ = dS − k drᵀ, formed in place; dg = rowsum(S̃ ⊙ dS̃)
-                    dS[i] = (real)((double)dS[i] - (double)kt[d] * (double)dr[j]);
-                    dgd += (double)St[i] * (double)dS[i];
+                for (int j = 0; j < V; j++) {  // r = v − S̃ᵀ k
+                    double acc = 0;
+                    for (int d = 0; d < K; d++) acc += (double)St[(size_t)d * V + j] * (double)kt[d];
+                    r[j] = (real)((double)vt[j] - acc);
                 }
-                db += (double)kt[d] * dSr;              // dβ = kᵀ dS r
-                dk[th * K + d] = (real)(bt * dSr - Sdr);  // dk = β dS r − S̃ dr
-                dg[th * K + d] = (real)dgd;
-                real e = (real)exp((double)gt[d]);     // dS ← D_t dS̃
-                for (int j = 0; j < V; j++) dS[(size_t)d * V + j] *= e;
+                for (int d = 0; d < K; d++) {  // dS += q doᵀ;  dq = S_t do
+                    double acc = 0;
+                    for (int j = 0; j < V; j++) {
+                        real *s = &dS[(size_t)d * V + j];
+                        *s = (real)((double)*s + (double)qt[d] * (double)dot[j]);
+                        acc += (double)Sc[(size_t)d * V + j] * (double)dot[j];
+                    }
+                    dq[th * K + d] = (real)acc;
+                }
+                for (int j = 0; j < V; j++) {  // dr = β dSᵀ k;  dv = dr
+                    double acc = 0;
+                    for (int d = 0; d < K; d++) acc += (double)dS[(size_t)d * V + j] * (double)kt[d];
+                    dr[j] = (real)(bt * acc);
+                    dv[th * V + j] = dr[j];
+                }
+                double db = 0;
+                for (int d = 0; d < K; d++) {
+                    double dSr = 0, Sdr = 0, dgd = 0;
+                    for (int j = 0; j < V; j++) {
+                        size_t i = (size_t)d * V + j;
+                        dSr += (double)dS[i] * (double)r[j];    // (dS r)_d
+                        Sdr += (double)St[i] * (double)dr[j];   // (S̃ dr)_d
+                        // dS̃ = dS − k drᵀ, formed in place; dg = rowsum(S̃ ⊙ dS̃)
+                        dS[i] = (real)((double)dS[i] - (double)kt[d] * (double)dr[j]);
+                        dgd += (double)St[i] * (double)dS[i];
+                    }
+                    db += (double)kt[d] * dSr;              // dβ = kᵀ dS r
+                    dk[th * K + d] = (real)(bt * dSr - Sdr);  // dk = β dS r − S̃ dr
+                    dg[th * K + d] = (real)dgd;
+                    real e = (real)exp((double)gt[d]);     // dS ← D_t dS̃
+                    for (int j = 0; j < V; j++) dS[(size_t)d * V + j] *= e;
+                }
+                dbeta[th] = (real)db;
             }
-            dbeta[th] = (real)db;
-        }
-        if (dS0) memcpy(dS0 + h * KV, dS, sizeof(real) * KV);
-    }
+            if (dS0) memcpy(dS0 + h * KV, dS, sizeof(real) * KV);
+        });
     free(pool);
 }
 
@@ -676,13 +677,13 @@ void kda_chunk_fwd_ex(int T, int H, int K, int V, const real *q, const real *k, 
     int nth = kda_thread_count_();
     size_t per = kda_ws_carve_(&cf, 0, NULL, NULL);
     real *pool = kda_xmalloc_(sizeof(real) * per * nth);
-    #pragma omp parallel for schedule(static)
-    for (int h = 0; h < H; h++) {
-        kda_ws_ w;
-        kda_ws_carve_(&cf, 0, pool + per * kda_thread_id_(), &w);
-        kda_head_fwd_(&cf, &w, T, h, q, k, v, g, beta, S0 ? S0 + h * KV : NULL, o,
-                      S_final ? S_final + h * KV : NULL, S_tiles);
-    }
+    REF_PAR_FOR(ref_par(8.0 * T * H * KV),
+        for (int h = 0; h < H; h++) {
+            kda_ws_ w;
+            kda_ws_carve_(&cf, 0, pool + per * kda_thread_id_(), &w);
+            kda_head_fwd_(&cf, &w, T, h, q, k, v, g, beta, S0 ? S0 + h * KV : NULL, o,
+                          S_final ? S_final + h * KV : NULL, S_tiles);
+        });
     free(pool);
 }
 
@@ -707,16 +708,16 @@ void kda_chunk_bwd_ex(int T, int H, int K, int V, const real *q, const real *k, 
     // recover every chunk's incoming state, as fla does with disable_recompute=False.
     real *own = NULL;
     if (!S_tiles) own = kda_xmalloc_(sizeof(real) * KV * H * kda_chunk_state_count(T, opts));
-    #pragma omp parallel for schedule(static)
-    for (int h = 0; h < H; h++) {
-        kda_ws_ w;
-        kda_ws_carve_(&cf, 1, pool + per * kda_thread_id_(), &w);
-        if (own) kda_head_fwd_(&cf, &w, T, h, q, k, v, g, beta, S0 ? S0 + h * KV : NULL, NULL,
-                               NULL, own);
-        kda_head_bwd_(&cf, &w, T, h, q, k, v, g, beta, own ? own : S_tiles, dout,
-                      dS_final ? dS_final + h * KV : NULL, dq, dk, dv, dg, dbeta,
-                      dS0 ? dS0 + h * KV : NULL);
-    }
+    REF_PAR_FOR(ref_par((own ? 28.0 : 20.0) * T * H * KV),
+        for (int h = 0; h < H; h++) {
+            kda_ws_ w;
+            kda_ws_carve_(&cf, 1, pool + per * kda_thread_id_(), &w);
+            if (own) kda_head_fwd_(&cf, &w, T, h, q, k, v, g, beta, S0 ? S0 + h * KV : NULL, NULL,
+                                   NULL, own);
+            kda_head_bwd_(&cf, &w, T, h, q, k, v, g, beta, own ? own : S_tiles, dout,
+                          dS_final ? dS_final + h * KV : NULL, dq, dk, dv, dg, dbeta,
+                          dS0 ? dS0 + h * KV : NULL);
+        });
     free(own);
     free(pool);
 }

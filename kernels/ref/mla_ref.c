@@ -7,6 +7,7 @@
 #include <string.h>
 
 #include "kernels/ref/gemm_ref.h"
+#include "kernels/ref/par_ref.h"
 
 // Tile sizes of the flash-style loops: a row block of ATT_BR queries against a key block of
 // ATT_BC keys is the most score memory ever held (per thread).
@@ -22,7 +23,9 @@ void attn_causal_fwd(int Tq, int Tk, int H, int Hk, int Dk, int Dv, real scale, 
     if (Tq <= 0 || H <= 0) return;
     const int G = H / Hk, off = Tk - Tq, ldq = H * Dk;
     const int nrb = (Tq + ATT_BR - 1) / ATT_BR, items = H * nrb;
-    #pragma omp parallel
+    // Whole-sequence kernels fork with `parallel if`: one runtime call per call, not per row.
+    const double pairs = (double)Tq * ((double)off + 0.5 * Tq) * H;
+    #pragma omp parallel if (ref_par(pairs * (2.0 * (Dk + Dv) + REF_FLOPS_EXP)))
     {
         real *S = malloc(sizeof(real) * ATT_BR * ATT_BC);
         real *acc = malloc(sizeof(real) * ATT_BR * (size_t)Dv);
@@ -118,13 +121,13 @@ void attn_causal_bwd(int Tq, int Tk, int H, int Hk, int Dk, int Dv, real scale, 
 
     // D_i,h = dO·O: the softmax backward's row term, shared by both passes.
     double *Dsum = malloc(sizeof(double) * (size_t)Tq * H);
-    #pragma omp parallel for schedule(static) if ((long long)Tq * H * Dv > (1 << 15))
-    for (int ih = 0; ih < Tq * H; ih++) {
-        const real *a = o + (size_t)ih * Dv, *b = dout + (size_t)ih * Dv;
-        double s = 0.0;
-        for (int d = 0; d < Dv; d++) s += (double)a[d] * (double)b[d];
-        Dsum[ih] = s;
-    }
+    REF_PAR_FOR(ref_par(2.0 * Tq * H * Dv),
+        for (int ih = 0; ih < Tq * H; ih++) {
+            const real *a = o + (size_t)ih * Dv, *b = dout + (size_t)ih * Dv;
+            double s = 0.0;
+            for (int d = 0; d < Dv; d++) s += (double)a[d] * (double)b[d];
+            Dsum[ih] = s;
+        });
 
     // Pass 1: dk, dv by key block. Each work item owns key rows [s0, s0+nc) of its key heads,
     // so the accumulation needs no atomics and its order is fixed. When dk and dv may alias
@@ -137,7 +140,8 @@ void attn_causal_bwd(int Tq, int Tk, int H, int Hk, int Dk, int Dv, real scale, 
         per_head = !ranges_overlap_(dk, nk, dv, nv);
     }
     const int jgroups = per_head ? Hk : 1, items1 = nkb * jgroups;
-    #pragma omp parallel
+    const int par = ref_par((double)Tq * ((double)off + 0.5 * Tq) * H * (4.0 * (Dk + Dv) + REF_FLOPS_EXP));
+    #pragma omp parallel if (par)
     {
         real *P = malloc(sizeof(real) * ATT_BR * ATT_BC);
         real *dS = malloc(sizeof(real) * ATT_BR * ATT_BC);
@@ -171,7 +175,7 @@ void attn_causal_bwd(int Tq, int Tk, int H, int Hk, int Dk, int Dv, real scale, 
 
     // Pass 2: dq by (head, row block), recomputing the same tiles.
     const int nrb = (Tq + ATT_BR - 1) / ATT_BR, items2 = H * nrb;
-    #pragma omp parallel
+    #pragma omp parallel if (par)
     {
         real *P = malloc(sizeof(real) * ATT_BR * ATT_BC);
         real *dS = malloc(sizeof(real) * ATT_BR * ATT_BC);
@@ -301,6 +305,43 @@ void mla_decode_absorbed(int H, int dn, int dr, int dv, int dc, real scale, cons
     mla_decode_absorbed_ld(H, dn, dr, dv, dc, scale, q, W_kvb, cache_c, dc, cache_kr, dr, Tk, a);
 }
 
+// One split-K chunk of the absorbed decode: keys [ch·clen, min(Tk, (ch+1)·clen)) into the chunk's
+// running max pm, sum pl and accumulator pacc (per head); S: H × ATT_BC scores of scratch.
+static void decode_chunk_(int ch, int clen, int H, int dr, int dc, real scale, const real *qt,
+                          const real *cache_c, int ldc, const real *cache_kr, int ldr, int Tk, real *S,
+                          double *pm, double *pl, real *pacc) {
+    const int Dl = dc + dr, c0 = ch * clen, c1 = imin_(Tk, c0 + clen);
+    double *m = pm + (size_t)ch * H, *l = pl + (size_t)ch * H;
+    real *acc = pacc + (size_t)ch * H * dc;
+    for (int h = 0; h < H; h++) { m[h] = -INFINITY; l[h] = 0.0; }
+    memset(acc, 0, sizeof(real) * (size_t)H * dc);
+    for (int s0 = c0; s0 < c1; s0 += ATT_BC) {
+        const int nc = imin_(ATT_BC, c1 - s0);
+        gemm_ref(0, 1, H, nc, dc, scale, qt, Dl, cache_c + (size_t)s0 * ldc, ldc, 0, S, ATT_BC);
+        if (dr > 0)
+            gemm_ref(0, 1, H, nc, dr, scale, qt + dc, Dl, cache_kr + (size_t)s0 * ldr, ldr, 1, S, ATT_BC);
+        for (int h = 0; h < H; h++) {
+            real *Sh = S + (size_t)h * ATT_BC;
+            double mx = m[h];
+            for (int c = 0; c < nc; c++) if ((double)Sh[c] > mx) mx = (double)Sh[c];
+            const double alpha = exp(m[h] - mx);
+            double sum = 0.0;
+            for (int c = 0; c < nc; c++) {
+                double e = exp((double)Sh[c] - mx);
+                Sh[c] = (real)e;
+                sum += e;
+            }
+            l[h] = l[h] * alpha + sum;
+            m[h] = mx;
+            if (alpha != 1.0) {
+                real *ah = acc + (size_t)h * dc;
+                for (int d = 0; d < dc; d++) ah[d] = (real)((double)ah[d] * alpha);
+            }
+        }
+        gemm_ref(0, 0, H, dc, nc, 1, S, ATT_BC, cache_c + (size_t)s0 * ldc, ldc, 1, acc, dc);
+    }
+}
+
 void mla_decode_absorbed_ld(int H, int dn, int dr, int dv, int dc, real scale, const real *q,
                             const real *W_kvb, const real *cache_c, int ldc,
                             const real *cache_kr, int ldr, int Tk, real *a) {
@@ -318,43 +359,19 @@ void mla_decode_absorbed_ld(int H, int dn, int dr, int dv, int dc, real scale, c
     nch = (Tk + clen - 1) / clen;
     double *pm = malloc(sizeof(double) * (size_t)nch * H * 2), *pl = pm + (size_t)nch * H;
     real *pacc = malloc(sizeof(real) * (size_t)nch * H * dc);
-    #pragma omp parallel if ((long long)Tk * H * Dl > (1 << 17))
-    {
-        real *S = malloc(sizeof(real) * (size_t)H * ATT_BC);
-        #pragma omp for schedule(dynamic, 1)
-        for (int ch = 0; ch < nch; ch++) {
-            const int c0 = ch * clen, c1 = imin_(Tk, c0 + clen);
-            double *m = pm + (size_t)ch * H, *l = pl + (size_t)ch * H;
-            real *acc = pacc + (size_t)ch * H * dc;
-            for (int h = 0; h < H; h++) { m[h] = -INFINITY; l[h] = 0.0; }
-            memset(acc, 0, sizeof(real) * (size_t)H * dc);
-            for (int s0 = c0; s0 < c1; s0 += ATT_BC) {
-                const int nc = imin_(ATT_BC, c1 - s0);
-                gemm_ref(0, 1, H, nc, dc, scale, qt, Dl, cache_c + (size_t)s0 * ldc, ldc, 0, S, ATT_BC);
-                if (dr > 0)
-                    gemm_ref(0, 1, H, nc, dr, scale, qt + dc, Dl, cache_kr + (size_t)s0 * ldr, ldr, 1,
-                             S, ATT_BC);
-                for (int h = 0; h < H; h++) {
-                    real *Sh = S + (size_t)h * ATT_BC;
-                    double mx = m[h];
-                    for (int c = 0; c < nc; c++) if ((double)Sh[c] > mx) mx = (double)Sh[c];
-                    const double alpha = exp(m[h] - mx);
-                    double sum = 0.0;
-                    for (int c = 0; c < nc; c++) {
-                        double e = exp((double)Sh[c] - mx);
-                        Sh[c] = (real)e;
-                        sum += e;
-                    }
-                    l[h] = l[h] * alpha + sum;
-                    m[h] = mx;
-                    if (alpha != 1.0) {
-                        real *ah = acc + (size_t)h * dc;
-                        for (int d = 0; d < dc; d++) ah[d] = (real)((double)ah[d] * alpha);
-                    }
-                }
-                gemm_ref(0, 0, H, dc, nc, 1, S, ATT_BC, cache_c + (size_t)s0 * ldc, ldc, 1, acc, dc);
-            }
+    if (ref_par((4.0 * Dl + REF_FLOPS_EXP) * Tk * H)) {
+        #pragma omp parallel
+        {
+            real *S = malloc(sizeof(real) * (size_t)H * ATT_BC);
+            #pragma omp for schedule(dynamic, 1)
+            for (int ch = 0; ch < nch; ch++)
+                decode_chunk_(ch, clen, H, dr, dc, scale, qt, cache_c, ldc, cache_kr, ldr, Tk, S, pm, pl, pacc);
+            free(S);
         }
+    } else {
+        real *S = malloc(sizeof(real) * (size_t)H * ATT_BC);
+        for (int ch = 0; ch < nch; ch++)
+            decode_chunk_(ch, clen, H, dr, dc, scale, qt, cache_c, ldc, cache_kr, ldr, Tk, S, pm, pl, pacc);
         free(S);
     }
     // Merge the chunks: ĉ*_h = Σ_ch e^{m_ch − M} acc_ch / Σ_ch e^{m_ch − M} l_ch.

@@ -5,9 +5,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-// Row-parallel loops only pay for a team when there is enough work; small calls come from
-// inside already-parallel model code and must not spawn nested teams.
-#define OPS_PAR_WORK (1 << 15)
+#include "kernels/ref/par_ref.h"  // which loops run on a team: ref_par(flops)
 
 static inline double sigmoid_(double x) { return 1.0 / (1.0 + exp(-x)); }
 
@@ -21,14 +19,14 @@ static double row_rstd_(int D, const real *x, double eps) {
 // ---- norms ---------------------------------------------------------------------------------
 
 void rmsnorm_fwd(int N, int D, const real *x, const real *w, real eps, real *y, real *rstd) {
-    #pragma omp parallel for schedule(static) if ((long long)N * D > OPS_PAR_WORK)
-    for (int i = 0; i < N; i++) {
-        const real *xi = x + (size_t)i * D;
-        real *yi = y + (size_t)i * D;
-        double r = row_rstd_(D, xi, (double)eps);
-        for (int j = 0; j < D; j++) yi[j] = (real)((double)w[j] * (double)xi[j] * r);
-        if (rstd) rstd[i] = (real)r;
-    }
+    REF_PAR_FOR(ref_par(4.0 * N * D),
+        for (int i = 0; i < N; i++) {
+            const real *xi = x + (size_t)i * D;
+            real *yi = y + (size_t)i * D;
+            double r = row_rstd_(D, xi, (double)eps);
+            for (int j = 0; j < D; j++) yi[j] = (real)((double)w[j] * (double)xi[j] * r);
+            if (rstd) rstd[i] = (real)r;
+        });
 }
 
 // dw[j] += Σ_i dy[i][j] · x̂[i][j] · s[i][j], where s = σ(z) when z is given (gated norm) and
@@ -37,133 +35,133 @@ static void norm_dw_(int N, int D, const real *x, const real *z, const real *rst
                      const real *dy, real *dw) {
     enum { CB = 64 };
     int nb = (D + CB - 1) / CB;
-    #pragma omp parallel for schedule(static) if ((long long)N * D > OPS_PAR_WORK)
-    for (int b = 0; b < nb; b++) {
-        int j0 = b * CB, j1 = j0 + CB < D ? j0 + CB : D;
-        double acc[CB];
-        for (int j = j0; j < j1; j++) acc[j - j0] = 0.0;
-        for (int i = 0; i < N; i++) {
-            const real *xi = x + (size_t)i * D, *dyi = dy + (size_t)i * D;
-            double r = rstd ? (double)rstd[i] : row_rstd_(D, xi, eps);
-            if (z) {
-                const real *zi = z + (size_t)i * D;
-                for (int j = j0; j < j1; j++)
-                    acc[j - j0] += (double)dyi[j] * (double)xi[j] * r * sigmoid_((double)zi[j]);
-            } else {
-                for (int j = j0; j < j1; j++) acc[j - j0] += (double)dyi[j] * (double)xi[j] * r;
+    REF_PAR_FOR(ref_par((z ? REF_FLOPS_EXP + 4 : 4.0) * N * D),
+        for (int b = 0; b < nb; b++) {
+            int j0 = b * CB, j1 = j0 + CB < D ? j0 + CB : D;
+            double acc[CB];
+            for (int j = j0; j < j1; j++) acc[j - j0] = 0.0;
+            for (int i = 0; i < N; i++) {
+                const real *xi = x + (size_t)i * D, *dyi = dy + (size_t)i * D;
+                double r = rstd ? (double)rstd[i] : row_rstd_(D, xi, eps);
+                if (z) {
+                    const real *zi = z + (size_t)i * D;
+                    for (int j = j0; j < j1; j++)
+                        acc[j - j0] += (double)dyi[j] * (double)xi[j] * r * sigmoid_((double)zi[j]);
+                } else {
+                    for (int j = j0; j < j1; j++) acc[j - j0] += (double)dyi[j] * (double)xi[j] * r;
+                }
             }
-        }
-        for (int j = j0; j < j1; j++) dw[j] = (real)((double)dw[j] + acc[j - j0]);
-    }
+            for (int j = j0; j < j1; j++) dw[j] = (real)((double)dw[j] + acc[j - j0]);
+        });
 }
 
 void rmsnorm_bwd(int N, int D, const real *x, const real *w, const real *rstd, real eps,
                  const real *dy, real *dx, real *dw) {
     // dw first: dx may alias dy.
     if (dw) norm_dw_(N, D, x, NULL, rstd, (double)eps, dy, dw);
-    #pragma omp parallel for schedule(static) if ((long long)N * D > OPS_PAR_WORK)
-    for (int i = 0; i < N; i++) {
-        const real *xi = x + (size_t)i * D, *dyi = dy + (size_t)i * D;
-        real *dxi = dx + (size_t)i * D;
-        double r = rstd ? (double)rstd[i] : row_rstd_(D, xi, (double)eps);
-        double dot = 0.0;  // Σ u ⊙ x̂
-        for (int j = 0; j < D; j++) dot += (double)w[j] * (double)dyi[j] * (double)xi[j] * r;
-        double mean = dot / D;
-        for (int j = 0; j < D; j++) {
-            double u = (double)w[j] * (double)dyi[j];
-            dxi[j] = (real)(r * (u - (double)xi[j] * r * mean));
-        }
-    }
+    REF_PAR_FOR(ref_par(8.0 * N * D),
+        for (int i = 0; i < N; i++) {
+            const real *xi = x + (size_t)i * D, *dyi = dy + (size_t)i * D;
+            real *dxi = dx + (size_t)i * D;
+            double r = rstd ? (double)rstd[i] : row_rstd_(D, xi, (double)eps);
+            double dot = 0.0;  // Σ u ⊙ x̂
+            for (int j = 0; j < D; j++) dot += (double)w[j] * (double)dyi[j] * (double)xi[j] * r;
+            double mean = dot / D;
+            for (int j = 0; j < D; j++) {
+                double u = (double)w[j] * (double)dyi[j];
+                dxi[j] = (real)(r * (u - (double)xi[j] * r * mean));
+            }
+        });
 }
 
 void l2norm_fwd(int N, int D, const real *x, real eps, real *y, real *rnorm) {
-    #pragma omp parallel for schedule(static) if ((long long)N * D > OPS_PAR_WORK)
-    for (int i = 0; i < N; i++) {
-        const real *xi = x + (size_t)i * D;
-        real *yi = y + (size_t)i * D;
-        double s = 0.0;
-        for (int j = 0; j < D; j++) s += (double)xi[j] * (double)xi[j];
-        double r = 1.0 / sqrt(s + (double)eps);
-        for (int j = 0; j < D; j++) yi[j] = (real)((double)xi[j] * r);
-        if (rnorm) rnorm[i] = (real)r;
-    }
+    REF_PAR_FOR(ref_par(4.0 * N * D),
+        for (int i = 0; i < N; i++) {
+            const real *xi = x + (size_t)i * D;
+            real *yi = y + (size_t)i * D;
+            double s = 0.0;
+            for (int j = 0; j < D; j++) s += (double)xi[j] * (double)xi[j];
+            double r = 1.0 / sqrt(s + (double)eps);
+            for (int j = 0; j < D; j++) yi[j] = (real)((double)xi[j] * r);
+            if (rnorm) rnorm[i] = (real)r;
+        });
 }
 
 void l2norm_bwd(int N, int D, const real *x, real eps, const real *dy, real *dx) {
-    #pragma omp parallel for schedule(static) if ((long long)N * D > OPS_PAR_WORK)
-    for (int i = 0; i < N; i++) {
-        const real *xi = x + (size_t)i * D, *dyi = dy + (size_t)i * D;
-        real *dxi = dx + (size_t)i * D;
-        double s = 0.0, dot = 0.0;
-        for (int j = 0; j < D; j++) {
-            s += (double)xi[j] * (double)xi[j];
-            dot += (double)dyi[j] * (double)xi[j];
-        }
-        double r = 1.0 / sqrt(s + (double)eps);
-        double dyy = dot * r;  // dy · y
-        for (int j = 0; j < D; j++) dxi[j] = (real)(r * ((double)dyi[j] - (double)xi[j] * r * dyy));
-    }
+    REF_PAR_FOR(ref_par(6.0 * N * D),
+        for (int i = 0; i < N; i++) {
+            const real *xi = x + (size_t)i * D, *dyi = dy + (size_t)i * D;
+            real *dxi = dx + (size_t)i * D;
+            double s = 0.0, dot = 0.0;
+            for (int j = 0; j < D; j++) {
+                s += (double)xi[j] * (double)xi[j];
+                dot += (double)dyi[j] * (double)xi[j];
+            }
+            double r = 1.0 / sqrt(s + (double)eps);
+            double dyy = dot * r;  // dy · y
+            for (int j = 0; j < D; j++) dxi[j] = (real)(r * ((double)dyi[j] - (double)xi[j] * r * dyy));
+        });
 }
 
 void gated_rmsnorm_fwd(int N, int D, const real *x, const real *z, const real *w, real eps,
                        real *y) {
-    #pragma omp parallel for schedule(static) if ((long long)N * D > OPS_PAR_WORK)
-    for (int i = 0; i < N; i++) {
-        const real *xi = x + (size_t)i * D, *zi = z + (size_t)i * D;
-        real *yi = y + (size_t)i * D;
-        double r = row_rstd_(D, xi, (double)eps);
-        for (int j = 0; j < D; j++)
-            yi[j] = (real)((double)w[j] * (double)xi[j] * r * sigmoid_((double)zi[j]));
-    }
+    REF_PAR_FOR(ref_par((REF_FLOPS_EXP + 4) * N * D),
+        for (int i = 0; i < N; i++) {
+            const real *xi = x + (size_t)i * D, *zi = z + (size_t)i * D;
+            real *yi = y + (size_t)i * D;
+            double r = row_rstd_(D, xi, (double)eps);
+            for (int j = 0; j < D; j++)
+                yi[j] = (real)((double)w[j] * (double)xi[j] * r * sigmoid_((double)zi[j]));
+        });
 }
 
 void gated_rmsnorm_bwd(int N, int D, const real *x, const real *z, const real *w, real eps,
                        const real *dy, real *dx, real *dz, real *dw) {
     if (dw) norm_dw_(N, D, x, z, NULL, (double)eps, dy, dw);
-    #pragma omp parallel for schedule(static) if ((long long)N * D > OPS_PAR_WORK)
-    for (int i = 0; i < N; i++) {
-        const real *xi = x + (size_t)i * D, *zi = z + (size_t)i * D, *dyi = dy + (size_t)i * D;
-        real *dxi = dx + (size_t)i * D, *dzi = dz + (size_t)i * D;
-        double r = row_rstd_(D, xi, (double)eps);
-        double dot = 0.0;  // Σ u ⊙ x̂ with u = dy ⊙ w ⊙ s
-        for (int j = 0; j < D; j++) {
-            double s = sigmoid_((double)zi[j]);
-            double xh = (double)xi[j] * r;
-            double gy = (double)dyi[j] * (double)w[j];
-            dot += gy * s * xh;
-            dzi[j] = (real)(gy * xh * s * (1.0 - s));
-        }
-        double mean = dot / D;
-        for (int j = 0; j < D; j++) {
-            double u = (double)dyi[j] * (double)w[j] * sigmoid_((double)zi[j]);
-            dxi[j] = (real)(r * (u - (double)xi[j] * r * mean));
-        }
-    }
+    REF_PAR_FOR(ref_par((2 * REF_FLOPS_EXP + 12) * N * D),
+        for (int i = 0; i < N; i++) {
+            const real *xi = x + (size_t)i * D, *zi = z + (size_t)i * D, *dyi = dy + (size_t)i * D;
+            real *dxi = dx + (size_t)i * D, *dzi = dz + (size_t)i * D;
+            double r = row_rstd_(D, xi, (double)eps);
+            double dot = 0.0;  // Σ u ⊙ x̂ with u = dy ⊙ w ⊙ s
+            for (int j = 0; j < D; j++) {
+                double s = sigmoid_((double)zi[j]);
+                double xh = (double)xi[j] * r;
+                double gy = (double)dyi[j] * (double)w[j];
+                dot += gy * s * xh;
+                dzi[j] = (real)(gy * xh * s * (1.0 - s));
+            }
+            double mean = dot / D;
+            for (int j = 0; j < D; j++) {
+                double u = (double)dyi[j] * (double)w[j] * sigmoid_((double)zi[j]);
+                dxi[j] = (real)(r * (u - (double)xi[j] * r * mean));
+            }
+        });
 }
 
 // ---- SwiGLU --------------------------------------------------------------------------------
 
 void swiglu_fwd(int N, int I, const real *u1, const real *u3, real *m) {
     size_t n = (size_t)N * I;
-    #pragma omp parallel for schedule(static) if (n > OPS_PAR_WORK)
-    for (size_t e = 0; e < n; e++) {
-        double a = (double)u1[e];
-        m[e] = (real)(a * sigmoid_(a) * (double)u3[e]);
-    }
+    REF_PAR_FOR(ref_par(REF_FLOPS_EXP * n),
+        for (size_t e = 0; e < n; e++) {
+            double a = (double)u1[e];
+            m[e] = (real)(a * sigmoid_(a) * (double)u3[e]);
+        });
 }
 
 void swiglu_bwd(int N, int I, const real *u1, const real *u3, const real *dm, real *du1,
                 real *du3) {
     size_t n = (size_t)N * I;
-    #pragma omp parallel for schedule(static) if (n > OPS_PAR_WORK)
-    for (size_t e = 0; e < n; e++) {
-        double a = (double)u1[e], b = (double)u3[e], g = (double)dm[e];
-        double s = sigmoid_(a);
-        double g1 = g * b * s * (1.0 + a * (1.0 - s));
-        double g3 = g * a * s;
-        du1[e] = (real)g1;
-        du3[e] = (real)g3;
-    }
+    REF_PAR_FOR(ref_par(REF_FLOPS_EXP * n),
+        for (size_t e = 0; e < n; e++) {
+            double a = (double)u1[e], b = (double)u3[e], g = (double)dm[e];
+            double s = sigmoid_(a);
+            double g1 = g * b * s * (1.0 + a * (1.0 - s));
+            double g3 = g * a * s;
+            du1[e] = (real)g1;
+            du3[e] = (real)g3;
+        });
 }
 
 // ---- short conv ----------------------------------------------------------------------------
@@ -185,19 +183,38 @@ static void conv_pre_(int t, int C, int W, const real *x, const real *w, const r
     }
 }
 
+// y rows [t0, t1) of the forward: SiLU of the causal conv.
+static void conv_fwd_rows_(int t0, int t1, int C, int W, const real *x, const real *w, const real *state_in,
+                           real *y) {
+    double *p = malloc(sizeof(double) * (size_t)C);
+    for (int t = t0; t < t1; t++) {
+        conv_pre_(t, C, W, x, w, state_in, p);
+        real *yt = y + (size_t)t * C;
+        for (int c = 0; c < C; c++) yt[c] = (real)(p[c] * sigmoid_(p[c]));
+    }
+    free(p);
+}
+
+// dp rows [t0, t1) of the backward: dp_t = dy_t ⊙ SiLU'(p_t), p recomputed.
+static void conv_dp_rows_(int t0, int t1, int C, int W, const real *x, const real *w, const real *state_in,
+                          const real *dy, double *dp) {
+    double *p = malloc(sizeof(double) * (size_t)C);
+    for (int t = t0; t < t1; t++) {
+        conv_pre_(t, C, W, x, w, state_in, p);
+        const real *dyt = dy + (size_t)t * C;
+        double *dpt = dp + (size_t)t * C;
+        for (int c = 0; c < C; c++) {
+            double s = sigmoid_(p[c]);
+            dpt[c] = (double)dyt[c] * s * (1.0 + p[c] * (1.0 - s));
+        }
+    }
+    free(p);
+}
+
 void shortconv_fwd(int T, int C, int W, const real *x, const real *w, const real *state_in,
                    real *y, real *state_out) {
-    #pragma omp parallel if ((long long)T * C * W > OPS_PAR_WORK)
-    {
-        double *p = malloc(sizeof(double) * (size_t)C);
-        #pragma omp for schedule(static)
-        for (int t = 0; t < T; t++) {
-            conv_pre_(t, C, W, x, w, state_in, p);
-            real *yt = y + (size_t)t * C;
-            for (int c = 0; c < C; c++) yt[c] = (real)(p[c] * sigmoid_(p[c]));
-        }
-        free(p);
-    }
+    REF_PAR_RANGES(ref_par((2.0 * W + REF_FLOPS_EXP) * T * C), T, lo, hi,
+                   conv_fwd_rows_((int)lo, (int)hi, C, W, x, w, state_in, y));
     if (state_out) {
         // Row r of state_out is stream position T − (W−1) + r. Copy in increasing r: when
         // state_out aliases state_in the source row (r + T) is never below the destination r.
@@ -214,49 +231,36 @@ void shortconv_bwd(int T, int C, int W, const real *x, const real *w, const real
                    const real *dy, real *dx, real *dw, real *dstate_in) {
     // dp_t = dy_t ⊙ SiLU'(p_t), recomputed from the inputs. Kept for all T (T·C doubles).
     double *dp = malloc(sizeof(double) * ((size_t)T * C + 1));
-    #pragma omp parallel if ((long long)T * C * W > OPS_PAR_WORK)
-    {
-        double *p = malloc(sizeof(double) * (size_t)C);
-        #pragma omp for schedule(static)
-        for (int t = 0; t < T; t++) {
-            conv_pre_(t, C, W, x, w, state_in, p);
-            const real *dyt = dy + (size_t)t * C;
-            double *dpt = dp + (size_t)t * C;
-            for (int c = 0; c < C; c++) {
-                double s = sigmoid_(p[c]);
-                dpt[c] = (double)dyt[c] * s * (1.0 + p[c] * (1.0 - s));
-            }
-        }
-        free(p);
-    }
+    REF_PAR_RANGES(ref_par((2.0 * W + REF_FLOPS_EXP) * T * C), T, lo, hi,
+                   conv_dp_rows_((int)lo, (int)hi, C, W, x, w, state_in, dy, dp));
     // dx_s = Σ_j w_j dp_{s+W−1−j} over t = s+W−1−j in [0, T). Rows s in [−(W−1), T): the
     // negative ones are dstate_in.
     int s_lo = dstate_in ? -(W - 1) : 0;
-    #pragma omp parallel for schedule(static) if ((long long)T * C * W > OPS_PAR_WORK)
-    for (int s = s_lo; s < T; s++) {
-        real *out = s >= 0 ? dx + (size_t)s * C : dstate_in + (size_t)(s + W - 1) * C;
-        for (int c = 0; c < C; c++) {
-            double g = 0.0;
-            for (int j = 0; j < W; j++) {
-                int t = s + W - 1 - j;
-                if (t < 0 || t >= T) continue;
-                g += (double)w[(size_t)c * W + j] * dp[(size_t)t * C + c];
+    REF_PAR_FOR(ref_par(2.0 * T * C * W),
+        for (int s = s_lo; s < T; s++) {
+            real *out = s >= 0 ? dx + (size_t)s * C : dstate_in + (size_t)(s + W - 1) * C;
+            for (int c = 0; c < C; c++) {
+                double g = 0.0;
+                for (int j = 0; j < W; j++) {
+                    int t = s + W - 1 - j;
+                    if (t < 0 || t >= T) continue;
+                    g += (double)w[(size_t)c * W + j] * dp[(size_t)t * C + c];
+                }
+                out[c] = (real)g;
             }
-            out[c] = (real)g;
-        }
-    }
+        });
     // dw_{c,j} += Σ_t dp_t x_{t−W+1+j}: parallel over channels, t in order (deterministic).
-    #pragma omp parallel for schedule(static) if ((long long)T * C * W > OPS_PAR_WORK)
-    for (int c = 0; c < C; c++) {
-        for (int j = 0; j < W; j++) {
-            double g = 0.0;
-            for (int t = 0; t < T; t++) {
-                const real *xr = conv_row_(t - W + 1 + j, C, W, x, state_in);
-                if (xr) g += dp[(size_t)t * C + c] * (double)xr[c];
+    REF_PAR_FOR(ref_par(2.0 * T * C * W),
+        for (int c = 0; c < C; c++) {
+            for (int j = 0; j < W; j++) {
+                double g = 0.0;
+                for (int t = 0; t < T; t++) {
+                    const real *xr = conv_row_(t - W + 1 + j, C, W, x, state_in);
+                    if (xr) g += dp[(size_t)t * C + c] * (double)xr[c];
+                }
+                dw[(size_t)c * W + j] = (real)((double)dw[(size_t)c * W + j] + g);
             }
-            dw[(size_t)c * W + j] = (real)((double)dw[(size_t)c * W + j] + g);
-        }
-    }
+        });
     free(dp);
 }
 
@@ -320,35 +324,35 @@ static void row_softmax_stats_(int V, const real *l, double *mx, double *lse, do
 
 void logits_logprob_fwd(int N, int V, const real *logits, const int *targets, real *logp,
                         real *entropy) {
-    #pragma omp parallel for schedule(static) if ((long long)N * V > OPS_PAR_WORK)
-    for (int i = 0; i < N; i++) {
-        const real *l = logits + (size_t)i * V;
-        double m, lse, mu;
-        row_softmax_stats_(V, l, &m, &lse, &mu);
-        logp[i] = targets[i] >= 0 ? (real)((double)l[targets[i]] - lse) : (real)0;
-        if (entropy) entropy[i] = (real)(lse - mu);
-    }
+    REF_PAR_FOR(ref_par(REF_FLOPS_EXP * N * V),
+        for (int i = 0; i < N; i++) {
+            const real *l = logits + (size_t)i * V;
+            double m, lse, mu;
+            row_softmax_stats_(V, l, &m, &lse, &mu);
+            logp[i] = targets[i] >= 0 ? (real)((double)l[targets[i]] - lse) : (real)0;
+            if (entropy) entropy[i] = (real)(lse - mu);
+        });
 }
 
 void logits_logprob_bwd(int N, int V, const real *logits, const int *targets, const real *dlogp,
                         const real *dentropy, real *dlogits) {
-    #pragma omp parallel for schedule(static) if ((long long)N * V > OPS_PAR_WORK)
-    for (int i = 0; i < N; i++) {
-        const real *l = logits + (size_t)i * V;
-        real *g = dlogits + (size_t)i * V;
-        double m, lse, mu;
-        row_softmax_stats_(V, l, &m, &lse, &mu);
-        int t = targets[i];
-        double c = t >= 0 ? (double)dlogp[i] : 0.0;
-        double e = dentropy ? (double)dentropy[i] : 0.0;
-        // ∂H/∂l_v = −p_v (l_v − μ);  ∂logp/∂l_v = δ_{v,t} − p_v.
-        for (int v = 0; v < V; v++) {
-            double lv = (double)l[v];
-            double p = exp(lv - lse);
-            g[v] = (real)(-c * p - e * p * (lv - mu));
-        }
-        if (t >= 0) g[t] = (real)((double)g[t] + c);
-    }
+    REF_PAR_FOR(ref_par(2 * REF_FLOPS_EXP * N * V),
+        for (int i = 0; i < N; i++) {
+            const real *l = logits + (size_t)i * V;
+            real *g = dlogits + (size_t)i * V;
+            double m, lse, mu;
+            row_softmax_stats_(V, l, &m, &lse, &mu);
+            int t = targets[i];
+            double c = t >= 0 ? (double)dlogp[i] : 0.0;
+            double e = dentropy ? (double)dentropy[i] : 0.0;
+            // ∂H/∂l_v = −p_v (l_v − μ);  ∂logp/∂l_v = δ_{v,t} − p_v.
+            for (int v = 0; v < V; v++) {
+                double lv = (double)l[v];
+                double p = exp(lv - lse);
+                g[v] = (real)(-c * p - e * p * (lv - mu));
+            }
+            if (t >= 0) g[t] = (real)((double)g[t] + c);
+        });
 }
 
 // ---- sampling ------------------------------------------------------------------------------
@@ -439,17 +443,17 @@ void adamw_update(size_t n, real *param, const real *grad, real *m, real *v, rea
                   real beta1, real beta2, real eps, real weight_decay, long step) {
     double b1 = (double)beta1, b2 = (double)beta2;
     double c1 = 1.0 - pow(b1, (double)step), c2 = 1.0 - pow(b2, (double)step);
-    #pragma omp parallel for schedule(static) if (n > OPS_PAR_WORK)
-    for (size_t i = 0; i < n; i++) {
-        double g = (double)grad[i];
-        double mi = b1 * (double)m[i] + (1.0 - b1) * g;
-        double vi = b2 * (double)v[i] + (1.0 - b2) * g * g;
-        m[i] = (real)mi;
-        v[i] = (real)vi;
-        double p = (double)param[i];
-        double upd = (mi / c1) / (sqrt(vi / c2) + (double)eps) + (double)weight_decay * p;
-        param[i] = (real)(p - (double)lr * upd);
-    }
+    REF_PAR_FOR(ref_par(REF_FLOPS_EXP * n),
+        for (size_t i = 0; i < n; i++) {
+            double g = (double)grad[i];
+            double mi = b1 * (double)m[i] + (1.0 - b1) * g;
+            double vi = b2 * (double)v[i] + (1.0 - b2) * g * g;
+            m[i] = (real)mi;
+            v[i] = (real)vi;
+            double p = (double)param[i];
+            double upd = (mi / c1) / (sqrt(vi / c2) + (double)eps) + (double)weight_decay * p;
+            param[i] = (real)(p - (double)lr * upd);
+        });
 }
 
 double grad_sq_norm(size_t n, const real *grad) {
@@ -461,13 +465,13 @@ double grad_sq_norm(size_t n, const real *grad) {
         return s;
     }
     double *part = malloc(sizeof(double) * nb);
-    #pragma omp parallel for schedule(static) if (n > OPS_PAR_WORK)
-    for (size_t b = 0; b < nb; b++) {
-        size_t i0 = b * BLK, i1 = i0 + BLK < n ? i0 + BLK : n;
-        double s = 0.0;
-        for (size_t i = i0; i < i1; i++) s += (double)grad[i] * (double)grad[i];
-        part[b] = s;
-    }
+    REF_PAR_FOR(ref_par(2.0 * n),
+        for (size_t b = 0; b < nb; b++) {
+            size_t i0 = b * BLK, i1 = i0 + BLK < n ? i0 + BLK : n;
+            double s = 0.0;
+            for (size_t i = i0; i < i1; i++) s += (double)grad[i] * (double)grad[i];
+            part[b] = s;
+        });
     double s = 0.0;
     for (size_t b = 0; b < nb; b++) s += part[b];
     free(part);
@@ -475,6 +479,6 @@ double grad_sq_norm(size_t n, const real *grad) {
 }
 
 void scale_inplace(size_t n, real *x, real s) {
-    #pragma omp parallel for schedule(static) if (n > OPS_PAR_WORK)
-    for (size_t i = 0; i < n; i++) x[i] *= s;
+    REF_PAR_FOR(ref_par(1.0 * n),
+        for (size_t i = 0; i < n; i++) x[i] *= s;);
 }
