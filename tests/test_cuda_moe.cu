@@ -5,10 +5,13 @@
 // bf16 operands), combine forward / backward, scatter backward, load counts and the QB update.
 // Cases include an empty expert (its bias makes it never chosen) and all tokens on one expert.
 // The experts' GEMMs run on several streams (GEMM lanes); one lane gives the same bits.
+// The grouped experts (own kernels, device offsets) against the same reference with empty
+// experts, skewed routing and 0 .. 9000 rows per expert, forward and backward (test_grouped).
 // Logits and biases are multiples of 2^-8, so z − β is exact in fp32 and the selections
 // (including ties, broken by the lower id) must match the reference exactly.
-// Tolerances: fp32 arithmetic 1e-5 (router), 1e-4 (fp32-operand GEMMs); bf16 operands 1e-2;
-// integer outputs and the QB bias exact.
+// Tolerances: fp32 arithmetic 1e-5 (router), 1e-4 (fp32-operand GEMMs: the lanes, true fp32);
+// TF32 3e-3 (the grouped kernels on fp32 operands); bf16 operands 1e-2; integer outputs and the
+// QB bias exact.
 #include "tests/testhelp.h"
 #include "kernels/cuda/cuda_testutil.h"
 #include "kernels/ref/gemm_ref.h"
@@ -209,6 +212,151 @@ static void test_block(mtrl_cuda_ctx *ctx, int N, int E, int K, int D, int I, in
     free(g_load); free(load);
 }
 
+// The grouped experts (mtrl_moe_experts_grouped_fwd / _bwd: own kernels, device offsets) against
+// the fp64 reference on the given rows per expert (zeros: empty experts; one large count: skewed
+// routing). Operands fp32 (multiplied as TF32) or bf16. Outputs are NaN-poisoned first (every row
+// must be written); the weight gradients start random and only their increments are compared,
+// and an empty expert's must be exactly zero (its gradient bits untouched). Also: the same bits on
+// a second run, R = 0 writes nothing, and the NULL-gradient forms (dW3 alone: the single-pair
+// weight-gradient launch on du3).
+static void test_grouped(mtrl_cuda_ctx *ctx, int E, int D, int I, const int *rows, int type, const char *what) {
+    int bf = type == MTRL_BF16;
+    int *off = (int *)malloc(sizeof(int) * (E + 1));
+    off[0] = 0;
+    for (int e = 0; e < E; e++) off[e + 1] = off[e] + rows[e];
+    size_t R = (size_t)off[E], nw = (size_t)E * I * D;
+    int empty = 0, most = 0;
+    for (int e = 0; e < E; e++) {
+        empty += rows[e] == 0;
+        if (rows[e] > rows[most]) most = e;
+    }
+    printf("grouped experts E=%d D=%d I=%d R=%zu %s (%s; %d empty, largest expert %d rows) path %s\n", E, D, I, R,
+           bf ? "bf16" : "fp32 as TF32", what, empty, rows[most],
+           mtrl_moe_experts_path(ctx, E, D, I, (long)R, type) == MTRL_MOE_GROUPED ? "grouped" : "lanes");
+    double *Xp = tu_alloc(R * D), *W1 = tu_alloc(nw), *W3 = tu_alloc(nw), *W2 = tu_alloc(nw), *dYp = tu_alloc(R * D);
+    tu_fill_normal(Xp, R * D, 1.0);
+    tu_fill_normal(W1, nw, 1.0 / sqrt((double)D));
+    tu_fill_normal(W3, nw, 1.0 / sqrt((double)D));
+    tu_fill_normal(W2, nw, 1.0 / sqrt((double)I));
+    tu_fill_normal(dYp, R * D, 1.0);
+    double *u1 = tu_alloc(R * I), *u3 = tu_alloc(R * I), *Yp = tu_alloc(R * D), *dXp = tu_alloc(R * D),
+           *dW1 = tu_alloc(nw), *dW3 = tu_alloc(nw), *dW2 = tu_alloc(nw);
+    moe_experts_fwd(E, D, I, off, Xp, W1, W3, W2, u1, u3, Yp);
+    moe_experts_bwd(E, D, I, off, Xp, W1, W3, W2, u1, u3, dYp, dXp, dW1, dW3, dW2);  // from zero: the increments
+    // device
+    int *d_off = tu_dev_i32(off, E + 1);
+    void *d_X = bf ? (void *)tu_dev_bf16(Xp, R * D) : (void *)tu_dev_f32(Xp, R * D);
+    void *d_W1 = bf ? (void *)tu_dev_bf16(W1, nw) : (void *)tu_dev_f32(W1, nw);
+    void *d_W3 = bf ? (void *)tu_dev_bf16(W3, nw) : (void *)tu_dev_f32(W3, nw);
+    void *d_W2 = bf ? (void *)tu_dev_bf16(W2, nw) : (void *)tu_dev_f32(W2, nw);
+    double *g0 = tu_alloc(3 * nw);  // the gradients' starting values
+    tu_fill_normal(g0, 3 * nw, 1.0);
+    float *d_u1 = tu_dev_nan(ctx, R * I), *d_u3 = tu_dev_nan(ctx, R * I), *d_Yp = tu_dev_nan(ctx, R * D),
+          *d_dYp = tu_dev_f32(dYp, R * D), *d_dXp = tu_dev_nan(ctx, R * D), *d_dW1 = tu_dev_f32(g0, nw),
+          *d_dW3 = tu_dev_f32(g0 + nw, nw), *d_dW2 = tu_dev_f32(g0 + 2 * nw, nw);
+    TEST_EQ_INT(mtrl_moe_experts_grouped_fwd(ctx, E, D, I, (long)R, d_off, d_X, d_W1, d_W3, d_W2, type, d_u1, d_u3,
+                                             d_Yp), 0);
+    TEST_EQ_INT(mtrl_moe_experts_grouped_bwd(ctx, E, D, I, (long)R, d_off, d_X, d_W1, d_W3, d_W2, type, d_u1, d_u3,
+                                             d_dYp, d_dXp, d_dW1, d_dW3, d_dW2), 0);
+    mtrl_cuda_sync(ctx);
+    // TF32: ~3e-4 rms relative per rounded operand, through at most three chained products;
+    // bf16: ~1e-3 per operand (the reference sees the unrounded weights), as test_block.
+    double tol = bf ? 1e-2 : 3e-3;
+    size_t big = R * (size_t)D > nw ? R * (size_t)D : nw;
+    double *got = tu_alloc(big), *inc = tu_alloc(nw);
+    char name[64];
+    tu_get_f32(got, d_u1, R * I);
+    TU_CHECK_REL("grouped u1", got, u1, R * I, tol);
+    tu_get_f32(got, d_u3, R * I);
+    TU_CHECK_REL("grouped u3", got, u3, R * I, tol);
+    tu_get_f32(got, d_Yp, R * D);
+    TU_CHECK_REL("grouped Y_perm", got, Yp, R * D, tol);
+    tu_get_f32(got, d_dXp, R * D);
+    TU_CHECK_REL("grouped bwd dX_perm", got, dXp, R * D, tol);
+    float *dws[3] = {d_dW1, d_dW3, d_dW2};
+    const double *refs[3] = {dW1, dW3, dW2};
+    const char *names[3] = {"dW1", "dW3", "dW2"};
+    for (int k = 0; k < 3; k++) {
+        tu_get_f32(got, dws[k], nw);
+        int untouched = 1;
+        for (size_t i = 0; i < nw; i++) {
+            inc[i] = got[i] - (double)(float)g0[k * nw + i];
+            if (rows[i / ((size_t)I * D)] == 0 && got[i] != (double)(float)g0[k * nw + i]) untouched = 0;
+        }
+        snprintf(name, sizeof name, "grouped bwd %s (+=, increment)", names[k]);
+        TU_CHECK_REL(name, inc, refs[k], nw, tol);
+        TEST_CHECKF(untouched, "grouped bwd %s: an empty expert's gradient changed", names[k]);
+    }
+    // The same bits on a second run (fixed reduction order, no atomics).
+    {
+        float *y1 = (float *)malloc(sizeof(float) * (R * D ? R * D : 1)), *y2 = (float *)malloc(sizeof(float) * (R * D ? R * D : 1));
+        mtrl_cuda_download(y1, d_Yp, sizeof(float) * R * D);
+        TEST_EQ_INT(mtrl_moe_experts_grouped_fwd(ctx, E, D, I, (long)R, d_off, d_X, d_W1, d_W3, d_W2, type, d_u1,
+                                                 d_u3, d_Yp), 0);
+        mtrl_cuda_sync(ctx);
+        mtrl_cuda_download(y2, d_Yp, sizeof(float) * R * D);
+        TEST_CHECKF(!memcmp(y1, y2, sizeof(float) * R * D), "grouped Y_perm: a second run gives other bits");
+        free(y1);
+        free(y2);
+    }
+    // dW3 alone (dW1, dW2 NULL) into a zeroed buffer: the increment again.
+    {
+        double *zero = tu_alloc(nw);
+        float *d_g = tu_dev_f32(zero, nw);
+        TEST_EQ_INT(mtrl_moe_experts_grouped_bwd(ctx, E, D, I, (long)R, d_off, d_X, d_W1, d_W3, d_W2, type, d_u1,
+                                                 d_u3, d_dYp, d_dXp, NULL, d_g, NULL), 0);
+        mtrl_cuda_sync(ctx);
+        tu_get_f32(got, d_g, nw);
+        TU_CHECK_REL("grouped bwd dW3 alone", got, dW3, nw, tol);
+        mtrl_cuda_free(d_g);
+        free(zero);
+    }
+    void *dp[] = {d_off, d_X, d_W1, d_W3, d_W2, d_u1, d_u3, d_Yp, d_dYp, d_dXp, d_dW1, d_dW3, d_dW2};
+    for (size_t i = 0; i < sizeof dp / sizeof *dp; i++) mtrl_cuda_free(dp[i]);
+    double *hp[] = {Xp, W1, W3, W2, dYp, u1, u3, Yp, dXp, dW1, dW3, dW2, g0, got, inc};
+    for (size_t i = 0; i < sizeof hp / sizeof *hp; i++) free(hp[i]);
+    free(off);
+}
+
+// Row counts for test_grouped; the chooser's answers on the shapes the model meets.
+static void test_grouped_all(mtrl_cuda_ctx *ctx) {
+    // skewed, 0 .. 9000 rows: mean ~950 (128-row tiles); partial k-slices and n-tiles (264, 200)
+    const int r12[12] = {0, 1, 15, 16, 17, 33, 100, 0, 9000, 130, 64, 2000};
+    // decode-like: 64 experts of 0 .. 12 rows (32-row tiles), some empty
+    int r64[64];
+    for (int e = 0; e < 64; e++) r64[e] = (int)(tu_next() % 13);
+    r64[3] = r64[40] = 0;
+    // mean ~48 (64-row tiles), tile edges 63/64/65
+    const int r8[8] = {50, 0, 63, 64, 65, 47, 40, 51};
+    // one expert holds every row
+    int r16[16] = {0};
+    r16[11] = 300;
+    for (int bf = 0; bf < 2; bf++) {
+        int type = bf ? MTRL_BF16 : MTRL_F32;
+        test_grouped(ctx, 12, 264, 200, r12, type, "skewed, 0 .. 9000 rows");
+        test_grouped(ctx, 64, 128, 64, r64, type, "decode-like, 0 .. 12 rows");
+        test_grouped(ctx, 8, 96, 40, r8, type, "tile edges");
+        test_grouped(ctx, 16, 64, 48, r16, type, "every row on expert 11");
+    }
+    // R = 0: nothing launched, nothing written
+    int z[4] = {0};
+    float *d_y = tu_dev_nan(ctx, 8);
+    int *d_z = tu_dev_i32(z, 4);
+    TEST_EQ_INT(mtrl_moe_experts_grouped_fwd(ctx, 3, 8, 8, 0, d_z, d_y, d_y, d_y, d_y, MTRL_F32, d_y, d_y, d_y), 0);
+    TEST_EQ_INT(mtrl_moe_experts_grouped_fwd(ctx, 3, 12, 8, 0, d_z, d_y, d_y, d_y, d_y, MTRL_F32, d_y, d_y, d_y), -1);
+    mtrl_cuda_free(d_y);
+    mtrl_cuda_free(d_z);
+    // The chooser: true fp32 and one expert go to the lanes; small rows to the grouped kernels.
+    mtrl_cuda_ctx_set_tf32(ctx, 0);
+    TEST_EQ_INT(mtrl_moe_experts_path(ctx, 64, 1024, 512, 64 * 16, MTRL_F32), MTRL_MOE_LANES);
+    TEST_EQ_INT(mtrl_moe_experts_path(ctx, 64, 1024, 512, 64 * 16, MTRL_BF16), MTRL_MOE_GROUPED);
+    TEST_EQ_INT(mtrl_moe_experts_path(ctx, 1, 1024, 512, 4096, MTRL_BF16), MTRL_MOE_LANES);
+    TEST_EQ_INT(mtrl_moe_experts_path(ctx, 64, 1020, 512, 64 * 16, MTRL_BF16), MTRL_MOE_LANES);
+    mtrl_cuda_ctx_set_tf32(ctx, 1);
+    TEST_EQ_INT(mtrl_moe_experts_path(ctx, 64, 1024, 512, 64 * 16, MTRL_F32), MTRL_MOE_GROUPED);
+    mtrl_cuda_ctx_set_tf32(ctx, 0);
+}
+
 static void test_qb(mtrl_cuda_ctx *ctx, int N, int E, int K, int with_old) {
     printf("QB N=%d E=%d K=%d%s\n", N, E, K, with_old ? " (warm start)" : "");
     double *z = tu_alloc((size_t)N * E), *bold = tu_alloc(E), *bnew = tu_alloc(E), *got = tu_alloc(E);
@@ -238,6 +386,7 @@ int main(void) {
     test_block(ctx, 300, 16, 4, 64, 48, MTRL_BF16, 0);
     test_block(ctx, 2500, 8, 1, 32, 16, MTRL_F32, 1);
     test_block(ctx, 2500, 8, 1, 32, 16, MTRL_BF16, 1);
+    test_grouped_all(ctx);
     test_qb(ctx, 2048, 32, 4, 1);
     test_qb(ctx, 4096, 64, 8, 0);
     test_qb(ctx, 3, 64, 8, 1);   // tiny batch: skipped (returns 1, beta copied)

@@ -583,7 +583,8 @@ static void moe_combine_bwd_(BE *be, int N, int K, int D, const int *pos, const 
 static void moe_scatter_bwd_(BE *be, int N, int K, int D, const int *pos, const real *dXp, real *dx) {
     OK(mtrl_moe_scatter_bwd(CTX(be), N, K, D, pos, dXp, dx));
 }
-// The expert loop needs the segment offsets on the host.
+// The expert loop needs the segment offsets on the host (and the grouped kernels R = offsets[E]:
+// the backend entry has no N*K; passing it would drop this device -> host copy where they run).
 static int *offsets_h_(BE *be, int E, const int *off) {
     int *h = xmalloc(sizeof(int) * (size_t)(E + 1));
     mtrl_mc_download(CTX(be), h, off, sizeof(int) * (size_t)(E + 1));
@@ -600,31 +601,50 @@ static int experts_operands_(BE *be, int E, int D, int I, size_t R, const void *
     for (int i = 0; i < 4; i++) op[i] = bf16_of_(be, s, o[i], op[i], n[i]);
     return MTRL_BF16;
 }
-// mtrl_moe_experts_fwd / _bwd on the host offsets h [E+1], in the backend's operand type.
-static void experts_fwd_(BE *be, int E, int D, int I, const int *h, const real *X, const real *W1, const real *W3,
-                         const real *W2, real *u1, real *u3, real *Y) {
-    const void *op[4] = {X, W1, W3, W2};
-    int type = experts_operands_(be, E, D, I, (size_t)h[E], op);
-    OK(mtrl_moe_experts_fwd(CTX(be), E, D, I, h, op[0], op[1], op[2], op[3], type, u1, u3, Y));
+// The experts on the host offsets h [E+1], in the backend's operand type: the grouped kernels
+// (on the device offsets `off`) where mtrl_moe_experts_path picks them, else the per-expert
+// chains of mtrl_moe_experts_fwd / _bwd. off is NULL for the dense FFN (E = 1: the chains).
+// The grouped kernels also need 16-byte aligned operands (p [n]).
+static int experts_grouped_(BE *be, int E, int D, int I, const int *off, const int *h, int type,
+                            const void *const *p, int n) {
+    for (int i = 0; i < n; i++)
+        if ((uintptr_t)p[i] & 15) return 0;
+    return off && mtrl_moe_experts_path(CTX(be), E, D, I, h[E], type) == MTRL_MOE_GROUPED;
 }
-static void experts_bwd_(BE *be, int E, int D, int I, const int *h, const real *X, const real *W1, const real *W3,
-                         const real *W2, const real *u1, const real *u3, const real *dY, real *dX, real *dW1,
-                         real *dW3, real *dW2) {
+static void experts_fwd_(BE *be, int E, int D, int I, const int *off, const int *h, const real *X, const real *W1,
+                         const real *W3, const real *W2, real *u1, real *u3, real *Y) {
     const void *op[4] = {X, W1, W3, W2};
     int type = experts_operands_(be, E, D, I, (size_t)h[E], op);
-    OK(mtrl_moe_experts_bwd(CTX(be), E, D, I, h, op[0], op[1], op[2], op[3], type, u1, u3, dY, dX, dW1, dW3, dW2));
+    const void *p[7] = {op[0], op[1], op[2], op[3], u1, u3, Y};
+    if (experts_grouped_(be, E, D, I, off, h, type, p, 7))
+        OK(mtrl_moe_experts_grouped_fwd(CTX(be), E, D, I, h[E], off, op[0], op[1], op[2], op[3], type, u1, u3, Y));
+    else
+        OK(mtrl_moe_experts_fwd(CTX(be), E, D, I, h, op[0], op[1], op[2], op[3], type, u1, u3, Y));
+}
+static void experts_bwd_(BE *be, int E, int D, int I, const int *off, const int *h, const real *X, const real *W1,
+                         const real *W3, const real *W2, const real *u1, const real *u3, const real *dY, real *dX,
+                         real *dW1, real *dW3, real *dW2) {
+    const void *op[4] = {X, W1, W3, W2};
+    int type = experts_operands_(be, E, D, I, (size_t)h[E], op);
+    const void *p[11] = {op[0], op[1], op[2], op[3], u1, u3, dY, dX, dW1, dW3, dW2};  // NULL is aligned
+    if (experts_grouped_(be, E, D, I, off, h, type, p, 11))
+        OK(mtrl_moe_experts_grouped_bwd(CTX(be), E, D, I, h[E], off, op[0], op[1], op[2], op[3], type, u1, u3, dY, dX,
+                                        dW1, dW3, dW2));
+    else
+        OK(mtrl_moe_experts_bwd(CTX(be), E, D, I, h, op[0], op[1], op[2], op[3], type, u1, u3, dY, dX, dW1, dW3,
+                                dW2));
 }
 static void moe_experts_fwd_(BE *be, int E, int D, int I, const int *off, const real *Xp, const real *W1,
                              const real *W3, const real *W2, real *u1, real *u3, real *Yp) {
     int *h = offsets_h_(be, E, off);
-    experts_fwd_(be, E, D, I, h, Xp, W1, W3, W2, u1, u3, Yp);
+    experts_fwd_(be, E, D, I, off, h, Xp, W1, W3, W2, u1, u3, Yp);
     free(h);
 }
 static void moe_experts_bwd_(BE *be, int E, int D, int I, const int *off, const real *Xp, const real *W1,
                              const real *W3, const real *W2, const real *u1, const real *u3, const real *dYp,
                              real *dXp, real *dW1, real *dW3, real *dW2) {
     int *h = offsets_h_(be, E, off);
-    experts_bwd_(be, E, D, I, h, Xp, W1, W3, W2, u1, u3, dYp, dXp, dW1, dW3, dW2);
+    experts_bwd_(be, E, D, I, off, h, Xp, W1, W3, W2, u1, u3, dYp, dXp, dW1, dW3, dW2);
     free(h);
 }
 // Dense SwiGLU = one expert over all rows (as moe_swiglu_fwd/bwd of the reference).
@@ -632,14 +652,14 @@ static void moe_swiglu_fwd_(BE *be, int N, int D, int I, const real *x, const re
                             const real *W2, real *u1, real *u3, real *y) {
     if (N <= 0) return;
     int h[2] = {0, N};
-    experts_fwd_(be, 1, D, I, h, x, W1, W3, W2, u1, u3, y);
+    experts_fwd_(be, 1, D, I, NULL, h, x, W1, W3, W2, u1, u3, y);
 }
 static void moe_swiglu_bwd_(BE *be, int N, int D, int I, const real *x, const real *W1, const real *W3,
                             const real *W2, const real *u1, const real *u3, const real *dy, real *dx, real *dW1,
                             real *dW3, real *dW2) {
     if (N <= 0) return;
     int h[2] = {0, N};
-    experts_bwd_(be, 1, D, I, h, x, W1, W3, W2, u1, u3, dy, dx, dW1, dW3, dW2);
+    experts_bwd_(be, 1, D, I, NULL, h, x, W1, W3, W2, u1, u3, dy, dx, dW1, dW3, dW2);
 }
 static void moe_load_count_(BE *be, int N, int E, int K, const int *sel, int *load) {
     int *d = (int *)scratch_(be, sizeof(int) * (size_t)E);

@@ -428,6 +428,20 @@ void bench_decode(Bench &B, int Bsz, int Tk, int H) {
     mtrl_cuda_free(d_st); mtrl_cuda_free(d_len);
 }
 
+// One cuBLAS GEMM per non-empty expert on nl GEMM lanes (as mtrl_moe_experts_* run them):
+// Y_e [rows][F] = X_e W[e]ᵀ, bf16 operands, W [E][F][D].
+void lanes_gemm(Bench &B, int nl, int E, const int *off, int D, int F, const mtrl_bf16 *X, const mtrl_bf16 *W,
+                float *Y) {
+    mtrl_ctx_lanes_fork(B.c, nl);
+    for (int e = 0; e < E; e++) {
+        int r0 = off[e], n = off[e + 1] - r0;
+        if (n > 0)
+            mtrl_gemm_lane(B.c, e % nl, 0, 1, n, F, D, 1.f, X + (size_t)r0 * D, D, W + (size_t)e * F * D, D, MTRL_BF16,
+                           0.f, Y + (size_t)r0 * F, F, MTRL_F32);
+    }
+    mtrl_ctx_lanes_join(B.c, nl);
+}
+
 // Expert GEMMs: E experts x rows each (or skewed), D -> F, bf16 operands, one GEMM per expert;
 // then the full SwiGLU experts forward and forward+backward at D = 2048, I = 1024.
 void bench_moe(Bench &B, int E, int rows, int D, int F) {
@@ -450,16 +464,7 @@ void bench_moe(Bench &B, int E, int rows, int D, int F) {
         double ms_lane[2];
         for (int li = 0; li < 2; li++) {
             const int nl = li ? mtrl_ctx_lanes(B.c) : 1;
-            ms_lane[li] = time_ms(B, [&] {
-                mtrl_ctx_lanes_fork(B.c, nl);
-                for (int e = 0; e < E; e++) {
-                    int r0 = off[e], n = off[e + 1] - r0;
-                    if (n > 0)
-                        mtrl_gemm_lane(B.c, e % nl, 0, 1, n, F, D, 1.f, X + (size_t)r0 * D, D, W + (size_t)e * F * D,
-                                       D, MTRL_BF16, 0.f, Y + (size_t)r0 * F, F, MTRL_F32);
-                }
-                mtrl_ctx_lanes_join(B.c, nl);
-            });
+            ms_lane[li] = time_ms(B, [&] { lanes_gemm(B, nl, E, off.data(), D, F, X, W, Y); });
             char what[64];
             snprintf(what, sizeof what, "expert GEMMs (cuBLAS loop, %d lane%s)", nl, nl == 1 ? "" : "s");
             row(what, shape, ms_lane[li], 2.0 * R * D * F, "TFLOP/s", B.gemm_tflops);
@@ -526,6 +531,90 @@ void bench_moe_model(Bench &B) {
     }
     mtrl_cuda_ctx_set_tf32(B.c, 0);
     void *ps[] = {X, W1, W3, W2, u1, u3, Yp, dX, dW1, dW3, dW2};
+    for (void *p : ps) mtrl_cuda_free(p);
+}
+
+// The grouped experts (own kernels, device offsets: moe_grouped_cuda.cu) against the per-expert
+// cuBLAS chains on the GEMM lanes, in the same run, at 16, 128, 1024 and 8192 rows per expert,
+// balanced and skewed (expert e gets ∝ e + 1 rows, as bench_moe; at 16 rows the first experts get
+// none). Rows: one grouped GEMM X W[e]ᵀ (D -> F, bf16: the shape of torch._grouped_mm in
+// tools/anchors_grouped_mm.py, whose JSON keys the --anchors lines read), then the full SwiGLU
+// experts forward and backward (I = F) on both paths, in bf16 and, with tf32, fp32 operands as
+// TF32 (the model's default). Each block of rows ends with the path mtrl_moe_experts_path picks.
+void bench_moe_grouped(Bench &B, int E, int D, int F, bool tf32) {
+    const int rows_list[4] = {16, 128, 1024, 8192};
+    const int I = F;
+    const size_t Rmax = (size_t)E * 8192;
+    mtrl_bf16 *Xh = rnd_bf16(B, Rmax * D, -1, 1), *W1h = rnd_bf16(B, (size_t)E * I * D, -0.05f, 0.05f),
+              *W3h = rnd_bf16(B, (size_t)E * I * D, -0.05f, 0.05f), *W2h = rnd_bf16(B, (size_t)E * D * I, -0.05f, 0.05f);
+    float *Xf = nullptr, *W1f = nullptr, *W3f = nullptr, *W2f = nullptr;
+    if (tf32) {
+        Xf = rnd(B, Rmax * D, -1, 1);
+        W1f = rnd(B, (size_t)E * I * D, -0.05f, 0.05f);
+        W3f = rnd(B, (size_t)E * I * D, -0.05f, 0.05f);
+        W2f = rnd(B, (size_t)E * D * I, -0.05f, 0.05f);
+    }
+    float *u1 = (float *)mtrl_cuda_malloc(Rmax * I * 4), *u3 = (float *)mtrl_cuda_malloc(Rmax * I * 4),
+          *Yp = (float *)mtrl_cuda_malloc(Rmax * D * 4), *dX = (float *)mtrl_cuda_malloc(Rmax * D * 4),
+          *dW1 = (float *)mtrl_cuda_malloc((size_t)E * I * D * 4), *dW3 = (float *)mtrl_cuda_malloc((size_t)E * I * D * 4),
+          *dW2 = (float *)mtrl_cuda_malloc((size_t)E * I * D * 4);
+    int *d_off = (int *)mtrl_cuda_malloc(sizeof(int) * (E + 1));
+    for (int rows : rows_list)
+        for (int skew = 0; skew < 2; skew++) {
+            const size_t R = (size_t)E * rows;
+            std::vector<int> off(E + 1, 0);
+            long s = 0;
+            for (int e = 0; e < E; e++) {
+                off[e] = (int)s;
+                s += skew ? (int)((double)R * (e + 1) / (E * (E + 1) / 2.0)) : rows;
+            }
+            off[E] = (int)R;
+            mtrl_cuda_upload(d_off, off.data(), sizeof(int) * (E + 1));
+            char shape[96];
+            snprintf(shape, sizeof shape, "E=%d %d/exp %s %d->%d", E, rows, skew ? "skewed" : "balanced", D, F);
+            double flop = 2.0 * R * D * F;
+            double ms_g = time_ms(B, [&] { mtrl_moe_grouped_gemm(B.c, E, (long)R, d_off, F, D, Xh, W1h, MTRL_BF16, Yp); });
+            row("grouped GEMM bf16 (own kernel)", shape, ms_g, flop, "TFLOP/s", B.gemm_tflops);
+            char key[128];
+            snprintf(key, sizeof key, "grouped_mm_E%d_K%d_N%d_rows%d_%s_tflops", E, D, F, rows, skew ? "skewed" : "balanced");
+            vs(B, key, flop / (ms_g * 1e-3) / 1e12, "the TFLOP/s of torch._grouped_mm", "P6 >= 1.0x");
+            const int nl = mtrl_ctx_lanes(B.c);
+            double ms_l = time_ms(B, [&] { lanes_gemm(B, nl, E, off.data(), D, F, Xh, W1h, Yp); });
+            row("grouped GEMM bf16 (cuBLAS lanes)", shape, ms_l, flop, "TFLOP/s", B.gemm_tflops);
+            vs(B, key, flop / (ms_l * 1e-3) / 1e12, "the TFLOP/s of torch._grouped_mm", "P6 >= 1.0x");
+            for (int prec = 0; prec < (tf32 ? 2 : 1); prec++) {
+                const int type = prec ? MTRL_F32 : MTRL_BF16;
+                const void *X = prec ? (const void *)Xf : Xh, *W1 = prec ? (const void *)W1f : W1h,
+                           *W3 = prec ? (const void *)W3f : W3h, *W2 = prec ? (const void *)W2f : W2h;
+                mtrl_cuda_ctx_set_tf32(B.c, prec);
+                const char *pn = prec ? "TF32" : "bf16";
+                double t[4];
+                t[0] = time_ms(B, [&] {
+                    mtrl_moe_experts_grouped_fwd(B.c, E, D, I, (long)R, d_off, X, W1, W3, W2, type, u1, u3, Yp);
+                });
+                t[1] = time_ms(B, [&] { mtrl_moe_experts_fwd(B.c, E, D, I, off.data(), X, W1, W3, W2, type, u1, u3, Yp); });
+                t[2] = time_ms(B, [&] {
+                    mtrl_moe_experts_grouped_bwd(B.c, E, D, I, (long)R, d_off, X, W1, W3, W2, type, u1, u3, Yp, dX, dW1,
+                                                 dW3, dW2);
+                });
+                t[3] = time_ms(B, [&] {
+                    mtrl_moe_experts_bwd(B.c, E, D, I, off.data(), X, W1, W3, W2, type, u1, u3, Yp, dX, dW1, dW3, dW2);
+                });
+                const char *names[4] = {"experts fwd %s grouped", "experts fwd %s lanes", "experts bwd %s grouped",
+                                        "experts bwd %s lanes"};
+                for (int i = 0; i < 4; i++) {
+                    char what[64];
+                    snprintf(what, sizeof what, names[i], pn);
+                    row(what, shape, t[i], (i < 2 ? 6.0 : 12.0) * R * D * I, "TFLOP/s", B.gemm_tflops);
+                }
+                int path = mtrl_moe_experts_path(B.c, E, D, I, (long)R, type);
+                printf("%-34s %-34s chooser: %s (fwd+bwd grouped %.3f ms, lanes %.3f ms)\n", "", "",
+                       path == MTRL_MOE_GROUPED ? "grouped" : "lanes", t[0] + t[2], t[1] + t[3]);
+                fflush(stdout);
+            }
+            mtrl_cuda_ctx_set_tf32(B.c, 0);
+        }
+    void *ps[] = {Xh, W1h, W3h, W2h, Xf, W1f, W3f, W2f, u1, u3, Yp, dX, dW1, dW3, dW2, d_off};
     for (void *p : ps) mtrl_cuda_free(p);
 }
 
@@ -662,6 +751,8 @@ extern "C" int mtrl_bench_ops_cuda(int argc, char **argv) {
     if (want("moe")) {
         bench_moe(B, 64, 8192, 2048, 1024);
         bench_moe_model(B);
+        bench_moe_grouped(B, 64, 1024, 512, true);    // small: d 1024, expert width 512
+        bench_moe_grouped(B, 64, 2048, 1024, false);  // the anchor's shape
     }
     if (want("ops")) bench_small_ops(B);
     CUDA_CHECK(cudaEventDestroy(B.a));

@@ -230,6 +230,32 @@ int mtrl_moe_experts_bwd(mtrl_cuda_ctx *ctx, int E, int D, int I, const int *off
                          const void *X_perm, const void *W1, const void *W3, const void *W2,
                          int type, const float *u1, const float *u3, const float *dY_perm,
                          float *dX_perm, float *dW1, float *dW3, float *dW2);
+// ---- grouped experts (moe_grouped_cuda.cu) ----
+// The same products as mtrl_moe_experts_fwd / _bwd (same arguments, layouts, "+=" rules) in a
+// fixed number of launches whatever E (forward 2, backward 4, plus dY's rounding for bf16), with
+// `offsets` the DEVICE array [E+1] (no host copy: capturable in a CUDA graph) and R = offsets[E]
+// given by the caller (N*K: known without reading the device; it sizes the scratch and the grid).
+// fp32 operands multiply as TF32 here whatever the context's setting (mtrl_moe_experts_path sends
+// true-fp32 work to the lanes); bf16 as the lanes. SwiGLU (and its backward) run in the GEMMs'
+// epilogues; an expert with no rows leaves its weight gradients untouched. Requires 1 <= E <=
+// 1024, D and I multiples of 8, and 16-byte aligned operands (-1 otherwise). Results are
+// deterministic (no atomics) but not the lanes' bits.
+int mtrl_moe_experts_grouped_fwd(mtrl_cuda_ctx *ctx, int E, int D, int I, long R, const int *offsets,
+                                 const void *X_perm, const void *W1, const void *W3, const void *W2, int type,
+                                 float *u1, float *u3, float *Y_perm);
+int mtrl_moe_experts_grouped_bwd(mtrl_cuda_ctx *ctx, int E, int D, int I, long R, const int *offsets,
+                                 const void *X_perm, const void *W1, const void *W3, const void *W2, int type,
+                                 const float *u1, const float *u3, const float *dY_perm, float *dX_perm,
+                                 float *dW1, float *dW3, float *dW2);
+// One grouped GEMM of the same kernel (the benchmark's comparison with torch._grouped_mm):
+// C [R][N] fp32, expert e's rows C_e = A_e B[e]ᵀ with A [R][K] and B [E][N][K] of `type`.
+int mtrl_moe_grouped_gemm(mtrl_cuda_ctx *ctx, int E, long R, const int *offsets, int N, int K, const void *A,
+                          const void *B, int type, float *C);
+// Which implementation suits these experts (R rows in all, operands of `type` on this context):
+// MTRL_MOE_GROUPED (the functions above) or MTRL_MOE_LANES (mtrl_moe_experts_fwd / _bwd, per-expert
+// cuBLAS chains on the GEMM lanes). The rules and why: moe_grouped_cuda.cu.
+enum { MTRL_MOE_LANES = 0, MTRL_MOE_GROUPED = 1 };
+int mtrl_moe_experts_path(const mtrl_cuda_ctx *ctx, int E, int D, int I, long R, int type);
 // load [E] (overwritten): slots per expert.
 int mtrl_moe_load_count(mtrl_cuda_ctx *ctx, int N, int E, int K, const int *sel, int *load);
 // QB practical-form update (qb_beta_from_batch): exact selections (radix select on the fp32
@@ -297,7 +323,9 @@ int mtrl_attnres_site_bwd(mtrl_cuda_ctx *ctx, int N, int D, int S, const float *
 // by the bench). --anchors: the JSON that shared/bench/anchors_gpu.py wrote on the same machine;
 // the KDA chunk, attention (MHA shape) and expert-GEMM rows are then followed by their ratio to
 // the anchor (fla chunk_kda time, SDPA cuDNN / FA2 TFLOP/s, torch._grouped_mm TFLOP/s) and the
-// performance.md target of that ratio.
+// performance.md target of that ratio. The moe rows also compare the grouped experts with the
+// lanes at 16 .. 8192 rows per expert (balanced, skewed) at small's shape and the anchor's; the
+// JSON of tools/anchors_grouped_mm.py (merged into --anchors) gives their torch._grouped_mm ratios.
 // argv[0] is the word "ops". Returns 0, 2 for bad arguments, 77 when there is no device.
 int mtrl_bench_ops_cuda(int argc, char **argv);
 
