@@ -1002,7 +1002,7 @@ int mtrl_learner_run(mtrl_learner *l, volatile sig_atomic_t *stop) {
     if (l->progress) mtrl_progress_end(&l->prog);
     // The totals of this sitting's RL (learner/perf.h), before the final checkpoint.
     perf_cycle_end_(l, mtrl_time_mono(), 0);
-    mtrl_perf_log(l->store, l->run_id, l->step, "rl_", &l->tot);
+    mtrl_perf_log(l->store, l->run_id, l->step, "rl.", &l->tot);
     checkpoint_(l, 1);
     // Tell the actors the run is over.
     mtrl_wire_out o;

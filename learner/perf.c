@@ -11,7 +11,7 @@
 #include "common/log.h"
 
 // Every field of mtrl_perf with its metric name (after the prefix); totals_only fields are
-// logged with the "rl_" totals alone. One table for add, log and load, so they cannot disagree.
+// logged with the "rl." totals alone. One table for add, log and load, so they cannot disagree.
 typedef struct field_ {
     const char *name;
     size_t off;
@@ -81,7 +81,7 @@ static void put_(mtrl_store *s, int64_t run, int64_t step, const char *prefix, c
 }
 
 void mtrl_perf_log(mtrl_store *s, int64_t run, int64_t step, const char *prefix, const mtrl_perf *p) {
-    int totals = !strcmp(prefix, "rl_");
+    int totals = !strcmp(prefix, "rl.");
     for (int i = 0; i < N_FIELDS_; i++)
         if (totals || !fields_[i].totals_only) put_(s, run, step, prefix, fields_[i].name, get_(p, i));
     put_(s, run, step, prefix, "learner_other_seconds", mtrl_perf_other(p));
@@ -94,7 +94,7 @@ mtrl_status mtrl_perf_load(mtrl_store *s, int64_t run, mtrl_perf *p, int64_t *st
     *step = -1;
     for (int i = 0; i < N_FIELDS_; i++) {
         char full[96];
-        snprintf(full, sizeof full, "rl_%s", fields_[i].name);
+        snprintf(full, sizeof full, "rl.%s", fields_[i].name);
         int64_t *steps;
         double *values;
         size_t n;

@@ -25,8 +25,8 @@
 //     actor_decode_steps, episodes_committed, generated_tokens (the MODEL tokens of the
 //     episodes committed), trained_tokens (the tokens of the step's forward + backward)
 // and once when RL ends (at its last step) the totals since the end of the warm-up under the
-// same names with "rl_" in front, plus rl_steps, rl_trained_episodes (the episodes of the
-// steps' batches; the others were stale, or of groups dropped) and rl_warmup_seconds (the
+// same names with "rl." in front, plus rl.steps, rl.trained_episodes (the episodes of the
+// steps' batches; the others were stale, or of groups dropped) and rl.warmup_seconds (the
 // warm-up stage from the start of mtrl_learner_run: supervised steps, publish, checkpoint).
 #ifndef MTRL_LEARNER_PERF_H
 #define MTRL_LEARNER_PERF_H
@@ -41,9 +41,9 @@ typedef struct mtrl_perf {
     double wall, train, wait, publish, checkpoint; // learner seconds
     mtrl_wire_actor_stats actors;                  // the actors' reports, summed
     double episodes, generated_tokens, trained_tokens;
-    double steps, warmup, trained_episodes;        // logged with the totals only: rl_steps (RL
-                                                   // steps of this sitting), rl_warmup_seconds,
-                                                   // rl_trained_episodes (per step: `episodes`)
+    double steps, warmup, trained_episodes;        // logged with the totals only: rl.steps (RL
+                                                   // steps of this sitting), rl.warmup_seconds,
+                                                   // rl.trained_episodes (per step: `episodes`)
 } mtrl_perf;
 
 // to += p, field by field.
@@ -57,10 +57,10 @@ double mtrl_perf_actor_other(const mtrl_perf *p);
 double mtrl_perf_busy(const mtrl_perf *p);
 
 // Logs p as the metrics above at (run, step), each name with prefix in front: "" for a step's
-// cycle, "rl_" for the totals (which add rl_steps and rl_warmup_seconds). Inside the caller's
+// cycle, "rl." for the totals (which add rl.steps and rl.warmup_seconds). Inside the caller's
 // batch, if any; a failed write is logged, not returned (metrics never stop a run).
 void mtrl_perf_log(mtrl_store *s, int64_t run, int64_t step, const char *prefix, const mtrl_perf *p);
-// Reads back the totals (the "rl_" metrics) of run: MTRL_ERR_NOTFOUND, naming the run, when it
+// Reads back the totals (the "rl." metrics) of run: MTRL_ERR_NOTFOUND, naming the run, when it
 // has none (its RL loop never ended, or a store of a build before them). *step: their step.
 mtrl_status mtrl_perf_load(mtrl_store *s, int64_t run, mtrl_perf *p, int64_t *step, mtrl_error *err);
 

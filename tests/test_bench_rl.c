@@ -138,11 +138,11 @@ static void test_report_and_store(void) {
     TEST_CHECK(eps > 0 && gen > 0 && trained > 0);
 
     // The store: the per-step split at every RL step, and the totals the report printed.
-    long long steps = test_query_int(db, "SELECT value FROM metrics WHERE run = 1 AND name = 'rl_steps'");
+    long long steps = test_query_int(db, "SELECT value FROM metrics WHERE run = 1 AND name = 'rl.steps'");
     TEST_CHECK(steps > 3); // time ends the run, not [run] steps = 3
     TEST_EQ_INT(test_query_int(db, "SELECT count(*) FROM metrics WHERE run = 1 AND name = 'learner_train_seconds'"), steps);
     TEST_EQ_INT(test_query_int(db, "SELECT count(*) FROM metrics WHERE run = 1 AND name = 'actor_decode_seconds'"), steps);
-    TEST_EQ_INT(test_query_int(db, "SELECT count(DISTINCT name) FROM metrics WHERE run = 1 AND name LIKE 'rl\\_%' ESCAPE '\\'"),
+    TEST_EQ_INT(test_query_int(db, "SELECT count(DISTINCT name) FROM metrics WHERE run = 1 AND name LIKE 'rl.%'"),
                 24);
     // Each step's split adds up to its cycle.
     TEST_EQ_INT(test_query_int(db, "SELECT count(*) FROM metrics w JOIN metrics o ON o.run = w.run AND o.step = w.step "
@@ -150,16 +150,16 @@ static void test_report_and_store(void) {
                                    "'learner_wall_seconds' AND o.value < -1e-9"),
                 0);
     // Totals, in milliseconds, against the report's rounding.
-    double ms_wall = metric_(db, "SELECT round(1000 * value) FROM metrics WHERE run = 1 AND name = 'rl_learner_wall_seconds'");
+    double ms_wall = metric_(db, "SELECT round(1000 * value) FROM metrics WHERE run = 1 AND name = 'rl.learner_wall_seconds'");
     TEST_NEAR(ms_wall / 1000, wall, 0.006);
     double ms_steps = metric_(db, "SELECT round(1000 * sum(value)) FROM metrics WHERE run = 1 AND name = 'learner_wall_seconds'");
     TEST_CHECK(ms_steps <= ms_wall + 1); // the steps' cycles, and the tail after the last step
-    double ms_train = metric_(db, "SELECT round(1000 * value) FROM metrics WHERE run = 1 AND name = 'rl_learner_train_seconds'");
+    double ms_train = metric_(db, "SELECT round(1000 * value) FROM metrics WHERE run = 1 AND name = 'rl.learner_train_seconds'");
     TEST_NEAR(ms_train / 1000, part[0], 0.006);
-    TEST_EQ_INT(test_query_int(db, "SELECT count(*) FROM metrics WHERE run = 1 AND name IN ('rl_reward_first', 'rl_reward_last')"), 2);
-    TEST_EQ_INT(test_query_int(db, "SELECT round(value) FROM metrics WHERE run = 1 AND name = 'rl_episodes_committed'"),
+    TEST_EQ_INT(test_query_int(db, "SELECT count(*) FROM metrics WHERE run = 1 AND name IN ('rl.reward_first', 'rl.reward_last')"), 2);
+    TEST_EQ_INT(test_query_int(db, "SELECT round(value) FROM metrics WHERE run = 1 AND name = 'rl.episodes_committed'"),
                 test_query_int(db, "SELECT count(*) FROM episodes WHERE run = 1"));
-    TEST_EQ_INT(test_query_int(db, "SELECT round(value) FROM metrics WHERE run = 1 AND name = 'rl_trained_episodes'"),
+    TEST_EQ_INT(test_query_int(db, "SELECT round(value) FROM metrics WHERE run = 1 AND name = 'rl.trained_episodes'"),
                 test_query_int(db, "SELECT round(sum(value)) FROM metrics WHERE run = 1 AND name = 'episodes'"));
     TEST_EQ_INT(test_query_int(db, "SELECT status = 'finished' FROM runs WHERE id = 1"), 1);
     // The temporary folder (its out_dir with the checkpoints) is gone.

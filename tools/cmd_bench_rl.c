@@ -4,11 +4,11 @@
 // process, [actor] count actor processes streaming over ZeroMQ): its [warmup] first, timed on
 // its own, then N seconds of RL (default 60), after which the learner ends the run cleanly
 // (mtrl_learner_opts.rl_seconds). The report is read back from the run store the learner wrote
-// (learner/perf.h: the same numbers are its rl_* metrics; per step the learner_* and actor_*
+// (learner/perf.h: the same numbers are its rl.* metrics; per step the learner_* and actor_*
 // ones): episodes/s, generated and trained tokens/s, the learner's wall time split (train /
 // waiting for episodes / publish / checkpoint / other, and busy), the actors' (prefill / decode
 // / tools / waiting / other, summed over the actors), and the mean reward of the first and last
-// 20% of the RL episodes (logged too, as rl_reward_first and rl_reward_last).
+// 20% of the RL episodes (logged too, as rl.reward_first and rl.reward_last).
 //
 // [run] steps becomes the schema's maximum and max_minutes 0, so time ends the run (an
 // experiment with [stage.N] sections still ends with its stages, maybe before N seconds: the
@@ -96,8 +96,8 @@ static int read_back_(const char *db, long long run, mtrl_perf *p, double *first
     mtrl_status st = mtrl_perf_load(s, run, p, &step, &err);
     if (st == MTRL_OK) st = mtrl_perf_reward_ends(s, run, first, last, n, &err);
     if (st == MTRL_OK) {
-        mtrl_store_metric_log(s, run, step, "rl_reward_first", *first, 0, NULL);
-        mtrl_store_metric_log(s, run, step, "rl_reward_last", *last, 0, NULL);
+        mtrl_store_metric_log(s, run, step, "rl.reward_first", *first, 0, NULL);
+        mtrl_store_metric_log(s, run, step, "rl.reward_last", *last, 0, NULL);
     } else {
         fprintf(stderr, "mtrl bench rl: %s\n", err.msg);
     }
