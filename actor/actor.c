@@ -69,6 +69,10 @@ typedef struct actor {
     long episodes_done;
     int out_peak;          // the most messages the outbox held (backpressure: see the main loop)
     uint64_t out_peak_bytes;
+    // the time split since the last ACTOR_STATS (send_actor_stats_): the rollout's parts, the
+    // socket polls of the main loop, and when the interval began
+    mtrl_rollout_times times;
+    double wait_s, last_stats;
 } actor;
 
 // ---- outbox under credit -----------------------------------------------------------------------------------
@@ -307,6 +311,7 @@ static int rollout_build_(actor *a, uint64_t next_group, uint64_t next_episode) 
     mtrl_rollout_params_from_config(&p, &a->cfg, a->id, a->incarnation);
     p.first_group = next_group;
     p.first_episode = next_episode;
+    p.times = &a->times;
     if (mtrl_rollout_init(&a->ro, &p, &a->cfg, &a->model, &err) != MTRL_OK) {
         LOG_ERROR("%s", err.msg);
         return 0;
@@ -423,6 +428,22 @@ static void send_qb_stats_(actor *a) {
     memset(m->qb_sum, 0, sizeof *m->qb_sum * LE);
     memset(m->qb_count, 0, sizeof *m->qb_count * (size_t)L);
     memset(m->load, 0, sizeof *m->load * LE);
+}
+
+// Where this actor's time went since the last report (ACTOR_STATS, outside the credit: 80 bytes
+// per heartbeat), then the interval starts over. The learner sums the reports (mtrl bench rl).
+static void send_actor_stats_(actor *a, double now) {
+    mtrl_wire_actor_stats s = {now - a->last_stats, a->times.prefill_s, a->times.decode_s, a->times.tools_s, a->wait_s,
+                               (double)a->times.prefill_tokens, (double)a->times.decode_tokens,
+                               (double)a->times.decode_steps};
+    mtrl_wire_out o;
+    mtrl_wire_out_init(&o);
+    mtrl_wire_encode_actor_stats(&o, &s);
+    send_now_(a, &o);
+    mtrl_wire_out_free(&o);
+    memset(&a->times, 0, sizeof a->times);
+    a->wait_s = 0;
+    a->last_stats = now;
 }
 
 static void weights_chunk_(actor *a, const mtrl_wire_msg *m) {
@@ -573,12 +594,14 @@ int mtrl_actor_main(const char *endpoint, uint32_t actor_id, int gpu, volatile s
     // longer than the heartbeat timeout means it went away.
     double quiet = 3e-3 * (double)(a.have_cfg ? a.cfg.learner.heartbeat_timeout_ms : 5000);
     mtrl_rollout_events ev = {&a, on_begin_, on_end_, on_tick_};
-    a.last_heard = mtrl_time_mono();
+    a.last_heard = a.last_stats = mtrl_time_mono();
     while (!*stop && !a.bye) {
         // Wait on the socket when there is nothing to generate (no weights or credit yet, or a
         // backlog to send); otherwise just look.
         int idle = !a.ro || !a.have_weights || a.credit <= 0 || outbox_len_(&a) > 0;
+        double t_poll = mtrl_time_mono();
         poll_(&a, idle ? 20 : 0);
+        a.wait_s += mtrl_time_mono() - t_poll;
         mtrl_wire_event ev_;
         while (mtrl_wire_monitor_next(&a.mon, &ev_)) {
             if (ev_.event != ZMQ_EVENT_DISCONNECTED) {
@@ -598,6 +621,7 @@ int mtrl_actor_main(const char *endpoint, uint32_t actor_id, int gpu, volatile s
         }
         if (now - a.last_qb > hb) {
             send_qb_stats_(&a);
+            send_actor_stats_(&a, now);
             a.last_qb = now;
         }
         heartbeat_(&a, now);
@@ -627,6 +651,7 @@ int mtrl_actor_main(const char *endpoint, uint32_t actor_id, int gpu, volatile s
     }
     // Say goodbye (the learner aborts whatever is still open) and leave.
     if (a.have_cfg) {
+        send_actor_stats_(&a, mtrl_time_mono());
         mtrl_wire_out o;
         mtrl_wire_out_init(&o);
         mtrl_wire_encode_bye(&o, *stop ? "actor stopped" : "learner said BYE");

@@ -5,9 +5,11 @@
 // episodes (actor/rollout.h) and streams each as BEGIN, CHUNKs of at most [actor] chunk_tokens
 // tokens as they are produced, and END, never sending more bytes than the learner's credit
 // allows (generation pauses while the credit is spent). New weights are applied between
-// generation steps; every token keeps the version that produced it. Heartbeats both ways; when
-// the learner goes quiet the actor says HELLO again (the DEALER reconnects by itself) and
-// restarts its episodes under the new WELCOME. A BYE from the learner, or *stop, ends it.
+// generation steps; every token keeps the version that produced it. Once per heartbeat period it
+// reports where its time went (ACTOR_STATS: prefill, decode, tools, waiting; learner/perf.h).
+// Heartbeats both ways; when the learner goes quiet the actor says HELLO again (the DEALER
+// reconnects by itself) and restarts its episodes under the new WELCOME. A BYE from the
+// learner, or *stop, ends it.
 #ifndef MTRL_ACTOR_H
 #define MTRL_ACTOR_H
 

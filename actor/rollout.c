@@ -181,6 +181,23 @@ mtrl_traj *mtrl_rollout_slot(mtrl_rollout *r, int i) { return r->slots[i].active
 
 // ---- one episode's steps (shared by the batched engine and run_one) ------------------------------------
 
+// The env calls, timed into p->times when it is set (mtrl_rollout_times).
+static mtrl_status env_reset_(const mtrl_rollout_params *p, mtrl_env *env, uint64_t seed, mtrl_env_result *res,
+                              mtrl_error *err) {
+    double t0 = p->times ? mtrl_time_mono() : 0;
+    mtrl_status st = mtrl_env_reset(env, seed, res, err);
+    if (p->times) p->times->tools_s += mtrl_time_mono() - t0;
+    return st;
+}
+
+static mtrl_status env_step_(const mtrl_rollout_params *p, mtrl_env *env, uint32_t kind, const char *text, size_t n,
+                             mtrl_env_result *res, mtrl_error *err) {
+    double t0 = p->times ? mtrl_time_mono() : 0;
+    mtrl_status st = mtrl_env_step(env, kind, text, n, res, err);
+    if (p->times) p->times->tools_s += mtrl_time_mono() - t0;
+    return st;
+}
+
 // Feeds tok[skip..n) as tokens of a kind that carries no loss into the trajectory, and all n
 // into the model state (tok[0..skip) were appended already, when they were sampled). With
 // routing recorded, every fed token's row comes from the prefill.
@@ -267,7 +284,7 @@ static int start_(const mtrl_rollout_params *p, mtrl_model *m, slot *s, const sl
     mtrl_decode_state_reset(&s->st, m);
     mtrl_env_result res;
     mtrl_error err;
-    if (mtrl_env_reset(s->env, task_seed, &res, &err) != MTRL_OK) {
+    if (env_reset_(p, s->env, task_seed, &res, &err) != MTRL_OK) {
         finish_(s, MTRL_EP_ABORTED, 0, err.msg);
         return 0;
     }
@@ -312,7 +329,7 @@ static int advance_(const mtrl_rollout_params *p, mtrl_model *m, slot *s, uint32
         turn_bytes_(t, s->turn_start, t->n_tokens - 1, text, sizeof text);
         mtrl_env_result res;
         mtrl_error err;
-        if (mtrl_env_step(s->env, MTRL_ENV_ACTION_ANSWER, text, strlen(text), &res, &err) != MTRL_OK) {
+        if (env_step_(p, s->env, MTRL_ENV_ACTION_ANSWER, text, strlen(text), &res, &err) != MTRL_OK) {
             finish_(s, MTRL_EP_ABORTED, 0, err.msg);
             return 0;
         }
@@ -326,7 +343,7 @@ static int advance_(const mtrl_rollout_params *p, mtrl_model *m, slot *s, uint32
         mtrl_env_result res;
         mtrl_error err;
         uint32_t turn = s->turn++;
-        if (mtrl_env_step(s->env, MTRL_ENV_ACTION_TOOL, text, strlen(text), &res, &err) != MTRL_OK) {
+        if (env_step_(p, s->env, MTRL_ENV_ACTION_TOOL, text, strlen(text), &res, &err) != MTRL_OK) {
             mtrl_traj_add_tool_call(t, turn, "", text, (uint32_t)strlen(text), NULL, 0, 0, (int32_t)err.code, err.msg);
             finish_(s, MTRL_EP_ABORTED, 0, err.msg);
             return 0;
@@ -429,7 +446,12 @@ static void flush_(mtrl_rollout *r, const mtrl_rollout_events *ev) {
             k++;
         }
         if (!k) return;
+        double t0 = mtrl_time_mono();
         mtrl_model_prefill_many(r->m, r->fstates, k, r->ftok, r->flen, r->flogits, r->frout);
+        if (r->p.times) {
+            r->p.times->prefill_s += mtrl_time_mono() - t0;
+            r->p.times->prefill_tokens += (uint64_t)total;
+        }
         for (int j = 0; j < k; j++) {
             slot *s = r->fslot[j];
             s->pend_at += r->flen[j];
@@ -463,7 +485,13 @@ int mtrl_rollout_step(mtrl_rollout *r, const mtrl_rollout_events *ev) {
     if (nd > 0) {
         size_t rw = (size_t)(r->m->dims.n_moe * r->m->dims.k);
         uint8_t *rout = r->p.record_routing ? r->drouting : NULL;
+        double t0 = mtrl_time_mono();
         mtrl_model_decode(r->m, r->dstates, nd, r->dtokens, r->dlogits, rout);
+        if (r->p.times) {
+            r->p.times->decode_s += mtrl_time_mono() - t0;
+            r->p.times->decode_tokens += (uint64_t)nd;
+            r->p.times->decode_steps++;
+        }
         int V = r->m->dims.V;
         for (int j = 0; j < nd; j++) {
             slot *s = &r->slots[r->dslot[j]];

@@ -33,6 +33,15 @@
 
 typedef struct mtrl_rollout mtrl_rollout;
 
+// Where a rollout's time goes (the actor's ACTOR_STATS, mtrl bench rl): seconds in the batched
+// engine's prefills (mtrl_model_prefill_many) and decodes (mtrl_model_decode) and in env calls
+// (reset and step: the tools and the scoring of answers), with the tokens fed by each. Added to
+// while mtrl_rollout_params.times points at one; its owner reads and clears it.
+typedef struct mtrl_rollout_times {
+    double prefill_s, decode_s, tools_s;
+    uint64_t prefill_tokens, decode_tokens, decode_steps;
+} mtrl_rollout_times;
+
 typedef struct mtrl_rollout_params {
     uint64_t seed;           // [run] seed
     uint32_t actor_id, incarnation;
@@ -46,6 +55,7 @@ typedef struct mtrl_rollout_params {
     uint64_t first_group;    // counters to start from: an actor that rebuilds its rollout (a new
     uint64_t first_episode;  // stage) continues them, so episode ids never repeat in a run
     uint64_t max_groups;     // no new group after this many (0: until mtrl_rollout_stop_new)
+    mtrl_rollout_times *times; // nullable (params_from_config: NULL): the time split goes here
 } mtrl_rollout_params;
 
 void mtrl_rollout_params_from_config(mtrl_rollout_params *p, const mtrl_config *cfg, uint32_t actor_id,

@@ -12,7 +12,7 @@
 
 const char *mtrl_wire_type_name(uint16_t type) {
     static const char *names[] = {NULL, "HELLO", "WELCOME", "CREDIT", "BEGIN", "CHUNK", "END",
-                                  "WEIGHTS_REQ", "WEIGHTS", "ROUTING_STATS", "HEARTBEAT", "BYE", "ERROR"};
+                                  "WEIGHTS_REQ", "WEIGHTS", "ROUTING_STATS", "HEARTBEAT", "BYE", "ERROR", "ACTOR_STATS"};
     if (type >= 1 && type <= MTRL_WIRE_TYPE_MAX) return names[type];
     return "UNKNOWN";
 }
@@ -162,6 +162,22 @@ void mtrl_wire_encode_heartbeat(mtrl_wire_out *o) {
     finish_(o, MTRL_WIRE_HEARTBEAT, 0, 0);
 }
 
+// The fields of ACTOR_STATS in wire order: encoder, decoder and field names agree through it.
+#define ACTOR_STATS_FIELDS_(X) X(wall_s) X(prefill_s) X(decode_s) X(tools_s) X(wait_s) X(prefill_tokens) X(decode_tokens) X(decode_steps)
+
+static void actor_stats_payload_(mtrl_wbuf *b, const mtrl_wire_actor_stats *s) {
+    mtrl_wbuf_u32(b, MTRL_WIRE_ACTOR_STATS_VERSION);
+    mtrl_wbuf_u32(b, MTRL_WIRE_ACTOR_STATS_FIELDS);
+#define PUT_(f) mtrl_wbuf_f64(b, s->f);
+    ACTOR_STATS_FIELDS_(PUT_)
+#undef PUT_
+}
+
+void mtrl_wire_encode_actor_stats(mtrl_wire_out *o, const mtrl_wire_actor_stats *s) {
+    actor_stats_payload_(begin_(o), s);
+    finish_(o, MTRL_WIRE_ACTOR_STATS, 0, 0);
+}
+
 void mtrl_wire_encode_bye(mtrl_wire_out *o, const char *reason) {
     mtrl_wbuf_str(begin_(o), reason);
     finish_(o, MTRL_WIRE_BYE, 0, 0);
@@ -186,6 +202,7 @@ static uint64_t type_cap_(uint16_t type, const mtrl_wire_limits *lim) {
     case MTRL_WIRE_WEIGHTS_REQ: cap = 4; break;
     case MTRL_WIRE_ROUTING_STATS: cap = 12 + 20 * (uint64_t)lim->max_routing_cells; break; // layers <= cells
     case MTRL_WIRE_HEARTBEAT: cap = 0; break;
+    case MTRL_WIRE_ACTOR_STATS: cap = 8 + 8 * MTRL_WIRE_ACTOR_STATS_FIELDS; break;
     case MTRL_WIRE_BYE: cap = 4 + (uint64_t)lim->max_text; break;
     case MTRL_WIRE_ERROR: cap = 8 + (uint64_t)lim->max_text; break;
     default: cap = lim->max_payload; break; // BEGIN, CHUNK, END, WEIGHTS
@@ -309,6 +326,27 @@ static mtrl_status decode_payload_(const void *payload, size_t n, const mtrl_wir
         m->weight_version = mtrl_rbuf_u32(&r, "version");
         return trailing_(&r);
     case MTRL_WIRE_HEARTBEAT: return trailing_(&r);
+    case MTRL_WIRE_ACTOR_STATS: {
+        uint32_t version = mtrl_rbuf_u32(&r, "layout version");
+        uint32_t fields = mtrl_rbuf_u32(&r, "field count");
+        if (r.status) return r.status;
+        if (version != MTRL_WIRE_ACTOR_STATS_VERSION)
+            return mtrl_rbuf_fail_at(&r, 0, MTRL_ERR_MISMATCH, "layout version %u; this build reads version %u", version,
+                                     MTRL_WIRE_ACTOR_STATS_VERSION);
+        if (fields != MTRL_WIRE_ACTOR_STATS_FIELDS)
+            return mtrl_rbuf_fail_at(&r, 4, MTRL_ERR_FORMAT, "field count %u; layout version %u has %d", fields, version,
+                                     MTRL_WIRE_ACTOR_STATS_FIELDS);
+#define GET_(f)                                                                                                        \
+    {                                                                                                                  \
+        size_t at = r.pos;                                                                                             \
+        m->actor_stats.f = mtrl_rbuf_f64(&r, #f);                                                                      \
+        if (!r.status && !(isfinite(m->actor_stats.f) && m->actor_stats.f >= 0))                                       \
+            return mtrl_rbuf_fail_at(&r, at, MTRL_ERR_FORMAT, #f ": %g, must be finite and >= 0", m->actor_stats.f);   \
+    }
+        ACTOR_STATS_FIELDS_(GET_)
+#undef GET_
+        return trailing_(&r);
+    }
     case MTRL_WIRE_BYE:
         if (mtrl_rbuf_str(&r, lim->max_text, "reason", &m->text)) return r.status;
         return trailing_(&r);
@@ -437,6 +475,7 @@ void mtrl_wire_msg_encode(mtrl_wire_out *o, const mtrl_wire_msg *m) {
     case MTRL_WIRE_CREDIT: mtrl_wbuf_u64(b, m->credit_bytes); break;
     case MTRL_WIRE_WEIGHTS_REQ: mtrl_wbuf_u32(b, m->weight_version); break;
     case MTRL_WIRE_HEARTBEAT: break;
+    case MTRL_WIRE_ACTOR_STATS: actor_stats_payload_(b, &m->actor_stats); break;
     case MTRL_WIRE_BYE: mtrl_wbuf_str(b, m->text); break;
     case MTRL_WIRE_ERROR:
         mtrl_wbuf_u32(b, (uint32_t)m->code);

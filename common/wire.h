@@ -36,6 +36,13 @@
 //                   f64 beta_sum[layers * experts] (QB: the β each decode batch implied, summed;
 //                   finite)
 //     HEARTBEAT     empty
+//     ACTOR_STATS   u32 layout version (MTRL_WIRE_ACTOR_STATS_VERSION), u32 field count (that
+//                   version's: MTRL_WIRE_ACTOR_STATS_FIELDS), then that many f64, each finite
+//                   and >= 0: where the actor's time went since its previous ACTOR_STATS
+//                   (mtrl_wire_actor_stats). A later layout appends fields under a new version;
+//                   a decoder refuses a version it does not know (MTRL_ERR_MISMATCH). A learner
+//                   older than the type drops the message as unknown and counts it invalid: the
+//                   rest of the protocol is unchanged.
 //     BYE           str reason (may be empty)
 //     ERROR         i32 code (mtrl_status), str text
 // Every length is checked against mtrl_wire_limits before anything is allocated. Decoders are
@@ -77,8 +84,9 @@ typedef enum mtrl_wire_type {
     MTRL_WIRE_HEARTBEAT = 10,
     MTRL_WIRE_BYE = 11,
     MTRL_WIRE_ERROR = 12,
+    MTRL_WIRE_ACTOR_STATS = 13,
 } mtrl_wire_type;
-#define MTRL_WIRE_TYPE_MAX 12
+#define MTRL_WIRE_TYPE_MAX 13
 
 // "HELLO", "CHUNK", ...; "UNKNOWN" for anything else.
 const char *mtrl_wire_type_name(uint16_t type);
@@ -87,6 +95,18 @@ const char *mtrl_wire_type_name(uint16_t type);
 #define MTRL_WIRE_CAP_ROUTING 1u     // the actor records routing
 #define MTRL_WIRE_CAP_ROUTING_U16 2u // ... with 2-byte expert ids
 #define MTRL_WIRE_CAP_CURVE 4u       // the actor can do CURVE
+
+// ACTOR_STATS: the actor's time since its previous report, by part (mtrl bench rl, the
+// learner's actor_* metrics). wall_s covers the whole interval; prefill_s, decode_s and tools_s
+// are inside its rollout (mtrl_model_prefill_many, mtrl_model_decode, env reset/step), wait_s
+// in its socket poll (waiting for weights or credit, loading weights); the rest is "other".
+// Counts travel as f64 (exact below 2^53).
+typedef struct mtrl_wire_actor_stats {
+    double wall_s, prefill_s, decode_s, tools_s, wait_s;
+    double prefill_tokens, decode_tokens, decode_steps;
+} mtrl_wire_actor_stats;
+#define MTRL_WIRE_ACTOR_STATS_VERSION 1
+#define MTRL_WIRE_ACTOR_STATS_FIELDS 8
 
 typedef struct mtrl_wire_limits {
     uint64_t max_payload;         // bytes per payload frame (also ZMQ_MAXMSGSIZE)
@@ -142,6 +162,7 @@ void mtrl_wire_encode_weights(mtrl_wire_out *o, uint32_t version, uint32_t chunk
 void mtrl_wire_encode_routing_stats(mtrl_wire_out *o, uint32_t version, uint32_t layers, uint32_t experts,
                                     const uint64_t *counts, const uint32_t *batches, const double *beta_sum);
 void mtrl_wire_encode_heartbeat(mtrl_wire_out *o);
+void mtrl_wire_encode_actor_stats(mtrl_wire_out *o, const mtrl_wire_actor_stats *s);
 void mtrl_wire_encode_bye(mtrl_wire_out *o, const char *reason);
 void mtrl_wire_encode_error(mtrl_wire_out *o, int32_t code, const char *text);
 
@@ -176,6 +197,8 @@ typedef struct mtrl_wire_msg {
     uint64_t *counts;        // (layers, experts) owned
     uint32_t *qb_batches;    // (layers) owned
     double *qb_beta_sum;     // (layers, experts) owned
+    // ACTOR_STATS
+    mtrl_wire_actor_stats actor_stats;
     // ERROR
     int32_t code;
 } mtrl_wire_msg;

@@ -26,6 +26,7 @@
 #include "common/wire_auth.h"
 #include "common/wire_monitor.h"
 #include "common/wire_shared.h"
+#include "learner/perf.h"
 #include "learner/train.h"
 
 #define MAX_ACTORS 256
@@ -102,6 +103,11 @@ struct mtrl_learner {
     double last_hb;
     double last_reward;
     char failed[256];        // mtrl_learner_fail's reason: the run ends as failed
+    // where the time of RL goes (learner/perf.h): this cycle's split (since the previous step's
+    // metrics) and the totals since the end of the warm-up (t_rl: when it ended, 0 before)
+    mtrl_perf cyc, tot;
+    double t_rl, t_cycle;
+    double rl_seconds;       // mtrl_learner_opts.rl_seconds
 };
 
 // ---- helpers -----------------------------------------------------------------------------------------------
@@ -224,6 +230,8 @@ static void commit_(mtrl_learner *l, mtrl_traj *t) {
     mtrl_error err;
     l->episodes_seen++;
     l->tokens_seen += (long)t->n_tokens;
+    l->cyc.episodes++;
+    l->cyc.generated_tokens += (double)t->n_model;
     if (t->status <= MTRL_EP_REJECTED) l->episodes_by_status[t->status]++;
     int64_t off = -1;
     const char *path = NULL;
@@ -323,6 +331,19 @@ static long qb_stats_fold_(mtrl_learner *l) {
     return n;
 }
 
+// An actor's time split since its previous report (ACTOR_STATS): summed into the cycle's during
+// RL, dropped during the warm-up (the actors only wait then).
+static void actor_stats_in_(mtrl_learner *l, const mtrl_wire_in *in) {
+    mtrl_wire_msg m;
+    mtrl_wire_msg_init(&m);
+    mtrl_error err;
+    if (mtrl_wire_decode(in->hdr_bytes, MTRL_WIRE_HDR_SIZE, in->payload, in->payload_len, &l->lim, &m, &err) != MTRL_OK)
+        mtrl_wire_stats_invalid(&l->rx, err.msg);
+    else if (l->t_rl > 0)
+        mtrl_perf_actor_add(&l->cyc, &m.actor_stats);
+    mtrl_wire_msg_free(&m);
+}
+
 static void handle_(mtrl_learner *l, mtrl_wire_in *in) {
     mtrl_error err;
     actor_rec *a = actor_find_(l, &in->peer);
@@ -414,6 +435,9 @@ static void handle_(mtrl_learner *l, mtrl_wire_in *in) {
         break;
     case MTRL_WIRE_ROUTING_STATS:
         qb_stats_in_(l, a, in);
+        break;
+    case MTRL_WIRE_ACTOR_STATS:
+        actor_stats_in_(l, in);
         break;
     case MTRL_WIRE_HEARTBEAT:
         break;
@@ -561,6 +585,15 @@ static void checkpoint_(mtrl_learner *l, int with_optimizer) {
     }
 }
 
+// Ends the cycle at now: its split goes into the totals and, with log, into this step's metrics.
+static void perf_cycle_end_(mtrl_learner *l, double now, int log) {
+    l->cyc.wall = now - l->t_cycle;
+    if (log) mtrl_perf_log(l->store, l->run_id, l->step, "", &l->cyc);
+    mtrl_perf_add(&l->tot, &l->cyc);
+    memset(&l->cyc, 0, sizeof l->cyc);
+    l->t_cycle = now;
+}
+
 static void rl_step_(mtrl_learner *l, int *ready, int n_ready) {
     mtrl_traj **batch = NULL;
     int nb = 0, cap = 0;
@@ -578,7 +611,12 @@ static void rl_step_(mtrl_learner *l, int *ready, int n_ready) {
     mtrl_step_stats st;
     st.loads = l->loads;
     long qb_actor = qb_stats_fold_(l); // summed before the step's own batches; applied after it
+    double t_train = mtrl_time_mono();
     mtrl_train_rl_step(&l->model, &l->cfg, &l->algo, batch, nb, &st);
+    l->cyc.train += mtrl_time_mono() - t_train;
+    l->cyc.trained_tokens += (double)st.tokens;
+    l->cyc.steps++;
+    l->cyc.trained_episodes += (double)st.episodes;
     l->step++;
     // [learner] publish_every: the actors get every N-th version (each publish costs the learner
     // the serialisation and each actor a load); the others stay on the learner.
@@ -589,6 +627,7 @@ static void rl_step_(mtrl_learner *l, int *ready, int n_ready) {
         for (int i = 0; i < l->n_actors; i++)
             if (l->actors[i].alive) send_weights_(l, &l->actors[i]);
         t_pub = mtrl_time_mono() - t_pub;
+        l->cyc.publish += t_pub;
     }
     // Wall time from the previous step's end: the learner's step plus its wait for episodes.
     double now = mtrl_time_mono(), cycle = l->t_last_step > 0 ? now - l->t_last_step : now - l->t_start;
@@ -648,12 +687,18 @@ static void rl_step_(mtrl_learner *l, int *ready, int n_ready) {
         }
         log_metric_(l, "max_violation", worst);
         if (l->cfg.learner.qb_actor_stats) log_metric_(l, "qb_actor_batches", (double)qb_actor);
+        perf_cycle_end_(l, now, 1);
         if (mtrl_store_commit(l->store, &err) != MTRL_OK) event_(l, MTRL_LOG_ERROR, "run store: %s", err.msg);
     } else {
         event_(l, MTRL_LOG_ERROR, "run store: %s", err.msg);
+        perf_cycle_end_(l, now, 0);
     }
     l->last_reward = st.reward_mean;
-    if (l->cfg.run.checkpoint_every > 0 && l->step % l->cfg.run.checkpoint_every == 0) checkpoint_(l, 1);
+    if (l->cfg.run.checkpoint_every > 0 && l->step % l->cfg.run.checkpoint_every == 0) {
+        double t_ckpt = mtrl_time_mono();
+        checkpoint_(l, 1);
+        l->cyc.checkpoint += mtrl_time_mono() - t_ckpt;
+    }
     free(batch);
 }
 
@@ -792,6 +837,7 @@ mtrl_status mtrl_learner_open(mtrl_learner **out, const mtrl_config *cfg, const 
     l->tick = opts ? opts->tick : NULL;
     omp_set_num_threads(mtrl_config_threads(cfg));
     l->tick_user = opts ? opts->tick_user : NULL;
+    l->rl_seconds = opts ? opts->rl_seconds : 0;
     mtrl_progress_init(&l->prog, 5.0);
     l->config_text = mtrl_config_to_ini(cfg);
     l->config_hash = mtrl_config_hash(cfg);
@@ -877,6 +923,10 @@ long long mtrl_learner_run_id(const mtrl_learner *l) { return (long long)l->run_
 int mtrl_learner_run(mtrl_learner *l, volatile sig_atomic_t *stop) {
     l->t_start = mtrl_time_mono();
     warmup_(l);
+    l->t_rl = l->t_cycle = mtrl_time_mono();
+    memset(&l->cyc, 0, sizeof l->cyc);
+    memset(&l->tot, 0, sizeof l->tot);
+    l->tot.warmup = l->t_rl - l->t_start;
     if (*stop) goto killed;
     double deadline = l->cfg.run.max_minutes > 0 ? l->t_start + 60.0 * l->cfg.run.max_minutes : 0;
     // room for the largest batch of any stage; the group size and batch are read from l->cfg at
@@ -899,10 +949,14 @@ int mtrl_learner_run(mtrl_learner *l, volatile sig_atomic_t *stop) {
                        l->cfg.run.stop_before_stage, l->step, s + 1);
                 break;
             }
+            double t_stage = mtrl_time_mono();
             stage_enter_(l, s, 1);
+            l->cyc.publish += mtrl_time_mono() - t_stage; // a new version for the stage
         }
         mtrl_error err;
+        double t_wait = mtrl_time_mono();
         pump_(l, 20);
+        l->cyc.wait += mtrl_time_mono() - t_wait;
         if (mtrl_store_begin(l->store, &err) == MTRL_OK) {
             while (mtrl_wire_asm_pop(l->asm_, &popped)) commit_(l, &popped);
             mtrl_store_commit(l->store, &err);
@@ -938,10 +992,17 @@ int mtrl_learner_run(mtrl_learner *l, volatile sig_atomic_t *stop) {
             event_(l, MTRL_LOG_WARN, "[run] max_minutes reached at step %ld", l->step);
             break;
         }
+        if (l->rl_seconds > 0 && mtrl_time_mono() - l->t_rl >= l->rl_seconds) {
+            event_(l, MTRL_LOG_INFO, "%.0f s of RL done at step %ld (mtrl bench rl)", l->rl_seconds, l->step);
+            break;
+        }
     }
     mtrl_traj_free(&popped);
     free(ready);
     if (l->progress) mtrl_progress_end(&l->prog);
+    // The totals of this sitting's RL (learner/perf.h), before the final checkpoint.
+    perf_cycle_end_(l, mtrl_time_mono(), 0);
+    mtrl_perf_log(l->store, l->run_id, l->step, "rl.", &l->tot);
     checkpoint_(l, 1);
     // Tell the actors the run is over.
     mtrl_wire_out o;

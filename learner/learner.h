@@ -14,6 +14,8 @@
 // An optional [warmup] stage runs first: supervised steps on env demonstrations.
 // Checkpoints (parameters, AdamW, β, step, version, counters) every `checkpoint_every` steps
 // and at the end; `resume` continues the last run of the database from its last checkpoint.
+// Where the time of RL goes (the learner's and the actors' splits, tokens, episodes) is logged
+// per step and in total at the end of RL: learner/perf.h lists the metrics.
 #ifndef MTRL_LEARNER_H
 #define MTRL_LEARNER_H
 
@@ -30,6 +32,8 @@ typedef struct mtrl_learner_opts {
     int progress;          // draw the progress line on stderr
     void (*tick)(void *user); // called every loop iteration (mtrl run restarts dead actors there)
     void *tick_user;
+    double rl_seconds;     // > 0: end the run (finished) after this many seconds of RL, counted
+                           // from the end of the warm-up (mtrl bench rl)
 } mtrl_learner_opts;
 
 mtrl_status mtrl_learner_open(mtrl_learner **out, const mtrl_config *cfg, const mtrl_learner_opts *opts,

@@ -187,8 +187,8 @@ static void test_malformed(void) {
     mtrl_st16(h + 4, 2);
     expect_bad(h, 40, o.payload.data, o.payload.len, &lim_, MTRL_ERR_MISMATCH, "protocol version 2");
     memcpy(h, o.hdr, 40);
-    mtrl_st16(h + 6, 13);
-    expect_bad(h, 40, o.payload.data, o.payload.len, &lim_, MTRL_ERR_FORMAT, "unknown message type 13");
+    mtrl_st16(h + 6, MTRL_WIRE_TYPE_MAX + 1);
+    expect_bad(h, 40, o.payload.data, o.payload.len, &lim_, MTRL_ERR_FORMAT, "unknown message type 14");
     memcpy(h, o.hdr, 40);
     mtrl_st32(h + 8, 4);
     expect_bad(h, 40, o.payload.data, o.payload.len, &lim_, MTRL_ERR_FORMAT, "unknown flags");
@@ -711,9 +711,69 @@ static void test_sockets(void) {
     TEST_EQ_INT(zmq_ctx_term(ctx), 0); // bounded linger: returns promptly
 }
 
+// ACTOR_STATS (the actor's time split for mtrl bench rl): round trip, the byte layout the header
+// of wire.h gives, and the refusals: an unknown layout version (MISMATCH, so a newer actor is
+// told apart from a broken one), a field count that is not the version's, a negative or
+// non-finite time, a truncated payload, bytes after the end.
+static void test_actor_stats(void) {
+    mtrl_wire_out o;
+    mtrl_wire_out_init(&o);
+    mtrl_wire_msg m;
+    mtrl_wire_msg_init(&m);
+    mtrl_wire_actor_stats s = {1.25, 0.125, 0.5, 0.0625, 0.25, 4096, 777, 99};
+    mtrl_wire_encode_actor_stats(&o, &s);
+    decode_ok(&o, &m, "ACTOR_STATS");
+    TEST_EQ_INT(m.hdr.type, MTRL_WIRE_ACTOR_STATS);
+    TEST_CHECK(memcmp(&m.actor_stats, &s, sizeof s) == 0);
+    TEST_EQ_STR(mtrl_wire_type_name(MTRL_WIRE_ACTOR_STATS), "ACTOR_STATS");
+    TEST_EQ_INT(o.payload.len, 8 + 8 * MTRL_WIRE_ACTOR_STATS_FIELDS);
+    TEST_EQ_INT(mtrl_le32(o.payload.data), MTRL_WIRE_ACTOR_STATS_VERSION);
+    TEST_EQ_INT(mtrl_le32(o.payload.data + 4), MTRL_WIRE_ACTOR_STATS_FIELDS);
+    uint64_t u = mtrl_le64(o.payload.data + 8 + 8 * 2); // decode_s, the third field
+    double d;
+    memcpy(&d, &u, 8);
+    TEST_NEAR(d, 0.5, 0);
+
+    uint8_t h[MTRL_WIRE_HDR_SIZE], p[128];
+    size_t n = o.payload.len;
+    memcpy(h, o.hdr, sizeof h);
+    memcpy(p, o.payload.data, n);
+    mtrl_st32(p, 2);
+    fix_crc(h, p, n);
+    expect_bad(h, sizeof h, p, n, &lim_, MTRL_ERR_MISMATCH, "wire ACTOR_STATS: at byte 0: layout version 2; this build reads version 1");
+    memcpy(p, o.payload.data, n);
+    mtrl_st32(p + 4, 7);
+    fix_crc(h, p, n);
+    expect_bad(h, sizeof h, p, n, &lim_, MTRL_ERR_FORMAT, "at byte 4: field count 7; layout version 1 has 8");
+    mtrl_wire_actor_stats bad = s;
+    bad.tools_s = -1;
+    mtrl_wire_encode_actor_stats(&o, &bad);
+    expect_bad(o.hdr, MTRL_WIRE_HDR_SIZE, o.payload.data, o.payload.len, &lim_, MTRL_ERR_FORMAT,
+               "at byte 32: tools_s: -1, must be finite and >= 0");
+    bad = s;
+    bad.wait_s = INFINITY;
+    mtrl_wire_encode_actor_stats(&o, &bad);
+    expect_bad(o.hdr, MTRL_WIRE_HDR_SIZE, o.payload.data, o.payload.len, &lim_, MTRL_ERR_FORMAT, "wait_s: inf");
+    // Truncated: the header's length says fewer bytes than the fields need.
+    mtrl_wire_encode_actor_stats(&o, &s);
+    memcpy(h, o.hdr, sizeof h);
+    memcpy(p, o.payload.data, n);
+    mtrl_st64(h + 16, n - 8);
+    fix_crc(h, p, n - 8);
+    expect_bad(h, sizeof h, p, n - 8, &lim_, MTRL_ERR_FORMAT, "decode_steps");
+    // One byte more than the layout: over the type's cap, refused from the header alone.
+    mtrl_st64(h + 16, n + 1);
+    p[n] = 0;
+    fix_crc(h, p, n + 1);
+    expect_bad(h, sizeof h, p, n + 1, &lim_, MTRL_ERR_LIMIT, "wire ACTOR_STATS: at byte 16: payload of 73 bytes over the cap of 72");
+    mtrl_wire_msg_free(&m);
+    mtrl_wire_out_free(&o);
+}
+
 int main(void) {
     lim_ = mtrl_wire_limits_default();
     test_messages();
+    test_actor_stats();
     test_malformed();
     test_assembler();
     test_sockets();

@@ -17,6 +17,20 @@ int cmd_bench(int argc, char **argv);
 int cmd_plan(int argc, char **argv);
 int cmd_eval(int argc, char **argv);
 int cmd_keygen(int argc, char **argv);
+int cmd_bench_rl(int argc, char **argv); // `mtrl bench rl` (tools/cmd_bench_rl.c), from cmd_bench
+
+// What `mtrl run` does with a loaded experiment (tools/cmd_run.c): the learner in this process
+// and [actor] count local actor processes (restarted when they die, reaped at the end), with
+// SIGINT/SIGTERM ending the run cleanly as killed. opts->tick and tick_user are taken for the
+// supervisor of the actors; the rest of *opts goes to mtrl_learner_open as given. *run_id
+// (nullable) receives the run's id (-1 when the learner did not open). Returns the exit code: 0
+// finished, 1 failed or killed, 2 bad config; errors are printed as "mtrl NAME: ...".
+struct mtrl_config;
+struct mtrl_learner_opts;
+int cli_run_local(const char *name, const struct mtrl_config *cfg, struct mtrl_learner_opts *opts, long long *run_id);
+
+// The machine line of the benchmarks' reports ("machine: CPU, N cores, OS; date").
+void cli_bench_machine(void);
 
 // Prints "mtrl NAME: MESSAGE" and the usage line to stderr; returns 2.
 int cli_usage_error(const char *name, const char *usage, const char *fmt, ...) __attribute__((format(printf, 3, 4)));
@@ -30,7 +44,6 @@ int cli_collect_sets(int argc, char **argv, const char **sets, int max);
 
 // Loads the experiment at path with the --set options of argv into *cfg. On errors prints them
 // all and "mtrl NAME: N problems in PATH" to stderr and returns 0; 1 on success.
-struct mtrl_config;
 int cli_config_load(const char *name, const char *path, int argc, char **argv, struct mtrl_config *cfg);
 
 #endif

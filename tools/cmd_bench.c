@@ -1,4 +1,4 @@
-// cmd_bench.c: `mtrl bench ops|model|long`: timings with the command and machine stated.
+// cmd_bench.c: `mtrl bench ops|model|long|rl`: timings with the command and machine stated.
 //
 //   mtrl bench model [--device cpu|cuda|cuda:N] [--preset tiny|small | --config EXPERIMENT.ini] [--tokens N] [--seqs B]
 //                    [--segment S] [--reps R] [--profile]
@@ -22,6 +22,7 @@
 //                     [--ctx LO:HI] [--steps N] [--profile]
 //       batched decode at mixed contexts: ms per step against the step's memory roofline
 //   mtrl bench ops --device cuda [...]   the CUDA kernels against the measured ceilings
+//   mtrl bench rl EXPERIMENT.ini [--seconds N] [...]   the RL loop end to end (tools/cmd_bench_rl.c)
 #include <stdlib.h>
 #include <string.h>
 #include <sys/resource.h>
@@ -40,7 +41,12 @@
 #include "kernels/cuda/kernels_cuda.h"
 #endif
 
-#define BENCH_USAGE "mtrl bench model [--device cpu|cuda] [--preset tiny|small | --config EXPERIMENT.ini] [--tokens N] [--seqs B] [--segment S] [--reps R] [--profile] | mtrl bench long [--device cpu|cuda] [--preset tiny|small | --config EXPERIMENT.ini] [--tokens T] [--decode N] [--profile] | mtrl bench learner [--device cpu|cuda] [--preset tiny|small | --config EXPERIMENT.ini] [--batches 1x65536,64x1024,512x128,1x262144+200x512] [--reps R] [--profile] | mtrl bench decode [--device cpu|cuda] [--preset tiny|small | --config EXPERIMENT.ini] [--batches 1,64,256] [--ctx LO:HI] [--steps N] [--profile] | mtrl bench ops --device cuda"
+#ifdef MTRL_HAVE_CUDA_BENCH
+#define BENCH_OPS_USAGE_ " | mtrl bench ops --device cuda"
+#else
+#define BENCH_OPS_USAGE_ "" // not in this build
+#endif
+#define BENCH_USAGE "mtrl bench model [--device cpu|cuda] [--preset tiny|small | --config EXPERIMENT.ini] [--tokens N] [--seqs B] [--segment S] [--reps R] [--profile] | mtrl bench long [--device cpu|cuda] [--preset tiny|small | --config EXPERIMENT.ini] [--tokens T] [--decode N] [--profile] | mtrl bench learner [--device cpu|cuda] [--preset tiny|small | --config EXPERIMENT.ini] [--batches 1x65536,64x1024,512x128,1x262144+200x512] [--reps R] [--profile] | mtrl bench decode [--device cpu|cuda] [--preset tiny|small | --config EXPERIMENT.ini] [--batches 1,64,256] [--ctx LO:HI] [--steps N] [--profile] | mtrl bench rl EXPERIMENT.ini [--seconds N] [--db runs.db] [--set section.key=value ...]" BENCH_OPS_USAGE_
 
 static void print_machine_(void) {
     struct utsname u;
@@ -62,6 +68,8 @@ static void print_machine_(void) {
     mtrl_time_iso(mtrl_time_wall(), when, sizeof when);
     printf("machine: %s, %ld cores, %s %s; %s\n", cpu, sysconf(_SC_NPROCESSORS_ONLN), u.sysname, u.machine, when);
 }
+
+void cli_bench_machine(void) { print_machine_(); }
 
 // The model a benchmark runs and its size: the options `bench model` and `bench long` share.
 typedef struct bench_src {
@@ -707,5 +715,6 @@ int cmd_bench(int argc, char **argv) {
     if (!strcmp(argv[1], "long")) return bench_long_(argc - 1, argv + 1);
     if (!strcmp(argv[1], "learner")) return bench_learner_(argc - 1, argv + 1);
     if (!strcmp(argv[1], "decode")) return bench_decode_(argc - 1, argv + 1);
+    if (!strcmp(argv[1], "rl")) return cmd_bench_rl(argc - 1, argv + 1);
     return cli_usage_error("bench", BENCH_USAGE, "unknown benchmark '%s'", argv[1]);
 }

@@ -262,6 +262,17 @@ static const panel_def panels_[] = {
     {"Masked fraction", "model tokens dropped by seq_mask", {"masked_frac"}},
     {"Weight version", NULL, {"version"}},
     {"Warm-up loss", "supervised warm-up on the env's demonstrations (negative steps)", {"warmup_loss"}},
+    {"Learner time (s)", "the cycle since the previous step, by part (learner/perf.h)",
+     {"learner_wall_seconds", "learner_train_seconds", "learner_wait_seconds", "learner_publish_seconds",
+      "learner_checkpoint_seconds", "learner_other_seconds"}},
+    {"Learner busy", "(train + publish + checkpoint) / wall of the cycle", {"learner_busy"}},
+    {"Actor time (s)", "the actors' reports that arrived in the cycle, summed, by part",
+     {"actor_wall_seconds", "actor_prefill_seconds", "actor_decode_seconds", "actor_tools_seconds",
+      "actor_wait_seconds", "actor_other_seconds"}},
+    {"Tokens per cycle", "generated: MODEL tokens of the episodes committed; trained: through forward + backward",
+     {"generated_tokens", "trained_tokens", "actor_prefill_tokens", "actor_decode_tokens"}},
+    {"Episodes and decode steps per cycle", NULL, {"episodes_committed", "actor_decode_steps"}},
+    {"RL totals", "a sitting's totals from the end of the warm-up, at its last step (mtrl bench rl prints them)", {"rl."}},
 };
 #define N_PANELS ((int)(sizeof panels_ / sizeof panels_[0]))
 

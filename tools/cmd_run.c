@@ -156,12 +156,8 @@ static void supervise_(void *user) {
     }
 }
 
-int cmd_run(int argc, char **argv) {
-    run_args a;
-    int rc = parse_run_args_("run", RUN_USAGE, argc, argv, &a);
-    if (rc >= 0) return rc;
-    mtrl_config cfg;
-    if (!load_config_(&a, &cfg)) return 2;
+int cli_run_local(const char *name, const mtrl_config *cfg, mtrl_learner_opts *opts, long long *run_id) {
+    if (run_id) *run_id = -1;
     install_signals_();
     mtrl_log_set_tag("learner");
     mtrl_learner *l;
@@ -169,32 +165,34 @@ int cmd_run(int argc, char **argv) {
     // With CURVE the local actors need a key the learner accepts; it must be trusted before the
     // learner starts its ZAP handler (in mtrl_learner_open).
     mtrl_wire_auth_local curve = {0};
-    if (cfg.learner.curve_key[0] && cfg.actor.count > 0) {
+    if (cfg->learner.curve_key[0] && cfg->actor.count > 0) {
         mtrl_status st = MTRL_OK;
-        if (mtrl_mkdir_p(cfg.run.out_dir) != 0)
-            st = mtrl_error_set(&err, MTRL_ERR_IO, "[run] out_dir %s: cannot create: %s", cfg.run.out_dir, strerror(errno));
-        if (st == MTRL_OK) st = mtrl_wire_auth_local_init(&curve, cfg.run.out_dir, cfg.learner.curve_key, &err);
+        if (mtrl_mkdir_p(cfg->run.out_dir) != 0)
+            st = mtrl_error_set(&err, MTRL_ERR_IO, "[run] out_dir %s: cannot create: %s", cfg->run.out_dir, strerror(errno));
+        if (st == MTRL_OK) st = mtrl_wire_auth_local_init(&curve, cfg->run.out_dir, cfg->learner.curve_key, &err);
         if (st != MTRL_OK) {
-            fprintf(stderr, "mtrl run: %s\n", err.msg);
+            fprintf(stderr, "mtrl %s: %s\n", name, err.msg);
             return st == MTRL_ERR_IO ? 1 : 2;
         }
     }
     supervisor sv = {0};
-    mtrl_learner_opts o = {a.db, a.resume, 1, supervise_, &sv};
-    if (mtrl_learner_open(&l, &cfg, &o, &err) != MTRL_OK) {
-        fprintf(stderr, "mtrl run: %s\n", err.msg);
+    opts->tick = supervise_;
+    opts->tick_user = &sv;
+    if (mtrl_learner_open(&l, cfg, opts, &err) != MTRL_OK) {
+        fprintf(stderr, "mtrl %s: %s\n", name, err.msg);
         mtrl_wire_auth_local_free(&curve);
         return err.code == MTRL_ERR_USAGE ? 2 : 1;
     }
+    if (run_id) *run_id = mtrl_learner_run_id(l);
     const char *endpoint = mtrl_learner_endpoint(l);
-    int n = (int)cfg.actor.count;
+    int n = (int)cfg->actor.count;
     child *kids = calloc((size_t)(n ? n : 1), sizeof(child));
     for (int i = 0; i < n; i++) {
         kids[i].id = i + 1;
         kids[i].pid = spawn_actor_(endpoint, kids[i].id, &curve);
     }
     sv = (supervisor){kids, n, endpoint, &curve, l};
-    rc = mtrl_learner_run(l, &stop_);
+    int rc = mtrl_learner_run(l, &stop_);
     mtrl_learner_close(l);
     // Reap the actors: they got a BYE; give them a moment, then stop them.
     for (int i = 0; i < n; i++)
@@ -219,6 +217,16 @@ int cmd_run(int argc, char **argv) {
     return rc;
 }
 
+int cmd_run(int argc, char **argv) {
+    run_args a;
+    int rc = parse_run_args_("run", RUN_USAGE, argc, argv, &a);
+    if (rc >= 0) return rc;
+    mtrl_config cfg;
+    if (!load_config_(&a, &cfg)) return 2;
+    mtrl_learner_opts o = {a.db, a.resume, 1, NULL, NULL, 0};
+    return cli_run_local("run", &cfg, &o, NULL);
+}
+
 int cmd_learner(int argc, char **argv) {
     run_args a;
     int rc = parse_run_args_("learner", LEARNER_USAGE, argc, argv, &a);
@@ -229,7 +237,7 @@ int cmd_learner(int argc, char **argv) {
     mtrl_log_set_tag("learner");
     mtrl_learner *l;
     mtrl_error err;
-    mtrl_learner_opts o = {a.db, a.resume, 1, NULL, NULL};
+    mtrl_learner_opts o = {a.db, a.resume, 1, NULL, NULL, 0};
     if (mtrl_learner_open(&l, &cfg, &o, &err) != MTRL_OK) {
         fprintf(stderr, "mtrl learner: %s\n", err.msg);
         return err.code == MTRL_ERR_USAGE ? 2 : 1;

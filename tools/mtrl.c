@@ -5,6 +5,15 @@
 
 #include "tools/cli.h"
 
+// The benchmarks of this build (tools/cmd_bench.c): ops only where the CUDA kernels are built in.
+#ifdef MTRL_HAVE_CUDA_BENCH
+#define BENCHES_ "model, long, learner, decode, rl, ops"
+#define BENCHES_BAR_ "model|long|learner|decode|rl|ops"
+#else
+#define BENCHES_ "model, long, learner, decode, rl"
+#define BENCHES_BAR_ "model|long|learner|decode|rl"
+#endif
+
 typedef struct subcommand {
     const char *name;
     int (*fn)(int, char **);
@@ -18,7 +27,7 @@ static const subcommand subcommands_[] = {
     {"actor", cmd_actor, "run one actor that connects to a learner"},
     {"replay", cmd_replay, "show, rescore or re-execute a recorded episode"},
     {"report", cmd_report, "write an HTML report and CSVs of a run"},
-    {"bench", cmd_bench, "benchmarks: ops, model, rl"},
+    {"bench", cmd_bench, "benchmarks: " BENCHES_},
     {"plan", cmd_plan, "memory plan of the learner step: segment length and bytes per block"},
     {"eval", cmd_eval, "success rate of a checkpoint on fresh tasks (a stage of the ladder)"},
     {"keygen", cmd_keygen, "write a CURVE keypair (STEM.key, STEM.pub) for remote actors"},
@@ -36,7 +45,7 @@ static void print_help_(FILE *f) {
                "    mtrl actor --connect tcp://HOST:PORT [--gpu N] [--curve-server-key L.pub --curve-key A.key]\n"
                "    mtrl replay --db runs.db --episode ID [--rescore] [--reexec]\n"
                "    mtrl report --db runs.db [--run ID] --out DIR\n"
-               "    mtrl bench [ops|model|rl] ...\n"
+               "    mtrl bench " BENCHES_BAR_ " ...   (mtrl bench --help)\n"
                "    mtrl plan EXPERIMENT.ini [--tokens T] [--batch B] [--device cpu|cuda] [--budget-gib G]\n"
                "    mtrl eval EXPERIMENT.ini [--checkpoint FILE] [--episodes N] [--stage K] [--device D]\n"
                "    mtrl keygen STEM\n"

@@ -58,6 +58,9 @@ static void seed_wire(mtrl_wbuf *b, tg_rng *r) {
     put_msg(b, 1, &o);
     mtrl_wire_encode_heartbeat(&o);
     put_msg(b, 1, &o);
+    mtrl_wire_actor_stats as = {1.0, 0.25, 0.5, 0.125, 0.0625, 64, 32, 4};
+    mtrl_wire_encode_actor_stats(&o, &as);
+    put_msg(b, 1, &o);
     int episodes = 1 + (int)tg_below(r, 2);
     mtrl_traj t;
     mtrl_traj_init(&t);
