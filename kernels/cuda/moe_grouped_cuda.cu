@@ -456,22 +456,24 @@ GArgs nt_args_(int E, const int *off, int N, int K, const void *A, const void *B
 
 // ---- entry points (kernels_cuda.h) ----------------------------------------------------------------
 
-// Measured by the lead with `mtrl bench ops --device cuda --only moe` (both paths side by side at
-// 16 .. 8192 rows per expert); until then these are the expectations that table is to confirm:
+// Which path runs the experts. Measured with `mtrl bench ops --device cuda --only moe` on one
+// H200 (2026-12-01, experiments/results/2026-12-01-rl-throughput-2/moe.txt: fwd + bwd of both
+// paths at 16 .. 8192 rows per expert, balanced and skewed, bf16 and TF32):
 //   * true fp32 (fp32 operands on a context without TF32): the stream lanes. Our kernel multiplies
 //     fp32 operands as TF32 only; cuBLAS keeps the fp32 products the GPU tests compare at 1e-5.
 //   * one expert (the dense SwiGLU FFN): one cuBLAS chain, nothing to group.
 //   * widths not multiples of 8 (16-byte rows) or more than 1024 experts: the kernel's limits.
-//   * mean rows per expert >= MTRL_MOE_GROUPED_MAX_ROWS: the lanes. There every expert is a GEMM
-//     large enough for cuBLAS's Hopper kernels (wgmma, TMA), which outrun mma.sync tiles, and the
-//     per-expert launches are few against their work. Below it the per-expert launches (3
-//     forward, 6 backward per expert) and the host's copy of the offsets dominate.
-#define MTRL_MOE_GROUPED_MAX_ROWS 1024
+//   * by the mean work of one expert's GEMM, rows x D x I. The grouped kernel (mma.sync, ~280
+//     TFLOP/s at most) wins wherever launches dominate: 10-12x at 16 rows, 5-9x at 128, and at
+//     1024 rows of `small`'s 1024 -> 512 (5.4e8: 3.1 vs 5.3 ms bf16); cuBLAS's Hopper kernels on
+//     the lanes win from 1024 rows of 2048 -> 1024 (2.1e9: 10.9 vs 7.0 ms) and at 8192 rows of
+//     either (4.3e9: 23 vs 16 ms). The crossover lies between 5.4e8 and 2.1e9: 1e9.
+#define MTRL_MOE_GROUPED_MAX_WORK 1e9
 
 extern "C" int mtrl_moe_experts_path(const mtrl_cuda_ctx *c, int E, int D, int I, long R, int type) {
     if (type == MTRL_F32 && !c->tf32) return MTRL_MOE_LANES;
     if (E <= 1 || E > GMAXE || D % 8 || I % 8) return MTRL_MOE_LANES;
-    if (R >= (long)MTRL_MOE_GROUPED_MAX_ROWS * E) return MTRL_MOE_LANES;
+    if ((double)R / E * D * I >= MTRL_MOE_GROUPED_MAX_WORK) return MTRL_MOE_LANES;
     return MTRL_MOE_GROUPED;
 }
 

@@ -1,0 +1,43 @@
+#!/usr/bin/env bash
+# gpu_issue21.sh: on the GPU machine, issue 21's measurements from the binaries that
+# `tools/gpu_run.sh prepare` carried in .carry/dev. Results go to $OUT.
+#   tools/gpu_issue21.sh tests    the gpu tests of the changed paths (moe, kda, model)
+#   tools/gpu_issue21.sh moe      torch._grouped_mm anchors and `mtrl bench ops --only moe` side by side
+#   tools/gpu_issue21.sh bench    R1 (bench learner), R2 (bench decode)
+#   tools/gpu_issue21.sh rl       R3 (bench rl experiments/quickstart-gpu.ini, RL_SECONDS, default 90)
+# Several verbs run in the order given.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+out=${OUT:-/tmp/out}
+mkdir -p "$out"
+export LD_LIBRARY_PATH=$PWD/.carry/dev/lib:${LD_LIBRARY_PATH:-}
+b=.carry/dev/mtrl
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader > "$out/gpu.txt"
+for verb in "$@"; do
+  echo "== $verb $(date -u +%H:%M:%S)" >> "$out/gpu.txt"
+  case $verb in
+  tests)
+    for t in test_cuda_moe test_cuda_model test_cuda_kda; do
+      [ -x .carry/dev/$t ] || continue
+      timeout "${TEST_SECONDS:-240}" .carry/dev/$t > /tmp/$t.log 2>&1
+      echo "$t: exit $? | $(tail -n 1 /tmp/$t.log)"
+      grep -h "FAIL" /tmp/$t.log | head -20 | sed 's/^/    /'
+    done | tee "$out/tests.txt"
+    grep -hE "grouped|mtrl_model_train|rows" /tmp/test_cuda_moe.log /tmp/test_cuda_model.log 2>/dev/null | head -60 >> "$out/tests.txt"
+    ;;
+  moe)
+    timeout 240 python3 tools/anchors_grouped_mm.py --json /tmp/anchors_grouped_mm.json > "$out/moe.txt" 2>&1
+    timeout 240 $b bench ops --device cuda --only moe --anchors /tmp/anchors_grouped_mm.json >> "$out/moe.txt" 2>&1
+    ;;
+  bench)
+    timeout 200 $b bench learner --device cuda --preset small --batches 1x65536,64x1024,512x128,1x262144+200x512,64x25 --reps 1 > "$out/learner.txt" 2>&1
+    timeout 150 $b bench decode --device cuda --preset small --batches 1,64,128,256 --ctx 1024:32768 --steps 8 --profile > "$out/decode.txt" 2>&1
+    ;;
+  rl)
+    d=$(mktemp -d); (cd "$d" && timeout $(( ${RL_SECONDS:-90} + 200 )) "$OLDPWD/$b" bench rl "$OLDPWD/experiments/quickstart-gpu.ini" \
+      --seconds "${RL_SECONDS:-90}" --db "$d/runs.db" ${RL_SETS:-}) > "$out/rl.txt" 2>&1
+    ;;
+  esac
+done
+grep -hE "exit|FAIL" "$out/tests.txt" 2>/dev/null
+grep -hE "^batch|^B |TFLOP|grouped|chooser|episodes/s|busy|reward" "$out"/learner.txt "$out"/decode.txt "$out"/moe.txt "$out"/rl.txt 2>/dev/null | head -80
