@@ -564,7 +564,11 @@ mtrl_status mtrl_store_event_log(mtrl_store *s, int64_t run, mtrl_log_level leve
     else sqlite3_bind_null(q, 1);
     sqlite3_bind_double(q, 2, mtrl_time_wall());
     sqlite3_bind_text(q, 3, level_name_(level), -1, SQLITE_STATIC);
-    bind_text_(q, 4, message ? message : "");
+    // Escaped as the log is (mtrl_text_escape): events quote peers' and envs' words, and the
+    // sqlite3 shell prints them raw to a terminal.
+    char esc[4096];
+    mtrl_text_escape(esc, sizeof esc, message ? message : "", message ? strlen(message) : 0);
+    bind_text_(q, 4, esc);
     WRITE_END_("log event");
 }
 
