@@ -57,7 +57,7 @@
 
 #define MTRL_CFG_ENV(X)                                                                             \
     X(env, name, STR, "!", 0, 0, NULL, "retrieval, calc, http, or plugin (with plugin = path.so)")  \
-    X(env, plugin, STR, "", 0, 0, NULL, "path of an env plug-in .so (env.name = plugin)")           \
+    X(env, plugin, STR, "", 0, 0, NULL, "path of an env plug-in .so (env.name = plugin), relative to the experiment file's folder")           \
     X(env, args, STR, "", 0, 0, NULL, "extra key=value;... passed to the env's create()")          \
     X(env, isolate, BOOL, "false", 0, 0, NULL, "run the env in a child process with rlimits and a watchdog") \
     X(env, step_timeout_ms, INT, "2000", 1, 3600000, NULL, "per-step watchdog of an isolated env") \

@@ -181,6 +181,8 @@ int cmd_run(int argc, char **argv) {
     if (rc >= 0) return rc;
     mtrl_config cfg;
     if (!load_config_(&a, &cfg)) return 2;
+    // A broken [env] is a config error, found before the run store or out_dir is touched.
+    if (!cli_env_check("run", a.path, &cfg)) return 2;
     install_signals_();
     mtrl_log_set_tag("learner");
     mtrl_learner *l;
