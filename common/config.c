@@ -479,6 +479,19 @@ static void key_where_(const cfg_parse *ps, int seen, char *out, size_t cap) {
     else snprintf(out, cap, "%s: --set", ps->name);
 }
 
+// 1 when the field holds its default value.
+static int field_is_default_(const mtrl_config *cfg, const cfg_field *f) {
+    mtrl_config d;
+    mtrl_config_defaults(&d);
+    const char *a = (const char *)cfg + f->offset, *b = (const char *)&d + f->offset;
+    switch (f->type) {
+    case CFG_INT: return *(const long *)a == *(const long *)b;
+    case CFG_FLOAT: return *(const double *)a == *(const double *)b;
+    case CFG_BOOL: return *(const int *)a == *(const int *)b;
+    default: return !strcmp(a, b);
+    }
+}
+
 // [env] keys that only one built-in reads do nothing beside a plug-in (it gets `args` alone),
 // and `plugin` does nothing beside a built-in: either is a mistake worth stopping for.
 static void check_env_keys_(cfg_parse *ps) {
@@ -492,7 +505,9 @@ static void check_env_keys_(cfg_parse *ps) {
     if (!strcmp(name, "plugin")) {
         for (size_t i = 0; i < sizeof own / sizeof own[0]; i++) {
             int idx = find_field_("env", own[i].key);
-            if (idx < 0 || !ps->seen[idx]) continue;
+            // A resolved config (mtrl check's output, what actors receive) lists every key; only
+            // a value other than the default says somebody meant it.
+            if (idx < 0 || !ps->seen[idx] || field_is_default_(ps->cfg, &cfg_fields_[idx])) continue;
             key_where_(ps, ps->seen[idx], where, sizeof where);
             errs_add(ps->errs, "%s: [env] %s is a key of the built-in %s env and does nothing with name = plugin; "
                      "give a plug-in its keys in args = key=value;...", where, own[i].key, own[i].env);

@@ -94,6 +94,14 @@ static void test_plugin_paths(void) {
     TEST_CHECK(realpath(dir_, real) != NULL);
     snprintf(want, sizeof want, "\nplugin = %s/exp/reverse.so\n", real);
     TEST_CONTAINS(r.out, want);
+    // The resolved config lists every key (calc's too, at their defaults): it passes again, as
+    // it must for the actors, which receive it.
+    char resolved[400];
+    snprintf(resolved, sizeof resolved, "%s/exp/resolved.ini", dir_);
+    write_file(resolved, r.out);
+    test_result_free(&r);
+    r = mtrl("check", "exp/resolved.ini", NULL, NULL);
+    TEST_CHECKF(r.rc == 0, "mtrl check of mtrl check's output: exit %d: %s", r.rc, r.err);
     test_result_free(&r);
     r = mtrl("check", "exp/sub.ini", NULL, NULL);
     TEST_CHECKF(r.rc == 0, "mtrl check exp/sub.ini: exit %d: %s", r.rc, r.err);
