@@ -16,6 +16,7 @@
 #include <signal.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/prctl.h>
 #include <sys/stat.h>
 #include <sys/wait.h>
 #include <time.h>
@@ -127,8 +128,13 @@ static pid_t spawn_actor_(const char *endpoint, int id, const mtrl_wire_auth_loc
         args[8] = "--curve-key";
         args[9] = (char *)curve->key_file;
     }
+    pid_t parent = getpid();
     pid_t pid = fork();
     if (pid == 0) {
+        // The actor dies with this process, however it ends (kill -9, abort): an orphan would
+        // say HELLO to a dead port forever. The signal survives the exec; a parent that died
+        // before the prctl is seen by getppid.
+        if (prctl(PR_SET_PDEATHSIG, SIGKILL) != 0 || getppid() != parent) _exit(127);
         // Idle OpenMP threads sleep instead of spinning: the actors share cores with the learner.
         setenv("OMP_WAIT_POLICY", "PASSIVE", 0);
         execv("/proc/self/exe", args);
@@ -272,7 +278,8 @@ int cmd_actor(int argc, char **argv) {
                    "--gpu picks a CUDA device; with CURVE, --curve-server-key is the learner's .pub and\n"
                    "--curve-key this actor's .key (mtrl keygen).\n"
                    "exit codes: 0 the learner said goodbye, 1 the learner never answered or failed, 2 bad\n"
-                   "usage, 3 this machine cannot run the experiment (not restarted)\n", ACTOR_USAGE);
+                   "usage, 3 this machine cannot run the experiment (not restarted), 4 the learner was\n"
+                   "silent for [actor] learner_patience_s\n", ACTOR_USAGE);
             return 0;
         }
         static const char *const valued[] = {"--connect", "--id", "--gpu", "--curve-server-key", "--curve-key"};
