@@ -96,15 +96,16 @@ static int reap(pid_t pid, int *status) {
     return 0;
 }
 
-static void write_experiment(const char *path, int actors) {
+// patience: [actor] learner_patience_s (0: the default).
+static void write_experiment(const char *path, int actors, int patience) {
     char text[1024];
     snprintf(text, sizeof text,
              "[run]\nname = orphan\nsteps = 100000\nout_dir = %s/out\ncheckpoint_every = 0\n"
              "[model]\npreset = tiny\n[env]\nname = calc\n"
              "[actor]\ncount = %d\nepisodes_in_flight = 2\nmax_tokens = 24\nmax_turn_tokens = 8\nheartbeat_ms = 100\n"
-             "learner_patience_s = 2\n"
+             "learner_patience_s = %d\n"
              "[learner]\nbatch_groups = 1\nheartbeat_timeout_ms = 500\n[algo]\ngroup_size = 2\n",
-             dir_, actors);
+             dir_, actors, patience ? patience : 3600);
     FILE *f = fopen(path, "w");
     fputs(text, f);
     fclose(f);
@@ -115,7 +116,7 @@ static void test_run_killed(void) {
     snprintf(ini, sizeof ini, "%s/run.ini", dir_);
     snprintf(db, sizeof db, "%s/run.db", dir_);
     snprintf(log, sizeof log, "%s/run.log", dir_);
-    write_experiment(ini, 2);
+    write_experiment(ini, 2, 0);
     pid_t run = start((char *[]){(char *)bin_, "run", ini, "--db", db, NULL}, log);
     int joined = wait_for_lines(log, ") joined", 2);
     TEST_CHECKF(joined, "the actors did not join (%s)", log);
@@ -142,7 +143,7 @@ static void test_remote_gives_up(void) {
     snprintf(db, sizeof db, "%s/learner.db", dir_);
     snprintf(llog, sizeof llog, "%s/learner.log", dir_);
     snprintf(alog, sizeof alog, "%s/actor.log", dir_);
-    write_experiment(ini, 0);
+    write_experiment(ini, 0, 2);
     pid_t learner = start((char *[]){(char *)bin_, "learner", ini, "--db", db, NULL}, llog);
     TEST_CHECK(wait_for_lines(llog, "tcp://", 1));
     char *text = test_slurp(llog, NULL), endpoint[128] = "";
