@@ -61,6 +61,7 @@ typedef struct actor {
     outmsg *out;
     int n_out, cap_out, out_head;
     double last_heard, last_sent, last_qb;
+    double learner_heard;  // the last message from the learner (last_heard is also reset to pace HELLOs)
     // snapshots of long episodes in flight ([actor] snapshot_dir): per slot, the episode whose
     // snapshot file exists and its length then
     uint64_t *snap_ep, *snap_at;
@@ -488,7 +489,7 @@ static int poll_(actor *a, int timeout_ms) {
     mtrl_status s = mtrl_wire_recv(&a->sock, timeout_ms, &in, &a->rx, &err);
     while (s == MTRL_OK) {
         got++;
-        a->last_heard = mtrl_time_mono();
+        a->last_heard = a->learner_heard = mtrl_time_mono();
         mtrl_wire_msg m;
         mtrl_wire_msg_init(&m);
         if (mtrl_wire_decode(in.hdr_bytes, MTRL_WIRE_HDR_SIZE, in.payload, in.payload_len, &a->lim, &m, &err) != MTRL_OK) {
@@ -594,7 +595,7 @@ int mtrl_actor_main(const char *endpoint, uint32_t actor_id, int gpu, volatile s
     // longer than the heartbeat timeout means it went away.
     double quiet = 3e-3 * (double)(a.have_cfg ? a.cfg.learner.heartbeat_timeout_ms : 5000);
     mtrl_rollout_events ev = {&a, on_begin_, on_end_, on_tick_};
-    a.last_heard = a.last_stats = mtrl_time_mono();
+    a.last_heard = a.last_stats = a.learner_heard = mtrl_time_mono();
     while (!*stop && !a.bye) {
         // Wait on the socket when there is nothing to generate (no weights or credit yet, or a
         // backlog to send); otherwise just look.
@@ -614,6 +615,13 @@ int mtrl_actor_main(const char *endpoint, uint32_t actor_id, int gpu, volatile s
         }
         flush_(&a);
         double now = mtrl_time_mono();
+        long patience = a.have_cfg ? a.cfg.actor.learner_patience_s : 0;
+        if (patience > 0 && now - a.learner_heard > (double)patience) {
+            LOG_ERROR("the learner at %s has been silent for %.0f s ([actor] learner_patience_s = %ld); giving up "
+                      "(exit %d)", endpoint, now - a.learner_heard, patience, MTRL_ACTOR_EXIT_LEARNER_LOST);
+            a.bye = 4;
+            break;
+        }
         if (a.resync) {
             // Generation waits for the WELCOME; the HELLO is repeated in case it was lost too.
             if (now - a.last_sent > 2.0) hello_(&a);
@@ -662,7 +670,7 @@ int mtrl_actor_main(const char *endpoint, uint32_t actor_id, int gpu, volatile s
     // stay: a restarted actor resumes them.)
     if (a.bye == 1 && a.have_cfg && a.cfg.actor.snapshot_dir[0])
         for (int i = 0; i < a.n_snap; i++) snap_remove_(&a, i);
-    int rc = a.bye == 3 ? MTRL_ACTOR_EXIT_UNUSABLE : a.bye == 2 ? 1 : 0;
+    int rc = a.bye == 4 ? MTRL_ACTOR_EXIT_LEARNER_LOST : a.bye == 3 ? MTRL_ACTOR_EXIT_UNUSABLE : a.bye == 2 ? 1 : 0;
     LOG_INFO("%ld episodes streamed; outbox peak %d messages, %.1f KB; leaving", a.episodes_done, a.out_peak,
              a.out_peak_bytes / 1e3);
     mtrl_rollout_free(a.ro);

@@ -17,11 +17,15 @@
 #include <stdint.h>
 
 // Returns the process exit code: 0 after a BYE or *stop, 1 when the learner never answered or
-// the experiment it sent cannot be run here.
+// the experiment it sent cannot be run here, MTRL_ACTOR_EXIT_LEARNER_LOST (below) when it went
+// silent for good.
 // gpu: the CUDA device for a [model] device = cuda experiment (-1: the experiment's choice).
 // Exit status of an actor that cannot run the experiment at all (an env plug-in that does not
 // load, a model that does not fit): restarting it would fail the same way.
 #define MTRL_ACTOR_EXIT_UNUSABLE 3
+// Exit status of an actor whose learner was silent for [actor] learner_patience_s after the
+// WELCOME (it died, or the network to it did): a remote actor does not wait forever.
+#define MTRL_ACTOR_EXIT_LEARNER_LOST 4
 int mtrl_actor_main(const char *endpoint, uint32_t actor_id, int gpu, volatile sig_atomic_t *stop);
 
 #endif

@@ -4,6 +4,7 @@
 #include <ctype.h>
 #include <errno.h>
 #include <ini.h>
+#include <limits.h>
 #include <math.h>
 #include <stdarg.h>
 #include <stddef.h>
@@ -398,13 +399,37 @@ static int assign_(cfg_parse *ps, const char *where, const char *section, int st
     return 1;
 }
 
+// [env] plugin as written in a file is relative to the file's folder, not to wherever mtrl
+// was started: "sub/env.so" is <folder>/sub/env.so, and a bare "env.so" is <folder>/env.so when
+// that file exists (otherwise it stays bare, for dlopen's library search path). The folder is
+// made absolute, so actors and the env host started elsewhere find the same file.
+static void resolve_plugin_path_(cfg_parse *ps) {
+    char *v = ps->cfg->env.plugin;
+    if (!v[0] || v[0] == '/' || !ps->f) return;
+    const char *slash = strrchr(ps->name, '/');
+    char dir[MTRL_CFG_STR_MAX * 4], real[PATH_MAX], joined[PATH_MAX + MTRL_CFG_STR_MAX + 2];
+    snprintf(dir, sizeof dir, "%.*s", slash ? (int)(slash - ps->name) : 1, slash ? ps->name : ".");
+    if (!dir[0]) snprintf(dir, sizeof dir, "/");
+    if (!realpath(dir, real)) return;
+    snprintf(joined, sizeof joined, "%s%s%s", real, strcmp(real, "/") ? "/" : "", v);
+    if (!strchr(v, '/') && access(joined, F_OK) != 0) return;
+    if (strlen(joined) >= MTRL_CFG_STR_MAX) {
+        errs_add(ps->errs, "%s:%d: [env] plugin: %s is longer than %d bytes", ps->name, ps->line, joined,
+                 MTRL_CFG_STR_MAX - 1);
+        return;
+    }
+    snprintf(v, MTRL_CFG_STR_MAX, "%s", joined);
+}
+
 static int cfg_handler_(void *user, const char *section, const char *name, const char *value) {
     cfg_parse *ps = user;
     if (ps->sec_kind < 0) return 1; // section already reported
     char where[512];
     snprintf(where, sizeof where, "%s:%d", ps->name, ps->line);
     int stage = ps->sec_kind == N_SECTIONS ? ps->sec_stage : -1;
-    assign_(ps, where, section, stage, name, value, ps->line);
+    if (assign_(ps, where, section, stage, name, value, ps->line) && stage < 0 && !strcmp(section, "env") &&
+        !strcmp(name, "plugin"))
+        resolve_plugin_path_(ps);
     return 1; // keep going: we collect every error
 }
 
@@ -448,6 +473,55 @@ static void apply_set_(cfg_parse *ps, const char *set) {
     assign_(ps, where, section, stage, key, eq + 1, -1);
 }
 
+// "file:12" for a key set on line 12, "--set" for one set on the command line.
+static void key_where_(const cfg_parse *ps, int seen, char *out, size_t cap) {
+    if (seen > 0) snprintf(out, cap, "%s:%d", ps->name, seen);
+    else snprintf(out, cap, "%s: --set", ps->name);
+}
+
+// 1 when the field holds its default value.
+static int field_is_default_(const mtrl_config *cfg, const cfg_field *f) {
+    mtrl_config d;
+    mtrl_config_defaults(&d);
+    const char *a = (const char *)cfg + f->offset, *b = (const char *)&d + f->offset;
+    switch (f->type) {
+    case CFG_INT: return *(const long *)a == *(const long *)b;
+    case CFG_FLOAT: return *(const double *)a == *(const double *)b;
+    case CFG_BOOL: return *(const int *)a == *(const int *)b;
+    default: return !strcmp(a, b);
+    }
+}
+
+// [env] keys that only one built-in reads do nothing beside a plug-in (it gets `args` alone),
+// and `plugin` does nothing beside a built-in: either is a mistake worth stopping for.
+static void check_env_keys_(cfg_parse *ps) {
+    static const struct { const char *key, *env; } own[] = {
+        {"digits", "calc"},          {"ops", "calc"},           {"doc_tokens", "retrieval"},
+        {"inline_doc", "retrieval"}, {"demo_search", "retrieval"}, {"key_digits", "retrieval"},
+        {"base_url", "http"},        {"allow_loopback", "http"},   {"timeout_ms", "http"},
+    };
+    const char *name = ps->cfg->env.name;
+    char where[600];
+    if (!strcmp(name, "plugin")) {
+        for (size_t i = 0; i < sizeof own / sizeof own[0]; i++) {
+            int idx = find_field_("env", own[i].key);
+            // A resolved config (mtrl check's output, what actors receive) lists every key; only
+            // a value other than the default says somebody meant it.
+            if (idx < 0 || !ps->seen[idx] || field_is_default_(ps->cfg, &cfg_fields_[idx])) continue;
+            key_where_(ps, ps->seen[idx], where, sizeof where);
+            errs_add(ps->errs, "%s: [env] %s is a key of the built-in %s env and does nothing with name = plugin; "
+                     "give a plug-in its keys in args = key=value;...", where, own[i].key, own[i].env);
+        }
+        return;
+    }
+    int idx = find_field_("env", "plugin");
+    if (idx >= 0 && ps->seen[idx] && ps->cfg->env.plugin[0]) {
+        key_where_(ps, ps->seen[idx], where, sizeof where);
+        errs_add(ps->errs, "%s: [env] plugin is set but name = %s, a built-in; set name = plugin to use the plug-in, "
+                 "or remove plugin", where, name);
+    }
+}
+
 // Checks that need the whole file: required keys, stage numbering, cross-field rules.
 static void check_whole_(cfg_parse *ps) {
     mtrl_config *cfg = ps->cfg;
@@ -471,6 +545,7 @@ static void check_whole_(cfg_parse *ps) {
     }
     if (!strcmp(cfg->env.name, "plugin") && !cfg->env.plugin[0])
         errs_add(ps->errs, "%s: [env] name = plugin needs plugin = path/to/env.so", ps->name);
+    check_env_keys_(ps);
     if (cfg->learner.curve_key[0] && !cfg->learner.curve_allow[0])
         errs_add(ps->errs, "%s: [learner] curve_key needs curve_allow: the actors' public keys (a file, one key a "
                  "line, or a folder of .pub files)", ps->name);

@@ -57,7 +57,7 @@
 
 #define MTRL_CFG_ENV(X)                                                                             \
     X(env, name, STR, "!", 0, 0, NULL, "retrieval, calc, http, or plugin (with plugin = path.so)")  \
-    X(env, plugin, STR, "", 0, 0, NULL, "path of an env plug-in .so (env.name = plugin)")           \
+    X(env, plugin, STR, "", 0, 0, NULL, "path of an env plug-in .so (env.name = plugin), relative to the experiment file's folder")           \
     X(env, args, STR, "", 0, 0, NULL, "extra key=value;... passed to the env's create()")          \
     X(env, isolate, BOOL, "false", 0, 0, NULL, "run the env in a child process with rlimits and a watchdog") \
     X(env, step_timeout_ms, INT, "2000", 1, 3600000, NULL, "per-step watchdog of an isolated env") \
@@ -83,6 +83,7 @@
     X(actor, routing_replay, BOOL, "false", 0, 0, NULL, "record routing for the learner to replay (R3)") \
     X(actor, chunk_tokens, INT, "4096", 16, 1 << 24, NULL, "tokens per CHUNK message")             \
     X(actor, heartbeat_ms, INT, "1000", 50, 600000, NULL, "heartbeat interval")                    \
+    X(actor, learner_patience_s, INT, "3600", 0, 1 << 30, NULL, "an actor whose learner was silent this long exits with status 4 (0 = never; keep it above the longest learner step)") \
     X(actor, snapshot_dir, STR, "", 0, 0, NULL, "folder for snapshots of long episodes in flight; a restarted actor resumes them (empty = off)") \
     X(actor, snapshot_tokens, INT, "65536", 16, 1 << 30, NULL, "snapshot an episode in flight each time it grows by this many tokens")
 

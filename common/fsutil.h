@@ -2,9 +2,18 @@
 #ifndef MTRL_FSUTIL_H
 #define MTRL_FSUTIL_H
 
+#include <stddef.h>
+
 // mkdir -p: creates path and its missing parents (mode 0755). 0 on success (also when it already
 // exists), -1 with errno set otherwise.
 int mtrl_mkdir_p(const char *path);
+
+// The canonical absolute path of path (symlinks and "."/".." resolved), into out (cap bytes),
+// also for a file that does not exist yet: then its folder is resolved, and a dangling symlink
+// is followed to the name it would create. Two names of one file (a symlink, a relative and an
+// absolute spelling) give the same result; hard links do not. 0, or -1 with errno set (the
+// folder does not exist, ELOOP, ENAMETOOLONG).
+int mtrl_path_real(const char *path, char *out, size_t cap);
 
 // Writing a file so that a reader sees the old one or the whole new one, never a torn one:
 // mtrl_file_atomic_begin opens "<path>.tmp" (written into tmp, cap bytes) for writing; write to

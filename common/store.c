@@ -13,9 +13,11 @@
 #include <unistd.h>
 
 #include "common/check.h"
+#include "common/fsutil.h"
 #include "common/hash.h"
 #include "common/log.h"
 #include "common/timeutil.h"
+#include "common/version.h"
 
 // ---- schema ----------------------------------------------------------------------------------
 
@@ -232,9 +234,15 @@ static mtrl_status txn_leave_(mtrl_store *s, int own, mtrl_status st, mtrl_error
 
 // ---- open / close ----------------------------------------------------------------------------
 
+// The lock is named after the database's real path (mtrl_path_real), not the name it was
+// opened by: a symlink, "./runs.db" or an absolute spelling of the same file reach the same
+// lock, so a second learner cannot slip past it and mark the live run failed. (SQLite itself
+// resolves symlinks, so its -wal and -shm files sit beside the real file too.)
 static mtrl_status lock_(mtrl_store *s, mtrl_error *err) {
-    char lp[4200];
-    snprintf(lp, sizeof lp, "%s.lock", s->path);
+    char real[4096], lp[4200];
+    if (mtrl_path_real(s->path, real, sizeof real) != 0)
+        return mtrl_error_set(err, MTRL_ERR_IO, "%s: cannot resolve the run store's path: %s", s->path, strerror(errno));
+    snprintf(lp, sizeof lp, "%s.lock", real);
     int fd = open(lp, O_RDWR | O_CREAT | O_CLOEXEC, 0644);
     if (fd < 0) return mtrl_error_set(err, MTRL_ERR_IO, "%s: cannot open the lock file: %s", lp, strerror(errno));
     if (flock(fd, LOCK_EX | LOCK_NB) != 0) {
@@ -478,7 +486,8 @@ mtrl_status mtrl_store_run_create(mtrl_store *s, const mtrl_store_run_info *info
     bind_text_(q, 3, info->config_hash);
     sqlite3_bind_double(q, 4, info->started > 0 ? info->started : mtrl_time_wall());
     bind_text_(q, 5, info->host ? info->host : host);
-    bind_text_(q, 6, info->git_rev);
+    // The revision this binary was built from, unless the caller names one.
+    bind_text_(q, 6, info->git_rev && info->git_rev[0] ? info->git_rev : mtrl_git_rev());
     mtrl_status st = run_(s, q, err, "create run");
     if (!st && run_id) *run_id = sqlite3_last_insert_rowid(s->db);
     return txn_leave_(s, own_, st, err);
@@ -555,7 +564,11 @@ mtrl_status mtrl_store_event_log(mtrl_store *s, int64_t run, mtrl_log_level leve
     else sqlite3_bind_null(q, 1);
     sqlite3_bind_double(q, 2, mtrl_time_wall());
     sqlite3_bind_text(q, 3, level_name_(level), -1, SQLITE_STATIC);
-    bind_text_(q, 4, message ? message : "");
+    // Escaped as the log is (mtrl_text_escape): events quote peers' and envs' words, and the
+    // sqlite3 shell prints them raw to a terminal.
+    char esc[4096];
+    mtrl_text_escape(esc, sizeof esc, message ? message : "", message ? strlen(message) : 0);
+    bind_text_(q, 4, esc);
     WRITE_END_("log event");
 }
 

@@ -1,8 +1,9 @@
 // store.h: the SQLite run store (architecture §6). One writer (the learner); readers (replay,
 // report, anyone with the sqlite3 shell) open it read-only.
 //
-// Open for writing: takes an exclusive flock on "<db>.lock" first, so a second writer (a second
-// learner on the same database) is refused with a clear message instead of interleaving runs;
+// Open for writing: takes an exclusive flock on "<db>.lock" first, where <db> is the database's
+// real path (symlinks resolved), so a second writer (a second learner on the same database, by
+// any name of it but a hard link) is refused with a clear message instead of interleaving runs;
 // then WAL, synchronous=NORMAL (durable across process crashes; a power cut may lose the last
 // commits), busy_timeout=5000, foreign_keys=ON, journal_size_limit. The schema version lives
 // in PRAGMA user_version and the file is marked with application_id MTRL_STORE_APP_ID; a newer
@@ -83,7 +84,7 @@ typedef struct mtrl_store_run_info {
     const char *config;       // resolved experiment text (may be NULL)
     const char *config_hash;  // hex (may be NULL)
     const char *host;         // NULL = gethostname()
-    const char *git_rev;      // may be NULL
+    const char *git_rev;      // NULL = the revision this mtrl was built from (mtrl_git_rev)
     double started;           // 0 = now
 } mtrl_store_run_info;
 

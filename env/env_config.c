@@ -4,7 +4,8 @@
 #include <stdio.h>
 #include <string.h>
 
-mtrl_status mtrl_env_open_config(const mtrl_config *cfg, mtrl_env **out, mtrl_error *err) {
+// [env] opened in-process or isolated; the two entry points below differ only there.
+static mtrl_status open_config_(const mtrl_config *cfg, int isolate, mtrl_env **out, mtrl_error *err) {
     const mtrl_cfg_env *e = &cfg->env;
     // Built-ins ignore the keys of the other built-ins, so the whole section passes through;
     // `args` carries what the schema does not know (plug-in keys).
@@ -17,10 +18,21 @@ mtrl_status mtrl_env_open_config(const mtrl_config *cfg, mtrl_env **out, mtrl_er
              e->args[0] ? ";" : "", e->args);
     mtrl_env_opts o;
     mtrl_env_opts_default(&o);
-    o.isolate = e->isolate;
+    o.isolate = isolate;
     o.call_timeout_ms = (int)e->step_timeout_ms;
     const char *name = !strcmp(e->name, "plugin") ? e->plugin : e->name;
     // A plug-in is opened with only its own keys (`args`): it may refuse unknown ones.
     if (!strcmp(e->name, "plugin")) return mtrl_env_open(out, name, e->args, &o, err);
     return mtrl_env_open(out, name, conf, &o, err);
+}
+
+mtrl_status mtrl_env_open_config(const mtrl_config *cfg, mtrl_env **out, mtrl_error *err) {
+    return open_config_(cfg, cfg->env.isolate, out, err);
+}
+
+mtrl_status mtrl_env_check_config(const mtrl_config *cfg, mtrl_error *err) {
+    mtrl_env *env = NULL;
+    mtrl_status st = open_config_(cfg, 1, &env, err);
+    mtrl_env_close(env);
+    return st;
 }

@@ -8,4 +8,12 @@
 
 mtrl_status mtrl_env_open_config(const mtrl_config *cfg, mtrl_env **out, mtrl_error *err);
 
+// Loads and creates the env of [env] once, in a child process (the isolated host of env_host.h,
+// whatever [env] isolate says), and closes it again: what `mtrl check` and `mtrl run` do before
+// anything else, so an unknown name, a plug-in that does not load or speaks another ABI, or one
+// that refuses its args is reported as the config error it is (the caller exits 2), not as an
+// actor failure after the run started. A crash or hang in the plug-in's constructor or create
+// stays in the child. MTRL_OK, or the error mtrl_env_open gave.
+mtrl_status mtrl_env_check_config(const mtrl_config *cfg, mtrl_error *err);
+
 #endif

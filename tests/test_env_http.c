@@ -1,4 +1,4 @@
-// mtrl-test: cpu timeout=60
+// mtrl-test: cpu fault timeout=60
 // test_env_http.c: the http env and its guarded fetch, against a small HTTP server written
 // here (a thread listening on 127.0.0.1, ephemeral port). No traffic goes anywhere else: the
 // address policy is tested by calling the policy function directly.
@@ -12,6 +12,10 @@
 //   addresses.
 // - Whole episodes of the http env (demo reaches reward 1; wrong answer 0; HTTP errors, bad
 //   paths and unknown tools are error observations), in-process and isolated.
+// - get() stays under base_url's path (issue 28, item 10): with base_url .../data,
+//   get(/../private/secret.txt), get(/facts/../../private/secret.txt) and %2e%2e spellings are
+//   refused as error observations and the server never sees a request outside /data; dot
+//   segments that stay inside are resolved (get(/x/../facts/1) fetches /data/facts/1).
 #include <arpa/inet.h>
 #include <errno.h>
 #include <netinet/in.h>
@@ -37,6 +41,8 @@ static int srv_port;
 static atomic_int srv_conns;   // connections accepted
 static atomic_int srv_stop;
 static atomic_long srv_big_sent; // bytes of /big the server managed to send
+static atomic_int srv_outside;   // requests for anything outside /data while base_url is .../data
+static atomic_int srv_data_mode; // 1: the env's base_url is .../data
 
 static void send_all(int fd, const void *p, size_t n) {
     const char *c = p;
@@ -81,7 +87,14 @@ static void serve_conn(int fd) {
     }
     char path[256] = "";
     if (sscanf(req, "GET %255s HTTP/1.", path) != 1) return;
-    if (!strcmp(path, "/index.txt")) {
+    if (atomic_load(&srv_data_mode) && strncmp(path, "/data/", 6)) atomic_fetch_add(&srv_outside, 1);
+    if (!strcmp(path, "/data/index.txt")) {
+        respond(fd, 200, NULL, "/facts/1 capital\n");
+    } else if (!strcmp(path, "/data/facts/1")) {
+        respond(fd, 200, NULL, "capital=paris\n");
+    } else if (!strcmp(path, "/private/secret.txt")) {
+        respond(fd, 200, NULL, "secret=hunter2\n");
+    } else if (!strcmp(path, "/index.txt")) {
         respond(fd, 200, NULL, "# path key\n/facts/1 capital\n\n/facts/2 color\n");
     } else if (!strcmp(path, "/facts/1")) {
         respond(fd, 200, NULL, "capital=paris\ncolor=blue\n");
@@ -379,6 +392,67 @@ static void run_env(int isolate) {
     }
 }
 
+// env_http_path_confine on its own: what it resolves, what it refuses.
+static void test_confine(void) {
+    static const struct { const char *in, *out; } ok[] = {
+        {"/facts/1", "/facts/1"}, {"/", "/"}, {"/a/", "/a/"}, {"/a/./b", "/a/b"}, {"/a/../b", "/b"},
+        {"/a/b/..", "/a/"}, {"/a/.", "/a/"}, {"/a/..", "/"}, {"/x/../facts/1?q=../..", "/facts/1?q=../.."},
+        {"/a%20b", "/a%20b"}, {"/..a/b..", "/..a/b.."},
+    };
+    static const char *bad[] = {"/..", "/../private/secret.txt", "/facts/../../private/secret.txt", "/./../x",
+                                "/%2e%2e/private/secret.txt", "/%2E%2E/x", "/a%2f..%2f..%2fx", "/a%5c..", "facts/1", ""};
+    char out[256], why[128];
+    for (size_t i = 0; i < sizeof ok / sizeof ok[0]; i++) {
+        int rc = env_http_path_confine(ok[i].in, strlen(ok[i].in), out, sizeof out, why, sizeof why);
+        TEST_CHECKF(rc == 0 && !strcmp(out, ok[i].out), "%s -> rc %d '%s', want '%s'", ok[i].in, rc, rc ? why : out,
+                    ok[i].out);
+    }
+    for (size_t i = 0; i < sizeof bad / sizeof bad[0]; i++) {
+        int rc = env_http_path_confine(bad[i], strlen(bad[i]), out, sizeof out, why, sizeof why);
+        TEST_CHECKF(rc == -1, "%s should be refused, got '%s'", bad[i], out);
+    }
+    TEST_EQ_INT(env_http_path_confine("/a/b", 4, out, 4, why, sizeof why), -1); // does not fit
+    TEST_CONTAINS(why, "longer than 3 bytes");
+}
+
+// A whole episode with base_url .../data: a path that climbs out is refused before any request.
+static void run_env_confined(int isolate) {
+    mtrl_env_opts eo;
+    mtrl_env_opts_default(&eo);
+    eo.isolate = isolate;
+    char config[512];
+    snprintf(config, sizeof config, "base_url=http://127.0.0.1:%d/data/;allow_loopback=1;max_tool_calls=10", srv_port);
+    mtrl_env *e = NULL;
+    mtrl_error err = {0};
+    TEST_CHECKF(mtrl_env_open(&e, "http", config, &eo, &err) == MTRL_OK, "%s", err.msg);
+    if (!e) return;
+    atomic_store(&srv_outside, 0);
+    atomic_store(&srv_data_mode, 1);
+    mtrl_env_result r;
+    TEST_CHECKF(mtrl_env_reset(e, 0, &r, &err) == MTRL_OK, "reset: %s", err.msg);
+    static const char *escapes[] = {"get(/../private/secret.txt)", "get(/facts/../../private/secret.txt)",
+                                    "get(/%2e%2e/private/secret.txt)", "get(/..)"};
+    for (size_t i = 0; i < sizeof escapes / sizeof escapes[0]; i++) {
+        TEST_CHECK(mtrl_env_step(e, MTRL_ENV_ACTION_TOOL, escapes[i], strlen(escapes[i]), &r, &err) == MTRL_OK);
+        char obs[512];
+        snprintf(obs, sizeof obs, "%.*s", (int)r.obs_len, r.obs);
+        if (i == 0 && !isolate) printf("confined: %s -> %s\n", escapes[i], obs);
+        TEST_CONTAINS(obs, "error: refused path");
+        TEST_CHECKF(!strstr(obs, "hunter2"), "%s leaked the page outside base_url: %s", escapes[i], obs);
+        TEST_EQ_INT(r.tool_error, 1);
+    }
+    const char *inside = "get(/x/../facts/1)";
+    TEST_CHECK(mtrl_env_step(e, MTRL_ENV_ACTION_TOOL, inside, strlen(inside), &r, &err) == MTRL_OK);
+    TEST_CONTAINS(r.obs, "capital=paris");
+    TEST_EQ_INT(r.tool_error, 0);
+    TEST_CHECK(mtrl_env_step(e, MTRL_ENV_ACTION_ANSWER, "paris", 5, &r, &err) == MTRL_OK);
+    TEST_EQ_INT(r.reward * 1000, 1000);
+    sleep_ms(50);
+    TEST_EQ_INT(atomic_load(&srv_outside), 0); // no request ever left /data
+    atomic_store(&srv_data_mode, 0);
+    mtrl_env_close(e);
+}
+
 static void test_config(void) {
     mtrl_env *e = NULL;
     mtrl_error err = {0};
@@ -403,6 +477,9 @@ int main(void) {
     test_fetch();
     run_env(0);
     run_env(1);
+    test_confine();
+    run_env_confined(0);
+    run_env_confined(1);
     atomic_store(&srv_stop, 1);
     pthread_join(t, NULL);
     close(srv_fd);

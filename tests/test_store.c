@@ -2,7 +2,10 @@
 // test_store: the SQLite run store (common/store.h): schema and header (user_version,
 // application_id, WAL), every insert and query, batches and rollback, a second writer refused,
 // runs left 'running' by a dead writer become 'failed', newer or foreign databases refused, and
-// the sqlite3 shell can read the result.
+// the sqlite3 shell can read the result. The lock is the real file's (issue 28, item 5): while
+// another process writes live.db, opening it through a symlink, through "dir/./live.db" or a
+// dangling symlink to a database not created yet is refused (MTRL_ERR_STATE) and the live run
+// stays 'running'.
 #include <math.h>
 #include <sqlite3.h>
 #include <stdio.h>
@@ -11,6 +14,7 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include "common/fsutil.h"
 #include "common/store.h"
 #include "tests/fuzz/trajgen.h"
 #include "tests/testhelp.h"
@@ -310,6 +314,95 @@ static void test_stale_run(void) {
     mtrl_store_close(s);
 }
 
+// A writer in another process holds `path` (with one run 'running') until the test writes to
+// its pipe; returns its pid, -1 when it could not start. *go is the pipe's write end.
+static pid_t hold_writer(const char *path, int *go) {
+    int p[2], ready[2];
+    if (pipe(p) || pipe(ready)) return -1;
+    fflush(NULL);
+    pid_t child = fork();
+    if (child == 0) {
+        close(p[1]);
+        close(ready[0]);
+        mtrl_store *c = NULL;
+        mtrl_error e2;
+        int64_t id = 0;
+        mtrl_store_run_info info = {.name = "live"};
+        char ok = mtrl_store_open(&c, path, 0, &e2) == MTRL_OK && mtrl_store_run_create(c, &info, &id, &e2) == MTRL_OK;
+        if (write(ready[1], &ok, 1) != 1) _exit(3);
+        char b;
+        if (read(p[0], &b, 1) < 0) _exit(4);
+        mtrl_store_close(c);
+        _exit(ok ? 0 : 2);
+    }
+    close(p[0]);
+    close(ready[1]);
+    char ok = 0;
+    if (read(ready[0], &ok, 1) != 1) ok = 0;
+    close(ready[0]);
+    *go = p[1];
+    TEST_CHECKF(ok, "the holding writer could not open %s", path);
+    return child;
+}
+
+static void release_writer(pid_t child, int go) {
+    if (write(go, "x", 1) != 1) fprintf(stderr, "release_writer: write failed\n");
+    close(go);
+    int ws = 0;
+    waitpid(child, &ws, 0);
+    TEST_CHECK(WIFEXITED(ws) && WEXITSTATUS(ws) == 0);
+}
+
+static void refused_by(const char *live, const char *other) {
+    mtrl_store *s = NULL;
+    mtrl_error err;
+    TEST_EQ_INT(mtrl_store_open(&s, other, 0, &err), MTRL_ERR_STATE);
+    TEST_CONTAINS(err.msg, "another process");
+    if (s) mtrl_store_close(s);
+    // The live run was not touched.
+    TEST_EQ_INT(mtrl_store_open(&s, live, 1, &err), MTRL_OK);
+    if (s) {
+        TEST_EQ_INT(sql_int(s, "SELECT count(*) FROM runs WHERE name = 'live' AND status = 'running'"), 1);
+        TEST_EQ_INT(sql_int(s, "SELECT count(*) FROM runs WHERE status = 'failed'"), 0);
+        mtrl_store_close(s);
+    }
+}
+
+static void test_lock_real_file(void) {
+    char live[400], link[400], dotted[400], real1[4096], real2[4096];
+    snprintf(live, sizeof live, "%s/live.db", dir_);
+    snprintf(link, sizeof link, "%s/link.db", dir_);
+    snprintf(dotted, sizeof dotted, "%s/./live.db", dir_);
+    int go;
+    pid_t w = hold_writer(live, &go);
+    if (w < 0) return;
+    TEST_CHECK(symlink("live.db", link) == 0);
+    TEST_EQ_INT(mtrl_path_real(link, real1, sizeof real1), 0);
+    TEST_EQ_INT(mtrl_path_real(dotted, real2, sizeof real2), 0);
+    TEST_EQ_STR(real1, real2);
+    refused_by(live, link);
+    refused_by(live, dotted);
+    release_writer(w, go);
+    // A dangling symlink to a database that does not exist yet: the writer creates it through
+    // the link; the target's own name is then locked.
+    char fresh[400], dangling[400];
+    snprintf(fresh, sizeof fresh, "%s/fresh.db", dir_);
+    snprintf(dangling, sizeof dangling, "%s/dangling.db", dir_);
+    TEST_CHECK(symlink("fresh.db", dangling) == 0);
+    TEST_EQ_INT(mtrl_path_real(dangling, real1, sizeof real1), 0);
+    TEST_EQ_INT(mtrl_path_real(fresh, real2, sizeof real2), 0);
+    TEST_EQ_STR(real1, real2);
+    w = hold_writer(dangling, &go);
+    if (w < 0) return;
+    refused_by(fresh, fresh);
+    release_writer(w, go);
+    // The holder is gone: the link opens for writing again.
+    mtrl_store *s = NULL;
+    mtrl_error err;
+    TEST_EQ_INT(mtrl_store_open(&s, link, 0, &err), MTRL_OK);
+    mtrl_store_close(s);
+}
+
 static void test_foreign_and_newer(void) {
     char p[400];
     mtrl_error err;
@@ -378,6 +471,7 @@ int main(void) {
     test_schema_and_writes();
     test_queries();
     test_stale_run();
+    test_lock_real_file();
     test_foreign_and_newer();
     test_cli();
     mtrl_traj_free(&ep_ok_);

@@ -2,6 +2,7 @@
 #include "tools/cli.h"
 
 #include "common/config.h"
+#include "env/env_config.h"
 
 #include <stdarg.h>
 #include <string.h>
@@ -35,5 +36,12 @@ int cli_config_load(const char *name, const char *path, int argc, char **argv, m
     mtrl_config_errors_print(&errs, stderr);
     fprintf(stderr, "mtrl %s: %d problem%s in %s\n", name, errs.n, errs.n == 1 ? "" : "s", path);
     mtrl_config_errors_free(&errs);
+    return 0;
+}
+
+int cli_env_check(const char *name, const char *path, const mtrl_config *cfg) {
+    mtrl_error err;
+    if (mtrl_env_check_config(cfg, &err) == MTRL_OK) return 1;
+    fprintf(stderr, "%s: [env] %s\nmtrl %s: 1 problem in %s\n", path, err.msg, name, path);
     return 0;
 }

@@ -46,4 +46,9 @@ int cli_collect_sets(int argc, char **argv, const char **sets, int max);
 // all and "mtrl NAME: N problems in PATH" to stderr and returns 0; 1 on success.
 int cli_config_load(const char *name, const char *path, int argc, char **argv, struct mtrl_config *cfg);
 
+// Loads and creates the experiment's env once in a child process (mtrl_env_check_config). On an
+// error prints "PATH: [env] MESSAGE" and "mtrl NAME: 1 problem in PATH" to stderr, as a config
+// error, and returns 0 (the caller exits 2); 1 when the env works.
+int cli_env_check(const char *name, const char *path, const struct mtrl_config *cfg);
+
 #endif

@@ -699,7 +699,10 @@ static int bench_long_(int argc, char **argv) {
 }
 
 int cmd_bench(int argc, char **argv) {
-    if (argc < 2 || cli_is_help(argv[1])) {
+    // `mtrl bench long --help` (any benchmark) is help too, not an unknown option.
+    int help = argc < 2;
+    for (int i = 1; i < argc; i++) help |= cli_is_help(argv[i]);
+    if (help) {
         printf("usage: %s\n", BENCH_USAGE);
         return argc < 2 ? 2 : 0;
     }

@@ -1,5 +1,6 @@
 // cmd_check.c: `mtrl check EXPERIMENT.ini` validates an experiment and prints the resolved
-// config (every key, defaults included) on stdout, with its hash as a comment.
+// config (every key, defaults included) on stdout, with its hash as a comment. The [env] is
+// loaded and created once in a child process first, so a broken env is a config error here.
 #include <inttypes.h>
 #include <stdlib.h>
 #include <string.h>
@@ -14,7 +15,9 @@ int cmd_check(int argc, char **argv) {
     for (int i = 1; i < argc; i++) {
         if (cli_is_help(argv[i])) {
             printf("usage: %s\n\nValidates the experiment (unknown, duplicate, mistyped, out-of-range or missing keys\n"
-                   "are reported as file:line: message, all at once, exit 2) and prints the resolved config.\n"
+                   "are reported as file:line: message, all at once, exit 2), loads and creates its [env] in a\n"
+                   "child process (an unknown env, a plug-in that does not load or refuses its args: exit 2)\n"
+                   "and prints the resolved config.\n"
                    "--keys lists every key with its type, default, range and help.\n", CHECK_USAGE);
             return 0;
         }
@@ -31,6 +34,7 @@ int cmd_check(int argc, char **argv) {
     if (!path) return cli_usage_error("check", CHECK_USAGE, "no experiment file given");
     mtrl_config cfg;
     if (!cli_config_load("check", path, argc, argv, &cfg)) return 2;
+    if (!cli_env_check("check", path, &cfg)) return 2;
     char *ini = mtrl_config_to_ini(&cfg);
     printf("; resolved from %s, config hash %016" PRIx64 "\n%s", path, mtrl_config_hash(&cfg), ini);
     free(ini);

@@ -16,6 +16,7 @@
 #include <signal.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/prctl.h>
 #include <sys/stat.h>
 #include <sys/wait.h>
 #include <time.h>
@@ -34,6 +35,23 @@
 #define LEARNER_USAGE "mtrl learner EXPERIMENT.ini [--db runs.db] [--resume] [--set section.key=value ...]"
 #define ACTOR_USAGE                                                                                    \
     "mtrl actor --connect tcp://HOST:PORT [--id N] [--gpu N] [--curve-server-key LEARNER.pub --curve-key ACTOR.key]"
+
+// The text after the usage line of `mtrl run --help` (and `mtrl learner --help`).
+#define RUN_HELP                                                                                       \
+    "\nRuns an experiment: the learner in this process and [actor] count local actor processes\n"      \
+    "(`mtrl learner` runs the learner alone and prints the endpoint remote actors connect to).\n"     \
+    "A short supervised warm-up ([warmup] steps) on the env's demonstrations, then RL steps until\n" \
+    "[run] steps; checkpoints go to [run] out_dir, every run, step, episode and event to the run\n"   \
+    "store. Progress is one line on stderr (redrawn on a terminal, plain lines otherwise).\n\n"      \
+    "options:\n"                                                                                      \
+    "  --db FILE             the run store (SQLite; default [run] db); one learner writes it at a time\n" \
+    "  --resume              continue the store's latest run from its last checkpoint\n" \
+    "  --set SECTION.KEY=V   override a key of the experiment (repeatable; mtrl check --keys lists them)\n" \
+    "  -h, --help            this help\n\n"                                                           \
+    "An actor that dies is restarted; SIGINT or SIGTERM stops the run cleanly (marked killed).\n"    \
+    "Look at the run with: mtrl report --db FILE --out DIR, mtrl replay --db FILE --episode ID.\n"   \
+    "exit codes: 0 finished, 1 the run failed or was killed, 2 bad usage or bad config (nothing\n"   \
+    "written)\n"
 
 static volatile sig_atomic_t stop_;
 
@@ -62,12 +80,14 @@ static int parse_run_args_(const char *name, const char *usage, int argc, char *
     memset(a, 0, sizeof *a);
     for (int i = 1; i < argc; i++) {
         if (cli_is_help(argv[i])) {
-            printf("usage: %s\n", usage);
+            printf("usage: %s\n%s", usage, RUN_HELP);
             return 0;
         }
-        if (!strcmp(argv[i], "--db") && i + 1 < argc) a->db = argv[++i];
+        if ((!strcmp(argv[i], "--db") || !strcmp(argv[i], "--set")) && i + 1 == argc)
+            return cli_usage_error(name, usage, "%s: missing value", argv[i]);
+        if (!strcmp(argv[i], "--db")) a->db = argv[++i];
         else if (!strcmp(argv[i], "--resume")) a->resume = 1;
-        else if (!strcmp(argv[i], "--set") && i + 1 < argc) {
+        else if (!strcmp(argv[i], "--set")) {
             if (a->n_sets < 64) a->sets[a->n_sets++] = argv[++i];
         } else if (!strncmp(argv[i], "--set=", 6)) {
             if (a->n_sets < 64) a->sets[a->n_sets++] = argv[i] + 6;
@@ -108,8 +128,13 @@ static pid_t spawn_actor_(const char *endpoint, int id, const mtrl_wire_auth_loc
         args[8] = "--curve-key";
         args[9] = (char *)curve->key_file;
     }
+    pid_t parent = getpid();
     pid_t pid = fork();
     if (pid == 0) {
+        // The actor dies with this process, however it ends (kill -9, abort): an orphan would
+        // say HELLO to a dead port forever. The signal survives the exec; a parent that died
+        // before the prctl is seen by getppid.
+        if (prctl(PR_SET_PDEATHSIG, SIGKILL) != 0 || getppid() != parent) _exit(127);
         // Idle OpenMP threads sleep instead of spinning: the actors share cores with the learner.
         setenv("OMP_WAIT_POLICY", "PASSIVE", 0);
         execv("/proc/self/exe", args);
@@ -223,6 +248,8 @@ int cmd_run(int argc, char **argv) {
     if (rc >= 0) return rc;
     mtrl_config cfg;
     if (!load_config_(&a, &cfg)) return 2;
+    // A broken [env] is a config error, found before the run store or out_dir is touched.
+    if (!cli_env_check("run", a.path, &cfg)) return 2;
     mtrl_learner_opts o = {a.db, a.resume, 1, NULL, NULL, 0};
     return cli_run_local("run", &cfg, &o, NULL);
 }
@@ -254,9 +281,19 @@ int cmd_actor(int argc, char **argv) {
     long id = 1, gpu = -1;
     for (int i = 1; i < argc; i++) {
         if (cli_is_help(argv[i])) {
-            printf("usage: %s\n", ACTOR_USAGE);
+            printf("usage: %s\n\nOne actor: connects to the learner at --connect, receives the experiment and weights\n"
+                   "from it and streams episodes back. --id names it in the learner's log and store;\n"
+                   "--gpu picks a CUDA device; with CURVE, --curve-server-key is the learner's .pub and\n"
+                   "--curve-key this actor's .key (mtrl keygen).\n"
+                   "exit codes: 0 the learner said goodbye, 1 the learner never answered or failed, 2 bad\n"
+                   "usage, 3 this machine cannot run the experiment (not restarted), 4 the learner was\n"
+                   "silent for [actor] learner_patience_s\n", ACTOR_USAGE);
             return 0;
         }
+        static const char *const valued[] = {"--connect", "--id", "--gpu", "--curve-server-key", "--curve-key"};
+        for (size_t k = 0; k < sizeof valued / sizeof valued[0]; k++)
+            if (!strcmp(argv[i], valued[k]) && i + 1 == argc)
+                return cli_usage_error("actor", ACTOR_USAGE, "%s: missing value", argv[i]);
         if (!strcmp(argv[i], "--connect") && i + 1 < argc) endpoint = argv[++i];
         else if (!strcmp(argv[i], "--id") && i + 1 < argc) {
             char *end;

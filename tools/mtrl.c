@@ -3,6 +3,7 @@
 #include <stdio.h>
 #include <string.h>
 
+#include "common/version.h"
 #include "tools/cli.h"
 
 // The benchmarks of this build (tools/cmd_bench.c): ops only where the CUDA kernels are built in.
@@ -36,7 +37,7 @@ static const subcommand subcommands_[] = {
 
 static void print_help_(FILE *f) {
     fprintf(f, "mtrl: agentic reinforcement learning for million-token trajectories\n\n"
-               "usage: mtrl <command> [options]   (mtrl <command> --help for each)\n\n"
+               "usage: mtrl <command> [options]   (mtrl <command> --help for each; mtrl --version)\n\n"
                "commands:\n");
     for (int i = 0; i < N_SUBCOMMANDS; i++) fprintf(f, "  %-8s %s\n", subcommands_[i].name, subcommands_[i].summary);
     fprintf(f, "\n    mtrl run EXPERIMENT.ini [--db runs.db] [--set section.key=value ...]\n"
@@ -56,6 +57,10 @@ int main(int argc, char **argv) {
     if (argc < 2) {
         print_help_(stderr);
         return 2;
+    }
+    if (!strcmp(argv[1], "--version") || !strcmp(argv[1], "version")) {
+        printf("mtrl %s (git %s)\n", mtrl_version(), mtrl_git_rev());
+        return 0;
     }
     if (cli_is_help(argv[1]) || !strcmp(argv[1], "help")) {
         print_help_(stdout);

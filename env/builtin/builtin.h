@@ -58,6 +58,16 @@ typedef struct env_http_result {
 // One GET of url with the policy above. Returns 0 on a completed transfer (any HTTP status),
 // -1 when it failed (result->error says why). Only http and https, on every redirect too.
 int env_http_fetch(const env_http_opts *o, const char *url, env_http_result *r);
+
+// A get() path p[0..n) made safe to append to base_url: it must start with '/'; "." segments
+// are dropped and ".." removes the segment before it, so the result names the same page the
+// server would, written out; a ".." that would climb above base_url's own path is refused
+// (curl and servers both resolve dot segments, so "/../x" under base_url ".../data" would
+// otherwise fetch ".../x"). A percent escape of '.', '/' or '\\' (%2e, %2f, %5c, any case) in
+// the path is refused too: servers decode it before resolving, so it could climb just the
+// same. The query (from '?') is kept as it is. Returns 0 with the path in out (NUL-terminated,
+// at most cap - 1 bytes), or -1 with the reason in why.
+int env_http_path_confine(const char *p, size_t n, char *out, size_t cap, char *why, size_t wcap);
 void env_http_result_free(env_http_result *r);
 
 #endif

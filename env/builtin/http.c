@@ -351,9 +351,76 @@ static int path_ok_(const char *p, size_t n) {
     return 1;
 }
 
+int env_http_path_confine(const char *p, size_t n, char *out, size_t cap, char *why, size_t wcap) {
+    if (n == 0 || p[0] != '/' || cap < 2) {
+        snprintf(why, wcap, "the path must start with '/'");
+        return -1;
+    }
+    const char *q = memchr(p, '?', n);
+    size_t pn = q ? (size_t)(q - p) : n; // the path part; the query follows unchanged
+    for (size_t i = 0; i + 2 < pn; i++) {
+        if (p[i] != '%') continue;
+        char h[3] = {p[i + 1], p[i + 2], 0};
+        if (!strcasecmp(h, "2e") || !strcasecmp(h, "2f") || !strcasecmp(h, "5c")) {
+            snprintf(why, wcap, "'%%%s' in the path: write '.' and '/' as they are", h);
+            return -1;
+        }
+    }
+    // out holds "/seg/seg..." so far; each segment is copied in or, for "..", cut back.
+    size_t o = 0;
+    size_t i = 1;
+    int trailing = 0; // the last segment was "." or "..": the result names a folder
+    while (i <= pn) {
+        size_t j = i;
+        while (j < pn && p[j] != '/') j++;
+        const char *seg = p + i;
+        size_t sl = j - i;
+        trailing = 0;
+        if (sl == 1 && seg[0] == '.') {
+            trailing = 1;
+        } else if (sl == 2 && seg[0] == '.' && seg[1] == '.') {
+            if (o == 0) {
+                snprintf(why, wcap, "'..' climbs above the base URL's path");
+                return -1;
+            }
+            while (o > 0 && out[o - 1] != '/') o--;
+            if (o > 0) o--; // the '/' before the removed segment
+            trailing = 1;
+        } else {
+            if (o + 1 + sl >= cap) goto too_long;
+            out[o++] = '/';
+            memcpy(out + o, seg, sl);
+            o += sl;
+        }
+        i = j + 1;
+    }
+    if (trailing || o == 0) {
+        if (o + 1 >= cap) goto too_long;
+        out[o++] = '/';
+    }
+    if (q) {
+        size_t ql = n - pn;
+        if (o + ql >= cap) goto too_long;
+        memcpy(out + o, q, ql);
+        o += ql;
+    }
+    out[o] = 0;
+    return 0;
+too_long:
+    snprintf(why, wcap, "the path is longer than %zu bytes", cap - 1);
+    return -1;
+}
+
+// GET base_url + path, the path confined under base_url's (env_http_path_confine).
 static int http_get_(http_env *e, const char *path, size_t n, env_http_result *r) {
+    char safe[1024], why[128];
+    if (env_http_path_confine(path, n, safe, sizeof safe, why, sizeof why)) {
+        memset(r, 0, sizeof *r);
+        snprintf(r->error, sizeof r->error, "refused path '%.*s': %s", (int)(n > 200 ? 200 : n), path, why);
+        return -1;
+    }
     char url[2048];
-    snprintf(url, sizeof url, "%s%.*s", e->base_url, (int)n, path);
+    snprintf(url, sizeof url, "%s%s", e->base_url, safe);
     return env_http_fetch(&e->o, url, r);
 }
 
