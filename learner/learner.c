@@ -27,6 +27,7 @@
 #include "common/wire_monitor.h"
 #include "common/wire_shared.h"
 #include "learner/train.h"
+#include "learner/weights_pub.h"
 
 #define MAX_ACTORS 256
 // Weights travel in chunks of 32 MiB: few enough messages for ZeroMQ's high-water mark (1000
@@ -43,6 +44,7 @@ typedef struct actor_rec {
                             // then it builds its model and envs, seconds of silence on a GPU,
                             // and actor_start_timeout_ms applies instead of heartbeat_timeout_ms)
     uint64_t owed;          // payload bytes received and not yet returned as credit
+    int zmq_weights;        // gets WEIGHTS chunks (no weight channel, or it asked: WEIGHTS_REQ)
 } actor_rec;
 
 typedef struct group_buf {
@@ -79,6 +81,7 @@ struct mtrl_learner {
     mtrl_algo_config algo;
     mtrl_wire_shared **wmsg; // the current weights as encoded WEIGHTS messages, shared by all sends
     uint32_t n_wmsg;
+    mtrl_weights_pub pub;    // the same-host weight channel ([learner] publish)
     actor_rec actors[MAX_ACTORS];
     int n_actors;
     group_buf *groups;
@@ -148,10 +151,9 @@ static void wmsg_free_(mtrl_learner *l) {
     l->n_wmsg = 0;
 }
 
-// Serialises the weights and encodes them as WEIGHTS messages once per version; every actor is
+// Serialises the weights and encodes them as WEIGHTS messages; every actor that gets chunks is
 // then sent the same bytes (messages still queued for an actor keep the older version alive).
-// Returns the seconds it took.
-static double publish_(mtrl_learner *l) {
+static void serialise_(mtrl_learner *l) {
     double t0 = mtrl_time_mono();
     void *blob = NULL;
     size_t len = 0;
@@ -175,10 +177,30 @@ static double publish_(mtrl_learner *l) {
     free(blob);
     double dt = mtrl_time_mono() - t0;
     if (dt > 1.0) LOG_INFO("weights version %u serialised: %.2f GB in %.1f s", l->model.version, len / 1e9, dt);
-    return dt;
+}
+
+// Publishes the current version: into the weight channel when there is one (a slot write: no
+// serialisation, the actors copy it out), and as WEIGHTS messages only while some actor gets
+// chunks. Returns the seconds it took.
+static double publish_(mtrl_learner *l) {
+    double t0 = mtrl_time_mono();
+    mtrl_weights_pub_publish(&l->pub, &l->model);
+    int chunks = !l->pub.ch;
+    for (int i = 0; i < l->n_actors && !chunks; i++) chunks = l->actors[i].alive && l->actors[i].zmq_weights;
+    if (chunks) serialise_(l);
+    else wmsg_free_(l); // a later actor that asks for chunks gets the version current then
+    return mtrl_time_mono() - t0;
 }
 
 static void send_weights_(mtrl_learner *l, actor_rec *a) {
+    if (!a->zmq_weights) {
+        mtrl_wire_out o;
+        mtrl_wire_out_init(&o);
+        if (mtrl_weights_pub_announce(&l->pub, &o)) send_(l, a, &o);
+        mtrl_wire_out_free(&o);
+        return;
+    }
+    if (!l->n_wmsg) serialise_(l);
     for (uint32_t c = 0; c < l->n_wmsg && a->alive; c++) {
         mtrl_error err;
         sent_(l, a, mtrl_wire_shared_send(&l->sock, &a->peer, l->wmsg[c], &err), &err);
@@ -371,6 +393,7 @@ static void handle_(mtrl_learner *l, mtrl_wire_in *in) {
         a->last_seen = mtrl_time_mono();
         a->welcomed = a->last_seen;
         a->heard = 0;
+        a->zmq_weights = !l->pub.ch;
         event_(l, MTRL_LOG_INFO, "actor %u (incarnation %u) joined", a->id, a->incarnation);
         mtrl_wire_out o;
         mtrl_wire_out_init(&o);
@@ -410,6 +433,9 @@ static void handle_(mtrl_learner *l, mtrl_wire_in *in) {
         a->owed += in->payload_len + MTRL_WIRE_HDR_SIZE;
         break;
     case MTRL_WIRE_WEIGHTS_REQ:
+        // An actor that cannot open the weight channel (another host) asks for chunks.
+        if (!a->zmq_weights) event_(l, MTRL_LOG_INFO, "actor %u gets the weights over ZeroMQ (the weight channel does not open there)", a->id);
+        a->zmq_weights = 1;
         send_weights_(l, a);
         break;
     case MTRL_WIRE_ROUTING_STATS:
@@ -864,6 +890,10 @@ mtrl_status mtrl_learner_open(mtrl_learner **out, const mtrl_config *cfg, const 
     l->model.segment_hook = step_hook_;
     l->model.segment_hook_user = l;
     mtrl_wbuf_init(&l->scratch);
+    if ((st = mtrl_weights_pub_init(&l->pub, &l->model, &cfg->learner, err)) != MTRL_OK) {
+        mtrl_learner_close(l);
+        return st;
+    }
     publish_(l);
     event_(l, MTRL_LOG_INFO, "run %lld (%s): learner on %s, model %zu parameters, store %s", (long long)l->run_id,
            cfg->run.name, l->sock.endpoint, mtrl_model_param_count(&l->model), db);
@@ -984,6 +1014,7 @@ void mtrl_learner_close(mtrl_learner *l) {
     while (l->n_groups) group_drop_(l, l->n_groups - 1);
     free(l->groups);
     mtrl_store_close(l->store);
+    mtrl_weights_pub_free(&l->pub); // before the model: device slots wait for its stream
     mtrl_model_free(&l->model);
     mtrl_wbuf_free(&l->scratch);
     wmsg_free_(l);
