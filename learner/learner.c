@@ -26,6 +26,7 @@
 #include "common/wire_auth.h"
 #include "common/wire_monitor.h"
 #include "common/wire_shared.h"
+#include "learner/ckpt_async.h"
 #include "learner/train.h"
 #include "learner/weights_pub.h"
 
@@ -82,6 +83,7 @@ struct mtrl_learner {
     mtrl_wire_shared **wmsg; // the current weights as encoded WEIGHTS messages, shared by all sends
     uint32_t n_wmsg;
     mtrl_weights_pub pub;    // the same-host weight channel ([learner] publish)
+    mtrl_ckpt_async *ckpt;   // the checkpoint being written in the background
     actor_rec actors[MAX_ACTORS];
     int n_actors;
     group_buf *groups;
@@ -559,22 +561,19 @@ static void log_metric_(mtrl_learner *l, const char *name, double v) {
     mtrl_store_metric_log(l->store, l->run_id, l->step, name, v, 0, NULL);
 }
 
-// with_optimizer: also the AdamW moments and step (what --resume needs; 3x the bytes). The
-// checkpoint after the warm-up holds only the weights (what replay needs).
-static void checkpoint_(mtrl_learner *l, int with_optimizer) {
-    char path[1200], hex[65], step[32], run[32];
-    snprintf(path, sizeof path, "%s/ckpt-%06ld.safetensors", l->cfg.run.out_dir, l->step);
-    snprintf(step, sizeof step, "%ld", l->step);
-    snprintf(run, sizeof run, "%lld", (long long)l->run_id);
-    const char *meta[] = {"config_hash", l->config_hash_hex, "run", run, "learner_step", step};
-    mtrl_error err;
-    if (mtrl_model_save(&l->model, path, NULL, NULL, with_optimizer, meta, 3, &err) != MTRL_OK) {
-        event_(l, MTRL_LOG_ERROR, "checkpoint: %s", err.msg);
+// A checkpoint whose write finished (wait: the one in flight, when there is one): logged in the
+// store with its hash, older files past keep_checkpoints removed. A failed write fails the run:
+// it must not end as finished with the state it meant to keep lost.
+static void checkpoint_done_(mtrl_learner *l, int wait) {
+    mtrl_ckpt_done d;
+    if (!l->ckpt || !mtrl_ckpt_async_collect(l->ckpt, wait, &d)) return;
+    if (d.status != MTRL_OK) {
+        event_(l, MTRL_LOG_ERROR, "checkpoint: %s", d.err.msg);
+        mtrl_learner_fail(l, "a checkpoint could not be written (the error is above)");
         return;
     }
-    mtrl_sha256_file_hex(path, hex);
-    LOG_INFO("checkpoint %s written", path);
-    mtrl_store_checkpoint_log(l->store, l->run_id, l->step, l->model.version, path, hex, NULL);
+    LOG_INFO("checkpoint %s written (snapshot %.2f s, then %.1f s in the background)", d.path, d.snapshot_s, d.write_s);
+    mtrl_store_checkpoint_log(l->store, l->run_id, d.step, d.version, d.path, d.sha256, NULL);
     // Retention: the newest keep_checkpoints files stay (0 = all). Rows stay as history.
     long keep = l->cfg.run.keep_checkpoints;
     if (keep > 0) {
@@ -584,6 +583,25 @@ static void checkpoint_(mtrl_learner *l, int with_optimizer) {
             for (size_t i = 0; i + (size_t)keep < n; i++) unlink(rows[i].path);
             free(rows);
         }
+    }
+}
+
+// with_optimizer: also the AdamW moments and step (what --resume needs; 3x the bytes). The
+// checkpoint after the warm-up holds only the weights (what replay needs). The state is copied
+// into a snapshot and written in the background (learner/ckpt_async.h): the step loop waits
+// only for a previous checkpoint still being written.
+static void checkpoint_(mtrl_learner *l, int with_optimizer) {
+    checkpoint_done_(l, 1);
+    char path[1200], step[32], run[32];
+    snprintf(path, sizeof path, "%s/ckpt-%06ld.safetensors", l->cfg.run.out_dir, l->step);
+    snprintf(step, sizeof step, "%ld", l->step);
+    snprintf(run, sizeof run, "%lld", (long long)l->run_id);
+    const char *meta[] = {"config_hash", l->config_hash_hex, "run", run, "learner_step", step};
+    mtrl_error err;
+    if (!l->ckpt) l->ckpt = mtrl_ckpt_async_new();
+    if (mtrl_ckpt_async_start(l->ckpt, &l->model, path, l->step, with_optimizer, meta, 3, &err) != MTRL_OK) {
+        event_(l, MTRL_LOG_ERROR, "checkpoint: %s", err.msg);
+        mtrl_learner_fail(l, "a checkpoint could not be written (the error is above)");
     }
 }
 
@@ -704,6 +722,7 @@ static void pump_(mtrl_learner *l, int timeout_ms) {
         }
     }
     check_heartbeats_(l, 1);
+    checkpoint_done_(l, 0);
     if (l->tick) l->tick(l->tick_user);
 }
 
@@ -973,6 +992,7 @@ int mtrl_learner_run(mtrl_learner *l, volatile sig_atomic_t *stop) {
     free(ready);
     if (l->progress) mtrl_progress_end(&l->prog);
     checkpoint_(l, 1);
+    checkpoint_done_(l, 1); // the last checkpoint is on disk and logged before the run ends
     // Tell the actors the run is over.
     mtrl_wire_out o;
     mtrl_wire_out_init(&o);
@@ -1014,6 +1034,7 @@ void mtrl_learner_close(mtrl_learner *l) {
     while (l->n_groups) group_drop_(l, l->n_groups - 1);
     free(l->groups);
     mtrl_store_close(l->store);
+    mtrl_ckpt_async_free(l->ckpt);
     mtrl_weights_pub_free(&l->pub); // before the model: device slots wait for its stream
     mtrl_model_free(&l->model);
     mtrl_wbuf_free(&l->scratch);
