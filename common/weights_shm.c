@@ -1,8 +1,10 @@
 // weights_shm.c: the same-host weight channel (see weights_shm.h).
 #include "common/weights_shm.h"
 
+#include <dirent.h>
 #include <errno.h>
 #include <fcntl.h>
+#include <signal.h>
 #include <inttypes.h>
 #include <stdatomic.h>
 #include <stdio.h>
@@ -58,9 +60,30 @@ static mtrl_status map_(mtrl_wshm *w, int fd, size_t bytes, int prot, mtrl_error
     return MTRL_OK;
 }
 
+// Removes the channels of writers that are gone: a learner killed with SIGKILL cannot unlink its
+// name, and its slots (gigabytes for `small`) would stay in /dev/shm until reboot. A name holds
+// its writer's pid; one whose process no longer exists is stale. (A live process that reused
+// the pid keeps the segment: the safe side.)
+static void sweep_stale_(void) {
+    DIR *d = opendir("/dev/shm");
+    if (!d) return;
+    struct dirent *e;
+    while ((e = readdir(d))) {
+        int pid;
+        char rest[32];
+        if (sscanf(e->d_name, "mtrl-w.%d.%16[0-9a-f]", &pid, rest) != 2 || pid <= 0) continue;
+        if (kill(pid, 0) == 0 || errno != ESRCH) continue;
+        char name[300];
+        snprintf(name, sizeof name, "/%s", e->d_name);
+        shm_unlink(name);
+    }
+    closedir(d);
+}
+
 mtrl_status mtrl_wshm_create(mtrl_wshm **out, mtrl_wshm_kind kind, uint64_t slot_bytes, uint64_t layout_hash,
                              mtrl_error *err) {
     *out = NULL;
+    sweep_stale_();
     uint64_t nonce = 0;
     if (getrandom(&nonce, sizeof nonce, 0) != (ssize_t)sizeof nonce) nonce = (uint64_t)getpid() * 0x9e3779b97f4a7c15ull ^ (uint64_t)(uintptr_t)&nonce;
     mtrl_wshm *w = xcalloc(1, sizeof *w);

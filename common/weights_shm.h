@@ -29,8 +29,9 @@
 // learner is gone), a header that is not one (MTRL_ERR_FORMAT: bad magic, size, slot offsets
 // outside the segment), one of another learner or an earlier run (MTRL_ERR_MISMATCH: nonce
 // differs from the announcement's; stale), and one laid out for another model (MTRL_ERR_MISMATCH:
-// layout hash or slot bytes). A writer whose process died leaves a name behind only if it was
-// killed; the nonce tells such a segment from the live one.
+// layout hash or slot bytes). A writer killed before it could remove its name leaves the
+// segment behind; the nonce tells it from a live one, and the next mtrl_wshm_create removes the
+// channels of writers whose process is gone.
 #ifndef MTRL_WEIGHTS_SHM_H
 #define MTRL_WEIGHTS_SHM_H
 
@@ -57,7 +58,8 @@ typedef struct mtrl_wshm_ticket {
 // ---- writer ---------------------------------------------------------------------------------------
 // Creates a channel of `kind` with two slots of slot_bytes (HOST: in the segment, reserved with
 // posix_fallocate so a full /dev/shm is an error here, MTRL_ERR_NOMEM naming it, and not a SIGBUS
-// later). layout_hash: the caller's digest of what a slot holds.
+// later), after removing the stale channels of dead writers (above). layout_hash: the caller's
+// digest of what a slot holds.
 mtrl_status mtrl_wshm_create(mtrl_wshm **out, mtrl_wshm_kind kind, uint64_t slot_bytes, uint64_t layout_hash,
                              mtrl_error *err);
 // The slot the next write goes to: the one not holding the latest version.

@@ -8,10 +8,12 @@
 //     final version arrives whole;
 //  2. opening a name that does not exist, a stale segment (another nonce), a corrupt header and
 //     one laid out for another model each fail with their code and a message naming the segment;
+//     the segment of a writer whose process is gone is removed by the next create;
 //  3. the model's slot (tiny, bf16 and fp32): a reader process with a differently-initialised
 //     model of the same dims gets, bit for bit, the parameters and β the ZeroMQ path would give
 //     (mtrl_model_save_bf16 / mtrl_model_save, then mtrl_model_load); a model of other dims is
 //     refused by the layout hash.
+#include <errno.h>
 #include <fcntl.h>
 #include <signal.h>
 #include <stdint.h>
@@ -172,6 +174,20 @@ static void test_refusals(void) {
     shm_unlink(bogus);
     // The writer's name goes with it.
     TEST_EQ_INT(mtrl_wshm_open(&r, name, nonce, 7, 4096, &err), MTRL_ERR_NOTFOUND);
+    // A channel left by a writer that was killed (its pid gone) is removed by the next create.
+    pid_t dead = fork();
+    if (dead == 0) _exit(0);
+    waitpid(dead, NULL, 0);
+    char left[64];
+    snprintf(left, sizeof left, "/mtrl-w.%d.00000000deadbeef", (int)dead);
+    fd = shm_open(left, O_RDWR | O_CREAT | O_EXCL, 0600);
+    TEST_CHECK(fd >= 0);
+    close(fd);
+    TEST_EQ_INT(mtrl_wshm_create(&w, MTRL_WSHM_HOST, 4096, 7, &err), MTRL_OK);
+    fd = shm_open(left, O_RDONLY, 0);
+    TEST_CHECKF(fd < 0 && errno == ENOENT, "%s of a dead writer is still there", left);
+    if (fd >= 0) close(fd);
+    mtrl_wshm_close(w);
 }
 
 static void test_model_slot(int bf16) {
