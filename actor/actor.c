@@ -15,8 +15,10 @@
 #include "common/checkpoint.h"
 #include "common/fsutil.h"
 #include "common/log.h"
+#include "common/model/model_wshm.h"
 #include "common/timeutil.h"
 #include "common/tokenizer.h"
+#include "common/weights_shm.h"
 #include "common/wire.h"
 #include "common/wire_auth.h"
 #include "common/wire_monitor.h"
@@ -55,6 +57,12 @@ typedef struct actor {
     uint8_t *wbuf;
     uint64_t wlen, wgot;
     uint32_t wversion, wcount, wseen;
+    // the same-host weight channel (WEIGHTS_AT): the announcement still to copy out
+    mtrl_wshm *wch;
+    mtrl_wshm_layout wlay;
+    mtrl_model_wshm_dev *wdev;  // its device slots (CUDA IPC)
+    int wpending, wslot;
+    uint32_t wat_version;
     // episode streams and the outbox
     stream *streams;
     int n_streams, cap_streams;
@@ -328,6 +336,8 @@ static int rollout_build_(actor *a, uint64_t next_group, uint64_t next_episode) 
     return 1;
 }
 
+static void weights_at_close_(actor *a);
+
 static int setup_(actor *a, const mtrl_wire_msg *m) {
     mtrl_config_errors errs = {0};
     if (mtrl_config_load_text(&a->cfg, "<experiment from the learner>", m->text ? m->text : "", NULL, 0, &errs) != MTRL_OK) {
@@ -359,7 +369,10 @@ static int setup_(actor *a, const mtrl_wire_msg *m) {
         if (a->ro) mtrl_rollout_counters(a->ro, &next_group, &next_episode);
         mtrl_rollout_free(a->ro);
         a->ro = NULL;
-        if (!keep) mtrl_model_free(&a->model);
+        if (!keep) {
+            weights_at_close_(a); // its layout and device mappings are the old model's
+            mtrl_model_free(&a->model);
+        }
     }
     if (!keep && mtrl_model_init_on(&a->model, &d, (uint64_t)a->cfg.run.seed, device, gpu, &err) != MTRL_OK) {
         LOG_ERROR("%s", err.msg);
@@ -481,6 +494,92 @@ static void weights_chunk_(actor *a, const mtrl_wire_msg *m) {
     LOG_DEBUG("weights version %u loaded", a->wversion);
 }
 
+// ---- the same-host weight channel (WEIGHTS_AT, common/weights_shm.h) --------------------------------------
+
+static void weights_at_close_(actor *a) {
+    mtrl_model_wshm_dev_free(a->wdev);
+    mtrl_wshm_close(a->wch);
+    mtrl_model_wshm_layout_free(&a->wlay);
+    a->wdev = NULL;
+    a->wch = NULL;
+    a->wpending = 0;
+}
+
+// Opens the announced channel (once per learner: its name and nonce). 0 when it cannot be read
+// here; the learner is then asked for ZeroMQ chunks (publish = auto) or the actor stops (shm).
+static int weights_at_open_(actor *a, const mtrl_wire_msg *m) {
+    if (a->wch && !strcmp(mtrl_wshm_name(a->wch), m->text) && mtrl_wshm_nonce(a->wch) == m->nonce) return 1;
+    weights_at_close_(a);
+    mtrl_model_wshm_layout(&a->model, !strcmp(a->cfg.learner.publish_dtype, "bf16"), &a->wlay);
+    mtrl_error err;
+    mtrl_status st = mtrl_wshm_open(&a->wch, m->text, m->nonce, a->wlay.hash, a->wlay.slot_bytes, &err);
+    if (st == MTRL_OK && mtrl_wshm_kind_of(a->wch) == MTRL_WSHM_DEVICE)
+        st = mtrl_model_wshm_dev_open(&a->wdev, &a->model, &a->wlay, a->wch, &err);
+    if (st == MTRL_OK) {
+        LOG_INFO("weights through the same-host channel %s (%s)", m->text, a->wdev ? "CUDA IPC" : "shared memory");
+        return 1;
+    }
+    weights_at_close_(a);
+    if (!strcmp(a->cfg.learner.publish, "shm")) {
+        LOG_ERROR("[learner] publish = shm: %s", err.msg);
+        a->bye = 3;
+        return 0;
+    }
+    LOG_INFO("%s: asking for the weights over ZeroMQ", err.msg);
+    mtrl_wire_out o;
+    mtrl_wire_out_init(&o);
+    mtrl_wire_encode_weights_req(&o, 0, m->weight_version);
+    send_now_(a, &o);
+    mtrl_wire_out_free(&o);
+    return 0;
+}
+
+static int newer_(uint32_t v, uint32_t than) { return (int32_t)(v - than) > 0; }
+
+// Copies the announced version out of the channel, or a newer one when the learner has written
+// past it (the slot moved on, or it did so during the copy: a torn copy is retried from the
+// latest complete slot). A device copy whose stamp has not landed yet is tried again on the next
+// turn of the loop.
+static void weights_at_read_(actor *a) {
+    for (int tries = 0; a->wpending && tries < 4; tries++) {
+        mtrl_wshm_ticket t;
+        const void *data;
+        mtrl_error err;
+        mtrl_status st = mtrl_wshm_read_begin(a->wch, a->wat_version, a->wslot, &t, &data, &err);
+        if (st == MTRL_OK) {
+            send_qb_stats_(a); // what the old β routed goes out under the old version
+            if (a->wdev) mtrl_model_wshm_dev_unpack(a->wdev, &a->model, t.slot);
+            else mtrl_model_wshm_unpack_host(&a->model, &a->wlay, data);
+            if (mtrl_wshm_read_end(a->wch, &t)) {
+                a->model.version = t.version;
+                a->have_weights = 1;
+                a->wpending = 0;
+                LOG_DEBUG("weights version %u copied from slot %d", t.version, t.slot);
+                return;
+            }
+            a->have_weights = 0; // torn: the parameters are a mix until the retry
+        } else if (st == MTRL_ERR_FORMAT) {
+            LOG_ERROR("%s", err.msg);
+            a->wpending = 0;
+            return;
+        }
+        uint32_t v;
+        int slot;
+        if (!mtrl_wshm_latest(a->wch, &v, &slot) || (st == MTRL_ERR_STATE && !newer_(v, a->wat_version))) return;
+        a->wat_version = v;
+        a->wslot = slot;
+    }
+}
+
+static void weights_at_(actor *a, const mtrl_wire_msg *m) {
+    if (!a->have_model || !weights_at_open_(a, m)) return;
+    if (a->wpending && !newer_(m->weight_version, a->wat_version)) return;
+    a->wat_version = m->weight_version;
+    a->wslot = (int)m->slot;
+    a->wpending = 1;
+    weights_at_read_(a);
+}
+
 // Handles everything waiting on the socket (waits up to timeout_ms for the first message).
 static int poll_(actor *a, int timeout_ms) {
     mtrl_wire_in in;
@@ -511,6 +610,7 @@ static int poll_(actor *a, int timeout_ms) {
                 a->resync = 0;
                 break;
             case MTRL_WIRE_WEIGHTS: weights_chunk_(a, &m); break;
+            case MTRL_WIRE_WEIGHTS_AT: weights_at_(a, &m); break;
             case MTRL_WIRE_CREDIT:
                 a->credit += (int64_t)m.credit_bytes;
                 // After a warm-up WELCOME with no credit, the first grant sets the full credit.
@@ -532,6 +632,7 @@ static int poll_(actor *a, int timeout_ms) {
         mtrl_wire_msg_free(&m);
         s = mtrl_wire_recv(&a->sock, 0, &in, &a->rx, &err);
     }
+    if (a->wpending) weights_at_read_(a);
     return got;
 }
 
@@ -674,6 +775,7 @@ int mtrl_actor_main(const char *endpoint, uint32_t actor_id, int gpu, volatile s
     LOG_INFO("%ld episodes streamed; outbox peak %d messages, %.1f KB; leaving", a.episodes_done, a.out_peak,
              a.out_peak_bytes / 1e3);
     mtrl_rollout_free(a.ro);
+    weights_at_close_(&a);
     if (a.have_model) mtrl_model_free(&a.model);
     for (int i = a.out_head; i < a.n_out; i++) mtrl_wire_out_free(&a.out[i].o);
     free(a.out);

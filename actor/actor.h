@@ -1,7 +1,9 @@
 // actor.h: the actor process (`mtrl actor --connect ENDPOINT`), architecture §3 and §5.
 //
 // It says HELLO to the learner with its id and a fresh incarnation, builds the model and env
-// from the experiment the WELCOME carries, loads the weights the learner sends, then runs
+// from the experiment the WELCOME carries, loads the weights the learner sends (copied out of
+// the same-host weight channel a WEIGHTS_AT names, common/weights_shm.h, or WEIGHTS chunks
+// when the channel does not open here), then runs
 // episodes (actor/rollout.h) and streams each as BEGIN, CHUNKs of at most [actor] chunk_tokens
 // tokens as they are produced, and END, never sending more bytes than the learner's credit
 // allows (generation pauses while the credit is spent). New weights are applied between

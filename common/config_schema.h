@@ -102,6 +102,7 @@
     X(learner, qb, BOOL, "true", 0, 0, NULL, "update the router bias by Quantile Balancing")       \
     X(learner, publish_every, INT, "1", 1, 1000000, NULL, "send the actors every N-th weight version (fewer loads; episodes get up to N-1 versions staler: raise max_staleness with it)") \
     X(learner, publish_dtype, ENUM, "fp32", 0, 0, "fp32|bf16", "weights sent to the actors: fp32, or bf16 matrices (half the bytes; the actors then sample from rounded weights, which the learner's importance correction sees as mismatch)") \
+    X(learner, publish, ENUM, "auto", 0, 0, "auto|shm|zmq", "how the actors get the weights: auto (a same-host channel: shared memory, or CUDA IPC device to device when the model is on a GPU, for every actor that can open it, e.g. those mtrl run starts; the others, on other hosts, get ZeroMQ chunks), shm (the channel only: an actor that cannot open it stops with an error; the learner fails if it cannot create it) or zmq (safetensors chunks over ZeroMQ to every actor)") \
     X(learner, qb_actor_stats, BOOL, "false", 0, 0, NULL, "also fold the beta implied by the actors' decode-time routing into each QB update") \
     X(learner, heartbeat_timeout_ms, INT, "5000", 100, 3600000, NULL, "an actor silent this long is dead") \
     X(learner, actor_start_timeout_ms, INT, "120000", 100, 3600000, NULL, "... or this long after its WELCOME, before its first message (it builds its model and envs)") \

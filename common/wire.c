@@ -12,7 +12,8 @@
 
 const char *mtrl_wire_type_name(uint16_t type) {
     static const char *names[] = {NULL, "HELLO", "WELCOME", "CREDIT", "BEGIN", "CHUNK", "END",
-                                  "WEIGHTS_REQ", "WEIGHTS", "ROUTING_STATS", "HEARTBEAT", "BYE", "ERROR", "ACTOR_STATS"};
+                                  "WEIGHTS_REQ", "WEIGHTS", "ROUTING_STATS", "HEARTBEAT", "BYE", "ERROR", "ACTOR_STATS",
+                                  "WEIGHTS_AT"};
     if (type >= 1 && type <= MTRL_WIRE_TYPE_MAX) return names[type];
     return "UNKNOWN";
 }
@@ -190,6 +191,21 @@ void mtrl_wire_encode_error(mtrl_wire_out *o, int32_t code, const char *text) {
     finish_(o, MTRL_WIRE_ERROR, 0, 0);
 }
 
+#define WEIGHTS_AT_NAME_MAX 63 // MTRL_WSHM_NAME_MAX - 1
+
+static void weights_at_payload_(mtrl_wbuf *b, uint32_t version, uint32_t slot, uint64_t nonce, const char *name) {
+    mtrl_wbuf_u32(b, version);
+    mtrl_wbuf_u32(b, slot);
+    mtrl_wbuf_u64(b, nonce);
+    mtrl_wbuf_str(b, name);
+}
+
+void mtrl_wire_encode_weights_at(mtrl_wire_out *o, uint32_t version, uint32_t slot, uint64_t nonce, const char *name) {
+    MTRL_CHECKF(strlen(name) <= WEIGHTS_AT_NAME_MAX, "weight channel name too long: %s", name);
+    weights_at_payload_(begin_(o), version, slot, nonce, name);
+    finish_(o, MTRL_WIRE_WEIGHTS_AT, 0, 0);
+}
+
 // ---- decoders --------------------------------------------------------------------------------
 
 // The largest payload a type may carry under lim (checked before the payload is looked at).
@@ -205,6 +221,7 @@ static uint64_t type_cap_(uint16_t type, const mtrl_wire_limits *lim) {
     case MTRL_WIRE_ACTOR_STATS: cap = 8 + 8 * MTRL_WIRE_ACTOR_STATS_FIELDS; break;
     case MTRL_WIRE_BYE: cap = 4 + (uint64_t)lim->max_text; break;
     case MTRL_WIRE_ERROR: cap = 8 + (uint64_t)lim->max_text; break;
+    case MTRL_WIRE_WEIGHTS_AT: cap = 20 + WEIGHTS_AT_NAME_MAX; break;
     default: cap = lim->max_payload; break; // BEGIN, CHUNK, END, WEIGHTS
     }
     return cap < lim->max_payload ? cap : lim->max_payload;
@@ -354,6 +371,12 @@ static mtrl_status decode_payload_(const void *payload, size_t n, const mtrl_wir
         m->code = (int32_t)mtrl_rbuf_u32(&r, "code");
         if (mtrl_rbuf_str(&r, lim->max_text, "text", &m->text)) return r.status;
         return trailing_(&r);
+    case MTRL_WIRE_WEIGHTS_AT:
+        m->weight_version = mtrl_rbuf_u32(&r, "version");
+        m->slot = mtrl_rbuf_u32(&r, "slot");
+        m->nonce = mtrl_rbuf_u64(&r, "nonce");
+        if (mtrl_rbuf_str(&r, WEIGHTS_AT_NAME_MAX, "channel name", &m->text)) return r.status;
+        return trailing_(&r);
     case MTRL_WIRE_WEIGHTS: {
         m->weight_version = mtrl_rbuf_u32(&r, "version");
         m->chunk_index = mtrl_rbuf_u32(&r, "chunk_index");
@@ -481,6 +504,7 @@ void mtrl_wire_msg_encode(mtrl_wire_out *o, const mtrl_wire_msg *m) {
         mtrl_wbuf_u32(b, (uint32_t)m->code);
         mtrl_wbuf_str(b, m->text);
         break;
+    case MTRL_WIRE_WEIGHTS_AT: weights_at_payload_(b, m->weight_version, m->slot, m->nonce, m->text ? m->text : ""); break;
     case MTRL_WIRE_WEIGHTS:
         weights_payload_(b, m->weight_version, m->chunk_index, m->chunk_count, m->blob_bytes, m->blob_offset,
                          m->chunk_digest, m->data, m->data_len);

@@ -45,6 +45,10 @@
 //                   rest of the protocol is unchanged.
 //     BYE           str reason (may be empty)
 //     ERROR         i32 code (mtrl_status), str text
+//     WEIGHTS_AT    u32 version, u32 slot, u64 nonce, str channel name (at most 63 bytes): the
+//                   weights of that version are in that slot of the same-host weight channel
+//                   (common/weights_shm.h); an actor that cannot open it answers WEIGHTS_REQ and
+//                   gets WEIGHTS chunks from then on
 // Every length is checked against mtrl_wire_limits before anything is allocated. Decoders are
 // strict (reserved fields zero, nothing trailing), so an accepted message re-encodes to the
 // same bytes.
@@ -85,8 +89,9 @@ typedef enum mtrl_wire_type {
     MTRL_WIRE_BYE = 11,
     MTRL_WIRE_ERROR = 12,
     MTRL_WIRE_ACTOR_STATS = 13,
+    MTRL_WIRE_WEIGHTS_AT = 14,
 } mtrl_wire_type;
-#define MTRL_WIRE_TYPE_MAX 13
+#define MTRL_WIRE_TYPE_MAX 14
 
 // "HELLO", "CHUNK", ...; "UNKNOWN" for anything else.
 const char *mtrl_wire_type_name(uint16_t type);
@@ -165,6 +170,7 @@ void mtrl_wire_encode_heartbeat(mtrl_wire_out *o);
 void mtrl_wire_encode_actor_stats(mtrl_wire_out *o, const mtrl_wire_actor_stats *s);
 void mtrl_wire_encode_bye(mtrl_wire_out *o, const char *reason);
 void mtrl_wire_encode_error(mtrl_wire_out *o, int32_t code, const char *text);
+void mtrl_wire_encode_weights_at(mtrl_wire_out *o, uint32_t version, uint32_t slot, uint64_t nonce, const char *name);
 
 // Decodes and checks a header frame: size, magic, protocol version (MTRL_ERR_MISMATCH), type,
 // flags, reserved, and the payload length against the per-type cap.
@@ -201,6 +207,9 @@ typedef struct mtrl_wire_msg {
     mtrl_wire_actor_stats actor_stats;
     // ERROR
     int32_t code;
+    // WEIGHTS_AT (weight_version; text = the channel name)
+    uint32_t slot;
+    uint64_t nonce;
 } mtrl_wire_msg;
 
 void mtrl_wire_msg_init(mtrl_wire_msg *m);

@@ -26,8 +26,10 @@
 #include "common/wire_auth.h"
 #include "common/wire_monitor.h"
 #include "common/wire_shared.h"
+#include "learner/ckpt_async.h"
 #include "learner/perf.h"
 #include "learner/train.h"
+#include "learner/weights_pub.h"
 
 #define MAX_ACTORS 256
 // Weights travel in chunks of 32 MiB: few enough messages for ZeroMQ's high-water mark (1000
@@ -44,6 +46,7 @@ typedef struct actor_rec {
                             // then it builds its model and envs, seconds of silence on a GPU,
                             // and actor_start_timeout_ms applies instead of heartbeat_timeout_ms)
     uint64_t owed;          // payload bytes received and not yet returned as credit
+    int zmq_weights;        // gets WEIGHTS chunks (no weight channel, or it asked: WEIGHTS_REQ)
 } actor_rec;
 
 typedef struct group_buf {
@@ -80,6 +83,8 @@ struct mtrl_learner {
     mtrl_algo_config algo;
     mtrl_wire_shared **wmsg; // the current weights as encoded WEIGHTS messages, shared by all sends
     uint32_t n_wmsg;
+    mtrl_weights_pub pub;    // the same-host weight channel ([learner] publish)
+    mtrl_ckpt_async *ckpt;   // the checkpoint being written in the background
     actor_rec actors[MAX_ACTORS];
     int n_actors;
     group_buf *groups;
@@ -154,10 +159,9 @@ static void wmsg_free_(mtrl_learner *l) {
     l->n_wmsg = 0;
 }
 
-// Serialises the weights and encodes them as WEIGHTS messages once per version; every actor is
+// Serialises the weights and encodes them as WEIGHTS messages; every actor that gets chunks is
 // then sent the same bytes (messages still queued for an actor keep the older version alive).
-// Returns the seconds it took.
-static double publish_(mtrl_learner *l) {
+static void serialise_(mtrl_learner *l) {
     double t0 = mtrl_time_mono();
     void *blob = NULL;
     size_t len = 0;
@@ -181,10 +185,30 @@ static double publish_(mtrl_learner *l) {
     free(blob);
     double dt = mtrl_time_mono() - t0;
     if (dt > 1.0) LOG_INFO("weights version %u serialised: %.2f GB in %.1f s", l->model.version, len / 1e9, dt);
-    return dt;
+}
+
+// Publishes the current version: into the weight channel when there is one (a slot write: no
+// serialisation, the actors copy it out), and as WEIGHTS messages only while some actor gets
+// chunks. Returns the seconds it took.
+static double publish_(mtrl_learner *l) {
+    double t0 = mtrl_time_mono();
+    mtrl_weights_pub_publish(&l->pub, &l->model);
+    int chunks = !l->pub.ch;
+    for (int i = 0; i < l->n_actors && !chunks; i++) chunks = l->actors[i].alive && l->actors[i].zmq_weights;
+    if (chunks) serialise_(l);
+    else wmsg_free_(l); // a later actor that asks for chunks gets the version current then
+    return mtrl_time_mono() - t0;
 }
 
 static void send_weights_(mtrl_learner *l, actor_rec *a) {
+    if (!a->zmq_weights) {
+        mtrl_wire_out o;
+        mtrl_wire_out_init(&o);
+        if (mtrl_weights_pub_announce(&l->pub, &o)) send_(l, a, &o);
+        mtrl_wire_out_free(&o);
+        return;
+    }
+    if (!l->n_wmsg) serialise_(l);
     for (uint32_t c = 0; c < l->n_wmsg && a->alive; c++) {
         mtrl_error err;
         sent_(l, a, mtrl_wire_shared_send(&l->sock, &a->peer, l->wmsg[c], &err), &err);
@@ -392,6 +416,7 @@ static void handle_(mtrl_learner *l, mtrl_wire_in *in) {
         a->last_seen = mtrl_time_mono();
         a->welcomed = a->last_seen;
         a->heard = 0;
+        a->zmq_weights = !l->pub.ch;
         event_(l, MTRL_LOG_INFO, "actor %u (incarnation %u) joined", a->id, a->incarnation);
         mtrl_wire_out o;
         mtrl_wire_out_init(&o);
@@ -431,6 +456,9 @@ static void handle_(mtrl_learner *l, mtrl_wire_in *in) {
         a->owed += in->payload_len + MTRL_WIRE_HDR_SIZE;
         break;
     case MTRL_WIRE_WEIGHTS_REQ:
+        // An actor that cannot open the weight channel (another host) asks for chunks.
+        if (!a->zmq_weights) event_(l, MTRL_LOG_INFO, "actor %u gets the weights over ZeroMQ (the weight channel does not open there)", a->id);
+        a->zmq_weights = 1;
         send_weights_(l, a);
         break;
     case MTRL_WIRE_ROUTING_STATS:
@@ -557,22 +585,19 @@ static void log_metric_(mtrl_learner *l, const char *name, double v) {
     mtrl_store_metric_log(l->store, l->run_id, l->step, name, v, 0, NULL);
 }
 
-// with_optimizer: also the AdamW moments and step (what --resume needs; 3x the bytes). The
-// checkpoint after the warm-up holds only the weights (what replay needs).
-static void checkpoint_(mtrl_learner *l, int with_optimizer) {
-    char path[1200], hex[65], step[32], run[32];
-    snprintf(path, sizeof path, "%s/ckpt-%06ld.safetensors", l->cfg.run.out_dir, l->step);
-    snprintf(step, sizeof step, "%ld", l->step);
-    snprintf(run, sizeof run, "%lld", (long long)l->run_id);
-    const char *meta[] = {"config_hash", l->config_hash_hex, "run", run, "learner_step", step};
-    mtrl_error err;
-    if (mtrl_model_save(&l->model, path, NULL, NULL, with_optimizer, meta, 3, &err) != MTRL_OK) {
-        event_(l, MTRL_LOG_ERROR, "checkpoint: %s", err.msg);
+// A checkpoint whose write finished (wait: the one in flight, when there is one): logged in the
+// store with its hash, older files past keep_checkpoints removed. A failed write fails the run:
+// it must not end as finished with the state it meant to keep lost.
+static void checkpoint_done_(mtrl_learner *l, int wait) {
+    mtrl_ckpt_done d;
+    if (!l->ckpt || !mtrl_ckpt_async_collect(l->ckpt, wait, &d)) return;
+    if (d.status != MTRL_OK) {
+        event_(l, MTRL_LOG_ERROR, "checkpoint: %s", d.err.msg);
+        mtrl_learner_fail(l, "a checkpoint could not be written (the error is above)");
         return;
     }
-    mtrl_sha256_file_hex(path, hex);
-    LOG_INFO("checkpoint %s written", path);
-    mtrl_store_checkpoint_log(l->store, l->run_id, l->step, l->model.version, path, hex, NULL);
+    LOG_INFO("checkpoint %s written (snapshot %.2f s, then %.1f s in the background)", d.path, d.snapshot_s, d.write_s);
+    mtrl_store_checkpoint_log(l->store, l->run_id, d.step, d.version, d.path, d.sha256, NULL);
     // Retention: the newest keep_checkpoints files stay (0 = all). Rows stay as history.
     long keep = l->cfg.run.keep_checkpoints;
     if (keep > 0) {
@@ -592,6 +617,25 @@ static void perf_cycle_end_(mtrl_learner *l, double now, int log) {
     mtrl_perf_add(&l->tot, &l->cyc);
     memset(&l->cyc, 0, sizeof l->cyc);
     l->t_cycle = now;
+}
+
+// with_optimizer: also the AdamW moments and step (what --resume needs; 3x the bytes). The
+// checkpoint after the warm-up holds only the weights (what replay needs). The state is copied
+// into a snapshot and written in the background (learner/ckpt_async.h): the step loop waits
+// only for a previous checkpoint still being written.
+static void checkpoint_(mtrl_learner *l, int with_optimizer) {
+    checkpoint_done_(l, 1);
+    char path[1200], step[32], run[32];
+    snprintf(path, sizeof path, "%s/ckpt-%06ld.safetensors", l->cfg.run.out_dir, l->step);
+    snprintf(step, sizeof step, "%ld", l->step);
+    snprintf(run, sizeof run, "%lld", (long long)l->run_id);
+    const char *meta[] = {"config_hash", l->config_hash_hex, "run", run, "learner_step", step};
+    mtrl_error err;
+    if (!l->ckpt) l->ckpt = mtrl_ckpt_async_new();
+    if (mtrl_ckpt_async_start(l->ckpt, &l->model, path, l->step, with_optimizer, meta, 3, &err) != MTRL_OK) {
+        event_(l, MTRL_LOG_ERROR, "checkpoint: %s", err.msg);
+        mtrl_learner_fail(l, "a checkpoint could not be written (the error is above)");
+    }
 }
 
 static void rl_step_(mtrl_learner *l, int *ready, int n_ready) {
@@ -723,6 +767,7 @@ static void pump_(mtrl_learner *l, int timeout_ms) {
         }
     }
     check_heartbeats_(l, 1);
+    checkpoint_done_(l, 0);
     if (l->tick) l->tick(l->tick_user);
 }
 
@@ -910,6 +955,10 @@ mtrl_status mtrl_learner_open(mtrl_learner **out, const mtrl_config *cfg, const 
     l->model.segment_hook = step_hook_;
     l->model.segment_hook_user = l;
     mtrl_wbuf_init(&l->scratch);
+    if ((st = mtrl_weights_pub_init(&l->pub, &l->model, &cfg->learner, err)) != MTRL_OK) {
+        mtrl_learner_close(l);
+        return st;
+    }
     publish_(l);
     event_(l, MTRL_LOG_INFO, "run %lld (%s): learner on %s, model %zu parameters, store %s", (long long)l->run_id,
            cfg->run.name, l->sock.endpoint, mtrl_model_param_count(&l->model), db);
@@ -1004,6 +1053,7 @@ int mtrl_learner_run(mtrl_learner *l, volatile sig_atomic_t *stop) {
     perf_cycle_end_(l, mtrl_time_mono(), 0);
     mtrl_perf_log(l->store, l->run_id, l->step, "rl.", &l->tot);
     checkpoint_(l, 1);
+    checkpoint_done_(l, 1); // the last checkpoint is on disk and logged before the run ends
     // Tell the actors the run is over.
     mtrl_wire_out o;
     mtrl_wire_out_init(&o);
@@ -1045,6 +1095,8 @@ void mtrl_learner_close(mtrl_learner *l) {
     while (l->n_groups) group_drop_(l, l->n_groups - 1);
     free(l->groups);
     mtrl_store_close(l->store);
+    mtrl_ckpt_async_free(l->ckpt);
+    mtrl_weights_pub_free(&l->pub); // before the model: device slots wait for its stream
     mtrl_model_free(&l->model);
     mtrl_wbuf_free(&l->scratch);
     wmsg_free_(l);

@@ -1,8 +1,9 @@
 // learner.h: the learner process (architecture §3, §5, §6).
 //
 // It binds a ZeroMQ ROUTER, welcomes actors (HELLO → WELCOME with the resolved experiment, so
-// an actor builds the same model and env), serves weights (WEIGHTS_REQ → WEIGHTS chunks of the
-// safetensors blob of the current version), assembles streamed episodes (BEGIN / CHUNK / END,
+// an actor builds the same model and env), serves weights (WEIGHTS_AT: the version is in a slot
+// of the same-host weight channel, learner/weights_pub.h; or, with [learner] publish = zmq and
+// for actors that answer WEIGHTS_REQ, WEIGHTS chunks of the safetensors blob), assembles streamed episodes (BEGIN / CHUNK / END,
 // common/wire.h) and commits each finished one to the trajectory file and the run store. When
 // `[learner] batch_groups` groups of `[algo] group_size` episodes are complete it takes one
 // optimizer step (learner/train.h), updates QB β after the step, publishes version + 1 and logs
@@ -13,7 +14,8 @@
 //
 // An optional [warmup] stage runs first: supervised steps on env demonstrations.
 // Checkpoints (parameters, AdamW, β, step, version, counters) every `checkpoint_every` steps
-// and at the end; `resume` continues the last run of the database from its last checkpoint.
+// and at the end, written from a snapshot in the background (learner/ckpt_async.h; a failed
+// write fails the run); `resume` continues the last run of the database from its last checkpoint.
 // Where the time of RL goes (the learner's and the actors' splits, tokens, episodes) is logged
 // per step and in total at the end of RL: learner/perf.h lists the metrics.
 #ifndef MTRL_LEARNER_H

@@ -186,7 +186,7 @@ static void test_usage(void) {
     test_result_free(&r);
     // `mtrl --help` and `mtrl bench --help` name rl, and nothing this build lacks.
     r = test_run_in(dir_, (char *[]){(char *)bin_, "--help", NULL});
-    TEST_CONTAINS(r.out, "benchmarks: model, long, learner, decode, rl");
+    TEST_CONTAINS(r.out, "benchmarks: model, long, learner, decode, publish, rl");
     test_result_free(&r);
     r = test_run_in(dir_, (char *[]){(char *)bin_, "bench", "--help", NULL});
     TEST_CONTAINS(r.out, "mtrl bench rl EXPERIMENT.ini [--seconds N]");

@@ -158,6 +158,12 @@ static void test_short_run(void) {
     TEST_CHECK(query_int(db, "SELECT count(*) FROM episodes") >= 8);
     TEST_CHECK(query_int(db, "SELECT count(*) FROM experts") == 3 * 3 * 8); // steps x MoE layers x experts
     TEST_CHECK(query_int(db, "SELECT count(*) FROM checkpoints") >= 1);
+    // The local actors got the weights through the same-host channel ([learner] publish = auto),
+    // none over ZeroMQ (the publish_every run below checks the versions they generated with).
+    char *text = test_slurp(log, NULL);
+    TEST_CHECKF(strstr(text, "weights through the same-host channel /mtrl-w.") != NULL, "%s: no actor used the weight channel", log);
+    TEST_CHECKF(strstr(text, "over ZeroMQ") == NULL, "%s: an actor asked for the weights over ZeroMQ", log);
+    free(text);
     TEST_EQ_INT(query_int(db, "SELECT count(*) FROM episodes WHERE status NOT IN ('complete','truncated','aborted','rejected')"), 0);
     check_digests(db);
     // `mtrl run --resume` continues the same run from its last checkpoint to the new step count.

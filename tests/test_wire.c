@@ -148,6 +148,14 @@ static void test_messages(void) {
     TEST_EQ_INT(m.code, MTRL_ERR_MISMATCH);
     TEST_EQ_STR(m.text, "config hash differs");
 
+    mtrl_wire_encode_weights_at(&o, 9, 1, 0x0123456789abcdefull, "/mtrl-w.42.0123456789abcdef");
+    decode_ok(&o, &m, "WEIGHTS_AT");
+    TEST_EQ_INT(m.weight_version, 9);
+    TEST_EQ_INT(m.slot, 1);
+    TEST_CHECK(m.nonce == 0x0123456789abcdefull);
+    TEST_EQ_STR(m.text, "/mtrl-w.42.0123456789abcdef");
+
+    TEST_EQ_STR(mtrl_wire_type_name(MTRL_WIRE_WEIGHTS_AT), "WEIGHTS_AT");
     TEST_EQ_STR(mtrl_wire_type_name(MTRL_WIRE_ROUTING_STATS), "ROUTING_STATS");
     TEST_EQ_STR(mtrl_wire_type_name(99), "UNKNOWN");
     mtrl_traj_free(&t);
@@ -188,7 +196,7 @@ static void test_malformed(void) {
     expect_bad(h, 40, o.payload.data, o.payload.len, &lim_, MTRL_ERR_MISMATCH, "protocol version 2");
     memcpy(h, o.hdr, 40);
     mtrl_st16(h + 6, MTRL_WIRE_TYPE_MAX + 1);
-    expect_bad(h, 40, o.payload.data, o.payload.len, &lim_, MTRL_ERR_FORMAT, "unknown message type 14");
+    expect_bad(h, 40, o.payload.data, o.payload.len, &lim_, MTRL_ERR_FORMAT, "unknown message type 15");
     memcpy(h, o.hdr, 40);
     mtrl_st32(h + 8, 4);
     expect_bad(h, 40, o.payload.data, o.payload.len, &lim_, MTRL_ERR_FORMAT, "unknown flags");

@@ -21,6 +21,12 @@
 //   mtrl bench decode [--device cpu|cuda] [--preset tiny|small | --config EXPERIMENT.ini] [--batches 1,64,256]
 //                     [--ctx LO:HI] [--steps N] [--profile]
 //       batched decode at mixed contexts: ms per step against the step's memory roofline
+//   mtrl bench publish [--device cpu|cuda] [--preset tiny|small | --config EXPERIMENT.ini] [--dtype bf16|fp32] [--reps R]
+//       the cost of publishing one weight version, learner side and actor side, both ways: the
+//       ZeroMQ path (safetensors blob + 32 MiB WEIGHTS messages with their CRC; the actor
+//       reassembles, parses and loads) and the same-host weight channel (a slot write; the actor
+//       copies out: on a GPU the pack kernel on the model's stream and the unpack kernel, device to
+//       device, what CUDA IPC maps into the actor). Seconds and GB/s of published bytes, best of R
 //   mtrl bench ops --device cuda [...]   the CUDA kernels against the measured ceilings
 //   mtrl bench rl EXPERIMENT.ini [--seconds N] [...]   the RL loop end to end (tools/cmd_bench_rl.c)
 #include <stdlib.h>
@@ -33,6 +39,12 @@
 #include "common/model/backend.h"
 #include "common/model/model.h"
 #include "common/model/model_plan.h"
+#include "common/model/model_wshm.h"
+#include "common/check.h"
+#include "common/checkpoint.h"
+#include "common/hash.h"
+#include "common/weights_shm.h"
+#include "common/wire.h"
 #include "common/rng.h"
 #include "common/timeutil.h"
 #include "common/tokenizer.h"
@@ -46,7 +58,7 @@
 #else
 #define BENCH_OPS_USAGE_ "" // not in this build
 #endif
-#define BENCH_USAGE "mtrl bench model [--device cpu|cuda] [--preset tiny|small | --config EXPERIMENT.ini] [--tokens N] [--seqs B] [--segment S] [--reps R] [--profile] | mtrl bench long [--device cpu|cuda] [--preset tiny|small | --config EXPERIMENT.ini] [--tokens T] [--decode N] [--profile] | mtrl bench learner [--device cpu|cuda] [--preset tiny|small | --config EXPERIMENT.ini] [--batches 1x65536,64x1024,512x128,1x262144+200x512] [--reps R] [--profile] | mtrl bench decode [--device cpu|cuda] [--preset tiny|small | --config EXPERIMENT.ini] [--batches 1,64,256] [--ctx LO:HI] [--steps N] [--profile] | mtrl bench rl EXPERIMENT.ini [--seconds N] [--db runs.db] [--set section.key=value ...]" BENCH_OPS_USAGE_
+#define BENCH_USAGE "mtrl bench model [--device cpu|cuda] [--preset tiny|small | --config EXPERIMENT.ini] [--tokens N] [--seqs B] [--segment S] [--reps R] [--profile] | mtrl bench long [--device cpu|cuda] [--preset tiny|small | --config EXPERIMENT.ini] [--tokens T] [--decode N] [--profile] | mtrl bench learner [--device cpu|cuda] [--preset tiny|small | --config EXPERIMENT.ini] [--batches 1x65536,64x1024,512x128,1x262144+200x512] [--reps R] [--profile] | mtrl bench decode [--device cpu|cuda] [--preset tiny|small | --config EXPERIMENT.ini] [--batches 1,64,256] [--ctx LO:HI] [--steps N] [--profile] | mtrl bench publish [--device cpu|cuda] [--preset tiny|small | --config EXPERIMENT.ini] [--dtype bf16|fp32] [--reps R] | mtrl bench rl EXPERIMENT.ini [--seconds N] [--db runs.db] [--set section.key=value ...]" BENCH_OPS_USAGE_
 
 static void print_machine_(void) {
     struct utsname u;
@@ -698,6 +710,131 @@ static int bench_long_(int argc, char **argv) {
     return 0;
 }
 
+// ---- bench publish ---------------------------------------------------------------------------------
+
+#define PUB_CHUNK ((size_t)32 << 20) // learner.c WEIGHTS_CHUNK
+
+static void pub_row_(const char *side, const char *path, double s, double bytes) {
+    printf("  %-7s %-36s %9.4f s  %7.2f GB/s\n", side, path, s, s > 0 ? bytes / s / 1e9 : 0);
+}
+
+// The ZeroMQ path once: serialise and encode (learner), reassemble, parse and load (actor).
+static void pub_zmq_(mtrl_model *m, int bf16, double *learner_s, double *actor_s, size_t *bytes) {
+    double t0 = mtrl_time_mono();
+    void *blob;
+    size_t len;
+    mtrl_error err;
+    MTRL_CHECKF((bf16 ? mtrl_model_save_bf16(m, &blob, &len, &err) : mtrl_model_save(m, NULL, &blob, &len, 0, NULL, 0, &err)) == MTRL_OK,
+                "%s", err.msg);
+    size_t n = (len + PUB_CHUNK - 1) / PUB_CHUNK;
+    mtrl_wire_out *o = calloc(n, sizeof *o);
+    for (size_t c = 0; c < n; c++) {
+        size_t off = c * PUB_CHUNK, k = len - off < PUB_CHUNK ? len - off : PUB_CHUNK;
+        mtrl_wire_out_init(&o[c]);
+        mtrl_wire_encode_weights(&o[c], m->version, (uint32_t)c, (uint32_t)n, len, off, (char *)blob + off, k);
+    }
+    free(blob);
+    double t1 = mtrl_time_mono();
+    // the actor: chunks copied into one buffer as they arrive, then parsed and loaded
+    uint8_t *buf = malloc(len);
+    size_t hdr = 44; // WEIGHTS payload fields before the bytes (wire.h)
+    volatile uint32_t crc = 0; // mtrl_wire_recv checks each payload's CRC
+    for (size_t c = 0; c < n; c++) {
+        crc ^= mtrl_crc32c(0, o[c].payload.data, o[c].payload.len);
+        memcpy(buf + c * PUB_CHUNK, o[c].payload.data + hdr, o[c].payload.len - hdr);
+    }
+    mtrl_ckpt ck;
+    MTRL_CHECK(mtrl_ckpt_open_mem(&ck, buf, len, &err) == MTRL_OK);
+    MTRL_CHECKF(mtrl_model_load(m, &ck, 0, &err) == MTRL_OK, "%s", err.msg);
+    mtrl_ckpt_close(&ck);
+    free(buf);
+    *actor_s = mtrl_time_mono() - t1;
+    *learner_s = t1 - t0;
+    *bytes = len;
+    for (size_t c = 0; c < n; c++) mtrl_wire_out_free(&o[c]);
+    free(o);
+}
+
+static int bench_publish_(int argc, char **argv) {
+    bench_src src = {NULL, "tiny", NULL, 0};
+    int reps = 3, bf16 = 1;
+    for (int i = 1; i < argc; i++) {
+        const char *a = argv[i];
+        const char *v = i + 1 < argc ? argv[i + 1] : NULL;
+        if (src_opt_(&src, a, v)) i++;
+        else if (!strcmp(a, "--reps") && v) { reps = atoi(v); i++; }
+        else if (!strcmp(a, "--dtype") && v && (!strcmp(v, "bf16") || !strcmp(v, "fp32"))) { bf16 = !strcmp(v, "bf16"); i++; }
+        else return cli_usage_error("bench", BENCH_USAGE, "unknown option '%s'", a);
+    }
+    if (reps < 1) return cli_usage_error("bench", BENCH_USAGE, "--reps %d: expected >= 1", reps);
+    mtrl_model m;
+    int rc = model_open_(&src, &m);
+    if (rc) return rc;
+    print_machine_();
+    char label[600];
+    mtrl_wshm_layout lay;
+    mtrl_model_wshm_layout(&m, bf16, &lay);
+    int dev = m.device == MTRL_DEVICE_CUDA;
+    printf("publish: %s, %zu parameters, %s matrices, on the %s; best of %d\n", src_label_(&src, label, sizeof label),
+           mtrl_model_param_count(&m), bf16 ? "bf16" : "fp32", dev ? "GPU" : "CPU", reps);
+    mtrl_wshm *ch;
+    mtrl_model_wshm_dev *dslots = NULL;
+    mtrl_error err;
+    if (mtrl_wshm_create(&ch, dev ? MTRL_WSHM_DEVICE : MTRL_WSHM_HOST, lay.slot_bytes, lay.hash, &err) != MTRL_OK ||
+        (dev && mtrl_model_wshm_dev_create(&dslots, &m, &lay, ch, &err) != MTRL_OK)) {
+        fprintf(stderr, "mtrl bench publish: %s\n", err.msg);
+        mtrl_model_free(&m);
+        return 1;
+    }
+    double zl = 1e30, za = 1e30, cl = 1e30, cs = 1e30, ca = 1e30;
+    size_t blob = 0;
+    for (int r = 0; r < reps; r++) {
+        double l, a;
+        pub_zmq_(&m, bf16, &l, &a, &blob);
+        zl = l < zl ? l : zl;
+        za = a < za ? a : za;
+        m.version++;
+        double t0 = mtrl_time_mono(), t1;
+        int slot;
+        if (dev) {
+            slot = mtrl_model_wshm_dev_publish(dslots, &m, ch, m.version);
+            t1 = mtrl_time_mono();
+            uint32_t v;
+            int s2;
+            while (!mtrl_wshm_latest(ch, &v, &s2) || v != m.version) {} // the stamp of the host callback
+        } else {
+            void *dst = mtrl_wshm_write_begin(ch, &slot);
+            mtrl_model_wshm_pack_host(&m, &lay, dst);
+            mtrl_wshm_write_end(ch, slot, m.version);
+            t1 = mtrl_time_mono();
+        }
+        double t2 = mtrl_time_mono();
+        cl = t1 - t0 < cl ? t1 - t0 : cl;
+        cs = t2 - t0 < cs ? t2 - t0 : cs;
+        // The actor's copy: the same unpack a reader runs (on the GPU over the slot that IPC maps).
+        mtrl_wshm_ticket t;
+        const void *data;
+        MTRL_CHECK(mtrl_wshm_read_begin(ch, m.version, slot, &t, &data, &err) == MTRL_OK);
+        double t3 = mtrl_time_mono();
+        if (dev) mtrl_model_wshm_dev_unpack(dslots, &m, slot);
+        else mtrl_model_wshm_unpack_host(&m, &lay, data);
+        double t4 = mtrl_time_mono();
+        MTRL_CHECK(mtrl_wshm_read_end(ch, &t));
+        ca = t4 - t3 < ca ? t4 - t3 : ca;
+    }
+    printf("  ZeroMQ blob %.3f GB, channel slot %.3f GB\n", blob / 1e9, lay.slot_bytes / 1e9);
+    pub_row_("learner", "zmq: serialise + encode chunks", zl, (double)blob);
+    pub_row_("learner", dev ? "channel: pack enqueued (host call)" : "channel: slot write", cl, (double)lay.slot_bytes);
+    if (dev) pub_row_("learner", "channel: until stamped (pack done)", cs, (double)lay.slot_bytes);
+    pub_row_("actor", "zmq: reassemble + parse + load", za, (double)blob);
+    pub_row_("actor", dev ? "channel: unpack device to device" : "channel: copy out of the slot", ca, (double)lay.slot_bytes);
+    mtrl_model_wshm_dev_free(dslots);
+    mtrl_wshm_close(ch);
+    mtrl_model_wshm_layout_free(&lay);
+    mtrl_model_free(&m);
+    return 0;
+}
+
 int cmd_bench(int argc, char **argv) {
     // `mtrl bench long --help` (any benchmark) is help too, not an unknown option.
     int help = argc < 2;
@@ -719,5 +856,6 @@ int cmd_bench(int argc, char **argv) {
     if (!strcmp(argv[1], "learner")) return bench_learner_(argc - 1, argv + 1);
     if (!strcmp(argv[1], "decode")) return bench_decode_(argc - 1, argv + 1);
     if (!strcmp(argv[1], "rl")) return cmd_bench_rl(argc - 1, argv + 1);
+    if (!strcmp(argv[1], "publish")) return bench_publish_(argc - 1, argv + 1);
     return cli_usage_error("bench", BENCH_USAGE, "unknown benchmark '%s'", argv[1]);
 }

@@ -8,11 +8,11 @@
 
 // The benchmarks of this build (tools/cmd_bench.c): ops only where the CUDA kernels are built in.
 #ifdef MTRL_HAVE_CUDA_BENCH
-#define BENCHES_ "model, long, learner, decode, rl, ops"
-#define BENCHES_BAR_ "model|long|learner|decode|rl|ops"
+#define BENCHES_ "model, long, learner, decode, publish, rl, ops"
+#define BENCHES_BAR_ "model|long|learner|decode|publish|rl|ops"
 #else
-#define BENCHES_ "model, long, learner, decode, rl"
-#define BENCHES_BAR_ "model|long|learner|decode|rl"
+#define BENCHES_ "model, long, learner, decode, publish, rl"
+#define BENCHES_BAR_ "model|long|learner|decode|publish|rl"
 #endif
 
 typedef struct subcommand {

@@ -40,6 +40,7 @@
 #if defined(MTRL_HAVE_CUDA) && !REAL_IS_F64
 
 #include "common/model/model_cuda.h"
+#include "common/model/model_wshm_cuda.h"
 #include "kernels/cuda/kernels_cuda.h"
 
 typedef mtrl_backend BE;
@@ -712,6 +713,9 @@ mtrl_backend *mtrl_backend_cuda_create(int gpu, int want_tf32, char *err_msg, si
     x->sq_part = alloc_(be, sizeof(double) * MTRL_MC_SQ_BLOCKS);
     return be;
 }
+
+// The model's stream, for the device weight channel (model_wshm_cuda.h).
+mtrl_cuda_ctx *mtrl_backend_cuda_ctx(mtrl_backend *be) { return CTX(be); }
 
 void mtrl_backend_cuda_destroy_(mtrl_backend *be) {
     cuda_impl *x = be->impl;
