@@ -154,6 +154,8 @@ int bpe_pair_get(const mtrl_bpe *t, uint32_t left, uint32_t right, uint32_t *pri
 }
 
 mtrl_status bpe_finish(mtrl_bpe *t, mtrl_error *err) {
+    for (size_t e = 0; e < t->ordinary.n; e++)
+        if (t->ordinary.len[e] > t->max_len) t->max_len = t->ordinary.len[e];
     for (int b = 0; b < 256; b++) {
         unsigned char c = (unsigned char)b;
         if (!bpe_map_get(&t->ordinary, t->pool, &c, 1, &t->byte_id[b]))
@@ -288,7 +290,8 @@ static int pair_of_(const enc_ctx *c, const unsigned char *p, uint32_t left, uin
                     uint32_t *id) {
     const mtrl_bpe *t = c->t;
     if (t->by_rank) {
-        if (!bpe_map_get(&t->ordinary, t->pool, p + left, c->end[right] - left, id)) return 0;
+        uint32_t len = c->end[right] - left;
+        if (len > t->max_len || !bpe_map_get(&t->ordinary, t->pool, p + left, len, id)) return 0;
         *prio = *id;
         return 1;
     }
@@ -312,7 +315,7 @@ static void encode_piece_(enc_ctx *c, const unsigned char *p, size_t m) {
         return;
     }
     uint32_t whole;
-    if (t->whole_piece && bpe_map_get(&t->ordinary, t->pool, p, m, &whole)) {
+    if (t->whole_piece && m <= t->max_len && bpe_map_get(&t->ordinary, t->pool, p, m, &whole)) {
         emit_(c, whole);
         return;
     }
@@ -390,6 +393,9 @@ mtrl_status mtrl_bpe_encode(const mtrl_bpe *t, const void *text, size_t n, unsig
                             size_t *n_out, mtrl_error *err) {
     enc_ctx c = {.t = t, .out = out, .text = text};
     *n_out = 0;
+    if (n >= UINT32_MAX) // parts are indexed by uint32 byte offsets
+        return mtrl_error_set(err, MTRL_ERR_LIMIT, "%s: a text of %zu bytes is over the 4 GiB an encode takes",
+                              t->source, n);
     // JIT matching of long pieces (a megabyte of letters) needs more than PCRE2's default 32 KB
     // stack; the stack grows on demand up to the cap.
     c.mctx = pcre2_match_context_create(NULL);

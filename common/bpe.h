@@ -100,8 +100,9 @@ enum {
 // Encodes n bytes (any bytes; UTF-8 is split by the regex, anything else kept as is) into out,
 // which must hold n ids (a token covers at least one byte, so n always suffices); *n_out gets
 // the count. flags: MTRL_BPE_SPECIAL or 0 (special tokens' text is then ordinary text, as
-// tiktoken's encode_ordinary). Fails only when PCRE2 does (a match or JIT stack limit on
-// pathological text): MTRL_ERR_LIMIT naming the byte offset; out then holds nothing useful.
+// tiktoken's encode_ordinary). Fails only on a text of 4 GiB or more, or when PCRE2 does (a
+// match or JIT stack limit on pathological text): MTRL_ERR_LIMIT naming the byte offset; out
+// then holds nothing useful.
 mtrl_status mtrl_bpe_encode(const mtrl_bpe *t, const void *text, size_t n, unsigned flags, uint32_t *out,
                             size_t *n_out, mtrl_error *err);
 

@@ -29,6 +29,7 @@ struct mtrl_bpe {
     unsigned char *pool;
     size_t pool_n, pool_cap;
     bpe_map ordinary; // token bytes -> id (merges by rank, the whole-piece rule)
+    uint32_t max_len; // the longest key of ordinary: longer byte runs need no lookup
     bpe_map added;    // text that stands for an added or special token -> id
     // tokenizer.json merges: (left id, right id) -> (priority, merged id); keys UINT64_MAX empty.
     uint64_t *pair_key;

@@ -10,8 +10,10 @@ prose, code, CJK, emoji, combining marks and numbers, then writes the same vocab
 
   tiktoken.model        the tiktoken format ("base64(token bytes) rank" per line), with
   tokenizer_config.json  Kimi's special-token layout (added_tokens_decoder: ids after the ranks)
-  tokenizer.json         the Hugging Face format (BPE model, Split + ByteLevel pre-tokenizer),
-                         saved by the `tokenizers` library itself
+  tokenizer.json         the Hugging Face format (BPE model, Split + ByteLevel pre-tokenizer,
+                         ignore_merges), saved by the `tokenizers` library itself
+  tokenizer_gpt2.json    the same vocabulary in GPT-2's form: ByteLevel's own regex, merges as
+                         "a b" strings, ignore_merges off, only the named specials
 
 and cases.txt: for a varied test corpus, the exact ids the `tiktoken` library and the
 `tokenizers` library give. The C test needs no Python: it reads these files.
@@ -22,6 +24,7 @@ cases.txt, one record per case (text as hex so invalid UTF-8 survives):
     mode ordinary|special      (special: special tokens in the text are matched)
     tiktoken ID ID ...
     hf ID ID ... | hf -        ("-": the case has invalid UTF-8, which the HF library cannot take)
+    gpt2 ID ID ... | gpt2 -    (tokenizer_gpt2.json)
     end
 """
 import base64
@@ -317,6 +320,22 @@ def main():
     hf.save(os.path.join(out_dir, "tokenizer.json"), pretty=False)
     hf = Tokenizer.from_file(os.path.join(out_dir, "tokenizer.json"))
 
+    # A second tokenizer.json in GPT-2's form: the ByteLevel pre-tokenizer's own regex, merges as
+    # "a b" strings (the older layout), ignore_merges off (pure merge priorities).
+    gpt2 = Tokenizer(models.BPE(vocab=vocab, merges=merges, ignore_merges=False))
+    gpt2.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    gpt2.decoder = decoders.ByteLevel()
+    gpt2.add_special_tokens([AddedToken(name, special=True, normalized=False)
+                             for name, _ in sorted(specials.items(), key=lambda kv: kv[1])][:len(NAMED_SPECIALS)])
+    gpt2_path = os.path.join(out_dir, "tokenizer_gpt2.json")
+    gpt2.save(gpt2_path, pretty=False)
+    with open(gpt2_path) as f:
+        doc = json.load(f)
+    doc["model"]["merges"] = [" ".join(m) for m in doc["model"]["merges"]]
+    with open(gpt2_path, "w") as f:
+        json.dump(doc, f, ensure_ascii=False, separators=(",", ":"))
+    gpt2 = Tokenizer.from_file(gpt2_path)
+
     n_diff = 0
     with open(os.path.join(out_dir, "cases.txt"), "w") as f:
         f.write("# made by tools/make_bpe_fixture.py with tiktoken %s; do not edit\n" % tiktoken.__version__)
@@ -329,16 +348,19 @@ def main():
                 text = data.decode("utf-8")
             except UnicodeDecodeError:
                 text = None
-            hf_ids = None
+            hf_ids = gpt2_ids = None
             if text is not None:
                 hf.encode_special_tokens = mode != "special"
                 hf_ids = hf.encode(text, add_special_tokens=False).ids
+                gpt2.encode_special_tokens = mode != "special"
+                gpt2_ids = gpt2.encode(text, add_special_tokens=False).ids
                 if hf_ids != tk:
                     n_diff += 1
                     print("note: %s: tokenizers and tiktoken disagree" % name, file=sys.stderr)
             f.write("case %s\ntext %s\nmode %s\n" % (name, data.hex(), mode))
             f.write("tiktoken %s\n" % " ".join(map(str, tk)))
             f.write("hf %s\n" % (" ".join(map(str, hf_ids)) if hf_ids is not None else "-"))
+            f.write("gpt2 %s\n" % (" ".join(map(str, gpt2_ids)) if gpt2_ids is not None else "-"))
             f.write("end\n")
     size = sum(os.path.getsize(os.path.join(out_dir, p)) for p in os.listdir(out_dir))
     print("wrote %s: %d ranks, %d merges, %d specials, %d bytes; %d cases where the libraries disagree"
