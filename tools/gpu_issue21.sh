@@ -4,6 +4,7 @@
 #   tools/gpu_issue21.sh tests    the gpu tests of the changed paths (moe, kda, model)
 #   tools/gpu_issue21.sh moe      torch._grouped_mm anchors and `mtrl bench ops --only moe` side by side
 #   tools/gpu_issue21.sh bench    R1 (bench learner), R2 (bench decode)
+#   tools/gpu_issue21.sh publish  R4 (mtrl bench publish --device cuda --preset small: ZeroMQ vs the channel)
 #   tools/gpu_issue21.sh rl       R3 (bench rl experiments/quickstart-gpu.ini, RL_SECONDS, default 90)
 # Several verbs run in the order given.
 set -uo pipefail
@@ -17,13 +18,16 @@ for verb in "$@"; do
   echo "== $verb $(date -u +%H:%M:%S)" >> "$out/gpu.txt"
   case $verb in
   tests)
-    for t in test_cuda_moe test_cuda_model test_cuda_kda; do
+    for t in ${TESTS:-test_cuda_moe test_cuda_model test_cuda_kda test_cuda_wshm}; do
       [ -x .carry/dev/$t ] || continue
       timeout "${TEST_SECONDS:-240}" .carry/dev/$t > /tmp/$t.log 2>&1
       echo "$t: exit $? | $(tail -n 1 /tmp/$t.log)"
       grep -h "FAIL" /tmp/$t.log | head -20 | sed 's/^/    /'
     done | tee "$out/tests.txt"
     grep -hE "grouped|mtrl_model_train|rows" /tmp/test_cuda_moe.log /tmp/test_cuda_model.log 2>/dev/null | head -60 >> "$out/tests.txt"
+    ;;
+  publish)
+    timeout 200 $b bench publish --device cuda --preset small --reps 5 > "$out/publish.txt" 2>&1
     ;;
   moe)
     timeout 240 python3 tools/anchors_grouped_mm.py --json /tmp/anchors_grouped_mm.json > "$out/moe.txt" 2>&1
@@ -40,4 +44,4 @@ for verb in "$@"; do
   esac
 done
 grep -hE "exit|FAIL" "$out/tests.txt" 2>/dev/null
-grep -hE "^batch|^B |TFLOP|grouped|chooser|episodes/s|busy|reward" "$out"/learner.txt "$out"/decode.txt "$out"/moe.txt "$out"/rl.txt 2>/dev/null | head -80
+grep -hE "^batch|^B |TFLOP|chooser|episodes/s|busy|reward|GB/s|publish|train |waiting|decode:" "$out"/learner.txt "$out"/decode.txt "$out"/moe.txt "$out"/publish.txt "$out"/rl.txt 2>/dev/null | head -80
