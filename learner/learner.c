@@ -85,6 +85,7 @@ struct mtrl_learner {
     uint32_t n_wmsg;
     mtrl_weights_pub pub;    // the same-host weight channel ([learner] publish)
     mtrl_ckpt_async *ckpt;   // the checkpoint being written in the background
+    int ckpt_due;            // a checkpoint is due but waits for the one still being written
     actor_rec actors[MAX_ACTORS];
     int n_actors;
     group_buf *groups;
@@ -738,9 +739,14 @@ static void rl_step_(mtrl_learner *l, int *ready, int n_ready) {
         perf_cycle_end_(l, now, 0);
     }
     l->last_reward = st.reward_mean;
-    if (l->cfg.run.checkpoint_every > 0 && l->step % l->cfg.run.checkpoint_every == 0) {
+    if (l->cfg.run.checkpoint_every > 0 && l->step % l->cfg.run.checkpoint_every == 0) l->ckpt_due = 1;
+    // A checkpoint due while the previous one is still being written (a 14 GB file of `small`
+    // with its moments takes ~85 s on the H200 machine's disk) is taken at the first step after
+    // that write ends, rather than stalling training for it (and the actors' heartbeats).
+    if (l->ckpt_due && !(l->ckpt && mtrl_ckpt_async_busy(l->ckpt))) {
         double t_ckpt = mtrl_time_mono();
         checkpoint_(l, 1);
+        l->ckpt_due = 0;
         l->cyc.checkpoint += mtrl_time_mono() - t_ckpt;
     }
     free(batch);
