@@ -38,7 +38,7 @@ for verb in "$@"; do
     timeout 150 $b bench decode --device cuda --preset small --batches 1,64,128,256 --ctx 1024:32768 --steps 8 --profile > "$out/decode.txt" 2>&1
     ;;
   rl)
-    d=$(mktemp -d); (cd "$d" && timeout $(( ${RL_SECONDS:-90} + 200 )) "$OLDPWD/$b" bench rl "$OLDPWD/experiments/quickstart-gpu.ini" \
+    d=$(mktemp -d); (cd "$d" && timeout $(( ${RL_SECONDS:-90} + ${RL_SLACK:-200} )) "$OLDPWD/$b" bench rl "$OLDPWD/experiments/quickstart-gpu.ini" \
       --seconds "${RL_SECONDS:-90}" --db "$d/runs.db" ${RL_SETS:-}) > "$out/rl.txt" 2>&1
     ;;
   esac
