@@ -374,7 +374,8 @@ static int setup_(actor *a, const mtrl_wire_msg *m) {
             mtrl_model_free(&a->model);
         }
     }
-    if (!keep && mtrl_model_init_on(&a->model, &d, (uint64_t)a->cfg.run.seed, device, gpu, &err) != MTRL_OK) {
+    // parameters only: an actor never trains (no gradient or AdamW blocks beside the learner's)
+    if (!keep && mtrl_model_init_infer_on(&a->model, &d, (uint64_t)a->cfg.run.seed, device, gpu, &err) != MTRL_OK) {
         LOG_ERROR("%s", err.msg);
         a->have_model = 0;
         return 0;

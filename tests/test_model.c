@@ -21,6 +21,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "common/checkpoint.h"
 #include "common/config.h"
 #include "common/model/model.h"
 #include "common/model/model_ws.h"
@@ -445,6 +446,45 @@ static void test_decode_batch64(void) {
     mtrl_model_free(&m);
 }
 
+// An inference model (mtrl_model_init_infer_on, the actors'): parameters only, the same logits
+// as a training model of the same seed, its weights loadable from a training model's save, and
+// the optimizer's entry points refused with a clear error.
+static void test_inference_model(void) {
+    mtrl_model_dims d = small_dims(4, 2, "KMKM");
+    mtrl_model tr, inf;
+    mtrl_error err;
+    mtrl_model_init(&tr, &d, 31);
+    TEST_EQ_INT(mtrl_model_init_infer_on(&inf, &d, 31, MTRL_DEVICE_CPU, 0, &err), MTRL_OK);
+    TEST_CHECK(inf.inference && !inf.grads && !inf.adam_m && !inf.adam_v && !inf.d_grads);
+    perturb_params(&tr, 13);
+    void *mem = NULL;
+    size_t len = 0;
+    TEST_EQ_INT(mtrl_model_save(&tr, NULL, &mem, &len, 0, NULL, 0, &err), MTRL_OK);
+    mtrl_ckpt c;
+    TEST_EQ_INT(mtrl_ckpt_open_mem(&c, mem, len, &err), MTRL_OK);
+    TEST_EQ_INT(mtrl_model_load(&inf, &c, 0, &err), MTRL_OK);
+    TEST_EQ_INT(mtrl_model_load(&inf, &c, 1, &err), MTRL_ERR_USAGE);
+    TEST_CONTAINS(err.msg, "inference model");
+    mtrl_ckpt_close(&c);
+    free(mem);
+    mem = NULL;
+    TEST_EQ_INT(mtrl_model_save(&inf, NULL, &mem, &len, 1, NULL, 0, &err), MTRL_ERR_USAGE);
+    TEST_CONTAINS(err.msg, "inference model");
+    free(mem);
+    enum { T = 40 };
+    uint32_t tok[T];
+    make_tokens(tok, T, 77);
+    real *a = malloc(sizeof(real) * T * d.V), *b = malloc(sizeof(real) * T * d.V);
+    mtrl_model_logits(&tr, tok, T, 0, a);
+    mtrl_model_logits(&inf, tok, T, 0, b);
+    TEST_CHECKF(!memcmp(a, b, sizeof(real) * T * d.V), "an inference model's logits differ from the training model's");
+    mtrl_model_optimizer_reset(&inf); // nothing to reset: a no-op, not a crash
+    free(a);
+    free(b);
+    mtrl_model_free(&inf);
+    mtrl_model_free(&tr);
+}
+
 // mtrl_model_prefill_many (the actor's batched tool results) == one mtrl_model_prefill per
 // sequence: four states at different positions (fresh, after 17 and after 3 tokens), new
 // pieces of 20, 5, 16 and 1 tokens; the last-token logits, then one batched decode step from the
@@ -680,6 +720,7 @@ int main(void) {
     test_prefill_many(0);
     test_prefill_many(1);
     test_decode_batch64();
+    test_inference_model();
     test_qb_outside_gradient();
     return test_report();
 }

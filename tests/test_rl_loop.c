@@ -167,16 +167,17 @@ static void test_short_run(void) {
     TEST_EQ_INT(query_int(db, "SELECT count(*) FROM episodes WHERE status NOT IN ('complete','truncated','aborted','rejected')"), 0);
     check_digests(db);
     // `mtrl run --resume` continues the same run from its last checkpoint to the new step count.
-    // The resumed part also folds the actors' decode-time QB statistics into each update.
-    char *resume[] = {(char *)bin_, "run", ini, "--db", db, "--resume", "--set", "run.steps=5",
+    // The resumed part also folds the actors' decode-time QB statistics into each update (six
+    // steps: a step of this model can end before an actor's first statistics arrive).
+    char *resume[] = {(char *)bin_, "run", ini, "--db", db, "--resume", "--set", "run.steps=9",
                       "--set", "learner.qb_actor_stats=true", NULL};
     TEST_EQ_INT(run_cmd(resume, log), 0);
     TEST_EQ_INT(query_int(db, "SELECT count(*) FROM runs"), 1);
     query_text(db, "SELECT status FROM runs WHERE id = 1", status, sizeof status);
     TEST_EQ_STR(status, "finished");
-    TEST_EQ_INT(query_int(db, "SELECT max(step) FROM metrics WHERE name = 'reward'"), 5);
-    TEST_EQ_INT(query_int(db, "SELECT count(*) FROM metrics WHERE name = 'reward'"), 5);
-    TEST_EQ_INT(query_int(db, "SELECT max(value) FROM metrics WHERE name = 'version'"), 5);
+    TEST_EQ_INT(query_int(db, "SELECT max(step) FROM metrics WHERE name = 'reward'"), 9);
+    TEST_EQ_INT(query_int(db, "SELECT count(*) FROM metrics WHERE name = 'reward'"), 9);
+    TEST_EQ_INT(query_int(db, "SELECT max(value) FROM metrics WHERE name = 'version'"), 9);
     long long qb_actor = query_int(db, "SELECT count(*) FROM metrics WHERE name = 'qb_actor_batches' AND value > 0");
     printf("resumed run: %lld steps folded actor-side QB statistics in\n", qb_actor);
     TEST_CHECK(qb_actor >= 1);

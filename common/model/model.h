@@ -210,7 +210,8 @@ const char *mtrl_model_profile_name(int pass, int block, char *buf, size_t cap);
 typedef struct mtrl_model {
     mtrl_model_dims dims;
     mtrl_tt params;             // the parameter table and its block
-    real *grads, *adam_m, *adam_v; // same layout as params (params.total bytes each)
+    real *grads, *adam_m, *adam_v; // same layout as params (params.total bytes each); NULL when inference
+    int inference;              // parameters only (mtrl_model_init_infer_on)
     mtrl_model_ptrs P, G;       // pointers into params and grads (host blocks)
     // Where the model computes: the backend and its copies of the blocks. On the CPU these are
     // the host blocks themselves (dP == P, d_params == params.base, ...).
@@ -261,6 +262,13 @@ void mtrl_model_init(mtrl_model *m, const mtrl_model_dims *dims, uint64_t seed);
 // <= 576, heads <= 32; top_k <= 16; conv kernel <= 8).
 mtrl_status mtrl_model_init_on(mtrl_model *m, const mtrl_model_dims *dims, uint64_t seed, int device, int gpu,
                                mtrl_error *err);
+// The same with the parameters alone, for inference (the actors, which never train): no
+// gradient or AdamW blocks on the device or the host (3 x the parameter bytes less: 14 GB of
+// `small` on a GPU the learner shares). mtrl_model_backward, _train, _zero_grads and
+// _optimizer_step refuse such a model (a check failure naming it); saving or loading it
+// with_optimizer is an error; mtrl_model_optimizer_reset does nothing.
+mtrl_status mtrl_model_init_infer_on(mtrl_model *m, const mtrl_model_dims *dims, uint64_t seed, int device, int gpu,
+                                     mtrl_error *err);
 // Usable CUDA devices for a model in this build (0: CPU only).
 int mtrl_model_cuda_devices(void);
 // Reads "cpu" / "cuda" / "cuda:N" (the [model] device value). Returns 0, or -1 for anything else.

@@ -98,6 +98,8 @@ static mtrl_status list_write_(const mtrl_model *m, save_list *l, int with_optim
 
 mtrl_status mtrl_model_save(const mtrl_model *m, const char *path, void **mem, size_t *mem_len, int with_optimizer,
                             const char *const *meta, int n_meta, mtrl_error *err) {
+    if (with_optimizer && m->inference)
+        return mtrl_error_set(err, MTRL_ERR_USAGE, "an inference model has no optimizer state to save");
     refresh_host_(m, with_optimizer);
     save_list l;
     list_build_(m, with_optimizer, &l);
@@ -164,6 +166,8 @@ static mtrl_status read_entry_(mtrl_ckpt *c, const mtrl_ckpt_entry *x, mtrl_erro
 }
 
 mtrl_status mtrl_model_load(mtrl_model *m, mtrl_ckpt *c, int with_optimizer, mtrl_error *err) {
+    if (with_optimizer && m->inference)
+        return mtrl_error_set(err, MTRL_ERR_USAGE, "%s: an inference model cannot take optimizer state", c->source);
     save_list l;
     list_build_(m, with_optimizer, &l);
     mtrl_status st = MTRL_OK;

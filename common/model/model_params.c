@@ -261,22 +261,26 @@ int mtrl_model_parse_device(const char *s, int *device, int *gpu) {
     return -1;
 }
 
-static void alloc_host_(mtrl_model *m, const mtrl_model_dims *dims, uint64_t seed) {
+// infer: parameters only (mtrl_model_init_infer_on): no gradient or optimizer blocks.
+static void alloc_host_(mtrl_model *m, const mtrl_model_dims *dims, uint64_t seed, int infer) {
     memset(m, 0, sizeof *m);
     m->dims = *dims;
+    m->inference = infer;
     mtrl_tt_init(&m->params);
     build_table_(&m->params, dims);
     mtrl_tt_alloc(&m->params);
     size_t total = m->params.total;
-    m->grads = aligned_alloc(64, total);
-    m->adam_m = aligned_alloc(64, total);
-    m->adam_v = aligned_alloc(64, total);
-    MTRL_CHECKF(m->grads && m->adam_m && m->adam_v, "out of memory for %zu-byte gradient and optimizer blocks", total);
-    memset(m->grads, 0, total);
-    memset(m->adam_m, 0, total);
-    memset(m->adam_v, 0, total);
     point_(&m->params, m->params.base, dims, &m->P);
-    point_(&m->params, m->grads, dims, &m->G);
+    if (!infer) {
+        m->grads = aligned_alloc(64, total);
+        m->adam_m = aligned_alloc(64, total);
+        m->adam_v = aligned_alloc(64, total);
+        MTRL_CHECKF(m->grads && m->adam_m && m->adam_v, "out of memory for %zu-byte gradient and optimizer blocks", total);
+        memset(m->grads, 0, total);
+        memset(m->adam_m, 0, total);
+        memset(m->adam_v, 0, total);
+        point_(&m->params, m->grads, dims, &m->G);
+    }
     init_(m, seed);
     size_t LE = (size_t)dims->L * (size_t)dims->E;
     m->qb_beta = xcalloc(LE, sizeof(real));
@@ -285,8 +289,8 @@ static void alloc_host_(mtrl_model *m, const mtrl_model_dims *dims, uint64_t see
     m->load = xcalloc(LE, sizeof(long));
 }
 
-void mtrl_model_init(mtrl_model *m, const mtrl_model_dims *dims, uint64_t seed) {
-    alloc_host_(m, dims, seed);
+static void init_cpu_(mtrl_model *m, const mtrl_model_dims *dims, uint64_t seed, int infer) {
+    alloc_host_(m, dims, seed, infer);
     m->device = MTRL_DEVICE_CPU;
     m->be = mtrl_backend_cpu();
     m->d_params = m->params.base;
@@ -298,10 +302,12 @@ void mtrl_model_init(mtrl_model *m, const mtrl_model_dims *dims, uint64_t seed) 
     m->d_qb_beta = m->qb_beta;
 }
 
-mtrl_status mtrl_model_init_on(mtrl_model *m, const mtrl_model_dims *dims, uint64_t seed, int device, int gpu,
-                               mtrl_error *err) {
+void mtrl_model_init(mtrl_model *m, const mtrl_model_dims *dims, uint64_t seed) { init_cpu_(m, dims, seed, 0); }
+
+static mtrl_status init_on_(mtrl_model *m, const mtrl_model_dims *dims, uint64_t seed, int device, int gpu, int infer,
+                            mtrl_error *err) {
     if (device == MTRL_DEVICE_CPU) {
-        mtrl_model_init(m, dims, seed);
+        init_cpu_(m, dims, seed, infer);
         return MTRL_OK;
     }
     memset(m, 0, sizeof *m);
@@ -312,20 +318,32 @@ mtrl_status mtrl_model_init_on(mtrl_model *m, const mtrl_model_dims *dims, uint6
     char bmsg[256] = "";
     mtrl_backend *be = mtrl_backend_cuda_create(gpu, dims->gemm_tf32, bmsg, sizeof bmsg);
     if (!be) return mtrl_error_set(err, MTRL_ERR_USAGE, "[model] device = cuda: %s", bmsg);
-    alloc_host_(m, dims, seed);
+    alloc_host_(m, dims, seed, infer);
     m->device = MTRL_DEVICE_CUDA;
     m->gpu = gpu;
     m->be = be;
     size_t total = m->params.total, LE = (size_t)dims->L * (size_t)dims->E;
     m->d_params = be->alloc(be, total);
-    m->d_grads = be->alloc(be, total);
-    m->d_adam_m = be->alloc(be, total);
-    m->d_adam_v = be->alloc(be, total);
+    if (!infer) {
+        m->d_grads = be->alloc(be, total);
+        m->d_adam_m = be->alloc(be, total);
+        m->d_adam_v = be->alloc(be, total);
+        point_(&m->params, m->d_grads, dims, &m->dG);
+    }
     m->d_qb_beta = be->alloc(be, sizeof(real) * LE);
     point_(&m->params, m->d_params, dims, &m->dP);
-    point_(&m->params, m->d_grads, dims, &m->dG);
     mtrl_model_to_device(m);
     return MTRL_OK;
+}
+
+mtrl_status mtrl_model_init_on(mtrl_model *m, const mtrl_model_dims *dims, uint64_t seed, int device, int gpu,
+                               mtrl_error *err) {
+    return init_on_(m, dims, seed, device, gpu, 0, err);
+}
+
+mtrl_status mtrl_model_init_infer_on(mtrl_model *m, const mtrl_model_dims *dims, uint64_t seed, int device, int gpu,
+                                     mtrl_error *err) {
+    return init_on_(m, dims, seed, device, gpu, 1, err);
 }
 
 void mtrl_model_to_host(mtrl_model *m) {
@@ -333,6 +351,7 @@ void mtrl_model_to_host(mtrl_model *m) {
     mtrl_backend *be = m->be;
     size_t total = m->params.total;
     be->download(be, m->params.base, m->d_params, total);
+    if (m->inference) return;
     be->download(be, m->grads, m->d_grads, total);
     be->download(be, m->adam_m, m->d_adam_m, total);
     be->download(be, m->adam_v, m->d_adam_v, total);
@@ -348,14 +367,17 @@ void mtrl_model_to_device(mtrl_model *m) {
     size_t total = m->params.total;
     be->upload(be, m->d_params, m->params.base, total);
     model_weights_changed(m);
-    be->upload(be, m->d_grads, m->grads, total);
-    be->upload(be, m->d_adam_m, m->adam_m, total);
-    be->upload(be, m->d_adam_v, m->adam_v, total);
+    if (!m->inference) {
+        be->upload(be, m->d_grads, m->grads, total);
+        be->upload(be, m->d_adam_m, m->adam_m, total);
+        be->upload(be, m->d_adam_v, m->adam_v, total);
+    }
     be->upload(be, m->d_qb_beta, m->qb_beta, sizeof(real) * (size_t)m->dims.L * (size_t)m->dims.E);
     be->sync(be);
 }
 
 void mtrl_model_optimizer_reset(mtrl_model *m) {
+    if (m->inference) return; // no optimizer to reset
     size_t total = m->params.total;
     memset(m->adam_m, 0, total);
     memset(m->adam_v, 0, total);
@@ -394,10 +416,14 @@ size_t mtrl_model_param_count(const mtrl_model *m) {
     return n;
 }
 
-void mtrl_model_zero_grads(mtrl_model *m) { m->be->zero(m->be, m->d_grads, m->params.total); }
+void mtrl_model_zero_grads(mtrl_model *m) {
+    MTRL_CHECKF(!m->inference, "an inference model (mtrl_model_init_infer_on) has no gradients");
+    m->be->zero(m->be, m->d_grads, m->params.total);
+}
 
 double mtrl_model_optimizer_step(mtrl_model *m, real lr, real beta1, real beta2, real eps, real weight_decay,
                                  real clip) {
+    MTRL_CHECKF(!m->inference, "an inference model (mtrl_model_init_infer_on) has no optimizer");
     mtrl_backend *be = m->be;
     double t_prof = model_prof_begin(m);
     double sq = 0;

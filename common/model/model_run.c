@@ -506,6 +506,7 @@ void mtrl_model_forward(mtrl_model *m, const mtrl_batch *b, int segment, real *l
 
 void mtrl_model_backward(mtrl_model *m, const mtrl_batch *b, const real *dlogp, const real *dentropy) {
     ws_impl *w = (ws_impl *)m->ws;
+    MTRL_CHECKF(!m->inference, "mtrl_model_backward: an inference model has no gradients");
     MTRL_CHECKF(w && w->pub.n_seq == b->n, "mtrl_model_backward needs the forward of the same batch first");
     prof_pass_(m, MTRL_PROF_BWD);
     bwd_block g = bwd_block_get_(m);
@@ -520,6 +521,7 @@ void mtrl_model_backward(mtrl_model *m, const mtrl_batch *b, const real *dlogp, 
 
 void mtrl_model_train(mtrl_model *m, const mtrl_batch *b, int segment, real *logp, real *entropy, real *dlogp,
                       real *dentropy, mtrl_model_loss_fn loss, void *user) {
+    MTRL_CHECKF(!m->inference, "mtrl_model_train: an inference model has no gradients");
     ws_impl *w = batch_setup_(m, b, segment, 1);
     bwd_block g = bwd_block_get_(m);
     for (int k = 0; k < w->n_pack; k++) {
