@@ -47,6 +47,8 @@ typedef struct actor_rec {
                             // then it builds its model and envs, seconds of silence on a GPU,
                             // and actor_start_timeout_ms applies instead of heartbeat_timeout_ms)
     uint64_t owed;          // payload bytes received and not yet returned as credit
+    int64_t credit;         // bytes it may still send: WELCOME's credit + grants - episode bytes received
+    int refused;            // sent beyond its credit: disconnected, its HELLOs and messages ignored
     int zmq_weights;        // gets WEIGHTS chunks (no weight channel, or it asked: WEIGHTS_REQ)
 } actor_rec;
 
@@ -263,6 +265,15 @@ static void group_drop_(mtrl_learner *l, int i) {
     l->groups[i] = l->groups[--l->n_groups];
 }
 
+// Data the learner refused: an episode the assembler rejected (over a cap, malformed), or one
+// of a peer that sent beyond its credit. Its row says what happened; its tokens are not kept.
+static int refused_data_(const mtrl_learner *l, const mtrl_traj *t) {
+    if (t->status == MTRL_EP_REJECTED) return 1;
+    for (int i = 0; i < l->n_actors; i++)
+        if (l->actors[i].refused && l->actors[i].id == t->actor_id && l->actors[i].incarnation == t->incarnation) return 1;
+    return 0;
+}
+
 // Records a closed episode (file + SQLite) and files it into its group for training.
 static void commit_(mtrl_learner *l, mtrl_traj *t) {
     mtrl_error err;
@@ -273,7 +284,7 @@ static void commit_(mtrl_learner *l, mtrl_traj *t) {
     if (t->status <= MTRL_EP_REJECTED) l->episodes_by_status[t->status]++;
     int64_t off = -1;
     const char *path = NULL;
-    if (keep_traj_(l, t) && t->n_tokens > 0) {
+    if (keep_traj_(l, t) && t->n_tokens > 0 && !refused_data_(l, t)) {
         uint64_t o;
         if (mtrl_trajfile_append_traj(&l->tw, t, &l->scratch, &o, &err) == MTRL_OK) {
             off = (int64_t)o;
@@ -382,10 +393,39 @@ static void actor_stats_in_(mtrl_learner *l, const mtrl_wire_in *in) {
     mtrl_wire_msg_free(&m);
 }
 
+// Charges an episode message of cost bytes to actor a's credit; 0 when it is beyond it: the
+// peer is disconnected (BYE), its open episodes aborted (their data is not kept: commit_) and
+// nothing it sends is read again. The actor sends while its credit covers a message, or one
+// message larger than the whole credit when nothing is in flight (actor.c flush_); a repeated
+// WELCOME resets its count while bytes are in flight, so one credit of slack is allowed. What
+// the learner holds of a peer is thus bounded by its credit, the slack and one message.
+static int credit_take_(mtrl_learner *l, actor_rec *a, int64_t cost) {
+    int64_t full = l->cfg.learner.credit_bytes;
+    if (cost <= a->credit + full || (cost > full && a->credit >= 0)) {
+        a->credit -= cost;
+        return 1;
+    }
+    size_t n = mtrl_wire_asm_abort_actor(l->asm_, a->id, a->incarnation, "actor sent beyond its credit");
+    event_(l, MTRL_LOG_ERROR,
+           "actor %u (incarnation %u) sent a %lld-byte message with %lld bytes of credit left ([learner] credit_bytes = %lld): "
+           "disconnected and refused, %zu open episodes aborted and not kept",
+           a->id, a->incarnation, (long long)cost, (long long)a->credit, (long long)full, n);
+    mtrl_wire_out o;
+    mtrl_wire_out_init(&o);
+    mtrl_wire_encode_bye(&o, "sent beyond its credit: disconnected");
+    send_(l, a, &o);
+    mtrl_wire_out_free(&o);
+    a->alive = 0;
+    a->refused = 1;
+    a->owed = 0;
+    return 0;
+}
+
 static void handle_(mtrl_learner *l, mtrl_wire_in *in) {
     mtrl_error err;
     actor_rec *a = actor_find_(l, &in->peer);
     uint16_t type = in->hdr.type;
+    if (a && a->refused) return; // disconnected for ignoring its credit: nothing it sends is read
     if (type == MTRL_WIRE_HELLO) {
         mtrl_wire_msg m;
         mtrl_wire_msg_init(&m);
@@ -431,6 +471,7 @@ static void handle_(mtrl_learner *l, mtrl_wire_in *in) {
         a->welcomed = a->last_seen;
         a->heard = 0;
         a->zmq_weights = !l->pub.ch;
+        a->credit = l->warming ? 0 : l->cfg.learner.credit_bytes; // what the WELCOME grants
         event_(l, MTRL_LOG_INFO, "actor %u (incarnation %u) joined", a->id, a->incarnation);
         mtrl_wire_out o;
         mtrl_wire_out_init(&o);
@@ -465,6 +506,7 @@ static void handle_(mtrl_learner *l, mtrl_wire_in *in) {
     case MTRL_WIRE_BEGIN:
     case MTRL_WIRE_CHUNK:
     case MTRL_WIRE_END:
+        if (!credit_take_(l, a, (int64_t)(in->payload_len + MTRL_WIRE_HDR_SIZE))) break;
         if (mtrl_wire_asm_feed(l->asm_, a->id, a->incarnation, &in->hdr, in->payload, in->payload_len, &err) != MTRL_OK)
             LOG_WARN("actor %u: %s", a->id, err.msg);
         a->owed += in->payload_len + MTRL_WIRE_HDR_SIZE;
@@ -512,6 +554,7 @@ static void grant_credit_(mtrl_learner *l) {
         if (!a->alive || a->owed == 0) continue;
         mtrl_wire_encode_credit(&o, a->owed);
         send_(l, a, &o);
+        a->credit += (int64_t)a->owed;
         a->owed = 0;
     }
     mtrl_wire_out_free(&o);
@@ -589,6 +632,7 @@ static void stage_enter_(mtrl_learner *l, int s, int next) {
             send_(l, &l->actors[i], &o);
             send_weights_(l, &l->actors[i]);
             l->actors[i].heard = 0; // it rebuilds its episodes and envs
+            l->actors[i].credit = c.learner.credit_bytes;
         }
     mtrl_wire_out_free(&o);
 }
@@ -856,6 +900,7 @@ static void warmup_(mtrl_learner *l, volatile sig_atomic_t *stop) {
         if (l->actors[i].alive) {
             send_weights_(l, &l->actors[i]);
             send_(l, &l->actors[i], &o);
+            l->actors[i].credit += l->cfg.learner.credit_bytes;
         }
     mtrl_wire_out_free(&o);
 }

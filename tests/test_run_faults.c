@@ -69,21 +69,21 @@ static void run_status(const char *db, long long run, char *out, size_t cap) {
     sqlite3_close(h);
 }
 
-// A 512 KiB tmpfs at path; 0 when it could not be mounted (not root, no CAP_SYS_ADMIN).
-static int tmpfs_mount(const char *path) {
+// A 512 KiB tmpfs at dir_/name (into path); 0 when it could not be mounted (not root, no
+// CAP_SYS_ADMIN): the case `what` is skipped, saying so.
+static int tmpfs_mount(char *path, size_t cap, const char *name, const char *what) {
+    snprintf(path, cap, "%s/%s", dir_, name);
     mkdir(path, 0755);
-    return mount("tmpfs", path, "tmpfs", 0, "size=512k") == 0;
+    if (mount("tmpfs", path, "tmpfs", 0, "size=512k") == 0) return 1;
+    printf("SKIP %s: cannot mount a tmpfs (%s)\n", what, strerror(errno));
+    return 0;
 }
 
 // ---- 1a: the run store on a full file system -----------------------------------------------------
 
 static void test_store_full(void) {
     char full[320], ini[320], db[400], st[32];
-    snprintf(full, sizeof full, "%s/full", dir_);
-    if (!tmpfs_mount(full)) {
-        printf("SKIP store full: cannot mount a tmpfs (%s)\n", strerror(errno));
-        return;
-    }
+    if (!tmpfs_mount(full, sizeof full, "full", "store full")) return;
     snprintf(ini, sizeof ini, "%s/store.ini", dir_);
     snprintf(db, sizeof db, "%s/run.db", full);
     write_experiment(ini, "out-store", 300, 0);
@@ -111,11 +111,7 @@ static void test_store_full(void) {
 
 static void test_traj_full(void) {
     char full[320], ini[320], db[320], link[400], target[400], st[32], sql[500];
-    snprintf(full, sizeof full, "%s/fulltraj", dir_);
-    if (!tmpfs_mount(full)) {
-        printf("SKIP trajectory full: cannot mount a tmpfs (%s)\n", strerror(errno));
-        return;
-    }
+    if (!tmpfs_mount(full, sizeof full, "fulltraj", "trajectory full")) return;
     snprintf(ini, sizeof ini, "%s/traj.ini", dir_);
     snprintf(db, sizeof db, "%s/traj.db", dir_);
     write_experiment(ini, "out-traj", 2000, 0);
