@@ -6,6 +6,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 #include <sys/stat.h>
 #include <unistd.h>
 #include <omp.h>
@@ -699,6 +700,21 @@ static void checkpoint_(mtrl_learner *l, int with_optimizer) {
     }
 }
 
+// How long a due checkpoint waits for the previous write before it is deferred to a later step.
+#define CKPT_WAIT_S 2.0
+
+// 1 when no checkpoint write is in flight (a finished one collected), waiting up to `seconds`.
+static int checkpoint_idle_(mtrl_learner *l, double seconds) {
+    double t0 = mtrl_time_mono();
+    for (;;) {
+        checkpoint_done_(l, 0);
+        if (!l->ckpt || !mtrl_ckpt_async_busy(l->ckpt)) return 1;
+        if (mtrl_time_mono() - t0 >= seconds) return 0;
+        struct timespec ts = {0, 10 * 1000 * 1000};
+        nanosleep(&ts, NULL);
+    }
+}
+
 static void rl_step_(mtrl_learner *l, int *ready, int n_ready) {
     mtrl_traj **batch = NULL;
     int nb = 0, cap = 0;
@@ -803,8 +819,9 @@ static void rl_step_(mtrl_learner *l, int *ready, int n_ready) {
     if (l->cfg.run.checkpoint_every > 0 && l->step % l->cfg.run.checkpoint_every == 0) l->ckpt_due = 1;
     // A checkpoint due while the previous one is still being written (a 14 GB file of `small`
     // with its moments takes ~85 s on the H200 machine's disk) is taken at the first step after
-    // that write ends, rather than stalling training for it (and the actors' heartbeats).
-    if (l->ckpt_due && !(l->ckpt && mtrl_ckpt_async_busy(l->ckpt))) {
+    // that write ends, rather than stalling training for it (and the actors' heartbeats); a
+    // write about to end (a small model's) is waited for, so such runs checkpoint every N steps.
+    if (l->ckpt_due && checkpoint_idle_(l, CKPT_WAIT_S)) {
         double t_ckpt = mtrl_time_mono();
         checkpoint_(l, 1);
         l->ckpt_due = 0;

@@ -15,7 +15,8 @@
 //    log-probs, entropies, routing and every gradient, with and without kept activations;
 //  - the learner's one-pass step (mtrl_model_train: forward, loss, backward unit by unit) ==
 //    the sequences one at a time, with only a too-long sequence's earlier segments recomputed;
-//  - several sequences prefilled at once (mtrl_model_prefill_many) == one prefill each.
+//  - several sequences prefilled at once (mtrl_model_prefill_many) == one prefill each;
+//  - a batched decode of 64 states at 64 different positions == 64 single decodes.
 #include <math.h>
 #include <stdlib.h>
 #include <string.h>
@@ -392,6 +393,58 @@ static void test_packed(void) {
     mtrl_model_free(&m);
 }
 
+// Batched decode at B = 64 == 64 single decodes: 64 states at different positions (0 .. 63
+// tokens prefilled, so KDA states, conv windows and latent caches of every length), three
+// decode steps of all of them in one call each, against the same steps one state at a time on
+// copies; logits, routing and the states' positions.
+static void test_decode_batch64(void) {
+    mtrl_model_dims d = small_dims(4, 2, "KMKM");
+    mtrl_model m;
+    mtrl_model_init(&m, &d, 21);
+    perturb_params(&m, 12);
+    enum { B = 64, STEPS = 3, CAP = 64 + STEPS + 1 };
+    size_t rw = (size_t)d.n_moe * d.k;
+    mtrl_decode_state bat[B], one[B];
+    mtrl_decode_state *pb[B];
+    uint32_t tok[B][CAP];
+    for (int i = 0; i < B; i++) {
+        make_tokens(tok[i], CAP, 300 + (uint64_t)i);
+        mtrl_decode_state_init(&bat[i], &m, CAP);
+        mtrl_decode_state_init(&one[i], &m, CAP);
+        if (i) mtrl_model_prefill(&m, &bat[i], tok[i], i, NULL, NULL);
+        mtrl_decode_state_copy(&one[i], &bat[i], &m);
+        pb[i] = &bat[i];
+    }
+    real *lb = malloc(sizeof(real) * B * d.V), *l1 = malloc(sizeof(real) * B * d.V);
+    uint8_t *rb = malloc((size_t)B * rw), *r1 = malloc((size_t)B * rw);
+    double worst = 0;
+    int same_routing = 1;
+    for (int s = 0; s < STEPS; s++) {
+        uint32_t in[B];
+        for (int i = 0; i < B; i++) in[i] = tok[i][i + s];
+        mtrl_model_decode(&m, pb, B, in, lb, rb);
+        for (int i = 0; i < B; i++) {
+            mtrl_decode_state *p1 = &one[i];
+            mtrl_model_decode(&m, &p1, 1, in + i, l1 + (size_t)i * d.V, r1 + (size_t)i * rw);
+        }
+        double e = test_max_rel(lb, l1, (size_t)B * d.V);
+        if (e > worst) worst = e;
+        same_routing &= memcmp(rb, r1, (size_t)B * rw) == 0;
+    }
+    int same_pos = 1;
+    for (int i = 0; i < B; i++) same_pos &= bat[i].pos == i + STEPS && one[i].pos == i + STEPS;
+    printf("decode of B = 64 states (0..63 tokens in) vs one at a time, %d steps: logits rel diff %.3g\n", STEPS, worst);
+    TEST_CHECKF(worst <= 1e-12, "batched decode at B = 64 differs from single decodes by %.3g", worst);
+    TEST_CHECK(same_routing);
+    TEST_CHECK(same_pos);
+    for (int i = 0; i < B; i++) {
+        mtrl_decode_state_free(&bat[i]);
+        mtrl_decode_state_free(&one[i]);
+    }
+    free(lb); free(l1); free(rb); free(r1);
+    mtrl_model_free(&m);
+}
+
 // mtrl_model_prefill_many (the actor's batched tool results) == one mtrl_model_prefill per
 // sequence: four states at different positions (fresh, after 17 and after 3 tokens), new
 // pieces of 20, 5, 16 and 1 tokens; the last-token logits, then one batched decode step from the
@@ -626,6 +679,7 @@ int main(void) {
     test_prefill_decode(1);
     test_prefill_many(0);
     test_prefill_many(1);
+    test_decode_batch64();
     test_qb_outside_gradient();
     return test_report();
 }
