@@ -6,6 +6,8 @@
 //     a. the run store on it: `mtrl run` exits non-zero saying "stopping the run"; the store
 //        never says `finished`, and once there is room again (and the next writer opens it) the
 //        run is `failed`.
+//     c. (no root needed) every write to the store's WAL fails with EIO from the 300th on (an
+//        LD_PRELOAD shim, tests/fixtures/fault/fault_write.c): the same as a.
 //     b. the trajectory file on it (its path a symlink into the tmpfs): the same, the message
 //        names the trajectory file, and the run stopped long before its steps.
 //  8. SIGINT once the warm-up of 100000 steps has begun: the run ends within 20 s (the warm-up
@@ -105,6 +107,40 @@ static void test_store_full(void) {
     printf("store full: exit %d, run %s\n", r.rc, st);
     test_result_free(&r);
     umount(full);
+}
+
+// ---- 1c: write errors on the run store's WAL (an LD_PRELOAD shim; no root needed) ----------------
+
+static void test_store_eio(void) {
+    char ini[320], db[320], shim[600], st[32];
+    const char *build = getenv("MTRL_BUILD");
+    snprintf(shim, sizeof shim, "%s/lib/libmtrl_fault_write.so", build ? build : ".");
+    if (access(shim, R_OK) != 0) {
+        TEST_CHECKF(0, "%s: not built (ninja mtrl_fault_write)", shim);
+        return;
+    }
+    snprintf(ini, sizeof ini, "%s/eio.ini", dir_);
+    snprintf(db, sizeof db, "%s/eio.db", dir_);
+    write_experiment(ini, "out-eio", 300, 0);
+    // From the WAL's 300th write on, every write to it fails with EIO (tests/fixtures/fault).
+    setenv("LD_PRELOAD", shim, 1);
+    setenv("MTRL_TEST_FAULT_PATH", "eio.db-wal", 1);
+    setenv("MTRL_TEST_FAULT_AFTER", "300", 1);
+    test_result r = run_mtrl((char *[]){(char *)bin_, "run", ini, "--db", db, NULL});
+    unsetenv("LD_PRELOAD");
+    unsetenv("MTRL_TEST_FAULT_PATH");
+    unsetenv("MTRL_TEST_FAULT_AFTER");
+    TEST_CHECKF(r.rc != 0 && r.rc < 128, "mtrl run with WAL write errors: exit %d (stderr %s)", r.rc, r.err);
+    TEST_CONTAINS(r.err, "stopping the run");
+    TEST_CHECKF(!strstr(r.err, "finished:"), "a run that lost data said finished:\n%s", r.err);
+    mtrl_store *s;
+    mtrl_error err;
+    TEST_EQ_INT(mtrl_store_open(&s, db, 0, &err), MTRL_OK); // the next writer: a run left running is failed
+    mtrl_store_close(s);
+    run_status(db, 1, st, sizeof st);
+    TEST_EQ_STR(st, "failed");
+    printf("WAL write errors: exit %d, run %s\n", r.rc, st);
+    test_result_free(&r);
 }
 
 // ---- 1b: the trajectory file on a full file system ------------------------------------------------
@@ -281,6 +317,7 @@ int main(void) {
     test_warmup_sigint();
     test_out_dir_shared();
     test_store_full();
+    test_store_eio();
     test_traj_full();
     char cmd[400];
     snprintf(cmd, sizeof cmd, "rm -rf '%s'", dir_);
