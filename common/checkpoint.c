@@ -1,5 +1,6 @@
 // checkpoint.c: safetensors writer and reader (see checkpoint.h).
 #include "common/checkpoint.h"
+#include "common/hash.h"
 
 #include <ctype.h>
 #include <errno.h>
@@ -311,6 +312,20 @@ mtrl_status mtrl_ckpt_open_file(mtrl_ckpt *c, const char *path, mtrl_error *err)
     mtrl_status st = open_stream_(c, total, err);
     if (st != MTRL_OK) mtrl_ckpt_close(c);
     return st;
+}
+
+mtrl_status mtrl_ckpt_verify_digest(const char *path, const char *digest, mtrl_error *err) {
+    if (!digest || !digest[0]) return MTRL_OK;
+    char have[65];
+    if (mtrl_sha256_file_hex(path, have) != 0)
+        return mtrl_error_set(err, MTRL_ERR_IO, "%s: cannot read to check its digest: %s", path, strerror(errno));
+    if (strcmp(have, digest))
+        return mtrl_error_set(err, MTRL_ERR_MISMATCH,
+                              "%s: the checkpoint file changed since its run wrote it (sha256 %.16s..., the run store "
+                              "recorded %.16s...): overwritten by another run with the same out_dir, or edited; its "
+                              "weights are not the ones this run used",
+                              path, have, digest);
+    return MTRL_OK;
 }
 
 mtrl_status mtrl_ckpt_open_mem(mtrl_ckpt *c, const void *buf, size_t len, mtrl_error *err) {

@@ -62,6 +62,12 @@ typedef struct mtrl_ckpt {
 } mtrl_ckpt;
 
 mtrl_status mtrl_ckpt_open_file(mtrl_ckpt *c, const char *path, mtrl_error *err);
+// Whether the file at path is the one a run store recorded when it was written (digest: the
+// sha256 hex of the checkpoints table). MTRL_ERR_MISMATCH naming both digests when the file
+// changed since (overwritten by another run, edited, truncated); MTRL_OK when it matches or no
+// digest was recorded (NULL or ""); MTRL_ERR_IO when it cannot be read. Every reader of a run's
+// checkpoint (--resume, replay --rescore / --reexec, eval) calls it before loading.
+mtrl_status mtrl_ckpt_verify_digest(const char *path, const char *digest, mtrl_error *err);
 // Reads from caller-owned memory that must outlive the handle.
 mtrl_status mtrl_ckpt_open_mem(mtrl_ckpt *c, const void *buf, size_t len, mtrl_error *err);
 void mtrl_ckpt_close(mtrl_ckpt *c);

@@ -17,7 +17,7 @@
     X(run, seed, INT, "1", 0, 4294967295.0, NULL, "seed of every random stream (init, tasks, sampling)") \
     X(run, steps, INT, "50", 1, 1e9, NULL, "optimizer steps of the RL stage (with [stage.N] sections: their sum instead)") \
     X(run, db, STR, "runs.db", 0, 0, NULL, "SQLite run store (created when missing)")               \
-    X(run, out_dir, STR, "runs", 0, 0, NULL, "folder for trajectory files and checkpoints")         \
+    X(run, out_dir, STR, "runs", 0, 0, NULL, "folder of the runs' files: each run writes its checkpoints and trajectory file into <store>-run<id>/ in it")         \
     X(run, keep_trajectories, STR, "all", 0, 0, NULL, "which episodes keep their trajectory file: all, failures or every_N") \
     X(run, keep_checkpoints, INT, "3", 0, 1e6, NULL, "checkpoints kept on disk (0 = all)")          \
     X(run, checkpoint_every, INT, "10", 0, 1e9, NULL, "steps between checkpoints (0 = only the last)") \

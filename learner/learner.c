@@ -29,6 +29,7 @@
 #include "common/wire_shared.h"
 #include "learner/ckpt_async.h"
 #include "learner/perf.h"
+#include "learner/run_dir.h"
 #include "learner/train.h"
 #include "learner/weights_pub.h"
 
@@ -47,6 +48,8 @@ typedef struct actor_rec {
                             // then it builds its model and envs, seconds of silence on a GPU,
                             // and actor_start_timeout_ms applies instead of heartbeat_timeout_ms)
     uint64_t owed;          // payload bytes received and not yet returned as credit
+    int64_t credit;         // bytes it may still send: WELCOME's credit + grants - episode bytes received
+    int refused;            // sent beyond its credit: disconnected, its HELLOs and messages ignored
     int zmq_weights;        // gets WEIGHTS chunks (no weight channel, or it asked: WEIGHTS_REQ)
 } actor_rec;
 
@@ -77,7 +80,8 @@ struct mtrl_learner {
     mtrl_wire_stats rx;
     mtrl_store *store;
     int64_t run_id;
-    char traj_path[1024];
+    char run_dir[1024];      // out_dir/<store>-run<id>: this run's files (learner/run_dir.h)
+    char traj_path[1100];
     mtrl_trajfile_writer tw;
     mtrl_wbuf scratch;
     mtrl_model model;
@@ -128,6 +132,17 @@ static void event_(mtrl_learner *l, mtrl_log_level lv, const char *fmt, ...) {
     va_end(ap);
     mtrl_log(lv, "%s", msg);
     if (l->store) mtrl_store_event_log(l->store, l->run_id, lv, msg, NULL);
+}
+
+// A durable write that failed (the run store, the trajectory file): the run stops and ends as
+// failed (non-zero exit), never as finished over data it could not keep. The first failure is
+// the one reported; the event row is best effort (the store may be the thing that is full).
+static void durable_fail_(mtrl_learner *l, const char *what, const mtrl_error *err) {
+    if (l->failed[0]) return;
+    event_(l, MTRL_LOG_ERROR, "%s: %s; stopping the run (a failed write loses data)", what, err ? err->msg : "write failed");
+    char why[256];
+    snprintf(why, sizeof why, "%.80s: %.160s", what, err ? err->msg : "write failed");
+    mtrl_learner_fail(l, why);
 }
 
 static actor_rec *actor_find_(mtrl_learner *l, const mtrl_wire_peer *p) {
@@ -251,6 +266,15 @@ static void group_drop_(mtrl_learner *l, int i) {
     l->groups[i] = l->groups[--l->n_groups];
 }
 
+// Data the learner refused: an episode the assembler rejected (over a cap, malformed), or one
+// of a peer that sent beyond its credit. Its row says what happened; its tokens are not kept.
+static int refused_data_(const mtrl_learner *l, const mtrl_traj *t) {
+    if (t->status == MTRL_EP_REJECTED) return 1;
+    for (int i = 0; i < l->n_actors; i++)
+        if (l->actors[i].refused && l->actors[i].id == t->actor_id && l->actors[i].incarnation == t->incarnation) return 1;
+    return 0;
+}
+
 // Records a closed episode (file + SQLite) and files it into its group for training.
 static void commit_(mtrl_learner *l, mtrl_traj *t) {
     mtrl_error err;
@@ -261,17 +285,17 @@ static void commit_(mtrl_learner *l, mtrl_traj *t) {
     if (t->status <= MTRL_EP_REJECTED) l->episodes_by_status[t->status]++;
     int64_t off = -1;
     const char *path = NULL;
-    if (keep_traj_(l, t) && t->n_tokens > 0) {
+    if (keep_traj_(l, t) && t->n_tokens > 0 && !refused_data_(l, t)) {
         uint64_t o;
         if (mtrl_trajfile_append_traj(&l->tw, t, &l->scratch, &o, &err) == MTRL_OK) {
             off = (int64_t)o;
             path = l->traj_path;
         } else {
-            event_(l, MTRL_LOG_ERROR, "trajectory file: %s", err.msg);
+            durable_fail_(l, "trajectory file", &err);
         }
     }
     if (mtrl_store_episode_log(l->store, l->run_id, t, path, off, l->step, &err) != MTRL_OK)
-        event_(l, MTRL_LOG_ERROR, "run store: %s", err.msg);
+        durable_fail_(l, "run store", &err);
     int trainable = t->status == MTRL_EP_COMPLETE || t->status == MTRL_EP_TRUNCATED;
     // An episode whose prompt came before the stage's weights was generated under the previous
     // stage's context and document (the actor had not rebuilt yet): not this stage's data.
@@ -370,10 +394,39 @@ static void actor_stats_in_(mtrl_learner *l, const mtrl_wire_in *in) {
     mtrl_wire_msg_free(&m);
 }
 
+// Charges an episode message of cost bytes to actor a's credit; 0 when it is beyond it: the
+// peer is disconnected (BYE), its open episodes aborted (their data is not kept: commit_) and
+// nothing it sends is read again. The actor sends while its credit covers a message, or one
+// message larger than the whole credit when nothing is in flight (actor.c flush_); a repeated
+// WELCOME resets its count while bytes are in flight, so one credit of slack is allowed. What
+// the learner holds of a peer is thus bounded by its credit, the slack and one message.
+static int credit_take_(mtrl_learner *l, actor_rec *a, int64_t cost) {
+    int64_t full = l->cfg.learner.credit_bytes;
+    if (cost <= a->credit + full || (cost > full && a->credit >= 0)) {
+        a->credit -= cost;
+        return 1;
+    }
+    size_t n = mtrl_wire_asm_abort_actor(l->asm_, a->id, a->incarnation, "actor sent beyond its credit");
+    event_(l, MTRL_LOG_ERROR,
+           "actor %u (incarnation %u) sent a %lld-byte message with %lld bytes of credit left ([learner] credit_bytes = %lld): "
+           "disconnected and refused, %zu open episodes aborted and not kept",
+           a->id, a->incarnation, (long long)cost, (long long)a->credit, (long long)full, n);
+    mtrl_wire_out o;
+    mtrl_wire_out_init(&o);
+    mtrl_wire_encode_bye(&o, "sent beyond its credit: disconnected");
+    send_(l, a, &o);
+    mtrl_wire_out_free(&o);
+    a->alive = 0;
+    a->refused = 1;
+    a->owed = 0;
+    return 0;
+}
+
 static void handle_(mtrl_learner *l, mtrl_wire_in *in) {
     mtrl_error err;
     actor_rec *a = actor_find_(l, &in->peer);
     uint16_t type = in->hdr.type;
+    if (a && a->refused) return; // disconnected for ignoring its credit: nothing it sends is read
     if (type == MTRL_WIRE_HELLO) {
         mtrl_wire_msg m;
         mtrl_wire_msg_init(&m);
@@ -419,6 +472,7 @@ static void handle_(mtrl_learner *l, mtrl_wire_in *in) {
         a->welcomed = a->last_seen;
         a->heard = 0;
         a->zmq_weights = !l->pub.ch;
+        a->credit = l->warming ? 0 : l->cfg.learner.credit_bytes; // what the WELCOME grants
         event_(l, MTRL_LOG_INFO, "actor %u (incarnation %u) joined", a->id, a->incarnation);
         mtrl_wire_out o;
         mtrl_wire_out_init(&o);
@@ -453,6 +507,7 @@ static void handle_(mtrl_learner *l, mtrl_wire_in *in) {
     case MTRL_WIRE_BEGIN:
     case MTRL_WIRE_CHUNK:
     case MTRL_WIRE_END:
+        if (!credit_take_(l, a, (int64_t)(in->payload_len + MTRL_WIRE_HDR_SIZE))) break;
         if (mtrl_wire_asm_feed(l->asm_, a->id, a->incarnation, &in->hdr, in->payload, in->payload_len, &err) != MTRL_OK)
             LOG_WARN("actor %u: %s", a->id, err.msg);
         a->owed += in->payload_len + MTRL_WIRE_HDR_SIZE;
@@ -500,6 +555,7 @@ static void grant_credit_(mtrl_learner *l) {
         if (!a->alive || a->owed == 0) continue;
         mtrl_wire_encode_credit(&o, a->owed);
         send_(l, a, &o);
+        a->credit += (int64_t)a->owed;
         a->owed = 0;
     }
     mtrl_wire_out_free(&o);
@@ -577,6 +633,7 @@ static void stage_enter_(mtrl_learner *l, int s, int next) {
             send_(l, &l->actors[i], &o);
             send_weights_(l, &l->actors[i]);
             l->actors[i].heard = 0; // it rebuilds its episodes and envs
+            l->actors[i].credit = c.learner.credit_bytes;
         }
     mtrl_wire_out_free(&o);
 }
@@ -584,7 +641,8 @@ static void stage_enter_(mtrl_learner *l, int s, int next) {
 // ---- steps ------------------------------------------------------------------------------------------------------
 
 static void log_metric_(mtrl_learner *l, const char *name, double v) {
-    mtrl_store_metric_log(l->store, l->run_id, l->step, name, v, 0, NULL);
+    mtrl_error err;
+    if (mtrl_store_metric_log(l->store, l->run_id, l->step, name, v, 0, &err) != MTRL_OK) durable_fail_(l, "run store", &err);
 }
 
 // A checkpoint whose write finished (wait: the one in flight, when there is one): logged in the
@@ -599,7 +657,9 @@ static void checkpoint_done_(mtrl_learner *l, int wait) {
         return;
     }
     LOG_INFO("checkpoint %s written (snapshot %.2f s, then %.1f s in the background)", d.path, d.snapshot_s, d.write_s);
-    mtrl_store_checkpoint_log(l->store, l->run_id, d.step, d.version, d.path, d.sha256, NULL);
+    mtrl_error err;
+    if (mtrl_store_checkpoint_log(l->store, l->run_id, d.step, d.version, d.path, d.sha256, &err) != MTRL_OK)
+        durable_fail_(l, "run store (checkpoint row)", &err); // a checkpoint no reader can verify
     // Retention: the newest keep_checkpoints files stay (0 = all). Rows stay as history.
     long keep = l->cfg.run.keep_checkpoints;
     if (keep > 0) {
@@ -628,7 +688,7 @@ static void perf_cycle_end_(mtrl_learner *l, double now, int log) {
 static void checkpoint_(mtrl_learner *l, int with_optimizer) {
     checkpoint_done_(l, 1);
     char path[1200], step[32], run[32];
-    snprintf(path, sizeof path, "%s/ckpt-%06ld.safetensors", l->cfg.run.out_dir, l->step);
+    snprintf(path, sizeof path, "%s/ckpt-%06ld.safetensors", l->run_dir, l->step);
     snprintf(step, sizeof step, "%ld", l->step);
     snprintf(run, sizeof run, "%lld", (long long)l->run_id);
     const char *meta[] = {"config_hash", l->config_hash_hex, "run", run, "learner_step", step};
@@ -743,15 +803,16 @@ static void rl_step_(mtrl_learner *l, int *ready, int n_ready) {
             log_metric_(l, name, st.max_violation[ly]);
             if (st.max_violation[ly] > worst) worst = st.max_violation[ly];
             for (int e = 0; e < d->E; e++)
-                mtrl_store_expert_log(l->store, l->run_id, l->step, ly, e, (double)l->loads[(size_t)ly * d->E + e],
-                                      (double)l->model.qb_beta[(size_t)ly * d->E + e], NULL);
+                if (mtrl_store_expert_log(l->store, l->run_id, l->step, ly, e, (double)l->loads[(size_t)ly * d->E + e],
+                                          (double)l->model.qb_beta[(size_t)ly * d->E + e], &err) != MTRL_OK)
+                    durable_fail_(l, "run store", &err);
         }
         log_metric_(l, "max_violation", worst);
         if (l->cfg.learner.qb_actor_stats) log_metric_(l, "qb_actor_batches", (double)qb_actor);
         perf_cycle_end_(l, now, 1);
-        if (mtrl_store_commit(l->store, &err) != MTRL_OK) event_(l, MTRL_LOG_ERROR, "run store: %s", err.msg);
+        if (mtrl_store_commit(l->store, &err) != MTRL_OK) durable_fail_(l, "run store", &err);
     } else {
-        event_(l, MTRL_LOG_ERROR, "run store: %s", err.msg);
+        durable_fail_(l, "run store", &err);
         perf_cycle_end_(l, now, 0);
     }
     l->last_reward = st.reward_mean;
@@ -800,7 +861,9 @@ static void pump_(mtrl_learner *l, int timeout_ms) {
 // in the socket for the step's end, when pump_ reads them before judging anyone's silence).
 static void step_hook_(void *user) { check_heartbeats_(user, 0); }
 
-static void warmup_(mtrl_learner *l) {
+// stop: SIGINT / SIGTERM (mtrl_learner_run's flag), checked at every warm-up step: a warm-up of
+// thousands of steps must not hold a Ctrl-C for a minute.
+static void warmup_(mtrl_learner *l, volatile sig_atomic_t *stop) {
     long steps = l->cfg.warmup.steps;
     if (steps <= 0 || l->model.step > 0) return;
     mtrl_env *env;
@@ -818,7 +881,7 @@ static void warmup_(mtrl_learner *l) {
     }
     event_(l, MTRL_LOG_INFO, "warm-up: %ld supervised steps on %s demonstrations", steps, mtrl_env_name(env));
     l->warming = 1;
-    for (long s = 0; s < steps; s++) {
+    for (long s = 0; s < steps && !*stop && !l->failed[0]; s++) {
         pump_(l, 0);
         int ok = 1;
         for (int i = 0; i < B && ok; i++) {
@@ -830,7 +893,8 @@ static void warmup_(mtrl_learner *l) {
             break;
         }
         double loss = mtrl_train_sft_step(&l->model, &l->cfg, dp, B, l->cfg.warmup.lr);
-        mtrl_store_metric_log(l->store, l->run_id, -steps + s, "warmup_loss", loss, 0, NULL);
+        if (mtrl_store_metric_log(l->store, l->run_id, -steps + s, "warmup_loss", loss, 0, &err) != MTRL_OK)
+            durable_fail_(l, "run store", &err);
         if (l->progress) mtrl_progress_update(&l->prog, s + 1 == steps, "warm-up %ld/%ld | loss %.3f", s + 1, steps, loss);
     }
     if (l->progress) mtrl_progress_end(&l->prog);
@@ -840,6 +904,7 @@ static void warmup_(mtrl_learner *l) {
     free(demos);
     free(dp);
     mtrl_env_close(env);
+    if (*stop || l->failed[0]) return; // stopped mid warm-up: no half-trained behaviour policy is published or kept
     publish_(l);
     // The warmed-up weights are the first behaviour policy: keep them for replay and rescoring.
     checkpoint_(l, 0);
@@ -852,6 +917,7 @@ static void warmup_(mtrl_learner *l) {
         if (l->actors[i].alive) {
             send_weights_(l, &l->actors[i]);
             send_(l, &l->actors[i], &o);
+            l->actors[i].credit += l->cfg.learner.credit_bytes;
         }
     mtrl_wire_out_free(&o);
 }
@@ -869,7 +935,8 @@ static mtrl_status resume_(mtrl_learner *l, mtrl_error *err) {
         return mtrl_error_set(err, MTRL_ERR_NOTFOUND, "--resume: run %lld has no checkpoint to resume from", (long long)l->run_id);
     }
     mtrl_ckpt c;
-    st = mtrl_ckpt_open_file(&c, rows[n - 1].path, err);
+    st = mtrl_ckpt_verify_digest(rows[n - 1].path, rows[n - 1].digest, err);
+    if (st == MTRL_OK) st = mtrl_ckpt_open_file(&c, rows[n - 1].path, err);
     if (st == MTRL_OK) {
         // A changed experiment is allowed (more steps, another learning rate); a changed model
         // is not, and mtrl_model_load refuses it naming the first tensor that differs.
@@ -940,8 +1007,12 @@ mtrl_status mtrl_learner_open(mtrl_learner **out, const mtrl_config *cfg, const 
             st = mtrl_store_run_create(l->store, &info, &l->run_id, err);
         }
     }
+    if (st == MTRL_OK && (st = mtrl_run_dir_claim(l->run_dir, sizeof l->run_dir, cfg->run.out_dir, db, l->run_id, err)) != MTRL_OK) {
+        mtrl_store_event_log(l->store, l->run_id, MTRL_LOG_ERROR, err->msg, NULL);
+        mtrl_store_run_set_status(l->store, l->run_id, MTRL_RUN_FAILED, NULL);
+    }
     if (st == MTRL_OK) {
-        snprintf(l->traj_path, sizeof l->traj_path, "%s/traj-run%lld.bin", cfg->run.out_dir, (long long)l->run_id);
+        snprintf(l->traj_path, sizeof l->traj_path, "%s/traj-run%lld.bin", l->run_dir, (long long)l->run_id);
         st = mtrl_trajfile_writer_open(&l->tw, l->traj_path, 0, err);
     }
     if (st == MTRL_OK) {
@@ -994,7 +1065,7 @@ long long mtrl_learner_run_id(const mtrl_learner *l) { return (long long)l->run_
 
 int mtrl_learner_run(mtrl_learner *l, volatile sig_atomic_t *stop) {
     l->t_start = mtrl_time_mono();
-    warmup_(l);
+    warmup_(l, stop);
     l->t_rl = l->t_cycle = mtrl_time_mono();
     memset(&l->cyc, 0, sizeof l->cyc);
     memset(&l->tot, 0, sizeof l->tot);
@@ -1029,9 +1100,17 @@ int mtrl_learner_run(mtrl_learner *l, volatile sig_atomic_t *stop) {
         double t_wait = mtrl_time_mono();
         pump_(l, 20);
         l->cyc.wait += mtrl_time_mono() - t_wait;
-        if (mtrl_store_begin(l->store, &err) == MTRL_OK) {
+        // The closed episodes go into the store as one transaction. A busy store (a reader's
+        // checkpoint past the 5 s busy timeout) is transient: the episodes wait in the assembler
+        // for the next round. Any other failure stops the run (durable_fail_).
+        mtrl_status bst = mtrl_store_begin(l->store, &err);
+        if (bst == MTRL_OK) {
             while (mtrl_wire_asm_pop(l->asm_, &popped)) commit_(l, &popped);
-            mtrl_store_commit(l->store, &err);
+            if (mtrl_store_commit(l->store, &err) != MTRL_OK) durable_fail_(l, "run store (episode batch)", &err);
+        } else if (bst == MTRL_ERR_TIMEOUT) {
+            LOG_WARN("run store busy, the episodes wait: %s", err.msg);
+        } else {
+            durable_fail_(l, "run store (episode batch)", &err);
         }
         grant_credit_(l);
         double now = mtrl_time_mono();
@@ -1085,12 +1164,19 @@ int mtrl_learner_run(mtrl_learner *l, volatile sig_atomic_t *stop) {
         if (l->actors[i].alive) send_(l, &l->actors[i], &o);
     mtrl_wire_out_free(&o);
     if (*stop) goto killed;
+    mtrl_error err;
     if (l->failed[0]) {
-        mtrl_store_run_set_status(l->store, l->run_id, MTRL_RUN_FAILED, NULL);
         event_(l, MTRL_LOG_ERROR, "run %lld failed at step %ld: %s", (long long)l->run_id, l->step, l->failed);
+        // On a full store this may fail too: the run stays `running`, and the next writer's
+        // mtrl_store_open marks it failed (its lock is gone); never `finished`.
+        if (mtrl_store_run_set_status(l->store, l->run_id, MTRL_RUN_FAILED, &err) != MTRL_OK)
+            LOG_ERROR("run %lld: the status `failed` could not be stored: %s", (long long)l->run_id, err.msg);
         return 1;
     }
-    mtrl_store_run_set_status(l->store, l->run_id, MTRL_RUN_FINISHED, NULL);
+    if (mtrl_store_run_set_status(l->store, l->run_id, MTRL_RUN_FINISHED, &err) != MTRL_OK) {
+        LOG_ERROR("run %lld: the status `finished` could not be stored: %s", (long long)l->run_id, err.msg);
+        return 1;
+    }
     event_(l, MTRL_LOG_INFO, "run %lld finished: %ld steps, %ld episodes (%ld complete, %ld truncated, %ld aborted, %ld rejected)",
            (long long)l->run_id, l->step, l->episodes_seen, l->episodes_by_status[MTRL_EP_COMPLETE],
            l->episodes_by_status[MTRL_EP_TRUNCATED], l->episodes_by_status[MTRL_EP_ABORTED],

@@ -293,9 +293,9 @@ int main(void) {
     double k3o = json_num_after_(r.out, "\"rescore\":", "\"absdiff_mean\":");
     TEST_CHECKF(k3o > 1e-5, "rescoring version-0 tokens with version 3 should show a mismatch, got mean |d| %g", k3o);
     result_free_(&r);
-    r = RUN("replay", "--db", "runs.db", "--episode", id, "--rescore", "--checkpoint", "runs/ckpt-000002.safetensors");
+    r = RUN("replay", "--db", "runs.db", "--episode", id, "--rescore", "--checkpoint", "runs/runs-run1/ckpt-000002.safetensors");
     TEST_EQ_INT(r.rc, 0);
-    TEST_CONTAINS(r.out, "--checkpoint runs/ckpt-000002.safetensors (version 2)");
+    TEST_CONTAINS(r.out, "--checkpoint runs/runs-run1/ckpt-000002.safetensors (version 2)");
     result_free_(&r);
     r = RUN("replay", "--db", "runs.db", "--episode", id, "--rescore", "--version", "99");
     TEST_EQ_INT(r.rc, 1);
@@ -323,13 +323,15 @@ int main(void) {
     mkdir(cdir, 0755);
     snprintf(buf, sizeof buf, "%s/runs", cdir);
     mkdir(buf, 0755);
+    snprintf(buf, sizeof buf, "%s/runs/runs-run1", cdir); // the run's folder (learner/run_dir.h)
+    mkdir(buf, 0755);
     snprintf(cdb, sizeof cdb, "%s/runs.db", cdir);
     TEST_EQ_INT(copy_file_(db, cdb), 0);
     snprintf(from, sizeof from, "%s-wal", db);
     snprintf(buf, sizeof buf, "%s-wal", cdb);
     TEST_EQ_INT(copy_file_(from, buf), 0);
-    snprintf(from, sizeof from, "%s/runs/traj-run1.bin", dir_);
-    snprintf(cbin, sizeof cbin, "%s/runs/traj-run1.bin", cdir);
+    snprintf(from, sizeof from, "%s/runs/runs-run1/traj-run1.bin", dir_);
+    snprintf(cbin, sizeof cbin, "%s/runs/runs-run1/traj-run1.bin", cdir);
     TEST_EQ_INT(copy_file_(from, cbin), 0);
     long long off = q_int_(cdb, "SELECT traj_offset FROM episodes WHERE run = 1 AND traj_offset >= 0 ORDER BY traj_offset DESC LIMIT 1");
     long long dep = q_int_(cdb, "SELECT id FROM episodes WHERE run = 1 AND traj_offset >= 0 ORDER BY traj_offset DESC LIMIT 1");
@@ -346,7 +348,7 @@ int main(void) {
     snprintf(buf, sizeof buf, "record at byte %lld", off);
     TEST_CONTAINS(r.err, buf);
     TEST_CONTAINS(r.err, "truncated");
-    TEST_CONTAINS(r.err, "copy/runs/traj-run1.bin");
+    TEST_CONTAINS(r.err, "copy/runs/runs-run1/traj-run1.bin");
     TEST_CHECK(r.out[0] == 0); // nothing half-rendered
     printf("torn file: %s", r.err);
     result_free_(&r);
@@ -432,7 +434,7 @@ int main(void) {
         TEST_EQ_INT(mtrl_trajfile_writer_open(&w, cbin, 1, &err), MTRL_OK);
         TEST_EQ_INT(mtrl_trajfile_append_traj(&w, &half, NULL, &hoff, &err), MTRL_OK);
         mtrl_trajfile_writer_close(&w, &err);
-        TEST_EQ_INT(mtrl_store_episode_log(st, run2, &half, "runs/traj-run1.bin", (int64_t)hoff, 0, &err), MTRL_OK);
+        TEST_EQ_INT(mtrl_store_episode_log(st, run2, &half, "runs/runs-run1/traj-run1.bin", (int64_t)hoff, 0, &err), MTRL_OK);
         mtrl_store_close(st);
         char aid[32], rn[32];
         snprintf(aid, sizeof aid, "%lld", eid);

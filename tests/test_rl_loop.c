@@ -640,7 +640,7 @@ static size_t eval_line_len_(const char *p) {
 static void test_eval(void) {
     char ini[512], ckpt[512], log[2][512];
     snprintf(ini, sizeof ini, "%s/stages.ini", dir_);
-    snprintf(ckpt, sizeof ckpt, "%s/runs-stages/ckpt-000004.safetensors", dir_);
+    snprintf(ckpt, sizeof ckpt, "%s/runs-stages/stages-run1/ckpt-000004.safetensors", dir_);
     char *out[2];
     for (int i = 0; i < 2; i++) {
         snprintf(log[i], sizeof log[i], "%s/eval%d.log", dir_, i);

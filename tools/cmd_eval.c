@@ -10,13 +10,19 @@
 // length, group size and episodes in flight): a model trained on the short stages can be
 // evaluated at the longest. One line per finished episode, then the totals. Exit 0, 1 when the
 // checkpoint or model cannot be loaded or an episode setup fails, 2 for bad usage.
+// A checkpoint that [run] db has a row for is checked against the digest recorded there: a file
+// changed since its run wrote it is refused (exit 1), naming both digests.
+#include <sqlite3.h>
 #include <stdlib.h>
 #include <string.h>
+#include <unistd.h>
 
 #include "actor/rollout.h"
 #include "common/checkpoint.h"
 #include "common/config.h"
+#include "common/fsutil.h"
 #include "common/model/model.h"
+#include "common/store.h"
 #include "common/timeutil.h"
 #include "common/tokenizer.h"
 #include "tools/cli.h"
@@ -51,6 +57,33 @@ static void eval_end_(void *user, mtrl_traj *t) {
     fflush(stdout);
 }
 
+// The digest [run] db recorded for the checkpoint file ckpt (its rows name it as the learner
+// wrote it: absolute, or relative to the store's folder or to here), into digest; "" when the
+// store is absent or no row names that file (a checkpoint from elsewhere is not checked).
+static void eval_recorded_digest_(const mtrl_config *cfg, const char *ckpt, char *digest, size_t cap) {
+    digest[0] = 0;
+    mtrl_store *st;
+    mtrl_error err;
+    char want[4096], cand[8200], real[4096];
+    if (mtrl_path_real(ckpt, want, sizeof want) != 0 || access(cfg->run.db, F_OK) != 0) return;
+    if (mtrl_store_open(&st, cfg->run.db, 1, &err) != MTRL_OK) return;
+    sqlite3_stmt *q = NULL;
+    const char *slash = strrchr(cfg->run.db, '/');
+    if (sqlite3_prepare_v2(mtrl_store_sqlite(st), "SELECT path, digest FROM checkpoints", -1, &q, NULL) == SQLITE_OK)
+        while (!digest[0] && sqlite3_step(q) == SQLITE_ROW) {
+            const char *p = (const char *)sqlite3_column_text(q, 0), *d = (const char *)sqlite3_column_text(q, 1);
+            if (!p || !d) continue;
+            for (int k = 0; k < 2 && !digest[0]; k++) {
+                if (k == 0) snprintf(cand, sizeof cand, "%s", p);
+                else if (p[0] != '/' && slash) snprintf(cand, sizeof cand, "%.*s/%s", (int)(slash - cfg->run.db), cfg->run.db, p);
+                else break;
+                if (mtrl_path_real(cand, real, sizeof real) == 0 && !strcmp(real, want)) snprintf(digest, cap, "%s", d);
+            }
+        }
+    sqlite3_finalize(q);
+    mtrl_store_close(st);
+}
+
 // The model of cfg on its device with the checkpoint's weights (or the initial ones).
 static int eval_model_open_(mtrl_model *m, const mtrl_config *cfg, const char *device, const char *ckpt) {
     mtrl_model_dims d;
@@ -72,7 +105,10 @@ static int eval_model_open_(mtrl_model *m, const mtrl_config *cfg, const char *d
         return 0;
     }
     mtrl_ckpt c;
-    mtrl_status st = mtrl_ckpt_open_file(&c, ckpt, &err);
+    char digest[128];
+    eval_recorded_digest_(cfg, ckpt, digest, sizeof digest);
+    mtrl_status st = mtrl_ckpt_verify_digest(ckpt, digest, &err);
+    if (st == MTRL_OK) st = mtrl_ckpt_open_file(&c, ckpt, &err);
     if (st == MTRL_OK) {
         st = mtrl_model_load(m, &c, 0, &err);
         mtrl_ckpt_close(&c);

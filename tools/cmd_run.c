@@ -41,8 +41,9 @@
     "\nRuns an experiment: the learner in this process and [actor] count local actor processes\n"      \
     "(`mtrl learner` runs the learner alone and prints the endpoint remote actors connect to).\n"     \
     "A short supervised warm-up ([warmup] steps) on the env's demonstrations, then RL steps until\n" \
-    "[run] steps; checkpoints go to [run] out_dir, every run, step, episode and event to the run\n"   \
-    "store. Progress is one line on stderr (redrawn on a terminal, plain lines otherwise).\n\n"      \
+    "[run] steps; checkpoints and trajectories go to [run] out_dir/<store>-run<id>/ (runs.db's\n"    \
+    "run 3: runs-run3/), every run, step, episode and event to the run store. Progress is one\n"    \
+    "line on stderr (redrawn on a terminal, plain lines otherwise).\n\n"                             \
     "options:\n"                                                                                      \
     "  --db FILE             the run store (SQLite; default [run] db); one learner writes it at a time\n" \
     "  --resume              continue the store's latest run from its last checkpoint\n" \

@@ -108,7 +108,7 @@ run)
       python3 "$repo/tools/run_summary.py" runs.db >> "$out/quickstart_gpu_summary$i.txt" 2>&1
       # EVAL_ARGS="--stage 4 --episodes 8": then `mtrl eval` of the run's last checkpoint on fresh
       # tasks (within EVAL_SECONDS, default 150), its totals into the summary
-      ck=$(ls runs/ckpt-*.safetensors 2>/dev/null | tail -n 1)
+      ck=$(ls runs/runs-run*/ckpt-*.safetensors 2>/dev/null | tail -n 1)
       if [ -n "${EVAL_ARGS:-}" ] && [ -n "$ck" ]; then
         CUDA_VISIBLE_DEVICES=$(( (${QG_GPU:-0} + i) % ngpu )) timeout "${EVAL_SECONDS:-150}" "$repo/.carry/dev/mtrl" eval \
           "$ini" --checkpoint "$ck" $EVAL_ARGS >> "$out/quickstart_gpu$i.log" 2>&1

@@ -28,6 +28,7 @@
 #include "actor/rollout.h"
 #include "common/check.h"
 #include "common/checkpoint.h"
+#include "common/fsutil.h"
 #include "common/model/model.h"
 #include "common/tokenizer.h"
 #include "env/env_config.h"
@@ -75,6 +76,18 @@ static void retained_list_(const replay_session *s, char *out, size_t cap) {
     if (!n) snprintf(out, cap, "none");
 }
 
+// The digest the store recorded for the checkpoint file at path (resolved, or as given with
+// --checkpoint), or NULL when none of this run's rows names that file.
+static const char *recorded_digest_(const replay_session *s, const char *path) {
+    char want[4096], p[4096], real[4096];
+    if (mtrl_path_real(path, want, sizeof want) != 0) return NULL;
+    for (size_t i = 0; i < s->n_ckpts; i++) {
+        replay_resolve_path(s, s->ckpts[i].path, p, sizeof p);
+        if (mtrl_path_real(p, real, sizeof real) == 0 && !strcmp(real, want)) return s->ckpts[i].digest;
+    }
+    return NULL;
+}
+
 static mtrl_status model_dims_(const replay_session *s, mtrl_model_dims *d, mtrl_error *err) {
     mtrl_status st = mtrl_model_dims_from_config(d, &s->cfg.model, MTRL_VOCAB, err);
     if (st != MTRL_OK) return mtrl_error_wrap(err, "run %lld [model]", (long long)s->run);
@@ -94,6 +107,10 @@ static mtrl_status model_load_(const replay_session *s, mtrl_model *m, int *init
     m->qb_frozen = 1; // replay never moves β
     m->version = 0;
     if (!path) return MTRL_OK;
+    // A file that changed since the run wrote it (another run's, same out_dir) would show up as a
+    // divergence of log-probs; say what it is instead.
+    st = mtrl_ckpt_verify_digest(path, recorded_digest_(s, path), err);
+    if (st != MTRL_OK) return st;
     mtrl_ckpt c;
     st = mtrl_ckpt_open_file(&c, path, err);
     if (st != MTRL_OK) return st;
