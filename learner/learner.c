@@ -27,6 +27,7 @@
 #include "common/wire_monitor.h"
 #include "common/wire_shared.h"
 #include "learner/ckpt_async.h"
+#include "learner/peer_guard.h"
 #include "learner/perf.h"
 #include "learner/train.h"
 #include "learner/weights_pub.h"
@@ -47,6 +48,7 @@ typedef struct actor_rec {
                             // and actor_start_timeout_ms applies instead of heartbeat_timeout_ms)
     uint64_t owed;          // payload bytes received and not yet returned as credit
     int zmq_weights;        // gets WEIGHTS chunks (no weight channel, or it asked: WEIGHTS_REQ)
+    char key[MTRL_WIRE_KEY_Z85_LEN + 1]; // under CURVE: the client key its HELLO came with
 } actor_rec;
 
 typedef struct group_buf {
@@ -71,6 +73,7 @@ struct mtrl_learner {
     double last_mon_warn;      // handshake failures are logged at most once a second
     mtrl_wire_auth_server *auth; // CURVE ZAP handler; NULL without [learner] curve_key
     double last_unknown_reply; // rate limit of the "say HELLO" answers to unknown peers
+    mtrl_peer_guard guard;     // peers that send refused messages; a flooder is hung up on
     mtrl_wire_limits lim;
     mtrl_wire_asm *asm_;
     mtrl_wire_stats rx;
@@ -369,6 +372,56 @@ static void actor_stats_in_(mtrl_learner *l, const mtrl_wire_in *in) {
     mtrl_wire_msg_free(&m);
 }
 
+// A message refused from in->peer (the last one received): logged once per peer and window; a
+// peer past [learner]'s limit of refused messages is hung up on (issue 28, item 2).
+static void refused_(mtrl_learner *l, const mtrl_wire_in *in, const char *why) {
+    mtrl_peer_guard_verdict v = mtrl_peer_guard_note(&l->guard, &in->peer, mtrl_time_mono());
+    if (v == MTRL_PEER_GUARD_LOG) LOG_WARN("dropped a message: %s", why);
+    if (v != MTRL_PEER_GUARD_HANG_UP) return;
+    mtrl_error e;
+    if (mtrl_wire_sock_disconnect_last(&l->sock, &e) == MTRL_OK)
+        event_(l, MTRL_LOG_WARN, "disconnected a peer that sent %u refused messages in %.0f s (the last: %s)",
+               l->guard.limit + 1, l->guard.window_s, why);
+    else
+        LOG_DEBUG("could not disconnect a peer that floods: %s", e.msg);
+}
+
+// 1 when a HELLO as actor m->actor_id from connection `in` (record `a` there, or NULL; CURVE
+// key `key`, "" without) must be refused because a live actor holds that id on another
+// connection (issue 28, item 4: a forged HELLO with a higher incarnation displaced the real
+// actor, and incarnations come from the actors' clocks). The id belongs to the connection that
+// holds it, whatever the incarnation numbers say; it passes to another connection only once
+// the holder is gone: its connection closed (a restarted actor's predecessor, found by a probe
+// send that ROUTER_MANDATORY refuses) or it was declared dead (silent). Under CURVE it never
+// passes to another key while the holder lives. The refusal is silent (no amplification) and
+// counts toward the peer guard; the real actor, retrying its HELLO, is let in once the holder
+// is gone.
+static int hello_taken_(mtrl_learner *l, const actor_rec *a, const mtrl_wire_msg *m, const char *key,
+                        const mtrl_wire_in *in) {
+    for (int i = 0; i < l->n_actors; i++) {
+        actor_rec *o = &l->actors[i];
+        if (o == a || !o->alive || o->id != m->actor_id) continue;
+        int other_key = strcmp(o->key, key) != 0;
+        if (!other_key) {
+            mtrl_wire_out hb;
+            mtrl_wire_out_init(&hb);
+            mtrl_wire_encode_heartbeat(&hb);
+            mtrl_error e;
+            mtrl_status st = mtrl_wire_send(&l->sock, &o->peer, &hb, &e);
+            mtrl_wire_out_free(&hb);
+            if (st == MTRL_ERR_PEER) return 0; // the holder's connection is gone
+        }
+        char why[200];
+        snprintf(why, sizeof why, "refused a HELLO as actor %u (incarnation %u) from another connection%s: actor %u "
+                 "(incarnation %u) is live there", m->actor_id, m->incarnation,
+                 other_key ? " with another CURVE key" : "", o->id, o->incarnation);
+        mtrl_wire_stats_invalid(&l->rx, why);
+        refused_(l, in, why);
+        return 1;
+    }
+    return 0;
+}
+
 static void handle_(mtrl_learner *l, mtrl_wire_in *in) {
     mtrl_error err;
     actor_rec *a = actor_find_(l, &in->peer);
@@ -386,6 +439,12 @@ static void handle_(mtrl_learner *l, mtrl_wire_in *in) {
         if (a && a->alive && a->id == m.actor_id && a->incarnation == m.incarnation &&
             mtrl_time_mono() - a->welcomed < 1e-3 * (double)l->cfg.learner.heartbeat_timeout_ms) {
             a->last_seen = mtrl_time_mono();
+            mtrl_wire_msg_free(&m);
+            return;
+        }
+        char key[MTRL_WIRE_KEY_Z85_LEN + 1];
+        mtrl_wire_auth_peer_key(&l->sock, key);
+        if (hello_taken_(l, a, &m, key, in)) {
             mtrl_wire_msg_free(&m);
             return;
         }
@@ -418,6 +477,7 @@ static void handle_(mtrl_learner *l, mtrl_wire_in *in) {
         a->welcomed = a->last_seen;
         a->heard = 0;
         a->zmq_weights = !l->pub.ch;
+        memcpy(a->key, key, sizeof a->key);
         event_(l, MTRL_LOG_INFO, "actor %u (incarnation %u) joined", a->id, a->incarnation);
         mtrl_wire_out o;
         mtrl_wire_out_init(&o);
@@ -431,6 +491,7 @@ static void handle_(mtrl_learner *l, mtrl_wire_in *in) {
     }
     if (!a || !a->alive) {
         mtrl_wire_stats_invalid(&l->rx, "message from an actor that has not said HELLO (or is dead)");
+        refused_(l, in, "message from an actor that has not said HELLO (or is dead)");
         // Tell it, so it starts over instead of streaming into the void (an actor declared dead
         // while only slow, or one whose connection dropped and came back). At most a few
         // answers per second: a flood from an unknown peer gets no amplification.
@@ -758,11 +819,13 @@ static void pump_(mtrl_learner *l, int timeout_ms) {
     mtrl_wire_in in;
     mtrl_error err;
     mtrl_status s = mtrl_wire_recv(&l->sock, timeout_ms, &in, &l->rx, &err);
-    while (s == MTRL_OK) {
-        handle_(l, &in);
+    // A malformed message does not end the turn: a flood of them must drain at the rate it
+    // comes (a queue left full stalls the connection in libzmq, see mtrl_learner_create).
+    for (int n = 0; s != MTRL_ERR_TIMEOUT && n < 100000; n++) {
+        if (s == MTRL_OK) handle_(l, &in);
+        else refused_(l, &in, err.msg);
         s = mtrl_wire_recv(&l->sock, 0, &in, &l->rx, &err);
     }
-    if (s != MTRL_ERR_TIMEOUT) LOG_WARN("dropped a message: %s", err.msg);
     mtrl_wire_event ev;
     while (mtrl_wire_monitor_next(&l->mon, &ev)) {
         if (ev.event == ZMQ_EVENT_DISCONNECTED) {
@@ -942,6 +1005,13 @@ mtrl_status mtrl_learner_open(mtrl_learner **out, const mtrl_config *cfg, const 
         // ZeroMQ's heartbeat drops a connection silently, losing what was in flight: give it the
         // same patience as the application's own heartbeat, which aborts episodes explicitly.
         so.heartbeat_timeout_ms = (int)cfg->learner.heartbeat_timeout_ms;
+        // No ZMTP heartbeats from the ROUTER's side (the actors' DEALERs still send theirs, and
+        // the application heartbeat judges the actors): in libzmq 4.3.4 the PING timer of a
+        // connection whose input stopped at the high-water mark and whose peer then hung up
+        // writes to it after the engine marked it failed and aborts the process
+        // (`!_io_error`, stream_engine_base.cpp:331; zeromq/libzmq#4364): 10^6 tiny garbage
+        // frames while the learner is busy, then a hang-up, did it (issue 28, item 2).
+        so.heartbeat_ivl_ms = 0;
         if (cfg->learner.curve_key[0])
             st = mtrl_wire_auth_server_init(&l->auth, l->zctx, cfg->learner.curve_key, cfg->learner.curve_allow, &so, err);
         if (st == MTRL_OK) st = mtrl_wire_router_open(&l->sock, l->zctx, cfg->learner.endpoint, &l->lim, &so, err);
@@ -958,6 +1028,7 @@ mtrl_status mtrl_learner_open(mtrl_learner **out, const mtrl_config *cfg, const 
         return st;
     }
     l->asm_ = mtrl_wire_asm_new(&l->lim);
+    mtrl_peer_guard_init(&l->guard, 1000, 2.0);
     l->model.segment_hook = step_hook_;
     l->model.segment_hook_user = l;
     mtrl_wbuf_init(&l->scratch);
