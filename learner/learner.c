@@ -104,6 +104,8 @@ struct mtrl_learner {
     long *actor_qb_n;        // [L] decode batches summed
     double t_start;
     double t_last_step;    // when the last RL step ended (0: none yet)
+    double t_progress;     // when the last RL step ended, or RL started: [learner] stall_timeout_s
+    long joins;            // actors welcomed so far
     int progress;
     mtrl_progress prog;
     void (*tick)(void *);
@@ -478,6 +480,7 @@ static void handle_(mtrl_learner *l, mtrl_wire_in *in) {
         a->heard = 0;
         a->zmq_weights = !l->pub.ch;
         memcpy(a->key, key, sizeof a->key);
+        l->joins++;
         event_(l, MTRL_LOG_INFO, "actor %u (incarnation %u) joined", a->id, a->incarnation);
         mtrl_wire_out o;
         mtrl_wire_out_init(&o);
@@ -846,6 +849,30 @@ static void pump_(mtrl_learner *l, int timeout_ms) {
 // in the socket for the step's end, when pump_ reads them before judging anyone's silence).
 static void step_hook_(void *user) { check_heartbeats_(user, 0); }
 
+// Fails the run when no RL step was taken for [learner] stall_timeout_s, naming what is missing
+// (issue 28, item 12: a network dropping full-size packets gave 0 steps in 8 minutes and the run
+// never failed).
+static void stall_check_(mtrl_learner *l, double now) {
+    long limit = l->cfg.learner.stall_timeout_s;
+    if (limit <= 0 || now - l->t_progress <= (double)limit) return;
+    int live = 0;
+    for (int i = 0; i < l->n_actors; i++) live += l->actors[i].alive;
+    char why[160];
+    if (l->joins == 0)
+        snprintf(why, sizeof why, "no actor has connected (is one started, and can it reach %.100s?)", l->sock.endpoint);
+    else if (live == 0)
+        snprintf(why, sizeof why, "no actor is live (%ld joined; all left or were declared dead)", l->joins);
+    else if (l->episodes_seen == 0)
+        snprintf(why, sizeof why, "%d actors are connected but no episode has finished (the network may drop their data)", live);
+    else
+        snprintf(why, sizeof why, "%d actors are connected but too few episodes make a batch (%ld finished, %ld aborted)", live,
+                 l->episodes_seen, l->episodes_by_status[MTRL_EP_ABORTED]);
+    char msg[sizeof l->failed];
+    snprintf(msg, sizeof msg, "no progress: no RL step for %ld s ([learner] stall_timeout_s) at step %ld: %.140s", limit,
+             l->step, why);
+    mtrl_learner_fail(l, msg);
+}
+
 static void warmup_(mtrl_learner *l) {
     long steps = l->cfg.warmup.steps;
     if (steps <= 0 || l->model.step > 0) return;
@@ -1049,7 +1076,7 @@ long long mtrl_learner_run_id(const mtrl_learner *l) { return (long long)l->run_
 int mtrl_learner_run(mtrl_learner *l, volatile sig_atomic_t *stop) {
     l->t_start = mtrl_time_mono();
     warmup_(l);
-    l->t_rl = l->t_cycle = mtrl_time_mono();
+    l->t_rl = l->t_cycle = l->t_progress = mtrl_time_mono();
     memset(&l->cyc, 0, sizeof l->cyc);
     memset(&l->tot, 0, sizeof l->tot);
     l->tot.warmup = l->t_rl - l->t_start;
@@ -1103,6 +1130,7 @@ int mtrl_learner_run(mtrl_learner *l, volatile sig_atomic_t *stop) {
         }
         if (n_ready == need) {
             rl_step_(l, ready, n_ready);
+            l->t_progress = mtrl_time_mono();
             // drop the consumed groups, highest index first so the others keep their place
             for (int r = n_ready - 1; r >= 0; r--) group_drop_(l, ready[r]);
         }
@@ -1114,6 +1142,7 @@ int mtrl_learner_run(mtrl_learner *l, volatile sig_atomic_t *stop) {
                                  l->step, l->total_steps, l->last_reward, el > 0 ? l->episodes_seen / el : 0,
                                  el > 0 ? l->tokens_seen / el : 0, live, l->episodes_by_status[MTRL_EP_ABORTED]);
         }
+        stall_check_(l, now);
         if (deadline > 0 && now > deadline) {
             event_(l, MTRL_LOG_WARN, "[run] max_minutes reached at step %ld", l->step);
             break;
