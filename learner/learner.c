@@ -49,6 +49,7 @@ typedef struct actor_rec {
     uint64_t owed;          // payload bytes received and not yet returned as credit
     int zmq_weights;        // gets WEIGHTS chunks (no weight channel, or it asked: WEIGHTS_REQ)
     char key[MTRL_WIRE_KEY_Z85_LEN + 1]; // under CURVE: the client key its HELLO came with
+    double silent_at;       // when it was declared dead for silence (0: it was not)
 } actor_rec;
 
 typedef struct group_buf {
@@ -585,6 +586,7 @@ static void check_heartbeats_(mtrl_learner *l, int judge) {
         double timeout = 1e-3 * (double)(a->heard ? l->cfg.learner.heartbeat_timeout_ms : l->cfg.learner.actor_start_timeout_ms);
         if (judge && now - a->last_seen > timeout) {
             size_t n = mtrl_wire_asm_abort_actor(l->asm_, a->id, a->incarnation, "actor stopped heartbeating");
+            a->silent_at = now;
             event_(l, MTRL_LOG_WARN, "actor %u (incarnation %u) silent for %.1f s: dead, %zu open episodes aborted", a->id,
                    a->incarnation, now - a->last_seen, n);
             a->alive = 0;
@@ -1183,6 +1185,17 @@ killed:
     mtrl_store_run_set_status(l->store, l->run_id, MTRL_RUN_KILLED, NULL);
     event_(l, MTRL_LOG_WARN, "run %lld killed at step %ld", (long long)l->run_id, l->step);
     return 1;
+}
+
+double mtrl_learner_actor_silent_since(const mtrl_learner *l, uint32_t id) {
+    double t = 0;
+    for (int i = 0; i < l->n_actors; i++) {
+        const actor_rec *a = &l->actors[i];
+        if (a->id != id) continue;
+        if (a->alive) return 0;
+        if (a->silent_at > t) t = a->silent_at;
+    }
+    return t;
 }
 
 void mtrl_learner_fail(mtrl_learner *l, const char *why) {

@@ -33,23 +33,6 @@ static char dir_[256];
 static const char *bin_;
 
 
-static int count_in(const char *path, const char *what) {
-    char *text = test_slurp(path, NULL);
-    int n = 0;
-    for (const char *p = text; (p = strstr(p, what)); p++) n++;
-    free(text);
-    return n;
-}
-
-// Waits (up to 30 s) until the file holds `count` lines containing `what`; 1 when it does.
-static int wait_for_lines(const char *path, const char *what, int count) {
-    double until = mtrl_time_mono() + 30;
-    while (mtrl_time_mono() < until) {
-        if (count_in(path, what) >= count) return 1;
-        test_sleep_ms(50);
-    }
-    return 0;
-}
 
 static int status_;
 
@@ -208,13 +191,13 @@ int main(void) {
             dir_);
     fclose(f);
     pid_t learner = test_start_logged((char *[]){(char *)bin_, "learner", ini, "--db", db, NULL}, llog);
-    TEST_CHECK(wait_for_lines(llog, "tcp://", 1));
+    TEST_CHECK(test_log_wait(llog, "tcp://", 1, 30));
     char *text, endpoint[128];
     test_log_endpoint(llog, endpoint, sizeof endpoint);
     int port = port_of(endpoint);
     // The warm-up's steps are seconds without reading the socket: a flood fills the connection's
     // queue (the ZeroMQ high-water mark) and its engine stops reading, the state of the crash.
-    TEST_CHECK(wait_for_lines(llog, "warm-up:", 1));
+    TEST_CHECK(test_log_wait(llog, "warm-up:", 1, 30));
     TEST_CHECKF(port > 0, "no port in the learner's log (%s)", llog);
 
     // 1. the flood
@@ -236,11 +219,11 @@ int main(void) {
     long n = flood(port, 1, &hung_up);
     printf("flood until hung up on: %ld frames sent, hung up %d\n", n, hung_up);
     TEST_CHECKF(hung_up, "the learner did not hang up on a peer flooding it for 30 s (%s)", llog);
-    TEST_CHECKF(wait_for_lines(llog, "disconnected a peer that sent", 1), "the learner never said it disconnected a flooder (%s)",
+    TEST_CHECKF(test_log_wait(llog, "disconnected a peer that sent", 1, 30), "the learner never said it disconnected a flooder (%s)",
                 llog);
     TEST_CHECKF(alive(learner), "the learner died under the flood (status 0x%x; see %s)", status_, llog);
     pid_t actor = test_start_logged((char *[]){(char *)bin_, "actor", "--connect", endpoint, "--id", "7", NULL}, alog);
-    TEST_CHECKF(wait_for_lines(llog, "actor 7 (incarnation", 1), "the actor did not join %s after the flood", endpoint);
+    TEST_CHECKF(test_log_wait(llog, "actor 7 (incarnation", 1, 30), "the actor did not join %s after the flood", endpoint);
     long long n0 = wait_episodes(db, 0);
     TEST_CHECKF(n0 > 0, "no episode of the real actor was committed after the flood (%s)", llog);
     printf("after the flood: %lld episodes committed\n", n0);
@@ -253,10 +236,10 @@ int main(void) {
     printf("forged %d HELLOs as actor 7; episodes %lld -> %lld\n", forged, n1, n2);
     TEST_CHECKF(n2 > n1 + 4, "the real actor's episodes stopped committing after a forged HELLO (%lld -> %lld; %s)", n1, n2,
                 llog);
-    TEST_CHECKF(count_in(llog, "refused a HELLO as actor 7") > 0, "the impostor was not refused (%s)", llog);
+    TEST_CHECKF(test_log_count(llog, "refused a HELLO as actor 7") > 0, "the impostor was not refused (%s)", llog);
     TEST_CHECKF(alive(actor), "the real actor exited (%s)", alog);
     // Not displaced: it was never told that the learner no longer knows it.
-    TEST_CHECKF(count_in(alog, "the learner does not know this actor") == 0, "the impostor displaced the real actor (%s)", alog);
+    TEST_CHECKF(test_log_count(alog, "the learner does not know this actor") == 0, "the impostor displaced the real actor (%s)", alog);
 
     kill(actor, SIGKILL);
     kill(learner, SIGKILL);

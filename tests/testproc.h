@@ -50,6 +50,27 @@ static inline pid_t test_start_logged(char *const argv[], const char *log) {
     return pid;
 }
 
+// How many times `what` occurs in the file at path.
+static inline int test_log_count(const char *path, const char *what) {
+    char *text = test_slurp(path, NULL);
+    int n = 0;
+    for (const char *p = text; (p = strstr(p, what)); p++) n++;
+    free(text);
+    return n;
+}
+
+// Polls (up to `seconds`) until `what` occurs `count` times in the file; 1 when it does.
+static inline int test_log_wait(const char *path, const char *what, int count, double seconds) {
+    struct timespec t0, t;
+    clock_gettime(CLOCK_MONOTONIC, &t0);
+    for (;;) {
+        if (test_log_count(path, what) >= count) return 1;
+        clock_gettime(CLOCK_MONOTONIC, &t);
+        if ((double)(t.tv_sec - t0.tv_sec) + 1e-9 * (double)(t.tv_nsec - t0.tv_nsec) > seconds) return 0;
+        test_sleep_ms(50);
+    }
+}
+
 // The first "tcp://..." endpoint a log mentions (the learner logs the one it bound), "" if none.
 static inline void test_log_endpoint(const char *log, char *out, size_t cap) {
     char *text = test_slurp(log, NULL);
