@@ -59,7 +59,7 @@
     X(env, name, STR, "!", 0, 0, NULL, "retrieval, calc, http, or plugin (with plugin = path.so)")  \
     X(env, plugin, STR, "", 0, 0, NULL, "path of an env plug-in .so (env.name = plugin), relative to the experiment file's folder")           \
     X(env, args, STR, "", 0, 0, NULL, "extra key=value;... passed to the env's create()")          \
-    X(env, isolate, BOOL, "false", 0, 0, NULL, "run the env in a child process with rlimits and a watchdog") \
+    X(env, isolate, ENUM, "auto", 0, 0, "auto|true|false", "run the env in a child process with rlimits and a watchdog; auto = plug-ins isolated, built-ins in-process") \
     X(env, step_timeout_ms, INT, "2000", 1, 3600000, NULL, "per-step watchdog of an isolated env") \
     X(env, digits, INT, "1", 1, 6, NULL, "calc: digits per operand")                             \
     X(env, ops, INT, "1", 1, 4, NULL, "calc: operations per problem")                           \

@@ -586,7 +586,9 @@ static void check_heartbeats_(mtrl_learner *l, int judge) {
         double timeout = 1e-3 * (double)(a->heard ? l->cfg.learner.heartbeat_timeout_ms : l->cfg.learner.actor_start_timeout_ms);
         if (judge && now - a->last_seen > timeout) {
             size_t n = mtrl_wire_asm_abort_actor(l->asm_, a->id, a->incarnation, "actor stopped heartbeating");
-            a->silent_at = now;
+            // Only one that was working (heard since its WELCOME): one still setting up (a model
+            // build on a GPU, a slow env create) says HELLO again when it is ready.
+            if (a->heard) a->silent_at = now;
             event_(l, MTRL_LOG_WARN, "actor %u (incarnation %u) silent for %.1f s: dead, %zu open episodes aborted", a->id,
                    a->incarnation, now - a->last_seen, n);
             a->alive = 0;
