@@ -22,6 +22,7 @@
 #include "common/wire.h"
 #include "common/wire_auth.h"
 #include "common/wire_monitor.h"
+#include "env/env_host.h"
 
 #define HELLO_PATIENCE_S 120.0
 
@@ -697,6 +698,9 @@ int mtrl_actor_main(const char *endpoint, uint32_t actor_id, int gpu, volatile s
     // longer than the heartbeat timeout means it went away.
     double quiet = 3e-3 * (double)(a.have_cfg ? a.cfg.learner.heartbeat_timeout_ms : 5000);
     mtrl_rollout_events ev = {&a, on_begin_, on_end_, on_tick_};
+    // An isolated env's call that waits for its child (a hung step, until step_timeout_ms)
+    // keeps the heartbeats going.
+    mtrl_env_wait_hook_set(on_tick_, &a);
     a.last_heard = a.last_stats = a.learner_heard = mtrl_time_mono();
     while (!*stop && !a.bye) {
         // Wait on the socket when there is nothing to generate (no weights or credit yet, or a
@@ -775,6 +779,7 @@ int mtrl_actor_main(const char *endpoint, uint32_t actor_id, int gpu, volatile s
     int rc = a.bye == 4 ? MTRL_ACTOR_EXIT_LEARNER_LOST : a.bye == 3 ? MTRL_ACTOR_EXIT_UNUSABLE : a.bye == 2 ? 1 : 0;
     LOG_INFO("%ld episodes streamed; outbox peak %d messages, %.1f KB; leaving", a.episodes_done, a.out_peak,
              a.out_peak_bytes / 1e3);
+    mtrl_env_wait_hook_set(NULL, NULL); // a is going away
     mtrl_rollout_free(a.ro);
     weights_at_close_(&a);
     if (a.have_model) mtrl_model_free(&a.model);

@@ -59,7 +59,7 @@
     X(env, name, STR, "!", 0, 0, NULL, "retrieval, calc, http, or plugin (with plugin = path.so)")  \
     X(env, plugin, STR, "", 0, 0, NULL, "path of an env plug-in .so (env.name = plugin), relative to the experiment file's folder")           \
     X(env, args, STR, "", 0, 0, NULL, "extra key=value;... passed to the env's create()")          \
-    X(env, isolate, BOOL, "false", 0, 0, NULL, "run the env in a child process with rlimits and a watchdog") \
+    X(env, isolate, ENUM, "auto", 0, 0, "auto|true|false", "run the env in a child process with rlimits and a watchdog; auto = plug-ins isolated, built-ins in-process") \
     X(env, step_timeout_ms, INT, "2000", 1, 3600000, NULL, "per-step watchdog of an isolated env") \
     X(env, digits, INT, "1", 1, 6, NULL, "calc: digits per operand")                             \
     X(env, ops, INT, "1", 1, 4, NULL, "calc: operations per problem")                           \
@@ -105,6 +105,7 @@
     X(learner, publish, ENUM, "auto", 0, 0, "auto|shm|zmq", "how the actors get the weights: auto (a same-host channel: shared memory, or CUDA IPC device to device when the model is on a GPU, for every actor that can open it, e.g. those mtrl run starts; the others, on other hosts, get ZeroMQ chunks), shm (the channel only: an actor that cannot open it stops with an error; the learner fails if it cannot create it) or zmq (safetensors chunks over ZeroMQ to every actor)") \
     X(learner, qb_actor_stats, BOOL, "false", 0, 0, NULL, "also fold the beta implied by the actors' decode-time routing into each QB update") \
     X(learner, heartbeat_timeout_ms, INT, "5000", 100, 3600000, NULL, "an actor silent this long is dead") \
+    X(learner, stall_timeout_s, INT, "900", 0, 604800, NULL, "the run fails when no RL step was taken for this long (the message says why: no actor, or no episode finished); 0 = never") \
     X(learner, actor_start_timeout_ms, INT, "120000", 100, 3600000, NULL, "... or this long after its WELCOME, before its first message (it builds its model and envs)") \
     X(learner, credit_bytes, INT, "4194304", 4096, 1LL << 40, NULL, "bytes an actor may have in flight") \
     X(learner, threads, INT, "0", 0, 1024, NULL, "OpenMP threads of the learner and of each local actor (0 = the cores shared evenly)")

@@ -325,6 +325,15 @@ typedef struct mtrl_wire_in {
 mtrl_status mtrl_wire_recv(mtrl_wire_sock *s, int timeout_ms, mtrl_wire_in *in, mtrl_wire_stats *stats,
                            mtrl_error *err);
 
+// Hangs up the TCP connection that the last message received on the ROUTER came from (also one
+// that mtrl_wire_recv returned as malformed), so a hostile or broken peer stops costing the
+// learner: shutdown(2) of its socket, which libzmq sees as the peer's hang-up (the fd stays
+// libzmq's; it closes it). The fd comes from the message's metadata and is checked to be a
+// socket connected to the message's Peer-Address, so a number reused since is left alone.
+// MTRL_ERR_STATE when no message came from a TCP peer, MTRL_ERR_PEER when that connection is
+// gone already.
+mtrl_status mtrl_wire_sock_disconnect_last(mtrl_wire_sock *s, mtrl_error *err);
+
 // ---- 3. episode assembler (learner) ----------------------------------------------------------
 //
 // Feed it every BEGIN / CHUNK / END with the sender's actor id and incarnation (from its

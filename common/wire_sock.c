@@ -8,10 +8,13 @@
 // keys, allow-lists and the ZAP handler live in wire_auth.c.
 #include "common/wire.h"
 
+#include <arpa/inet.h>
 #include <errno.h>
+#include <netinet/in.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/socket.h>
 #include <unistd.h>
 #include <zmq.h>
 
@@ -379,5 +382,32 @@ mtrl_status mtrl_wire_recv(mtrl_wire_sock *s, int timeout_ms, mtrl_wire_in *in, 
         mtrl_wire_stats_invalid(stats, why);
         return mtrl_error_set(err, st, "%s", why);
     }
+    return MTRL_OK;
+}
+
+// The address of a connected socket as libzmq writes Peer-Address (the IP, no port); 0 when fd
+// is not a connected IP socket.
+static int fd_peer_ip_(int fd, char *buf, size_t cap) {
+    struct sockaddr_storage ss;
+    socklen_t n = sizeof ss;
+    if (getpeername(fd, (struct sockaddr *)&ss, &n) != 0) return 0;
+    const void *a = NULL;
+    if (ss.ss_family == AF_INET) a = &((struct sockaddr_in *)&ss)->sin_addr;
+    else if (ss.ss_family == AF_INET6) a = &((struct sockaddr_in6 *)&ss)->sin6_addr;
+    return a && inet_ntop(ss.ss_family, a, buf, (socklen_t)cap) != NULL;
+}
+
+mtrl_status mtrl_wire_sock_disconnect_last(mtrl_wire_sock *s, mtrl_error *err) {
+    if (!s->sock || !s->router) return mtrl_error_set(err, MTRL_ERR_STATE, "wire: disconnect needs an open ROUTER");
+    // The header frame carries the engine's metadata (the identity frame is the ROUTER's own).
+    zmq_msg_t *m = (zmq_msg_t *)s->in[1];
+    const char *fds = zmq_msg_gets(m, "__fd"), *addr = zmq_msg_gets(m, "Peer-Address");
+    if (!fds || !addr) return mtrl_error_set(err, MTRL_ERR_STATE, "wire: the last message came from no TCP peer");
+    int fd = atoi(fds);
+    char ip[INET6_ADDRSTRLEN + 1];
+    if (fd < 0 || !fd_peer_ip_(fd, ip, sizeof ip) || strcmp(ip, addr) != 0)
+        return mtrl_error_set(err, MTRL_ERR_PEER, "wire: the connection from %s is gone already", addr);
+    if (shutdown(fd, SHUT_RDWR) != 0)
+        return mtrl_error_set(err, MTRL_ERR_PEER, "wire: cannot hang up on %s: %s", addr, strerror(errno));
     return MTRL_OK;
 }

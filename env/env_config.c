@@ -4,6 +4,11 @@
 #include <stdio.h>
 #include <string.h>
 
+int mtrl_env_config_isolated(const mtrl_config *cfg) {
+    const char *v = cfg->env.isolate;
+    return !strcmp(v, "true") || (!strcmp(v, "auto") && !strcmp(cfg->env.name, "plugin"));
+}
+
 // [env] opened in-process or isolated; the two entry points below differ only there.
 static mtrl_status open_config_(const mtrl_config *cfg, int isolate, mtrl_env **out, mtrl_error *err) {
     const mtrl_cfg_env *e = &cfg->env;
@@ -27,7 +32,7 @@ static mtrl_status open_config_(const mtrl_config *cfg, int isolate, mtrl_env **
 }
 
 mtrl_status mtrl_env_open_config(const mtrl_config *cfg, mtrl_env **out, mtrl_error *err) {
-    return open_config_(cfg, cfg->env.isolate, out, err);
+    return open_config_(cfg, mtrl_env_config_isolated(cfg), out, err);
 }
 
 mtrl_status mtrl_env_check_config(const mtrl_config *cfg, mtrl_error *err) {

@@ -8,6 +8,12 @@
 
 mtrl_status mtrl_env_open_config(const mtrl_config *cfg, mtrl_env **out, mtrl_error *err);
 
+// 1 when [env] runs isolated: isolate = true, or auto (the default) for a plug-in. A plug-in is
+// code the project has not seen: in-process, its crash kills the actor and its hang stalls it
+// until mtrl run's supervisor restarts it (issue 28, item 7); isolated, either costs one
+// episode, for a round trip over a socketpair per call. Built-ins are in-process by default.
+int mtrl_env_config_isolated(const mtrl_config *cfg);
+
 // Loads and creates the env of [env] once, in a child process (the isolated host of env_host.h,
 // whatever [env] isolate says), and closes it again: what `mtrl check` and `mtrl run` do before
 // anything else, so an unknown name, a plug-in that does not load or speaks another ABI, or one

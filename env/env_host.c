@@ -5,6 +5,7 @@
 #include <errno.h>
 #include <fcntl.h>
 #include <math.h>
+#include <poll.h>
 #include <signal.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -218,6 +219,30 @@ static mtrl_status child_died_(mtrl_env *e, const char *what, mtrl_error *err) {
                           tail);
 }
 
+static void (*wait_hook_)(void *);
+static void *wait_hook_user_;
+
+void mtrl_env_wait_hook_set(void (*fn)(void *user), void *user) {
+    wait_hook_ = fn;
+    wait_hook_user_ = user;
+}
+
+// Waits for the child's reply to start (ENV_IO_OK) or the deadline (ENV_IO_TIMEOUT), calling
+// the wait hook every 100 ms meanwhile: a hung env step must not silence the actor's heartbeats
+// (issue 28, item 7: with isolate = true, healthy episodes were aborted as "actor stopped
+// heartbeating" while one step waited for its watchdog).
+static int wait_reply_(int fd, double deadline) {
+    for (;;) {
+        double now = mtrl_time_mono(), left = deadline - now;
+        if (left <= 0) return ENV_IO_TIMEOUT;
+        struct pollfd p = {fd, POLLIN, 0};
+        int r = poll(&p, 1, left > 0.1 ? 100 : (int)(left * 1000) + 1);
+        if (r > 0) return ENV_IO_OK; // readable, or hung up: the read says which
+        if (r < 0 && errno != EINTR) return ENV_IO_ERR;
+        if (wait_hook_) wait_hook_(wait_hook_user_);
+    }
+}
+
 // One request/reply exchange with the child under a deadline. The reply payload lands in
 // e->rx. On a transport failure the child is gone afterwards and err holds the abort reason;
 // a reply with a non-zero status returns that status with the child's message.
@@ -227,6 +252,7 @@ static mtrl_status call_(mtrl_env *e, uint32_t op, uint32_t kind, uint64_t seed,
     env_wire_req q = {.magic = ENV_WIRE_MAGIC, .op = op, .kind = kind, .seed = seed, .len = len};
     int r = env_wire_write(e->fd, &q, sizeof q, deadline);
     if (r == ENV_IO_OK && len) r = env_wire_write(e->fd, payload, len, deadline);
+    if (r == ENV_IO_OK) r = wait_reply_(e->fd, deadline);
     if (r == ENV_IO_OK) r = env_wire_read(e->fd, rep, sizeof *rep, deadline);
     if (r == ENV_IO_OK && rep->magic != ENV_WIRE_MAGIC) {
         pid_t pid = e->pid;

@@ -91,6 +91,12 @@ typedef struct mtrl_env_opts {
 
 void mtrl_env_opts_default(mtrl_env_opts *o);
 
+// Process-wide: fn(user) is called about every 100 ms while a call of an isolated env waits for
+// its child (up to step_timeout_ms), from the thread that made the call. An actor sends its
+// heartbeats from it, so a hung env step costs only that episode, not the actor's standing with
+// the learner. NULL = none (the default).
+void mtrl_env_wait_hook_set(void (*fn)(void *user), void *user);
+
 // What reset and step report.
 typedef struct mtrl_env_result {
     const char *obs;  // prompt (reset) or observation (step); valid until the next call

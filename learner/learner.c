@@ -28,6 +28,7 @@
 #include "common/wire_monitor.h"
 #include "common/wire_shared.h"
 #include "learner/ckpt_async.h"
+#include "learner/peer_guard.h"
 #include "learner/perf.h"
 #include "learner/run_dir.h"
 #include "learner/train.h"
@@ -51,6 +52,8 @@ typedef struct actor_rec {
     int64_t credit;         // bytes it may still send: WELCOME's credit + grants - episode bytes received
     int refused;            // sent beyond its credit: disconnected, its HELLOs and messages ignored
     int zmq_weights;        // gets WEIGHTS chunks (no weight channel, or it asked: WEIGHTS_REQ)
+    char key[MTRL_WIRE_KEY_Z85_LEN + 1]; // under CURVE: the client key its HELLO came with
+    double silent_at;       // when it was declared dead for silence (0: it was not)
 } actor_rec;
 
 typedef struct group_buf {
@@ -75,6 +78,7 @@ struct mtrl_learner {
     double last_mon_warn;      // handshake failures are logged at most once a second
     mtrl_wire_auth_server *auth; // CURVE ZAP handler; NULL without [learner] curve_key
     double last_unknown_reply; // rate limit of the "say HELLO" answers to unknown peers
+    mtrl_peer_guard guard;     // peers that send refused messages; a flooder is hung up on
     mtrl_wire_limits lim;
     mtrl_wire_asm *asm_;
     mtrl_wire_stats rx;
@@ -106,6 +110,8 @@ struct mtrl_learner {
     long *actor_qb_n;        // [L] decode batches summed
     double t_start;
     double t_last_step;    // when the last RL step ended (0: none yet)
+    double t_progress;     // when the last RL step ended, or RL started: [learner] stall_timeout_s
+    long joins;            // actors welcomed so far
     int progress;
     mtrl_progress prog;
     void (*tick)(void *);
@@ -422,6 +428,56 @@ static int credit_take_(mtrl_learner *l, actor_rec *a, int64_t cost) {
     return 0;
 }
 
+// A message refused from in->peer (the last one received): logged once per peer and window; a
+// peer past [learner]'s limit of refused messages is hung up on (issue 28, item 2).
+static void refused_(mtrl_learner *l, const mtrl_wire_in *in, const char *why) {
+    mtrl_peer_guard_verdict v = mtrl_peer_guard_note(&l->guard, &in->peer, mtrl_time_mono());
+    if (v == MTRL_PEER_GUARD_LOG) LOG_WARN("dropped a message: %s", why);
+    if (v != MTRL_PEER_GUARD_HANG_UP) return;
+    mtrl_error e;
+    if (mtrl_wire_sock_disconnect_last(&l->sock, &e) == MTRL_OK)
+        event_(l, MTRL_LOG_WARN, "disconnected a peer that sent %u refused messages in %.0f s (the last: %s)",
+               l->guard.limit + 1, l->guard.window_s, why);
+    else
+        LOG_DEBUG("could not disconnect a peer that floods: %s", e.msg);
+}
+
+// 1 when a HELLO as actor m->actor_id from connection `in` (record `a` there, or NULL; CURVE
+// key `key`, "" without) must be refused because a live actor holds that id on another
+// connection (issue 28, item 4: a forged HELLO with a higher incarnation displaced the real
+// actor, and incarnations come from the actors' clocks). The id belongs to the connection that
+// holds it, whatever the incarnation numbers say; it passes to another connection only once
+// the holder is gone: its connection closed (a restarted actor's predecessor, found by a probe
+// send that ROUTER_MANDATORY refuses) or it was declared dead (silent). Under CURVE it never
+// passes to another key while the holder lives. The refusal is silent (no amplification) and
+// counts toward the peer guard; the real actor, retrying its HELLO, is let in once the holder
+// is gone.
+static int hello_taken_(mtrl_learner *l, const actor_rec *a, const mtrl_wire_msg *m, const char *key,
+                        const mtrl_wire_in *in) {
+    for (int i = 0; i < l->n_actors; i++) {
+        actor_rec *o = &l->actors[i];
+        if (o == a || !o->alive || o->id != m->actor_id) continue;
+        int other_key = strcmp(o->key, key) != 0;
+        if (!other_key) {
+            mtrl_wire_out hb;
+            mtrl_wire_out_init(&hb);
+            mtrl_wire_encode_heartbeat(&hb);
+            mtrl_error e;
+            mtrl_status st = mtrl_wire_send(&l->sock, &o->peer, &hb, &e);
+            mtrl_wire_out_free(&hb);
+            if (st == MTRL_ERR_PEER) return 0; // the holder's connection is gone
+        }
+        char why[200];
+        snprintf(why, sizeof why, "refused a HELLO as actor %u (incarnation %u) from another connection%s: actor %u "
+                 "(incarnation %u) is live there", m->actor_id, m->incarnation,
+                 other_key ? " with another CURVE key" : "", o->id, o->incarnation);
+        mtrl_wire_stats_invalid(&l->rx, why);
+        refused_(l, in, why);
+        return 1;
+    }
+    return 0;
+}
+
 static void handle_(mtrl_learner *l, mtrl_wire_in *in) {
     mtrl_error err;
     actor_rec *a = actor_find_(l, &in->peer);
@@ -440,6 +496,12 @@ static void handle_(mtrl_learner *l, mtrl_wire_in *in) {
         if (a && a->alive && a->id == m.actor_id && a->incarnation == m.incarnation &&
             mtrl_time_mono() - a->welcomed < 1e-3 * (double)l->cfg.learner.heartbeat_timeout_ms) {
             a->last_seen = mtrl_time_mono();
+            mtrl_wire_msg_free(&m);
+            return;
+        }
+        char key[MTRL_WIRE_KEY_Z85_LEN + 1];
+        mtrl_wire_auth_peer_key(&l->sock, key);
+        if (hello_taken_(l, a, &m, key, in)) {
             mtrl_wire_msg_free(&m);
             return;
         }
@@ -473,6 +535,8 @@ static void handle_(mtrl_learner *l, mtrl_wire_in *in) {
         a->heard = 0;
         a->zmq_weights = !l->pub.ch;
         a->credit = l->warming ? 0 : l->cfg.learner.credit_bytes; // what the WELCOME grants
+        memcpy(a->key, key, sizeof a->key);
+        l->joins++;
         event_(l, MTRL_LOG_INFO, "actor %u (incarnation %u) joined", a->id, a->incarnation);
         mtrl_wire_out o;
         mtrl_wire_out_init(&o);
@@ -486,6 +550,7 @@ static void handle_(mtrl_learner *l, mtrl_wire_in *in) {
     }
     if (!a || !a->alive) {
         mtrl_wire_stats_invalid(&l->rx, "message from an actor that has not said HELLO (or is dead)");
+        refused_(l, in, "message from an actor that has not said HELLO (or is dead)");
         // Tell it, so it starts over instead of streaming into the void (an actor declared dead
         // while only slow, or one whose connection dropped and came back). At most a few
         // answers per second: a flood from an unknown peer gets no amplification.
@@ -578,6 +643,9 @@ static void check_heartbeats_(mtrl_learner *l, int judge) {
         double timeout = 1e-3 * (double)(a->heard ? l->cfg.learner.heartbeat_timeout_ms : l->cfg.learner.actor_start_timeout_ms);
         if (judge && now - a->last_seen > timeout) {
             size_t n = mtrl_wire_asm_abort_actor(l->asm_, a->id, a->incarnation, "actor stopped heartbeating");
+            // Only one that was working (heard since its WELCOME): one still setting up (a model
+            // build on a GPU, a slow env create) says HELLO again when it is ready.
+            if (a->heard) a->silent_at = now;
             event_(l, MTRL_LOG_WARN, "actor %u (incarnation %u) silent for %.1f s: dead, %zu open episodes aborted", a->id,
                    a->incarnation, now - a->last_seen, n);
             a->alive = 0;
@@ -836,11 +904,13 @@ static void pump_(mtrl_learner *l, int timeout_ms) {
     mtrl_wire_in in;
     mtrl_error err;
     mtrl_status s = mtrl_wire_recv(&l->sock, timeout_ms, &in, &l->rx, &err);
-    while (s == MTRL_OK) {
-        handle_(l, &in);
+    // A malformed message does not end the turn: a flood of them must drain at the rate it
+    // comes (a queue left full stalls the connection in libzmq, see mtrl_learner_create).
+    for (int n = 0; s != MTRL_ERR_TIMEOUT && n < 100000; n++) {
+        if (s == MTRL_OK) handle_(l, &in);
+        else refused_(l, &in, err.msg);
         s = mtrl_wire_recv(&l->sock, 0, &in, &l->rx, &err);
     }
-    if (s != MTRL_ERR_TIMEOUT) LOG_WARN("dropped a message: %s", err.msg);
     mtrl_wire_event ev;
     while (mtrl_wire_monitor_next(&l->mon, &ev)) {
         if (ev.event == ZMQ_EVENT_DISCONNECTED) {
@@ -860,6 +930,30 @@ static void pump_(mtrl_learner *l, int timeout_ms) {
 // weights after the step). Heartbeats go out; nothing is received (the actors' messages wait
 // in the socket for the step's end, when pump_ reads them before judging anyone's silence).
 static void step_hook_(void *user) { check_heartbeats_(user, 0); }
+
+// Fails the run when no RL step was taken for [learner] stall_timeout_s, naming what is missing
+// (issue 28, item 12: a network dropping full-size packets gave 0 steps in 8 minutes and the run
+// never failed).
+static void stall_check_(mtrl_learner *l, double now) {
+    long limit = l->cfg.learner.stall_timeout_s;
+    if (limit <= 0 || now - l->t_progress <= (double)limit) return;
+    int live = 0;
+    for (int i = 0; i < l->n_actors; i++) live += l->actors[i].alive;
+    char why[160];
+    if (l->joins == 0)
+        snprintf(why, sizeof why, "no actor has connected (is one started, and can it reach %.100s?)", l->sock.endpoint);
+    else if (live == 0)
+        snprintf(why, sizeof why, "no actor is live (%ld joined; all left or were declared dead)", l->joins);
+    else if (l->episodes_seen == 0)
+        snprintf(why, sizeof why, "%d actors are connected but no episode has finished (the network may drop their data)", live);
+    else
+        snprintf(why, sizeof why, "%d actors are connected but too few episodes make a batch (%ld finished, %ld aborted)", live,
+                 l->episodes_seen, l->episodes_by_status[MTRL_EP_ABORTED]);
+    char msg[sizeof l->failed];
+    snprintf(msg, sizeof msg, "no progress: no RL step for %ld s ([learner] stall_timeout_s) at step %ld: %.140s", limit,
+             l->step, why);
+    mtrl_learner_fail(l, msg);
+}
 
 // stop: SIGINT / SIGTERM (mtrl_learner_run's flag), checked at every warm-up step: a warm-up of
 // thousands of steps must not hold a Ctrl-C for a minute.
@@ -1030,6 +1124,13 @@ mtrl_status mtrl_learner_open(mtrl_learner **out, const mtrl_config *cfg, const 
         // ZeroMQ's heartbeat drops a connection silently, losing what was in flight: give it the
         // same patience as the application's own heartbeat, which aborts episodes explicitly.
         so.heartbeat_timeout_ms = (int)cfg->learner.heartbeat_timeout_ms;
+        // No ZMTP heartbeats from the ROUTER's side (the actors' DEALERs still send theirs, and
+        // the application heartbeat judges the actors): in libzmq 4.3.4 the PING timer of a
+        // connection whose input stopped at the high-water mark and whose peer then hung up
+        // writes to it after the engine marked it failed and aborts the process
+        // (`!_io_error`, stream_engine_base.cpp:331; zeromq/libzmq#4364): 10^6 tiny garbage
+        // frames while the learner is busy, then a hang-up, did it (issue 28, item 2).
+        so.heartbeat_ivl_ms = 0;
         if (cfg->learner.curve_key[0])
             st = mtrl_wire_auth_server_init(&l->auth, l->zctx, cfg->learner.curve_key, cfg->learner.curve_allow, &so, err);
         if (st == MTRL_OK) st = mtrl_wire_router_open(&l->sock, l->zctx, cfg->learner.endpoint, &l->lim, &so, err);
@@ -1046,6 +1147,7 @@ mtrl_status mtrl_learner_open(mtrl_learner **out, const mtrl_config *cfg, const 
         return st;
     }
     l->asm_ = mtrl_wire_asm_new(&l->lim);
+    mtrl_peer_guard_init(&l->guard, 1000, 2.0);
     l->model.segment_hook = step_hook_;
     l->model.segment_hook_user = l;
     mtrl_wbuf_init(&l->scratch);
@@ -1066,7 +1168,7 @@ long long mtrl_learner_run_id(const mtrl_learner *l) { return (long long)l->run_
 int mtrl_learner_run(mtrl_learner *l, volatile sig_atomic_t *stop) {
     l->t_start = mtrl_time_mono();
     warmup_(l, stop);
-    l->t_rl = l->t_cycle = mtrl_time_mono();
+    l->t_rl = l->t_cycle = l->t_progress = mtrl_time_mono();
     memset(&l->cyc, 0, sizeof l->cyc);
     memset(&l->tot, 0, sizeof l->tot);
     l->tot.warmup = l->t_rl - l->t_start;
@@ -1128,6 +1230,7 @@ int mtrl_learner_run(mtrl_learner *l, volatile sig_atomic_t *stop) {
         }
         if (n_ready == need) {
             rl_step_(l, ready, n_ready);
+            l->t_progress = mtrl_time_mono();
             // drop the consumed groups, highest index first so the others keep their place
             for (int r = n_ready - 1; r >= 0; r--) group_drop_(l, ready[r]);
         }
@@ -1139,6 +1242,7 @@ int mtrl_learner_run(mtrl_learner *l, volatile sig_atomic_t *stop) {
                                  l->step, l->total_steps, l->last_reward, el > 0 ? l->episodes_seen / el : 0,
                                  el > 0 ? l->tokens_seen / el : 0, live, l->episodes_by_status[MTRL_EP_ABORTED]);
         }
+        stall_check_(l, now);
         if (deadline > 0 && now > deadline) {
             event_(l, MTRL_LOG_WARN, "[run] max_minutes reached at step %ld", l->step);
             break;
@@ -1186,6 +1290,17 @@ killed:
     mtrl_store_run_set_status(l->store, l->run_id, MTRL_RUN_KILLED, NULL);
     event_(l, MTRL_LOG_WARN, "run %lld killed at step %ld", (long long)l->run_id, l->step);
     return 1;
+}
+
+double mtrl_learner_actor_silent_since(const mtrl_learner *l, uint32_t id) {
+    double t = 0;
+    for (int i = 0; i < l->n_actors; i++) {
+        const actor_rec *a = &l->actors[i];
+        if (a->id != id) continue;
+        if (a->alive) return 0;
+        if (a->silent_at > t) t = a->silent_at;
+    }
+    return t;
 }
 
 void mtrl_learner_fail(mtrl_learner *l, const char *why) {

@@ -28,25 +28,6 @@
 static char dir_[256];
 static const char *bin_;
 
-static void sleep_ms(int ms) {
-    struct timespec ts = {ms / 1000, (long)(ms % 1000) * 1000000L};
-    nanosleep(&ts, NULL);
-}
-
-// Starts argv with stdout and stderr appended to log; returns the pid.
-static pid_t start(char *const argv[], const char *log) {
-    fflush(NULL);
-    pid_t pid = fork();
-    if (pid == 0) {
-        int fd = open(log, O_WRONLY | O_CREAT | O_APPEND, 0644);
-        dup2(fd, 1);
-        dup2(fd, 2);
-        setenv("OMP_NUM_THREADS", "1", 1);
-        execv(argv[0], argv);
-        _exit(127);
-    }
-    return pid;
-}
 
 // Waits until the file holds `count` lines containing `what` (up to 60 s); 1 when it does.
 static int wait_for_lines(const char *path, const char *what, int count) {
@@ -57,7 +38,7 @@ static int wait_for_lines(const char *path, const char *what, int count) {
         for (const char *p = text; (p = strstr(p, what)); p++) n++;
         free(text);
         if (n >= count) return 1;
-        sleep_ms(50);
+        test_sleep_ms(50);
     }
     return 0;
 }
@@ -91,7 +72,7 @@ static int reap(pid_t pid, int *status) {
         pid_t w = waitpid(pid, status, WNOHANG);
         if (w == pid) return 1;
         if (w < 0 && errno != EINTR) return 0;
-        sleep_ms(20);
+        test_sleep_ms(20);
     }
     return 0;
 }
@@ -117,7 +98,7 @@ static void test_run_killed(void) {
     snprintf(db, sizeof db, "%s/run.db", dir_);
     snprintf(log, sizeof log, "%s/run.log", dir_);
     write_experiment(ini, 2, 0);
-    pid_t run = start((char *[]){(char *)bin_, "run", ini, "--db", db, NULL}, log);
+    pid_t run = test_start_logged((char *[]){(char *)bin_, "run", ini, "--db", db, NULL}, log);
     int joined = wait_for_lines(log, ") joined", 2);
     TEST_CHECKF(joined, "the actors did not join (%s)", log);
     pid_t kids[8];
@@ -144,13 +125,11 @@ static void test_remote_gives_up(void) {
     snprintf(llog, sizeof llog, "%s/learner.log", dir_);
     snprintf(alog, sizeof alog, "%s/actor.log", dir_);
     write_experiment(ini, 0, 2);
-    pid_t learner = start((char *[]){(char *)bin_, "learner", ini, "--db", db, NULL}, llog);
+    pid_t learner = test_start_logged((char *[]){(char *)bin_, "learner", ini, "--db", db, NULL}, llog);
     TEST_CHECK(wait_for_lines(llog, "tcp://", 1));
-    char *text = test_slurp(llog, NULL), endpoint[128] = "";
-    const char *p = strstr(text, "tcp://");
-    if (p) snprintf(endpoint, sizeof endpoint, "%.*s", (int)strcspn(p, ",\n "), p);
-    free(text);
-    pid_t actor = start((char *[]){(char *)bin_, "actor", "--connect", endpoint, "--id", "7", NULL}, alog);
+    char *text, endpoint[128];
+    test_log_endpoint(llog, endpoint, sizeof endpoint);
+    pid_t actor = test_start_logged((char *[]){(char *)bin_, "actor", "--connect", endpoint, "--id", "7", NULL}, alog);
     TEST_CHECKF(wait_for_lines(llog, "actor 7 (incarnation", 1), "the actor did not join %s", endpoint);
     kill(learner, SIGKILL);
     int st;

@@ -53,7 +53,7 @@ int main(void) {
     expect_error(ENV "[model]\ng_min = -20\n", "x.ini:4: [model] g_min: -20 is out of range [-11, -0.01]");
     expect_error(ENV "[algo]\nloss = ppo2\n", "x.ini:4: [algo] loss: 'ppo2' is not one of ppo|cispo|gspo");
     expect_error(ENV "[env]\n", "duplicate section [env]");
-    expect_error("[env]\nname = calc\nisolate = maybe\n", "x.ini:3: [env] isolate: expected true or false, got 'maybe'");
+    expect_error("[env]\nname = calc\nisolate = maybe\n", "x.ini:3: [env] isolate: 'maybe' is not one of auto|true|false");
     // missing required key
     expect_error("[run]\nsteps = 3\n", "x.ini: [env] missing required key 'name'");
     // syntax: no '=', indented continuation, key before any section

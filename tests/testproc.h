@@ -11,6 +11,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/wait.h>
+#include <time.h>
 #include <unistd.h>
 
 // A file's contents, NUL-terminated ("" when it cannot be read); *len (nullable) = its size.
@@ -26,6 +27,56 @@ static inline char *test_slurp(const char *path, size_t *len) {
     fclose(f);
     if (len) *len = got;
     return b;
+}
+
+// Sleeps ms milliseconds (for polling loops, never for timing assertions).
+static inline void test_sleep_ms(int ms) {
+    struct timespec ts = {ms / 1000, (long)(ms % 1000) * 1000000L};
+    nanosleep(&ts, NULL);
+}
+
+// Starts argv in the background with stdout and stderr appended to log; returns the pid.
+static inline pid_t test_start_logged(char *const argv[], const char *log) {
+    fflush(NULL);
+    pid_t pid = fork();
+    if (pid == 0) {
+        int fd = open(log, O_WRONLY | O_CREAT | O_APPEND, 0644);
+        dup2(fd, 1);
+        dup2(fd, 2);
+        setenv("OMP_NUM_THREADS", "1", 1);
+        execv(argv[0], argv);
+        _exit(127);
+    }
+    return pid;
+}
+
+// How many times `what` occurs in the file at path.
+static inline int test_log_count(const char *path, const char *what) {
+    char *text = test_slurp(path, NULL);
+    int n = 0;
+    for (const char *p = text; (p = strstr(p, what)); p++) n++;
+    free(text);
+    return n;
+}
+
+// Polls (up to `seconds`) until `what` occurs `count` times in the file; 1 when it does.
+static inline int test_log_wait(const char *path, const char *what, int count, double seconds) {
+    struct timespec t0, t;
+    clock_gettime(CLOCK_MONOTONIC, &t0);
+    for (;;) {
+        if (test_log_count(path, what) >= count) return 1;
+        clock_gettime(CLOCK_MONOTONIC, &t);
+        if ((double)(t.tv_sec - t0.tv_sec) + 1e-9 * (double)(t.tv_nsec - t0.tv_nsec) > seconds) return 0;
+        test_sleep_ms(50);
+    }
+}
+
+// The first "tcp://..." endpoint a log mentions (the learner logs the one it bound), "" if none.
+static inline void test_log_endpoint(const char *log, char *out, size_t cap) {
+    char *text = test_slurp(log, NULL);
+    const char *p = strstr(text, "tcp://");
+    snprintf(out, cap, "%.*s", p ? (int)strcspn(p, ",\n ") : 0, p ? p : "");
+    free(text);
 }
 
 typedef struct test_result {

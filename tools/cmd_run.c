@@ -116,6 +116,8 @@ typedef struct child {
     int restarts;
     double next_start;
     int gave_up;       // exited with MTRL_ACTOR_EXIT_UNUSABLE: not restarted
+    double started;    // when this pid was spawned
+    int killed;        // SIGKILL sent to this pid (it was silent)
 } child;
 
 // curve (nullable): the local actors' key files when the learner runs CURVE.
@@ -160,7 +162,18 @@ static void supervise_(void *user) {
         child *k = &s->kids[i];
         if (k->pid > 0) {
             int status;
-            if (waitpid(k->pid, &status, WNOHANG) != k->pid) continue;
+            if (waitpid(k->pid, &status, WNOHANG) != k->pid) {
+                // Silent since after it started (a plug-in hung in a step, say): it neither works
+                // nor exits, so it is killed here and restarted below once reaped.
+                double silent = s->l ? mtrl_learner_actor_silent_since(s->l, (uint32_t)k->id) : 0;
+                if (!k->killed && silent > k->started) {
+                    LOG_WARN("actor %d (pid %d) fell silent and the learner declared it dead: killing it to restart it",
+                             k->id, (int)k->pid);
+                    kill(k->pid, SIGKILL);
+                    k->killed = 1;
+                }
+                continue;
+            }
             if (WIFEXITED(status) && WEXITSTATUS(status) == MTRL_ACTOR_EXIT_UNUSABLE) {
                 LOG_ERROR("actor %d cannot run this experiment (its error is above); not restarted", k->id);
                 k->pid = 0;
@@ -178,6 +191,8 @@ static void supervise_(void *user) {
             k->restarts++;
         } else if (!k->gave_up && now >= k->next_start) {
             k->pid = spawn_actor_(s->endpoint, k->id, s->curve);
+            k->started = now;
+            k->killed = 0;
         }
     }
 }
@@ -216,6 +231,7 @@ int cli_run_local(const char *name, const mtrl_config *cfg, mtrl_learner_opts *o
     for (int i = 0; i < n; i++) {
         kids[i].id = i + 1;
         kids[i].pid = spawn_actor_(endpoint, kids[i].id, &curve);
+        kids[i].started = mtrl_time_mono();
     }
     sv = (supervisor){kids, n, endpoint, &curve, l};
     int rc = mtrl_learner_run(l, &stop_);
