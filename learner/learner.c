@@ -120,6 +120,7 @@ struct mtrl_learner {
     double last_hb;
     double last_reward;
     char failed[256];        // mtrl_learner_fail's reason: the run ends as failed
+    char actor_error[400];   // the last error an actor sent (why it cannot run the experiment)
     // where the time of RL goes (learner/perf.h): this cycle's split (since the previous step's
     // metrics) and the totals since the end of the warm-up (t_rl: when it ended, 0 before)
     mtrl_perf cyc, tot;
@@ -591,10 +592,24 @@ static void handle_(mtrl_learner *l, mtrl_wire_in *in) {
         break;
     case MTRL_WIRE_HEARTBEAT:
         break;
+    case MTRL_WIRE_ERROR:
     case MTRL_WIRE_BYE: {
-        size_t n = mtrl_wire_asm_abort_actor(l->asm_, a->id, a->incarnation, "actor said BYE");
-        event_(l, MTRL_LOG_INFO, "actor %u left (%zu open episodes aborted)", a->id, n);
-        a->alive = 0;
+        // The text is the peer's: the event log escapes it (mtrl_store_event_log, common/log.c).
+        mtrl_wire_msg m;
+        mtrl_wire_msg_init(&m);
+        const char *text = "";
+        if (mtrl_wire_decode(in->hdr_bytes, MTRL_WIRE_HDR_SIZE, in->payload, in->payload_len, &l->lim, &m, &err) == MTRL_OK)
+            text = m.text ? m.text : "";
+        if (type == MTRL_WIRE_ERROR) {
+            // An actor that cannot run the experiment says why before it leaves (actor.c, unusable_).
+            snprintf(l->actor_error, sizeof l->actor_error, "actor %u: %s", a->id, text);
+            event_(l, MTRL_LOG_ERROR, "%s", l->actor_error);
+        } else {
+            size_t n = mtrl_wire_asm_abort_actor(l->asm_, a->id, a->incarnation, "actor said BYE");
+            event_(l, MTRL_LOG_INFO, "actor %u left: %s (%zu open episodes aborted)", a->id, text, n);
+            a->alive = 0;
+        }
+        mtrl_wire_msg_free(&m);
         break;
     }
     default:
@@ -1016,6 +1031,12 @@ static void warmup_(mtrl_learner *l, volatile sig_atomic_t *stop) {
     mtrl_wire_out_free(&o);
 }
 
+static int actors_live_(const mtrl_learner *l) {
+    int live = 0;
+    for (int i = 0; i < l->n_actors; i++) live += l->actors[i].alive;
+    return live;
+}
+
 // ---- lifecycle ---------------------------------------------------------------------------------------------------
 
 static mtrl_status resume_(mtrl_learner *l, mtrl_error *err) {
@@ -1163,6 +1184,7 @@ mtrl_status mtrl_learner_open(mtrl_learner **out, const mtrl_config *cfg, const 
 }
 
 const char *mtrl_learner_endpoint(const mtrl_learner *l) { return l->sock.endpoint; }
+const char *mtrl_learner_actor_error(const mtrl_learner *l) { return l->actor_error; }
 long long mtrl_learner_run_id(const mtrl_learner *l) { return (long long)l->run_id; }
 
 int mtrl_learner_run(mtrl_learner *l, volatile sig_atomic_t *stop) {
@@ -1254,6 +1276,9 @@ int mtrl_learner_run(mtrl_learner *l, volatile sig_atomic_t *stop) {
     }
     mtrl_traj_free(&popped);
     free(ready);
+    // A run failed from outside (mtrl run's supervisor: no actor can run it) may have the actors'
+    // last words still in the socket: they sent their error before exiting, so it is there to read.
+    for (int n = 0; n < 10 && l->failed[0] && actors_live_(l) > 0; n++) pump_(l, 100);
     if (l->progress) mtrl_progress_end(&l->prog);
     // The totals of this sitting's RL (learner/perf.h), before the final checkpoint.
     perf_cycle_end_(l, mtrl_time_mono(), 0);
@@ -1270,7 +1295,8 @@ int mtrl_learner_run(mtrl_learner *l, volatile sig_atomic_t *stop) {
     if (*stop) goto killed;
     mtrl_error err;
     if (l->failed[0]) {
-        event_(l, MTRL_LOG_ERROR, "run %lld failed at step %ld: %s", (long long)l->run_id, l->step, l->failed);
+        event_(l, MTRL_LOG_ERROR, "run %lld failed at step %ld: %s%s%s", (long long)l->run_id, l->step, l->failed,
+               l->actor_error[0] ? "; the last actor error: " : "", l->actor_error);
         // On a full store this may fail too: the run stays `running`, and the next writer's
         // mtrl_store_open marks it failed (its lock is gone); never `finished`.
         if (mtrl_store_run_set_status(l->store, l->run_id, MTRL_RUN_FAILED, &err) != MTRL_OK)

@@ -50,6 +50,9 @@ int mtrl_learner_run(mtrl_learner *l, volatile sig_atomic_t *stop);
 // Ends the run as `failed` with the reason (logged as an event) at the next turn of the loop:
 // for a supervisor whose actors cannot run the experiment at all. Safe from the tick callback.
 void mtrl_learner_fail(mtrl_learner *l, const char *why);
+// The last error an actor sent before leaving ("actor N: why it cannot run the experiment"; ""
+// when none did). Each is also stored as an event of the run, escaped like all peer text.
+const char *mtrl_learner_actor_error(const mtrl_learner *l);
 // When (mtrl_time_mono seconds) the learner declared actor `id` dead because it fell silent
 // after it had started working (not one past actor_start_timeout_ms while setting up, which
 // comes back by itself), while no incarnation of that id is live since; 0 otherwise. `mtrl run`'s supervisor kills

@@ -180,7 +180,7 @@ static void supervise_(void *user) {
                 k->gave_up = 1;
                 int left = 0;
                 for (int j = 0; j < s->n; j++) left += !s->kids[j].gave_up;
-                if (left == 0 && s->l) mtrl_learner_fail(s->l, "no actor can run this experiment (see the actors' errors)");
+                if (left == 0 && s->l) mtrl_learner_fail(s->l, "no actor can run this experiment (their errors are the run's events)");
                 continue;
             }
             if (WIFSIGNALED(status)) LOG_WARN("actor %d (pid %d) died: signal %d; restarting", k->id, (int)k->pid, WTERMSIG(status));
