@@ -67,8 +67,8 @@
     X(env, inline_doc, BOOL, "false", 0, 0, NULL, "retrieval: put the whole document in the prompt") \
     X(env, demo_search, BOOL, "false", 0, 0, NULL, "retrieval: with inline_doc, demos search(key) before the answer") \
     X(env, key_digits, INT, "0", 0, 15, NULL, "retrieval: digits of every key (0 = the fewest that keep keys sparse at this length)") \
-    X(env, max_tool_calls, INT, "4", 0, 1000, NULL, "tool calls allowed per episode")            \
-    X(env, max_obs_bytes, INT, "256", 1, 1 << 24, NULL, "cap on one tool observation")           \
+    X(env, max_tool_calls, INT, "4", 0, 1000, NULL, "tool calls allowed per episode (built-ins and plug-ins alike: the call past it ends the episode, reward 0)") \
+    X(env, max_obs_bytes, INT, "256", 1, 1 << 24, NULL, "built-ins: cap on one tool observation (a plug-in's are capped at 64 MiB by the host, env/mtrl_env.h)") \
     X(env, base_url, STR, "", 0, 0, NULL, "http: base URL the get tool may reach")               \
     X(env, allow_loopback, BOOL, "false", 0, 0, NULL, "http: allow 127.0.0.0/8 and ::1")         \
     X(env, timeout_ms, INT, "2000", 1, 600000, NULL, "http: total timeout of one request")

@@ -7,6 +7,7 @@
 //      the same is exit 2 and writes nothing (no run store, no out_dir).
 //  15. [env] plugin is relative to the experiment's folder: a bare "reverse.so" beside the INI
 //      and "sub/r2.so" are found when mtrl starts elsewhere, and resolve to absolute paths.
+//  16. `mtrl check` shows the env's describe() (its tool list) as comments of its output.
 //  18. `mtrl --version` names the release and the git revision it was built from, and the run
 //      store records that revision for a run (runs.git_rev); `mtrl run --help` describes the
 //      options and exit codes; `mtrl bench long --help` is help, not an error; an option
@@ -94,6 +95,8 @@ static void test_plugin_paths(void) {
     TEST_CHECK(realpath(dir_, real) != NULL);
     snprintf(want, sizeof want, "\nplugin = %s/exp/reverse.so\n", real);
     TEST_CONTAINS(r.out, want);
+    // Item 16: the env's describe() (its tool list) is shown, as comments.
+    TEST_CONTAINS(r.out, "\n; the env's tools (its describe()):\n;   letter(i): ");
     // The resolved config lists every key (calc's too, at their defaults): it passes again, as
     // it must for the actors, which receive it.
     char resolved[400];

@@ -266,7 +266,7 @@ int cmd_run(int argc, char **argv) {
     mtrl_config cfg;
     if (!load_config_(&a, &cfg)) return 2;
     // A broken [env] is a config error, found before the run store or out_dir is touched.
-    if (!cli_env_check("run", a.path, &cfg)) return 2;
+    if (!cli_env_check("run", a.path, &cfg, NULL)) return 2;
     mtrl_learner_opts o = {a.db, a.resume, 1, NULL, NULL, 0};
     return cli_run_local("run", &cfg, &o, NULL);
 }
