@@ -3,6 +3,7 @@
 
 #include <errno.h>
 #include <inttypes.h>
+#include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -970,6 +971,60 @@ static void stall_check_(mtrl_learner *l, double now) {
     mtrl_learner_fail(l, msg);
 }
 
+static int actors_live_(const mtrl_learner *l) {
+    int live = 0;
+    for (int i = 0; i < l->n_actors; i++) live += l->actors[i].alive;
+    return live;
+}
+
+// ---- progress as JSON lines (mtrl run --json) -------------------------------------------------------------
+
+// A JSON string of text that may hold anything (a failure reason quotes peers and envs): escaped
+// to printable text first (common/log.h), then JSON's own two specials.
+static void json_text_(FILE *f, const char *s) {
+    char esc[1024];
+    mtrl_text_escape(esc, sizeof esc, s, strlen(s));
+    fputc('"', f);
+    for (const char *c = esc; *c; c++) {
+        if (*c == '"' || *c == '\\') fputc('\\', f);
+        fputc(*c, f);
+    }
+    fputc('"', f);
+}
+
+// JSON has no NaN or infinity: null.
+static void json_num_(FILE *f, const char *key, double v) {
+    if (isfinite(v)) fprintf(f, ",\"%s\":%.6g", key, v);
+    else fprintf(f, ",\"%s\":null", key);
+}
+
+static int json_on_(const mtrl_learner *l) { return l->progress == MTRL_PROGRESS_JSON; }
+
+static void json_step_(mtrl_learner *l) {
+    double el = mtrl_time_mono() - l->t_start;
+    printf("{\"type\":\"step\",\"run\":%lld,\"step\":%ld,\"steps\":%ld", (long long)l->run_id, l->step, l->total_steps);
+    json_num_(stdout, "reward", l->last_reward);
+    printf(",\"episodes\":%ld,\"aborted\":%ld,\"actors\":%d", l->episodes_seen,
+           l->episodes_by_status[MTRL_EP_ABORTED], actors_live_(l));
+    json_num_(stdout, "episodes_per_s", el > 0 ? l->episodes_seen / el : 0);
+    json_num_(stdout, "tokens_per_s", el > 0 ? l->tokens_seen / el : 0);
+    json_num_(stdout, "elapsed_s", el);
+    printf("}\n");
+    fflush(stdout);
+}
+
+static void json_end_(mtrl_learner *l, const char *status, const char *reason) {
+    printf("{\"type\":\"end\",\"run\":%lld,\"status\":\"%s\",\"step\":%ld,\"episodes\":%ld", (long long)l->run_id,
+           status, l->step, l->episodes_seen);
+    json_num_(stdout, "elapsed_s", mtrl_time_mono() - l->t_start);
+    if (reason && reason[0]) {
+        printf(",\"reason\":");
+        json_text_(stdout, reason);
+    }
+    printf("}\n");
+    fflush(stdout);
+}
+
 // stop: SIGINT / SIGTERM (mtrl_learner_run's flag), checked at every warm-up step: a warm-up of
 // thousands of steps must not hold a Ctrl-C for a minute.
 static void warmup_(mtrl_learner *l, volatile sig_atomic_t *stop) {
@@ -1004,9 +1059,17 @@ static void warmup_(mtrl_learner *l, volatile sig_atomic_t *stop) {
         double loss = mtrl_train_sft_step(&l->model, &l->cfg, dp, B, l->cfg.warmup.lr);
         if (mtrl_store_metric_log(l->store, l->run_id, -steps + s, "warmup_loss", loss, 0, &err) != MTRL_OK)
             durable_fail_(l, "run store", &err);
-        if (l->progress) mtrl_progress_update(&l->prog, s + 1 == steps, "warm-up %ld/%ld | loss %.3f", s + 1, steps, loss);
+        if (l->progress == MTRL_PROGRESS_LINE)
+            mtrl_progress_update(&l->prog, s + 1 == steps, "warm-up %ld/%ld | loss %.3f", s + 1, steps, loss);
+        if (json_on_(l)) {
+            printf("{\"type\":\"warmup\",\"run\":%lld,\"step\":%ld,\"steps\":%ld", (long long)l->run_id, s + 1, steps);
+            json_num_(stdout, "loss", loss);
+            json_num_(stdout, "elapsed_s", mtrl_time_mono() - l->t_start);
+            printf("}\n");
+            fflush(stdout);
+        }
     }
-    if (l->progress) mtrl_progress_end(&l->prog);
+    if (l->progress == MTRL_PROGRESS_LINE) mtrl_progress_end(&l->prog);
     // RL starts with a fresh optimizer: the moments of the supervised stage do not carry over.
     mtrl_model_optimizer_reset(&l->model);
     for (int i = 0; i < B; i++) mtrl_traj_free(&demos[i]);
@@ -1029,12 +1092,6 @@ static void warmup_(mtrl_learner *l, volatile sig_atomic_t *stop) {
             l->actors[i].credit += l->cfg.learner.credit_bytes;
         }
     mtrl_wire_out_free(&o);
-}
-
-static int actors_live_(const mtrl_learner *l) {
-    int live = 0;
-    for (int i = 0; i < l->n_actors; i++) live += l->actors[i].alive;
-    return live;
 }
 
 // ---- lifecycle ---------------------------------------------------------------------------------------------------
@@ -1083,7 +1140,7 @@ mtrl_status mtrl_learner_open(mtrl_learner **out, const mtrl_config *cfg, const 
         l->total_steps = 0;
         for (int s = 0; s < cfg->n_stages; s++) l->total_steps += cfg->stage[s].steps;
     }
-    l->progress = opts && opts->progress;
+    l->progress = opts ? opts->progress : 0;
     l->tick = opts ? opts->tick : NULL;
     omp_set_num_threads(mtrl_config_threads(cfg));
     l->tick_user = opts ? opts->tick_user : NULL;
@@ -1253,10 +1310,11 @@ int mtrl_learner_run(mtrl_learner *l, volatile sig_atomic_t *stop) {
         if (n_ready == need) {
             rl_step_(l, ready, n_ready);
             l->t_progress = mtrl_time_mono();
+            if (json_on_(l)) json_step_(l);
             // drop the consumed groups, highest index first so the others keep their place
             for (int r = n_ready - 1; r >= 0; r--) group_drop_(l, ready[r]);
         }
-        if (l->progress) {
+        if (l->progress == MTRL_PROGRESS_LINE) {
             int live = 0;
             for (int i = 0; i < l->n_actors; i++) live += l->actors[i].alive;
             double el = mtrl_time_mono() - l->t_start;
@@ -1279,7 +1337,7 @@ int mtrl_learner_run(mtrl_learner *l, volatile sig_atomic_t *stop) {
     // A run failed from outside (mtrl run's supervisor: no actor can run it) may have the actors'
     // last words still in the socket: they sent their error before exiting, so it is there to read.
     for (int n = 0; n < 10 && l->failed[0] && actors_live_(l) > 0; n++) pump_(l, 100);
-    if (l->progress) mtrl_progress_end(&l->prog);
+    if (l->progress == MTRL_PROGRESS_LINE) mtrl_progress_end(&l->prog);
     // The totals of this sitting's RL (learner/perf.h), before the final checkpoint.
     perf_cycle_end_(l, mtrl_time_mono(), 0);
     mtrl_perf_log(l->store, l->run_id, l->step, "rl.", &l->tot);
@@ -1301,12 +1359,15 @@ int mtrl_learner_run(mtrl_learner *l, volatile sig_atomic_t *stop) {
         // mtrl_store_open marks it failed (its lock is gone); never `finished`.
         if (mtrl_store_run_set_status(l->store, l->run_id, MTRL_RUN_FAILED, &err) != MTRL_OK)
             LOG_ERROR("run %lld: the status `failed` could not be stored: %s", (long long)l->run_id, err.msg);
+        if (json_on_(l)) json_end_(l, "failed", l->failed);
         return 1;
     }
     if (mtrl_store_run_set_status(l->store, l->run_id, MTRL_RUN_FINISHED, &err) != MTRL_OK) {
         LOG_ERROR("run %lld: the status `finished` could not be stored: %s", (long long)l->run_id, err.msg);
+        if (json_on_(l)) json_end_(l, "failed", err.msg);
         return 1;
     }
+    if (json_on_(l)) json_end_(l, "finished", NULL);
     event_(l, MTRL_LOG_INFO, "run %lld finished: %ld steps, %ld episodes (%ld complete, %ld truncated, %ld aborted, %ld rejected)",
            (long long)l->run_id, l->step, l->episodes_seen, l->episodes_by_status[MTRL_EP_COMPLETE],
            l->episodes_by_status[MTRL_EP_TRUNCATED], l->episodes_by_status[MTRL_EP_ABORTED],
@@ -1315,6 +1376,7 @@ int mtrl_learner_run(mtrl_learner *l, volatile sig_atomic_t *stop) {
 killed:
     mtrl_store_run_set_status(l->store, l->run_id, MTRL_RUN_KILLED, NULL);
     event_(l, MTRL_LOG_WARN, "run %lld killed at step %ld", (long long)l->run_id, l->step);
+    if (json_on_(l)) json_end_(l, "killed", NULL);
     return 1;
 }
 

@@ -28,10 +28,19 @@
 
 typedef struct mtrl_learner mtrl_learner;
 
+#define MTRL_PROGRESS_LINE 1
+#define MTRL_PROGRESS_JSON 2
+
 typedef struct mtrl_learner_opts {
     const char *db;        // run store path (NULL: [run] db)
     int resume;            // continue the latest run of db from its last checkpoint
-    int progress;          // draw the progress line on stderr
+    int progress;          // 0: none; MTRL_PROGRESS_LINE: the progress line on stderr;
+                           // MTRL_PROGRESS_JSON: one JSON object a line on stdout (mtrl run --json):
+                           //   {"type":"warmup","run":R,"step":S,"steps":N,"loss":L,"elapsed_s":T} per warm-up step,
+                           //   {"type":"step","run":R,"step":S,"steps":N,"reward":M,"episodes":E,"aborted":A,
+                           //    "actors":K,"episodes_per_s":..,"tokens_per_s":..,"elapsed_s":T} per RL step,
+                           //   {"type":"end","run":R,"status":"finished|failed|killed","step":S,"episodes":E,
+                           //    "elapsed_s":T[,"reason":"..."]} once (a number that is not finite is null)
     void (*tick)(void *user); // called every loop iteration (mtrl run restarts dead actors there)
     void *tick_user;
     double rl_seconds;     // > 0: end the run (finished) after this many seconds of RL, counted
