@@ -130,7 +130,8 @@
 #define MTRL_CFG_WARMUP(X)                                                                          \
     X(warmup, steps, INT, "0", 0, 1e9, NULL, "supervised steps on env demo() trajectories before RL") \
     X(warmup, lr, FLOAT, "3e-3", 0, 10, NULL, "learning rate of the warm-up")                     \
-    X(warmup, batch, INT, "16", 1, 1 << 20, NULL, "demo episodes per warm-up step")
+    X(warmup, batch, INT, "16", 1, 1 << 20, NULL, "demo episodes per warm-up step")                 \
+    X(warmup, target_loss, FLOAT, "0", 0, 1e6, NULL, "end the warm-up early once the mean loss of its last 10 steps is below this (0 = run all its steps)")
 
 #define MTRL_CFG_STAGE(X)                                                                           \
     X(stage, context, INT, "0", 0, 1 << 30, NULL, "episode token budget of this stage (0 = [actor] max_tokens)") \

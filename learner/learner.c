@@ -892,6 +892,12 @@ static void rl_step_(mtrl_learner *l, int *ready, int n_ready) {
                     durable_fail_(l, "run store", &err);
         }
         log_metric_(l, "max_violation", worst);
+        // which episodes this step trained on (episodes.trained_step; never the stale ones)
+        uint64_t *ids = xmalloc(sizeof *ids * (size_t)(nb ? nb : 1));
+        for (int i = 0; i < nb; i++) ids[i] = batch[i]->episode_id;
+        if (mtrl_store_episodes_trained(l->store, l->run_id, l->step, ids, (size_t)nb, &err) != MTRL_OK)
+            durable_fail_(l, "run store", &err);
+        free(ids);
         if (l->cfg.learner.qb_actor_stats) log_metric_(l, "qb_actor_batches", (double)qb_actor);
         perf_cycle_end_(l, now, 1);
         if (mtrl_store_commit(l->store, &err) != MTRL_OK) durable_fail_(l, "run store", &err);
@@ -1045,6 +1051,7 @@ static void warmup_(mtrl_learner *l, volatile sig_atomic_t *stop) {
     }
     event_(l, MTRL_LOG_INFO, "warm-up: %ld supervised steps on %s demonstrations", steps, mtrl_env_name(env));
     l->warming = 1;
+    double recent[10] = {0}; // the last 10 losses ([warmup] target_loss)
     for (long s = 0; s < steps && !*stop && !l->failed[0]; s++) {
         pump_(l, 0);
         int ok = 1;
@@ -1057,6 +1064,7 @@ static void warmup_(mtrl_learner *l, volatile sig_atomic_t *stop) {
             break;
         }
         double loss = mtrl_train_sft_step(&l->model, &l->cfg, dp, B, l->cfg.warmup.lr);
+        recent[s % 10] = loss;
         if (mtrl_store_metric_log(l->store, l->run_id, -steps + s, "warmup_loss", loss, 0, &err) != MTRL_OK)
             durable_fail_(l, "run store", &err);
         if (l->progress == MTRL_PROGRESS_LINE)
@@ -1067,6 +1075,17 @@ static void warmup_(mtrl_learner *l, volatile sig_atomic_t *stop) {
             json_num_(stdout, "elapsed_s", mtrl_time_mono() - l->t_start);
             printf("}\n");
             fflush(stdout);
+        }
+        // target_loss: the warm-up teaches the format and stops there, leaving the skill to RL.
+        // A mean of 10 steps, since one batch's loss is noisy.
+        if (l->cfg.warmup.target_loss > 0 && s >= 9) {
+            double mean = 0;
+            for (int k = 0; k < 10; k++) mean += recent[k] / 10;
+            if (mean < l->cfg.warmup.target_loss) {
+                event_(l, MTRL_LOG_INFO, "warm-up: mean loss of the last 10 steps %.3f < [warmup] target_loss %g at step %ld of %ld: RL starts",
+                       mean, l->cfg.warmup.target_loss, s + 1, steps);
+                break;
+            }
         }
     }
     if (l->progress == MTRL_PROGRESS_LINE) mtrl_progress_end(&l->prog);
@@ -1125,6 +1144,17 @@ static mtrl_status resume_(mtrl_learner *l, mtrl_error *err) {
     if (st == MTRL_OK) {
         mtrl_store_run_set_status(l->store, l->run_id, MTRL_RUN_RUNNING, NULL);
         event_(l, MTRL_LOG_INFO, "resumed run %lld at step %ld (version %u)", (long long)l->run_id, l->step, l->model.version);
+        // A sitting that ended without its final checkpoint (kill -9, a crash, a lost machine)
+        // trained steps past the last one: that training is gone and the steps are done again.
+        // Say so, and mark their episodes untrained (SIGINT/SIGTERM checkpoint first: nothing lost).
+        int64_t lost_to = mtrl_store_max_trained_step(l->store, l->run_id), changed = 0;
+        if (lost_to > l->step) {
+            if ((st = mtrl_store_episodes_untrain_after(l->store, l->run_id, l->step, &changed, err)) != MTRL_OK) return st;
+            event_(l, MTRL_LOG_WARN,
+                   "--resume: the previous sitting trained to step %lld but its last checkpoint is of step %ld: steps "
+                   "%ld..%lld are lost and done again (%lld of their episodes marked untrained; [run] checkpoint_every = %ld)",
+                   (long long)lost_to, l->step, l->step + 1, (long long)lost_to, (long long)changed, l->cfg.run.checkpoint_every);
+        }
     }
     return st;
 }
