@@ -3,7 +3,6 @@
 
 #include <errno.h>
 #include <inttypes.h>
-#include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -14,6 +13,7 @@
 #include <zmq.h>
 
 #include "env/env_config.h"
+#include "learner/json_line.h"
 #include "common/check.h"
 #include "common/checkpoint.h"
 #include "common/fsutil.h"
@@ -985,50 +985,35 @@ static int actors_live_(const mtrl_learner *l) {
 
 // ---- progress as JSON lines (mtrl run --json) -------------------------------------------------------------
 
-// A JSON string of text that may hold anything (a failure reason quotes peers and envs): escaped
-// to printable text first (common/log.h), then JSON's own two specials.
-static void json_text_(FILE *f, const char *s) {
-    char esc[1024];
-    mtrl_text_escape(esc, sizeof esc, s, strlen(s));
-    fputc('"', f);
-    for (const char *c = esc; *c; c++) {
-        if (*c == '"' || *c == '\\') fputc('\\', f);
-        fputc(*c, f);
-    }
-    fputc('"', f);
-}
-
-// JSON has no NaN or infinity: null.
-static void json_num_(FILE *f, const char *key, double v) {
-    if (isfinite(v)) fprintf(f, ",\"%s\":%.6g", key, v);
-    else fprintf(f, ",\"%s\":null", key);
-}
-
 static int json_on_(const mtrl_learner *l) { return l->progress == MTRL_PROGRESS_JSON; }
 
 static void json_step_(mtrl_learner *l) {
     double el = mtrl_time_mono() - l->t_start;
-    printf("{\"type\":\"step\",\"run\":%lld,\"step\":%ld,\"steps\":%ld", (long long)l->run_id, l->step, l->total_steps);
-    json_num_(stdout, "reward", l->last_reward);
-    printf(",\"episodes\":%ld,\"aborted\":%ld,\"actors\":%d", l->episodes_seen,
-           l->episodes_by_status[MTRL_EP_ABORTED], actors_live_(l));
-    json_num_(stdout, "episodes_per_s", el > 0 ? l->episodes_seen / el : 0);
-    json_num_(stdout, "tokens_per_s", el > 0 ? l->tokens_seen / el : 0);
-    json_num_(stdout, "elapsed_s", el);
-    printf("}\n");
-    fflush(stdout);
+    mtrl_json_line j;
+    mtrl_json_begin(&j, stdout, "step");
+    mtrl_json_int(&j, "run", (long long)l->run_id);
+    mtrl_json_int(&j, "step", l->step);
+    mtrl_json_int(&j, "steps", l->total_steps);
+    mtrl_json_num(&j, "reward", l->last_reward);
+    mtrl_json_int(&j, "episodes", l->episodes_seen);
+    mtrl_json_int(&j, "aborted", l->episodes_by_status[MTRL_EP_ABORTED]);
+    mtrl_json_int(&j, "actors", actors_live_(l));
+    mtrl_json_num(&j, "episodes_per_s", el > 0 ? l->episodes_seen / el : 0);
+    mtrl_json_num(&j, "tokens_per_s", el > 0 ? l->tokens_seen / el : 0);
+    mtrl_json_num(&j, "elapsed_s", el);
+    mtrl_json_end(&j);
 }
 
 static void json_end_(mtrl_learner *l, const char *status, const char *reason) {
-    printf("{\"type\":\"end\",\"run\":%lld,\"status\":\"%s\",\"step\":%ld,\"episodes\":%ld", (long long)l->run_id,
-           status, l->step, l->episodes_seen);
-    json_num_(stdout, "elapsed_s", mtrl_time_mono() - l->t_start);
-    if (reason && reason[0]) {
-        printf(",\"reason\":");
-        json_text_(stdout, reason);
-    }
-    printf("}\n");
-    fflush(stdout);
+    mtrl_json_line j;
+    mtrl_json_begin(&j, stdout, "end");
+    mtrl_json_int(&j, "run", (long long)l->run_id);
+    mtrl_json_str(&j, "status", status);
+    mtrl_json_int(&j, "step", l->step);
+    mtrl_json_int(&j, "episodes", l->episodes_seen);
+    mtrl_json_num(&j, "elapsed_s", mtrl_time_mono() - l->t_start);
+    if (reason && reason[0]) mtrl_json_str(&j, "reason", reason);
+    mtrl_json_end(&j);
 }
 
 // stop: SIGINT / SIGTERM (mtrl_learner_run's flag), checked at every warm-up step: a warm-up of
@@ -1070,11 +1055,14 @@ static void warmup_(mtrl_learner *l, volatile sig_atomic_t *stop) {
         if (l->progress == MTRL_PROGRESS_LINE)
             mtrl_progress_update(&l->prog, s + 1 == steps, "warm-up %ld/%ld | loss %.3f", s + 1, steps, loss);
         if (json_on_(l)) {
-            printf("{\"type\":\"warmup\",\"run\":%lld,\"step\":%ld,\"steps\":%ld", (long long)l->run_id, s + 1, steps);
-            json_num_(stdout, "loss", loss);
-            json_num_(stdout, "elapsed_s", mtrl_time_mono() - l->t_start);
-            printf("}\n");
-            fflush(stdout);
+            mtrl_json_line j;
+            mtrl_json_begin(&j, stdout, "warmup");
+            mtrl_json_int(&j, "run", (long long)l->run_id);
+            mtrl_json_int(&j, "step", s + 1);
+            mtrl_json_int(&j, "steps", steps);
+            mtrl_json_num(&j, "loss", loss);
+            mtrl_json_num(&j, "elapsed_s", mtrl_time_mono() - l->t_start);
+            mtrl_json_end(&j);
         }
         // target_loss: the warm-up teaches the format and stops there, leaving the skill to RL.
         // A mean of 10 steps, since one batch's loss is noisy.
