@@ -508,6 +508,8 @@ static void test_chunk_cp(mtrl_cuda_ctx *ctx, int T, int H, int bound, int slow)
           *hS = (float *)malloc(sizeof(float) * ns), *hSt = (float *)malloc(sizeof(float) * nst),
           *tmp = (float *)malloc(sizeof(float) * (nst > nv ? nst : nv));
     const int auto_np = mtrl_kda_cp_pieces(ctx, T, H, K, V, MTRL_KDA_CP_AUTO);
+    TEST_CHECKF(auto_np == 1 || (auto_np >= 4 && auto_np <= nt / 128), "chooser: %d pieces at T=%d H=%d", auto_np, T,
+                H);
     const int reqs[] = {1, 2, 3, 8, 64, MTRL_KDA_CP_AUTO};
     double *co = tu_alloc(nv), *cS = tu_alloc(ns), *cSt = tu_alloc(nst);  // the fp64 decomposition
     for (int with_s0 = 0; with_s0 < 2; with_s0++) {
@@ -886,7 +888,7 @@ static void test_chunk_cp_all(mtrl_cuda_ctx *ctx) {
     test_chunk_cp(ctx, 1000, 16, 0, 0);   // 63 tiles, tail of 8
     test_chunk_cp(ctx, 1000, 16, 0, 1);   // slow decay: the transitions carry the state far
     test_chunk_cp(ctx, 419, 2, 1, 0);     // H = 2, the decay at the bound
-    test_chunk_cp(ctx, 9000, 16, 0, 1);   // the chooser's own pieces (563 tiles: 2 at H = 16)
+    test_chunk_cp(ctx, 9000, 16, 0, 1);   // the chooser's own pieces (563 tiles: 4 at H = 16)
     test_chunk_cp(ctx, 7, 16, 0, 0);      // T < 16: one tile, one piece
 }
 

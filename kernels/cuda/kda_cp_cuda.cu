@@ -29,9 +29,14 @@
 // at bf16x3, WPB = 4) instead of the sequential pass's 6 so that two blocks share an SM: the
 // per-tile chain is latency-bound (one warp per scheduler in the sequential pass), so a second
 // warp per scheduler fills its stalls; 2 tiles in flight still cover the records' latency.
-// The chooser (mtrl_kda_cp_pieces) takes P = min(SMs / H, nt / 256): pass 3's 2 H P blocks then
-// fill the GPU's 2-per-SM slots at most once, and every piece has at least 256 tiles (4,096
-// tokens), so the fixed costs (the combine, pass 1's extra work) stay small against the pass.
+// The chooser (mtrl_kda_cp_pieces) goes chunk-parallel only while the sequential pass's 2H blocks
+// hold at most a quarter of the SMs (8H <= SMs: H <= 16 on an H200; above that the sequential pass
+// already spreads over most SMs and the extra work cannot pay), with P = min(SMs / H, nt / 128),
+// and only from 4 pieces on (at 2, pass 1 doubles half the work on a quarter of the GPU and the
+// whole is slower than the sequential pass). P = SMs / H makes pass 3's 2 H P blocks fill the
+// GPU's 2-per-SM slots once; pieces of at least 128 tiles keep the fixed costs (the combine, pass
+// 1's extra work) small against the pass. The measurements behind the rule: docs/kernel-lab.md,
+// "KDA chunk-parallel forward".
 #include "kernels/cuda/kda_tc.cuh"
 
 int kda3_supports(int H, int K, int V, const float *q, const float *k, const float *v,
@@ -189,9 +194,10 @@ extern "C" int mtrl_kda_cp_pieces(const mtrl_cuda_ctx *ctx, int T, int H, int K,
     if (T <= 0 || H <= 0 || K != K3 || V != V3 || mtrl_kda_chunk_fwd_version(H, K, V) != 3) return 1;
     const int nt = (T + C3 - 1) / C3;
     int np = request;
-    if (request <= MTRL_KDA_CP_AUTO) {
-        const int by_sms = ctx->sms / H, by_len = nt / 256;
+    if (request <= MTRL_KDA_CP_AUTO) {  // header comment: the rule and why
+        const int by_sms = ctx->sms / H, by_len = nt / 128;
         np = by_sms < by_len ? by_sms : by_len;
+        if (8 * H > ctx->sms || np < 4) np = 1;
     }
     if (np > nt) np = nt;
     if (np > MTRL_KDA_CP_MAX_PIECES) np = MTRL_KDA_CP_MAX_PIECES;

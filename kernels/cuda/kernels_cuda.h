@@ -122,7 +122,8 @@ int mtrl_kda_chunk_fwd_cp(mtrl_cuda_ctx *ctx, int pieces, int T, int H, int K, i
                           const float *S0, float *o, float *S_final, float *S_tiles);
 // The number of pieces mtrl_kda_chunk_fwd_cp runs for `pieces` = request at this shape (given
 // 16-byte aligned inputs); 1 means the sequential forward. Auto (request 0): min(SMs / H, tiles /
-// 256), i.e. chunk-parallel from H <= SMs / 2 and T >= 8,192 on.
+// 128) when that is at least 4 and 8H <= SMs, else 1: chunk-parallel for H <= 16 on an H200 and
+// T >= 8,192 (kda_cp_cuda.cu says why and what it measured).
 int mtrl_kda_cp_pieces(const mtrl_cuda_ctx *ctx, int T, int H, int K, int V, int request);
 // The forward kernel mtrl_kda_chunk_fwd runs for this shape (given 16-byte aligned inputs): 3 or 2.
 int mtrl_kda_chunk_fwd_version(int H, int K, int V);
