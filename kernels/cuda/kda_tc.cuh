@@ -1,7 +1,10 @@
 // kda_tc.cuh: what the tensor-core KDA kernels share (kda_tc_cuda.cu: the forward v3 and its
 // per-tile record; kda_tc_bwd_cuda.cu: the backward's state-gradient pass, which reads the same
-// record): the shape constants, the record layout, the split-bf16 (bf16x3) fragment helpers, and the
-// launchers one file calls in the other. Moved out of kda_tc_cuda.cu unchanged.
+// record; kda_cp_cuda.cu: the chunk-parallel forward, which runs the forward's state pass tile over
+// the same records): the shape constants, the record layout, the split-bf16 (bf16x3) fragment
+// helpers, the forward pass's ring stage (StCfg) and tile (KDA3_STATE_TILE_), and the launchers one
+// file calls in another. Moved out of kda_tc_cuda.cu unchanged (tools/cubin_compare.py: every
+// kernel of kda_tc_cuda.cu and kda_tc_bwd_cuda.cu the same machine code as before the move).
 #ifndef MTRL_KDA_TC_CUH
 #define MTRL_KDA_TC_CUH
 
