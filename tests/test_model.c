@@ -808,6 +808,23 @@ static void test_kimi_clamp_effect(void) {
 // an error naming the key; and the environment's overrides (backend.h mtrl_backend_gemm_tf32: a
 // pure function in every build, so checked here without a GPU; test_cuda_model checks the
 // backends a GPU creates).
+// The MFU's active parameters: the matrices minus the routed experts' (1 - k/E), counted here
+// from the dims so that a renamed tensor cannot silently count every expert as active.
+static void test_active_params(void) {
+    mtrl_model_dims d = kimi_dims(5, "KKMKM");
+    mtrl_model m;
+    mtrl_model_init(&m, &d, 3);
+    double matrices = 0;
+    for (int i = 0; i < m.params.n; i++)
+        if (m.params.items[i].ndim >= 2 && strcmp(m.params.items[i].name, "embed")) matrices += (double)m.params.items[i].numel;
+    double routed = (double)d.n_moe * 3 * d.E * d.I * d.d;
+    double want = matrices - routed * (1 - (double)d.k / d.E);
+    TEST_CHECKF(fabs(mtrl_model_active_matmul_params(&m) - want) < 0.5, "active %.0f, want %.0f",
+                mtrl_model_active_matmul_params(&m), want);
+    TEST_CHECK(d.k < d.E && routed > 0);
+    mtrl_model_free(&m);
+}
+
 static void test_gemm_precision(void) {
     TEST_EQ_INT(tiny_dims().gemm_tf32, 1);
     mtrl_config cfg;
@@ -844,6 +861,7 @@ int main(void) {
     test_gradcheck(kimi_dims(4, "KKMK"), "Kimi forms", 3);
     test_attnres_blocks();
     test_kimi_layout();
+    test_active_params();
     test_kimi_clamp_effect();
     test_segmented(small_dims(4, 2, "KMKM"));
     test_segmented(kimi_dims(4, "KMKM"));

@@ -213,19 +213,6 @@ static void profile_step_(mtrl_model *m, const mtrl_batch *b, int segment, real 
 
 // Active matmul parameters: every matrix but the embedding (a lookup), the routed experts at
 // k/E of theirs (each token runs k of the E).
-static double active_params_(const mtrl_model *m) {
-    const mtrl_model_dims *d = &m->dims;
-    double active = 0;
-    for (int i = 0; i < m->params.n; i++) {
-        const mtrl_tensor *t = &m->params.items[i];
-        double k = (double)t->nbytes / sizeof(real);
-        if (!strcmp(t->name, "embed") || t->ndim < 2) continue;
-        if (strstr(t->name, ".ew")) k *= (double)d->k / d->E;
-        active += k;
-    }
-    return active;
-}
-
 // The model FLOPs of training on sequences of these lengths (the usual convention: 6 per
 // active matmul parameter and token, forward 2 and backward 4, plus causal attention's
 // 3 x 2 x mH x (dn+dr+dv) x len/2 per token and MLA layer; KDA's state products, < 1%, left out).
@@ -238,7 +225,7 @@ static double train_flops_(const mtrl_model *m, int n, const int *len) {
         tok += len[i];
         attn += (double)len[i] * len[i] / 2.0;
     }
-    return 6 * active_params_(m) * tok + 3.0 * 2 * n_mla * d->mH * (double)(d->dn + d->dr + d->dv) * attn;
+    return 6 * mtrl_model_active_matmul_params(m) * tok + 3.0 * 2 * n_mla * d->mH * (double)(d->dn + d->dr + d->dv) * attn;
 }
 
 static int bench_model_(int argc, char **argv) {
@@ -346,7 +333,7 @@ static int bench_model_(int argc, char **argv) {
     // (training form: per-head keys of dn+dr, values of dv). KDA's state products (< 1% here) are
     // left out. Peaks: the H200's bf16 dense spec (989 TFLOP/s) and the cuBLAS 8192^3 GEMM
     // measured on it (781 TFLOP/s, docs/perf.md).
-    double active = active_params_(&m), flops_tok = train_flops_(&m, seqs, len) / ntok;
+    double active = mtrl_model_active_matmul_params(&m), flops_tok = train_flops_(&m, seqs, len) / ntok;
     double tflops = flops_tok * ntok / best_fb / 1e12;
     printf("model FLOPs:      %.3g GFLOP per trained token (%.4g M active matmul parameters); %.3g TFLOP/s = MFU %.1f%% "
            "of 989 (spec), %.1f%% of 781 (measured GEMM)\n",

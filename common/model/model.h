@@ -298,6 +298,9 @@ void mtrl_model_to_device(mtrl_model *m);
 void mtrl_model_optimizer_reset(mtrl_model *m);
 
 size_t mtrl_model_param_count(const mtrl_model *m);
+// Matrix parameters one token multiplies by (the MFU convention: embeddings and vectors left
+// out, each MoE layer's routed experts counted k/E of their size, shared experts in full).
+double mtrl_model_active_matmul_params(const mtrl_model *m);
 void mtrl_model_zero_grads(mtrl_model *m);
 
 // Forward over a batch (form 1 or 3). logp [Σ len], entropy [Σ len] (nullable): per position,
