@@ -53,7 +53,9 @@
     X(model, router_score, ENUM, "sigmoid", 0, 0, "sigmoid|softmax", "router score function")      \
     X(model, norm_eps, FLOAT, "1e-5", 1e-12, 1, NULL, "RMSNorm epsilon")                          \
     X(model, init_std, FLOAT, "0.02", 0, 1, NULL, "std of the normal init of projections")       \
-    X(model, segment, INT, "0", 0, 1 << 30, NULL, "learner segment length in tokens (0 = planned from memory)")
+    X(model, segment, INT, "0", 0, 1 << 30, NULL, "learner segment length in tokens (0 = planned from memory)") \
+    X(model, image_patch, INT, "0", 0, 64, NULL, "side P of the square patches pictures are cut into: each P x P RGB patch is one token through a learned linear patch embedding (docs/multimodal.md); 0 = no pictures (an env's image aborts its episode)") \
+    X(model, image_max_side, INT, "512", 1, 4096, NULL, "largest width or height of a picture in pixels; a larger one aborts its episode")
 
 #define MTRL_CFG_ENV(X)                                                                             \
     X(env, name, STR, "!", 0, 0, NULL, "retrieval, calc, http, or plugin (with plugin = path.so)")  \

@@ -106,6 +106,10 @@ typedef struct mtrl_model_dims {
     int score_softmax;
     real g_min, rho, eps, init_std;
     int n_moe;                       // MoE layers (all but layer 0)
+    // Pictures (docs/multimodal.md, common/image.h): side P of the patches ([model]
+    // image_patch; 0 = none: an image token is then a programming error) and the largest side
+    // of a picture in pixels ([model] image_max_side).
+    int image_patch, image_max_side;
 } mtrl_model_dims;
 
 // Pointers to one layer's tensors inside a block laid out like the parameters (the parameters
@@ -138,6 +142,11 @@ typedef struct mtrl_model_ptrs {
     real *final_norm;                                     // [d]
     real *site_w, *site_g;                                // [2L+1][d] AttnRes pseudo-queries, key norms
     mtrl_layer_ptrs layer[MTRL_MAX_LAYERS];
+    // The patch embedding [d][3P² + 4] (dims.image_patch > 0, else NULL): columns 0..3P²-1 map
+    // a patch's pixels (each byte v as v/255 - 1/2), column 3P² is its bias, the last three
+    // are the embeddings of IMG_START, IMG_ROW and IMG_END (one-hot inputs): one GEMM embeds
+    // every image token of a segment.
+    real *patch_w;
 } mtrl_model_ptrs;
 
 // A batch of sequences. Position t of sequence i predicts tokens[t+1]; the last position has no
@@ -245,6 +254,9 @@ typedef struct mtrl_model {
     // The per-phase timing the calls add to while set (nullable; see "profile" above). Zero it
     // before the calls to profile; the caller owns it.
     mtrl_model_profile *profile;
+    // The patch table the image tokens of the next calls name (mtrl_model_set_patches).
+    const uint8_t *img_rows;
+    int img_n;
 } mtrl_model;
 
 // Fills dims from a resolved [model] config and the vocabulary size. Returns MTRL_OK or
@@ -398,6 +410,17 @@ mtrl_status mtrl_model_save_bf16(const mtrl_model *m, void **mem, size_t *mem_le
 // leaves the model untouched. with_optimizer also restores the moments, the step and version.
 struct mtrl_ckpt;
 mtrl_status mtrl_model_load(mtrl_model *m, struct mtrl_ckpt *c, int with_optimizer, mtrl_error *err);
+
+// ---- pictures (docs/multimodal.md, common/image.h) ----------------------------------------------------
+// Image tokens (ids >= MTRL_IMG_TOKEN_BASE) may stand anywhere in the token arrays of every call
+// above (forward, backward, train, logits, prefill, prefill_many, decode): a patch token
+// MTRL_IMG_PATCH0 + i is embedded from row i of the patch table set here, the specials from
+// their columns of P.patch_w; the rest of the stack is the text's. rows [n][3P²] (RGB8 patches,
+// common/image.h mtrl_image_patches) is borrowed: it must stay valid and unchanged until the
+// calls that use it returned (a forward and its backward both read it). Tokens name rows of the
+// table set when the call runs; a row outside it is a check failure. No log-prob is taken of an
+// image token (the position before one has no target: logp 0). NULL, 0: no table.
+void mtrl_model_set_patches(mtrl_model *m, const uint8_t *rows, int n);
 
 // Index of layer l among the MoE layers, or -1 for the dense layer.
 static inline int mtrl_model_moe_index(int l) { return l - 1; }
