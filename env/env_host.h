@@ -14,7 +14,7 @@
 //
 // ---- names ----------------------------------------------------------------------------------
 // A name containing '/' or ending in ".so" is a plug-in path (dlopen'd, ABI-checked as
-// described in mtrl_env.h); otherwise a built-in: retrieval, calc, http. The config string is
+// described in mtrl_env.h); otherwise a built-in: retrieval, calc, http, picture. The config string is
 // handed to the env's create (key=value pairs separated by newlines or ';').
 //
 // ---- isolation (opts.isolate = 1) -----------------------------------------------------------

@@ -1,7 +1,7 @@
 // mtrl_env.h: the environment plug-in ABI. The only header a plug-in needs.
 //
 // An environment ("env") poses a task to the model and answers its tool calls. mtrl ships
-// built-in envs (retrieval, calc, http) and loads others from a shared library (a "plug-in").
+// built-in envs (retrieval, calc, http, picture) and loads others from a shared library (a "plug-in").
 // Both sides meet at one table of C callbacks, mtrl_env_api, defined here. This header
 // includes only standard headers so a plug-in builds with nothing else of mtrl:
 //

@@ -143,9 +143,10 @@ typedef struct mtrl_model_ptrs {
     real *site_w, *site_g;                                // [2L+1][d] AttnRes pseudo-queries, key norms
     mtrl_layer_ptrs layer[MTRL_MAX_LAYERS];
     // The patch embedding [d][3P² + 4] (dims.image_patch > 0, else NULL): columns 0..3P²-1 map
-    // a patch's pixels (each byte v as v/255 - 1/2), column 3P² is its bias, the last three
-    // are the embeddings of IMG_START, IMG_ROW and IMG_END (one-hot inputs): one GEMM embeds
-    // every image token of a segment.
+    // a patch's pixels (each byte v as v/255, so black is 0), column 3P² is its bias, the last
+    // three are the embeddings of IMG_START, IMG_ROW and IMG_END (one-hot inputs): one GEMM
+    // embeds every image token of a segment. Initialised N(0, 1/P²): a patch of pixels around
+    // 1/2 then embeds at about the text embedding's scale (N(0, 1)).
     real *patch_w;
 } mtrl_model_ptrs;
 

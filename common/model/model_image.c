@@ -33,7 +33,7 @@ static int image_rows_(const mtrl_model *m, int T, const uint32_t *tokens, real 
                 MTRL_CHECKF(row < (uint32_t)m->img_n, "image token names patch row %u of a table of %d (mtrl_model_set_patches)",
                             row, m->img_n);
                 const uint8_t *px = m->img_rows + (size_t)row * pb;
-                for (int j = 0; j < pb; j++) r[j] = (real)px[j] / (real)255 - (real)0.5;
+                for (int j = 0; j < pb; j++) r[j] = (real)px[j] / (real)255;
                 r[pb] = 1;
             } else {
                 uint32_t k = id - MTRL_IMG_TOKEN_BASE;

@@ -2,7 +2,7 @@
 // common/model; the public side is model.h mtrl_model_set_patches, the token layout
 // common/image.h). Every image token of a segment is embedded by one GEMM of the backend:
 //     Y [n][d] = X [n][3P² + 4] · P.patch_wᵀ
-// where row r of X is the r-th image token's input: a patch's pixels (v/255 - 1/2) with a 1 in
+// where row r of X is the r-th image token's input: a patch's pixels (v/255: black is 0) with a 1 in
 // the bias column, or a one-hot of IMG_START / IMG_ROW / IMG_END. Y's rows replace the token
 // embeddings at their positions (contiguous runs: a picture's tokens are consecutive). The
 // backward gathers the same rows of ∂L/∂emb, adds ∂L/∂W = dYᵀ X and zeroes them, so the text

@@ -210,6 +210,7 @@ static void init_(mtrl_model *m, uint64_t seed) {
             double std = d->init_std;
             if (strstr(nm, ".wo") || strstr(nm, "w2")) std /= sqrt(2.0 * d->L);
             if (!strcmp(nm, "embed")) std = 1.0;
+            if (!strcmp(nm, "image.patch_w")) std = 1.0 / d->image_patch; // model.h patch_w
 #pragma omp parallel for schedule(static) if (big)
             for (long j = 0; j < n; j++) x[j] = (real)(std * mtrl_rng_normal(seed, stream, (uint64_t)j));
         }
