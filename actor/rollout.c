@@ -341,14 +341,17 @@ static int start_(const mtrl_rollout_params *p, mtrl_model *m, slot *s, const sl
         finish_(s, MTRL_EP_TRUNCATED, 0, why);
         return 0;
     }
+    // BOS, the prompt's text, then its picture (docs/multimodal.md: the picture last, next to
+    // what the model writes after it)
     buf[0] = MTRL_TOK_BOS;
+    mtrl_tok_encode(res.obs, res.obs_len, buf + 1);
     char why[256];
-    int ni = image_tokens_(m, s, &res, buf + 1, (long)p->max_tokens - 2 - (long)res.obs_len, why, sizeof why);
+    int ni = image_tokens_(m, s, &res, buf + 1 + res.obs_len, (long)p->max_tokens - 2 - (long)res.obs_len, why,
+                           sizeof why);
     if (ni < 0) {
         finish_(s, ni == -1 ? MTRL_EP_ABORTED : MTRL_EP_TRUNCATED, 0, why);
         return 0;
     }
-    mtrl_tok_encode(res.obs, res.obs_len, buf + 1 + ni);
     int n = (int)res.obs_len + 1 + ni;
     if (!defer) feed_(m, s, buf, n, 0, MTRL_TOK_PROMPT);
     else if (twin && twin->active && twin->pend_n == n && twin->pend_kind == MTRL_TOK_PROMPT &&
@@ -417,17 +420,19 @@ static int advance_(const mtrl_rollout_params *p, mtrl_model *m, slot *s, uint32
             finish_(s, MTRL_EP_TRUNCATED, 0, "token budget spent by a tool observation");
             return 0;
         }
+        // the observation's text (cut to what the budget leaves after its picture), its picture
         buf[0] = (uint32_t)tok;
         buf[1] = MTRL_TOK_RESULT_OPEN;
+        long pic = res.image && m->dims.image_patch > 0
+                       ? (long)mtrl_image_token_count(res.image_w, res.image_h, m->dims.image_patch) : 0;
+        size_t n = res.obs_len < (size_t)(room > pic ? room - pic : 0) ? res.obs_len : (size_t)(room > pic ? room - pic : 0);
+        mtrl_tok_encode(res.obs, n, buf + 2);
         char why[256];
-        int ni = image_tokens_(m, s, &res, buf + 2, room, why, sizeof why);
+        int ni = image_tokens_(m, s, &res, buf + 2 + n, room - (long)n, why, sizeof why);
         if (ni < 0) {
             finish_(s, ni == -1 ? MTRL_EP_ABORTED : MTRL_EP_TRUNCATED, 0, why);
             return 0;
         }
-        room -= ni;
-        size_t n = res.obs_len < (size_t)room ? res.obs_len : (size_t)room;
-        mtrl_tok_encode(res.obs, n, buf + 2 + ni);
         n += (size_t)ni;
         buf[n + 2] = MTRL_TOK_RESULT_CLOSE;
         if (defer) queue_(s, buf, (int)n + 3, 1, MTRL_TOK_TOOL); // turn_start moves when it is fed

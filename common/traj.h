@@ -216,9 +216,10 @@ uint32_t mtrl_traj_add_image(mtrl_traj *t, int P, const uint8_t *rgb, uint32_t w
 // Rows of the episode's patch table, and the table itself: out [rows][3P²] (common/image.h).
 size_t mtrl_traj_patch_rows(const mtrl_traj *t);
 void mtrl_traj_patch_table(const mtrl_traj *t, uint8_t *out);
-// Checks the stream against the pictures: every image token is IMG_START / IMG_ROW / IMG_END or
-// names a row of the patch table. MTRL_ERR_FORMAT naming the token otherwise (a trajectory from
-// an untrusted actor must not reach the model with one).
+// Checks the stream of an episode with pictures against them: every image token is IMG_START /
+// IMG_ROW / IMG_END or names a row of the patch table; MTRL_ERR_FORMAT naming the token
+// otherwise (the model would refuse it). Without pictures token ids stay opaque to this layer,
+// as they always were (MTRL_OK): their range against the vocabulary is the model's to know.
 mtrl_status mtrl_traj_images_check(const mtrl_traj *t, mtrl_error *err);
 // Copies b's pictures into a (which has none), e.g. the episodes of a group sharing a prompt.
 void mtrl_traj_copy_images(mtrl_traj *a, const mtrl_traj *b);

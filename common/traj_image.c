@@ -54,6 +54,7 @@ void mtrl_traj_patch_table(const mtrl_traj *t, uint8_t *out) {
 }
 
 mtrl_status mtrl_traj_images_check(const mtrl_traj *t, mtrl_error *err) {
+    if (!t->n_images) return MTRL_OK; // ids are opaque to an episode without pictures (traj.h)
     size_t rows = mtrl_traj_patch_rows(t);
     for (uint64_t i = 0; i < t->n_tokens; i++) {
         uint32_t id = t->ids[i];

@@ -360,8 +360,8 @@ mtrl_status mtrl_train_demo_episode_images(mtrl_env *env, uint64_t seed, int max
     out->task_seed = seed;
     mtrl_traj_set_env(out, mtrl_env_name(env));
     mtrl_traj_append(out, MTRL_TOK_BOS, 0.0f, 0, MTRL_TOK_PROMPT, NULL);
-    if ((s = append_image_(out, image_patch, &res, MTRL_TOK_PROMPT, env, err)) != MTRL_OK) return s;
     append_bytes_(out, res.obs, res.obs_len, MTRL_TOK_PROMPT);
+    if ((s = append_image_(out, image_patch, &res, MTRL_TOK_PROMPT, env, err)) != MTRL_OK) return s;
     mtrl_env_demo_out demo;
     if (!mtrl_env_has_demo(env))
         return mtrl_error_set(err, MTRL_ERR_PLUGIN, "env %s has no demo(); [warmup] steps needs one", mtrl_env_name(env));
@@ -386,8 +386,8 @@ mtrl_status mtrl_train_demo_episode_images(mtrl_env *env, uint64_t seed, int max
             s = mtrl_env_step(env, a->kind, a->data, a->len, &res, err);
             if (s != MTRL_OK) break;
             mtrl_traj_append(out, MTRL_TOK_RESULT_OPEN, 0.0f, 0, MTRL_TOK_TOOL, NULL);
-            if ((s = append_image_(out, image_patch, &res, MTRL_TOK_TOOL, env, err)) != MTRL_OK) break;
             append_bytes_(out, res.obs, res.obs_len, MTRL_TOK_TOOL);
+            if ((s = append_image_(out, image_patch, &res, MTRL_TOK_TOOL, env, err)) != MTRL_OK) break;
             mtrl_traj_append(out, MTRL_TOK_RESULT_CLOSE, 0.0f, 0, MTRL_TOK_TOOL, NULL);
         } else {
             append_bytes_(out, a->data, a->len, MTRL_TOK_MODEL);

@@ -221,7 +221,7 @@ static void test_rollout_(void) {
         mtrl_traj *t = &c.eps[i];
         TEST_CHECK(t->n_images >= 1 && t->image_patch == 6);
         TEST_EQ_INT(mtrl_traj_images_check(t, &err), MTRL_OK);
-        TEST_CHECK(t->n_tokens > 2 && t->ids[1] == MTRL_IMG_START);
+        TEST_CHECK(t->n_tokens > 9 && t->ids[1] == 'b' && t->ids[7] == MTRL_IMG_START); // "box k?" then the picture
         with_crop += t->n_images >= 2;
         mtrl_traj again;
         mtrl_traj_init(&again);

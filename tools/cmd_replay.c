@@ -397,12 +397,12 @@ static void print_tool_(const mtrl_traj *t, long k, size_t ordinal) {
 
 // Whether the observation tokens [b, e) are RESULT_OPEN result RESULT_CLOSE for this result.
 static int obs_is_result_(const mtrl_traj *t, size_t b, size_t e, const mtrl_tool_call *c) {
-    size_t pic = 0; // a picture that came with the result precedes its text
-    while (b + 1 + pic < e && mtrl_img_token_is(t->ids[b + 1 + pic])) pic++;
+    size_t pic = 0; // a picture that came with the result follows its text
+    while (e >= b + 3 + pic && mtrl_img_token_is(t->ids[e - 2 - pic])) pic++;
     if (e - b != (size_t)c->result_len + 2 + pic) return 0;
     if (t->ids[b] != MTRL_TOK_RESULT_OPEN || t->ids[e - 1] != MTRL_TOK_RESULT_CLOSE) return 0;
     for (size_t i = 0; i < c->result_len; i++)
-        if (t->ids[b + 1 + pic + i] != c->result[i]) return 0;
+        if (t->ids[b + 1 + i] != c->result[i]) return 0;
     return 1;
 }
 

@@ -2,12 +2,12 @@
 //
 // Task: a picture of `digits` boxes side by side (each box 6 x 6 pixels, the picture 6·n wide
 // and 6 high, black background), each box holding one digit drawn in a 3 x 5 pixel font at
-// column 1, row 0 of its box, in one of five bright colours. The question names a box:
+// column 1, row 0 of its box, in one of five grey levels (160..255). The question names a box:
 //     prompt:  "box 2?"  with the picture
 //     answer:  "7"       (the digit in box 2, counting from 1; surrounding whitespace ignored)
 // The answer is only in the pixels: the text never names the digit. Reward 1 for the right
 // digit, 0 otherwise. The same seed gives the same picture and question.
-// Tool: crop(k) -> "box k" with a picture of box k alone (6 x 6): the agentic route, since
+// Tool: crop(k) -> "cropped" with a picture of box k alone (6 x 6): the agentic route, since
 // finding the k-th box in a row of patch tokens is harder for a small model than reading one
 // patch. A bad k is an error observation ("error: box 9 out of range 1..3"); a call past
 // max_tool_calls ends the episode with reward 0.
@@ -31,7 +31,7 @@ static const uint8_t font_[10][5] = {
     {7, 5, 5, 5, 7}, {2, 6, 2, 2, 7}, {7, 1, 7, 4, 7}, {7, 1, 7, 1, 7}, {5, 5, 7, 1, 1},
     {7, 4, 7, 1, 7}, {7, 4, 7, 5, 7}, {7, 1, 2, 2, 2}, {7, 5, 7, 5, 7}, {7, 5, 7, 1, 7},
 };
-static const uint8_t colours_[5][3] = {{255, 255, 255}, {255, 80, 80}, {80, 255, 80}, {80, 160, 255}, {255, 220, 60}};
+static const uint8_t colours_[5][3] = {{255, 255, 255}, {224, 224, 224}, {192, 192, 192}, {176, 176, 176}, {160, 160, 160}};
 
 typedef struct picture_env {
     int boxes, max_tool_calls;
@@ -127,7 +127,7 @@ static int picture_step_(void *self, uint32_t kind, const char *action, size_t l
         } else {
             int b = (int)k - 1;
             env_picture_draw(e->crop, BOX, e->digit[b], colours_[e->colour[b]]);
-            env_buf_printf(&e->obs, "box %d", b + 1);
+            env_buf_puts(&e->obs, "cropped"); // no digit in the text: the answer is only in the picture
             e->pic = e->crop;
             e->pic_w = e->pic_h = BOX;
         }
