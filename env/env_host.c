@@ -487,8 +487,9 @@ static mtrl_status cb_fail_(mtrl_env *e, const char *what, mtrl_error *err) {
                           e->cberr[0] ? e->cberr : "(no message)");
 }
 
-// Checks an image against the rules of mtrl_env.h ("images"); data NULL with everything 0 is
-// no image. avail: the bytes really there (an isolated reply's payload less its sizes).
+// Checks an image against the rules of mtrl_env.h ("images"); the callers have already taken
+// data NULL with every size 0 as no image. len: the bytes really there (isolated: the reply less
+// its sizes).
 static mtrl_status image_check_(const mtrl_env *e, const char *what, const uint8_t *data, uint32_t w, uint32_t h,
                                 size_t len, mtrl_error *err) {
     uint32_t side = e->o.image_max_side ? e->o.image_max_side : MTRL_ENV_IMAGE_MAX_SIDE;
