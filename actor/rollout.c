@@ -9,6 +9,7 @@
 
 #include "common/check.h"
 #include "common/hash.h"
+#include "common/image.h"
 #include "common/log.h"
 #include "common/model/model_plan.h"
 #include "common/rng.h"
@@ -33,6 +34,8 @@ typedef struct slot {
     int pend_at;           // ... how many of them the rounds of the flush have fed so far
     uint8_t pend_kind;
     const struct slot *copy_of; // the group's first slot, whose prompt state this one copies after the flush
+    uint8_t *ptab;         // the episode's patch table (its pictures' patches, traj.h), ptab_rows rows
+    size_t ptab_rows;
 } slot;
 
 struct mtrl_rollout {
@@ -57,6 +60,9 @@ struct mtrl_rollout {
     int *flen;
     uint8_t **frout;
     real *flogits;         // [slots][V]
+    uint8_t *ctab;         // the patch table of one batched prefill (every slot's pictures)
+    size_t ctab_cap;
+    uint32_t **fmap;       // [slots] feeds with their patch tokens moved to the slot's rows of ctab
 };
 
 void mtrl_rollout_params_from_config(mtrl_rollout_params *p, const mtrl_config *cfg, uint32_t actor_id,
@@ -133,6 +139,7 @@ mtrl_status mtrl_rollout_init(mtrl_rollout **out, const mtrl_rollout_params *p, 
     r->flen = xcalloc((size_t)r->n, sizeof(int));
     r->frout = xcalloc((size_t)r->n, sizeof(*r->frout));
     r->flogits = xcalloc((size_t)r->n * V, sizeof(real));
+    r->fmap = xcalloc((size_t)r->n, sizeof(*r->fmap));
     r->dstates = xcalloc((size_t)r->n, sizeof(*r->dstates));
     r->dtokens = xcalloc((size_t)r->n, sizeof(uint32_t));
     r->dlogits = xcalloc((size_t)r->n * V, sizeof(real));
@@ -153,8 +160,11 @@ void mtrl_rollout_free(mtrl_rollout *r) {
         free(s->logits);
         free(s->rrow);
         free(s->pend);
+        free(s->ptab);
     }
     free(r->slots);
+    free(r->ctab);
+    free(r->fmap);
     free(r->fslot);
     free(r->fstates);
     free(r->ftok);
@@ -204,8 +214,44 @@ static mtrl_status env_step_(const mtrl_rollout_params *p, mtrl_env *env, uint32
 static void fed_(mtrl_model *m, slot *s, const uint32_t *tok, int n, int skip, uint8_t kind);
 
 static void feed_(mtrl_model *m, slot *s, const uint32_t *tok, int n, int skip, uint8_t kind) {
+    mtrl_model_set_patches(m, s->ptab, (int)s->ptab_rows);
     mtrl_model_prefill(m, &s->st, tok, n, s->logits, s->traj.routing_width ? s->rrow : NULL);
+    mtrl_model_set_patches(m, NULL, 0);
     fed_(m, s, tok, n, skip, kind);
+}
+
+// The slot's patch table after its trajectory gained pictures (or was replaced by a resume).
+static void ptab_sync_(slot *s) {
+    size_t rows = mtrl_traj_patch_rows(&s->traj);
+    if (rows == s->ptab_rows) return;
+    size_t pb = (size_t)3 * s->traj.image_patch * s->traj.image_patch;
+    s->ptab = xrealloc(s->ptab, rows * pb + 1);
+    mtrl_traj_patch_table(&s->traj, s->ptab);
+    s->ptab_rows = rows;
+}
+
+// The picture that came with a prompt or observation, as tokens at out (at most room of them):
+// stored in the trajectory once (traj.h) and in the slot's patch table. Returns the count, 0
+// without a picture, -1 when the model takes no pictures, -2 when it does not fit (why says so).
+static int image_tokens_(const mtrl_model *m, slot *s, const mtrl_env_result *res, uint32_t *out, long room, char *why,
+                         size_t cap) {
+    if (!res->image) return 0;
+    int P = m->dims.image_patch;
+    if (P <= 0) {
+        snprintf(why, cap, "env '%s' sent a %u x %u picture, but the model takes none ([model] image_patch = 0)",
+                 mtrl_env_name(s->env), res->image_w, res->image_h);
+        return -1;
+    }
+    size_t nt = mtrl_image_token_count(res->image_w, res->image_h, P);
+    if ((long)nt > room) {
+        snprintf(why, cap, "a %u x %u picture of %zu tokens does not fit the token budget", res->image_w, res->image_h,
+                 nt);
+        return -2;
+    }
+    uint32_t first = mtrl_traj_add_image(&s->traj, P, res->image, res->image_w, res->image_h);
+    mtrl_image_tokens(res->image_w, res->image_h, P, first, out);
+    ptab_sync_(s);
+    return (int)nt;
 }
 
 // The same, at the end of the step, batched with the other slots' (flush_).
@@ -281,6 +327,7 @@ static int start_(const mtrl_rollout_params *p, mtrl_model *m, slot *s, const sl
     s->needs_decode = 0;
     s->pend_n = s->pend_at = 0;
     s->copy_of = NULL;
+    s->ptab_rows = 0;
     mtrl_decode_state_reset(&s->st, m);
     mtrl_env_result res;
     mtrl_error err;
@@ -294,9 +341,18 @@ static int start_(const mtrl_rollout_params *p, mtrl_model *m, slot *s, const sl
         finish_(s, MTRL_EP_TRUNCATED, 0, why);
         return 0;
     }
+    // BOS, the prompt's text, then its picture (docs/multimodal.md: the picture last, next to
+    // what the model writes after it)
     buf[0] = MTRL_TOK_BOS;
     mtrl_tok_encode(res.obs, res.obs_len, buf + 1);
-    int n = (int)res.obs_len + 1;
+    char why[256];
+    int ni = image_tokens_(m, s, &res, buf + 1 + res.obs_len, (long)p->max_tokens - 2 - (long)res.obs_len, why,
+                           sizeof why);
+    if (ni < 0) {
+        finish_(s, ni == -1 ? MTRL_EP_ABORTED : MTRL_EP_TRUNCATED, 0, why);
+        return 0;
+    }
+    int n = (int)res.obs_len + 1 + ni;
     if (!defer) feed_(m, s, buf, n, 0, MTRL_TOK_PROMPT);
     else if (twin && twin->active && twin->pend_n == n && twin->pend_kind == MTRL_TOK_PROMPT &&
              !memcmp(twin->pend, buf, sizeof(uint32_t) * (size_t)n))
@@ -364,10 +420,20 @@ static int advance_(const mtrl_rollout_params *p, mtrl_model *m, slot *s, uint32
             finish_(s, MTRL_EP_TRUNCATED, 0, "token budget spent by a tool observation");
             return 0;
         }
-        size_t n = res.obs_len < (size_t)room ? res.obs_len : (size_t)room;
+        // the observation's text (cut to what the budget leaves after its picture), its picture
         buf[0] = (uint32_t)tok;
         buf[1] = MTRL_TOK_RESULT_OPEN;
+        long pic = res.image && m->dims.image_patch > 0
+                       ? (long)mtrl_image_token_count(res.image_w, res.image_h, m->dims.image_patch) : 0;
+        size_t n = res.obs_len < (size_t)(room > pic ? room - pic : 0) ? res.obs_len : (size_t)(room > pic ? room - pic : 0);
         mtrl_tok_encode(res.obs, n, buf + 2);
+        char why[256];
+        int ni = image_tokens_(m, s, &res, buf + 2 + n, room - (long)n, why, sizeof why);
+        if (ni < 0) {
+            finish_(s, ni == -1 ? MTRL_EP_ABORTED : MTRL_EP_TRUNCATED, 0, why);
+            return 0;
+        }
+        n += (size_t)ni;
         buf[n + 2] = MTRL_TOK_RESULT_CLOSE;
         if (defer) queue_(s, buf, (int)n + 3, 1, MTRL_TOK_TOOL); // turn_start moves when it is fed
         else feed_(m, s, buf, (int)n + 3, 1, MTRL_TOK_TOOL);
@@ -424,6 +490,38 @@ static void start_groups_(mtrl_rollout *r, const mtrl_rollout_events *ev) {
 // tokens a round, with ev->tick between rounds: the caller's heartbeats keep going through
 // minutes of prefill. The pieces start at multiples of MTRL_PREFILL_SEGMENT of each feed, where
 // one whole prefill would cut its segments, so the rounds change no result.
+// The pictures of a batched prefill of k feeds: one patch table for the call, each slot's rows
+// at its own offset, its feed's patch tokens moved by that offset in a copy (the trajectory
+// keeps the episode's own numbering). Returns 0 when no feed holds a picture.
+static int flush_patches_(mtrl_rollout *r, int k) {
+    size_t rows = 0, pb = (size_t)3 * r->m->dims.image_patch * r->m->dims.image_patch;
+    int any = 0;
+    for (int j = 0; j < k; j++) {
+        int has = 0;
+        for (int i = 0; i < r->flen[j] && !has; i++) has = mtrl_img_token_is(r->ftok[j][i]);
+        if (!has) continue;
+        const slot *s = r->fslot[j];
+        if (rows + s->ptab_rows > r->ctab_cap) {
+            r->ctab_cap = 2 * (rows + s->ptab_rows);
+            r->ctab = xrealloc(r->ctab, r->ctab_cap * pb + 1);
+        }
+        memcpy(r->ctab + rows * pb, s->ptab, s->ptab_rows * pb);
+        if (rows) {
+            uint32_t *c = xmalloc(sizeof(uint32_t) * (size_t)r->flen[j]);
+            for (int i = 0; i < r->flen[j]; i++) {
+                uint32_t id = r->ftok[j][i];
+                c[i] = mtrl_img_token_is_patch(id) ? id + (uint32_t)rows : id;
+            }
+            r->fmap[j] = c;
+            r->ftok[j] = c;
+        }
+        rows += s->ptab_rows;
+        any = 1;
+    }
+    if (any) mtrl_model_set_patches(r->m, r->ctab, (int)rows);
+    return any;
+}
+
 static void flush_(mtrl_rollout *r, const mtrl_rollout_events *ev) {
     int V = r->m->dims.V;
     for (;;) {
@@ -446,8 +544,16 @@ static void flush_(mtrl_rollout *r, const mtrl_rollout_events *ev) {
             k++;
         }
         if (!k) return;
+        int pics = flush_patches_(r, k);
         double t0 = mtrl_time_mono();
         mtrl_model_prefill_many(r->m, r->fstates, k, r->ftok, r->flen, r->flogits, r->frout);
+        if (pics) {
+            mtrl_model_set_patches(r->m, NULL, 0);
+            for (int j = 0; j < k; j++) {
+                free(r->fmap[j]);
+                r->fmap[j] = NULL;
+            }
+        }
         if (r->p.times) {
             r->p.times->prefill_s += mtrl_time_mono() - t0;
             r->p.times->prefill_tokens += (uint64_t)total;
@@ -531,6 +637,7 @@ mtrl_status mtrl_rollout_run_one(const mtrl_rollout_params *p, mtrl_model *m, mt
     mtrl_traj_swap(out, &s.traj);
     mtrl_traj_free(&s.traj);
     mtrl_decode_state_free(&s.st);
+    free(s.ptab);
     free(s.logits);
     free(s.rrow);
     free(buf);
@@ -658,6 +765,8 @@ mtrl_status mtrl_rollout_resume(mtrl_rollout *r, int i, const void *buf, size_t 
     if (st != MTRL_OK) return st;
     s->traj.status = MTRL_EP_OPEN;
     mtrl_traj_set_reason(&s->traj, "%s", "");
+    s->ptab_rows = 0;
+    ptab_sync_(s);
     s->turn_start = mtrl_rbuf_u64(&rb, "turn start");
     s->tool_open = (int64_t)mtrl_rbuf_u64(&rb, "tool open");
     s->turn = mtrl_rbuf_u32(&rb, "turn");

@@ -59,10 +59,12 @@
     X(model, norm_eps, FLOAT, "1e-5", 1e-12, 1, NULL, "RMSNorm epsilon")                          \
     X(model, mla_kv_norm_eps, FLOAT, "0", 0, 1, NULL, "epsilon of the MLA latent's RMSNorm (0 = norm_eps; Kimi Linear's kv_a_layernorm takes 1e-6 whatever rms_norm_eps is)") \
     X(model, init_std, FLOAT, "0.02", 0, 1, NULL, "std of the normal init of projections")       \
-    X(model, segment, INT, "0", 0, 1 << 30, NULL, "learner segment length in tokens (0 = planned from memory)")
+    X(model, segment, INT, "0", 0, 1 << 30, NULL, "learner segment length in tokens (0 = planned from memory)") \
+    X(model, image_patch, INT, "0", 0, 64, NULL, "side P of the square patches pictures are cut into: each P x P RGB patch is one token through a learned linear patch embedding (docs/multimodal.md); 0 = no pictures (an env's image aborts its episode)") \
+    X(model, image_max_side, INT, "512", 1, 4096, NULL, "largest width or height of a picture in pixels; a larger one aborts its episode")
 
 #define MTRL_CFG_ENV(X)                                                                             \
-    X(env, name, STR, "!", 0, 0, NULL, "retrieval, calc, http, or plugin (with plugin = path.so)")  \
+    X(env, name, STR, "!", 0, 0, NULL, "retrieval, calc, http, picture, or plugin (with plugin = path.so)")  \
     X(env, plugin, STR, "", 0, 0, NULL, "path of an env plug-in .so (env.name = plugin), relative to the experiment file's folder")           \
     X(env, args, STR, "", 0, 0, NULL, "extra key=value;... passed to the env's create()")          \
     X(env, isolate, ENUM, "auto", 0, 0, "auto|true|false", "run the env in a child process with rlimits and a watchdog; auto = plug-ins isolated, built-ins in-process") \

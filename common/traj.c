@@ -8,6 +8,7 @@
 
 #include "common/check.h"
 #include "common/hash.h"
+#include "common/image.h"
 
 #define TAG_(a, b, c, d) ((uint32_t)(a) | ((uint32_t)(b) << 8) | ((uint32_t)(c) << 16) | ((uint32_t)(d) << 24))
 #define TAG_HEADER TAG_('T', 'B', 'E', 'G')
@@ -45,6 +46,8 @@ mtrl_traj_limits mtrl_traj_limits_default(void) {
     l.max_string = 4096;
     l.max_routing_width = 4096;
     l.max_turns = 1u << 16;
+    l.max_images = 4096;
+    l.max_image_bytes = 3u * 4096u * 4096u;
     return l;
 }
 
@@ -74,6 +77,9 @@ static void summary_clear_(mtrl_traj *t) {
     t->reward = 0;
     t->end_wall = 0;
     t->digest = 0;
+    for (uint32_t i = 0; i < t->n_images; i++) free(t->images[i].rgb);
+    t->n_images = 0;
+    t->image_patch = 0;
 }
 
 void mtrl_traj_free(mtrl_traj *t) {
@@ -81,6 +87,7 @@ void mtrl_traj_free(mtrl_traj *t) {
     summary_clear_(t);
     free(t->tools);
     free(t->turn_rewards);
+    free(t->images);
     free(t->env);
     free(t->ids);
     free(t->logprob);
@@ -108,6 +115,8 @@ void mtrl_traj_reset(mtrl_traj *t) {
     t->cap_tools = saved.cap_tools;
     t->turn_rewards = saved.turn_rewards;
     t->cap_turn_rewards = saved.cap_turn_rewards;
+    t->images = saved.images;
+    t->cap_images = saved.cap_images;
 }
 
 void mtrl_traj_swap(mtrl_traj *a, mtrl_traj *b) {
@@ -341,7 +350,7 @@ void mtrl_traj_slice_encode(mtrl_wbuf *out, const mtrl_traj_slice *s) {
 
 void mtrl_traj_summary_encode_with(mtrl_wbuf *out, const mtrl_traj *t, uint64_t total_tokens,
                                    uint64_t digest) {
-    prefix_(out, TAG_SUMMARY, 0);
+    prefix_(out, TAG_SUMMARY, t->n_images ? MTRL_TRAJ_IMAGES : 0);
     mtrl_wbuf_u64(out, total_tokens);
     mtrl_wbuf_u64(out, digest);
     mtrl_wbuf_u32(out, (uint32_t)t->status);
@@ -360,6 +369,16 @@ void mtrl_traj_summary_encode_with(mtrl_wbuf *out, const mtrl_traj *t, uint64_t 
         mtrl_wbuf_blob(out, c->args, c->args_len);
         mtrl_wbuf_blob(out, c->result, c->result_len);
         mtrl_wbuf_str(out, c->error);
+    }
+    if (!t->n_images) return;
+    mtrl_wbuf_u32(out, t->image_patch);
+    mtrl_wbuf_u32(out, t->n_images);
+    for (uint32_t i = 0; i < t->n_images; i++) {
+        const mtrl_traj_image *im = &t->images[i];
+        mtrl_wbuf_u64(out, im->digest);
+        mtrl_wbuf_u32(out, im->width);
+        mtrl_wbuf_u32(out, im->height);
+        mtrl_wbuf_blob(out, im->rgb, 3u * im->width * im->height);
     }
 }
 
@@ -570,10 +589,60 @@ mtrl_status mtrl_traj_slice_decode(mtrl_traj *t, const void *buf, size_t n, uint
     return MTRL_OK;
 }
 
+// The summary's image section (traj.h): every size checked before its bytes are taken, every
+// digest against its bytes, no picture twice.
+static mtrl_status images_read_(mtrl_rbuf *r, mtrl_traj *t, const mtrl_traj_limits *lim) {
+    size_t at_p = r->pos;
+    uint32_t P = mtrl_rbuf_u32(r, "image_patch");
+    size_t at_n = r->pos;
+    uint32_t n = mtrl_rbuf_u32(r, "n_images");
+    if (r->status) return r->status;
+    if (P < 1 || P > 64) return mtrl_rbuf_fail_at(r, at_p, MTRL_ERR_FORMAT, "image_patch: %u is not 1..64", P);
+    if (n < 1) return mtrl_rbuf_fail_at(r, at_n, MTRL_ERR_FORMAT, "n_images: 0 with the image flag set");
+    if (n > lim->max_images)
+        return mtrl_rbuf_fail_at(r, at_n, MTRL_ERR_LIMIT, "n_images: %u over max_images=%u", n, lim->max_images);
+    if (!mtrl_rbuf_need(r, (uint64_t)n * 20, "images")) return r->status;
+    t->images = xrealloc(t->images, (size_t)n * sizeof *t->images);
+    t->cap_images = n;
+    t->image_patch = P;
+    uint32_t first = 0;
+    for (uint32_t i = 0; i < n; i++) {
+        mtrl_traj_image *im = &t->images[i];
+        memset(im, 0, sizeof *im);
+        im->digest = mtrl_rbuf_u64(r, "image.digest");
+        size_t at_w = r->pos;
+        im->width = mtrl_rbuf_u32(r, "image.width");
+        im->height = mtrl_rbuf_u32(r, "image.height");
+        if (r->status) return r->status;
+        if (im->width < 1 || im->height < 1 || im->width > 4096 || im->height > 4096)
+            return mtrl_rbuf_fail_at(r, at_w, MTRL_ERR_FORMAT, "image %u: %u x %u pixels (each side 1..4096)", i,
+                                     im->width, im->height);
+        uint64_t want = 3ull * im->width * im->height;
+        if (want > lim->max_image_bytes)
+            return mtrl_rbuf_fail_at(r, at_w, MTRL_ERR_LIMIT, "image %u: %llu bytes over max_image_bytes=%u", i,
+                                     (unsigned long long)want, lim->max_image_bytes);
+        size_t at_b = r->pos;
+        uint32_t len = 0;
+        t->n_images = i + 1; // so a failure below frees what this picture already holds
+        if (mtrl_rbuf_blob(r, lim->max_image_bytes, "image.rgb", &im->rgb, &len)) return r->status;
+        if (len != want)
+            return mtrl_rbuf_fail_at(r, at_b, MTRL_ERR_FORMAT, "image %u: %u bytes for %u x %u RGB8 pixels (%llu)", i,
+                                     len, im->width, im->height, (unsigned long long)want);
+        if (mtrl_hash64(im->rgb, len, MTRL_TRAJ_IMAGE_SEED) != im->digest)
+            return mtrl_rbuf_fail_at(r, at_b, MTRL_ERR_FORMAT, "image %u: digest mismatch", i);
+        for (uint32_t j = 0; j < i; j++)
+            if (t->images[j].digest == im->digest)
+                return mtrl_rbuf_fail_at(r, at_b, MTRL_ERR_FORMAT, "image %u: the same picture as image %u", i, j);
+        im->first_patch = first;
+        first += (uint32_t)mtrl_image_patch_count(im->width, im->height, (int)P);
+    }
+    return MTRL_OK;
+}
+
 static mtrl_status summary_read_(mtrl_rbuf *r, mtrl_traj *t, const mtrl_traj_limits *lim,
                                  uint64_t *total, uint64_t *digest) {
     summary_clear_(t);
-    read_prefix_(r, TAG_SUMMARY, "TEND", 0);
+    uint16_t flags = read_prefix_(r, TAG_SUMMARY, "TEND", MTRL_TRAJ_IMAGES);
     *total = mtrl_rbuf_u64(r, "total_tokens");
     *digest = mtrl_rbuf_u64(r, "digest");
     size_t at_status = r->pos;
@@ -625,6 +694,7 @@ static mtrl_status summary_read_(mtrl_rbuf *r, mtrl_traj *t, const mtrl_traj_lim
         if (mtrl_rbuf_blob(r, lim->max_tool_bytes, "tool.result", &c->result, &c->result_len)) return r->status;
         if (mtrl_rbuf_str(r, lim->max_string, "tool.error", &c->error)) return r->status;
     }
+    if ((flags & MTRL_TRAJ_IMAGES) && images_read_(r, t, lim)) return r->status;
     t->status = (mtrl_ep_status)status;
     t->digest = *digest;
     return MTRL_OK;
@@ -673,6 +743,11 @@ mtrl_status mtrl_traj_decode(mtrl_traj *t, const void *buf, size_t n, const mtrl
                           "digest mismatch: summary says %016llx, the tokens hash to %016llx",
                           (unsigned long long)digest, (unsigned long long)got);
         goto fail;
+    }
+    mtrl_status ist = mtrl_traj_images_check(t, err);
+    if (ist != MTRL_OK) {
+        mtrl_traj_reset(t);
+        return ist;
     }
     return MTRL_OK;
 fail:
@@ -726,6 +801,13 @@ int mtrl_traj_equal(const mtrl_traj *a, const mtrl_traj *b, char *why, size_t wh
         if (x->result_len != y->result_len || (x->result_len && memcmp(x->result, y->result, x->result_len)))
             DIFF_("tools[%u].result differs", i);
     }
+    if (a->n_images != b->n_images || (a->n_images && a->image_patch != b->image_patch))
+        DIFF_("pictures differ: %u vs %u", a->n_images, b->n_images);
+    for (uint32_t i = 0; i < a->n_images; i++)
+        if (a->images[i].digest != b->images[i].digest || a->images[i].width != b->images[i].width ||
+            a->images[i].height != b->images[i].height ||
+            memcmp(a->images[i].rgb, b->images[i].rgb, 3u * a->images[i].width * a->images[i].height))
+            DIFF_("images[%u] differs", i);
     if (why && why_cap) why[0] = '\0';
     return 1;
 }

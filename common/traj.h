@@ -37,11 +37,17 @@
 //     u32 n_runs, n_runs x {u32 length >= 1, u32 version}: the per-token versions run-length
 //         coded; lengths sum to count and adjacent runs have different versions,
 //     routing[count][routing_width] u8, or u16 when the flag is set
-// summary "TEND" (the END payload): flags 0
+// summary "TEND" (the END payload): flags bit0 = MTRL_TRAJ_IMAGES (other bits 0)
 //     u64 total_tokens, u64 digest, u32 status (mtrl_ep_status, not OPEN), f64 reward,
 //     f64 end_wall, u32 n_turn_rewards, f64[n_turn_rewards], str reason,
 //     u32 n_tools, n_tools x {u32 turn, i32 status, f64 latency, str name, blob args,
 //                             blob result, str error}
+//     with MTRL_TRAJ_IMAGES (set exactly when the episode has pictures):
+//     u32 image_patch (1..64), u32 n_images (>= 1), n_images x {u64 digest, u32 width,
+//         u32 height, blob rgb (3 * width * height bytes)}: each distinct picture once, in the
+//         order of first appearance, digest = mtrl_hash64(rgb, len, MTRL_TRAJ_IMAGE_SEED)
+//         (checked, and no two alike). The stream's patch tokens name rows of the episode's patch
+//         table: the pictures' patches (common/image.h) one after the other in this order.
 // episode "TRAJ" (one trajectory-file record): flags 0, then a header, one token slice with
 //     offset 0 holding every token, and a summary, in that order, nothing after. The decoder
 //     also checks that the summary's total_tokens and digest match the tokens.
@@ -67,6 +73,8 @@
 #define MTRL_TRAJ_FORMAT 1
 #define MTRL_TRAJ_DIGEST_SEED 0x6d74726c2d747231ULL // "mtrl-tr1"
 #define MTRL_TRAJ_ROUTING_U16 1u                      // routing ids are 2 bytes (experts > 256)
+#define MTRL_TRAJ_IMAGES 1u                           // summary flag: an image section follows
+#define MTRL_TRAJ_IMAGE_SEED 0x6d74726c2d696d31ULL    // "mtrl-im1"
 
 typedef enum mtrl_tok_kind {
     MTRL_TOK_PROMPT = 0, // from env.reset; no loss
@@ -96,10 +104,12 @@ typedef struct mtrl_traj_limits {
     uint32_t max_string;        // bytes per string (env, reason, tool name, tool error)
     uint32_t max_routing_width; // expert ids per token (n_moe_layers x top_k)
     uint32_t max_turns;         // per-turn rewards per episode
+    uint32_t max_images;        // distinct pictures per episode
+    uint32_t max_image_bytes;   // bytes of one picture (3 * width * height)
 } mtrl_traj_limits;
 
 // 2^21 tokens, 2^18 per chunk, 65536 tool calls of 16 MiB each way, 4 KiB strings, routing
-// width 4096, 65536 turns.
+// width 4096, 65536 turns, 4096 pictures of up to 48 MiB (4096 x 4096 RGB8).
 mtrl_traj_limits mtrl_traj_limits_default(void);
 
 typedef struct mtrl_tool_call {
@@ -151,7 +161,19 @@ typedef struct mtrl_traj {
     uint32_t n_tools, cap_tools;
     double end_wall;
     uint64_t digest;         // as claimed by the last summary decoded; see mtrl_traj_digest_compute
+
+    // ---- pictures (summary, MTRL_TRAJ_IMAGES; docs/multimodal.md)
+    uint32_t image_patch;          // P of the stream's patch tokens; 0 = no pictures
+    struct mtrl_traj_image *images; // (n_images) distinct pictures, first appearance first; owned
+    uint32_t n_images, cap_images;
 } mtrl_traj;
+
+typedef struct mtrl_traj_image {
+    uint64_t digest;      // mtrl_hash64(rgb, 3 * width * height, MTRL_TRAJ_IMAGE_SEED)
+    uint32_t width, height;
+    uint8_t *rgb;         // [height][width][3]; owned
+    uint32_t first_patch; // its first row in the episode's patch table (the patches before it)
+} mtrl_traj_image;
 
 void mtrl_traj_init(mtrl_traj *t);
 void mtrl_traj_free(mtrl_traj *t);  // NULL-safe; leaves t initialised and empty
@@ -184,6 +206,23 @@ void mtrl_traj_add_turn_reward(mtrl_traj *t, double r);
 void mtrl_traj_add_tool_call(mtrl_traj *t, uint32_t turn, const char *name, const void *args,
                              uint32_t args_len, const void *result, uint32_t result_len,
                              double latency, int32_t status, const char *error);
+
+// ---- pictures (traj_image.c) -------------------------------------------------------------------
+// The picture rgb [h][w][3], cut into P x P patches, joins the episode: stored once (a picture
+// already there, by digest and bytes, is not stored again) and given rows of the patch table.
+// Returns its first patch row; its tokens are mtrl_image_tokens(w, h, P, first_patch, ...). P
+// must be the same for every picture of an episode (a programming error otherwise).
+uint32_t mtrl_traj_add_image(mtrl_traj *t, int P, const uint8_t *rgb, uint32_t w, uint32_t h);
+// Rows of the episode's patch table, and the table itself: out [rows][3P²] (common/image.h).
+size_t mtrl_traj_patch_rows(const mtrl_traj *t);
+void mtrl_traj_patch_table(const mtrl_traj *t, uint8_t *out);
+// Checks the stream of an episode with pictures against them: every image token is IMG_START /
+// IMG_ROW / IMG_END or names a row of the patch table; MTRL_ERR_FORMAT naming the token
+// otherwise (the model would refuse it). Without pictures token ids stay opaque to this layer,
+// as they always were (MTRL_OK): their range against the vocabulary is the model's to know.
+mtrl_status mtrl_traj_images_check(const mtrl_traj *t, mtrl_error *err);
+// Copies b's pictures into a (which has none), e.g. the episodes of a group sharing a prompt.
+void mtrl_traj_copy_images(mtrl_traj *a, const mtrl_traj *b);
 
 // ---- digest ----------------------------------------------------------------------------------
 

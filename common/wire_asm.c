@@ -361,6 +361,11 @@ static mtrl_status feed_end_(mtrl_wire_asm *a, asm_ep *e, size_t i, const mtrl_w
                  (unsigned long long)digest, (unsigned long long)got);
         return reject_at_(a, i, MTRL_ERR_MISMATCH, why, err);
     }
+    // Patch tokens must name the pictures the summary brought (the model would refuse them).
+    if (mtrl_traj_images_check(&e->t, &e2) != MTRL_OK) {
+        snprintf(why, sizeof why, "bad END: %s", e2.msg);
+        return reject_at_(a, i, MTRL_ERR_FORMAT, why, err);
+    }
     // The actor's own status stands (complete, truncated, or aborted by a crashed env).
     e->bytes += n;
     a->open_bytes += n;

@@ -129,7 +129,8 @@ static int serve_open_(env_child *c, const char *payload, size_t len) {
         c->self = NULL;
         return reply_err_(c, MTRL_ERR_USAGE, msg);
     }
-    uint32_t caps = (c->lib.api.demo ? ENV_CAP_DEMO : 0) | (c->lib.api.describe ? ENV_CAP_DESCRIBE : 0);
+    uint32_t caps = (c->lib.api.demo ? ENV_CAP_DEMO : 0) | (c->lib.api.describe ? ENV_CAP_DESCRIBE : 0) |
+                    (c->lib.api.image ? ENV_CAP_IMAGE : 0);
     env_buf_clear(&c->out);
     env_buf_append(&c->out, &caps, sizeof caps);
     env_buf_append(&c->out, c->lib.api.name, strlen(c->lib.api.name) + 1);
@@ -183,6 +184,21 @@ static int serve_one_(env_child *c, const env_wire_req *q, const char *payload) 
         if (api->describe(c->self, &t, c->err, sizeof c->err) != MTRL_ENV_OK)
             return reply_err_(c, MTRL_ERR_PLUGIN, env_err_(c));
         return reply_(c, 0, 0, 0, 0.0, t.data, t.data ? t.len : 0);
+    }
+    case ENV_OP_IMAGE: {
+        if (!api->image) return reply_err_(c, MTRL_ERR_NOTFOUND, "this env has no image");
+        mtrl_env_image im;
+        memset(&im, 0, sizeof im);
+        if (api->image(c->self, &im, c->err, sizeof c->err) != MTRL_ENV_OK)
+            return reply_err_(c, MTRL_ERR_PLUGIN, env_err_(c));
+        if (im.width == 0 && im.height == 0 && im.len == 0) return reply_(c, 0, 0, 0, 0.0, NULL, 0);
+        // The sizes travel as the env claimed them, with the bytes it really has (none for NULL
+        // data); the host checks one against the other, with the same messages as in-process.
+        env_buf_clear(&c->out);
+        env_buf_append(&c->out, &im.width, sizeof im.width);
+        env_buf_append(&c->out, &im.height, sizeof im.height);
+        if (im.data) env_buf_append(&c->out, im.data, im.len);
+        return reply_(c, 0, 0, 0, 0.0, c->out.data, c->out.len);
     }
     default:
         return reply_err_(c, MTRL_ERR_PEER, "unknown request");

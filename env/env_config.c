@@ -27,6 +27,7 @@ static mtrl_status open_config_(const mtrl_config *cfg, int isolate, mtrl_env **
     mtrl_env_opts_default(&o);
     o.isolate = isolate;
     o.call_timeout_ms = (int)e->step_timeout_ms;
+    o.image_max_side = (uint32_t)cfg->model.image_max_side;
     const char *name = !strcmp(e->name, "plugin") ? e->plugin : e->name;
     // A plug-in is opened with only its own keys (`args`): it may refuse unknown ones. The
     // host holds it to max_tool_calls (built-ins get the key and hold themselves to it).

@@ -44,7 +44,7 @@ struct mtrl_env {
     char *config; // config string as given
     mtrl_env_opts o;
     char name[64], version[64];
-    int has_demo, has_describe;
+    int has_demo, has_describe, has_image;
     int in_episode; // a reset succeeded and no step ended or aborted the episode since
     long tool_calls; // tool actions of this episode (opts.max_tool_calls)
     char limit_obs[96]; // the observation of the tool call past opts.max_tool_calls
@@ -58,6 +58,7 @@ struct mtrl_env {
     int fd;    // our end of the socketpair, -1 when none
     uint64_t started; // children started
     env_buf rx;       // last reply payload; observations point into it
+    env_buf obs;      // the prompt or observation of a reset / step whose IMAGE reply is in rx
     mtrl_env_action *demo;
     size_t demo_cap;
 };
@@ -390,6 +391,7 @@ static mtrl_status child_start_(mtrl_env *e, mtrl_error *err) {
     snprintf(e->version, sizeof e->version, "%s", ver < e->rx.data + e->rx.len ? ver : "");
     e->has_demo = (caps & ENV_CAP_DEMO) != 0;
     e->has_describe = (caps & ENV_CAP_DESCRIBE) != 0;
+    e->has_image = (caps & ENV_CAP_IMAGE) != 0;
     return MTRL_OK;
 }
 
@@ -446,6 +448,7 @@ mtrl_status mtrl_env_open(mtrl_env **out, const char *name_or_path, const char *
                 snprintf(e->version, sizeof e->version, "%s", e->lib.api.version);
                 e->has_demo = e->lib.api.demo != NULL;
                 e->has_describe = e->lib.api.describe != NULL;
+                e->has_image = e->lib.api.image != NULL;
             }
         }
     }
@@ -466,6 +469,7 @@ void mtrl_env_close(mtrl_env *e) {
         env_loader_close(&e->lib);
     }
     env_buf_free(&e->rx);
+    env_buf_free(&e->obs);
     free(e->demo);
     free(e->spec);
     free(e->config);
@@ -484,6 +488,67 @@ static mtrl_status abort_(mtrl_env *e, mtrl_status st) {
 static mtrl_status cb_fail_(mtrl_env *e, const char *what, mtrl_error *err) {
     return mtrl_error_set(err, MTRL_ERR_PLUGIN, "env '%s' failed during %s: %s", e->name, what,
                           e->cberr[0] ? e->cberr : "(no message)");
+}
+
+// Checks an image against the rules of mtrl_env.h ("images"); the callers have already taken
+// data NULL with every size 0 as no image. len: the bytes really there (isolated: the reply less
+// its sizes).
+static mtrl_status image_check_(const mtrl_env *e, const char *what, const uint8_t *data, uint32_t w, uint32_t h,
+                                size_t len, mtrl_error *err) {
+    uint32_t side = e->o.image_max_side ? e->o.image_max_side : MTRL_ENV_IMAGE_MAX_SIDE;
+    if (side > MTRL_ENV_IMAGE_MAX_SIDE) side = MTRL_ENV_IMAGE_MAX_SIDE;
+    if (w == 0 || h == 0)
+        return mtrl_error_set(err, MTRL_ERR_PLUGIN, "env '%s' returned a malformed image after %s: %u x %u pixels "
+                              "(a side of 0) with %zu bytes", e->name, what, w, h, len);
+    if (w > side || h > side)
+        return mtrl_error_set(err, MTRL_ERR_PLUGIN, "env '%s' returned an image of %u x %u pixels after %s, over the "
+                              "largest side %u ([model] image_max_side)", e->name, w, h, what, side);
+    if (!data || len != (size_t)3 * w * h)
+        return mtrl_error_set(err, MTRL_ERR_PLUGIN, "env '%s' returned a malformed image after %s: %u x %u RGB8 "
+                              "pixels need %zu bytes, the buffer holds %zu (truncated or the wrong size)", e->name,
+                              what, w, h, (size_t)3 * w * h, data ? len : (size_t)0);
+    return MTRL_OK;
+}
+
+// After a successful reset or step: asks an ABI 1.1 env for its picture into out->image. Any
+// failure is the caller's abort.
+static mtrl_status image_fetch_(mtrl_env *e, const char *what, mtrl_env_result *out, mtrl_error *err) {
+    out->image = NULL;
+    out->image_w = out->image_h = 0;
+    if (!e->has_image) return MTRL_OK;
+    if (!e->o.isolate) {
+        mtrl_env_image im;
+        memset(&im, 0, sizeof im);
+        e->cberr[0] = 0;
+        if (e->lib.api.image(e->self, &im, e->cberr, sizeof e->cberr) != MTRL_ENV_OK) return cb_fail_(e, "image", err);
+        if (!im.data && !im.width && !im.height && !im.len) return MTRL_OK;
+        mtrl_status st = image_check_(e, what, im.data, im.width, im.height, im.len, err);
+        if (st != MTRL_OK) return st;
+        out->image = im.data;
+        out->image_w = im.width;
+        out->image_h = im.height;
+        return MTRL_OK;
+    }
+    // The observation stays valid while rx takes the IMAGE reply.
+    env_buf t = e->obs;
+    e->obs = e->rx;
+    e->rx = t;
+    out->obs = e->obs.data ? e->obs.data : "";
+    env_wire_rep rep;
+    mtrl_status st = call_(e, ENV_OP_IMAGE, 0, 0, NULL, 0, e->o.call_timeout_ms, "image", &rep, err);
+    if (st != MTRL_OK) return st;
+    if (e->rx.len == 0) return MTRL_OK;
+    uint32_t wh[2] = {0, 0};
+    if (e->rx.len < sizeof wh)
+        return mtrl_error_set(err, MTRL_ERR_PLUGIN, "env '%s' returned a malformed image after %s: a %zu-byte reply "
+                              "(truncated before its sizes)", e->name, what, e->rx.len);
+    memcpy(wh, e->rx.data, sizeof wh);
+    st = image_check_(e, what, (const uint8_t *)e->rx.data + sizeof wh, wh[0], wh[1], e->rx.len - sizeof wh, err);
+    if (st != MTRL_OK) return st;
+    out->image = (const uint8_t *)e->rx.data + sizeof wh;
+    out->image_w = wh[0];
+    out->image_h = wh[1];
+    return MTRL_OK;
 }
 
 mtrl_status mtrl_env_reset(mtrl_env *e, uint64_t seed, mtrl_env_result *out, mtrl_error *err) {
@@ -534,10 +599,16 @@ mtrl_status mtrl_env_reset(mtrl_env *e, uint64_t seed, mtrl_env_result *out, mtr
         out->obs = p.data ? p.data : "";
         out->obs_len = p.len;
     }
+    e->in_episode = 1;
+    st = image_fetch_(e, "reset", out, err);
+    if (st != MTRL_OK) {
+        e->in_episode = 0;
+        e->st.aborts++;
+        return st;
+    }
     out->latency_s = mtrl_time_mono() - t0;
     e->st.last_latency_s = out->latency_s;
     e->st.episodes++;
-    e->in_episode = 1;
     e->tool_calls = 0;
     return MTRL_OK;
 }
@@ -602,6 +673,8 @@ mtrl_status mtrl_env_step(mtrl_env *e, uint32_t kind, const char *action, size_t
     }
     if (!isfinite(out->reward))
         return abort_(e, mtrl_error_set(err, MTRL_ERR_PLUGIN, "env '%s' returned a non-finite reward", e->name));
+    mtrl_status ist = image_fetch_(e, "step", out, err);
+    if (ist != MTRL_OK) return abort_(e, ist);
     out->latency_s = mtrl_time_mono() - t0;
     e->st.last_latency_s = out->latency_s;
     e->st.steps++;

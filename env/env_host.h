@@ -14,7 +14,7 @@
 //
 // ---- names ----------------------------------------------------------------------------------
 // A name containing '/' or ending in ".so" is a plug-in path (dlopen'd, ABI-checked as
-// described in mtrl_env.h); otherwise a built-in: retrieval, calc, http. The config string is
+// described in mtrl_env.h); otherwise a built-in: retrieval, calc, http, picture. The config string is
 // handed to the env's create (key=value pairs separated by newlines or ';').
 //
 // ---- isolation (opts.isolate = 1) -----------------------------------------------------------
@@ -60,6 +60,9 @@
 //   reset/step/demo/describe: MTRL_ERR_PLUGIN (the env failed, crashed, or broke the ABI),
 //          MTRL_ERR_TIMEOUT (deadline passed), MTRL_ERR_LIMIT (observation over
 //          max_obs_bytes), MTRL_ERR_STATE (step without an episode; demo before reset).
+//   An image that breaks the rules of mtrl_env.h ("images": a side of 0 or over image_max_side,
+//   a length other than 3 * width * height, a buffer cut short) is MTRL_ERR_PLUGIN from the
+//   reset or step that brought it, naming the env and the sizes.
 //   Any error from reset/step/demo ends the episode (the message is its abort reason); the
 //   next reset starts a new one. A malformed tool call is not an error: it comes back as an
 //   observation ("error: unknown tool 'foo'; tools: search, read") with tool_error = 1.
@@ -90,6 +93,10 @@ typedef struct mtrl_env_opts {
     long max_tool_calls;      // tool calls per episode the host lets through to the env; the one past
                               // them ends the episode here, reward 0, without calling the env
                               // ([env] max_tool_calls for plug-ins); -1 = the env's own business (-1)
+    // Largest side of an image a prompt or observation may carry (ABI 1.1); 0 = the ABI's
+    // MTRL_ENV_IMAGE_MAX_SIDE. A larger one aborts the episode (the actor sets [model]
+    // image_max_side).
+    uint32_t image_max_side;
 } mtrl_env_opts;
 
 void mtrl_env_opts_default(mtrl_env_opts *o);
@@ -108,6 +115,10 @@ typedef struct mtrl_env_result {
     int done;         // step: the episode is over
     int tool_error;   // step: the action was a malformed/unknown/failed tool call
     double latency_s; // wall time of the call as the host saw it (includes the round trip)
+    // The picture that came with obs (ABI 1.1 envs), checked: RGB8 [image_h][image_w][3],
+    // valid until the next call; NULL (and 0 x 0) when none.
+    const uint8_t *image;
+    uint32_t image_w, image_h;
 } mtrl_env_result;
 
 // Running counts for logs and the run store.

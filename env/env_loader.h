@@ -2,7 +2,7 @@
 // (internal to env/; the actor uses env_host.h).
 //
 // A name containing '/' or ending in ".so" is a path; anything else must be a built-in
-// (retrieval, calc, http). A plug-in is loaded with dlopen(RTLD_NOW | RTLD_LOCAL) and checked
+// (retrieval, calc, http, picture). A plug-in is loaded with dlopen(RTLD_NOW | RTLD_LOCAL) and checked
 // (mtrl_env.h, "the entry point"); every refusal returns MTRL_ERR_PLUGIN with a message that
 // names the file and says what to do. The table is copied into env_loaded.api, zero-extended
 // past the plug-in's struct_size, so optional callbacks a plug-in's older minor lacks read as
@@ -19,7 +19,7 @@ typedef struct env_loaded {
     char *where;      // "built-in 'calc'" or the plug-in path (owned)
 } env_loaded;
 
-// "retrieval, calc, http"
+// "retrieval, calc, http, picture"
 const char *env_builtin_names(void);
 // The table of a built-in, or NULL.
 const mtrl_env_api *env_builtin_find(const char *name);

@@ -9,6 +9,8 @@
 //            STEP      kind, payload = action bytes      -> done, tool_error, reward, payload = obs
 //            DEMO                                        -> payload: u32 count, {u32 kind, u64 len, bytes}*
 //            DESCRIBE                                    -> payload: the tool list
+//            IMAGE     (after RESET / STEP; ABI 1.1 envs)    -> payload: u32 width, u32 height, RGB8 bytes
+//                      (empty payload: no picture; the host checks the sizes, the child does not)
 //            CLOSE                                       -> empty reply, then the child exits 0
 // A reply with status != 0 carries the error message as its payload (status is an mtrl_status).
 #ifndef MTRL_ENV_WIRE_H
@@ -33,10 +35,12 @@ enum {
     ENV_OP_DEMO = 4,
     ENV_OP_DESCRIBE = 5,
     ENV_OP_CLOSE = 6,
+    ENV_OP_IMAGE = 7,
 };
 
 #define ENV_CAP_DEMO 1u
 #define ENV_CAP_DESCRIBE 2u
+#define ENV_CAP_IMAGE 4u
 
 typedef struct env_wire_req {
     uint32_t magic;

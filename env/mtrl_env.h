@@ -1,7 +1,7 @@
 // mtrl_env.h: the environment plug-in ABI. The only header a plug-in needs.
 //
 // An environment ("env") poses a task to the model and answers its tool calls. mtrl ships
-// built-in envs (retrieval, calc, http) and loads others from a shared library (a "plug-in").
+// built-in envs (retrieval, calc, http, picture) and loads others from a shared library (a "plug-in").
 // Both sides meet at one table of C callbacks, mtrl_env_api, defined here. This header
 // includes only standard headers so a plug-in builds with nothing else of mtrl:
 //
@@ -85,6 +85,25 @@
 // start and tests. describe (optional) returns the tool list as text, for the experiment's
 // author: `mtrl check` prints it. It is not added to the prompt: the model sees only what
 // reset returns, so a prompt that should name the tools names them itself.
+//
+// ---- images (ABI 1.1) ---------------------------------------------------------------------
+// A prompt or an observation may come with one picture, which the model sees as patch tokens
+// in the same stream as the text (docs/multimodal.md). image (optional, appended in 1.1) is
+// called by the host right after every successful reset and step of a table that has it (its
+// struct_size covers the member and it is not NULL); the env describes the picture that goes
+// with the prompt or observation it just returned, or leaves *out as the host zeroed it
+// (width = height = 0, data NULL) when there is none. An ABI 1.0 plug-in never has the member:
+// it keeps loading unchanged and its episodes are text only.
+// - Pixels are RGB8: height rows of width pixels, top row first, each pixel 3 bytes (red,
+//   green, blue), no padding, so len = 3 * width * height exactly.
+// - 1 <= width, height <= MTRL_ENV_IMAGE_MAX_SIDE; the host may set a smaller limit of its own
+//   (the model's [model] image_max_side) and says which in its error.
+// - The buffer is owned by the env, under the rule of observations: valid and unchanged until
+//   the next call on the same self (or destroy). The host copies what it keeps.
+// - A malformed image (a side of 0 or over the limit, len != 3 * width * height, NULL data, a
+//   buffer cut short on its way from an isolated env) is an env failure: the host aborts the
+//   episode with a message naming the env and the sizes; the env and later episodes go on.
+//   image returning MTRL_ENV_ERR does the same with the env's message.
 #ifndef MTRL_ENV_H
 #define MTRL_ENV_H
 
@@ -96,7 +115,7 @@ extern "C" {
 #endif
 
 #define MTRL_ENV_ABI_MAJOR 1u
-#define MTRL_ENV_ABI_MINOR 0u
+#define MTRL_ENV_ABI_MINOR 1u // 1.1: image (an RGB8 picture with a prompt or observation)
 #define MTRL_ENV_ABI_VERSION ((MTRL_ENV_ABI_MAJOR << 16) | MTRL_ENV_ABI_MINOR)
 #define MTRL_ENV_ABI_MAJOR_OF(v) ((uint32_t)(v) >> 16)
 #define MTRL_ENV_ABI_MINOR_OF(v) ((uint32_t)(v) & 0xffffu)
@@ -142,6 +161,18 @@ typedef struct mtrl_env_action {
     size_t len;
 } mtrl_env_action;
 
+// The largest side of an image, in pixels, that any host accepts (ABI 1.1).
+#define MTRL_ENV_IMAGE_MAX_SIDE 4096u
+
+// The picture of the last prompt or observation (ABI 1.1; see "images" above). The host zeroes
+// the struct before each call; no picture: leave it so.
+typedef struct mtrl_env_image {
+    const uint8_t *data; // [height][width][3] RGB8, owned by the env
+    size_t len;          // bytes at data: 3 * width * height
+    uint32_t width, height;
+    uint64_t reserved[2]; // zero; room for later minors
+} mtrl_env_image;
+
 typedef struct mtrl_env_demo_out {
     const mtrl_env_action *actions; // owned by the env, valid until the next call on self
     size_t count;
@@ -169,6 +200,11 @@ typedef struct mtrl_env_api {
     // Optional. The tool list as text, one tool per line ("search(text): ..."); `mtrl check`
     // shows it, the model does not see it.
     int (*describe)(void *self, mtrl_env_bytes *out, char *err, size_t err_cap);
+
+    // ---- ABI 1.1
+    // Optional. The picture that goes with the prompt or observation just returned by reset or
+    // step (see "images" above); *out left zeroed when there is none.
+    int (*image)(void *self, mtrl_env_image *out, char *err, size_t err_cap);
 
     // Later minors append members here.
 } mtrl_env_api;

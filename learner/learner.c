@@ -1042,7 +1042,8 @@ static void warmup_(mtrl_learner *l, volatile sig_atomic_t *stop) {
         int ok = 1;
         for (int i = 0; i < B && ok; i++) {
             uint64_t seed = mtrl_rng_u64((uint64_t)l->cfg.run.seed, mtrl_rng_stream("warmup", 0, 0), (uint64_t)(s * B + i));
-            ok = mtrl_train_demo_episode(env, seed, (int)l->cfg.actor.max_tokens, &demos[i], &err) == MTRL_OK;
+            ok = mtrl_train_demo_episode_images(env, seed, (int)l->cfg.actor.max_tokens, l->model.dims.image_patch,
+                                                &demos[i], &err) == MTRL_OK;
         }
         if (!ok) {
             event_(l, MTRL_LOG_ERROR, "warm-up stopped: %s", err.msg);

@@ -6,6 +6,7 @@
 #include <string.h>
 
 #include "common/check.h"
+#include "common/image.h"
 #include "common/log.h"
 #include "common/model/model_plan.h"
 #include "common/timeutil.h"
@@ -38,11 +39,13 @@ typedef struct seq_batch {
     const uint8_t **routing;
     int *len;
     size_t total;
+    uint8_t *ptab;   // the batch's patch table: every episode's pictures, one after the other
+    uint32_t **moved; // [n] an episode's ids with its patch tokens moved to its rows (NULL: as they are)
 } seq_batch;
 
 // The model's view of the episodes. Routing replay (R3): when every episode carries the
 // actor's routing with the model's width, the learner's forward and backward use it.
-static void seq_batch_init_(seq_batch *s, mtrl_traj *const *eps, int n, const mtrl_model *m) {
+static void seq_batch_init_(seq_batch *s, mtrl_traj *const *eps, int n, mtrl_model *m) {
     s->toks = xmalloc(sizeof(*s->toks) * (size_t)(n ? n : 1));
     s->routing = xmalloc(sizeof(*s->routing) * (size_t)(n ? n : 1));
     s->len = xmalloc(sizeof(int) * (size_t)(n ? n : 1));
@@ -57,9 +60,42 @@ static void seq_batch_init_(seq_batch *s, mtrl_traj *const *eps, int n, const mt
         s->total += eps[i]->n_tokens;
     }
     s->b = (mtrl_batch){n, s->toks, s->len, all_routed ? s->routing : NULL};
+    // Pictures (docs/multimodal.md): each episode's patch tokens name its own table; the model
+    // sees one for the batch, so an episode's rows start after the earlier episodes' and a copy
+    // of its ids is moved by that much.
+    s->ptab = NULL;
+    s->moved = NULL;
+    mtrl_model_set_patches(m, NULL, 0);
+    size_t rows = 0;
+    int P = m->dims.image_patch;
+    for (int i = 0; i < n; i++) rows += eps[i]->n_images ? mtrl_traj_patch_rows(eps[i]) : 0;
+    if (!rows || P <= 0) return;
+    size_t pb = (size_t)3 * P * P, at = 0;
+    s->ptab = xmalloc(rows * pb);
+    s->moved = xcalloc((size_t)n, sizeof *s->moved);
+    for (int i = 0; i < n; i++) {
+        const mtrl_traj *t = eps[i];
+        if (!t->n_images) continue;
+        MTRL_CHECKF(t->image_patch == (uint32_t)P, "episode %llu: pictures cut with patch %u, the model's is %d",
+                    (unsigned long long)t->episode_id, t->image_patch, P);
+        mtrl_traj_patch_table(t, s->ptab + at * pb);
+        if (at) {
+            uint32_t *c = xmalloc(sizeof(uint32_t) * (size_t)t->n_tokens + 1);
+            for (uint64_t j = 0; j < t->n_tokens; j++)
+                c[j] = mtrl_img_token_is_patch(t->ids[j]) ? t->ids[j] + (uint32_t)at : t->ids[j];
+            s->moved[i] = c;
+            s->toks[i] = c;
+        }
+        at += mtrl_traj_patch_rows(t);
+    }
+    mtrl_model_set_patches(m, s->ptab, (int)rows);
 }
 
 static void seq_batch_free_(seq_batch *s) {
+    if (s->moved)
+        for (int i = 0; i < s->b.n; i++) free(s->moved[i]);
+    free(s->moved);
+    free(s->ptab);
     free(s->toks);
     free(s->routing);
     free(s->len);
@@ -295,7 +331,28 @@ static void append_bytes_(mtrl_traj *t, const char *b, size_t n, uint8_t kind) {
     for (size_t i = 0; i < n; i++) mtrl_traj_append(t, (unsigned char)b[i], 0.0f, 0, kind, NULL);
 }
 
+// The picture of res, as tokens of kind (none without a picture).
+static mtrl_status append_image_(mtrl_traj *t, int P, const mtrl_env_result *res, uint8_t kind, mtrl_env *env,
+                                 mtrl_error *err) {
+    if (!res->image) return MTRL_OK;
+    if (P <= 0)
+        return mtrl_error_set(err, MTRL_ERR_USAGE, "env '%s' sent a %u x %u picture, but the model takes none ([model] "
+                              "image_patch = 0)", mtrl_env_name(env), res->image_w, res->image_h);
+    uint32_t first = mtrl_traj_add_image(t, P, res->image, res->image_w, res->image_h);
+    size_t n = mtrl_image_token_count(res->image_w, res->image_h, P);
+    uint32_t *ids = xmalloc(sizeof(uint32_t) * n);
+    mtrl_image_tokens(res->image_w, res->image_h, P, first, ids);
+    for (size_t i = 0; i < n; i++) mtrl_traj_append(t, ids[i], 0.0f, 0, kind, NULL);
+    free(ids);
+    return MTRL_OK;
+}
+
 mtrl_status mtrl_train_demo_episode(mtrl_env *env, uint64_t seed, int max_tokens, mtrl_traj *out, mtrl_error *err) {
+    return mtrl_train_demo_episode_images(env, seed, max_tokens, 0, out, err);
+}
+
+mtrl_status mtrl_train_demo_episode_images(mtrl_env *env, uint64_t seed, int max_tokens, int image_patch,
+                                           mtrl_traj *out, mtrl_error *err) {
     mtrl_traj_reset(out);
     mtrl_env_result res;
     mtrl_status s = mtrl_env_reset(env, seed, &res, err);
@@ -304,6 +361,7 @@ mtrl_status mtrl_train_demo_episode(mtrl_env *env, uint64_t seed, int max_tokens
     mtrl_traj_set_env(out, mtrl_env_name(env));
     mtrl_traj_append(out, MTRL_TOK_BOS, 0.0f, 0, MTRL_TOK_PROMPT, NULL);
     append_bytes_(out, res.obs, res.obs_len, MTRL_TOK_PROMPT);
+    if ((s = append_image_(out, image_patch, &res, MTRL_TOK_PROMPT, env, err)) != MTRL_OK) return s;
     mtrl_env_demo_out demo;
     if (!mtrl_env_has_demo(env))
         return mtrl_error_set(err, MTRL_ERR_PLUGIN, "env %s has no demo(); [warmup] steps needs one", mtrl_env_name(env));
@@ -329,6 +387,7 @@ mtrl_status mtrl_train_demo_episode(mtrl_env *env, uint64_t seed, int max_tokens
             if (s != MTRL_OK) break;
             mtrl_traj_append(out, MTRL_TOK_RESULT_OPEN, 0.0f, 0, MTRL_TOK_TOOL, NULL);
             append_bytes_(out, res.obs, res.obs_len, MTRL_TOK_TOOL);
+            if ((s = append_image_(out, image_patch, &res, MTRL_TOK_TOOL, env, err)) != MTRL_OK) break;
             mtrl_traj_append(out, MTRL_TOK_RESULT_CLOSE, 0.0f, 0, MTRL_TOK_TOOL, NULL);
         } else {
             append_bytes_(out, a->data, a->len, MTRL_TOK_MODEL);

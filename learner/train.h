@@ -53,5 +53,11 @@ double mtrl_train_sft_step(mtrl_model *m, const mtrl_config *cfg, mtrl_traj *con
 // have written it (tool calls between TOOL_OPEN/TOOL_CLOSE with their observations, the answer
 // and EOS), within max_tokens. MTRL_ERR_PLUGIN when the env has no demo.
 mtrl_status mtrl_train_demo_episode(mtrl_env *env, uint64_t seed, int max_tokens, mtrl_traj *out, mtrl_error *err);
+// The same for a model that takes pictures ([model] image_patch = image_patch > 0): a prompt's
+// or observation's picture becomes its tokens (common/image.h) after its text, as the actor
+// feeds them, and joins the trajectory's pictures. With image_patch 0 a picture is an error
+// (MTRL_ERR_USAGE), as it aborts an actor's episode.
+mtrl_status mtrl_train_demo_episode_images(mtrl_env *env, uint64_t seed, int max_tokens, int image_patch,
+                                           mtrl_traj *out, mtrl_error *err);
 
 #endif

@@ -216,7 +216,7 @@ static void test_calc(void) {
         bad = NULL;
     }
     TEST_EQ_INT(mtrl_env_open(&bad, "calculator", "", NULL, &err), MTRL_ERR_NOTFOUND);
-    TEST_CONTAINS(err.msg, "unknown env 'calculator'; built-in envs are retrieval, calc, http");
+    TEST_CONTAINS(err.msg, "unknown env 'calculator'; built-in envs are retrieval, calc, http, picture");
 }
 
 static void test_retrieval(void) {

@@ -4,7 +4,10 @@
 //   minor, missing entry symbol, table too small, a NULL required callback, a missing file, a
 //   file that is not a shared library.
 // - The example `reverse` plug-in (build/lib/libmtrl_env_example.so) runs an episode both
-//   in-process and isolated (demo, tool call, error observation, wrong answer).
+//   in-process and isolated (demo, tool call, error observation, wrong answer); so does the same
+//   example built against the ABI 1.0 header (tests/fixtures/env/mtrl_env_1_0.h).
+// - ABI 1.1 images (mtrl_env_bad_image): a good picture arrives, every malformed one aborts only
+//   its episode with a message naming the env and the sizes.
 // - The README's plain build (cc -shared -fPIC -I<repo>/env) works on the example, also under
 //   -std=c11 -pedantic -Werror (the ABI header is standard C), and the result loads.
 // - [env] max_tool_calls is enforced by the host for a plug-in (test_host_tool_limit).
@@ -48,10 +51,10 @@ static void expect_refused(const char *name, int isolate, mtrl_status code, cons
 static void test_refusals(void) {
     for (int iso = 0; iso <= 1; iso++) {
         expect_refused(lib("mtrl_env_bad_abi_major"), iso, MTRL_ERR_PLUGIN,
-                       "was built for env ABI 99.0 but this host speaks 1.0",
+                       "was built for env ABI 99.0 but this host speaks 1.1",
                        "rebuild it against this mtrl's env/mtrl_env.h");
         expect_refused(lib("mtrl_env_bad_abi_minor"), iso, MTRL_ERR_PLUGIN,
-                       "needs env ABI 1.7, newer than this host's 1.0", "update mtrl, or rebuild the plug-in");
+                       "needs env ABI 1.8, newer than this host's 1.1", "update mtrl, or rebuild the plug-in");
         expect_refused(lib("mtrl_env_bad_no_symbol"), iso, MTRL_ERR_PLUGIN, "does not export 'mtrl_env_plugin'",
                        "see env/examples/README.md");
         expect_refused(lib("mtrl_env_bad_small"), iso, MTRL_ERR_PLUGIN, "struct_size 8 is smaller than the",
@@ -204,6 +207,62 @@ static void test_host_tool_limit(const char *path, int isolate) {
     mtrl_env_close(e);
 }
 
+// ABI 1.1 images: a good picture arrives checked; each malformed one (one byte short, a side
+// over the limit, a side of 0, NULL data, cut short at a step) aborts its episode with a message
+// naming the env and the sizes, and the next episode of the same env works.
+static void test_images(int isolate) {
+    mtrl_env_opts o;
+    mtrl_env_opts_default(&o);
+    o.isolate = isolate;
+    o.image_max_side = 1024;
+    mtrl_env *e = NULL;
+    mtrl_error err;
+    TEST_CHECKF(mtrl_env_open(&e, lib("mtrl_env_bad_image"), "", &o, &err) == MTRL_OK, "%s", err.msg);
+    if (!e) return;
+    mtrl_env_result r;
+    static const struct { uint64_t seed; const char *m1, *m2; } bad[] = {
+        {1, "returned a malformed image after reset: 2 x 2 RGB8 pixels need 12 bytes, the buffer holds 11", NULL},
+        {2, "image of 5000 x 1 pixels after reset, over the largest side 1024", "image_max_side"},
+        {3, "malformed image after reset: 0 x 2 pixels (a side of 0)", NULL},
+        {4, "need 12 bytes, the buffer holds 0", NULL},
+    };
+    for (size_t i = 0; i < sizeof bad / sizeof bad[0]; i++) {
+        mtrl_status st = mtrl_env_reset(e, bad[i].seed, &r, &err);
+        TEST_CHECKF(st == MTRL_ERR_PLUGIN, "seed %llu isolate %d: %s", (unsigned long long)bad[i].seed, isolate,
+                    mtrl_status_name(st));
+        TEST_CONTAINS(err.msg, "env 'bad'");
+        TEST_CONTAINS(err.msg, bad[i].m1);
+        if (bad[i].m2) TEST_CONTAINS(err.msg, bad[i].m2);
+        // the episode is over: a step is refused, the next reset works
+        TEST_EQ_INT(mtrl_env_step(e, MTRL_ENV_ACTION_ANSWER, "ok", 2, &r, &err), MTRL_ERR_STATE);
+        TEST_CHECKF(mtrl_env_reset(e, 5, &r, &err) == MTRL_OK, "%s", err.msg);
+        TEST_CHECK(r.image == NULL && r.image_w == 0 && r.image_h == 0);
+        TEST_CHECK(mtrl_env_step(e, MTRL_ENV_ACTION_ANSWER, "ok", 2, &r, &err) == MTRL_OK);
+        TEST_EQ_INT(r.done, 1);
+    }
+    TEST_CHECKF(mtrl_env_reset(e, 0, &r, &err) == MTRL_OK, "%s", err.msg);
+    TEST_EQ_STR(r.obs, "say ok");
+    TEST_CHECK(r.image != NULL && r.image_w == 2 && r.image_h == 2);
+    if (r.image) TEST_CHECK(r.image[0] == 255 && r.image[4] == 255 && r.image[8] == 255 && r.image[11] == 9);
+    TEST_CHECK(mtrl_env_step(e, MTRL_ENV_ACTION_TOOL, "nop()", 5, &r, &err) == MTRL_OK);
+    TEST_CHECK(r.image == NULL);
+    TEST_CONTAINS(r.obs, "error: unknown tool");
+    TEST_CHECK(mtrl_env_step(e, MTRL_ENV_ACTION_TOOL, "pic()", 5, &r, &err) == MTRL_OK);
+    TEST_CHECK(r.image != NULL && r.image_w == 2 && r.image_h == 2);
+    TEST_CONTAINS(r.obs, "error: unknown tool"); // the observation survives the image call
+    TEST_EQ_INT(mtrl_env_step(e, MTRL_ENV_ACTION_TOOL, "cut()", 5, &r, &err), MTRL_ERR_PLUGIN);
+    TEST_CONTAINS(err.msg, "malformed image after step");
+    TEST_EQ_INT(mtrl_env_step(e, MTRL_ENV_ACTION_ANSWER, "ok", 2, &r, &err), MTRL_ERR_STATE);
+    TEST_CHECKF(mtrl_env_reset(e, 5, &r, &err) == MTRL_OK, "%s", err.msg);
+    TEST_CHECK(mtrl_env_step(e, MTRL_ENV_ACTION_ANSWER, "ok", 2, &r, &err) == MTRL_OK);
+    TEST_EQ_INT(r.done, 1);
+    mtrl_env_stats s;
+    mtrl_env_stats_get(e, &s);
+    TEST_EQ_INT(s.aborts, 5);
+    TEST_EQ_INT(s.restarts, 0); // a bad picture is the episode's failure, not the env host's
+    mtrl_env_close(e);
+}
+
 int main(void) {
     const char *b = getenv("MTRL_BUILD");
     snprintf(libdir, sizeof libdir, "%s/lib", b ? b : ".");
@@ -212,6 +271,11 @@ int main(void) {
     run_reverse(lib("mtrl_env_example"), 1);
     test_host_tool_limit(lib("mtrl_env_example"), 0);
     test_host_tool_limit(lib("mtrl_env_example"), 1);
+    // A plug-in built against the ABI 1.0 header loads and runs unchanged, both ways.
+    run_reverse(lib("mtrl_env_example_abi10"), 0);
+    run_reverse(lib("mtrl_env_example_abi10"), 1);
+    test_images(0);
+    test_images(1);
     test_plain_build();
     return test_report();
 }

@@ -16,6 +16,8 @@
 #include <unistd.h>
 
 #include "common/check.h"
+#include "common/hash.h"
+#include "common/image.h"
 #include "common/timeutil.h"
 #include "common/tokenizer.h"
 #include "common/trajfile.h"
@@ -23,7 +25,7 @@
 #include "tools/replay.h"
 
 #define REPLAY_USAGE                                                                                              \
-    "mtrl replay --db runs.db --episode ID [--run RUN] [--tokens] [--json]\n"                                    \
+    "mtrl replay --db runs.db --episode ID [--run RUN] [--tokens] [--json] [--images DIR]\n"                     \
     "                   [--rescore [--version V | --checkpoint PATH]] [--reexec]"
 
 // ---- colour -------------------------------------------------------------------------------------
@@ -395,11 +397,50 @@ static void print_tool_(const mtrl_traj *t, long k, size_t ordinal) {
 
 // Whether the observation tokens [b, e) are RESULT_OPEN result RESULT_CLOSE for this result.
 static int obs_is_result_(const mtrl_traj *t, size_t b, size_t e, const mtrl_tool_call *c) {
-    if (e - b != (size_t)c->result_len + 2) return 0;
+    size_t pic = 0; // a picture that came with the result follows its text
+    while (e >= b + 3 + pic && mtrl_img_token_is(t->ids[e - 2 - pic])) pic++;
+    if (e - b != (size_t)c->result_len + 2 + pic) return 0;
     if (t->ids[b] != MTRL_TOK_RESULT_OPEN || t->ids[e - 1] != MTRL_TOK_RESULT_CLOSE) return 0;
     for (size_t i = 0; i < c->result_len; i++)
         if (t->ids[b + 1 + i] != c->result[i]) return 0;
     return 1;
+}
+
+// The episode's pictures (docs/multimodal.md): each once, with its size, patch rows and digest,
+// a one-line summary of its colours, and with --images DIR the PNG written there.
+static int print_pictures_(const mtrl_traj *t, const char *dir) {
+    if (!t->n_images) return 0;
+    char extra[64];
+    snprintf(extra, sizeof extra, "%u stored once each, patches of %u x %u", t->n_images, t->image_patch,
+             t->image_patch);
+    rule_("pictures", C_MAGENTA, extra);
+    int rc = 0;
+    for (uint32_t i = 0; i < t->n_images; i++) {
+        const mtrl_traj_image *im = &t->images[i];
+        size_t np = mtrl_image_patch_count(im->width, im->height, (int)t->image_patch), px = (size_t)im->width * im->height;
+        double sum[3] = {0, 0, 0};
+        size_t lit = 0;
+        for (size_t k = 0; k < px; k++) {
+            const uint8_t *p = im->rgb + 3 * k;
+            for (int c = 0; c < 3; c++) sum[c] += p[c];
+            lit += p[0] + p[1] + p[2] > 0;
+        }
+        char hex[17];
+        mtrl_hash64_hex(im->digest, hex);
+        printf("   picture %u  %u x %u pixels, patch rows %u..%zu, digest %s, mean RGB (%.0f, %.0f, %.0f), %zu of %zu "
+               "pixels not black\n", i + 1, im->width, im->height, im->first_patch, im->first_patch + np - 1, hex,
+               sum[0] / (double)px, sum[1] / (double)px, sum[2] / (double)px, lit, px);
+        if (!dir) continue;
+        char path[4096], why[4200];
+        snprintf(path, sizeof path, "%s/ep%llu-%s.png", dir, (unsigned long long)t->episode_id, hex);
+        if (replay_png_write(path, im->rgb, im->width, im->height, why, sizeof why) == 0) {
+            printf("               png %s\n", path);
+        } else {
+            fprintf(stderr, "mtrl replay: --images: %s\n", why);
+            rc = 1;
+        }
+    }
+    return rc;
 }
 
 static void print_versions_(const mtrl_traj *t, size_t b, size_t e, char *out, size_t cap) {
@@ -647,7 +688,8 @@ static void print_reexec_(const replay_reexec *r) {
         printf("               %s\n", r->why);
     } else if (r->kind == REPLAY_SAME) {
         printf("   result      %sidentical%s", C_GREEN, C_RESET);
-        printf(": every token id, kind, behaviour log-prob and version equal; same status and reward\n");
+        printf(": every token id, kind, behaviour log-prob and version equal; same status, reward%s\n",
+               r->re.n_images ? " and pictures" : "");
         if (r->why[0]) printf("               %s\n", r->why);
     } else {
         printf("   result      %sdiverges%s (%s)", C_RED, C_RESET, diverge_name_(r->kind));
@@ -881,7 +923,7 @@ static int parse_u64_(const char *s, uint64_t *out) {
 }
 
 int cmd_replay(int argc, char **argv) {
-    const char *db = NULL, *ckpt = NULL;
+    const char *db = NULL, *ckpt = NULL, *images = NULL;
     uint64_t id = 0, u;
     int have_id = 0, have_run = 0, tokens = 0, json = 0, rescore = 0, reexec = 0, have_version = 0;
     int64_t run = 0;
@@ -896,6 +938,7 @@ int cmd_replay(int argc, char **argv) {
                    "  --run RUN        the run (default: the newest run holding the episode)\n"
                    "  --tokens         a per-token table: index, id, text, kind, behaviour log-prob, version\n"
                    "  --json           one JSON object on stdout\n"
+                   "  --images DIR     write each picture of the episode as DIR/ep<ID>-<digest>.png\n"
                    "  --rescore        the learner's log-probs of the tokens and the mismatch with the actor's\n"
                    "                   (by default under the weights of each token's own version)\n"
                    "  --version V      rescore under the retained checkpoint of version V\n"
@@ -929,6 +972,9 @@ int cmd_replay(int argc, char **argv) {
         } else if (!strcmp(a, "--checkpoint")) {
             if (!has_val) return cli_usage_error("replay", REPLAY_USAGE, "--checkpoint needs a file");
             ckpt = argv[++i];
+        } else if (!strcmp(a, "--images")) {
+            if (!has_val) return cli_usage_error("replay", REPLAY_USAGE, "--images needs a folder");
+            images = argv[++i];
         } else if (!strcmp(a, "--tokens")) tokens = 1;
         else if (!strcmp(a, "--json")) json = 1;
         else if (!strcmp(a, "--rescore")) rescore = 1;
@@ -982,6 +1028,7 @@ int cmd_replay(int argc, char **argv) {
         print_header_(&s);
         if (s.have_traj) print_body_(&s);
         else print_row_tools_(&s);
+        if (s.have_traj && print_pictures_(&s.t, images)) rc = 1;
         if (tokens && s.have_traj) print_tokens_(&s, have_rs ? &rs : NULL);
         else if (tokens) printf("\n   (--tokens: no trajectory file, no tokens to show)\n");
         if (have_rs) print_rescore_(&s, &rs);

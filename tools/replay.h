@@ -151,5 +151,8 @@ void replay_put_escaped(FILE *f, const uint8_t *b, size_t n, replay_ascii_fn asc
                         const char *invalid_fmt);
 // The display text of one token into out (cap bytes).
 void replay_token_text(uint32_t id, char *out, size_t cap);
+// Writes rgb [h][w][3] as an 8-bit RGB PNG at path (replay_png.c, libpng). 0, or -1 with the
+// reason in err (a file that could not be finished is removed).
+int replay_png_write(const char *path, const uint8_t *rgb, uint32_t w, uint32_t h, char *err, size_t cap);
 
 #endif

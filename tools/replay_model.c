@@ -151,6 +151,19 @@ static double sampled_logp_(const real *l, int V, uint32_t x, double temp, doubl
     return ((double)l[x] - m) * invT - log(mass);
 }
 
+// The episode's pictures as m's patch table (docs/multimodal.md); the caller frees the result
+// (NULL when it has none) after its calls on m.
+static uint8_t *patches_on_(mtrl_model *m, const mtrl_traj *t) {
+    mtrl_model_set_patches(m, NULL, 0);
+    int P = m->dims.image_patch;
+    if (!t->n_images || P <= 0) return NULL;
+    size_t rows = mtrl_traj_patch_rows(t);
+    uint8_t *tab = xmalloc(rows * (size_t)(3 * P * P) + 1);
+    mtrl_traj_patch_table(t, tab);
+    mtrl_model_set_patches(m, tab, (int)rows);
+    return tab;
+}
+
 // Learner log-probs of t's tokens under m into lp[j] for the tokens with sel[j] != 0; with
 // adj != NULL also the log-probs under the sampling transform.
 // routing = 1: replay the actor's recorded routing, as the learner does with [algo] routing_replay.
@@ -162,19 +175,26 @@ static void score_(mtrl_model *m, const mtrl_traj *t, int segment, int routing, 
     int len[1] = {(int)T};
     mtrl_batch b = {1, toks, len, routing ? rt : NULL};
     real *pos = xcalloc(T + 1, sizeof(real));
+    uint8_t *tab = patches_on_(m, t);
     m->replay_routing = routing;
     mtrl_model_forward(m, &b, segment, pos, NULL, NULL);
     m->replay_routing = 0;
     for (size_t j = 1; j < T; j++)
         if (sel[j]) lp[j] = (float)pos[j - 1];
     free(pos);
-    if (!adj) return;
+    if (!adj) {
+        mtrl_model_set_patches(m, NULL, 0);
+        free(tab);
+        return;
+    }
     int V = m->dims.V;
     real *logits = xmalloc(sizeof(real) * T * (size_t)V);
     int *order = xmalloc(sizeof(int) * (size_t)V);
     mtrl_model_logits(m, t->ids, (int)T, segment, logits);
     for (size_t j = 1; j < T; j++)
         if (sel[j]) adj[j] = (float)sampled_logp_(logits + (j - 1) * (size_t)V, V, t->ids[j], temp, top_p, order);
+    mtrl_model_set_patches(m, NULL, 0);
+    free(tab);
     free(order);
     free(logits);
 }
@@ -398,7 +418,10 @@ static double recorded_logp_now_(mtrl_model *m, const mtrl_traj *t, size_t at, i
     if (at == 0 || (double)at * V * sizeof(real) > (double)(1u << 30)) return NAN;
     real *logits = xmalloc(sizeof(real) * at * (size_t)V);
     int *order = xmalloc(sizeof(int) * (size_t)V);
+    uint8_t *tab = patches_on_(m, t);
     mtrl_model_logits(m, t->ids, (int)at, segment, logits);
+    mtrl_model_set_patches(m, NULL, 0);
+    free(tab);
     double lp = sampled_logp_(logits + (at - 1) * (size_t)V, V, t->ids[at], temp, top_p, order);
     free(order);
     free(logits);
@@ -422,6 +445,24 @@ static int tools_equal_(const mtrl_traj *a, const mtrl_traj *b, char *why, size_
         else if (strcmp(x->error ? x->error : "", y->error ? y->error : "")) what = "error";
         if (what) {
             snprintf(why, cap, "tool call %u: the %s differs (a different env answer to the same call)", k + 1, what);
+            return 0;
+        }
+    }
+    return 1;
+}
+
+// The episodes' pictures, pixel for pixel (their tokens name rows of them, so equal tokens with
+// another picture are another observation).
+static int pictures_equal_(const mtrl_traj *a, const mtrl_traj *b, char *why, size_t cap) {
+    if (a->n_images != b->n_images) {
+        snprintf(why, cap, "the recording has %u pictures and the re-execution %u", a->n_images, b->n_images);
+        return 0;
+    }
+    for (uint32_t i = 0; i < a->n_images; i++) {
+        const mtrl_traj_image *x = &a->images[i], *y = &b->images[i];
+        if (x->width != y->width || x->height != y->height || memcmp(x->rgb, y->rgb, 3u * x->width * x->height)) {
+            snprintf(why, cap, "picture %u differs (%u x %u recorded, %u x %u re-executed)", i + 1, x->width, x->height,
+                     y->width, y->height);
             return 0;
         }
     }
@@ -530,6 +571,9 @@ static void compare_(replay_reexec *r, const replay_session *s, mtrl_model *m) {
     } else if (!tools_equal_(a, b, why, sizeof why)) {
         r->kind = REPLAY_DIV_SUMMARY;
         snprintf(r->why, sizeof r->why, "every token is equal, but %s", why);
+    } else if (!pictures_equal_(a, b, why, sizeof why)) {
+        r->kind = REPLAY_DIV_ENV;
+        snprintf(r->why, sizeof r->why, "every token is equal, but %s: the env drew another picture", why);
     }
 }
 

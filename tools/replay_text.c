@@ -6,6 +6,7 @@
 #include <string.h>
 #include <unistd.h>
 
+#include "common/image.h"
 #include "common/tokenizer.h"
 #include "tools/replay.h"
 
@@ -92,7 +93,21 @@ void replay_put_ids(FILE *f, const uint32_t *ids, size_t n, int colour, int esca
         }
         const char *name = mtrl_tok_special_name(ids[i]);
         if (colour) fputs("\033[2m", f);
-        if (name) fputs(name, f);
+        if (ids[i] == MTRL_IMG_START) { // a picture's tokens as one: its grid and patch rows
+            size_t j = i + 1, rows = 0, patches = 0;
+            uint32_t first = UINT32_MAX;
+            for (; j < n && ids[j] != MTRL_IMG_END && mtrl_img_token_is(ids[j]); j++) {
+                if (ids[j] == MTRL_IMG_ROW) rows++;
+                else if (mtrl_img_token_is_patch(ids[j])) {
+                    if (first == UINT32_MAX) first = mtrl_img_patch_row(ids[j]);
+                    patches++;
+                }
+            }
+            fprintf(f, "<|picture %zu x %zu patches, rows %u..%zu|>", rows, rows ? patches / rows : 0,
+                    first == UINT32_MAX ? 0 : first, first == UINT32_MAX ? 0 : first + patches - 1);
+            i = j < n && ids[j] == MTRL_IMG_END ? j : j - 1;
+        } else if (name) fputs(name, f);
+        else if (mtrl_img_token_is(ids[i])) fprintf(f, "<|image %#x|>", ids[i]);
         else fprintf(f, "<|id %u|>", ids[i]);
         if (colour) fputs("\033[22m", f); // normal intensity: the caller's colour goes on
     }
@@ -101,6 +116,10 @@ void replay_put_ids(FILE *f, const uint32_t *ids, size_t n, int colour, int esca
 void replay_token_text(uint32_t id, char *out, size_t cap) {
     const char *name = mtrl_tok_special_name(id);
     if (name) snprintf(out, cap, "%s", name);
+    else if (id == MTRL_IMG_START) snprintf(out, cap, "<|picture|>");
+    else if (id == MTRL_IMG_ROW) snprintf(out, cap, "<|picture row|>");
+    else if (id == MTRL_IMG_END) snprintf(out, cap, "<|/picture|>");
+    else if (mtrl_img_token_is_patch(id)) snprintf(out, cap, "<|patch %u|>", mtrl_img_patch_row(id));
     else if (id >= 256) snprintf(out, cap, "<|id %u|>", id);
     else if (id == '\n') snprintf(out, cap, "\\n");
     else if (id == '\t') snprintf(out, cap, "\\t");

@@ -115,6 +115,10 @@ typedef struct mtrl_model_dims {
     int router_bias_score; // 0 (default): top-k of z − β; 1: top-k of s − β (s the router score)
     int moe_renorm;        // 1 (default): the top-k scores renormalised to sum 1 before ρ
     real kv_eps;           // epsilon of the MLA latent's RMSNorm (default: eps)
+    // Pictures (docs/multimodal.md, common/image.h): side P of the patches ([model]
+    // image_patch; 0 = none: an image token is then a programming error) and the largest side
+    // of a picture in pixels ([model] image_max_side).
+    int image_patch, image_max_side;
 } mtrl_model_dims;
 
 // kda_gate: g = g_min·σ(e^{A_log}(f + dt_bias)) in (g_min, 0) (the default), or Kimi Linear's
@@ -152,6 +156,12 @@ typedef struct mtrl_model_ptrs {
     real *final_norm;                                     // [d]
     real *site_w, *site_g;                                // [2L+1][d] AttnRes pseudo-queries, key norms
     mtrl_layer_ptrs layer[MTRL_MAX_LAYERS];
+    // The patch embedding [d][3P² + 4] (dims.image_patch > 0, else NULL): columns 0..3P²-1 map
+    // a patch's pixels (each byte v as v/255, so black is 0), column 3P² is its bias, the last
+    // three are the embeddings of IMG_START, IMG_ROW and IMG_END (one-hot inputs): one GEMM
+    // embeds every image token of a segment. Initialised N(0, 1/P²): a patch of pixels around
+    // 1/2 then embeds at about the text embedding's scale (N(0, 1)).
+    real *patch_w;
 } mtrl_model_ptrs;
 
 // A batch of sequences. Position t of sequence i predicts tokens[t+1]; the last position has no
@@ -259,6 +269,9 @@ typedef struct mtrl_model {
     // The per-phase timing the calls add to while set (nullable; see "profile" above). Zero it
     // before the calls to profile; the caller owns it.
     mtrl_model_profile *profile;
+    // The patch table the image tokens of the next calls name (mtrl_model_set_patches).
+    const uint8_t *img_rows;
+    int img_n;
 } mtrl_model;
 
 // Fills dims from a resolved [model] config and the vocabulary size. Returns MTRL_OK or
@@ -422,5 +435,16 @@ static inline int mtrl_model_is_dense(const mtrl_model_dims *d, int l) { return 
 static inline int mtrl_model_moe_index(const mtrl_model_dims *d, int l) {
     return l < d->first_dense ? -1 : l - d->first_dense;
 }
+
+// ---- pictures (docs/multimodal.md, common/image.h) ----------------------------------------------------
+// Image tokens (ids >= MTRL_IMG_TOKEN_BASE) may stand anywhere in the token arrays of every call
+// above (forward, backward, train, logits, prefill, prefill_many, decode): a patch token
+// MTRL_IMG_PATCH0 + i is embedded from row i of the patch table set here, the specials from
+// their columns of P.patch_w; the rest of the stack is the text's. rows [n][3P²] (RGB8 patches,
+// common/image.h mtrl_image_patches) is borrowed: it must stay valid and unchanged until the
+// calls that use it returned (a forward and its backward both read it). Tokens name rows of the
+// table set when the call runs; a row outside it is a check failure. No log-prob is taken of an
+// image token (the position before one has no target: logp 0). NULL, 0: no table.
+void mtrl_model_set_patches(mtrl_model *m, const uint8_t *rows, int n);
 
 #endif

@@ -8,6 +8,7 @@
 
 #include "common/check.h"
 #include "common/model/backend.h"
+#include "common/model/model_image.h"
 #include "common/model/model_ws.h"
 #include "kernels/ref/kda_ref.h"
 
@@ -326,8 +327,9 @@ void seg_backward(mtrl_model *m, mtrl_arena *ar, seg_cache *c, const uint32_t *t
     }
     int ids[4096];
     int *tid = T <= 4096 ? ids : xmalloc(sizeof(int) * (size_t)T);
-    for (int i = 0; i < T; i++) tid[i] = (int)tokens[i];
+    model_image_ids(T, tokens, tid);
     t = model_prof_begin(m);
+    model_image_bwd(m, T, tokens, dB[0]);
     be->embedding_bwd(be, T, D, tid, dB[0], m->dG.embed);
     model_prof_end(m, MTRL_PROF_EMBED, t);
     if (tid != ids) free(tid);

@@ -9,6 +9,7 @@
 
 #include "common/check.h"
 #include "common/model/backend.h"
+#include "common/model/model_image.h"
 #include "common/model/model_ws.h"
 #include "kernels/ref/kda_ref.h"
 
@@ -435,10 +436,11 @@ void seg_forward(mtrl_model *m, mtrl_arena *ar, int mode, int T, const uint32_t 
     c->mode = mode;
     int ids[4096];
     int *tid = T <= 4096 ? ids : xmalloc(sizeof(int) * (size_t)T);
-    for (int t = 0; t < T; t++) tid[t] = (int)tokens[t];
+    model_image_ids(T, tokens, tid);
     c->emb = ALLOC((size_t)T * D);
     double t = model_prof_begin(m);
     be->embedding_fwd(be, T, D, tid, m->dP.embed, c->emb);
+    model_image_fwd(m, T, tokens, c->emb);
     model_prof_end(m, MTRL_PROF_EMBED, t);
     if (tid != ids) free(tid);
     c->blocks[0] = c->emb;

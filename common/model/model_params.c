@@ -40,6 +40,8 @@ mtrl_status mtrl_model_dims_from_config(mtrl_model_dims *d, const mtrl_cfg_model
     d->rho = (real)c->rho;
     d->eps = (real)c->norm_eps;
     d->init_std = (real)c->init_std;
+    d->image_patch = (int)c->image_patch;
+    d->image_max_side = (int)c->image_max_side;
     if (d->L < 1 || d->L > MTRL_MAX_LAYERS)
         return mtrl_error_set(err, MTRL_ERR_USAGE, "[model] layers = %d: must be 1..%d", d->L, MTRL_MAX_LAYERS);
     if ((int)strlen(c->hybrid) != d->L)
@@ -141,6 +143,7 @@ static void build_table_(mtrl_tt *t, const mtrl_model_dims *d) {
         }
 #undef P
     }
+    if (d->image_patch > 0) add_(t, "image.patch_w", d->d, 3 * d->image_patch * d->image_patch + 4, 0);
 }
 
 size_t model_param_bytes(const mtrl_model_dims *d) {
@@ -181,6 +184,7 @@ static void point_(const mtrl_tt *t, void *base, const mtrl_model_dims *d, mtrl_
         G(sw1, "moe.shared_w1"); G(sw3, "moe.shared_w3"); G(sw2, "moe.shared_w2");
 #undef G
     }
+    p->patch_w = at_(t, base, "image.patch_w");
 }
 
 // Initialisation: projections N(0, init_std) from the tensor's own RNG stream (so a tensor's
@@ -219,6 +223,7 @@ static void init_(mtrl_model *m, uint64_t seed) {
             double std = d->init_std;
             if (strstr(nm, ".wo") || strstr(nm, "w2")) std /= sqrt(2.0 * d->L);
             if (!strcmp(nm, "embed")) std = 1.0;
+            if (!strcmp(nm, "image.patch_w")) std = 1.0 / d->image_patch; // model.h patch_w
 #pragma omp parallel for schedule(static) if (big)
             for (long j = 0; j < n; j++) x[j] = (real)(std * mtrl_rng_normal(seed, stream, (uint64_t)j));
         }

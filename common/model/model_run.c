@@ -5,6 +5,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "common/image.h"
 #include "common/check.h"
 #include "common/model/backend.h"
 #include "common/model/model_ws.h"
@@ -225,9 +226,10 @@ size_t ws_held_bytes(const mtrl_model *m) {
     return w ? w->pub.arena.cap + w->state.cap + w->grad.cap : 0;
 }
 
-// The next-token targets of a sequence of len tokens (-1 after its last).
+// The next-token targets of a sequence of len tokens (-1 after its last, and before an image
+// token: pictures are context, never predicted).
 static void targets_of_(const uint32_t *tok, int len, int *out) {
-    for (int t = 0; t < len; t++) out[t] = t + 1 < len ? (int)tok[t + 1] : -1;
+    for (int t = 0; t < len; t++) out[t] = t + 1 < len && !mtrl_img_token_is(tok[t + 1]) ? (int)tok[t + 1] : -1;
 }
 
 // The pass the profile's phases count under (model.h): MTRL_PROF_FWD except inside

@@ -5,6 +5,7 @@
 //   retrieval  key=value document, tools search(text) and read(offset,length)  (retrieval.c)
 //   calc       arithmetic problems, tool calc(expr)                              (calc.c)
 //   http       values behind an HTTP base URL, tool get(path) through libcurl   (http.c)
+//   picture    a digit to read out of a generated picture, tool crop(k)         (picture.c)
 #ifndef MTRL_ENV_BUILTIN_H
 #define MTRL_ENV_BUILTIN_H
 
@@ -17,6 +18,13 @@
 extern const mtrl_env_api env_retrieval_api;
 extern const mtrl_env_api env_calc_api;
 extern const mtrl_env_api env_http_api;
+extern const mtrl_env_api env_picture_api;
+
+// ---- picture --------------------------------------------------------------------------------
+
+// Draws one 6 x 6 box holding digit (0..9) in colour at rgb (stride_px pixels a row): the
+// picture env's renderer, for its tests.
+void env_picture_draw(uint8_t *rgb, uint32_t stride_px, int digit, const uint8_t colour[3]);
 
 // ---- calc -----------------------------------------------------------------------------------
 
