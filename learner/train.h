@@ -1,8 +1,8 @@
 // train.h: one optimizer step of the learner, RL or supervised, on committed trajectories.
 //
 // RL step (architecture §3): the episodes of complete groups → group-relative advantages from
-// their rewards → learner log-probs and entropies of every token (forward, segmented when
-// [model] segment > 0) → the policy loss of [algo] (learner/algo.h) over MODEL tokens, with
+// their rewards → learner log-probs and entropies of every token (forward, segmented by
+// [learner] segment) → the policy loss of [algo] (learner/algo.h) over MODEL tokens, with
 // the behaviour log-probs of the actor for importance correction → backward → AdamW → QB β
 // from this batch's routing (after the step) → weight version + 1.
 //

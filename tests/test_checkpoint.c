@@ -26,7 +26,7 @@ static mtrl_model_dims tiny_dims(const char *extra) {
     mtrl_config_load_text(&cfg, "t", text, NULL, 0, &errs);
     mtrl_config_errors_free(&errs);
     mtrl_model_dims d;
-    mtrl_model_dims_from_config(&d, &cfg.model, MTRL_VOCAB, NULL);
+    mtrl_model_dims_from_config(&d, &cfg, MTRL_VOCAB, NULL);
     return d;
 }
 

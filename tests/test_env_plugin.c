@@ -166,7 +166,8 @@ static void test_plain_build(void) {
     rmdir(dir);
 }
 
-int main(void) {
+int main(int argc, char **argv) {
+    mtrl_env_host_main(argc, argv); // the isolated envs below start this program as their child
     const char *b = getenv("MTRL_BUILD");
     snprintf(libdir, sizeof libdir, "%s/lib", b ? b : ".");
     test_refusals();
