@@ -615,7 +615,7 @@ static void resolve_model_(cfg_parse *ps) {
     if (m->top_k > m->experts)
         errs_add(ps->errs, "%s: [model] top_k = %ld exceeds experts = %ld", ps->name, m->top_k, m->experts);
     if (!strcmp(m->hybrid, "default")) {
-        // Layer l (1-based) is MLA when l % 4 == 0 or l == L (model.md §0.1).
+        // Layer l (1-based) is MLA when l % 4 == 0 or l == L (docs/model.md §0.1).
         long L = m->layers < MTRL_CFG_STR_MAX - 1 ? m->layers : MTRL_CFG_STR_MAX - 1;
         for (long l = 1; l <= L; l++) m->hybrid[l - 1] = (l % 4 == 0 || l == L) ? 'M' : 'K';
         m->hybrid[L] = '\0';

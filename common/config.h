@@ -9,7 +9,7 @@
 //
 // Every problem is collected before returning, each as one line
 //     experiments/x.ini:3: unknown key 'lrr' in [learner]; did you mean 'lr'?
-// and the caller prints them all and exits 2 (architecture §2). Nothing is half-applied:
+// and the caller prints them all and exits 2 (docs/architecture.md §2). Nothing is half-applied:
 // on error the config must not be used.
 //
 //     mtrl_config cfg; mtrl_config_errors errs = {0};

@@ -81,7 +81,7 @@ static int segment_of_(const mtrl_model *m, const mtrl_config *cfg, const mtrl_b
     return seg;
 }
 
-// QB after the step (model.md §4.3); with [learner] qb off β stays and only the step's
+// QB after the step (docs/model.md §4.3); with [learner] qb off β stays and only the step's
 // routing statistics are cleared.
 static void qb_after_step_(mtrl_model *m, const mtrl_config *cfg) {
     int frozen = m->qb_frozen;

@@ -24,8 +24,7 @@
 // ~16 significant bits) against fp64 and v2 at 1e-4 (test_kda_v3_emu.c's emulation of the split
 // gives at most 6.9e-6 on such inputs, fp32's 4e-7; the margin covers the tensor cores' fp32
 // accumulation and ex2.approx, which it does not model), its own WPB and prefill forms bit for bit,
-// and its o not bit-identical to bf16's (the switch took effect). Passed on an H200 (abd19b0,
-// 2026-11-30, 1,616 checks): bf16x3 o 7.3e-6, S_final and S_tiles 5.8e-6.
+// and its o not bit-identical to bf16's (the switch took effect).
 // The model's use (test_chunk_model_, v2 and v3; K = V = 128, H = 2 and 8, the model's gate at
 // initialisation): segments chained through S_final -> S0 bit-identical to one call, the v2
 // backward on the forward's own S_tiles and the gate backward (dA_log) against fp64, prefill then
@@ -43,9 +42,8 @@
 // tensor cores, bf16x3, every shape): every test_chunk backward case again, with v2's and v3's
 // pass 2, at the same tolerances (emulated: gradients within 2e-5 of fp64 with both switches). In
 // test_chunk_model_ the backward and gate backward run with kda_bwd = auto and then with both
-// switches too: dg 1e-3 and dA_log 1e-2 whenever that forward is checked. Passed on an H200
-// (7b96fd7, 2026-11-30): 2,151 passed, 0 failed; worst v3 backward error 3.5e-5 of fp64. Both
-// switches are the default since (kda_bwd = simt / kda_bwd_tile = simt select v2's kernels): each
+// switches too: dg 1e-3 and dA_log 1e-2 whenever that forward is checked. Both
+// switches are the default (kda_bwd = simt / kda_bwd_tile = simt select v2's kernels): each
 // case names its configuration explicitly, the default runs in every other test.
 #include "tests/testhelp.h"
 #include "kernels/lab/cuda_testutil.h"

@@ -38,23 +38,17 @@
 // Per case, a GPU model created with [kernels] gemm = tf32 (its fp32 GEMMs on TF32 tensor cores)
 // against the default one on the same routing: log-probs within 1e-2, every gradient within
 // 8e-2 but the per-head A_log gradients' 0.25 (gemm_switch_vs_fp32_ says why), and not
-// identical (the switch took effect). Passed on an H200 (ebe612f, 2026-11-30) at 5e-2; the naive
-// MLA form's expansion GEMMs on TF32 too took reduced small's layers.1.mla.wq to 0.0511 (6c999a1).
+// identical (the switch took effect). (Why 8e-2: docs/perf.md, "Measurements moved out of code comments".)
 // Per case, a GPU model created with [kernels] gemm = bf16 (bf16 operands for the projections,
 // experts and dense FFNs) against the default one likewise: log-probs within 2e-2, every
 // gradient within 0.75 (A_log 0.5; test_bf16_ says why so loose), not identical; and its bf16 weight copy follows an AdamW
-// step and two checkpoint loads (bf16_copy_follows_). On an H200 (abd19b0, 2026-11-30): logp 4.2e-4 / 8.8e-4, worst
-// gradient 0.060 / 0.385 (reduced small layers.1.norm1), A_log 0.074 / 0.126; reloads bit-exact; the one failure was
-// log-probs after the step, 0.073 of 2e-2 with the step's lr at 1e-2 (TEST_STEP_LR says why it is now 1e-3).
+// step and two checkpoint loads (bf16_copy_follows_). TEST_STEP_LR says why the
+// step's learning rate is 1e-3.
 // Segmented vs unsegmented on the GPU: log-probs 1e-4; gradients 2e-4 (fp32 only), 1e-2 with MLA
 // (the attention kernel rounds its probabilities to bf16 relative to a running maximum that
 // depends on how the queries are split, so the two runs differ at the bf16 level), 3e-2 at
 // small's MLA widths (measured 6c999a1: 1.8e-2 in layers.1.mla.wq at segment 24).
-// Measured on an H200 (2026-11-30): tiny logp 2.6e-6, gradients 3.3e-3 (layers.3.mla.wq), logits
-// 5.1e-4, decode 3.1e-4, segmented 7.8e-5; all-KDA logp 8.0e-8, gradients 2.3e-5, logits 3.4e-6,
-// decode 1.2e-5, segmented 7.5e-6; reduced small logp 4.4e-5, gradients 1.5e-2
-// (layers.1.mla.kv_norm), logits 2.0e-3, decode 5.8e-3, segmented 2.5e-3; AdamW parameters
-// within 2.4e-7; the GPU's own routing equal to the CPU's on every choice.
+// What an H200 measured against these tolerances: docs/perf.md, "Measurements moved out of code comments".
 // Before the device check it runs the host-side checks of any build: an arena over a caller's
 // block, the device parser, mtrl_model_init_on refusing what the kernels cannot take, the latent
 // element sizes (2 on CUDA, 4 under [kernels] latent = fp32, `real` on the CPU) and the planner's

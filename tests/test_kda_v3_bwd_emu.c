@@ -28,10 +28,7 @@
 // <= 2e-5 and the gradients it leads to (worst of dq, dk, dv, dg, dβ) <= 5e-5: with v2's own error
 // that justifies test_cuda_kda's 1e-4 (2e-4 at the bound) for kda_bwd = auto; and bf16 at least 20x
 // worse than bf16x3 (the emulation resolves the split: a lo part dropped or misapplied shows here).
-// Measured here (x86, 2026-11-30), worst over the cases: dD, dS_tiles, dS0 bf16x3 5.2e-6 (dD
-// 4.0e-6–5.2e-6, dS0 2.6e-6–4.5e-6, dS_tiles <= 9.3e-7), plain bf16 2.6e-3, fp32 operands 1.4e-7;
-// gradients bf16x3 1.7e-5 (dβ at T = 17; 4.5e-6–1.0e-5 elsewhere), bf16 7.8e-3, fp32 operands
-// 2.0e-7; fp64 pass vs kda_chunk_bwd: dS0 8.2e-16, gradients 1.0e-13.
+// The measured errors: docs/perf.md, "Measurements moved out of code comments".
 //   Pass 3 on tensor cores (kda_bwd_tile = auto, kda_tile_bwd_k<true>): the same fp64 pass 3 with the
 //     operands of the products smm16_tc computes rounded to split bf16 and their results to fp32
 //     (p3x_), after the bf16x3 pass 2 (both switches: checked <= 5e-5; measured 2.0e-5, dβ at

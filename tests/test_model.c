@@ -1,5 +1,5 @@
 // mtrl-test: cpu f64 timeout=900
-// The whole backbone in fp64 (model.md §8 I3, I8, I11 and the segmented form):
+// The whole backbone in fp64 (docs/model.md §8 I3, I8, I11 and the segmented form):
 //  - every parameter tensor's gradient == central finite differences of the loss
 //    L = Σ c_t logp_t + Σ e_t entropy_t (routing replayed so the loss is smooth in θ);
 //  - segmented forward/backward == unsegmented: loss and every gradient to 1e-9 relative for

@@ -1,5 +1,5 @@
 // mtrl.c: the one user-facing command. A thin front door: it dispatches to the subcommands in
-// tools/cmd_*.c, which stand on the libraries (architecture §2).
+// tools/cmd_*.c, which stand on the libraries (docs/architecture.md §2).
 #include <stdio.h>
 #include <string.h>
 

@@ -1,4 +1,4 @@
-// model.h: the backbone (model.md) assembled from the ops of a backend (backend.h): the CPU
+// model.h: the backbone (docs/model.md) assembled from the ops of a backend (backend.h): the CPU
 // reference of kernels/ref, or the CUDA kernels of kernels/cuda (see "Devices" below).
 //
 // A hybrid stack of L layers; layer l mixes tokens with KDA (lower-bounded decay, §2) or gated
@@ -10,7 +10,7 @@
 // Shapes (per sequence): T tokens, d = d_model, V = vocabulary, H heads, D = KDA head dim,
 // dn/dr/dv/dc = MLA nope/rope/value/latent dims, E experts, k = top_k.
 //
-// Three execution forms, equal within tolerance (model.md §8):
+// Three execution forms, equal within tolerance (docs/model.md §8):
 //  1. chunked: mtrl_model_forward/backward over a batch of sequences with segment = 0 (each
 //     sequence is one segment; KDA in 16-token tiles).
 //  2. recurrent decode: mtrl_model_decode over a batch of per-sequence states (KDA state, conv
@@ -34,7 +34,7 @@
 // The forward stores what the backward needs inside the model's batch workspace; a forward
 // must precede each backward with the same batch.
 //
-// Devices (model.md is the math; backend.h the operations): the same code runs on the CPU
+// Devices (docs/model.md is the math; backend.h the operations): the same code runs on the CPU
 // reference (MTRL_DEVICE_CPU, fp32 or fp64) or on one GPU (MTRL_DEVICE_CUDA, the fp32 build
 // with MTRL_HAVE_CUDA), chosen once by mtrl_model_init_on (from `[model] device`:
 // mtrl_model_parse_device(cfg->model.device, &device, &gpu)). On a GPU:
@@ -227,7 +227,7 @@ typedef struct mtrl_model {
     real *d_qb_beta;            // [L][E]
     long step;                  // optimizer steps taken
     uint32_t version;           // weight version (published)
-    // Quantile Balancing (model.md §4.3): β per MoE layer, outside the gradient path.
+    // Quantile Balancing (docs/model.md §4.3): β per MoE layer, outside the gradient path.
     real *qb_beta;              // [L][E] (layer 0 unused)
     double *qb_sum;             // [L][E] β computed from this step's batches, summed
     int *qb_count;              // [L] number of batches summed

@@ -212,8 +212,8 @@ static void point_(const mtrl_tt *t, void *base, const mtrl_model_dims *d, mtrl_
 // Initialisation: projections N(0, init_std) from the tensor's own RNG stream (so a tensor's
 // init does not depend on the order of the table); output projections scaled by 1/sqrt(2L)
 // as in GPT-2; norms 1; AttnRes pseudo-queries 0 (a site starts as the mean of its sources,
-// model.md §6.1); KDA A_log 0 and dt_bias = softplus⁻¹(dt), dt log-uniform in [1e-3, 0.1]
-// (fla's init, model.md §2.1); conv weights N(0, 1/W) around a mild identity.
+// docs/model.md §6.1); KDA A_log 0 and dt_bias = softplus⁻¹(dt), dt log-uniform in [1e-3, 0.1]
+// (fla's init, docs/model.md §2.1); conv weights N(0, 1/W) around a mild identity.
 // Every value depends only on (seed, tensor, index), so the loops run in parallel with the
 // same result for any thread count.
 static void init_(mtrl_model *m, uint64_t seed) {

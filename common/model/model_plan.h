@@ -38,7 +38,7 @@
 // (tests/test_cuda_long.c).
 //
 // Segment lengths are multiples of 64 (whole KDA tiles of 16 and whole 64-token super-chunks,
-// model.md §2.6; the code itself takes any length), or the whole sequence when it fits.
+// docs/model.md §2.6; the code itself takes any length), or the whole sequence when it fits.
 //
 //     mtrl_model_plan p;
 //     if (mtrl_model_plan_uniform(&p, &dims, MTRL_DEVICE_CUDA, 1 << 20, 1, budget, &err) != MTRL_OK) ...
@@ -60,9 +60,8 @@
 #define MTRL_PLAN_PACK_MAX 65536
 // Device memory a CUDA model uses outside its backend's blocks and scratch: cuBLAS workspaces
 // (the context's, and 7 x 32 MiB for the GEMM lanes of the MoE experts, cuda_common.cuh), kernel
-// images loaded on first launch, allocation rounding. Measured 0.01 GiB on an H200 after a
-// 1M-token step (tests/test_cuda_long.c (b)) before the lanes (2026-11-30); reserved with room
-// to spare.
+// images loaded on first launch, allocation rounding. Reserved with room to spare over what an
+// H200 measured (docs/perf.md, "Measurements moved out of code comments").
 #define MTRL_PLAN_CUDA_RUNTIME ((size_t)384 << 20)
 
 typedef struct mtrl_model_plan {

@@ -66,8 +66,7 @@ struct mtrl_cuda_ctx {
     // first mtrl_ctx_lanes_fork, that share `blas`: a GEMM on lane i sets the handle's stream to
     // lane i's and its workspace to ws[i] (MTRL_CTX_LANE_WS bytes; concurrent GEMMs must not share
     // one), then gives the handle back to `stream`. One handle, because each cuBLAS handle holds
-    // ~64 MiB of its own on an H200 (7 more came to 0.67 GiB outside the planner's blocks,
-    // 2026-12-01). ev[i]: lane i's fork / join event.
+    // a large workspace of its own outside the planner's blocks (docs/perf.md, "Measurements moved out of code comments"). ev[i]: lane i's fork / join event.
     cudaStream_t lane_stream[MTRL_CTX_LANES];
     void *lane_ws[MTRL_CTX_LANES];
     cudaEvent_t lane_ev[MTRL_CTX_LANES];

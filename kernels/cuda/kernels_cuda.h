@@ -115,7 +115,7 @@ int mtrl_kda_chunk_fwd(mtrl_cuda_ctx *ctx, int T, int H, int K, int V, const flo
 int mtrl_kda_chunk_fwd_version(const mtrl_cuda_ctx *ctx, int H, int K, int V);
 // The state-gradient pass mtrl_kda_chunk_bwd runs for this shape (given 16-byte aligned inputs): 3 or 2.
 int mtrl_kda_chunk_bwd_version(const mtrl_cuda_ctx *ctx, int H, int K, int V);
-// Chunked backward (§2.4). S_tiles as written by the forward, or NULL (recomputed into
+// Chunked backward (docs/model.md §2.4). S_tiles as written by the forward, or NULL (recomputed into
 // scratch). dS_final NULL = zero; dS0 nullable; every other output overwritten.
 // The sequential state-gradient pass has two kernels: v3 (kda_tc_bwd_cuda.cu: mma.sync with
 // split-bf16 operands, bf16x3, fp32 accumulators), the default for K = V = 128 and 16-byte aligned
@@ -224,7 +224,7 @@ int mtrl_moe_combine_bwd(mtrl_cuda_ctx *ctx, int N, int K, int D, const int *pos
 int mtrl_moe_scatter_bwd(mtrl_cuda_ctx *ctx, int N, int K, int D, const int *pos,
                          const float *dX_perm, float *dx);
 // Grouped SwiGLU experts (moe_experts_fwd/bwd) as a loop of cuBLAS GEMMs over the experts
-// (measured faster than cuBLAS's grouped API, performance.md). offsets_host: a HOST copy of
+// (measured faster than cuBLAS's grouped API, docs/perf.md). offsets_host: a HOST copy of
 // offsets [E+1] (the caller downloads it once per layer). type: operand type of X_perm and
 // the weights W1, W3 [E][I][D], W2 [E][D][I] (MTRL_F32 or MTRL_BF16 copies of the fp32
 // masters). u1, u3 [R][I] fp32 saved; Y_perm [R][D] fp32. Backward: dY_perm fp32; dX_perm

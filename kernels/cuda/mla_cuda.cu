@@ -1,5 +1,5 @@
 // mla_cuda.cu: causal attention for the (absorbed) MLA layer, training forward / backward in
-// flash style, and the absorbed decode over a batch of latent caches (model.md §3; the oracle
+// flash style, and the absorbed decode over a batch of latent caches (docs/model.md §3; the oracle
 // is kernels/ref/mla_ref.c: attn_causal_fwd/bwd, mla_decode_absorbed_ld).
 //
 // Training form. The kernels below are v1; the launchers run v2 (attn_tc_cuda.cu: FA2 style,
@@ -1214,7 +1214,7 @@ static size_t absorb_smem_(int dn) {
     return sizeof(float) * ((size_t)ABS_BT * absorb_dnp_(dn) + (ABS_NS - 1) * ABS_BT * ABS_COLS);
 }
 
-// qt[b][h] = [q^n_{b,h} W_UK,h ; q^r_{b,h}] (fp32; model.md §3). grid (H ceil(dc / 32),
+// qt[b][h] = [q^n_{b,h} W_UK,h ; q^r_{b,h}] (fp32; docs/model.md §3). grid (H ceil(dc / 32),
 // ceil(B / 16)), 256 threads. Thread (slice sl, column c) sums n in slice sl of dn (dnp / 8
 // values, 4 at a time: one float4 of each sequence's q^n from shared memory per 4 products) for
 // the block's nb <= 16 sequences; W_UK,h is read once per block, coalesced, 16 loads in flight.

@@ -2,7 +2,7 @@
 // with CUDA events (warm-up, median of repeats, random inputs, working sets far above the 60 MB
 // L2 or rotated among several copies) and prints time, achieved TFLOP/s or GB/s and the fraction
 // of the ceilings measured in the same run (bf16 GEMM 8192³ through cuBLAS; device-to-device
-// copy, bytes read + written). performance.md's reference ceilings are 755 TFLOP/s, 4.17 TB/s.
+// copy, bytes read + written). The reference ceilings (docs/perf.md) are 755 TFLOP/s, 4.17 TB/s.
 #include <algorithm>
 #include <cerrno>
 #include <cstdio>
@@ -42,7 +42,7 @@ bool anchor(const Bench &B, const std::string &key, double *v) {
 }
 
 // The line under a row that compares it with its anchor: ours / theirs for a time (lower is
-// better), or for a rate (higher is better), with the performance.md target of that ratio.
+// better), or for a rate (higher is better), with the docs/perf.md target of that ratio.
 void vs(const Bench &B, const std::string &key, double ours, const char *what, const char *target) {
     double theirs;
     if (B.anchors.empty() || !anchor(B, key, &theirs) || theirs <= 0) return;
@@ -719,7 +719,7 @@ extern "C" int mtrl_bench_ops_cuda(int argc, char **argv) {
     if (want("copy") || want("gemm")) bench_ceilings(B);
     else
         printf("%-34s %-34s (ceilings not measured in this run: %.2f TB/s copy, %.0f TFLOP/s bf16 from "
-               "performance.md; add copy,gemm to --only to measure them)\n", "", "", B.copy_tbps, B.gemm_tflops);
+               "docs/perf.md; add copy,gemm to --only to measure them)\n", "", "", B.copy_tbps, B.gemm_tflops);
     if (want("kda"))
         for (int T : kdaT) bench_kda(B, T, H);
     if (want("step")) {

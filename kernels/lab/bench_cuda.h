@@ -15,7 +15,7 @@ extern "C" {
 // option set by the bench). --anchors: the JSON that shared/bench/anchors_gpu.py wrote on the same machine;
 // the KDA chunk, attention (MHA shape) and expert-GEMM rows are then followed by their ratio to
 // the anchor (fla chunk_kda time, SDPA cuDNN / FA2 TFLOP/s, torch._grouped_mm TFLOP/s) and the
-// performance.md target of that ratio. The moe rows also compare the grouped experts with the
+// docs/perf.md target of that ratio. The moe rows also compare the grouped experts with the
 // lanes at 16 .. 8192 rows per expert (balanced, skewed) at small's shape and the anchor's; the
 // JSON of tools/anchors_grouped_mm.py (merged into --anchors) gives their torch._grouped_mm ratios.
 // argv[0] is the word "ops". Returns 0, 2 for bad arguments, 77 when there is no device.
