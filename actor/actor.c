@@ -366,7 +366,7 @@ static int setup_(actor *a, const mtrl_wire_msg *m) {
     mtrl_model_dims d;
     mtrl_error err;
     omp_set_num_threads(mtrl_config_threads(&a->cfg));
-    if (mtrl_model_dims_from_config(&d, &a->cfg.model, MTRL_VOCAB, &err) != MTRL_OK) {
+    if (mtrl_model_dims_from_config(&d, &a->cfg, MTRL_VOCAB, &err) != MTRL_OK) {
         unusable_(a, "%s", err.msg);
         return 0;
     }

@@ -1,4 +1,4 @@
-// actor.h: the actor process (`mtrl actor --connect ENDPOINT`), architecture §3 and §5.
+// actor.h: the actor process (`mtrl actor --connect ENDPOINT`), docs/architecture.md §3 and §5.
 //
 // It says HELLO to the learner with its id and a fresh incarnation, builds the model and env
 // from the experiment the WELCOME carries, loads the weights the learner sends (copied out of

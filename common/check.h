@@ -1,4 +1,4 @@
-// check.h: the invariant tier of errors (architecture §9).
+// check.h: the invariant tier of errors (docs/architecture.md §9).
 //
 // MTRL_CHECK(cond) and MTRL_CHECKF(cond, fmt, ...) print file:line, the failed condition and
 // an optional explanation, then abort. They guard what cannot happen if the program is correct;

@@ -1,7 +1,7 @@
 // check_cuda.h: the invariant tier (check.h) for CUDA, cuBLAS and NCCL calls made from C.
 //
 // Every call is wrapped: a failure prints file:line, the failing call and the library's own
-// error name and text, then aborts (architecture §9: GPU failures are invariants, not inputs).
+// error name and text, then aborts (docs/architecture.md §9: GPU failures are invariants, not inputs).
 // One generator makes all three, as ggml's CHECK_GEN does. Compiled only in CUDA builds
 // (MTRL_HAVE_CUDA); kernels/cuda has its own copy because kernels/ includes nothing of ours.
 //     CUDA_CHECK(cudaMalloc(&p, n));   CUBLAS_CHECK(cublasCreate(&h));   NCCL_CHECK(ncclCommInitAll(...));

@@ -37,14 +37,14 @@ typedef struct cfg_field {
 
 static const cfg_field cfg_fields_[] = {
     MTRL_CFG_RUN(CFG_ROW) MTRL_CFG_MODEL(CFG_ROW) MTRL_CFG_ENV(CFG_ROW) MTRL_CFG_ACTOR(CFG_ROW)
-    MTRL_CFG_LEARNER(CFG_ROW) MTRL_CFG_ALGO(CFG_ROW) MTRL_CFG_WARMUP(CFG_ROW)
+    MTRL_CFG_LEARNER(CFG_ROW) MTRL_CFG_ALGO(CFG_ROW) MTRL_CFG_WARMUP(CFG_ROW) MTRL_CFG_KERNELS(CFG_ROW)
 };
 static const cfg_field cfg_stage_fields_[] = {MTRL_CFG_STAGE(CFG_STAGE_ROW)};
 
 #define N_FIELDS ((int)(sizeof cfg_fields_ / sizeof cfg_fields_[0]))
 #define N_STAGE_FIELDS ((int)(sizeof cfg_stage_fields_ / sizeof cfg_stage_fields_[0]))
 
-static const char *cfg_sections_[] = {"run", "model", "env", "actor", "learner", "algo", "warmup"};
+static const char *cfg_sections_[] = {"run", "model", "env", "actor", "learner", "algo", "warmup", "kernels"};
 #define N_SECTIONS ((int)(sizeof cfg_sections_ / sizeof cfg_sections_[0]))
 
 // ---- errors ---------------------------------------------------------------------------------------
@@ -376,6 +376,11 @@ static int assign_(cfg_parse *ps, const char *where, const char *section, int st
                    const char *value, int line) {
     const char *tabsec = stage >= 0 ? "stage" : section;
     int idx = find_field_(tabsec, key);
+    if (idx < 0 && !strcmp(section, "model") && !strcmp(key, "segment")) {
+        errs_add(ps->errs, "%s: [model] segment has moved to [learner] segment (auto, or a token count N; the old 0 "
+                 "is auto)", where);
+        return 0;
+    }
     if (idx < 0) {
         const char *near = nearest_key_(tabsec, key);
         errs_add(ps->errs, "%s: unknown key '%s' in [%s]; did you mean '%s'?", where, key, section,
@@ -552,8 +557,20 @@ static void check_whole_(cfg_parse *ps) {
     if (cfg->learner.curve_allow[0] && !cfg->learner.curve_key[0])
         errs_add(ps->errs, "%s: [learner] curve_allow has no effect without curve_key (the learner's key file, from "
                  "mtrl keygen)", ps->name);
+    if (mtrl_config_segment(cfg) == 0)
+        errs_add(ps->errs, "%s: [learner] segment: '%s' is not auto or a token count 1..%d", ps->name,
+                 cfg->learner.segment, 1 << 30);
     if (cfg->algo.eps_low >= 1.0)
         errs_add(ps->errs, "%s: [algo] eps_low must be below 1 (ratios are clipped to [1 - eps_low, 1 + eps_high])", ps->name);
+}
+
+long mtrl_config_segment(const mtrl_config *cfg) {
+    const char *s = cfg->learner.segment;
+    if (!strcmp(s, "auto")) return MTRL_CFG_SEGMENT_AUTO;
+    char *end;
+    errno = 0;
+    long n = strtol(s, &end, 10);
+    return *s && !*end && !errno && n >= 1 && n <= (1L << 30) ? n : 0;
 }
 
 // ---- model presets ---------------------------------------------------------------------------------------
@@ -601,7 +618,7 @@ static void resolve_model_(cfg_parse *ps) {
     if (m->top_k > m->experts)
         errs_add(ps->errs, "%s: [model] top_k = %ld exceeds experts = %ld", ps->name, m->top_k, m->experts);
     if (!strcmp(m->hybrid, "default")) {
-        // Layer l (1-based) is MLA when l % 4 == 0 or l == L (model.md §0.1).
+        // Layer l (1-based) is MLA when l % 4 == 0 or l == L (docs/model.md §0.1).
         long L = m->layers < MTRL_CFG_STR_MAX - 1 ? m->layers : MTRL_CFG_STR_MAX - 1;
         for (long l = 1; l <= L; l++) m->hybrid[l - 1] = (l % 4 == 0 || l == L) ? 'M' : 'K';
         m->hybrid[L] = '\0';

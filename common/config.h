@@ -1,7 +1,7 @@
 // config.h: typed experiment configuration from INI files.
 //
 // An experiment is a plain INI file (Python's configparser reads it too: no dialect of ours):
-// sections [run] [model] [env] [actor] [learner] [algo] [warmup] and [stage.1] ... [stage.16];
+// sections [run] [model] [env] [actor] [learner] [algo] [warmup] [kernels] and [stage.1] ... [stage.16];
 // `key = value` lines; comments start with ; or #. The keys, types, defaults, ranges and help
 // live in config_schema.h. Parsing goes through libinih's ini_parse_stream with our own line
 // reader, so every message names file:line (Debian's inih gives handlers no line numbers and
@@ -9,7 +9,7 @@
 //
 // Every problem is collected before returning, each as one line
 //     experiments/x.ini:3: unknown key 'lrr' in [learner]; did you mean 'lr'?
-// and the caller prints them all and exits 2 (architecture §2). Nothing is half-applied:
+// and the caller prints them all and exits 2 (docs/architecture.md §2). Nothing is half-applied:
 // on error the config must not be used.
 //
 //     mtrl_config cfg; mtrl_config_errors errs = {0};
@@ -42,6 +42,7 @@ typedef struct mtrl_cfg_actor { MTRL_CFG_ACTOR(MTRL_CFG_DECL) } mtrl_cfg_actor;
 typedef struct mtrl_cfg_learner { MTRL_CFG_LEARNER(MTRL_CFG_DECL) } mtrl_cfg_learner;
 typedef struct mtrl_cfg_algo { MTRL_CFG_ALGO(MTRL_CFG_DECL) } mtrl_cfg_algo;
 typedef struct mtrl_cfg_warmup { MTRL_CFG_WARMUP(MTRL_CFG_DECL) } mtrl_cfg_warmup;
+typedef struct mtrl_cfg_kernels { MTRL_CFG_KERNELS(MTRL_CFG_DECL) } mtrl_cfg_kernels;
 typedef struct mtrl_cfg_stage { MTRL_CFG_STAGE(MTRL_CFG_DECL) } mtrl_cfg_stage;
 
 typedef struct mtrl_config {
@@ -52,6 +53,7 @@ typedef struct mtrl_config {
     mtrl_cfg_learner learner;
     mtrl_cfg_algo algo;
     mtrl_cfg_warmup warmup;
+    mtrl_cfg_kernels kernels;
     mtrl_cfg_stage stage[MTRL_CFG_MAX_STAGES];
     int n_stages;                  // [stage.1]..[stage.n_stages] present
     char path[MTRL_CFG_STR_MAX];   // the file it came from ("" for defaults or text)
@@ -88,6 +90,12 @@ uint64_t mtrl_config_hash(const mtrl_config *cfg);
 
 // Prints every key with type, default, range or choices and help (mtrl check --keys).
 void mtrl_config_print_keys(FILE *f);
+
+// [learner] segment as a number: N (1 .. 2^30), MTRL_CFG_SEGMENT_AUTO for "auto", 0 for anything
+// else (the load has refused it). The planner resolves it per batch (model_plan.h
+// mtrl_model_segment_resolve).
+#define MTRL_CFG_SEGMENT_AUTO (-1L)
+long mtrl_config_segment(const mtrl_config *cfg);
 
 // OpenMP threads for one process of a run: [learner] threads when set, else the cores shared
 // evenly between the learner and its [actor] count local actors (at least 1). On a 2-core

@@ -40,7 +40,7 @@
     X(model, mla_gate, BOOL, "true", 0, 0, NULL, "sigmoid output gate on MLA")                     \
     X(model, mla_train, ENUM, "naive", 0, 0, "naive|absorbed", "MLA attention form of the learner's forward and backward: naive (keys and values expanded per head, Dk = d_n + d_r: 3.4x fewer attention FLOPs at small's widths) or absorbed (MQA over the latents, as decode)") \
     X(model, mla_prefill, ENUM, "naive", 0, 0, "naive|absorbed", "MLA attention form of prefill (prompts, documents, tool results): naive (keys and values expanded per head: fewer attention FLOPs; its scratch grows with the context, by the expanded keys of every token so far), or absorbed (attention over the latents, as decode)") \
-    X(model, gemm, ENUM, "tf32", 0, 0, "tf32|fp32", "precision of the projection and expert GEMMs on a GPU (a CPU model computes in real): tf32 (TF32 tensor cores, 10-bit mantissa inputs, fp32 accumulation: the default since 2026-11-30, when three quickstart-gpu seeds per format learned alike, docs/precision.md) or fp32 (true fp32, what the GPU tests compare with the CPU). MTRL_GEMM_TF32=1 or 0 in the environment overrides it; MTRL_GEMM_BF16=1 (bf16 operands) wins over both") \
+    X(model, gemm, ENUM, "tf32", 0, 0, "tf32|fp32", "precision of the projection and expert GEMMs on a GPU (a CPU model computes in real): tf32 (TF32 tensor cores, 10-bit mantissa inputs, fp32 accumulation; docs/precision.md compares the formats) or fp32 (true fp32, what the GPU tests compare with the CPU); [kernels] gemm overrides it") \
     X(model, dense_inter, INT, "0", 0, 1 << 20, NULL, "intermediate width of the dense FFNs of the first dense_layers layers (0 = preset)") \
     X(model, dense_layers, INT, "0", 0, 512, NULL, "layers (the first) with a dense SwiGLU FFN instead of MoE, Kimi's first_k_dense_replace (0 = preset = 1)") \
     X(model, experts, INT, "0", 0, 4096, NULL, "routed experts per MoE layer (0 = preset)")       \
@@ -59,7 +59,6 @@
     X(model, norm_eps, FLOAT, "1e-5", 1e-12, 1, NULL, "RMSNorm epsilon")                          \
     X(model, mla_kv_norm_eps, FLOAT, "0", 0, 1, NULL, "epsilon of the MLA latent's RMSNorm (0 = norm_eps; Kimi Linear's kv_a_layernorm takes 1e-6 whatever rms_norm_eps is)") \
     X(model, init_std, FLOAT, "0.02", 0, 1, NULL, "std of the normal init of projections")       \
-    X(model, segment, INT, "0", 0, 1 << 30, NULL, "learner segment length in tokens (0 = planned from memory)") \
     X(model, image_patch, INT, "0", 0, 64, NULL, "side P of the square patches pictures are cut into: each P x P RGB patch is one token through a learned linear patch embedding (docs/multimodal.md); 0 = no pictures (an env's image aborts its episode)") \
     X(model, image_max_side, INT, "512", 1, 4096, NULL, "largest width or height of a picture in pixels; a larger one aborts its episode")
 
@@ -116,6 +115,7 @@
     X(learner, stall_timeout_s, INT, "900", 0, 604800, NULL, "the run fails when no RL step was taken for this long (the message says why: no actor, or no episode finished); 0 = never") \
     X(learner, actor_start_timeout_ms, INT, "120000", 100, 3600000, NULL, "... or this long after its WELCOME, before its first message (it builds its model and envs)") \
     X(learner, credit_bytes, INT, "4194304", 4096, 1LL << 40, NULL, "bytes an actor may have in flight") \
+    X(learner, segment, STR, "auto", 0, 0, NULL, "tokens per segment of the learner's forward and backward, and of replay's scoring: auto (the memory planner's choice for each batch from the device's free memory) or a count N") \
     X(learner, threads, INT, "0", 0, 1024, NULL, "OpenMP threads of the learner and of each local actor (0 = the cores shared evenly)")
 
 #define MTRL_CFG_ALGO(X)                                                                            \
@@ -148,6 +148,31 @@
     X(stage, group_size, INT, "0", 0, 4096, NULL, "episodes per task (0 = [algo] group_size)")     \
     X(stage, batch_groups, INT, "0", 0, 1 << 20, NULL, "groups per step (0 = [learner] batch_groups)") \
     X(stage, episodes_in_flight, INT, "0", 0, 1 << 20, NULL, "episodes each actor runs at once (0 = [actor] episodes_in_flight)")
+
+// [kernels]: which kernel runs each op on a GPU and the GPU's precisions (kernels/kernel_opts.h;
+// a CPU model ignores the section). The defaults are the kernels docs/kernel-lab.md and
+// docs/perf.md measured best; the other choices are each op's general fallback and the lab's
+// variants the GPU tests compare with the default.
+#define MTRL_CFG_KERNELS(X)                                                                         \
+    X(kernels, attn, ENUM, "auto", 0, 0, "auto|simt|mma", "causal attention of MLA's training and prefill forms: auto (wgmma on an H100/H200 for the naive shapes, mma elsewhere), simt (the first kernel, any shape) or mma (never wgmma)") \
+    X(kernels, attn_fwd_config, INT, "0", 0, 6, NULL, "tile configuration of the mma attention forward: 0 = the default, 1..6 = the lab's others (docs/kernel-lab.md)") \
+    X(kernels, attn_dkv_rows, ENUM, "32", 0, 0, "32|64", "query rows per tile of the mma attention dK / dV at Dk = 192") \
+    X(kernels, attn_dq_first, BOOL, "false", 0, 0, NULL, "mma attention dQ in its first configuration (one row tile per warp, 64-key tiles)") \
+    X(kernels, attn_dkv_in_step, BOOL, "false", 0, 0, NULL, "wgmma attention dK / dV with its two warpgroups in step instead of ping-pong") \
+    X(kernels, decode, ENUM, "auto", 0, 0, "auto|simt", "one-token decode of KDA and MLA: auto (the tiled kernels where they take the shape) or simt (the first kernels, any shape)") \
+    X(kernels, kda_fwd, ENUM, "auto", 0, 0, "auto|simt", "KDA chunked forward: auto (tensor cores, v3, at K = V = 128) or simt (v2, any shape)") \
+    X(kernels, kda_bwd, ENUM, "auto", 0, 0, "auto|simt", "KDA chunked backward: auto (tensor cores, v3, at K = V = 128) or simt (v2, any shape)") \
+    X(kernels, kda_bwd_tile, ENUM, "auto", 0, 0, "auto|simt", "per-tile pass of the KDA backward: auto (tensor cores) or simt") \
+    X(kernels, kda_tile_threads, ENUM, "512", 0, 0, "512|256", "threads per block of the KDA backward's tensor-core per-tile pass") \
+    X(kernels, kda_fwd_pieces, INT, "0", 0, 8, NULL, "pieces of the v3 KDA forward overlapped with its prep (0 = planned from the SM count)") \
+    X(kernels, kda_bwd_pieces, INT, "0", 0, 8, NULL, "pieces of the v3 KDA backward's state-gradient pass overlapped with the per-tile pass (0 = planned from the SM count)") \
+    X(kernels, kda_seq_pieces, INT, "0", 0, 64, NULL, "sequence pieces of the chunk-parallel KDA forward, whose pieces run side by side from each piece's incoming state (0 = chosen from the heads, the length and the SM count; 1 = the sequential forward; N = N pieces)") \
+    X(kernels, kda_records, ENUM, "bf16x3", 0, 0, "bf16x3|bf16", "operands of the v3 KDA forward's records: bf16x3 (split bf16, ~16 bits) or plain bf16") \
+    X(kernels, kda_cluster, ENUM, "off", 0, 0, "off|2|4|8", "v3 KDA forward state pass in thread-block clusters of this many blocks") \
+    X(kernels, kda_warps, ENUM, "4", 0, 0, "4|1|2|8", "warps per block of the v3 KDA state passes") \
+    X(kernels, moe_lanes, INT, "0", 0, 8, NULL, "CUDA streams the MoE experts' GEMMs spread over (0 = all 8, 1 = one stream)") \
+    X(kernels, gemm, ENUM, "model", 0, 0, "model|tf32|fp32|bf16", "precision of the projection and expert GEMMs: model ([model] gemm), tf32, fp32, or bf16 operands (fp32 accumulation, fp32 master weights)") \
+    X(kernels, latent, ENUM, "bf16", 0, 0, "bf16|fp32", "element type of the MLA latent caches on a GPU")
 
 #define MTRL_CFG_MAX_STAGES 16
 

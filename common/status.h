@@ -1,6 +1,6 @@
 // status.h: status codes and error messages for everything a user or peer can get wrong.
 //
-// Two error tiers (architecture §9). Invariants abort through check.h. Everything that comes
+// Two error tiers (docs/architecture.md §9). Invariants abort through check.h. Everything that comes
 // from outside (a config, a file, a wire message, a plug-in, a tool call) returns an
 // mtrl_status and fills an mtrl_error whose message names the input and says what to do:
 //     "experiments/x.ini:3: unknown key 'lr' in [learner]; did you mean 'lr_max'?"

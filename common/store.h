@@ -1,4 +1,4 @@
-// store.h: the SQLite run store (architecture §6). One writer (the learner); readers (replay,
+// store.h: the SQLite run store (docs/architecture.md §6). One writer (the learner); readers (replay,
 // report, anyone with the sqlite3 shell) open it read-only.
 //
 // Open for writing: takes an exclusive flock on "<db>.lock" first, where <db> is the database's

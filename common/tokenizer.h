@@ -2,7 +2,7 @@
 //
 // Ids 0..255 are the bytes themselves; the specials follow. Text never round-trips through a
 // chat template: the actor keeps the sampled ids, env observations (bytes) are tokenized once,
-// and the learner trains on exactly the ids the actor produced (architecture §3).
+// and the learner trains on exactly the ids the actor produced (docs/architecture.md §3).
 //
 // An episode reads:  BOS prompt-bytes  [model turn: bytes ... TOOL_OPEN call-bytes TOOL_CLOSE]
 //                    RESULT_OPEN observation-bytes RESULT_CLOSE  ...  answer-bytes EOS

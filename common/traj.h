@@ -1,4 +1,4 @@
-// traj.h: the one trajectory representation (architecture §4): on the wire, on disk, in replay.
+// traj.h: the one trajectory representation (docs/architecture.md §4): on the wire, on disk, in replay.
 //
 // An mtrl_traj holds one episode: a header (ids, env, seeds, routing shape), the token stream as
 // a struct of arrays, and a summary (rewards, status, reason, tool-call log, wall times). The

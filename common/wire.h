@@ -1,4 +1,4 @@
-// wire.h: the actor <-> learner protocol over ZeroMQ (architecture §5), encode and decode in one
+// wire.h: the actor <-> learner protocol over ZeroMQ (docs/architecture.md §5), encode and decode in one
 // place.
 //
 // Three layers, usable on their own:

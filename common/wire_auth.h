@@ -1,5 +1,5 @@
 // wire_auth.h: CURVE keys, allow-lists and the ZAP handler that authenticate remote actors
-// (architecture §5; docs: ecosystem-reliability §1 "Security").
+// (docs/architecture.md §5).
 //
 // The learner's ROUTER becomes a CURVE server (RFC 26: the stream is encrypted and the server
 // proves it holds its secret key), and every client handshake is put to a ZAP handler (RFC 27)

@@ -5,7 +5,7 @@
 // silently loses the messages that were in flight on it, in both directions. The DEALER then
 // reconnects on its own and nothing tells the application - unless it watches the monitor.
 // The actor resynchronises on DISCONNECTED (see actor.c); both sides log what happened
-// (ecosystem-reliability §1: log CONNECT_RETRIED, DISCONNECTED, HANDSHAKE_FAILED_*).
+// (CONNECT_RETRIED, DISCONNECTED, HANDSHAKE_FAILED_*: what an operator needs to see).
 //
 //   mtrl_wire_monitor mon;
 //   mtrl_wire_monitor_open(&mon, &sock, MTRL_WIRE_MON_DEFAULT, &err);

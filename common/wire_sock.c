@@ -1,6 +1,6 @@
 // wire_sock.c: ROUTER/DEALER helpers over libzmq (see wire.h, part 2).
 //
-// Options follow docs/ecosystem-reliability §1: ROUTER_MANDATORY so a send to a vanished actor
+// Options: ROUTER_MANDATORY so a send to a vanished actor
 // fails instead of being dropped silently, ROUTER_HANDOVER so a restarted actor reusing an id is
 // accepted, MAXMSGSIZE so one oversized frame disconnects its peer before it is buffered,
 // bounded LINGER so zmq_ctx_term cannot hang, ZMTP heartbeats for dead-peer detection, and a

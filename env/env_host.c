@@ -86,10 +86,9 @@ void mtrl_env_stats_get(const mtrl_env *e, mtrl_env_stats *out) {
 
 // ---- the child: start, stop, reap -----------------------------------------------------------
 
-// The start of a child, recognised before main runs: argv[0] is ENV_CHILD_ARGV0 and
-// ENV_CHILD_FD_VAR names a socket. glibc passes (argc, argv, envp) to constructors.
-__attribute__((constructor)) static void env_child_entry_(int argc, char **argv, char **envp) {
-    (void)envp;
+// The start of a child (env_host.h): argv[0] is ENV_CHILD_ARGV0 and ENV_CHILD_FD_VAR names a
+// socket.
+void mtrl_env_host_main(int argc, char **argv) {
     if (argc < 1 || !argv || !argv[0] || strcmp(argv[0], ENV_CHILD_ARGV0) != 0) return;
     const char *v = getenv(ENV_CHILD_FD_VAR);
     if (!v) return;
@@ -302,6 +301,14 @@ static mtrl_status call_(mtrl_env *e, uint32_t op, uint32_t kind, uint64_t seed,
 }
 
 static mtrl_status child_start_(mtrl_env *e, mtrl_error *err) {
+    // A child that is not served (its program's main does not call mtrl_env_host_main) runs the
+    // program itself, which may open isolated envs again: refuse, rather than start children
+    // without end.
+    if (getenv(ENV_CHILD_FD_VAR))
+        return mtrl_error_set(err, MTRL_ERR_STATE,
+                              "env '%s': this process was started as an env host (%s is set) but its main does not "
+                              "call mtrl_env_host_main first",
+                              e->spec, ENV_CHILD_FD_VAR);
     int sv[2];
     if (socketpair(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0, sv) != 0)
         return mtrl_error_set(err, MTRL_ERR_IO, "env '%s': socketpair failed: %s", e->spec, strerror(errno));

@@ -19,8 +19,9 @@
 //
 // ---- isolation (opts.isolate = 1) -----------------------------------------------------------
 // The env runs in a child process: fork, then at once exec of /proc/self/exe (this same
-// program) with argv[0] "mtrl-env-host"; a constructor in env_host.c recognises that start,
-// before main runs, and serves requests over an AF_UNIX socketpair (env_wire.h). The child
+// program) with argv[0] "mtrl-env-host"; mtrl_env_host_main, which such a program calls first
+// in its main, recognises that start and serves requests over an AF_UNIX socketpair
+// (env_wire.h). The child
 // loads the plug-in itself, so a plug-in's constructors, crashes and hangs stay there.
 // Why fork+exec and not fork alone: the actor holds a ZeroMQ context (I/O threads, locks) and
 // possibly a CUDA context and GiBs of mappings; after a plain fork only the forking thread
@@ -100,6 +101,13 @@ typedef struct mtrl_env_opts {
 } mtrl_env_opts;
 
 void mtrl_env_opts_default(mtrl_env_opts *o);
+
+// The entry point of an isolated env's child: a program that opens envs with isolate = 1 calls
+// it first thing in main, with main's arguments. In a child this process started (argv[0]
+// ENV_CHILD_ARGV0 and ENV_CHILD_FD_VAR naming a socket, env_wire.h) it serves the parent over
+// that socket and exits; anywhere else it returns at once. Explicit rather than a constructor, so
+// that linking the env library does not make every program an env server before its main.
+void mtrl_env_host_main(int argc, char **argv);
 
 // Process-wide: fn(user) is called about every 100 ms while a call of an isolated env waits for
 // its child (up to step_timeout_ms), from the thread that made the call. An actor sends its

@@ -23,7 +23,8 @@
 #define ENV_WIRE_MAX_REQUEST ((uint64_t)64 << 20)
 
 // The child is this same executable started with argv[0] = ENV_CHILD_ARGV0 and the socket's fd
-// number in ENV_CHILD_FD_VAR; a constructor in env_host.c notices both and serves.
+// number in ENV_CHILD_FD_VAR; mtrl_env_host_main (env_host.h), called first in its main, notices
+// both and serves.
 #define ENV_CHILD_ARGV0 "mtrl-env-host"
 #define ENV_CHILD_FD_VAR "MTRL_ENV_HOST_FD"
 #define ENV_CHILD_FD 3

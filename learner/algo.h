@@ -4,7 +4,7 @@
 // Pure computation over plain arrays, shared by the learner, `mtrl replay` and the tests: no
 // allocation, no globals, no I/O, double precision inside. Token arrays are f32 (what the
 // model's log-softmax and the trajectory wire carry); per-episode rewards and advantages are
-// f64. The formulas follow rl-systems.md §3; where peers disagree, the choice is stated here.
+// f64. Each function states its formula; where published variants disagree, the choice is stated here.
 //
 // ---- shapes -----------------------------------------------------------------------------------
 //     G        episodes in one group (same task and seed group)

@@ -1170,7 +1170,7 @@ mtrl_status mtrl_learner_open(mtrl_learner **out, const mtrl_config *cfg, const 
     mtrl_hash64_hex(l->config_hash, l->config_hash_hex);
     mtrl_status st = mtrl_train_algo_config(cfg, &l->algo, err);
     mtrl_model_dims d;
-    if (st == MTRL_OK) st = mtrl_model_dims_from_config(&d, &cfg->model, MTRL_VOCAB, err);
+    if (st == MTRL_OK) st = mtrl_model_dims_from_config(&d, cfg, MTRL_VOCAB, err);
     int device = MTRL_DEVICE_CPU, gpu = 0;
     if (st == MTRL_OK && mtrl_model_parse_device(cfg->model.device, &device, &gpu) != 0)
         st = mtrl_error_set(err, MTRL_ERR_USAGE, "%s: [model] device = %s: expected cpu or cuda", cfg->path, cfg->model.device);

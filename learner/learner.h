@@ -1,4 +1,4 @@
-// learner.h: the learner process (architecture §3, §5, §6).
+// learner.h: the learner process (docs/architecture.md §3, §5, §6).
 //
 // It binds a ZeroMQ ROUTER, welcomes actors (HELLO → WELCOME with the resolved experiment, so
 // an actor builds the same model and env), serves weights (WEIGHTS_AT: the version is in a slot

@@ -101,26 +101,23 @@ static void seq_batch_free_(seq_batch *s) {
     free(s->len);
 }
 
-// The segment length of a step: [model] segment, or with 0 the memory planner's choice for this
-// batch on the model's device (common/model/model_plan.h): the largest multiple of 64 that fits,
-// which is also how many tokens of short episodes one unit of mtrl_model_train packs (model.h:
-// each unit's backward follows its forward, so only episodes longer than it are recomputed).
-// A batch that fits at no segment stops the learner with the planner's message.
+// The segment length of a step: [learner] segment through the planner's resolver
+// (common/model/model_plan.h mtrl_model_segment_resolve; model.h: each unit's backward follows
+// its forward, so only episodes longer than a segment are recomputed). A batch that fits at no
+// segment stops the learner with the planner's message.
 static int segment_of_(const mtrl_model *m, const mtrl_config *cfg, const mtrl_batch *b) {
-    if (cfg->model.segment > 0) return (int)cfg->model.segment;
-    mtrl_model_plan p;
+    mtrl_model_plan p = {0};
     mtrl_error err;
-    mtrl_status st = mtrl_model_plan_batch(&p, m, b, &err);
-    MTRL_CHECKF(st == MTRL_OK, "learner: %s (set [model] segment, or fewer or shorter episodes per step)", err.msg);
-    static int last = -1;
-    if (p.segment != last && p.segment < p.tokens)
-        LOG_INFO("learner: segment %d for %d episodes of up to %ld tokens (planned %.2f GiB of %.2f GiB)", p.segment,
-                 p.seqs, p.tokens, (double)p.total / (1 << 30), (double)p.budget / (1 << 30));
-    last = p.segment;
-    return p.segment;
+    int seg = 0;
+    mtrl_status st = mtrl_model_segment_resolve(m, b, mtrl_config_segment(cfg), &seg, &p, &err);
+    MTRL_CHECKF(st == MTRL_OK, "learner: %s (set [learner] segment, or fewer or shorter episodes per step)", err.msg);
+    if (p.seqs && seg > 0 && seg < p.tokens)
+        LOG_DEBUG("learner: segment %d for %d episodes of up to %ld tokens (planned %.2f GiB of %.2f GiB)", seg, p.seqs,
+                  p.tokens, (double)p.total / (1 << 30), (double)p.budget / (1 << 30));
+    return seg;
 }
 
-// QB after the step (model.md §4.3); with [learner] qb off β stays and only the step's
+// QB after the step (docs/model.md §4.3); with [learner] qb off β stays and only the step's
 // routing statistics are cleared.
 static void qb_after_step_(mtrl_model *m, const mtrl_config *cfg) {
     int frozen = m->qb_frozen;

@@ -1,8 +1,8 @@
 // train.h: one optimizer step of the learner, RL or supervised, on committed trajectories.
 //
-// RL step (architecture §3): the episodes of complete groups → group-relative advantages from
-// their rewards → learner log-probs and entropies of every token (forward, segmented when
-// [model] segment > 0) → the policy loss of [algo] (learner/algo.h) over MODEL tokens, with
+// RL step (docs/architecture.md §3): the episodes of complete groups → group-relative advantages from
+// their rewards → learner log-probs and entropies of every token (forward, segmented by
+// [learner] segment) → the policy loss of [algo] (learner/algo.h) over MODEL tokens, with
 // the behaviour log-probs of the actor for importance correction → backward → AdamW → QB β
 // from this batch's routing (after the step) → weight version + 1.
 //
@@ -10,7 +10,7 @@
 // shifted by one against the trajectory's per-token arrays; the first token (BOS) has none.
 // π_old of the ratio is the learner's own log-prob at the start of the step (one optimizer step
 // per batch), so the PPO ratio is 1 at the gradient point and the correction weights compare the
-// learner with the behaviour policy (decoupled PPO, rl-systems.md §3).
+// learner with the behaviour policy (decoupled PPO: the behaviour policy corrects, the proximal policy clips).
 #ifndef MTRL_LEARNER_TRAIN_H
 #define MTRL_LEARNER_TRAIN_H
 

@@ -1,5 +1,5 @@
 // mtrl-test: cpu f64
-// test_attnres_ref.c: one Block AttnRes site, fp64 (model.md §8 I8, site-level parts).
+// test_attnres_ref.c: one Block AttnRes site, fp64 (docs/model.md §8 I8, site-level parts).
 //   1. all w = 0 → every alpha = 1/S and h = the mean of the sources;
 //   2. site backward (dV, dw, dgamma) vs central finite differences of L = Σ G ⊙ h, with the
 //      "+=" and NULL-source contracts, and alpha recomputed when not passed;

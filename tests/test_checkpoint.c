@@ -2,7 +2,7 @@
 // Checkpoints (safetensors) of the fp32 backbone on the `tiny` preset:
 //  - a save/load round trip is bit-exact (parameters, AdamW moments, QB β, step, version);
 //  - train one step, save, load into a fresh model, train the next step == two steps without
-//    the save, bit for bit (model.md §8 I11);
+//    the save, bit for bit (docs/model.md §8 I11);
 //  - a checkpoint of another shape is refused naming the first mismatching tensor, and the
 //    model is left untouched; torn and corrupt files are refused with a precise message;
 //  - published weights round-trip through memory.
@@ -26,7 +26,7 @@ static mtrl_model_dims tiny_dims(const char *extra) {
     mtrl_config_load_text(&cfg, "t", text, NULL, 0, &errs);
     mtrl_config_errors_free(&errs);
     mtrl_model_dims d;
-    mtrl_model_dims_from_config(&d, &cfg.model, MTRL_VOCAB, NULL);
+    mtrl_model_dims_from_config(&d, &cfg, MTRL_VOCAB, NULL);
     return d;
 }
 

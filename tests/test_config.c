@@ -56,6 +56,27 @@ int main(void) {
     expect_error("[env]\nname = calc\nisolate = maybe\n", "x.ini:3: [env] isolate: 'maybe' is not one of auto|true|false");
     // missing required key
     expect_error("[run]\nsteps = 3\n", "x.ini: [env] missing required key 'name'");
+    // [learner] segment: auto (the default) or a token count; the old [model] segment is refused
+    // with where it went
+    expect_error(ENV "[model]\nsegment = 0\n", "x.ini:4: [model] segment has moved to [learner] segment");
+    expect_error(ENV "[learner]\nsegment = 0\n", "[learner] segment: '0' is not auto or a token count");
+    expect_error(ENV "[learner]\nsegment = 64k\n", "[learner] segment: '64k' is not auto or a token count");
+    TEST_CHECK(load_errors(ENV, NULL, 0, &cfg) == NULL);
+    TEST_EQ_INT(mtrl_config_segment(&cfg), MTRL_CFG_SEGMENT_AUTO);
+    TEST_CHECK(load_errors(ENV "[learner]\nsegment = 4096\n", NULL, 0, &cfg) == NULL);
+    TEST_EQ_INT(mtrl_config_segment(&cfg), 4096);
+    {
+        const char *sets[] = {"learner.segment=128", "kernels.gemm=bf16"};
+        TEST_CHECK(load_errors(ENV, sets, 2, &cfg) == NULL);
+        TEST_EQ_INT(mtrl_config_segment(&cfg), 128);
+        TEST_EQ_STR(cfg.kernels.gemm, "bf16");
+        // the resolved INI (what runs.db stores with the run) carries [kernels]
+        char *ini = mtrl_config_to_ini(&cfg);
+        TEST_CONTAINS(ini, "[kernels]");
+        TEST_CONTAINS(ini, "gemm = bf16");
+        free(ini);
+    }
+    expect_error(ENV "[kernels]\ngemm = fp16\n", "[kernels] gemm: 'fp16' is not one of model|tf32|fp32|bf16");
     // syntax: no '=', indented continuation, key before any section
     expect_error(ENV "[run]\nsteps\n", "x.ini:4: expected 'key = value', got 'steps'");
     expect_error(ENV "[run]\nsteps = 3\n  more\n", "x.ini:5: indented line");

@@ -5,7 +5,7 @@
 // Tolerances: fp32 operands ‖C − ref‖/‖ref‖ ≤ 1e-5 (true fp32, no TF32); bf16 operands
 // (rounding of the inputs included) ≤ 1e-2.
 #include "tests/testhelp.h"
-#include "kernels/cuda/cuda_testutil.h"
+#include "kernels/lab/cuda_testutil.h"
 #include "kernels/ref/gemm_ref.h"
 
 static void one(mtrl_cuda_ctx *ctx, int ta, int tb, int M, int N, int K, int type, double beta) {

@@ -2,30 +2,29 @@
 // test_cuda_kda.cu: the CUDA KDA kernels against the fp64 CPU reference (kernels/ref/kda_ref.h):
 // gate fwd/bwd, chunked forward (o, final state, per-tile states) and backward (dq, dk, dv, dg,
 // dβ, dS0), with and without stored tile states, and the batched decode step (both kernels: v2
-// where the shape allows it, then v1 forced through MTRL_DECODE_V1=1; B = 1 and B = 64).
+// where the shape allows it, then v1 forced through decode = simt; B = 1 and B = 64).
 // Cases: T not a multiple of 16 (tails), T < 16, S0 ≠ 0, random g in (g_min, 0) and the decay
 // at the bound (g ≡ g_min + 1e-3), K = V ∈ {16, 32, 128}. Outputs are poisoned with NaN first.
 // Tolerances (fp32 arithmetic on the GPU): ‖out − ref‖/‖ref‖ ≤ 1e-4 everywhere (2e-4 for the
 // backward at the bound, where e^{±40} factors amplify fp32 rounding). These cases run the v2
-// forward (MTRL_KDA_FWD=2 set around them; v3 bf16x3 is the default for K = V = 128).
+// forward (kda_fwd = simt set around them; v3 bf16x3 is the default for K = V = 128).
 // Forward v3 (kda_tc_cuda.cu, tensor cores, bf16 operands, fp32 state; K = V = 128): test_chunk_v3
 // checks o, S_final and S_tiles against the fp64 reference at 1e-2 (the project's bf16 tolerance;
 // a numpy model of v3's rounding points gives 3.3e-3–3.8e-3 for o, 2.3e-3–3.0e-3 for S_final at
 // T = 61..1000), and against v2 at 1e-2; random inputs, S0 ≠ 0, T in {1, 15, 16, 17, 100, 333,
 // 1000} (tails and T < 16), H = 16 and 64, the decay at the bound. A fragment-layout error gives
-// O(1) errors. Every block width (MTRL_KDA3_WPB = 1, 2, 4, 8) must give bit-identical results,
+// O(1) errors. Every block width (kda_warps = 1, 2, 4, 8) must give bit-identical results,
 // the prefill form (no S_tiles, o only or S_final only) the same bits as the training form, and
 // two runs the same bits. H = 2 and 8 (the models' head counts) with partial tiles as well.
-// The cluster state pass (MTRL_KDA3_CLUSTER = 1 (8 blocks of 1 warp per head, thread-block
+// The cluster state pass (kda_cluster = 1 (8 blocks of 1 warp per head, thread-block
 // clusters, multicast bulk copies), 4, 2) must give the default's bits in every v3 case, both
 // precisions, in the training, prefill and state-only forms (T = 5, 7, 131, 419, 1203 at H = 2,
 // 16, 64 added for it), and the backward recomputing its states through it the same dS0 and dq.
-// Every v3 case runs twice: bf16 as above (MTRL_KDA3_SPLIT=0), then bf16x3 (the default: split-bf16 operands,
+// Every v3 case runs twice: bf16 as above (kda_records = bf16), then bf16x3 (the default: split-bf16 operands,
 // ~16 significant bits) against fp64 and v2 at 1e-4 (test_kda_v3_emu.c's emulation of the split
 // gives at most 6.9e-6 on such inputs, fp32's 4e-7; the margin covers the tensor cores' fp32
 // accumulation and ex2.approx, which it does not model), its own WPB and prefill forms bit for bit,
-// and its o not bit-identical to bf16's (the switch took effect). Passed on an H200 (abd19b0,
-// 2026-11-30, 1,616 checks): bf16x3 o 7.3e-6, S_final and S_tiles 5.8e-6.
+// and its o not bit-identical to bf16's (the switch took effect).
 // The model's use (test_chunk_model_, v2 and v3; K = V = 128, H = 2 and 8, the model's gate at
 // initialisation): segments chained through S_final -> S0 bit-identical to one call, the v2
 // backward on the forward's own S_tiles and the gate backward (dA_log) against fp64, prefill then
@@ -33,29 +32,28 @@
 // MTRL_KDA3_STRICT=1 (the gate for making v3 the default; see test_kda_v3_emu.c for why v3 fails).
 // v3 bf16x3 runs the same cases, always checked: o, S_final, S_tiles 1e-4, dA_log 1e-2, dg 1e-3,
 // prefill and decode 1e-3 of max |o|.
-// Backward v3 (kda_tc_bwd_cuda.cu, MTRL_KDA_BWD=3: the state-gradient pass on tensor cores, bf16x3
+// Backward v3 (kda_tc_bwd_cuda.cu, kda_bwd = auto: the state-gradient pass on tensor cores, bf16x3
 // operands): every K = V = 128 backward case of test_chunk runs again with it (stored and
 // recomputed states; T = 1, 16, 61, 77, 333; the decay at the bound at T = 16 and 61) at v2's
 // tolerances (1e-4, 2e-4 at the bound: test_kda_v3_bwd_emu.c's emulation puts v3's pass 2 within
 // 5.2e-6 of fp64 in dD, dS_tiles and dS0 and the gradients it leads to within 1.7e-5; pass 3 is
-// v2's), its dS0 not bit-identical to v2's (the switch took effect) and every MTRL_KDA3_WPB giving
-// the same bits; the dS_final = 0 case with v3 too. MTRL_KDA_BWD_TILE=3 (pass 3's products on
+// v2's), its dS0 not bit-identical to v2's (the switch took effect) and every kda_warps giving
+// the same bits; the dS_final = 0 case with v3 too. kda_bwd_tile = auto (pass 3's products on
 // tensor cores, bf16x3, every shape): every test_chunk backward case again, with v2's and v3's
 // pass 2, at the same tolerances (emulated: gradients within 2e-5 of fp64 with both switches). In
-// test_chunk_model_ the backward and gate backward run with MTRL_KDA_BWD=3 and then with both
-// switches too: dg 1e-3 and dA_log 1e-2 whenever that forward is checked. Passed on an H200
-// (7b96fd7, 2026-11-30): 2,151 passed, 0 failed; worst v3 backward error 3.5e-5 of fp64. Both
-// switches are the default since (MTRL_KDA_BWD=2 / MTRL_KDA_BWD_TILE=2 select v2's kernels): each
+// test_chunk_model_ the backward and gate backward run with kda_bwd = auto and then with both
+// switches too: dg 1e-3 and dA_log 1e-2 whenever that forward is checked. Both
+// switches are the default (kda_bwd = simt / kda_bwd_tile = simt select v2's kernels): each
 // case names its configuration explicitly, the default runs in every other test.
 #include "tests/testhelp.h"
-#include "kernels/cuda/cuda_testutil.h"
+#include "kernels/lab/cuda_testutil.h"
 #include "kernels/ref/kda_cp_ref.h"
 #include "kernels/ref/kda_ref.h"
 
 static const double GMIN = -5.0;
 
 // kda_tc_cuda.cu: the cluster size of the last v3 forward state pass launched (0: the default
-// kernel; MTRL_KDA3_CLUSTER=1 gives 8).
+// kernel; kda_cluster = 8 gives 8).
 int kda3_last_state_cluster();
 
 // q (scaled, L2-normalised), k (L2-normalised), v, g, β as the layer feeds the core.
@@ -86,7 +84,6 @@ static void make_inputs(int T, int H, int K, int V, int bound, double *q, double
         beta[i] = (double)(float)(1.0 / (1.0 + exp(-tu_normal())));
 }
 
-static void set_env(const char *name, const char *val);
 static int same_bits(const float *a, const float *b, size_t n);
 
 static void test_chunk(mtrl_cuda_ctx *ctx, int T, int H, int K, int V, int bound) {
@@ -127,20 +124,20 @@ static void test_chunk(mtrl_cuda_ctx *ctx, int T, int H, int K, int V, int bound
     tu_get_f32(got, d_St, (size_t)nt * ns);
     TU_CHECK_REL("fwd S_tiles", got, St, (size_t)nt * ns, 1e-4);
     // backward, with the stored states and then recomputing them; for K = V = 128 with the v2
-    // state-gradient pass and then with v3's (MTRL_KDA_BWD=3: tensor cores, bf16x3) at the same
+    // state-gradient pass and then with v3's (kda_bwd = auto: tensor cores, bf16x3) at the same
     // tolerance (test_kda_v3_bwd_emu.c: v3's pass 2 within 5.2e-6 of fp64 in dD, dS_tiles, dS0)
     const int v3ok = K == 128 && V == 128;
     float *h_v2 = NULL, *h_x = NULL;  // v2's dS0 and dq (stored states), to see v3 take effect
-    // Then both again with pass 3's products on tensor cores (MTRL_KDA_BWD_TILE=3, bf16x3; every
+    // Then both again with pass 3's products on tensor cores (kda_bwd_tile = auto, bf16x3; every
     // shape), at the same tolerances: its default block of 512 threads (tile3 = 1), then 256
-    // (tile3 = 2, MTRL_KDA_TILE_THREADS=256).
+    // (tile3 = 2, kda_tile_threads = 256).
     for (int cf = 0; cf < 6; cf++) {
         const int bv = cf & 1 ? 3 : 2, tile3 = cf >> 1;
         if (bv == 3 && !v3ok) continue;
-        set_env("MTRL_KDA_BWD", bv == 3 ? "3" : "2");
-        set_env("MTRL_KDA_BWD_TILE", tile3 ? "3" : "2");
-        set_env("MTRL_KDA_TILE_THREADS", tile3 == 2 ? "256" : NULL);
-        TEST_EQ_INT(mtrl_kda_chunk_bwd_version(H, K, V), bv);
+        mtrl_cuda_ctx_opts(ctx)->kda_bwd = bv == 3 ? MTRL_KOPT_AUTO : MTRL_KOPT_SIMT;
+        mtrl_cuda_ctx_opts(ctx)->kda_bwd_tile = tile3 ? MTRL_KOPT_AUTO : MTRL_KOPT_SIMT;
+        mtrl_cuda_ctx_opts(ctx)->kda_tile_threads = tile3 == 2 ? 256 : 0;
+        TEST_EQ_INT(mtrl_kda_chunk_bwd_version(ctx, H, K, V), bv);
         for (int stored = 1; stored >= 0; stored--) {
             float *e_dq = tu_dev_nan(ctx, nqk), *e_dk = tu_dev_nan(ctx, nqk), *e_dv = tu_dev_nan(ctx, nv),
                   *e_dg = tu_dev_nan(ctx, nqk), *e_db = tu_dev_nan(ctx, nb), *e_dS0 = tu_dev_nan(ctx, ns);
@@ -166,15 +163,15 @@ static void test_chunk(mtrl_cuda_ctx *ctx, int T, int H, int K, int V, int bound
                 mtrl_cuda_download(hs + ns, e_dq, sizeof(float) * nqk);
                 if (bv == 2) h_v2 = hs;
                 else {
-                    TEST_CHECKF(!same_bits(hs, h_v2, ns), "v3 bwd dS0 bit-identical to v2's: MTRL_KDA_BWD=3 not taken");
+                    TEST_CHECKF(!same_bits(hs, h_v2, ns), "v3 bwd dS0 bit-identical to v2's: kda_bwd = auto not taken");
                     h_x = hs;
                 }
             }
-            if (bv == 3 && stored && !tile3) {  // every block width (MTRL_KDA3_WPB) gives the same bits
+            if (bv == 3 && stored && !tile3) {  // every block width (kda_warps) gives the same bits
                 static const char *wpbs[] = {"1", "2", "8"};
                 float *hw = (float *)malloc(sizeof(float) * (ns + nqk));
                 for (int wi = 0; wi < 3; wi++) {
-                    set_env("MTRL_KDA3_WPB", wpbs[wi]);
+                    mtrl_cuda_ctx_opts(ctx)->kda_warps = atoi(wpbs[wi]);
                     TEST_EQ_INT(mtrl_kda_chunk_bwd(ctx, T, H, K, V, d_q, d_k, d_v, d_g, d_b, d_S0, d_St, d_dout,
                                                    d_dSf, e_dq, e_dk, e_dv, e_dg, e_db, e_dS0), 0);
                     mtrl_cuda_sync(ctx);
@@ -183,33 +180,33 @@ static void test_chunk(mtrl_cuda_ctx *ctx, int T, int H, int K, int V, int bound
                     TEST_CHECKF(same_bits(hw, h_x, ns + nqk), "v3 bwd WPB=%s: dS0, dq not bit-identical to WPB=4",
                                 wpbs[wi]);
                 }
-                set_env("MTRL_KDA3_WPB", NULL);
+                mtrl_cuda_ctx_opts(ctx)->kda_warps = 0;
                 free(hw);
             }
             if (bv == 3 && !stored && !tile3) {  // the recomputed states through the cluster state pass
                 float *hr = (float *)malloc(sizeof(float) * 2 * (ns + nqk));
                 mtrl_cuda_download(hr, e_dS0, sizeof(float) * ns);
                 mtrl_cuda_download(hr + ns, e_dq, sizeof(float) * nqk);
-                set_env("MTRL_KDA3_CLUSTER", "1");
+                mtrl_cuda_ctx_opts(ctx)->kda_cluster = 1;
                 TEST_EQ_INT(mtrl_kda_chunk_bwd(ctx, T, H, K, V, d_q, d_k, d_v, d_g, d_b, d_S0, NULL, d_dout,
                                                d_dSf, e_dq, e_dk, e_dv, e_dg, e_db, e_dS0), 0);
                 mtrl_cuda_sync(ctx);
-                set_env("MTRL_KDA3_CLUSTER", NULL);
+                mtrl_cuda_ctx_opts(ctx)->kda_cluster = 0;
                 TEST_EQ_INT(kda3_last_state_cluster(), 8);
                 mtrl_cuda_download(hr + ns + nqk, e_dS0, sizeof(float) * ns);
                 mtrl_cuda_download(hr + 2 * ns + nqk, e_dq, sizeof(float) * nqk);
                 TEST_CHECKF(same_bits(hr, hr + ns + nqk, ns + nqk),
-                            "v3 bwd (states recomputed) MTRL_KDA3_CLUSTER=1: dS0, dq not bit-identical");
+                            "v3 bwd (states recomputed) kda_cluster = 8: dS0, dq not bit-identical");
                 free(hr);
             }
             for (int i = 0; i < 6; i++) mtrl_cuda_free(outs[i].d);
         }
     }
-    set_env("MTRL_KDA_TILE_THREADS", NULL);
-    // v3 with pass 2 in 3 pieces, each piece's pass 3 on a second stream (MTRL_KDA_BWD_PIECES; the
+    mtrl_cuda_ctx_opts(ctx)->kda_tile_threads = 0;
+    // v3 with pass 2 in 3 pieces, each piece's pass 3 on a second stream (kda_bwd_pieces; the
     // default for H <= 8 from 256 tiles on): the same bits as in one piece, states stored and
     // recomputed (the gradient handed from piece to piece is stored and loaded in fp32). And pass
-    // 3 with 256 threads (MTRL_KDA_TILE_THREADS=256: each warp splits its A fragments itself)
+    // 3 with 256 threads (kda_tile_threads = 256: each warp splits its A fragments itself)
     // gives the same bits as the default 512 (A fragments split once a block, split_a16).
     if (v3ok && nt >= 2) {
         static const char *names[6] = {"dq", "dk", "dv", "dg", "dbeta", "dS0"};
@@ -218,16 +215,16 @@ static void test_chunk(mtrl_cuda_ctx *ctx, int T, int H, int K, int V, int bound
         for (int stored = 1; stored >= 0; stored--) {
             float *res[3][6];
             for (int pc = 0; pc < 3; pc++) {
-                set_env("MTRL_KDA_BWD_PIECES", pc == 1 ? "3" : "1");
-                set_env("MTRL_KDA_TILE_THREADS", pc == 2 ? "256" : NULL);
+                mtrl_cuda_ctx_opts(ctx)->kda_bwd_pieces = pc == 1 ? 3 : 1;
+                mtrl_cuda_ctx_opts(ctx)->kda_tile_threads = pc == 2 ? 256 : 0;
                 for (int i = 0; i < 6; i++) res[pc][i] = tu_dev_nan(ctx, lens[i]);
                 TEST_EQ_INT(mtrl_kda_chunk_bwd(ctx, T, H, K, V, d_q, d_k, d_v, d_g, d_b, d_S0, stored ? d_St : NULL,
                                                d_dout, d_dSf, res[pc][0], res[pc][1], res[pc][2], res[pc][3], res[pc][4],
                                                res[pc][5]), 0);
                 mtrl_cuda_sync(ctx);
             }
-            set_env("MTRL_KDA_BWD_PIECES", NULL);
-            set_env("MTRL_KDA_TILE_THREADS", NULL);
+            mtrl_cuda_ctx_opts(ctx)->kda_bwd_pieces = 0;
+            mtrl_cuda_ctx_opts(ctx)->kda_tile_threads = 0;
             for (int i = 0; i < 6; i++) {
                 size_t len = lens[i];
                 float *a = (float *)malloc(sizeof(float) * len), *b = (float *)malloc(sizeof(float) * len);
@@ -254,8 +251,8 @@ static void test_chunk(mtrl_cuda_ctx *ctx, int T, int H, int K, int V, int bound
     // zero dS_final (NULL) path: compare dg and dS0 only; the default backward, then (K = V = 128)
     // v3's state-gradient pass with pass 3 on tensor cores
     for (int cf = 0; cf < (v3ok ? 2 : 1); cf++) {
-        set_env("MTRL_KDA_BWD", cf ? "3" : "2");
-        set_env("MTRL_KDA_BWD_TILE", cf ? "3" : "2");
+        mtrl_cuda_ctx_opts(ctx)->kda_bwd = cf ? MTRL_KOPT_AUTO : MTRL_KOPT_SIMT;
+        mtrl_cuda_ctx_opts(ctx)->kda_bwd_tile = cf ? MTRL_KOPT_AUTO : MTRL_KOPT_SIMT;
         double *dS0b = tu_alloc(ns), *dqb = tu_alloc(nqk), *dkb = tu_alloc(nqk), *dvb = tu_alloc(nv),
                *dgb = tu_alloc(nqk), *dbb = tu_alloc(nb);
         kda_chunk_bwd(T, H, K, V, q, k, v, g, beta, S0, St, dout, NULL, dqb, dkb, dvb, dgb, dbb, dS0b);
@@ -268,8 +265,8 @@ static void test_chunk(mtrl_cuda_ctx *ctx, int T, int H, int K, int V, int bound
         TU_CHECK_REL(cf ? "v3 bwd (tile TC, dS_final = 0) dg" : "bwd (dS_final = 0) dg", got, dgb, nqk, tol);
         tu_get_f32(got, e_dS0, ns);
         TU_CHECK_REL(cf ? "v3 bwd (tile TC, dS_final = 0) dS0" : "bwd (dS_final = 0) dS0", got, dS0b, ns, tol);
-        set_env("MTRL_KDA_BWD", NULL);
-        set_env("MTRL_KDA_BWD_TILE", NULL);
+        mtrl_cuda_ctx_opts(ctx)->kda_bwd = MTRL_KOPT_AUTO;
+        mtrl_cuda_ctx_opts(ctx)->kda_bwd_tile = MTRL_KOPT_AUTO;
         mtrl_cuda_free(e_dq); mtrl_cuda_free(e_dk); mtrl_cuda_free(e_dv);
         mtrl_cuda_free(e_dg); mtrl_cuda_free(e_db); mtrl_cuda_free(e_dS0);
         free(dS0b); free(dqb); free(dkb); free(dvb); free(dgb); free(dbb);
@@ -278,11 +275,6 @@ static void test_chunk(mtrl_cuda_ctx *ctx, int T, int H, int K, int V, int bound
     for (size_t i = 0; i < sizeof ptrs / sizeof *ptrs; i++) mtrl_cuda_free(ptrs[i]);
     double *hp[] = {q, k, v, g, beta, S0, o, Sf, St, dout, dSf, dq, dk, dv, dg, db, dS0, got};
     for (size_t i = 0; i < sizeof hp / sizeof *hp; i++) free(hp[i]);
-}
-
-static void set_env(const char *name, const char *val) {
-    if (val) setenv(name, val, 1);
-    else unsetenv(name);
 }
 
 static int same_bits(const float *a, const float *b, size_t n) {
@@ -342,7 +334,7 @@ static void v3_three_forms_(mtrl_cuda_ctx *ctx, const char *tag, const char *lab
 }
 
 // Forward v3 against the fp64 reference and against v2 (K = V = 128), in both precisions: bf16
-// (tolerance 1e-2) and bf16x3 (MTRL_KDA3_SPLIT=1: 1e-4, where test_kda_v3_emu.c's emulation of the
+// (tolerance 1e-2) and bf16x3 (kda_records = bf16x3: 1e-4, where test_kda_v3_emu.c's emulation of the
 // split gives at most 6.9e-6 on the same kinds of input).
 static void test_chunk_v3(mtrl_cuda_ctx *ctx, int T, int H, int bound) {
     const int K = 128, V = 128;
@@ -365,8 +357,8 @@ static void test_chunk_v3(mtrl_cuda_ctx *ctx, int T, int H, int bound) {
           *hSt = (float *)malloc(sizeof(float) * nst), *tmp = (float *)malloc(sizeof(float) * (nst > nv ? nst : nv)),
           *hb = (float *)malloc(sizeof(float) * nv);
     // v2 (forced) on the same inputs: the other reference of both precisions
-    set_env("MTRL_KDA_FWD", "2");
-    TEST_EQ_INT(mtrl_kda_chunk_fwd_version(H, K, V), 2);
+    mtrl_cuda_ctx_opts(ctx)->kda_fwd = MTRL_KOPT_SIMT;
+    TEST_EQ_INT(mtrl_kda_chunk_fwd_version(ctx, H, K, V), 2);
     {
         float *w_o = tu_dev_nan(ctx, nv), *w_Sf = tu_dev_nan(ctx, ns);
         TEST_EQ_INT(mtrl_kda_chunk_fwd(ctx, T, H, K, V, d_q, d_k, d_v, d_g, d_b, d_S0, w_o, w_Sf, NULL), 0);
@@ -376,15 +368,15 @@ static void test_chunk_v3(mtrl_cuda_ctx *ctx, int T, int H, int bound) {
         TU_CHECK_REL("v2 o vs fp64", v2o, o, nv, 1e-4);
         mtrl_cuda_free(w_o); mtrl_cuda_free(w_Sf);
     }
-    set_env("MTRL_KDA_FWD", "3");
+    mtrl_cuda_ctx_opts(ctx)->kda_fwd = MTRL_KOPT_AUTO;
     for (int split = 0; split <= 1; split++) {
-        set_env("MTRL_KDA3_SPLIT", split ? "1" : "0");
-        set_env("MTRL_KDA3_WPB", NULL);
-        set_env("MTRL_KDA3_CLUSTER", NULL);  // the default's bits are the reference
+        mtrl_cuda_ctx_opts(ctx)->kda_plain_bf16 = !split;
+        mtrl_cuda_ctx_opts(ctx)->kda_warps = 0;
+        mtrl_cuda_ctx_opts(ctx)->kda_cluster = 0;  // the default's bits are the reference
         const char *tag = split ? "v3 bf16x3" : "v3";
         const double tol = split ? 1e-4 : 1e-2;
         char what[128];
-        int ver = mtrl_kda_chunk_fwd_version(H, K, V);
+        int ver = mtrl_kda_chunk_fwd_version(ctx, H, K, V);
         printf("chunk %s T=%d H=%d K=V=128 %s: kernel v%d\n", tag, T, H, bound ? "g = g_min + 1e-3" : "random g", ver);
         TEST_EQ_INT(ver, 3);
         // default block width, training form (o, S_final, S_tiles)
@@ -399,42 +391,42 @@ static void test_chunk_v3(mtrl_cuda_ctx *ctx, int T, int H, int bound) {
         static const char *wpbs[] = {"1", "2", "4", "8"};
         const float *in[6] = {d_q, d_k, d_v, d_g, d_b, d_S0};
         for (int i = 0; i < 4; i++) {
-            set_env("MTRL_KDA3_WPB", wpbs[i]);
+            mtrl_cuda_ctx_opts(ctx)->kda_warps = atoi(wpbs[i]);
             char form[48];
             snprintf(form, sizeof form, "WPB=%s", wpbs[i]);
             v3_three_forms_(ctx, tag, form, T, H, in, ho, hS, hSt, tmp);
             printf("  WPB=%s: o, S_final, S_tiles, prefill and state-only forms bit-identical to the default\n", wpbs[i]);
         }
-        set_env("MTRL_KDA3_WPB", NULL);
-        // the forward in pieces (MTRL_KDA_FWD_PIECES; the default from 256 tiles on at H <= 16: the
+        mtrl_cuda_ctx_opts(ctx)->kda_warps = 0;
+        // the forward in pieces (kda_fwd_pieces; the default from 256 tiles on at H <= 16: the
         // prep of later pieces on a second stream beside the state pass, the state handed from piece
         // to piece in fp32), bit for bit, in the same three forms; 7 pieces with WPB = 2
         static const char *pcs[] = {"2", "3", "7"};
         for (int i = 0; i < 3; i++) {
-            set_env("MTRL_KDA_FWD_PIECES", pcs[i]);
-            set_env("MTRL_KDA3_WPB", i == 2 ? "2" : NULL);
+            mtrl_cuda_ctx_opts(ctx)->kda_fwd_pieces = atoi(pcs[i]);
+            mtrl_cuda_ctx_opts(ctx)->kda_warps = i == 2 ? 2 : 0;
             char form[48];
             snprintf(form, sizeof form, "%s pieces", pcs[i]);
             v3_three_forms_(ctx, tag, form, T, H, in, ho, hS, hSt, tmp);
         }
-        printf("  MTRL_KDA_FWD_PIECES=2, 3, 7: o, S_final, S_tiles, prefill and state-only forms bit-identical to one piece\n");
-        set_env("MTRL_KDA_FWD_PIECES", NULL);
-        set_env("MTRL_KDA3_WPB", NULL);
-        // the cluster state pass (MTRL_KDA3_CLUSTER: 1 = 8 blocks of 1 warp per head, 4, 2), bit for
-        // bit, in the same three forms; MTRL_KDA3_WPB set to a non-default width must not matter
+        printf("  kda_fwd_pieces = 2, 3, 7: o, S_final, S_tiles, prefill and state-only forms bit-identical to one piece\n");
+        mtrl_cuda_ctx_opts(ctx)->kda_fwd_pieces = 0;
+        mtrl_cuda_ctx_opts(ctx)->kda_warps = 0;
+        // the cluster state pass (kda_cluster: 1 = 8 blocks of 1 warp per head, 4, 2), bit for
+        // bit, in the same three forms; kda_warps set to a non-default width must not matter
         static const char *cls[] = {"1", "4", "2"};
         for (int i = 0; i < 3; i++) {
-            set_env("MTRL_KDA3_CLUSTER", cls[i]);
-            set_env("MTRL_KDA3_WPB", i == 0 ? "1" : NULL);
+            mtrl_cuda_ctx_opts(ctx)->kda_cluster = atoi(cls[i]);
+            mtrl_cuda_ctx_opts(ctx)->kda_warps = i == 0 ? 1 : 0;
             char form[48];
             snprintf(form, sizeof form, "CLUSTER=%s", cls[i]);
             v3_three_forms_(ctx, tag, form, T, H, in, ho, hS, hSt, tmp);
             TEST_EQ_INT(kda3_last_state_cluster(), i == 0 ? 8 : atoi(cls[i]));  // the switch took effect
-            printf("  MTRL_KDA3_CLUSTER=%s: o, S_final, S_tiles, prefill and state-only forms bit-identical to the default\n",
+            printf("  kda_cluster = %s: o, S_final, S_tiles, prefill and state-only forms bit-identical to the default\n",
                    cls[i]);
         }
-        set_env("MTRL_KDA3_CLUSTER", NULL);
-        set_env("MTRL_KDA3_WPB", NULL);
+        mtrl_cuda_ctx_opts(ctx)->kda_cluster = 0;
+        mtrl_cuda_ctx_opts(ctx)->kda_warps = 0;
         // S0 = NULL (zero initial state)
         {
             float *z_o = tu_dev_nan(ctx, nv), *z_Sf = tu_dev_nan(ctx, ns);
@@ -444,10 +436,10 @@ static void test_chunk_v3(mtrl_cuda_ctx *ctx, int T, int H, int bound) {
             // in 3 pieces: the first starts from zero, the others from the state handed on
             float *zo = (float *)malloc(sizeof(float) * nv);
             mtrl_cuda_download(zo, z_o, sizeof(float) * nv);
-            set_env("MTRL_KDA_FWD_PIECES", "3");
+            mtrl_cuda_ctx_opts(ctx)->kda_fwd_pieces = 3;
             TEST_EQ_INT(mtrl_kda_chunk_fwd(ctx, T, H, K, V, d_q, d_k, d_v, d_g, d_b, NULL, z_o, z_Sf, NULL), 0);
             mtrl_cuda_sync(ctx);
-            set_env("MTRL_KDA_FWD_PIECES", NULL);
+            mtrl_cuda_ctx_opts(ctx)->kda_fwd_pieces = 0;
             mtrl_cuda_download(tmp, z_o, sizeof(float) * nv);
             TEST_CHECKF(same_bits(tmp, zo, nv), "%s (S0 = 0) in 3 pieces: o not bit-identical to one piece", tag);
             free(zo);
@@ -461,13 +453,13 @@ static void test_chunk_v3(mtrl_cuda_ctx *ctx, int T, int H, int bound) {
         snprintf(what, sizeof what, "%s S_final vs v2", tag);
         TU_CHECK_REL(what, got, v2S, ns, tol);
         // the switch took effect: the split run is not the bf16 run
-        if (split) TEST_CHECKF(!same_bits(ho, hb, nv), "MTRL_KDA3_SPLIT=1: o bit-identical to bf16 v3's");
+        if (split) TEST_CHECKF(!same_bits(ho, hb, nv), "kda_records = bf16x3: o bit-identical to bf16 v3's");
         else memcpy(hb, ho, sizeof(float) * nv);
     }
-    set_env("MTRL_KDA3_SPLIT", NULL);
-    set_env("MTRL_KDA_FWD", NULL);
+    mtrl_cuda_ctx_opts(ctx)->kda_plain_bf16 = 0;
+    mtrl_cuda_ctx_opts(ctx)->kda_fwd = MTRL_KOPT_AUTO;
     // the default with neither variable set: v3 bf16x3 (the split run's bits)
-    TEST_EQ_INT(mtrl_kda_chunk_fwd_version(H, K, V), 3);
+    TEST_EQ_INT(mtrl_kda_chunk_fwd_version(ctx, H, K, V), 3);
     TEST_EQ_INT(mtrl_kda_chunk_fwd(ctx, T, H, K, V, d_q, d_k, d_v, d_g, d_b, d_S0, d_o, d_Sf, NULL), 0);
     mtrl_cuda_sync(ctx);
     mtrl_cuda_download(tmp, d_o, sizeof(float) * nv);
@@ -480,7 +472,7 @@ static void test_chunk_v3(mtrl_cuda_ctx *ctx, int T, int H, int bound) {
 }
 
 // The chunk-parallel forward (mtrl_kda_chunk_fwd_cp, kda_cp_cuda.cu; K = V = 128), both precisions
-// (MTRL_KDA3_SPLIT = 0, 1), at piece counts 1, 2, 3, 8, 64 (clamped to the tile count) and the
+// (kda_plain_bf16 = 1, 0), at piece counts 1, 2, 3, 8, 64 (clamped to the tile count) and the
 // chooser's, with S0 ≠ 0 and S0 = NULL: o, S_final, S_tiles against the fp64 sequential form, at
 // 3 pieces also against the fp64 decomposition (kda_chunk_fwd_cp of kda_cp_ref.h, itself within
 // 1e-12 of the sequential form: test_kda_cp_ref.c) where T H <= 20,000, and o against the GPU's
@@ -519,7 +511,7 @@ static void test_chunk_cp(mtrl_cuda_ctx *ctx, int T, int H, int bound, int slow)
         if (small) kda_chunk_fwd_cp(T, H, K, V, q, k, v, g, beta, with_s0 ? S0 : NULL, co, cS, cSt, np3);
         const float *dS0 = with_s0 ? d_S0 : NULL;
         for (int split = 0; split <= 1; split++) {
-            set_env("MTRL_KDA3_SPLIT", split ? "1" : "0");
+            mtrl_cuda_ctx_opts(ctx)->kda_plain_bf16 = !split;
             const char *tag = split ? "cp bf16x3" : "cp bf16";
             const double tol = split ? 1e-4 : 1e-2;
             // the sequential forward's bits
@@ -588,7 +580,7 @@ static void test_chunk_cp(mtrl_cuda_ctx *ctx, int T, int H, int bound, int slow)
             }
         }
     }
-    set_env("MTRL_KDA3_SPLIT", NULL);
+    mtrl_cuda_ctx_opts(ctx)->kda_plain_bf16 = 0;
     float *ptrs[] = {d_q, d_k, d_v, d_g, d_b, d_S0, d_o, d_Sf, d_St};
     for (size_t i = 0; i < sizeof ptrs / sizeof *ptrs; i++) mtrl_cuda_free(ptrs[i]);
     double *hp[] = {q, k, v, g, beta, S0, o, Sf, St, got, co, cS, cSt};
@@ -601,7 +593,7 @@ static void test_chunk_cp(mtrl_cuda_ctx *ctx, int T, int H, int bound, int slow)
 // 64K models): the gate of the model at initialisation (A_log = 0, dt_bias = softplus⁻¹(dt), dt
 // log-uniform in [1e-3, 0.1], f ~ N(0, 0.5²): slow decays, g in about (-0.6, 0)), S0 ≠ 0, T not a
 // multiple of 16 and segments of `seg` tokens chained through S_final -> S0 as the model does.
-// For the forward `ver` (2 or 3, MTRL_KDA_FWD):
+// For the forward `ver` (2 or 3, kda_fwd):
 //   * the training form against fp64 (o, S_final, S_tiles);
 //   * segmented == one call, bit for bit (seg a multiple of 16: the same tiles, the state handed
 //     over in fp32), o and S_tiles: the invariant the model's segmented-vs-whole tests rest on;
@@ -619,9 +611,9 @@ static void test_chunk_cp(mtrl_cuda_ctx *ctx, int T, int H, int bound, int slow)
 // docs/kernel-lab.md, "Why not the default"); here, random dout, the cancellation is milder.
 static void test_chunk_model_(mtrl_cuda_ctx *ctx, int T, int H, int seg, int ver, int split) {
     const int K = 128, V = 128;
-    set_env("MTRL_KDA_FWD", ver == 3 ? "3" : "2");
-    set_env("MTRL_KDA3_SPLIT", split ? "1" : "0");
-    set_env("MTRL_KDA3_WPB", NULL);
+    mtrl_cuda_ctx_opts(ctx)->kda_fwd = ver == 3 ? MTRL_KOPT_AUTO : MTRL_KOPT_SIMT;
+    mtrl_cuda_ctx_opts(ctx)->kda_plain_bf16 = !split;
+    mtrl_cuda_ctx_opts(ctx)->kda_warps = 0;
     const char *strict_env = getenv("MTRL_KDA3_STRICT");
     const int strict = ver == 2 || split || (strict_env && strict_env[0] == '1');
     const char *tag = ver == 2 ? "v2" : split ? "v3 bf16x3" : "v3";
@@ -629,7 +621,7 @@ static void test_chunk_model_(mtrl_cuda_ctx *ctx, int T, int H, int seg, int ver
     const double tol = ver == 2 || split ? 1e-4 : 1e-2, tol_dA = ver == 2 ? 1e-3 : split ? 1e-2 : 8e-2,
                  tol_dg = ver == 2 || split ? 1e-3 : 1e-2, tol_dec = split ? 1e-3 : 2e-2;
     printf("chunk (model use) %s T=%d H=%d segments of %d%s\n", tag, T, H, seg, strict ? "" : " (v3: printed, MTRL_KDA3_STRICT=1 checks)");
-    TEST_EQ_INT(mtrl_kda_chunk_fwd_version(H, K, V), ver);
+    TEST_EQ_INT(mtrl_kda_chunk_fwd_version(ctx, H, K, V), ver);
     size_t nqk = (size_t)T * H * K, nv = (size_t)T * H * V, nb = (size_t)T * H, ns = (size_t)H * K * V;
     int nt = kda_tile_count(T);
     size_t nst = (size_t)nt * ns;
@@ -696,12 +688,12 @@ static void test_chunk_model_(mtrl_cuda_ctx *ctx, int T, int H, int seg, int ver
         free(h1); free(h2);
     }
     // backward on the forward's own tile states, then the gate's backward (dA_log); with the v2
-    // state-gradient pass, then with v3's (MTRL_KDA_BWD=3, bf16x3), checked at the bf16x3
+    // state-gradient pass, then with v3's (kda_bwd = auto, bf16x3), checked at the bf16x3
     // forward's tolerances (dg 1e-3, dA_log 1e-2) whenever the forward is checked
     for (int cf = 0; cf < 3; cf++) {  // v2; v3 pass 2; v3 pass 2 and pass 3 on tensor cores
         const int bv = cf ? 3 : 2;
-        set_env("MTRL_KDA_BWD", bv == 3 ? "3" : "2");
-        set_env("MTRL_KDA_BWD_TILE", cf == 2 ? "3" : "2");
+        mtrl_cuda_ctx_opts(ctx)->kda_bwd = bv == 3 ? MTRL_KOPT_AUTO : MTRL_KOPT_SIMT;
+        mtrl_cuda_ctx_opts(ctx)->kda_bwd_tile = cf == 2 ? MTRL_KOPT_AUTO : MTRL_KOPT_SIMT;
         const char *btag = cf == 2 ? " (v3 bwd, tile TC)" : bv == 3 ? " (v3 bwd)" : "";
         const double tdA = bv == 3 && tol_dA < 1e-2 ? 1e-2 : tol_dA;
         float *e_dq = tu_dev_nan(ctx, nqk), *e_dk = tu_dev_nan(ctx, nqk), *e_dv = tu_dev_nan(ctx, nv),
@@ -731,8 +723,8 @@ static void test_chunk_model_(mtrl_cuda_ctx *ctx, int T, int H, int seg, int ver
         for (size_t z = 0; z < 9; z++) mtrl_cuda_free(fr[z]);
         free(zero);
     }
-    set_env("MTRL_KDA_BWD", NULL);
-    set_env("MTRL_KDA_BWD_TILE", NULL);
+    mtrl_cuda_ctx_opts(ctx)->kda_bwd = MTRL_KOPT_AUTO;
+    mtrl_cuda_ctx_opts(ctx)->kda_bwd_tile = MTRL_KOPT_AUTO;
     // prefill (no S_tiles) of T - 8 tokens, then the decode step from its S_final
     {
         int Tp = T > 8 ? T - 8 : 1;
@@ -755,19 +747,18 @@ static void test_chunk_model_(mtrl_cuda_ctx *ctx, int T, int H, int seg, int ver
         }
         mtrl_cuda_free(p_o); mtrl_cuda_free(p_S);
     }
-    set_env("MTRL_KDA3_SPLIT", NULL);
-    set_env("MTRL_KDA_FWD", NULL);
+    mtrl_cuda_ctx_opts(ctx)->kda_plain_bf16 = 0;
+    mtrl_cuda_ctx_opts(ctx)->kda_fwd = MTRL_KOPT_AUTO;
     float *ptrs[] = {d_q, d_k, d_v, d_g, d_b, d_S0, d_f, d_A, d_bias, d_dout, d_o, d_Sf, d_St};
     for (size_t i = 0; i < sizeof ptrs / sizeof *ptrs; i++) mtrl_cuda_free(ptrs[i]);
     double *hp[] = {q, k, v, g, beta, S0, f, A, bias, o, Sf, St, dout, dq, dk, dv, dg, db, dS0, df, dA, dbias, got};
     for (size_t i = 0; i < sizeof hp / sizeof *hp; i++) free(hp[i]);
 }
 
-// Sets MTRL_DECODE_V1 for the decode launchers (read at each call): version 1 forces the first
+// Sets the option decode for the launchers (read at each call): version 1 forces the first
 // kernel, version 2 leaves the launcher's default (v2 where the shape allows it).
-static void set_decode_version(int version) {
-    if (version == 1) setenv("MTRL_DECODE_V1", "1", 1);
-    else unsetenv("MTRL_DECODE_V1");
+static void set_decode_version(mtrl_cuda_ctx *ctx, int version) {
+    mtrl_cuda_ctx_opts(ctx)->decode = version == 1 ? MTRL_KOPT_SIMT : MTRL_KOPT_AUTO;
 }
 
 // B sequences, one token each; both kernels (v2 where supported, then v1) from the same inputs
@@ -787,8 +778,8 @@ static void test_step(mtrl_cuda_ctx *ctx, int B, int H, int K, int V, int bound)
           *d_g = tu_dev_f32(g, nqk), *d_b = tu_dev_f32(beta, (size_t)B * H);
     double *got = tu_alloc(ns);
     for (int version = 2; version >= 1; version--) {
-        set_decode_version(version);
-        int runs = mtrl_kda_step_version(H, K, V);
+        set_decode_version(ctx, version);
+        int runs = mtrl_kda_step_version(ctx, H, K, V);
         printf("step B=%d H=%d K=%d V=%d %s: kernel v%d%s\n", B, H, K, V,
                bound ? "g = g_min + 1e-3" : "random g", runs,
                version == 2 && runs == 1 ? " (shape not supported by v2)" : "");
@@ -804,17 +795,17 @@ static void test_step(mtrl_cuda_ctx *ctx, int B, int H, int K, int V, int bound)
         mtrl_cuda_free(d_S);
         mtrl_cuda_free(d_o);
     }
-    set_decode_version(2);
+    set_decode_version(ctx, 2);
     // Each row's state in its own allocation (the model's decode states), updated in place by
     // mtrl_kda_step_rows: bit for bit the block form's output and states.
-    if (mtrl_kda_step_version(H, K, V) == 2) {
+    if (mtrl_kda_step_version(ctx, H, K, V) == 2) {
         size_t n1 = (size_t)H * K * V;
         float *d_S = tu_dev_f32(S0, ns), *d_o = tu_dev_nan(ctx, nv), *d_o2 = tu_dev_nan(ctx, nv);
         float **rows = (float **)malloc(sizeof(float *) * (size_t)B), **d_rows = NULL;
         for (int b = 0; b < B; b++) rows[b] = tu_dev_f32(S0 + (size_t)b * n1, n1);
         TEST_EQ_INT(cudaMalloc((void **)&d_rows, sizeof(float *) * (size_t)B), cudaSuccess);
         TEST_EQ_INT(cudaMemcpy(d_rows, rows, sizeof(float *) * (size_t)B, cudaMemcpyHostToDevice), cudaSuccess);
-        TEST_EQ_INT(mtrl_kda_step_rows_ok(B, H, K, V, d_q, d_k, d_v, d_g, rows, d_o2), 1);
+        TEST_EQ_INT(mtrl_kda_step_rows_ok(ctx, B, H, K, V, d_q, d_k, d_v, d_g, rows, d_o2), 1);
         TEST_EQ_INT(mtrl_kda_step(ctx, B, H, K, V, d_q, d_k, d_v, d_g, d_b, d_S, d_o), 0);
         TEST_EQ_INT(mtrl_kda_step_rows(ctx, B, H, K, V, d_q, d_k, d_v, d_g, d_b, d_rows, d_o2), 0);
         mtrl_cuda_sync(ctx);
@@ -832,7 +823,7 @@ static void test_step(mtrl_cuda_ctx *ctx, int B, int H, int K, int V, int bound)
         // a misaligned state pointer is not for the rows form
         float *bad = rows[0];
         rows[0] = (float *)((char *)bad + 4);
-        TEST_EQ_INT(mtrl_kda_step_rows_ok(B, H, K, V, d_q, d_k, d_v, d_g, rows, d_o2), 0);
+        TEST_EQ_INT(mtrl_kda_step_rows_ok(ctx, B, H, K, V, d_q, d_k, d_v, d_g, rows, d_o2), 0);
         rows[0] = bad;
         for (int b = 0; b < B; b++) mtrl_cuda_free(rows[b]);
         cudaFree(d_rows);
@@ -902,7 +893,7 @@ int main(int argc, char **argv) {
         return test_report();
     }
     test_gate(ctx, 300, 3, 32);
-    set_env("MTRL_KDA_FWD", "2");  // the fp32 (1e-4) chunk cases below check v2
+    mtrl_cuda_ctx_opts(ctx)->kda_fwd = MTRL_KOPT_SIMT;  // the fp32 (1e-4) chunk cases below check v2
     test_chunk(ctx, 1, 1, 16, 16, 0);
     test_chunk(ctx, 15, 2, 32, 32, 0);
     test_chunk(ctx, 16, 2, 32, 32, 0);
@@ -914,7 +905,7 @@ int main(int argc, char **argv) {
     test_chunk(ctx, 1, 2, 128, 128, 0);     // v3 bwd too: T < 16, one partial tile
     test_chunk(ctx, 16, 3, 128, 128, 1);    // one full tile, the decay at the bound
     test_chunk(ctx, 333, 2, 128, 128, 0);   // more tiles than the ring's 6 stages, tail of 13
-    set_env("MTRL_KDA_FWD", NULL);
+    mtrl_cuda_ctx_opts(ctx)->kda_fwd = MTRL_KOPT_AUTO;
     test_chunk_v3(ctx, 1, 16, 0);      // T < 16: one partial tile
     test_chunk_v3(ctx, 15, 16, 0);
     test_chunk_v3(ctx, 16, 16, 0);
@@ -927,7 +918,7 @@ int main(int argc, char **argv) {
     test_chunk_v3(ctx, 24, 2, 0);      // H = 2 (the `reduced small` model): a partial second tile
     test_chunk_v3(ctx, 41, 2, 1);
     test_chunk_v3(ctx, 96, 8, 0);      // H = 8 (the 64K model)
-    test_chunk_v3(ctx, 7, 2, 0);       // the cluster pass (MTRL_KDA3_CLUSTER, every case above too):
+    test_chunk_v3(ctx, 7, 2, 0);       // the cluster pass (kda_cluster, every case above too):
     test_chunk_v3(ctx, 5, 64, 1);      //   T < 16 at H = 2, 64; a tail and more tiles than the ring
     test_chunk_v3(ctx, 1203, 16, 0);   //   many times over (76 tiles, tail of 3) at H = 16, 2, 64
     test_chunk_v3(ctx, 419, 2, 1);

@@ -35,15 +35,7 @@
 // 4-layer model (fp32 cuBLAS GEMMs at ~16 TFLOP/s, perf.md; ~0.46 GFLOP per token for forward,
 // recompute and backward) adds ~30 s, the KDA chunk kernels a few seconds: about 3 minutes.
 //
-// Measured on an H200 (2026-11-30, one run, built from afff296 plus this change, sm_90):
-//   (a) 336 M parameters; segment 0: forward 1.02 s, backward 4.90 s, backend high-water 60.52
-//       GiB = the plan (x1.000); segments of 4096 / 8192: loss rel 4.0e-9 / 3.5e-8, logp rel
-//       3.4e-6 / 3.1e-6, gradient rel L2 1.05e-3 / 8.8e-4, max |dg| / max |g| 8.2e-4 / 6.0e-4,
-//       worst tensor layers.1.mla.wkva 2.7e-3 / layers.3.mla.wkva 2.1e-3.
-//   (b) 332 M parameters, 139.22 GiB free: planned segment 149,952 (7 segments); forward 24.4 s,
-//       backward 144.9 s (recompute included), AdamW 0.01 s: 6,192 tokens/s for the step;
-//       high-water 131.37 GiB of the plan's 131.46 without the runtime reserve (x0.999),
-//       0.01 GiB outside the backend, device-level peak 131.38 GiB.
+// What one H200 measured: docs/perf.md, "Measurements moved out of code comments" (and "A million-token learner step on one GPU").
 //
 // argv[1] (optional): "a" or "b" runs that part alone. Exits 77 without a CUDA device (or in a
 // build without CUDA).

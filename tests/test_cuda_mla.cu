@@ -5,22 +5,24 @@
 // model's shapes: Dk = dc + dr = 576, Dv = 512, and the tiny preset's Dk = 40 that needs zero
 // padding to 48), a segment attending to a longer prefix (Tq < Tk), and the general form (Hk = 2,
 // separate values); MHA Dk = 192, Dv = 128 (the naive MLA form: must run v2 or v3, v1 checked
-// against it too; v3, the wgmma kernels, is the default on an H100 / H200, and MTRL_ATTN3=0
+// against it too; v3, the wgmma kernels, is the default on an H100 / H200, and attn = mma
 // cases run v2 there); and the absorbed decode over a batch of sequences of different lengths
 // (fp32 and bf16 latent caches; each case through both kernels: v2 where the arguments allow it,
-// then v1 forced through MTRL_DECODE_V1=1).
+// then v1 forced through decode = simt).
 // Tolerances: attention takes bf16 operands: ‖out − ref‖/‖ref‖ ≤ 1e-2 against the reference on
 // the unrounded inputs. Attention runs the v2 kernels where the shape allows them (twice:
-// bit-identical), then v1 forced through MTRL_ATTN_V1=1. Decode: fp32 cache ≤ 1e-4; bf16 cache ≤ 1e-2.
+// bit-identical), then v1 forced through attn = simt. Decode: fp32 cache ≤ 1e-4; bf16 cache ≤ 1e-2.
 #include "tests/testhelp.h"
-#include "kernels/cuda/cuda_testutil.h"
+#include "kernels/lab/cuda_testutil.h"
 #include "kernels/ref/mla_ref.h"
 
-// Sets MTRL_ATTN_V1 for the attention launchers (read at each call): version 1 forces the v1
-// kernels, version 2 leaves the default (v2 where the shape allows it).
-static void set_attn_version(int version) {
-    if (version == 1) setenv("MTRL_ATTN_V1", "1", 1);
-    else unsetenv("MTRL_ATTN_V1");
+// The attention option the cases below run with besides v1 (auto, or mma where a caller keeps
+// v3 off).
+static int attn_base_ = MTRL_KOPT_AUTO;
+// Sets the option attn for the attention launchers (read at each call): version 1 forces the v1
+// kernels (simt), version 2 leaves attn_base_ (v2 or v3 where the shape allows it).
+static void set_attn_version(mtrl_cuda_ctx *ctx, int version) {
+    mtrl_cuda_ctx_opts(ctx)->attn = version == 1 ? MTRL_KOPT_SIMT : attn_base_;
 }
 
 // Forward and backward through both kernel sets (v2 where the shape allows it, then v1 forced)
@@ -68,12 +70,12 @@ static void test_attn_x(mtrl_cuda_ctx *ctx, int Tq, int Tk, int H, int Hk, int D
     size_t nall = no + nl + nq + nk + nv;
     float *first = (float *)malloc(sizeof(float) * nall), *again = (float *)malloc(sizeof(float) * nall);
     for (int version = 2; version >= 1; version--) {
-        set_attn_version(version);
-        int vf = mtrl_attn_causal_version(H, Hk, Dk, Dv, alias, 0);
-        int vb = mtrl_attn_causal_version(H, Hk, Dk, Dv, alias, 1);
+        set_attn_version(ctx, version);
+        int vf = mtrl_attn_causal_version(ctx, H, Hk, Dk, Dv, alias, 0);
+        int vb = mtrl_attn_causal_version(ctx, H, Hk, Dk, Dv, alias, 1);
         printf("attention Tq=%d Tk=%d H=%d Hk=%d Dk=%d Dv=%d%s: fwd v%d, bwd v%d\n", Tq, Tk, H, Hk,
                Dk, Dv, alias ? " (values alias the keys)" : "", vf, vb);
-        if (version == 2 && expect_v2) {  // v2 or v3 (MTRL_ATTN3: v3 on an H100 / H200)
+        if (version == 2 && expect_v2) {  // v2 or v3 (attn: v3 on an H100 / H200)
             TEST_CHECK(vf >= 2);
             TEST_CHECK(vb >= 2);
         }
@@ -151,7 +153,7 @@ static void test_attn_x(mtrl_cuda_ctx *ctx, int Tq, int Tk, int H, int Hk, int D
             if (!alias) mtrl_cuda_free(e_dv);
         }
     }
-    set_attn_version(2);
+    set_attn_version(ctx, 2);
     free(first); free(again);
     free(inc);
     free(ref_inc);
@@ -181,11 +183,10 @@ static void test_v3_shapes(mtrl_cuda_ctx *ctx) {
     test_attn_x(ctx, 1, 65, 2, 2, 128, 128, 0, 1);
 }
 
-// Sets MTRL_DECODE_V1 for the decode launchers (read at each call): version 1 forces the first
+// Sets the option decode for the launchers (read at each call): version 1 forces the first
 // kernel, version 2 leaves the launcher's default (v2 where the shape allows it).
-static void set_decode_version(int version) {
-    if (version == 1) setenv("MTRL_DECODE_V1", "1", 1);
-    else unsetenv("MTRL_DECODE_V1");
+static void set_decode_version(mtrl_cuda_ctx *ctx, int version) {
+    mtrl_cuda_ctx_opts(ctx)->decode = version == 1 ? MTRL_KOPT_SIMT : MTRL_KOPT_AUTO;
 }
 
 // B sequences of lengths lens[] in one pool (a gap of 3 rows before each, row stride dc+dr+8),
@@ -219,7 +220,7 @@ static void test_decode(mtrl_cuda_ctx *ctx, int B, const int *lens, int H, int d
     int *d_len = tu_dev_i32(lens, B);
     double *got = tu_alloc((size_t)B * H * dv);
     for (int version = 2; version >= 1; version--) {
-        set_decode_version(version);
+        set_decode_version(ctx, version);
         int runs = mtrl_mla_decode_version(ctx, H, dr, dc, lat_type, ld);
         printf("decode B=%d H=%d dn=%d dr=%d dv=%d dc=%d max_len=%d %s cache: kernel v%d%s\n", B, H,
                dn, dr, dv, dc, max_len, lat_type == MTRL_BF16 ? "bf16" : "fp32", runs,
@@ -245,7 +246,7 @@ static void test_decode(mtrl_cuda_ctx *ctx, int B, const int *lens, int H, int d
         free(a2);
         mtrl_cuda_free(d_a);
     }
-    set_decode_version(2);
+    set_decode_version(ctx, 2);
     mtrl_cuda_free(d_pool); mtrl_cuda_free(d_q); mtrl_cuda_free(d_W);
     mtrl_cuda_free(d_start); mtrl_cuda_free(d_len);
     free(start); free(pool); free(q); free(W); free(a); free(got);
@@ -288,27 +289,29 @@ int main(int argc, char **argv) {
     test_attn_x(ctx, 128, 128, 2, 2, 192, 128, 0, 1);  // exact tiles
     // the lab configurations of this shape (read at each call): forward 1 (Q in registers) with
     // 64-row dK/dV tiles, then forward 3 (64-key stages)
-    setenv("MTRL_ATTN3", "0", 1);
-    setenv("MTRL_ATTN2_FWD", "1", 1);
-    setenv("MTRL_ATTN2_DKV", "64", 1);
-    printf("MTRL_ATTN2_FWD=1 MTRL_ATTN2_DKV=64:\n");
+    mtrl_kernel_opts *ko = mtrl_cuda_ctx_opts(ctx);
+    attn_base_ = MTRL_KOPT_MMA;
+    ko->attn_fwd_config = 1;
+    ko->attn_dkv_rows = 64;
+    printf("attn_fwd_config = 1, attn_dkv_rows = 64:\n");
     test_attn_x(ctx, 200, 1000, 8, 8, 192, 128, 0, 1);
     test_attn_x(ctx, 63, 63, 2, 2, 192, 128, 0, 1);
-    setenv("MTRL_ATTN2_FWD", "3", 1);
-    unsetenv("MTRL_ATTN2_DKV");
-    printf("MTRL_ATTN2_FWD=3:\n");
+    ko->attn_fwd_config = 3;
+    ko->attn_dkv_rows = 0;
+    printf("attn_fwd_config = 3:\n");
     test_attn_x(ctx, 200, 1000, 8, 8, 192, 128, 0, 1);
-    unsetenv("MTRL_ATTN2_FWD");
-    unsetenv("MTRL_ATTN3");
-    // v2 where v3 is the default (H100 / H200; elsewhere these rerun v2): MTRL_ATTN3=0; then v3
-    // with its dK / dV in step for MHA rows too (a lab variant: MTRL_ATTN3_WS=0)
-    const char *alt[2][2] = {{"MTRL_ATTN3", "0"}, {"MTRL_ATTN3_WS", "0"}};
+    ko->attn_fwd_config = 0;
+    attn_base_ = MTRL_KOPT_AUTO;
+    // v2 where v3 is the default (H100 / H200; elsewhere these rerun v2): attn = mma; then v3
+    // with its dK / dV in step for MHA rows too (a lab variant: attn_dkv_in_step = true)
     for (int v = 0; v < 2; v++) {
-        setenv(alt[v][0], alt[v][1], 1);
-        printf("%s=%s:\n", alt[v][0], alt[v][1]);
+        attn_base_ = v == 0 ? MTRL_KOPT_MMA : MTRL_KOPT_AUTO;
+        ko->attn_dkv_in_step = v == 1;
+        printf("%s:\n", v == 0 ? "attn = mma" : "attn_dkv_in_step = true");
         test_v3_shapes(ctx);
-        unsetenv(alt[v][0]);
     }
+    attn_base_ = MTRL_KOPT_AUTO;
+    ko->attn_dkv_in_step = 0;
     // v3's own tile boundaries (128 keys / 128 rows per block, 64-row and 64-key tiles)
     test_attn_x(ctx, 256, 256, 2, 2, 192, 128, 0, 1);
     test_attn_x(ctx, 129, 129, 2, 2, 192, 128, 0, 1);

@@ -27,7 +27,7 @@
 //   2e-2, QB β 5e-3 absolute; decode (bf16 latent cache) vs prefill (bf16 attention) and vs the
 //   CPU's decode: 2e-2 of max |logit|.
 // The MLA latents are stored bf16 on the GPU (backend.h latent_size). Per MLA case, a second GPU
-// model created with MTRL_LATENT_FP32=1 (fp32 latents, rounded to bf16 per attention call: the
+// model created with [kernels] latent = fp32 (fp32 latents, rounded to bf16 per attention call: the
 // earlier path) is compared with the default one:
 //   * forward log-probs and every gradient (routing replayed): trained absorbed, the attention
 //     sees the same bf16 operands either way (rounded once when stored vs per call, both to
@@ -37,29 +37,23 @@
 //   * decode logits (bf16 vs fp32 cache, each against the CPU's decode): 2e-2 of max |logit|;
 //   * memory: a decode state's latent bytes and the planned / held latents of a batch halve,
 //     the latent gradients do not.
-// Per case, a GPU model created with MTRL_GEMM_TF32=1 (its fp32 GEMMs on TF32 tensor cores)
+// Per case, a GPU model created with [kernels] gemm = tf32 (its fp32 GEMMs on TF32 tensor cores)
 // against the default one on the same routing: log-probs within 1e-2, every gradient within
 // 8e-2 but the per-head A_log gradients' 0.25 (gemm_switch_vs_fp32_ says why), and not
-// identical (the switch took effect). Passed on an H200 (ebe612f, 2026-11-30) at 5e-2; the naive
-// MLA form's expansion GEMMs on TF32 too took reduced small's layers.1.mla.wq to 0.0511 (6c999a1).
-// Per case, a GPU model created with MTRL_GEMM_BF16=1 (bf16 operands for the projections,
+// identical (the switch took effect). (Why 8e-2: docs/perf.md, "Measurements moved out of code comments".)
+// Per case, a GPU model created with [kernels] gemm = bf16 (bf16 operands for the projections,
 // experts and dense FFNs) against the default one likewise: log-probs within 2e-2, every
 // gradient within 0.75 (A_log 0.5; test_bf16_ says why so loose), not identical; and its bf16 weight copy follows an AdamW
-// step and two checkpoint loads (bf16_copy_follows_). On an H200 (abd19b0, 2026-11-30): logp 4.2e-4 / 8.8e-4, worst
-// gradient 0.060 / 0.385 (reduced small layers.1.norm1), A_log 0.074 / 0.126; reloads bit-exact; the one failure was
-// log-probs after the step, 0.073 of 2e-2 with the step's lr at 1e-2 (TEST_STEP_LR says why it is now 1e-3).
+// step and two checkpoint loads (bf16_copy_follows_). TEST_STEP_LR says why the
+// step's learning rate is 1e-3.
 // Segmented vs unsegmented on the GPU: log-probs 1e-4; gradients 2e-4 (fp32 only), 1e-2 with MLA
 // (the attention kernel rounds its probabilities to bf16 relative to a running maximum that
 // depends on how the queries are split, so the two runs differ at the bf16 level), 3e-2 at
 // small's MLA widths (measured 6c999a1: 1.8e-2 in layers.1.mla.wq at segment 24).
-// Measured on an H200 (2026-11-30): tiny logp 2.6e-6, gradients 3.3e-3 (layers.3.mla.wq), logits
-// 5.1e-4, decode 3.1e-4, segmented 7.8e-5; all-KDA logp 8.0e-8, gradients 2.3e-5, logits 3.4e-6,
-// decode 1.2e-5, segmented 7.5e-6; reduced small logp 4.4e-5, gradients 1.5e-2
-// (layers.1.mla.kv_norm), logits 2.0e-3, decode 5.8e-3, segmented 2.5e-3; AdamW parameters
-// within 2.4e-7; the GPU's own routing equal to the CPU's on every choice.
+// What an H200 measured against these tolerances: docs/perf.md, "Measurements moved out of code comments".
 // Before the device check it runs the host-side checks of any build: an arena over a caller's
 // block, the device parser, mtrl_model_init_on refusing what the kernels cannot take, the latent
-// element sizes (2 on CUDA, 4 under MTRL_LATENT_FP32=1, `real` on the CPU) and the planner's
+// element sizes (2 on CUDA, 4 under [kernels] latent = fp32, `real` on the CPU) and the planner's
 // latent bytes for each.
 #include <math.h>
 #include <stdlib.h>
@@ -140,42 +134,26 @@ static void test_host_side(void) {
     }
 
     // Latent element sizes (backend.h mtrl_backend_latent_size): the CPU keeps `real`; a CUDA
-    // backend stores bf16, fp32 under MTRL_LATENT_FP32=1 (the same answer in a build without
-    // CUDA, where a GPU plan says what a CUDA build allocates). The planner sizes the latents with it: half the bytes, and no bf16 copy of the
-    // keys in the attention's scratch.
-    TEST_EQ_INT((int)mtrl_backend_latent_size(MTRL_DEVICE_CPU), (int)sizeof(real));
-    // TF32 GEMMs: only a CUDA backend; where the model asks ([model] gemm = tf32) unless
-    // MTRL_GEMM_TF32=0, or with MTRL_GEMM_TF32=1 (test_model.c checks the same on the CPU)
-    TEST_EQ_INT(mtrl_backend_gemm_tf32(MTRL_DEVICE_CUDA, 0), 0);
-    TEST_EQ_INT(mtrl_backend_gemm_tf32(MTRL_DEVICE_CUDA, 1), 1);
-    setenv("MTRL_GEMM_TF32", "1", 1);
-    TEST_EQ_INT(mtrl_backend_gemm_tf32(MTRL_DEVICE_CUDA, 0), 1);
-    TEST_EQ_INT(mtrl_backend_gemm_tf32(MTRL_DEVICE_CPU, 1), 0);
-    setenv("MTRL_GEMM_TF32", "0", 1);
-    TEST_EQ_INT(mtrl_backend_gemm_tf32(MTRL_DEVICE_CUDA, 1), 0);
-    unsetenv("MTRL_GEMM_TF32");
-    // bf16 GEMM operands: only a CUDA backend, only with MTRL_GEMM_BF16=1; they win over TF32
-    TEST_EQ_INT(mtrl_backend_gemm_bf16(MTRL_DEVICE_CUDA), 0);
-    setenv("MTRL_GEMM_BF16", "1", 1);
-    TEST_EQ_INT(mtrl_backend_gemm_bf16(MTRL_DEVICE_CUDA), 1);
-    TEST_EQ_INT(mtrl_backend_gemm_bf16(MTRL_DEVICE_CPU), 0);
-    setenv("MTRL_GEMM_TF32", "1", 1);
-    TEST_EQ_INT(mtrl_backend_gemm_tf32(MTRL_DEVICE_CUDA, 1), 0);
-    unsetenv("MTRL_GEMM_TF32");
-    unsetenv("MTRL_GEMM_BF16");
-    size_t lat16 = mtrl_backend_latent_size(MTRL_DEVICE_CUDA);
-    setenv("MTRL_LATENT_FP32", "1", 1);
-    size_t lat32 = mtrl_backend_latent_size(MTRL_DEVICE_CUDA);
+    // backend stores bf16, fp32 with [kernels] latent = fp32 (the same answer in a build without
+    // CUDA, where a GPU plan says what a CUDA build allocates). The planner sizes the latents with
+    // it: half the bytes, and no bf16 copy of the keys in the attention's scratch. (test_model.c
+    // checks [kernels] gemm's TF32 and bf16 answers on the CPU.)
+    mtrl_kernel_opts kf = {0};
+    TEST_EQ_INT((int)mtrl_backend_latent_size(MTRL_DEVICE_CPU, &kf), (int)sizeof(real));
+    size_t lat16 = mtrl_backend_latent_size(MTRL_DEVICE_CUDA, &kf);
+    kf.latent_fp32 = 1;
+    size_t lat32 = mtrl_backend_latent_size(MTRL_DEVICE_CUDA, &kf);
     mtrl_model_plan p16, p32;
     d = dims_("preset = custom\nlayers = 4\nd_model = 256\nhybrid = KMKM\nkda_heads = 2\nkda_head_dim = 128\n"
               "mla_heads = 4\nmla_nope_dim = 64\nmla_rope_dim = 32\nmla_v_dim = 64\nmla_latent_dim = 256\n"
               "dense_inter = 512\nexperts = 16\ntop_k = 4\nshared_experts = 1\nexpert_inter = 128\nattnres_block = 2\n",
               512);
     int plen[1] = {100000};
+    d.kern = kf;
     mtrl_model_plan_eval(&p32, &d, MTRL_DEVICE_CUDA, 1, plen, 8192, 0);
-    unsetenv("MTRL_LATENT_FP32");
+    d.kern.latent_fp32 = 0;
     mtrl_model_plan_eval(&p16, &d, MTRL_DEVICE_CUDA, 1, plen, 8192, 0);
-    printf("latent element: CUDA %zu bytes, %zu with MTRL_LATENT_FP32=1; plan of %d tokens: latents %.1f MiB vs "
+    printf("latent element: CUDA %zu bytes, %zu with latent = fp32; plan of %d tokens: latents %.1f MiB vs "
            "%.1f, scratch %.1f MiB vs %.1f\n",
            lat16, lat32, plen[0], p16.latents / 1048576.0, p32.latents / 1048576.0, p16.scratch / 1048576.0,
            p32.scratch / 1048576.0);
@@ -635,7 +613,7 @@ static void test_case_(const gcase *k) {
     mtrl_model_free(&mg);
 }
 
-// ---- bf16 latents vs MTRL_LATENT_FP32 vs the CPU (MLA cases) ----------------------------------------
+// ---- bf16 latents vs [kernels] latent vs the CPU (MLA cases) ----------------------------------------
 
 // Prefill of sp tokens, then one decode step per token up to T, into logits [T][V] (rows < sp
 // stay untouched) and the decode's routing rout [T][n_moe][k].
@@ -667,15 +645,15 @@ static double decode_cmp_(const mtrl_model *m, int T, int sp, const real *a, con
 }
 
 // Two GPU models with the CPU model mc's parameters (perturbed from init seed 7) and QB β, the
-// second created with the environment variable `var` = 1 (read when a backend is created); QB
-// frozen on all three.
-static void twins_(const mtrl_model_dims *d, const char *var, mtrl_model *mc, mtrl_model *ga, mtrl_model *gb) {
+// second created with the kernel options kb (the first with d's); QB frozen on all three.
+static void twins_(const mtrl_model_dims *d, const mtrl_kernel_opts *kb, mtrl_model *mc, mtrl_model *ga,
+                   mtrl_model *gb) {
     mtrl_error err;
     mtrl_model_init(mc, d, 7);
     TEST_EQ_INT(mtrl_model_init_on(ga, d, 7, MTRL_DEVICE_CUDA, 0, &err), MTRL_OK);
-    setenv(var, "1", 1);
-    TEST_EQ_INT(mtrl_model_init_on(gb, d, 7, MTRL_DEVICE_CUDA, 0, &err), MTRL_OK);
-    unsetenv(var);
+    mtrl_model_dims db = *d;
+    db.kern = *kb;
+    TEST_EQ_INT(mtrl_model_init_on(gb, &db, 7, MTRL_DEVICE_CUDA, 0, &err), MTRL_OK);
     test_model_perturb(mc, 3);
     mtrl_model *gpu[2] = {ga, gb};
     for (int i = 0; i < 2; i++) {
@@ -708,7 +686,7 @@ static void fwd_bwd_pair_(mtrl_model *a, mtrl_model *b, batch_ *B, uint8_t *cons
     mtrl_model_to_host(b);
 }
 
-// A GEMM precision switch (the environment variable `var` = 1 at creation) against the default
+// A GEMM precision ([kernels] gemm = `gemm` at creation) against the default
 // true fp32, on the same parameters and routing: log-probs and every gradient within the
 // tolerances, except the KDA decay scalars' (A_log, one per head): each is a sum over every token
 // and channel of terms of both signs that mostly cancel, so the sum's relative error is the
@@ -717,18 +695,21 @@ static void fwd_bwd_pair_(mtrl_model *a, mtrl_model *b, batch_ *B, uint8_t *cons
 // switch took effect). `then` (nullable) runs more checks on the three models afterwards (lpf,
 // lpt: the fp32 and switched log-probs; rrc: the routing both took).
 typedef struct gemm_switch {
-    const char *var, *what;
+    int gemm; // MTRL_KGEMM_*
+    const char *what;
     double tol_logp, tol_grad, tol_a_log;
     void (*then)(const gcase *k, mtrl_model *mg, mtrl_model *mt, batch_ *B, const uint8_t *const *rrc,
                  const real *lpf, const real *lpt);
 } gemm_switch;
 
 static void gemm_switch_vs_fp32_(const gcase *k, const gemm_switch *sw) {
-    printf("== %s: %s=1 vs fp32 GEMMs\n", k->name, sw->var);
+    printf("== %s: [kernels] gemm = %s vs fp32 GEMMs\n", k->name, sw->what);
     mtrl_model_dims d = dims_(k->ini, k->vocab);
     size_t rw = (size_t)d.n_moe * d.k;
     mtrl_model mc, mg, mt;
-    twins_(&d, sw->var, &mc, &mg, &mt);
+    mtrl_kernel_opts kb = d.kern;
+    kb.gemm = sw->gemm;
+    twins_(&d, &kb, &mc, &mg, &mt);
     batch_ B;
     batch_make_(&B, k, 11);
     size_t tot = (size_t)B.total, sa, sb;
@@ -743,7 +724,7 @@ static void gemm_switch_vs_fp32_(const gcase *k, const gemm_switch *sw) {
            wa = worst_tensor_of_(&mc, mt.grads, mg.grads, &wan, 0, "A_log", 1);
     printf("  %s vs fp32: logp rel %.3g, worst gradient rel %.3g (%s), worst A_log gradient rel %.3g (%s)\n", sw->what,
            elp, wg, wn, wa, wan);
-    TEST_CHECKF(elp > 0, "%s changed nothing: is %s read?", sw->what, sw->var);
+    TEST_CHECKF(elp > 0, "%s changed nothing: is [kernels] gemm read?", sw->what);
     TEST_CHECKF(elp <= sw->tol_logp, "logp rel %.3g with %s GEMMs", elp, sw->what);
     TEST_CHECKF(wg <= sw->tol_grad, "gradient of %s rel %.3g with %s GEMMs", wn, wg, sw->what);
     TEST_CHECKF(wa <= sw->tol_a_log, "gradient of %s rel %.3g with %s GEMMs", wan, wa, sw->what);
@@ -757,12 +738,12 @@ static void gemm_switch_vs_fp32_(const gcase *k, const gemm_switch *sw) {
     mtrl_model_free(&mt);
 }
 
-// MTRL_GEMM_TF32=1 (the model's fp32 GEMMs on TF32 tensor cores, 10-bit mantissas, ~5e-4
+// [kernels] gemm = tf32 (the model's fp32 GEMMs on TF32 tensor cores, 10-bit mantissas, ~5e-4
 // relative per operand): log-probs within 1e-2, gradients within 5e-2, A_log 0.25.
 static void test_tf32_(const gcase *k) {
-    gemm_switch sw = {"MTRL_GEMM_TF32", "tf32", 1e-2, 8e-2, 0.25, NULL};
+    gemm_switch sw = {MTRL_KGEMM_TF32, "tf32", 1e-2, 8e-2, 0.25, NULL};
     gemm_switch_vs_fp32_(k, &sw);
-    // the model's own choice without the environment: [model] gemm = tf32 (the config's default)
+    // the model's own choice with [kernels] gemm = model: [model] gemm = tf32 (the config's default)
     // gives a TF32 backend, gemm = fp32 (the tests' dims) a true fp32 one
     mtrl_model_dims d = dims_(k->ini, k->vocab);
     for (int want = 0; want <= 1; want++) {
@@ -846,7 +827,7 @@ static void bf16_copy_follows_(const gcase *k, mtrl_model *mg, mtrl_model *mt, b
     free(after);
 }
 
-// MTRL_GEMM_BF16=1 (bf16 operands for the projections, the experts and the dense FFNs, fp32
+// [kernels] gemm = bf16 (bf16 operands for the projections, the experts and the dense FFNs, fp32
 // accumulation; 8 significant bits, ~2e-3 relative per operand, 8x TF32's): log-probs within
 // 2e-2, gradients within 0.75, A_log 0.5; and the weight copy follows the weights. The
 // gradient tolerances come from test_model_gemm_emu (the same cases on the CPU with rounded
@@ -855,16 +836,18 @@ static void bf16_copy_follows_(const gcase *k, mtrl_model *mg, mtrl_model *mt, b
 // tokens that cancels like A_log's; tiny all-KDA's wf1 0.15) and A_log up to 0.18, so 1e-1
 // would fail on rounding alone; the GPU also rounds the SwiGLU products the emulation keeps.
 static void test_bf16_(const gcase *k) {
-    gemm_switch sw = {"MTRL_GEMM_BF16", "bf16", 2e-2, 0.75, 0.5, bf16_copy_follows_};
+    gemm_switch sw = {MTRL_KGEMM_BF16, "bf16", 2e-2, 0.75, 0.5, bf16_copy_follows_};
     gemm_switch_vs_fp32_(k, &sw);
 }
 
 static void test_latent_paths_(const gcase *k) {
-    printf("== %s: bf16 latents vs MTRL_LATENT_FP32=1 vs the CPU\n", k->name);
+    printf("== %s: bf16 latents vs [kernels] latent = fp32 vs the CPU\n", k->name);
     mtrl_model_dims d = dims_(k->ini, k->vocab);
     size_t rw = (size_t)d.n_moe * d.k;
     mtrl_model mc, mg, mf;
-    twins_(&d, "MTRL_LATENT_FP32", &mc, &mg, &mf);
+    mtrl_kernel_opts kb = d.kern;
+    kb.latent_fp32 = 1;
+    twins_(&d, &kb, &mc, &mg, &mf);
     TEST_EQ_INT((int)mg.be->latent_size, 2);
     TEST_EQ_INT((int)mf.be->latent_size, 4);
     TEST_EQ_INT((int)mc.be->latent_size, (int)sizeof(real));

@@ -13,7 +13,7 @@
 // TF32 3e-3 (the grouped kernels on fp32 operands); bf16 operands 1e-2; integer outputs and the
 // QB bias exact.
 #include "tests/testhelp.h"
-#include "kernels/cuda/cuda_testutil.h"
+#include "kernels/lab/cuda_testutil.h"
 #include "kernels/ref/gemm_ref.h"
 #include "kernels/ref/moe_ref.h"
 
@@ -170,19 +170,19 @@ static void test_block(mtrl_cuda_ctx *ctx, int N, int E, int K, int D, int I, in
     TU_CHECK_REL("combine bwd dw", got, dwr, R, tol);
     tu_get_f32(got, d_dXp, R * D);
     TU_CHECK_REL("experts bwd dX_perm", got, dXp, R * D, tol);
-    // The experts on one GEMM lane (MTRL_MOE_LANES=1) give the same bits as on the default lanes:
+    // The experts on one GEMM lane (moe_lanes = 1) give the same bits as on the default lanes:
     // each expert's GEMMs are the same cuBLAS calls, only on other streams.
     {
         float *y4 = (float *)malloc(sizeof(float) * R * D), *x4 = (float *)malloc(sizeof(float) * R * D),
               *y1 = (float *)malloc(sizeof(float) * R * D), *x1 = (float *)malloc(sizeof(float) * R * D);
         mtrl_cuda_download(y4, d_Yp, sizeof(float) * R * D);
         mtrl_cuda_download(x4, d_dXp, sizeof(float) * R * D);
-        setenv("MTRL_MOE_LANES", "1", 1);
+        mtrl_cuda_ctx_opts(ctx)->moe_lanes = 1;
         TEST_EQ_INT(mtrl_moe_experts_fwd(ctx, E, D, I, g_off, d_Xp, d_W1, d_W3, d_W2, type, d_u1, d_u3, d_Yp), 0);
         TEST_EQ_INT(mtrl_moe_experts_bwd(ctx, E, D, I, g_off, d_Xp, d_W1, d_W3, d_W2, type, d_u1, d_u3, d_dYp,
                                          d_dXp, NULL, NULL, NULL), 0);
         mtrl_cuda_sync(ctx);
-        unsetenv("MTRL_MOE_LANES");
+        mtrl_cuda_ctx_opts(ctx)->moe_lanes = 0;
         mtrl_cuda_download(y1, d_Yp, sizeof(float) * R * D);
         mtrl_cuda_download(x1, d_dXp, sizeof(float) * R * D);
         TEST_CHECKF(!memcmp(y1, y4, sizeof(float) * R * D), "experts Y_perm: 1 GEMM lane differs from the default");

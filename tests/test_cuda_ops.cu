@@ -7,7 +7,7 @@
 // All fp32 on the GPU: ‖out − ref‖/‖ref‖ ≤ 1e-5 (elementwise and row ops), 1e-4 where a
 // reduction runs over many rows or a long row (weight gradients, the vocabulary).
 #include "tests/testhelp.h"
-#include "kernels/cuda/cuda_testutil.h"
+#include "kernels/lab/cuda_testutil.h"
 #include "kernels/ref/attnres_ref.h"
 #include "kernels/ref/ops_ref.h"
 

@@ -466,7 +466,8 @@ static void test_config(void) {
     TEST_CONTAINS(err.msg, "max_bytes=1 out of range");
 }
 
-int main(void) {
+int main(int argc, char **argv) {
+    mtrl_env_host_main(argc, argv); // the isolated envs below start this program as their child
     pthread_t t;
     if (server_start(&t) != 0) {
         TEST_CHECKF(0, "could not start the test server: %s", strerror(errno));

@@ -332,7 +332,8 @@ static void test_child_setup(void) {
     TEST_CHECKF(cpid > 0 && !pid_alive(cpid), "env child %d outlived its host", cpid);
 }
 
-int main(void) {
+int main(int argc, char **argv) {
+    mtrl_env_host_main(argc, argv); // the isolated envs below start this program as their child
     const char *b = getenv("MTRL_BUILD");
     snprintf(libdir, sizeof libdir, "%s/lib", b ? b : ".");
 #if defined(__SANITIZE_ADDRESS__)

@@ -263,7 +263,8 @@ static void test_images(int isolate) {
     mtrl_env_close(e);
 }
 
-int main(void) {
+int main(int argc, char **argv) {
+    mtrl_env_host_main(argc, argv); // the isolated envs below start this program as their child
     const char *b = getenv("MTRL_BUILD");
     snprintf(libdir, sizeof libdir, "%s/lib", b ? b : ".");
     test_refusals();

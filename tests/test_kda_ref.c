@@ -1,5 +1,5 @@
 // mtrl-test: cpu f64
-// test_kda_ref.c: the KDA reference in fp64 against itself three ways (model.md §8).
+// test_kda_ref.c: the KDA reference in fp64 against itself three ways (docs/model.md §8).
 //   I1  chunked (16-tiles; midpoint/start reference; FSUB/nilpotent T; c < 16 and padded
 //       tails; zero and random S0; random g and g ≡ g_min + 1e-3) == token recurrence, 1e-12
 //   I2  chunk backward == BPTT (1e-12) == central finite differences for q, k, v, g, β, S0 and,

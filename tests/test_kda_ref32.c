@@ -1,6 +1,6 @@
 // mtrl-test: cpu
 // test_kda_ref32.c: the KDA chunked reference in fp32 (the precision the GPU keeps G, S, T in)
-// against an fp64 recurrence written here, independently of kda_ref.c (model.md §8 I1, I6).
+// against an fp64 recurrence written here, independently of kda_ref.c (docs/model.md §8 I1, I6).
 //   I6  g → g_min for every row (g = the float just above g_min): no inf/NaN in the chunked
 //       forward or backward, midpoint and start references, 16-tiles and 64 super-chunks,
 //       c < 16 and padded tails

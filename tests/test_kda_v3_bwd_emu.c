@@ -1,6 +1,6 @@
 // mtrl-test: cpu f64 slow timeout=600
 // test_kda_v3_bwd_emu.c: the tensor-core KDA backward state-gradient pass (kernels/cuda/
-// kda_tc_bwd_cuda.cu, kda3_state_bwd_k, MTRL_KDA_BWD=3) emulated on the CPU, against the same pass
+// kda_tc_bwd_cuda.cu, kda3_state_bwd_k, kda_bwd = auto) emulated on the CPU, against the same pass
 // in fp64, on test_kda_v3_emu.c's kernel-level inputs (T 1..333 with tails, H 2..8, random g, g at
 // the bound g_min + 1e-3, the model's gate) with dO ~ N(0, 1) and dS_final ~ N(0, 1).
 //   fp64: the pass's algebra (kda_cuda.cu's kda_state_bwd_k), last tile to first, on operands
@@ -26,13 +26,10 @@
 // Checks: the fp64 pass's dS0 and the fp64 pass 3's gradients vs the reference backward <= 1e-9;
 // the emulated bf16x3 pass's ‖out − fp64‖/‖fp64‖ for dD, dS_tiles and dS0 (worst over the cases)
 // <= 2e-5 and the gradients it leads to (worst of dq, dk, dv, dg, dβ) <= 5e-5: with v2's own error
-// that justifies test_cuda_kda's 1e-4 (2e-4 at the bound) for MTRL_KDA_BWD=3; and bf16 at least 20x
+// that justifies test_cuda_kda's 1e-4 (2e-4 at the bound) for kda_bwd = auto; and bf16 at least 20x
 // worse than bf16x3 (the emulation resolves the split: a lo part dropped or misapplied shows here).
-// Measured here (x86, 2026-11-30), worst over the cases: dD, dS_tiles, dS0 bf16x3 5.2e-6 (dD
-// 4.0e-6–5.2e-6, dS0 2.6e-6–4.5e-6, dS_tiles <= 9.3e-7), plain bf16 2.6e-3, fp32 operands 1.4e-7;
-// gradients bf16x3 1.7e-5 (dβ at T = 17; 4.5e-6–1.0e-5 elsewhere), bf16 7.8e-3, fp32 operands
-// 2.0e-7; fp64 pass vs kda_chunk_bwd: dS0 8.2e-16, gradients 1.0e-13.
-//   Pass 3 on tensor cores (MTRL_KDA_BWD_TILE=3, kda_tile_bwd_k<true>): the same fp64 pass 3 with the
+// The measured errors: docs/perf.md, "Measurements moved out of code comments".
+//   Pass 3 on tensor cores (kda_bwd_tile = auto, kda_tile_bwd_k<true>): the same fp64 pass 3 with the
 //     operands of the products smm16_tc computes rounded to split bf16 and their results to fp32
 //     (p3x_), after the bf16x3 pass 2 (both switches: checked <= 5e-5; measured 2.0e-5, dβ at
 //     T = 17) and after the fp64 one (8.7e-6). With the intra-tile products (dA, dQ̂, dK̂⁻) on tensor
@@ -284,7 +281,7 @@ static void pass64_(int T, int H, int h, int nt, const tile_ops_ *ops, const flo
 // from the tile's incoming state S, the gradient of its outgoing state dS (both [K][V]) and its
 // dΔ (dDt, [16][V]): dq, dk, dv, dg, dβ of its rows. Linear in (dO, dΔ, dS) for fixed inputs, so
 // feeding it pass 2's outputs from the emulated kernel and from fp64 gives the gradient error pass
-// 2 alone causes. With p3x_ (MTRL_KDA_BWD_TILE=3's kda_tile_bwd_k<true>): every operand of the
+// 2 alone causes. With p3x_ (kda_bwd_tile = auto's kda_tile_bwd_k<true>): every operand of the
 // products smm16_tc computes rounded to split bf16 (o_: hi + lo, ~16 bits; a_lo b_lo, 2^-16 of
 // the product, ignored) and each product's result to fp32 (r_: the kernel keeps them in fp32
 // shared memory); the two 16 x 16 x 16 products with T, the elementwise parts and the sums stay
@@ -583,7 +580,7 @@ int main(void) {
             gworst[prec] = fmax(gworst[prec], ge);
             printf(" | %s dD %.2e dSt %.2e dS0 %.2e grad %.2e (%s)", pname[prec], ed, et, e0, ge, gname[gw]);
             if (prec != PREC_X3) continue;
-            // pass 3 on tensor cores (MTRL_KDA_BWD_TILE=3) after the bf16x3 pass 2, and after the fp64 one
+            // pass 3 on tensor cores (kda_bwd_tile = auto) after the bf16x3 pass 2, and after the fp64 one
             for (int src = 0; src < 3; src++) {
                 p3x_ = src == 2 ? 2 : 1;
                 pass3_all_(T, H, nt, q, k, v, g, beta, St64, src ? dSt64 : xSt, src ? dD64 : xD, dout, gr[1]);
@@ -604,10 +601,10 @@ int main(void) {
            "emulated: bf16 %.2e (gradients %.2e), bf16x3 %.2e (gradients %.2e), fp32 operands %.2e (gradients %.2e)\n",
            worst_ref, gworst_ref, worst[PREC_BF16], gworst[PREC_BF16], worst[PREC_X3], gworst[PREC_X3],
            worst[PREC_F32], gworst[PREC_F32]);
-    printf("pass 3 on tensor cores (MTRL_KDA_BWD_TILE=3, bf16x3 operands emulated): gradients %.2e after the "
+    printf("pass 3 on tensor cores (kda_bwd_tile = auto, bf16x3 operands emulated): gradients %.2e after the "
            "bf16x3 pass 2, %.2e after the fp64 one (%.2e with the intra-tile products on tensor cores too)\n",
            tworst[0], tworst[1], tworst[2]);
-    TEST_CHECKF(tworst[0] <= 5e-5, "gradients with MTRL_KDA_BWD=3 and MTRL_KDA_BWD_TILE=3 emulated vs fp64 %.3g "
+    TEST_CHECKF(tworst[0] <= 5e-5, "gradients with kda_bwd = auto and kda_bwd_tile = auto emulated vs fp64 %.3g "
                 "(tolerance 5e-5)", tworst[0]);
     TEST_CHECKF(tworst[2] >= 3 * tworst[1], "intra-tile products on tensor cores %.3g not worse than in fp32 %.3g: "
                 "the reason kda_tile_bwd_k<true> keeps them SIMT is gone", tworst[2], tworst[1]);

@@ -9,7 +9,7 @@
 // segmented (16, 24 tokens) vs whole log-probs and gradients (routing replayed), prefill then
 // decode vs one prefill (split points 1, 15, 16, 17; rows whose routing differs skipped), and the
 // emulated forward against the fp32 one on the same routing (test_cuda_model's GPU vs CPU).
-// Split bf16 (bf16x3, kda_tc_cuda.cu's MTRL_KDA3_SPLIT=1): the same emulation with operands
+// Split bf16 (bf16x3, kda_tc_cuda.cu's kda_records = bf16x3): the same emulation with operands
 // carried as hi + lo bf16 (emu_v3_'s split groups), first at the kernel level against an fp64
 // token recurrence on test_cuda_kda-like inputs (T 1..333, H 2..8, random g, g at the bound, the
 // model's gate), then at the model level (MTRL_EMU_SPLIT=mask there splits only those groups:
@@ -17,12 +17,9 @@
 // Checks: the fp32 path meets test_cuda_model's tolerances; the bf16 emulation's own error is at
 // the rounding model's level (< 1e-2); the split emulation (all groups) is within 1e-4 of fp64 at
 // the kernel level and meets test_cuda_model's `reduced small` tolerances at the model level.
-// Printed, not checked: the emulated model-level numbers. Measured here (x86, 2026-11-30):
-// emulated v3 decode vs prefill 0.116 of max |logit| (0.005–0.025 before the first routing
-// flip), segment 24 logp 4.2e-4 and layers.2.kda.A_log gradient 0.111 — the GPU run of v3 gave
-// 0.17, 2.4e-3 and 0.547 (layers.0): the failures are v3's bf16 rounding (≈ 4e-3 relative per
-// KDA layer) amplified by the model (MoE routing flips; the decay gradient, a sum ~100x smaller
-// than the sum of its terms' magnitudes), not an indexing error.
+// Printed, not checked: the emulated model-level numbers (what they were: docs/perf.md, "Measurements moved out of code comments"). The
+// failures they show are v3's bf16 rounding amplified by the model (MoE routing flips; the decay
+// gradient, a sum much smaller than the sum of its terms' magnitudes), not an indexing error.
 // Split, measured here (x86, 2026-11-30). Kernel level, worst of o, S_final, S_tiles against fp64
 // over the cases: fp32 forward 4.0e-7, bf16 3.7e-3, split (all groups) 6.9e-6; splitting only
 // some groups (MTRL_EMU_SUBSETS=1 prints them) leaves 1.7e-3–3.4e-3 (X and P alone 3.3e-3, W and
@@ -47,7 +44,7 @@
 
 _Static_assert(!REAL_IS_F64, "the fp32 model");
 
-// Which operands the emulated kernel carries as split bf16 ("bf16x3", MTRL_KDA3_SPLIT=1 in
+// Which operands the emulated kernel carries as split bf16 ("bf16x3", kda_records = bf16x3 in
 // kda_tc_cuda.cu): a = a_hi + a_lo, a_hi = bf16(a), a_lo = bf16(a − a_hi) (~16 significant
 // bits), each product a·b as a_hi b_hi + a_hi b_lo + a_lo b_hi (a_lo b_lo, 2^-16 relative, dropped).
 // XP: the prep's X = K̂⁺K̂⁻ᵀ and P = Q̂⁺K̂⁻ᵀ operands; WU: T, βK⁺ and βV (W = T βK⁺, U = T βV);

@@ -1,5 +1,5 @@
 // mtrl-test: cpu f64 timeout=900
-// The whole backbone in fp64 (model.md §8 I3, I8, I11 and the segmented form):
+// The whole backbone in fp64 (docs/model.md §8 I3, I8, I11 and the segmented form):
 //  - every parameter tensor's gradient == central finite differences of the loss
 //    L = Σ c_t logp_t + Σ e_t entropy_t (routing replayed so the loss is smooth in θ);
 //  - segmented forward/backward == unsegmented: loss and every gradient to 1e-9 relative for
@@ -656,7 +656,7 @@ static mtrl_model_dims tiny_dims(void) {
     mtrl_config_load_text(&cfg, "tiny", "[env]\nname = calc\n[model]\npreset = tiny\n", NULL, 0, &errs);
     mtrl_config_errors_free(&errs);
     mtrl_model_dims d;
-    mtrl_model_dims_from_config(&d, &cfg.model, 264, NULL);
+    mtrl_model_dims_from_config(&d, &cfg, 264, NULL);
     return d;
 }
 
@@ -804,8 +804,21 @@ static void test_kimi_clamp_effect(void) {
     mtrl_model_free(&m);
 }
 
+// Loads an experiment of calc on the tiny preset with `extra` appended and returns its dims.
+static mtrl_model_dims dims_of_text_(const char *extra) {
+    char text[1024];
+    snprintf(text, sizeof text, "[env]\nname = calc\n[model]\npreset = tiny\n%s", extra);
+    mtrl_config cfg;
+    mtrl_config_errors errs = {0};
+    TEST_EQ_INT(mtrl_config_load_text(&cfg, "t", text, NULL, 0, &errs), MTRL_OK);
+    mtrl_config_errors_free(&errs);
+    mtrl_model_dims d;
+    TEST_EQ_INT(mtrl_model_dims_from_config(&d, &cfg, 264, NULL), MTRL_OK);
+    return d;
+}
+
 // [model] gemm: TF32 GEMMs on a GPU by default (dims.gemm_tf32), fp32 on request, anything else
-// an error naming the key; and the environment's overrides (backend.h mtrl_backend_gemm_tf32: a
+// an error naming the key; and [kernels] gemm's overrides (backend.h mtrl_backend_gemm_tf32: a
 // pure function in every build, so checked here without a GPU; test_cuda_model checks the
 // backends a GPU creates).
 // The MFU's active parameters: the matrices minus the routed experts' (1 - k/E), counted here
@@ -827,35 +840,73 @@ static void test_active_params(void) {
 
 static void test_gemm_precision(void) {
     TEST_EQ_INT(tiny_dims().gemm_tf32, 1);
+    mtrl_model_dims d = dims_of_text_("gemm = fp32\n");
+    TEST_EQ_INT(d.gemm_tf32, 0);
     mtrl_config cfg;
     mtrl_config_errors errs = {0};
-    TEST_EQ_INT(mtrl_config_load_text(&cfg, "t", "[env]\nname = calc\n[model]\npreset = tiny\ngemm = fp32\n", NULL, 0, &errs),
-                MTRL_OK);
-    mtrl_model_dims d;
-    TEST_EQ_INT(mtrl_model_dims_from_config(&d, &cfg.model, 264, NULL), MTRL_OK);
-    TEST_EQ_INT(d.gemm_tf32, 0);
-    mtrl_config_errors_free(&errs);
-    errs = (mtrl_config_errors){0};
     TEST_CHECK(mtrl_config_load_text(&cfg, "t", "[env]\nname = calc\n[model]\ngemm = bf16\n", NULL, 0, &errs) != MTRL_OK);
     TEST_CHECK(errs.n > 0 && strstr(errs.msgs[0], "gemm") != NULL);
     mtrl_config_errors_free(&errs);
-    unsetenv("MTRL_GEMM_TF32");
-    unsetenv("MTRL_GEMM_BF16");
-    TEST_EQ_INT(mtrl_backend_gemm_tf32(MTRL_DEVICE_CUDA, 1), 1);
-    TEST_EQ_INT(mtrl_backend_gemm_tf32(MTRL_DEVICE_CUDA, 0), 0);
-    TEST_EQ_INT(mtrl_backend_gemm_tf32(MTRL_DEVICE_CPU, 1), 0);
-    setenv("MTRL_GEMM_TF32", "0", 1);
-    TEST_EQ_INT(mtrl_backend_gemm_tf32(MTRL_DEVICE_CUDA, 1), 0);
-    setenv("MTRL_GEMM_TF32", "1", 1);
-    TEST_EQ_INT(mtrl_backend_gemm_tf32(MTRL_DEVICE_CUDA, 0), 1);
-    setenv("MTRL_GEMM_BF16", "1", 1);
-    TEST_EQ_INT(mtrl_backend_gemm_tf32(MTRL_DEVICE_CUDA, 1), 0);
-    unsetenv("MTRL_GEMM_TF32");
-    unsetenv("MTRL_GEMM_BF16");
+    const mtrl_kernel_opts dflt = {0};
+    TEST_EQ_INT(mtrl_backend_gemm_tf32(MTRL_DEVICE_CUDA, &dflt, 1), 1);
+    TEST_EQ_INT(mtrl_backend_gemm_tf32(MTRL_DEVICE_CUDA, NULL, 0), 0);
+    TEST_EQ_INT(mtrl_backend_gemm_tf32(MTRL_DEVICE_CPU, &dflt, 1), 0);
+    d = dims_of_text_("[kernels]\ngemm = fp32\n");
+    TEST_EQ_INT(mtrl_backend_gemm_tf32(MTRL_DEVICE_CUDA, &d.kern, 1), 0);
+    d = dims_of_text_("gemm = fp32\n[kernels]\ngemm = tf32\n");
+    TEST_EQ_INT(mtrl_backend_gemm_tf32(MTRL_DEVICE_CUDA, &d.kern, d.gemm_tf32), 1);
+    d = dims_of_text_("[kernels]\ngemm = bf16\n");
+    TEST_EQ_INT(mtrl_backend_gemm_tf32(MTRL_DEVICE_CUDA, &d.kern, 1), 0);
+    TEST_EQ_INT(mtrl_backend_gemm_bf16(MTRL_DEVICE_CUDA, &d.kern), 1);
+    TEST_EQ_INT(mtrl_backend_gemm_bf16(MTRL_DEVICE_CPU, &d.kern), 0);
+    TEST_EQ_INT(mtrl_backend_gemm_bf16(MTRL_DEVICE_CUDA, &dflt), 0);
+}
+
+// [kernels]: the defaults are the zeroed options (the kernels a context without a config
+// chooses, so that runs keep the kernels they had), and every key reaches its field.
+static void test_kernel_opts(void) {
+    const mtrl_kernel_opts zero = {0};
+    mtrl_model_dims d = dims_of_text_("");
+    TEST_CHECKF(!memcmp(&d.kern, &zero, sizeof zero), "the default [kernels] section is not the zeroed options");
+    d = dims_of_text_("[kernels]\nattn = mma\nattn_fwd_config = 3\nattn_dkv_rows = 64\nattn_dq_first = true\n"
+                      "attn_dkv_in_step = true\ndecode = simt\nkda_fwd = simt\nkda_bwd = simt\nkda_bwd_tile = simt\n"
+                      "kda_tile_threads = 256\nkda_fwd_pieces = 3\nkda_bwd_pieces = 2\nkda_records = bf16\n"
+                      "kda_cluster = 4\nkda_warps = 8\nmoe_lanes = 1\ngemm = bf16\nlatent = fp32\n");
+    const mtrl_kernel_opts *o = &d.kern;
+    TEST_EQ_INT(o->attn, MTRL_KOPT_MMA);
+    TEST_EQ_INT(o->attn_fwd_config, 3);
+    TEST_EQ_INT(o->attn_dkv_rows, 64);
+    TEST_EQ_INT(o->attn_dq_first, 1);
+    TEST_EQ_INT(o->attn_dkv_in_step, 1);
+    TEST_EQ_INT(o->decode, MTRL_KOPT_SIMT);
+    TEST_EQ_INT(o->kda_fwd, MTRL_KOPT_SIMT);
+    TEST_EQ_INT(o->kda_bwd, MTRL_KOPT_SIMT);
+    TEST_EQ_INT(o->kda_bwd_tile, MTRL_KOPT_SIMT);
+    TEST_EQ_INT(o->kda_tile_threads, 256);
+    TEST_EQ_INT(o->kda_fwd_pieces, 3);
+    TEST_EQ_INT(o->kda_bwd_pieces, 2);
+    TEST_EQ_INT(o->kda_plain_bf16, 1);
+    TEST_EQ_INT(o->kda_cluster, 4);
+    TEST_EQ_INT(o->kda_warps, 8);
+    TEST_EQ_INT(o->moe_lanes, 1);
+    TEST_EQ_INT(o->gemm, MTRL_KGEMM_BF16);
+    TEST_EQ_INT(o->latent_fp32, 1);
+    TEST_EQ_INT(dims_of_text_("[kernels]\nattn = simt\n").kern.attn, MTRL_KOPT_SIMT);
+    TEST_EQ_INT((int)mtrl_backend_latent_size(MTRL_DEVICE_CUDA, o), 4);
+    TEST_EQ_INT((int)mtrl_backend_latent_size(MTRL_DEVICE_CUDA, &zero), 2);
+    TEST_EQ_INT((int)mtrl_backend_latent_size(MTRL_DEVICE_CPU, o), (int)sizeof(real));
+    // a bad value names the section and key
+    mtrl_config cfg;
+    mtrl_config_errors errs = {0};
+    TEST_CHECK(mtrl_config_load_text(&cfg, "t", "[env]\nname = calc\n[kernels]\nkda_cluster = 3\n", NULL, 0, &errs) !=
+               MTRL_OK);
+    TEST_CHECK(errs.n > 0 && strstr(errs.msgs[0], "kda_cluster") != NULL);
+    mtrl_config_errors_free(&errs);
 }
 
 int main(void) {
     test_gemm_precision();
+    test_kernel_opts();
     test_gradcheck(small_dims(4, 2, "KKMK"), "small", 3);
     test_gradcheck(tiny_dims(), "tiny preset", 1);
     test_gradcheck(kimi_dims(4, "KKMK"), "Kimi forms", 3);

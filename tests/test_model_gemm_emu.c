@@ -1,5 +1,5 @@
 // mtrl-test: cpu slow timeout=300
-// test_model_gemm_emu.c: what MTRL_GEMM_BF16=1 and MTRL_GEMM_TF32=1 (backend.h) should do to the
+// test_model_gemm_emu.c: what [kernels] gemm = bf16 and [kernels] gemm = tf32 (backend.h) should do to the
 // model, predicted without a GPU, for test_cuda_model's test_bf16_ / test_tf32_ tolerances. The
 // fp32 CPU model of test_cuda_model's `tiny` and `reduced small` cases runs twice on the same
 // parameters and routing: on the CPU backend, and on a copy of it whose GEMM entries round

@@ -18,7 +18,7 @@
 //  - prefill (SEG_PREFILL, no caches) peaks exactly at its mirror seg_prefill_bytes, at most
 //    half the cached forward of the same segment; in the naive MLA prefill form at the most of
 //    its segments' mirrors (the expanded keys so far);
-//  - MTRL_GEMM_BF16=1: a GPU plan counts the bf16 weight copy and its operand copies;
+//  - [kernels] gemm = bf16: a GPU plan counts the bf16 weight copy and its operand copies;
 //  - the free-memory query and the live-model planning work; `mtrl plan` prints a plan; `mtrl bench
 //    long` runs one episode, with a preset or an experiment's model (--config).
 #include <stdlib.h>
@@ -229,7 +229,7 @@ static void test_million_(void) {
         TEST_CHECK((size_t)p.n_seg * (size_t)p.segment >= (size_t)T);
         TEST_CHECK(p.total + p.margin <= 130 * gib && p.total > p.activations && p.activations > gib);
         // latents: n_mla layers x T x (dc + dr) elements of the device's latent type, whole
-        size_t lat = mtrl_backend_latent_size(dev) * (size_t)model_n_mla(&d) * (size_t)T * (size_t)(d.dc + d.dr);
+        size_t lat = mtrl_backend_latent_size(dev, &d.kern) * (size_t)model_n_mla(&d) * (size_t)T * (size_t)(d.dc + d.dr);
         TEST_CHECK(p.latents >= lat && p.latents < lat + 64);
         // the whole sequence as one segment: terabytes, no wrap-around
         mtrl_model_plan w;
@@ -237,11 +237,11 @@ static void test_million_(void) {
         printf("  one 1M-token segment: activations %.1f GiB, scratch %.1f GiB\n", (double)w.activations / gib,
                (double)w.scratch / gib);
         TEST_CHECK(w.activations > 1000 * gib && w.activations < ((size_t)1 << 50));
-        TEST_CHECK(w.activations / (size_t)T > seg_arena_bytes(&d, 1024, 1024, mtrl_backend_latent_size(dev)) / 1024 / 2);
+        TEST_CHECK(w.activations / (size_t)T > seg_arena_bytes(&d, 1024, 1024, mtrl_backend_latent_size(dev, &d.kern)) / 1024 / 2);
     }
 }
 
-// MTRL_GEMM_BF16=1 (backend.h): a GPU plan adds the bf16 copy of the parameters (2 bytes a
+// [kernels] gemm = bf16 (backend.h): a GPU plan adds the bf16 copy of the parameters (2 bytes a
 // parameter, half the fp32 block) and sizes the scratch for the GEMMs' bf16 operand copies (the
 // LM head's dy [T][V] at least); the other lines are unchanged. A CPU plan has no copy.
 static void test_gemm_bf16_(void) {
@@ -249,10 +249,10 @@ static void test_gemm_bf16_(void) {
     int T = 8192;
     mtrl_model_plan f, h, c;
     mtrl_model_plan_eval(&f, &d, MTRL_DEVICE_CUDA, 1, &T, 4096, 0);
-    setenv("MTRL_GEMM_BF16", "1", 1);
+    d.kern.gemm = MTRL_KGEMM_BF16;
     mtrl_model_plan_eval(&h, &d, MTRL_DEVICE_CUDA, 1, &T, 4096, 0);
     mtrl_model_plan_eval(&c, &d, MTRL_DEVICE_CPU, 1, &T, 4096, 0);
-    unsetenv("MTRL_GEMM_BF16");
+    d.kern.gemm = MTRL_KGEMM_MODEL;
     printf("small, 8192 tokens in segments of 4096 on a GPU: bf16 weight copy %.2f GiB, scratch %.2f GiB (fp32 "
            "GEMMs %.2f)\n",
            (double)h.weights_bf16 / (1 << 30), (double)h.scratch / (1 << 30), (double)f.scratch / (1 << 30));

@@ -1,5 +1,5 @@
 // mtrl-test: cpu f64
-// test_moe_ref.c: the MoE reference in fp64 (model.md §4, §8 I9).
+// test_moe_ref.c: the MoE reference in fp64 (docs/model.md §4, §8 I9).
 //   1. router forward: top-k of z − beta in descending order, ties to the lower id, renormalised
 //      weights summing to rho, sigmoid and softmax scores, replay reproduces w and s;
 //   2. router backward vs central finite differences (sigmoid and softmax);

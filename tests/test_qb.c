@@ -1,5 +1,5 @@
 // mtrl-test: cpu
-// test_qb.c: Quantile-Balancing router bias, fp32 build (model.md §4.3, §8 I10).
+// test_qb.c: Quantile-Balancing router bias, fp32 build (docs/model.md §4.3, §8 I10).
 //   1. qb_beta_from_batch equals a sort-based computation of the two quantiles exactly (random
 //      and heavily tied scores), works in place, shifts with a constant shift of beta, and
 //      skips tiny or degenerate batches;

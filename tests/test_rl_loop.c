@@ -211,8 +211,7 @@ static void test_small_credit(void) {
 // remainder of credit, and at 1M tokens prefilled 18 documents during one learner step. Here
 // 4 KiB of credit, 64-token chunks and 1000-token inline documents (each new episode queues
 // BEGIN and ~16 prompt chunks at once): one rollout step of 4 slots can queue at most
-// 4 × (ceil(1200 / 64) + 2) = 84 messages, and the outbox must never hold more. Measured on
-// x86 (2026-11-30): 64 with the check; 2,475–2,597 without it.
+// 4 × (ceil(1200 / 64) + 2) = 84 messages, and the outbox must never hold more. (docs/perf.md, "Measurements moved out of code comments")
 static void test_backpressure(void) {
     char ini[512], db[512], log[512];
     make_experiment("backpressure", 8, "retrieval", "", "false", ini, sizeof ini, NULL);

@@ -47,7 +47,7 @@ static void fixture_init_(fixture *f, const char *text, uint64_t model_seed, uin
     TEST_EQ_INT(mtrl_config_load_text(&f->cfg, "t.ini", text, NULL, 0, &errs), MTRL_OK);
     mtrl_config_errors_free(&errs);
     mtrl_model_dims d;
-    mtrl_model_dims_from_config(&d, &f->cfg.model, MTRL_VOCAB, NULL);
+    mtrl_model_dims_from_config(&d, &f->cfg, MTRL_VOCAB, NULL);
     mtrl_model_init(&f->m, &d, model_seed);
     mtrl_rollout_params_from_config(&f->p, &f->cfg, 1, sample_seed);
 }

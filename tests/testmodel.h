@@ -24,12 +24,12 @@ static inline mtrl_model_dims test_model_dims(const char *model_ini, int vocab) 
     mtrl_model_dims d;
     memset(&d, 0, sizeof d);
     mtrl_error err;
-    if (st == MTRL_OK && mtrl_model_dims_from_config(&d, &cfg.model, vocab, &err) != MTRL_OK) {
+    if (st == MTRL_OK && mtrl_model_dims_from_config(&d, &cfg, vocab, &err) != MTRL_OK) {
         fprintf(stderr, "%s\n", err.msg);
         memset(&d, 0, sizeof d);
     }
     // true fp32 GEMMs on a GPU ([model] gemm = fp32): the tests hold the GPU model to the CPU's
-    // fp32; test_cuda_model asks for TF32 through MTRL_GEMM_TF32=1 where it compares the two
+    // fp32; test_cuda_model asks for TF32 through [kernels] gemm = tf32 where it compares the two
     d.gemm_tf32 = 0;
     return d;
 }

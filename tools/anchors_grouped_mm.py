@@ -1,6 +1,6 @@
 """torch._grouped_mm at the shapes and row counts of `mtrl bench ops --device cuda --only moe`.
 
-The grouped-experts rows of that benchmark (kernels/cuda/bench_cuda.cu bench_moe_grouped): 64
+The grouped-experts rows of that benchmark (kernels/lab/bench_cuda.cu bench_moe_grouped): 64
 experts, 16, 128, 1024 and 8192 rows per expert, balanced and skewed (expert e gets
 floor(R (e + 1) / (E (E + 1) / 2)) rows, the last expert the remainder: the same offsets as the
 benchmark, so at 16 rows the first experts get none), one grouped GEMM X [R][K] x W[e] -> [R][N],

@@ -1,4 +1,4 @@
-// cli.h: the subcommands of the `mtrl` front door (architecture §2) and their shared helpers.
+// cli.h: the subcommands of the `mtrl` front door (docs/architecture.md §2) and their shared helpers.
 //
 // Each subcommand is `int cmd_NAME(int argc, char **argv)` with argv[0] = the subcommand name;
 // it returns the process exit code: 0 done, 1 the work failed, 2 bad usage or bad config.

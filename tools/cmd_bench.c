@@ -14,9 +14,11 @@
 //       the learner's forward+backward with the planned segment, and the memory of each.
 //       --profile: that learner step timed per phase (the same table as bench model's)
 //   --config EXPERIMENT.ini: the experiment's [model] (and its device, unless --device is given)
+//   --set section.key=value (model, long, learner, decode, publish): over the experiment or the
+//   preset, e.g. --set kernels.gemm=bf16 or --set learner.segment=4096
 //   mtrl bench learner [--device cpu|cuda] [--preset tiny|small | --config EXPERIMENT.ini]
 //                      [--batches 1x65536,64x1024,512x128,1x262144+200x512] [--reps R] [--profile]
-//       the learner's step (mtrl_model_train with the planner's segment) on each batch in turn,
+//       the learner's step (mtrl_model_train with [learner] segment) on each batch in turn,
 //       in one process: tokens/s against the first batch, tokens recomputed, MFU
 //   mtrl bench decode [--device cpu|cuda] [--preset tiny|small | --config EXPERIMENT.ini] [--batches 1,64,256]
 //                     [--ctx LO:HI] [--steps N] [--profile]
@@ -36,7 +38,6 @@
 #include <unistd.h>
 
 #include "common/config.h"
-#include "common/model/backend.h"
 #include "common/model/model.h"
 #include "common/model/model_plan.h"
 #include "common/model/model_wshm.h"
@@ -50,7 +51,7 @@
 #include "common/tokenizer.h"
 #include "tools/cli.h"
 #ifdef MTRL_HAVE_CUDA_BENCH
-#include "kernels/cuda/kernels_cuda.h"
+#include "kernels/lab/bench_cuda.h"
 #endif
 
 #ifdef MTRL_HAVE_CUDA_BENCH
@@ -58,7 +59,7 @@
 #else
 #define BENCH_OPS_USAGE_ "" // not in this build
 #endif
-#define BENCH_USAGE "mtrl bench model [--device cpu|cuda] [--preset tiny|small | --config EXPERIMENT.ini] [--tokens N] [--seqs B] [--segment S] [--reps R] [--profile] | mtrl bench long [--device cpu|cuda] [--preset tiny|small | --config EXPERIMENT.ini] [--tokens T] [--decode N] [--profile] | mtrl bench learner [--device cpu|cuda] [--preset tiny|small | --config EXPERIMENT.ini] [--batches 1x65536,64x1024,512x128,1x262144+200x512] [--reps R] [--profile] | mtrl bench decode [--device cpu|cuda] [--preset tiny|small | --config EXPERIMENT.ini] [--batches 1,64,256] [--ctx LO:HI] [--steps N] [--profile] | mtrl bench publish [--device cpu|cuda] [--preset tiny|small | --config EXPERIMENT.ini] [--dtype bf16|fp32] [--reps R] | mtrl bench rl EXPERIMENT.ini [--seconds N] [--db runs.db] [--set section.key=value ...]" BENCH_OPS_USAGE_
+#define BENCH_USAGE "mtrl bench model [--device cpu|cuda] [--preset tiny|small | --config EXPERIMENT.ini] [--tokens N] [--seqs B] [--segment S] [--reps R] [--profile] [--set section.key=value ...] | mtrl bench long [--device cpu|cuda] [--preset tiny|small | --config EXPERIMENT.ini] [--tokens T] [--decode N] [--profile] | mtrl bench learner [--device cpu|cuda] [--preset tiny|small | --config EXPERIMENT.ini] [--batches 1x65536,64x1024,512x128,1x262144+200x512] [--reps R] [--profile] | mtrl bench decode [--device cpu|cuda] [--preset tiny|small | --config EXPERIMENT.ini] [--batches 1,64,256] [--ctx LO:HI] [--steps N] [--profile] | mtrl bench publish [--device cpu|cuda] [--preset tiny|small | --config EXPERIMENT.ini] [--dtype bf16|fp32] [--reps R] | mtrl bench rl EXPERIMENT.ini [--seconds N] [--db runs.db] [--set section.key=value ...]" BENCH_OPS_USAGE_
 
 static void print_machine_(void) {
     struct utsname u;
@@ -87,6 +88,9 @@ void cli_bench_machine(void) { print_machine_(); }
 typedef struct bench_src {
     const char *device, *preset, *config;
     int tokens;
+    long segment; // [learner] segment of the config (mtrl_config_segment), set by model_open_
+    const char *sets[16]; // --set section.key=value, applied over the config or the preset
+    int n_sets;
 } bench_src;
 
 // Takes option a (with value v) when it is one of bench_src's: 1, else 0.
@@ -96,6 +100,7 @@ static int src_opt_(bench_src *s, const char *a, const char *v) {
     else if (!strcmp(a, "--preset")) s->preset = v;
     else if (!strcmp(a, "--config")) s->config = v;
     else if (!strcmp(a, "--tokens")) s->tokens = atoi(v);
+    else if (!strcmp(a, "--set") && s->n_sets < (int)(sizeof s->sets / sizeof *s->sets)) s->sets[s->n_sets++] = v;
     else return 0;
     return 1;
 }
@@ -117,17 +122,22 @@ static const char *src_label_(const bench_src *s, char *buf, size_t cap) {
 
 // The model of --config EXPERIMENT.ini ([model], and its device unless --device is given), or
 // of the preset, on the device (cpu, cuda, cuda:N): 0, or the exit code (77: no GPU here).
-static int model_open_(const bench_src *src, mtrl_model *m) {
+static int model_open_(bench_src *src, mtrl_model *m) {
     const char *device = src->device, *preset = src->preset, *config = src->config;
     mtrl_config cfg;
     if (config) {
-        if (!cli_config_load("bench", config, 0, NULL, &cfg)) return 2;
+        mtrl_config_errors errs = {0};
+        if (mtrl_config_load(&cfg, config, src->sets, src->n_sets, &errs) != MTRL_OK) {
+            mtrl_config_errors_print(&errs, stderr);
+            mtrl_config_errors_free(&errs);
+            return 2;
+        }
         if (!device) device = cfg.model.device;
     } else {
         char text[256];
         snprintf(text, sizeof text, "[env]\nname = calc\n[model]\npreset = %s\n", preset);
         mtrl_config_errors errs = {0};
-        if (mtrl_config_load_text(&cfg, "--preset", text, NULL, 0, &errs) != MTRL_OK) {
+        if (mtrl_config_load_text(&cfg, "--preset", text, src->sets, src->n_sets, &errs) != MTRL_OK) {
             mtrl_config_errors_print(&errs, stderr);
             mtrl_config_errors_free(&errs);
             return 2;
@@ -137,9 +147,10 @@ static int model_open_(const bench_src *src, mtrl_model *m) {
     int dev, gpu;
     if (mtrl_model_parse_device(device, &dev, &gpu))
         return cli_usage_error("bench", BENCH_USAGE, "--device %s: expected cpu, cuda or cuda:N", device);
+    src->segment = mtrl_config_segment(&cfg);
     mtrl_model_dims d;
     mtrl_error err;
-    if (mtrl_model_dims_from_config(&d, &cfg.model, MTRL_VOCAB, &err) != MTRL_OK) {
+    if (mtrl_model_dims_from_config(&d, &cfg, MTRL_VOCAB, &err) != MTRL_OK) {
         fprintf(stderr, "mtrl bench: %s\n", err.msg);
         return 2;
     }
@@ -150,17 +161,17 @@ static int model_open_(const bench_src *src, mtrl_model *m) {
     return 0;
 }
 
-// The learner's memory plan of batch b on m (printed): *seg is the segment length that the
-// learner would use (0: the whole sequences in one segment). 1 when no plan fits.
-static int plan_segment_(mtrl_model *m, const mtrl_batch *b, const char *cmd, int *seg) {
+// *seg: the segment length the learner would use for batch b on m with `setting` ([learner]
+// segment or --segment; model_plan.h mtrl_model_segment_resolve: 0 = the whole sequences in one
+// segment), the memory plan printed when the planner chose it. 1 when no plan fits.
+static int plan_segment_(mtrl_model *m, const mtrl_batch *b, long setting, const char *cmd, int *seg) {
     mtrl_model_plan plan;
     mtrl_error err;
-    if (mtrl_model_plan_batch(&plan, m, b, &err) != MTRL_OK) {
+    if (mtrl_model_segment_resolve(m, b, setting, seg, &plan, &err) != MTRL_OK) {
         fprintf(stderr, "mtrl bench %s: %s\n", cmd, err.msg);
         return 1;
     }
-    mtrl_model_plan_print(&plan, stdout);
-    *seg = plan.segment;
+    if (setting == MTRL_CFG_SEGMENT_AUTO) mtrl_model_plan_print(&plan, stdout);
     return 0;
 }
 
@@ -229,7 +240,7 @@ static double train_flops_(const mtrl_model *m, int n, const int *len) {
 }
 
 static int bench_model_(int argc, char **argv) {
-    bench_src src = {NULL, "tiny", NULL, 2048};
+    bench_src src = {NULL, "tiny", NULL, 2048, MTRL_CFG_SEGMENT_AUTO};
     int seqs = 8, segment = 0, reps = 3, profile = 0;
     for (int i = 1; i < argc; i++) {
         const char *a = argv[i];
@@ -260,8 +271,9 @@ static int bench_model_(int argc, char **argv) {
     real *logp = malloc(sizeof(real) * (size_t)seqs * per), *c = malloc(sizeof(real) * (size_t)seqs * per);
     for (int t = 0; t < seqs * per; t++) c[t] = (real)(1.0 / (seqs * per));
     print_machine_();
-    // without --segment, the learner's: the planner's segment from the device's free memory
-    if (segment == 0 && plan_segment_(&m, &b, "model", &segment)) {
+    // without --segment, the learner's: [learner] segment (auto: the planner's from the device's
+    // free memory)
+    if (plan_segment_(&m, &b, segment > 0 ? segment : src.segment, "model", &segment)) {
         free(tok); free(toks); free(len); free(logp); free(c);
         mtrl_model_free(&m);
         return 1;
@@ -269,8 +281,8 @@ static int bench_model_(int argc, char **argv) {
     char label[1100];
     // the GEMM precision of a GPU run (backend.h: bf16 wins over TF32)
     const char *on = m.device != MTRL_DEVICE_CUDA      ? "cpu"
-                     : m.be->gemm_bf16                 ? "cuda (bf16 GEMMs)"
-                     : m.be->gemm_tf32                 ? "cuda (TF32 GEMMs)"
+                     : mtrl_model_gemm_precision(&m) == MTRL_KGEMM_BF16                 ? "cuda (bf16 GEMMs)"
+                     : mtrl_model_gemm_precision(&m) == MTRL_KGEMM_TF32                 ? "cuda (TF32 GEMMs)"
                                                        : "cuda";
     printf("model: %s on %s, %zu parameters, %d layers (%s), d=%d, %d experts top-%d%s; batch %d x %d tokens, segment %d, OMP threads %s\n",
            src_label_(&src, label, sizeof label), on,
@@ -394,11 +406,11 @@ static const char *spec_item_(const char *spec, int k, char *buf, size_t cap) {
     return buf;
 }
 
-// `mtrl bench learner`: the learner's step (mtrl_model_train with the planner's segment, then
+// `mtrl bench learner`: the learner's step (mtrl_model_train with [learner] segment, then
 // AdamW) on batches of given lengths in one process, so that many short sequences, mixed lengths
 // and one long sequence are compared on the same model and device (issue 21 R1).
 static int bench_learner_(int argc, char **argv) {
-    bench_src src = {NULL, "tiny", NULL, 0};
+    bench_src src = {NULL, "tiny", NULL, 0, MTRL_CFG_SEGMENT_AUTO};
     const char *spec = "1x4096,64x64,8x512";
     int reps = 2, profile = 0;
     for (int i = 1; i < argc; i++) {
@@ -423,7 +435,7 @@ static int bench_learner_(int argc, char **argv) {
     if (rc) return rc;
     print_machine_();
     char label[1100];
-    printf("learner step: %s on %s, %zu parameters%s; mtrl_model_train with the planner's segment, best of %d\n",
+    printf("learner step: %s on %s, %zu parameters%s; mtrl_model_train with [learner] segment, best of %d\n",
            src_label_(&src, label, sizeof label), m.device == MTRL_DEVICE_CUDA ? "cuda" : "cpu", mtrl_model_param_count(&m),
            mla_forms_(&m.dims), reps);
     double first = 0;
@@ -441,9 +453,9 @@ static int bench_learner_(int argc, char **argv) {
         }
         for (int i = 0, o = 0; i < n; o += len[i++]) toks[i] = tok + o;
         mtrl_batch b = {n, toks, len, NULL};
-        mtrl_model_plan plan;
         mtrl_error err;
-        if (mtrl_model_plan_batch(&plan, &m, &b, &err) != MTRL_OK) {
+        int seg = 0;
+        if (mtrl_model_segment_resolve(&m, &b, src.segment, &seg, NULL, &err) != MTRL_OK) {
             fprintf(stderr, "mtrl bench learner: batch %d: %s\n", k + 1, err.msg);
             rc = 1;
         } else {
@@ -451,7 +463,7 @@ static int bench_learner_(int argc, char **argv) {
             for (int r = 0; r <= reps; r++) { // the first is a warm-up
                 double t0 = mtrl_time_mono();
                 mtrl_model_zero_grads(&m);
-                mtrl_model_train(&m, &b, plan.segment, logp, NULL, c, NULL, bench_loss_, NULL);
+                mtrl_model_train(&m, &b, seg, logp, NULL, c, NULL, bench_loss_, NULL);
                 double t1 = mtrl_time_mono();
                 mtrl_model_optimizer_step(&m, (real)1e-5, (real)0.9, (real)0.95, (real)1e-8, (real)0.1, (real)1);
                 mtrl_model_qb_apply(&m);
@@ -465,9 +477,9 @@ static int bench_learner_(int argc, char **argv) {
             if (k == 0) first = tps;
             printf("batch %-28.*s %7d seqs %9zu tokens  segment %6d: %9.0f tokens/s (%.3f s; with AdamW %.3f s) = %.2fx "
                    "batch 1; %ld tokens recomputed; %.3g TFLOP/s = MFU %.1f%% of 989\n",
-                   28, spec_item_(spec, k, label, sizeof label), n, total, plan.segment, tps, best, step, tps / first,
+                   28, spec_item_(spec, k, label, sizeof label), n, total, seg, tps, best, step, tps / first,
                    m.recomputed_tokens, tflops, 100 * tflops / 989);
-            if (profile) profile_step_(&m, &b, plan.segment, logp, c, best);
+            if (profile) profile_step_(&m, &b, seg, logp, c, best);
         }
         free(tok);
         free(toks);
@@ -479,33 +491,13 @@ static int bench_learner_(int argc, char **argv) {
     return rc;
 }
 
-// The device's copy rate (bytes read + written per second) over a block of `bytes`, best of 5.
-static double copy_rate_(mtrl_model *m, size_t bytes) {
-    mtrl_backend *be = m->be;
-    char *a = be->alloc(be, bytes), *b = be->alloc(be, bytes);
-    be->zero(be, a, bytes);
-    be->copy(be, b, a, bytes);
-    be->sync(be);
-    double best = 1e30;
-    for (int r = 0; r < 5; r++) {
-        double t0 = mtrl_time_mono();
-        be->copy(be, b, a, bytes);
-        be->sync(be);
-        double t = mtrl_time_mono() - t0;
-        if (t < best) best = t;
-    }
-    be->release(be, a);
-    be->release(be, b);
-    return 2.0 * (double)bytes / best;
-}
-
 // Bytes one decode step must read at least: every matrix but the embedding (whose B rows are
 // negligible) once, the routed experts only where a row chose them (distinct[l]: experts hit in
 // MoE layer l this step), each sequence's KDA state and conv windows read and written, and its
 // MLA latents read (ctx[i] rows per MLA layer).
 static double decode_bytes_min_(const mtrl_model *m, int B, const int *ctx, const int *distinct) {
     const mtrl_model_dims *d = &m->dims;
-    double wsz = m->be->gemm_bf16 ? 2 : sizeof(real), bytes = 0;
+    double wsz = mtrl_model_gemm_precision(m) == MTRL_KGEMM_BF16 ? 2 : sizeof(real), bytes = 0;
     for (int i = 0; i < m->params.n; i++) {
         const mtrl_tensor *t = &m->params.items[i];
         double n = (double)t->nbytes / sizeof(real);
@@ -524,7 +516,7 @@ static double decode_bytes_min_(const mtrl_model *m, int B, const int *ctx, cons
         n_mla += d->mixer[l] == 'M';
     }
     double st = (double)n_kda * sizeof(real) * ((double)d->H * d->D * d->D + 3.0 * (d->W - 1) * d->H * d->D);
-    for (int i = 0; i < B; i++) bytes += 2 * st + (double)n_mla * ctx[i] * (d->dc + d->dr) * (double)m->be->latent_size;
+    for (int i = 0; i < B; i++) bytes += 2 * st + (double)n_mla * ctx[i] * (d->dc + d->dr) * (double)mtrl_model_latent_size(m);
     return bytes;
 }
 
@@ -534,7 +526,7 @@ static double decode_bytes_min_(const mtrl_model *m, int B, const int *ctx, cons
 // at the copy rate measured in the same run (issue 21 R2). The states' latents are not
 // prefilled (the contexts' rows are zeros; the decode reads them all the same).
 static int bench_decode_(int argc, char **argv) {
-    bench_src src = {NULL, "tiny", NULL, 0};
+    bench_src src = {NULL, "tiny", NULL, 0, MTRL_CFG_SEGMENT_AUTO};
     const char *batches = "1,8,64";
     int lo = 1024, hi = 32768, steps = 16, profile = 0;
     for (int i = 1; i < argc; i++) {
@@ -555,11 +547,11 @@ static int bench_decode_(int argc, char **argv) {
     if (rc) return rc;
     const mtrl_model_dims *d = &m.dims;
     print_machine_();
-    double rate = copy_rate_(&m, (size_t)1 << 30);
+    double rate = mtrl_model_copy_rate(&m, (size_t)1 << 30, 5);
     char label[1100];
     printf("decode: %s on %s (%s weights), %zu parameters; contexts %d..%d; copy rate %.0f GB/s (1 GiB, read + write)\n",
            src_label_(&src, label, sizeof label), m.device == MTRL_DEVICE_CUDA ? "cuda" : "cpu",
-           m.be->gemm_bf16 ? "bf16" : "fp32", mtrl_model_param_count(&m), lo, hi, rate / 1e9);
+           mtrl_model_gemm_precision(&m) == MTRL_KGEMM_BF16 ? "bf16" : "fp32", mtrl_model_param_count(&m), lo, hi, rate / 1e9);
     size_t rw = (size_t)d->n_moe * d->k;
     for (const char *p = batches; rc == 0 && *p;) {
         int B = atoi(p);
@@ -615,7 +607,7 @@ static int bench_decode_(int argc, char **argv) {
 // form) and its decode time per token at that context, then the learner's forward+backward of
 // the T-token sequence with the planner's segment, and the memory of each.
 static int bench_long_(int argc, char **argv) {
-    bench_src src = {NULL, "tiny", NULL, 8192};
+    bench_src src = {NULL, "tiny", NULL, 8192, MTRL_CFG_SEGMENT_AUTO};
     int steps = 16, profile = 0;
     for (int i = 1; i < argc; i++) {
         const char *a = argv[i];
@@ -657,7 +649,7 @@ static int bench_long_(int argc, char **argv) {
     int len[1] = {tokens};
     mtrl_batch b = {1, tp, len, NULL};
     int seg;
-    if (plan_segment_(&m, &b, "long", &seg)) {
+    if (plan_segment_(&m, &b, src.segment, "long", &seg)) {
         free(tok);
         free(row);
         mtrl_model_free(&m);
@@ -742,7 +734,7 @@ static void pub_zmq_(mtrl_model *m, int bf16, double *learner_s, double *actor_s
 }
 
 static int bench_publish_(int argc, char **argv) {
-    bench_src src = {NULL, "tiny", NULL, 0};
+    bench_src src = {NULL, "tiny", NULL, 0, MTRL_CFG_SEGMENT_AUTO};
     int reps = 3, bf16 = 1;
     for (int i = 1; i < argc; i++) {
         const char *a = argv[i];

@@ -91,7 +91,7 @@ static int eval_model_open_(mtrl_model *m, const mtrl_config *cfg, const char *d
     int dev, gpu;
     if (mtrl_model_parse_device(device, &dev, &gpu))
         return cli_usage_error("eval", EVAL_USAGE, "device %s: expected cpu, cuda or cuda:N", device);
-    if (mtrl_model_dims_from_config(&d, &cfg->model, MTRL_VOCAB, &err) != MTRL_OK) {
+    if (mtrl_model_dims_from_config(&d, cfg, MTRL_VOCAB, &err) != MTRL_OK) {
         fprintf(stderr, "mtrl eval: %s\n", err.msg);
         return 2;
     }

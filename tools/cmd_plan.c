@@ -1,5 +1,5 @@
 // cmd_plan.c: `mtrl plan EXPERIMENT.ini`: the memory plan of the experiment's learner step
-// (common/model/model_plan.h): the segment length the learner would use with [model] segment = 0
+// (common/model/model_plan.h): the segment length the learner would use with [learner] segment = auto
 // and what every block of the step takes, for a batch of sequences on a device and a budget.
 //
 //   mtrl plan EXPERIMENT.ini [--tokens T] [--batch B] [--device cpu|cuda|cuda:N] [--budget-gib G] [--set ...]
@@ -30,7 +30,7 @@ int cmd_plan(int argc, char **argv) {
         if (cli_is_help(a)) {
             printf("usage: %s\n\n"
                    "Prints the memory plan of the experiment's learner step: the segment length S the\n"
-                   "learner uses with [model] segment = 0 (the largest multiple of 64 that fits the budget\n"
+                   "learner uses with [learner] segment = auto (the largest multiple of 64 that fits the budget\n"
                    "minus a 5%% margin, or the whole episode), and the bytes of the parameters, gradients,\n"
                    "AdamW moments, boundary states, MLA latents and their gradients, one segment's\n"
                    "activations, scratch, and the host arrays.\n"
@@ -88,7 +88,7 @@ int cmd_plan(int argc, char **argv) {
         return cli_usage_error("plan", PLAN_USAGE, "--device %s: expected cpu, cuda or cuda:N", device);
     mtrl_model_dims d;
     mtrl_error err;
-    if (mtrl_model_dims_from_config(&d, &cfg.model, MTRL_VOCAB, &err) != MTRL_OK) {
+    if (mtrl_model_dims_from_config(&d, &cfg, MTRL_VOCAB, &err) != MTRL_OK) {
         fprintf(stderr, "mtrl plan: %s: %s\n", path, err.msg);
         return 2;
     }

@@ -611,8 +611,8 @@ static void print_rescore_(const replay_session *s, const replay_rescore *r) {
         else printf("%s%s%s: version %u, %s\n", C_YELLOW, w->note, C_RESET, w->used, w->path);
     }
     const mtrl_algo_mismatch_bin *a = &r->mm.all;
-    printf("   scored      %zu model tokens of %zu (learner forward, [model] segment %ld)\n", a->n, r->T,
-           s->have_cfg ? s->cfg.model.segment : 0L);
+    printf("   scored      %zu model tokens of %zu (learner forward, [learner] segment %s)\n", a->n, r->T,
+           s->have_cfg ? s->cfg.learner.segment : "auto");
     if (r->routing_note[0]) printf("   routing     %s\n", r->routing_note);
     if (a->n == 0) {
         printf("   mismatch    - (no model tokens)\n");

@@ -1,4 +1,4 @@
-// cmd_run.c: `mtrl run`, `mtrl learner` and `mtrl actor` (architecture §2).
+// cmd_run.c: `mtrl run`, `mtrl learner` and `mtrl actor` (docs/architecture.md §2).
 //
 // `mtrl run EXPERIMENT.ini` is the learner in this process plus [actor] count local actor
 // processes (fork + exec of `mtrl actor --connect ENDPOINT --id N`). An actor that dies is

@@ -67,7 +67,7 @@ run)
   # QG_INI=experiments/retrieval-1m.ini runs another experiment (default quickstart-gpu.ini).
   # QG_SETS="learner.lr=2e-5;learner.lr=6e-5 warmup.steps=8": variants of the experiment run at
   # once, variant i on GPU i mod (GPUs) with those --set overrides (default: one, as written);
-  # "run.seed=1 MTRL_GEMM_TF32=1": upper-case NAME=VALUE words are that variant's environment.
+  # "run.seed=1 OMP_NUM_THREADS=4": upper-case NAME=VALUE words are that variant's environment.
   # Each runs in $QG_DIR<i> (default /tmp/qg<i>); its log and summary are $out/quickstart_gpu<i>.log
   # / _summary<i>.txt. QG_GPU=N starts the variants at GPU N (e.g. the gpu tests on GPU 0, the
   # experiment on GPU 1). QG_DIR=$PWD/.runs/qg with QG_RESUME=1: a run stopped by QG_SECONDS goes
@@ -96,7 +96,7 @@ run)
       if [ "${QG_RESUME:-0}" = 1 ] && [ -f "$dir/runs.db" ]; then args+=(--resume); else rm -rf "$dir"; fi
       mkdir -p "$dir" && cd "$dir" || exit 1
       # a word NAME=VALUE with an upper-case NAME is an environment variable of that variant
-      # (e.g. MTRL_GEMM_TF32=1: the learner and its actors inherit it), others are --set
+      # (e.g. OMP_NUM_THREADS=4: the learner and its actors inherit it), others are --set
       for kv in ${sets[$i]}; do
         if [[ $kv =~ ^[A-Z_][A-Z0-9_]*= ]]; then export "$kv"; else args+=(--set "$kv"); fi
       done
@@ -136,7 +136,7 @@ PY
 session)
   # One call of a two-GPU machine (nvidia-h200-x2) that ends within SESSION_SECONDS (default 560):
   # GPU 0 runs every gpu test, then SESSION_EXTRA, the model benchmark of `small` at 65,536
-  # tokens (fp32 with its per-phase profile, MTRL_GEMM_TF32=1 and MTRL_GEMM_BF16=1 GEMMs, and
+  # tokens (fp32 with its per-phase profile, [kernels] gemm = tf32 and bf16 GEMMs, and
   # the latter two at 4 x 2048) and
   # the KDA forward benchmark (v2, v3 and v3 bf16x3);
   # GPU 1 runs the experiment (QG_INI, QG_SETS, QG_DIR, QG_RESUME as for `run`) until the
@@ -154,16 +154,16 @@ session)
     left() { echo $(( end - $(date +%s) - 10 )); }
     b=.carry/dev/mtrl
     {
-      # SESSION_EXTRA="MTRL_KDA_FWD=3 .carry/dev/test_cuda_model; ...": commands run first here
+      # SESSION_EXTRA=".carry/dev/test_cuda_model; ...": commands run first here
       # (GPU 0, after the tests), their output into bench.txt
       [ -n "${SESSION_EXTRA:-}" ] && timeout "$(left)" bash -c "$SESSION_EXTRA"
       # --profile: one more step timed per phase (device synchronised at each boundary): where the
       # 64K step's time goes (P7)
       [ "$(left)" -gt 60 ] && timeout "$(left)" $b bench model --device cuda --preset small --tokens 65536 --seqs 1 --reps 2 --profile
-      [ "$(left)" -gt 30 ] && MTRL_GEMM_TF32=1 timeout "$(left)" $b bench model --device cuda --preset small --tokens 8192 --seqs 4 --reps 2
-      [ "$(left)" -gt 60 ] && MTRL_GEMM_TF32=1 timeout "$(left)" $b bench model --device cuda --preset small --tokens 65536 --seqs 1 --reps 2
-      [ "$(left)" -gt 30 ] && MTRL_GEMM_BF16=1 timeout "$(left)" $b bench model --device cuda --preset small --tokens 8192 --seqs 4 --reps 2
-      [ "$(left)" -gt 60 ] && MTRL_GEMM_BF16=1 timeout "$(left)" $b bench model --device cuda --preset small --tokens 65536 --seqs 1 --reps 2
+      [ "$(left)" -gt 30 ] && timeout "$(left)" $b bench model --device cuda --preset small --tokens 8192 --seqs 4 --reps 2 --set kernels.gemm=tf32
+      [ "$(left)" -gt 60 ] && timeout "$(left)" $b bench model --device cuda --preset small --tokens 65536 --seqs 1 --reps 2 --set kernels.gemm=tf32
+      [ "$(left)" -gt 30 ] && timeout "$(left)" $b bench model --device cuda --preset small --tokens 8192 --seqs 4 --reps 2 --set kernels.gemm=bf16
+      [ "$(left)" -gt 60 ] && timeout "$(left)" $b bench model --device cuda --preset small --tokens 65536 --seqs 1 --reps 2 --set kernels.gemm=bf16
       [ "$(left)" -gt 30 ] && timeout "$(left)" $b bench ops --device cuda --only kda --kda-T 8192,65536,262144
       # PROFILE=1: Nsight Compute on the KDA v3 kernels (the first 4 launches at T = 65,536: the
       # prep and state passes), stall reasons and throughputs as text (issue 7: why 1.44 us per

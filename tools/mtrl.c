@@ -1,9 +1,10 @@
 // mtrl.c: the one user-facing command. A thin front door: it dispatches to the subcommands in
-// tools/cmd_*.c, which stand on the libraries (architecture §2).
+// tools/cmd_*.c, which stand on the libraries (docs/architecture.md §2).
 #include <stdio.h>
 #include <string.h>
 
 #include "common/version.h"
+#include "env/env_host.h"
 #include "tools/cli.h"
 
 // The benchmarks of this build (tools/cmd_bench.c): ops only where the CUDA kernels are built in.
@@ -54,6 +55,7 @@ static void print_help_(FILE *f) {
 }
 
 int main(int argc, char **argv) {
+    mtrl_env_host_main(argc, argv); // returns unless this process is an isolated env's child
     if (argc < 2) {
         print_help_(stderr);
         return 2;

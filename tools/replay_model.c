@@ -8,7 +8,8 @@
 // "retained" when its file still exists ([run] keep_checkpoints deletes old ones).
 //
 // Rescore computes the learner's log-prob of every token exactly as an RL step does
-// (mtrl_model_forward over the whole episode with [model] segment; token j's log-prob is
+// (mtrl_model_forward over the whole episode with [learner] segment, resolved by the planner as
+// the learner resolves it (model_plan.h mtrl_model_segment_resolve); token j's log-prob is
 // position j-1's) and compares it with the behaviour log-prob over MODEL tokens through
 // mtrl_algo_mismatch_report. The actor samples at [actor] temperature and top-p, and its
 // behaviour log-prob is of that transformed distribution (kernels/ref sample_logits); the
@@ -30,6 +31,7 @@
 #include "common/checkpoint.h"
 #include "common/fsutil.h"
 #include "common/model/model.h"
+#include "common/model/model_plan.h"
 #include "common/tokenizer.h"
 #include "env/env_config.h"
 #include "tools/replay.h"
@@ -89,7 +91,7 @@ static const char *recorded_digest_(const replay_session *s, const char *path) {
 }
 
 static mtrl_status model_dims_(const replay_session *s, mtrl_model_dims *d, mtrl_error *err) {
-    mtrl_status st = mtrl_model_dims_from_config(d, &s->cfg.model, MTRL_VOCAB, err);
+    mtrl_status st = mtrl_model_dims_from_config(d, &s->cfg, MTRL_VOCAB, err);
     if (st != MTRL_OK) return mtrl_error_wrap(err, "run %lld [model]", (long long)s->run);
     return MTRL_OK;
 }
@@ -167,13 +169,18 @@ static uint8_t *patches_on_(mtrl_model *m, const mtrl_traj *t) {
 // Learner log-probs of t's tokens under m into lp[j] for the tokens with sel[j] != 0; with
 // adj != NULL also the log-probs under the sampling transform.
 // routing = 1: replay the actor's recorded routing, as the learner does with [algo] routing_replay.
-static void score_(mtrl_model *m, const mtrl_traj *t, int segment, int routing, const uint8_t *sel, float *lp, float *adj,
-                   double temp, double top_p) {
+// setting: [learner] segment (mtrl_config_segment). MTRL_OK, or the resolver's error (nothing
+// written).
+static mtrl_status score_(mtrl_model *m, const mtrl_traj *t, long setting, int routing, const uint8_t *sel, float *lp,
+                          float *adj, double temp, double top_p, mtrl_error *err) {
     size_t T = (size_t)t->n_tokens;
     const uint32_t *toks[1] = {t->ids};
     const uint8_t *rt[1] = {t->routing};
     int len[1] = {(int)T};
     mtrl_batch b = {1, toks, len, routing ? rt : NULL};
+    int segment = 0;
+    mtrl_status st = mtrl_model_segment_resolve(m, &b, setting, &segment, NULL, err);
+    if (st != MTRL_OK) return st;
     real *pos = xcalloc(T + 1, sizeof(real));
     uint8_t *tab = patches_on_(m, t);
     m->replay_routing = routing;
@@ -185,7 +192,7 @@ static void score_(mtrl_model *m, const mtrl_traj *t, int segment, int routing, 
     if (!adj) {
         mtrl_model_set_patches(m, NULL, 0);
         free(tab);
-        return;
+        return MTRL_OK;
     }
     int V = m->dims.V;
     real *logits = xmalloc(sizeof(real) * T * (size_t)V);
@@ -197,6 +204,7 @@ static void score_(mtrl_model *m, const mtrl_traj *t, int segment, int routing, 
     free(tab);
     free(order);
     free(logits);
+    return MTRL_OK;
 }
 
 // ---- rescore ------------------------------------------------------------------------------------
@@ -313,7 +321,8 @@ mtrl_status replay_rescore_run(replay_session *s, const replay_rescore_opts *o, 
         st = model_load_(s, &m, &inited, initial ? NULL : path, err);
         if (st == MTRL_OK) {
             uint32_t used = m.version;
-            score_(&m, t, (int)s->cfg.model.segment, r->routing, r->mask, r->learner, r->adjusted, r->temperature, r->top_p);
+            st = score_(&m, t, mtrl_config_segment(&s->cfg), r->routing, r->mask, r->learner, r->adjusted,
+                        r->temperature, r->top_p, err);
             for (size_t j = 0; j < T; j++) r->used[j] = used;
             for (size_t k = 0; k < nv; k++) {
                 replay_weights *w = &r->w[k];
@@ -370,7 +379,9 @@ mtrl_status replay_rescore_run(replay_session *s, const replay_rescore_opts *o, 
                     }
             }
             st = model_load_(s, &m, &inited, w->initial ? NULL : w->path, err);
-            if (st == MTRL_OK) score_(&m, t, (int)s->cfg.model.segment, r->routing, sel, r->learner, r->adjusted, r->temperature, r->top_p);
+            if (st == MTRL_OK)
+                st = score_(&m, t, mtrl_config_segment(&s->cfg), r->routing, sel, r->learner, r->adjusted, r->temperature,
+                            r->top_p, err);
         }
         if (inited) mtrl_model_free(&m);
         free(done);
@@ -413,9 +424,15 @@ static void tok_desc_(const mtrl_traj *t, size_t i, char *out, size_t cap) {
 static int f32_same_(float a, float b) { return !memcmp(&a, &b, sizeof a); }
 
 // The log-prob of the recorded token `at` under m, given the recorded tokens before it.
-static double recorded_logp_now_(mtrl_model *m, const mtrl_traj *t, size_t at, int segment, double temp, double top_p) {
+// setting: [learner] segment (mtrl_config_segment); NAN when no segment fits.
+static double recorded_logp_now_(mtrl_model *m, const mtrl_traj *t, size_t at, long setting, double temp, double top_p) {
     int V = m->dims.V;
     if (at == 0 || (double)at * V * sizeof(real) > (double)(1u << 30)) return NAN;
+    const uint32_t *toks[1] = {t->ids};
+    int len[1] = {(int)at}, segment = 0;
+    mtrl_batch b = {1, toks, len, NULL};
+    mtrl_error err;
+    if (mtrl_model_segment_resolve(m, &b, setting, &segment, NULL, &err) != MTRL_OK) return NAN;
     real *logits = xmalloc(sizeof(real) * at * (size_t)V);
     int *order = xmalloc(sizeof(int) * (size_t)V);
     uint8_t *tab = patches_on_(m, t);
@@ -505,7 +522,7 @@ static void compare_(replay_reexec *r, const replay_session *s, mtrl_model *m) {
                          da, db, (double)b->logprob[i] - (double)a->logprob[i]);
             } else if (a->ids[i] != b->ids[i]) {
                 r->kind = REPLAY_DIV_LOGITS;
-                double now = recorded_logp_now_(m, a, i, (int)s->cfg.model.segment, s->cfg.actor.temperature,
+                double now = recorded_logp_now_(m, a, i, mtrl_config_segment(&s->cfg), s->cfg.actor.temperature,
                                                 s->cfg.actor.top_p);
                 char extra[256] = "";
                 if (isfinite(now) || isinf(now))

@@ -25,6 +25,7 @@
 
 #include <stddef.h>
 
+#include "kernels/kernel_opts.h"
 #include "kernels/ref/real.h"
 
 // Every operation of a backend, for building the tables (one entry per line of mtrl_backend).
@@ -57,11 +58,6 @@ struct mtrl_backend {
     // 1 when its fp32 GEMMs run on TF32 tensor cores (mtrl_backend_gemm_tf32 at the backend's
     // creation, with the model's [model] gemm).
     int gemm_tf32;
-    // The CUDA backend's KDA chunked forward: 0 (the default) lets the kernel's chooser split long
-    // sequences at few heads into pieces run in parallel (mtrl_kda_chunk_fwd_cp,
-    // kernels/cuda/kernels_cuda.h); 1 keeps the sequential forward; N >= 2 forces N pieces. Set
-    // after creation, before the model runs; the CPU backend ignores it.
-    int kda_pieces;
 
     // ---- memory --------------------------------------------------------------------------------
     void *(*alloc)(mtrl_backend *, size_t bytes); // uninitialised, at least 64-byte aligned; 0 bytes: a valid pointer
@@ -232,43 +228,41 @@ struct mtrl_backend {
 // The CPU backend (one shared, stateless instance).
 mtrl_backend *mtrl_backend_cpu(void);
 
-// The latent element size a backend of `device` stores (its latent_size; the memory planner
-// sizes latents with it before any backend exists):
-//   MTRL_DEVICE_CPU   sizeof(real): the reference keeps its precision (fp64 in the tests);
-//   MTRL_DEVICE_CUDA  2, bf16 (issue 8: a 1M-token episode's latents stay resident at half the
-//                     bytes, and the attention and the absorbed decode read them as their bf16
-//                     operands with no conversion pass); 4 (fp32, converted to bf16 per
-//                     attention call, the fp32 decode kernel) when the environment has
-//                     MTRL_LATENT_FP32=1 at the backend's creation, the earlier path kept as a
-//                     fallback and for the GPU tests to compare against.
-size_t mtrl_backend_latent_size(int device);
-// 1 when a backend for `device` runs its fp32 GEMMs on TF32 tensor cores (10-bit mantissa
-// inputs, fp32 accumulation, ~1e-3 relative): CUDA, where the model wants it (`want`: [model]
-// gemm = tf32, the default since 2026-11-30) and the environment at the backend's creation does
-// not say MTRL_GEMM_TF32=0, or where it says MTRL_GEMM_TF32=1; never with MTRL_GEMM_BF16=1. 0
-// otherwise. The GPU tests' models ask for fp32 (tests/testmodel.h): they hold the GPU model to
-// ~1e-5 of the CPU; test_cuda_model compares TF32 with it.
-int mtrl_backend_gemm_tf32(int device, int want);
-// 1 when a backend for `device` multiplies the model's dense projections, the MoE experts and
-// the dense SwiGLU FFNs with bf16 operands on tensor cores (fp32 accumulation, fp32 outputs and
-// gradients; 8-bit mantissa inputs, ~4e-3 relative per operand): CUDA with MTRL_GEMM_BF16=1
-// in the environment at the backend's creation. Opt-in, the issue's "dense projections through
-// cuBLAS, bf16 operands, fp32 accumulation, fp32 master weights converted per step": the
-// fp32 master weights, gradients and AdamW moments stay as they are; the backend keeps one bf16
-// copy of the parameter block (2 bytes a parameter, refreshed at weights_changed) and rounds
-// the activation / dy operands into its scratch per GEMM. The MLA absorption products
-// (mla_absorb_q, mla_up_v, a batched GEMM per head) stay fp32. BF16 wins over TF32 when both
-// are set (mtrl_backend_gemm_tf32 is then 0, so those remaining fp32 GEMMs stay true fp32):
-// one setting names a run's GEMM precision. 0 otherwise (the default: true fp32).
-int mtrl_backend_gemm_bf16(int device);
+// The precisions a backend of `device` with kernel options `o` (kernels/kernel_opts.h, NULL:
+// the defaults) takes; the memory planner asks them before any backend exists.
+//
+// The latent element size it stores (its latent_size): sizeof(real) on the CPU (the reference
+// keeps its precision: fp64 in the tests); on CUDA 2, bf16 (a long episode's latents stay
+// resident at half the bytes, and the attention and the absorbed decode read them as their bf16
+// operands with no conversion pass), or 4 with o->latent_fp32 (fp32, converted to bf16 per
+// attention call, the fp32 decode kernel: the fallback the GPU tests compare against).
+size_t mtrl_backend_latent_size(int device, const mtrl_kernel_opts *o);
+// 1 when its fp32 GEMMs run on TF32 tensor cores (10-bit mantissa inputs, fp32 accumulation,
+// ~1e-3 relative): CUDA, where o->gemm says tf32, or where it follows the model (MTRL_KGEMM_MODEL)
+// and the model wants it (`want`: [model] gemm = tf32); never with bf16 operands. 0 otherwise.
+// The GPU tests' models ask for fp32 (tests/testmodel.h): they hold the GPU model to ~1e-5 of
+// the CPU; test_cuda_model compares TF32 with it.
+int mtrl_backend_gemm_tf32(int device, const mtrl_kernel_opts *o, int want);
+// 1 when it multiplies the model's dense projections, the MoE experts and the dense SwiGLU FFNs
+// with bf16 operands on tensor cores (fp32 accumulation, fp32 outputs and gradients; 8-bit
+// mantissa inputs, ~4e-3 relative per operand): CUDA with o->gemm = MTRL_KGEMM_BF16. The fp32
+// master weights, gradients and AdamW moments stay as they are; the backend keeps one bf16 copy
+// of the parameter block (2 bytes a parameter, refreshed at weights_changed) and rounds the
+// activation / dy operands into its scratch per GEMM. The MLA absorption products (mla_absorb_q,
+// mla_up_v, a batched GEMM per head) stay fp32, and true fp32 (mtrl_backend_gemm_tf32 is 0):
+// one setting names a run's GEMM precision. 0 otherwise.
+int mtrl_backend_gemm_bf16(int device, const mtrl_kernel_opts *o);
 // Element i of a latent array (pointer arithmetic in latent elements).
 static inline void *mtrl_latent_at(const mtrl_backend *be, const void *base, size_t i) {
     return (char *)base + be->latent_size * i;
 }
 
-// A CUDA backend on GPU `gpu`, or NULL with a message in err_msg (built without CUDA, the fp64
-// build, or no such device). mtrl_backend_destroy frees it (the CPU instance is left alone).
-mtrl_backend *mtrl_backend_cuda_create(int gpu, int want_tf32, char *err_msg, size_t err_len);
+// A CUDA backend on GPU `gpu` whose context takes the kernel options `o` (NULL: the defaults),
+// or NULL with a message in err_msg (built without CUDA, the fp64 build, or no such device).
+// want_tf32: the model's [model] gemm (mtrl_backend_gemm_tf32). mtrl_backend_destroy frees it
+// (the CPU instance is left alone).
+mtrl_backend *mtrl_backend_cuda_create(int gpu, const mtrl_kernel_opts *o, int want_tf32, char *err_msg,
+                                       size_t err_len);
 void mtrl_backend_destroy(mtrl_backend *be);
 // Number of CUDA devices this build can use (0 without CUDA support or without a device).
 int mtrl_backend_cuda_devices(void);

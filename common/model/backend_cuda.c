@@ -2,7 +2,7 @@
 // and the small kernels of model_cuda.cu on device memory, on one stream.
 //
 // Precision: fp32 activations, states and gradients. GEMMs are cuBLAS on TF32 tensor cores where
-// the model asks ([model] gemm = tf32, the default since 2026-11-30) or in true fp32 (MTRL_F32;
+// the model asks ([model] gemm = tf32, the default) or in true fp32 (MTRL_F32;
 // gemm = fp32, the GPU tests' setting; backend.h mtrl_backend_gemm_tf32), true fp32 chosen over bf16
 // operands so the GPU model agrees with the fp32 CPU model to about 1e-5 relative everywhere
 // but the MLA attention: the only causal-attention kernel multiplies bf16 operands (tensor
@@ -10,9 +10,9 @@
 // queries and dout to bf16 copies per call (errors ~1e-3 relative). The MLA latents are STORED
 // as bf16 (latent_size 2, issue 8): rows are rounded once when written (latent_put), the
 // attention and the absorbed decode (its tensor-core v2 kernel) read them as they are, and
-// their gradients stay fp32. MTRL_LATENT_FP32=1 at creation keeps fp32 latents (converted per
+// their gradients stay fp32. [kernels] latent = fp32 keeps fp32 latents (converted per
 // attention call, the fp32 decode kernel): the earlier path, for comparison.
-// MTRL_GEMM_BF16=1 at creation (backend.h mtrl_backend_gemm_bf16; it wins over TF32) gives the
+// [kernels] gemm = bf16 (backend.h mtrl_backend_gemm_bf16; it wins over TF32) gives the
 // dense projections, the MoE experts and the dense SwiGLU FFNs bf16 operands with fp32
 // accumulation and fp32 results, for the tensor-core rate (the fp32 GEMMs ran the model at
 // fp32 speed, docs/perf.md P7): the weights from one bf16 copy of the parameter block that
@@ -60,7 +60,7 @@ typedef struct cuda_impl {
     live_block *live;
     int n_live, cap_live;
     size_t live_bytes, peak_bytes;
-    // MTRL_GEMM_BF16 (be->gemm_bf16): the bf16 copy w16 of the fp32 parameter block w32 of w_n
+    // [kernels] gemm = bf16 (be->gemm_bf16): the bf16 copy w16 of the fp32 parameter block w32 of w_n
     // values that weights_changed_ last saw; one allocation for the backend's lifetime (a model
     // has one parameter block), rounded again at every weights_changed_.
     const real *w32;
@@ -349,7 +349,7 @@ static void kda_gate_bwd_(BE *be, int kind, int T, int H, int K, const real *f, 
 }
 static void kda_chunk_fwd_(BE *be, int T, int H, int K, int V, const real *q, const real *k, const real *v,
                            const real *g, const real *beta, const real *S0, real *o, real *Sf, real *St) {
-    OK(mtrl_kda_chunk_fwd_cp(CTX(be), be->kda_pieces, T, H, K, V, q, k, v, g, beta, S0, o, Sf, St));
+    OK(mtrl_kda_chunk_fwd_cp(CTX(be), mtrl_cuda_ctx_opts(CTX(be))->kda_seq_pieces, T, H, K, V, q, k, v, g, beta, S0, o, Sf, St));
 }
 static void kda_chunk_bwd_(BE *be, int T, int H, int K, int V, const real *q, const real *k, const real *v,
                            const real *g, const real *beta, const real *S0, const real *St, const real *dout,
@@ -360,7 +360,7 @@ static void kda_step_(BE *be, int B, int H, int K, int V, const real *q, const r
                       const real *g, const real *beta, real *const *S, real *o) {
     if (B <= 0) return;
     size_t n = (size_t)H * K * V;
-    if (mtrl_kda_step_rows_ok(B, H, K, V, q, k, v, g, (const float *const *)S, o)) {
+    if (mtrl_kda_step_rows_ok(CTX(be), B, H, K, V, q, k, v, g, (const float *const *)S, o)) {
         // each state read and written once, in place (no gather into scratch and scatter back)
         float **dp = ptrs_(be, scratch_(be, sizeof(void *) * (size_t)B), 0, B, (const void *const *)S);
         OK(mtrl_kda_step_rows(CTX(be), B, H, K, V, q, k, v, g, beta, dp, o));
@@ -374,7 +374,7 @@ static void kda_step_(BE *be, int B, int H, int K, int V, const real *q, const r
 
 // ---- MLA latents ------------------------------------------------------------------------------------------
 //
-// Stored as bf16 (latent_size 2) or, under MTRL_LATENT_FP32=1, fp32 (backend.h
+// Stored as bf16 (latent_size 2) or, under [kernels] latent = fp32, fp32 (backend.h
 // mtrl_backend_latent_size).
 
 static int lat_type_(const BE *be) { return be->latent_size == 2 ? MTRL_BF16 : MTRL_F32; }
@@ -414,7 +414,7 @@ static void latent_upload_(BE *be, size_t n, const real *src, void *dst) {
 // ---- attention / MLA -------------------------------------------------------------------------------------
 //
 // The attention kernel takes bf16 q, k, v (and dout). q and dout are converted into scratch per
-// call; k and v are latents, read as stored when they are bf16, else (MTRL_LATENT_FP32)
+// call; k and v are latents, read as stored when they are bf16, else ([kernels] latent = fp32)
 // converted too, as Tk whole rows of their stride (v only when it is not the same array).
 
 // The bf16 form of Tk latent rows of stride ld at `lat`: the cache itself, or its copy at
@@ -698,7 +698,8 @@ static const mtrl_backend cuda_template_ = {
 
 int mtrl_backend_cuda_devices(void) { return mtrl_cuda_device_count(); }
 
-mtrl_backend *mtrl_backend_cuda_create(int gpu, int want_tf32, char *err_msg, size_t err_len) {
+mtrl_backend *mtrl_backend_cuda_create(int gpu, const mtrl_kernel_opts *o, int want_tf32, char *err_msg,
+                                       size_t err_len) {
     int n = mtrl_cuda_device_count();
     if (gpu < 0 || gpu >= n) {
         snprintf(err_msg, err_len, "GPU %d requested, %d CUDA device%s usable", gpu, n, n == 1 ? "" : "s");
@@ -707,13 +708,13 @@ mtrl_backend *mtrl_backend_cuda_create(int gpu, int want_tf32, char *err_msg, si
     mtrl_backend *be = xmalloc(sizeof *be);
     *be = cuda_template_;
     be->gpu = gpu;
-    be->latent_size = mtrl_backend_latent_size(MTRL_DEVICE_CUDA);
+    be->latent_size = mtrl_backend_latent_size(MTRL_DEVICE_CUDA, o);
     cuda_impl *x = xcalloc(1, sizeof *x);
     x->ctx = mtrl_cuda_ctx_create(gpu, NULL);
-    be->gemm_bf16 = mtrl_backend_gemm_bf16(MTRL_DEVICE_CUDA);
-    be->gemm_tf32 = mtrl_backend_gemm_tf32(MTRL_DEVICE_CUDA, want_tf32);
+    if (o) *mtrl_cuda_ctx_opts(x->ctx) = *o;
+    be->gemm_bf16 = mtrl_backend_gemm_bf16(MTRL_DEVICE_CUDA, o);
+    be->gemm_tf32 = mtrl_backend_gemm_tf32(MTRL_DEVICE_CUDA, o, want_tf32);
     mtrl_cuda_ctx_set_tf32(x->ctx, be->gemm_tf32);
-    be->kda_pieces = MTRL_KDA_CP_AUTO;
     be->impl = x;
     x->sq_part = alloc_(be, sizeof(double) * MTRL_MC_SQ_BLOCKS);
     return be;
@@ -738,8 +739,10 @@ void mtrl_backend_cuda_destroy_(mtrl_backend *be) {
 
 int mtrl_backend_cuda_devices(void) { return 0; }
 
-mtrl_backend *mtrl_backend_cuda_create(int gpu, int want_tf32, char *err_msg, size_t err_len) {
+mtrl_backend *mtrl_backend_cuda_create(int gpu, const mtrl_kernel_opts *o, int want_tf32, char *err_msg,
+                                       size_t err_len) {
     (void)gpu;
+    (void)o;
     (void)want_tf32;
     snprintf(err_msg, err_len, "%s",
              REAL_IS_F64 ? "the fp64 build has no CUDA backend"
@@ -749,25 +752,20 @@ mtrl_backend *mtrl_backend_cuda_create(int gpu, int want_tf32, char *err_msg, si
 
 #endif
 
-// The environment's switches of a CUDA backend, read when one is created: "1" turns one on.
-static int env_on_(const char *name) {
-    const char *e = getenv(name);
-    return e && !strcmp(e, "1");
-}
-
 // One answer in every build, so that a plan for a GPU (`mtrl plan --device cuda`) made where
 // there is none says what a CUDA build will allocate.
-size_t mtrl_backend_latent_size(int device) {
+size_t mtrl_backend_latent_size(int device, const mtrl_kernel_opts *o) {
     if (device != MTRL_DEVICE_CUDA) return sizeof(real);
-    return env_on_("MTRL_LATENT_FP32") ? sizeof(float) : 2;
+    return o && o->latent_fp32 ? sizeof(float) : 2;
 }
 
-int mtrl_backend_gemm_bf16(int device) { return device == MTRL_DEVICE_CUDA && env_on_("MTRL_GEMM_BF16"); }
+int mtrl_backend_gemm_bf16(int device, const mtrl_kernel_opts *o) {
+    return device == MTRL_DEVICE_CUDA && o && o->gemm == MTRL_KGEMM_BF16;
+}
 
-int mtrl_backend_gemm_tf32(int device, int want) {
-    if (device != MTRL_DEVICE_CUDA || mtrl_backend_gemm_bf16(device)) return 0;
-    const char *e = getenv("MTRL_GEMM_TF32");
-    if (e && !strcmp(e, "1")) return 1;
-    if (e && !strcmp(e, "0")) return 0;
+int mtrl_backend_gemm_tf32(int device, const mtrl_kernel_opts *o, int want) {
+    if (device != MTRL_DEVICE_CUDA || mtrl_backend_gemm_bf16(device, o)) return 0;
+    if (o && o->gemm == MTRL_KGEMM_TF32) return 1;
+    if (o && o->gemm == MTRL_KGEMM_FP32) return 0;
     return want != 0;
 }

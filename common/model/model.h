@@ -1,4 +1,4 @@
-// model.h: the backbone (model.md) assembled from the ops of a backend (backend.h): the CPU
+// model.h: the backbone (docs/model.md) assembled from the ops of a backend (backend.h): the CPU
 // reference of kernels/ref, or the CUDA kernels of kernels/cuda (see "Devices" below).
 //
 // A hybrid stack of L layers; layer l mixes tokens with KDA (lower-bounded decay, §2) or gated
@@ -11,7 +11,7 @@
 // Shapes (per sequence): T tokens, d = d_model, V = vocabulary, H heads, D = KDA head dim,
 // dn/dr/dv/dc = MLA nope/rope/value/latent dims, E experts, k = top_k.
 //
-// Three execution forms, equal within tolerance (model.md §8):
+// Three execution forms, equal within tolerance (docs/model.md §8):
 //  1. chunked: mtrl_model_forward/backward over a batch of sequences with segment = 0 (each
 //     sequence is one segment; KDA in 16-token tiles).
 //  2. recurrent decode: mtrl_model_decode over a batch of per-sequence states (KDA state, conv
@@ -35,7 +35,7 @@
 // The forward stores what the backward needs inside the model's batch workspace; a forward
 // must precede each backward with the same batch.
 //
-// Devices (model.md is the math; backend.h the operations): the same code runs on the CPU
+// Devices (docs/model.md is the math; backend.h the operations): the same code runs on the CPU
 // reference (MTRL_DEVICE_CPU, fp32 or fp64) or on one GPU (MTRL_DEVICE_CUDA, the fp32 build
 // with MTRL_HAVE_CUDA), chosen once by mtrl_model_init_on (from `[model] device`:
 // mtrl_model_parse_device(cfg->model.device, &device, &gpu)). On a GPU:
@@ -54,15 +54,15 @@
 //     arrays; every call returns with its host outputs written.
 //   * arithmetic: fp32 everywhere but the GEMMs and the attention. The projection and expert
 //     GEMMs run through cuBLAS on TF32 tensor cores by default (dims.gemm_tf32, [model] gemm =
-//     tf32; gemm = fp32 or MTRL_GEMM_TF32=0 keeps true fp32, what the GPU tests compare with the
+//     tf32; gemm = fp32 or [kernels] gemm = fp32 keeps true fp32, what the GPU tests compare with the
 //     CPU); the MLA causal attention multiplies bf16 copies of its operands, fp32 accumulation.
-//     Opt-in at creation: MTRL_GEMM_BF16=1 (bf16 operands for
+//     Opt-in at creation: [kernels] gemm = bf16 (dims.kern; bf16 operands for
 //     the projections and FFN / expert GEMMs from a bf16 copy of the weights that the backend
 //     refreshes whenever the parameter block changes; backend.h mtrl_backend_gemm_bf16).
 //   * MLA latents (the learner's batch workspace, every decode state) are stored as bf16,
 //     rounded once when their rows are written (issue 8: half the bytes of a long episode's
 //     resident cache; the absorbed decode runs its bf16 tensor-core kernel); their gradients
-//     stay fp32 and accumulate across segments. MTRL_LATENT_FP32=1 in the environment when the
+//     stay fp32 and accumulate across segments. [kernels] latent = fp32 (dims.kern) when the
 //     model is created keeps them fp32 (backend.h mtrl_backend_latent_size). Host arrays of
 //     latents (snapshots: mtrl_decode_state_download / _upload) are `real` either way.
 #ifndef MTRL_MODEL_H
@@ -74,6 +74,7 @@
 #include "common/arena.h"
 #include "common/config.h"
 #include "common/tensor.h"
+#include "kernels/kernel_opts.h"
 #include "kernels/ref/real.h"
 
 #define MTRL_MAX_LAYERS 128
@@ -98,9 +99,13 @@ typedef struct mtrl_model_dims {
     // (mtrl_model_infer_bytes takes the capacity for it).
     int mla_prefill_naive;
     // The GPU's projection and expert GEMMs on TF32 tensor cores (1, the default, [model] gemm =
-    // tf32) or true fp32 (0); the environment may override it (backend.h mtrl_backend_gemm_tf32).
-    // A CPU model ignores it.
+    // tf32) or true fp32 (0); kern.gemm may override it (backend.h mtrl_backend_gemm_tf32). A CPU
+    // model ignores it.
     int gemm_tf32;
+    // The kernels and precisions of a GPU backend ([kernels], kernels/kernel_opts.h; zero: the
+    // defaults). The backend copies them into its CUDA context; the planner sizes the latents by
+    // them. A CPU model ignores them.
+    mtrl_kernel_opts kern;
     int dense_I;                     // FFN width of the dense layers
     int E, k, n_shared, I;           // experts, top-k, shared experts, expert width
     int S;                           // AttnRes block size in layers
@@ -246,7 +251,7 @@ typedef struct mtrl_model {
     real *d_qb_beta;            // [L][E]
     long step;                  // optimizer steps taken
     uint32_t version;           // weight version (published)
-    // Quantile Balancing (model.md §4.3): β per MoE layer, outside the gradient path.
+    // Quantile Balancing (docs/model.md §4.3): β per MoE layer, outside the gradient path.
     real *qb_beta;              // [L][E] (the dense layers' rows unused)
     double *qb_sum;             // [L][E] β computed from this step's batches, summed
     int *qb_count;              // [L] number of batches summed
@@ -274,9 +279,13 @@ typedef struct mtrl_model {
     int img_n;
 } mtrl_model;
 
-// Fills dims from a resolved [model] config and the vocabulary size. Returns MTRL_OK or
-// MTRL_ERR_USAGE with a message (shapes the model cannot take).
-mtrl_status mtrl_model_dims_from_config(mtrl_model_dims *d, const mtrl_cfg_model *cfg, int vocab, mtrl_error *err);
+// Fills dims from a resolved config's [model] and [kernels] and the vocabulary size. Returns
+// MTRL_OK or MTRL_ERR_USAGE with a message (shapes the model cannot take).
+mtrl_status mtrl_model_dims_from_config(mtrl_model_dims *d, const mtrl_config *cfg, int vocab, mtrl_error *err);
+
+// The kernel options a resolved [kernels] section names (the INI's choices as
+// kernels/kernel_opts.h's values).
+void mtrl_kernel_opts_from_config(mtrl_kernel_opts *o, const mtrl_cfg_kernels *k);
 
 // Allocates parameters (initialised from the counter RNG with `seed`), gradients and AdamW
 // moments, one block each, on the CPU.
@@ -298,6 +307,14 @@ mtrl_status mtrl_model_init_infer_on(mtrl_model *m, const mtrl_model_dims *dims,
                                      mtrl_error *err);
 // Usable CUDA devices for a model in this build (0: CPU only).
 int mtrl_model_cuda_devices(void);
+// What m's backend computes in, for reports: its dense and expert GEMMs' precision
+// (MTRL_KGEMM_BF16, _TF32 or _FP32; a CPU model's is FP32, standing for `real`), and the bytes
+// of one MLA latent element it stores (backend.h mtrl_backend_latent_size).
+int mtrl_model_gemm_precision(const mtrl_model *m);
+size_t mtrl_model_latent_size(const mtrl_model *m);
+// The copy rate of m's device (bytes read + written per second) over two blocks of `bytes` it
+// allocates for the call, best of `reps`: the memory roofline `mtrl bench` compares with.
+double mtrl_model_copy_rate(mtrl_model *m, size_t bytes, int reps);
 // Reads "cpu" / "cuda" / "cuda:N" (the [model] device value). Returns 0, or -1 for anything else.
 int mtrl_model_parse_device(const char *s, int *device, int *gpu);
 void mtrl_model_free(mtrl_model *m);
@@ -318,7 +335,9 @@ void mtrl_model_zero_grads(mtrl_model *m);
 
 // Forward over a batch (form 1 or 3). logp [Σ len], entropy [Σ len] (nullable): per position,
 // of the next token (0 for each sequence's last position). routing_out (nullable): per sequence
-// [len][n_moe][k] chosen experts, as u8 (E <= 256). segment = 0: one segment per sequence.
+// [len][n_moe][k] chosen experts, as u8 (E <= 256). segment: a resolved length (what
+// model_plan.h mtrl_model_segment_resolve gives for [learner] segment): S > 0 tokens per segment,
+// or 0, one segment per sequence; never "plan it", which is the resolver's job.
 // Routing statistics for QB and loads accumulate in the model (see mtrl_model_qb_apply).
 void mtrl_model_forward(mtrl_model *m, const mtrl_batch *b, int segment, real *logp, real *entropy,
                         uint8_t *const *routing_out);
@@ -382,7 +401,7 @@ void mtrl_model_prefill_many(mtrl_model *m, mtrl_decode_state *const *states, in
 size_t mtrl_model_infer_bytes(const mtrl_model *m, int batch, int cap);
 // Prompts and tool results are prefilled in segments of up to this many tokens: long enough for
 // a GPU's attention and GEMMs to fill the device on a long document (few, full launches per MLA
-// layer; with MTRL_LATENT_FP32=1 also few conversions of the latent cache to the attention's
+// layer; with [kernels] latent = fp32 also few conversions of the latent cache to the attention's
 // bf16 operands: one per segment and MLA layer), short enough
 // that one segment's forward stays a small part of an actor's memory (prefill keeps no caches
 // for a backward: ~230 KB a token for `small`, 1.9 GB a segment).

@@ -1,5 +1,5 @@
 // model_bwd.c: the backward pass of one segment (see model_ws.h): the LM head, the Block-AttnRes
-// walk over the sublayers in reverse (model.md §6.3), the mixers and FFNs, the embedding.
+// walk over the sublayers in reverse (docs/model.md §6.3), the mixers and FFNs, the embedding.
 // Parameter gradients accumulate into m->dG (where the backend computes); gradients of the boundary
 // states flow through g.
 #include <math.h>

@@ -1,5 +1,5 @@
 // model_fwd.c: the forward pass of one segment (see model_ws.h): embeddings, the Block-AttnRes
-// stack of KDA / MLA mixers and dense / MoE FFNs (model.md §0.3, §6.2), the LM head and the
+// stack of KDA / MLA mixers and dense / MoE FFNs (docs/model.md §0.3, §6.2), the LM head and the
 // per-token log-probabilities. Every operation goes through the model's backend (backend.h):
 // the arrays below live where the model computes.
 #include <math.h>
@@ -41,7 +41,7 @@ static void proj_(mtrl_backend *be, int T, int n, int k, const real *x, const re
     be->gemm(be, 0, 1, T, n, k, 1, x, k, W, k, 0, y, n);
 }
 
-// ---- KDA (model.md §2.1) ----------------------------------------------------------------------------
+// ---- KDA (docs/model.md §2.1) ----------------------------------------------------------------------------
 
 static void kda_forward_(mtrl_model *m, mtrl_arena *ar, int l, int mode, int T, const real *x1, seq_io *io,
                          layer_cache *c, real *out) {
@@ -145,7 +145,7 @@ static void kda_forward_(mtrl_model *m, mtrl_arena *ar, int l, int mode, int T, 
     model_prof_end(m, MTRL_PROF_KDA_PROJ, t);
 }
 
-// ---- gated MLA, absorbed over the latent (model.md §3.1, §3.3) ------------------------------------
+// ---- gated MLA, absorbed over the latent (docs/model.md §3.1, §3.3) ------------------------------------
 
 // Writes rows [ĉ ; k^r] of B caches: cache b's rows are dst_h[b] (latent elements, row stride ld)
 // and take `rows` consecutive rows of chat [.][dc] and kr [.][dr] (backend.h latent_put rounds
@@ -325,7 +325,7 @@ static void mla_forward_(mtrl_model *m, mtrl_arena *ar, int l, int mode, int T, 
     model_prof_end(m, MTRL_PROF_MLA_PROJ, t);
 }
 
-// ---- FFN: dense SwiGLU (layers below first_dense) or MoE (model.md §4) ---------------------------
+// ---- FFN: dense SwiGLU (layers below first_dense) or MoE (docs/model.md §4) ---------------------------
 
 static void ffn_forward_(mtrl_model *m, mtrl_arena *ar, int l, int T, const real *x2, layer_cache *c, real *out,
                          const seg_out *so) {
@@ -366,7 +366,7 @@ static void ffn_forward_(mtrl_model *m, mtrl_arena *ar, int l, int T, const real
     }
     free(sel_h);
     if (so && so->qb_stats) {
-        // QB (model.md §4.3): this batch routed with the old β above; the β it implies is
+        // QB (docs/model.md §4.3): this batch routed with the old β above; the β it implies is
         // summed and only becomes the routing β after the optimizer step (mtrl_model_qb_apply).
         int load[256];
         be->moe_load_count(be, T, E, K, c->sel, load);

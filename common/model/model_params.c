@@ -10,10 +10,50 @@
 #include "common/model/model.h"
 #include "common/model/model_ws.h"
 #include "common/rng.h"
+#include "common/timeutil.h"
 #include "kernels/ref/moe_ref.h"
 
-mtrl_status mtrl_model_dims_from_config(mtrl_model_dims *d, const mtrl_cfg_model *c, int vocab, mtrl_error *err) {
+// The position of `value` in the '|'-separated `choices` (0 when absent: the schema has checked it).
+static int choice_(const char *value, const char *choices) {
+    size_t n = strlen(value);
+    int i = 0;
+    for (const char *p = choices; *p; i++) {
+        const char *bar = strchr(p, '|');
+        size_t len = bar ? (size_t)(bar - p) : strlen(p);
+        if (len == n && !strncmp(p, value, n)) return i;
+        if (!bar) break;
+        p = bar + 1;
+    }
+    return 0;
+}
+
+void mtrl_kernel_opts_from_config(mtrl_kernel_opts *o, const mtrl_cfg_kernels *k) {
+    memset(o, 0, sizeof *o);
+    o->attn = choice_(k->attn, "auto|simt|mma"); // MTRL_KOPT_AUTO, _SIMT, _MMA
+    o->attn_fwd_config = (int)k->attn_fwd_config;
+    o->attn_dkv_rows = !strcmp(k->attn_dkv_rows, "64") ? 64 : 0;
+    o->attn_dq_first = k->attn_dq_first;
+    o->attn_dkv_in_step = k->attn_dkv_in_step;
+    o->decode = choice_(k->decode, "auto|simt");
+    o->kda_fwd = choice_(k->kda_fwd, "auto|simt");
+    o->kda_bwd = choice_(k->kda_bwd, "auto|simt");
+    o->kda_bwd_tile = choice_(k->kda_bwd_tile, "auto|simt");
+    o->kda_tile_threads = !strcmp(k->kda_tile_threads, "256") ? 256 : 0;
+    o->kda_fwd_pieces = (int)k->kda_fwd_pieces;
+    o->kda_bwd_pieces = (int)k->kda_bwd_pieces;
+    o->kda_seq_pieces = (int)k->kda_seq_pieces;
+    o->kda_plain_bf16 = !strcmp(k->kda_records, "bf16");
+    o->kda_cluster = strcmp(k->kda_cluster, "off") ? atoi(k->kda_cluster) : 0;
+    o->kda_warps = atoi(k->kda_warps) == 4 ? 0 : atoi(k->kda_warps);
+    o->moe_lanes = (int)k->moe_lanes;
+    o->gemm = choice_(k->gemm, "model|tf32|fp32|bf16"); // MTRL_KGEMM_*
+    o->latent_fp32 = !strcmp(k->latent, "fp32");
+}
+
+mtrl_status mtrl_model_dims_from_config(mtrl_model_dims *d, const mtrl_config *cfg, int vocab, mtrl_error *err) {
+    const mtrl_cfg_model *c = &cfg->model;
     memset(d, 0, sizeof *d);
+    mtrl_kernel_opts_from_config(&d->kern, &cfg->kernels);
     d->L = (int)c->layers;
     d->d = (int)c->d_model;
     d->V = vocab;
@@ -190,8 +230,8 @@ static void point_(const mtrl_tt *t, void *base, const mtrl_model_dims *d, mtrl_
 // Initialisation: projections N(0, init_std) from the tensor's own RNG stream (so a tensor's
 // init does not depend on the order of the table); output projections scaled by 1/sqrt(2L)
 // as in GPT-2; norms 1; AttnRes pseudo-queries 0 (a site starts as the mean of its sources,
-// model.md §6.1); KDA A_log 0 and dt_bias = softplus⁻¹(dt), dt log-uniform in [1e-3, 0.1]
-// (fla's init, model.md §2.1); conv weights N(0, 1/W) around a mild identity.
+// docs/model.md §6.1); KDA A_log 0 and dt_bias = softplus⁻¹(dt), dt log-uniform in [1e-3, 0.1]
+// (fla's init, docs/model.md §2.1); conv weights N(0, 1/W) around a mild identity.
 // Every value depends only on (seed, tensor, index), so the loops run in parallel with the
 // same result for any thread count.
 static void init_(mtrl_model *m, uint64_t seed) {
@@ -334,7 +374,7 @@ static mtrl_status init_on_(mtrl_model *m, const mtrl_model_dims *dims, uint64_t
     const char *why = cuda_dims_problem_(dims, msg, sizeof msg);
     if (why) return mtrl_error_set(err, MTRL_ERR_USAGE, "[model] device = cuda: %s", why);
     char bmsg[256] = "";
-    mtrl_backend *be = mtrl_backend_cuda_create(gpu, dims->gemm_tf32, bmsg, sizeof bmsg);
+    mtrl_backend *be = mtrl_backend_cuda_create(gpu, &dims->kern, dims->gemm_tf32, bmsg, sizeof bmsg);
     if (!be) return mtrl_error_set(err, MTRL_ERR_USAGE, "[model] device = cuda: %s", bmsg);
     alloc_host_(m, dims, seed, infer);
     m->device = MTRL_DEVICE_CUDA;
@@ -426,6 +466,31 @@ void mtrl_model_free(mtrl_model *m) {
     free(m->qb_count);
     free(m->load);
     memset(m, 0, sizeof *m);
+}
+
+int mtrl_model_gemm_precision(const mtrl_model *m) {
+    return m->be->gemm_bf16 ? MTRL_KGEMM_BF16 : m->be->gemm_tf32 ? MTRL_KGEMM_TF32 : MTRL_KGEMM_FP32;
+}
+
+size_t mtrl_model_latent_size(const mtrl_model *m) { return m->be->latent_size; }
+
+double mtrl_model_copy_rate(mtrl_model *m, size_t bytes, int reps) {
+    mtrl_backend *be = m->be;
+    char *a = be->alloc(be, bytes), *b = be->alloc(be, bytes);
+    be->zero(be, a, bytes);
+    be->copy(be, b, a, bytes);
+    be->sync(be);
+    double best = 1e30;
+    for (int r = 0; r < reps; r++) {
+        double t0 = mtrl_time_mono();
+        be->copy(be, b, a, bytes);
+        be->sync(be);
+        double t = mtrl_time_mono() - t0;
+        if (t < best) best = t;
+    }
+    be->release(be, a);
+    be->release(be, b);
+    return 2.0 * (double)bytes / best;
 }
 
 size_t mtrl_model_param_count(const mtrl_model *m) {

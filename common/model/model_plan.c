@@ -14,10 +14,10 @@
 //   * the backend's (backend_cuda.c scratch_): grows to request × 5/4 + 1 MiB. Its largest
 //     requests are the bf16 copies the attention takes (attn_causal_fwd_/_bwd_): the absorbed
 //     queries [T][mH][dc+dr], in the backward dout [T][mH][dc] and, with fp32 latents only
-//     (MTRL_LATENT_FP32=1), the latents of every key so far [Tk][dc+dr] (bf16 latents are read
+//     ([kernels] latent = fp32), the latents of every key so far [Tk][dc+dr] (bf16 latents are read
 //     where they are); in the naive form the queries [T][mH][dn+dr], dout [T][mH][dv] and, with
 //     fp32 latents, the expanded keys and values of every key so far; small ones: token ids, targets, log-probs. With bf16 GEMM operands
-//     (MTRL_GEMM_BF16=1) also the bf16 copies of each GEMM's non-weight operands: the largest
+//     ([kernels] gemm = bf16) also the bf16 copies of each GEMM's non-weight operands: the largest
 //     is a projection's dW = dyᵀ x (dy [T][n] and x [T][k], the LM head's dy [T][V] first) or
 //     the experts' X_perm [T·k][d].
 //   * the kernels' context's (core_cuda.cu mtrl_ctx_scratch): grows to request × 9/8 + 1 MiB.
@@ -36,9 +36,9 @@ typedef struct plan_prec {
     int gemm_bf16;
 } plan_prec;
 
-// A backend of `device` created now (the environment's switches).
-static plan_prec prec_of_device_(int device) {
-    return (plan_prec){mtrl_backend_latent_size(device), mtrl_backend_gemm_bf16(device)};
+// A backend of `device` created for dims d (its kernel options).
+static plan_prec prec_of_device_(const mtrl_model_dims *d, int device) {
+    return (plan_prec){mtrl_backend_latent_size(device, &d->kern), mtrl_backend_gemm_bf16(device, &d->kern)};
 }
 static plan_prec prec_of_backend_(const mtrl_backend *be) { return (plan_prec){be->latent_size, be->gemm_bf16}; }
 // The bf16 copy of a parameter block of P bytes that a backend with bf16 GEMM operands holds.
@@ -229,7 +229,7 @@ static void eval_(mtrl_model_plan *p, const mtrl_model_dims *d, size_t P, int de
 
 void mtrl_model_plan_eval(mtrl_model_plan *p, const mtrl_model_dims *d, int device, int n, const int *len, int segment,
                           size_t budget) {
-    eval_(p, d, model_param_bytes(d), device, prec_of_device_(device), n, len, segment, budget);
+    eval_(p, d, model_param_bytes(d), device, prec_of_device_(d, device), n, len, segment, budget);
 }
 
 static double gib_(size_t b) { return (double)b / (double)((size_t)1 << 30); }
@@ -301,7 +301,7 @@ static mtrl_status make_(mtrl_model_plan *p, const mtrl_model_dims *d, int devic
 
 mtrl_status mtrl_model_plan_make(mtrl_model_plan *p, const mtrl_model_dims *d, int device, int n, const int *len,
                                  size_t budget, mtrl_error *err) {
-    return make_(p, d, device, prec_of_device_(device), n, len, budget, err);
+    return make_(p, d, device, prec_of_device_(d, device), n, len, budget, err);
 }
 
 mtrl_status mtrl_model_plan_uniform(mtrl_model_plan *p, const mtrl_model_dims *d, int device, long tokens, int seqs,
@@ -326,7 +326,7 @@ mtrl_status mtrl_model_device_memory(int device, int gpu, size_t *free_bytes, si
     }
     if (device != MTRL_DEVICE_CUDA) return mtrl_error_set(err, MTRL_ERR_USAGE, "unknown device %d", device);
     char msg[256] = "";
-    mtrl_backend *be = mtrl_backend_cuda_create(gpu, 0, msg, sizeof msg);  // memory only
+    mtrl_backend *be = mtrl_backend_cuda_create(gpu, NULL, 0, msg, sizeof msg);  // memory only
     if (!be) return mtrl_error_set(err, MTRL_ERR_USAGE, "no CUDA memory to query: %s", msg);
     be->mem_info(be, free_bytes, total_bytes, NULL, NULL);
     mtrl_backend_destroy(be);
@@ -347,6 +347,22 @@ mtrl_status mtrl_model_plan_batch(mtrl_model_plan *p, const mtrl_model *m, const
     if (m->device == MTRL_DEVICE_CUDA) held += sizeof(real) * (size_t)d->L * d->E;
     if (m->be->gemm_bf16) held += weights_bf16_bytes_(m->params.total); // the weights' bf16 copy
     return make_(p, d, m->device, prec_of_backend_(m->be), b->n, b->len, fr + held, err);
+}
+
+mtrl_status mtrl_model_segment_resolve(const mtrl_model *m, const mtrl_batch *b, long setting, int *segment,
+                                       mtrl_model_plan *plan, mtrl_error *err) {
+    *segment = 0;
+    if (setting > 0 && setting <= (1L << 30)) {
+        *segment = (int)setting;
+        return MTRL_OK;
+    }
+    if (setting != MTRL_CFG_SEGMENT_AUTO)
+        return mtrl_error_set(err, MTRL_ERR_USAGE, "[learner] segment %ld: expected auto or a token count", setting);
+    mtrl_model_plan p;
+    mtrl_status st = mtrl_model_plan_batch(&p, m, b, err);
+    if (plan) *plan = p;
+    if (st == MTRL_OK) *segment = p.segment;
+    return st;
 }
 
 // ---- printing -------------------------------------------------------------------------------------------------
@@ -375,7 +391,7 @@ void mtrl_model_plan_print(const mtrl_model_plan *p, FILE *f) {
     row_(f, "parameters", (double)p->params);
     row_(f, "gradients", (double)p->grads);
     row_(f, "AdamW moments (m, v)", (double)p->adam);
-    if (p->weights_bf16) row_(f, "bf16 weight copy (MTRL_GEMM_BF16)", (double)p->weights_bf16);
+    if (p->weights_bf16) row_(f, "bf16 weight copy (gemm = bf16)", (double)p->weights_bf16);
     row_(f, "QB beta and constants", (double)p->qb);
     row_(f, "boundary states (KDA S, conv windows)", (double)p->boundary);
     row_(f, "MLA latents", (double)p->latents);

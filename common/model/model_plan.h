@@ -12,10 +12,10 @@
 // with their growth factors.
 //
 // What is counted (bytes; fp32 model: 4 per value, except the MLA latents: the backend's latent
-// element size, backend.h mtrl_backend_latent_size: 2 (bf16) on a GPU unless MTRL_LATENT_FP32=1;
+// element size, backend.h mtrl_backend_latent_size: 2 (bf16) on a GPU unless [kernels] latent = fp32 (dims.kern);
 // their gradients stay `real`):
 //   model        parameters, gradients, both AdamW moments (4 x the parameter block), QB β;
-//                with bf16 GEMM operands (MTRL_GEMM_BF16=1, backend.h) the weights' bf16 copy
+//                with bf16 GEMM operands ([kernels] gemm = bf16, backend.h) the weights' bf16 copy
 //   episode      boundary KDA states and conv windows of every segment of every sequence, the
 //                MLA latents of every sequence (state arena of the forward), and in the backward
 //                ∂L/∂latents of the longest sequence with the running dS / dconv / S / conv
@@ -38,7 +38,7 @@
 // (tests/test_cuda_long.c).
 //
 // Segment lengths are multiples of 64 (whole KDA tiles of 16 and whole 64-token super-chunks,
-// model.md §2.6; the code itself takes any length), or the whole sequence when it fits.
+// docs/model.md §2.6; the code itself takes any length), or the whole sequence when it fits.
 //
 //     mtrl_model_plan p;
 //     if (mtrl_model_plan_uniform(&p, &dims, MTRL_DEVICE_CUDA, 1 << 20, 1, budget, &err) != MTRL_OK) ...
@@ -60,9 +60,8 @@
 #define MTRL_PLAN_PACK_MAX 65536
 // Device memory a CUDA model uses outside its backend's blocks and scratch: cuBLAS workspaces
 // (the context's, and 7 x 32 MiB for the GEMM lanes of the MoE experts, cuda_common.cuh), kernel
-// images loaded on first launch, allocation rounding. Measured 0.01 GiB on an H200 after a
-// 1M-token step (tests/test_cuda_long.c (b)) before the lanes (2026-11-30); reserved with room
-// to spare.
+// images loaded on first launch, allocation rounding. Reserved with room to spare over what an
+// H200 measured (docs/perf.md, "Measurements moved out of code comments").
 #define MTRL_PLAN_CUDA_RUNTIME ((size_t)384 << 20)
 
 typedef struct mtrl_model_plan {
@@ -82,7 +81,7 @@ typedef struct mtrl_model_plan {
     size_t params;           // parameter block
     size_t grads;            // gradient block
     size_t adam;             // both AdamW moments
-    size_t weights_bf16;     // CUDA with bf16 GEMM operands (MTRL_GEMM_BF16=1): the bf16 copy of
+    size_t weights_bf16;     // CUDA with bf16 GEMM operands ([kernels] gemm = bf16): the bf16 copy of
                              // the parameter block (2 bytes a parameter); 0 otherwise
     size_t qb;               // QB β and the backend's small constants
     size_t boundary;         // KDA states and conv windows entering every segment, running state
@@ -133,6 +132,18 @@ void mtrl_model_mem_info(const mtrl_model *m, size_t *free_bytes, size_t *total_
 // parameter, gradient and moment blocks, β, the batch workspace of its last forward (freed by
 // the next one) and the grow-only scratch.
 mtrl_status mtrl_model_plan_batch(mtrl_model_plan *p, const mtrl_model *m, const mtrl_batch *b, mtrl_error *err);
+
+// The segment length the learner's form of the model runs batch b with on m: the one resolver
+// of [learner] segment, for the learner's steps, `mtrl bench` and replay's scoring (which must
+// score as an RL step does). setting: mtrl_config_segment's value (N, or MTRL_CFG_SEGMENT_AUTO).
+// N gives N; auto gives the planner's choice for this batch (mtrl_model_plan_batch: the largest
+// multiple of MTRL_PLAN_SEGMENT_STEP that fits the device's free memory, which is also how many
+// tokens of short sequences one unit of mtrl_model_train packs; 0, whole sequences, when the
+// longest fits as one), and its plan into `plan` (nullable; untouched for N). The result is what
+// mtrl_model_forward, _train and _logits take. MTRL_ERR_NOMEM (auto, nothing fits) with the
+// planner's message; MTRL_ERR_USAGE for a setting that is neither.
+mtrl_status mtrl_model_segment_resolve(const mtrl_model *m, const mtrl_batch *b, long setting, int *segment,
+                                       mtrl_model_plan *plan, mtrl_error *err);
 
 // A human-readable table (GiB with two decimals), one line per block.
 void mtrl_model_plan_print(const mtrl_model_plan *p, FILE *f);

@@ -135,7 +135,7 @@ void seg_forward(mtrl_model *m, mtrl_arena *ar, int mode, int T, const uint32_t 
 void seg_backward(mtrl_model *m, mtrl_arena *ar, seg_cache *c, const uint32_t *tokens, const int *targets,
                   const seq_io *io, const real *dlogp, const real *dentropy, seq_grad *g);
 
-// MLA layer l's naive form (model.md §3.1, mla_ref.h mla_expand_kv) over Tk latent rows lat
+// MLA layer l's naive form (docs/model.md §3.1, mla_ref.h mla_expand_kv) over Tk latent rows lat
 // ([ĉ ; k^r], stride dc+dr), carved from ar in this order and left there for the caller to
 // release: the keys k [Tk][mH][dn+dr] and values v [Tk][mH][dv] in the latent type (the
 // attention reads keys and values as latents; latent_size bytes an element: half a `real`'s on

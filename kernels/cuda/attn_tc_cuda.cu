@@ -30,8 +30,8 @@
 //            * MHA Dk = 192, Dv = 128 (the naive MLA form: d_n + d_r = 128 + 64 keys, d_v = 128
 //              values): <192, 128, 1, 32, Q in shared memory, separate V, MT = 2, 2 blocks per
 //              SM>: 240 registers, no spills, 92 KB (Q 128 x 200 + two stages of 32 keys x
-//              (200 + 136) bf16). With 64-key stages (MTRL_ATTN2_FWD=3) it is 134 KB, one block
-//              per SM, 255 registers and 72 B of spills; MTRL_ATTN2_FWD=1 keeps Q in registers
+//              (200 + 136) bf16). With 64-key stages (attn_fwd_config = 3) it is 134 KB, one block
+//              per SM, 255 registers and 72 B of spills; attn_fwd_config = 1 keeps Q in registers
 //              (MT = 1, 64-key stages, 216 registers, 84 KB, 2 blocks per SM). Not yet measured.
 //   backward (Dk = Dv = 128 or Dk = 192, Dv = 128, values not aliased; the absorbed shape runs
 //            v1) in three launches, nothing atomic:
@@ -49,7 +49,7 @@
 //              and dV fit beside Sᵀ and dPᵀ because the query tile is 32 rows (16 + 16 registers
 //              instead of 32 + 32 at 64 rows, the same 192 live accumulators as the 128 shape):
 //              251 registers, no spills, 85 KB (K 64 x 200, V 64 x 136, two stages of Q 32 x 200
-//              and dO 32 x 136), 2 blocks per SM. 64-row tiles (MTRL_ATTN2_DKV=64, a lab knob
+//              and dO 32 x 136), 2 blocks per SM. 64-row tiles (attn_dkv_rows = 64, a lab knob
 //              read at each call) also compile without spills (255 registers) but need 127 KB,
 //              one block per SM. The price of 32 rows: the warp's K / V A-fragments are read
 //              once per 32 rows instead of per 64 (6 ldmatrix per 8 mma in Sᵀ and dPᵀ instead
@@ -59,7 +59,7 @@
 //              spills 116 B). Not yet measured.
 //            So S and dP are computed twice (7 products instead of FA2's 5): the price of a
 //            deterministic dq without floating-point atomics.
-// MTRL_ATTN_V1=1 in the environment selects the v1 kernels of mla_cuda.cu (read at each call).
+// attn = simt (kernel_opts.h) selects the v1 kernels of mla_cuda.cu (read at each call).
 #include <math.h>
 #include <stdlib.h>
 
@@ -760,30 +760,24 @@ int launch_dkv_(mtrl_cuda_ctx *c, const A2 &a, int Hk, const uint16_t *dout, con
     return 0;
 }
 
-// v3 (sm90a/attn_wg_cuda.cu) unless MTRL_ATTN3=0 (read at each call), on a compute capability
-// 9.0 device (cc: major * 10 + minor; its code is sm_90a only).
-int attn3_on_(int cc) {
-    const char *e = getenv("MTRL_ATTN3");
-    return !(e && e[0] == '0') && cc == 90;
-}
+// v3 (sm90a/attn_wg_cuda.cu) unless the option attn = MMA, on a compute capability 9.0 device
+// (its code is sm_90a only).
+int attn3_on_(const mtrl_cuda_ctx *c) { return c->opts.attn != MTRL_KOPT_MMA && c->cc == 90; }
 
-int attn_v1_forced_() {
-    const char *e = getenv("MTRL_ATTN_V1");
-    return e && e[0] == '1';
-}
-
-// Which kernel runs (3, 2 or 1) on a device of compute capability cc.
-int attn_version_(int H, int Hk, int Dk, int Dv, int alias, int bwd, int cc) {
-    if (attn_v1_forced_() || H <= 0 || Hk <= 0 || H % Hk) return 1;
+// Which kernel runs (3, 2 or 1) with the context's options on its device: the one chooser of
+// the causal attention.
+int attn_version_(const mtrl_cuda_ctx *c, int H, int Hk, int Dk, int Dv, int alias, int bwd) {
+    if (c->opts.attn == MTRL_KOPT_SIMT || H <= 0 || Hk <= 0 || H % Hk) return 1;
     // naive MLA: d_n + d_r = 192, d_v = 128
-    if (!alias && (Dk == 128 || Dk == 192) && Dv == 128) return attn3_on_(cc) ? 3 : 2;
+    if (!alias && (Dk == 128 || Dk == 192) && Dv == 128) return attn3_on_(c) ? 3 : 2;
     if (!bwd && alias && Hk == 1 && Dk == 576 && Dv == 512) return 2;
     return 1;
 }
 
-// Forward configurations, numbered as measured in docs/kernel-lab.md; MTRL_ATTN2_FWD=N (a lab
-// knob, read at each call) picks another than the default: 4 for the MHA shape (two row tiles
-// per warp), and 0 for the absorbed shape (any value other than 1).
+// Forward configurations, numbered as measured in docs/kernel-lab.md; the option attn_fwd_config
+// = N (a lab variant) picks another than the default (0): the default is configuration 4 for the
+// MHA shape (two row tiles per warp), and 0 for the absorbed shape (any value other than 1); 6
+// is the MHA shape's configuration with 3 blocks per SM.
 template <int DK, int DVS, int NVW, int BN, bool QREG, bool ALIAS, int MT, int MINB>
 int launch_fwd_(mtrl_cuda_ctx *c, const A2 &a, int Hk, float *o, float *lse) {
     using Cf = FwdCfg<DK, DVS, NVW, BN, QREG, ALIAS, MT>;
@@ -796,22 +790,14 @@ int launch_fwd_(mtrl_cuda_ctx *c, const A2 &a, int Hk, float *o, float *lse) {
     CUDA_LAUNCH_CHECK();
     return 0;
 }
-int fwd_variant_() {
-    const char *e = getenv("MTRL_ATTN2_FWD");
-    return e ? atoi(e) : 4;
-}
+int fwd_variant_(const mtrl_cuda_ctx *c) { return c->opts.attn_fwd_config ? c->opts.attn_fwd_config : 4; }
 
 }  // namespace
 
-// The same on the current device; see kernels_cuda.h. (The launchers below take the capability
-// from their context instead of asking the runtime at every call.)
-extern "C" int mtrl_attn_causal_version(int H, int Hk, int Dk, int Dv, int alias, int bwd) {
-    int dev = 0, major = 0, minor = 0;
-    if (cudaGetDevice(&dev) == cudaSuccess) {
-        cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev);
-        cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, dev);
-    }
-    return attn_version_(H, Hk, Dk, Dv, alias, bwd, major * 10 + minor);
+// The same, public; see kernels_cuda.h.
+extern "C" int mtrl_attn_causal_version(const mtrl_cuda_ctx *c, int H, int Hk, int Dk, int Dv, int alias,
+                                        int bwd) {
+    return attn_version_(c, H, Hk, Dk, Dv, alias, bwd);
 }
 
 // The v2 launchers behind mtrl_attn_causal_fwd/bwd (mla_cuda.cu has checked the arguments:
@@ -821,7 +807,7 @@ extern "C" int mtrl_attn2_causal_fwd(mtrl_cuda_ctx *c, int Tq, int Tk, int H, in
                                      int Dv, float scale, const mtrl_bf16 *q, const mtrl_bf16 *k,
                                      int ldk, const mtrl_bf16 *v, int ldv, float *o, float *lse) {
     const int alias = Hk == 1 && v == k && ldv == ldk && Dv <= Dk;
-    const int ver = attn_version_(H, Hk, Dk, Dv, alias, 0, c->cc);
+    const int ver = attn_version_(c, H, Hk, Dk, Dv, alias, 0);
     if (ver < 2) return 1;
     if ((uintptr_t)o & 7) return 1;  // float2 stores
     if (Tq == 0) return 0;
@@ -830,7 +816,7 @@ extern "C" int mtrl_attn2_causal_fwd(mtrl_cuda_ctx *c, int Tq, int Tk, int H, in
         const int r = attn3_fwd_launch(c, a, Hk, o, lse);
         if (r <= 0) return r;  // else: declined, v2 below
     }
-    const int var = fwd_variant_();
+    const int var = fwd_variant_(c);
     if (!alias && Dk == 192) {  // Dv = 128
         if (var == 1) return launch_fwd_<192, 128, 1, 64, true, false, 1, 2>(c, a, Hk, o, lse);
         if (var == 3) return launch_fwd_<192, 128, 1, 64, false, false, 2, 1>(c, a, Hk, o, lse);
@@ -854,7 +840,7 @@ extern "C" int mtrl_attn2_causal_bwd(mtrl_cuda_ctx *c, int Tq, int Tk, int H, in
                                      const float *lse, const mtrl_bf16 *dout, float *dq,
                                      float *dk, float *dv) {
     const int alias = Hk == 1 && v == k && ldv == ldk && Dv <= Dk;
-    const int ver = attn_version_(H, Hk, Dk, Dv, alias, 1, c->cc);
+    const int ver = attn_version_(c, H, Hk, Dk, Dv, alias, 1);
     if (ver < 2) return 1;
     if (((uintptr_t)o & 15) || (((uintptr_t)dq | (uintptr_t)dk | (uintptr_t)dv) & 7))
         return 1;  // float4 loads of o, float2 accesses of dq, dk, dv
@@ -882,8 +868,7 @@ extern "C" int mtrl_attn2_causal_bwd(mtrl_cuda_ctx *c, int Tq, int Tk, int H, in
         return launch_dq_<128, 128, 32, 2, false>(c, a, Hk, dout, lse, D, dq);
     }
     if (Dk == 192) {  // Dv = 128: 32-row query tiles in dkv, one row tile per warp in dq
-        const char *ek = getenv("MTRL_ATTN2_DKV");  // lab knob: 64 = 64-row tiles, 1 block/SM
-        if (ek && atoi(ek) == 64) {
+        if (c->opts.attn_dkv_rows == 64) {  // a lab variant: 64-row tiles, 1 block/SM
             if (launch_dkv_<192, 128, 64>(c, a, Hk, dout, lse, D, dk, dv)) return -1;
         } else if (launch_dkv_<192, 128, 32>(c, a, Hk, dout, lse, D, dk, dv)) {
             return -1;
@@ -891,10 +876,9 @@ extern "C" int mtrl_attn2_causal_bwd(mtrl_cuda_ctx *c, int Tq, int Tk, int H, in
         return launch_dq_<192, 128, 32, 1, false>(c, a, Hk, dout, lse, D, dq);
     }
     if (launch_dkv_<128, 128, 64>(c, a, Hk, dout, lse, D, dk, dv)) return -1;
-    // MTRL_ATTN2_DQ=0 (a lab knob, read at each call) selects the first dq configuration (one
-    // row tile per warp, Q and dO in registers, 64-key tiles); the default is 1 (two row tiles
-    // per warp, 32-key tiles: 6% faster at 32K, docs/kernel-lab.md).
-    const char *e = getenv("MTRL_ATTN2_DQ");
-    if (e && atoi(e) == 0) return launch_dq_<128, 128, 64, 1, true>(c, a, Hk, dout, lse, D, dq);
+    // The option attn_dq_first (a lab variant) selects the first dq configuration (one row tile
+    // per warp, Q and dO in registers, 64-key tiles); the default is the second (two row tiles
+    // per warp, 32-key tiles: faster, docs/kernel-lab.md).
+    if (c->opts.attn_dq_first) return launch_dq_<128, 128, 64, 1, true>(c, a, Hk, dout, lse, D, dq);
     return launch_dq_<128, 128, 32, 2, false>(c, a, Hk, dout, lse, D, dq);
 }

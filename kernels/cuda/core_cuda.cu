@@ -35,6 +35,8 @@ extern "C" mtrl_cuda_ctx *mtrl_cuda_ctx_create(int device, mtrl_stream stream) {
 
 extern "C" void mtrl_cuda_ctx_set_tf32(mtrl_cuda_ctx *c, int on) { c->tf32 = on != 0; }
 
+extern "C" mtrl_kernel_opts *mtrl_cuda_ctx_opts(mtrl_cuda_ctx *c) { return &c->opts; }
+
 extern "C" void mtrl_cuda_ctx_destroy(mtrl_cuda_ctx *c) {
     if (!c) return;
     CUDA_CHECK(cudaStreamSynchronize(c->stream));
@@ -157,8 +159,7 @@ extern "C" int mtrl_gemm(mtrl_cuda_ctx *c, int ta, int tb, int M, int N, int K, 
 // ---- GEMM lanes (cuda_common.cuh) -------------------------------------------------------------
 
 int mtrl_ctx_lanes(const mtrl_cuda_ctx *c) {
-    (void)c;
-    return env_count("MTRL_MOE_LANES", MTRL_CTX_LANES, 1, MTRL_CTX_LANES);
+    return opt_count(c->opts.moe_lanes, MTRL_CTX_LANES, 1, MTRL_CTX_LANES);
 }
 
 // Lanes lo .. hi-1 wait for the work queued on the context's stream so far.

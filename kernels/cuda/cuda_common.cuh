@@ -61,12 +61,12 @@ struct mtrl_cuda_ctx {
     int tf32;            // fp32 GEMM operands multiply as TF32 (mtrl_cuda_ctx_set_tf32)
     size_t smem_optin;   // largest dynamic shared memory a block may opt in to
     int cc;              // compute capability, major * 10 + minor (90: H100 / H200)
+    mtrl_kernel_opts opts; // which kernels the launchers choose (mtrl_cuda_ctx_opts)
     // GEMM lanes 1 .. MTRL_CTX_LANES-1 (lane 0 is `stream`): non-blocking streams, created at the
     // first mtrl_ctx_lanes_fork, that share `blas`: a GEMM on lane i sets the handle's stream to
     // lane i's and its workspace to ws[i] (MTRL_CTX_LANE_WS bytes; concurrent GEMMs must not share
     // one), then gives the handle back to `stream`. One handle, because each cuBLAS handle holds
-    // ~64 MiB of its own on an H200 (7 more came to 0.67 GiB outside the planner's blocks,
-    // 2026-12-01). ev[i]: lane i's fork / join event.
+    // a large workspace of its own outside the planner's blocks (docs/perf.md, "Measurements moved out of code comments"). ev[i]: lane i's fork / join event.
     cudaStream_t lane_stream[MTRL_CTX_LANES];
     void *lane_ws[MTRL_CTX_LANES];
     cudaEvent_t lane_ev[MTRL_CTX_LANES];
@@ -75,7 +75,7 @@ struct mtrl_cuda_ctx {
 
 // Independent GEMMs on several streams at once, for products too small to fill the GPU one at a
 // time (the MoE experts: one cuBLAS call per expert). mtrl_ctx_lanes(ctx) is how many lanes to
-// use (MTRL_MOE_LANES in the environment, read at each call: 1 .. MTRL_CTX_LANES, default
+// use (the option moe_lanes, kernel_opts.h: 1 .. MTRL_CTX_LANES, default
 // MTRL_CTX_LANES); fork makes lanes 1 .. n-1 wait for the work queued on ctx->stream so far;
 // mtrl_gemm_lane(ctx, i, ...) is mtrl_gemm on lane i (callers pass i < n, e.g. e % n); join makes
 // ctx->stream wait for the lanes' work. Between fork and join each lane runs its own chain
@@ -108,17 +108,10 @@ struct ws_carver {
 
 static inline unsigned cdiv(size_t a, size_t b) { return (unsigned)((a + b - 1) / b); }
 
-// 1 when the environment variable `name` is exactly `value`: the launchers' opt-in switches,
-// read at each call (so that a test or a benchmark can flip them between calls).
-static inline int env_is(const char *name, const char *value) {
-    const char *e = getenv(name);
-    return e && !strcmp(e, value);
-}
-// A count knob read at each call: the environment variable `name` as an integer when it is set
-// and not empty, else `dflt`; either clamped to [lo, hi] (lo when hi < lo).
-static inline int env_count(const char *name, int dflt, int lo, int hi) {
-    const char *e = getenv(name);
-    int n = e && *e ? atoi(e) : dflt;
+// A count option (kernel_opts.h): `forced` when it is not 0, else `dflt`; either clamped to
+// [lo, hi] (lo when hi < lo).
+static inline int opt_count(int forced, int dflt, int lo, int hi) {
+    int n = forced ? forced : dflt;
     n = n > hi ? hi : n;
     return n < lo ? lo : n;
 }

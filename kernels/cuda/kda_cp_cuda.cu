@@ -41,7 +41,6 @@
 
 int kda3_supports(int H, int K, int V, const float *q, const float *k, const float *v,
                   const float *g);  // kda_tc_cuda.cu
-int kda3_split_on();                 // kda_tc_cuda.cu: bf16x3 (the default) or plain bf16
 
 namespace {
 
@@ -211,7 +210,7 @@ extern "C" int mtrl_kda_chunk_fwd_cp(mtrl_cuda_ctx *c, int pieces, int T, int H,
     const int np = T > 0 && H > 0 && kda3_supports(H, K, V, q, k, v, g) ? mtrl_kda_cp_pieces(c, T, H, K, V, pieces)
                                                                         : 1;
     if (np <= 1) return mtrl_kda_chunk_fwd(c, T, H, K, V, q, k, v, g, beta, S0, o, S_final, S_tiles);
-    const int split = kda3_split_on(), nt = (T + C3 - 1) / C3;
+    const int split = !c->opts.kda_plain_bf16, nt = (T + C3 - 1) / C3;
     const size_t HKV = (size_t)H * K3 * V3;
     auto carve = [&](ws_carver &cv, unsigned char **rec, float **Bb, float **Mb) {
         *rec = cv.take<unsigned char>((size_t)H * nt * kda3_rec_bytes(split));

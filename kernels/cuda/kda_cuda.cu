@@ -27,17 +27,17 @@
 // with split-bf16 operands (bf16x3, ~16 significant bits). On an H200 it passed every gpu test
 // (test_cuda_kda's v3 cases at 1e-4 of fp64, measured 7.3e-6; test_cuda_model, 280 checks, with
 // it) and took 0.56x v2's time at T = 8K..256K, H = 16 (docs/perf.md); from 256 tiles on at
-// H <= 16 its prep runs in pieces beside the state pass (kda3_fwd_pieces_). MTRL_KDA_FWD=2 in the
-// environment (read at each call) forces v2, the kernels above (fp32 SIMT; every other shape
-// runs it). MTRL_KDA3_SPLIT=0 runs v3 with plain bf16 operands (0.39x v2's time): it passes its
+// H <= 16 its prep runs in pieces beside the state pass (kda3_fwd_pieces_). the option kda_fwd = simt
+// (kernel_opts.h) forces v2, the kernels above (fp32 SIMT; every other shape
+// runs it). kda_records = bf16 runs v3 with plain bf16 operands (0.39x v2's time): it passes its
 // kernel tests at 1e-2 but not the model's (segmented vs whole gradients 0.56 relative at 64K,
 // decode vs prefill 0.17 of max |logit|: MoE routing flips and the decay gradient, a small sum of
 // large terms, amplify its 4e-3; tests/test_kda_v3_emu.c reproduces this on the CPU).
 // Backward v3 (kda_tc_bwd_cuda.cu; the default for K = V = 128, 16-byte aligned q, k, v, g, dout;
-// MTRL_KDA_BWD=2 in the environment, read at each call, runs v2's instead): pass 1 writes v3's bf16x3 records instead of v2's
+// kda_bwd = simt (the option, kernel_opts.h) runs v2's instead): pass 1 writes v3's bf16x3 records instead of v2's
 // prep buffers and pass 2 runs on tensor cores with split-bf16 operands over them (recomputed
 // states, when S_tiles is NULL, come from v3's bf16x3 forward state pass); pass 3 is unchanged.
-// Pass 3 on tensor cores (the default, any shape, with either pass 2; MTRL_KDA_BWD_TILE=2, read at
+// Pass 3 on tensor cores (the default, any shape, with either pass 2; kda_bwd_tile = simt, read at
 // each call, runs the SIMT <false>; =3 names the default): pass 3's products
 // with S, dS', Δ, dΔ, dO, W, K⁺, V and T (W, U, Δ, dP, dQ⁺, dK^e, dW, Y_W, Y_U, dT) on tensor cores,
 // kda_tile_bwd_k<true> through smm16_tc: mma.sync m16n8k16 with bf16x3 operands split as they are
@@ -48,10 +48,10 @@
 // emulates its operand rounding: gradients within 2e-5 of fp64 (1.3e-4 in dg at the bound with the
 // intra-tile products on tensor cores too, hence SIMT there); test_cuda_kda checks it at v2's
 // tolerances. tools/kda_v3/lanes_bwd.py checks smm16_tc's fragment indexing (1e-7). On an H200
-// (7b96fd7): test_cuda_kda 2,151 passed, test_cuda_model 280 passed with MTRL_KDA_BWD=3 and with
+// (7b96fd7): test_cuda_kda 2,151 passed, test_cuda_model 280 passed with kda_bwd = auto and with
 // both switches; the backward takes 0.96x (pass 2 alone) and 0.88x (both) the SIMT backward's
 // time at 8K-256K. test_cuda_long passed with both (88f894a, 18 checks), and both became the
-// default (MTRL_KDA_BWD=3 and MTRL_KDA_BWD_TILE=3 name it; =2 selects v2's kernels).
+// default (kda_bwd = auto and kda_bwd_tile = auto name it; =2 selects v2's kernels).
 //
 // Decode step (mtrl_kda_step), two kernels behind one launcher:
 //   v2 kda_step2_k (default), grid (V/64, H, B), 256 threads: a block owns 64 columns of one
@@ -62,8 +62,8 @@
 //      4 KB of shared memory (fixed order). Supports K in {64, 128, 256}, V % 64 == 0 and
 //      16-byte aligned pointers; anything else runs v1.
 //   v1 kda_step_k: the first version (one block per 32 columns, 4-byte accesses), kept as the
-//      fallback and selected for every shape by the environment variable MTRL_DECODE_V1=1
-//      (read at each call).
+//      fallback and selected for every shape by the option decode = simt
+//      (kernel_opts.h).
 #include <math.h>
 #include <stdlib.h>
 
@@ -625,9 +625,9 @@ static size_t tile_bwd_floats(int K, int V) {
 }
 
 // TC: the products of 16 rows on tensor cores with bf16x3 operands (smm16_tc; the default,
-// MTRL_KDA_BWD_TILE=2 runs <false>), except the two 16 x 16 x 16 with T and the four intra-tile ones (dA, dQ̂, dK̂⁻), which stay
+// kda_bwd_tile = simt runs <false>), except the two 16 x 16 x 16 with T and the four intra-tile ones (dA, dQ̂, dK̂⁻), which stay
 // SIMT fp32 (smm) as without TC.
-// NTH threads (the default 512 with TC; 256 before 2026-12-01, MTRL_KDA_TILE_THREADS=256): the
+// NTH threads (the default 512 with TC; 256 before 2026-12-01, kda_tile_threads = 256): the
 // block takes the SM's shared memory alone (194 KB), so its warps are all the SM has to hide
 // latency with (Nsight Compute at 256: 2 warps per scheduler, 0.27 eligible, 38% of the stalls on
 // global loads). The column chunks of S and dS' are fetched into registers one chunk ahead (PF
@@ -1166,19 +1166,19 @@ void kda3_state_bwd_launch(mtrl_cuda_ctx *c, int T, int H, int n_lo, int n_hi, c
 // P2 / pieces + P3 x SMs / (SMs - 2H) instead of P2 + P3, and P3 / P2 grows with H (on an H200
 // at 64K: P2 8.9 ms whatever H, P3 28.5 ms at H = 16): it pays while pass 2 holds at most an
 // eighth of the SMs (H <= 8 on 132 SMs: `small`'s 8 heads), not at H = 16. Pieces of at least 256
-// tiles, at most 8. MTRL_KDA_BWD_PIECES=N in the environment (read at each call) forces N (1: no
-// overlap), for the benchmarks and tests.
+// tiles, at most 8. The option kda_bwd_pieces = N forces N (1: no overlap), for the benchmarks
+// and tests.
 static int kda_bwd_pieces_(const mtrl_cuda_ctx *c, int H, int nt) {
-    return env_count("MTRL_KDA_BWD_PIECES", 2 * H <= c->sms / 8 ? nt / 256 : 1, 1, nt < 8 ? nt : 8);
+    return opt_count(c->opts.kda_bwd_pieces, 2 * H <= c->sms / 8 ? nt / 256 : 1, 1, nt < 8 ? nt : 8);
 }
 
-extern "C" int mtrl_kda_chunk_bwd_version(int H, int K, int V) {
-    if (env_is("MTRL_KDA_BWD", "2")) return 2;
+extern "C" int mtrl_kda_chunk_bwd_version(const mtrl_cuda_ctx *c, int H, int K, int V) {
+    if (c->opts.kda_bwd == MTRL_KOPT_SIMT) return 2;
     return H > 0 && H <= 65535 && K == 128 && V == 128 ? 3 : 2;
 }
 
-extern "C" int mtrl_kda_chunk_fwd_version(int H, int K, int V) {
-    if (env_is("MTRL_KDA_FWD", "2")) return 2;
+extern "C" int mtrl_kda_chunk_fwd_version(const mtrl_cuda_ctx *c, int H, int K, int V) {
+    if (c->opts.kda_fwd == MTRL_KOPT_SIMT) return 2;
     return H > 0 && H <= 65535 && K == 128 && V == 128 ? 3 : 2;
 }
 
@@ -1196,7 +1196,7 @@ extern "C" int mtrl_kda_chunk_fwd(mtrl_cuda_ctx *c, int T, int H, int K, int V, 
         }
         return 0;
     }
-    if (mtrl_kda_chunk_fwd_version(H, K, V) == 3 && kda3_supports(H, K, V, q, k, v, g))
+    if (mtrl_kda_chunk_fwd_version(c, H, K, V) == 3 && kda3_supports(H, K, V, q, k, v, g))
         return kda3_chunk_fwd(c, T, H, q, k, v, g, beta, S0, o, S_final, S_tiles);
     int nt = (T + KT - 1) / KT;
     ws_carver cv{nullptr, 0};
@@ -1229,7 +1229,7 @@ extern "C" int mtrl_kda_chunk_bwd(mtrl_cuda_ctx *c, int T, int H, int K, int V, 
     size_t Tp = (size_t)nt * KT;
     // v3: the state-gradient pass on tensor cores from v3's bf16x3 records (which replace v2's
     // prep buffers; recomputed states come from v3's bf16x3 forward state pass).
-    const bool v3 = mtrl_kda_chunk_bwd_version(H, K, V) == 3 && kda3_supports(H, K, V, q, k, v, g) &&
+    const bool v3 = mtrl_kda_chunk_bwd_version(c, H, K, V) == 3 && kda3_supports(H, K, V, q, k, v, g) &&
                     ((uintptr_t)dout & 15u) == 0;
     KdaWs w;
     unsigned char *rec = nullptr;
@@ -1270,8 +1270,8 @@ extern "C" int mtrl_kda_chunk_bwd(mtrl_cuda_ctx *c, int T, int H, int K, int V, 
         kda_tile_bwd_k<TC, NTH, KV><<<grid, NTH, sh, st>>>(T, H, K, V, nt, n0, q, k, v, g, beta, S_tiles, dout, \
                                                            dD, dSt, dq, dk, dv, dg, dbeta);                   \
     } while (0)
-        if (env_is("MTRL_KDA_BWD_TILE", "2")) KDA_TILE_BWD_(false, 256, 0);          // v2's SIMT pass 3
-        else if (env_is("MTRL_KDA_TILE_THREADS", "256")) KDA_TILE_BWD_(true, 256, 0); // tensor cores, 8 warps
+        if (c->opts.kda_bwd_tile == MTRL_KOPT_SIMT) KDA_TILE_BWD_(false, 256, 0);    // v2's SIMT pass 3
+        else if (c->opts.kda_tile_threads == 256) KDA_TILE_BWD_(true, 256, 0);      // tensor cores, 8 warps
         else if (K == 128 && V == 128) KDA_TILE_BWD_(true, 512, 128);                // the default
         else KDA_TILE_BWD_(true, 512, 0);
 #undef KDA_TILE_BWD_
@@ -1394,14 +1394,10 @@ __global__ void __launch_bounds__(256) kda_step2_k(int H, int K, int V,
     }
 }
 
-static int decode_v1_forced_() {
-    const char *e = getenv("MTRL_DECODE_V1");
-    return e && e[0] == '1';
-}
 static int aligned16_(const void *p) { return ((uintptr_t)p & 15u) == 0; }
 
-extern "C" int mtrl_kda_step_version(int H, int K, int V) {
-    if (decode_v1_forced_()) return 1;
+extern "C" int mtrl_kda_step_version(const mtrl_cuda_ctx *c, int H, int K, int V) {
+    if (c->opts.decode == MTRL_KOPT_SIMT) return 1;
     return H > 0 && (K == 64 || K == 128 || K == 256) && V > 0 && V % 64 == 0 ? 2 : 1;
 }
 
@@ -1418,10 +1414,10 @@ static void kda_step2_launch_(mtrl_cuda_ctx *c, int B, int H, int K, int V, cons
     CUDA_LAUNCH_CHECK();
 }
 
-extern "C" int mtrl_kda_step_rows_ok(int B, int H, int K, int V, const float *q, const float *k,
-                                     const float *v, const float *g, const float *const *S_h,
+extern "C" int mtrl_kda_step_rows_ok(const mtrl_cuda_ctx *c, int B, int H, int K, int V, const float *q,
+                                     const float *k, const float *v, const float *g, const float *const *S_h,
                                      const float *o) {
-    if (B <= 0 || mtrl_kda_step_version(H, K, V) != 2 || H > 65535 || B > 65535) return 0;
+    if (B <= 0 || mtrl_kda_step_version(c, H, K, V) != 2 || H > 65535 || B > 65535) return 0;
     if (!aligned16_(q) || !aligned16_(k) || !aligned16_(v) || !aligned16_(g) || !aligned16_(o)) return 0;
     for (int b = 0; b < B; b++)
         if (!aligned16_(S_h[b])) return 0;
@@ -1431,7 +1427,7 @@ extern "C" int mtrl_kda_step_rows_ok(int B, int H, int K, int V, const float *q,
 extern "C" int mtrl_kda_step_rows(mtrl_cuda_ctx *c, int B, int H, int K, int V, const float *q,
                                   const float *k, const float *v, const float *g,
                                   const float *beta, float *const *S_rows, float *o) {
-    MTRL_CUDA_REQUIRE(B >= 0 && H > 0 && mtrl_kda_step_version(H, K, V) == 2 && H <= 65535 && B <= 65535,
+    MTRL_CUDA_REQUIRE(B >= 0 && H > 0 && mtrl_kda_step_version(c, H, K, V) == 2 && H <= 65535 && B <= 65535,
                       "B=%d H=%d K=%d V=%d (the v2 shapes: K in {64, 128, 256}, V %% 64 == 0)", B, H, K, V);
     if (B == 0) return 0;
     kda_step2_launch_(c, B, H, K, V, q, k, v, g, beta, NULL, S_rows, o);
@@ -1444,7 +1440,7 @@ extern "C" int mtrl_kda_step(mtrl_cuda_ctx *c, int B, int H, int K, int V, const
     MTRL_CUDA_REQUIRE(B >= 0 && H > 0 && K % 8 == 0 && K >= 8 && K <= 256 && V > 0,
                       "B=%d H=%d K=%d V=%d (K a multiple of 8, at most 256)", B, H, K, V);
     if (B == 0) return 0;
-    const int v2 = mtrl_kda_step_version(H, K, V) == 2 && aligned16_(q) && aligned16_(k) &&
+    const int v2 = mtrl_kda_step_version(c, H, K, V) == 2 && aligned16_(q) && aligned16_(k) &&
                    aligned16_(v) && aligned16_(g) && aligned16_(S) && aligned16_(o) &&
                    H <= 65535 && B <= 65535;
     if (v2) {

@@ -47,7 +47,7 @@ static_assert(Rec<true>::P % 16 == 0 && Rec<true>::EG % 16 == 0 && Rec<false>::P
 
 __device__ __forceinline__ float e2x(float x) { return ex2(x * kLog2e3); }  // e^x, ~2 ulp + arg rounding
 
-// bf16x3 (the default; MTRL_KDA3_SPLIT=0 turns it off): x = hi + lo with hi = bf16(x) and lo = bf16(x − hi) (x − hi is exact
+// bf16x3 (the default; the option kda_plain_bf16 turns it off): x = hi + lo with hi = bf16(x) and lo = bf16(x − hi) (x − hi is exact
 // in fp32), ~16 significant bits. pack_split packs a pair (the lower column in the low half) as a
 // hi and a lo word; where only hi is used (X = false) the lo arithmetic is dead code, so the bf16
 // path compiles to what it was.
@@ -270,11 +270,9 @@ _Pragma("unroll")                                                               
         }                                                                                             \
         do {} while (0)
 
-// MTRL_KDA3_WPB=1|2|4|8 in the environment (read at each call): warps per block of the state
-// passes; default 4.
-inline int env_wpb_() {
-    const char *e = getenv("MTRL_KDA3_WPB");
-    int x = e ? atoi(e) : 0;
+// The option kda_warps = 1|2|4|8: warps per block of the state passes; default (0) 4.
+inline int opt_wpb_(const mtrl_cuda_ctx *c) {
+    const int x = c->opts.kda_warps;
     return x == 1 || x == 2 || x == 4 || x == 8 ? x : 4;
 }
 

@@ -2,8 +2,7 @@
 // mtrl_kda_chunk_bwd, kda_cuda.cu's kda_state_bwd_k) on tensor cores: mma.sync m16n8k16 with
 // split-bf16 operands (bf16x3: a = a_hi + a_lo, 3 mma per product, ~16 significant bits), fp32
 // accumulation; dS, dΔ and every accumulator fp32. mtrl_kda_chunk_bwd (kda_cuda.cu) takes this
-// path for K = V = 128 (the default since 2026-11-30; MTRL_KDA_BWD=2 in the environment, read at
-// each call, runs v2's SIMT pass instead);
+// path for K = V = 128 (the default since 2026-11-30; kda_bwd = simt (the option, kernel_opts.h) runs v2's SIMT pass instead);
 // passes 1 and 2 change as follows (pass 3, kda_tile_bwd_k, and its pieces beside pass 2: kda_cuda.cu):
 //
 //   1. Operands: v3's per-tile record (kda_tc_cuda.cu's kda3_prep_k<bf16x3>, 34,304 B per head
@@ -14,7 +13,7 @@
 //      tile is exactly the scratch v2's prep buffers take (W, Q⁺, K^e, U, P, e^γ in fp32); pass 3
 //      recomputes its own operands either way. When the caller passes no S_tiles, they are recomputed by the
 //      v3 forward state pass (bf16x3) from the same record, not by v2.
-//   2. kda3_state_bwd_k<WPB, X>, grid (V / (16 WPB), H), WPB warps (default 4; MTRL_KDA3_WPB=1|2|4|8
+//   2. kda3_state_bwd_k<WPB, X>, grid (V / (16 WPB), H), WPB warps (default 4; kda_warps = 1|2|4|8
 //      picks another, as for the forward), last tile to first. Warp w owns 16 value columns
 //      j0..j0+15 of one head and holds dSᵀ (16 x K, fp32: dS of the tile's OUTGOING state,
 //      transposed, as the forward holds Sᵀ) as mma accumulators: st[nd][c] = dS(d, j) with
@@ -58,7 +57,7 @@
 // guessed at ~1/4 of the v2 backward's time. Measured on an H200 (7b96fd7, 2026-11-30, T = 8K /
 // 64K / 256K, H = 16): the whole backward 7.81 / 61.85 / 246.7 ms with it against 8.12 / 64.15 /
 // 255.8 ms (0.96x), so pass 2 was a small part: pass 3 (per tile, in parallel) dominates. With
-// MTRL_KDA_BWD_TILE=3 too: 7.15 / 56.83 / 225.5 ms (0.88x). test_cuda_kda passed with both
+// kda_bwd_tile = auto too: 7.15 / 56.83 / 225.5 ms (0.88x). test_cuda_kda passed with both
 // (2,151 checks; worst v3 backward error 3.5e-5 of fp64), and test_cuda_model (280) with each;
 // test_cuda_long (18) with both on 88f894a, after which both became the default.
 #include <math.h>
@@ -230,7 +229,7 @@ void launch_state_bwd3_(mtrl_cuda_ctx *c, int T, int H, int nt, int n_lo, int n_
 void kda3_state_bwd_launch(mtrl_cuda_ctx *c, int T, int H, int n_lo, int n_hi, const unsigned char *rec,
                            const float *dout, const float *dS_final, float *dD, float *dSt, float *dS0) {
     const int nt = (T + C3 - 1) / C3;
-    switch (env_wpb_()) {
+    switch (opt_wpb_(c)) {
     case 1: launch_state_bwd3_<1, true>(c, T, H, nt, n_lo, n_hi, rec, dout, dS_final, dD, dSt, dS0); break;
     case 2: launch_state_bwd3_<2, true>(c, T, H, nt, n_lo, n_hi, rec, dout, dS_final, dD, dSt, dS0); break;
     case 8: launch_state_bwd3_<8, true>(c, T, H, nt, n_lo, n_hi, rec, dout, dS_final, dD, dSt, dS0); break;

@@ -1,7 +1,7 @@
 // kda_tc_cuda.cu: KDA chunked forward v3, the tile products on tensor cores (mma.sync m16n8k16,
 // bf16 operands, split in two by default (bf16x3, below), fp32 accumulation; the state, G, T and
 // every accumulator stay fp32). mtrl_kda_chunk_fwd (kda_cuda.cu) dispatches here for K = V = 128
-// (the default since 2026-11-30; MTRL_KDA_FWD=2 in the environment forces v2).
+// (the default since 2026-11-30; kda_fwd = simt (kernel_opts.h) forces v2).
 //
 // The algebra is v2's and the reference's, tile for tile (model.md §2.3: 16-token tiles, the
 // midpoint reference row m = min(8, c-1) for the diagonal products, padded rows k = q = v = 0,
@@ -36,7 +36,7 @@
 // about 2e-3 (o, S_final, S_tiles; tests/test_cuda_kda.cu checks 1e-2, the project's bf16
 // tolerance). tf32 (m16n8k8) would halve the error's exponent but has half the mma rate and no
 // ldmatrix / accumulator-to-operand reuse, and fla, the anchor, is bf16.
-// bf16x3 (the default; MTRL_KDA3_SPLIT=0 in the environment, read at each call, turns it off): every
+// bf16x3 (the default; kda_records = bf16 (the option, kernel_opts.h) turns it off): every
 // product — X, P, W, U in the prep, Δ, O and S' in the state pass — takes split-bf16 operands,
 // a = a_hi + a_lo with a_hi = bf16(a), a_lo = bf16(a − a_hi) (~16 significant bits), as
 // a_lo b_hi + a_hi b_lo + a_hi b_hi into the same fp32 accumulator (a_lo b_lo dropped), and the
@@ -64,11 +64,11 @@
 // instructions, a few address computations reordered), so its results are unchanged.
 // The record layout, the split helpers and the launchers kda3_prep_launch / kda3_state_fwd_launch
 // are shared through kda_tc.cuh with the backward's state-gradient pass (kda_tc_bwd_cuda.cu,
-// MTRL_KDA_BWD=3), which reads the bf16x3 record.
+// kda_bwd = auto), which reads the bf16x3 record.
 // The result does not depend on WPB (each warp's arithmetic is the same), so the variants are
-// bit-identical (in either precision); MTRL_KDA3_WPB=1|2|4|8 in the environment picks one (read at
+// bit-identical (in either precision); kda_warps = 1|2|4|8 (kernel_opts.h) picks one (read at
 // each call, for measuring), default 4.
-// MTRL_KDA3_CLUSTER=1 in the environment (read at each call; opt-in) runs the state pass as
+// kda_cluster = 8 (the option, kernel_opts.h; opt-in) runs the state pass as
 // kda3_state_cl_k instead: the 8 warps of a head in a thread-block cluster of 8 blocks of 1 warp,
 // the K side of each tile record multicast once per cluster into every block's ring (see its
 // comment); bit-identical to the default in either precision (tests/test_cuda_kda.cu checks it).
@@ -354,7 +354,7 @@ void launch_state3_wo_(mtrl_cuda_ctx *c, int T, int H, int nt, int n_lo, int n_h
     else launch_state3_<WPB, false, X>(c, T, H, nt, n_lo, n_hi, rec, S0, o, S_final, S_tiles);
 }
 
-// ---- pass 2, cluster form (opt-in: MTRL_KDA3_CLUSTER=1) -------------------------------------------
+// ---- pass 2, cluster form (opt-in: kda_cluster = 8) -------------------------------------------
 //
 // kda3_state_cl_k<CL, WO, X>: the state pass with the CL blocks of one head in a thread-block
 // cluster (sm_90, __cluster_dims__(CL, 1, 1), grid (CL, H)), WPB = 8 / CL warps per block, so the
@@ -585,14 +585,12 @@ int cl_max_active_() {
     return n;
 }
 int kda3_last_cluster_ = 0;  // the cluster size of the last state pass launched (0: kda3_state_k)
-// MTRL_KDA3_CLUSTER in the environment (read at each call): 1 or 8: the cluster state pass with 8
-// blocks of 1 warp per head; 4 / 2: clusters of 4 blocks of 2 warps / 2 blocks of 4 warps (for
-// measuring); anything else: 0, kda3_state_k (the default).
-inline int env_cluster_() {
-    if (env_is("MTRL_KDA3_CLUSTER", "1") || env_is("MTRL_KDA3_CLUSTER", "8")) return 8;
-    if (env_is("MTRL_KDA3_CLUSTER", "4")) return 4;
-    if (env_is("MTRL_KDA3_CLUSTER", "2")) return 2;
-    return 0;
+// The option kda_cluster: 8 (or 1): the cluster state pass with 8 blocks of 1 warp per head;
+// 4 / 2: clusters of 4 blocks of 2 warps / 2 blocks of 4 warps (for measuring); anything else:
+// 0, kda3_state_k (the default).
+inline int opt_cluster_(const mtrl_cuda_ctx *c) {
+    const int n = c->opts.kda_cluster;
+    return n == 1 || n == 8 ? 8 : n == 4 || n == 2 ? n : 0;
 }
 
 // The prep (one record per head and tile into rec) over tiles n_lo .. n_hi - 1 on `stream`, and
@@ -613,14 +611,14 @@ template <bool X>
 void kda3_state_(mtrl_cuda_ctx *c, int T, int H, int n_lo, int n_hi, const unsigned char *rec, const float *S0,
                  float *o, float *S_final, float *S_tiles) {
     const int nt = (T + C3 - 1) / C3;
-    kda3_last_cluster_ = n_lo == 0 && n_hi == nt ? env_cluster_() : 0;
-    switch (kda3_last_cluster_) {  // opt-in: MTRL_KDA3_CLUSTER (then MTRL_KDA3_WPB is not read)
+    kda3_last_cluster_ = n_lo == 0 && n_hi == nt ? opt_cluster_(c) : 0;
+    switch (kda3_last_cluster_) {  // opt-in: kda_cluster (then kda_warps is not read)
     case 8: launch_state3_cl_wo_<8, X>(c, T, H, nt, rec, S0, o, S_final, S_tiles); return;
     case 4: launch_state3_cl_wo_<4, X>(c, T, H, nt, rec, S0, o, S_final, S_tiles); return;
     case 2: launch_state3_cl_wo_<2, X>(c, T, H, nt, rec, S0, o, S_final, S_tiles); return;
     default: break;
     }
-    switch (env_wpb_()) {
+    switch (opt_wpb_(c)) {
     case 1: launch_state3_wo_<1, X>(c, T, H, nt, n_lo, n_hi, rec, S0, o, S_final, S_tiles); break;
     case 2: launch_state3_wo_<2, X>(c, T, H, nt, n_lo, n_hi, rec, S0, o, S_final, S_tiles); break;
     case 8: launch_state3_wo_<8, X>(c, T, H, nt, n_lo, n_hi, rec, S0, o, S_final, S_tiles); break;
@@ -632,7 +630,7 @@ int kda3_aligned16_(const void *p) { return ((uintptr_t)p & 15u) == 0; }
 
 }  // namespace
 
-// Whether v3 takes this call (kda_cuda.cu decides the environment override).
+// Whether v3 takes this call (kda_cuda.cu applies the kda_fwd option).
 int kda3_supports(int H, int K, int V, const float *q, const float *k, const float *v,
                   const float *g) {
     return K == K3 && V == V3 && H > 0 && H <= 65535 && kda3_aligned16_(q) && kda3_aligned16_(k) &&
@@ -640,7 +638,7 @@ int kda3_supports(int H, int K, int V, const float *q, const float *k, const flo
 }
 
 // The cluster size of the last forward state pass launched (0: kda3_state_k), for the tests to see
-// that MTRL_KDA3_CLUSTER took effect (the results are bit-identical by design).
+// that kda_cluster took effect (the results are bit-identical by design).
 int kda3_last_state_cluster() { return kda3_last_cluster_; }
 // The cluster state pass's resident clusters (cl = 8, 4, 2; split: bf16x3), for bench ops.
 int kda3_cluster_max_active(int cl, int split) {
@@ -652,8 +650,6 @@ int kda3_cluster_max_active(int cl, int split) {
 
 // bf16x3 operands (1, the default) or plain bf16 (0: MTRL_KDA3_SPLIT=0, read at each call); the
 // chunk-parallel forward (kda_cp_cuda.cu) follows the same switch.
-int kda3_split_on() { return !env_is("MTRL_KDA3_SPLIT", "0"); }
-
 size_t kda3_rec_bytes(int split) { return split ? Rec<true>::BYTES : Rec<false>::BYTES; }
 static void kda3_prep_range_(mtrl_cuda_ctx *c, cudaStream_t stream, int T, int H, int n_lo, int n_hi,
                              const float *q, const float *k, const float *v, const float *g,
@@ -674,11 +670,11 @@ static void kda3_state_range_(mtrl_cuda_ctx *c, int T, int H, int n_lo, int n_hi
 // blocks hold at most a quarter of the SMs (H <= 16 on 132 SMs; measured at H = 8 and 16). Pieces
 // of at least 128 tiles, at most 8 (at 8K, H = 16: 4 pieces 0.872 / 0.947 ms, 2 pieces 0.934 /
 // 1.058 ms, one 1.061 / 1.074 ms in two calls; experiments/results/2026-12-01-kda-fwd-pieces/).
-// MTRL_KDA_FWD_PIECES=N in the environment (read at each call) forces N (1: one piece), for the
-// benchmarks and tests; the cluster form (MTRL_KDA3_CLUSTER) runs one piece.
+// The option kda_fwd_pieces = N forces N (1: one piece), for the benchmarks and tests; the
+// cluster form (kda_cluster) runs one piece.
 static int kda3_fwd_pieces_(const mtrl_cuda_ctx *c, int H, int nt) {
-    if (env_cluster_()) return 1;
-    return env_count("MTRL_KDA_FWD_PIECES", 8 * H <= c->sms ? nt / 128 : 1, 1, nt < 8 ? nt : 8);
+    if (opt_cluster_(c)) return 1;
+    return opt_count(c->opts.kda_fwd_pieces, 8 * H <= c->sms ? nt / 128 : 1, 1, nt < 8 ? nt : 8);
 }
 
 void kda3_prep_launch(mtrl_cuda_ctx *c, int T, int H, const float *q, const float *k, const float *v,
@@ -690,14 +686,14 @@ void kda3_state_fwd_launch(mtrl_cuda_ctx *c, int T, int H, const unsigned char *
     kda3_state_range_(c, T, H, 0, (T + C3 - 1) / C3, rec, S0, o, S_final, S_tiles, split);
 }
 
-// The v3 forward (T >= 1; shapes checked by kda3_supports); bf16x3 unless MTRL_KDA3_SPLIT=0. The
+// The v3 forward (T >= 1; shapes checked by kda3_supports); bf16x3 unless the option kda_plain_bf16. The
 // records live at the start of the context's scratch, then (pieces > 1) the state between pieces
 // [H][K][V]: each warp reads its columns of it first and writes them last, so one buffer serves
 // every boundary, and the pieces give the same bits as one.
 int kda3_chunk_fwd(mtrl_cuda_ctx *c, int T, int H, const float *q, const float *k,
                    const float *v, const float *g, const float *beta, const float *S0, float *o,
                    float *S_final, float *S_tiles) {
-    const int split = kda3_split_on(), nt = (T + C3 - 1) / C3;
+    const int split = !c->opts.kda_plain_bf16, nt = (T + C3 - 1) / C3;
     const int np = kda3_fwd_pieces_(c, H, nt);
     ws_carver sz{nullptr, 0};
     sz.take<unsigned char>((size_t)H * nt * kda3_rec_bytes(split));

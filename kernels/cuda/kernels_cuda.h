@@ -21,6 +21,8 @@
 #include <stddef.h>
 #include <stdint.h>
 
+#include "kernels/kernel_opts.h"
+
 #ifdef __cplusplus
 extern "C" {
 #endif
@@ -39,6 +41,10 @@ int mtrl_cuda_device_count(void);
 // One context per thread and stream: cuBLAS handle, the stream, a scratch buffer. stream may be
 // NULL (the default stream). Selects `device` for the calling thread.
 mtrl_cuda_ctx *mtrl_cuda_ctx_create(int device, mtrl_stream stream);
+// The context's kernel options (kernels/kernel_opts.h), zero (the defaults) at creation. The
+// launchers read them at each call; the owner sets them once (the model's backend copies the
+// model's), and tests and benchmarks change them between calls to compare kernels.
+mtrl_kernel_opts *mtrl_cuda_ctx_opts(mtrl_cuda_ctx *ctx);
 // on = 1: the GEMMs of fp32 operands (mtrl_gemm, mtrl_gemm_batched and what calls them) run on
 // tensor cores with TF32 inputs (10-bit mantissa, fp32 accumulation: ~1e-3 relative, about 7x
 // the fp32 rate on an H200); 0 (the default): true fp32. bf16 operands are unaffected.
@@ -107,9 +113,9 @@ int mtrl_kda_gate_kimi_bwd(mtrl_cuda_ctx *ctx, int T, int H, int K, const float 
 // the incoming state of every tile, [ceil(T/16)][H][K][V] (what the backward needs).
 // Two kernels: v3 (kda_tc_cuda.cu: mma.sync with split-bf16 operands, fp32 state and
 // accumulators; ‖err‖/‖ref‖ ≈ 7e-6 on an H200), the default for K = V = 128 and 16-byte aligned
-// q, k, v, g; v2 (fp32 SIMT) for every other shape, or forced by the environment variable
-// MTRL_KDA_FWD=2. MTRL_KDA3_SPLIT=0: v3 with plain bf16 operands (≈ 3e-3; fails the model's
-// tests: kda_cuda.cu and tests/test_kda_v3_emu.c say why). Both variables read at each call.
+// q, k, v, g; v2 (fp32 SIMT) for every other shape, or forced by the option kda_fwd = SIMT.
+// kda_plain_bf16: v3 with plain bf16 operands (≈ 3e-3; fails the model's tests: kda_cuda.cu and
+// tests/test_kda_v3_emu.c say why).
 int mtrl_kda_chunk_fwd(mtrl_cuda_ctx *ctx, int T, int H, int K, int V, const float *q,
                        const float *k, const float *v, const float *g, const float *beta,
                        const float *S0, float *o, float *S_final, float *S_tiles);
@@ -134,16 +140,16 @@ int mtrl_kda_chunk_fwd_cp(mtrl_cuda_ctx *ctx, int pieces, int T, int H, int K, i
 // T >= 8,192 (kda_cp_cuda.cu says why and what it measured).
 int mtrl_kda_cp_pieces(const mtrl_cuda_ctx *ctx, int T, int H, int K, int V, int request);
 // The forward kernel mtrl_kda_chunk_fwd runs for this shape (given 16-byte aligned inputs): 3 or 2.
-int mtrl_kda_chunk_fwd_version(int H, int K, int V);
+int mtrl_kda_chunk_fwd_version(const mtrl_cuda_ctx *ctx, int H, int K, int V);
 // The state-gradient pass mtrl_kda_chunk_bwd runs for this shape (given 16-byte aligned inputs): 3 or 2.
-int mtrl_kda_chunk_bwd_version(int H, int K, int V);
-// Chunked backward (§2.4). S_tiles as written by the forward, or NULL (recomputed into
+int mtrl_kda_chunk_bwd_version(const mtrl_cuda_ctx *ctx, int H, int K, int V);
+// Chunked backward (docs/model.md §2.4). S_tiles as written by the forward, or NULL (recomputed into
 // scratch). dS_final NULL = zero; dS0 nullable; every other output overwritten.
 // The sequential state-gradient pass has two kernels: v3 (kda_tc_bwd_cuda.cu: mma.sync with
 // split-bf16 operands, bf16x3, fp32 accumulators), the default for K = V = 128 and 16-byte aligned
-// q, k, v, g, dout; v2 (fp32 SIMT) for every other shape, or when the environment variable
-// MTRL_KDA_BWD=2 (read at each call). The per-tile pass runs its products on tensor cores with
-// bf16x3 operands (any shape), or in fp32 SIMT when MTRL_KDA_BWD_TILE=2 (read at each call).
+// q, k, v, g, dout; v2 (fp32 SIMT) for every other shape, or with the option kda_bwd = SIMT.
+// The per-tile pass runs its products on tensor cores with bf16x3 operands (any shape), or in
+// fp32 SIMT with kda_bwd_tile = SIMT.
 int mtrl_kda_chunk_bwd(mtrl_cuda_ctx *ctx, int T, int H, int K, int V, const float *q,
                        const float *k, const float *v, const float *g, const float *beta,
                        const float *S0, const float *S_tiles, const float *dout,
@@ -152,19 +158,19 @@ int mtrl_kda_chunk_bwd(mtrl_cuda_ctx *ctx, int T, int H, int K, int V, const flo
 // One decode token for B sequences (kda_step per sequence): q, k, g [B][H][K]; v [B][H][V];
 // beta [B][H]; S [B][H][K][V] updated in place; o [B][H][V].
 // Two kernels (kda_cuda.cu): v2 (state in registers, 16-byte accesses) for K in {64, 128, 256},
-// V % 64 == 0 and 16-byte aligned pointers; v1 for every other shape, or for all shapes when the
-// environment variable MTRL_DECODE_V1=1 (read at each call).
+// V % 64 == 0 and 16-byte aligned pointers; v1 for every other shape, or for all shapes with the
+// option decode = SIMT.
 int mtrl_kda_step(mtrl_cuda_ctx *ctx, int B, int H, int K, int V, const float *q,
                   const float *k, const float *v, const float *g, const float *beta, float *S,
                   float *o);
 // The kernel mtrl_kda_step runs for this shape (given 16-byte aligned pointers): 2 or 1.
-int mtrl_kda_step_version(int H, int K, int V);
+int mtrl_kda_step_version(const mtrl_cuda_ctx *ctx, int H, int K, int V);
 // The same step with each row's state in its own block: S_rows [B] DEVICE pointers to
 // [H][K][V] states, read and updated in place (the v2 kernel, no gather into one block: a decode
 // step of B sequences reads and writes each state once). Only where mtrl_kda_step_rows_ok says
 // so (the v2 shapes, 16-byte aligned q, k, v, g, o and states: S_h is the same B pointers on the
 // host); other calls are refused. Bit-identical to mtrl_kda_step on the gathered block.
-int mtrl_kda_step_rows_ok(int B, int H, int K, int V, const float *q, const float *k, const float *v,
+int mtrl_kda_step_rows_ok(const mtrl_cuda_ctx *ctx, int B, int H, int K, int V, const float *q, const float *k, const float *v,
                           const float *g, const float *const *S_h, const float *o);
 int mtrl_kda_step_rows(mtrl_cuda_ctx *ctx, int B, int H, int K, int V, const float *q, const float *k,
                        const float *v, const float *g, const float *beta, float *const *S_rows, float *o);
@@ -180,17 +186,17 @@ int mtrl_kda_step_rows(mtrl_cuda_ctx *ctx, int B, int H, int K, int V, const flo
 // Three kernel sets (docs/kernel-lab.md, "Causal attention (P4)"): v3 (sm90a/attn_wg_cuda.cu,
 // Hopper's wgmma; compute capability 9.0 only) and v2 (attn_tc_cuda.cu, FA2 style, mma.sync)
 // for Dk = Dv = 128 and for Dk = 192, Dv = 128 (the naive MLA form: d_n + d_r keys, d_v values)
-// with separate values (any Hk): v3 on an H100 / H200 unless MTRL_ATTN3=0, else v2; v2 for the
-// forward of the absorbed shape (Hk = 1, Dk = 576, Dv = 512 aliased); v1 (mla_cuda.cu) for
-// every other shape, or for all shapes when MTRL_ATTN_V1=1 (both variables read at each call).
+// with separate values (any Hk): v3 on an H100 / H200 unless the option attn = MMA, else v2; v2
+// for the forward of the absorbed shape (Hk = 1, Dk = 576, Dv = 512 aliased); v1 (mla_cuda.cu)
+// for every other shape, or for all shapes with attn = SIMT.
 int mtrl_attn_causal_fwd(mtrl_cuda_ctx *ctx, int Tq, int Tk, int H, int Hk, int Dk, int Dv,
                          float scale, const mtrl_bf16 *q, const mtrl_bf16 *k, int ldk,
                          const mtrl_bf16 *v, int ldv, float *o, float *lse);
 // The kernel mtrl_attn_causal_fwd (bwd = 0) or _bwd (bwd = 1) runs for this shape on the
-// current device: 3, 2 or 1
+// context's device with its options: 3, 2 or 1
 // (given 16-byte aligned o and 8-byte aligned dq, dk, dv; v1 runs otherwise).
 // alias: the values are the first Dv columns of the keys (Hk = 1, v == k, ldv == ldk).
-int mtrl_attn_causal_version(int H, int Hk, int Dk, int Dv, int alias, int bwd);
+int mtrl_attn_causal_version(const mtrl_cuda_ctx *ctx, int H, int Hk, int Dk, int Dv, int alias, int bwd);
 // dq [Tq][H][Dk] overwritten; dk, dv ACCUMULATED (+=) with the strides of k, v. With aliased
 // values (Hk = 1, v == k, ldv == ldk) dv must equal dk (one latent gradient); otherwise dk and
 // dv must not overlap. o and lse are the forward's; dout [Tq][H][Dv] bf16.
@@ -210,7 +216,7 @@ int mtrl_attn_causal_bwd(mtrl_cuda_ctx *ctx, int Tq, int Tk, int H, int Hk, int 
 // accumulation; splits sized from B, max_len and the SM count) for a bf16 cache with
 // dc in {128, 256, 512}, (dc + dr) % 32 == 0, ld % 8 == 0 and a 16-byte aligned pool (fastest
 // for H <= 16 with dc = 512, dr = 64: the query stays in registers); v1 (fp32 SIMT, 256-key
-// splits) for every other case, or for all cases when MTRL_DECODE_V1=1 (read at each call).
+// splits) for every other case, or for all cases with the option decode = SIMT.
 int mtrl_mla_decode_absorbed(mtrl_cuda_ctx *ctx, int B, int H, int dn, int dr, int dv, int dc,
                              float scale, const float *q, const float *W_kvb, const void *lat,
                              int lat_type, int ld, const long long *seq_start,
@@ -246,7 +252,7 @@ int mtrl_moe_combine_bwd(mtrl_cuda_ctx *ctx, int N, int K, int D, const int *pos
 int mtrl_moe_scatter_bwd(mtrl_cuda_ctx *ctx, int N, int K, int D, const int *pos,
                          const float *dX_perm, float *dx);
 // Grouped SwiGLU experts (moe_experts_fwd/bwd) as a loop of cuBLAS GEMMs over the experts
-// (measured faster than cuBLAS's grouped API, performance.md). offsets_host: a HOST copy of
+// (measured faster than cuBLAS's grouped API, docs/perf.md). offsets_host: a HOST copy of
 // offsets [E+1] (the caller downloads it once per layer). type: operand type of X_perm and
 // the weights W1, W3 [E][I][D], W2 [E][D][I] (MTRL_F32 or MTRL_BF16 copies of the fp32
 // masters). u1, u3 [R][I] fp32 saved; Y_perm [R][D] fp32. Backward: dY_perm fp32; dX_perm
@@ -342,20 +348,6 @@ int mtrl_attnres_site_bwd(mtrl_cuda_ctx *ctx, int N, int D, int S, const float *
                           const float *w, const float *gamma, float eps, const float *alpha,
                           const float *dh, float *const *dV_host, float *dw, float *dgamma);
 
-// ---- benchmarks ----------------------------------------------------------------------------
-// `mtrl bench ops --device cuda [--only copy,gemm,kda,step,attn,decode,moe,ops]
-// [--kda-T 8192,65536] [--attn-T 8192,32768] [--heads 16] [--decode-shapes 1x1048576,8x131072]
-// [--reps N] [--anchors anchors.json]`: times each kernel with CUDA events (warm-up, median of
-// repeats) and prints ms, TFLOP/s or GB/s and the fraction of the measured ceilings. The decode
-// rows (step, decode) print the v2 and v1 kernels side by side (MTRL_DECODE_V1 is set and unset
-// by the bench). --anchors: the JSON that shared/bench/anchors_gpu.py wrote on the same machine;
-// the KDA chunk, attention (MHA shape) and expert-GEMM rows are then followed by their ratio to
-// the anchor (fla chunk_kda time, SDPA cuDNN / FA2 TFLOP/s, torch._grouped_mm TFLOP/s) and the
-// performance.md target of that ratio. The moe rows also compare the grouped experts with the
-// lanes at 16 .. 8192 rows per expert (balanced, skewed) at small's shape and the anchor's; the
-// JSON of tools/anchors_grouped_mm.py (merged into --anchors) gives their torch._grouped_mm ratios.
-// argv[0] is the word "ops". Returns 0, 2 for bad arguments, 77 when there is no device.
-int mtrl_bench_ops_cuda(int argc, char **argv);
 
 #ifdef __cplusplus
 }

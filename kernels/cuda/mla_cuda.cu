@@ -1,10 +1,10 @@
 // mla_cuda.cu: causal attention for the (absorbed) MLA layer, training forward / backward in
-// flash style, and the absorbed decode over a batch of latent caches (model.md §3; the oracle
+// flash style, and the absorbed decode over a batch of latent caches (docs/model.md §3; the oracle
 // is kernels/ref/mla_ref.c: attn_causal_fwd/bwd, mla_decode_absorbed_ld).
 //
 // Training form. The kernels below are v1; the launchers run v2 (attn_tc_cuda.cu: FA2 style,
 // register-resident scores, cp.async double buffering) for the shapes it takes (see
-// mtrl_attn_causal_version) unless MTRL_ATTN_V1=1 is set (read at each call).
+// mtrl_attn_causal_version) unless attn = simt is set (kernel_opts.h).
 // Query rows are packed per key head j: row ρ = (token i, head g of the group),
 // i = ρ / G, head h = j G + ρ % G, G = H / Hk, so the absorbed MLA (Hk = 1, one 576-wide key
 // head shared by all H heads) multiplies 64 packed rows against each key tile it loads. Every
@@ -45,7 +45,7 @@
 //      aligned pool. Anything else (fp32 cache, the tiny preset's dc = 32) runs v1.
 //   v1 mla_decode_k (fp32 SIMT): split-K over 256-key chunks, dot products from shared memory,
 //      partial (m, l, acc) with natural-base maxima, merged by the same merge kernel. The fallback;
-//      MTRL_DECODE_V1=1 in the environment selects it for every shape (read at each call).
+//      decode = simt (kernel_opts.h) selects it for every shape (read at each call).
 #include <math.h>
 #include <stdlib.h>
 
@@ -599,7 +599,7 @@ static int attn_args_(mtrl_cuda_ctx *c, AttnArgs &a, int Tq, int Tk, int H, int 
 }
 
 // v2 (attn_tc_cuda.cu): return 1 without launching for shapes they do not take, or when
-// MTRL_ATTN_V1=1; the arguments are checked here first.
+// attn = simt; the arguments are checked here first.
 extern "C" int mtrl_attn2_causal_fwd(mtrl_cuda_ctx *c, int Tq, int Tk, int H, int Hk, int Dk,
                                      int Dv, float scale, const mtrl_bf16 *q, const mtrl_bf16 *k,
                                      int ldk, const mtrl_bf16 *v, int ldv, float *o, float *lse);
@@ -1214,7 +1214,7 @@ static size_t absorb_smem_(int dn) {
     return sizeof(float) * ((size_t)ABS_BT * absorb_dnp_(dn) + (ABS_NS - 1) * ABS_BT * ABS_COLS);
 }
 
-// qt[b][h] = [q^n_{b,h} W_UK,h ; q^r_{b,h}] (fp32; model.md §3). grid (H ceil(dc / 32),
+// qt[b][h] = [q^n_{b,h} W_UK,h ; q^r_{b,h}] (fp32; docs/model.md §3). grid (H ceil(dc / 32),
 // ceil(B / 16)), 256 threads. Thread (slice sl, column c) sums n in slice sl of dn (dnp / 8
 // values, 4 at a time: one float4 of each sequence's q^n from shared memory per 4 products) for
 // the block's nb <= 16 sequences; W_UK,h is read once per block, coalesced, 16 loads in flight.
@@ -1483,14 +1483,9 @@ static int dec2_split_len_(int B, int max_len, int sms) {
     return (int)bestL;
 }
 
-static int decode_v1_forced_() {
-    const char *e = getenv("MTRL_DECODE_V1");
-    return e && e[0] == '1';
-}
-
 extern "C" int mtrl_mla_decode_version(mtrl_cuda_ctx *c, int H, int dr, int dc, int lat_type,
                                        int ld) {
-    if (decode_v1_forced_()) return 1;
+    if (c->opts.decode == MTRL_KOPT_SIMT) return 1;
     const int Dk = dc + dr;
     if (lat_type != MTRL_BF16 || H < 1 || H > 32 || !(dc == 128 || dc == 256 || dc == 512) ||
         dr < 0 || Dk % 32 != 0 || Dk > 640 || ld < Dk || ld % 8 != 0)

@@ -1,5 +1,5 @@
 // attnres_ref.c: CPU reference of one Block AttnRes site and its two-phase evaluation
-// (see attnres_ref.h, model.md §6).
+// (see attnres_ref.h, docs/model.md §6).
 #include "attnres_ref.h"
 
 #include "gemm_ref.h"

@@ -1,4 +1,4 @@
-// attnres_ref.h: CPU reference of one Block Attention Residual site (model.md §6.1, §6.3) and
+// attnres_ref.h: CPU reference of one Block Attention Residual site (docs/model.md §6.1, §6.3) and
 // of its two-phase, online-softmax evaluation (§6.2).
 //
 // A site mixes S sources V_0..V_{S-1} (each [N][D]: N tokens, width D) per token with a softmax
@@ -28,7 +28,7 @@ extern "C" {
 void attnres_site_fwd(int N, int D, int S, const real *const *V, const real *w,
                       const real *gamma, real eps, real *h, real *alpha);
 
-// Site backward (model.md §6.3), u = gamma ⊙ w:
+// Site backward (docs/model.md §6.3), u = gamma ⊙ w:
 //     dalpha_i = dh · V_i,   dz_i = alpha_i (dalpha_i − Σ_j alpha_j dalpha_j)
 //     dV_i += alpha_i dh + dz_i r_i (u − x̂_i (u · x̂_i) / D)
 //     dw += Σ_{t,i} dz_i (gamma ⊙ x̂_i),   dgamma += Σ_{t,i} dz_i (w ⊙ x̂_i)
@@ -39,7 +39,7 @@ void attnres_site_bwd(int N, int D, int S, const real *const *V, const real *w,
                       const real *gamma, real eps, const real *alpha, const real *dh,
                       real *const *dV, real *dw, real *dgamma);
 
-// ---- two-phase evaluation (inference / prefill; model.md §6.2) -----------------------------
+// ---- two-phase evaluation (inference / prefill; docs/model.md §6.2) -----------------------------
 //
 // Inside a block of the stack the committed block sums b_0..b_{nb-1} are fixed for all P = 2S
 // (layers) sites of the block; only the partial sum changes from site to site. So:

@@ -1,5 +1,5 @@
 // mla_ref.h: causal attention and the gated-MLA latent algebra of the CPU reference
-// (model.md §3: NoPE multi-head latent attention, expanded and absorbed forms).
+// (docs/model.md §3: NoPE multi-head latent attention, expanded and absorbed forms).
 //
 // What it is: one causal softmax attention, general over H query heads and Hk key heads,
 // that serves both forms of the MLA layer, plus the projections between them:
@@ -83,7 +83,7 @@ void mla_expand_kv_bwd(int N, int H, int dn, int dr, int dv, int dc, const real 
                        const real *W_kvb, const real *dk, const real *dvals, real *dlat_c,
                        int ld_c, real *dlat_kr, int ld_kr, real *dW_kvb);
 
-// ---- absorbed decode (model.md §3.3) ---------------------------------------------------------
+// ---- absorbed decode (docs/model.md §3.3) ---------------------------------------------------------
 //
 // One query token against a latent cache of Tk tokens (the token itself included as the last
 // cache row): q [H][dn+dr]; cache_c [Tk][dc] (ĉ), cache_kr [Tk][dr] (k^r); a [H][dv], the

@@ -1,4 +1,4 @@
-// moe_ref.c: CPU reference of the MoE FFN and the QB bias (see moe_ref.h, model.md §4).
+// moe_ref.c: CPU reference of the MoE FFN and the QB bias (see moe_ref.h, docs/model.md §4).
 #include "moe_ref.h"
 
 #include "gemm_ref.h"

@@ -1,4 +1,4 @@
-// moe_ref.h: CPU reference of the sparse-MoE FFN (model.md §4): router, Quantile-Balancing
+// moe_ref.h: CPU reference of the sparse-MoE FFN (docs/model.md §4): router, Quantile-Balancing
 // (QB) bias, dispatch by expert, grouped SwiGLU experts, combine, and every backward.
 //
 // This is the oracle the CUDA MoE kernels are compared with and the path the fp64 gradient
@@ -28,7 +28,7 @@
 // Several shared experts are one SwiGLU of intermediate I × n_shared (their rows concatenated).
 //
 // The QB bias beta [E] only changes which experts are selected (top-k of z − beta, or s − beta);
-// it never enters w or y, so it has no gradient (model.md §4.1) and there is no backward for it.
+// it never enters w or y, so it has no gradient (docs/model.md §4.1) and there is no backward for it.
 #ifndef MTRL_MOE_REF_H
 #define MTRL_MOE_REF_H
 
@@ -49,7 +49,7 @@ extern "C" {
 enum { MOE_ROUTER_SOFTMAX = 1, MOE_ROUTER_SELECT_SCORE = 2, MOE_ROUTER_NO_RENORM = 4 };
 
 // Router forward on logits z [N][E] (computed by the caller as x W_rᵀ, fp32 or better).
-// Selection: the K largest of (z − beta) per token (QB on logits, model.md §4.3), or of
+// Selection: the K largest of (z − beta) per token (QB on logits, docs/model.md §4.3), or of
 // (s − beta) with MOE_ROUTER_SELECT_SCORE; beta [E] may be NULL (no bias). Ties are broken by
 // the lower expert id; the K slots of a token are stored in descending selection score, so
 // slot 0 is the best expert.
@@ -64,7 +64,7 @@ void moe_router_fwd(int N, int E, int K, const real *z, const real *beta, int fo
                     real rho, int replay, int *sel, real *w, real *s);
 
 // Router backward: dw [N][K] → dz [N][E] (overwritten; 0 for unchosen experts with sigmoid).
-// With Z = Σ_{chosen} s + 1e-20 (model.md §4.2):
+// With Z = Σ_{chosen} s + 1e-20 (docs/model.md §4.2):
 //     ds_f = (ρ/Z)(dw_f − Σ_{e ∈ E_t} dw_e w_e / ρ) for f chosen, 0 otherwise
 //     (MOE_ROUTER_NO_RENORM: ds_f = ρ dw_f);
 //     sigmoid: dz = ds ⊙ s(1 − s);   softmax: dz = s ⊙ (ds − Σ_e s_e ds_e) over all E.
@@ -75,7 +75,7 @@ void moe_router_bwd(int N, int E, int K, const real *s, const int *sel, const re
 // ---- dispatch / combine -------------------------------------------------------------------
 
 // Counting sort of the R = N*K (token, slot) pairs by expert, stable in (token, slot) order, so
-// the permutation is a deterministic function of sel alone (model.md §4.2 steps 1-2).
+// the permutation is a deterministic function of sel alone (docs/model.md §4.2 steps 1-2).
 // offsets [E+1]: expert e owns permuted rows offsets[e] .. offsets[e+1]−1, offsets[E] = R.
 // perm_token [R]: the token of each permuted row. pos [N][K]: the permuted row of (t, slot),
 // i.e. the inverse permutation. Every row 0..R−1 is hit exactly once.
@@ -85,7 +85,7 @@ void moe_dispatch(int N, int E, int K, const int *sel, int *offsets, int *perm_t
 void moe_gather(int N, int K, int D, const int *pos, const real *x, real *X_perm);
 
 // y [N][D] (overwritten): y_t = Σ_j w[t][j] Y_perm[pos[t][j]], summed in slot order j = 0..K−1
-// (a gather, not a scatter-add, so the result is deterministic; model.md §4.2 step 4).
+// (a gather, not a scatter-add, so the result is deterministic; docs/model.md §4.2 step 4).
 void moe_combine_fwd(int N, int K, int D, const int *pos, const real *w, const real *Y_perm,
                      real *y);
 
@@ -108,7 +108,7 @@ void moe_experts_fwd(int E, int D, int I, const int *offsets, const real *X_perm
                      const real *W1, const real *W3, const real *W2, real *u1, real *u3,
                      real *Y_perm);
 
-// Grouped SwiGLU backward (model.md §1): dX_perm [R][D] overwritten; dW1, dW3 [E][I][D] and
+// Grouped SwiGLU backward (docs/model.md §1): dX_perm [R][D] overwritten; dW1, dW3 [E][I][D] and
 // dW2 [E][D][I] +=. Any of dW1, dW3, dW2 may be NULL to skip that weight's gradient (frozen
 // weights). An expert with no rows leaves its weight gradients untouched.
 void moe_experts_bwd(int E, int D, int I, const int *offsets, const real *X_perm,
@@ -134,7 +134,7 @@ void moe_load_count(int N, int E, int K, const int *sel, int *load);
 // total_slots = N*K). Returns 0 when total_slots <= 0.
 double moe_max_violation(int E, const int *load, long total_slots);
 
-// One practical-form QB iteration (model.md §4.3) on this batch's router logits z [N][E], or
+// One practical-form QB iteration (docs/model.md §4.3) on this batch's router logits z [N][E], or
 // whatever the router selected on (its scores s with MOE_ROUTER_SELECT_SCORE): the same scores:
 //     alpha_i    = (K+1)-th largest over experts of (z_ij − beta_old_j)
 //     beta_new_j = (⌊N K / E⌋ + 1)-th largest over tokens of (z_ij − alpha_i)

@@ -1,9 +1,9 @@
-// ops_ref.h: shared primitives of the CPU reference (model.md §1, §5), forward and backward.
+// ops_ref.h: shared primitives of the CPU reference (docs/model.md §1, §5), forward and backward.
 //
 // What it is: the small per-token operators every layer uses (norms, SwiGLU, causal short
 // conv, embedding, log-softmax statistics, sampling, AdamW), written once over `real` (float
 // in the programs, double in the gradient-check tests; see real.h). These are the oracle the
-// CUDA kernels are compared against, so each follows the formulas of model.md literally and
+// CUDA kernels are compared against, so each follows the formulas of docs/model.md literally and
 // accumulates reductions in double.
 //
 // Conventions (every function):
@@ -61,7 +61,7 @@ void swiglu_fwd(int N, int I, const real *u1, const real *u3, real *m);
 void swiglu_bwd(int N, int I, const real *u1, const real *u3, const real *dm, real *du1,
                 real *du3);
 
-// ---- causal depthwise short conv + SiLU (model.md §1) --------------------------------------
+// ---- causal depthwise short conv + SiLU (docs/model.md §1) --------------------------------------
 //
 // One sequence of T tokens over C channels, kernel width W (4 in the model), no bias:
 //     p_t[c] = Σ_{j=0}^{W−1} w[c][j] · x_{t−W+1+j}[c],   y_t = SiLU(p_t)
@@ -99,7 +99,7 @@ void embedding_fwd(int N, int D, const int *ids, const real *E, real *x);
 // negative ids are skipped.
 void embedding_bwd(int N, int D, const int *ids, const real *dx, real *dE);
 
-// ---- log-softmax statistics of logits (model.md §5; the RL loss reads these) -------------
+// ---- log-softmax statistics of logits (docs/model.md §5; the RL loss reads these) -------------
 
 // logits [N][V]. logp[i] = log softmax(logits_i)[targets[i]]; targets[i] = −1 means ignored
 // and gives logp[i] = 0. entropy [N] nullable: H_i = −Σ_v p_v log p_v, computed for every row

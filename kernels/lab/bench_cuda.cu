@@ -2,7 +2,7 @@
 // with CUDA events (warm-up, median of repeats, random inputs, working sets far above the 60 MB
 // L2 or rotated among several copies) and prints time, achieved TFLOP/s or GB/s and the fraction
 // of the ceilings measured in the same run (bf16 GEMM 8192³ through cuBLAS; device-to-device
-// copy, bytes read + written). performance.md's reference ceilings are 755 TFLOP/s, 4.17 TB/s.
+// copy, bytes read + written). The reference ceilings (docs/perf.md) are 755 TFLOP/s, 4.17 TB/s.
 #include <algorithm>
 #include <cerrno>
 #include <cstdio>
@@ -14,6 +14,7 @@
 #include <vector>
 
 #include "kernels/cuda/cuda_common.cuh"
+#include "kernels/lab/bench_cuda.h"
 
 // kda_tc_cuda.cu: clusters of the KDA v3 cluster state pass resident at once (cl = 8, 4, 2).
 int kda3_cluster_max_active(int cl, int split);
@@ -41,7 +42,7 @@ bool anchor(const Bench &B, const std::string &key, double *v) {
 }
 
 // The line under a row that compares it with its anchor: ours / theirs for a time (lower is
-// better), or for a rate (higher is better), with the performance.md target of that ratio.
+// better), or for a rate (higher is better), with the docs/perf.md target of that ratio.
 void vs(const Bench &B, const std::string &key, double ours, const char *what, const char *target) {
     double theirs;
     if (B.anchors.empty() || !anchor(B, key, &theirs) || theirs <= 0) return;
@@ -131,22 +132,15 @@ void bench_ceilings(Bench &B) {
 }
 
 // KDA chunk forward / forward+backward at H heads, K = V = 128.
-// Sets (value) or unsets (NULL) an environment variable for its scope, then puts back what the
-// caller had: the opt-in kernel switches a benchmark compares.
-struct scoped_env {
-    const char *name;
-    bool had;
-    std::string prev;
-    scoped_env(const char *n, const char *value) : name(n), had(getenv(n) != nullptr), prev(had ? getenv(n) : "") {
-        if (value) setenv(n, value, 1);
-        else unsetenv(n);
-    }
-    ~scoped_env() {
-        if (had) setenv(name, prev.c_str(), 1);
-        else unsetenv(name);
-    }
-    scoped_env(const scoped_env &) = delete;
-    scoped_env &operator=(const scoped_env &) = delete;
+// Lets a scope change the context's kernel options (kernels/kernel_opts.h: the variants a
+// benchmark compares), then puts back what the caller had.
+struct scoped_opts {
+    mtrl_cuda_ctx *c;
+    mtrl_kernel_opts prev;
+    explicit scoped_opts(mtrl_cuda_ctx *ctx) : c(ctx), prev(ctx->opts) {}
+    ~scoped_opts() { c->opts = prev; }
+    scoped_opts(const scoped_opts &) = delete;
+    scoped_opts &operator=(const scoped_opts &) = delete;
 };
 
 void bench_kda(Bench &B, int T, int H) {
@@ -166,8 +160,8 @@ void bench_kda(Bench &B, int T, int H) {
     double flops = (double)nt * H * (4.0 * 65536 + 3.0 * 524288 + 65536);
     double ms = time_ms(B, [&] { mtrl_kda_chunk_fwd(B.c, T, H, K, V, q, k, v, g, beta, NULL, o, Sf, NULL); });
     char what[64];
-    int ver = mtrl_kda_chunk_fwd_version(H, K, V);
-    snprintf(what, sizeof what, "KDA chunk fwd (v%d%s)", ver, ver == 3 && !env_is("MTRL_KDA3_SPLIT", "0") ? " bf16x3" : "");
+    int ver = mtrl_kda_chunk_fwd_version(B.c, H, K, V);
+    snprintf(what, sizeof what, "KDA chunk fwd (v%d%s)", ver, ver == 3 && !B.c->opts.kda_plain_bf16 ? " bf16x3" : "");
     row(what, shape, ms, flops, "TFLOP/s", B.gemm_tflops);
     std::string ak = "kda_H" + std::to_string(H) + "_T" + std::to_string(T);
     vs(B, ak + "_fwd_ms", ms, "the time of fla chunk_kda fwd", "P1 <= 0.65x");
@@ -187,57 +181,62 @@ void bench_kda(Bench &B, int T, int H) {
         }
     }
     if (K == 128 && V == 128) {
-        // the default (v3 bf16x3 where the shape allows it) against v2 (MTRL_KDA_FWD=2, fp32
-        // SIMT) and v3 with plain bf16 operands (MTRL_KDA3_SPLIT=0) at each block width
-        // (MTRL_KDA3_WPB: warps of 16 value columns per block; default 4)
+        // the default (v3 bf16x3 where the shape allows it) against v2 (kda_fwd = simt, fp32
+        // SIMT) and v3 with plain bf16 operands (kda_records = bf16) at each block width
+        // (kda_warps: warps of 16 value columns per block; default 4)
         double m2 = 0, m4 = 0;
         {
-            // the default in one piece and in 4 (MTRL_KDA_FWD_PIECES; default: up to 8 from 256
+            // the default in one piece and in 4 (kda_fwd_pieces; default: up to 8 from 256
             // tiles on at H <= 16, the prep of later pieces beside the state pass)
-            static const char *pcs[] = {"1", "4"};
-            for (const char *pc : pcs) {
-                scoped_env pieces("MTRL_KDA_FWD_PIECES", pc);
+            static const int pcs[] = {1, 4};
+            for (int pc : pcs) {
+                scoped_opts so(B.c);
+                B.c->opts.kda_fwd_pieces = pc;
                 double mp = time_ms(B, [&] { mtrl_kda_chunk_fwd(B.c, T, H, K, V, q, k, v, g, beta, NULL, o, Sf, NULL); });
-                snprintf(what, sizeof what, "  default, MTRL_KDA_FWD_PIECES=%s", pc);
+                snprintf(what, sizeof what, "  default, kda_fwd_pieces=%d", pc);
                 row(what, shape, mp, flops, "TFLOP/s", B.gemm_tflops);
-                printf("%-34s %-34s default / MTRL_KDA_FWD_PIECES=%s time %.3f\n", "", "", pc, ms / mp);
+                printf("%-34s %-34s default / kda_fwd_pieces=%d time %.3f\n", "", "", pc, ms / mp);
             }
         }
         if (!B.kda_fwd_only) {
-            scoped_env fwd("MTRL_KDA_FWD", "2");
+            scoped_opts so(B.c);
+            B.c->opts.kda_fwd = MTRL_KOPT_SIMT;
             m2 = time_ms(B, [&] { mtrl_kda_chunk_fwd(B.c, T, H, K, V, q, k, v, g, beta, NULL, o, Sf, NULL); });
-            row("  v2 (MTRL_KDA_FWD=2)", shape, m2, flops, "TFLOP/s", B.gemm_tflops);
+            row("  v2 (kda_fwd = simt)", shape, m2, flops, "TFLOP/s", B.gemm_tflops);
         }
         {
-            scoped_env fwd("MTRL_KDA_FWD", NULL), split("MTRL_KDA3_SPLIT", "0");
-            static const char *wpbs[] = {"4", "1", "2", "8"};
-            for (const char *w : wpbs) {
-                scoped_env wpb("MTRL_KDA3_WPB", w);
+            scoped_opts so(B.c);
+            B.c->opts.kda_fwd = MTRL_KOPT_AUTO;
+            B.c->opts.kda_plain_bf16 = 1;
+            static const int wpbs[] = {4, 1, 2, 8};
+            for (int w : wpbs) {
+                B.c->opts.kda_warps = w;
                 double m3 = time_ms(B, [&] { mtrl_kda_chunk_fwd(B.c, T, H, K, V, q, k, v, g, beta, NULL, o, Sf, NULL); });
-                if (w[0] == '4') m4 = m3;
-                snprintf(what, sizeof what, "  v3 bf16 (MTRL_KDA3_SPLIT=0), WPB=%s", w);
+                if (w == 4) m4 = m3;
+                snprintf(what, sizeof what, "  v3 bf16 (kda_records = bf16), warps %d", w);
                 row(what, shape, m3, flops, "TFLOP/s", B.gemm_tflops);
             }
-        }  // the caller's MTRL_KDA_FWD, _SPLIT and _WPB again
+        }  // the caller's options again
         if (m2 > 0)
             printf("%-34s %-34s default / v2 time %.3f, v3 bf16 (WPB=4) / v2 %.3f, default / v3 bf16 %.3f\n", "", "",
                    ms / m2, m4 / m2, ms / m4);
         if (!B.kda_fwd_only) {
-            // the default with the cluster state pass (MTRL_KDA3_CLUSTER=1: thread-block clusters
-            // of 8 blocks of 1 warp per head, the K side of each tile record multicast once per
+            // the default with the cluster state pass (kda_cluster = 8: thread-block clusters of
+            // 8 blocks of 1 warp per head, the K side of each tile record multicast once per
             // cluster; 4 and 2: clusters of 4 blocks of 2 warps, 2 of 4), against the default
-            scoped_env fwd("MTRL_KDA_FWD", NULL), wpb("MTRL_KDA3_WPB", NULL);
-            static const char *cls[] = {"1", "4", "2"};
-            for (const char *cl : cls) {
-                scoped_env clu("MTRL_KDA3_CLUSTER", cl);
+            scoped_opts so(B.c);
+            B.c->opts.kda_fwd = MTRL_KOPT_AUTO;
+            B.c->opts.kda_warps = 0;
+            static const int cls[] = {8, 4, 2};
+            for (int ncl : cls) {
+                B.c->opts.kda_cluster = ncl;
                 double mc = time_ms(B, [&] { mtrl_kda_chunk_fwd(B.c, T, H, K, V, q, k, v, g, beta, NULL, o, Sf, NULL); });
-                snprintf(what, sizeof what, "  default, MTRL_KDA3_CLUSTER=%s", cl);
+                snprintf(what, sizeof what, "  default, kda_cluster=%d", ncl);
                 row(what, shape, mc, flops, "TFLOP/s", B.gemm_tflops);
-                const int ncl = cl[0] == '1' ? 8 : atoi(cl);
-                printf("%-34s %-34s MTRL_KDA3_CLUSTER=%s / default time %.3f (clusters of %d resident at once: %d, "
-                       "H = %d)\n", "", "", cl, mc / ms, ncl, kda3_cluster_max_active(ncl, !env_is("MTRL_KDA3_SPLIT", "0")), H);
+                printf("%-34s %-34s kda_cluster=%d / default time %.3f (clusters of %d resident at once: %d, "
+                       "H = %d)\n", "", "", ncl, mc / ms, ncl, kda3_cluster_max_active(ncl, !B.c->opts.kda_plain_bf16), H);
             }
-        }  // the caller's MTRL_KDA_FWD, _WPB and _CLUSTER again
+        }  // the caller's options again
     }
     if (B.kda_fwd_only) {
         mtrl_cuda_free(q); mtrl_cuda_free(k); mtrl_cuda_free(v); mtrl_cuda_free(g); mtrl_cuda_free(beta);
@@ -257,19 +256,21 @@ void bench_kda(Bench &B, int T, int H) {
     row("KDA chunk fwd (storing S_tiles)", shape, ms_fs, (double)T, "Mtok/s", 0);
     row("KDA chunk bwd", shape, ms_b, (double)T, "Mtok/s", 0);
     {
-        // the v2 kernels: pass 3 in fp32 SIMT (MTRL_KDA_BWD_TILE=2), then pass 2 too (MTRL_KDA_BWD=2)
-        scoped_env tile("MTRL_KDA_BWD_TILE", "2"), wpb("MTRL_KDA3_WPB", NULL);
+        // the v2 kernels: pass 3 in fp32 SIMT (kda_bwd_tile = simt), then pass 2 too (kda_bwd = simt)
+        scoped_opts so(B.c);
+        B.c->opts.kda_bwd_tile = MTRL_KOPT_SIMT;
+        B.c->opts.kda_warps = 0;
         double mbt = time_ms(B, [&] {
             mtrl_kda_chunk_bwd(B.c, T, H, K, V, q, k, v, g, beta, NULL, St, dout, NULL, dq, dk, dv, dg, db, dS0);
         }, 1, 3);
-        row("  pass 3 SIMT (_BWD_TILE=2)", shape, mbt, (double)T, "Mtok/s", 0);
-        scoped_env bwd("MTRL_KDA_BWD", "2");
+        row("  pass 3 SIMT (kda_bwd_tile)", shape, mbt, (double)T, "Mtok/s", 0);
+        B.c->opts.kda_bwd = MTRL_KOPT_SIMT;
         double mb2 = time_ms(B, [&] {
             mtrl_kda_chunk_bwd(B.c, T, H, K, V, q, k, v, g, beta, NULL, St, dout, NULL, dq, dk, dv, dg, db, dS0);
         }, 1, 3);
-        row("  v2 bwd (_BWD=2 _BWD_TILE=2)", shape, mb2, (double)T, "Mtok/s", 0);
+        row("  v2 bwd (kda_bwd, kda_bwd_tile)", shape, mb2, (double)T, "Mtok/s", 0);
         printf("%-34s %-34s default bwd / v2 bwd time %.3f, pass 3 SIMT / v2 %.3f\n", "", "", ms_b / mb2, mbt / mb2);
-    }  // the caller's MTRL_KDA_BWD, _BWD_TILE and _WPB again
+    }  // the caller's options again
     row("KDA chunk fwd+bwd", shape, ms_fs + ms_b, (double)T, "Mtok/s", 0);
     vs(B, ak + "_fwdbwd_ms", ms_fs + ms_b, "the time of fla chunk_kda fwd+bwd", "P2 <= 0.8x");
     size_t free_b, total_b;
@@ -280,11 +281,10 @@ void bench_kda(Bench &B, int T, int H) {
     for (void *p : ps) mtrl_cuda_free(p);
 }
 
-// Selects the decode kernels for the launchers (MTRL_DECODE_V1, read at each call): 1 forces
-// v1, 2 leaves the default (v2 where the shape allows it).
-void set_decode_version(int version) {
-    if (version == 1) setenv("MTRL_DECODE_V1", "1", 1);
-    else unsetenv("MTRL_DECODE_V1");
+// Selects the decode kernels for the launchers (the option decode): 1 forces v1 (simt), 2 leaves
+// the default (v2 where the shape allows it).
+void set_decode_version(mtrl_cuda_ctx *c, int version) {
+    c->opts.decode = version == 1 ? MTRL_KOPT_SIMT : MTRL_KOPT_AUTO;
 }
 
 // KDA decode step, v2 and v1: B sequences x H heads, K = V = 128, fp32 state read + written.
@@ -304,7 +304,7 @@ void bench_kda_step(Bench &B, int Bsz, int H) {
     snprintf(shape, sizeof shape, "B=%d H=%d K=V=128", Bsz, H);
     double bytes = 2.0 * nS * 4 + 4.0 * Bsz * H * (3 * K + 2 * V + 1);
     for (int version = 2; version >= 1; version--) {
-        set_decode_version(version);
+        set_decode_version(B.c, version);
         int it = 0;
         double ms = time_ms(B, [&] { mtrl_kda_step(B.c, Bsz, H, K, V, q, k, v, g, beta, S[it++ % NR], o); }, 2, 20);
         const int nb = 4 * NR;
@@ -312,13 +312,13 @@ void bench_kda_step(Bench &B, int Bsz, int H) {
             for (int i = 0; i < nb; i++) mtrl_kda_step(B.c, Bsz, H, K, V, q, k, v, g, beta, S[i % NR], o);
         }, 1, 5) / nb;
         char what[64];
-        snprintf(what, sizeof what, "KDA decode step v%d%s", mtrl_kda_step_version(H, K, V),
-                 version == 2 && mtrl_kda_step_version(H, K, V) == 1 ? " (v2 n/a)" : "");
+        snprintf(what, sizeof what, "KDA decode step v%d%s", mtrl_kda_step_version(B.c, H, K, V),
+                 version == 2 && mtrl_kda_step_version(B.c, H, K, V) == 1 ? " (v2 n/a)" : "");
         row(what, shape, ms, bytes, "GB/s", B.copy_tbps * 1e3);
         snprintf(what, sizeof what, "  (%d launches back to back, each)", nb);
         row(what, "", ms_b2b, bytes, "GB/s", B.copy_tbps * 1e3);
     }
-    set_decode_version(2);
+    set_decode_version(B.c, 2);
     printf("%-34s %-34s bytes per step %.1f MB (state read + written, inputs, o)\n", "", "", bytes / 1e6);
     for (int i = 0; i < NR; i++) mtrl_cuda_free(S[i]);
     void *ps[] = {q, k, v, g, beta, o};
@@ -349,15 +349,13 @@ void bench_attn(Bench &B, int T, int H, int mode, int with_v1) {
              absorbed ? "T=%d H=%d MQA Dk=576 Dv=512" : naive ? "T=%d H=%d Dk=192 Dv=128" : "T=%d H=%d Dk=Dv=128",
              T, H);
     double fl = (double)T * T * H * (Dk + Dv);  // causal: half of 2 T² H (Dk + Dv)
-    // v3 (wgmma: H100 / H200, not the absorbed shape), v2 (MTRL_ATTN3=0) and v1
-    // (MTRL_ATTN_V1=1) on the same inputs
+    // v3 (wgmma: H100 / H200, not the absorbed shape), v2 (attn = mma) and v1 (attn = simt) on
+    // the same inputs
     for (int version = 3; version >= (with_v1 ? 1 : 2); version--) {
         if (version == 3 && (absorbed || B.c->cc != 90)) continue;
-        if (version == 1) setenv("MTRL_ATTN_V1", "1", 1);
-        else unsetenv("MTRL_ATTN_V1");
-        setenv("MTRL_ATTN3", version == 3 ? "1" : "0", 1);
-        int vf = mtrl_attn_causal_version(H, Hk, Dk, Dv, absorbed, 0);
-        int vb = mtrl_attn_causal_version(H, Hk, Dk, Dv, absorbed, 1);
+        B.c->opts.attn = version == 1 ? MTRL_KOPT_SIMT : version == 2 ? MTRL_KOPT_MMA : MTRL_KOPT_AUTO;
+        int vf = mtrl_attn_causal_version(B.c, H, Hk, Dk, Dv, absorbed, 0);
+        int vb = mtrl_attn_causal_version(B.c, H, Hk, Dk, Dv, absorbed, 1);
         char what[80];
         double ms = time_ms(B, [&] { mtrl_attn_causal_fwd(B.c, T, T, H, Hk, Dk, Dv, scale, q, k, ldk, v, ldv, o, lse); }, 1, 3);
         snprintf(what, sizeof what, "%s fwd v%d",
@@ -383,8 +381,7 @@ void bench_attn(Bench &B, int T, int H, int mode, int with_v1) {
         snprintf(what, sizeof what, "  bwd alone (v%d)", vb);
         row(what, shape, msb, 2.5 * fl, "TFLOP/s", B.gemm_tflops);
     }
-    unsetenv("MTRL_ATTN_V1");
-    unsetenv("MTRL_ATTN3");
+    B.c->opts.attn = MTRL_KOPT_AUTO;
     mtrl_cuda_free(q); mtrl_cuda_free(k); mtrl_cuda_free(dout); mtrl_cuda_free(o); mtrl_cuda_free(lse);
     mtrl_cuda_free(dq); mtrl_cuda_free(dk);
     if (!absorbed) { mtrl_cuda_free(v); mtrl_cuda_free(dv); }
@@ -417,7 +414,7 @@ void bench_decode(Bench &B, int Bsz, int Tk, int H) {
     char shape[80];
     snprintf(shape, sizeof shape, "B=%d Tk=%d H=%d bf16 latent", Bsz, Tk, H);
     for (int version = 2; version >= 1; version--) {
-        set_decode_version(version);
+        set_decode_version(B.c, version);
         int runs = mtrl_mla_decode_version(B.c, H, dr, dc, MTRL_BF16, ld);
         auto call = [&] {
             mtrl_mla_decode_absorbed(B.c, Bsz, H, dn, dr, dv, dc, 1.f / sqrtf(192.f), q, W, lat, MTRL_BF16, ld, d_st,
@@ -434,7 +431,7 @@ void bench_decode(Bench &B, int Bsz, int Tk, int H) {
             row(what, "", ms_b2b, lat_bytes, "GB/s", B.copy_tbps * 1e3);
         }
     }
-    set_decode_version(2);
+    set_decode_version(B.c, 2);
     printf("%-34s %-34s latent bytes read %.2f GB\n", "", "", lat_bytes / 1e9);
     mtrl_cuda_free(lat); mtrl_cuda_free(q); mtrl_cuda_free(W); mtrl_cuda_free(a);
     mtrl_cuda_free(d_st); mtrl_cuda_free(d_len);
@@ -525,11 +522,9 @@ void bench_moe_model(Bench &B) {
     char shape[80];
     snprintf(shape, sizeof shape, "E=%d rows=%zu D=%d I=%d TF32", E, R, D, I);
     mtrl_cuda_ctx_set_tf32(B.c, 1);
-    const char *was = getenv("MTRL_MOE_LANES");
+    const int was = B.c->opts.moe_lanes;
     for (int li = 0; li < 2; li++) {
-        if (!li) setenv("MTRL_MOE_LANES", "1", 1);
-        else if (was) setenv("MTRL_MOE_LANES", was, 1);
-        else unsetenv("MTRL_MOE_LANES");
+        B.c->opts.moe_lanes = li ? was : 1;
         const int nl = mtrl_ctx_lanes(B.c);
         double ms = time_ms(B, [&] { mtrl_moe_experts_fwd(B.c, E, D, I, off.data(), X, W1, W3, W2, MTRL_F32, u1, u3, Yp); }, 1, 5);
         char what[64];
@@ -736,7 +731,7 @@ extern "C" int mtrl_bench_ops_cuda(int argc, char **argv) {
     if (want("copy") || want("gemm")) bench_ceilings(B);
     else
         printf("%-34s %-34s (ceilings not measured in this run: %.2f TB/s copy, %.0f TFLOP/s bf16 from "
-               "performance.md; add copy,gemm to --only to measure them)\n", "", "", B.copy_tbps, B.gemm_tflops);
+               "docs/perf.md; add copy,gemm to --only to measure them)\n", "", "", B.copy_tbps, B.gemm_tflops);
     if (want("kda"))
         for (int T : kdaT) bench_kda(B, T, H);
     if (want("step")) {

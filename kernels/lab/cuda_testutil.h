@@ -1,4 +1,5 @@
-// cuda_testutil.h: host helpers shared by tests/test_cuda_*.cu (not part of the library):
+// cuda_testutil.h: host helpers shared by tests/test_cuda_*.cu (the kernel lab, not part of the
+// library):
 // random inputs, fp64 <-> device fp32/bf16 transfers, and the relative-error check of the
 // numerics standard (‖out − ref‖ / ‖ref‖ against the fp64 CPU reference, NaN never passes).
 // Include after tests/testhelp.h.
