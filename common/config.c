@@ -656,6 +656,9 @@ static void resolve_model_(cfg_parse *ps) {
     FILL(attnres_block, p->attnres_block)
 #undef FILL
     if (m->shared_experts < 0) m->shared_experts = p->shared;
+    if (m->dense_layers == 0) m->dense_layers = 1; // every preset: layer 0 alone
+    if (m->dense_layers > m->layers)
+        errs_add(ps->errs, "%s: [model] dense_layers = %ld exceeds layers = %ld", ps->name, m->dense_layers, m->layers);
     if (m->top_k > m->experts)
         errs_add(ps->errs, "%s: [model] top_k = %ld exceeds experts = %ld", ps->name, m->top_k, m->experts);
     if (!strcmp(m->hybrid, "default")) {

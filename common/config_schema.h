@@ -45,17 +45,23 @@
     X(model, mla_train, ENUM, "naive", 0, 0, "naive|absorbed", "MLA attention form of the learner's forward and backward: naive (keys and values expanded per head, Dk = d_n + d_r: 3.4x fewer attention FLOPs at small's widths) or absorbed (MQA over the latents, as decode)") \
     X(model, mla_prefill, ENUM, "naive", 0, 0, "naive|absorbed", "MLA attention form of prefill (prompts, documents, tool results): naive (keys and values expanded per head: fewer attention FLOPs; its scratch grows with the context, by the expanded keys of every token so far), or absorbed (attention over the latents, as decode)") \
     X(model, gemm, ENUM, "tf32", 0, 0, "tf32|fp32", "precision of the projection and expert GEMMs on a GPU (a CPU model computes in real): tf32 (TF32 tensor cores, 10-bit mantissa inputs, fp32 accumulation: the default since 2026-11-30, when three quickstart-gpu seeds per format learned alike, docs/precision.md) or fp32 (true fp32, what the GPU tests compare with the CPU). MTRL_GEMM_TF32=1 or 0 in the environment overrides it; MTRL_GEMM_BF16=1 (bf16 operands) wins over both") \
-    X(model, dense_inter, INT, "0", 0, 1 << 20, NULL, "intermediate width of the dense FFN of layer 0 (0 = preset)") \
+    X(model, dense_inter, INT, "0", 0, 1 << 20, NULL, "intermediate width of the dense FFNs of the first dense_layers layers (0 = preset)") \
+    X(model, dense_layers, INT, "0", 0, 512, NULL, "layers (the first) with a dense SwiGLU FFN instead of MoE, Kimi's first_k_dense_replace (0 = preset = 1)") \
     X(model, experts, INT, "0", 0, 4096, NULL, "routed experts per MoE layer (0 = preset)")       \
     X(model, top_k, INT, "0", 0, 64, NULL, "experts per token (0 = preset)")                      \
     X(model, shared_experts, INT, "-1", -1, 16, NULL, "shared experts (-1 = preset)")             \
     X(model, expert_inter, INT, "0", 0, 1 << 20, NULL, "expert intermediate width (0 = preset)")   \
     X(model, attnres_block, INT, "0", 0, 512, NULL, "layers per Block-AttnRes block (0 = preset)")  \
-    X(model, g_min, FLOAT, "-5", -11, -0.01, NULL, "lower bound of the KDA log-decay")             \
+    X(model, g_min, FLOAT, "-5", -11, -0.01, NULL, "lower bound of the KDA log-decay (kda_gate = kimi: the floor a GPU clamps the decay to, docs/model-forms.md)") \
+    X(model, kda_gate, ENUM, "bounded", 0, 0, "bounded|kimi", "KDA decay gate: bounded (g = g_min sigmoid(exp(A_log)(f + dt_bias))) or kimi (g = -exp(A_log) softplus(f + dt_bias), unbounded)") \
     X(model, conv_kernel, INT, "4", 1, 16, NULL, "KDA short-conv kernel width")                  \
     X(model, rho, FLOAT, "2.446", 0, 100, NULL, "routed scaling factor of the MoE weights")       \
     X(model, router_score, ENUM, "sigmoid", 0, 0, "sigmoid|softmax", "router score function")      \
+    X(model, router_bias, ENUM, "logit", 0, 0, "logit|score", "what the QB bias beta shifts for the top-k: logit (z - beta) or score (s - beta, Kimi's e_score_correction_bias = -beta)") \
+    X(model, router_renorm, BOOL, "true", 0, 0, NULL, "renormalise the top-k scores to sum 1 before rho (Kimi's moe_renormalize)") \
+    X(model, attnres, BOOL, "true", 0, 0, NULL, "Block Attention Residuals (false: the plain pre-norm residual stream, as Kimi Linear; no attnres.* parameters)") \
     X(model, norm_eps, FLOAT, "1e-5", 1e-12, 1, NULL, "RMSNorm epsilon")                          \
+    X(model, mla_kv_norm_eps, FLOAT, "0", 0, 1, NULL, "epsilon of the MLA latent's RMSNorm (0 = norm_eps; Kimi Linear's kv_a_layernorm takes 1e-6 whatever rms_norm_eps is)") \
     X(model, init_std, FLOAT, "0.02", 0, 1, NULL, "std of the normal init of projections")       \
     X(model, segment, INT, "0", 0, 1 << 30, NULL, "learner segment length in tokens (0 = planned from memory)")
 

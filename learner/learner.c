@@ -360,7 +360,7 @@ static void qb_stats_in_(mtrl_learner *l, actor_rec *a, const mtrl_wire_in *in) 
                  m.layers, m.experts, d->L, d->E);
         mtrl_wire_stats_invalid(&l->rx, why);
     } else if ((long)l->model.version - (long)m.weight_version <= l->cfg.learner.max_staleness) {
-        for (int ly = 1; ly < d->L; ly++) {
+        for (int ly = d->first_dense; ly < d->L; ly++) {
             l->actor_qb_n[ly] += m.qb_batches[ly];
             for (int e = 0; e < d->E; e++) l->actor_qb_sum[(size_t)ly * d->E + e] += m.qb_beta_sum[(size_t)ly * d->E + e];
         }
@@ -374,7 +374,7 @@ static void qb_stats_in_(mtrl_learner *l, actor_rec *a, const mtrl_wire_in *in) 
 static long qb_stats_fold_(mtrl_learner *l) {
     const mtrl_model_dims *d = &l->model.dims;
     long n = 0;
-    for (int ly = 1; ly < d->L; ly++) {
+    for (int ly = d->first_dense; ly < d->L; ly++) {
         if (l->actor_qb_n[ly] == 0) continue;
         n += l->actor_qb_n[ly];
         for (int e = 0; e < d->E; e++) {
@@ -866,7 +866,7 @@ static void rl_step_(mtrl_learner *l, int *ready, int n_ready) {
         }
         const mtrl_model_dims *d = &l->model.dims;
         double worst = 0;
-        for (int ly = 1; ly < d->L; ly++) {
+        for (int ly = d->first_dense; ly < d->L; ly++) {
             char name[64];
             snprintf(name, sizeof name, "max_violation.%d", ly);
             log_metric_(l, name, st.max_violation[ly]);

@@ -211,7 +211,7 @@ void mtrl_train_rl_step(mtrl_model *m, const mtrl_config *cfg, const mtrl_algo_c
                                               (real)cfg->learner.eps, (real)cfg->learner.weight_decay,
                                               (real)cfg->learner.grad_clip);
     // Loads of this step's routing, read before QB consumes them.
-    for (int l = 1; l < m->dims.L; l++) st->max_violation[l] = mtrl_model_load_violation(m, l);
+    for (int l = m->dims.first_dense; l < m->dims.L; l++) st->max_violation[l] = mtrl_model_load_violation(m, l);
     if (st->loads) memcpy(st->loads, m->load, sizeof(long) * (size_t)m->dims.L * (size_t)m->dims.E);
     qb_after_step_(m, cfg);
     m->version++;

@@ -6,6 +6,9 @@
 //       through the gate, f, A_log, dt_bias
 //   I5  T by forward substitution == nilpotent product, (I + M) T = I
 //   I7  16-tiles == 64-token super-chunks, forward and backward
+//   unbounded decay (Kimi's gate, g down to -60): chunked (the token recurrence on chunks
+//       below -11) == recurrence forward and backward; FD through kda_gate_kimi_*, exact and
+//       clamped
 //   plus: kda_step over a sequence == recurrence, prefill (chunked) then decode (step) == full
 //   recurrence at splits 1, 15, 16, 17, S_tiles == recurrence states, T = 0 is a no-op.
 // K != V on purpose, so a transposed K x V product cannot pass.
@@ -326,6 +329,120 @@ static void test_gate(void) {
     free_inputs(&in);
 }
 
+// ---- unbounded decay (Kimi Linear's gate) ------------------------------------------------------
+
+// g of every (16-token tile, head) with (tile + head) odd far below the factored chunk form's
+// range (down to −60, KDA_G_CHUNK_MIN = −11), the others in (g_min, 0): the chunked form runs
+// the token recurrence on the first and the factored form on the second, and must equal the
+// recurrence everywhere, forward and backward, with 16- and 64-token chunks.
+static void unbounded_g_(inputs *in, uint64_t stream) {
+    for (int t = 0; t < in->T; t++)
+        for (int h = 0; h < H_; h++)
+            for (int d = 0; d < K_; d++) {
+                size_t i = ((size_t)t * H_ + h) * K_ + d;
+                double u = mtrl_rng_uniform(g_seed, stream, i);
+                in->g[i] = ((t / 16 + h) % 2) ? -(0.5 + 59.5 * u) : G_MIN * (0.001 + 0.998 * u);
+            }
+}
+
+// Kimi's gate g = −e^{A_log} softplus(f + dt_bias) through the chunk: FD of f, A_log, dt_bias.
+static double loss_gate_kimi(inputs *in, const double *f, const double *A_log, const double *dtb,
+                             const double *dout, const double *dSf, double floor_) {
+    kda_gate_kimi_fwd(in->T, H_, K_, f, A_log, dtb, floor_, in->g);
+    return loss_chunk(in, dout, dSf, NULL);
+}
+
+static void test_unbounded(void) {
+    const int Ts[] = {17, 37, 70};
+    double worst_f = 0, worst_b = 0;
+    for (size_t ti = 0; ti < sizeof Ts / sizeof Ts[0]; ti++) {
+        int T = Ts[ti];
+        inputs in = make_inputs(T, G_RANDOM, 500 + ti);
+        unbounded_g_(&in, 510 + ti);
+        size_t KV = (size_t)K_ * V_;
+        double *o_ref = malloc(sizeof(double) * T * H_ * V_), *o = malloc(sizeof(double) * T * H_ * V_);
+        double Sf_ref[H_ * K_ * V_], Sf[H_ * K_ * V_];
+        double *dout = malloc(sizeof(double) * T * H_ * V_), dSf[H_ * K_ * V_];
+        fill_normal(dout, (size_t)T * H_ * V_, 520 + ti, 1.0);
+        fill_normal(dSf, H_ * K_ * V_, 530 + ti, 1.0);
+        kda_recurrent_fwd(T, H_, K_, V_, in.q, in.k, in.v, in.g, in.beta, in.S0, o_ref, Sf_ref, NULL);
+        grads gb = grads_alloc(T), gc = grads_alloc(T);
+        bptt(&in, dout, dSf, &gb);
+        for (int chunk = 16; chunk <= 64; chunk *= 4)
+            for (int store = 0; store < 2; store++) {
+                kda_chunk_opts op = {.chunk = chunk};
+                kda_chunk_fwd_ex(T, H_, K_, V_, in.q, in.k, in.v, in.g, in.beta, in.S0, o, Sf, NULL, &op);
+                double ef = maxd(rel(o, o_ref, (size_t)T * H_ * V_), rel(Sf, Sf_ref, H_ * KV));
+                chunk_bwd(&in, dout, dSf, &op, store, &gc);
+                double eb = grads_rel(&gc, &gb, T);
+                TEST_CHECKF(ef <= 1e-12 && eb <= 1e-12, "unbounded g, T=%d chunk=%d store=%d: fwd %.2e bwd %.2e", T,
+                            chunk, store, ef, eb);
+                worst_f = maxd(worst_f, ef);
+                worst_b = maxd(worst_b, eb);
+            }
+        grads_free(&gb); grads_free(&gc);
+        free(o_ref); free(o); free(dout);
+        free_inputs(&in);
+    }
+    printf("unbounded g (down to -60): chunk == recurrence, worst rel err fwd %.2e, bwd %.2e\n", worst_f, worst_b);
+
+    // FD through Kimi's gate and the chunk, exact (no floor) and clamped at -3 (the GPU's form:
+    // clamped entries get no gradient). A_log around log 8 and dt_bias around 1: g reaches ~ -20.
+    for (int clamp = 0; clamp < 2; clamp++) {
+        int T = 21;
+        double floor_ = clamp ? -3.0 : -INFINITY;
+        inputs in = make_inputs(T, G_RANDOM, 540 + clamp);
+        size_t nf = (size_t)T * H_ * K_;
+        double *f = malloc(sizeof(double) * nf), A_log[H_], dtb[H_ * K_];
+        fill_normal(f, nf, 541, 1.0);
+        fill_normal(A_log, H_, 542, 0.3);
+        A_log[0] += log(8.0);
+        fill_normal(dtb, H_ * K_, 543, 0.5);
+        for (int i = 0; i < K_; i++) dtb[i] += 1.0;
+        double *dout = malloc(sizeof(double) * T * H_ * V_), dSf[H_ * K_ * V_];
+        fill_normal(dout, (size_t)T * H_ * V_, 544, 1.0);
+        fill_normal(dSf, H_ * K_ * V_, 545, 1.0);
+        kda_gate_kimi_fwd(T, H_, K_, f, A_log, dtb, floor_, in.g);
+        double gmin = 0;
+        int clamped = 0, below = 0;
+        for (size_t i = 0; i < nf; i++) {
+            gmin = in.g[i] < gmin ? in.g[i] : gmin;
+            clamped += in.g[i] == floor_;
+            below += in.g[i] < KDA_G_CHUNK_MIN;
+        }
+        if (clamp) TEST_CHECKF(clamped > 0 && gmin == floor_, "the floor clamped nothing (min g %.3g)", gmin);
+        else TEST_CHECKF(below > 0, "no g below the chunk range (min g %.3g)", gmin);
+        grads gc = grads_alloc(T);
+        chunk_bwd(&in, dout, dSf, NULL, 0, &gc);
+        double *df = malloc(sizeof(double) * nf), dA[H_] = {0}, ddtb[H_ * K_] = {0};
+        kda_gate_kimi_bwd(T, H_, K_, f, A_log, dtb, floor_, gc.dg, df, dA, ddtb);
+        const double h = 1e-6;
+        double *fd = malloc(sizeof(double) * nf);
+        double *xs[3] = {f, A_log, dtb}, *an[3] = {df, dA, ddtb};
+        size_t ns[3] = {nf, H_, H_ * K_};
+        const char *nm[3] = {"f", "A_log", "dt_bias"};
+        printf("FD through the Kimi gate (%s, min g %.3g):", clamp ? "clamped at -3" : "exact", gmin);
+        for (int a = 0; a < 3; a++) {
+            for (size_t i = 0; i < ns[a]; i++) {
+                double x0 = xs[a][i];
+                xs[a][i] = x0 + h;
+                double lp = loss_gate_kimi(&in, f, A_log, dtb, dout, dSf, floor_);
+                xs[a][i] = x0 - h;
+                double lm = loss_gate_kimi(&in, f, A_log, dtb, dout, dSf, floor_);
+                xs[a][i] = x0;
+                fd[i] = (lp - lm) / (2 * h);
+            }
+            double e = rel(fd, an[a], ns[a]);
+            printf(" %s %.1e", nm[a], e);
+            TEST_CHECKF(e <= 1e-7, "Kimi gate FD %s (clamp %d): rel err %.2e", nm[a], clamp, e);
+        }
+        printf("\n");
+        free(fd); free(df); free(f); free(dout);
+        grads_free(&gc);
+        free_inputs(&in);
+    }
+}
+
 // ---- I5 -----------------------------------------------------------------------------------
 
 static void test_i5(void) {
@@ -478,6 +595,7 @@ int main(void) {
     test_i1();
     test_i2();
     test_gate();
+    test_unbounded();
     test_i5();
     test_i7();
     test_step();

@@ -16,7 +16,11 @@
 //  - the learner's one-pass step (mtrl_model_train: forward, loss, backward unit by unit) ==
 //    the sequences one at a time, with only a too-long sequence's earlier segments recomputed;
 //  - several sequences prefilled at once (mtrl_model_prefill_many) == one prefill each;
-//  - a batched decode of 64 states at 64 different positions == 64 single decodes.
+//  - a batched decode of 64 states at 64 different positions == 64 single decodes;
+//  - Kimi Linear's layer forms (docs/model-forms.md: unbounded gate with decays beyond the
+//    chunk range, plain residual, two dense layers, top-k on scores, no renormalisation, no MLA
+//    gate): FD gradients, segmented == whole, prefill + decode == full, the layout and QB on
+//    the scores.
 #include <math.h>
 #include <stdlib.h>
 #include <string.h>
@@ -26,26 +30,36 @@
 #include "common/model/model.h"
 #include "common/model/model_ws.h"
 #include "common/rng.h"
+#include "kernels/ref/kda_ref.h"
 #include "tests/testhelp.h"
 #include "tests/testmodel.h"
 
 _Static_assert(REAL_IS_F64, "this test needs the fp64 build");
 
-static mtrl_model_dims small_dims(int layers, int S, const char *hybrid) {
-    char text[512];
+static mtrl_model_dims small_dims_x(int layers, int S, const char *hybrid, const char *extra) {
+    char text[1024];
     snprintf(text, sizeof text,
              "preset = custom\nlayers = %d\nd_model = 16\nhybrid = %s\nkda_heads = 2\n"
              "kda_head_dim = 8\nmla_heads = 2\nmla_nope_dim = 8\nmla_rope_dim = 4\nmla_v_dim = 8\nmla_latent_dim = 12\n"
              "dense_inter = 24\nexperts = 4\ntop_k = 2\nshared_experts = 1\nexpert_inter = 12\nattnres_block = %d\n"
-             "init_std = 0.3\n",
-             layers, hybrid, S);
+             "init_std = 0.3\n%s",
+             layers, hybrid, S, extra);
     return test_model_dims(text, 32);
 }
+static mtrl_model_dims small_dims(int layers, int S, const char *hybrid) { return small_dims_x(layers, S, hybrid, ""); }
+
+// Every layer form of Kimi Linear switched on (docs/model-forms.md): the unbounded KDA gate, the
+// plain residual, two dense layers, top-k on scores with the correction bias, no renormalisation,
+// MLA without an output gate and its latent norm's own epsilon.
+#define KIMI_FORMS                                                                                                 \
+    "kda_gate = kimi\nattnres = false\ndense_layers = 2\nrouter_bias = score\nrouter_renorm = false\n"            \
+    "mla_gate = false\nmla_kv_norm_eps = 1e-6\n"
+static mtrl_model_dims kimi_dims(int layers, const char *hybrid) { return small_dims_x(layers, 2, hybrid, KIMI_FORMS); }
 
 // Non-zero AttnRes queries and gate parameters so every path carries gradient.
 static void perturb_params(mtrl_model *m, uint64_t seed) {
     const mtrl_model_dims *d = &m->dims;
-    for (size_t i = 0; i < (size_t)(2 * d->L + 1) * d->d; i++) {
+    for (size_t i = 0; m->P.site_w && i < (size_t)(2 * d->L + 1) * d->d; i++) {
         m->P.site_w[i] = (real)(0.5 * mtrl_rng_normal(seed, 1, i));
         m->P.site_g[i] = (real)(1.0 + 0.2 * mtrl_rng_normal(seed, 2, i));
     }
@@ -54,6 +68,7 @@ static void perturb_params(mtrl_model *m, uint64_t seed) {
         if (p->A_log)
             for (int h = 0; h < d->H; h++) p->A_log[h] = (real)(0.3 * mtrl_rng_normal(seed, 3 + l, h));
     }
+    test_model_fast_decay(m, seed);
 }
 
 static void make_tokens(uint32_t *tok, int n, uint64_t seed) {
@@ -112,6 +127,11 @@ static void test_gradcheck(mtrl_model_dims d, const char *label, int probes_max)
         e[t] = (real)(0.3 * mtrl_rng_normal(3, 2, t));
     }
     real logp[34];
+    if (d.kda_gate == MTRL_KDA_GATE_KIMI) {
+        double g = test_model_min_decay(&m, t0, 21, NULL);
+        printf("gradcheck %s: smallest KDA log-decay %.3g\n", label, g);
+        TEST_CHECKF(g < KDA_G_CHUNK_MIN, "%s: no log-decay below the chunk range (%.3g)", label, g);
+    }
     mtrl_model_forward(&m, &b, 0, logp, NULL, rout);
     b.routing = (const uint8_t *const *)rout;
     m.replay_routing = 1;
@@ -154,8 +174,7 @@ static void test_gradcheck(mtrl_model_dims d, const char *label, int probes_max)
 
 static void count_hook_(void *user) { ++*(int *)user; }
 
-static void test_segmented(void) {
-    mtrl_model_dims d = small_dims(4, 2, "KMKM");
+static void test_segmented(mtrl_model_dims d) {
     mtrl_model m;
     mtrl_model_init(&m, &d, 12);
     perturb_params(&m, 6);
@@ -200,8 +219,8 @@ static void test_segmented(void) {
         TEST_CLOSE(L, L0, 1e-12, 0);
         const char *wn = "";
         double worst = grads_worst_(&m, g0, &wn);
-        printf("segment %d: loss %.15g vs %.15g, worst gradient rel diff %.3g (%s), peak activations %zu bytes\n",
-               segs[s], L, L0, worst, wn, peak[s]);
+        printf("%ssegment %d: loss %.15g vs %.15g, worst gradient rel diff %.3g (%s), peak activations %zu bytes\n",
+               d.attnres ? "" : "Kimi forms, ", segs[s], L, L0, worst, wn, peak[s]);
         TEST_CHECKF(worst <= 1e-9, "segment %d: gradient differs by %.3g in %s", segs[s], worst, wn);
     }
     TEST_CHECK(peak[0] < peak[1] && peak[1] < peak[2]);
@@ -306,8 +325,7 @@ static void train_check_loss_(void *user, int i0, int n, const real *logp, const
 // segment, each from the zero state and attending only to itself. Lengths: 1 token, a multiple
 // of the KDA tile, tails; with segment 48 the 80-token sequence is segmented on its own and the
 // others form packs of at most 48 tokens.
-static void test_packed(void) {
-    mtrl_model_dims d = small_dims(4, 2, "KMKM");
+static void test_packed(mtrl_model_dims d) {
     mtrl_model m;
     mtrl_model_init(&m, &d, 14);
     perturb_params(&m, 8);
@@ -548,8 +566,7 @@ static void test_prefill_many(int prefill_naive) {
     mtrl_model_free(&m);
 }
 
-static void test_prefill_decode(int prefill_naive) {
-    mtrl_model_dims d = small_dims(4, 2, "KKKM");
+static void test_prefill_decode(mtrl_model_dims d, int prefill_naive) {
     d.mla_prefill_naive = prefill_naive;
     mtrl_model m;
     mtrl_model_init(&m, &d, 13);
@@ -585,8 +602,8 @@ static void test_prefill_decode(int prefill_naive) {
             if (e0 > err) err = e0;
             if (e1 > err) err = e1;
         }
-        printf("prefill %d then decode to %d%s: max rel diff of logits %.3g\n", sp, T,
-               prefill_naive ? " (naive MLA prefill)" : "", err);
+        printf("prefill %d then decode to %d%s%s: max rel diff of logits %.3g\n", sp, T,
+               prefill_naive ? " (naive MLA prefill)" : "", d.kda_gate == MTRL_KDA_GATE_KIMI ? " (Kimi forms)" : "", err);
         TEST_CHECKF(err < 1e-10, "split %d: %.3g", sp, err);
         // Segmented logits agree too.
         real *segl = malloc(sizeof(real) * T * d.V);
@@ -675,6 +692,118 @@ static void test_attnres_blocks(void) {
     }
 }
 
+// The layout the Kimi forms imply: no attnres.* tensors without AttnRes, the dense FFN in the
+// first dense_layers layers and MoE after them (routing records n_moe = L − dense_layers layers
+// wide), bad values refused naming the key; and QB on the scores the router selects on: with
+// router_bias = score, one QB update from a batch balances the same batch's routing.
+static void test_kimi_layout(void) {
+    mtrl_model_dims d = kimi_dims(5, "KKMKM");
+    TEST_EQ_INT(d.first_dense, 2);
+    TEST_EQ_INT(d.n_moe, 3);
+    TEST_EQ_INT(d.attnres, 0);
+    TEST_EQ_INT(d.S, 5);
+    mtrl_model m;
+    mtrl_model_init(&m, &d, 3);
+    TEST_CHECK(mtrl_tt_find(&m.params, "attnres.w") < 0 && mtrl_tt_find(&m.params, "attnres.g") < 0);
+    TEST_CHECK(m.P.site_w == NULL && m.P.site_g == NULL);
+    TEST_CHECK(mtrl_tt_find(&m.params, "layers.1.ffn.w1") >= 0 && mtrl_tt_find(&m.params, "layers.1.moe.router") < 0);
+    TEST_CHECK(mtrl_tt_find(&m.params, "layers.2.moe.router") >= 0 && mtrl_tt_find(&m.params, "layers.2.ffn.w1") < 0);
+    TEST_CHECK(mtrl_tt_find(&m.params, "layers.2.mla.wg") < 0);
+    TEST_EQ_INT(mtrl_model_moe_index(&d, 1), -1);
+    TEST_EQ_INT(mtrl_model_moe_index(&d, 2), 0);
+    // the defaults keep the project's model
+    mtrl_model_dims d0 = small_dims(4, 2, "KKKM");
+    TEST_CHECK(d0.first_dense == 1 && d0.n_moe == 3 && d0.attnres == 1 && d0.kda_gate == MTRL_KDA_GATE_BOUNDED &&
+               d0.router_bias_score == 0 && d0.moe_renorm == 1);
+    // bad values name their key
+    const char *bad[3][2] = {{"layers = 4\ndense_layers = 5\n", "dense_layers"},
+                             {"kda_gate = softplus\n", "kda_gate"},
+                             {"router_bias = both\n", "router_bias"}};
+    for (int i = 0; i < 3; i++) {
+        char text[256];
+        snprintf(text, sizeof text, "[env]\nname = calc\n[model]\n%s", bad[i][0]);
+        mtrl_config cfg;
+        mtrl_config_errors errs = {0};
+        TEST_CHECK(mtrl_config_load_text(&cfg, "t", text, NULL, 0, &errs) != MTRL_OK);
+        TEST_CHECKF(errs.n > 0 && strstr(errs.msgs[0], bad[i][1]) != NULL, "error for %s: %s", bad[i][1],
+                    errs.n ? errs.msgs[0] : "(none)");
+        mtrl_config_errors_free(&errs);
+    }
+    // QB on the scores: route a batch, set β from it, route it again.
+    enum { T = 96 };
+    uint32_t tok[T];
+    make_tokens(tok, T, 21);
+    const uint32_t *toks[1] = {tok};
+    int len[1] = {T};
+    mtrl_batch b = {1, toks, len, NULL};
+    real lp[T];
+    // The first MoE layer's input does not depend on any β (the layers before it are dense), so
+    // QB iterated on this one batch converges to balancing it within one slot per expert: a load
+    // violation of at most E / (N K). A β in other units than the selection's (the logits'
+    // while the router selects on scores) would not converge there.
+    int l0 = d.first_dense;
+    double bound = (double)d.E / (T * d.k) + 1e-12, v[6];
+    for (int it = 0; it < 6; it++) {
+        mtrl_model_forward(&m, &b, 0, lp, NULL, NULL);
+        v[it] = mtrl_model_load_violation(&m, l0);
+        TEST_EQ_INT(mtrl_model_qb_apply(&m), d.n_moe);
+    }
+    printf("QB on router scores (Kimi forms), layer %d: load violation %.3g, then %.3g %.3g %.3g %.3g %.3g after each "
+           "update (bound %.3g)\n", l0, v[0], v[1], v[2], v[3], v[4], v[5], bound);
+    TEST_CHECKF(v[0] > bound && v[5] <= bound, "QB on scores did not balance: %.3g -> %.3g", v[0], v[5]);
+    mtrl_model_free(&m);
+}
+
+// The GPU's approximation of Kimi's gate (backend_cuda.c: clamped at g_min, the range of its
+// chunk kernels) measured here in fp64 without a GPU: the CPU backend's gate swapped for the
+// same clamp at -11, log-probs against the exact gate's. The test's decays (testmodel.h
+// test_model_fast_decay) go far past -11 in one head of every KDA layer.
+static void (*exact_gate_)(mtrl_backend *, int, int, int, int, const real *, const real *, const real *, real, real *);
+static void clamped_gate_(mtrl_backend *be, int kind, int T, int H, int K, const real *f, const real *A,
+                          const real *b, real g_min, real *g) {
+    if (kind == MTRL_KDA_GATE_KIMI) kda_gate_kimi_fwd(T, H, K, f, A, b, g_min, g);
+    else exact_gate_(be, kind, T, H, K, f, A, b, g_min, g);
+}
+
+static void test_kimi_clamp_effect(void) {
+    mtrl_model_dims d = kimi_dims(4, "KKMK");
+    d.g_min = -11;
+    mtrl_model m;
+    mtrl_model_init(&m, &d, 17);
+    perturb_params(&m, 9);
+    enum { T = 200 };
+    uint32_t tok[T];
+    make_tokens(tok, T, 23);
+    const uint32_t *toks[1] = {tok};
+    int len[1] = {T};
+    mtrl_batch b = {1, toks, len, NULL};
+    long below = 0;
+    double gmin = test_model_min_decay(&m, tok, T, &below);
+    real exact[T], clamped[T];
+    uint8_t *rout[1] = {calloc((size_t)T * d.n_moe * d.k, 1)};
+    mtrl_model_forward(&m, &b, 0, exact, NULL, rout);
+    b.routing = (const uint8_t *const *)rout; // the same experts, so only the gate differs
+    m.replay_routing = 1;
+    exact_gate_ = m.be->kda_gate_fwd;
+    m.be->kda_gate_fwd = clamped_gate_;
+    mtrl_model_forward(&m, &b, 0, clamped, NULL, NULL);
+    m.be->kda_gate_fwd = exact_gate_;
+    double num = 0, den = 0, mx = 0;
+    for (int t = 0; t < T - 1; t++) {
+        double e = fabs((double)clamped[t] - (double)exact[t]);
+        num += e * e;
+        den += (double)exact[t] * exact[t];
+        mx = fmax(mx, e);
+    }
+    printf("Kimi gate clamped at -11 (the GPU's form) vs exact, fp64, %d tokens: %ld of %d log-decays of the first KDA "
+           "layer below -11 (min %.3g); log-probs rel L2 %.3g, max abs %.3g nats\n",
+           T, below, T * d.H * d.D, gmin, sqrt(num / den), mx);
+    TEST_CHECKF(below > 0 && mx > 0, "the clamp took no effect (%ld below -11)", below);
+    TEST_CHECKF(sqrt(num / den) < 1e-4, "the clamp moved log-probs by %.3g relative", sqrt(num / den));
+    free(rout[0]);
+    mtrl_model_free(&m);
+}
+
 // [model] gemm: TF32 GEMMs on a GPU by default (dims.gemm_tf32), fp32 on request, anything else
 // an error naming the key; and the environment's overrides (backend.h mtrl_backend_gemm_tf32: a
 // pure function in every build, so checked here without a GPU; test_cuda_model checks the
@@ -712,11 +841,18 @@ int main(void) {
     test_gemm_precision();
     test_gradcheck(small_dims(4, 2, "KKMK"), "small", 3);
     test_gradcheck(tiny_dims(), "tiny preset", 1);
+    test_gradcheck(kimi_dims(4, "KKMK"), "Kimi forms", 3);
     test_attnres_blocks();
-    test_segmented();
-    test_packed();
-    test_prefill_decode(0);
-    test_prefill_decode(1);
+    test_kimi_layout();
+    test_kimi_clamp_effect();
+    test_segmented(small_dims(4, 2, "KMKM"));
+    test_segmented(kimi_dims(4, "KMKM"));
+    test_packed(small_dims(4, 2, "KMKM"));
+    test_packed(kimi_dims(4, "KMKM"));
+    test_prefill_decode(small_dims(4, 2, "KKKM"), 0);
+    test_prefill_decode(small_dims(4, 2, "KKKM"), 1);
+    test_prefill_decode(kimi_dims(4, "KKKM"), 0);
+    test_prefill_decode(kimi_dims(4, "KKKM"), 1);
     test_prefill_many(0);
     test_prefill_many(1);
     test_decode_batch64();

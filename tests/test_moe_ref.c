@@ -103,6 +103,44 @@ static void test_router_fwd(void) {
     }
 }
 
+// Kimi Linear's router (transformers' KimiLinearTopkRouter with one group): the top-K of
+// σ(z) + bias with bias = −beta, weights σ(z) of the chosen, renormalised or not, times rho.
+static void test_router_forms(void) {
+    enum { N = 9, E = 7, K = 3 };
+    const real rho = 2.446;
+    real z[N * E], beta[E], w[N * K], s[N * E];
+    int sel[N * K];
+    fill_normal(z, N * E, 24, 1.5);
+    fill_normal(beta, E, 25, 0.3);
+    for (int renorm = 0; renorm <= 1; renorm++) {
+        int form = MOE_ROUTER_SELECT_SCORE | (renorm ? 0 : MOE_ROUTER_NO_RENORM);
+        moe_router_fwd(N, E, K, z, beta, form, rho, 0, sel, w, s);
+        int ok = 1;
+        for (int t = 0; t < N; t++) {
+            // brute force: rank of each chosen expert among σ(z) − β, descending
+            int taken[E] = {0};
+            double Z = 0;
+            for (int j = 0; j < K; j++) {
+                int best = -1;
+                double bv = 0;
+                for (int e = 0; e < E; e++) {
+                    double v = 1.0 / (1.0 + exp(-(double)z[t * E + e])) - (double)beta[e];
+                    if (!taken[e] && (best < 0 || v > bv)) { best = e; bv = v; }
+                }
+                taken[best] = 1;
+                ok &= sel[t * K + j] == best;
+                Z += 1.0 / (1.0 + exp(-(double)z[t * E + best]));
+            }
+            for (int j = 0; j < K; j++) {
+                double sj = 1.0 / (1.0 + exp(-(double)z[t * E + sel[t * K + j]]));
+                double want = rho * sj / (renorm ? Z + 1e-20 : 1.0);
+                ok &= fabs(w[t * K + j] - want) <= 1e-14 * want;
+            }
+        }
+        TEST_CHECKF(ok, "router on scores (renorm %d): selection or weights differ from the brute force", renorm);
+    }
+}
+
 // ---- 2. router backward -------------------------------------------------------------------
 
 static double router_loss(int N, int E, int K, const real *z, const real *beta, int sm, real rho,
@@ -122,7 +160,11 @@ static void test_router_bwd(void) {
     fill_normal(z, N * E, 20, 1.5);
     fill_normal(beta, E, 21, 0.5);
     fill_normal(c, N * K, 22, 1.0);
-    for (int sm = 0; sm <= 1; sm++) {
+    // every form (moe_ref.h MOE_ROUTER_*): scores, selection on logits or scores, renormalised or not
+    const int forms[6] = {0, MOE_ROUTER_SOFTMAX, MOE_ROUTER_SELECT_SCORE, MOE_ROUTER_NO_RENORM,
+                          MOE_ROUTER_SELECT_SCORE | MOE_ROUTER_NO_RENORM, MOE_ROUTER_SOFTMAX | MOE_ROUTER_NO_RENORM};
+    for (int fi = 0; fi < 6; fi++) {
+        int sm = forms[fi];
         router_loss(N, E, K, z, beta, sm, rho, c, sel, w, s);
         moe_router_bwd(N, E, K, s, sel, w, sm, rho, c, dz);
         int changed = 0;
@@ -138,10 +180,11 @@ static void test_router_bwd(void) {
             fd[q] = (real)((lp - lm) / (2 * h));
         }
         double e = test_rel_err_d(dz, fd, N * E);
-        printf("router bwd (%s): dz rel err vs FD = %.3g\n", sm ? "softmax" : "sigmoid", e);
+        printf("router bwd (form %d: %s%s%s): dz rel err vs FD = %.3g\n", sm, sm & MOE_ROUTER_SOFTMAX ? "softmax" : "sigmoid",
+               sm & MOE_ROUTER_SELECT_SCORE ? ", top-k of s - beta" : "", sm & MOE_ROUTER_NO_RENORM ? ", no renorm" : "", e);
         TEST_EQ_INT(changed, 0);
         TEST_CHECKF(e < 1e-8, "router dz rel err %.3g", e);
-        if (!sm) {  // sigmoid: unchosen experts get exactly zero
+        if (!(sm & MOE_ROUTER_SOFTMAX)) {  // sigmoid: unchosen experts get exactly zero
             for (int t = 0; t < N; t++)
                 for (int ex = 0; ex < E; ex++) {
                     int chosen = 0;
@@ -439,7 +482,8 @@ static void test_block_fd(int sm) {
     double s1 = fd_check(p.S1, BIS * BD, g.S1, block_loss_cb, &c, h);
     double s3 = fd_check(p.S3, BIS * BD, g.S3, block_loss_cb, &c, h);
     double s2 = fd_check(p.S2, BD * BIS, g.S2, block_loss_cb, &c, h);
-    printf("MoE block (%s, loads", sm ? "softmax" : "sigmoid");
+    printf("MoE block (%s%s%s, loads", sm & MOE_ROUTER_SOFTMAX ? "softmax" : "sigmoid",
+           sm & MOE_ROUTER_SELECT_SCORE ? ", top-k of s - beta" : "", sm & MOE_ROUTER_NO_RENORM ? ", no renorm" : "");
     for (int e = 0; e < BE; e++) printf(" %d", load[e]);
     printf("): rel err vs FD: dx %.3g dWr %.3g dW1 %.3g dW3 %.3g dW2 %.3g dS1 %.3g dS3 %.3g "
            "dS2 %.3g; routing changes under +-h: %d\n", ex, er, e1, e3, e2, s1, s3, s2, g_changed);
@@ -505,11 +549,13 @@ static void test_beta_no_gradient(void) {
 
 int main(void) {
     test_router_fwd();
+    test_router_forms();
     test_router_bwd();
     test_dispatch_combine();
     test_experts();
     test_block_fd(0);
     test_block_fd(1);
+    test_block_fd(MOE_ROUTER_SELECT_SCORE | MOE_ROUTER_NO_RENORM);
     test_beta_no_gradient();
     return test_report();
 }

@@ -8,6 +8,7 @@
 
 #include "common/config.h"
 #include "common/model/model.h"
+#include "common/model/model_ws.h"
 #include "common/rng.h"
 
 // The dims of "[model]\n<model_ini>" (an [env] section is added, as the config requires); a bad
@@ -33,19 +34,62 @@ static inline mtrl_model_dims test_model_dims(const char *model_ini, int vocab) 
     return d;
 }
 
+// With Kimi's unbounded gate (dims.kda_gate): head 0 of every KDA layer decays fast (e^{A_log}
+// ~ 12, softplus of ~0.5 and up), so some of its log-decays fall below the factored chunk
+// form's -11 (the CPU's token-recurrence path, a GPU's clamp) and others do not. No-op otherwise.
+static inline void test_model_fast_decay(mtrl_model *m, uint64_t seed) {
+    const mtrl_model_dims *d = &m->dims;
+    if (d->kda_gate != MTRL_KDA_GATE_KIMI) return;
+    for (int l = 0; l < d->L; l++) {
+        mtrl_layer_ptrs *p = &m->P.layer[l];
+        if (!p->A_log) continue;
+        p->A_log[0] = (real)(log(12.0) + 0.2 * mtrl_rng_normal(seed, 3 + l, 0));
+        for (int j = 0; j < d->D; j++) p->dt_bias[j] = (real)(0.5 + 0.5 * mtrl_rng_normal(seed, 60 + l, j));
+    }
+}
+
+// The smallest KDA log-decay g of the first KDA layer over a sequence (the gate of a chunked
+// forward; a CPU model only, whose g are exact) and in *below (nullable) how many entries lie under
+// the chunk form's -11: the Kimi tests check that the decay leaves that range.
+static inline double test_model_min_decay(mtrl_model *m, const uint32_t *tok, int T, long *below) {
+    mtrl_arena ar;
+    mtrl_arena_init(&ar, seg_arena_bytes(&m->dims, T, T, sizeof(real)));
+    mtrl_decode_state s;
+    mtrl_decode_state_init(&s, m, T);
+    seq_io io = {s.kda_S, s.conv, s.latent, s.cap, 0, 0, NULL, NULL};
+    seg_cache c;
+    seg_forward(m, &ar, SEG_CHUNK, T, tok, &io, NULL, &c);
+    double g = 0;
+    long n = 0;
+    for (int l = 0; l < m->dims.L; l++)
+        if (m->dims.mixer[l] == 'K') {
+            for (size_t i = 0; i < (size_t)T * m->dims.H * m->dims.D; i++) {
+                g = fmin(g, c.layer[l].g[i]);
+                n += c.layer[l].g[i] < -11.0;
+            }
+            break;
+        }
+    if (below) *below = n;
+    mtrl_decode_state_free(&s);
+    mtrl_arena_free(&ar);
+    return g;
+}
+
 // Non-zero AttnRes queries, key-norm gains, KDA A_log and QB β (initialised at 0 or 1 otherwise),
 // so every path of the model carries signal in a comparison. Host parameters only: a model on a
 // device needs mtrl_model_to_device afterwards.
 static inline void test_model_perturb(mtrl_model *m, uint64_t seed) {
     const mtrl_model_dims *d = &m->dims;
-    for (size_t i = 0; i < (size_t)(2 * d->L + 1) * d->d; i++) {
+    for (size_t i = 0; m->P.site_w && i < (size_t)(2 * d->L + 1) * d->d; i++) {
         m->P.site_w[i] = (real)(0.5 * mtrl_rng_normal(seed, 1, i));
         m->P.site_g[i] = (real)(1.0 + 0.2 * mtrl_rng_normal(seed, 2, i));
     }
     for (int l = 0; l < d->L; l++)
         if (m->P.layer[l].A_log)
             for (int h = 0; h < d->H; h++) m->P.layer[l].A_log[h] = (real)(0.3 * mtrl_rng_normal(seed, 3 + l, h));
-    for (size_t i = d->E; i < (size_t)d->L * d->E; i++) m->qb_beta[i] = (real)(0.05 * mtrl_rng_normal(seed, 90, i));
+    for (size_t i = (size_t)d->first_dense * d->E; i < (size_t)d->L * d->E; i++)
+        m->qb_beta[i] = (real)(0.05 * mtrl_rng_normal(seed, 90, i));
+    test_model_fast_decay(m, seed);
 }
 
 // test_cuda_model's `reduced small` case (KMKM, d 256, KDA 2 x 128, MLA 4 heads, latent 256 + 32,

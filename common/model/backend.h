@@ -131,10 +131,12 @@ struct mtrl_backend {
     double (*grad_sq_norm)(mtrl_backend *, size_t n, const real *grad);
 
     // ---- KDA (kda_ref.h) ---------------------------------------------------------------------------
-    void (*kda_gate_fwd)(mtrl_backend *, int T, int H, int K, const real *f, const real *A_log, const real *dt_bias,
-                         real g_min, real *g);
-    void (*kda_gate_bwd)(mtrl_backend *, int T, int H, int K, const real *f, const real *A_log, const real *dt_bias,
-                         real g_min, const real *dg, real *df, real *dA_log, real *ddt_bias);
+    // kind: MTRL_KDA_GATE_* (model.h). The Kimi gate is exact on the CPU (kda_gate_kimi_fwd with no
+    // floor); the CUDA backend clamps it at g_min, the range of its chunked kernels.
+    void (*kda_gate_fwd)(mtrl_backend *, int kind, int T, int H, int K, const real *f, const real *A_log,
+                         const real *dt_bias, real g_min, real *g);
+    void (*kda_gate_bwd)(mtrl_backend *, int kind, int T, int H, int K, const real *f, const real *A_log,
+                         const real *dt_bias, real g_min, const real *dg, real *df, real *dA_log, real *ddt_bias);
     void (*kda_chunk_fwd)(mtrl_backend *, int T, int H, int K, int V, const real *q, const real *k, const real *v,
                           const real *g, const real *beta, const real *S0, real *o, real *S_final, real *S_tiles);
     void (*kda_chunk_bwd)(mtrl_backend *, int T, int H, int K, int V, const real *q, const real *k, const real *v,
@@ -188,10 +190,11 @@ struct mtrl_backend {
                        const real *W_kvb, const void *const *lat_h, int ld, const int *Tk_h, real *a);
 
     // ---- MoE (moe_ref.h) ---------------------------------------------------------------------------
-    void (*moe_router_fwd)(mtrl_backend *, int N, int E, int K, const real *z, const real *beta, int score_softmax,
+    // form: moe_ref.h's MOE_ROUTER_* bits (model_router_form)
+    void (*moe_router_fwd)(mtrl_backend *, int N, int E, int K, const real *z, const real *beta, int form,
                            real rho, int replay, int *sel, real *w, real *s);
     void (*moe_router_bwd)(mtrl_backend *, int N, int E, int K, const real *s, const int *sel, const real *w,
-                           int score_softmax, real rho, const real *dw, real *dz);
+                           int form, real rho, const real *dw, real *dz);
     void (*moe_dispatch)(mtrl_backend *, int N, int E, int K, const int *sel, int *offsets, int *perm_token, int *pos);
     void (*moe_gather)(mtrl_backend *, int N, int K, int D, const int *pos, const real *x, real *X_perm);
     void (*moe_combine_fwd)(mtrl_backend *, int N, int K, int D, const int *pos, const real *w, const real *Y_perm,

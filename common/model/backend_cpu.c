@@ -159,15 +159,17 @@ static void adamw_(BE *be, size_t n, real *p, const real *g, real *m, real *v, r
 }
 static double grad_sq_norm_(BE *be, size_t n, const real *g) { (void)be; return grad_sq_norm(n, g); }
 
-static void kda_gate_fwd_(BE *be, int T, int H, int K, const real *f, const real *A, const real *b, real gm,
-                          real *g) {
+static void kda_gate_fwd_(BE *be, int kind, int T, int H, int K, const real *f, const real *A, const real *b,
+                          real gm, real *g) {
     (void)be;
-    kda_gate_fwd(T, H, K, f, A, b, gm, g);
+    if (kind == MTRL_KDA_GATE_KIMI) kda_gate_kimi_fwd(T, H, K, f, A, b, (real)-INFINITY, g);
+    else kda_gate_fwd(T, H, K, f, A, b, gm, g);
 }
-static void kda_gate_bwd_(BE *be, int T, int H, int K, const real *f, const real *A, const real *b, real gm,
-                          const real *dg, real *df, real *dA, real *db) {
+static void kda_gate_bwd_(BE *be, int kind, int T, int H, int K, const real *f, const real *A, const real *b,
+                          real gm, const real *dg, real *df, real *dA, real *db) {
     (void)be;
-    kda_gate_bwd(T, H, K, f, A, b, gm, dg, df, dA, db);
+    if (kind == MTRL_KDA_GATE_KIMI) kda_gate_kimi_bwd(T, H, K, f, A, b, (real)-INFINITY, dg, df, dA, db);
+    else kda_gate_bwd(T, H, K, f, A, b, gm, dg, df, dA, db);
 }
 static void kda_chunk_fwd_(BE *be, int T, int H, int K, int V, const real *q, const real *k, const real *v,
                            const real *g, const real *beta, const real *S0, real *o, real *Sf, real *St) {

@@ -335,13 +335,17 @@ static double grad_sq_norm_(BE *be, size_t n, const real *g) {
 
 // ---- KDA -----------------------------------------------------------------------------------------------
 
-static void kda_gate_fwd_(BE *be, int T, int H, int K, const real *f, const real *A, const real *b, real gm,
-                          real *g) {
-    OK(mtrl_kda_gate_fwd(CTX(be), T, H, K, f, A, b, gm, g));
+// The Kimi gate clamped at g_min: the chunked kernels need every g >= g_min >= -11
+// (docs/model-forms.md). Decode uses the same gate, so a GPU's forms agree with one another.
+static void kda_gate_fwd_(BE *be, int kind, int T, int H, int K, const real *f, const real *A, const real *b,
+                          real gm, real *g) {
+    if (kind == MTRL_KDA_GATE_KIMI) OK(mtrl_kda_gate_kimi_fwd(CTX(be), T, H, K, f, A, b, gm, g));
+    else OK(mtrl_kda_gate_fwd(CTX(be), T, H, K, f, A, b, gm, g));
 }
-static void kda_gate_bwd_(BE *be, int T, int H, int K, const real *f, const real *A, const real *b, real gm,
-                          const real *dg, real *df, real *dA, real *db) {
-    OK(mtrl_kda_gate_bwd(CTX(be), T, H, K, f, A, b, gm, dg, df, dA, db));
+static void kda_gate_bwd_(BE *be, int kind, int T, int H, int K, const real *f, const real *A, const real *b,
+                          real gm, const real *dg, real *df, real *dA, real *db) {
+    if (kind == MTRL_KDA_GATE_KIMI) OK(mtrl_kda_gate_kimi_bwd(CTX(be), T, H, K, f, A, b, gm, dg, df, dA, db));
+    else OK(mtrl_kda_gate_bwd(CTX(be), T, H, K, f, A, b, gm, dg, df, dA, db));
 }
 static void kda_chunk_fwd_(BE *be, int T, int H, int K, int V, const real *q, const real *k, const real *v,
                            const real *g, const real *beta, const real *S0, real *o, real *Sf, real *St) {

@@ -2,9 +2,10 @@
 // reference of kernels/ref, or the CUDA kernels of kernels/cuda (see "Devices" below).
 //
 // A hybrid stack of L layers; layer l mixes tokens with KDA (lower-bounded decay, §2) or gated
-// MLA (NoPE, §3), then applies an FFN: dense SwiGLU in layer 0, MoE with a sigmoid router,
-// top-k of (logit − β), renormalised weights and shared experts in the others (§4). The
-// residual stream is Block Attention Residuals (§6). Written over `real`: the programs link
+// MLA (NoPE, §3), then applies an FFN: dense SwiGLU in the first layer(s), MoE with a sigmoid
+// router, top-k of (logit − β), renormalised weights and shared experts in the others (§4). The
+// residual stream is Block Attention Residuals (§6). Options of the dims switch these forms to
+// Kimi Linear's (the unbounded gate, score-biased routing, plain residual: docs/model-forms.md). Written over `real`: the programs link
 // the fp32 build, the tests an fp64 build of the same source (kernels/ref/real.h).
 //
 // Shapes (per sequence): T tokens, d = d_model, V = vocabulary, H heads, D = KDA head dim,
@@ -100,13 +101,26 @@ typedef struct mtrl_model_dims {
     // tf32) or true fp32 (0); the environment may override it (backend.h mtrl_backend_gemm_tf32).
     // A CPU model ignores it.
     int gemm_tf32;
-    int dense_I;                     // FFN width of layer 0
+    int dense_I;                     // FFN width of the dense layers
     int E, k, n_shared, I;           // experts, top-k, shared experts, expert width
     int S;                           // AttnRes block size in layers
     int score_softmax;
     real g_min, rho, eps, init_std;
-    int n_moe;                       // MoE layers (all but layer 0)
+    int n_moe;                       // MoE layers: L − first_dense
+    // The forms of the layers ([model] keys; docs/model-forms.md maps Kimi Linear's onto them).
+    // Each default is the project's own model.
+    int kda_gate;          // MTRL_KDA_GATE_*: bounded (default) or Kimi's unbounded softplus gate
+    int attnres;           // 1 (default): Block AttnRes; 0: plain pre-norm residual, no attnres.* tensors
+    int first_dense;       // layers 0 .. first_dense−1 have the dense SwiGLU FFN (default 1)
+    int router_bias_score; // 0 (default): top-k of z − β; 1: top-k of s − β (s the router score)
+    int moe_renorm;        // 1 (default): the top-k scores renormalised to sum 1 before ρ
+    real kv_eps;           // epsilon of the MLA latent's RMSNorm (default: eps)
 } mtrl_model_dims;
+
+// kda_gate: g = g_min·σ(e^{A_log}(f + dt_bias)) in (g_min, 0) (the default), or Kimi Linear's
+// g = −e^{A_log}·softplus(f + dt_bias) in (−∞, 0), exact on the CPU; a GPU clamps it below at
+// g_min, the range its chunked kernels take (kda_ref.h kda_gate_kimi_fwd, docs/model-forms.md).
+enum { MTRL_KDA_GATE_BOUNDED = 0, MTRL_KDA_GATE_KIMI = 1 };
 
 // Pointers to one layer's tensors inside a block laid out like the parameters (the parameters
 // themselves, their gradients, or an optimizer moment). Unused pointers are NULL.
@@ -223,7 +237,7 @@ typedef struct mtrl_model {
     long step;                  // optimizer steps taken
     uint32_t version;           // weight version (published)
     // Quantile Balancing (model.md §4.3): β per MoE layer, outside the gradient path.
-    real *qb_beta;              // [L][E] (layer 0 unused)
+    real *qb_beta;              // [L][E] (the dense layers' rows unused)
     double *qb_sum;             // [L][E] β computed from this step's batches, summed
     int *qb_count;              // [L] number of batches summed
     long *load;                 // [L][E] routing load this step (metrics)
@@ -399,7 +413,11 @@ mtrl_status mtrl_model_save_bf16(const mtrl_model *m, void **mem, size_t *mem_le
 struct mtrl_ckpt;
 mtrl_status mtrl_model_load(mtrl_model *m, struct mtrl_ckpt *c, int with_optimizer, mtrl_error *err);
 
-// Index of layer l among the MoE layers, or -1 for the dense layer.
-static inline int mtrl_model_moe_index(int l) { return l - 1; }
+// 1 when layer l has the dense FFN (the first first_dense layers), 0 when MoE.
+static inline int mtrl_model_is_dense(const mtrl_model_dims *d, int l) { return l < d->first_dense; }
+// Index of layer l among the MoE layers, or -1 for a dense layer.
+static inline int mtrl_model_moe_index(const mtrl_model_dims *d, int l) {
+    return l < d->first_dense ? -1 : l - d->first_dense;
+}
 
 #endif

@@ -74,7 +74,7 @@ static void kda_backward_(mtrl_model *m, mtrl_arena *ar, int l, int T, const lay
     // the gate's backward next to the delta rule's (the profile's KDA core); dx1 still takes
     // wz1, wbeta, wf1, then q/k/v in that order
     real *df = ALLOC((size_t)T * HD), *df1 = ALLOC((size_t)T * D);
-    be->kda_gate_bwd(be, T, H, D, c->f, p->A_log, p->dt_bias, d->g_min, dg, df, gp->A_log, gp->dt_bias);
+    be->kda_gate_bwd(be, d->kda_gate, T, H, D, c->f, p->A_log, p->dt_bias, d->g_min, dg, df, gp->A_log, gp->dt_bias);
     model_prof_end(m, MTRL_PROF_KDA_CORE, t);
     t = model_prof_begin(m);
     be->dsigmoid(be, (size_t)T * H, c->beta, dbeta);
@@ -208,7 +208,7 @@ static void mla_backward_(mtrl_model *m, mtrl_arena *ar, int l, int T, const lay
     real *dchat = ALLOC((size_t)T * dc), *dlraw = ALLOC((size_t)T * ld), *dcraw = ALLOC((size_t)T * dc);
     t = model_prof_begin(m);
     be->copy_rows(be, T, dc, dlat + (size_t)t0 * ld, ld, dchat, dc);
-    be->rmsnorm_bwd(be, T, dc, c->craw, p->mkv_norm, c->rstd_c, d->eps, dchat, dcraw, gp->mkv_norm);
+    be->rmsnorm_bwd(be, T, dc, c->craw, p->mkv_norm, c->rstd_c, d->kv_eps, dchat, dcraw, gp->mkv_norm);
     be->copy_rows(be, T, dc, dcraw, dc, dlraw, ld);
     be->copy_rows(be, T, dr, dlat + (size_t)t0 * ld + dc, ld, dlraw + dc, ld);
     model_prof_end(m, MTRL_PROF_MLA_ELEM, t);
@@ -226,7 +226,7 @@ static void ffn_backward_(mtrl_model *m, mtrl_arena *ar, int l, int T, const lay
     mtrl_layer_ptrs *gp = &m->dG.layer[l];
     mtrl_backend *be = m->be;
     double t = model_prof_begin(m);
-    if (l == 0) {
+    if (mtrl_model_is_dense(d, l)) {
         be->moe_swiglu_bwd(be, T, d->d, d->dense_I, c->x2, p->w1, p->w3, p->w2, c->u1, c->u3, dout, dx2, gp->w1,
                            gp->w3, gp->w2);
         model_prof_end(m, MTRL_PROF_FFN_DENSE, t);
@@ -244,7 +244,7 @@ static void ffn_backward_(mtrl_model *m, mtrl_arena *ar, int l, int T, const lay
     t = model_prof_begin(m);
     be->zero(be, dx2, sizeof(real) * (size_t)T * d->d);
     be->moe_scatter_bwd(be, T, K, d->d, c->pos, dXp, dx2);
-    be->moe_router_bwd(be, T, E, K, c->sr, c->sel, c->wr, d->score_softmax, d->rho, dw, dz);
+    be->moe_router_bwd(be, T, E, K, c->sr, c->sel, c->wr, model_router_form(d), d->rho, dw, dz);
     proj_bwd_(be, T, E, d->d, c->x2, p->router, dz, dx2, 1, gp->router);
     model_prof_end(m, MTRL_PROF_MOE_ROUTE, t);
     if (d->n_shared > 0) {
@@ -260,7 +260,7 @@ static void ffn_backward_(mtrl_model *m, mtrl_arena *ar, int l, int T, const lay
 
 // ---- the stack ------------------------------------------------------------------------------------------------
 
-// Backward of AttnRes site j given dh: block gradients into dB[b], the partial's into dp.
+// Backward of AttnRes site j given dh: block gradients into dB[b], the partial's into dp (+=).
 static void site_backward_(mtrl_model *m, const seg_cache *c, int j, int nsrc, const real *alpha, const real *dh,
                            real **dB, real *dp) {
     const mtrl_model_dims *d = &m->dims;
@@ -270,6 +270,10 @@ static void site_backward_(mtrl_model *m, const seg_cache *c, int j, int nsrc, c
     for (int b = 0; b < c->nb_site[j]; b++) { src[n] = c->blocks[b]; dsrc[n++] = dB[b]; }
     if (c->part[j]) { src[n] = c->part[j]; dsrc[n++] = dp; }
     MTRL_CHECK(n == nsrc);
+    if (!d->attnres) { // the plain residual: h is the sum of its sources
+        for (int i = 0; i < n; i++) m->be->add(m->be, (size_t)c->T * d->d, dsrc[i], dh, dsrc[i]);
+        return;
+    }
     m->be->attnres_site_bwd(m->be, c->T, d->d, nsrc, src, m->dP.site_w + (size_t)j * d->d,
                             m->dP.site_g + (size_t)j * d->d, d->eps, alpha, dh, dsrc, m->dG.site_w + (size_t)j * d->d,
                             m->dG.site_g + (size_t)j * d->d);

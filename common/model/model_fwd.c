@@ -103,7 +103,7 @@ static void kda_forward_(mtrl_model *m, mtrl_arena *ar, int l, int mode, int T, 
     c->o = ALLOC((size_t)T * HD);
     // the gate next to the delta rule: together they are the profile's KDA core
     t = model_prof_begin(m);
-    be->kda_gate_fwd(be, T, H, D, c->f, p->A_log, p->dt_bias, d->g_min, c->g);
+    be->kda_gate_fwd(be, d->kda_gate, T, H, D, c->f, p->A_log, p->dt_bias, d->g_min, c->g);
     if (mode != SEG_DECODE) {
         real *S = io->piece_io ? NULL : io->kda_S + (size_t)ki * S_sz;
         c->S0 = ALLOC(S_sz);
@@ -196,7 +196,7 @@ static void mla_forward_(mtrl_model *m, mtrl_arena *ar, int l, int mode, int T, 
     be->copy_rows(be, T, dc, lraw, ld, c->craw, dc);
     be->copy_rows(be, T, dr, lraw + dc, ld, c->kr, dr);
     real *chat = ALLOC((size_t)T * dc);
-    be->rmsnorm_fwd(be, T, dc, c->craw, p->mkv_norm, d->eps, chat, c->rstd_c);
+    be->rmsnorm_fwd(be, T, dc, c->craw, p->mkv_norm, d->kv_eps, chat, c->rstd_c);
     // The new latent rows [ĉ ; k^r] join the sequence's cache.
     if (mode != SEG_DECODE && io->piece_io) {
         for (int i = 0; i < io->n_piece; i++) {
@@ -324,21 +324,21 @@ static void mla_forward_(mtrl_model *m, mtrl_arena *ar, int l, int mode, int T, 
     model_prof_end(m, MTRL_PROF_MLA_PROJ, t);
 }
 
-// ---- FFN: dense SwiGLU (layer 0) or MoE (model.md §4) -----------------------------------------------
+// ---- FFN: dense SwiGLU (the first first_dense layers) or MoE (model.md §4) -----------------------------------------------
 
 static void ffn_forward_(mtrl_model *m, mtrl_arena *ar, int l, int T, const real *x2, layer_cache *c, real *out,
                          const seg_out *so) {
     const mtrl_model_dims *d = &m->dims;
     const mtrl_layer_ptrs *p = &m->dP.layer[l];
     mtrl_backend *be = m->be;
-    if (l == 0) {
+    if (mtrl_model_is_dense(d, l)) {
         c->u1 = ALLOC((size_t)T * d->dense_I); c->u3 = ALLOC((size_t)T * d->dense_I);
         double t = model_prof_begin(m);
         be->moe_swiglu_fwd(be, T, d->d, d->dense_I, x2, p->w1, p->w3, p->w2, c->u1, c->u3, out);
         model_prof_end(m, MTRL_PROF_FFN_DENSE, t);
         return;
     }
-    int E = d->E, K = d->k, mi = l - 1;
+    int E = d->E, K = d->k, mi = mtrl_model_moe_index(d, l);
     c->zr = ALLOC((size_t)T * E); c->sr = ALLOC((size_t)T * E); c->wr = ALLOC((size_t)T * K);
     c->sel = IALLOC((size_t)T * K); c->offsets = IALLOC(E + 1);
     c->perm = IALLOC((size_t)T * K); c->pos = IALLOC((size_t)T * K);
@@ -356,7 +356,7 @@ static void ffn_forward_(mtrl_model *m, mtrl_arena *ar, int l, int T, const real
             for (int j = 0; j < K; j++) sel_h[t * K + j] = so->routing_in[((size_t)t * d->n_moe + mi) * K + j];
         be->upload(be, c->sel, sel_h, sizeof(int) * (size_t)T * K);
     }
-    be->moe_router_fwd(be, T, E, K, c->zr, beta, d->score_softmax, d->rho, replay, c->sel, c->wr, c->sr);
+    be->moe_router_fwd(be, T, E, K, c->zr, beta, model_router_form(d), d->rho, replay, c->sel, c->wr, c->sr);
     if (so && so->routing_out) {
         be->download(be, sel_h, c->sel, sizeof(int) * (size_t)T * K);
         for (int t = 0; t < T; t++)
@@ -371,7 +371,9 @@ static void ffn_forward_(mtrl_model *m, mtrl_arena *ar, int l, int T, const real
         be->moe_load_count(be, T, E, K, c->sel, load);
         for (int e = 0; e < E; e++) m->load[(size_t)l * E + e] += load[e];
         real bnew[256];
-        if (!m->qb_frozen && be->qb_beta(be, T, E, K, c->zr, beta, bnew) == 0) {
+        // QB balances the scores the router selected on: z, or s (router_bias = score)
+        const real *sc = d->router_bias_score ? c->sr : c->zr;
+        if (!m->qb_frozen && be->qb_beta(be, T, E, K, sc, beta, bnew) == 0) {
             for (int e = 0; e < E; e++) m->qb_sum[(size_t)l * E + e] += bnew[e];
             m->qb_count[l]++;
         }
@@ -404,6 +406,23 @@ static int site_sources_(const seg_cache *c, int j, const real **src) {
     for (int b = 0; b < c->nb_site[j]; b++) src[n++] = c->blocks[b];
     if (c->part[j]) src[n++] = c->part[j];
     return n;
+}
+
+// Input h [T][d] of site j from its n sources: the AttnRes softmax mix (alpha its weights), or
+// with dims.attnres = 0 the plain residual stream, the sum of the sources (the embedding and the
+// running sum of the sublayer outputs: dims.S = L keeps them two; alpha is left unwritten).
+static void site_fwd_(mtrl_model *m, int T, int j, int n, const real *const *src, real *h, real *alpha) {
+    const mtrl_model_dims *d = &m->dims;
+    mtrl_backend *be = m->be;
+    if (d->attnres) {
+        be->attnres_site_fwd(be, T, d->d, n, src, m->dP.site_w + (size_t)j * d->d, m->dP.site_g + (size_t)j * d->d,
+                             d->eps, h, alpha);
+        return;
+    }
+    size_t N = (size_t)T * d->d;
+    if (n == 1) be->copy(be, h, src[0], sizeof(real) * N);
+    else be->add(be, N, src[0], src[1], h);
+    for (int i = 2; i < n; i++) be->add(be, N, h, src[i], h);
 }
 
 void seg_forward(mtrl_model *m, mtrl_arena *ar, int mode, int T, const uint32_t *tokens, seq_io *io, seg_out *out,
@@ -447,8 +466,7 @@ void seg_forward(mtrl_model *m, mtrl_arena *ar, int mode, int T, const uint32_t 
         lc->h_a = ALLOC((size_t)T * D);
         lc->rstd1 = ALLOC(T); lc->x1 = ALLOC((size_t)T * D);
         t = model_prof_begin(m);
-        be->attnres_site_fwd(be, T, D, lc->nsrc_a, src, m->dP.site_w + (size_t)j * D, m->dP.site_g + (size_t)j * D,
-                             d->eps, lc->h_a, lc->alpha_a);
+        site_fwd_(m, T, j, lc->nsrc_a, src, lc->h_a, lc->alpha_a);
         be->rmsnorm_fwd(be, T, D, lc->h_a, m->dP.layer[l].norm1, d->eps, lc->x1, lc->rstd1);
         model_prof_end(m, MTRL_PROF_SITE, t);
         lc->mix = ALLOC((size_t)T * D);
@@ -468,8 +486,7 @@ void seg_forward(mtrl_model *m, mtrl_arena *ar, int mode, int T, const uint32_t 
         lc->h_f = ALLOC((size_t)T * D);
         lc->rstd2 = ALLOC(T); lc->x2 = ALLOC((size_t)T * D);
         t = model_prof_begin(m);
-        be->attnres_site_fwd(be, T, D, lc->nsrc_f, src, m->dP.site_w + (size_t)j * D, m->dP.site_g + (size_t)j * D,
-                             d->eps, lc->h_f, lc->alpha_f);
+        site_fwd_(m, T, j, lc->nsrc_f, src, lc->h_f, lc->alpha_f);
         be->rmsnorm_fwd(be, T, D, lc->h_f, m->dP.layer[l].norm2, d->eps, lc->x2, lc->rstd2);
         model_prof_end(m, MTRL_PROF_SITE, t);
         lc->ffn = ALLOC((size_t)T * D);
@@ -488,8 +505,7 @@ void seg_forward(mtrl_model *m, mtrl_arena *ar, int mode, int T, const uint32_t 
     c->alpha_o = ALLOC((size_t)T * c->nsrc_o);
     c->h_o = ALLOC((size_t)T * D);
     t = model_prof_begin(m);
-    be->attnres_site_fwd(be, T, D, c->nsrc_o, src, m->dP.site_w + (size_t)j * D, m->dP.site_g + (size_t)j * D, d->eps,
-                         c->h_o, c->alpha_o);
+    site_fwd_(m, T, j, c->nsrc_o, src, c->h_o, c->alpha_o);
     model_prof_end(m, MTRL_PROF_SITE, t);
     c->rstd_f = ALLOC(T); c->xf = ALLOC((size_t)T * D);
     c->logits = ALLOC((size_t)T * d->V);
@@ -551,7 +567,7 @@ static size_t mla_naive_bytes_(const mtrl_model_dims *d, size_t Tk, size_t lat) 
     return lb_(kw, lat) + lb_(vw, lat) + rb_(kw) + rb_(vw) + rb_(Tk * (d->dc + d->dr));
 }
 static size_t ffn_fwd_bytes_(const mtrl_model_dims *d, int l, size_t T) {
-    if (l == 0) return 2 * rb_(T * d->dense_I);
+    if (mtrl_model_is_dense(d, l)) return 2 * rb_(T * d->dense_I);
     size_t K = (size_t)d->k, R = T * K, SI = (size_t)d->n_shared * d->I;
     size_t b = 2 * rb_(T * d->E) + rb_(T * K) + 3 * ib_(T * K) + ib_((size_t)d->E + 1) + 2 * rb_(R * d->d) +
                2 * rb_(R * d->I);
@@ -573,7 +589,7 @@ static size_t mla_bwd_bytes_(const mtrl_model_dims *d, size_t T, size_t Tk, size
     return b + (naive > tail ? naive : tail);
 }
 static size_t ffn_bwd_bytes_(const mtrl_model_dims *d, int l, size_t T) {
-    if (l == 0) return 0;
+    if (mtrl_model_is_dense(d, l)) return 0;
     size_t R = T * d->k;
     return 2 * rb_(R * d->d) + rb_(T * d->k) + rb_(T * d->E) + (d->n_shared > 0 ? rb_(T * d->d) : 0);
 }

@@ -51,7 +51,18 @@ mtrl_status mtrl_model_dims_from_config(mtrl_model_dims *d, const mtrl_cfg_model
     if (d->k < 1 || d->k > d->E)
         return mtrl_error_set(err, MTRL_ERR_USAGE, "[model] top_k = %d must be 1..experts (%d)", d->k, d->E);
     if (d->S < 1) return mtrl_error_set(err, MTRL_ERR_USAGE, "[model] attnres_block must be >= 1");
-    d->n_moe = d->L - 1;
+    d->kda_gate = !strcmp(c->kda_gate, "kimi") ? MTRL_KDA_GATE_KIMI : MTRL_KDA_GATE_BOUNDED;
+    d->attnres = c->attnres;
+    // Without AttnRes the stream is one running sum: one block over every layer (model_fwd.c).
+    if (!d->attnres) d->S = d->L;
+    d->first_dense = c->dense_layers > 0 ? (int)c->dense_layers : 1;
+    if (d->first_dense > d->L)
+        return mtrl_error_set(err, MTRL_ERR_USAGE, "[model] dense_layers = %d exceeds layers = %d", d->first_dense,
+                              d->L);
+    d->router_bias_score = !strcmp(c->router_bias, "score");
+    d->moe_renorm = c->router_renorm;
+    d->kv_eps = c->mla_kv_norm_eps > 0 ? (real)c->mla_kv_norm_eps : d->eps;
+    d->n_moe = d->L - d->first_dense;
     return MTRL_OK;
 }
 
@@ -80,8 +91,10 @@ static void build_table_(mtrl_tt *t, const mtrl_model_dims *d) {
     add_(t, "embed", d->V, d->d, 0);
     add_(t, "lm_head", d->V, d->d, 0);
     add_(t, "final_norm", d->d, 0, 0);
-    add_(t, "attnres.w", 2 * d->L + 1, d->d, 0);
-    add_(t, "attnres.g", 2 * d->L + 1, d->d, 0);
+    if (d->attnres) {
+        add_(t, "attnres.w", 2 * d->L + 1, d->d, 0);
+        add_(t, "attnres.g", 2 * d->L + 1, d->d, 0);
+    }
     int HD = d->H * d->D;
     for (int l = 0; l < d->L; l++) {
 #define P(suffix, a, b, c) (snprintf(n, sizeof n, "layers.%d.%s", l, suffix), add_(t, n, a, b, c))
@@ -111,7 +124,7 @@ static void build_table_(mtrl_tt *t, const mtrl_model_dims *d) {
             if (d->mla_gate) P("mla.wg", d->mH * d->dv, d->d, 0);
             P("mla.wo", d->d, d->mH * d->dv, 0);
         }
-        if (l == 0) {
+        if (mtrl_model_is_dense(d, l)) {
             P("ffn.w1", d->dense_I, d->d, 0);
             P("ffn.w3", d->dense_I, d->d, 0);
             P("ffn.w2", d->d, d->dense_I, 0);
@@ -452,7 +465,7 @@ double mtrl_model_optimizer_step(mtrl_model *m, real lr, real beta1, real beta2,
 int mtrl_model_qb_apply(mtrl_model *m) {
     const mtrl_model_dims *d = &m->dims;
     int updated = 0;
-    for (int l = 1; l < d->L; l++) {
+    for (int l = d->first_dense; l < d->L; l++) {
         if (!m->qb_frozen && m->qb_count[l] > 0) {
             for (int e = 0; e < d->E; e++)
                 m->qb_beta[(size_t)l * d->E + e] = (real)(m->qb_sum[(size_t)l * d->E + e] / m->qb_count[l]);
@@ -473,7 +486,7 @@ int mtrl_model_qb_apply(mtrl_model *m) {
 
 double mtrl_model_load_violation(const mtrl_model *m, int layer) {
     const mtrl_model_dims *d = &m->dims;
-    if (layer < 1 || layer >= d->L) return 0;
+    if (layer < d->first_dense || layer >= d->L) return 0;
     long total = 0;
     int load[256];
     for (int e = 0; e < d->E; e++) {

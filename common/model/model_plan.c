@@ -107,8 +107,8 @@ static size_t ctx_request_(const mtrl_model_dims *d, size_t T, size_t es) {
     req = max_(req, norm_dw_req_(T, D)); // norm1, norm2, final norm
     size_t site[2] = {4 * T * (size_t)(nb + 1), 4 * row_splits_(T, D) * D};
     req = max_(req, carve_(site, 2)); // attnres_site_bwd
-    req = max_(req, experts_bwd_req_(T, D, (size_t)d->dense_I, es)); // layer 0's dense FFN
-    if (d->L > 1) {
+    req = max_(req, experts_bwd_req_(T, D, (size_t)d->dense_I, es)); // the dense FFNs
+    if (d->n_moe > 0) {
         size_t R = T * (size_t)d->k;
         req = max_(req, experts_bwd_req_(R, D, (size_t)d->I, es));
         if (d->n_shared > 0) req = max_(req, experts_bwd_req_(T, D, (size_t)d->n_shared * d->I, es));
@@ -125,7 +125,7 @@ static size_t ctx_request_(const mtrl_model_dims *d, size_t T, size_t es) {
 static size_t gemm_bf16_request_(const mtrl_model_dims *d, size_t T) {
     size_t HD = (size_t)d->H * d->D, D = (size_t)d->d, kda = model_n_kda(d) > 0, mla = model_n_mla(d) > 0;
     // {present, n, k} of every projection shape of model_fwd.c
-    size_t proj[][3] = {{1, (size_t)d->V, D}, {d->L > 1, (size_t)d->E, D}, // LM head, router
+    size_t proj[][3] = {{1, (size_t)d->V, D}, {d->n_moe > 0, (size_t)d->E, D}, // LM head, router
                         {kda, HD, D}, {kda, (size_t)d->D, D}, {kda, HD, (size_t)d->D}, {kda, (size_t)d->H, D},
                         {kda, D, HD}, {mla, (size_t)d->mH * (d->dn + d->dr), D}, {mla, (size_t)d->dc + d->dr, D},
                         {mla && d->mla_gate, (size_t)d->mH * d->dv, D}, {mla, D, (size_t)d->mH * d->dv}};
@@ -134,7 +134,7 @@ static size_t gemm_bf16_request_(const mtrl_model_dims *d, size_t T) {
         size_t p[2] = {2 * T * proj[i][1], 2 * T * proj[i][2]};
         if (proj[i][0]) req = max_(req, carve_(p, 2));
     }
-    size_t rows = d->L > 1 ? T * (size_t)d->k : T; // routed rows (dense FFN, shared experts: T)
+    size_t rows = d->n_moe > 0 ? T * (size_t)d->k : T; // routed rows (dense FFN, shared experts: T)
     size_t x[4] = {2 * rows * D, 0, 0, 0};
     return max_(req, carve_(x, 4));
 }
@@ -211,7 +211,7 @@ static void eval_(mtrl_model_plan *p, const mtrl_model_dims *d, size_t P, int de
     } else {
         // moe_ref / attnres_ref / mla_ref temporaries of one call (OpenMP threads share them out)
         size_t T = (size_t)ws.max_seg, w = (size_t)d->dense_I;
-        if (d->L > 1) w = max_(w, max_((size_t)d->k * d->I, (size_t)d->n_shared * d->I));
+        if (d->n_moe > 0) w = max_(w, max_((size_t)d->k * d->I, (size_t)d->n_shared * d->I));
         p->scratch = 3 * T * w * R + T * (size_t)(d->mH > 0 ? d->mH : 1) * sizeof(double);
     }
     // Host arrays per token: the trajectory (ids, behaviour log-prob, version, kind, routing),

@@ -18,6 +18,7 @@
 
 #include "common/arena.h"
 #include "common/model/backend.h"
+#include "kernels/ref/moe_ref.h"
 #include "common/model/model.h"
 #include "common/timeutil.h"
 
@@ -208,6 +209,12 @@ int model_kda_index(const mtrl_model_dims *d, int l);
 int model_mla_index(const mtrl_model_dims *d, int l);
 
 void mtrl_model_ws_free(mtrl_model *m);
+
+// The router's form (moe_ref.h MOE_ROUTER_* bits) from the dims.
+static inline int model_router_form(const mtrl_model_dims *d) {
+    return (d->score_softmax ? MOE_ROUTER_SOFTMAX : 0) | (d->router_bias_score ? MOE_ROUTER_SELECT_SCORE : 0) |
+           (d->moe_renorm ? 0 : MOE_ROUTER_NO_RENORM);
+}
 
 // A phase of the profile (model.h): t = model_prof_begin(m); ...; model_prof_end(m, block, t)
 // adds the interval to block under the profile's current pass. Both ends wait for the device, so

@@ -934,20 +934,27 @@ __global__ void __launch_bounds__(256) kda_step_k(int H, int K, int V, const flo
 
 // ---- gate --------------------------------------------------------------------------------------
 
+// softplus as transformers' KimiLinearForgetGate (kda_ref.c kda_softplus_)
+__device__ __forceinline__ float kimi_softplus_(float x) { return x > 20.f ? x : log1pf(expf(x)); }
+
+// kimi = 0: g = g_min σ(a x); kimi = 1: g = max(−a softplus(x), g_min) (kda_gate_kimi_fwd with
+// the floor g_min, the range of the chunked kernels).
 __global__ void kda_gate_fwd_k(size_t n, int H, int K, const float *f, const float *A_log,
-                               const float *dt_bias, float g_min, float *g) {
+                               const float *dt_bias, float g_min, int kimi, float *g) {
     int HK = H * K;
     for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n;
          i += (size_t)gridDim.x * blockDim.x) {
         int c = (int)(i % HK), h = c / K;
         float a = expf(A_log[h]);
-        g[i] = g_min * sigmoid_acc(a * (f[i] + dt_bias[c]));
+        if (kimi) g[i] = fmaxf(-a * kimi_softplus_(f[i] + dt_bias[c]), g_min);
+        else g[i] = g_min * sigmoid_acc(a * (f[i] + dt_bias[c]));
     }
 }
 
-// Partial sums over a range of tokens, per column c = h*K + d: pdb = Σ a dy, pdA = Σ a x dy.
+// Partial sums over a range of tokens, per column c = h*K + d: pdb = Σ df, pdA = Σ ∂L/∂A_log
+// (bounded: a x dy with dy = ∂L/∂(a x); kimi: dg·g, 0 where the floor clamped g).
 __global__ void kda_gate_bwd_k(int T, int H, int K, int tchunk, const float *f,
-                               const float *A_log, const float *dt_bias, float g_min,
+                               const float *A_log, const float *dt_bias, float g_min, int kimi,
                                const float *dg, float *df, double *pdb, double *pdA) {
     int HK = H * K, c = blockIdx.x * blockDim.x + threadIdx.x;
     if (c >= HK) return;
@@ -957,6 +964,15 @@ __global__ void kda_gate_bwd_k(int T, int H, int K, int tchunk, const float *f,
     for (int t = t0; t < t1; t++) {
         size_t i = (size_t)t * HK + c;
         float x = f[i] + bias;
+        if (kimi) {
+            float y = -a * kimi_softplus_(x);
+            float dy = y < g_min ? 0.f : dg[i];
+            float dx = -dy * a * (x > 20.f ? 1.f : sigmoid_acc(x));
+            df[i] = dx;
+            sb += (double)dx;
+            sa += (double)dy * (double)y;
+            continue;
+        }
         float s = sigmoid_acc(a * x);
         float dy = dg[i] * g_min * s * (1.f - s);
         df[i] = a * dy;
@@ -987,21 +1003,33 @@ __global__ void kda_gate_bwd_reduce_k(int H, int K, int nsplit, const double *pd
 
 // ---- launchers ---------------------------------------------------------------------------------
 
-extern "C" int mtrl_kda_gate_fwd(mtrl_cuda_ctx *c, int T, int H, int K, const float *f,
-                                 const float *A_log, const float *dt_bias, float g_min,
-                                 float *g) {
+static int kda_gate_fwd_launch_(mtrl_cuda_ctx *c, int T, int H, int K, const float *f,
+                                const float *A_log, const float *dt_bias, float g_min, int kimi,
+                                float *g) {
     MTRL_CUDA_REQUIRE(T >= 0 && H > 0 && K > 0, "T=%d H=%d K=%d", T, H, K);
     size_t n = (size_t)T * H * K;
     if (!n) return 0;
     unsigned grid = cdiv(n, 256) < 8192 ? cdiv(n, 256) : 8192;
-    kda_gate_fwd_k<<<grid, 256, 0, c->stream>>>(n, H, K, f, A_log, dt_bias, g_min, g);
+    kda_gate_fwd_k<<<grid, 256, 0, c->stream>>>(n, H, K, f, A_log, dt_bias, g_min, kimi, g);
     CUDA_LAUNCH_CHECK();
     return 0;
 }
 
-extern "C" int mtrl_kda_gate_bwd(mtrl_cuda_ctx *c, int T, int H, int K, const float *f,
+extern "C" int mtrl_kda_gate_fwd(mtrl_cuda_ctx *c, int T, int H, int K, const float *f,
                                  const float *A_log, const float *dt_bias, float g_min,
-                                 const float *dg, float *df, float *dA_log, float *ddt_bias) {
+                                 float *g) {
+    return kda_gate_fwd_launch_(c, T, H, K, f, A_log, dt_bias, g_min, 0, g);
+}
+
+extern "C" int mtrl_kda_gate_kimi_fwd(mtrl_cuda_ctx *c, int T, int H, int K, const float *f,
+                                      const float *A_log, const float *dt_bias, float g_floor,
+                                      float *g) {
+    return kda_gate_fwd_launch_(c, T, H, K, f, A_log, dt_bias, g_floor, 1, g);
+}
+
+static int kda_gate_bwd_launch_(mtrl_cuda_ctx *c, int T, int H, int K, const float *f,
+                                const float *A_log, const float *dt_bias, float g_min, int kimi,
+                                const float *dg, float *df, float *dA_log, float *ddt_bias) {
     MTRL_CUDA_REQUIRE(T >= 0 && H > 0 && K > 0, "T=%d H=%d K=%d", T, H, K);
     if (T == 0) return 0;
     int HK = H * K;
@@ -1013,13 +1041,27 @@ extern "C" int mtrl_kda_gate_bwd(mtrl_cuda_ctx *c, int T, int H, int K, const fl
     double *pdb = (double *)mtrl_ctx_scratch(c, sizeof(double) * 2 * (size_t)nsplit * HK);
     double *pdA = pdb + (size_t)nsplit * HK;
     dim3 grid(cdiv(HK, 256), nsplit);
-    kda_gate_bwd_k<<<grid, 256, 0, c->stream>>>(T, H, K, tchunk, f, A_log, dt_bias, g_min, dg,
-                                                df, pdb, pdA);
+    kda_gate_bwd_k<<<grid, 256, 0, c->stream>>>(T, H, K, tchunk, f, A_log, dt_bias, g_min, kimi,
+                                                dg, df, pdb, pdA);
     CUDA_LAUNCH_CHECK();
     kda_gate_bwd_reduce_k<<<cdiv(HK, 256), 256, 0, c->stream>>>(H, K, nsplit, pdb, pdA, dA_log,
                                                                 ddt_bias);
     CUDA_LAUNCH_CHECK();
     return 0;
+}
+
+extern "C" int mtrl_kda_gate_bwd(mtrl_cuda_ctx *c, int T, int H, int K, const float *f,
+                                 const float *A_log, const float *dt_bias, float g_min,
+                                 const float *dg, float *df, float *dA_log, float *ddt_bias) {
+    return kda_gate_bwd_launch_(c, T, H, K, f, A_log, dt_bias, g_min, 0, dg, df, dA_log, ddt_bias);
+}
+
+extern "C" int mtrl_kda_gate_kimi_bwd(mtrl_cuda_ctx *c, int T, int H, int K, const float *f,
+                                      const float *A_log, const float *dt_bias, float g_floor,
+                                      const float *dg, float *df, float *dA_log,
+                                      float *ddt_bias) {
+    return kda_gate_bwd_launch_(c, T, H, K, f, A_log, dt_bias, g_floor, 1, dg, df, dA_log,
+                                ddt_bias);
 }
 
 struct KdaWs {

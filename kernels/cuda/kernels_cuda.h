@@ -95,6 +95,14 @@ int mtrl_kda_gate_fwd(mtrl_cuda_ctx *ctx, int T, int H, int K, const float *f,
 int mtrl_kda_gate_bwd(mtrl_cuda_ctx *ctx, int T, int H, int K, const float *f,
                       const float *A_log, const float *dt_bias, float g_min, const float *dg,
                       float *df, float *dA_log, float *ddt_bias);
+// Kimi Linear's gate, as kda_gate_kimi_fwd / _bwd, clamped below at g_floor (>= -11 for the
+// chunked kernels): the unbounded decay is not representable in their factored form, so a GPU
+// model approximates every g < g_floor by g_floor (docs/model-forms.md measures the effect).
+int mtrl_kda_gate_kimi_fwd(mtrl_cuda_ctx *ctx, int T, int H, int K, const float *f,
+                           const float *A_log, const float *dt_bias, float g_floor, float *g);
+int mtrl_kda_gate_kimi_bwd(mtrl_cuda_ctx *ctx, int T, int H, int K, const float *f,
+                           const float *A_log, const float *dt_bias, float g_floor,
+                           const float *dg, float *df, float *dA_log, float *ddt_bias);
 // Chunked forward in 16-token tiles (§2.3). S0, o, S_final, S_tiles nullable. S_tiles receives
 // the incoming state of every tile, [ceil(T/16)][H][K][V] (what the backward needs).
 // Two kernels: v3 (kda_tc_cuda.cu: mma.sync with split-bf16 operands, fp32 state and
@@ -195,13 +203,13 @@ int mtrl_mla_decode_version(mtrl_cuda_ctx *ctx, int H, int dr, int dc, int lat_t
 //
 // N tokens, E experts, K experts per token, D model width, I expert width, R = N*K rows.
 // sel, pos [N][K], offsets [E+1], perm_token [R] are int32 device arrays.
-// Router: as moe_router_fwd (top-K of z − beta, ties to the lower id, slots in descending
-// order; K <= 16, E <= 1024).
+// Router: as moe_router_fwd (top-K of z − beta or s − beta, ties to the lower id, slots in
+// descending order; K <= 16, E <= 1024); form: moe_ref.h's MOE_ROUTER_* bits.
 int mtrl_moe_router_fwd(mtrl_cuda_ctx *ctx, int N, int E, int K, const float *z,
-                        const float *beta, int score_softmax, float rho, int replay, int *sel,
+                        const float *beta, int form, float rho, int replay, int *sel,
                         float *w, float *s);
 int mtrl_moe_router_bwd(mtrl_cuda_ctx *ctx, int N, int E, int K, const float *s, const int *sel,
-                        const float *w, int score_softmax, float rho, const float *dw,
+                        const float *w, int form, float rho, const float *dw,
                         float *dz);
 // Stable counting sort by expert (moe_dispatch): deterministic, no atomics on the order.
 int mtrl_moe_dispatch(mtrl_cuda_ctx *ctx, int N, int E, int K, const int *sel, int *offsets,

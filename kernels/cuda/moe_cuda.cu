@@ -8,6 +8,10 @@
 
 #define MAXK 16  // experts per token
 #define MAXE 1024
+// The router's form bits, as moe_ref.h's MOE_ROUTER_*.
+#define ROUTER_SOFTMAX 1
+#define ROUTER_SELECT_SCORE 2
+#define ROUTER_NO_RENORM 4
 
 // ---- router -----------------------------------------------------------------------------------
 
@@ -47,8 +51,9 @@ __device__ __forceinline__ int warp_pick_(const float *val, int E, unsigned long
 
 // One warp per token; shared scratch per warp: E selection scores.
 __global__ void moe_router_fwd_k(int N, int E, int K, const float *z, const float *beta,
-                                 int score_softmax, float rho, int replay, int *sel, float *w,
+                                 int form, float rho, int replay, int *sel, float *w,
                                  float *s) {
+    int score_softmax = form & ROUTER_SOFTMAX;
     extern __shared__ float rsm[];
     int wl = threadIdx.x >> 5, lane = threadIdx.x & 31;
     int t = blockIdx.x * (blockDim.x >> 5) + wl;
@@ -71,7 +76,9 @@ __global__ void moe_router_fwd_k(int N, int E, int K, const float *z, const floa
     }
     int chosen[MAXK];
     if (!replay) {
-        for (int e = lane; e < E; e += 32) val[e] = zt[e] - (beta ? beta[e] : 0.f);
+        // each lane reads back the scores it wrote itself
+        const float *xt = form & ROUTER_SELECT_SCORE ? st : zt;
+        for (int e = lane; e < E; e += 32) val[e] = xt[e] - (beta ? beta[e] : 0.f);
         __syncwarp();
         unsigned long long taken = 0;
         for (int j = 0; j < K; j++) {
@@ -86,9 +93,12 @@ __global__ void moe_router_fwd_k(int N, int E, int K, const float *z, const floa
     }
     __syncwarp();
     // weights (renormalised over the chosen set); every lane computes them, lane j writes slot j
-    float Z = 0.f;
-    for (int j = 0; j < K; j++) Z += st[chosen[j]];
-    Z += 1e-20f;
+    float Z = 1.f;
+    if (!(form & ROUTER_NO_RENORM)) {
+        Z = 0.f;
+        for (int j = 0; j < K; j++) Z += st[chosen[j]];
+        Z += 1e-20f;
+    }
     for (int j = lane; j < K; j += 32) {
         int e = 0;
 #pragma unroll
@@ -99,8 +109,9 @@ __global__ void moe_router_fwd_k(int N, int E, int K, const float *z, const floa
 }
 
 __global__ void moe_router_bwd_k(int N, int E, int K, const float *s, const int *sel,
-                                 const float *w, int score_softmax, float rho, const float *dw,
+                                 const float *w, int form, float rho, const float *dw,
                                  float *dz) {
+    int score_softmax = form & ROUTER_SOFTMAX;
     int wl = threadIdx.x >> 5, lane = threadIdx.x & 31;
     int t = blockIdx.x * (blockDim.x >> 5) + wl;
     if (t >= N) return;
@@ -111,6 +122,10 @@ __global__ void moe_router_bwd_k(int N, int E, int K, const float *s, const int 
     for (int j = 0; j < K; j++) {
         Z += st[selt[j]];
         dww += dw[(size_t)t * K + j] * w[(size_t)t * K + j];
+    }
+    if (form & ROUTER_NO_RENORM) { // w = rho s: ds = rho dw
+        Z = 1.f;
+        dww = 0.f;
     }
     // ds of the chosen experts; softmax needs Σ_chosen s ds
     float dot = 0.f;
@@ -347,25 +362,25 @@ __global__ void qb_beta_k(int N, int E, int kth, const float *z, const float *al
 // ---- launchers --------------------------------------------------------------------------------
 
 extern "C" int mtrl_moe_router_fwd(mtrl_cuda_ctx *c, int N, int E, int K, const float *z,
-                                   const float *beta, int score_softmax, float rho, int replay,
+                                   const float *beta, int form, float rho, int replay,
                                    int *sel, float *w, float *s) {
     MTRL_CUDA_REQUIRE(N >= 0 && E >= 1 && E <= MAXE && K >= 1 && K <= MAXK && K <= E,
                       "N=%d E=%d K=%d", N, E, K);
     if (!N) return 0;
     size_t sh = sizeof(float) * 8 * (size_t)E;
     set_smem(moe_router_fwd_k, sh);
-    moe_router_fwd_k<<<cdiv(N, 8), 256, sh, c->stream>>>(N, E, K, z, beta, score_softmax, rho,
+    moe_router_fwd_k<<<cdiv(N, 8), 256, sh, c->stream>>>(N, E, K, z, beta, form, rho,
                                                          replay, sel, w, s);
     CUDA_LAUNCH_CHECK();
     return 0;
 }
 
 extern "C" int mtrl_moe_router_bwd(mtrl_cuda_ctx *c, int N, int E, int K, const float *s,
-                                   const int *sel, const float *w, int score_softmax, float rho,
+                                   const int *sel, const float *w, int form, float rho,
                                    const float *dw, float *dz) {
     MTRL_CUDA_REQUIRE(N >= 0 && E >= 1 && K >= 1 && K <= E, "N=%d E=%d K=%d", N, E, K);
     if (!N) return 0;
-    moe_router_bwd_k<<<cdiv(N, 8), 256, 0, c->stream>>>(N, E, K, s, sel, w, score_softmax, rho,
+    moe_router_bwd_k<<<cdiv(N, 8), 256, 0, c->stream>>>(N, E, K, s, sel, w, form, rho,
                                                         dw, dz);
     CUDA_LAUNCH_CHECK();
     return 0;

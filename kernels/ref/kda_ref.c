@@ -87,6 +87,47 @@ void kda_gate_bwd(int T, int H, int K, const real *f, const real *A_log, const r
     }
 }
 
+// softplus as transformers' KimiLinearForgetGate: x itself above 20 (where log1p(e^x) = x
+// to within e^-20), and its derivative to match.
+static inline double kda_softplus_(double x) { return x > 20.0 ? x : log1p(exp(x)); }
+static inline double kda_dsoftplus_(double x) { return x > 20.0 ? 1.0 : kda_sigmoid_(x); }
+
+void kda_gate_kimi_fwd(int T, int H, int K, const real *f, const real *A_log, const real *dt_bias,
+                       real g_floor, real *g) {
+    for (int t = 0; t < T; t++)
+        for (int h = 0; h < H; h++) {
+            double a = exp((double)A_log[h]);
+            for (int d = 0; d < K; d++) {
+                size_t i = ((size_t)t * H + h) * K + d;
+                double y = -a * kda_softplus_((double)f[i] + (double)dt_bias[(size_t)h * K + d]);
+                g[i] = (real)(y < (double)g_floor ? (double)g_floor : y);
+            }
+        }
+}
+
+void kda_gate_kimi_bwd(int T, int H, int K, const real *f, const real *A_log, const real *dt_bias,
+                       real g_floor, const real *dg, real *df, real *dA_log, real *ddt_bias) {
+    for (int h = 0; h < H; h++) {
+        double a = exp((double)A_log[h]);
+        double dA = 0;
+        for (int d = 0; d < K; d++) {
+            double db = 0;
+            for (int t = 0; t < T; t++) {
+                size_t i = ((size_t)t * H + h) * K + d;
+                double x = (double)f[i] + (double)dt_bias[(size_t)h * K + d];
+                double y = -a * kda_softplus_(x);
+                double dy = y < (double)g_floor ? 0.0 : (double)dg[i];  // clamped: no gradient
+                double dx = -dy * a * kda_dsoftplus_(x);
+                df[i] = (real)dx;
+                db += dx;
+                dA += dy * y;  // ∂y/∂A_log = y since y = −e^{A_log} softplus(x)
+            }
+            ddt_bias[(size_t)h * K + d] += (real)db;
+        }
+        dA_log[h] += (real)dA;
+    }
+}
+
 // ---- recurrence (§2.2) ------------------------------------------------------------------------
 
 // One token of one head, in place on S [K][V]. Every column j of S evolves on its own (the
@@ -141,6 +182,65 @@ void kda_recurrent_fwd(int T, int H, int K, int V, const real *q, const real *k,
     free(state);
 }
 
+// BPTT of one head over tokens t0 .. t1−1: the state before token t (t0 <= t <= t1) is at
+// S_all + (t − t0)·s_stride ([K][V]); dS [K][V] holds ∂L/∂S_{t1} on entry and ∂L/∂S_{t0} on
+// return. Scratch: St [K][V], r and dr [V]. Writes dq, dk, dg, dv, dbeta at the tokens' rows.
+static void kda_head_bptt_(int H, int K, int V, int h, int t0, int t1, const real *q, const real *k,
+                           const real *v, const real *g, const real *beta, const real *S_all,
+                           size_t s_stride, const real *dout, real *dS, real *St, real *r, real *dr,
+                           real *dq, real *dk, real *dv, real *dg, real *dbeta) {
+    for (int t = t1 - 1; t >= t0; t--) {
+        size_t th = (size_t)t * H + h;
+        const real *qt = q + th * K, *kt = k + th * K, *vt = v + th * V, *gt = g + th * K;
+        const real *dot = dout + th * V;
+        const real *Sp = S_all + (size_t)(t - t0) * s_stride;      // S_{t-1}
+        const real *Sc = S_all + (size_t)(t + 1 - t0) * s_stride;  // S_t
+        double bt = (double)beta[th];
+        for (int d = 0; d < K; d++) {  // S̃ = D_t S_{t-1}
+            real e = (real)exp((double)gt[d]);
+            for (int j = 0; j < V; j++) St[(size_t)d * V + j] = Sp[(size_t)d * V + j] * e;
+        }
+        for (int j = 0; j < V; j++) {  // r = v − S̃ᵀ k
+            double acc = 0;
+            for (int d = 0; d < K; d++) acc += (double)St[(size_t)d * V + j] * (double)kt[d];
+            r[j] = (real)((double)vt[j] - acc);
+        }
+        for (int d = 0; d < K; d++) {  // dS += q doᵀ;  dq = S_t do
+            double acc = 0;
+            for (int j = 0; j < V; j++) {
+                real *s = &dS[(size_t)d * V + j];
+                *s = (real)((double)*s + (double)qt[d] * (double)dot[j]);
+                acc += (double)Sc[(size_t)d * V + j] * (double)dot[j];
+            }
+            dq[th * K + d] = (real)acc;
+        }
+        for (int j = 0; j < V; j++) {  // dr = β dSᵀ k;  dv = dr
+            double acc = 0;
+            for (int d = 0; d < K; d++) acc += (double)dS[(size_t)d * V + j] * (double)kt[d];
+            dr[j] = (real)(bt * acc);
+            dv[th * V + j] = dr[j];
+        }
+        double db = 0;
+        for (int d = 0; d < K; d++) {
+            double dSr = 0, Sdr = 0, dgd = 0;
+            for (int j = 0; j < V; j++) {
+                size_t i = (size_t)d * V + j;
+                dSr += (double)dS[i] * (double)r[j];    // (dS r)_d
+                Sdr += (double)St[i] * (double)dr[j];   // (S̃ dr)_d
+                // dS̃ = dS − k drᵀ, formed in place; dg = rowsum(S̃ ⊙ dS̃)
+                dS[i] = (real)((double)dS[i] - (double)kt[d] * (double)dr[j]);
+                dgd += (double)St[i] * (double)dS[i];
+            }
+            db += (double)kt[d] * dSr;              // dβ = kᵀ dS r
+            dk[th * K + d] = (real)(bt * dSr - Sdr);  // dk = β dS r − S̃ dr
+            dg[th * K + d] = (real)dgd;
+            real e = (real)exp((double)gt[d]);     // dS ← D_t dS̃
+            for (int j = 0; j < V; j++) dS[(size_t)d * V + j] *= e;
+        }
+        dbeta[th] = (real)db;
+    }
+}
+
 void kda_recurrent_bwd(int T, int H, int K, int V, const real *q, const real *k, const real *v,
                        const real *g, const real *beta, const real *S_all, const real *dout,
                        const real *dS_final, real *dq, real *dk, real *dv, real *dg, real *dbeta,
@@ -156,56 +256,8 @@ void kda_recurrent_bwd(int T, int H, int K, int V, const real *q, const real *k,
             real *St = dS + KV, *r = St + KV, *dr = r + V;
             if (dS_final) memcpy(dS, dS_final + h * KV, sizeof(real) * KV);
             else memset(dS, 0, sizeof(real) * KV);
-            for (int t = T - 1; t >= 0; t--) {
-                size_t th = (size_t)t * H + h;
-                const real *qt = q + th * K, *kt = k + th * K, *vt = v + th * V, *gt = g + th * K;
-                const real *dot = dout + th * V;
-                const real *Sp = S_all + th * KV;               // S_{t-1}
-                const real *Sc = S_all + ((size_t)(t + 1) * H + h) * KV;  // S_t
-                double bt = (double)beta[th];
-                for (int d = 0; d < K; d++) {  // S̃ = D_t S_{t-1}
-                    real e = (real)exp((double)gt[d]);
-                    for (int j = 0; j < V; j++) St[(size_t)d * V + j] = Sp[(size_t)d * V + j] * e;
-                }
-                for (int j = 0; j < V; j++) {  // r = v − S̃ᵀ k
-                    double acc = 0;
-                    for (int d = 0; d < K; d++) acc += (double)St[(size_t)d * V + j] * (double)kt[d];
-                    r[j] = (real)((double)vt[j] - acc);
-                }
-                for (int d = 0; d < K; d++) {  // dS += q doᵀ;  dq = S_t do
-                    double acc = 0;
-                    for (int j = 0; j < V; j++) {
-                        real *s = &dS[(size_t)d * V + j];
-                        *s = (real)((double)*s + (double)qt[d] * (double)dot[j]);
-                        acc += (double)Sc[(size_t)d * V + j] * (double)dot[j];
-                    }
-                    dq[th * K + d] = (real)acc;
-                }
-                for (int j = 0; j < V; j++) {  // dr = β dSᵀ k;  dv = dr
-                    double acc = 0;
-                    for (int d = 0; d < K; d++) acc += (double)dS[(size_t)d * V + j] * (double)kt[d];
-                    dr[j] = (real)(bt * acc);
-                    dv[th * V + j] = dr[j];
-                }
-                double db = 0;
-                for (int d = 0; d < K; d++) {
-                    double dSr = 0, Sdr = 0, dgd = 0;
-                    for (int j = 0; j < V; j++) {
-                        size_t i = (size_t)d * V + j;
-                        dSr += (double)dS[i] * (double)r[j];    // (dS r)_d
-                        Sdr += (double)St[i] * (double)dr[j];   // (S̃ dr)_d
-                        // dS̃ = dS − k drᵀ, formed in place; dg = rowsum(S̃ ⊙ dS̃)
-                        dS[i] = (real)((double)dS[i] - (double)kt[d] * (double)dr[j]);
-                        dgd += (double)St[i] * (double)dS[i];
-                    }
-                    db += (double)kt[d] * dSr;              // dβ = kᵀ dS r
-                    dk[th * K + d] = (real)(bt * dSr - Sdr);  // dk = β dS r − S̃ dr
-                    dg[th * K + d] = (real)dgd;
-                    real e = (real)exp((double)gt[d]);     // dS ← D_t dS̃
-                    for (int j = 0; j < V; j++) dS[(size_t)d * V + j] *= e;
-                }
-                dbeta[th] = (real)db;
-            }
+            kda_head_bptt_(H, K, V, h, 0, T, q, k, v, g, beta, S_all + h * KV, (size_t)H * KV, dout, dS,
+                           St, r, dr, dq, dk, dv, dg, dbeta);
             if (dS0) memcpy(dS0 + h * KV, dS, sizeof(real) * KV);
         });
     free(pool);
@@ -467,6 +519,17 @@ static void kda_chunk_delta_(const kda_cfg_ *cf, kda_ws_ *w, int c, const real *
     gemm_ref(0, 0, c, V, K, -1, w->W, K, S, V, 1, w->D, V);
 }
 
+// 1 when every log-decay of head h in tokens t0 .. t0+cr−1 is >= KDA_G_CHUNK_MIN, the range of
+// the factored chunk form; a chunk outside it runs the token recurrence instead (same math).
+static int kda_chunk_in_range_(int H, int K, int h, int t0, int cr, const real *g) {
+    for (int r = 0; r < cr; r++) {
+        const real *gt = g + ((size_t)(t0 + r) * H + h) * K;
+        for (int d = 0; d < K; d++)
+            if (!(gt[d] >= (real)KDA_G_CHUNK_MIN)) return 0;
+    }
+    return 1;
+}
+
 // Forward of head h over all chunks (§2.3). S0h: [K][V] or NULL; o: [T][H][V] or NULL;
 // Sf: [K][V] or NULL; St: [nchunks][H][K][V] or NULL (incoming state of each chunk).
 static void kda_head_fwd_(const kda_cfg_ *cf, kda_ws_ *w, int T, int h, const real *q,
@@ -481,6 +544,14 @@ static void kda_head_fwd_(const kda_cfg_ *cf, kda_ws_ *w, int T, int h, const re
         int cr = T - t0 < CS ? T - t0 : CS;
         int c = cf->pad ? CS : cr;
         if (St) memcpy(St + ((size_t)n * H + h) * KV, S, sizeof(real) * KV);
+        if (!kda_chunk_in_range_(H, K, h, t0, cr, g)) {  // the token recurrence, exact for any decay
+            for (int r = 0; r < cr; r++) {
+                size_t th = (size_t)(t0 + r) * H + h;
+                kda_head_step_(K, V, q + th * K, k + th * K, v + th * V, g + th * K, beta[th], S,
+                               o ? o + th * V : NULL);
+            }
+            continue;
+        }
         kda_gather_(cf, w, h, t0, cr, c, q, k, v, g, beta);
         kda_chunk_prepare_(cf, w, c);
         kda_chunk_delta_(cf, w, c, S);
@@ -632,10 +703,25 @@ static void kda_head_bwd_(const kda_cfg_ *cf, kda_ws_ *w, int T, int h, const re
     int nch = (T + CS - 1) / CS;
     if (dSf) memcpy(w->dS, dSf, sizeof(real) * KV);
     else memset(w->dS, 0, sizeof(real) * KV);
+    real *rec = NULL;  // a chunk out of range: its CS+1 states, S̃, r, dr (allocated on first use)
     for (int n = nch - 1; n >= 0; n--) {
         int t0 = n * CS;
         int cr = T - t0 < CS ? T - t0 : CS;
         int c = cf->pad ? CS : cr;
+        if (!kda_chunk_in_range_(H, K, h, t0, cr, g)) {  // BPTT from the chunk's incoming state
+            if (!rec) rec = kda_xmalloc_(sizeof(real) * ((size_t)(CS + 2) * KV + 2 * (size_t)V));
+            real *Sa = rec, *Sx = rec + (size_t)(CS + 1) * KV, *r = Sx + KV, *dr = r + V;
+            memcpy(Sa, St + ((size_t)n * H + h) * KV, sizeof(real) * KV);
+            for (int i = 0; i < cr; i++) {
+                size_t th = (size_t)(t0 + i) * H + h;
+                memcpy(Sa + (size_t)(i + 1) * KV, Sa + (size_t)i * KV, sizeof(real) * KV);
+                kda_head_step_(K, V, q + th * K, k + th * K, v + th * V, g + th * K, beta[th],
+                               Sa + (size_t)(i + 1) * KV, NULL);
+            }
+            kda_head_bptt_(H, K, V, h, t0, t0 + cr, q, k, v, g, beta, Sa, KV, dout, w->dS, Sx, r, dr,
+                           dq, dk, dv, dg, dbeta);
+            continue;
+        }
         memcpy(w->S, St + ((size_t)n * H + h) * KV, sizeof(real) * KV);
         kda_gather_(cf, w, h, t0, cr, c, q, k, v, g, beta);
         for (int r = 0; r < c; r++) {
@@ -656,6 +742,7 @@ static void kda_head_bwd_(const kda_cfg_ *cf, kda_ws_ *w, int T, int h, const re
         }
         memcpy(w->dS, w->dSp, sizeof(real) * KV);
     }
+    free(rec);
     if (dS0h) memcpy(dS0h, w->dS, sizeof(real) * KV);
 }
 

@@ -17,8 +17,11 @@
 //     beta, dbeta         : [T][H]         in (0, 1)
 //     o, dout             : [T][H][V]
 //     S0, S_final, dS0, dS_final : [H][K][V]   state, row d of S is key dimension d
-//     g                   : log-decay, every entry in (g_min, 0); the chunked form relies on
-//                           g > g_min >= -11 (see §2.5) so that e^{±40} bounds every factor
+//     g                   : log-decay, every entry <= 0. The factored chunked form relies on
+//                           g >= KDA_G_CHUNK_MIN = -11 (see §2.5) so that e^{±88} bounds every
+//                           factor; a chunk with any g below it (Kimi's unbounded gate) runs the
+//                           token recurrence of that chunk instead, forward and backward: the
+//                           same numbers, exact for any decay, O(chunk) states of scratch
 // All pointers are borrowed, caller-owned, and must not alias one another. Functions allocate
 // their own scratch once per call (malloc; aborts on out-of-memory) and free it before return.
 // T = 0 is allowed everywhere: no tokens are touched and S_final = S0 (zeros if S0 is NULL).
@@ -37,6 +40,7 @@ extern "C" {
 #endif
 
 #define KDA_TILE 16        // rows of one tile (C of §2.3)
+#define KDA_G_CHUNK_MIN (-11.0) // the factored chunk form's smallest log-decay (§2.5)
 #define KDA_SUPER_CHUNK 64 // rows of a §2.6 super-chunk (four 16-tiles)
 
 // ---- gate (§2.1) ------------------------------------------------------------------------------
@@ -48,6 +52,16 @@ void kda_gate_fwd(int T, int H, int K, const real *f, const real *A_log, const r
 // ddt_bias [H*K] are ACCUMULATED (+=) so several sequences can share one gradient buffer.
 void kda_gate_bwd(int T, int H, int K, const real *f, const real *A_log, const real *dt_bias,
                   real g_min, const real *dg, real *df, real *dA_log, real *ddt_bias);
+
+// Kimi Linear's gate (transformers' KimiLinearForgetGate): g = max(−exp(A_log[h]) ·
+// softplus(f + dt_bias), g_floor), softplus(x) = x above 20, unbounded below without the floor
+// (g_floor = −INFINITY: the exact form, the CPU model's). A floor >= KDA_G_CHUNK_MIN puts every
+// g in the range of the GPU's chunked kernels (the CUDA model clamps at dims.g_min); a clamped
+// entry has no gradient. Backward as kda_gate_bwd's (df overwritten, dA_log and ddt_bias +=).
+void kda_gate_kimi_fwd(int T, int H, int K, const real *f, const real *A_log, const real *dt_bias,
+                       real g_floor, real *g);
+void kda_gate_kimi_bwd(int T, int H, int K, const real *f, const real *A_log, const real *dt_bias,
+                       real g_floor, const real *dg, real *df, real *dA_log, real *ddt_bias);
 
 // ---- recurrence (§2.2): the definition ---------------------------------------------------------
 // S0 may be NULL (zeros). S_final [H][K][V] may be NULL. S_all, if non-NULL, receives

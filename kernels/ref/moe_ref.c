@@ -29,38 +29,16 @@ static double moe_sigmoid_(double x) {
 // Selection order: higher score first, and on equal scores the lower expert id first.
 static int moe_better_(real a, int ia, real b, int ib) { return a > b || (a == b && ia < ib); }
 
-void moe_router_fwd(int N, int E, int K, const real *z, const real *beta, int score_softmax,
+void moe_router_fwd(int N, int E, int K, const real *z, const real *beta, int form,
                     real rho, int replay, int *sel, real *w, real *s) {
+    int softmax = form & MOE_ROUTER_SOFTMAX;
     REF_PAR_FOR(ref_par((REF_FLOPS_EXP + 2.0 * K) * N * E),
         for (int t = 0; t < N; t++) {
             const real *zt = z + (size_t)t * E;
             real *st = s + (size_t)t * E;
             int *selt = sel + (size_t)t * K;
 
-            if (!replay) {
-                // Insertion top-K: E is a few hundred and K a few, so this beats a heap or sort and
-                // keeps the slots in descending order for free. The selection score is recomputed
-                // as z - beta at each comparison: the same expression, so the same rounding.
-                int cnt = 0;
-                for (int e = 0; e < E; e++) {
-                    real c = zt[e] - (beta ? beta[e] : 0);
-                    if (cnt == K) {
-                        int l = selt[K - 1];
-                        if (!moe_better_(c, e, zt[l] - (beta ? beta[l] : 0), l)) continue;
-                        cnt--;
-                    }
-                    int j = cnt++;
-                    while (j > 0) {
-                        int p = selt[j - 1];
-                        if (!moe_better_(c, e, zt[p] - (beta ? beta[p] : 0), p)) break;
-                        selt[j] = p;
-                        j--;
-                    }
-                    selt[j] = e;
-                }
-            }
-
-            if (score_softmax) {
+            if (softmax) {
                 double mx = zt[0];
                 for (int e = 1; e < E; e++) mx = zt[e] > mx ? zt[e] : mx;
                 double sum = 0;
@@ -70,16 +48,44 @@ void moe_router_fwd(int N, int E, int K, const real *z, const real *beta, int sc
                 for (int e = 0; e < E; e++) st[e] = (real)moe_sigmoid_(zt[e]);
             }
 
+            if (!replay) {
+                // Insertion top-K: E is a few hundred and K a few, so this beats a heap or sort and
+                // keeps the slots in descending order for free. The selection score is recomputed
+                // as x - beta at each comparison: the same expression, so the same rounding.
+                const real *xt = form & MOE_ROUTER_SELECT_SCORE ? st : zt;
+                int cnt = 0;
+                for (int e = 0; e < E; e++) {
+                    real c = xt[e] - (beta ? beta[e] : 0);
+                    if (cnt == K) {
+                        int l = selt[K - 1];
+                        if (!moe_better_(c, e, xt[l] - (beta ? beta[l] : 0), l)) continue;
+                        cnt--;
+                    }
+                    int j = cnt++;
+                    while (j > 0) {
+                        int p = selt[j - 1];
+                        if (!moe_better_(c, e, xt[p] - (beta ? beta[p] : 0), p)) break;
+                        selt[j] = p;
+                        j--;
+                    }
+                    selt[j] = e;
+                }
+            }
+
             // The 1e-20 only guards a softmax that underflowed on every chosen expert.
-            double Z = 0;
-            for (int j = 0; j < K; j++) Z += st[selt[j]];
-            Z += 1e-20;
+            double Z = 1;
+            if (!(form & MOE_ROUTER_NO_RENORM)) {
+                Z = 0;
+                for (int j = 0; j < K; j++) Z += st[selt[j]];
+                Z += 1e-20;
+            }
             for (int j = 0; j < K; j++) w[(size_t)t * K + j] = (real)((double)rho * st[selt[j]] / Z);
         });
 }
 
 void moe_router_bwd(int N, int E, int K, const real *s, const int *sel, const real *w,
-                    int score_softmax, real rho, const real *dw, real *dz) {
+                    int form, real rho, const real *dw, real *dz) {
+    int score_softmax = form & MOE_ROUTER_SOFTMAX, renorm = !(form & MOE_ROUTER_NO_RENORM);
     REF_PAR_FOR(ref_par(6.0 * N * E),
         for (int t = 0; t < N; t++) {
             const real *st = s + (size_t)t * E;
@@ -92,7 +98,12 @@ void moe_router_bwd(int N, int E, int K, const real *s, const int *sel, const re
                 Z += st[selt[j]];
                 dww += (double)dwt[j] * wt[j];
             }
-            // ds_f = (rho dw_f - Σ dw_e w_e) / Z on the chosen set, kept in dz as scratch.
+            // ds_f = (rho dw_f - Σ dw_e w_e) / Z on the chosen set, kept in dz as scratch;
+            // without the renormalisation w = rho s, so ds_f = rho dw_f.
+            if (!renorm) {
+                Z = 1;
+                dww = 0;
+            }
             for (int e = 0; e < E; e++) dzt[e] = 0;
             for (int j = 0; j < K; j++) dzt[selt[j]] = (real)(((double)rho * dwt[j] - dww) / Z);
 

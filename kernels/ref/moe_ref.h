@@ -27,8 +27,8 @@
 //     moe_swiglu_bwd(N,D,I_s, x, S1,S3,S2, su1,su3, dy, dxs, dS1,dS3,dS2);  dx += dxs
 // Several shared experts are one SwiGLU of intermediate I × n_shared (their rows concatenated).
 //
-// The QB bias beta [E] only changes which experts are selected (top-k of z − beta); it never
-// enters w or y, so it has no gradient (model.md §4.1) and there is no backward for it.
+// The QB bias beta [E] only changes which experts are selected (top-k of z − beta, or s − beta);
+// it never enters w or y, so it has no gradient (model.md §4.1) and there is no backward for it.
 #ifndef MTRL_MOE_REF_H
 #define MTRL_MOE_REF_H
 
@@ -40,26 +40,37 @@ extern "C" {
 
 // ---- router ---------------------------------------------------------------------------------
 
+// The router's form, bits of `form` (0: sigmoid scores, selection on z − beta, renormalised):
+//   MOE_ROUTER_SOFTMAX       scores s = softmax(z) over all E instead of sigmoid(z)
+//   MOE_ROUTER_SELECT_SCORE  the top-K of s − beta instead of z − beta (Kimi Linear / DeepSeek-V3:
+//                            their e_score_correction_bias is −beta); QB then runs on s
+//   MOE_ROUTER_NO_RENORM     w = rho · s of the chosen experts, not renormalised to sum rho
+// (form = 1 is the old score_softmax = 1.)
+enum { MOE_ROUTER_SOFTMAX = 1, MOE_ROUTER_SELECT_SCORE = 2, MOE_ROUTER_NO_RENORM = 4 };
+
 // Router forward on logits z [N][E] (computed by the caller as x W_rᵀ, fp32 or better).
-// Selection: the K largest of (z − beta) per token (QB on logits, model.md §4.3); beta [E] may
-// be NULL (no bias). Ties are broken by the lower expert id; the K slots of a token are stored
-// in descending selection score, so slot 0 is the best expert.
-// Scores s = sigmoid(z) (score_softmax = 0, Kimi) or softmax(z) over all E (score_softmax = 1),
-// saved in s [N][E] for the backward. Weights over the chosen set E_t:
-//     w[t][j] = rho * s[t][e] / (Σ_{e' ∈ E_t} s[t][e'] + 1e-20),   e = sel[t][j].
+// Selection: the K largest of (z − beta) per token (QB on logits, model.md §4.3), or of
+// (s − beta) with MOE_ROUTER_SELECT_SCORE; beta [E] may be NULL (no bias). Ties are broken by
+// the lower expert id; the K slots of a token are stored in descending selection score, so
+// slot 0 is the best expert.
+// Scores s = sigmoid(z) (Kimi) or softmax(z) over all E (MOE_ROUTER_SOFTMAX), saved in s [N][E]
+// for the backward. Weights over the chosen set E_t:
+//     w[t][j] = rho * s[t][e] / (Σ_{e' ∈ E_t} s[t][e'] + 1e-20),   e = sel[t][j]
+// or w[t][j] = rho * s[t][e] with MOE_ROUTER_NO_RENORM.
 // replay != 0: sel [N][K] is an INPUT (a recorded routing, K distinct ids in [0, E) per token)
 // and only s and w are computed; beta is not read. replay = 0: sel is written.
 // Requires 1 <= K <= E and finite z.
-void moe_router_fwd(int N, int E, int K, const real *z, const real *beta, int score_softmax,
+void moe_router_fwd(int N, int E, int K, const real *z, const real *beta, int form,
                     real rho, int replay, int *sel, real *w, real *s);
 
 // Router backward: dw [N][K] → dz [N][E] (overwritten; 0 for unchosen experts with sigmoid).
 // With Z = Σ_{chosen} s + 1e-20 (model.md §4.2):
-//     ds_f = (ρ/Z)(dw_f − Σ_{e ∈ E_t} dw_e w_e / ρ) for f chosen, 0 otherwise;
+//     ds_f = (ρ/Z)(dw_f − Σ_{e ∈ E_t} dw_e w_e / ρ) for f chosen, 0 otherwise
+//     (MOE_ROUTER_NO_RENORM: ds_f = ρ dw_f);
 //     sigmoid: dz = ds ⊙ s(1 − s);   softmax: dz = s ⊙ (ds − Σ_e s_e ds_e) over all E.
 // s, sel, w are the forward's. The caller then forms dW_r += dzᵀ x and dx += dz W_r.
 void moe_router_bwd(int N, int E, int K, const real *s, const int *sel, const real *w,
-                    int score_softmax, real rho, const real *dw, real *dz);
+                    int form, real rho, const real *dw, real *dz);
 
 // ---- dispatch / combine -------------------------------------------------------------------
 
@@ -123,8 +134,8 @@ void moe_load_count(int N, int E, int K, const int *sel, int *load);
 // total_slots = N*K). Returns 0 when total_slots <= 0.
 double moe_max_violation(int E, const int *load, long total_slots);
 
-// One practical-form QB iteration (model.md §4.3) on this batch's router logits z [N][E], the
-// same scores the router selected on:
+// One practical-form QB iteration (model.md §4.3) on this batch's router logits z [N][E], or
+// whatever the router selected on (its scores s with MOE_ROUTER_SELECT_SCORE): the same scores:
 //     alpha_i    = (K+1)-th largest over experts of (z_ij − beta_old_j)
 //     beta_new_j = (⌊N K / E⌋ + 1)-th largest over tokens of (z_ij − alpha_i)
 // beta_new [E] is SET (no step size). beta_old may be NULL (zeros). beta_new may alias beta_old
