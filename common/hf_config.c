@@ -273,6 +273,7 @@ mtrl_status mtrl_hf_config_read(mtrl_hf_config *h, const char *dir, mtrl_error *
     char mixer[MTRL_CFG_STR_MAX] = "";
     if (r.st == MTRL_OK) mixers_(&r, L, mixer);
     long first_dense = r.st == MTRL_OK ? dense_layers_(&r, L) : 1;
+    if (r.st == MTRL_OK && first_dense < 1) fail_(&r, "no dense first layer (first_k_dense_replace = 0): mtrl's first layer is dense");
     long V = int_(&r, "vocab_size", NULL, -1, 2, 1L << 26);
     long d = int_(&r, "hidden_size", NULL, -1, 1, 65536);
     long dense_I = int_(&r, "intermediate_size", NULL, -1, 1, 1L << 20);
@@ -319,6 +320,8 @@ mtrl_status mtrl_hf_config_read(mtrl_hf_config *h, const char *dir, mtrl_error *
         add_key_(h, "router_renorm", "moe_renormalize", "%s", renorm ? "true" : "false");
         add_key_(h, "norm_eps", "rms_norm_eps", "%.17g", eps);
         add_key_(h, "attnres", "(no Attention Residuals)", "false");
+        add_key_(h, "mla_kv_norm_eps", "(kv_a_layernorm's own eps)", "1e-6");
+        add_key_(h, "g_min", "(the floor a GPU clamps the unbounded gate to)", "-11");
     }
     json_decref(root);
     return r.st;
