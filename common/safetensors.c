@@ -14,6 +14,7 @@
 
 #include "common/bf16.h"
 #include "common/check.h"
+#include "common/checkpoint.h"
 
 #define HEADER_MAX ((uint64_t)100 << 20) // a header over 100 MiB is refused as corrupt
 #define INDEX_NAME "model.safetensors.index.json"
@@ -381,16 +382,6 @@ static size_t numel_(const mtrl_st_entry *e) {
     return n;
 }
 
-static void json_str_(FILE *f, const char *s) {
-    fputc('"', f);
-    for (; *s; s++) {
-        unsigned char ch = (unsigned char)*s;
-        if (ch == '"' || ch == '\\') fprintf(f, "\\%c", ch);
-        else if (ch < 0x20) fprintf(f, "\\u%04x", ch);
-        else fputc(ch, f);
-    }
-    fputc('"', f);
-}
 
 // Writes entries [a, b) as one file.
 static mtrl_status write_shard_(const char *path, const mtrl_st_entry *e, int a, int b, mtrl_dtype disk, size_t esz,
@@ -400,20 +391,11 @@ static mtrl_status write_shard_(const char *path, const mtrl_st_entry *e, int a,
     FILE *h = open_memstream(&hdr, &hlen);
     MTRL_CHECK(h);
     fputc('{', h);
-    if (n_meta > 0) {
-        fprintf(h, "\"__metadata__\":{");
-        for (int i = 0; i < n_meta; i++) {
-            if (i) fputc(',', h);
-            json_str_(h, meta[2 * i]);
-            fputc(':', h);
-            json_str_(h, meta[2 * i + 1]);
-        }
-        fputc('}', h);
-    }
+    if (n_meta > 0) mtrl_ckpt_json_meta(h, meta, n_meta);
     uint64_t off = 0;
     for (int i = a; i < b; i++) {
         if (i > a || n_meta > 0) fputc(',', h);
-        json_str_(h, e[i].name);
+        mtrl_ckpt_json_str(h, e[i].name);
         fprintf(h, ":{\"dtype\":\"%s\",\"shape\":[", disk == MTRL_DT_BF16 ? "BF16" : "F32");
         for (int d = 0; d < e[i].ndim; d++) fprintf(h, "%s%lld", d ? "," : "", (long long)e[i].shape[d]);
         uint64_t nb = numel_(&e[i]) * esz;
@@ -497,7 +479,7 @@ mtrl_status mtrl_st_write(const char *dir, const mtrl_st_entry *e, int n, mtrl_d
         st = write_shard_(path, e, start[s], start[s + 1], disk_dtype, esz, meta, n_meta, err);
         for (int i = start[s]; idx && i < start[s + 1]; i++) {
             fprintf(idx, "%s\n    ", i ? "," : "");
-            json_str_(idx, e[i].name);
+            mtrl_ckpt_json_str(idx, e[i].name);
             fprintf(idx, ": \"%s\"", fn);
         }
     }
