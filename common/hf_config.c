@@ -284,10 +284,11 @@ mtrl_status mtrl_hf_config_read(mtrl_hf_config *h, const char *dir, mtrl_error *
     long dv = int_(&r, "v_head_dim", NULL, -1, 1, 1024);
     long E = int_(&r, "num_experts", "num_local_experts", -1, 1, 256);
     long k = int_(&r, "num_experts_per_token", "num_experts_per_tok", -1, 1, 64);
-    long ns = int_(&r, "num_shared_experts", "n_shared_experts", 0, 0, 16);
-    double rho = num_(&r, "routed_scaling_factor", NULL, 1.0);
+    // Defaults where a field is absent: KimiLinearConfig's.
+    long ns = int_(&r, "num_shared_experts", "n_shared_experts", 1, 0, 16);
+    double rho = num_(&r, "routed_scaling_factor", NULL, 2.446);
     int renorm = bool_(&r, "moe_renormalize", "norm_topk_prob", 1);
-    double eps = num_(&r, "rms_norm_eps", NULL, 1e-6);
+    double eps = num_(&r, "rms_norm_eps", NULL, 1e-5);
     h->vocab = V;
     h->bos_id = token_id_(json_object_get(root, "bos_token_id"));
     h->eos_id = token_id_(json_object_get(root, "eos_token_id"));
