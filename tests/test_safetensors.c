@@ -15,6 +15,7 @@
 //    functions.NAME:IDX<|tool_call_argument_begin|>ARGS into the env action NAME(ARGS); a
 //    malformed call reaches the env as written.
 #include <errno.h>
+#include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -186,6 +187,17 @@ static void test_bad_files_(void) {
     float f[2];
     TEST_CHECK(mtrl_st_read_name(&s, "w", MTRL_DT_F32, 1, (int64_t[]){2}, f, &err) == MTRL_ERR_FORMAT);
     TEST_CHECKF(strstr(err.msg, "i32.safetensors") && strstr(err.msg, "tensor w") && strstr(err.msg, "I32"), "%s", err.msg);
+    mtrl_st_close(&s);
+    // F16 converts exactly: 1, -2, 0.5, the smallest subnormal 2^-24, 65504, -inf.
+    uint16_t hv[6] = {0x3c00, 0xc000, 0x3800, 0x0001, 0x7bff, 0xfc00};
+    char p16[4400];
+    snprintf(p16, sizeof p16, "%s/f16.safetensors", tmp_);
+    write_raw_st_(p16, "{\"h\":{\"dtype\":\"F16\",\"shape\":[6],\"data_offsets\":[0,12]}}", hv, 12);
+    double hd[6];
+    TEST_CHECK(mtrl_st_open(&s, p16, &err) == MTRL_OK);
+    TEST_CHECK(mtrl_st_read_name(&s, "h", MTRL_DT_F64, 1, (int64_t[]){6}, hd, &err) == MTRL_OK);
+    TEST_CHECK(hd[0] == 1.0 && hd[1] == -2.0 && hd[2] == 0.5 && hd[3] == ldexp(1.0, -24) && hd[4] == 65504.0 &&
+               isinf(hd[5]) && hd[5] < 0);
     mtrl_st_close(&s);
     // Byte counts that do not match the shape.
     write_raw_st_(p, "{\"w\":{\"dtype\":\"F32\",\"shape\":[3],\"data_offsets\":[0,8]}}", iv, 8);

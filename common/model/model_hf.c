@@ -173,12 +173,9 @@ mtrl_status mtrl_model_load_hf(mtrl_model *m, const char *dir, mtrl_hf_load_stat
                                 "for this config.json; docs/hf-import.md lists the names)", mtrl_st_path_of(&s, i), s.t[i].name);
     for (int i = 0; i < L.n && st == MTRL_OK; i++) {
         hf_tensor *t = &L.t[i];
-        if (t->kind == HF_PARAM) {
-            st = mtrl_st_read(&s, at[i], REAL_DT, t->ndim, t->shape, t->dst, err);
-        } else {
-            st = mtrl_st_read(&s, at[i], REAL_DT, t->ndim, t->shape, t->dst, err);
+        st = mtrl_st_read(&s, at[i], REAL_DT, t->ndim, t->shape, t->dst, err);
+        if (t->kind == HF_NEG_BETA)
             for (size_t j = 0; j < numel_(t); j++) t->dst[j] = -t->dst[j];
-        }
         MTRL_CHECKF(st == MTRL_OK, "%s: %s", t->name, err ? err->msg : "read failed after its checks passed");
     }
     if (st == MTRL_OK) {
