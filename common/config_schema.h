@@ -59,7 +59,7 @@
     X(model, router_score, ENUM, "sigmoid", 0, 0, "sigmoid|softmax", "router score function")      \
     X(model, router_bias, ENUM, "logit", 0, 0, "logit|score", "what the QB bias beta shifts for the top-k: logit (z - beta) or score (s - beta, Kimi's e_score_correction_bias = -beta)") \
     X(model, router_renorm, BOOL, "true", 0, 0, NULL, "renormalise the top-k scores to sum 1 before rho (Kimi's moe_renormalize)") \
-    X(model, attnres, BOOL, "true", 0, 0, NULL, "Block Attention Residuals (false: the plain pre-norm residual stream, as Kimi Linear; no attnres.* parameters)") \
+    X(model, attnres, BOOL, "true", 0, 0, NULL, "Block Attention Residuals (false: the plain pre-norm residual stream, as Kimi Linear; no attnres.* parameters, attnres_block ignored)") \
     X(model, norm_eps, FLOAT, "1e-5", 1e-12, 1, NULL, "RMSNorm epsilon")                          \
     X(model, mla_kv_norm_eps, FLOAT, "0", 0, 1, NULL, "epsilon of the MLA latent's RMSNorm (0 = norm_eps; Kimi Linear's kv_a_layernorm takes 1e-6 whatever rms_norm_eps is)") \
     X(model, init_std, FLOAT, "0.02", 0, 1, NULL, "std of the normal init of projections")       \

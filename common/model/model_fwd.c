@@ -324,7 +324,7 @@ static void mla_forward_(mtrl_model *m, mtrl_arena *ar, int l, int mode, int T, 
     model_prof_end(m, MTRL_PROF_MLA_PROJ, t);
 }
 
-// ---- FFN: dense SwiGLU (the first first_dense layers) or MoE (model.md §4) -----------------------------------------------
+// ---- FFN: dense SwiGLU (layers below first_dense) or MoE (model.md §4) ---------------------------
 
 static void ffn_forward_(mtrl_model *m, mtrl_arena *ar, int l, int T, const real *x2, layer_cache *c, real *out,
                          const seg_out *so) {

@@ -52,61 +52,47 @@ static inline double kda_sigmoid_(double y) {
 
 // ---- gate (§2.1) ------------------------------------------------------------------------------
 
-void kda_gate_fwd(int T, int H, int K, const real *f, const real *A_log, const real *dt_bias,
-                  real g_min, real *g) {
-    for (int t = 0; t < T; t++)
-        for (int h = 0; h < H; h++) {
-            double a = exp((double)A_log[h]);
-            for (int d = 0; d < K; d++) {
-                size_t i = ((size_t)t * H + h) * K + d;
-                double y = a * ((double)f[i] + (double)dt_bias[(size_t)h * K + d]);
-                g[i] = (real)((double)g_min * kda_sigmoid_(y));
-            }
-        }
-}
-
-void kda_gate_bwd(int T, int H, int K, const real *f, const real *A_log, const real *dt_bias,
-                  real g_min, const real *dg, real *df, real *dA_log, real *ddt_bias) {
-    for (int h = 0; h < H; h++) {
-        double a = exp((double)A_log[h]);
-        double dA = 0;
-        for (int d = 0; d < K; d++) {
-            double db = 0;
-            for (int t = 0; t < T; t++) {
-                size_t i = ((size_t)t * H + h) * K + d;
-                double x = (double)f[i] + (double)dt_bias[(size_t)h * K + d];
-                double s = kda_sigmoid_(a * x);
-                double dy = (double)dg[i] * (double)g_min * s * (1.0 - s);  // ∂L/∂(a(f+b))
-                df[i] = (real)(a * dy);
-                db += a * dy;
-                dA += a * x * dy;  // ∂(a x)/∂A_log = a x since a = e^{A_log}
-            }
-            ddt_bias[(size_t)h * K + d] += (real)db;
-        }
-        dA_log[h] += (real)dA;
-    }
-}
-
 // softplus as transformers' KimiLinearForgetGate: x itself above 20 (where log1p(e^x) = x
 // to within e^-20), and its derivative to match.
 static inline double kda_softplus_(double x) { return x > 20.0 ? x : log1p(exp(x)); }
 static inline double kda_dsoftplus_(double x) { return x > 20.0 ? 1.0 : kda_sigmoid_(x); }
 
-void kda_gate_kimi_fwd(int T, int H, int K, const real *f, const real *A_log, const real *dt_bias,
-                       real g_floor, real *g) {
+// One entry of either gate at x = f + dt_bias, a = e^{A_log}: the bounded g_min·σ(a x), or
+// Kimi's max(−a softplus(x), bound) (bound = the floor). With dg given, *dx = ∂L/∂x and
+// *dA = ∂L/∂A_log (0 where Kimi's floor clamped g).
+static inline double kda_gate_at_(int kimi, double a, double x, double bound, double dg, double *dx, double *dA) {
+    if (!kimi) {
+        double s = kda_sigmoid_(a * x);
+        double dy = dg * bound * s * (1.0 - s);  // ∂L/∂(a x)
+        *dx = a * dy;
+        *dA = a * x * dy;  // ∂(a x)/∂A_log = a x since a = e^{A_log}
+        return bound * s;
+    }
+    double y = -a * kda_softplus_(x);
+    if (y < bound) {
+        *dx = *dA = 0;
+        return bound;
+    }
+    *dx = -dg * a * kda_dsoftplus_(x);
+    *dA = dg * y;  // ∂y/∂A_log = y since y = −e^{A_log} softplus(x)
+    return y;
+}
+
+static void kda_gate_fwd_(int kimi, int T, int H, int K, const real *f, const real *A_log, const real *dt_bias,
+                          real bound, real *g) {
     for (int t = 0; t < T; t++)
         for (int h = 0; h < H; h++) {
-            double a = exp((double)A_log[h]);
+            double a = exp((double)A_log[h]), dx, dA;
             for (int d = 0; d < K; d++) {
                 size_t i = ((size_t)t * H + h) * K + d;
-                double y = -a * kda_softplus_((double)f[i] + (double)dt_bias[(size_t)h * K + d]);
-                g[i] = (real)(y < (double)g_floor ? (double)g_floor : y);
+                double x = (double)f[i] + (double)dt_bias[(size_t)h * K + d];
+                g[i] = (real)kda_gate_at_(kimi, a, x, (double)bound, 0, &dx, &dA);
             }
         }
 }
 
-void kda_gate_kimi_bwd(int T, int H, int K, const real *f, const real *A_log, const real *dt_bias,
-                       real g_floor, const real *dg, real *df, real *dA_log, real *ddt_bias) {
+static void kda_gate_bwd_(int kimi, int T, int H, int K, const real *f, const real *A_log, const real *dt_bias,
+                          real bound, const real *dg, real *df, real *dA_log, real *ddt_bias) {
     for (int h = 0; h < H; h++) {
         double a = exp((double)A_log[h]);
         double dA = 0;
@@ -114,18 +100,36 @@ void kda_gate_kimi_bwd(int T, int H, int K, const real *f, const real *A_log, co
             double db = 0;
             for (int t = 0; t < T; t++) {
                 size_t i = ((size_t)t * H + h) * K + d;
-                double x = (double)f[i] + (double)dt_bias[(size_t)h * K + d];
-                double y = -a * kda_softplus_(x);
-                double dy = y < (double)g_floor ? 0.0 : (double)dg[i];  // clamped: no gradient
-                double dx = -dy * a * kda_dsoftplus_(x);
+                double x = (double)f[i] + (double)dt_bias[(size_t)h * K + d], dx, dAt;
+                kda_gate_at_(kimi, a, x, (double)bound, (double)dg[i], &dx, &dAt);
                 df[i] = (real)dx;
                 db += dx;
-                dA += dy * y;  // ∂y/∂A_log = y since y = −e^{A_log} softplus(x)
+                dA += dAt;
             }
             ddt_bias[(size_t)h * K + d] += (real)db;
         }
         dA_log[h] += (real)dA;
     }
+}
+
+void kda_gate_fwd(int T, int H, int K, const real *f, const real *A_log, const real *dt_bias,
+                  real g_min, real *g) {
+    kda_gate_fwd_(0, T, H, K, f, A_log, dt_bias, g_min, g);
+}
+
+void kda_gate_bwd(int T, int H, int K, const real *f, const real *A_log, const real *dt_bias,
+                  real g_min, const real *dg, real *df, real *dA_log, real *ddt_bias) {
+    kda_gate_bwd_(0, T, H, K, f, A_log, dt_bias, g_min, dg, df, dA_log, ddt_bias);
+}
+
+void kda_gate_kimi_fwd(int T, int H, int K, const real *f, const real *A_log, const real *dt_bias,
+                       real g_floor, real *g) {
+    kda_gate_fwd_(1, T, H, K, f, A_log, dt_bias, g_floor, g);
+}
+
+void kda_gate_kimi_bwd(int T, int H, int K, const real *f, const real *A_log, const real *dt_bias,
+                       real g_floor, const real *dg, real *df, real *dA_log, real *ddt_bias) {
+    kda_gate_bwd_(1, T, H, K, f, A_log, dt_bias, g_floor, dg, df, dA_log, ddt_bias);
 }
 
 // ---- recurrence (§2.2) ------------------------------------------------------------------------
