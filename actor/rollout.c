@@ -1,6 +1,8 @@
 // rollout.c: batched tool-use episodes on the decode form (see rollout.h).
 #include "actor/rollout.h"
 
+#include "actor/chat.h"
+
 #include "env/env_config.h"
 
 #include <math.h>
@@ -40,6 +42,7 @@ typedef struct slot {
 
 struct mtrl_rollout {
     mtrl_rollout_params p;
+    mtrl_chat chat;        // opened by init when p.chat was NULL (chat.tok then non-NULL)
     mtrl_model *m;
     slot *slots;
     int n;
@@ -115,6 +118,14 @@ mtrl_status mtrl_rollout_init(mtrl_rollout **out, const mtrl_rollout_params *p, 
     }
     p = &r->p;
     r->m = m;
+    if (!p->chat) {
+        mtrl_status st = mtrl_chat_init(&r->chat, &cfg->model, (uint32_t)m->dims.V, err);
+        if (st != MTRL_OK) {
+            free(r);
+            return st;
+        }
+        r->p.chat = &r->chat;
+    }
     r->next_group = p->first_group;
     r->next_episode = p->first_episode;
     r->n = p->slots;
@@ -177,6 +188,7 @@ void mtrl_rollout_free(mtrl_rollout *r) {
     free(r->dslot);
     free(r->drouting);
     free(r->ptok);
+    if (r->chat.tok) mtrl_chat_free(&r->chat);
     free(r);
 }
 
@@ -190,6 +202,8 @@ int mtrl_rollout_slot_count(const mtrl_rollout *r) { return r->n; }
 mtrl_traj *mtrl_rollout_slot(mtrl_rollout *r, int i) { return r->slots[i].active ? &r->slots[i].traj : NULL; }
 
 // ---- one episode's steps (shared by the batched engine and run_one) ------------------------------------
+
+static const mtrl_chat *chat_of_(const mtrl_rollout_params *p) { return p->chat ? p->chat : &mtrl_chat_bytes; }
 
 // The env calls, timed into p->times when it is set (mtrl_rollout_times).
 static mtrl_status env_reset_(const mtrl_rollout_params *p, mtrl_env *env, uint64_t seed, mtrl_env_result *res,
@@ -335,24 +349,23 @@ static int start_(const mtrl_rollout_params *p, mtrl_model *m, slot *s, const sl
         finish_(s, MTRL_EP_ABORTED, 0, err.msg);
         return 0;
     }
-    if ((int)res.obs_len + 2 > p->max_tokens) {
+    // The prompt leaves room for one generated token.
+    long np = mtrl_chat_prompt(chat_of_(p), res.obs, res.obs_len, buf, (size_t)(p->max_tokens - 1));
+    if (np < 0) {
         char why[128];
-        snprintf(why, sizeof why, "prompt of %zu tokens does not fit the budget of %d", res.obs_len + 1, p->max_tokens);
+        snprintf(why, sizeof why, "prompt of %zu bytes does not fit the budget of %d tokens", res.obs_len, p->max_tokens);
         finish_(s, MTRL_EP_TRUNCATED, 0, why);
         return 0;
     }
-    // BOS, the prompt's text, then its picture (docs/multimodal.md: the picture last, next to
-    // what the model writes after it)
-    buf[0] = MTRL_TOK_BOS;
-    mtrl_tok_encode(res.obs, res.obs_len, buf + 1);
+    // then its picture (docs/multimodal.md: the picture last, next to what the model writes
+    // after it)
     char why[256];
-    int ni = image_tokens_(m, s, &res, buf + 1 + res.obs_len, (long)p->max_tokens - 2 - (long)res.obs_len, why,
-                           sizeof why);
+    int ni = image_tokens_(m, s, &res, buf + np, (long)p->max_tokens - 1 - np, why, sizeof why);
     if (ni < 0) {
         finish_(s, ni == -1 ? MTRL_EP_ABORTED : MTRL_EP_TRUNCATED, 0, why);
         return 0;
     }
-    int n = (int)res.obs_len + 1 + ni;
+    int n = (int)np + ni;
     if (!defer) feed_(m, s, buf, n, 0, MTRL_TOK_PROMPT);
     else if (twin && twin->active && twin->pend_n == n && twin->pend_kind == MTRL_TOK_PROMPT &&
              !memcmp(twin->pend, buf, sizeof(uint32_t) * (size_t)n))
@@ -362,8 +375,9 @@ static int start_(const mtrl_rollout_params *p, mtrl_model *m, slot *s, const sl
 }
 
 // Bytes of the model tokens in [from, to) (specials dropped) into out (cap bytes, NUL-terminated).
-static size_t turn_bytes_(const mtrl_traj *t, uint64_t from, uint64_t to, char *out, size_t cap) {
-    return mtrl_tok_bytes(t->ids + from, (size_t)(to - from), out, cap);
+static size_t turn_bytes_(const mtrl_rollout_params *p, const mtrl_traj *t, uint64_t from, uint64_t to, char *out,
+                          size_t cap) {
+    return mtrl_chat_text(chat_of_(p), t->ids + from, (size_t)(to - from), out, cap);
 }
 
 // Samples the next token of s and acts on it. Returns 1 when the token must be fed to the
@@ -381,8 +395,9 @@ static int advance_(const mtrl_rollout_params *p, mtrl_model *m, slot *s, uint32
     // weight swap the first token still comes from the old weights' logits.
     mtrl_traj_append(t, (uint32_t)tok, (float)lp, s->logits_version, MTRL_TOK_MODEL, t->routing_width ? s->rrow : NULL);
     char text[4096];
-    if (tok == MTRL_TOK_EOS) {
-        turn_bytes_(t, s->turn_start, t->n_tokens - 1, text, sizeof text);
+    int role = mtrl_chat_role(chat_of_(p), (uint32_t)tok);
+    if (role == MTRL_CHAT_END) {
+        turn_bytes_(p, t, s->turn_start, t->n_tokens - 1, text, sizeof text);
         mtrl_env_result res;
         mtrl_error err;
         if (env_step_(p, s->env, MTRL_ENV_ACTION_ANSWER, text, strlen(text), &res, &err) != MTRL_OK) {
@@ -393,9 +408,11 @@ static int advance_(const mtrl_rollout_params *p, mtrl_model *m, slot *s, uint32
         finish_(s, MTRL_EP_COMPLETE, res.reward, NULL);
         return 0;
     }
-    if (tok == MTRL_TOK_TOOL_OPEN && s->tool_open < 0) s->tool_open = (int64_t)pos;
-    if (tok == MTRL_TOK_TOOL_CLOSE && s->tool_open >= 0) {
-        turn_bytes_(t, (uint64_t)s->tool_open + 1, pos, text, sizeof text);
+    if (role == MTRL_CHAT_CALL_OPEN && s->tool_open < 0) s->tool_open = (int64_t)pos;
+    if (role == MTRL_CHAT_CALL_CLOSE && s->tool_open >= 0) {
+        char call_id[256];
+        mtrl_chat_call(chat_of_(p), t->ids + s->tool_open + 1, (size_t)(pos - (uint64_t)s->tool_open - 1), text, sizeof text,
+                       call_id, sizeof call_id);
         mtrl_env_result res;
         mtrl_error err;
         uint32_t turn = s->turn++;
@@ -414,29 +431,40 @@ static int advance_(const mtrl_rollout_params *p, mtrl_model *m, slot *s, uint32
             finish_(s, MTRL_EP_COMPLETE, res.reward, NULL);
             return 0;
         }
-        // The TOOL_CLOSE the model sampled, then the observation (cut to the budget).
-        long room = (long)p->max_tokens - (long)t->n_tokens - 2;
-        if (room < 1) {
+        // The call's closing token the model sampled, then the framed observation, cut to the
+        // budget: its bytes first to what is left after the framing (a token covers at least
+        // one byte), then halved until the whole fits.
+        long cap = (long)p->max_tokens - (long)t->n_tokens;
+        long frame = mtrl_chat_result(chat_of_(p), call_id, "", 0, buf + 1, cap > 0 ? (size_t)cap : 0);
+        if (frame < 0 || cap - frame < 1) {
             finish_(s, MTRL_EP_TRUNCATED, 0, "token budget spent by a tool observation");
             return 0;
         }
-        // the observation's text (cut to what the budget leaves after its picture), its picture
-        buf[0] = (uint32_t)tok;
-        buf[1] = MTRL_TOK_RESULT_OPEN;
+        // A picture that came with it goes before the framing's last id (the bytes template's
+        // RESULT_CLOSE), after the text, which is cut to what the picture leaves.
         long pic = res.image && m->dims.image_patch > 0
                        ? (long)mtrl_image_token_count(res.image_w, res.image_h, m->dims.image_patch) : 0;
-        size_t n = res.obs_len < (size_t)(room > pic ? room - pic : 0) ? res.obs_len : (size_t)(room > pic ? room - pic : 0);
-        mtrl_tok_encode(res.obs, n, buf + 2);
+        long room = cap - pic;
+        size_t n = room - frame > 0 ? (res.obs_len < (size_t)(room - frame) ? res.obs_len : (size_t)(room - frame)) : 0;
+        long k;
+        while ((k = mtrl_chat_result(chat_of_(p), call_id, res.obs, n, buf + 1, (size_t)(room > 0 ? room : 0))) < 0 && n)
+            n /= 2;
+        if (k < 0) {
+            finish_(s, MTRL_EP_TRUNCATED, 0, "token budget spent by a tool observation and its picture");
+            return 0;
+        }
+        buf[0] = (uint32_t)tok;
+        uint32_t last = buf[k];
         char why[256];
-        int ni = image_tokens_(m, s, &res, buf + 2 + n, room - (long)n, why, sizeof why);
+        int ni = image_tokens_(m, s, &res, buf + k, cap - k, why, sizeof why);
         if (ni < 0) {
             finish_(s, ni == -1 ? MTRL_EP_ABORTED : MTRL_EP_TRUNCATED, 0, why);
             return 0;
         }
-        n += (size_t)ni;
-        buf[n + 2] = MTRL_TOK_RESULT_CLOSE;
-        if (defer) queue_(s, buf, (int)n + 3, 1, MTRL_TOK_TOOL); // turn_start moves when it is fed
-        else feed_(m, s, buf, (int)n + 3, 1, MTRL_TOK_TOOL);
+        buf[k + ni] = last;
+        k += ni;
+        if (defer) queue_(s, buf, (int)k + 1, 1, MTRL_TOK_TOOL); // turn_start moves when it is fed
+        else feed_(m, s, buf, (int)k + 1, 1, MTRL_TOK_TOOL);
         s->tool_open = -1;
         return 0;
     }

@@ -56,6 +56,9 @@ typedef struct mtrl_rollout_params {
     uint64_t first_episode;  // stage) continues them, so episode ids never repeat in a run
     uint64_t max_groups;     // no new group after this many (0: until mtrl_rollout_stop_new)
     mtrl_rollout_times *times; // nullable (params_from_config: NULL): the time split goes here
+    // How episodes are framed and tool calls read (actor/chat.h). NULL: mtrl_rollout_init opens
+    // [model] tokenizer and chat_template (the rollout owns it); run_one takes NULL as bytes.
+    const struct mtrl_chat *chat;
 } mtrl_rollout_params;
 
 void mtrl_rollout_params_from_config(mtrl_rollout_params *p, const mtrl_config *cfg, uint32_t actor_id,

@@ -15,7 +15,18 @@
 
 // ---- writing ------------------------------------------------------------------------------------------
 
-static void json_str_(FILE *f, const char *s) {
+void mtrl_ckpt_json_meta(FILE *f, const char *const *meta, int n_meta) {
+    fprintf(f, "\"__metadata__\":{");
+    for (int i = 0; i < n_meta; i++) {
+        if (i) fputc(',', f);
+        mtrl_ckpt_json_str(f, meta[2 * i]);
+        fputc(':', f);
+        mtrl_ckpt_json_str(f, meta[2 * i + 1]);
+    }
+    fputc('}', f);
+}
+
+void mtrl_ckpt_json_str(FILE *f, const char *s) {
     fputc('"', f);
     for (; *s; s++) {
         unsigned char ch = (unsigned char)*s;
@@ -38,21 +49,15 @@ static unsigned char *header_build_(const mtrl_ckpt_entry *e, int n, const char 
     uint64_t off = 0;
     for (int i = 0; i < n; i++) {
         if (i) fputc(',', h);
-        json_str_(h, e[i].name);
+        mtrl_ckpt_json_str(h, e[i].name);
         fprintf(h, ":{\"dtype\":\"%s\",\"shape\":[", mtrl_dtype_name(e[i].dtype));
         for (int d = 0; d < e[i].ndim; d++) fprintf(h, "%s%lld", d ? "," : "", (long long)e[i].shape[d]);
         fprintf(h, "],\"data_offsets\":[%llu,%llu]}", (unsigned long long)off, (unsigned long long)(off + e[i].nbytes));
         off += e[i].nbytes;
     }
     if (n_meta > 0) {
-        fprintf(h, "%s\"__metadata__\":{", n ? "," : "");
-        for (int i = 0; i < n_meta; i++) {
-            if (i) fputc(',', h);
-            json_str_(h, meta[2 * i]);
-            fputc(':', h);
-            json_str_(h, meta[2 * i + 1]);
-        }
-        fputc('}', h);
+        if (n) fputc(',', h);
+        mtrl_ckpt_json_meta(h, meta, n_meta);
     }
     fputc('}', h);
     fclose(h);

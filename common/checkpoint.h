@@ -29,6 +29,12 @@ typedef struct mtrl_ckpt_entry {
     size_t nbytes;
 } mtrl_ckpt_entry;
 
+// Writes s as a JSON string (quotes, escapes) to f: the names and metadata of a safetensors
+// header (also common/safetensors.c's writer).
+void mtrl_ckpt_json_str(FILE *f, const char *s);
+// Writes "__metadata__":{"k":"v",...} from n_meta key/value pairs (meta[2i], meta[2i+1]).
+void mtrl_ckpt_json_meta(FILE *f, const char *const *meta, int n_meta);
+
 // Writes entries and metadata (n_meta key/value pairs, meta[2i] = key, meta[2i+1] = value).
 mtrl_status mtrl_ckpt_write_file(const char *path, const mtrl_ckpt_entry *e, int n, const char *const *meta,
                                  int n_meta, mtrl_error *err);

@@ -14,6 +14,7 @@
 
 #include "common/check.h"
 #include "common/hash.h"
+#include "common/hf_config.h"
 
 // ---- the schema as a table --------------------------------------------------------------------
 
@@ -404,12 +405,11 @@ static int assign_(cfg_parse *ps, const char *where, const char *section, int st
     return 1;
 }
 
-// [env] plugin as written in a file is relative to the file's folder, not to wherever mtrl
-// was started: "sub/env.so" is <folder>/sub/env.so, and a bare "env.so" is <folder>/env.so when
-// that file exists (otherwise it stays bare, for dlopen's library search path). The folder is
-// made absolute, so actors and the env host started elsewhere find the same file.
-static void resolve_plugin_path_(cfg_parse *ps) {
-    char *v = ps->cfg->env.plugin;
+// A path written in a file is relative to the file's folder, not to wherever mtrl was started:
+// "sub/x" is <folder>/sub/x. With bare_search ([env] plugin), a bare "env.so" is <folder>/env.so
+// only when that file exists (otherwise it stays bare, for dlopen's library search path). The
+// folder is made absolute, so actors and the env host started elsewhere find the same file.
+static void resolve_rel_path_(cfg_parse *ps, char *v, const char *what, int bare_search) {
     if (!v[0] || v[0] == '/' || !ps->f) return;
     const char *slash = strrchr(ps->name, '/');
     char dir[MTRL_CFG_STR_MAX * 4], real[PATH_MAX], joined[PATH_MAX + MTRL_CFG_STR_MAX + 2];
@@ -417,10 +417,9 @@ static void resolve_plugin_path_(cfg_parse *ps) {
     if (!dir[0]) snprintf(dir, sizeof dir, "/");
     if (!realpath(dir, real)) return;
     snprintf(joined, sizeof joined, "%s%s%s", real, strcmp(real, "/") ? "/" : "", v);
-    if (!strchr(v, '/') && access(joined, F_OK) != 0) return;
+    if (bare_search && !strchr(v, '/') && access(joined, F_OK) != 0) return;
     if (strlen(joined) >= MTRL_CFG_STR_MAX) {
-        errs_add(ps->errs, "%s:%d: [env] plugin: %s is longer than %d bytes", ps->name, ps->line, joined,
-                 MTRL_CFG_STR_MAX - 1);
+        errs_add(ps->errs, "%s:%d: %s: %s is longer than %d bytes", ps->name, ps->line, what, joined, MTRL_CFG_STR_MAX - 1);
         return;
     }
     snprintf(v, MTRL_CFG_STR_MAX, "%s", joined);
@@ -432,9 +431,14 @@ static int cfg_handler_(void *user, const char *section, const char *name, const
     char where[512];
     snprintf(where, sizeof where, "%s:%d", ps->name, ps->line);
     int stage = ps->sec_kind == N_SECTIONS ? ps->sec_stage : -1;
-    if (assign_(ps, where, section, stage, name, value, ps->line) && stage < 0 && !strcmp(section, "env") &&
-        !strcmp(name, "plugin"))
-        resolve_plugin_path_(ps);
+    if (assign_(ps, where, section, stage, name, value, ps->line) && stage < 0) {
+        mtrl_cfg_model *m = &ps->cfg->model;
+        if (!strcmp(section, "env") && !strcmp(name, "plugin")) resolve_rel_path_(ps, ps->cfg->env.plugin, "[env] plugin", 1);
+        if (!strcmp(section, "model") && !strcmp(name, "from")) resolve_rel_path_(ps, m->from, "[model] from", 0);
+        if (!strcmp(section, "model") && !strcmp(name, "tokenizer") && strcmp(m->tokenizer, "auto") &&
+            strcmp(m->tokenizer, "bytes"))
+            resolve_rel_path_(ps, m->tokenizer, "[model] tokenizer", 0);
+    }
     return 1; // keep going: we collect every error
 }
 
@@ -484,17 +488,74 @@ static void key_where_(const cfg_parse *ps, int seen, char *out, size_t cap) {
     else snprintf(out, cap, "%s: --set", ps->name);
 }
 
-// 1 when the field holds its default value.
-static int field_is_default_(const mtrl_config *cfg, const cfg_field *f) {
-    mtrl_config d;
-    mtrl_config_defaults(&d);
-    const char *a = (const char *)cfg + f->offset, *b = (const char *)&d + f->offset;
+// 1 when field f (of the top-level sections) holds the same value in a and b.
+static int field_same_(const mtrl_config *x, const mtrl_config *y, const cfg_field *f) {
+    const char *a = (const char *)x + f->offset, *b = (const char *)y + f->offset;
     switch (f->type) {
     case CFG_INT: return *(const long *)a == *(const long *)b;
     case CFG_FLOAT: return *(const double *)a == *(const double *)b;
     case CFG_BOOL: return *(const int *)a == *(const int *)b;
     default: return !strcmp(a, b);
     }
+}
+
+// 1 when the field holds its default value.
+static int field_is_default_(const mtrl_config *cfg, const cfg_field *f) {
+    mtrl_config d;
+    mtrl_config_defaults(&d);
+    return field_same_(cfg, &d, f);
+}
+
+static size_t field_size_(const cfg_field *f) {
+    switch (f->type) {
+    case CFG_INT: return sizeof(long);
+    case CFG_FLOAT: return sizeof(double);
+    case CFG_BOOL: return sizeof(int);
+    default: return MTRL_CFG_STR_MAX;
+    }
+}
+
+// [model] from = DIR: the [model] keys its config.json maps (hf_config.h) are set here, before
+// the preset fills the rest. A key the experiment sets itself must agree: a different value is
+// an error naming both, never a silent override either way.
+static void resolve_from_(cfg_parse *ps) {
+    mtrl_cfg_model *m = &ps->cfg->model;
+    if (!m->from[0]) return;
+    mtrl_hf_config h;
+    mtrl_error err;
+    if (mtrl_hf_config_read(&h, m->from, &err) != MTRL_OK) {
+        errs_add(ps->errs, "%s: [model] from = %s: %s", ps->name, m->from, err.msg);
+        return;
+    }
+    if (ps->cfg->warmup.steps > 0)
+        errs_add(ps->errs, "%s: [warmup] steps = %ld with [model] from: the warm-up demos are written in the byte "
+                 "tokenizer's ids, not the checkpoint's; set steps = 0", ps->name, ps->cfg->warmup.steps);
+    mtrl_config *tmp = xmalloc(sizeof *tmp);
+    for (int i = 0; i < h.n_keys; i++) {
+        const mtrl_hf_key *k = &h.keys[i];
+        int idx = find_field_("model", k->key);
+        if (idx < 0) {
+            errs_add(ps->errs, "%s: [model] from: %s maps %s onto [model] %s, which this build does not have", ps->name,
+                     h.path, k->field, k->key);
+            continue;
+        }
+        const cfg_field *f = &cfg_fields_[idx];
+        char why[512], where[600];
+        *tmp = *ps->cfg;
+        if (!field_set_(tmp, f, -1, k->value, why, sizeof why)) {
+            errs_add(ps->errs, "%s: [model] from: %s: %s gives [model] %s = %s: %s", ps->name, h.path, k->field, k->key,
+                     k->value, why);
+            continue;
+        }
+        if (ps->seen[idx] && !field_same_(ps->cfg, tmp, f)) {
+            key_where_(ps, ps->seen[idx], where, sizeof where);
+            errs_add(ps->errs, "%s: [model] %s conflicts with from = %s: its config.json has %s, which is %s = %s; remove "
+                     "the key or make it agree", where, k->key, m->from, k->field, k->key, k->value);
+            continue;
+        }
+        memcpy((char *)ps->cfg + f->offset, (char *)tmp + f->offset, field_size_(f));
+    }
+    free(tmp);
 }
 
 // [env] keys that only one built-in reads do nothing beside a plug-in (it gets `args` alone),
@@ -642,6 +703,7 @@ static mtrl_status load_(mtrl_config *cfg, cfg_parse *ps, const char *const *set
     free(ps->linebuf);
     for (int i = 0; i < n_sets; i++) apply_set_(ps, sets[i]);
     check_whole_(ps);
+    resolve_from_(ps);
     resolve_model_(ps);
     return (ps->errs ? ps->errs->n : 0) > before ? MTRL_ERR_USAGE : MTRL_OK;
 }

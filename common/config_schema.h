@@ -27,6 +27,10 @@
 #define MTRL_CFG_MODEL(X)                                                                           \
     X(model, preset, ENUM, "tiny", 0, 0, "tiny|small|custom", "size preset; explicit fields override it") \
     X(model, device, ENUM, "cpu", 0, 0, "cpu|cuda", "where the backbone runs")                      \
+    X(model, from, STR, "", 0, 0, NULL, "a Hugging Face Kimi-Linear folder (config.json, safetensors, tokenizer files) to start from: its config.json sets the [model] keys it maps (a conflicting key in the INI is an error) and the learner loads its weights (docs/hf-import.md); relative to the experiment file's folder") \
+    X(model, vocab, INT, "0", 0, 1 << 26, NULL, "vocabulary size of the embedding and head (0 = the tokenizer's: 264 for bytes)") \
+    X(model, tokenizer, STR, "auto", 0, 0, NULL, "bytes, a tiktoken.model / tokenizer.json path (relative to the experiment file's folder), or auto: the from folder's tokenizer files when from is set, else bytes") \
+    X(model, chat_template, ENUM, "auto", 0, 0, "auto|bytes|kimi", "prompt framing and tool-call tokens of the actor: bytes (BOS, TOOL_OPEN/CLOSE specials), kimi (<|im_user|>... and <|tool_calls_section_begin|>...), auto: kimi when the tokenizer has Kimi's special tokens, else bytes") \
     X(model, layers, INT, "0", 0, 512, NULL, "number of layers (0 = preset)")                      \
     X(model, d_model, INT, "0", 0, 65536, NULL, "hidden width (0 = preset)")                       \
     X(model, hybrid, STR, "default", 0, 0, NULL, "mixer per layer: K (KDA) or M (MLA), e.g. KKKM; default = MLA every 4th and last") \

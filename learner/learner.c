@@ -19,6 +19,7 @@
 #include "common/fsutil.h"
 #include "common/hash.h"
 #include "common/log.h"
+#include "common/model/model_hf.h"
 #include "common/rng.h"
 #include "common/store.h"
 #include "common/timeutil.h"
@@ -1175,6 +1176,15 @@ mtrl_status mtrl_learner_open(mtrl_learner **out, const mtrl_config *cfg, const 
     if (st == MTRL_OK && mtrl_model_parse_device(cfg->model.device, &device, &gpu) != 0)
         st = mtrl_error_set(err, MTRL_ERR_USAGE, "%s: [model] device = %s: expected cpu or cuda", cfg->path, cfg->model.device);
     if (st == MTRL_OK) st = mtrl_model_init_on(&l->model, &d, (uint64_t)cfg->run.seed, device, gpu, err);
+    // A run that starts from a Hugging Face checkpoint takes its weights and correction biases
+    // (QB beta); a resumed one gets them from its own checkpoint below.
+    if (st == MTRL_OK && cfg->model.from[0] && !(opts && opts->resume)) {
+        mtrl_hf_load_stats ls;
+        st = mtrl_model_load_hf(&l->model, cfg->model.from, &ls, err);
+        if (st == MTRL_OK)
+            LOG_INFO("learner: loaded %s: %d tensors, %.1f MB in %.2f s (%.2f GB/s)", cfg->model.from, ls.tensors, ls.bytes / 1e6,
+                     ls.seconds, ls.seconds > 0 ? ls.bytes / ls.seconds / 1e9 : 0.0);
+    }
     if (st == MTRL_OK && mtrl_mkdir_p(cfg->run.out_dir) != 0)
         st = mtrl_error_set(err, MTRL_ERR_IO, "[run] out_dir %s: cannot create: %s", cfg->run.out_dir, strerror(errno));
     if (st != MTRL_OK) {

@@ -17,6 +17,8 @@ int cmd_bench(int argc, char **argv);
 int cmd_plan(int argc, char **argv);
 int cmd_eval(int argc, char **argv);
 int cmd_keygen(int argc, char **argv);
+int cmd_import(int argc, char **argv); // tools/cmd_hf.c
+int cmd_export(int argc, char **argv);
 int cmd_bench_rl(int argc, char **argv); // `mtrl bench rl` (tools/cmd_bench_rl.c), from cmd_bench
 
 // What `mtrl run` does with a loaded experiment (tools/cmd_run.c): the learner in this process

@@ -22,6 +22,7 @@
 #include "common/config.h"
 #include "common/fsutil.h"
 #include "common/model/model.h"
+#include "common/model/model_hf.h"
 #include "common/store.h"
 #include "common/timeutil.h"
 #include "common/tokenizer.h"
@@ -100,6 +101,16 @@ static int eval_model_open_(mtrl_model *m, const mtrl_config *cfg, const char *d
         return 1;
     }
     m->qb_frozen = 1; // evaluation never moves β
+    if (!ckpt && cfg->model.from[0]) {
+        mtrl_hf_load_stats ls;
+        if (mtrl_model_load_hf(m, cfg->model.from, &ls, &err) != MTRL_OK) {
+            fprintf(stderr, "mtrl eval: %s\n", err.msg);
+            mtrl_model_free(m);
+            return 1;
+        }
+        fprintf(stderr, "mtrl eval: no --checkpoint: the weights of [model] from = %s\n", cfg->model.from);
+        return 0;
+    }
     if (!ckpt) {
         fprintf(stderr, "mtrl eval: no --checkpoint: the initial weights of seed %ld\n", (long)cfg->run.seed);
         return 0;

@@ -32,6 +32,8 @@ static const subcommand subcommands_[] = {
     {"bench", cmd_bench, "benchmarks: " BENCHES_},
     {"plan", cmd_plan, "memory plan of the learner step: segment length and bytes per block"},
     {"eval", cmd_eval, "success rate of a checkpoint on fresh tasks (a stage of the ladder)"},
+    {"import", cmd_import, "read a Hugging Face Kimi-Linear folder into an mtrl checkpoint (and its load GB/s)"},
+    {"export", cmd_export, "write a checkpoint as a Hugging Face Kimi-Linear folder that transformers loads"},
     {"keygen", cmd_keygen, "write a CURVE keypair (STEM.key, STEM.pub) for remote actors"},
 };
 #define N_SUBCOMMANDS ((int)(sizeof subcommands_ / sizeof subcommands_[0]))

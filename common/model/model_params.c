@@ -56,7 +56,7 @@ mtrl_status mtrl_model_dims_from_config(mtrl_model_dims *d, const mtrl_config *c
     mtrl_kernel_opts_from_config(&d->kern, &cfg->kernels);
     d->L = (int)c->layers;
     d->d = (int)c->d_model;
-    d->V = vocab;
+    d->V = c->vocab > 0 ? (int)c->vocab : vocab;
     d->H = (int)c->kda_heads;
     d->D = (int)c->kda_head_dim;
     d->W = (int)c->conv_kernel;

@@ -1,0 +1,307 @@
+// mtrl-test: cpu
+// A Hugging Face KimiLinearForCausalLM into the backbone and back out (docs/hf-import.md), on
+// tests/fixtures/kimi_linear_tiny/ (transformers' save_pretrained of a tiny random model, with
+// transformers' fp32 logits; no Python here):
+//  - [model] from = the fixture gives the model its config; mtrl_model_load_hf fills it; the
+//    logits of three token sequences match transformers' within LOGIT_TOL (fp32 both sides);
+//  - export (f32 and bf16) -> the folder's tensors equal the fixture's, bit for bit, and a
+//    re-import gives the same parameter block and QB beta;
+//  - a missing tensor, a tensor with no place, a shape mismatch, a wrong dtype and a truncated
+//    shard are refused naming the file and tensor, and the model is left exactly as it was;
+//  - `mtrl import DIR --out FILE` and `mtrl export EXP FILE --out DIR` do the same from the CLI.
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include "common/config.h"
+#include "common/model/model.h"
+#include "common/model/model_hf.h"
+#include "common/safetensors.h"
+#include "common/tokenizer.h"
+#include "tests/testhelp.h"
+
+// fp32 on both sides; what is left is summation order (GEMMs, the chunked KDA against
+// transformers' 64-token chunks, the MLA softmax).
+#define LOGIT_TOL 1e-4
+
+static char fixture_[4096], tmp_[4096];
+
+static mtrl_config cfg_(void) {
+    char text[8192];
+    snprintf(text, sizeof text, "[env]\nname = calc\n[model]\nfrom = %s\n", fixture_);
+    mtrl_config cfg;
+    mtrl_config_errors errs = {0};
+    if (mtrl_config_load_text(&cfg, "t.ini", text, NULL, 0, &errs) != MTRL_OK) {
+        mtrl_config_errors_print(&errs, stderr);
+        exit(1);
+    }
+    mtrl_config_errors_free(&errs);
+    return cfg;
+}
+
+static void model_(mtrl_model *m, const mtrl_config *cfg) {
+    mtrl_model_dims d;
+    mtrl_error err;
+    if (mtrl_model_dims_from_config(&d, &cfg->model, MTRL_VOCAB, &err) != MTRL_OK) {
+        fprintf(stderr, "%s\n", err.msg);
+        exit(1);
+    }
+    mtrl_model_init(m, &d, 99);
+}
+
+static void test_logits_(mtrl_model *m) {
+    mtrl_st ex;
+    mtrl_error err;
+    char path[4200];
+    snprintf(path, sizeof path, "%s/expected_logits.safetensors", fixture_);
+    TEST_CHECKF(mtrl_st_open(&ex, path, &err) == MTRL_OK, "%s", err.msg);
+    static const char *const names[3] = {"short", "chunk", "long"};
+    int V = m->dims.V;
+    for (int s = 0; s < 3; s++) {
+        char n1[64], n2[64];
+        snprintf(n1, sizeof n1, "%s.ids", names[s]);
+        snprintf(n2, sizeof n2, "%s.logits", names[s]);
+        int i = mtrl_st_find(&ex, n1);
+        TEST_CHECK(i >= 0);
+        if (i < 0) continue;
+        int T = (int)ex.t[i].shape[0];
+        const int32_t *raw = (const int32_t *)ex.t[i].data; // I32, read as it is
+        uint32_t *ids = malloc(sizeof(uint32_t) * (size_t)T);
+        for (int t = 0; t < T; t++) memcpy(&ids[t], &raw[t], 4);
+        float *want = malloc(sizeof(float) * (size_t)T * (size_t)V);
+        TEST_CHECK(mtrl_st_read_name(&ex, n2, MTRL_DT_F32, 2, (int64_t[]){T, V}, want, &err) == MTRL_OK);
+        real *got = malloc(sizeof(real) * (size_t)T * (size_t)V);
+        mtrl_model_logits(m, ids, T, 0, got);
+        double worst = 0;
+        for (size_t j = 0; j < (size_t)T * (size_t)V; j++) {
+            double d = fabs((double)got[j] - (double)want[j]);
+            if (d > worst) worst = d;
+        }
+        printf("logits %-5s (%2d tokens): max |mtrl - transformers| = %.3g (tolerance %.0e)\n", names[s], T, worst, LOGIT_TOL);
+        TEST_CHECKF(worst <= LOGIT_TOL, "%s: %.3g", names[s], worst);
+        free(got);
+        free(want);
+        free(ids);
+    }
+    mtrl_st_close(&ex);
+}
+
+// Every tensor of a and b (two checkpoints) equal, value for value, as f32.
+static void same_tensors_(const char *a, const char *b) {
+    mtrl_st x, y;
+    mtrl_error err;
+    TEST_CHECKF(mtrl_st_open(&x, a, &err) == MTRL_OK, "%s", err.msg);
+    TEST_CHECKF(mtrl_st_open(&y, b, &err) == MTRL_OK, "%s", err.msg);
+    TEST_EQ_INT(x.n, y.n);
+    int same = 1;
+    for (int i = 0; i < x.n && same; i++) {
+        // A dense layer's FFN is mlp.* on the hub and in mtrl's exports, block_sparse_moe.* in
+        // what transformers 5 saves; either loads.
+        int j = mtrl_st_find(&y, x.t[i].name);
+        char alt[256];
+        const char *at = strstr(x.t[i].name, ".block_sparse_moe.");
+        if (j < 0 && at && !strstr(at, "experts") && !strstr(at, ".gate.")) {
+            snprintf(alt, sizeof alt, "%.*s.mlp.%s", (int)(at - x.t[i].name), x.t[i].name, at + strlen(".block_sparse_moe."));
+            j = mtrl_st_find(&y, alt);
+        }
+        TEST_CHECKF(j >= 0, "%s is not in %s", x.t[i].name, b);
+        if (j < 0) { same = 0; break; }
+        size_t n = 1;
+        for (int d = 0; d < x.t[i].ndim; d++) n *= (size_t)x.t[i].shape[d];
+        float *p = malloc(4 * n), *q = malloc(4 * n);
+        same = mtrl_st_read(&x, i, MTRL_DT_F32, x.t[i].ndim, x.t[i].shape, p, &err) == MTRL_OK &&
+               mtrl_st_read(&y, j, MTRL_DT_F32, x.t[i].ndim, x.t[i].shape, q, &err) == MTRL_OK && !memcmp(p, q, 4 * n);
+        TEST_CHECKF(same, "tensor %s differs between %s and %s", x.t[i].name, a, b);
+        free(p);
+        free(q);
+    }
+    mtrl_st_close(&x);
+    mtrl_st_close(&y);
+}
+
+static void test_export_(mtrl_model *m, const mtrl_config *cfg) {
+    char out[4200];
+    mtrl_error err;
+    const char *kinds[2] = {"f32", "bf16"};
+    for (int k = 0; k < 2; k++) {
+        snprintf(out, sizeof out, "%s/export-%s", tmp_, kinds[k]);
+        uint64_t bytes = 0;
+        TEST_CHECKF(mtrl_model_save_hf(m, &cfg->model, fixture_, out, k ? MTRL_DT_BF16 : MTRL_DT_F32, 200000, &bytes, &err) == MTRL_OK,
+                    "%s", err.msg);
+        TEST_CHECK(bytes > 0);
+        same_tensors_(fixture_, out);
+        char p[4400];
+        snprintf(p, sizeof p, "%s/model.safetensors.index.json", out);
+        TEST_CHECK(access(p, F_OK) == 0); // sharded at 200 kB
+        snprintf(p, sizeof p, "%s/tiktoken.model", out);
+        TEST_CHECK(access(p, F_OK) == 0);
+        snprintf(p, sizeof p, "%s.tmp-%ld", out, (long)getpid());
+        TEST_CHECK(access(p, F_OK) != 0); // renamed
+        // Re-import: the same parameters and beta.
+        mtrl_config c2 = cfg_();
+        TEST_CHECK(strlen(out) < sizeof c2.model.from);
+        memcpy(c2.model.from, out, strlen(out) + 1);
+        mtrl_model m2;
+        model_(&m2, &c2);
+        TEST_CHECKF(mtrl_model_load_hf(&m2, out, NULL, &err) == MTRL_OK, "%s", err.msg);
+        TEST_CHECK(m2.params.total == m->params.total && !memcmp(m2.params.base, m->params.base, m->params.total));
+        TEST_CHECK(!memcmp(m2.qb_beta, m->qb_beta, sizeof(real) * (size_t)m->dims.L * (size_t)m->dims.E));
+        mtrl_model_free(&m2);
+    }
+    // An existing folder is never written into.
+    TEST_CHECK(mtrl_model_save_hf(m, &cfg->model, fixture_, out, MTRL_DT_F32, 1 << 20, NULL, &err) == MTRL_ERR_USAGE);
+}
+
+// A one-file checkpoint with the fixture's tensors, less `drop`, plus `extra`, and `reshape`
+// given shape [1][n] (same bytes, another shape).
+static void variant_(const char *dir, const char *drop, const char *extra, const char *reshape) {
+    mkdir(dir, 0755);
+    mtrl_st s;
+    mtrl_error err;
+    if (mtrl_st_open(&s, fixture_, &err) != MTRL_OK) exit(1);
+    mtrl_st_entry *e = calloc((size_t)s.n + 1, sizeof *e);
+    float **bufs = calloc((size_t)s.n + 1, sizeof *bufs);
+    int n = 0;
+    for (int i = 0; i < s.n; i++) {
+        if (drop && !strcmp(s.t[i].name, drop)) continue;
+        size_t numel = 1;
+        for (int d = 0; d < s.t[i].ndim; d++) numel *= (size_t)s.t[i].shape[d];
+        bufs[n] = malloc(4 * numel);
+        mtrl_st_read(&s, i, MTRL_DT_F32, s.t[i].ndim, s.t[i].shape, bufs[n], &err);
+        e[n] = (mtrl_st_entry){s.t[i].name, s.t[i].ndim, {0}, MTRL_DT_F32, bufs[n]};
+        memcpy(e[n].shape, s.t[i].shape, sizeof(int64_t) * (size_t)s.t[i].ndim);
+        if (reshape && !strcmp(s.t[i].name, reshape)) e[n] = (mtrl_st_entry){s.t[i].name, 2, {1, (int64_t)numel}, MTRL_DT_F32, bufs[n]};
+        n++;
+    }
+    if (extra) {
+        bufs[n] = calloc(4, 4);
+        e[n++] = (mtrl_st_entry){extra, 1, {4}, MTRL_DT_F32, bufs[n - 1]};
+    }
+    if (mtrl_st_write(dir, e, n, MTRL_DT_F32, (size_t)1 << 30, NULL, 0, NULL, &err) != MTRL_OK) exit(1);
+    for (int i = 0; i < n; i++) free(bufs[i]);
+    free(bufs);
+    free(e);
+    mtrl_st_close(&s);
+    char src[8192], dst[8192];
+    snprintf(src, sizeof src, "%s/config.json", fixture_);
+    snprintf(dst, sizeof dst, "%s/config.json", dir);
+    FILE *a = fopen(src, "rb"), *b = fopen(dst, "wb");
+    char buf[4096];
+    size_t k;
+    while ((k = fread(buf, 1, sizeof buf, a)) > 0) fwrite(buf, 1, k, b);
+    fclose(a);
+    fclose(b);
+}
+
+static void expect_refused_(mtrl_model *m, const char *dir, mtrl_status code, const char *a, const char *b) {
+    void *before = malloc(m->params.total);
+    memcpy(before, m->params.base, m->params.total);
+    size_t nb = sizeof(real) * (size_t)m->dims.L * (size_t)m->dims.E;
+    real *beta = malloc(nb);
+    memcpy(beta, m->qb_beta, nb);
+    mtrl_error err = {0};
+    mtrl_status st = mtrl_model_load_hf(m, dir, NULL, &err);
+    TEST_CHECKF(st == code, "%s: got %d (%s), want %d", dir, st, err.msg, code);
+    TEST_CHECKF((!a || strstr(err.msg, a)) && (!b || strstr(err.msg, b)), "message '%s' should name '%s' and '%s'", err.msg,
+                a ? a : "", b ? b : "");
+    TEST_CHECKF(!memcmp(before, m->params.base, m->params.total) && !memcmp(beta, m->qb_beta, nb),
+                "%s: the model changed on a refused load", dir);
+    free(before);
+    free(beta);
+}
+
+static void test_refused_(mtrl_model *m) {
+    char dir[4300];
+    snprintf(dir, sizeof dir, "%s/missing", tmp_);
+    variant_(dir, "model.layers.2.self_attn.kv_b_proj.weight", NULL, NULL);
+    expect_refused_(m, dir, MTRL_ERR_NOTFOUND, "model.layers.2.self_attn.kv_b_proj.weight", "missing");
+    snprintf(dir, sizeof dir, "%s/unplaced", tmp_);
+    variant_(dir, NULL, "model.layers.1.self_attn.q_a_proj.weight", NULL);
+    expect_refused_(m, dir, MTRL_ERR_FORMAT, "model.layers.1.self_attn.q_a_proj.weight", "model.safetensors");
+    snprintf(dir, sizeof dir, "%s/shape", tmp_);
+    variant_(dir, NULL, NULL, "model.layers.3.block_sparse_moe.experts.7.w2.weight");
+    expect_refused_(m, dir, MTRL_ERR_MISMATCH, "model.layers.3.block_sparse_moe.experts.7.w2.weight", "[1, 512]");
+    // A wrong dtype: A_log's F32 in the shard header patched to I32 (same length).
+    snprintf(dir, sizeof dir, "%s/dtype", tmp_);
+    variant_(dir, NULL, NULL, NULL);
+    char p[4400];
+    snprintf(p, sizeof p, "%s/model.safetensors", dir);
+    FILE *f = fopen(p, "r+b");
+    char hdr[65536];
+    size_t n = fread(hdr, 1, sizeof hdr - 1, f);
+    hdr[n] = 0;
+    char *at = strstr(hdr + 8, "\"model.layers.0.self_attn.A_log\":{\"dtype\":\"F32\"");
+    TEST_CHECK(at != NULL);
+    if (at) {
+        fseek(f, (long)(at - hdr) + (long)strlen("\"model.layers.0.self_attn.A_log\":{\"dtype\":\""), SEEK_SET);
+        fputc('I', f);
+    }
+    fclose(f);
+    expect_refused_(m, dir, MTRL_ERR_FORMAT, "model.layers.0.self_attn.A_log", "I32");
+    // A truncated shard.
+    struct stat sb;
+    stat(p, &sb);
+    TEST_CHECK(truncate(p, sb.st_size - 64) == 0);
+    expect_refused_(m, dir, MTRL_ERR_FORMAT, "model.safetensors", "truncated");
+}
+
+static int run_(const char *cmd) {
+    int rc = system(cmd);
+    return WIFEXITED(rc) ? WEXITSTATUS(rc) : -1;
+}
+
+static void test_cli_(void) {
+    const char *bin = getenv("MTRL_BIN");
+    if (!bin) return;
+    char cmd[16384], ckpt[4300], exp[4300], out[4300];
+    snprintf(ckpt, sizeof ckpt, "%s/imported.safetensors", tmp_);
+    snprintf(cmd, sizeof cmd, "'%s' import '%s' --out '%s' --logits '%s/imp-logits.safetensors'", bin, fixture_, ckpt, tmp_);
+    TEST_EQ_INT(run_(cmd), 0);
+    snprintf(exp, sizeof exp, "%s/exp.ini", tmp_);
+    FILE *f = fopen(exp, "w");
+    fprintf(f, "[model]\nfrom = %s\n[env]\nname = calc\n", fixture_);
+    fclose(f);
+    snprintf(out, sizeof out, "%s/cli-export", tmp_);
+    snprintf(cmd, sizeof cmd, "'%s' export '%s' '%s' --out '%s' --shard-mb 1", bin, exp, ckpt, out);
+    TEST_EQ_INT(run_(cmd), 0);
+    same_tensors_(fixture_, out);
+    // The logits mtrl wrote on import are the ones the model computes: the file reads back.
+    char lp[4400];
+    snprintf(lp, sizeof lp, "%s/imp-logits.safetensors", tmp_);
+    mtrl_st s;
+    mtrl_error err;
+    TEST_CHECK(mtrl_st_open(&s, lp, &err) == MTRL_OK && mtrl_st_find(&s, "long.logits") >= 0);
+    mtrl_st_close(&s);
+    // A bad folder: exit 1 with the tensor named.
+    snprintf(cmd, sizeof cmd, "'%s' import '%s/missing' --out '%s/x.safetensors' 2>&1 | grep -q kv_b_proj", bin, tmp_, tmp_);
+    TEST_EQ_INT(run_(cmd), 0);
+}
+
+int main(void) {
+    const char *src = getenv("MTRL_SRC");
+    snprintf(fixture_, sizeof fixture_, "%s/tests/fixtures/kimi_linear_tiny", src ? src : "..");
+    snprintf(tmp_, sizeof tmp_, "/tmp/mtrl_test_hf_XXXXXX");
+    if (!mkdtemp(tmp_)) return 1;
+    mtrl_config cfg = cfg_();
+    mtrl_model m;
+    model_(&m, &cfg);
+    mtrl_hf_load_stats ls;
+    mtrl_error err;
+    TEST_CHECKF(mtrl_model_load_hf(&m, fixture_, &ls, &err) == MTRL_OK, "%s", err.msg);
+    printf("loaded the fixture: %d tensors, %llu bytes from %d files in %.4f s (%.2f GB/s)\n", ls.tensors,
+           (unsigned long long)ls.bytes, ls.files, ls.seconds, ls.seconds > 0 ? ls.bytes / ls.seconds / 1e9 : 0.0);
+    TEST_EQ_INT(ls.files, 2);
+    // beta = -e_score_correction_bias, set for the MoE layers only.
+    TEST_CHECK(m.qb_beta[0] == 0 && m.qb_beta[(size_t)m.dims.E] != 0);
+    test_logits_(&m);
+    test_export_(&m, &cfg);
+    test_refused_(&m);
+    test_cli_();
+    mtrl_model_free(&m);
+    char cmd[4200];
+    snprintf(cmd, sizeof cmd, "rm -rf '%s'", tmp_);
+    if (system(cmd) != 0) fprintf(stderr, "could not remove %s\n", tmp_);
+    return test_report();
+}
