@@ -16,9 +16,10 @@ static const struct {
     {"retrieval", &env_retrieval_api},
     {"calc", &env_calc_api},
     {"http", &env_http_api},
+    {"corpus", &env_corpus_api},
 };
 
-const char *env_builtin_names(void) { return "retrieval, calc, http"; }
+const char *env_builtin_names(void) { return "retrieval, calc, http, corpus"; }
 
 const mtrl_env_api *env_builtin_find(const char *name) {
     for (size_t i = 0; i < sizeof builtins_ / sizeof builtins_[0]; i++)

@@ -5,6 +5,7 @@
 //   retrieval  key=value document, tools search(text) and read(offset,length)  (retrieval.c)
 //   calc       arithmetic problems, tool calc(expr)                              (calc.c)
 //   http       values behind an HTTP base URL, tool get(path) through libcurl   (http.c)
+//   corpus     generated log files, tools list, open(id,offset), grep: many-turn  (corpus.c)
 #ifndef MTRL_ENV_BUILTIN_H
 #define MTRL_ENV_BUILTIN_H
 
@@ -17,6 +18,7 @@
 extern const mtrl_env_api env_retrieval_api;
 extern const mtrl_env_api env_calc_api;
 extern const mtrl_env_api env_http_api;
+extern const mtrl_env_api env_corpus_api;
 
 // ---- calc -----------------------------------------------------------------------------------
 

@@ -104,15 +104,6 @@ static void retrieval_destroy_(void *self) {
 
 // ---- document generation --------------------------------------------------------------------
 
-static uint64_t mix64_(uint64_t x) { // splitmix64 finaliser: a cheap, good 64-bit mixer
-    x ^= x >> 30;
-    x *= 0xbf58476d1ce4e5b9ull;
-    x ^= x >> 27;
-    x *= 0x94d049bb133111ebull;
-    x ^= x >> 31;
-    return x;
-}
-
 // A keyed permutation of [0, range): a 4-round Feistel network on 2*half bits (a bijection on
 // [0, 4^half)), walked until the value falls inside the range (cycle walking keeps it a
 // bijection on the range). 4^half < 4*range, so the walk takes under 4 steps on average.
@@ -121,7 +112,7 @@ static uint64_t permute_(uint64_t x, uint64_t range, int half, const uint64_t rk
     do {
         uint64_t l = x >> half, r = x & mask;
         for (int k = 0; k < 4; k++) {
-            uint64_t t = l ^ (mix64_(r ^ rk[k]) & mask);
+            uint64_t t = l ^ (env_mix64(r ^ rk[k]) & mask);
             l = r;
             r = t;
         }
@@ -170,7 +161,7 @@ static void retrieval_generate_(retrieval_env *e, uint64_t seed) {
     char *p = env_buf_reserve(&e->doc, lines * line_len + 128);
     for (size_t i = 0; i < lines; i++) {
         uint64_t key = permute_(i, range, half, rk);
-        uint64_t val = mix64_(vseed + i) % 1000000u;
+        uint64_t val = env_mix64(vseed + i) % 1000000u;
         p[0] = 'k';
         put_digits_(p + 1, key, w);
         p[1 + w] = '=';
