@@ -837,6 +837,7 @@ static void rl_step_(mtrl_learner *l, int *ready, int n_ready) {
         log_metric_(l, "mismatch_k3", st.kl_k3);
         log_metric_(l, "mismatch_absdiff", st.logp_absdiff);
         log_metric_(l, "masked_frac", st.masked_frac);
+        log_metric_(l, "token_masked_frac", st.token_masked_frac);
         log_metric_(l, "grad_norm", st.grad_norm);
         log_metric_(l, "staleness_mean", st.staleness_mean);
         log_metric_(l, "staleness_max", st.staleness_max);
