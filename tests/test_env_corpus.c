@@ -14,6 +14,9 @@
 //    limit ends the episode;
 //  - config refusals name the key; the stage keys reach the env (mtrl_config_stage);
 //  - generation of a 16 MiB corpus takes well under a second;
+//  - experiments/agent-1m.ini's ladder: at every stage the demo episodes (chain, sum and latest)
+//    fit the stage's context with room for the model's own tokens, and at the last stage they
+//    make >= 100 tool calls and >= 512K tokens;
 //  - the plug-in example of the same kind (env/examples/notes.c, build/lib/libmtrl_env_notes.so):
 //    its demo of 30 hops (62 tool calls) reaches reward 1, in-process and isolated alike, token
 //    for token; a wrong answer gets 0; a bad key is refused by name.
@@ -23,6 +26,7 @@
 
 #include "common/config.h"
 #include "common/timeutil.h"
+#include "common/tokenizer.h"
 #include "env/env_config.h"
 #include "env/env_host.h"
 #include "learner/train.h"
@@ -324,7 +328,55 @@ static void test_plugin_notes(void) {
     TEST_CONTAINS(err.msg, "unknown config key 'hopz'");
 }
 
+static void test_agent_ladder(void) {
+    const char *src = getenv("MTRL_SRC");
+    char path[600];
+    snprintf(path, sizeof path, "%s/experiments/agent-1m.ini", src ? src : "..");
+    mtrl_config cfg;
+    mtrl_config_errors errs = {0};
+    mtrl_status cst = mtrl_config_load(&cfg, path, NULL, 0, &errs);
+    if (cst != MTRL_OK) mtrl_config_errors_print(&errs, stderr);
+    mtrl_config_errors_free(&errs);
+    TEST_CHECK(cst == MTRL_OK);
+    if (cst != MTRL_OK) return;
+    TEST_CHECK(cfg.n_stages >= 4);
+    for (int st = 0; st < cfg.n_stages; st++) {
+        mtrl_config c = mtrl_config_stage(&cfg, st);
+        mtrl_env *e = NULL;
+        mtrl_error err = {0};
+        TEST_CHECKF(mtrl_env_open_config(&c, &e, &err) == MTRL_OK, "stage %d: %s", st + 1, err.msg);
+        if (!e) continue;
+        uint64_t most = 0, least = UINT64_MAX;
+        uint32_t calls_min = UINT32_MAX;
+        for (uint64_t seed = 0; seed < 6; seed++) {
+            mtrl_traj t;
+            mtrl_traj_init(&t);
+            TEST_CHECKF(mtrl_train_demo_episode(e, seed, 1 << 24, &t, &err) == MTRL_OK, "stage %d: %s", st + 1, err.msg);
+            TEST_CHECK(t.reward == 1.0);
+            uint32_t calls = 0;
+            for (uint64_t k = 0; k < t.n_tokens; k++) calls += t.ids[k] == MTRL_TOK_TOOL_OPEN;
+            if (t.n_tokens > most) most = t.n_tokens;
+            if (t.n_tokens < least) least = t.n_tokens;
+            if (calls < calls_min) calls_min = calls;
+            mtrl_traj_free(&t);
+        }
+        printf("agent-1m stage %d: context %ld, hops %ld, page %ld: demo episodes %llu..%llu tokens, >= %u tool calls\n",
+               st + 1, c.actor.max_tokens, c.env.hops, c.env.max_obs_bytes, (unsigned long long)least,
+               (unsigned long long)most, calls_min);
+        // the model's turns add to the demo's tokens: keep a tenth of the context for them
+        TEST_CHECKF(most < (uint64_t)c.actor.max_tokens * 9 / 10, "stage %d: demo of %llu tokens in a context of %ld",
+                    st + 1, (unsigned long long)most, c.actor.max_tokens);
+        TEST_CHECK(calls_min <= (uint32_t)c.env.max_tool_calls);
+        if (st == cfg.n_stages - 1) {
+            TEST_CHECKF(calls_min >= 100, "last stage: %u tool calls", calls_min);
+            TEST_CHECKF(least >= 512 * 1024, "last stage: %llu tokens", (unsigned long long)least);
+        }
+        mtrl_env_close(e);
+    }
+}
+
 int main(void) {
+    test_agent_ladder();
     test_plugin_notes();
     test_tasks();
     test_long_and_replay();
