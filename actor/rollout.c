@@ -507,8 +507,21 @@ static void start_groups_(mtrl_rollout *r, const mtrl_rollout_events *ev) {
     for (int i = 0; i < r->n; i++) {
         slot *s = &r->slots[i];
         if (!s->copy_of) continue;
+        if (s->active && !s->copy_of->active) { // the twin ended in the flush (a device budget)
+            finish_(s, MTRL_EP_TRUNCATED, 0, "the actor's device budget cannot hold the group's prompt");
+            ended_(r, i, ev);
+        }
+        // With a device budget, when the twin waits for room or the copy does not fit now, the
+        // episode prefills its prompt itself (the same result) and waits for room like any feed.
         if (s->active && r->mem.slot &&
-            !mem_reserve_(r, i, mem_turn_need_(r, s->copy_of->st.pos), ev)) {
+            (s->copy_of->pend_n > 0 || !mtrl_epmem_fits(&r->mem, i, mem_turn_need_(r, s->copy_of->st.pos), NULL))) {
+            const slot *tw = s->copy_of; // its prompt: still queued, or fed (then its trajectory so far)
+            queue_(s, tw->pend_n ? tw->pend : tw->traj.ids, tw->pend_n ? tw->pend_n : (int)tw->traj.n_tokens, 0,
+                   MTRL_TOK_PROMPT);
+            s->copy_of = NULL;
+            continue;
+        }
+        if (s->active && r->mem.slot && !mem_reserve_(r, i, mem_turn_need_(r, s->copy_of->st.pos), ev)) {
             s->copy_of = NULL;
             continue;
         }
