@@ -739,6 +739,15 @@ int mtrl_config_threads(const mtrl_config *cfg) {
     return share < 1 ? 1 : (int)share;
 }
 
+int mtrl_config_stage_of_step(const mtrl_config *base, long step) {
+    long end = 0;
+    for (int s = 0; s < base->n_stages; s++) {
+        end += base->stage[s].steps;
+        if (step < end) return s;
+    }
+    return base->n_stages > 0 ? base->n_stages - 1 : 0;
+}
+
 mtrl_config mtrl_config_stage(const mtrl_config *base, int s) {
     mtrl_config c = *base;
     const mtrl_cfg_stage *st = &base->stage[s];

@@ -101,6 +101,9 @@ int mtrl_config_threads(const mtrl_config *cfg);
 // stage key of 0 keeps the base value. The learner enters stages with it; `mtrl eval --stage`
 // evaluates one.
 mtrl_config mtrl_config_stage(const mtrl_config *base, int s);
+// The stage (0-based) that learner step `step` (0-based, the next step to take) belongs to: the
+// stages' steps laid end to end, the last stage for any later step; 0 without a ladder.
+int mtrl_config_stage_of_step(const mtrl_config *base, long step);
 
 
 #endif

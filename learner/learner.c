@@ -659,14 +659,7 @@ static void check_heartbeats_(mtrl_learner *l, int judge) {
 // ---- the context ladder ([stage.N]) ----------------------------------------------------------------------------
 
 // The stage that step `step` (0-based, the next step to take) belongs to.
-static int stage_of_(const mtrl_learner *l, long step) {
-    long end = 0;
-    for (int s = 0; s < l->base.n_stages; s++) {
-        end += l->base.stage[s].steps;
-        if (step < end) return s;
-    }
-    return l->base.n_stages - 1;
-}
+static int stage_of_(const mtrl_learner *l, long step) { return mtrl_config_stage_of_step(&l->base, step); }
 
 // Applies stage s to the experiment: its context is the episode budget, its document length the
 // retrieval env's, its group size and batch the learner's. The actors get a new WELCOME with the
