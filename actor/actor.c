@@ -2,6 +2,7 @@
 #include "actor/actor.h"
 
 #include <errno.h>
+#include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -76,6 +77,7 @@ typedef struct actor {
     uint64_t *snap_ep, *snap_at;
     int n_snap;
     int bye;
+    char unusable[400];    // why this experiment cannot run here (bye = 3): sent to the learner before the BYE
     long episodes_done;
     int out_peak;          // the most messages the outbox held (backpressure: see the main loop)
     uint64_t out_peak_bytes;
@@ -313,6 +315,20 @@ static void hello_(actor *a) {
     mtrl_wire_out_free(&o);
 }
 
+// Logs an error that makes the experiment unusable here and keeps the first such error: the
+// learner gets it (an ERROR message before the BYE) and stores it, so the run store says why
+// the actors failed, not only that they did.
+static void unusable_(actor *a, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
+static void unusable_(actor *a, const char *fmt, ...) {
+    char msg[sizeof a->unusable];
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(msg, sizeof msg, fmt, ap);
+    va_end(ap);
+    LOG_ERROR("%s", msg);
+    if (!a->unusable[0]) snprintf(a->unusable, sizeof a->unusable, "%s", msg);
+}
+
 // (Re)builds the episodes in flight for the current config and incarnation; counters continue
 // so episode and group ids stay unique. Whatever was queued before means nothing now.
 static int rollout_build_(actor *a, uint64_t next_group, uint64_t next_episode) {
@@ -323,7 +339,7 @@ static int rollout_build_(actor *a, uint64_t next_group, uint64_t next_episode) 
     p.first_episode = next_episode;
     p.times = &a->times;
     if (mtrl_rollout_init(&a->ro, &p, &a->cfg, &a->model, &err) != MTRL_OK) {
-        LOG_ERROR("%s", err.msg);
+        unusable_(a, "%s", err.msg);
         return 0;
     }
     outbox_clear_(a);
@@ -342,7 +358,7 @@ static void weights_at_close_(actor *a);
 static int setup_(actor *a, const mtrl_wire_msg *m) {
     mtrl_config_errors errs = {0};
     if (mtrl_config_load_text(&a->cfg, "<experiment from the learner>", m->text ? m->text : "", NULL, 0, &errs) != MTRL_OK) {
-        for (int i = 0; i < errs.n; i++) LOG_ERROR("%s", errs.msgs[i]);
+        for (int i = 0; i < errs.n; i++) unusable_(a, "%s", errs.msgs[i]);
         mtrl_config_errors_free(&errs);
         return 0;
     }
@@ -351,14 +367,14 @@ static int setup_(actor *a, const mtrl_wire_msg *m) {
     mtrl_error err;
     omp_set_num_threads(mtrl_config_threads(&a->cfg));
     if (mtrl_model_dims_from_config(&d, &a->cfg.model, MTRL_VOCAB, &err) != MTRL_OK) {
-        LOG_ERROR("%s", err.msg);
+        unusable_(a, "%s", err.msg);
         return 0;
     }
     uint64_t next_group = 0, next_episode = 0;
     int first = !a->have_model; // a later setup is a new stage: its episodes in flight are over
     int device = MTRL_DEVICE_CPU, gpu = 0;
     if (mtrl_model_parse_device(a->cfg.model.device, &device, &gpu) != 0) {
-        LOG_ERROR("[model] device = %s: expected cpu or cuda", a->cfg.model.device);
+        unusable_(a, "[model] device = %s: expected cpu or cuda", a->cfg.model.device);
         return 0;
     }
     if (a->gpu >= 0) gpu = a->gpu;
@@ -377,7 +393,7 @@ static int setup_(actor *a, const mtrl_wire_msg *m) {
     }
     // parameters only: an actor never trains (no gradient or AdamW blocks beside the learner's)
     if (!keep && mtrl_model_init_infer_on(&a->model, &d, (uint64_t)a->cfg.run.seed, device, gpu, &err) != MTRL_OK) {
-        LOG_ERROR("%s", err.msg);
+        unusable_(a, "%s", err.msg);
         a->have_model = 0;
         return 0;
     }
@@ -523,7 +539,7 @@ static int weights_at_open_(actor *a, const mtrl_wire_msg *m) {
     }
     weights_at_close_(a);
     if (!strcmp(a->cfg.learner.publish, "shm")) {
-        LOG_ERROR("[learner] publish = shm: %s", err.msg);
+        unusable_(a, "[learner] publish = shm: %s", err.msg);
         a->bye = 3;
         return 0;
     }
@@ -763,12 +779,19 @@ int mtrl_actor_main(const char *endpoint, uint32_t actor_id, int gpu, volatile s
             flush_(&a);
         }
     }
-    // Say goodbye (the learner aborts whatever is still open) and leave.
-    if (a.have_cfg) {
-        send_actor_stats_(&a, mtrl_time_mono());
+    // Say goodbye (the learner aborts whatever is still open) and leave; an actor that cannot run
+    // the experiment says why first.
+    if (a.have_cfg || a.bye == 3) {
         mtrl_wire_out o;
         mtrl_wire_out_init(&o);
-        mtrl_wire_encode_bye(&o, *stop ? "actor stopped" : "learner said BYE");
+        if (a.bye == 3) {
+            mtrl_wire_encode_error(&o, MTRL_ERR_USAGE, a.unusable[0] ? a.unusable : "cannot run this experiment");
+            send_now_(&a, &o);
+            mtrl_wire_out_free(&o);
+            mtrl_wire_out_init(&o);
+        }
+        if (a.have_cfg) send_actor_stats_(&a, mtrl_time_mono());
+        mtrl_wire_encode_bye(&o, a.bye == 3 ? "cannot run this experiment" : *stop ? "actor stopped" : "learner said BYE");
         send_now_(&a, &o);
         mtrl_wire_out_free(&o);
     }

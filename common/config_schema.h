@@ -71,8 +71,8 @@
     X(env, hops, INT, "4", 1, 4096, NULL, "corpus: hops of a chain, records of a sum or latest")   \
     X(env, files, INT, "64", 2, 65536, NULL, "corpus: files in the corpus")                        \
     X(env, file_tokens, INT, "4096", 256, 1 << 20, NULL, "corpus: bytes (tokens) per file")        \
-    X(env, max_tool_calls, INT, "4", 0, 1000, NULL, "tool calls allowed per episode")            \
-    X(env, max_obs_bytes, INT, "256", 1, 1 << 24, NULL, "cap on one tool observation")           \
+    X(env, max_tool_calls, INT, "4", 0, 1000, NULL, "tool calls allowed per episode (built-ins and plug-ins alike: the call past it ends the episode, reward 0)") \
+    X(env, max_obs_bytes, INT, "256", 1, 1 << 24, NULL, "built-ins: cap on one tool observation (a plug-in's are capped at 64 MiB by the host, env/mtrl_env.h)") \
     X(env, base_url, STR, "", 0, 0, NULL, "http: base URL the get tool may reach")               \
     X(env, allow_loopback, BOOL, "false", 0, 0, NULL, "http: allow 127.0.0.0/8 and ::1")         \
     X(env, timeout_ms, INT, "2000", 1, 600000, NULL, "http: total timeout of one request")
@@ -140,7 +140,8 @@
 #define MTRL_CFG_WARMUP(X)                                                                          \
     X(warmup, steps, INT, "0", 0, 1e9, NULL, "supervised steps on env demo() trajectories before RL") \
     X(warmup, lr, FLOAT, "3e-3", 0, 10, NULL, "learning rate of the warm-up")                     \
-    X(warmup, batch, INT, "16", 1, 1 << 20, NULL, "demo episodes per warm-up step")
+    X(warmup, batch, INT, "16", 1, 1 << 20, NULL, "demo episodes per warm-up step")                 \
+    X(warmup, target_loss, FLOAT, "0", 0, 1e6, NULL, "end the warm-up early once the mean loss of its last 10 steps is below this (0 = run all its steps)")
 
 #define MTRL_CFG_STAGE(X)                                                                           \
     X(stage, context, INT, "0", 0, 1 << 30, NULL, "episode token budget of this stage (0 = [actor] max_tokens)") \

@@ -40,7 +40,7 @@ static const char *const schema_v1_ =
     "  status TEXT NOT NULL CHECK (status IN ('open','complete','truncated','aborted','rejected')),"
     "  reward REAL, tokens INTEGER, model_tokens INTEGER, tool_calls INTEGER,"
     "  version_min INTEGER, version_max INTEGER, traj_path TEXT, traj_offset INTEGER, digest TEXT,"
-    "  started REAL, ended REAL, abort_reason TEXT, step INTEGER,"
+    "  started REAL, ended REAL, abort_reason TEXT, step INTEGER, trained_step INTEGER,"
     "  PRIMARY KEY (run, id));"
     "CREATE INDEX episodes_run_status ON episodes(run, status);"
     "CREATE INDEX episodes_run_step ON episodes(run, step);"
@@ -84,6 +84,9 @@ enum {
     Q_METRIC_SERIES,
     Q_EPISODE_COUNTS,
     Q_CHECKPOINTS,
+    Q_TRAINED,
+    Q_UNTRAIN,
+    Q_MAX_TRAINED,
     Q_COUNT_
 };
 
@@ -112,6 +115,9 @@ static const char *const sql_[Q_COUNT_] = {
     [Q_METRIC_SERIES] = "SELECT step, value FROM metrics WHERE run = ?1 AND name = ?2 ORDER BY step",
     [Q_EPISODE_COUNTS] = "SELECT status, count(*) FROM episodes WHERE run = ?1 GROUP BY status",
     [Q_CHECKPOINTS] = "SELECT step, version, path, digest FROM checkpoints WHERE run = ?1 ORDER BY step",
+    [Q_TRAINED] = "UPDATE episodes SET trained_step = ?3 WHERE run = ?1 AND id = ?2",
+    [Q_UNTRAIN] = "UPDATE episodes SET trained_step = NULL WHERE run = ?1 AND trained_step > ?2",
+    [Q_MAX_TRAINED] = "SELECT max(trained_step) FROM episodes WHERE run = ?1",
 };
 
 struct mtrl_store {
@@ -406,7 +412,16 @@ mtrl_status mtrl_store_open(mtrl_store **out, const char *path, int readonly, mt
         st = create_schema_(s, err);
         if (st) goto fail;
     }
-    // (Migrations from older schema versions go here, one transaction each.)
+    // Migrations from older schema versions, one transaction each.
+    if (version == 1) {
+        // 2: episodes.trained_step (issue 28, item 11); rows of version 1 say NULL, not known
+        st = exec_(s, "BEGIN IMMEDIATE; ALTER TABLE episodes ADD COLUMN trained_step INTEGER; PRAGMA user_version = 2; COMMIT",
+                   err, "migrate the schema to version 2");
+        if (st) {
+            sqlite3_exec(s->db, "ROLLBACK", NULL, NULL, NULL);
+            goto fail;
+        }
+    }
     st = fail_stale_runs_(s, err);
     if (st) goto fail;
     *out = s;
@@ -545,6 +560,46 @@ mtrl_status mtrl_store_checkpoint_log(mtrl_store *s, int64_t run, int64_t step, 
     bind_text_(q, 4, path ? path : "");
     bind_text_(q, 5, digest);
     WRITE_END_("log checkpoint");
+}
+
+mtrl_status mtrl_store_episodes_trained(mtrl_store *s, int64_t run, int64_t step, const uint64_t *ids, size_t n,
+                                        mtrl_error *err) {
+    int own = 0;
+    mtrl_status st = txn_enter_(s, &own, err);
+    for (size_t i = 0; i < n && !st; i++) {
+        sqlite3_stmt *q = stmt_(s, Q_TRAINED, err);
+        if (!q) {
+            st = MTRL_ERR_IO;
+            break;
+        }
+        sqlite3_bind_int64(q, 1, run);
+        sqlite3_bind_int64(q, 2, (int64_t)ids[i]);
+        sqlite3_bind_int64(q, 3, step);
+        st = run_(s, q, err, "mark episodes trained");
+    }
+    return txn_leave_(s, own, st, err);
+}
+
+mtrl_status mtrl_store_episodes_untrain_after(mtrl_store *s, int64_t run, int64_t step, int64_t *changed,
+                                              mtrl_error *err) {
+    *changed = 0;
+    WRITE_BEGIN_(Q_UNTRAIN);
+    sqlite3_bind_int64(q, 1, run);
+    sqlite3_bind_int64(q, 2, step);
+    mtrl_status st = run_(s, q, err, "mark episodes untrained");
+    if (!st) *changed = sqlite3_changes64(s->db);
+    return txn_leave_(s, own_, st, err);
+}
+
+int64_t mtrl_store_max_trained_step(mtrl_store *s, int64_t run) {
+    mtrl_error err;
+    sqlite3_stmt *q = stmt_(s, Q_MAX_TRAINED, &err);
+    if (!q) return -1;
+    sqlite3_bind_int64(q, 1, run);
+    int64_t v = -1;
+    if (sqlite3_step(q) == SQLITE_ROW && sqlite3_column_type(q, 0) != SQLITE_NULL) v = sqlite3_column_int64(q, 0);
+    sqlite3_reset(q);
+    return v;
 }
 
 static const char *level_name_(mtrl_log_level l) {

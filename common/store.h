@@ -49,7 +49,7 @@
 #include "common/status.h"
 #include "common/traj.h"
 
-#define MTRL_STORE_SCHEMA 1
+#define MTRL_STORE_SCHEMA 2 // 2: episodes.trained_step (a writer migrates a store of 1)
 #define MTRL_STORE_APP_ID 0x4d54524c // "MTRL"
 
 typedef enum mtrl_run_status {
@@ -105,6 +105,17 @@ mtrl_status mtrl_store_expert_log(mtrl_store *s, int64_t run, int64_t step, int 
                                   double bias, mtrl_error *err);
 mtrl_status mtrl_store_checkpoint_log(mtrl_store *s, int64_t run, int64_t step, uint32_t version, const char *path,
                                       const char *digest, mtrl_error *err);
+// episodes.trained_step: the RL step whose batch trained on the episode; NULL for one never
+// trained on (dropped as stale, of a dropped group, aborted, rejected, or trained in steps a
+// --resume went back past). Marks ids[0..n) as trained at step.
+mtrl_status mtrl_store_episodes_trained(mtrl_store *s, int64_t run, int64_t step, const uint64_t *ids, size_t n,
+                                        mtrl_error *err);
+// --resume from the checkpoint of step: the training of later steps was lost with the process,
+// so their episodes are marked untrained again (*changed of them).
+mtrl_status mtrl_store_episodes_untrain_after(mtrl_store *s, int64_t run, int64_t step, int64_t *changed,
+                                              mtrl_error *err);
+// The latest step that trained an episode of run; -1 when none did (or it cannot be read).
+int64_t mtrl_store_max_trained_step(mtrl_store *s, int64_t run);
 // run <= 0 = an event of no run (stored as NULL). Level as text: debug, info, warn, error.
 mtrl_status mtrl_store_event_log(mtrl_store *s, int64_t run, mtrl_log_level level, const char *message,
                                  mtrl_error *err);

@@ -4,6 +4,8 @@
 #include <stdio.h>
 #include <string.h>
 
+#include "common/check.h"
+
 int mtrl_env_config_isolated(const mtrl_config *cfg) {
     const char *v = cfg->env.isolate;
     return !strcmp(v, "true") || (!strcmp(v, "auto") && !strcmp(cfg->env.name, "plugin"));
@@ -28,8 +30,12 @@ static mtrl_status open_config_(const mtrl_config *cfg, int isolate, mtrl_env **
     o.isolate = isolate;
     o.call_timeout_ms = (int)e->step_timeout_ms;
     const char *name = !strcmp(e->name, "plugin") ? e->plugin : e->name;
-    // A plug-in is opened with only its own keys (`args`): it may refuse unknown ones.
-    if (!strcmp(e->name, "plugin")) return mtrl_env_open(out, name, e->args, &o, err);
+    // A plug-in is opened with only its own keys (`args`): it may refuse unknown ones. The
+    // host holds it to max_tool_calls (built-ins get the key and hold themselves to it).
+    if (!strcmp(e->name, "plugin")) {
+        o.max_tool_calls = e->max_tool_calls;
+        return mtrl_env_open(out, name, e->args, &o, err);
+    }
     return mtrl_env_open(out, name, conf, &o, err);
 }
 
@@ -37,9 +43,18 @@ mtrl_status mtrl_env_open_config(const mtrl_config *cfg, mtrl_env **out, mtrl_er
     return open_config_(cfg, mtrl_env_config_isolated(cfg), out, err);
 }
 
-mtrl_status mtrl_env_check_config(const mtrl_config *cfg, mtrl_error *err) {
+mtrl_status mtrl_env_check_config(const mtrl_config *cfg, char **tools, mtrl_error *err) {
+    if (tools) *tools = NULL;
     mtrl_env *env = NULL;
     mtrl_status st = open_config_(cfg, 1, &env, err);
+    const char *text;
+    size_t len;
+    mtrl_error derr;
+    if (st == MTRL_OK && tools && mtrl_env_describe(env, &text, &len, &derr) == MTRL_OK) {
+        *tools = xmalloc(len + 1);
+        memcpy(*tools, text, len);
+        (*tools)[len] = '\0';
+    }
     mtrl_env_close(env);
     return st;
 }

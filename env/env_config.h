@@ -19,7 +19,8 @@ int mtrl_env_config_isolated(const mtrl_config *cfg);
 // anything else, so an unknown name, a plug-in that does not load or speaks another ABI, or one
 // that refuses its args is reported as the config error it is (the caller exits 2), not as an
 // actor failure after the run started. A crash or hang in the plug-in's constructor or create
-// stays in the child. MTRL_OK, or the error mtrl_env_open gave.
-mtrl_status mtrl_env_check_config(const mtrl_config *cfg, mtrl_error *err);
+// stays in the child. MTRL_OK, or the error mtrl_env_open gave. tools (nullable): the env's
+// describe() text (its tool list), malloc'ed, NULL when it has none; `mtrl check` prints it.
+mtrl_status mtrl_env_check_config(const mtrl_config *cfg, char **tools, mtrl_error *err);
 
 #endif

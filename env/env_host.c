@@ -46,6 +46,8 @@ struct mtrl_env {
     char name[64], version[64];
     int has_demo, has_describe;
     int in_episode; // a reset succeeded and no step ended or aborted the episode since
+    long tool_calls; // tool actions of this episode (opts.max_tool_calls)
+    char limit_obs[96]; // the observation of the tool call past opts.max_tool_calls
     mtrl_env_stats st;
     // in-process
     env_loaded lib;
@@ -69,6 +71,7 @@ void mtrl_env_opts_default(mtrl_env_opts *o) {
     o->cpu_limit_s = 3600;
     o->nofile_limit = 256;
     o->max_obs_bytes = (size_t)64 << 20;
+    o->max_tool_calls = -1;
 }
 
 const char *mtrl_env_name(const mtrl_env *e) { return e->name; }
@@ -535,6 +538,7 @@ mtrl_status mtrl_env_reset(mtrl_env *e, uint64_t seed, mtrl_env_result *out, mtr
     e->st.last_latency_s = out->latency_s;
     e->st.episodes++;
     e->in_episode = 1;
+    e->tool_calls = 0;
     return MTRL_OK;
 }
 
@@ -551,6 +555,18 @@ mtrl_status mtrl_env_step(mtrl_env *e, uint32_t kind, const char *action, size_t
                               e->name, kind);
     if (!action && len) return mtrl_error_set(err, MTRL_ERR_USAGE, "env '%s': NULL action with a length", e->name);
     double t0 = mtrl_time_mono();
+    // The limit a built-in enforces itself (env_step_begin), applied by the host to an env that
+    // need not know it: the call past it never reaches the env.
+    if (kind == MTRL_ENV_ACTION_TOOL && e->o.max_tool_calls >= 0 && ++e->tool_calls > e->o.max_tool_calls) {
+        snprintf(e->limit_obs, sizeof e->limit_obs, "error: tool call limit (%ld) reached; episode over", e->o.max_tool_calls);
+        out->obs = e->limit_obs;
+        out->obs_len = strlen(e->limit_obs);
+        out->done = 1;
+        out->tool_error = 1;
+        e->st.steps++;
+        e->in_episode = 0;
+        return MTRL_OK;
+    }
     if (e->o.isolate) {
         if ((uint64_t)len > ENV_WIRE_MAX_REQUEST)
             return abort_(e, mtrl_error_set(err, MTRL_ERR_LIMIT,

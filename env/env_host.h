@@ -87,6 +87,9 @@ typedef struct mtrl_env_opts {
     int cpu_limit_s;          // isolated: RLIMIT_CPU of the child, 0 = none (3600)
     int nofile_limit;         // isolated: RLIMIT_NOFILE of the child, 0 = inherit (256)
     size_t max_obs_bytes;     // largest prompt/observation/demo accepted, both modes (64 MiB)
+    long max_tool_calls;      // tool calls per episode the host lets through to the env; the one past
+                              // them ends the episode here, reward 0, without calling the env
+                              // ([env] max_tool_calls for plug-ins); -1 = the env's own business (-1)
 } mtrl_env_opts;
 
 void mtrl_env_opts_default(mtrl_env_opts *o);

@@ -61,12 +61,30 @@
 // - MTRL_ENV_ACTION_ANSWER: the model's final text (it stopped with end-of-sequence). The env
 //   scores it and returns done = 1 with the reward (1 correct, 0 wrong unless the env
 //   documents partial credit); the observation may be empty or a short verdict.
-// An env may end the episode (done = 1, reward 0) after its own maximum number of tool calls.
 // After done = 1 the host calls reset before the next step.
+//
+// ---- what the host enforces, and what it asks --------------------------------------------
+// - Tool calls: the experiment's [env] max_tool_calls holds for a plug-in too. The host counts
+//   the TOOL steps of an episode; the one past the limit never reaches step(): the host ends
+//   the episode itself (done = 1, reward 0, tool_error = 1, observation "error: tool call
+//   limit (N) reached; episode over"). An env may still end an episode earlier, after its own
+//   maximum (done = 1, reward 0).
+// - Observation size: a prompt, observation or demo action over 64 MiB aborts the episode
+//   ("... over max_obs_bytes"); [env] max_obs_bytes (256) is a key of the built-ins, which cut
+//   their observations to it: a plug-in that wants small observations keeps them small itself
+//   (the model's context is what [actor] max_tokens allows).
+// - stdout is not yours: never write to it (the host's stdout is data, e.g. `mtrl check`'s is
+//   an experiment file, and an isolated env's child inherits it). Diagnostics go to stderr,
+//   errors into err.
+// - Isolation: a plug-in runs in a child process by default ([env] isolate = auto), with
+//   memory, CPU-time and file limits and a deadline on every call ([env] step_timeout_ms): a
+//   crash or hang costs the episode, not the actor.
 //
 // demo (optional) returns a reference solution of the current task (after reset, before any
 // step): the sequence of actions, each with its kind, that solves it. Used for supervised warm
-// start and tests. describe (optional) returns the tool list as text for the prompt.
+// start and tests. describe (optional) returns the tool list as text, for the experiment's
+// author: `mtrl check` prints it. It is not added to the prompt: the model sees only what
+// reset returns, so a prompt that should name the tools names them itself.
 #ifndef MTRL_ENV_H
 #define MTRL_ENV_H
 
@@ -148,7 +166,8 @@ typedef struct mtrl_env_api {
 
     // Optional (NULL when absent). A reference solution of the current task.
     int (*demo)(void *self, mtrl_env_demo_out *out, char *err, size_t err_cap);
-    // Optional. The tool list as text, one tool per line ("search(text): ...").
+    // Optional. The tool list as text, one tool per line ("search(text): ..."); `mtrl check`
+    // shows it, the model does not see it.
     int (*describe)(void *self, mtrl_env_bytes *out, char *err, size_t err_cap);
 
     // Later minors append members here.

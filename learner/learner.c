@@ -13,6 +13,7 @@
 #include <zmq.h>
 
 #include "env/env_config.h"
+#include "learner/json_line.h"
 #include "common/check.h"
 #include "common/checkpoint.h"
 #include "common/fsutil.h"
@@ -120,6 +121,7 @@ struct mtrl_learner {
     double last_hb;
     double last_reward;
     char failed[256];        // mtrl_learner_fail's reason: the run ends as failed
+    char actor_error[400];   // the last error an actor sent (why it cannot run the experiment)
     // where the time of RL goes (learner/perf.h): this cycle's split (since the previous step's
     // metrics) and the totals since the end of the warm-up (t_rl: when it ended, 0 before)
     mtrl_perf cyc, tot;
@@ -591,10 +593,24 @@ static void handle_(mtrl_learner *l, mtrl_wire_in *in) {
         break;
     case MTRL_WIRE_HEARTBEAT:
         break;
+    case MTRL_WIRE_ERROR:
     case MTRL_WIRE_BYE: {
-        size_t n = mtrl_wire_asm_abort_actor(l->asm_, a->id, a->incarnation, "actor said BYE");
-        event_(l, MTRL_LOG_INFO, "actor %u left (%zu open episodes aborted)", a->id, n);
-        a->alive = 0;
+        // The text is the peer's: the event log escapes it (mtrl_store_event_log, common/log.c).
+        mtrl_wire_msg m;
+        mtrl_wire_msg_init(&m);
+        const char *text = "";
+        if (mtrl_wire_decode(in->hdr_bytes, MTRL_WIRE_HDR_SIZE, in->payload, in->payload_len, &l->lim, &m, &err) == MTRL_OK)
+            text = m.text ? m.text : "";
+        if (type == MTRL_WIRE_ERROR) {
+            // An actor that cannot run the experiment says why before it leaves (actor.c, unusable_).
+            snprintf(l->actor_error, sizeof l->actor_error, "actor %u: %s", a->id, text);
+            event_(l, MTRL_LOG_ERROR, "%s", l->actor_error);
+        } else {
+            size_t n = mtrl_wire_asm_abort_actor(l->asm_, a->id, a->incarnation, "actor said BYE");
+            event_(l, MTRL_LOG_INFO, "actor %u left: %s (%zu open episodes aborted)", a->id, text, n);
+            a->alive = 0;
+        }
+        mtrl_wire_msg_free(&m);
         break;
     }
     default:
@@ -870,6 +886,12 @@ static void rl_step_(mtrl_learner *l, int *ready, int n_ready) {
                     durable_fail_(l, "run store", &err);
         }
         log_metric_(l, "max_violation", worst);
+        // which episodes this step trained on (episodes.trained_step; never the stale ones)
+        uint64_t *ids = xmalloc(sizeof *ids * (size_t)(nb ? nb : 1));
+        for (int i = 0; i < nb; i++) ids[i] = batch[i]->episode_id;
+        if (mtrl_store_episodes_trained(l->store, l->run_id, l->step, ids, (size_t)nb, &err) != MTRL_OK)
+            durable_fail_(l, "run store", &err);
+        free(ids);
         if (l->cfg.learner.qb_actor_stats) log_metric_(l, "qb_actor_batches", (double)qb_actor);
         perf_cycle_end_(l, now, 1);
         if (mtrl_store_commit(l->store, &err) != MTRL_OK) durable_fail_(l, "run store", &err);
@@ -949,6 +971,45 @@ static void stall_check_(mtrl_learner *l, double now) {
     mtrl_learner_fail(l, msg);
 }
 
+static int actors_live_(const mtrl_learner *l) {
+    int live = 0;
+    for (int i = 0; i < l->n_actors; i++) live += l->actors[i].alive;
+    return live;
+}
+
+// ---- progress as JSON lines (mtrl run --json) -------------------------------------------------------------
+
+static int json_on_(const mtrl_learner *l) { return l->progress == MTRL_PROGRESS_JSON; }
+
+static void json_step_(mtrl_learner *l) {
+    double el = mtrl_time_mono() - l->t_start;
+    mtrl_json_line j;
+    mtrl_json_begin(&j, stdout, "step");
+    mtrl_json_int(&j, "run", (long long)l->run_id);
+    mtrl_json_int(&j, "step", l->step);
+    mtrl_json_int(&j, "steps", l->total_steps);
+    mtrl_json_num(&j, "reward", l->last_reward);
+    mtrl_json_int(&j, "episodes", l->episodes_seen);
+    mtrl_json_int(&j, "aborted", l->episodes_by_status[MTRL_EP_ABORTED]);
+    mtrl_json_int(&j, "actors", actors_live_(l));
+    mtrl_json_num(&j, "episodes_per_s", el > 0 ? l->episodes_seen / el : 0);
+    mtrl_json_num(&j, "tokens_per_s", el > 0 ? l->tokens_seen / el : 0);
+    mtrl_json_num(&j, "elapsed_s", el);
+    mtrl_json_end(&j);
+}
+
+static void json_end_(mtrl_learner *l, const char *status, const char *reason) {
+    mtrl_json_line j;
+    mtrl_json_begin(&j, stdout, "end");
+    mtrl_json_int(&j, "run", (long long)l->run_id);
+    mtrl_json_str(&j, "status", status);
+    mtrl_json_int(&j, "step", l->step);
+    mtrl_json_int(&j, "episodes", l->episodes_seen);
+    mtrl_json_num(&j, "elapsed_s", mtrl_time_mono() - l->t_start);
+    if (reason && reason[0]) mtrl_json_str(&j, "reason", reason);
+    mtrl_json_end(&j);
+}
+
 // stop: SIGINT / SIGTERM (mtrl_learner_run's flag), checked at every warm-up step: a warm-up of
 // thousands of steps must not hold a Ctrl-C for a minute.
 static void warmup_(mtrl_learner *l, volatile sig_atomic_t *stop) {
@@ -969,6 +1030,7 @@ static void warmup_(mtrl_learner *l, volatile sig_atomic_t *stop) {
     }
     event_(l, MTRL_LOG_INFO, "warm-up: %ld supervised steps on %s demonstrations", steps, mtrl_env_name(env));
     l->warming = 1;
+    double recent[10] = {0}; // the last 10 losses ([warmup] target_loss)
     for (long s = 0; s < steps && !*stop && !l->failed[0]; s++) {
         pump_(l, 0);
         int ok = 1;
@@ -981,11 +1043,34 @@ static void warmup_(mtrl_learner *l, volatile sig_atomic_t *stop) {
             break;
         }
         double loss = mtrl_train_sft_step(&l->model, &l->cfg, dp, B, l->cfg.warmup.lr);
+        recent[s % 10] = loss;
         if (mtrl_store_metric_log(l->store, l->run_id, -steps + s, "warmup_loss", loss, 0, &err) != MTRL_OK)
             durable_fail_(l, "run store", &err);
-        if (l->progress) mtrl_progress_update(&l->prog, s + 1 == steps, "warm-up %ld/%ld | loss %.3f", s + 1, steps, loss);
+        if (l->progress == MTRL_PROGRESS_LINE)
+            mtrl_progress_update(&l->prog, s + 1 == steps, "warm-up %ld/%ld | loss %.3f", s + 1, steps, loss);
+        if (json_on_(l)) {
+            mtrl_json_line j;
+            mtrl_json_begin(&j, stdout, "warmup");
+            mtrl_json_int(&j, "run", (long long)l->run_id);
+            mtrl_json_int(&j, "step", s + 1);
+            mtrl_json_int(&j, "steps", steps);
+            mtrl_json_num(&j, "loss", loss);
+            mtrl_json_num(&j, "elapsed_s", mtrl_time_mono() - l->t_start);
+            mtrl_json_end(&j);
+        }
+        // target_loss: the warm-up teaches the format and stops there, leaving the skill to RL.
+        // A mean of 10 steps, since one batch's loss is noisy.
+        if (l->cfg.warmup.target_loss > 0 && s >= 9) {
+            double mean = 0;
+            for (int k = 0; k < 10; k++) mean += recent[k] / 10;
+            if (mean < l->cfg.warmup.target_loss) {
+                event_(l, MTRL_LOG_INFO, "warm-up: mean loss of the last 10 steps %.3f < [warmup] target_loss %g at step %ld of %ld: RL starts",
+                       mean, l->cfg.warmup.target_loss, s + 1, steps);
+                break;
+            }
+        }
     }
-    if (l->progress) mtrl_progress_end(&l->prog);
+    if (l->progress == MTRL_PROGRESS_LINE) mtrl_progress_end(&l->prog);
     // RL starts with a fresh optimizer: the moments of the supervised stage do not carry over.
     mtrl_model_optimizer_reset(&l->model);
     for (int i = 0; i < B; i++) mtrl_traj_free(&demos[i]);
@@ -1041,6 +1126,17 @@ static mtrl_status resume_(mtrl_learner *l, mtrl_error *err) {
     if (st == MTRL_OK) {
         mtrl_store_run_set_status(l->store, l->run_id, MTRL_RUN_RUNNING, NULL);
         event_(l, MTRL_LOG_INFO, "resumed run %lld at step %ld (version %u)", (long long)l->run_id, l->step, l->model.version);
+        // A sitting that ended without its final checkpoint (kill -9, a crash, a lost machine)
+        // trained steps past the last one: that training is gone and the steps are done again.
+        // Say so, and mark their episodes untrained (SIGINT/SIGTERM checkpoint first: nothing lost).
+        int64_t lost_to = mtrl_store_max_trained_step(l->store, l->run_id), changed = 0;
+        if (lost_to > l->step) {
+            if ((st = mtrl_store_episodes_untrain_after(l->store, l->run_id, l->step, &changed, err)) != MTRL_OK) return st;
+            event_(l, MTRL_LOG_WARN,
+                   "--resume: the previous sitting trained to step %lld but its last checkpoint is of step %ld: steps "
+                   "%ld..%lld are lost and done again (%lld of their episodes marked untrained; [run] checkpoint_every = %ld)",
+                   (long long)lost_to, l->step, l->step + 1, (long long)lost_to, (long long)changed, l->cfg.run.checkpoint_every);
+        }
     }
     return st;
 }
@@ -1056,7 +1152,7 @@ mtrl_status mtrl_learner_open(mtrl_learner **out, const mtrl_config *cfg, const 
         l->total_steps = 0;
         for (int s = 0; s < cfg->n_stages; s++) l->total_steps += cfg->stage[s].steps;
     }
-    l->progress = opts && opts->progress;
+    l->progress = opts ? opts->progress : 0;
     l->tick = opts ? opts->tick : NULL;
     omp_set_num_threads(mtrl_config_threads(cfg));
     l->tick_user = opts ? opts->tick_user : NULL;
@@ -1157,6 +1253,7 @@ mtrl_status mtrl_learner_open(mtrl_learner **out, const mtrl_config *cfg, const 
 }
 
 const char *mtrl_learner_endpoint(const mtrl_learner *l) { return l->sock.endpoint; }
+const char *mtrl_learner_actor_error(const mtrl_learner *l) { return l->actor_error; }
 long long mtrl_learner_run_id(const mtrl_learner *l) { return (long long)l->run_id; }
 
 int mtrl_learner_run(mtrl_learner *l, volatile sig_atomic_t *stop) {
@@ -1225,10 +1322,11 @@ int mtrl_learner_run(mtrl_learner *l, volatile sig_atomic_t *stop) {
         if (n_ready == need) {
             rl_step_(l, ready, n_ready);
             l->t_progress = mtrl_time_mono();
+            if (json_on_(l)) json_step_(l);
             // drop the consumed groups, highest index first so the others keep their place
             for (int r = n_ready - 1; r >= 0; r--) group_drop_(l, ready[r]);
         }
-        if (l->progress) {
+        if (l->progress == MTRL_PROGRESS_LINE) {
             int live = 0;
             for (int i = 0; i < l->n_actors; i++) live += l->actors[i].alive;
             double el = mtrl_time_mono() - l->t_start;
@@ -1248,7 +1346,10 @@ int mtrl_learner_run(mtrl_learner *l, volatile sig_atomic_t *stop) {
     }
     mtrl_traj_free(&popped);
     free(ready);
-    if (l->progress) mtrl_progress_end(&l->prog);
+    // A run failed from outside (mtrl run's supervisor: no actor can run it) may have the actors'
+    // last words still in the socket: they sent their error before exiting, so it is there to read.
+    for (int n = 0; n < 10 && l->failed[0] && actors_live_(l) > 0; n++) pump_(l, 100);
+    if (l->progress == MTRL_PROGRESS_LINE) mtrl_progress_end(&l->prog);
     // The totals of this sitting's RL (learner/perf.h), before the final checkpoint.
     perf_cycle_end_(l, mtrl_time_mono(), 0);
     mtrl_perf_log(l->store, l->run_id, l->step, "rl.", &l->tot);
@@ -1264,17 +1365,21 @@ int mtrl_learner_run(mtrl_learner *l, volatile sig_atomic_t *stop) {
     if (*stop) goto killed;
     mtrl_error err;
     if (l->failed[0]) {
-        event_(l, MTRL_LOG_ERROR, "run %lld failed at step %ld: %s", (long long)l->run_id, l->step, l->failed);
+        event_(l, MTRL_LOG_ERROR, "run %lld failed at step %ld: %s%s%s", (long long)l->run_id, l->step, l->failed,
+               l->actor_error[0] ? "; the last actor error: " : "", l->actor_error);
         // On a full store this may fail too: the run stays `running`, and the next writer's
         // mtrl_store_open marks it failed (its lock is gone); never `finished`.
         if (mtrl_store_run_set_status(l->store, l->run_id, MTRL_RUN_FAILED, &err) != MTRL_OK)
             LOG_ERROR("run %lld: the status `failed` could not be stored: %s", (long long)l->run_id, err.msg);
+        if (json_on_(l)) json_end_(l, "failed", l->failed);
         return 1;
     }
     if (mtrl_store_run_set_status(l->store, l->run_id, MTRL_RUN_FINISHED, &err) != MTRL_OK) {
         LOG_ERROR("run %lld: the status `finished` could not be stored: %s", (long long)l->run_id, err.msg);
+        if (json_on_(l)) json_end_(l, "failed", err.msg);
         return 1;
     }
+    if (json_on_(l)) json_end_(l, "finished", NULL);
     event_(l, MTRL_LOG_INFO, "run %lld finished: %ld steps, %ld episodes (%ld complete, %ld truncated, %ld aborted, %ld rejected)",
            (long long)l->run_id, l->step, l->episodes_seen, l->episodes_by_status[MTRL_EP_COMPLETE],
            l->episodes_by_status[MTRL_EP_TRUNCATED], l->episodes_by_status[MTRL_EP_ABORTED],
@@ -1283,6 +1388,7 @@ int mtrl_learner_run(mtrl_learner *l, volatile sig_atomic_t *stop) {
 killed:
     mtrl_store_run_set_status(l->store, l->run_id, MTRL_RUN_KILLED, NULL);
     event_(l, MTRL_LOG_WARN, "run %lld killed at step %ld", (long long)l->run_id, l->step);
+    if (json_on_(l)) json_end_(l, "killed", NULL);
     return 1;
 }
 

@@ -28,10 +28,19 @@
 
 typedef struct mtrl_learner mtrl_learner;
 
+#define MTRL_PROGRESS_LINE 1
+#define MTRL_PROGRESS_JSON 2
+
 typedef struct mtrl_learner_opts {
     const char *db;        // run store path (NULL: [run] db)
     int resume;            // continue the latest run of db from its last checkpoint
-    int progress;          // draw the progress line on stderr
+    int progress;          // 0: none; MTRL_PROGRESS_LINE: the progress line on stderr;
+                           // MTRL_PROGRESS_JSON: one JSON object a line on stdout (mtrl run --json):
+                           //   {"type":"warmup","run":R,"step":S,"steps":N,"loss":L,"elapsed_s":T} per warm-up step,
+                           //   {"type":"step","run":R,"step":S,"steps":N,"reward":M,"episodes":E,"aborted":A,
+                           //    "actors":K,"episodes_per_s":..,"tokens_per_s":..,"elapsed_s":T} per RL step,
+                           //   {"type":"end","run":R,"status":"finished|failed|killed","step":S,"episodes":E,
+                           //    "elapsed_s":T[,"reason":"..."]} once (a number that is not finite is null)
     void (*tick)(void *user); // called every loop iteration (mtrl run restarts dead actors there)
     void *tick_user;
     double rl_seconds;     // > 0: end the run (finished) after this many seconds of RL, counted
@@ -50,6 +59,9 @@ int mtrl_learner_run(mtrl_learner *l, volatile sig_atomic_t *stop);
 // Ends the run as `failed` with the reason (logged as an event) at the next turn of the loop:
 // for a supervisor whose actors cannot run the experiment at all. Safe from the tick callback.
 void mtrl_learner_fail(mtrl_learner *l, const char *why);
+// The last error an actor sent before leaving ("actor N: why it cannot run the experiment"; ""
+// when none did). Each is also stored as an event of the run, escaped like all peer text.
+const char *mtrl_learner_actor_error(const mtrl_learner *l);
 // When (mtrl_time_mono seconds) the learner declared actor `id` dead because it fell silent
 // after it had started working (not one past actor_start_timeout_ms while setting up, which
 // comes back by itself), while no incarnation of that id is live since; 0 otherwise. `mtrl run`'s supervisor kills

@@ -7,10 +7,12 @@
 //      the same is exit 2 and writes nothing (no run store, no out_dir).
 //  15. [env] plugin is relative to the experiment's folder: a bare "reverse.so" beside the INI
 //      and "sub/r2.so" are found when mtrl starts elsewhere, and resolve to absolute paths.
+//  16. `mtrl check` shows the env's describe() (its tool list) as comments of its output.
 //  18. `mtrl --version` names the release and the git revision it was built from, and the run
 //      store records that revision for a run (runs.git_rev); `mtrl run --help` describes the
 //      options and exit codes; `mtrl bench long --help` is help, not an error; an option
-//      missing its value says "missing value".
+//      missing its value says "missing value"; `mtrl run --json` writes its progress as one
+//      JSON object a line on stdout.
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -94,6 +96,8 @@ static void test_plugin_paths(void) {
     TEST_CHECK(realpath(dir_, real) != NULL);
     snprintf(want, sizeof want, "\nplugin = %s/exp/reverse.so\n", real);
     TEST_CONTAINS(r.out, want);
+    // Item 16: the env's describe() (its tool list) is shown, as comments.
+    TEST_CONTAINS(r.out, "\n; the env's tools (its describe()):\n;   letter(i): ");
     // The resolved config lists every key (calc's too, at their defaults): it passes again, as
     // it must for the actors, which receive it.
     char resolved[400];
@@ -177,6 +181,46 @@ static void test_version_and_help(void) {
     test_result_free(&r);
 }
 
+// Item 18's --json: `mtrl run --json` writes its progress to stdout as one JSON object a line
+// (every warm-up step, every RL step, then one "end"), and no progress line to stderr.
+static void test_json_progress(void) {
+    char path[400];
+    snprintf(path, sizeof path, "%s/exp/json.ini", dir_);
+    write_file(path, "[run]\nname = json\nout_dir = out-json\nsteps = 3\ncheckpoint_every = 0\n[model]\npreset = tiny\n"
+                     "[env]\nname = calc\n[warmup]\nsteps = 2\n[actor]\ncount = 1\nepisodes_in_flight = 4\n"
+                     "max_tokens = 32\n[learner]\nbatch_groups = 1\nthreads = 1\n[algo]\ngroup_size = 2\n");
+    char *argv[] = {(char *)bin_, "run", "exp/json.ini", "--db", "json.db", "--json", NULL};
+    test_result r = test_run_in(dir_, argv);
+    TEST_EQ_INT(r.rc, 0);
+    int lines = 0, warmup = 0, steps = 0, ends = 0, bad = 0;
+    const char *last = "";
+    for (char *line = r.out, *next; line && *line; line = next) {
+        next = strchr(line, '\n');
+        if (next) *next++ = '\0';
+        size_t n = strlen(line), quotes = 0;
+        for (size_t i = 0; i < n; i++) quotes += line[i] == '"' && (i == 0 || line[i - 1] != '\\');
+        if (n < 2 || line[0] != '{' || line[n - 1] != '}' || quotes % 2) bad++;
+        lines++;
+        if (strstr(line, "\"type\":\"warmup\"")) warmup++;
+        if (strstr(line, "\"type\":\"step\"")) steps++;
+        if (strstr(line, "\"type\":\"end\"")) ends++;
+        last = line;
+    }
+    TEST_EQ_INT(bad, 0);
+    TEST_EQ_INT(warmup, 2);
+    TEST_EQ_INT(steps, 3);
+    TEST_EQ_INT(ends, 1);
+    TEST_EQ_INT(lines, 6);
+    TEST_CONTAINS(last, "{\"type\":\"end\",\"run\":1,\"status\":\"finished\",\"step\":3,");
+    TEST_CHECKF(strstr(r.err, "step 1/3 |") == NULL && strstr(r.err, "warm-up 1/2") == NULL,
+                "a progress line on stderr in --json mode: %s", r.err);
+    if (test_failed_) fprintf(stderr, "--- stdout ---\n%s\n--- stderr ---\n%s\n", r.out, r.err);
+    test_result_free(&r);
+    r = mtrl("run", "--help", NULL, NULL);
+    TEST_CONTAINS(r.out, "  --json ");
+    test_result_free(&r);
+}
+
 int main(void) {
     bin_ = getenv("MTRL_BIN");
     build_ = getenv("MTRL_BUILD");
@@ -204,6 +248,7 @@ int main(void) {
     test_broken_env();
     test_plugin_paths();
     test_version_and_help();
+    test_json_progress();
     snprintf(q, sizeof q, "rm -rf '%s'", dir_);
     if (test_failed_ == 0 && system(q) != 0) fprintf(stderr, "could not remove %s\n", dir_);
     return test_report();

@@ -49,6 +49,7 @@
 // case names its configuration explicitly, the default runs in every other test.
 #include "tests/testhelp.h"
 #include "kernels/cuda/cuda_testutil.h"
+#include "kernels/ref/kda_cp_ref.h"
 #include "kernels/ref/kda_ref.h"
 
 static const double GMIN = -5.0;
@@ -478,6 +479,123 @@ static void test_chunk_v3(mtrl_cuda_ctx *ctx, int T, int H, int bound) {
     free(ho); free(hS); free(hSt); free(tmp); free(hb);
 }
 
+// The chunk-parallel forward (mtrl_kda_chunk_fwd_cp, kda_cp_cuda.cu; K = V = 128), both precisions
+// (MTRL_KDA3_SPLIT = 0, 1), at piece counts 1, 2, 3, 8, 64 (clamped to the tile count) and the
+// chooser's, with S0 ≠ 0 and S0 = NULL: o, S_final, S_tiles against the fp64 sequential form, at
+// 3 pieces also against the fp64 decomposition (kda_chunk_fwd_cp of kda_cp_ref.h, itself within
+// 1e-12 of the sequential form: test_kda_cp_ref.c) where T H <= 20,000, and o against the GPU's
+// sequential forward, at v3's tolerances (1e-4 bf16x3, 1e-2 bf16); bit for bit with the sequential forward at one piece, on piece 0's tokens and tile
+// states always and on piece 1's with S0 = NULL (the same arithmetic); the prefill (no S_tiles)
+// and state-only (no o) forms and a second run bit for bit with the training form. `slow`: g
+// scaled by 0.05, so that each piece's transition carries the incoming state far.
+static void test_chunk_cp(mtrl_cuda_ctx *ctx, int T, int H, int bound, int slow) {
+    const int K = 128, V = 128;
+    size_t nqk = (size_t)T * H * K, nv = (size_t)T * H * V, nb = (size_t)T * H, ns = (size_t)H * K * V;
+    int nt = kda_tile_count(T);
+    size_t nst = (size_t)nt * ns;
+    double *q = tu_alloc(nqk), *k = tu_alloc(nqk), *v = tu_alloc(nv), *g = tu_alloc(nqk),
+           *beta = tu_alloc(nb), *S0 = tu_alloc(ns);
+    make_inputs(T, H, K, V, bound, q, k, v, g, beta);
+    if (slow)
+        for (size_t i = 0; i < nqk; i++) g[i] = (double)(float)(0.05 * g[i]);
+    tu_fill_normal(S0, ns, 0.5);
+    float *d_q = tu_dev_f32(q, nqk), *d_k = tu_dev_f32(k, nqk), *d_v = tu_dev_f32(v, nv),
+          *d_g = tu_dev_f32(g, nqk), *d_b = tu_dev_f32(beta, nb), *d_S0 = tu_dev_f32(S0, ns);
+    float *d_o = tu_dev_nan(ctx, nv), *d_Sf = tu_dev_nan(ctx, ns), *d_St = tu_dev_nan(ctx, nst);
+    double *o = tu_alloc(nv), *Sf = tu_alloc(ns), *St = tu_alloc(nst), *got = tu_alloc(nst > nv ? nst : nv);
+    float *so = (float *)malloc(sizeof(float) * nv), *sS = (float *)malloc(sizeof(float) * ns),
+          *sSt = (float *)malloc(sizeof(float) * nst), *ho = (float *)malloc(sizeof(float) * nv),
+          *hS = (float *)malloc(sizeof(float) * ns), *hSt = (float *)malloc(sizeof(float) * nst),
+          *tmp = (float *)malloc(sizeof(float) * (nst > nv ? nst : nv));
+    const int auto_np = mtrl_kda_cp_pieces(ctx, T, H, K, V, MTRL_KDA_CP_AUTO);
+    TEST_CHECKF(auto_np == 1 || (auto_np >= 4 && auto_np <= nt / 128), "chooser: %d pieces at T=%d H=%d", auto_np, T,
+                H);
+    const int reqs[] = {1, 2, 3, 8, 64, MTRL_KDA_CP_AUTO};
+    double *co = tu_alloc(nv), *cS = tu_alloc(ns), *cSt = tu_alloc(nst);  // the fp64 decomposition
+    for (int with_s0 = 0; with_s0 < 2; with_s0++) {
+        // fp64: the sequential form once; the decomposition itself at 3 pieces where it is cheap
+        kda_chunk_fwd(T, H, K, V, q, k, v, g, beta, with_s0 ? S0 : NULL, o, Sf, St);
+        const int np3 = mtrl_kda_cp_pieces(ctx, T, H, K, V, 3), small = (size_t)T * H <= 20000;
+        if (small) kda_chunk_fwd_cp(T, H, K, V, q, k, v, g, beta, with_s0 ? S0 : NULL, co, cS, cSt, np3);
+        const float *dS0 = with_s0 ? d_S0 : NULL;
+        for (int split = 0; split <= 1; split++) {
+            set_env("MTRL_KDA3_SPLIT", split ? "1" : "0");
+            const char *tag = split ? "cp bf16x3" : "cp bf16";
+            const double tol = split ? 1e-4 : 1e-2;
+            // the sequential forward's bits
+            TEST_EQ_INT(mtrl_kda_chunk_fwd(ctx, T, H, K, V, d_q, d_k, d_v, d_g, d_b, dS0, d_o, d_Sf, d_St), 0);
+            mtrl_cuda_sync(ctx);
+            mtrl_cuda_download(so, d_o, sizeof(float) * nv);
+            mtrl_cuda_download(sS, d_Sf, sizeof(float) * ns);
+            mtrl_cuda_download(sSt, d_St, sizeof(float) * nst);
+            for (size_t r = 0; r < sizeof reqs / sizeof *reqs; r++) {
+                const int np = mtrl_kda_cp_pieces(ctx, T, H, K, V, reqs[r]);
+                const int want = reqs[r] == MTRL_KDA_CP_AUTO ? auto_np : reqs[r] < nt ? reqs[r] : nt;
+                TEST_CHECKF(np == want, "mtrl_kda_cp_pieces(T=%d, H=%d, %d) = %d, expected %d", T, H, reqs[r], np, want);
+                printf("chunk %s T=%d H=%d %s%s S0=%s: request %d -> %d pieces\n", tag, T, H,
+                       bound ? "g = g_min + 1e-3" : "random g", slow ? " x 0.05" : "", with_s0 ? "random" : "NULL",
+                       reqs[r], np);
+                char note[64];
+                snprintf(note, sizeof note, " (%d pieces, S0 %s)", np, with_s0 ? "random" : "NULL");
+                mtrl_cuda_fill_f32(ctx, nv, NAN, d_o), mtrl_cuda_fill_f32(ctx, ns, NAN, d_Sf), mtrl_cuda_fill_f32(ctx, nst, NAN, d_St);
+                TEST_EQ_INT(mtrl_kda_chunk_fwd_cp(ctx, reqs[r], T, H, K, V, d_q, d_k, d_v, d_g, d_b, dS0, d_o, d_Sf,
+                                                  d_St), 0);
+                mtrl_cuda_sync(ctx);
+                check_fwd_(tag, note, d_o, d_Sf, d_St, o, Sf, St, nv, ns, nst, tol, got);
+                if (small && np == np3) {
+                    snprintf(note, sizeof note, " (%d pieces, S0 %s; the fp64 decomposition)", np,
+                             with_s0 ? "random" : "NULL");
+                    check_fwd_(tag, note, d_o, d_Sf, d_St, co, cS, cSt, nv, ns, nst, tol, got);
+                    snprintf(note, sizeof note, " (%d pieces, S0 %s)", np, with_s0 ? "random" : "NULL");
+                }
+                mtrl_cuda_download(ho, d_o, sizeof(float) * nv);
+                mtrl_cuda_download(hS, d_Sf, sizeof(float) * ns);
+                mtrl_cuda_download(hSt, d_St, sizeof(float) * nst);
+                char what[128];
+                for (size_t i = 0; i < nv; i++) got[i] = ho[i];
+                double *sd = tu_alloc(nv);
+                for (size_t i = 0; i < nv; i++) sd[i] = so[i];
+                snprintf(what, sizeof what, "%s o vs the sequential forward%s", tag, note);
+                TU_CHECK_REL(what, got, sd, nv, tol);
+                free(sd);
+                // bit for bit where the arithmetic is the sequential pass's
+                const int exact = np == 1 ? nt : (int)((long long)nt * (with_s0 ? 1 : 2) / np);
+                const size_t et = (size_t)exact * 16 < (size_t)T ? (size_t)exact * 16 : (size_t)T;
+                TEST_CHECKF(same_bits(ho, so, et * H * V), "%s%s: o of the first %zu tokens bit for bit", tag, note, et);
+                TEST_CHECKF(same_bits(hSt, sSt, (size_t)exact * ns), "%s%s: S_tiles of the first %d tiles bit for bit",
+                            tag, note, exact);
+                if (np == 1) TEST_CHECKF(same_bits(hS, sS, ns), "%s%s: S_final bit for bit", tag, note);
+                // the other forms and a second run: the training form's bits
+                float *e_o = tu_dev_nan(ctx, nv), *e_Sf = tu_dev_nan(ctx, ns), *e_St = tu_dev_nan(ctx, nst);
+                for (int form = 0; form < 3; form++) {
+                    float *fo = form == 2 ? NULL : e_o, *fSt = form == 0 ? e_St : NULL;
+                    TEST_EQ_INT(mtrl_kda_chunk_fwd_cp(ctx, reqs[r], T, H, K, V, d_q, d_k, d_v, d_g, d_b, dS0, fo, e_Sf,
+                                                      fSt), 0);
+                    mtrl_cuda_sync(ctx);
+                    static const char *fn[] = {"second run", "prefill form", "state-only form"};
+                    mtrl_cuda_download(tmp, e_Sf, sizeof(float) * ns);
+                    TEST_CHECKF(same_bits(tmp, hS, ns), "%s%s %s: S_final bit for bit", tag, note, fn[form]);
+                    if (fo) {
+                        mtrl_cuda_download(tmp, fo, sizeof(float) * nv);
+                        TEST_CHECKF(same_bits(tmp, ho, nv), "%s%s %s: o bit for bit", tag, note, fn[form]);
+                    }
+                    if (fSt) {
+                        mtrl_cuda_download(tmp, fSt, sizeof(float) * nst);
+                        TEST_CHECKF(same_bits(tmp, hSt, nst), "%s%s %s: S_tiles bit for bit", tag, note, fn[form]);
+                    }
+                }
+                mtrl_cuda_free(e_o); mtrl_cuda_free(e_Sf); mtrl_cuda_free(e_St);
+            }
+        }
+    }
+    set_env("MTRL_KDA3_SPLIT", NULL);
+    float *ptrs[] = {d_q, d_k, d_v, d_g, d_b, d_S0, d_o, d_Sf, d_St};
+    for (size_t i = 0; i < sizeof ptrs / sizeof *ptrs; i++) mtrl_cuda_free(ptrs[i]);
+    double *hp[] = {q, k, v, g, beta, S0, o, Sf, St, got, co, cS, cSt};
+    for (size_t i = 0; i < sizeof hp / sizeof *hp; i++) free(hp[i]);
+    free(so); free(sS); free(sSt); free(ho); free(hS); free(hSt); free(tmp);
+}
+
 // The model's use of the chunked forward, at the kernel level (what test_cuda_model and
 // test_cuda_long exercise through the layer; K = V = 128, H = 2 and 8 as the `reduced small` and
 // 64K models): the gate of the model at initialisation (A_log = 0, dt_bias = softplus⁻¹(dt), dt
@@ -765,10 +883,24 @@ static void test_gate(mtrl_cuda_ctx *ctx, int T, int H, int K) {
     for (size_t i = 0; i < 9; i++) free(hp[i]);
 }
 
-int main(void) {
+// Cases of the chunk-parallel forward (also run by `test_cuda_kda cp` alone, for iterating on it).
+static void test_chunk_cp_all(mtrl_cuda_ctx *ctx) {
+    test_chunk_cp(ctx, 1000, 16, 0, 0);   // 63 tiles, tail of 8
+    test_chunk_cp(ctx, 1000, 16, 0, 1);   // slow decay: the transitions carry the state far
+    test_chunk_cp(ctx, 419, 2, 1, 0);     // H = 2, the decay at the bound
+    test_chunk_cp(ctx, 9000, 16, 0, 1);   // the chooser's own pieces (563 tiles: 4 at H = 16)
+    test_chunk_cp(ctx, 7, 16, 0, 0);      // T < 16: one tile, one piece
+}
+
+int main(int argc, char **argv) {
     if (mtrl_cuda_device_count() <= 0) test_skip("no CUDA device");
     mtrl_cuda_ctx *ctx = mtrl_cuda_ctx_create(0, NULL);
     tu_seed(42);
+    if (argc > 1 && !strcmp(argv[1], "cp")) {
+        test_chunk_cp_all(ctx);
+        mtrl_cuda_ctx_destroy(ctx);
+        return test_report();
+    }
     test_gate(ctx, 300, 3, 32);
     set_env("MTRL_KDA_FWD", "2");  // the fp32 (1e-4) chunk cases below check v2
     test_chunk(ctx, 1, 1, 16, 16, 0);
@@ -800,6 +932,7 @@ int main(void) {
     test_chunk_v3(ctx, 1203, 16, 0);   //   many times over (76 tiles, tail of 3) at H = 16, 2, 64
     test_chunk_v3(ctx, 419, 2, 1);
     test_chunk_v3(ctx, 131, 64, 0);
+    test_chunk_cp_all(ctx);
     for (int run = 0; run < 3; run++) {  // the model's use (v2, v3, v3 bf16x3): segments, backward, decode
         const int ver = run ? 3 : 2, split = run == 2;
         test_chunk_model_(ctx, 96, 2, 16, ver, split);

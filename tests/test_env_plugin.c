@@ -7,11 +7,14 @@
 //   in-process and isolated (demo, tool call, error observation, wrong answer).
 // - The README's plain build (cc -shared -fPIC -I<repo>/env) works on the example, also under
 //   -std=c11 -pedantic -Werror (the ABI header is standard C), and the result loads.
+// - [env] max_tool_calls is enforced by the host for a plug-in (test_host_tool_limit).
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <unistd.h>
 
+#include "common/config.h"
+#include "env/env_config.h"
 #include "env/env_host.h"
 #include "tests/testhelp.h"
 
@@ -166,12 +169,49 @@ static void test_plain_build(void) {
     rmdir(dir);
 }
 
+// [env] max_tool_calls holds for a plug-in too (issue 28, item 16: it was ignored, the plug-in's
+// own limit applied): with max_tool_calls = 1, reverse (whose own limit is 4) gets the first
+// tool call; the second ends the episode in the host, reward 0, and the plug-in never sees it;
+// the next episode gets its one call again.
+static void test_host_tool_limit(const char *path, int isolate) {
+    char text[1600];
+    snprintf(text, sizeof text, "[env]\nname = plugin\nplugin = %s\nisolate = %s\nmax_tool_calls = 1\n", path,
+             isolate ? "true" : "false");
+    mtrl_config cfg;
+    mtrl_config_errors errs = {0};
+    TEST_CHECK(mtrl_config_load_text(&cfg, "limit.ini", text, NULL, 0, &errs) == MTRL_OK);
+    mtrl_config_errors_free(&errs);
+    mtrl_env *e = NULL;
+    mtrl_error err = {0};
+    TEST_CHECKF(mtrl_env_open_config(&cfg, &e, &err) == MTRL_OK, "%s", err.msg);
+    if (!e) return;
+    mtrl_env_result r;
+    for (int ep = 0; ep < 2; ep++) {
+        TEST_CHECKF(mtrl_env_reset(e, 11, &r, &err) == MTRL_OK, "%s", err.msg);
+        TEST_CHECK(mtrl_env_step(e, MTRL_ENV_ACTION_TOOL, "letter(0)", 9, &r, &err) == MTRL_OK);
+        TEST_EQ_INT(r.done, 0);
+        TEST_EQ_INT(r.obs_len, 1);
+        TEST_CHECK(mtrl_env_step(e, MTRL_ENV_ACTION_TOOL, "letter(1)", 9, &r, &err) == MTRL_OK);
+        TEST_EQ_INT(r.done, 1);
+        TEST_EQ_INT(r.tool_error, 1);
+        TEST_EQ_INT(r.reward * 1000, 0);
+        char obs[128];
+        snprintf(obs, sizeof obs, "%.*s", (int)r.obs_len, r.obs);
+        TEST_EQ_STR(obs, "error: tool call limit (1) reached; episode over");
+        // over: a step now is refused until the next reset
+        TEST_EQ_INT(mtrl_env_step(e, MTRL_ENV_ACTION_ANSWER, "x", 1, &r, &err), MTRL_ERR_STATE);
+    }
+    mtrl_env_close(e);
+}
+
 int main(void) {
     const char *b = getenv("MTRL_BUILD");
     snprintf(libdir, sizeof libdir, "%s/lib", b ? b : ".");
     test_refusals();
     run_reverse(lib("mtrl_env_example"), 0);
     run_reverse(lib("mtrl_env_example"), 1);
+    test_host_tool_limit(lib("mtrl_env_example"), 0);
+    test_host_tool_limit(lib("mtrl_env_example"), 1);
     test_plain_build();
     return test_report();
 }

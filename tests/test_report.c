@@ -8,7 +8,9 @@
 //  2. --run 1 --run 2 overlays both runs (a polyline per run and metric, a legend naming both);
 //  3. a metric of 5000 steps (added to a copy of the database) is drawn as at most 2000 min/max
 //     points that keep its extremes;
-//  4. errors: unknown run or database -> 1, bad usage -> 2.
+//  4. errors: unknown run or database -> 1, bad usage -> 2;
+//  5. (issue 28, item 19) example episodes with their replay commands, a per-tool table that
+//     matches tool_calls, no panel titled with a raw metric name, fraction panels on 0..1.
 #include <ctype.h>
 #include <fcntl.h>
 #include <math.h>
@@ -231,6 +233,66 @@ static long long lines_(const char *path) {
     return n;
 }
 
+// Issue 28, item 19: example episodes with the command that replays each, a per-tool table
+// that matches tool_calls, every panel titled in words (no raw metric name), and the fraction
+// panels on a 0..1 axis.
+static void report_item19_(const char *page, const char *db) {
+    TEST_CONTAINS(page, "<h2 id=\"episodes\">Example episodes</h2>");
+    int examples = 0;
+    for (const char *p = strstr(page, "<tr data-run=\"2\" data-episode=\""); p; p = strstr(p + 1, "<tr data-run=\"2\" data-episode=\"")) {
+        long long id = atoll(p + strlen("<tr data-run=\"2\" data-episode=\""));
+        char sql[160], cmd[200];
+        snprintf(sql, sizeof sql, "SELECT count(*) FROM episodes WHERE run = 2 AND id = %lld", id);
+        TEST_EQ_INT(q_int_(db, sql), 1);
+        snprintf(cmd, sizeof cmd, "<code>mtrl replay --db runs.db --run 2 --episode %lld</code>", id);
+        const char *end = strstr(p, "</tr>"), *c = strstr(p, cmd);
+        TEST_CHECKF(c && c < end, "episode %lld's row has no replay command", id);
+        examples++;
+    }
+    printf("report: %d example episodes\n", examples);
+    TEST_CHECK(examples >= 1 && examples <= 9);
+    TEST_CONTAINS(page, "<h2 id=\"tools\">Tools</h2>");
+    // the rows (each tool name, then the others summed) add up to the run's tool calls and errors
+    long long calls = q_int_(db, "SELECT count(*) FROM tool_calls WHERE run = 2");
+    long long errors = q_int_(db, "SELECT count(*) FROM tool_calls WHERE run = 2 AND error IS NOT NULL AND error <> ''");
+    const char *tools = strstr(page, "<table class=\"tools\">"), *tend = tools ? strstr(tools, "</table>") : NULL;
+    long long sum_calls = 0, sum_errors = 0;
+    for (const char *c = tools ? strstr(tools, " data-calls=\"") : NULL; c && c < tend; c = strstr(c + 1, " data-calls=\"")) {
+        sum_calls += atoll(c + strlen(" data-calls=\""));
+        const char *e = strstr(c, " data-errors=\"");
+        if (e) sum_errors += atoll(e + strlen(" data-errors=\""));
+    }
+    printf("report: %lld tool calls (%lld errors) in the tools table, %lld (%lld) in the store\n", sum_calls, sum_errors, calls, errors);
+    if (calls > 0) {
+        TEST_CHECK(tools != NULL);
+        TEST_EQ_INT(sum_calls, calls);
+        TEST_EQ_INT(sum_errors, errors);
+    } else {
+        TEST_CONTAINS(page, "no tool calls");
+    }
+    TEST_CHECK(strstr(page, "a metric no panel group names") == NULL);
+    for (const char *h = strstr(page, "<h3>"); h; h = strstr(h + 1, "<h3>")) {
+        const char *e = strstr(h, "</h3>");
+        int raw = 0;
+        for (const char *c = h; e && c < e; c++) raw |= *c == '_';
+        TEST_CHECKF(!raw, "a panel titled with a raw metric name: %.60s", h);
+    }
+    const char *panels[] = {"<h3>Clip fractions</h3>", "<h3>Success rate</h3>", "<h3>Masked fraction</h3>"};
+    for (int k = 0; k < 3; k++) {
+        const char *p = strstr(page, panels[k]), *end = p ? strstr(p, "</svg>") : NULL;
+        TEST_CHECKF(p && end, "no panel %s", panels[k]);
+        if (!p || !end) continue;
+        char lo[64], hi[64];
+        const char *first = strstr(p, "class=\"yt\""), *last = first;
+        for (const char *y = first; y && y < end; y = strstr(y + 1, "class=\"yt\"")) last = y;
+        TEST_CHECK(first && first < end);
+        if (!first || first >= end) continue;
+        sscanf(strchr(first, '>') + 1, "%63[^<]", lo);
+        sscanf(strchr(last, '>') + 1, "%63[^<]", hi);
+        TEST_CHECKF(!strcmp(lo, "0") && !strcmp(hi, "1.0"), "%s: y axis %s..%s, not 0..1", panels[k], lo, hi);
+    }
+}
+
 int main(void) {
     bin_ = getenv("MTRL_BIN");
     src_ = getenv("MTRL_SRC");
@@ -275,6 +337,7 @@ int main(void) {
     TEST_CONTAINS(page, "<h3>Mismatch KL</h3>");
     TEST_CONTAINS(page, "<h3>Staleness</h3>");
     TEST_CONTAINS(page, "<pre>[run]");
+    report_item19_(page, db);
     // heatmaps: one cell per (layer, expert) row and step column
     long long layers = q_int_(db, "SELECT count(DISTINCT layer) FROM experts WHERE run = 2");
     long long experts = q_int_(db, "SELECT count(DISTINCT expert) FROM experts WHERE run = 2");

@@ -1,6 +1,7 @@
 // mtrl-test: cpu fault timeout=180
 // test_run_faults: a run stops and says so when it cannot keep its data, stops promptly on
-// SIGINT in the warm-up, and never mixes its files with another run's (issue 28, items 1, 8, 13).
+// SIGINT in the warm-up, says what a --resume after a kill -9 lost, and never mixes its files
+// with another run's (issue 28, items 1, 8, 11, 13).
 //  1. Storage full (a 512 KiB tmpfs, mounted by this test when it may: it runs as root in CI's
 //     container; otherwise the case is skipped, saying so):
 //     a. the run store on it: `mtrl run` exits non-zero saying "stopping the run"; the store
@@ -12,6 +13,11 @@
 //        names the trajectory file, and the run stopped long before its steps.
 //  8. SIGINT once the warm-up of 100000 steps has begun: the run ends within 20 s (the warm-up
 //     alone takes minutes), non-zero, marked `killed`, with far fewer warm-up steps logged.
+// 11. `mtrl run` killed with SIGKILL at a step past its last checkpoint (50): `--resume` logs and
+//     stores "the previous sitting trained to step T but its last checkpoint is of step 50:
+//     steps 51..T are lost and done again"; episodes.trained_step then says which episodes a
+//     step trained on: none past 50, exactly the `episodes` metric's sum of steps 1..50, and
+//     `complete` episodes never trained on have NULL.
 // 13. Two run stores with one out_dir: each run's files are in its own folder <store>-run<id>/;
 //     a folder claimed by another store's run (same store file name) is refused naming it, and
 //     the first run's checkpoints are untouched. A checkpoint overwritten after its run wrote it
@@ -213,6 +219,65 @@ static void test_warmup_sigint(void) {
     printf("warm-up SIGINT: ended after %lld warm-up steps, run %s\n", n, st);
 }
 
+// ---- 11: --resume after a kill -9 says what was lost; episodes say whether they were trained -------
+
+static void test_resume_lost(void) {
+    char ini[320], db[320], log[320], st[32], sql[400];
+    snprintf(ini, sizeof ini, "%s/res.ini", dir_);
+    snprintf(db, sizeof db, "%s/res.db", dir_);
+    snprintf(log, sizeof log, "%s/res.log", dir_);
+    write_experiment(ini, "out-res", 100000, 0);
+    fflush(NULL);
+    pid_t pid = fork();
+    if (pid == 0) {
+        if (chdir(dir_) != 0) _exit(126);
+        int fd = open(log, O_WRONLY | O_CREAT | O_TRUNC, 0644);
+        dup2(fd, 1);
+        dup2(fd, 2);
+        setenv("OMP_NUM_THREADS", "1", 1);
+        execv(bin_, (char *[]){(char *)bin_, "run", ini, "--db", db, "--set", "run.checkpoint_every=50", NULL});
+        _exit(127);
+    }
+    // Past the checkpoint of step 50, far from the next one: then kill -9 (no final checkpoint).
+    double until = mtrl_time_mono() + 120;
+    long long at = 0;
+    while (mtrl_time_mono() < until &&
+           ((at = test_query_int(db, "SELECT coalesce(max(step), 0) FROM metrics WHERE name = 'reward'")) < 53 ||
+            test_query_int(db, "SELECT count(*) FROM checkpoints WHERE step = 50") < 1))
+        sleep_ms(20);
+    kill(pid, SIGKILL);
+    int status;
+    waitpid(pid, &status, 0);
+    TEST_CHECKF(at >= 53 && at < 100, "killed at step %lld (%s)", at, log);
+    long long trained_to = test_query_int(db, "SELECT max(trained_step) FROM episodes");
+    long long ckpt = test_query_int(db, "SELECT max(step) FROM checkpoints");
+    printf("--resume: killed at step %lld, episodes trained to step %lld, last checkpoint %lld\n", at, trained_to, ckpt);
+    TEST_EQ_INT(ckpt, 50);
+    TEST_CHECK(trained_to > ckpt);
+    // Resume only to the checkpoint's step: the run picks up there and ends.
+    test_result r = run_mtrl((char *[]){(char *)bin_, "run", ini, "--db", db, "--resume", "--set", "run.steps=50",
+                                        "--set", "run.checkpoint_every=50", NULL});
+    TEST_CHECKF(r.rc == 0, "--resume: exit %d: %s", r.rc, r.err);
+    snprintf(sql, sizeof sql,
+             "SELECT count(*) FROM events WHERE message LIKE '--resume: the previous sitting trained to step %lld but its "
+             "last checkpoint is of step 50: steps 51..%lld are lost and done again (%% of their episodes marked "
+             "untrained; [run] checkpoint_every = 50)'", trained_to, trained_to);
+    TEST_EQ_INT(test_query_int(db, sql), 1);
+    TEST_CONTAINS(r.err, "steps 51..");
+    run_status(db, 1, st, sizeof st);
+    TEST_EQ_STR(st, "finished");
+    // No episode claims a training that was lost; the trained ones are exactly what steps 1..50
+    // trained (their `episodes` metric); episodes never trained (stale, of dropped groups, or of
+    // the lost steps) are told apart from the trained though stored `complete`.
+    TEST_EQ_INT(test_query_int(db, "SELECT max(trained_step) FROM episodes"), 50);
+    TEST_EQ_INT(test_query_int(db, "SELECT count(*) FROM episodes WHERE trained_step IS NOT NULL"),
+                test_query_int(db, "SELECT CAST(sum(value) AS INTEGER) FROM metrics WHERE name = 'episodes' AND step <= 50"));
+    long long untrained = test_query_int(db, "SELECT count(*) FROM episodes WHERE status = 'complete' AND trained_step IS NULL");
+    printf("--resume: %lld complete episodes never trained on (trained_step NULL)\n", untrained);
+    TEST_CHECK(untrained > 0);
+    test_result_free(&r);
+}
+
 // ---- 13: one out_dir, two runs; checkpoint digests --------------------------------------------------
 
 static int copy_file(const char *from, const char *to) {
@@ -315,6 +380,7 @@ int main(void) {
         return 1;
     }
     test_warmup_sigint();
+    test_resume_lost();
     test_out_dir_shared();
     test_store_full();
     test_store_eio();

@@ -18,6 +18,7 @@
 #include "common/store.h"
 #include "tests/fuzz/trajgen.h"
 #include "tests/testhelp.h"
+#include "tests/testproc.h"
 
 static char dir_[256], db_[320];
 
@@ -403,6 +404,35 @@ static void test_lock_real_file(void) {
     mtrl_store_close(s);
 }
 
+// A store of schema 1 (no episodes.trained_step) is migrated by the next writer; its rows stay.
+static void test_migrate_v1(void) {
+    char p[400];
+    mtrl_error err;
+    mtrl_store *s = NULL;
+    snprintf(p, sizeof p, "%s/v1.db", dir_);
+    TEST_EQ_INT(mtrl_store_open(&s, p, 0, &err), MTRL_OK);
+    int64_t run = 0;
+    mtrl_store_run_info info = {.name = "old"};
+    if (s) TEST_EQ_INT(mtrl_store_run_create(s, &info, &run, &err), MTRL_OK);
+    mtrl_store_close(s);
+    sqlite3 *db = NULL;
+    sqlite3_open(p, &db);
+    TEST_EQ_INT(sqlite3_exec(db, "ALTER TABLE episodes DROP COLUMN trained_step; PRAGMA user_version = 1", NULL, NULL, NULL),
+                SQLITE_OK);
+    sqlite3_close(db);
+    s = NULL;
+    TEST_EQ_INT(mtrl_store_open(&s, p, 0, &err), MTRL_OK);
+    if (s) {
+        uint64_t ids[1] = {7};
+        TEST_EQ_INT(mtrl_store_episodes_trained(s, run, 3, ids, 1, &err), MTRL_OK);
+        TEST_EQ_INT(mtrl_store_max_trained_step(s, run), -1); // no episode 7: nothing marked
+    }
+    mtrl_store_close(s);
+    TEST_EQ_INT(test_query_int(p, "PRAGMA user_version"), 2);
+    TEST_EQ_INT(test_query_int(p, "SELECT count(*) FROM pragma_table_info('episodes') WHERE name = 'trained_step'"), 1);
+    TEST_EQ_INT(test_query_int(p, "SELECT count(*) FROM runs WHERE name = 'old'"), 1);
+}
+
 static void test_foreign_and_newer(void) {
     char p[400];
     mtrl_error err;
@@ -411,11 +441,11 @@ static void test_foreign_and_newer(void) {
     snprintf(p, sizeof p, "%s/newer.db", dir_);
     sqlite3 *db = NULL;
     sqlite3_open(p, &db);
-    sqlite3_exec(db, "PRAGMA application_id = 1297371724; PRAGMA user_version = 2; CREATE TABLE runs(id)", NULL, NULL,
+    sqlite3_exec(db, "PRAGMA application_id = 1297371724; PRAGMA user_version = 3; CREATE TABLE runs(id)", NULL, NULL,
                  NULL);
     sqlite3_close(db);
     TEST_EQ_INT(mtrl_store_open(&s, p, 0, &err), MTRL_ERR_MISMATCH);
-    TEST_CONTAINS(err.msg, "schema version 2 is newer than this mtrl understands (1)");
+    TEST_CONTAINS(err.msg, "schema version 3 is newer than this mtrl understands (2)");
     TEST_EQ_INT(mtrl_store_open(&s, p, 1, &err), MTRL_ERR_MISMATCH);
     // Somebody else's database.
     snprintf(p, sizeof p, "%s/other.db", dir_);
@@ -473,6 +503,7 @@ int main(void) {
     test_stale_run();
     test_lock_real_file();
     test_foreign_and_newer();
+    test_migrate_v1();
     test_cli();
     mtrl_traj_free(&ep_ok_);
     mtrl_traj_free(&ep_bad_);

@@ -39,9 +39,9 @@ int cli_config_load(const char *name, const char *path, int argc, char **argv, m
     return 0;
 }
 
-int cli_env_check(const char *name, const char *path, const mtrl_config *cfg) {
+int cli_env_check(const char *name, const char *path, const mtrl_config *cfg, char **tools) {
     mtrl_error err;
-    if (mtrl_env_check_config(cfg, &err) == MTRL_OK) return 1;
+    if (mtrl_env_check_config(cfg, tools, &err) == MTRL_OK) return 1;
     fprintf(stderr, "%s: [env] %s\nmtrl %s: 1 problem in %s\n", path, err.msg, name, path);
     return 0;
 }

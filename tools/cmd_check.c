@@ -6,6 +6,7 @@
 #include <string.h>
 
 #include "common/config.h"
+#include "common/log.h"
 #include "tools/cli.h"
 
 #define CHECK_USAGE "mtrl check EXPERIMENT.ini [--set section.key=value ...] | mtrl check --keys"
@@ -17,7 +18,7 @@ int cmd_check(int argc, char **argv) {
             printf("usage: %s\n\nValidates the experiment (unknown, duplicate, mistyped, out-of-range or missing keys\n"
                    "are reported as file:line: message, all at once, exit 2), loads and creates its [env] in a\n"
                    "child process (an unknown env, a plug-in that does not load or refuses its args: exit 2)\n"
-                   "and prints the resolved config.\n"
+                   "and prints the resolved config, after the env's tool list (its describe(), as comments).\n"
                    "--keys lists every key with its type, default, range and help.\n", CHECK_USAGE);
             return 0;
         }
@@ -34,9 +35,24 @@ int cmd_check(int argc, char **argv) {
     if (!path) return cli_usage_error("check", CHECK_USAGE, "no experiment file given");
     mtrl_config cfg;
     if (!cli_config_load("check", path, argc, argv, &cfg)) return 2;
-    if (!cli_env_check("check", path, &cfg)) return 2;
+    char *tools = NULL;
+    if (!cli_env_check("check", path, &cfg, &tools)) return 2;
     char *ini = mtrl_config_to_ini(&cfg);
-    printf("; resolved from %s, config hash %016" PRIx64 "\n%s", path, mtrl_config_hash(&cfg), ini);
+    printf("; resolved from %s, config hash %016" PRIx64 "\n", path, mtrl_config_hash(&cfg));
+    // The env's describe(): what its tools are, for the experiment's author (comments, so the
+    // output stays an experiment that passes check again). The model sees only the prompts.
+    if (tools) {
+        printf("; the env's tools (its describe()):\n");
+        for (char *line = tools, *next; line && *line; line = next) {
+            next = strchr(line, '\n');
+            if (next) *next++ = '\0';
+            char esc[1024]; // the env's text: escaped like every string an env gives (common/log.h)
+            mtrl_text_escape(esc, sizeof esc, line, strlen(line));
+            printf(";   %s\n", esc);
+        }
+    }
+    printf("%s", ini);
+    free(tools);
     free(ini);
     return 0;
 }

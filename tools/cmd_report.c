@@ -30,6 +30,7 @@
 #include "common/store.h"
 #include "common/timeutil.h"
 #include "tools/cli.h"
+#include "tools/report_episodes.h"
 #include "tools/report_plot.h"
 
 #define REPORT_USAGE "mtrl report --db runs.db [--run ID]... --out DIR"
@@ -256,11 +257,16 @@ static const panel_def panels_[] = {
     {"Episodes per second", NULL, {"episodes_per_s"}},
     {"Episodes per step", "episodes trained at each step", {"episodes"}},
     {"Gradient norm", "before clipping", {"grad_norm"}},
-    {"Step time (s)", NULL, {"step_seconds"}},
+    {"Step time (s)", "step: the learner's training step; cycle: from the previous step's end (its wait for episodes included)",
+     {"step_seconds", "cycle_seconds"}},
+    {"Publish time (s)", "new weights to the actors: all of it, and serialising them", {"publish_seconds", "publish_serialise_seconds"}},
     {"MoE load violation", "max expert load over the mean, minus 1, per MoE layer and the worst", {"max_violation", "max_violation."}},
-    {"Dropped and failed episodes", "cumulative counts", {"stale_dropped", "groups_dropped", "episodes_aborted", "episodes_rejected"}},
+    {"Dropped and failed episodes", "cumulative counts", {"stale_dropped", "groups_dropped", "stage_dropped", "episodes_aborted", "episodes_rejected"}},
     {"Masked fraction", "model tokens dropped by seq_mask", {"masked_frac"}},
     {"Weight version", NULL, {"version"}},
+    {"Curriculum stage", "the [stage.N] the step was in, and its episode token budget", {"stage", "context"}},
+    {"Reward per stage", "mean reward of the steps of each [stage.N]", {"reward.stage."}},
+    {"QB actor batches", "decode batches whose routing the actors reported for the step's QB update", {"qb_actor_batches"}},
     {"Warm-up loss", "supervised warm-up on the env's demonstrations (negative steps)", {"warmup_loss"}},
     {"Learner time (s)", "the cycle since the previous step, by part (learner/perf.h)",
      {"learner_wall_seconds", "learner_train_seconds", "learner_wait_seconds", "learner_publish_seconds",
@@ -275,6 +281,16 @@ static const panel_def panels_[] = {
     {"RL totals", "a sitting's totals from the end of the warm-up, at its last step (mtrl bench rl prints them)", {"rl."}},
 };
 #define N_PANELS ((int)(sizeof panels_ / sizeof panels_[0]))
+
+// Panels of fractions (values in 0..1): their y axis spans 0..1 whatever the data, so a run
+// with no clipping reads as 0 of 1, not as a line in the middle of -1..1.
+static const char *const fraction_panels_[] = {"Success rate", "Clip fractions", "Masked fraction", "Learner busy"};
+
+static int fraction_panel_(const char *title) {
+    for (size_t i = 0; i < sizeof fraction_panels_ / sizeof fraction_panels_[0]; i++)
+        if (!strcmp(fraction_panels_[i], title)) return 1;
+    return 0;
+}
 
 static const char *palette_[] = {"#1f77b4", "#d62728", "#2ca02c", "#9467bd", "#ff7f0e", "#8c564b", "#e377c2", "#17becf"};
 static const char *dashes_[] = {"", "7 3", "2 3", "9 3 2 3", "4 4", "1 2"};
@@ -335,7 +351,8 @@ static void write_panels_(FILE *f, run_data *runs, int nr) {
                 m->used = 1;
                 add_series_(&s, &ns, &cap, &runs[i], i, nr, m, q);
             }
-        report_line_panel(f, panels_[p].title, panels_[p].note, s, ns);
+        int frac = fraction_panel_(panels_[p].title);
+        report_line_panel_y(f, panels_[p].title, panels_[p].note, s, ns, frac ? 0 : NAN, frac ? 1 : NAN);
     }
     // anything the groups do not name
     for (int i = 0; i < nr; i++)
@@ -349,7 +366,14 @@ static void write_panels_(FILE *f, run_data *runs, int nr) {
                 m->used = 1;
                 add_series_(&s, &ns, &cap, &runs[k], k, nr, m, 0);
             }
-            report_line_panel(f, nm, "(a metric no panel group names)", s, ns);
+            // a readable title ("cycle_seconds": "Cycle seconds"); the note names the metric
+            char title[128], note[192];
+            snprintf(title, sizeof title, "%s", nm);
+            for (char *c = title; *c; c++)
+                if (*c == '_' || *c == '.') *c = ' ';
+            if (title[0] >= 'a' && title[0] <= 'z') title[0] = (char)(title[0] - 'a' + 'A');
+            snprintf(note, sizeof note, "metric %s", nm);
+            report_line_panel(f, title, note, s, ns);
         }
     free(s);
     fputs("</div>\n", f);
@@ -652,7 +676,7 @@ static const char css_[] =
     "table.summary th{background:#f6f6f6}.swatch{display:inline-block;width:10px;height:10px;margin-right:5px;border-radius:2px}\n"
     "tr.error td{color:#b2182b}tr.warn td{color:#8a5a00}\n"
     "pre{background:#f7f7f7;border:1px solid #e3e3e3;padding:8px;max-height:340px;overflow:auto;font-size:12px}\n"
-    "nav a{margin-right:12px}\n";
+    "nav a{margin-right:12px}code{font-size:12px;background:#f4f4f4;padding:0 3px}\n";
 
 static int write_page_(const char *dir, const char *dbpath, mtrl_store *s, run_data *runs, int nr) {
     char path[4096], tmp[4200];
@@ -675,12 +699,17 @@ static int write_page_(const char *dir, const char *dbpath, mtrl_store *s, run_d
     mtrl_time_utc((double)time(NULL), now, (int)sizeof now);
     fprintf(f, " · %d run%s · generated %s · data: <a href=\"metrics.csv\">metrics.csv</a>, <a href=\"experts.csv\">experts.csv</a></p>\n",
             nr, nr == 1 ? "" : "s", now);
-    fprintf(f, "<nav><a href=\"#runs\">runs</a>%s<a href=\"#training\">training</a><a href=\"#experts\">experts</a>"
+    fprintf(f, "<nav><a href=\"#runs\">runs</a>%s<a href=\"#training\">training</a><a href=\"#episodes\">episodes</a>"
+               "<a href=\"#tools\">tools</a><a href=\"#experts\">experts</a>"
                "<a href=\"#config\">config</a><a href=\"#events\">events</a></nav>\n",
             has_ladder_(runs, nr) ? "<a href=\"#ladder\">ladder</a>" : "");
     write_summary_(f, runs, nr);
     write_ladder_(f, runs, nr);
     write_panels_(f, runs, nr);
+    fputs("<h2 id=\"episodes\">Example episodes</h2>\n", f);
+    for (int i = 0; i < nr; i++) report_write_examples(f, s, dbpath, runs[i].id);
+    fputs("<h2 id=\"tools\">Tools</h2>\n", f);
+    for (int i = 0; i < nr; i++) report_write_tools(f, s, runs[i].id);
     fputs("<h2 id=\"experts\">Experts</h2>\n", f);
     for (int i = 0; i < nr; i++) write_experts_(f, &runs[i]);
     fputs("<h2 id=\"config\">Configuration</h2>\n", f);

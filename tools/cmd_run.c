@@ -31,8 +31,8 @@
 #include "learner/learner.h"
 #include "tools/cli.h"
 
-#define RUN_USAGE "mtrl run EXPERIMENT.ini [--db runs.db] [--resume] [--set section.key=value ...]"
-#define LEARNER_USAGE "mtrl learner EXPERIMENT.ini [--db runs.db] [--resume] [--set section.key=value ...]"
+#define RUN_USAGE "mtrl run EXPERIMENT.ini [--db runs.db] [--resume] [--json] [--set section.key=value ...]"
+#define LEARNER_USAGE "mtrl learner EXPERIMENT.ini [--db runs.db] [--resume] [--json] [--set section.key=value ...]"
 #define ACTOR_USAGE                                                                                    \
     "mtrl actor --connect tcp://HOST:PORT [--id N] [--gpu N] [--curve-server-key LEARNER.pub --curve-key ACTOR.key]"
 
@@ -47,6 +47,9 @@
     "options:\n"                                                                                      \
     "  --db FILE             the run store (SQLite; default [run] db); one learner writes it at a time\n" \
     "  --resume              continue the store's latest run from its last checkpoint\n" \
+    "  --json                progress as one JSON object a line on stdout instead of the line on\n" \
+    "                        stderr: {\"type\":\"warmup\"|\"step\"|\"end\", \"run\", \"step\", \"steps\", ...}\n" \
+    "                        (learner/learner.h lists the fields); logs stay on stderr\n" \
     "  --set SECTION.KEY=V   override a key of the experiment (repeatable; mtrl check --keys lists them)\n" \
     "  -h, --help            this help\n\n"                                                           \
     "An actor that dies is restarted; SIGINT or SIGTERM stops the run cleanly (marked killed).\n"    \
@@ -72,7 +75,7 @@ static void install_signals_(void) {
 
 typedef struct run_args {
     const char *path, *db;
-    int resume;
+    int resume, json;
     const char *sets[64];
     int n_sets;
 } run_args;
@@ -88,6 +91,7 @@ static int parse_run_args_(const char *name, const char *usage, int argc, char *
             return cli_usage_error(name, usage, "%s: missing value", argv[i]);
         if (!strcmp(argv[i], "--db")) a->db = argv[++i];
         else if (!strcmp(argv[i], "--resume")) a->resume = 1;
+        else if (!strcmp(argv[i], "--json")) a->json = 1;
         else if (!strcmp(argv[i], "--set")) {
             if (a->n_sets < 64) a->sets[a->n_sets++] = argv[++i];
         } else if (!strncmp(argv[i], "--set=", 6)) {
@@ -180,7 +184,7 @@ static void supervise_(void *user) {
                 k->gave_up = 1;
                 int left = 0;
                 for (int j = 0; j < s->n; j++) left += !s->kids[j].gave_up;
-                if (left == 0 && s->l) mtrl_learner_fail(s->l, "no actor can run this experiment (see the actors' errors)");
+                if (left == 0 && s->l) mtrl_learner_fail(s->l, "no actor can run this experiment (their errors are the run's events)");
                 continue;
             }
             if (WIFSIGNALED(status)) LOG_WARN("actor %d (pid %d) died: signal %d; restarting", k->id, (int)k->pid, WTERMSIG(status));
@@ -266,8 +270,8 @@ int cmd_run(int argc, char **argv) {
     mtrl_config cfg;
     if (!load_config_(&a, &cfg)) return 2;
     // A broken [env] is a config error, found before the run store or out_dir is touched.
-    if (!cli_env_check("run", a.path, &cfg)) return 2;
-    mtrl_learner_opts o = {a.db, a.resume, 1, NULL, NULL, 0};
+    if (!cli_env_check("run", a.path, &cfg, NULL)) return 2;
+    mtrl_learner_opts o = {a.db, a.resume, a.json ? MTRL_PROGRESS_JSON : MTRL_PROGRESS_LINE, NULL, NULL, 0};
     return cli_run_local("run", &cfg, &o, NULL);
 }
 
@@ -281,7 +285,7 @@ int cmd_learner(int argc, char **argv) {
     mtrl_log_set_tag("learner");
     mtrl_learner *l;
     mtrl_error err;
-    mtrl_learner_opts o = {a.db, a.resume, 1, NULL, NULL, 0};
+    mtrl_learner_opts o = {a.db, a.resume, a.json ? MTRL_PROGRESS_JSON : MTRL_PROGRESS_LINE, NULL, NULL, 0};
     if (mtrl_learner_open(&l, &cfg, &o, &err) != MTRL_OK) {
         fprintf(stderr, "mtrl learner: %s\n", err.msg);
         return err.code == MTRL_ERR_USAGE ? 2 : 1;

@@ -124,6 +124,11 @@ static void downsample_(const report_series *s, drawn *d) {
 }
 
 void report_line_panel(FILE *f, const char *title, const char *note, const report_series *s, size_t ns) {
+    report_line_panel_y(f, title, note, s, ns, NAN, NAN);
+}
+
+void report_line_panel_y(FILE *f, const char *title, const char *note, const report_series *s, size_t ns, double y_lo,
+                         double y_hi) {
     drawn *dr = xcalloc(ns ? ns : 1, sizeof(drawn));
     double x0 = INFINITY, x1 = -INFINITY, y0 = INFINITY, y1 = -INFINITY;
     size_t total = 0, max_drawn = 0;
@@ -140,6 +145,8 @@ void report_line_panel(FILE *f, const char *title, const char *note, const repor
             if (y > y1) y1 = y;
         }
     }
+    if (total > 0 && isfinite(y_lo) && y_lo < y0) y0 = y_lo;
+    if (total > 0 && isfinite(y_hi) && y_hi > y1) y1 = y_hi;
     fputs("<div class=\"panel\">\n<h3>", f);
     report_esc(f, title);
     fputs("</h3>\n", f);

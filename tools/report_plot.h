@@ -41,6 +41,10 @@ typedef struct report_series {
 // One panel: a titled SVG line chart of the series over steps, with axes, nice ticks, a grid,
 // markers when few points are drawn, and an HTML legend below it.
 void report_line_panel(FILE *f, const char *title, const char *note, const report_series *s, size_t ns);
+// The same with a y axis that spans at least y_lo..y_hi (e.g. 0..1 for a fraction, whatever the
+// data; a bound that is NaN follows the data).
+void report_line_panel_y(FILE *f, const char *title, const char *note, const report_series *s, size_t ns, double y_lo,
+                         double y_hi);
 
 typedef enum report_scale {
     REPORT_SCALE_SEQ = 0,    // vmin..vmax, light to dark

@@ -57,6 +57,11 @@ struct mtrl_backend {
     // 1 when its fp32 GEMMs run on TF32 tensor cores (mtrl_backend_gemm_tf32 at the backend's
     // creation, with the model's [model] gemm).
     int gemm_tf32;
+    // The CUDA backend's KDA chunked forward: 0 (the default) lets the kernel's chooser split long
+    // sequences at few heads into pieces run in parallel (mtrl_kda_chunk_fwd_cp,
+    // kernels/cuda/kernels_cuda.h); 1 keeps the sequential forward; N >= 2 forces N pieces. Set
+    // after creation, before the model runs; the CPU backend ignores it.
+    int kda_pieces;
 
     // ---- memory --------------------------------------------------------------------------------
     void *(*alloc)(mtrl_backend *, size_t bytes); // uninitialised, at least 64-byte aligned; 0 bytes: a valid pointer

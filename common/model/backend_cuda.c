@@ -345,7 +345,7 @@ static void kda_gate_bwd_(BE *be, int T, int H, int K, const real *f, const real
 }
 static void kda_chunk_fwd_(BE *be, int T, int H, int K, int V, const real *q, const real *k, const real *v,
                            const real *g, const real *beta, const real *S0, real *o, real *Sf, real *St) {
-    OK(mtrl_kda_chunk_fwd(CTX(be), T, H, K, V, q, k, v, g, beta, S0, o, Sf, St));
+    OK(mtrl_kda_chunk_fwd_cp(CTX(be), be->kda_pieces, T, H, K, V, q, k, v, g, beta, S0, o, Sf, St));
 }
 static void kda_chunk_bwd_(BE *be, int T, int H, int K, int V, const real *q, const real *k, const real *v,
                            const real *g, const real *beta, const real *S0, const real *St, const real *dout,
@@ -709,6 +709,7 @@ mtrl_backend *mtrl_backend_cuda_create(int gpu, int want_tf32, char *err_msg, si
     be->gemm_bf16 = mtrl_backend_gemm_bf16(MTRL_DEVICE_CUDA);
     be->gemm_tf32 = mtrl_backend_gemm_tf32(MTRL_DEVICE_CUDA, want_tf32);
     mtrl_cuda_ctx_set_tf32(x->ctx, be->gemm_tf32);
+    be->kda_pieces = MTRL_KDA_CP_AUTO;
     be->impl = x;
     x->sq_part = alloc_(be, sizeof(double) * MTRL_MC_SQ_BLOCKS);
     return be;

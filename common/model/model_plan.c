@@ -87,7 +87,9 @@ static size_t ctx_request_(const mtrl_model_dims *d, size_t T, size_t es) {
         size_t ws[9] = {4 * H * Tp * K, 4 * H * Tp * K, 4 * H * Tp * K, 4 * H * Tp * K, 4 * H * nt * 256,
                         4 * H * nt * K, 4 * H * Tp * K, 4 * nt * H * K * K, 4 * H * K * K};
         req = max_(req, carve_(ws, 9)); // mtrl_kda_chunk_bwd (the forward takes the first six, and v3's
-                                        // state between its pieces the ninth)
+                                        // state between its pieces the ninth; the chunk-parallel
+                                        // forward's 2 (pieces - 1) H K K, pieces <= nt / 128, fits
+                                        // in the eighth)
         size_t nsplit = cdiv_((size_t)PLAN_SMS * 8 * 256, HK);
         if (nsplit > T) nsplit = T;
         if (nsplit < 1) nsplit = 1;

@@ -175,6 +175,18 @@ void bench_kda(Bench &B, int T, int H) {
     double bytes = 4.0 * (4 * nqk + (size_t)T * H + nqk);  // q k v g beta read, o written
     row("  (bytes floor: inputs + o)", "", ms, bytes, "GB/s", B.copy_tbps * 1e3);
     if (K == 128 && V == 128) {
+        // the chunk-parallel forward (mtrl_kda_chunk_fwd_cp) at the chooser's piece count and at
+        // 2, 4, 8, 16, 32 pieces, against the sequential default above
+        static const int pcs[] = {MTRL_KDA_CP_AUTO, 2, 4, 8, 16, 32};
+        for (int pc : pcs) {
+            const int np = mtrl_kda_cp_pieces(B.c, T, H, K, V, pc);
+            double mc = time_ms(B, [&] { mtrl_kda_chunk_fwd_cp(B.c, pc, T, H, K, V, q, k, v, g, beta, NULL, o, Sf, NULL); });
+            snprintf(what, sizeof what, "  chunk-parallel, %s%d pieces", pc == MTRL_KDA_CP_AUTO ? "auto: " : "", np);
+            row(what, shape, mc, flops, "TFLOP/s", B.gemm_tflops);
+            printf("%-34s %-34s sequential / chunk-parallel (%d pieces) time %.3f\n", "", "", np, ms / mc);
+        }
+    }
+    if (K == 128 && V == 128) {
         // the default (v3 bf16x3 where the shape allows it) against v2 (MTRL_KDA_FWD=2, fp32
         // SIMT) and v3 with plain bf16 operands (MTRL_KDA3_SPLIT=0) at each block width
         // (MTRL_KDA3_WPB: warps of 16 value columns per block; default 4)

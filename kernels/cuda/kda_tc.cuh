@@ -1,7 +1,10 @@
 // kda_tc.cuh: what the tensor-core KDA kernels share (kda_tc_cuda.cu: the forward v3 and its
 // per-tile record; kda_tc_bwd_cuda.cu: the backward's state-gradient pass, which reads the same
-// record): the shape constants, the record layout, the split-bf16 (bf16x3) fragment helpers, and the
-// launchers one file calls in the other. Moved out of kda_tc_cuda.cu unchanged.
+// record; kda_cp_cuda.cu: the chunk-parallel forward, which runs the forward's state pass tile over
+// the same records): the shape constants, the record layout, the split-bf16 (bf16x3) fragment
+// helpers, the forward pass's ring stage (StCfg) and tile (KDA3_STATE_TILE_), and the launchers one
+// file calls in another. Moved out of kda_tc_cuda.cu unchanged (tools/cubin_compare.py: every
+// kernel of kda_tc_cuda.cu and kda_tc_bwd_cuda.cu the same machine code as before the move).
 #ifndef MTRL_KDA_TC_CUH
 #define MTRL_KDA_TC_CUH
 
@@ -150,6 +153,122 @@ struct StKside {
             (S)[((size_t)(h) * K3 + 8 * nd_ + 2 * (tq) + (c_ & 1)) * V3 + (j0) + (gq) + 8 * (c_ >> 1)] = \
                 (st)[nd_][c_];                                                                    \
     } while (0)
+
+// One ring stage (bytes): −W, Q⁺, K^e [16][LD3] bf16, P [16][LDP3] bf16, e^γ [K] fp32, then the
+// block's U columns [16][LDU] bf16 with LDU = 16 WPB + 8 (the scalar U reads of a warp then hit
+// distinct banks: rows 2t + c are 2 (LDU / 2) words apart, ≡ 8 mod 32). With X each bf16 matrix
+// has its lo part too (as in the record: the lo planes of −W, Q⁺, K^e after their hi planes, P's
+// and U's after theirs): 32,768 B per stage at WPB = 4 instead of 16,640 (6 stages: 178,176 /
+// 184,320 / 196,608 / 221,184 B at WPB = 1 / 2 / 4 / 8, within the 232,448 B an sm_90 block may
+// opt in to).
+template <int WPB, bool X>
+struct StCfg : StKside<X> {
+    using K = StKside<X>;
+    static constexpr int LDU = 16 * WPB + 8;
+    static constexpr int SU = K::KEND, LOU = C3 * LDU * 2, STAGE = SU + K::NP * LOU;
+    static constexpr size_t smem() { return (size_t)NST3 * STAGE; }
+    static_assert(STAGE % 16 == 0 && LOU % 16 == 0, "stage alignment");
+    static_assert(NST3 * STAGE <= 232448, "the sm_90 opt-in shared memory per block");
+};
+
+// One tile of the forward state pass for one warp, shared by kda3_state_k and its cluster form
+// kda3_state_cl_k (their results are bit-identical by construction): the stage's pointers sW, sQ,
+// sE, sP, sU, sEG, Sᵀ in st (updated to the tile's outgoing state); S_tiles gets the incoming state
+// of tile n, o (WO) the tile's output rows; MID runs between the Δ / Q⁺S products and the rest (the
+// cluster form's refill). A macro, not an inline function: as a function the same arithmetic
+// compiled to other machine code (tools/cubin_compare.py; docs/kernel-lab.md), and these kernels'
+// times were measured as they are. Its steps (the algebra: the header comment at the top):
+//   * S_tiles: the incoming state, fp32, each store filling four 32-byte sectors;
+//   * Sᵀ as A fragments per k-step kd (columns d 16 kd.., rows j0 + g, + 8): bf16 packed for all
+//     k-steps up front; bf16x3 packs hi and lo per k-step inside the loop, so the lo fragments
+//     hold no registers across it;
+//   * Δᵀ = Uᵀ + Sᵀ(−W)ᵀ (B = −W n-major), U read as hi + lo (exact: 16 bits), even and odd
+//     k-steps in two accumulators (chains of 4, not 8); with WO, Oᵀ = Sᵀ Q⁺ᵀ in the same loop;
+//   * Δᵀ as one A fragment (acc_to_a_split); with WO, Oᵀ += Δᵀ Pᵀ and the tile's rows of o
+//     (tokens < T);
+//   * S'ᵀ = Sᵀ diag(e^γ) + Δᵀ K^e (B = K^e k-major, ldmatrix .trans) in the accumulators.
+#define KDA3_STATE_TILE_(MID) \
+        if (S_tiles) {                                                                                \
+            float *Sd = S_tiles + ((size_t)n * H + h) * K3 * V3;                                      \
+_Pragma("unroll")                                                                                     \
+            for (int nd = 0; nd < NB; nd++)                                                           \
+_Pragma("unroll")                                                                                     \
+                for (int c = 0; c < 4; c++)                                                           \
+                    __stcs(Sd + (size_t)(8 * nd + 2 * tq + (c & 1)) * V3 + j0 + gq + 8 * (c >> 1),    \
+                           st[nd][c]);                                                                \
+        }                                                                                             \
+        uint32_t sa[X ? 1 : K3 / 16][4];                                                              \
+        if constexpr (!X) {                                                                           \
+_Pragma("unroll")                                                                                     \
+            for (int kd = 0; kd < K3 / 16; kd++) {                                                    \
+                sa[kd][0] = pack_bf16(st[2 * kd][0], st[2 * kd][1]);                                  \
+                sa[kd][1] = pack_bf16(st[2 * kd][2], st[2 * kd][3]);                                  \
+                sa[kd][2] = pack_bf16(st[2 * kd + 1][0], st[2 * kd + 1][1]);                          \
+                sa[kd][3] = pack_bf16(st[2 * kd + 1][2], st[2 * kd + 1][3]);                          \
+            }                                                                                         \
+        }                                                                                             \
+        float dl[2][4], dx[2][4] = {}, oa[2][4] = {};                                                 \
+_Pragma("unroll")                                                                                     \
+        for (int ns = 0; ns < 2; ns++)                                                                \
+_Pragma("unroll")                                                                                     \
+            for (int c = 0; c < 4; c++) {                                                             \
+                const int iu = (8 * ns + 2 * tq + (c & 1)) * LDU + jw + gq + 8 * (c >> 1);            \
+                dl[ns][c] = bf2f(sU[iu]);                                                             \
+                if constexpr (X) dl[ns][c] += bf2f(sU[iu + LOU]);                                     \
+            }                                                                                         \
+_Pragma("unroll")                                                                                     \
+        for (int kd = 0; kd < K3 / 16; kd++) {                                                        \
+            uint32_t ah[4], al[4];                                                                    \
+            if constexpr (X) acc_to_a_split(st[2 * kd], st[2 * kd + 1], ah, al);                      \
+            const uint32_t *a = X ? ah : sa[X ? 0 : kd];                                              \
+            uint32_t b[4], bl[4];                                                                     \
+            ldsm_split<X>(b, bl, adr_b_nk(sW, LD3, 16 * kd, 0, lane), LO3);                           \
+            float(*acc)[4] = (kd & 1) ? dx : dl;                                                      \
+            mma_split<X>(acc[0], a, al, b, bl);                                                       \
+            mma_split<X>(acc[1], a, al, b + 2, bl + 2);                                               \
+            if (WO) {                                                                                 \
+                uint32_t bq[4], bql[4];                                                               \
+                ldsm_split<X>(bq, bql, adr_b_nk(sQ, LD3, 16 * kd, 0, lane), LO3);                     \
+                mma_split<X>(oa[0], a, al, bq, bql);                                                  \
+                mma_split<X>(oa[1], a, al, bq + 2, bql + 2);                                          \
+            }                                                                                         \
+        }                                                                                             \
+        MID                                                                                           \
+_Pragma("unroll")                                                                                     \
+        for (int ns = 0; ns < 2; ns++)                                                                \
+_Pragma("unroll")                                                                                     \
+            for (int c = 0; c < 4; c++) dl[ns][c] += dx[ns][c];                                       \
+        uint32_t da[4], dal[4];                                                                       \
+        acc_to_a_split(dl[0], dl[1], da, dal);                                                        \
+        if (WO) {                                                                                     \
+            uint32_t bp[4], bpl[4];                                                                   \
+            ldsm_split<X>(bp, bpl, adr_b_nk(sP, LDP3, 0, 0, lane), LOP);                              \
+            mma_split<X>(oa[0], da, dal, bp, bpl);                                                    \
+            mma_split<X>(oa[1], da, dal, bp + 2, bpl + 2);                                            \
+_Pragma("unroll")                                                                                     \
+            for (int ns = 0; ns < 2; ns++)                                                            \
+_Pragma("unroll")                                                                                     \
+                for (int c = 0; c < 4; c++) {                                                         \
+                    const int tok = n * C3 + 8 * ns + 2 * tq + (c & 1);                               \
+                    if (tok < T) o[((size_t)tok * H + h) * V3 + j0 + gq + 8 * (c >> 1)] = oa[ns][c];  \
+                }                                                                                     \
+        }                                                                                             \
+_Pragma("unroll")                                                                                     \
+        for (int nd = 0; nd < NB; nd++) {                                                             \
+            const float2 e = *reinterpret_cast<const float2 *>(sEG + 8 * nd + 2 * tq);                \
+            st[nd][0] *= e.x;                                                                         \
+            st[nd][1] *= e.y;                                                                         \
+            st[nd][2] *= e.x;                                                                         \
+            st[nd][3] *= e.y;                                                                         \
+        }                                                                                             \
+_Pragma("unroll")                                                                                     \
+        for (int pp = 0; pp < K3 / 16; pp++) {                                                        \
+            uint32_t b[4], bl[4];                                                                     \
+            ldsm_split_t<X>(b, bl, adr_b_kn(sE, LD3, 0, 16 * pp, lane), LO3);                         \
+            mma_split<X>(st[2 * pp], da, dal, b, bl);                                                 \
+            mma_split<X>(st[2 * pp + 1], da, dal, b + 2, bl + 2);                                     \
+        }                                                                                             \
+        do {} while (0)
 
 // MTRL_KDA3_WPB=1|2|4|8 in the environment (read at each call): warps per block of the state
 // passes; default 4.

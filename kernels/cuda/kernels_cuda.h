@@ -105,6 +105,26 @@ int mtrl_kda_gate_bwd(mtrl_cuda_ctx *ctx, int T, int H, int K, const float *f,
 int mtrl_kda_chunk_fwd(mtrl_cuda_ctx *ctx, int T, int H, int K, int V, const float *q,
                        const float *k, const float *v, const float *g, const float *beta,
                        const float *S0, float *o, float *S_final, float *S_tiles);
+// The same forward, chunk-parallel (kda_cp_cuda.cu): the sequence is split into `pieces` runs of
+// whole 16-token tiles; every piece's final state from zero and its K x K transition are computed
+// at once, a short pass over the pieces gives each its incoming state, then every piece's outputs
+// at once. For the shapes where the sequential state pass leaves most SMs idle (few heads, long
+// T). pieces: MTRL_KDA_CP_AUTO (0): mtrl_kda_cp_pieces's choice; 1: exactly mtrl_kda_chunk_fwd;
+// N >= 2: N pieces (clamped to the tile count and MTRL_KDA_CP_MAX_PIECES). Shapes and inputs v3
+// does not take (K = V = 128, 16-byte aligned q, k, v, g; kda_cp_cuda.cu) run mtrl_kda_chunk_fwd.
+// Same arguments and results as mtrl_kda_chunk_fwd, within v3's tolerance of fp64 (the state
+// entering piece p >= 2, or p >= 1 when S0 != NULL, goes through the transitions' rounding); bit
+// for bit on the tokens of piece 0, and of piece 1 when S0 is NULL. Scratch: v3's records plus
+// 2 (pieces − 1) H K V floats.
+enum { MTRL_KDA_CP_AUTO = 0, MTRL_KDA_CP_MAX_PIECES = 64 };
+int mtrl_kda_chunk_fwd_cp(mtrl_cuda_ctx *ctx, int pieces, int T, int H, int K, int V, const float *q,
+                          const float *k, const float *v, const float *g, const float *beta,
+                          const float *S0, float *o, float *S_final, float *S_tiles);
+// The number of pieces mtrl_kda_chunk_fwd_cp runs for `pieces` = request at this shape (given
+// 16-byte aligned inputs); 1 means the sequential forward. Auto (request 0): min(SMs / H, tiles /
+// 128) when that is at least 4 and 8H <= SMs, else 1: chunk-parallel for H <= 16 on an H200 and
+// T >= 8,192 (kda_cp_cuda.cu says why and what it measured).
+int mtrl_kda_cp_pieces(const mtrl_cuda_ctx *ctx, int T, int H, int K, int V, int request);
 // The forward kernel mtrl_kda_chunk_fwd runs for this shape (given 16-byte aligned inputs): 3 or 2.
 int mtrl_kda_chunk_fwd_version(int H, int K, int V);
 // The state-gradient pass mtrl_kda_chunk_bwd runs for this shape (given 16-byte aligned inputs): 3 or 2.
