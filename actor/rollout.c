@@ -2,6 +2,7 @@
 #include "actor/rollout.h"
 
 #include "actor/chat.h"
+#include "actor/episode_mem.h"
 
 #include "env/env_config.h"
 
@@ -66,6 +67,10 @@ struct mtrl_rollout {
     uint8_t *ctab;         // the patch table of one batched prefill (every slot's pictures)
     size_t ctab_cap;
     uint32_t **fmap;       // [slots] feeds with their patch tokens moved to the slot's rows of ctab
+    // the memory account (params device_budget > 0; mem.slot == NULL when off)
+    mtrl_epmem mem;
+    mtrl_decode_state **mstates; // [slots] the slots' states, as the account sees them
+    uint8_t *idle;         // [slots] which slots the account may park now
 };
 
 void mtrl_rollout_params_from_config(mtrl_rollout_params *p, const mtrl_config *cfg, uint32_t actor_id,
@@ -82,6 +87,8 @@ void mtrl_rollout_params_from_config(mtrl_rollout_params *p, const mtrl_config *
     p->temperature = cfg->actor.temperature;
     p->top_p = cfg->actor.top_p;
     p->record_routing = cfg->actor.routing_replay;
+    p->device_budget = (size_t)cfg->actor.device_budget_mb << 20;
+    p->host_budget = (size_t)cfg->actor.host_budget_mb << 20;
 }
 
 mtrl_status mtrl_rollout_init(mtrl_rollout **out, const mtrl_rollout_params *p, const mtrl_config *cfg, mtrl_model *m,
@@ -92,8 +99,9 @@ mtrl_status mtrl_rollout_init(mtrl_rollout **out, const mtrl_rollout_params *p, 
     // conv windows, the MLA latent cache); prefill and decode share one scratch
     // (mtrl_model_infer_bytes). When the states do not all fit in 90% of the device's free
     // memory, episodes get the capacity that fits and end `truncated` there, with the reason,
-    // instead of the actor running out of memory at 1M tokens.
-    {
+    // instead of the actor running out of memory at 1M tokens. With a device budget the
+    // account (episode_mem.h) sizes the states instead.
+    if (!p->device_budget) {
         size_t free_b = 0, total_b = 0, scratch_b = 0, peak_b = 0;
         mtrl_model_mem_info(m, &free_b, &total_b, &scratch_b, &peak_b);
         size_t fixed = mtrl_decode_state_bytes(m, 0), per_tok = mtrl_decode_state_bytes(m, 1) - fixed;
@@ -138,7 +146,7 @@ mtrl_status mtrl_rollout_init(mtrl_rollout **out, const mtrl_rollout_params *p, 
             mtrl_rollout_free(r);
             return st;
         }
-        mtrl_decode_state_init(&s->st, m, p->max_tokens);
+        if (!p->device_budget) mtrl_decode_state_init(&s->st, m, p->max_tokens);
         mtrl_traj_init(&s->traj);
         s->logits = xcalloc((size_t)V, sizeof(real));
         s->rrow = xcalloc((size_t)(p->max_tokens + 2) * (size_t)(m->dims.n_moe * m->dims.k) + 1, 1);
@@ -157,12 +165,28 @@ mtrl_status mtrl_rollout_init(mtrl_rollout **out, const mtrl_rollout_params *p, 
     r->dslot = xcalloc((size_t)r->n, sizeof(int));
     r->drouting = xcalloc((size_t)r->n * (size_t)(m->dims.n_moe * m->dims.k) + 1, 1);
     r->ptok = xcalloc((size_t)p->max_tokens + 2, sizeof(uint32_t));
+    if (p->device_budget) {
+        r->mstates = xcalloc((size_t)r->n, sizeof(*r->mstates));
+        r->idle = xcalloc((size_t)r->n, 1);
+        for (int i = 0; i < r->n; i++) r->mstates[i] = &r->slots[i].st;
+        mtrl_status st = mtrl_epmem_init(&r->mem, m, r->mstates, r->n, p->max_tokens, p->device_budget, p->host_budget,
+                                         64, err);
+        if (st != MTRL_OK) {
+            mtrl_rollout_free(r);
+            return st;
+        }
+    }
     *out = r;
     return MTRL_OK;
 }
 
+const mtrl_epmem *mtrl_rollout_mem(const mtrl_rollout *r) { return r->mem.slot ? &r->mem : NULL; }
+
 void mtrl_rollout_free(mtrl_rollout *r) {
     if (!r) return;
+    mtrl_epmem_free(&r->mem); // the states it allocated; the loop below then frees none twice
+    free(r->mstates);
+    free(r->idle);
     for (int i = 0; i < r->n; i++) {
         slot *s = &r->slots[i];
         if (s->env) mtrl_env_close(s->env);
@@ -483,6 +507,74 @@ static int advance_(const mtrl_rollout_params *p, mtrl_model *m, slot *s, uint32
 
 static void flush_(mtrl_rollout *r, const mtrl_rollout_events *ev);
 
+// ---- the memory account's part (episode_mem.h; only with a device budget) ----
+
+// Slot i's episode ended (or never started): the caller hears of it, its state is freed.
+static void ended_(mtrl_rollout *r, int i, const mtrl_rollout_events *ev) {
+    if (r->mem.slot) mtrl_epmem_release(&r->mem, i);
+    if (ev && ev->end) ev->end(ev->user, &r->slots[i].traj);
+}
+
+// The first state of every episode of the group g0 .. g0+G-1, all or none.
+#define MEM_FIRST_CAP 1024
+static int mem_admit_(mtrl_rollout *r, int g0, int G) {
+    for (int i = g0; i < g0 + G; i++) {
+        mtrl_error err;
+        if (r->mem.slot[i].where != MTRL_EPMEM_NONE) mtrl_epmem_release(&r->mem, i);
+        if (mtrl_epmem_admit(&r->mem, i, MEM_FIRST_CAP, NULL, &err) != MTRL_OK) {
+            for (int j = g0; j < i; j++) mtrl_epmem_release(&r->mem, j);
+            return 0;
+        }
+    }
+    return 1;
+}
+
+// Slot i's state holds need positions (r->idle says whom the account may park for it); when
+// even parking cannot make room the episode ends truncated with the account's reason.
+static int mem_reserve_(mtrl_rollout *r, int i, int need, const mtrl_rollout_events *ev) {
+    mtrl_error err;
+    if (mtrl_epmem_reserve(&r->mem, i, need, r->idle, &err) == MTRL_OK) return 1;
+    finish_(&r->slots[i], MTRL_EP_TRUNCATED, 0, err.msg);
+    ended_(r, i, ev);
+    return 0;
+}
+
+// Positions a state at pos needs for the model turn that follows (within max_tokens).
+static int mem_turn_need_(const mtrl_rollout *r, int pos) {
+    long want = (long)pos + r->p.max_turn_tokens + 1;
+    return want < r->p.max_tokens ? (int)want : r->p.max_tokens;
+}
+
+// Room in slot i's state for the next len tokens of its feed. 1: go ahead (its state on the
+// device, large enough). 0: not in this round: it waits, its state parked in host memory, until
+// episodes that hold the device end; or it ended truncated (the reason says why), when nothing
+// else will free room (it alone does not fit, no other episode is on the device) or the host
+// budget cannot take its state.
+static int mem_feed_room_(mtrl_rollout *r, int i, int len, const mtrl_rollout_events *ev) {
+    mtrl_epmem *a = &r->mem;
+    mtrl_error err;
+    // The feed and the model turn after it (at most max_turn_tokens), so that the decode steps
+    // of a turn never wait for a growth while the other episodes hold the room.
+    int need = mem_turn_need_(r, mtrl_epmem_pos(a, i) + len);
+    r->idle[i] = 0; // a member of this round stays on the device
+    if (mtrl_epmem_fits(a, i, need, r->idle)) {
+        if (mtrl_epmem_unpark(a, i, need, r->idle, &err) != MTRL_OK) { // cannot happen after fits; wait
+            r->idle[i] = 1;
+            return 0;
+        }
+        return mem_reserve_(r, i, need, ev);
+    }
+    if (mtrl_epmem_fits_alone(a, need) && mtrl_epmem_others_on_device(a, i) > 0 &&
+        (mtrl_epmem_parked(a, i) || mtrl_epmem_park(a, i, &err) == MTRL_OK)) {
+        r->idle[i] = 1;
+        return 0;
+    }
+    if (!mtrl_epmem_parked(a, i)) return mem_reserve_(r, i, need, ev); // truncates with the account's reason
+    finish_(&r->slots[i], MTRL_EP_TRUNCATED, 0, "the actor's device budget cannot hold the episode's decode state");
+    ended_(r, i, ev);
+    return 0;
+}
+
 static void start_groups_(mtrl_rollout *r, const mtrl_rollout_events *ev) {
     int G = r->p.group_size;
     for (int g0 = 0; g0 + G <= r->n && !r->stop_new; g0 += G) {
@@ -490,6 +582,7 @@ static void start_groups_(mtrl_rollout *r, const mtrl_rollout_events *ev) {
         int idle = 1;
         for (int i = g0; i < g0 + G; i++) idle &= !r->slots[i].active;
         if (!idle) continue;
+        if (r->mem.slot && !mem_admit_(r, g0, G)) break; // the group waits for room
         uint64_t gi = r->next_group++;
         uint64_t task_seed = mtrl_rng_u64(r->p.seed, mtrl_rng_stream("task", r->p.actor_id, r->p.incarnation), gi);
         uint64_t group_id = ((uint64_t)r->p.actor_id << 48) | ((uint64_t)(r->p.incarnation & 0xffff) << 32) | (gi & 0xffffffff);
@@ -499,7 +592,7 @@ static void start_groups_(mtrl_rollout *r, const mtrl_rollout_events *ev) {
             slot *s = &r->slots[i];
             int live = start_(&r->p, r->m, s, i > g0 ? &r->slots[g0] : NULL, task_seed, eid, group_id, r->ptok, 1);
             if (ev && ev->begin) ev->begin(ev->user, &s->traj);
-            if (!live && ev && ev->end) ev->end(ev->user, &s->traj);
+            if (!live) ended_(r, i, ev);
         }
     }
     // The prompts of every group started here in one prefill, then the groups' copies.
@@ -507,6 +600,24 @@ static void start_groups_(mtrl_rollout *r, const mtrl_rollout_events *ev) {
     for (int i = 0; i < r->n; i++) {
         slot *s = &r->slots[i];
         if (!s->copy_of) continue;
+        if (s->active && !s->copy_of->active) { // the twin ended in the flush (a device budget)
+            finish_(s, MTRL_EP_TRUNCATED, 0, "the actor's device budget cannot hold the group's prompt");
+            ended_(r, i, ev);
+        }
+        // With a device budget, when the twin waits for room or the copy does not fit now, the
+        // episode prefills its prompt itself (the same result) and waits for room like any feed.
+        if (s->active && r->mem.slot &&
+            (s->copy_of->pend_n > 0 || !mtrl_epmem_fits(&r->mem, i, mem_turn_need_(r, s->copy_of->st.pos), NULL))) {
+            const slot *tw = s->copy_of; // its prompt: still queued, or fed (then its trajectory so far)
+            queue_(s, tw->pend_n ? tw->pend : tw->traj.ids, tw->pend_n ? tw->pend_n : (int)tw->traj.n_tokens, 0,
+                   MTRL_TOK_PROMPT);
+            s->copy_of = NULL;
+            continue;
+        }
+        if (s->active && r->mem.slot && !mem_reserve_(r, i, mem_turn_need_(r, s->copy_of->st.pos), ev)) {
+            s->copy_of = NULL;
+            continue;
+        }
         if (s->active) copy_prompt_(r->m, s, s->copy_of);
         s->copy_of = NULL;
     }
@@ -554,6 +665,9 @@ static void flush_(mtrl_rollout *r, const mtrl_rollout_events *ev) {
     int V = r->m->dims.V;
     for (;;) {
         int k = 0, total = 0, more = 0;
+        // With the account: every episode waiting for its feed may be parked for another's room.
+        for (int i = 0; r->mem.slot && i < r->n; i++)
+            r->idle[i] = r->slots[i].active && r->slots[i].pend_at < r->slots[i].pend_n;
         for (int i = 0; i < r->n; i++) {
             slot *s = &r->slots[i];
             if (!s->active || s->pend_at >= s->pend_n) continue;
@@ -563,6 +677,7 @@ static void flush_(mtrl_rollout *r, const mtrl_rollout_events *ev) {
                 more = 1;
                 continue;
             }
+            if (r->mem.slot && !mem_feed_room_(r, i, len, ev)) continue;
             r->fslot[k] = s;
             r->fstates[k] = &s->st;
             r->ftok[k] = s->pend + s->pend_at;
@@ -606,14 +721,18 @@ int mtrl_rollout_step(mtrl_rollout *r, const mtrl_rollout_events *ev) {
     int nd = 0;
     for (int i = 0; i < r->n; i++) {
         slot *s = &r->slots[i];
-        if (!s->active) continue;
+        if (!s->active || s->pend_n > 0) continue; // pend_n > 0: parked, waiting for its feed
         if (advance_(&r->p, r->m, s, r->ptok, 1)) {
+            if (r->mem.slot) {
+                memset(r->idle, 0, (size_t)r->n);
+                if (!mem_reserve_(r, i, s->st.pos + 1, ev)) continue;
+            }
             r->dstates[nd] = &s->st;
             r->dtokens[nd] = s->traj.ids[s->traj.n_tokens - 1];
             r->dslot[nd] = i;
             nd++;
-        } else if (!s->active && ev && ev->end) {
-            ev->end(ev->user, &s->traj);
+        } else if (!s->active) {
+            ended_(r, i, ev);
         }
     }
     if (nd > 0) {
@@ -701,6 +820,8 @@ mtrl_status mtrl_rollout_snapshot(mtrl_rollout *r, int i, mtrl_wbuf *out, mtrl_e
         return mtrl_error_set(err, MTRL_ERR_STATE, "snapshot: slot %d has no episode in flight", i);
     slot *s = &r->slots[i];
     const mtrl_model_dims *d = &r->m->dims;
+    if (s->pend_n > 0) // parked with its feed pending (a device budget): its tokens are ahead of its state
+        return mtrl_error_set(err, MTRL_ERR_STATE, "snapshot: slot %d waits for room to prefill its feed", i);
     size_t start = out->len;
     mtrl_wbuf_bytes(out, SNAP_MAGIC, 8);
     mtrl_wbuf_u32(out, SNAP_VERSION);
@@ -800,6 +921,10 @@ mtrl_status mtrl_rollout_resume(mtrl_rollout *r, int i, const void *buf, size_t 
     s->turn = mtrl_rbuf_u32(&rb, "turn");
     uint32_t pos = mtrl_rbuf_u32(&rb, "position");
     if (rb.status != MTRL_OK) return rb.status;
+    if (r->mem.slot) {
+        if (r->mem.slot[i].where != MTRL_EPMEM_NONE) mtrl_epmem_release(&r->mem, i);
+        if ((st = mtrl_epmem_admit(&r->mem, i, (int)pos + 1, NULL, err)) != MTRL_OK) return mtrl_error_wrap(err, "resume");
+    }
     // Between generation steps every token has been fed to the model: positions == tokens.
     if (pos > (uint32_t)s->st.cap || pos != s->traj.n_tokens)
         return mtrl_error_set(err, MTRL_ERR_FORMAT, "resume: %u positions for %llu tokens (decode state capacity %d)", pos,

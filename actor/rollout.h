@@ -59,6 +59,8 @@ typedef struct mtrl_rollout_params {
     // How episodes are framed and tool calls read (actor/chat.h). NULL: mtrl_rollout_init opens
     // [model] tokenizer and chat_template (the rollout owns it); run_one takes NULL as bytes.
     const struct mtrl_chat *chat;
+    size_t device_budget;    // [actor] device_budget_mb in bytes: decode states through the episode
+    size_t host_budget;      // memory account (actor/episode_mem.h); 0 = off. [actor] host_budget_mb
 } mtrl_rollout_params;
 
 void mtrl_rollout_params_from_config(mtrl_rollout_params *p, const mtrl_config *cfg, uint32_t actor_id,
@@ -95,6 +97,12 @@ void mtrl_rollout_stop_new(mtrl_rollout *r);
 // The in-flight trajectory of slot i (NULL when the slot is idle), for streaming chunks.
 mtrl_traj *mtrl_rollout_slot(mtrl_rollout *r, int i);
 int mtrl_rollout_slot_count(const mtrl_rollout *r);
+// The memory account of the decode states (actor/episode_mem.h), or NULL without a device budget.
+// With one, a group starts only when the account admits its episodes (else it waits), states
+// grow with their episodes, an episode waiting for the prefill of its env's text (a tool result,
+// a prompt) may be parked in host memory while others need the room, and an episode ends
+// `truncated` with the account's reason only when its state can grow no more.
+const struct mtrl_epmem *mtrl_rollout_mem(const mtrl_rollout *r);
 
 // ---- snapshot and resume of an in-flight episode -------------------------------------------------
 // A snapshot holds everything the episode needs to go on exactly as if it had not stopped:

@@ -565,6 +565,8 @@ static void check_env_keys_(cfg_parse *ps) {
         {"digits", "calc"},          {"ops", "calc"},           {"doc_tokens", "retrieval"},
         {"inline_doc", "retrieval"}, {"demo_search", "retrieval"}, {"key_digits", "retrieval"},
         {"base_url", "http"},        {"allow_loopback", "http"},   {"timeout_ms", "http"},
+        {"task", "corpus"},          {"hops", "corpus"},           {"files", "corpus"},
+        {"file_tokens", "corpus"},
     };
     const char *name = ps->cfg->env.name;
     char where[600];
@@ -819,11 +821,24 @@ int mtrl_config_threads(const mtrl_config *cfg) {
     return share < 1 ? 1 : (int)share;
 }
 
+int mtrl_config_stage_of_step(const mtrl_config *base, long step) {
+    long end = 0;
+    for (int s = 0; s < base->n_stages; s++) {
+        end += base->stage[s].steps;
+        if (step < end) return s;
+    }
+    return base->n_stages > 0 ? base->n_stages - 1 : 0;
+}
+
 mtrl_config mtrl_config_stage(const mtrl_config *base, int s) {
     mtrl_config c = *base;
     const mtrl_cfg_stage *st = &base->stage[s];
     if (st->context > 0) c.actor.max_tokens = st->context;
     if (st->doc_tokens > 0) c.env.doc_tokens = st->doc_tokens;
+    if (st->hops > 0) c.env.hops = st->hops;
+    if (st->files > 0) c.env.files = st->files;
+    if (st->max_obs_bytes > 0) c.env.max_obs_bytes = st->max_obs_bytes;
+    if (st->max_tool_calls > 0) c.env.max_tool_calls = st->max_tool_calls;
     if (st->group_size > 0) c.algo.group_size = st->group_size;
     if (st->batch_groups > 0) c.learner.batch_groups = st->batch_groups;
     if (st->episodes_in_flight > 0) c.actor.episodes_in_flight = st->episodes_in_flight;

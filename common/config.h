@@ -104,11 +104,14 @@ long mtrl_config_segment(const mtrl_config *cfg);
 int mtrl_config_threads(const mtrl_config *cfg);
 
 // The experiment as it runs in stage s (0-based) of its [stage.N] ladder: the stage's context
-// is [actor] max_tokens (and caps max_turn_tokens), its doc_tokens [env] doc_tokens, its
-// group_size, batch_groups and episodes_in_flight those of [algo], [learner] and [actor]; a
+// is [actor] max_tokens (and caps max_turn_tokens), its doc_tokens, hops, files,
+// max_obs_bytes and max_tool_calls those of [env], its group_size, batch_groups and episodes_in_flight those of [algo], [learner] and [actor]; a
 // stage key of 0 keeps the base value. The learner enters stages with it; `mtrl eval --stage`
 // evaluates one.
 mtrl_config mtrl_config_stage(const mtrl_config *base, int s);
+// The stage (0-based) that learner step `step` (0-based, the next step to take) belongs to: the
+// stages' steps laid end to end, the last stage for any later step; 0 without a ladder.
+int mtrl_config_stage_of_step(const mtrl_config *base, long step);
 
 
 #endif

@@ -67,7 +67,7 @@
     X(model, image_max_side, INT, "512", 1, 4096, NULL, "largest width or height of a picture in pixels; a larger one aborts its episode")
 
 #define MTRL_CFG_ENV(X)                                                                             \
-    X(env, name, STR, "!", 0, 0, NULL, "retrieval, calc, http, picture, or plugin (with plugin = path.so)")  \
+    X(env, name, STR, "!", 0, 0, NULL, "retrieval, calc, http, picture, corpus, or plugin (with plugin = path.so)")  \
     X(env, plugin, STR, "", 0, 0, NULL, "path of an env plug-in .so (env.name = plugin), relative to the experiment file's folder")           \
     X(env, args, STR, "", 0, 0, NULL, "extra key=value;... passed to the env's create()")          \
     X(env, isolate, ENUM, "auto", 0, 0, "auto|true|false", "run the env in a child process with rlimits and a watchdog; auto = plug-ins isolated, built-ins in-process") \
@@ -78,6 +78,10 @@
     X(env, inline_doc, BOOL, "false", 0, 0, NULL, "retrieval: put the whole document in the prompt") \
     X(env, demo_search, BOOL, "false", 0, 0, NULL, "retrieval: with inline_doc, demos search(key) before the answer") \
     X(env, key_digits, INT, "0", 0, 15, NULL, "retrieval: digits of every key (0 = the fewest that keep keys sparse at this length)") \
+    X(env, task, ENUM, "mix", 0, 0, "mix|chain|sum|latest", "corpus: the question: chain (follow next= hops times), sum (of a key's values over hops records), latest (the newest of hops contradicting updates) or mix (one per seed)") \
+    X(env, hops, INT, "4", 1, 4096, NULL, "corpus: hops of a chain, records of a sum or latest")   \
+    X(env, files, INT, "64", 2, 65536, NULL, "corpus: files in the corpus")                        \
+    X(env, file_tokens, INT, "4096", 256, 1 << 20, NULL, "corpus: bytes (tokens) per file")        \
     X(env, max_tool_calls, INT, "4", 0, 1000, NULL, "tool calls allowed per episode (built-ins and plug-ins alike: the call past it ends the episode, reward 0)") \
     X(env, max_obs_bytes, INT, "256", 1, 1 << 24, NULL, "built-ins: cap on one tool observation (a plug-in's are capped at 64 MiB by the host, env/mtrl_env.h)") \
     X(env, base_url, STR, "", 0, 0, NULL, "http: base URL the get tool may reach")               \
@@ -96,7 +100,9 @@
     X(actor, heartbeat_ms, INT, "1000", 50, 600000, NULL, "heartbeat interval")                    \
     X(actor, learner_patience_s, INT, "3600", 0, 1 << 30, NULL, "an actor whose learner was silent this long exits with status 4 (0 = never; keep it above the longest learner step)") \
     X(actor, snapshot_dir, STR, "", 0, 0, NULL, "folder for snapshots of long episodes in flight; a restarted actor resumes them (empty = off)") \
-    X(actor, snapshot_tokens, INT, "65536", 16, 1 << 30, NULL, "snapshot an episode in flight each time it grows by this many tokens")
+    X(actor, snapshot_tokens, INT, "65536", 16, 1 << 30, NULL, "snapshot an episode in flight each time it grows by this many tokens") \
+    X(actor, device_budget_mb, INT, "0", 0, 1 << 30, NULL, "MiB of device memory for the decode states of episodes in flight (KDA states, conv windows, MLA latents); a new episode waits rather than exceed it, idle ones move to host memory (0 = off: every slot's state allocated at start)") \
+    X(actor, host_budget_mb, INT, "0", 0, 1 << 30, NULL, "MiB of host memory for decode states moved off the device (0 = none moved: an episode that cannot stay ends truncated)")
 
 #define MTRL_CFG_LEARNER(X)                                                                         \
     X(learner, endpoint, STR, "tcp://127.0.0.1:*", 0, 0, NULL, "ROUTER endpoint; * = pick a free port") \
@@ -133,6 +139,10 @@
     X(algo, tis_cap, FLOAT, "2.0", 1, 1e6, NULL, "TIS truncation C")                              \
     X(algo, seq_mask_low, FLOAT, "0.5", 0, 1, NULL, "seq_mask: lower bound of the geometric-mean ratio") \
     X(algo, seq_mask_high, FLOAT, "2.0", 1, 1e6, NULL, "seq_mask: upper bound of the geometric-mean ratio") \
+    X(algo, token_mask, BOOL, "false", 0, 0, NULL, "IcePop-style per-token mask: a model token whose learner/actor probability ratio is outside [token_mask_low, token_mask_high], or that is over token_mask_stale versions old, carries no loss") \
+    X(algo, token_mask_low, FLOAT, "0.5", 0, 1, NULL, "token_mask: lower bound of the per-token ratio") \
+    X(algo, token_mask_high, FLOAT, "5.0", 1, 1e6, NULL, "token_mask: upper bound of the per-token ratio") \
+    X(algo, token_mask_stale, INT, "0", 0, 1 << 20, NULL, "token_mask: tokens more than this many weight versions old are masked (0 = no age limit)") \
     X(algo, aggregation, ENUM, "token_mean", 0, 0, "token_mean|seq_mean_token_mean|constant", "loss aggregation") \
     X(algo, agg_constant, INT, "1024", 1, 1 << 30, NULL, "token count L of the constant aggregation (Dr.GRPO)") \
     X(algo, entropy_coef, FLOAT, "0", -10, 10, NULL, "entropy bonus coefficient")                 \
@@ -149,6 +159,10 @@
     X(stage, context, INT, "0", 0, 1 << 30, NULL, "episode token budget of this stage (0 = [actor] max_tokens)") \
     X(stage, steps, INT, "1", 1, 1e9, NULL, "optimizer steps in this stage")                      \
     X(stage, doc_tokens, INT, "0", 0, 1 << 30, NULL, "retrieval document length (0 = [env] doc_tokens)") \
+    X(stage, hops, INT, "0", 0, 4096, NULL, "corpus hops (0 = [env] hops)")                        \
+    X(stage, files, INT, "0", 0, 65536, NULL, "corpus files (0 = [env] files)")                     \
+    X(stage, max_obs_bytes, INT, "0", 0, 1 << 24, NULL, "cap on one tool observation (0 = [env] max_obs_bytes)") \
+    X(stage, max_tool_calls, INT, "0", 0, 1000, NULL, "tool calls per episode (0 = [env] max_tool_calls)") \
     X(stage, group_size, INT, "0", 0, 4096, NULL, "episodes per task (0 = [algo] group_size)")     \
     X(stage, batch_groups, INT, "0", 0, 1 << 20, NULL, "groups per step (0 = [learner] batch_groups)") \
     X(stage, episodes_in_flight, INT, "0", 0, 1 << 20, NULL, "episodes each actor runs at once (0 = [actor] episodes_in_flight)")

@@ -17,9 +17,10 @@ static const struct {
     {"calc", &env_calc_api},
     {"http", &env_http_api},
     {"picture", &env_picture_api},
+    {"corpus", &env_corpus_api},
 };
 
-const char *env_builtin_names(void) { return "retrieval, calc, http, picture"; }
+const char *env_builtin_names(void) { return "retrieval, calc, http, picture, corpus"; }
 
 const mtrl_env_api *env_builtin_find(const char *name) {
     for (size_t i = 0; i < sizeof builtins_ / sizeof builtins_[0]; i++)

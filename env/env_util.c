@@ -316,3 +316,12 @@ int env_answer_is(const char *action, size_t len, const char *expected) {
     env_trim(&a, &n);
     return n == strlen(expected) && !memcmp(a, expected, n);
 }
+
+uint64_t env_mix64(uint64_t x) {
+    x ^= x >> 30;
+    x *= 0xbf58476d1ce4e5b9ull;
+    x ^= x >> 27;
+    x *= 0x94d049bb133111ebull;
+    x ^= x >> 31;
+    return x;
+}

@@ -66,7 +66,7 @@ int env_config_finish(env_config *cfg, const char *known, char *err, size_t cap)
 #define ENV_CONFIG_SHARED_KEYS                                                                    \
     "name", "plugin", "args", "isolate", "step_timeout_ms", "digits", "ops", "doc_tokens", "inline_doc", "demo_search", \
         "key_digits", "max_tool_calls", "max_obs_bytes", "base_url", "index_path", "allow_loopback", "timeout_ms",     \
-        "connect_timeout_ms", "max_bytes", "max_redirects"
+        "connect_timeout_ms", "max_bytes", "max_redirects", "task", "hops", "files", "file_tokens"
 
 // ---- tool calls -----------------------------------------------------------------------------
 
@@ -95,6 +95,8 @@ void env_buf_append_shown(env_buf *b, const char *s, size_t n, size_t max);
 
 // Strict decimal integer over s[0..n) (optional sign, digits, nothing else). Returns 0 or -1.
 int env_parse_i64(const char *s, size_t n, int64_t *out);
+// The splitmix64 finaliser: a cheap, good 64-bit mixer for generated documents.
+uint64_t env_mix64(uint64_t x);
 // Trims ASCII whitespace at both ends of s[0..*n) in place (advances *s, shrinks *n).
 void env_trim(const char **s, size_t *n);
 

@@ -23,6 +23,10 @@ mtrl_algo_config mtrl_algo_config_default(void) {
     c.seq_mask_high = 2.0;
     c.agg_constant = 1024;
     c.entropy_coef = 0.0;
+    c.token_mask = 0;
+    c.token_mask_low = 0.5;
+    c.token_mask_high = 5.0;
+    c.token_mask_stale = 0;
     return c;
 }
 
@@ -64,6 +68,11 @@ mtrl_status mtrl_algo_config_check(const mtrl_algo_config *c, char *msg, size_t 
                            c->seq_mask_low, c->seq_mask_high);
     if (!(c->agg_constant >= 1 && isfinite(c->agg_constant)))
         return algo_usage_(msg, cap, "algo.agg_constant = %g: must be >= 1", c->agg_constant);
+    if (!(c->token_mask_low >= 0 && c->token_mask_low <= 1 && c->token_mask_high >= 1 && isfinite(c->token_mask_high)))
+        return algo_usage_(msg, cap, "algo.token_mask_low = %g, token_mask_high = %g: need 0 <= low <= 1 <= high < inf",
+                           c->token_mask_low, c->token_mask_high);
+    if (c->token_mask_stale < 0)
+        return algo_usage_(msg, cap, "algo.token_mask_stale = %ld: must be >= 0", c->token_mask_stale);
     if (!isfinite(c->entropy_coef))
         return algo_usage_(msg, cap, "algo.entropy_coef = %g: must be finite", c->entropy_coef);
     return MTRL_OK;
@@ -194,10 +203,11 @@ mtrl_status mtrl_algo_policy_loss(const mtrl_algo_config *cfg, const mtrl_algo_b
     // Compared in log space: exp of a long episode's summed log-ratio could overflow, its mean
     // cannot; log(0) = -inf makes a zero lower bound accept everything.
     const double log_mask_lo = log(cfg->seq_mask_low), log_mask_hi = log(cfg->seq_mask_high);
+    const double log_tok_lo = log(cfg->token_mask_low), log_tok_hi = log(cfg->token_mask_high);
 
     double pg = 0.0, ent = 0.0;
     double sum_ratio = 0, sum_k1 = 0, sum_k3 = 0, sum_abs = 0, sum_w = 0, sum_h = 0;
-    size_t n_low = 0, n_high = 0, n_dual = 0, n_masked = 0, n_capped = 0, n_seq_masked = 0;
+    size_t n_low = 0, n_high = 0, n_dual = 0, n_masked = 0, n_capped = 0, n_seq_masked = 0, n_tok = 0, n_tok_stale = 0;
 
     for (size_t i = 0; i < N; i++) {
         const size_t t0 = b->off[i], t1 = b->off[i + 1];
@@ -255,6 +265,17 @@ mtrl_status mtrl_algo_policy_loss(const mtrl_algo_config *cfg, const mtrl_algo_b
                 w = 0.0;
                 n_masked++;
             }
+            int keep_t = keep;
+            if (cfg->token_mask && keep) {
+                const double lk = lp_old - lp_b;
+                const int old = cfg->token_mask_stale > 0 && b->stale && (long)b->stale[t] > cfg->token_mask_stale;
+                if (old || !(lk >= log_tok_lo && lk <= log_tok_hi)) { // NaN is outside
+                    w = 0.0;
+                    keep_t = 0;
+                    n_tok++;
+                    n_tok_stale += old;
+                }
+            }
             sum_w += w;
 
             double l = 0.0, g = 0.0, dl_dx = 0.0;
@@ -288,13 +309,14 @@ mtrl_status mtrl_algo_policy_loss(const mtrl_algo_config *cfg, const mtrl_algo_b
                 gspo_sum += agg * w * dl_dx;
                 break;
             }
-            if (keep) {
+            if (keep_t) {
                 n_low += clip == ALGO_CLIP_LOW_;
                 n_high += clip == ALGO_CLIP_HIGH_;
                 n_dual += clip == ALGO_CLIP_DUAL_;
                 pg += agg * w * l;
             }
-            if (dlogp) dlogp[t] = (float)(agg * w * g); // gspo: overwritten below
+            // a masked token's gradient is 0 even when its ratio is NaN (gspo: overwritten below)
+            if (dlogp) dlogp[t] = keep_t || !cfg->token_mask ? (float)(agg * w * g) : 0.0f;
             if (b->entropy) {
                 ent += agg * (double)b->entropy[t];
                 sum_h += b->entropy[t];
@@ -331,6 +353,8 @@ mtrl_status mtrl_algo_policy_loss(const mtrl_algo_config *cfg, const mtrl_algo_b
         stats->tis_capped_frac = (double)n_capped / nm;
         stats->tis_weight_mean = sum_w / nm;
         stats->entropy_mean = sum_h / nm;
+        stats->token_masked_frac = (double)n_tok / nm;
+        stats->token_stale_frac = (double)n_tok_stale / nm;
     }
     return MTRL_OK;
 }

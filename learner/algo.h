@@ -61,7 +61,19 @@
 //     seq_mask  w_t = 0 for every token of episode i when the geometric-mean ratio
 //               exp(Σ_t M_t (logp_old_t - logp_behav_t) / n_i) is outside [seq_mask_low,
 //               seq_mask_high] (bounds included), else 1.
-// A dropped episode keeps its place in every denominator (its terms are multiplied by 0, as TRL
+// token mask (IcePop-style, on top of any correction; token_mask = 1): w_t = 0 for a model token
+//               whose ratio k_t = exp(logp_old_t - logp_behav_t) is outside [token_mask_low,
+//               token_mask_high] (bounds included; NaN is outside), or, with token_mask_stale
+//               = s > 0 and batch.stale given, whose weights are more than s versions behind
+//               the learner's. TIS truncates a large ratio and keeps the token; the mask drops
+//               it: a token the actor sampled at a probability the learner disagrees with by
+//               more than the bounds (numerical mismatch of long contexts, or weights many
+//               versions old in an episode that spans them) gives a gradient of the wrong
+//               policy whose size the truncation only bounds, while dropping a few such tokens
+//               loses little (IcePop: Ring-1T; ratio bounds [0.5, 5] as there). The per-token
+//               decision is local, so a 1M-token episode loses only its mismatched tokens,
+//               where seq_mask drops it whole.
+// A dropped episode or token keeps its place in every denominator (its terms are multiplied by 0, as TRL
 // and OpenRLHF do), so dropping cannot inflate the remaining tokens' step size.
 //
 // ---- aggregation: L_pg = Σ_t a_t w_t ℓ_t with a_t = M_t / D_t ----------------------------------
@@ -127,10 +139,14 @@ typedef struct mtrl_algo_config {
     double seq_mask_high;
     double agg_constant;  // L_const of the constant aggregation, >= 1 (tokens)
     double entropy_coef;  // entropy bonus coefficient (0 = off)
+    int token_mask;           // 1: the per-token mask above
+    double token_mask_low;    // its ratio bounds, 0 <= low <= 1 <= high < inf
+    double token_mask_high;
+    long token_mask_stale;    // versions a token may be behind the learner (0 = no limit)
 } mtrl_algo_config;
 
 // The schema defaults: grpo, ppo, tis, token_mean, eps 0.2/0.28, dual clip 3, tis_cap 2,
-// seq_mask [0.5, 2], agg_constant 1024, entropy_coef 0.
+// seq_mask [0.5, 2], agg_constant 1024, entropy_coef 0, token_mask off ([0.5, 5], no age limit).
 mtrl_algo_config mtrl_algo_config_default(void);
 
 // Checks ranges and enum values. Returns MTRL_OK, or MTRL_ERR_USAGE with a message in msg
@@ -184,6 +200,8 @@ typedef struct mtrl_algo_batch {
                               //     entropy_coef != 0)
     double token_denom;       // > 0: replaces Σ_all M in token_mean (global count over ranks)
     double seq_denom;         // > 0: replaces N in seq_mean_token_mean and constant
+    const uint32_t *stale;    // (T) versions between the learner and the weights that sampled
+                              //     each token, or NULL (token_mask_stale then does nothing)
 } mtrl_algo_batch;
 
 // Statistics of one call. Fractions and means are over this call's model tokens (Σ M); to
@@ -214,6 +232,8 @@ typedef struct mtrl_algo_stats {
     double tis_capped_frac;   // model tokens whose TIS weight hit tis_cap
     double tis_weight_mean;   // mean w_t (1 with correction none; seq_mask: kept fraction)
     double entropy_mean;      // plain mean of H over model tokens (0 without entropy)
+    double token_masked_frac; // model tokens dropped by token_mask (ratio or age)
+    double token_stale_frac;  // ... of which for their age
 } mtrl_algo_stats;
 
 // Computes the loss L (above) into *loss, and, when the pointers are non-NULL, dlogp[t] =

@@ -676,14 +676,7 @@ static void check_heartbeats_(mtrl_learner *l, int judge) {
 // ---- the context ladder ([stage.N]) ----------------------------------------------------------------------------
 
 // The stage that step `step` (0-based, the next step to take) belongs to.
-static int stage_of_(const mtrl_learner *l, long step) {
-    long end = 0;
-    for (int s = 0; s < l->base.n_stages; s++) {
-        end += l->base.stage[s].steps;
-        if (step < end) return s;
-    }
-    return l->base.n_stages - 1;
-}
+static int stage_of_(const mtrl_learner *l, long step) { return mtrl_config_stage_of_step(&l->base, step); }
 
 // Applies stage s to the experiment: its context is the episode budget, its document length the
 // retrieval env's, its group size and batch the learner's. The actors get a new WELCOME with the
@@ -854,6 +847,7 @@ static void rl_step_(mtrl_learner *l, int *ready, int n_ready) {
         log_metric_(l, "mismatch_k3", st.kl_k3);
         log_metric_(l, "mismatch_absdiff", st.logp_absdiff);
         log_metric_(l, "masked_frac", st.masked_frac);
+        log_metric_(l, "token_masked_frac", st.token_masked_frac);
         log_metric_(l, "grad_norm", st.grad_norm);
         log_metric_(l, "staleness_mean", st.staleness_mean);
         log_metric_(l, "staleness_max", st.staleness_max);

@@ -26,6 +26,10 @@ mtrl_status mtrl_train_algo_config(const mtrl_config *cfg, mtrl_algo_config *a, 
     a->seq_mask_high = cfg->algo.seq_mask_high;
     a->agg_constant = (double)cfg->algo.agg_constant;
     a->entropy_coef = cfg->algo.entropy_coef;
+    a->token_mask = cfg->algo.token_mask;
+    a->token_mask_low = cfg->algo.token_mask_low;
+    a->token_mask_high = cfg->algo.token_mask_high;
+    a->token_mask_stale = cfg->algo.token_mask_stale;
     char msg[512];
     if (mtrl_algo_config_check(a, msg, sizeof msg) != MTRL_OK)
         return mtrl_error_set(err, MTRL_ERR_USAGE, "%s: [algo]: %s", cfg->path, msg);
@@ -133,6 +137,7 @@ typedef struct rl_loss {
     const size_t *off;                  // [n+1] token offsets of the episodes
     float *logp, *logp_old, *behav, *ent, *adv, *dlogp, *dent;
     const uint8_t *mask;
+    const uint32_t *stale;              // versions each token is behind the learner
     double token_denom, seq_denom;      // the whole batch's (algo.h: a unit's loss is its share)
 } rl_loss;
 
@@ -151,7 +156,7 @@ static void rl_loss_unit_(void *user, int i0, int n, const real *logp_pos, const
     // π_old = the learner's own log-prob now (a detached copy).
     memcpy(r->logp_old + o0, r->logp + o0, sizeof(float) * loff[n]);
     mtrl_algo_batch ab = {(size_t)n, loff, r->logp + o0, r->logp_old + o0, r->behav + o0, r->adv + o0, r->mask + o0,
-                          r->ent + o0, r->token_denom, r->seq_denom};
+                          r->ent + o0, r->token_denom, r->seq_denom, r->stale + o0};
     mtrl_algo_stats as;
     double loss = 0;
     mtrl_status s = mtrl_algo_policy_loss(r->a, &ab, &loss, r->dlogp + o0, r->dent + o0, &as);
@@ -180,6 +185,7 @@ void mtrl_train_rl_step(mtrl_model *m, const mtrl_config *cfg, const mtrl_algo_c
     float *dlogp = xcalloc(T + 1, sizeof(float)), *dent = xcalloc(T + 1, sizeof(float));
     float *logp_old = xcalloc(T + 1, sizeof(float));
     uint8_t *mask = xcalloc(T + 1, 1);
+    uint32_t *stale = xcalloc(T + 1, sizeof(uint32_t));
     size_t *off = xmalloc(sizeof(size_t) * (size_t)(n + 1));
     double *rew = xmalloc(sizeof(double) * (size_t)(n ? n : 1)), *adv_ep = xmalloc(sizeof(double) * (size_t)(n ? n : 1));
     size_t o = 0, n_mask = 0;
@@ -194,6 +200,7 @@ void mtrl_train_rl_step(mtrl_model *m, const mtrl_config *cfg, const mtrl_algo_c
                           !(cfg->algo.mask_truncated && t->status == MTRL_EP_TRUNCATED);
             if (mask[o + j]) {
                 double s = (double)m->version - (double)t->version[j];
+                stale[o + j] = s > 0 ? (uint32_t)s : 0;
                 stale_sum += s;
                 if (s > st->staleness_max) st->staleness_max = s;
                 n_mask++;
@@ -228,14 +235,14 @@ void mtrl_train_rl_step(mtrl_model *m, const mtrl_config *cfg, const mtrl_algo_c
     mtrl_algo_advantages_broadcast(adv_ep, off, (size_t)n, adv);
     // Forward, loss and backward unit by unit (model.h mtrl_model_train), each unit's loss with
     // the whole batch's denominators, so the gradients add up to the batch's.
-    rl_loss rl = {a, off, logp, logp_old, behav, ent, adv, dlogp, dent, mask, (double)n_mask, (double)n};
+    rl_loss rl = {a, off, logp, logp_old, behav, ent, adv, dlogp, dent, mask, stale, (double)n_mask, (double)n};
     real *dlp = xcalloc(T + 1, sizeof(real)), *dep = xcalloc(T + 1, sizeof(real));
     m->replay_routing = cfg->algo.routing_replay && sb.b.routing != NULL;
     mtrl_model_zero_grads(m);
     mtrl_model_train(m, &sb.b, segment_of_(m, cfg, &sb.b), logp_pos, ent_pos, dlp, a->entropy_coef != 0 ? dep : NULL,
                      rl_loss_unit_, &rl);
     // The step's loss and statistics over the whole batch (the gradients are the units' already).
-    mtrl_algo_batch ab = {(size_t)n, off, logp, logp_old, behav, adv, mask, ent, 0, 0};
+    mtrl_algo_batch ab = {(size_t)n, off, logp, logp_old, behav, adv, mask, ent, 0, 0, stale};
     mtrl_algo_stats as;
     double loss = 0;
     mtrl_status s = mtrl_algo_policy_loss(a, &ab, &loss, dlogp, dent, &as);
@@ -258,6 +265,7 @@ void mtrl_train_rl_step(mtrl_model *m, const mtrl_config *cfg, const mtrl_algo_c
     st->clip_dual = as.dual_clip_frac;
     st->ratio_mean = as.ratio_mean;
     st->masked_frac = as.masked_frac;
+    st->token_masked_frac = as.token_masked_frac;
     st->kl_k1 = as.kl_k1;
     st->kl_k3 = as.kl_k3;
     st->logp_absdiff = as.logp_absdiff_mean;
@@ -270,7 +278,7 @@ void mtrl_train_rl_step(mtrl_model *m, const mtrl_config *cfg, const mtrl_algo_c
     st->staleness_mean = as.n_tokens ? stale_sum / (double)as.n_tokens : 0;
     st->seconds = mtrl_time_mono() - t_start;
     free(logp_pos); free(ent_pos); free(logp); free(behav); free(ent); free(adv); free(dlogp); free(dent);
-    free(mask); free(off); free(rew); free(adv_ep); free(done); free(idx); free(gr); free(ga); free(logp_old);
+    free(mask); free(stale); free(off); free(rew); free(adv_ep); free(done); free(idx); free(gr); free(ga); free(logp_old);
     free(dlp); free(dep);
     seq_batch_free_(&sb);
 }

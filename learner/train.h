@@ -26,6 +26,7 @@ typedef struct mtrl_step_stats {
     double reward_mean, success_rate;
     double loss, pg_loss, entropy_mean;
     double clip_low, clip_high, clip_dual, ratio_mean, masked_frac;
+    double token_masked_frac;                // model tokens dropped by [algo] token_mask
     double kl_k1, kl_k3, logp_absdiff;       // learner vs behaviour, over model tokens
     double grad_norm;
     double staleness_mean, staleness_max;    // versions between a token's and the learner's

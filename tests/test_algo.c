@@ -452,6 +452,68 @@ static void test_seq_mask(void) {
     TEST_EQ_INT(st.n_seq_masked, 0);
 }
 
+// token_mask (IcePop-style): tokens whose ratio old/behav is outside [0.5, 5] or that are more
+// than token_mask_stale versions old carry no loss and no gradient, NaN
+// outside; they keep their place in the denominator; with TIS the kept tokens keep their weight.
+static void test_token_mask(void) {
+    const double q[8] = {1.2, 6, 0.4, 1, 0.55, 4.5, 1, 1};
+    const uint32_t stale[8] = {0, 0, 0, 0, 0, 0, 3, 2};
+    const float A[8] = {1, 1, 1, 1, -1, -1, 2, 2};
+    const uint8_t M[8] = {1, 1, 1, 1, 1, 1, 1, 1};
+    float old[8], lp[8], behav[8], dl[8];
+    for (int t = 0; t < 8; t++) {
+        old[t] = (float)(-1.0 - 0.125 * t);
+        lp[t] = old[t];
+        behav[t] = (float)(old[t] - log(q[t]));
+    }
+    const size_t off[3] = {0, 4, 8};
+    mtrl_algo_batch b = {.n_seq = 2, .off = off, .logp = lp, .logp_old = old, .logp_behav = behav, .adv = A,
+                         .mask = M, .stale = stale};
+    mtrl_algo_config c = cfg_make(MTRL_ALGO_LOSS_PPO, MTRL_ALGO_AGG_TOKEN_MEAN, MTRL_ALGO_CORR_NONE);
+    c.token_mask = 1;
+    c.token_mask_stale = 2;
+    mtrl_algo_stats st;
+    // r = 1 everywhere, so every kept token's term is -A/8 and its gradient -A/8.
+    double L = loss_of(&c, &b, dl, NULL, &st);
+    const double g[8] = {-1.0 / 8, 0, 0, -1.0 / 8, 1.0 / 8, 1.0 / 8, 0, -2.0 / 8};
+    TEST_ARRAY_CLOSE(dl, g, 8, 0, 1e-7);
+    TEST_CLOSE(L, (-1 - 1 + 1 + 1 - 2) / 8.0, 0, 1e-7);
+    TEST_CLOSE(st.token_masked_frac, 3.0 / 8, 0, 0);
+    TEST_CLOSE(st.token_stale_frac, 1.0 / 8, 0, 0);
+    TEST_CLOSE(st.tis_weight_mean, 5.0 / 8, 0, 0);
+    // No age limit, or no ages given: only the ratio decides.
+    c.token_mask_stale = 0;
+    TEST_CLOSE(loss_of(&c, &b, NULL, NULL, &st), (-1 - 1 + 1 + 1 - 2 - 2) / 8.0, 0, 1e-7);
+    TEST_CLOSE(st.token_masked_frac, 2.0 / 8, 0, 0);
+    c.token_mask_stale = 2;
+    b.stale = NULL;
+    TEST_CLOSE(loss_of(&c, &b, NULL, NULL, &st), (-1 - 1 + 1 + 1 - 2 - 2) / 8.0, 0, 1e-7);
+    b.stale = stale;
+    // With TIS the kept tokens are weighted min(q, tis_cap = 2): token 5 (q = 5) gets 2.
+    c.correction = MTRL_ALGO_CORR_TIS;
+    loss_of(&c, &b, dl, NULL, &st);
+    TEST_CLOSE(dl[5], 2.0 / 8, 0, 1e-7);
+    TEST_CLOSE(dl[0], -1.2 / 8, 0, 1e-6);
+    TEST_CLOSE(dl[1], 0, 0, 0);
+    // A NaN behaviour log-prob is outside the bounds: masked, and no NaN reaches the gradient.
+    behav[0] = NAN;
+    L = loss_of(&c, &b, dl, NULL, &st);
+    TEST_CHECK(isfinite(L));
+    TEST_CLOSE(dl[0], 0, 0, 0);
+    TEST_CLOSE(st.token_masked_frac, 4.0 / 8, 0, 0);
+    // Off: nothing masked (TIS as before).
+    c.token_mask = 0;
+    behav[0] = (float)(old[0] - log(q[0]));
+    loss_of(&c, &b, dl, NULL, &st);
+    TEST_CLOSE(st.token_masked_frac, 0, 0, 0);
+    TEST_CHECK(dl[1] != 0);
+    // Bounds must bracket 1.
+    char msg[256];
+    c.token_mask_low = 1.5;
+    TEST_EQ_INT(mtrl_algo_config_check(&c, msg, sizeof msg), MTRL_ERR_USAGE);
+    TEST_CONTAINS(msg, "algo.token_mask_low = 1.5");
+}
+
 // ---- finite differences over every (loss x aggregation x correction) ---------------------------
 
 typedef struct fd_rng {
@@ -736,6 +798,7 @@ int main(void) {
     test_aggregation();
     test_tis();
     test_seq_mask();
+    test_token_mask();
     test_finite_differences();
     test_global_denominators();
     test_mismatch();

@@ -54,7 +54,7 @@ static test_result mtrl(char *a1, char *a2, char *a3, char *a4) {
 
 static void test_broken_env(void) {
     static const struct { const char *name, *env, *says; } bad[] = {
-        {"calcc", "name = calcc", "unknown env 'calcc'; built-in envs are retrieval, calc, http, picture"},
+        {"calcc", "name = calcc", "unknown env 'calcc'; built-in envs are retrieval, calc, http, picture, corpus"},
         {"nonexistent", "name = plugin\nplugin = /nonexistent.so", "env plug-in '/nonexistent.so' could not be loaded"},
         {"abi", "name = plugin\nplugin = abi.so", "was built for env ABI 99.0 but this host speaks"},
         {"refuses", "name = plugin\nplugin = reverse.so\nargs = bogus=1", "env 'reverse' refused its config: reverse: unknown config key 'bogus'"},

@@ -180,7 +180,8 @@ int main(void) {
     // every shipped experiment loads without errors
     {
         const char *src = getenv("MTRL_SRC");
-        const char *files[] = {"experiments/quickstart.ini", "experiments/quickstart-gpu.ini", "experiments/retrieval-1m.ini"};
+        const char *files[] = {"experiments/quickstart.ini", "experiments/quickstart-gpu.ini", "experiments/retrieval-1m.ini",
+                               "experiments/agent-1m.ini", "experiments/recall-1m.ini", "experiments/agent-cpu.ini"};
         for (size_t i = 0; src && i < sizeof files / sizeof files[0]; i++) {
             char path[1024];
             snprintf(path, sizeof path, "%s/%s", src, files[i]);

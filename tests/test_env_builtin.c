@@ -216,7 +216,7 @@ static void test_calc(void) {
         bad = NULL;
     }
     TEST_EQ_INT(mtrl_env_open(&bad, "calculator", "", NULL, &err), MTRL_ERR_NOTFOUND);
-    TEST_CONTAINS(err.msg, "unknown env 'calculator'; built-in envs are retrieval, calc, http, picture");
+    TEST_CONTAINS(err.msg, "unknown env 'calculator'; built-in envs are retrieval, calc, http, picture, corpus");
 }
 
 static void test_retrieval(void) {
@@ -420,7 +420,48 @@ static void test_retrieval_1m(void) {
     }
 }
 
+// max_tool_calls = 0: recall alone. The fact is in the prompt, the demo is the bare answer and
+// solves it, a tool call ends the episode with reward 0, and the settings that would put the
+// fact out of reach (no inline document) or make the demo call a tool are refused.
+static void test_retrieval_no_tools(void) {
+    mtrl_env *e = open_env("retrieval", "doc_tokens=2048;inline_doc=1;max_tool_calls=0;key_digits=4");
+    for (uint64_t seed = 1; seed <= 5; seed++) {
+        mtrl_env_result r;
+        mtrl_error err = {0};
+        TEST_CHECK(mtrl_env_reset(e, seed, &r, &err) == MTRL_OK);
+        TEST_CONTAINS(r.obs, "no tool is available");
+        // The asked-for key's line, with its value, is in the prompt.
+        const char *q = strstr(r.obs, "What is the value of ");
+        TEST_CHECK(q != NULL);
+        char line[32];
+        snprintf(line, sizeof line, "%.5s=v", q + 21);
+        const char *at = strstr(r.obs, line);
+        TEST_CHECKF(at != NULL && at < q, "the line of %.5s is not in the document", q + 21);
+        mtrl_env_demo_out d;
+        TEST_CHECK(mtrl_env_demo(e, &d, &err) == MTRL_OK);
+        TEST_EQ_INT(d.count, 1);
+        TEST_EQ_INT(d.actions[0].kind, MTRL_ENV_ACTION_ANSWER);
+        TEST_CHECK(at && d.actions[0].len == 7 && !memcmp(d.actions[0].data, at + 6, 7));
+        int steps = 0;
+        TEST_CHECK(run_demo(e, seed, &steps) == 1.0);
+        TEST_CHECK(mtrl_env_reset(e, seed, &r, &err) == MTRL_OK);
+        TEST_CHECK(mtrl_env_step(e, MTRL_ENV_ACTION_TOOL, "search(k1)", 10, &r, &err) == MTRL_OK);
+        TEST_CHECK(r.done && r.reward == 0.0 && r.tool_error);
+        TEST_CONTAINS(r.obs, "tool call limit (0)");
+    }
+    mtrl_env_close(e);
+    const char *bad[][2] = {{"inline_doc=0;max_tool_calls=0", "max_tool_calls=0 with inline_doc=0"},
+                            {"inline_doc=1;demo_search=1;max_tool_calls=0", "max_tool_calls=0 with demo_search=1"}};
+    for (int i = 0; i < 2; i++) {
+        mtrl_env *x = NULL;
+        mtrl_error err = {0};
+        TEST_CHECK(mtrl_env_open(&x, "retrieval", bad[i][0], NULL, &err) != MTRL_OK);
+        TEST_CONTAINS(err.msg, bad[i][1]);
+    }
+}
+
 int main(void) {
+    test_retrieval_no_tools();
     test_calc_eval();
     test_calc();
     test_retrieval();

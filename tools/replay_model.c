@@ -594,6 +594,47 @@ static void compare_(replay_reexec *r, const replay_session *s, mtrl_model *m) {
     }
 }
 
+// 1 when env's prompt for the task seed is the recorded one (the trajectory's PROMPT tokens
+// after BOS).
+static int prompt_matches_(mtrl_env *env, const mtrl_traj *t, uint64_t task_seed) {
+    mtrl_env_result res;
+    mtrl_error err;
+    if (mtrl_env_reset(env, task_seed, &res, &err) != MTRL_OK) return 0;
+    uint64_t n = 1;
+    while (n < t->n_tokens && t->kind[n] == MTRL_TOK_PROMPT) n++;
+    if (n - 1 != res.obs_len) return 0;
+    for (uint64_t i = 1; i < n; i++)
+        if (t->ids[i] >= 256 || (unsigned char)res.obs[i - 1] != t->ids[i]) return 0;
+    return 1;
+}
+
+// The experiment as the episode ran, into *cfg (the run's config on entry), with its env open.
+// With a [stage.N] ladder each stage has its own context and env keys (a document length, hops):
+// the stage the learner was in when the episode arrived (the store's step), or, when the
+// recorded prompt says otherwise (an episode of the previous stage that arrived after the
+// change), the stage whose env gives the recorded prompt.
+static mtrl_status reexec_env_(const replay_session *s, mtrl_config *cfg, mtrl_env **env, mtrl_error *err) {
+    const mtrl_config *base = &s->cfg;
+    if (base->n_stages == 0) return mtrl_env_open_config(cfg, env, err);
+    int first = mtrl_config_stage_of_step(base, s->row.step >= 0 ? (long)s->row.step : 0);
+    for (int k = 0; k < base->n_stages; k++) {
+        int st = k <= first ? first - k : k; // the arrival's stage, the earlier ones, then the later ones
+        mtrl_config c = mtrl_config_stage(base, st);
+        mtrl_status r = mtrl_env_open_config(&c, env, err);
+        if (r != MTRL_OK) return r;
+        if (!s->have_traj || s->t.n_tokens == 0 || prompt_matches_(*env, &s->t, s->t.task_seed)) {
+            *cfg = c;
+            return MTRL_OK;
+        }
+        mtrl_env_close(*env);
+        *env = NULL;
+    }
+    // No stage gives the recorded prompt: re-execute in the arrival's stage and let the
+    // comparison show where the env differs.
+    *cfg = mtrl_config_stage(base, first);
+    return mtrl_env_open_config(cfg, env, err);
+}
+
 mtrl_status replay_reexec_run(replay_session *s, replay_reexec *r, mtrl_error *err) {
     memset(r, 0, sizeof *r);
     mtrl_traj_init(&r->re);
@@ -646,10 +687,11 @@ mtrl_status replay_reexec_run(replay_session *s, replay_reexec *r, mtrl_error *e
         st = mtrl_error_set(err, MTRL_ERR_MISMATCH, "%s holds version %u, the run store says %u", path, m.version, v);
     }
     mtrl_env *env = NULL;
-    if (st == MTRL_OK) st = mtrl_env_open_config(&s->cfg, &env, err);
+    mtrl_config cfg = s->cfg;
+    if (st == MTRL_OK) st = reexec_env_(s, &cfg, &env, err);
     if (st == MTRL_OK) {
         mtrl_rollout_params p;
-        mtrl_rollout_params_from_config(&p, &s->cfg, e->actor, e->incarnation);
+        mtrl_rollout_params_from_config(&p, &cfg, e->actor, e->incarnation);
         uint64_t task_seed = e->seed, group = e->group_id;
         if (s->have_traj) {
             p.seed = s->t.sample_seed;

@@ -6,6 +6,7 @@
 //   calc       arithmetic problems, tool calc(expr)                              (calc.c)
 //   http       values behind an HTTP base URL, tool get(path) through libcurl   (http.c)
 //   picture    a digit to read out of a generated picture, tool crop(k)         (picture.c)
+//   corpus     generated log files, tools list, open(id,offset), grep: many-turn  (corpus.c)
 #ifndef MTRL_ENV_BUILTIN_H
 #define MTRL_ENV_BUILTIN_H
 
@@ -19,6 +20,7 @@ extern const mtrl_env_api env_retrieval_api;
 extern const mtrl_env_api env_calc_api;
 extern const mtrl_env_api env_http_api;
 extern const mtrl_env_api env_picture_api;
+extern const mtrl_env_api env_corpus_api;
 
 // ---- picture --------------------------------------------------------------------------------
 

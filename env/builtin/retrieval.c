@@ -14,6 +14,7 @@
 //      document. What is the value of k004821?\n"
 // Prompt, inline_doc=1 (long-context recall): the whole document, then
 //     "What is the value of k004821?\n"
+// (with max_tool_calls=0: "... k004821? Answer from the document above; no tool is available.\n")
 // Answer: the value exactly as written ("v930511"); surrounding whitespace is ignored.
 // Reward 1 for the exact value, 0 otherwise (no partial credit).
 // Tools (observations capped at max_obs_bytes):
@@ -21,7 +22,9 @@
 //                          "no match for 'text'" when none
 //     read(offset,length)  the raw bytes doc[offset .. offset+length), length cut to
 //                          max_obs_bytes and to the end of the document
-// A tool call past max_tool_calls ends the episode with reward 0.
+// A tool call past max_tool_calls ends the episode with reward 0. max_tool_calls=0 is recall
+// alone: it needs inline_doc=1 (else the fact is nowhere in the context) and demo_search=0 (the
+// demo's search would end the episode); the prompt then says no tool is available.
 // Config: doc_tokens=16..16777216 (4096), inline_doc=0|1 (0), demo_search=0|1 (0),
 //         key_digits=0|3..15 (0: the smallest width >= 3 with at least 4 unused keys per line, so
 //         it grows with the document: 4 digits at 5.6K tokens, 6 at 1M; a context ladder fixes it
@@ -77,6 +80,18 @@ static int retrieval_create_(const char *config, void **self, char *err, size_t 
                                 cap);
     env_config_free(&cfg);
     if (bad) return MTRL_ENV_ERR;
+    // No tools: recall alone. The fact must be in the context, and the demo must not call a tool
+    // (a call past the limit ends the episode with reward 0).
+    if (mtc == 0 && !inline_doc) {
+        snprintf(err, cap, "retrieval: max_tool_calls=0 with inline_doc=0 puts the fact nowhere the model can see; "
+                           "set inline_doc=1 (recall from the context) or allow tool calls");
+        return MTRL_ENV_ERR;
+    }
+    if (mtc == 0 && demo_search) {
+        snprintf(err, cap, "retrieval: max_tool_calls=0 with demo_search=1: the demo's search would end the episode; "
+                           "set demo_search=0 (the demo is then the answer alone)");
+        return MTRL_ENV_ERR;
+    }
     if (kd > 0 && kd < 3) {
         snprintf(err, cap, "retrieval: key_digits=%lld: use 0 (automatic) or 3..15", kd);
         return MTRL_ENV_ERR;
@@ -104,15 +119,6 @@ static void retrieval_destroy_(void *self) {
 
 // ---- document generation --------------------------------------------------------------------
 
-static uint64_t mix64_(uint64_t x) { // splitmix64 finaliser: a cheap, good 64-bit mixer
-    x ^= x >> 30;
-    x *= 0xbf58476d1ce4e5b9ull;
-    x ^= x >> 27;
-    x *= 0x94d049bb133111ebull;
-    x ^= x >> 31;
-    return x;
-}
-
 // A keyed permutation of [0, range): a 4-round Feistel network on 2*half bits (a bijection on
 // [0, 4^half)), walked until the value falls inside the range (cycle walking keeps it a
 // bijection on the range). 4^half < 4*range, so the walk takes under 4 steps on average.
@@ -121,7 +127,7 @@ static uint64_t permute_(uint64_t x, uint64_t range, int half, const uint64_t rk
     do {
         uint64_t l = x >> half, r = x & mask;
         for (int k = 0; k < 4; k++) {
-            uint64_t t = l ^ (mix64_(r ^ rk[k]) & mask);
+            uint64_t t = l ^ (env_mix64(r ^ rk[k]) & mask);
             l = r;
             r = t;
         }
@@ -170,7 +176,7 @@ static void retrieval_generate_(retrieval_env *e, uint64_t seed) {
     char *p = env_buf_reserve(&e->doc, lines * line_len + 128);
     for (size_t i = 0; i < lines; i++) {
         uint64_t key = permute_(i, range, half, rk);
-        uint64_t val = mix64_(vseed + i) % 1000000u;
+        uint64_t val = env_mix64(vseed + i) % 1000000u;
         p[0] = 'k';
         put_digits_(p + 1, key, w);
         p[1 + w] = '=';
@@ -197,7 +203,9 @@ static int retrieval_reset_(void *self, uint64_t seed, mtrl_env_bytes *prompt, c
     e->done = 0;
     snprintf(e->demo_call, sizeof e->demo_call, "search(%s)", e->key);
     if (e->inline_doc) {
-        env_buf_printf(&e->doc, "What is the value of %s?\n", e->key);
+        env_buf_printf(&e->doc, e->max_tool_calls ? "What is the value of %s?\n"
+                                                  : "What is the value of %s? Answer from the document above; no tool is available.\n",
+                       e->key);
         prompt->data = e->doc.data;
         prompt->len = e->doc.len;
     } else {
