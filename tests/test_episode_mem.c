@@ -31,7 +31,7 @@ static void model_of_(mtrl_config *cfg, mtrl_model *m, const char *text) {
     mtrl_config_errors_free(&errs);
     TEST_EQ_INT(st, MTRL_OK);
     mtrl_model_dims d;
-    mtrl_model_dims_from_config(&d, &cfg->model, MTRL_VOCAB, NULL);
+    mtrl_model_dims_from_config(&d, cfg, MTRL_VOCAB, NULL);
     mtrl_model_init(m, &d, 4);
 }
 

@@ -44,7 +44,7 @@ static mtrl_config cfg_(void) {
 static void model_(mtrl_model *m, const mtrl_config *cfg) {
     mtrl_model_dims d;
     mtrl_error err;
-    if (mtrl_model_dims_from_config(&d, &cfg->model, MTRL_VOCAB, &err) != MTRL_OK) {
+    if (mtrl_model_dims_from_config(&d, cfg, MTRL_VOCAB, &err) != MTRL_OK) {
         fprintf(stderr, "%s\n", err.msg);
         exit(1);
     }

@@ -169,7 +169,7 @@ static void run_(const char *text, int warmup, collected *c, mtrl_config *cfg, m
     TEST_EQ_INT(mtrl_config_load_text(cfg, "t.ini", text, NULL, 0, &errs), MTRL_OK);
     mtrl_config_errors_free(&errs);
     mtrl_model_dims d;
-    mtrl_model_dims_from_config(&d, &cfg->model, MTRL_VOCAB, NULL);
+    mtrl_model_dims_from_config(&d, cfg, MTRL_VOCAB, NULL);
     mtrl_model_init(m, &d, 3);
     mtrl_rollout_params_from_config(p, cfg, 1, 5);
     mtrl_error err;

@@ -45,7 +45,7 @@
 static int model_open_(const char *name, mtrl_model *m, const mtrl_config *cfg) {
     mtrl_model_dims d;
     mtrl_error err;
-    if (mtrl_model_dims_from_config(&d, &cfg->model, MTRL_VOCAB, &err) != MTRL_OK ||
+    if (mtrl_model_dims_from_config(&d, cfg, MTRL_VOCAB, &err) != MTRL_OK ||
         mtrl_model_init_infer_on(m, &d, (uint64_t)cfg->run.seed, MTRL_DEVICE_CPU, 0, &err) != MTRL_OK) {
         fprintf(stderr, "mtrl %s: %s\n", name, err.msg);
         return 2;

@@ -190,7 +190,7 @@ void cp_run_(mtrl_cuda_ctx *c, int T, int H, int nt, int np, const unsigned char
 }  // namespace
 
 extern "C" int mtrl_kda_cp_pieces(const mtrl_cuda_ctx *ctx, int T, int H, int K, int V, int request) {
-    if (T <= 0 || H <= 0 || K != K3 || V != V3 || mtrl_kda_chunk_fwd_version(H, K, V) != 3) return 1;
+    if (T <= 0 || H <= 0 || K != K3 || V != V3 || mtrl_kda_chunk_fwd_version(ctx, H, K, V) != 3) return 1;
     const int nt = (T + C3 - 1) / C3;
     int np = request;
     if (request <= MTRL_KDA_CP_AUTO) {  // header comment: the rule and why
