@@ -13,6 +13,8 @@
 //      options and exit codes; `mtrl bench long --help` is help, not an error; an option
 //      missing its value says "missing value"; `mtrl run --json` writes its progress as one
 //      JSON object a line on stdout.
+//  20. [warmup] target_loss ends the warm-up at the first step whose last 10 losses average
+//      below it.
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -221,6 +223,27 @@ static void test_json_progress(void) {
     test_result_free(&r);
 }
 
+// [warmup] target_loss (the quickstart's, item 20): the warm-up ends at the first step whose
+// last 10 losses average below it, here at once (a target no loss is above), and says so.
+static void test_warmup_target(void) {
+    char path[400];
+    snprintf(path, sizeof path, "%s/exp/target.ini", dir_);
+    write_file(path, "[run]\nname = target\nout_dir = out-target\nsteps = 1\ncheckpoint_every = 0\n[model]\npreset = tiny\n"
+                     "[env]\nname = calc\n[warmup]\nsteps = 50\nbatch = 2\ntarget_loss = 1000\n[actor]\ncount = 1\n"
+                     "episodes_in_flight = 4\nmax_tokens = 32\n[learner]\nbatch_groups = 1\nthreads = 1\n[algo]\ngroup_size = 2\n");
+    char *argv[] = {(char *)bin_, "run", "exp/target.ini", "--db", "target.db", "--json", NULL};
+    test_result r = test_run_in(dir_, argv);
+    TEST_EQ_INT(r.rc, 0);
+    int warmup = 0;
+    for (const char *p = strstr(r.out, "{\"type\":\"warmup\""); p; p = strstr(p + 1, "{\"type\":\"warmup\"")) warmup++;
+    TEST_EQ_INT(warmup, 10);
+    TEST_CONTAINS(r.err, "< [warmup] target_loss 1000 at step 10 of 50: RL starts");
+    char db[400];
+    snprintf(db, sizeof db, "%s/target.db", dir_);
+    TEST_EQ_INT(test_query_int(db, "SELECT count(*) FROM metrics WHERE name = 'warmup_loss'"), 10);
+    test_result_free(&r);
+}
+
 int main(void) {
     bin_ = getenv("MTRL_BIN");
     build_ = getenv("MTRL_BUILD");
@@ -249,6 +272,7 @@ int main(void) {
     test_plugin_paths();
     test_version_and_help();
     test_json_progress();
+    test_warmup_target();
     snprintf(q, sizeof q, "rm -rf '%s'", dir_);
     if (test_failed_ == 0 && system(q) != 0) fprintf(stderr, "could not remove %s\n", dir_);
     return test_report();
