@@ -1,6 +1,7 @@
 // cmd_hf.c: Hugging Face checkpoints in and out (docs/hf-import.md).
 //
-//   mtrl import DIR [--out FILE] [--logits LOGITS.safetensors]
+//   mtrl import DIR [--out FILE] [--logits LOGITS.safetensors] [--device cpu|cuda[:N]]
+//               (--device: where the model runs and computes the --logits; default cpu)
 //       reads DIR (config.json, safetensors shards + index) into the model its config.json
 //       describes and prints the load's GB/s; --out writes it as an mtrl checkpoint (what
 //       eval and export read). The experiment that trains it sets [model] from = DIR.
@@ -30,7 +31,7 @@
 #include "common/check.h"
 #include "tools/cli.h"
 
-#define IMPORT_USAGE "mtrl import DIR [--out FILE] [--logits LOGITS.safetensors]"
+#define IMPORT_USAGE "mtrl import DIR [--out FILE] [--logits LOGITS.safetensors] [--device cpu|cuda[:N]]"
 #define EXPORT_USAGE                                                                                          \
     "mtrl export EXPERIMENT.ini CHECKPOINT|- --out DIR [--dtype f32|bf16] [--shard-mb N] [--logits FILE] " \
     "[--set section.key=value ...]"
@@ -41,12 +42,12 @@
 #define REAL_DT MTRL_DT_F32
 #endif
 
-// The model of cfg on the CPU, parameters only.
-static int model_open_(const char *name, mtrl_model *m, const mtrl_config *cfg) {
+// The model of cfg on device (MTRL_DEVICE_*, GPU gpu), parameters only.
+static int model_open_(const char *name, mtrl_model *m, const mtrl_config *cfg, int device, int gpu) {
     mtrl_model_dims d;
     mtrl_error err;
     if (mtrl_model_dims_from_config(&d, cfg, MTRL_VOCAB, &err) != MTRL_OK ||
-        mtrl_model_init_infer_on(m, &d, (uint64_t)cfg->run.seed, MTRL_DEVICE_CPU, 0, &err) != MTRL_OK) {
+        mtrl_model_init_infer_on(m, &d, (uint64_t)cfg->run.seed, device, gpu, &err) != MTRL_OK) {
         fprintf(stderr, "mtrl %s: %s\n", name, err.msg);
         return 2;
     }
@@ -112,7 +113,7 @@ static int write_logits_(const char *name, mtrl_model *m, const char *path) {
 }
 
 int cmd_import(int argc, char **argv) {
-    const char *dir = NULL, *out = NULL, *logits = NULL;
+    const char *dir = NULL, *out = NULL, *logits = NULL, *device = "cpu";
     for (int i = 1; i < argc; i++) {
         const char *a = argv[i], *v = i + 1 < argc ? argv[i + 1] : NULL;
         if (cli_is_help(a)) {
@@ -121,13 +122,15 @@ int cmd_import(int argc, char **argv) {
         }
         if (!strcmp(a, "--out") && v) out = argv[++i];
         else if (!strcmp(a, "--logits") && v) logits = argv[++i];
+        else if (!strcmp(a, "--device") && v) device = argv[++i];
         else if (a[0] == '-') return cli_usage_error("import", IMPORT_USAGE, "unknown option '%s'", a);
         else if (dir) return cli_usage_error("import", IMPORT_USAGE, "more than one folder given");
         else dir = a;
     }
     if (!dir) return cli_usage_error("import", IMPORT_USAGE, "give a folder");
     char text[4400];
-    snprintf(text, sizeof text, "[model]\nfrom = %s\n[env]\nname = calc\n", dir);
+    // true fp32 GEMMs on a GPU: the logits check the model's forms, not TF32's rounding
+    snprintf(text, sizeof text, "[model]\nfrom = %s\ngemm = fp32\n[env]\nname = calc\n", dir);
     mtrl_config cfg;
     mtrl_config_errors errs = {0};
     if (mtrl_config_load_text(&cfg, dir, text, NULL, 0, &errs) != MTRL_OK) {
@@ -135,8 +138,11 @@ int cmd_import(int argc, char **argv) {
         mtrl_config_errors_free(&errs);
         return 2;
     }
+    int dev, gpu;
+    if (mtrl_model_parse_device(device, &dev, &gpu) != 0)
+        return cli_usage_error("import", IMPORT_USAGE, "--device %s: expected cpu, cuda or cuda:N", device);
     mtrl_model m;
-    int rc = model_open_("import", &m, &cfg);
+    int rc = model_open_("import", &m, &cfg, dev, gpu);
     if (!rc) rc = load_from_("import", &m, dir);
     if (!rc && logits) rc = write_logits_("import", &m, logits);
     if (!rc && out) {
@@ -186,7 +192,7 @@ int cmd_export(int argc, char **argv) {
     mtrl_config cfg;
     if (!cli_config_load("export", path, argc, argv, &cfg)) return 2;
     mtrl_model m;
-    int rc = model_open_("export", &m, &cfg);
+    int rc = model_open_("export", &m, &cfg, MTRL_DEVICE_CPU, 0);
     if (rc) return rc;
     mtrl_error err;
     if (strcmp(ckpt, "-")) {
