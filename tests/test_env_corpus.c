@@ -375,7 +375,8 @@ static void test_agent_ladder(void) {
     }
 }
 
-int main(void) {
+int main(int argc, char **argv) {
+    mtrl_env_host_main(argc, argv); // the isolated envs below start this program as their child
     test_agent_ladder();
     test_plugin_notes();
     test_tasks();

@@ -15,6 +15,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "env/env_host.h"
 #include "actor/rollout.h"
 #include "common/config.h"
 #include "common/hash.h"
@@ -256,7 +257,8 @@ static void test_rollout_(void) {
     mtrl_model_free(&m);
 }
 
-int main(void) {
+int main(int argc, char **argv) {
+    mtrl_env_host_main(argc, argv); // the isolated envs below start this program as their child
     test_env_(0);
     test_env_(1);
     test_traj_();
