@@ -16,13 +16,13 @@
 #include "common/checkpoint.h"
 #include "common/fsutil.h"
 #include "common/log.h"
-#include "common/model/model_wshm.h"
+#include "model/model_wshm.h"
 #include "common/timeutil.h"
 #include "common/tokenizer.h"
 #include "common/weights_shm.h"
-#include "common/wire.h"
-#include "common/wire_auth.h"
-#include "common/wire_monitor.h"
+#include "common/wire/wire.h"
+#include "common/wire/wire_auth.h"
+#include "common/wire/wire_monitor.h"
 #include "env/env_host.h"
 
 #define HELLO_PATIENCE_S 120.0

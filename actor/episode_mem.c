@@ -6,7 +6,7 @@
 
 #include "common/check.h"
 #include "common/log.h"
-#include "common/model/backend.h"
+#include "model/backend.h"
 
 #define MIB (1024.0 * 1024.0)
 

@@ -1,6 +1,6 @@
 // episode_mem.h: the actor's memory account of episodes in flight, and its write-back pool.
 //
-// An episode in flight holds a decode state on the model's device (common/model/model.h): the
+// An episode in flight holds a decode state on the model's device (model/model.h): the
 // KDA state of every head of every KDA layer (H x D x D each) and the three short-conv windows
 // ((W-1) x H*D each) of every KDA layer, whatever its length, and the MLA latents (dc + dr per
 // token and MLA layer, at the backend's latent element size), which grow with it. Sized at
@@ -29,7 +29,7 @@
 #include <stddef.h>
 #include <stdint.h>
 
-#include "common/model/model.h"
+#include "model/model.h"
 #include "common/status.h"
 
 // The decode-state sizes of a model, by part (device bytes).

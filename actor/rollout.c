@@ -14,7 +14,7 @@
 #include "common/hash.h"
 #include "common/image.h"
 #include "common/log.h"
-#include "common/model/model_plan.h"
+#include "model/model_plan.h"
 #include "common/rng.h"
 #include "common/timeutil.h"
 #include "common/tokenizer.h"

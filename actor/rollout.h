@@ -25,7 +25,7 @@
 #include <stdint.h>
 
 #include "common/config.h"
-#include "common/model/model.h"
+#include "model/model.h"
 #include "common/status.h"
 #include "common/traj.h"
 #include "common/trajbuf.h"

@@ -8,7 +8,7 @@
 // bounds = unbounded). A key whose default is "!" is required.
 //
 // [model] integer fields default to 0, meaning "take the preset's value" (presets in
-// common/model/model_config.c); the resolved config prints the final values.
+// model/model_params.c); the resolved config prints the final values.
 #ifndef MTRL_CONFIG_SCHEMA_H
 #define MTRL_CONFIG_SCHEMA_H
 

@@ -4,7 +4,7 @@
 //
 // A POSIX shared-memory segment (shm_open under a name with the writer's pid and a random
 // nonce, 0600) holds a header page and, for a HOST channel, two slots of slot_bytes each. A
-// DEVICE channel keeps its two slots in GPU memory (common/model/model_wshm.h allocates them and
+// DEVICE channel keeps its two slots in GPU memory (model/model_wshm.h allocates them and
 // puts their CUDA IPC handles into the header: the handles travel once, with the segment, not
 // with every announcement); its segment is the header alone. What a slot holds is the caller's
 // business (model_wshm.h lays the model's parameter table out in it); the channel checks that

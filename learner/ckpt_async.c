@@ -9,11 +9,11 @@
 
 #include "common/check.h"
 #include "common/hash.h"
-#include "common/model/backend.h"
+#include "model/backend.h"
 #include "common/timeutil.h"
 
 #if defined(MTRL_HAVE_CUDA) && !REAL_IS_F64
-#include "common/model/model_wshm_cuda.h"
+#include "model/model_wshm_cuda.h"
 #endif
 
 struct mtrl_ckpt_async {

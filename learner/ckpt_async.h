@@ -16,7 +16,7 @@
 
 #include <stdint.h>
 
-#include "common/model/model.h"
+#include "model/model.h"
 #include "common/status.h"
 
 typedef struct mtrl_ckpt_async mtrl_ckpt_async;

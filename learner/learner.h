@@ -4,7 +4,7 @@
 // an actor builds the same model and env), serves weights (WEIGHTS_AT: the version is in a slot
 // of the same-host weight channel, learner/weights_pub.h; or, with [learner] publish = zmq and
 // for actors that answer WEIGHTS_REQ, WEIGHTS chunks of the safetensors blob), assembles streamed episodes (BEGIN / CHUNK / END,
-// common/wire.h) and commits each finished one to the trajectory file and the run store. When
+// common/wire/wire.h) and commits each finished one to the trajectory file and the run store. When
 // `[learner] batch_groups` groups of `[algo] group_size` episodes are complete it takes one
 // optimizer step (learner/train.h), updates QB β after the step, publishes version + 1 and logs
 // metrics and expert loads. Episodes older than `max_staleness` versions are recorded but not

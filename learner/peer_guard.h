@@ -11,7 +11,7 @@
 
 #include <stdint.h>
 
-#include "common/wire.h"
+#include "common/wire/wire.h"
 
 #define MTRL_PEER_GUARD_SLOTS 16
 

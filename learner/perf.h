@@ -11,7 +11,7 @@
 //   other       wall - the four: episodes and metrics recorded in SQLite, credit, bookkeeping
 // and busy = (train + publish + checkpoint) / wall, the share of the wall time it spends on the
 // work the loop needs of it (the rest is waiting for the actors, or overhead).
-// The actors report their own split (ACTOR_STATS, common/wire.h) once per [actor] heartbeat_ms;
+// The actors report their own split (ACTOR_STATS, common/wire/wire.h) once per [actor] heartbeat_ms;
 // the learner sums the reports that arrive: wall, prefill, decode, tools, wait (for weights or
 // credit, loading weights included) and other = wall - the four, summed over actors (so about
 // [actor] count x the learner's wall; a report covers the heartbeat before it arrived).
@@ -35,7 +35,7 @@
 
 #include "common/status.h"
 #include "common/store.h"
-#include "common/wire.h"
+#include "common/wire/wire.h"
 
 typedef struct mtrl_perf {
     double wall, train, wait, publish, checkpoint; // learner seconds

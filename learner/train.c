@@ -8,7 +8,7 @@
 #include "common/check.h"
 #include "common/image.h"
 #include "common/log.h"
-#include "common/model/model_plan.h"
+#include "model/model_plan.h"
 #include "common/timeutil.h"
 #include "common/tokenizer.h"
 
@@ -106,7 +106,7 @@ static void seq_batch_free_(seq_batch *s) {
 }
 
 // The segment length of a step: [learner] segment through the planner's resolver
-// (common/model/model_plan.h mtrl_model_segment_resolve; model.h: each unit's backward follows
+// (model/model_plan.h mtrl_model_segment_resolve; model.h: each unit's backward follows
 // its forward, so only episodes longer than a segment are recomputed). A batch that fits at no
 // segment stops the learner with the planner's message.
 static int segment_of_(const mtrl_model *m, const mtrl_config *cfg, const mtrl_batch *b) {

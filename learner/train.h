@@ -15,7 +15,7 @@
 #define MTRL_LEARNER_TRAIN_H
 
 #include "common/config.h"
-#include "common/model/model.h"
+#include "model/model.h"
 #include "common/traj.h"
 #include "env/env_host.h"
 #include "learner/algo.h"

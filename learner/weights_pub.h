@@ -14,11 +14,11 @@
 #include <stdint.h>
 
 #include "common/config.h"
-#include "common/model/model.h"
-#include "common/model/model_wshm.h"
+#include "model/model.h"
+#include "model/model_wshm.h"
 #include "common/status.h"
 #include "common/weights_shm.h"
-#include "common/wire.h"
+#include "common/wire/wire.h"
 
 typedef struct mtrl_weights_pub {
     mtrl_wshm *ch;             // NULL: every actor gets ZeroMQ chunks

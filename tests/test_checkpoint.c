@@ -13,7 +13,7 @@
 
 #include "common/checkpoint.h"
 #include "common/config.h"
-#include "common/model/model.h"
+#include "model/model.h"
 #include "common/rng.h"
 #include "common/tokenizer.h"
 #include "tests/testhelp.h"

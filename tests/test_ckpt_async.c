@@ -13,7 +13,7 @@
 #include <unistd.h>
 
 #include "common/hash.h"
-#include "common/model/model.h"
+#include "model/model.h"
 #include "common/tokenizer.h"
 #include "learner/ckpt_async.h"
 #include "tests/testhelp.h"

@@ -2,7 +2,7 @@
 // test_credit_hostile: the learner enforces credit (issue 28, item 3: a peer that ignored it
 // queued 2 GiB in the learner, RSS 210 MB -> 2.94 GB with credit_bytes = 32768, and the aborted
 // data was written to the trajectory file).
-// A hostile actor written against the project's own wire encoders (common/wire.h) says HELLO to
+// A hostile actor written against the project's own wire encoders (common/wire/wire.h) says HELLO to
 // a real `mtrl learner` ([learner] credit_bytes = 32768), gets its WELCOME, then streams 8
 // episodes of 1.5 M tokens each (about 150 MB in 200 KB CHUNKs) without waiting for credit.
 // Asserted: the learner disconnects it ("... bytes of credit left ... disconnected and refused", an
@@ -22,7 +22,7 @@
 
 #include "common/timeutil.h"
 #include "common/traj.h"
-#include "common/wire.h"
+#include "common/wire/wire.h"
 #include "tests/testhelp.h"
 #include "tests/testproc.h"
 

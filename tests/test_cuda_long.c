@@ -1,7 +1,7 @@
 // mtrl-test: gpu slow timeout=900
 // Million-token learner steps on one GPU: the segmented forward/backward (model.h form 3) against
 // the unsegmented one at 64K tokens, and a 1,048,576-token learner step with the segment length
-// the memory planner (common/model/model_plan.h) picks from the card's free memory.
+// the memory planner (model/model_plan.h) picks from the card's free memory.
 //
 // (a) One 65,536-token sequence, segment 0 (one segment, recomputed in the backward) vs segments
 //     of 4096 and 8192 with the routing of the unsegmented run replayed (R3, so near-tied experts
@@ -44,9 +44,9 @@
 #include <string.h>
 
 #include "common/config.h"
-#include "common/model/model.h"
-#include "common/model/model_plan.h"
-#include "common/model/model_ws.h"
+#include "model/model.h"
+#include "model/model_plan.h"
+#include "model/model_ws.h"
 #include "common/rng.h"
 #include "common/timeutil.h"
 #include "common/tokenizer.h"

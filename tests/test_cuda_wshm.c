@@ -1,5 +1,5 @@
 // mtrl-test: gpu
-// The device weight channel (common/model/model_wshm.h): the learner's slots in GPU memory,
+// The device weight channel (model/model_wshm.h): the learner's slots in GPU memory,
 // shared with CUDA IPC, read by another process (exec'ed, as actors are) with its own model
 // on the GPU, for the `tiny` preset, bf16 and fp32 matrices:
 //   * the reader opens the handles from the channel header, waits for the stamp the learner's
@@ -17,8 +17,8 @@
 #include <time.h>
 #include <unistd.h>
 
-#include "common/model/model.h"
-#include "common/model/model_wshm.h"
+#include "model/model.h"
+#include "model/model_wshm.h"
 #include "common/timeutil.h"
 #include "common/tokenizer.h"
 #include "common/weights_shm.h"

@@ -16,8 +16,8 @@
 #include <unistd.h>
 
 #include "common/config.h"
-#include "common/model/model.h"
-#include "common/model/model_hf.h"
+#include "model/model.h"
+#include "model/model_hf.h"
 #include "common/safetensors.h"
 #include "common/tokenizer.h"
 #include "tests/testhelp.h"

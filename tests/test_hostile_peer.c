@@ -25,7 +25,7 @@
 #include <unistd.h>
 
 #include "common/timeutil.h"
-#include "common/wire.h"
+#include "common/wire/wire.h"
 #include "tests/testhelp.h"
 #include "tests/testproc.h"
 

@@ -35,8 +35,8 @@
 #include <string.h>
 
 #include "common/config.h"
-#include "common/model/backend.h"
-#include "common/model/model.h"
+#include "model/backend.h"
+#include "model/model.h"
 #include "common/rng.h"
 #include "tests/kdaemu.h"
 #include "tests/testhelp.h"

@@ -16,7 +16,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "common/model/model.h"
+#include "model/model.h"
 #include "tests/testhelp.h"
 #include "tests/testmodel.h"
 

@@ -27,8 +27,8 @@
 
 #include "common/checkpoint.h"
 #include "common/config.h"
-#include "common/model/model.h"
-#include "common/model/model_ws.h"
+#include "model/model.h"
+#include "model/model_ws.h"
 #include "common/rng.h"
 #include "kernels/ref/kda_ref.h"
 #include "tests/testhelp.h"

@@ -21,8 +21,8 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "common/model/backend.h"
-#include "common/model/model.h"
+#include "model/backend.h"
+#include "model/model.h"
 #include "common/rng.h"
 #include "tests/testhelp.h"
 #include "tests/testmodel.h"

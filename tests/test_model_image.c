@@ -15,7 +15,7 @@
 #include <string.h>
 
 #include "common/image.h"
-#include "common/model/model.h"
+#include "model/model.h"
 #include "common/rng.h"
 #include "tests/testhelp.h"
 #include "tests/testmodel.h"

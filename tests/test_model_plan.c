@@ -1,5 +1,5 @@
 // mtrl-test: cpu timeout=600
-// The memory planner (common/model/model_plan.h) against what the model really allocates, on
+// The memory planner (model/model_plan.h) against what the model really allocates, on
 // the fp32 CPU model:
 //  - for the `tiny` preset and a reduced config (MLA in the middle, no gate, no shared expert,
 //    AttnRes blocks of 3), several (T, S) and a two-sequence batch with segment 0: the planned
@@ -25,10 +25,10 @@
 #include <string.h>
 
 #include "common/config.h"
-#include "common/model/backend.h"
-#include "common/model/model.h"
-#include "common/model/model_plan.h"
-#include "common/model/model_ws.h"
+#include "model/backend.h"
+#include "model/model.h"
+#include "model/model_plan.h"
+#include "model/model_ws.h"
 #include "common/rng.h"
 #include "common/tokenizer.h"
 #include "tests/testhelp.h"

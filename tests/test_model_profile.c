@@ -11,7 +11,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "common/model/model.h"
+#include "model/model.h"
 #include "common/timeutil.h"
 #include "tests/testhelp.h"
 #include "tests/testmodel.h"

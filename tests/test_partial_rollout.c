@@ -14,7 +14,7 @@
 #include <string.h>
 
 #include "common/config.h"
-#include "common/model/model.h"
+#include "model/model.h"
 #include "common/rng.h"
 #include "common/tokenizer.h"
 #include "tests/testhelp.h"

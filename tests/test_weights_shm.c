@@ -1,5 +1,5 @@
 // mtrl-test: cpu
-// The same-host weight channel (common/weights_shm.h, common/model/model_wshm.h), with real
+// The same-host weight channel (common/weights_shm.h, model/model_wshm.h), with real
 // processes (fork) on a real POSIX shared-memory segment:
 //  1. a reader process copies every version the writer announces (over a pipe, as the learner
 //     announces over ZeroMQ) while the writer keeps publishing newer ones without waiting: every
@@ -25,8 +25,8 @@
 #include "common/checkpoint.h"
 #include "common/config.h"
 #include "common/hash.h"
-#include "common/model/model.h"
-#include "common/model/model_wshm.h"
+#include "model/model.h"
+#include "model/model_wshm.h"
 #include "common/tokenizer.h"
 #include "common/weights_shm.h"
 #include "tests/testhelp.h"

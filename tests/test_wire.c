@@ -1,5 +1,5 @@
 // mtrl-test: cpu timeout=120
-// test_wire: the wire protocol (common/wire.h): every message type round-trips bit for bit,
+// test_wire: the wire protocol (common/wire/wire.h): every message type round-trips bit for bit,
 // malformed and oversized messages are refused with a reason and counted, the episode
 // assembler commits only consistent episodes (gaps, wrong digests, wrong counts, caps ->
 // REJECTED; dead or restarted actors -> ABORTED; duplicates ignored), and a real DEALER/ROUTER
@@ -12,7 +12,7 @@
 #include <zmq.h>
 
 #include "common/hash.h"
-#include "common/wire.h"
+#include "common/wire/wire.h"
 #include "tests/fuzz/trajgen.h"
 #include "tests/testhelp.h"
 

@@ -1,5 +1,5 @@
 // mtrl-test: cpu fault
-// CURVE authentication of actors (common/wire_auth.h) with real sockets on tcp://127.0.0.1:*:
+// CURVE authentication of actors (common/wire/wire_auth.h) with real sockets on tcp://127.0.0.1:*:
 // key files round-trip with mode 0600 and are never overwritten; an allow-listed actor talks
 // both ways; an actor whose key is not listed, an actor without CURVE and an actor with the
 // wrong server key get nothing through (and the learner counts each failed handshake); the ZAP
@@ -17,8 +17,8 @@
 #include <zmq.h>
 
 #include "common/timeutil.h"
-#include "common/wire.h"
-#include "common/wire_auth.h"
+#include "common/wire/wire.h"
+#include "common/wire/wire_auth.h"
 #include "tests/testhelp.h"
 #include "tests/testproc.h"
 

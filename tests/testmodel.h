@@ -7,8 +7,8 @@
 #include <string.h>
 
 #include "common/config.h"
-#include "common/model/model.h"
-#include "common/model/model_ws.h"
+#include "model/model.h"
+#include "model/model_ws.h"
 #include "common/rng.h"
 
 // The dims of "[model]\n<model_ini>" (an [env] section is added, as the config requires); a bad

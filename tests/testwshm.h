@@ -11,7 +11,7 @@
 
 #include "common/checkpoint.h"
 #include "common/hash.h"
-#include "common/model/model.h"
+#include "model/model.h"
 #include "common/weights_shm.h"
 #include "tests/testhelp.h"
 

@@ -38,14 +38,14 @@
 #include <unistd.h>
 
 #include "common/config.h"
-#include "common/model/model.h"
-#include "common/model/model_plan.h"
-#include "common/model/model_wshm.h"
+#include "model/model.h"
+#include "model/model_plan.h"
+#include "model/model_wshm.h"
 #include "common/check.h"
 #include "common/checkpoint.h"
 #include "common/hash.h"
 #include "common/weights_shm.h"
-#include "common/wire.h"
+#include "common/wire/wire.h"
 #include "common/rng.h"
 #include "common/timeutil.h"
 #include "common/tokenizer.h"

@@ -23,8 +23,8 @@
 
 #include "common/checkpoint.h"
 #include "common/config.h"
-#include "common/model/model.h"
-#include "common/model/model_hf.h"
+#include "model/model.h"
+#include "model/model_hf.h"
 #include "common/rng.h"
 #include "common/safetensors.h"
 #include "common/tokenizer.h"

@@ -4,7 +4,7 @@
 // printed on stdout, so `KEY=$(mtrl keygen actor1)` works. Existing files are never replaced.
 #include <string.h>
 
-#include "common/wire_auth.h"
+#include "common/wire/wire_auth.h"
 #include "tools/cli.h"
 
 #define KEYGEN_USAGE "mtrl keygen STEM   (writes STEM.key and STEM.pub)"

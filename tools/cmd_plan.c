@@ -1,5 +1,5 @@
 // cmd_plan.c: `mtrl plan EXPERIMENT.ini`: the memory plan of the experiment's learner step
-// (common/model/model_plan.h): the segment length the learner would use with [learner] segment = auto
+// (model/model_plan.h): the segment length the learner would use with [learner] segment = auto
 // and what every block of the step takes, for a batch of sequences on a device and a budget.
 //
 //   mtrl plan EXPERIMENT.ini [--tokens T] [--batch B] [--device cpu|cuda|cuda:N] [--budget-gib G] [--set ...]
@@ -12,7 +12,7 @@
 #include <string.h>
 
 #include "common/config.h"
-#include "common/model/model_plan.h"
+#include "model/model_plan.h"
 #include "common/tokenizer.h"
 #include "tools/cli.h"
 

@@ -27,7 +27,7 @@
 #include "common/fsutil.h"
 #include "common/log.h"
 #include "common/timeutil.h"
-#include "common/wire_auth.h"
+#include "common/wire/wire_auth.h"
 #include "learner/learner.h"
 #include "tools/cli.h"
 

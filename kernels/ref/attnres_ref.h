@@ -11,7 +11,7 @@
 // partial sum) and fixes the order of every reduction, so results are deterministic.
 // Row-major; "+=" outputs accumulate, others are overwritten. The caller owns all arrays; the
 // functions allocate only internal scratch. Which sources a site sees, block commits and the
-// backward walk over the stack (§6.2-§6.3) are the model's job (common/model), not this file's.
+// backward walk over the stack (§6.2-§6.3) are the model's job (model), not this file's.
 #ifndef MTRL_ATTNRES_REF_H
 #define MTRL_ATTNRES_REF_H
 

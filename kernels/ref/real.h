@@ -1,6 +1,6 @@
 // real.h: the scalar type of the CPU reference.
 //
-// Every file in kernels/ref/ and common/model/ is written once over `real`. The library the
+// Every file in kernels/ref/ and model/ is written once over `real`. The library the
 // programs link is built with real = float; the tests link a second build of the same sources
 // with -DMTRL_REAL_F64 (real = double) for gradient checks against finite differences and the
 // fp64 oracle that the CUDA kernels are compared with. A translation unit sees exactly one of

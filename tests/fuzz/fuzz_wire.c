@@ -16,7 +16,7 @@
 #include <string.h>
 
 #include "common/log.h"
-#include "common/wire.h"
+#include "common/wire/wire.h"
 
 static mtrl_wire_limits fw_limits_(void) {
     // Small caps, so inputs a fuzzer can write reach every limit.

@@ -1,0 +1,336 @@
+// model_bwd.c: the backward pass of one segment (see model_ws.h): the LM head, the Block-AttnRes
+// walk over the sublayers in reverse (docs/model.md §6.3), the mixers and FFNs, the embedding.
+// Parameter gradients accumulate into m->dG (where the backend computes); gradients of the boundary
+// states flow through g.
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "common/check.h"
+#include "model/backend.h"
+#include "model/model_image.h"
+#include "model/model_ws.h"
+#include "kernels/ref/kda_ref.h"
+
+#define ALLOC(n) ((real *)mtrl_arena_alloc(ar, sizeof(real) * (size_t)(n)))
+
+// Zero-filled arena memory (wherever the backend keeps it).
+static real *zalloc_(mtrl_backend *be, mtrl_arena *ar, size_t n) {
+    real *p = ALLOC(n);
+    be->zero(be, p, sizeof(real) * n);
+    return p;
+}
+
+// For y = x Wᵀ (x [T][k], W [n][k]): dx (+)= dy W and dW += dyᵀ x.
+static void proj_bwd_(mtrl_backend *be, int T, int n, int k, const real *x, const real *W, const real *dy, real *dx,
+                      int accumulate, real *dW) {
+    be->gemm(be, 0, 0, T, k, n, 1, dy, n, W, k, accumulate ? 1 : 0, dx, k);
+    be->gemm(be, 1, 0, n, k, T, 1, dy, n, x, k, 1, dW, k);
+}
+
+// ---- KDA --------------------------------------------------------------------------------------------------
+
+static void kda_backward_(mtrl_model *m, mtrl_arena *ar, int l, int T, const layer_cache *c, const seq_io *io,
+                          const real *dout, real *dx1, seq_grad *g) {
+    const mtrl_model_dims *d = &m->dims;
+    const mtrl_layer_ptrs *p = &m->dP.layer[l];
+    mtrl_layer_ptrs *gp = &m->dG.layer[l];
+    mtrl_backend *be = m->be;
+    int H = d->H, D = d->D, HD = H * D, W = d->W, ki = model_kda_index(d, l);
+    size_t S_sz = (size_t)H * D * D, w1 = (size_t)(W - 1) * HD;
+    real *dy = ALLOC((size_t)T * HD);
+    double t = model_prof_begin(m);
+    proj_bwd_(be, T, d->d, HD, c->y, p->wo, dout, dy, 0, gp->wo);
+    model_prof_end(m, MTRL_PROF_KDA_PROJ, t);
+    real *d_o = ALLOC((size_t)T * HD), *dz = ALLOC((size_t)T * HD);
+    t = model_prof_begin(m);
+    be->gated_rmsnorm_bwd(be, T * H, D, c->o, c->z, p->onorm, d->eps, dy, d_o, dz, gp->onorm);
+    model_prof_end(m, MTRL_PROF_KDA_ELEM, t);
+    real *dz1 = ALLOC((size_t)T * D);
+    t = model_prof_begin(m);
+    proj_bwd_(be, T, HD, D, c->z1, p->wz2, dz, dz1, 0, gp->wz2);
+    proj_bwd_(be, T, D, d->d, c->x1, p->wz1, dz1, dx1, 1, gp->wz1);
+    model_prof_end(m, MTRL_PROF_KDA_PROJ, t);
+    real *dqn = ALLOC((size_t)T * HD), *dkn = ALLOC((size_t)T * HD);
+    real *dcv = ALLOC((size_t)T * HD), *dg = ALLOC((size_t)T * HD);
+    real *dbeta = ALLOC((size_t)T * H), *dS0 = ALLOC(S_sz);
+    real *dS = g->dS + (size_t)ki * S_sz;
+    t = model_prof_begin(m);
+    if (!io->n_piece) {
+        be->kda_chunk_bwd(be, T, H, D, D, c->qn, c->kn, c->cv, c->g, c->beta, c->S0, c->S_tiles, d_o, dS, dqn, dkn,
+                          dcv, dg, dbeta, dS0);
+        be->copy(be, dS, dS0, sizeof(real) * S_sz);
+    } else {
+        // Packed pieces: each ends its sequence (no gradient arrives through its final state).
+        size_t tile = 0;
+        for (int i = 0; i < io->n_piece; i++) {
+            int Ti, o = seq_piece(io, T, i, &Ti);
+            size_t x = (size_t)o * HD, h = (size_t)o * H;
+            be->kda_chunk_bwd(be, Ti, H, D, D, c->qn + x, c->kn + x, c->cv + x, c->g + x, c->beta + h, c->S0,
+                              c->S_tiles + tile * S_sz, d_o + x, NULL, dqn + x, dkn + x, dcv + x, dg + x, dbeta + h,
+                              dS0);
+            tile += (size_t)kda_tile_count(Ti);
+        }
+    }
+    // the gate's backward next to the delta rule's (the profile's KDA core); dx1 still takes
+    // wz1, wbeta, wf1, then q/k/v in that order
+    real *df = ALLOC((size_t)T * HD), *df1 = ALLOC((size_t)T * D);
+    be->kda_gate_bwd(be, d->kda_gate, T, H, D, c->f, p->A_log, p->dt_bias, d->g_min, dg, df, gp->A_log, gp->dt_bias);
+    model_prof_end(m, MTRL_PROF_KDA_CORE, t);
+    t = model_prof_begin(m);
+    be->dsigmoid(be, (size_t)T * H, c->beta, dbeta);
+    model_prof_end(m, MTRL_PROF_KDA_ELEM, t);
+    t = model_prof_begin(m);
+    proj_bwd_(be, T, H, d->d, c->x1, p->wbeta, dbeta, dx1, 1, gp->wbeta);
+    proj_bwd_(be, T, HD, D, c->f1, p->wf2, df, df1, 0, gp->wf2);
+    proj_bwd_(be, T, D, d->d, c->x1, p->wf1, df1, dx1, 1, gp->wf1);
+    model_prof_end(m, MTRL_PROF_KDA_PROJ, t);
+    // q = D^-1/2 · L2Norm(q̃), k = L2Norm(k̃): back through the norms to the conv outputs.
+    real *dcq = ALLOC((size_t)T * HD), *dck = ALLOC((size_t)T * HD);
+    t = model_prof_begin(m);
+    be->scale(be, (size_t)T * HD, dqn, (real)(1.0 / sqrt((double)D)));
+    be->l2norm_bwd(be, T * H, D, c->cq, (real)1e-6, dqn, dcq);
+    be->l2norm_bwd(be, T * H, D, c->ck, (real)1e-6, dkn, dck);
+    model_prof_end(m, MTRL_PROF_KDA_ELEM, t);
+    // Conv backward, then the gradient that reached this segment's last inputs through the
+    // window handed to the next segment (g->dconv in), then hand ours to the previous segment.
+    real *dconv = g->dconv + (size_t)ki * 3 * w1;
+    real *dst_in = ALLOC(3 * w1);
+    const real *dc3[3] = {dcq, dck, dcv};
+    const real *px[3] = {c->pq, c->pk, c->pv};
+    const real *cw[3] = {p->conv_q, p->conv_k, p->conv_v};
+    real *cgw[3] = {gp->conv_q, gp->conv_k, gp->conv_v};
+    const real *Wp[3] = {p->wq, p->wk, p->wv};
+    real *gW[3] = {gp->wq, gp->wk, gp->wv};
+    real *dpx = ALLOC((size_t)T * HD);
+    for (int s = 0; s < 3; s++) {
+        t = model_prof_begin(m);
+        if (!io->n_piece) {
+            be->shortconv_bwd(be, T, HD, W, px[s], cw[s], c->cst + s * w1, dc3[s], dpx, cgw[s], dst_in + s * w1);
+            be->shortconv_state_bwd(be, T, HD, W, dconv + s * w1, dpx, dst_in + s * w1);
+        } else {
+            for (int i = 0; i < io->n_piece; i++) {
+                int Ti;
+                size_t o = (size_t)seq_piece(io, T, i, &Ti) * HD;
+                be->shortconv_bwd(be, Ti, HD, W, px[s] + o, cw[s], c->cst + s * w1, dc3[s] + o, dpx + o, cgw[s], NULL);
+            }
+        }
+        model_prof_end(m, MTRL_PROF_KDA_ELEM, t);
+        t = model_prof_begin(m);
+        proj_bwd_(be, T, HD, d->d, c->x1, Wp[s], dpx, dx1, 1, gW[s]);
+        model_prof_end(m, MTRL_PROF_KDA_PROJ, t);
+    }
+    if (!io->n_piece) be->copy(be, dconv, dst_in, sizeof(real) * 3 * w1);
+}
+
+// ---- MLA --------------------------------------------------------------------------------------------------
+
+static void mla_backward_(mtrl_model *m, mtrl_arena *ar, int l, int T, const layer_cache *c, const seq_io *io,
+                          const real *dout, real *dx1, seq_grad *g) {
+    const mtrl_model_dims *d = &m->dims;
+    const mtrl_layer_ptrs *p = &m->dP.layer[l];
+    mtrl_layer_ptrs *gp = &m->dG.layer[l];
+    mtrl_backend *be = m->be;
+    int mH = d->mH, dn = d->dn, dr = d->dr, dv = d->dv, dc = d->dc, ld = dc + dr;
+    int mi = model_mla_index(d, l), Adv = mH * dv;
+    real scale = (real)(1.0 / sqrt((double)(dn + dr)));
+    int t0 = io->t0 - T; // io->t0 is the position after this segment
+    real *dag = ALLOC((size_t)T * Adv);
+    double t = model_prof_begin(m);
+    proj_bwd_(be, T, d->d, Adv, d->mla_gate ? c->ag : c->a, p->mo, dout, dag, 0, gp->mo);
+    model_prof_end(m, MTRL_PROF_MLA_PROJ, t);
+    real *da = dag;
+    if (d->mla_gate) {
+        da = ALLOC((size_t)T * Adv);
+        real *dgl = ALLOC((size_t)T * Adv);
+        t = model_prof_begin(m);
+        be->sigmoid_mul_bwd(be, (size_t)T * Adv, c->gl, c->a, dag, da, dgl);
+        model_prof_end(m, MTRL_PROF_MLA_ELEM, t);
+        t = model_prof_begin(m);
+        proj_bwd_(be, T, Adv, d->d, c->x1, p->mg, dgl, dx1, 1, gp->mg);
+        model_prof_end(m, MTRL_PROF_MLA_PROJ, t);
+    }
+    const void *lat = mtrl_latent_at(be, io->latent, (size_t)mi * io->cap * ld);
+    real *dlat = g->dlatent + (size_t)mi * io->cap * ld;
+    real *dq;
+    if (!d->mla_absorbed) {
+        // Naive form (model_fwd.c): the keys and values expanded again, their gradients over
+        // every key so far (a packed segment: its own rows) folded back into the latents'.
+        dq = ALLOC((size_t)T * mH * (dn + dr));
+        int Tk = io->n_piece ? T : t0 + T, ldk = mH * (dn + dr);
+        size_t mark = mtrl_arena_mark(ar);
+        t = model_prof_begin(m);
+        mla_kv x = seg_mla_expand(m, ar, l, Tk, lat);
+        real *dk = zalloc_(be, ar, (size_t)Tk * ldk), *dvv = zalloc_(be, ar, (size_t)Tk * mH * dv);
+        model_prof_end(m, MTRL_PROF_MLA_ABSORB, t);
+        t = model_prof_begin(m);
+        for (int i = 0; i < seq_pieces(io); i++) {
+            int Ti;
+            size_t o = (size_t)seq_piece(io, T, i, &Ti), ko = io->n_piece ? o : 0;
+            be->attn_causal_bwd(be, Ti, io->n_piece ? Ti : Tk, mH, mH, dn + dr, dv, scale, c->q + o * mH * (dn + dr),
+                                mtrl_latent_at(be, x.k, ko * ldk), ldk, mtrl_latent_at(be, x.v, ko * mH * dv), mH * dv,
+                                c->a + o * mH * dv, c->lse + o * mH, da + o * mH * dv, dq + o * mH * (dn + dr),
+                                dk + ko * ldk, dvv + ko * mH * dv);
+        }
+        model_prof_end(m, MTRL_PROF_MLA_ATTN, t);
+        t = model_prof_begin(m);
+        be->mla_expand_kv_bwd(be, Tk, mH, dn, dr, dv, dc, x.lr, ld, p->mkvb, dk, dvv, dlat, ld, dlat + dc, ld, gp->mkvb);
+        model_prof_end(m, MTRL_PROF_MLA_ABSORB, t);
+        mtrl_arena_release(ar, mark);
+    } else {
+        real *dol = ALLOC((size_t)T * mH * dc), *dqt = ALLOC((size_t)T * mH * ld);
+        dq = ALLOC((size_t)T * mH * (dn + dr));
+        t = model_prof_begin(m);
+        be->mla_up_v_bwd(be, T, mH, dn, dv, dc, c->ol, p->mkvb, da, dol, gp->mkvb);
+        model_prof_end(m, MTRL_PROF_MLA_ABSORB, t);
+        t = model_prof_begin(m);
+        if (!io->n_piece) {
+            be->attn_causal_bwd(be, T, t0 + T, mH, 1, ld, dc, scale, c->qt, lat, ld, lat, ld, c->ol, c->lse, dol, dqt,
+                                dlat, dlat);
+        } else {
+            for (int i = 0; i < io->n_piece; i++) {
+                int Ti;
+                size_t o = (size_t)seq_piece(io, T, i, &Ti);
+                const void *lo = mtrl_latent_at(be, lat, o * ld);
+                be->attn_causal_bwd(be, Ti, Ti, mH, 1, ld, dc, scale, c->qt + o * mH * ld, lo, ld, lo, ld,
+                                    c->ol + o * mH * dc, c->lse + o * mH, dol + o * mH * dc, dqt + o * mH * ld,
+                                    dlat + o * ld, dlat + o * ld);
+            }
+        }
+        model_prof_end(m, MTRL_PROF_MLA_ATTN, t);
+        t = model_prof_begin(m);
+        be->mla_absorb_q_bwd(be, T, mH, dn, dr, dv, dc, c->q, p->mkvb, dqt, dq, gp->mkvb);
+        model_prof_end(m, MTRL_PROF_MLA_ABSORB, t);
+    }
+    t = model_prof_begin(m);
+    proj_bwd_(be, T, mH * (dn + dr), d->d, c->x1, p->mq, dq, dx1, 1, gp->mq);
+    model_prof_end(m, MTRL_PROF_MLA_PROJ, t);
+    // This segment's latent rows have received every gradient (later segments ran first).
+    real *dchat = ALLOC((size_t)T * dc), *dlraw = ALLOC((size_t)T * ld), *dcraw = ALLOC((size_t)T * dc);
+    t = model_prof_begin(m);
+    be->copy_rows(be, T, dc, dlat + (size_t)t0 * ld, ld, dchat, dc);
+    be->rmsnorm_bwd(be, T, dc, c->craw, p->mkv_norm, c->rstd_c, d->kv_eps, dchat, dcraw, gp->mkv_norm);
+    be->copy_rows(be, T, dc, dcraw, dc, dlraw, ld);
+    be->copy_rows(be, T, dr, dlat + (size_t)t0 * ld + dc, ld, dlraw + dc, ld);
+    model_prof_end(m, MTRL_PROF_MLA_ELEM, t);
+    t = model_prof_begin(m);
+    proj_bwd_(be, T, ld, d->d, c->x1, p->mkva, dlraw, dx1, 1, gp->mkva);
+    model_prof_end(m, MTRL_PROF_MLA_PROJ, t);
+}
+
+// ---- FFN ----------------------------------------------------------------------------------------------------
+
+static void ffn_backward_(mtrl_model *m, mtrl_arena *ar, int l, int T, const layer_cache *c, const real *dout,
+                          real *dx2) {
+    const mtrl_model_dims *d = &m->dims;
+    const mtrl_layer_ptrs *p = &m->dP.layer[l];
+    mtrl_layer_ptrs *gp = &m->dG.layer[l];
+    mtrl_backend *be = m->be;
+    double t = model_prof_begin(m);
+    if (mtrl_model_is_dense(d, l)) {
+        be->moe_swiglu_bwd(be, T, d->d, d->dense_I, c->x2, p->w1, p->w3, p->w2, c->u1, c->u3, dout, dx2, gp->w1,
+                           gp->w3, gp->w2);
+        model_prof_end(m, MTRL_PROF_FFN_DENSE, t);
+        return;
+    }
+    int E = d->E, K = d->k, R = T * K;
+    real *dYp = ALLOC((size_t)R * d->d), *dw = ALLOC((size_t)T * K);
+    real *dXp = ALLOC((size_t)R * d->d), *dz = ALLOC((size_t)T * E);
+    be->moe_combine_bwd(be, T, K, d->d, c->pos, c->wr, c->Yp, dout, dYp, dw);
+    model_prof_end(m, MTRL_PROF_MOE_ROUTE, t);
+    t = model_prof_begin(m);
+    be->moe_experts_bwd(be, E, d->d, d->I, c->offsets, c->Xp, p->ew1, p->ew3, p->ew2, c->eu1, c->eu3, dYp, dXp,
+                        gp->ew1, gp->ew3, gp->ew2);
+    model_prof_end(m, MTRL_PROF_MOE_EXPERTS, t);
+    t = model_prof_begin(m);
+    be->zero(be, dx2, sizeof(real) * (size_t)T * d->d);
+    be->moe_scatter_bwd(be, T, K, d->d, c->pos, dXp, dx2);
+    be->moe_router_bwd(be, T, E, K, c->sr, c->sel, c->wr, model_router_form(d), d->rho, dw, dz);
+    proj_bwd_(be, T, E, d->d, c->x2, p->router, dz, dx2, 1, gp->router);
+    model_prof_end(m, MTRL_PROF_MOE_ROUTE, t);
+    if (d->n_shared > 0) {
+        int SI = d->n_shared * d->I;
+        real *dxs = ALLOC((size_t)T * d->d);
+        t = model_prof_begin(m);
+        be->moe_swiglu_bwd(be, T, d->d, SI, c->x2, p->sw1, p->sw3, p->sw2, c->su1, c->su3, dout, dxs, gp->sw1,
+                           gp->sw3, gp->sw2);
+        be->add(be, (size_t)T * d->d, dx2, dxs, dx2);
+        model_prof_end(m, MTRL_PROF_MOE_SHARED, t);
+    }
+}
+
+// ---- the stack ------------------------------------------------------------------------------------------------
+
+// Backward of AttnRes site j given dh: block gradients into dB[b], the partial's into dp (+=).
+static void site_backward_(mtrl_model *m, const seg_cache *c, int j, int nsrc, const real *alpha, const real *dh,
+                           real **dB, real *dp) {
+    const mtrl_model_dims *d = &m->dims;
+    const real *src[MTRL_MAX_LAYERS + 2];
+    real *dsrc[MTRL_MAX_LAYERS + 2];
+    int n = 0;
+    for (int b = 0; b < c->nb_site[j]; b++) { src[n] = c->blocks[b]; dsrc[n++] = dB[b]; }
+    if (c->part[j]) { src[n] = c->part[j]; dsrc[n++] = dp; }
+    MTRL_CHECK(n == nsrc);
+    if (!d->attnres) { // the plain residual: h is the sum of its sources
+        for (int i = 0; i < n; i++) m->be->add(m->be, (size_t)c->T * d->d, dsrc[i], dh, dsrc[i]);
+        return;
+    }
+    m->be->attnres_site_bwd(m->be, c->T, d->d, nsrc, src, m->dP.site_w + (size_t)j * d->d,
+                            m->dP.site_g + (size_t)j * d->d, d->eps, alpha, dh, dsrc, m->dG.site_w + (size_t)j * d->d,
+                            m->dG.site_g + (size_t)j * d->d);
+}
+
+void seg_backward(mtrl_model *m, mtrl_arena *ar, seg_cache *c, const uint32_t *tokens, const int *targets,
+                  const seq_io *io, const real *dlogp, const real *dentropy, seq_grad *g) {
+    const mtrl_model_dims *d = &m->dims;
+    mtrl_backend *be = m->be;
+    int T = c->T, D = d->d, L = d->L;
+    MTRL_CHECK(c->mode == SEG_CHUNK);
+    // LM head and final norm.
+    real *dlogits = ALLOC((size_t)T * d->V);
+    real *dxf = ALLOC((size_t)T * D), *dh = ALLOC((size_t)T * D);
+    double t = model_prof_begin(m);
+    be->logprob_bwd(be, T, d->V, c->logits, targets, dlogp, dentropy, dlogits);
+    proj_bwd_(be, T, d->V, D, c->xf, m->dP.lm_head, dlogits, dxf, 0, m->dG.lm_head);
+    be->rmsnorm_bwd(be, T, D, c->h_o, m->dP.final_norm, c->rstd_f, d->eps, dxf, dh, m->dG.final_norm);
+    model_prof_end(m, MTRL_PROF_HEAD, t);
+    int nb = c->nb_site[2 * L];
+    real *dB[MTRL_MAX_LAYERS + 1];
+    t = model_prof_begin(m);
+    for (int b = 0; b < nb; b++) dB[b] = zalloc_(be, ar, (size_t)T * D);
+    real *dp = zalloc_(be, ar, (size_t)T * D);
+    site_backward_(m, c, 2 * L, c->nsrc_o, c->alpha_o, dh, dB, dp);
+    model_prof_end(m, MTRL_PROF_SITE, t);
+    real *dx = ALLOC((size_t)T * D);
+    for (int l = L - 1; l >= 0; l--) {
+        layer_cache *lc = &c->layer[l];
+        size_t mark = mtrl_arena_mark(ar);
+        // FFN sublayer: its output's gradient is dp (p_after = p_before + f).
+        ffn_backward_(m, ar, l, T, lc, dp, dx);
+        t = model_prof_begin(m);
+        be->rmsnorm_bwd(be, T, D, lc->h_f, m->dP.layer[l].norm2, lc->rstd2, d->eps, dx, dh, m->dG.layer[l].norm2);
+        site_backward_(m, c, 2 * l + 1, lc->nsrc_f, lc->alpha_f, dh, dB, dp);
+        mtrl_arena_release(ar, mark);
+        // Mixer sublayer.
+        be->zero(be, dx, sizeof(real) * (size_t)T * D);
+        model_prof_end(m, MTRL_PROF_SITE, t);
+        if (d->mixer[l] == 'K') kda_backward_(m, ar, l, T, lc, io, dp, dx, g);
+        else mla_backward_(m, ar, l, T, lc, io, dp, dx, g);
+        t = model_prof_begin(m);
+        be->rmsnorm_bwd(be, T, D, lc->h_a, m->dP.layer[l].norm1, lc->rstd1, d->eps, dx, dh, m->dG.layer[l].norm1);
+        if (!c->part[2 * l]) be->zero(be, dp, sizeof(real) * (size_t)T * D); // p_before was empty
+        site_backward_(m, c, 2 * l, lc->nsrc_a, lc->alpha_a, dh, dB, dp);
+        mtrl_arena_release(ar, mark);
+        // Entering the previous block from its last sublayer: its sum's gradient is complete.
+        if (l > 0 && l % d->S == 0) be->copy(be, dp, dB[c->nb_site[2 * l] - 1], sizeof(real) * (size_t)T * D);
+        model_prof_end(m, MTRL_PROF_SITE, t);
+    }
+    int ids[4096];
+    int *tid = T <= 4096 ? ids : xmalloc(sizeof(int) * (size_t)T);
+    model_image_ids(T, tokens, tid);
+    t = model_prof_begin(m);
+    model_image_bwd(m, T, tokens, dB[0]);
+    be->embedding_bwd(be, T, D, tid, dB[0], m->dG.embed);
+    model_prof_end(m, MTRL_PROF_EMBED, t);
+    if (tid != ids) free(tid);
+}
