@@ -672,8 +672,12 @@ static void resolve_model_(cfg_parse *ps) {
     FILL(experts, p->experts)
     FILL(top_k, p->top_k)
     FILL(expert_inter, p->expert_inter)
-    FILL(attnres_block, p->attnres_block)
 #undef FILL
+    // Without AttnRes the block size is never read, so a custom model need not give it.
+    if (m->attnres_block == 0) {
+        if (custom && m->attnres) errs_add(ps->errs, "%s: [model] preset = custom needs attnres_block", ps->name);
+        m->attnres_block = p->attnres_block;
+    }
     if (m->shared_experts < 0) m->shared_experts = p->shared;
     if (m->dense_layers == 0) m->dense_layers = 1; // every preset: layer 0 alone
     if (m->dense_layers > m->layers)

@@ -1,7 +1,9 @@
 // cmd_hf.c: Hugging Face checkpoints in and out (docs/hf-import.md).
 //
 //   mtrl import DIR [--out FILE] [--logits LOGITS.safetensors] [--device cpu|cuda[:N]]
-//               (--device: where the model runs and computes the --logits; default cpu)
+//               [--set section.key=value ...]
+//               (--device: where the model runs and computes the --logits, default cpu; --set: e.g.
+//               the [kernels] that compute them)
 //       reads DIR (config.json, safetensors shards + index) into the model its config.json
 //       describes and prints the load's GB/s; --out writes it as an mtrl checkpoint (what
 //       eval and export read). The experiment that trains it sets [model] from = DIR.
@@ -31,7 +33,7 @@
 #include "common/check.h"
 #include "tools/cli.h"
 
-#define IMPORT_USAGE "mtrl import DIR [--out FILE] [--logits LOGITS.safetensors] [--device cpu|cuda[:N]]"
+#define IMPORT_USAGE "mtrl import DIR [--out FILE] [--logits LOGITS.safetensors] [--device cpu|cuda[:N]] [--set section.key=value ...]"
 #define EXPORT_USAGE                                                                                          \
     "mtrl export EXPERIMENT.ini CHECKPOINT|- --out DIR [--dtype f32|bf16] [--shard-mb N] [--logits FILE] " \
     "[--set section.key=value ...]"
@@ -123,6 +125,8 @@ int cmd_import(int argc, char **argv) {
         if (!strcmp(a, "--out") && v) out = argv[++i];
         else if (!strcmp(a, "--logits") && v) logits = argv[++i];
         else if (!strcmp(a, "--device") && v) device = argv[++i];
+        else if (!strcmp(a, "--set") && v) i++; // cli_collect_sets reads them
+        else if (!strncmp(a, "--set=", 6)) continue;
         else if (a[0] == '-') return cli_usage_error("import", IMPORT_USAGE, "unknown option '%s'", a);
         else if (dir) return cli_usage_error("import", IMPORT_USAGE, "more than one folder given");
         else dir = a;
@@ -133,7 +137,9 @@ int cmd_import(int argc, char **argv) {
     snprintf(text, sizeof text, "[model]\nfrom = %s\ngemm = fp32\n[env]\nname = calc\n", dir);
     mtrl_config cfg;
     mtrl_config_errors errs = {0};
-    if (mtrl_config_load_text(&cfg, dir, text, NULL, 0, &errs) != MTRL_OK) {
+    const char *sets[64];
+    int n_sets = cli_collect_sets(argc, argv, sets, 64);
+    if (mtrl_config_load_text(&cfg, dir, text, sets, n_sets, &errs) != MTRL_OK) {
         mtrl_config_errors_print(&errs, stderr);
         mtrl_config_errors_free(&errs);
         return 2;
