@@ -965,9 +965,11 @@ int main(int argc, char **argv) {
         // Kimi Linear's layer forms (docs/model-forms.md), every layer KDA (fp32 only): the GPU's
         // Kimi gate is clamped at g_min = -11 while the CPU's is exact, and the test's decays
         // (testmodel.h test_model_fast_decay) go past it, so the log-prob tolerance here is the
-        // measure of the clamp's effect
+        // measure of the clamp's effect; the clamp also zeroes the gate's gradient below g_min,
+        // which the exact CPU keeps (A_log's gradient 7.8e-3 relative on an H200), hence 1e-2
+        // for the gradients
         {"tiny, Kimi forms, every layer KDA (fp32 only; GPU gate clamped at -11)",
-         "preset = tiny\nhybrid = KKKK\n" KIMI_FORMS_GPU, 64, 3, {37, 70, 5}, 3e-5, 2e-3, 3e-5, 1e-4, 1e-5, 2e-4},
+         "preset = tiny\nhybrid = KKKK\n" KIMI_FORMS_GPU, 64, 3, {37, 70, 5}, 3e-5, 1e-2, 3e-5, 1e-4, 1e-5, 2e-4},
         {"reduced small, Kimi forms (KMKM)", "preset = custom\nlayers = 4\nd_model = 256\nhybrid = KMKM\nkda_heads = 2\n"
          "kda_head_dim = 128\nmla_heads = 4\nmla_nope_dim = 64\nmla_rope_dim = 32\nmla_v_dim = 64\nmla_latent_dim = 256\n"
          "dense_inter = 512\nexperts = 16\ntop_k = 4\nshared_experts = 1\nexpert_inter = 128\n" KIMI_FORMS_GPU,
