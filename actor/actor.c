@@ -1,5 +1,6 @@
 // actor.c: the actor process (see actor.h).
 #include "actor/actor.h"
+#include "model/qb.h"
 
 #include <errno.h>
 #include <stdarg.h>
@@ -399,8 +400,7 @@ static int setup_(actor *a, const mtrl_wire_msg *m) {
     }
     // β comes with the weights; actors never apply a β of their own. With qb_actor_stats they sum
     // the β each decode batch implies (and the loads) for the learner (send_qb_stats_).
-    a->model.qb_decode_stats = a->cfg.learner.qb_actor_stats;
-    a->model.qb_frozen = !a->model.qb_decode_stats;
+    mtrl_qb_set_mode(&a->model, a->cfg.learner.qb_actor_stats ? MTRL_QB_DECODE : MTRL_QB_FROZEN);
     a->have_model = 1;
     a->have_weights = 0;
     a->have_cfg = 1;
@@ -441,25 +441,24 @@ static void resync_(actor *a, const char *why) {
 // version they were routed with) and clears them. Outside the credit: a few KB per heartbeat.
 static void send_qb_stats_(actor *a) {
     mtrl_model *m = &a->model;
-    if (!a->have_model || !m->qb_decode_stats) return;
-    int L = m->dims.L, E = m->dims.E, any = 0;
-    for (int l = 0; l < L; l++) any |= m->qb_count[l] > 0;
-    if (!any) return;
+    if (!a->have_model || mtrl_qb_mode(m) != MTRL_QB_DECODE) return;
+    int L = m->dims.L, E = m->dims.E;
     size_t LE = (size_t)L * E;
     uint64_t *counts = xmalloc(sizeof *counts * LE);
     uint32_t *batches = xmalloc(sizeof *batches * (size_t)L);
-    for (size_t i = 0; i < LE; i++) counts[i] = m->load[i] > 0 ? (uint64_t)m->load[i] : 0;
-    for (int l = 0; l < L; l++) batches[l] = (uint32_t)m->qb_count[l];
-    mtrl_wire_out o;
-    mtrl_wire_out_init(&o);
-    mtrl_wire_encode_routing_stats(&o, m->version, (uint32_t)L, (uint32_t)E, counts, batches, m->qb_sum);
-    send_now_(a, &o);
-    mtrl_wire_out_free(&o);
+    double *sums = xmalloc(sizeof *sums * LE);
+    if (mtrl_qb_export(m, sums, batches)) {
+        for (size_t i = 0; i < LE; i++) counts[i] = m->load[i] > 0 ? (uint64_t)m->load[i] : 0;
+        mtrl_wire_out o;
+        mtrl_wire_out_init(&o);
+        mtrl_wire_encode_routing_stats(&o, m->version, (uint32_t)L, (uint32_t)E, counts, batches, sums);
+        send_now_(a, &o);
+        mtrl_wire_out_free(&o);
+        memset(m->load, 0, sizeof *m->load * LE);
+    }
     free(counts);
     free(batches);
-    memset(m->qb_sum, 0, sizeof *m->qb_sum * LE);
-    memset(m->qb_count, 0, sizeof *m->qb_count * (size_t)L);
-    memset(m->load, 0, sizeof *m->load * LE);
+    free(sums);
 }
 
 // Where this actor's time went since the last report (ACTOR_STATS, outside the credit: 80 bytes

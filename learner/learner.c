@@ -1,5 +1,6 @@
 // learner.c: the learner process (see learner.h).
 #include "learner/learner.h"
+#include "model/qb.h"
 
 #include <errno.h>
 #include <inttypes.h>
@@ -379,12 +380,10 @@ static long qb_stats_fold_(mtrl_learner *l) {
     for (int ly = d->first_dense; ly < d->L; ly++) {
         if (l->actor_qb_n[ly] == 0) continue;
         n += l->actor_qb_n[ly];
-        for (int e = 0; e < d->E; e++) {
-            size_t i = (size_t)ly * d->E + e;
-            l->model.qb_sum[i] += l->actor_qb_sum[i] / (double)l->actor_qb_n[ly];
-            l->actor_qb_sum[i] = 0;
-        }
-        l->model.qb_count[ly]++;
+        double *sum = l->actor_qb_sum + (size_t)ly * d->E;
+        for (int e = 0; e < d->E; e++) sum[e] /= (double)l->actor_qb_n[ly];
+        mtrl_qb_merge(&l->model, ly, sum);
+        memset(sum, 0, sizeof *sum * (size_t)d->E);
         l->actor_qb_n[ly] = 0;
     }
     return n;
@@ -1170,6 +1169,7 @@ mtrl_status mtrl_learner_open(mtrl_learner **out, const mtrl_config *cfg, const 
     if (st == MTRL_OK && mtrl_model_parse_device(cfg->model.device, &device, &gpu) != 0)
         st = mtrl_error_set(err, MTRL_ERR_USAGE, "%s: [model] device = %s: expected cpu or cuda", cfg->path, cfg->model.device);
     if (st == MTRL_OK) st = mtrl_model_init_on(&l->model, &d, (uint64_t)cfg->run.seed, device, gpu, err);
+    if (st == MTRL_OK) mtrl_qb_set_mode(&l->model, cfg->learner.qb ? MTRL_QB_TRAIN : MTRL_QB_FROZEN);
     // A run that starts from a Hugging Face checkpoint takes its weights and correction biases
     // (QB beta); a resumed one gets them from its own checkpoint below.
     if (st == MTRL_OK && cfg->model.from[0] && !(opts && opts->resume)) {

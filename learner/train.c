@@ -1,5 +1,6 @@
 // train.c: the learner's optimizer steps (see train.h).
 #include "learner/train.h"
+#include "model/qb.h"
 
 #include <math.h>
 #include <stdlib.h>
@@ -119,15 +120,6 @@ static int segment_of_(const mtrl_model *m, const mtrl_config *cfg, const mtrl_b
         LOG_DEBUG("learner: segment %d for %d episodes of up to %ld tokens (planned %.2f GiB of %.2f GiB)", seg, p.seqs,
                   p.tokens, (double)p.total / (1 << 30), (double)p.budget / (1 << 30));
     return seg;
-}
-
-// QB after the step (docs/model.md §4.3); with [learner] qb off β stays and only the step's
-// routing statistics are cleared.
-static void qb_after_step_(mtrl_model *m, const mtrl_config *cfg) {
-    int frozen = m->qb_frozen;
-    if (!cfg->learner.qb) m->qb_frozen = 1;
-    mtrl_model_qb_apply(m);
-    m->qb_frozen = frozen;
 }
 
 // The per-token arrays of an RL step (token j of an episode predicted at position j - 1) and
@@ -253,7 +245,7 @@ void mtrl_train_rl_step(mtrl_model *m, const mtrl_config *cfg, const mtrl_algo_c
     // Loads of this step's routing, read before QB consumes them.
     for (int l = m->dims.first_dense; l < m->dims.L; l++) st->max_violation[l] = mtrl_model_load_violation(m, l);
     if (st->loads) memcpy(st->loads, m->load, sizeof(long) * (size_t)m->dims.L * (size_t)m->dims.E);
-    qb_after_step_(m, cfg);
+    mtrl_qb_apply(m); // model/qb.h: TRAIN with [learner] qb, FROZEN without (set at open)
     m->version++;
     st->episodes = n;
     st->tokens = (long)T;
@@ -323,7 +315,7 @@ double mtrl_train_sft_step(mtrl_model *m, const mtrl_config *cfg, mtrl_traj *con
     mtrl_model_train(m, &sb.b, segment_of_(m, cfg, &sb.b), logp, NULL, dlp, NULL, sft_loss_unit_, &f);
     mtrl_model_optimizer_step(m, (real)lr, (real)cfg->learner.beta1, (real)cfg->learner.beta2, (real)cfg->learner.eps,
                               (real)cfg->learner.weight_decay, (real)cfg->learner.grad_clip);
-    qb_after_step_(m, cfg);
+    mtrl_qb_apply(m); // model/qb.h: TRAIN with [learner] qb, FROZEN without (set at open)
     m->version++;
     free(logp);
     free(dlp);

@@ -31,7 +31,7 @@
 //     ... the loss turns logp into dlogp (and dentropy) per token ...
 //     mtrl_model_backward(m, batch, dlogp, dentropy)                      // grads += ∂L/∂θ
 //     mtrl_model_optimizer_step(m, ...)                                    // AdamW on grads
-//     mtrl_model_qb_apply(m)                                                // β for the next step
+//     mtrl_qb_apply(m)                                                      // β for the next step (qb.h)
 // The forward stores what the backward needs inside the model's batch workspace; a forward
 // must precede each backward with the same batch.
 //
@@ -44,7 +44,7 @@
 //     checkpoints and published weights. mtrl_model_save refreshes it from the device and
 //     mtrl_model_load uploads what it read, so checkpoints need no extra call. Code that reads
 //     or writes the host blocks directly calls mtrl_model_to_host / mtrl_model_to_device.
-//   * QB's β is kept on the host (m->qb_beta, set by mtrl_model_qb_apply) and copied to the
+//   * QB's β is kept on the host (m->qb_beta, set by mtrl_qb_apply) and copied to the
 //     device by the calls that change it; after writing m->qb_beta by hand, call
 //     mtrl_model_to_device.
 //   * the per-segment activations, the boundary states of a batch and every decode state
@@ -256,9 +256,7 @@ typedef struct mtrl_model {
     double *qb_sum;             // [L][E] β computed from this step's batches, summed
     int *qb_count;              // [L] number of batches summed
     long *load;                 // [L][E] routing load this step (metrics)
-    int qb_frozen;              // eval mode: β never changes
-    int qb_decode_stats;        // decode batches also sum the β they imply and their loads into
-                                // qb_sum / qb_count / load (actors sending QB statistics)
+    int qb_mode;                // MTRL_QB_* (model/qb.h, the owner of everything QB): TRAIN at init
     int replay_routing;         // mtrl_model_forward uses batch->routing when set
     // Called after each segment of a segmented forward and backward (nullable): a learner step
     // over a 1M-token episode takes minutes, and its owner keeps its connections alive from
@@ -338,7 +336,7 @@ void mtrl_model_zero_grads(mtrl_model *m);
 // [len][n_moe][k] chosen experts, as u8 (E <= 256). segment: a resolved length (what
 // model_plan.h mtrl_model_segment_resolve gives for [learner] segment): S > 0 tokens per segment,
 // or 0, one segment per sequence; never "plan it", which is the resolver's job.
-// Routing statistics for QB and loads accumulate in the model (see mtrl_model_qb_apply).
+// Routing statistics for QB and loads accumulate in the model (model/qb.h).
 void mtrl_model_forward(mtrl_model *m, const mtrl_batch *b, int segment, real *logp, real *entropy,
                         uint8_t *const *routing_out);
 
@@ -373,11 +371,7 @@ void mtrl_model_logits(mtrl_model *m, const uint32_t *tokens, int len, int segme
 double mtrl_model_optimizer_step(mtrl_model *m, real lr, real beta1, real beta2, real eps, real weight_decay,
                                  real clip);
 
-// QB: sets β of each MoE layer to the average of the β's computed from this step's batches
-// (each forward batch computed one from its own router logits with the OLD β), then clears the
-// sums. Call after the optimizer step, so a step never routes with β from its own scores.
-// Returns the number of layers updated. Loads are cleared too (read them before).
-int mtrl_model_qb_apply(mtrl_model *m);
+// QB (its modes, statistics and update): model/qb.h.
 // Max load violation of one layer in the current step's statistics.
 double mtrl_model_load_violation(const mtrl_model *m, int layer);
 

@@ -367,14 +367,14 @@ static void ffn_forward_(mtrl_model *m, mtrl_arena *ar, int l, int T, const real
     free(sel_h);
     if (so && so->qb_stats) {
         // QB (docs/model.md §4.3): this batch routed with the old β above; the β it implies is
-        // summed and only becomes the routing β after the optimizer step (mtrl_model_qb_apply).
+        // summed and only becomes the routing β after the optimizer step (mtrl_qb_apply, qb.h).
         int load[256];
         be->moe_load_count(be, T, E, K, c->sel, load);
         for (int e = 0; e < E; e++) m->load[(size_t)l * E + e] += load[e];
         real bnew[256];
         // QB balances the scores the router selected on: z, or s (router_bias = score)
         const real *sc = d->router_bias_score ? c->sr : c->zr;
-        if (!m->qb_frozen && be->qb_beta(be, T, E, K, sc, beta, bnew) == 0) {
+        if (so->qb_stats >= 2 && be->qb_beta(be, T, E, K, sc, beta, bnew) == 0) {
             for (int e = 0; e < E; e++) m->qb_sum[(size_t)l * E + e] += bnew[e];
             m->qb_count[l]++;
         }

@@ -552,28 +552,6 @@ double mtrl_model_optimizer_step(mtrl_model *m, real lr, real beta1, real beta2,
     return norm;
 }
 
-int mtrl_model_qb_apply(mtrl_model *m) {
-    const mtrl_model_dims *d = &m->dims;
-    int updated = 0;
-    for (int l = d->first_dense; l < d->L; l++) {
-        if (!m->qb_frozen && m->qb_count[l] > 0) {
-            for (int e = 0; e < d->E; e++)
-                m->qb_beta[(size_t)l * d->E + e] = (real)(m->qb_sum[(size_t)l * d->E + e] / m->qb_count[l]);
-            updated++;
-        }
-        m->qb_count[l] = 0;
-        for (int e = 0; e < d->E; e++) {
-            m->qb_sum[(size_t)l * d->E + e] = 0;
-            m->load[(size_t)l * d->E + e] = 0;
-        }
-    }
-    if (updated && m->device != MTRL_DEVICE_CPU) {
-        m->be->upload(m->be, m->d_qb_beta, m->qb_beta, sizeof(real) * (size_t)d->L * (size_t)d->E);
-        m->be->sync(m->be);
-    }
-    return updated;
-}
-
 double mtrl_model_load_violation(const mtrl_model *m, int layer) {
     const mtrl_model_dims *d = &m->dims;
     if (layer < d->first_dense || layer >= d->L) return 0;

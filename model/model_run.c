@@ -9,6 +9,7 @@
 #include "common/check.h"
 #include "model/backend.h"
 #include "model/model_ws.h"
+#include "model/qb.h"
 #include "kernels/ref/kda_ref.h"
 
 typedef struct ws_seq {
@@ -277,7 +278,7 @@ static void pack_forward_(mtrl_model *m, const mtrl_batch *b, ws_pack *pk, real 
     pk->latent = LALLOC(m, &w->state, (size_t)T * lat);
     w->pub.state_bytes += m->be->latent_size * (size_t)T * lat;
     seq_io io = {w->run_S, w->run_C, pk->latent, T, 0, pk->n, pk->piece, NULL};
-    seg_out so = {pk->targets, logp, entropy, NULL, rin, pk->routing, 1};
+    seg_out so = {pk->targets, logp, entropy, NULL, rin, pk->routing, mtrl_qb_observe_level(m, 0)};
     seg_cache *c = w->keep ? &pk->kept : &w->tail;
     if (!w->keep) mtrl_arena_reset(&w->pub.arena);
     seg_forward(m, &w->pub.arena, SEG_CHUNK, T, pk->tokens, &io, &so, c);
@@ -402,7 +403,7 @@ static void seq_forward_(mtrl_model *m, const mtrl_batch *b, int k, real *logp, 
         be->copy(be, s->bound_conv + (size_t)g * z.C_sz, C, sizeof(real) * z.C_sz);
         const uint8_t *rin = m->replay_routing && b->routing ? b->routing[i] + (size_t)t0 * z.rw : NULL;
         seg_out so = {s->targets + t0, logp ? logp + t0 : NULL, entropy ? entropy + t0 : NULL, NULL,
-                      rin, s->routing + (size_t)t0 * z.rw, 1};
+                      rin, s->routing + (size_t)t0 * z.rw, mtrl_qb_observe_level(m, 0)};
         seg_cache *c = w->keep ? &s->kept[g] : &w->tail;
         if (!w->keep) mtrl_arena_reset(&w->pub.arena);
         seg_forward(m, &w->pub.arena, SEG_CHUNK, T, b->tokens[i] + t0, &io, &so, c);
@@ -745,7 +746,7 @@ void mtrl_model_decode(mtrl_model *m, mtrl_decode_state *const *states, int B, c
     seq_io ios[256];
     seq_io *io = B <= 256 ? ios : xmalloc(sizeof(seq_io) * (size_t)B);
     for (int r = 0; r < B; r++) io[r] = state_io_(states[r]);
-    seg_out so = {NULL, NULL, NULL, logits, NULL, routing_out, m->qb_decode_stats};
+    seg_out so = {NULL, NULL, NULL, logits, NULL, routing_out, mtrl_qb_observe_level(m, 1)};
     seg_cache c;
     seg_forward(m, &w->infer, SEG_DECODE, B, tokens, io, &so, &c);
     m->be->sync(m->be);

@@ -111,7 +111,8 @@ typedef struct seg_out {
     real *logits;              // [T][V] copy-out (nullable)
     const uint8_t *routing_in; // [T][n_moe][k] to replay (nullable)
     uint8_t *routing_out;      // [T][n_moe][k] (nullable)
-    int qb_stats;              // accumulate QB β and loads into the model
+    int qb_stats;              // what the forward records: 0 nothing, 1 routing loads, 2 loads and
+                               // the β its batch implies (mtrl_qb_observe_level, qb.h)
 } seg_out;
 
 // Per-batch workspace of the last forward.

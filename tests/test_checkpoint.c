@@ -14,6 +14,7 @@
 #include "common/checkpoint.h"
 #include "common/config.h"
 #include "model/model.h"
+#include "model/qb.h"
 #include "common/rng.h"
 #include "common/tokenizer.h"
 #include "tests/testhelp.h"
@@ -47,7 +48,7 @@ static void train_step(mtrl_model *m, uint64_t seed) {
     mtrl_model_forward(m, &b, 0, logp, NULL, NULL);
     mtrl_model_backward(m, &b, c, NULL);
     mtrl_model_optimizer_step(m, (real)1e-2, (real)0.9, (real)0.95, (real)1e-8, (real)0.01, (real)1.0);
-    mtrl_model_qb_apply(m);
+    mtrl_qb_apply(m);
     m->version++;
 }
 

@@ -45,6 +45,7 @@
 
 #include "common/config.h"
 #include "model/model.h"
+#include "model/qb.h"
 #include "model/model_plan.h"
 #include "model/model_ws.h"
 #include "common/rng.h"
@@ -268,7 +269,7 @@ static void test_million_(void) {
     double t2 = mtrl_time_mono();
     double gnorm = mtrl_model_optimizer_step(&m, (real)1e-4, (real)0.9, (real)0.95, (real)1e-8, (real)0.1, (real)1);
     double t3 = mtrl_time_mono();
-    mtrl_model_qb_apply(&m);
+    mtrl_qb_apply(&m);
     size_t free1 = 0, scratch = 0, peak = 0;
     mtrl_model_mem_info(&m, &free1, NULL, &scratch, &peak);
     size_t held = held_now_(&m, scratch), lost = free0 > free1 ? free0 - free1 : 0;

@@ -64,6 +64,7 @@
 #include "common/config.h"
 #include "model/backend.h"
 #include "model/model.h"
+#include "model/qb.h"
 #include "model/model_plan.h"
 #include "model/model_ws.h"
 #include "common/rng.h"
@@ -290,10 +291,10 @@ static void test_case_(const gcase *k) {
     // 1. forwards: the CPU with its own routing; the GPU with its own (agreement), then replaying the CPU's.
     mtrl_model_zero_grads(&mc);
     mtrl_model_forward(&mc, &B.b, 0, lp_c, en_c, rc);
-    mg.qb_frozen = 1;
+    mtrl_qb_set_mode(&mg, MTRL_QB_FROZEN);
     mtrl_model_forward(&mg, &B.b, 0, lp_g, en_g, rg);
-    mtrl_model_qb_apply(&mg); // frozen: clears the loads, keeps β
-    mg.qb_frozen = 0;
+    mtrl_qb_apply(&mg); // frozen: clears the loads, keeps β
+    mtrl_qb_set_mode(&mg, MTRL_QB_TRAIN);
     size_t same = 0, all = 0;
     for (int i = 0; i < B.n; i++)
         for (size_t j = 0; j < (size_t)B.len[i] * rw; j++) same += rc[i][j] == rg[i][j], all++;
@@ -326,8 +327,8 @@ static void test_case_(const gcase *k) {
     TEST_CHECKF(wg <= k->tol_grad, "gradient of %s rel %.3g > %.3g", wn, wg, k->tol_grad);
 
     // 3. QB: β from this step's batch, applied on both.
-    mtrl_model_qb_apply(&mc);
-    mtrl_model_qb_apply(&mg);
+    mtrl_qb_apply(&mc);
+    mtrl_qb_apply(&mg);
     double wb = 0;
     for (size_t i = 0; i < (size_t)d.L * d.E; i++) wb = fmax(wb, fabs((double)mg.qb_beta[i] - mc.qb_beta[i]));
     printf("  QB beta after apply: max abs diff %.3g\n", wb);
@@ -440,7 +441,7 @@ static void test_case_(const gcase *k) {
     free(qc);
     free(ql);
     mg.replay_routing = 0;
-    mtrl_model_qb_apply(&mg);
+    mtrl_qb_apply(&mg);
 
     // 7. prefill-then-decode == one prefill, on the GPU (reference logits with the β now in use).
     mtrl_model_logits(&mg, B.tok[0], T, 0, lg);
@@ -660,9 +661,9 @@ static void twins_(const mtrl_model_dims *d, const mtrl_kernel_opts *kb, mtrl_mo
         memcpy(gpu[i]->params.base, mc->params.base, mc->params.total);
         memcpy(gpu[i]->qb_beta, mc->qb_beta, sizeof(real) * (size_t)d->L * d->E);
         mtrl_model_to_device(gpu[i]);
-        gpu[i]->qb_frozen = 1;
+        mtrl_qb_set_mode(gpu[i], MTRL_QB_FROZEN);
     }
-    mc->qb_frozen = 1;
+    mtrl_qb_set_mode(mc, MTRL_QB_FROZEN);
 }
 
 // Forward + backward of B on a (its routing recorded into rr) and on b (replaying it, so both

@@ -10,7 +10,7 @@
 //    sequence, in the absorbed form; in the naive form it grows by the expanded keys, up to the
 //    arena mirror;
 //  - prefill-then-decode == one full prefill (split points 1, 15, 16, 17, T % 16 != 0);
-//  - QB: β gets no gradient, is set only by mtrl_model_qb_apply after the step;
+//  - QB: β gets no gradient, is set only by mtrl_qb_apply after the step, centred;
 //  - a packed batch (short sequences end to end in one segment) == the sequences one at a time:
 //    log-probs, entropies, routing and every gradient, with and without kept activations;
 //  - the learner's one-pass step (mtrl_model_train: forward, loss, backward unit by unit) ==
@@ -28,6 +28,7 @@
 #include "common/checkpoint.h"
 #include "common/config.h"
 #include "model/model.h"
+#include "model/qb.h"
 #include "model/model_ws.h"
 #include "common/rng.h"
 #include "kernels/ref/kda_ref.h"
@@ -638,13 +639,35 @@ static void test_qb_outside_gradient(void) {
     TEST_CHECK(mtrl_tt_find(&m.params, "qb_beta") < 0);
     mtrl_model_optimizer_step(&m, 1e-3, 0.9, 0.95, 1e-8, 0, 1);
     TEST_CHECK(memcmp(beta0, m.qb_beta, sizeof beta0) == 0);
-    TEST_EQ_INT(mtrl_model_qb_apply(&m), 2);
+    // the step's β, centred per layer: the mean of the two layers' sums less its mean
+    double want[3 * 4];
+    for (int l = 1; l < 3; l++) {
+        double mean = 0;
+        for (int e = 0; e < 4; e++) mean += m.qb_sum[l * 4 + e] / m.qb_count[l] / 4;
+        for (int e = 0; e < 4; e++) want[l * 4 + e] = m.qb_sum[l * 4 + e] / m.qb_count[l] - mean;
+    }
+    TEST_EQ_INT(mtrl_qb_apply(&m), 2);
     TEST_CHECK(memcmp(beta0, m.qb_beta, sizeof beta0) != 0);
-    // frozen (eval) mode never changes β
+    for (int l = 1; l < 3; l++) {
+        double sum = 0, spread = 0;
+        for (int e = 0; e < 4; e++) {
+            TEST_NEAR(m.qb_beta[l * 4 + e], want[l * 4 + e], 1e-12);
+            sum += m.qb_beta[l * 4 + e];
+            spread += fabs(m.qb_beta[l * 4 + e]);
+        }
+        TEST_NEAR(sum, 0, 1e-12);
+        TEST_CHECK(spread > 0); // centring kept the differences, the only part top-k reads
+    }
+    // frozen (eval, replay, the learner with qb off) never changes β and computes none, but the
+    // forward still counts the routing loads (metrics)
     memcpy(beta0, m.qb_beta, sizeof beta0);
-    m.qb_frozen = 1;
+    mtrl_qb_set_mode(&m, MTRL_QB_FROZEN);
     run_loss(&m, &b, 0, c, NULL, 0);
-    mtrl_model_qb_apply(&m);
+    TEST_EQ_INT(m.qb_count[1] + m.qb_count[2], 0);
+    long load = 0;
+    for (int e = 0; e < 4; e++) load += m.load[4 + e];
+    TEST_EQ_INT(load, (long)T * d.k);
+    TEST_EQ_INT(mtrl_qb_apply(&m), 0);
     TEST_CHECK(memcmp(beta0, m.qb_beta, sizeof beta0) == 0);
     mtrl_model_free(&m);
 }
@@ -746,7 +769,7 @@ static void test_kimi_layout(void) {
     for (int it = 0; it < 6; it++) {
         mtrl_model_forward(&m, &b, 0, lp, NULL, NULL);
         v[it] = mtrl_model_load_violation(&m, l0);
-        TEST_EQ_INT(mtrl_model_qb_apply(&m), d.n_moe);
+        TEST_EQ_INT(mtrl_qb_apply(&m), d.n_moe);
     }
     printf("QB on router scores (Kimi forms), layer %d: load violation %.3g, then %.3g %.3g %.3g %.3g %.3g after each "
            "update (bound %.3g)\n", l0, v[0], v[1], v[2], v[3], v[4], v[5], bound);

@@ -23,6 +23,7 @@
 
 #include "model/backend.h"
 #include "model/model.h"
+#include "model/qb.h"
 #include "common/rng.h"
 #include "tests/testhelp.h"
 #include "tests/testmodel.h"
@@ -148,7 +149,8 @@ static void emulate_(const ecase *k, const char *what, int bits, double tol_logp
     mtrl_model_init(&me, &d, 7);
     test_model_perturb(&mf, 3);
     test_model_perturb(&me, 3);
-    mf.qb_frozen = me.qb_frozen = 1;
+    mtrl_qb_set_mode(&mf, MTRL_QB_FROZEN);
+    mtrl_qb_set_mode(&me, MTRL_QB_FROZEN);
     keep_bits_ = bits;
     mtrl_backend emu = emulating_();
     me.be = &emu;

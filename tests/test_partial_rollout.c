@@ -15,6 +15,7 @@
 
 #include "common/config.h"
 #include "model/model.h"
+#include "model/qb.h"
 #include "common/rng.h"
 #include "common/tokenizer.h"
 #include "tests/testhelp.h"
@@ -44,7 +45,7 @@ static void update_(mtrl_model *m, double lr, uint64_t seed) {
     mtrl_model_zero_grads(m);
     mtrl_model_backward(m, &b, c, NULL);
     mtrl_model_optimizer_step(m, (real)lr, (real)0.9, (real)0.95, (real)1e-8, 0, (real)1.0);
-    mtrl_model_qb_apply(m);
+    mtrl_qb_apply(m);
 }
 
 int main(void) {

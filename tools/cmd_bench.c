@@ -39,6 +39,7 @@
 
 #include "common/config.h"
 #include "model/model.h"
+#include "model/qb.h"
 #include "model/model_plan.h"
 #include "model/model_wshm.h"
 #include "common/check.h"
@@ -295,7 +296,7 @@ static int bench_model_(int argc, char **argv) {
         double t0 = mtrl_time_mono();
         mtrl_model_forward(&m, &b, segment, logp, NULL, NULL);
         double t1 = mtrl_time_mono();
-        mtrl_model_qb_apply(&m);
+        mtrl_qb_apply(&m);
         // the learner's step: forward, loss and backward unit by unit (model.h mtrl_model_train)
         double t2 = mtrl_time_mono();
         mtrl_model_zero_grads(&m);
@@ -303,7 +304,7 @@ static int bench_model_(int argc, char **argv) {
         double t3 = mtrl_time_mono();
         if (t1 - t0 < best_f) best_f = t1 - t0;
         if (t3 - t2 < best_fb) best_fb = t3 - t2;
-        mtrl_model_qb_apply(&m);
+        mtrl_qb_apply(&m);
     }
     // Batched decode: each sequence prefilled with 16 tokens, then steps of one token per sequence.
     enum { PRE = 16, STEPS = 16 };
@@ -466,7 +467,7 @@ static int bench_learner_(int argc, char **argv) {
                 mtrl_model_train(&m, &b, seg, logp, NULL, c, NULL, bench_loss_, NULL);
                 double t1 = mtrl_time_mono();
                 mtrl_model_optimizer_step(&m, (real)1e-5, (real)0.9, (real)0.95, (real)1e-8, (real)0.1, (real)1);
-                mtrl_model_qb_apply(&m);
+                mtrl_qb_apply(&m);
                 double t2 = mtrl_time_mono();
                 if (r > 0 && t1 - t0 < best) {
                     best = t1 - t0;

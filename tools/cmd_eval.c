@@ -22,6 +22,7 @@
 #include "common/config.h"
 #include "common/fsutil.h"
 #include "model/model.h"
+#include "model/qb.h"
 #include "model/model_hf.h"
 #include "common/store.h"
 #include "common/timeutil.h"
@@ -100,7 +101,7 @@ static int eval_model_open_(mtrl_model *m, const mtrl_config *cfg, const char *d
         fprintf(stderr, "mtrl eval: %s\n", err.msg);
         return 1;
     }
-    m->qb_frozen = 1; // evaluation never moves β
+    mtrl_qb_set_mode(m, MTRL_QB_FROZEN); // evaluation never moves β
     if (!ckpt && cfg->model.from[0]) {
         mtrl_hf_load_stats ls;
         if (mtrl_model_load_hf(m, cfg->model.from, &ls, &err) != MTRL_OK) {

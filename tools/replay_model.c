@@ -31,6 +31,7 @@
 #include "common/checkpoint.h"
 #include "common/fsutil.h"
 #include "model/model.h"
+#include "model/qb.h"
 #include "model/model_plan.h"
 #include "common/tokenizer.h"
 #include "env/env_config.h"
@@ -106,7 +107,7 @@ static mtrl_status model_load_(const replay_session *s, mtrl_model *m, int *init
     // Replay rescoring runs on the CPU: the fp32 reference the actor's numbers are checked against.
     mtrl_model_init(m, &d, (uint64_t)s->cfg.run.seed);
     *inited = 1;
-    m->qb_frozen = 1; // replay never moves β
+    mtrl_qb_set_mode(m, MTRL_QB_FROZEN); // replay never moves β
     m->version = 0;
     if (!path) return MTRL_OK;
     // A file that changed since the run wrote it (another run's, same out_dir) would show up as a
