@@ -148,6 +148,31 @@ size_t mtrl_tokenizer_text(const mtrl_tokenizer *t, const uint32_t *ids, size_t 
     return at;
 }
 
+size_t mtrl_tokenizer_piece(const mtrl_tokenizer *t, uint32_t id, char *out, size_t cap, int *special) {
+    unsigned char byte = (unsigned char)id;
+    const unsigned char *b = NULL;
+    size_t len = 0;
+    *special = -1;
+    if (t && t->bpe) {
+        b = mtrl_bpe_token_bytes(t->bpe, id, &len);
+        if (b) *special = mtrl_bpe_is_special(t->bpe, id) ? 1 : 0;
+    } else if (id < 256) {
+        b = &byte;
+        len = 1;
+        *special = 0;
+    } else if (mtrl_tok_special_name(id)) {
+        b = (const unsigned char *)mtrl_tok_special_name(id);
+        len = strlen((const char *)b);
+        *special = 1;
+    }
+    if (cap) {
+        size_t k = len < cap - 1 ? len : cap - 1;
+        if (k) memcpy(out, b, k);
+        out[k] = '\0';
+    }
+    return len;
+}
+
 mtrl_status mtrl_tokenizer_special(const mtrl_tokenizer *t, const char *text, uint32_t *id, mtrl_error *err) {
     if (t && t->bpe) return mtrl_bpe_special_id(t->bpe, text, id, err);
     for (uint32_t i = MTRL_TOK_BOS; i < MTRL_VOCAB; i++)

@@ -60,6 +60,10 @@ size_t mtrl_tokenizer_encode(const mtrl_tokenizer *t, const void *text, size_t n
 // The bytes of ids snprintf-style, specials dropped (what an env receives); ids without bytes
 // are dropped too. Returns the full length.
 size_t mtrl_tokenizer_text(const mtrl_tokenizer *t, const uint32_t *ids, size_t n, char *out, size_t cap);
+// One id as a reader sees it (mtrl replay): its bytes into out with *special = 0, a special
+// token's text ("<|im_end|>", "<|eos|>") with *special = 1, or "" with *special = -1 for an id
+// that has neither. snprintf-style; returns the full length.
+size_t mtrl_tokenizer_piece(const mtrl_tokenizer *t, uint32_t id, char *out, size_t cap, int *special);
 // The id of the special token written text ("<|im_end|>"), or MTRL_ERR_NOTFOUND naming it and
 // the tokenizer. The bytes tokenizer knows its own names ("<|eos|>", ...).
 mtrl_status mtrl_tokenizer_special(const mtrl_tokenizer *t, const char *text, uint32_t *id, mtrl_error *err);

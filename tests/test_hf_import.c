@@ -279,6 +279,35 @@ static void test_cli_(void) {
     TEST_EQ_INT(run_(cmd), 0);
 }
 
+// A run of the imported model (experiments/import-kimi-linear.ini, a few steps) replayed: the
+// episode's ids read as the run's BPE tokenizer says (Kimi's chat framing in the prompt), not
+// as bytes.
+static void test_replay_bpe_(void) {
+    const char *bin = getenv("MTRL_BIN"), *src = getenv("MTRL_SRC");
+    if (!bin || !src) return;
+    char cmd[16384], db[4300], log[4300];
+    snprintf(db, sizeof db, "%s/kimi-runs.db", tmp_);
+    snprintf(log, sizeof log, "%s/kimi-replay.txt", tmp_);
+    snprintf(cmd, sizeof cmd,
+             "'%s' run '%s/experiments/import-kimi-linear.ini' --set run.steps=1 --set run.db='%s' --set run.out_dir='%s/kimi-out'"
+             " > '%s/kimi-run.log' 2>&1",
+             bin, src, db, tmp_, tmp_);
+    TEST_EQ_INT(run_(cmd), 0);
+    snprintf(cmd, sizeof cmd,
+             "'%s' replay --db '%s' --episode $(sqlite3 '%s' 'select id from episodes limit 1') > '%s' 2>&1", bin, db,
+             db, log);
+    TEST_EQ_INT(run_(cmd), 0);
+    FILE *f = fopen(log, "r");
+    TEST_CHECK(f != NULL);
+    if (!f) return;
+    char text[65536];
+    size_t n = fread(text, 1, sizeof text - 1, f);
+    text[n] = 0;
+    fclose(f);
+    TEST_CONTAINS(text, "<|im_user|>user<|im_middle|>");
+    TEST_CHECK(strstr(text, "showing the ids as bytes") == NULL);
+}
+
 int main(void) {
     const char *src = getenv("MTRL_SRC");
     snprintf(fixture_, sizeof fixture_, "%s/tests/fixtures/kimi_linear_tiny", src ? src : "..");
@@ -299,6 +328,7 @@ int main(void) {
     test_export_(&m, &cfg);
     test_refused_(&m);
     test_cli_();
+    test_replay_bpe_();
     mtrl_model_free(&m);
     char cmd[4200];
     snprintf(cmd, sizeof cmd, "rm -rf '%s'", tmp_);

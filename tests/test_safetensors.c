@@ -378,6 +378,32 @@ static void test_tokenizer_(void) {
     TEST_CHECK(cases >= 20);
     free(all);
     mtrl_bpe_free(bpe);
+    // One id at a time as replay shows it: the pieces of a text put it back together, a
+    // special token gives its name, an id with neither says so; the bytes tokenizer likewise.
+    const char *text = "def f(x):\n    return x  # \xe4\xb8\x96\xe7\x95\x8c";
+    uint32_t ids[64];
+    size_t n = mtrl_tokenizer_encode(tok, text, strlen(text), ids);
+    char joined[256] = "", piece[64];
+    int special;
+    for (size_t i = 0; i < n; i++) {
+        size_t len = mtrl_tokenizer_piece(tok, ids[i], piece, sizeof piece, &special);
+        TEST_EQ_INT(special, 0);
+        TEST_EQ_INT((long)len, (long)strlen(piece));
+        strncat(joined, piece, sizeof joined - strlen(joined) - 1);
+    }
+    TEST_EQ_STR(joined, text);
+    uint32_t end;
+    TEST_CHECK(mtrl_tokenizer_special(tok, "<|im_end|>", &end, &err) == MTRL_OK);
+    mtrl_tokenizer_piece(tok, end, piece, sizeof piece, &special);
+    TEST_EQ_INT(special, 1);
+    TEST_EQ_STR(piece, "<|im_end|>");
+    mtrl_tokenizer_piece(tok, 0xfffffff0u, piece, sizeof piece, &special);
+    TEST_EQ_INT(special, -1);
+    TEST_EQ_STR(piece, "");
+    mtrl_tokenizer_piece(NULL, 'A', piece, sizeof piece, &special);
+    TEST_CHECK(special == 0 && !strcmp(piece, "A"));
+    mtrl_tokenizer_piece(NULL, MTRL_TOK_EOS, piece, sizeof piece, &special);
+    TEST_CHECK(special == 1 && !strcmp(piece, mtrl_tok_special_name(MTRL_TOK_EOS)));
     mtrl_tokenizer_free(tok);
 }
 

@@ -124,6 +124,9 @@ static void json_f32_(FILE *f, float v) {
 // ---- session ------------------------------------------------------------------------------------
 
 static void session_free_(replay_session *s) {
+    replay_text_use(NULL);
+    mtrl_tokenizer_free(s->tok);
+    s->tok = NULL;
     mtrl_store_close(s->store);
     free(s->config_text);
     free(s->ckpts);
@@ -198,6 +201,14 @@ static int session_open_(replay_session *s, const char *db, int have_run, int64_
         if (mtrl_config_load_text(&s->cfg, name, s->config_text, NULL, 0, &errs) == MTRL_OK) s->have_cfg = 1;
         else snprintf(s->cfg_err, sizeof s->cfg_err, "%s", errs.n ? errs.msgs[0] : "config refused");
         mtrl_config_errors_free(&errs);
+        // The ids mean what the run's tokenizer says (a BPE for an imported model); a tokenizer
+        // file that is gone leaves the bytes view, said once.
+        mtrl_error terr;
+        if (s->have_cfg && mtrl_tokenizer_open(&s->tok, &s->cfg.model, UINT32_MAX, &terr) != MTRL_OK) {
+            fprintf(stderr, "mtrl replay: %s; showing the ids as bytes\n", terr.msg);
+            s->tok = NULL;
+        }
+        replay_text_use(s->tok);
     } else {
         snprintf(s->cfg_err, sizeof s->cfg_err, "run %lld has no stored config", (long long)run);
     }

@@ -16,6 +16,7 @@
 #include "common/config.h"
 #include "common/status.h"
 #include "common/store.h"
+#include "common/tokenizer.h"
 #include "common/traj.h"
 #include "learner/algo.h"
 
@@ -28,6 +29,7 @@ typedef struct replay_session {
     mtrl_store_run run_row;
     char *config_text;           // the run's stored config (free())
     mtrl_config cfg;             // resolved from config_text
+    mtrl_tokenizer *tok;         // the run's tokenizer ([model] tokenizer; NULL: bytes)
     int have_cfg;
     char cfg_err[1024];          // why have_cfg is 0
     mtrl_store_episode row;
@@ -136,9 +138,13 @@ void replay_reexec_free(replay_reexec *r);
 
 // ---- text helpers shared by the renderers -----------------------------------------------------
 
-// Writes the display text of token ids: bytes as UTF-8 where they form valid sequences, other
-// bytes and control characters as \xNN (\n and \t kept, or escaped when escape_ws), specials as
-// <|name|>. colour: wrap specials in dim ANSI.
+// The tokenizer the text views below decode with: the run's own ([model] tokenizer, e.g. a
+// BPE for an imported model), set once by mtrl replay when it opens the run; NULL (the default):
+// bytes.
+void replay_text_use(const mtrl_tokenizer *tok);
+// Writes the display text of token ids: their bytes as UTF-8 where they form valid sequences,
+// other bytes and control characters as \xNN (\n and \t kept, or escaped when escape_ws),
+// specials as <|name|>. colour: wrap specials in dim ANSI.
 void replay_put_ids(FILE *f, const uint32_t *ids, size_t n, int colour, int escape_ws);
 void replay_put_bytes(FILE *f, const uint8_t *b, size_t n, int escape_ws);
 // Length of the valid UTF-8 sequence at b[0..n) (2..4), or 0 when b[0] does not start one.

@@ -3,6 +3,7 @@
 // re-execution (replay_model.c).
 #include <stdint.h>
 #include <stdio.h>
+#include <stdlib.h>
 #include <string.h>
 #include <unistd.h>
 
@@ -73,7 +74,48 @@ void replay_put_bytes(FILE *f, const uint8_t *b, size_t n, int escape_ws) {
     replay_put_escaped(f, b, n, text_ascii_, &escape_ws, "\\x%02x");
 }
 
+// The command's one tokenizer (replay_text_use): what the run's ids mean.
+static const mtrl_tokenizer *tok_;
+
+void replay_text_use(const mtrl_tokenizer *tok) { tok_ = tok; }
+
+// A BPE id's bytes (0), a special's text (1), or none (-1), into piece (cap bytes).
+static int piece_(uint32_t id, char *piece, size_t cap, size_t *len) {
+    int special;
+    *len = mtrl_tokenizer_piece(tok_, id, piece, cap, &special);
+    if (*len >= cap) *len = cap - 1;
+    return special;
+}
+
 void replay_put_ids(FILE *f, const uint32_t *ids, size_t n, int colour, int escape_ws) {
+    if (tok_ && !mtrl_tokenizer_is_bytes(tok_)) {
+        // A BPE run: each id's bytes, gathered so that UTF-8 split across ids shows whole.
+        uint8_t buf[1024];
+        size_t nb = 0;
+        for (size_t i = 0; i <= n; i++) {
+            char piece[256];
+            size_t len = 0;
+            int kind = i < n && !mtrl_img_token_is(ids[i]) ? piece_(ids[i], piece, sizeof piece, &len) : -1;
+            if (kind == 0 && nb + len <= sizeof buf) {
+                memcpy(buf + nb, piece, len);
+                nb += len;
+                continue;
+            }
+            if (nb) replay_put_bytes(f, buf, nb, escape_ws);
+            nb = 0;
+            if (i == n) break;
+            if (kind == 0) { // buffer was full
+                memcpy(buf, piece, len);
+                nb = len;
+                continue;
+            }
+            if (colour) fputs("\033[2m", f);
+            if (kind == 1) fputs(piece, f);
+            else fprintf(f, "<|id %u|>", ids[i]);
+            if (colour) fputs("\033[22m", f);
+        }
+        return;
+    }
     uint8_t buf[256];
     size_t nb = 0;
     for (size_t i = 0; i <= n; i++) {
@@ -114,6 +156,24 @@ void replay_put_ids(FILE *f, const uint32_t *ids, size_t n, int colour, int esca
 }
 
 void replay_token_text(uint32_t id, char *out, size_t cap) {
+    if (tok_ && !mtrl_tokenizer_is_bytes(tok_) && !mtrl_img_token_is(id)) {
+        char piece[64];
+        size_t len;
+        int kind = piece_(id, piece, sizeof piece, &len);
+        if (kind < 0) snprintf(out, cap, "<|id %u|>", id);
+        else {
+            // one token's bytes, escaped as the text view escapes them
+            char *buf = NULL;
+            size_t blen = 0;
+            FILE *m = open_memstream(&buf, &blen);
+            if (kind == 1) fputs(piece, m);
+            else replay_put_bytes(m, (const uint8_t *)piece, len, 1);
+            fclose(m);
+            snprintf(out, cap, "%s", buf ? buf : "");
+            free(buf);
+        }
+        return;
+    }
     const char *name = mtrl_tok_special_name(id);
     if (name) snprintf(out, cap, "%s", name);
     else if (id == MTRL_IMG_START) snprintf(out, cap, "<|picture|>");
