@@ -293,6 +293,44 @@ static void report_item19_(const char *page, const char *db) {
     }
 }
 
+// ---- pictures --------------------------------------------------------------------------------------
+
+// A run of the picture env (experiments/image-cpu.ini, two steps): its example episodes show
+// their pictures, written beside the page as PNG files the page names; a run without pictures
+// (the quickstart's, checked by the caller) has no figure.
+static void test_pictures_(void) {
+    char ini[1024], path[700], why[512];
+    snprintf(ini, sizeof ini, "%s/experiments/image-cpu.ini", src_);
+    result r = RUN("run", ini, "--set", "run.steps=2", "--set", "warmup.steps=2", "--set", "run.out_dir=img-runs",
+                   "--db", "img.db");
+    TEST_EQ_INT(r.rc, 0);
+    result_free_(&r);
+    r = RUN("report", "--db", "img.db", "--out", "img-rep");
+    TEST_EQ_INT(r.rc, 0);
+    result_free_(&r);
+    snprintf(path, sizeof path, "%s/img-rep/index.html", dir_);
+    char *page = slurp_(path);
+    TEST_CHECK(page != NULL);
+    if (!page) return;
+    TEST_CHECKF(well_formed_(page, why, sizeof why), "the page with pictures is not well-formed: %s", why);
+    int figures = 0;
+    for (const char *p = page; (p = strstr(p, "<figure data-episode=\"")); p++) {
+        figures++;
+        const char *src = strstr(p, "<img src=\"");
+        TEST_CHECK(src != NULL);
+        if (!src) break;
+        char name[128] = "", png[900];
+        sscanf(src + 10, "%127[^\"]", name);
+        snprintf(png, sizeof png, "%s/img-rep/%s", dir_, name);
+        size_t len = 0;
+        char *b = test_slurp(png, &len);
+        TEST_CHECKF(b && len > 8 && !memcmp(b, "\x89PNG\r\n\x1a\n", 8), "%s is not a PNG", png);
+        free(b);
+    }
+    TEST_CHECKF(figures >= 1, "no picture shown for the picture env's episodes (%d figures)", figures);
+    free(page);
+}
+
 int main(void) {
     bin_ = getenv("MTRL_BIN");
     src_ = getenv("MTRL_SRC");
@@ -325,6 +363,7 @@ int main(void) {
     char *page = slurp_(path);
     TEST_CHECKF(well_formed_(page, why, sizeof why), "index.html is not well-formed: %s", why);
     TEST_CHECK(!strstr(page, "<script"));
+    TEST_CHECK(!strstr(page, "<figure")); // the quickstart's episodes have no pictures
     TEST_CHECK(!strstr(page, "http://") || !strstr(page, "src=\"http"));
     int nm = check_series_(page, db, 2);
     long long names = q_int_(db, "SELECT count(DISTINCT name) FROM metrics WHERE run = 2");
@@ -475,6 +514,7 @@ int main(void) {
     TEST_EQ_INT(r.rc, 2);
     result_free_(&r);
 
+    test_pictures_();
     if (test_failed_ == 0) {
         char cmd[400];
         snprintf(cmd, sizeof cmd, "rm -rf '%s'", dir_);

@@ -707,7 +707,7 @@ static int write_page_(const char *dir, const char *dbpath, mtrl_store *s, run_d
     write_ladder_(f, runs, nr);
     write_panels_(f, runs, nr);
     fputs("<h2 id=\"episodes\">Example episodes</h2>\n", f);
-    for (int i = 0; i < nr; i++) report_write_examples(f, s, dbpath, runs[i].id);
+    for (int i = 0; i < nr; i++) report_write_examples(f, s, dbpath, dir, runs[i].id);
     fputs("<h2 id=\"tools\">Tools</h2>\n", f);
     for (int i = 0; i < nr; i++) report_write_tools(f, s, runs[i].id);
     fputs("<h2 id=\"experts\">Experts</h2>\n", f);

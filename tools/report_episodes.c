@@ -3,9 +3,15 @@
 #include "tools/report_episodes.h"
 
 #include <sqlite3.h>
+#include <stdio.h>
 #include <string.h>
+#include <unistd.h>
 
+#include "common/config.h"
 #include "common/log.h"
+#include "common/traj.h"
+#include "common/trajfile.h"
+#include "tools/replay.h"
 #include "tools/report_plot.h"
 
 // Text from a model or an env (tool names, abort reasons): escaped to printable text first
@@ -30,14 +36,90 @@ static const struct {
     {"failed", "aborted or rejected", "status IN ('aborted','rejected')"},
 };
 
-void report_write_examples(FILE *f, mtrl_store *s, const char *dbpath, int64_t run) {
+// Whether the run's model takes pictures ([model] image_patch > 0 in its stored config).
+static int run_has_pictures_(mtrl_store *s, int64_t run) {
+    sqlite3_stmt *st;
+    int yes = 0;
+    if (sqlite3_prepare_v2(mtrl_store_sqlite(s), "SELECT config FROM runs WHERE id = ?1", -1, &st, NULL) != SQLITE_OK) return 0;
+    sqlite3_bind_int64(st, 1, run);
+    if (sqlite3_step(st) == SQLITE_ROW && sqlite3_column_type(st, 0) != SQLITE_NULL) {
+        mtrl_config cfg;
+        mtrl_config_errors errs = {0};
+        if (mtrl_config_load_text(&cfg, "run config", (const char *)sqlite3_column_text(st, 0), NULL, 0, &errs) == MTRL_OK)
+            yes = cfg.model.image_patch > 0;
+        mtrl_config_errors_free(&errs);
+    }
+    sqlite3_finalize(st);
+    return yes;
+}
+
+// A stored trajectory path as replay resolves it: absolute as is; relative to the database's
+// folder when the file is there, else to ours.
+static void traj_path_(const char *dbpath, const char *stored, char *out, size_t cap) {
+    snprintf(out, cap, "%s", stored);
+    if (stored[0] == '/') return;
+    const char *slash = strrchr(dbpath, '/');
+    if (!slash) return;
+    char cand[8192];
+    snprintf(cand, sizeof cand, "%.*s/%s", (int)(slash - dbpath), dbpath, stored);
+    if (access(cand, R_OK) == 0) snprintf(out, cap, "%s", cand);
+}
+
+// The pictures of episode id (if it saw any) as PNGs beside the page, one figure each.
+static int write_pictures_(FILE *f, const char *dbpath, const char *dir, int64_t run, long long id,
+                           const char *stored, int64_t offset) {
+    if (!stored || !stored[0] || offset < 0) return 0;
+    char path[8192];
+    traj_path_(dbpath, stored, path, sizeof path);
+    mtrl_trajfile_reader r;
+    mtrl_traj_limits lim = mtrl_traj_limits_default();
+    mtrl_traj t;
+    mtrl_traj_init(&t);
+    mtrl_error err;
+    mtrl_status st = mtrl_trajfile_reader_open(&r, path, &err);
+    if (st == MTRL_OK) {
+        st = mtrl_trajfile_read_traj_at(&r, (uint64_t)offset, &lim, &t, &err);
+        mtrl_trajfile_reader_close(&r);
+    }
+    int shown = 0;
+    if (st != MTRL_OK) {
+        fprintf(f, "<figure data-episode=\"%lld\"><figcaption>episode %lld: ", id, id);
+        report_esc(f, err.msg);
+        fputs("</figcaption></figure>\n", f);
+        shown = 1;
+    }
+    for (uint32_t i = 0; st == MTRL_OK && i < t.n_images; i++) {
+        const mtrl_traj_image *im = &t.images[i];
+        char name[128], file[8400], why[256];
+        snprintf(name, sizeof name, "ep-%lld-%lld-%u.png", (long long)run, id, i);
+        snprintf(file, sizeof file, "%s/%s", dir, name);
+        fprintf(f, "<figure data-episode=\"%lld\">", id);
+        if (replay_png_write(file, im->rgb, im->width, im->height, why, sizeof why) == 0)
+        {
+            // small pictures enlarged, pixels kept sharp: the longer side shown at >= 192 px
+            uint32_t side = im->width > im->height ? im->width : im->height, k = side && side < 192 ? (191 + side) / side : 1;
+            fprintf(f, "<img src=\"%s\" width=\"%u\" height=\"%u\" style=\"image-rendering: pixelated\" "
+                       "alt=\"picture %u of episode %lld\"/>",
+                    name, k * im->width, k * im->height, i, id);
+        }
+        else report_esc(f, why);
+        fprintf(f, "<figcaption>episode %lld, picture %u: %u x %u</figcaption></figure>\n", id, i, im->width, im->height);
+        shown = 1;
+    }
+    mtrl_traj_free(&t);
+    return shown;
+}
+
+void report_write_examples(FILE *f, mtrl_store *s, const char *dbpath, const char *dir, int64_t run) {
     sqlite3 *db = mtrl_store_sqlite(s);
     fprintf(f, "<h3 class=\"runhead\">run %lld</h3>\n", (long long)run);
-    int rows = 0;
+    int rows = 0, n_pic = 0;
+    struct { long long id; char path[4096]; int64_t offset; } pic[3 * REPORT_EXAMPLES_PER_KIND];
     for (size_t k = 0; k < sizeof kinds_ / sizeof kinds_[0]; k++) {
         char sql[512];
         snprintf(sql, sizeof sql,
-                 "SELECT id, status, reward, tokens, tool_calls, step, abort_reason FROM episodes WHERE run = ?1 AND %s "
+                 "SELECT id, status, reward, tokens, tool_calls, step, abort_reason, traj_path, traj_offset FROM episodes "
+                 "WHERE run = ?1 AND %s "
                  "ORDER BY ended DESC, id DESC LIMIT %d",
                  kinds_[k].where, REPORT_EXAMPLES_PER_KIND);
         sqlite3_stmt *st;
@@ -67,11 +149,21 @@ void report_write_examples(FILE *f, mtrl_store *s, const char *dbpath, int64_t r
             fputs("<td><code>", f);
             report_esc(f, buf);
             fputs("</code></td></tr>\n", f);
+            const char *tp = (const char *)sqlite3_column_text(st, 7);
+            if (tp && tp[0] && n_pic < (int)(sizeof pic / sizeof pic[0])) {
+                pic[n_pic].id = id;
+                snprintf(pic[n_pic].path, sizeof pic[n_pic].path, "%s", tp);
+                pic[n_pic].offset = sqlite3_column_type(st, 8) == SQLITE_NULL ? -1 : sqlite3_column_int64(st, 8);
+                n_pic++;
+            }
         }
         sqlite3_finalize(st);
     }
     if (rows) fputs("</table>\n", f);
     else fputs("<p class=\"note\">no episodes</p>\n", f);
+    // Only a run whose env sends pictures has any; the others read no trajectory file.
+    if (!run_has_pictures_(s, run)) return;
+    for (int i = 0; i < n_pic; i++) write_pictures_(f, dbpath, dir, run, pic[i].id, pic[i].path, pic[i].offset);
 }
 
 void report_write_tools(FILE *f, mtrl_store *s, int64_t run) {

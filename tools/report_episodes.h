@@ -5,6 +5,10 @@
 // it (`mtrl replay --db DB --run R --episode ID`): the latest rewarded ones, the latest
 // unrewarded complete or truncated ones, and the latest aborted or rejected ones with their
 // reason. Rows carry data-episode, data-run and data-kind (rewarded, unrewarded, failed).
+// Pictures: when an example episode saw pictures (env ABI 1.1, docs/multimodal.md), each is read
+// from its trajectory file and written beside the page as dir/ep-RUN-EPISODE-I.png, shown under
+// the table in a <figure data-episode=...> with its size; a trajectory that cannot be read is
+// said in the figure's place.
 //
 // Tools: one row per tool name: calls, calls with an error (and their share), mean and largest
 // latency, mean bytes in and out, for the REPORT_TOOLS_MAX most called names (a tool name is
@@ -22,7 +26,7 @@
 #define REPORT_EXAMPLES_PER_KIND 3
 #define REPORT_TOOLS_MAX 12
 
-void report_write_examples(FILE *f, mtrl_store *s, const char *dbpath, int64_t run);
+void report_write_examples(FILE *f, mtrl_store *s, const char *dbpath, const char *dir, int64_t run);
 void report_write_tools(FILE *f, mtrl_store *s, int64_t run);
 
 #endif
