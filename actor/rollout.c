@@ -1,7 +1,7 @@
 // rollout.c: batched tool-use episodes on the decode form (see rollout.h).
 #include "actor/rollout.h"
 
-#include "actor/chat.h"
+#include "common/chat.h"
 #include "actor/episode_mem.h"
 
 #include "env/env_config.h"

@@ -56,7 +56,7 @@ typedef struct mtrl_rollout_params {
     uint64_t first_episode;  // stage) continues them, so episode ids never repeat in a run
     uint64_t max_groups;     // no new group after this many (0: until mtrl_rollout_stop_new)
     mtrl_rollout_times *times; // nullable (params_from_config: NULL): the time split goes here
-    // How episodes are framed and tool calls read (actor/chat.h). NULL: mtrl_rollout_init opens
+    // How episodes are framed and tool calls read (common/chat.h). NULL: mtrl_rollout_init opens
     // [model] tokenizer and chat_template (the rollout owns it); run_one takes NULL as bytes.
     const struct mtrl_chat *chat;
     size_t device_budget;    // [actor] device_budget_mb in bytes: decode states through the episode

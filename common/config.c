@@ -527,9 +527,6 @@ static void resolve_from_(cfg_parse *ps) {
         errs_add(ps->errs, "%s: [model] from = %s: %s", ps->name, m->from, err.msg);
         return;
     }
-    if (ps->cfg->warmup.steps > 0)
-        errs_add(ps->errs, "%s: [warmup] steps = %ld with [model] from: the warm-up demos are written in the byte "
-                 "tokenizer's ids, not the checkpoint's; set steps = 0", ps->name, ps->cfg->warmup.steps);
     mtrl_config *tmp = xmalloc(sizeof *tmp);
     for (int i = 0; i < h.n_keys; i++) {
         const mtrl_hf_key *k = &h.keys[i];

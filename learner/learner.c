@@ -15,6 +15,7 @@
 
 #include "env/env_config.h"
 #include "learner/json_line.h"
+#include "common/chat.h"
 #include "common/check.h"
 #include "common/checkpoint.h"
 #include "common/fsutil.h"
@@ -1021,6 +1022,14 @@ static void warmup_(mtrl_learner *l, volatile sig_atomic_t *stop) {
         event_(l, MTRL_LOG_ERROR, "warm-up: %s", err.msg);
         return;
     }
+    // The demos in the model's own tokens and chat template ([model] tokenizer, chat_template),
+    // as the actors frame episodes.
+    mtrl_chat chat;
+    if (mtrl_chat_init(&chat, &l->cfg.model, (uint32_t)l->model.dims.V, &err) != MTRL_OK) {
+        event_(l, MTRL_LOG_ERROR, "warm-up: %s", err.msg);
+        mtrl_env_close(env);
+        return;
+    }
     int B = (int)l->cfg.warmup.batch;
     mtrl_traj *demos = xcalloc((size_t)B, sizeof(mtrl_traj));
     mtrl_traj **dp = xcalloc((size_t)B, sizeof(mtrl_traj *));
@@ -1036,8 +1045,8 @@ static void warmup_(mtrl_learner *l, volatile sig_atomic_t *stop) {
         int ok = 1;
         for (int i = 0; i < B && ok; i++) {
             uint64_t seed = mtrl_rng_u64((uint64_t)l->cfg.run.seed, mtrl_rng_stream("warmup", 0, 0), (uint64_t)(s * B + i));
-            ok = mtrl_train_demo_episode_images(env, seed, (int)l->cfg.actor.max_tokens, l->model.dims.image_patch,
-                                                &demos[i], &err) == MTRL_OK;
+            ok = mtrl_train_demo_episode_chat(env, seed, (int)l->cfg.actor.max_tokens, l->model.dims.image_patch,
+                                              &chat, &demos[i], &err) == MTRL_OK;
         }
         if (!ok) {
             event_(l, MTRL_LOG_ERROR, "warm-up stopped: %s", err.msg);
@@ -1077,6 +1086,7 @@ static void warmup_(mtrl_learner *l, volatile sig_atomic_t *stop) {
     for (int i = 0; i < B; i++) mtrl_traj_free(&demos[i]);
     free(demos);
     free(dp);
+    mtrl_chat_free(&chat);
     mtrl_env_close(env);
     if (*stop || l->failed[0]) return; // stopped mid warm-up: no half-trained behaviour policy is published or kept
     publish_(l);

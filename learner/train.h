@@ -60,5 +60,11 @@ mtrl_status mtrl_train_demo_episode(mtrl_env *env, uint64_t seed, int max_tokens
 // (MTRL_ERR_USAGE), as it aborts an actor's episode.
 mtrl_status mtrl_train_demo_episode_images(mtrl_env *env, uint64_t seed, int max_tokens, int image_patch,
                                            mtrl_traj *out, mtrl_error *err);
+// The same in a chat template's tokens (common/chat.h; NULL or bytes: exactly the above), so
+// that a model imported with its own tokenizer ([model] from) can be warmed up on the env's
+// demos. Pictures only with the bytes template.
+struct mtrl_chat;
+mtrl_status mtrl_train_demo_episode_chat(mtrl_env *env, uint64_t seed, int max_tokens, int image_patch,
+                                         const struct mtrl_chat *chat, mtrl_traj *out, mtrl_error *err);
 
 #endif

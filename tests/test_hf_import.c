@@ -15,7 +15,10 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include "common/chat.h"
 #include "common/config.h"
+#include "env/env_config.h"
+#include "learner/train.h"
 #include "model/model.h"
 #include "model/model_hf.h"
 #include "common/safetensors.h"
@@ -308,6 +311,52 @@ static void test_replay_bpe_(void) {
     TEST_CHECK(strstr(text, "showing the ids as bytes") == NULL);
 }
 
+// The warm-up's demos in the imported model's own chat template: a calc demo as Kimi's tokens
+// starts with the prompt the actors render, its call reads back (mtrl_chat_call) as the env
+// action the demo made, the answer ends with the template's end token, the demo earns its reward;
+// and a short run with a warm-up of the imported model works end to end.
+static void test_demo_chat_(const mtrl_config *cfg) {
+    mtrl_chat chat;
+    mtrl_error err;
+    TEST_CHECKF(mtrl_chat_init(&chat, &cfg->model, 762, &err) == MTRL_OK, "%s", err.msg);
+    TEST_EQ_INT(chat.kind, MTRL_CHAT_KIMI);
+    mtrl_env *env;
+    TEST_CHECKF(mtrl_env_open_config(cfg, &env, &err) == MTRL_OK, "%s", err.msg);
+    mtrl_traj t;
+    mtrl_traj_init(&t);
+    TEST_CHECKF(mtrl_train_demo_episode_chat(env, 5, 512, 0, &chat, &t, &err) == MTRL_OK, "%s", err.msg);
+    TEST_NEAR(t.reward, 1, 1e-9);
+    mtrl_env_result res;
+    TEST_EQ_INT(mtrl_env_reset(env, 5, &res, &err), MTRL_OK);
+    uint32_t want[512];
+    long np = mtrl_chat_prompt(&chat, res.obs, res.obs_len, want, 512);
+    TEST_CHECK(np > 0 && (uint64_t)np < t.n_tokens);
+    TEST_CHECK(!memcmp(t.ids, want, sizeof(uint32_t) * (size_t)np));
+    size_t open = 0, close = 0;
+    for (size_t i = 0; i < t.n_tokens && !close; i++) {
+        if (t.ids[i] == chat.call_open) open = i;
+        if (t.ids[i] == chat.call_close) close = i;
+    }
+    TEST_CHECK(open > 0 && close > open && t.ids[open - 1] == chat.section_begin);
+    char action[256], call_id[128];
+    mtrl_chat_call(&chat, t.ids + open + 1, close - open - 1, action, sizeof action, call_id, sizeof call_id);
+    TEST_CHECKF(!strncmp(action, "calc(", 5) && !strncmp(call_id, "functions.calc:", 15), "the call read back as %s (%s)",
+                action, call_id);
+    TEST_EQ_INT(t.ids[t.n_tokens - 1], chat.end);
+    TEST_EQ_INT(t.kind[t.n_tokens - 1], MTRL_TOK_MODEL);
+    mtrl_traj_free(&t);
+    mtrl_env_close(env);
+    mtrl_chat_free(&chat);
+    const char *bin = getenv("MTRL_BIN"), *src = getenv("MTRL_SRC");
+    if (!bin || !src) return;
+    char cmd[16384];
+    snprintf(cmd, sizeof cmd,
+             "'%s' run '%s/experiments/import-kimi-linear.ini' --set run.steps=1 --set warmup.steps=2 --set run.db='%s/w.db' "
+             "--set run.out_dir='%s/w-out' > '%s/w-run.log' 2>&1",
+             bin, src, tmp_, tmp_, tmp_);
+    TEST_EQ_INT(run_(cmd), 0);
+}
+
 int main(void) {
     const char *src = getenv("MTRL_SRC");
     snprintf(fixture_, sizeof fixture_, "%s/tests/fixtures/kimi_linear_tiny", src ? src : "..");
@@ -329,6 +378,7 @@ int main(void) {
     test_refused_(&m);
     test_cli_();
     test_replay_bpe_();
+    test_demo_chat_(&cfg);
     mtrl_model_free(&m);
     char cmd[4200];
     snprintf(cmd, sizeof cmd, "rm -rf '%s'", tmp_);

@@ -22,7 +22,7 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
-#include "actor/chat.h"
+#include "common/chat.h"
 #include "common/bf16.h"
 #include "common/bpe.h"
 #include "common/config.h"

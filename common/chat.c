@@ -1,5 +1,5 @@
 // chat.c: episode framing and tool-call parsing per chat template (see chat.h).
-#include "actor/chat.h"
+#include "common/chat.h"
 
 #include <stdio.h>
 #include <stdlib.h>
@@ -45,7 +45,7 @@ mtrl_status mtrl_chat_init(mtrl_chat *c, const mtrl_cfg_model *cfg, uint32_t voc
             {"<|im_assistant|>", &c->assistant},  {"<|im_system|>", &c->system},
             {"<|im_middle|>", &c->middle},        {"<|tool_calls_section_end|>", &c->section_end},
             {"<|tool_call_begin|>", &c->call_open}, {"<|tool_call_end|>", &c->call_close},
-            {"<|tool_call_argument_begin|>", &c->arg},
+            {"<|tool_call_argument_begin|>", &c->arg}, {"<|tool_calls_section_begin|>", &c->section_begin},
         };
         for (size_t i = 0; i < sizeof need / sizeof need[0] && st == MTRL_OK; i++) st = special_(c, need[i].text, need[i].id, err);
         c->end = c->im_end;
@@ -99,6 +99,37 @@ long mtrl_chat_prompt(const mtrl_chat *c, const char *prompt, size_t n, uint32_t
         put_id_(&b, c->im_end);
         open_assistant_(c, &b);
     }
+    return b.over ? -1 : (long)b.n;
+}
+
+long mtrl_chat_demo_call(const mtrl_chat *c, const char *action, size_t n, int idx, uint32_t *out, size_t cap,
+                         char *call_id, size_t idcap) {
+    ids_ b = {out, 0, cap, 0};
+    if (idcap) call_id[0] = 0;
+    if (c->kind == MTRL_CHAT_KIMI) put_id_(&b, c->section_begin); // one call per section
+    put_id_(&b, c->call_open);
+    if (c->kind == MTRL_CHAT_BYTES) {
+        put_text_(c, &b, action, n);
+    } else {
+        // NAME(ARGS) -> functions.NAME:IDX <arg> ARGS; an action without that shape goes as text
+        const char *lp = memchr(action, '(', n);
+        if (lp && n > 0 && action[n - 1] == ')') {
+            snprintf(call_id, idcap, "functions.%.*s:%d", (int)(lp - action), action, idx);
+            put_text_(c, &b, call_id, strlen(call_id));
+            put_id_(&b, c->arg);
+            put_text_(c, &b, lp + 1, (size_t)(action + n - 1 - (lp + 1)));
+        } else {
+            put_text_(c, &b, action, n);
+        }
+    }
+    put_id_(&b, c->call_close);
+    return b.over ? -1 : (long)b.n;
+}
+
+long mtrl_chat_demo_answer(const mtrl_chat *c, const char *answer, size_t n, uint32_t *out, size_t cap) {
+    ids_ b = {out, 0, cap, 0};
+    put_text_(c, &b, answer, n);
+    put_id_(&b, c->end);
     return b.over ? -1 : (long)b.n;
 }
 

@@ -40,6 +40,7 @@ typedef struct mtrl_chat {
     uint32_t end, end2, call_open, call_close;        // the roles' ids (end2: a second end token, or end)
     uint32_t arg;                                     // kimi: <|tool_call_argument_begin|>
     uint32_t user, assistant, system, middle, im_end, section_end; // kimi framing
+    uint32_t section_begin;                          // kimi: <|tool_calls_section_begin|>
 } mtrl_chat;
 
 // The bytes template with the byte tokenizer, needing no init (mtrl_rollout_run_one's default).
@@ -64,6 +65,16 @@ size_t mtrl_chat_call(const mtrl_chat *c, const uint32_t *ids, size_t n, char *o
 
 // The ids fed after a call's CALL_CLOSE: the framed observation (n bytes). -1 when over cap.
 long mtrl_chat_result(const mtrl_chat *c, const char *call_id, const char *obs, size_t n, uint32_t *out, size_t cap);
+
+// What a model turn should be, for the supervised warm-up (the env's demo() actions in the
+// template's tokens, so that an imported model can be warmed up too):
+// the ids of a call of the env action `NAME(ARGS)` (n bytes; idx: the call's number in the
+// episode), through its CALL_CLOSE; call_id (idcap) gets the id its result refers to, as
+// mtrl_chat_call would read it back. Then mtrl_chat_result frames the observation.
+long mtrl_chat_demo_call(const mtrl_chat *c, const char *action, size_t n, int idx, uint32_t *out, size_t cap,
+                         char *call_id, size_t idcap);
+// ... and of a final answer (n bytes) with its end token. Both: the count, or -1 over cap.
+long mtrl_chat_demo_answer(const mtrl_chat *c, const char *answer, size_t n, uint32_t *out, size_t cap);
 
 // The text of model ids (specials dropped): the answer an env scores.
 size_t mtrl_chat_text(const mtrl_chat *c, const uint32_t *ids, size_t n, char *out, size_t cap);
