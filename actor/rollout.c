@@ -412,7 +412,7 @@ static int advance_(const mtrl_rollout_params *p, mtrl_model *m, slot *s, uint32
     uint64_t pos = t->n_tokens;
     double u = mtrl_rng_uniform(t->sample_seed, t->sample_stream, pos);
     real lp;
-    int tok = sample_logits(m->dims.V, s->logits, (real)p->temperature, (real)p->top_p, u, &lp);
+    int tok = mtrl_ref_sample_logits(m->dims.V, s->logits, (real)p->temperature, (real)p->top_p, u, &lp);
     // The routing of a sampled token is known once it is fed to the model: a zero row now,
     // filled in after the decode (or the prefill of a tool result).
     // The token's version is that of the weights whose logits it was sampled from: after a

@@ -78,109 +78,109 @@ static void add_(BE *be, size_t n, const real *a, const real *b, real *y) {
     else
         for (size_t i = 0; i < n; i++) y[i] = (real)0 + b[i];
 }
-static void scale_(BE *be, size_t n, real *x, real s) { (void)be; scale_inplace(n, x, s); }
+static void scale_(BE *be, size_t n, real *x, real s) { (void)be; mtrl_ref_scale_inplace(n, x, s); }
 
 // ---- wrappers -----------------------------------------------------------------------------------------
 
 static void gemm_(BE *be, int ta, int tb, int M, int N, int K, real alpha, const real *A, int lda, const real *B,
                   int ldb, real beta, real *C, int ldc) {
     (void)be;
-    gemm_ref(ta, tb, M, N, K, alpha, A, lda, B, ldb, beta, C, ldc);
+    mtrl_ref_gemm(ta, tb, M, N, K, alpha, A, lda, B, ldb, beta, C, ldc);
 }
 static void rmsnorm_fwd_(BE *be, int N, int D, const real *x, const real *w, real eps, real *y, real *rstd) {
     (void)be;
-    rmsnorm_fwd(N, D, x, w, eps, y, rstd);
+    mtrl_ref_rmsnorm_fwd(N, D, x, w, eps, y, rstd);
 }
 static void rmsnorm_bwd_(BE *be, int N, int D, const real *x, const real *w, const real *rstd, real eps,
                          const real *dy, real *dx, real *dw) {
     (void)be;
-    rmsnorm_bwd(N, D, x, w, rstd, eps, dy, dx, dw);
+    mtrl_ref_rmsnorm_bwd(N, D, x, w, rstd, eps, dy, dx, dw);
 }
 static void l2norm_fwd_(BE *be, int N, int D, const real *x, real eps, real *y) {
     (void)be;
-    l2norm_fwd(N, D, x, eps, y, NULL);
+    mtrl_ref_l2norm_fwd(N, D, x, eps, y, NULL);
 }
 static void l2norm_bwd_(BE *be, int N, int D, const real *x, real eps, const real *dy, real *dx) {
     (void)be;
-    l2norm_bwd(N, D, x, eps, dy, dx);
+    mtrl_ref_l2norm_bwd(N, D, x, eps, dy, dx);
 }
 static void gated_rmsnorm_fwd_(BE *be, int N, int D, const real *x, const real *z, const real *w, real eps,
                                real *y) {
     (void)be;
-    gated_rmsnorm_fwd(N, D, x, z, w, eps, y);
+    mtrl_ref_gated_rmsnorm_fwd(N, D, x, z, w, eps, y);
 }
 static void gated_rmsnorm_bwd_(BE *be, int N, int D, const real *x, const real *z, const real *w, real eps,
                                const real *dy, real *dx, real *dz, real *dw) {
     (void)be;
-    gated_rmsnorm_bwd(N, D, x, z, w, eps, dy, dx, dz, dw);
+    mtrl_ref_gated_rmsnorm_bwd(N, D, x, z, w, eps, dy, dx, dz, dw);
 }
 static void shortconv_fwd_(BE *be, int T, int C, int W, const real *x, const real *w, const real *si, real *y,
                            real *so) {
     (void)be;
-    shortconv_fwd(T, C, W, x, w, si, y, so);
+    mtrl_ref_shortconv_fwd(T, C, W, x, w, si, y, so);
 }
 static void shortconv_bwd_(BE *be, int T, int C, int W, const real *x, const real *w, const real *si,
                            const real *dy, real *dx, real *dw, real *dsi) {
     (void)be;
-    shortconv_bwd(T, C, W, x, w, si, dy, dx, dw, dsi);
+    mtrl_ref_shortconv_bwd(T, C, W, x, w, si, dy, dx, dw, dsi);
 }
 static void shortconv_state_bwd_(BE *be, int T, int C, int W, const real *dso, real *dx, real *dsi) {
     (void)be;
-    shortconv_state_bwd(T, C, W, dso, dx, dsi);
+    mtrl_ref_shortconv_state_bwd(T, C, W, dso, dx, dsi);
 }
 static void shortconv_step_(BE *be, int B, int C, int W, const real *x1, const real *w, real *const *win,
                             real *y1) {
     (void)be;
     // The batch's rows are the outer loop on a team when worth it; each row's step is serial.
     REF_PAR_FOR(ref_par((2.0 * W + REF_FLOPS_EXP) * B * C),
-        for (int r = 0; r < B; r++) shortconv_step(C, W, x1 + (size_t)r * C, w, win[r], y1 + (size_t)r * C););
+        for (int r = 0; r < B; r++) mtrl_ref_shortconv_step(C, W, x1 + (size_t)r * C, w, win[r], y1 + (size_t)r * C););
 }
 static void embedding_fwd_(BE *be, int N, int D, const int *ids, const real *E, real *x) {
     (void)be;
-    embedding_fwd(N, D, ids, E, x);
+    mtrl_ref_embedding_fwd(N, D, ids, E, x);
 }
 static void embedding_bwd_(BE *be, int N, int D, const int *ids, const real *dx, real *dE) {
     (void)be;
-    embedding_bwd(N, D, ids, dx, dE);
+    mtrl_ref_embedding_bwd(N, D, ids, dx, dE);
 }
 static void logprob_fwd_(BE *be, int N, int V, const real *logits, const int *tg, real *logp, real *ent) {
     (void)be;
-    logits_logprob_fwd(N, V, logits, tg, logp, ent);
+    mtrl_ref_logits_logprob_fwd(N, V, logits, tg, logp, ent);
 }
 static void logprob_bwd_(BE *be, int N, int V, const real *logits, const int *tg, const real *dlogp,
                          const real *dent, real *dlogits) {
     (void)be;
-    logits_logprob_bwd(N, V, logits, tg, dlogp, dent, dlogits);
+    mtrl_ref_logits_logprob_bwd(N, V, logits, tg, dlogp, dent, dlogits);
 }
 static void adamw_(BE *be, size_t n, real *p, const real *g, real *m, real *v, real lr, real b1, real b2, real eps,
                    real wd, long step) {
     (void)be;
-    adamw_update(n, p, g, m, v, lr, b1, b2, eps, wd, step);
+    mtrl_ref_adamw_update(n, p, g, m, v, lr, b1, b2, eps, wd, step);
 }
-static double grad_sq_norm_(BE *be, size_t n, const real *g) { (void)be; return grad_sq_norm(n, g); }
+static double grad_sq_norm_(BE *be, size_t n, const real *g) { (void)be; return mtrl_ref_grad_sq_norm(n, g); }
 
 static void kda_gate_fwd_(BE *be, int kind, int T, int H, int K, const real *f, const real *A, const real *b,
                           real gm, real *g) {
     (void)be;
-    if (kind == MTRL_KDA_GATE_KIMI) kda_gate_kimi_fwd(T, H, K, f, A, b, (real)-INFINITY, g);
-    else kda_gate_fwd(T, H, K, f, A, b, gm, g);
+    if (kind == MTRL_KDA_GATE_KIMI) mtrl_ref_kda_gate_kimi_fwd(T, H, K, f, A, b, (real)-INFINITY, g);
+    else mtrl_ref_kda_gate_fwd(T, H, K, f, A, b, gm, g);
 }
 static void kda_gate_bwd_(BE *be, int kind, int T, int H, int K, const real *f, const real *A, const real *b,
                           real gm, const real *dg, real *df, real *dA, real *db) {
     (void)be;
-    if (kind == MTRL_KDA_GATE_KIMI) kda_gate_kimi_bwd(T, H, K, f, A, b, (real)-INFINITY, dg, df, dA, db);
-    else kda_gate_bwd(T, H, K, f, A, b, gm, dg, df, dA, db);
+    if (kind == MTRL_KDA_GATE_KIMI) mtrl_ref_kda_gate_kimi_bwd(T, H, K, f, A, b, (real)-INFINITY, dg, df, dA, db);
+    else mtrl_ref_kda_gate_bwd(T, H, K, f, A, b, gm, dg, df, dA, db);
 }
 static void kda_chunk_fwd_(BE *be, int T, int H, int K, int V, const real *q, const real *k, const real *v,
                            const real *g, const real *beta, const real *S0, real *o, real *Sf, real *St) {
     (void)be;
-    kda_chunk_fwd(T, H, K, V, q, k, v, g, beta, S0, o, Sf, St);
+    mtrl_ref_kda_chunk_fwd(T, H, K, V, q, k, v, g, beta, S0, o, Sf, St);
 }
 static void kda_chunk_bwd_(BE *be, int T, int H, int K, int V, const real *q, const real *k, const real *v,
                            const real *g, const real *beta, const real *S0, const real *St, const real *dout,
                            const real *dSf, real *dq, real *dk, real *dv, real *dg, real *dbeta, real *dS0) {
     (void)be;
-    kda_chunk_bwd(T, H, K, V, q, k, v, g, beta, S0, St, dout, dSf, dq, dk, dv, dg, dbeta, dS0);
+    mtrl_ref_kda_chunk_bwd(T, H, K, V, q, k, v, g, beta, S0, St, dout, dSf, dq, dk, dv, dg, dbeta, dS0);
 }
 static void kda_step_(BE *be, int B, int H, int K, int V, const real *q, const real *k, const real *v,
                       const real *g, const real *beta, real *const *S, real *o) {
@@ -188,7 +188,7 @@ static void kda_step_(BE *be, int B, int H, int K, int V, const real *q, const r
     REF_PAR_FOR(ref_par((8.0 * K * V + REF_FLOPS_EXP * K) * B * H),
         for (int r = 0; r < B; r++) {
             size_t qo = (size_t)r * H * K, vo = (size_t)r * H * V;
-            kda_step(H, K, V, q + qo, k + qo, v + vo, g + qo, beta + (size_t)r * H, S[r], o + vo);
+            mtrl_ref_kda_step(H, K, V, q + qo, k + qo, v + vo, g + qo, beta + (size_t)r * H, S[r], o + vo);
         });
 }
 
@@ -206,43 +206,43 @@ static void latent_upload_(BE *be, size_t n, const real *src, void *dst) { copy_
 static void attn_causal_fwd_(BE *be, int Tq, int Tk, int H, int Hk, int Dk, int Dv, real scale, const real *q,
                              const void *k, int ldk, const void *v, int ldv, real *o, real *lse) {
     (void)be;
-    attn_causal_fwd(Tq, Tk, H, Hk, Dk, Dv, scale, q, k, ldk, v, ldv, o, lse);
+    mtrl_ref_attn_causal_fwd(Tq, Tk, H, Hk, Dk, Dv, scale, q, k, ldk, v, ldv, o, lse);
 }
 static void attn_causal_bwd_(BE *be, int Tq, int Tk, int H, int Hk, int Dk, int Dv, real scale, const real *q,
                              const void *k, int ldk, const void *v, int ldv, const real *o, const real *lse,
                              const real *dout, real *dq, real *dk, real *dv) {
     (void)be;
-    attn_causal_bwd(Tq, Tk, H, Hk, Dk, Dv, scale, q, k, ldk, v, ldv, o, lse, dout, dq, dk, dv);
+    mtrl_ref_attn_causal_bwd(Tq, Tk, H, Hk, Dk, Dv, scale, q, k, ldk, v, ldv, o, lse, dout, dq, dk, dv);
 }
 static void mla_absorb_q_(BE *be, int N, int H, int dn, int dr, int dv, int dc, const real *q, const real *W,
                           real *qt) {
     (void)be;
-    mla_absorb_q(N, H, dn, dr, dv, dc, q, W, qt);
+    mtrl_ref_mla_absorb_q(N, H, dn, dr, dv, dc, q, W, qt);
 }
 static void mla_absorb_q_bwd_(BE *be, int N, int H, int dn, int dr, int dv, int dc, const real *q, const real *W,
                               const real *dqt, real *dq, real *dW) {
     (void)be;
-    mla_absorb_q_bwd(N, H, dn, dr, dv, dc, q, W, dqt, dq, dW);
+    mtrl_ref_mla_absorb_q_bwd(N, H, dn, dr, dv, dc, q, W, dqt, dq, dW);
 }
 static void mla_up_v_(BE *be, int N, int H, int dn, int dv, int dc, const real *cs, const real *W, real *a) {
     (void)be;
-    mla_up_v(N, H, dn, dv, dc, cs, W, a);
+    mtrl_ref_mla_up_v(N, H, dn, dv, dc, cs, W, a);
 }
 static void mla_up_v_bwd_(BE *be, int N, int H, int dn, int dv, int dc, const real *cs, const real *W,
                           const real *da, real *dcs, real *dW) {
     (void)be;
-    mla_up_v_bwd(N, H, dn, dv, dc, cs, W, da, dcs, dW);
+    mtrl_ref_mla_up_v_bwd(N, H, dn, dv, dc, cs, W, da, dcs, dW);
 }
 static void mla_expand_kv_(BE *be, int N, int H, int dn, int dr, int dv, int dc, const real *c, int ldc,
                            const real *kr, int ldr, const real *W, real *k, real *v) {
     (void)be;
-    mla_expand_kv(N, H, dn, dr, dv, dc, c, ldc, kr, ldr, W, k, v);
+    mtrl_ref_mla_expand_kv(N, H, dn, dr, dv, dc, c, ldc, kr, ldr, W, k, v);
 }
 static void mla_expand_kv_bwd_(BE *be, int N, int H, int dn, int dr, int dv, int dc, const real *c, int ldc,
                                const real *W, const real *dk, const real *dvals, real *dlat_c, int ld_c,
                                real *dlat_kr, int ld_kr, real *dW) {
     (void)be;
-    mla_expand_kv_bwd(N, H, dn, dr, dv, dc, c, ldc, W, dk, dvals, dlat_c, ld_c, dlat_kr, ld_kr, dW);
+    mtrl_ref_mla_expand_kv_bwd(N, H, dn, dr, dv, dc, c, ldc, W, dk, dvals, dlat_c, ld_c, dlat_kr, ld_kr, dW);
 }
 static void mla_decode_(BE *be, int B, int H, int dn, int dr, int dv, int dc, real scale, const real *q,
                         const real *W, const void *const *lat, int ld, const int *Tk, real *a) {
@@ -252,7 +252,7 @@ static void mla_decode_(BE *be, int B, int H, int dn, int dr, int dv, int dc, re
     REF_PAR_FOR(ref_par(flops),
         for (int r = 0; r < B; r++) {
             const real *L = lat[r];
-            mla_decode_absorbed_ld(H, dn, dr, dv, dc, scale, q + (size_t)r * H * (dn + dr), W, L, ld, L + dc, ld,
+            mtrl_ref_mla_decode_absorbed_ld(H, dn, dr, dv, dc, scale, q + (size_t)r * H * (dn + dr), W, L, ld, L + dc, ld,
                                    Tk[r], a + (size_t)r * H * dv);
         });
 }
@@ -260,73 +260,73 @@ static void mla_decode_(BE *be, int B, int H, int dn, int dr, int dv, int dc, re
 static void moe_router_fwd_(BE *be, int N, int E, int K, const real *z, const real *beta, int sm, real rho,
                             int replay, int *sel, real *w, real *s) {
     (void)be;
-    moe_router_fwd(N, E, K, z, beta, sm, rho, replay, sel, w, s);
+    mtrl_ref_moe_router_fwd(N, E, K, z, beta, sm, rho, replay, sel, w, s);
 }
 static void moe_router_bwd_(BE *be, int N, int E, int K, const real *s, const int *sel, const real *w, int sm,
                             real rho, const real *dw, real *dz) {
     (void)be;
-    moe_router_bwd(N, E, K, s, sel, w, sm, rho, dw, dz);
+    mtrl_ref_moe_router_bwd(N, E, K, s, sel, w, sm, rho, dw, dz);
 }
 static void moe_dispatch_(BE *be, int N, int E, int K, const int *sel, int *off, int *perm, int *pos) {
     (void)be;
-    moe_dispatch(N, E, K, sel, off, perm, pos);
+    mtrl_ref_moe_dispatch(N, E, K, sel, off, perm, pos);
 }
 static void moe_gather_(BE *be, int N, int K, int D, const int *pos, const real *x, real *Xp) {
     (void)be;
-    moe_gather(N, K, D, pos, x, Xp);
+    mtrl_ref_moe_gather(N, K, D, pos, x, Xp);
 }
 static void moe_combine_fwd_(BE *be, int N, int K, int D, const int *pos, const real *w, const real *Yp, real *y) {
     (void)be;
-    moe_combine_fwd(N, K, D, pos, w, Yp, y);
+    mtrl_ref_moe_combine_fwd(N, K, D, pos, w, Yp, y);
 }
 static void moe_combine_bwd_(BE *be, int N, int K, int D, const int *pos, const real *w, const real *Yp,
                              const real *dy, real *dYp, real *dw) {
     (void)be;
-    moe_combine_bwd(N, K, D, pos, w, Yp, dy, dYp, dw);
+    mtrl_ref_moe_combine_bwd(N, K, D, pos, w, Yp, dy, dYp, dw);
 }
 static void moe_scatter_bwd_(BE *be, int N, int K, int D, const int *pos, const real *dXp, real *dx) {
     (void)be;
-    moe_scatter_bwd(N, K, D, pos, dXp, dx);
+    mtrl_ref_moe_scatter_bwd(N, K, D, pos, dXp, dx);
 }
 static void moe_experts_fwd_(BE *be, int E, int D, int I, const int *off, const real *Xp, const real *W1,
                              const real *W3, const real *W2, real *u1, real *u3, real *Yp) {
     (void)be;
-    moe_experts_fwd(E, D, I, off, Xp, W1, W3, W2, u1, u3, Yp);
+    mtrl_ref_moe_experts_fwd(E, D, I, off, Xp, W1, W3, W2, u1, u3, Yp);
 }
 static void moe_experts_bwd_(BE *be, int E, int D, int I, const int *off, const real *Xp, const real *W1,
                              const real *W3, const real *W2, const real *u1, const real *u3, const real *dYp,
                              real *dXp, real *dW1, real *dW3, real *dW2) {
     (void)be;
-    moe_experts_bwd(E, D, I, off, Xp, W1, W3, W2, u1, u3, dYp, dXp, dW1, dW3, dW2);
+    mtrl_ref_moe_experts_bwd(E, D, I, off, Xp, W1, W3, W2, u1, u3, dYp, dXp, dW1, dW3, dW2);
 }
 static void moe_swiglu_fwd_(BE *be, int N, int D, int I, const real *x, const real *W1, const real *W3,
                             const real *W2, real *u1, real *u3, real *y) {
     (void)be;
-    moe_swiglu_fwd(N, D, I, x, W1, W3, W2, u1, u3, y);
+    mtrl_ref_moe_swiglu_fwd(N, D, I, x, W1, W3, W2, u1, u3, y);
 }
 static void moe_swiglu_bwd_(BE *be, int N, int D, int I, const real *x, const real *W1, const real *W3,
                             const real *W2, const real *u1, const real *u3, const real *dy, real *dx, real *dW1,
                             real *dW3, real *dW2) {
     (void)be;
-    moe_swiglu_bwd(N, D, I, x, W1, W3, W2, u1, u3, dy, dx, dW1, dW3, dW2);
+    mtrl_ref_moe_swiglu_bwd(N, D, I, x, W1, W3, W2, u1, u3, dy, dx, dW1, dW3, dW2);
 }
 static void moe_load_count_(BE *be, int N, int E, int K, const int *sel, int *load) {
     (void)be;
-    moe_load_count(N, E, K, sel, load);
+    mtrl_ref_moe_load_count(N, E, K, sel, load);
 }
 static int qb_beta_(BE *be, int N, int E, int K, const real *z, const real *bo, real *bn) {
     (void)be;
-    return qb_beta_from_batch(N, E, K, z, bo, bn);
+    return mtrl_ref_qb_beta_from_batch(N, E, K, z, bo, bn);
 }
 static void attnres_site_fwd_(BE *be, int N, int D, int S, const real *const *V, const real *w, const real *g,
                               real eps, real *h, real *alpha) {
     (void)be;
-    attnres_site_fwd(N, D, S, V, w, g, eps, h, alpha);
+    mtrl_ref_attnres_site_fwd(N, D, S, V, w, g, eps, h, alpha);
 }
 static void attnres_site_bwd_(BE *be, int N, int D, int S, const real *const *V, const real *w, const real *g,
                               real eps, const real *alpha, const real *dh, real *const *dV, real *dw, real *dg) {
     (void)be;
-    attnres_site_bwd(N, D, S, V, w, g, eps, alpha, dh, dV, dw, dg);
+    mtrl_ref_attnres_site_bwd(N, D, S, V, w, g, eps, alpha, dh, dV, dw, dg);
 }
 
 // MemAvailable and MemTotal of /proc/meminfo (kB there), 0 when unreadable.

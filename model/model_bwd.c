@@ -69,7 +69,7 @@ static void kda_backward_(mtrl_model *m, mtrl_arena *ar, int l, int T, const lay
             be->kda_chunk_bwd(be, Ti, H, D, D, c->qn + x, c->kn + x, c->cv + x, c->g + x, c->beta + h, c->S0,
                               c->S_tiles + tile * S_sz, d_o + x, NULL, dqn + x, dkn + x, dcv + x, dg + x, dbeta + h,
                               dS0);
-            tile += (size_t)kda_tile_count(Ti);
+            tile += (size_t)mtrl_ref_kda_tile_count(Ti);
         }
     }
     // the gate's backward next to the delta rule's (the profile's KDA core); dx1 still takes

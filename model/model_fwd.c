@@ -123,7 +123,7 @@ static void kda_forward_(mtrl_model *m, mtrl_arena *ar, int l, int mode, int T, 
             }
             be->kda_chunk_fwd(be, Ti, H, D, D, c->qn + x, c->kn + x, c->cv + x, c->g + x, c->beta + h, c->S0, c->o + x,
                               S_out, c->S_tiles ? c->S_tiles + tile * S_sz : NULL);
-            tile += (size_t)kda_tile_count(Ti);
+            tile += (size_t)mtrl_ref_kda_tile_count(Ti);
         }
     } else {
         real **Sr = xmalloc(sizeof(real *) * (size_t)T);
@@ -597,11 +597,11 @@ static size_t ffn_bwd_bytes_(const mtrl_model_dims *d, int l, size_t T) {
 }
 
 int seg_kda_tiles(int T, const seq_io *io) {
-    if (!io || !io->n_piece) return kda_tile_count(T);
+    if (!io || !io->n_piece) return mtrl_ref_kda_tile_count(T);
     int n = 0;
     for (int i = 0, len; i < io->n_piece; i++) {
         seq_piece(io, T, i, &len);
-        n += kda_tile_count(len);
+        n += mtrl_ref_kda_tile_count(len);
     }
     return n;
 }
@@ -688,7 +688,7 @@ size_t seg_bwd_bytes(const mtrl_model_dims *d, int T_, int Tk, size_t lat) {
 }
 
 size_t seg_fwd_bytes(const mtrl_model_dims *d, int T, int Tk, size_t lat) {
-    return fwd_bytes_(d, T, kda_tile_count(T > 0 ? T : 1), Tk, lat, NULL);
+    return fwd_bytes_(d, T, mtrl_ref_kda_tile_count(T > 0 ? T : 1), Tk, lat, NULL);
 }
 
 // The forward's peak, or its caches with the backward on top, whichever is more.
@@ -698,7 +698,7 @@ static size_t arena_bytes_(const mtrl_model_dims *d, int T, int tiles, int Tk, s
 }
 
 size_t seg_arena_bytes(const mtrl_model_dims *d, int T, int Tk, size_t lat) {
-    return arena_bytes_(d, T, kda_tile_count(T > 0 ? T : 1), Tk, lat);
+    return arena_bytes_(d, T, mtrl_ref_kda_tile_count(T > 0 ? T : 1), Tk, lat);
 }
 
 size_t seg_pack_arena_bytes(const mtrl_model_dims *d, int T, int tiles, size_t lat) {

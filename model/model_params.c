@@ -561,5 +561,5 @@ double mtrl_model_load_violation(const mtrl_model *m, int layer) {
         load[e] = (int)m->load[(size_t)layer * d->E + e];
         total += load[e];
     }
-    return moe_max_violation(d->E, load, total);
+    return mtrl_ref_moe_max_violation(d->E, load, total);
 }

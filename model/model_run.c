@@ -200,7 +200,7 @@ void ws_sizes_for(const mtrl_model_dims *d, size_t lat_size, int n, const int *l
         int T = 0, tiles = 0;
         for (; i < first[k + 1]; i++) {
             T += len[i];
-            tiles += kda_tile_count(len[i]);
+            tiles += mtrl_ref_kda_tile_count(len[i]);
             if (len[i] > max_len) max_len = len[i];
         }
         if (T > max_pack) max_pack = T;

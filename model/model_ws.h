@@ -160,7 +160,7 @@ size_t seg_arena_bytes(const mtrl_model_dims *d, int T, int Tk, size_t lat);
 size_t seg_fwd_bytes(const mtrl_model_dims *d, int T, int Tk, size_t lat);
 size_t seg_bwd_bytes(const mtrl_model_dims *d, int T, int Tk, size_t lat);
 // The same for a packed segment of T tokens whose pieces have `tiles` KDA tiles in all
-// (Σ kda_tile_count(piece length): each piece stores its own tile states).
+// (Σ mtrl_ref_kda_tile_count(piece length): each piece stores its own tile states).
 size_t seg_pack_arena_bytes(const mtrl_model_dims *d, int T, int tiles, size_t lat);
 // Arena bytes of one SEG_PREFILL segment of T tokens (the peak of its forward); Tk: the most
 // keys any of its sequences has after it (the naive prefill form's expanded keys; 0: none).

@@ -27,7 +27,7 @@ static real *alloc_real(size_t n) { return calloc(n ? n : 1, sizeof(real)); }
 static double site_loss(int N, int D, int S, const real *const *V, const real *w,
                         const real *gamma, real eps, const real *G) {
     real *h = alloc_real((size_t)N * D);
-    attnres_site_fwd(N, D, S, V, w, gamma, eps, h, NULL);
+    mtrl_ref_attnres_site_fwd(N, D, S, V, w, gamma, eps, h, NULL);
     double L = 0;
     for (size_t q = 0; q < (size_t)N * D; q++) L += (double)G[q] * h[q];
     free(h);
@@ -43,7 +43,7 @@ static void test_zero_query_is_mean(void) {
     }
     real w[D] = {0}, gamma[D], h[N * D], alpha[N * S], mean[N * D];
     fill_normal(gamma, D, 110, 1.0, 1.0);
-    attnres_site_fwd(N, D, S, (const real *const *)V, w, gamma, 1e-5, h, alpha);
+    mtrl_ref_attnres_site_fwd(N, D, S, (const real *const *)V, w, gamma, 1e-5, h, alpha);
     for (int q = 0; q < N * D; q++) {
         double s = 0;
         for (int i = 0; i < S; i++) s += V[i][q];
@@ -80,7 +80,7 @@ static void test_site_backward_fd(void) {
     memcpy(dgamma, dg0, sizeof dgamma);
 
     real h[N * D];
-    attnres_site_fwd(N, D, S, (const real *const *)V, w, gamma, eps, h, alpha);
+    mtrl_ref_attnres_site_fwd(N, D, S, (const real *const *)V, w, gamma, eps, h, alpha);
     // Forward against the definition written out: r_i, z_i = (gamma ⊙ w)·(r_i V_i), softmax.
     double ferr = 0;
     for (int t = 0; t < N; t++) {
@@ -107,7 +107,7 @@ static void test_site_backward_fd(void) {
     for (int q = 0; q < N * S; q++) { amin = fmin(amin, alpha[q]); amax = fmax(amax, alpha[q]); }
     printf("site bwd: alpha range [%.3f, %.3f]\n", amin, amax);
     TEST_CHECKF(amax - amin > 0.2, "alpha should be far from uniform: [%g, %g]", amin, amax);
-    attnres_site_bwd(N, D, S, (const real *const *)V, w, gamma, eps, alpha, G,
+    mtrl_ref_attnres_site_bwd(N, D, S, (const real *const *)V, w, gamma, eps, alpha, G,
                      (real *const *)dV, dw, dgamma);
 
     // Finite differences of every input element.
@@ -157,7 +157,7 @@ static void test_site_backward_fd(void) {
     real *dV2[S];
     for (int i = 0; i < S; i++) dV2[i] = i == 1 ? NULL : alloc_real(N * D);
     real dw2[D] = {0}, dg2[D] = {0};
-    attnres_site_bwd(N, D, S, (const real *const *)V, w, gamma, eps, NULL, G, (real *const *)dV2,
+    mtrl_ref_attnres_site_bwd(N, D, S, (const real *const *)V, w, gamma, eps, NULL, G, (real *const *)dV2,
                      dw2, dg2);
     for (int i = 0; i < S; i++) {
         if (!dV2[i]) continue;
@@ -184,7 +184,7 @@ static void check_two_phase(int N, int D, int nb, int P, double wscale, uint64_t
     fill_normal(gamma, (size_t)P * D, seed_stream + 51, 0.3, 1.0);
     real *m = alloc_real((size_t)P * N), *l = alloc_real((size_t)P * N);
     real *acc = alloc_real((size_t)P * N * D);
-    attnres_phase1(N, D, nb, (const real *const *)B, P, w, gamma, eps, m, l, acc);
+    mtrl_ref_attnres_phase1(N, D, nb, (const real *const *)B, P, w, gamma, eps, m, l, acc);
 
     real *h2 = alloc_real((size_t)N * D), *hd = alloc_real((size_t)N * D);
     real *alpha = alloc_real((size_t)N * (nb + 1)), *lse = alloc_real(N);
@@ -192,10 +192,10 @@ static void check_two_phase(int N, int D, int nb, int P, double wscale, uint64_t
     for (int p = 0; p < P; p++) {
         for (int with_partial = 0; with_partial <= 1; with_partial++) {
             int S = nb + with_partial;
-            attnres_phase2(N, D, m + (size_t)p * N, l + (size_t)p * N, acc + (size_t)p * N * D,
+            mtrl_ref_attnres_phase2(N, D, m + (size_t)p * N, l + (size_t)p * N, acc + (size_t)p * N * D,
                            with_partial ? B[nb] : NULL, w + (size_t)p * D, gamma + (size_t)p * D,
                            eps, h2, lse);
-            attnres_site_fwd(N, D, S, (const real *const *)B, w + (size_t)p * D,
+            mtrl_ref_attnres_site_fwd(N, D, S, (const real *const *)B, w + (size_t)p * D,
                              gamma + (size_t)p * D, eps, hd, alpha);
             double e = test_rel_err_d(h2, hd, (size_t)N * D);
             worst = fmax(worst, e);

@@ -1,5 +1,5 @@
 // mtrl-test: gpu f64
-// test_cuda_gemm.cu: the cuBLAS GEMM launchers against gemm_ref (fp64): every transpose
+// test_cuda_gemm.cu: the cuBLAS GEMM launchers against mtrl_ref_gemm (fp64): every transpose
 // combination, strides larger than the width, beta = 0 (over NaN-poisoned C) and beta = 1,
 // strided batches, and the linear-layer forward / backward products.
 // Tolerances: fp32 operands ‖C − ref‖/‖ref‖ ≤ 1e-5 (true fp32, no TF32); bf16 operands
@@ -22,7 +22,7 @@ static void one(mtrl_cuda_ctx *ctx, int ta, int tb, int M, int N, int K, int typ
     TEST_EQ_INT(mtrl_gemm(ctx, ta, tb, M, N, K, 1.5f, dA, lda, dB, ldb, type, (float)beta, dC,
                           ldc, MTRL_F32), 0);
     mtrl_cuda_sync(ctx);
-    gemm_ref(ta, tb, M, N, K, 1.5, A, lda, B, ldb, beta, C, ldc);
+    mtrl_ref_gemm(ta, tb, M, N, K, 1.5, A, lda, B, ldb, beta, C, ldc);
     tu_get_f32(got, dC, nc);
     // compare only the M x N window (the padding columns are not written)
     double *g2 = tu_alloc((size_t)M * N), *r2 = tu_alloc((size_t)M * N);
@@ -58,9 +58,9 @@ static void linear(mtrl_cuda_ctx *ctx, int T, int n, int k, int type) {
     TEST_EQ_INT(mtrl_linear_bwd_dx(ctx, T, n, k, d_dy, d_W, type, 1.f, d_dx), 0);
     TEST_EQ_INT(mtrl_linear_bwd_dw(ctx, T, n, k, d_dy, d_x, type, 1.f, d_dW), 0);
     mtrl_cuda_sync(ctx);
-    gemm_ref(0, 1, T, n, k, 1, x, k, W, k, 0, y, n);
-    gemm_ref(0, 0, T, k, n, 1, dy, n, W, k, 1, dx, k);
-    gemm_ref(1, 0, n, k, T, 1, dy, n, x, k, 1, dW, k);
+    mtrl_ref_gemm(0, 1, T, n, k, 1, x, k, W, k, 0, y, n);
+    mtrl_ref_gemm(0, 0, T, k, n, 1, dy, n, W, k, 1, dx, k);
+    mtrl_ref_gemm(1, 0, n, k, T, 1, dy, n, x, k, 1, dW, k);
     double tol = bf ? 1e-2 : 1e-5;
     char what[128];
     tu_get_f32(got, d_y, (size_t)T * n);
@@ -95,7 +95,7 @@ static void batched(mtrl_cuda_ctx *ctx, int type) {
     tu_get_f32(got, dC, sC * nbatch);
     double *g2 = tu_alloc((size_t)M * N * nbatch), *r2 = tu_alloc((size_t)M * N * nbatch);
     for (int b = 0; b < nbatch; b++) {
-        gemm_ref(0, 1, M, N, K, 1, A + b * sA, K, B + b * sB, K, 0, C + b * sC, N);
+        mtrl_ref_gemm(0, 1, M, N, K, 1, A + b * sA, K, B + b * sB, K, 0, C + b * sC, N);
         memcpy(g2 + (size_t)b * M * N, got + b * sC, sizeof(double) * M * N);
         memcpy(r2 + (size_t)b * M * N, C + b * sC, sizeof(double) * M * N);
     }
@@ -132,7 +132,7 @@ int main(void) {
                               MTRL_BF16), 0);
         mtrl_cuda_bf16_to_f32(ctx, (size_t)M * N, dC, dCf);
         mtrl_cuda_sync(ctx);
-        gemm_ref(0, 0, M, N, K, 1, A, K, B, N, 0, C, N);
+        mtrl_ref_gemm(0, 0, M, N, K, 1, A, K, B, N, 0, C, N);
         double *got = tu_alloc((size_t)M * N);
         tu_get_f32(got, dCf, (size_t)M * N);
         TU_CHECK_REL("gemm bf16 in, bf16 out", got, C, (size_t)M * N, 1e-2);

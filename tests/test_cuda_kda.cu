@@ -91,20 +91,20 @@ static void test_chunk(mtrl_cuda_ctx *ctx, int T, int H, int K, int V, int bound
     printf("chunk T=%d H=%d K=%d V=%d %s\n", T, H, K, V, bound ? "g = g_min + 1e-3" : "random g");
     size_t nqk = (size_t)T * H * K, nv = (size_t)T * H * V, nb = (size_t)T * H,
            ns = (size_t)H * K * V;
-    int nt = kda_tile_count(T);
+    int nt = mtrl_ref_kda_tile_count(T);
     double *q = tu_alloc(nqk), *k = tu_alloc(nqk), *v = tu_alloc(nv), *g = tu_alloc(nqk),
            *beta = tu_alloc(nb), *S0 = tu_alloc(ns);
     make_inputs(T, H, K, V, bound, q, k, v, g, beta);
     tu_fill_normal(S0, ns, 0.5);
     // reference
     double *o = tu_alloc(nv), *Sf = tu_alloc(ns), *St = tu_alloc((size_t)nt * ns);
-    kda_chunk_fwd(T, H, K, V, q, k, v, g, beta, S0, o, Sf, St);
+    mtrl_ref_kda_chunk_fwd(T, H, K, V, q, k, v, g, beta, S0, o, Sf, St);
     double *dout = tu_alloc(nv), *dSf = tu_alloc(ns);
     tu_fill_normal(dout, nv, 1.0);
     tu_fill_normal(dSf, ns, 1.0);
     double *dq = tu_alloc(nqk), *dk = tu_alloc(nqk), *dv = tu_alloc(nv), *dg = tu_alloc(nqk),
            *db = tu_alloc(nb), *dS0 = tu_alloc(ns);
-    kda_chunk_bwd(T, H, K, V, q, k, v, g, beta, S0, St, dout, dSf, dq, dk, dv, dg, db, dS0);
+    mtrl_ref_kda_chunk_bwd(T, H, K, V, q, k, v, g, beta, S0, St, dout, dSf, dq, dk, dv, dg, db, dS0);
     // GPU
     float *d_q = tu_dev_f32(q, nqk), *d_k = tu_dev_f32(k, nqk), *d_v = tu_dev_f32(v, nv),
           *d_g = tu_dev_f32(g, nqk), *d_b = tu_dev_f32(beta, nb), *d_S0 = tu_dev_f32(S0, ns),
@@ -255,7 +255,7 @@ static void test_chunk(mtrl_cuda_ctx *ctx, int T, int H, int K, int V, int bound
         mtrl_cuda_ctx_opts(ctx)->kda_bwd_tile = cf ? MTRL_KOPT_AUTO : MTRL_KOPT_SIMT;
         double *dS0b = tu_alloc(ns), *dqb = tu_alloc(nqk), *dkb = tu_alloc(nqk), *dvb = tu_alloc(nv),
                *dgb = tu_alloc(nqk), *dbb = tu_alloc(nb);
-        kda_chunk_bwd(T, H, K, V, q, k, v, g, beta, S0, St, dout, NULL, dqb, dkb, dvb, dgb, dbb, dS0b);
+        mtrl_ref_kda_chunk_bwd(T, H, K, V, q, k, v, g, beta, S0, St, dout, NULL, dqb, dkb, dvb, dgb, dbb, dS0b);
         float *e_dq = tu_dev_nan(ctx, nqk), *e_dk = tu_dev_nan(ctx, nqk), *e_dv = tu_dev_nan(ctx, nv),
               *e_dg = tu_dev_nan(ctx, nqk), *e_db = tu_dev_nan(ctx, nb), *e_dS0 = tu_dev_nan(ctx, ns);
         TEST_EQ_INT(mtrl_kda_chunk_bwd(ctx, T, H, K, V, d_q, d_k, d_v, d_g, d_b, d_S0, d_St, d_dout,
@@ -303,7 +303,7 @@ static void check_fwd_(const char *tag, const char *note, const float *d_o, cons
 // if want_St, each compared bit for bit with the default run's ho, hS, hSt; tmp: host scratch.
 static void v3_same_bits_(mtrl_cuda_ctx *ctx, const char *tag, const char *form, int T, int H, const float *const *in,
                           int want_o, int want_St, const float *ho, const float *hS, const float *hSt, float *tmp) {
-    size_t nv = (size_t)T * H * 128, ns = (size_t)H * 128 * 128, nst = (size_t)kda_tile_count(T) * ns;
+    size_t nv = (size_t)T * H * 128, ns = (size_t)H * 128 * 128, nst = (size_t)mtrl_ref_kda_tile_count(T) * ns;
     float *e_o = want_o ? tu_dev_nan(ctx, nv) : NULL, *e_Sf = tu_dev_nan(ctx, ns),
           *e_St = want_St ? tu_dev_nan(ctx, nst) : NULL;
     TEST_EQ_INT(mtrl_kda_chunk_fwd(ctx, T, H, 128, 128, in[0], in[1], in[2], in[3], in[4], in[5], e_o, e_Sf, e_St), 0);
@@ -339,16 +339,16 @@ static void v3_three_forms_(mtrl_cuda_ctx *ctx, const char *tag, const char *lab
 static void test_chunk_v3(mtrl_cuda_ctx *ctx, int T, int H, int bound) {
     const int K = 128, V = 128;
     size_t nqk = (size_t)T * H * K, nv = (size_t)T * H * V, nb = (size_t)T * H, ns = (size_t)H * K * V;
-    int nt = kda_tile_count(T);
+    int nt = mtrl_ref_kda_tile_count(T);
     size_t nst = (size_t)nt * ns;
     double *q = tu_alloc(nqk), *k = tu_alloc(nqk), *v = tu_alloc(nv), *g = tu_alloc(nqk),
            *beta = tu_alloc(nb), *S0 = tu_alloc(ns);
     make_inputs(T, H, K, V, bound, q, k, v, g, beta);
     tu_fill_normal(S0, ns, 0.5);
     double *o = tu_alloc(nv), *Sf = tu_alloc(ns), *St = tu_alloc(nst);
-    kda_chunk_fwd(T, H, K, V, q, k, v, g, beta, S0, o, Sf, St);
+    mtrl_ref_kda_chunk_fwd(T, H, K, V, q, k, v, g, beta, S0, o, Sf, St);
     double *o0 = tu_alloc(nv), *Sf0 = tu_alloc(ns), *St0 = tu_alloc(nst);  // S0 = NULL (zero state)
-    kda_chunk_fwd(T, H, K, V, q, k, v, g, beta, NULL, o0, Sf0, St0);
+    mtrl_ref_kda_chunk_fwd(T, H, K, V, q, k, v, g, beta, NULL, o0, Sf0, St0);
     float *d_q = tu_dev_f32(q, nqk), *d_k = tu_dev_f32(k, nqk), *d_v = tu_dev_f32(v, nv),
           *d_g = tu_dev_f32(g, nqk), *d_b = tu_dev_f32(beta, nb), *d_S0 = tu_dev_f32(S0, ns);
     float *d_o = tu_dev_nan(ctx, nv), *d_Sf = tu_dev_nan(ctx, ns), *d_St = tu_dev_nan(ctx, nst);
@@ -483,7 +483,7 @@ static void test_chunk_v3(mtrl_cuda_ctx *ctx, int T, int H, int bound) {
 static void test_chunk_cp(mtrl_cuda_ctx *ctx, int T, int H, int bound, int slow) {
     const int K = 128, V = 128;
     size_t nqk = (size_t)T * H * K, nv = (size_t)T * H * V, nb = (size_t)T * H, ns = (size_t)H * K * V;
-    int nt = kda_tile_count(T);
+    int nt = mtrl_ref_kda_tile_count(T);
     size_t nst = (size_t)nt * ns;
     double *q = tu_alloc(nqk), *k = tu_alloc(nqk), *v = tu_alloc(nv), *g = tu_alloc(nqk),
            *beta = tu_alloc(nb), *S0 = tu_alloc(ns);
@@ -506,9 +506,9 @@ static void test_chunk_cp(mtrl_cuda_ctx *ctx, int T, int H, int bound, int slow)
     double *co = tu_alloc(nv), *cS = tu_alloc(ns), *cSt = tu_alloc(nst);  // the fp64 decomposition
     for (int with_s0 = 0; with_s0 < 2; with_s0++) {
         // fp64: the sequential form once; the decomposition itself at 3 pieces where it is cheap
-        kda_chunk_fwd(T, H, K, V, q, k, v, g, beta, with_s0 ? S0 : NULL, o, Sf, St);
+        mtrl_ref_kda_chunk_fwd(T, H, K, V, q, k, v, g, beta, with_s0 ? S0 : NULL, o, Sf, St);
         const int np3 = mtrl_kda_cp_pieces(ctx, T, H, K, V, 3), small = (size_t)T * H <= 20000;
-        if (small) kda_chunk_fwd_cp(T, H, K, V, q, k, v, g, beta, with_s0 ? S0 : NULL, co, cS, cSt, np3);
+        if (small) mtrl_ref_kda_chunk_fwd_cp(T, H, K, V, q, k, v, g, beta, with_s0 ? S0 : NULL, co, cS, cSt, np3);
         const float *dS0 = with_s0 ? d_S0 : NULL;
         for (int split = 0; split <= 1; split++) {
             mtrl_cuda_ctx_opts(ctx)->kda_plain_bf16 = !split;
@@ -623,7 +623,7 @@ static void test_chunk_model_(mtrl_cuda_ctx *ctx, int T, int H, int seg, int ver
     printf("chunk (model use) %s T=%d H=%d segments of %d%s\n", tag, T, H, seg, strict ? "" : " (v3: printed, MTRL_KDA3_STRICT=1 checks)");
     TEST_EQ_INT(mtrl_kda_chunk_fwd_version(ctx, H, K, V), ver);
     size_t nqk = (size_t)T * H * K, nv = (size_t)T * H * V, nb = (size_t)T * H, ns = (size_t)H * K * V;
-    int nt = kda_tile_count(T);
+    int nt = mtrl_ref_kda_tile_count(T);
     size_t nst = (size_t)nt * ns;
     double *q = tu_alloc(nqk), *k = tu_alloc(nqk), *v = tu_alloc(nv), *g = tu_alloc(nqk),
            *beta = tu_alloc(nb), *S0 = tu_alloc(ns), *f = tu_alloc(nqk), *A = tu_alloc(H),
@@ -634,17 +634,17 @@ static void test_chunk_model_(mtrl_cuda_ctx *ctx, int T, int H, int seg, int ver
         double dt = exp(log(1e-3) + tu_unif() * (log(0.1) - log(1e-3)));
         bias[i] = (double)(float)log(expm1(dt));
     }
-    kda_gate_fwd(T, H, K, f, A, bias, GMIN, g);
+    mtrl_ref_kda_gate_fwd(T, H, K, f, A, bias, GMIN, g);
     for (size_t i = 0; i < nqk; i++) g[i] = (double)(float)g[i];
     tu_fill_normal(S0, ns, 0.1);
     double *o = tu_alloc(nv), *Sf = tu_alloc(ns), *St = tu_alloc(nst), *dout = tu_alloc(nv);
-    kda_chunk_fwd(T, H, K, V, q, k, v, g, beta, S0, o, Sf, St);
+    mtrl_ref_kda_chunk_fwd(T, H, K, V, q, k, v, g, beta, S0, o, Sf, St);
     tu_fill_normal(dout, nv, 1.0);
     double *dq = tu_alloc(nqk), *dk = tu_alloc(nqk), *dv = tu_alloc(nv), *dg = tu_alloc(nqk),
            *db = tu_alloc(nb), *dS0 = tu_alloc(ns), *df = tu_alloc(nqk), *dA = tu_alloc(H),
            *dbias = tu_alloc((size_t)H * K);
-    kda_chunk_bwd(T, H, K, V, q, k, v, g, beta, S0, St, dout, NULL, dq, dk, dv, dg, db, dS0);
-    kda_gate_bwd(T, H, K, f, A, bias, GMIN, dg, df, dA, dbias);
+    mtrl_ref_kda_chunk_bwd(T, H, K, V, q, k, v, g, beta, S0, St, dout, NULL, dq, dk, dv, dg, db, dS0);
+    mtrl_ref_kda_gate_bwd(T, H, K, f, A, bias, GMIN, dg, df, dA, dbias);
     float *d_q = tu_dev_f32(q, nqk), *d_k = tu_dev_f32(k, nqk), *d_v = tu_dev_f32(v, nv),
           *d_g = tu_dev_f32(g, nqk), *d_b = tu_dev_f32(beta, nb), *d_S0 = tu_dev_f32(S0, ns),
           *d_f = tu_dev_f32(f, nqk), *d_A = tu_dev_f32(A, H), *d_bias = tu_dev_f32(bias, (size_t)H * K),
@@ -670,7 +670,7 @@ static void test_chunk_model_(mtrl_cuda_ctx *ctx, int T, int H, int seg, int ver
                                            s_o + xv, s_S[which], s_St + (size_t)tile * ns), 0);
             Sin = s_S[which];
             which ^= 1;
-            tile += kda_tile_count(Ti);
+            tile += mtrl_ref_kda_tile_count(Ti);
         }
         mtrl_cuda_sync(ctx);
         mtrl_cuda_download(h1, d_o, sizeof(float) * nv);
@@ -771,7 +771,7 @@ static void test_step(mtrl_cuda_ctx *ctx, int B, int H, int K, int V, int bound)
     tu_fill_normal(S0, ns, 0.5);
     memcpy(S, S0, sizeof(double) * ns);
     for (int b = 0; b < B; b++)
-        kda_step(H, K, V, q + (size_t)b * H * K, k + (size_t)b * H * K, v + (size_t)b * H * V,
+        mtrl_ref_kda_step(H, K, V, q + (size_t)b * H * K, k + (size_t)b * H * K, v + (size_t)b * H * V,
                  g + (size_t)b * H * K, beta + (size_t)b * H, S + (size_t)b * H * K * V,
                  o + (size_t)b * H * V);
     float *d_q = tu_dev_f32(q, nqk), *d_k = tu_dev_f32(k, nqk), *d_v = tu_dev_f32(v, nv),
@@ -853,8 +853,8 @@ static void test_gate(mtrl_cuda_ctx *ctx, int T, int H, int K) {
           *d_dg = tu_dev_f32(dg, n), *d_dA = tu_dev_f32(dA, H),
           *d_dbias = tu_dev_f32(dbias, (size_t)H * K), *d_g = tu_dev_nan(ctx, n),
           *d_df = tu_dev_nan(ctx, n);
-    kda_gate_fwd(T, H, K, f, A, bias, GMIN, g);
-    kda_gate_bwd(T, H, K, f, A, bias, GMIN, dg, df, dA, dbias);
+    mtrl_ref_kda_gate_fwd(T, H, K, f, A, bias, GMIN, g);
+    mtrl_ref_kda_gate_bwd(T, H, K, f, A, bias, GMIN, dg, df, dA, dbias);
     TEST_EQ_INT(mtrl_kda_gate_fwd(ctx, T, H, K, d_f, d_A, d_bias, (float)GMIN, d_g), 0);
     TEST_EQ_INT(mtrl_kda_gate_bwd(ctx, T, H, K, d_f, d_A, d_bias, (float)GMIN, d_dg, d_df, d_dA,
                                   d_dbias), 0);

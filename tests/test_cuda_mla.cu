@@ -43,14 +43,14 @@ static void test_attn_x(mtrl_cuda_ctx *ctx, int Tq, int Tk, int H, int Hk, int D
     tu_fill_normal(dout, no, 1.0);
     const double *vv = alias ? k : v;
     double *o = tu_alloc(no), *lse = tu_alloc(nl);
-    attn_causal_fwd(Tq, Tk, H, Hk, Dk, Dv, scale, q, k, ldk, vv, ldv, o, lse);
+    mtrl_ref_attn_causal_fwd(Tq, Tk, H, Hk, Dk, Dv, scale, q, k, ldk, vv, ldv, o, lse);
     double *dq = tu_alloc(nq), *dk = tu_alloc(nk), *dv = alias ? dk : tu_alloc(nv);
     tu_fill_normal(dk, nk, 1.0);  // accumulated onto
     if (!alias) tu_fill_normal(dv, nv, 1.0);
     double *dk0 = tu_alloc(nk), *dv0 = tu_alloc(nv ? nv : 1);
     memcpy(dk0, dk, sizeof(double) * nk);
     if (!alias) memcpy(dv0, dv, sizeof(double) * nv);
-    attn_causal_bwd(Tq, Tk, H, Hk, Dk, Dv, scale, q, k, ldk, vv, ldv, o, lse, dout, dq, dk, dv);
+    mtrl_ref_attn_causal_bwd(Tq, Tk, H, Hk, Dk, Dv, scale, q, k, ldk, vv, ldv, o, lse, dout, dq, dk, dv);
     // One key (Tq = Tk = 1): the softmax over it is the constant 1, so dq and the dk increment
     // are exactly zero; the fp64 reference leaves ~1e-17 of rounding there, which a relative
     // error would divide by. Set them to their exact value: the checks become absolute.
@@ -210,7 +210,7 @@ static void test_decode(mtrl_cuda_ctx *ctx, int B, const int *lens, int H, int d
     tu_fill_normal(W, nw, 1.0 / sqrt((double)dc));
     double scale = 1.0 / sqrt((double)(dn + dr));
     for (int b = 0; b < B; b++)
-        mla_decode_absorbed_ld(H, dn, dr, dv, dc, scale, q + (size_t)b * H * (dn + dr), W,
+        mtrl_ref_mla_decode_absorbed_ld(H, dn, dr, dv, dc, scale, q + (size_t)b * H * (dn + dr), W,
                                pool + (size_t)start[b] * ld, ld, pool + (size_t)start[b] * ld + dc, ld,
                                lens[b], a + (size_t)b * H * dv);
     void *d_pool = lat_type == MTRL_BF16 ? (void *)tu_dev_bf16(pool, npool) : (void *)tu_dev_f32(pool, npool);

@@ -38,8 +38,8 @@ static void test_router(mtrl_cuda_ctx *ctx, int N, int E, int K, int softmax, in
     tu_fill_normal(dw, nk, 1.0);
     int *sel = (int *)malloc(sizeof(int) * nk);
     double rho = 2.446;
-    moe_router_fwd(N, E, K, z, with_beta ? beta : NULL, softmax, rho, 0, sel, w, s);
-    moe_router_bwd(N, E, K, s, sel, w, softmax, rho, dw, dz);
+    mtrl_ref_moe_router_fwd(N, E, K, z, with_beta ? beta : NULL, softmax, rho, 0, sel, w, s);
+    mtrl_ref_moe_router_bwd(N, E, K, s, sel, w, softmax, rho, dw, dz);
     float *d_z = tu_dev_f32(z, nz), *d_beta = tu_dev_f32(beta, E), *d_w = tu_dev_nan(ctx, nk),
           *d_s = tu_dev_nan(ctx, nz), *d_dw = tu_dev_f32(dw, nk), *d_dz = tu_dev_nan(ctx, nz);
     int *d_sel = (int *)mtrl_cuda_malloc(sizeof(int) * nk);
@@ -84,10 +84,10 @@ static void test_block(mtrl_cuda_ctx *ctx, int N, int E, int K, int D, int I, in
     fill_quant(z, (size_t)N * E, 1.0);
     if (sel_mode == 0) beta[3] = 100.0;
     else for (int t = 0; t < N; t++) z[(size_t)t * E + 5] = 50.0;
-    moe_router_fwd(N, E, K, z, beta, 0, 2.446, 0, sel, w, s);
+    mtrl_ref_moe_router_fwd(N, E, K, z, beta, 0, 2.446, 0, sel, w, s);
     int *offsets = (int *)malloc(sizeof(int) * (E + 1)), *perm = (int *)malloc(sizeof(int) * R),
         *pos = (int *)malloc(sizeof(int) * R);
-    moe_dispatch(N, E, K, sel, offsets, perm, pos);
+    mtrl_ref_moe_dispatch(N, E, K, sel, offsets, perm, pos);
     // GPU dispatch
     int *d_sel = tu_dev_i32(sel, R);
     int *d_off = (int *)mtrl_cuda_malloc(sizeof(int) * (E + 1)), *d_perm = (int *)mtrl_cuda_malloc(sizeof(int) * R),
@@ -98,7 +98,7 @@ static void test_block(mtrl_cuda_ctx *ctx, int N, int E, int K, int D, int I, in
     int *g_off = dl_int(d_off, E + 1), *g_perm = dl_int(d_perm, R), *g_pos = dl_int(d_pos, R),
         *g_load = dl_int(d_load, E);
     int *load = (int *)malloc(sizeof(int) * E);
-    moe_load_count(N, E, K, sel, load);
+    mtrl_ref_moe_load_count(N, E, K, sel, load);
     TEST_CHECK(!memcmp(g_off, offsets, sizeof(int) * (E + 1)));
     TEST_CHECK(!memcmp(g_perm, perm, sizeof(int) * R));
     TEST_CHECK(!memcmp(g_pos, pos, sizeof(int) * R));
@@ -127,12 +127,12 @@ static void test_block(mtrl_cuda_ctx *ctx, int N, int E, int K, int D, int I, in
     double *dx0 = tu_alloc((size_t)N * D), *dW10 = tu_alloc(nw1);
     memcpy(dx0, dx, sizeof(double) * N * D);
     memcpy(dW10, dW1, sizeof(double) * nw1);
-    moe_gather(N, K, D, pos, x, Xp);
-    moe_experts_fwd(E, D, I, offsets, Xp, W1, W3, W2, u1, u3, Yp);
-    moe_combine_fwd(N, K, D, pos, w, Yp, y);
-    moe_combine_bwd(N, K, D, pos, w, Yp, dy, dYp, dwr);
-    moe_experts_bwd(E, D, I, offsets, Xp, W1, W3, W2, u1, u3, dYp, dXp, dW1, dW3, dW2);
-    moe_scatter_bwd(N, K, D, pos, dXp, dx);
+    mtrl_ref_moe_gather(N, K, D, pos, x, Xp);
+    mtrl_ref_moe_experts_fwd(E, D, I, offsets, Xp, W1, W3, W2, u1, u3, Yp);
+    mtrl_ref_moe_combine_fwd(N, K, D, pos, w, Yp, y);
+    mtrl_ref_moe_combine_bwd(N, K, D, pos, w, Yp, dy, dYp, dwr);
+    mtrl_ref_moe_experts_bwd(E, D, I, offsets, Xp, W1, W3, W2, u1, u3, dYp, dXp, dW1, dW3, dW2);
+    mtrl_ref_moe_scatter_bwd(N, K, D, pos, dXp, dx);
     // GPU chain (weights in the operand type)
     int bf = type == MTRL_BF16;
     void *d_W1 = bf ? (void *)tu_dev_bf16(W1, nw1) : (void *)tu_dev_f32(W1, nw1);
@@ -241,8 +241,8 @@ static void test_grouped(mtrl_cuda_ctx *ctx, int E, int D, int I, const int *row
     tu_fill_normal(dYp, R * D, 1.0);
     double *u1 = tu_alloc(R * I), *u3 = tu_alloc(R * I), *Yp = tu_alloc(R * D), *dXp = tu_alloc(R * D),
            *dW1 = tu_alloc(nw), *dW3 = tu_alloc(nw), *dW2 = tu_alloc(nw);
-    moe_experts_fwd(E, D, I, off, Xp, W1, W3, W2, u1, u3, Yp);
-    moe_experts_bwd(E, D, I, off, Xp, W1, W3, W2, u1, u3, dYp, dXp, dW1, dW3, dW2);  // from zero: the increments
+    mtrl_ref_moe_experts_fwd(E, D, I, off, Xp, W1, W3, W2, u1, u3, Yp);
+    mtrl_ref_moe_experts_bwd(E, D, I, off, Xp, W1, W3, W2, u1, u3, dYp, dXp, dW1, dW3, dW2);  // from zero: the increments
     // device
     int *d_off = tu_dev_i32(off, E + 1);
     void *d_X = bf ? (void *)tu_dev_bf16(Xp, R * D) : (void *)tu_dev_f32(Xp, R * D);
@@ -369,7 +369,7 @@ static void test_qb(mtrl_cuda_ctx *ctx, int N, int E, int K, int with_old) {
     for (int t = 0; t < N; t++)  // skewed router: expert e gets + 3 (2e/(E-1) - 1)
         for (int e = 0; e < E; e++) z[(size_t)t * E + e] += round(3.0 * (2.0 * e / (E - 1) - 1.0) * 256) / 256;
     fill_quant(bold, E, 0.5);
-    int rr = qb_beta_from_batch(N, E, K, z, with_old ? bold : NULL, bnew);
+    int rr = mtrl_ref_qb_beta_from_batch(N, E, K, z, with_old ? bold : NULL, bnew);
     float *d_z = tu_dev_f32(z, (size_t)N * E), *d_old = tu_dev_f32(bold, E), *d_new = tu_dev_nan(ctx, E);
     int rg = mtrl_qb_beta_from_batch(ctx, N, E, K, d_z, with_old ? d_old : NULL, d_new);
     mtrl_cuda_sync(ctx);

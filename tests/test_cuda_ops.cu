@@ -38,9 +38,9 @@ static void test_norms(mtrl_cuda_ctx *ctx, int N, int D) {
           *d_dz = tu_dev_nan(ctx, n), *d_dw = tu_dev_f32(dw0, D);
     double eps = 1e-5;
     // RMSNorm
-    rmsnorm_fwd(N, D, x, w, eps, y, rstd);
+    mtrl_ref_rmsnorm_fwd(N, D, x, w, eps, y, rstd);
     memcpy(dw, dw0, sizeof(double) * D);
-    rmsnorm_bwd(N, D, x, w, rstd, eps, dy, dx, dw);
+    mtrl_ref_rmsnorm_bwd(N, D, x, w, rstd, eps, dy, dx, dw);
     TEST_EQ_INT(mtrl_rmsnorm_fwd(ctx, N, D, d_x, d_w, (float)eps, d_y, d_r), 0);
     TEST_EQ_INT(mtrl_rmsnorm_bwd(ctx, N, D, d_x, d_w, d_r, (float)eps, d_dy, d_dx, d_dw), 0);
     mtrl_cuda_sync(ctx);
@@ -54,9 +54,9 @@ static void test_norms(mtrl_cuda_ctx *ctx, int N, int D) {
     mtrl_cuda_sync(ctx);
     CHECK_DEV("rmsnorm dx (rstd recomputed)", d_dx, dx, n, 1e-5);
     // gated
-    gated_rmsnorm_fwd(N, D, x, z, w, eps, y);
+    mtrl_ref_gated_rmsnorm_fwd(N, D, x, z, w, eps, y);
     memcpy(dw, dw0, sizeof(double) * D);
-    gated_rmsnorm_bwd(N, D, x, z, w, eps, dy, dx, dz, dw);
+    mtrl_ref_gated_rmsnorm_bwd(N, D, x, z, w, eps, dy, dx, dz, dw);
     {
         float *t = tu_dev_f32(dw0, D);
         mtrl_cuda_free(d_dw);
@@ -71,8 +71,8 @@ static void test_norms(mtrl_cuda_ctx *ctx, int N, int D) {
     CHECK_DEV("gated rmsnorm dw (+=)", d_dw, dw, D, 1e-4);
     // L2Norm
     double *rn = tu_alloc(N);
-    l2norm_fwd(N, D, x, 1e-6, y, rn);
-    l2norm_bwd(N, D, x, 1e-6, dy, dx);
+    mtrl_ref_l2norm_fwd(N, D, x, 1e-6, y, rn);
+    mtrl_ref_l2norm_bwd(N, D, x, 1e-6, dy, dx);
     TEST_EQ_INT(mtrl_l2norm_fwd(ctx, N, D, d_x, 1e-6f, d_y, d_r), 0);
     TEST_EQ_INT(mtrl_l2norm_bwd(ctx, N, D, d_x, 1e-6f, d_dy, d_dx), 0);
     mtrl_cuda_sync(ctx);
@@ -80,8 +80,8 @@ static void test_norms(mtrl_cuda_ctx *ctx, int N, int D) {
     CHECK_DEV("l2norm rnorm", d_r, rn, N, 1e-5);
     CHECK_DEV("l2norm dx", d_dx, dx, n, 1e-5);
     // SwiGLU (u1 = x, u3 = z)
-    swiglu_fwd(N, D, x, z, y);
-    swiglu_bwd(N, D, x, z, dy, dx, dz);
+    mtrl_ref_swiglu_fwd(N, D, x, z, y);
+    mtrl_ref_swiglu_bwd(N, D, x, z, dy, dx, dz);
     TEST_EQ_INT(mtrl_swiglu_fwd(ctx, N, D, d_x, d_z, d_y), 0);
     TEST_EQ_INT(mtrl_swiglu_bwd(ctx, N, D, d_x, d_z, d_dy, d_dx, d_dz), 0);
     mtrl_cuda_sync(ctx);
@@ -111,9 +111,9 @@ static void test_conv(mtrl_cuda_ctx *ctx, int T, int C, int W, int with_state) {
           *d_dx = tu_dev_nan(ctx, n), *d_dw = tu_dev_f32(dw, (size_t)C * W), *d_dsi = tu_dev_nan(ctx, ns),
           *d_dso = tu_dev_f32(dso, ns);
     const double *sin = with_state ? st : NULL;
-    shortconv_fwd(T, C, W, x, w, sin, y, so);
-    shortconv_bwd(T, C, W, x, w, sin, dy, dx, dw, dsi);
-    shortconv_state_bwd(T, C, W, dso, dx, dsi);
+    mtrl_ref_shortconv_fwd(T, C, W, x, w, sin, y, so);
+    mtrl_ref_shortconv_bwd(T, C, W, x, w, sin, dy, dx, dw, dsi);
+    mtrl_ref_shortconv_state_bwd(T, C, W, dso, dx, dsi);
     TEST_EQ_INT(mtrl_shortconv_fwd(ctx, T, C, W, d_x, d_w, with_state ? d_st : NULL, d_y, d_so), 0);
     TEST_EQ_INT(mtrl_shortconv_bwd(ctx, T, C, W, d_x, d_w, with_state ? d_st : NULL, d_dy, d_dx, d_dw,
                                    d_dsi), 0);
@@ -149,7 +149,7 @@ static void test_conv_step(mtrl_cuda_ctx *ctx, int B, int C, int W) {
     float *d_x1 = tu_dev_f32(x1, (size_t)B * C), *d_w = tu_dev_f32(w, (size_t)C * W),
           *d_win = tu_dev_f32(win, nw), *d_y1 = tu_dev_nan(ctx, (size_t)B * C);
     for (int b = 0; b < B; b++)
-        shortconv_step(C, W, x1 + (size_t)b * C, w, win + (size_t)b * (W - 1) * C, y1 + (size_t)b * C);
+        mtrl_ref_shortconv_step(C, W, x1 + (size_t)b * C, w, win + (size_t)b * (W - 1) * C, y1 + (size_t)b * C);
     TEST_EQ_INT(mtrl_shortconv_step(ctx, B, C, W, d_x1, d_w, d_win, d_y1), 0);
     mtrl_cuda_sync(ctx);
     CHECK_DEV("shortconv step y1", d_y1, y1, (size_t)B * C, 1e-5);
@@ -168,8 +168,8 @@ static void test_logprob(mtrl_cuda_ctx *ctx, int N, int V) {
     tu_fill_normal(dent, N, 1.0);
     int *tg = (int *)malloc(sizeof(int) * N);
     for (int i = 0; i < N; i++) tg[i] = i % 5 == 3 ? -1 : (int)(tu_next() % (uint64_t)V);
-    logits_logprob_fwd(N, V, l, tg, lp, ent);
-    logits_logprob_bwd(N, V, l, tg, dlp, dent, dl);
+    mtrl_ref_logits_logprob_fwd(N, V, l, tg, lp, ent);
+    mtrl_ref_logits_logprob_bwd(N, V, l, tg, dlp, dent, dl);
     float *d_l = tu_dev_f32(l, n), *d_lp = tu_dev_nan(ctx, N), *d_ent = tu_dev_nan(ctx, N),
           *d_dlp = tu_dev_f32(dlp, N), *d_dent = tu_dev_f32(dent, N), *d_dl = tu_dev_nan(ctx, n);
     int *d_tg = tu_dev_i32(tg, N);
@@ -197,7 +197,7 @@ static void test_adamw(mtrl_cuda_ctx *ctx, size_t n) {
     tu_fill_normal(m, n, 0.1);
     for (size_t i = 0; i < n; i++) v[i] = (double)(float)(0.01 * tu_unif());
     float *d_p = tu_dev_f32(p, n), *d_g = tu_dev_f32(g, n), *d_m = tu_dev_f32(m, n), *d_v = tu_dev_f32(v, n);
-    adamw_update(n, p, g, m, v, 1e-3, 0.9, 0.95, 1e-8, 0.1, 7);
+    mtrl_ref_adamw_update(n, p, g, m, v, 1e-3, 0.9, 0.95, 1e-8, 0.1, 7);
     TEST_EQ_INT(mtrl_adamw(ctx, n, d_p, d_g, d_m, d_v, 1e-3f, 0.9f, 0.95f, 1e-8f, 0.1f, 7), 0);
     mtrl_cuda_sync(ctx);
     CHECK_DEV("adamw param", d_p, p, n, 1e-6);
@@ -231,10 +231,10 @@ static void test_attnres(mtrl_cuda_ctx *ctx, int N, int D, int S) {
           *d_al = tu_dev_nan(ctx, (size_t)N * S), *d_dh = tu_dev_f32(dh, n), *d_dw = tu_dev_f32(dw, D),
           *d_dg = tu_dev_f32(dg, D);
     double eps = 1e-5;
-    attnres_site_fwd(N, D, S, (const double *const *)V, w, gm, eps, h, al);
+    mtrl_ref_attnres_site_fwd(N, D, S, (const double *const *)V, w, gm, eps, h, al);
     double **dVr = (double **)malloc(sizeof(double *) * S);
     for (int i = 0; i < S; i++) dVr[i] = i == 1 ? NULL : dV[i];
-    attnres_site_bwd(N, D, S, (const double *const *)V, w, gm, eps, al, dh, dVr, dw, dg);
+    mtrl_ref_attnres_site_bwd(N, D, S, (const double *const *)V, w, gm, eps, al, dh, dVr, dw, dg);
     TEST_EQ_INT(mtrl_attnres_site_fwd(ctx, N, D, S, (const float *const *)d_V, d_w, d_gm, (float)eps,
                                       d_h, d_al), 0);
     TEST_EQ_INT(mtrl_attnres_site_bwd(ctx, N, D, S, (const float *const *)d_V, d_w, d_gm, (float)eps,

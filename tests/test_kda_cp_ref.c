@@ -69,7 +69,7 @@ typedef struct {
 } cp_outputs;
 
 static cp_outputs cp_alloc(int T) {
-    int nt = kda_tile_count(T);
+    int nt = mtrl_ref_kda_tile_count(T);
     cp_outputs r = {malloc(sizeof(double) * (size_t)T * H_ * V_), malloc(sizeof(double) * H_ * K_ * V_),
                     malloc(sizeof(double) * (size_t)nt * H_ * K_ * V_)};
     return r;
@@ -81,19 +81,19 @@ static double worst_;
 // One input set, both S0 cases, every piece count.
 static void cp_case(int T, double g_lo, uint64_t stream) {
     cp_inputs in = cp_make(T, g_lo, stream);
-    int nt = kda_tile_count(T);
+    int nt = mtrl_ref_kda_tile_count(T);
     size_t KV = (size_t)K_ * V_, no = (size_t)T * H_ * V_, ns = (size_t)nt * H_ * KV;
     cp_outputs seq = cp_alloc(T), cp = cp_alloc(T), rec = cp_alloc(T), zero = cp_alloc(T);
     for (int with_s0 = 0; with_s0 < 2; with_s0++) {
         const double *S0 = with_s0 ? in.S0 : NULL;
-        kda_chunk_fwd(T, H_, K_, V_, in.q, in.k, in.v, in.g, in.beta, S0, seq.o, seq.Sf, seq.St);
-        kda_recurrent_fwd(T, H_, K_, V_, in.q, in.k, in.v, in.g, in.beta, S0, rec.o, rec.Sf, NULL);
+        mtrl_ref_kda_chunk_fwd(T, H_, K_, V_, in.q, in.k, in.v, in.g, in.beta, S0, seq.o, seq.Sf, seq.St);
+        mtrl_ref_kda_recurrent_fwd(T, H_, K_, V_, in.q, in.k, in.v, in.g, in.beta, S0, rec.o, rec.Sf, NULL);
         TEST_CHECKF(test_rel_err_d(seq.o, rec.o, no) < 1e-12, "T=%d: sequential chunked vs recurrence", T);
         int last = nt + 2;  // beyond the tile count: clamped to it
         for (int np = 1; np <= last; np++) {
             memset(cp.o, 0xff, sizeof(double) * no);  // NaN: every output must be written
             memset(cp.St, 0xff, sizeof(double) * ns);
-            kda_chunk_fwd_cp(T, H_, K_, V_, in.q, in.k, in.v, in.g, in.beta, S0, cp.o, cp.Sf, cp.St, np);
+            mtrl_ref_kda_chunk_fwd_cp(T, H_, K_, V_, in.q, in.k, in.v, in.g, in.beta, S0, cp.o, cp.Sf, cp.St, np);
             double eo = test_rel_err_d(cp.o, seq.o, no), ef = test_rel_err_d(cp.Sf, seq.Sf, H_ * KV),
                    et = test_rel_err_d(cp.St, seq.St, ns);
             double e = eo > ef ? eo : ef;
@@ -104,7 +104,7 @@ static void cp_case(int T, double g_lo, uint64_t stream) {
             TEST_CHECKF(test_rel_err_d(cp.o, rec.o, no) < 1e-12, "T=%d pieces=%d: vs recurrence", T, np);
             int pe = np < nt ? np : nt;
             // bit for bit: everything at one piece; piece 0 always; piece 1 too with S0 = NULL
-            int exact_tiles = pe == 1 ? nt : kda_cp_bound(nt, with_s0 ? 1 : 2, pe);
+            int exact_tiles = pe == 1 ? nt : mtrl_ref_kda_cp_bound(nt, with_s0 ? 1 : 2, pe);
             int exact_tok = exact_tiles * KDA_TILE < T ? exact_tiles * KDA_TILE : T;
             TEST_CHECKF(memcmp(cp.o, seq.o, sizeof(double) * exact_tok * H_ * V_) == 0,
                         "T=%d S0=%d pieces=%d: o of the first %d tokens bit for bit", T, with_s0, np, exact_tok);
@@ -115,8 +115,8 @@ static void cp_case(int T, double g_lo, uint64_t stream) {
             if (with_s0 && pe >= 2 && g_lo > -0.1) {
                 // the incoming state reached the last piece through the transitions, by far more
                 // than the 1e-12 agreement above (which therefore needs M_p)
-                kda_chunk_fwd_cp(T, H_, K_, V_, in.q, in.k, in.v, in.g, in.beta, NULL, zero.o, zero.Sf, NULL, np);
-                size_t t0 = (size_t)KDA_TILE * kda_cp_bound(nt, pe - 1, pe);
+                mtrl_ref_kda_chunk_fwd_cp(T, H_, K_, V_, in.q, in.k, in.v, in.g, in.beta, NULL, zero.o, zero.Sf, NULL, np);
+                size_t t0 = (size_t)KDA_TILE * mtrl_ref_kda_cp_bound(nt, pe - 1, pe);
                 double d = test_rel_err_d(cp.o + t0 * H_ * V_, zero.o + t0 * H_ * V_, (T - t0) * H_ * V_);
                 TEST_CHECKF(d > 1e-9, "T=%d pieces=%d: S0 changes the last piece by only %.2e", T, np, d);
             }

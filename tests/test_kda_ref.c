@@ -88,20 +88,20 @@ static void test_i1(void) {
             double *o_ref = malloc(sizeof(double) * T * H_ * V_), *o = malloc(sizeof(double) * T * H_ * V_);
             double *S_all = malloc(sizeof(double) * (T + 1) * H_ * KV);
             double Sf_ref[H_ * K_ * V_], Sf[H_ * K_ * V_];
-            double *S_tiles = malloc(sizeof(double) * kda_tile_count(T) * H_ * KV);
+            double *S_tiles = malloc(sizeof(double) * mtrl_ref_kda_tile_count(T) * H_ * KV);
             for (int with_s0 = 0; with_s0 < 2; with_s0++) {
                 const double *S0 = with_s0 ? in.S0 : NULL;
-                kda_recurrent_fwd(T, H_, K_, V_, in.q, in.k, in.v, in.g, in.beta, S0, o_ref, Sf_ref, S_all);
+                mtrl_ref_kda_recurrent_fwd(T, H_, K_, V_, in.q, in.k, in.v, in.g, in.beta, S0, o_ref, Sf_ref, S_all);
                 for (int ref = 0; ref < 2; ref++)
                     for (int solve = 0; solve < 2; solve++)
                         for (int pad = 0; pad < 2; pad++) {
                             kda_chunk_opts op = {.ref = ref, .solve = solve, .pad_tail = pad};
-                            kda_chunk_fwd_ex(T, H_, K_, V_, in.q, in.k, in.v, in.g, in.beta, S0, o, Sf, S_tiles, &op);
+                            mtrl_ref_kda_chunk_fwd_ex(T, H_, K_, V_, in.q, in.k, in.v, in.g, in.beta, S0, o, Sf, S_tiles, &op);
                             double eo = rel(o, o_ref, (size_t)T * H_ * V_);
                             double es = rel(Sf, Sf_ref, (size_t)H_ * KV);
                             // The stored incoming state of tile n is S_{16 n} of the recurrence.
                             double et = 0;
-                            for (int n = 0; n < kda_tile_count(T); n++)
+                            for (int n = 0; n < mtrl_ref_kda_tile_count(T); n++)
                                 et = maxd(et, rel(S_tiles + (size_t)n * H_ * KV, S_all + (size_t)n * 16 * H_ * KV, H_ * KV));
                             if (!with_s0 && T <= 16) et = 0;  // S_0 = 0: relative error undefined
                             TEST_CHECKF(eo <= 1e-12 && es <= 1e-12 && et <= 1e-12,
@@ -112,8 +112,8 @@ static void test_i1(void) {
                         }
             }
             // The default entry point is the midpoint / forward-substitution / c < 16 path.
-            kda_chunk_fwd(T, H_, K_, V_, in.q, in.k, in.v, in.g, in.beta, in.S0, o, Sf, NULL);
-            kda_recurrent_fwd(T, H_, K_, V_, in.q, in.k, in.v, in.g, in.beta, in.S0, o_ref, Sf_ref, NULL);
+            mtrl_ref_kda_chunk_fwd(T, H_, K_, V_, in.q, in.k, in.v, in.g, in.beta, in.S0, o, Sf, NULL);
+            mtrl_ref_kda_recurrent_fwd(T, H_, K_, V_, in.q, in.k, in.v, in.g, in.beta, in.S0, o_ref, Sf_ref, NULL);
             TEST_CHECK(rel(o, o_ref, (size_t)T * H_ * V_) <= 1e-12);
             free(o_ref); free(o); free(S_all); free(S_tiles);
             free_inputs(&in);
@@ -128,7 +128,7 @@ static void test_i1(void) {
 static double loss_chunk(const inputs *in, const double *dout, const double *dSf, const kda_chunk_opts *op) {
     int T = in->T;
     double *o = malloc(sizeof(double) * T * H_ * V_), Sf[H_ * K_ * V_];
-    kda_chunk_fwd_ex(T, H_, K_, V_, in->q, in->k, in->v, in->g, in->beta, in->S0, o, Sf, NULL, op);
+    mtrl_ref_kda_chunk_fwd_ex(T, H_, K_, V_, in->q, in->k, in->v, in->g, in->beta, in->S0, o, Sf, NULL, op);
     double L = 0;
     for (size_t i = 0; i < (size_t)T * H_ * V_; i++) L += dout[i] * o[i];
     for (size_t i = 0; i < H_ * K_ * V_; i++) L += dSf[i] * Sf[i];
@@ -187,12 +187,12 @@ static void chunk_bwd(const inputs *in, const double *dout, const double *dSf, c
     int T = in->T;
     double *St = NULL;
     if (store_tiles) {
-        St = malloc(sizeof(double) * kda_chunk_state_count(T, op) * H_ * K_ * V_);
+        St = malloc(sizeof(double) * mtrl_ref_kda_chunk_state_count(T, op) * H_ * K_ * V_);
         double *o = malloc(sizeof(double) * T * H_ * V_);
-        kda_chunk_fwd_ex(T, H_, K_, V_, in->q, in->k, in->v, in->g, in->beta, in->S0, o, NULL, St, op);
+        mtrl_ref_kda_chunk_fwd_ex(T, H_, K_, V_, in->q, in->k, in->v, in->g, in->beta, in->S0, o, NULL, St, op);
         free(o);
     }
-    kda_chunk_bwd_ex(T, H_, K_, V_, in->q, in->k, in->v, in->g, in->beta, in->S0, St, dout, dSf,
+    mtrl_ref_kda_chunk_bwd_ex(T, H_, K_, V_, in->q, in->k, in->v, in->g, in->beta, in->S0, St, dout, dSf,
                      gr->dq, gr->dk, gr->dv, gr->dg, gr->db, gr->dS0, op);
     free(St);
 }
@@ -200,8 +200,8 @@ static void chunk_bwd(const inputs *in, const double *dout, const double *dSf, c
 static void bptt(const inputs *in, const double *dout, const double *dSf, grads *gr) {
     int T = in->T;
     double *S_all = malloc(sizeof(double) * (T + 1) * H_ * K_ * V_), *o = malloc(sizeof(double) * T * H_ * V_);
-    kda_recurrent_fwd(T, H_, K_, V_, in->q, in->k, in->v, in->g, in->beta, in->S0, o, NULL, S_all);
-    kda_recurrent_bwd(T, H_, K_, V_, in->q, in->k, in->v, in->g, in->beta, S_all, dout, dSf,
+    mtrl_ref_kda_recurrent_fwd(T, H_, K_, V_, in->q, in->k, in->v, in->g, in->beta, in->S0, o, NULL, S_all);
+    mtrl_ref_kda_recurrent_bwd(T, H_, K_, V_, in->q, in->k, in->v, in->g, in->beta, S_all, dout, dSf,
                       gr->dq, gr->dk, gr->dv, gr->dg, gr->db, gr->dS0);
     free(S_all); free(o);
 }
@@ -232,7 +232,7 @@ static void test_i2(void) {
             // dS_final = NULL means zero.
             double zero[H_ * K_ * V_] = {0};
             bptt(&in, dout, zero, &gb);
-            kda_chunk_bwd(T, H_, K_, V_, in.q, in.k, in.v, in.g, in.beta, in.S0, NULL, dout, NULL,
+            mtrl_ref_kda_chunk_bwd(T, H_, K_, V_, in.q, in.k, in.v, in.g, in.beta, in.S0, NULL, dout, NULL,
                           gc.dq, gc.dk, gc.dv, gc.dg, gc.db, gc.dS0);
             TEST_CHECK(grads_rel(&gc, &gb, T) <= 1e-12);
             grads_free(&gb); grads_free(&gc); free(dout);
@@ -271,7 +271,7 @@ static void test_i2(void) {
 // Through the gate: f, A_log, dt_bias -> g -> chunk -> L.
 static double loss_gate(inputs *in, const double *f, const double *A_log, const double *dtb,
                         const double *dout, const double *dSf) {
-    kda_gate_fwd(in->T, H_, K_, f, A_log, dtb, G_MIN, in->g);
+    mtrl_ref_kda_gate_fwd(in->T, H_, K_, f, A_log, dtb, G_MIN, in->g);
     return loss_chunk(in, dout, dSf, NULL);
 }
 
@@ -288,7 +288,7 @@ static void test_gate(void) {
     fill_normal(dSf, H_ * K_ * V_, 405, 1.0);
 
     // The gate lands strictly inside (g_min, 0).
-    kda_gate_fwd(T, H_, K_, f, A_log, dtb, G_MIN, in.g);
+    mtrl_ref_kda_gate_fwd(T, H_, K_, f, A_log, dtb, G_MIN, in.g);
     int inside = 1;
     for (size_t i = 0; i < nf; i++) inside &= in.g[i] > G_MIN && in.g[i] < 0;
     TEST_CHECK(inside);
@@ -299,7 +299,7 @@ static void test_gate(void) {
     // Accumulation contract: dA_log and ddt_bias are +=; start them at 1 and subtract after.
     for (int h = 0; h < H_; h++) dA[h] = 1.0;
     for (int i = 0; i < H_ * K_; i++) ddtb[i] = 1.0;
-    kda_gate_bwd(T, H_, K_, f, A_log, dtb, G_MIN, gc.dg, df, dA, ddtb);
+    mtrl_ref_kda_gate_bwd(T, H_, K_, f, A_log, dtb, G_MIN, gc.dg, df, dA, ddtb);
     for (int h = 0; h < H_; h++) dA[h] -= 1.0;
     for (int i = 0; i < H_ * K_; i++) ddtb[i] -= 1.0;
 
@@ -348,7 +348,7 @@ static void unbounded_g_(inputs *in, uint64_t stream) {
 // Kimi's gate g = −e^{A_log} softplus(f + dt_bias) through the chunk: FD of f, A_log, dt_bias.
 static double loss_gate_kimi(inputs *in, const double *f, const double *A_log, const double *dtb,
                              const double *dout, const double *dSf, double floor_) {
-    kda_gate_kimi_fwd(in->T, H_, K_, f, A_log, dtb, floor_, in->g);
+    mtrl_ref_kda_gate_kimi_fwd(in->T, H_, K_, f, A_log, dtb, floor_, in->g);
     return loss_chunk(in, dout, dSf, NULL);
 }
 
@@ -365,13 +365,13 @@ static void test_unbounded(void) {
         double *dout = malloc(sizeof(double) * T * H_ * V_), dSf[H_ * K_ * V_];
         fill_normal(dout, (size_t)T * H_ * V_, 520 + ti, 1.0);
         fill_normal(dSf, H_ * K_ * V_, 530 + ti, 1.0);
-        kda_recurrent_fwd(T, H_, K_, V_, in.q, in.k, in.v, in.g, in.beta, in.S0, o_ref, Sf_ref, NULL);
+        mtrl_ref_kda_recurrent_fwd(T, H_, K_, V_, in.q, in.k, in.v, in.g, in.beta, in.S0, o_ref, Sf_ref, NULL);
         grads gb = grads_alloc(T), gc = grads_alloc(T);
         bptt(&in, dout, dSf, &gb);
         for (int chunk = 16; chunk <= 64; chunk *= 4)
             for (int store = 0; store < 2; store++) {
                 kda_chunk_opts op = {.chunk = chunk};
-                kda_chunk_fwd_ex(T, H_, K_, V_, in.q, in.k, in.v, in.g, in.beta, in.S0, o, Sf, NULL, &op);
+                mtrl_ref_kda_chunk_fwd_ex(T, H_, K_, V_, in.q, in.k, in.v, in.g, in.beta, in.S0, o, Sf, NULL, &op);
                 double ef = maxd(rel(o, o_ref, (size_t)T * H_ * V_), rel(Sf, Sf_ref, H_ * KV));
                 chunk_bwd(&in, dout, dSf, &op, store, &gc);
                 double eb = grads_rel(&gc, &gb, T);
@@ -402,7 +402,7 @@ static void test_unbounded(void) {
         double *dout = malloc(sizeof(double) * T * H_ * V_), dSf[H_ * K_ * V_];
         fill_normal(dout, (size_t)T * H_ * V_, 544, 1.0);
         fill_normal(dSf, H_ * K_ * V_, 545, 1.0);
-        kda_gate_kimi_fwd(T, H_, K_, f, A_log, dtb, floor_, in.g);
+        mtrl_ref_kda_gate_kimi_fwd(T, H_, K_, f, A_log, dtb, floor_, in.g);
         double gmin = 0;
         int clamped = 0, below = 0;
         for (size_t i = 0; i < nf; i++) {
@@ -415,7 +415,7 @@ static void test_unbounded(void) {
         grads gc = grads_alloc(T);
         chunk_bwd(&in, dout, dSf, NULL, 0, &gc);
         double *df = malloc(sizeof(double) * nf), dA[H_] = {0}, ddtb[H_ * K_] = {0};
-        kda_gate_kimi_bwd(T, H_, K_, f, A_log, dtb, floor_, gc.dg, df, dA, ddtb);
+        mtrl_ref_kda_gate_kimi_bwd(T, H_, K_, f, A_log, dtb, floor_, gc.dg, df, dA, ddtb);
         const double h = 1e-6;
         double *fd = malloc(sizeof(double) * nf);
         double *xs[3] = {f, A_log, dtb}, *an[3] = {df, dA, ddtb};
@@ -473,8 +473,8 @@ static void test_i5(void) {
                 for (int i = 0; i < c; i++)
                     for (int j = 0; j < i; j++) M[i * 16 + j] = 0.5 * mtrl_rng_normal(g_seed, 550 + ci, (uint64_t)(i * 16 + j));
             }
-            kda_ut_solve(c, M, 16, T1, 16, KDA_SOLVE_FSUB);
-            kda_ut_solve(c, M, 16, T2, 16, KDA_SOLVE_NILPOTENT);
+            mtrl_ref_kda_ut_solve(c, M, 16, T1, 16, KDA_SOLVE_FSUB);
+            mtrl_ref_kda_ut_solve(c, M, 16, T2, 16, KDA_SOLVE_NILPOTENT);
             double num = 0, den = 0, inv = 0;
             int tri = 1;
             for (int i = 0; i < c; i++)
@@ -516,12 +516,12 @@ static void test_i7(void) {
             fill_normal(dout, no, 610 + ti, 1.0);
             fill_normal(dSf, H_ * K_ * V_, 620 + ti, 1.0);
             grads g16 = grads_alloc(T), g64 = grads_alloc(T);
-            kda_recurrent_fwd(T, H_, K_, V_, in.q, in.k, in.v, in.g, in.beta, in.S0, orec, Srec, NULL);
+            mtrl_ref_kda_recurrent_fwd(T, H_, K_, V_, in.q, in.k, in.v, in.g, in.beta, in.S0, orec, Srec, NULL);
             for (int ref = 0; ref < 2; ref++)
                 for (int pad = 0; pad < 2; pad++) {
                     kda_chunk_opts o1 = {.ref = ref, .pad_tail = pad}, o4 = {.ref = ref, .pad_tail = pad, .chunk = 64};
-                    kda_chunk_fwd_ex(T, H_, K_, V_, in.q, in.k, in.v, in.g, in.beta, in.S0, o16, S16, NULL, &o1);
-                    kda_chunk_fwd_ex(T, H_, K_, V_, in.q, in.k, in.v, in.g, in.beta, in.S0, o64, S64, NULL, &o4);
+                    mtrl_ref_kda_chunk_fwd_ex(T, H_, K_, V_, in.q, in.k, in.v, in.g, in.beta, in.S0, o16, S16, NULL, &o1);
+                    mtrl_ref_kda_chunk_fwd_ex(T, H_, K_, V_, in.q, in.k, in.v, in.g, in.beta, in.S0, o64, S64, NULL, &o4);
                     double ef = maxd(rel(o64, o16, no), rel(S64, S16, H_ * K_ * V_));
                     double er = maxd(rel(o64, orec, no), rel(S64, Srec, H_ * K_ * V_));
                     chunk_bwd(&in, dout, dSf, &o1, 1, &g16);
@@ -534,7 +534,7 @@ static void test_i7(void) {
                     worst_b = maxd(worst_b, eb);
                     worst_rec = maxd(worst_rec, er);
                 }
-            TEST_EQ_INT(kda_chunk_state_count(T, &(kda_chunk_opts){.chunk = 64}), (T + 63) / 64);
+            TEST_EQ_INT(mtrl_ref_kda_chunk_state_count(T, &(kda_chunk_opts){.chunk = 64}), (T + 63) / 64);
             grads_free(&g16); grads_free(&g64);
             free(o16); free(o64); free(orec); free(dout);
             free_inputs(&in);
@@ -549,11 +549,11 @@ static void test_step(void) {
     inputs in = make_inputs(T, G_RANDOM, 700);
     size_t KV = (size_t)K_ * V_, no = (size_t)T * H_ * V_;
     double *orec = malloc(sizeof(double) * no), *ostep = malloc(sizeof(double) * no), Srec[H_ * K_ * V_];
-    kda_recurrent_fwd(T, H_, K_, V_, in.q, in.k, in.v, in.g, in.beta, in.S0, orec, Srec, NULL);
+    mtrl_ref_kda_recurrent_fwd(T, H_, K_, V_, in.q, in.k, in.v, in.g, in.beta, in.S0, orec, Srec, NULL);
     double S[H_ * K_ * V_];
     memcpy(S, in.S0, sizeof S);
     for (int t = 0; t < T; t++)
-        kda_step(H_, K_, V_, in.q + (size_t)t * H_ * K_, in.k + (size_t)t * H_ * K_, in.v + (size_t)t * H_ * V_,
+        mtrl_ref_kda_step(H_, K_, V_, in.q + (size_t)t * H_ * K_, in.k + (size_t)t * H_ * K_, in.v + (size_t)t * H_ * V_,
                  in.g + (size_t)t * H_ * K_, in.beta + (size_t)t * H_, S, ostep + (size_t)t * H_ * V_);
     double e1 = maxd(rel(ostep, orec, no), rel(S, Srec, H_ * KV));
     TEST_CHECKF(e1 <= 1e-15, "kda_step sequence vs recurrence %.2e", e1);
@@ -564,9 +564,9 @@ static void test_step(void) {
     for (size_t si = 0; si < sizeof splits / sizeof splits[0]; si++) {
         int t0 = splits[si];
         double Sp[H_ * K_ * V_];
-        kda_chunk_fwd(t0, H_, K_, V_, in.q, in.k, in.v, in.g, in.beta, in.S0, ostep, Sp, NULL);
+        mtrl_ref_kda_chunk_fwd(t0, H_, K_, V_, in.q, in.k, in.v, in.g, in.beta, in.S0, ostep, Sp, NULL);
         for (int t = t0; t < T; t++)
-            kda_step(H_, K_, V_, in.q + (size_t)t * H_ * K_, in.k + (size_t)t * H_ * K_, in.v + (size_t)t * H_ * V_,
+            mtrl_ref_kda_step(H_, K_, V_, in.q + (size_t)t * H_ * K_, in.k + (size_t)t * H_ * K_, in.v + (size_t)t * H_ * V_,
                      in.g + (size_t)t * H_ * K_, in.beta + (size_t)t * H_, Sp, ostep + (size_t)t * H_ * V_);
         double e = maxd(rel(ostep, orec, no), rel(Sp, Srec, H_ * KV));
         TEST_CHECKF(e <= 1e-12, "prefill %d then decode: %.2e", t0, e);
@@ -576,16 +576,16 @@ static void test_step(void) {
 
     // T = 0: nothing happens, S_final = S0 (zeros for NULL), dS0 = dS_final.
     double Sf[H_ * K_ * V_], dS0[H_ * K_ * V_], o_guard = 42;
-    kda_chunk_fwd(0, H_, K_, V_, NULL, NULL, NULL, NULL, NULL, in.S0, &o_guard, Sf, NULL);
+    mtrl_ref_kda_chunk_fwd(0, H_, K_, V_, NULL, NULL, NULL, NULL, NULL, in.S0, &o_guard, Sf, NULL);
     TEST_CHECK(memcmp(Sf, in.S0, sizeof Sf) == 0 && o_guard == 42);
     for (size_t i = 0; i < H_ * KV; i++) Sf[i] = 1;
-    kda_chunk_fwd(0, H_, K_, V_, NULL, NULL, NULL, NULL, NULL, NULL, NULL, Sf, NULL);
+    mtrl_ref_kda_chunk_fwd(0, H_, K_, V_, NULL, NULL, NULL, NULL, NULL, NULL, NULL, Sf, NULL);
     int zero = 1;
     for (size_t i = 0; i < H_ * KV; i++) zero &= Sf[i] == 0;
     TEST_CHECK(zero);
-    kda_chunk_bwd(0, H_, K_, V_, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, in.S0, NULL, NULL, NULL, NULL, NULL, dS0);
+    mtrl_ref_kda_chunk_bwd(0, H_, K_, V_, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, in.S0, NULL, NULL, NULL, NULL, NULL, dS0);
     TEST_CHECK(memcmp(dS0, in.S0, sizeof dS0) == 0);
-    kda_recurrent_fwd(0, H_, K_, V_, NULL, NULL, NULL, NULL, NULL, in.S0, NULL, Sf, NULL);
+    mtrl_ref_kda_recurrent_fwd(0, H_, K_, V_, NULL, NULL, NULL, NULL, NULL, in.S0, NULL, Sf, NULL);
     TEST_CHECK(memcmp(Sf, in.S0, sizeof Sf) == 0);
     free(orec); free(ostep);
     free_inputs(&in);

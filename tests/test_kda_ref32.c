@@ -173,8 +173,8 @@ int main(void) {
                 for (int pad = 0; pad < 2; pad++)
                     for (int chunk = 16; chunk <= 64; chunk *= 4) {
                         kda_chunk_opts op = {.ref = ref, .pad_tail = pad, .chunk = chunk};
-                        kda_chunk_fwd_ex(T, H_, K_, V_, q, k, v, g, beta, S0, o, Sf, NULL, &op);
-                        kda_chunk_bwd_ex(T, H_, K_, V_, q, k, v, g, beta, S0, NULL, dout, dSf,
+                        mtrl_ref_kda_chunk_fwd_ex(T, H_, K_, V_, q, k, v, g, beta, S0, o, Sf, NULL, &op);
+                        mtrl_ref_kda_chunk_bwd_ex(T, H_, K_, V_, q, k, v, g, beta, S0, NULL, dout, dSf,
                                          dq, dk, dv, dg, db, dS0, &op);
                         int fin = all_finite(o, nv) && all_finite(Sf, H_ * KV_) && all_finite(dq, nk) &&
                                   all_finite(dk, nk) && all_finite(dv, nv) && all_finite(dg, nk) &&

@@ -544,8 +544,8 @@ int main(void) {
             for (size_t i = 0; i < nb; i++) a[4][i] = beta[i];
             for (size_t i = 0; i < ns; i++) { a[6][i] = dSf[i]; a[7][i] = S0[i]; }
             double *rdS0 = malloc(8 * ns);
-            kda_chunk_fwd(T, H, K, V, a[0], a[1], a[2], a[3], a[4], a[7], NULL, NULL, St64);
-            kda_chunk_bwd(T, H, K, V, a[0], a[1], a[2], a[3], a[4], a[7], St64, a[5], a[6], gref[0], gref[1], gref[2],
+            mtrl_ref_kda_chunk_fwd(T, H, K, V, a[0], a[1], a[2], a[3], a[4], a[7], NULL, NULL, St64);
+            mtrl_ref_kda_chunk_bwd(T, H, K, V, a[0], a[1], a[2], a[3], a[4], a[7], St64, a[5], a[6], gref[0], gref[1], gref[2],
                           gref[3], gref[4], rdS0);
             double e = test_rel_err_d(dS064, rdS0, ns);
             worst_ref = fmax(worst_ref, e);

@@ -131,8 +131,8 @@ static void attn_vs_naive(const char *name, int Tq, int Tk, int H, int Hk, int D
     real *dk_n = copyv(dk0, (size_t)Tk * ldk), *dv_n = alias ? dk_n : copyv(dv0, (size_t)Tk * ldv);
     real *dq = randn((size_t)Tq * H * Dk, 1.0), *dq_n = zeros((size_t)Tq * H * Dk);  // dq overwritten
 
-    attn_causal_fwd(Tq, Tk, H, Hk, Dk, Dv, scale, q, k, ldk, v, ldv, o, lse);
-    attn_causal_bwd(Tq, Tk, H, Hk, Dk, Dv, scale, q, k, ldk, v, ldv, o, lse, R, dq, dk, dv);
+    mtrl_ref_attn_causal_fwd(Tq, Tk, H, Hk, Dk, Dv, scale, q, k, ldk, v, ldv, o, lse);
+    mtrl_ref_attn_causal_bwd(Tq, Tk, H, Hk, Dk, Dv, scale, q, k, ldk, v, ldv, o, lse, R, dq, dk, dv);
     naive_attn(Tq, Tk, H, Hk, Dk, Dv, scale, q, k, ldk, v, ldv, o_n, lse_n, R, dq_n, dk_n, dv_n);
     printf(" %s (Tq %d Tk %d H %d Hk %d Dk %d Dv %d%s)\n", name, Tq, Tk, H, Hk, Dk, Dv, alias ? " v=k" : "");
     CHECK_REL("o vs naive", o, o_n, (size_t)Tq * H * Dv, 1e-13);
@@ -150,7 +150,7 @@ static void attn_vs_naive(const char *name, int Tq, int Tk, int H, int Hk, int D
 typedef struct { int Tq, Tk, H, Hk, Dk, Dv, ldk, ldv; double scale; real *q, *k, *v, *R, *o, *lse; } attn_ctx;
 static double attn_loss(void *p) {
     attn_ctx *c = p;
-    attn_causal_fwd(c->Tq, c->Tk, c->H, c->Hk, c->Dk, c->Dv, c->scale, c->q, c->k, c->ldk, c->v,
+    mtrl_ref_attn_causal_fwd(c->Tq, c->Tk, c->H, c->Hk, c->Dk, c->Dv, c->scale, c->q, c->k, c->ldk, c->v,
                     c->ldv, c->o, c->lse);
     return dot(c->R, c->o, (size_t)c->Tq * c->H * c->Dv);
 }
@@ -188,7 +188,7 @@ static void attn_fd(int Tq, int Tk, int H, int Hk, int Dk, int Dv, int alias) {
     real *dq = zeros((size_t)Tq * H * Dk), *dk = zeros((size_t)Tk * c.ldk);
     real *dv = alias ? dk : zeros((size_t)Tk * c.ldv);
     attn_loss(&c);
-    attn_causal_bwd(Tq, Tk, H, Hk, Dk, Dv, c.scale, c.q, c.k, c.ldk, c.v, c.ldv, c.o, c.lse, c.R, dq, dk, dv);
+    mtrl_ref_attn_causal_bwd(Tq, Tk, H, Hk, Dk, Dv, c.scale, c.q, c.k, c.ldk, c.v, c.ldv, c.o, c.lse, c.R, dq, dk, dv);
     printf(" fd (Tq %d Tk %d H %d Hk %d Dk %d Dv %d%s)\n", Tq, Tk, H, Hk, Dk, Dv, alias ? " v=k" : "");
     CHECK_FD("dq", attn_loss, &c, c.q, (size_t)Tq * H * Dk, dq);
     CHECK_FD(alias ? "dk (= d latent, key and value)" : "dk", attn_loss, &c, c.k, (size_t)Tk * c.ldk, dk);
@@ -207,23 +207,23 @@ static void test_segments(void) {
     real *q = randn((size_t)T * H * Dk, 1.0), *L = randn((size_t)T * ld, 1.0), *R = randn((size_t)T * H * Dv, 1.0);
     real *o = zeros((size_t)T * H * Dv), *lse = zeros((size_t)T * H);
     real *o_t = zeros((size_t)tail * H * Dv), *lse_t = zeros((size_t)tail * H);
-    attn_causal_fwd(T, T, H, Hk, Dk, Dv, scale, q, L, ld, L, ld, o, lse);
-    attn_causal_fwd(tail, T, H, Hk, Dk, Dv, scale, q + (size_t)A * H * Dk, L, ld, L, ld, o_t, lse_t);
+    mtrl_ref_attn_causal_fwd(T, T, H, Hk, Dk, Dv, scale, q, L, ld, L, ld, o, lse);
+    mtrl_ref_attn_causal_fwd(tail, T, H, Hk, Dk, Dv, scale, q + (size_t)A * H * Dk, L, ld, L, ld, o_t, lse_t);
     CHECK_REL("tail rows (Tq 5, Tk 70) == full run o", o_t, o + (size_t)A * H * Dv, (size_t)tail * H * Dv, 1e-14);
     CHECK_REL("tail rows lse", lse_t, lse + (size_t)A * H, (size_t)tail * H, 1e-14);
     // Head segment alone (Tq = Tk = A) == the first A rows of the full run.
     real *o_h = zeros((size_t)A * H * Dv), *lse_h = zeros((size_t)A * H);
-    attn_causal_fwd(A, A, H, Hk, Dk, Dv, scale, q, L, ld, L, ld, o_h, lse_h);
+    mtrl_ref_attn_causal_fwd(A, A, H, Hk, Dk, Dv, scale, q, L, ld, L, ld, o_h, lse_h);
     CHECK_REL("head rows (Tq = Tk = 65) == full run o", o_h, o, (size_t)A * H * Dv, 1e-14);
 
     // Backward: one call vs two segment calls accumulating into one latent gradient.
     real *dL0 = randn((size_t)T * ld, 1.0);
     real *dL1 = copyv(dL0, (size_t)T * ld), *dL2 = copyv(dL0, (size_t)T * ld);
     real *dq1 = zeros((size_t)T * H * Dk), *dq2 = zeros((size_t)T * H * Dk);
-    attn_causal_bwd(T, T, H, Hk, Dk, Dv, scale, q, L, ld, L, ld, o, lse, R, dq1, dL1, dL1);
-    attn_causal_bwd(tail, T, H, Hk, Dk, Dv, scale, q + (size_t)A * H * Dk, L, ld, L, ld, o_t, lse_t,
+    mtrl_ref_attn_causal_bwd(T, T, H, Hk, Dk, Dv, scale, q, L, ld, L, ld, o, lse, R, dq1, dL1, dL1);
+    mtrl_ref_attn_causal_bwd(tail, T, H, Hk, Dk, Dv, scale, q + (size_t)A * H * Dk, L, ld, L, ld, o_t, lse_t,
                     R + (size_t)A * H * Dv, dq2 + (size_t)A * H * Dk, dL2, dL2);
-    attn_causal_bwd(A, A, H, Hk, Dk, Dv, scale, q, L, ld, L, ld, o_h, lse_h, R, dq2, dL2, dL2);
+    mtrl_ref_attn_causal_bwd(A, A, H, Hk, Dk, Dv, scale, q, L, ld, L, ld, o_h, lse_h, R, dq2, dL2, dL2);
     CHECK_REL("dq of two segments == one call", dq2, dq1, (size_t)T * H * Dk, 1e-13);
     CHECK_REL("d latent accumulated over segments == one", dL2, dL1, (size_t)T * ld, 1e-13);
     free(q); free(L); free(R); free(o); free(lse); free(o_t); free(lse_t); free(o_h); free(lse_h);
@@ -244,9 +244,9 @@ typedef struct {
 static double mla_absorbed_loss(void *p) {
     mla_ctx *c = p;
     const int Dl = c->dc + c->dr;
-    mla_absorb_q(c->T, c->H, c->dn, c->dr, c->dv, c->dc, c->q, c->W, c->qt);
-    attn_causal_fwd(c->T, c->T, c->H, 1, Dl, c->dc, c->scale, c->qt, c->L, Dl, c->L, Dl, c->cstar, c->lse);
-    mla_up_v(c->T, c->H, c->dn, c->dv, c->dc, c->cstar, c->W, c->a);
+    mtrl_ref_mla_absorb_q(c->T, c->H, c->dn, c->dr, c->dv, c->dc, c->q, c->W, c->qt);
+    mtrl_ref_attn_causal_fwd(c->T, c->T, c->H, 1, Dl, c->dc, c->scale, c->qt, c->L, Dl, c->L, Dl, c->cstar, c->lse);
+    mtrl_ref_mla_up_v(c->T, c->H, c->dn, c->dv, c->dc, c->cstar, c->W, c->a);
     return dot(c->R, c->a, (size_t)c->T * c->H * c->dv);
 }
 
@@ -271,10 +271,10 @@ static void mla_ctx_free(mla_ctx *c) {
 static void mla_absorbed_bwd(mla_ctx *c, real *dq, real *dL, real *dW) {
     const int T = c->T, H = c->H, Dl = c->dc + c->dr;
     real *dcstar = zeros((size_t)T * H * c->dc), *dqt = zeros((size_t)T * H * Dl);
-    mla_up_v_bwd(T, H, c->dn, c->dv, c->dc, c->cstar, c->W, c->R, dcstar, dW);
-    attn_causal_bwd(T, T, H, 1, Dl, c->dc, c->scale, c->qt, c->L, Dl, c->L, Dl, c->cstar, c->lse,
+    mtrl_ref_mla_up_v_bwd(T, H, c->dn, c->dv, c->dc, c->cstar, c->W, c->R, dcstar, dW);
+    mtrl_ref_attn_causal_bwd(T, T, H, 1, Dl, c->dc, c->scale, c->qt, c->L, Dl, c->L, Dl, c->cstar, c->lse,
                     dcstar, dqt, dL, dL);
-    mla_absorb_q_bwd(T, H, c->dn, c->dr, c->dv, c->dc, c->q, c->W, dqt, dq, dW);
+    mtrl_ref_mla_absorb_q_bwd(T, H, c->dn, c->dr, c->dv, c->dc, c->q, c->W, dqt, dq, dW);
     free(dcstar);
     free(dqt);
 }
@@ -289,8 +289,8 @@ static void test_mla_training_forms(int T) {
     // Expanded: k, v per head from the latent, multi-head attention (Hk = H).
     real *k = zeros((size_t)T * H * Dh), *v = zeros((size_t)T * H * dv);
     real *a_e = zeros((size_t)T * H * dv), *lse_e = zeros((size_t)T * H);
-    mla_expand_kv(T, H, dn, dr, dv, dc, c.L, Dl, c.L + dc, Dl, c.W, k, v);
-    attn_causal_fwd(T, T, H, H, Dh, dv, c.scale, c.q, k, H * Dh, v, H * dv, a_e, lse_e);
+    mtrl_ref_mla_expand_kv(T, H, dn, dr, dv, dc, c.L, Dl, c.L + dc, Dl, c.W, k, v);
+    mtrl_ref_attn_causal_fwd(T, T, H, H, Dh, dv, c.scale, c.q, k, H * Dh, v, H * dv, a_e, lse_e);
     CHECK_REL("a: absorbed == expanded", c.a, a_e, (size_t)T * H * dv, 1e-13);
     CHECK_REL("lse: absorbed == expanded", c.lse, lse_e, (size_t)T * H, 1e-13);
 
@@ -299,8 +299,8 @@ static void test_mla_training_forms(int T) {
     mla_absorbed_bwd(&c, dq_a, dL_a, dW_a);
     real *dq_e = zeros((size_t)T * H * Dh), *dk = zeros((size_t)T * H * Dh), *dvv = zeros((size_t)T * H * dv);
     real *dL_e = zeros((size_t)T * Dl), *dW_e = zeros((size_t)H * (dn + dv) * dc);
-    attn_causal_bwd(T, T, H, H, Dh, dv, c.scale, c.q, k, H * Dh, v, H * dv, a_e, lse_e, c.R, dq_e, dk, dvv);
-    mla_expand_kv_bwd(T, H, dn, dr, dv, dc, c.L, Dl, c.W, dk, dvv, dL_e, Dl, dL_e + dc, Dl, dW_e);
+    mtrl_ref_attn_causal_bwd(T, T, H, H, Dh, dv, c.scale, c.q, k, H * Dh, v, H * dv, a_e, lse_e, c.R, dq_e, dk, dvv);
+    mtrl_ref_mla_expand_kv_bwd(T, H, dn, dr, dv, dc, c.L, Dl, c.W, dk, dvv, dL_e, Dl, dL_e + dc, Dl, dW_e);
     CHECK_REL("dq: absorbed == expanded", dq_a, dq_e, (size_t)T * H * Dh, 1e-12);
     CHECK_REL("d latent [c; k^r]: absorbed == expanded", dL_a, dL_e, (size_t)T * Dl, 1e-12);
     CHECK_REL("dW_kvb: absorbed == expanded", dW_a, dW_e, (size_t)H * (dn + dv) * dc, 1e-12);
@@ -320,7 +320,7 @@ typedef struct { int N, H, dn, dr, dv, dc; real *L, *W, *Rk, *Rv, *k, *v; } exp_
 static double expand_loss(void *p) {
     exp_ctx *c = p;
     const int Dl = c->dc + c->dr;
-    mla_expand_kv(c->N, c->H, c->dn, c->dr, c->dv, c->dc, c->L, Dl, c->L + c->dc, Dl, c->W, c->k, c->v);
+    mtrl_ref_mla_expand_kv(c->N, c->H, c->dn, c->dr, c->dv, c->dc, c->L, Dl, c->L + c->dc, Dl, c->W, c->k, c->v);
     return dot(c->Rk, c->k, (size_t)c->N * c->H * (c->dn + c->dr)) + dot(c->Rv, c->v, (size_t)c->N * c->H * c->dv);
 }
 
@@ -336,7 +336,7 @@ static void test_expand_fd(void) {
     c.v = zeros((size_t)c.N * c.H * c.dv);
     real *dL0 = randn((size_t)c.N * Dl, 1.0), *dL = copyv(dL0, (size_t)c.N * Dl);
     real *dW = zeros((size_t)c.H * (c.dn + c.dv) * c.dc);
-    mla_expand_kv_bwd(c.N, c.H, c.dn, c.dr, c.dv, c.dc, c.L, Dl, c.W, c.Rk, c.Rv, dL, Dl, dL + c.dc, Dl, dW);
+    mtrl_ref_mla_expand_kv_bwd(c.N, c.H, c.dn, c.dr, c.dv, c.dc, c.L, Dl, c.W, c.Rk, c.Rv, dL, Dl, dL + c.dc, Dl, dW);
     for (int e = 0; e < c.N * Dl; e++) dL[e] -= dL0[e];
     CHECK_FD("expand_kv d latent (+=)", expand_loss, &c, c.L, (size_t)c.N * Dl, dL);
     CHECK_FD("expand_kv dW_kvb", expand_loss, &c, c.W, (size_t)c.H * (c.dn + c.dv) * c.dc, dW);
@@ -356,12 +356,12 @@ static void test_decode(int Tk) {
         memcpy(ckr + (size_t)t * dr, L + (size_t)t * Dl + dc, sizeof(real) * dr);
     }
     real *a_abs = zeros((size_t)H * dv), *a_ld = zeros((size_t)H * dv), *a_e = zeros((size_t)H * dv);
-    mla_decode_absorbed(H, dn, dr, dv, dc, scale, q, W, cc, ckr, Tk, a_abs);
-    mla_decode_absorbed_ld(H, dn, dr, dv, dc, scale, q, W, L, Dl, L + dc, Dl, Tk, a_ld);
+    mtrl_ref_mla_decode_absorbed(H, dn, dr, dv, dc, scale, q, W, cc, ckr, Tk, a_abs);
+    mtrl_ref_mla_decode_absorbed_ld(H, dn, dr, dv, dc, scale, q, W, L, Dl, L + dc, Dl, Tk, a_ld);
     // Expanded: build k^n, v per head from W_kvb ĉ, attend with the last token's query.
     real *k = zeros((size_t)Tk * H * Dh), *v = zeros((size_t)Tk * H * dv), *lse = zeros(H);
-    mla_expand_kv(Tk, H, dn, dr, dv, dc, L, Dl, L + dc, Dl, W, k, v);
-    attn_causal_fwd(1, Tk, H, H, Dh, dv, scale, q, k, H * Dh, v, H * dv, a_e, lse);
+    mtrl_ref_mla_expand_kv(Tk, H, dn, dr, dv, dc, L, Dl, L + dc, Dl, W, k, v);
+    mtrl_ref_attn_causal_fwd(1, Tk, H, H, Dh, dv, scale, q, k, H * Dh, v, H * dv, a_e, lse);
     CHECK_REL("absorbed decode == expanded", a_abs, a_e, (size_t)H * dv, 1e-13);
     CHECK_REL("absorbed decode (interleaved cache) == expanded", a_ld, a_e, (size_t)H * dv, 1e-13);
     // And against the naive reference (independent of the blocked code).

@@ -784,7 +784,7 @@ static void test_kimi_layout(void) {
 static void (*exact_gate_)(mtrl_backend *, int, int, int, int, const real *, const real *, const real *, real, real *);
 static void clamped_gate_(mtrl_backend *be, int kind, int T, int H, int K, const real *f, const real *A,
                           const real *b, real g_min, real *g) {
-    if (kind == MTRL_KDA_GATE_KIMI) kda_gate_kimi_fwd(T, H, K, f, A, b, g_min, g);
+    if (kind == MTRL_KDA_GATE_KIMI) mtrl_ref_kda_gate_kimi_fwd(T, H, K, f, A, b, g_min, g);
     else exact_gate_(be, kind, T, H, K, f, A, b, g_min, g);
 }
 

@@ -41,7 +41,7 @@ static void test_router_fwd(void) {
     fill_normal(z, N * E, 1, 1.0);
     fill_normal(beta, E, 2, 0.5);
     for (int sm = 0; sm <= 1; sm++) {
-        moe_router_fwd(N, E, K, z, beta, sm, rho, 0, sel, w, s);
+        mtrl_ref_moe_router_fwd(N, E, K, z, beta, sm, rho, 0, sel, w, s);
         for (int t = 0; t < N; t++) {
             // Brute force: the rank of each expert under (score desc, id asc).
             int order[E];
@@ -78,7 +78,7 @@ static void test_router_fwd(void) {
         memcpy(sel2, sel, sizeof sel);
         real beta2[E];
         fill_normal(beta2, E, 3, 5.0);
-        moe_router_fwd(N, E, K, z, beta2, sm, rho, 1, sel2, w2, s2);
+        mtrl_ref_moe_router_fwd(N, E, K, z, beta2, sm, rho, 1, sel2, w2, s2);
         TEST_CHECK(memcmp(sel2, sel, sizeof sel) == 0);
         TEST_CHECK(memcmp(w2, w, sizeof w) == 0);
         TEST_CHECK(memcmp(s2, s, sizeof s) == 0);
@@ -87,16 +87,16 @@ static void test_router_fwd(void) {
     {
         real zt[5] = {1, 2, 2, 0, 2}, wt[3], st[5];
         int st2[2], st3[3];
-        moe_router_fwd(1, 5, 2, zt, NULL, 0, 1, 0, st2, wt, st);
+        mtrl_ref_moe_router_fwd(1, 5, 2, zt, NULL, 0, 1, 0, st2, wt, st);
         TEST_EQ_INT(st2[0], 1);
         TEST_EQ_INT(st2[1], 2);
-        moe_router_fwd(1, 5, 3, zt, NULL, 0, 1, 0, st3, wt, st);
+        mtrl_ref_moe_router_fwd(1, 5, 3, zt, NULL, 0, 1, 0, st3, wt, st);
         TEST_EQ_INT(st3[0], 1);
         TEST_EQ_INT(st3[1], 2);
         TEST_EQ_INT(st3[2], 4);
         // A bias that makes expert 0 the best (1 - (-2) = 3 > 2) and keeps the tie of 2 and 4.
         real bt[5] = {-2, 0, 0.5, 0, 0};
-        moe_router_fwd(1, 5, 3, zt, bt, 0, 1, 0, st3, wt, st);
+        mtrl_ref_moe_router_fwd(1, 5, 3, zt, bt, 0, 1, 0, st3, wt, st);
         TEST_EQ_INT(st3[0], 0);
         TEST_EQ_INT(st3[1], 1);
         TEST_EQ_INT(st3[2], 4);
@@ -114,7 +114,7 @@ static void test_router_forms(void) {
     fill_normal(beta, E, 25, 0.3);
     for (int renorm = 0; renorm <= 1; renorm++) {
         int form = MOE_ROUTER_SELECT_SCORE | (renorm ? 0 : MOE_ROUTER_NO_RENORM);
-        moe_router_fwd(N, E, K, z, beta, form, rho, 0, sel, w, s);
+        mtrl_ref_moe_router_fwd(N, E, K, z, beta, form, rho, 0, sel, w, s);
         int ok = 1;
         for (int t = 0; t < N; t++) {
             // brute force: rank of each chosen expert among σ(z) − β, descending
@@ -145,7 +145,7 @@ static void test_router_forms(void) {
 
 static double router_loss(int N, int E, int K, const real *z, const real *beta, int sm, real rho,
                           const real *c, int *sel, real *w, real *s) {
-    moe_router_fwd(N, E, K, z, beta, sm, rho, 0, sel, w, s);
+    mtrl_ref_moe_router_fwd(N, E, K, z, beta, sm, rho, 0, sel, w, s);
     double L = 0;
     for (int q = 0; q < N * K; q++) L += (double)c[q] * w[q];
     return L;
@@ -166,7 +166,7 @@ static void test_router_bwd(void) {
     for (int fi = 0; fi < 6; fi++) {
         int sm = forms[fi];
         router_loss(N, E, K, z, beta, sm, rho, c, sel, w, s);
-        moe_router_bwd(N, E, K, s, sel, w, sm, rho, c, dz);
+        mtrl_ref_moe_router_bwd(N, E, K, s, sel, w, sm, rho, c, dz);
         int changed = 0;
         for (int q = 0; q < N * E; q++) {
             real keep = z[q];
@@ -203,9 +203,9 @@ static void test_dispatch_combine(void) {
     int sel[N * K], offsets[E + 1], perm[N * K], pos[N * K], load[E];
     fill_normal(z, N * E, 30, 1.0);
     fill_normal(x, N * D, 31, 1.0);
-    moe_router_fwd(N, E, K, z, NULL, 0, 2.446, 0, sel, w, s);
-    moe_dispatch(N, E, K, sel, offsets, perm, pos);
-    moe_load_count(N, E, K, sel, load);
+    mtrl_ref_moe_router_fwd(N, E, K, z, NULL, 0, 2.446, 0, sel, w, s);
+    mtrl_ref_moe_dispatch(N, E, K, sel, offsets, perm, pos);
+    mtrl_ref_moe_load_count(N, E, K, sel, load);
     TEST_EQ_INT(offsets[0], 0);
     TEST_EQ_INT(offsets[E], N * K);
     for (int e = 0; e < E; e++) TEST_EQ_INT(offsets[e + 1] - offsets[e], load[e]);
@@ -225,10 +225,10 @@ static void test_dispatch_combine(void) {
 
     // Identity experts: Y_perm = X_perm, so combine gives Σ_j w_j x_t.
     real *Xp = ralloc(N * K * D);
-    moe_gather(N, K, D, pos, x, Xp);
+    mtrl_ref_moe_gather(N, K, D, pos, x, Xp);
     for (int r = 0; r < N * K; r++)
         TEST_CHECK(memcmp(Xp + r * D, x + perm[r] * D, sizeof(real) * D) == 0);
-    moe_combine_fwd(N, K, D, pos, w, Xp, y);
+    mtrl_ref_moe_combine_fwd(N, K, D, pos, w, Xp, y);
     for (int t = 0; t < N; t++)
         for (int d = 0; d < D; d++) {
             double a = 0;
@@ -242,9 +242,9 @@ static void test_dispatch_combine(void) {
     // Max violation of a routing that puts everything on one expert is E - 1.
     int one[N * K];
     for (int q = 0; q < N * K; q++) one[q] = 4;
-    moe_load_count(N, E, K, one, load);
+    mtrl_ref_moe_load_count(N, E, K, one, load);
     TEST_EQ_INT(load[4], N * K);
-    TEST_CLOSE(moe_max_violation(E, load, N * K), E - 1.0, 1e-15, 0);
+    TEST_CLOSE(mtrl_ref_moe_max_violation(E, load, N * K), E - 1.0, 1e-15, 0);
     free(Xp);
 }
 
@@ -255,7 +255,7 @@ static double experts_loss(int E, int D, int I, const int *offsets, const real *
                            const real *W1, const real *W3, const real *W2, const real *G,
                            real *u1, real *u3, real *Yp) {
     int R = offsets[E];
-    moe_experts_fwd(E, D, I, offsets, Xp, W1, W3, W2, u1, u3, Yp);
+    mtrl_ref_moe_experts_fwd(E, D, I, offsets, Xp, W1, W3, W2, u1, u3, Yp);
     double L = 0;
     for (int q = 0; q < R * D; q++) L += (double)G[q] * Yp[q];
     return L;
@@ -299,7 +299,7 @@ static void check_experts(const char *name, int N, int E, int K, const int *sel,
     const real h = 1e-6;
     int R = N * K;
     int *offsets = ialloc(E + 1), *perm = ialloc(R), *pos = ialloc(R);
-    moe_dispatch(N, E, K, sel, offsets, perm, pos);
+    mtrl_ref_moe_dispatch(N, E, K, sel, offsets, perm, pos);
     real *x = ralloc(N * D), *Xp = ralloc(R * D), *G = ralloc(R * D);
     real *W1 = ralloc(E * I * D), *W3 = ralloc(E * I * D), *W2 = ralloc(E * D * I);
     real *u1 = ralloc(R * I), *u3 = ralloc(R * I), *Yp = ralloc(R * D), *dXp = ralloc(R * D);
@@ -316,7 +316,7 @@ static void check_experts(const char *name, int N, int E, int K, const int *sel,
     memcpy(dW1, dW1p, sizeof(real) * E * I * D);
     memcpy(dW3, dW3p, sizeof(real) * E * I * D);
     memcpy(dW2, dW2p, sizeof(real) * E * D * I);
-    moe_gather(N, K, D, pos, x, Xp);
+    mtrl_ref_moe_gather(N, K, D, pos, x, Xp);
 
     // Forward vs a per-row SwiGLU with the expert of that row.
     experts_loss(E, D, I, offsets, Xp, W1, W3, W2, G, u1, u3, Yp);
@@ -340,7 +340,7 @@ static void check_experts(const char *name, int N, int E, int K, const int *sel,
         }
     TEST_CHECKF(ferr < 1e-14, "%s: experts fwd vs per-row SwiGLU max err %.3g", name, ferr);
 
-    moe_experts_bwd(E, D, I, offsets, Xp, W1, W3, W2, u1, u3, G, dXp, dW1, dW3, dW2);
+    mtrl_ref_moe_experts_bwd(E, D, I, offsets, Xp, W1, W3, W2, u1, u3, G, dXp, dW1, dW3, dW2);
     real *a1 = ralloc(E * I * D), *a3 = ralloc(E * I * D), *a2 = ralloc(E * D * I);
     for (int q = 0; q < E * I * D; q++) {
         a1[q] = dW1[q] - dW1p[q];
@@ -403,13 +403,13 @@ typedef struct {
 // y = Σ_j w_j Expert_{sel_j}(x) + Shared(x). replay != 0 reuses a->sel.
 static void block_fwd(const Block *p, const real *x, const real *beta, int sm, real rho,
                       int replay, Acts *a) {
-    gemm_ref(0, 1, BN, BE, BD, 1, x, BD, p->Wr, BD, 0, a->z, BE);
-    moe_router_fwd(BN, BE, BK, a->z, beta, sm, rho, replay, a->sel, a->w, a->s);
-    moe_dispatch(BN, BE, BK, a->sel, a->offsets, a->perm, a->pos);
-    moe_gather(BN, BK, BD, a->pos, x, a->Xp);
-    moe_experts_fwd(BE, BD, BI, a->offsets, a->Xp, p->W1, p->W3, p->W2, a->u1, a->u3, a->Yp);
-    moe_combine_fwd(BN, BK, BD, a->pos, a->w, a->Yp, a->y);
-    moe_swiglu_fwd(BN, BD, BIS, x, p->S1, p->S3, p->S2, a->su1, a->su3, a->ys);
+    mtrl_ref_gemm(0, 1, BN, BE, BD, 1, x, BD, p->Wr, BD, 0, a->z, BE);
+    mtrl_ref_moe_router_fwd(BN, BE, BK, a->z, beta, sm, rho, replay, a->sel, a->w, a->s);
+    mtrl_ref_moe_dispatch(BN, BE, BK, a->sel, a->offsets, a->perm, a->pos);
+    mtrl_ref_moe_gather(BN, BK, BD, a->pos, x, a->Xp);
+    mtrl_ref_moe_experts_fwd(BE, BD, BI, a->offsets, a->Xp, p->W1, p->W3, p->W2, a->u1, a->u3, a->Yp);
+    mtrl_ref_moe_combine_fwd(BN, BK, BD, a->pos, a->w, a->Yp, a->y);
+    mtrl_ref_moe_swiglu_fwd(BN, BD, BIS, x, p->S1, p->S3, p->S2, a->su1, a->su3, a->ys);
     for (int q = 0; q < BN * BD; q++) a->y[q] += a->ys[q];
 }
 
@@ -457,18 +457,18 @@ static void test_block_fd(int sm) {
 
     block_fwd(&p, x, beta, sm, rho, 0, &a);
     int load[BE];
-    moe_load_count(BN, BE, BK, a.sel, load);
+    mtrl_ref_moe_load_count(BN, BE, BK, a.sel, load);
     // Backward, dy = G.
     real dYp[BN * BK * BD], dw[BN * BK], dXp[BN * BK * BD], dz[BN * BE], dx[BN * BD] = {0};
     real dxs[BN * BD];
-    moe_combine_bwd(BN, BK, BD, a.pos, a.w, a.Yp, G, dYp, dw);
-    moe_experts_bwd(BE, BD, BI, a.offsets, a.Xp, p.W1, p.W3, p.W2, a.u1, a.u3, dYp, dXp, g.W1,
+    mtrl_ref_moe_combine_bwd(BN, BK, BD, a.pos, a.w, a.Yp, G, dYp, dw);
+    mtrl_ref_moe_experts_bwd(BE, BD, BI, a.offsets, a.Xp, p.W1, p.W3, p.W2, a.u1, a.u3, dYp, dXp, g.W1,
                     g.W3, g.W2);
-    moe_scatter_bwd(BN, BK, BD, a.pos, dXp, dx);
-    moe_router_bwd(BN, BE, BK, a.s, a.sel, a.w, sm, rho, dw, dz);
-    gemm_ref(1, 0, BE, BD, BN, 1, dz, BE, x, BD, 1, g.Wr, BD);
-    gemm_ref(0, 0, BN, BD, BE, 1, dz, BE, p.Wr, BD, 1, dx, BD);
-    moe_swiglu_bwd(BN, BD, BIS, x, p.S1, p.S3, p.S2, a.su1, a.su3, G, dxs, g.S1, g.S3, g.S2);
+    mtrl_ref_moe_scatter_bwd(BN, BK, BD, a.pos, dXp, dx);
+    mtrl_ref_moe_router_bwd(BN, BE, BK, a.s, a.sel, a.w, sm, rho, dw, dz);
+    mtrl_ref_gemm(1, 0, BE, BD, BN, 1, dz, BE, x, BD, 1, g.Wr, BD);
+    mtrl_ref_gemm(0, 0, BN, BD, BE, 1, dz, BE, p.Wr, BD, 1, dx, BD);
+    mtrl_ref_moe_swiglu_bwd(BN, BD, BIS, x, p.S1, p.S3, p.S2, a.su1, a.su3, G, dxs, g.S1, g.S3, g.S2);
     for (int q = 0; q < BN * BD; q++) dx[q] += dxs[q];
 
     g_base_sel = a.sel;
@@ -533,12 +533,12 @@ static void test_beta_no_gradient(void) {
     int *sel0 = ialloc(N * K), *sel1 = ialloc(N * K);
     fill_normal(z, N * E, 71, 1.0);
     fill_normal(bb, E, 72, 1.0);
-    moe_router_fwd(N, E, K, z, bb, 0, rho, 0, sel0, w, s);
+    mtrl_ref_moe_router_fwd(N, E, K, z, bb, 0, rho, 0, sel0, w, s);
     const double shifts[] = {0.5, -2.25, 17.0, -1e3};
     int same = 0;
     for (int c = 0; c < 4; c++) {
         for (int e = 0; e < E; e++) bc[e] = bb[e] + (real)shifts[c];
-        moe_router_fwd(N, E, K, z, bc, 0, rho, 0, sel1, w, s);
+        mtrl_ref_moe_router_fwd(N, E, K, z, bc, 0, rho, 0, sel1, w, s);
         same += memcmp(sel0, sel1, sizeof(int) * N * K) == 0;
     }
     printf("beta + constant: %d of 4 shifts leave all %d routing decisions unchanged\n", same,

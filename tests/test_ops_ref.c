@@ -73,9 +73,9 @@ enum { K_RMS, K_L2, K_GATED };
 
 static double norm_loss(void *p) {
     norm_ctx *c = p;
-    if (c->kind == K_RMS) rmsnorm_fwd(c->N, c->D, c->x, c->w, c->eps, c->y, NULL);
-    else if (c->kind == K_L2) l2norm_fwd(c->N, c->D, c->x, c->eps, c->y, NULL);
-    else gated_rmsnorm_fwd(c->N, c->D, c->x, c->z, c->w, c->eps, c->y);
+    if (c->kind == K_RMS) mtrl_ref_rmsnorm_fwd(c->N, c->D, c->x, c->w, c->eps, c->y, NULL);
+    else if (c->kind == K_L2) mtrl_ref_l2norm_fwd(c->N, c->D, c->x, c->eps, c->y, NULL);
+    else mtrl_ref_gated_rmsnorm_fwd(c->N, c->D, c->x, c->z, c->w, c->eps, c->y);
     return dot(c->R, c->y, (size_t)c->N * c->D);
 }
 
@@ -87,7 +87,7 @@ static void test_norms(void) {
                    randn(n, 1, 0), malloc(sizeof(real) * n), (real)1e-5, K_RMS };
     // RMSNorm forward vs the formula, rstd output, y aliasing x.
     real *rstd = malloc(sizeof(real) * N);
-    rmsnorm_fwd(N, D, c.x, c.w, c.eps, c.y, rstd);
+    mtrl_ref_rmsnorm_fwd(N, D, c.x, c.w, c.eps, c.y, rstd);
     double worst = 0;
     for (int i = 0; i < N; i++) {
         double s = 0;
@@ -98,40 +98,40 @@ static void test_norms(void) {
     }
     TEST_CHECKF(worst < 1e-14, "rmsnorm fwd %.3e", worst);
     real *xa = copyv(c.x, n);
-    rmsnorm_fwd(N, D, xa, c.w, c.eps, xa, NULL);
+    mtrl_ref_rmsnorm_fwd(N, D, xa, c.w, c.eps, xa, NULL);
     TEST_ARRAY_CLOSE(xa, c.y, n, 0, 0);
 
     // RMSNorm backward: dw accumulates onto a random start; rstd given == recomputed.
     real *dx = malloc(sizeof(real) * n), *dx2 = malloc(sizeof(real) * n);
     real *dw0 = randn(D, 1, 0), *dw = copyv(dw0, D), *dwg = malloc(sizeof(real) * D);
-    rmsnorm_bwd(N, D, c.x, c.w, NULL, c.eps, c.R, dx, dw);
-    rmsnorm_bwd(N, D, c.x, c.w, rstd, c.eps, c.R, dx2, NULL);
+    mtrl_ref_rmsnorm_bwd(N, D, c.x, c.w, NULL, c.eps, c.R, dx, dw);
+    mtrl_ref_rmsnorm_bwd(N, D, c.x, c.w, rstd, c.eps, c.R, dx2, NULL);
     TEST_ARRAY_CLOSE(dx2, dx, n, 1e-12, 1e-14);
     for (int j = 0; j < D; j++) dwg[j] = dw[j] - dw0[j];
     CHECK_FD("rmsnorm dx", norm_loss, &c, c.x, n, dx);
     CHECK_FD("rmsnorm dw (+=)", norm_loss, &c, c.w, D, dwg);
     real *dya = copyv(c.R, n);  // dx may alias dy
-    rmsnorm_bwd(N, D, c.x, c.w, NULL, c.eps, dya, dya, NULL);
+    mtrl_ref_rmsnorm_bwd(N, D, c.x, c.w, NULL, c.eps, dya, dya, NULL);
     TEST_ARRAY_CLOSE(dya, dx, n, 1e-14, 1e-15);
 
     // L2Norm: unit rows (up to eps), backward.
     c.kind = K_L2;
     c.eps = (real)1e-6;
     real *rn = malloc(sizeof(real) * N);
-    l2norm_fwd(N, D, c.x, c.eps, c.y, rn);
+    mtrl_ref_l2norm_fwd(N, D, c.x, c.eps, c.y, rn);
     for (int i = 0; i < N; i++) {
         double s = 0, s2 = 0;
         for (int j = 0; j < D; j++) { s += c.y[i * D + j] * c.y[i * D + j]; s2 += c.x[i * D + j] * c.x[i * D + j]; }
         TEST_CLOSE(s, s2 / (s2 + 1e-6), 1e-13, 0);
         TEST_CLOSE(rn[i], 1 / sqrt(s2 + 1e-6), 1e-14, 0);
     }
-    l2norm_bwd(N, D, c.x, c.eps, c.R, dx);
+    mtrl_ref_l2norm_bwd(N, D, c.x, c.eps, c.R, dx);
     CHECK_FD("l2norm dx", norm_loss, &c, c.x, n, dx);
 
     // Gated RMSNorm.
     c.kind = K_GATED;
     c.eps = (real)1e-5;
-    gated_rmsnorm_fwd(N, D, c.x, c.z, c.w, c.eps, c.y);
+    mtrl_ref_gated_rmsnorm_fwd(N, D, c.x, c.z, c.w, c.eps, c.y);
     worst = 0;
     for (int i = 0; i < N; i++) {
         for (int j = 0; j < D; j++) {
@@ -142,7 +142,7 @@ static void test_norms(void) {
     TEST_CHECKF(worst < 1e-14, "gated fwd %.3e", worst);
     real *dz = malloc(sizeof(real) * n);
     memcpy(dw, dw0, sizeof(real) * D);
-    gated_rmsnorm_bwd(N, D, c.x, c.z, c.w, c.eps, c.R, dx, dz, dw);
+    mtrl_ref_gated_rmsnorm_bwd(N, D, c.x, c.z, c.w, c.eps, c.R, dx, dz, dw);
     for (int j = 0; j < D; j++) dwg[j] = dw[j] - dw0[j];
     CHECK_FD("gated_rmsnorm dx", norm_loss, &c, c.x, n, dx);
     CHECK_FD("gated_rmsnorm dz", norm_loss, &c, c.z, n, dz);
@@ -157,7 +157,7 @@ static void test_norms(void) {
 typedef struct { int N, I; real *u1, *u3, *R, *m; } swi_ctx;
 static double swi_loss(void *p) {
     swi_ctx *c = p;
-    swiglu_fwd(c->N, c->I, c->u1, c->u3, c->m);
+    mtrl_ref_swiglu_fwd(c->N, c->I, c->u1, c->u3, c->m);
     return dot(c->R, c->m, (size_t)c->N * c->I);
 }
 
@@ -166,13 +166,13 @@ static void test_swiglu(void) {
     const int N = 4, I = 6;
     const size_t n = (size_t)N * I;
     swi_ctx c = { N, I, randn(n, 2, 0), randn(n, 1, 0), randn(n, 1, 0), malloc(sizeof(real) * n) };
-    swiglu_fwd(N, I, c.u1, c.u3, c.m);
+    mtrl_ref_swiglu_fwd(N, I, c.u1, c.u3, c.m);
     double worst = 0;
     for (size_t e = 0; e < n; e++)
         worst = fmax(worst, fabs(c.m[e] - c.u1[e] / (1 + exp(-c.u1[e])) * c.u3[e]));
     TEST_CHECKF(worst < 1e-15, "swiglu fwd %.3e", worst);
     real *du1 = malloc(sizeof(real) * n), *du3 = malloc(sizeof(real) * n);
-    swiglu_bwd(N, I, c.u1, c.u3, c.R, du1, du3);
+    mtrl_ref_swiglu_bwd(N, I, c.u1, c.u3, c.R, du1, du3);
     CHECK_FD("swiglu du1", swi_loss, &c, c.u1, n, du1);
     CHECK_FD("swiglu du3", swi_loss, &c, c.u3, n, du3);
     free(c.u1); free(c.u3); free(c.R); free(c.m); free(du1); free(du3);
@@ -183,7 +183,7 @@ static void test_swiglu(void) {
 typedef struct { int T, C, W; real *x, *w, *st, *R, *y; } conv_ctx;
 static double conv_loss(void *p) {
     conv_ctx *c = p;
-    shortconv_fwd(c->T, c->C, c->W, c->x, c->w, c->st, c->y, NULL);
+    mtrl_ref_shortconv_fwd(c->T, c->C, c->W, c->x, c->w, c->st, c->y, NULL);
     return dot(c->R, c->y, (size_t)c->T * c->C);
 }
 
@@ -207,7 +207,7 @@ static void test_shortconv(void) {
     // Forward against the direct formula, with and without state.
     for (int with_state = 0; with_state < 2; with_state++) {
         const real *st = with_state ? c.st : NULL;
-        shortconv_fwd(T, C, W, c.x, c.w, st, c.y, NULL);
+        mtrl_ref_shortconv_fwd(T, C, W, c.x, c.w, st, c.y, NULL);
         double worst = 0;
         for (int t = 0; t < T; t++)
             for (int ch = 0; ch < C; ch++)
@@ -219,7 +219,7 @@ static void test_shortconv(void) {
     real *dx = malloc(sizeof(real) * n), *dst = malloc(sizeof(real) * ns);
     real *dw0 = randn((size_t)C * W, 1, 0), *dw = copyv(dw0, (size_t)C * W);
     real *dwg = malloc(sizeof(real) * C * W);
-    shortconv_bwd(T, C, W, c.x, c.w, c.st, c.R, dx, dw, dst);
+    mtrl_ref_shortconv_bwd(T, C, W, c.x, c.w, c.st, c.R, dx, dw, dst);
     for (int e = 0; e < C * W; e++) dwg[e] = dw[e] - dw0[e];
     CHECK_FD("shortconv dx", conv_loss, &c, c.x, n, dx);
     CHECK_FD("shortconv dw (+=)", conv_loss, &c, c.w, (size_t)C * W, dwg);
@@ -230,7 +230,7 @@ static void test_shortconv(void) {
         s.T = 2;
         real *dxs = malloc(sizeof(real) * 2 * C), *dsts = malloc(sizeof(real) * ns);
         real *dws = calloc((size_t)C * W, sizeof(real));
-        shortconv_bwd(2, C, W, s.x, s.w, s.st, s.R, dxs, dws, dsts);
+        mtrl_ref_shortconv_bwd(2, C, W, s.x, s.w, s.st, s.R, dxs, dws, dsts);
         CHECK_FD("shortconv T=2 dx", conv_loss, &s, s.x, 2 * (size_t)C, dxs);
         CHECK_FD("shortconv T=2 dstate_in", conv_loss, &s, s.st, ns, dsts);
         CHECK_FD("shortconv T=2 dw", conv_loss, &s, s.w, (size_t)C * W, dws);
@@ -240,18 +240,18 @@ static void test_shortconv(void) {
     // Two halves with carried state == one run; also a 2-token middle piece (T < W−1).
     real *yfull = malloc(sizeof(real) * n), *ysplit = malloc(sizeof(real) * n);
     real *state = malloc(sizeof(real) * ns), *state_full = malloc(sizeof(real) * ns);
-    shortconv_fwd(T, C, W, c.x, c.w, c.st, yfull, state_full);
+    mtrl_ref_shortconv_fwd(T, C, W, c.x, c.w, c.st, yfull, state_full);
     const int cuts[3] = { 4, 2, 3 };  // pieces of 4, 2, 3 tokens
     memcpy(state, c.st, sizeof(real) * ns);
     for (int p = 0, t0 = 0; p < 3; t0 += cuts[p], p++)
-        shortconv_fwd(cuts[p], C, W, c.x + (size_t)t0 * C, c.w, state, ysplit + (size_t)t0 * C, state);
+        mtrl_ref_shortconv_fwd(cuts[p], C, W, c.x + (size_t)t0 * C, c.w, state, ysplit + (size_t)t0 * C, state);
     TEST_ARRAY_CLOSE(ysplit, yfull, n, 0, 0);
     TEST_ARRAY_CLOSE(state, state_full, ns, 0, 0);
     TEST_ARRAY_CLOSE(state_full, c.x + (size_t)(T - W + 1) * C, ns, 0, 0);
 
     // Decode steps from the state == the forward; the window ends equal to state_out.
     memcpy(state, c.st, sizeof(real) * ns);
-    for (int t = 0; t < T; t++) shortconv_step(C, W, c.x + (size_t)t * C, c.w, state, ysplit + (size_t)t * C);
+    for (int t = 0; t < T; t++) mtrl_ref_shortconv_step(C, W, c.x + (size_t)t * C, c.w, state, ysplit + (size_t)t * C);
     TEST_ARRAY_CLOSE(ysplit, yfull, n, 1e-15, 1e-16);
     TEST_ARRAY_CLOSE(state, state_full, ns, 0, 0);
 
@@ -261,12 +261,12 @@ static void test_shortconv(void) {
     for (int si = 0; si < 2; si++) {
         const int A = splits[si], B = T - A;
         real *stA = malloc(sizeof(real) * ns);  // state after segment A
-        shortconv_fwd(A, C, W, c.x, c.w, c.st, ysplit, stA);
+        mtrl_ref_shortconv_fwd(A, C, W, c.x, c.w, c.st, ysplit, stA);
         real *dxs = malloc(sizeof(real) * n), *dsB = malloc(sizeof(real) * ns), *dsA = malloc(sizeof(real) * ns);
         real *dws = copyv(dw0, (size_t)C * W);
-        shortconv_bwd(B, C, W, c.x + (size_t)A * C, c.w, stA, c.R + (size_t)A * C, dxs + (size_t)A * C, dws, dsB);
-        shortconv_bwd(A, C, W, c.x, c.w, c.st, c.R, dxs, dws, dsA);
-        shortconv_state_bwd(A, C, W, dsB, dxs, dsA);
+        mtrl_ref_shortconv_bwd(B, C, W, c.x + (size_t)A * C, c.w, stA, c.R + (size_t)A * C, dxs + (size_t)A * C, dws, dsB);
+        mtrl_ref_shortconv_bwd(A, C, W, c.x, c.w, c.st, c.R, dxs, dws, dsA);
+        mtrl_ref_shortconv_state_bwd(A, C, W, dsB, dxs, dsA);
         TEST_ARRAY_CLOSE(dxs, dx, n, 1e-13, 1e-15);
         TEST_ARRAY_CLOSE(dws, dw, (size_t)C * W, 1e-13, 1e-15);
         TEST_ARRAY_CLOSE(dsA, dst, ns, 1e-13, 1e-15);
@@ -283,12 +283,12 @@ static void test_embedding(void) {
     const int V = 6, D = 4, N = 7;
     const int ids[7] = { 3, 0, 3, -1, 5, 3, 1 };
     real *E = randn((size_t)V * D, 1, 0), *x = randn((size_t)N * D, 1, 0);
-    embedding_fwd(N, D, ids, E, x);
+    mtrl_ref_embedding_fwd(N, D, ids, E, x);
     for (int i = 0; i < N; i++)
         for (int j = 0; j < D; j++)
             TEST_CLOSE(x[i * D + j], ids[i] < 0 ? 0 : E[ids[i] * D + j], 0, 0);
     real *dx = randn((size_t)N * D, 1, 0), *dE0 = randn((size_t)V * D, 1, 0), *dE = copyv(dE0, (size_t)V * D);
-    embedding_bwd(N, D, ids, dx, dE);
+    mtrl_ref_embedding_bwd(N, D, ids, dx, dE);
     double worst = 0;
     for (int v = 0; v < V; v++)
         for (int j = 0; j < D; j++) {
@@ -305,7 +305,7 @@ static void test_embedding(void) {
 typedef struct { int N, V; real *l; int *tg; real *c, *e, *lp, *H; } lp_ctx;
 static double lp_loss(void *p) {
     lp_ctx *c = p;
-    logits_logprob_fwd(c->N, c->V, c->l, c->tg, c->lp, c->H);
+    mtrl_ref_logits_logprob_fwd(c->N, c->V, c->l, c->tg, c->lp, c->H);
     return dot(c->c, c->lp, (size_t)c->N) + dot(c->e, c->H, (size_t)c->N);
 }
 
@@ -315,7 +315,7 @@ static void test_logprob(void) {
     int tg[4] = { 2, -1, 8, 0 };
     lp_ctx c = { N, V, randn((size_t)N * V, 2, 3), tg, randn(N, 1, 0), randn(N, 1, 0),
                  malloc(sizeof(real) * N), malloc(sizeof(real) * N) };
-    logits_logprob_fwd(N, V, c.l, tg, c.lp, c.H);
+    mtrl_ref_logits_logprob_fwd(N, V, c.l, tg, c.lp, c.H);
     for (int i = 0; i < N; i++) {
         double z = 0, Hs = 0;
         for (int v = 0; v < V; v++) z += exp(c.l[i * V + v]);
@@ -324,15 +324,15 @@ static void test_logprob(void) {
         TEST_CLOSE(c.H[i], Hs, 1e-13, 1e-14);
     }
     real *g = malloc(sizeof(real) * N * V);
-    logits_logprob_bwd(N, V, c.l, tg, c.c, c.e, g);
+    mtrl_ref_logits_logprob_bwd(N, V, c.l, tg, c.c, c.e, g);
     CHECK_FD("logprob+entropy dlogits", lp_loss, &c, c.l, (size_t)N * V, g);
     // Entropy term off (NULL) == dentropy of zeros; and dlogits aliasing logits.
     real *zeros = calloc(N, sizeof(real)), *g0 = malloc(sizeof(real) * N * V), *g1 = malloc(sizeof(real) * N * V);
-    logits_logprob_bwd(N, V, c.l, tg, c.c, NULL, g0);
-    logits_logprob_bwd(N, V, c.l, tg, c.c, zeros, g1);
+    mtrl_ref_logits_logprob_bwd(N, V, c.l, tg, c.c, NULL, g0);
+    mtrl_ref_logits_logprob_bwd(N, V, c.l, tg, c.c, zeros, g1);
     TEST_ARRAY_CLOSE(g0, g1, (size_t)N * V, 0, 0);
     real *la = copyv(c.l, (size_t)N * V);
-    logits_logprob_bwd(N, V, la, tg, c.c, c.e, la);
+    mtrl_ref_logits_logprob_bwd(N, V, la, tg, c.c, c.e, la);
     TEST_ARRAY_CLOSE(la, g, (size_t)N * V, 0, 0);
     free(c.l); free(c.c); free(c.e); free(c.lp); free(c.H); free(g); free(zeros); free(g0);
     free(g1); free(la);
@@ -347,7 +347,7 @@ static void test_adamw(void) {
     real *m = calloc(n, sizeof(real)), *v = calloc(n, sizeof(real));
     real *p0 = copyv(p, n);
     const double lr = 0.01, b1 = 0.9, b2 = 0.95, eps = 1e-8, wd = 0.1;
-    adamw_update(n, p, g1, m, v, lr, b1, b2, eps, wd, 1);
+    mtrl_ref_adamw_update(n, p, g1, m, v, lr, b1, b2, eps, wd, 1);
     for (size_t i = 0; i < n; i++) {
         // Step 1: m̂ = g, v̂ = g², so the step is lr (g/(|g|+eps) + wd p).
         double g = g1[i];
@@ -356,7 +356,7 @@ static void test_adamw(void) {
         TEST_CLOSE(p[i], p0[i] - lr * (g / (fabs(g) + eps) + wd * p0[i]), 1e-15, 1e-17);
     }
     real *p1 = copyv(p, n);
-    adamw_update(n, p, g2, m, v, lr, b1, b2, eps, wd, 2);
+    mtrl_ref_adamw_update(n, p, g2, m, v, lr, b1, b2, eps, wd, 2);
     for (size_t i = 0; i < n; i++) {
         double mm = 0.9 * 0.1 * g1[i] + 0.1 * g2[i];
         double vv = 0.95 * 0.05 * g1[i] * g1[i] + 0.05 * g2[i] * g2[i];
@@ -368,11 +368,11 @@ static void test_adamw(void) {
     real *gb = randn(big, 1, 0);
     double want = 0;
     for (size_t i = 0; i < big; i++) want += (double)gb[i] * gb[i];
-    double got = grad_sq_norm(big, gb);
+    double got = mtrl_ref_grad_sq_norm(big, gb);
     TEST_CLOSE(got, want, 1e-12, 0);
-    TEST_CLOSE(grad_sq_norm(3, gb), (double)gb[0] * gb[0] + gb[1] * gb[1] + gb[2] * gb[2], 1e-15, 0);
-    scale_inplace(big, gb, (real)0.5);
-    TEST_CLOSE(grad_sq_norm(big, gb), want * 0.25, 1e-12, 0);
+    TEST_CLOSE(mtrl_ref_grad_sq_norm(3, gb), (double)gb[0] * gb[0] + gb[1] * gb[1] + gb[2] * gb[2], 1e-15, 0);
+    mtrl_ref_scale_inplace(big, gb, (real)0.5);
+    TEST_CLOSE(mtrl_ref_grad_sq_norm(big, gb), want * 0.25, 1e-12, 0);
     free(p); free(g1); free(g2); free(m); free(v); free(p0); free(p1); free(gb);
 }
 

@@ -33,9 +33,9 @@ static void skewed_logits(int m, int n, uint64_t stream, real *z) {
 // Route with beta and return the max violation of the resulting loads.
 static double route(int m, int n, int k, const real *z, const real *beta, int *sel, real *w,
                     real *s, int *load) {
-    moe_router_fwd(m, n, k, z, beta, 0, (real)2.446, 0, sel, w, s);
-    moe_load_count(m, n, k, sel, load);
-    return moe_max_violation(n, load, (long)m * k);
+    mtrl_ref_moe_router_fwd(m, n, k, z, beta, 0, (real)2.446, 0, sel, w, s);
+    mtrl_ref_moe_load_count(m, n, k, sel, load);
+    return mtrl_ref_moe_max_violation(n, load, (long)m * k);
 }
 
 static int cmp_desc(const void *a, const void *b) {
@@ -70,35 +70,35 @@ static void test_qb_exact(void) {
         }
         for (int e = 0; e < E; e++)
             beta[e] = (real)(tied ? floor(2 * mtrl_rng_normal(5, 110, e)) : 0.5 * mtrl_rng_normal(5, 110, e));
-        TEST_EQ_INT(qb_beta_from_batch(N, E, K, z, beta, got), 0);
+        TEST_EQ_INT(mtrl_ref_qb_beta_from_batch(N, E, K, z, beta, got), 0);
         qb_by_sort(N, E, K, z, beta, want);
         TEST_CHECKF(memcmp(got, want, sizeof got) == 0, "quickselect != sort (tied = %d)", tied);
         memcpy(inplace, beta, sizeof beta);
-        qb_beta_from_batch(N, E, K, z, inplace, inplace);  // beta_new aliasing beta_old
+        mtrl_ref_qb_beta_from_batch(N, E, K, z, inplace, inplace);  // beta_new aliasing beta_old
         TEST_CHECK(memcmp(inplace, want, sizeof want) == 0);
     }
     // beta_old = NULL means zeros.
     real zero[E] = {0};
-    qb_beta_from_batch(N, E, K, z, NULL, got);
+    mtrl_ref_qb_beta_from_batch(N, E, K, z, NULL, got);
     qb_by_sort(N, E, K, z, zero, want);
     TEST_CHECK(memcmp(got, want, sizeof got) == 0);
     // A constant shift c of beta shifts alpha by −c and so beta_new by +c.
     for (int q = 0; q < N * E; q++) z[q] = (real)mtrl_rng_normal(5, 120, q);
     for (int e = 0; e < E; e++) beta[e] = (real)(0.5 * mtrl_rng_normal(5, 121, e));
-    qb_beta_from_batch(N, E, K, z, beta, want);
+    mtrl_ref_qb_beta_from_batch(N, E, K, z, beta, want);
     real shifted[E];
     for (int e = 0; e < E; e++) shifted[e] = beta[e] + 1.5f;
-    qb_beta_from_batch(N, E, K, z, shifted, got);
+    mtrl_ref_qb_beta_from_batch(N, E, K, z, shifted, got);
     for (int e = 0; e < E; e++) TEST_CLOSE(got[e], want[e] + 1.5, 0, 1e-5);
     // Skips: ⌊NK/E⌋ = 0, and K >= E; beta_new = beta_old.
     real bo[E], bn[E];
     for (int e = 0; e < E; e++) bo[e] = (real)e, bn[e] = -99;
-    TEST_EQ_INT(qb_beta_from_batch(3, E, K, z, bo, bn), 1);  // 3*3/11 = 0
+    TEST_EQ_INT(mtrl_ref_qb_beta_from_batch(3, E, K, z, bo, bn), 1);  // 3*3/11 = 0
     TEST_CHECK(memcmp(bn, bo, sizeof bo) == 0);
     for (int e = 0; e < 4; e++) bn[e] = -99;
-    TEST_EQ_INT(qb_beta_from_batch(6, 4, 4, z, bo, bn), 1);  // every expert chosen
+    TEST_EQ_INT(mtrl_ref_qb_beta_from_batch(6, 4, 4, z, bo, bn), 1);  // every expert chosen
     TEST_CHECK(memcmp(bn, bo, sizeof(real) * 4) == 0);
-    TEST_EQ_INT(qb_beta_from_batch(4, E, K, z, bo, bn), 0);  // 4*3/11 = 1: smallest valid batch
+    TEST_EQ_INT(mtrl_ref_qb_beta_from_batch(4, E, K, z, bo, bn), 0);  // 4*3/11 = 1: smallest valid batch
 }
 
 static void test_qb_skewed_fresh_batches(void) {
@@ -116,7 +116,7 @@ static void test_qb_skewed_fresh_batches(void) {
         memcpy(sel_before, sel, sizeof(int) * M * KK);
         memcpy(beta_keep, beta, sizeof beta);
         // ... then compute the new beta from the same batch.
-        TEST_EQ_INT(qb_beta_from_batch(M, NE, KK, z, beta, beta_new), 0);
+        TEST_EQ_INT(mtrl_ref_qb_beta_from_batch(M, NE, KK, z, beta, beta_new), 0);
         // The update neither touched this step's routing nor the beta it used, and routing
         // again with the old beta reproduces it: the selection never saw beta_new.
         unchanged &= memcmp(sel, sel_before, sizeof(int) * M * KK) == 0;
@@ -161,7 +161,7 @@ static void test_qb_fixed_batch(void) {
             lo_tail = lo < lo_tail ? lo : lo_tail;
             hi_tail = hi > hi_tail ? hi : hi_tail;
         }
-        qb_beta_from_batch(M, NE, KK, z, beta, beta);
+        mtrl_ref_qb_beta_from_batch(M, NE, KK, z, beta, beta);
         for (int e = 0; e < NE; e++) {
             finite &= isfinite(beta[e]);
             bmax = fmax(bmax, fabs(beta[e]));
@@ -185,7 +185,7 @@ static void test_beta_shift_keeps_routing(void) {
     // A realistic beta: one QB update on another batch.
     real *z2 = ralloc((size_t)M * NE);
     skewed_logits(M, NE, 3001, z2);
-    qb_beta_from_batch(M, NE, KK, z2, NULL, beta);
+    mtrl_ref_qb_beta_from_batch(M, NE, KK, z2, NULL, beta);
     route(M, NE, KK, z, beta, sel0, w, s, load);
     // In exact arithmetic top-k is shift invariant; in fp32 z − (beta + c) rounds, so a flip
     // would need two competing scores within an ulp or so, which these fixed seeds do not have.

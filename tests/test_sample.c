@@ -1,5 +1,5 @@
 // mtrl-test: cpu
-// test_sample.c: sample_logits (kernels/ref/ops_ref.h) in the fp32 build the actor uses.
+// test_sample.c: mtrl_ref_sample_logits (kernels/ref/ops_ref.h) in the fp32 build the actor uses.
 //
 // Greedy is the argmax (lowest index on ties) with the temperature-1 log-prob; a fixed u gives
 // a fixed token; over many counter-RNG uniforms the empirical frequencies match
@@ -52,14 +52,14 @@ static void test_greedy(void) {
     real lp = 0;
     int tgt = 17;
     real want;
-    logits_logprob_fwd(1, V, l, &tgt, &want, NULL);
+    mtrl_ref_logits_logprob_fwd(1, V, l, &tgt, &want, NULL);
     for (int i = 0; i < 5; i++) {
-        int t = sample_logits(V, l, 0.0f, 1.0f, mtrl_rng_uniform(9, 1, (uint64_t)i), &lp);
+        int t = mtrl_ref_sample_logits(V, l, 0.0f, 1.0f, mtrl_rng_uniform(9, 1, (uint64_t)i), &lp);
         TEST_EQ_INT(t, 17);
         TEST_CLOSE(lp, want, 0, 1e-6);
     }
     // top_p is irrelevant to greedy; a negative temperature is greedy too.
-    TEST_EQ_INT(sample_logits(V, l, -1.0f, 0.3f, 0.99, NULL), 17);
+    TEST_EQ_INT(mtrl_ref_sample_logits(V, l, -1.0f, 0.3f, 0.99, NULL), 17);
 }
 
 // Draws NDRAW tokens with uniforms of one stream; counts and checks every logp_out against
@@ -70,7 +70,7 @@ static void draw(int V, const real *l, real temp, real top_p, uint64_t stream, c
     *worst_lp = 0;
     for (long i = 0; i < NDRAW; i++) {
         real lp;
-        int t = sample_logits(V, l, temp, top_p, mtrl_rng_uniform(77, stream, (uint64_t)i), &lp);
+        int t = mtrl_ref_sample_logits(V, l, temp, top_p, mtrl_rng_uniform(77, stream, (uint64_t)i), &lp);
         if (t < 0 || t >= V) { TEST_CHECKF(0, "token %d out of range", t); return; }
         cnt[t]++;
         double d = q[t] > 0 ? fabs((double)lp - log(q[t])) : INFINITY;
@@ -100,17 +100,17 @@ static void test_frequencies(void) {
     for (int i = 0; i < 200; i++) {
         double u = mtrl_rng_uniform(3, 3, (uint64_t)i);
         real a, b;
-        int ta = sample_logits(V, l, 0.7f, 0.9f, u, &a), tb = sample_logits(V, l, 0.7f, 0.9f, u, &b);
+        int ta = mtrl_ref_sample_logits(V, l, 0.7f, 0.9f, u, &a), tb = mtrl_ref_sample_logits(V, l, 0.7f, 0.9f, u, &b);
         TEST_CHECK(ta == tb && a == b);
     }
     // Extremes of u: 0 takes the first token of the walk (token 0), u -> 1 the last.
-    TEST_EQ_INT(sample_logits(V, l, 0.7f, 1.0f, 0.0, NULL), 0);
-    TEST_EQ_INT(sample_logits(V, l, 0.7f, 1.0f, nextafter(1.0, 0.0), NULL), V - 1);
+    TEST_EQ_INT(mtrl_ref_sample_logits(V, l, 0.7f, 1.0f, 0.0, NULL), 0);
+    TEST_EQ_INT(mtrl_ref_sample_logits(V, l, 0.7f, 1.0f, nextafter(1.0, 0.0), NULL), V - 1);
     // Temperature 1, no top-p: logp_out is exactly the learner's log-softmax.
-    int t = sample_logits(V, l, 1.0f, 1.0f, 0.4, NULL);
+    int t = mtrl_ref_sample_logits(V, l, 1.0f, 1.0f, 0.4, NULL);
     real lp, want;
-    sample_logits(V, l, 1.0f, 1.0f, 0.4, &lp);
-    logits_logprob_fwd(1, V, l, &t, &want, NULL);
+    mtrl_ref_sample_logits(V, l, 1.0f, 1.0f, 0.4, &lp);
+    mtrl_ref_logits_logprob_fwd(1, V, l, &t, &want, NULL);
     TEST_CLOSE(lp, want, 0, 1e-6);
 }
 
@@ -148,13 +148,13 @@ static void test_top_p(void) {
     TEST_CHECKF(c2 < CHI2_BOUND, "chi2 %.2f", c2);
     TEST_CHECKF(wlp < 1e-5, "logp_out %.3e", wlp);
     // u -> 1 lands on the least likely nucleus token, never in the tail.
-    int last = sample_logits(V, l, (real)temp, (real)top_p, nextafter(1.0, 0.0), NULL);
+    int last = mtrl_ref_sample_logits(V, l, (real)temp, (real)top_p, nextafter(1.0, 0.0), NULL);
     TEST_CLOSE(p[last], thresh, 1e-12, 0);
     // A tiny top_p keeps only the most likely token.
     int amax = 0;
     for (int v = 1; v < V; v++) if (l[v] > l[amax]) amax = v;
     real lp;
-    TEST_EQ_INT(sample_logits(V, l, (real)temp, 1e-6f, 0.99, &lp), amax);
+    TEST_EQ_INT(mtrl_ref_sample_logits(V, l, (real)temp, 1e-6f, 0.99, &lp), amax);
     TEST_CLOSE(lp, 0, 0, 1e-7);
 }
 
@@ -176,7 +176,7 @@ static void test_large_vocab(void) {
     int outside = 0;
     for (int i = 0; i < 50; i++) {
         real lp;
-        int t = sample_logits(V, l, 1.0f, 0.9f, mtrl_rng_uniform(1, 8, (uint64_t)i), &lp);
+        int t = mtrl_ref_sample_logits(V, l, 1.0f, 0.9f, mtrl_rng_uniform(1, 8, (uint64_t)i), &lp);
         if (t < 0 || t >= V || p[t] < thresh) { outside++; continue; }
         worst = fmax(worst, fabs((double)lp - log(p[t] / mass)));
     }

@@ -229,7 +229,7 @@ int mtrl_mla_decode_version(mtrl_cuda_ctx *ctx, int H, int dr, int dc, int lat_t
 //
 // N tokens, E experts, K experts per token, D model width, I expert width, R = N*K rows.
 // sel, pos [N][K], offsets [E+1], perm_token [R] are int32 device arrays.
-// Router: as moe_router_fwd (top-K of z − beta or s − beta, ties to the lower id, slots in
+// Router: as mtrl_ref_moe_router_fwd (top-K of z − beta or s − beta, ties to the lower id, slots in
 // descending order; K <= 16, E <= 1024); form: moe_ref.h's MOE_ROUTER_* bits.
 int mtrl_moe_router_fwd(mtrl_cuda_ctx *ctx, int N, int E, int K, const float *z,
                         const float *beta, int form, float rho, int replay, int *sel,

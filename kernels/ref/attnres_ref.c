@@ -97,7 +97,7 @@ static void site_bwd_rows_(int t0, int t1, int D, int S, const real *const *V, c
     free(r);
 }
 
-void attnres_site_fwd(int N, int D, int S, const real *const *V, const real *w,
+void mtrl_ref_attnres_site_fwd(int N, int D, int S, const real *const *V, const real *w,
                       const real *gamma, real eps, real *h, real *alpha) {
     real *u = attnres_query_(D, w, gamma);
     REF_PAR_RANGES(ref_par((5.0 * D + REF_FLOPS_EXP) * N * S), N, lo, hi,
@@ -105,7 +105,7 @@ void attnres_site_fwd(int N, int D, int S, const real *const *V, const real *w,
     free(u);
 }
 
-void attnres_site_bwd(int N, int D, int S, const real *const *V, const real *w,
+void mtrl_ref_attnres_site_bwd(int N, int D, int S, const real *const *V, const real *w,
                       const real *gamma, real eps, const real *alpha, const real *dh,
                       real *const *dV, real *dw, real *dgamma) {
     real *u = attnres_query_(D, w, gamma);
@@ -118,7 +118,7 @@ void attnres_site_bwd(int N, int D, int S, const real *const *V, const real *w,
         // inside gemm_ref, sources in order), so the result is independent of the thread count.
         real *G = attnres_xmalloc_(sizeof(real) * (size_t)D);
         for (int i = 0; i < S; i++)
-            gemm_ref(1, 0, 1, D, N, 1, c + i, S, V[i], D, i ? 1 : 0, G, D);
+            mtrl_ref_gemm(1, 0, 1, D, N, 1, c + i, S, V[i], D, i ? 1 : 0, G, D);
         for (int d = 0; d < D; d++) {
             if (dw) dw[d] += gamma[d] * G[d];
             if (dgamma) dgamma[d] += w[d] * G[d];
@@ -129,7 +129,7 @@ void attnres_site_bwd(int N, int D, int S, const real *const *V, const real *w,
     free(u);
 }
 
-void attnres_phase1(int N, int D, int nb, const real *const *B, int P, const real *w,
+void mtrl_ref_attnres_phase1(int N, int D, int nb, const real *const *B, int P, const real *w,
                     const real *gamma, real eps, real *m, real *l, real *acc) {
     size_t rows = (size_t)nb * N;
     real *U = attnres_xmalloc_(sizeof(real) * (size_t)P * D);
@@ -143,7 +143,7 @@ void attnres_phase1(int N, int D, int nb, const real *const *B, int P, const rea
             double r = attnres_rinv_(D, v, eps);
             for (int d = 0; d < D; d++) Xh[(size_t)q * D + d] = (real)(r * v[d]);
         });
-    gemm_ref(0, 1, (int)rows, P, D, 1, Xh, D, U, D, 0, Z, P);
+    mtrl_ref_gemm(0, 1, (int)rows, P, D, 1, Xh, D, U, D, 0, Z, P);
     REF_PAR_FOR(ref_par((REF_FLOPS_EXP + 2.0 * D) * N * P * nb),
         for (int t = 0; t < N; t++) {
             for (int p = 0; p < P; p++) {
@@ -169,7 +169,7 @@ void attnres_phase1(int N, int D, int nb, const real *const *B, int P, const rea
     free(U);
 }
 
-void attnres_phase2(int N, int D, const real *m, const real *l, const real *acc,
+void mtrl_ref_attnres_phase2(int N, int D, const real *m, const real *l, const real *acc,
                     const real *Vp, const real *w, const real *gamma, real eps, real *h,
                     real *lse) {
     real *u = Vp ? attnres_query_(D, w, gamma) : NULL;

@@ -25,7 +25,7 @@ extern "C" {
 
 // h [N][D] overwritten. alpha [N][S] (nullable) receives the softmax weights, saved for the
 // backward. Requires S >= 1. With w = 0 every alpha is 1/S and h is the mean of the sources.
-void attnres_site_fwd(int N, int D, int S, const real *const *V, const real *w,
+void mtrl_ref_attnres_site_fwd(int N, int D, int S, const real *const *V, const real *w,
                       const real *gamma, real eps, real *h, real *alpha);
 
 // Site backward (docs/model.md §6.3), u = gamma ⊙ w:
@@ -35,7 +35,7 @@ void attnres_site_fwd(int N, int D, int S, const real *const *V, const real *w,
 // dV is an array of S pointers, each [N][D] ACCUMULATED; a NULL entry skips that source. dw,
 // dgamma [D] accumulate (each nullable). alpha is the forward's [N][S], or NULL to recompute
 // it. The sums over tokens are done in a fixed order (independent of the thread count).
-void attnres_site_bwd(int N, int D, int S, const real *const *V, const real *w,
+void mtrl_ref_attnres_site_bwd(int N, int D, int S, const real *const *V, const real *w,
                       const real *gamma, real eps, const real *alpha, const real *dh,
                       real *const *dV, real *dw, real *dgamma);
 
@@ -58,7 +58,7 @@ void attnres_site_bwd(int N, int D, int S, const real *const *V, const real *w,
 
 // Phase 1. B: nb >= 1 pointers to the committed blocks (each [N][D]); w, gamma [P][D] (row p =
 // site p's pseudo-query and key-norm weight). Writes m, l, acc (overwritten).
-void attnres_phase1(int N, int D, int nb, const real *const *B, int P, const real *w,
+void mtrl_ref_attnres_phase1(int N, int D, int nb, const real *const *B, int P, const real *w,
                     const real *gamma, real eps, real *m, real *l, real *acc);
 
 // Phase 2 for one site: m, l, acc are that site's slices from phase 1 (read only, so a site
@@ -66,7 +66,7 @@ void attnres_phase1(int N, int D, int nb, const real *const *B, int P, const rea
 // (the first sublayer of a block). w, gamma [D] are the site's. h [N][D] overwritten.
 // lse [N] (nullable) receives log Σ_i exp(z_i) over all the site's sources, from which a caller
 // recovers any alpha_i = exp(z_i − lse).
-void attnres_phase2(int N, int D, const real *m, const real *l, const real *acc,
+void mtrl_ref_attnres_phase2(int N, int D, const real *m, const real *l, const real *acc,
                     const real *Vp, const real *w, const real *gamma, real eps, real *h,
                     real *lse);
 

@@ -117,7 +117,7 @@ static void gemm_rows_(int trans_a, int trans_b, int i0, int i1, int N, int K, r
     if (out != stack_out) free(out);
 }
 
-void gemm_ref(int trans_a, int trans_b, int M, int N, int K, real alpha, const real *A, int lda,
+void mtrl_ref_gemm(int trans_a, int trans_b, int M, int N, int K, real alpha, const real *A, int lda,
               const real *B, int ldb, real beta, real *C, int ldc) {
     if (M <= 0 || N <= 0) return;
     // Rows split over the team only for enough work (par_ref.h): the small tile products of

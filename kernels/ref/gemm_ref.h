@@ -13,7 +13,7 @@
 extern "C" {
 #endif
 
-void gemm_ref(int trans_a, int trans_b, int M, int N, int K, real alpha, const real *A, int lda,
+void mtrl_ref_gemm(int trans_a, int trans_b, int M, int N, int K, real alpha, const real *A, int lda,
               const real *B, int ldb, real beta, real *C, int ldc);
 
 #ifdef __cplusplus

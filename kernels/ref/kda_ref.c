@@ -112,22 +112,22 @@ static void kda_gate_bwd_(int kimi, int T, int H, int K, const real *f, const re
     }
 }
 
-void kda_gate_fwd(int T, int H, int K, const real *f, const real *A_log, const real *dt_bias,
+void mtrl_ref_kda_gate_fwd(int T, int H, int K, const real *f, const real *A_log, const real *dt_bias,
                   real g_min, real *g) {
     kda_gate_fwd_(0, T, H, K, f, A_log, dt_bias, g_min, g);
 }
 
-void kda_gate_bwd(int T, int H, int K, const real *f, const real *A_log, const real *dt_bias,
+void mtrl_ref_kda_gate_bwd(int T, int H, int K, const real *f, const real *A_log, const real *dt_bias,
                   real g_min, const real *dg, real *df, real *dA_log, real *ddt_bias) {
     kda_gate_bwd_(0, T, H, K, f, A_log, dt_bias, g_min, dg, df, dA_log, ddt_bias);
 }
 
-void kda_gate_kimi_fwd(int T, int H, int K, const real *f, const real *A_log, const real *dt_bias,
+void mtrl_ref_kda_gate_kimi_fwd(int T, int H, int K, const real *f, const real *A_log, const real *dt_bias,
                        real g_floor, real *g) {
     kda_gate_fwd_(1, T, H, K, f, A_log, dt_bias, g_floor, g);
 }
 
-void kda_gate_kimi_bwd(int T, int H, int K, const real *f, const real *A_log, const real *dt_bias,
+void mtrl_ref_kda_gate_kimi_bwd(int T, int H, int K, const real *f, const real *A_log, const real *dt_bias,
                        real g_floor, const real *dg, real *df, real *dA_log, real *ddt_bias) {
     kda_gate_bwd_(1, T, H, K, f, A_log, dt_bias, g_floor, dg, df, dA_log, ddt_bias);
 }
@@ -157,14 +157,14 @@ static void kda_head_step_(int K, int V, const real *q, const real *k, const rea
     }
 }
 
-void kda_step(int H, int K, int V, const real *q, const real *k, const real *v, const real *g,
+void mtrl_ref_kda_step(int H, int K, int V, const real *q, const real *k, const real *v, const real *g,
               const real *beta, real *S, real *o) {
     for (int h = 0; h < H; h++)
         kda_head_step_(K, V, q + (size_t)h * K, k + (size_t)h * K, v + (size_t)h * V,
                        g + (size_t)h * K, beta[h], S + (size_t)h * K * V, o + (size_t)h * V);
 }
 
-void kda_recurrent_fwd(int T, int H, int K, int V, const real *q, const real *k, const real *v,
+void mtrl_ref_kda_recurrent_fwd(int T, int H, int K, int V, const real *q, const real *k, const real *v,
                        const real *g, const real *beta, const real *S0, real *o, real *S_final,
                        real *S_all) {
     size_t KV = (size_t)K * V;
@@ -245,7 +245,7 @@ static void kda_head_bptt_(int H, int K, int V, int h, int t0, int t1, const rea
     }
 }
 
-void kda_recurrent_bwd(int T, int H, int K, int V, const real *q, const real *k, const real *v,
+void mtrl_ref_kda_recurrent_bwd(int T, int H, int K, int V, const real *q, const real *k, const real *v,
                        const real *g, const real *beta, const real *S_all, const real *dout,
                        const real *dS_final, real *dq, real *dk, real *dv, real *dg, real *dbeta,
                        real *dS0) {
@@ -269,7 +269,7 @@ void kda_recurrent_bwd(int T, int H, int K, int V, const real *q, const real *k,
 
 // ---- UT transform (§2.3) ----------------------------------------------------------------------
 
-void kda_ut_solve(int c, const real *M, int ldm, real *T, int ldt, int method) {
+void mtrl_ref_kda_ut_solve(int c, const real *M, int ldm, real *T, int ldt, int method) {
     if (c <= 0) return;
     if (c > KDA_TILE) {
         fprintf(stderr, "kda_ut_solve: c = %d > %d\n", c, KDA_TILE);
@@ -289,9 +289,9 @@ void kda_ut_solve(int c, const real *M, int ldm, real *T, int ldt, int method) {
                 T[(size_t)i * ldt + j] = (i == j ? 1 : 0) - m;
             }
         for (int p = 2; p < c; p *= 2) {
-            gemm_ref(0, 0, c, c, c, 1, Mp, L, Mp, L, 0, Mq, L);  // M^p = (M^{p/2})²
+            mtrl_ref_gemm(0, 0, c, c, c, 1, Mp, L, Mp, L, 0, Mq, L);  // M^p = (M^{p/2})²
             memcpy(Mp, Mq, sizeof Mp);
-            gemm_ref(0, 0, c, c, c, 1, T, ldt, Mp, L, 0, Y, L);  // T ← T (I + M^p)
+            mtrl_ref_gemm(0, 0, c, c, c, 1, T, ldt, Mp, L, 0, Y, L);  // T ← T (I + M^p)
             for (int i = 0; i < c; i++)
                 for (int j = 0; j < c; j++) T[(size_t)i * ldt + j] += Y[i * L + j];
         }
@@ -305,7 +305,7 @@ void kda_ut_solve(int c, const real *M, int ldm, real *T, int ldt, int method) {
         // Forward substitution: T_ii = 1, T_{i,0:i} = −M_{i,0:i} T_{0:i,0:i}.
         T[0] = 1;
         for (int i = 1; i < c; i++) {
-            gemm_ref(0, 0, 1, i, i, -1, M + (size_t)i * ldm, ldm, T, ldt, 0, T + (size_t)i * ldt,
+            mtrl_ref_gemm(0, 0, 1, i, i, -1, M + (size_t)i * ldm, ldm, T, ldt, 0, T + (size_t)i * ldt,
                      ldt);
             T[(size_t)i * ldt + i] = 1;
         }
@@ -382,7 +382,7 @@ static void kda_cfg_init_(kda_cfg_ *cf, int H, int K, int V, const kda_chunk_opt
     cf->pad = o.pad_tail;
 }
 
-int kda_chunk_state_count(int T, const kda_chunk_opts *opts) {
+int mtrl_ref_kda_chunk_state_count(int T, const kda_chunk_opts *opts) {
     int CS = opts && opts->chunk == KDA_SUPER_CHUNK ? KDA_SUPER_CHUNK : KDA_TILE;
     return T > 0 ? (T + CS - 1) / CS : 0;
 }
@@ -479,13 +479,13 @@ static void kda_chunk_prepare_(const kda_cfg_ *cf, kda_ws_ *w, int c) {
         int cI = c - nI < KDA_TILE ? c - nI : KDA_TILE;
         kda_block_ref_(cf, w, nI, cI, 1);
         kda_block_scale_(cf, w, nI, cI, nI, cI);
-        gemm_ref(0, 1, cI, cI, K, 1, w->A, K, w->B, K, 0, w->X + (size_t)nI * CS + nI, CS);
-        gemm_ref(0, 1, cI, cI, K, 1, w->Qh, K, w->B, K, 0, w->P + (size_t)nI * CS + nI, CS);
+        mtrl_ref_gemm(0, 1, cI, cI, K, 1, w->A, K, w->B, K, 0, w->X + (size_t)nI * CS + nI, CS);
+        mtrl_ref_gemm(0, 1, cI, cI, K, 1, w->Qh, K, w->B, K, 0, w->P + (size_t)nI * CS + nI, CS);
         if (nI > 0) {
             kda_block_ref_(cf, w, nI, cI, 0);
             kda_block_scale_(cf, w, nI, cI, 0, nI);
-            gemm_ref(0, 1, cI, nI, K, 1, w->A, K, w->B, K, 0, w->X + (size_t)nI * CS, CS);
-            gemm_ref(0, 1, cI, nI, K, 1, w->Qh, K, w->B, K, 0, w->P + (size_t)nI * CS, CS);
+            mtrl_ref_gemm(0, 1, cI, nI, K, 1, w->A, K, w->B, K, 0, w->X + (size_t)nI * CS, CS);
+            mtrl_ref_gemm(0, 1, cI, nI, K, 1, w->Qh, K, w->B, K, 0, w->P + (size_t)nI * CS, CS);
         }
     }
     // Mask by select, never by multiply: the discarded upper entries of the diagonal blocks
@@ -505,22 +505,22 @@ static void kda_chunk_prepare_(const kda_cfg_ *cf, kda_ws_ *w, int c) {
     for (int nI = 0; nI < c; nI += KDA_TILE) {
         int cI = c - nI < KDA_TILE ? c - nI : KDA_TILE;
         real *TII = w->Tm + (size_t)nI * CS + nI;
-        kda_ut_solve(cI, w->M + (size_t)nI * CS + nI, CS, TII, CS, cf->solve);
+        mtrl_ref_kda_ut_solve(cI, w->M + (size_t)nI * CS + nI, CS, TII, CS, cf->solve);
         if (nI > 0) {
-            gemm_ref(0, 0, cI, nI, nI, 1, w->M + (size_t)nI * CS, CS, w->Tm, CS, 0, w->Y, CS);
-            gemm_ref(0, 0, cI, nI, cI, -1, TII, CS, w->Y, CS, 0, w->Tm + (size_t)nI * CS, CS);
+            mtrl_ref_gemm(0, 0, cI, nI, nI, 1, w->M + (size_t)nI * CS, CS, w->Tm, CS, 0, w->Y, CS);
+            mtrl_ref_gemm(0, 0, cI, nI, cI, -1, TII, CS, w->Y, CS, 0, w->Tm + (size_t)nI * CS, CS);
         }
     }
     // W = T diag(β)K⁺, U = T diag(β)V.
-    gemm_ref(0, 0, c, K, c, 1, w->Tm, CS, w->Kb, K, 0, w->W, K);
-    gemm_ref(0, 0, c, V, c, 1, w->Tm, CS, w->Vb, V, 0, w->U, V);
+    mtrl_ref_gemm(0, 0, c, K, c, 1, w->Tm, CS, w->Kb, K, 0, w->W, K);
+    mtrl_ref_gemm(0, 0, c, V, c, 1, w->Tm, CS, w->Vb, V, 0, w->U, V);
 }
 
 // Δ = U − W S for the chunk's incoming state S.
 static void kda_chunk_delta_(const kda_cfg_ *cf, kda_ws_ *w, int c, const real *S) {
     int K = cf->K, V = cf->V;
     memcpy(w->D, w->U, sizeof(real) * (size_t)c * V);
-    gemm_ref(0, 0, c, V, K, -1, w->W, K, S, V, 1, w->D, V);
+    mtrl_ref_gemm(0, 0, c, V, K, -1, w->W, K, S, V, 1, w->D, V);
 }
 
 // 1 when every log-decay of head h in tokens t0 .. t0+cr−1 is >= KDA_G_CHUNK_MIN, the range of
@@ -560,14 +560,14 @@ static void kda_head_fwd_(const kda_cfg_ *cf, kda_ws_ *w, int T, int h, const re
         kda_chunk_prepare_(cf, w, c);
         kda_chunk_delta_(cf, w, c, S);
         // O = Q⁺ S + P Δ
-        gemm_ref(0, 0, c, V, K, 1, w->Qp, K, S, V, 0, w->O, V);
-        gemm_ref(0, 0, c, V, c, 1, w->P, CS, w->D, V, 1, w->O, V);
+        mtrl_ref_gemm(0, 0, c, V, K, 1, w->Qp, K, S, V, 0, w->O, V);
+        mtrl_ref_gemm(0, 0, c, V, c, 1, w->P, CS, w->D, V, 1, w->O, V);
         // S' = diag(e^γ) S + K^eᵀ Δ
         for (int d = 0; d < K; d++) {
             real e = (real)exp((double)w->gam[d]);
             for (int j = 0; j < V; j++) S[(size_t)d * V + j] *= e;
         }
-        gemm_ref(1, 0, K, V, c, 1, w->Ke, K, w->D, V, 1, S, V);
+        mtrl_ref_gemm(1, 0, K, V, c, 1, w->Ke, K, w->D, V, 1, S, V);
         if (o)
             for (int r = 0; r < cr; r++)
                 memcpy(o + ((size_t)(t0 + r) * H + h) * V, w->O + (size_t)r * V,
@@ -585,10 +585,10 @@ static void kda_block_bwd_(const kda_cfg_ *cf, kda_ws_ *w, int nI, int cI, int j
     int K = cf->K, CS = cf->CS;
     kda_block_scale_(cf, w, nI, cI, j0, nj);
     const real *dMb = w->dM + (size_t)nI * CS + j0, *dP = w->dP + (size_t)nI * CS + j0;
-    gemm_ref(0, 0, cI, K, nj, 1, dMb, CS, w->B, K, 0, w->dA, K);
-    gemm_ref(0, 0, cI, K, nj, 1, dP, CS, w->B, K, 0, w->dQh, K);
-    gemm_ref(1, 0, nj, K, cI, 1, dMb, CS, w->A, K, 0, w->dB, K);
-    gemm_ref(1, 0, nj, K, cI, 1, dP, CS, w->Qh, K, 1, w->dB, K);
+    mtrl_ref_gemm(0, 0, cI, K, nj, 1, dMb, CS, w->B, K, 0, w->dA, K);
+    mtrl_ref_gemm(0, 0, cI, K, nj, 1, dP, CS, w->B, K, 0, w->dQh, K);
+    mtrl_ref_gemm(1, 0, nj, K, cI, 1, dMb, CS, w->A, K, 0, w->dB, K);
+    mtrl_ref_gemm(1, 0, nj, K, cI, 1, dP, CS, w->Qh, K, 1, w->dB, K);
     for (int r = 0; r < cI; r++)
         for (int d = 0; d < K; d++) {
             size_t i = (size_t)(nI + r) * K + d, l = (size_t)r * K + d;
@@ -615,8 +615,8 @@ static void kda_chunk_bwd_(const kda_cfg_ *cf, kda_ws_ *w, int c) {
     kda_chunk_prepare_(cf, w, c);
     kda_chunk_delta_(cf, w, c, S);
     // dΔ = Pᵀ dO + K^e dS'
-    gemm_ref(1, 0, c, V, c, 1, w->P, CS, w->dO, V, 0, w->dD, V);
-    gemm_ref(0, 0, c, V, K, 1, w->Ke, K, dS, V, 1, w->dD, V);
+    mtrl_ref_gemm(1, 0, c, V, c, 1, w->P, CS, w->dO, V, 0, w->dD, V);
+    mtrl_ref_gemm(0, 0, c, V, K, 1, w->Ke, K, dS, V, 1, w->dD, V);
     // dS_prev = diag(e^γ) dS' + Q⁺ᵀ dO − Wᵀ dΔ;  dγ_S = e^γ ⊙ rowsum(S ⊙ dS')
     for (int d = 0; d < K; d++) {
         double e = exp((double)w->gam[d]), acc = 0;
@@ -627,20 +627,20 @@ static void kda_chunk_bwd_(const kda_cfg_ *cf, kda_ws_ *w, int c) {
         }
         w->dgam[d] = (real)(e * acc);
     }
-    gemm_ref(1, 0, K, V, c, 1, w->Qp, K, w->dO, V, 1, w->dSp, V);
-    gemm_ref(1, 0, K, V, c, -1, w->W, K, w->dD, V, 1, w->dSp, V);
+    mtrl_ref_gemm(1, 0, K, V, c, 1, w->Qp, K, w->dO, V, 1, w->dSp, V);
+    mtrl_ref_gemm(1, 0, K, V, c, -1, w->W, K, w->dD, V, 1, w->dSp, V);
     // dP = Tril(dO Δᵀ);  dQ⁺ = dO Sᵀ;  dK^e = Δ dS'ᵀ;  dW = −dΔ Sᵀ;  Y_W = Tᵀ dW;  Y_U = Tᵀ dΔ
-    gemm_ref(0, 1, c, c, V, 1, w->dO, V, w->D, V, 0, w->dP, CS);
-    gemm_ref(0, 1, c, K, V, 1, w->dO, V, S, V, 0, w->dQp, K);
-    gemm_ref(0, 1, c, K, V, 1, w->D, V, dS, V, 0, w->dKe, K);
-    gemm_ref(0, 1, c, K, V, -1, w->dD, V, S, V, 0, w->dW, K);
-    gemm_ref(1, 0, c, K, c, 1, w->Tm, CS, w->dW, K, 0, w->YW, K);
-    gemm_ref(1, 0, c, V, c, 1, w->Tm, CS, w->dD, V, 0, w->YU, V);
+    mtrl_ref_gemm(0, 1, c, c, V, 1, w->dO, V, w->D, V, 0, w->dP, CS);
+    mtrl_ref_gemm(0, 1, c, K, V, 1, w->dO, V, S, V, 0, w->dQp, K);
+    mtrl_ref_gemm(0, 1, c, K, V, 1, w->D, V, dS, V, 0, w->dKe, K);
+    mtrl_ref_gemm(0, 1, c, K, V, -1, w->dD, V, S, V, 0, w->dW, K);
+    mtrl_ref_gemm(1, 0, c, K, c, 1, w->Tm, CS, w->dW, K, 0, w->YW, K);
+    mtrl_ref_gemm(1, 0, c, V, c, 1, w->Tm, CS, w->dD, V, 0, w->YU, V);
     // dT = dW (diag(β)K⁺)ᵀ + dΔ (diag(β)V)ᵀ;  dM = StrictTril(−Tᵀ dT Tᵀ)
-    gemm_ref(0, 1, c, c, K, 1, w->dW, K, w->Kb, K, 0, w->dT, CS);
-    gemm_ref(0, 1, c, c, V, 1, w->dD, V, w->Vb, V, 1, w->dT, CS);
-    gemm_ref(1, 0, c, c, c, 1, w->Tm, CS, w->dT, CS, 0, w->tmp, CS);
-    gemm_ref(0, 1, c, c, c, -1, w->tmp, CS, w->Tm, CS, 0, w->dM, CS);
+    mtrl_ref_gemm(0, 1, c, c, K, 1, w->dW, K, w->Kb, K, 0, w->dT, CS);
+    mtrl_ref_gemm(0, 1, c, c, V, 1, w->dD, V, w->Vb, V, 1, w->dT, CS);
+    mtrl_ref_gemm(1, 0, c, c, c, 1, w->Tm, CS, w->dT, CS, 0, w->tmp, CS);
+    mtrl_ref_gemm(0, 1, c, c, c, -1, w->tmp, CS, w->Tm, CS, 0, w->dM, CS);
     // Masks, dβ, and dM ← diag(β) dM (the form every use below needs).
     for (int i = 0; i < c; i++) {
         double db = 0;
@@ -752,7 +752,7 @@ static void kda_head_bwd_(const kda_cfg_ *cf, kda_ws_ *w, int T, int h, const re
 
 // ---- public entry points ----------------------------------------------------------------------
 
-void kda_chunk_fwd_ex(int T, int H, int K, int V, const real *q, const real *k, const real *v,
+void mtrl_ref_kda_chunk_fwd_ex(int T, int H, int K, int V, const real *q, const real *k, const real *v,
                       const real *g, const real *beta, const real *S0, real *o, real *S_final,
                       real *S_tiles, const kda_chunk_opts *opts) {
     size_t KV = (size_t)K * V;
@@ -778,7 +778,7 @@ void kda_chunk_fwd_ex(int T, int H, int K, int V, const real *q, const real *k, 
     free(pool);
 }
 
-void kda_chunk_bwd_ex(int T, int H, int K, int V, const real *q, const real *k, const real *v,
+void mtrl_ref_kda_chunk_bwd_ex(int T, int H, int K, int V, const real *q, const real *k, const real *v,
                       const real *g, const real *beta, const real *S0, const real *S_tiles,
                       const real *dout, const real *dS_final, real *dq, real *dk, real *dv,
                       real *dg, real *dbeta, real *dS0, const kda_chunk_opts *opts) {
@@ -798,7 +798,7 @@ void kda_chunk_bwd_ex(int T, int H, int K, int V, const real *q, const real *k, 
     // Without stored states, rerun the forward once (per head, in the same parallel loop) to
     // recover every chunk's incoming state, as fla does with disable_recompute=False.
     real *own = NULL;
-    if (!S_tiles) own = kda_xmalloc_(sizeof(real) * KV * H * kda_chunk_state_count(T, opts));
+    if (!S_tiles) own = kda_xmalloc_(sizeof(real) * KV * H * mtrl_ref_kda_chunk_state_count(T, opts));
     REF_PAR_FOR(ref_par((own ? 28.0 : 20.0) * T * H * KV),
         for (int h = 0; h < H; h++) {
             kda_ws_ w;
@@ -813,16 +813,16 @@ void kda_chunk_bwd_ex(int T, int H, int K, int V, const real *q, const real *k, 
     free(pool);
 }
 
-void kda_chunk_fwd(int T, int H, int K, int V, const real *q, const real *k, const real *v,
+void mtrl_ref_kda_chunk_fwd(int T, int H, int K, int V, const real *q, const real *k, const real *v,
                    const real *g, const real *beta, const real *S0, real *o, real *S_final,
                    real *S_tiles) {
-    kda_chunk_fwd_ex(T, H, K, V, q, k, v, g, beta, S0, o, S_final, S_tiles, NULL);
+    mtrl_ref_kda_chunk_fwd_ex(T, H, K, V, q, k, v, g, beta, S0, o, S_final, S_tiles, NULL);
 }
 
-void kda_chunk_bwd(int T, int H, int K, int V, const real *q, const real *k, const real *v,
+void mtrl_ref_kda_chunk_bwd(int T, int H, int K, int V, const real *q, const real *k, const real *v,
                    const real *g, const real *beta, const real *S0, const real *S_tiles,
                    const real *dout, const real *dS_final, real *dq, real *dk, real *dv, real *dg,
                    real *dbeta, real *dS0) {
-    kda_chunk_bwd_ex(T, H, K, V, q, k, v, g, beta, S0, S_tiles, dout, dS_final, dq, dk, dv, dg,
+    mtrl_ref_kda_chunk_bwd_ex(T, H, K, V, q, k, v, g, beta, S0, S_tiles, dout, dS_final, dq, dk, dv, dg,
                      dbeta, dS0, NULL);
 }

@@ -6,7 +6,7 @@
 //     S̃ = diag(e^{g_t}) S_{t-1};  r_t = v_t − S̃ᵀ k_t;  S_t = S̃ + β_t k_t r_tᵀ;  o_t = S_tᵀ q_t
 //
 // three ways: the token recurrence (the definition, plus BPTT), one decode step, and the
-// chunked WY/UT form in 16-token tiles where every product goes through gemm_ref (so the CUDA
+// chunked WY/UT form in 16-token tiles where every product goes through mtrl_ref_gemm (so the CUDA
 // port can mirror it GEMM for GEMM). Plus the lower-bounded decay gate of §2.1.
 //
 // Shapes (one sequence, token-major; T tokens, H heads, K = d_k, V = d_v):
@@ -46,11 +46,11 @@ extern "C" {
 // ---- gate (§2.1) ------------------------------------------------------------------------------
 // g = g_min * σ(exp(A_log[h]) * (f + dt_bias)), elementwise. f, g: [T][H*K]; A_log: [H];
 // dt_bias: [H*K]; g_min < 0 (the project uses -5).
-void kda_gate_fwd(int T, int H, int K, const real *f, const real *A_log, const real *dt_bias,
+void mtrl_ref_kda_gate_fwd(int T, int H, int K, const real *f, const real *A_log, const real *dt_bias,
                   real g_min, real *g);
 // Backward of kda_gate_fwd given dg [T][H*K]: df [T][H*K] is overwritten; dA_log [H] and
 // ddt_bias [H*K] are ACCUMULATED (+=) so several sequences can share one gradient buffer.
-void kda_gate_bwd(int T, int H, int K, const real *f, const real *A_log, const real *dt_bias,
+void mtrl_ref_kda_gate_bwd(int T, int H, int K, const real *f, const real *A_log, const real *dt_bias,
                   real g_min, const real *dg, real *df, real *dA_log, real *ddt_bias);
 
 // Kimi Linear's gate (transformers' KimiLinearForgetGate): g = max(−exp(A_log[h]) ·
@@ -58,27 +58,27 @@ void kda_gate_bwd(int T, int H, int K, const real *f, const real *A_log, const r
 // (g_floor = −INFINITY: the exact form, the CPU model's). A floor >= KDA_G_CHUNK_MIN puts every
 // g in the range of the GPU's chunked kernels (the CUDA model clamps at dims.g_min); a clamped
 // entry has no gradient. Backward as kda_gate_bwd's (df overwritten, dA_log and ddt_bias +=).
-void kda_gate_kimi_fwd(int T, int H, int K, const real *f, const real *A_log, const real *dt_bias,
+void mtrl_ref_kda_gate_kimi_fwd(int T, int H, int K, const real *f, const real *A_log, const real *dt_bias,
                        real g_floor, real *g);
-void kda_gate_kimi_bwd(int T, int H, int K, const real *f, const real *A_log, const real *dt_bias,
+void mtrl_ref_kda_gate_kimi_bwd(int T, int H, int K, const real *f, const real *A_log, const real *dt_bias,
                        real g_floor, const real *dg, real *df, real *dA_log, real *ddt_bias);
 
 // ---- recurrence (§2.2): the definition ---------------------------------------------------------
 // S0 may be NULL (zeros). S_final [H][K][V] may be NULL. S_all, if non-NULL, receives
 // [T+1][H][K][V] = S_0 .. S_T, which kda_recurrent_bwd needs.
-void kda_recurrent_fwd(int T, int H, int K, int V, const real *q, const real *k, const real *v,
+void mtrl_ref_kda_recurrent_fwd(int T, int H, int K, int V, const real *q, const real *k, const real *v,
                        const real *g, const real *beta, const real *S0, real *o, real *S_final,
                        real *S_all);
 // BPTT of §2.2 from S_all (required, as written by kda_recurrent_fwd). Loss gradient inputs:
 // dout [T][H][V] and dS_final [H][K][V] (NULL = zero). All outputs are overwritten; dS0 may be
 // NULL.
-void kda_recurrent_bwd(int T, int H, int K, int V, const real *q, const real *k, const real *v,
+void mtrl_ref_kda_recurrent_bwd(int T, int H, int K, int V, const real *q, const real *k, const real *v,
                        const real *g, const real *beta, const real *S_all, const real *dout,
                        const real *dS_final, real *dq, real *dk, real *dv, real *dg, real *dbeta,
                        real *dS0);
 // One decode token for H heads: q, k, g [H][K]; v [H][V]; beta [H]; S [H][K][V] is updated in
 // place; o [H][V]. Same arithmetic as one step of kda_recurrent_fwd.
-void kda_step(int H, int K, int V, const real *q, const real *k, const real *v, const real *g,
+void mtrl_ref_kda_step(int H, int K, int V, const real *q, const real *k, const real *v, const real *g,
               const real *beta, real *S, real *o);
 
 // ---- chunked form (§2.3, §2.4, §2.6) -----------------------------------------------------------
@@ -110,29 +110,29 @@ typedef struct kda_chunk_opts {
     int chunk;    // 0 (= 16), 16 or 64
 } kda_chunk_opts;
 
-static inline int kda_tile_count(int T) { return (T + KDA_TILE - 1) / KDA_TILE; }
+static inline int mtrl_ref_kda_tile_count(int T) { return (T + KDA_TILE - 1) / KDA_TILE; }
 // Number of stored incoming states (S_tiles rows) for these options: ceil(T / chunk).
-int kda_chunk_state_count(int T, const kda_chunk_opts *opts);
+int mtrl_ref_kda_chunk_state_count(int T, const kda_chunk_opts *opts);
 
 // Chunked forward with default options. S0 and S_final are nullable (o too, when only the state
 // is wanted). S_tiles, if non-NULL, receives the incoming state of every tile:
-// [kda_tile_count(T)][H][K][V]; tile n starts at token 16 n, so S_tiles[n] = S_{16 n}.
-void kda_chunk_fwd(int T, int H, int K, int V, const real *q, const real *k, const real *v,
+// [mtrl_ref_kda_tile_count(T)][H][K][V]; tile n starts at token 16 n, so S_tiles[n] = S_{16 n}.
+void mtrl_ref_kda_chunk_fwd(int T, int H, int K, int V, const real *q, const real *k, const real *v,
                    const real *g, const real *beta, const real *S0, real *o, real *S_final,
                    real *S_tiles);
 // Chunked backward (§2.4) with default options. S_tiles is what kda_chunk_fwd stored, or NULL
 // (then it is recomputed from S0 by a forward pass). dS_final NULL = zero. Every output is
 // overwritten; dS0 may be NULL.
-void kda_chunk_bwd(int T, int H, int K, int V, const real *q, const real *k, const real *v,
+void mtrl_ref_kda_chunk_bwd(int T, int H, int K, int V, const real *q, const real *k, const real *v,
                    const real *g, const real *beta, const real *S0, const real *S_tiles,
                    const real *dout, const real *dS_final, real *dq, real *dk, real *dv, real *dg,
                    real *dbeta, real *dS0);
-// The same with options (NULL = defaults). S_tiles then holds kda_chunk_state_count(T, opts)
+// The same with options (NULL = defaults). S_tiles then holds mtrl_ref_kda_chunk_state_count(T, opts)
 // states, one per chunk of opts->chunk tokens; fwd and bwd must be given the same options.
-void kda_chunk_fwd_ex(int T, int H, int K, int V, const real *q, const real *k, const real *v,
+void mtrl_ref_kda_chunk_fwd_ex(int T, int H, int K, int V, const real *q, const real *k, const real *v,
                       const real *g, const real *beta, const real *S0, real *o, real *S_final,
                       real *S_tiles, const kda_chunk_opts *opts);
-void kda_chunk_bwd_ex(int T, int H, int K, int V, const real *q, const real *k, const real *v,
+void mtrl_ref_kda_chunk_bwd_ex(int T, int H, int K, int V, const real *q, const real *k, const real *v,
                       const real *g, const real *beta, const real *S0, const real *S_tiles,
                       const real *dout, const real *dS_final, real *dq, real *dk, real *dv,
                       real *dg, real *dbeta, real *dS0, const kda_chunk_opts *opts);
@@ -140,7 +140,7 @@ void kda_chunk_bwd_ex(int T, int H, int K, int V, const real *q, const real *k, 
 // UT transform of one tile: T = (I + M)^{-1} for a strictly lower triangular M (c x c, c <= 16,
 // row stride ldm); T (c x c, row stride ldt) is overwritten, unit lower triangular with zeros
 // above the diagonal. method: KDA_SOLVE_FSUB or KDA_SOLVE_NILPOTENT. M and T must not overlap.
-void kda_ut_solve(int c, const real *M, int ldm, real *T, int ldt, int method);
+void mtrl_ref_kda_ut_solve(int c, const real *M, int ldm, real *T, int ldt, int method);
 
 #ifdef __cplusplus
 }

@@ -18,7 +18,7 @@ static inline int imax_(int a, int b) { return a > b ? a : b; }
 
 // ---- forward -------------------------------------------------------------------------------
 
-void attn_causal_fwd(int Tq, int Tk, int H, int Hk, int Dk, int Dv, real scale, const real *q,
+void mtrl_ref_attn_causal_fwd(int Tq, int Tk, int H, int Hk, int Dk, int Dv, real scale, const real *q,
                      const real *k, int ldk, const real *v, int ldv, real *o, real *lse) {
     if (Tq <= 0 || H <= 0) return;
     const int G = H / Hk, off = Tk - Tq, ldq = H * Dk;
@@ -42,7 +42,7 @@ void attn_causal_fwd(int Tq, int Tk, int H, int Hk, int Dk, int Dv, real scale, 
             const int send = off + i0 + nr;  // keys [0, send) cover the block's last row
             for (int s0 = 0; s0 < send; s0 += ATT_BC) {
                 const int nc = imin_(ATT_BC, send - s0);
-                gemm_ref(0, 1, nr, nc, Dk, scale, qh, ldq, kj + (size_t)s0 * ldk, ldk, 0, S, ATT_BC);
+                mtrl_ref_gemm(0, 1, nr, nc, Dk, scale, qh, ldq, kj + (size_t)s0 * ldk, ldk, 0, S, ATT_BC);
                 for (int r = 0; r < nr; r++) {
                     real *Sr = S + (size_t)r * ATT_BC;
                     const int cmax = imin_(off + i0 + r - s0, nc - 1);  // last visible key
@@ -64,7 +64,7 @@ void attn_causal_fwd(int Tq, int Tk, int H, int Hk, int Dk, int Dv, real scale, 
                         for (int d = 0; d < Dv; d++) ar[d] = (real)((double)ar[d] * alpha);
                     }
                 }
-                gemm_ref(0, 0, nr, Dv, nc, 1, S, ATT_BC, vj + (size_t)s0 * ldv, ldv, 1, acc, Dv);
+                mtrl_ref_gemm(0, 0, nr, Dv, nc, 1, S, ATT_BC, vj + (size_t)s0 * ldv, ldv, 1, acc, Dv);
             }
             for (int r = 0; r < nr; r++) {
                 const int i = i0 + r;
@@ -89,8 +89,8 @@ static void attn_tile_bwd_(int nr, int nc, int i0, int s0, int off, int H, int h
                            real scale, const real *Qh, int ldq, const real *Kj, int ldk,
                            const real *Vj, int ldv, const real *dOh, int ldo, const real *lse,
                            const double *Dsum, real *P, real *dS) {
-    gemm_ref(0, 1, nr, nc, Dk, scale, Qh, ldq, Kj, ldk, 0, P, ATT_BC);
-    gemm_ref(0, 1, nr, nc, Dv, 1, dOh, ldo, Vj, ldv, 0, dS, ATT_BC);
+    mtrl_ref_gemm(0, 1, nr, nc, Dk, scale, Qh, ldq, Kj, ldk, 0, P, ATT_BC);
+    mtrl_ref_gemm(0, 1, nr, nc, Dv, 1, dOh, ldo, Vj, ldv, 0, dS, ATT_BC);
     for (int r = 0; r < nr; r++) {
         const int i = i0 + r;
         const int cmax = imin_(off + i - s0, nc - 1);
@@ -113,7 +113,7 @@ static int ranges_overlap_(const real *a, size_t na, const real *b, size_t nb) {
     return a0 < b1 && b0 < a1;
 }
 
-void attn_causal_bwd(int Tq, int Tk, int H, int Hk, int Dk, int Dv, real scale, const real *q,
+void mtrl_ref_attn_causal_bwd(int Tq, int Tk, int H, int Hk, int Dk, int Dv, real scale, const real *q,
                      const real *k, int ldk, const real *v, int ldv, const real *o,
                      const real *lse, const real *dout, real *dq, real *dk, real *dv) {
     if (Tq <= 0 || H <= 0) return;
@@ -163,8 +163,8 @@ void attn_causal_bwd(int Tq, int Tk, int H, int Hk, int Dk, int Dv, real scale, 
                         const real *dOh = dout + (size_t)i0 * ldo + (size_t)h * Dv;
                         attn_tile_bwd_(nr, nc, i0, s0, off, H, h, Dk, Dv, scale, Qh, ldq, Kj, ldk,
                                        Vj, ldv, dOh, ldo, lse, Dsum, P, dS);
-                        gemm_ref(1, 0, nc, Dv, nr, 1, P, ATT_BC, dOh, ldo, 1, dVj, ldv);
-                        gemm_ref(1, 0, nc, Dk, nr, scale, dS, ATT_BC, Qh, ldq, 1, dKj, ldk);
+                        mtrl_ref_gemm(1, 0, nc, Dv, nr, 1, P, ATT_BC, dOh, ldo, 1, dVj, ldv);
+                        mtrl_ref_gemm(1, 0, nc, Dk, nr, scale, dS, ATT_BC, Qh, ldq, 1, dKj, ldk);
                     }
                 }
             }
@@ -194,7 +194,7 @@ void attn_causal_bwd(int Tq, int Tk, int H, int Hk, int Dk, int Dv, real scale, 
                 const real *Vj = v + (size_t)s0 * ldv + (size_t)j * Dv;
                 attn_tile_bwd_(nr, nc, i0, s0, off, H, h, Dk, Dv, scale, Qh, ldq, Kj, ldk, Vj, ldv,
                                dOh, ldo, lse, Dsum, P, dS);
-                gemm_ref(0, 0, nr, Dk, nc, scale, dS, ATT_BC, Kj, ldk, 1, dQh, ldq);
+                mtrl_ref_gemm(0, 0, nr, Dk, nc, scale, dS, ATT_BC, Kj, ldk, 1, dQh, ldq);
             }
         }
         free(P);
@@ -212,12 +212,12 @@ static inline const real *w_uv_(const real *W, int h, int dn, int dv, int dc) {
     return W + ((size_t)h * (dn + dv) + dn) * dc;
 }
 
-void mla_absorb_q(int N, int H, int dn, int dr, int dv, int dc, const real *q, const real *W_kvb,
+void mtrl_ref_mla_absorb_q(int N, int H, int dn, int dr, int dv, int dc, const real *q, const real *W_kvb,
                   real *qt) {
     const int ldq = H * (dn + dr), ldt = H * (dc + dr);
     for (int h = 0; h < H; h++) {
         // q̃^c [N][dc] = q^n [N][dn] · W_UK,h [dn][dc]
-        gemm_ref(0, 0, N, dc, dn, 1, q + (size_t)h * (dn + dr), ldq, w_uk_(W_kvb, h, dn, dv, dc), dc,
+        mtrl_ref_gemm(0, 0, N, dc, dn, 1, q + (size_t)h * (dn + dr), ldq, w_uk_(W_kvb, h, dn, dv, dc), dc,
                  0, qt + (size_t)h * (dc + dr), ldt);
         for (int t = 0; t < N; t++)
             memcpy(qt + (size_t)t * ldt + (size_t)h * (dc + dr) + dc,
@@ -225,46 +225,46 @@ void mla_absorb_q(int N, int H, int dn, int dr, int dv, int dc, const real *q, c
     }
 }
 
-void mla_absorb_q_bwd(int N, int H, int dn, int dr, int dv, int dc, const real *q,
+void mtrl_ref_mla_absorb_q_bwd(int N, int H, int dn, int dr, int dv, int dc, const real *q,
                       const real *W_kvb, const real *dqt, real *dq, real *dW_kvb) {
     const int ldq = H * (dn + dr), ldt = H * (dc + dr);
     for (int h = 0; h < H; h++) {
         const real *dqc = dqt + (size_t)h * (dc + dr);
-        gemm_ref(0, 1, N, dn, dc, 1, dqc, ldt, w_uk_(W_kvb, h, dn, dv, dc), dc, 0,
+        mtrl_ref_gemm(0, 1, N, dn, dc, 1, dqc, ldt, w_uk_(W_kvb, h, dn, dv, dc), dc, 0,
                  dq + (size_t)h * (dn + dr), ldq);
         for (int t = 0; t < N; t++)
             memcpy(dq + (size_t)t * ldq + (size_t)h * (dn + dr) + dn,
                    dqt + (size_t)t * ldt + (size_t)h * (dc + dr) + dc, sizeof(real) * (size_t)dr);
         if (dW_kvb)  // dW_UK,h += q^nᵀ dq̃^c
-            gemm_ref(1, 0, dn, dc, N, 1, q + (size_t)h * (dn + dr), ldq, dqc, ldt, 1,
+            mtrl_ref_gemm(1, 0, dn, dc, N, 1, q + (size_t)h * (dn + dr), ldq, dqc, ldt, 1,
                      dW_kvb + (size_t)h * (dn + dv) * dc, dc);
     }
 }
 
-void mla_up_v(int N, int H, int dn, int dv, int dc, const real *cstar, const real *W_kvb, real *a) {
+void mtrl_ref_mla_up_v(int N, int H, int dn, int dv, int dc, const real *cstar, const real *W_kvb, real *a) {
     for (int h = 0; h < H; h++)  // a_h [N][dv] = ĉ*_h [N][dc] · W_UV,hᵀ
-        gemm_ref(0, 1, N, dv, dc, 1, cstar + (size_t)h * dc, H * dc, w_uv_(W_kvb, h, dn, dv, dc), dc,
+        mtrl_ref_gemm(0, 1, N, dv, dc, 1, cstar + (size_t)h * dc, H * dc, w_uv_(W_kvb, h, dn, dv, dc), dc,
                  0, a + (size_t)h * dv, H * dv);
 }
 
-void mla_up_v_bwd(int N, int H, int dn, int dv, int dc, const real *cstar, const real *W_kvb,
+void mtrl_ref_mla_up_v_bwd(int N, int H, int dn, int dv, int dc, const real *cstar, const real *W_kvb,
                   const real *da, real *dcstar, real *dW_kvb) {
     for (int h = 0; h < H; h++) {
-        gemm_ref(0, 0, N, dc, dv, 1, da + (size_t)h * dv, H * dv, w_uv_(W_kvb, h, dn, dv, dc), dc, 0,
+        mtrl_ref_gemm(0, 0, N, dc, dv, 1, da + (size_t)h * dv, H * dv, w_uv_(W_kvb, h, dn, dv, dc), dc, 0,
                  dcstar + (size_t)h * dc, H * dc);
         if (dW_kvb)  // dW_UV,h += daᵀ ĉ*
-            gemm_ref(1, 0, dv, dc, N, 1, da + (size_t)h * dv, H * dv, cstar + (size_t)h * dc, H * dc, 1,
+            mtrl_ref_gemm(1, 0, dv, dc, N, 1, da + (size_t)h * dv, H * dv, cstar + (size_t)h * dc, H * dc, 1,
                      dW_kvb + ((size_t)h * (dn + dv) + dn) * dc, dc);
     }
 }
 
-void mla_expand_kv(int N, int H, int dn, int dr, int dv, int dc, const real *c, int ldc,
+void mtrl_ref_mla_expand_kv(int N, int H, int dn, int dr, int dv, int dc, const real *c, int ldc,
                    const real *kr, int ldr, const real *W_kvb, real *k, real *v) {
     const int ldk = H * (dn + dr), ldv = H * dv;
     for (int h = 0; h < H; h++) {
-        gemm_ref(0, 1, N, dn, dc, 1, c, ldc, w_uk_(W_kvb, h, dn, dv, dc), dc, 0,
+        mtrl_ref_gemm(0, 1, N, dn, dc, 1, c, ldc, w_uk_(W_kvb, h, dn, dv, dc), dc, 0,
                  k + (size_t)h * (dn + dr), ldk);
-        gemm_ref(0, 1, N, dv, dc, 1, c, ldc, w_uv_(W_kvb, h, dn, dv, dc), dc, 0,
+        mtrl_ref_gemm(0, 1, N, dv, dc, 1, c, ldc, w_uv_(W_kvb, h, dn, dv, dc), dc, 0,
                  v + (size_t)h * dv, ldv);
         for (int t = 0; t < N; t++)
             memcpy(k + (size_t)t * ldk + (size_t)h * (dn + dr) + dn, kr + (size_t)t * ldr,
@@ -272,17 +272,17 @@ void mla_expand_kv(int N, int H, int dn, int dr, int dv, int dc, const real *c, 
     }
 }
 
-void mla_expand_kv_bwd(int N, int H, int dn, int dr, int dv, int dc, const real *c, int ldc,
+void mtrl_ref_mla_expand_kv_bwd(int N, int H, int dn, int dr, int dv, int dc, const real *c, int ldc,
                        const real *W_kvb, const real *dk, const real *dvals, real *dlat_c,
                        int ld_c, real *dlat_kr, int ld_kr, real *dW_kvb) {
     const int ldk = H * (dn + dr), ldv = H * dv;
     for (int h = 0; h < H; h++) {
         const real *dkn = dk + (size_t)h * (dn + dr), *dvh = dvals + (size_t)h * dv;
-        gemm_ref(0, 0, N, dc, dn, 1, dkn, ldk, w_uk_(W_kvb, h, dn, dv, dc), dc, 1, dlat_c, ld_c);
-        gemm_ref(0, 0, N, dc, dv, 1, dvh, ldv, w_uv_(W_kvb, h, dn, dv, dc), dc, 1, dlat_c, ld_c);
+        mtrl_ref_gemm(0, 0, N, dc, dn, 1, dkn, ldk, w_uk_(W_kvb, h, dn, dv, dc), dc, 1, dlat_c, ld_c);
+        mtrl_ref_gemm(0, 0, N, dc, dv, 1, dvh, ldv, w_uv_(W_kvb, h, dn, dv, dc), dc, 1, dlat_c, ld_c);
         if (dW_kvb) {
-            gemm_ref(1, 0, dn, dc, N, 1, dkn, ldk, c, ldc, 1, dW_kvb + (size_t)h * (dn + dv) * dc, dc);
-            gemm_ref(1, 0, dv, dc, N, 1, dvh, ldv, c, ldc, 1,
+            mtrl_ref_gemm(1, 0, dn, dc, N, 1, dkn, ldk, c, ldc, 1, dW_kvb + (size_t)h * (dn + dv) * dc, dc);
+            mtrl_ref_gemm(1, 0, dv, dc, N, 1, dvh, ldv, c, ldc, 1,
                      dW_kvb + ((size_t)h * (dn + dv) + dn) * dc, dc);
         }
     }
@@ -299,10 +299,10 @@ void mla_expand_kv_bwd(int N, int H, int dn, int dr, int dv, int dc, const real 
 
 // ---- absorbed decode -----------------------------------------------------------------------
 
-void mla_decode_absorbed(int H, int dn, int dr, int dv, int dc, real scale, const real *q,
+void mtrl_ref_mla_decode_absorbed(int H, int dn, int dr, int dv, int dc, real scale, const real *q,
                          const real *W_kvb, const real *cache_c, const real *cache_kr, int Tk,
                          real *a) {
-    mla_decode_absorbed_ld(H, dn, dr, dv, dc, scale, q, W_kvb, cache_c, dc, cache_kr, dr, Tk, a);
+    mtrl_ref_mla_decode_absorbed_ld(H, dn, dr, dv, dc, scale, q, W_kvb, cache_c, dc, cache_kr, dr, Tk, a);
 }
 
 // One split-K chunk of the absorbed decode: keys [ch·clen, min(Tk, (ch+1)·clen)) into the chunk's
@@ -317,9 +317,9 @@ static void decode_chunk_(int ch, int clen, int H, int dr, int dc, real scale, c
     memset(acc, 0, sizeof(real) * (size_t)H * dc);
     for (int s0 = c0; s0 < c1; s0 += ATT_BC) {
         const int nc = imin_(ATT_BC, c1 - s0);
-        gemm_ref(0, 1, H, nc, dc, scale, qt, Dl, cache_c + (size_t)s0 * ldc, ldc, 0, S, ATT_BC);
+        mtrl_ref_gemm(0, 1, H, nc, dc, scale, qt, Dl, cache_c + (size_t)s0 * ldc, ldc, 0, S, ATT_BC);
         if (dr > 0)
-            gemm_ref(0, 1, H, nc, dr, scale, qt + dc, Dl, cache_kr + (size_t)s0 * ldr, ldr, 1, S, ATT_BC);
+            mtrl_ref_gemm(0, 1, H, nc, dr, scale, qt + dc, Dl, cache_kr + (size_t)s0 * ldr, ldr, 1, S, ATT_BC);
         for (int h = 0; h < H; h++) {
             real *Sh = S + (size_t)h * ATT_BC;
             double mx = m[h];
@@ -338,17 +338,17 @@ static void decode_chunk_(int ch, int clen, int H, int dr, int dc, real scale, c
                 for (int d = 0; d < dc; d++) ah[d] = (real)((double)ah[d] * alpha);
             }
         }
-        gemm_ref(0, 0, H, dc, nc, 1, S, ATT_BC, cache_c + (size_t)s0 * ldc, ldc, 1, acc, dc);
+        mtrl_ref_gemm(0, 0, H, dc, nc, 1, S, ATT_BC, cache_c + (size_t)s0 * ldc, ldc, 1, acc, dc);
     }
 }
 
-void mla_decode_absorbed_ld(int H, int dn, int dr, int dv, int dc, real scale, const real *q,
+void mtrl_ref_mla_decode_absorbed_ld(int H, int dn, int dr, int dv, int dc, real scale, const real *q,
                             const real *W_kvb, const real *cache_c, int ldc,
                             const real *cache_kr, int ldr, int Tk, real *a) {
     if (Tk <= 0) { memset(a, 0, sizeof(real) * (size_t)H * dv); return; }
     const int Dl = dc + dr;
     real *qt = malloc(sizeof(real) * (size_t)H * Dl);
-    mla_absorb_q(1, H, dn, dr, dv, dc, q, W_kvb, qt);
+    mtrl_ref_mla_absorb_q(1, H, dn, dr, dv, dc, q, W_kvb, qt);
 
     // Split-K over the cache: chunk boundaries depend only on Tk, and the chunks are merged in
     // order, so the result does not depend on the number of threads. All H heads share each
@@ -389,7 +389,7 @@ void mla_decode_absorbed_ld(int H, int dn, int dr, int dv, int dc, real scale, c
         }
         for (int d = 0; d < dc; d++) cstar[(size_t)h * dc + d] = (real)(row[d] / L);
     }
-    mla_up_v(1, H, dn, dv, dc, cstar, W_kvb, a);
+    mtrl_ref_mla_up_v(1, H, dn, dv, dc, cstar, W_kvb, a);
     free(row);
     free(cstar);
     free(pacc);

@@ -42,13 +42,13 @@ extern "C" {
 // position, so a segment of Tq new tokens attends to the whole prefix.
 // One sequence per call: packed batches call it per sequence (the mask restarts there).
 // o [Tq][H][Dv]; lse [Tq][H]: log Σ_s exp(scale q·k_s), saved for the backward.
-void attn_causal_fwd(int Tq, int Tk, int H, int Hk, int Dk, int Dv, real scale, const real *q,
+void mtrl_ref_attn_causal_fwd(int Tq, int Tk, int H, int Hk, int Dk, int Dv, real scale, const real *q,
                      const real *k, int ldk, const real *v, int ldv, real *o, real *lse);
 
 // dq [Tq][H][Dk] overwritten. dk, dv ACCUMULATED (+=) with the same strides as k, v, so the
 // segments of an episode accumulate into whole-episode latent gradients; dk and dv may alias
 // exactly as k and v do (the absorbed form: dv = dk, same ld). o and lse are the forward's.
-void attn_causal_bwd(int Tq, int Tk, int H, int Hk, int Dk, int Dv, real scale, const real *q,
+void mtrl_ref_attn_causal_bwd(int Tq, int Tk, int H, int Hk, int Dk, int Dv, real scale, const real *q,
                      const real *k, int ldk, const real *v, int ldv, const real *o,
                      const real *lse, const real *dout, real *dq, real *dk, real *dv);
 
@@ -56,30 +56,30 @@ void attn_causal_bwd(int Tq, int Tk, int H, int Hk, int Dk, int Dv, real scale, 
 
 // Absorb the query: qt[t][h] = [ W_UK,hᵀ q^n_{t,h} ; q^r_{t,h} ].
 // q [N][H][dn+dr]  ->  qt [N][H][dc+dr].
-void mla_absorb_q(int N, int H, int dn, int dr, int dv, int dc, const real *q, const real *W_kvb,
+void mtrl_ref_mla_absorb_q(int N, int H, int dn, int dr, int dv, int dc, const real *q, const real *W_kvb,
                   real *qt);
 // Backward: dq [N][H][dn+dr] overwritten; dW_kvb += only in the W_UK rows (nullable: skip).
-void mla_absorb_q_bwd(int N, int H, int dn, int dr, int dv, int dc, const real *q,
+void mtrl_ref_mla_absorb_q_bwd(int N, int H, int dn, int dr, int dv, int dc, const real *q,
                       const real *W_kvb, const real *dqt, real *dq, real *dW_kvb);
 
 // Value up-projection: a[t][h] = W_UV,h cstar[t][h].  cstar [N][H][dc] -> a [N][H][dv].
-void mla_up_v(int N, int H, int dn, int dv, int dc, const real *cstar, const real *W_kvb, real *a);
+void mtrl_ref_mla_up_v(int N, int H, int dn, int dv, int dc, const real *cstar, const real *W_kvb, real *a);
 // Backward: dcstar [N][H][dc] overwritten; dW_kvb += only in the W_UV rows (nullable: skip).
-void mla_up_v_bwd(int N, int H, int dn, int dv, int dc, const real *cstar, const real *W_kvb,
+void mtrl_ref_mla_up_v_bwd(int N, int H, int dn, int dv, int dc, const real *cstar, const real *W_kvb,
                   const real *da, real *dcstar, real *dW_kvb);
 
 // Expanded keys and values from the latent: k[t][h] = [W_UK,h ĉ_t ; k^r_t],
 // v[t][h] = W_UV,h ĉ_t. c: ĉ_t at c + t*ldc (dc wide); kr: k^r_t at kr + t*ldr (dr wide),
 // so an interleaved latent [N][dc+dr] passes c = L, kr = L + dc, ldc = ldr = dc+dr.
 // k [N][H][dn+dr], v [N][H][dv].
-void mla_expand_kv(int N, int H, int dn, int dr, int dv, int dc, const real *c, int ldc,
+void mtrl_ref_mla_expand_kv(int N, int H, int dn, int dr, int dv, int dc, const real *c, int ldc,
                    const real *kr, int ldr, const real *W_kvb, real *k, real *v);
 // Backward, given dk [N][H][dn+dr] and dvals [N][H][dv] (the gradients of k and v):
 //     dlat_c  += Σ_h (dk^n_h W_UK,h + dvals_h W_UV,h)   at dlat_c + t*ld_c (dc wide)
 //     dlat_kr += Σ_h dk_h[dn:]                          at dlat_kr + t*ld_kr (dr wide)
 //     dW_kvb  += the outer products (nullable: skip)
 // dlat_c and dlat_kr may be the two parts of one interleaved latent gradient.
-void mla_expand_kv_bwd(int N, int H, int dn, int dr, int dv, int dc, const real *c, int ldc,
+void mtrl_ref_mla_expand_kv_bwd(int N, int H, int dn, int dr, int dv, int dc, const real *c, int ldc,
                        const real *W_kvb, const real *dk, const real *dvals, real *dlat_c,
                        int ld_c, real *dlat_kr, int ld_kr, real *dW_kvb);
 
@@ -89,12 +89,12 @@ void mla_expand_kv_bwd(int N, int H, int dn, int dr, int dv, int dc, const real 
 // cache row): q [H][dn+dr]; cache_c [Tk][dc] (ĉ), cache_kr [Tk][dr] (k^r); a [H][dv], the
 // attention output before the output gate and W_o. scale = (dn+dr)^-1/2 in the model.
 // Split over fixed key chunks merged in order (thread-count independent results).
-void mla_decode_absorbed(int H, int dn, int dr, int dv, int dc, real scale, const real *q,
+void mtrl_ref_mla_decode_absorbed(int H, int dn, int dr, int dv, int dc, real scale, const real *q,
                          const real *W_kvb, const real *cache_c, const real *cache_kr, int Tk,
                          real *a);
 // The same with row strides for the cache (an interleaved [Tk][dc+dr] latent cache passes
 // cache_c = L, cache_kr = L + dc, ldc = ldr = dc + dr).
-void mla_decode_absorbed_ld(int H, int dn, int dr, int dv, int dc, real scale, const real *q,
+void mtrl_ref_mla_decode_absorbed_ld(int H, int dn, int dr, int dv, int dc, real scale, const real *q,
                             const real *W_kvb, const real *cache_c, int ldc,
                             const real *cache_kr, int ldr, int Tk, real *a);
 

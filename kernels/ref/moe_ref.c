@@ -29,7 +29,7 @@ static double moe_sigmoid_(double x) {
 // Selection order: higher score first, and on equal scores the lower expert id first.
 static int moe_better_(real a, int ia, real b, int ib) { return a > b || (a == b && ia < ib); }
 
-void moe_router_fwd(int N, int E, int K, const real *z, const real *beta, int form,
+void mtrl_ref_moe_router_fwd(int N, int E, int K, const real *z, const real *beta, int form,
                     real rho, int replay, int *sel, real *w, real *s) {
     int softmax = form & MOE_ROUTER_SOFTMAX;
     REF_PAR_FOR(ref_par((REF_FLOPS_EXP + 2.0 * K) * N * E),
@@ -83,7 +83,7 @@ void moe_router_fwd(int N, int E, int K, const real *z, const real *beta, int fo
         });
 }
 
-void moe_router_bwd(int N, int E, int K, const real *s, const int *sel, const real *w,
+void mtrl_ref_moe_router_bwd(int N, int E, int K, const real *s, const int *sel, const real *w,
                     int form, real rho, const real *dw, real *dz) {
     int score_softmax = form & MOE_ROUTER_SOFTMAX, renorm = !(form & MOE_ROUTER_NO_RENORM);
     REF_PAR_FOR(ref_par(6.0 * N * E),
@@ -122,7 +122,7 @@ void moe_router_bwd(int N, int E, int K, const real *s, const int *sel, const re
 
 // ---- dispatch / combine -------------------------------------------------------------------
 
-void moe_dispatch(int N, int E, int K, const int *sel, int *offsets, int *perm_token, int *pos) {
+void mtrl_ref_moe_dispatch(int N, int E, int K, const int *sel, int *offsets, int *perm_token, int *pos) {
     long R = (long)N * K;
     memset(offsets, 0, sizeof(int) * (size_t)(E + 1));
     for (long r = 0; r < R; r++) offsets[sel[r] + 1]++;
@@ -139,7 +139,7 @@ void moe_dispatch(int N, int E, int K, const int *sel, int *offsets, int *perm_t
     free(cursor);
 }
 
-void moe_gather(int N, int K, int D, const int *pos, const real *x, real *X_perm) {
+void mtrl_ref_moe_gather(int N, int K, int D, const int *pos, const real *x, real *X_perm) {
     REF_PAR_FOR(ref_par(1.0 * N * K * D),
         for (int t = 0; t < N; t++)
             for (int j = 0; j < K; j++)
@@ -147,7 +147,7 @@ void moe_gather(int N, int K, int D, const int *pos, const real *x, real *X_perm
                        sizeof(real) * (size_t)D););
 }
 
-void moe_combine_fwd(int N, int K, int D, const int *pos, const real *w, const real *Y_perm,
+void mtrl_ref_moe_combine_fwd(int N, int K, int D, const int *pos, const real *w, const real *Y_perm,
                      real *y) {
     REF_PAR_FOR(ref_par(2.0 * N * K * D),
         for (int t = 0; t < N; t++) {
@@ -161,7 +161,7 @@ void moe_combine_fwd(int N, int K, int D, const int *pos, const real *w, const r
         });
 }
 
-void moe_combine_bwd(int N, int K, int D, const int *pos, const real *w, const real *Y_perm,
+void mtrl_ref_moe_combine_bwd(int N, int K, int D, const int *pos, const real *w, const real *Y_perm,
                      const real *dy, real *dY_perm, real *dw) {
     REF_PAR_FOR(ref_par(4.0 * N * K * D),
         for (int t = 0; t < N; t++) {
@@ -181,7 +181,7 @@ void moe_combine_bwd(int N, int K, int D, const int *pos, const real *w, const r
         });
 }
 
-void moe_scatter_bwd(int N, int K, int D, const int *pos, const real *dX_perm, real *dx) {
+void mtrl_ref_moe_scatter_bwd(int N, int K, int D, const int *pos, const real *dX_perm, real *dx) {
     REF_PAR_FOR(ref_par(2.0 * N * K * D),
         for (int t = 0; t < N; t++) {
             real *dxt = dx + (size_t)t * D;
@@ -202,11 +202,11 @@ static void expert_fwd_(int e, int D, int I, const int *offsets, const real *X_p
     if (rows <= 0) return;
     const real *X = X_perm + (size_t)r0 * D;
     real *a = u1 + (size_t)r0 * I, *b = u3 + (size_t)r0 * I;
-    gemm_ref(0, 1, rows, I, D, 1, X, D, W1 + (size_t)e * I * D, D, 0, a, I);
-    gemm_ref(0, 1, rows, I, D, 1, X, D, W3 + (size_t)e * I * D, D, 0, b, I);
+    mtrl_ref_gemm(0, 1, rows, I, D, 1, X, D, W1 + (size_t)e * I * D, D, 0, a, I);
+    mtrl_ref_gemm(0, 1, rows, I, D, 1, X, D, W3 + (size_t)e * I * D, D, 0, b, I);
     real *m = moe_xmalloc_(sizeof(real) * (size_t)rows * I);
     for (size_t q = 0; q < (size_t)rows * I; q++) m[q] = (real)(a[q] * moe_sigmoid_(a[q]) * b[q]);
-    gemm_ref(0, 1, rows, D, I, 1, m, I, W2 + (size_t)e * D * I, I, 0, Y_perm + (size_t)r0 * D, D);
+    mtrl_ref_gemm(0, 1, rows, D, I, 1, m, I, W2 + (size_t)e * D * I, I, 0, Y_perm + (size_t)r0 * D, D);
     free(m);
 }
 
@@ -222,20 +222,20 @@ static void expert_bwd_(int e, int D, int I, const int *offsets, const real *X_p
     real *m = moe_xmalloc_(sizeof(real) * n * 3);
     real *du1 = m + n, *du3 = m + 2 * n;  // du1 first holds dm
     // dm = dY W2[e]   and   dW2[e] += dYᵀ m
-    gemm_ref(0, 0, rows, I, D, 1, dY, D, W2 + (size_t)e * D * I, I, 0, du1, I);
+    mtrl_ref_gemm(0, 0, rows, I, D, 1, dY, D, W2 + (size_t)e * D * I, I, 0, du1, I);
     for (size_t q = 0; q < n; q++) {
         double sg = moe_sigmoid_(a[q]), silu = a[q] * sg, dm = du1[q];
         m[q] = (real)(silu * b[q]);
         du3[q] = (real)(dm * silu);
         du1[q] = (real)(dm * b[q] * sg * (1.0 + a[q] * (1.0 - sg)));
     }
-    if (dW2) gemm_ref(1, 0, D, I, rows, 1, dY, D, m, I, 1, dW2 + (size_t)e * D * I, I);
+    if (dW2) mtrl_ref_gemm(1, 0, D, I, rows, 1, dY, D, m, I, 1, dW2 + (size_t)e * D * I, I);
     // dX = du1 W1[e] + du3 W3[e];   dW1[e] += du1ᵀ X;   dW3[e] += du3ᵀ X
     real *dX = dX_perm + (size_t)r0 * D;
-    gemm_ref(0, 0, rows, D, I, 1, du1, I, W1 + (size_t)e * I * D, D, 0, dX, D);
-    gemm_ref(0, 0, rows, D, I, 1, du3, I, W3 + (size_t)e * I * D, D, 1, dX, D);
-    if (dW1) gemm_ref(1, 0, I, D, rows, 1, du1, I, X, D, 1, dW1 + (size_t)e * I * D, D);
-    if (dW3) gemm_ref(1, 0, I, D, rows, 1, du3, I, X, D, 1, dW3 + (size_t)e * I * D, D);
+    mtrl_ref_gemm(0, 0, rows, D, I, 1, du1, I, W1 + (size_t)e * I * D, D, 0, dX, D);
+    mtrl_ref_gemm(0, 0, rows, D, I, 1, du3, I, W3 + (size_t)e * I * D, D, 1, dX, D);
+    if (dW1) mtrl_ref_gemm(1, 0, I, D, rows, 1, du1, I, X, D, 1, dW1 + (size_t)e * I * D, D);
+    if (dW3) mtrl_ref_gemm(1, 0, I, D, rows, 1, du3, I, X, D, 1, dW3 + (size_t)e * I * D, D);
     free(m);
 }
 
@@ -247,7 +247,7 @@ static int experts_par_(int E, int D, int I, const int *offsets, double gemms) {
     return E > 1 && ref_par((2.0 * gemms * D + REF_FLOPS_EXP) * I * (double)(offsets[E] - offsets[0]));
 }
 
-void moe_experts_fwd(int E, int D, int I, const int *offsets, const real *X_perm,
+void mtrl_ref_moe_experts_fwd(int E, int D, int I, const int *offsets, const real *X_perm,
                      const real *W1, const real *W3, const real *W2, real *u1, real *u3,
                      real *Y_perm) {
     if (experts_par_(E, D, I, offsets, 3)) {
@@ -258,7 +258,7 @@ void moe_experts_fwd(int E, int D, int I, const int *offsets, const real *X_perm
     }
 }
 
-void moe_experts_bwd(int E, int D, int I, const int *offsets, const real *X_perm,
+void mtrl_ref_moe_experts_bwd(int E, int D, int I, const int *offsets, const real *X_perm,
                      const real *W1, const real *W3, const real *W2, const real *u1,
                      const real *u3, const real *dY_perm, real *dX_perm, real *dW1, real *dW3,
                      real *dW2) {
@@ -272,27 +272,27 @@ void moe_experts_bwd(int E, int D, int I, const int *offsets, const real *X_perm
     }
 }
 
-void moe_swiglu_fwd(int N, int D, int I, const real *x, const real *W1, const real *W3,
+void mtrl_ref_moe_swiglu_fwd(int N, int D, int I, const real *x, const real *W1, const real *W3,
                     const real *W2, real *u1, real *u3, real *y) {
     int offsets[2] = {0, N};
-    moe_experts_fwd(1, D, I, offsets, x, W1, W3, W2, u1, u3, y);
+    mtrl_ref_moe_experts_fwd(1, D, I, offsets, x, W1, W3, W2, u1, u3, y);
 }
 
-void moe_swiglu_bwd(int N, int D, int I, const real *x, const real *W1, const real *W3,
+void mtrl_ref_moe_swiglu_bwd(int N, int D, int I, const real *x, const real *W1, const real *W3,
                     const real *W2, const real *u1, const real *u3, const real *dy, real *dx,
                     real *dW1, real *dW3, real *dW2) {
     int offsets[2] = {0, N};
-    moe_experts_bwd(1, D, I, offsets, x, W1, W3, W2, u1, u3, dy, dx, dW1, dW3, dW2);
+    mtrl_ref_moe_experts_bwd(1, D, I, offsets, x, W1, W3, W2, u1, u3, dy, dx, dW1, dW3, dW2);
 }
 
 // ---- load statistics and Quantile Balancing ------------------------------------------------
 
-void moe_load_count(int N, int E, int K, const int *sel, int *load) {
+void mtrl_ref_moe_load_count(int N, int E, int K, const int *sel, int *load) {
     memset(load, 0, sizeof(int) * (size_t)E);
     for (long r = 0; r < (long)N * K; r++) load[sel[r]]++;
 }
 
-double moe_max_violation(int E, const int *load, long total_slots) {
+double mtrl_ref_moe_max_violation(int E, const int *load, long total_slots) {
     if (total_slots <= 0 || E <= 0) return 0;
     double target = (double)total_slots / E;
     int mx = load[0];
@@ -338,7 +338,7 @@ static void qb_alpha_rows_(int i0, int i1, int N, int E, int K, const real *z, c
     free(row);
 }
 
-int qb_beta_from_batch(int N, int E, int K, const real *z, const real *beta_old, real *beta_new) {
+int mtrl_ref_qb_beta_from_batch(int N, int E, int K, const real *z, const real *beta_old, real *beta_new) {
     long q = (long)N * K / E;  // ⌊NK/E⌋: the per-expert capacity at exact balance
     if (q == 0 || q + 1 > N || K >= E) {
         if (beta_new != beta_old)

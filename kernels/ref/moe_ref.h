@@ -11,20 +11,20 @@
 // only internal scratch and free it before returning. Arguments never alias unless stated.
 //
 // One MoE block, forward (x [N][D] the RMSNorm-ed input, W_r [E][D] the router):
-//     z = x W_rᵀ                                  (caller: gemm_ref(0,1, N,E,D, 1, x,D, W_r,D, 0, z,E))
-//     moe_router_fwd(N,E,K, z, beta, softmax, rho, 0, sel, w, s)
-//     moe_dispatch(N,E,K, sel, offsets, perm_token, pos)
-//     moe_gather(N,K,D, pos, x, X_perm)
-//     moe_experts_fwd(E,D,I, offsets, X_perm, W1,W3,W2, u1,u3, Y_perm)
-//     moe_combine_fwd(N,K,D, pos, w, Y_perm, y)
-//     moe_swiglu_fwd(N,D,I_s, x, S1,S3,S2, su1,su3, ys);  y += ys      (shared expert(s))
+//     z = x W_rᵀ                                  (caller: mtrl_ref_gemm(0,1, N,E,D, 1, x,D, W_r,D, 0, z,E))
+//     mtrl_ref_moe_router_fwd(N,E,K, z, beta, softmax, rho, 0, sel, w, s)
+//     mtrl_ref_moe_dispatch(N,E,K, sel, offsets, perm_token, pos)
+//     mtrl_ref_moe_gather(N,K,D, pos, x, X_perm)
+//     mtrl_ref_moe_experts_fwd(E,D,I, offsets, X_perm, W1,W3,W2, u1,u3, Y_perm)
+//     mtrl_ref_moe_combine_fwd(N,K,D, pos, w, Y_perm, y)
+//     mtrl_ref_moe_swiglu_fwd(N,D,I_s, x, S1,S3,S2, su1,su3, ys);  y += ys      (shared expert(s))
 // Backward, given dy [N][D] (dx, dW_r, dW*, dS* accumulate):
-//     moe_combine_bwd(N,K,D, pos, w, Y_perm, dy, dY_perm, dw)
-//     moe_experts_bwd(E,D,I, offsets, X_perm, W1,W3,W2, u1,u3, dY_perm, dX_perm, dW1,dW3,dW2)
-//     moe_scatter_bwd(N,K,D, pos, dX_perm, dx)
-//     moe_router_bwd(N,E,K, s, sel, w, softmax, rho, dw, dz)
-//     gemm_ref(1,0, E,D,N, 1, dz,E, x,D, 1, dW_r,D);  gemm_ref(0,0, N,D,E, 1, dz,E, W_r,D, 1, dx,D)
-//     moe_swiglu_bwd(N,D,I_s, x, S1,S3,S2, su1,su3, dy, dxs, dS1,dS3,dS2);  dx += dxs
+//     mtrl_ref_moe_combine_bwd(N,K,D, pos, w, Y_perm, dy, dY_perm, dw)
+//     mtrl_ref_moe_experts_bwd(E,D,I, offsets, X_perm, W1,W3,W2, u1,u3, dY_perm, dX_perm, dW1,dW3,dW2)
+//     mtrl_ref_moe_scatter_bwd(N,K,D, pos, dX_perm, dx)
+//     mtrl_ref_moe_router_bwd(N,E,K, s, sel, w, softmax, rho, dw, dz)
+//     mtrl_ref_gemm(1,0, E,D,N, 1, dz,E, x,D, 1, dW_r,D);  mtrl_ref_gemm(0,0, N,D,E, 1, dz,E, W_r,D, 1, dx,D)
+//     mtrl_ref_moe_swiglu_bwd(N,D,I_s, x, S1,S3,S2, su1,su3, dy, dxs, dS1,dS3,dS2);  dx += dxs
 // Several shared experts are one SwiGLU of intermediate I × n_shared (their rows concatenated).
 //
 // The QB bias beta [E] only changes which experts are selected (top-k of z − beta, or s − beta);
@@ -60,7 +60,7 @@ enum { MOE_ROUTER_SOFTMAX = 1, MOE_ROUTER_SELECT_SCORE = 2, MOE_ROUTER_NO_RENORM
 // replay != 0: sel [N][K] is an INPUT (a recorded routing, K distinct ids in [0, E) per token)
 // and only s and w are computed; beta is not read. replay = 0: sel is written.
 // Requires 1 <= K <= E and finite z.
-void moe_router_fwd(int N, int E, int K, const real *z, const real *beta, int form,
+void mtrl_ref_moe_router_fwd(int N, int E, int K, const real *z, const real *beta, int form,
                     real rho, int replay, int *sel, real *w, real *s);
 
 // Router backward: dw [N][K] → dz [N][E] (overwritten; 0 for unchosen experts with sigmoid).
@@ -69,7 +69,7 @@ void moe_router_fwd(int N, int E, int K, const real *z, const real *beta, int fo
 //     (MOE_ROUTER_NO_RENORM: ds_f = ρ dw_f);
 //     sigmoid: dz = ds ⊙ s(1 − s);   softmax: dz = s ⊙ (ds − Σ_e s_e ds_e) over all E.
 // s, sel, w are the forward's. The caller then forms dW_r += dzᵀ x and dx += dz W_r.
-void moe_router_bwd(int N, int E, int K, const real *s, const int *sel, const real *w,
+void mtrl_ref_moe_router_bwd(int N, int E, int K, const real *s, const int *sel, const real *w,
                     int form, real rho, const real *dw, real *dz);
 
 // ---- dispatch / combine -------------------------------------------------------------------
@@ -79,23 +79,23 @@ void moe_router_bwd(int N, int E, int K, const real *s, const int *sel, const re
 // offsets [E+1]: expert e owns permuted rows offsets[e] .. offsets[e+1]−1, offsets[E] = R.
 // perm_token [R]: the token of each permuted row. pos [N][K]: the permuted row of (t, slot),
 // i.e. the inverse permutation. Every row 0..R−1 is hit exactly once.
-void moe_dispatch(int N, int E, int K, const int *sel, int *offsets, int *perm_token, int *pos);
+void mtrl_ref_moe_dispatch(int N, int E, int K, const int *sel, int *offsets, int *perm_token, int *pos);
 
 // X_perm [R][D]: X_perm[pos[t][j]] = x[t] for every slot j (x [N][D]).
-void moe_gather(int N, int K, int D, const int *pos, const real *x, real *X_perm);
+void mtrl_ref_moe_gather(int N, int K, int D, const int *pos, const real *x, real *X_perm);
 
 // y [N][D] (overwritten): y_t = Σ_j w[t][j] Y_perm[pos[t][j]], summed in slot order j = 0..K−1
 // (a gather, not a scatter-add, so the result is deterministic; docs/model.md §4.2 step 4).
-void moe_combine_fwd(int N, int K, int D, const int *pos, const real *w, const real *Y_perm,
+void mtrl_ref_moe_combine_fwd(int N, int K, int D, const int *pos, const real *w, const real *Y_perm,
                      real *y);
 
 // Combine backward (both overwritten): dY_perm[pos[t][j]] = w[t][j] dy_t (every row of the
 // R-row dY_perm is written once) and dw[t][j] = dy_t · Y_perm[pos[t][j]].
-void moe_combine_bwd(int N, int K, int D, const int *pos, const real *w, const real *Y_perm,
+void mtrl_ref_moe_combine_bwd(int N, int K, int D, const int *pos, const real *w, const real *Y_perm,
                      const real *dy, real *dY_perm, real *dw);
 
 // Gather backward: dx_t += Σ_j dX_perm[pos[t][j]] (dx [N][D] accumulated, slot order fixed).
-void moe_scatter_bwd(int N, int K, int D, const int *pos, const real *dX_perm, real *dx);
+void mtrl_ref_moe_scatter_bwd(int N, int K, int D, const int *pos, const real *dX_perm, real *dx);
 
 // ---- experts --------------------------------------------------------------------------------
 
@@ -104,35 +104,35 @@ void moe_scatter_bwd(int N, int K, int D, const int *pos, const real *dX_perm, r
 //     Y  = m W2[e]ᵀ                  (W2: [E][D][I]).
 // Saves u1, u3 [R][I] for the backward; Y_perm [R][D] overwritten. An expert with no rows is
 // skipped. Parallel over experts (OpenMP); each product is one gemm_ref call.
-void moe_experts_fwd(int E, int D, int I, const int *offsets, const real *X_perm,
+void mtrl_ref_moe_experts_fwd(int E, int D, int I, const int *offsets, const real *X_perm,
                      const real *W1, const real *W3, const real *W2, real *u1, real *u3,
                      real *Y_perm);
 
 // Grouped SwiGLU backward (docs/model.md §1): dX_perm [R][D] overwritten; dW1, dW3 [E][I][D] and
 // dW2 [E][D][I] +=. Any of dW1, dW3, dW2 may be NULL to skip that weight's gradient (frozen
 // weights). An expert with no rows leaves its weight gradients untouched.
-void moe_experts_bwd(int E, int D, int I, const int *offsets, const real *X_perm,
+void mtrl_ref_moe_experts_bwd(int E, int D, int I, const int *offsets, const real *X_perm,
                      const real *W1, const real *W3, const real *W2, const real *u1,
                      const real *u3, const real *dY_perm, real *dX_perm, real *dW1, real *dW3,
                      real *dW2);
 
 // Dense SwiGLU on all N rows (the shared expert, or a dense FFN): the E = 1 case of the grouped
 // functions above. W1, W3 [I][D], W2 [D][I]; u1, u3 [N][I] saved; y [N][D] overwritten.
-void moe_swiglu_fwd(int N, int D, int I, const real *x, const real *W1, const real *W3,
+void mtrl_ref_moe_swiglu_fwd(int N, int D, int I, const real *x, const real *W1, const real *W3,
                     const real *W2, real *u1, real *u3, real *y);
 // dx [N][D] overwritten; dW1, dW3, dW2 += (each nullable).
-void moe_swiglu_bwd(int N, int D, int I, const real *x, const real *W1, const real *W3,
+void mtrl_ref_moe_swiglu_bwd(int N, int D, int I, const real *x, const real *W1, const real *W3,
                     const real *W2, const real *u1, const real *u3, const real *dy, real *dx,
                     real *dW1, real *dW3, real *dW2);
 
 // ---- load statistics and Quantile Balancing ------------------------------------------------
 
 // load [E] (overwritten): how many of the N*K slots went to each expert.
-void moe_load_count(int N, int E, int K, const int *sel, int *load);
+void mtrl_ref_moe_load_count(int N, int E, int K, const int *sel, int *load);
 
 // Max violation of a routing: max_e load_e / (total_slots / E) − 1 (0 = perfectly balanced;
 // total_slots = N*K). Returns 0 when total_slots <= 0.
-double moe_max_violation(int E, const int *load, long total_slots);
+double mtrl_ref_moe_max_violation(int E, const int *load, long total_slots);
 
 // One practical-form QB iteration (docs/model.md §4.3) on this batch's router logits z [N][E], or
 // whatever the router selected on (its scores s with MOE_ROUTER_SELECT_SCORE): the same scores:
@@ -154,7 +154,7 @@ double moe_max_violation(int E, const int *load, long total_slots);
 //   * Eval / inference: beta is frozen; never call this.
 //   * A common shift of beta changes no routing (top-k is shift invariant), so recentering
 //     (subtracting the mean over experts) is allowed and harmless.
-int qb_beta_from_batch(int N, int E, int K, const real *z, const real *beta_old, real *beta_new);
+int mtrl_ref_qb_beta_from_batch(int N, int E, int K, const real *z, const real *beta_old, real *beta_new);
 
 #ifdef __cplusplus
 }

@@ -18,7 +18,7 @@ static double row_rstd_(int D, const real *x, double eps) {
 
 // ---- norms ---------------------------------------------------------------------------------
 
-void rmsnorm_fwd(int N, int D, const real *x, const real *w, real eps, real *y, real *rstd) {
+void mtrl_ref_rmsnorm_fwd(int N, int D, const real *x, const real *w, real eps, real *y, real *rstd) {
     REF_PAR_FOR(ref_par(4.0 * N * D),
         for (int i = 0; i < N; i++) {
             const real *xi = x + (size_t)i * D;
@@ -55,7 +55,7 @@ static void norm_dw_(int N, int D, const real *x, const real *z, const real *rst
         });
 }
 
-void rmsnorm_bwd(int N, int D, const real *x, const real *w, const real *rstd, real eps,
+void mtrl_ref_rmsnorm_bwd(int N, int D, const real *x, const real *w, const real *rstd, real eps,
                  const real *dy, real *dx, real *dw) {
     // dw first: dx may alias dy.
     if (dw) norm_dw_(N, D, x, NULL, rstd, (double)eps, dy, dw);
@@ -74,7 +74,7 @@ void rmsnorm_bwd(int N, int D, const real *x, const real *w, const real *rstd, r
         });
 }
 
-void l2norm_fwd(int N, int D, const real *x, real eps, real *y, real *rnorm) {
+void mtrl_ref_l2norm_fwd(int N, int D, const real *x, real eps, real *y, real *rnorm) {
     REF_PAR_FOR(ref_par(4.0 * N * D),
         for (int i = 0; i < N; i++) {
             const real *xi = x + (size_t)i * D;
@@ -87,7 +87,7 @@ void l2norm_fwd(int N, int D, const real *x, real eps, real *y, real *rnorm) {
         });
 }
 
-void l2norm_bwd(int N, int D, const real *x, real eps, const real *dy, real *dx) {
+void mtrl_ref_l2norm_bwd(int N, int D, const real *x, real eps, const real *dy, real *dx) {
     REF_PAR_FOR(ref_par(6.0 * N * D),
         for (int i = 0; i < N; i++) {
             const real *xi = x + (size_t)i * D, *dyi = dy + (size_t)i * D;
@@ -103,7 +103,7 @@ void l2norm_bwd(int N, int D, const real *x, real eps, const real *dy, real *dx)
         });
 }
 
-void gated_rmsnorm_fwd(int N, int D, const real *x, const real *z, const real *w, real eps,
+void mtrl_ref_gated_rmsnorm_fwd(int N, int D, const real *x, const real *z, const real *w, real eps,
                        real *y) {
     REF_PAR_FOR(ref_par((REF_FLOPS_EXP + 4) * N * D),
         for (int i = 0; i < N; i++) {
@@ -115,7 +115,7 @@ void gated_rmsnorm_fwd(int N, int D, const real *x, const real *z, const real *w
         });
 }
 
-void gated_rmsnorm_bwd(int N, int D, const real *x, const real *z, const real *w, real eps,
+void mtrl_ref_gated_rmsnorm_bwd(int N, int D, const real *x, const real *z, const real *w, real eps,
                        const real *dy, real *dx, real *dz, real *dw) {
     if (dw) norm_dw_(N, D, x, z, NULL, (double)eps, dy, dw);
     REF_PAR_FOR(ref_par((2 * REF_FLOPS_EXP + 12) * N * D),
@@ -141,7 +141,7 @@ void gated_rmsnorm_bwd(int N, int D, const real *x, const real *z, const real *w
 
 // ---- SwiGLU --------------------------------------------------------------------------------
 
-void swiglu_fwd(int N, int I, const real *u1, const real *u3, real *m) {
+void mtrl_ref_swiglu_fwd(int N, int I, const real *u1, const real *u3, real *m) {
     size_t n = (size_t)N * I;
     REF_PAR_FOR(ref_par(REF_FLOPS_EXP * n),
         for (size_t e = 0; e < n; e++) {
@@ -150,7 +150,7 @@ void swiglu_fwd(int N, int I, const real *u1, const real *u3, real *m) {
         });
 }
 
-void swiglu_bwd(int N, int I, const real *u1, const real *u3, const real *dm, real *du1,
+void mtrl_ref_swiglu_bwd(int N, int I, const real *u1, const real *u3, const real *dm, real *du1,
                 real *du3) {
     size_t n = (size_t)N * I;
     REF_PAR_FOR(ref_par(REF_FLOPS_EXP * n),
@@ -211,7 +211,7 @@ static void conv_dp_rows_(int t0, int t1, int C, int W, const real *x, const rea
     free(p);
 }
 
-void shortconv_fwd(int T, int C, int W, const real *x, const real *w, const real *state_in,
+void mtrl_ref_shortconv_fwd(int T, int C, int W, const real *x, const real *w, const real *state_in,
                    real *y, real *state_out) {
     REF_PAR_RANGES(ref_par((2.0 * W + REF_FLOPS_EXP) * T * C), T, lo, hi,
                    conv_fwd_rows_((int)lo, (int)hi, C, W, x, w, state_in, y));
@@ -227,7 +227,7 @@ void shortconv_fwd(int T, int C, int W, const real *x, const real *w, const real
     }
 }
 
-void shortconv_bwd(int T, int C, int W, const real *x, const real *w, const real *state_in,
+void mtrl_ref_shortconv_bwd(int T, int C, int W, const real *x, const real *w, const real *state_in,
                    const real *dy, real *dx, real *dw, real *dstate_in) {
     // dp_t = dy_t ⊙ SiLU'(p_t), recomputed from the inputs. Kept for all T (T·C doubles).
     double *dp = malloc(sizeof(double) * ((size_t)T * C + 1));
@@ -264,7 +264,7 @@ void shortconv_bwd(int T, int C, int W, const real *x, const real *w, const real
     free(dp);
 }
 
-void shortconv_state_bwd(int T, int C, int W, const real *dstate_out, real *dx, real *dstate_in) {
+void mtrl_ref_shortconv_state_bwd(int T, int C, int W, const real *dstate_out, real *dx, real *dstate_in) {
     for (int r = 0; r < W - 1; r++) {
         int t = T - (W - 1) + r;  // stream position that state_out row r copied
         real *dst = t >= 0 ? dx + (size_t)t * C : (dstate_in ? dstate_in + (size_t)(t + W - 1) * C : NULL);
@@ -274,7 +274,7 @@ void shortconv_state_bwd(int T, int C, int W, const real *dstate_out, real *dx, 
     }
 }
 
-void shortconv_step(int C, int W, const real *x1, const real *w, real *window, real *y1) {
+void mtrl_ref_shortconv_step(int C, int W, const real *x1, const real *w, real *window, real *y1) {
     for (int c = 0; c < C; c++) {
         double p = (double)w[(size_t)c * W + W - 1] * (double)x1[c];
         for (int j = 0; j < W - 1; j++) p += (double)w[(size_t)c * W + j] * (double)window[(size_t)j * C + c];
@@ -288,7 +288,7 @@ void shortconv_step(int C, int W, const real *x1, const real *w, real *window, r
 
 // ---- embedding -----------------------------------------------------------------------------
 
-void embedding_fwd(int N, int D, const int *ids, const real *E, real *x) {
+void mtrl_ref_embedding_fwd(int N, int D, const int *ids, const real *E, real *x) {
     for (int i = 0; i < N; i++) {
         real *xi = x + (size_t)i * D;
         if (ids[i] < 0) memset(xi, 0, sizeof(real) * (size_t)D);
@@ -296,7 +296,7 @@ void embedding_fwd(int N, int D, const int *ids, const real *E, real *x) {
     }
 }
 
-void embedding_bwd(int N, int D, const int *ids, const real *dx, real *dE) {
+void mtrl_ref_embedding_bwd(int N, int D, const int *ids, const real *dx, real *dE) {
     for (int i = 0; i < N; i++) {
         if (ids[i] < 0) continue;
         real *e = dE + (size_t)ids[i] * D;
@@ -322,7 +322,7 @@ static void row_softmax_stats_(int V, const real *l, double *mx, double *lse, do
     *mu = m + sl / s;
 }
 
-void logits_logprob_fwd(int N, int V, const real *logits, const int *targets, real *logp,
+void mtrl_ref_logits_logprob_fwd(int N, int V, const real *logits, const int *targets, real *logp,
                         real *entropy) {
     REF_PAR_FOR(ref_par(REF_FLOPS_EXP * N * V),
         for (int i = 0; i < N; i++) {
@@ -334,7 +334,7 @@ void logits_logprob_fwd(int N, int V, const real *logits, const int *targets, re
         });
 }
 
-void logits_logprob_bwd(int N, int V, const real *logits, const int *targets, const real *dlogp,
+void mtrl_ref_logits_logprob_bwd(int N, int V, const real *logits, const int *targets, const real *dlogp,
                         const real *dentropy, real *dlogits) {
     REF_PAR_FOR(ref_par(2 * REF_FLOPS_EXP * N * V),
         for (int i = 0; i < N; i++) {
@@ -369,7 +369,7 @@ static int sort_desc_tl_(const void *a, const void *b) {
     return (i > j) - (i < j);
 }
 
-int sample_logits(int V, const real *logits, real temperature, real top_p, double u,
+int mtrl_ref_sample_logits(int V, const real *logits, real temperature, real top_p, double u,
                   real *logp_out) {
     if (V <= 0) return -1;
     int amax = 0;
@@ -439,7 +439,7 @@ int sample_logits(int V, const real *logits, real temperature, real top_p, doubl
 
 // ---- optimizer -----------------------------------------------------------------------------
 
-void adamw_update(size_t n, real *param, const real *grad, real *m, real *v, real lr,
+void mtrl_ref_adamw_update(size_t n, real *param, const real *grad, real *m, real *v, real lr,
                   real beta1, real beta2, real eps, real weight_decay, long step) {
     double b1 = (double)beta1, b2 = (double)beta2;
     double c1 = 1.0 - pow(b1, (double)step), c2 = 1.0 - pow(b2, (double)step);
@@ -456,7 +456,7 @@ void adamw_update(size_t n, real *param, const real *grad, real *m, real *v, rea
         });
 }
 
-double grad_sq_norm(size_t n, const real *grad) {
+double mtrl_ref_grad_sq_norm(size_t n, const real *grad) {
     enum { BLK = 4096 };
     size_t nb = (n + BLK - 1) / BLK;
     if (nb <= 1) {
@@ -478,7 +478,7 @@ double grad_sq_norm(size_t n, const real *grad) {
     return s;
 }
 
-void scale_inplace(size_t n, real *x, real s) {
+void mtrl_ref_scale_inplace(size_t n, real *x, real s) {
     REF_PAR_FOR(ref_par(1.0 * n),
         for (size_t i = 0; i < n; i++) x[i] *= s;);
 }

@@ -30,35 +30,35 @@ extern "C" {
 
 // RMSNorm per row: r = (mean(x²) + eps)^-1/2, y = w ⊙ x r.  x, y [N][D], w [D].
 // rstd [N] (nullable) receives r for the backward. y may alias x.
-void rmsnorm_fwd(int N, int D, const real *x, const real *w, real eps, real *y, real *rstd);
+void mtrl_ref_rmsnorm_fwd(int N, int D, const real *x, const real *w, real eps, real *y, real *rstd);
 // dx = r (u − x̂ mean(u ⊙ x̂)) with u = w ⊙ dy;  dw += Σ_rows dy ⊙ x̂.
 // rstd (nullable): the r saved by the forward; NULL recomputes it from x and eps.
 // dw (nullable): skip the weight gradient. dx may alias dy.
-void rmsnorm_bwd(int N, int D, const real *x, const real *w, const real *rstd, real eps,
+void mtrl_ref_rmsnorm_bwd(int N, int D, const real *x, const real *w, const real *rstd, real eps,
                  const real *dy, real *dx, real *dw);
 
 // L2Norm per row (KDA q, k): r = (Σ x² + eps)^-1/2 with eps inside the sum (model uses 1e-6),
 // y = x r.  x, y [N][D]; rnorm [N] nullable (receives r).
-void l2norm_fwd(int N, int D, const real *x, real eps, real *y, real *rnorm);
+void mtrl_ref_l2norm_fwd(int N, int D, const real *x, real eps, real *y, real *rnorm);
 // dx = r (dy − y (dy·y)), recomputing r and y from x.
-void l2norm_bwd(int N, int D, const real *x, real eps, const real *dy, real *dx);
+void mtrl_ref_l2norm_bwd(int N, int D, const real *x, real eps, const real *dy, real *dx);
 
 // Gated RMSNorm per row (KDA output, one row per token and head): y = w ⊙ x̂ ⊙ σ(z),
 // x̂ = x (mean(x²) + eps)^-1/2.  x, z, y [N][D], w [D].
-void gated_rmsnorm_fwd(int N, int D, const real *x, const real *z, const real *w, real eps,
+void mtrl_ref_gated_rmsnorm_fwd(int N, int D, const real *x, const real *z, const real *w, real eps,
                        real *y);
 // dz = dy ⊙ w ⊙ x̂ ⊙ s(1−s) with s = σ(z);  dw += Σ_rows dy ⊙ x̂ ⊙ s;  dx = RMSNorm backward
 // with u = dy ⊙ w ⊙ s.  dw nullable (skip).
-void gated_rmsnorm_bwd(int N, int D, const real *x, const real *z, const real *w, real eps,
+void mtrl_ref_gated_rmsnorm_bwd(int N, int D, const real *x, const real *z, const real *w, real eps,
                        const real *dy, real *dx, real *dz, real *dw);
 
 // ---- SwiGLU (the activation between W1/W3 and W2; the projections are gemm_ref) ------------
 
 // m = SiLU(u1) ⊙ u3.  u1, u3, m [N][I]. m may alias u1 or u3.
-void swiglu_fwd(int N, int I, const real *u1, const real *u3, real *m);
+void mtrl_ref_swiglu_fwd(int N, int I, const real *u1, const real *u3, real *m);
 // du3 = dm ⊙ SiLU(u1);  du1 = dm ⊙ u3 ⊙ σ(u1)(1 + u1(1 − σ(u1))).  du1/du3 may alias dm
 // only if they are not both the same buffer.
-void swiglu_bwd(int N, int I, const real *u1, const real *u3, const real *dm, real *du1,
+void mtrl_ref_swiglu_bwd(int N, int I, const real *u1, const real *u3, const real *dm, real *du1,
                 real *du3);
 
 // ---- causal depthwise short conv + SiLU (docs/model.md §1) --------------------------------------
@@ -73,43 +73,43 @@ void swiglu_bwd(int N, int I, const real *u1, const real *u3, const real *dm, re
 // x, y [T][C]; w [C][W]; state_in [W−1][C] nullable; state_out [W−1][C] nullable: the last
 // W−1 inputs of the stream state_in ++ x (rows of state_in when T < W−1). state_out may alias
 // state_in. T >= 0 (T = 0 just copies the state).
-void shortconv_fwd(int T, int C, int W, const real *x, const real *w, const real *state_in,
+void mtrl_ref_shortconv_fwd(int T, int C, int W, const real *x, const real *w, const real *state_in,
                    real *y, real *state_out);
 // dx [T][C] overwritten; dw [C][W] +=; dstate_in [W−1][C] nullable, overwritten: exact
 // ∂L/∂state_in through this segment's outputs (zero rows where no output reads them).
 // This does not include a gradient arriving through state_out; see shortconv_state_bwd.
-void shortconv_bwd(int T, int C, int W, const real *x, const real *w, const real *state_in,
+void mtrl_ref_shortconv_bwd(int T, int C, int W, const real *x, const real *w, const real *state_in,
                    const real *dy, real *dx, real *dw, real *dstate_in);
 // The backward of the state_out copy: adds dstate_out [W−1][C] (= ∂L/∂state_out, i.e. the
 // next segment's dstate_in) into the inputs it was copied from: rows of dx (+=) and, when
 // T < W−1, rows of dstate_in (+=, nullable when T >= W−1). Call after shortconv_bwd of the
 // same segment. A segmented backward walks segments last to first:
-//     shortconv_bwd(seg k) -> dstate_in_k;  shortconv_bwd(seg k−1); shortconv_state_bwd(seg k−1, dstate_in_k)
-void shortconv_state_bwd(int T, int C, int W, const real *dstate_out, real *dx, real *dstate_in);
+//     mtrl_ref_shortconv_bwd(seg k) -> dstate_in_k;  mtrl_ref_shortconv_bwd(seg k−1); mtrl_ref_shortconv_state_bwd(seg k−1, dstate_in_k)
+void mtrl_ref_shortconv_state_bwd(int T, int C, int W, const real *dstate_out, real *dx, real *dstate_in);
 
 // One decode token: x1 [C]; window [W−1][C] (the last W−1 inputs, oldest first) is read and
 // then shifted in place to include x1; y1 [C] = SiLU(Σ_j w[c][j] · (window ++ x1)[j][c]).
-void shortconv_step(int C, int W, const real *x1, const real *w, real *window, real *y1);
+void mtrl_ref_shortconv_step(int C, int W, const real *x1, const real *w, real *window, real *y1);
 
 // ---- embedding -----------------------------------------------------------------------------
 
 // x[i] = E[ids[i]].  E [V][D], x [N][D]. ids[i] < 0 (padding) gives a zero row.
-void embedding_fwd(int N, int D, const int *ids, const real *E, real *x);
+void mtrl_ref_embedding_fwd(int N, int D, const int *ids, const real *E, real *x);
 // dE[ids[i]] += dx[i] (rows in order i = 0..N−1, so repeated ids sum deterministically);
 // negative ids are skipped.
-void embedding_bwd(int N, int D, const int *ids, const real *dx, real *dE);
+void mtrl_ref_embedding_bwd(int N, int D, const int *ids, const real *dx, real *dE);
 
 // ---- log-softmax statistics of logits (docs/model.md §5; the RL loss reads these) -------------
 
 // logits [N][V]. logp[i] = log softmax(logits_i)[targets[i]]; targets[i] = −1 means ignored
 // and gives logp[i] = 0. entropy [N] nullable: H_i = −Σ_v p_v log p_v, computed for every row
 // (ignored targets included; it does not depend on the target).
-void logits_logprob_fwd(int N, int V, const real *logits, const int *targets, real *logp,
+void mtrl_ref_logits_logprob_fwd(int N, int V, const real *logits, const int *targets, real *logp,
                         real *entropy);
 // Backward of L = Σ_i dlogp[i]·logp_i + dentropy[i]·H_i (dentropy nullable = 0):
 //     dlogits_iv = dlogp_i (δ_{v,t_i} − p_v) − dentropy_i · p_v (log p_v + H_i)
 // (the dlogp term is absent for ignored rows). dlogits [N][V] overwritten; may alias logits.
-void logits_logprob_bwd(int N, int V, const real *logits, const int *targets, const real *dlogp,
+void mtrl_ref_logits_logprob_bwd(int N, int V, const real *logits, const int *targets, const real *dlogp,
                         const real *dentropy, real *dlogits);
 
 // ---- sampling ------------------------------------------------------------------------------
@@ -133,7 +133,7 @@ void logits_logprob_bwd(int N, int V, const real *logits, const int *targets, co
 // (at temperature 1, without top-p): they agree only when temperature = 1 and top_p = 1.
 // logp_out nullable. With top_p < 1 the call allocates a V-int scratch (freed before
 // return). Returns −1 only if V <= 0.
-int sample_logits(int V, const real *logits, real temperature, real top_p, double u,
+int mtrl_ref_sample_logits(int V, const real *logits, real temperature, real top_p, double u,
                   real *logp_out);
 
 // ---- optimizer -----------------------------------------------------------------------------
@@ -143,13 +143,13 @@ int sample_logits(int V, const real *logits, real temperature, real top_p, doubl
 //     m̂ = m / (1 − β1^step);  v̂ = v / (1 − β2^step)
 //     param ← param − lr (m̂ / (√v̂ + eps) + weight_decay · param)
 // step counts from 1 (the first update uses step = 1). param, grad, m, v [n]; m, v start at 0.
-void adamw_update(size_t n, real *param, const real *grad, real *m, real *v, real lr,
+void mtrl_ref_adamw_update(size_t n, real *param, const real *grad, real *m, real *v, real lr,
                   real beta1, real beta2, real eps, real weight_decay, long step);
 // Σ g² accumulated in double over fixed-size blocks summed in order (thread-count
 // independent), for global-norm clipping: scale = min(1, max_norm / sqrt(Σ over tensors)).
-double grad_sq_norm(size_t n, const real *grad);
+double mtrl_ref_grad_sq_norm(size_t n, const real *grad);
 // x *= s.
-void scale_inplace(size_t n, real *x, real s);
+void mtrl_ref_scale_inplace(size_t n, real *x, real s);
 
 #ifdef __cplusplus
 }
