@@ -115,7 +115,7 @@ void mtrl_ref_attnres_site_bwd(int N, int D, int S, const real *const *V, const 
                    site_bwd_rows_((int)lo, (int)hi, D, S, V, u, eps, alpha, dh, dV, c));
     if (dw || dgamma) {
         // G = Σ_{t,i} c[t][i] V_i[t]: a 1×N by N×D product per source (fixed order over tokens
-        // inside gemm_ref, sources in order), so the result is independent of the thread count.
+        // inside mtrl_ref_gemm, sources in order), so the result is independent of the thread count.
         real *G = attnres_xmalloc_(sizeof(real) * (size_t)D);
         for (int i = 0; i < S; i++)
             mtrl_ref_gemm(1, 0, 1, D, N, 1, c + i, S, V[i], D, i ? 1 : 0, G, D);

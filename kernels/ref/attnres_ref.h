@@ -51,7 +51,7 @@ void mtrl_ref_attnres_site_bwd(int N, int D, int S, const real *const *V, const 
 //     online-softmax step and finalise:
 //         m' = max(m, z_p),  l' = l e^{m−m'} + e^{z_p−m'},  acc' = acc e^{m−m'} + e^{z_p−m'} V_p,
 //         h  = acc' / l'.
-// The result equals attnres_site_fwd over (b_0, .., b_{nb-1}, p) up to rounding.
+// The result equals mtrl_ref_attnres_site_fwd over (b_0, .., b_{nb-1}, p) up to rounding.
 //
 // State layout, caller-owned, indexed by site so site p's slices are m + p*N, l + p*N and
 // acc + p*N*D: m [P][N], l [P][N], acc [P][N][D].

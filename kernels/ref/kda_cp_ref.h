@@ -1,5 +1,5 @@
 // kda_cp_ref.h: CPU reference of the chunk-parallel KDA forward (kernels/cuda/kda_cp_cuda.cu):
-// the same decomposition, built from kda_chunk_fwd, so that the CUDA form can be checked
+// the same decomposition, built from mtrl_ref_kda_chunk_fwd, so that the CUDA form can be checked
 // against it and the decomposition itself against the sequential form (tests/test_kda_cp_ref.c).
 //
 // The state recurrence is affine in the incoming state: over a run of tiles p (a "piece"),
@@ -8,14 +8,14 @@
 // acts on the rows of the state, so the columns of I evolve as value columns). Pieces are runs of
 // whole 16-token tiles, tile bounds nt p / pieces (nt = mtrl_ref_kda_tile_count(T)), as on the GPU:
 //   1. B_p, M_p for p = 0 .. pieces − 2 (each piece on its own);
-//   2. S_in(0) = S0, S_in(p + 1) = M_p S_in(p) + B_p (gemm_ref; with S0 = NULL, S_in(1) = B_0
+//   2. S_in(0) = S0, S_in(p + 1) = M_p S_in(p) + B_p (mtrl_ref_gemm; with S0 = NULL, S_in(1) = B_0
 //      without a product, so it is the sequential state at that boundary bit for bit);
-//   3. every piece's o and S_tiles from S_in(p) (kda_chunk_fwd), S_final from the last.
+//   3. every piece's o and S_tiles from S_in(p) (mtrl_ref_kda_chunk_fwd), S_final from the last.
 // Piece 0 runs exactly the sequential arithmetic (bit-identical o and S_tiles over its tokens),
 // and so does piece 1 when S0 = NULL; later pieces differ by the rounding of M_p and the combine.
 //
 // Arguments as mtrl_ref_kda_chunk_fwd (kda_ref.h; o, S_final, S_tiles nullable); pieces >= 1, clamped to
-// the tile count (1 = kda_chunk_fwd itself). Scratch: 2 (pieces − 1) H K max(K, V) reals plus
+// the tile count (1 = mtrl_ref_kda_chunk_fwd itself). Scratch: 2 (pieces − 1) H K max(K, V) reals plus
 // one piece's zero values, allocated per call.
 #ifndef MTRL_KDA_CP_REF_H
 #define MTRL_KDA_CP_REF_H

@@ -28,7 +28,7 @@
 // Work is parallel over heads (OpenMP).
 //
 // Precision: `real` is float or double (kernels/ref/real.h). Dot products of the recurrence and
-// every gemm_ref accumulate in double; stored operands (scaled Q⁺, K̂⁻, ...) and states are
+// every mtrl_ref_gemm accumulate in double; stored operands (scaled Q⁺, K̂⁻, ...) and states are
 // `real`, as on the GPU where they are fp32.
 #ifndef MTRL_KDA_REF_H
 #define MTRL_KDA_REF_H
@@ -48,7 +48,7 @@ extern "C" {
 // dt_bias: [H*K]; g_min < 0 (the project uses -5).
 void mtrl_ref_kda_gate_fwd(int T, int H, int K, const real *f, const real *A_log, const real *dt_bias,
                   real g_min, real *g);
-// Backward of kda_gate_fwd given dg [T][H*K]: df [T][H*K] is overwritten; dA_log [H] and
+// Backward of mtrl_ref_kda_gate_fwd given dg [T][H*K]: df [T][H*K] is overwritten; dA_log [H] and
 // ddt_bias [H*K] are ACCUMULATED (+=) so several sequences can share one gradient buffer.
 void mtrl_ref_kda_gate_bwd(int T, int H, int K, const real *f, const real *A_log, const real *dt_bias,
                   real g_min, const real *dg, real *df, real *dA_log, real *ddt_bias);
@@ -57,7 +57,7 @@ void mtrl_ref_kda_gate_bwd(int T, int H, int K, const real *f, const real *A_log
 // softplus(f + dt_bias), g_floor), softplus(x) = x above 20, unbounded below without the floor
 // (g_floor = −INFINITY: the exact form, the CPU model's). A floor >= KDA_G_CHUNK_MIN puts every
 // g in the range of the GPU's chunked kernels (the CUDA model clamps at dims.g_min); a clamped
-// entry has no gradient. Backward as kda_gate_bwd's (df overwritten, dA_log and ddt_bias +=).
+// entry has no gradient. Backward as mtrl_ref_kda_gate_bwd's (df overwritten, dA_log and ddt_bias +=).
 void mtrl_ref_kda_gate_kimi_fwd(int T, int H, int K, const real *f, const real *A_log, const real *dt_bias,
                        real g_floor, real *g);
 void mtrl_ref_kda_gate_kimi_bwd(int T, int H, int K, const real *f, const real *A_log, const real *dt_bias,
@@ -65,11 +65,11 @@ void mtrl_ref_kda_gate_kimi_bwd(int T, int H, int K, const real *f, const real *
 
 // ---- recurrence (§2.2): the definition ---------------------------------------------------------
 // S0 may be NULL (zeros). S_final [H][K][V] may be NULL. S_all, if non-NULL, receives
-// [T+1][H][K][V] = S_0 .. S_T, which kda_recurrent_bwd needs.
+// [T+1][H][K][V] = S_0 .. S_T, which mtrl_ref_kda_recurrent_bwd needs.
 void mtrl_ref_kda_recurrent_fwd(int T, int H, int K, int V, const real *q, const real *k, const real *v,
                        const real *g, const real *beta, const real *S0, real *o, real *S_final,
                        real *S_all);
-// BPTT of §2.2 from S_all (required, as written by kda_recurrent_fwd). Loss gradient inputs:
+// BPTT of §2.2 from S_all (required, as written by mtrl_ref_kda_recurrent_fwd). Loss gradient inputs:
 // dout [T][H][V] and dS_final [H][K][V] (NULL = zero). All outputs are overwritten; dS0 may be
 // NULL.
 void mtrl_ref_kda_recurrent_bwd(int T, int H, int K, int V, const real *q, const real *k, const real *v,
@@ -77,7 +77,7 @@ void mtrl_ref_kda_recurrent_bwd(int T, int H, int K, int V, const real *q, const
                        const real *dS_final, real *dq, real *dk, real *dv, real *dg, real *dbeta,
                        real *dS0);
 // One decode token for H heads: q, k, g [H][K]; v [H][V]; beta [H]; S [H][K][V] is updated in
-// place; o [H][V]. Same arithmetic as one step of kda_recurrent_fwd.
+// place; o [H][V]. Same arithmetic as one step of mtrl_ref_kda_recurrent_fwd.
 void mtrl_ref_kda_step(int H, int K, int V, const real *q, const real *k, const real *v, const real *g,
               const real *beta, real *S, real *o);
 
@@ -120,7 +120,7 @@ int mtrl_ref_kda_chunk_state_count(int T, const kda_chunk_opts *opts);
 void mtrl_ref_kda_chunk_fwd(int T, int H, int K, int V, const real *q, const real *k, const real *v,
                    const real *g, const real *beta, const real *S0, real *o, real *S_final,
                    real *S_tiles);
-// Chunked backward (§2.4) with default options. S_tiles is what kda_chunk_fwd stored, or NULL
+// Chunked backward (§2.4) with default options. S_tiles is what mtrl_ref_kda_chunk_fwd stored, or NULL
 // (then it is recomputed from S0 by a forward pass). dS_final NULL = zero. Every output is
 // overwritten; dS0 may be NULL.
 void mtrl_ref_kda_chunk_bwd(int T, int H, int K, int V, const real *q, const real *k, const real *v,

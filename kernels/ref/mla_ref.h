@@ -21,7 +21,7 @@
 // (the un-rotated "rope" slice), dv, dc (kv_lora_rank). W_kvb [H*(dn+dv)][dc]: for head h,
 // rows h*(dn+dv) .. +dn are W_UK,h [dn][dc], the next dv rows are W_UV,h [dv][dc].
 // Everything is row-major; outputs overwritten unless marked "+=". Caller owns all buffers;
-// scratch is allocated per call and freed before return. Every product is gemm_ref.
+// scratch is allocated per call and freed before return. Every product is mtrl_ref_gemm.
 // The attention is flash-style: it never holds more than a (row block × key block) tile of
 // scores; the backward recomputes them from the saved log-sum-exp. OpenMP parallel over
 // (head, row block) and (key block, key head); results do not depend on the thread count.

@@ -210,7 +210,7 @@ static void expert_fwd_(int e, int D, int I, const int *offsets, const real *X_p
     free(m);
 }
 
-// Expert e's rows of the backward (dX written, dW accumulated; see moe_experts_bwd).
+// Expert e's rows of the backward (dX written, dW accumulated; see mtrl_ref_moe_experts_bwd).
 static void expert_bwd_(int e, int D, int I, const int *offsets, const real *X_perm, const real *W1,
                         const real *W3, const real *W2, const real *u1, const real *u3, const real *dY_perm,
                         real *dX_perm, real *dW1, real *dW3, real *dW2) {

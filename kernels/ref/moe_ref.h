@@ -103,7 +103,7 @@ void mtrl_ref_moe_scatter_bwd(int N, int K, int D, const int *pos, const real *d
 //     u1 = X W1[e]ᵀ, u3 = X W3[e]ᵀ   (W1, W3: [E][I][D]),   m = SiLU(u1) ⊙ u3,
 //     Y  = m W2[e]ᵀ                  (W2: [E][D][I]).
 // Saves u1, u3 [R][I] for the backward; Y_perm [R][D] overwritten. An expert with no rows is
-// skipped. Parallel over experts (OpenMP); each product is one gemm_ref call.
+// skipped. Parallel over experts (OpenMP); each product is one mtrl_ref_gemm call.
 void mtrl_ref_moe_experts_fwd(int E, int D, int I, const int *offsets, const real *X_perm,
                      const real *W1, const real *W3, const real *W2, real *u1, real *u3,
                      real *Y_perm);
@@ -146,7 +146,7 @@ double mtrl_ref_moe_max_violation(int E, const int *load, long total_slots);
 // ⌊NK/E⌋ + 1 > N, or K >= E (every expert is chosen; nothing to balance).
 //
 // Caller's contract (not done here):
-//   * Order: route step t with the OLD beta (moe_router_fwd), and only then call this on the
+//   * Order: route step t with the OLD beta (mtrl_ref_moe_router_fwd), and only then call this on the
 //     same z; the new beta is used from step t+1 on. Updating first leaks the batch into its
 //     own routing and breaks train/inference consistency.
 //   * Large or distributed batches: call this per micro-batch or rank and average the

@@ -12,7 +12,7 @@
 //     gradients are summed over calls (segments, micro-batches). Zero them once per step.
 //   * Caller owns every buffer; nothing is allocated that outlives a call, nothing is kept.
 //     Outputs must not alias inputs unless stated.
-//   * Reductions over rows (the "+=" weight gradients, grad_sq_norm) run in a fixed order,
+//   * Reductions over rows (the "+=" weight gradients, mtrl_ref_grad_sq_norm) run in a fixed order,
 //     independent of the OpenMP thread count, so results are bit-reproducible.
 //   * Nullable pointers are marked; everything else must be valid.
 #ifndef MTRL_OPS_REF_H
@@ -52,7 +52,7 @@ void mtrl_ref_gated_rmsnorm_fwd(int N, int D, const real *x, const real *z, cons
 void mtrl_ref_gated_rmsnorm_bwd(int N, int D, const real *x, const real *z, const real *w, real eps,
                        const real *dy, real *dx, real *dz, real *dw);
 
-// ---- SwiGLU (the activation between W1/W3 and W2; the projections are gemm_ref) ------------
+// ---- SwiGLU (the activation between W1/W3 and W2; the projections are mtrl_ref_gemm) ------------
 
 // m = SiLU(u1) ⊙ u3.  u1, u3, m [N][I]. m may alias u1 or u3.
 void mtrl_ref_swiglu_fwd(int N, int I, const real *u1, const real *u3, real *m);
@@ -67,7 +67,7 @@ void mtrl_ref_swiglu_bwd(int N, int I, const real *u1, const real *u3, const rea
 //     p_t[c] = Σ_{j=0}^{W−1} w[c][j] · x_{t−W+1+j}[c],   y_t = SiLU(p_t)
 // Inputs before x[0] come from state_in: its row r (0..W−2) is the input at position
 // r − (W−1), oldest first (NULL = zeros, a sequence start). The same [W−1][C] layout is the
-// decode window of shortconv_step, so a prefill's state_out is the decode window as is.
+// decode window of mtrl_ref_shortconv_step, so a prefill's state_out is the decode window as is.
 // Packed batches call these once per sequence (the padding restarts at each start).
 
 // x, y [T][C]; w [C][W]; state_in [W−1][C] nullable; state_out [W−1][C] nullable: the last
@@ -77,12 +77,12 @@ void mtrl_ref_shortconv_fwd(int T, int C, int W, const real *x, const real *w, c
                    real *y, real *state_out);
 // dx [T][C] overwritten; dw [C][W] +=; dstate_in [W−1][C] nullable, overwritten: exact
 // ∂L/∂state_in through this segment's outputs (zero rows where no output reads them).
-// This does not include a gradient arriving through state_out; see shortconv_state_bwd.
+// This does not include a gradient arriving through state_out; see mtrl_ref_shortconv_state_bwd.
 void mtrl_ref_shortconv_bwd(int T, int C, int W, const real *x, const real *w, const real *state_in,
                    const real *dy, real *dx, real *dw, real *dstate_in);
 // The backward of the state_out copy: adds dstate_out [W−1][C] (= ∂L/∂state_out, i.e. the
 // next segment's dstate_in) into the inputs it was copied from: rows of dx (+=) and, when
-// T < W−1, rows of dstate_in (+=, nullable when T >= W−1). Call after shortconv_bwd of the
+// T < W−1, rows of dstate_in (+=, nullable when T >= W−1). Call after mtrl_ref_shortconv_bwd of the
 // same segment. A segmented backward walks segments last to first:
 //     mtrl_ref_shortconv_bwd(seg k) -> dstate_in_k;  mtrl_ref_shortconv_bwd(seg k−1); mtrl_ref_shortconv_state_bwd(seg k−1, dstate_in_k)
 void mtrl_ref_shortconv_state_bwd(int T, int C, int W, const real *dstate_out, real *dx, real *dstate_in);
