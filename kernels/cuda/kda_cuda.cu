@@ -16,17 +16,16 @@
 //   2. kda_state_bwd_k, grid (V/16, heads), last tile to first: dΔ = Pᵀ dO + K^e dS',
 //      dS ← diag(e^γ) dS' + Q⁺ᵀ dO − Wᵀ dΔ; stores dΔ and every tile's dS';
 //   3. kda_tile_bwd_k, grid (tiles, heads): the rest of §2.4 for each tile in parallel, from the
-//      tile's incoming S (S_tiles) and outgoing-state gradient dS'. Since 2026-12-01 its default
-//      block is 512 threads (K = V = 128 folded at compile time): 0.68x the backward's time of
-//      the 256-thread block at 8K-256K, H = 16. With v3's pass 2 and H <= 8, pass 2 runs in
-//      pieces and each piece's pass 3 on a second stream beside the next piece (kda_bwd_pieces_:
-//      0.72x the backward at 64K, H = 8).
+//      tile's incoming S (S_tiles) and outgoing-state gradient dS'. Its default block is 512
+//      threads (K = V = 128 folded at compile time), the faster of the two block sizes
+//      measured. With v3's pass 2 and H <= 8, pass 2 runs in pieces and each piece's pass 3 on a
+//      second stream beside the next piece (kda_bwd_pieces_), which fills the SMs the
+//      sequential pass leaves idle.
 // Arithmetic is fp32 throughout (SIMT); the state, G, T and all accumulators are fp32.
 // Forward v3 (kda_tc_cuda.cu): the same tiles with the products on tensor cores, fp32 state and
-// accumulators, for K = V = 128 (16-byte aligned q, k, v, g): THE DEFAULT there since 2026-11-30,
-// with split-bf16 operands (bf16x3, ~16 significant bits). On an H200 it passed every gpu test
-// (test_cuda_kda's v3 cases at 1e-4 of fp64, measured 7.3e-6; test_cuda_model, 280 checks, with
-// it) and took 0.56x v2's time at T = 8K..256K, H = 16 (docs/perf.md); from 256 tiles on at
+// accumulators, for K = V = 128 (16-byte aligned q, k, v, g): the default there, with
+// split-bf16 operands (bf16x3, ~16 significant bits), held by test_cuda_kda's v3 cases at 1e-4
+// of fp64 and faster than v2 (docs/perf.md); from 256 tiles on at
 // H <= 16 its prep runs in pieces beside the state pass (kda3_fwd_pieces_). the option kda_fwd = simt
 // (kernel_opts.h) forces v2, the kernels above (fp32 SIMT; every other shape
 // runs it). kda_records = bf16 runs v3 with plain bf16 operands (0.39x v2's time): it passes its
@@ -627,7 +626,7 @@ static size_t tile_bwd_floats(int K, int V) {
 // TC: the products of 16 rows on tensor cores with bf16x3 operands (smm16_tc; the default,
 // kda_bwd_tile = simt runs <false>), except the two 16 x 16 x 16 with T and the four intra-tile ones (dA, dQ̂, dK̂⁻), which stay
 // SIMT fp32 (smm) as without TC.
-// NTH threads (the default 512 with TC; 256 before 2026-12-01, kda_tile_threads = 256): the
+// NTH threads (the default 512 with TC; kda_tile_threads = 256 runs the earlier 256): the
 // block takes the SM's shared memory alone (194 KB), so its warps are all the SM has to hide
 // latency with (Nsight Compute at 256: 2 warps per scheduler, 0.27 eligible, 38% of the stalls on
 // global loads). The column chunks of S and dS' are fetched into registers one chunk ahead (PF

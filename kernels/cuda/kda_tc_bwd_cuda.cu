@@ -2,7 +2,7 @@
 // mtrl_kda_chunk_bwd, kda_cuda.cu's kda_state_bwd_k) on tensor cores: mma.sync m16n8k16 with
 // split-bf16 operands (bf16x3: a = a_hi + a_lo, 3 mma per product, ~16 significant bits), fp32
 // accumulation; dS, dΔ and every accumulator fp32. mtrl_kda_chunk_bwd (kda_cuda.cu) takes this
-// path for K = V = 128 (the default since 2026-11-30; kda_bwd = simt (the option, kernel_opts.h) runs v2's SIMT pass instead);
+// path for K = V = 128 (the default; kda_bwd = simt (the option, kernel_opts.h) runs v2's SIMT pass instead);
 // passes 1 and 2 change as follows (pass 3, kda_tile_bwd_k, and its pieces beside pass 2: kda_cuda.cu):
 //
 //   1. Operands: v3's per-tile record (kda_tc_cuda.cu's kda3_prep_k<bf16x3>, 34,304 B per head
@@ -54,12 +54,9 @@
 // mistake gives O(1)).
 // Cost (predicted): 150 mma per tile and warp (48 + 6 for dΔ, 96 for the update), as the forward
 // bf16x3 state pass with O, the same ring and one block per SM; the SIMT pass it replaces was
-// guessed at ~1/4 of the v2 backward's time. Measured on an H200 (7b96fd7, 2026-11-30, T = 8K /
-// 64K / 256K, H = 16): the whole backward 7.81 / 61.85 / 246.7 ms with it against 8.12 / 64.15 /
-// 255.8 ms (0.96x), so pass 2 was a small part: pass 3 (per tile, in parallel) dominates. With
-// kda_bwd_tile = auto too: 7.15 / 56.83 / 225.5 ms (0.88x). test_cuda_kda passed with both
-// (2,151 checks; worst v3 backward error 3.5e-5 of fp64), and test_cuda_model (280) with each;
-// test_cuda_long (18) with both on 88f894a, after which both became the default.
+// guessed at ~1/4 of the v2 backward's time. Measured, it saves little of the whole backward:
+// pass 3 (per tile, in parallel) dominates, which is why its tensor-core form (kda_bwd_tile =
+// auto) came next; both are the default, every gpu test passing with them (docs/perf.md).
 #include <math.h>
 #include <stdlib.h>
 

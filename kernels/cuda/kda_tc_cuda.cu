@@ -1,7 +1,7 @@
 // kda_tc_cuda.cu: KDA chunked forward v3, the tile products on tensor cores (mma.sync m16n8k16,
 // bf16 operands, split in two by default (bf16x3, below), fp32 accumulation; the state, G, T and
 // every accumulator stay fp32). mtrl_kda_chunk_fwd (kda_cuda.cu) dispatches here for K = V = 128
-// (the default since 2026-11-30; kda_fwd = simt (kernel_opts.h) forces v2).
+// (the default; kda_fwd = simt (kernel_opts.h) forces v2).
 //
 // The algebra is v2's and the reference's, tile for tile (model.md §2.3: 16-token tiles, the
 // midpoint reference row m = min(8, c-1) for the diagonal products, padded rows k = q = v = 0,
@@ -54,12 +54,10 @@
 // 254 / 245 registers at WPB = 1 / 2 / 4 / 8, without O 223 / 223 / 223 / 219, prep 147; no
 // spills. The state pass is latency-bound (1.44 µs per tile measured for bf16) and the three mma
 // of a product accumulate into one register set, so its dependent chains triple: expect it 2–3x
-// slower, v3 bf16x3 ≈ 0.8–1.2x v2's time. Measured on an H200 (2026-11-30, abd19b0): 1.43x
-// bf16 v3's time, 0.56x v2's (T = 8K, 64K, 256K, H = 16); errors against fp64 7.3e-6 (o),
-// 5.8e-6 (S_final, S_tiles); every gpu test passes with it. Nsight Compute (T = 64K, bf16): the
-// state pass is 4.87 ms of the 5.9 ms and runs 32 blocks of 4 warps (H x V / 64) on 132 SMs,
-// one warp per scheduler, issuing every 3.7 cycles (latency-bound: fixed-latency dependencies
-// 39% of the stall); the prep pass runs at 3.38 TB/s (70% of DRAM peak, 0.99 ms).
+// slower, v3 bf16x3 ≈ 0.8–1.2x v2's time. Measured, it came out faster than v2 and within
+// test_cuda_kda's 1e-4 of fp64; Nsight Compute shows the state pass latency-bound (2H blocks of
+// 4 warps, one warp per scheduler) and the prep near the DRAM rate (docs/perf.md), which is why
+// the prep of later pieces runs beside the state pass (kda3_fwd_pieces_ below).
 // The bf16 path compiles to the PTX it had before this mode (state pass identical; prep the same
 // instructions, a few address computations reordered), so its results are unchanged.
 // The record layout, the split helpers and the launchers kda3_prep_launch / kda3_state_fwd_launch
@@ -666,10 +664,9 @@ static void kda3_state_range_(mtrl_cuda_ctx *c, int T, int H, int n_lo, int n_hi
 // Pieces of the v3 forward: the state pass runs 2H blocks (K = V = 128, 4 warps each) over the
 // tiles in sequence and leaves the other SMs idle; the prep of the next pieces runs there, on GEMM
 // lane 1, ahead of it. The forward then takes about prep / pieces + state instead of prep + state
-// (an H200 at 64K, H = 16, bf16x3: prep 2.4 ms, state 6.2 ms). Taken while the state pass's 2H
+// (the prep is a large part of the forward at few heads). Taken while the state pass's 2H
 // blocks hold at most a quarter of the SMs (H <= 16 on 132 SMs; measured at H = 8 and 16). Pieces
-// of at least 128 tiles, at most 8 (at 8K, H = 16: 4 pieces 0.872 / 0.947 ms, 2 pieces 0.934 /
-// 1.058 ms, one 1.061 / 1.074 ms in two calls; experiments/results/2026-12-01-kda-fwd-pieces/).
+// of at least 128 tiles, at most 8: the counts that measured fastest (docs/perf.md).
 // The option kda_fwd_pieces = N forces N (1: one piece), for the benchmarks and tests; the
 // cluster form (kda_cluster) runs one piece.
 static int kda3_fwd_pieces_(const mtrl_cuda_ctx *c, int H, int nt) {

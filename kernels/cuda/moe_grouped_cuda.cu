@@ -456,9 +456,8 @@ GArgs nt_args_(int E, const int *off, int N, int K, const void *A, const void *B
 
 // ---- entry points (kernels_cuda.h) ----------------------------------------------------------------
 
-// Which path runs the experts. Measured with `mtrl bench ops --device cuda --only moe` on one
-// H200 (2026-12-01, experiments/results/2026-12-01-rl-throughput-2/moe.txt: fwd + bwd of both
-// paths at 16 .. 8192 rows per expert, balanced and skewed, bf16 and TF32):
+// Which path runs the experts, as `mtrl bench ops --device cuda --only moe` measured both paths
+// at 16 .. 8192 rows per expert, balanced and skewed, bf16 and TF32 (docs/perf.md):
 //   * true fp32 (fp32 operands on a context without TF32): the stream lanes. Our kernel multiplies
 //     fp32 operands as TF32 only; cuBLAS keeps the fp32 products the GPU tests compare at 1e-5.
 //   * one expert (the dense SwiGLU FFN): one cuBLAS chain, nothing to group.
