@@ -310,6 +310,20 @@ void env_step_end(env_buf *obs, size_t max_obs, mtrl_env_step_out *out) {
     out->obs.len = obs->len;
 }
 
+int env_demo_call_answer(const char *env, int done, mtrl_env_action demo[2], const char *call, const char *answer,
+                         mtrl_env_demo_out *out, char *err, size_t cap) {
+    if (done) {
+        snprintf(err, cap, "%s: demo needs an episode; call reset first", env);
+        return MTRL_ENV_ERR;
+    }
+    size_t k = 0;
+    if (call) demo[k++] = (mtrl_env_action){MTRL_ENV_ACTION_TOOL, call, strlen(call)};
+    demo[k++] = (mtrl_env_action){MTRL_ENV_ACTION_ANSWER, answer, strlen(answer)};
+    out->actions = demo;
+    out->count = k;
+    return MTRL_ENV_OK;
+}
+
 int env_answer_is(const char *action, size_t len, const char *expected) {
     const char *a = action;
     size_t n = len;

@@ -114,5 +114,11 @@ env_step_kind env_step_begin(const char *env, int *done, int *tool_calls, int ma
 int env_answer_is(const char *action, size_t len, const char *expected);
 // Ends a step: out->obs points at obs (cut to max_obs bytes when max_obs > 0).
 void env_step_end(env_buf *obs, size_t max_obs, mtrl_env_step_out *out);
+// The demo() of an env whose reference solution is one tool call (call; NULL: none) and the
+// answer: the actions written into demo[2] (the env's, so they outlive the call as the ABI
+// asks), out pointing at them. An env between episodes (done) has none: MTRL_ENV_ERR with a
+// message naming env.
+int env_demo_call_answer(const char *env, int done, mtrl_env_action demo[2], const char *call, const char *answer,
+                         mtrl_env_demo_out *out, char *err, size_t cap);
 
 #endif

@@ -271,15 +271,7 @@ static int calc_step_(void *self, uint32_t kind, const char *action, size_t len,
 
 static int calc_demo_(void *self, mtrl_env_demo_out *out, char *err, size_t cap) {
     calc_env *e = self;
-    if (e->done) {
-        snprintf(err, cap, "calc: demo needs an episode; call reset first");
-        return MTRL_ENV_ERR;
-    }
-    e->demo[0] = (mtrl_env_action){MTRL_ENV_ACTION_TOOL, e->demo_call, strlen(e->demo_call)};
-    e->demo[1] = (mtrl_env_action){MTRL_ENV_ACTION_ANSWER, e->answer, strlen(e->answer)};
-    out->actions = e->demo;
-    out->count = 2;
-    return MTRL_ENV_OK;
+    return env_demo_call_answer("calc", e->done, e->demo, e->demo_call, e->answer, out, err, cap);
 }
 
 static int calc_describe_(void *self, mtrl_env_bytes *out, char *err, size_t cap) {

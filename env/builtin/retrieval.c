@@ -311,16 +311,8 @@ static int retrieval_step_(void *self, uint32_t kind, const char *action, size_t
 
 static int retrieval_demo_(void *self, mtrl_env_demo_out *out, char *err, size_t cap) {
     retrieval_env *e = self;
-    if (e->done) {
-        snprintf(err, cap, "retrieval: demo needs an episode; call reset first");
-        return MTRL_ENV_ERR;
-    }
-    size_t k = 0;
-    if (!e->inline_doc || e->demo_search) e->demo[k++] = (mtrl_env_action){MTRL_ENV_ACTION_TOOL, e->demo_call, strlen(e->demo_call)};
-    e->demo[k++] = (mtrl_env_action){MTRL_ENV_ACTION_ANSWER, e->value, strlen(e->value)};
-    out->actions = e->demo;
-    out->count = k;
-    return MTRL_ENV_OK;
+    const char *call = !e->inline_doc || e->demo_search ? e->demo_call : NULL; // inline: the answer alone
+    return env_demo_call_answer("retrieval", e->done, e->demo, call, e->value, out, err, cap);
 }
 
 static int retrieval_describe_(void *self, mtrl_env_bytes *out, char *err, size_t cap) {
