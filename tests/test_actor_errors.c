@@ -82,8 +82,6 @@ int main(void) {
         return 1;
     }
     test_plugin_fails_in_actors(bin, build);
-    char cmd[400];
-    snprintf(cmd, sizeof cmd, "rm -rf '%s'", dir_);
-    if (test_failed_ == 0 && system(cmd) != 0) fprintf(stderr, "could not remove %s\n", dir_);
+    test_tmpdir_done(dir_, test_failed_);
     return test_report();
 }

@@ -174,8 +174,6 @@ int main(void) {
     mtrl_traj_free(&t);
     mtrl_wire_sock_close(&s);
     zmq_ctx_term(ctx);
-    char cmd[400];
-    snprintf(cmd, sizeof cmd, "rm -rf '%s'", dir_);
-    if (test_failed_ == 0 && system(cmd) != 0) fprintf(stderr, "could not remove %s\n", dir_);
+    test_tmpdir_done(dir_, test_failed_);
     return test_report();
 }

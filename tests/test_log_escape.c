@@ -137,8 +137,6 @@ int main(void) {
     test_log_line();
     if (bin && getenv("MTRL_BUILD")) test_run(bin);
     else printf("SKIP part: MTRL_BIN / MTRL_BUILD not set (run through ctest)\n");
-    char cmd[400];
-    snprintf(cmd, sizeof cmd, "rm -rf '%s'", dir_);
-    if (test_failed_ == 0 && system(cmd) != 0) fprintf(stderr, "could not remove %s\n", dir_);
+    test_tmpdir_done(dir_, test_failed_);
     return test_report();
 }

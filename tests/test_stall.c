@@ -90,8 +90,6 @@ int main(void) {
     }
     test_no_actor();
     test_no_batch();
-    char cmd[400];
-    snprintf(cmd, sizeof cmd, "rm -rf '%s'", dir_);
-    if (test_failed_ == 0 && system(cmd) != 0) fprintf(stderr, "could not remove %s\n", dir_);
+    test_tmpdir_done(dir_, test_failed_);
     return test_report();
 }

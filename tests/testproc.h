@@ -29,6 +29,14 @@ static inline char *test_slurp(const char *path, size_t *len) {
     return b;
 }
 
+// Removes a test's temporary folder once every check passed (failed: the count of failed
+// checks; a failed run keeps the folder to inspect), saying so when it cannot.
+static inline void test_tmpdir_done(const char *dir, int failed) {
+    char cmd[4200];
+    snprintf(cmd, sizeof cmd, "rm -rf '%s'", dir);
+    if (failed == 0 && system(cmd) != 0) fprintf(stderr, "could not remove %s\n", dir);
+}
+
 // Sleeps ms milliseconds (for polling loops, never for timing assertions).
 static inline void test_sleep_ms(int ms) {
     struct timespec ts = {ms / 1000, (long)(ms % 1000) * 1000000L};
