@@ -354,15 +354,30 @@ static void append_ids_(mtrl_traj *t, const uint32_t *ids, long n, uint8_t kind)
     for (long i = 0; i < n; i++) mtrl_traj_append(t, ids[i], 0.0f, 0, kind, NULL);
 }
 
-// The demo in a chat template's tokens (chat.h): the prompt, each call and its framed result,
-// the answer with its end token; max_tokens bounds every piece.
-static mtrl_status demo_chat_(mtrl_env *env, const mtrl_chat *chat, const mtrl_env_result *first, const mtrl_env_action *acts,
-                              size_t na, int max_tokens, mtrl_traj *out, mtrl_error *err) {
+static mtrl_status demo_too_long_(const mtrl_env *env, int max_tokens, mtrl_error *err) {
+    return mtrl_error_set(err, MTRL_ERR_LIMIT, "a demo episode of env %s does not fit [actor] max_tokens = %d in the kimi template",
+                          mtrl_env_name(env), max_tokens);
+}
+
+// The prompt in a chat template's tokens (chat.h), as the actors render it.
+static mtrl_status demo_chat_prompt_(const mtrl_env *env, const mtrl_chat *chat, const mtrl_env_result *res, int max_tokens,
+                                     mtrl_traj *out, mtrl_error *err) {
+    size_t cap = (size_t)max_tokens + 16;
+    uint32_t *ids = xmalloc(sizeof(uint32_t) * cap);
+    long k = mtrl_chat_prompt(chat, res->obs, res->obs_len, ids, cap);
+    if (k >= 0) append_ids_(out, ids, k, MTRL_TOK_PROMPT);
+    free(ids);
+    return k < 0 ? demo_too_long_(env, max_tokens, err) : MTRL_OK;
+}
+
+// The demo's actions in the template's tokens: each call and its framed result, the answer with
+// its end token; max_tokens bounds every piece.
+static mtrl_status demo_chat_(mtrl_env *env, const mtrl_chat *chat, const mtrl_env_action *acts, size_t na, int max_tokens,
+                              mtrl_traj *out, mtrl_error *err) {
     size_t cap = (size_t)max_tokens + 16;
     uint32_t *ids = xmalloc(sizeof(uint32_t) * cap);
     mtrl_status s = MTRL_OK;
-    long k = mtrl_chat_prompt(chat, first->obs, first->obs_len, ids, cap);
-    if (k >= 0) append_ids_(out, ids, k, MTRL_TOK_PROMPT);
+    long k = 0;
     for (size_t i = 0; i < na && s == MTRL_OK && k >= 0; i++) {
         const mtrl_env_action *a = &acts[i];
         mtrl_env_result res;
@@ -384,10 +399,7 @@ static mtrl_status demo_chat_(mtrl_env *env, const mtrl_chat *chat, const mtrl_e
         }
     }
     free(ids);
-    if (s == MTRL_OK && k < 0)
-        s = mtrl_error_set(err, MTRL_ERR_LIMIT, "a demo episode of env %s does not fit [actor] max_tokens = %d in the %s template",
-                           mtrl_env_name(env), max_tokens, chat->kind == MTRL_CHAT_KIMI ? "kimi" : "bytes");
-    return s;
+    return s == MTRL_OK && k < 0 ? demo_too_long_(env, max_tokens, err) : s;
 }
 
 mtrl_status mtrl_train_demo_episode_images(mtrl_env *env, uint64_t seed, int max_tokens, int image_patch,
@@ -397,27 +409,29 @@ mtrl_status mtrl_train_demo_episode_images(mtrl_env *env, uint64_t seed, int max
 
 mtrl_status mtrl_train_demo_episode_chat(mtrl_env *env, uint64_t seed, int max_tokens, int image_patch,
                                          const mtrl_chat *chat, mtrl_traj *out, mtrl_error *err) {
+    // A template other than bytes (an imported model's own tokens) frames the whole demo.
+    int templated = chat && chat->kind != MTRL_CHAT_BYTES;
+    if (templated && image_patch > 0)
+        return mtrl_error_set(err, MTRL_ERR_USAGE, "pictures in a kimi-template demo are not supported");
     mtrl_traj_reset(out);
     mtrl_env_result res;
     mtrl_status s = mtrl_env_reset(env, seed, &res, err);
     if (s != MTRL_OK) return s;
-    // the prompt, kept: the env's memory is valid only until its next call (demo() below)
-    mtrl_env_result first = res;
-    char *prompt = xmalloc(res.obs_len + 1);
-    memcpy(prompt, res.obs, res.obs_len);
-    first.obs = prompt;
     out->task_seed = seed;
     mtrl_traj_set_env(out, mtrl_env_name(env));
-    mtrl_traj_append(out, MTRL_TOK_BOS, 0.0f, 0, MTRL_TOK_PROMPT, NULL);
-    append_bytes_(out, res.obs, res.obs_len, MTRL_TOK_PROMPT);
-    mtrl_env_demo_out demo;
-    if ((s = append_image_(out, image_patch, &res, MTRL_TOK_PROMPT, env, err)) == MTRL_OK && !mtrl_env_has_demo(env))
-        s = mtrl_error_set(err, MTRL_ERR_PLUGIN, "env %s has no demo(); [warmup] steps needs one", mtrl_env_name(env));
-    if (s == MTRL_OK) s = mtrl_env_demo(env, &demo, err);
-    if (s != MTRL_OK) {
-        free(prompt);
-        return s;
+    if (templated) {
+        s = demo_chat_prompt_(env, chat, &res, max_tokens, out, err);
+    } else {
+        mtrl_traj_append(out, MTRL_TOK_BOS, 0.0f, 0, MTRL_TOK_PROMPT, NULL);
+        append_bytes_(out, res.obs, res.obs_len, MTRL_TOK_PROMPT);
+        s = append_image_(out, image_patch, &res, MTRL_TOK_PROMPT, env, err);
     }
+    if (s != MTRL_OK) return s;
+    mtrl_env_demo_out demo;
+    if (!mtrl_env_has_demo(env))
+        return mtrl_error_set(err, MTRL_ERR_PLUGIN, "env %s has no demo(); [warmup] steps needs one", mtrl_env_name(env));
+    s = mtrl_env_demo(env, &demo, err);
+    if (s != MTRL_OK) return s;
     // Copy the actions: the demo's memory is valid only until the next call on the env.
     size_t na = demo.count;
     mtrl_env_action *acts = xcalloc(na ? na : 1, sizeof *acts);
@@ -428,18 +442,8 @@ mtrl_status mtrl_train_demo_episode_chat(mtrl_env *env, uint64_t seed, int max_t
         memcpy(d, demo.actions[i].data, acts[i].len);
         acts[i].data = d;
     }
-    if (chat && chat->kind != MTRL_CHAT_BYTES) {
-        // the prompt was written as bytes above: the template writes it again, from the start
-        if (image_patch > 0) s = mtrl_error_set(err, MTRL_ERR_USAGE, "pictures in a %s-template demo are not supported", "kimi");
-        else {
-            mtrl_traj_reset(out);
-            out->task_seed = seed;
-            mtrl_traj_set_env(out, mtrl_env_name(env));
-            s = demo_chat_(env, chat, &first, acts, na, max_tokens, out, err);
-        }
-    }
-    size_t n_bytes_acts = chat && chat->kind != MTRL_CHAT_BYTES ? 0 : na; // the loop is the bytes template's
-    for (size_t i = 0; i < n_bytes_acts && s == MTRL_OK; i++) {
+    if (templated) s = demo_chat_(env, chat, acts, na, max_tokens, out, err);
+    for (size_t i = 0; !templated && i < na && s == MTRL_OK; i++) {
         const mtrl_env_action *a = &acts[i];
         if (a->kind == MTRL_ENV_ACTION_TOOL) {
             mtrl_traj_append(out, MTRL_TOK_TOOL_OPEN, 0.0f, 0, MTRL_TOK_MODEL, NULL);
@@ -459,7 +463,6 @@ mtrl_status mtrl_train_demo_episode_chat(mtrl_env *env, uint64_t seed, int max_t
         }
     }
     for (size_t i = 0; i < na; i++) free((void *)acts[i].data);
-    free(prompt);
     free(acts);
     if (s != MTRL_OK) return s;
     if ((int)out->n_tokens > max_tokens)
