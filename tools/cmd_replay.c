@@ -217,7 +217,7 @@ static int session_open_(replay_session *s, const char *db, int have_run, int64_
         s->n_ckpts = 0;
     }
     if (s->row.traj_path[0] && s->row.traj_offset >= 0) {
-        replay_resolve_path(s, s->row.traj_path, s->traj_file, sizeof s->traj_file);
+        replay_resolve_path(s->db, s->row.traj_path, s->traj_file, sizeof s->traj_file);
         mtrl_trajfile_reader r;
         mtrl_traj_limits lim = mtrl_traj_limits_default();
         mtrl_status st = mtrl_trajfile_reader_open(&r, s->traj_file, &err);

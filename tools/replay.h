@@ -40,8 +40,8 @@ typedef struct replay_session {
     size_t n_ckpts;
 } replay_session;
 
-// Resolves a path the store holds (see the file top) into out.
-void replay_resolve_path(const replay_session *s, const char *stored, char *out, size_t cap);
+// Resolves a path the store holds (see the file top) into out; db: the run store's path.
+void replay_resolve_path(const char *db, const char *stored, char *out, size_t cap);
 
 // ---- turn structure ---------------------------------------------------------------------------
 

@@ -43,7 +43,7 @@
 static long ckpt_exact_(const replay_session *s, uint32_t v, char *path, size_t cap) {
     for (size_t i = s->n_ckpts; i-- > 0;) {
         if (s->ckpts[i].version != v) continue;
-        replay_resolve_path(s, s->ckpts[i].path, path, cap);
+        replay_resolve_path(s->db, s->ckpts[i].path, path, cap);
         if (access(path, R_OK) == 0) return (long)i;
     }
     return -1;
@@ -57,7 +57,7 @@ static long ckpt_nearest_(const replay_session *s, uint32_t v, int newer, char *
         uint32_t cv = s->ckpts[i].version;
         if (newer ? cv <= v : cv >= v) continue;
         if (best >= 0 && (newer ? cv >= s->ckpts[best].version : cv <= s->ckpts[best].version)) continue;
-        replay_resolve_path(s, s->ckpts[i].path, p, sizeof p);
+        replay_resolve_path(s->db, s->ckpts[i].path, p, sizeof p);
         if (access(p, R_OK) != 0) continue;
         best = (long)i;
         snprintf(path, cap, "%s", p);
@@ -71,7 +71,7 @@ static void retained_list_(const replay_session *s, char *out, size_t cap) {
     char p[4096];
     int n = 0;
     for (size_t i = 0; i < s->n_ckpts; i++) {
-        replay_resolve_path(s, s->ckpts[i].path, p, sizeof p);
+        replay_resolve_path(s->db, s->ckpts[i].path, p, sizeof p);
         if (access(p, R_OK) != 0) continue;
         size_t l = strlen(out);
         snprintf(out + l, cap - l, "%s%u", n++ ? ", " : "", s->ckpts[i].version);
@@ -85,7 +85,7 @@ static const char *recorded_digest_(const replay_session *s, const char *path) {
     char want[4096], p[4096], real[4096];
     if (mtrl_path_real(path, want, sizeof want) != 0) return NULL;
     for (size_t i = 0; i < s->n_ckpts; i++) {
-        replay_resolve_path(s, s->ckpts[i].path, p, sizeof p);
+        replay_resolve_path(s->db, s->ckpts[i].path, p, sizeof p);
         if (mtrl_path_real(p, real, sizeof real) == 0 && !strcmp(real, want)) return s->ckpts[i].digest;
     }
     return NULL;

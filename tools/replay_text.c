@@ -187,15 +187,15 @@ void replay_token_text(uint32_t id, char *out, size_t cap) {
     else snprintf(out, cap, "%c", (char)id);
 }
 
-void replay_resolve_path(const replay_session *s, const char *stored, char *out, size_t cap) {
+void replay_resolve_path(const char *db, const char *stored, char *out, size_t cap) {
     // Absolute: as stored. Relative (a run started with a relative out_dir): relative to the
     // directory of the database first (the learner's working directory when it was given a
     // relative --db, and what survives moving a run's directory), else to ours.
     snprintf(out, cap, "%s", stored);
     if (!stored[0] || stored[0] == '/') return;
-    const char *slash = strrchr(s->db, '/');
+    const char *slash = strrchr(db, '/');
     if (!slash) return;
     char cand[8192];
-    snprintf(cand, sizeof cand, "%.*s/%s", (int)(slash - s->db), s->db, stored);
+    snprintf(cand, sizeof cand, "%.*s/%s", (int)(slash - db), db, stored);
     if (access(cand, F_OK) == 0 || access(stored, F_OK) != 0) snprintf(out, cap, "%s", cand);
 }

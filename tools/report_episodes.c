@@ -5,7 +5,6 @@
 #include <sqlite3.h>
 #include <stdio.h>
 #include <string.h>
-#include <unistd.h>
 
 #include "common/config.h"
 #include "common/log.h"
@@ -53,24 +52,12 @@ static int run_has_pictures_(mtrl_store *s, int64_t run) {
     return yes;
 }
 
-// A stored trajectory path as replay resolves it: absolute as is; relative to the database's
-// folder when the file is there, else to ours.
-static void traj_path_(const char *dbpath, const char *stored, char *out, size_t cap) {
-    snprintf(out, cap, "%s", stored);
-    if (stored[0] == '/') return;
-    const char *slash = strrchr(dbpath, '/');
-    if (!slash) return;
-    char cand[8192];
-    snprintf(cand, sizeof cand, "%.*s/%s", (int)(slash - dbpath), dbpath, stored);
-    if (access(cand, R_OK) == 0) snprintf(out, cap, "%s", cand);
-}
-
 // The pictures of episode id (if it saw any) as PNGs beside the page, one figure each.
 static int write_pictures_(FILE *f, const char *dbpath, const char *dir, int64_t run, long long id,
                            const char *stored, int64_t offset) {
     if (!stored || !stored[0] || offset < 0) return 0;
     char path[8192];
-    traj_path_(dbpath, stored, path, sizeof path);
+    replay_resolve_path(dbpath, stored, path, sizeof path);
     mtrl_trajfile_reader r;
     mtrl_traj_limits lim = mtrl_traj_limits_default();
     mtrl_traj t;
