@@ -52,7 +52,7 @@
     X(model, shared_experts, INT, "-1", -1, 16, NULL, "shared experts (-1 = preset)")             \
     X(model, expert_inter, INT, "0", 0, 1 << 20, NULL, "expert intermediate width (0 = preset)")   \
     X(model, attnres_block, INT, "0", 0, 512, NULL, "layers per Block-AttnRes block (0 = preset)")  \
-    X(model, g_min, FLOAT, "-5", -11, -0.01, NULL, "lower bound of the KDA log-decay (kda_gate = kimi: the floor a GPU clamps the decay to, docs/model-forms.md)") \
+    X(model, g_min, FLOAT, "-5", -8, -0.01, NULL, "lower bound of the KDA log-decay (kda_gate = kimi: the floor a GPU clamps the decay to, docs/model-forms.md)") \
     X(model, kda_gate, ENUM, "bounded", 0, 0, "bounded|kimi", "KDA decay gate: bounded (g = g_min sigmoid(exp(A_log)(f + dt_bias))) or kimi (g = -exp(A_log) softplus(f + dt_bias), unbounded)") \
     X(model, conv_kernel, INT, "4", 1, 16, NULL, "KDA short-conv kernel width")                  \
     X(model, rho, FLOAT, "2.446", 0, 100, NULL, "routed scaling factor of the MoE weights")       \

@@ -322,7 +322,7 @@ mtrl_status mtrl_hf_config_read(mtrl_hf_config *h, const char *dir, mtrl_error *
         add_key_(h, "norm_eps", "rms_norm_eps", "%.17g", eps);
         add_key_(h, "attnres", "(no Attention Residuals)", "false");
         add_key_(h, "mla_kv_norm_eps", "(kv_a_layernorm's own eps)", "1e-6");
-        add_key_(h, "g_min", "(the floor a GPU clamps the unbounded gate to)", "-11");
+        add_key_(h, "g_min", "(the floor a GPU clamps the unbounded gate to)", "-8");
     }
     json_decref(root);
     return r.st;

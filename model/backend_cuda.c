@@ -335,8 +335,8 @@ static double grad_sq_norm_(BE *be, size_t n, const real *g) {
 
 // ---- KDA -----------------------------------------------------------------------------------------------
 
-// The Kimi gate clamped at g_min: the chunked kernels need every g >= g_min >= -11
-// (docs/model-forms.md). Decode uses the same gate, so a GPU's forms agree with one another.
+// The Kimi gate clamped at g_min: the chunked kernels need every g >= g_min >= MTRL_KDA_TC_G_MIN
+// (kernels_cuda.h, docs/model-forms.md). Decode uses the same gate, so a GPU's forms agree with one another.
 static void kda_gate_fwd_(BE *be, int kind, int T, int H, int K, const real *f, const real *A, const real *b,
                           real gm, real *g) {
     if (kind == MTRL_KDA_GATE_KIMI) OK(mtrl_kda_gate_kimi_fwd(CTX(be), T, H, K, f, A, b, gm, g));

@@ -50,7 +50,7 @@ int main(void) {
     // wrong type, out of range, bad choice, bad bool
     expect_error(ENV "[run]\nsteps = ten\n", "x.ini:4: [run] steps: expected an integer, got 'ten'");
     expect_error(ENV "[learner]\nlr = 1e-3x\n", "x.ini:4: [learner] lr: expected a finite number, got '1e-3x'");
-    expect_error(ENV "[model]\ng_min = -20\n", "x.ini:4: [model] g_min: -20 is out of range [-11, -0.01]");
+    expect_error(ENV "[model]\ng_min = -20\n", "x.ini:4: [model] g_min: -20 is out of range [-8, -0.01]");
     expect_error(ENV "[algo]\nloss = ppo2\n", "x.ini:4: [algo] loss: 'ppo2' is not one of ppo|cispo|gspo");
     expect_error(ENV "[env]\n", "duplicate section [env]");
     expect_error("[env]\nname = calc\nisolate = maybe\n", "x.ini:3: [env] isolate: 'maybe' is not one of auto|true|false");

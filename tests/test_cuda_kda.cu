@@ -50,7 +50,10 @@
 #include "kernels/ref/kda_cp_ref.h"
 #include "kernels/ref/kda_ref.h"
 
-static const double GMIN = -5.0;
+// The decay's lower bound of the cases: the default gate's g_min, and in test_floor_cases_ the
+// lowest the kernels take (MTRL_KDA_TC_G_MIN, the floor of [model] g_min); `test_cuda_kda gmin X`
+// runs those cases at X instead (a measurement: below the floor they are expected to fail).
+static double GMIN = -5.0;
 
 // kda_tc_cuda.cu: the cluster size of the last v3 forward state pass launched (0: the default
 // kernel; kda_cluster = 8 gives 8).
@@ -883,10 +886,30 @@ static void test_chunk_cp_all(mtrl_cuda_ctx *ctx) {
     test_chunk_cp(ctx, 7, 16, 0, 0);      // T < 16: one tile, one piece
 }
 
+// Every kernel at the decay's bound (g = GMIN + 1e-3 in every entry: each tile's factors at
+// their widest, e^{±8|GMIN|}): v2, v3 (forward, backward, bf16x3), chunk-parallel, the step.
+static void test_bound_cases_(mtrl_cuda_ctx *ctx) {
+    printf("the decay at the bound, g_min = %.3g\n", GMIN);
+    mtrl_cuda_ctx_opts(ctx)->kda_fwd = MTRL_KOPT_SIMT;
+    test_chunk(ctx, 61, 1, 128, 128, 1);
+    test_chunk(ctx, 16, 3, 128, 128, 1);
+    mtrl_cuda_ctx_opts(ctx)->kda_fwd = MTRL_KOPT_AUTO;
+    test_chunk_v3(ctx, 100, 16, 1);
+    test_chunk_v3(ctx, 41, 2, 1);
+    test_chunk_cp(ctx, 419, 2, 1, 0);
+    test_step(ctx, 64, 16, 128, 128, 1);
+}
+
 int main(int argc, char **argv) {
     if (mtrl_cuda_device_count() <= 0) test_skip("no CUDA device");
     mtrl_cuda_ctx *ctx = mtrl_cuda_ctx_create(0, NULL);
     tu_seed(42);
+    if (argc > 2 && !strcmp(argv[1], "gmin")) {
+        GMIN = atof(argv[2]);
+        test_bound_cases_(ctx);
+        mtrl_cuda_ctx_destroy(ctx);
+        return test_report();
+    }
     if (argc > 1 && !strcmp(argv[1], "cp")) {
         test_chunk_cp_all(ctx);
         mtrl_cuda_ctx_destroy(ctx);
@@ -938,6 +961,8 @@ int main(int argc, char **argv) {
     test_step(ctx, 64, 16, 128, 128, 1);   // decay at the lower bound
     test_step(ctx, 3, 5, 64, 192, 0);      // K = 64 (4 rows per thread), three column slices
     test_step(ctx, 2, 3, 256, 64, 1);      // K = 256 (16 rows per thread), at the bound
+    GMIN = MTRL_KDA_TC_G_MIN;              // the lowest g_min a model may have
+    test_bound_cases_(ctx);
     mtrl_cuda_ctx_destroy(ctx);
     return test_report();
 }

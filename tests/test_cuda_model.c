@@ -5,8 +5,8 @@
 // 128, MLA latent 256 + 32), the same with MLA trained in the absorbed form (the others train
 // naive, the default: model.h mla_absorbed), and a 2-layer one at small's MLA widths (the naive
 // form's attention on the tensor-core Dk = 192 kernels), and two with Kimi Linear's layer forms
-// (docs/model-forms.md: the Kimi gate, which the GPU clamps at g_min, against the CPU's exact one;
-// plain residual; two dense layers; top-k on scores; no renormalisation; no MLA gate).
+// (docs/model-forms.md: the Kimi gate, which the GPU clamps at g_min, against the CPU with the same
+// clamp; plain residual; two dense layers; top-k on scores; no renormalisation; no MLA gate).
 //   * initial parameters identical; host <-> device copies exact;
 //   * forward log-probs / entropies and every gradient, with the CPU's routing replayed (R3), so
 //     near-tied experts cannot pick different experts; the GPU's own routing agrees with the CPU's
@@ -265,14 +265,17 @@ static void test_case_(const gcase *k) {
     mtrl_model_to_device(&mg);
     printf("  %zu parameters, layers %s, d %d, V %d\n", mtrl_model_param_count(&mc), d.mixer, d.d, d.V);
     if (d.kda_gate == MTRL_KDA_GATE_KIMI) {
-        // the GPU clamps Kimi's gate at g_min; the CPU is exact: how far the decays go past it
+        // both sides clamp Kimi's gate at g_min: how far the exact decays go past it
         uint32_t tk[32];
         for (int t = 0; t < 32; t++) tk[t] = (uint32_t)(mtrl_rng_u64(5, 1, t) % (uint64_t)d.V);
         long below = 0;
-        double g = test_model_min_decay(&mc, tk, 32, &below);
-        printf("  Kimi gate: smallest log-decay of the first KDA layer over 32 tokens %.3g (CPU, exact), %ld of %d "
-               "entries below -11; the GPU clamps at g_min = %.3g\n",
+        test_model_clamp_kimi_gate(0);
+        double g = test_model_min_decay(&mc, tk, 32, d.g_min, &below);
+        test_model_clamp_kimi_gate(1);
+        printf("  Kimi gate: smallest exact log-decay of the first KDA layer over 32 tokens %.3g, %ld of %d entries "
+               "below g_min = %.3g, where the GPU and the CPU here clamp it\n",
                g, below, 32 * d.H * d.D, (double)d.g_min);
+        TEST_CHECKF(below > 0, "the clamp is not exercised");
     }
 
     batch_ B;
@@ -930,7 +933,7 @@ static void test_latent_paths_(const gcase *k) {
 
 // Kimi Linear's layer forms (tests/test_model.c KIMI_FORMS) with the GPU floor of an import.
 #define KIMI_FORMS_GPU                                                                                             \
-    "kda_gate = kimi\ng_min = -11\nattnres = false\ndense_layers = 2\nrouter_bias = score\nrouter_renorm = false\n" \
+    "kda_gate = kimi\ng_min = -8\nattnres = false\ndense_layers = 2\nrouter_bias = score\nrouter_renorm = false\n" \
     "mla_gate = false\nmla_kv_norm_eps = 1e-6\n"
 
 // argv[1] (optional): run only that case (0, 1, 2), e.g. one process per case on a device.
@@ -963,14 +966,13 @@ int main(int argc, char **argv) {
          "mla_rope_dim = 64\nmla_v_dim = 128\nmla_latent_dim = 512\ndense_inter = 512\nexperts = 16\ntop_k = 4\n"
          "shared_experts = 1\nexpert_inter = 128\nattnres_block = 2\n", 512, 2, {96, 41, 0}, 5e-3, 8e-2, 2e-2, 2e-2,
          5e-3, 3e-2},
-        // Kimi Linear's layer forms (docs/model-forms.md), every layer KDA (fp32 only): the GPU's
-        // Kimi gate is clamped at g_min = -11 while the CPU's is exact, and the test's decays
-        // (testmodel.h test_model_fast_decay) go past it, so the log-prob tolerance here is the
-        // measure of the clamp's effect; the clamp also zeroes the gate's gradient below g_min,
-        // which the exact CPU keeps (A_log's gradient 7.8e-3 relative on an H200), hence 1e-2
-        // for the gradients
-        {"tiny, Kimi forms, every layer KDA (fp32 only; GPU gate clamped at -11)",
-         "preset = tiny\nhybrid = KKKK\n" KIMI_FORMS_GPU, 64, 3, {37, 70, 5}, 3e-5, 1e-2, 3e-5, 1e-4, 1e-5, 2e-4},
+        // Kimi Linear's layer forms (docs/model-forms.md): the GPU clamps Kimi's gate at g_min, so
+        // the CPU side computes the same clamp (testmodel.h test_model_clamp_kimi_gate) and the
+        // fp32 tolerances of the forms above hold; the test's decays (testmodel.h
+        // test_model_fast_decay) go past the floor, so the clamp is exercised (its own effect
+        // against the exact gate: test_model.c test_kimi_clamp_effect, test_hf_import.c)
+        {"tiny, Kimi forms, every layer KDA (fp32 only)",
+         "preset = tiny\nhybrid = KKKK\n" KIMI_FORMS_GPU, 64, 3, {37, 70, 5}, 3e-5, 2e-3, 3e-5, 1e-4, 1e-5, 2e-4},
         {"reduced small, Kimi forms (KMKM)", "preset = custom\nlayers = 4\nd_model = 256\nhybrid = KMKM\nkda_heads = 2\n"
          "kda_head_dim = 128\nmla_heads = 4\nmla_nope_dim = 64\nmla_rope_dim = 32\nmla_v_dim = 64\nmla_latent_dim = 256\n"
          "dense_inter = 512\nexperts = 16\ntop_k = 4\nshared_experts = 1\nexpert_inter = 128\n" KIMI_FORMS_GPU,
@@ -978,6 +980,7 @@ int main(int argc, char **argv) {
     };
     for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++)
         if (only < 0 || (size_t)only == i) {
+            test_model_clamp_kimi_gate(strstr(cases[i].ini, "kda_gate = kimi") != NULL);
             test_case_(&cases[i]);
             if (strchr(dims_(cases[i].ini, cases[i].vocab).mixer, 'M')) test_latent_paths_(&cases[i]);
             test_tf32_(&cases[i]);

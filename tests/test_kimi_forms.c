@@ -91,7 +91,7 @@ static mtrl_model_dims dims_(int renorm, const char *kv_eps) {
              "mla_heads = 2\nmla_nope_dim = 8\nmla_rope_dim = 4\nmla_v_dim = 8\nmla_latent_dim = 12\n"
              "dense_inter = 24\nexperts = 4\ntop_k = 2\nshared_experts = 1\nexpert_inter = 12\nattnres_block = 1\n"
              "conv_kernel = 4\nrho = 2.446\nnorm_eps = 1e-5\n"
-             "kda_gate = kimi\ng_min = -11\nattnres = false\ndense_layers = 2\nrouter_bias = score\n"
+             "kda_gate = kimi\ng_min = -8\nattnres = false\ndense_layers = 2\nrouter_bias = score\n"
              "router_renorm = %s\nmla_gate = false\nmla_kv_norm_eps = %s\n",
              renorm ? "true" : "false", kv_eps);
     return test_model_dims(ini, V);

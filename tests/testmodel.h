@@ -7,6 +7,8 @@
 #include <string.h>
 
 #include "common/config.h"
+#include "kernels/ref/kda_ref.h"
+#include "model/backend.h"
 #include "model/model.h"
 #include "model/model_ws.h"
 #include "common/rng.h"
@@ -49,9 +51,10 @@ static inline void test_model_fast_decay(mtrl_model *m, uint64_t seed) {
 }
 
 // The smallest KDA log-decay g of the first KDA layer over a sequence (the gate of a chunked
-// forward; a CPU model only, whose g are exact) and in *below (nullable) how many entries lie under
-// the chunk form's -11: the Kimi tests check that the decay leaves that range.
-static inline double test_model_min_decay(mtrl_model *m, const uint32_t *tok, int T, long *below) {
+// forward; a CPU model only, whose g are exact unless test_model_clamp_kimi_gate is on) and in
+// *below (nullable) how many entries lie under thr: the Kimi tests check that the decay leaves
+// the range of a floor.
+static inline double test_model_min_decay(mtrl_model *m, const uint32_t *tok, int T, double thr, long *below) {
     mtrl_arena ar;
     mtrl_arena_init(&ar, seg_arena_bytes(&m->dims, T, T, sizeof(real)));
     mtrl_decode_state s;
@@ -65,7 +68,7 @@ static inline double test_model_min_decay(mtrl_model *m, const uint32_t *tok, in
         if (m->dims.mixer[l] == 'K') {
             for (size_t i = 0; i < (size_t)T * m->dims.H * m->dims.D; i++) {
                 g = fmin(g, c.layer[l].g[i]);
-                n += c.layer[l].g[i] < -11.0;
+                n += c.layer[l].g[i] < thr;
             }
             break;
         }
@@ -116,6 +119,38 @@ static inline double test_max_rel(const real *a, const real *b, size_t n) {
         if (fabs((double)b[i]) > den) den = fabs((double)b[i]);
     }
     return num / (den > 0 ? den : 1);
+}
+
+// The CPU backend's Kimi gate clamped at the model's g_min, as a GPU computes it (backend_cuda.c):
+// on (1) swaps the gate of the process's one CPU backend, off (0) restores the exact one. With it
+// a GPU test compares like with like, and a CPU test measures the clamp's own effect.
+typedef void (*test_gate_fwd_fn)(mtrl_backend *, int, int, int, int, const real *, const real *, const real *, real,
+                                 real *);
+typedef void (*test_gate_bwd_fn)(mtrl_backend *, int, int, int, int, const real *, const real *, const real *, real,
+                                 const real *, real *, real *, real *);
+static test_gate_fwd_fn test_exact_gate_fwd_;
+static test_gate_bwd_fn test_exact_gate_bwd_;
+static void test_clamped_gate_fwd_(mtrl_backend *be, int kind, int T, int H, int K, const real *f, const real *A,
+                                   const real *b, real g_min, real *g) {
+    if (kind == MTRL_KDA_GATE_KIMI) mtrl_ref_kda_gate_kimi_fwd(T, H, K, f, A, b, g_min, g);
+    else test_exact_gate_fwd_(be, kind, T, H, K, f, A, b, g_min, g);
+}
+static void test_clamped_gate_bwd_(mtrl_backend *be, int kind, int T, int H, int K, const real *f, const real *A,
+                                   const real *b, real g_min, const real *dg, real *df, real *dA, real *db) {
+    if (kind == MTRL_KDA_GATE_KIMI) mtrl_ref_kda_gate_kimi_bwd(T, H, K, f, A, b, g_min, dg, df, dA, db);
+    else test_exact_gate_bwd_(be, kind, T, H, K, f, A, b, g_min, dg, df, dA, db);
+}
+static inline void test_model_clamp_kimi_gate(int on) {
+    mtrl_backend *be = mtrl_backend_cpu();
+    if (on && be->kda_gate_fwd != test_clamped_gate_fwd_) {
+        test_exact_gate_fwd_ = be->kda_gate_fwd;
+        test_exact_gate_bwd_ = be->kda_gate_bwd;
+        be->kda_gate_fwd = test_clamped_gate_fwd_;
+        be->kda_gate_bwd = test_clamped_gate_bwd_;
+    } else if (!on && be->kda_gate_fwd == test_clamped_gate_fwd_) {
+        be->kda_gate_fwd = test_exact_gate_fwd_;
+        be->kda_gate_bwd = test_exact_gate_bwd_;
+    }
 }
 
 #endif

@@ -64,11 +64,12 @@ def make_tokenizer(out_dir):
     return enc, n_base + bpe.N_RESERVED
 
 
-def make_model(out_dir, vocab):
+def make_model(out_dir, vocab, **over):
+    """The fixture's model; `over` replaces KimiLinearConfig arguments (tools/kimi_variants.py)."""
     import torch
     from transformers import KimiLinearConfig, KimiLinearForCausalLM
     torch.manual_seed(22)
-    cfg = KimiLinearConfig(
+    args = dict(
         vocab_size=vocab, hidden_size=32, intermediate_size=48, moe_intermediate_size=16,
         num_hidden_layers=4, num_attention_heads=2, num_key_value_heads=2,
         layer_types=["linear_attention", "linear_attention", "full_attention", "linear_attention"],
@@ -78,6 +79,8 @@ def make_model(out_dir, vocab):
         num_local_experts=12, num_experts_per_tok=2, n_shared_experts=1, routed_scaling_factor=2.446,
         n_group=1, topk_group=1, norm_topk_prob=True, rms_norm_eps=1e-5, tie_word_embeddings=False,
         pad_token_id=vocab - 1, bos_token_id=vocab - bpe.N_RESERVED, eos_token_id=vocab - bpe.N_RESERVED + 1)
+    args.update(over)
+    cfg = KimiLinearConfig(**args)
     cfg._attn_implementation = "eager"
     model = KimiLinearForCausalLM(cfg).eval()
     g = torch.Generator().manual_seed(7)

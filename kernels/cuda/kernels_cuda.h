@@ -94,15 +94,25 @@ int mtrl_linear_bwd_dw(mtrl_cuda_ctx *ctx, int T, int n, int k, const void *dy, 
 // Layouts as kda_ref.h: q, k, g, dq, dk, dg [T][H][K]; v, o, dv, dout [T][H][V]; beta, dbeta
 // [T][H]; states [H][K][V] (fp32). One sequence per call. Requirements: K and V multiples of
 // 16, at most 128 for the chunked form (the model uses 128) and 256 for the decode step; every
-// g in (g_min, 0) with g_min >= -11 (§2.5). Arithmetic: fp32 (SIMT), except the chunked forward v3 below.
+// g in (g_min, 0) with g_min >= MTRL_KDA_TC_G_MIN (§2.5). Arithmetic: fp32 (SIMT), except the chunked
+// forward v3 below.
+//
+// MTRL_KDA_TC_G_MIN: the smallest log-decay the chunked kernels take. A tile's factors are
+// e^{±(G_i − G_m)}, up to e^{±8|g|} from its middle row (§2.5); v3 rounds the scaled operands to
+// split bf16 (ex2.approx flushes results below 2^-126 = e^-87.3, and the low half of a split
+// operand sits 2^-8 under its value), so at g = -11 (e^{±88}) the operands at a tile's ends lose
+// their low half or flush to zero, and rows with every decay at the floor lose their own
+// contribution. At -8 the factors stay within e^{±64}: both halves of any operand above 1e-10 are
+// normal numbers. The [model] g_min range (common/config_schema.h) starts here.
+#define MTRL_KDA_TC_G_MIN (-8.0)
 int mtrl_kda_gate_fwd(mtrl_cuda_ctx *ctx, int T, int H, int K, const float *f,
                       const float *A_log, const float *dt_bias, float g_min, float *g);
 // df overwritten; dA_log [H] and ddt_bias [H*K] ACCUMULATED (+=), as kda_gate_bwd.
 int mtrl_kda_gate_bwd(mtrl_cuda_ctx *ctx, int T, int H, int K, const float *f,
                       const float *A_log, const float *dt_bias, float g_min, const float *dg,
                       float *df, float *dA_log, float *ddt_bias);
-// Kimi Linear's gate, as kda_gate_kimi_fwd / _bwd, clamped below at g_floor (>= -11 for the
-// chunked kernels): the unbounded decay is not representable in their factored form, so a GPU
+// Kimi Linear's gate, as kda_gate_kimi_fwd / _bwd, clamped below at g_floor (>= MTRL_KDA_TC_G_MIN for
+// the chunked kernels): the unbounded decay is not representable in their factored form, so a GPU
 // model approximates every g < g_floor by g_floor (docs/model-forms.md measures the effect).
 int mtrl_kda_gate_kimi_fwd(mtrl_cuda_ctx *ctx, int T, int H, int K, const float *f,
                            const float *A_log, const float *dt_bias, float g_floor, float *g);
