@@ -620,6 +620,9 @@ static void check_whole_(cfg_parse *ps) {
     if (mtrl_config_segment(cfg) == 0)
         errs_add(ps->errs, "%s: [learner] segment: '%s' is not auto or a token count 1..%d", ps->name,
                  cfg->learner.segment, 1 << 30);
+    if (!strcmp(cfg->kernels.attn_operands, "fp32") && strcmp(cfg->kernels.latent, "fp32"))
+        errs_add(ps->errs, "%s: [kernels] attn_operands = fp32 needs latent = fp32 (the keys and values are read "
+                 "from the latent caches)", ps->name);
     if (cfg->algo.eps_low >= 1.0)
         errs_add(ps->errs, "%s: [algo] eps_low must be below 1 (ratios are clipped to [1 - eps_low, 1 + eps_high])", ps->name);
 }

@@ -190,7 +190,8 @@
     X(kernels, kda_warps, ENUM, "4", 0, 0, "4|1|2|8", "warps per block of the v3 KDA state passes") \
     X(kernels, moe_lanes, INT, "0", 0, 8, NULL, "CUDA streams the MoE experts' GEMMs spread over (0 = all 8, 1 = one stream)") \
     X(kernels, gemm, ENUM, "model", 0, 0, "model|tf32|fp32|bf16", "precision of the projection and expert GEMMs: model ([model] gemm), tf32, fp32, or bf16 operands (fp32 accumulation, fp32 master weights)") \
-    X(kernels, latent, ENUM, "bf16", 0, 0, "bf16|fp32", "element type of the MLA latent caches on a GPU")
+    X(kernels, latent, ENUM, "bf16", 0, 0, "bf16|fp32", "element type of the MLA latent caches on a GPU") \
+    X(kernels, attn_operands, ENUM, "bf16", 0, 0, "bf16|fp32", "operands of the causal attention on a GPU: bf16 (the tiled kernels) or fp32 (an untiled check kernel, for comparing with an fp32 reference; needs latent = fp32)")
 
 #define MTRL_CFG_MAX_STAGES 16
 

@@ -50,6 +50,9 @@ typedef struct mtrl_kernel_opts {
     int moe_lanes;          // GEMM lanes (streams) of the MoE experts: 0 = all, 1 = one stream
     int gemm;               // MTRL_KGEMM_*: the dense and expert GEMMs' precision
     int latent_fp32;        // 1: MLA latent caches in fp32 instead of bf16
+    // 1: causal attention on fp32 operands (mtrl_attn_causal_fwd_f32: a check of the model against
+    // an fp32 reference, e.g. an import against transformers; needs latent_fp32). 0: bf16 operands.
+    int attn_fp32;
 } mtrl_kernel_opts;
 
 #endif

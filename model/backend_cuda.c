@@ -428,8 +428,19 @@ static const mtrl_bf16 *lat_bf16_(BE *be, char *s, size_t o, int Tk, int ld, con
     return (const mtrl_bf16 *)(s + o);
 }
 
+// [kernels] attn_operands = fp32 (its config check requires fp32 latents, so k and v are fp32 here).
+static int attn_f32_(BE *be) {
+    if (!mtrl_cuda_ctx_opts(CTX(be))->attn_fp32) return 0;
+    MTRL_CHECK(lat_type_(be) == MTRL_F32);
+    return 1;
+}
+
 static void attn_causal_fwd_(BE *be, int Tq, int Tk, int H, int Hk, int Dk, int Dv, real scale, const real *q,
                              const void *k, int ldk, const void *v, int ldv, real *o, real *lse) {
+    if (attn_f32_(be)) {
+        OK(mtrl_attn_causal_fwd_f32(CTX(be), Tq, Tk, H, Hk, Dk, Dv, scale, q, k, ldk, v, ldv, o, lse));
+        return;
+    }
     int alias = v == k && ldv == ldk;
     size_t nq = (size_t)Tq * H * Dk;
     size_t off = 0, oq = take_(&off, 2 * nq), ok = take_(&off, lat_copy_bytes_(be, Tk, ldk, 1)),
@@ -443,6 +454,11 @@ static void attn_causal_fwd_(BE *be, int Tq, int Tk, int H, int Hk, int Dk, int 
 static void attn_causal_bwd_(BE *be, int Tq, int Tk, int H, int Hk, int Dk, int Dv, real scale, const real *q,
                              const void *k, int ldk, const void *v, int ldv, const real *o, const real *lse,
                              const real *dout, real *dq, real *dk, real *dv) {
+    if (attn_f32_(be)) {
+        OK(mtrl_attn_causal_bwd_f32(CTX(be), Tq, Tk, H, Hk, Dk, Dv, scale, q, k, ldk, v, ldv, o, lse, dout, dq, dk,
+                                    dv));
+        return;
+    }
     int alias = v == k && ldv == ldk;
     size_t nq = (size_t)Tq * H * Dk, nd = (size_t)Tq * H * Dv;
     size_t off = 0, oq = take_(&off, 2 * nq), ok = take_(&off, lat_copy_bytes_(be, Tk, ldk, 1)),

@@ -119,6 +119,10 @@ static void test_chunk(mtrl_cuda_ctx *ctx, int T, int H, int K, int V, int bound
     mtrl_cuda_sync(ctx);
     double *got = tu_alloc((size_t)nt * ns > nqk ? (size_t)nt * ns : nqk);
     double tol = bound ? 2e-4 : 1e-4;
+    // dg at the bound below the default g_min: its terms cancel against factors up to e^{±8|g|},
+    // so fp32's rounding grows with the span (v2's fp32 SIMT kernels as much as v3): relative
+    // error 9.3e-4 at g = -8 on an H200 (1.3e-3 at -9, 3.9e-3 at -10), hence 2e-3 at the floor
+    const double tol_dg = bound && GMIN < -5.0 ? 2e-3 : tol;
     tu_get_f32(got, d_o, nv);
     snprintf(what, sizeof what, "fwd o");
     TU_CHECK_REL(what, got, o, nv, 1e-4);
@@ -158,7 +162,7 @@ static void test_chunk(mtrl_cuda_ctx *ctx, int T, int H, int K, int V, int bound
             for (int i = 0; i < 6; i++) {
                 tu_get_f32(got, outs[i].d, outs[i].len);
                 snprintf(what, sizeof what, "%s %s", tag, outs[i].n);
-                TU_CHECK_REL(what, got, outs[i].r, outs[i].len, tol);
+                TU_CHECK_REL(what, got, outs[i].r, outs[i].len, i == 3 ? tol_dg : tol);
             }
             if (v3ok && stored && !tile3) {
                 float *hs = (float *)malloc(sizeof(float) * (ns + nqk));
@@ -241,7 +245,7 @@ static void test_chunk(mtrl_cuda_ctx *ctx, int T, int H, int K, int V, int bound
                 mtrl_cuda_free(res[2][i]);
                 tu_get_f32(got, res[1][i], len);
                 snprintf(what, sizeof what, "v3 bwd in 3 pieces%s %s", stored ? "" : " (states recomputed)", names[i]);
-                TU_CHECK_REL(what, got, ref[i], len, tol);
+                TU_CHECK_REL(what, got, ref[i], len, i == 3 ? tol_dg : tol);
                 free(a);
                 free(b);
                 mtrl_cuda_free(res[0][i]);
@@ -265,7 +269,7 @@ static void test_chunk(mtrl_cuda_ctx *ctx, int T, int H, int K, int V, int bound
                                        NULL, e_dq, e_dk, e_dv, e_dg, e_db, e_dS0), 0);
         mtrl_cuda_sync(ctx);
         tu_get_f32(got, e_dg, nqk);
-        TU_CHECK_REL(cf ? "v3 bwd (tile TC, dS_final = 0) dg" : "bwd (dS_final = 0) dg", got, dgb, nqk, tol);
+        TU_CHECK_REL(cf ? "v3 bwd (tile TC, dS_final = 0) dg" : "bwd (dS_final = 0) dg", got, dgb, nqk, tol_dg);
         tu_get_f32(got, e_dS0, ns);
         TU_CHECK_REL(cf ? "v3 bwd (tile TC, dS_final = 0) dS0" : "bwd (dS_final = 0) dS0", got, dS0b, ns, tol);
         mtrl_cuda_ctx_opts(ctx)->kda_bwd = MTRL_KOPT_AUTO;

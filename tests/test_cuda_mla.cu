@@ -19,6 +19,7 @@
 // The attention option the cases below run with besides v1 (auto, or mma where a caller keeps
 // v3 off).
 static int attn_base_ = MTRL_KOPT_AUTO;
+static int attn_f32_only_;  // `test_cuda_mla f32`: only the fp32-operand cases
 // Sets the option attn for the attention launchers (read at each call): version 1 forces the v1
 // kernels (simt), version 2 leaves attn_base_ (v2 or v3 where the shape allows it).
 static void set_attn_version(mtrl_cuda_ctx *ctx, int version) {
@@ -169,6 +170,76 @@ static void test_attn(mtrl_cuda_ctx *ctx, int Tq, int Tk, int H, int Hk, int Dk,
     test_attn_x(ctx, Tq, Tk, H, Hk, Dk, Dv, alias, 0);
 }
 
+// The fp32 check kernels (mtrl_attn_causal_fwd_f32 / _bwd_f32) against the fp64 reference on
+// fp32-rounded inputs: fp32 arithmetic (dot products in fp64), so 1e-5 relative (dk, dv as
+// increments onto nonzero buffers; their atomics add in any order, which stays at fp32's rounding).
+static void test_attn_f32(mtrl_cuda_ctx *ctx, int Tq, int Tk, int H, int Hk, int Dk, int Dv, int alias) {
+    double scale = 1.0 / sqrt((double)Dk);
+    int ldk = alias ? Dk : Hk * Dk, ldv = alias ? Dk : Hk * Dv;
+    size_t nq = (size_t)Tq * H * Dk, nk = (size_t)Tk * ldk, nv = alias ? 0 : (size_t)Tk * ldv,
+           no = (size_t)Tq * H * Dv, nl = (size_t)Tq * H;
+    double *q = tu_alloc(nq), *k = tu_alloc(nk), *v = tu_alloc(nv ? nv : 1), *dout = tu_alloc(no);
+    tu_fill_normal(q, nq, 1.0);
+    tu_fill_normal(k, nk, 1.0);
+    if (!alias) tu_fill_normal(v, nv, 1.0);
+    tu_fill_normal(dout, no, 1.0);
+    double *all[4] = {q, k, v, dout};
+    size_t len[4] = {nq, nk, nv, no};
+    for (int b = 0; b < 4; b++)
+        for (size_t i = 0; i < len[b]; i++) all[b][i] = (double)(float)all[b][i];
+    const double *vv = alias ? k : v;
+    double *o = tu_alloc(no), *lse = tu_alloc(nl), *dq = tu_alloc(nq), *dk = tu_alloc(nk), *dv = alias ? dk : tu_alloc(nv);
+    mtrl_ref_attn_causal_fwd(Tq, Tk, H, Hk, Dk, Dv, scale, q, k, ldk, vv, ldv, o, lse);
+    mtrl_ref_attn_causal_bwd(Tq, Tk, H, Hk, Dk, Dv, scale, q, k, ldk, vv, ldv, o, lse, dout, dq, dk, dv);
+    float *d_q = tu_dev_f32(q, nq), *d_k = tu_dev_f32(k, nk), *d_v = alias ? d_k : tu_dev_f32(v, nv),
+          *d_do = tu_dev_f32(dout, no), *d_o = tu_dev_nan(ctx, no), *d_lse = tu_dev_nan(ctx, nl),
+          *e_dq = tu_dev_nan(ctx, nq);
+    double *dk0 = tu_alloc(nk), *dv0 = tu_alloc(nv ? nv : 1);
+    tu_fill_normal(dk0, nk, 1.0);
+    if (!alias) tu_fill_normal(dv0, nv, 1.0);
+    for (size_t i = 0; i < nk; i++) dk0[i] = (double)(float)dk0[i];
+    for (size_t i = 0; i < nv; i++) dv0[i] = (double)(float)dv0[i];
+    float *e_dk = tu_dev_f32(dk0, nk), *e_dv = alias ? e_dk : tu_dev_f32(dv0, nv);
+    printf("attention fp32 operands Tq=%d Tk=%d H=%d Hk=%d Dk=%d Dv=%d%s\n", Tq, Tk, H, Hk, Dk, Dv,
+           alias ? " (values alias the keys)" : "");
+    TEST_EQ_INT(mtrl_attn_causal_fwd_f32(ctx, Tq, Tk, H, Hk, Dk, Dv, (float)scale, d_q, d_k, ldk, d_v, ldv, d_o, d_lse), 0);
+    TEST_EQ_INT(mtrl_attn_causal_bwd_f32(ctx, Tq, Tk, H, Hk, Dk, Dv, (float)scale, d_q, d_k, ldk, d_v, ldv, d_o, d_lse,
+                                         d_do, e_dq, e_dk, e_dv), 0);
+    mtrl_cuda_sync(ctx);
+    size_t big = nq > nk ? nq : nk;
+    if (nv > big) big = nv;
+    if (no > big) big = no;
+    double *got = tu_alloc(big), *ref = tu_alloc(big);
+    tu_get_f32(got, d_o, no);
+    TU_CHECK_REL("fp32 fwd o", got, o, no, 1e-5);
+    tu_get_f32(got, d_lse, nl);
+    TU_CHECK_REL("fp32 fwd lse", got, lse, nl, 1e-5);
+    if (Tk > 1) { // one key: dq is exactly 0 (the reference leaves rounding noise)
+        tu_get_f32(got, e_dq, nq);
+        TU_CHECK_REL("fp32 bwd dq", got, dq, nq, 1e-5);
+    }
+    tu_get_f32(got, e_dk, nk);
+    for (size_t i = 0; i < nk; i++) {
+        got[i] -= dk0[i];
+        ref[i] = dk[i];
+    }
+    TU_CHECK_REL(alias ? "fp32 bwd dk (+=, dk and dv aliased)" : "fp32 bwd dk (+=)", got, ref, nk, 1e-5);
+    if (!alias) {
+        tu_get_f32(got, e_dv, nv);
+        for (size_t i = 0; i < nv; i++) {
+            got[i] -= dv0[i];
+            ref[i] = dv[i];
+        }
+        TU_CHECK_REL("fp32 bwd dv (+=)", got, ref, nv, 1e-5);
+    }
+    mtrl_cuda_free(d_q); mtrl_cuda_free(d_k); if (!alias) mtrl_cuda_free(d_v); mtrl_cuda_free(d_do);
+    mtrl_cuda_free(d_o); mtrl_cuda_free(d_lse); mtrl_cuda_free(e_dq); mtrl_cuda_free(e_dk);
+    if (!alias) mtrl_cuda_free(e_dv);
+    free(q); free(k); free(v); free(dout); free(o); free(lse); free(dq); free(dk);
+    if (!alias) free(dv);
+    free(dk0); free(dv0); free(got); free(ref);
+}
+
 // Both of v3's shapes (Dk = 192 or 128, Dv = 128) on tails of its tiles, Tq < Tk, GQA (which
 // the v3 ping-pong dK / dV declines), one token: run under the alternative kernel settings.
 static void test_v3_shapes(mtrl_cuda_ctx *ctx) {
@@ -258,6 +329,18 @@ int main(int argc, char **argv) {
     const int attn_only = argc > 1 && !strcmp(argv[1], "attn");
     mtrl_cuda_ctx *ctx = mtrl_cuda_ctx_create(0, NULL);
     tu_seed(3);
+    if (argc > 1 && !strcmp(argv[1], "f32")) attn_f32_only_ = 1;
+    // fp32 operands ([kernels] attn_operands = fp32): the Kimi fixture's naive shape (Dk 16 + 8,
+    // Dv 16), its absorbed one (latent 16 + 8, values aliased), GQA, Tq < Tk, one key, 300 keys
+    test_attn_f32(ctx, 40, 40, 2, 2, 24, 16, 0);
+    test_attn_f32(ctx, 40, 40, 2, 1, 24, 16, 1);
+    test_attn_f32(ctx, 37, 301, 4, 2, 48, 32, 0);
+    test_attn_f32(ctx, 1, 1, 2, 2, 192, 128, 0);
+    test_attn_f32(ctx, 200, 300, 4, 1, 576, 512, 1);
+    if (attn_f32_only_) {
+        mtrl_cuda_ctx_destroy(ctx);
+        return test_report();
+    }
     test_attn(ctx, 150, 150, 4, 1, 40, 32, 1);    // tiny preset latent (dc 32 + dr 8)
     test_attn(ctx, 200, 200, 8, 1, 576, 512, 1);  // model shapes (dc 512 + dr 64)
     test_attn(ctx, 70, 190, 4, 1, 576, 512, 1);   // a segment after a 120-token prefix

@@ -133,8 +133,11 @@ int cmd_import(int argc, char **argv) {
     }
     if (!dir) return cli_usage_error("import", IMPORT_USAGE, "give a folder");
     char text[4400];
-    // true fp32 GEMMs on a GPU: the logits check the model's forms, not TF32's rounding
-    snprintf(text, sizeof text, "[model]\nfrom = %s\ngemm = fp32\n[env]\nname = calc\n", dir);
+    // fp32 on a GPU (GEMMs, latents, attention operands): the logits check the model's forms, not
+    // TF32's or bf16's rounding (--set may choose otherwise)
+    snprintf(text, sizeof text,
+             "[model]\nfrom = %s\ngemm = fp32\n[kernels]\nlatent = fp32\nattn_operands = fp32\n[env]\nname = calc\n",
+             dir);
     mtrl_config cfg;
     mtrl_config_errors errs = {0};
     const char *sets[64];
