@@ -267,6 +267,8 @@ static group_buf *group_get_(mtrl_learner *l, uint64_t id) {
     return g;
 }
 
+// Removes group i keeping the others in arrival order: batches take the oldest final groups first,
+// so no group waits behind newer ones until it is stale.
 static void group_drop_(mtrl_learner *l, int i) {
     group_buf *g = &l->groups[i];
     for (int k = 0; k < g->n; k++) {
@@ -274,7 +276,8 @@ static void group_drop_(mtrl_learner *l, int i) {
         free(g->eps[k]);
     }
     free(g->eps);
-    l->groups[i] = l->groups[--l->n_groups];
+    memmove(&l->groups[i], &l->groups[i + 1], sizeof *l->groups * (size_t)(l->n_groups - i - 1));
+    l->n_groups--;
 }
 
 // Data the learner refused: an episode the assembler rejected (over a cap, malformed), or one
@@ -337,6 +340,20 @@ static void commit_(mtrl_learner *l, mtrl_traj *t) {
 static int group_trainable_(const group_buf *g) {
     int n = 0;
     for (int k = 0; k < g->n; k++) n += g->eps[k]->status == MTRL_EP_COMPLETE || g->eps[k]->status == MTRL_EP_TRUNCATED;
+    return n;
+}
+
+// The trainable episodes of g sampled with weights more than max_staleness versions behind the
+// learner's now: the check at arrival again, at the step that would train them (a group can
+// wait for its last episode, or behind a backlog, for several steps).
+static int group_stale_eps_(const mtrl_learner *l, const group_buf *g) {
+    int n = 0;
+    for (int k = 0; k < g->n; k++) {
+        const mtrl_traj *t = g->eps[k];
+        int trainable = t->status == MTRL_EP_COMPLETE || t->status == MTRL_EP_TRUNCATED;
+        n += trainable && t->n_model > 0 &&
+             (long)l->model.version - (long)t->version_min > l->cfg.learner.max_staleness;
+    }
     return n;
 }
 
@@ -1333,6 +1350,13 @@ int mtrl_learner_run(mtrl_learner *l, volatile sig_atomic_t *stop) {
         int n_ready = 0;
         for (int i = 0; i < l->n_groups && n_ready < need; i++) {
             if (!group_final_(l, &l->groups[i], now)) continue;
+            int stale = group_stale_eps_(l, &l->groups[i]);
+            if (stale) { // one policy per group: a group with a stale episode leaves whole
+                l->stale_dropped += stale;
+                l->groups_dropped++;
+                group_drop_(l, i--);
+                continue;
+            }
             if (group_trainable_(&l->groups[i]) < (G > 1 ? 2 : 1)) {
                 l->groups_dropped++;
                 group_drop_(l, i--);

@@ -36,6 +36,8 @@ int main(void) {
     TEST_CHECK(n >= 8);
     TEST_EQ_INT(bad, 0);
     TEST_EQ_INT(test_query_int(db, "select count(*) from metrics where name = 'token_masked_frac'"), 4);
+    // no step trains a token sampled more than [learner] max_staleness (4) versions before it
+    TEST_CHECK(test_query_int(db, "select coalesce(max(value), 0) from metrics where name = 'staleness_max'") <= 4);
     // an episode of one weight version that has a checkpoint (checkpoint_every = 1; a stage's
     // first version, the same weights as the step before, has none)
     // One of stage 1 (hops = 1, context 2048: not the base [env] and [actor]) and one of stage 2:
