@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # gpu_verify.sh: on the GPU machine, after `PREP_REV=HEAD tools/gpu_run.sh prepare` here (the
 # binaries and libraries carried in .carry/dev, or packed in .carry/dev.tar.xz, unpacked here
-# first): the imported Kimi-Linear fixture on the GPU against transformers, every carried gpu test, the model benchmark's MFU at 64K (one sequence and 64
+# first): the imported Kimi-Linear fixture on the GPU against transformers (fp32, then the training
+# kernels' bf16 operands), every carried gpu test, the model benchmark's MFU at 64K (one sequence and 64
 # packed), and the KDA forward's sequential and chunk-parallel times. Results go to $OUT:
 # tests.txt (each test's last line and FAIL lines), hf.txt, bench.txt, kda.txt; with PARTS naming
 # gmin and image also gmin.txt (the KDA kernels' bound cases at decays below the floor, a
@@ -23,9 +24,11 @@ has() { [[ $parts == *" $1 "* ]]; }
 has hf && {
   $bin/mtrl import tests/fixtures/kimi_linear_tiny --device cuda --logits /tmp/kimi-cuda.st &&
     python3 tools/check_hf_export.py tests/fixtures/kimi_linear_tiny /tmp/kimi-cuda.st --atol 1e-4 --device cpu
-  echo "--- the same with the MLA latents in fp32"
-  $bin/mtrl import tests/fixtures/kimi_linear_tiny --device cuda --set kernels.latent=fp32 --logits /tmp/kimi-cuda32.st &&
-    python3 tools/check_hf_export.py tests/fixtures/kimi_linear_tiny /tmp/kimi-cuda32.st --atol 1e-4 --device cpu
+  echo "--- the same on the training kernels' precisions: bf16 attention operands, then bf16 latents too"
+  $bin/mtrl import tests/fixtures/kimi_linear_tiny --device cuda --set kernels.attn_operands=bf16 --logits /tmp/kimi-cuda-a16.st &&
+    python3 tools/check_hf_export.py tests/fixtures/kimi_linear_tiny /tmp/kimi-cuda-a16.st --atol 5e-3 --device cpu
+  $bin/mtrl import tests/fixtures/kimi_linear_tiny --device cuda --set kernels.attn_operands=bf16 --set kernels.latent=bf16 \
+    --logits /tmp/kimi-cuda-l16.st && python3 tools/check_hf_export.py tests/fixtures/kimi_linear_tiny /tmp/kimi-cuda-l16.st --atol 5e-3 --device cpu
   echo "--- the CPU"
   $bin/mtrl import tests/fixtures/kimi_linear_tiny --device cpu --logits /tmp/kimi-cpu.st &&
     python3 tools/check_hf_export.py tests/fixtures/kimi_linear_tiny /tmp/kimi-cpu.st --atol 1e-4
@@ -50,10 +53,10 @@ has image && {
   rm -rf /tmp/img && mkdir -p /tmp/img && cd /tmp/img || exit 1
   s=$(date +%s)
   timeout "${IMAGE_SECONDS:-240}" "$OLDPWD/$bin/mtrl" run "$OLDPWD/experiments/image-gpu.ini" --db runs.db \
-    --set run.out_dir=/tmp/img/runs --set run.keep_checkpoints=1 > run.log 2>&1
+    --set run.out_dir=/tmp/img/runs --set run.keep_checkpoints=2 --set run.checkpoint_every=30 > run.log 2>&1
   echo "image-gpu: exit $? after $(( $(date +%s) - s )) s"
   python3 "$OLDPWD/tools/run_summary.py" runs.db
-  ep=$(python3 -c "import sqlite3; c = sqlite3.connect('runs.db'); print(c.execute('select id from episodes where version_min = version_max and version_min in (select version from checkpoints) order by tool_calls desc, id desc limit 1').fetchone()[0])")
+  ep=$(python3 -c "import sqlite3; c = sqlite3.connect('runs.db'); print(c.execute('select id from episodes where version_min = version_max and version_min = (select version from checkpoints order by version desc limit 1 offset 1) order by reward desc, tool_calls desc, id desc limit 1').fetchone()[0])")
   echo "--- replay --reexec of episode $ep"
   timeout 90 "$OLDPWD/$bin/mtrl" replay --db runs.db --episode "$ep" --reexec 2>&1 | tail -30
   grep -E "warm-up|step 1 |error|ERROR" run.log | head -20
