@@ -223,7 +223,9 @@ static void test_attn_f32(mtrl_cuda_ctx *ctx, int Tq, int Tk, int H, int Hk, int
         got[i] -= dk0[i];
         ref[i] = dk[i];
     }
-    TU_CHECK_REL(alias ? "fp32 bwd dk (+=, dk and dv aliased)" : "fp32 bwd dk (+=)", got, ref, nk, 1e-5);
+    // one key without aliased values: the dk increment is exactly 0 as dq is (noise on both sides)
+    if (Tk > 1 || alias)
+        TU_CHECK_REL(alias ? "fp32 bwd dk (+=, dk and dv aliased)" : "fp32 bwd dk (+=)", got, ref, nk, 1e-5);
     if (!alias) {
         tu_get_f32(got, e_dv, nv);
         for (size_t i = 0; i < nv; i++) {
