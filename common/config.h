@@ -100,7 +100,7 @@ long mtrl_config_segment(const mtrl_config *cfg);
 // [learner] gpus as device ids: the count (0 for the default, empty: one rank on GPU 0) and
 // ids[0 .. count-1] in the order listed (rank r runs on ids[r]); -1 with the reason in why for
 // a list that is not comma-separated ids 0..MTRL_CFG_GPU_ID_MAX, names one twice or more than
-// MTRL_CFG_GPUS_MAX (the load has refused such a list, naming the key).
+// MTRL_CFG_GPUS_MAX (the load has refused such a list, naming the key). why nullable.
 #define MTRL_CFG_GPUS_MAX 64
 #define MTRL_CFG_GPU_ID_MAX 1023
 int mtrl_config_gpus(const mtrl_config *cfg, int *ids, char *why, size_t why_cap);

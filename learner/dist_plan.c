@@ -206,13 +206,13 @@ void mtrl_dist_shards_free(mtrl_dist_shards *s) {
 
 // ---- printing -----------------------------------------------------------------------------------
 
-static double gib_(size_t b) { return (double)b / (double)((size_t)1 << 30); }
+static double mib_(size_t b) { return (double)b / (double)((size_t)1 << 20); }
 
 void mtrl_dist_plan_print(const mtrl_dist_split *s, const mtrl_dist_experts *x, const mtrl_dist_shards *sh,
                           const int *gpus, FILE *f) {
     fprintf(f, "per-rank plan (%d ranks):\n", s->ranks);
     fprintf(f, "  %-4s %-4s %8s %12s %6s %8s %-11s %14s %14s\n", "rank", "gpu", "episodes", "tokens", "units", "longest",
-            "experts", "moments GiB", "shard GiB");
+            "experts", "moments MiB", "shard MiB");
     for (int r = 0; r < s->ranks; r++) {
         const mtrl_dist_rank_batch *b = &s->rank[r];
         char ex[32] = "-";
@@ -221,7 +221,7 @@ void mtrl_dist_plan_print(const mtrl_dist_split *s, const mtrl_dist_experts *x, 
         if (gpus) snprintf(gpu, sizeof gpu, "%d", gpus[r]);
         fprintf(f, "  %-4d %-4s %8d %12ld %6d %8d %-11s", r, gpu, b->n_seq, b->tokens, b->units, b->longest, ex);
         // ZeRO-1: the two moments of the shard; the parameter or gradient shard is one block's.
-        if (sh) fprintf(f, " %14.2f %14.2f", gib_(2 * sh->shard_bytes), gib_(sh->shard_bytes));
+        if (sh) fprintf(f, " %14.1f %14.1f", mib_(2 * sh->shard_bytes), mib_(sh->shard_bytes));
         fputc('\n', f);
     }
     fprintf(f, "  tokens %ld, busiest rank %ld (bound %ld), imbalance %.1f%%\n", s->total, s->max_tokens, s->bound,
@@ -230,8 +230,8 @@ void mtrl_dist_plan_print(const mtrl_dist_split *s, const mtrl_dist_experts *x, 
         fprintf(f, "  experts: %d per MoE layer over %d ranks, %d or %d a rank\n", x->E, x->ranks, x->E / x->ranks,
                 (x->E + x->ranks - 1) / x->ranks);
     if (sh)
-        fprintf(f, "  shards: block %.2f GiB (%zu bytes), %zu bytes a rank (aligned to %zu), padding %zu bytes past the "
-                "block; per rank the replicated parameters and gradients stay %.2f GiB each (ZeRO-1/2 shard the "
-                "moments and the reduced gradients)\n",
-                gib_(sh->total), sh->total, sh->shard_bytes, sh->align, sh->padded - sh->total, gib_(sh->total));
+        fprintf(f, "  shards: parameter block %.1f MiB (%zu bytes), %zu bytes a rank (aligned to %zu), %zu bytes of "
+                "padding past the block; the moment shard is two of these a rank (ZeRO-1), the reduced gradient "
+                "shard one (ZeRO-2); the parameters stay replicated (%.1f MiB a rank)\n",
+                mib_(sh->total), sh->total, sh->shard_bytes, sh->align, sh->padded - sh->total, mib_(sh->total));
 }
