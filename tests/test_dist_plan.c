@@ -12,6 +12,7 @@
 #include "common/rng.h"
 #include "learner/dist_ckpt.h"
 #include "learner/dist_plan.h"
+#include "learner/learner.h"
 #include "model/model.h"
 #include "testhelp.h"
 #include "testmodel.h"
@@ -464,11 +465,25 @@ static void test_config_gpus(void) {
     }
 }
 
+// Several GPUs: the learner refuses to start (its NCCL path is not built), naming the key.
+static void test_learner_refuses(void) {
+    mtrl_config cfg;
+    mtrl_config_errors errs = {0};
+    const char *text = "[env]\nname = calc\n[learner]\ngpus = 0,1\n";
+    TEST_CHECK(mtrl_config_load_text(&cfg, "gpus.ini", text, NULL, 0, &errs) == MTRL_OK);
+    mtrl_config_errors_free(&errs);
+    mtrl_learner *l = NULL;
+    mtrl_error err;
+    TEST_CHECK(mtrl_learner_open(&l, &cfg, NULL, &err) == MTRL_ERR_USAGE && l == NULL &&
+               strstr(err.msg, "[learner] gpus = 0,1") && strstr(err.msg, "not built yet"));
+}
+
 int main(void) {
     test_split();
     test_experts();
     test_shards();
     test_checkpoint();
     test_config_gpus();
+    test_learner_refuses();
     return test_report();
 }
