@@ -14,13 +14,13 @@ static mtrl_status ranks_ok_(int ranks, const char *what, mtrl_error *err) {
 
 // ---- token split --------------------------------------------------------------------------------
 
-static const int *sort_len_; // the lengths qsort's comparison reads (the split is single-threaded)
+typedef struct len_idx { int len, i; } len_idx;
 
 // Longest first; equal lengths in batch order, so the split does not depend on qsort's order.
 static int by_len_desc_(const void *a, const void *b) {
-    int i = *(const int *)a, j = *(const int *)b;
-    if (sort_len_[i] != sort_len_[j]) return sort_len_[i] > sort_len_[j] ? -1 : 1;
-    return i < j ? -1 : i > j;
+    const len_idx *x = a, *y = b;
+    if (x->len != y->len) return x->len > y->len ? -1 : 1;
+    return x->i < y->i ? -1 : x->i > y->i;
 }
 
 mtrl_status mtrl_dist_split_make(mtrl_dist_split *s, int n, const int *len, int ranks, int segment, mtrl_error *err) {
@@ -36,12 +36,11 @@ mtrl_status mtrl_dist_split_make(mtrl_dist_split *s, int n, const int *len, int 
     size_t cap = (size_t)(n ? n : 1);
     s->rank_of = xmalloc(sizeof(int) * cap);
     s->order = xmalloc(sizeof(int) * cap);
-    int *by_len = xmalloc(sizeof(int) * cap);
-    for (int i = 0; i < n; i++) by_len[i] = i;
-    sort_len_ = len;
-    qsort(by_len, (size_t)n, sizeof(int), by_len_desc_);
+    len_idx *by_len = xmalloc(sizeof(len_idx) * cap);
+    for (int i = 0; i < n; i++) by_len[i] = (len_idx){len[i], i};
+    qsort(by_len, (size_t)n, sizeof(len_idx), by_len_desc_);
     for (int j = 0; j < n; j++) {
-        int i = by_len[j], r = 0;
+        int i = by_len[j].i, r = 0;
         for (int q = 1; q < ranks; q++)
             if (s->rank[q].tokens < s->rank[r].tokens) r = q;
         s->rank_of[i] = r;
@@ -62,7 +61,7 @@ mtrl_status mtrl_dist_split_make(mtrl_dist_split *s, int n, const int *len, int 
         s->rank[r].units = m ? mtrl_model_pack_units(m, lens, segment, units) : 0;
         if (s->rank[r].tokens > s->max_tokens) s->max_tokens = s->rank[r].tokens;
     }
-    long longest = n ? len[by_len[0]] : 0, l_r = n > ranks ? len[by_len[ranks]] : 0;
+    long longest = n ? by_len[0].len : 0, l_r = n > ranks ? by_len[ranks].len : 0;
     // total / ranks + (1 - 1/ranks) l_R, rounded up: the busiest rank's last episode started on
     // the least loaded rank, which held at most the mean of the other episodes.
     long lpt = (s->total - l_r + ranks - 1) / ranks + l_r;

@@ -478,6 +478,27 @@ static void test_learner_refuses(void) {
                strstr(err.msg, "[learner] gpus = 0,1") && strstr(err.msg, "not built yet"));
 }
 
+// `mtrl plan` with two GPUs listed prints the per-rank table (ctest sets MTRL_BIN and MTRL_SRC).
+static void test_plan_command(void) {
+    const char *bin = getenv("MTRL_BIN"), *src = getenv("MTRL_SRC");
+    if (!bin || !src) {
+        printf("mtrl plan not run: MTRL_BIN / MTRL_SRC not set (run through ctest)\n");
+        return;
+    }
+    char cmd[2048], out[16384];
+    snprintf(cmd, sizeof cmd, "'%s' plan '%s/experiments/quickstart.ini' --budget-gib 8 --set learner.gpus=3,1 2>&1", bin,
+             src);
+    FILE *p = popen(cmd, "r");
+    TEST_CHECK(p != NULL);
+    if (!p) return;
+    size_t n = fread(out, 1, sizeof out - 1, p);
+    out[n] = 0;
+    int rc = pclose(p);
+    TEST_CHECKF(rc == 0 && strstr(out, "per-rank plan (2 ranks)") && strstr(out, "imbalance 0.0%") &&
+                    strstr(out, "0..3") && strstr(out, "4..7") && strstr(out, "memory plan of rank 0 (16 of the 32"),
+                "mtrl plan (rc %d):\n%s", rc, out);
+}
+
 int main(void) {
     test_split();
     test_experts();
@@ -485,5 +506,6 @@ int main(void) {
     test_checkpoint();
     test_config_gpus();
     test_learner_refuses();
+    test_plan_command();
     return test_report();
 }
