@@ -623,6 +623,10 @@ static void check_whole_(cfg_parse *ps) {
     if (!strcmp(cfg->kernels.attn_operands, "fp32") && strcmp(cfg->kernels.latent, "fp32"))
         errs_add(ps->errs, "%s: [kernels] attn_operands = fp32 needs latent = fp32 (the keys and values are read "
                  "from the latent caches)", ps->name);
+    char why[160];
+    int gpus[MTRL_CFG_GPUS_MAX];
+    if (mtrl_config_gpus(cfg, gpus, why, sizeof why) < 0)
+        errs_add(ps->errs, "%s: [learner] gpus = %s: %s", ps->name, cfg->learner.gpus, why);
     if (cfg->algo.eps_low >= 1.0)
         errs_add(ps->errs, "%s: [algo] eps_low must be below 1 (ratios are clipped to [1 - eps_low, 1 + eps_high])", ps->name);
 }
@@ -634,6 +638,45 @@ long mtrl_config_segment(const mtrl_config *cfg) {
     errno = 0;
     long n = strtol(s, &end, 10);
     return *s && !*end && !errno && n >= 1 && n <= (1L << 30) ? n : 0;
+}
+
+int mtrl_config_gpus(const mtrl_config *cfg, int *ids, char *why, size_t why_cap) {
+    const char *s = cfg->learner.gpus;
+    int n = 0;
+    while (*s == ' ') s++;
+    if (!*s) return 0;
+    for (;;) {
+        while (*s == ' ') s++;
+        char *end;
+        errno = 0;
+        long v = strtol(s, &end, 10);
+        if (end == s || errno || (*s != '-' && (*s < '0' || *s > '9'))) {
+            snprintf(why, why_cap, "expected GPU ids separated by commas, e.g. 0,1 (entry %d is not a number)", n + 1);
+            return -1;
+        }
+        if (v < 0 || v > MTRL_CFG_GPU_ID_MAX) {
+            snprintf(why, why_cap, "%ld is not a GPU id (0..%d)", v, MTRL_CFG_GPU_ID_MAX);
+            return -1;
+        }
+        for (int i = 0; i < n; i++)
+            if (ids[i] == v) {
+                snprintf(why, why_cap, "GPU %ld is listed twice (one rank per GPU)", v);
+                return -1;
+            }
+        if (n == MTRL_CFG_GPUS_MAX) {
+            snprintf(why, why_cap, "more than %d GPUs", MTRL_CFG_GPUS_MAX);
+            return -1;
+        }
+        ids[n++] = (int)v;
+        s = end;
+        while (*s == ' ') s++;
+        if (!*s) return n;
+        if (*s != ',') {
+            snprintf(why, why_cap, "expected a comma after %ld, found '%c'", v, *s);
+            return -1;
+        }
+        s++;
+    }
 }
 
 // ---- model presets ---------------------------------------------------------------------------------------

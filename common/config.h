@@ -97,6 +97,14 @@ void mtrl_config_print_keys(FILE *f);
 #define MTRL_CFG_SEGMENT_AUTO (-1L)
 long mtrl_config_segment(const mtrl_config *cfg);
 
+// [learner] gpus as device ids: the count (0 for the default, empty: one rank on GPU 0) and
+// ids[0 .. count-1] in the order listed (rank r runs on ids[r]); -1 with the reason in why for
+// a list that is not comma-separated ids 0..MTRL_CFG_GPU_ID_MAX, names one twice or more than
+// MTRL_CFG_GPUS_MAX (the load has refused such a list, naming the key). why nullable.
+#define MTRL_CFG_GPUS_MAX 64
+#define MTRL_CFG_GPU_ID_MAX 1023
+int mtrl_config_gpus(const mtrl_config *cfg, int *ids, char *why, size_t why_cap);
+
 // OpenMP threads for one process of a run: [learner] threads when set, else the cores shared
 // evenly between the learner and its [actor] count local actors (at least 1). On a 2-core
 // machine with 2 actors every process gets one thread: teams of two on a shared core spend

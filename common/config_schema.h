@@ -126,7 +126,8 @@
     X(learner, actor_start_timeout_ms, INT, "120000", 100, 3600000, NULL, "... or this long after its WELCOME, before its first message (it builds its model and envs)") \
     X(learner, credit_bytes, INT, "4194304", 4096, 1LL << 40, NULL, "bytes an actor may have in flight") \
     X(learner, segment, STR, "auto", 0, 0, NULL, "tokens per segment of the learner's forward and backward, and of replay's scoring: auto (the memory planner's choice for each batch from the device's free memory) or a count N") \
-    X(learner, threads, INT, "0", 0, 1024, NULL, "OpenMP threads of the learner and of each local actor (0 = the cores shared evenly)")
+    X(learner, threads, INT, "0", 0, 1024, NULL, "OpenMP threads of the learner and of each local actor (0 = the cores shared evenly)") \
+    X(learner, gpus, STR, "", 0, 0, NULL, "CUDA devices of the learner's ranks, e.g. 0,1,2,3: one data-parallel rank each (docs/multi-gpu.md; mtrl plan prints the per-rank plan, the training path of several is not built yet); one id picks the learner's GPU; empty = one rank on GPU 0")
 
 #define MTRL_CFG_ALGO(X)                                                                            \
     X(algo, advantage, ENUM, "grpo", 0, 0, "grpo|dr_grpo|rloo", "group-relative advantage estimator") \

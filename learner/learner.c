@@ -1195,6 +1195,19 @@ mtrl_status mtrl_learner_open(mtrl_learner **out, const mtrl_config *cfg, const 
     int device = MTRL_DEVICE_CPU, gpu = 0;
     if (st == MTRL_OK && mtrl_model_parse_device(cfg->model.device, &device, &gpu) != 0)
         st = mtrl_error_set(err, MTRL_ERR_USAGE, "%s: [model] device = %s: expected cpu or cuda", cfg->path, cfg->model.device);
+    // [learner] gpus: one id is the learner's GPU; several need the multi-GPU learner, whose
+    // partition exists (learner/dist_plan.h, `mtrl plan` prints it) but not its NCCL data path.
+    char why[160];
+    int gpus[MTRL_CFG_GPUS_MAX], n_gpus = st == MTRL_OK ? mtrl_config_gpus(cfg, gpus, why, sizeof why) : 0;
+    if (n_gpus < 0)
+        st = mtrl_error_set(err, MTRL_ERR_USAGE, "%s: [learner] gpus = %s: %s", cfg->path, cfg->learner.gpus, why);
+    else if (n_gpus > 1)
+        st = mtrl_error_set(err, MTRL_ERR_USAGE,
+                            "%s: [learner] gpus = %s: a learner on several GPUs is not built yet (docs/multi-gpu.md); "
+                            "`mtrl plan` prints its per-rank plan; list one GPU to train",
+                            cfg->path, cfg->learner.gpus);
+    else if (n_gpus == 1 && device == MTRL_DEVICE_CUDA)
+        gpu = gpus[0];
     if (st == MTRL_OK) st = mtrl_model_init_on(&l->model, &d, (uint64_t)cfg->run.seed, device, gpu, err);
     if (st == MTRL_OK) mtrl_qb_set_mode(&l->model, cfg->learner.qb ? MTRL_QB_TRAIN : MTRL_QB_FROZEN);
     // A run that starts from a Hugging Face checkpoint takes its weights and correction biases

@@ -326,6 +326,10 @@ void mtrl_model_to_device(mtrl_model *m);
 void mtrl_model_optimizer_reset(mtrl_model *m);
 
 size_t mtrl_model_param_count(const mtrl_model *m);
+// The parameter table of dims d, laid out (names, shapes, offsets, t->total) with no block
+// allocated: what mtrl_model_init builds, for code that plans over it without a model (the
+// ZeRO shard layout of `mtrl plan`, learner/dist_plan.h). Free with mtrl_tt_free.
+void mtrl_model_param_table(mtrl_tt *t, const mtrl_model_dims *d);
 // Matrix parameters one token multiplies by (the MFU convention: embeddings and vectors left
 // out, each MoE layer's routed experts counted k/E of their size, shared experts in full).
 double mtrl_model_active_matmul_params(const mtrl_model *m);
@@ -362,6 +366,11 @@ typedef void (*mtrl_model_loss_fn)(void *user, int i0, int n, const real *logp, 
                                    real *dentropy);
 void mtrl_model_train(mtrl_model *m, const mtrl_batch *b, int segment, real *logp, real *entropy, real *dlogp,
                       real *dentropy, mtrl_model_loss_fn loss, void *user);
+// The units mtrl_model_train (and the forward) cut n sequences of len[i] tokens into with this
+// segment: unit k holds sequences first[k] .. first[k+1]-1, in order (first has room for n + 1
+// entries). Returns the number of units. The one packing rule: the workspace sizes, the memory
+// planner and the multi-GPU split (learner/dist_plan.h) all count units with it.
+int mtrl_model_pack_units(int n, const int *len, int segment, int *first);
 
 // Logits of every position of one sequence (tests, replay): logits [len][V].
 void mtrl_model_logits(mtrl_model *m, const uint32_t *tokens, int len, int segment, real *logits);

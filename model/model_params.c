@@ -187,11 +187,16 @@ static void build_table_(mtrl_tt *t, const mtrl_model_dims *d) {
     if (d->image_patch > 0) add_(t, "image.patch_w", d->d, 3 * d->image_patch * d->image_patch + 4, 0);
 }
 
+void mtrl_model_param_table(mtrl_tt *t, const mtrl_model_dims *d) {
+    mtrl_tt_init(t);
+    build_table_(t, d);
+    mtrl_tt_layout(t);
+}
+
 size_t model_param_bytes(const mtrl_model_dims *d) {
     mtrl_tt t;
-    mtrl_tt_init(&t);
-    build_table_(&t, d);
-    size_t n = mtrl_tt_layout(&t);
+    mtrl_model_param_table(&t, d);
+    size_t n = t.total;
     mtrl_tt_free(&t);
     return n;
 }

@@ -157,9 +157,7 @@ static size_t grad_bytes_(const mtrl_model_dims *d, int max_len) {
            carve_bytes_(sizeof(real) * (size_t)model_n_mla(d) * (size_t)max_len * lat_w_(d));
 }
 
-// Splits a batch into packs (model_ws.h): pack k holds sequences first[k] .. first[k+1]-1, in
-// order. Returns the number of packs; first has room for n + 1 entries.
-static int packs_of_(int n, const int *len, int segment, int *first) {
+int mtrl_model_pack_units(int n, const int *len, int segment, int *first) {
     int cap = segment > 0 ? segment : MTRL_PACK_TOKENS, np = 0, tok = 0, open = 0;
     for (int i = 0; i < n; i++) {
         int fits = len[i] <= cap; // one segment, and room for it in a pack
@@ -181,7 +179,7 @@ void ws_sizes_for(const mtrl_model_dims *d, size_t lat_size, int n, const int *l
     size_t keep_bytes = 0, one_seg = 0, state_cap = carve_bytes_(sizeof(real) * S_sz) + carve_bytes_(sizeof(real) * C_sz);
     size_t lat = 0;
     int *first = xmalloc(sizeof(int) * (size_t)(n + 1));
-    int np = packs_of_(n, len, segment, first);
+    int np = mtrl_model_pack_units(n, len, segment, first);
     for (int k = 0; k < np; k++) {
         int i = first[k];
         if (first[k + 1] - i == 1) {
@@ -349,7 +347,7 @@ static ws_impl *batch_setup_(mtrl_model *m, const mtrl_batch *b, int segment, in
     w->run_S = RALLOC(&w->state, S_sz);
     w->run_C = RALLOC(&w->state, C_sz);
     int *first = xmalloc(sizeof(int) * (size_t)(b->n + 1));
-    w->n_pack = packs_of_(b->n, b->len, segment, first);
+    w->n_pack = mtrl_model_pack_units(b->n, b->len, segment, first);
     w->packs = xcalloc((size_t)(w->n_pack ? w->n_pack : 1), sizeof(ws_pack));
     size_t off = 0;
     for (int k = 0; k < w->n_pack; k++) {

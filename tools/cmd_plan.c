@@ -6,12 +6,16 @@
 //
 // Defaults: T = the longest stage context (else [actor] max_tokens); B = that stage's episodes per
 // step (group_size x batch_groups); the device of [model] device; the budget = the device's free
-// memory now. Exit 0 with the plan, 1 when nothing fits (the message says what the least needs),
-// 2 for bad usage.
+// memory now. With several [learner] gpus: the per-rank plan (learner/dist_plan.h: episodes,
+// tokens and units per rank, experts per rank, shard bytes per rank) and the memory plan of the
+// busiest rank's share. Exit 0 with the plan, 1 when nothing fits (the message says what the
+// least needs), 2 for bad usage.
 #include <stdlib.h>
 #include <string.h>
 
+#include "common/check.h"
 #include "common/config.h"
+#include "learner/dist_plan.h"
 #include "model/model_plan.h"
 #include "common/tokenizer.h"
 #include "tools/cli.h"
@@ -19,6 +23,55 @@
 #define PLAN_USAGE                                                                                 \
     "mtrl plan EXPERIMENT.ini [--tokens T] [--batch B] [--device cpu|cuda|cuda:N] [--budget-gib G] " \
     "[--set section.key=value ...]"
+
+// [learner] gpus lists several: the batch split over the ranks (learner/dist_plan.h), the
+// experts and ZeRO shards of each, and the memory plan of the busiest rank's share with its
+// moments sharded.
+static int plan_ranks_(const mtrl_model_dims *d, int dev, long tokens, int batch, size_t budget, const int *gpus,
+                       int ranks) {
+    mtrl_error err;
+    int *len = xmalloc(sizeof(int) * (size_t)batch);
+    for (int i = 0; i < batch; i++) len[i] = (int)tokens;
+    mtrl_dist_split split;
+    mtrl_status st = mtrl_dist_split_make(&split, batch, len, ranks, 0, &err);
+    int busiest = 0;
+    for (int r = 1; st == MTRL_OK && r < ranks; r++)
+        if (split.rank[r].tokens > split.rank[busiest].tokens) busiest = r;
+    mtrl_model_plan p;
+    int share = st == MTRL_OK ? split.rank[busiest].n_seq : 0;
+    if (st == MTRL_OK && share > 0) st = mtrl_model_plan_uniform(&p, d, dev, tokens, share, budget, &err);
+    if (st == MTRL_OK && share > 0) { // the units with the segment the busiest rank's plan chose
+        mtrl_dist_split_free(&split);
+        st = mtrl_dist_split_make(&split, batch, len, ranks, p.segment, &err);
+    }
+    free(len);
+    if (st != MTRL_OK) {
+        fprintf(stderr, "mtrl plan: %s\n", err.msg);
+        return 1;
+    }
+    mtrl_dist_experts x;
+    int have_x = mtrl_dist_experts_make(&x, d->E, ranks, &err) == MTRL_OK;
+    if (!have_x) printf("expert parallel: %s\n", err.msg);
+    mtrl_tt t;
+    mtrl_model_param_table(&t, d);
+    mtrl_dist_shards sh;
+    MTRL_CHECK(mtrl_dist_shards_make(&sh, &t, ranks, MTRL_DIST_SHARD_ALIGN, &err) == MTRL_OK);
+    mtrl_dist_plan_print(&split, have_x ? &x : NULL, &sh, gpus, stdout);
+    if (share > 0) {
+        printf("memory plan of rank %d (%d of the %d episodes):\n", busiest, share, batch);
+        mtrl_model_plan_print(&p, stdout);
+        size_t zero1 = p.total - p.adam + 2 * sh.shard_bytes;
+        printf("with the AdamW moments sharded (ZeRO-1): %.2f GiB of moments instead of %.2f GiB, %.2f GiB in all (%s)\n",
+               (double)(2 * sh.shard_bytes) / (1 << 30), (double)p.adam / (1 << 30), (double)zero1 / (1 << 30),
+               p.budget && zero1 + p.margin > p.budget ? "does not fit the budget" : "fits the budget");
+    }
+    printf("the multi-GPU learner's NCCL path is not built yet: this is the partition it will run "
+           "(docs/multi-gpu.md)\n");
+    mtrl_dist_shards_free(&sh);
+    mtrl_tt_free(&t);
+    mtrl_dist_split_free(&split);
+    return 0;
+}
 
 int cmd_plan(int argc, char **argv) {
     const char *path = NULL, *device = NULL;
@@ -39,6 +92,9 @@ int cmd_plan(int argc, char **argv) {
                    "  --batch B       episodes per learner step (default: that stage's group_size x batch_groups)\n"
                    "  --device D      cpu, cuda or cuda:N (default: [model] device)\n"
                    "  --budget-gib G  memory to plan for (default: the device's free memory now)\n"
+                   "With several [learner] gpus (--set learner.gpus=0,1,...): the per-rank plan, the batch's\n"
+                   "episodes split over the ranks by tokens, the experts and the ZeRO shard of each rank, and the\n"
+                   "memory plan of the busiest rank's share.\n"
                    "Exit 1 when nothing fits, with what the least needs.\n",
                    PLAN_USAGE);
             return 0;
@@ -105,6 +161,8 @@ int cmd_plan(int argc, char **argv) {
     }
     printf("experiment %s: model preset %s, %d layers (%s), d=%d, %d experts top-%d\n", path, cfg.model.preset, d.L,
            d.mixer, d.d, d.E, d.k);
+    int gpus[MTRL_CFG_GPUS_MAX], ranks = mtrl_config_gpus(&cfg, gpus, NULL, 0);
+    if (ranks > 1) return plan_ranks_(&d, dev, tokens, (int)batch, budget, gpus, ranks);
     mtrl_model_plan p;
     mtrl_status st = mtrl_model_plan_uniform(&p, &d, dev, tokens, (int)batch, budget, &err);
     mtrl_model_plan_print(&p, stdout);
