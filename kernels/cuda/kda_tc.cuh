@@ -171,11 +171,11 @@ struct StCfg : StKside<X> {
     static_assert(NST3 * STAGE <= 232448, "the sm_90 opt-in shared memory per block");
 };
 
-// One tile of the forward state pass for one warp, shared by kda3_state_k and its cluster form
-// kda3_state_cl_k (their results are bit-identical by construction): the stage's pointers sW, sQ,
+// One tile of the forward state pass for one warp, shared by kda3_state_k and the chunk-parallel
+// forward's kda_cp_state_k (their arithmetic is the same by construction): the stage's pointers sW, sQ,
 // sE, sP, sU, sEG, Sᵀ in st (updated to the tile's outgoing state); S_tiles gets the incoming state
-// of tile n, o (WO) the tile's output rows; MID runs between the Δ / Q⁺S products and the rest (the
-// cluster form's refill). A macro, not an inline function: as a function the same arithmetic
+// of tile n, o (WO) the tile's output rows; MID runs between the Δ / Q⁺S products and the rest (empty in
+// both; the cluster form, which left the tree, refilled its stages there). A macro, not an inline function: as a function the same arithmetic
 // compiled to other machine code (tools/cubin_compare.py; docs/kernel-lab.md), and these kernels'
 // times were measured as they are. Its steps (the algebra: the header comment at the top):
 //   * S_tiles: the incoming state, fp32, each store filling four 32-byte sectors;
@@ -270,11 +270,9 @@ _Pragma("unroll")                                                               
         }                                                                                             \
         do {} while (0)
 
-// The option kda_warps = 1|2|4|8: warps per block of the state passes; default (0) 4.
-inline int opt_wpb_(const mtrl_cuda_ctx *c) {
-    const int x = c->opts.kda_warps;
-    return x == 1 || x == 2 || x == 4 || x == 8 ? x : 4;
-}
+// Warps per block of the state passes: 4 (1, 2 and 8 measured slower and left the tree,
+// docs/kernel-lab.md). Kept as a function so that callers name the width in one place.
+inline int opt_wpb_(const mtrl_cuda_ctx *) { return 4; }
 
 }  // namespace
 

@@ -13,8 +13,8 @@
 //      tile is exactly the scratch v2's prep buffers take (W, Q⁺, K^e, U, P, e^γ in fp32); pass 3
 //      recomputes its own operands either way. When the caller passes no S_tiles, they are recomputed by the
 //      v3 forward state pass (bf16x3) from the same record, not by v2.
-//   2. kda3_state_bwd_k<WPB, X>, grid (V / (16 WPB), H), WPB warps (default 4; kda_warps = 1|2|4|8
-//      picks another, as for the forward), last tile to first. Warp w owns 16 value columns
+//   2. kda3_state_bwd_k<WPB, X>, grid (V / (16 WPB), H), WPB warps (4, as for the forward), last
+//      tile to first. Warp w owns 16 value columns
 //      j0..j0+15 of one head and holds dSᵀ (16 x K, fp32: dS of the tile's OUTGOING state,
 //      transposed, as the forward holds Sᵀ) as mma accumulators: st[nd][c] = dS(d, j) with
 //      d = 8 nd + 2t + (c & 1), j = j0 + g + 8 (c >> 1) (g = lane/4, t = lane%4), 64 registers.
@@ -226,10 +226,5 @@ void launch_state_bwd3_(mtrl_cuda_ctx *c, int T, int H, int nt, int n_lo, int n_
 void kda3_state_bwd_launch(mtrl_cuda_ctx *c, int T, int H, int n_lo, int n_hi, const unsigned char *rec,
                            const float *dout, const float *dS_final, float *dD, float *dSt, float *dS0) {
     const int nt = (T + C3 - 1) / C3;
-    switch (opt_wpb_(c)) {
-    case 1: launch_state_bwd3_<1, true>(c, T, H, nt, n_lo, n_hi, rec, dout, dS_final, dD, dSt, dS0); break;
-    case 2: launch_state_bwd3_<2, true>(c, T, H, nt, n_lo, n_hi, rec, dout, dS_final, dD, dSt, dS0); break;
-    case 8: launch_state_bwd3_<8, true>(c, T, H, nt, n_lo, n_hi, rec, dout, dS_final, dD, dSt, dS0); break;
-    default: launch_state_bwd3_<4, true>(c, T, H, nt, n_lo, n_hi, rec, dout, dS_final, dD, dSt, dS0); break;
-    }
+    launch_state_bwd3_<4, true>(c, T, H, nt, n_lo, n_hi, rec, dout, dS_final, dD, dSt, dS0);  // 4 warps a block
 }

@@ -15,7 +15,7 @@
 //   attn3_bwd_dkv_pp_k dK / dV (MHA rows): thread 0 refills the query-tile stages; no producer
 //                      warp, because dK and dV take 255 registers per consumer thread.
 //   attn3_bwd_dkv_k    dK / dV with the warpgroups in step (a __syncthreads per tile, cp.async
-//                      by every thread): GQA rows, and attn_dkv_in_step = true (a lab knob).
+//                      by every thread): GQA rows.
 // Measured and dropped (docs/kernel-lab.md): the forward and dQ in step (the forward 1.5-1.7x
 // slower); a warp-specialised dK / dV (384 threads with setmaxnreg 24 / 240: ptxas reported 168
 // registers per thread and ~1 KB of spills, and it ran 1.3x slower than in step).
@@ -741,17 +741,13 @@ __global__ void __launch_bounds__(384, 1)
 #endif
 }
 
-// The option attn_dkv_in_step (a lab variant): dK / dV with the warpgroups in step (no
-// ping-pong).
-int ws_wanted_(const mtrl_cuda_ctx *c) { return !c->opts.attn_dkv_in_step; }
-
 template <int DK, int DV>
 int launch_dkv3_(mtrl_cuda_ctx *c, const A2 &a, int Hk, const uint16_t *dout, const float *lse,
                  const float *D, const float *Lt, const float *Dt, int npad, float *dk, float *dv) {
     using C = Wdkv<DK, DV>;
     using P = WdkvPp<DK, DV>;
     CUtensorMap tq, to;
-    if (ws_wanted_(c) && a.G == 1 && Lt && P::smem() <= c->smem_optin &&
+    if (a.G == 1 && Lt && P::smem() <= c->smem_optin &&
         !tma_map_rows(&tq, a.q, a.H * DK, a.Tq, P::BR) && !tma_map_rows(&to, dout, a.H * DV, a.Tq, P::BR)) {
         set_smem(attn3_bwd_dkv_pp_k<DK, DV>, P::smem());
         attn3_bwd_dkv_pp_k<DK, DV><<<dim3(cdiv(a.Tk, P::BN), Hk), 256, P::smem(), c->stream>>>(
