@@ -39,7 +39,7 @@ typedef struct mtrl_kernel_opts {
     int kda_tile_threads;
     int kda_fwd_pieces;     // pieces of the v3 forward overlapped with its prep: 0 auto, N forced
     int kda_bwd_pieces;     // pieces of the v3 backward's state-gradient pass: 0 auto, N forced
-    // Sequence pieces of the chunk-parallel KDA forward (kda_cp_cuda.cu): 0 auto (the chooser
+    // Sequence pieces of the chunk-parallel KDA forward (kda/chunk_parallel.cu): 0 auto (the chooser
     // mtrl_kda_cp_pieces, by heads, length and SM count), 1 the sequential forward, N forced.
     int kda_seq_pieces;
     int kda_plain_bf16;     // 1: v3's records in plain bf16 instead of bf16x3 (forward only)

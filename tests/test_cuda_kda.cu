@@ -8,7 +8,7 @@
 // Tolerances (fp32 arithmetic on the GPU): ‖out − ref‖/‖ref‖ ≤ 1e-4 everywhere (2e-4 for the
 // backward at the bound, where e^{±40} factors amplify fp32 rounding). These cases run the v2
 // forward (kda_fwd = simt set around them; v3 bf16x3 is the default for K = V = 128).
-// Forward v3 (kda_tc_cuda.cu, tensor cores, bf16 operands, fp32 state; K = V = 128): test_chunk_v3
+// Forward v3 (kda/chunk_mma.cu, tensor cores, bf16 operands, fp32 state; K = V = 128): test_chunk_v3
 // checks o, S_final and S_tiles against the fp64 reference at 1e-2 (the project's bf16 tolerance;
 // a numpy model of v3's rounding points gives 3.3e-3–3.8e-3 for o, 2.3e-3–3.0e-3 for S_final at
 // T = 61..1000), and against v2 at 1e-2; random inputs, S0 ≠ 0, T in {1, 15, 16, 17, 100, 333,
@@ -29,7 +29,7 @@
 // MTRL_KDA3_STRICT=1 (the gate for making v3 the default; see test_kda_v3_emu.c for why v3 fails).
 // v3 bf16x3 runs the same cases, always checked: o, S_final, S_tiles 1e-4, dA_log 1e-2, dg 1e-3,
 // prefill and decode 1e-3 of max |o|.
-// Backward v3 (kda_tc_bwd_cuda.cu, kda_bwd = auto: the state-gradient pass on tensor cores, bf16x3
+// Backward v3 (kda/chunk_mma_bwd.cu, kda_bwd = auto: the state-gradient pass on tensor cores, bf16x3
 // operands): every K = V = 128 backward case of test_chunk runs again with it (stored and
 // recomputed states; T = 1, 16, 61, 77, 333; the decay at the bound at T = 16 and 61) at v2's
 // tolerances (1e-4, 2e-4 at the bound: test_kda_v3_bwd_emu.c's emulation puts v3's pass 2 within
@@ -405,7 +405,7 @@ static void test_chunk_v3(mtrl_cuda_ctx *ctx, int T, int H, int bound) {
     free(ho); free(hS); free(hSt); free(tmp); free(hb);
 }
 
-// The chunk-parallel forward (mtrl_kda_chunk_fwd_cp, kda_cp_cuda.cu; K = V = 128), both precisions
+// The chunk-parallel forward (mtrl_kda_chunk_fwd_cp, kda/chunk_parallel.cu; K = V = 128), both precisions
 // (kda_plain_bf16 = 1, 0), at piece counts 1, 2, 3, 8, 64 (clamped to the tile count) and the
 // chooser's, with S0 ≠ 0 and S0 = NULL: o, S_final, S_tiles against the fp64 sequential form, at
 // 3 pieces also against the fp64 decomposition (kda_chunk_fwd_cp of kda_cp_ref.h, itself within

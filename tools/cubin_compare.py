@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
 """cubin_compare.py REV FILE.cu [FILE.cu ...]: is every kernel's machine code the same at REV and in the
-working tree? No GPU needed: each file is compiled to an sm_90 (or sm_90a for kernels/cuda/sm90a/) cubin
+working tree? No GPU needed: each file is compiled to an sm_90 (or sm_90a for kernels/cuda/attn/sm90a/) cubin
 twice, once from a clean worktree of REV and once from this tree, and each kernel's .text section is
 compared byte for byte (the anonymous-namespace names, which carry a hash of the path, are normalised).
 

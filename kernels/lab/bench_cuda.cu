@@ -513,7 +513,7 @@ void bench_moe_model(Bench &B) {
     for (void *p : ps) mtrl_cuda_free(p);
 }
 
-// The grouped experts (own kernels, device offsets: moe_grouped_cuda.cu) against the per-expert
+// The grouped experts (own kernels, device offsets: moe/experts_mma.cu) against the per-expert
 // cuBLAS chains on the GEMM lanes, in the same run, at 16, 128, 1024 and 8192 rows per expert,
 // balanced and skewed (expert e gets ∝ e + 1 rows, as bench_moe; at 16 rows the first experts get
 // none). Rows: one grouped GEMM X W[e]ᵀ (D -> F, bf16: the shape of torch._grouped_mm in

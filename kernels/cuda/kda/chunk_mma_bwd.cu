@@ -1,11 +1,11 @@
-// kda_tc_bwd_cuda.cu: KDA chunked backward v3, the sequential state-gradient pass (pass 2 of
-// mtrl_kda_chunk_bwd, kda_cuda.cu's kda_state_bwd_k) on tensor cores: mma.sync m16n8k16 with
+// kda/chunk_mma_bwd.cu: KDA chunked backward v3, the sequential state-gradient pass (pass 2 of
+// mtrl_kda_chunk_bwd, kda/chunk_simt.cu's kda_state_bwd_k) on tensor cores: mma.sync m16n8k16 with
 // split-bf16 operands (bf16x3: a = a_hi + a_lo, 3 mma per product, ~16 significant bits), fp32
-// accumulation; dS, dΔ and every accumulator fp32. mtrl_kda_chunk_bwd (kda_cuda.cu) takes this
+// accumulation; dS, dΔ and every accumulator fp32. mtrl_kda_chunk_bwd (kda/chunk_simt.cu) takes this
 // path for K = V = 128 (the default; kda_bwd = simt (the option, kernel_opts.h) runs v2's SIMT pass instead);
-// passes 1 and 2 change as follows (pass 3, kda_tile_bwd_k, and its pieces beside pass 2: kda_cuda.cu):
+// passes 1 and 2 change as follows (pass 3, kda_tile_bwd_k, and its pieces beside pass 2: kda/chunk_simt.cu):
 //
-//   1. Operands: v3's per-tile record (kda_tc_cuda.cu's kda3_prep_k<bf16x3>, 34,304 B per head
+//   1. Operands: v3's per-tile record (kda/chunk_mma.cu's kda3_prep_k<bf16x3>, 34,304 B per head
 //      and tile) instead of v2's fp32 prep buffers: it holds exactly what this pass reads — −W,
 //      Q⁺, K^e and P as hi + lo bf16 planes and e^γ in fp32 — already split, laid out for
 //      cp.async + ldmatrix, and its W, P carry the forward v3 bf16x3's own products (emulated
@@ -60,7 +60,7 @@
 #include <math.h>
 #include <stdlib.h>
 
-#include "kernels/cuda/kda_tc.cuh"
+#include "kernels/cuda/kda/chunk_mma.cuh"
 
 namespace {
 
@@ -221,7 +221,7 @@ void launch_state_bwd3_(mtrl_cuda_ctx *c, int T, int H, int nt, int n_lo, int n_
 // The v3 state-gradient pass over records written by kda3_prep_launch(split = 1) (T >= 1,
 // K = V = 128, dout 16-byte aligned): dD [H][Tp][V], dSt [tiles][H][K][V], dS0 (optional) as
 // kda_state_bwd_k writes them. bf16x3 only: plain bf16 operands fail the model's tests in the
-// forward (kda_cuda.cu), and the backward's dg is the same cancelling sum.
+// forward (kda/chunk_simt.cu), and the backward's dg is the same cancelling sum.
 // Tiles [n_lo, n_hi) only (kda3_state_bwd_k): dS_final leaves tile n_hi - 1, dS0 enters n_lo.
 void kda3_state_bwd_launch(mtrl_cuda_ctx *c, int T, int H, int n_lo, int n_hi, const unsigned char *rec,
                            const float *dout, const float *dS_final, float *dD, float *dSt, float *dS0) {

@@ -1,6 +1,6 @@
-// kda_tc_cuda.cu: KDA chunked forward v3, the tile products on tensor cores (mma.sync m16n8k16,
+// kda/chunk_mma.cu: KDA chunked forward v3, the tile products on tensor cores (mma.sync m16n8k16,
 // bf16 operands, split in two by default (bf16x3, below), fp32 accumulation; the state, G, T and
-// every accumulator stay fp32). mtrl_kda_chunk_fwd (kda_cuda.cu) dispatches here for K = V = 128
+// every accumulator stay fp32). mtrl_kda_chunk_fwd (kda/chunk_simt.cu) dispatches here for K = V = 128
 // (the default; kda_fwd = simt (kernel_opts.h) forces v2).
 //
 // The algebra is v2's and the reference's, tile for tile (model.md §2.3: 16-token tiles, the
@@ -26,7 +26,7 @@
 //        S'ᵀ = Sᵀ diag(e^γ) + Δᵀ K^e           16 x K, k = 16   (A = Δᵀ, B = K^e)
 //      Sᵀ and Δᵀ enter the next products as A operands straight from their accumulators: the
 //      C layout of two adjacent 8-column n-tiles, packed to bf16 pairs, is the A layout of one
-//      16-column k-step (the FA2 register trick, acc_to_a in attn_tc_cuda.cu). So the state is
+//      16-column k-step (the FA2 register trick, acc_to_a in attn/causal_mma.cu). So the state is
 //      rounded to bf16 only as an operand (as fla's chunk_gated_delta_rule_fwd_h does) and is
 //      accumulated in fp32. The block's warps share one ring of NST = 6 shared-memory stages
 //      (one tile record each, the block's U columns only; cp.async, 5 tiles in flight), one
@@ -61,7 +61,7 @@
 // The bf16 path compiles to the PTX it had before this mode (state pass identical; prep the same
 // instructions, a few address computations reordered), so its results are unchanged.
 // The record layout, the split helpers and the launchers kda3_prep_launch / kda3_state_fwd_launch
-// are shared through kda_tc.cuh with the backward's state-gradient pass (kda_tc_bwd_cuda.cu,
+// are shared through kda/chunk_mma.cuh with the backward's state-gradient pass (kda/chunk_mma_bwd.cu,
 // kda_bwd = auto), which reads the bf16x3 record.
 // The result does not depend on WPB (each warp's arithmetic is the same); the launch takes 4, the
 // fastest measured (docs/kernel-lab.md: 1, 2, 8 and the thread-block-cluster form measured slower
@@ -69,7 +69,7 @@
 #include <math.h>
 #include <stdlib.h>
 
-#include "kernels/cuda/kda_tc.cuh"
+#include "kernels/cuda/kda/chunk_mma.cuh"
 
 namespace {
 
@@ -276,8 +276,8 @@ __global__ void __launch_bounds__(128) kda3_prep_k(int T, int H, int nt, int n_l
 
 // ---- pass 2: the sequential state pass ----------------------------------------------------------
 
-// StCfg and KDA3_STATE_TILE_ (one ring stage, one tile of the pass): kda_tc.cuh, which the
-// chunk-parallel forward (kda_cp_cuda.cu) shares.
+// StCfg and KDA3_STATE_TILE_ (one ring stage, one tile of the pass): kda/chunk_mma.cuh, which the
+// chunk-parallel forward (kda/chunk_parallel.cu) shares.
 
 template <int WPB, bool WO, bool X>
 __global__ void __launch_bounds__(32 * WPB, 1)
@@ -372,7 +372,7 @@ int kda3_aligned16_(const void *p) { return ((uintptr_t)p & 15u) == 0; }
 
 }  // namespace
 
-// Whether v3 takes this call (kda_cuda.cu applies the kda_fwd option).
+// Whether v3 takes this call (kda/chunk_simt.cu applies the kda_fwd option).
 int kda3_supports(int H, int K, int V, const float *q, const float *k, const float *v,
                   const float *g) {
     return K == K3 && V == V3 && H > 0 && H <= 65535 && kda3_aligned16_(q) && kda3_aligned16_(k) &&
@@ -380,7 +380,7 @@ int kda3_supports(int H, int K, int V, const float *q, const float *k, const flo
 }
 
 // bf16x3 operands (1, the default) or plain bf16 (0: MTRL_KDA3_SPLIT=0, read at each call); the
-// chunk-parallel forward (kda_cp_cuda.cu) follows the same switch.
+// chunk-parallel forward (kda/chunk_parallel.cu) follows the same switch.
 size_t kda3_rec_bytes(int split) { return split ? Rec<true>::BYTES : Rec<false>::BYTES; }
 static void kda3_prep_range_(mtrl_cuda_ctx *c, cudaStream_t stream, int T, int H, int n_lo, int n_hi,
                              const float *q, const float *k, const float *v, const float *g,

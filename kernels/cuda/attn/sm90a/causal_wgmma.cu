@@ -1,7 +1,7 @@
-// attn_wg_cuda.cu: v3 of the causal attention (forward, and the backward's dK / dV and dQ), on
+// attn/sm90a/causal_wgmma.cu: v3 of the causal attention (forward, and the backward's dK / dV and dQ), on
 // Hopper's warpgroup MMA: every product is a wgmma reading its shared-memory operands through
 // descriptors (wgmma.cuh), so the operand fragments no longer pass through registers
-// (v2, attn_tc_cuda.cu, spends 251 registers and runs at 12% occupancy: docs/kernel-lab.md).
+// (v2, attn/causal_mma.cu, spends 251 registers and runs at 12% occupancy: docs/kernel-lab.md).
 // Compiled for sm_90a only (the arch-specific wgmma instructions); the launcher declines any
 // other device, and the caller runs v2. Dk = 128 or 192 (the naive MLA form), Dv = 128.
 //
@@ -37,8 +37,8 @@
 #include <math.h>
 #include <stdlib.h>
 
-#include "kernels/cuda/attn_args.cuh"
-#include "kernels/cuda/sm90a/wgmma.cuh"
+#include "kernels/cuda/attn/args.cuh"
+#include "kernels/cuda/attn/sm90a/wgmma.cuh"
 
 namespace {
 

@@ -1,5 +1,5 @@
-// attn_tc_cuda.cu: v2 of the causal attention of the training form (mtrl_attn_causal_fwd/bwd;
-// the launchers in mla_cuda.cu dispatch here), FlashAttention-2 style: every product is
+// attn/causal_mma.cu: v2 of the causal attention of the training form (mtrl_attn_causal_fwd/bwd;
+// the launchers in mla/attn_decode.cu dispatch here), FlashAttention-2 style: every product is
 // mma.sync m16n8k16 (bf16 operands, fp32 accumulation), fragments through ldmatrix, the K/V (or
 // Q/dO) tiles stream through shared memory with cp.async, double-buffered (tile n+1 is in flight
 // while tile n is multiplied), and the score tile never leaves registers: the accumulator layout
@@ -56,11 +56,11 @@
 //              spills 116 B).
 //            So S and dP are computed twice (7 products instead of FA2's 5): the price of a
 //            deterministic dq without floating-point atomics.
-// attn = simt (kernel_opts.h) selects the v1 kernels of mla_cuda.cu (read at each call).
+// attn = simt (kernel_opts.h) selects the v1 kernels of mla/attn_decode.cu (read at each call).
 #include <math.h>
 #include <stdlib.h>
 
-#include "kernels/cuda/attn_args.cuh"
+#include "kernels/cuda/attn/args.cuh"
 #include "kernels/cuda/cuda_common.cuh"
 
 namespace {
@@ -757,7 +757,7 @@ int launch_dkv_(mtrl_cuda_ctx *c, const A2 &a, int Hk, const uint16_t *dout, con
     return 0;
 }
 
-// v3 (sm90a/attn_wg_cuda.cu) unless the option attn = MMA, on a compute capability 9.0 device
+// v3 (attn/sm90a/causal_wgmma.cu) unless the option attn = MMA, on a compute capability 9.0 device
 // (its code is sm_90a only).
 int attn3_on_(const mtrl_cuda_ctx *c) { return c->opts.attn != MTRL_KOPT_MMA && c->cc == 90; }
 
@@ -794,7 +794,7 @@ extern "C" int mtrl_attn_causal_version(const mtrl_cuda_ctx *c, int H, int Hk, i
     return attn_version_(c, H, Hk, Dk, Dv, alias, bwd);
 }
 
-// The v2 launchers behind mtrl_attn_causal_fwd/bwd (mla_cuda.cu has checked the arguments:
+// The v2 launchers behind mtrl_attn_causal_fwd/bwd (mla/attn_decode.cu has checked the arguments:
 // Tq <= Tk, 16-byte aligned rows and pointers, dv == dk when aliased). They return 1, launching
 // nothing, for a shape v2 does not take, so the caller runs v1.
 extern "C" int mtrl_attn2_causal_fwd(mtrl_cuda_ctx *c, int Tq, int Tk, int H, int Hk, int Dk,
@@ -827,7 +827,7 @@ extern "C" int mtrl_attn2_causal_bwd(mtrl_cuda_ctx *c, int Tq, int Tk, int H, in
         return 1;  // float4 loads of o, float2 accesses of dq, dk, dv
     if (Tq == 0) return 0;
     A2 a = attn_args_make(Tq, Tk, H, Hk, Dk, Dv, scale, q, k, ldk, v, ldv);
-    // D [Tq][H], and for v3 with MHA rows its head-major copies with lse (attn_args.cuh)
+    // D [Tq][H], and for v3 with MHA rows its head-major copies with lse (attn/args.cuh)
     const int rows = Tq * H, npad = (Tq + 63) / 64 * 64, tcopy = ver == 3 && H == Hk;
     ws_carver sz{nullptr, 0};
     sz.take<float>((size_t)rows);
@@ -839,7 +839,7 @@ extern "C" int mtrl_attn2_causal_bwd(mtrl_cuda_ctx *c, int Tq, int Tk, int H, in
     attn2_bwd_pre_k<<<cdiv(warps, 8), 256, 0, c->stream>>>(rows, Dv, dout, o, D, lse, H, Tq, npad,
                                                             Lt, Dt);
     CUDA_LAUNCH_CHECK();
-    // v3: dK / dV and dQ on wgmma (sm90a/attn_wg_cuda.cu)
+    // v3: dK / dV and dQ on wgmma (attn/sm90a/causal_wgmma.cu)
     const int dkv3 = ver == 3 ? attn3_dkv_launch(c, a, Hk, dout, lse, D, Lt, Dt, npad, dk, dv) : 1;
     if (dkv3 < 0) return -1;
     if (dkv3 == 0) {
