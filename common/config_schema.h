@@ -170,14 +170,12 @@
 
 // [kernels]: which kernel runs each op on a GPU and the GPU's precisions (kernels/kernel_opts.h;
 // a CPU model ignores the section). The defaults are the kernels docs/kernel-lab.md and
-// docs/perf.md measured best; the other choices are each op's general fallback and the lab's
-// variants the GPU tests compare with the default.
+// docs/perf.md measured best; the other choices are each op's general fallback, the precisions,
+// the work splits the planner chooses (pieces, lanes) and the one form a GPU test takes as the
+// default's bit-for-bit reference (kda_tile_threads = 256). Variants that measured slower left
+// the tree (docs/kernel-lab.md names the commit that last had each).
 #define MTRL_CFG_KERNELS(X)                                                                         \
     X(kernels, attn, ENUM, "auto", 0, 0, "auto|simt|mma", "causal attention of MLA's training and prefill forms: auto (wgmma on an H100/H200 for the naive shapes, mma elsewhere), simt (the first kernel, any shape) or mma (never wgmma)") \
-    X(kernels, attn_fwd_config, INT, "0", 0, 6, NULL, "tile configuration of the mma attention forward: 0 = the default, 1..6 = the lab's others (docs/kernel-lab.md)") \
-    X(kernels, attn_dkv_rows, ENUM, "32", 0, 0, "32|64", "query rows per tile of the mma attention dK / dV at Dk = 192") \
-    X(kernels, attn_dq_first, BOOL, "false", 0, 0, NULL, "mma attention dQ in its first configuration (one row tile per warp, 64-key tiles)") \
-    X(kernels, attn_dkv_in_step, BOOL, "false", 0, 0, NULL, "wgmma attention dK / dV with its two warpgroups in step instead of ping-pong") \
     X(kernels, decode, ENUM, "auto", 0, 0, "auto|simt", "one-token decode of KDA and MLA: auto (the tiled kernels where they take the shape) or simt (the first kernels, any shape)") \
     X(kernels, kda_fwd, ENUM, "auto", 0, 0, "auto|simt", "KDA chunked forward: auto (tensor cores, v3, at K = V = 128) or simt (v2, any shape)") \
     X(kernels, kda_bwd, ENUM, "auto", 0, 0, "auto|simt", "KDA chunked backward: auto (tensor cores, v3, at K = V = 128) or simt (v2, any shape)") \
@@ -187,8 +185,6 @@
     X(kernels, kda_bwd_pieces, INT, "0", 0, 8, NULL, "pieces of the v3 KDA backward's state-gradient pass overlapped with the per-tile pass (0 = planned from the SM count)") \
     X(kernels, kda_seq_pieces, INT, "0", 0, 64, NULL, "sequence pieces of the chunk-parallel KDA forward, whose pieces run side by side from each piece's incoming state (0 = chosen from the heads, the length and the SM count; 1 = the sequential forward; N = N pieces)") \
     X(kernels, kda_records, ENUM, "bf16x3", 0, 0, "bf16x3|bf16", "operands of the v3 KDA forward's records: bf16x3 (split bf16, ~16 bits) or plain bf16") \
-    X(kernels, kda_cluster, ENUM, "off", 0, 0, "off|2|4|8", "v3 KDA forward state pass in thread-block clusters of this many blocks") \
-    X(kernels, kda_warps, ENUM, "4", 0, 0, "4|1|2|8", "warps per block of the v3 KDA state passes") \
     X(kernels, moe_lanes, INT, "0", 0, 8, NULL, "CUDA streams the MoE experts' GEMMs spread over (0 = all 8, 1 = one stream)") \
     X(kernels, gemm, ENUM, "model", 0, 0, "model|tf32|fp32|bf16", "precision of the projection and expert GEMMs: model ([model] gemm), tf32, fp32, or bf16 operands (fp32 accumulation, fp32 master weights)") \
     X(kernels, latent, ENUM, "bf16", 0, 0, "bf16|fp32", "element type of the MLA latent caches on a GPU") \

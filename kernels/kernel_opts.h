@@ -8,8 +8,10 @@
 // Every field's 0 is the default: a zeroed struct chooses the kernels the project measured best
 // (docs/kernel-lab.md, docs/perf.md), so dims or contexts made without a config behave as runs do.
 // The other values keep one general fallback per op, named by method (simt: CUDA cores; mma:
-// warp-level tensor cores; wgmma: Hopper's warpgroup tensor cores), and the lab's variants that
-// tests and kernels/lab/bench_cuda.cu still compare against the default.
+// warp-level tensor cores; wgmma: Hopper's warpgroup tensor cores), the precisions, forced work
+// splits (pieces, lanes) for the tests and kernels/lab/bench_cuda.cu, and the one form a test
+// takes as the default's bit-for-bit reference. Variants that measured slower left the tree
+// (docs/kernel-lab.md, "Variants that left").
 //
 // Choosers read the fields at each launch, so a test or a benchmark may change them between
 // calls through mtrl_cuda_ctx_opts.
@@ -26,27 +28,21 @@ typedef struct mtrl_kernel_opts {
     // for the naive shapes, mma elsewhere and for the absorbed forward, simt for other shapes),
     // MMA (never wgmma) or SIMT (the first kernel, every shape).
     int attn;
-    // The mma forward's tile configuration, numbered as docs/kernel-lab.md measured them: 0 the
-    // default, 1..6 the lab's others (1: Q in registers; 3: 64-key stages; ...).
-    int attn_fwd_config;
-    int attn_dkv_rows;      // query rows per tile of the mma dK / dV of Dk = 192: 0 (32) or 64
-    int attn_dq_first;      // 1: the mma dQ's first configuration (one row tile per warp)
-    int attn_dkv_in_step;   // 1: wgmma dK / dV with its warpgroups in step (no ping-pong)
     // One-token decode of KDA and MLA: AUTO (the tiled v2 kernels where they take the shape) or
     // SIMT (the first kernels, every shape).
     int decode;
     int kda_fwd;            // KDA chunked forward: AUTO (mma v3 at K = V = 128) or SIMT (v2)
     int kda_bwd;            // KDA chunked backward: AUTO (mma v3 at K = V = 128) or SIMT (v2)
     int kda_bwd_tile;       // its per-tile pass: AUTO (mma) or SIMT (v2's)
-    int kda_tile_threads;   // threads of the mma per-tile pass: 0 (512) or 256
+    // Threads of the mma per-tile pass: 0 (512) or 256 (each warp splits its own A fragments:
+    // test_cuda_kda's bit-for-bit reference for the default's split once a block).
+    int kda_tile_threads;
     int kda_fwd_pieces;     // pieces of the v3 forward overlapped with its prep: 0 auto, N forced
     int kda_bwd_pieces;     // pieces of the v3 backward's state-gradient pass: 0 auto, N forced
-    // Sequence pieces of the chunk-parallel KDA forward (kda_cp_cuda.cu): 0 auto (the chooser
+    // Sequence pieces of the chunk-parallel KDA forward (kda/chunk_parallel.cu): 0 auto (the chooser
     // mtrl_kda_cp_pieces, by heads, length and SM count), 1 the sequential forward, N forced.
     int kda_seq_pieces;
     int kda_plain_bf16;     // 1: v3's records in plain bf16 instead of bf16x3 (forward only)
-    int kda_cluster;        // v3 forward state pass in clusters of 2, 4 or 8 blocks; 0 = none
-    int kda_warps;          // warps per block of v3's state passes: 0 (4), 1, 2, 4 or 8
     int moe_lanes;          // GEMM lanes (streams) of the MoE experts: 0 = all, 1 = one stream
     int gemm;               // MTRL_KGEMM_*: the dense and expert GEMMs' precision
     int latent_fp32;        // 1: MLA latent caches in fp32 instead of bf16

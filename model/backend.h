@@ -6,7 +6,7 @@
 //        the loop the model used to run inline, so results are bit-identical to the reference.
 //   CUDA (backend_cuda.c, fp32 build with MTRL_HAVE_CUDA only): the launchers of
 //        kernels/cuda/kernels_cuda.h on device pointers, plus the small kernels of
-//        model_ops_cuda.cu (elementwise ops, embedding, pointer-array gathers, norms).
+//        core/model_ops.cu (elementwise ops, embedding, pointer-array gathers, norms).
 //
 // Conventions (every entry):
 //   * Pointers are the backend's memory (device memory for CUDA), except arguments whose name

@@ -1,5 +1,5 @@
 // backend_cuda.c: the CUDA backend (backend.h): the launchers of kernels/cuda/kernels_cuda.h
-// and the small kernels of model_ops_cuda.cu on device memory, on one stream.
+// and the small kernels of core/model_ops.cu on device memory, on one stream.
 //
 // Precision: fp32 activations, states and gradients. GEMMs are cuBLAS on TF32 tensor cores where
 // the model asks ([model] gemm = tf32, the default) or in true fp32 (MTRL_F32;
@@ -39,7 +39,7 @@
 
 #if defined(MTRL_HAVE_CUDA) && !REAL_IS_F64
 
-#include "kernels/cuda/model_ops_cuda.h"
+#include "kernels/cuda/core/model_ops.h"
 #include "model/model_wshm_cuda.h"
 #include "kernels/cuda/kernels_cuda.h"
 

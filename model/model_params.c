@@ -30,10 +30,6 @@ static int choice_(const char *value, const char *choices) {
 void mtrl_kernel_opts_from_config(mtrl_kernel_opts *o, const mtrl_cfg_kernels *k) {
     memset(o, 0, sizeof *o);
     o->attn = choice_(k->attn, "auto|simt|mma"); // MTRL_KOPT_AUTO, _SIMT, _MMA
-    o->attn_fwd_config = (int)k->attn_fwd_config;
-    o->attn_dkv_rows = !strcmp(k->attn_dkv_rows, "64") ? 64 : 0;
-    o->attn_dq_first = k->attn_dq_first;
-    o->attn_dkv_in_step = k->attn_dkv_in_step;
     o->decode = choice_(k->decode, "auto|simt");
     o->kda_fwd = choice_(k->kda_fwd, "auto|simt");
     o->kda_bwd = choice_(k->kda_bwd, "auto|simt");
@@ -43,8 +39,6 @@ void mtrl_kernel_opts_from_config(mtrl_kernel_opts *o, const mtrl_cfg_kernels *k
     o->kda_bwd_pieces = (int)k->kda_bwd_pieces;
     o->kda_seq_pieces = (int)k->kda_seq_pieces;
     o->kda_plain_bf16 = !strcmp(k->kda_records, "bf16");
-    o->kda_cluster = strcmp(k->kda_cluster, "off") ? atoi(k->kda_cluster) : 0;
-    o->kda_warps = atoi(k->kda_warps) == 4 ? 0 : atoi(k->kda_warps);
     o->moe_lanes = (int)k->moe_lanes;
     o->gemm = choice_(k->gemm, "model|tf32|fp32|bf16"); // MTRL_KGEMM_*
     o->latent_fp32 = !strcmp(k->latent, "fp32");

@@ -20,8 +20,8 @@
 //     ([kernels] gemm = bf16) also the bf16 copies of each GEMM's non-weight operands: the largest
 //     is a projection's dW = dyᵀ x (dy [T][n] and x [T][k], the LM head's dy [T][V] first) or
 //     the experts' X_perm [T·k][d].
-//   * the kernels' context's (core_cuda.cu mtrl_ctx_scratch): grows to request × 9/8 + 1 MiB.
-//     Requests per launcher (kda_cuda.cu, moe_cuda.cu, ops_cuda.cu, mla_cuda.cu): the KDA chunk
+//   * the kernels' context's (core/context.cu mtrl_ctx_scratch): grows to request × 9/8 + 1 MiB.
+//     Requests per launcher (kda/chunk_simt.cu, moe/moe.cu, core/ops_simt.cu, mla/attn_decode.cu): the KDA chunk
 //     workspace (W, U, Q⁺, K^e, P, e^γ per tile; in the backward also dD and dS per tile), the MoE
 //     expert backward (dY, dm, m, du1, du3 per routed row; dY, m, du1, du3 bf16 with bf16 GEMM
 //     operands), the conv backward, the column
@@ -55,7 +55,7 @@ static size_t carve_(const size_t *bytes, int n) {
 static size_t max_(size_t a, size_t b) { return a > b ? a : b; }
 static size_t cdiv_(size_t a, size_t b) { return (a + b - 1) / b; }
 
-// ops_cuda.cu row_splits + the launchers' adjustment: column-reduction partials for N rows of D.
+// core/ops_simt.cu row_splits + the launchers' adjustment: column-reduction partials for N rows of D.
 static size_t row_splits_(size_t N, size_t D) {
     size_t cols = cdiv_(D, 256), ns = cdiv_((size_t)PLAN_SMS * 4, cols);
     if (ns > N) ns = N;
@@ -101,7 +101,7 @@ static size_t ctx_request_(const mtrl_model_dims *d, size_t T, size_t es) {
     }
     if (model_n_mla(d) > 0) {
         // attn_causal_bwd: D [Tq][H]; with the v3 kernels and MHA rows also lse and D head-major,
-        // [2][H][Tq rounded up to 64] (attn_tc_cuda.cu)
+        // [2][H][Tq rounded up to 64] (attn/causal_mma.cu)
         size_t mH = (size_t)d->mH, dt[2] = {4 * T * mH, 8 * mH * (cdiv_(T, 64) * 64)};
         req = max_(req, carve_(dt, 2));
         req = max_(req, norm_dw_req_(T, (size_t)d->dc)); // kv_a_layernorm

@@ -97,7 +97,7 @@ void mtrl_model_wshm_unpack_host(mtrl_model *m, const mtrl_wshm_layout *lay, con
 
 #if defined(MTRL_HAVE_CUDA) && !REAL_IS_F64
 
-#include "kernels/cuda/model_ops_cuda.h"
+#include "kernels/cuda/core/model_ops.h"
 #include "model/model_wshm_cuda.h"
 
 struct mtrl_model_wshm_dev {

@@ -8,22 +8,19 @@
 // Tolerances (fp32 arithmetic on the GPU): ‖out − ref‖/‖ref‖ ≤ 1e-4 everywhere (2e-4 for the
 // backward at the bound, where e^{±40} factors amplify fp32 rounding). These cases run the v2
 // forward (kda_fwd = simt set around them; v3 bf16x3 is the default for K = V = 128).
-// Forward v3 (kda_tc_cuda.cu, tensor cores, bf16 operands, fp32 state; K = V = 128): test_chunk_v3
+// Forward v3 (kda/chunk_mma.cu, tensor cores, bf16 operands, fp32 state; K = V = 128): test_chunk_v3
 // checks o, S_final and S_tiles against the fp64 reference at 1e-2 (the project's bf16 tolerance;
 // a numpy model of v3's rounding points gives 3.3e-3–3.8e-3 for o, 2.3e-3–3.0e-3 for S_final at
 // T = 61..1000), and against v2 at 1e-2; random inputs, S0 ≠ 0, T in {1, 15, 16, 17, 100, 333,
 // 1000} (tails and T < 16), H = 16 and 64, the decay at the bound. A fragment-layout error gives
-// O(1) errors. Every block width (kda_warps = 1, 2, 4, 8) must give bit-identical results,
-// the prefill form (no S_tiles, o only or S_final only) the same bits as the training form, and
-// two runs the same bits. H = 2 and 8 (the models' head counts) with partial tiles as well.
-// The cluster state pass (kda_cluster = 1 (8 blocks of 1 warp per head, thread-block
-// clusters, multicast bulk copies), 4, 2) must give the default's bits in every v3 case, both
-// precisions, in the training, prefill and state-only forms (T = 5, 7, 131, 419, 1203 at H = 2,
-// 16, 64 added for it), and the backward recomputing its states through it the same dS0 and dq.
+// O(1) errors. The prefill form (no S_tiles, o only or S_final only) must give the same bits as
+// the training form, and two runs the same bits. H = 2 and 8 (the models' head counts) with
+// partial tiles as well, and T = 5, 7, 131, 419, 1203 at H = 2, 16, 64 (tails, T < 16, many times
+// the ring's stages).
 // Every v3 case runs twice: bf16 as above (kda_records = bf16), then bf16x3 (the default: split-bf16 operands,
 // ~16 significant bits) against fp64 and v2 at 1e-4 (test_kda_v3_emu.c's emulation of the split
 // gives at most 6.9e-6 on such inputs, fp32's 4e-7; the margin covers the tensor cores' fp32
-// accumulation and ex2.approx, which it does not model), its own WPB and prefill forms bit for bit,
+// accumulation and ex2.approx, which it does not model), its own prefill forms bit for bit,
 // and its o not bit-identical to bf16's (the switch took effect).
 // The model's use (test_chunk_model_, v2 and v3; K = V = 128, H = 2 and 8, the model's gate at
 // initialisation): segments chained through S_final -> S0 bit-identical to one call, the v2
@@ -32,13 +29,13 @@
 // MTRL_KDA3_STRICT=1 (the gate for making v3 the default; see test_kda_v3_emu.c for why v3 fails).
 // v3 bf16x3 runs the same cases, always checked: o, S_final, S_tiles 1e-4, dA_log 1e-2, dg 1e-3,
 // prefill and decode 1e-3 of max |o|.
-// Backward v3 (kda_tc_bwd_cuda.cu, kda_bwd = auto: the state-gradient pass on tensor cores, bf16x3
+// Backward v3 (kda/chunk_mma_bwd.cu, kda_bwd = auto: the state-gradient pass on tensor cores, bf16x3
 // operands): every K = V = 128 backward case of test_chunk runs again with it (stored and
 // recomputed states; T = 1, 16, 61, 77, 333; the decay at the bound at T = 16 and 61) at v2's
 // tolerances (1e-4, 2e-4 at the bound: test_kda_v3_bwd_emu.c's emulation puts v3's pass 2 within
 // 5.2e-6 of fp64 in dD, dS_tiles and dS0 and the gradients it leads to within 1.7e-5; pass 3 is
-// v2's), its dS0 not bit-identical to v2's (the switch took effect) and every kda_warps giving
-// the same bits; the dS_final = 0 case with v3 too. kda_bwd_tile = auto (pass 3's products on
+// v2's), its dS0 not bit-identical to v2's (the switch took effect); the dS_final = 0 case with
+// v3 too. kda_bwd_tile = auto (pass 3's products on
 // tensor cores, bf16x3, every shape): every test_chunk backward case again, with v2's and v3's
 // pass 2, at the same tolerances (emulated: gradients within 2e-5 of fp64 with both switches). In
 // test_chunk_model_ the backward and gate backward run with kda_bwd = auto and then with both
@@ -54,10 +51,6 @@
 // lowest the kernels take (MTRL_KDA_TC_G_MIN, the floor of [model] g_min); `test_cuda_kda gmin X`
 // runs those cases at X instead (a measurement: below the floor they are expected to fail).
 static double GMIN = -5.0;
-
-// kda_tc_cuda.cu: the cluster size of the last v3 forward state pass launched (0: the default
-// kernel; kda_cluster = 8 gives 8).
-int kda3_last_state_cluster();
 
 // q (scaled, L2-normalised), k (L2-normalised), v, g, β as the layer feeds the core.
 static void make_inputs(int T, int H, int K, int V, int bound, double *q, double *k, double *v,
@@ -173,38 +166,6 @@ static void test_chunk(mtrl_cuda_ctx *ctx, int T, int H, int K, int V, int bound
                     TEST_CHECKF(!same_bits(hs, h_v2, ns), "v3 bwd dS0 bit-identical to v2's: kda_bwd = auto not taken");
                     h_x = hs;
                 }
-            }
-            if (bv == 3 && stored && !tile3) {  // every block width (kda_warps) gives the same bits
-                static const char *wpbs[] = {"1", "2", "8"};
-                float *hw = (float *)malloc(sizeof(float) * (ns + nqk));
-                for (int wi = 0; wi < 3; wi++) {
-                    mtrl_cuda_ctx_opts(ctx)->kda_warps = atoi(wpbs[wi]);
-                    TEST_EQ_INT(mtrl_kda_chunk_bwd(ctx, T, H, K, V, d_q, d_k, d_v, d_g, d_b, d_S0, d_St, d_dout,
-                                                   d_dSf, e_dq, e_dk, e_dv, e_dg, e_db, e_dS0), 0);
-                    mtrl_cuda_sync(ctx);
-                    mtrl_cuda_download(hw, e_dS0, sizeof(float) * ns);
-                    mtrl_cuda_download(hw + ns, e_dq, sizeof(float) * nqk);
-                    TEST_CHECKF(same_bits(hw, h_x, ns + nqk), "v3 bwd WPB=%s: dS0, dq not bit-identical to WPB=4",
-                                wpbs[wi]);
-                }
-                mtrl_cuda_ctx_opts(ctx)->kda_warps = 0;
-                free(hw);
-            }
-            if (bv == 3 && !stored && !tile3) {  // the recomputed states through the cluster state pass
-                float *hr = (float *)malloc(sizeof(float) * 2 * (ns + nqk));
-                mtrl_cuda_download(hr, e_dS0, sizeof(float) * ns);
-                mtrl_cuda_download(hr + ns, e_dq, sizeof(float) * nqk);
-                mtrl_cuda_ctx_opts(ctx)->kda_cluster = 1;
-                TEST_EQ_INT(mtrl_kda_chunk_bwd(ctx, T, H, K, V, d_q, d_k, d_v, d_g, d_b, d_S0, NULL, d_dout,
-                                               d_dSf, e_dq, e_dk, e_dv, e_dg, e_db, e_dS0), 0);
-                mtrl_cuda_sync(ctx);
-                mtrl_cuda_ctx_opts(ctx)->kda_cluster = 0;
-                TEST_EQ_INT(kda3_last_state_cluster(), 8);
-                mtrl_cuda_download(hr + ns + nqk, e_dS0, sizeof(float) * ns);
-                mtrl_cuda_download(hr + 2 * ns + nqk, e_dq, sizeof(float) * nqk);
-                TEST_CHECKF(same_bits(hr, hr + ns + nqk, ns + nqk),
-                            "v3 bwd (states recomputed) kda_cluster = 8: dS0, dq not bit-identical");
-                free(hr);
             }
             for (int i = 0; i < 6; i++) mtrl_cuda_free(outs[i].d);
         }
@@ -378,8 +339,6 @@ static void test_chunk_v3(mtrl_cuda_ctx *ctx, int T, int H, int bound) {
     mtrl_cuda_ctx_opts(ctx)->kda_fwd = MTRL_KOPT_AUTO;
     for (int split = 0; split <= 1; split++) {
         mtrl_cuda_ctx_opts(ctx)->kda_plain_bf16 = !split;
-        mtrl_cuda_ctx_opts(ctx)->kda_warps = 0;
-        mtrl_cuda_ctx_opts(ctx)->kda_cluster = 0;  // the default's bits are the reference
         const char *tag = split ? "v3 bf16x3" : "v3";
         const double tol = split ? 1e-4 : 1e-2;
         char what[128];
@@ -389,51 +348,26 @@ static void test_chunk_v3(mtrl_cuda_ctx *ctx, int T, int H, int bound) {
         // default block width, training form (o, S_final, S_tiles)
         TEST_EQ_INT(mtrl_kda_chunk_fwd(ctx, T, H, K, V, d_q, d_k, d_v, d_g, d_b, d_S0, d_o, d_Sf, d_St), 0);
         mtrl_cuda_sync(ctx);
-        TEST_EQ_INT(kda3_last_state_cluster(), 0);
         mtrl_cuda_download(ho, d_o, sizeof(float) * nv);
         mtrl_cuda_download(hS, d_Sf, sizeof(float) * ns);
         mtrl_cuda_download(hSt, d_St, sizeof(float) * nst);
         check_fwd_(tag, "", d_o, d_Sf, d_St, o, Sf, St, nv, ns, nst, tol, got);
-        // every block width, and the prefill forms, bit for bit
-        static const char *wpbs[] = {"1", "2", "4", "8"};
+        // the prefill forms, bit for bit
         const float *in[6] = {d_q, d_k, d_v, d_g, d_b, d_S0};
-        for (int i = 0; i < 4; i++) {
-            mtrl_cuda_ctx_opts(ctx)->kda_warps = atoi(wpbs[i]);
-            char form[48];
-            snprintf(form, sizeof form, "WPB=%s", wpbs[i]);
-            v3_three_forms_(ctx, tag, form, T, H, in, ho, hS, hSt, tmp);
-            printf("  WPB=%s: o, S_final, S_tiles, prefill and state-only forms bit-identical to the default\n", wpbs[i]);
-        }
-        mtrl_cuda_ctx_opts(ctx)->kda_warps = 0;
+        v3_three_forms_(ctx, tag, "default", T, H, in, ho, hS, hSt, tmp);
+        printf("  o, S_final, S_tiles, prefill and state-only forms bit-identical to the training form\n");
         // the forward in pieces (kda_fwd_pieces; the default from 256 tiles on at H <= 16: the
         // prep of later pieces on a second stream beside the state pass, the state handed from piece
-        // to piece in fp32), bit for bit, in the same three forms; 7 pieces with WPB = 2
+        // to piece in fp32), bit for bit, in the same three forms
         static const char *pcs[] = {"2", "3", "7"};
         for (int i = 0; i < 3; i++) {
             mtrl_cuda_ctx_opts(ctx)->kda_fwd_pieces = atoi(pcs[i]);
-            mtrl_cuda_ctx_opts(ctx)->kda_warps = i == 2 ? 2 : 0;
             char form[48];
             snprintf(form, sizeof form, "%s pieces", pcs[i]);
             v3_three_forms_(ctx, tag, form, T, H, in, ho, hS, hSt, tmp);
         }
         printf("  kda_fwd_pieces = 2, 3, 7: o, S_final, S_tiles, prefill and state-only forms bit-identical to one piece\n");
         mtrl_cuda_ctx_opts(ctx)->kda_fwd_pieces = 0;
-        mtrl_cuda_ctx_opts(ctx)->kda_warps = 0;
-        // the cluster state pass (kda_cluster: 1 = 8 blocks of 1 warp per head, 4, 2), bit for
-        // bit, in the same three forms; kda_warps set to a non-default width must not matter
-        static const char *cls[] = {"1", "4", "2"};
-        for (int i = 0; i < 3; i++) {
-            mtrl_cuda_ctx_opts(ctx)->kda_cluster = atoi(cls[i]);
-            mtrl_cuda_ctx_opts(ctx)->kda_warps = i == 0 ? 1 : 0;
-            char form[48];
-            snprintf(form, sizeof form, "CLUSTER=%s", cls[i]);
-            v3_three_forms_(ctx, tag, form, T, H, in, ho, hS, hSt, tmp);
-            TEST_EQ_INT(kda3_last_state_cluster(), i == 0 ? 8 : atoi(cls[i]));  // the switch took effect
-            printf("  kda_cluster = %s: o, S_final, S_tiles, prefill and state-only forms bit-identical to the default\n",
-                   cls[i]);
-        }
-        mtrl_cuda_ctx_opts(ctx)->kda_cluster = 0;
-        mtrl_cuda_ctx_opts(ctx)->kda_warps = 0;
         // S0 = NULL (zero initial state)
         {
             float *z_o = tu_dev_nan(ctx, nv), *z_Sf = tu_dev_nan(ctx, ns);
@@ -478,7 +412,7 @@ static void test_chunk_v3(mtrl_cuda_ctx *ctx, int T, int H, int bound) {
     free(ho); free(hS); free(hSt); free(tmp); free(hb);
 }
 
-// The chunk-parallel forward (mtrl_kda_chunk_fwd_cp, kda_cp_cuda.cu; K = V = 128), both precisions
+// The chunk-parallel forward (mtrl_kda_chunk_fwd_cp, kda/chunk_parallel.cu; K = V = 128), both precisions
 // (kda_plain_bf16 = 1, 0), at piece counts 1, 2, 3, 8, 64 (clamped to the tile count) and the
 // chooser's, with S0 ≠ 0 and S0 = NULL: o, S_final, S_tiles against the fp64 sequential form, at
 // 3 pieces also against the fp64 decomposition (kda_chunk_fwd_cp of kda_cp_ref.h, itself within
@@ -620,7 +554,6 @@ static void test_chunk_model_(mtrl_cuda_ctx *ctx, int T, int H, int seg, int ver
     const int K = 128, V = 128;
     mtrl_cuda_ctx_opts(ctx)->kda_fwd = ver == 3 ? MTRL_KOPT_AUTO : MTRL_KOPT_SIMT;
     mtrl_cuda_ctx_opts(ctx)->kda_plain_bf16 = !split;
-    mtrl_cuda_ctx_opts(ctx)->kda_warps = 0;
     const char *strict_env = getenv("MTRL_KDA3_STRICT");
     const int strict = ver == 2 || split || (strict_env && strict_env[0] == '1');
     const char *tag = ver == 2 ? "v2" : split ? "v3 bf16x3" : "v3";
@@ -945,7 +878,7 @@ int main(int argc, char **argv) {
     test_chunk_v3(ctx, 24, 2, 0);      // H = 2 (the `reduced small` model): a partial second tile
     test_chunk_v3(ctx, 41, 2, 1);
     test_chunk_v3(ctx, 96, 8, 0);      // H = 8 (the 64K model)
-    test_chunk_v3(ctx, 7, 2, 0);       // the cluster pass (kda_cluster, every case above too):
+    test_chunk_v3(ctx, 7, 2, 0);       // more shapes:
     test_chunk_v3(ctx, 5, 64, 1);      //   T < 16 at H = 2, 64; a tail and more tiles than the ring
     test_chunk_v3(ctx, 1203, 16, 0);   //   many times over (76 tiles, tail of 3) at H = 16, 2, 64
     test_chunk_v3(ctx, 419, 2, 1);

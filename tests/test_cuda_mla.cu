@@ -372,31 +372,11 @@ int main(int argc, char **argv) {
     test_attn_x(ctx, 200, 1000, 8, 8, 192, 128, 0, 1); // a segment after an 800-token prefix
     test_attn_x(ctx, 150, 190, 4, 2, 192, 128, 0, 1);  // GQA: 2 heads per key head
     test_attn_x(ctx, 128, 128, 2, 2, 192, 128, 0, 1);  // exact tiles
-    // the lab configurations of this shape (read at each call): forward 1 (Q in registers) with
-    // 64-row dK/dV tiles, then forward 3 (64-key stages)
-    mtrl_kernel_opts *ko = mtrl_cuda_ctx_opts(ctx);
+    // v2 where v3 is the default (H100 / H200; elsewhere these rerun v2): attn = mma
     attn_base_ = MTRL_KOPT_MMA;
-    ko->attn_fwd_config = 1;
-    ko->attn_dkv_rows = 64;
-    printf("attn_fwd_config = 1, attn_dkv_rows = 64:\n");
-    test_attn_x(ctx, 200, 1000, 8, 8, 192, 128, 0, 1);
-    test_attn_x(ctx, 63, 63, 2, 2, 192, 128, 0, 1);
-    ko->attn_fwd_config = 3;
-    ko->attn_dkv_rows = 0;
-    printf("attn_fwd_config = 3:\n");
-    test_attn_x(ctx, 200, 1000, 8, 8, 192, 128, 0, 1);
-    ko->attn_fwd_config = 0;
+    printf("attn = mma:\n");
+    test_v3_shapes(ctx);
     attn_base_ = MTRL_KOPT_AUTO;
-    // v2 where v3 is the default (H100 / H200; elsewhere these rerun v2): attn = mma; then v3
-    // with its dK / dV in step for MHA rows too (a lab variant: attn_dkv_in_step = true)
-    for (int v = 0; v < 2; v++) {
-        attn_base_ = v == 0 ? MTRL_KOPT_MMA : MTRL_KOPT_AUTO;
-        ko->attn_dkv_in_step = v == 1;
-        printf("%s:\n", v == 0 ? "attn = mma" : "attn_dkv_in_step = true");
-        test_v3_shapes(ctx);
-    }
-    attn_base_ = MTRL_KOPT_AUTO;
-    ko->attn_dkv_in_step = 0;
     // v3's own tile boundaries (128 keys / 128 rows per block, 64-row and 64-key tiles)
     test_attn_x(ctx, 256, 256, 2, 2, 192, 128, 0, 1);
     test_attn_x(ctx, 129, 129, 2, 2, 192, 128, 0, 1);

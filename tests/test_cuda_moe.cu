@@ -354,7 +354,7 @@ static void test_grouped_all(mtrl_cuda_ctx *ctx) {
     TEST_EQ_INT(mtrl_moe_experts_path(ctx, 64, 1020, 512, 64 * 16, MTRL_BF16), MTRL_MOE_LANES);
     mtrl_cuda_ctx_set_tf32(ctx, 1);
     TEST_EQ_INT(mtrl_moe_experts_path(ctx, 64, 1024, 512, 64 * 16, MTRL_F32), MTRL_MOE_GROUPED);
-    // by one expert's mean GEMM work (measured crossover, moe_grouped_cuda.cu): small's 1024 rows
+    // by one expert's mean GEMM work (measured crossover, moe/experts_mma.cu): small's 1024 rows
     // grouped, 1024 rows of 2048 -> 1024 and 8192 rows of small's on the lanes
     TEST_EQ_INT(mtrl_moe_experts_path(ctx, 64, 1024, 512, 64 * 1024, MTRL_BF16), MTRL_MOE_GROUPED);
     TEST_EQ_INT(mtrl_moe_experts_path(ctx, 64, 2048, 1024, 64 * 1024, MTRL_BF16), MTRL_MOE_LANES);

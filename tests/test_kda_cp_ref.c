@@ -1,6 +1,6 @@
 // mtrl-test: cpu f64
 // test_kda_cp_ref.c: the chunk-parallel decomposition of the KDA forward (kernels/ref/
-// kda_cp_ref.h, the reference of kernels/cuda/kda_cp_cuda.cu) against the sequential chunked
+// kda_cp_ref.h, the reference of kernels/cuda/kda/chunk_parallel.cu) against the sequential chunked
 // forward (kda_chunk_fwd) and the token recurrence, in fp64, at every piece count from 1 to the
 // tile count (and beyond: clamped): o, S_final and S_tiles within 1e-12 of the sequential form;
 // bit for bit where the arithmetic is the same (every output at one piece; the tokens and tile

@@ -1,9 +1,9 @@
 // mtrl-test: cpu f64 slow timeout=600
 // test_kda_v3_bwd_emu.c: the tensor-core KDA backward state-gradient pass (kernels/cuda/
-// kda_tc_bwd_cuda.cu, kda3_state_bwd_k, kda_bwd = auto) emulated on the CPU, against the same pass
+// kda/chunk_mma_bwd.cu, kda3_state_bwd_k, kda_bwd = auto) emulated on the CPU, against the same pass
 // in fp64, on test_kda_v3_emu.c's kernel-level inputs (T 1..333 with tails, H 2..8, random g, g at
 // the bound g_min + 1e-3, the model's gate) with dO ~ N(0, 1) and dS_final ~ N(0, 1).
-//   fp64: the pass's algebra (kda_cuda.cu's kda_state_bwd_k), last tile to first, on operands
+//   fp64: the pass's algebra (kda/chunk_simt.cu's kda_state_bwd_k), last tile to first, on operands
 //     formed in fp64 from the fp32 inputs: dS_tiles[n] = dS; dΔ = K^e dS + Pᵀ dO; dS ← diag(e^γ) dS
 //     + Q⁺ᵀ dO − Wᵀ dΔ. Its dS0 is checked against the fp64 reference backward (kda_ref.h's
 //     kda_chunk_bwd, a separate derivation) at 1e-9: the algebra read from the kernel is right.
@@ -277,7 +277,7 @@ static void pass64_(int T, int H, int h, int nt, const tile_ops_ *ops, const flo
         for (int j = 0; j < V; j++) dS0[((size_t)h * K + d) * V + j] = dS[d][j];
 }
 
-// Pass 3 (kda_cuda.cu's kda_tile_bwd_k, kda_ref.c's kda_chunk_bwd_) in fp64 for tile n of head h,
+// Pass 3 (kda/chunk_simt.cu's kda_tile_bwd_k, kda_ref.c's kda_chunk_bwd_) in fp64 for tile n of head h,
 // from the tile's incoming state S, the gradient of its outgoing state dS (both [K][V]) and its
 // dΔ (dDt, [16][V]): dq, dk, dv, dg, dβ of its rows. Linear in (dO, dΔ, dS) for fixed inputs, so
 // feeding it pass 2's outputs from the emulated kernel and from fp64 gives the gradient error pass

@@ -1,5 +1,5 @@
 // mtrl-test: cpu slow timeout=600
-// test_kda_v3_emu.c: why the tensor-core KDA forward v3 (kernels/cuda/kda_tc_cuda.cu, bf16
+// test_kda_v3_emu.c: why the tensor-core KDA forward v3 (kernels/cuda/kda/chunk_mma.cu, bf16
 // operands) fails the model's GPU tests, reproduced without a GPU. The CPU model of
 // test_cuda_model's `reduced small` case (KMKM, d 256, KDA 2 x 128) runs twice: with the fp32
 // reference chunked forward (the CPU backend) and with that forward replaced by a C port of
@@ -9,7 +9,7 @@
 // segmented (16, 24 tokens) vs whole log-probs and gradients (routing replayed), prefill then
 // decode vs one prefill (split points 1, 15, 16, 17; rows whose routing differs skipped), and the
 // emulated forward against the fp32 one on the same routing (test_cuda_model's GPU vs CPU).
-// Split bf16 (bf16x3, kda_tc_cuda.cu's kda_records = bf16x3): the same emulation with operands
+// Split bf16 (bf16x3, kda/chunk_mma.cu's kda_records = bf16x3): the same emulation with operands
 // carried as hi + lo bf16 (emu_v3_'s split groups), first at the kernel level against an fp64
 // token recurrence on test_cuda_kda-like inputs (T 1..333, H 2..8, random g, g at the bound, the
 // model's gate), then at the model level (MTRL_EMU_SPLIT=mask there splits only those groups:
@@ -45,7 +45,7 @@
 _Static_assert(!REAL_IS_F64, "the fp32 model");
 
 // Which operands the emulated kernel carries as split bf16 ("bf16x3", kda_records = bf16x3 in
-// kda_tc_cuda.cu): a = a_hi + a_lo, a_hi = bf16(a), a_lo = bf16(a − a_hi) (~16 significant
+// kda/chunk_mma.cu): a = a_hi + a_lo, a_hi = bf16(a), a_lo = bf16(a − a_hi) (~16 significant
 // bits), each product a·b as a_hi b_hi + a_hi b_lo + a_lo b_hi (a_lo b_lo, 2^-16 relative, dropped).
 // XP: the prep's X = K̂⁺K̂⁻ᵀ and P = Q̂⁺K̂⁻ᵀ operands; WU: T, βK⁺ and βV (W = T βK⁺, U = T βV);
 // STATE: the record (−W, U, P, Q⁺, K^e) and the state pass's S and Δ. 0 is v3 as it is.

@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
 """cubin_compare.py REV FILE.cu [FILE.cu ...]: is every kernel's machine code the same at REV and in the
-working tree? No GPU needed: each file is compiled to an sm_90 (or sm_90a for kernels/cuda/sm90a/) cubin
+working tree? No GPU needed: each file is compiled to an sm_90 (or sm_90a for kernels/cuda/attn/sm90a/) cubin
 twice, once from a clean worktree of REV and once from this tree, and each kernel's .text section is
 compared byte for byte (the anonymous-namespace names, which carry a hash of the path, are normalised).
 
@@ -10,7 +10,11 @@ those measured before; DIFF gives both instruction counts (16 bytes each on Hopp
 change needs a GPU run for results and time. Needs nvcc (CUDA 13) and python3; writes only under
 $TMPDIR.
 
-    tools/cubin_compare.py HEAD kernels/cuda/kda_tc_cuda.cu kernels/cuda/kda_tc_bwd_cuda.cu
+    tools/cubin_compare.py HEAD kernels/cuda/kda/chunk_mma.cu kernels/cuda/kda/chunk_mma_bwd.cu
+
+A file that moved is named OLD:NEW, its path at REV then in the working tree
+(kernels/cuda/kda_tc_cuda.cu:kernels/cuda/kda/chunk_mma.cu); the anonymous namespace's name, which
+carries the file's path and its length, is normalised whole, so a moved kernel compares SAME.
 """
 import os
 import re
@@ -34,8 +38,21 @@ def text_sections(path):
         name_off, _, _, _, off, size, *_ = hdr(i)
         name = b[names_at + name_off:b.index(b"\0", names_at + name_off)].decode()
         if name.startswith(".text."):
-            out[re.sub(r"_GLOBAL__N__[0-9a-f]+_\d+_\w+?_cu_[0-9a-f]+", "ANON", name)] = b[off:off + size]
+            out[anon(name)] = b[off:off + size]
     return out
+
+
+def anon(name):
+    """name with each anonymous namespace (<length>_GLOBAL__N__<hash>_<path>_cu_<hash>, the length in
+    decimal as the mangling writes it) replaced by ANON, so the name does not depend on the file's path."""
+    out, i = [], 0
+    for m in re.finditer(r"(\d+)_GLOBAL__N__", name):
+        if m.start() < i:
+            continue
+        n = int(m.group(1))
+        out.append(name[i:m.start()] + "ANON")
+        i = m.end(1) + n
+    return "".join(out) + name[i:]
 
 
 def cubin(root, rel, out):
@@ -58,9 +75,11 @@ def main():
     subprocess.run(["git", "-C", top, "worktree", "add", "-f", "--detach", wt, rev], capture_output=True, check=True)
     same = diff = 0
     try:
-        for rel in files:
+        for arg in files:
+            old, _, new = arg.partition(":")
+            rel = new or old
             a_path, b_path = os.path.join(tmp, "a.cubin"), os.path.join(tmp, "b.cubin")
-            cubin(wt, rel, a_path)
+            cubin(wt, old, a_path)
             cubin(top, rel, b_path)
             a, b = text_sections(a_path), text_sections(b_path)
             for k in sorted(set(a) | set(b)):

@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""gen_wgmma.py: writes kernels/cuda/sm90a/wgmma_ops.cuh, the inline-PTX wrappers of the
+"""gen_wgmma.py: writes kernels/cuda/attn/sm90a/wgmma_ops.cuh, the inline-PTX wrappers of the
 wgmma.mma_async shapes the sm_90a kernels use (m64nNk16, bf16 operands, fp32 accumulators).
 
 Each wrapper is one asm statement whose N/2 accumulator registers are "+f" operands; writing
@@ -8,7 +8,7 @@ repository root: python3 tools/gen_wgmma.py (the output is committed; rerun afte
 import sys
 
 NS = (64, 128, 192)
-OUT = "kernels/cuda/sm90a/wgmma_ops.cuh"
+OUT = "kernels/cuda/attn/sm90a/wgmma_ops.cuh"
 
 
 def wrapper(form, n):

@@ -86,9 +86,10 @@ for f in kernels/ref/*.c; do
   gcc -O2 -std=c11 -fopenmp -D_GNU_SOURCE -DMTRL_REAL_F64=1 -I. -c "$f" -o "$B/ref_$(basename "$f" .c).o" &
   pids+=($!)
 done
-for f in kernels/cuda/*.cu tests/test_cuda_*.cu; do
+for f in $(find kernels/cuda -name '*.cu' -not -path '*/sm90a/*' | sort) tests/test_cuda_*.cu; do
   while (( $(jobs -rp | wc -l) >= JOBS )); do sleep 0.2; done
   n=$(basename "$f" .cu)
+  [[ $f == kernels/cuda/* ]] && n=$(dirname "${f#kernels/cuda/}")_$n  # kernels/cuda/OP/FILE.cu: OP_FILE.o
   extra=""
   [[ $n == test_cuda_* ]] && extra="-DMTRL_REAL_F64=1"  # the tests link the fp64 reference
   nvcc $NVFLAGS $extra -Xptxas -v -c "$f" -o "$B/$n.o" >"$B/$n.build" 2>&1 &

@@ -227,7 +227,7 @@ __device__ __forceinline__ void ldsm_x4_t(uint32_t *r, const uint16_t *p) {
                  : "r"(a));
 }
 // Lane addresses of the three fragment loads (fragment layouts: mma_bf16_16816 above); moved here
-// from attn_tc_cuda.cu unchanged. With x4 loads the four registers are, in order:
+// from attn/causal_mma.cu unchanged. With x4 loads the four registers are, in order:
 // A: the 16 x 16 block at (row 0, col k0) of a row-major matrix: r[0..3] = a[0..3] (ldsm_x4).
 __device__ __forceinline__ const uint16_t *adr_a(const uint16_t *A, int ld, int k0, int lane) {
     return A + (lane & 15) * ld + k0 + ((lane >> 4) << 3);
@@ -287,7 +287,7 @@ __device__ __forceinline__ void mbar_expect_tx(uint32_t b, unsigned bytes) {
     asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(b), "r"(bytes) : "memory");
 }
 // Waits for the phase of parity `parity` to complete. A phase that never completes (a byte count
-// or a piece assignment wrong: kda_tc_cuda.cu's cluster pass first ran after it was written) traps after
+// or a piece assignment wrong: kda/chunk_mma.cu's cluster pass first ran after it was written) traps after
 // 2^24 polls (each try_wait may suspend for a while: at least ~1 s, at most minutes) instead of
 // hanging the test: the launch then fails with an error.
 __device__ __forceinline__ void mbar_wait(uint32_t b, unsigned parity) {

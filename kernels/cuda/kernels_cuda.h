@@ -121,21 +121,21 @@ int mtrl_kda_gate_kimi_bwd(mtrl_cuda_ctx *ctx, int T, int H, int K, const float 
                            const float *dg, float *df, float *dA_log, float *ddt_bias);
 // Chunked forward in 16-token tiles (§2.3). S0, o, S_final, S_tiles nullable. S_tiles receives
 // the incoming state of every tile, [ceil(T/16)][H][K][V] (what the backward needs).
-// Two kernels: v3 (kda_tc_cuda.cu: mma.sync with split-bf16 operands, fp32 state and
+// Two kernels: v3 (kda/chunk_mma.cu: mma.sync with split-bf16 operands, fp32 state and
 // accumulators; ‖err‖/‖ref‖ ≈ 7e-6 on an H200), the default for K = V = 128 and 16-byte aligned
 // q, k, v, g; v2 (fp32 SIMT) for every other shape, or forced by the option kda_fwd = SIMT.
-// kda_plain_bf16: v3 with plain bf16 operands (≈ 3e-3; fails the model's tests: kda_cuda.cu and
+// kda_plain_bf16: v3 with plain bf16 operands (≈ 3e-3; fails the model's tests: kda/chunk_simt.cu and
 // tests/test_kda_v3_emu.c say why).
 int mtrl_kda_chunk_fwd(mtrl_cuda_ctx *ctx, int T, int H, int K, int V, const float *q,
                        const float *k, const float *v, const float *g, const float *beta,
                        const float *S0, float *o, float *S_final, float *S_tiles);
-// The same forward, chunk-parallel (kda_cp_cuda.cu): the sequence is split into `pieces` runs of
+// The same forward, chunk-parallel (kda/chunk_parallel.cu): the sequence is split into `pieces` runs of
 // whole 16-token tiles; every piece's final state from zero and its K x K transition are computed
 // at once, a short pass over the pieces gives each its incoming state, then every piece's outputs
 // at once. For the shapes where the sequential state pass leaves most SMs idle (few heads, long
 // T). pieces: MTRL_KDA_CP_AUTO (0): mtrl_kda_cp_pieces's choice; 1: exactly mtrl_kda_chunk_fwd;
 // N >= 2: N pieces (clamped to the tile count and MTRL_KDA_CP_MAX_PIECES). Shapes and inputs v3
-// does not take (K = V = 128, 16-byte aligned q, k, v, g; kda_cp_cuda.cu) run mtrl_kda_chunk_fwd.
+// does not take (K = V = 128, 16-byte aligned q, k, v, g; kda/chunk_parallel.cu) run mtrl_kda_chunk_fwd.
 // Same arguments and results as mtrl_kda_chunk_fwd, within v3's tolerance of fp64 (the state
 // entering piece p >= 2, or p >= 1 when S0 != NULL, goes through the transitions' rounding); bit
 // for bit on the tokens of piece 0, and of piece 1 when S0 is NULL. Scratch: v3's records plus
@@ -147,7 +147,7 @@ int mtrl_kda_chunk_fwd_cp(mtrl_cuda_ctx *ctx, int pieces, int T, int H, int K, i
 // The number of pieces mtrl_kda_chunk_fwd_cp runs for `pieces` = request at this shape (given
 // 16-byte aligned inputs); 1 means the sequential forward. Auto (request 0): min(SMs / H, tiles /
 // 128) when that is at least 4 and 8H <= SMs, else 1: chunk-parallel for H <= 16 on an H200 and
-// T >= 8,192 (kda_cp_cuda.cu says why and what it measured).
+// T >= 8,192 (kda/chunk_parallel.cu says why and what it measured).
 int mtrl_kda_cp_pieces(const mtrl_cuda_ctx *ctx, int T, int H, int K, int V, int request);
 // The forward kernel mtrl_kda_chunk_fwd runs for this shape (given 16-byte aligned inputs): 3 or 2.
 int mtrl_kda_chunk_fwd_version(const mtrl_cuda_ctx *ctx, int H, int K, int V);
@@ -155,7 +155,7 @@ int mtrl_kda_chunk_fwd_version(const mtrl_cuda_ctx *ctx, int H, int K, int V);
 int mtrl_kda_chunk_bwd_version(const mtrl_cuda_ctx *ctx, int H, int K, int V);
 // Chunked backward (docs/model.md §2.4). S_tiles as written by the forward, or NULL (recomputed into
 // scratch). dS_final NULL = zero; dS0 nullable; every other output overwritten.
-// The sequential state-gradient pass has two kernels: v3 (kda_tc_bwd_cuda.cu: mma.sync with
+// The sequential state-gradient pass has two kernels: v3 (kda/chunk_mma_bwd.cu: mma.sync with
 // split-bf16 operands, bf16x3, fp32 accumulators), the default for K = V = 128 and 16-byte aligned
 // q, k, v, g, dout; v2 (fp32 SIMT) for every other shape, or with the option kda_bwd = SIMT.
 // The per-tile pass runs its products on tensor cores with bf16x3 operands (any shape), or in
@@ -167,7 +167,7 @@ int mtrl_kda_chunk_bwd(mtrl_cuda_ctx *ctx, int T, int H, int K, int V, const flo
                        float *dbeta, float *dS0);
 // One decode token for B sequences (kda_step per sequence): q, k, g [B][H][K]; v [B][H][V];
 // beta [B][H]; S [B][H][K][V] updated in place; o [B][H][V].
-// Two kernels (kda_cuda.cu): v2 (state in registers, 16-byte accesses) for K in {64, 128, 256},
+// Two kernels (kda/chunk_simt.cu): v2 (state in registers, 16-byte accesses) for K in {64, 128, 256},
 // V % 64 == 0 and 16-byte aligned pointers; v1 for every other shape, or for all shapes with the
 // option decode = SIMT.
 int mtrl_kda_step(mtrl_cuda_ctx *ctx, int B, int H, int K, int V, const float *q,
@@ -193,11 +193,11 @@ int mtrl_kda_step_rows(mtrl_cuda_ctx *ctx, int B, int H, int K, int V, const flo
 // The absorbed MLA passes Hk = 1, v = k, ldv = ldk, Dv = dc < Dk ("aliased" values).
 // Requirements: Dk, Dv multiples of 16, Dv <= 512, Dk <= 576, H % Hk == 0; Tq <= Tk.
 // o [Tq][H][Dv], lse [Tq][H] (fp32).
-// Three kernel sets (docs/kernel-lab.md, "Causal attention (P4)"): v3 (sm90a/attn_wg_cuda.cu,
-// Hopper's wgmma; compute capability 9.0 only) and v2 (attn_tc_cuda.cu, FA2 style, mma.sync)
+// Three kernel sets (docs/kernel-lab.md, "Causal attention (P4)"): v3 (attn/sm90a/causal_wgmma.cu,
+// Hopper's wgmma; compute capability 9.0 only) and v2 (attn/causal_mma.cu, FA2 style, mma.sync)
 // for Dk = Dv = 128 and for Dk = 192, Dv = 128 (the naive MLA form: d_n + d_r keys, d_v values)
 // with separate values (any Hk): v3 on an H100 / H200 unless the option attn = MMA, else v2; v2
-// for the forward of the absorbed shape (Hk = 1, Dk = 576, Dv = 512 aliased); v1 (mla_cuda.cu)
+// for the forward of the absorbed shape (Hk = 1, Dk = 576, Dv = 512 aliased); v1 (mla/attn_decode.cu)
 // for every other shape, or for all shapes with attn = SIMT.
 int mtrl_attn_causal_fwd(mtrl_cuda_ctx *ctx, int Tq, int Tk, int H, int Hk, int Dk, int Dv,
                          float scale, const mtrl_bf16 *q, const mtrl_bf16 *k, int ldk,
@@ -231,7 +231,7 @@ int mtrl_attn_causal_bwd(mtrl_cuda_ctx *ctx, int Tq, int Tk, int H, int Hk, int 
 // host-side upper bound of the seq_len (sizes the split over the cache). a [B][H][dv]
 // overwritten. Split-K over the cache, partial results merged in a fixed order (deterministic).
 // Requirements: H <= 32, dc <= 512, dc + dr <= 640.
-// Two kernels (mla_cuda.cu): v2 (tensor cores: bf16 query and cache, fp32 softmax and
+// Two kernels (mla/attn_decode.cu): v2 (tensor cores: bf16 query and cache, fp32 softmax and
 // accumulation; splits sized from B, max_len and the SM count) for a bf16 cache with
 // dc in {128, 256, 512}, (dc + dr) % 32 == 0, ld % 8 == 0 and a 16-byte aligned pool (fastest
 // for H <= 16 with dc = 512, dr = 64: the query stays in registers); v1 (fp32 SIMT, 256-key
@@ -283,7 +283,7 @@ int mtrl_moe_experts_bwd(mtrl_cuda_ctx *ctx, int E, int D, int I, const int *off
                          const void *X_perm, const void *W1, const void *W3, const void *W2,
                          int type, const float *u1, const float *u3, const float *dY_perm,
                          float *dX_perm, float *dW1, float *dW3, float *dW2);
-// ---- grouped experts (moe_grouped_cuda.cu) ----
+// ---- grouped experts (moe/experts_mma.cu) ----
 // The same products as mtrl_moe_experts_fwd / _bwd (same arguments, layouts, "+=" rules) in a
 // fixed number of launches whatever E (forward 2, backward 4, plus dY's rounding for bf16), with
 // `offsets` the DEVICE array [E+1] (no host copy: capturable in a CUDA graph) and R = offsets[E]
@@ -306,7 +306,7 @@ int mtrl_moe_grouped_gemm(mtrl_cuda_ctx *ctx, int E, long R, const int *offsets,
                           const void *B, int type, float *C);
 // Which implementation suits these experts (R rows in all, operands of `type` on this context):
 // MTRL_MOE_GROUPED (the functions above) or MTRL_MOE_LANES (mtrl_moe_experts_fwd / _bwd, per-expert
-// cuBLAS chains on the GEMM lanes). The rules and why: moe_grouped_cuda.cu.
+// cuBLAS chains on the GEMM lanes). The rules and why: moe/experts_mma.cu.
 enum { MTRL_MOE_LANES = 0, MTRL_MOE_GROUPED = 1 };
 int mtrl_moe_experts_path(const mtrl_cuda_ctx *ctx, int E, int D, int I, long R, int type);
 // load [E] (overwritten): slots per expert.

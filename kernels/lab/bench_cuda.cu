@@ -16,9 +16,6 @@
 #include "kernels/cuda/cuda_common.cuh"
 #include "kernels/lab/bench_cuda.h"
 
-// kda_tc_cuda.cu: clusters of the KDA v3 cluster state pass resident at once (cl = 8, 4, 2).
-int kda3_cluster_max_active(int cl, int split);
-
 namespace {
 
 struct Bench {
@@ -27,7 +24,7 @@ struct Bench {
     int reps = 5;
     double gemm_tflops = 755.0, copy_tbps = 4.17;  // replaced by this run's measurements
     std::string anchors;  // the JSON of shared/bench/anchors_gpu.py from the same machine (--anchors)
-    bool kda_fwd_only = false;  // --kda-fwd-only: the forward's rows without v2, the clusters and the backward
+    bool kda_fwd_only = false;  // --kda-fwd-only: the forward's rows without v2 and the backward
 };
 
 // A number of the anchors' JSON (a flat object written by anchors_gpu.py): "key": value.
@@ -182,8 +179,7 @@ void bench_kda(Bench &B, int T, int H) {
     }
     if (K == 128 && V == 128) {
         // the default (v3 bf16x3 where the shape allows it) against v2 (kda_fwd = simt, fp32
-        // SIMT) and v3 with plain bf16 operands (kda_records = bf16) at each block width
-        // (kda_warps: warps of 16 value columns per block; default 4)
+        // SIMT) and v3 with plain bf16 operands (kda_records = bf16)
         double m2 = 0, m4 = 0;
         {
             // the default in one piece and in 4 (kda_fwd_pieces; default: up to 8 from 256
@@ -208,35 +204,12 @@ void bench_kda(Bench &B, int T, int H) {
             scoped_opts so(B.c);
             B.c->opts.kda_fwd = MTRL_KOPT_AUTO;
             B.c->opts.kda_plain_bf16 = 1;
-            static const int wpbs[] = {4, 1, 2, 8};
-            for (int w : wpbs) {
-                B.c->opts.kda_warps = w;
-                double m3 = time_ms(B, [&] { mtrl_kda_chunk_fwd(B.c, T, H, K, V, q, k, v, g, beta, NULL, o, Sf, NULL); });
-                if (w == 4) m4 = m3;
-                snprintf(what, sizeof what, "  v3 bf16 (kda_records = bf16), warps %d", w);
-                row(what, shape, m3, flops, "TFLOP/s", B.gemm_tflops);
-            }
+            m4 = time_ms(B, [&] { mtrl_kda_chunk_fwd(B.c, T, H, K, V, q, k, v, g, beta, NULL, o, Sf, NULL); });
+            row("  v3 bf16 (kda_records = bf16)", shape, m4, flops, "TFLOP/s", B.gemm_tflops);
         }  // the caller's options again
         if (m2 > 0)
-            printf("%-34s %-34s default / v2 time %.3f, v3 bf16 (WPB=4) / v2 %.3f, default / v3 bf16 %.3f\n", "", "",
+            printf("%-34s %-34s default / v2 time %.3f, v3 bf16 / v2 %.3f, default / v3 bf16 %.3f\n", "", "",
                    ms / m2, m4 / m2, ms / m4);
-        if (!B.kda_fwd_only) {
-            // the default with the cluster state pass (kda_cluster = 8: thread-block clusters of
-            // 8 blocks of 1 warp per head, the K side of each tile record multicast once per
-            // cluster; 4 and 2: clusters of 4 blocks of 2 warps, 2 of 4), against the default
-            scoped_opts so(B.c);
-            B.c->opts.kda_fwd = MTRL_KOPT_AUTO;
-            B.c->opts.kda_warps = 0;
-            static const int cls[] = {8, 4, 2};
-            for (int ncl : cls) {
-                B.c->opts.kda_cluster = ncl;
-                double mc = time_ms(B, [&] { mtrl_kda_chunk_fwd(B.c, T, H, K, V, q, k, v, g, beta, NULL, o, Sf, NULL); });
-                snprintf(what, sizeof what, "  default, kda_cluster=%d", ncl);
-                row(what, shape, mc, flops, "TFLOP/s", B.gemm_tflops);
-                printf("%-34s %-34s kda_cluster=%d / default time %.3f (clusters of %d resident at once: %d, "
-                       "H = %d)\n", "", "", ncl, mc / ms, ncl, kda3_cluster_max_active(ncl, !B.c->opts.kda_plain_bf16), H);
-            }
-        }  // the caller's options again
     }
     if (B.kda_fwd_only) {
         mtrl_cuda_free(q); mtrl_cuda_free(k); mtrl_cuda_free(v); mtrl_cuda_free(g); mtrl_cuda_free(beta);
@@ -259,7 +232,6 @@ void bench_kda(Bench &B, int T, int H) {
         // the v2 kernels: pass 3 in fp32 SIMT (kda_bwd_tile = simt), then pass 2 too (kda_bwd = simt)
         scoped_opts so(B.c);
         B.c->opts.kda_bwd_tile = MTRL_KOPT_SIMT;
-        B.c->opts.kda_warps = 0;
         double mbt = time_ms(B, [&] {
             mtrl_kda_chunk_bwd(B.c, T, H, K, V, q, k, v, g, beta, NULL, St, dout, NULL, dq, dk, dv, dg, db, dS0);
         }, 1, 3);
@@ -541,7 +513,7 @@ void bench_moe_model(Bench &B) {
     for (void *p : ps) mtrl_cuda_free(p);
 }
 
-// The grouped experts (own kernels, device offsets: moe_grouped_cuda.cu) against the per-expert
+// The grouped experts (own kernels, device offsets: moe/experts_mma.cu) against the per-expert
 // cuBLAS chains on the GEMM lanes, in the same run, at 16, 128, 1024 and 8192 rows per expert,
 // balanced and skewed (expert e gets ∝ e + 1 rows, as bench_moe; at 16 rows the first experts get
 // none). Rows: one grouped GEMM X W[e]ᵀ (D -> F, bf16: the shape of torch._grouped_mm in

@@ -1,4 +1,4 @@
-// kda_cp_ref.h: CPU reference of the chunk-parallel KDA forward (kernels/cuda/kda_cp_cuda.cu):
+// kda_cp_ref.h: CPU reference of the chunk-parallel KDA forward (kernels/cuda/kda/chunk_parallel.cu):
 // the same decomposition, built from mtrl_ref_kda_chunk_fwd, so that the CUDA form can be checked
 // against it and the decomposition itself against the sequential form (tests/test_kda_cp_ref.c).
 //

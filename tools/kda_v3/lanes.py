@@ -1,10 +1,10 @@
-# kda_v3/lanes.py: a lane-level model of the fragment code of kernels/cuda/kda_tc_cuda.cu: ldmatrix
+# kda_v3/lanes.py: a lane-level model of the fragment code of kernels/cuda/kda/chunk_mma.cu: ldmatrix
 # (x4, .trans) and mma.m16n8k16 emulated for 32 lanes as cuda_common.cuh documents them, and the
 # kernel's index expressions transcribed (state step for WPB = 2, block 1, both warps; the prep's
 # X, P, W, U products), compared with the same products as whole matrices. Errors at fp32
 # rounding (~1e-7 relative) mean the index expressions agree with the matrix algebra; a layout
 # mistake gives O(1). It checks the transcription, not the hardware (the semantics of ldmatrix
-# and mma are the ones attn_tc_cuda.cu relies on).
+# and mma are the ones attn/causal_mma.cu relies on).
 # usage: python3 tools/kda_v3/lanes.py   (numpy; about a minute)
 # Lane-level emulation of kda3 fragment code (ldmatrix / mma.m16n8k16 / pack_bf16 per cuda_common.cuh).
 import numpy as np

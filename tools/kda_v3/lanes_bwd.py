@@ -1,11 +1,11 @@
 # kda_v3/lanes_bwd.py: lanes.py's lane-level model (ldmatrix x4 / .trans and mma.m16n8k16 emulated
 # for 32 lanes as cuda_common.cuh documents them) applied to the backward state-gradient step of
-# kernels/cuda/kda_tc_bwd_cuda.cu (kda3_state_bwd_k, WPB = 2, block 1, both warps; the hi parts
+# kernels/cuda/kda/chunk_mma_bwd.cu (kda3_state_bwd_k, WPB = 2, block 1, both warps; the hi parts
 # only: the lo parts take the same addresses plus a constant offset). The kernel's index
 # expressions are transcribed and compared with the same step as whole matrices with the same bf16
 # roundings: dΔ = K^e dS + Pᵀ dO, dS' = diag(e^γ) dS + Q⁺ᵀ dO + (−W)ᵀ dΔ. Errors at fp32 rounding
 # (~1e-7 relative) mean the index expressions agree with the algebra; a layout mistake gives O(1).
-# Then kda_cuda.cu's smm16_tc (pass 3's products on tensor cores, kda_bwd_tile = auto) the same way.
+# Then kda/chunk_simt.cu's smm16_tc (pass 3's products on tensor cores, kda_bwd_tile = auto) the same way.
 # usage: python3 tools/kda_v3/lanes_bwd.py   (numpy; a few seconds)
 import numpy as np
 rng=np.random.default_rng(5)
@@ -66,7 +66,7 @@ for w in range(WPB):
 print("backward state step, warp errors (dΔ, dS'):", err)
 assert all(e < 1e-5 for p in err for e in p), "layout mismatch"
 
-# ---- kda_cuda.cu's smm16_tc (kda_bwd_tile = auto): fragments gathered from fp32 arrays with any
+# ---- kda/chunk_simt.cu's smm16_tc (kda_bwd_tile = auto): fragments gathered from fp32 arrays with any
 # strides (transcribed; hi parts), C = alpha A B + beta C for M = 16; A and B read transposed here.
 def smm16_tc(N,Kd,alpha,A,sam,sak,B,sbk,sbn,beta,C,ldc,nw=8):
     for w in range(nw):

@@ -1,4 +1,4 @@
-# kda_v3/rounding_model.py: a numpy model of the KDA forward v3 (kernels/cuda/kda_tc_cuda.cu) at the
+# kda_v3/rounding_model.py: a numpy model of the KDA forward v3 (kernels/cuda/kda/chunk_mma.cu) at the
 # matrix level, with bf16 rounding at the kernel's points (operands of every mma, T, the state and
 # Δ as operands), against an fp64 recurrence. Gives the error level the v3 test tolerance rests on.
 # usage: python3 tools/kda_v3/rounding_model.py   (numpy; a few minutes)

@@ -1,11 +1,11 @@
-// kda_tc_bwd_cuda.cu: KDA chunked backward v3, the sequential state-gradient pass (pass 2 of
-// mtrl_kda_chunk_bwd, kda_cuda.cu's kda_state_bwd_k) on tensor cores: mma.sync m16n8k16 with
+// kda/chunk_mma_bwd.cu: KDA chunked backward v3, the sequential state-gradient pass (pass 2 of
+// mtrl_kda_chunk_bwd, kda/chunk_simt.cu's kda_state_bwd_k) on tensor cores: mma.sync m16n8k16 with
 // split-bf16 operands (bf16x3: a = a_hi + a_lo, 3 mma per product, ~16 significant bits), fp32
-// accumulation; dS, dΔ and every accumulator fp32. mtrl_kda_chunk_bwd (kda_cuda.cu) takes this
+// accumulation; dS, dΔ and every accumulator fp32. mtrl_kda_chunk_bwd (kda/chunk_simt.cu) takes this
 // path for K = V = 128 (the default; kda_bwd = simt (the option, kernel_opts.h) runs v2's SIMT pass instead);
-// passes 1 and 2 change as follows (pass 3, kda_tile_bwd_k, and its pieces beside pass 2: kda_cuda.cu):
+// passes 1 and 2 change as follows (pass 3, kda_tile_bwd_k, and its pieces beside pass 2: kda/chunk_simt.cu):
 //
-//   1. Operands: v3's per-tile record (kda_tc_cuda.cu's kda3_prep_k<bf16x3>, 34,304 B per head
+//   1. Operands: v3's per-tile record (kda/chunk_mma.cu's kda3_prep_k<bf16x3>, 34,304 B per head
 //      and tile) instead of v2's fp32 prep buffers: it holds exactly what this pass reads — −W,
 //      Q⁺, K^e and P as hi + lo bf16 planes and e^γ in fp32 — already split, laid out for
 //      cp.async + ldmatrix, and its W, P carry the forward v3 bf16x3's own products (emulated
@@ -13,8 +13,8 @@
 //      tile is exactly the scratch v2's prep buffers take (W, Q⁺, K^e, U, P, e^γ in fp32); pass 3
 //      recomputes its own operands either way. When the caller passes no S_tiles, they are recomputed by the
 //      v3 forward state pass (bf16x3) from the same record, not by v2.
-//   2. kda3_state_bwd_k<WPB, X>, grid (V / (16 WPB), H), WPB warps (default 4; kda_warps = 1|2|4|8
-//      picks another, as for the forward), last tile to first. Warp w owns 16 value columns
+//   2. kda3_state_bwd_k<WPB, X>, grid (V / (16 WPB), H), WPB warps (4, as for the forward), last
+//      tile to first. Warp w owns 16 value columns
 //      j0..j0+15 of one head and holds dSᵀ (16 x K, fp32: dS of the tile's OUTGOING state,
 //      transposed, as the forward holds Sᵀ) as mma accumulators: st[nd][c] = dS(d, j) with
 //      d = 8 nd + 2t + (c & 1), j = j0 + g + 8 (c >> 1) (g = lane/4, t = lane%4), 64 registers.
@@ -60,7 +60,7 @@
 #include <math.h>
 #include <stdlib.h>
 
-#include "kernels/cuda/kda_tc.cuh"
+#include "kernels/cuda/kda/chunk_mma.cuh"
 
 namespace {
 
@@ -221,15 +221,10 @@ void launch_state_bwd3_(mtrl_cuda_ctx *c, int T, int H, int nt, int n_lo, int n_
 // The v3 state-gradient pass over records written by kda3_prep_launch(split = 1) (T >= 1,
 // K = V = 128, dout 16-byte aligned): dD [H][Tp][V], dSt [tiles][H][K][V], dS0 (optional) as
 // kda_state_bwd_k writes them. bf16x3 only: plain bf16 operands fail the model's tests in the
-// forward (kda_cuda.cu), and the backward's dg is the same cancelling sum.
+// forward (kda/chunk_simt.cu), and the backward's dg is the same cancelling sum.
 // Tiles [n_lo, n_hi) only (kda3_state_bwd_k): dS_final leaves tile n_hi - 1, dS0 enters n_lo.
 void kda3_state_bwd_launch(mtrl_cuda_ctx *c, int T, int H, int n_lo, int n_hi, const unsigned char *rec,
                            const float *dout, const float *dS_final, float *dD, float *dSt, float *dS0) {
     const int nt = (T + C3 - 1) / C3;
-    switch (opt_wpb_(c)) {
-    case 1: launch_state_bwd3_<1, true>(c, T, H, nt, n_lo, n_hi, rec, dout, dS_final, dD, dSt, dS0); break;
-    case 2: launch_state_bwd3_<2, true>(c, T, H, nt, n_lo, n_hi, rec, dout, dS_final, dD, dSt, dS0); break;
-    case 8: launch_state_bwd3_<8, true>(c, T, H, nt, n_lo, n_hi, rec, dout, dS_final, dD, dSt, dS0); break;
-    default: launch_state_bwd3_<4, true>(c, T, H, nt, n_lo, n_hi, rec, dout, dS_final, dD, dSt, dS0); break;
-    }
+    launch_state_bwd3_<4, true>(c, T, H, nt, n_lo, n_hi, rec, dout, dS_final, dD, dSt, dS0);  // 4 warps a block
 }

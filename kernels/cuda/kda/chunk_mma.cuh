@@ -1,10 +1,10 @@
-// kda_tc.cuh: what the tensor-core KDA kernels share (kda_tc_cuda.cu: the forward v3 and its
-// per-tile record; kda_tc_bwd_cuda.cu: the backward's state-gradient pass, which reads the same
-// record; kda_cp_cuda.cu: the chunk-parallel forward, which runs the forward's state pass tile over
+// kda/chunk_mma.cuh: what the tensor-core KDA kernels share (kda/chunk_mma.cu: the forward v3 and its
+// per-tile record; kda/chunk_mma_bwd.cu: the backward's state-gradient pass, which reads the same
+// record; kda/chunk_parallel.cu: the chunk-parallel forward, which runs the forward's state pass tile over
 // the same records): the shape constants, the record layout, the split-bf16 (bf16x3) fragment
 // helpers, the forward pass's ring stage (StCfg) and tile (KDA3_STATE_TILE_), and the launchers one
-// file calls in another. Moved out of kda_tc_cuda.cu unchanged (tools/cubin_compare.py: every
-// kernel of kda_tc_cuda.cu and kda_tc_bwd_cuda.cu the same machine code as before the move).
+// file calls in another. Moved out of kda/chunk_mma.cu unchanged (tools/cubin_compare.py: every
+// kernel of kda/chunk_mma.cu and kda/chunk_mma_bwd.cu the same machine code as before the move).
 #ifndef MTRL_KDA_TC_CUH
 #define MTRL_KDA_TC_CUH
 
@@ -56,7 +56,7 @@ __device__ __forceinline__ void pack_split(float a, float b, uint32_t &hi, uint3
     lo = pack_bf16(a - bf2f((uint16_t)(hi & 0xffffu)), b - bf2f((uint16_t)(hi >> 16)));
 }
 // Two adjacent accumulator n-tiles c0, c1 (8 columns each) as the A fragment of one 16-wide
-// k-step (the FA2 register trick, acc_to_a in attn_tc_cuda.cu): a[0] = c0[0..1], a[1] = c0[2..3],
+// k-step (the FA2 register trick, acc_to_a in attn/causal_mma.cu): a[0] = c0[0..1], a[1] = c0[2..3],
 // a[2] = c1[0..1], a[3] = c1[2..3]; hi and lo parts.
 __device__ __forceinline__ void acc_to_a_split(const float *c0, const float *c1, uint32_t *hi,
                                                uint32_t *lo) {
@@ -118,7 +118,7 @@ struct StKside {
                   "stage alignment");
 };
 
-// What the sequential passes (kda_tc_cuda.cu's forward, kda_tc_bwd_cuda.cu's backward) share,
+// What the sequential passes (kda/chunk_mma.cu's forward, kda/chunk_mma_bwd.cu's backward) share,
 // as macros because the same code as inline functions compiled to other machine code in them
 // (tools/cubin_compare.py), and their times were measured as they are:
 //   KDA3_STAGE_KSIDE_: the K side of tile record R into ring stage st by cp.async (thread tid of
@@ -171,11 +171,11 @@ struct StCfg : StKside<X> {
     static_assert(NST3 * STAGE <= 232448, "the sm_90 opt-in shared memory per block");
 };
 
-// One tile of the forward state pass for one warp, shared by kda3_state_k and its cluster form
-// kda3_state_cl_k (their results are bit-identical by construction): the stage's pointers sW, sQ,
+// One tile of the forward state pass for one warp, shared by kda3_state_k and the chunk-parallel
+// forward's kda_cp_state_k (their arithmetic is the same by construction): the stage's pointers sW, sQ,
 // sE, sP, sU, sEG, Sᵀ in st (updated to the tile's outgoing state); S_tiles gets the incoming state
-// of tile n, o (WO) the tile's output rows; MID runs between the Δ / Q⁺S products and the rest (the
-// cluster form's refill). A macro, not an inline function: as a function the same arithmetic
+// of tile n, o (WO) the tile's output rows; MID runs between the Δ / Q⁺S products and the rest (empty in
+// both; the cluster form, which left the tree, refilled its stages there). A macro, not an inline function: as a function the same arithmetic
 // compiled to other machine code (tools/cubin_compare.py; docs/kernel-lab.md), and these kernels'
 // times were measured as they are. Its steps (the algebra: the header comment at the top):
 //   * S_tiles: the incoming state, fp32, each store filling four 32-byte sectors;
@@ -270,15 +270,13 @@ _Pragma("unroll")                                                               
         }                                                                                             \
         do {} while (0)
 
-// The option kda_warps = 1|2|4|8: warps per block of the state passes; default (0) 4.
-inline int opt_wpb_(const mtrl_cuda_ctx *c) {
-    const int x = c->opts.kda_warps;
-    return x == 1 || x == 2 || x == 4 || x == 8 ? x : 4;
-}
+// Warps per block of the state passes: 4 (1, 2 and 8 measured slower and left the tree,
+// docs/kernel-lab.md). Kept as a function so that callers name the width in one place.
+inline int opt_wpb_(const mtrl_cuda_ctx *) { return 4; }
 
 }  // namespace
 
-// kda_tc_cuda.cu: the record's size per (head, tile) (split: bf16x3), the prep that writes it for
+// kda/chunk_mma.cu: the record's size per (head, tile) (split: bf16x3), the prep that writes it for
 // every tile of every head (rec: H x tiles records, scratch the caller owns), and the forward state
 // pass over it (o, S_final, S_tiles each optional, as kda3_chunk_fwd). T >= 1, K = V = 128, q, k,
 // v, g 16-byte aligned (kda3_supports).

@@ -1,4 +1,4 @@
-// ops_cuda.cu: the per-token operators of ops_ref.h and attnres_ref.h on the GPU (fp32):
+// core/ops_simt.cu: the per-token operators of ops_ref.h and attnres_ref.h on the GPU (fp32):
 // RMSNorm, L2Norm, gated RMSNorm, SwiGLU, causal short conv (+ decode window), log-prob and
 // entropy over a vocabulary row, AdamW, and one Block-AttnRes site.
 // Row operators run one block per row; weight gradients ("+=" over rows) are summed per column

@@ -1,4 +1,4 @@
-// core_cuda.cu: context, device buffers, conversions and the cuBLAS GEMM launchers
+// core/context.cu: context, device buffers, conversions and the cuBLAS GEMM launchers
 // (kernels_cuda.h, "context" and "dense GEMM").
 #include <string.h>
 

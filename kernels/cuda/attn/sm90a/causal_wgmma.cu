@@ -1,7 +1,7 @@
-// attn_wg_cuda.cu: v3 of the causal attention (forward, and the backward's dK / dV and dQ), on
+// attn/sm90a/causal_wgmma.cu: v3 of the causal attention (forward, and the backward's dK / dV and dQ), on
 // Hopper's warpgroup MMA: every product is a wgmma reading its shared-memory operands through
 // descriptors (wgmma.cuh), so the operand fragments no longer pass through registers
-// (v2, attn_tc_cuda.cu, spends 251 registers and runs at 12% occupancy: docs/kernel-lab.md).
+// (v2, attn/causal_mma.cu, spends 251 registers and runs at 12% occupancy: docs/kernel-lab.md).
 // Compiled for sm_90a only (the arch-specific wgmma instructions); the launcher declines any
 // other device, and the caller runs v2. Dk = 128 or 192 (the naive MLA form), Dv = 128.
 //
@@ -15,7 +15,7 @@
 //   attn3_bwd_dkv_pp_k dK / dV (MHA rows): thread 0 refills the query-tile stages; no producer
 //                      warp, because dK and dV take 255 registers per consumer thread.
 //   attn3_bwd_dkv_k    dK / dV with the warpgroups in step (a __syncthreads per tile, cp.async
-//                      by every thread): GQA rows, and attn_dkv_in_step = true (a lab knob).
+//                      by every thread): GQA rows.
 // Measured and dropped (docs/kernel-lab.md): the forward and dQ in step (the forward 1.5-1.7x
 // slower); a warp-specialised dK / dV (384 threads with setmaxnreg 24 / 240: ptxas reported 168
 // registers per thread and ~1 KB of spills, and it ran 1.3x slower than in step).
@@ -37,8 +37,8 @@
 #include <math.h>
 #include <stdlib.h>
 
-#include "kernels/cuda/attn_args.cuh"
-#include "kernels/cuda/sm90a/wgmma.cuh"
+#include "kernels/cuda/attn/args.cuh"
+#include "kernels/cuda/attn/sm90a/wgmma.cuh"
 
 namespace {
 
@@ -741,17 +741,13 @@ __global__ void __launch_bounds__(384, 1)
 #endif
 }
 
-// The option attn_dkv_in_step (a lab variant): dK / dV with the warpgroups in step (no
-// ping-pong).
-int ws_wanted_(const mtrl_cuda_ctx *c) { return !c->opts.attn_dkv_in_step; }
-
 template <int DK, int DV>
 int launch_dkv3_(mtrl_cuda_ctx *c, const A2 &a, int Hk, const uint16_t *dout, const float *lse,
                  const float *D, const float *Lt, const float *Dt, int npad, float *dk, float *dv) {
     using C = Wdkv<DK, DV>;
     using P = WdkvPp<DK, DV>;
     CUtensorMap tq, to;
-    if (ws_wanted_(c) && a.G == 1 && Lt && P::smem() <= c->smem_optin &&
+    if (a.G == 1 && Lt && P::smem() <= c->smem_optin &&
         !tma_map_rows(&tq, a.q, a.H * DK, a.Tq, P::BR) && !tma_map_rows(&to, dout, a.H * DV, a.Tq, P::BR)) {
         set_smem(attn3_bwd_dkv_pp_k<DK, DV>, P::smem());
         attn3_bwd_dkv_pp_k<DK, DV><<<dim3(cdiv(a.Tk, P::BN), Hk), 256, P::smem(), c->stream>>>(

@@ -1,5 +1,5 @@
-// attn_tc_cuda.cu: v2 of the causal attention of the training form (mtrl_attn_causal_fwd/bwd;
-// the launchers in mla_cuda.cu dispatch here), FlashAttention-2 style: every product is
+// attn/causal_mma.cu: v2 of the causal attention of the training form (mtrl_attn_causal_fwd/bwd;
+// the launchers in mla/attn_decode.cu dispatch here), FlashAttention-2 style: every product is
 // mma.sync m16n8k16 (bf16 operands, fp32 accumulation), fragments through ldmatrix, the K/V (or
 // Q/dO) tiles stream through shared memory with cp.async, double-buffered (tile n+1 is in flight
 // while tile n is multiplied), and the score tile never leaves registers: the accumulator layout
@@ -18,7 +18,7 @@
 //            block's last row are skipped, and only tiles that cross the diagonal are masked. Row
 //            blocks are launched heaviest (last) first, so the causal triangle's long blocks do
 //            not form the tail.
-//            * MHA Dk = Dv = 128 (default, configuration 4): <128, 128, 1, 64, Q in shared
+//            * MHA Dk = Dv = 128 (configuration 4 of docs/kernel-lab.md): <128, 128, 1, 64, Q in shared
 //              memory, separate V, MT = 2>: each K / V fragment read through ldmatrix feeds two
 //              row tiles (with MT = 1 the loop is bound by one ldmatrix.x4 per two mma: 242 vs
 //              299 TFLOP/s at 32K). 104 KB of shared memory, 255 registers, 2 blocks per SM.
@@ -30,9 +30,8 @@
 //            * MHA Dk = 192, Dv = 128 (the naive MLA form: d_n + d_r = 128 + 64 keys, d_v = 128
 //              values): <192, 128, 1, 32, Q in shared memory, separate V, MT = 2, 2 blocks per
 //              SM>: 240 registers, no spills, 92 KB (Q 128 x 200 + two stages of 32 keys x
-//              (200 + 136) bf16). With 64-key stages (attn_fwd_config = 3) it is 134 KB, one block
-//              per SM, 255 registers and 72 B of spills; attn_fwd_config = 1 keeps Q in registers
-//              (MT = 1, 64-key stages, 216 registers, 84 KB, 2 blocks per SM). Not yet measured.
+//              (200 + 136) bf16). With 64-key stages it would be 134 KB, one block per SM, 255
+//              registers and 72 B of spills.
 //   backward (Dk = Dv = 128 or Dk = 192, Dv = 128, values not aliased; the absorbed shape runs
 //            v1) in three launches, nothing atomic:
 //            attn2_bwd_pre_k: D = rowsum(dO ⊙ O);
@@ -43,27 +42,25 @@
 //              added once to dk / dv (+=);
 //            attn2_bwd_dq_k<DK, DV, BN, MT, QREG>: grid (row blocks of 64 MT, Hk); for each key
 //              tile, S, P, dP = dO Vᵀ, dS, dQ += dS K; dq written once (overwrite). Dk = Dv = 128:
-//              default BN = 32, MT = 2 (Q and dO fragments from shared memory); <64, 1, QREG>
-//              keeps them in registers.
+//              BN = 32, MT = 2 (Q and dO fragments from shared memory).
 //            Dk = 192, Dv = 128: dkv <192, 128, BR = 32>: the 96 + 64 accumulator registers of dK
 //              and dV fit beside Sᵀ and dPᵀ because the query tile is 32 rows (16 + 16 registers
 //              instead of 32 + 32 at 64 rows, the same 192 live accumulators as the 128 shape):
 //              251 registers, no spills, 85 KB (K 64 x 200, V 64 x 136, two stages of Q 32 x 200
-//              and dO 32 x 136), 2 blocks per SM. 64-row tiles (attn_dkv_rows = 64, a lab knob
-//              read at each call) also compile without spills (255 registers) but need 127 KB,
-//              one block per SM. The price of 32 rows: the warp's K / V A-fragments are read
+//              and dO 32 x 136), 2 blocks per SM. 64-row tiles would compile without spills (255
+//              registers) but need 127 KB, one block per SM. The price of 32 rows: the warp's K / V A-fragments are read
 //              once per 32 rows instead of per 64 (6 ldmatrix per 8 mma in Sᵀ and dPᵀ instead
 //              of 5), and twice the barriers. dq <192, 128, 32, 1, Q and dO from shared
 //              memory>: dQ is 96 registers (MT = 2 would need 192), 216 registers, no spills,
 //              84 KB, 2 blocks per SM (64-key stages: 126 KB; with Q and dO in registers ptxas
-//              spills 116 B). Not yet measured.
+//              spills 116 B).
 //            So S and dP are computed twice (7 products instead of FA2's 5): the price of a
 //            deterministic dq without floating-point atomics.
-// attn = simt (kernel_opts.h) selects the v1 kernels of mla_cuda.cu (read at each call).
+// attn = simt (kernel_opts.h) selects the v1 kernels of mla/attn_decode.cu (read at each call).
 #include <math.h>
 #include <stdlib.h>
 
-#include "kernels/cuda/attn_args.cuh"
+#include "kernels/cuda/attn/args.cuh"
 #include "kernels/cuda/cuda_common.cuh"
 
 namespace {
@@ -760,7 +757,7 @@ int launch_dkv_(mtrl_cuda_ctx *c, const A2 &a, int Hk, const uint16_t *dout, con
     return 0;
 }
 
-// v3 (sm90a/attn_wg_cuda.cu) unless the option attn = MMA, on a compute capability 9.0 device
+// v3 (attn/sm90a/causal_wgmma.cu) unless the option attn = MMA, on a compute capability 9.0 device
 // (its code is sm_90a only).
 int attn3_on_(const mtrl_cuda_ctx *c) { return c->opts.attn != MTRL_KOPT_MMA && c->cc == 90; }
 
@@ -774,10 +771,8 @@ int attn_version_(const mtrl_cuda_ctx *c, int H, int Hk, int Dk, int Dv, int ali
     return 1;
 }
 
-// Forward configurations, numbered as measured in docs/kernel-lab.md; the option attn_fwd_config
-// = N (a lab variant) picks another than the default (0): the default is configuration 4 for the
-// MHA shape (two row tiles per warp), and 0 for the absorbed shape (any value other than 1); 6
-// is the MHA shape's configuration with 3 blocks per SM.
+// One forward configuration per shape, the fastest measured (docs/kernel-lab.md, "v2"); the
+// others measured left the tree (the same page says which commit last had them).
 template <int DK, int DVS, int NVW, int BN, bool QREG, bool ALIAS, int MT, int MINB>
 int launch_fwd_(mtrl_cuda_ctx *c, const A2 &a, int Hk, float *o, float *lse) {
     using Cf = FwdCfg<DK, DVS, NVW, BN, QREG, ALIAS, MT>;
@@ -790,7 +785,6 @@ int launch_fwd_(mtrl_cuda_ctx *c, const A2 &a, int Hk, float *o, float *lse) {
     CUDA_LAUNCH_CHECK();
     return 0;
 }
-int fwd_variant_(const mtrl_cuda_ctx *c) { return c->opts.attn_fwd_config ? c->opts.attn_fwd_config : 4; }
 
 }  // namespace
 
@@ -800,7 +794,7 @@ extern "C" int mtrl_attn_causal_version(const mtrl_cuda_ctx *c, int H, int Hk, i
     return attn_version_(c, H, Hk, Dk, Dv, alias, bwd);
 }
 
-// The v2 launchers behind mtrl_attn_causal_fwd/bwd (mla_cuda.cu has checked the arguments:
+// The v2 launchers behind mtrl_attn_causal_fwd/bwd (mla/attn_decode.cu has checked the arguments:
 // Tq <= Tk, 16-byte aligned rows and pointers, dv == dk when aliased). They return 1, launching
 // nothing, for a shape v2 does not take, so the caller runs v1.
 extern "C" int mtrl_attn2_causal_fwd(mtrl_cuda_ctx *c, int Tq, int Tk, int H, int Hk, int Dk,
@@ -816,21 +810,8 @@ extern "C" int mtrl_attn2_causal_fwd(mtrl_cuda_ctx *c, int Tq, int Tk, int H, in
         const int r = attn3_fwd_launch(c, a, Hk, o, lse);
         if (r <= 0) return r;  // else: declined, v2 below
     }
-    const int var = fwd_variant_(c);
-    if (!alias && Dk == 192) {  // Dv = 128
-        if (var == 1) return launch_fwd_<192, 128, 1, 64, true, false, 1, 2>(c, a, Hk, o, lse);
-        if (var == 3) return launch_fwd_<192, 128, 1, 64, false, false, 2, 1>(c, a, Hk, o, lse);
-        return launch_fwd_<192, 128, 1, 32, false, false, 2, 2>(c, a, Hk, o, lse);
-    }
-    if (!alias) {
-        if (var == 1) return launch_fwd_<128, 128, 1, 64, true, false, 1, 2>(c, a, Hk, o, lse);
-        if (var == 2) return launch_fwd_<128, 128, 1, 128, true, false, 1, 2>(c, a, Hk, o, lse);
-        if (var == 3) return launch_fwd_<128, 128, 1, 64, false, false, 2, 1>(c, a, Hk, o, lse);
-        if (var == 4) return launch_fwd_<128, 128, 1, 64, false, false, 2, 2>(c, a, Hk, o, lse);
-        if (var == 5) return launch_fwd_<128, 128, 1, 32, false, false, 2, 2>(c, a, Hk, o, lse);
-        return launch_fwd_<128, 128, 1, 64, true, false, 1, 3>(c, a, Hk, o, lse);
-    }
-    if (var == 1) return launch_fwd_<576, 256, 2, 32, false, true, 1, 1>(c, a, 1, o, lse);
+    if (!alias && Dk == 192) return launch_fwd_<192, 128, 1, 32, false, false, 2, 2>(c, a, Hk, o, lse);  // Dv = 128
+    if (!alias) return launch_fwd_<128, 128, 1, 64, false, false, 2, 2>(c, a, Hk, o, lse);
     return launch_fwd_<576, 256, 2, 64, false, true, 1, 1>(c, a, 1, o, lse);
 }
 
@@ -846,7 +827,7 @@ extern "C" int mtrl_attn2_causal_bwd(mtrl_cuda_ctx *c, int Tq, int Tk, int H, in
         return 1;  // float4 loads of o, float2 accesses of dq, dk, dv
     if (Tq == 0) return 0;
     A2 a = attn_args_make(Tq, Tk, H, Hk, Dk, Dv, scale, q, k, ldk, v, ldv);
-    // D [Tq][H], and for v3 with MHA rows its head-major copies with lse (attn_args.cuh)
+    // D [Tq][H], and for v3 with MHA rows its head-major copies with lse (attn/args.cuh)
     const int rows = Tq * H, npad = (Tq + 63) / 64 * 64, tcopy = ver == 3 && H == Hk;
     ws_carver sz{nullptr, 0};
     sz.take<float>((size_t)rows);
@@ -858,7 +839,7 @@ extern "C" int mtrl_attn2_causal_bwd(mtrl_cuda_ctx *c, int Tq, int Tk, int H, in
     attn2_bwd_pre_k<<<cdiv(warps, 8), 256, 0, c->stream>>>(rows, Dv, dout, o, D, lse, H, Tq, npad,
                                                             Lt, Dt);
     CUDA_LAUNCH_CHECK();
-    // v3: dK / dV and dQ on wgmma (sm90a/attn_wg_cuda.cu)
+    // v3: dK / dV and dQ on wgmma (attn/sm90a/causal_wgmma.cu)
     const int dkv3 = ver == 3 ? attn3_dkv_launch(c, a, Hk, dout, lse, D, Lt, Dt, npad, dk, dv) : 1;
     if (dkv3 < 0) return -1;
     if (dkv3 == 0) {
@@ -868,17 +849,11 @@ extern "C" int mtrl_attn2_causal_bwd(mtrl_cuda_ctx *c, int Tq, int Tk, int H, in
         return launch_dq_<128, 128, 32, 2, false>(c, a, Hk, dout, lse, D, dq);
     }
     if (Dk == 192) {  // Dv = 128: 32-row query tiles in dkv, one row tile per warp in dq
-        if (c->opts.attn_dkv_rows == 64) {  // a lab variant: 64-row tiles, 1 block/SM
-            if (launch_dkv_<192, 128, 64>(c, a, Hk, dout, lse, D, dk, dv)) return -1;
-        } else if (launch_dkv_<192, 128, 32>(c, a, Hk, dout, lse, D, dk, dv)) {
-            return -1;
-        }
+        if (launch_dkv_<192, 128, 32>(c, a, Hk, dout, lse, D, dk, dv)) return -1;
         return launch_dq_<192, 128, 32, 1, false>(c, a, Hk, dout, lse, D, dq);
     }
     if (launch_dkv_<128, 128, 64>(c, a, Hk, dout, lse, D, dk, dv)) return -1;
-    // The option attn_dq_first (a lab variant) selects the first dq configuration (one row tile
-    // per warp, Q and dO in registers, 64-key tiles); the default is the second (two row tiles
-    // per warp, 32-key tiles: faster, docs/kernel-lab.md).
-    if (c->opts.attn_dq_first) return launch_dq_<128, 128, 64, 1, true>(c, a, Hk, dout, lse, D, dq);
+    // dq: two row tiles per warp, 32-key tiles (faster than one row tile with Q and dO in
+    // registers, docs/kernel-lab.md)
     return launch_dq_<128, 128, 32, 2, false>(c, a, Hk, dout, lse, D, dq);
 }

@@ -1,8 +1,8 @@
-// mla_cuda.cu: causal attention for the (absorbed) MLA layer, training forward / backward in
+// mla/attn_decode.cu: causal attention for the (absorbed) MLA layer, training forward / backward in
 // flash style, and the absorbed decode over a batch of latent caches (docs/model.md §3; the oracle
 // is kernels/ref/mla_ref.c: attn_causal_fwd/bwd, mla_decode_absorbed_ld).
 //
-// Training form. The kernels below are v1; the launchers run v2 (attn_tc_cuda.cu: FA2 style,
+// Training form. The kernels below are v1; the launchers run v2 (attn/causal_mma.cu: FA2 style,
 // register-resident scores, cp.async double buffering) for the shapes it takes (see
 // mtrl_attn_causal_version) unless attn = simt is set (kernel_opts.h).
 // Query rows are packed per key head j: row ρ = (token i, head g of the group),
@@ -598,7 +598,7 @@ static int attn_args_(mtrl_cuda_ctx *c, AttnArgs &a, int Tq, int Tk, int H, int 
     return 0;
 }
 
-// v2 (attn_tc_cuda.cu): return 1 without launching for shapes they do not take, or when
+// v2 (attn/causal_mma.cu): return 1 without launching for shapes they do not take, or when
 // attn = simt; the arguments are checked here first.
 extern "C" int mtrl_attn2_causal_fwd(mtrl_cuda_ctx *c, int Tq, int Tk, int H, int Hk, int Dk,
                                      int Dv, float scale, const mtrl_bf16 *q, const mtrl_bf16 *k,

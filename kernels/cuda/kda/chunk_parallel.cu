@@ -1,6 +1,6 @@
-// kda_cp_cuda.cu: the chunk-parallel (sequence-parallel) KDA forward, mtrl_kda_chunk_fwd_cp.
+// kda/chunk_parallel.cu: the chunk-parallel (sequence-parallel) KDA forward, mtrl_kda_chunk_fwd_cp.
 //
-// Why: the v3 forward's state pass (kda_tc_cuda.cu) walks the 16-token tiles of a sequence one
+// Why: the v3 forward's state pass (kda/chunk_mma.cu) walks the 16-token tiles of a sequence one
 // after another on 2H blocks; at few heads and long sequences (H = 16, T = 64K and up) that leaves
 // most SMs idle for the whole pass. The state recurrence is affine in the incoming state: per tile
 // (model.md §2.3) Δ = U − W S and S' = diag(e^γ) S + K^eᵀ Δ = A S + K^eᵀ U with
@@ -37,10 +37,10 @@
 // GPU's 2-per-SM slots once; pieces of at least 128 tiles keep the fixed costs (the combine, pass
 // 1's extra work) small against the pass. The measurements behind the rule: docs/kernel-lab.md,
 // "KDA chunk-parallel forward".
-#include "kernels/cuda/kda_tc.cuh"
+#include "kernels/cuda/kda/chunk_mma.cuh"
 
 int kda3_supports(int H, int K, int V, const float *q, const float *k, const float *v,
-                  const float *g);  // kda_tc_cuda.cu
+                  const float *g);  // kda/chunk_mma.cu
 
 namespace {
 

@@ -1,4 +1,4 @@
-// kda_cuda.cu: Kimi Delta Attention on the GPU (model.md §2; the oracle is kernels/ref/kda_ref.c,
+// kda/chunk_simt.cu: Kimi Delta Attention on the GPU (model.md §2; the oracle is kernels/ref/kda_ref.c,
 // whose chunked form this file mirrors product for product).
 //
 // Chunked forward, three passes over 16-token tiles (C = 16, midpoint reference row m =
@@ -22,7 +22,7 @@
 //      second stream beside the next piece (kda_bwd_pieces_), which fills the SMs the
 //      sequential pass leaves idle.
 // Arithmetic is fp32 throughout (SIMT); the state, G, T and all accumulators are fp32.
-// Forward v3 (kda_tc_cuda.cu): the same tiles with the products on tensor cores, fp32 state and
+// Forward v3 (kda/chunk_mma.cu): the same tiles with the products on tensor cores, fp32 state and
 // accumulators, for K = V = 128 (16-byte aligned q, k, v, g): the default there, with
 // split-bf16 operands (bf16x3, ~16 significant bits), held by test_cuda_kda's v3 cases at 1e-4
 // of fp64 and faster than v2 (docs/perf.md); from 256 tiles on at
@@ -32,7 +32,7 @@
 // kernel tests at 1e-2 but not the model's (segmented vs whole gradients 0.56 relative at 64K,
 // decode vs prefill 0.17 of max |logit|: MoE routing flips and the decay gradient, a small sum of
 // large terms, amplify its 4e-3; tests/test_kda_v3_emu.c reproduces this on the CPU).
-// Backward v3 (kda_tc_bwd_cuda.cu; the default for K = V = 128, 16-byte aligned q, k, v, g, dout;
+// Backward v3 (kda/chunk_mma_bwd.cu; the default for K = V = 128, 16-byte aligned q, k, v, g, dout;
 // kda_bwd = simt (the option, kernel_opts.h) runs v2's instead): pass 1 writes v3's bf16x3 records instead of v2's
 // prep buffers and pass 2 runs on tensor cores with split-bf16 operands over them (recomputed
 // states, when S_tiles is NULL, come from v3's bf16x3 forward state pass); pass 3 is unchanged.
@@ -122,7 +122,7 @@ __device__ void smm(int M, int N, int Kd, float alpha, const float *A, int sam, 
 
 // The same for M = 16 on tensor cores (mma.sync m16n8k16), operands split to bf16x3 as they are
 // read (a = hi + lo, hi = bf16(a), lo = bf16(a − hi); a_lo b_hi + a_hi b_lo + a_hi b_hi into an fp32
-// accumulator, as kda_tc_cuda.cu's bf16x3): ~16 significant bits per product instead of fp32's 24.
+// accumulator, as kda/chunk_mma.cu's bf16x3): ~16 significant bits per product instead of fp32's 24.
 // N % 8 == 0, Kd % 16 == 0. Warp w computes the 8-column n-tiles w, w + 8, ... (each over all of
 // Kd); fragments are gathered with scalar loads from fp32 shared memory (any strides), so this
 // replaces smm call for call. The caller synchronises before and after.
@@ -1142,14 +1142,14 @@ static void launch_state_bwd_(mtrl_cuda_ctx *c, int T, int H, int K, int V, int 
     KDA_NR_SWITCH(state_bwd_nr_, c, T, H, K, V, nt, w, dout, dS_final, dD, dSt, dS0)
 }
 
-// v3 (kda_tc_cuda.cu): tensor cores, K = V = 128.
+// v3 (kda/chunk_mma.cu): tensor cores, K = V = 128.
 int kda3_supports(int H, int K, int V, const float *q, const float *k, const float *v,
                   const float *g);
 int kda3_chunk_fwd(mtrl_cuda_ctx *c, int T, int H, const float *q, const float *k,
                    const float *v, const float *g, const float *beta, const float *S0, float *o,
                    float *S_final, float *S_tiles);
 
-// v3 backward state-gradient pass (kda_tc_bwd_cuda.cu) over v3's bf16x3 records (kda_tc_cuda.cu).
+// v3 backward state-gradient pass (kda/chunk_mma_bwd.cu) over v3's bf16x3 records (kda/chunk_mma.cu).
 size_t kda3_rec_bytes(int split);
 void kda3_prep_launch(mtrl_cuda_ctx *c, int T, int H, const float *q, const float *k, const float *v,
                       const float *g, const float *beta, unsigned char *rec, int split);

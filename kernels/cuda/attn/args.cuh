@@ -1,5 +1,5 @@
-// attn_args.cuh: the arguments of one causal attention call as the tensor-core kernels see them
-// (v2 in attn_tc_cuda.cu, the sm_90a wgmma kernels in sm90a/), and the packing of query rows.
+// attn/args.cuh: the arguments of one causal attention call as the tensor-core kernels see them
+// (v2 in attn/causal_mma.cu, the sm_90a wgmma kernels in attn/sm90a/), and the packing of query rows.
 //
 // Query rows are packed per key head j: row ρ = (token ρ / G, head j G + ρ % G), G = H / Hk, so
 // MHA (G = 1) rows are consecutive tokens of one head and MQA rows are all heads of a token.
@@ -43,7 +43,7 @@ static inline A2 attn_args_make(int Tq, int Tk, int H, int Hk, int Dk, int Dv, f
     return a;
 }
 
-// The sm_90a dK / dV kernel (sm90a/attn_wg_cuda.cu): launched for Dk = 128 or 192 with Dv = 128
+// The sm_90a dK / dV kernel (attn/sm90a/causal_wgmma.cu): launched for Dk = 128 or 192 with Dv = 128
 // on a compute capability 9.0 device; returns 1 without launching anything otherwise (the caller
 // runs v2), 0 when launched, -1 on a launch error. D = rowsum(dO ⊙ O) per packed row.
 // Lt, Dt (MHA rows, else null): lse log2(e) and D head-major, npad rows per head (a multiple of

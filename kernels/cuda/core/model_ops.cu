@@ -1,8 +1,8 @@
-// model_ops_cuda.cu: the small kernels of the backbone's CUDA backend (model_ops_cuda.h): elementwise
+// core/model_ops.cu: the small kernels of the backbone's CUDA backend (core/model_ops.h): elementwise
 // ops between the kernels of kernels/cuda, the embedding, pointer-array gathers, Σ x².
 #include <math.h>
 
-#include "kernels/cuda/model_ops_cuda.h"
+#include "kernels/cuda/core/model_ops.h"
 #include "kernels/cuda/cuda_common.cuh"
 
 #define MC_T 256

@@ -24,7 +24,7 @@
 #include <stdint.h>
 
 #include "kernels/cuda/cuda_common.cuh"
-#include "kernels/cuda/sm90a/wgmma_ops.cuh"
+#include "kernels/cuda/attn/sm90a/wgmma_ops.cuh"
 
 // Descriptor of a 128-byte-swizzled operand at shared address `saddr` (bits 0-13: address / 16;
 // 16-29: LBO / 16; 32-45: SBO / 16; 62-63: 1 = 128-byte swizzle).

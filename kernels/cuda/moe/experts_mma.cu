@@ -1,4 +1,4 @@
-// moe_grouped_cuda.cu: the MoE SwiGLU experts as grouped GEMMs of our own (kernels_cuda.h,
+// moe/experts_mma.cu: the MoE SwiGLU experts as grouped GEMMs of our own (kernels_cuda.h,
 // "grouped experts"): every expert's rows in one launch per product, whatever the per-expert row
 // counts (0 to many thousands, skewed), the segment offsets read from DEVICE memory (no host copy
 // of the counts, so the launches are capturable in a CUDA graph), SwiGLU and its backward fused

@@ -1,5 +1,5 @@
-// model_ops_cuda.h: the small CUDA kernels and memory calls of the backbone's CUDA backend
-// (backend_cuda.c), in model_ops_cuda.cu. Plain C; every pointer is device memory unless its name
+// core/model_ops.h: the small CUDA kernels and memory calls of the backbone's CUDA backend
+// (backend_cuda.c), in core/model_ops.cu. Plain C; every pointer is device memory unless its name
 // ends in _h; everything runs on the context's stream (kernels/cuda/kernels_cuda.h) in order.
 // Built only with MTRL_HAVE_CUDA (kernels/CMakeLists.txt compiles it into mtrl_kernels_cuda).
 #ifndef MTRL_MODEL_CUDA_H

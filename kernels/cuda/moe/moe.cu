@@ -1,4 +1,4 @@
-// moe_cuda.cu: the sparse-MoE FFN on the GPU (docs/model.md §4; the oracle is kernels/ref/moe_ref.c):
+// moe/moe.cu: the sparse-MoE FFN on the GPU (docs/model.md §4; the oracle is kernels/ref/moe_ref.c):
 // router top-k with the QB bias, dispatch by a stable counting sort, gather, grouped SwiGLU
 // experts as a loop of cuBLAS GEMMs over the expert segments, deterministic combine, every
 // backward, load counts and the QB column quantile by exact radix selection.
