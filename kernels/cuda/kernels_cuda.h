@@ -202,7 +202,7 @@ int mtrl_kda_step_rows(mtrl_cuda_ctx *ctx, int B, int H, int K, int V, const flo
 int mtrl_attn_causal_fwd(mtrl_cuda_ctx *ctx, int Tq, int Tk, int H, int Hk, int Dk, int Dv,
                          float scale, const mtrl_bf16 *q, const mtrl_bf16 *k, int ldk,
                          const mtrl_bf16 *v, int ldv, float *o, float *lse);
-// The same two functions on fp32 operands (attn_f32_cuda.cu; [kernels] attn_operands = fp32):
+// The same two functions on fp32 operands (attn/causal_f32.cu; [kernels] attn_operands = fp32):
 // the fp32 check of a model against an fp32 reference, not a training kernel (one block per query
 // row and head, no tiling; dk, dv accumulated with atomics, so not bit-reproducible). Any Dk, Dv
 // up to 640; o, lse, dq, dk, dv as above.

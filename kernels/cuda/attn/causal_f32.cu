@@ -1,7 +1,7 @@
-// attn_f32_cuda.cu: the causal attention of mla_ref.h (attn_causal_fwd / _bwd) on fp32 operands,
+// causal_f32.cu: the causal attention of mla_ref.h (attn_causal_fwd / _bwd) on fp32 operands,
 // for checking a model against an fp32 reference ([kernels] attn_operands = fp32): an imported
 // checkpoint's logits against transformers', where the bf16 operands of the tiled kernels
-// (mla_cuda.cu, attn_tc_cuda.cu, sm90a/) leave ~5e-3 in the logits.
+// (mla/attn_decode.cu, causal_mma.cu, sm90a/) leave ~5e-3 in the logits.
 //
 // Plain and exact rather than fast: one block of AF_T threads per (query row, head). The forward
 // walks the row's keys in tiles of AF_T (one key per thread: its score as an fp32 dot product),
