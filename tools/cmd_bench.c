@@ -241,7 +241,7 @@ static double train_flops_(const mtrl_model *m, int n, const int *len) {
 }
 
 static int bench_model_(int argc, char **argv) {
-    bench_src src = {NULL, "tiny", NULL, 2048, MTRL_CFG_SEGMENT_AUTO};
+    bench_src src = {.preset = "tiny", .tokens = 2048, .segment = MTRL_CFG_SEGMENT_AUTO};
     int seqs = 8, segment = 0, reps = 3, profile = 0;
     for (int i = 1; i < argc; i++) {
         const char *a = argv[i];
@@ -411,7 +411,7 @@ static const char *spec_item_(const char *spec, int k, char *buf, size_t cap) {
 // AdamW) on batches of given lengths in one process, so that many short sequences, mixed lengths
 // and one long sequence are compared on the same model and device (issue 21 R1).
 static int bench_learner_(int argc, char **argv) {
-    bench_src src = {NULL, "tiny", NULL, 0, MTRL_CFG_SEGMENT_AUTO};
+    bench_src src = {.preset = "tiny", .tokens = 0, .segment = MTRL_CFG_SEGMENT_AUTO};
     const char *spec = "1x4096,64x64,8x512";
     int reps = 2, profile = 0;
     for (int i = 1; i < argc; i++) {
@@ -527,7 +527,7 @@ static double decode_bytes_min_(const mtrl_model *m, int B, const int *ctx, cons
 // at the copy rate measured in the same run (issue 21 R2). The states' latents are not
 // prefilled (the contexts' rows are zeros; the decode reads them all the same).
 static int bench_decode_(int argc, char **argv) {
-    bench_src src = {NULL, "tiny", NULL, 0, MTRL_CFG_SEGMENT_AUTO};
+    bench_src src = {.preset = "tiny", .tokens = 0, .segment = MTRL_CFG_SEGMENT_AUTO};
     const char *batches = "1,8,64";
     int lo = 1024, hi = 32768, steps = 16, profile = 0;
     for (int i = 1; i < argc; i++) {
@@ -608,7 +608,7 @@ static int bench_decode_(int argc, char **argv) {
 // form) and its decode time per token at that context, then the learner's forward+backward of
 // the T-token sequence with the planner's segment, and the memory of each.
 static int bench_long_(int argc, char **argv) {
-    bench_src src = {NULL, "tiny", NULL, 8192, MTRL_CFG_SEGMENT_AUTO};
+    bench_src src = {.preset = "tiny", .tokens = 8192, .segment = MTRL_CFG_SEGMENT_AUTO};
     int steps = 16, profile = 0;
     for (int i = 1; i < argc; i++) {
         const char *a = argv[i];
@@ -735,7 +735,7 @@ static void pub_zmq_(mtrl_model *m, int bf16, double *learner_s, double *actor_s
 }
 
 static int bench_publish_(int argc, char **argv) {
-    bench_src src = {NULL, "tiny", NULL, 0, MTRL_CFG_SEGMENT_AUTO};
+    bench_src src = {.preset = "tiny", .tokens = 0, .segment = MTRL_CFG_SEGMENT_AUTO};
     int reps = 3, bf16 = 1;
     for (int i = 1; i < argc; i++) {
         const char *a = argv[i];
