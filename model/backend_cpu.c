@@ -182,6 +182,17 @@ static void kda_chunk_bwd_(BE *be, int T, int H, int K, int V, const real *q, co
     (void)be;
     mtrl_ref_kda_chunk_bwd(T, H, K, V, q, k, v, g, beta, S0, St, dout, dSf, dq, dk, dv, dg, dbeta, dS0);
 }
+static void kda_chunk_fwd_varlen_(BE *be, int n, const int *offs, int H, int K, int V, const real *q, const real *k,
+                                  const real *v, const real *g, const real *beta, real *o, real *Sf, real *St) {
+    (void)be;
+    mtrl_ref_kda_chunk_fwd_varlen(n, offs, H, K, V, q, k, v, g, beta, o, Sf, St);
+}
+static void kda_chunk_bwd_varlen_(BE *be, int n, const int *offs, int H, int K, int V, const real *q, const real *k,
+                                  const real *v, const real *g, const real *beta, const real *St,
+                                  const real *dout, real *dq, real *dk, real *dv, real *dg, real *dbeta) {
+    (void)be;
+    mtrl_ref_kda_chunk_bwd_varlen(n, offs, H, K, V, q, k, v, g, beta, St, dout, dq, dk, dv, dg, dbeta);
+}
 static void kda_step_(BE *be, int B, int H, int K, int V, const real *q, const real *k, const real *v,
                       const real *g, const real *beta, real *const *S, real *o) {
     (void)be;

@@ -356,6 +356,15 @@ static void kda_chunk_bwd_(BE *be, int T, int H, int K, int V, const real *q, co
                            const real *dSf, real *dq, real *dk, real *dv, real *dg, real *dbeta, real *dS0) {
     OK(mtrl_kda_chunk_bwd(CTX(be), T, H, K, V, q, k, v, g, beta, S0, St, dout, dSf, dq, dk, dv, dg, dbeta, dS0));
 }
+static void kda_chunk_fwd_varlen_(BE *be, int n, const int *offs, int H, int K, int V, const real *q, const real *k,
+                                  const real *v, const real *g, const real *beta, real *o, real *Sf, real *St) {
+    OK(mtrl_kda_chunk_fwd_varlen(CTX(be), n, offs, H, K, V, q, k, v, g, beta, o, Sf, St));
+}
+static void kda_chunk_bwd_varlen_(BE *be, int n, const int *offs, int H, int K, int V, const real *q, const real *k,
+                                  const real *v, const real *g, const real *beta, const real *St,
+                                  const real *dout, real *dq, real *dk, real *dv, real *dg, real *dbeta) {
+    OK(mtrl_kda_chunk_bwd_varlen(CTX(be), n, offs, H, K, V, q, k, v, g, beta, St, dout, dq, dk, dv, dg, dbeta));
+}
 static void kda_step_(BE *be, int B, int H, int K, int V, const real *q, const real *k, const real *v,
                       const real *g, const real *beta, real *const *S, real *o) {
     if (B <= 0) return;

@@ -155,6 +155,24 @@ int mtrl_kda_chunk_bwd(mtrl_cuda_ctx *ctx, int T, int H, int K, int V, const flo
                        const float *S0, const float *S_tiles, const float *dout,
                        const float *dS_final, float *dq, float *dk, float *dv, float *dg,
                        float *dbeta, float *dS0);
+// The chunked forward of n packed sequences, each from the zero state (the learner's packs):
+// piece i is tokens offs_host[i] .. offs_host[i+1] - 1 of q, k, v, g [.][H][K], beta [.][H]
+// (offs_host: a HOST array [n + 1], non-decreasing, from offs_host[0] >= 0; n <= 65535). o [.][H][V]
+// at the same rows, S_final [n][H][K][V] (one per piece) and S_tiles (every piece's tile states,
+// piece by piece: mtrl_ref_kda_tile_count(len) each) nullable. Results bit for bit those of
+// mtrl_kda_chunk_fwd per piece with S0 = NULL. For v3's shapes (K = V = 128, 16-byte aligned q, k,
+// v, g) one prep and one state-pass launch for all pieces (kda_varlen_cuda.cu; scratch: v3's
+// records of every piece's tiles), else mtrl_kda_chunk_fwd per piece.
+int mtrl_kda_chunk_fwd_varlen(mtrl_cuda_ctx *ctx, int n, const int *offs_host, int H, int K, int V,
+                              const float *q, const float *k, const float *v, const float *g,
+                              const float *beta, float *o, float *S_final, float *S_tiles);
+// Its backward: mtrl_kda_chunk_bwd per piece (S0 = NULL, dS_final = NULL, no dS0), S_tiles as the
+// varlen forward wrote them (or NULL: recomputed per piece); dq, dk, dv, dg, dbeta overwritten at
+// every piece's rows.
+int mtrl_kda_chunk_bwd_varlen(mtrl_cuda_ctx *ctx, int n, const int *offs_host, int H, int K, int V,
+                              const float *q, const float *k, const float *v, const float *g,
+                              const float *beta, const float *S_tiles, const float *dout, float *dq,
+                              float *dk, float *dv, float *dg, float *dbeta);
 // One decode token for B sequences (kda_step per sequence): q, k, g [B][H][K]; v [B][H][V];
 // beta [B][H]; S [B][H][K][V] updated in place; o [B][H][V].
 // Two kernels (kda_cuda.cu): v2 (state in registers, 16-byte accesses) for K in {64, 128, 256},
