@@ -128,6 +128,11 @@ static void shortconv_state_bwd_(BE *be, int T, int C, int W, const real *dso, r
     (void)be;
     mtrl_ref_shortconv_state_bwd(T, C, W, dso, dx, dsi);
 }
+static void shortconv_fwd_varlen_(BE *be, int n, const int *offs, int C, int W, const real *x, const real *w,
+                                  real *y) {
+    (void)be;
+    mtrl_ref_shortconv_fwd_varlen(n, offs, C, W, x, w, y);
+}
 static void shortconv_step_(BE *be, int B, int C, int W, const real *x1, const real *w, real *const *win,
                             real *y1) {
     (void)be;

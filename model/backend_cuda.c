@@ -277,6 +277,10 @@ static float *states_in_(BE *be, int B, size_t n, real *const *st_h, float ***de
     mtrl_mc_gather(CTX(be), B, n, (const float *const *)*dev_ptrs, (float *)(s + ob));
     return (float *)(s + ob);
 }
+static void shortconv_fwd_varlen_(BE *be, int n, const int *offs, int C, int W, const real *x, const real *w,
+                                  real *y) {
+    OK(mtrl_shortconv_fwd_varlen(CTX(be), n, offs, C, W, x, w, y));
+}
 static void shortconv_step_(BE *be, int B, int C, int W, const real *x1, const real *w, real *const *win,
                             real *y1) {
     if (B <= 0) return;

@@ -68,7 +68,11 @@ static void kda_forward_(mtrl_model *m, mtrl_arena *ar, int l, int mode, int T, 
         else if (!io->piece_io) be->zero(be, c->cst, sizeof(real) * conv_sz);
         const real *px[3] = {c->pq, c->pk, c->pv}, *cw[3] = {p->conv_q, p->conv_k, p->conv_v};
         real *cy[3] = {c->cq, c->ck, c->cv};
-        for (int s = 0; s < 3; s++)
+        for (int s = 0; s < 3; s++) {
+            if (io->n_piece && !io->piece_io) { // every piece from the zero window: one call
+                be->shortconv_fwd_varlen(be, io->n_piece, io->piece, HD, W, px[s], cw[s], cy[s]);
+                continue;
+            }
             for (int i = 0; i < seq_pieces(io); i++) {
                 int Ti;
                 size_t o = (size_t)seq_piece(io, T, i, &Ti) * HD;
@@ -76,6 +80,7 @@ static void kda_forward_(mtrl_model *m, mtrl_arena *ar, int l, int mode, int T, 
                 if (io->piece_io) be->copy(be, c->cst + s * w1, out_st, sizeof(real) * w1);
                 be->shortconv_fwd(be, Ti, HD, W, px[s] + o, cw[s], c->cst + s * w1, cy[s] + o, out_st);
             }
+        }
     } else {
         real **win = xmalloc(sizeof(real *) * (size_t)T);
         const real *px[3] = {c->pq, c->pk, c->pv}, *cw[3] = {p->conv_q, p->conv_k, p->conv_v};

@@ -11,10 +11,13 @@
 // give the training form's bits, every block width (kda_warps = 1, 2, 8) the default's bits, plain
 // bf16 records (kda_plain_bf16) the per-piece bf16 bits, and a shape v3 does not take (K = V = 32:
 // the per-piece fallback) the reference's numbers at 1e-4; the varlen backward (per piece) against
-// the fp64 varlen backward at 1e-4.
+// the fp64 varlen backward at 1e-4. The KDA layer's short conv over the same packs
+// (mtrl_shortconv_fwd_varlen, one launch): bit for bit mtrl_shortconv_fwd per piece from the zero
+// window, and the fp64 reference (mtrl_ref_shortconv_fwd_varlen) at 1e-5, C = H K, W = 4.
 #include "tests/testhelp.h"
 #include "kernels/lab/cuda_testutil.h"
 #include "kernels/ref/kda_ref.h"
+#include "kernels/ref/ops_ref.h"
 
 // Inputs the layer could feed the core: |k| about 1 (entries N(0, 1/K)), q smaller, β in (0, 1),
 // g in (-5, -0.01): the decay well inside the chunked kernels' range.
@@ -101,7 +104,8 @@ static void test_varlen(mtrl_cuda_ctx *ctx, const char *name, int n, const int *
     VL_SAME("o == per piece", vl.o, pp.o, nv);
     VL_SAME("S_final == per piece", vl.Sf, pp.Sf, nsf);
     VL_SAME("S_tiles == per piece", vl.St, pp.St, nst);
-    double *got = tu_alloc(nst > nqk ? nst : nqk);
+    size_t ngot = nst > nqk ? nst : nqk;
+    double *got = tu_alloc(ngot > nsf ? ngot : nsf);
     tu_get_f32(got, vl.o, nv);
     TU_CHECK_REL("o vs fp64", got, o, nv, 1e-4);
     tu_get_f32(got, vl.Sf, nsf);
@@ -178,6 +182,36 @@ static void test_varlen(mtrl_cuda_ctx *ctx, const char *name, int n, const int *
     free(offs);
 }
 
+// The short conv of the KDA layer over the pack (C = H K channels, the model's W = 4).
+static void test_conv_varlen(mtrl_cuda_ctx *ctx, const char *name, int n, const int *len, int C) {
+    const int W = 4;
+    int *offs = (int *)malloc(sizeof(int) * ((size_t)n + 1));
+    offs[0] = 0;
+    for (int i = 0; i < n; i++) offs[i + 1] = offs[i] + len[i];
+    size_t nx = (size_t)offs[n] * C;
+    printf("conv varlen %s: %d pieces, T=%d, C=%d, W=%d\n", name, n, offs[n], C, W);
+    double *x = tu_alloc(nx), *w = tu_alloc((size_t)C * W), *y = tu_alloc(nx), *got = tu_alloc(nx);
+    tu_fill_normal(x, nx, 1.0);
+    tu_fill_normal(w, (size_t)C * W, 0.5);
+    mtrl_ref_shortconv_fwd_varlen(n, offs, C, W, x, w, y);
+    float *d_x = tu_dev_f32(x, nx), *d_w = tu_dev_f32(w, (size_t)C * W), *d_pp = tu_dev_nan(ctx, nx),
+          *d_vl = tu_dev_nan(ctx, nx);
+    for (int i = 0; i < n; i++) {
+        size_t o = (size_t)offs[i] * C;
+        TEST_EQ_INT(mtrl_shortconv_fwd(ctx, len[i], C, W, d_x + o, d_w, NULL, d_pp + o, NULL), 0);
+    }
+    TEST_EQ_INT(mtrl_shortconv_fwd_varlen(ctx, n, offs, C, W, d_x, d_w, d_vl), 0);
+    mtrl_cuda_sync(ctx);
+    VL_SAME("conv y == per piece", d_vl, d_pp, nx);
+    tu_get_f32(got, d_vl, nx);
+    TU_CHECK_REL("conv y vs fp64", got, y, nx, 1e-5);
+    mtrl_cuda_free(d_x);
+    mtrl_cuda_free(d_w);
+    mtrl_cuda_free(d_pp);
+    mtrl_cuda_free(d_vl);
+    free(x); free(w); free(y); free(got); free(offs);
+}
+
 // n random lengths in [1, max], one of them (the 8th) empty.
 static void vl_mix_(int n, int max, int *len) {
     for (int i = 0; i < n; i++) len[i] = 1 + (int)(tu_unif() * max) % max;
@@ -197,6 +231,8 @@ int main(void) {
         test_varlen(ctx, "one piece of 333", 1, long1, H, 128);
         vl_mix_(100, H == 2 ? 200 : 48, mix);
         test_varlen(ctx, "mix of 100", 100, mix, H, 128);
+        test_conv_varlen(ctx, "mix of 100", 100, mix, H * 128);
+        test_conv_varlen(ctx, "1 15 16 17 64 333", 6, edge, H * 128);
     }
     test_varlen(ctx, "1 15 16 17 64 333 (K = 32: per piece)", 6, edge, 2, 32);
     // arguments the op refuses
@@ -205,6 +241,7 @@ int main(void) {
     printf("refused: offsets going backwards\n");
     TEST_EQ_INT(mtrl_kda_chunk_fwd_varlen(ctx, 2, bad, 2, 128, 128, d, d, d, d, d, d, NULL, NULL), -1);
     TEST_EQ_INT(mtrl_kda_chunk_fwd_varlen(ctx, 2, NULL, 2, 128, 128, d, d, d, d, d, d, NULL, NULL), -1);
+    TEST_EQ_INT(mtrl_shortconv_fwd_varlen(ctx, 2, bad, 256, 4, d, d, d), -1);
     mtrl_cuda_free(d);
     mtrl_cuda_ctx_destroy(ctx);
     return test_report();

@@ -79,7 +79,7 @@ namespace {
 
 // ---- pass 1: the per-tile record ---------------------------------------------------------------
 
-// kda3_prep_tile_ (kda_tc.cuh) for tiles n_lo .. n_hi - 1 of the nt of one sequence, every head.
+// KDA3_PREP_TILE_ (kda_tc.cuh) for tiles n_lo .. n_hi - 1 of the nt of one sequence, every head.
 template <bool X>
 __global__ void __launch_bounds__(128) kda3_prep_k(int T, int H, int nt, int n_lo, int n_hi,
                                                    const float *__restrict__ q,
@@ -88,12 +88,13 @@ __global__ void __launch_bounds__(128) kda3_prep_k(int T, int H, int nt, int n_l
                                                    const float *__restrict__ g,
                                                    const float *__restrict__ beta,
                                                    unsigned char *__restrict__ rec) {
+    using Rc = Rec<X>;
+    constexpr int LO = PrepCfg<X>::LO;  // lo planes in shared memory (elements)
     extern __shared__ __align__(16) unsigned char sm3_[];
-    const int w = threadIdx.x >> 5;
+    const int lane = threadIdx.x & 31, w = threadIdx.x >> 5;
     const int n = n_lo + blockIdx.x * 4 + w, h = blockIdx.y;  // tiles n_lo .. n_hi - 1 of nt
     if (n >= n_hi) return;  // no block barriers in this kernel
-    kda3_prep_tile_<X>(T, H, n, h, q, k, v, g, beta, rec + ((size_t)h * nt + n) * Rec<X>::BYTES,
-                       sm3_ + w * PrepCfg<X>::WARP_BYTES);
+    KDA3_PREP_TILE_(n);
 }
 
 // ---- pass 2: the sequential state pass ----------------------------------------------------------

@@ -9,7 +9,7 @@
 //   1. prep, grid (ceil(tiles / 4), H), 4 warps: warp w of block x takes tile x * 4 + w of the
 //      flat list of every piece's tiles (piece 0's tiles first, then piece 1's ...), finds its
 //      piece by a binary search over the pieces' first tiles (a table uploaded with the call) and
-//      runs kda3_prep_tile_ (kda_tc.cuh, kda3_prep_k's body) on the tile of that piece, as the
+//      runs KDA3_PREP_TILE_ (kda_tc.cuh, kda3_prep_k's body) on the tile of that piece, as the
 //      per-piece prep would (the piece's own T, tile n counted from the piece's first token).
 //   2. state pass, grid (V / (16 WPB), H, pieces), WPB warps (kda_warps, as v3): block z walks
 //      piece z's tiles from S = 0 with KDA3_STATE_TILE_ (kda_tc.cuh, kda3_state_k's body), the
@@ -48,20 +48,26 @@ __device__ __forceinline__ int vl_piece_of_(const int *__restrict__ ts, int n, i
 // Pass 1 over the NT tiles of all n pieces: the record of flat tile gt, head h at
 // rec + (h NT + gt) Rec<X>::BYTES. ofs [n + 1]: the pieces' first tokens; ts [n + 1]: first tiles.
 template <bool X>
-__global__ void __launch_bounds__(128) kda_vl_prep_k(int n, int NT, int H, const int *__restrict__ ofs,
-                                                     const int *__restrict__ ts, const float *__restrict__ q,
-                                                     const float *__restrict__ k, const float *__restrict__ v,
-                                                     const float *__restrict__ g,
-                                                     const float *__restrict__ beta,
+__global__ void __launch_bounds__(128) kda_vl_prep_k(int np, int NT, int H, const int *__restrict__ ofs,
+                                                     const int *__restrict__ ts, const float *__restrict__ q_all,
+                                                     const float *__restrict__ k_all,
+                                                     const float *__restrict__ v_all,
+                                                     const float *__restrict__ g_all,
+                                                     const float *__restrict__ beta_all,
                                                      unsigned char *__restrict__ rec) {
+    using Rc = Rec<X>;
+    constexpr int LO = PrepCfg<X>::LO;  // lo planes in shared memory (elements)
     extern __shared__ __align__(16) unsigned char sm3_[];
-    const int w = threadIdx.x >> 5;
+    const int lane = threadIdx.x & 31, w = threadIdx.x >> 5;
     const int gt = blockIdx.x * 4 + w, h = blockIdx.y;
     if (gt >= NT) return;  // no block barriers in this kernel
-    const int p = vl_piece_of_(ts, n, gt), t0 = ofs[p];
-    const size_t xk = (size_t)t0 * H * K3, xv = (size_t)t0 * H * V3;
-    kda3_prep_tile_<X>(ofs[p + 1] - t0, H, gt - ts[p], h, q + xk, k + xk, v + xv, g + xk, beta + (size_t)t0 * H,
-                       rec + ((size_t)h * NT + gt) * Rec<X>::BYTES, sm3_ + w * PrepCfg<X>::WARP_BYTES);
+    // the tile's piece, and what a per-piece launch over that piece would have been given
+    // (the macro declares its own p and t0)
+    const int pc = vl_piece_of_(ts, np, gt), first = ofs[pc], T = ofs[pc + 1] - first, n = gt - ts[pc], nt = NT;
+    const size_t xk = (size_t)first * H * K3, xv = (size_t)first * H * V3;
+    const float *q = q_all + xk, *k = k_all + xk, *v = v_all + xv, *g = g_all + xk,
+                *beta = beta_all + (size_t)first * H;
+    KDA3_PREP_TILE_(gt);
 }
 
 // Pass 2: block (x, h, z) runs kda3_state_k's loop over piece z's tiles from the zero state

@@ -345,6 +345,11 @@ int mtrl_shortconv_bwd(mtrl_cuda_ctx *ctx, int T, int C, int W, const float *x, 
 int mtrl_shortconv_state_bwd(mtrl_cuda_ctx *ctx, int T, int C, int W, const float *dstate_out,
                              float *dx, float *dstate_in);
 // B decode tokens of B sequences: x1 [B][C], windows [B][W-1][C] updated, y1 [B][C].
+// mtrl_ref_shortconv_fwd_varlen: n packed pieces each from the zero window (offs_host: a HOST
+// array [n + 1], non-decreasing, n <= 2^24), in one launch (conv_varlen_cuda.cu); bit for bit
+// mtrl_shortconv_fwd per piece with state_in = NULL.
+int mtrl_shortconv_fwd_varlen(mtrl_cuda_ctx *ctx, int n, const int *offs_host, int C, int W,
+                              const float *x, const float *w, float *y);
 int mtrl_shortconv_step(mtrl_cuda_ctx *ctx, int B, int C, int W, const float *x1,
                         const float *w, float *window, float *y1);
 // Log-prob / entropy over a vocabulary row (logits_logprob_fwd/bwd); V any size (tiled).
