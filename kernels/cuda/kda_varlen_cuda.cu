@@ -14,6 +14,10 @@
 //   2. state pass, grid (V / (16 WPB), H, pieces), WPB warps (kda_warps, as v3): block z walks
 //      piece z's tiles from S = 0 with KDA3_STATE_TILE_ (kda_tc.cuh, kda3_state_k's body), the
 //      piece's o rows, its tile states and (optional) final state at the piece's place.
+// Scratch: the records of the tiles of one launch. A pack of many tiny pieces has up to a tile
+// per token, 16 times the records of one sequence of its length, so the pieces run in groups of
+// consecutive pieces of at most max(ceil(T / 16), the longest piece's tiles) tiles, two launches
+// per group: one group for the learner's packs of pieces of 16 tokens and more.
 // Every tile therefore sees the per-piece launches' inputs and arithmetic: o, S_tiles and the
 // final states are bit for bit those of mtrl_kda_chunk_fwd per piece with S0 = NULL
 // (tests/test_cuda_kda_varlen.cu checks it). The blocks of short pieces finish early and free
@@ -26,6 +30,8 @@
 #include <stdio.h>
 #include <stdlib.h>
 
+#include <algorithm>
+
 #include "kernels/cuda/kda_tc.cuh"
 
 int kda3_supports(int H, int K, int V, const float *q, const float *k, const float *v,
@@ -33,8 +39,8 @@ int kda3_supports(int H, int K, int V, const float *q, const float *k, const flo
 
 namespace {
 
-// The piece of flat tile gt: the last p < n with ts[p] <= gt (ts [n + 1], ts[0] = 0,
-// non-decreasing; a piece with no tiles shares its start with the next and is skipped).
+// The piece of tile gt: the last p < n with ts[p] <= gt (ts [n + 1] non-decreasing, ts[0] <= gt <
+// ts[n]; a piece with no tiles shares its start with the next and is skipped).
 __device__ __forceinline__ int vl_piece_of_(const int *__restrict__ ts, int n, int gt) {
     int lo = 0, hi = n - 1;  // invariant: ts[lo] <= gt, the answer in [lo, hi]
     while (lo < hi) {
@@ -45,10 +51,11 @@ __device__ __forceinline__ int vl_piece_of_(const int *__restrict__ ts, int n, i
     return lo;
 }
 
-// Pass 1 over the NT tiles of all n pieces: the record of flat tile gt, head h at
-// rec + (h NT + gt) Rec<X>::BYTES. ofs [n + 1]: the pieces' first tokens; ts [n + 1]: first tiles.
+// Pass 1 over the NT tiles of a group of np consecutive pieces (the launcher's groups), tiles tb0 ..
+// tb0 + NT − 1 of the pack: the record of the group's tile gl, head h at rec + (h NT + gl)
+// Rec<X>::BYTES. ofs, ts [np + 1]: the group's pieces' first tokens and first tiles in the pack.
 template <bool X>
-__global__ void __launch_bounds__(128) kda_vl_prep_k(int np, int NT, int H, const int *__restrict__ ofs,
+__global__ void __launch_bounds__(128) kda_vl_prep_k(int np, int NT, int tb0, int H, const int *__restrict__ ofs,
                                                      const int *__restrict__ ts, const float *__restrict__ q_all,
                                                      const float *__restrict__ k_all,
                                                      const float *__restrict__ v_all,
@@ -59,23 +66,23 @@ __global__ void __launch_bounds__(128) kda_vl_prep_k(int np, int NT, int H, cons
     constexpr int LO = PrepCfg<X>::LO;  // lo planes in shared memory (elements)
     extern __shared__ __align__(16) unsigned char sm3_[];
     const int lane = threadIdx.x & 31, w = threadIdx.x >> 5;
-    const int gt = blockIdx.x * 4 + w, h = blockIdx.y;
-    if (gt >= NT) return;  // no block barriers in this kernel
+    const int gl = blockIdx.x * 4 + w, h = blockIdx.y, gt = tb0 + gl;  // the tile in the group, in the pack
+    if (gl >= NT) return;  // no block barriers in this kernel
     // the tile's piece, and what a per-piece launch over that piece would have been given
     // (the macro declares its own p and t0)
     const int pc = vl_piece_of_(ts, np, gt), first = ofs[pc], T = ofs[pc + 1] - first, n = gt - ts[pc], nt = NT;
     const size_t xk = (size_t)first * H * K3, xv = (size_t)first * H * V3;
     const float *q = q_all + xk, *k = k_all + xk, *v = v_all + xv, *g = g_all + xk,
                 *beta = beta_all + (size_t)first * H;
-    KDA3_PREP_TILE_(gt);
+    KDA3_PREP_TILE_(gl);
 }
 
-// Pass 2: block (x, h, z) runs kda3_state_k's loop over piece z's tiles from the zero state
-// (value columns x 16 WPB .. of head h). o_all [T][H][V] (WO), St_all [NT][H][K][V] and
-// Sf_all [n][H][K][V] (each nullable) at the whole pack's pointers.
+// Pass 2: block (x, h, z) runs kda3_state_k's loop over piece z of the group from the zero state
+// (value columns x 16 WPB .. of head h). o_all [T][H][V] (WO) at the pack's rows; St_all
+// [NT][H][K][V] and Sf_all [np][H][K][V] (each nullable) at the group's first tile and piece.
 template <int WPB, bool WO, bool X>
 __global__ void __launch_bounds__(32 * WPB, 1)
-    kda_vl_state_k(int NT, int H, const int *__restrict__ ofs, const int *__restrict__ ts,
+    kda_vl_state_k(int NT, int tb0, int H, const int *__restrict__ ofs, const int *__restrict__ ts,
                    const unsigned char *__restrict__ rec, float *__restrict__ o_all, float *Sf_all,
                    float *__restrict__ St_all) {
     using Cf = StCfg<WPB, X>;
@@ -86,7 +93,7 @@ __global__ void __launch_bounds__(32 * WPB, 1)
     const int tid = threadIdx.x, lane = tid & 31, w = tid >> 5, gq = lane >> 2, tq = lane & 3;
     const int h = blockIdx.y, jb = blockIdx.x * 16 * WPB;  // the block's first value column
     const int jw = 16 * w, j0 = jb + jw;                     // the warp's, in the block / global
-    const int p = blockIdx.z, tb = ts[p], nt = ts[p + 1] - tb, T = ofs[p + 1] - ofs[p];
+    const int p = blockIdx.z, tb = ts[p] - tb0, nt = ts[p + 1] - ts[p], T = ofs[p + 1] - ofs[p];
     // the piece's view of the pack: what a per-piece launch would have been given
     float *o = WO ? o_all + (size_t)ofs[p] * H * V3 : nullptr;
     float *S_tiles = St_all ? St_all + (size_t)tb * H * K3 * V3 : nullptr;
@@ -132,35 +139,35 @@ __global__ void __launch_bounds__(32 * WPB, 1)
 }
 
 template <bool X>
-void vl_prep_(mtrl_cuda_ctx *c, int n, int NT, int H, const int *ofs, const int *ts, const float *q,
+void vl_prep_(mtrl_cuda_ctx *c, int n, int NT, int tb0, int H, const int *ofs, const int *ts, const float *q,
               const float *k, const float *v, const float *g, const float *beta, unsigned char *rec) {
     const size_t sh = 4 * (size_t)PrepCfg<X>::WARP_BYTES;
     set_smem(kda_vl_prep_k<X>, sh);
-    kda_vl_prep_k<X><<<dim3((NT + 3) / 4, H), 128, sh, c->stream>>>(n, NT, H, ofs, ts, q, k, v, g, beta, rec);
+    kda_vl_prep_k<X><<<dim3((NT + 3) / 4, H), 128, sh, c->stream>>>(n, NT, tb0, H, ofs, ts, q, k, v, g, beta, rec);
     CUDA_LAUNCH_CHECK();
 }
 template <int WPB, bool X>
-void vl_state_(mtrl_cuda_ctx *c, int n, int NT, int H, const int *ofs, const int *ts, const unsigned char *rec,
+void vl_state_(mtrl_cuda_ctx *c, int n, int NT, int tb0, int H, const int *ofs, const int *ts, const unsigned char *rec,
                float *o, float *S_final, float *S_tiles) {
     const size_t sh = StCfg<WPB, X>::smem();
     const dim3 grid(V3 / (16 * WPB), H, n);
     if (o) {
         set_smem(kda_vl_state_k<WPB, true, X>, sh);
-        kda_vl_state_k<WPB, true, X><<<grid, 32 * WPB, sh, c->stream>>>(NT, H, ofs, ts, rec, o, S_final, S_tiles);
+        kda_vl_state_k<WPB, true, X><<<grid, 32 * WPB, sh, c->stream>>>(NT, tb0, H, ofs, ts, rec, o, S_final, S_tiles);
     } else {
         set_smem(kda_vl_state_k<WPB, false, X>, sh);
-        kda_vl_state_k<WPB, false, X><<<grid, 32 * WPB, sh, c->stream>>>(NT, H, ofs, ts, rec, o, S_final, S_tiles);
+        kda_vl_state_k<WPB, false, X><<<grid, 32 * WPB, sh, c->stream>>>(NT, tb0, H, ofs, ts, rec, o, S_final, S_tiles);
     }
     CUDA_LAUNCH_CHECK();
 }
 template <bool X>
-void vl_state_wpb_(mtrl_cuda_ctx *c, int n, int NT, int H, const int *ofs, const int *ts, const unsigned char *rec,
+void vl_state_wpb_(mtrl_cuda_ctx *c, int n, int NT, int tb0, int H, const int *ofs, const int *ts, const unsigned char *rec,
                    float *o, float *S_final, float *S_tiles) {
     switch (opt_wpb_(c)) {
-    case 1: vl_state_<1, X>(c, n, NT, H, ofs, ts, rec, o, S_final, S_tiles); break;
-    case 2: vl_state_<2, X>(c, n, NT, H, ofs, ts, rec, o, S_final, S_tiles); break;
-    case 8: vl_state_<8, X>(c, n, NT, H, ofs, ts, rec, o, S_final, S_tiles); break;
-    default: vl_state_<4, X>(c, n, NT, H, ofs, ts, rec, o, S_final, S_tiles); break;
+    case 1: vl_state_<1, X>(c, n, NT, tb0, H, ofs, ts, rec, o, S_final, S_tiles); break;
+    case 2: vl_state_<2, X>(c, n, NT, tb0, H, ofs, ts, rec, o, S_final, S_tiles); break;
+    case 8: vl_state_<8, X>(c, n, NT, tb0, H, ofs, ts, rec, o, S_final, S_tiles); break;
+    default: vl_state_<4, X>(c, n, NT, tb0, H, ofs, ts, rec, o, S_final, S_tiles); break;
     }
 }
 
@@ -210,32 +217,44 @@ extern "C" int mtrl_kda_chunk_fwd_varlen(mtrl_cuda_ctx *c, int n, const int *off
         }
         return 0;
     }
+    // Groups of consecutive pieces of at most `cap` tiles, one prep and one state pass each: the
+    // records (scratch) then take no more than the longest piece's per-piece call or one sequence
+    // of the pack's length would (a pack of many 1-token pieces has a tile per token).
     const int split = !c->opts.kda_plain_bf16;
+    int cap = (offs_host[n] - offs_host[0] + C3 - 1) / C3;
+    for (int i = 0; i < n; i++) cap = std::max(cap, (offs_host[i + 1] - offs_host[i] + C3 - 1) / C3);
     ws_carver sz{nullptr, 0};
-    sz.take<unsigned char>((size_t)H * NT * kda3_rec_bytes(split));
+    sz.take<unsigned char>((size_t)H * cap * kda3_rec_bytes(split));
     sz.take<int>(2 * ((size_t)n + 1));
     ws_carver cv{(char *)mtrl_ctx_scratch(c, sz.off), 0};
-    unsigned char *rec = cv.take<unsigned char>((size_t)H * NT * kda3_rec_bytes(split));
+    unsigned char *rec = cv.take<unsigned char>((size_t)H * cap * kda3_rec_bytes(split));
     int *tab = cv.take<int>(2 * ((size_t)n + 1));  // ofs [n + 1], then ts [n + 1]
     int *tab_h = (int *)malloc(sizeof(int) * 2 * ((size_t)n + 1));
     if (!tab_h) {
         fprintf(stderr, "%s: out of host memory for %d pieces\n", __func__, n);
         return -1;
     }
-    tab_h[n + 1] = 0;
+    int *ts_h = tab_h + n + 1;
     for (int i = 0; i <= n; i++) tab_h[i] = offs_host[i];
-    for (int i = 0; i < n; i++) tab_h[n + 2 + i] = tab_h[n + 1 + i] + (offs_host[i + 1] - offs_host[i] + C3 - 1) / C3;
-    // pageable: staged before the call returns, so the host table may go at once
+    ts_h[0] = 0;
+    for (int i = 0; i < n; i++) ts_h[i + 1] = ts_h[i] + (offs_host[i + 1] - offs_host[i] + C3 - 1) / C3;
+    // pageable: staged before the call returns
     CUDA_CHECK(cudaMemcpyAsync(tab, tab_h, sizeof(int) * 2 * ((size_t)n + 1), cudaMemcpyHostToDevice, c->stream));
-    free(tab_h);
-    const int *ofs = tab, *ts = tab + n + 1;
-    if (split) {
-        vl_prep_<true>(c, n, (int)NT, H, ofs, ts, q, k, v, g, beta, rec);
-        vl_state_wpb_<true>(c, n, (int)NT, H, ofs, ts, rec, o, S_final, S_tiles);
-    } else {
-        vl_prep_<false>(c, n, (int)NT, H, ofs, ts, q, k, v, g, beta, rec);
-        vl_state_wpb_<false>(c, n, (int)NT, H, ofs, ts, rec, o, S_final, S_tiles);
+    const size_t hkv = (size_t)H * K3 * V3;
+    for (int p0 = 0, p1; p0 < n; p0 = p1) {
+        for (p1 = p0 + 1; p1 < n && ts_h[p1 + 1] - ts_h[p0] <= cap; p1++) {}
+        const int np = p1 - p0, tb0 = ts_h[p0], nt = ts_h[p1] - tb0;
+        const int *ofs = tab + p0, *ts = tab + n + 1 + p0;
+        float *Sf = S_final ? S_final + (size_t)p0 * hkv : nullptr, *St = S_tiles ? S_tiles + (size_t)tb0 * hkv : nullptr;
+        if (split) {
+            if (nt) vl_prep_<true>(c, np, nt, tb0, H, ofs, ts, q, k, v, g, beta, rec);
+            vl_state_wpb_<true>(c, np, nt, tb0, H, ofs, ts, rec, o, Sf, St);
+        } else {
+            if (nt) vl_prep_<false>(c, np, nt, tb0, H, ofs, ts, q, k, v, g, beta, rec);
+            vl_state_wpb_<false>(c, np, nt, tb0, H, ofs, ts, rec, o, Sf, St);
+        }
     }
+    free(tab_h);
     return 0;
 }
 

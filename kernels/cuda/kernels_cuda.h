@@ -161,8 +161,9 @@ int mtrl_kda_chunk_bwd(mtrl_cuda_ctx *ctx, int T, int H, int K, int V, const flo
 // at the same rows, S_final [n][H][K][V] (one per piece) and S_tiles (every piece's tile states,
 // piece by piece: mtrl_ref_kda_tile_count(len) each) nullable. Results bit for bit those of
 // mtrl_kda_chunk_fwd per piece with S0 = NULL. For v3's shapes (K = V = 128, 16-byte aligned q, k,
-// v, g) one prep and one state-pass launch for all pieces (kda_varlen_cuda.cu; scratch: v3's
-// records of every piece's tiles), else mtrl_kda_chunk_fwd per piece.
+// v, g) one prep and one state-pass launch for all pieces (kda_varlen_cuda.cu; in groups of at
+// most max(ceil(T / 16), longest piece's tiles) tiles, T the pack's tokens: scratch for that many
+// of v3's records), else mtrl_kda_chunk_fwd per piece.
 int mtrl_kda_chunk_fwd_varlen(mtrl_cuda_ctx *ctx, int n, const int *offs_host, int H, int K, int V,
                               const float *q, const float *k, const float *v, const float *g,
                               const float *beta, float *o, float *S_final, float *S_tiles);
@@ -344,12 +345,12 @@ int mtrl_shortconv_bwd(mtrl_cuda_ctx *ctx, int T, int C, int W, const float *x, 
                        float *dstate_in);
 int mtrl_shortconv_state_bwd(mtrl_cuda_ctx *ctx, int T, int C, int W, const float *dstate_out,
                              float *dx, float *dstate_in);
-// B decode tokens of B sequences: x1 [B][C], windows [B][W-1][C] updated, y1 [B][C].
-// mtrl_ref_shortconv_fwd_varlen: n packed pieces each from the zero window (offs_host: a HOST
+// shortconv_fwd_varlen (ops_ref.h): n packed pieces each from the zero window (offs_host: a HOST
 // array [n + 1], non-decreasing, n <= 2^24), in one launch (conv_varlen_cuda.cu); bit for bit
 // mtrl_shortconv_fwd per piece with state_in = NULL.
 int mtrl_shortconv_fwd_varlen(mtrl_cuda_ctx *ctx, int n, const int *offs_host, int C, int W,
                               const float *x, const float *w, float *y);
+// B decode tokens of B sequences: x1 [B][C], windows [B][W-1][C] updated, y1 [B][C].
 int mtrl_shortconv_step(mtrl_cuda_ctx *ctx, int B, int C, int W, const float *x1,
                         const float *w, float *window, float *y1);
 // Log-prob / entropy over a vocabulary row (logits_logprob_fwd/bwd); V any size (tiled).
