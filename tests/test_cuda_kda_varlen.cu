@@ -10,8 +10,9 @@
 // with NaN first. Per pack also: the prefill form (o only) and the state-only form (S_final only)
 // give the training form's bits, every block width (kda_warps = 1, 2, 8) the default's bits, plain
 // bf16 records (kda_plain_bf16) the per-piece bf16 bits, and a shape v3 does not take (K = V = 32:
-// the per-piece fallback) the reference's numbers at 1e-4; the varlen backward (per piece) against
-// the fp64 varlen backward at 1e-4. The KDA layer's short conv over the same packs
+// the per-piece fallback) the reference's numbers at 1e-4; the varlen backward (per piece) on the
+// varlen forward's tile states against the fp64 varlen backward on the reference's: 1e-3 where the
+// states are v3's (test_cuda_kda.cu's tolerance for gradients through v3's forward), 1e-4 at K = 32. The KDA layer's short conv over the same packs
 // (mtrl_shortconv_fwd_varlen, one launch): bit for bit mtrl_shortconv_fwd per piece from the zero
 // window, and the fp64 reference (mtrl_ref_shortconv_fwd_varlen) at 1e-5, C = H K, W = 4.
 #include "tests/testhelp.h"
@@ -170,7 +171,7 @@ static void test_varlen(mtrl_cuda_ctx *ctx, const char *name, int n, const int *
                   {"bwd dg", d_dg, dg, nqk}, {"bwd dbeta", d_db, db, nb}};
     for (int i = 0; i < 5; i++) {
         tu_get_f32(got, grads[i].d, grads[i].n);
-        TU_CHECK_REL(grads[i].what, got, grads[i].ref, grads[i].n, 1e-4);
+        TU_CHECK_REL(grads[i].what, got, grads[i].ref, grads[i].n, K == 128 ? 1e-3 : 1e-4);
     }
 
     float *dev[] = {d_q, d_k, d_v, d_g, d_b, d_dout, d_dq, d_dk, d_dv, d_dg, d_db};
