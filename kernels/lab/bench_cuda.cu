@@ -661,7 +661,8 @@ std::vector<int> parse_list(const char *s) {
 // The varlen KDA forward (mtrl_kda_chunk_fwd_varlen: one prep and one state-pass launch for n
 // packed pieces of `len` tokens, each from zero) against the per-piece launches the model ran
 // before it (mtrl_kda_chunk_fwd per piece), in the training form (o and every tile's state, what
-// the learner's forward stores) and the prefill form (o only).
+// the learner's forward stores) and the prefill form (o only); then the short conv's forward
+// (mtrl_shortconv_fwd_varlen against mtrl_shortconv_fwd per piece).
 void bench_kda_varlen(Bench &B, int n, int len, int H) {
     const int K = 128, V = 128, T = n * len;
     size_t nqk = (size_t)T * H * K, ntl = (size_t)n * ((len + 15) / 16), ns = (size_t)H * K * V;
@@ -694,8 +695,19 @@ void bench_kda_varlen(Bench &B, int n, int len, int H) {
         row(what, shape, mv, flops, "TFLOP/s", B.gemm_tflops);
         printf("%-34s %-34s varlen / per piece time %.3f\n", "", "", mv / mp);
     }
+    // the layer's short conv over the same pack (C = H K channels, W = 4; q as its input)
+    const int C = H * K, W = 4;
+    float *cw = rnd(B, (size_t)C * W, -0.5f, 0.5f);
+    double cp = time_ms(B, [&] {
+        for (int i = 0; i < n; i++)
+            mtrl_shortconv_fwd(B.c, len, C, W, q + (size_t)i * len * C, cw, NULL, o + (size_t)i * len * C, NULL);
+    });
+    double cl = time_ms(B, [&] { mtrl_shortconv_fwd_varlen(B.c, n, offs.data(), C, W, q, cw, o); });
+    row("short conv fwd per piece", shape, cp, 2.0 * nqk * sizeof(float), "GB/s", B.copy_tbps * 1e3);
+    row("short conv fwd varlen", shape, cl, 2.0 * nqk * sizeof(float), "GB/s", B.copy_tbps * 1e3);
+    printf("%-34s %-34s varlen / per piece time %.3f\n", "", "", cl / cp);
     mtrl_cuda_sync(B.c);
-    float *bufs[] = {q, k, v, g, beta, o, St};
+    float *bufs[] = {q, k, v, g, beta, o, St, cw};
     for (float *b : bufs) mtrl_cuda_free(b);
 }
 
