@@ -34,9 +34,9 @@
     X(sync) X(copy_rows) X(gather) X(scatter) X(sigmoid) X(sigmoid_mul) \
     X(sigmoid_mul_bwd) X(dsigmoid) X(add) X(scale) X(gemm) X(rmsnorm_fwd) \
     X(rmsnorm_bwd) X(l2norm_fwd) X(l2norm_bwd) X(gated_rmsnorm_fwd) X(gated_rmsnorm_bwd) X(shortconv_fwd) \
-    X(shortconv_bwd) X(shortconv_state_bwd) X(shortconv_step) X(embedding_fwd) X(embedding_bwd) X(logprob_fwd) \
+    X(shortconv_fwd_varlen) X(shortconv_bwd) X(shortconv_state_bwd) X(shortconv_step) X(embedding_fwd) X(embedding_bwd) X(logprob_fwd) \
     X(logprob_bwd) X(adamw) X(grad_sq_norm) X(kda_gate_fwd) X(kda_gate_bwd) X(kda_chunk_fwd) \
-    X(kda_chunk_bwd) X(kda_step) X(attn_causal_fwd) X(attn_causal_bwd) X(mla_absorb_q) X(mla_absorb_q_bwd) \
+    X(kda_chunk_bwd) X(kda_chunk_fwd_varlen) X(kda_chunk_bwd_varlen) X(kda_step) X(attn_causal_fwd) X(attn_causal_bwd) X(mla_absorb_q) X(mla_absorb_q_bwd) \
     X(mla_up_v) X(mla_up_v_bwd) X(mla_expand_kv) X(mla_expand_kv_bwd) X(mla_decode) X(moe_router_fwd) X(moe_router_bwd) X(moe_dispatch) \
     X(moe_gather) X(moe_combine_fwd) X(moe_combine_bwd) X(moe_scatter_bwd) X(moe_experts_fwd) X(moe_experts_bwd) \
     X(moe_swiglu_fwd) X(moe_swiglu_bwd) X(moe_load_count) X(qb_beta) X(attnres_site_fwd) X(attnres_site_bwd) \
@@ -117,6 +117,10 @@ struct mtrl_backend {
                           const real *dy, real *dx, real *dw, real *dstate_in);
     void (*shortconv_state_bwd)(mtrl_backend *, int T, int C, int W, const real *dstate_out, real *dx,
                                 real *dstate_in);
+    // n packed pieces each from the zero window, no window out (ops_ref.h
+    // mtrl_ref_shortconv_fwd_varlen); offs_h [n + 1] on the host. The CUDA form is one launch.
+    void (*shortconv_fwd_varlen)(mtrl_backend *, int n, const int *offs_h, int C, int W, const real *x,
+                                 const real *w, real *y);
     // B decode rows: x1, y1 [B][C]; row r's window [W−1][C] at window_h[r] (updated).
     void (*shortconv_step)(mtrl_backend *, int B, int C, int W, const real *x1, const real *w,
                            real *const *window_h, real *y1);
@@ -143,6 +147,18 @@ struct mtrl_backend {
     void (*kda_chunk_bwd)(mtrl_backend *, int T, int H, int K, int V, const real *q, const real *k, const real *v,
                           const real *g, const real *beta, const real *S0, const real *S_tiles, const real *dout,
                           const real *dS_final, real *dq, real *dk, real *dv, real *dg, real *dbeta, real *dS0);
+    // n packed pieces each from the zero state (a packed segment without piece_io, model_ws.h):
+    // offs_h [n + 1] on the host (piece i: rows offs_h[i] .. offs_h[i+1] - 1), S_final [n][H][K][V]
+    // and S_tiles (every piece's tiles, piece by piece) nullable; the backward takes no final-state
+    // gradient and gives no dS0 (kda_ref.h mtrl_ref_kda_chunk_fwd_varlen / _bwd_varlen). The CUDA
+    // forward is one launch per kernel stage for all pieces.
+    void (*kda_chunk_fwd_varlen)(mtrl_backend *, int n, const int *offs_h, int H, int K, int V, const real *q,
+                                 const real *k, const real *v, const real *g, const real *beta, real *o,
+                                 real *S_final, real *S_tiles);
+    void (*kda_chunk_bwd_varlen)(mtrl_backend *, int n, const int *offs_h, int H, int K, int V, const real *q,
+                                 const real *k, const real *v, const real *g, const real *beta,
+                                 const real *S_tiles, const real *dout, real *dq, real *dk, real *dv, real *dg,
+                                 real *dbeta);
     // B decode rows (q, k, g [B][H][K], v, o [B][H][V], beta [B][H]); row r's state at S_h[r].
     void (*kda_step)(mtrl_backend *, int B, int H, int K, int V, const real *q, const real *k, const real *v,
                      const real *g, const real *beta, real *const *S_h, real *o);

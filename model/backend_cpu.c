@@ -128,6 +128,11 @@ static void shortconv_state_bwd_(BE *be, int T, int C, int W, const real *dso, r
     (void)be;
     mtrl_ref_shortconv_state_bwd(T, C, W, dso, dx, dsi);
 }
+static void shortconv_fwd_varlen_(BE *be, int n, const int *offs, int C, int W, const real *x, const real *w,
+                                  real *y) {
+    (void)be;
+    mtrl_ref_shortconv_fwd_varlen(n, offs, C, W, x, w, y);
+}
 static void shortconv_step_(BE *be, int B, int C, int W, const real *x1, const real *w, real *const *win,
                             real *y1) {
     (void)be;
@@ -181,6 +186,17 @@ static void kda_chunk_bwd_(BE *be, int T, int H, int K, int V, const real *q, co
                            const real *dSf, real *dq, real *dk, real *dv, real *dg, real *dbeta, real *dS0) {
     (void)be;
     mtrl_ref_kda_chunk_bwd(T, H, K, V, q, k, v, g, beta, S0, St, dout, dSf, dq, dk, dv, dg, dbeta, dS0);
+}
+static void kda_chunk_fwd_varlen_(BE *be, int n, const int *offs, int H, int K, int V, const real *q, const real *k,
+                                  const real *v, const real *g, const real *beta, real *o, real *Sf, real *St) {
+    (void)be;
+    mtrl_ref_kda_chunk_fwd_varlen(n, offs, H, K, V, q, k, v, g, beta, o, Sf, St);
+}
+static void kda_chunk_bwd_varlen_(BE *be, int n, const int *offs, int H, int K, int V, const real *q, const real *k,
+                                  const real *v, const real *g, const real *beta, const real *St,
+                                  const real *dout, real *dq, real *dk, real *dv, real *dg, real *dbeta) {
+    (void)be;
+    mtrl_ref_kda_chunk_bwd_varlen(n, offs, H, K, V, q, k, v, g, beta, St, dout, dq, dk, dv, dg, dbeta);
 }
 static void kda_step_(BE *be, int B, int H, int K, int V, const real *q, const real *k, const real *v,
                       const real *g, const real *beta, real *const *S, real *o) {

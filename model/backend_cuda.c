@@ -277,6 +277,10 @@ static float *states_in_(BE *be, int B, size_t n, real *const *st_h, float ***de
     mtrl_mc_gather(CTX(be), B, n, (const float *const *)*dev_ptrs, (float *)(s + ob));
     return (float *)(s + ob);
 }
+static void shortconv_fwd_varlen_(BE *be, int n, const int *offs, int C, int W, const real *x, const real *w,
+                                  real *y) {
+    OK(mtrl_shortconv_fwd_varlen(CTX(be), n, offs, C, W, x, w, y));
+}
 static void shortconv_step_(BE *be, int B, int C, int W, const real *x1, const real *w, real *const *win,
                             real *y1) {
     if (B <= 0) return;
@@ -355,6 +359,15 @@ static void kda_chunk_bwd_(BE *be, int T, int H, int K, int V, const real *q, co
                            const real *g, const real *beta, const real *S0, const real *St, const real *dout,
                            const real *dSf, real *dq, real *dk, real *dv, real *dg, real *dbeta, real *dS0) {
     OK(mtrl_kda_chunk_bwd(CTX(be), T, H, K, V, q, k, v, g, beta, S0, St, dout, dSf, dq, dk, dv, dg, dbeta, dS0));
+}
+static void kda_chunk_fwd_varlen_(BE *be, int n, const int *offs, int H, int K, int V, const real *q, const real *k,
+                                  const real *v, const real *g, const real *beta, real *o, real *Sf, real *St) {
+    OK(mtrl_kda_chunk_fwd_varlen(CTX(be), n, offs, H, K, V, q, k, v, g, beta, o, Sf, St));
+}
+static void kda_chunk_bwd_varlen_(BE *be, int n, const int *offs, int H, int K, int V, const real *q, const real *k,
+                                  const real *v, const real *g, const real *beta, const real *St,
+                                  const real *dout, real *dq, real *dk, real *dv, real *dg, real *dbeta) {
+    OK(mtrl_kda_chunk_bwd_varlen(CTX(be), n, offs, H, K, V, q, k, v, g, beta, St, dout, dq, dk, dv, dg, dbeta));
 }
 static void kda_step_(BE *be, int B, int H, int K, int V, const real *q, const real *k, const real *v,
                       const real *g, const real *beta, real *const *S, real *o) {

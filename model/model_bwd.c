@@ -10,7 +10,6 @@
 #include "model/backend.h"
 #include "model/model_image.h"
 #include "model/model_ws.h"
-#include "kernels/ref/kda_ref.h"
 
 #define ALLOC(n) ((real *)mtrl_arena_alloc(ar, sizeof(real) * (size_t)(n)))
 
@@ -61,16 +60,11 @@ static void kda_backward_(mtrl_model *m, mtrl_arena *ar, int l, int T, const lay
                           dcv, dg, dbeta, dS0);
         be->copy(be, dS, dS0, sizeof(real) * S_sz);
     } else {
-        // Packed pieces: each ends its sequence (no gradient arrives through its final state).
-        size_t tile = 0;
-        for (int i = 0; i < io->n_piece; i++) {
-            int Ti, o = seq_piece(io, T, i, &Ti);
-            size_t x = (size_t)o * HD, h = (size_t)o * H;
-            be->kda_chunk_bwd(be, Ti, H, D, D, c->qn + x, c->kn + x, c->cv + x, c->g + x, c->beta + h, c->S0,
-                              c->S_tiles + tile * S_sz, d_o + x, NULL, dqn + x, dkn + x, dcv + x, dg + x, dbeta + h,
-                              dS0);
-            tile += (size_t)mtrl_ref_kda_tile_count(Ti);
-        }
+        // Packed pieces, each from the zero state (the backward runs on learner packs only, never
+        // on piece_io prefills) and each ending its sequence: no gradient arrives through a final
+        // state, none leaves through S0.
+        be->kda_chunk_bwd_varlen(be, io->n_piece, io->piece, H, D, D, c->qn, c->kn, c->cv, c->g, c->beta,
+                                 c->S_tiles, d_o, dqn, dkn, dcv, dg, dbeta);
     }
     // the gate's backward next to the delta rule's (the profile's KDA core); dx1 still takes
     // wz1, wbeta, wf1, then q/k/v in that order

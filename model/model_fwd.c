@@ -68,7 +68,11 @@ static void kda_forward_(mtrl_model *m, mtrl_arena *ar, int l, int mode, int T, 
         else if (!io->piece_io) be->zero(be, c->cst, sizeof(real) * conv_sz);
         const real *px[3] = {c->pq, c->pk, c->pv}, *cw[3] = {p->conv_q, p->conv_k, p->conv_v};
         real *cy[3] = {c->cq, c->ck, c->cv};
-        for (int s = 0; s < 3; s++)
+        for (int s = 0; s < 3; s++) {
+            if (io->n_piece && !io->piece_io) { // every piece from the zero window: one call
+                be->shortconv_fwd_varlen(be, io->n_piece, io->piece, HD, W, px[s], cw[s], cy[s]);
+                continue;
+            }
             for (int i = 0; i < seq_pieces(io); i++) {
                 int Ti;
                 size_t o = (size_t)seq_piece(io, T, i, &Ti) * HD;
@@ -76,6 +80,7 @@ static void kda_forward_(mtrl_model *m, mtrl_arena *ar, int l, int mode, int T, 
                 if (io->piece_io) be->copy(be, c->cst + s * w1, out_st, sizeof(real) * w1);
                 be->shortconv_fwd(be, Ti, HD, W, px[s] + o, cw[s], c->cst + s * w1, cy[s] + o, out_st);
             }
+        }
     } else {
         real **win = xmalloc(sizeof(real *) * (size_t)T);
         const real *px[3] = {c->pq, c->pk, c->pv}, *cw[3] = {p->conv_q, p->conv_k, p->conv_v};
@@ -112,18 +117,25 @@ static void kda_forward_(mtrl_model *m, mtrl_arena *ar, int l, int mode, int T, 
         else if (!io->piece_io) be->zero(be, c->S0, sizeof(real) * S_sz); // piece_io: each piece's own, below
         // the tile states are for a backward: a prefill stores none
         c->S_tiles = mode == SEG_PREFILL ? NULL : ALLOC((size_t)seg_kda_tiles(T, io) * S_sz);
-        size_t tile = 0;
-        for (int i = 0; i < seq_pieces(io); i++) {
-            int Ti, o = seq_piece(io, T, i, &Ti);
-            size_t x = (size_t)o * HD, h = (size_t)o * H;
-            real *S_out = S;
-            if (io->piece_io) { // the piece's own state in, its successor out
-                S_out = io->piece_io[i].kda_S + (size_t)ki * S_sz;
-                be->copy(be, c->S0, S_out, sizeof(real) * S_sz);
+        if (io->n_piece && !io->piece_io) {
+            // Pieces each from the zero state: one call for them all (on a GPU one launch per
+            // kernel stage instead of two per piece); their final states go nowhere (model_ws.h).
+            be->kda_chunk_fwd_varlen(be, io->n_piece, io->piece, H, D, D, c->qn, c->kn, c->cv, c->g, c->beta, c->o,
+                                     NULL, c->S_tiles);
+        } else {
+            size_t tile = 0;
+            for (int i = 0; i < seq_pieces(io); i++) {
+                int Ti, o = seq_piece(io, T, i, &Ti);
+                size_t x = (size_t)o * HD, h = (size_t)o * H;
+                real *S_out = S;
+                if (io->piece_io) { // the piece's own state in, its successor out
+                    S_out = io->piece_io[i].kda_S + (size_t)ki * S_sz;
+                    be->copy(be, c->S0, S_out, sizeof(real) * S_sz);
+                }
+                be->kda_chunk_fwd(be, Ti, H, D, D, c->qn + x, c->kn + x, c->cv + x, c->g + x, c->beta + h, c->S0,
+                                  c->o + x, S_out, c->S_tiles ? c->S_tiles + tile * S_sz : NULL);
+                tile += (size_t)mtrl_ref_kda_tile_count(Ti);
             }
-            be->kda_chunk_fwd(be, Ti, H, D, D, c->qn + x, c->kn + x, c->cv + x, c->g + x, c->beta + h, c->S0, c->o + x,
-                              S_out, c->S_tiles ? c->S_tiles + tile * S_sz : NULL);
-            tile += (size_t)mtrl_ref_kda_tile_count(Ti);
         }
     } else {
         real **Sr = xmalloc(sizeof(real *) * (size_t)T);

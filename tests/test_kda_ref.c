@@ -10,7 +10,8 @@
 //       below -11) == recurrence forward and backward; FD through kda_gate_kimi_*, exact and
 //       clamped
 //   plus: kda_step over a sequence == recurrence, prefill (chunked) then decode (step) == full
-//   recurrence at splits 1, 15, 16, 17, S_tiles == recurrence states, T = 0 is a no-op.
+//   recurrence at splits 1, 15, 16, 17, S_tiles == recurrence states, T = 0 is a no-op;
+//   packed pieces (the varlen forward and backward) == each piece alone.
 // K != V on purpose, so a transposed K x V product cannot pass.
 #include "common/rng.h"
 #include "kernels/ref/kda_ref.h"
@@ -591,6 +592,70 @@ static void test_step(void) {
     free_inputs(&in);
 }
 
+// Packed pieces (mtrl_ref_kda_chunk_fwd_varlen / _bwd_varlen): each piece from the zero state ==
+// the token recurrence of that piece alone (o, its final state, its tile states S_tiles[n] = S_{16 n}
+// at its place in the list), and the varlen backward == the chunked backward of each piece alone,
+// bit for bit. Pieces of 1, 15, 16, 17, 0 (empty: final state zero) and 40 tokens.
+static double maxabs_(const double *a, const double *b, size_t n) {
+    double m = 0;
+    for (size_t i = 0; i < n; i++) m = a[i] - b[i] != a[i] - b[i] ? INFINITY : maxd(m, fabs(a[i] - b[i]));
+    return m;
+}
+static void test_varlen(void) {
+    enum { NP = 6 };
+    const int len[NP] = {1, 15, 16, 17, 0, 40};
+    int offs[NP + 1] = {0};
+    size_t KV = (size_t)K_ * V_, HKV = H_ * KV, tiles = 0;
+    for (int i = 0; i < NP; i++) {
+        offs[i + 1] = offs[i] + len[i];
+        tiles += (size_t)mtrl_ref_kda_tile_count(len[i]);
+    }
+    int T = offs[NP];
+    inputs in = make_inputs(T, G_RANDOM, 800);
+    size_t nk = (size_t)T * H_ * K_, nv = (size_t)T * H_ * V_;
+    double *o = malloc(sizeof(double) * nv), *Sf = malloc(sizeof(double) * NP * HKV),
+           *St = malloc(sizeof(double) * tiles * HKV), *orec = malloc(sizeof(double) * nv),
+           *Sall = malloc(sizeof(double) * (size_t)(T + 1) * HKV), Srec[H_ * K_ * V_];
+    for (size_t i = 0; i < NP * HKV; i++) Sf[i] = NAN;
+    mtrl_ref_kda_chunk_fwd_varlen(NP, offs, H_, K_, V_, in.q, in.k, in.v, in.g, in.beta, o, Sf, St);
+    double worst = 0;
+    size_t tile = 0;
+    for (int i = 0; i < NP; i++) {
+        size_t x = (size_t)offs[i];
+        mtrl_ref_kda_recurrent_fwd(len[i], H_, K_, V_, in.q + x * H_ * K_, in.k + x * H_ * K_, in.v + x * H_ * V_,
+                                   in.g + x * H_ * K_, in.beta + x * H_, NULL, orec + x * H_ * V_, Srec, Sall);
+        worst = maxd(worst, maxabs_(Sf + i * HKV, Srec, HKV));
+        for (int n = 0; n < mtrl_ref_kda_tile_count(len[i]); n++)
+            worst = maxd(worst, maxabs_(St + (tile + n) * HKV, Sall + (size_t)16 * n * HKV, HKV));
+        tile += (size_t)mtrl_ref_kda_tile_count(len[i]);
+    }
+    worst = maxd(worst, maxabs_(o, orec, nv));
+    printf("varlen pieces == each piece's recurrence: max |diff| %.2e\n", worst);
+    TEST_CHECKF(worst <= 1e-12, "varlen forward vs recurrence per piece: %.2e", worst);
+
+    double *dout = malloc(sizeof(double) * nv);
+    fill_normal(dout, nv, 801, 1.0);
+    grads a = grads_alloc(T), b = grads_alloc(T);
+    mtrl_ref_kda_chunk_bwd_varlen(NP, offs, H_, K_, V_, in.q, in.k, in.v, in.g, in.beta, St, dout, a.dq, a.dk, a.dv,
+                                  a.dg, a.db);
+    for (int i = 0; i < NP; i++) {
+        size_t x = (size_t)offs[i];
+        mtrl_ref_kda_chunk_bwd(len[i], H_, K_, V_, in.q + x * H_ * K_, in.k + x * H_ * K_, in.v + x * H_ * V_,
+                               in.g + x * H_ * K_, in.beta + x * H_, NULL, NULL, dout + x * H_ * V_, NULL,
+                               b.dq + x * H_ * K_, b.dk + x * H_ * K_, b.dv + x * H_ * V_, b.dg + x * H_ * K_,
+                               b.db + x * H_, NULL);
+    }
+    int same = !memcmp(a.dq, b.dq, sizeof(double) * nk) && !memcmp(a.dk, b.dk, sizeof(double) * nk) &&
+               !memcmp(a.dv, b.dv, sizeof(double) * nv) && !memcmp(a.dg, b.dg, sizeof(double) * nk) &&
+               !memcmp(a.db, b.db, sizeof(double) * (size_t)T * H_);
+    printf("varlen backward == each piece's chunked backward: %s\n", same ? "same bits" : "DIFFERENT");
+    TEST_CHECKF(same, "varlen backward differs from the per-piece backward");
+    grads_free(&a);
+    grads_free(&b);
+    free(o); free(Sf); free(St); free(orec); free(Sall); free(dout);
+    free_inputs(&in);
+}
+
 int main(void) {
     test_i1();
     test_i2();
@@ -599,5 +664,6 @@ int main(void) {
     test_i5();
     test_i7();
     test_step();
+    test_varlen();
     return test_report();
 }

@@ -165,6 +165,25 @@ int mtrl_kda_chunk_bwd(mtrl_cuda_ctx *ctx, int T, int H, int K, int V, const flo
                        const float *S0, const float *S_tiles, const float *dout,
                        const float *dS_final, float *dq, float *dk, float *dv, float *dg,
                        float *dbeta, float *dS0);
+// The chunked forward of n packed sequences, each from the zero state (the learner's packs):
+// piece i is tokens offs_host[i] .. offs_host[i+1] - 1 of q, k, v, g [.][H][K], beta [.][H]
+// (offs_host: a HOST array [n + 1], non-decreasing, from offs_host[0] >= 0; n <= 65535). o [.][H][V]
+// at the same rows, S_final [n][H][K][V] (one per piece) and S_tiles (every piece's tile states,
+// piece by piece: mtrl_ref_kda_tile_count(len) each) nullable. Results bit for bit those of
+// mtrl_kda_chunk_fwd per piece with S0 = NULL. For v3's shapes (K = V = 128, 16-byte aligned q, k,
+// v, g) one prep and one state-pass launch for all pieces (kda/chunk_varlen_mma.cu; in groups of at
+// most max(ceil(T / 16), longest piece's tiles) tiles, T the pack's tokens: scratch for that many
+// of v3's records), else mtrl_kda_chunk_fwd per piece.
+int mtrl_kda_chunk_fwd_varlen(mtrl_cuda_ctx *ctx, int n, const int *offs_host, int H, int K, int V,
+                              const float *q, const float *k, const float *v, const float *g,
+                              const float *beta, float *o, float *S_final, float *S_tiles);
+// Its backward: mtrl_kda_chunk_bwd per piece (S0 = NULL, dS_final = NULL, no dS0), S_tiles as the
+// varlen forward wrote them (or NULL: recomputed per piece); dq, dk, dv, dg, dbeta overwritten at
+// every piece's rows.
+int mtrl_kda_chunk_bwd_varlen(mtrl_cuda_ctx *ctx, int n, const int *offs_host, int H, int K, int V,
+                              const float *q, const float *k, const float *v, const float *g,
+                              const float *beta, const float *S_tiles, const float *dout, float *dq,
+                              float *dk, float *dv, float *dg, float *dbeta);
 // One decode token for B sequences (kda_step per sequence): q, k, g [B][H][K]; v [B][H][V];
 // beta [B][H]; S [B][H][K][V] updated in place; o [B][H][V].
 // Two kernels (kda/chunk_simt.cu): v2 (state in registers, 16-byte accesses) for K in {64, 128, 256},
@@ -345,6 +364,11 @@ int mtrl_shortconv_bwd(mtrl_cuda_ctx *ctx, int T, int C, int W, const float *x, 
                        float *dstate_in);
 int mtrl_shortconv_state_bwd(mtrl_cuda_ctx *ctx, int T, int C, int W, const float *dstate_out,
                              float *dx, float *dstate_in);
+// shortconv_fwd_varlen (ops_ref.h): n packed pieces each from the zero window (offs_host: a HOST
+// array [n + 1], non-decreasing, n <= 2^24), in one launch (core/conv_varlen.cu); bit for bit
+// mtrl_shortconv_fwd per piece with state_in = NULL.
+int mtrl_shortconv_fwd_varlen(mtrl_cuda_ctx *ctx, int n, const int *offs_host, int C, int W,
+                              const float *x, const float *w, float *y);
 // B decode tokens of B sequences: x1 [B][C], windows [B][W-1][C] updated, y1 [B][C].
 int mtrl_shortconv_step(mtrl_cuda_ctx *ctx, int B, int C, int W, const float *x1,
                         const float *w, float *window, float *y1);

@@ -630,10 +630,63 @@ std::vector<int> parse_list(const char *s) {
     return v;
 }
 
+// The varlen KDA forward (mtrl_kda_chunk_fwd_varlen: one prep and one state-pass launch for n
+// packed pieces of `len` tokens, each from zero) against the per-piece launches the model ran
+// before it (mtrl_kda_chunk_fwd per piece), in the training form (o and every tile's state, what
+// the learner's forward stores) and the prefill form (o only); then the short conv's forward
+// (mtrl_shortconv_fwd_varlen against mtrl_shortconv_fwd per piece).
+void bench_kda_varlen(Bench &B, int n, int len, int H) {
+    const int K = 128, V = 128, T = n * len;
+    size_t nqk = (size_t)T * H * K, ntl = (size_t)n * ((len + 15) / 16), ns = (size_t)H * K * V;
+    float *q = rnd(B, nqk, -1, 1), *k = rnd(B, nqk, -1, 1), *v = rnd(B, nqk, -1, 1);
+    float *g = rnd(B, nqk, -4.9f, -0.01f), *beta = rnd(B, (size_t)T * H, 0.05f, 0.95f);
+    mtrl_l2norm_fwd(B.c, T * H, K, q, 1e-6f, q, NULL);
+    mtrl_l2norm_fwd(B.c, T * H, K, k, 1e-6f, k, NULL);
+    scale_k<<<4096, 256, 0, B.c->stream>>>(nqk, q, 1.f / sqrtf((float)K));
+    float *o = (float *)mtrl_cuda_malloc(nqk * 4), *St = (float *)mtrl_cuda_malloc(ntl * ns * 4);
+    std::vector<int> offs(n + 1);
+    for (int i = 0; i <= n; i++) offs[i] = i * len;
+    mtrl_cuda_sync(B.c);
+    auto per_piece = [&](float *st) {
+        for (int i = 0; i < n; i++) {
+            size_t x = (size_t)i * len, t = (size_t)i * ((len + 15) / 16);
+            mtrl_kda_chunk_fwd(B.c, len, H, K, V, q + x * H * K, k + x * H * K, v + x * H * V, g + x * H * K,
+                               beta + x * H, NULL, o + x * H * V, NULL, st ? st + t * ns : NULL);
+        }
+    };
+    char shape[64], what[64];
+    snprintf(shape, sizeof shape, "%d x %d H=%d K=V=128", n, len, H);
+    double flops = (double)ntl * H * (4.0 * 65536 + 3.0 * 524288 + 65536);  // bench_kda's nominal work
+    for (int train = 1; train >= 0; train--) {
+        float *st = train ? St : NULL;
+        double mp = time_ms(B, [&] { per_piece(st); });
+        double mv = time_ms(B, [&] { mtrl_kda_chunk_fwd_varlen(B.c, n, offs.data(), H, K, V, q, k, v, g, beta, o, NULL, st); });
+        snprintf(what, sizeof what, "KDA fwd per piece (%s)", train ? "o, S_tiles" : "o");
+        row(what, shape, mp, flops, "TFLOP/s", B.gemm_tflops);
+        snprintf(what, sizeof what, "KDA fwd varlen (%s)", train ? "o, S_tiles" : "o");
+        row(what, shape, mv, flops, "TFLOP/s", B.gemm_tflops);
+        printf("%-34s %-34s varlen / per piece time %.3f\n", "", "", mv / mp);
+    }
+    // the layer's short conv over the same pack (C = H K channels, W = 4; q as its input)
+    const int C = H * K, W = 4;
+    float *cw = rnd(B, (size_t)C * W, -0.5f, 0.5f);
+    double cp = time_ms(B, [&] {
+        for (int i = 0; i < n; i++)
+            mtrl_shortconv_fwd(B.c, len, C, W, q + (size_t)i * len * C, cw, NULL, o + (size_t)i * len * C, NULL);
+    });
+    double cl = time_ms(B, [&] { mtrl_shortconv_fwd_varlen(B.c, n, offs.data(), C, W, q, cw, o); });
+    row("short conv fwd per piece", shape, cp, 2.0 * nqk * sizeof(float), "GB/s", B.copy_tbps * 1e3);
+    row("short conv fwd varlen", shape, cl, 2.0 * nqk * sizeof(float), "GB/s", B.copy_tbps * 1e3);
+    printf("%-34s %-34s varlen / per piece time %.3f\n", "", "", cl / cp);
+    mtrl_cuda_sync(B.c);
+    float *bufs[] = {q, k, v, g, beta, o, St, cw};
+    for (float *b : bufs) mtrl_cuda_free(b);
+}
+
 }  // namespace
 
 extern "C" int mtrl_bench_ops_cuda(int argc, char **argv) {
-    const char *only = "copy,gemm,kda,step,attn,decode,moe,ops";
+    const char *only = "copy,gemm,kda,varlen,step,attn,decode,moe,ops";
     std::vector<int> kdaT = {8192, 65536, 262144}, attnT = {8192, 32768};
     int reps = 5, H = 16;
     const char *decode_shapes = "1x1048576,8x131072,64x32768,16x524288";  // MLA decode, B x Tk
@@ -657,7 +710,7 @@ extern "C" int mtrl_bench_ops_cuda(int argc, char **argv) {
         else if (!strcmp(a, "--anchors") && val) { anchors_path = val; i++; }
         else if (!strcmp(a, "--kda-fwd-only")) kda_fwd_only = true;
         else {
-            fprintf(stderr, "usage: mtrl bench ops --device cuda [--only copy,gemm,kda,step,attn,decode,moe,ops] "
+            fprintf(stderr, "usage: mtrl bench ops --device cuda [--only copy,gemm,kda,varlen,step,attn,decode,moe,ops] "
                             "[--kda-T 8192,65536] [--attn-T 8192,32768] [--attn-shapes absorbed,mha,naive] [--attn-v1 0|1] "
                             "[--heads 16] [--decode-shapes 1x1048576,8x131072] "
                             "[--reps N] [--anchors anchors.json] [--kda-fwd-only]\n");
@@ -706,6 +759,10 @@ extern "C" int mtrl_bench_ops_cuda(int argc, char **argv) {
                "docs/perf.md; add copy,gemm to --only to measure them)\n", "", "", B.copy_tbps, B.gemm_tflops);
     if (want("kda"))
         for (int T : kdaT) bench_kda(B, T, H);
+    if (want("varlen")) {  // the learner's packs: R1's 512 x 128 and 64 x 1024
+        bench_kda_varlen(B, 512, 128, H);
+        bench_kda_varlen(B, 64, 1024, H);
+    }
     if (want("step")) {
         bench_kda_step(B, 64, H);
         bench_kda_step(B, 256, H);

@@ -7,12 +7,13 @@
 extern "C" {
 #endif
 
-// `mtrl bench ops --device cuda [--only copy,gemm,kda,step,attn,decode,moe,ops]
+// `mtrl bench ops --device cuda [--only copy,gemm,kda,varlen,step,attn,decode,moe,ops]
 // [--kda-T 8192,65536] [--attn-T 8192,32768] [--heads 16] [--decode-shapes 1x1048576,8x131072]
 // [--reps N] [--anchors anchors.json]`: times each kernel with CUDA events (warm-up, median of
 // repeats) and prints ms, TFLOP/s or GB/s and the fraction of the measured ceilings. The decode
 // rows (step, decode) print the v2 and v1 kernels side by side (the context's decode
-// option set by the bench). --anchors: the JSON that shared/bench/anchors_gpu.py wrote on the same machine;
+// option set by the bench). The varlen rows time the KDA forward of packed pieces (512 x 128 and
+// 64 x 1024 tokens, from the zero state) in one varlen call against one call per piece. --anchors: the JSON that shared/bench/anchors_gpu.py wrote on the same machine;
 // the KDA chunk, attention (MHA shape) and expert-GEMM rows are then followed by their ratio to
 // the anchor (fla chunk_kda time, SDPA cuDNN / FA2 TFLOP/s, torch._grouped_mm TFLOP/s) and the
 // docs/perf.md target of that ratio. The moe rows also compare the grouped experts with the

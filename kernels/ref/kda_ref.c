@@ -826,3 +826,31 @@ void mtrl_ref_kda_chunk_bwd(int T, int H, int K, int V, const real *q, const rea
     mtrl_ref_kda_chunk_bwd_ex(T, H, K, V, q, k, v, g, beta, S0, S_tiles, dout, dS_final, dq, dk, dv, dg,
                      dbeta, dS0, NULL);
 }
+
+void mtrl_ref_kda_chunk_fwd_varlen(int n, const int *offs, int H, int K, int V, const real *q, const real *k,
+                                   const real *v, const real *g, const real *beta, real *o, real *S_final,
+                                   real *S_tiles) {
+    size_t hk = (size_t)H * K, hv = (size_t)H * V, tile = 0;
+    for (int i = 0; i < n; i++) {
+        int Ti = offs[i + 1] - offs[i];
+        size_t x = (size_t)offs[i];
+        mtrl_ref_kda_chunk_fwd(Ti, H, K, V, q + x * hk, k + x * hk, v + x * hv, g + x * hk, beta + x * H, NULL,
+                               o ? o + x * hv : NULL, S_final ? S_final + (size_t)i * hk * V : NULL,
+                               S_tiles ? S_tiles + tile * hk * V : NULL);
+        tile += (size_t)mtrl_ref_kda_tile_count(Ti);
+    }
+}
+
+void mtrl_ref_kda_chunk_bwd_varlen(int n, const int *offs, int H, int K, int V, const real *q, const real *k,
+                                   const real *v, const real *g, const real *beta, const real *S_tiles,
+                                   const real *dout, real *dq, real *dk, real *dv, real *dg, real *dbeta) {
+    size_t hk = (size_t)H * K, hv = (size_t)H * V, tile = 0;
+    for (int i = 0; i < n; i++) {
+        int Ti = offs[i + 1] - offs[i];
+        size_t x = (size_t)offs[i];
+        mtrl_ref_kda_chunk_bwd(Ti, H, K, V, q + x * hk, k + x * hk, v + x * hv, g + x * hk, beta + x * H, NULL,
+                               S_tiles ? S_tiles + tile * hk * V : NULL, dout + x * hv, NULL, dq + x * hk,
+                               dk + x * hk, dv + x * hv, dg + x * hk, dbeta + x * H, NULL);
+        tile += (size_t)mtrl_ref_kda_tile_count(Ti);
+    }
+}

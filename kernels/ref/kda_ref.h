@@ -127,6 +127,20 @@ void mtrl_ref_kda_chunk_bwd(int T, int H, int K, int V, const real *q, const rea
                    const real *g, const real *beta, const real *S0, const real *S_tiles,
                    const real *dout, const real *dS_final, real *dq, real *dk, real *dv, real *dg,
                    real *dbeta, real *dS0);
+// n packed sequences, each from the zero state (cu_seqlens style): piece i is tokens offs[i] ..
+// offs[i+1] - 1 of the packed q, k, v, g, beta (offs [n + 1], non-decreasing), and its outputs go
+// to the same rows of o; S_final (nullable) [n][H][K][V] gets each piece's final state; S_tiles
+// (nullable) every piece's tile states one piece after another (mtrl_ref_kda_tile_count(len)
+// each). Exactly mtrl_ref_kda_chunk_fwd per piece with S0 = NULL (a loop over the pieces: the
+// contract of the GPU's one-launch form, kernels_cuda.h mtrl_kda_chunk_fwd_varlen).
+void mtrl_ref_kda_chunk_fwd_varlen(int n, const int *offs, int H, int K, int V, const real *q, const real *k,
+                                   const real *v, const real *g, const real *beta, real *o, real *S_final,
+                                   real *S_tiles);
+// Its backward: mtrl_ref_kda_chunk_bwd per piece with S0 = NULL, dS_final = NULL (each piece ends
+// its sequence) and no dS0; S_tiles as the varlen forward stored them, or NULL.
+void mtrl_ref_kda_chunk_bwd_varlen(int n, const int *offs, int H, int K, int V, const real *q, const real *k,
+                                   const real *v, const real *g, const real *beta, const real *S_tiles,
+                                   const real *dout, real *dq, real *dk, real *dv, real *dg, real *dbeta);
 // The same with options (NULL = defaults). S_tiles then holds mtrl_ref_kda_chunk_state_count(T, opts)
 // states, one per chunk of opts->chunk tokens; fwd and bwd must be given the same options.
 void mtrl_ref_kda_chunk_fwd_ex(int T, int H, int K, int V, const real *q, const real *k, const real *v,

@@ -227,6 +227,13 @@ void mtrl_ref_shortconv_fwd(int T, int C, int W, const real *x, const real *w, c
     }
 }
 
+void mtrl_ref_shortconv_fwd_varlen(int n, const int *offs, int C, int W, const real *x, const real *w, real *y) {
+    for (int i = 0; i < n; i++) {
+        size_t o = (size_t)offs[i] * C;
+        mtrl_ref_shortconv_fwd(offs[i + 1] - offs[i], C, W, x + o, w, NULL, y + o, NULL);
+    }
+}
+
 void mtrl_ref_shortconv_bwd(int T, int C, int W, const real *x, const real *w, const real *state_in,
                    const real *dy, real *dx, real *dw, real *dstate_in) {
     // dp_t = dy_t ⊙ SiLU'(p_t), recomputed from the inputs. Kept for all T (T·C doubles).

@@ -70,6 +70,10 @@ void mtrl_ref_swiglu_bwd(int N, int I, const real *u1, const real *u3, const rea
 // decode window of mtrl_ref_shortconv_step, so a prefill's state_out is the decode window as is.
 // Packed batches call these once per sequence (the padding restarts at each start).
 
+// n packed sequences each from the zero window (cu_seqlens style): piece i is rows offs[i] ..
+// offs[i+1] − 1 of x and y (offs [n + 1], non-decreasing); exactly mtrl_ref_shortconv_fwd per
+// piece with state_in = NULL and no state_out.
+void mtrl_ref_shortconv_fwd_varlen(int n, const int *offs, int C, int W, const real *x, const real *w, real *y);
 // x, y [T][C]; w [C][W]; state_in [W−1][C] nullable; state_out [W−1][C] nullable: the last
 // W−1 inputs of the stream state_in ++ x (rows of state_in when T < W−1). state_out may alias
 // state_in. T >= 0 (T = 0 just copies the state).

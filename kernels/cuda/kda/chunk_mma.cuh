@@ -270,6 +270,205 @@ _Pragma("unroll")                                                               
         }                                                                                             \
         do {} while (0)
 
+// ---- the forward's per-tile record (pass 1) --------------------------------------------------
+//
+// KDA3_PREP_TILE_(RI): warp w of a 4-warp block writes the record of tile n (tokens 16 n .. of a
+// sequence of T tokens at q, k, v, g, beta; head h) at rec + (h nt + RI) Rec<X>::BYTES, in its
+// PrepCfg<X>::WARP_BYTES of the block's shared memory sm3_ (from w WARP_BYTES on); the enclosing
+// scope defines T, H, nt, n, h, lane, w, q, k, v, g, beta, rec, sm3_, X, Rc = Rec<X> and
+// LO = PrepCfg<X>::LO. The body of kda3_prep_k (kda/chunk_mma.cu), which runs it over every
+// (tile, head) of one sequence (RI = n); the varlen forward (kda/chunk_varlen_mma.cu) runs it over every
+// tile of many sequences in one launch (RI: the tile's place in the flat list), so a tile's record
+// has the same bits whichever launch wrote it. A macro, as KDA3_STATE_TILE_ below and for the same
+// reason: as an inline function the same code compiled to other machine code in kda3_prep_k
+// (tools/cubin_compare.py), whose times were measured as it is.
+
+__device__ __forceinline__ float4 ldg4_or0(const float *p, bool ok) {
+    return ok ? __ldg(reinterpret_cast<const float4 *>(p)) : make_float4(0.f, 0.f, 0.f, 0.f);
+}
+__device__ __forceinline__ float comp(const float4 &x, int c) {
+    return c == 0 ? x.x : c == 1 ? x.y : c == 2 ? x.z : x.w;
+}
+
+// Shared memory of one warp: K̂⁺ (later the −W staging), Q̂⁺ (later the U staging), K̂⁻, β K⁺,
+// β V as bf16 [16][LD3] (with X, then their five lo planes, LO elements on); M and T as fp32
+// [16][17].
+template <bool X>
+struct PrepCfg {
+    static constexpr int LO = 5 * C3 * LD3;
+    static constexpr int WARP_BYTES = Rec<X>::NP * LO * 2 + 2 * C3 * 17 * 4;  // 23936; bf16x3 45696
+    static_assert(WARP_BYTES % 16 == 0 && (LO * 2) % 16 == 0, "per-warp shared memory alignment");
+};
+
+#define KDA3_PREP_TILE_(RI) \
+    uint16_t *sKp = reinterpret_cast<uint16_t *>(sm3_ + w * PrepCfg<X>::WARP_BYTES);                        \
+    uint16_t *sQh = sKp + C3 * LD3, *sKm = sQh + C3 * LD3, *sBK = sKm + C3 * LD3,                           \
+             *sBV = sBK + C3 * LD3;                                                                         \
+    float *sM = reinterpret_cast<float *>(sKp + Rc::NP * LO), *sT = sM + C3 * 17;                           \
+    unsigned char *R = rec + ((size_t)h * nt + (RI)) * Rc::BYTES;                                           \
+    /* the record's bf16 matrix at byte offset m, element e (R + m + 2e, as the bf16 path addressed it) */  \
+    auto rec16 = [&](int m, int e) { return reinterpret_cast<uint16_t *>(R + m + e * 2); };                 \
+                                                                                                            \
+    const int t0 = n * C3, cr = min(C3, T - t0), m = min(8, cr - 1), d0 = 4 * lane;                         \
+    const int gq = lane >> 2, tq = lane & 3;  /* fragment coordinates (g, t) */                             \
+    const float bl = lane < cr ? beta[(size_t)(t0 + lane) * H + h] : 0.f;  /* β of row `lane` */            \
+                                                                                                            \
+    /* G = cumsum(g) over the tile's rows for this lane's 4 columns (padded rows: g = 0, so */              \
+    /* G_15 = G_{c-1} = γ); Gm = G_m (selected, not indexed: m is not a compile-time constant). */          \
+    float4 G[C3];                                                                                           \
+_Pragma("unroll")                                                                                           \
+    for (int r = 0; r < C3; r++) G[r] = ldg4_or0(g + ((size_t)(t0 + r) * H + h) * K3 + d0, r < cr);         \
+_Pragma("unroll")                                                                                           \
+    for (int r = 1; r < C3; r++) {                                                                          \
+        G[r].x += G[r - 1].x; G[r].y += G[r - 1].y; G[r].z += G[r - 1].z; G[r].w += G[r - 1].w;             \
+    }                                                                                                       \
+    float4 Gm = G[0];                                                                                       \
+_Pragma("unroll")                                                                                           \
+    for (int r = 1; r <= 8; r++)                                                                            \
+        if (r == m) Gm = G[r];                                                                              \
+    const float4 gam = G[C3 - 1];                                                                           \
+    /* e^γ (fp32) for the state pass */                                                                     \
+    *reinterpret_cast<float4 *>(R + Rc::EG + 4 * d0) =                                                      \
+        make_float4(e2x(gam.x), e2x(gam.y), e2x(gam.z), e2x(gam.w));                                        \
+                                                                                                            \
+    /* Scaled operands, 4 rows at a time (12 independent 16-byte loads in flight per lane): */              \
+    /* to shared memory (bf16): K̂⁺ = k e^{G−Gm}, Q̂⁺ = q e^{G−Gm}, K̂⁻ = k e^{Gm−G}, β K⁺ = β k e^{G}, */  \
+    /* β V; to the record (bf16): Q⁺ = q e^{G}, K^e = k e^{γ−G}. With X, each with its lo part. */          \
+_Pragma("unroll")                                                                                           \
+    for (int r0 = 0; r0 < C3; r0 += 4) {                                                                    \
+        float4 qv[4], kv[4], vv[4];                                                                         \
+_Pragma("unroll")                                                                                           \
+        for (int i = 0; i < 4; i++) {                                                                       \
+            const int r = r0 + i;                                                                           \
+            const size_t row = (size_t)(t0 + r) * H + h;                                                    \
+            qv[i] = ldg4_or0(q + row * K3 + d0, r < cr);                                                    \
+            kv[i] = ldg4_or0(k + row * K3 + d0, r < cr);                                                    \
+            vv[i] = ldg4_or0(v + row * V3 + d0, r < cr);                                                    \
+        }                                                                                                   \
+_Pragma("unroll")                                                                                           \
+        for (int i = 0; i < 4; i++) {                                                                       \
+            const int r = r0 + i;                                                                           \
+            const float br = __shfl_sync(0xffffffffu, bl, r);                                               \
+            float kp[4], qh[4], km[4], bk[4], qp[4], ke[4], bv[4];                                          \
+_Pragma("unroll")                                                                                           \
+            for (int c = 0; c < 4; c++) {                                                                   \
+                const float Gc = comp(G[r], c), Gmc = comp(Gm, c), gc = comp(gam, c);                       \
+                const float kc = comp(kv[i], c), qc = comp(qv[i], c);                                       \
+                const float e1 = e2x(Gc - Gmc), e2 = e2x(Gmc - Gc), e3 = e2x(Gc), e4 = e2x(gc - Gc);        \
+                kp[c] = kc * e1;                                                                            \
+                qh[c] = qc * e1;                                                                            \
+                km[c] = kc * e2;                                                                            \
+                bk[c] = br * (kc * e3);                                                                     \
+                qp[c] = qc * e3;                                                                            \
+                ke[c] = kc * e4;                                                                            \
+                bv[c] = br * comp(vv[i], c);                                                                \
+            }                                                                                               \
+            st4<X>(sKp + r * LD3 + d0, LO, kp);                                                             \
+            st4<X>(sQh + r * LD3 + d0, LO, qh);                                                             \
+            st4<X>(sKm + r * LD3 + d0, LO, km);                                                             \
+            st4<X>(sBK + r * LD3 + d0, LO, bk);                                                             \
+            st4<X>(sBV + r * LD3 + d0, LO, bv);                                                             \
+            st4<X>(rec16(Rc::Q, r * K3 + d0), Rc::LO3 / 2, qp);                                             \
+            st4<X>(rec16(Rc::E, r * K3 + d0), Rc::LO3 / 2, ke);                                             \
+        }                                                                                                   \
+    }                                                                                                       \
+    __syncwarp();                                                                                           \
+                                                                                                            \
+    /* X = K̂⁺ K̂⁻ᵀ and P = Q̂⁺ K̂⁻ᵀ: A = K̂⁺ / Q̂⁺ (row i = token, col = d), B(k = d, n = token j) = */    \
+    /* K̂⁻[j][d] (n-major). Accumulator x[nt][c] = X(i, j), i = g + 8 (c >> 1), j = 8 nt + 2t + (c & 1). */ \
+    float x[2][4] = {}, p[2][4] = {};                                                                       \
+_Pragma("unroll")                                                                                           \
+    for (int kd = 0; kd < K3 / 16; kd++) {                                                                  \
+        uint32_t a[4], aq[4], b[4], al[4], aql[4], bl[4];                                                   \
+        ldsm_split<X>(a, al, adr_a(sKp, LD3, 16 * kd, lane), LO);                                           \
+        ldsm_split<X>(aq, aql, adr_a(sQh, LD3, 16 * kd, lane), LO);                                         \
+        ldsm_split<X>(b, bl, adr_b_nk(sKm, LD3, 16 * kd, 0, lane), LO);                                     \
+        mma_split<X>(x[0], a, al, b, bl);                                                                   \
+        mma_split<X>(x[1], a, al, b + 2, bl + 2);                                                           \
+        mma_split<X>(p[0], aq, aql, b, bl);                                                                 \
+        mma_split<X>(p[1], aq, aql, b + 2, bl + 2);                                                         \
+    }                                                                                                       \
+    /* M = StrictTril(diag(β) X) to shared memory (fp32), P = Tril(Q̂⁺K̂⁻ᵀ) to the record (bf16). */        \
+    /* Masks by select, never by multiply: the upper entries may be as large as e^75 (§2.5). */             \
+    {                                                                                                       \
+        const float bg[2] = {__shfl_sync(0xffffffffu, bl, gq), __shfl_sync(0xffffffffu, bl, gq + 8)};       \
+_Pragma("unroll")                                                                                           \
+        for (int nt2 = 0; nt2 < 2; nt2++)                                                                   \
+_Pragma("unroll")                                                                                           \
+            for (int hf = 0; hf < 2; hf++) {                                                                \
+                const int i = gq + 8 * hf, j = 8 * nt2 + 2 * tq;                                            \
+                sM[i * 17 + j] = j < i ? bg[hf] * x[nt2][2 * hf] : 0.f;                                     \
+                sM[i * 17 + j + 1] = j + 1 < i ? bg[hf] * x[nt2][2 * hf + 1] : 0.f;                         \
+                st2<X>(rec16(Rc::P, i * C3 + j), Rc::LOP / 2, j <= i ? p[nt2][2 * hf] : 0.f,                \
+                       j + 1 <= i ? p[nt2][2 * hf + 1] : 0.f);                                              \
+            }                                                                                               \
+    }                                                                                                       \
+    __syncwarp();                                                                                           \
+    /* T = (I + M)^-1 by forward substitution, fp32: lane j < 16 owns column j (as v2's tile_prep). */      \
+    if (lane < C3) {                                                                                        \
+        const int j = lane;                                                                                 \
+        float col[C3];                                                                                      \
+_Pragma("unroll")                                                                                           \
+        for (int i = 0; i < C3; i++) {                                                                      \
+            float acc = 0.f;                                                                                \
+_Pragma("unroll")                                                                                           \
+            for (int l = 0; l < i; l++) acc = fmaf(sM[i * 17 + l], col[l], acc);                            \
+            col[i] = i == j ? 1.f : (i > j ? -acc : 0.f);                                                   \
+        }                                                                                                   \
+_Pragma("unroll")                                                                                           \
+        for (int i = 0; i < C3; i++) sT[i * 17 + j] = col[i];                                               \
+    }                                                                                                       \
+    __syncwarp();                                                                                           \
+    /* T as the A fragment (row i = token, col l = token): a[0] = T(g, 2t..2t+1), a[1] = T(g+8, 2t..), */   \
+    /* a[2] = T(g, 2t+8..), a[3] = T(g+8, 2t+8..). */                                                       \
+    uint32_t ta[4], tl[4];                                                                                  \
+    pack_split(sT[gq * 17 + 2 * tq], sT[gq * 17 + 2 * tq + 1], ta[0], tl[0]);                               \
+    pack_split(sT[(gq + 8) * 17 + 2 * tq], sT[(gq + 8) * 17 + 2 * tq + 1], ta[1], tl[1]);                   \
+    pack_split(sT[gq * 17 + 2 * tq + 8], sT[gq * 17 + 2 * tq + 9], ta[2], tl[2]);                           \
+    pack_split(sT[(gq + 8) * 17 + 2 * tq + 8], sT[(gq + 8) * 17 + 2 * tq + 9], ta[3], tl[3]);               \
+    /* W = T (β K⁺) and U = T (β V): B(k = token l, n = column) = (β K⁺)[l][d], k-major (ldsm .trans). */   \
+    /* Results (C layout: row i = g / g+8, columns 16 pp + 8 half + 2t..2t+1) are staged as bf16 */         \
+    /* in the K̂⁺ (−W) and Q̂⁺ (U) buffers (and their lo planes), free since the barrier above, then */     \
+    /* copied out in rows. */                                                                               \
+_Pragma("unroll")                                                                                           \
+    for (int pp = 0; pp < K3 / 16; pp++) {                                                                  \
+        uint32_t b[4], bu[4], bl[4], bul[4];                                                                \
+        ldsm_split_t<X>(b, bl, adr_b_kn(sBK, LD3, 0, 16 * pp, lane), LO);                                   \
+        ldsm_split_t<X>(bu, bul, adr_b_kn(sBV, LD3, 0, 16 * pp, lane), LO);                                 \
+        float w0[4] = {}, w1[4] = {}, u0[4] = {}, u1[4] = {};                                               \
+        mma_split<X>(w0, ta, tl, b, bl);                                                                    \
+        mma_split<X>(w1, ta, tl, b + 2, bl + 2);                                                            \
+        mma_split<X>(u0, ta, tl, bu, bul);                                                                  \
+        mma_split<X>(u1, ta, tl, bu + 2, bul + 2);                                                          \
+        const int c0 = 16 * pp + 2 * tq, c1 = c0 + 8;                                                       \
+        st2<X>(sKp + gq * LD3 + c0, LO, -w0[0], -w0[1]);                                                    \
+        st2<X>(sKp + (gq + 8) * LD3 + c0, LO, -w0[2], -w0[3]);                                              \
+        st2<X>(sKp + gq * LD3 + c1, LO, -w1[0], -w1[1]);                                                    \
+        st2<X>(sKp + (gq + 8) * LD3 + c1, LO, -w1[2], -w1[3]);                                              \
+        st2<X>(sQh + gq * LD3 + c0, LO, u0[0], u0[1]);                                                      \
+        st2<X>(sQh + (gq + 8) * LD3 + c0, LO, u0[2], u0[3]);                                                \
+        st2<X>(sQh + gq * LD3 + c1, LO, u1[0], u1[1]);                                                      \
+        st2<X>(sQh + (gq + 8) * LD3 + c1, LO, u1[2], u1[3]);                                                \
+    }                                                                                                       \
+    __syncwarp();                                                                                           \
+    /* Copy out −W and U (hi, then with X lo): rows of K (V) bf16 in 16-byte pieces, 256 contiguous */      \
+    /* bytes per row. */                                                                                    \
+_Pragma("unroll")                                                                                           \
+    for (int i = lane; i < C3 * K3 / 8; i += 32) {                                                          \
+        const int r = i / (K3 / 8), c = i % (K3 / 8);                                                       \
+        *reinterpret_cast<uint4 *>(R + Rc::W + (r * K3 + c * 8) * 2) =                                      \
+            *reinterpret_cast<const uint4 *>(sKp + r * LD3 + c * 8);                                        \
+        *reinterpret_cast<uint4 *>(R + Rc::U + (r * V3 + c * 8) * 2) =                                      \
+            *reinterpret_cast<const uint4 *>(sQh + r * LD3 + c * 8);                                        \
+        if constexpr (X) {                                                                                  \
+            *reinterpret_cast<uint4 *>(R + Rc::W + Rc::LO3 + (r * K3 + c * 8) * 2) =                        \
+                *reinterpret_cast<const uint4 *>(sKp + LO + r * LD3 + c * 8);                               \
+            *reinterpret_cast<uint4 *>(R + Rc::U + Rc::LOU + (r * V3 + c * 8) * 2) =                        \
+                *reinterpret_cast<const uint4 *>(sQh + LO + r * LD3 + c * 8);                               \
+        }                                                                                                   \
+    }                                                                                                       \
+    do {} while (0)
+
 // Warps per block of the state passes: 4 (1, 2 and 8 measured slower and left the tree,
 // docs/kernel-lab.md). Kept as a function so that callers name the width in one place.
 inline int opt_wpb_(const mtrl_cuda_ctx *) { return 4; }

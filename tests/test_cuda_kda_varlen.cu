@@ -1,0 +1,234 @@
+// mtrl-test: gpu f64 timeout=600
+// test_cuda_kda_varlen.cu: the varlen KDA forward (kda/chunk_varlen_mma.cu, mtrl_kda_chunk_fwd_varlen:
+// n packed pieces each from the zero state, one prep and one state-pass launch for all) against
+// mtrl_kda_chunk_fwd per piece BIT FOR BIT (o, every piece's final state, every piece's tile
+// states: the same device code on the same inputs, tile for tile) and against the fp64 reference
+// (mtrl_ref_kda_chunk_fwd_varlen) at 1e-4 (v3 bf16x3's tolerance, test_cuda_kda.cu says why).
+// Packs: pieces of 1, 15, 16, 17, 64, 333 tokens (one partial tile, one tile minus and plus one
+// token, more tiles than the ring's 6 stages), one piece alone (1 and 333), and mixes of 100
+// pieces of random lengths with an empty piece among them, at H = 2 and 16. Outputs are poisoned
+// with NaN first. Per pack also: the prefill form (o only) and the state-only form (S_final only)
+// give the training form's bits, plain
+// bf16 records (kda_plain_bf16) the per-piece bf16 bits, and a shape v3 does not take (K = V = 32:
+// the per-piece fallback) the reference's numbers at 1e-4; the varlen backward (per piece) on the
+// varlen forward's tile states against the fp64 varlen backward on the reference's: 1e-3 where the
+// states are v3's (test_cuda_kda.cu's tolerance for gradients through v3's forward), 1e-4 at K = 32. The KDA layer's short conv over the same packs
+// (mtrl_shortconv_fwd_varlen, one launch): bit for bit mtrl_shortconv_fwd per piece from the zero
+// window, and the fp64 reference (mtrl_ref_shortconv_fwd_varlen) at 1e-5, C = H K, W = 4.
+#include "tests/testhelp.h"
+#include "kernels/lab/cuda_testutil.h"
+#include "kernels/ref/kda_ref.h"
+#include "kernels/ref/ops_ref.h"
+
+// Inputs the layer could feed the core: |k| about 1 (entries N(0, 1/K)), q smaller, β in (0, 1),
+// g in (-5, -0.01): the decay well inside the chunked kernels' range.
+static void vl_inputs_(size_t nqk, size_t nv, size_t nb, int K, double *q, double *k, double *v, double *g,
+                       double *beta) {
+    tu_fill_normal(q, nqk, 1.0 / K);
+    tu_fill_normal(k, nqk, 1.0 / sqrt((double)K));
+    tu_fill_normal(v, nv, 1.0);
+    tu_fill_unif(g, nqk, -5.0, -0.01);
+    tu_fill_unif(beta, nb, 0.05, 0.95);
+}
+
+static int vl_same_(const float *d_a, const float *d_b, size_t n) {
+    float *a = (float *)malloc((n ? n : 1) * sizeof(float)), *b = (float *)malloc((n ? n : 1) * sizeof(float));
+    mtrl_cuda_download(a, d_a, n * sizeof(float));
+    mtrl_cuda_download(b, d_b, n * sizeof(float));
+    int same = memcmp(a, b, n * sizeof(float)) == 0;
+    free(a);
+    free(b);
+    return same;
+}
+
+#define VL_SAME(what, a, b, n)                                                        \
+    do {                                                                              \
+        int s_ = vl_same_((a), (b), (n));                                             \
+        printf("  %-44s %s\n", (what), s_ ? "same bits" : "FAIL (bits differ)");     \
+        TEST_CHECKF(s_, "%s: varlen and per-piece results differ", (what));           \
+    } while (0)
+
+typedef struct {
+    float *o, *Sf, *St;
+} vl_out_;
+
+static vl_out_ vl_out_nan_(mtrl_cuda_ctx *ctx, size_t nv, size_t nsf, size_t nst) {
+    vl_out_ r = {tu_dev_nan(ctx, nv), tu_dev_nan(ctx, nsf), tu_dev_nan(ctx, nst)};
+    return r;
+}
+static void vl_out_free_(vl_out_ *r) {
+    mtrl_cuda_free(r->o);
+    mtrl_cuda_free(r->Sf);
+    mtrl_cuda_free(r->St);
+}
+
+// The per-piece launches the model ran before the varlen op (S0 = NULL: every piece from zero).
+static void vl_per_piece_(mtrl_cuda_ctx *ctx, int n, const int *offs, int H, int K, int V, const float *q,
+                          const float *k, const float *v, const float *g, const float *beta, vl_out_ *r) {
+    size_t ns = (size_t)H * K * V, tile = 0;
+    for (int i = 0; i < n; i++) {
+        int Ti = offs[i + 1] - offs[i];
+        size_t x = (size_t)offs[i];
+        TEST_EQ_INT(mtrl_kda_chunk_fwd(ctx, Ti, H, K, V, q + x * H * K, k + x * H * K, v + x * H * V,
+                                       g + x * H * K, beta + x * H, NULL, r->o + x * H * V, r->Sf + i * ns,
+                                       r->St + tile * ns),
+                    0);
+        tile += (size_t)mtrl_ref_kda_tile_count(Ti);
+    }
+}
+
+static void test_varlen(mtrl_cuda_ctx *ctx, const char *name, int n, const int *len, int H, int K) {
+    const int V = K;
+    char what[160];
+    int *offs = (int *)malloc(sizeof(int) * ((size_t)n + 1));
+    offs[0] = 0;
+    size_t nt = 0;
+    for (int i = 0; i < n; i++) {
+        offs[i + 1] = offs[i] + len[i];
+        nt += (size_t)mtrl_ref_kda_tile_count(len[i]);
+    }
+    int T = offs[n];
+    printf("varlen %s: %d pieces, T=%d, %zu tiles, H=%d K=V=%d\n", name, n, T, nt, H, K);
+    size_t nqk = (size_t)T * H * K, nv = (size_t)T * H * V, nb = (size_t)T * H, ns = (size_t)H * K * V;
+    size_t nsf = (size_t)n * ns, nst = nt * ns;
+    double *q = tu_alloc(nqk), *k = tu_alloc(nqk), *v = tu_alloc(nv), *g = tu_alloc(nqk), *beta = tu_alloc(nb);
+    vl_inputs_(nqk, nv, nb, K, q, k, v, g, beta);
+    double *o = tu_alloc(nv), *Sf = tu_alloc(nsf), *St = tu_alloc(nst);
+    mtrl_ref_kda_chunk_fwd_varlen(n, offs, H, K, V, q, k, v, g, beta, o, Sf, St);
+    float *d_q = tu_dev_f32(q, nqk), *d_k = tu_dev_f32(k, nqk), *d_v = tu_dev_f32(v, nv), *d_g = tu_dev_f32(g, nqk),
+          *d_b = tu_dev_f32(beta, nb);
+
+    vl_out_ pp = vl_out_nan_(ctx, nv, nsf, nst), vl = vl_out_nan_(ctx, nv, nsf, nst);
+    vl_per_piece_(ctx, n, offs, H, K, V, d_q, d_k, d_v, d_g, d_b, &pp);
+    TEST_EQ_INT(mtrl_kda_chunk_fwd_varlen(ctx, n, offs, H, K, V, d_q, d_k, d_v, d_g, d_b, vl.o, vl.Sf, vl.St), 0);
+    mtrl_cuda_sync(ctx);
+    VL_SAME("o == per piece", vl.o, pp.o, nv);
+    VL_SAME("S_final == per piece", vl.Sf, pp.Sf, nsf);
+    VL_SAME("S_tiles == per piece", vl.St, pp.St, nst);
+    size_t ngot = nst > nqk ? nst : nqk;
+    double *got = tu_alloc(ngot > nsf ? ngot : nsf);
+    tu_get_f32(got, vl.o, nv);
+    TU_CHECK_REL("o vs fp64", got, o, nv, 1e-4);
+    tu_get_f32(got, vl.Sf, nsf);
+    TU_CHECK_REL("S_final vs fp64", got, Sf, nsf, 1e-4);
+    tu_get_f32(got, vl.St, nst);
+    TU_CHECK_REL("S_tiles vs fp64", got, St, nst, 1e-4);
+
+    if (K == 128) {
+        // the prefill form (o only) and the state-only form
+        vl_out_ f = vl_out_nan_(ctx, nv, nsf, 1);
+        TEST_EQ_INT(mtrl_kda_chunk_fwd_varlen(ctx, n, offs, H, K, V, d_q, d_k, d_v, d_g, d_b, f.o, NULL, NULL), 0);
+        TEST_EQ_INT(mtrl_kda_chunk_fwd_varlen(ctx, n, offs, H, K, V, d_q, d_k, d_v, d_g, d_b, NULL, f.Sf, NULL), 0);
+        mtrl_cuda_sync(ctx);
+        VL_SAME("prefill form: o", f.o, vl.o, nv);
+        VL_SAME("state-only form: S_final", f.Sf, vl.Sf, nsf);
+        vl_out_free_(&f);
+        // plain bf16 records: per piece and varlen still agree bit for bit
+        mtrl_cuda_ctx_opts(ctx)->kda_plain_bf16 = 1;
+        vl_out_ bp = vl_out_nan_(ctx, nv, nsf, nst), bv = vl_out_nan_(ctx, nv, nsf, nst);
+        vl_per_piece_(ctx, n, offs, H, K, V, d_q, d_k, d_v, d_g, d_b, &bp);
+        TEST_EQ_INT(mtrl_kda_chunk_fwd_varlen(ctx, n, offs, H, K, V, d_q, d_k, d_v, d_g, d_b, bv.o, bv.Sf, bv.St), 0);
+        mtrl_cuda_sync(ctx);
+        mtrl_cuda_ctx_opts(ctx)->kda_plain_bf16 = 0;
+        VL_SAME("bf16 records: o == per piece", bv.o, bp.o, nv);
+        VL_SAME("bf16 records: S_tiles == per piece", bv.St, bp.St, nst);
+        vl_out_free_(&bp);
+        vl_out_free_(&bv);
+    }
+
+    // the backward over the varlen forward's tile states
+    double *dout = tu_alloc(nv);
+    tu_fill_normal(dout, nv, 1.0);
+    double *dq = tu_alloc(nqk), *dk = tu_alloc(nqk), *dv = tu_alloc(nv), *dg = tu_alloc(nqk), *db = tu_alloc(nb);
+    mtrl_ref_kda_chunk_bwd_varlen(n, offs, H, K, V, q, k, v, g, beta, St, dout, dq, dk, dv, dg, db);
+    float *d_dout = tu_dev_f32(dout, nv), *d_dq = tu_dev_nan(ctx, nqk), *d_dk = tu_dev_nan(ctx, nqk),
+          *d_dv = tu_dev_nan(ctx, nv), *d_dg = tu_dev_nan(ctx, nqk), *d_db = tu_dev_nan(ctx, nb);
+    TEST_EQ_INT(mtrl_kda_chunk_bwd_varlen(ctx, n, offs, H, K, V, d_q, d_k, d_v, d_g, d_b, vl.St, d_dout, d_dq, d_dk,
+                                          d_dv, d_dg, d_db),
+                0);
+    mtrl_cuda_sync(ctx);
+    const struct {
+        const char *what;
+        const float *d;
+        const double *ref;
+        size_t n;
+    } grads[5] = {{"bwd dq", d_dq, dq, nqk}, {"bwd dk", d_dk, dk, nqk}, {"bwd dv", d_dv, dv, nv},
+                  {"bwd dg", d_dg, dg, nqk}, {"bwd dbeta", d_db, db, nb}};
+    for (int i = 0; i < 5; i++) {
+        tu_get_f32(got, grads[i].d, grads[i].n);
+        TU_CHECK_REL(grads[i].what, got, grads[i].ref, grads[i].n, K == 128 ? 1e-3 : 1e-4);
+    }
+
+    float *dev[] = {d_q, d_k, d_v, d_g, d_b, d_dout, d_dq, d_dk, d_dv, d_dg, d_db};
+    for (size_t i = 0; i < sizeof dev / sizeof dev[0]; i++) mtrl_cuda_free(dev[i]);
+    vl_out_free_(&pp);
+    vl_out_free_(&vl);
+    double *host[] = {q, k, v, g, beta, o, Sf, St, got, dout, dq, dk, dv, dg, db};
+    for (size_t i = 0; i < sizeof host / sizeof host[0]; i++) free(host[i]);
+    free(offs);
+}
+
+// The short conv of the KDA layer over the pack (C = H K channels, the model's W = 4).
+static void test_conv_varlen(mtrl_cuda_ctx *ctx, const char *name, int n, const int *len, int C) {
+    const int W = 4;
+    int *offs = (int *)malloc(sizeof(int) * ((size_t)n + 1));
+    offs[0] = 0;
+    for (int i = 0; i < n; i++) offs[i + 1] = offs[i] + len[i];
+    size_t nx = (size_t)offs[n] * C;
+    printf("conv varlen %s: %d pieces, T=%d, C=%d, W=%d\n", name, n, offs[n], C, W);
+    double *x = tu_alloc(nx), *w = tu_alloc((size_t)C * W), *y = tu_alloc(nx), *got = tu_alloc(nx);
+    tu_fill_normal(x, nx, 1.0);
+    tu_fill_normal(w, (size_t)C * W, 0.5);
+    mtrl_ref_shortconv_fwd_varlen(n, offs, C, W, x, w, y);
+    float *d_x = tu_dev_f32(x, nx), *d_w = tu_dev_f32(w, (size_t)C * W), *d_pp = tu_dev_nan(ctx, nx),
+          *d_vl = tu_dev_nan(ctx, nx);
+    for (int i = 0; i < n; i++) {
+        size_t o = (size_t)offs[i] * C;
+        TEST_EQ_INT(mtrl_shortconv_fwd(ctx, len[i], C, W, d_x + o, d_w, NULL, d_pp + o, NULL), 0);
+    }
+    TEST_EQ_INT(mtrl_shortconv_fwd_varlen(ctx, n, offs, C, W, d_x, d_w, d_vl), 0);
+    mtrl_cuda_sync(ctx);
+    VL_SAME("conv y == per piece", d_vl, d_pp, nx);
+    tu_get_f32(got, d_vl, nx);
+    TU_CHECK_REL("conv y vs fp64", got, y, nx, 1e-5);
+    mtrl_cuda_free(d_x);
+    mtrl_cuda_free(d_w);
+    mtrl_cuda_free(d_pp);
+    mtrl_cuda_free(d_vl);
+    free(x); free(w); free(y); free(got); free(offs);
+}
+
+// n random lengths in [1, max], one of them (the 8th) empty.
+static void vl_mix_(int n, int max, int *len) {
+    for (int i = 0; i < n; i++) len[i] = 1 + (int)(tu_unif() * max) % max;
+    if (n > 7) len[7] = 0;
+}
+
+int main(void) {
+    if (mtrl_cuda_device_count() <= 0) test_skip("no CUDA device");
+    mtrl_cuda_ctx *ctx = mtrl_cuda_ctx_create(0, NULL);
+    tu_seed(21);
+    static const int edge[6] = {1, 15, 16, 17, 64, 333}, one[1] = {1}, long1[1] = {333};
+    int mix[100];
+    for (int hi = 0; hi < 2; hi++) {
+        int H = hi ? 16 : 2;
+        test_varlen(ctx, "1 15 16 17 64 333", 6, edge, H, 128);
+        test_varlen(ctx, "one piece of 1", 1, one, H, 128);
+        test_varlen(ctx, "one piece of 333", 1, long1, H, 128);
+        vl_mix_(100, H == 2 ? 200 : 48, mix);
+        test_varlen(ctx, "mix of 100", 100, mix, H, 128);
+        test_conv_varlen(ctx, "mix of 100", 100, mix, H * 128);
+        test_conv_varlen(ctx, "1 15 16 17 64 333", 6, edge, H * 128);
+    }
+    test_varlen(ctx, "1 15 16 17 64 333 (K = 32: per piece)", 6, edge, 2, 32);
+    // arguments the op refuses
+    int bad[3] = {0, 20, 10};
+    float *d = tu_dev_nan(ctx, 20 * 2 * 128);
+    printf("refused: offsets going backwards\n");
+    TEST_EQ_INT(mtrl_kda_chunk_fwd_varlen(ctx, 2, bad, 2, 128, 128, d, d, d, d, d, d, NULL, NULL), -1);
+    TEST_EQ_INT(mtrl_kda_chunk_fwd_varlen(ctx, 2, NULL, 2, 128, 128, d, d, d, d, d, d, NULL, NULL), -1);
+    TEST_EQ_INT(mtrl_shortconv_fwd_varlen(ctx, 2, bad, 256, 4, d, d, d), -1);
+    mtrl_cuda_free(d);
+    mtrl_cuda_ctx_destroy(ctx);
+    return test_report();
+}
