@@ -88,6 +88,7 @@ void mtrl_rollout_params_from_config(mtrl_rollout_params *p, const mtrl_config *
     p->top_p = cfg->actor.top_p;
     p->record_routing = cfg->actor.routing_replay;
     p->device_budget = (size_t)cfg->actor.device_budget_mb << 20;
+    p->prefill_rounds = (int)cfg->actor.prefill_rounds;
     p->host_budget = (size_t)cfg->actor.host_budget_mb << 20;
 }
 
@@ -505,7 +506,7 @@ static int advance_(const mtrl_rollout_params *p, mtrl_model *m, slot *s, uint32
 
 // ---- the batched engine --------------------------------------------------------------------------------
 
-static void flush_(mtrl_rollout *r, const mtrl_rollout_events *ev);
+static void flush_(mtrl_rollout *r, const mtrl_rollout_events *ev, int rounds, int prompts);
 
 // ---- the memory account's part (episode_mem.h; only with a device budget) ----
 
@@ -595,8 +596,8 @@ static void start_groups_(mtrl_rollout *r, const mtrl_rollout_events *ev) {
             if (!live) ended_(r, i, ev);
         }
     }
-    // The prompts of every group started here in one prefill, then the groups' copies.
-    flush_(r, ev);
+    // The prompts of every group started here in one prefill, whole, then the groups' copies.
+    flush_(r, ev, 0, 1);
     for (int i = 0; i < r->n; i++) {
         slot *s = &r->slots[i];
         if (!s->copy_of) continue;
@@ -627,7 +628,8 @@ static void start_groups_(mtrl_rollout *r, const mtrl_rollout_events *ev) {
 // tokens, and one each would cost a pass over every layer apiece. A long feed (a 1M-token
 // document) goes in rounds of one prefill segment per sequence, at most one segment's worth of
 // tokens a round, with ev->tick between rounds: the caller's heartbeats keep going through
-// minutes of prefill. The pieces start at multiples of MTRL_PREFILL_SEGMENT of each feed, where
+// minutes of prefill. After [actor] prefill_rounds rounds the step's flush stops and the rest
+// waits for the next step, whose decode the other episodes take part in. The pieces start at multiples of MTRL_PREFILL_SEGMENT of each feed, where
 // one whole prefill would cut its segments, so the rounds change no result.
 // The pictures of a batched prefill of k feeds: one patch table for the call, each slot's rows
 // at its own offset, its feed's patch tokens moved by that offset in a copy (the trajectory
@@ -661,16 +663,18 @@ static int flush_patches_(mtrl_rollout *r, int k) {
     return any;
 }
 
-static void flush_(mtrl_rollout *r, const mtrl_rollout_events *ev) {
+// rounds: at most this many (0: until every feed taken is fed). prompts: only the feeds of
+// prompts (the groups just started, whose other episodes copy the state once it is whole).
+static void flush_(mtrl_rollout *r, const mtrl_rollout_events *ev, int rounds, int prompts) {
     int V = r->m->dims.V;
-    for (;;) {
+    for (int round = 0; !rounds || round < rounds; round++) {
         int k = 0, total = 0, more = 0;
         // With the account: every episode waiting for its feed may be parked for another's room.
         for (int i = 0; r->mem.slot && i < r->n; i++)
             r->idle[i] = r->slots[i].active && r->slots[i].pend_at < r->slots[i].pend_n;
         for (int i = 0; i < r->n; i++) {
             slot *s = &r->slots[i];
-            if (!s->active || s->pend_at >= s->pend_n) continue;
+            if (!s->active || s->pend_at >= s->pend_n || (prompts && s->pend_kind != MTRL_TOK_PROMPT)) continue;
             int len = s->pend_n - s->pend_at;
             if (len > MTRL_PREFILL_SEGMENT) len = MTRL_PREFILL_SEGMENT;
             if (k > 0 && total + len > MTRL_PREFILL_SEGMENT) {
@@ -721,7 +725,7 @@ int mtrl_rollout_step(mtrl_rollout *r, const mtrl_rollout_events *ev) {
     int nd = 0;
     for (int i = 0; i < r->n; i++) {
         slot *s = &r->slots[i];
-        if (!s->active || s->pend_n > 0) continue; // pend_n > 0: parked, waiting for its feed
+        if (!s->active || s->pend_n > 0) continue; // pend_n > 0: its feed is not (all) in the state yet
         if (advance_(&r->p, r->m, s, r->ptok, 1)) {
             if (r->mem.slot) {
                 memset(r->idle, 0, (size_t)r->n);
@@ -753,7 +757,7 @@ int mtrl_rollout_step(mtrl_rollout *r, const mtrl_rollout_events *ev) {
             if (rout) memcpy(s->traj.routing + (s->traj.n_tokens - 1) * rw, rout + (size_t)j * rw, rw);
         }
     }
-    flush_(r, ev);
+    flush_(r, ev, r->p.prefill_rounds, 0);
     int live = 0;
     for (int i = 0; i < r->n; i++) live += r->slots[i].active;
     return live;
@@ -820,8 +824,8 @@ mtrl_status mtrl_rollout_snapshot(mtrl_rollout *r, int i, mtrl_wbuf *out, mtrl_e
         return mtrl_error_set(err, MTRL_ERR_STATE, "snapshot: slot %d has no episode in flight", i);
     slot *s = &r->slots[i];
     const mtrl_model_dims *d = &r->m->dims;
-    if (s->pend_n > 0) // parked with its feed pending (a device budget): its tokens are ahead of its state
-        return mtrl_error_set(err, MTRL_ERR_STATE, "snapshot: slot %d waits for room to prefill its feed", i);
+    if (s->pend_n > 0) // a feed pending (parked, or between a long one's rounds): tokens ahead of the state
+        return mtrl_error_set(err, MTRL_ERR_STATE, "snapshot: slot %d has a feed not yet prefilled", i);
     size_t start = out->len;
     mtrl_wbuf_bytes(out, SNAP_MAGIC, 8);
     mtrl_wbuf_u32(out, SNAP_VERSION);

@@ -61,6 +61,12 @@ typedef struct mtrl_rollout_params {
     const struct mtrl_chat *chat;
     size_t device_budget;    // [actor] device_budget_mb in bytes: decode states through the episode
     size_t host_budget;      // memory account (actor/episode_mem.h); 0 = off. [actor] host_budget_mb
+    // [actor] prefill_rounds: prefill rounds per step (one MTRL_PREFILL_SEGMENT of all pending
+    // feeds each). An episode whose feed is still pending skips the decode until it is fed; the
+    // others decode every step, so a long tool result does not stall the batch. 0: all pending
+    // feeds before the next decode. The rounds cut feeds where one whole prefill would cut its
+    // segments, so the tokens do not depend on it.
+    int prefill_rounds;
 } mtrl_rollout_params;
 
 void mtrl_rollout_params_from_config(mtrl_rollout_params *p, const mtrl_config *cfg, uint32_t actor_id,

@@ -101,6 +101,7 @@
     X(actor, learner_patience_s, INT, "3600", 0, 1 << 30, NULL, "an actor whose learner was silent this long exits with status 4 (0 = never; keep it above the longest learner step)") \
     X(actor, snapshot_dir, STR, "", 0, 0, NULL, "folder for snapshots of long episodes in flight; a restarted actor resumes them (empty = off)") \
     X(actor, snapshot_tokens, INT, "65536", 16, 1 << 30, NULL, "snapshot an episode in flight each time it grows by this many tokens") \
+    X(actor, prefill_rounds, INT, "1", 0, 1 << 20, NULL, "rounds of prefill (one segment of 8192 tokens of all pending tool results and prompts) per generation step, between decode steps; a longer feed goes on at the next step while the other episodes decode (0 = every pending feed before the next decode)") \
     X(actor, device_budget_mb, INT, "0", 0, 1 << 30, NULL, "MiB of device memory for the decode states of episodes in flight (KDA states, conv windows, MLA latents); a new episode waits rather than exceed it, idle ones move to host memory (0 = off: every slot's state allocated at start)") \
     X(actor, host_budget_mb, INT, "0", 0, 1 << 30, NULL, "MiB of host memory for decode states moved off the device (0 = none moved: an episode that cannot stay ends truncated)")
 
@@ -127,7 +128,7 @@
     X(learner, credit_bytes, INT, "4194304", 4096, 1LL << 40, NULL, "bytes an actor may have in flight") \
     X(learner, segment, STR, "auto", 0, 0, NULL, "tokens per segment of the learner's forward and backward, and of replay's scoring: auto (the memory planner's choice for each batch from the device's free memory) or a count N") \
     X(learner, threads, INT, "0", 0, 1024, NULL, "OpenMP threads of the learner and of each local actor (0 = the cores shared evenly)") \
-    X(learner, gpus, STR, "", 0, 0, NULL, "CUDA devices of the learner's ranks, e.g. 0,1,2,3: one data-parallel rank each (docs/multi-gpu.md; mtrl plan prints the per-rank plan, the training path of several is not built yet); one id picks the learner's GPU; empty = one rank on GPU 0")
+    X(learner, gpus, STR, "", 0, 0, NULL, "CUDA devices of the learner's ranks, e.g. 0,1,2,3: one data-parallel rank each (docs/multi-gpu.md; mtrl plan prints the per-rank plan, the training path of several is not built yet); one id must be [model] device's GPU; empty = [model] device")
 
 #define MTRL_CFG_ALGO(X)                                                                            \
     X(algo, advantage, ENUM, "grpo", 0, 0, "grpo|dr_grpo|rloo", "group-relative advantage estimator") \

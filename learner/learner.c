@@ -1206,8 +1206,13 @@ mtrl_status mtrl_learner_open(mtrl_learner **out, const mtrl_config *cfg, const 
                             "%s: [learner] gpus = %s: a learner on several GPUs is not built yet (docs/multi-gpu.md); "
                             "`mtrl plan` prints its per-rank plan; list one GPU to train",
                             cfg->path, cfg->learner.gpus);
-    else if (n_gpus == 1 && device == MTRL_DEVICE_CUDA)
-        gpu = gpus[0];
+    else if (n_gpus == 1 && (device != MTRL_DEVICE_CUDA || gpus[0] != gpu))
+        // the actors follow [model] device: a learner elsewhere would publish across devices
+        st = mtrl_error_set(err, MTRL_ERR_USAGE,
+                            "%s: [learner] gpus = %s, but [model] device = %s puts the learner and its actors on %s; "
+                            "set device = cuda:%d to move both",
+                            cfg->path, cfg->learner.gpus, cfg->model.device,
+                            device == MTRL_DEVICE_CUDA ? "another GPU" : "the CPU", gpus[0]);
     if (st == MTRL_OK) st = mtrl_model_init_on(&l->model, &d, (uint64_t)cfg->run.seed, device, gpu, err);
     if (st == MTRL_OK) mtrl_qb_set_mode(&l->model, cfg->learner.qb ? MTRL_QB_TRAIN : MTRL_QB_FROZEN);
     // A run that starts from a Hugging Face checkpoint takes its weights and correction biases
