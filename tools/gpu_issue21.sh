@@ -5,7 +5,8 @@
 #   tools/gpu_issue21.sh moe      torch._grouped_mm anchors and `mtrl bench ops --only moe` side by side
 #   tools/gpu_issue21.sh bench    R1 (bench learner), R2 (bench decode)
 #   tools/gpu_issue21.sh publish  R4 (mtrl bench publish --device cuda --preset small: ZeroMQ vs the channel)
-#   tools/gpu_issue21.sh rl       R3 (bench rl experiments/quickstart-gpu.ini, RL_SECONDS, default 90)
+#   tools/gpu_issue21.sh rl       R3 (bench rl experiments/quickstart-gpu.ini, RL_SECONDS, default 90;
+#                                 RL_MPS=1 under CUDA MPS)
 # Several verbs run in the order given.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -38,8 +39,16 @@ for verb in "$@"; do
     timeout 150 $b bench decode --device cuda --preset small --batches 1,64,128,256 --ctx 1024:32768 --steps 8 --profile > "$out/decode.txt" 2>&1
     ;;
   rl)
+    # RL_MPS=1: the learner and actor processes share the GPU through CUDA MPS (kernels side by
+    # side instead of alternating time slices), the daemon stopped afterwards
+    if [ "${RL_MPS:-0}" = 1 ] && command -v nvidia-cuda-mps-control >/dev/null; then
+      export CUDA_MPS_PIPE_DIRECTORY=/tmp/mps-pipe CUDA_MPS_LOG_DIRECTORY=/tmp/mps-log
+      mkdir -p "$CUDA_MPS_PIPE_DIRECTORY" "$CUDA_MPS_LOG_DIRECTORY"
+      nvidia-cuda-mps-control -d && echo "CUDA MPS daemon started" >> "$out/gpu.txt"
+    fi
     d=$(mktemp -d); (cd "$d" && timeout $(( ${RL_SECONDS:-90} + ${RL_SLACK:-200} )) "$OLDPWD/$b" bench rl "$OLDPWD/experiments/quickstart-gpu.ini" \
       --seconds "${RL_SECONDS:-90}" --db "$d/runs.db" ${RL_SETS:-}) > "$out/rl.txt" 2>&1
+    [ "${RL_MPS:-0}" = 1 ] && echo quit | nvidia-cuda-mps-control 2>/dev/null
     ;;
   esac
 done
