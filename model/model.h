@@ -330,6 +330,10 @@ size_t mtrl_model_param_count(const mtrl_model *m);
 // allocated: what mtrl_model_init builds, for code that plans over it without a model (the
 // ZeRO shard layout of `mtrl plan`, learner/dist_plan.h). Free with mtrl_tt_free.
 void mtrl_model_param_table(mtrl_tt *t, const mtrl_model_dims *d);
+// 1 for a MoE layer's routed-expert tensor ('L<i>.moe.w1', w3: [E][I][d]; w2: [E][d][I]): expert
+// e's part is the e-th of E equal contiguous ranges; 0 for every other tensor (shared experts
+// 'moe.shared_w*' and the router included).
+int mtrl_model_param_is_routed_expert(const char *name);
 // Matrix parameters one token multiplies by (the MFU convention: embeddings and vectors left
 // out, each MoE layer's routed experts counted k/E of their size, shared experts in full).
 double mtrl_model_active_matmul_params(const mtrl_model *m);

@@ -501,7 +501,7 @@ size_t mtrl_model_param_count(const mtrl_model *m) {
 
 // Routed experts are the layers' 'moe.w1/w3/w2' tensors (build_table_ names them); the
 // shared experts are 'moe.shared_w*' and count in full.
-static int is_routed_expert_(const char *name) {
+int mtrl_model_param_is_routed_expert(const char *name) {
     const char *s = strstr(name, ".moe.w");
     return s && (s[6] == '1' || s[6] == '2' || s[6] == '3') && s[7] == 0;
 }
@@ -513,7 +513,7 @@ double mtrl_model_active_matmul_params(const mtrl_model *m) {
         const mtrl_tensor *t = &m->params.items[i];
         if (!strcmp(t->name, "embed") || t->ndim < 2) continue;
         double n = (double)t->numel;
-        if (is_routed_expert_(t->name)) n *= (double)d->k / d->E;
+        if (mtrl_model_param_is_routed_expert(t->name)) n *= (double)d->k / d->E;
         active += n;
     }
     return active;

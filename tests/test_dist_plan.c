@@ -2,7 +2,8 @@
 // The partition of a learner step over ranks (learner/dist_plan.h) and sharded checkpoints
 // (learner/dist_ckpt.h): the token split (every episode once, the stated bound, the packer's
 // units), the expert blocks and a simulated all-to-all there and back, the ZeRO shard layout
-// covering the block once, re-sharding R -> R' bit for bit, and [learner] gpus.
+// covering the block once, re-sharding R -> R' bit for bit, [learner] gpus, and the
+// expert-parallel ownership (learner/dist_ep.h).
 #include <stdlib.h>
 #include <string.h>
 #include <unistd.h>
@@ -11,6 +12,7 @@
 #include "common/config.h"
 #include "common/rng.h"
 #include "learner/dist_ckpt.h"
+#include "learner/dist_ep.h"
 #include "learner/dist_plan.h"
 #include "learner/learner.h"
 #include "model/model.h"
@@ -305,6 +307,120 @@ static void test_shards(void) {
 }
 
 // Fills a block's tensors with values from `stream` and zeroes the padding between them.
+// Every element of t owned by exactly one rank; rank r's expert pieces exactly its experts' rows
+// of every MoE layer's w1/w3/w2; the non-expert pieces those of mtrl_dist_shards_make on a table
+// of the non-expert tensors alone; held = every non-expert tensor whole plus r's own experts.
+static void check_ep_(const mtrl_tt *t, int E, int ranks) {
+    mtrl_error err;
+    mtrl_dist_experts x;
+    TEST_CHECK(mtrl_dist_experts_make(&x, E, ranks, &err) == MTRL_OK);
+    mtrl_dist_ep_layout l;
+    TEST_CHECKF(mtrl_dist_ep_layout_make(&l, t, &x, MTRL_DIST_SHARD_ALIGN, &err) == MTRL_OK, "%s", err.msg);
+    // The reference for the non-expert part, built independently.
+    mtrl_tt d;
+    mtrl_tt_init(&d);
+    size_t expert_total = 0, dense = 0;
+    int n_exp = 0;
+    for (int i = 0; i < t->n; i++) {
+        const mtrl_tensor *a = &t->items[i];
+        if (strstr(a->name, ".moe.w1") || strstr(a->name, ".moe.w2") || strstr(a->name, ".moe.w3")) {
+            TEST_CHECK(strstr(a->name, "shared") == NULL && a->shape[0] == E);
+            expert_total += a->nbytes;
+            n_exp++;
+        } else {
+            mtrl_tt_add(&d, a->name, a->dtype, a->ndim, a->shape);
+            dense += a->nbytes;
+        }
+    }
+    mtrl_tt_layout(&d);
+    mtrl_dist_shards ref;
+    TEST_CHECK(mtrl_dist_shards_make(&ref, &d, ranks, MTRL_DIST_SHARD_ALIGN, &err) == MTRL_OK);
+    TEST_EQ_INT(l.expert_total, expert_total);
+    TEST_EQ_INT(l.dense_bytes, dense);
+    TEST_CHECK(E == 0 || n_exp > 0);
+    int ok = 1;
+    size_t owned = 0;
+    unsigned char **hit = calloc((size_t)t->n, sizeof *hit);
+    for (int i = 0; i < t->n; i++) hit[i] = calloc(t->items[i].numel + 1, 1);
+    for (int r = 0; r < ranks; r++) {
+        const mtrl_dist_ep_rank *h = &l.rank[r];
+        int e0 = x.first[r], e1 = x.first[r + 1];
+        // Expert pieces: one per expert tensor, in table order, the rows of experts e0..e1-1.
+        ok &= h->n_expert_piece == (e1 > e0 ? n_exp : 0);
+        int k = 0;
+        size_t eb = 0;
+        for (int i = 0; i < t->n && e1 > e0; i++) {
+            const mtrl_tensor *a = &t->items[i];
+            if (!strstr(a->name, ".moe.w") || strstr(a->name, "shared")) continue;
+            const mtrl_dist_piece *p = &l.piece[h->first_piece + k++];
+            size_t row = a->numel / (size_t)a->shape[0], es = mtrl_dtype_size(a->dtype);
+            ok &= p->tensor == i && p->begin == row * (size_t)e0 && p->end == row * (size_t)e1;
+            // In bytes of the block: expert e0's first byte and e1-1's last.
+            ok &= a->offset + p->begin * es == a->offset + (size_t)e0 * (a->nbytes / (size_t)E);
+            eb += (p->end - p->begin) * es;
+        }
+        ok &= h->expert_bytes == eb;
+        // Non-expert pieces: the reference shard's, tensor indices mapped back by name.
+        const mtrl_dist_shard *s = &ref.rank[r];
+        ok &= h->n_piece - h->n_expert_piece == s->n_piece && h->shard_bytes == s->used;
+        for (int j = 0; j < s->n_piece && j < h->n_piece - h->n_expert_piece; j++) {
+            const mtrl_dist_piece *p = &l.piece[h->first_piece + h->n_expert_piece + j], *q = &ref.piece[s->first_piece + j];
+            ok &= !strcmp(t->items[p->tensor].name, d.items[q->tensor].name) && p->begin == q->begin && p->end == q->end;
+        }
+        for (int j = 0; j < h->n_piece; j++) {
+            const mtrl_dist_piece *p = &l.piece[h->first_piece + j];
+            ok &= p->begin < p->end && p->end <= t->items[p->tensor].numel;
+            for (size_t e = p->begin; e < p->end; e++) hit[p->tensor][e]++;
+            owned += (p->end - p->begin) * mtrl_dtype_size(t->items[p->tensor].dtype);
+        }
+        // Held: the whole of every non-expert tensor and r's expert pieces, nothing else.
+        size_t held = 0;
+        for (int j = 0; j < h->n_held; j++) {
+            const mtrl_dist_piece *p = &l.held[h->first_held + j];
+            const mtrl_tensor *a = &t->items[p->tensor];
+            int is_exp = strstr(a->name, ".moe.w") && !strstr(a->name, "shared");
+            ok &= is_exp ? (p->begin == a->numel / (size_t)E * (size_t)e0 && p->end == a->numel / (size_t)E * (size_t)e1)
+                         : (p->begin == 0 && p->end == a->numel);
+            held += (p->end - p->begin) * mtrl_dtype_size(a->dtype);
+        }
+        ok &= h->n_held == t->n - n_exp + h->n_expert_piece && held == h->held_bytes && held == dense + eb;
+    }
+    for (int i = 0; i < t->n; i++) {
+        for (size_t e = 0; e < t->items[i].numel; e++) ok &= hit[i][e] == 1;
+        free(hit[i]);
+    }
+    free(hit);
+    ok &= owned == expert_total + dense;
+    TEST_CHECKF(ok, "E %d ranks %d: the expert-parallel layout is wrong", E, ranks);
+    if (ranks == 1) // one rank owns everything: every tensor whole
+        for (int j = 0; j < l.n_piece; j++) ok &= l.piece[j].begin == 0 && l.piece[j].end == t->items[l.piece[j].tensor].numel;
+    TEST_CHECKF(ok && (ranks > 1 || l.n_piece == t->n), "E %d: one rank does not own every tensor whole", E);
+    mtrl_dist_shards_free(&ref);
+    mtrl_tt_free(&d);
+    mtrl_dist_ep_layout_free(&l);
+}
+
+static void test_ep_layout(void) {
+    mtrl_error err;
+    mtrl_model_dims d = test_model_dims("preset = tiny", 264);
+    mtrl_tt t;
+    mtrl_model_param_table(&t, &d);
+    TEST_CHECK(d.E > 1);
+    for (int ranks = 1; ranks <= d.E && ranks <= 8; ranks++) check_ep_(&t, d.E, ranks); // E % ranks != 0 among them
+    // An assignment of another E than the table's is refused, naming the tensor.
+    mtrl_dist_experts x;
+    TEST_CHECK(mtrl_dist_experts_make(&x, d.E * 2, 2, &err) == MTRL_OK);
+    mtrl_dist_ep_layout l;
+    TEST_CHECK(mtrl_dist_ep_layout_make(&l, &t, &x, MTRL_DIST_SHARD_ALIGN, &err) == MTRL_ERR_USAGE &&
+               strstr(err.msg, ".moe.w1"));
+    mtrl_tt_free(&t);
+    mtrl_model_dims s = test_model_dims("preset = small", 264);
+    TEST_EQ_INT(s.E, 64);
+    mtrl_model_param_table(&t, &s);
+    for (int ranks = 2; ranks <= 8; ranks *= 2) check_ep_(&t, s.E, ranks);
+    mtrl_tt_free(&t);
+}
+
 static void fill_block_(const mtrl_tt *t, void *block, uint64_t stream) {
     memset(block, 0, t->total);
     uint64_t ctr = 0;
@@ -495,7 +611,8 @@ static void test_plan_command(void) {
     out[n] = 0;
     int rc = pclose(p);
     TEST_CHECKF(rc == 0 && strstr(out, "per-rank plan (2 ranks)") && strstr(out, "imbalance 0.0%") &&
-                    strstr(out, "0..3") && strstr(out, "4..7") && strstr(out, "memory plan of rank 0 (16 of the 32"),
+                    strstr(out, "0..3") && strstr(out, "4..7") &&
+                    strstr(out, "expert-parallel ownership") && strstr(out, "held for the forward") && strstr(out, "memory plan of rank 0 (16 of the 32"),
                 "mtrl plan (rc %d):\n%s", rc, out);
 }
 
@@ -503,6 +620,7 @@ int main(void) {
     test_split();
     test_experts();
     test_shards();
+    test_ep_layout();
     test_checkpoint();
     test_config_gpus();
     test_learner_refuses();

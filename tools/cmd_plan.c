@@ -15,6 +15,7 @@
 
 #include "common/check.h"
 #include "common/config.h"
+#include "learner/dist_ep.h"
 #include "learner/dist_plan.h"
 #include "model/model_plan.h"
 #include "common/tokenizer.h"
@@ -57,6 +58,15 @@ static int plan_ranks_(const mtrl_model_dims *d, int dev, long tokens, int batch
     mtrl_dist_shards sh;
     MTRL_CHECK(mtrl_dist_shards_make(&sh, &t, ranks, MTRL_DIST_SHARD_ALIGN, &err) == MTRL_OK);
     mtrl_dist_plan_print(&split, have_x ? &x : NULL, &sh, gpus, stdout);
+    if (have_x && x.E > 0) {
+        mtrl_dist_ep_layout ep;
+        if (mtrl_dist_ep_layout_make(&ep, &t, &x, MTRL_DIST_SHARD_ALIGN, &err) == MTRL_OK) {
+            mtrl_dist_ep_print(&ep, stdout);
+            mtrl_dist_ep_layout_free(&ep);
+        } else {
+            printf("expert-parallel ownership: %s\n", err.msg);
+        }
+    }
     if (share > 0) {
         printf("memory plan of rank %d (%d of the %d episodes):\n", busiest, share, batch);
         mtrl_model_plan_print(&p, stdout);
