@@ -131,22 +131,7 @@ __global__ void __launch_bounds__(32 * WPB, 1)
     float st[NB][4];  // Sᵀ in the accumulator layout (KDA3_STATE_LOAD_)
     KDA3_STATE_LOAD_(st, S0, h, j0, gq, tq);
 
-#pragma unroll 1
-    for (int n = n_lo; n < n_hi; n++) {
-        cp_async_wait<NST3 - 2>();  // tile n's group has landed (this thread's copies)
-        __syncthreads();            // everyone's copies visible; everyone is done with tile n - 1
-        if (n + NST3 - 1 < n_hi) issue(n + NST3 - 1);  // into tile n - 1's stage
-        cp_async_commit();
-        const unsigned char *sb = sm3_ + (n % NST3) * Cf::STAGE;
-        const uint16_t *sW = reinterpret_cast<const uint16_t *>(sb + Cf::SW),
-                       *sQ = reinterpret_cast<const uint16_t *>(sb + Cf::SQ),
-                       *sE = reinterpret_cast<const uint16_t *>(sb + Cf::SE),
-                       *sP = reinterpret_cast<const uint16_t *>(sb + Cf::SP),
-                       *sU = reinterpret_cast<const uint16_t *>(sb + Cf::SU);
-        const float *sEG = reinterpret_cast<const float *>(sb + Cf::SEG);
-        KDA3_STATE_TILE_();
-    }
-    cp_async_wait<0>();
+    KDA3_STATE_TILES_(NST3, n_lo, n_hi);
     if (S_final) KDA3_STATE_STORE_(S_final, st, h, j0, gq, tq);
 }
 

@@ -171,11 +171,11 @@ struct StCfg : StKside<X> {
     static_assert(NST3 * STAGE <= 232448, "the sm_90 opt-in shared memory per block");
 };
 
-// One tile of the forward state pass for one warp, shared by kda3_state_k and the chunk-parallel
-// forward's kda_cp_state_k (their arithmetic is the same by construction): the stage's pointers sW, sQ,
-// sE, sP, sU, sEG, Sᵀ in st (updated to the tile's outgoing state); S_tiles gets the incoming state
-// of tile n, o (WO) the tile's output rows; MID runs between the Δ / Q⁺S products and the rest (empty in
-// both; the cluster form, which left the tree, refilled its stages there). A macro, not an inline function: as a function the same arithmetic
+// One tile of the forward state pass for one warp, shared by kda3_state_k, the chunk-parallel
+// forward's kda_cp_state_k and the varlen forward's state pass (their arithmetic is the same by
+// construction): the stage's pointers sW, sQ, sE, sP, sU, sEG, Sᵀ in st (updated to the tile's
+// outgoing state); S_tiles gets the incoming state of tile n, o (WO) the tile's output rows. A
+// macro, not an inline function: as a function the same arithmetic
 // compiled to other machine code (tools/cubin_compare.py; docs/kernel-lab.md), and these kernels'
 // times were measured as they are. Its steps (the algebra: the header comment at the top):
 //   * S_tiles: the incoming state, fp32, each store filling four 32-byte sectors;
@@ -187,7 +187,7 @@ struct StCfg : StKside<X> {
 //   * Δᵀ as one A fragment (acc_to_a_split); with WO, Oᵀ += Δᵀ Pᵀ and the tile's rows of o
 //     (tokens < T);
 //   * S'ᵀ = Sᵀ diag(e^γ) + Δᵀ K^e (B = K^e k-major, ldmatrix .trans) in the accumulators.
-#define KDA3_STATE_TILE_(MID) \
+#define KDA3_STATE_TILE_() \
         if (S_tiles) {                                                                                \
             float *Sd = S_tiles + ((size_t)n * H + h) * K3 * V3;                                      \
 _Pragma("unroll")                                                                                     \
@@ -233,7 +233,6 @@ _Pragma("unroll")                                                               
                 mma_split<X>(oa[1], a, al, bq + 2, bql + 2);                                          \
             }                                                                                         \
         }                                                                                             \
-        MID                                                                                           \
 _Pragma("unroll")                                                                                     \
         for (int ns = 0; ns < 2; ns++)                                                                \
 _Pragma("unroll")                                                                                     \
@@ -269,6 +268,30 @@ _Pragma("unroll")                                                               
             mma_split<X>(st[2 * pp + 1], da, dal, b + 2, bl + 2);                                     \
         }                                                                                             \
         do {} while (0)
+
+// The state pass's walk over tiles N0 .. N1 - 1 on a ring of NST shared-memory stages, the same in
+// the three state passes: the caller has issued the first NST - 1 tiles' copies (its lambda
+// issue(n) copies tile n into stage n % NST, one cp.async group each, empty groups included) and
+// loaded Sᵀ into st; each tile waits for its group, refills the stage the previous tile used and
+// runs KDA3_STATE_TILE_ on its stage; all copies have landed at the end. A macro for the reason
+// KDA3_STATE_TILE_ is one.
+#define KDA3_STATE_TILES_(NST, N0, N1)                                                                 \
+_Pragma("unroll 1")                                                                                   \
+    for (int n = (N0); n < (N1); n++) {                                                               \
+        cp_async_wait<(NST) - 2>(); /* tile n's group has landed (this thread's copies) */            \
+        __syncthreads();            /* everyone's copies visible; everyone is done with tile n - 1 */ \
+        if (n + (NST) - 1 < (N1)) issue(n + (NST) - 1); /* into tile n - 1's stage */                 \
+        cp_async_commit();                                                                            \
+        const unsigned char *sb = sm3_ + (n % (NST)) * Cf::STAGE;                                     \
+        const uint16_t *sW = reinterpret_cast<const uint16_t *>(sb + Cf::SW),                         \
+                       *sQ = reinterpret_cast<const uint16_t *>(sb + Cf::SQ),                         \
+                       *sE = reinterpret_cast<const uint16_t *>(sb + Cf::SE),                         \
+                       *sP = reinterpret_cast<const uint16_t *>(sb + Cf::SP),                         \
+                       *sU = reinterpret_cast<const uint16_t *>(sb + Cf::SU);                         \
+        const float *sEG = reinterpret_cast<const float *>(sb + Cf::SEG);                             \
+        KDA3_STATE_TILE_();                                                                           \
+    }                                                                                                 \
+    cp_async_wait<0>()
 
 // ---- the forward's per-tile record (pass 1) --------------------------------------------------
 //
@@ -468,10 +491,6 @@ _Pragma("unroll")                                                               
         }                                                                                                   \
     }                                                                                                       \
     do {} while (0)
-
-// Warps per block of the state passes: 4 (1, 2 and 8 measured slower and left the tree,
-// docs/kernel-lab.md). Kept as a function so that callers name the width in one place.
-inline int opt_wpb_(const mtrl_cuda_ctx *) { return 4; }
 
 }  // namespace
 

@@ -112,22 +112,7 @@ __global__ void __launch_bounds__(32 * WPBC, 2)
         KDA3_STATE_LOAD_(st, Sp, h, j0, gq, tq);
     }
 
-#pragma unroll 1
-    for (int n = n_lo; n < n_hi; n++) {
-        cp_async_wait<NSTC - 2>();  // tile n's group has landed (this thread's copies)
-        __syncthreads();            // everyone's copies visible; everyone is done with tile n - 1
-        if (n + NSTC - 1 < n_hi) issue(n + NSTC - 1);  // into tile n - 1's stage
-        cp_async_commit();
-        const unsigned char *sb = sm3_ + (n % NSTC) * Cf::STAGE;
-        const uint16_t *sW = reinterpret_cast<const uint16_t *>(sb + Cf::SW),
-                       *sQ = reinterpret_cast<const uint16_t *>(sb + Cf::SQ),
-                       *sE = reinterpret_cast<const uint16_t *>(sb + Cf::SE),
-                       *sP = reinterpret_cast<const uint16_t *>(sb + Cf::SP),
-                       *sU = reinterpret_cast<const uint16_t *>(sb + Cf::SU);
-        const float *sEG = reinterpret_cast<const float *>(sb + Cf::SEG);
-        KDA3_STATE_TILE_();
-    }
-    cp_async_wait<0>();
+    KDA3_STATE_TILES_(NSTC, n_lo, n_hi);
     float *out = pass1 ? (tr ? Mout : Bout) + (size_t)p * H * KV : p == np - 1 ? S_final : nullptr;
     if (out) KDA3_STATE_STORE_(out, st, h, j0, gq, tq);
 }

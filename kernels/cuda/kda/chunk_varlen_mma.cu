@@ -119,22 +119,7 @@ __global__ void __launch_bounds__(32 * WPB, 1)
     float st[NB][4];  // Sᵀ in the accumulator layout (KDA3_STATE_LOAD_): zero
     KDA3_STATE_LOAD_(st, S0, h, j0, gq, tq);
 
-#pragma unroll 1
-    for (int n = 0; n < nt; n++) {
-        cp_async_wait<NST3 - 2>();  // tile n's group has landed (this thread's copies)
-        __syncthreads();            // everyone's copies visible; everyone is done with tile n - 1
-        if (n + NST3 - 1 < nt) issue(n + NST3 - 1);  // into tile n - 1's stage
-        cp_async_commit();
-        const unsigned char *sb = sm3_ + (n % NST3) * Cf::STAGE;
-        const uint16_t *sW = reinterpret_cast<const uint16_t *>(sb + Cf::SW),
-                       *sQ = reinterpret_cast<const uint16_t *>(sb + Cf::SQ),
-                       *sE = reinterpret_cast<const uint16_t *>(sb + Cf::SE),
-                       *sP = reinterpret_cast<const uint16_t *>(sb + Cf::SP),
-                       *sU = reinterpret_cast<const uint16_t *>(sb + Cf::SU);
-        const float *sEG = reinterpret_cast<const float *>(sb + Cf::SEG);
-        KDA3_STATE_TILE_();
-    }
-    cp_async_wait<0>();
+    KDA3_STATE_TILES_(NST3, 0, nt);
     if (S_final) KDA3_STATE_STORE_(S_final, st, h, j0, gq, tq);
 }
 
@@ -159,16 +144,6 @@ void vl_state_(mtrl_cuda_ctx *c, int n, int NT, int tb0, int H, const int *ofs, 
         kda_vl_state_k<WPB, false, X><<<grid, 32 * WPB, sh, c->stream>>>(NT, tb0, H, ofs, ts, rec, o, S_final, S_tiles);
     }
     CUDA_LAUNCH_CHECK();
-}
-template <bool X>
-void vl_state_wpb_(mtrl_cuda_ctx *c, int n, int NT, int tb0, int H, const int *ofs, const int *ts, const unsigned char *rec,
-                   float *o, float *S_final, float *S_tiles) {
-    switch (opt_wpb_(c)) {
-    case 1: vl_state_<1, X>(c, n, NT, tb0, H, ofs, ts, rec, o, S_final, S_tiles); break;
-    case 2: vl_state_<2, X>(c, n, NT, tb0, H, ofs, ts, rec, o, S_final, S_tiles); break;
-    case 8: vl_state_<8, X>(c, n, NT, tb0, H, ofs, ts, rec, o, S_final, S_tiles); break;
-    default: vl_state_<4, X>(c, n, NT, tb0, H, ofs, ts, rec, o, S_final, S_tiles); break;
-    }
 }
 
 // Checks the offsets (host) and sums the pieces' tiles; -1 with a message when they are not
@@ -248,10 +223,10 @@ extern "C" int mtrl_kda_chunk_fwd_varlen(mtrl_cuda_ctx *c, int n, const int *off
         float *Sf = S_final ? S_final + (size_t)p0 * hkv : nullptr, *St = S_tiles ? S_tiles + (size_t)tb0 * hkv : nullptr;
         if (split) {
             if (nt) vl_prep_<true>(c, np, nt, tb0, H, ofs, ts, q, k, v, g, beta, rec);
-            vl_state_wpb_<true>(c, np, nt, tb0, H, ofs, ts, rec, o, Sf, St);
+            vl_state_<4, true>(c, np, nt, tb0, H, ofs, ts, rec, o, Sf, St);
         } else {
             if (nt) vl_prep_<false>(c, np, nt, tb0, H, ofs, ts, q, k, v, g, beta, rec);
-            vl_state_wpb_<false>(c, np, nt, tb0, H, ofs, ts, rec, o, Sf, St);
+            vl_state_<4, false>(c, np, nt, tb0, H, ofs, ts, rec, o, Sf, St);
         }
     }
     free(tab_h);
