@@ -19,35 +19,13 @@
 
 namespace {
 
-__device__ float block_max_(float x, float *red) {
-    for (int o = 16; o > 0; o >>= 1) x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, o));
-    int w = threadIdx.x >> 5, l = threadIdx.x & 31;
-    __syncthreads();
-    if (l == 0) red[w] = x;
-    __syncthreads();
-    x = red[0];
-    for (int i = 1; i < AF_T / 32; i++) x = fmaxf(x, red[i]);
-    return x;
-}
-
-__device__ float block_sum_(float x, float *red) {
-    for (int o = 16; o > 0; o >>= 1) x += __shfl_xor_sync(0xffffffffu, x, o);
-    int w = threadIdx.x >> 5, l = threadIdx.x & 31;
-    __syncthreads();
-    if (l == 0) red[w] = x;
-    __syncthreads();
-    x = 0.f;
-    for (int i = 0; i < AF_T / 32; i++) x += red[i];
-    return x;
-}
-
 struct F32Args {
     int Tq, Tk, H, G, Dk, Dv, ldk, ldv;
     float scale;
     const float *q, *k, *v;
 };
 
-// smem: q row [Dk], p [AF_T], red [AF_T / 32]
+// smem: q row [Dk], p [AF_T], red [33] (block_max / block_sum, cuda_common.cuh)
 __global__ void attn_f32_fwd_k(F32Args a, float *o, float *lse) {
     extern __shared__ float sm[];
     float *qs = sm, *ps = sm + a.Dk, *red = ps + AF_T;
@@ -67,9 +45,9 @@ __global__ void attn_f32_fwd_k(F32Args a, float *o, float *lse) {
             for (int c = 0; c < a.Dk; c++) d += (double)qs[c] * kt[c];
             s = a.scale * (float)d;
         }
-        float mt = block_max_(s, red), mn = fmaxf(m, mt);
+        float mt = block_max(s, red), mn = fmaxf(m, mt);
         float p = t < nk ? expf(s - mn) : 0.f;
-        float ls = block_sum_(p, red);
+        float ls = block_sum(p, red);
         ps[tid] = p;
         __syncthreads();
         float f = m == -INFINITY ? 0.f : expf(m - mn);
@@ -93,7 +71,7 @@ __global__ void attn_f32_fwd_k(F32Args a, float *o, float *lse) {
     if (tid == 0) lse[(size_t)i * a.H + h] = m + logf(l);
 }
 
-// smem: q row [Dk], dout row [Dv], ds [AF_T], red [AF_T / 32]
+// smem: q row [Dk], dout row [Dv], ds [AF_T], red [33]
 __global__ void attn_f32_bwd_k(F32Args a, const float *o, const float *lse, const float *dout, float *dq,
                                float *dk, float *dv) {
     extern __shared__ float sm[];
@@ -105,7 +83,7 @@ __global__ void attn_f32_bwd_k(F32Args a, const float *o, const float *lse, cons
     __syncthreads();
     float Dp = 0.f; // D = dout · o
     for (int c = tid; c < a.Dv; c += AF_T) Dp += dos[c] * o[row * a.Dv + c];
-    Dp = block_sum_(Dp, red);
+    Dp = block_sum(Dp, red);
     float L = lse[row], dqa[AF_MAXC];
     for (int r = 0; r < AF_MAXC; r++) dqa[r] = 0.f;
     int nk = a.Tk - a.Tq + i + 1;
@@ -159,7 +137,7 @@ extern "C" int mtrl_attn_causal_fwd_f32(mtrl_cuda_ctx *c, int Tq, int Tk, int H,
     F32Args a;
     if (args_(a, Tq, Tk, H, Hk, Dk, Dv, scale, q, k, ldk, v, ldv)) return -1;
     if (Tq == 0) return 0;
-    size_t sh = sizeof(float) * ((size_t)Dk + AF_T + AF_T / 32);
+    size_t sh = sizeof(float) * ((size_t)Dk + AF_T + 33);
     attn_f32_fwd_k<<<dim3(Tq, H), AF_T, sh, c->stream>>>(a, o, lse);
     CUDA_LAUNCH_CHECK();
     return 0;
@@ -172,7 +150,7 @@ extern "C" int mtrl_attn_causal_bwd_f32(mtrl_cuda_ctx *c, int Tq, int Tk, int H,
     F32Args a;
     if (args_(a, Tq, Tk, H, Hk, Dk, Dv, scale, q, k, ldk, v, ldv)) return -1;
     if (Tq == 0) return 0;
-    size_t sh = sizeof(float) * ((size_t)Dk + Dv + AF_T + AF_T / 32);
+    size_t sh = sizeof(float) * ((size_t)Dk + Dv + AF_T + 33);
     attn_f32_bwd_k<<<dim3(Tq, H), AF_T, sh, c->stream>>>(a, o, lse, dout, dq, dk, dv);
     CUDA_LAUNCH_CHECK();
     return 0;
