@@ -3,6 +3,7 @@
 
 #include <errno.h>
 #include <limits.h>
+#include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -158,6 +159,27 @@ int env_config_int(env_config *cfg, const char *key, long long def, long long mi
     }
     if (v < min || v > max) {
         snprintf(err, cap, "%s: config %s=%lld out of range %lld..%lld", cfg->env, key, (long long)v, min, max);
+        return -1;
+    }
+    *out = v;
+    return 0;
+}
+
+int env_config_double(env_config *cfg, const char *key, double def, double min, double max, double *out, char *err,
+                      size_t cap) {
+    env_config_item *it = config_find_(cfg, key);
+    if (!it) {
+        *out = def;
+        return 0;
+    }
+    char *end;
+    double v = strtod(it->value, &end);
+    if (!it->value[0] || *end || !isfinite(v)) {
+        snprintf(err, cap, "%s: config %s='%s' is not a number; use a value in %g..%g", cfg->env, key, it->value, min, max);
+        return -1;
+    }
+    if (v < min || v > max) {
+        snprintf(err, cap, "%s: config %s=%g out of range %g..%g", cfg->env, key, v, min, max);
         return -1;
     }
     *out = v;

@@ -55,6 +55,10 @@ void env_config_free(env_config *cfg);
 // Out of [min, max] or not a number: error naming the key and the range.
 int env_config_int(env_config *cfg, const char *key, long long def, long long min, long long max,
                    long long *out, char *err, size_t cap);
+// Real value of key (strtod, strict: the whole value must be a finite number), or def when
+// absent. Out of [min, max] or not a number: error naming the key and the range.
+int env_config_double(env_config *cfg, const char *key, double def, double min, double max, double *out, char *err,
+                      size_t cap);
 // Boolean value of key: 1/0, true/false, yes/no, on/off (any case), or def when absent.
 int env_config_bool(env_config *cfg, const char *key, int def, int *out, char *err, size_t cap);
 // String value of key, or def when absent (pointer into cfg, valid until env_config_free).
@@ -66,7 +70,7 @@ int env_config_finish(env_config *cfg, const char *known, char *err, size_t cap)
 #define ENV_CONFIG_SHARED_KEYS                                                                    \
     "name", "plugin", "args", "isolate", "step_timeout_ms", "digits", "ops", "doc_tokens", "inline_doc", "demo_search", \
         "key_digits", "max_tool_calls", "max_obs_bytes", "base_url", "index_path", "allow_loopback", "timeout_ms",     \
-        "connect_timeout_ms", "max_bytes", "max_redirects", "task", "hops", "files", "file_tokens"
+        "connect_timeout_ms", "max_bytes", "max_redirects", "task", "hops", "files", "file_tokens", "credit"
 
 // ---- tool calls -----------------------------------------------------------------------------
 

@@ -202,7 +202,7 @@ void mtrl_train_rl_step(mtrl_model *m, const mtrl_config *cfg, const mtrl_algo_c
         o += t->n_tokens;
         rew[i] = t->reward;
         st->reward_mean += t->reward;
-        st->success_rate += t->reward > 0;
+        st->success_rate += mtrl_traj_success(t);
         st->tool_calls_mean += t->n_tools;
         st->episode_len_mean += (double)t->n_tokens;
         st->model_tokens += (long)t->n_model;

@@ -12,6 +12,9 @@
 //  - the tools: grep's pages continue where the previous stopped, open's header and bounds,
 //    list's pages, malformed and unknown calls are observations with tool_error, the tool-call
 //    limit ends the episode;
+//  - credit=c: a wrong answer earns c x the fraction of the task's facts its open() results
+//    showed whole (each fact counted once, a page that cuts a fact's line short does not count),
+//    the right answer 1, and credit=0 a wrong answer 0 whatever was opened;
 //  - config refusals name the key; the stage keys reach the env (mtrl_config_stage);
 //  - generation of a 16 MiB corpus takes well under a second;
 //  - experiments/agent-1m.ini's ladder: at every stage the demo episodes (chain, sum and latest)
@@ -375,6 +378,101 @@ static void test_agent_ladder(void) {
     }
 }
 
+// Action i of seed's demo into buf (160 bytes).
+static void demo_action(mtrl_env *e, uint64_t seed, size_t i, char *buf) {
+    mtrl_error err = {0};
+    mtrl_env_result r;
+    TEST_CHECK(mtrl_env_reset(e, seed, &r, &err) == MTRL_OK);
+    mtrl_env_demo_out d;
+    TEST_CHECK(mtrl_env_demo(e, &d, &err) == MTRL_OK && i < d.count && d.actions[i].len < 160);
+    memset(buf, 0, 160);
+    memcpy(buf, d.actions[i].data, d.actions[i].len);
+}
+
+// Plays the first `calls` actions of seed's demo, then answers `answer`; returns the reward.
+static double partial_demo(mtrl_env *e, uint64_t seed, size_t calls, const char *extra, const char *answer) {
+    mtrl_error err = {0};
+    mtrl_env_result r;
+    TEST_CHECKF(mtrl_env_reset(e, seed, &r, &err) == MTRL_OK, "reset: %s", err.msg);
+    mtrl_env_demo_out d;
+    TEST_CHECKF(mtrl_env_demo(e, &d, &err) == MTRL_OK, "demo: %s", err.msg);
+    TEST_CHECK(calls < d.count);
+    char(*acts)[160] = calloc(calls + 1, sizeof *acts);
+    for (size_t i = 0; i < calls; i++) memcpy(acts[i], d.actions[i].data, d.actions[i].len);
+    for (size_t i = 0; i < calls; i++) {
+        TEST_CHECK(mtrl_env_step(e, MTRL_ENV_ACTION_TOOL, acts[i], strlen(acts[i]), &r, &err) == MTRL_OK);
+        TEST_CHECKF(!r.tool_error && !r.done, "call %s", acts[i]);
+    }
+    if (extra) TEST_CHECK(mtrl_env_step(e, MTRL_ENV_ACTION_TOOL, extra, strlen(extra), &r, &err) == MTRL_OK && !r.done);
+    TEST_CHECK(mtrl_env_step(e, MTRL_ENV_ACTION_ANSWER, answer, strlen(answer), &r, &err) == MTRL_OK);
+    TEST_CHECK(r.done);
+    free(acts);
+    return r.reward;
+}
+
+static void test_credit(void) {
+    // chain of 3 hops: 4 facts (3 next= lines, the last file's code= line), 2 demo calls each
+    mtrl_env *e = open_env("task=chain;hops=3;files=16;file_tokens=1024;max_obs_bytes=512;credit=0.5", 0);
+    int calls;
+    TEST_CHECK(run_demo(e, 5, &calls) == 1.0);
+    TEST_EQ_INT(calls, 8);
+    TEST_NEAR(partial_demo(e, 5, 0, NULL, "000000"), 0.0, 0);
+    TEST_NEAR(partial_demo(e, 5, 1, NULL, "000000"), 0.0, 0);         // a grep shows no fact
+    TEST_NEAR(partial_demo(e, 5, 2, NULL, "000000"), 0.5 * 1 / 4, 0); // one open, one fact
+    TEST_NEAR(partial_demo(e, 5, 6, NULL, "000000"), 0.5 * 3 / 4, 0);
+    // the same page again counts once
+    char again[160] = {0};
+    demo_action(e, 5, 1, again);
+    TEST_NEAR(partial_demo(e, 5, 2, again, "000000"), 0.5 * 1 / 4, 0);
+    // the right answer alone is 1, facts or not (the task's answer: the demo's last action)
+    char ans[160];
+    demo_action(e, 5, (size_t)calls, ans); // the demo's last action: the answer
+    TEST_NEAR(partial_demo(e, 5, 0, NULL, ans), 1.0, 0);
+    mtrl_env_close(e);
+    // a page that ends inside a fact's line does not show it: open the first file at the byte
+    // before its next= line's end with a page too small for the line
+    e = open_env("task=chain;hops=1;files=8;file_tokens=1024;max_obs_bytes=64;credit=0.5", 0);
+    {
+        char open_call[160], id[16] = {0};
+        demo_action(e, 9, 1, open_call); // open(fNNNN,OFF) at the next= line
+        long long off;
+        TEST_CHECK(sscanf(open_call, "open(%15[^,],%lld)", id, &off) == 2);
+        char late[96];
+        snprintf(late, sizeof late, "open(%s,%lld)", id, off + 1); // starts past the line's first byte
+        TEST_NEAR(partial_demo(e, 9, 0, late, "000000"), 0.0, 0);
+        TEST_NEAR(partial_demo(e, 9, 0, open_call, "000000"), 0.5 * 1 / 2, 0);
+    }
+    mtrl_env_close(e);
+    // sum over 6 records: each open of a record's location is one fact
+    e = open_env("task=sum;hops=6;files=16;file_tokens=1024;max_obs_bytes=256;credit=0.3", 0);
+    {
+        mtrl_error err = {0};
+        mtrl_env_result r;
+        TEST_CHECK(mtrl_env_reset(e, 3, &r, &err) == MTRL_OK);
+        mtrl_env_demo_out d;
+        TEST_CHECK(mtrl_env_demo(e, &d, &err) == MTRL_OK);
+        size_t greps = d.count - 1 - 6; // the grep pages, then 6 opens, then the answer
+        TEST_NEAR(partial_demo(e, 3, greps, NULL, "0"), 0.0, 0);
+        TEST_NEAR(partial_demo(e, 3, greps + 2, NULL, "0"), 0.3 * 2 / 6, 1e-15);
+        TEST_NEAR(partial_demo(e, 3, greps + 6, NULL, "0"), 0.3, 1e-15);
+    }
+    mtrl_env_close(e);
+    // credit=0 (the default): a wrong answer after every fact is 0
+    e = open_env("task=chain;hops=3;files=16;file_tokens=1024;max_obs_bytes=512", 0);
+    TEST_NEAR(partial_demo(e, 5, 8, NULL, "000000"), 0.0, 0);
+    mtrl_env_close(e);
+    // refusals name the key and the range
+    const char *bad[] = {"credit=1", "credit=-0.1", "credit=abc", "credit="};
+    for (size_t i = 0; i < sizeof bad / sizeof bad[0]; i++) {
+        mtrl_env *x = NULL;
+        mtrl_error err = {0};
+        mtrl_env_opts o;
+        mtrl_env_opts_default(&o);
+        TEST_CHECKF(mtrl_env_open(&x, "corpus", bad[i], &o, &err) != MTRL_OK, "%s accepted", bad[i]);
+        TEST_CHECKF(strstr(err.msg, "credit") && strstr(err.msg, "0.9"), "%s: %s", bad[i], err.msg);
+    }
+}
+
 int main(int argc, char **argv) {
     mtrl_env_host_main(argc, argv); // the isolated envs below start this program as their child
     test_agent_ladder();
@@ -382,6 +480,7 @@ int main(int argc, char **argv) {
     test_tasks();
     test_long_and_replay();
     test_tools();
+    test_credit();
     test_config();
     test_speed();
     return test_report();

@@ -47,7 +47,7 @@ static void eval_end_(void *user, mtrl_traj *t) {
     eval_totals *e = user;
     e->ended++;
     if (t->status <= MTRL_EP_REJECTED) e->by_status[t->status]++;
-    e->successes += t->reward > 0;
+    e->successes += mtrl_traj_success(t);
     e->reward += t->reward;
     e->tokens += (long)t->n_tokens;
     e->model_tokens += (long)t->n_model;

@@ -241,7 +241,7 @@ typedef struct panel_def {
 
 static const panel_def panels_[] = {
     {"Reward", "mean final reward of the step's episodes", {"reward"}},
-    {"Success rate", "fraction of the step's episodes with reward > 0", {"success"}},
+    {"Success rate", "fraction of the step's episodes with the full reward (1)", {"success"}},
     {"Loss", "total loss and its policy-gradient term", {"loss", "pg_loss"}},
     {"Entropy", "mean policy entropy over model tokens (nats)", {"entropy"}},
     {"Clip fractions", "model tokens whose gradient the clip removed", {"clip_low", "clip_high", "clip_dual"}},

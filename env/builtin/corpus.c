@@ -27,11 +27,17 @@
 //                                1..64 bytes. Locations only: the facts come from open().
 // A tool call past max_tool_calls ends the episode with reward 0. The answer is compared
 // exactly (surrounding whitespace ignored): chain and latest a 6-digit value as written, sum a
-// decimal integer. Reward 1 or 0.
+// decimal integer. Reward 1 for the right answer, else 0, or with credit=c > 0: c times the
+// fraction of the task's facts the episode's open() results showed whole (chain: the next= line
+// of each file on the way and the code= line of the last; sum, latest: the key's records), at
+// most c < 1, so the full reward (success) is still the right answer alone. Why: a
+// policy that stops after a few calls and answers wrong gets 0 whatever it did, every group's
+// rewards are equal and RL has no gradient toward the long horizons the env exists for (the
+// first GPU run of experiments/agent-1m.ini: reward 0 at every stage, every gradient 0).
 // Config: task=mix|chain|sum|latest (mix), hops=1..4096 (4), files=2..65536 (64),
 //         file_tokens=256..1048576 (4096; files * file_tokens at most 256 MiB),
-//         max_obs_bytes=64..16777216 (2048), max_tool_calls=0..1000 (64). Keys of other
-//         built-ins are ignored (env_util.h).
+//         max_obs_bytes=64..16777216 (2048), max_tool_calls=0..1000 (64), credit=0..0.9 (0).
+//         Keys of other built-ins are ignored (env_util.h).
 // demo: the tool calls a careful reader makes, then the answer: chain: grep(cur,next=) and
 // open(cur,offset) per hop, then grep and open of the last file's code= line (2 hops + 2
 // calls); sum and latest: the pages of grep(*,k=KEY) then one open per location (pages + hops
@@ -62,6 +68,11 @@ static const char *const task_names_[] = {"chain", "sum", "latest", "mix"};
 typedef struct corpus_env {
     int task_cfg, hops, files, max_tool_calls, idw;
     size_t file_tokens, max_obs_bytes;
+    double credit;    // weight of the facts gathered in the reward (0: the answer alone)
+    size_t *fact_at;    // [hops + 1]: the task's fact lines, offsets into text, ...
+    uint32_t *fact_len; // ... their bytes (without the newline) ...
+    uint8_t *fact_seen; // ... and whether an open() showed each whole
+    int n_facts, facts_seen;
     env_buf text;     // every file, end to end
     size_t *file_off; // [files + 1]: file f is text[file_off[f] .. file_off[f + 1])
     env_buf prompt, obs, scratch;
@@ -80,12 +91,14 @@ static int corpus_create_(const char *config, void **self, char *err, size_t cap
     env_config cfg;
     if (env_config_parse(&cfg, "corpus", config, err, cap)) return MTRL_ENV_ERR;
     long long hops, files, ft, max_obs, mtc;
+    double credit;
     const char *task = env_config_str(&cfg, "task", "mix");
     int bad = env_config_int(&cfg, "hops", 4, 1, 4096, &hops, err, cap) ||
               env_config_int(&cfg, "files", 64, 2, 65536, &files, err, cap) ||
               env_config_int(&cfg, "file_tokens", 4096, 256, 1 << 20, &ft, err, cap) ||
               env_config_int(&cfg, "max_obs_bytes", 2048, 64, 1 << 24, &max_obs, err, cap) ||
-              env_config_int(&cfg, "max_tool_calls", 64, 0, 1000, &mtc, err, cap);
+              env_config_int(&cfg, "max_tool_calls", 64, 0, 1000, &mtc, err, cap) ||
+              env_config_double(&cfg, "credit", 0.0, 0.0, 0.9, &credit, err, cap);
     int t = -1;
     for (int i = 0; i < 4; i++)
         if (!strcmp(task, task_names_[i])) t = i;
@@ -93,7 +106,7 @@ static int corpus_create_(const char *config, void **self, char *err, size_t cap
         snprintf(err, cap, "corpus: task='%.40s': use mix, chain, sum or latest", task);
         bad = 1;
     }
-    bad = bad || env_config_finish(&cfg, "task, hops, files, file_tokens, max_obs_bytes, max_tool_calls", err, cap);
+    bad = bad || env_config_finish(&cfg, "task, hops, files, file_tokens, max_obs_bytes, max_tool_calls, credit", err, cap);
     env_config_free(&cfg);
     if (bad) return MTRL_ENV_ERR;
     if ((size_t)files * (size_t)ft > CORPUS_MAX_BYTES) {
@@ -112,6 +125,10 @@ static int corpus_create_(const char *config, void **self, char *err, size_t cap
     e->file_tokens = (size_t)ft;
     e->max_obs_bytes = (size_t)max_obs;
     e->max_tool_calls = (int)mtc;
+    e->credit = credit;
+    e->fact_at = xcalloc((size_t)hops + 1, sizeof(size_t));
+    e->fact_len = xcalloc((size_t)hops + 1, sizeof(uint32_t));
+    e->fact_seen = xcalloc((size_t)hops + 1, 1);
     e->idw = 4;
     for (long long r = 10000; r < files; r *= 10) e->idw++;
     e->file_off = xcalloc((size_t)files + 1, sizeof(size_t));
@@ -129,6 +146,9 @@ static void corpus_destroy_(void *self) {
     env_buf_free(&e->scratch);
     env_buf_free(&e->demo_text);
     free(e->file_off);
+    free(e->fact_at);
+    free(e->fact_len);
+    free(e->fact_seen);
     free(e->demo);
     free(e);
 }
@@ -236,7 +256,11 @@ static void corpus_generate_(corpus_env *e, uint64_t seed) {
             uint64_t r1 = env_mix64(noise + 2 * (uint64_t)r), r2 = env_mix64(noise + 2 * (uint64_t)r + 1);
             uint64_t t = r1 % 10000000u, kk = (r1 >> 32) % CORPUS_KEY_RANGE, v = r2 % 1000000u;
             int mine = k < np && pl[k].file == f && pl[k].line == r;
-            if (mine) t = pl[k].t, kk = key, v = pl[k].v, k++;
+            if (mine) {
+                t = pl[k].t, kk = key, v = pl[k].v;
+                e->fact_at[k] = (size_t)(p - base);
+                e->fact_len[k++] = CORPUS_REC_BYTES - 1;
+            }
             else if (kk == key) kk = (kk + 1) % CORPUS_KEY_RANGE; // the asked-for key only where planted
             memcpy(p, "t=", 2);
             put_digits_(p + 2, t, 7);
@@ -253,16 +277,48 @@ static void corpus_generate_(corpus_env *e, uint64_t seed) {
     e->text.data[e->text.len] = 0;
     if (e->task == TASK_SUM) snprintf(e->answer, sizeof e->answer, "%llu", (unsigned long long)sum);
     if (e->task == TASK_LATEST) put_digits_(e->answer, best_v, 6), e->answer[6] = 0;
+    e->n_facts = np;
     free(pl);
     free(perm);
     free(next);
 #undef RNG_
 }
 
+static size_t line_at_(const corpus_env *e, int f, const char *what);
+
+// A chain's facts: the next= line of each file on the way, then the code= line of the last.
+static void chain_facts_(corpus_env *e) {
+    int cur = e->start;
+    for (int h = 0; h <= e->hops; h++) {
+        const char *what = h < e->hops ? "next=" : "code=";
+        size_t off = line_at_(e, cur, what);
+        e->fact_at[h] = e->file_off[cur] + off;
+        e->fact_len[h] = h < e->hops ? (uint32_t)(6 + e->idw) : 11u;
+        if (h < e->hops) {
+            int64_t nx;
+            MTRL_CHECK(env_parse_i64(e->text.data + e->fact_at[h] + 6, (size_t)e->idw, &nx) == 0);
+            cur = (int)nx;
+        }
+    }
+    e->n_facts = e->hops + 1;
+}
+
+// Marks the facts that the shown bytes text[a, b) hold whole.
+static void facts_shown_(corpus_env *e, size_t a, size_t b) {
+    for (int i = 0; i < e->n_facts; i++)
+        if (!e->fact_seen[i] && e->fact_at[i] >= a && e->fact_at[i] + e->fact_len[i] <= b) {
+            e->fact_seen[i] = 1;
+            e->facts_seen++;
+        }
+}
+
 static int corpus_reset_(void *self, uint64_t seed, mtrl_env_bytes *prompt, char *err, size_t cap) {
     (void)err, (void)cap;
     corpus_env *e = self;
     corpus_generate_(e, seed);
+    if (e->task == TASK_CHAIN) chain_facts_(e);
+    memset(e->fact_seen, 0, (size_t)e->n_facts);
+    e->facts_seen = 0;
     e->tool_calls = 0;
     e->done = 0;
     char first[16], lastid[16], start[16];
@@ -368,7 +424,9 @@ static int tool_open_(corpus_env *e, const char *args, size_t n, env_buf *o) {
     hn += snprintf(head + hn, sizeof head - (size_t)hn, " @%lld of %zu\n", (long long)off, size);
     env_buf_append(o, head, (size_t)hn);
     size_t room = e->max_obs_bytes > (size_t)hn ? e->max_obs_bytes - (size_t)hn : 0, l = size - (size_t)off;
-    env_buf_append(o, e->text.data + e->file_off[file] + off, l < room ? l : room);
+    size_t shown = l < room ? l : room, a = e->file_off[file] + (size_t)off;
+    env_buf_append(o, e->text.data + a, shown);
+    facts_shown_(e, a, a + shown);
     return 0;
 }
 
@@ -440,7 +498,8 @@ static int corpus_step_(void *self, uint32_t kind, const char *action, size_t le
                                      len, &e->obs, out, &c, err, cap);
     if (k == ENV_STEP_ERR) return MTRL_ENV_ERR;
     if (k == ENV_STEP_ANSWER) {
-        out->reward = env_answer_is(action, len, e->answer) ? 1.0 : 0.0;
+        int right = env_answer_is(action, len, e->answer);
+        out->reward = right ? 1.0 : e->credit > 0 && e->n_facts ? e->credit * e->facts_seen / e->n_facts : 0.0;
     } else if (k == ENV_STEP_TOOL) {
         int64_t next;
         if (env_tool_is(&c, "list")) out->tool_error = tool_list_(e, c.args, c.args_len, &e->obs);
