@@ -3,7 +3,8 @@
 # `tools/gpu_run.sh prepare` carried in .carry/dev. Results go to $OUT.
 #   tools/gpu_issue21.sh tests    the gpu tests of the changed paths (moe, kda, model)
 #   tools/gpu_issue21.sh moe      torch._grouped_mm anchors and `mtrl bench ops --only moe` side by side
-#   tools/gpu_issue21.sh bench    R1 (bench learner), R2 (bench decode)
+#   tools/gpu_issue21.sh bench    R1 (bench learner), R2 (bench decode; DECODE_GRAPH=on|off|both, default both)
+#   tools/gpu_issue21.sh varlen   the packed (varlen) KDA and conv forms against per-piece launches
 #   tools/gpu_issue21.sh publish  R4 (mtrl bench publish --device cuda --preset small: ZeroMQ vs the channel)
 #   tools/gpu_issue21.sh rl       R3 (bench rl experiments/quickstart-gpu.ini, RL_SECONDS, default 90;
 #                                 RL_MPS=1 under CUDA MPS)
@@ -36,7 +37,11 @@ for verb in "$@"; do
     ;;
   bench)
     timeout 200 $b bench learner --device cuda --preset small --batches 1x65536,64x1024,512x128,1x262144+200x512,64x25 --reps 1 > "$out/learner.txt" 2>&1
-    timeout 150 $b bench decode --device cuda --preset small --batches 1,64,128,256 --ctx 1024:32768 --steps 8 --profile > "$out/decode.txt" 2>&1
+    timeout 200 $b bench decode --device cuda --preset small --batches 1,64,128,256 --ctx 1024:32768 --steps 8 --profile \
+      --graph "${DECODE_GRAPH:-both}" > "$out/decode.txt" 2>&1
+    ;;
+  varlen)
+    timeout 200 $b bench ops --device cuda --only varlen > "$out/varlen.txt" 2>&1
     ;;
   rl)
     # RL_MPS=1: the learner and actor processes share the GPU through CUDA MPS (kernels side by
@@ -53,4 +58,4 @@ for verb in "$@"; do
   esac
 done
 grep -hE "exit|FAIL" "$out/tests.txt" 2>/dev/null
-grep -hE "^batch|^B |TFLOP|chooser|episodes/s|busy|reward|GB/s|publish|train |waiting|decode:" "$out"/learner.txt "$out"/decode.txt "$out"/moe.txt "$out"/publish.txt "$out"/rl.txt 2>/dev/null | head -80
+grep -hE "^batch|^B |TFLOP|chooser|episodes/s|busy|reward|GB/s|publish|train |waiting|decode:" "$out"/learner.txt "$out"/decode.txt "$out"/moe.txt "$out"/publish.txt "$out"/rl.txt "$out"/varlen.txt 2>/dev/null | head -80
