@@ -16,22 +16,11 @@ namespace {
 constexpr int VL_CONV_T = 256;   // threads per block
 constexpr int VL_CONV_MAXW = 8;  // the widest kernel mtrl_shortconv_fwd takes
 
-// The last p < n with ofs[p] <= t (ofs [n + 1] non-decreasing, ofs[0] <= t < ofs[n]).
-__device__ __forceinline__ int vl_conv_piece_(const int *__restrict__ ofs, int n, int t) {
-    int lo = 0, hi = n - 1;
-    while (lo < hi) {
-        const int mid = (lo + hi + 1) >> 1;
-        if (ofs[mid] <= t) lo = mid;
-        else hi = mid - 1;
-    }
-    return lo;
-}
-
 __global__ void vl_conv_fwd_k(int n, int C, int W, const int *__restrict__ ofs, const float *__restrict__ x,
                               const float *__restrict__ w, float *__restrict__ y) {
     const size_t lo = (size_t)ofs[0] * C, hi = (size_t)ofs[n] * C;
     for (size_t i = lo + blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < hi; i += (size_t)gridDim.x * blockDim.x) {
-        const int t = (int)(i / C), c = (int)(i % C), s = ofs[vl_conv_piece_(ofs, n, t)];
+        const int t = (int)(i / C), c = (int)(i % C), s = ofs[vl_piece_of(ofs, n, t)];
         float p = 0.f;
         for (int j = 0; j < W; j++) {
             const int tt = t - W + 1 + j;
