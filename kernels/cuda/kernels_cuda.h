@@ -369,6 +369,12 @@ int mtrl_shortconv_state_bwd(mtrl_cuda_ctx *ctx, int T, int C, int W, const floa
 // mtrl_shortconv_fwd per piece with state_in = NULL.
 int mtrl_shortconv_fwd_varlen(mtrl_cuda_ctx *ctx, int n, const int *offs_host, int C, int W,
                               const float *x, const float *w, float *y);
+// shortconv_bwd_varlen (ops_ref.h): its backward, dx overwritten, dw +=, four launches for the
+// pack (core/conv_varlen.cu): dx bit for bit mtrl_shortconv_bwd per piece with state_in = NULL;
+// dw deterministic, summed in row blocks of the pack (not per piece), so at fp32 rounding of the
+// per-piece calls' dw.
+int mtrl_shortconv_bwd_varlen(mtrl_cuda_ctx *ctx, int n, const int *offs_host, int C, int W,
+                              const float *x, const float *w, const float *dy, float *dx, float *dw);
 // B decode tokens of B sequences: x1 [B][C], windows [B][W-1][C] updated, y1 [B][C].
 int mtrl_shortconv_step(mtrl_cuda_ctx *ctx, int B, int C, int W, const float *x1,
                         const float *w, float *window, float *y1);
