@@ -155,7 +155,7 @@ struct mtrl_backend {
     // offs_h [n + 1] on the host (piece i: rows offs_h[i] .. offs_h[i+1] - 1), S_final [n][H][K][V]
     // and S_tiles (every piece's tiles, piece by piece) nullable; the backward takes no final-state
     // gradient and gives no dS0 (kda_ref.h mtrl_ref_kda_chunk_fwd_varlen / _bwd_varlen). The CUDA
-    // forward is one launch per kernel stage for all pieces.
+    // forward and backward are one launch per kernel stage for all pieces.
     void (*kda_chunk_fwd_varlen)(mtrl_backend *, int n, const int *offs_h, int H, int K, int V, const real *q,
                                  const real *k, const real *v, const real *g, const real *beta, real *o,
                                  real *S_final, real *S_tiles);

@@ -177,9 +177,11 @@ int mtrl_kda_chunk_bwd(mtrl_cuda_ctx *ctx, int T, int H, int K, int V, const flo
 int mtrl_kda_chunk_fwd_varlen(mtrl_cuda_ctx *ctx, int n, const int *offs_host, int H, int K, int V,
                               const float *q, const float *k, const float *v, const float *g,
                               const float *beta, float *o, float *S_final, float *S_tiles);
-// Its backward: mtrl_kda_chunk_bwd per piece (S0 = NULL, dS_final = NULL, no dS0), S_tiles as the
-// varlen forward wrote them (or NULL: recomputed per piece); dq, dk, dv, dg, dbeta overwritten at
-// every piece's rows.
+// Its backward: bit for bit mtrl_kda_chunk_bwd per piece (S0 = NULL, dS_final = NULL, no dS0),
+// S_tiles as the varlen forward wrote them (or NULL: recomputed); dq, dk, dv, dg, dbeta
+// overwritten at every piece's rows. Where mtrl_kda_chunk_bwd takes v3 (K = V = 128, 16-byte
+// aligned q, k, v, g, dout, kda_bwd not SIMT) four launches per group of pieces (the forward's
+// groups; scratch per tile as the per-piece call's), else mtrl_kda_chunk_bwd per piece.
 int mtrl_kda_chunk_bwd_varlen(mtrl_cuda_ctx *ctx, int n, const int *offs_host, int H, int K, int V,
                               const float *q, const float *k, const float *v, const float *g,
                               const float *beta, const float *S_tiles, const float *dout, float *dq,

@@ -634,12 +634,12 @@ static size_t tile_bwd_floats(int K, int V) {
 // latency overlaps the previous chunk's products; chunk 0's is issued before the tile loads.
 // KV = 128: K = V = 128 known at compile time (the default shape; the index arithmetic of every
 // loop folds: no integer division by a runtime K or V), 0: K_ and V_ as passed.
-// kda_tile_bwd_: tile n of head h of a sequence of T tokens; row r of the tile in dD [H][Tp][V] at
-// dD + (h Tp + 16 n + r) V (a whole sequence: Tp = 16 nt; a piece of a pack, kda_vl_tile_bwd_k:
-// its group's, with dD, S_tiles and dS_tiles at the piece's first tile). kda_tile_bwd_k's body, a
+// kda_tile_bwd_: tile n of head h of a sequence of T tokens; row r of the tile in dD [H][16 nt][V]
+// at dD + (16 (h nt + n) + r) V (a whole sequence: its nt tiles; a piece of a pack,
+// kda_vl_tile_bwd_k: its group's NT, with dD, S_tiles and dS_tiles at the piece's first tile). kda_tile_bwd_k's body, a
 // function so that the varlen pass runs the same code: both are inlined from here.
 template <bool TC, int NTH, int KV>
-__device__ __forceinline__ void kda_tile_bwd_(int T, int H, int K_, int V_, size_t Tp, int n, int h, const float *q,
+__device__ __forceinline__ void kda_tile_bwd_(int T, int H, int K_, int V_, int nt, int n, int h, const float *q,
                                               const float *k, const float *v, const float *g, const float *beta,
                                               const float *S_tiles, const float *dout, const float *dD,
                                               const float *dS_tiles, float *dq, float *dk, float *dv, float *dg,
@@ -677,6 +677,7 @@ __device__ __forceinline__ void kda_tile_bwd_(int T, int H, int K_, int V_, size
 
     int t0 = n * KT;
     int cr = T - t0 < KT ? T - t0 : KT;
+    size_t Tp = (size_t)nt * KT;
     const float *S = S_tiles + ((size_t)n * H + h) * K * V;
     const float *dS = dS_tiles + ((size_t)n * H + h) * K * V;
 
@@ -884,7 +885,7 @@ __global__ void __launch_bounds__(NTH, 1) kda_tile_bwd_k(int T, int H, int K_, i
                                                       const float *dD, const float *dS_tiles,
                                                       float *dq, float *dk, float *dv, float *dg,
                                                       float *dbeta) {
-    kda_tile_bwd_<TC, NTH, KV>(T, H, K_, V_, (size_t)nt * KT, n0 + blockIdx.x, blockIdx.y, q, k, v, g, beta, S_tiles,
+    kda_tile_bwd_<TC, NTH, KV>(T, H, K_, V_, nt, n0 + blockIdx.x, blockIdx.y, q, k, v, g, beta, S_tiles,
                                dout, dD, dS_tiles, dq, dk, dv, dg, dbeta);
 }
 
@@ -902,7 +903,7 @@ __global__ void __launch_bounds__(NTH, 1)
     const int K = KV ? KV : K_, V = KV ? KV : V_;
     const int gt = tb0 + blockIdx.x, pc = vl_piece_of(ts, np, gt), tb = ts[pc] - tb0;
     const size_t x = (size_t)ofs[pc], xk = x * H * K, xv = x * H * V, hkv = (size_t)H * K * V;
-    kda_tile_bwd_<TC, NTH, KV>(ofs[pc + 1] - ofs[pc], H, K_, V_, (size_t)NT * KT, gt - ts[pc], blockIdx.y, q + xk,
+    kda_tile_bwd_<TC, NTH, KV>(ofs[pc + 1] - ofs[pc], H, K_, V_, NT, gt - ts[pc], blockIdx.y, q + xk,
                                k + xk, v + xv, g + xk, beta + x * H, St + tb * hkv, dout + xv,
                                dD + (size_t)tb * KT * V, dSt + tb * hkv, dq + xk, dk + xk, dv + xv, dg + xk,
                                dbeta + x * H);
