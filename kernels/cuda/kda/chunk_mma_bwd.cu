@@ -57,6 +57,10 @@
 // guessed at ~1/4 of the v2 backward's time. Measured, it saves little of the whole backward:
 // pass 3 (per tile, in parallel) dominates, which is why its tensor-core form (kda_bwd_tile =
 // auto) came next; both are the default, every gpu test passing with them (docs/perf.md).
+// The pass's body is kda3_state_bwd_ (one block's columns over a range of a sequence's tiles):
+// kda3_state_bwd_k runs it over one sequence, kda_vl_state_bwd_k over every piece of a pack on a
+// grid with a pieces dimension (the varlen backward, kda/chunk_varlen_mma.cu), so both give the
+// same bits per piece.
 #include <math.h>
 #include <stdlib.h>
 
