@@ -34,7 +34,7 @@
     X(sync) X(copy_rows) X(gather) X(scatter) X(sigmoid) X(sigmoid_mul) \
     X(sigmoid_mul_bwd) X(dsigmoid) X(add) X(scale) X(gemm) X(rmsnorm_fwd) \
     X(rmsnorm_bwd) X(l2norm_fwd) X(l2norm_bwd) X(gated_rmsnorm_fwd) X(gated_rmsnorm_bwd) X(shortconv_fwd) \
-    X(shortconv_fwd_varlen) X(shortconv_bwd) X(shortconv_state_bwd) X(shortconv_step) X(embedding_fwd) X(embedding_bwd) X(logprob_fwd) \
+    X(shortconv_fwd_varlen) X(shortconv_bwd) X(shortconv_bwd_varlen) X(shortconv_state_bwd) X(shortconv_step) X(embedding_fwd) X(embedding_bwd) X(logprob_fwd) \
     X(logprob_bwd) X(adamw) X(grad_sq_norm) X(kda_gate_fwd) X(kda_gate_bwd) X(kda_chunk_fwd) \
     X(kda_chunk_bwd) X(kda_chunk_fwd_varlen) X(kda_chunk_bwd_varlen) X(kda_step) X(attn_causal_fwd) X(attn_causal_bwd) X(mla_absorb_q) X(mla_absorb_q_bwd) \
     X(mla_up_v) X(mla_up_v_bwd) X(mla_expand_kv) X(mla_expand_kv_bwd) X(mla_decode) X(moe_router_fwd) X(moe_router_bwd) X(moe_dispatch) \
@@ -121,6 +121,10 @@ struct mtrl_backend {
     // mtrl_ref_shortconv_fwd_varlen); offs_h [n + 1] on the host. The CUDA form is one launch.
     void (*shortconv_fwd_varlen)(mtrl_backend *, int n, const int *offs_h, int C, int W, const real *x,
                                  const real *w, real *y);
+    // Its backward (mtrl_ref_shortconv_bwd_varlen): dx overwritten, dw +=. The CUDA form is four
+    // launches; its dw is summed in blocks of the pack's rows, not per piece (fp32 rounding apart).
+    void (*shortconv_bwd_varlen)(mtrl_backend *, int n, const int *offs_h, int C, int W, const real *x,
+                                 const real *w, const real *dy, real *dx, real *dw);
     // B decode rows: x1, y1 [B][C]; row r's window [W−1][C] at window_h[r] (updated).
     void (*shortconv_step)(mtrl_backend *, int B, int C, int W, const real *x1, const real *w,
                            real *const *window_h, real *y1);
@@ -151,7 +155,7 @@ struct mtrl_backend {
     // offs_h [n + 1] on the host (piece i: rows offs_h[i] .. offs_h[i+1] - 1), S_final [n][H][K][V]
     // and S_tiles (every piece's tiles, piece by piece) nullable; the backward takes no final-state
     // gradient and gives no dS0 (kda_ref.h mtrl_ref_kda_chunk_fwd_varlen / _bwd_varlen). The CUDA
-    // forward is one launch per kernel stage for all pieces.
+    // forward and backward are one launch per kernel stage for all pieces.
     void (*kda_chunk_fwd_varlen)(mtrl_backend *, int n, const int *offs_h, int H, int K, int V, const real *q,
                                  const real *k, const real *v, const real *g, const real *beta, real *o,
                                  real *S_final, real *S_tiles);

@@ -281,6 +281,10 @@ static void shortconv_fwd_varlen_(BE *be, int n, const int *offs, int C, int W, 
                                   real *y) {
     OK(mtrl_shortconv_fwd_varlen(CTX(be), n, offs, C, W, x, w, y));
 }
+static void shortconv_bwd_varlen_(BE *be, int n, const int *offs, int C, int W, const real *x, const real *w,
+                                  const real *dy, real *dx, real *dw) {
+    OK(mtrl_shortconv_bwd_varlen(CTX(be), n, offs, C, W, x, w, dy, dx, dw));
+}
 static void shortconv_step_(BE *be, int B, int C, int W, const real *x1, const real *w, real *const *win,
                             real *y1) {
     if (B <= 0) return;

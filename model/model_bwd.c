@@ -102,6 +102,8 @@ static void kda_backward_(mtrl_model *m, mtrl_arena *ar, int l, int T, const lay
         if (!io->n_piece) {
             be->shortconv_bwd(be, T, HD, W, px[s], cw[s], c->cst + s * w1, dc3[s], dpx, cgw[s], dst_in + s * w1);
             be->shortconv_state_bwd(be, T, HD, W, dconv + s * w1, dpx, dst_in + s * w1);
+        } else if (!io->piece_io) {  // every piece from the zero window: one call
+            be->shortconv_bwd_varlen(be, io->n_piece, io->piece, HD, W, px[s], cw[s], dc3[s], dpx, cgw[s]);
         } else {
             for (int i = 0; i < io->n_piece; i++) {
                 int Ti;

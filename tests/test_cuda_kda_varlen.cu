@@ -10,11 +10,16 @@
 // with NaN first. Per pack also: the prefill form (o only) and the state-only form (S_final only)
 // give the training form's bits, plain
 // bf16 records (kda_plain_bf16) the per-piece bf16 bits, and a shape v3 does not take (K = V = 32:
-// the per-piece fallback) the reference's numbers at 1e-4; the varlen backward (per piece) on the
-// varlen forward's tile states against the fp64 varlen backward on the reference's: 1e-3 where the
-// states are v3's (test_cuda_kda.cu's tolerance for gradients through v3's forward), 1e-4 at K = 32. The KDA layer's short conv over the same packs
-// (mtrl_shortconv_fwd_varlen, one launch): bit for bit mtrl_shortconv_fwd per piece from the zero
-// window, and the fp64 reference (mtrl_ref_shortconv_fwd_varlen) at 1e-5, C = H K, W = 4.
+// the per-piece fallback) the reference's numbers at 1e-4. The varlen backward
+// (mtrl_kda_chunk_bwd_varlen, one launch per stage) on the varlen forward's tile states against the
+// fp64 varlen backward on the reference's: 1e-3 where the states are v3's (test_cuda_kda.cu's
+// tolerance for gradients through v3's forward), 1e-4 at K = 32; and dq, dk, dv, dg, dβ BIT FOR BIT
+// mtrl_kda_chunk_bwd per piece, on the tile states and with them recomputed (NULL), and on the
+// edge pack with the options' other two pass-3 kernels. The KDA layer's short conv over the same
+// packs (mtrl_shortconv_fwd_varlen, one launch): bit for bit mtrl_shortconv_fwd per piece from the
+// zero window, and the fp64 reference (mtrl_ref_shortconv_fwd_varlen) at 1e-5, C = H K, W = 4; its
+// backward (mtrl_shortconv_bwd_varlen): dx bit for bit mtrl_shortconv_bwd per piece, dw (summed in
+// the pack's row blocks, not per piece) at 1e-5 of the per-piece calls' and of fp64.
 #include "tests/testhelp.h"
 #include "kernels/lab/cuda_testutil.h"
 #include "kernels/ref/kda_ref.h"
@@ -74,6 +79,46 @@ static void vl_per_piece_(mtrl_cuda_ctx *ctx, int n, const int *offs, int H, int
                                        r->St + tile * ns),
                     0);
         tile += (size_t)mtrl_ref_kda_tile_count(Ti);
+    }
+}
+
+// The per-piece backward the model ran before the varlen one: mtrl_kda_chunk_bwd per piece with S0,
+// dS_final and dS0 NULL, the piece's tile states (St, or NULL: recomputed) at its place.
+typedef struct {
+    float *dq, *dk, *dv, *dg, *db;
+} vl_grad_;
+static vl_grad_ vl_grad_nan_(mtrl_cuda_ctx *ctx, size_t nqk, size_t nv, size_t nb) {
+    vl_grad_ r = {tu_dev_nan(ctx, nqk), tu_dev_nan(ctx, nqk), tu_dev_nan(ctx, nv), tu_dev_nan(ctx, nqk),
+                  tu_dev_nan(ctx, nb)};
+    return r;
+}
+static void vl_grad_free_(vl_grad_ *r) {
+    float *p[5] = {r->dq, r->dk, r->dv, r->dg, r->db};
+    for (int i = 0; i < 5; i++) mtrl_cuda_free(p[i]);
+}
+static void vl_bwd_per_piece_(mtrl_cuda_ctx *ctx, int n, const int *offs, int H, int K, int V, const float *q,
+                              const float *k, const float *v, const float *g, const float *beta, const float *St,
+                              const float *dout, vl_grad_ *r) {
+    size_t ns = (size_t)H * K * V, tile = 0;
+    for (int i = 0; i < n; i++) {
+        int Ti = offs[i + 1] - offs[i];
+        size_t x = (size_t)offs[i], xk = x * H * K, xv = x * H * V;
+        TEST_EQ_INT(mtrl_kda_chunk_bwd(ctx, Ti, H, K, V, q + xk, k + xk, v + xv, g + xk, beta + x * H, NULL,
+                                       St ? St + tile * ns : NULL, dout + xv, NULL, r->dq + xk, r->dk + xk,
+                                       r->dv + xv, r->dg + xk, r->db + x * H, NULL),
+                    0);
+        tile += (size_t)mtrl_ref_kda_tile_count(Ti);
+    }
+}
+// The varlen backward against the per-piece one, bit for bit, gradient by gradient.
+static void vl_bwd_same_(const char *form, const vl_grad_ *a, const vl_grad_ *b, size_t nqk, size_t nv, size_t nb) {
+    const float *x[5] = {a->dq, a->dk, a->dv, a->dg, a->db}, *y[5] = {b->dq, b->dk, b->dv, b->dg, b->db};
+    const size_t sz[5] = {nqk, nqk, nv, nqk, nb};
+    static const char *nm[5] = {"dq", "dk", "dv", "dg", "dbeta"};
+    for (int i = 0; i < 5; i++) {
+        char what[96];
+        snprintf(what, sizeof what, "%s: bwd %s == per piece", form, nm[i]);
+        VL_SAME(what, x[i], y[i], sz[i]);
     }
 }
 
@@ -169,6 +214,41 @@ static void test_varlen(mtrl_cuda_ctx *ctx, const char *name, int n, const int *
         TU_CHECK_REL(grads[i].what, got, grads[i].ref, grads[i].n, K == 128 ? 1e-3 : 1e-4);
     }
 
+    // the varlen backward == mtrl_kda_chunk_bwd per piece, bit for bit: on the forward's tile
+    // states, with the tile states recomputed (NULL), and (K = 128, the edge pack) with the SIMT
+    // pass 3 and the 8-warp tensor-core pass 3 (the options kda_bwd_tile, kda_tile_threads)
+    {
+        vl_grad_ vg = {d_dq, d_dk, d_dv, d_dg, d_db};
+        vl_grad_ pg = vl_grad_nan_(ctx, nqk, nv, nb), rv = vl_grad_nan_(ctx, nqk, nv, nb),
+                 rp = vl_grad_nan_(ctx, nqk, nv, nb);
+        vl_bwd_per_piece_(ctx, n, offs, H, K, V, d_q, d_k, d_v, d_g, d_b, pp.St, d_dout, &pg);
+        TEST_EQ_INT(mtrl_kda_chunk_bwd_varlen(ctx, n, offs, H, K, V, d_q, d_k, d_v, d_g, d_b, NULL, d_dout, rv.dq,
+                                              rv.dk, rv.dv, rv.dg, rv.db),
+                    0);
+        vl_bwd_per_piece_(ctx, n, offs, H, K, V, d_q, d_k, d_v, d_g, d_b, NULL, d_dout, &rp);
+        mtrl_cuda_sync(ctx);
+        vl_bwd_same_("tile states given", &vg, &pg, nqk, nv, nb);
+        vl_bwd_same_("tile states recomputed", &rv, &rp, nqk, nv, nb);
+        if (K == 128 && n == 6) {
+            static const char *form[2] = {"SIMT pass 3", "8-warp pass 3"};
+            for (int f = 0; f < 2; f++) {
+                if (f == 0) mtrl_cuda_ctx_opts(ctx)->kda_bwd_tile = MTRL_KOPT_SIMT;
+                else mtrl_cuda_ctx_opts(ctx)->kda_tile_threads = 256;
+                vl_bwd_per_piece_(ctx, n, offs, H, K, V, d_q, d_k, d_v, d_g, d_b, pp.St, d_dout, &pg);
+                TEST_EQ_INT(mtrl_kda_chunk_bwd_varlen(ctx, n, offs, H, K, V, d_q, d_k, d_v, d_g, d_b, vl.St, d_dout,
+                                                      rv.dq, rv.dk, rv.dv, rv.dg, rv.db),
+                            0);
+                mtrl_cuda_sync(ctx);
+                mtrl_cuda_ctx_opts(ctx)->kda_bwd_tile = 0;
+                mtrl_cuda_ctx_opts(ctx)->kda_tile_threads = 0;
+                vl_bwd_same_(form[f], &rv, &pg, nqk, nv, nb);
+            }
+        }
+        vl_grad_free_(&pg);
+        vl_grad_free_(&rv);
+        vl_grad_free_(&rp);
+    }
+
     float *dev[] = {d_q, d_k, d_v, d_g, d_b, d_dout, d_dq, d_dk, d_dv, d_dg, d_db};
     for (size_t i = 0; i < sizeof dev / sizeof dev[0]; i++) mtrl_cuda_free(dev[i]);
     vl_out_free_(&pp);
@@ -201,11 +281,36 @@ static void test_conv_varlen(mtrl_cuda_ctx *ctx, const char *name, int n, const 
     VL_SAME("conv y == per piece", d_vl, d_pp, nx);
     tu_get_f32(got, d_vl, nx);
     TU_CHECK_REL("conv y vs fp64", got, y, nx, 1e-5);
+    // the backward: dx bit for bit the per-piece calls', dw (+= onto the same start) summed in
+    // other blocks, so at fp32 rounding of theirs; both against the fp64 reference
+    size_t nw = (size_t)C * W;
+    double *dy = tu_alloc(nx), *dx = tu_alloc(nx), *dw = tu_alloc(nw), *gw = tu_alloc(nw);
+    tu_fill_normal(dy, nx, 1.0);
+    tu_fill_normal(dw, nw, 1.0);
+    for (size_t i = 0; i < nw; i++) dw[i] = (double)(float)dw[i];  // the devices' start, exactly
+    float *d_dy = tu_dev_f32(dy, nx), *d_dwp = tu_dev_f32(dw, nw), *d_dwv = tu_dev_f32(dw, nw);
+    mtrl_ref_shortconv_bwd_varlen(n, offs, C, W, x, w, dy, dx, dw);
+    for (int i = 0; i < n; i++) {
+        size_t o = (size_t)offs[i] * C;
+        TEST_EQ_INT(mtrl_shortconv_bwd(ctx, len[i], C, W, d_x + o, d_w, NULL, d_dy + o, d_pp + o, d_dwp, NULL), 0);
+    }
+    TEST_EQ_INT(mtrl_shortconv_bwd_varlen(ctx, n, offs, C, W, d_x, d_w, d_dy, d_vl, d_dwv), 0);
+    mtrl_cuda_sync(ctx);
+    VL_SAME("conv bwd dx == per piece", d_vl, d_pp, nx);
+    tu_get_f32(got, d_vl, nx);
+    TU_CHECK_REL("conv bwd dx vs fp64", got, dx, nx, 1e-5);
+    tu_get_f32(got, d_dwv, nw);
+    tu_get_f32(gw, d_dwp, nw);
+    TU_CHECK_REL("conv bwd dw vs per piece", got, gw, nw, 1e-5);
+    TU_CHECK_REL("conv bwd dw vs fp64", got, dw, nw, 1e-5);
     mtrl_cuda_free(d_x);
     mtrl_cuda_free(d_w);
     mtrl_cuda_free(d_pp);
     mtrl_cuda_free(d_vl);
-    free(x); free(w); free(y); free(got); free(offs);
+    mtrl_cuda_free(d_dy);
+    mtrl_cuda_free(d_dwp);
+    mtrl_cuda_free(d_dwv);
+    free(x); free(w); free(y); free(got); free(offs); free(dy); free(dx); free(dw); free(gw);
 }
 
 // n random lengths in [1, max], one of them (the 8th) empty.
@@ -238,6 +343,8 @@ int main(void) {
     TEST_EQ_INT(mtrl_kda_chunk_fwd_varlen(ctx, 2, bad, 2, 128, 128, d, d, d, d, d, d, NULL, NULL), -1);
     TEST_EQ_INT(mtrl_kda_chunk_fwd_varlen(ctx, 2, NULL, 2, 128, 128, d, d, d, d, d, d, NULL, NULL), -1);
     TEST_EQ_INT(mtrl_shortconv_fwd_varlen(ctx, 2, bad, 256, 4, d, d, d), -1);
+    TEST_EQ_INT(mtrl_shortconv_bwd_varlen(ctx, 2, bad, 256, 4, d, d, d, d, d), -1);
+    TEST_EQ_INT(mtrl_kda_chunk_bwd_varlen(ctx, 2, bad, 2, 128, 128, d, d, d, d, d, NULL, d, d, d, d, d, d), -1);
     mtrl_cuda_free(d);
     mtrl_cuda_ctx_destroy(ctx);
     return test_report();

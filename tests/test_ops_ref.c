@@ -5,7 +5,8 @@
 // weights R, on random non-zero inputs (relative error = max |fd − g| / max |g|). Forwards
 // are checked against direct formulas. Short conv: state carry across two halves equals one
 // run, the decode step equals the forward, and a two-segment backward (with
-// shortconv_state_bwd) equals the one-run backward. AdamW: one and two steps by hand.
+// shortconv_state_bwd) equals the one-run backward; packed pieces (varlen) against finite
+// differences and each piece alone. AdamW: one and two steps by hand.
 #include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -276,6 +277,38 @@ static void test_shortconv(void) {
     free(dw); free(dwg); free(yfull); free(ysplit); free(state); free(state_full);
 }
 
+// Packed pieces from the zero window (mtrl_ref_shortconv_fwd_varlen / _bwd_varlen): the backward
+// against finite differences of the packed forward (no gradient crosses a piece start), and
+// bit for bit the backward of each piece alone (state_in NULL), dw accumulating piece by piece.
+typedef struct { int n; const int *offs; int C, W; real *x, *w, *R, *y; } conv_vl_ctx;
+static double conv_vl_loss(void *p) {
+    conv_vl_ctx *c = p;
+    mtrl_ref_shortconv_fwd_varlen(c->n, c->offs, c->C, c->W, c->x, c->w, c->y);
+    return dot(c->R, c->y, (size_t)c->offs[c->n] * c->C);
+}
+
+static void test_shortconv_varlen(void) {
+    printf("shortconv varlen\n");
+    // pieces of 4, 0, 1, 2 (shorter than the window) and 5 tokens
+    static const int offs[6] = {0, 4, 4, 5, 7, 12};
+    const int np = 5, C = 3, W = 4, T = offs[np];
+    const size_t n = (size_t)T * C, nw = (size_t)C * W;
+    conv_vl_ctx c = {np, offs, C, W, randn(n, 1, 0), randn(nw, 0.7, 0), randn(n, 1, 0), malloc(sizeof(real) * n)};
+    real *dx = malloc(sizeof(real) * n), *dw0 = randn(nw, 1, 0), *dw = copyv(dw0, nw), *dwg = malloc(sizeof(real) * nw);
+    mtrl_ref_shortconv_bwd_varlen(np, offs, C, W, c.x, c.w, c.R, dx, dw);
+    for (size_t e = 0; e < nw; e++) dwg[e] = dw[e] - dw0[e];
+    CHECK_FD("shortconv varlen dx", conv_vl_loss, &c, c.x, n, dx);
+    CHECK_FD("shortconv varlen dw (+=)", conv_vl_loss, &c, c.w, nw, dwg);
+    real *dxp = malloc(sizeof(real) * n), *dwp = copyv(dw0, nw);
+    for (int i = 0; i < np; i++) {
+        size_t o = (size_t)offs[i] * C;
+        mtrl_ref_shortconv_bwd(offs[i + 1] - offs[i], C, W, c.x + o, c.w, NULL, c.R + o, dxp + o, dwp, NULL);
+    }
+    TEST_ARRAY_CLOSE(dx, dxp, n, 0, 0);
+    TEST_ARRAY_CLOSE(dw, dwp, nw, 0, 0);
+    free(c.x); free(c.w); free(c.R); free(c.y); free(dx); free(dw0); free(dw); free(dwg); free(dxp); free(dwp);
+}
+
 // ---- embedding -----------------------------------------------------------------------------
 
 static void test_embedding(void) {
@@ -380,6 +413,7 @@ int main(void) {
     test_norms();
     test_swiglu();
     test_shortconv();
+    test_shortconv_varlen();
     test_embedding();
     test_logprob();
     test_adamw();

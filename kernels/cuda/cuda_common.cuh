@@ -117,6 +117,19 @@ static inline int opt_count(int forced, int dflt, int lo, int hi) {
 }
 
 // ---- device helpers -------------------------------------------------------------------------
+// The piece of element x of a packed tensor (varlen kernels: kda/chunk_varlen_mma.cu,
+// core/conv_varlen.cu): the last p < n with first[p] <= x (first [n + 1] non-decreasing, the
+// pieces' first rows or tiles; first[0] <= x < first[n]; an empty piece shares its start with
+// the next and is skipped).
+__device__ __forceinline__ int vl_piece_of(const int *__restrict__ first, int n, int x) {
+    int lo = 0, hi = n - 1;  // invariant: first[lo] <= x, the answer in [lo, hi]
+    while (lo < hi) {
+        const int mid = (lo + hi + 1) >> 1;
+        if (first[mid] <= x) lo = mid;
+        else hi = mid - 1;
+    }
+    return lo;
+}
 __device__ __forceinline__ float warp_sum(float v) {
 #pragma unroll
     for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);

@@ -177,9 +177,11 @@ int mtrl_kda_chunk_bwd(mtrl_cuda_ctx *ctx, int T, int H, int K, int V, const flo
 int mtrl_kda_chunk_fwd_varlen(mtrl_cuda_ctx *ctx, int n, const int *offs_host, int H, int K, int V,
                               const float *q, const float *k, const float *v, const float *g,
                               const float *beta, float *o, float *S_final, float *S_tiles);
-// Its backward: mtrl_kda_chunk_bwd per piece (S0 = NULL, dS_final = NULL, no dS0), S_tiles as the
-// varlen forward wrote them (or NULL: recomputed per piece); dq, dk, dv, dg, dbeta overwritten at
-// every piece's rows.
+// Its backward: bit for bit mtrl_kda_chunk_bwd per piece (S0 = NULL, dS_final = NULL, no dS0),
+// S_tiles as the varlen forward wrote them (or NULL: recomputed); dq, dk, dv, dg, dbeta
+// overwritten at every piece's rows. Where mtrl_kda_chunk_bwd takes v3 (K = V = 128, 16-byte
+// aligned q, k, v, g, dout, kda_bwd not SIMT) four launches per group of pieces (the forward's
+// groups; scratch per tile as the per-piece call's), else mtrl_kda_chunk_bwd per piece.
 int mtrl_kda_chunk_bwd_varlen(mtrl_cuda_ctx *ctx, int n, const int *offs_host, int H, int K, int V,
                               const float *q, const float *k, const float *v, const float *g,
                               const float *beta, const float *S_tiles, const float *dout, float *dq,
@@ -369,6 +371,12 @@ int mtrl_shortconv_state_bwd(mtrl_cuda_ctx *ctx, int T, int C, int W, const floa
 // mtrl_shortconv_fwd per piece with state_in = NULL.
 int mtrl_shortconv_fwd_varlen(mtrl_cuda_ctx *ctx, int n, const int *offs_host, int C, int W,
                               const float *x, const float *w, float *y);
+// shortconv_bwd_varlen (ops_ref.h): its backward, dx overwritten, dw +=, four launches for the
+// pack (core/conv_varlen.cu): dx bit for bit mtrl_shortconv_bwd per piece with state_in = NULL;
+// dw deterministic, summed in row blocks of the pack (not per piece), so at fp32 rounding of the
+// per-piece calls' dw.
+int mtrl_shortconv_bwd_varlen(mtrl_cuda_ctx *ctx, int n, const int *offs_host, int C, int W,
+                              const float *x, const float *w, const float *dy, float *dx, float *dw);
 // B decode tokens of B sequences: x1 [B][C], windows [B][W-1][C] updated, y1 [B][C].
 int mtrl_shortconv_step(mtrl_cuda_ctx *ctx, int B, int C, int W, const float *x1,
                         const float *w, float *window, float *y1);

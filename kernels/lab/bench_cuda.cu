@@ -634,7 +634,8 @@ std::vector<int> parse_list(const char *s) {
 // packed pieces of `len` tokens, each from zero) against the per-piece launches the model ran
 // before it (mtrl_kda_chunk_fwd per piece), in the training form (o and every tile's state, what
 // the learner's forward stores) and the prefill form (o only); then the short conv's forward
-// (mtrl_shortconv_fwd_varlen against mtrl_shortconv_fwd per piece).
+// (mtrl_shortconv_fwd_varlen against mtrl_shortconv_fwd per piece); then both backwards, varlen
+// against per piece.
 void bench_kda_varlen(Bench &B, int n, int len, int H) {
     const int K = 128, V = 128, T = n * len;
     size_t nqk = (size_t)T * H * K, ntl = (size_t)n * ((len + 15) / 16), ns = (size_t)H * K * V;
@@ -678,8 +679,40 @@ void bench_kda_varlen(Bench &B, int n, int len, int H) {
     row("short conv fwd per piece", shape, cp, 2.0 * nqk * sizeof(float), "GB/s", B.copy_tbps * 1e3);
     row("short conv fwd varlen", shape, cl, 2.0 * nqk * sizeof(float), "GB/s", B.copy_tbps * 1e3);
     printf("%-34s %-34s varlen / per piece time %.3f\n", "", "", cl / cp);
+    // The backward over the same pack on the training form's tile states (the learner's): the
+    // varlen op (mtrl_kda_chunk_bwd_varlen: four launches for the pack) against mtrl_kda_chunk_bwd
+    // per piece; then the short conv's (mtrl_shortconv_bwd_varlen against mtrl_shortconv_bwd per
+    // piece; dw accumulates across the repeats, as in the model).
+    float *dout = rnd(B, nqk, -1, 1), *dq = (float *)mtrl_cuda_malloc(nqk * 4), *dk = (float *)mtrl_cuda_malloc(nqk * 4),
+          *dv = (float *)mtrl_cuda_malloc(nqk * 4), *dg = (float *)mtrl_cuda_malloc(nqk * 4),
+          *db = (float *)mtrl_cuda_malloc((size_t)T * H * 4), *dcw = rnd(B, (size_t)C * W, -0.5f, 0.5f);
+    mtrl_kda_chunk_fwd_varlen(B.c, n, offs.data(), H, K, V, q, k, v, g, beta, NULL, NULL, St);
     mtrl_cuda_sync(B.c);
-    float *bufs[] = {q, k, v, g, beta, o, St, cw};
+    double bp = time_ms(B, [&] {
+        for (int i = 0; i < n; i++) {
+            size_t x = (size_t)i * len, t = (size_t)i * ((len + 15) / 16), xk = x * H * K;
+            mtrl_kda_chunk_bwd(B.c, len, H, K, V, q + xk, k + xk, v + xk, g + xk, beta + x * H, NULL, St + t * ns,
+                               dout + xk, NULL, dq + xk, dk + xk, dv + xk, dg + xk, db + x * H, NULL);
+        }
+    });
+    double bv = time_ms(B, [&] {
+        mtrl_kda_chunk_bwd_varlen(B.c, n, offs.data(), H, K, V, q, k, v, g, beta, St, dout, dq, dk, dv, dg, db);
+    });
+    row("KDA bwd per piece (on S_tiles)", shape, bp, (double)T, "Mtok/s", 0);
+    row("KDA bwd varlen (on S_tiles)", shape, bv, (double)T, "Mtok/s", 0);
+    printf("%-34s %-34s varlen / per piece time %.3f\n", "", "", bv / bp);
+    double cbp = time_ms(B, [&] {
+        for (int i = 0; i < n; i++) {
+            size_t x = (size_t)i * len * C;
+            mtrl_shortconv_bwd(B.c, len, C, W, q + x, cw, NULL, dout + x, o + x, dcw, NULL);
+        }
+    });
+    double cbv = time_ms(B, [&] { mtrl_shortconv_bwd_varlen(B.c, n, offs.data(), C, W, q, cw, dout, o, dcw); });
+    row("short conv bwd per piece", shape, cbp, 3.0 * nqk * sizeof(float), "GB/s", B.copy_tbps * 1e3);
+    row("short conv bwd varlen", shape, cbv, 3.0 * nqk * sizeof(float), "GB/s", B.copy_tbps * 1e3);
+    printf("%-34s %-34s varlen / per piece time %.3f\n", "", "", cbv / cbp);
+    mtrl_cuda_sync(B.c);
+    float *bufs[] = {q, k, v, g, beta, o, St, cw, dout, dq, dk, dv, dg, db, dcw};
     for (float *b : bufs) mtrl_cuda_free(b);
 }
 

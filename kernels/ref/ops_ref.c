@@ -271,6 +271,14 @@ void mtrl_ref_shortconv_bwd(int T, int C, int W, const real *x, const real *w, c
     free(dp);
 }
 
+void mtrl_ref_shortconv_bwd_varlen(int n, const int *offs, int C, int W, const real *x, const real *w, const real *dy,
+                                   real *dx, real *dw) {
+    for (int i = 0; i < n; i++) {
+        size_t o = (size_t)offs[i] * C;
+        mtrl_ref_shortconv_bwd(offs[i + 1] - offs[i], C, W, x + o, w, NULL, dy + o, dx + o, dw, NULL);
+    }
+}
+
 void mtrl_ref_shortconv_state_bwd(int T, int C, int W, const real *dstate_out, real *dx, real *dstate_in) {
     for (int r = 0; r < W - 1; r++) {
         int t = T - (W - 1) + r;  // stream position that state_out row r copied

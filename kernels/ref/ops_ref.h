@@ -84,6 +84,11 @@ void mtrl_ref_shortconv_fwd(int T, int C, int W, const real *x, const real *w, c
 // This does not include a gradient arriving through state_out; see mtrl_ref_shortconv_state_bwd.
 void mtrl_ref_shortconv_bwd(int T, int C, int W, const real *x, const real *w, const real *state_in,
                    const real *dy, real *dx, real *dw, real *dstate_in);
+// The backward of mtrl_ref_shortconv_fwd_varlen: dx [offs[n]][C] overwritten on the pieces' rows,
+// dw [C][W] += each piece's in turn; exactly mtrl_ref_shortconv_bwd per piece with state_in =
+// NULL and no dstate_in.
+void mtrl_ref_shortconv_bwd_varlen(int n, const int *offs, int C, int W, const real *x, const real *w, const real *dy,
+                                   real *dx, real *dw);
 // The backward of the state_out copy: adds dstate_out [W−1][C] (= ∂L/∂state_out, i.e. the
 // next segment's dstate_in) into the inputs it was copied from: rows of dx (+=) and, when
 // T < W−1, rows of dstate_in (+=, nullable when T >= W−1). Call after mtrl_ref_shortconv_bwd of the

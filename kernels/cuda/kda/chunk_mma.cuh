@@ -504,4 +504,18 @@ void kda3_prep_launch(mtrl_cuda_ctx *c, int T, int H, const float *q, const floa
 void kda3_state_fwd_launch(mtrl_cuda_ctx *c, int T, int H, const unsigned char *rec, const float *S0,
                            float *o, float *S_final, float *S_tiles, int split);
 
+// The varlen backward's passes over a group of np consecutive pieces of a pack
+// (kda/chunk_varlen_mma.cu's mtrl_kda_chunk_bwd_varlen; K = V = 128, bf16x3 records): ofs, ts
+// [np + 1] (device) the pieces' first tokens and first tiles in the pack, the group's NT tiles
+// from pack tile tb0; rec [H][NT] records, dD [H][16 NT][V], dSt [NT][H][K][V] and St (the tiles'
+// incoming states) the group's, from its first tile; dout, q .. dbeta the pack's.
+//   kda/chunk_mma_bwd.cu: the state-gradient pass, each piece from dS = 0 at its end, no dS0.
+//   kda/chunk_simt.cu: pass 3 per tile (-1 when it does not fit in shared memory).
+void kda3_state_bwd_varlen_launch(mtrl_cuda_ctx *c, int np, int NT, int tb0, int H, const int *ofs, const int *ts,
+                                  const unsigned char *rec, const float *dout, float *dD, float *dSt);
+int kda_tile_bwd_varlen_launch(mtrl_cuda_ctx *c, int np, int NT, int tb0, int H, const int *ofs, const int *ts,
+                               const float *q, const float *k, const float *v, const float *g, const float *beta,
+                               const float *St, const float *dout, const float *dD, const float *dSt, float *dq,
+                               float *dk, float *dv, float *dg, float *dbeta);
+
 #endif

@@ -57,6 +57,10 @@
 // guessed at ~1/4 of the v2 backward's time. Measured, it saves little of the whole backward:
 // pass 3 (per tile, in parallel) dominates, which is why its tensor-core form (kda_bwd_tile =
 // auto) came next; both are the default, every gpu test passing with them (docs/perf.md).
+// The pass's body is kda3_state_bwd_ (one block's columns over a range of a sequence's tiles):
+// kda3_state_bwd_k runs it over one sequence, kda_vl_state_bwd_k over every piece of a pack on a
+// grid with a pieces dimension (the varlen backward, kda/chunk_varlen_mma.cu), so both give the
+// same bits per piece.
 #include <math.h>
 #include <stdlib.h>
 
@@ -76,28 +80,31 @@ struct StBwdCfg : StKside<X> {
     static_assert(NST3 * STAGE <= 232448, "the sm_90 opt-in shared memory per block");
 };
 
-// Tiles [n_lo, n_hi) of nt (the whole sequence: 0, nt), last to first: dS_final is the gradient
-// of the state leaving tile n_hi - 1, dS0 the one entering tile n_lo.
+// The pass for one block (value columns jb .. jb + 16 WPB − 1 of head h) over tiles [n_lo, n_hi)
+// of a sequence of T tokens, last to first: dS_final is the gradient of the state leaving tile
+// n_hi - 1, dS0 the one entering tile n_lo. The record of (h, n) is at rec + (h nrs + n)
+// Rec<X>::BYTES, row r of tile n of dD [H][Tp][V] at dD + ((h Tp + 16 n + r) V): a whole sequence
+// has nrs = nt, Tp = 16 nt; a piece of a pack (kda_vl_state_bwd_k) its group's, with rec and dD
+// at the piece's first tile. kda3_state_bwd_k's body, a function so that the varlen pass runs the
+// same code: both are inlined from here.
 template <int WPB, bool X>
-__global__ void __launch_bounds__(32 * WPB, 1)
-    kda3_state_bwd_k(int T, int H, int nt, int n_lo, int n_hi, const unsigned char *__restrict__ rec,
-                     const float *__restrict__ dout, const float *dS_final, float *__restrict__ dD,
-                     float *__restrict__ dS_tiles, float *dS0) {
+__device__ __forceinline__ void kda3_state_bwd_(int T, int H, int nrs, size_t Tp, int n_lo, int n_hi, int h, int jb,
+                                                const unsigned char *__restrict__ rec,
+                                                const float *__restrict__ dout, const float *dS_final,
+                                                float *__restrict__ dD, float *__restrict__ dS_tiles, float *dS0) {
     using Cf = StBwdCfg<WPB, X>;
     using Rc = Rec<X>;
     constexpr int NTH = 32 * WPB, LDO = Cf::LDO, NB = K3 / 8;
     constexpr int LO3 = Cf::LO3 / 2, LOP = Cf::LOP / 2;  // lo parts (elements)
     extern __shared__ __align__(16) unsigned char sm3_[];
     const int tid = threadIdx.x, lane = tid & 31, w = tid >> 5, gq = lane >> 2, tq = lane & 3;
-    const int h = blockIdx.y, jb = blockIdx.x * 16 * WPB;  // the block's first value column
-    const int jw = 16 * w, j0 = jb + jw;                     // the warp's, in the block / global
-    const size_t Tp = (size_t)nt * C3;
+    const int jw = 16 * w, j0 = jb + jw;  // the warp's first value column, in the block / global
 
     // Step i (0 .. cnt-1) works on tile n_hi-1-i in stage i % NST3.
     const int cnt = n_hi - n_lo;
     auto issue = [&](int i) {
         const int n = n_hi - 1 - i;
-        const unsigned char *R = rec + ((size_t)h * nt + n) * Rc::BYTES;
+        const unsigned char *R = rec + ((size_t)h * nrs + n) * Rc::BYTES;
         unsigned char *st = sm3_ + (i % NST3) * Cf::STAGE;
         KDA3_STAGE_KSIDE_(st, R, Cf::SP, Cf::SEG, tid, NTH, Cf::NP);
         // dO rows of the tile, the block's columns; rows past T as zeros
@@ -206,6 +213,34 @@ __global__ void __launch_bounds__(32 * WPB, 1)
     if (dS0) KDA3_STATE_STORE_(dS0, st, h, j0, gq, tq);
 }
 
+// Tiles [n_lo, n_hi) of nt (the whole sequence: 0, nt), last to first: dS_final is the gradient
+// of the state leaving tile n_hi - 1, dS0 the one entering tile n_lo.
+template <int WPB, bool X>
+__global__ void __launch_bounds__(32 * WPB, 1)
+    kda3_state_bwd_k(int T, int H, int nt, int n_lo, int n_hi, const unsigned char *__restrict__ rec,
+                     const float *__restrict__ dout, const float *dS_final, float *__restrict__ dD,
+                     float *__restrict__ dS_tiles, float *dS0) {
+    kda3_state_bwd_<WPB, X>(T, H, nt, (size_t)nt * C3, n_lo, n_hi, blockIdx.y, blockIdx.x * 16 * WPB, rec, dout,
+                            dS_final, dD, dS_tiles, dS0);
+}
+
+// The varlen pass over a group of np consecutive pieces of a pack (kda/chunk_varlen_mma.cu): block
+// (x, h, z) runs kda3_state_bwd_ over piece z's tiles from dS = 0 (no gradient arrives through a
+// piece's final state) and gives no dS0 (none leaves through its zero initial state), as
+// mtrl_kda_chunk_bwd per piece with dS_final = dS0 = NULL. ofs, ts [np + 1]: the pieces' first
+// tokens and first tiles in the pack; the group's NT tiles start at pack tile tb0, its records
+// rec [H][NT], dD [H][16 NT][V] and dS_tiles [NT][H][K][V] hold them in that order.
+template <int WPB, bool X>
+__global__ void __launch_bounds__(32 * WPB, 1)
+    kda_vl_state_bwd_k(int NT, int tb0, int H, const int *__restrict__ ofs, const int *__restrict__ ts,
+                       const unsigned char *__restrict__ rec, const float *__restrict__ dout_all,
+                       float *__restrict__ dD, float *__restrict__ dS_tiles) {
+    const int p = blockIdx.z, tb = ts[p] - tb0, nt = ts[p + 1] - ts[p], T = ofs[p + 1] - ofs[p];
+    kda3_state_bwd_<WPB, X>(T, H, NT, (size_t)NT * C3, 0, nt, blockIdx.y, blockIdx.x * 16 * WPB,
+                            rec + (size_t)tb * Rec<X>::BYTES, dout_all + (size_t)ofs[p] * H * V3, nullptr,
+                            dD + (size_t)tb * C3 * V3, dS_tiles + (size_t)tb * H * K3 * V3, nullptr);
+}
+
 template <int WPB, bool X>
 void launch_state_bwd3_(mtrl_cuda_ctx *c, int T, int H, int nt, int n_lo, int n_hi, const unsigned char *rec,
                         const float *dout, const float *dS_final, float *dD, float *dSt, float *dS0) {
@@ -227,4 +262,14 @@ void kda3_state_bwd_launch(mtrl_cuda_ctx *c, int T, int H, int n_lo, int n_hi, c
                            const float *dout, const float *dS_final, float *dD, float *dSt, float *dS0) {
     const int nt = (T + C3 - 1) / C3;
     launch_state_bwd3_<4, true>(c, T, H, nt, n_lo, n_hi, rec, dout, dS_final, dD, dSt, dS0);  // 4 warps a block
+}
+
+// The varlen form over a group of np pieces (kda_vl_state_bwd_k; records by kda/chunk_varlen_mma.cu's
+// prep, split = 1), 4 warps a block as kda3_state_bwd_launch.
+void kda3_state_bwd_varlen_launch(mtrl_cuda_ctx *c, int np, int NT, int tb0, int H, const int *ofs, const int *ts,
+                                  const unsigned char *rec, const float *dout, float *dD, float *dSt) {
+    const size_t sh = StBwdCfg<4, true>::smem();
+    set_smem(kda_vl_state_bwd_k<4, true>, sh);
+    kda_vl_state_bwd_k<4, true><<<dim3(V3 / 64, H, np), 128, sh, c->stream>>>(NT, tb0, H, ofs, ts, rec, dout, dD, dSt);
+    CUDA_LAUNCH_CHECK();
 }

@@ -634,15 +634,16 @@ static size_t tile_bwd_floats(int K, int V) {
 // latency overlaps the previous chunk's products; chunk 0's is issued before the tile loads.
 // KV = 128: K = V = 128 known at compile time (the default shape; the index arithmetic of every
 // loop folds: no integer division by a runtime K or V), 0: K_ and V_ as passed.
-// Grid (tiles, H): block x works on tile n0 + x of the sequence's nt.
+// kda_tile_bwd_: tile n of head h of a sequence of T tokens; row r of the tile in dD [H][16 nt][V]
+// at dD + (16 (h nt + n) + r) V (a whole sequence: its nt tiles; a piece of a pack,
+// kda_vl_tile_bwd_k: its group's NT, with dD, S_tiles and dS_tiles at the piece's first tile). kda_tile_bwd_k's body, a
+// function so that the varlen pass runs the same code: both are inlined from here.
 template <bool TC, int NTH, int KV>
-__global__ void __launch_bounds__(NTH, 1) kda_tile_bwd_k(int T, int H, int K_, int V_, int nt, int n0, const float *q,
-                                                      const float *k, const float *v,
-                                                      const float *g, const float *beta,
-                                                      const float *S_tiles, const float *dout,
-                                                      const float *dD, const float *dS_tiles,
-                                                      float *dq, float *dk, float *dv, float *dg,
-                                                      float *dbeta) {
+__device__ __forceinline__ void kda_tile_bwd_(int T, int H, int K_, int V_, int nt, int n, int h, const float *q,
+                                              const float *k, const float *v, const float *g, const float *beta,
+                                              const float *S_tiles, const float *dout, const float *dD,
+                                              const float *dS_tiles, float *dq, float *dk, float *dv, float *dg,
+                                              float *dbeta) {
     const int K = KV ? KV : K_, V = KV ? KV : V_;
     extern __shared__ float sm[];
     TileSh s;
@@ -674,7 +675,7 @@ __global__ void __launch_bounds__(NTH, 1) kda_tile_bwd_k(int T, int H, int K_, i
     p = (float *)(((uintptr_t)p + 15) & ~(uintptr_t)15);
     uint4 *fW = (uint4 *)p, *fO = fW + 2 * 32 * (K / 16), *fL = fO + 2 * 32 * (CW / 16), *fD = fL + 2 * 32 * (CW / 16);
 
-    int n = n0 + blockIdx.x, h = blockIdx.y, t0 = n * KT;
+    int t0 = n * KT;
     int cr = T - t0 < KT ? T - t0 : KT;
     size_t Tp = (size_t)nt * KT;
     const float *S = S_tiles + ((size_t)n * H + h) * K * V;
@@ -873,6 +874,39 @@ __global__ void __launch_bounds__(NTH, 1) kda_tile_bwd_k(int T, int H, int K_, i
     }
     if (threadIdx.x < KT && (int)threadIdx.x < cr)
         dbeta[(size_t)(t0 + threadIdx.x) * H + h] = db[threadIdx.x];
+}
+
+// Grid (tiles, H): block x works on tile n0 + x of the sequence's nt.
+template <bool TC, int NTH, int KV>
+__global__ void __launch_bounds__(NTH, 1) kda_tile_bwd_k(int T, int H, int K_, int V_, int nt, int n0, const float *q,
+                                                      const float *k, const float *v,
+                                                      const float *g, const float *beta,
+                                                      const float *S_tiles, const float *dout,
+                                                      const float *dD, const float *dS_tiles,
+                                                      float *dq, float *dk, float *dv, float *dg,
+                                                      float *dbeta) {
+    kda_tile_bwd_<TC, NTH, KV>(T, H, K_, V_, nt, n0 + blockIdx.x, blockIdx.y, q, k, v, g, beta, S_tiles,
+                               dout, dD, dS_tiles, dq, dk, dv, dg, dbeta);
+}
+
+// The varlen pass 3 over a group of np consecutive pieces of a pack (kda/chunk_varlen_mma.cu):
+// grid (NT, H), block x on tile x of the group's NT (pack tile tb0 + x), in the piece a binary
+// search over the pieces' first tiles ts [np + 1] finds (ofs [np + 1]: their first tokens), as
+// kda_tile_bwd_k on that piece would. St (the incoming tile states), dD [H][16 NT][V] and dSt
+// [NT][H][K][V] hold the group's tiles from its first; q .. dbeta are the pack's.
+template <bool TC, int NTH, int KV>
+__global__ void __launch_bounds__(NTH, 1)
+    kda_vl_tile_bwd_k(int np, int NT, int tb0, int H, int K_, int V_, const int *__restrict__ ofs,
+                      const int *__restrict__ ts, const float *q, const float *k, const float *v, const float *g,
+                      const float *beta, const float *St, const float *dout, const float *dD, const float *dSt,
+                      float *dq, float *dk, float *dv, float *dg, float *dbeta) {
+    const int K = KV ? KV : K_, V = KV ? KV : V_;
+    const int gt = tb0 + blockIdx.x, pc = vl_piece_of(ts, np, gt), tb = ts[pc] - tb0;
+    const size_t x = (size_t)ofs[pc], xk = x * H * K, xv = x * H * V, hkv = (size_t)H * K * V;
+    kda_tile_bwd_<TC, NTH, KV>(ofs[pc + 1] - ofs[pc], H, K_, V_, NT, gt - ts[pc], blockIdx.y, q + xk,
+                               k + xk, v + xv, g + xk, beta + x * H, St + tb * hkv, dout + xv,
+                               dD + (size_t)tb * KT * V, dSt + tb * hkv, dq + xk, dk + xk, dv + xv, dg + xk,
+                               dbeta + x * H);
 }
 
 // ---- decode step -------------------------------------------------------------------------------
@@ -1158,6 +1192,39 @@ void kda3_state_fwd_launch(mtrl_cuda_ctx *c, int T, int H, const unsigned char *
 void kda3_state_bwd_launch(mtrl_cuda_ctx *c, int T, int H, int n_lo, int n_hi, const unsigned char *rec,
                            const float *dout, const float *dS_final, float *dD, float *dSt, float *dS0);
 
+// Which pass 3 runs (KDA_TILE_BWD_(TC, NTH, KV), defined where it is used): the options' and the
+// shape's, the same for a sequence (mtrl_kda_chunk_bwd) and a pack (kda_tile_bwd_varlen_launch).
+#define KDA_TILE_BWD_PICK_(c, K, V)                                                                    \
+    do {                                                                                               \
+        if ((c)->opts.kda_bwd_tile == MTRL_KOPT_SIMT) KDA_TILE_BWD_(false, 256, 0); /* v2's SIMT pass 3 */ \
+        else if ((c)->opts.kda_tile_threads == 256) KDA_TILE_BWD_(true, 256, 0);   /* tensor cores, 8 warps */ \
+        else if ((K) == 128 && (V) == 128) KDA_TILE_BWD_(true, 512, 128);          /* the default */      \
+        else KDA_TILE_BWD_(true, 512, 0);                                                              \
+    } while (0)
+
+// Pass 3 over a group of np pieces of a pack (kda_vl_tile_bwd_k, K = V = 128): the varlen
+// backward's (kda/chunk_varlen_mma.cu); -1 when the shape's pass 3 does not fit in shared memory.
+int kda_tile_bwd_varlen_launch(mtrl_cuda_ctx *c, int np, int NT, int tb0, int H, const int *ofs, const int *ts,
+                               const float *q, const float *k, const float *v, const float *g, const float *beta,
+                               const float *St, const float *dout, const float *dD, const float *dSt, float *dq,
+                               float *dk, float *dv, float *dg, float *dbeta) {
+    const int K = 128, V = 128;
+    if (kda_check_(c, 1, H, K, V)) return -1;
+    const size_t sh = sizeof(float) * tile_bwd_floats(K, V);
+    const dim3 grid(NT, H);
+#define KDA_TILE_BWD_(TC, NTH, KV)                                                                           \
+    do {                                                                                                     \
+        set_smem(kda_vl_tile_bwd_k<TC, NTH, KV>, sh);                                                        \
+        kda_vl_tile_bwd_k<TC, NTH, KV><<<grid, NTH, sh, c->stream>>>(np, NT, tb0, H, K, V, ofs, ts, q, k, v, g, \
+                                                                     beta, St, dout, dD, dSt, dq, dk, dv, dg,  \
+                                                                     dbeta);                                  \
+    } while (0)
+    KDA_TILE_BWD_PICK_(c, K, V);
+#undef KDA_TILE_BWD_
+    CUDA_LAUNCH_CHECK();
+    return 0;
+}
+
 // Pieces of the v3 backward's state-gradient pass (pass 2), each followed by pass 3 over its
 // tiles on a second stream while pass 2 goes on with the next piece (mtrl_kda_chunk_bwd). Pass 2
 // walks the tiles in sequence on 2H blocks (K = V = 128, 4 warps each) and leaves the other SMs
@@ -1269,10 +1336,7 @@ extern "C" int mtrl_kda_chunk_bwd(mtrl_cuda_ctx *c, int T, int H, int K, int V, 
         kda_tile_bwd_k<TC, NTH, KV><<<grid, NTH, sh, st>>>(T, H, K, V, nt, n0, q, k, v, g, beta, S_tiles, dout, \
                                                            dD, dSt, dq, dk, dv, dg, dbeta);                   \
     } while (0)
-        if (c->opts.kda_bwd_tile == MTRL_KOPT_SIMT) KDA_TILE_BWD_(false, 256, 0);    // v2's SIMT pass 3
-        else if (c->opts.kda_tile_threads == 256) KDA_TILE_BWD_(true, 256, 0);      // tensor cores, 8 warps
-        else if (K == 128 && V == 128) KDA_TILE_BWD_(true, 512, 128);                // the default
-        else KDA_TILE_BWD_(true, 512, 0);
+        KDA_TILE_BWD_PICK_(c, K, V);
 #undef KDA_TILE_BWD_
         CUDA_LAUNCH_CHECK();
     };

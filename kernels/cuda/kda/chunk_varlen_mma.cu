@@ -1,5 +1,5 @@
 // chunk_varlen_mma.cu: the KDA chunked forward over many packed sequences in one launch per stage,
-// mtrl_kda_chunk_fwd_varlen, and its backward mtrl_kda_chunk_bwd_varlen.
+// mtrl_kda_chunk_fwd_varlen, and its backward mtrl_kda_chunk_bwd_varlen (the same tables).
 //
 // Why: the learner packs many short sequences into one segment (model_ws.h: n_piece pieces laid
 // end to end, each from the zero state), and a per-piece call runs two launches (v3's prep and
@@ -23,10 +23,20 @@
 // (tests/test_cuda_kda_varlen.cu checks it). The blocks of short pieces finish early and free
 // their SM for the next ones, so the state pass of many short pieces fills the GPU where one
 // piece's 2H blocks leave most of it idle.
-// Shapes v3 does not take (K != 128, V != 128, unaligned inputs, the kda_fwd = SIMT option) run
-// mtrl_kda_chunk_fwd per piece. The backward runs mtrl_kda_chunk_bwd per piece (one launch per
-// stage for it is the next step: the same tables over kda_tc_bwd_cuda.cu's state-gradient pass
-// and kda_cuda.cu's per-tile pass).
+// The backward, mtrl_kda_chunk_bwd_varlen, runs mtrl_kda_chunk_bwd's v3 stages the same way, per
+// group of pieces (the same groups; its scratch per tile is the per-piece call's):
+//   1. the prep above (bf16x3 records, as the v3 backward always splits);
+//   2. without the caller's tile states, the state pass above for them (o and S_final off);
+//   3. the state-gradient pass (kda/chunk_mma_bwd.cu, kda_vl_state_bwd_k), grid (V / 64, H, pieces):
+//      block z walks piece z's tiles from its last to its first from dS = 0 (no gradient arrives
+//      through a final state), writing no dS0 (none leaves through the zero initial state);
+//   4. pass 3 per tile (kda/chunk_simt.cu, kda_vl_tile_bwd_k), grid (tiles, H), the tile's piece
+//      by the same binary search.
+// Stages 3 and 4 inline the per-sequence kernels' own bodies (kda3_state_bwd_, kda_tile_bwd_), so
+// dq, dk, dv, dg, dβ are bit for bit those of mtrl_kda_chunk_bwd per piece with S0, dS_final and
+// dS0 NULL (tests/test_cuda_kda_varlen.cu). Four launches per group instead of four per piece.
+// Shapes v3 does not take (K != 128, V != 128, unaligned inputs, the kda_fwd = SIMT option; for the
+// backward kda_bwd = SIMT too) run mtrl_kda_chunk_fwd / mtrl_kda_chunk_bwd per piece.
 #include <stdio.h>
 #include <stdlib.h>
 
@@ -38,18 +48,6 @@ int kda3_supports(int H, int K, int V, const float *q, const float *k, const flo
                   const float *g);  // kda/chunk_mma.cu
 
 namespace {
-
-// The piece of tile gt: the last p < n with ts[p] <= gt (ts [n + 1] non-decreasing, ts[0] <= gt <
-// ts[n]; a piece with no tiles shares its start with the next and is skipped).
-__device__ __forceinline__ int vl_piece_of_(const int *__restrict__ ts, int n, int gt) {
-    int lo = 0, hi = n - 1;  // invariant: ts[lo] <= gt, the answer in [lo, hi]
-    while (lo < hi) {
-        const int mid = (lo + hi + 1) >> 1;
-        if (ts[mid] <= gt) lo = mid;
-        else hi = mid - 1;
-    }
-    return lo;
-}
 
 // Pass 1 over the NT tiles of a group of np consecutive pieces (the launcher's groups), tiles tb0 ..
 // tb0 + NT − 1 of the pack: the record of the group's tile gl, head h at rec + (h NT + gl)
@@ -70,7 +68,7 @@ __global__ void __launch_bounds__(128) kda_vl_prep_k(int np, int NT, int tb0, in
     if (gl >= NT) return;  // no block barriers in this kernel
     // the tile's piece, and what a per-piece launch over that piece would have been given
     // (the macro declares its own p and t0)
-    const int pc = vl_piece_of_(ts, np, gt), first = ofs[pc], T = ofs[pc + 1] - first, n = gt - ts[pc], nt = NT;
+    const int pc = vl_piece_of(ts, np, gt), first = ofs[pc], T = ofs[pc + 1] - first, n = gt - ts[pc], nt = NT;
     const size_t xk = (size_t)first * H * K3, xv = (size_t)first * H * V3;
     const float *q = q_all + xk, *k = k_all + xk, *v = v_all + xv, *g = g_all + xk,
                 *beta = beta_all + (size_t)first * H;
@@ -171,6 +169,44 @@ int vl_tiles_(const char *fn, int n, const int *offs_host, long long *NT) {
     return 0;
 }
 
+// Groups of consecutive pieces of at most vl_cap_ tiles, one launch per stage each: the scratch
+// per tile (records; the backward's dΔ, dS and recomputed states) then takes no more than the
+// longest piece's per-piece call or one sequence of the pack's length would (a pack of many
+// 1-token pieces has a tile per token).
+int vl_cap_(int n, const int *offs) {
+    int cap = (offs[n] - offs[0] + C3 - 1) / C3;
+    for (int i = 0; i < n; i++) cap = std::max(cap, (offs[i + 1] - offs[i] + C3 - 1) / C3);
+    return cap;
+}
+// The end (exclusive) of the group from piece p0: as many pieces as fit in cap tiles, one at least.
+int vl_group_end_(int n, const int *ts_h, int p0, int cap) {
+    int p1 = p0 + 1;
+    while (p1 < n && ts_h[p1 + 1] - ts_h[p0] <= cap) p1++;
+    return p1;
+}
+// The tables the kernels search: ofs [n + 1] (the pieces' first tokens), then ts [n + 1] (their
+// first tiles), on the host (returned, to free; NULL when out of memory) and copied to tab.
+int *vl_tables_(mtrl_cuda_ctx *c, const char *fn, int n, const int *offs_host, int *tab) {
+    int *tab_h = (int *)malloc(sizeof(int) * 2 * ((size_t)n + 1));
+    if (!tab_h) {
+        fprintf(stderr, "%s: out of host memory for %d pieces\n", fn, n);
+        return nullptr;
+    }
+    int *ts_h = tab_h + n + 1;
+    for (int i = 0; i <= n; i++) tab_h[i] = offs_host[i];
+    ts_h[0] = 0;
+    for (int i = 0; i < n; i++) ts_h[i + 1] = ts_h[i] + (offs_host[i + 1] - offs_host[i] + C3 - 1) / C3;
+    // pageable: staged before the call returns
+    const cudaError_t e =
+        cudaMemcpyAsync(tab, tab_h, sizeof(int) * 2 * ((size_t)n + 1), cudaMemcpyHostToDevice, c->stream);
+    if (e != cudaSuccess) {
+        fprintf(stderr, "%s: copying the tables of %d pieces: %s\n", fn, n, cudaGetErrorString(e));
+        free(tab_h);
+        return nullptr;
+    }
+    return tab_h;
+}
+
 }  // namespace
 
 extern "C" int mtrl_kda_chunk_fwd_varlen(mtrl_cuda_ctx *c, int n, const int *offs_host, int H, int K, int V,
@@ -192,32 +228,20 @@ extern "C" int mtrl_kda_chunk_fwd_varlen(mtrl_cuda_ctx *c, int n, const int *off
         }
         return 0;
     }
-    // Groups of consecutive pieces of at most `cap` tiles, one prep and one state pass each: the
-    // records (scratch) then take no more than the longest piece's per-piece call or one sequence
-    // of the pack's length would (a pack of many 1-token pieces has a tile per token).
     const int split = !c->opts.kda_plain_bf16;
-    int cap = (offs_host[n] - offs_host[0] + C3 - 1) / C3;
-    for (int i = 0; i < n; i++) cap = std::max(cap, (offs_host[i + 1] - offs_host[i] + C3 - 1) / C3);
+    const int cap = vl_cap_(n, offs_host);
     ws_carver sz{nullptr, 0};
     sz.take<unsigned char>((size_t)H * cap * kda3_rec_bytes(split));
     sz.take<int>(2 * ((size_t)n + 1));
     ws_carver cv{(char *)mtrl_ctx_scratch(c, sz.off), 0};
     unsigned char *rec = cv.take<unsigned char>((size_t)H * cap * kda3_rec_bytes(split));
     int *tab = cv.take<int>(2 * ((size_t)n + 1));  // ofs [n + 1], then ts [n + 1]
-    int *tab_h = (int *)malloc(sizeof(int) * 2 * ((size_t)n + 1));
-    if (!tab_h) {
-        fprintf(stderr, "%s: out of host memory for %d pieces\n", __func__, n);
-        return -1;
-    }
-    int *ts_h = tab_h + n + 1;
-    for (int i = 0; i <= n; i++) tab_h[i] = offs_host[i];
-    ts_h[0] = 0;
-    for (int i = 0; i < n; i++) ts_h[i + 1] = ts_h[i] + (offs_host[i + 1] - offs_host[i] + C3 - 1) / C3;
-    // pageable: staged before the call returns
-    CUDA_CHECK(cudaMemcpyAsync(tab, tab_h, sizeof(int) * 2 * ((size_t)n + 1), cudaMemcpyHostToDevice, c->stream));
+    int *tab_h = vl_tables_(c, __func__, n, offs_host, tab);
+    if (!tab_h) return -1;
+    const int *ts_h = tab_h + n + 1;
     const size_t hkv = (size_t)H * K3 * V3;
     for (int p0 = 0, p1; p0 < n; p0 = p1) {
-        for (p1 = p0 + 1; p1 < n && ts_h[p1 + 1] - ts_h[p0] <= cap; p1++) {}
+        p1 = vl_group_end_(n, ts_h, p0, cap);
         const int np = p1 - p0, tb0 = ts_h[p0], nt = ts_h[p1] - tb0;
         const int *ofs = tab + p0, *ts = tab + n + 1 + p0;
         float *Sf = S_final ? S_final + (size_t)p0 * hkv : nullptr, *St = S_tiles ? S_tiles + (size_t)tb0 * hkv : nullptr;
@@ -239,16 +263,57 @@ extern "C" int mtrl_kda_chunk_bwd_varlen(mtrl_cuda_ctx *c, int n, const int *off
                                          float *dk, float *dv, float *dg, float *dbeta) {
     long long NT = 0;
     if (vl_tiles_(__func__, n, offs_host, &NT)) return -1;
-    const size_t hv = (size_t)H * K * V;
-    size_t tiles = 0;
-    for (int i = 0; i < n; i++) {
-        const int Ti = offs_host[i + 1] - offs_host[i];
-        const size_t xk = (size_t)offs_host[i] * H * K, xv = (size_t)offs_host[i] * H * V;
-        if (mtrl_kda_chunk_bwd(c, Ti, H, K, V, q + xk, k + xk, v + xv, g + xk, beta + (size_t)offs_host[i] * H,
-                               NULL, S_tiles ? S_tiles + tiles * hv : NULL, dout + xv, NULL, dq + xk, dk + xk,
-                               dv + xv, dg + xk, dbeta + (size_t)offs_host[i] * H, NULL))
-            return -1;
-        tiles += (size_t)((Ti + C3 - 1) / C3);
+    // the shapes and options for which mtrl_kda_chunk_bwd takes v3 (kda/chunk_simt.cu)
+    const bool v3 = mtrl_kda_chunk_bwd_version(c, H, K, V) == 3 && kda3_supports(H, K, V, q, k, v, g) &&
+                    ((uintptr_t)dout & 15u) == 0;
+    if (!v3 || NT == 0) {  // per piece: other shapes, or nothing but empty pieces (no gradient)
+        const size_t hv = (size_t)H * K * V;
+        size_t tiles = 0;
+        for (int i = 0; i < n; i++) {
+            const int Ti = offs_host[i + 1] - offs_host[i];
+            const size_t xk = (size_t)offs_host[i] * H * K, xv = (size_t)offs_host[i] * H * V;
+            if (mtrl_kda_chunk_bwd(c, Ti, H, K, V, q + xk, k + xk, v + xv, g + xk, beta + (size_t)offs_host[i] * H,
+                                   NULL, S_tiles ? S_tiles + tiles * hv : NULL, dout + xv, NULL, dq + xk, dk + xk,
+                                   dv + xv, dg + xk, dbeta + (size_t)offs_host[i] * H, NULL))
+                return -1;
+            tiles += (size_t)((Ti + C3 - 1) / C3);
+        }
+        return 0;
     }
-    return 0;
+    // Per group: the bf16x3 records (the prep, as mtrl_kda_chunk_bwd's v3 always splits), the tile
+    // states when the caller has none (the forward's state pass), the state-gradient pass, pass 3.
+    const int cap = vl_cap_(n, offs_host);
+    const size_t hkv = (size_t)H * K3 * V3;
+    unsigned char *rec = nullptr;
+    float *dD = nullptr, *dSt = nullptr, *own = nullptr;
+    int *tab = nullptr;
+    auto carve = [&](ws_carver &cv) {
+        rec = cv.take<unsigned char>((size_t)H * cap * kda3_rec_bytes(1));
+        dD = cv.take<float>((size_t)H * cap * C3 * V3);
+        dSt = cv.take<float>((size_t)cap * hkv);
+        own = S_tiles ? nullptr : cv.take<float>((size_t)cap * hkv);
+        tab = cv.take<int>(2 * ((size_t)n + 1));  // ofs [n + 1], then ts [n + 1]
+    };
+    ws_carver sz{nullptr, 0};
+    carve(sz);
+    ws_carver cv{(char *)mtrl_ctx_scratch(c, sz.off), 0};
+    carve(cv);
+    int *tab_h = vl_tables_(c, __func__, n, offs_host, tab);
+    if (!tab_h) return -1;
+    const int *ts_h = tab_h + n + 1;
+    int rc = 0;
+    for (int p0 = 0, p1; p0 < n && !rc; p0 = p1) {
+        p1 = vl_group_end_(n, ts_h, p0, cap);
+        const int np = p1 - p0, tb0 = ts_h[p0], nt = ts_h[p1] - tb0;
+        const int *ofs = tab + p0, *ts = tab + n + 1 + p0;
+        if (!nt) continue;  // empty pieces only: no gradient to give
+        vl_prep_<true>(c, np, nt, tb0, H, ofs, ts, q, k, v, g, beta, rec);
+        const float *St = S_tiles ? S_tiles + (size_t)tb0 * hkv : own;
+        if (!S_tiles) vl_state_<4, true>(c, np, nt, tb0, H, ofs, ts, rec, nullptr, nullptr, own);
+        kda3_state_bwd_varlen_launch(c, np, nt, tb0, H, ofs, ts, rec, dout, dD, dSt);
+        rc = kda_tile_bwd_varlen_launch(c, np, nt, tb0, H, ofs, ts, q, k, v, g, beta, St, dout, dD, dSt, dq, dk, dv,
+                                        dg, dbeta);
+    }
+    free(tab_h);
+    return rc;
 }
