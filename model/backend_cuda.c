@@ -351,6 +351,15 @@ static void kda_gate_bwd_(BE *be, int kind, int T, int H, int K, const real *f, 
     if (kind == MTRL_KDA_GATE_KIMI) OK(mtrl_kda_gate_kimi_bwd(CTX(be), T, H, K, f, A, b, gm, dg, df, dA, db));
     else OK(mtrl_kda_gate_bwd(CTX(be), T, H, K, f, A, b, gm, dg, df, dA, db));
 }
+static void shortconv_fwd_varlen_io_(BE *be, int n, const int *offs, int C, int W, const real *x, const real *w,
+                                     const real *const *win_in, real *const *win_out, real *y) {
+    OK(mtrl_shortconv_fwd_varlen_io(CTX(be), n, offs, C, W, x, w, win_in, win_out, y));
+}
+static void kda_chunk_fwd_varlen_io_(BE *be, int n, const int *offs, int H, int K, int V, const real *q,
+                                     const real *k, const real *v, const real *g, const real *beta,
+                                     const real *const *S0, real *o, real *const *Sf, real *St) {
+    OK(mtrl_kda_chunk_fwd_varlen_io(CTX(be), n, offs, H, K, V, q, k, v, g, beta, S0, o, Sf, St));
+}
 static void kda_chunk_fwd_(BE *be, int T, int H, int K, int V, const real *q, const real *k, const real *v,
                            const real *g, const real *beta, const real *S0, real *o, real *Sf, real *St) {
     OK(mtrl_kda_chunk_fwd_cp(CTX(be), mtrl_cuda_ctx_opts(CTX(be))->kda_seq_pieces, T, H, K, V, q, k, v, g, beta, S0, o, Sf, St));

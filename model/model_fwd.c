@@ -68,9 +68,17 @@ static void kda_forward_(mtrl_model *m, mtrl_arena *ar, int l, int mode, int T, 
         else if (!io->piece_io) be->zero(be, c->cst, sizeof(real) * conv_sz);
         const real *px[3] = {c->pq, c->pk, c->pv}, *cw[3] = {p->conv_q, p->conv_k, p->conv_v};
         real *cy[3] = {c->cq, c->ck, c->cv};
+        // piece_io: the pieces' windows of this projection (each read, then advanced in place)
+        real **win = io->piece_io ? xmalloc(sizeof(real *) * (size_t)io->n_piece) : NULL;
         for (int s = 0; s < 3; s++) {
             if (io->n_piece && !io->piece_io) { // every piece from the zero window: one call
                 be->shortconv_fwd_varlen(be, io->n_piece, io->piece, HD, W, px[s], cw[s], cy[s]);
+                continue;
+            }
+            if (win) { // every piece from its own window: one call
+                for (int i = 0; i < io->n_piece; i++) win[i] = io->piece_io[i].conv + (size_t)ki * conv_sz + s * w1;
+                be->shortconv_fwd_varlen_io(be, io->n_piece, io->piece, HD, W, px[s], cw[s],
+                                            (const real *const *)win, win, cy[s]);
                 continue;
             }
             for (int i = 0; i < seq_pieces(io); i++) {
@@ -81,6 +89,7 @@ static void kda_forward_(mtrl_model *m, mtrl_arena *ar, int l, int mode, int T, 
                 be->shortconv_fwd(be, Ti, HD, W, px[s] + o, cw[s], c->cst + s * w1, cy[s] + o, out_st);
             }
         }
+        free(win);
     } else {
         real **win = xmalloc(sizeof(real *) * (size_t)T);
         const real *px[3] = {c->pq, c->pk, c->pv}, *cw[3] = {p->conv_q, p->conv_k, p->conv_v};
@@ -122,6 +131,15 @@ static void kda_forward_(mtrl_model *m, mtrl_arena *ar, int l, int mode, int T, 
             // kernel stage instead of two per piece); their final states go nowhere (model_ws.h).
             be->kda_chunk_fwd_varlen(be, io->n_piece, io->piece, H, D, D, c->qn, c->kn, c->cv, c->g, c->beta, c->o,
                                      NULL, c->S_tiles);
+        } else if (io->piece_io && io->n_piece > 1) {
+            // Pieces each continuing its own state, advanced in place: one call for them all. One
+            // piece alone takes the per-piece form below, whose long-sequence forms (the
+            // chunk-parallel pieces of backend kda_chunk_fwd) the varlen form does not have.
+            real **Sp = xmalloc(sizeof(real *) * (size_t)io->n_piece);
+            for (int i = 0; i < io->n_piece; i++) Sp[i] = io->piece_io[i].kda_S + (size_t)ki * S_sz;
+            be->kda_chunk_fwd_varlen_io(be, io->n_piece, io->piece, H, D, D, c->qn, c->kn, c->cv, c->g, c->beta,
+                                        (const real *const *)Sp, c->o, Sp, c->S_tiles);
+            free(Sp);
         } else {
             size_t tile = 0;
             for (int i = 0; i < seq_pieces(io); i++) {
@@ -212,14 +230,20 @@ static void mla_forward_(mtrl_model *m, mtrl_arena *ar, int l, int mode, int T, 
     be->rmsnorm_fwd(be, T, dc, c->craw, p->mkv_norm, d->kv_eps, chat, c->rstd_c);
     // The new latent rows [ĉ ; k^r] join the sequence's cache.
     if (mode != SEG_DECODE && io->piece_io) {
+        // Each token's row to its own piece's cache, all in one write (as the decode's rows):
+        // no launches per piece.
+        MTRL_CHECK(io->piece[0] == 0 && io->piece[io->n_piece] == T); // every row has its piece
+        void **rows = xmalloc(sizeof(void *) * (size_t)(T > 0 ? T : 1));
         for (int i = 0; i < io->n_piece; i++) {
             const seq_io *pi = &io->piece_io[i];
             int Ti, o = seq_piece(io, T, i, &Ti);
             MTRL_CHECKF(pi->t0 + Ti <= pi->cap, "MLA latent cache full: position %d, capacity %d", pi->t0 + Ti - 1,
                         pi->cap);
-            void *row = mtrl_latent_at(be, pi->latent, ((size_t)mi * pi->cap + (size_t)pi->t0) * ld);
-            latent_write_(be, 1, Ti, dc, dr, chat + (size_t)o * dc, c->kr + (size_t)o * dr, &row);
+            for (int r = 0; r < Ti; r++)
+                rows[o + r] = mtrl_latent_at(be, pi->latent, ((size_t)mi * pi->cap + (size_t)pi->t0 + r) * ld);
         }
+        latent_write_(be, T, 1, dc, dr, chat, c->kr, rows);
+        free(rows);
     } else if (mode != SEG_DECODE) {
         MTRL_CHECKF(io->t0 + T <= io->cap, "MLA latent cache full: position %d, capacity %d", io->t0 + T - 1, io->cap);
         void *row = mtrl_latent_at(be, io->latent, ((size_t)mi * io->cap + (size_t)io->t0) * ld);

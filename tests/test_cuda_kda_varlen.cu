@@ -15,6 +15,10 @@
 // states are v3's (test_cuda_kda.cu's tolerance for gradients through v3's forward), 1e-4 at K = 32. The KDA layer's short conv over the same packs
 // (mtrl_shortconv_fwd_varlen, one launch): bit for bit mtrl_shortconv_fwd per piece from the zero
 // window, and the fp64 reference (mtrl_ref_shortconv_fwd_varlen) at 1e-5, C = H K, W = 4.
+// The piece_io forms (mtrl_kda_chunk_fwd_varlen_io, mtrl_shortconv_fwd_varlen_io: each piece from
+// its own random state / window, some from none) over the same packs: bit for bit the per-piece
+// calls from those states (o, final states, tile states; y, new windows), into separate states and
+// in place, and the fp64 piece_io references at 1e-4 (KDA) and 1e-5 (conv).
 #include "tests/testhelp.h"
 #include "kernels/lab/cuda_testutil.h"
 #include "kernels/ref/kda_ref.h"
@@ -208,6 +212,169 @@ static void test_conv_varlen(mtrl_cuda_ctx *ctx, const char *name, int n, const 
     free(x); free(w); free(y); free(got); free(offs);
 }
 
+// ---- the piece_io forms (mtrl_kda_chunk_fwd_varlen_io, mtrl_shortconv_fwd_varlen_io): every piece
+// continues its own state (the actor's packed prefill) ---------------------------------------------
+
+// Piece i's state: random (N(0, 0.5), fp32-exact), or none (NULL: the zero state) for every 5th
+// piece from the 3rd. S0 [n][ns] holds them (zeros where none).
+static const float **vl_io_states_(int n, size_t ns, double *S0, float *d_S0) {
+    tu_fill_normal(S0, (size_t)n * ns, 0.25);
+    const float **tab = (const float **)malloc(sizeof(float *) * (size_t)(n ? n : 1));
+    for (int i = 0; i < n; i++) {
+        int none = i % 5 == 2;
+        for (size_t j = 0; j < ns; j++) S0[i * ns + j] = none ? 0.0 : (double)(float)S0[i * ns + j];
+        tab[i] = none ? NULL : d_S0 + i * ns;
+    }
+    return tab;
+}
+
+// Per-piece mtrl_kda_chunk_fwd from S0 (tab) == the varlen_io form bit for bit (o, final states,
+// tile states), into separate final states and in place (final states over the initial ones);
+// the fp64 piece_io reference at 1e-4.
+static void test_varlen_io(mtrl_cuda_ctx *ctx, const char *name, int n, const int *len, int H, int K) {
+    const int V = K;
+    int *offs = (int *)malloc(sizeof(int) * ((size_t)n + 1));
+    offs[0] = 0;
+    size_t nt = 0;
+    for (int i = 0; i < n; i++) {
+        offs[i + 1] = offs[i] + len[i];
+        nt += (size_t)mtrl_ref_kda_tile_count(len[i]);
+    }
+    int T = offs[n];
+    printf("varlen_io %s: %d pieces from their own states, T=%d, %zu tiles, H=%d K=V=%d\n", name, n, T, nt, H, K);
+    size_t nqk = (size_t)T * H * K, nv = (size_t)T * H * V, nb = (size_t)T * H, ns = (size_t)H * K * V;
+    size_t nsf = (size_t)n * ns, nst = nt * ns;
+    double *q = tu_alloc(nqk), *k = tu_alloc(nqk), *v = tu_alloc(nv), *g = tu_alloc(nqk), *beta = tu_alloc(nb);
+    vl_inputs_(nqk, nv, nb, K, q, k, v, g, beta);
+    double *S0 = tu_alloc(nsf);
+    float *d_S0 = (float *)mtrl_cuda_malloc(nsf * sizeof(float));
+    const float **tab = vl_io_states_(n, ns, S0, d_S0);
+    {
+        float *t = (float *)malloc(nsf * sizeof(float));
+        for (size_t j = 0; j < nsf; j++) t[j] = (float)S0[j];
+        mtrl_cuda_upload(d_S0, t, nsf * sizeof(float));
+        free(t);
+    }
+    // the fp64 reference from the same states
+    const double **rtab = (const double **)malloc(sizeof(double *) * (size_t)n);
+    double **rsf = (double **)malloc(sizeof(double *) * (size_t)n);
+    double *o = tu_alloc(nv), *Sf = tu_alloc(nsf), *St = tu_alloc(nst);
+    for (int i = 0; i < n; i++) {
+        rtab[i] = tab[i] ? S0 + i * ns : NULL;
+        rsf[i] = Sf + i * ns;
+    }
+    mtrl_ref_kda_chunk_fwd_varlen_io(n, offs, H, K, V, q, k, v, g, beta, rtab, o, rsf, St);
+    float *d_q = tu_dev_f32(q, nqk), *d_k = tu_dev_f32(k, nqk), *d_v = tu_dev_f32(v, nv), *d_g = tu_dev_f32(g, nqk),
+          *d_b = tu_dev_f32(beta, nb);
+
+    vl_out_ pp = vl_out_nan_(ctx, nv, nsf, nst), vl = vl_out_nan_(ctx, nv, nsf, nst);
+    size_t tile = 0;
+    for (int i = 0; i < n; i++) {  // per piece, as the model ran the actor's prefill before
+        size_t x = (size_t)offs[i];
+        TEST_EQ_INT(mtrl_kda_chunk_fwd(ctx, len[i], H, K, V, d_q + x * H * K, d_k + x * H * K, d_v + x * H * V,
+                                       d_g + x * H * K, d_b + x * H, tab[i], pp.o + x * H * V, pp.Sf + i * ns,
+                                       pp.St + tile * ns),
+                    0);
+        tile += (size_t)mtrl_ref_kda_tile_count(len[i]);
+    }
+    float **sft = (float **)malloc(sizeof(float *) * (size_t)n), **inp = (float **)malloc(sizeof(float *) * (size_t)n);
+    float *d_in = (float *)mtrl_cuda_malloc(nsf * sizeof(float));
+    for (int i = 0; i < n; i++) {
+        sft[i] = vl.Sf + i * ns;
+        inp[i] = d_in + i * ns;
+    }
+    TEST_EQ_INT(mtrl_kda_chunk_fwd_varlen_io(ctx, n, offs, H, K, V, d_q, d_k, d_v, d_g, d_b, tab, vl.o, sft, vl.St),
+                0);
+    mtrl_cuda_sync(ctx);
+    VL_SAME("io: o == per piece", vl.o, pp.o, nv);
+    VL_SAME("io: S_final == per piece", vl.Sf, pp.Sf, nsf);
+    VL_SAME("io: S_tiles == per piece", vl.St, pp.St, nst);
+    // in place: the initial states (zeros for the NULL ones) overwritten by the final ones
+    {
+        float *t = (float *)malloc(nsf * sizeof(float));
+        for (size_t j = 0; j < nsf; j++) t[j] = (float)S0[j];
+        mtrl_cuda_upload(d_in, t, nsf * sizeof(float));
+        free(t);
+    }
+    vl_out_ ip = vl_out_nan_(ctx, nv, 1, 1);
+    TEST_EQ_INT(mtrl_kda_chunk_fwd_varlen_io(ctx, n, offs, H, K, V, d_q, d_k, d_v, d_g, d_b,
+                                             (const float *const *)inp, ip.o, inp, NULL),
+                0);
+    mtrl_cuda_sync(ctx);
+    VL_SAME("io in place: o == per piece", ip.o, pp.o, nv);
+    VL_SAME("io in place: states == per piece S_final", d_in, pp.Sf, nsf);
+    double *got = tu_alloc(nst > nv ? (nst > nsf ? nst : nsf) : (nv > nsf ? nv : nsf));
+    tu_get_f32(got, vl.o, nv);
+    TU_CHECK_REL("io: o vs fp64", got, o, nv, 1e-4);
+    tu_get_f32(got, vl.Sf, nsf);
+    TU_CHECK_REL("io: S_final vs fp64", got, Sf, nsf, 1e-4);
+    tu_get_f32(got, vl.St, nst);
+    TU_CHECK_REL("io: S_tiles vs fp64", got, St, nst, 1e-4);
+
+    float *dev[] = {d_q, d_k, d_v, d_g, d_b, d_S0, d_in};
+    for (size_t i = 0; i < sizeof dev / sizeof dev[0]; i++) mtrl_cuda_free(dev[i]);
+    vl_out_free_(&pp);
+    vl_out_free_(&vl);
+    vl_out_free_(&ip);
+    double *host[] = {q, k, v, g, beta, S0, o, Sf, St, got};
+    for (size_t i = 0; i < sizeof host / sizeof host[0]; i++) free(host[i]);
+    free(tab); free(rtab); free(rsf); free(sft); free(inp); free(offs);
+}
+
+// The short conv's piece_io form: per-piece mtrl_shortconv_fwd from each piece's window (NULL for
+// every 5th from the 3rd) writing its new window == the varlen_io form bit for bit (y, windows),
+// into separate windows and in place; the fp64 reference at 1e-5.
+static void test_conv_varlen_io(mtrl_cuda_ctx *ctx, const char *name, int n, const int *len, int C) {
+    const int W = 4;
+    int *offs = (int *)malloc(sizeof(int) * ((size_t)n + 1));
+    offs[0] = 0;
+    for (int i = 0; i < n; i++) offs[i + 1] = offs[i] + len[i];
+    size_t nx = (size_t)offs[n] * C, ns = (size_t)(W - 1) * C, nw = (size_t)n * ns;
+    printf("conv varlen_io %s: %d pieces from their own windows, T=%d, C=%d, W=%d\n", name, n, offs[n], C, W);
+    double *x = tu_alloc(nx), *w = tu_alloc((size_t)C * W), *y = tu_alloc(nx), *win = tu_alloc(nw),
+           *wo = tu_alloc(nw), *got = tu_alloc(nx > nw ? nx : nw);
+    tu_fill_normal(x, nx, 1.0);
+    tu_fill_normal(w, (size_t)C * W, 0.5);
+    float *d_win = (float *)mtrl_cuda_malloc(nw * sizeof(float));
+    const float **tab = vl_io_states_(n, ns, win, d_win);
+    float *d_x = tu_dev_f32(x, nx), *d_w = tu_dev_f32(w, (size_t)C * W), *d_pp = tu_dev_nan(ctx, nx),
+          *d_vl = tu_dev_nan(ctx, nx), *d_ip = tu_dev_nan(ctx, nx), *d_wpp = tu_dev_nan(ctx, nw),
+          *d_wvl = tu_dev_nan(ctx, nw), *d_wip = tu_dev_f32(win, nw);
+    {
+        float *t = (float *)malloc(nw * sizeof(float));
+        for (size_t j = 0; j < nw; j++) t[j] = (float)win[j];
+        mtrl_cuda_upload(d_win, t, nw * sizeof(float));
+        free(t);
+    }
+    const double **rin = (const double **)malloc(sizeof(double *) * (size_t)n);
+    double **rout = (double **)malloc(sizeof(double *) * (size_t)n);
+    float **out = (float **)malloc(sizeof(float *) * (size_t)n), **inp = (float **)malloc(sizeof(float *) * (size_t)n);
+    for (int i = 0; i < n; i++) {
+        rin[i] = tab[i] ? win + i * ns : NULL;
+        rout[i] = wo + i * ns;
+        out[i] = d_wvl + i * ns;
+        inp[i] = d_wip + i * ns;
+        size_t o = (size_t)offs[i] * C;
+        TEST_EQ_INT(mtrl_shortconv_fwd(ctx, len[i], C, W, d_x + o, d_w, tab[i], d_pp + o, d_wpp + i * ns), 0);
+    }
+    mtrl_ref_shortconv_fwd_varlen_io(n, offs, C, W, x, w, rin, rout, y);
+    TEST_EQ_INT(mtrl_shortconv_fwd_varlen_io(ctx, n, offs, C, W, d_x, d_w, tab, out, d_vl), 0);
+    TEST_EQ_INT(mtrl_shortconv_fwd_varlen_io(ctx, n, offs, C, W, d_x, d_w, (const float *const *)inp, inp, d_ip), 0);
+    mtrl_cuda_sync(ctx);
+    VL_SAME("conv io: y == per piece", d_vl, d_pp, nx);
+    VL_SAME("conv io: windows == per piece", d_wvl, d_wpp, nw);
+    VL_SAME("conv io in place: y == per piece", d_ip, d_pp, nx);
+    VL_SAME("conv io in place: windows == per piece", d_wip, d_wpp, nw);
+    tu_get_f32(got, d_vl, nx);
+    TU_CHECK_REL("conv io: y vs fp64", got, y, nx, 1e-5);
+    tu_get_f32(got, d_wvl, nw);
+    TU_CHECK_REL("conv io: windows vs fp64", got, wo, nw, 1e-6);
+    float *dev[] = {d_win, d_x, d_w, d_pp, d_vl, d_ip, d_wpp, d_wvl, d_wip};
+    for (size_t i = 0; i < sizeof dev / sizeof dev[0]; i++) mtrl_cuda_free(dev[i]);
+    free(x); free(w); free(y); free(win); free(wo); free(got);
+    free(tab); free(rin); free(rout); free(out); free(inp); free(offs);
+}
+
 // n random lengths in [1, max], one of them (the 8th) empty.
 static void vl_mix_(int n, int max, int *len) {
     for (int i = 0; i < n; i++) len[i] = 1 + (int)(tu_unif() * max) % max;
@@ -231,6 +398,17 @@ int main(void) {
         test_conv_varlen(ctx, "1 15 16 17 64 333", 6, edge, H * 128);
     }
     test_varlen(ctx, "1 15 16 17 64 333 (K = 32: per piece)", 6, edge, 2, 32);
+    // the piece_io forms over the same packs
+    for (int hi = 0; hi < 2; hi++) {
+        int H = hi ? 16 : 2;
+        test_varlen_io(ctx, "1 15 16 17 64 333", 6, edge, H, 128);
+        test_varlen_io(ctx, "one piece of 333", 1, long1, H, 128);
+        vl_mix_(100, H == 2 ? 200 : 48, mix);
+        test_varlen_io(ctx, "mix of 100", 100, mix, H, 128);
+        test_conv_varlen_io(ctx, "mix of 100", 100, mix, H * 128);
+        test_conv_varlen_io(ctx, "1 15 16 17 64 333", 6, edge, H * 128);
+    }
+    test_varlen_io(ctx, "1 15 16 17 64 333 (K = 32: per piece)", 6, edge, 2, 32);
     // arguments the op refuses
     int bad[3] = {0, 20, 10};
     float *d = tu_dev_nan(ctx, 20 * 2 * 128);
