@@ -41,7 +41,7 @@
     X(moe_gather) X(moe_combine_fwd) X(moe_combine_bwd) X(moe_scatter_bwd) X(moe_experts_fwd) X(moe_experts_bwd) \
     X(moe_swiglu_fwd) X(moe_swiglu_bwd) X(moe_load_count) X(qb_beta) X(attnres_site_fwd) X(attnres_site_bwd) \
     X(mem_info) X(latent_put) X(latent_get) X(latent_download) X(latent_upload) X(weights_changed) \
-    X(shortconv_fwd_varlen_io) X(kda_chunk_fwd_varlen_io)
+    X(shortconv_fwd_varlen_io) X(kda_chunk_fwd_varlen_io) X(latent_gather)
 
 typedef struct mtrl_backend mtrl_backend;
 
@@ -186,6 +186,9 @@ struct mtrl_backend {
     // The reverse of one block of latent_put: dst[r*ldd + j] = src[r*lds + j] (latent elements
     // widened exactly to `real`), r < rows, j < n.
     void (*latent_get)(mtrl_backend *, int rows, int n, const void *src, int lds, real *dst, int ldd);
+    // latent_get of rows from anywhere (several caches at once): dst[r*ldd + j] = src_h[r][j]
+    // widened, r < rows, j < n; src_h a host array of `rows` backend pointers to latent elements.
+    void (*latent_gather)(mtrl_backend *, int rows, int n, const void *const *src_h, real *dst, int ldd);
     // n latent elements to host `real`s (widened exactly) / from host `real`s (rounded), for
     // snapshots: host arrays stay `real` whatever the backend stores.
     void (*latent_download)(mtrl_backend *, size_t n, const void *src, real *dst_h);

@@ -227,6 +227,9 @@ static void latent_put_(BE *be, int B, int rows, int n, const real *src, int lds
 static void latent_get_(BE *be, int rows, int n, const void *src, int lds, real *dst, int ldd) {
     copy_rows_(be, rows, n, src, lds, dst, ldd);
 }
+static void latent_gather_(BE *be, int rows, int n, const void *const *src, real *dst, int ldd) {
+    for (int r = 0; r < rows; r++) copy_rows_(be, 1, n, src[r], n, dst + (size_t)r * ldd, ldd);
+}
 static void latent_download_(BE *be, size_t n, const void *src, real *dst) { copy_(be, dst, src, sizeof(real) * n); }
 static void latent_upload_(BE *be, size_t n, const real *src, void *dst) { copy_(be, dst, src, sizeof(real) * n); }
 

@@ -410,6 +410,11 @@ static void latent_put_(BE *be, int B, int rows, int n, const real *src, int lds
 static void latent_get_(BE *be, int rows, int n, const void *src, int lds, real *dst, int ldd) {
     mtrl_mc_latent_get(CTX(be), rows, n, src, lds, dst, ldd, lat_type_(be));
 }
+static void latent_gather_(BE *be, int rows, int n, const void *const *src, real *dst, int ldd) {
+    if (rows <= 0 || n <= 0) return;
+    char *s = scratch_(be, sizeof(void *) * (size_t)rows);
+    mtrl_mc_latent_gather(CTX(be), rows, n, (const void *const *)ptrs_(be, s, 0, rows, src), dst, ldd, lat_type_(be));
+}
 // Through the host: a bf16 cache crosses as bf16 (half the bytes of the bus) and is widened or
 // rounded there, with the GPU's rounding (common/bf16.h).
 static void latent_download_(BE *be, size_t n, const void *src, real *dst) {

@@ -190,7 +190,9 @@ static void latent_write_(mtrl_backend *be, int B, int rows, int dc, int dr, con
     free(kdst);
 }
 
-mla_kv seg_mla_expand(mtrl_model *m, mtrl_arena *ar, int l, int Tk, const void *lat) {
+// seg_mla_expand's rows from one cache (lat: Tk consecutive rows) or, lat = NULL, from anywhere
+// (rows_h: Tk row pointers, the pieces of a piece_io pack, one gather for all).
+static mla_kv mla_expand_(mtrl_model *m, mtrl_arena *ar, int l, int Tk, const void *lat, const void *const *rows_h) {
     const mtrl_model_dims *d = &m->dims;
     mtrl_backend *be = m->be;
     int mH = d->mH, dn = d->dn, dr = d->dr, dv = d->dv, dc = d->dc, ld = dc + dr, ldk = mH * (dn + dr);
@@ -200,13 +202,20 @@ mla_kv seg_mla_expand(mtrl_model *m, mtrl_arena *ar, int l, int Tk, const void *
     x.lr = ALLOC((size_t)Tk * ld);
     size_t mark = mtrl_arena_mark(ar);
     real *k = ALLOC((size_t)Tk * ldk), *v = ALLOC((size_t)Tk * mH * dv);
-    be->latent_get(be, Tk, ld, lat, ld, x.lr, ld);
+    if (lat) be->latent_get(be, Tk, ld, lat, ld, x.lr, ld);
+    else be->latent_gather(be, Tk, ld, rows_h, x.lr, ld);
     be->mla_expand_kv(be, Tk, mH, dn, dr, dv, dc, x.lr, ld, x.lr + dc, ld, m->dP.layer[l].mkvb, k, v);
     be->latent_put(be, 1, Tk, ldk, k, ldk, &x.k, ldk);
     be->latent_put(be, 1, Tk, mH * dv, v, mH * dv, &x.v, mH * dv);
     mtrl_arena_release(ar, mark);
     return x;
 }
+
+mla_kv seg_mla_expand(mtrl_model *m, mtrl_arena *ar, int l, int Tk, const void *lat) {
+    return mla_expand_(m, ar, l, Tk, lat, NULL);
+}
+
+static size_t mla_naive_bytes_(const mtrl_model_dims *d, size_t Tk, size_t lat);
 
 static void mla_forward_(mtrl_model *m, mtrl_arena *ar, int l, int mode, int T, const real *x1, seq_io *io,
                          layer_cache *c, real *out) {
@@ -282,25 +291,54 @@ static void mla_forward_(mtrl_model *m, mtrl_arena *ar, int l, int mode, int T, 
         model_prof_end(m, MTRL_PROF_MLA_ATTN, t);
         mtrl_arena_release(ar, mark);
     } else if (mode == SEG_PREFILL && d->mla_prefill_naive) {
-        // Naive prefill of pieces that continue their own caches: each piece's keys so far
-        // expanded in turn (its scratch released before the next), the piece's rows attending.
+        // Naive prefill of pieces that continue their own caches: the keys so far of a group of
+        // consecutive pieces expanded together (one gather of their cache rows, one expansion,
+        // as many keys as the arena has room for, at least one piece's: what seg_prefill_bytes
+        // sizes), each piece's rows attending to its own keys; the group's scratch is released
+        // before the next.
         c->lse = ALLOC((size_t)T * mH);
         int ldk = mH * (dn + dr);
-        for (int i = 0; i < io->n_piece; i++) {
-            const seq_io *pi = &io->piece_io[i];
-            int Ti;
-            size_t o = (size_t)seq_piece(io, T, i, &Ti);
-            int Tk = pi->t0 + Ti;
+        const void **rows = NULL;
+        int nrows = 0;
+        for (int i0 = 0, i1; i0 < io->n_piece; i0 = i1) {
+            size_t room = ar->cap - ((ar->used + 63) & ~(size_t)63), K = 0;
+            for (i1 = i0; i1 < io->n_piece; i1++) {
+                int Ti;
+                seq_piece(io, T, i1, &Ti);
+                size_t Ki = (size_t)io->piece_io[i1].t0 + (size_t)Ti;
+                if (i1 > i0 && mla_naive_bytes_(d, K + Ki, be->latent_size) + 64 > room) break;
+                K += Ki;
+            }
+            if ((int)K > nrows) {
+                nrows = (int)K;
+                rows = xrealloc(rows, sizeof(void *) * K);
+            }
+            for (int i = i0, r = 0; i < i1; i++) { // the group's cache rows, piece after piece
+                const seq_io *pi = &io->piece_io[i];
+                int Ti;
+                seq_piece(io, T, i, &Ti);
+                for (int j = 0; j < pi->t0 + Ti; j++)
+                    rows[r++] = mtrl_latent_at(be, pi->latent, ((size_t)mi * pi->cap + (size_t)j) * ld);
+            }
             size_t mark = mtrl_arena_mark(ar);
             t = model_prof_begin(m);
-            mla_kv x = seg_mla_expand(m, ar, l, Tk, mtrl_latent_at(be, pi->latent, (size_t)mi * pi->cap * ld));
+            mla_kv x = mla_expand_(m, ar, l, (int)K, NULL, rows);
             model_prof_end(m, MTRL_PROF_MLA_ABSORB, t);
             t = model_prof_begin(m);
-            be->attn_causal_fwd(be, Ti, Tk, mH, mH, dn + dr, dv, scale, c->q + o * mH * (dn + dr), x.k, ldk, x.v, mH * dv,
-                                c->a + o * mH * dv, c->lse + o * mH);
+            for (int i = i0, ko = 0; i < i1; i++) {
+                int Ti;
+                size_t o = (size_t)seq_piece(io, T, i, &Ti);
+                int Tk = io->piece_io[i].t0 + Ti;
+                be->attn_causal_fwd(be, Ti, Tk, mH, mH, dn + dr, dv, scale, c->q + o * mH * (dn + dr),
+                                    mtrl_latent_at(be, x.k, (size_t)ko * ldk), ldk,
+                                    mtrl_latent_at(be, x.v, (size_t)ko * mH * dv), mH * dv, c->a + o * mH * dv,
+                                    c->lse + o * mH);
+                ko += Tk;
+            }
             model_prof_end(m, MTRL_PROF_MLA_ATTN, t);
             mtrl_arena_release(ar, mark);
         }
+        free(rows);
     } else if (mode != SEG_DECODE) {
         c->qt = ALLOC((size_t)T * mH * ld); c->ol = ALLOC((size_t)T * mH * dc); c->lse = ALLOC((size_t)T * mH);
         t = model_prof_begin(m);
