@@ -66,6 +66,23 @@ static void vl_out_free_(vl_out_ *r) {
     mtrl_cuda_free(r->St);
 }
 
+// o, S_final and S_tiles against the fp64 reference's at 1e-4 (got: host scratch for the largest).
+static void vl_check_fp64_(const char *pre, const vl_out_ *r, const double *o, const double *Sf, const double *St,
+                           size_t nv, size_t nsf, size_t nst, double *got) {
+    const struct {
+        const char *what;
+        const float *d;
+        const double *ref;
+        size_t n;
+    } c[3] = {{"o vs fp64", r->o, o, nv}, {"S_final vs fp64", r->Sf, Sf, nsf}, {"S_tiles vs fp64", r->St, St, nst}};
+    for (int i = 0; i < 3; i++) {
+        char what[64];
+        snprintf(what, sizeof what, "%s%s", pre, c[i].what);
+        tu_get_f32(got, c[i].d, c[i].n);
+        TU_CHECK_REL(what, got, c[i].ref, c[i].n, 1e-4);
+    }
+}
+
 // The per-piece launches the model ran before the varlen op (S0 = NULL: every piece from zero).
 static void vl_per_piece_(mtrl_cuda_ctx *ctx, int n, const int *offs, int H, int K, int V, const float *q,
                           const float *k, const float *v, const float *g, const float *beta, vl_out_ *r) {
@@ -81,15 +98,22 @@ static void vl_per_piece_(mtrl_cuda_ctx *ctx, int n, const int *offs, int H, int
     }
 }
 
-static void test_varlen(mtrl_cuda_ctx *ctx, const char *name, int n, const int *len, int H, int K) {
-    const int V = K;
+// The pack's offsets [n + 1] (malloc'd) and its pieces' tiles in all (*nt).
+static int *vl_offs_(int n, const int *len, size_t *nt) {
     int *offs = (int *)malloc(sizeof(int) * ((size_t)n + 1));
     offs[0] = 0;
-    size_t nt = 0;
+    *nt = 0;
     for (int i = 0; i < n; i++) {
         offs[i + 1] = offs[i] + len[i];
-        nt += (size_t)mtrl_ref_kda_tile_count(len[i]);
+        *nt += (size_t)mtrl_ref_kda_tile_count(len[i]);
     }
+    return offs;
+}
+
+static void test_varlen(mtrl_cuda_ctx *ctx, const char *name, int n, const int *len, int H, int K) {
+    const int V = K;
+    size_t nt = 0;
+    int *offs = vl_offs_(n, len, &nt);
     int T = offs[n];
     printf("varlen %s: %d pieces, T=%d, %zu tiles, H=%d K=V=%d\n", name, n, T, nt, H, K);
     size_t nqk = (size_t)T * H * K, nv = (size_t)T * H * V, nb = (size_t)T * H, ns = (size_t)H * K * V;
@@ -110,12 +134,7 @@ static void test_varlen(mtrl_cuda_ctx *ctx, const char *name, int n, const int *
     VL_SAME("S_tiles == per piece", vl.St, pp.St, nst);
     size_t ngot = nst > nqk ? nst : nqk;
     double *got = tu_alloc(ngot > nsf ? ngot : nsf);
-    tu_get_f32(got, vl.o, nv);
-    TU_CHECK_REL("o vs fp64", got, o, nv, 1e-4);
-    tu_get_f32(got, vl.Sf, nsf);
-    TU_CHECK_REL("S_final vs fp64", got, Sf, nsf, 1e-4);
-    tu_get_f32(got, vl.St, nst);
-    TU_CHECK_REL("S_tiles vs fp64", got, St, nst, 1e-4);
+    vl_check_fp64_("", &vl, o, Sf, St, nv, nsf, nst, got);
 
     if (K == 128) {
         // the prefill form (o only) and the state-only form
@@ -215,16 +234,15 @@ static void test_conv_varlen(mtrl_cuda_ctx *ctx, const char *name, int n, const 
 // ---- the piece_io forms (mtrl_kda_chunk_fwd_varlen_io, mtrl_shortconv_fwd_varlen_io): every piece
 // continues its own state (the actor's packed prefill) ---------------------------------------------
 
-// Piece i's state: random (N(0, 0.5), fp32-exact), or none (NULL: the zero state) for every 5th
-// piece from the 3rd. S0 [n][ns] holds them (zeros where none).
-static const float **vl_io_states_(int n, size_t ns, double *S0, float *d_S0) {
+// Piece i's state: random (fp32-exact), or none (NULL: the zero state) for every 5th piece from
+// the 3rd. S0 [n][ns] holds them (zeros where none), *d_S0 its device copy, the table points in it.
+static const float **vl_io_states_(int n, size_t ns, double *S0, float **d_S0) {
     tu_fill_normal(S0, (size_t)n * ns, 0.25);
+    for (int i = 0; i < n; i++)
+        for (size_t j = 0; j < ns; j++) S0[i * ns + j] = i % 5 == 2 ? 0.0 : (double)(float)S0[i * ns + j];
+    *d_S0 = tu_dev_f32(S0, (size_t)n * ns);
     const float **tab = (const float **)malloc(sizeof(float *) * (size_t)(n ? n : 1));
-    for (int i = 0; i < n; i++) {
-        int none = i % 5 == 2;
-        for (size_t j = 0; j < ns; j++) S0[i * ns + j] = none ? 0.0 : (double)(float)S0[i * ns + j];
-        tab[i] = none ? NULL : d_S0 + i * ns;
-    }
+    for (int i = 0; i < n; i++) tab[i] = i % 5 == 2 ? NULL : *d_S0 + i * ns;
     return tab;
 }
 
@@ -232,29 +250,16 @@ static const float **vl_io_states_(int n, size_t ns, double *S0, float *d_S0) {
 // tile states), into separate final states and in place (final states over the initial ones);
 // the fp64 piece_io reference at 1e-4.
 static void test_varlen_io(mtrl_cuda_ctx *ctx, const char *name, int n, const int *len, int H, int K) {
-    const int V = K;
-    int *offs = (int *)malloc(sizeof(int) * ((size_t)n + 1));
-    offs[0] = 0;
     size_t nt = 0;
-    for (int i = 0; i < n; i++) {
-        offs[i + 1] = offs[i] + len[i];
-        nt += (size_t)mtrl_ref_kda_tile_count(len[i]);
-    }
-    int T = offs[n];
+    int *offs = vl_offs_(n, len, &nt), T = offs[n], V = K;
     printf("varlen_io %s: %d pieces from their own states, T=%d, %zu tiles, H=%d K=V=%d\n", name, n, T, nt, H, K);
     size_t nqk = (size_t)T * H * K, nv = (size_t)T * H * V, nb = (size_t)T * H, ns = (size_t)H * K * V;
     size_t nsf = (size_t)n * ns, nst = nt * ns;
     double *q = tu_alloc(nqk), *k = tu_alloc(nqk), *v = tu_alloc(nv), *g = tu_alloc(nqk), *beta = tu_alloc(nb);
     vl_inputs_(nqk, nv, nb, K, q, k, v, g, beta);
     double *S0 = tu_alloc(nsf);
-    float *d_S0 = (float *)mtrl_cuda_malloc(nsf * sizeof(float));
-    const float **tab = vl_io_states_(n, ns, S0, d_S0);
-    {
-        float *t = (float *)malloc(nsf * sizeof(float));
-        for (size_t j = 0; j < nsf; j++) t[j] = (float)S0[j];
-        mtrl_cuda_upload(d_S0, t, nsf * sizeof(float));
-        free(t);
-    }
+    float *d_S0;
+    const float **tab = vl_io_states_(n, ns, S0, &d_S0);
     // the fp64 reference from the same states
     const double **rtab = (const double **)malloc(sizeof(double *) * (size_t)n);
     double **rsf = (double **)malloc(sizeof(double *) * (size_t)n);
@@ -278,7 +283,7 @@ static void test_varlen_io(mtrl_cuda_ctx *ctx, const char *name, int n, const in
         tile += (size_t)mtrl_ref_kda_tile_count(len[i]);
     }
     float **sft = (float **)malloc(sizeof(float *) * (size_t)n), **inp = (float **)malloc(sizeof(float *) * (size_t)n);
-    float *d_in = (float *)mtrl_cuda_malloc(nsf * sizeof(float));
+    float *d_in = tu_dev_f32(S0, nsf);  // the initial states again (zeros for none), for in place
     for (int i = 0; i < n; i++) {
         sft[i] = vl.Sf + i * ns;
         inp[i] = d_in + i * ns;
@@ -290,12 +295,6 @@ static void test_varlen_io(mtrl_cuda_ctx *ctx, const char *name, int n, const in
     VL_SAME("io: S_final == per piece", vl.Sf, pp.Sf, nsf);
     VL_SAME("io: S_tiles == per piece", vl.St, pp.St, nst);
     // in place: the initial states (zeros for the NULL ones) overwritten by the final ones
-    {
-        float *t = (float *)malloc(nsf * sizeof(float));
-        for (size_t j = 0; j < nsf; j++) t[j] = (float)S0[j];
-        mtrl_cuda_upload(d_in, t, nsf * sizeof(float));
-        free(t);
-    }
     vl_out_ ip = vl_out_nan_(ctx, nv, 1, 1);
     TEST_EQ_INT(mtrl_kda_chunk_fwd_varlen_io(ctx, n, offs, H, K, V, d_q, d_k, d_v, d_g, d_b,
                                              (const float *const *)inp, ip.o, inp, NULL),
@@ -304,12 +303,7 @@ static void test_varlen_io(mtrl_cuda_ctx *ctx, const char *name, int n, const in
     VL_SAME("io in place: o == per piece", ip.o, pp.o, nv);
     VL_SAME("io in place: states == per piece S_final", d_in, pp.Sf, nsf);
     double *got = tu_alloc(nst > nv ? (nst > nsf ? nst : nsf) : (nv > nsf ? nv : nsf));
-    tu_get_f32(got, vl.o, nv);
-    TU_CHECK_REL("io: o vs fp64", got, o, nv, 1e-4);
-    tu_get_f32(got, vl.Sf, nsf);
-    TU_CHECK_REL("io: S_final vs fp64", got, Sf, nsf, 1e-4);
-    tu_get_f32(got, vl.St, nst);
-    TU_CHECK_REL("io: S_tiles vs fp64", got, St, nst, 1e-4);
+    vl_check_fp64_("io: ", &vl, o, Sf, St, nv, nsf, nst, got);
 
     float *dev[] = {d_q, d_k, d_v, d_g, d_b, d_S0, d_in};
     for (size_t i = 0; i < sizeof dev / sizeof dev[0]; i++) mtrl_cuda_free(dev[i]);
@@ -335,17 +329,11 @@ static void test_conv_varlen_io(mtrl_cuda_ctx *ctx, const char *name, int n, con
            *wo = tu_alloc(nw), *got = tu_alloc(nx > nw ? nx : nw);
     tu_fill_normal(x, nx, 1.0);
     tu_fill_normal(w, (size_t)C * W, 0.5);
-    float *d_win = (float *)mtrl_cuda_malloc(nw * sizeof(float));
-    const float **tab = vl_io_states_(n, ns, win, d_win);
+    float *d_win;
+    const float **tab = vl_io_states_(n, ns, win, &d_win);
     float *d_x = tu_dev_f32(x, nx), *d_w = tu_dev_f32(w, (size_t)C * W), *d_pp = tu_dev_nan(ctx, nx),
           *d_vl = tu_dev_nan(ctx, nx), *d_ip = tu_dev_nan(ctx, nx), *d_wpp = tu_dev_nan(ctx, nw),
           *d_wvl = tu_dev_nan(ctx, nw), *d_wip = tu_dev_f32(win, nw);
-    {
-        float *t = (float *)malloc(nw * sizeof(float));
-        for (size_t j = 0; j < nw; j++) t[j] = (float)win[j];
-        mtrl_cuda_upload(d_win, t, nw * sizeof(float));
-        free(t);
-    }
     const double **rin = (const double **)malloc(sizeof(double *) * (size_t)n);
     double **rout = (double **)malloc(sizeof(double *) * (size_t)n);
     float **out = (float **)malloc(sizeof(float *) * (size_t)n), **inp = (float **)malloc(sizeof(float *) * (size_t)n);
@@ -396,18 +384,14 @@ int main(void) {
         test_varlen(ctx, "mix of 100", 100, mix, H, 128);
         test_conv_varlen(ctx, "mix of 100", 100, mix, H * 128);
         test_conv_varlen(ctx, "1 15 16 17 64 333", 6, edge, H * 128);
-    }
-    test_varlen(ctx, "1 15 16 17 64 333 (K = 32: per piece)", 6, edge, 2, 32);
-    // the piece_io forms over the same packs
-    for (int hi = 0; hi < 2; hi++) {
-        int H = hi ? 16 : 2;
+        // the piece_io forms over the same packs
         test_varlen_io(ctx, "1 15 16 17 64 333", 6, edge, H, 128);
         test_varlen_io(ctx, "one piece of 333", 1, long1, H, 128);
-        vl_mix_(100, H == 2 ? 200 : 48, mix);
         test_varlen_io(ctx, "mix of 100", 100, mix, H, 128);
         test_conv_varlen_io(ctx, "mix of 100", 100, mix, H * 128);
         test_conv_varlen_io(ctx, "1 15 16 17 64 333", 6, edge, H * 128);
     }
+    test_varlen(ctx, "1 15 16 17 64 333 (K = 32: per piece)", 6, edge, 2, 32);
     test_varlen_io(ctx, "1 15 16 17 64 333 (K = 32: per piece)", 6, edge, 2, 32);
     // arguments the op refuses
     int bad[3] = {0, 20, 10};

@@ -601,15 +601,22 @@ static double maxabs_(const double *a, const double *b, size_t n) {
     for (size_t i = 0; i < n; i++) m = a[i] - b[i] != a[i] - b[i] ? INFINITY : maxd(m, fabs(a[i] - b[i]));
     return m;
 }
-static void test_varlen(void) {
-    enum { NP = 6 };
-    const int len[NP] = {1, 15, 16, 17, 0, 40};
-    int offs[NP + 1] = {0};
-    size_t KV = (size_t)K_ * V_, HKV = H_ * KV, tiles = 0;
-    for (int i = 0; i < NP; i++) {
+// offs [n + 1] of pieces of len[i] tokens laid end to end; returns their tiles in all.
+static size_t varlen_offs_(int n, const int *len, int *offs) {
+    size_t tiles = 0;
+    offs[0] = 0;
+    for (int i = 0; i < n; i++) {
         offs[i + 1] = offs[i] + len[i];
         tiles += (size_t)mtrl_ref_kda_tile_count(len[i]);
     }
+    return tiles;
+}
+enum { NP = 6 };
+static const int varlen_len_[NP] = {1, 15, 16, 17, 0, 40};
+static void test_varlen(void) {
+    const int *len = varlen_len_;
+    int offs[NP + 1];
+    size_t KV = (size_t)K_ * V_, HKV = H_ * KV, tiles = varlen_offs_(NP, len, offs);
     int T = offs[NP];
     inputs in = make_inputs(T, G_RANDOM, 800);
     size_t nk = (size_t)T * H_ * K_, nv = (size_t)T * H_ * V_;
@@ -661,16 +668,11 @@ static void test_varlen(void) {
 // states written over the initial ones (in place) the same bits as into separate states; a NULL
 // entry is the zero state. Pieces of 1, 15, 16, 17, 0 (empty: its state passes through) and 40.
 static void test_varlen_io(void) {
-    enum { NP = 6 };
-    const int len[NP] = {1, 15, 16, 17, 0, 40};
-    int offs[NP + 1] = {0};
-    size_t KV = (size_t)K_ * V_, HKV = H_ * KV, tiles = 0;
-    for (int i = 0; i < NP; i++) {
-        offs[i + 1] = offs[i] + len[i];
-        tiles += (size_t)mtrl_ref_kda_tile_count(len[i]);
-    }
+    const int *len = varlen_len_;
+    int offs[NP + 1];
+    size_t KV = (size_t)K_ * V_, HKV = H_ * KV, tiles = varlen_offs_(NP, len, offs);
+    inputs in = make_inputs(offs[NP], G_RANDOM, 810);
     int T = offs[NP];
-    inputs in = make_inputs(T, G_RANDOM, 810);
     size_t nv = (size_t)T * H_ * V_;
     double *S0 = malloc(sizeof(double) * NP * HKV), *Sf = malloc(sizeof(double) * NP * HKV),
            *Sin = malloc(sizeof(double) * NP * HKV), *o = malloc(sizeof(double) * nv),

@@ -140,14 +140,23 @@ struct scoped_opts {
     scoped_opts &operator=(const scoped_opts &) = delete;
 };
 
+// KDA inputs of T tokens (K = V = 128) as the layer feeds the core: q and k L2-normalised (q then
+// scaled by K^-1/2), g in the chunked kernels' range, β in (0, 1).
+void kda_inputs_(Bench &B, int T, int H, float **q, float **k, float **v, float **g, float **beta) {
+    const int K = 128;
+    size_t nqk = (size_t)T * H * K;
+    *q = rnd(B, nqk, -1, 1), *k = rnd(B, nqk, -1, 1), *v = rnd(B, nqk, -1, 1);
+    *g = rnd(B, nqk, -4.9f, -0.01f), *beta = rnd(B, (size_t)T * H, 0.05f, 0.95f);
+    mtrl_l2norm_fwd(B.c, T * H, K, *q, 1e-6f, *q, NULL);
+    mtrl_l2norm_fwd(B.c, T * H, K, *k, 1e-6f, *k, NULL);
+    scale_k<<<4096, 256, 0, B.c->stream>>>(nqk, *q, 1.f / sqrtf((float)K));
+}
+
 void bench_kda(Bench &B, int T, int H) {
     const int K = 128, V = 128;
     size_t nqk = (size_t)T * H * K, nt = (T + 15) / 16;
-    float *q = rnd(B, nqk, -1, 1), *k = rnd(B, nqk, -1, 1), *v = rnd(B, nqk, -1, 1);
-    float *g = rnd(B, nqk, -4.9f, -0.01f), *beta = rnd(B, (size_t)T * H, 0.05f, 0.95f);
-    mtrl_l2norm_fwd(B.c, T * H, K, q, 1e-6f, q, NULL);
-    mtrl_l2norm_fwd(B.c, T * H, K, k, 1e-6f, k, NULL);
-    scale_k<<<4096, 256, 0, B.c->stream>>>(nqk, q, 1.f / sqrtf((float)K));
+    float *q, *k, *v, *g, *beta;
+    kda_inputs_(B, T, H, &q, &k, &v, &g, &beta);
     float *o = (float *)mtrl_cuda_malloc(nqk * 4), *Sf = (float *)mtrl_cuda_malloc((size_t)H * K * V * 4);
     mtrl_cuda_sync(B.c);
     char shape[64];
@@ -638,11 +647,8 @@ std::vector<int> parse_list(const char *s) {
 void bench_kda_varlen(Bench &B, int n, int len, int H) {
     const int K = 128, V = 128, T = n * len;
     size_t nqk = (size_t)T * H * K, ntl = (size_t)n * ((len + 15) / 16), ns = (size_t)H * K * V;
-    float *q = rnd(B, nqk, -1, 1), *k = rnd(B, nqk, -1, 1), *v = rnd(B, nqk, -1, 1);
-    float *g = rnd(B, nqk, -4.9f, -0.01f), *beta = rnd(B, (size_t)T * H, 0.05f, 0.95f);
-    mtrl_l2norm_fwd(B.c, T * H, K, q, 1e-6f, q, NULL);
-    mtrl_l2norm_fwd(B.c, T * H, K, k, 1e-6f, k, NULL);
-    scale_k<<<4096, 256, 0, B.c->stream>>>(nqk, q, 1.f / sqrtf((float)K));
+    float *q, *k, *v, *g, *beta;
+    kda_inputs_(B, T, H, &q, &k, &v, &g, &beta);
     float *o = (float *)mtrl_cuda_malloc(nqk * 4), *St = (float *)mtrl_cuda_malloc(ntl * ns * 4);
     std::vector<int> offs(n + 1);
     for (int i = 0; i <= n; i++) offs[i] = i * len;
@@ -691,11 +697,8 @@ void bench_kda_varlen(Bench &B, int n, int len, int H) {
 void bench_varlen_io(Bench &B, int n, int len, int H) {
     const int K = 128, V = 128, T = n * len;
     size_t nqk = (size_t)T * H * K, ntl = (size_t)n * ((len + 15) / 16), ns = (size_t)H * K * V;
-    float *q = rnd(B, nqk, -1, 1), *k = rnd(B, nqk, -1, 1), *v = rnd(B, nqk, -1, 1);
-    float *g = rnd(B, nqk, -4.9f, -0.01f), *beta = rnd(B, (size_t)T * H, 0.05f, 0.95f);
-    mtrl_l2norm_fwd(B.c, T * H, K, q, 1e-6f, q, NULL);
-    mtrl_l2norm_fwd(B.c, T * H, K, k, 1e-6f, k, NULL);
-    scale_k<<<4096, 256, 0, B.c->stream>>>(nqk, q, 1.f / sqrtf((float)K));
+    float *q, *k, *v, *g, *beta;
+    kda_inputs_(B, T, H, &q, &k, &v, &g, &beta);
     float *o = (float *)mtrl_cuda_malloc(nqk * 4);
     float *S = rnd(B, (size_t)n * ns, -0.1f, 0.1f), *Sf = (float *)mtrl_cuda_malloc((size_t)n * ns * 4);
     std::vector<int> offs(n + 1);

@@ -67,27 +67,6 @@ __global__ void vl_conv_window_k(int n, int C, int W, const int *__restrict__ of
 
 }  // namespace
 
-extern "C" int mtrl_shortconv_fwd_varlen(mtrl_cuda_ctx *c, int n, const int *offs_host, int C, int W,
-                                         const float *x, const float *w, float *y) {
-    MTRL_CUDA_REQUIRE(n >= 0 && n <= (1 << 24) && C >= 1 && W >= 1 && W <= VL_CONV_MAXW && (n == 0 || offs_host),
-                      "n=%d C=%d W=%d offsets %s", n, C, W, offs_host ? "given" : "NULL");
-    if (n == 0) return 0;
-    MTRL_CUDA_REQUIRE(offs_host[0] >= 0, "offsets[0] = %d", offs_host[0]);
-    for (int i = 0; i < n; i++)
-        MTRL_CUDA_REQUIRE(offs_host[i + 1] >= offs_host[i], "offsets[%d] = %d < offsets[%d] = %d", i + 1,
-                          offs_host[i + 1], i, offs_host[i]);
-    const size_t rows = (size_t)(offs_host[n] - offs_host[0]);
-    if (!rows) return 0;
-    int *ofs = (int *)mtrl_ctx_scratch(c, sizeof(int) * ((size_t)n + 1));
-    // pageable: staged before the call returns
-    CUDA_CHECK(cudaMemcpyAsync(ofs, offs_host, sizeof(int) * ((size_t)n + 1), cudaMemcpyHostToDevice, c->stream));
-    size_t blocks = (rows * C + VL_CONV_T - 1) / VL_CONV_T;
-    if (blocks > (size_t)c->sms * 32) blocks = (size_t)c->sms * 32;  // grid-stride beyond that
-    vl_conv_fwd_k<<<(unsigned)blocks, VL_CONV_T, 0, c->stream>>>(n, C, W, ofs, x, w, y, nullptr);
-    CUDA_LAUNCH_CHECK();
-    return 0;
-}
-
 extern "C" int mtrl_shortconv_fwd_varlen_io(mtrl_cuda_ctx *c, int n, const int *offs_host, int C, int W,
                                             const float *x, const float *w, const float *const *win_in_host,
                                             float *const *win_out_host, float *y) {
@@ -117,7 +96,7 @@ extern "C" int mtrl_shortconv_fwd_varlen_io(mtrl_cuda_ctx *c, int n, const int *
     const float *const *wi = win_in_host ? win : nullptr;
     if (rows) {  // the outputs read the windows before the window pass overwrites them
         size_t blocks = (rows * C + VL_CONV_T - 1) / VL_CONV_T;
-        if (blocks > (size_t)c->sms * 32) blocks = (size_t)c->sms * 32;
+        if (blocks > (size_t)c->sms * 32) blocks = (size_t)c->sms * 32;  // grid-stride beyond that
         vl_conv_fwd_k<<<(unsigned)blocks, VL_CONV_T, 0, c->stream>>>(n, C, W, ofs, x, w, y, wi);
         CUDA_LAUNCH_CHECK();
     }
@@ -126,4 +105,10 @@ extern "C" int mtrl_shortconv_fwd_varlen_io(mtrl_cuda_ctx *c, int n, const int *
         CUDA_LAUNCH_CHECK();
     }
     return 0;
+}
+
+// The zero-window form: the piece_io form with no windows in or out (the same first launch).
+extern "C" int mtrl_shortconv_fwd_varlen(mtrl_cuda_ctx *c, int n, const int *offs_host, int C, int W,
+                                         const float *x, const float *w, float *y) {
+    return mtrl_shortconv_fwd_varlen_io(c, n, offs_host, C, W, x, w, NULL, NULL, y);
 }
