@@ -18,7 +18,8 @@
 // The piece_io forms (mtrl_kda_chunk_fwd_varlen_io, mtrl_shortconv_fwd_varlen_io: each piece from
 // its own random state / window, some from none) over the same packs: bit for bit the per-piece
 // calls from those states (o, final states, tile states; y, new windows), into separate states and
-// in place, and the fp64 piece_io references at 1e-4 (KDA) and 1e-5 (conv).
+// in place, and the fp64 piece_io references at 1e-4 (KDA) and 1e-5 (conv); a pack of two empty
+// pieces (no tiles: the states pass through, or stay where they are in place).
 #include "tests/testhelp.h"
 #include "kernels/lab/cuda_testutil.h"
 #include "kernels/ref/kda_ref.h"
@@ -393,6 +394,8 @@ int main(void) {
     }
     test_varlen(ctx, "1 15 16 17 64 333 (K = 32: per piece)", 6, edge, 2, 32);
     test_varlen_io(ctx, "1 15 16 17 64 333 (K = 32: per piece)", 6, edge, 2, 32);
+    static const int empty2[2] = {0, 0};  // no tiles at all: the states pass through (or stay in place)
+    test_varlen_io(ctx, "two empty pieces", 2, empty2, 2, 128);
     // arguments the op refuses
     int bad[3] = {0, 20, 10};
     float *d = tu_dev_nan(ctx, 20 * 2 * 128);
