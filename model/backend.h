@@ -40,7 +40,8 @@
     X(mla_up_v) X(mla_up_v_bwd) X(mla_expand_kv) X(mla_expand_kv_bwd) X(mla_decode) X(moe_router_fwd) X(moe_router_bwd) X(moe_dispatch) \
     X(moe_gather) X(moe_combine_fwd) X(moe_combine_bwd) X(moe_scatter_bwd) X(moe_experts_fwd) X(moe_experts_bwd) \
     X(moe_swiglu_fwd) X(moe_swiglu_bwd) X(moe_load_count) X(qb_beta) X(attnres_site_fwd) X(attnres_site_bwd) \
-    X(mem_info) X(latent_put) X(latent_get) X(latent_download) X(latent_upload) X(weights_changed)
+    X(mem_info) X(latent_put) X(latent_get) X(latent_download) X(latent_upload) X(weights_changed) \
+    X(shortconv_fwd_varlen_io) X(kda_chunk_fwd_varlen_io) X(latent_gather)
 
 typedef struct mtrl_backend mtrl_backend;
 
@@ -163,6 +164,18 @@ struct mtrl_backend {
                                  const real *k, const real *v, const real *g, const real *beta,
                                  const real *S_tiles, const real *dout, real *dq, real *dk, real *dv, real *dg,
                                  real *dbeta);
+    // The piece_io forms of the two varlen forwards (a SEG_PREFILL pack whose pieces continue
+    // their own states, model_ws.h): piece i reads its conv window win_in_h[i] / its state S0_h[i]
+    // and leaves the new one at win_out_h[i] / Sf_h[i] (host arrays [n] of backend pointers, NULL
+    // for none, entries nullable; an out may be its in: updated in place). ops_ref.h
+    // mtrl_ref_shortconv_fwd_varlen_io, kda_ref.h mtrl_ref_kda_chunk_fwd_varlen_io; on CUDA a
+    // fixed number of launches for all pieces (two each), bit for bit the per-piece calls of
+    // shortconv_fwd / mtrl_kda_chunk_fwd.
+    void (*shortconv_fwd_varlen_io)(mtrl_backend *, int n, const int *offs_h, int C, int W, const real *x,
+                                    const real *w, const real *const *win_in_h, real *const *win_out_h, real *y);
+    void (*kda_chunk_fwd_varlen_io)(mtrl_backend *, int n, const int *offs_h, int H, int K, int V, const real *q,
+                                    const real *k, const real *v, const real *g, const real *beta,
+                                    const real *const *S0_h, real *o, real *const *Sf_h, real *S_tiles);
     // B decode rows (q, k, g [B][H][K], v, o [B][H][V], beta [B][H]); row r's state at S_h[r].
     void (*kda_step)(mtrl_backend *, int B, int H, int K, int V, const real *q, const real *k, const real *v,
                      const real *g, const real *beta, real *const *S_h, real *o);
@@ -177,6 +190,9 @@ struct mtrl_backend {
     // The reverse of one block of latent_put: dst[r*ldd + j] = src[r*lds + j] (latent elements
     // widened exactly to `real`), r < rows, j < n.
     void (*latent_get)(mtrl_backend *, int rows, int n, const void *src, int lds, real *dst, int ldd);
+    // latent_get of rows from anywhere (several caches at once): dst[r*ldd + j] = src_h[r][j]
+    // widened, r < rows, j < n; src_h a host array of `rows` backend pointers to latent elements.
+    void (*latent_gather)(mtrl_backend *, int rows, int n, const void *const *src_h, real *dst, int ldd);
     // n latent elements to host `real`s (widened exactly) / from host `real`s (rounded), for
     // snapshots: host arrays stay `real` whatever the backend stores.
     void (*latent_download)(mtrl_backend *, size_t n, const void *src, real *dst_h);

@@ -181,6 +181,17 @@ static void kda_gate_bwd_(BE *be, int kind, int T, int H, int K, const real *f, 
     if (kind == MTRL_KDA_GATE_KIMI) mtrl_ref_kda_gate_kimi_bwd(T, H, K, f, A, b, (real)-INFINITY, dg, df, dA, db);
     else mtrl_ref_kda_gate_bwd(T, H, K, f, A, b, gm, dg, df, dA, db);
 }
+static void shortconv_fwd_varlen_io_(BE *be, int n, const int *offs, int C, int W, const real *x, const real *w,
+                                     const real *const *win_in, real *const *win_out, real *y) {
+    (void)be;
+    mtrl_ref_shortconv_fwd_varlen_io(n, offs, C, W, x, w, win_in, win_out, y);
+}
+static void kda_chunk_fwd_varlen_io_(BE *be, int n, const int *offs, int H, int K, int V, const real *q,
+                                     const real *k, const real *v, const real *g, const real *beta,
+                                     const real *const *S0, real *o, real *const *Sf, real *St) {
+    (void)be;
+    mtrl_ref_kda_chunk_fwd_varlen_io(n, offs, H, K, V, q, k, v, g, beta, S0, o, Sf, St);
+}
 static void kda_chunk_fwd_(BE *be, int T, int H, int K, int V, const real *q, const real *k, const real *v,
                            const real *g, const real *beta, const real *S0, real *o, real *Sf, real *St) {
     (void)be;
@@ -220,6 +231,9 @@ static void latent_put_(BE *be, int B, int rows, int n, const real *src, int lds
 }
 static void latent_get_(BE *be, int rows, int n, const void *src, int lds, real *dst, int ldd) {
     copy_rows_(be, rows, n, src, lds, dst, ldd);
+}
+static void latent_gather_(BE *be, int rows, int n, const void *const *src, real *dst, int ldd) {
+    for (int r = 0; r < rows; r++) copy_rows_(be, 1, n, src[r], n, dst + (size_t)r * ldd, ldd);
 }
 static void latent_download_(BE *be, size_t n, const void *src, real *dst) { copy_(be, dst, src, sizeof(real) * n); }
 static void latent_upload_(BE *be, size_t n, const real *src, void *dst) { copy_(be, dst, src, sizeof(real) * n); }

@@ -355,6 +355,15 @@ static void kda_gate_bwd_(BE *be, int kind, int T, int H, int K, const real *f, 
     if (kind == MTRL_KDA_GATE_KIMI) OK(mtrl_kda_gate_kimi_bwd(CTX(be), T, H, K, f, A, b, gm, dg, df, dA, db));
     else OK(mtrl_kda_gate_bwd(CTX(be), T, H, K, f, A, b, gm, dg, df, dA, db));
 }
+static void shortconv_fwd_varlen_io_(BE *be, int n, const int *offs, int C, int W, const real *x, const real *w,
+                                     const real *const *win_in, real *const *win_out, real *y) {
+    OK(mtrl_shortconv_fwd_varlen_io(CTX(be), n, offs, C, W, x, w, win_in, win_out, y));
+}
+static void kda_chunk_fwd_varlen_io_(BE *be, int n, const int *offs, int H, int K, int V, const real *q,
+                                     const real *k, const real *v, const real *g, const real *beta,
+                                     const real *const *S0, real *o, real *const *Sf, real *St) {
+    OK(mtrl_kda_chunk_fwd_varlen_io(CTX(be), n, offs, H, K, V, q, k, v, g, beta, S0, o, Sf, St));
+}
 static void kda_chunk_fwd_(BE *be, int T, int H, int K, int V, const real *q, const real *k, const real *v,
                            const real *g, const real *beta, const real *S0, real *o, real *Sf, real *St) {
     OK(mtrl_kda_chunk_fwd_cp(CTX(be), mtrl_cuda_ctx_opts(CTX(be))->kda_seq_pieces, T, H, K, V, q, k, v, g, beta, S0, o, Sf, St));
@@ -404,6 +413,11 @@ static void latent_put_(BE *be, int B, int rows, int n, const real *src, int lds
 }
 static void latent_get_(BE *be, int rows, int n, const void *src, int lds, real *dst, int ldd) {
     mtrl_mc_latent_get(CTX(be), rows, n, src, lds, dst, ldd, lat_type_(be));
+}
+static void latent_gather_(BE *be, int rows, int n, const void *const *src, real *dst, int ldd) {
+    if (rows <= 0 || n <= 0) return;
+    char *s = scratch_(be, sizeof(void *) * (size_t)rows);
+    mtrl_mc_latent_gather(CTX(be), rows, n, (const void *const *)ptrs_(be, s, 0, rows, src), dst, ldd, lat_type_(be));
 }
 // Through the host: a bf16 cache crosses as bf16 (half the bytes of the bus) and is widened or
 // rounded there, with the GPU's rounding (common/bf16.h).

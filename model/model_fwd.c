@@ -68,9 +68,17 @@ static void kda_forward_(mtrl_model *m, mtrl_arena *ar, int l, int mode, int T, 
         else if (!io->piece_io) be->zero(be, c->cst, sizeof(real) * conv_sz);
         const real *px[3] = {c->pq, c->pk, c->pv}, *cw[3] = {p->conv_q, p->conv_k, p->conv_v};
         real *cy[3] = {c->cq, c->ck, c->cv};
+        // piece_io: the pieces' windows of this projection (each read, then advanced in place)
+        real **win = io->piece_io ? xmalloc(sizeof(real *) * (size_t)io->n_piece) : NULL;
         for (int s = 0; s < 3; s++) {
             if (io->n_piece && !io->piece_io) { // every piece from the zero window: one call
                 be->shortconv_fwd_varlen(be, io->n_piece, io->piece, HD, W, px[s], cw[s], cy[s]);
+                continue;
+            }
+            if (win) { // every piece from its own window: one call
+                for (int i = 0; i < io->n_piece; i++) win[i] = io->piece_io[i].conv + (size_t)ki * conv_sz + s * w1;
+                be->shortconv_fwd_varlen_io(be, io->n_piece, io->piece, HD, W, px[s], cw[s],
+                                            (const real *const *)win, win, cy[s]);
                 continue;
             }
             for (int i = 0; i < seq_pieces(io); i++) {
@@ -81,6 +89,7 @@ static void kda_forward_(mtrl_model *m, mtrl_arena *ar, int l, int mode, int T, 
                 be->shortconv_fwd(be, Ti, HD, W, px[s] + o, cw[s], c->cst + s * w1, cy[s] + o, out_st);
             }
         }
+        free(win);
     } else {
         real **win = xmalloc(sizeof(real *) * (size_t)T);
         const real *px[3] = {c->pq, c->pk, c->pv}, *cw[3] = {p->conv_q, p->conv_k, p->conv_v};
@@ -122,6 +131,15 @@ static void kda_forward_(mtrl_model *m, mtrl_arena *ar, int l, int mode, int T, 
             // kernel stage instead of two per piece); their final states go nowhere (model_ws.h).
             be->kda_chunk_fwd_varlen(be, io->n_piece, io->piece, H, D, D, c->qn, c->kn, c->cv, c->g, c->beta, c->o,
                                      NULL, c->S_tiles);
+        } else if (io->piece_io && io->n_piece > 1) {
+            // Pieces each continuing its own state, advanced in place: one call for them all. One
+            // piece alone takes the per-piece form below, whose long-sequence forms (the
+            // chunk-parallel pieces of backend kda_chunk_fwd) the varlen form does not have.
+            real **Sp = xmalloc(sizeof(real *) * (size_t)io->n_piece);
+            for (int i = 0; i < io->n_piece; i++) Sp[i] = io->piece_io[i].kda_S + (size_t)ki * S_sz;
+            be->kda_chunk_fwd_varlen_io(be, io->n_piece, io->piece, H, D, D, c->qn, c->kn, c->cv, c->g, c->beta,
+                                        (const real *const *)Sp, c->o, Sp, c->S_tiles);
+            free(Sp);
         } else {
             size_t tile = 0;
             for (int i = 0; i < seq_pieces(io); i++) {
@@ -172,7 +190,9 @@ static void latent_write_(mtrl_backend *be, int B, int rows, int dc, int dr, con
     free(kdst);
 }
 
-mla_kv seg_mla_expand(mtrl_model *m, mtrl_arena *ar, int l, int Tk, const void *lat) {
+// seg_mla_expand's rows from one cache (lat: Tk consecutive rows) or, lat = NULL, from anywhere
+// (rows_h: Tk row pointers, the pieces of a piece_io pack, one gather for all).
+static mla_kv mla_expand_(mtrl_model *m, mtrl_arena *ar, int l, int Tk, const void *lat, const void *const *rows_h) {
     const mtrl_model_dims *d = &m->dims;
     mtrl_backend *be = m->be;
     int mH = d->mH, dn = d->dn, dr = d->dr, dv = d->dv, dc = d->dc, ld = dc + dr, ldk = mH * (dn + dr);
@@ -182,13 +202,20 @@ mla_kv seg_mla_expand(mtrl_model *m, mtrl_arena *ar, int l, int Tk, const void *
     x.lr = ALLOC((size_t)Tk * ld);
     size_t mark = mtrl_arena_mark(ar);
     real *k = ALLOC((size_t)Tk * ldk), *v = ALLOC((size_t)Tk * mH * dv);
-    be->latent_get(be, Tk, ld, lat, ld, x.lr, ld);
+    if (lat) be->latent_get(be, Tk, ld, lat, ld, x.lr, ld);
+    else be->latent_gather(be, Tk, ld, rows_h, x.lr, ld);
     be->mla_expand_kv(be, Tk, mH, dn, dr, dv, dc, x.lr, ld, x.lr + dc, ld, m->dP.layer[l].mkvb, k, v);
     be->latent_put(be, 1, Tk, ldk, k, ldk, &x.k, ldk);
     be->latent_put(be, 1, Tk, mH * dv, v, mH * dv, &x.v, mH * dv);
     mtrl_arena_release(ar, mark);
     return x;
 }
+
+mla_kv seg_mla_expand(mtrl_model *m, mtrl_arena *ar, int l, int Tk, const void *lat) {
+    return mla_expand_(m, ar, l, Tk, lat, NULL);
+}
+
+static size_t mla_naive_bytes_(const mtrl_model_dims *d, size_t Tk, size_t lat);
 
 static void mla_forward_(mtrl_model *m, mtrl_arena *ar, int l, int mode, int T, const real *x1, seq_io *io,
                          layer_cache *c, real *out) {
@@ -212,14 +239,20 @@ static void mla_forward_(mtrl_model *m, mtrl_arena *ar, int l, int mode, int T, 
     be->rmsnorm_fwd(be, T, dc, c->craw, p->mkv_norm, d->kv_eps, chat, c->rstd_c);
     // The new latent rows [ĉ ; k^r] join the sequence's cache.
     if (mode != SEG_DECODE && io->piece_io) {
+        // Each token's row to its own piece's cache, all in one write (as the decode's rows):
+        // no launches per piece.
+        MTRL_CHECK(io->piece[0] == 0 && io->piece[io->n_piece] == T); // every row has its piece
+        void **rows = xmalloc(sizeof(void *) * (size_t)(T > 0 ? T : 1));
         for (int i = 0; i < io->n_piece; i++) {
             const seq_io *pi = &io->piece_io[i];
             int Ti, o = seq_piece(io, T, i, &Ti);
             MTRL_CHECKF(pi->t0 + Ti <= pi->cap, "MLA latent cache full: position %d, capacity %d", pi->t0 + Ti - 1,
                         pi->cap);
-            void *row = mtrl_latent_at(be, pi->latent, ((size_t)mi * pi->cap + (size_t)pi->t0) * ld);
-            latent_write_(be, 1, Ti, dc, dr, chat + (size_t)o * dc, c->kr + (size_t)o * dr, &row);
+            for (int r = 0; r < Ti; r++)
+                rows[o + r] = mtrl_latent_at(be, pi->latent, ((size_t)mi * pi->cap + (size_t)pi->t0 + r) * ld);
         }
+        latent_write_(be, T, 1, dc, dr, chat, c->kr, rows);
+        free(rows);
     } else if (mode != SEG_DECODE) {
         MTRL_CHECKF(io->t0 + T <= io->cap, "MLA latent cache full: position %d, capacity %d", io->t0 + T - 1, io->cap);
         void *row = mtrl_latent_at(be, io->latent, ((size_t)mi * io->cap + (size_t)io->t0) * ld);
@@ -258,25 +291,54 @@ static void mla_forward_(mtrl_model *m, mtrl_arena *ar, int l, int mode, int T, 
         model_prof_end(m, MTRL_PROF_MLA_ATTN, t);
         mtrl_arena_release(ar, mark);
     } else if (mode == SEG_PREFILL && d->mla_prefill_naive) {
-        // Naive prefill of pieces that continue their own caches: each piece's keys so far
-        // expanded in turn (its scratch released before the next), the piece's rows attending.
+        // Naive prefill of pieces that continue their own caches: the keys so far of a group of
+        // consecutive pieces expanded together (one gather of their cache rows, one expansion,
+        // as many keys as the arena has room for, at least one piece's: what seg_prefill_bytes
+        // sizes), each piece's rows attending to its own keys; the group's scratch is released
+        // before the next.
         c->lse = ALLOC((size_t)T * mH);
         int ldk = mH * (dn + dr);
-        for (int i = 0; i < io->n_piece; i++) {
-            const seq_io *pi = &io->piece_io[i];
-            int Ti;
-            size_t o = (size_t)seq_piece(io, T, i, &Ti);
-            int Tk = pi->t0 + Ti;
+        const void **rows = NULL;
+        int nrows = 0;
+        for (int i0 = 0, i1; i0 < io->n_piece; i0 = i1) {
+            size_t room = ar->cap - ((ar->used + 63) & ~(size_t)63), K = 0;
+            for (i1 = i0; i1 < io->n_piece; i1++) {
+                int Ti;
+                seq_piece(io, T, i1, &Ti);
+                size_t Ki = (size_t)io->piece_io[i1].t0 + (size_t)Ti;
+                if (i1 > i0 && mla_naive_bytes_(d, K + Ki, be->latent_size) + 64 > room) break;
+                K += Ki;
+            }
+            if ((int)K > nrows) {
+                nrows = (int)K;
+                rows = xrealloc(rows, sizeof(void *) * K);
+            }
+            for (int i = i0, r = 0; i < i1; i++) { // the group's cache rows, piece after piece
+                const seq_io *pi = &io->piece_io[i];
+                int Ti;
+                seq_piece(io, T, i, &Ti);
+                for (int j = 0; j < pi->t0 + Ti; j++)
+                    rows[r++] = mtrl_latent_at(be, pi->latent, ((size_t)mi * pi->cap + (size_t)j) * ld);
+            }
             size_t mark = mtrl_arena_mark(ar);
             t = model_prof_begin(m);
-            mla_kv x = seg_mla_expand(m, ar, l, Tk, mtrl_latent_at(be, pi->latent, (size_t)mi * pi->cap * ld));
+            mla_kv x = mla_expand_(m, ar, l, (int)K, NULL, rows);
             model_prof_end(m, MTRL_PROF_MLA_ABSORB, t);
             t = model_prof_begin(m);
-            be->attn_causal_fwd(be, Ti, Tk, mH, mH, dn + dr, dv, scale, c->q + o * mH * (dn + dr), x.k, ldk, x.v, mH * dv,
-                                c->a + o * mH * dv, c->lse + o * mH);
+            for (int i = i0, ko = 0; i < i1; i++) {
+                int Ti;
+                size_t o = (size_t)seq_piece(io, T, i, &Ti);
+                int Tk = io->piece_io[i].t0 + Ti;
+                be->attn_causal_fwd(be, Ti, Tk, mH, mH, dn + dr, dv, scale, c->q + o * mH * (dn + dr),
+                                    mtrl_latent_at(be, x.k, (size_t)ko * ldk), ldk,
+                                    mtrl_latent_at(be, x.v, (size_t)ko * mH * dv), mH * dv, c->a + o * mH * dv,
+                                    c->lse + o * mH);
+                ko += Tk;
+            }
             model_prof_end(m, MTRL_PROF_MLA_ATTN, t);
             mtrl_arena_release(ar, mark);
         }
+        free(rows);
     } else if (mode != SEG_DECODE) {
         c->qt = ALLOC((size_t)T * mH * ld); c->ol = ALLOC((size_t)T * mH * dc); c->lse = ALLOC((size_t)T * mH);
         t = model_prof_begin(m);

@@ -678,10 +678,11 @@ static void prefill_pack_(mtrl_model *m, mtrl_decode_state *const *states, int i
     size_t rw = (size_t)d->n_moe * d->k;
     int *piece = xmalloc(sizeof(int) * (size_t)(k + 1)), T = 0;
     seq_io *pio = xmalloc(sizeof(seq_io) * (size_t)k);
-    int want_routing = 0, Tk = 0;
+    int want_routing = 0, Tk = 0, Kall = 0;
     for (int j = 0; j < k; j++) {
         mtrl_decode_state *st = states[i0 + j];
         if (st->pos + lens[i0 + j] > Tk) Tk = st->pos + lens[i0 + j];
+        Kall += st->pos + lens[i0 + j];
         MTRL_CHECKF(st->pos + lens[i0 + j] <= st->cap, "prefill of %d tokens at position %d overflows capacity %d",
                     lens[i0 + j], st->pos, st->cap);
         piece[j] = T;
@@ -693,7 +694,15 @@ static void prefill_pack_(mtrl_model *m, mtrl_decode_state *const *states, int i
     uint32_t *tok = xmalloc(sizeof(uint32_t) * (size_t)T);
     for (int j = 0; j < k; j++) memcpy(tok + piece[j], tokens[i0 + j], sizeof(uint32_t) * (size_t)lens[i0 + j]);
     uint8_t *rout = want_routing ? xmalloc((size_t)T * rw + 1) : NULL;
-    arena_ensure_(be, &w->infer, prefill_bytes_(m, T, Tk));
+    // The naive MLA form expands the keys of as many pieces at once as the arena has room for
+    // (model_fwd.c): room for all of them where that takes no more than a full segment's prefill
+    // at these keys (within mtrl_model_infer_bytes), else at least each piece's alone.
+    size_t need = prefill_bytes_(m, T, Tk);
+    if (d->mla_prefill_naive && k > 1) {
+        size_t all = prefill_bytes_(m, T, Kall), full = prefill_bytes_(m, MTRL_PREFILL_SEGMENT, Tk);
+        if ((all < full ? all : full) > need) need = all < full ? all : full;
+    }
+    arena_ensure_(be, &w->infer, need);
     mtrl_arena_reset(&w->infer);
     seq_io io = {NULL, NULL, NULL, 0, 0, k, piece, pio};
     seg_out so = {NULL, NULL, NULL, NULL, NULL, rout, 0};

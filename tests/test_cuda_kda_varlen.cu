@@ -20,6 +20,11 @@
 // zero window, and the fp64 reference (mtrl_ref_shortconv_fwd_varlen) at 1e-5, C = H K, W = 4; its
 // backward (mtrl_shortconv_bwd_varlen): dx bit for bit mtrl_shortconv_bwd per piece, dw (summed in
 // the pack's row blocks, not per piece) at 1e-5 of the per-piece calls' and of fp64.
+// The piece_io forms (mtrl_kda_chunk_fwd_varlen_io, mtrl_shortconv_fwd_varlen_io: each piece from
+// its own random state / window, some from none) over the same packs: bit for bit the per-piece
+// calls from those states (o, final states, tile states; y, new windows), into separate states and
+// in place, and the fp64 piece_io references at 1e-4 (KDA) and 1e-5 (conv); a pack of two empty
+// pieces (no tiles: the states pass through, or stay where they are in place).
 #include "tests/testhelp.h"
 #include "kernels/lab/cuda_testutil.h"
 #include "kernels/ref/kda_ref.h"
@@ -65,6 +70,23 @@ static void vl_out_free_(vl_out_ *r) {
     mtrl_cuda_free(r->o);
     mtrl_cuda_free(r->Sf);
     mtrl_cuda_free(r->St);
+}
+
+// o, S_final and S_tiles against the fp64 reference's at 1e-4 (got: host scratch for the largest).
+static void vl_check_fp64_(const char *pre, const vl_out_ *r, const double *o, const double *Sf, const double *St,
+                           size_t nv, size_t nsf, size_t nst, double *got) {
+    const struct {
+        const char *what;
+        const float *d;
+        const double *ref;
+        size_t n;
+    } c[3] = {{"o vs fp64", r->o, o, nv}, {"S_final vs fp64", r->Sf, Sf, nsf}, {"S_tiles vs fp64", r->St, St, nst}};
+    for (int i = 0; i < 3; i++) {
+        char what[64];
+        snprintf(what, sizeof what, "%s%s", pre, c[i].what);
+        tu_get_f32(got, c[i].d, c[i].n);
+        TU_CHECK_REL(what, got, c[i].ref, c[i].n, 1e-4);
+    }
 }
 
 // The per-piece launches the model ran before the varlen op (S0 = NULL: every piece from zero).
@@ -122,15 +144,22 @@ static void vl_bwd_same_(const char *form, const vl_grad_ *a, const vl_grad_ *b,
     }
 }
 
-static void test_varlen(mtrl_cuda_ctx *ctx, const char *name, int n, const int *len, int H, int K) {
-    const int V = K;
+// The pack's offsets [n + 1] (malloc'd) and its pieces' tiles in all (*nt).
+static int *vl_offs_(int n, const int *len, size_t *nt) {
     int *offs = (int *)malloc(sizeof(int) * ((size_t)n + 1));
     offs[0] = 0;
-    size_t nt = 0;
+    *nt = 0;
     for (int i = 0; i < n; i++) {
         offs[i + 1] = offs[i] + len[i];
-        nt += (size_t)mtrl_ref_kda_tile_count(len[i]);
+        *nt += (size_t)mtrl_ref_kda_tile_count(len[i]);
     }
+    return offs;
+}
+
+static void test_varlen(mtrl_cuda_ctx *ctx, const char *name, int n, const int *len, int H, int K) {
+    const int V = K;
+    size_t nt = 0;
+    int *offs = vl_offs_(n, len, &nt);
     int T = offs[n];
     printf("varlen %s: %d pieces, T=%d, %zu tiles, H=%d K=V=%d\n", name, n, T, nt, H, K);
     size_t nqk = (size_t)T * H * K, nv = (size_t)T * H * V, nb = (size_t)T * H, ns = (size_t)H * K * V;
@@ -151,12 +180,7 @@ static void test_varlen(mtrl_cuda_ctx *ctx, const char *name, int n, const int *
     VL_SAME("S_tiles == per piece", vl.St, pp.St, nst);
     size_t ngot = nst > nqk ? nst : nqk;
     double *got = tu_alloc(ngot > nsf ? ngot : nsf);
-    tu_get_f32(got, vl.o, nv);
-    TU_CHECK_REL("o vs fp64", got, o, nv, 1e-4);
-    tu_get_f32(got, vl.Sf, nsf);
-    TU_CHECK_REL("S_final vs fp64", got, Sf, nsf, 1e-4);
-    tu_get_f32(got, vl.St, nst);
-    TU_CHECK_REL("S_tiles vs fp64", got, St, nst, 1e-4);
+    vl_check_fp64_("", &vl, o, Sf, St, nv, nsf, nst, got);
 
     if (K == 128) {
         // the prefill form (o only) and the state-only form
@@ -313,6 +337,138 @@ static void test_conv_varlen(mtrl_cuda_ctx *ctx, const char *name, int n, const 
     free(x); free(w); free(y); free(got); free(offs); free(dy); free(dx); free(dw); free(gw);
 }
 
+// ---- the piece_io forms (mtrl_kda_chunk_fwd_varlen_io, mtrl_shortconv_fwd_varlen_io): every piece
+// continues its own state (the actor's packed prefill) ---------------------------------------------
+
+// Piece i's state: random (fp32-exact), or none (NULL: the zero state) for every 5th piece from
+// the 3rd. S0 [n][ns] holds them (zeros where none), *d_S0 its device copy, the table points in it.
+static const float **vl_io_states_(int n, size_t ns, double *S0, float **d_S0) {
+    tu_fill_normal(S0, (size_t)n * ns, 0.25);
+    for (int i = 0; i < n; i++)
+        for (size_t j = 0; j < ns; j++) S0[i * ns + j] = i % 5 == 2 ? 0.0 : (double)(float)S0[i * ns + j];
+    *d_S0 = tu_dev_f32(S0, (size_t)n * ns);
+    const float **tab = (const float **)malloc(sizeof(float *) * (size_t)(n ? n : 1));
+    for (int i = 0; i < n; i++) tab[i] = i % 5 == 2 ? NULL : *d_S0 + i * ns;
+    return tab;
+}
+
+// Per-piece mtrl_kda_chunk_fwd from S0 (tab) == the varlen_io form bit for bit (o, final states,
+// tile states), into separate final states and in place (final states over the initial ones);
+// the fp64 piece_io reference at 1e-4.
+static void test_varlen_io(mtrl_cuda_ctx *ctx, const char *name, int n, const int *len, int H, int K) {
+    size_t nt = 0;
+    int *offs = vl_offs_(n, len, &nt), T = offs[n], V = K;
+    printf("varlen_io %s: %d pieces from their own states, T=%d, %zu tiles, H=%d K=V=%d\n", name, n, T, nt, H, K);
+    size_t nqk = (size_t)T * H * K, nv = (size_t)T * H * V, nb = (size_t)T * H, ns = (size_t)H * K * V;
+    size_t nsf = (size_t)n * ns, nst = nt * ns;
+    double *q = tu_alloc(nqk), *k = tu_alloc(nqk), *v = tu_alloc(nv), *g = tu_alloc(nqk), *beta = tu_alloc(nb);
+    vl_inputs_(nqk, nv, nb, K, q, k, v, g, beta);
+    double *S0 = tu_alloc(nsf);
+    float *d_S0;
+    const float **tab = vl_io_states_(n, ns, S0, &d_S0);
+    // the fp64 reference from the same states
+    const double **rtab = (const double **)malloc(sizeof(double *) * (size_t)n);
+    double **rsf = (double **)malloc(sizeof(double *) * (size_t)n);
+    double *o = tu_alloc(nv), *Sf = tu_alloc(nsf), *St = tu_alloc(nst);
+    for (int i = 0; i < n; i++) {
+        rtab[i] = tab[i] ? S0 + i * ns : NULL;
+        rsf[i] = Sf + i * ns;
+    }
+    mtrl_ref_kda_chunk_fwd_varlen_io(n, offs, H, K, V, q, k, v, g, beta, rtab, o, rsf, St);
+    float *d_q = tu_dev_f32(q, nqk), *d_k = tu_dev_f32(k, nqk), *d_v = tu_dev_f32(v, nv), *d_g = tu_dev_f32(g, nqk),
+          *d_b = tu_dev_f32(beta, nb);
+
+    vl_out_ pp = vl_out_nan_(ctx, nv, nsf, nst), vl = vl_out_nan_(ctx, nv, nsf, nst);
+    size_t tile = 0;
+    for (int i = 0; i < n; i++) {  // per piece, as the model ran the actor's prefill before
+        size_t x = (size_t)offs[i];
+        TEST_EQ_INT(mtrl_kda_chunk_fwd(ctx, len[i], H, K, V, d_q + x * H * K, d_k + x * H * K, d_v + x * H * V,
+                                       d_g + x * H * K, d_b + x * H, tab[i], pp.o + x * H * V, pp.Sf + i * ns,
+                                       pp.St + tile * ns),
+                    0);
+        tile += (size_t)mtrl_ref_kda_tile_count(len[i]);
+    }
+    float **sft = (float **)malloc(sizeof(float *) * (size_t)n), **inp = (float **)malloc(sizeof(float *) * (size_t)n);
+    float *d_in = tu_dev_f32(S0, nsf);  // the initial states again (zeros for none), for in place
+    for (int i = 0; i < n; i++) {
+        sft[i] = vl.Sf + i * ns;
+        inp[i] = d_in + i * ns;
+    }
+    TEST_EQ_INT(mtrl_kda_chunk_fwd_varlen_io(ctx, n, offs, H, K, V, d_q, d_k, d_v, d_g, d_b, tab, vl.o, sft, vl.St),
+                0);
+    mtrl_cuda_sync(ctx);
+    VL_SAME("io: o == per piece", vl.o, pp.o, nv);
+    VL_SAME("io: S_final == per piece", vl.Sf, pp.Sf, nsf);
+    VL_SAME("io: S_tiles == per piece", vl.St, pp.St, nst);
+    // in place: the initial states (zeros for the NULL ones) overwritten by the final ones
+    vl_out_ ip = vl_out_nan_(ctx, nv, 1, 1);
+    TEST_EQ_INT(mtrl_kda_chunk_fwd_varlen_io(ctx, n, offs, H, K, V, d_q, d_k, d_v, d_g, d_b,
+                                             (const float *const *)inp, ip.o, inp, NULL),
+                0);
+    mtrl_cuda_sync(ctx);
+    VL_SAME("io in place: o == per piece", ip.o, pp.o, nv);
+    VL_SAME("io in place: states == per piece S_final", d_in, pp.Sf, nsf);
+    double *got = tu_alloc(nst > nv ? (nst > nsf ? nst : nsf) : (nv > nsf ? nv : nsf));
+    vl_check_fp64_("io: ", &vl, o, Sf, St, nv, nsf, nst, got);
+
+    float *dev[] = {d_q, d_k, d_v, d_g, d_b, d_S0, d_in};
+    for (size_t i = 0; i < sizeof dev / sizeof dev[0]; i++) mtrl_cuda_free(dev[i]);
+    vl_out_free_(&pp);
+    vl_out_free_(&vl);
+    vl_out_free_(&ip);
+    double *host[] = {q, k, v, g, beta, S0, o, Sf, St, got};
+    for (size_t i = 0; i < sizeof host / sizeof host[0]; i++) free(host[i]);
+    free(tab); free(rtab); free(rsf); free(sft); free(inp); free(offs);
+}
+
+// The short conv's piece_io form: per-piece mtrl_shortconv_fwd from each piece's window (NULL for
+// every 5th from the 3rd) writing its new window == the varlen_io form bit for bit (y, windows),
+// into separate windows and in place; the fp64 reference at 1e-5.
+static void test_conv_varlen_io(mtrl_cuda_ctx *ctx, const char *name, int n, const int *len, int C) {
+    const int W = 4;
+    int *offs = (int *)malloc(sizeof(int) * ((size_t)n + 1));
+    offs[0] = 0;
+    for (int i = 0; i < n; i++) offs[i + 1] = offs[i] + len[i];
+    size_t nx = (size_t)offs[n] * C, ns = (size_t)(W - 1) * C, nw = (size_t)n * ns;
+    printf("conv varlen_io %s: %d pieces from their own windows, T=%d, C=%d, W=%d\n", name, n, offs[n], C, W);
+    double *x = tu_alloc(nx), *w = tu_alloc((size_t)C * W), *y = tu_alloc(nx), *win = tu_alloc(nw),
+           *wo = tu_alloc(nw), *got = tu_alloc(nx > nw ? nx : nw);
+    tu_fill_normal(x, nx, 1.0);
+    tu_fill_normal(w, (size_t)C * W, 0.5);
+    float *d_win;
+    const float **tab = vl_io_states_(n, ns, win, &d_win);
+    float *d_x = tu_dev_f32(x, nx), *d_w = tu_dev_f32(w, (size_t)C * W), *d_pp = tu_dev_nan(ctx, nx),
+          *d_vl = tu_dev_nan(ctx, nx), *d_ip = tu_dev_nan(ctx, nx), *d_wpp = tu_dev_nan(ctx, nw),
+          *d_wvl = tu_dev_nan(ctx, nw), *d_wip = tu_dev_f32(win, nw);
+    const double **rin = (const double **)malloc(sizeof(double *) * (size_t)n);
+    double **rout = (double **)malloc(sizeof(double *) * (size_t)n);
+    float **out = (float **)malloc(sizeof(float *) * (size_t)n), **inp = (float **)malloc(sizeof(float *) * (size_t)n);
+    for (int i = 0; i < n; i++) {
+        rin[i] = tab[i] ? win + i * ns : NULL;
+        rout[i] = wo + i * ns;
+        out[i] = d_wvl + i * ns;
+        inp[i] = d_wip + i * ns;
+        size_t o = (size_t)offs[i] * C;
+        TEST_EQ_INT(mtrl_shortconv_fwd(ctx, len[i], C, W, d_x + o, d_w, tab[i], d_pp + o, d_wpp + i * ns), 0);
+    }
+    mtrl_ref_shortconv_fwd_varlen_io(n, offs, C, W, x, w, rin, rout, y);
+    TEST_EQ_INT(mtrl_shortconv_fwd_varlen_io(ctx, n, offs, C, W, d_x, d_w, tab, out, d_vl), 0);
+    TEST_EQ_INT(mtrl_shortconv_fwd_varlen_io(ctx, n, offs, C, W, d_x, d_w, (const float *const *)inp, inp, d_ip), 0);
+    mtrl_cuda_sync(ctx);
+    VL_SAME("conv io: y == per piece", d_vl, d_pp, nx);
+    VL_SAME("conv io: windows == per piece", d_wvl, d_wpp, nw);
+    VL_SAME("conv io in place: y == per piece", d_ip, d_pp, nx);
+    VL_SAME("conv io in place: windows == per piece", d_wip, d_wpp, nw);
+    tu_get_f32(got, d_vl, nx);
+    TU_CHECK_REL("conv io: y vs fp64", got, y, nx, 1e-5);
+    tu_get_f32(got, d_wvl, nw);
+    TU_CHECK_REL("conv io: windows vs fp64", got, wo, nw, 1e-6);
+    float *dev[] = {d_win, d_x, d_w, d_pp, d_vl, d_ip, d_wpp, d_wvl, d_wip};
+    for (size_t i = 0; i < sizeof dev / sizeof dev[0]; i++) mtrl_cuda_free(dev[i]);
+    free(x); free(w); free(y); free(win); free(wo); free(got);
+    free(tab); free(rin); free(rout); free(out); free(inp); free(offs);
+}
+
 // n random lengths in [1, max], one of them (the 8th) empty.
 static void vl_mix_(int n, int max, int *len) {
     for (int i = 0; i < n; i++) len[i] = 1 + (int)(tu_unif() * max) % max;
@@ -334,8 +490,17 @@ int main(void) {
         test_varlen(ctx, "mix of 100", 100, mix, H, 128);
         test_conv_varlen(ctx, "mix of 100", 100, mix, H * 128);
         test_conv_varlen(ctx, "1 15 16 17 64 333", 6, edge, H * 128);
+        // the piece_io forms over the same packs
+        test_varlen_io(ctx, "1 15 16 17 64 333", 6, edge, H, 128);
+        test_varlen_io(ctx, "one piece of 333", 1, long1, H, 128);
+        test_varlen_io(ctx, "mix of 100", 100, mix, H, 128);
+        test_conv_varlen_io(ctx, "mix of 100", 100, mix, H * 128);
+        test_conv_varlen_io(ctx, "1 15 16 17 64 333", 6, edge, H * 128);
     }
     test_varlen(ctx, "1 15 16 17 64 333 (K = 32: per piece)", 6, edge, 2, 32);
+    test_varlen_io(ctx, "1 15 16 17 64 333 (K = 32: per piece)", 6, edge, 2, 32);
+    static const int empty2[2] = {0, 0};  // no tiles at all: the states pass through (or stay in place)
+    test_varlen_io(ctx, "two empty pieces", 2, empty2, 2, 128);
     // arguments the op refuses
     int bad[3] = {0, 20, 10};
     float *d = tu_dev_nan(ctx, 20 * 2 * 128);

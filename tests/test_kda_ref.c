@@ -601,15 +601,22 @@ static double maxabs_(const double *a, const double *b, size_t n) {
     for (size_t i = 0; i < n; i++) m = a[i] - b[i] != a[i] - b[i] ? INFINITY : maxd(m, fabs(a[i] - b[i]));
     return m;
 }
-static void test_varlen(void) {
-    enum { NP = 6 };
-    const int len[NP] = {1, 15, 16, 17, 0, 40};
-    int offs[NP + 1] = {0};
-    size_t KV = (size_t)K_ * V_, HKV = H_ * KV, tiles = 0;
-    for (int i = 0; i < NP; i++) {
+// offs [n + 1] of pieces of len[i] tokens laid end to end; returns their tiles in all.
+static size_t varlen_offs_(int n, const int *len, int *offs) {
+    size_t tiles = 0;
+    offs[0] = 0;
+    for (int i = 0; i < n; i++) {
         offs[i + 1] = offs[i] + len[i];
         tiles += (size_t)mtrl_ref_kda_tile_count(len[i]);
     }
+    return tiles;
+}
+enum { NP = 6 };
+static const int varlen_len_[NP] = {1, 15, 16, 17, 0, 40};
+static void test_varlen(void) {
+    const int *len = varlen_len_;
+    int offs[NP + 1];
+    size_t KV = (size_t)K_ * V_, HKV = H_ * KV, tiles = varlen_offs_(NP, len, offs);
     int T = offs[NP];
     inputs in = make_inputs(T, G_RANDOM, 800);
     size_t nk = (size_t)T * H_ * K_, nv = (size_t)T * H_ * V_;
@@ -656,6 +663,56 @@ static void test_varlen(void) {
     free_inputs(&in);
 }
 
+// The piece_io form (mtrl_ref_kda_chunk_fwd_varlen_io): each piece from its own state == the token
+// recurrence of that piece from that state (o, final state, tile states), at 1e-12; with the final
+// states written over the initial ones (in place) the same bits as into separate states; a NULL
+// entry is the zero state. Pieces of 1, 15, 16, 17, 0 (empty: its state passes through) and 40.
+static void test_varlen_io(void) {
+    const int *len = varlen_len_;
+    int offs[NP + 1];
+    size_t KV = (size_t)K_ * V_, HKV = H_ * KV, tiles = varlen_offs_(NP, len, offs);
+    inputs in = make_inputs(offs[NP], G_RANDOM, 810);
+    int T = offs[NP];
+    size_t nv = (size_t)T * H_ * V_;
+    double *S0 = malloc(sizeof(double) * NP * HKV), *Sf = malloc(sizeof(double) * NP * HKV),
+           *Sin = malloc(sizeof(double) * NP * HKV), *o = malloc(sizeof(double) * nv),
+           *o2 = malloc(sizeof(double) * nv), *St = malloc(sizeof(double) * tiles * HKV),
+           *orec = malloc(sizeof(double) * nv), *Sall = malloc(sizeof(double) * (size_t)(T + 1) * HKV),
+           Srec[H_ * K_ * V_];
+    fill_normal(S0, NP * HKV, 811, 0.5);
+    const double *S0p[NP];
+    double *Sfp[NP], *Sinp[NP];
+    for (int i = 0; i < NP; i++) {
+        S0p[i] = i == 3 ? NULL : S0 + i * HKV; // piece 3 from the zero state
+        Sfp[i] = Sf + i * HKV;
+        Sinp[i] = Sin + i * HKV;
+    }
+    memcpy(Sin, S0, sizeof(double) * NP * HKV);
+    memset(Sin + 3 * HKV, 0, sizeof(double) * HKV);
+    mtrl_ref_kda_chunk_fwd_varlen_io(NP, offs, H_, K_, V_, in.q, in.k, in.v, in.g, in.beta, S0p, o, Sfp, St);
+    mtrl_ref_kda_chunk_fwd_varlen_io(NP, offs, H_, K_, V_, in.q, in.k, in.v, in.g, in.beta,
+                                     (const double *const *)Sinp, o2, Sinp, NULL);
+    double worst = 0;
+    size_t tile = 0;
+    for (int i = 0; i < NP; i++) {
+        size_t x = (size_t)offs[i];
+        mtrl_ref_kda_recurrent_fwd(len[i], H_, K_, V_, in.q + x * H_ * K_, in.k + x * H_ * K_, in.v + x * H_ * V_,
+                                   in.g + x * H_ * K_, in.beta + x * H_, S0p[i], orec + x * H_ * V_, Srec, Sall);
+        worst = maxd(worst, maxabs_(Sf + i * HKV, Srec, HKV));
+        for (int n = 0; n < mtrl_ref_kda_tile_count(len[i]); n++)
+            worst = maxd(worst, maxabs_(St + (tile + n) * HKV, Sall + (size_t)16 * n * HKV, HKV));
+        tile += (size_t)mtrl_ref_kda_tile_count(len[i]);
+    }
+    worst = maxd(worst, maxabs_(o, orec, nv));
+    int same = !memcmp(o, o2, sizeof(double) * nv) && !memcmp(Sf, Sin, sizeof(double) * NP * HKV);
+    printf("varlen pieces from their own states == each piece's recurrence: max |diff| %.2e; in place: %s\n", worst,
+           same ? "same bits" : "DIFFERENT");
+    TEST_CHECKF(worst <= 1e-12, "varlen_io forward vs recurrence per piece: %.2e", worst);
+    TEST_CHECKF(same, "varlen_io in place differs from separate final states");
+    free(S0); free(Sf); free(Sin); free(o); free(o2); free(St); free(orec); free(Sall);
+    free_inputs(&in);
+}
+
 int main(void) {
     test_i1();
     test_i2();
@@ -665,5 +722,6 @@ int main(void) {
     test_i7();
     test_step();
     test_varlen();
+    test_varlen_io();
     return test_report();
 }

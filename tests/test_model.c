@@ -504,25 +504,29 @@ static void test_inference_model(void) {
     mtrl_model_free(&tr);
 }
 
-// mtrl_model_prefill_many (the actor's batched tool results) == one mtrl_model_prefill per
-// sequence: four states at different positions (fresh, after 17 and after 3 tokens), new
-// pieces of 20, 5, 16 and 1 tokens; the last-token logits, then one batched decode step from the
-// states it left (KDA states, conv windows, latents and positions all used), and the routing.
-static void test_prefill_many(int prefill_naive) {
+// mtrl_model_prefill_many (the actor's batched tool results: one packed SEG_PREFILL whose pieces
+// continue their own states, the varlen piece_io ops) == one mtrl_model_prefill per sequence:
+// states at different positions, new pieces of different lengths; the last-token logits, then one
+// batched decode step from the states it left (KDA states, conv windows, latents and positions all
+// used), and the routing. Four states (fresh, after 17 and after 3 tokens; pieces of 20, 5, 16 and
+// 1 tokens), and nine (pieces of 1, 15, 16, 17, 33, 2, 40, 3 and 64 tokens: partial, whole and
+// several KDA tiles, pieces shorter than the conv window, after 0 .. 33 tokens).
+enum { PM_MAX = 9, PM_CAP = 128 };
+static void test_prefill_many(int prefill_naive, int N, const int *before, const int *len) {
     mtrl_model_dims d = small_dims(4, 2, "KMKM");
     d.mla_prefill_naive = prefill_naive;
     mtrl_model m;
     mtrl_model_init(&m, &d, 15);
     perturb_params(&m, 9);
-    enum { N = 4, CAP = 64 };
-    int before[N] = {0, 17, 3, 0}, len[N] = {20, 5, 16, 1};
-    uint32_t tok[N][CAP];
+    enum { CAP = PM_CAP };
+    TEST_CHECK(N <= PM_MAX);
+    uint32_t tok[PM_MAX][CAP];
     for (int i = 0; i < N; i++) make_tokens(tok[i], CAP, 20 + (uint64_t)i);
-    mtrl_decode_state one[N], many[N];
-    mtrl_decode_state *pm[N], *po[N];
-    const uint32_t *fresh[N];
+    mtrl_decode_state one[PM_MAX], many[PM_MAX];
+    mtrl_decode_state *pm[PM_MAX], *po[PM_MAX];
+    const uint32_t *fresh[PM_MAX];
     size_t rw = (size_t)d.n_moe * d.k;
-    uint8_t *r1[N], *rm[N];
+    uint8_t *r1[PM_MAX], *rm[PM_MAX];
     real *l1 = malloc(sizeof(real) * N * d.V), *lm = malloc(sizeof(real) * N * d.V);
     for (int i = 0; i < N; i++) {
         mtrl_decode_state_init(&one[i], &m, CAP);
@@ -545,13 +549,13 @@ static void test_prefill_many(int prefill_naive) {
         same_routing &= memcmp(r1[i], rm[i], (size_t)len[i] * rw) == 0;
         same_pos &= many[i].pos == one[i].pos && one[i].pos == before[i] + len[i];
     }
-    uint32_t next[N];
+    uint32_t next[PM_MAX];
     for (int i = 0; i < N; i++) next[i] = tok[i][before[i] + len[i]];
     real *d1 = malloc(sizeof(real) * N * d.V), *dm = malloc(sizeof(real) * N * d.V);
     mtrl_model_decode(&m, po, N, next, d1, NULL);
     mtrl_model_decode(&m, pm, N, next, dm, NULL);
     double ed = test_max_rel(dm, d1, (size_t)N * d.V);
-    printf("prefill of 4 sequences at once%s: last logits rel diff %.3g, next decode step %.3g\n",
+    printf("prefill of %d sequences at once%s: last logits rel diff %.3g, next decode step %.3g\n", N,
            prefill_naive ? " (naive MLA prefill)" : "", el, ed);
     TEST_CHECKF(el <= 1e-12, "prefill_many logits differ by %.3g", el);
     TEST_CHECKF(ed <= 1e-12, "the states prefill_many left differ: decode logits by %.3g", ed);
@@ -946,8 +950,12 @@ int main(void) {
     test_prefill_decode(small_dims(4, 2, "KKKM"), 1);
     test_prefill_decode(kimi_dims(4, "KKKM"), 0);
     test_prefill_decode(kimi_dims(4, "KKKM"), 1);
-    test_prefill_many(0);
-    test_prefill_many(1);
+    static const int pm_before4[4] = {0, 17, 3, 0}, pm_len4[4] = {20, 5, 16, 1};
+    static const int pm_before9[9] = {0, 17, 3, 0, 5, 1, 0, 16, 33}, pm_len9[9] = {1, 15, 16, 17, 33, 2, 40, 3, 64};
+    for (int naive = 0; naive < 2; naive++) {
+        test_prefill_many(naive, 4, pm_before4, pm_len4);
+        test_prefill_many(naive, 9, pm_before9, pm_len9);
+    }
     test_decode_batch64();
     test_inference_model();
     test_qb_outside_gradient();

@@ -409,11 +409,56 @@ static void test_adamw(void) {
     free(p); free(g1); free(g2); free(m); free(v); free(p0); free(p1); free(gb);
 }
 
+// The piece_io short conv (mtrl_ref_shortconv_fwd_varlen_io): pieces of 1, 2, 0, 5 and 9 rows
+// (shorter and longer than the window) each continuing its own window == one run of the window's
+// sequence: the window as the last W−1 inputs before the piece, then the piece (y and the new
+// window exactly); in place (the new windows over the old) the same bits; a NULL entry the zero
+// window.
+static void test_shortconv_varlen_io(void) {
+    printf("shortconv varlen_io\n");
+    enum { NP = 5, C = 3, W = 4 };
+    const int len[NP] = {1, 2, 0, 5, 9};
+    int offs[NP + 1] = {0};
+    for (int i = 0; i < NP; i++) offs[i + 1] = offs[i] + len[i];
+    size_t n = (size_t)offs[NP] * C, ns = (size_t)(W - 1) * C;
+    real *x = randn(n, 1.0, 0.0), *w = randn((size_t)C * W, 0.5, 0.0), *win = randn(NP * ns, 1.0, 0.0);
+    real *y = malloc(sizeof(real) * n), *y2 = malloc(sizeof(real) * n), *wo = malloc(sizeof(real) * NP * ns);
+    real *wip = malloc(sizeof(real) * NP * ns);
+    const real *in[NP];
+    real *out[NP], *inplace[NP];
+    for (int i = 0; i < NP; i++) {
+        in[i] = i == 1 ? NULL : win + i * ns;
+        out[i] = wo + i * ns;
+        inplace[i] = wip + i * ns;
+    }
+    memcpy(wip, win, sizeof(real) * NP * ns);
+    memset(wip + ns, 0, sizeof(real) * ns);
+    mtrl_ref_shortconv_fwd_varlen_io(NP, offs, C, W, x, w, in, out, y);
+    mtrl_ref_shortconv_fwd_varlen_io(NP, offs, C, W, x, w, (const real *const *)inplace, inplace, y2);
+    TEST_ARRAY_CLOSE(y2, y, n, 0, 0);
+    TEST_ARRAY_CLOSE(wip, wo, NP * ns, 0, 0);
+    for (int i = 0; i < NP; i++) {
+        // the piece's stream: its window's rows, then its rows, from the zero window
+        int Ti = len[i], Ts = W - 1 + Ti;
+        real *xs = calloc((size_t)Ts * C, sizeof(real)), *ys = malloc(sizeof(real) * ((size_t)Ts * C + 1));
+        real *so = malloc(sizeof(real) * ns);
+        if (in[i]) memcpy(xs, in[i], sizeof(real) * ns);
+        memcpy(xs + ns, x + (size_t)offs[i] * C, sizeof(real) * (size_t)Ti * C);
+        real *zero = calloc(ns, sizeof(real));
+        mtrl_ref_shortconv_fwd(Ts, C, W, xs, w, zero, ys, so);
+        TEST_ARRAY_CLOSE(y + (size_t)offs[i] * C, ys + ns, (size_t)Ti * C, 0, 0);
+        TEST_ARRAY_CLOSE(wo + i * ns, so, ns, 0, 0);
+        free(xs); free(ys); free(so); free(zero);
+    }
+    free(x); free(w); free(win); free(y); free(y2); free(wo); free(wip);
+}
+
 int main(void) {
     test_norms();
     test_swiglu();
     test_shortconv();
     test_shortconv_varlen();
+    test_shortconv_varlen_io();
     test_embedding();
     test_logprob();
     test_adamw();

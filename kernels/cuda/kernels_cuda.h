@@ -177,7 +177,17 @@ int mtrl_kda_chunk_bwd(mtrl_cuda_ctx *ctx, int T, int H, int K, int V, const flo
 int mtrl_kda_chunk_fwd_varlen(mtrl_cuda_ctx *ctx, int n, const int *offs_host, int H, int K, int V,
                               const float *q, const float *k, const float *v, const float *g,
                               const float *beta, float *o, float *S_final, float *S_tiles);
-// Its backward: bit for bit mtrl_kda_chunk_bwd per piece (S0 = NULL, dS_final = NULL, no dS0),
+// The piece_io form (the actor's prefill of several sequences, each continuing its own state):
+// the same, piece i from the state at S0_host[i] and its final state to Sf_host[i] (S0_host,
+// Sf_host: HOST arrays [n] of device pointers [H][K][V], or NULL: every piece from zero / no final
+// states; entries nullable likewise; Sf_host[i] may be S0_host[i]: updated in place). Bit for bit
+// mtrl_kda_chunk_fwd per piece with that S0 and S_final, in the same two launches (plus the
+// tables' uploads).
+int mtrl_kda_chunk_fwd_varlen_io(mtrl_cuda_ctx *ctx, int n, const int *offs_host, int H, int K, int V,
+                                 const float *q, const float *k, const float *v, const float *g,
+                                 const float *beta, const float *const *S0_host, float *o,
+                                 float *const *Sf_host, float *S_tiles);
+// The backward of mtrl_kda_chunk_fwd_varlen: bit for bit mtrl_kda_chunk_bwd per piece (S0 = NULL, dS_final = NULL, no dS0),
 // S_tiles as the varlen forward wrote them (or NULL: recomputed); dq, dk, dv, dg, dbeta
 // overwritten at every piece's rows. Where mtrl_kda_chunk_bwd takes v3 (K = V = 128, 16-byte
 // aligned q, k, v, g, dout, kda_bwd not SIMT) four launches per group of pieces (the forward's
@@ -377,6 +387,13 @@ int mtrl_shortconv_fwd_varlen(mtrl_cuda_ctx *ctx, int n, const int *offs_host, i
 // per-piece calls' dw.
 int mtrl_shortconv_bwd_varlen(mtrl_cuda_ctx *ctx, int n, const int *offs_host, int C, int W,
                               const float *x, const float *w, const float *dy, float *dx, float *dw);
+// The piece_io form: piece i reads the window at win_in_host[i] ([W-1][C], NULL entry or table:
+// zeros) for its rows before its first and writes its last W-1 inputs to win_out_host[i] (NULL
+// entry or table: none; may be win_in_host[i]: in place). HOST tables [n] of device pointers. Two
+// launches (outputs, then windows); bit for bit mtrl_shortconv_fwd per piece with those states.
+int mtrl_shortconv_fwd_varlen_io(mtrl_cuda_ctx *ctx, int n, const int *offs_host, int C, int W,
+                                 const float *x, const float *w, const float *const *win_in_host,
+                                 float *const *win_out_host, float *y);
 // B decode tokens of B sequences: x1 [B][C], windows [B][W-1][C] updated, y1 [B][C].
 int mtrl_shortconv_step(mtrl_cuda_ctx *ctx, int B, int C, int W, const float *x1,
                         const float *w, float *window, float *y1);

@@ -140,14 +140,23 @@ struct scoped_opts {
     scoped_opts &operator=(const scoped_opts &) = delete;
 };
 
+// KDA inputs of T tokens (K = V = 128) as the layer feeds the core: q and k L2-normalised (q then
+// scaled by K^-1/2), g in the chunked kernels' range, β in (0, 1).
+void kda_inputs_(Bench &B, int T, int H, float **q, float **k, float **v, float **g, float **beta) {
+    const int K = 128;
+    size_t nqk = (size_t)T * H * K;
+    *q = rnd(B, nqk, -1, 1), *k = rnd(B, nqk, -1, 1), *v = rnd(B, nqk, -1, 1);
+    *g = rnd(B, nqk, -4.9f, -0.01f), *beta = rnd(B, (size_t)T * H, 0.05f, 0.95f);
+    mtrl_l2norm_fwd(B.c, T * H, K, *q, 1e-6f, *q, NULL);
+    mtrl_l2norm_fwd(B.c, T * H, K, *k, 1e-6f, *k, NULL);
+    scale_k<<<4096, 256, 0, B.c->stream>>>(nqk, *q, 1.f / sqrtf((float)K));
+}
+
 void bench_kda(Bench &B, int T, int H) {
     const int K = 128, V = 128;
     size_t nqk = (size_t)T * H * K, nt = (T + 15) / 16;
-    float *q = rnd(B, nqk, -1, 1), *k = rnd(B, nqk, -1, 1), *v = rnd(B, nqk, -1, 1);
-    float *g = rnd(B, nqk, -4.9f, -0.01f), *beta = rnd(B, (size_t)T * H, 0.05f, 0.95f);
-    mtrl_l2norm_fwd(B.c, T * H, K, q, 1e-6f, q, NULL);
-    mtrl_l2norm_fwd(B.c, T * H, K, k, 1e-6f, k, NULL);
-    scale_k<<<4096, 256, 0, B.c->stream>>>(nqk, q, 1.f / sqrtf((float)K));
+    float *q, *k, *v, *g, *beta;
+    kda_inputs_(B, T, H, &q, &k, &v, &g, &beta);
     float *o = (float *)mtrl_cuda_malloc(nqk * 4), *Sf = (float *)mtrl_cuda_malloc((size_t)H * K * V * 4);
     mtrl_cuda_sync(B.c);
     char shape[64];
@@ -639,11 +648,8 @@ std::vector<int> parse_list(const char *s) {
 void bench_kda_varlen(Bench &B, int n, int len, int H) {
     const int K = 128, V = 128, T = n * len;
     size_t nqk = (size_t)T * H * K, ntl = (size_t)n * ((len + 15) / 16), ns = (size_t)H * K * V;
-    float *q = rnd(B, nqk, -1, 1), *k = rnd(B, nqk, -1, 1), *v = rnd(B, nqk, -1, 1);
-    float *g = rnd(B, nqk, -4.9f, -0.01f), *beta = rnd(B, (size_t)T * H, 0.05f, 0.95f);
-    mtrl_l2norm_fwd(B.c, T * H, K, q, 1e-6f, q, NULL);
-    mtrl_l2norm_fwd(B.c, T * H, K, k, 1e-6f, k, NULL);
-    scale_k<<<4096, 256, 0, B.c->stream>>>(nqk, q, 1.f / sqrtf((float)K));
+    float *q, *k, *v, *g, *beta;
+    kda_inputs_(B, T, H, &q, &k, &v, &g, &beta);
     float *o = (float *)mtrl_cuda_malloc(nqk * 4), *St = (float *)mtrl_cuda_malloc(ntl * ns * 4);
     std::vector<int> offs(n + 1);
     for (int i = 0; i <= n; i++) offs[i] = i * len;
@@ -713,6 +719,61 @@ void bench_kda_varlen(Bench &B, int n, int len, int H) {
     printf("%-34s %-34s varlen / per piece time %.3f\n", "", "", cbv / cbp);
     mtrl_cuda_sync(B.c);
     float *bufs[] = {q, k, v, g, beta, o, St, cw, dout, dq, dk, dv, dg, db, dcw};
+    for (float *b : bufs) mtrl_cuda_free(b);
+}
+
+// The piece_io forms (the actor's packed prefill: n pieces of `len` tokens, each continuing its own
+// state and conv windows): mtrl_kda_chunk_fwd per piece from its S0 to its S_final (the launches
+// the model ran before) against one mtrl_kda_chunk_fwd_varlen_io (the states updated in place, as
+// the model calls it), o only (a prefill keeps no tile states); then the short conv per piece from
+// its window against mtrl_shortconv_fwd_varlen_io.
+void bench_varlen_io(Bench &B, int n, int len, int H) {
+    const int K = 128, V = 128, T = n * len;
+    size_t nqk = (size_t)T * H * K, ntl = (size_t)n * ((len + 15) / 16), ns = (size_t)H * K * V;
+    float *q, *k, *v, *g, *beta;
+    kda_inputs_(B, T, H, &q, &k, &v, &g, &beta);
+    float *o = (float *)mtrl_cuda_malloc(nqk * 4);
+    float *S = rnd(B, (size_t)n * ns, -0.1f, 0.1f), *Sf = (float *)mtrl_cuda_malloc((size_t)n * ns * 4);
+    std::vector<int> offs(n + 1);
+    for (int i = 0; i <= n; i++) offs[i] = i * len;
+    std::vector<float *> sp(n);
+    for (int i = 0; i < n; i++) sp[i] = S + (size_t)i * ns;
+    mtrl_cuda_sync(B.c);
+    char shape[64];
+    snprintf(shape, sizeof shape, "%d x %d H=%d K=V=128", n, len, H);
+    double flops = (double)ntl * H * (4.0 * 65536 + 3.0 * 524288 + 65536);  // bench_kda's nominal work
+    double mp = time_ms(B, [&] {
+        for (int i = 0; i < n; i++) {
+            size_t x = (size_t)i * len;
+            mtrl_kda_chunk_fwd(B.c, len, H, K, V, q + x * H * K, k + x * H * K, v + x * H * V, g + x * H * K,
+                               beta + x * H, sp[i], o + x * H * V, Sf + (size_t)i * ns, NULL);
+        }
+    });
+    // in place: every repeat advances the states again (the same work each time)
+    double mv = time_ms(B, [&] {
+        mtrl_kda_chunk_fwd_varlen_io(B.c, n, offs.data(), H, K, V, q, k, v, g, beta, (const float *const *)sp.data(),
+                                     o, sp.data(), NULL);
+    });
+    row("KDA fwd per piece from S0 (o, Sf)", shape, mp, flops, "TFLOP/s", B.gemm_tflops);
+    row("KDA fwd varlen_io (o, S in place)", shape, mv, flops, "TFLOP/s", B.gemm_tflops);
+    printf("%-34s %-34s varlen_io / per piece time %.3f\n", "", "", mv / mp);
+    const int C = H * K, W = 4;
+    size_t nw = (size_t)(W - 1) * C;
+    float *cw = rnd(B, (size_t)C * W, -0.5f, 0.5f), *win = rnd(B, (size_t)n * nw, -1, 1);
+    std::vector<float *> wp(n);
+    for (int i = 0; i < n; i++) wp[i] = win + (size_t)i * nw;
+    double cp = time_ms(B, [&] {
+        for (int i = 0; i < n; i++)
+            mtrl_shortconv_fwd(B.c, len, C, W, q + (size_t)i * len * C, cw, wp[i], o + (size_t)i * len * C, wp[i]);
+    });
+    double cl = time_ms(B, [&] {
+        mtrl_shortconv_fwd_varlen_io(B.c, n, offs.data(), C, W, q, cw, (const float *const *)wp.data(), wp.data(), o);
+    });
+    row("short conv fwd per piece (window)", shape, cp, 2.0 * nqk * sizeof(float), "GB/s", B.copy_tbps * 1e3);
+    row("short conv fwd varlen_io", shape, cl, 2.0 * nqk * sizeof(float), "GB/s", B.copy_tbps * 1e3);
+    printf("%-34s %-34s varlen_io / per piece time %.3f\n", "", "", cl / cp);
+    mtrl_cuda_sync(B.c);
+    float *bufs[] = {q, k, v, g, beta, o, S, Sf, cw, win};
     for (float *b : bufs) mtrl_cuda_free(b);
 }
 
@@ -795,6 +856,10 @@ extern "C" int mtrl_bench_ops_cuda(int argc, char **argv) {
     if (want("varlen")) {  // the learner's packs: R1's 512 x 128 and 64 x 1024
         bench_kda_varlen(B, 512, 128, H);
         bench_kda_varlen(B, 64, 1024, H);
+    }
+    if (want("varlen")) {  // the actor's packed prefill: ~100 episodes' tool results, prompts
+        bench_varlen_io(B, 100, 32, H);
+        bench_varlen_io(B, 100, 256, H);
     }
     if (want("step")) {
         bench_kda_step(B, 64, H);

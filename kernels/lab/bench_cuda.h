@@ -13,7 +13,9 @@ extern "C" {
 // repeats) and prints ms, TFLOP/s or GB/s and the fraction of the measured ceilings. The decode
 // rows (step, decode) print the v2 and v1 kernels side by side (the context's decode
 // option set by the bench). The varlen rows time the KDA forward of packed pieces (512 x 128 and
-// 64 x 1024 tokens, from the zero state) in one varlen call against one call per piece. --anchors: the JSON that shared/bench/anchors_gpu.py wrote on the same machine;
+// 64 x 1024 tokens, from the zero state) in one varlen call against one call per piece, and the
+// piece_io forms (100 x 32 and 100 x 256 tokens, each piece from its own state and conv window:
+// the actor's prefill) in one varlen_io call against one call per piece. --anchors: the JSON that shared/bench/anchors_gpu.py wrote on the same machine;
 // the KDA chunk, attention (MHA shape) and expert-GEMM rows are then followed by their ratio to
 // the anchor (fla chunk_kda time, SDPA cuDNN / FA2 TFLOP/s, torch._grouped_mm TFLOP/s) and the
 // docs/perf.md target of that ratio. The moe rows also compare the grouped experts with the

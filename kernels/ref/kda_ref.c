@@ -841,6 +841,21 @@ void mtrl_ref_kda_chunk_fwd_varlen(int n, const int *offs, int H, int K, int V, 
     }
 }
 
+void mtrl_ref_kda_chunk_fwd_varlen_io(int n, const int *offs, int H, int K, int V, const real *q, const real *k,
+                                      const real *v, const real *g, const real *beta, const real *const *S0,
+                                      real *o, real *const *S_final, real *S_tiles) {
+    size_t hk = (size_t)H * K, hv = (size_t)H * V, tile = 0;
+    for (int i = 0; i < n; i++) {
+        int Ti = offs[i + 1] - offs[i];
+        size_t x = (size_t)offs[i];
+        // the piece's state is copied in before its final state is written: in place is safe
+        mtrl_ref_kda_chunk_fwd(Ti, H, K, V, q + x * hk, k + x * hk, v + x * hv, g + x * hk, beta + x * H,
+                               S0 ? S0[i] : NULL, o ? o + x * hv : NULL, S_final ? S_final[i] : NULL,
+                               S_tiles ? S_tiles + tile * hk * V : NULL);
+        tile += (size_t)mtrl_ref_kda_tile_count(Ti);
+    }
+}
+
 void mtrl_ref_kda_chunk_bwd_varlen(int n, const int *offs, int H, int K, int V, const real *q, const real *k,
                                    const real *v, const real *g, const real *beta, const real *S_tiles,
                                    const real *dout, real *dq, real *dk, real *dv, real *dg, real *dbeta) {

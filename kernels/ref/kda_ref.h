@@ -136,6 +136,14 @@ void mtrl_ref_kda_chunk_bwd(int T, int H, int K, int V, const real *q, const rea
 void mtrl_ref_kda_chunk_fwd_varlen(int n, const int *offs, int H, int K, int V, const real *q, const real *k,
                                    const real *v, const real *g, const real *beta, real *o, real *S_final,
                                    real *S_tiles);
+// The piece_io form (the actor's prefill of several sequences at once, each continuing its own
+// state): piece i from S0[i] and its final state to S_final[i] (S0, S_final: arrays [n] of
+// pointers to [H][K][V], NULL for none, entries nullable; S_final[i] may be S0[i]: in place).
+// Exactly mtrl_ref_kda_chunk_fwd per piece with those states (kernels_cuda.h
+// mtrl_kda_chunk_fwd_varlen_io is the one-launch form).
+void mtrl_ref_kda_chunk_fwd_varlen_io(int n, const int *offs, int H, int K, int V, const real *q, const real *k,
+                                      const real *v, const real *g, const real *beta, const real *const *S0,
+                                      real *o, real *const *S_final, real *S_tiles);
 // Its backward: mtrl_ref_kda_chunk_bwd per piece with S0 = NULL, dS_final = NULL (each piece ends
 // its sequence) and no dS0; S_tiles as the varlen forward stored them, or NULL.
 void mtrl_ref_kda_chunk_bwd_varlen(int n, const int *offs, int H, int K, int V, const real *q, const real *k,

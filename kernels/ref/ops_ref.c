@@ -234,6 +234,15 @@ void mtrl_ref_shortconv_fwd_varlen(int n, const int *offs, int C, int W, const r
     }
 }
 
+void mtrl_ref_shortconv_fwd_varlen_io(int n, const int *offs, int C, int W, const real *x, const real *w,
+                                      const real *const *win_in, real *const *win_out, real *y) {
+    for (int i = 0; i < n; i++) {
+        size_t o = (size_t)offs[i] * C;
+        mtrl_ref_shortconv_fwd(offs[i + 1] - offs[i], C, W, x + o, w, win_in ? win_in[i] : NULL, y + o,
+                               win_out ? win_out[i] : NULL);
+    }
+}
+
 void mtrl_ref_shortconv_bwd(int T, int C, int W, const real *x, const real *w, const real *state_in,
                    const real *dy, real *dx, real *dw, real *dstate_in) {
     // dp_t = dy_t ⊙ SiLU'(p_t), recomputed from the inputs. Kept for all T (T·C doubles).

@@ -74,6 +74,11 @@ void mtrl_ref_swiglu_bwd(int N, int I, const real *u1, const real *u3, const rea
 // offs[i+1] − 1 of x and y (offs [n + 1], non-decreasing); exactly mtrl_ref_shortconv_fwd per
 // piece with state_in = NULL and no state_out.
 void mtrl_ref_shortconv_fwd_varlen(int n, const int *offs, int C, int W, const real *x, const real *w, real *y);
+// The piece_io form: piece i continues the window win_in[i] and leaves its new one at win_out[i]
+// (arrays [n] of [W−1][C] windows, NULL for none, entries nullable; win_out[i] may be
+// win_in[i]): exactly mtrl_ref_shortconv_fwd per piece with those states.
+void mtrl_ref_shortconv_fwd_varlen_io(int n, const int *offs, int C, int W, const real *x, const real *w,
+                                      const real *const *win_in, real *const *win_out, real *y);
 // x, y [T][C]; w [C][W]; state_in [W−1][C] nullable; state_out [W−1][C] nullable: the last
 // W−1 inputs of the stream state_in ++ x (rows of state_in when T < W−1). state_out may alias
 // state_in. T >= 0 (T = 0 just copies the state).

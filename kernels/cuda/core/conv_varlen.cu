@@ -5,7 +5,10 @@
 // piece by a binary search over the pieces' first rows (a table uploaded with the call) and
 // reads zero for the taps before that row: the same products in the same order (fmaf over the
 // taps, oldest first) as ops_cuda.cu's conv_fwd_k with no state, so the result is bit for bit
-// the per-piece launches'.
+// the per-piece launches'. mtrl_shortconv_fwd_varlen_io is the piece_io form (the actor's
+// prefill: each piece continues its own window and leaves its new one): the taps before a piece's
+// first row read its window, and a second launch writes every piece's last W−1 inputs as its new
+// window (after the first: a window may be updated in place).
 // The backward, mtrl_shortconv_bwd_varlen, is four launches for the pack: dp = dy ⊙ SiLU'(p) and
 // dx (bit for bit ops_simt.cu's conv_dp_k and conv_dx_k per piece from the zero window), then dw
 // in row blocks and their sum as for one sequence of the pack's length: deterministic (the
@@ -22,23 +25,26 @@ constexpr int VL_CONV_T = 256;   // threads per block
 constexpr int VL_CONV_MAXW = 8;  // the widest kernel mtrl_shortconv_fwd takes
 
 // The pre-activation p_t[c] of row t of the pack, whose piece starts at row s: the taps before s
-// read zero, fmaf over the taps oldest first (ops_simt.cu's conv_pre_ with no state).
+// read the piece's window st [W-1][C] (nullable: zero), fmaf over the taps oldest first (ops_simt.cu's conv_pre_ with no state).
 __device__ __forceinline__ float vl_conv_pre_(int t, int c, int s, int C, int W, const float *__restrict__ x,
-                                              const float *__restrict__ w) {
+                                              const float *__restrict__ w, const float *st) {
     float p = 0.f;
     for (int j = 0; j < W; j++) {
         const int tt = t - W + 1 + j;
-        p = fmaf(w[(size_t)c * W + j], tt >= s ? x[(size_t)tt * C + c] : 0.f, p);
+        p = fmaf(w[(size_t)c * W + j], tt >= s ? x[(size_t)tt * C + c] : st ? st[(size_t)(tt - s + W - 1) * C + c] : 0.f,
+                 p);
     }
     return p;
 }
 
+// win (nullable, a device table [n], entries nullable): piece p's taps before its first row read
+// its window win[p] [W-1][C] (the piece_io form) instead of zeros, as conv_fwd_k reads state_in.
 __global__ void vl_conv_fwd_k(int n, int C, int W, const int *__restrict__ ofs, const float *__restrict__ x,
-                              const float *__restrict__ w, float *__restrict__ y) {
+                              const float *__restrict__ w, float *__restrict__ y, const float *const *win) {
     const size_t lo = (size_t)ofs[0] * C, hi = (size_t)ofs[n] * C;
     for (size_t i = lo + blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < hi; i += (size_t)gridDim.x * blockDim.x) {
-        const int t = (int)(i / C), c = (int)(i % C), s = ofs[vl_piece_of(ofs, n, t)];
-        const float p = vl_conv_pre_(t, c, s, C, W, x, w);
+        const int t = (int)(i / C), c = (int)(i % C), pc = vl_piece_of(ofs, n, t), s = ofs[pc];
+        const float p = vl_conv_pre_(t, c, s, C, W, x, w, win ? win[pc] : nullptr);
         y[i] = p * sigmoid_acc(p);
     }
 }
@@ -49,7 +55,7 @@ __global__ void vl_conv_dp_k(int n, int C, int W, const int *__restrict__ ofs, c
     const size_t lo = (size_t)ofs[0] * C, hi = (size_t)ofs[n] * C;
     for (size_t i = lo + blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < hi; i += (size_t)gridDim.x * blockDim.x) {
         const int t = (int)(i / C), c = (int)(i % C), s = ofs[vl_piece_of(ofs, n, t)];
-        const float p = vl_conv_pre_(t, c, s, C, W, x, w), sg = sigmoid_acc(p);
+        const float p = vl_conv_pre_(t, c, s, C, W, x, w, nullptr), sg = sigmoid_acc(p);
         dp[i - lo] = dy[i] * sg * (1.f + p * (1.f - sg));
     }
 }
@@ -152,18 +158,24 @@ unsigned vl_conv_grid_(const mtrl_cuda_ctx *c, size_t elems) {
     return (unsigned)(blocks ? blocks : 1);
 }
 
-}  // namespace
-
-extern "C" int mtrl_shortconv_fwd_varlen(mtrl_cuda_ctx *c, int n, const int *offs_host, int C, int W,
-                                         const float *x, const float *w, float *y) {
-    const long long rows = vl_conv_rows_(__func__, n, offs_host, C, W);
-    if (rows <= 0) return (int)rows;
-    int *ofs = nullptr;
-    if (vl_conv_upload_(c, __func__, n, offs_host, 0, &ofs, nullptr)) return -1;
-    vl_conv_fwd_k<<<vl_conv_grid_(c, (size_t)rows * C), VL_CONV_T, 0, c->stream>>>(n, C, W, ofs, x, w, y);
-    CUDA_LAUNCH_CHECK();
-    return 0;
+// The piece_io form's windows: thread (p, c) writes row r of wout[p] (entries nullable) as the
+// input at the piece's position T_p − (W−1) + r (its window's rows before its first input), rows
+// ascending, so wout[p] may be win[p] (a row moves towards lower indices), as conv_state_k.
+__global__ void vl_conv_window_k(int n, int C, int W, const int *__restrict__ ofs, const float *__restrict__ x,
+                                 const float *const *win, float *const *wout) {
+    const size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x;
+    if (i >= (size_t)n * C) return;
+    const int p = (int)(i / C), c = (int)(i % C), T = ofs[p + 1] - ofs[p];
+    float *so = wout[p];
+    if (!so) return;
+    const float *st = win ? win[p] : nullptr, *xp = x + (size_t)ofs[p] * C;
+    for (int r = 0; r < W - 1; r++) {
+        const int t = T - (W - 1) + r;
+        so[(size_t)r * C + c] = t >= 0 ? xp[(size_t)t * C + c] : st ? st[(size_t)(t + W - 1) * C + c] : 0.f;
+    }
 }
+
+}  // namespace
 
 extern "C" int mtrl_shortconv_bwd_varlen(mtrl_cuda_ctx *c, int n, const int *offs_host, int C, int W,
                                          const float *x, const float *w, const float *dy, float *dx, float *dw) {
@@ -191,4 +203,38 @@ extern "C" int mtrl_shortconv_bwd_varlen(mtrl_cuda_ctx *c, int n, const int *off
     vl_conv_dw_sum_k<<<cdiv((size_t)C * W, VL_CONV_T), VL_CONV_T, 0, c->stream>>>(C * W, (int)ns, part, dw);
     CUDA_LAUNCH_CHECK();
     return 0;
+}
+
+extern "C" int mtrl_shortconv_fwd_varlen_io(mtrl_cuda_ctx *c, int n, const int *offs_host, int C, int W,
+                                            const float *x, const float *w, const float *const *win_in_host,
+                                            float *const *win_out_host, float *y) {
+    const long long rows = vl_conv_rows_(__func__, n, offs_host, C, W);
+    if (rows < 0) return -1;
+    const bool wr = win_out_host && W > 1;
+    if (n == 0 || (!rows && !wr)) return 0;
+    // offsets [n + 1], then the window tables [n] each (pageable: staged before the call returns)
+    int *ofs = nullptr;
+    void *ex = nullptr;
+    if (vl_conv_upload_(c, __func__, n, offs_host, 2 * sizeof(float *) * (size_t)n, &ofs, &ex)) return -1;
+    const float **win = (const float **)ex;
+    float **wout = (float **)ex + n;
+    if (win_in_host)
+        CUDA_CHECK(cudaMemcpyAsync(win, win_in_host, sizeof(void *) * n, cudaMemcpyHostToDevice, c->stream));
+    if (wr) CUDA_CHECK(cudaMemcpyAsync(wout, win_out_host, sizeof(void *) * n, cudaMemcpyHostToDevice, c->stream));
+    const float *const *wi = win_in_host ? win : nullptr;
+    if (rows) {  // the outputs read the windows before the window pass overwrites them
+        vl_conv_fwd_k<<<vl_conv_grid_(c, (size_t)rows * C), VL_CONV_T, 0, c->stream>>>(n, C, W, ofs, x, w, y, wi);
+        CUDA_LAUNCH_CHECK();
+    }
+    if (wr) {
+        vl_conv_window_k<<<cdiv((size_t)n * C, VL_CONV_T), VL_CONV_T, 0, c->stream>>>(n, C, W, ofs, x, wi, wout);
+        CUDA_LAUNCH_CHECK();
+    }
+    return 0;
+}
+
+// The zero-window form: the piece_io form with no windows in or out (the same first launch).
+extern "C" int mtrl_shortconv_fwd_varlen(mtrl_cuda_ctx *c, int n, const int *offs_host, int C, int W,
+                                         const float *x, const float *w, float *y) {
+    return mtrl_shortconv_fwd_varlen_io(c, n, offs_host, C, W, x, w, NULL, NULL, y);
 }

@@ -130,6 +130,24 @@ extern "C" void mtrl_mc_latent_get(mtrl_cuda_ctx *c, int rows, int n, const void
     CUDA_LAUNCH_CHECK();
 }
 
+// One thread per element of the rows x n block; row r's source is ptrs[r] (rows of different caches).
+template <typename T>
+__global__ void mc_latent_gather_k(int rows, int n, const void *const *ptrs, float *dst, int ldd) {
+    size_t m = (size_t)rows * n;
+    for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < m; i += (size_t)gridDim.x * blockDim.x) {
+        size_t r = i / (size_t)n, j = i % (size_t)n;
+        dst[r * ldd + j] = (float)((const T *)ptrs[r])[j];
+    }
+}
+extern "C" void mtrl_mc_latent_gather(mtrl_cuda_ctx *c, int rows, int n, const void *const *ptrs, float *dst,
+                                      int ldd, int type) {
+    if (rows <= 0 || n <= 0) return;
+    size_t m = (size_t)rows * n;
+    if (type == MTRL_BF16) mc_latent_gather_k<__nv_bfloat16><<<grid_(m), MC_T, 0, c->stream>>>(rows, n, ptrs, dst, ldd);
+    else mc_latent_gather_k<float><<<grid_(m), MC_T, 0, c->stream>>>(rows, n, ptrs, dst, ldd);
+    CUDA_LAUNCH_CHECK();
+}
+
 // One thread per (row, column): the H heads summed in order (deterministic).
 __global__ void mc_sum_heads_k(int N, int H, int n, const float *src, int lds, int hs, float *dst, int ldd) {
     size_t m = (size_t)N * n;

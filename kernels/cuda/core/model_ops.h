@@ -37,6 +37,10 @@ void mtrl_mc_latent_put(mtrl_cuda_ctx *ctx, int B, int rows, int n, const float 
 // The reverse (backend.h latent_get): dst[r*ldd + j] = src[r*lds + j] widened to fp32.
 void mtrl_mc_latent_get(mtrl_cuda_ctx *ctx, int rows, int n, const void *src, int lds, float *dst, int ldd,
                         int type);
+// Rows from anywhere (backend.h latent_gather): dst[r*ldd + j] = ptrs[r][j] widened to fp32, ptrs a
+// DEVICE array of `rows` pointers to latent rows of `type`.
+void mtrl_mc_latent_gather(mtrl_cuda_ctx *ctx, int rows, int n, const void *const *ptrs, float *dst, int ldd,
+                           int type);
 // dst[t*ldd + j] += Σ_h src[t*lds + h*hs + j] for t < N, j < n, the heads in order.
 void mtrl_mc_sum_heads(mtrl_cuda_ctx *ctx, int N, int H, int n, const float *src, int lds, int hs, float *dst,
                        int ldd);

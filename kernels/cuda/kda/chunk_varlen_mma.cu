@@ -78,11 +78,15 @@ __global__ void __launch_bounds__(128) kda_vl_prep_k(int np, int NT, int tb0, in
 // Pass 2: block (x, h, z) runs kda3_state_k's loop over piece z of the group from the zero state
 // (value columns x 16 WPB .. of head h). o_all [T][H][V] (WO) at the pack's rows; St_all
 // [NT][H][K][V] and Sf_all [np][H][K][V] (each nullable) at the group's first tile and piece.
+// S0p, Sfp (device tables [np] at the group's first piece, nullable, entries nullable): piece z
+// starts from S0p[z] instead of zero and leaves its final state at Sfp[z] instead of Sf_all's row
+// (the piece_io form, mtrl_kda_chunk_fwd_varlen_io); S0p[z] may be Sfp[z], as kda3_state_k's S0
+// may be its S_final: each warp reads its columns first and writes them last.
 template <int WPB, bool WO, bool X>
 __global__ void __launch_bounds__(32 * WPB, 1)
     kda_vl_state_k(int NT, int tb0, int H, const int *__restrict__ ofs, const int *__restrict__ ts,
                    const unsigned char *__restrict__ rec, float *__restrict__ o_all, float *Sf_all,
-                   float *__restrict__ St_all) {
+                   float *__restrict__ St_all, const float *const *S0p, float *const *Sfp) {
     using Cf = StCfg<WPB, X>;
     using Rc = Rec<X>;
     constexpr int NTH = 32 * WPB, LDU = Cf::LDU, NB = K3 / 8;
@@ -95,8 +99,8 @@ __global__ void __launch_bounds__(32 * WPB, 1)
     // the piece's view of the pack: what a per-piece launch would have been given
     float *o = WO ? o_all + (size_t)ofs[p] * H * V3 : nullptr;
     float *S_tiles = St_all ? St_all + (size_t)tb * H * K3 * V3 : nullptr;
-    float *S_final = Sf_all ? Sf_all + (size_t)p * H * K3 * V3 : nullptr;
-    const float *S0 = nullptr;
+    float *S_final = Sfp ? Sfp[p] : Sf_all ? Sf_all + (size_t)p * H * K3 * V3 : nullptr;
+    const float *S0 = S0p ? S0p[p] : nullptr;
     const unsigned char *rp = rec + ((size_t)h * NT + tb) * Rc::BYTES;  // the piece's records of head h
 
     auto issue = [&](int n) {
@@ -131,15 +135,17 @@ void vl_prep_(mtrl_cuda_ctx *c, int n, int NT, int tb0, int H, const int *ofs, c
 }
 template <int WPB, bool X>
 void vl_state_(mtrl_cuda_ctx *c, int n, int NT, int tb0, int H, const int *ofs, const int *ts, const unsigned char *rec,
-               float *o, float *S_final, float *S_tiles) {
+               float *o, float *S_final, float *S_tiles, const float *const *S0p, float *const *Sfp) {
     const size_t sh = StCfg<WPB, X>::smem();
     const dim3 grid(V3 / (16 * WPB), H, n);
     if (o) {
         set_smem(kda_vl_state_k<WPB, true, X>, sh);
-        kda_vl_state_k<WPB, true, X><<<grid, 32 * WPB, sh, c->stream>>>(NT, tb0, H, ofs, ts, rec, o, S_final, S_tiles);
+        kda_vl_state_k<WPB, true, X><<<grid, 32 * WPB, sh, c->stream>>>(NT, tb0, H, ofs, ts, rec, o, S_final, S_tiles,
+                                                                         S0p, Sfp);
     } else {
         set_smem(kda_vl_state_k<WPB, false, X>, sh);
-        kda_vl_state_k<WPB, false, X><<<grid, 32 * WPB, sh, c->stream>>>(NT, tb0, H, ofs, ts, rec, o, S_final, S_tiles);
+        kda_vl_state_k<WPB, false, X><<<grid, 32 * WPB, sh, c->stream>>>(NT, tb0, H, ofs, ts, rec, o, S_final,
+                                                                          S_tiles, S0p, Sfp);
     }
     CUDA_LAUNCH_CHECK();
 }
@@ -209,19 +215,24 @@ int *vl_tables_(mtrl_cuda_ctx *c, const char *fn, int n, const int *offs_host, i
 
 }  // namespace
 
-extern "C" int mtrl_kda_chunk_fwd_varlen(mtrl_cuda_ctx *c, int n, const int *offs_host, int H, int K, int V,
-                                         const float *q, const float *k, const float *v, const float *g,
-                                         const float *beta, float *o, float *S_final, float *S_tiles) {
+// Both forms (mtrl_kda_chunk_fwd_varlen, _varlen_io): S0_h, Sf_h host tables [n] of device
+// pointers or NULL (every piece from zero, final states into S_final's rows).
+static int vl_fwd_(const char *fn, mtrl_cuda_ctx *c, int n, const int *offs_host, int H, int K, int V,
+                   const float *q, const float *k, const float *v, const float *g, const float *beta,
+                   const float *const *S0_h, float *o, float *S_final, float *const *Sf_h, float *S_tiles) {
     long long NT = 0;
-    if (vl_tiles_(__func__, n, offs_host, &NT)) return -1;
+    if (vl_tiles_(fn, n, offs_host, &NT)) return -1;
     const bool v3 = mtrl_kda_chunk_fwd_version(c, H, K, V) == 3 && kda3_supports(H, K, V, q, k, v, g);
     if (!v3 || NT == 0) {  // per piece: other shapes, or nothing but empty pieces (S_final = 0)
         size_t x = 0, hv = (size_t)H * K * V, tiles = 0;
         for (int i = 0; i < n; i++) {
             const int Ti = offs_host[i + 1] - offs_host[i];
             x = (size_t)offs_host[i];
+            const float *S0 = S0_h ? S0_h[i] : NULL;
+            float *Sf = Sf_h ? Sf_h[i] : S_final ? S_final + i * hv : NULL;
+            if (Ti == 0 && Sf && Sf == S0) continue;  // an empty piece in place: its state stays
             if (mtrl_kda_chunk_fwd(c, Ti, H, K, V, q + x * H * K, k + x * H * K, v + x * H * V, g + x * H * K,
-                                   beta + x * H, NULL, o ? o + x * H * V : NULL, S_final ? S_final + i * hv : NULL,
+                                   beta + x * H, S0, o ? o + x * H * V : NULL, Sf,
                                    S_tiles ? S_tiles + tiles * hv : NULL))
                 return -1;
             tiles += (size_t)((Ti + C3 - 1) / C3);
@@ -233,10 +244,22 @@ extern "C" int mtrl_kda_chunk_fwd_varlen(mtrl_cuda_ctx *c, int n, const int *off
     ws_carver sz{nullptr, 0};
     sz.take<unsigned char>((size_t)H * cap * kda3_rec_bytes(split));
     sz.take<int>(2 * ((size_t)n + 1));
+    const int np_tab = (S0_h ? n : 0) + (Sf_h ? n : 0);  // the piece_io form's pointer tables
+    sz.take<const float *>((size_t)np_tab);
     ws_carver cv{(char *)mtrl_ctx_scratch(c, sz.off), 0};
     unsigned char *rec = cv.take<unsigned char>((size_t)H * cap * kda3_rec_bytes(split));
     int *tab = cv.take<int>(2 * ((size_t)n + 1));  // ofs [n + 1], then ts [n + 1]
-    int *tab_h = vl_tables_(c, __func__, n, offs_host, tab);
+    const float **ptab = cv.take<const float *>((size_t)np_tab);  // S0 [n] (with S0_h), then Sf [n]
+    const float *const *S0p = S0_h ? ptab : nullptr;
+    float *const *Sfp = Sf_h ? (float *const *)(ptab + (S0_h ? n : 0)) : nullptr;
+    if (np_tab) {
+        // pageable: staged before the call returns
+        if (S0_h) CUDA_CHECK(cudaMemcpyAsync(ptab, S0_h, sizeof(void *) * n, cudaMemcpyHostToDevice, c->stream));
+        if (Sf_h)
+            CUDA_CHECK(cudaMemcpyAsync(ptab + (S0_h ? n : 0), Sf_h, sizeof(void *) * n, cudaMemcpyHostToDevice,
+                                       c->stream));
+    }
+    int *tab_h = vl_tables_(c, fn, n, offs_host, tab);
     if (!tab_h) return -1;
     const int *ts_h = tab_h + n + 1;
     const size_t hkv = (size_t)H * K3 * V3;
@@ -245,16 +268,33 @@ extern "C" int mtrl_kda_chunk_fwd_varlen(mtrl_cuda_ctx *c, int n, const int *off
         const int np = p1 - p0, tb0 = ts_h[p0], nt = ts_h[p1] - tb0;
         const int *ofs = tab + p0, *ts = tab + n + 1 + p0;
         float *Sf = S_final ? S_final + (size_t)p0 * hkv : nullptr, *St = S_tiles ? S_tiles + (size_t)tb0 * hkv : nullptr;
+        const float *const *S0g = S0p ? S0p + p0 : nullptr;
+        float *const *Sfg = Sfp ? Sfp + p0 : nullptr;
         if (split) {
             if (nt) vl_prep_<true>(c, np, nt, tb0, H, ofs, ts, q, k, v, g, beta, rec);
-            vl_state_<4, true>(c, np, nt, tb0, H, ofs, ts, rec, o, Sf, St);
+            vl_state_<4, true>(c, np, nt, tb0, H, ofs, ts, rec, o, Sf, St, S0g, Sfg);
         } else {
             if (nt) vl_prep_<false>(c, np, nt, tb0, H, ofs, ts, q, k, v, g, beta, rec);
-            vl_state_<4, false>(c, np, nt, tb0, H, ofs, ts, rec, o, Sf, St);
+            vl_state_<4, false>(c, np, nt, tb0, H, ofs, ts, rec, o, Sf, St, S0g, Sfg);
         }
     }
     free(tab_h);
     return 0;
+}
+
+extern "C" int mtrl_kda_chunk_fwd_varlen(mtrl_cuda_ctx *c, int n, const int *offs_host, int H, int K, int V,
+                                         const float *q, const float *k, const float *v, const float *g,
+                                         const float *beta, float *o, float *S_final, float *S_tiles) {
+    return vl_fwd_(__func__, c, n, offs_host, H, K, V, q, k, v, g, beta, NULL, o, S_final, NULL, S_tiles);
+}
+
+// The piece_io form: the same two launches, piece i's state pass from S0_h[i] (its per-piece call's
+// S0) and its final state to Sf_h[i].
+extern "C" int mtrl_kda_chunk_fwd_varlen_io(mtrl_cuda_ctx *c, int n, const int *offs_host, int H, int K, int V,
+                                            const float *q, const float *k, const float *v, const float *g,
+                                            const float *beta, const float *const *S0_host, float *o,
+                                            float *const *Sf_host, float *S_tiles) {
+    return vl_fwd_(__func__, c, n, offs_host, H, K, V, q, k, v, g, beta, S0_host, o, NULL, Sf_host, S_tiles);
 }
 
 extern "C" int mtrl_kda_chunk_bwd_varlen(mtrl_cuda_ctx *c, int n, const int *offs_host, int H, int K, int V,
