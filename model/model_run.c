@@ -8,6 +8,7 @@
 #include "common/image.h"
 #include "common/check.h"
 #include "model/backend.h"
+#include "model/model_decode.h"
 #include "model/model_ws.h"
 #include "model/qb.h"
 #include "kernels/ref/kda_ref.h"
@@ -50,6 +51,7 @@ typedef struct ws_impl {
     int tail_pack, tail_seg, tail_ok;
     int grad_len;       // the longest sequence or pack: the backward's latent-gradient rows
     mtrl_arena infer;   // prefill / decode / logits scratch
+    model_decode *decode; // the decode step's arguments and recordings (model_decode.h)
 } ws_impl;
 
 static size_t S_size_(const mtrl_model_dims *d) { return (size_t)d->H * d->D * d->D; }
@@ -103,6 +105,7 @@ void mtrl_model_ws_free(mtrl_model *m) {
     ws_impl *w = (ws_impl *)m->ws;
     if (!w) return;
     ws_batch_clear_(w);
+    model_decode_free(m, w->decode); // its recordings point into the arenas
     be_arena_free_(m->be, &w->pub.arena);
     be_arena_free_(m->be, &w->state);
     be_arena_free_(m->be, &w->grad);
@@ -740,16 +743,11 @@ void mtrl_model_decode(mtrl_model *m, mtrl_decode_state *const *states, int B, c
                        uint8_t *routing_out) {
     ws_impl *w = ws_get_(m);
     arena_ensure_(m->be, &w->infer, decode_bytes_(m, B));
-    mtrl_arena_reset(&w->infer);
-    seq_io ios[256];
-    seq_io *io = B <= 256 ? ios : xmalloc(sizeof(seq_io) * (size_t)B);
-    for (int r = 0; r < B; r++) io[r] = state_io_(states[r]);
-    seg_out so = {NULL, NULL, NULL, logits, NULL, routing_out, mtrl_qb_observe_level(m, 1)};
-    seg_cache c;
-    seg_forward(m, &w->infer, SEG_DECODE, B, tokens, io, &so, &c);
-    m->be->sync(m->be);
-    for (int r = 0; r < B; r++) states[r]->pos = io[r].t0;
-    if (io != ios) free(io);
+    model_decode_step(m, &w->decode, &w->infer, states, B, tokens, logits, routing_out);
+}
+
+void mtrl_model_decode_counts(const mtrl_model *m, long *replayed, long *recorded, long *launched) {
+    model_decode_counts(m->ws ? ((const ws_impl *)m->ws)->decode : NULL, replayed, recorded, launched);
 }
 
 void mtrl_model_logits(mtrl_model *m, const uint32_t *tokens, int len, int segment, real *logits) {
