@@ -279,7 +279,7 @@ static void pack_forward_(mtrl_model *m, const mtrl_batch *b, ws_pack *pk, real 
     pk->latent = LALLOC(m, &w->state, (size_t)T * lat);
     w->pub.state_bytes += m->be->latent_size * (size_t)T * lat;
     seq_io io = {w->run_S, w->run_C, pk->latent, T, 0, pk->n, pk->piece, NULL};
-    seg_out so = {pk->targets, logp, entropy, NULL, rin, pk->routing, mtrl_qb_observe_level(m, 0)};
+    seg_out so = {pk->targets, logp, entropy, NULL, rin, pk->routing, mtrl_qb_observe_level(m, 0), NULL};
     seg_cache *c = w->keep ? &pk->kept : &w->tail;
     if (!w->keep) mtrl_arena_reset(&w->pub.arena);
     seg_forward(m, &w->pub.arena, SEG_CHUNK, T, pk->tokens, &io, &so, c);
@@ -306,7 +306,7 @@ static void pack_backward_(mtrl_model *m, ws_pack *pk, int tail, real *dS, real 
         c = &w->tail;
     } else if (!w->keep) {
         io.t0 = 0;
-        seg_out so = {pk->targets, NULL, NULL, NULL, pk->routing, NULL, 0};
+        seg_out so = {pk->targets, NULL, NULL, NULL, pk->routing, NULL, 0, NULL};
         mtrl_arena_reset(&w->pub.arena);
         prof_pass_(m, MTRL_PROF_RECOMPUTE);
         seg_forward(m, &w->pub.arena, SEG_CHUNK, pk->T, pk->tokens, &io, &so, &tmp);
@@ -404,7 +404,7 @@ static void seq_forward_(mtrl_model *m, const mtrl_batch *b, int k, real *logp, 
         be->copy(be, s->bound_conv + (size_t)g * z.C_sz, C, sizeof(real) * z.C_sz);
         const uint8_t *rin = m->replay_routing && b->routing ? b->routing[i] + (size_t)t0 * z.rw : NULL;
         seg_out so = {s->targets + t0, logp ? logp + t0 : NULL, entropy ? entropy + t0 : NULL, NULL,
-                      rin, s->routing + (size_t)t0 * z.rw, mtrl_qb_observe_level(m, 0)};
+                      rin, s->routing + (size_t)t0 * z.rw, mtrl_qb_observe_level(m, 0), NULL};
         seg_cache *c = w->keep ? &s->kept[g] : &w->tail;
         if (!w->keep) mtrl_arena_reset(&w->pub.arena);
         seg_forward(m, &w->pub.arena, SEG_CHUNK, T, b->tokens[i] + t0, &io, &so, c);
@@ -443,7 +443,7 @@ static void seq_backward_(mtrl_model *m, const mtrl_batch *b, int k, int tail, r
             be->copy(be, S, s->bound_S + (size_t)gi * z.S_sz, sizeof(real) * z.S_sz);
             be->copy(be, C, s->bound_conv + (size_t)gi * z.C_sz, sizeof(real) * z.C_sz);
             io.t0 = t0;
-            seg_out so = {s->targets + t0, NULL, NULL, NULL, s->routing + (size_t)t0 * z.rw, NULL, 0};
+            seg_out so = {s->targets + t0, NULL, NULL, NULL, s->routing + (size_t)t0 * z.rw, NULL, 0, NULL};
             mtrl_arena_reset(&w->pub.arena);
             prof_pass_(m, MTRL_PROF_RECOMPUTE);
             seg_forward(m, &w->pub.arena, SEG_CHUNK, T, b->tokens[i] + t0, &io, &so, &tmp);
@@ -662,7 +662,7 @@ void mtrl_model_prefill(mtrl_model *m, mtrl_decode_state *s, const uint32_t *tok
         mtrl_arena_reset(&w->infer);
         seg_cache c;
         seg_out so = {NULL, NULL, NULL, NULL, NULL,
-                      routing_out ? routing_out + (size_t)t0 * m->dims.n_moe * m->dims.k : NULL, 0};
+                      routing_out ? routing_out + (size_t)t0 * m->dims.n_moe * m->dims.k : NULL, 0, NULL};
         seg_forward(m, &w->infer, SEG_PREFILL, T, tokens + t0, &io, &so, &c);
         if (w->infer.peak > m->peak_infer_bytes) m->peak_infer_bytes = w->infer.peak;
         if (t0 + T == n && logits_last)
@@ -699,7 +699,7 @@ static void prefill_pack_(mtrl_model *m, mtrl_decode_state *const *states, int i
     arena_ensure_(be, &w->infer, prefill_bytes_(m, T, Tk));
     mtrl_arena_reset(&w->infer);
     seq_io io = {NULL, NULL, NULL, 0, 0, k, piece, pio};
-    seg_out so = {NULL, NULL, NULL, NULL, NULL, rout, 0};
+    seg_out so = {NULL, NULL, NULL, NULL, NULL, rout, 0, NULL};
     seg_cache c;
     seg_forward(m, &w->infer, SEG_PREFILL, T, tok, &io, &so, &c);
     if (w->infer.peak > m->peak_infer_bytes) m->peak_infer_bytes = w->infer.peak;
@@ -760,7 +760,7 @@ void mtrl_model_logits(mtrl_model *m, const uint32_t *tokens, int len, int segme
     for (int t0 = 0; t0 < len; t0 += seg) {
         int T = len - t0 < seg ? len - t0 : seg;
         mtrl_arena_reset(&w->infer);
-        seg_out so = {NULL, NULL, NULL, logits + (size_t)t0 * m->dims.V, NULL, NULL, 0};
+        seg_out so = {NULL, NULL, NULL, logits + (size_t)t0 * m->dims.V, NULL, NULL, 0, NULL};
         seg_cache c;
         seg_forward(m, &w->infer, SEG_PREFILL, T, tokens + t0, &io, &so, &c);
     }
