@@ -118,7 +118,7 @@ static dec_key *key_get_(mtrl_backend *be, model_decode *x, int B, int len, int 
 
 // The step's forward, launched or recorded: the arena's layout for B rows is the same each time.
 static real *forward_(mtrl_model *m, mtrl_arena *ar, mtrl_decode_state *const *states, int B, const uint32_t *tokens,
-                      const seg_out *so) {
+                      seg_out *so) {
     seq_io ios[256];
     seq_io *io = B <= 256 ? ios : xmalloc(sizeof(seq_io) * (size_t)B);
     for (int r = 0; r < B; r++) {
@@ -127,7 +127,7 @@ static real *forward_(mtrl_model *m, mtrl_arena *ar, mtrl_decode_state *const *s
     }
     mtrl_arena_reset(ar);
     seg_cache c;
-    seg_forward(m, ar, SEG_DECODE, B, tokens, io, (seg_out *)so, &c);
+    seg_forward(m, ar, SEG_DECODE, B, tokens, io, so, &c);
     if (ar->peak > m->peak_infer_bytes) m->peak_infer_bytes = ar->peak;
     if (io != ios) free(io);
     return c.logits;
