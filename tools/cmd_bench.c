@@ -21,8 +21,9 @@
 //       the learner's step (mtrl_model_train with [learner] segment) on each batch in turn,
 //       in one process: tokens/s against the first batch, tokens recomputed, MFU
 //   mtrl bench decode [--device cpu|cuda] [--preset tiny|small | --config EXPERIMENT.ini] [--batches 1,64,256]
-//                     [--ctx LO:HI] [--steps N] [--profile]
-//       batched decode at mixed contexts: ms per step against the step's memory roofline
+//                     [--ctx LO:HI] [--steps N] [--graph on|off|both] [--profile]
+//       batched decode at mixed contexts: ms per step against the step's memory roofline, the
+//       steps launched kernel by kernel and replayed from CUDA graphs side by side (--graph)
 //   mtrl bench publish [--device cpu|cuda] [--preset tiny|small | --config EXPERIMENT.ini] [--dtype bf16|fp32] [--reps R]
 //       the cost of publishing one weight version, learner side and actor side, both ways: the
 //       ZeroMQ path (safetensors blob + 32 MiB WEIGHTS messages with their CRC; the actor
@@ -606,9 +607,9 @@ static int bench_decode_(int argc, char **argv) {
         for (int g = 0; g < 2; g++)
             if (modes >> g & 1)
                 printf("B %4d %-8s: %8.3f ms per step, %9.0f tokens/s; reads >= %.2f GB -> roofline %.3f ms = %.1f%% of it"
-                       "%s%ld of %d steps replayed\n",
+                       "; %ld of %d steps replayed\n",
                        B, g ? "graph" : "launched", dt_mode[g] * 1e3, B / dt_mode[g], bytes / 1e9, roof * 1e3,
-                       100 * roof / dt_mode[g], g ? "; " : "; ", rep_mode[g], steps);
+                       100 * roof / dt_mode[g], rep_mode[g], steps);
         if (modes == 3)
             printf("B %4d: graph / launched = %.3f\n", B, dt_mode[1] / dt_mode[0]);
         (void)dt;
