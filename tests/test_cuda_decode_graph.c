@@ -3,10 +3,11 @@
 // against the same steps launched kernel by kernel (decode_graph = off): two GPU models with the
 // same weights, fed the same tokens, must give the same logits, routing, routing loads and QB β
 // sums, bit for bit, over 90 steps in which
-//   * episodes finish and their slots are refilled from a new prompt (1..70 tokens, prefilled):
-//     B changes and the rows move between batch positions from step to step;
-//   * the contexts are of mixed lengths and cross the key-length buckets (powers of 2) that the
-//     recordings are keyed on;
+//   * episodes (10..40 steps) finish and about half of the finished slots are refilled from a
+//     new prompt (1..70 tokens, slot 0 110, prefilled) every 10 steps: B changes, and the rows
+//     move between batch positions at every step;
+//   * the contexts are of mixed lengths, and the longest crosses 128 and back: the key-length
+//     buckets (powers of 2) that the recordings are keyed on;
 //   * the weights are replaced twice between steps (perturbed on the host, mtrl_model_to_device):
 //     a replay reads the parameters in place, so it sees them, and must still match;
 // and the graph model must have replayed steps (counted), the launched one none. The GEMMs are
@@ -76,16 +77,19 @@ static int run_(const char *name, const mtrl_model_dims *d0, int gemm, long min_
             perturb_(&g.m, step / 35);
             perturb_(&e.m, step / 35);
         }
-        for (int s = 0; s < NS; s++) // refill finished slots, a few at a time
-            if (left[s] == 0 && (step + s) % 3 == 0) {
-                int n = 1 + (int)(mtrl_rng_u64(11, (uint64_t)step, (uint64_t)s) % 70);
-                uint32_t prompt[80];
+        // every 10 steps about half the finished slots are refilled: B holds for a while (so
+        // that its recordings get replayed), then changes
+        for (int s = 0; s < NS; s++)
+            if (left[s] == 0 && step % 10 == 0 && (step / 10 + s) % 2 == 0) {
+                // slot 0 from 110 tokens: its context crosses 128 while it decodes
+                int n = s == 0 ? 110 : 1 + (int)(mtrl_rng_u64(11, (uint64_t)step, (uint64_t)s) % 70);
+                uint32_t prompt[128];
                 for (int t = 0; t < n; t++) prompt[t] = (uint32_t)(mtrl_rng_u64(12, (uint64_t)step * NS + s, t) % V);
                 mtrl_decode_state_reset(&g.st[s], &g.m);
                 mtrl_decode_state_reset(&e.st[s], &e.m);
                 mtrl_model_prefill(&g.m, &g.st[s], prompt, n, NULL, NULL);
                 mtrl_model_prefill(&e.m, &e.st[s], prompt, n, NULL, NULL);
-                left[s] = 4 + (int)(mtrl_rng_u64(13, (uint64_t)step, (uint64_t)s) % 40);
+                left[s] = 10 * (1 + (int)(mtrl_rng_u64(13, (uint64_t)step, (uint64_t)s) % 4));
             }
         mtrl_decode_state *pg[NS], *pe[NS];
         uint32_t tok[NS];
@@ -150,7 +154,7 @@ int main(void) {
         mtrl_model_dims d = test_model_dims(cases[c].ini, cases[c].vocab);
         TEST_CHECK(d.L > 0);
         if (d.L <= 0) continue;
-        run_(cases[c].name, &d, MTRL_KGEMM_TF32, 20);
+        run_(cases[c].name, &d, MTRL_KGEMM_TF32, 40);
     }
     // True fp32 GEMMs: the per-expert chains read the offsets on the host, so no step can be
     // recorded; the driver launches them all and the bits are the launched model's.
