@@ -1,12 +1,13 @@
 #!/usr/bin/env bash
 # gpu_issue21.sh: on the GPU machine, issue 21's measurements from the binaries that
 # `tools/gpu_run.sh prepare` carried in .carry/dev. Results go to $OUT.
-#   tools/gpu_issue21.sh tests    the gpu tests of the changed paths (moe, kda, model)
+#   tools/gpu_issue21.sh tests    the gpu tests of the changed paths (moe, kda, model, the decode graphs)
 #   tools/gpu_issue21.sh moe      torch._grouped_mm anchors and `mtrl bench ops --only moe` side by side
-#   tools/gpu_issue21.sh bench    R1 (bench learner), R2 (bench decode)
+#   tools/gpu_issue21.sh bench    R1 (bench learner), R2 (bench decode: launched and CUDA-graph steps side by side)
 #   tools/gpu_issue21.sh publish  R4 (mtrl bench publish --device cuda --preset small: ZeroMQ vs the channel)
 #   tools/gpu_issue21.sh rl       R3 (bench rl experiments/quickstart-gpu.ini, RL_SECONDS, default 90;
-#                                 RL_MPS=1 under CUDA MPS)
+#                                 RL_MPS=1 under CUDA MPS; RL_SETS="--set kernels.decode_graph=on" with
+#                                 the actor's decode steps replayed from CUDA graphs)
 # Several verbs run in the order given.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -19,7 +20,7 @@ for verb in "$@"; do
   echo "== $verb $(date -u +%H:%M:%S)" >> "$out/gpu.txt"
   case $verb in
   tests)
-    for t in ${TESTS:-test_cuda_moe test_cuda_model test_cuda_kda test_cuda_wshm}; do
+    for t in ${TESTS:-test_cuda_moe test_cuda_model test_cuda_kda test_cuda_wshm test_cuda_decode_graph}; do
       [ -x .carry/dev/$t ] || continue
       timeout "${TEST_SECONDS:-240}" .carry/dev/$t > /tmp/$t.log 2>&1
       echo "$t: exit $? | $(tail -n 1 /tmp/$t.log)"
@@ -36,7 +37,7 @@ for verb in "$@"; do
     ;;
   bench)
     timeout 200 $b bench learner --device cuda --preset small --batches 1x65536,64x1024,512x128,1x262144+200x512,64x25 --reps 1 > "$out/learner.txt" 2>&1
-    timeout 150 $b bench decode --device cuda --preset small --batches 1,64,128,256 --ctx 1024:32768 --steps 8 --profile > "$out/decode.txt" 2>&1
+    timeout 300 $b bench decode --device cuda --preset small --batches 1,64,128,256 --ctx 1024:32768 --steps 8 --graph both --profile > "$out/decode.txt" 2>&1
     ;;
   rl)
     # RL_MPS=1: the learner and actor processes share the GPU through CUDA MPS (kernels side by
