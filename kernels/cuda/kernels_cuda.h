@@ -268,8 +268,10 @@ int mtrl_attn_causal_bwd(mtrl_cuda_ctx *ctx, int Tq, int Tk, int H, int Hk, int 
 // query token each. q [B][H][dn+dr] (fp32); W_kvb [H*(dn+dv)][dc] (fp32); the latent caches of
 // all sequences live in one pool `lat` (element type lat_type: MTRL_F32 or MTRL_BF16) with row
 // stride ld >= dc+dr, each row [ĉ ; k^r]: sequence b's Tk = seq_len[b] rows start at row
-// seq_start[b] (device arrays [B]; seq_len[b] >= 1, the new token's row included). max_len: a
-// host-side upper bound of the seq_len (sizes the split over the cache). a [B][H][dv]
+// seq_start[b] (device arrays [B]; seq_len[b] >= 1, the new token's row included; lat may be
+// NULL, the pool then starting at address 0: caches anywhere whose addresses are multiples of
+// the row, core/model_ops.h mtrl_mc_ptr_rows). max_len: a host-side upper bound of the seq_len
+// (sizes the split over the cache: the same max_len, the same launches). a [B][H][dv]
 // overwritten. Split-K over the cache, partial results merged in a fixed order (deterministic).
 // Requirements: H <= 32, dc <= 512, dc + dr <= 640.
 // Two kernels (mla/attn_decode.cu): v2 (tensor cores: bf16 query and cache, fp32 softmax and
