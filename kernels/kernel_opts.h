@@ -49,6 +49,9 @@ typedef struct mtrl_kernel_opts {
     // 1: causal attention on fp32 operands (mtrl_attn_causal_fwd_f32: a check of the model against
     // an fp32 reference, e.g. an import against transformers; needs latent_fp32). 0: bf16 operands.
     int attn_fp32;
+    // 1: the decode step is recorded as a CUDA graph once per batch size and key length and
+    // replayed (model/model_decode.c); 0: launched kernel by kernel. The same kernels either way.
+    int decode_graph;
 } mtrl_kernel_opts;
 
 #endif

@@ -18,6 +18,10 @@
 //   * Everything is ordered on one stream: an entry may return before the device finished,
 //     except download, grad_sq_norm, moe_load_count, qb_beta and mem_info, which return host
 //     results.
+//   * The decode step's entries (shortconv_step, kda_step, latent_put_rows, mla_decode,
+//     embedding_rows, moe_stats) take their per-row pointers, ids and lengths as BACKEND arrays
+//     (written before the step, model_decode.c) and return nothing to the host, so that a step
+//     needs no host round trip and can be recorded once and replayed (graph_*, below).
 //   * Arguments the CUDA kernels do not support abort with a message (check.h); the model
 //     checks its dimensions against the kernels' limits when it is created on a GPU.
 #ifndef MTRL_MODEL_BACKEND_H
@@ -41,7 +45,8 @@
     X(moe_gather) X(moe_combine_fwd) X(moe_combine_bwd) X(moe_scatter_bwd) X(moe_experts_fwd) X(moe_experts_bwd) \
     X(moe_swiglu_fwd) X(moe_swiglu_bwd) X(moe_load_count) X(qb_beta) X(attnres_site_fwd) X(attnres_site_bwd) \
     X(mem_info) X(latent_put) X(latent_get) X(latent_download) X(latent_upload) X(weights_changed) \
-    X(shortconv_fwd_varlen_io) X(kda_chunk_fwd_varlen_io) X(latent_gather)
+    X(shortconv_fwd_varlen_io) X(kda_chunk_fwd_varlen_io) X(latent_gather) \
+    X(embedding_rows) X(latent_put_rows) X(moe_stats) X(graph_begin) X(graph_end) X(graph_launch) X(graph_free)
 
 typedef struct mtrl_backend mtrl_backend;
 
@@ -126,10 +131,13 @@ struct mtrl_backend {
     // launches; its dw is summed in blocks of the pack's rows, not per piece (fp32 rounding apart).
     void (*shortconv_bwd_varlen)(mtrl_backend *, int n, const int *offs_h, int C, int W, const real *x,
                                  const real *w, const real *dy, real *dx, real *dw);
-    // B decode rows: x1, y1 [B][C]; row r's window [W−1][C] at window_h[r] (updated).
+    // B decode rows: x1, y1 [B][C]; row r's window [W−1][C] at window[r] (updated); window: a
+    // backend array of B backend pointers.
     void (*shortconv_step)(mtrl_backend *, int B, int C, int W, const real *x1, const real *w,
-                           real *const *window_h, real *y1);
+                           real *const *window, real *y1);
     void (*embedding_fwd)(mtrl_backend *, int N, int D, const int *ids_h, const real *E, real *x);
+    // The same with the ids in backend memory (the decode step's).
+    void (*embedding_rows)(mtrl_backend *, int N, int D, const int *ids, const real *E, real *x);
     void (*embedding_bwd)(mtrl_backend *, int N, int D, const int *ids_h, const real *dx, real *dE);
     // logp_h, entropy_h (nullable) [N] on the host.
     void (*logprob_fwd)(mtrl_backend *, int N, int V, const real *logits, const int *targets_h, real *logp_h,
@@ -176,9 +184,11 @@ struct mtrl_backend {
     void (*kda_chunk_fwd_varlen_io)(mtrl_backend *, int n, const int *offs_h, int H, int K, int V, const real *q,
                                     const real *k, const real *v, const real *g, const real *beta,
                                     const real *const *S0_h, real *o, real *const *Sf_h, real *S_tiles);
-    // B decode rows (q, k, g [B][H][K], v, o [B][H][V], beta [B][H]); row r's state at S_h[r].
+    // B decode rows (q, k, g [B][H][K], v, o [B][H][V], beta [B][H]); row r's state at S[r] (a
+    // backend array), S_h the same B pointers on the host (for checks only: where the kernels
+    // may run in place).
     void (*kda_step)(mtrl_backend *, int B, int H, int K, int V, const real *q, const real *k, const real *v,
-                     const real *g, const real *beta, real *const *S_h, real *o);
+                     const real *g, const real *beta, real *const *S_h, real *const *S, real *o);
 
     // ---- MLA latent caches (elements of latent_size) -----------------------------------------------
     // The one way latent rows are written: dst_h[b][r*ldd + j] = src[(b*rows + r)*lds + j]
@@ -187,6 +197,8 @@ struct mtrl_backend {
     // array of B backend pointers to latent elements.
     void (*latent_put)(mtrl_backend *, int B, int rows, int n, const real *src, int lds, void *const *dst_h,
                        int ldd);
+    // The decode form (rows = 1): dst a BACKEND array of B backend pointers.
+    void (*latent_put_rows)(mtrl_backend *, int B, int n, const real *src, int lds, void *const *dst, int ldd);
     // The reverse of one block of latent_put: dst[r*ldd + j] = src[r*lds + j] (latent elements
     // widened exactly to `real`), r < rows, j < n.
     void (*latent_get)(mtrl_backend *, int rows, int n, const void *src, int lds, real *dst, int ldd);
@@ -222,9 +234,13 @@ struct mtrl_backend {
                               const real *W_kvb, const real *dk, const real *dvals, real *dlat_c, int ld_c,
                               real *dlat_kr, int ld_kr, real *dW_kvb);
     // B decode rows: q [B][H][dn+dr], a [B][H][dv]; row r reads the interleaved latent cache
-    // lat_h[r] ([Tk_h[r]][ld] rows [ĉ ; k^r] of latent elements, its own token's row included).
+    // lat[r] ([Tk[r]][ld] rows [ĉ ; k^r] of latent elements, its own token's row included); lat
+    // and Tk backend arrays, lat_h and Tk_h the same on the host (for the launch's shape only:
+    // the CUDA kernels split every row's keys by B and the power of 2 at or above the longest
+    // Tk, mtrl_backend_decode_len, so that steps of one B and that length run the same launches).
     void (*mla_decode)(mtrl_backend *, int B, int H, int dn, int dr, int dv, int dc, real scale, const real *q,
-                       const real *W_kvb, const void *const *lat_h, int ld, const int *Tk_h, real *a);
+                       const real *W_kvb, const void *const *lat_h, const void *const *lat, int ld,
+                       const int *Tk_h, const int *Tk, real *a);
 
     // ---- MoE (moe_ref.h) ---------------------------------------------------------------------------
     // form: moe_ref.h's MOE_ROUTER_* bits (model_router_form)
@@ -239,7 +255,8 @@ struct mtrl_backend {
     void (*moe_combine_bwd)(mtrl_backend *, int N, int K, int D, const int *pos, const real *w, const real *Y_perm,
                             const real *dy, real *dY_perm, real *dw);
     void (*moe_scatter_bwd)(mtrl_backend *, int N, int K, int D, const int *pos, const real *dX_perm, real *dx);
-    void (*moe_experts_fwd)(mtrl_backend *, int E, int D, int I, const int *offsets, const real *X_perm,
+    // R = offsets[E], the rows (N K), given so that no backend needs to read offsets back.
+    void (*moe_experts_fwd)(mtrl_backend *, int E, int D, int I, int R, const int *offsets, const real *X_perm,
                             const real *W1, const real *W3, const real *W2, real *u1, real *u3, real *Y_perm);
     void (*moe_experts_bwd)(mtrl_backend *, int E, int D, int I, const int *offsets, const real *X_perm,
                             const real *W1, const real *W3, const real *W2, const real *u1, const real *u3,
@@ -252,6 +269,12 @@ struct mtrl_backend {
     void (*moe_load_count)(mtrl_backend *, int N, int E, int K, const int *sel, int *load_h);
     // qb_beta_from_batch with the new β returned on the host.
     int (*qb_beta)(mtrl_backend *, int N, int E, int K, const real *z, const real *beta_old, real *beta_new_h);
+    // The routing statistics of one batch into backend memory, nothing to the host: load [E] =
+    // moe_load_count; with level >= 2 also beta_new [E] = qb_beta's β from the scores z (else
+    // beta_new is untouched). Returns qb_beta's status (0 computed, 1 skipped), which the shapes
+    // decide; 1 for level < 2.
+    int (*moe_stats)(mtrl_backend *, int N, int E, int K, const int *sel, const real *z, const real *beta_old,
+                     int level, int *load, real *beta_new);
 
     // ---- Block AttnRes (attnres_ref.h); V_h / dV_h: host arrays of S backend pointers ---------------
     void (*attnres_site_fwd)(mtrl_backend *, int N, int D, int S, const real *const *V_h, const real *w,
@@ -259,7 +282,29 @@ struct mtrl_backend {
     void (*attnres_site_bwd)(mtrl_backend *, int N, int D, int S, const real *const *V_h, const real *w,
                              const real *gamma, real eps, const real *alpha, const real *dh, real *const *dV_h,
                              real *dw, real *dgamma);
+
+    // ---- recorded steps (CUDA graphs; the decode step, model_decode.c) --------------------------
+    // graph_begin: the entries called until graph_end are recorded instead of run; 0, or -1 when
+    // this backend does not record (the CPU; CUDA with [kernels] decode_graph = off). graph_end:
+    // a replayable recording, or NULL when it failed (an entry between needed the host: a
+    // download, a sync, memory that had to grow); nothing recorded ran either way. graph_launch
+    // runs a recording again: the same kernels with the same arguments on the same memory, so
+    // whatever varies between replays must be in backend memory the kernels read (the parameter
+    // block is read in place: a new weight version is seen). 0, or -1 (nothing ran) when the
+    // recording is stale (scratch it points into was reallocated since): record again.
+    int (*graph_begin)(mtrl_backend *);
+    void *(*graph_end)(mtrl_backend *);
+    int (*graph_launch)(mtrl_backend *, void *graph);
+    void (*graph_free)(mtrl_backend *, void *graph); // NULL is fine
 };
+
+// The key length whose launches an mla_decode over rows of at most max_len keys shares: the
+// power of 2 at or above max_len (backend.h mla_decode).
+static inline int mtrl_backend_decode_len(int max_len) {
+    int n = 1;
+    while (n < max_len) n *= 2;
+    return n;
+}
 
 // The CPU backend (one shared, stateless instance).
 mtrl_backend *mtrl_backend_cpu(void);

@@ -149,6 +149,9 @@ static void embedding_fwd_(BE *be, int N, int D, const int *ids, const real *E, 
     (void)be;
     mtrl_ref_embedding_fwd(N, D, ids, E, x);
 }
+static void embedding_rows_(BE *be, int N, int D, const int *ids, const real *E, real *x) {
+    embedding_fwd_(be, N, D, ids, E, x);
+}
 static void embedding_bwd_(BE *be, int N, int D, const int *ids, const real *dx, real *dE) {
     (void)be;
     mtrl_ref_embedding_bwd(N, D, ids, dx, dE);
@@ -215,8 +218,9 @@ static void kda_chunk_bwd_varlen_(BE *be, int n, const int *offs, int H, int K, 
     mtrl_ref_kda_chunk_bwd_varlen(n, offs, H, K, V, q, k, v, g, beta, St, dout, dq, dk, dv, dg, dbeta);
 }
 static void kda_step_(BE *be, int B, int H, int K, int V, const real *q, const real *k, const real *v,
-                      const real *g, const real *beta, real *const *S, real *o) {
+                      const real *g, const real *beta, real *const *S_h, real *const *S, real *o) {
     (void)be;
+    (void)S_h; // the backend array (host memory here) is what the step reads
     REF_PAR_FOR(ref_par((8.0 * K * V + REF_FLOPS_EXP * K) * B * H),
         for (int r = 0; r < B; r++) {
             size_t qo = (size_t)r * H * K, vo = (size_t)r * H * V;
@@ -228,6 +232,9 @@ static void kda_step_(BE *be, int B, int H, int K, int V, const real *q, const r
 
 static void latent_put_(BE *be, int B, int rows, int n, const real *src, int lds, void *const *dst, int ldd) {
     for (int b = 0; b < B; b++) copy_rows_(be, rows, n, src + (size_t)b * rows * lds, lds, dst[b], ldd);
+}
+static void latent_put_rows_(BE *be, int B, int n, const real *src, int lds, void *const *dst, int ldd) {
+    latent_put_(be, B, 1, n, src, lds, dst, ldd);
 }
 static void latent_get_(BE *be, int rows, int n, const void *src, int lds, real *dst, int ldd) {
     copy_rows_(be, rows, n, src, lds, dst, ldd);
@@ -280,8 +287,11 @@ static void mla_expand_kv_bwd_(BE *be, int N, int H, int dn, int dr, int dv, int
     mtrl_ref_mla_expand_kv_bwd(N, H, dn, dr, dv, dc, c, ldc, W, dk, dvals, dlat_c, ld_c, dlat_kr, ld_kr, dW);
 }
 static void mla_decode_(BE *be, int B, int H, int dn, int dr, int dv, int dc, real scale, const real *q,
-                        const real *W, const void *const *lat, int ld, const int *Tk, real *a) {
+                        const real *W, const void *const *lat_h, const void *const *lat, int ld, const int *Tk_h,
+                        const int *Tk, real *a) {
     (void)be;
+    (void)lat_h; // the backend arrays (host memory here) are what the step reads
+    (void)Tk_h;
     double flops = 0;  // the absorption and up-projection of every row, then its keys
     for (int r = 0; r < B; r++) flops += 2.0 * H * dc * (dn + dv) + (4.0 * (dc + dr) + REF_FLOPS_EXP) * Tk[r] * H;
     REF_PAR_FOR(ref_par(flops),
@@ -323,9 +333,10 @@ static void moe_scatter_bwd_(BE *be, int N, int K, int D, const int *pos, const 
     (void)be;
     mtrl_ref_moe_scatter_bwd(N, K, D, pos, dXp, dx);
 }
-static void moe_experts_fwd_(BE *be, int E, int D, int I, const int *off, const real *Xp, const real *W1,
+static void moe_experts_fwd_(BE *be, int E, int D, int I, int R, const int *off, const real *Xp, const real *W1,
                              const real *W3, const real *W2, real *u1, real *u3, real *Yp) {
     (void)be;
+    MTRL_CHECKF(off[E] == R, "moe_experts_fwd: %d rows given, the offsets end at %d", R, off[E]);
     mtrl_ref_moe_experts_fwd(E, D, I, off, Xp, W1, W3, W2, u1, u3, Yp);
 }
 static void moe_experts_bwd_(BE *be, int E, int D, int I, const int *off, const real *Xp, const real *W1,
@@ -352,6 +363,11 @@ static void moe_load_count_(BE *be, int N, int E, int K, const int *sel, int *lo
 static int qb_beta_(BE *be, int N, int E, int K, const real *z, const real *bo, real *bn) {
     (void)be;
     return mtrl_ref_qb_beta_from_batch(N, E, K, z, bo, bn);
+}
+static int moe_stats_(BE *be, int N, int E, int K, const int *sel, const real *z, const real *bo, int level,
+                      int *load, real *bn) {
+    moe_load_count_(be, N, E, K, sel, load);
+    return level >= 2 ? qb_beta_(be, N, E, K, z, bo, bn) : 1;
 }
 static void attnres_site_fwd_(BE *be, int N, int D, int S, const real *const *V, const real *w, const real *g,
                               real eps, real *h, real *alpha) {
@@ -390,6 +406,25 @@ static void weights_changed_(BE *be, const real *params, size_t n) { (void)be, (
 // Host memory: uploads and downloads are plain copies.
 static void upload_(BE *be, void *dst, const void *src, size_t bytes) { copy_(be, dst, src, bytes); }
 static void download_(BE *be, void *dst, const void *src, size_t bytes) { copy_(be, dst, src, bytes); }
+
+// The CPU records nothing: every call runs as it is made.
+static int graph_begin_(BE *be) {
+    (void)be;
+    return -1;
+}
+static void *graph_end_(BE *be) {
+    (void)be;
+    return NULL;
+}
+static int graph_launch_(BE *be, void *g) {
+    (void)be;
+    (void)g;
+    return -1;
+}
+static void graph_free_(BE *be, void *g) {
+    (void)be;
+    (void)g;
+}
 
 #define BACKEND_ENTRY_(name) .name = name##_,
 static mtrl_backend cpu_ = {

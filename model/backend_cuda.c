@@ -101,9 +101,14 @@ static void untrack_(cuda_impl *x, void *p) {
         }
 }
 
-// Scratch of at least `bytes` (grow-only; growing waits for the stream).
+// Scratch of at least `bytes` (grow-only; growing waits for the stream, so not while a graph is
+// recorded: that fails the recording, whose kernels never run).
 static char *scratch_(BE *be, size_t bytes) {
     cuda_impl *x = be->impl;
+    if (bytes > x->scratch_bytes && mtrl_cuda_recording(x->ctx)) {
+        mtrl_cuda_record_fail(x->ctx);
+        return x->scratch;
+    }
     if (bytes > x->scratch_bytes) {
         sample_(x);
         mtrl_mc_free(x->ctx, x->scratch);
@@ -123,6 +128,10 @@ static size_t take_(size_t *off, size_t bytes) {
 // ---- memory ----------------------------------------------------------------------------------------
 
 static void *alloc_(BE *be, size_t bytes) {
+    if (mtrl_cuda_recording(CTX(be))) { // cudaMalloc is no stream work: not in a recording
+        mtrl_cuda_record_fail(CTX(be));
+        return NULL;
+    }
     void *p = mtrl_mc_malloc(bytes);
     track_(be->impl, p, bytes ? bytes : 1);
     return p;
@@ -269,14 +278,6 @@ static void shortconv_bwd_(BE *be, int T, int C, int W, const real *x, const rea
 static void shortconv_state_bwd_(BE *be, int T, int C, int W, const real *dso, real *dx, real *dsi) {
     OK(mtrl_shortconv_state_bwd(CTX(be), T, C, W, dso, dx, dsi));
 }
-// Gathers the B per-row states (n floats each) into scratch, runs `run` on the block, scatters back.
-static float *states_in_(BE *be, int B, size_t n, real *const *st_h, float ***dev_ptrs) {
-    size_t off = 0, op = take_(&off, sizeof(void *) * (size_t)B), ob = take_(&off, sizeof(float) * (size_t)B * n);
-    char *s = scratch_(be, off);
-    *dev_ptrs = ptrs_(be, s, op, B, (const void *const *)st_h);
-    mtrl_mc_gather(CTX(be), B, n, (const float *const *)*dev_ptrs, (float *)(s + ob));
-    return (float *)(s + ob);
-}
 static void shortconv_fwd_varlen_(BE *be, int n, const int *offs, int C, int W, const real *x, const real *w,
                                   real *y) {
     OK(mtrl_shortconv_fwd_varlen(CTX(be), n, offs, C, W, x, w, y));
@@ -284,6 +285,12 @@ static void shortconv_fwd_varlen_(BE *be, int n, const int *offs, int C, int W, 
 static void shortconv_bwd_varlen_(BE *be, int n, const int *offs, int C, int W, const real *x, const real *w,
                                   const real *dy, real *dx, real *dw) {
     OK(mtrl_shortconv_bwd_varlen(CTX(be), n, offs, C, W, x, w, dy, dx, dw));
+}
+// The same from a device array of the B states' pointers (the decode step's: nothing uploaded).
+static float *states_in_dev_(BE *be, int B, size_t n, real *const *st) {
+    float *blk = (float *)scratch_(be, sizeof(float) * (size_t)B * n);
+    mtrl_mc_gather(CTX(be), B, n, (const float *const *)st, blk);
+    return blk;
 }
 static void shortconv_step_(BE *be, int B, int C, int W, const real *x1, const real *w, real *const *win,
                             real *y1) {
@@ -293,16 +300,18 @@ static void shortconv_step_(BE *be, int B, int C, int W, const real *x1, const r
         OK(mtrl_shortconv_step(CTX(be), B, C, W, x1, w, NULL, y1));
         return;
     }
-    float **dp;
-    float *blk = states_in_(be, B, n, win, &dp);
+    float *blk = states_in_dev_(be, B, n, win);
     OK(mtrl_shortconv_step(CTX(be), B, C, W, x1, w, blk, y1));
-    mtrl_mc_scatter(CTX(be), B, n, blk, dp);
+    mtrl_mc_scatter(CTX(be), B, n, blk, (float *const *)win);
 }
 static void embedding_fwd_(BE *be, int N, int D, const int *ids, const real *E, real *x) {
     if (N <= 0) return;
     int *d = (int *)scratch_(be, sizeof(int) * (size_t)N);
     mtrl_mc_upload(CTX(be), d, ids, sizeof(int) * (size_t)N);
     mtrl_mc_embedding_fwd(CTX(be), N, D, d, E, x);
+}
+static void embedding_rows_(BE *be, int N, int D, const int *ids, const real *E, real *x) {
+    if (N > 0) mtrl_mc_embedding_fwd(CTX(be), N, D, ids, E, x);
 }
 static void embedding_bwd_(BE *be, int N, int D, const int *ids, const real *dx, real *dE) {
     if (N <= 0) return;
@@ -383,19 +392,17 @@ static void kda_chunk_bwd_varlen_(BE *be, int n, const int *offs, int H, int K, 
     OK(mtrl_kda_chunk_bwd_varlen(CTX(be), n, offs, H, K, V, q, k, v, g, beta, St, dout, dq, dk, dv, dg, dbeta));
 }
 static void kda_step_(BE *be, int B, int H, int K, int V, const real *q, const real *k, const real *v,
-                      const real *g, const real *beta, real *const *S, real *o) {
+                      const real *g, const real *beta, real *const *S_h, real *const *S, real *o) {
     if (B <= 0) return;
     size_t n = (size_t)H * K * V;
-    if (mtrl_kda_step_rows_ok(CTX(be), B, H, K, V, q, k, v, g, (const float *const *)S, o)) {
+    if (mtrl_kda_step_rows_ok(CTX(be), B, H, K, V, q, k, v, g, (const float *const *)S_h, o)) {
         // each state read and written once, in place (no gather into scratch and scatter back)
-        float **dp = ptrs_(be, scratch_(be, sizeof(void *) * (size_t)B), 0, B, (const void *const *)S);
-        OK(mtrl_kda_step_rows(CTX(be), B, H, K, V, q, k, v, g, beta, dp, o));
+        OK(mtrl_kda_step_rows(CTX(be), B, H, K, V, q, k, v, g, beta, (float *const *)S, o));
         return;
     }
-    float **dp;
-    float *blk = states_in_(be, B, n, S, &dp);
+    float *blk = states_in_dev_(be, B, n, S);
     OK(mtrl_kda_step(CTX(be), B, H, K, V, q, k, v, g, beta, blk, o));
-    mtrl_mc_scatter(CTX(be), B, n, blk, dp);
+    mtrl_mc_scatter(CTX(be), B, n, blk, (float *const *)S);
 }
 
 // ---- MLA latents ------------------------------------------------------------------------------------------
@@ -410,6 +417,9 @@ static void latent_put_(BE *be, int B, int rows, int n, const real *src, int lds
     char *s = scratch_(be, sizeof(void *) * (size_t)B);
     mtrl_mc_latent_put(CTX(be), B, rows, n, src, lds, ptrs_(be, s, 0, B, (const void *const *)dst), ldd,
                        lat_type_(be));
+}
+static void latent_put_rows_(BE *be, int B, int n, const real *src, int lds, void *const *dst, int ldd) {
+    if (B > 0 && n > 0) mtrl_mc_latent_put(CTX(be), B, 1, n, src, lds, dst, ldd, lat_type_(be));
 }
 static void latent_get_(BE *be, int rows, int n, const void *src, int lds, real *dst, int ldd) {
     mtrl_mc_latent_get(CTX(be), rows, n, src, lds, dst, ldd, lat_type_(be));
@@ -574,38 +584,39 @@ static void mla_up_v_bwd_(BE *be, int N, int H, int dn, int dv, int dc, const re
         OK(mtrl_gemm_batched(c, 1, 0, dv, dc, N, 1.f, da, H * dv, dv, cs, H * dc, dc, MTRL_F32, 1.f,
                              dW + (size_t)dn * dc, dc, sw, MTRL_F32, H));
 }
+// Every row's cache from one pool based at address 0 (mtrl_mc_ptr_rows: the start rows are
+// computed on the device from the backend array, so a recorded step reads the rows of whatever
+// states the step names) when every cache starts at a multiple of the row size from 0, as the
+// decode states align them; otherwise one launch per sequence (host offsets: not recordable).
+// The split over the keys follows B and mtrl_backend_decode_len of the longest row (backend.h).
 static void mla_decode_(BE *be, int B, int H, int dn, int dr, int dv, int dc, real scale, const real *q,
-                        const real *W, const void *const *lat, int ld, const int *Tk, real *a) {
+                        const real *W, const void *const *lat_h, const void *const *lat, int ld,
+                        const int *Tk_h, const int *Tk, real *a) {
     if (B <= 0) return;
     mtrl_cuda_ctx *c = CTX(be);
-    uintptr_t base = (uintptr_t)lat[0];
     int max_len = 1;
-    for (int r = 0; r < B; r++) {
-        if ((uintptr_t)lat[r] < base) base = (uintptr_t)lat[r];
-        if (Tk[r] > max_len) max_len = Tk[r];
-    }
+    for (int r = 0; r < B; r++)
+        if (Tk_h[r] > max_len) max_len = Tk_h[r];
+    max_len = mtrl_backend_decode_len(max_len);
     size_t row = be->latent_size * (size_t)ld;
     int pooled = 1;
-    for (int r = 0; r < B && pooled; r++) pooled = ((uintptr_t)lat[r] - base) % row == 0;
-    size_t off = 0, os = take_(&off, sizeof(long long) * (size_t)B), ol = take_(&off, sizeof(int) * (size_t)B);
-    char *s = scratch_(be, off);
-    long long *st = xmalloc(sizeof(long long) * (size_t)B);
+    for (int r = 0; r < B && pooled; r++) pooled = (uintptr_t)lat_h[r] % row == 0;
     if (pooled) {
-        for (int r = 0; r < B; r++) st[r] = (long long)(((uintptr_t)lat[r] - base) / row);
-        mtrl_mc_upload(c, s + os, st, sizeof(long long) * (size_t)B);
-        mtrl_mc_upload(c, s + ol, Tk, sizeof(int) * (size_t)B);
-        OK(mtrl_mla_decode_absorbed(c, B, H, dn, dr, dv, dc, scale, q, W, (const void *)base, lat_type_(be), ld,
-                                    (const long long *)(s + os), (const int *)(s + ol), max_len, a));
-    } else {
-        // One launch per sequence, each on its own cache (start row 0).
-        memset(st, 0, sizeof(long long) * (size_t)B);
-        mtrl_mc_upload(c, s + os, st, sizeof(long long) * (size_t)B);
-        mtrl_mc_upload(c, s + ol, Tk, sizeof(int) * (size_t)B);
-        for (int r = 0; r < B; r++)
-            OK(mtrl_mla_decode_absorbed(c, 1, H, dn, dr, dv, dc, scale, q + (size_t)r * H * (dn + dr), W, lat[r],
-                                        lat_type_(be), ld, (const long long *)(s + os), (const int *)(s + ol) + r, Tk[r],
-                                        a + (size_t)r * H * dv));
+        long long *st = (long long *)scratch_(be, sizeof(long long) * (size_t)B);
+        mtrl_mc_ptr_rows(c, B, lat, row, st);
+        OK(mtrl_mla_decode_absorbed(c, B, H, dn, dr, dv, dc, scale, q, W, NULL, lat_type_(be), ld, st, Tk, max_len,
+                                    a));
+        return;
     }
+    // One launch per sequence, each on its own cache (start row 0).
+    size_t off = 0, os = take_(&off, sizeof(long long) * (size_t)B);
+    char *s = scratch_(be, off);
+    long long *st = xcalloc((size_t)B, sizeof(long long));
+    mtrl_mc_upload(c, s + os, st, sizeof(long long) * (size_t)B);
+    for (int r = 0; r < B; r++)
+        OK(mtrl_mla_decode_absorbed(c, 1, H, dn, dr, dv, dc, scale, q + (size_t)r * H * (dn + dr), W, lat_h[r],
+                                    lat_type_(be), ld, (const long long *)(s + os), Tk + r, Tk_h[r],
+                                    a + (size_t)r * H * dv));
     free(st);
 }
 
@@ -635,8 +646,8 @@ static void moe_combine_bwd_(BE *be, int N, int K, int D, const int *pos, const 
 static void moe_scatter_bwd_(BE *be, int N, int K, int D, const int *pos, const real *dXp, real *dx) {
     OK(mtrl_moe_scatter_bwd(CTX(be), N, K, D, pos, dXp, dx));
 }
-// The expert loop needs the segment offsets on the host (and the grouped kernels R = offsets[E]:
-// the backend entry has no N*K; passing it would drop this device -> host copy where they run).
+// The expert loop needs the segment offsets on the host (the grouped kernels do not: they take
+// the device offsets and R).
 static int *offsets_h_(BE *be, int E, const int *off) {
     int *h = xmalloc(sizeof(int) * (size_t)(E + 1));
     mtrl_mc_download(CTX(be), h, off, sizeof(int) * (size_t)(E + 1));
@@ -657,21 +668,25 @@ static int experts_operands_(BE *be, int E, int D, int I, size_t R, const void *
 // (on the device offsets `off`) where mtrl_moe_experts_path picks them, else the per-expert
 // chains of mtrl_moe_experts_fwd / _bwd. off is NULL for the dense FFN (E = 1: the chains).
 // The grouped kernels also need 16-byte aligned operands (p [n]).
-static int experts_grouped_(BE *be, int E, int D, int I, const int *off, const int *h, int type,
-                            const void *const *p, int n) {
+static int experts_grouped_(BE *be, int E, int D, int I, const int *off, long R, int type, const void *const *p,
+                            int n) {
     for (int i = 0; i < n; i++)
         if ((uintptr_t)p[i] & 15) return 0;
-    return off && mtrl_moe_experts_path(CTX(be), E, D, I, h[E], type) == MTRL_MOE_GROUPED;
+    return off && mtrl_moe_experts_path(CTX(be), E, D, I, R, type) == MTRL_MOE_GROUPED;
 }
-static void experts_fwd_(BE *be, int E, int D, int I, const int *off, const int *h, const real *X, const real *W1,
-                         const real *W3, const real *W2, real *u1, real *u3, real *Y) {
+// R rows; h the host offsets, or NULL: read back here only where the chains need them.
+static void experts_fwd_(BE *be, int E, int D, int I, const int *off, int R, const int *h, const real *X,
+                         const real *W1, const real *W3, const real *W2, real *u1, real *u3, real *Y) {
     const void *op[4] = {X, W1, W3, W2};
-    int type = experts_operands_(be, E, D, I, (size_t)h[E], op);
+    int type = experts_operands_(be, E, D, I, (size_t)R, op);
     const void *p[7] = {op[0], op[1], op[2], op[3], u1, u3, Y};
-    if (experts_grouped_(be, E, D, I, off, h, type, p, 7))
-        OK(mtrl_moe_experts_grouped_fwd(CTX(be), E, D, I, h[E], off, op[0], op[1], op[2], op[3], type, u1, u3, Y));
-    else
-        OK(mtrl_moe_experts_fwd(CTX(be), E, D, I, h, op[0], op[1], op[2], op[3], type, u1, u3, Y));
+    if (experts_grouped_(be, E, D, I, off, R, type, p, 7)) {
+        OK(mtrl_moe_experts_grouped_fwd(CTX(be), E, D, I, R, off, op[0], op[1], op[2], op[3], type, u1, u3, Y));
+        return;
+    }
+    int *hh = h ? NULL : offsets_h_(be, E, off);
+    OK(mtrl_moe_experts_fwd(CTX(be), E, D, I, h ? h : hh, op[0], op[1], op[2], op[3], type, u1, u3, Y));
+    free(hh);
 }
 static void experts_bwd_(BE *be, int E, int D, int I, const int *off, const int *h, const real *X, const real *W1,
                          const real *W3, const real *W2, const real *u1, const real *u3, const real *dY, real *dX,
@@ -679,18 +694,16 @@ static void experts_bwd_(BE *be, int E, int D, int I, const int *off, const int 
     const void *op[4] = {X, W1, W3, W2};
     int type = experts_operands_(be, E, D, I, (size_t)h[E], op);
     const void *p[11] = {op[0], op[1], op[2], op[3], u1, u3, dY, dX, dW1, dW3, dW2};  // NULL is aligned
-    if (experts_grouped_(be, E, D, I, off, h, type, p, 11))
+    if (experts_grouped_(be, E, D, I, off, h[E], type, p, 11))
         OK(mtrl_moe_experts_grouped_bwd(CTX(be), E, D, I, h[E], off, op[0], op[1], op[2], op[3], type, u1, u3, dY, dX,
                                         dW1, dW3, dW2));
     else
         OK(mtrl_moe_experts_bwd(CTX(be), E, D, I, h, op[0], op[1], op[2], op[3], type, u1, u3, dY, dX, dW1, dW3,
                                 dW2));
 }
-static void moe_experts_fwd_(BE *be, int E, int D, int I, const int *off, const real *Xp, const real *W1,
+static void moe_experts_fwd_(BE *be, int E, int D, int I, int R, const int *off, const real *Xp, const real *W1,
                              const real *W3, const real *W2, real *u1, real *u3, real *Yp) {
-    int *h = offsets_h_(be, E, off);
-    experts_fwd_(be, E, D, I, off, h, Xp, W1, W3, W2, u1, u3, Yp);
-    free(h);
+    experts_fwd_(be, E, D, I, off, R, NULL, Xp, W1, W3, W2, u1, u3, Yp);
 }
 static void moe_experts_bwd_(BE *be, int E, int D, int I, const int *off, const real *Xp, const real *W1,
                              const real *W3, const real *W2, const real *u1, const real *u3, const real *dYp,
@@ -704,7 +717,7 @@ static void moe_swiglu_fwd_(BE *be, int N, int D, int I, const real *x, const re
                             const real *W2, real *u1, real *u3, real *y) {
     if (N <= 0) return;
     int h[2] = {0, N};
-    experts_fwd_(be, 1, D, I, NULL, h, x, W1, W3, W2, u1, u3, y);
+    experts_fwd_(be, 1, D, I, NULL, N, h, x, W1, W3, W2, u1, u3, y);
 }
 static void moe_swiglu_bwd_(BE *be, int N, int D, int I, const real *x, const real *W1, const real *W3,
                             const real *W2, const real *u1, const real *u3, const real *dy, real *dx, real *dW1,
@@ -724,6 +737,52 @@ static int qb_beta_(BE *be, int N, int E, int K, const real *z, const real *bo, 
     MTRL_CHECKF(r >= 0, "mtrl_qb_beta_from_batch refused N=%d E=%d K=%d", N, E, K);
     mtrl_mc_download(CTX(be), bn, d, sizeof(float) * (size_t)E);
     return r;
+}
+
+static int moe_stats_(BE *be, int N, int E, int K, const int *sel, const real *z, const real *bo, int level,
+                      int *load, real *bn) {
+    OK(mtrl_moe_load_count(CTX(be), N, E, K, sel, load));
+    if (level < 2) return 1;
+    int r = mtrl_qb_beta_from_batch(CTX(be), N, E, K, z, bo, bn);
+    MTRL_CHECKF(r >= 0, "mtrl_qb_beta_from_batch refused N=%d E=%d K=%d", N, E, K);
+    return r;
+}
+
+// ---- recorded steps ------------------------------------------------------------------------------------------
+//
+// A recording points into the backend's scratch and the bf16 weight copy as they were: stale once
+// either is reallocated (the context checks its own scratch).
+
+typedef struct be_graph {
+    mtrl_cuda_graph *g;
+    const char *scratch;
+    const mtrl_bf16 *w16;
+} be_graph;
+
+static int graph_begin_(BE *be) {
+    if (!mtrl_cuda_ctx_opts(CTX(be))->decode_graph) return -1;
+    return mtrl_cuda_graph_begin(CTX(be));
+}
+static void *graph_end_(BE *be) {
+    cuda_impl *x = be->impl;
+    mtrl_cuda_graph *g = mtrl_cuda_graph_end(x->ctx);
+    if (!g) return NULL;
+    be_graph *bg = xmalloc(sizeof *bg);
+    *bg = (be_graph){g, x->scratch, x->w16};
+    return bg;
+}
+static int graph_launch_(BE *be, void *graph) {
+    cuda_impl *x = be->impl;
+    be_graph *bg = graph;
+    if (!bg || bg->scratch != x->scratch || bg->w16 != x->w16) return -1;
+    return mtrl_cuda_graph_launch(x->ctx, bg->g);
+}
+static void graph_free_(BE *be, void *graph) {
+    (void)be;
+    be_graph *bg = graph;
+    if (!bg) return;
+    mtrl_cuda_graph_free(bg->g);
+    free(bg);
 }
 
 // ---- AttnRes -------------------------------------------------------------------------------------------------

@@ -272,6 +272,9 @@ typedef struct mtrl_model {
     // The per-phase timing the calls add to while set (nullable; see "profile" above). Zero it
     // before the calls to profile; the caller owns it.
     mtrl_model_profile *profile;
+    // 1: decode steps launch kernel by kernel even where the backend records them as graphs
+    // (model/model_decode.h): a benchmark's comparison of the two on one model. 0 at init.
+    int decode_eager;
     // The patch table the image tokens of the next calls name (mtrl_model_set_patches).
     const uint8_t *img_rows;
     int img_n;
@@ -438,6 +441,10 @@ void mtrl_model_prefill(mtrl_model *m, mtrl_decode_state *s, const uint32_t *tok
 // states[B], logits [B][V]. routing_out (nullable) [B][n_moe][k].
 void mtrl_model_decode(mtrl_model *m, mtrl_decode_state *const *states, int B, const uint32_t *tokens, real *logits,
                        uint8_t *routing_out);
+// The decode steps since the model's workspace was made: replayed from a recording, recorded
+// (and run), and launched kernel by kernel (model/model_decode.h; [kernels] decode_graph on a
+// GPU records). Each pointer nullable.
+void mtrl_model_decode_counts(const mtrl_model *m, long *replayed, long *recorded, long *launched);
 
 // ---- checkpoints and published weights (safetensors, common/checkpoint.h) ----------------------------
 // Writes the parameters and QB β, plus with_optimizer: the AdamW moments and the step. Metadata:

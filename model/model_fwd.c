@@ -44,7 +44,7 @@ static void proj_(mtrl_backend *be, int T, int n, int k, const real *x, const re
 // ---- KDA (docs/model.md §2.1) ----------------------------------------------------------------------------
 
 static void kda_forward_(mtrl_model *m, mtrl_arena *ar, int l, int mode, int T, const real *x1, seq_io *io,
-                         layer_cache *c, real *out) {
+                         const seg_decode *dec, layer_cache *c, real *out) {
     const mtrl_model_dims *d = &m->dims;
     const mtrl_layer_ptrs *p = &m->dP.layer[l];
     mtrl_backend *be = m->be;
@@ -91,14 +91,10 @@ static void kda_forward_(mtrl_model *m, mtrl_arena *ar, int l, int mode, int T, 
         }
         free(win);
     } else {
-        real **win = xmalloc(sizeof(real *) * (size_t)T);
         const real *px[3] = {c->pq, c->pk, c->pv}, *cw[3] = {p->conv_q, p->conv_k, p->conv_v};
         real *cy[3] = {c->cq, c->ck, c->cv};
-        for (int s = 0; s < 3; s++) {
-            for (int r = 0; r < T; r++) win[r] = io[r].conv + (size_t)ki * conv_sz + s * w1;
-            be->shortconv_step(be, T, HD, W, px[s], cw[s], win, cy[s]);
-        }
-        free(win);
+        for (int s = 0; s < 3; s++)
+            be->shortconv_step(be, T, HD, W, px[s], cw[s], dec->win + ((size_t)ki * 3 + s) * T, cy[s]);
     }
     c->qn = ALLOC((size_t)T * HD); c->kn = ALLOC((size_t)T * HD);
     be->l2norm_fwd(be, T * H, D, c->cq, (real)1e-6, c->qn);
@@ -156,10 +152,8 @@ static void kda_forward_(mtrl_model *m, mtrl_arena *ar, int l, int mode, int T, 
             }
         }
     } else {
-        real **Sr = xmalloc(sizeof(real *) * (size_t)T);
-        for (int r = 0; r < T; r++) Sr[r] = io[r].kda_S + (size_t)ki * S_sz;
-        be->kda_step(be, T, H, D, D, c->qn, c->kn, c->cv, c->g, c->beta, Sr, c->o);
-        free(Sr);
+        size_t o = (size_t)ki * T;
+        be->kda_step(be, T, H, D, D, c->qn, c->kn, c->cv, c->g, c->beta, dec->S_h + o, dec->S + o, c->o);
     }
     model_prof_end(m, MTRL_PROF_KDA_CORE, t);
     c->z1 = ALLOC((size_t)T * D); c->z = ALLOC((size_t)T * HD); c->y = ALLOC((size_t)T * HD);
@@ -218,7 +212,7 @@ mla_kv seg_mla_expand(mtrl_model *m, mtrl_arena *ar, int l, int Tk, const void *
 static size_t mla_naive_bytes_(const mtrl_model_dims *d, size_t Tk, size_t lat);
 
 static void mla_forward_(mtrl_model *m, mtrl_arena *ar, int l, int mode, int T, const real *x1, seq_io *io,
-                         layer_cache *c, real *out) {
+                         const seg_decode *dec, layer_cache *c, real *out) {
     const mtrl_model_dims *d = &m->dims;
     const mtrl_layer_ptrs *p = &m->dP.layer[l];
     mtrl_backend *be = m->be;
@@ -257,14 +251,10 @@ static void mla_forward_(mtrl_model *m, mtrl_arena *ar, int l, int mode, int T, 
         MTRL_CHECKF(io->t0 + T <= io->cap, "MLA latent cache full: position %d, capacity %d", io->t0 + T - 1, io->cap);
         void *row = mtrl_latent_at(be, io->latent, ((size_t)mi * io->cap + (size_t)io->t0) * ld);
         latent_write_(be, 1, T, dc, dr, chat, c->kr, &row);
-    } else {
-        void **rows = xmalloc(sizeof(void *) * (size_t)T);
-        for (int t = 0; t < T; t++) {
-            MTRL_CHECKF(io[t].t0 < io[t].cap, "MLA latent cache full: position %d, capacity %d", io[t].t0, io[t].cap);
-            rows[t] = mtrl_latent_at(be, io[t].latent, ((size_t)mi * io[t].cap + (size_t)io[t].t0) * ld);
-        }
-        latent_write_(be, T, 1, dc, dr, chat, c->kr, rows);
-        free(rows);
+    } else { // the rows' positions were checked against their capacities with the step's arguments
+        void *const *rows = dec->row + (size_t)mi * 2 * T;
+        be->latent_put_rows(be, T, dc, chat, dc, rows, ld);
+        if (dr > 0) be->latent_put_rows(be, T, dr, c->kr, dr, rows + T, ld);
     }
     model_prof_end(m, MTRL_PROF_MLA_ELEM, t);
     c->a = ALLOC((size_t)T * mH * dv);
@@ -371,17 +361,11 @@ static void mla_forward_(mtrl_model *m, mtrl_arena *ar, int l, int mode, int T, 
         be->mla_up_v(be, T, mH, dn, dv, dc, c->ol, p->mkvb, c->a);
         model_prof_end(m, MTRL_PROF_MLA_ABSORB, t);
     } else {
-        const void **lat = xmalloc(sizeof(void *) * (size_t)T);
-        int *Tk = xmalloc(sizeof(int) * (size_t)T);
-        for (int r = 0; r < T; r++) {
-            lat[r] = mtrl_latent_at(be, io[r].latent, (size_t)mi * io[r].cap * ld);
-            Tk[r] = io[r].t0 + 1;
-        }
+        size_t o = (size_t)mi * T;
         t = model_prof_begin(m);
-        be->mla_decode(be, T, mH, dn, dr, dv, dc, scale, c->q, p->mkvb, lat, ld, Tk, c->a);
+        be->mla_decode(be, T, mH, dn, dr, dv, dc, scale, c->q, p->mkvb, dec->lat_h + o, dec->lat + o, ld, dec->Tk_h,
+                       dec->Tk, c->a);
         model_prof_end(m, MTRL_PROF_MLA_ATTN, t);
-        free(lat);
-        free(Tk);
     }
     const real *ag = c->a;
     if (d->mla_gate) {
@@ -432,14 +416,20 @@ static void ffn_forward_(mtrl_model *m, mtrl_arena *ar, int l, int T, const real
         be->upload(be, c->sel, sel_h, sizeof(int) * (size_t)T * K);
     }
     be->moe_router_fwd(be, T, E, K, c->zr, beta, model_router_form(d), d->rho, replay, c->sel, c->wr, c->sr);
-    if (so && so->routing_out) {
+    const seg_decode *dec = so ? so->dec : NULL;
+    if (dec) { // a decode step: its routing and statistics stay in backend memory (seg_decode)
+        if (dec->sel) be->copy(be, dec->sel + (size_t)mi * T * K, c->sel, sizeof(int) * (size_t)T * K);
+        if (so->qb_stats)
+            dec->beta_status[mi] = be->moe_stats(be, T, E, K, c->sel, d->router_bias_score ? c->sr : c->zr, beta,
+                                                 so->qb_stats, dec->load + (size_t)mi * E, dec->beta + (size_t)mi * E);
+    } else if (so && so->routing_out) {
         be->download(be, sel_h, c->sel, sizeof(int) * (size_t)T * K);
         for (int t = 0; t < T; t++)
             for (int j = 0; j < K; j++)
                 so->routing_out[((size_t)t * d->n_moe + mi) * K + j] = (uint8_t)sel_h[t * K + j];
     }
     free(sel_h);
-    if (so && so->qb_stats) {
+    if (so && so->qb_stats && !dec) {
         // QB (docs/model.md §4.3): this batch routed with the old β above; the β it implies is
         // summed and only becomes the routing β after the optimizer step (mtrl_qb_apply, qb.h).
         int load[256];
@@ -457,7 +447,7 @@ static void ffn_forward_(mtrl_model *m, mtrl_arena *ar, int l, int T, const real
     be->moe_gather(be, T, K, d->d, c->pos, x2, c->Xp);
     model_prof_end(m, MTRL_PROF_MOE_ROUTE, t);
     t = model_prof_begin(m);
-    be->moe_experts_fwd(be, E, d->d, d->I, c->offsets, c->Xp, p->ew1, p->ew3, p->ew2, c->eu1, c->eu3, c->Yp);
+    be->moe_experts_fwd(be, E, d->d, d->I, R, c->offsets, c->Xp, p->ew1, p->ew3, p->ew2, c->eu1, c->eu3, c->Yp);
     model_prof_end(m, MTRL_PROF_MOE_EXPERTS, t);
     t = model_prof_begin(m);
     be->moe_combine_fwd(be, T, K, d->d, c->pos, c->wr, c->Yp, out);
@@ -509,14 +499,21 @@ void seg_forward(mtrl_model *m, mtrl_arena *ar, int mode, int T, const uint32_t 
     c->T = T;
     c->mode = mode;
     int ids[4096];
-    int *tid = T <= 4096 ? ids : xmalloc(sizeof(int) * (size_t)T);
-    model_image_ids(T, tokens, tid);
+    const seg_decode *dec = mode == SEG_DECODE ? out->dec : NULL;
+    MTRL_CHECKF(mode != SEG_DECODE || dec, "a decode step needs its arguments (seg_out.dec)");
     c->emb = ALLOC((size_t)T * D);
     double t = model_prof_begin(m);
-    be->embedding_fwd(be, T, D, tid, m->dP.embed, c->emb);
-    model_image_fwd(m, T, tokens, c->emb);
+    if (dec) { // the ids are the step's arguments (image tokens as 0, then embedded from `tokens`)
+        be->embedding_rows(be, T, D, dec->ids, m->dP.embed, c->emb);
+        if (tokens) model_image_fwd(m, T, tokens, c->emb);
+    } else {
+        int *tid = T <= 4096 ? ids : xmalloc(sizeof(int) * (size_t)T);
+        model_image_ids(T, tokens, tid);
+        be->embedding_fwd(be, T, D, tid, m->dP.embed, c->emb);
+        model_image_fwd(m, T, tokens, c->emb);
+        if (tid != ids) free(tid);
+    }
     model_prof_end(m, MTRL_PROF_EMBED, t);
-    if (tid != ids) free(tid);
     c->blocks[0] = c->emb;
     int nb = 1;
     real *p = NULL;
@@ -546,8 +543,8 @@ void seg_forward(mtrl_model *m, mtrl_arena *ar, int mode, int T, const uint32_t 
         be->rmsnorm_fwd(be, T, D, lc->h_a, m->dP.layer[l].norm1, d->eps, lc->x1, lc->rstd1);
         model_prof_end(m, MTRL_PROF_SITE, t);
         lc->mix = ALLOC((size_t)T * D);
-        if (d->mixer[l] == 'K') kda_forward_(m, ar, l, mode, T, lc->x1, io, lc, lc->mix);
-        else mla_forward_(m, ar, l, mode, T, lc->x1, io, lc, lc->mix);
+        if (d->mixer[l] == 'K') kda_forward_(m, ar, l, mode, T, lc->x1, io, dec, lc, lc->mix);
+        else mla_forward_(m, ar, l, mode, T, lc->x1, io, dec, lc, lc->mix);
         real *pn = ALLOC((size_t)T * D);
         t = model_prof_begin(m);
         be->add(be, (size_t)T * D, p, lc->mix, pn);
@@ -588,7 +585,8 @@ void seg_forward(mtrl_model *m, mtrl_arena *ar, int mode, int T, const uint32_t 
     t = model_prof_begin(m);
     be->rmsnorm_fwd(be, T, D, c->h_o, m->dP.final_norm, d->eps, c->xf, c->rstd_f);
     proj_(be, T, d->V, D, c->xf, m->dP.lm_head, c->logits);
-    if (out && out->logits) be->download(be, out->logits, c->logits, sizeof(real) * (size_t)T * d->V);
+    // a decode step's logits stay in c->logits: its driver reads them after the step
+    if (out && out->logits && !dec) be->download(be, out->logits, c->logits, sizeof(real) * (size_t)T * d->V);
     if (out && out->logp) be->logprob_fwd(be, T, d->V, c->logits, out->targets, out->logp, out->entropy);
     model_prof_end(m, MTRL_PROF_HEAD, t);
     if (mode != SEG_DECODE) {

@@ -43,6 +43,7 @@ void mtrl_kernel_opts_from_config(mtrl_kernel_opts *o, const mtrl_cfg_kernels *k
     o->gemm = choice_(k->gemm, "model|tf32|fp32|bf16"); // MTRL_KGEMM_*
     o->latent_fp32 = !strcmp(k->latent, "fp32");
     o->attn_fp32 = !strcmp(k->attn_operands, "fp32");
+    o->decode_graph = !strcmp(k->decode_graph, "on");
 }
 
 mtrl_status mtrl_model_dims_from_config(mtrl_model_dims *d, const mtrl_config *cfg, int vocab, mtrl_error *err) {

@@ -8,6 +8,7 @@
 #include "common/image.h"
 #include "common/check.h"
 #include "model/backend.h"
+#include "model/model_decode.h"
 #include "model/model_ws.h"
 #include "model/qb.h"
 #include "kernels/ref/kda_ref.h"
@@ -50,6 +51,7 @@ typedef struct ws_impl {
     int tail_pack, tail_seg, tail_ok;
     int grad_len;       // the longest sequence or pack: the backward's latent-gradient rows
     mtrl_arena infer;   // prefill / decode / logits scratch
+    model_decode *decode; // the decode step's arguments and recordings (model_decode.h)
 } ws_impl;
 
 static size_t S_size_(const mtrl_model_dims *d) { return (size_t)d->H * d->D * d->D; }
@@ -103,6 +105,7 @@ void mtrl_model_ws_free(mtrl_model *m) {
     ws_impl *w = (ws_impl *)m->ws;
     if (!w) return;
     ws_batch_clear_(w);
+    model_decode_free(m, w->decode); // its recordings point into the arenas
     be_arena_free_(m->be, &w->pub.arena);
     be_arena_free_(m->be, &w->state);
     be_arena_free_(m->be, &w->grad);
@@ -276,7 +279,7 @@ static void pack_forward_(mtrl_model *m, const mtrl_batch *b, ws_pack *pk, real 
     pk->latent = LALLOC(m, &w->state, (size_t)T * lat);
     w->pub.state_bytes += m->be->latent_size * (size_t)T * lat;
     seq_io io = {w->run_S, w->run_C, pk->latent, T, 0, pk->n, pk->piece, NULL};
-    seg_out so = {pk->targets, logp, entropy, NULL, rin, pk->routing, mtrl_qb_observe_level(m, 0)};
+    seg_out so = {pk->targets, logp, entropy, NULL, rin, pk->routing, mtrl_qb_observe_level(m, 0), NULL};
     seg_cache *c = w->keep ? &pk->kept : &w->tail;
     if (!w->keep) mtrl_arena_reset(&w->pub.arena);
     seg_forward(m, &w->pub.arena, SEG_CHUNK, T, pk->tokens, &io, &so, c);
@@ -303,7 +306,7 @@ static void pack_backward_(mtrl_model *m, ws_pack *pk, int tail, real *dS, real 
         c = &w->tail;
     } else if (!w->keep) {
         io.t0 = 0;
-        seg_out so = {pk->targets, NULL, NULL, NULL, pk->routing, NULL, 0};
+        seg_out so = {pk->targets, NULL, NULL, NULL, pk->routing, NULL, 0, NULL};
         mtrl_arena_reset(&w->pub.arena);
         prof_pass_(m, MTRL_PROF_RECOMPUTE);
         seg_forward(m, &w->pub.arena, SEG_CHUNK, pk->T, pk->tokens, &io, &so, &tmp);
@@ -401,7 +404,7 @@ static void seq_forward_(mtrl_model *m, const mtrl_batch *b, int k, real *logp, 
         be->copy(be, s->bound_conv + (size_t)g * z.C_sz, C, sizeof(real) * z.C_sz);
         const uint8_t *rin = m->replay_routing && b->routing ? b->routing[i] + (size_t)t0 * z.rw : NULL;
         seg_out so = {s->targets + t0, logp ? logp + t0 : NULL, entropy ? entropy + t0 : NULL, NULL,
-                      rin, s->routing + (size_t)t0 * z.rw, mtrl_qb_observe_level(m, 0)};
+                      rin, s->routing + (size_t)t0 * z.rw, mtrl_qb_observe_level(m, 0), NULL};
         seg_cache *c = w->keep ? &s->kept[g] : &w->tail;
         if (!w->keep) mtrl_arena_reset(&w->pub.arena);
         seg_forward(m, &w->pub.arena, SEG_CHUNK, T, b->tokens[i] + t0, &io, &so, c);
@@ -440,7 +443,7 @@ static void seq_backward_(mtrl_model *m, const mtrl_batch *b, int k, int tail, r
             be->copy(be, S, s->bound_S + (size_t)gi * z.S_sz, sizeof(real) * z.S_sz);
             be->copy(be, C, s->bound_conv + (size_t)gi * z.C_sz, sizeof(real) * z.C_sz);
             io.t0 = t0;
-            seg_out so = {s->targets + t0, NULL, NULL, NULL, s->routing + (size_t)t0 * z.rw, NULL, 0};
+            seg_out so = {s->targets + t0, NULL, NULL, NULL, s->routing + (size_t)t0 * z.rw, NULL, 0, NULL};
             mtrl_arena_reset(&w->pub.arena);
             prof_pass_(m, MTRL_PROF_RECOMPUTE);
             seg_forward(m, &w->pub.arena, SEG_CHUNK, T, b->tokens[i] + t0, &io, &so, &tmp);
@@ -659,7 +662,7 @@ void mtrl_model_prefill(mtrl_model *m, mtrl_decode_state *s, const uint32_t *tok
         mtrl_arena_reset(&w->infer);
         seg_cache c;
         seg_out so = {NULL, NULL, NULL, NULL, NULL,
-                      routing_out ? routing_out + (size_t)t0 * m->dims.n_moe * m->dims.k : NULL, 0};
+                      routing_out ? routing_out + (size_t)t0 * m->dims.n_moe * m->dims.k : NULL, 0, NULL};
         seg_forward(m, &w->infer, SEG_PREFILL, T, tokens + t0, &io, &so, &c);
         if (w->infer.peak > m->peak_infer_bytes) m->peak_infer_bytes = w->infer.peak;
         if (t0 + T == n && logits_last)
@@ -705,7 +708,7 @@ static void prefill_pack_(mtrl_model *m, mtrl_decode_state *const *states, int i
     arena_ensure_(be, &w->infer, need);
     mtrl_arena_reset(&w->infer);
     seq_io io = {NULL, NULL, NULL, 0, 0, k, piece, pio};
-    seg_out so = {NULL, NULL, NULL, NULL, NULL, rout, 0};
+    seg_out so = {NULL, NULL, NULL, NULL, NULL, rout, 0, NULL};
     seg_cache c;
     seg_forward(m, &w->infer, SEG_PREFILL, T, tok, &io, &so, &c);
     if (w->infer.peak > m->peak_infer_bytes) m->peak_infer_bytes = w->infer.peak;
@@ -749,16 +752,11 @@ void mtrl_model_decode(mtrl_model *m, mtrl_decode_state *const *states, int B, c
                        uint8_t *routing_out) {
     ws_impl *w = ws_get_(m);
     arena_ensure_(m->be, &w->infer, decode_bytes_(m, B));
-    mtrl_arena_reset(&w->infer);
-    seq_io ios[256];
-    seq_io *io = B <= 256 ? ios : xmalloc(sizeof(seq_io) * (size_t)B);
-    for (int r = 0; r < B; r++) io[r] = state_io_(states[r]);
-    seg_out so = {NULL, NULL, NULL, logits, NULL, routing_out, mtrl_qb_observe_level(m, 1)};
-    seg_cache c;
-    seg_forward(m, &w->infer, SEG_DECODE, B, tokens, io, &so, &c);
-    m->be->sync(m->be);
-    for (int r = 0; r < B; r++) states[r]->pos = io[r].t0;
-    if (io != ios) free(io);
+    model_decode_step(m, &w->decode, &w->infer, states, B, tokens, logits, routing_out);
+}
+
+void mtrl_model_decode_counts(const mtrl_model *m, long *replayed, long *recorded, long *launched) {
+    model_decode_counts(m->ws ? ((const ws_impl *)m->ws)->decode : NULL, replayed, recorded, launched);
 }
 
 void mtrl_model_logits(mtrl_model *m, const uint32_t *tokens, int len, int segment, real *logits) {
@@ -771,7 +769,7 @@ void mtrl_model_logits(mtrl_model *m, const uint32_t *tokens, int len, int segme
     for (int t0 = 0; t0 < len; t0 += seg) {
         int T = len - t0 < seg ? len - t0 : seg;
         mtrl_arena_reset(&w->infer);
-        seg_out so = {NULL, NULL, NULL, logits + (size_t)t0 * m->dims.V, NULL, NULL, 0};
+        seg_out so = {NULL, NULL, NULL, logits + (size_t)t0 * m->dims.V, NULL, NULL, 0, NULL};
         seg_cache c;
         seg_forward(m, &w->infer, SEG_PREFILL, T, tokens + t0, &io, &so, &c);
     }

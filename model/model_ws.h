@@ -113,7 +113,28 @@ typedef struct seg_out {
     uint8_t *routing_out;      // [T][n_moe][k] (nullable)
     int qb_stats;              // what the forward records: 0 nothing, 1 routing loads, 2 loads and
                                // the β its batch implies (mtrl_qb_observe_level, qb.h)
+    // SEG_DECODE only (required there): the step's per-row arguments in backend memory, and where
+    // its routing and statistics go instead of routing_out and the model's counters (the driver,
+    // model_decode.c, reads them back after the step; nothing is read during it).
+    const struct seg_decode *dec;
 } seg_out;
+
+// A decode step's arguments, written to backend memory before the step (so that a recorded step,
+// backend.h graph_*, replays with the next step's values), and its outputs. B rows; the arrays
+// of pointers are backend arrays of backend pointers, _h their host copies (for the backend's
+// checks and launch shapes only).
+typedef struct seg_decode {
+    const int *ids;             // [B] token ids
+    const int *Tk, *Tk_h;       // [B] keys row r attends to: its position + 1
+    real *const *win;           // [n_kda][3][B] conv windows (q, k, v) of each KDA layer
+    real *const *S, *const *S_h;// [n_kda][B] KDA states
+    const void *const *lat, *const *lat_h; // [n_mla][B] the rows' latent caches of each MLA layer
+    void *const *row;           // [n_mla][2][B] the new token's latent row: its ĉ, its k^r
+    int *sel;                   // [n_moe][B][k] the routing (NULL: not wanted)
+    int *load;                  // [n_moe][E] routing loads (NULL with qb_stats 0)
+    real *beta;                 // [n_moe][E] the β each layer's batch implies (qb_stats 2)
+    int *beta_status;           // [n_moe] host: moe_stats' status per MoE layer (0: beta computed)
+} seg_decode;
 
 // Per-batch workspace of the last forward.
 typedef struct mtrl_model_ws {

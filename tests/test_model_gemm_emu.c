@@ -74,11 +74,11 @@ static void experts_round_(int E, int D, int I, size_t R, const real *X, const r
 static void experts_free_(real *r[5]) {
     for (int i = 0; i < 5; i++) free(r[i]);
 }
-static void moe_experts_fwd_(mtrl_backend *be, int E, int D, int I, const int *off, const real *X, const real *W1,
-                             const real *W3, const real *W2, real *u1, real *u3, real *Y) {
+static void moe_experts_fwd_(mtrl_backend *be, int E, int D, int I, int R, const int *off, const real *X,
+                             const real *W1, const real *W3, const real *W2, real *u1, real *u3, real *Y) {
     real *r[5];
     experts_round_(E, D, I, (size_t)off[E], X, W1, W3, W2, NULL, r);
-    cpu_->moe_experts_fwd(be, E, D, I, off, r[0], r[1], r[2], r[3], u1, u3, Y);
+    cpu_->moe_experts_fwd(be, E, D, I, R, off, r[0], r[1], r[2], r[3], u1, u3, Y);
     experts_free_(r);
 }
 static void moe_experts_bwd_(mtrl_backend *be, int E, int D, int I, const int *off, const real *X, const real *W1,

@@ -21,8 +21,9 @@
 //       the learner's step (mtrl_model_train with [learner] segment) on each batch in turn,
 //       in one process: tokens/s against the first batch, tokens recomputed, MFU
 //   mtrl bench decode [--device cpu|cuda] [--preset tiny|small | --config EXPERIMENT.ini] [--batches 1,64,256]
-//                     [--ctx LO:HI] [--steps N] [--profile]
-//       batched decode at mixed contexts: ms per step against the step's memory roofline
+//                     [--ctx LO:HI] [--steps N] [--graph on|off|both] [--profile]
+//       batched decode at mixed contexts: ms per step against the step's memory roofline, the
+//       steps launched kernel by kernel and replayed from CUDA graphs side by side (--graph)
 //   mtrl bench publish [--device cpu|cuda] [--preset tiny|small | --config EXPERIMENT.ini] [--dtype bf16|fp32] [--reps R]
 //       the cost of publishing one weight version, learner side and actor side, both ways: the
 //       ZeroMQ path (safetensors blob + 32 MiB WEIGHTS messages with their CRC; the actor
@@ -60,7 +61,7 @@
 #else
 #define BENCH_OPS_USAGE_ "" // not in this build
 #endif
-#define BENCH_USAGE "mtrl bench model [--device cpu|cuda] [--preset tiny|small | --config EXPERIMENT.ini] [--tokens N] [--seqs B] [--segment S] [--reps R] [--profile] [--set section.key=value ...] | mtrl bench long [--device cpu|cuda] [--preset tiny|small | --config EXPERIMENT.ini] [--tokens T] [--decode N] [--profile] | mtrl bench learner [--device cpu|cuda] [--preset tiny|small | --config EXPERIMENT.ini] [--batches 1x65536,64x1024,512x128,1x262144+200x512] [--reps R] [--profile] | mtrl bench decode [--device cpu|cuda] [--preset tiny|small | --config EXPERIMENT.ini] [--batches 1,64,256] [--ctx LO:HI] [--steps N] [--profile] | mtrl bench publish [--device cpu|cuda] [--preset tiny|small | --config EXPERIMENT.ini] [--dtype bf16|fp32] [--reps R] | mtrl bench rl EXPERIMENT.ini [--seconds N] [--db runs.db] [--set section.key=value ...]" BENCH_OPS_USAGE_
+#define BENCH_USAGE "mtrl bench model [--device cpu|cuda] [--preset tiny|small | --config EXPERIMENT.ini] [--tokens N] [--seqs B] [--segment S] [--reps R] [--profile] [--set section.key=value ...] | mtrl bench long [--device cpu|cuda] [--preset tiny|small | --config EXPERIMENT.ini] [--tokens T] [--decode N] [--profile] | mtrl bench learner [--device cpu|cuda] [--preset tiny|small | --config EXPERIMENT.ini] [--batches 1x65536,64x1024,512x128,1x262144+200x512] [--reps R] [--profile] | mtrl bench decode [--device cpu|cuda] [--preset tiny|small | --config EXPERIMENT.ini] [--batches 1,64,256] [--ctx LO:HI] [--steps N] [--graph on|off|both] [--profile] | mtrl bench publish [--device cpu|cuda] [--preset tiny|small | --config EXPERIMENT.ini] [--dtype bf16|fp32] [--reps R] | mtrl bench rl EXPERIMENT.ini [--seconds N] [--db runs.db] [--set section.key=value ...]" BENCH_OPS_USAGE_
 
 static void print_machine_(void) {
     struct utsname u;
@@ -525,10 +526,13 @@ static double decode_bytes_min_(const mtrl_model *m, int B, const int *ctx, cons
 // contexts spread evenly over [lo, hi] (mixed lengths in one batch), for each B of --batches;
 // the step time against its memory roofline: the least bytes it must read (decode_bytes_min_)
 // at the copy rate measured in the same run (issue 21 R2). The states' latents are not
-// prefilled (the contexts' rows are zeros; the decode reads them all the same).
+// prefilled (the contexts' rows are zeros; the decode reads them all the same). --graph: the
+// steps launched kernel by kernel (off), replayed from CUDA graphs (on: [kernels] decode_graph
+// = on, model/model_decode.h; the first two steps of each B launch and record), or both, side by
+// side on the same states (both, the default: what the graph pays).
 static int bench_decode_(int argc, char **argv) {
     bench_src src = {.preset = "tiny", .tokens = 0, .segment = MTRL_CFG_SEGMENT_AUTO};
-    const char *batches = "1,8,64";
+    const char *batches = "1,8,64", *graph = "both";
     int lo = 1024, hi = 32768, steps = 16, profile = 0;
     for (int i = 1; i < argc; i++) {
         const char *a = argv[i];
@@ -539,10 +543,14 @@ static int bench_decode_(int argc, char **argv) {
             if (sscanf(v, "%d:%d", &lo, &hi) != 2) lo = hi = atoi(v);
             i++;
         } else if (!strcmp(a, "--steps") && v) { steps = atoi(v); i++; }
+        else if (!strcmp(a, "--graph") && v) { graph = v; i++; }
         else if (!strcmp(a, "--profile")) profile = 1;
         else return cli_usage_error("bench", BENCH_USAGE, "unknown option '%s'", a);
     }
     if (lo < 1 || hi < lo || steps < 1) return cli_usage_error("bench", BENCH_USAGE, "need 1 <= lo <= hi (--ctx LO:HI) and --steps >= 1");
+    int modes = !strcmp(graph, "off") ? 1 : !strcmp(graph, "on") ? 2 : !strcmp(graph, "both") ? 3 : 0; // bit 0 launched, 1 graphs
+    if (!modes) return cli_usage_error("bench", BENCH_USAGE, "--graph %s: expected on, off or both", graph);
+    if ((modes & 2) && src.n_sets < (int)(sizeof src.sets / sizeof *src.sets)) src.sets[src.n_sets++] = "kernels.decode_graph=on";
     mtrl_model m;
     int rc = model_open_(&src, &m);
     if (rc) return rc;
@@ -566,15 +574,28 @@ static int bench_decode_(int argc, char **argv) {
         uint8_t *rout = malloc((size_t)B * rw + 1);
         for (int i = 0; i < B; i++) {
             ctx[i] = B == 1 ? hi : lo + (int)((long)(hi - lo) * i / (B - 1));
-            mtrl_decode_state_init(&st[i], &m, ctx[i] + steps + 2);
+            mtrl_decode_state_init(&st[i], &m, ctx[i] + 2 * (steps + 3) + 2);
             st[i].pos = ctx[i];
             sp[i] = &st[i];
             in[i] = (uint32_t)(mtrl_rng_u64(5, (uint64_t)i, 0) % 256);
         }
-        mtrl_model_decode(&m, sp, B, in, lg, NULL); // warm-up
-        double t0 = mtrl_time_mono();
-        for (int s = 0; s < steps; s++) mtrl_model_decode(&m, sp, B, in, lg, s == steps - 1 ? rout : NULL);
-        double dt = (mtrl_time_mono() - t0) / steps;
+        double dt = 0, dt_mode[2] = {0, 0};
+        long rep_mode[2] = {0, 0};
+        for (int g = 0; g < 2; g++) {
+            if (!(modes >> g & 1)) continue;
+            m.decode_eager = !g;
+            // warm-up: one launched step (the scratch grows), and with graphs the recording; the
+            // last timed step's routing is read back, as the same step as the others
+            for (int s = 0; s < 1 + g; s++) mtrl_model_decode(&m, sp, B, in, lg, rout);
+            long r0, r1;
+            mtrl_model_decode_counts(&m, &r0, NULL, NULL);
+            double t0 = mtrl_time_mono();
+            for (int s = 0; s < steps; s++) mtrl_model_decode(&m, sp, B, in, lg, rout);
+            dt_mode[g] = dt = (mtrl_time_mono() - t0) / steps;
+            mtrl_model_decode_counts(&m, &r1, NULL, NULL);
+            rep_mode[g] = r1 - r0;
+        }
+        m.decode_eager = 0;
         // experts the last step's rows chose, per MoE layer
         for (int l = 1; l < d->L; l++) {
             unsigned char hit[256] = {0};
@@ -583,8 +604,15 @@ static int bench_decode_(int argc, char **argv) {
             for (int e = 0; e < d->E && e < 256; e++) distinct[l] += hit[e];
         }
         double bytes = decode_bytes_min_(&m, B, ctx, distinct), roof = bytes / (rate / 2);
-        printf("B %4d: %8.3f ms per step, %9.0f tokens/s; reads >= %.2f GB -> roofline %.3f ms = %.1f%% of it\n", B,
-               dt * 1e3, B / dt, bytes / 1e9, roof * 1e3, 100 * roof / dt);
+        for (int g = 0; g < 2; g++)
+            if (modes >> g & 1)
+                printf("B %4d %-8s: %8.3f ms per step, %9.0f tokens/s; reads >= %.2f GB -> roofline %.3f ms = %.1f%% of it"
+                       "; %ld of %d steps replayed\n",
+                       B, g ? "graph" : "launched", dt_mode[g] * 1e3, B / dt_mode[g], bytes / 1e9, roof * 1e3,
+                       100 * roof / dt_mode[g], rep_mode[g], steps);
+        if (modes == 3)
+            printf("B %4d: graph / launched = %.3f\n", B, dt_mode[1] / dt_mode[0]);
+        (void)dt;
         if (profile) {
             mtrl_model_profile prof;
             memset(&prof, 0, sizeof prof);

@@ -1,13 +1,14 @@
 #!/usr/bin/env bash
 # gpu_issue21.sh: on the GPU machine, issue 21's measurements from the binaries that
 # `tools/gpu_run.sh prepare` carried in .carry/dev. Results go to $OUT.
-#   tools/gpu_issue21.sh tests    the gpu tests of the changed paths (moe, kda, model)
+#   tools/gpu_issue21.sh tests    the gpu tests of the changed paths (moe, kda, model, the decode graphs)
 #   tools/gpu_issue21.sh moe      torch._grouped_mm anchors and `mtrl bench ops --only moe` side by side
-#   tools/gpu_issue21.sh bench    R1 (bench learner), R2 (bench decode; DECODE_GRAPH=on|off|both, default both)
+#   tools/gpu_issue21.sh bench    R1 (bench learner), R2 (bench decode: launched and CUDA-graph steps side by side, DECODE_GRAPH=on|off|both, default both)
 #   tools/gpu_issue21.sh varlen   the packed (varlen) KDA and conv forms against per-piece launches
 #   tools/gpu_issue21.sh publish  R4 (mtrl bench publish --device cuda --preset small: ZeroMQ vs the channel)
 #   tools/gpu_issue21.sh rl       R3 (bench rl experiments/quickstart-gpu.ini, RL_SECONDS, default 90;
-#                                 RL_MPS=1 under CUDA MPS)
+#                                 RL_MPS=1 under CUDA MPS; RL_SETS="--set kernels.decode_graph=on" with
+#                                 the actor's decode steps replayed from CUDA graphs)
 # Several verbs run in the order given.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -20,7 +21,7 @@ for verb in "$@"; do
   echo "== $verb $(date -u +%H:%M:%S)" >> "$out/gpu.txt"
   case $verb in
   tests)
-    for t in ${TESTS:-test_cuda_moe test_cuda_model test_cuda_kda test_cuda_wshm}; do
+    for t in ${TESTS:-test_cuda_moe test_cuda_model test_cuda_kda test_cuda_wshm test_cuda_decode_graph}; do
       [ -x .carry/dev/$t ] || continue
       timeout "${TEST_SECONDS:-240}" .carry/dev/$t > /tmp/$t.log 2>&1
       echo "$t: exit $? | $(tail -n 1 /tmp/$t.log)"

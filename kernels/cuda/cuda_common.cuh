@@ -71,6 +71,11 @@ struct mtrl_cuda_ctx {
     void *lane_ws[MTRL_CTX_LANES];
     cudaEvent_t lane_ev[MTRL_CTX_LANES];
     int lanes_made;
+    // Graph recording (mtrl_cuda_graph_begin .. _end): `stream` is the capture stream cap_stream
+    // meanwhile, the context's own stream kept in saved_stream; capture_bad: something that needs
+    // the host was asked for (nothing of it was done), so the recording is thrown away.
+    cudaStream_t cap_stream, saved_stream;
+    int capturing, capture_bad;
 };
 
 // Independent GEMMs on several streams at once, for products too small to fill the GPU one at a

@@ -51,8 +51,30 @@ mtrl_kernel_opts *mtrl_cuda_ctx_opts(mtrl_cuda_ctx *ctx);
 void mtrl_cuda_ctx_set_tf32(mtrl_cuda_ctx *ctx, int on);
 void mtrl_cuda_ctx_destroy(mtrl_cuda_ctx *ctx);
 mtrl_stream mtrl_cuda_ctx_stream(const mtrl_cuda_ctx *ctx);
-// Waits for the context's stream and checks for errors (aborts on one).
+// Waits for the context's stream and checks for errors (aborts on one). While recording a
+// graph (below) it waits for nothing and fails the recording.
 void mtrl_cuda_sync(mtrl_cuda_ctx *ctx);
+
+// ---- CUDA graphs (core/context.cu) ----
+// mtrl_cuda_graph_begin records the work the context's launchers queue until mtrl_cuda_graph_end
+// into a graph instead of running it (stream capture, thread-local mode, on a stream of the
+// context's own; the cuBLAS handle follows it). While recording, anything that needs the host or
+// the allocator fails the recording and does nothing: a download or a synchronisation
+// (core/model_ops.h), an allocation or free, a context scratch that would have to grow. Returns 0,
+// or -1 when the context is already recording.
+typedef struct mtrl_cuda_graph mtrl_cuda_graph;
+int mtrl_cuda_graph_begin(mtrl_cuda_ctx *ctx);
+// Ends the recording: the instantiated graph, or NULL when it failed (nothing of it ran either
+// way: the caller runs the work again without recording).
+mtrl_cuda_graph *mtrl_cuda_graph_end(mtrl_cuda_ctx *ctx);
+// 1 while recording; mtrl_cuda_record_fail marks the recording failed (a caller's host-side need).
+int mtrl_cuda_recording(const mtrl_cuda_ctx *ctx);
+void mtrl_cuda_record_fail(mtrl_cuda_ctx *ctx);
+// Replays g on the context's stream: the recorded kernels with the arguments they were recorded
+// with, on the same memory (whatever it holds now). 0, or -1 (nothing launched) when the context's
+// scratch was reallocated since the recording: the graph is stale.
+int mtrl_cuda_graph_launch(mtrl_cuda_ctx *ctx, mtrl_cuda_graph *g);
+void mtrl_cuda_graph_free(mtrl_cuda_graph *g); // NULL is fine
 
 void *mtrl_cuda_malloc(size_t bytes);  // cudaMalloc; aborts on failure; 0 bytes gives NULL
 void mtrl_cuda_free(void *p);          // NULL is fine
@@ -258,8 +280,10 @@ int mtrl_attn_causal_bwd(mtrl_cuda_ctx *ctx, int Tq, int Tk, int H, int Hk, int 
 // query token each. q [B][H][dn+dr] (fp32); W_kvb [H*(dn+dv)][dc] (fp32); the latent caches of
 // all sequences live in one pool `lat` (element type lat_type: MTRL_F32 or MTRL_BF16) with row
 // stride ld >= dc+dr, each row [ĉ ; k^r]: sequence b's Tk = seq_len[b] rows start at row
-// seq_start[b] (device arrays [B]; seq_len[b] >= 1, the new token's row included). max_len: a
-// host-side upper bound of the seq_len (sizes the split over the cache). a [B][H][dv]
+// seq_start[b] (device arrays [B]; seq_len[b] >= 1, the new token's row included; lat may be
+// NULL, the pool then starting at address 0: caches anywhere whose addresses are multiples of
+// the row, core/model_ops.h mtrl_mc_ptr_rows). max_len: a host-side upper bound of the seq_len
+// (sizes the split over the cache: the same max_len, the same launches). a [B][H][dv]
 // overwritten. Split-K over the cache, partial results merged in a fixed order (deterministic).
 // Requirements: H <= 32, dc <= 512, dc + dr <= 640.
 // Two kernels (mla/attn_decode.cu): v2 (tensor cores: bf16 query and cache, fp32 softmax and

@@ -48,24 +48,97 @@ extern "C" void mtrl_cuda_ctx_destroy(mtrl_cuda_ctx *c) {
     for (int i = 0; i < MTRL_CTX_LANES && c->lanes_made; i++) CUDA_CHECK(cudaEventDestroy(c->lane_ev[i]));
     CUBLAS_CHECK(cublasDestroy(c->blas));
     if (c->scratch) CUDA_CHECK(cudaFree(c->scratch));
+    if (c->cap_stream) CUDA_CHECK(cudaStreamDestroy(c->cap_stream));
     free(c);
 }
 
 extern "C" mtrl_stream mtrl_cuda_ctx_stream(const mtrl_cuda_ctx *c) { return (mtrl_stream)c->stream; }
 
 extern "C" void mtrl_cuda_sync(mtrl_cuda_ctx *c) {
+    if (c->capturing) {
+        c->capture_bad = 1;
+        return;
+    }
     CUDA_CHECK(cudaStreamSynchronize(c->stream));
     CUDA_CHECK(cudaGetLastError());
 }
 
 void *mtrl_ctx_scratch(mtrl_cuda_ctx *c, size_t bytes) {
     if (bytes <= c->scratch_bytes) return c->scratch;
+    if (c->capturing) { // growing waits for the stream: not while recording (the kernels never run)
+        c->capture_bad = 1;
+        return c->scratch;
+    }
     CUDA_CHECK(cudaStreamSynchronize(c->stream));
     if (c->scratch) CUDA_CHECK(cudaFree(c->scratch));
     size_t n = bytes + bytes / 8 + (1 << 20);
     CUDA_CHECK(cudaMalloc(&c->scratch, n));
     c->scratch_bytes = n;
     return c->scratch;
+}
+
+// ---- CUDA graphs --------------------------------------------------------------------------------
+
+struct mtrl_cuda_graph {
+    cudaGraphExec_t exec;
+    void *scratch; // the context's scratch when recorded: its kernels' arguments point into it
+};
+
+extern "C" int mtrl_cuda_recording(const mtrl_cuda_ctx *c) { return c->capturing; }
+extern "C" void mtrl_cuda_record_fail(mtrl_cuda_ctx *c) {
+    if (c->capturing) c->capture_bad = 1;
+}
+
+extern "C" int mtrl_cuda_graph_begin(mtrl_cuda_ctx *c) {
+    if (c->capturing) return -1;
+    // A non-blocking stream of our own: the legacy default stream cannot be captured, and a
+    // blocking stream would synchronise with it implicitly (an error while capturing).
+    if (!c->cap_stream) CUDA_CHECK(cudaStreamCreateWithFlags(&c->cap_stream, cudaStreamNonBlocking));
+    // The recording follows everything queued so far (it runs later, on `stream`, anyway).
+    c->saved_stream = c->stream;
+    c->stream = c->cap_stream;
+    CUBLAS_CHECK(cublasSetStream(c->blas, c->stream));
+    c->capturing = 1;
+    c->capture_bad = 0;
+    CUDA_CHECK(cudaStreamBeginCapture(c->cap_stream, cudaStreamCaptureModeThreadLocal));
+    return 0;
+}
+
+extern "C" mtrl_cuda_graph *mtrl_cuda_graph_end(mtrl_cuda_ctx *c) {
+    if (!c->capturing) return NULL;
+    cudaGraph_t graph = NULL;
+    cudaError_t e = cudaStreamEndCapture(c->cap_stream, &graph);
+    c->capturing = 0;
+    c->stream = c->saved_stream;
+    CUBLAS_CHECK(cublasSetStream(c->blas, c->stream));
+    if (e != cudaSuccess) (void)cudaGetLastError(); // an invalidated capture: not sticky
+    mtrl_cuda_graph *g = NULL;
+    if (e == cudaSuccess && graph && !c->capture_bad) {
+        cudaGraphExec_t exec = NULL;
+        if (cudaGraphInstantiate(&exec, graph, 0) == cudaSuccess) {
+            g = (mtrl_cuda_graph *)calloc(1, sizeof *g);
+            if (!g) abort();
+            g->exec = exec;
+            g->scratch = c->scratch;
+        } else {
+            (void)cudaGetLastError();
+        }
+    }
+    if (graph) CUDA_CHECK(cudaGraphDestroy(graph));
+    c->capture_bad = 0;
+    return g;
+}
+
+extern "C" int mtrl_cuda_graph_launch(mtrl_cuda_ctx *c, mtrl_cuda_graph *g) {
+    if (!g || c->capturing || g->scratch != c->scratch) return -1;
+    CUDA_CHECK(cudaGraphLaunch(g->exec, c->stream));
+    return 0;
+}
+
+extern "C" void mtrl_cuda_graph_free(mtrl_cuda_graph *g) {
+    if (!g) return;
+    CUDA_CHECK(cudaGraphExecDestroy(g->exec));
+    free(g);
 }
 
 // ---- buffers --------------------------------------------------------------------------------

@@ -1,11 +1,22 @@
 // core/model_ops.cu: the small kernels of the backbone's CUDA backend (core/model_ops.h): elementwise
 // ops between the kernels of kernels/cuda, the embedding, pointer-array gathers, Σ x².
 #include <math.h>
+#include <string.h>
 
 #include "kernels/cuda/core/model_ops.h"
 #include "kernels/cuda/cuda_common.cuh"
 
 #define MC_T 256
+
+// The host-side calls a graph recording cannot contain (kernels_cuda.h, CUDA graphs): they fail
+// the recording and run `skip` instead.
+#define MTRL_CUDA_CHECK_NOT_RECORDING_(c, skip) \
+    do {                                       \
+        if ((c)->capturing) {                  \
+            (c)->capture_bad = 1;              \
+            skip;                              \
+        }                                      \
+    } while (0)
 
 static unsigned grid_(size_t n) {
     size_t b = (n + MC_T - 1) / MC_T;
@@ -22,6 +33,7 @@ extern "C" void *mtrl_mc_malloc(size_t bytes) {
 }
 extern "C" void mtrl_mc_free(mtrl_cuda_ctx *c, void *p) {
     if (!p) return;
+    MTRL_CUDA_CHECK_NOT_RECORDING_(c, return);
     CUDA_CHECK(cudaStreamSynchronize(c->stream));
     CUDA_CHECK(cudaFree(p));
 }
@@ -32,10 +44,13 @@ extern "C" void mtrl_mc_copy(mtrl_cuda_ctx *c, void *dst, const void *src, size_
     if (bytes && dst != src) CUDA_CHECK(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToDevice, c->stream));
 }
 extern "C" void mtrl_mc_upload(mtrl_cuda_ctx *c, void *dst, const void *src, size_t bytes) {
-    // From pageable memory the copy is staged before the call returns: src may be reused.
+    // From pageable memory the copy is staged before the call returns: src may be reused. A
+    // recorded copy would read src again at every replay: not while recording.
+    MTRL_CUDA_CHECK_NOT_RECORDING_(c, return);
     if (bytes) CUDA_CHECK(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyHostToDevice, c->stream));
 }
 extern "C" void mtrl_mc_download(mtrl_cuda_ctx *c, void *dst, const void *src, size_t bytes) {
+    MTRL_CUDA_CHECK_NOT_RECORDING_(c, memset(dst, 0, bytes); return);
     if (bytes) CUDA_CHECK(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToHost, c->stream));
     CUDA_CHECK(cudaStreamSynchronize(c->stream));
 }
@@ -256,4 +271,17 @@ extern "C" double mtrl_mc_sq_norm(mtrl_cuda_ctx *c, size_t n, const float *x, do
     mtrl_mc_download(c, h, part, sizeof h);
     for (int b = 0; b < MTRL_MC_SQ_BLOCKS; b++) s += h[b];
     return s;
+}
+
+// ---- row offsets of pointers (the decode's pooled latent caches) ------------------------------------
+
+static __global__ void ptr_rows_k(int B, const void *const *p, unsigned long long row, long long *start) {
+    int b = blockIdx.x * blockDim.x + threadIdx.x;
+    if (b < B) start[b] = (long long)((unsigned long long)(uintptr_t)p[b] / row);
+}
+
+extern "C" void mtrl_mc_ptr_rows(mtrl_cuda_ctx *c, int B, const void *const *p, size_t row, long long *start) {
+    if (B <= 0) return;
+    ptr_rows_k<<<(unsigned)((B + MC_T - 1) / MC_T), MC_T, 0, c->stream>>>(B, p, (unsigned long long)row, start);
+    CUDA_LAUNCH_CHECK();
 }

@@ -29,6 +29,9 @@ size_t mtrl_mc_ctx_scratch_bytes(const mtrl_cuda_ctx *ctx);
 // ptrs: a DEVICE array of B device pointers. gather: dst[b*n + i] = ptrs[b][i]; scatter: the inverse.
 void mtrl_mc_gather(mtrl_cuda_ctx *ctx, int B, size_t n, const float *const *ptrs, float *dst);
 void mtrl_mc_scatter(mtrl_cuda_ctx *ctx, int B, size_t n, const float *src, float *const *ptrs);
+// start[b] = address of p[b] / row (p a DEVICE array of B pointers, each a multiple of row bytes
+// from address 0): the rows of one pool based at address 0, for the batched MLA decode.
+void mtrl_mc_ptr_rows(mtrl_cuda_ctx *ctx, int B, const void *const *p, size_t row, long long *start);
 // MLA latent rows (backend.h latent_put): ptrs a DEVICE array of B pointers to elements of
 // `type` (MTRL_F32, or MTRL_BF16 rounded to nearest even as mtrl_cuda_f32_to_bf16):
 // ptrs[b][r*ldd + j] = src[(b*rows + r)*lds + j], r < rows, j < n.

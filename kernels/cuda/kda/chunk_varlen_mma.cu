@@ -349,7 +349,7 @@ extern "C" int mtrl_kda_chunk_bwd_varlen(mtrl_cuda_ctx *c, int n, const int *off
         if (!nt) continue;  // empty pieces only: no gradient to give
         vl_prep_<true>(c, np, nt, tb0, H, ofs, ts, q, k, v, g, beta, rec);
         const float *St = S_tiles ? S_tiles + (size_t)tb0 * hkv : own;
-        if (!S_tiles) vl_state_<4, true>(c, np, nt, tb0, H, ofs, ts, rec, nullptr, nullptr, own);
+        if (!S_tiles) vl_state_<4, true>(c, np, nt, tb0, H, ofs, ts, rec, nullptr, nullptr, own, nullptr, nullptr);
         kda3_state_bwd_varlen_launch(c, np, nt, tb0, H, ofs, ts, rec, dout, dD, dSt);
         rc = kda_tile_bwd_varlen_launch(c, np, nt, tb0, H, ofs, ts, q, k, v, g, beta, St, dout, dD, dSt, dq, dk, dv,
                                         dg, dbeta);
