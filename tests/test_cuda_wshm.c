@@ -172,9 +172,7 @@ static int compare_main_(char **argv, int bf16) {
     mtrl_wshm_layout lay;
     mtrl_model_wshm_layout(&m[0], bf16, &lay);
     mtrl_wshm *ch = NULL;
-    mtrl_model_wshm_dev *dev[2] = {NULL, NULL};
     mtrl_status st = mtrl_wshm_open(&ch, argv[2], strtoull(argv[3], NULL, 10), lay.hash, lay.slot_bytes, &err);
-    for (int i = 0; i < 2 && st == MTRL_OK; i++) st = mtrl_model_wshm_dev_open(&dev[i], &m[i], &lay, ch, &err);
     mtrl_wshm_ticket t;
     double t0 = mtrl_time_mono();
     while (st == MTRL_OK && (st = mtrl_wshm_read_begin(ch, version, slot, &t, NULL, &err)) == MTRL_ERR_STATE &&
@@ -183,8 +181,15 @@ static int compare_main_(char **argv, int bf16) {
         nanosleep(&ts, NULL);
         st = MTRL_OK;
     }
+    // One model's mapping of the slots at a time (a process opens a handle once), both copies
+    // inside one read ticket.
+    for (int i = 0; i < 2 && st == MTRL_OK; i++) {
+        mtrl_model_wshm_dev *dev = NULL;
+        st = mtrl_model_wshm_dev_open(&dev, &m[i], &lay, ch, &err);
+        if (st == MTRL_OK) mtrl_model_wshm_dev_unpack(dev, &m[i], slot);
+        mtrl_model_wshm_dev_free(dev);
+    }
     if (st == MTRL_OK) {
-        for (int i = 0; i < 2; i++) mtrl_model_wshm_dev_unpack(dev[i], &m[i], slot);
         if (mtrl_wshm_read_end(ch, &t)) {
             for (int i = 0; i < 2; i++) {
                 out.held[i] = held_(&m[i]);
@@ -196,7 +201,6 @@ static int compare_main_(char **argv, int bf16) {
     } else {
         fprintf(stderr, "reader: %s\n", err.msg);
     }
-    for (int i = 0; i < 2; i++) mtrl_model_wshm_dev_free(dev[i]);
     mtrl_wshm_close(ch);
     mtrl_model_wshm_layout_free(&lay);
     for (int i = 0; i < 2; i++) mtrl_model_free(&m[i]);
