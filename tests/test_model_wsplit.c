@@ -101,9 +101,18 @@ static void test_config(void) {
     TEST_EQ_INT(mtrl_config_load_text(&cfg, "x.ini", "[env]\nname = calc\n", NULL, 0, &errs), MTRL_OK);
     TEST_EQ_STR(cfg.actor.weights, "fp32");
     mtrl_config_errors_free(&errs);
-    TEST_EQ_INT(mtrl_config_load_text(&cfg, "x.ini", "[env]\nname = calc\n[actor]\nweights = bf16\n", NULL, 0, &errs),
+    TEST_EQ_INT(mtrl_config_load_text(&cfg, "x.ini",
+                                      "[env]\nname = calc\n[model]\ndevice = cuda\n[kernels]\ngemm = bf16\n"
+                                      "[actor]\nweights = bf16\n",
+                                      NULL, 0, &errs),
                 MTRL_OK);
     TEST_EQ_STR(cfg.actor.weights, "bf16");
+    mtrl_config_errors_free(&errs);
+    // without bf16 GEMMs (or off a GPU) the form cannot be: refused when the config loads
+    TEST_CHECK(mtrl_config_load_text(&cfg, "x.ini", "[env]\nname = calc\n[model]\ndevice = cuda\n[actor]\nweights = bf16\n",
+                                     NULL, 0, &errs) != MTRL_OK);
+    TEST_CHECK(errs.n > 0);
+    if (errs.n > 0) TEST_CONTAINS(errs.msgs[0], "[kernels] gemm = bf16");
     mtrl_config_errors_free(&errs);
     TEST_CHECK(mtrl_config_load_text(&cfg, "x.ini", "[env]\nname = calc\n[actor]\nweights = fp16\n", NULL, 0, &errs) !=
                MTRL_OK);
