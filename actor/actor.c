@@ -382,7 +382,8 @@ static int setup_(actor *a, const mtrl_wire_msg *m) {
     // A new stage of the same run keeps the model: building one is seconds of silence on a GPU
     // (the learner would declare the actor dead) and the stage's weights replace its values anyway.
     int keep = a->have_model && m->run_id == a->run_id && !memcmp(&a->model.dims, &d, sizeof d) &&
-               a->model.device == device && a->model.gpu == gpu;
+               a->model.device == device && a->model.gpu == gpu &&
+               a->model.weights_bf16 == !strcmp(a->cfg.actor.weights, "bf16");
     if (a->have_model) {
         if (a->ro) mtrl_rollout_counters(a->ro, &next_group, &next_episode);
         mtrl_rollout_free(a->ro);
@@ -392,8 +393,11 @@ static int setup_(actor *a, const mtrl_wire_msg *m) {
             mtrl_model_free(&a->model);
         }
     }
-    // parameters only: an actor never trains (no gradient or AdamW blocks beside the learner's)
-    if (!keep && mtrl_model_init_infer_on(&a->model, &d, (uint64_t)a->cfg.run.seed, device, gpu, &err) != MTRL_OK) {
+    // parameters only: an actor never trains (no gradient or AdamW blocks beside the learner's);
+    // [actor] weights = bf16: its GEMM matrices as bf16 alone (model/model_wsplit.h)
+    mtrl_status (*init)(mtrl_model *, const mtrl_model_dims *, uint64_t, int, int, mtrl_error *) =
+        !strcmp(a->cfg.actor.weights, "bf16") ? mtrl_model_init_infer_bf16_on : mtrl_model_init_infer_on;
+    if (!keep && init(&a->model, &d, (uint64_t)a->cfg.run.seed, device, gpu, &err) != MTRL_OK) {
         unusable_(a, "%s", err.msg);
         a->have_model = 0;
         return 0;

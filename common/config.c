@@ -623,6 +623,10 @@ static void check_whole_(cfg_parse *ps) {
     if (!strcmp(cfg->kernels.attn_operands, "fp32") && strcmp(cfg->kernels.latent, "fp32"))
         errs_add(ps->errs, "%s: [kernels] attn_operands = fp32 needs latent = fp32 (the keys and values are read "
                  "from the latent caches)", ps->name);
+    if (!strcmp(cfg->actor.weights, "bf16") &&
+        (strcmp(cfg->kernels.gemm, "bf16") || strncmp(cfg->model.device, "cuda", 4)))
+        errs_add(ps->errs, "%s: [actor] weights = bf16 needs [model] device = cuda and [kernels] gemm = bf16 (the "
+                 "GEMM weights are kept as bf16 only)", ps->name);
     char why[160];
     int gpus[MTRL_CFG_GPUS_MAX];
     if (mtrl_config_gpus(cfg, gpus, why, sizeof why) < 0)

@@ -104,6 +104,7 @@
     X(actor, snapshot_tokens, INT, "65536", 16, 1 << 30, NULL, "snapshot an episode in flight each time it grows by this many tokens") \
     X(actor, prefill_rounds, INT, "1", 0, 1 << 20, NULL, "rounds of prefill (one segment of 8192 tokens of all pending tool results and prompts) per generation step, between decode steps; a longer feed goes on at the next step while the other episodes decode (0 = every pending feed before the next decode)") \
     X(actor, device_budget_mb, INT, "0", 0, 1 << 30, NULL, "MiB of device memory for the decode states of episodes in flight (KDA states, conv windows, MLA latents); a new episode waits rather than exceed it, idle ones move to host memory (0 = off: every slot's state allocated at start)") \
+    X(actor, weights, ENUM, "fp32", 0, 0, "fp32|bf16", "the actor model's device weights: fp32 (an fp32 block, plus its bf16 copy under [kernels] gemm = bf16) or bf16 (GEMM matrices as bf16 only, the rest fp32: needs [model] device = cuda and [kernels] gemm = bf16; model/model_wsplit.h)") \
     X(actor, host_budget_mb, INT, "0", 0, 1 << 30, NULL, "MiB of host memory for decode states moved off the device (0 = none moved: an episode that cannot stay ends truncated)")
 
 #define MTRL_CFG_LEARNER(X)                                                                         \

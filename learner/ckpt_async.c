@@ -106,6 +106,7 @@ mtrl_status mtrl_ckpt_async_start(mtrl_ckpt_async *a, const mtrl_model *m, const
     if (buf_reserve_(a, bytes, m->device) != 0)
         return mtrl_error_set(err, MTRL_ERR_NOMEM, "checkpoint %s: cannot allocate a %.2f GB snapshot", path, bytes / 1e9);
     char *b = a->buf;
+    MTRL_CHECKF(!m->weights_bf16, "checkpoint %s: a bf16-resident model has no fp32 parameter block to snapshot", path);
     copy_(m, b, m->d_params, m->params.base, total);
     if (with_optimizer) {
         copy_(m, b + total, m->d_adam_m, m->adam_m, total);

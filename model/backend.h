@@ -345,6 +345,12 @@ static inline void *mtrl_latent_at(const mtrl_backend *be, const void *base, siz
 mtrl_backend *mtrl_backend_cuda_create(int gpu, const mtrl_kernel_opts *o, int want_tf32, char *err_msg,
                                        size_t err_len);
 void mtrl_backend_destroy(mtrl_backend *be);
+// The bf16-resident weights of a CUDA backend with gemm_bf16 (model/model_wsplit.h): allocates
+// its bf16 block of `bytes` (freed with the backend) and returns it. From then on a pointer into
+// that block is a bf16 operand as it is (gemm and the MoE / SwiGLU entries), any non-GEMM entry
+// that reads a weight aborts on one, and weights_changed aborts (there is no fp32 block to round:
+// the model writes the bf16 block itself). Once per backend; aborts on the CPU / without CUDA.
+void *mtrl_backend_cuda_weights_bf16(mtrl_backend *be, size_t bytes);
 // Number of CUDA devices this build can use (0 without CUDA support or without a device).
 int mtrl_backend_cuda_devices(void);
 

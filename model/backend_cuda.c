@@ -63,9 +63,13 @@ typedef struct cuda_impl {
     // [kernels] gemm = bf16 (be->gemm_bf16): the bf16 copy w16 of the fp32 parameter block w32 of w_n
     // values that weights_changed_ last saw; one allocation for the backend's lifetime (a model
     // has one parameter block), rounded again at every weights_changed_.
+    // The bf16-resident form (mtrl_backend_cuda_weights_bf16): w16 is then the model's own bf16
+    // block of w16_bytes (no w32), written by the model, never rounded here.
     const real *w32;
     size_t w_n;
     mtrl_bf16 *w16;
+    int resident;
+    size_t w16_bytes;
 } cuda_impl;
 
 #define CTX(be) (((cuda_impl *)(be)->impl)->ctx)
@@ -201,6 +205,7 @@ static void scale_(BE *be, size_t n, real *x, real s) { mtrl_mc_scale(CTX(be), n
 
 static void weights_changed_(BE *be, const real *params, size_t n) {
     cuda_impl *x = be->impl;
+    MTRL_CHECKF(!x->resident, "weights_changed on bf16-resident weights: the model writes its bf16 block itself");
     if (!be->gemm_bf16) return;
     if (n != x->w_n) {
         release_(be, x->w16);
@@ -210,9 +215,24 @@ static void weights_changed_(BE *be, const real *params, size_t n) {
     x->w32 = params;
     mtrl_cuda_f32_to_bf16(x->ctx, n, params, x->w16);
 }
-// The bf16 copy of p when p points into the master weights, else NULL.
+// 1 when p points into the bf16-resident block (a GEMM-only weight stored as bf16).
+static int resident_(const BE *be, const void *p) {
+    const cuda_impl *x = be->impl;
+    uintptr_t a = (uintptr_t)p, lo = (uintptr_t)x->w16;
+    return x->resident && a >= lo && a < lo + x->w16_bytes;
+}
+// A weight operand of a non-GEMM entry must be fp32: a bf16-resident pointer here is a model
+// bug (model_wsplit.h lists the matrices those entries read), caught before a kernel reads bf16
+// bits as fp32.
+static void fp32_weight_(const BE *be, const void *p) {
+    MTRL_CHECKF(!resident_(be, p), "a non-GEMM op was given a bf16-resident weight (model/model_wsplit.h: "
+                                   "keep that matrix in fp32)");
+}
+// The bf16 copy of p when p points into the master weights (or is a bf16-resident weight),
+// else NULL.
 static const mtrl_bf16 *weight_bf16_(const BE *be, const real *p) {
     const cuda_impl *x = be->impl;
+    if (x->resident) return resident_(be, p) ? (const mtrl_bf16 *)(const void *)p : NULL;
     uintptr_t a = (uintptr_t)p, lo = (uintptr_t)x->w32, hi = (uintptr_t)(x->w32 + x->w_n);
     return x->w16 && a >= lo && a < hi ? x->w16 + (p - x->w32) : NULL;
 }
@@ -247,6 +267,7 @@ static void gemm_(BE *be, int ta, int tb, int M, int N, int K, real alpha, const
 // ---- per-token ops ------------------------------------------------------------------------------------
 
 static void rmsnorm_fwd_(BE *be, int N, int D, const real *x, const real *w, real eps, real *y, real *rstd) {
+    fp32_weight_(be, w);
     OK(mtrl_rmsnorm_fwd(CTX(be), N, D, x, w, eps, y, rstd));
 }
 static void rmsnorm_bwd_(BE *be, int N, int D, const real *x, const real *w, const real *rstd, real eps,
@@ -261,6 +282,7 @@ static void l2norm_bwd_(BE *be, int N, int D, const real *x, real eps, const rea
 }
 static void gated_rmsnorm_fwd_(BE *be, int N, int D, const real *x, const real *z, const real *w, real eps,
                                real *y) {
+    fp32_weight_(be, w);
     OK(mtrl_gated_rmsnorm_fwd(CTX(be), N, D, x, z, w, eps, y));
 }
 static void gated_rmsnorm_bwd_(BE *be, int N, int D, const real *x, const real *z, const real *w, real eps,
@@ -269,6 +291,7 @@ static void gated_rmsnorm_bwd_(BE *be, int N, int D, const real *x, const real *
 }
 static void shortconv_fwd_(BE *be, int T, int C, int W, const real *x, const real *w, const real *si, real *y,
                            real *so) {
+    fp32_weight_(be, w);
     OK(mtrl_shortconv_fwd(CTX(be), T, C, W, x, w, si, y, so));
 }
 static void shortconv_bwd_(BE *be, int T, int C, int W, const real *x, const real *w, const real *si,
@@ -280,6 +303,7 @@ static void shortconv_state_bwd_(BE *be, int T, int C, int W, const real *dso, r
 }
 static void shortconv_fwd_varlen_(BE *be, int n, const int *offs, int C, int W, const real *x, const real *w,
                                   real *y) {
+    fp32_weight_(be, w);
     OK(mtrl_shortconv_fwd_varlen(CTX(be), n, offs, C, W, x, w, y));
 }
 static void shortconv_bwd_varlen_(BE *be, int n, const int *offs, int C, int W, const real *x, const real *w,
@@ -294,6 +318,7 @@ static float *states_in_dev_(BE *be, int B, size_t n, real *const *st) {
 }
 static void shortconv_step_(BE *be, int B, int C, int W, const real *x1, const real *w, real *const *win,
                             real *y1) {
+    fp32_weight_(be, w);
     if (B <= 0) return;
     size_t n = (size_t)(W - 1) * C;
     if (!n) {
@@ -305,12 +330,14 @@ static void shortconv_step_(BE *be, int B, int C, int W, const real *x1, const r
     mtrl_mc_scatter(CTX(be), B, n, blk, (float *const *)win);
 }
 static void embedding_fwd_(BE *be, int N, int D, const int *ids, const real *E, real *x) {
+    fp32_weight_(be, E);
     if (N <= 0) return;
     int *d = (int *)scratch_(be, sizeof(int) * (size_t)N);
     mtrl_mc_upload(CTX(be), d, ids, sizeof(int) * (size_t)N);
     mtrl_mc_embedding_fwd(CTX(be), N, D, d, E, x);
 }
 static void embedding_rows_(BE *be, int N, int D, const int *ids, const real *E, real *x) {
+    fp32_weight_(be, E);
     if (N > 0) mtrl_mc_embedding_fwd(CTX(be), N, D, ids, E, x);
 }
 static void embedding_bwd_(BE *be, int N, int D, const int *ids, const real *dx, real *dE) {
@@ -366,6 +393,7 @@ static void kda_gate_bwd_(BE *be, int kind, int T, int H, int K, const real *f, 
 }
 static void shortconv_fwd_varlen_io_(BE *be, int n, const int *offs, int C, int W, const real *x, const real *w,
                                      const real *const *win_in, real *const *win_out, real *y) {
+    fp32_weight_(be, w);
     OK(mtrl_shortconv_fwd_varlen_io(CTX(be), n, offs, C, W, x, w, win_in, win_out, y));
 }
 static void kda_chunk_fwd_varlen_io_(BE *be, int n, const int *offs, int H, int K, int V, const real *q,
@@ -515,6 +543,7 @@ static void attn_causal_bwd_(BE *be, int Tq, int Tk, int H, int Hk, int Dk, int 
 // W_kvb [H*(dn+dv)][dc]: head h's W_UK at h*(dn+dv)*dc, its W_UV dn*dc further (mla_ref.h).
 static void mla_absorb_q_(BE *be, int N, int H, int dn, int dr, int dv, int dc, const real *q, const real *W,
                           real *qt) {
+    fp32_weight_(be, W);
     mtrl_cuda_ctx *c = CTX(be);
     int ldq = H * (dn + dr), ldt = H * (dc + dr);
     long long sw = (long long)(dn + dv) * dc;
@@ -538,6 +567,7 @@ static void mla_absorb_q_bwd_(BE *be, int N, int H, int dn, int dr, int dv, int 
 // the same A for every head: stride 0), fp32 as the absorption products; k^r copied per head.
 static void mla_expand_kv_(BE *be, int N, int H, int dn, int dr, int dv, int dc, const real *cl, int ldc,
                            const real *kr, int ldr, const real *W, real *k, real *v) {
+    fp32_weight_(be, W);
     mtrl_cuda_ctx *c = CTX(be);
     int ldk = H * (dn + dr);
     long long sw = (long long)(dn + dv) * dc;
@@ -571,6 +601,7 @@ static void mla_expand_kv_bwd_(BE *be, int N, int H, int dn, int dr, int dv, int
     }
 }
 static void mla_up_v_(BE *be, int N, int H, int dn, int dv, int dc, const real *cs, const real *W, real *a) {
+    fp32_weight_(be, W);
     OK(mtrl_gemm_batched(CTX(be), 0, 1, N, dv, dc, 1.f, cs, H * dc, dc, W + (size_t)dn * dc, dc,
                          (long long)(dn + dv) * dc, MTRL_F32, 0.f, a, H * dv, dv, MTRL_F32, H));
 }
@@ -592,6 +623,7 @@ static void mla_up_v_bwd_(BE *be, int N, int H, int dn, int dv, int dc, const re
 static void mla_decode_(BE *be, int B, int H, int dn, int dr, int dv, int dc, real scale, const real *q,
                         const real *W, const void *const *lat_h, const void *const *lat, int ld,
                         const int *Tk_h, const int *Tk, real *a) {
+    fp32_weight_(be, W);
     if (B <= 0) return;
     mtrl_cuda_ctx *c = CTX(be);
     int max_len = 1;
@@ -789,6 +821,8 @@ static void graph_free_(BE *be, void *graph) {
 
 static void attnres_site_fwd_(BE *be, int N, int D, int S, const real *const *V, const real *w, const real *g,
                               real eps, real *h, real *alpha) {
+    fp32_weight_(be, w);
+    fp32_weight_(be, g);
     OK(mtrl_attnres_site_fwd(CTX(be), N, D, S, V, w, g, eps, h, alpha));
 }
 static void attnres_site_bwd_(BE *be, int N, int D, int S, const real *const *V, const real *w, const real *g,
@@ -826,6 +860,16 @@ mtrl_backend *mtrl_backend_cuda_create(int gpu, const mtrl_kernel_opts *o, int w
     return be;
 }
 
+void *mtrl_backend_cuda_weights_bf16(mtrl_backend *be, size_t bytes) {
+    cuda_impl *x = be->impl;
+    MTRL_CHECKF(be->device == MTRL_DEVICE_CUDA && be->gemm_bf16, "bf16-resident weights need [kernels] gemm = bf16");
+    MTRL_CHECKF(!x->w16, "the backend already holds a bf16 weight block");
+    x->w16 = alloc_(be, bytes);
+    x->w16_bytes = bytes;
+    x->resident = 1;
+    return x->w16;
+}
+
 // The model's stream, for the device weight channel (model_wshm_cuda.h).
 mtrl_cuda_ctx *mtrl_backend_cuda_ctx(mtrl_backend *be) { return CTX(be); }
 
@@ -853,6 +897,13 @@ mtrl_backend *mtrl_backend_cuda_create(int gpu, const mtrl_kernel_opts *o, int w
     snprintf(err_msg, err_len, "%s",
              REAL_IS_F64 ? "the fp64 build has no CUDA backend"
                          : "this build has no CUDA support (configure with -DMTRL_CUDA=ON on a machine with nvcc)");
+    return NULL;
+}
+
+void *mtrl_backend_cuda_weights_bf16(mtrl_backend *be, size_t bytes) {
+    (void)be;
+    (void)bytes;
+    MTRL_CHECKF(0, "bf16-resident weights need the CUDA build");
     return NULL;
 }
 

@@ -241,6 +241,12 @@ typedef struct mtrl_model {
     mtrl_tt params;             // the parameter table and its block
     real *grads, *adam_m, *adam_v; // same layout as params (params.total bytes each); NULL when inference
     int inference;              // parameters only (mtrl_model_init_infer_on)
+    // The bf16-resident form (mtrl_model_init_infer_bf16_on, model_wsplit.h): d_params is the
+    // compact fp32 block of the tensors that keep fp32, d_w16 the backend's bf16 block of the
+    // GEMM-only ones, wsplit where each tensor lives; 0 / NULL otherwise.
+    int weights_bf16;
+    void *d_w16;
+    struct mtrl_wsplit *wsplit;
     mtrl_model_ptrs P, G;       // pointers into params and grads (host blocks)
     // Where the model computes: the backend and its copies of the blocks. On the CPU these are
     // the host blocks themselves (dP == P, d_params == params.base, ...).
@@ -306,6 +312,15 @@ mtrl_status mtrl_model_init_on(mtrl_model *m, const mtrl_model_dims *dims, uint6
 // with_optimizer is an error; mtrl_model_optimizer_reset does nothing.
 mtrl_status mtrl_model_init_infer_on(mtrl_model *m, const mtrl_model_dims *dims, uint64_t seed, int device, int gpu,
                                      mtrl_error *err);
+// The same in the bf16-resident form (model/model_wsplit.h; [actor] weights = bf16): on a GPU
+// with [kernels] gemm = bf16 only (MTRL_ERR_USAGE otherwise, naming the keys), the GEMM-only
+// matrices exist on the device as bf16 alone (no fp32 copy), the rest as fp32. Its GEMMs read
+// exactly the bf16 weights of the fp32 form (which rounds its fp32 block to the same bf16):
+// loading a checkpoint, mtrl_model_to_device and a host weight slot round the matrices once
+// (on the host), a device weight slot of bf16 matrices is copied as it is. The host mirror
+// (m->params.base) stays fp32 and whole; mtrl_model_to_host widens the bf16 matrices.
+mtrl_status mtrl_model_init_infer_bf16_on(mtrl_model *m, const mtrl_model_dims *dims, uint64_t seed, int device,
+                                          int gpu, mtrl_error *err);
 // Usable CUDA devices for a model in this build (0: CPU only).
 int mtrl_model_cuda_devices(void);
 // What m's backend computes in, for reports: its dense and expert GEMMs' precision

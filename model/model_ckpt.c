@@ -65,7 +65,7 @@ static void refresh_host_(const mtrl_model *m, int with_optimizer) {
     if (m->device == MTRL_DEVICE_CPU) return;
     mtrl_backend *be = m->be;
     size_t total = m->params.total;
-    be->download(be, m->params.base, m->d_params, total);
+    model_params_download((mtrl_model *)m); // the device copy is read, the mirror refreshed
     if (with_optimizer) {
         be->download(be, m->adam_m, m->d_adam_m, total);
         be->download(be, m->adam_v, m->d_adam_v, total);
@@ -193,8 +193,7 @@ mtrl_status mtrl_model_load(mtrl_model *m, mtrl_ckpt *c, int with_optimizer, mtr
     if (st == MTRL_OK && m->device != MTRL_DEVICE_CPU) {
         mtrl_backend *be = m->be;
         size_t total = m->params.total;
-        be->upload(be, m->d_params, m->params.base, total);
-        model_weights_changed(m);
+        model_params_upload(m);
         be->upload(be, m->d_qb_beta, m->qb_beta, sizeof(real) * (size_t)m->dims.L * (size_t)m->dims.E);
         if (with_optimizer) {
             be->upload(be, m->d_adam_m, m->adam_m, total);

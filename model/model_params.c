@@ -9,6 +9,8 @@
 #include "model/backend.h"
 #include "model/model.h"
 #include "model/model_ws.h"
+#include "model/model_wsplit.h"
+#include "common/bf16.h"
 #include "common/rng.h"
 #include "common/timeutil.h"
 #include "kernels/ref/moe_ref.h"
@@ -196,13 +198,25 @@ size_t model_param_bytes(const mtrl_model_dims *d) {
     return n;
 }
 
-static real *at_(const mtrl_tt *t, void *base, const char *name) {
+// Where a pointer set points: one block laid out like the parameters (split NULL), or the two
+// blocks of the bf16-resident form (base: its fp32 block, w16: its bf16 block).
+typedef struct where_ {
+    char *base;
+    const mtrl_wsplit *split;
+    char *w16;
+} where_;
+
+static real *at_(const mtrl_tt *t, const where_ *w, const char *name) {
     int i = mtrl_tt_find(t, name);
-    return i < 0 ? NULL : (real *)((char *)base + t->items[i].offset);
+    if (i < 0) return NULL;
+    if (!w->split) return (real *)(w->base + t->items[i].offset);
+    // a GEMM-only matrix: its bf16 elements, typed `real *` for the pointer set only
+    size_t o = w->split->f32_off[i];
+    return o != MTRL_WSPLIT_NONE ? (real *)(w->base + o) : (real *)(void *)(w->w16 + w->split->b16_off[i]);
 }
 
-// Points a pointer set into any block laid out like the parameters.
-static void point_(const mtrl_tt *t, void *base, const mtrl_model_dims *d, mtrl_model_ptrs *p) {
+// Points a pointer set into the block(s) at w.
+static void point_at_(const mtrl_tt *t, const where_ *base, const mtrl_model_dims *d, mtrl_model_ptrs *p) {
     memset(p, 0, sizeof *p);
     p->embed = at_(t, base, "embed");
     p->lm_head = at_(t, base, "lm_head");
@@ -226,6 +240,12 @@ static void point_(const mtrl_tt *t, void *base, const mtrl_model_dims *d, mtrl_
 #undef G
     }
     p->patch_w = at_(t, base, "image.patch_w");
+}
+
+// Points a pointer set into any block laid out like the parameters.
+static void point_(const mtrl_tt *t, void *base, const mtrl_model_dims *d, mtrl_model_ptrs *p) {
+    where_ w = {base, NULL, NULL};
+    point_at_(t, &w, d, p);
 }
 
 // Initialisation: projections N(0, init_std) from the tensor's own RNG stream (so a tensor's
@@ -382,7 +402,15 @@ static mtrl_status init_on_(mtrl_model *m, const mtrl_model_dims *dims, uint64_t
     m->gpu = gpu;
     m->be = be;
     size_t total = m->params.total, LE = (size_t)dims->L * (size_t)dims->E;
-    m->d_params = be->alloc(be, total);
+    if (infer == 2) { // the bf16-resident form: two compact blocks (model_wsplit.h)
+        m->weights_bf16 = 1;
+        m->wsplit = xmalloc(sizeof *m->wsplit);
+        mtrl_wsplit_init(m->wsplit, &m->params);
+        m->d_params = be->alloc(be, m->wsplit->f32_bytes);
+        m->d_w16 = mtrl_backend_cuda_weights_bf16(be, m->wsplit->b16_bytes);
+    } else {
+        m->d_params = be->alloc(be, total);
+    }
     if (!infer) {
         m->d_grads = be->alloc(be, total);
         m->d_adam_m = be->alloc(be, total);
@@ -390,7 +418,8 @@ static mtrl_status init_on_(mtrl_model *m, const mtrl_model_dims *dims, uint64_t
         point_(&m->params, m->d_grads, dims, &m->dG);
     }
     m->d_qb_beta = be->alloc(be, sizeof(real) * LE);
-    point_(&m->params, m->d_params, dims, &m->dP);
+    where_ w = {m->d_params, m->wsplit, m->d_w16};
+    point_at_(&m->params, &w, dims, &m->dP);
     mtrl_model_to_device(m);
     return MTRL_OK;
 }
@@ -405,11 +434,76 @@ mtrl_status mtrl_model_init_infer_on(mtrl_model *m, const mtrl_model_dims *dims,
     return init_on_(m, dims, seed, device, gpu, 1, err);
 }
 
+mtrl_status mtrl_model_init_infer_bf16_on(mtrl_model *m, const mtrl_model_dims *dims, uint64_t seed, int device,
+                                          int gpu, mtrl_error *err) {
+    if (device != MTRL_DEVICE_CUDA || !mtrl_backend_gemm_bf16(device, &dims->kern)) {
+        memset(m, 0, sizeof *m);
+        return mtrl_error_set(err, MTRL_ERR_USAGE,
+                              "[actor] weights = bf16 needs [model] device = cuda and [kernels] gemm = bf16 "
+                              "(the GEMM weights are kept as bf16 only)");
+    }
+    return init_on_(m, dims, seed, device, gpu, 2, err);
+}
+
+// The bf16-resident form's transfers (model_wsplit.h): the fp32 tensors as they are, the
+// GEMM-only ones rounded (up) / widened (down) on the host, with the GPU's rounding.
+static void split_upload_(mtrl_model *m) {
+    const mtrl_wsplit *s = m->wsplit;
+    mtrl_backend *be = m->be;
+    uint16_t *h = xmalloc(s->b16_bytes ? s->b16_bytes : 1);
+    for (int i = 0; i < m->params.n; i++) {
+        const mtrl_tensor *t = &m->params.items[i];
+        const real *src = (const real *)((const char *)m->params.base + t->offset);
+        if (s->f32_off[i] != MTRL_WSPLIT_NONE) {
+            be->upload(be, (char *)m->d_params + s->f32_off[i], src, sizeof(real) * t->numel);
+            continue;
+        }
+        uint16_t *d = (uint16_t *)((char *)h + s->b16_off[i]);
+        for (size_t k = 0; k < t->numel; k++) d[k] = mtrl_bf16_from_f32((float)src[k]);
+    }
+    be->upload(be, m->d_w16, h, s->b16_bytes);
+    be->sync(be);
+    free(h);
+}
+static void split_download_(mtrl_model *m) {
+    const mtrl_wsplit *s = m->wsplit;
+    mtrl_backend *be = m->be;
+    uint16_t *h = xmalloc(s->b16_bytes ? s->b16_bytes : 1);
+    be->download(be, h, m->d_w16, s->b16_bytes);
+    for (int i = 0; i < m->params.n; i++) {
+        const mtrl_tensor *t = &m->params.items[i];
+        real *dst = (real *)((char *)m->params.base + t->offset);
+        if (s->f32_off[i] != MTRL_WSPLIT_NONE) {
+            be->download(be, dst, (char *)m->d_params + s->f32_off[i], sizeof(real) * t->numel);
+            continue;
+        }
+        const uint16_t *src = (const uint16_t *)((char *)h + s->b16_off[i]);
+        for (size_t k = 0; k < t->numel; k++) dst[k] = (real)mtrl_bf16_to_f32(src[k]);
+    }
+    free(h);
+}
+
+void model_params_upload(mtrl_model *m) {
+    if (m->device == MTRL_DEVICE_CPU) return;
+    if (m->weights_bf16) {
+        split_upload_(m);
+        return;
+    }
+    m->be->upload(m->be, m->d_params, m->params.base, m->params.total);
+    model_weights_changed(m);
+}
+
+void model_params_download(mtrl_model *m) {
+    if (m->device == MTRL_DEVICE_CPU) return;
+    if (m->weights_bf16) split_download_(m);
+    else m->be->download(m->be, m->params.base, m->d_params, m->params.total);
+}
+
 void mtrl_model_to_host(mtrl_model *m) {
     if (m->device == MTRL_DEVICE_CPU) return;
     mtrl_backend *be = m->be;
     size_t total = m->params.total;
-    be->download(be, m->params.base, m->d_params, total);
+    model_params_download(m);
     if (m->inference) return;
     be->download(be, m->grads, m->d_grads, total);
     be->download(be, m->adam_m, m->d_adam_m, total);
@@ -417,6 +511,7 @@ void mtrl_model_to_host(mtrl_model *m) {
 }
 
 void model_weights_changed(mtrl_model *m) {
+    if (m->weights_bf16) return; // its writers write the bf16 block themselves (model_params_upload)
     m->be->weights_changed(m->be, m->d_params, m->params.total / sizeof(real));
 }
 
@@ -424,8 +519,7 @@ void mtrl_model_to_device(mtrl_model *m) {
     if (m->device == MTRL_DEVICE_CPU) return;
     mtrl_backend *be = m->be;
     size_t total = m->params.total;
-    be->upload(be, m->d_params, m->params.base, total);
-    model_weights_changed(m);
+    model_params_upload(m);
     if (!m->inference) {
         be->upload(be, m->d_grads, m->grads, total);
         be->upload(be, m->d_adam_m, m->adam_m, total);
@@ -458,6 +552,8 @@ void mtrl_model_free(mtrl_model *m) {
         m->be->release(m->be, m->d_qb_beta);
         mtrl_backend_destroy(m->be);
     }
+    mtrl_wsplit_free(m->wsplit);
+    free(m->wsplit);
     mtrl_tt_free(&m->params);
     free(m->grads);
     free(m->adam_m);

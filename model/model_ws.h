@@ -262,5 +262,10 @@ static inline void model_prof_end(mtrl_model *m, int block, double t0) {
 // backend with bf16 GEMM operands re-rounds its weight copy). Every writer of m->d_params calls
 // it: creation and mtrl_model_to_device, mtrl_model_load, mtrl_model_optimizer_step.
 void model_weights_changed(mtrl_model *m);
+// The host mirror m->params.base to the device / back, in either placement (the bf16-resident
+// form, model_wsplit.h, rounds / widens its GEMM-only matrices): upload includes
+// model_weights_changed. No-ops on the CPU.
+void model_params_upload(mtrl_model *m);
+void model_params_download(mtrl_model *m);
 
 #endif

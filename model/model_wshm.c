@@ -9,6 +9,7 @@
 #include "common/hash.h"
 #include "model/backend.h"
 #include "model/model_ws.h"
+#include "model/model_wsplit.h"
 
 #define ALIGN64(x) (((x) + 63u) & ~(uint64_t)63u)
 
@@ -47,7 +48,7 @@ void mtrl_model_wshm_layout_free(mtrl_wshm_layout *lay) {
 }
 
 void mtrl_model_wshm_pack_host(const mtrl_model *m, const mtrl_wshm_layout *lay, void *slot) {
-    if (m->device != MTRL_DEVICE_CPU) m->be->download(m->be, m->params.base, m->d_params, m->params.total);
+    model_params_download((mtrl_model *)m); // the device copy is read, the mirror refreshed
     const char *params = m->params.base;
     char *dst = slot;
     // One parallel region over every item: the threads split each tensor, nobody waits between.
@@ -88,11 +89,10 @@ void mtrl_model_wshm_unpack_host(mtrl_model *m, const mtrl_wshm_layout *lay, con
     }
     if (m->device != MTRL_DEVICE_CPU) {
         mtrl_backend *be = m->be;
-        be->upload(be, m->d_params, m->params.base, m->params.total);
         be->upload(be, m->d_qb_beta, m->qb_beta, sizeof(real) * (size_t)m->dims.L * (size_t)m->dims.E);
-        be->sync(be);
     }
-    model_weights_changed(m);
+    model_params_upload(m); // includes model_weights_changed
+    if (m->device != MTRL_DEVICE_CPU) m->be->sync(m->be);
 }
 
 #if defined(MTRL_HAVE_CUDA) && !REAL_IS_F64
@@ -127,9 +127,25 @@ static mtrl_model_wshm_dev *dev_new_(const mtrl_model *m, const mtrl_wshm_layout
     d->writer = writer;
     d->n = lay->n;
     d->ctx = mtrl_backend_cuda_ctx(m->be);
-    d->items = mtrl_mc_malloc(sizeof *lay->items * (size_t)lay->n);
-    mtrl_mc_upload(d->ctx, d->items, lay->items, sizeof *lay->items * (size_t)lay->n);
+    // A bf16-resident reader's own items: each parameter's destination in its two blocks.
+    mtrl_wshm_item *items = xmalloc(sizeof *items * (size_t)lay->n);
+    memcpy(items, lay->items, sizeof *items * (size_t)lay->n);
+    if (m->weights_bf16) {
+        MTRL_CHECKF(!writer, "a bf16-resident model (an actor's) does not publish weights");
+        const mtrl_wsplit *s = m->wsplit;
+        for (int i = 0; i < m->params.n; i++) {
+            if (s->f32_off[i] != MTRL_WSPLIT_NONE) {
+                items[i].src = s->f32_off[i];
+            } else {
+                items[i].src = s->b16_off[i];
+                items[i].kind |= MTRL_WSHM_ITEM_TO_BF16;
+            }
+        }
+    }
+    d->items = mtrl_mc_malloc(sizeof *items * (size_t)lay->n);
+    mtrl_mc_upload(d->ctx, d->items, items, sizeof *items * (size_t)lay->n);
     mtrl_cuda_sync(d->ctx);
+    free(items);
     return d;
 }
 
@@ -182,7 +198,7 @@ mtrl_status mtrl_model_wshm_dev_open(mtrl_model_wshm_dev **out, const mtrl_model
 }
 
 void mtrl_model_wshm_dev_unpack(mtrl_model_wshm_dev *d, mtrl_model *m, int slot) {
-    mtrl_mw_unpack(d->ctx, d->items, d->n, d->slot[slot], (float *)m->d_params, (float *)m->d_qb_beta);
+    mtrl_mw_unpack(d->ctx, d->items, d->n, d->slot[slot], (float *)m->d_params, (float *)m->d_qb_beta, m->d_w16);
     mtrl_cuda_sync(d->ctx);
     m->be->download(m->be, m->qb_beta, m->d_qb_beta, sizeof(real) * (size_t)m->dims.L * (size_t)m->dims.E);
     model_weights_changed(m);

@@ -24,6 +24,10 @@
 #include "common/weights_shm.h"
 
 enum { MTRL_WSHM_ITEM_REAL = 0, MTRL_WSHM_ITEM_BF16 = 1, MTRL_WSHM_ITEM_BETA = 2 };
+// A reader's flag on an item of its own device copy of the layout (never in a layout or its
+// hash): the destination is the bf16-resident block of a model (model_wsplit.h) at byte `src`,
+// the slot's bf16 copied as it is (or its `real` rounded), instead of the fp32 block.
+enum { MTRL_WSHM_ITEM_TO_BF16 = 4 };
 
 // One tensor of a slot: `n` elements from byte `src` of the parameter block (BETA: of the β
 // array) to byte `dst` of the slot, as `real` or bf16.
@@ -66,7 +70,9 @@ int mtrl_model_wshm_dev_publish(mtrl_model_wshm_dev *d, mtrl_model *m, mtrl_wshm
 mtrl_status mtrl_model_wshm_dev_open(mtrl_model_wshm_dev **out, const mtrl_model *m, const mtrl_wshm_layout *lay,
                                      const mtrl_wshm *ch, mtrl_error *err);
 // Reader: converts device slot `slot` into the model's parameter block and β (bf16 widened,
-// device to device, on the model's stream) and waits for it; the host β is refreshed too.
+// device to device, on the model's stream) and waits for it; the host β is refreshed too. A
+// bf16-resident model (mtrl_model_init_infer_bf16_on) gets its GEMM-only matrices copied into
+// its bf16 block as they are in the slot (fp32 slots: rounded), the rest into its fp32 block.
 void mtrl_model_wshm_dev_unpack(mtrl_model_wshm_dev *d, mtrl_model *m, int slot);
 // Writer: waits for the copies in flight, frees the slots; reader: closes the handles.
 void mtrl_model_wshm_dev_free(mtrl_model_wshm_dev *d); // NULL-safe

@@ -20,8 +20,16 @@ __global__ void mw_pack_k(const mtrl_wshm_item *items, const float *params, cons
     }
 }
 
-__global__ void mw_unpack_k(const mtrl_wshm_item *items, const char *slot, float *params, float *beta) {
+__global__ void mw_unpack_k(const mtrl_wshm_item *items, const char *slot, float *params, float *beta, char *w16) {
     mtrl_wshm_item it = items[blockIdx.y];
+    if (it.kind & MTRL_WSHM_ITEM_TO_BF16) { // a bf16-resident weight: the slot's bf16 bits as they are
+        __nv_bfloat16 *dst = (__nv_bfloat16 *)(w16 + it.src);
+        int b16 = (it.kind & ~MTRL_WSHM_ITEM_TO_BF16) == MTRL_WSHM_ITEM_BF16;
+        for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < it.n; i += (size_t)gridDim.x * blockDim.x)
+            dst[i] = b16 ? ((const __nv_bfloat16 *)(slot + it.dst))[i]
+                         : __float2bfloat16_rn(((const float *)(slot + it.dst))[i]);
+        return;
+    }
     float *dst = (float *)((it.kind == MTRL_WSHM_ITEM_BETA ? (char *)beta : (char *)params) + it.src);
     for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < it.n; i += (size_t)gridDim.x * blockDim.x) {
         if (it.kind == MTRL_WSHM_ITEM_BF16) dst[i] = __bfloat162float(((const __nv_bfloat16 *)(slot + it.dst))[i]);
@@ -37,9 +45,10 @@ extern "C" void mtrl_mw_pack(mtrl_cuda_ctx *c, const mtrl_wshm_item *items, int 
 }
 
 extern "C" void mtrl_mw_unpack(mtrl_cuda_ctx *c, const mtrl_wshm_item *items, int n, const void *slot, float *params,
-                               float *beta) {
+                               float *beta, void *w16) {
     if (n <= 0) return;
-    mw_unpack_k<<<dim3(MW_BLOCKS_PER_ITEM, (unsigned)n), MW_T, 0, c->stream>>>(items, (const char *)slot, params, beta);
+    mw_unpack_k<<<dim3(MW_BLOCKS_PER_ITEM, (unsigned)n), MW_T, 0, c->stream>>>(items, (const char *)slot, params, beta,
+                                                                              (char *)w16);
     CUDA_LAUNCH_CHECK();
 }
 

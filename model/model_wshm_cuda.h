@@ -21,11 +21,13 @@ struct mtrl_backend;
 mtrl_cuda_ctx *mtrl_backend_cuda_ctx(struct mtrl_backend *be);
 
 // items: a DEVICE array of n items (model_wshm.h). pack: slot <- params / beta (fp32, bf16
-// rounded to nearest even); unpack: params / beta <- slot (bf16 widened). On the ctx's stream.
+// rounded to nearest even); unpack: params / beta <- slot (bf16 widened), items flagged
+// MTRL_WSHM_ITEM_TO_BF16 into w16 instead (bf16 copied, fp32 rounded; w16 NULL when none is).
+// On the ctx's stream.
 void mtrl_mw_pack(mtrl_cuda_ctx *ctx, const mtrl_wshm_item *items, int n, const float *params, const float *beta,
                   void *slot);
 void mtrl_mw_unpack(mtrl_cuda_ctx *ctx, const mtrl_wshm_item *items, int n, const void *slot, float *params,
-                    float *beta);
+                    float *beta, void *w16);
 // CUDA IPC: handle (MTRL_WSHM_IPC_BYTES) of device memory p; open in another process on
 // `device` (NULL with why[] on failure); close.
 void mtrl_mw_ipc_get(const void *p, void *handle);
