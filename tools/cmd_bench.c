@@ -524,8 +524,9 @@ static double decode_bytes_min_(const mtrl_model *m, int B, const int *ctx, cons
 
 // `mtrl bench decode`: batched decode steps (mtrl_model_decode, B sequences, one token each) at
 // contexts spread evenly over [lo, hi] (mixed lengths in one batch), for each B of --batches;
-// the step time against its memory roofline: the least bytes it must read (decode_bytes_min_)
-// at the copy rate measured in the same run (issue 21 R2). The states' latents are not
+// the step time against its memory roofline: the least bytes it must move (decode_bytes_min_:
+// weights and latents read, states read and written) at the copy rate (read + write) measured in
+// the same run (issue 21 R2). The states' latents are not
 // prefilled (the contexts' rows are zeros; the decode reads them all the same). --graph: the
 // steps launched kernel by kernel (off), replayed from CUDA graphs (on: [kernels] decode_graph
 // = on, model/model_decode.h; the first two steps of each B launch and record), or both, side by
@@ -603,10 +604,13 @@ static int bench_decode_(int argc, char **argv) {
                 for (int j = 0; j < d->k; j++) hit[rout[(size_t)i * rw + (size_t)(l - 1) * d->k + j]] = 1;
             for (int e = 0; e < d->E && e < 256; e++) distinct[l] += hit[e];
         }
-        double bytes = decode_bytes_min_(&m, B, ctx, distinct), roof = bytes / (rate / 2);
+        // the copy rate counts bytes read plus bytes written, and so do the step's bytes (its
+        // states are read and written): the same traffic at the same rate, not the reads against
+        // half of it (a copy's reads alone are not the limit of a read-mostly step)
+        double bytes = decode_bytes_min_(&m, B, ctx, distinct), roof = bytes / rate;
         for (int g = 0; g < 2; g++)
             if (modes >> g & 1)
-                printf("B %4d %-8s: %8.3f ms per step, %9.0f tokens/s; reads >= %.2f GB -> roofline %.3f ms = %.1f%% of it"
+                printf("B %4d %-8s: %8.3f ms per step, %9.0f tokens/s; moves >= %.2f GB -> roofline %.3f ms = %.1f%% of it"
                        "; %ld of %d steps replayed\n",
                        B, g ? "graph" : "launched", dt_mode[g] * 1e3, B / dt_mode[g], bytes / 1e9, roof * 1e3,
                        100 * roof / dt_mode[g], rep_mode[g], steps);
