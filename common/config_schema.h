@@ -192,7 +192,7 @@
     X(kernels, gemm, ENUM, "model", 0, 0, "model|tf32|fp32|bf16", "precision of the projection and expert GEMMs: model ([model] gemm), tf32, fp32, or bf16 operands (fp32 accumulation, fp32 master weights)") \
     X(kernels, latent, ENUM, "bf16", 0, 0, "bf16|fp32", "element type of the MLA latent caches on a GPU") \
     X(kernels, attn_operands, ENUM, "bf16", 0, 0, "bf16|fp32", "operands of the causal attention on a GPU: bf16 (the tiled kernels) or fp32 (an untiled check kernel, for comparing with an fp32 reference; needs latent = fp32)") \
-    X(kernels, decode_graph, ENUM, "on", 0, 0, "on|off", "decode steps on a GPU as CUDA graphs: on (each batch size and key-length bucket recorded once, then replayed: no launch per kernel; a step that cannot be recorded runs launched) or off (launched kernel by kernel)")
+    X(kernels, decode_graph, ENUM, "off", 0, 0, "on|off", "decode steps on a GPU as CUDA graphs: on (each batch size and key-length bucket recorded once, then replayed: no launch per kernel; a step that cannot be recorded runs launched) or off (launched kernel by kernel)")
 
 #define MTRL_CFG_MAX_STAGES 16
 
