@@ -284,7 +284,24 @@ static void corpus_generate_(corpus_env *e, uint64_t seed) {
 #undef RNG_
 }
 
-static size_t line_at_(const corpus_env *e, int f, const char *what);
+// The location of the first line of file f starting with `what`.
+static size_t line_at_(const corpus_env *e, int f, const char *what) {
+    const char *fb = e->text.data + e->file_off[f];
+    const char *m = memmem(fb, e->file_off[f + 1] - e->file_off[f], what, strlen(what));
+    MTRL_CHECKF(m != NULL, "corpus: file %d has no %s line", f, what);
+    return (size_t)(m - fb);
+}
+
+// The file holding byte pos of the text: the last f with file_off[f] <= pos.
+static int file_at_(const corpus_env *e, size_t pos) {
+    int lo = 0, hi = e->files - 1;
+    while (lo < hi) {
+        int mid = (lo + hi + 1) / 2;
+        if (e->file_off[mid] <= pos) lo = mid;
+        else hi = mid - 1;
+    }
+    return lo;
+}
 
 // A chain's facts: the next= line of each file on the way, then the code= line of the last.
 static void chain_facts_(corpus_env *e) {
@@ -528,14 +545,6 @@ static void demo_add_(corpus_env *e, size_t *count, const char *fmt, ...) {
     ++*count;
 }
 
-// The location of the first line of file f starting with `what`.
-static size_t line_at_(const corpus_env *e, int f, const char *what) {
-    const char *fb = e->text.data + e->file_off[f];
-    const char *m = memmem(fb, e->file_off[f + 1] - e->file_off[f], what, strlen(what));
-    MTRL_CHECKF(m != NULL, "corpus: file %d has no %s line", f, what);
-    return (size_t)(m - fb);
-}
-
 static int corpus_demo_(void *self, mtrl_env_demo_out *out, char *err, size_t cap) {
     corpus_env *e = self;
     if (e->done) {
@@ -546,20 +555,13 @@ static int corpus_demo_(void *self, mtrl_env_demo_out *out, char *err, size_t ca
     size_t count = 0;
     int W = 1 + e->idw;
     if (e->task == TASK_CHAIN) {
-        int cur = e->start;
+        // the chain as reset walked it (chain_facts_): each hop's line, in its file
         char id[16];
         for (int h = 0; h <= e->hops; h++) {
-            const char *what = h < e->hops ? "next=" : "code=";
+            const int cur = file_at_(e, e->fact_at[h]);
             put_id_(e, id, cur);
-            demo_add_(e, &count, "grep(%.*s,%s)", W, id, what);
-            size_t off = line_at_(e, cur, what);
-            demo_add_(e, &count, "open(%.*s,%zu)", W, id, off);
-            if (h < e->hops) {
-                int64_t nx;
-                const char *l = e->text.data + e->file_off[cur] + off + 6;
-                MTRL_CHECK(env_parse_i64(l, (size_t)e->idw, &nx) == 0);
-                cur = (int)nx;
-            }
+            demo_add_(e, &count, "grep(%.*s,%s)", W, id, h < e->hops ? "next=" : "code=");
+            demo_add_(e, &count, "open(%.*s,%zu)", W, id, e->fact_at[h] - e->file_off[cur]);
         }
     } else {
         // The grep pages as the tool cuts them, then one open per location they list.
