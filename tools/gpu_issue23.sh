@@ -77,16 +77,7 @@ for s in $steps; do
   esac
 done
 kill $memlog 2>/dev/null
-python3 - "$dir/gpu_mem.csv" <<'PY' > "$dir/mem_peaks.txt"
-import sys, collections
-peak = collections.defaultdict(int)
-for line in open(sys.argv[1]):
-    f = [x.strip() for x in line.split(",")]
-    if len(f) == 4 and f[3].endswith("MiB"):
-        k = f[1] + " " + f[2]
-        peak[k] = max(peak[k], int(f[3].split()[0]))
-for k, v in sorted(peak.items()): print("GPU memory peak: pid %s: %.2f GiB" % (k, v / 1024))
-PY
+python3 "$repo/tools/gpu_mem_peaks.py" "$dir/gpu_mem.csv" > "$dir/mem_peaks.txt"
 cp "$log" "$dir/summary.txt" "$dir/mem_peaks.txt" "$out/" 2>/dev/null
 tail -c 4000000 "$dir/run.log" > "$out/run_log_tail.txt" 2>/dev/null
 cat "$dir"/e*s*.txt > "$out/evals.txt" 2>/dev/null

@@ -121,16 +121,7 @@ run)
   wait "${pids[@]}"
   kill "$memlog" 2>/dev/null
   [ "${MPS:-0}" = 1 ] && echo quit | nvidia-cuda-mps-control 2>/dev/null
-  python3 - "$out/gpu_mem.csv" <<'PY' >> "$out"/quickstart_gpu_summary0.txt
-import sys, collections
-peak = collections.defaultdict(int)
-for line in open(sys.argv[1]):
-    f = [x.strip() for x in line.split(",")]
-    if len(f) == 4 and f[3].endswith("MiB"):
-        k = f[1] + " " + f[2]
-        peak[k] = max(peak[k], int(f[3].split()[0]))
-for k, v in sorted(peak.items()): print("GPU memory peak: pid %s: %.2f GiB" % (k, v / 1024))
-PY
+  python3 "$repo/tools/gpu_mem_peaks.py" "$out/gpu_mem.csv" >> "$out"/quickstart_gpu_summary0.txt
   cat "$out"/quickstart_gpu_summary*.txt
   ;;
 session)
