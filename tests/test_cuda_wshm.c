@@ -207,37 +207,56 @@ static int compare_main_(char **argv, int bf16) {
     return write(1, &out, sizeof out) == (ssize_t)sizeof out ? 0 : 1;
 }
 
-static void test_actor_forms(int bf16) {
-    mtrl_model_dims d = test_model_dims("preset = tiny\n", MTRL_VOCAB);
+// The learner's side: a tiny GPU model (perturbed by `seed`) and its device channel, version
+// `version` published into a slot.
+typedef struct {
     mtrl_model m;
-    mtrl_error err;
-    TEST_EQ_INT(mtrl_model_init_on(&m, &d, 5, MTRL_DEVICE_CUDA, 0, &err), MTRL_OK);
-    test_model_perturb(&m, 23);
-    mtrl_model_to_device(&m);
     mtrl_wshm_layout lay;
-    mtrl_model_wshm_layout(&m, bf16, &lay);
     mtrl_wshm *ch;
     mtrl_model_wshm_dev *dev;
-    TEST_EQ_INT(mtrl_wshm_create(&ch, MTRL_WSHM_DEVICE, lay.slot_bytes, lay.hash, &err), MTRL_OK);
-    TEST_EQ_INT(mtrl_model_wshm_dev_create(&dev, &m, &lay, ch, &err), MTRL_OK);
-    m.version = 3;
-    int slot = mtrl_model_wshm_dev_publish(dev, &m, ch, m.version);
+    int slot;
+} writer_;
+
+static void writer_open_(writer_ *w, uint64_t seed, int bf16, uint32_t version) {
+    mtrl_model_dims d = test_model_dims("preset = tiny\n", MTRL_VOCAB);
+    mtrl_error err;
+    TEST_EQ_INT(mtrl_model_init_on(&w->m, &d, 5, MTRL_DEVICE_CUDA, 0, &err), MTRL_OK);
+    test_model_perturb(&w->m, seed);
+    mtrl_model_to_device(&w->m);
+    mtrl_model_wshm_layout(&w->m, bf16, &w->lay);
+    TEST_EQ_INT(mtrl_wshm_create(&w->ch, MTRL_WSHM_DEVICE, w->lay.slot_bytes, w->lay.hash, &err), MTRL_OK);
+    TEST_EQ_INT(mtrl_model_wshm_dev_create(&w->dev, &w->m, &w->lay, w->ch, &err), MTRL_OK);
+    w->m.version = version;
+    w->slot = mtrl_model_wshm_dev_publish(w->dev, &w->m, w->ch, version);
+}
+
+static void writer_close_(writer_ *w) {
+    mtrl_model_wshm_dev_free(w->dev);
+    mtrl_wshm_close(w->ch);
+    mtrl_model_wshm_layout_free(&w->lay);
+    mtrl_model_free(&w->m);
+}
+
+// Prints how the two actor forms compared (from `what`); returns whether every output was the same.
+static int forms_same_(const char *what, const cmp_out *o) {
+    printf("actor forms from %s: logits %s, prefill %s, decode %s, tokens %s\n", what, o->logits_same ? "same" : "DIFFER",
+           o->prefill_same ? "same" : "DIFFER", o->decode_same ? "same" : "DIFFER", o->tokens_same ? "same" : "DIFFER");
+    return o->logits_same && o->prefill_same && o->decode_same && o->tokens_same;
+}
+
+static void test_actor_forms(int bf16) {
+    writer_ w;
+    writer_open_(&w, 23, bf16, 3);
     cmp_out out;
     memset(&out, 0, sizeof out);
-    TEST_CHECK(test_wshm_reader(ch, m.version, slot, 2 + bf16, &out, sizeof out));
-    printf("actor forms from the %s slot: logits %s, prefill %s, decode %s, tokens %s; device bytes held: "
-           "fp32 + bf16 copy %.2f MB, bf16-resident %.2f MB\n", bf16 ? "bf16" : "fp32",
-           out.logits_same ? "same" : "DIFFER", out.prefill_same ? "same" : "DIFFER",
-           out.decode_same ? "same" : "DIFFER", out.tokens_same ? "same" : "DIFFER", out.held[0] / 1e6,
+    TEST_CHECK(test_wshm_reader(w.ch, w.m.version, w.slot, 2 + bf16, &out, sizeof out));
+    TEST_CHECK(forms_same_(bf16 ? "the bf16 slot" : "the fp32 slot", &out));
+    printf("  device bytes held: fp32 + bf16 copy %.2f MB, bf16-resident %.2f MB\n", out.held[0] / 1e6,
            out.held[1] / 1e6);
-    TEST_CHECK(out.logits_same && out.prefill_same && out.decode_same && out.tokens_same);
     if (bf16) TEST_CHECKF(out.digest[0] == out.digest[1] && out.digest[0] != 0, "weights %016llx vs %016llx",
                           (unsigned long long)out.digest[0], (unsigned long long)out.digest[1]);
     TEST_CHECK(out.held[1] > 0 && out.held[1] < out.held[0]);
-    mtrl_model_wshm_dev_free(dev);
-    mtrl_wshm_close(ch);
-    mtrl_model_wshm_layout_free(&lay);
-    mtrl_model_free(&m);
+    writer_close_(&w);
 }
 
 // Both forms loading one checkpoint (eval's path), in this process.
@@ -263,10 +282,7 @@ static void test_actor_forms_ckpt(void) {
     cmp_out out;
     memset(&out, 0, sizeof out);
     cmp_models_(&m[0], &m[1], &out);
-    printf("actor forms from one checkpoint: logits %s, prefill %s, decode %s, tokens %s\n",
-           out.logits_same ? "same" : "DIFFER", out.prefill_same ? "same" : "DIFFER",
-           out.decode_same ? "same" : "DIFFER", out.tokens_same ? "same" : "DIFFER");
-    TEST_CHECK(out.logits_same && out.prefill_same && out.decode_same && out.tokens_same);
+    TEST_CHECK(forms_same_("one checkpoint", &out));
     for (int i = 0; i < 2; i++) mtrl_model_free(&m[i]);
     mtrl_model_free(&src);
     free(blob);
@@ -285,45 +301,32 @@ static uint64_t read_in_child_(const mtrl_wshm *ch, uint32_t version, int slot, 
 }
 
 static void test_ipc(int bf16) {
-    mtrl_model_dims d = test_model_dims("preset = tiny\n", MTRL_VOCAB);
-    mtrl_model m;
-    mtrl_error err;
-    TEST_EQ_INT(mtrl_model_init_on(&m, &d, 5, MTRL_DEVICE_CUDA, 0, &err), MTRL_OK);
-    test_model_perturb(&m, 11);
-    mtrl_model_to_device(&m);
-    mtrl_wshm_layout lay;
-    mtrl_model_wshm_layout(&m, bf16, &lay);
-    mtrl_wshm *ch;
-    mtrl_model_wshm_dev *dev;
-    TEST_EQ_INT(mtrl_wshm_create(&ch, MTRL_WSHM_DEVICE, lay.slot_bytes, lay.hash, &err), MTRL_OK);
-    TEST_EQ_INT(mtrl_model_wshm_dev_create(&dev, &m, &lay, ch, &err), MTRL_OK);
-    m.version = 17;
-    int slot = mtrl_model_wshm_dev_publish(dev, &m, ch, m.version);
-    uint64_t want = test_wshm_zmq_digest(&m, bf16); // mtrl_model_save* refresh the host mirror
-    if (!bf16) TEST_CHECK(want == test_wshm_digest(&m));
-    uint64_t got = read_in_child_(ch, 17, slot, bf16);
+    writer_ w;
+    writer_open_(&w, 11, bf16, 17);
+    mtrl_model *m = &w.m;
+    uint64_t want = test_wshm_zmq_digest(m, bf16); // mtrl_model_save* refresh the host mirror
+    if (!bf16) TEST_CHECK(want == test_wshm_digest(m));
+    uint64_t got = read_in_child_(w.ch, 17, w.slot, bf16);
     TEST_CHECKF(got == want, "version 17: the reader's weights %016llx, the ZeroMQ path's %016llx", (unsigned long long)got,
                 (unsigned long long)want);
     // Two more versions, the slots alternating, nobody waited for; the last one is read.
     for (int k = 0; k < 2; k++) {
-        test_model_perturb(&m, 100 + (uint64_t)k);
-        mtrl_model_to_device(&m);
-        m.version++;
-        int s2 = mtrl_model_wshm_dev_publish(dev, &m, ch, m.version);
-        TEST_EQ_INT(s2, slot ^ 1);
-        slot = s2;
+        test_model_perturb(m, 100 + (uint64_t)k);
+        mtrl_model_to_device(m);
+        m->version++;
+        int s2 = mtrl_model_wshm_dev_publish(w.dev, m, w.ch, m->version);
+        TEST_EQ_INT(s2, w.slot ^ 1);
+        w.slot = s2;
     }
-    want = test_wshm_zmq_digest(&m, bf16);
-    got = read_in_child_(ch, m.version, slot, bf16);
-    TEST_CHECKF(got == want, "version %u: the reader's weights %016llx, the ZeroMQ path's %016llx", m.version,
+    want = test_wshm_zmq_digest(m, bf16);
+    got = read_in_child_(w.ch, m->version, w.slot, bf16);
+    TEST_CHECKF(got == want, "version %u: the reader's weights %016llx, the ZeroMQ path's %016llx", m->version,
                 (unsigned long long)got, (unsigned long long)want);
     // Version 17 and 19 share a slot: 17 is gone from it.
     mtrl_wshm_ticket t;
-    TEST_EQ_INT(mtrl_wshm_read_begin(ch, 17, slot, &t, NULL, &err), MTRL_ERR_NOTFOUND);
-    mtrl_model_wshm_dev_free(dev);
-    mtrl_wshm_close(ch);
-    mtrl_model_wshm_layout_free(&lay);
-    mtrl_model_free(&m);
+    mtrl_error err;
+    TEST_EQ_INT(mtrl_wshm_read_begin(w.ch, 17, w.slot, &t, NULL, &err), MTRL_ERR_NOTFOUND);
+    writer_close_(&w);
 }
 
 int main(int argc, char **argv) {
