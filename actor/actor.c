@@ -56,6 +56,8 @@ typedef struct actor {
     mtrl_rollout *ro;
     int64_t credit;
     int64_t credit_full;   // the credit of the last WELCOME: nothing is in flight when credit >= it
+    int64_t credit_welcome; // what the last WELCOME granted (credit_welcome_)
+    int hello_open;        // a HELLO is out and its WELCOME has not come yet
     // weights being received
     uint8_t *wbuf;
     uint64_t wlen, wgot;
@@ -308,7 +310,25 @@ static void snapshots_resume_(actor *a) {
 
 // ---- messages from the learner -----------------------------------------------------------------------------
 
+// The credit a WELCOME brings. The answer to our HELLO (a first one, or a resynchronising one:
+// the learner counts this actor afresh too) sets it. Any other WELCOME of the run, a new stage's,
+// leaves the account running and only adds the change of the granted amount, as the learner
+// does (stage_enter_): bytes already on the way when it was sent are counted on both sides as
+// sent under the old grant. Resetting here while the learner did the same double-counted those
+// bytes on the learner's side, a credit's worth per stage change.
+static void credit_welcome_(actor *a, const mtrl_wire_msg *m, int reset) {
+    int64_t c = (int64_t)m->credit_bytes;
+    if (reset) {
+        a->credit = a->credit_full = c;
+    } else {
+        a->credit += c - a->credit_welcome;
+        a->credit_full += c - a->credit_welcome;
+    }
+    a->credit_welcome = c;
+}
+
 static void hello_(actor *a) {
+    a->hello_open = 1;
     mtrl_wire_out o;
     mtrl_wire_out_init(&o);
     mtrl_wire_encode_hello(&o, a->id, a->incarnation, 0);
@@ -410,8 +430,6 @@ static int setup_(actor *a, const mtrl_wire_msg *m) {
     a->have_cfg = 1;
     a->run_id = m->run_id;
     a->config_hash = m->config_hash;
-    a->credit = (int64_t)m->credit_bytes;
-    a->credit_full = (int64_t)m->credit_bytes;
     if (!rollout_build_(a, next_group, next_episode)) return 0;
     LOG_INFO("run %llu: %d episodes in flight, model %zu parameters", (unsigned long long)a->run_id,
              mtrl_rollout_slot_count(a->ro), mtrl_model_param_count(&a->model));
@@ -622,12 +640,14 @@ static int poll_(actor *a, int timeout_ms) {
                 // learner that was only slow) just resets the credit. A learner restarted with
                 // --resume does not know our open episodes: it drops their chunks, they are lost,
                 // and the next episodes go through.
-                if (!a->have_cfg || m.run_id != a->run_id || m.config_hash != a->config_hash) {
-                    if (!setup_(a, &m)) a->bye = 3; // the experiment cannot run here
-                } else {
-                    a->credit = (int64_t)m.credit_bytes;
-                    a->credit_full = (int64_t)m.credit_bytes;
+                {
+                    int reset = a->hello_open || !a->have_cfg || m.run_id != a->run_id;
+                    if (!a->have_cfg || m.run_id != a->run_id || m.config_hash != a->config_hash) {
+                        if (!setup_(a, &m)) a->bye = 3; // the experiment cannot run here
+                    }
+                    credit_welcome_(a, &m, reset);
                 }
+                a->hello_open = 0;
                 a->resync = 0;
                 break;
             case MTRL_WIRE_WEIGHTS: weights_chunk_(a, &m); break;

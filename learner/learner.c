@@ -54,6 +54,7 @@ typedef struct actor_rec {
                             // and actor_start_timeout_ms applies instead of heartbeat_timeout_ms)
     uint64_t owed;          // payload bytes received and not yet returned as credit
     int64_t credit;         // bytes it may still send: WELCOME's credit + grants - episode bytes received
+    int64_t credit_welcome; // what the last WELCOME granted (a stage's WELCOME adds only its change)
     int refused;            // sent beyond its credit: disconnected, its HELLOs and messages ignored
     int zmq_weights;        // gets WEIGHTS chunks (no weight channel, or it asked: WEIGHTS_REQ)
     char key[MTRL_WIRE_KEY_Z85_LEN + 1]; // under CURVE: the client key its HELLO came with
@@ -555,6 +556,7 @@ static void handle_(mtrl_learner *l, mtrl_wire_in *in) {
         a->heard = 0;
         a->zmq_weights = !l->pub.ch;
         a->credit = l->warming ? 0 : l->cfg.learner.credit_bytes; // what the WELCOME grants
+        a->credit_welcome = a->credit;
         memcpy(a->key, key, sizeof a->key);
         l->joins++;
         event_(l, MTRL_LOG_INFO, "actor %u (incarnation %u) joined", a->id, a->incarnation);
@@ -728,7 +730,10 @@ static void stage_enter_(mtrl_learner *l, int s, int next) {
             send_(l, &l->actors[i], &o);
             send_weights_(l, &l->actors[i]);
             l->actors[i].heard = 0; // it rebuilds its episodes and envs
-            l->actors[i].credit = c.learner.credit_bytes;
+            // The account runs on (the actor's credit_welcome_): bytes it sent before this
+            // WELCOME reaches it arrive here after it and are charged once, as it charged them.
+            l->actors[i].credit += c.learner.credit_bytes - l->actors[i].credit_welcome;
+            l->actors[i].credit_welcome = c.learner.credit_bytes;
         }
     mtrl_wire_out_free(&o);
 }

@@ -557,6 +557,38 @@ static void test_stages(void) {
     TEST_EQ_STR(status, "finished");
 }
 
+// A new stage's WELCOME while episode messages are in flight: the actor and the learner must
+// agree on the actor's credit afterwards. Both reset it to the WELCOME's credit once, and the
+// bytes in flight at each stage change then counted twice against it on the learner's side: at
+// the third stage of recall-1m on an H200 (2026-12-02) an actor was refused for sending "beyond
+// its credit" and its 18 open episodes were aborted. Four stages, 4 KiB of credit and 64-token
+// chunks keep messages in flight at every change.
+static void test_stage_credit(void) {
+    char ini[512], db[512], log[512], text[2048];
+    snprintf(ini, sizeof ini, "%s/stagecredit.ini", dir_);
+    snprintf(db, sizeof db, "%s/stagecredit.db", dir_);
+    snprintf(log, sizeof log, "%s/stagecredit.log", dir_);
+    snprintf(text, sizeof text,
+             "[run]\nname = stagecredit\nseed = 5\nout_dir = %s/runs-stagecredit\n[model]\npreset = tiny\n"
+             "[env]\nname = retrieval\ndoc_tokens = 200\ninline_doc = true\nmax_tool_calls = 0\n"
+             "[actor]\ncount = 2\nepisodes_in_flight = 8\nmax_turn_tokens = 8\nchunk_tokens = 64\n"
+             "[learner]\nbatch_groups = 2\ncredit_bytes = 4096\n[algo]\ngroup_size = 2\n"
+             "[stage.1]\ncontext = 600\ndoc_tokens = 400\nsteps = 1\n"
+             "[stage.2]\ncontext = 900\ndoc_tokens = 700\nsteps = 1\n"
+             "[stage.3]\ncontext = 1200\ndoc_tokens = 1000\nsteps = 1\n"
+             "[stage.4]\ncontext = 1500\ndoc_tokens = 1300\nsteps = 1\n",
+             dir_);
+    write_file(ini, text);
+    char *argv[] = {(char *)bin_, "run", ini, "--db", db, NULL};
+    TEST_EQ_INT(run_cmd(argv, log), 0);
+    int refused = query_int(db, "SELECT count(*) FROM events WHERE message LIKE '%beyond its credit%'");
+    TEST_CHECKF(refused == 0, "%d events of an actor refused for its credit across the stage changes (%s)", refused, log);
+    TEST_EQ_INT(query_int(db, "SELECT count(*) FROM metrics WHERE name = 'stage' AND value = 4"), 1);
+    char status[64];
+    query_text(db, "SELECT status FROM runs WHERE id = 1", status, sizeof status);
+    TEST_EQ_STR(status, "finished");
+}
+
 static void test_plugins(void) {
     const char *build = getenv("MTRL_BUILD");
     char so[512], ini[512], db[512], log[512];
@@ -710,6 +742,7 @@ int main(void) {
     test_plugins();
     test_curve();
     test_stages();
+    test_stage_credit();
     test_eval();
     test_sigint();
     int rc = test_report();
