@@ -100,6 +100,7 @@ struct mtrl_learner {
     mtrl_weights_pub pub;    // the same-host weight channel ([learner] publish)
     mtrl_ckpt_async *ckpt;   // the checkpoint being written in the background
     int ckpt_due;            // a checkpoint is due but waits for the one still being written
+    int ckpt_due_waited;     // the due checkpoint's one wait (CKPT_WAIT_S) is spent
     actor_rec actors[MAX_ACTORS];
     int n_actors;
     group_buf *groups;
@@ -923,16 +924,26 @@ static void rl_step_(mtrl_learner *l, int *ready, int n_ready) {
         perf_cycle_end_(l, now, 0);
     }
     l->last_reward = st.reward_mean;
-    if (l->cfg.run.checkpoint_every > 0 && l->step % l->cfg.run.checkpoint_every == 0) l->ckpt_due = 1;
+    if (l->cfg.run.checkpoint_every > 0 && l->step % l->cfg.run.checkpoint_every == 0 && !l->ckpt_due) {
+        l->ckpt_due = 1;
+        l->ckpt_due_waited = 0;
+    }
     // A checkpoint due while the previous one is still being written (a 14 GB file of `small`
     // with its moments takes ~85 s on the H200 machine's disk) is taken at the first step after
     // that write ends, rather than stalling training for it (and the actors' heartbeats); a
     // write about to end (a small model's) is waited for, so such runs checkpoint every N steps.
-    if (l->ckpt_due && checkpoint_idle_(l, CKPT_WAIT_S)) {
+    // The wait is spent once per due checkpoint: the later steps only look, or a long write
+    // would cost CKPT_WAIT_S at every step until it ends.
+    double t_wait = mtrl_time_mono();
+    if (l->ckpt_due && checkpoint_idle_(l, l->ckpt_due_waited ? 0.0 : CKPT_WAIT_S)) {
         double t_ckpt = mtrl_time_mono();
+        l->cyc.checkpoint += t_ckpt - t_wait;
         checkpoint_(l, 1);
         l->ckpt_due = 0;
         l->cyc.checkpoint += mtrl_time_mono() - t_ckpt;
+    } else if (l->ckpt_due) {
+        l->ckpt_due_waited = 1;
+        l->cyc.checkpoint += mtrl_time_mono() - t_wait;
     }
     free(batch);
 }

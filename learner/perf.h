@@ -7,7 +7,8 @@
 //               them included)
 //   publish     new weights serialised and queued to the actors (stage changes included)
 //   checkpoint  checkpoints of [run] checkpoint_every (the one at the end of the run comes
-//               after the timed window)
+//               after the timed window): the snapshot, and a due checkpoint's one wait (at
+//               most 2 s) for the previous write to end
 //   other       wall - the four: episodes and metrics recorded in SQLite, credit, bookkeeping
 // and busy = (train + publish + checkpoint) / wall, the share of the wall time it spends on the
 // work the loop needs of it (the rest is waiting for the actors, or overhead).
