@@ -505,10 +505,12 @@ static double decode_bytes_min_(const mtrl_model *m, int B, const int *ctx, cons
         double n = (double)t->nbytes / sizeof(real);
         if (!strcmp(t->name, "embed")) continue;
         double w = t->ndim >= 2 ? wsz : sizeof(real);
-        const char *ew = strstr(t->name, ".ew");
-        if (ew) {
-            int l = atoi(strstr(t->name, "layers.") ? strstr(t->name, "layers.") + 7 : "0");
-            n *= (double)distinct[l] / d->E;
+        // the same test as the FLOP count's (mtrl_model_active_matmul_params): a name of its own
+        // here (".ew", which no tensor has) counted every expert as read at every B
+        if (mtrl_model_param_is_routed_expert(t->name)) {
+            const char *ly = strstr(t->name, "layers.");
+            MTRL_CHECKF(ly, "routed expert tensor %s outside a layer", t->name);
+            n *= (double)distinct[atoi(ly + 7)] / d->E;
         }
         bytes += n * w;
     }
