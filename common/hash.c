@@ -1,7 +1,7 @@
-// hash.c: MurmurHash64A, CRC-32C and SHA-256 through libsodium (see hash.h).
+// hash.c: MurmurHash64A, CRC-32C and SHA-256 through OpenSSL's libcrypto (see hash.h).
 #include "common/hash.h"
 
-#include <sodium.h>
+#include <openssl/evp.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -145,28 +145,43 @@ static void to_hex_(const unsigned char *b, size_t n, char *hex) {
     hex[2 * n] = '\0';
 }
 
+// SHA-256 through OpenSSL's libcrypto: its SHA-NI code hashes ~7x faster than libsodium's
+// portable one on the H200 machines' Xeons (1.1 against 7.7 s/GiB measured side by side on the
+// 2-core machine), and a checkpoint's hash reads the whole file back (14 GB for `small` with its
+// moments: about a minute of the background write with libsodium).
+static int sha256_(const void *data, size_t n, FILE *f, unsigned char out[32]) {
+    EVP_MD_CTX *c = EVP_MD_CTX_new();
+    int ok = c && EVP_DigestInit_ex(c, EVP_sha256(), NULL) == 1;
+    if (ok && data) ok = EVP_DigestUpdate(c, data, n) == 1;
+    if (ok && f) {
+        enum { CHUNK = 1 << 20 };
+        unsigned char *buf = malloc(CHUNK);
+        size_t got;
+        ok = buf != NULL;
+        while (ok && (got = fread(buf, 1, CHUNK, f)) > 0) ok = EVP_DigestUpdate(c, buf, got) == 1;
+        if (ok && ferror(f)) ok = 0;
+        free(buf);
+    }
+    unsigned int len = 0;
+    if (ok) ok = EVP_DigestFinal_ex(c, out, &len) == 1 && len == 32;
+    EVP_MD_CTX_free(c);
+    return ok ? 0 : -1;
+}
+
 int mtrl_sha256_hex(const void *data, size_t n, char hex[65]) {
-    if (sodium_init() < 0) return -1;
-    unsigned char out[crypto_hash_sha256_BYTES];
-    crypto_hash_sha256(out, data, n);
+    unsigned char out[32];
+    if (sha256_(data ? data : "", data ? n : 0, NULL, out) != 0) return -1;
     to_hex_(out, sizeof out, hex);
     return 0;
 }
 
 int mtrl_sha256_file_hex(const char *path, char hex[65]) {
-    if (sodium_init() < 0) return -1;
     FILE *f = fopen(path, "rb");
     if (!f) return -1;
-    crypto_hash_sha256_state st;
-    crypto_hash_sha256_init(&st);
-    unsigned char buf[1 << 16];
-    size_t got;
-    while ((got = fread(buf, 1, sizeof buf, f)) > 0) crypto_hash_sha256_update(&st, buf, got);
-    int bad = ferror(f);
+    unsigned char out[32];
+    int rc = sha256_(NULL, 0, f, out);
     fclose(f);
-    if (bad) return -1;
-    unsigned char out[crypto_hash_sha256_BYTES];
-    crypto_hash_sha256_final(&st, out);
+    if (rc != 0) return -1;
     to_hex_(out, sizeof out, hex);
     return 0;
 }

@@ -4,7 +4,7 @@
 // hashes and stream ids; stable across machines (little-endian reads). mtrl_hash64_stream lets
 // a digest be built from pieces: the result equals hashing the concatenation only when the
 // pieces are fed in the same order and sizes, so producers and checkers must agree on framing.
-// mtrl_crc32c: CRC-32C (Castagnoli) for framed records. mtrl_sha256: SHA-256 (libsodium) for
+// mtrl_crc32c: CRC-32C (Castagnoli) for framed records. mtrl_sha256: SHA-256 (OpenSSL's libcrypto) for
 // checkpoints, hex-encoded into a 65-byte buffer.
 #ifndef MTRL_HASH_H
 #define MTRL_HASH_H
@@ -23,7 +23,7 @@ static inline uint64_t mtrl_hash64_feed(uint64_t h, const void *data, size_t n) 
 
 uint32_t mtrl_crc32c(uint32_t crc, const void *data, size_t n);
 
-// hex must hold 65 bytes. Returns 0, or -1 when libsodium could not be initialised.
+// hex must hold 65 bytes. Returns 0, or -1 when the digest failed (or, for a file, it could not be read).
 int mtrl_sha256_hex(const void *data, size_t n, char hex[65]);
 
 // Streaming SHA-256 of a file's bytes; returns 0 or -1 on a read error.

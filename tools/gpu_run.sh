@@ -31,7 +31,7 @@ prepare)
   # the carry limit is 64 MiB with the tracked tree: the binaries travel without debug sections
   # or symbol tables (the sm_90a attention kernels took the set past it with symbols)
   strip --strip-all .carry/dev/mtrl .carry/dev/test_cuda_*
-  for l in libzmq.so.5 libsodium.so.23 libpgm-5.3.so.0 libnorm.so.1 libbsd.so.0 libmd.so.0 libinih.so.1 libjansson.so.4 libpcre2-8.so.0 libpng16.so.16; do
+  for l in libzmq.so.5 libsodium.so.23 libpgm-5.3.so.0 libnorm.so.1 libbsd.so.0 libmd.so.0 libinih.so.1 libjansson.so.4 libpcre2-8.so.0 libpng16.so.16 libcrypto.so.3; do
     cp -L "/lib/x86_64-linux-gnu/$l" .carry/dev/lib/
   done
   ;;

@@ -7,7 +7,7 @@ cd "$(dirname "$0")/.."
 
 packages=(build-essential cmake ninja-build pkg-config python3 sqlite3
           libzmq3-dev libsqlite3-dev libcurl4-openssl-dev libinih-dev libsodium-dev
-          libpcre2-dev libjansson-dev libpng-dev)
+          libpcre2-dev libjansson-dev libpng-dev libssl-dev)
 missing=()
 for p in "${packages[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
