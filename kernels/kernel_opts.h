@@ -44,9 +44,9 @@ typedef struct mtrl_kernel_opts {
     int kda_seq_pieces;
     int kda_plain_bf16;     // 1: v3's records in plain bf16 instead of bf16x3 (forward only)
     int moe_lanes;          // GEMM lanes (streams) of the MoE experts: 0 = all, 1 = one stream
-    // The grouped experts' forward on bf16 operands (moe/experts_mma.cu): AUTO (wgmma on compute
-    // capability 9.0 above 64 rows per expert on average, mma.sync below), MMA (never wgmma) or
-    // WGMMA (wgmma wherever the device runs it, any rows).
+    // The grouped experts' row GEMMs (forward; backward dm, dX) on bf16 operands
+    // (moe/experts_mma.cu): AUTO (wgmma on compute capability 9.0 above 64 rows per expert on
+    // average, mma.sync below), MMA (never wgmma) or WGMMA (wgmma wherever the device runs it).
     int moe;
     int gemm;               // MTRL_KGEMM_*: the dense and expert GEMMs' precision
     int latent_fp32;        // 1: MLA latent caches in fp32 instead of bf16

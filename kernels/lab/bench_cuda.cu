@@ -571,7 +571,7 @@ void bench_moe_grouped(Bench &B, int E, int D, int F, bool tf32) {
             for (int ki = 0; ki < 2; ki++) {
                 scoped_opts so(B.c);
                 B.c->opts.moe = kern[ki];
-                if (mtrl_moe_grouped_fwd_kernel(B.c, E, (long)R, MTRL_BF16) != kern[ki]) continue;  // no wgmma here
+                if (mtrl_moe_grouped_kernel(B.c, E, (long)R, MTRL_BF16) != kern[ki]) continue;  // no wgmma here
                 double ms_g = time_ms(B, [&] { mtrl_moe_grouped_gemm(B.c, E, (long)R, d_off, F, D, Xh, W1h, MTRL_BF16, Yp); });
                 char what[64];
                 snprintf(what, sizeof what, "grouped GEMM bf16 (%s)", kname[ki]);
@@ -592,7 +592,7 @@ void bench_moe_grouped(Bench &B, int E, int D, int F, bool tf32) {
                 if (!prec) {  // the bf16 forward on wgmma, where the device runs it
                     scoped_opts so(B.c);
                     B.c->opts.moe = MTRL_KOPT_WGMMA;
-                    if (mtrl_moe_grouped_fwd_kernel(B.c, E, (long)R, type) == MTRL_KOPT_WGMMA) {
+                    if (mtrl_moe_grouped_kernel(B.c, E, (long)R, type) == MTRL_KOPT_WGMMA) {
                         double ms = time_ms(B, [&] {
                             mtrl_moe_experts_grouped_fwd(B.c, E, D, I, (long)R, d_off, X, W1, W3, W2, type, u1, u3, Yp);
                         });
@@ -623,7 +623,7 @@ void bench_moe_grouped(Bench &B, int E, int D, int F, bool tf32) {
                 }
                 int path = mtrl_moe_experts_path(B.c, E, D, I, (long)R, type);
                 int fpath = mtrl_moe_experts_fwd_path(B.c, E, D, I, (long)R, type);
-                int fk = mtrl_moe_grouped_fwd_kernel(B.c, E, (long)R, type);
+                int fk = mtrl_moe_grouped_kernel(B.c, E, (long)R, type);
                 printf("%-34s %-34s chooser: fwd %s, bwd %s (fwd+bwd grouped mma %.3f ms, lanes %.3f ms)\n", "", "",
                        fpath == MTRL_MOE_LANES ? "lanes" : fk == MTRL_KOPT_WGMMA ? "grouped wgmma" : "grouped mma",
                        path == MTRL_MOE_GROUPED ? "grouped" : "lanes", t[0] + t[2], t[1] + t[3]);
