@@ -589,7 +589,7 @@ void bench_moe_grouped(Bench &B, int E, int D, int F, bool tf32) {
                 mtrl_cuda_ctx_set_tf32(B.c, prec);
                 const char *pn = prec ? "TF32" : "bf16";
                 double t[4];
-                if (!prec) {  // the bf16 forward on wgmma, where the device runs it
+                if (!prec) {  // bf16 on wgmma (the backward's dm and dX; dW on mma), where the device runs it
                     scoped_opts so(B.c);
                     B.c->opts.moe = MTRL_KOPT_WGMMA;
                     if (mtrl_moe_grouped_kernel(B.c, E, (long)R, type) == MTRL_KOPT_WGMMA) {
@@ -597,6 +597,11 @@ void bench_moe_grouped(Bench &B, int E, int D, int F, bool tf32) {
                             mtrl_moe_experts_grouped_fwd(B.c, E, D, I, (long)R, d_off, X, W1, W3, W2, type, u1, u3, Yp);
                         });
                         row("experts fwd bf16 grouped wgmma", shape, ms, 6.0 * R * D * I, "TFLOP/s", B.gemm_tflops);
+                        ms = time_ms(B, [&] {
+                            mtrl_moe_experts_grouped_bwd(B.c, E, D, I, (long)R, d_off, X, W1, W3, W2, type, u1, u3, Yp, dX,
+                                                         dW1, dW3, dW2);
+                        });
+                        row("experts bwd bf16 grouped wgmma", shape, ms, 12.0 * R * D * I, "TFLOP/s", B.gemm_tflops);
                     }
                 }
                 {
@@ -607,14 +612,18 @@ void bench_moe_grouped(Bench &B, int E, int D, int F, bool tf32) {
                     });
                 }
                 t[1] = time_ms(B, [&] { mtrl_moe_experts_fwd(B.c, E, D, I, off.data(), X, W1, W3, W2, type, u1, u3, Yp); });
-                t[2] = time_ms(B, [&] {
-                    mtrl_moe_experts_grouped_bwd(B.c, E, D, I, (long)R, d_off, X, W1, W3, W2, type, u1, u3, Yp, dX, dW1,
-                                                 dW3, dW2);
-                });
+                {
+                    scoped_opts so(B.c);
+                    B.c->opts.moe = MTRL_KOPT_MMA;
+                    t[2] = time_ms(B, [&] {
+                        mtrl_moe_experts_grouped_bwd(B.c, E, D, I, (long)R, d_off, X, W1, W3, W2, type, u1, u3, Yp, dX,
+                                                     dW1, dW3, dW2);
+                    });
+                }
                 t[3] = time_ms(B, [&] {
                     mtrl_moe_experts_bwd(B.c, E, D, I, off.data(), X, W1, W3, W2, type, u1, u3, Yp, dX, dW1, dW3, dW2);
                 });
-                const char *names[4] = {"experts fwd %s grouped mma", "experts fwd %s lanes", "experts bwd %s grouped",
+                const char *names[4] = {"experts fwd %s grouped mma", "experts fwd %s lanes", "experts bwd %s grouped mma",
                                         "experts bwd %s lanes"};
                 for (int i = 0; i < 4; i++) {
                     char what[64];
