@@ -189,6 +189,7 @@
     X(kernels, kda_seq_pieces, INT, "0", 0, 64, NULL, "sequence pieces of the chunk-parallel KDA forward, whose pieces run side by side from each piece's incoming state (0 = chosen from the heads, the length and the SM count; 1 = the sequential forward; N = N pieces)") \
     X(kernels, kda_records, ENUM, "bf16x3", 0, 0, "bf16x3|bf16", "operands of the v3 KDA forward's records: bf16x3 (split bf16, ~16 bits) or plain bf16") \
     X(kernels, moe_lanes, INT, "0", 0, 8, NULL, "CUDA streams the MoE experts' GEMMs spread over (0 = all 8, 1 = one stream)") \
+    X(kernels, moe, ENUM, "auto", 0, 0, "auto|mma|wgmma", "the grouped MoE experts' row GEMMs (forward, and the backward's dm and dX) on bf16 operands: auto (wgmma + TMA on an H100/H200 above 64 rows per expert on average, mma.sync below), mma (never wgmma) or wgmma (wherever the device runs it)") \
     X(kernels, gemm, ENUM, "model", 0, 0, "model|tf32|fp32|bf16", "precision of the projection and expert GEMMs: model ([model] gemm), tf32, fp32, or bf16 operands (fp32 accumulation, fp32 master weights)") \
     X(kernels, latent, ENUM, "bf16", 0, 0, "bf16|fp32", "element type of the MLA latent caches on a GPU") \
     X(kernels, attn_operands, ENUM, "bf16", 0, 0, "bf16|fp32", "operands of the causal attention on a GPU: bf16 (the tiled kernels) or fp32 (an untiled check kernel, for comparing with an fp32 reference; needs latent = fp32)") \

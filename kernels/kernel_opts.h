@@ -19,7 +19,7 @@
 #define MTRL_KERNEL_OPTS_H
 
 // The method of an op's kernel. AUTO: the fastest that takes the shape.
-enum { MTRL_KOPT_AUTO = 0, MTRL_KOPT_SIMT = 1, MTRL_KOPT_MMA = 2 };
+enum { MTRL_KOPT_AUTO = 0, MTRL_KOPT_SIMT = 1, MTRL_KOPT_MMA = 2, MTRL_KOPT_WGMMA = 3 };
 // Precision of the projection and expert GEMMs (gemm): MODEL follows the model's [model] gemm.
 enum { MTRL_KGEMM_MODEL = 0, MTRL_KGEMM_TF32 = 1, MTRL_KGEMM_FP32 = 2, MTRL_KGEMM_BF16 = 3 };
 
@@ -44,6 +44,10 @@ typedef struct mtrl_kernel_opts {
     int kda_seq_pieces;
     int kda_plain_bf16;     // 1: v3's records in plain bf16 instead of bf16x3 (forward only)
     int moe_lanes;          // GEMM lanes (streams) of the MoE experts: 0 = all, 1 = one stream
+    // The grouped experts' row GEMMs (forward; backward dm, dX) on bf16 operands
+    // (moe/experts_mma.cu): AUTO (wgmma on compute capability 9.0 above 64 rows per expert on
+    // average, mma.sync below), MMA (never wgmma) or WGMMA (wgmma wherever the device runs it).
+    int moe;
     int gemm;               // MTRL_KGEMM_*: the dense and expert GEMMs' precision
     int latent_fp32;        // 1: MLA latent caches in fp32 instead of bf16
     // 1: causal attention on fp32 operands (mtrl_attn_causal_fwd_f32: a check of the model against

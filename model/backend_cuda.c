@@ -697,14 +697,16 @@ static int experts_operands_(BE *be, int E, int D, int I, size_t R, const void *
     return MTRL_BF16;
 }
 // The experts on the host offsets h [E+1], in the backend's operand type: the grouped kernels
-// (on the device offsets `off`) where mtrl_moe_experts_path picks them, else the per-expert
-// chains of mtrl_moe_experts_fwd / _bwd. off is NULL for the dense FFN (E = 1: the chains).
+// (on the device offsets `off`) where mtrl_moe_experts_path (the forward: _fwd_path) picks
+// them, else the per-expert chains of mtrl_moe_experts_fwd / _bwd. off is NULL for the dense
+// FFN (E = 1: the chains).
 // The grouped kernels also need 16-byte aligned operands (p [n]).
 static int experts_grouped_(BE *be, int E, int D, int I, const int *off, long R, int type, const void *const *p,
-                            int n) {
+                            int n, int fwd) {
     for (int i = 0; i < n; i++)
         if ((uintptr_t)p[i] & 15) return 0;
-    return off && mtrl_moe_experts_path(CTX(be), E, D, I, R, type) == MTRL_MOE_GROUPED;
+    int path = fwd ? mtrl_moe_experts_fwd_path(CTX(be), E, D, I, R, type) : mtrl_moe_experts_path(CTX(be), E, D, I, R, type);
+    return off && path == MTRL_MOE_GROUPED;
 }
 // R rows; h the host offsets, or NULL: read back here only where the chains need them.
 static void experts_fwd_(BE *be, int E, int D, int I, const int *off, int R, const int *h, const real *X,
@@ -712,7 +714,7 @@ static void experts_fwd_(BE *be, int E, int D, int I, const int *off, int R, con
     const void *op[4] = {X, W1, W3, W2};
     int type = experts_operands_(be, E, D, I, (size_t)R, op);
     const void *p[7] = {op[0], op[1], op[2], op[3], u1, u3, Y};
-    if (experts_grouped_(be, E, D, I, off, R, type, p, 7)) {
+    if (experts_grouped_(be, E, D, I, off, R, type, p, 7, 1)) {
         OK(mtrl_moe_experts_grouped_fwd(CTX(be), E, D, I, R, off, op[0], op[1], op[2], op[3], type, u1, u3, Y));
         return;
     }
@@ -726,7 +728,7 @@ static void experts_bwd_(BE *be, int E, int D, int I, const int *off, const int 
     const void *op[4] = {X, W1, W3, W2};
     int type = experts_operands_(be, E, D, I, (size_t)h[E], op);
     const void *p[11] = {op[0], op[1], op[2], op[3], u1, u3, dY, dX, dW1, dW3, dW2};  // NULL is aligned
-    if (experts_grouped_(be, E, D, I, off, h[E], type, p, 11))
+    if (experts_grouped_(be, E, D, I, off, h[E], type, p, 11, 0))
         OK(mtrl_moe_experts_grouped_bwd(CTX(be), E, D, I, h[E], off, op[0], op[1], op[2], op[3], type, u1, u3, dY, dX,
                                         dW1, dW3, dW2));
     else

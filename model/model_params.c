@@ -42,6 +42,7 @@ void mtrl_kernel_opts_from_config(mtrl_kernel_opts *o, const mtrl_cfg_kernels *k
     o->kda_seq_pieces = (int)k->kda_seq_pieces;
     o->kda_plain_bf16 = !strcmp(k->kda_records, "bf16");
     o->moe_lanes = (int)k->moe_lanes;
+    o->moe = choice_(k->moe, "auto|simt|mma|wgmma"); // MTRL_KOPT_AUTO, _MMA, _WGMMA (no simt)
     o->gemm = choice_(k->gemm, "model|tf32|fp32|bf16"); // MTRL_KGEMM_*
     o->latent_fp32 = !strcmp(k->latent, "fp32");
     o->attn_fp32 = !strcmp(k->attn_operands, "fp32");

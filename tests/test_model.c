@@ -891,7 +891,7 @@ static void test_kernel_opts(void) {
     TEST_CHECKF(!memcmp(&d.kern, &zero, sizeof zero), "the default [kernels] section is not the zeroed options");
     d = dims_of_text_("[kernels]\nattn = mma\ndecode = simt\nkda_fwd = simt\nkda_bwd = simt\nkda_bwd_tile = simt\n"
                       "kda_tile_threads = 256\nkda_fwd_pieces = 3\nkda_bwd_pieces = 2\nkda_seq_pieces = 5\n"
-                      "kda_records = bf16\nmoe_lanes = 1\ngemm = bf16\nlatent = fp32\n");
+                      "kda_records = bf16\nmoe_lanes = 1\nmoe = wgmma\ngemm = bf16\nlatent = fp32\n");
     const mtrl_kernel_opts *o = &d.kern;
     TEST_EQ_INT(o->attn, MTRL_KOPT_MMA);
     TEST_EQ_INT(o->decode, MTRL_KOPT_SIMT);
@@ -904,6 +904,8 @@ static void test_kernel_opts(void) {
     TEST_EQ_INT(o->kda_seq_pieces, 5);
     TEST_EQ_INT(o->kda_plain_bf16, 1);
     TEST_EQ_INT(o->moe_lanes, 1);
+    TEST_EQ_INT(o->moe, MTRL_KOPT_WGMMA);
+    TEST_EQ_INT(dims_of_text_("[kernels]\nmoe = mma\n").kern.moe, MTRL_KOPT_MMA);
     TEST_EQ_INT(o->gemm, MTRL_KGEMM_BF16);
     TEST_EQ_INT(o->latent_fp32, 1);
     TEST_EQ_INT(dims_of_text_("[kernels]\nattn = simt\n").kern.attn, MTRL_KOPT_SIMT);

@@ -364,6 +364,15 @@ int mtrl_moe_grouped_gemm(mtrl_cuda_ctx *ctx, int E, long R, const int *offsets,
 // cuBLAS chains on the GEMM lanes). The rules and why: moe/experts_mma.cu.
 enum { MTRL_MOE_LANES = 0, MTRL_MOE_GROUPED = 1 };
 int mtrl_moe_experts_path(const mtrl_cuda_ctx *ctx, int E, int D, int I, long R, int type);
+// The same choice for the forward alone: MTRL_MOE_GROUPED also where the grouped forward runs
+// on wgmma (below), which outruns the lanes at every row count it takes.
+int mtrl_moe_experts_fwd_path(const mtrl_cuda_ctx *ctx, int E, int D, int I, long R, int type);
+// The kernel of the grouped row GEMMs (the forward's, mtrl_moe_grouped_gemm, and the backward's
+// dm and dX; the weight gradients are always mma's) for these operands, by the option moe
+// (kernel_opts.h): MTRL_KOPT_WGMMA (bf16 on compute capability 9.0: warpgroup MMA fed by TMA,
+// moe/sm90a/experts_wgmma.cu; a launch falls back to mma if the driver declines a tensor map)
+// or MTRL_KOPT_MMA (moe/experts_mma.cu).
+int mtrl_moe_grouped_kernel(const mtrl_cuda_ctx *ctx, int E, long R, int type);
 // load [E] (overwritten): slots per expert.
 int mtrl_moe_load_count(mtrl_cuda_ctx *ctx, int N, int E, int K, const int *sel, int *load);
 // QB practical-form update (qb_beta_from_batch): exact selections (radix select on the fp32

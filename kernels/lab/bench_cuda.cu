@@ -528,7 +528,10 @@ void bench_moe_model(Bench &B) {
 // none). Rows: one grouped GEMM X W[e]ᵀ (D -> F, bf16: the shape of torch._grouped_mm in
 // tools/anchors_grouped_mm.py, whose JSON keys the --anchors lines read), then the full SwiGLU
 // experts forward and backward (I = F) on both paths, in bf16 and, with tf32, fp32 operands as
-// TF32 (the model's default). Each block of rows ends with the path mtrl_moe_experts_path picks.
+// TF32 (the model's default). The grouped rows name their kernel: mma (mma.sync, moe/experts_mma.cu)
+// and, on an H100 / H200, wgmma (the bf16 forward on warpgroup MMA + TMA, moe/sm90a/experts_wgmma.cu),
+// each forced through the option moe in the same run. Each block of rows ends with the paths
+// mtrl_moe_experts_fwd_path / mtrl_moe_experts_path pick.
 void bench_moe_grouped(Bench &B, int E, int D, int F, bool tf32) {
     const int rows_list[4] = {16, 128, 1024, 8192};
     const int I = F;
@@ -561,11 +564,20 @@ void bench_moe_grouped(Bench &B, int E, int D, int F, bool tf32) {
             char shape[96];
             snprintf(shape, sizeof shape, "E=%d %d/exp %s %d->%d", E, rows, skew ? "skewed" : "balanced", D, F);
             double flop = 2.0 * R * D * F;
-            double ms_g = time_ms(B, [&] { mtrl_moe_grouped_gemm(B.c, E, (long)R, d_off, F, D, Xh, W1h, MTRL_BF16, Yp); });
-            row("grouped GEMM bf16 (own kernel)", shape, ms_g, flop, "TFLOP/s", B.gemm_tflops);
             char key[128];
             snprintf(key, sizeof key, "grouped_mm_E%d_K%d_N%d_rows%d_%s_tflops", E, D, F, rows, skew ? "skewed" : "balanced");
-            vs(B, key, flop / (ms_g * 1e-3) / 1e12, "the TFLOP/s of torch._grouped_mm", "P6 >= 1.0x");
+            const int kern[2] = {MTRL_KOPT_MMA, MTRL_KOPT_WGMMA};
+            const char *kname[2] = {"mma", "wgmma"};
+            for (int ki = 0; ki < 2; ki++) {
+                scoped_opts so(B.c);
+                B.c->opts.moe = kern[ki];
+                if (mtrl_moe_grouped_kernel(B.c, E, (long)R, MTRL_BF16) != kern[ki]) continue;  // no wgmma here
+                double ms_g = time_ms(B, [&] { mtrl_moe_grouped_gemm(B.c, E, (long)R, d_off, F, D, Xh, W1h, MTRL_BF16, Yp); });
+                char what[64];
+                snprintf(what, sizeof what, "grouped GEMM bf16 (%s)", kname[ki]);
+                row(what, shape, ms_g, flop, "TFLOP/s", B.gemm_tflops);
+                vs(B, key, flop / (ms_g * 1e-3) / 1e12, "the TFLOP/s of torch._grouped_mm", "P6 >= 1.0x");
+            }
             const int nl = mtrl_ctx_lanes(B.c);
             double ms_l = time_ms(B, [&] { lanes_gemm(B, nl, E, off.data(), D, F, Xh, W1h, Yp); });
             row("grouped GEMM bf16 (cuBLAS lanes)", shape, ms_l, flop, "TFLOP/s", B.gemm_tflops);
@@ -577,18 +589,41 @@ void bench_moe_grouped(Bench &B, int E, int D, int F, bool tf32) {
                 mtrl_cuda_ctx_set_tf32(B.c, prec);
                 const char *pn = prec ? "TF32" : "bf16";
                 double t[4];
-                t[0] = time_ms(B, [&] {
-                    mtrl_moe_experts_grouped_fwd(B.c, E, D, I, (long)R, d_off, X, W1, W3, W2, type, u1, u3, Yp);
-                });
+                if (!prec) {  // bf16 on wgmma (the backward's dm and dX; dW on mma), where the device runs it
+                    scoped_opts so(B.c);
+                    B.c->opts.moe = MTRL_KOPT_WGMMA;
+                    if (mtrl_moe_grouped_kernel(B.c, E, (long)R, type) == MTRL_KOPT_WGMMA) {
+                        double ms = time_ms(B, [&] {
+                            mtrl_moe_experts_grouped_fwd(B.c, E, D, I, (long)R, d_off, X, W1, W3, W2, type, u1, u3, Yp);
+                        });
+                        row("experts fwd bf16 grouped wgmma", shape, ms, 6.0 * R * D * I, "TFLOP/s", B.gemm_tflops);
+                        ms = time_ms(B, [&] {
+                            mtrl_moe_experts_grouped_bwd(B.c, E, D, I, (long)R, d_off, X, W1, W3, W2, type, u1, u3, Yp, dX,
+                                                         dW1, dW3, dW2);
+                        });
+                        row("experts bwd bf16 grouped wgmma", shape, ms, 12.0 * R * D * I, "TFLOP/s", B.gemm_tflops);
+                    }
+                }
+                {
+                    scoped_opts so(B.c);
+                    B.c->opts.moe = MTRL_KOPT_MMA;
+                    t[0] = time_ms(B, [&] {
+                        mtrl_moe_experts_grouped_fwd(B.c, E, D, I, (long)R, d_off, X, W1, W3, W2, type, u1, u3, Yp);
+                    });
+                }
                 t[1] = time_ms(B, [&] { mtrl_moe_experts_fwd(B.c, E, D, I, off.data(), X, W1, W3, W2, type, u1, u3, Yp); });
-                t[2] = time_ms(B, [&] {
-                    mtrl_moe_experts_grouped_bwd(B.c, E, D, I, (long)R, d_off, X, W1, W3, W2, type, u1, u3, Yp, dX, dW1,
-                                                 dW3, dW2);
-                });
+                {
+                    scoped_opts so(B.c);
+                    B.c->opts.moe = MTRL_KOPT_MMA;
+                    t[2] = time_ms(B, [&] {
+                        mtrl_moe_experts_grouped_bwd(B.c, E, D, I, (long)R, d_off, X, W1, W3, W2, type, u1, u3, Yp, dX,
+                                                     dW1, dW3, dW2);
+                    });
+                }
                 t[3] = time_ms(B, [&] {
                     mtrl_moe_experts_bwd(B.c, E, D, I, off.data(), X, W1, W3, W2, type, u1, u3, Yp, dX, dW1, dW3, dW2);
                 });
-                const char *names[4] = {"experts fwd %s grouped", "experts fwd %s lanes", "experts bwd %s grouped",
+                const char *names[4] = {"experts fwd %s grouped mma", "experts fwd %s lanes", "experts bwd %s grouped mma",
                                         "experts bwd %s lanes"};
                 for (int i = 0; i < 4; i++) {
                     char what[64];
@@ -596,7 +631,10 @@ void bench_moe_grouped(Bench &B, int E, int D, int F, bool tf32) {
                     row(what, shape, t[i], (i < 2 ? 6.0 : 12.0) * R * D * I, "TFLOP/s", B.gemm_tflops);
                 }
                 int path = mtrl_moe_experts_path(B.c, E, D, I, (long)R, type);
-                printf("%-34s %-34s chooser: %s (fwd+bwd grouped %.3f ms, lanes %.3f ms)\n", "", "",
+                int fpath = mtrl_moe_experts_fwd_path(B.c, E, D, I, (long)R, type);
+                int fk = mtrl_moe_grouped_kernel(B.c, E, (long)R, type);
+                printf("%-34s %-34s chooser: fwd %s, bwd %s (fwd+bwd grouped mma %.3f ms, lanes %.3f ms)\n", "", "",
+                       fpath == MTRL_MOE_LANES ? "lanes" : fk == MTRL_KOPT_WGMMA ? "grouped wgmma" : "grouped mma",
                        path == MTRL_MOE_GROUPED ? "grouped" : "lanes", t[0] + t[2], t[1] + t[3]);
                 fflush(stdout);
             }

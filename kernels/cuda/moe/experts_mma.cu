@@ -25,9 +25,14 @@
 //     free up); an empty expert's blocks return at once, leaving its gradient untouched.
 // Every output element is written by one thread in a fixed order of k: results are
 // bit-reproducible, no atomics.
+//
+// The row tiles on bf16 operands (the forward, the backward's dm and dX) have a second
+// implementation for Hopper (wgmma fed by TMA, moe/sm90a/experts_wgmma.cu), chosen by the option
+// moe (kernel_opts.h; grouped_kernel_ below).
 #include <algorithm>
 
 #include "kernels/cuda/cuda_common.cuh"
+#include "kernels/cuda/moe/sm90a/experts_wgmma.cuh"
 
 namespace {
 
@@ -476,6 +481,29 @@ extern "C" int mtrl_moe_experts_path(const mtrl_cuda_ctx *c, int E, int D, int I
     return MTRL_MOE_GROUPED;
 }
 
+// The row GEMMs' kernel for bf16 operands (kernel_opts.h, moe): wgmma (sm_90a, compute
+// capability 9.0 only) above MTRL_MOE_WGMMA_MIN_MEAN rows per expert on average under AUTO, where
+// the mma kernel's tiles are 128 rows too (so the two waste the same part of a tile on ragged
+// experts, and wgmma multiplies ~2.5x faster); below, at decode's few rows per expert, the mma
+// kernel's 32- and 64-row tiles read each expert's weights with less padding.
+#define MTRL_MOE_WGMMA_MIN_MEAN 64
+
+static int grouped_kernel_(const mtrl_cuda_ctx *c, int E, long R, int type) {
+    if (type != MTRL_BF16 || c->cc != 90 || E > MOE_WG_MAXE || c->opts.moe == MTRL_KOPT_MMA) return MTRL_KOPT_MMA;
+    if (c->opts.moe == MTRL_KOPT_WGMMA || R > (long)MTRL_MOE_WGMMA_MIN_MEAN * E) return MTRL_KOPT_WGMMA;
+    return MTRL_KOPT_MMA;
+}
+
+extern "C" int mtrl_moe_grouped_kernel(const mtrl_cuda_ctx *c, int E, long R, int type) {
+    return grouped_kernel_(c, E, R, type);
+}
+
+extern "C" int mtrl_moe_experts_fwd_path(const mtrl_cuda_ctx *c, int E, int D, int I, long R, int type) {
+    if (E > 1 && E <= GMAXE && D % 8 == 0 && I % 8 == 0 && grouped_kernel_(c, E, R, type) == MTRL_KOPT_WGMMA)
+        return MTRL_MOE_GROUPED;
+    return mtrl_moe_experts_path(c, E, D, I, R, type);
+}
+
 #define GROUPED_REQUIRE_(E, D, I, R, type, ...)                                                             \
     MTRL_CUDA_REQUIRE((E) >= 1 && (E) <= GMAXE && (D) >= 8 && (I) >= 8 && (D) % 8 == 0 && (I) % 8 == 0 &&   \
                           (R) >= 0 && (R) < (1l << 31) && ((type) == MTRL_F32 || (type) == MTRL_BF16),      \
@@ -489,6 +517,8 @@ extern "C" int mtrl_moe_grouped_gemm(mtrl_cuda_ctx *c, int E, long R, const int 
                                      const void *A, const void *B, int type, float *C) {
     GROUPED_REQUIRE_(E, N, K, R, type, A, B, C);
     if (!R) return 0;
+    if (grouped_kernel_(c, E, R, type) == MTRL_KOPT_WGMMA && !moe_wg_fwd2(c, E, N, K, R, offsets, A, B, C))
+        return 0;
     launch_rows_t_<FWD2, 128>(c, nt_args_(E, offsets, N, K, A, B, C), R, type);
     return 0;
 }
@@ -500,6 +530,12 @@ extern "C" int mtrl_moe_experts_grouped_fwd(mtrl_cuda_ctx *c, int E, int D, int 
     if (!R) return 0;
     size_t es = type == MTRL_BF16 ? 2 : 4;
     void *m = mtrl_ctx_scratch(c, (size_t)R * I * es);
+    if (grouped_kernel_(c, E, R, type) == MTRL_KOPT_WGMMA &&
+        !moe_wg_fwd13(c, E, I, D, R, offsets, X_perm, W1, W3, u1, u3, m)) {
+        if (moe_wg_fwd2(c, E, D, I, R, offsets, m, W2, Y_perm))
+            launch_rows_t_<FWD2, 128>(c, nt_args_(E, offsets, D, I, m, W2, Y_perm), R, type);
+        return 0;
+    }
     GArgs a = {};
     a.off = offsets, a.E = E, a.N = I, a.K = D;
     a.A[0] = X_perm, a.lda = D;
@@ -536,13 +572,14 @@ extern "C" int mtrl_moe_experts_grouped_bwd(mtrl_cuda_ctx *c, int E, int D, int 
     a.B[0] = W2, a.ldb = I, a.sB = (long long)D * I;
     a.U[0] = u1, a.U[1] = u3;
     a.O[0] = m, a.O[1] = du1, a.O[2] = du3;
-    launch_rows_t_<BWD_DM, 128>(c, a, R, type);
+    const bool wg = grouped_kernel_(c, E, R, type) == MTRL_KOPT_WGMMA;
+    if (!wg || moe_wg_bwd_dm(c, E, I, D, R, offsets, dY, W2, u1, u3, m, du1, du3)) launch_rows_t_<BWD_DM, 128>(c, a, R, type);
     GArgs b = {};  // dX = du1 W1[e] + du3 W3[e]
     b.off = offsets, b.E = E, b.N = D, b.K = I;
     b.A[0] = du1, b.A[1] = du3, b.lda = I;
     b.B[0] = W1, b.B[1] = W3, b.ldb = D, b.sB = (long long)I * D;
     b.C[0] = dX_perm, b.ldc = D;
-    launch_rows_t_<BWD_DX, 128>(c, b, R, type);
+    if (!wg || moe_wg_bwd_dx(c, E, D, I, R, offsets, du1, du3, W1, W3, dX_perm)) launch_rows_t_<BWD_DX, 128>(c, b, R, type);
     if (dW2) {  // dW2[e] += dYᵀ m
         GArgs w = {};
         w.off = offsets, w.E = E, w.M = D, w.N = I, w.beta = 1.f;
