@@ -40,7 +40,7 @@ extern "C" {
 // v + s*ldv + j*Dv (v may alias k: the absorbed form passes v = k, ldv = ldk, Dv = dc < Dk).
 // Query row i sits at absolute position Tk − Tq + i (Tq <= Tk) and sees keys 0..that
 // position, so a segment of Tq new tokens attends to the whole prefix.
-// One sequence per call: packed batches call it per sequence (the mask restarts there).
+// One sequence per call (a packed batch: the varlen forms below, the mask restarting per piece).
 // o [Tq][H][Dv]; lse [Tq][H]: log Σ_s exp(scale q·k_s), saved for the backward.
 void mtrl_ref_attn_causal_fwd(int Tq, int Tk, int H, int Hk, int Dk, int Dv, real scale, const real *q,
                      const real *k, int ldk, const real *v, int ldv, real *o, real *lse);

@@ -57,6 +57,8 @@
 //            So S and dP are computed twice (7 products instead of FA2's 5): the price of a
 //            deterministic dq without floating-point atomics.
 // attn = simt (kernel_opts.h) selects the v1 kernels of mla/attn_decode.cu (read at each call).
+// Every kernel also has a varlen form (VL = true: one launch over many packed pieces, each block's
+// piece and tile from a work list; attn/varlen.cuh), bit for bit the per-piece launches.
 #include <math.h>
 #include <stdlib.h>
 

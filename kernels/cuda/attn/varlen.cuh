@@ -59,8 +59,9 @@ struct AttnVlTab {
 // Builds the tables of n pieces (qo, ko: host [n + 1], ko from the caller or equal to qo; both
 // rebased to start at 0 by the caller) for G query heads per key head and H heads: the pieces'
 // npad (Tq rounded up to 64) prefix times H in lo. Pieces without query rows get no items (their
-// per-piece calls launch nothing). Returns the bytes to upload.
-static inline size_t attn_vl_build(AttnVlTab &t, int n, const int *qo, const int *ko, int H, int G) {
+// per-piece calls launch nothing). with_keys: also the key-tile lists (the backward's dK / dV;
+// the forward's prefill form has long key ranges it does not tile). Returns the bytes to upload.
+static inline size_t attn_vl_build(AttnVlTab &t, int n, const int *qo, const int *ko, int H, int G, bool with_keys) {
     t.n = n;
     t.G = G;
     t.qo.assign(qo, qo + n + 1);
@@ -79,7 +80,7 @@ static inline size_t attn_vl_build(AttnVlTab &t, int n, const int *qo, const int
         int p, b;
     };
     std::vector<W> items;
-    for (int keys = 0; keys < 2; keys++)
+    for (int keys = 0; keys < (with_keys ? 2 : 1); keys++)
         for (int s = 0; s < VL_NTILE; s++) {
             const int tile = 32 << s;
             items.clear();
@@ -105,6 +106,8 @@ static inline size_t attn_vl_build(AttnVlTab &t, int n, const int *qo, const int
                 t.host.push_back(x.b);
             }
         }
+    if (!with_keys)
+        for (int s = 0; s < VL_NTILE; s++) t.at_keys[s] = t.nkeys[s] = 0;
     t.dev = nullptr;
     return sizeof(int) * t.host.size();
 }

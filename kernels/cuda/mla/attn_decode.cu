@@ -17,6 +17,8 @@
 //             attn_bwd_dkv_k, grid (key blocks of 32, Hk): for every row block that sees the
 //             keys, recompute P and dZ and accumulate dK = scale dZᵀ Q and dV = Pᵀ dO in
 //             registers (one accumulator when V aliases K), added once to dk / dv.
+// Varlen (mtrl_attn_causal_fwd_varlen / _bwd_varlen): the tables of attn/varlen.cuh, then v2 / v3
+// (attn/causal_mma.cu) or these kernels' VL forms, one launch each for all pieces.
 // Decode (mtrl_mla_decode_absorbed): three launches.
 //   mla_absorb_q_k: q̃ = [W_UKᵀ qⁿ ; qʳ] for every (sequence, head) (fp32, one kernel for the
 //      product and the rope slice).
@@ -698,7 +700,7 @@ extern "C" int mtrl_attn_causal_bwd(mtrl_cuda_ctx *c, int Tq, int Tk, int H, int
 // caller moves its pointers to the first piece's rows). -1 with a message when they are not pieces of a
 // packed call.
 static int attn_vl_prep_(const char *fn, AttnVlTab &t, int n, const int *qo_h, const int *ko_h, int H, int Hk,
-                         size_t *bytes) {
+                         bool bwd, size_t *bytes) {
     if (n < 0 || (n > 0 && !qo_h) || n > (1 << 24)) {
         fprintf(stderr, "%s: n = %d pieces with offsets %s\n", fn, n, qo_h ? "given" : "NULL");
         return -1;
@@ -715,7 +717,7 @@ static int attn_vl_prep_(const char *fn, AttnVlTab &t, int n, const int *qo_h, c
                     qo[i + 1] - qo[i], ko[i + 1] - ko[i]);
             return -1;
         }
-    *bytes = attn_vl_build(t, n, qo.data(), ko.data(), H, H / Hk);
+    *bytes = attn_vl_build(t, n, qo.data(), ko.data(), H, H / Hk, bwd);
     return 0;
 }
 
@@ -725,7 +727,7 @@ extern "C" int mtrl_attn_causal_fwd_varlen(mtrl_cuda_ctx *c, int n, const int *q
                                            float *lse) {
     AttnVlTab t;
     size_t tb = 0;
-    if (attn_vl_prep_(__func__, t, n, qoffs_host, koffs_host, H, Hk, &tb)) return -1;
+    if (attn_vl_prep_(__func__, t, n, qoffs_host, koffs_host, H, Hk, false, &tb)) return -1;
     const size_t q0 = n ? (size_t)qoffs_host[0] : 0, k0 = n ? (size_t)(koffs_host ? koffs_host : qoffs_host)[0] : 0;
     q += q0 * H * Dk, o += q0 * H * Dv, lse += q0 * H, k += k0 * ldk, v += k0 * ldv;  // the tables are from 0
     AttnArgs a;
@@ -750,9 +752,35 @@ extern "C" int mtrl_attn_causal_bwd_varlen(mtrl_cuda_ctx *c, int n, const int *q
                                            const mtrl_bf16 *k, int ldk, const mtrl_bf16 *v, int ldv, const float *o,
                                            const float *lse, const mtrl_bf16 *dout, float *dq, float *dk,
                                            float *dv) {
+    // v3's head-major lse / D copies take 64 rows per piece and head at least: a pack of many
+    // tiny pieces runs as groups of consecutive pieces whose copies take no more than one
+    // sequence of the pack's length would (or the longest piece's), so the scratch stays what the
+    // planner counts (model_plan.c). The pieces are independent: the same bits either way.
+    if (n > 1 && qoffs_host) {
+        const int *kh = koffs_host ? koffs_host : qoffs_host;
+        long long cap = ((long long)qoffs_host[n] - qoffs_host[0] + 63) / 64 * 64, sum = 0;
+        for (int i = 0; i < n; i++) {
+            const long long np = (qoffs_host[i + 1] - qoffs_host[i] + 63LL) / 64 * 64;
+            cap = np > cap ? np : cap;
+            sum += np;
+        }
+        if (sum > cap)
+            for (int p0 = 0, p1; p0 < n; p0 = p1) {
+                long long g = 0;
+                for (p1 = p0; p1 < n; p1++) {
+                    const long long np = (qoffs_host[p1 + 1] - qoffs_host[p1] + 63LL) / 64 * 64;
+                    if (p1 > p0 && g + np > cap) break;
+                    g += np;
+                }
+                if (mtrl_attn_causal_bwd_varlen(c, p1 - p0, qoffs_host + p0, kh + p0, H, Hk, Dk, Dv, scale, q, k,
+                                                ldk, v, ldv, o, lse, dout, dq, dk, dv))
+                    return -1;
+            }
+        if (sum > cap) return 0;
+    }
     AttnVlTab t;
     size_t tb = 0;
-    if (attn_vl_prep_(__func__, t, n, qoffs_host, koffs_host, H, Hk, &tb)) return -1;
+    if (attn_vl_prep_(__func__, t, n, qoffs_host, koffs_host, H, Hk, true, &tb)) return -1;
     const size_t q0 = n ? (size_t)qoffs_host[0] : 0, k0 = n ? (size_t)(koffs_host ? koffs_host : qoffs_host)[0] : 0;
     q += q0 * H * Dk, o += q0 * H * Dv, lse += q0 * H, dout += q0 * H * Dv, dq += q0 * H * Dk;
     k += k0 * ldk, v += k0 * ldv, dk += k0 * ldk, dv += k0 * ldv;  // the tables are from 0

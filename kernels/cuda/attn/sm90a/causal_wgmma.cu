@@ -16,6 +16,8 @@
 //                      warp, because dK and dV take 255 registers per consumer thread.
 //   attn3_bwd_dkv_k    dK / dV with the warpgroups in step (a __syncthreads per tile, cp.async
 //                      by every thread): GQA rows.
+// Each kernel has a varlen form (VL = true; attn/varlen.cuh): the tensor maps then span the whole
+// pack, a block's coordinates start at its piece's first key (and query row).
 // Measured and dropped (docs/kernel-lab.md): the forward and dQ in step (the forward 1.5-1.7x
 // slower); a warp-specialised dK / dV (384 threads with setmaxnreg 24 / 240: ptxas reported 168
 // registers per thread and ~1 KB of spills, and it ran 1.3x slower than in step).
