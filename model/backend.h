@@ -40,7 +40,7 @@
     X(rmsnorm_bwd) X(l2norm_fwd) X(l2norm_bwd) X(gated_rmsnorm_fwd) X(gated_rmsnorm_bwd) X(shortconv_fwd) \
     X(shortconv_fwd_varlen) X(shortconv_bwd) X(shortconv_bwd_varlen) X(shortconv_state_bwd) X(shortconv_step) X(embedding_fwd) X(embedding_bwd) X(logprob_fwd) \
     X(logprob_bwd) X(adamw) X(grad_sq_norm) X(kda_gate_fwd) X(kda_gate_bwd) X(kda_chunk_fwd) \
-    X(kda_chunk_bwd) X(kda_chunk_fwd_varlen) X(kda_chunk_bwd_varlen) X(kda_step) X(attn_causal_fwd) X(attn_causal_bwd) X(mla_absorb_q) X(mla_absorb_q_bwd) \
+    X(kda_chunk_bwd) X(kda_chunk_fwd_varlen) X(kda_chunk_bwd_varlen) X(kda_step) X(attn_causal_fwd) X(attn_causal_bwd) X(attn_causal_fwd_varlen) X(attn_causal_bwd_varlen) X(mla_absorb_q) X(mla_absorb_q_bwd) \
     X(mla_up_v) X(mla_up_v_bwd) X(mla_expand_kv) X(mla_expand_kv_bwd) X(mla_decode) X(moe_router_fwd) X(moe_router_bwd) X(moe_dispatch) \
     X(moe_gather) X(moe_combine_fwd) X(moe_combine_bwd) X(moe_scatter_bwd) X(moe_experts_fwd) X(moe_experts_bwd) \
     X(moe_swiglu_fwd) X(moe_swiglu_bwd) X(moe_load_count) X(qb_beta) X(attnres_site_fwd) X(attnres_site_bwd) \
@@ -218,6 +218,20 @@ struct mtrl_backend {
     void (*attn_causal_bwd)(mtrl_backend *, int Tq, int Tk, int H, int Hk, int Dk, int Dv, real scale, const real *q,
                             const void *k, int ldk, const void *v, int ldv, const real *o, const real *lse,
                             const real *dout, real *dq, real *dk, real *dv);
+    // n packed pieces in one call, each attending causally to its own keys only (mla_ref.h
+    // mtrl_ref_attn_causal_fwd_varlen / _bwd_varlen): piece i's queries at rows qoffs_h[i] ..
+    // qoffs_h[i+1]-1 of q, o, lse, dout, dq; its keys at rows koffs_h[i] .. koffs_h[i+1]-1 of k,
+    // v, dk, dv (koffs_h NULL: its query rows, the learner's packs from the zero state; else the
+    // prefill form, a piece's earlier keys before its new ones). Host arrays [n + 1]. The same
+    // results as attn_causal_fwd / _bwd once per piece; on CUDA bit for bit those calls' (one
+    // launch per kernel for all pieces; the fp32-operand check kernels run per piece).
+    void (*attn_causal_fwd_varlen)(mtrl_backend *, int n, const int *qoffs_h, const int *koffs_h, int H, int Hk,
+                                   int Dk, int Dv, real scale, const real *q, const void *k, int ldk, const void *v,
+                                   int ldv, real *o, real *lse);
+    void (*attn_causal_bwd_varlen)(mtrl_backend *, int n, const int *qoffs_h, const int *koffs_h, int H, int Hk,
+                                   int Dk, int Dv, real scale, const real *q, const void *k, int ldk, const void *v,
+                                   int ldv, const real *o, const real *lse, const real *dout, real *dq, real *dk,
+                                   real *dv);
     void (*mla_absorb_q)(mtrl_backend *, int N, int H, int dn, int dr, int dv, int dc, const real *q,
                          const real *W_kvb, real *qt);
     void (*mla_absorb_q_bwd)(mtrl_backend *, int N, int H, int dn, int dr, int dv, int dc, const real *q,

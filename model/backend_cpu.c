@@ -256,6 +256,19 @@ static void attn_causal_bwd_(BE *be, int Tq, int Tk, int H, int Hk, int Dk, int 
     (void)be;
     mtrl_ref_attn_causal_bwd(Tq, Tk, H, Hk, Dk, Dv, scale, q, k, ldk, v, ldv, o, lse, dout, dq, dk, dv);
 }
+static void attn_causal_fwd_varlen_(BE *be, int n, const int *qoffs, const int *koffs, int H, int Hk, int Dk,
+                                    int Dv, real scale, const real *q, const void *k, int ldk, const void *v, int ldv,
+                                    real *o, real *lse) {
+    (void)be;
+    mtrl_ref_attn_causal_fwd_varlen(n, qoffs, koffs, H, Hk, Dk, Dv, scale, q, k, ldk, v, ldv, o, lse);
+}
+static void attn_causal_bwd_varlen_(BE *be, int n, const int *qoffs, const int *koffs, int H, int Hk, int Dk,
+                                    int Dv, real scale, const real *q, const void *k, int ldk, const void *v, int ldv,
+                                    const real *o, const real *lse, const real *dout, real *dq, real *dk, real *dv) {
+    (void)be;
+    mtrl_ref_attn_causal_bwd_varlen(n, qoffs, koffs, H, Hk, Dk, Dv, scale, q, k, ldk, v, ldv, o, lse, dout, dq, dk,
+                                    dv);
+}
 static void mla_absorb_q_(BE *be, int N, int H, int dn, int dr, int dv, int dc, const real *q, const real *W,
                           real *qt) {
     (void)be;

@@ -504,21 +504,40 @@ static int attn_f32_(BE *be) {
     return 1;
 }
 
+// The bf16 operands of one call in the backend's scratch: q (and dout, when given) converted, the
+// Tk key and value rows as stored or converted.
+typedef struct {
+    const mtrl_bf16 *q, *k, *v, *dout;
+} attn_ops_;
+static attn_ops_ attn_ops_make_(BE *be, int Tq, int Tk, int H, int Dk, int Dv, const real *q, const void *k, int ldk,
+                                const void *v, int ldv, const real *dout) {
+    int alias = v == k && ldv == ldk;
+    size_t nq = (size_t)Tq * H * Dk, nd = dout ? (size_t)Tq * H * Dv : 0;
+    size_t off = 0, oq = take_(&off, 2 * nq), ok = take_(&off, lat_copy_bytes_(be, Tk, ldk, 1)),
+           ov = take_(&off, lat_copy_bytes_(be, Tk, ldv, !alias)), od = take_(&off, 2 * nd);
+    char *s = scratch_(be, off);
+    mtrl_cuda_ctx *c = CTX(be);
+    attn_ops_ r;
+    mtrl_cuda_f32_to_bf16(c, nq, q, (mtrl_bf16 *)(s + oq));
+    r.q = (const mtrl_bf16 *)(s + oq);
+    r.k = lat_bf16_(be, s, ok, Tk, ldk, k);
+    r.v = alias ? r.k : lat_bf16_(be, s, ov, Tk, ldv, v);
+    r.dout = NULL;
+    if (dout) {
+        mtrl_cuda_f32_to_bf16(c, nd, dout, (mtrl_bf16 *)(s + od));
+        r.dout = (const mtrl_bf16 *)(s + od);
+    }
+    return r;
+}
+
 static void attn_causal_fwd_(BE *be, int Tq, int Tk, int H, int Hk, int Dk, int Dv, real scale, const real *q,
                              const void *k, int ldk, const void *v, int ldv, real *o, real *lse) {
     if (attn_f32_(be)) {
         OK(mtrl_attn_causal_fwd_f32(CTX(be), Tq, Tk, H, Hk, Dk, Dv, scale, q, k, ldk, v, ldv, o, lse));
         return;
     }
-    int alias = v == k && ldv == ldk;
-    size_t nq = (size_t)Tq * H * Dk;
-    size_t off = 0, oq = take_(&off, 2 * nq), ok = take_(&off, lat_copy_bytes_(be, Tk, ldk, 1)),
-           ov = take_(&off, lat_copy_bytes_(be, Tk, ldv, !alias));
-    char *s = scratch_(be, off);
-    mtrl_cuda_ctx *c = CTX(be);
-    mtrl_cuda_f32_to_bf16(c, nq, q, (mtrl_bf16 *)(s + oq));
-    const mtrl_bf16 *kb = lat_bf16_(be, s, ok, Tk, ldk, k), *vb = alias ? kb : lat_bf16_(be, s, ov, Tk, ldv, v);
-    OK(mtrl_attn_causal_fwd(c, Tq, Tk, H, Hk, Dk, Dv, scale, (mtrl_bf16 *)(s + oq), kb, ldk, vb, ldv, o, lse));
+    attn_ops_ x = attn_ops_make_(be, Tq, Tk, H, Dk, Dv, q, k, ldk, v, ldv, NULL);
+    OK(mtrl_attn_causal_fwd(CTX(be), Tq, Tk, H, Hk, Dk, Dv, scale, x.q, x.k, ldk, x.v, ldv, o, lse));
 }
 static void attn_causal_bwd_(BE *be, int Tq, int Tk, int H, int Hk, int Dk, int Dv, real scale, const real *q,
                              const void *k, int ldk, const void *v, int ldv, const real *o, const real *lse,
@@ -529,16 +548,71 @@ static void attn_causal_bwd_(BE *be, int Tq, int Tk, int H, int Hk, int Dk, int 
         return;
     }
     int alias = v == k && ldv == ldk;
-    size_t nq = (size_t)Tq * H * Dk, nd = (size_t)Tq * H * Dv;
-    size_t off = 0, oq = take_(&off, 2 * nq), ok = take_(&off, lat_copy_bytes_(be, Tk, ldk, 1)),
-           ov = take_(&off, lat_copy_bytes_(be, Tk, ldv, !alias)), od = take_(&off, 2 * nd);
-    char *s = scratch_(be, off);
-    mtrl_cuda_ctx *c = CTX(be);
-    mtrl_cuda_f32_to_bf16(c, nq, q, (mtrl_bf16 *)(s + oq));
-    const mtrl_bf16 *kb = lat_bf16_(be, s, ok, Tk, ldk, k), *vb = alias ? kb : lat_bf16_(be, s, ov, Tk, ldv, v);
-    mtrl_cuda_f32_to_bf16(c, nd, dout, (mtrl_bf16 *)(s + od));
-    OK(mtrl_attn_causal_bwd(c, Tq, Tk, H, Hk, Dk, Dv, scale, (mtrl_bf16 *)(s + oq), kb, ldk, vb, ldv, o, lse,
-                            (mtrl_bf16 *)(s + od), dq, dk, alias ? dk : dv));
+    attn_ops_ x = attn_ops_make_(be, Tq, Tk, H, Dk, Dv, q, k, ldk, v, ldv, dout);
+    OK(mtrl_attn_causal_bwd(CTX(be), Tq, Tk, H, Hk, Dk, Dv, scale, x.q, x.k, ldk, x.v, ldv, o, lse, x.dout, dq, dk,
+                            alias ? dk : dv));
+}
+// The varlen forms: q (and dout) of the whole pack converted once, its key rows read as stored
+// (or converted once), one varlen call (bit for bit the per-piece calls above). The offsets are
+// rebased to the first piece's rows. With attn_operands = fp32: the check kernels once per piece.
+static void vl_rebase_(int n, const int *qoffs, const int *koffs, int *qo, int *ko, size_t *q0, size_t *k0) {
+    const int *kk = koffs ? koffs : qoffs;
+    *q0 = (size_t)qoffs[0];
+    *k0 = (size_t)kk[0];
+    for (int i = 0; i <= n; i++) {
+        qo[i] = qoffs[i] - qoffs[0];
+        ko[i] = kk[i] - kk[0];
+    }
+}
+static void attn_causal_fwd_varlen_(BE *be, int n, const int *qoffs, const int *koffs, int H, int Hk, int Dk,
+                                    int Dv, real scale, const real *q, const void *k, int ldk, const void *v, int ldv,
+                                    real *o, real *lse) {
+    if (n <= 0) return;
+    const int *kk = koffs ? koffs : qoffs;
+    if (attn_f32_(be)) {
+        for (int i = 0; i < n; i++) {
+            size_t a = (size_t)qoffs[i], b = (size_t)kk[i];
+            attn_causal_fwd_(be, qoffs[i + 1] - qoffs[i], kk[i + 1] - kk[i], H, Hk, Dk, Dv, scale, q + a * H * Dk,
+                             mtrl_latent_at(be, k, b * ldk), ldk, mtrl_latent_at(be, v, b * ldv), ldv,
+                             o + a * H * Dv, lse + a * H);
+        }
+        return;
+    }
+    int *qo = xmalloc(sizeof(int) * 2 * ((size_t)n + 1)), *ko = qo + n + 1;
+    size_t q0, k0;
+    vl_rebase_(n, qoffs, koffs, qo, ko, &q0, &k0);
+    q += q0 * H * Dk, o += q0 * H * Dv, lse += q0 * H;
+    attn_ops_ x = attn_ops_make_(be, qo[n], ko[n], H, Dk, Dv, q, mtrl_latent_at(be, k, k0 * ldk), ldk,
+                                 mtrl_latent_at(be, v, k0 * ldv), ldv, NULL);
+    OK(mtrl_attn_causal_fwd_varlen(CTX(be), n, qo, ko, H, Hk, Dk, Dv, scale, x.q, x.k, ldk, x.v, ldv, o, lse));
+    free(qo);
+}
+static void attn_causal_bwd_varlen_(BE *be, int n, const int *qoffs, const int *koffs, int H, int Hk, int Dk,
+                                    int Dv, real scale, const real *q, const void *k, int ldk, const void *v, int ldv,
+                                    const real *o, const real *lse, const real *dout, real *dq, real *dk, real *dv) {
+    if (n <= 0) return;
+    const int *kk = koffs ? koffs : qoffs;
+    if (attn_f32_(be)) {
+        for (int i = 0; i < n; i++) {
+            size_t a = (size_t)qoffs[i], b = (size_t)kk[i];
+            attn_causal_bwd_(be, qoffs[i + 1] - qoffs[i], kk[i + 1] - kk[i], H, Hk, Dk, Dv, scale, q + a * H * Dk,
+                             mtrl_latent_at(be, k, b * ldk), ldk, mtrl_latent_at(be, v, b * ldv), ldv,
+                             o + a * H * Dv, lse + a * H, dout + a * H * Dv, dq + a * H * Dk, dk + b * ldk,
+                             dv + b * ldv);
+        }
+        return;
+    }
+    int *qo = xmalloc(sizeof(int) * 2 * ((size_t)n + 1)), *ko = qo + n + 1;
+    size_t q0, k0;
+    vl_rebase_(n, qoffs, koffs, qo, ko, &q0, &k0);
+    const int alias = v == k && ldv == ldk;
+    q += q0 * H * Dk, o += q0 * H * Dv, lse += q0 * H, dout += q0 * H * Dv, dq += q0 * H * Dk;
+    dk += k0 * ldk, dv += k0 * ldv;
+    attn_ops_ x = attn_ops_make_(be, qo[n], ko[n], H, Dk, Dv, q, mtrl_latent_at(be, k, k0 * ldk), ldk,
+                                 mtrl_latent_at(be, v, k0 * ldv), ldv, dout);
+    OK(mtrl_attn_causal_bwd_varlen(CTX(be), n, qo, ko, H, Hk, Dk, Dv, scale, x.q, x.k, ldk, x.v, ldv, o, lse, x.dout,
+                                   dq, dk, alias ? dk : dv));
+    free(qo);
 }
 // W_kvb [H*(dn+dv)][dc]: head h's W_UK at h*(dn+dv)*dc, its W_UV dn*dc further (mla_ref.h).
 static void mla_absorb_q_(BE *be, int N, int H, int dn, int dr, int dv, int dc, const real *q, const real *W,

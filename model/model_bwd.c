@@ -160,14 +160,12 @@ static void mla_backward_(mtrl_model *m, mtrl_arena *ar, int l, int T, const lay
         real *dk = zalloc_(be, ar, (size_t)Tk * ldk), *dvv = zalloc_(be, ar, (size_t)Tk * mH * dv);
         model_prof_end(m, MTRL_PROF_MLA_ABSORB, t);
         t = model_prof_begin(m);
-        for (int i = 0; i < seq_pieces(io); i++) {
-            int Ti;
-            size_t o = (size_t)seq_piece(io, T, i, &Ti), ko = io->n_piece ? o : 0;
-            be->attn_causal_bwd(be, Ti, io->n_piece ? Ti : Tk, mH, mH, dn + dr, dv, scale, c->q + o * mH * (dn + dr),
-                                mtrl_latent_at(be, x.k, ko * ldk), ldk, mtrl_latent_at(be, x.v, ko * mH * dv), mH * dv,
-                                c->a + o * mH * dv, c->lse + o * mH, da + o * mH * dv, dq + o * mH * (dn + dr),
-                                dk + ko * ldk, dvv + ko * mH * dv);
-        }
+        if (io->n_piece) // every piece over its own rows, in one call
+            be->attn_causal_bwd_varlen(be, io->n_piece, io->piece, NULL, mH, mH, dn + dr, dv, scale, c->q, x.k, ldk,
+                                       x.v, mH * dv, c->a, c->lse, da, dq, dk, dvv);
+        else
+            be->attn_causal_bwd(be, T, Tk, mH, mH, dn + dr, dv, scale, c->q, x.k, ldk, x.v, mH * dv, c->a, c->lse, da,
+                                dq, dk, dvv);
         model_prof_end(m, MTRL_PROF_MLA_ATTN, t);
         t = model_prof_begin(m);
         be->mla_expand_kv_bwd(be, Tk, mH, dn, dr, dv, dc, x.lr, ld, p->mkvb, dk, dvv, dlat, ld, dlat + dc, ld, gp->mkvb);
@@ -183,15 +181,9 @@ static void mla_backward_(mtrl_model *m, mtrl_arena *ar, int l, int T, const lay
         if (!io->n_piece) {
             be->attn_causal_bwd(be, T, t0 + T, mH, 1, ld, dc, scale, c->qt, lat, ld, lat, ld, c->ol, c->lse, dol, dqt,
                                 dlat, dlat);
-        } else {
-            for (int i = 0; i < io->n_piece; i++) {
-                int Ti;
-                size_t o = (size_t)seq_piece(io, T, i, &Ti);
-                const void *lo = mtrl_latent_at(be, lat, o * ld);
-                be->attn_causal_bwd(be, Ti, Ti, mH, 1, ld, dc, scale, c->qt + o * mH * ld, lo, ld, lo, ld,
-                                    c->ol + o * mH * dc, c->lse + o * mH, dol + o * mH * dc, dqt + o * mH * ld,
-                                    dlat + o * ld, dlat + o * ld);
-            }
+        } else { // every piece over its own rows of the packed latents, in one call
+            be->attn_causal_bwd_varlen(be, io->n_piece, io->piece, NULL, mH, 1, ld, dc, scale, c->qt, lat, ld, lat, ld,
+                                       c->ol, c->lse, dol, dqt, dlat, dlat);
         }
         model_prof_end(m, MTRL_PROF_MLA_ATTN, t);
         t = model_prof_begin(m);

@@ -270,14 +270,11 @@ static void mla_forward_(mtrl_model *m, mtrl_arena *ar, int l, int mode, int T, 
         mla_kv x = seg_mla_expand(m, ar, l, Tk, mtrl_latent_at(be, io->latent, (size_t)mi * io->cap * ld));
         model_prof_end(m, MTRL_PROF_MLA_ABSORB, t);
         t = model_prof_begin(m);
-        for (int i = 0; i < seq_pieces(io); i++) {
-            int Ti;
-            size_t o = (size_t)seq_piece(io, T, i, &Ti);
-            size_t ko = io->n_piece ? o : 0; // a piece's keys are its own rows
-            be->attn_causal_fwd(be, Ti, io->n_piece ? Ti : Tk, mH, mH, dn + dr, dv, scale, c->q + o * mH * (dn + dr),
-                                mtrl_latent_at(be, x.k, ko * ldk), ldk, mtrl_latent_at(be, x.v, ko * mH * dv), mH * dv,
-                                c->a + o * mH * dv, c->lse + o * mH);
-        }
+        if (io->n_piece) // every piece over its own rows (its keys), in one call
+            be->attn_causal_fwd_varlen(be, io->n_piece, io->piece, NULL, mH, mH, dn + dr, dv, scale, c->q, x.k, ldk,
+                                       x.v, mH * dv, c->a, c->lse);
+        else
+            be->attn_causal_fwd(be, T, Tk, mH, mH, dn + dr, dv, scale, c->q, x.k, ldk, x.v, mH * dv, c->a, c->lse);
         model_prof_end(m, MTRL_PROF_MLA_ATTN, t);
         mtrl_arena_release(ar, mark);
     } else if (mode == SEG_PREFILL && d->mla_prefill_naive) {
@@ -315,16 +312,18 @@ static void mla_forward_(mtrl_model *m, mtrl_arena *ar, int l, int mode, int T, 
             mla_kv x = mla_expand_(m, ar, l, (int)K, NULL, rows);
             model_prof_end(m, MTRL_PROF_MLA_ABSORB, t);
             t = model_prof_begin(m);
-            for (int i = i0, ko = 0; i < i1; i++) {
+            // the group's pieces in one call: piece i's rows over its keys, the group's keys
+            // laid out piece after piece (its earlier positions, then its new rows)
+            int *ko = xmalloc(sizeof(int) * (size_t)(i1 - i0 + 1));
+            ko[0] = 0;
+            for (int i = i0; i < i1; i++) {
                 int Ti;
-                size_t o = (size_t)seq_piece(io, T, i, &Ti);
-                int Tk = io->piece_io[i].t0 + Ti;
-                be->attn_causal_fwd(be, Ti, Tk, mH, mH, dn + dr, dv, scale, c->q + o * mH * (dn + dr),
-                                    mtrl_latent_at(be, x.k, (size_t)ko * ldk), ldk,
-                                    mtrl_latent_at(be, x.v, (size_t)ko * mH * dv), mH * dv, c->a + o * mH * dv,
-                                    c->lse + o * mH);
-                ko += Tk;
+                seq_piece(io, T, i, &Ti);
+                ko[i - i0 + 1] = ko[i - i0] + io->piece_io[i].t0 + Ti;
             }
+            be->attn_causal_fwd_varlen(be, i1 - i0, io->piece + i0, ko, mH, mH, dn + dr, dv, scale, c->q, x.k, ldk,
+                                       x.v, mH * dv, c->a, c->lse);
+            free(ko);
             model_prof_end(m, MTRL_PROF_MLA_ATTN, t);
             mtrl_arena_release(ar, mark);
         }
@@ -338,10 +337,15 @@ static void mla_forward_(mtrl_model *m, mtrl_arena *ar, int l, int mode, int T, 
         if (!io->n_piece) {
             const void *lat = mtrl_latent_at(be, io->latent, (size_t)mi * io->cap * ld);
             be->attn_causal_fwd(be, T, io->t0 + T, mH, 1, ld, dc, scale, c->qt, lat, ld, lat, ld, c->ol, c->lse);
+        } else if (!io->piece_io) {
+            // Each piece attends to its own rows of the packed latents: one call.
+            MTRL_CHECK(io->t0 == 0);
+            const void *lat = mtrl_latent_at(be, io->latent, (size_t)mi * io->cap * ld);
+            be->attn_causal_fwd_varlen(be, io->n_piece, io->piece, NULL, mH, 1, ld, dc, scale, c->qt, lat, ld, lat,
+                                       ld, c->ol, c->lse);
         } else {
-            // Each piece attends to its own keys: from its own cache (piece_io: the earlier
-            // positions too), or to its rows of the packed latents.
-            MTRL_CHECK(io->piece_io || io->t0 == 0);
+            // Each piece attends to its own cache, the earlier positions too (caches apart: once
+            // per piece).
             for (int i = 0; i < io->n_piece; i++) {
                 int Ti;
                 size_t o = (size_t)seq_piece(io, T, i, &Ti);

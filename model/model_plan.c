@@ -101,9 +101,13 @@ static size_t ctx_request_(const mtrl_model_dims *d, size_t T, size_t es) {
     }
     if (model_n_mla(d) > 0) {
         // attn_causal_bwd: D [Tq][H]; with the v3 kernels and MHA rows also lse and D head-major,
-        // [2][H][Tq rounded up to 64] (attn/causal_mma.cu)
-        size_t mH = (size_t)d->mH, dt[2] = {4 * T * mH, 8 * mH * (cdiv_(T, 64) * 64)};
-        req = max_(req, carve_(dt, 2));
+        // [2][H][Tq rounded up to 64] (attn/causal_mma.cu).
+        // The varlen forms (a packed segment) add their tables first: the pieces' offsets and
+        // six lists of (piece, tile) items, at most a piece per token (attn/varlen.cuh); their
+        // lse / D copies stay within the per-call size (mla/attn_decode.cu groups the pieces).
+        size_t mH = (size_t)d->mH, tab = 4 * (3 * (T + 1) + 1 + 2 * (6 * T + T * mH / 16 + T / 16)),
+               dt[3] = {tab, 4 * (cdiv_(T * mH, 64) * 64), 8 * mH * (cdiv_(T, 64) * 64)};
+        req = max_(req, carve_(dt, 3));
         req = max_(req, norm_dw_req_(T, (size_t)d->dc)); // kv_a_layernorm
     }
     req = max_(req, norm_dw_req_(T, D)); // norm1, norm2, final norm

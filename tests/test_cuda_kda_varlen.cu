@@ -41,22 +41,6 @@ static void vl_inputs_(size_t nqk, size_t nv, size_t nb, int K, double *q, doubl
     tu_fill_unif(beta, nb, 0.05, 0.95);
 }
 
-static int vl_same_(const float *d_a, const float *d_b, size_t n) {
-    float *a = (float *)malloc((n ? n : 1) * sizeof(float)), *b = (float *)malloc((n ? n : 1) * sizeof(float));
-    mtrl_cuda_download(a, d_a, n * sizeof(float));
-    mtrl_cuda_download(b, d_b, n * sizeof(float));
-    int same = memcmp(a, b, n * sizeof(float)) == 0;
-    free(a);
-    free(b);
-    return same;
-}
-
-#define VL_SAME(what, a, b, n)                                                        \
-    do {                                                                              \
-        int s_ = vl_same_((a), (b), (n));                                             \
-        printf("  %-44s %s\n", (what), s_ ? "same bits" : "FAIL (bits differ)");     \
-        TEST_CHECKF(s_, "%s: varlen and per-piece results differ", (what));           \
-    } while (0)
 
 typedef struct {
     float *o, *Sf, *St;
@@ -140,7 +124,7 @@ static void vl_bwd_same_(const char *form, const vl_grad_ *a, const vl_grad_ *b,
     for (int i = 0; i < 5; i++) {
         char what[96];
         snprintf(what, sizeof what, "%s: bwd %s == per piece", form, nm[i]);
-        VL_SAME(what, x[i], y[i], sz[i]);
+        TU_SAME(what, x[i], y[i], sz[i]);
     }
 }
 
@@ -175,9 +159,9 @@ static void test_varlen(mtrl_cuda_ctx *ctx, const char *name, int n, const int *
     vl_per_piece_(ctx, n, offs, H, K, V, d_q, d_k, d_v, d_g, d_b, &pp);
     TEST_EQ_INT(mtrl_kda_chunk_fwd_varlen(ctx, n, offs, H, K, V, d_q, d_k, d_v, d_g, d_b, vl.o, vl.Sf, vl.St), 0);
     mtrl_cuda_sync(ctx);
-    VL_SAME("o == per piece", vl.o, pp.o, nv);
-    VL_SAME("S_final == per piece", vl.Sf, pp.Sf, nsf);
-    VL_SAME("S_tiles == per piece", vl.St, pp.St, nst);
+    TU_SAME("o == per piece", vl.o, pp.o, nv);
+    TU_SAME("S_final == per piece", vl.Sf, pp.Sf, nsf);
+    TU_SAME("S_tiles == per piece", vl.St, pp.St, nst);
     size_t ngot = nst > nqk ? nst : nqk;
     double *got = tu_alloc(ngot > nsf ? ngot : nsf);
     vl_check_fp64_("", &vl, o, Sf, St, nv, nsf, nst, got);
@@ -188,8 +172,8 @@ static void test_varlen(mtrl_cuda_ctx *ctx, const char *name, int n, const int *
         TEST_EQ_INT(mtrl_kda_chunk_fwd_varlen(ctx, n, offs, H, K, V, d_q, d_k, d_v, d_g, d_b, f.o, NULL, NULL), 0);
         TEST_EQ_INT(mtrl_kda_chunk_fwd_varlen(ctx, n, offs, H, K, V, d_q, d_k, d_v, d_g, d_b, NULL, f.Sf, NULL), 0);
         mtrl_cuda_sync(ctx);
-        VL_SAME("prefill form: o", f.o, vl.o, nv);
-        VL_SAME("state-only form: S_final", f.Sf, vl.Sf, nsf);
+        TU_SAME("prefill form: o", f.o, vl.o, nv);
+        TU_SAME("state-only form: S_final", f.Sf, vl.Sf, nsf);
         vl_out_free_(&f);
         // plain bf16 records: per piece and varlen still agree bit for bit
         mtrl_cuda_ctx_opts(ctx)->kda_plain_bf16 = 1;
@@ -198,8 +182,8 @@ static void test_varlen(mtrl_cuda_ctx *ctx, const char *name, int n, const int *
         TEST_EQ_INT(mtrl_kda_chunk_fwd_varlen(ctx, n, offs, H, K, V, d_q, d_k, d_v, d_g, d_b, bv.o, bv.Sf, bv.St), 0);
         mtrl_cuda_sync(ctx);
         mtrl_cuda_ctx_opts(ctx)->kda_plain_bf16 = 0;
-        VL_SAME("bf16 records: o == per piece", bv.o, bp.o, nv);
-        VL_SAME("bf16 records: S_tiles == per piece", bv.St, bp.St, nst);
+        TU_SAME("bf16 records: o == per piece", bv.o, bp.o, nv);
+        TU_SAME("bf16 records: S_tiles == per piece", bv.St, bp.St, nst);
         vl_out_free_(&bp);
         vl_out_free_(&bv);
     }
@@ -302,7 +286,7 @@ static void test_conv_varlen(mtrl_cuda_ctx *ctx, const char *name, int n, const 
     }
     TEST_EQ_INT(mtrl_shortconv_fwd_varlen(ctx, n, offs, C, W, d_x, d_w, d_vl), 0);
     mtrl_cuda_sync(ctx);
-    VL_SAME("conv y == per piece", d_vl, d_pp, nx);
+    TU_SAME("conv y == per piece", d_vl, d_pp, nx);
     tu_get_f32(got, d_vl, nx);
     TU_CHECK_REL("conv y vs fp64", got, y, nx, 1e-5);
     // the backward: dx bit for bit the per-piece calls', dw (+= onto the same start) summed in
@@ -320,7 +304,7 @@ static void test_conv_varlen(mtrl_cuda_ctx *ctx, const char *name, int n, const 
     }
     TEST_EQ_INT(mtrl_shortconv_bwd_varlen(ctx, n, offs, C, W, d_x, d_w, d_dy, d_vl, d_dwv), 0);
     mtrl_cuda_sync(ctx);
-    VL_SAME("conv bwd dx == per piece", d_vl, d_pp, nx);
+    TU_SAME("conv bwd dx == per piece", d_vl, d_pp, nx);
     tu_get_f32(got, d_vl, nx);
     TU_CHECK_REL("conv bwd dx vs fp64", got, dx, nx, 1e-5);
     tu_get_f32(got, d_dwv, nw);
@@ -397,17 +381,17 @@ static void test_varlen_io(mtrl_cuda_ctx *ctx, const char *name, int n, const in
     TEST_EQ_INT(mtrl_kda_chunk_fwd_varlen_io(ctx, n, offs, H, K, V, d_q, d_k, d_v, d_g, d_b, tab, vl.o, sft, vl.St),
                 0);
     mtrl_cuda_sync(ctx);
-    VL_SAME("io: o == per piece", vl.o, pp.o, nv);
-    VL_SAME("io: S_final == per piece", vl.Sf, pp.Sf, nsf);
-    VL_SAME("io: S_tiles == per piece", vl.St, pp.St, nst);
+    TU_SAME("io: o == per piece", vl.o, pp.o, nv);
+    TU_SAME("io: S_final == per piece", vl.Sf, pp.Sf, nsf);
+    TU_SAME("io: S_tiles == per piece", vl.St, pp.St, nst);
     // in place: the initial states (zeros for the NULL ones) overwritten by the final ones
     vl_out_ ip = vl_out_nan_(ctx, nv, 1, 1);
     TEST_EQ_INT(mtrl_kda_chunk_fwd_varlen_io(ctx, n, offs, H, K, V, d_q, d_k, d_v, d_g, d_b,
                                              (const float *const *)inp, ip.o, inp, NULL),
                 0);
     mtrl_cuda_sync(ctx);
-    VL_SAME("io in place: o == per piece", ip.o, pp.o, nv);
-    VL_SAME("io in place: states == per piece S_final", d_in, pp.Sf, nsf);
+    TU_SAME("io in place: o == per piece", ip.o, pp.o, nv);
+    TU_SAME("io in place: states == per piece S_final", d_in, pp.Sf, nsf);
     double *got = tu_alloc(nst > nv ? (nst > nsf ? nst : nsf) : (nv > nsf ? nv : nsf));
     vl_check_fp64_("io: ", &vl, o, Sf, St, nv, nsf, nst, got);
 
@@ -455,10 +439,10 @@ static void test_conv_varlen_io(mtrl_cuda_ctx *ctx, const char *name, int n, con
     TEST_EQ_INT(mtrl_shortconv_fwd_varlen_io(ctx, n, offs, C, W, d_x, d_w, tab, out, d_vl), 0);
     TEST_EQ_INT(mtrl_shortconv_fwd_varlen_io(ctx, n, offs, C, W, d_x, d_w, (const float *const *)inp, inp, d_ip), 0);
     mtrl_cuda_sync(ctx);
-    VL_SAME("conv io: y == per piece", d_vl, d_pp, nx);
-    VL_SAME("conv io: windows == per piece", d_wvl, d_wpp, nw);
-    VL_SAME("conv io in place: y == per piece", d_ip, d_pp, nx);
-    VL_SAME("conv io in place: windows == per piece", d_wip, d_wpp, nw);
+    TU_SAME("conv io: y == per piece", d_vl, d_pp, nx);
+    TU_SAME("conv io: windows == per piece", d_wvl, d_wpp, nw);
+    TU_SAME("conv io in place: y == per piece", d_ip, d_pp, nx);
+    TU_SAME("conv io in place: windows == per piece", d_wip, d_wpp, nw);
     tu_get_f32(got, d_vl, nx);
     TU_CHECK_REL("conv io: y vs fp64", got, y, nx, 1e-5);
     tu_get_f32(got, d_wvl, nw);
@@ -467,12 +451,6 @@ static void test_conv_varlen_io(mtrl_cuda_ctx *ctx, const char *name, int n, con
     for (size_t i = 0; i < sizeof dev / sizeof dev[0]; i++) mtrl_cuda_free(dev[i]);
     free(x); free(w); free(y); free(win); free(wo); free(got);
     free(tab); free(rin); free(rout); free(out); free(inp); free(offs);
-}
-
-// n random lengths in [1, max], one of them (the 8th) empty.
-static void vl_mix_(int n, int max, int *len) {
-    for (int i = 0; i < n; i++) len[i] = 1 + (int)(tu_unif() * max) % max;
-    if (n > 7) len[7] = 0;
 }
 
 int main(void) {
@@ -486,7 +464,7 @@ int main(void) {
         test_varlen(ctx, "1 15 16 17 64 333", 6, edge, H, 128);
         test_varlen(ctx, "one piece of 1", 1, one, H, 128);
         test_varlen(ctx, "one piece of 333", 1, long1, H, 128);
-        vl_mix_(100, H == 2 ? 200 : 48, mix);
+        tu_vl_mix(100, H == 2 ? 200 : 48, mix);
         test_varlen(ctx, "mix of 100", 100, mix, H, 128);
         test_conv_varlen(ctx, "mix of 100", 100, mix, H * 128);
         test_conv_varlen(ctx, "1 15 16 17 64 333", 6, edge, H * 128);

@@ -6,6 +6,9 @@
 //   * backward vs central finite differences for q, k, v (Hk = H; Hk = 1 with v = k);
 //   * the segment property: the last rows with Tk = full equal the tail of a full run, and dk
 //     accumulated over two segment calls equals one call;
+//   * varlen (packed pieces, each attending causally to its own keys only): the same bits as one
+//     call per piece, and the naive reference per piece, with the keys at the queries' rows and
+//     with longer key ranges of their own (the prefill form), v aliasing k or not;
 //   * I4: absorbed decode == expanded multi-head form for the last token; absorbed training
 //     form (absorb q, MQA over latents, up-project) == expanded training form, forward and
 //     backward; the helpers' backwards vs finite differences.
@@ -372,6 +375,77 @@ static void test_decode(int Tk) {
     free(v); free(lse); free(a_n); free(lse_n);
 }
 
+// ---- varlen: packed pieces ----------------------------------------------------------------
+
+// n pieces of Tq_i query rows; extra_i earlier keys each (0: the learner's packs, koffs = qoffs;
+// otherwise the prefill form with its own key rows). The varlen calls against one call per piece
+// (memcmp: the same bits) and against the naive reference per piece.
+static void test_varlen(const char *name, int n, const int *len, const int *extra, int H, int Hk, int Dk, int Dv,
+                        int alias) {
+    printf("varlen: %s (%d pieces)\n", name, n);
+    int *qo = malloc(sizeof(int) * (n + 1)), *ko = malloc(sizeof(int) * (n + 1));
+    qo[0] = ko[0] = 0;
+    for (int i = 0; i < n; i++) {
+        qo[i + 1] = qo[i] + len[i];
+        ko[i + 1] = ko[i] + len[i] + (extra ? extra[i] : 0);
+    }
+    const int Tq = qo[n], Tk = ko[n], ldk = Hk * Dk, ldv = alias ? ldk : Hk * Dv;
+    const double scale = 1.0 / sqrt(Dk);
+    const size_t nq = (size_t)Tq * H * Dk, no = (size_t)Tq * H * Dv, nk = (size_t)Tk * ldk, nv = (size_t)Tk * ldv;
+    real *q = randn(nq, 1.0), *k = randn(nk, 1.0), *v = alias ? k : randn(nv, 1.0), *R = randn(no, 1.0);
+    real *o = zeros(no), *lse = zeros((size_t)Tq * H), *o1 = zeros(no), *lse1 = zeros((size_t)Tq * H);
+    real *o_n = zeros(no), *lse_n = zeros((size_t)Tq * H);
+    real *dk0 = randn(nk, 1.0), *dv0 = alias ? dk0 : randn(nv, 1.0);  // dk, dv accumulate
+    real *dk = copyv(dk0, nk), *dv = alias ? dk : copyv(dv0, nv), *dk1 = copyv(dk0, nk),
+         *dv1 = alias ? dk1 : copyv(dv0, nv), *dk_n = copyv(dk0, nk), *dv_n = alias ? dk_n : copyv(dv0, nv);
+    real *dq = randn(nq, 1.0), *dq1 = zeros(nq), *dq_n = zeros(nq);
+    const int *kp = extra ? ko : NULL;
+    mtrl_ref_attn_causal_fwd_varlen(n, qo, kp, H, Hk, Dk, Dv, scale, q, k, ldk, v, ldv, o, lse);
+    mtrl_ref_attn_causal_bwd_varlen(n, qo, kp, H, Hk, Dk, Dv, scale, q, k, ldk, v, ldv, o, lse, R, dq, dk, dv);
+    for (int i = 0; i < n; i++) {
+        const int Tqi = qo[i + 1] - qo[i], Tki = ko[i + 1] - ko[i];
+        const size_t a = (size_t)qo[i], b = (size_t)ko[i];
+        mtrl_ref_attn_causal_fwd(Tqi, Tki, H, Hk, Dk, Dv, scale, q + a * H * Dk, k + b * ldk, ldk, v + b * ldv, ldv,
+                                 o1 + a * H * Dv, lse1 + a * H);
+        mtrl_ref_attn_causal_bwd(Tqi, Tki, H, Hk, Dk, Dv, scale, q + a * H * Dk, k + b * ldk, ldk, v + b * ldv, ldv,
+                                 o1 + a * H * Dv, lse1 + a * H, R + a * H * Dv, dq1 + a * H * Dk, dk1 + b * ldk,
+                                 dv1 + b * ldv);
+        naive_attn(Tqi, Tki, H, Hk, Dk, Dv, scale, q + a * H * Dk, k + b * ldk, ldk, v + b * ldv, ldv, o_n + a * H * Dv,
+                   lse_n + a * H, R + a * H * Dv, dq_n + a * H * Dk, dk_n + b * ldk, dv_n + b * ldv);
+    }
+    TEST_CHECKF(!memcmp(o, o1, sizeof(real) * no) && !memcmp(lse, lse1, sizeof(real) * Tq * H),
+                "%s: forward differs from the per-piece calls", name);
+    TEST_CHECKF(!memcmp(dq, dq1, sizeof(real) * nq) && !memcmp(dk, dk1, sizeof(real) * nk) &&
+                    !memcmp(dv, dv1, sizeof(real) * nv),
+                "%s: backward differs from the per-piece calls", name);
+    printf("  the same bits as one call per piece: o, lse, dq, dk, dv\n");
+    CHECK_REL("o vs naive per piece", o, o_n, no, 1e-12);
+    CHECK_REL("lse", lse, lse_n, (size_t)Tq * H, 1e-12);
+    CHECK_REL("dq", dq, dq_n, nq, 1e-11);
+    CHECK_REL("dk (accumulated)", dk, dk_n, nk, 1e-11);
+    if (!alias) CHECK_REL("dv (accumulated)", dv, dv_n, nv, 1e-11);
+    real *fr[] = {q, k, R, o, lse, o1, lse1, o_n, lse_n, dk0, dk, dk1, dk_n, dq, dq1, dq_n};
+    for (size_t i = 0; i < sizeof fr / sizeof *fr; i++) free(fr[i]);
+    if (!alias) {
+        real *fv[] = {v, dv0, dv, dv1, dv_n};
+        for (size_t i = 0; i < sizeof fv / sizeof *fv; i++) free(fv[i]);
+    }
+    free(qo);
+    free(ko);
+}
+
+static void test_varlen_all(void) {
+    const int len[] = {1, 15, 16, 17, 0, 64, 70, 3};
+    const int extra[] = {0, 5, 40, 0, 9, 1, 66, 2};
+    const int n = (int)(sizeof len / sizeof *len);
+    test_varlen("keys at the queries' rows, MHA", n, len, NULL, 3, 3, 6, 5, 0);
+    test_varlen("keys at the queries' rows, MQA latent (v = k)", n, len, NULL, 3, 1, 8, 6, 1);
+    test_varlen("own earlier keys (prefill form), grouped", n, len, extra, 4, 2, 5, 3, 0);
+    test_varlen("own earlier keys, MQA latent (v = k)", n, len, extra, 2, 1, 7, 4, 1);
+    const int one[] = {33};
+    test_varlen("one piece", 1, one, NULL, 2, 2, 4, 4, 0);
+}
+
 int main(void) {
     printf("attention vs naive\n");
     attn_vs_naive("multi-head", 70, 70, 3, 3, 6, 5, 0);
@@ -385,6 +459,7 @@ int main(void) {
     attn_fd(6, 11, 2, 2, 4, 3, 0);
     attn_fd(9, 9, 3, 1, 7, 5, 1);
     test_segments();
+    test_varlen_all();
     test_expand_fd();
     test_mla_training_forms(7);
     test_mla_training_forms(75);

@@ -255,6 +255,22 @@ int mtrl_kda_step_rows(mtrl_cuda_ctx *ctx, int B, int H, int K, int V, const flo
 int mtrl_attn_causal_fwd(mtrl_cuda_ctx *ctx, int Tq, int Tk, int H, int Hk, int Dk, int Dv,
                          float scale, const mtrl_bf16 *q, const mtrl_bf16 *k, int ldk,
                          const mtrl_bf16 *v, int ldv, float *o, float *lse);
+// n packed pieces in one call (mla_ref.h mtrl_ref_attn_causal_fwd_varlen): piece i's queries
+// at rows qoffs_host[i] .. qoffs_host[i+1]-1 of q, o, lse (and dout, dq), its keys at rows
+// koffs_host[i] .. koffs_host[i+1]-1 of k, v (and dk, dv); koffs_host NULL: the query rows. Host
+// arrays [n + 1], non-decreasing, Tq_i <= Tk_i. Each piece attends causally to its own keys only. The kernel that
+// mtrl_attn_causal_fwd / _bwd runs for the shape (mtrl_attn_causal_version, the same options)
+// runs once for all pieces: each block takes one (piece, tile) item of a list uploaded with the
+// call and sees its piece as that piece's own launch would (attn/varlen.cuh), so o, lse, dq, dk
+// and dv are bit for bit those of one call per piece (tests/test_cuda_attn_varlen.cu); one launch
+// per kernel (the backward's: D, v3's lse copies, dK / dV, dQ) whatever n.
+int mtrl_attn_causal_fwd_varlen(mtrl_cuda_ctx *ctx, int n, const int *qoffs_host, const int *koffs_host, int H,
+                                int Hk, int Dk, int Dv, float scale, const mtrl_bf16 *q, const mtrl_bf16 *k,
+                                int ldk, const mtrl_bf16 *v, int ldv, float *o, float *lse);
+int mtrl_attn_causal_bwd_varlen(mtrl_cuda_ctx *ctx, int n, const int *qoffs_host, const int *koffs_host, int H,
+                                int Hk, int Dk, int Dv, float scale, const mtrl_bf16 *q, const mtrl_bf16 *k,
+                                int ldk, const mtrl_bf16 *v, int ldv, const float *o, const float *lse,
+                                const mtrl_bf16 *dout, float *dq, float *dk, float *dv);
 // The same two functions on fp32 operands (attn/causal_f32.cu; [kernels] attn_operands = fp32):
 // the fp32 check of a model against an fp32 reference, not a training kernel (one block per query
 // row and head, no tiling; dk, dv accumulated with atomics, so not bit-reproducible). Any Dk, Dv

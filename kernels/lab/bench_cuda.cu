@@ -760,6 +760,65 @@ void bench_kda_varlen(Bench &B, int n, int len, int H) {
     for (float *b : bufs) mtrl_cuda_free(b);
 }
 
+// The varlen causal attention (mtrl_attn_causal_fwd_varlen / _bwd_varlen: one launch per kernel for
+// n packed pieces of `len` tokens, each over its own keys) against mtrl_attn_causal_fwd / _bwd once
+// per piece, the learner's naive MLA shape (Hk = H, Dk = d_n + d_r = 192, Dv = d_v = 128), with the
+// options' default kernels (v3 on an H100 / H200). dk, dv accumulate across the repeats, as in
+// the model. Work: the causal pairs of the pieces, 2 (Dk + Dv) FLOPs each per head forward, the
+// backward counted as 2.5 forwards (bench_attn's convention).
+void bench_attn_varlen(Bench &B, int n, int len, int H) {
+    const int Dk = 192, Dv = 128, T = n * len, ldk = H * Dk, ldv = H * Dv;
+    mtrl_bf16 *q = rnd_bf16(B, (size_t)T * H * Dk, -1, 1), *k = rnd_bf16(B, (size_t)T * ldk, -1, 1);
+    mtrl_bf16 *v = rnd_bf16(B, (size_t)T * ldv, -1, 1), *dout = rnd_bf16(B, (size_t)T * H * Dv, -1, 1);
+    float *o = (float *)mtrl_cuda_malloc((size_t)T * H * Dv * 4), *lse = (float *)mtrl_cuda_malloc((size_t)T * H * 4);
+    float *dq = (float *)mtrl_cuda_malloc((size_t)T * H * Dk * 4), *dk = (float *)mtrl_cuda_malloc((size_t)T * ldk * 4);
+    float *dv = (float *)mtrl_cuda_malloc((size_t)T * ldv * 4);
+    CUDA_CHECK(cudaMemsetAsync(dk, 0, (size_t)T * ldk * 4, B.c->stream));
+    CUDA_CHECK(cudaMemsetAsync(dv, 0, (size_t)T * ldv * 4, B.c->stream));
+    std::vector<int> offs(n + 1);
+    for (int i = 0; i <= n; i++) offs[i] = i * len;
+    const float scale = 1.f / sqrtf((float)Dk);
+    const int vf = mtrl_attn_causal_version(B.c, H, H, Dk, Dv, 0, 0), vb = mtrl_attn_causal_version(B.c, H, H, Dk, Dv, 0, 1);
+    char shape[64], what[64];
+    snprintf(shape, sizeof shape, "%d x %d H=%d Dk=192 Dv=128", n, len, H);
+    const double fl = (double)n * len * (len + 1) * H * (Dk + Dv);  // causal pairs x 2 (Dk + Dv)
+    double fp = time_ms(B, [&] {
+        for (int i = 0; i < n; i++) {
+            size_t x = (size_t)i * len;
+            mtrl_attn_causal_fwd(B.c, len, len, H, H, Dk, Dv, scale, q + x * H * Dk, k + x * ldk, ldk, v + x * ldv, ldv,
+                                 o + x * H * Dv, lse + x * H);
+        }
+    });
+    double fv = time_ms(B, [&] {
+        mtrl_attn_causal_fwd_varlen(B.c, n, offs.data(), NULL, H, H, Dk, Dv, scale, q, k, ldk, v, ldv, o, lse);
+    });
+    snprintf(what, sizeof what, "MLA attn fwd per piece (v%d)", vf);
+    row(what, shape, fp, fl, "TFLOP/s", B.gemm_tflops);
+    snprintf(what, sizeof what, "MLA attn fwd varlen (v%d)", vf);
+    row(what, shape, fv, fl, "TFLOP/s", B.gemm_tflops);
+    printf("%-34s %-34s varlen / per piece time %.3f\n", "", "", fv / fp);
+    double bp = time_ms(B, [&] {
+        for (int i = 0; i < n; i++) {
+            size_t x = (size_t)i * len;
+            mtrl_attn_causal_bwd(B.c, len, len, H, H, Dk, Dv, scale, q + x * H * Dk, k + x * ldk, ldk, v + x * ldv, ldv,
+                                 o + x * H * Dv, lse + x * H, dout + x * H * Dv, dq + x * H * Dk, dk + x * ldk,
+                                 dv + x * ldv);
+        }
+    });
+    double bv = time_ms(B, [&] {
+        mtrl_attn_causal_bwd_varlen(B.c, n, offs.data(), NULL, H, H, Dk, Dv, scale, q, k, ldk, v, ldv, o, lse, dout, dq,
+                                    dk, dv);
+    });
+    snprintf(what, sizeof what, "MLA attn bwd per piece (v%d)", vb);
+    row(what, shape, bp, 2.5 * fl, "TFLOP/s", B.gemm_tflops);
+    snprintf(what, sizeof what, "MLA attn bwd varlen (v%d)", vb);
+    row(what, shape, bv, 2.5 * fl, "TFLOP/s", B.gemm_tflops);
+    printf("%-34s %-34s varlen / per piece time %.3f\n", "", "", bv / bp);
+    mtrl_cuda_sync(B.c);
+    void *bufs[] = {q, k, v, dout, o, lse, dq, dk, dv};
+    for (void *b : bufs) mtrl_cuda_free(b);
+}
+
 // The piece_io forms (the actor's packed prefill: n pieces of `len` tokens, each continuing its own
 // state and conv windows): mtrl_kda_chunk_fwd per piece from its S0 to its S_final (the launches
 // the model ran before) against one mtrl_kda_chunk_fwd_varlen_io (the states updated in place, as
@@ -894,6 +953,8 @@ extern "C" int mtrl_bench_ops_cuda(int argc, char **argv) {
     if (want("varlen")) {  // the learner's packs: R1's 512 x 128 and 64 x 1024
         bench_kda_varlen(B, 512, 128, H);
         bench_kda_varlen(B, 64, 1024, H);
+        bench_attn_varlen(B, 512, 128, 8);  // the naive MLA attention at small's 8 heads
+        bench_attn_varlen(B, 64, 1024, 8);
     }
     if (want("varlen")) {  // the actor's packed prefill: ~100 episodes' tool results, prompts
         bench_varlen_io(B, 100, 32, H);

@@ -58,6 +58,12 @@ static inline double *tu_alloc(size_t n) {
     return p;
 }
 
+// n random piece lengths in [1, max], the 8th empty (the varlen tests' mixed packs).
+static inline void tu_vl_mix(int n, int max, int *len) {
+    for (int i = 0; i < n; i++) len[i] = 1 + (int)(tu_unif() * max) % max;
+    if (n > 7) len[7] = 0;
+}
+
 // ---- transfers ------------------------------------------------------------------------------
 static inline float *tu_dev_f32(const double *h, size_t n) {
     float *t = (float *)malloc((n ? n : 1) * sizeof(float));
@@ -94,6 +100,24 @@ static inline void tu_get_f32(double *h, const float *d, size_t n) {
 }
 
 // ---- checks ---------------------------------------------------------------------------------
+// Do two device fp32 arrays of n elements hold the same bits?
+static inline int tu_same_f32(const float *d_a, const float *d_b, size_t n) {
+    float *a = (float *)malloc((n ? n : 1) * sizeof(float)), *b = (float *)malloc((n ? n : 1) * sizeof(float));
+    mtrl_cuda_download(a, d_a, n * sizeof(float));
+    mtrl_cuda_download(b, d_b, n * sizeof(float));
+    int same = memcmp(a, b, n * sizeof(float)) == 0;
+    free(a);
+    free(b);
+    return same;
+}
+// Prints "what: same bits" or FAIL and records the check (the varlen ops against their per-piece calls).
+#define TU_SAME(what, a, b, n)                                                        \
+    do {                                                                              \
+        int s_ = tu_same_f32((a), (b), (n));                                          \
+        printf("  %-44s %s\n", (what), s_ ? "same bits" : "FAIL (bits differ)");     \
+        TEST_CHECKF(s_, "%s: varlen and per-piece results differ", (what));           \
+    } while (0)
+
 // ‖got − ref‖ / ‖ref‖ (NaN anywhere gives NaN); an all-zero reference uses the absolute norm.
 static inline double tu_relerr(const double *got, const double *ref, size_t n) {
     double num = 0, den = 0;

@@ -203,6 +203,32 @@ void mtrl_ref_attn_causal_bwd(int Tq, int Tk, int H, int Hk, int Dk, int Dv, rea
     free(Dsum);
 }
 
+// ---- varlen: one call per piece -----------------------------------------------------------
+
+void mtrl_ref_attn_causal_fwd_varlen(int n, const int *qoffs, const int *koffs, int H, int Hk, int Dk, int Dv,
+                                     real scale, const real *q, const real *k, int ldk, const real *v, int ldv,
+                                     real *o, real *lse) {
+    const int *ko = koffs ? koffs : qoffs;
+    for (int i = 0; i < n; i++) {
+        const size_t q0 = (size_t)qoffs[i], k0 = (size_t)ko[i];
+        mtrl_ref_attn_causal_fwd(qoffs[i + 1] - qoffs[i], ko[i + 1] - ko[i], H, Hk, Dk, Dv, scale, q + q0 * H * Dk,
+                                 k + k0 * ldk, ldk, v + k0 * ldv, ldv, o + q0 * H * Dv, lse + q0 * H);
+    }
+}
+
+void mtrl_ref_attn_causal_bwd_varlen(int n, const int *qoffs, const int *koffs, int H, int Hk, int Dk, int Dv,
+                                     real scale, const real *q, const real *k, int ldk, const real *v, int ldv,
+                                     const real *o, const real *lse, const real *dout, real *dq, real *dk,
+                                     real *dv) {
+    const int *ko = koffs ? koffs : qoffs;
+    for (int i = 0; i < n; i++) {
+        const size_t q0 = (size_t)qoffs[i], k0 = (size_t)ko[i];
+        mtrl_ref_attn_causal_bwd(qoffs[i + 1] - qoffs[i], ko[i + 1] - ko[i], H, Hk, Dk, Dv, scale, q + q0 * H * Dk,
+                                 k + k0 * ldk, ldk, v + k0 * ldv, ldv, o + q0 * H * Dv, lse + q0 * H,
+                                 dout + q0 * H * Dv, dq + q0 * H * Dk, dk + k0 * ldk, dv + k0 * ldv);
+    }
+}
+
 // ---- absorbed <-> expanded helpers ---------------------------------------------------------
 
 static inline const real *w_uk_(const real *W, int h, int dn, int dv, int dc) {

@@ -40,7 +40,7 @@ extern "C" {
 // v + s*ldv + j*Dv (v may alias k: the absorbed form passes v = k, ldv = ldk, Dv = dc < Dk).
 // Query row i sits at absolute position Tk − Tq + i (Tq <= Tk) and sees keys 0..that
 // position, so a segment of Tq new tokens attends to the whole prefix.
-// One sequence per call: packed batches call it per sequence (the mask restarts there).
+// One sequence per call (a packed batch: the varlen forms below, the mask restarting per piece).
 // o [Tq][H][Dv]; lse [Tq][H]: log Σ_s exp(scale q·k_s), saved for the backward.
 void mtrl_ref_attn_causal_fwd(int Tq, int Tk, int H, int Hk, int Dk, int Dv, real scale, const real *q,
                      const real *k, int ldk, const real *v, int ldv, real *o, real *lse);
@@ -51,6 +51,23 @@ void mtrl_ref_attn_causal_fwd(int Tq, int Tk, int H, int Hk, int Dk, int Dv, rea
 void mtrl_ref_attn_causal_bwd(int Tq, int Tk, int H, int Hk, int Dk, int Dv, real scale, const real *q,
                      const real *k, int ldk, const real *v, int ldv, const real *o,
                      const real *lse, const real *dout, real *dq, real *dk, real *dv);
+
+// n packed pieces in one call (the cu_seqlens form of a packed segment, model_ws.h): piece i's
+// queries are rows qoffs[i] .. qoffs[i+1]-1 of q, o, lse (and dq, dout), its keys rows
+// koffs[i] .. koffs[i+1]-1 of k, v (and dk, dv); koffs NULL: the same rows as its queries (a
+// pack of sequences from the zero state, whose keys are their own rows). Each piece attends
+// causally to its own keys only, as mtrl_ref_attn_causal_fwd / _bwd called on it alone (Tq_i =
+// qoffs[i+1] - qoffs[i] <= Tk_i = koffs[i+1] - koffs[i]; query row r of the piece at position
+// Tk_i - Tq_i + r): that is what these do, piece by piece, so the results are those calls' bits.
+// Both offset arrays [n + 1], non-decreasing; pieces must not share key rows in the backward
+// (dk, dv += per piece).
+void mtrl_ref_attn_causal_fwd_varlen(int n, const int *qoffs, const int *koffs, int H, int Hk, int Dk, int Dv,
+                                     real scale, const real *q, const real *k, int ldk, const real *v, int ldv,
+                                     real *o, real *lse);
+void mtrl_ref_attn_causal_bwd_varlen(int n, const int *qoffs, const int *koffs, int H, int Hk, int Dk, int Dv,
+                                     real scale, const real *q, const real *k, int ldk, const real *v, int ldv,
+                                     const real *o, const real *lse, const real *dout, real *dq, real *dk,
+                                     real *dv);
 
 // ---- absorbed <-> expanded helpers (N tokens) -----------------------------------------------
 

@@ -7,6 +7,7 @@
 #define MTRL_ATTN_ARGS_CUH
 #include <stdint.h>
 
+#include "kernels/cuda/attn/varlen.cuh"
 #include "kernels/cuda/cuda_common.cuh"
 
 struct A2 {
@@ -32,6 +33,21 @@ __device__ __forceinline__ void row_lse_d(const A2 &a, int j, int rho, const flo
     *D = rho < a.nrows ? Dd[ih] : 0.f;
 }
 
+// A varlen block's piece p (attn/varlen.cuh): the pack's arguments narrowed to what the piece's
+// own call is given (its Tq, Tk and rows of q, k, v). Returns (first query token, first key) of
+// the piece, by which the block offsets its outputs.
+__device__ __forceinline__ int2 attn_vl_piece(A2 &a, const AttnVl &vl, int p) {
+    const int q0 = vl.qo[p], k0 = vl.ko[p];
+    a.Tq = vl.qo[p + 1] - q0;
+    a.Tk = vl.ko[p + 1] - k0;
+    a.off = a.Tk - a.Tq;
+    a.nrows = a.Tq * a.G;
+    a.q += (size_t)q0 * a.H * a.Dk;
+    a.k += (size_t)k0 * a.ldk;
+    a.v += (size_t)k0 * a.ldv;
+    return make_int2(q0, k0);
+}
+
 static inline A2 attn_args_make(int Tq, int Tk, int H, int Hk, int Dk, int Dv, float scale,
                                 const mtrl_bf16 *q, const mtrl_bf16 *k, int ldk,
                                 const mtrl_bf16 *v, int ldv) {
@@ -48,13 +64,15 @@ static inline A2 attn_args_make(int Tq, int Tk, int H, int Hk, int Dk, int Dv, f
 // runs v2), 0 when launched, -1 on a launch error. D = rowsum(dO ⊙ O) per packed row.
 // Lt, Dt (MHA rows, else null): lse log2(e) and D head-major, npad rows per head (a multiple of
 // 64, +inf and 0 past Tq), which the ping-pong kernel streams by bulk copies.
+// vt (nullable): a varlen call's tables (attn/varlen.cuh); a is then the whole pack's (Tq, Tk
+// its totals), Lt / Dt per piece at the tables' lo (npad unused).
 int attn3_dkv_launch(mtrl_cuda_ctx *c, const A2 &a, int Hk, const uint16_t *dout,
                      const float *lse, const float *D, const float *Lt, const float *Dt, int npad,
-                     float *dk, float *dv);
+                     float *dk, float *dv, const AttnVlTab *vt = nullptr);
 // The same for the forward (o, lse overwritten).
-int attn3_fwd_launch(mtrl_cuda_ctx *c, const A2 &a, int Hk, float *o, float *lse);
+int attn3_fwd_launch(mtrl_cuda_ctx *c, const A2 &a, int Hk, float *o, float *lse, const AttnVlTab *vt = nullptr);
 // The same for dQ (overwritten).
 int attn3_dq_launch(mtrl_cuda_ctx *c, const A2 &a, int Hk, const uint16_t *dout,
-                    const float *lse, const float *D, float *dq);
+                    const float *lse, const float *D, float *dq, const AttnVlTab *vt = nullptr);
 
 #endif

@@ -57,6 +57,8 @@
 //            So S and dP are computed twice (7 products instead of FA2's 5): the price of a
 //            deterministic dq without floating-point atomics.
 // attn = simt (kernel_opts.h) selects the v1 kernels of mla/attn_decode.cu (read at each call).
+// Every kernel also has a varlen form (VL = true: one launch over many packed pieces, each block's
+// piece and tile from a work list; attn/varlen.cuh), bit for bit the per-piece launches.
 #include <math.h>
 #include <stdlib.h>
 
@@ -114,9 +116,10 @@ struct FwdCfg {
     static_assert(DK % 16 == 0 && DVS % 16 == 0 && BN % 16 == 0, "tile shapes");
 };
 
-template <int DK, int DVS, int NVW, int BN, bool QREG, bool ALIAS, int MT, int MINB>
+// VL: a varlen launch, the block's piece and row tile from vl (attn/varlen.cuh).
+template <int DK, int DVS, int NVW, int BN, bool QREG, bool ALIAS, int MT, int MINB, bool VL>
 __global__ void __launch_bounds__(128 * NVW, MINB)
-    attn2_fwd_k(A2 a, float *__restrict__ o, float *__restrict__ lse) {
+    attn2_fwd_k(A2 a, float *__restrict__ o, float *__restrict__ lse, const AttnVl vl) {
     using C = FwdCfg<DK, DVS, NVW, BN, QREG, ALIAS, MT>;
     constexpr int NT = C::NT, LDK = C::LDK, LDV = C::LDV, KSZ = C::KSZ, STG = C::STG;
     constexpr int BMB = C::BMB, NST = BN / 8, NOT = DVS / 8;
@@ -127,7 +130,11 @@ __global__ void __launch_bounds__(128 * NVW, MINB)
 
     const int tid = threadIdx.x, lane = tid & 31, w = tid >> 5, rg = w & 3, vg = w >> 2;
     const int g = lane >> 2, t = lane & 3;
-    const int j = blockIdx.y, rho0 = (gridDim.x - 1 - blockIdx.x) * BMB;
+    int bx = gridDim.x - 1 - blockIdx.x;
+    int k0 = 0;
+    if (VL) bx = attn_vl_fwd_block(a, vl, o, lse, &k0);
+    (void)k0;
+    const int j = blockIdx.y, rho0 = bx * BMB;
     const int vc0 = blockIdx.z * C::DVB;  // the block's first value column
 
     load_tile<NT, BMB, DK>(sQ, LDK, [&](int r) -> const uint16_t * {
@@ -367,10 +374,11 @@ struct DkvCfg {
     static_assert(DK % 16 == 0 && DV % 16 == 0 && BR % 16 == 0 && BR <= BM, "tile shapes");
 };
 
-template <int DK, int DV, int BR>
+template <int DK, int DV, int BR, bool VL>
 __global__ void __launch_bounds__(128, 2)
     attn2_bwd_dkv_k(A2 a, const uint16_t *__restrict__ dout, const float *__restrict__ lse,
-                    const float *__restrict__ Dd, float *__restrict__ dk, float *__restrict__ dv) {
+                    const float *__restrict__ Dd, float *__restrict__ dk, float *__restrict__ dv,
+                    const AttnVl vl) {
     using C = DkvCfg<DK, DV, BR>;
     constexpr int LDK = C::LDK, LDV = C::LDV, BN = C::BN, NRT = BR / 8, NKT = DK / 8,
                   NVT = DV / 8, NMX = NKT > NVT ? NKT : NVT;
@@ -380,7 +388,9 @@ __global__ void __launch_bounds__(128, 2)
     float *sL = reinterpret_cast<float *>(sO + 2 * C::OSZ), *sD = sL + 2 * BR;
 
     const int tid = threadIdx.x, lane = tid & 31, w = tid >> 5, g = lane >> 2, t = lane & 3;
-    const int j = blockIdx.y, s0 = blockIdx.x * BN;
+    int bx = blockIdx.x;
+    if (VL) bx = attn_vl_dkv_block(a, vl, dout, lse, Dd, dk, dv);
+    const int j = blockIdx.y, s0 = bx * BN;
     const int kw0 = s0 + 16 * w;  // the warp's first key
     const int i_first = s0 - a.off > 0 ? s0 - a.off : 0;  // first token that sees key s0
     const int rt0 = i_first * a.G / BR, nrt = (a.nrows + BR - 1) / BR;
@@ -552,10 +562,10 @@ struct DqCfg {
     static_assert(DK % 16 == 0 && DV % 16 == 0 && BN % 16 == 0, "tile shapes");
 };
 
-template <int DK, int DV, int BN, int MT, bool QREG_>
+template <int DK, int DV, int BN, int MT, bool QREG_, bool VL>
 __global__ void __launch_bounds__(128, 2)
     attn2_bwd_dq_k(A2 a, const uint16_t *__restrict__ dout, const float *__restrict__ lse,
-                   const float *__restrict__ Dd, float *__restrict__ dq) {
+                   const float *__restrict__ Dd, float *__restrict__ dq, const AttnVl vl) {
     using C = DqCfg<DK, DV, BN, MT, QREG_>;
     constexpr int LDK = C::LDK, LDV = C::LDV, STG = C::STG, BMB = C::BMB, NST = BN / 8,
                   NDT = DK / 8, KSK = DK / 16, KSV = DV / 16, KS = KSK > KSV ? KSK : KSV;
@@ -564,7 +574,11 @@ __global__ void __launch_bounds__(128, 2)
     uint16_t *sT = reinterpret_cast<uint16_t *>(sm_);
     uint16_t *sQ = QREG ? sT + STG : sT + 2 * STG, *sO = sQ + BMB * LDK;
     const int tid = threadIdx.x, lane = tid & 31, w = tid >> 5, g = lane >> 2, t = lane & 3;
-    const int j = blockIdx.y, rho0 = (gridDim.x - 1 - blockIdx.x) * BMB;
+    int bx = gridDim.x - 1 - blockIdx.x;
+    int k0 = 0;
+    if (VL) bx = attn_vl_dq_block(a, vl, dout, lse, Dd, dq, &k0);
+    (void)k0;
+    const int j = blockIdx.y, rho0 = bx * BMB;
 
     auto rowsrc = [&](const uint16_t *base, int ld) {
         return [=, &a](int r) -> const uint16_t * {
@@ -731,28 +745,44 @@ __global__ void __launch_bounds__(128, 2)
         }
 }
 
+// (vt: a varlen call's tables, attn/varlen.cuh; a is then the whole pack's)
 template <int DK, int DV, int BN, int MT, bool QREG>
 int launch_dq_(mtrl_cuda_ctx *c, const A2 &a, int Hk, const uint16_t *dout, const float *lse,
-                const float *D, float *dq) {
+                const float *D, float *dq, const AttnVlTab *vt) {
     using Cq = DqCfg<DK, DV, BN, MT, QREG>;
-    auto kernel = attn2_bwd_dq_k<DK, DV, BN, MT, QREG>;
     MTRL_CUDA_REQUIRE(Cq::smem() <= c->smem_optin, "shared memory %zu > %zu", Cq::smem(),
                       c->smem_optin);
-    set_smem(kernel, Cq::smem());
-    kernel<<<dim3(cdiv((size_t)a.nrows, Cq::BMB), Hk), 128, Cq::smem(), c->stream>>>(a, dout, lse,
-                                                                                     D, dq);
+    if (vt) {
+        int nb;
+        const AttnVl v = vt->view(false, Cq::BMB, &nb);
+        auto kernel = attn2_bwd_dq_k<DK, DV, BN, MT, QREG, true>;
+        set_smem(kernel, Cq::smem());
+        kernel<<<dim3(nb, Hk), 128, Cq::smem(), c->stream>>>(a, dout, lse, D, dq, v);
+    } else {
+        auto kernel = attn2_bwd_dq_k<DK, DV, BN, MT, QREG, false>;
+        set_smem(kernel, Cq::smem());
+        kernel<<<dim3(cdiv((size_t)a.nrows, Cq::BMB), Hk), 128, Cq::smem(), c->stream>>>(a, dout, lse, D, dq,
+                                                                                         AttnVl{});
+    }
     CUDA_LAUNCH_CHECK();
     return 0;
 }
 
 template <int DK, int DV, int BR>
 int launch_dkv_(mtrl_cuda_ctx *c, const A2 &a, int Hk, const uint16_t *dout, const float *lse,
-                const float *D, float *dk, float *dv) {
+                const float *D, float *dk, float *dv, const AttnVlTab *vt) {
     const size_t sh = DkvCfg<DK, DV, BR>::smem();
     MTRL_CUDA_REQUIRE(sh <= c->smem_optin, "shared memory %zu > %zu", sh, c->smem_optin);
-    set_smem(attn2_bwd_dkv_k<DK, DV, BR>, sh);
-    attn2_bwd_dkv_k<DK, DV, BR><<<dim3(cdiv(a.Tk, 64), Hk), 128, sh, c->stream>>>(a, dout, lse, D,
-                                                                                  dk, dv);
+    if (vt) {
+        int nb;
+        const AttnVl v = vt->view(true, DkvCfg<DK, DV, BR>::BN, &nb);
+        set_smem(attn2_bwd_dkv_k<DK, DV, BR, true>, sh);
+        attn2_bwd_dkv_k<DK, DV, BR, true><<<dim3(nb, Hk), 128, sh, c->stream>>>(a, dout, lse, D, dk, dv, v);
+    } else {
+        set_smem(attn2_bwd_dkv_k<DK, DV, BR, false>, sh);
+        attn2_bwd_dkv_k<DK, DV, BR, false><<<dim3(cdiv(a.Tk, 64), Hk), 128, sh, c->stream>>>(a, dout, lse, D, dk,
+                                                                                             dv, AttnVl{});
+    }
     CUDA_LAUNCH_CHECK();
     return 0;
 }
@@ -774,16 +804,39 @@ int attn_version_(const mtrl_cuda_ctx *c, int H, int Hk, int Dk, int Dv, int ali
 // One forward configuration per shape, the fastest measured (docs/kernel-lab.md, "v2"); the
 // others measured left the tree (the same page says which commit last had them).
 template <int DK, int DVS, int NVW, int BN, bool QREG, bool ALIAS, int MT, int MINB>
-int launch_fwd_(mtrl_cuda_ctx *c, const A2 &a, int Hk, float *o, float *lse) {
+int launch_fwd_(mtrl_cuda_ctx *c, const A2 &a, int Hk, float *o, float *lse, const AttnVlTab *vt) {
     using Cf = FwdCfg<DK, DVS, NVW, BN, QREG, ALIAS, MT>;
-    auto kernel = attn2_fwd_k<DK, DVS, NVW, BN, QREG, ALIAS, MT, MINB>;
     const size_t sh = Cf::smem();
     MTRL_CUDA_REQUIRE(sh <= c->smem_optin, "shared memory %zu > %zu", sh, c->smem_optin);
-    set_smem(kernel, sh);
-    dim3 grid(cdiv((size_t)a.nrows, Cf::BMB), Hk, a.Dv / Cf::DVB);
-    kernel<<<grid, Cf::NT, sh, c->stream>>>(a, o, lse);
+    if (vt) {
+        int nb;
+        const AttnVl v = vt->view(false, Cf::BMB, &nb);
+        auto kernel = attn2_fwd_k<DK, DVS, NVW, BN, QREG, ALIAS, MT, MINB, true>;
+        set_smem(kernel, sh);
+        kernel<<<dim3(nb, Hk, a.Dv / Cf::DVB), Cf::NT, sh, c->stream>>>(a, o, lse, v);
+    } else {
+        auto kernel = attn2_fwd_k<DK, DVS, NVW, BN, QREG, ALIAS, MT, MINB, false>;
+        set_smem(kernel, sh);
+        dim3 grid(cdiv((size_t)a.nrows, Cf::BMB), Hk, a.Dv / Cf::DVB);
+        kernel<<<grid, Cf::NT, sh, c->stream>>>(a, o, lse, AttnVl{});
+    }
     CUDA_LAUNCH_CHECK();
     return 0;
+}
+
+// v3's head-major lse and D copies of a varlen call (attn/args.cuh, attn2_bwd_pre_k's Lt, Dt),
+// per piece at vt's lo (npad_p = Tq_p rounded up to 64 rows per head): one thread per entry of
+// the piece's npad_p rows and H heads, +inf and 0 past its Tq_p.
+__global__ void attn2_vl_lt_k(int n, const int *__restrict__ qo, const int *__restrict__ lo, int H,
+                              const float *__restrict__ lse, const float *__restrict__ D,
+                              float *__restrict__ Lt, float *__restrict__ Dt) {
+    const int e = blockIdx.x * blockDim.x + threadIdx.x;
+    if (e >= lo[n]) return;
+    const int p = vl_piece_of(lo, n, e), Tq = qo[p + 1] - qo[p], npad = (Tq + 63) / 64 * 64;
+    const int r = e - lo[p], h = r / npad, i = r - h * npad;
+    const size_t row = ((size_t)qo[p] + i) * H + h;
+    Lt[e] = i < Tq ? lse[row] * kLog2e : INFINITY;
+    Dt[e] = i < Tq ? D[row] : 0.f;
 }
 
 }  // namespace
@@ -797,9 +850,9 @@ extern "C" int mtrl_attn_causal_version(const mtrl_cuda_ctx *c, int H, int Hk, i
 // The v2 launchers behind mtrl_attn_causal_fwd/bwd (mla/attn_decode.cu has checked the arguments:
 // Tq <= Tk, 16-byte aligned rows and pointers, dv == dk when aliased). They return 1, launching
 // nothing, for a shape v2 does not take, so the caller runs v1.
-extern "C" int mtrl_attn2_causal_fwd(mtrl_cuda_ctx *c, int Tq, int Tk, int H, int Hk, int Dk,
-                                     int Dv, float scale, const mtrl_bf16 *q, const mtrl_bf16 *k,
-                                     int ldk, const mtrl_bf16 *v, int ldv, float *o, float *lse) {
+static int attn2_fwd_(mtrl_cuda_ctx *c, const AttnVlTab *vt, int Tq, int Tk, int H, int Hk, int Dk, int Dv,
+                      float scale, const mtrl_bf16 *q, const mtrl_bf16 *k, int ldk, const mtrl_bf16 *v, int ldv,
+                      float *o, float *lse) {
     const int alias = Hk == 1 && v == k && ldv == ldk && Dv <= Dk;
     const int ver = attn_version_(c, H, Hk, Dk, Dv, alias, 0);
     if (ver < 2) return 1;
@@ -807,19 +860,19 @@ extern "C" int mtrl_attn2_causal_fwd(mtrl_cuda_ctx *c, int Tq, int Tk, int H, in
     if (Tq == 0) return 0;
     A2 a = attn_args_make(Tq, Tk, H, Hk, Dk, Dv, scale, q, k, ldk, v, ldv);
     if (ver == 3) {
-        const int r = attn3_fwd_launch(c, a, Hk, o, lse);
+        const int r = attn3_fwd_launch(c, a, Hk, o, lse, vt);
         if (r <= 0) return r;  // else: declined, v2 below
     }
-    if (!alias && Dk == 192) return launch_fwd_<192, 128, 1, 32, false, false, 2, 2>(c, a, Hk, o, lse);  // Dv = 128
-    if (!alias) return launch_fwd_<128, 128, 1, 64, false, false, 2, 2>(c, a, Hk, o, lse);
-    return launch_fwd_<576, 256, 2, 64, false, true, 1, 1>(c, a, 1, o, lse);
+    if (!alias && Dk == 192) return launch_fwd_<192, 128, 1, 32, false, false, 2, 2>(c, a, Hk, o, lse, vt);  // Dv = 128
+    if (!alias) return launch_fwd_<128, 128, 1, 64, false, false, 2, 2>(c, a, Hk, o, lse, vt);
+    return launch_fwd_<576, 256, 2, 64, false, true, 1, 1>(c, a, 1, o, lse, vt);
 }
 
-extern "C" int mtrl_attn2_causal_bwd(mtrl_cuda_ctx *c, int Tq, int Tk, int H, int Hk, int Dk,
-                                     int Dv, float scale, const mtrl_bf16 *q, const mtrl_bf16 *k,
-                                     int ldk, const mtrl_bf16 *v, int ldv, const float *o,
-                                     const float *lse, const mtrl_bf16 *dout, float *dq,
-                                     float *dk, float *dv) {
+// ws (varlen only): attn_vl_bwd_floats of scratch for D and v3's head-major copies.
+static int attn2_bwd_(mtrl_cuda_ctx *c, const AttnVlTab *vt, int Tq, int Tk, int H, int Hk, int Dk, int Dv,
+                      float scale, const mtrl_bf16 *q, const mtrl_bf16 *k, int ldk, const mtrl_bf16 *v, int ldv,
+                      const float *o, const float *lse, const mtrl_bf16 *dout, float *dq, float *dk, float *dv,
+                      float *ws) {
     const int alias = Hk == 1 && v == k && ldv == ldk && Dv <= Dk;
     const int ver = attn_version_(c, H, Hk, Dk, Dv, alias, 1);
     if (ver < 2) return 1;
@@ -828,32 +881,78 @@ extern "C" int mtrl_attn2_causal_bwd(mtrl_cuda_ctx *c, int Tq, int Tk, int H, in
     if (Tq == 0) return 0;
     A2 a = attn_args_make(Tq, Tk, H, Hk, Dk, Dv, scale, q, k, ldk, v, ldv);
     // D [Tq][H], and for v3 with MHA rows its head-major copies with lse (attn/args.cuh)
-    const int rows = Tq * H, npad = (Tq + 63) / 64 * 64, tcopy = ver == 3 && H == Hk;
-    ws_carver sz{nullptr, 0};
-    sz.take<float>((size_t)rows);
-    if (tcopy) sz.take<float>(2 * (size_t)H * npad);
-    ws_carver wc{(char *)mtrl_ctx_scratch(c, sz.off), 0};
-    float *D = wc.take<float>((size_t)rows), *Lt = tcopy ? wc.take<float>(2 * (size_t)H * npad) : nullptr;
-    float *Dt = tcopy ? Lt + (size_t)H * npad : nullptr;
-    const int warps = rows + (tcopy ? H * (npad - Tq) : 0);
-    attn2_bwd_pre_k<<<cdiv(warps, 8), 256, 0, c->stream>>>(rows, Dv, dout, o, D, lse, H, Tq, npad,
-                                                            Lt, Dt);
-    CUDA_LAUNCH_CHECK();
+    const int rows = Tq * H, tcopy = ver == 3 && H == Hk;
+    int npad = (Tq + 63) / 64 * 64;
+    float *D, *Lt = nullptr, *Dt = nullptr;
+    if (!vt) {
+        ws_carver sz{nullptr, 0};
+        sz.take<float>((size_t)rows);
+        if (tcopy) sz.take<float>(2 * (size_t)H * npad);
+        ws_carver wc{(char *)mtrl_ctx_scratch(c, sz.off), 0};
+        D = wc.take<float>((size_t)rows);
+        Lt = tcopy ? wc.take<float>(2 * (size_t)H * npad) : nullptr;
+        Dt = tcopy ? Lt + (size_t)H * npad : nullptr;
+        const int warps = rows + (tcopy ? H * (npad - Tq) : 0);
+        attn2_bwd_pre_k<<<cdiv(warps, 8), 256, 0, c->stream>>>(rows, Dv, dout, o, D, lse, H, Tq, npad, Lt, Dt);
+        CUDA_LAUNCH_CHECK();
+    } else {  // D over the whole pack (each row's the same as in its piece's call), copies per piece
+        const int nlo = vt->lo[vt->n];
+        D = ws;
+        npad = 0;
+        attn2_bwd_pre_k<<<cdiv(rows, 8), 256, 0, c->stream>>>(rows, Dv, dout, o, D, lse, H, Tq, 0, nullptr,
+                                                               nullptr);
+        CUDA_LAUNCH_CHECK();
+        if (tcopy) {
+            Lt = ws + attn_vl_round64((size_t)rows);
+            Dt = Lt + nlo;
+            int nb;
+            const AttnVl vv = vt->view(false, 64, &nb);
+            if (nlo) attn2_vl_lt_k<<<cdiv(nlo, 256), 256, 0, c->stream>>>(vt->n, vv.qo, vv.lo, H, lse, D, Lt, Dt);
+            CUDA_LAUNCH_CHECK();
+        }
+    }
     // v3: dK / dV and dQ on wgmma (attn/sm90a/causal_wgmma.cu)
-    const int dkv3 = ver == 3 ? attn3_dkv_launch(c, a, Hk, dout, lse, D, Lt, Dt, npad, dk, dv) : 1;
+    const int dkv3 = ver == 3 ? attn3_dkv_launch(c, a, Hk, dout, lse, D, Lt, Dt, npad, dk, dv, vt) : 1;
     if (dkv3 < 0) return -1;
     if (dkv3 == 0) {
-        const int dq3 = attn3_dq_launch(c, a, Hk, dout, lse, D, dq);
+        const int dq3 = attn3_dq_launch(c, a, Hk, dout, lse, D, dq, vt);
         if (dq3 <= 0) return dq3;
-        if (Dk == 192) return launch_dq_<192, 128, 32, 1, false>(c, a, Hk, dout, lse, D, dq);
-        return launch_dq_<128, 128, 32, 2, false>(c, a, Hk, dout, lse, D, dq);
+        if (Dk == 192) return launch_dq_<192, 128, 32, 1, false>(c, a, Hk, dout, lse, D, dq, vt);
+        return launch_dq_<128, 128, 32, 2, false>(c, a, Hk, dout, lse, D, dq, vt);
     }
     if (Dk == 192) {  // Dv = 128: 32-row query tiles in dkv, one row tile per warp in dq
-        if (launch_dkv_<192, 128, 32>(c, a, Hk, dout, lse, D, dk, dv)) return -1;
-        return launch_dq_<192, 128, 32, 1, false>(c, a, Hk, dout, lse, D, dq);
+        if (launch_dkv_<192, 128, 32>(c, a, Hk, dout, lse, D, dk, dv, vt)) return -1;
+        return launch_dq_<192, 128, 32, 1, false>(c, a, Hk, dout, lse, D, dq, vt);
     }
-    if (launch_dkv_<128, 128, 64>(c, a, Hk, dout, lse, D, dk, dv)) return -1;
+    if (launch_dkv_<128, 128, 64>(c, a, Hk, dout, lse, D, dk, dv, vt)) return -1;
     // dq: two row tiles per warp, 32-key tiles (faster than one row tile with Q and dO in
     // registers, docs/kernel-lab.md)
-    return launch_dq_<128, 128, 32, 2, false>(c, a, Hk, dout, lse, D, dq);
+    return launch_dq_<128, 128, 32, 2, false>(c, a, Hk, dout, lse, D, dq, vt);
+}
+
+extern "C" int mtrl_attn2_causal_fwd(mtrl_cuda_ctx *c, int Tq, int Tk, int H, int Hk, int Dk,
+                                     int Dv, float scale, const mtrl_bf16 *q, const mtrl_bf16 *k,
+                                     int ldk, const mtrl_bf16 *v, int ldv, float *o, float *lse) {
+    return attn2_fwd_(c, nullptr, Tq, Tk, H, Hk, Dk, Dv, scale, q, k, ldk, v, ldv, o, lse);
+}
+
+extern "C" int mtrl_attn2_causal_bwd(mtrl_cuda_ctx *c, int Tq, int Tk, int H, int Hk, int Dk,
+                                     int Dv, float scale, const mtrl_bf16 *q, const mtrl_bf16 *k,
+                                     int ldk, const mtrl_bf16 *v, int ldv, const float *o,
+                                     const float *lse, const mtrl_bf16 *dout, float *dq,
+                                     float *dk, float *dv) {
+    return attn2_bwd_(c, nullptr, Tq, Tk, H, Hk, Dk, Dv, scale, q, k, ldk, v, ldv, o, lse, dout, dq, dk, dv,
+                      nullptr);
+}
+
+// The varlen forms (attn/varlen.cuh): the same choices and launchers on the pack, vt's lists.
+int attn2_causal_fwd_vl(mtrl_cuda_ctx *c, const AttnVlTab &vt, int H, int Hk, int Dk, int Dv, float scale,
+                        const mtrl_bf16 *q, const mtrl_bf16 *k, int ldk, const mtrl_bf16 *v, int ldv, float *o,
+                        float *lse) {
+    return attn2_fwd_(c, &vt, vt.Tq, vt.Tk, H, Hk, Dk, Dv, scale, q, k, ldk, v, ldv, o, lse);
+}
+int attn2_causal_bwd_vl(mtrl_cuda_ctx *c, const AttnVlTab &vt, int H, int Hk, int Dk, int Dv, float scale,
+                        const mtrl_bf16 *q, const mtrl_bf16 *k, int ldk, const mtrl_bf16 *v, int ldv, const float *o,
+                        const float *lse, const mtrl_bf16 *dout, float *dq, float *dk, float *dv, float *ws) {
+    return attn2_bwd_(c, &vt, vt.Tq, vt.Tk, H, Hk, Dk, Dv, scale, q, k, ldk, v, ldv, o, lse, dout, dq, dk, dv, ws);
 }

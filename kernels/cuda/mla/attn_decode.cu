@@ -17,6 +17,8 @@
 //             attn_bwd_dkv_k, grid (key blocks of 32, Hk): for every row block that sees the
 //             keys, recompute P and dZ and accumulate dK = scale dZᵀ Q and dV = Pᵀ dO in
 //             registers (one accumulator when V aliases K), added once to dk / dv.
+// Varlen (mtrl_attn_causal_fwd_varlen / _bwd_varlen): the tables of attn/varlen.cuh, then v2 / v3
+// (attn/causal_mma.cu) or these kernels' VL forms, one launch each for all pieces.
 // Decode (mtrl_mla_decode_absorbed): three launches.
 //   mla_absorb_q_k: q̃ = [W_UKᵀ qⁿ ; qʳ] for every (sequence, head) (fp32, one kernel for the
 //      product and the rope slice).
@@ -49,6 +51,7 @@
 #include <math.h>
 #include <stdlib.h>
 
+#include "kernels/cuda/attn/varlen.cuh"
 #include "kernels/cuda/cuda_common.cuh"
 
 #define ABM 64  // packed query rows per block
@@ -165,6 +168,17 @@ __device__ __forceinline__ void load_rows(uint16_t *dst, int ldd, int rows, int 
 }
 
 __device__ __forceinline__ int row_token(const AttnArgs &a, int rho) { return rho / a.G; }
+// A varlen block's piece p (attn/varlen.cuh): the pack's arguments narrowed to the piece's own
+// call's; returns its first query token and first key.
+__device__ __forceinline__ int2 attn_vl_piece(AttnArgs &a, const AttnVl &vl, int p) {
+    const int q0 = vl.qo[p], k0 = vl.ko[p];
+    a.Tq = vl.qo[p + 1] - q0;
+    a.Tk = vl.ko[p + 1] - k0;
+    a.q += (size_t)q0 * a.H * a.Dk;
+    a.k += (size_t)k0 * a.ldk;
+    a.v += (size_t)k0 * a.ldv;
+    return make_int2(q0, k0);
+}
 __device__ __forceinline__ int row_head(const AttnArgs &a, int j, int rho) {
     return j * a.G + rho % a.G;
 }
@@ -204,13 +218,19 @@ __host__ __device__ inline size_t fwd_sm_carve(FwdSm &s, unsigned char *base, in
 
 #define FWD_MAXNT 32  // Dv <= 512: each warp owns Dv/2 columns = Dv/16 tiles of 8
 
-__global__ void __launch_bounds__(256, 1) attn_fwd_k(AttnArgs a, float *o, float *lse) {
+// VL: a varlen launch, the block's piece and row block from vl (attn/varlen.cuh).
+template <bool VL>
+__global__ void __launch_bounds__(256, 1) attn_fwd_k(AttnArgs a, float *o, float *lse, const AttnVl vl) {
     extern __shared__ __align__(16) unsigned char smraw[];
     FwdSm s;
     fwd_sm_carve(s, smraw, a.Dkp, a.Dv, a.alias);
     const int LDQ = a.Dkp + 8, LDK = a.Dkp + 8, LDV = a.alias ? LDK : a.Dv + 8, LDS = FBN + 4,
               LDP = FBN + 8;
-    const int j = blockIdx.y, rho0 = blockIdx.x * ABM, nrows = a.Tq * a.G;
+    int bx = blockIdx.x;
+    int k0 = 0;
+    if (VL) bx = attn_vl_fwd_block(a, vl, o, lse, &k0);
+    (void)k0;
+    const int j = blockIdx.y, rho0 = bx * ABM, nrows = a.Tq * a.G;
     const int tid = threadIdx.x, lane = tid & 31, w = tid >> 5, g = lane >> 2, t = lane & 3;
     const int rg = w & 3, half = w >> 2, ntw = a.Dv / 16;
 
@@ -419,14 +439,19 @@ __device__ void bwd_scores(const AttnArgs &a, const BwdSm &s) {
 
 #define DQ_MAXNT 36  // Dk <= 576: each warp owns Dk/2 columns = Dk/16 tiles of 8
 
+template <bool VL>
 __global__ void __launch_bounds__(256, 1) attn_bwd_dq_k(AttnArgs a, const uint16_t *dout,
                                                         const float *lse, const float *D,
-                                                        float *dq) {
+                                                        float *dq, const AttnVl vl) {
     extern __shared__ __align__(16) unsigned char smraw[];
     BwdSm s;
     dq_sm_carve(s, smraw, a.Dkp, a.Dv, a.alias);
     const int LDK = a.Dkp + 8, LDV = a.alias ? LDK : a.Dv + 8, LDS = BBN + 4, LDZ = BBN + 8;
-    const int j = blockIdx.y, rho0 = blockIdx.x * ABM, nrows = a.Tq * a.G;
+    int bx = blockIdx.x;
+    int k0 = 0;
+    if (VL) bx = attn_vl_dq_block(a, vl, dout, lse, D, dq, &k0);
+    (void)k0;
+    const int j = blockIdx.y, rho0 = bx * ABM, nrows = a.Tq * a.G;
     const int tid = threadIdx.x, lane = tid & 31, w = tid >> 5, g = lane >> 2, t = lane & 3;
     const int rg = w & 3, half = w >> 2, ntq = a.Dkp / 16;
     bwd_load_rows(a, s, j, rho0, dout, lse, D);
@@ -481,15 +506,18 @@ __global__ void __launch_bounds__(256, 1) attn_bwd_dq_k(AttnArgs a, const uint16
 
 #define DKV_MAXU 18  // (Dk [+ Dv]) / 8 tiles over 4 column groups: <= 576 / 32 (even)
 
+template <bool VL>
 __global__ void __launch_bounds__(256, 1) attn_bwd_dkv_k(AttnArgs a, const uint16_t *dout,
                                                          const float *lse, const float *D,
-                                                         float *dk, float *dv) {
+                                                         float *dk, float *dv, const AttnVl vl) {
     extern __shared__ __align__(16) unsigned char smraw[];
     BwdSm s;
     dkv_sm_carve(s, smraw, a.Dkp, a.Dv, a.alias);
     const int LDQ = a.Dkp + 8, LDO = a.Dv + 8, LDK = a.Dkp + 8, LDV = a.alias ? LDK : a.Dv + 8;
     const int LDS = BBN + 4, LDT = ABM + 8;
-    const int j = blockIdx.y, s0 = blockIdx.x * BBN, nrows = a.Tq * a.G;
+    int bx = blockIdx.x;
+    if (VL) bx = attn_vl_dkv_block(a, vl, dout, lse, D, dk, dv);
+    const int j = blockIdx.y, s0 = bx * BBN, nrows = a.Tq * a.G;
     const int tid = threadIdx.x, lane = tid & 31, w = tid >> 5, g = lane >> 2, t = lane & 3;
     const int kg = w & 1, cg = w >> 1;
     const int Ct = a.alias ? a.Dkp : a.Dkp + a.Dv, ntiles = Ct / 8;
@@ -598,6 +626,16 @@ static int attn_args_(mtrl_cuda_ctx *c, AttnArgs &a, int Tq, int Tk, int H, int 
     return 0;
 }
 
+// The v1 backward kernels' shared memory (dQ, dK / dV); -1 with a message past the device's.
+static int bwd_smem_(mtrl_cuda_ctx *c, const AttnArgs &a, size_t *sh1, size_t *sh2) {
+    BwdSm s;
+    *sh1 = dq_sm_carve(s, nullptr, a.Dkp, a.Dv, a.alias);
+    *sh2 = dkv_sm_carve(s, nullptr, a.Dkp, a.Dv, a.alias);
+    MTRL_CUDA_REQUIRE(*sh1 <= c->smem_optin && *sh2 <= c->smem_optin, "shared memory %zu/%zu > %zu", *sh1, *sh2,
+                      c->smem_optin);
+    return 0;
+}
+
 // v2 (attn/causal_mma.cu): return 1 without launching for shapes they do not take, or when
 // attn = simt; the arguments are checked here first.
 extern "C" int mtrl_attn2_causal_fwd(mtrl_cuda_ctx *c, int Tq, int Tk, int H, int Hk, int Dk,
@@ -620,9 +658,9 @@ extern "C" int mtrl_attn_causal_fwd(mtrl_cuda_ctx *c, int Tq, int Tk, int H, int
     FwdSm s;
     size_t sh = fwd_sm_carve(s, nullptr, a.Dkp, Dv, a.alias);
     MTRL_CUDA_REQUIRE(sh <= c->smem_optin, "shared memory %zu > %zu", sh, c->smem_optin);
-    set_smem(attn_fwd_k, sh);
+    set_smem(attn_fwd_k<false>, sh);
     dim3 grid(cdiv((size_t)Tq * a.G, ABM), Hk);
-    attn_fwd_k<<<grid, 256, sh, c->stream>>>(a, o, lse);
+    attn_fwd_k<false><<<grid, 256, sh, c->stream>>>(a, o, lse, AttnVl{});
     CUDA_LAUNCH_CHECK();
     return 0;
 }
@@ -640,21 +678,139 @@ extern "C" int mtrl_attn_causal_bwd(mtrl_cuda_ctx *c, int Tq, int Tk, int H, int
     int r2 = mtrl_attn2_causal_bwd(c, Tq, Tk, H, Hk, Dk, Dv, scale, q, k, ldk, v, ldv, o, lse,
                                    dout, dq, dk, dv);
     if (r2 <= 0) return r2;
-    BwdSm s;
-    size_t sh1 = dq_sm_carve(s, nullptr, a.Dkp, Dv, a.alias);
-    size_t sh2 = dkv_sm_carve(s, nullptr, a.Dkp, Dv, a.alias);
-    MTRL_CUDA_REQUIRE(sh1 <= c->smem_optin && sh2 <= c->smem_optin, "shared memory %zu/%zu > %zu",
-                      sh1, sh2, c->smem_optin);
+    size_t sh1, sh2;
+    if (bwd_smem_(c, a, &sh1, &sh2)) return -1;
     float *D = (float *)mtrl_ctx_scratch(c, sizeof(float) * (size_t)Tq * H);
     int rows = Tq * H;
     attn_bwd_pre_k<<<cdiv(rows, 8), 256, 0, c->stream>>>(rows, Dv, dout, o, D);
     CUDA_LAUNCH_CHECK();
-    set_smem(attn_bwd_dq_k, sh1);
-    attn_bwd_dq_k<<<dim3(cdiv((size_t)Tq * a.G, ABM), Hk), 256, sh1, c->stream>>>(a, dout, lse, D,
-                                                                                   dq);
+    set_smem(attn_bwd_dq_k<false>, sh1);
+    attn_bwd_dq_k<false><<<dim3(cdiv((size_t)Tq * a.G, ABM), Hk), 256, sh1, c->stream>>>(a, dout, lse, D,
+                                                                                          dq, AttnVl{});
     CUDA_LAUNCH_CHECK();
-    set_smem(attn_bwd_dkv_k, sh2);
-    attn_bwd_dkv_k<<<dim3(cdiv(Tk, BBN), Hk), 256, sh2, c->stream>>>(a, dout, lse, D, dk, dv);
+    set_smem(attn_bwd_dkv_k<false>, sh2);
+    attn_bwd_dkv_k<false><<<dim3(cdiv(Tk, BBN), Hk), 256, sh2, c->stream>>>(a, dout, lse, D, dk, dv, AttnVl{});
+    CUDA_LAUNCH_CHECK();
+    return 0;
+}
+
+// ---- varlen (attn/varlen.cuh) ------------------------------------------------------------------
+
+// Checks the pieces (host offsets) and builds their tables, the offsets rebased to 0 (the
+// caller moves its pointers to the first piece's rows). -1 with a message when they are not pieces of a
+// packed call.
+static int attn_vl_prep_(const char *fn, AttnVlTab &t, int n, const int *qo_h, const int *ko_h, int H, int Hk,
+                         bool bwd, size_t *bytes) {
+    if (n < 0 || (n > 0 && !qo_h) || n > (1 << 24)) {
+        fprintf(stderr, "%s: n = %d pieces with offsets %s\n", fn, n, qo_h ? "given" : "NULL");
+        return -1;
+    }
+    const int *kh = ko_h ? ko_h : qo_h;
+    std::vector<int> qo((size_t)n + 1), ko((size_t)n + 1);
+    for (int i = 0; i <= n; i++) {
+        qo[i] = qo_h[i] - qo_h[0];
+        ko[i] = kh[i] - kh[0];
+    }
+    for (int i = 0; i < n; i++)
+        if (qo[i + 1] < qo[i] || ko[i + 1] - ko[i] < qo[i + 1] - qo[i]) {
+            fprintf(stderr, "%s: piece %d has %d query rows and %d keys: need 0 <= Tq <= Tk\n", fn, i,
+                    qo[i + 1] - qo[i], ko[i + 1] - ko[i]);
+            return -1;
+        }
+    *bytes = attn_vl_build(t, n, qo.data(), ko.data(), H, H / Hk, bwd);
+    return 0;
+}
+
+extern "C" int mtrl_attn_causal_fwd_varlen(mtrl_cuda_ctx *c, int n, const int *qoffs_host, const int *koffs_host,
+                                           int H, int Hk, int Dk, int Dv, float scale, const mtrl_bf16 *q,
+                                           const mtrl_bf16 *k, int ldk, const mtrl_bf16 *v, int ldv, float *o,
+                                           float *lse) {
+    AttnVlTab t;
+    size_t tb = 0;
+    if (attn_vl_prep_(__func__, t, n, qoffs_host, koffs_host, H, Hk, false, &tb)) return -1;
+    const size_t q0 = n ? (size_t)qoffs_host[0] : 0, k0 = n ? (size_t)(koffs_host ? koffs_host : qoffs_host)[0] : 0;
+    q += q0 * H * Dk, o += q0 * H * Dv, lse += q0 * H, k += k0 * ldk, v += k0 * ldv;  // the tables are from 0
+    AttnArgs a;
+    if (attn_args_(c, a, t.Tq, t.Tk, H, Hk, Dk, Dv, scale, q, k, ldk, v, ldv)) return -1;
+    if (t.Tq == 0) return 0;
+    if (attn_vl_upload(c, t, mtrl_ctx_scratch(c, tb))) return -1;
+    const int r2 = attn2_causal_fwd_vl(c, t, H, Hk, Dk, Dv, scale, q, k, ldk, v, ldv, o, lse);
+    if (r2 <= 0) return r2;
+    FwdSm s;
+    size_t sh = fwd_sm_carve(s, nullptr, a.Dkp, Dv, a.alias);
+    MTRL_CUDA_REQUIRE(sh <= c->smem_optin, "shared memory %zu > %zu", sh, c->smem_optin);
+    int nb;
+    const AttnVl vl = t.view(false, ABM, &nb);
+    set_smem(attn_fwd_k<true>, sh);
+    attn_fwd_k<true><<<dim3(nb, Hk), 256, sh, c->stream>>>(a, o, lse, vl);
+    CUDA_LAUNCH_CHECK();
+    return 0;
+}
+
+extern "C" int mtrl_attn_causal_bwd_varlen(mtrl_cuda_ctx *c, int n, const int *qoffs_host, const int *koffs_host,
+                                           int H, int Hk, int Dk, int Dv, float scale, const mtrl_bf16 *q,
+                                           const mtrl_bf16 *k, int ldk, const mtrl_bf16 *v, int ldv, const float *o,
+                                           const float *lse, const mtrl_bf16 *dout, float *dq, float *dk,
+                                           float *dv) {
+    // v3's head-major lse / D copies take 64 rows per piece and head at least: a pack of many
+    // tiny pieces runs as groups of consecutive pieces whose copies take no more than one
+    // sequence of the pack's length would (or the longest piece's), so the scratch stays what the
+    // planner counts (model_plan.c). The pieces are independent: the same bits either way.
+    if (n > 1 && qoffs_host) {
+        const int *kh = koffs_host ? koffs_host : qoffs_host;
+        long long cap = ((long long)qoffs_host[n] - qoffs_host[0] + 63) / 64 * 64, sum = 0;
+        for (int i = 0; i < n; i++) {
+            const long long np = (qoffs_host[i + 1] - qoffs_host[i] + 63LL) / 64 * 64;
+            cap = np > cap ? np : cap;
+            sum += np;
+        }
+        if (sum > cap)
+            for (int p0 = 0, p1; p0 < n; p0 = p1) {
+                long long g = 0;
+                for (p1 = p0; p1 < n; p1++) {
+                    const long long np = (qoffs_host[p1 + 1] - qoffs_host[p1] + 63LL) / 64 * 64;
+                    if (p1 > p0 && g + np > cap) break;
+                    g += np;
+                }
+                if (mtrl_attn_causal_bwd_varlen(c, p1 - p0, qoffs_host + p0, kh + p0, H, Hk, Dk, Dv, scale, q, k,
+                                                ldk, v, ldv, o, lse, dout, dq, dk, dv))
+                    return -1;
+            }
+        if (sum > cap) return 0;
+    }
+    AttnVlTab t;
+    size_t tb = 0;
+    if (attn_vl_prep_(__func__, t, n, qoffs_host, koffs_host, H, Hk, true, &tb)) return -1;
+    const size_t q0 = n ? (size_t)qoffs_host[0] : 0, k0 = n ? (size_t)(koffs_host ? koffs_host : qoffs_host)[0] : 0;
+    q += q0 * H * Dk, o += q0 * H * Dv, lse += q0 * H, dout += q0 * H * Dv, dq += q0 * H * Dk;
+    k += k0 * ldk, v += k0 * ldv, dk += k0 * ldk, dv += k0 * ldv;  // the tables are from 0
+    AttnArgs a;
+    if (attn_args_(c, a, t.Tq, t.Tk, H, Hk, Dk, Dv, scale, q, k, ldk, v, ldv)) return -1;
+    if (a.alias) MTRL_CUDA_REQUIRE(dv == dk, "aliased values need dv == dk");
+    MTRL_CUDA_REQUIRE(((uintptr_t)dout & 15) == 0, "dout must be 16-byte aligned");
+    if (t.Tq == 0) return 0;
+    // one scratch block: the tables, then D (and v3's copies)
+    ws_carver sz{nullptr, 0};
+    sz.take<int>(tb / sizeof(int));
+    sz.take<float>(attn_vl_bwd_floats(t, H));
+    ws_carver wc{(char *)mtrl_ctx_scratch(c, sz.off), 0};
+    int *tab = wc.take<int>(tb / sizeof(int));
+    float *ws = wc.take<float>(attn_vl_bwd_floats(t, H));
+    if (attn_vl_upload(c, t, tab)) return -1;
+    const int r2 = attn2_causal_bwd_vl(c, t, H, Hk, Dk, Dv, scale, q, k, ldk, v, ldv, o, lse, dout, dq, dk, dv, ws);
+    if (r2 <= 0) return r2;
+    size_t sh1, sh2;
+    if (bwd_smem_(c, a, &sh1, &sh2)) return -1;
+    const int rows = t.Tq * H;  // D of every row of the pack: each the same as in its piece's call
+    attn_bwd_pre_k<<<cdiv(rows, 8), 256, 0, c->stream>>>(rows, Dv, dout, o, ws);
+    CUDA_LAUNCH_CHECK();
+    int nq, nk;
+    const AttnVl vq = t.view(false, ABM, &nq), vk = t.view(true, BBN, &nk);
+    set_smem(attn_bwd_dq_k<true>, sh1);
+    attn_bwd_dq_k<true><<<dim3(nq, Hk), 256, sh1, c->stream>>>(a, dout, lse, ws, dq, vq);
+    CUDA_LAUNCH_CHECK();
+    set_smem(attn_bwd_dkv_k<true>, sh2);
+    attn_bwd_dkv_k<true><<<dim3(nk, Hk), 256, sh2, c->stream>>>(a, dout, lse, ws, dk, dv, vk);
     CUDA_LAUNCH_CHECK();
     return 0;
 }

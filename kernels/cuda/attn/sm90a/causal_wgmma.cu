@@ -16,6 +16,8 @@
 //                      warp, because dK and dV take 255 registers per consumer thread.
 //   attn3_bwd_dkv_k    dK / dV with the warpgroups in step (a __syncthreads per tile, cp.async
 //                      by every thread): GQA rows.
+// Each kernel has a varlen form (VL = true; attn/varlen.cuh): the tensor maps then span the whole
+// pack, a block's coordinates start at its piece's first key (and query row).
 // Measured and dropped (docs/kernel-lab.md): the forward and dQ in step (the forward 1.5-1.7x
 // slower); a warp-specialised dK / dV (384 threads with setmaxnreg 24 / 240: ptxas reported 168
 // registers per thread and ~1 KB of spills, and it ran 1.3x slower than in step).
@@ -226,10 +228,12 @@ __device__ __forceinline__ void dkv3_load_kv(unsigned char *sK, unsigned char *s
     load_keys<NT, BN, DV>(sV, tid, a, j, s0, a.v, a.ldv);
 }
 
-template <int DK, int DV>
+// VL: a varlen launch, the block's piece and key tile from vl (attn/varlen.cuh).
+template <int DK, int DV, bool VL>
 __global__ void __launch_bounds__(256, 1)
     attn3_bwd_dkv_k(A2 a, const uint16_t *__restrict__ dout, const float *__restrict__ lse,
-                    const float *__restrict__ Dd, float *__restrict__ dk, float *__restrict__ dv) {
+                    const float *__restrict__ Dd, float *__restrict__ dk, float *__restrict__ dv,
+                    const AttnVl vl) {
 #if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
     using C = Wdkv<DK, DV>;
     constexpr int BN = C::BN, BR = C::BR, NT = C::NT;
@@ -240,7 +244,9 @@ __global__ void __launch_bounds__(256, 1)
 
     const int tid = threadIdx.x, wg = tid >> 7, wi = (tid >> 5) & 3, lane = tid & 31;
     const int g = lane >> 2, t = lane & 3;
-    const int j = blockIdx.y, s0 = blockIdx.x * BN;
+    int bx = blockIdx.x;
+    if (VL) bx = attn_vl_dkv_block(a, vl, dout, lse, Dd, dk, dv);
+    const int j = blockIdx.y, s0 = bx * BN;
     const int kw0 = s0 + 64 * wg;                          // the warpgroup's first key
     const int i_first = s0 - a.off > 0 ? s0 - a.off : 0;  // first token that sees key s0
     const int rt0 = i_first * a.G / BR, nrt = (a.nrows + BR - 1) / BR;
@@ -293,12 +299,13 @@ struct WdkvPp {
     static constexpr int oD = oL + NS * BR * 4, oBar = oD + NS * BR * 4;
     static constexpr size_t smem() { return (size_t)oBar + 8 * 2 * NS + 1024; }
 };
-template <int DK, int DV>
+// VL: a varlen launch (the tensor maps over the whole pack's rows, Lt / Dt per piece at vl.lo).
+template <int DK, int DV, bool VL>
 __global__ void __launch_bounds__(256, 1)
     attn3_bwd_dkv_pp_k(A2 a, const uint16_t *__restrict__ dout, const float *__restrict__ Lt,
                        const float *__restrict__ Dt, int npad, float *__restrict__ dk,
                        float *__restrict__ dv, const __grid_constant__ CUtensorMap tmQ,
-                       const __grid_constant__ CUtensorMap tmO) {
+                       const __grid_constant__ CUtensorMap tmO, const AttnVl vl) {
 #if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
     using C = WdkvPp<DK, DV>;
     constexpr int BN = C::BN, BR = C::BR, NS = C::NS;
@@ -311,7 +318,19 @@ __global__ void __launch_bounds__(256, 1)
     const int tid = threadIdx.x, lane = tid & 31, warp = __shfl_sync(0xffffffffu, tid >> 5, 0);
     const int wg = warp >> 2, wi = warp & 3;  // (through a shuffle: known warp-uniform, C7518)
     const int g = lane >> 2, t = lane & 3;
-    const int j = blockIdx.y, s0 = blockIdx.x * BN;
+    int bx = blockIdx.x, qbase = 0;  // qbase: the piece's first row in the maps
+    if (VL) {
+        const int2 it = vl.it[blockIdx.x], z = attn_vl_piece(a, vl, it.x);
+        Lt += vl.lo[it.x];
+        Dt += vl.lo[it.x];
+        npad = (a.Tq + 63) / 64 * 64;
+        dk += (size_t)z.y * a.ldk;
+        dv += (size_t)z.y * a.ldv;
+        qbase = z.x;
+        bx = it.y;
+    }
+    (void)dout;
+    const int j = blockIdx.y, s0 = bx * BN;
     const int kw0 = s0 + 64 * wg;
     const int i_first = s0 - a.off > 0 ? s0 - a.off : 0;  // first token that sees key s0
     const int rt0 = i_first / BR, nt = (a.nrows + BR - 1) / BR - rt0;  // (G = 1)
@@ -328,10 +347,10 @@ __global__ void __launch_bounds__(256, 1)
         mbar_expect_tx(full, (unsigned)(BR * (DK + DV) * 2 + 2 * BR * 4));
 #pragma unroll
         for (int cb = 0; cb < DK / 64; cb++)
-            tma_load_2d(base + C::oQ + st * C::QB + cb * BR * 128, &tmQ, j * DK + 64 * cb, rho0, full);
+            tma_load_2d(base + C::oQ + st * C::QB + cb * BR * 128, &tmQ, j * DK + 64 * cb, qbase + rho0, full);
 #pragma unroll
         for (int cb = 0; cb < DV / 64; cb++)
-            tma_load_2d(base + C::oO + st * C::OB + cb * BR * 128, &tmO, j * DV + 64 * cb, rho0, full);
+            tma_load_2d(base + C::oO + st * C::OB + cb * BR * 128, &tmO, j * DV + 64 * cb, qbase + rho0, full);
         bulk_load(base + C::oL + st * BR * 4, Lt + (size_t)j * npad + rho0, BR * 4, full);
         bulk_load(base + C::oD + st * BR * 4, Dt + (size_t)j * npad + rho0, BR * 4, full);
     };
@@ -391,9 +410,9 @@ struct Wfwd {
 template <int DK, int DV, int BN>
 __device__ __forceinline__ void ws_produce_kv(uint32_t sK, int kstride, uint32_t sV, int vstride,
                                               uint32_t full0, uint32_t empty0, const CUtensorMap *tmK,
-                                              const CUtensorMap *tmV, int j, int nkb) {
+                                              const CUtensorMap *tmV, int j, int nkb, int kbase) {
     for (int kb = 0; kb < nkb; kb++) {
-        const int k0 = kb * BN, st = kb & 1;
+        const int k0 = kbase + kb * BN, st = kb & 1;  // (kbase: a varlen piece's first key)
         if (kb >= 2) mbar_wait(empty0 + 8 * st, (unsigned)((kb >> 1) - 1) & 1u);
         const uint32_t full = full0 + 8 * st;
         mbar_expect_tx(full, (unsigned)(BN * (DK + DV) * 2));  // rows past Tk: zero-filled, counted
@@ -543,10 +562,13 @@ __device__ __forceinline__ Fwd3Span fwd3_span(const A2 &a, int rho0, int wg) {
 // cp.async: 160 per lane per tile made it 2.2x slower than the warpgroups in step.) Nothing else
 // keeps the warpgroups in step, and named barriers 1 and 2 make them take turns issuing S = Q Kᵀ
 // (ping-pong): one warpgroup's softmax runs while the other's products occupy the tensor cores.
-template <int DK, int DV>
+// VL: a varlen launch (the K / V maps over the whole pack's keys), the block's piece and row
+// tile from vl (attn/varlen.cuh).
+template <int DK, int DV, bool VL>
 __global__ void __launch_bounds__(288, 1)
     attn3_fwd_ws_k(A2 a, float *__restrict__ o, float *__restrict__ lse,
-                   const __grid_constant__ CUtensorMap tmK, const __grid_constant__ CUtensorMap tmV) {
+                   const __grid_constant__ CUtensorMap tmK, const __grid_constant__ CUtensorMap tmV,
+                   const AttnVl vl) {
 #if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
     using C = Wfwd<DK, DV>;
     constexpr int BM = C::BM, BN = C::BN;
@@ -558,7 +580,9 @@ __global__ void __launch_bounds__(288, 1)
     // (the warp index through a shuffle: ptxas then knows it is uniform across the warp, and keeps
     // the wgmma of the branches below asynchronous; without it they are serialised, C7518)
     const int tid = threadIdx.x, warp = __shfl_sync(0xffffffffu, tid >> 5, 0), lane = tid & 31;
-    const int j = blockIdx.y, rho0 = (gridDim.x - 1 - blockIdx.x) * BM;  // heaviest first
+    int bx = gridDim.x - 1 - blockIdx.x, kbase = 0;  // heaviest first
+    if (VL) bx = attn_vl_fwd_block(a, vl, o, lse, &kbase);
+    const int j = blockIdx.y, rho0 = bx * BM;
     stage_bars_init(full0, empty0, 2, 1);  // (full: the producer's expect_tx arrival)
     if (warp < 8)
         load_rows<256, BM, DK>(sm + C::oQ, tid, a, j, rho0, a.q);
@@ -570,7 +594,7 @@ __global__ void __launch_bounds__(288, 1)
 
     if (warp == 8) {  // producer: one thread, one bulk tensor copy per 64-column block
         if (lane == 0) ws_produce_kv<DK, DV, BN>(base + C::oK, C::KB, base + C::oV, C::VB, full0,
-                                                 empty0, &tmK, &tmV, j, nkb);
+                                                 empty0, &tmK, &tmV, j, nkb, kbase);
         return;
     }
     const int wg = warp >> 2, wi = warp & 3, g = lane >> 2, t = lane & 3;
@@ -691,11 +715,13 @@ __device__ __forceinline__ void dq3_load_rows(unsigned char *sQ, unsigned char *
 // producer warpgroup that gives its registers back (setmaxnreg.dec to 40, the consumers .inc to
 // 232): with a producer warp (nine warps, 168 registers per thread) ptxas spilled 128 bytes at
 // Dk = 192, where dQ alone holds 96 accumulators; this way it compiles without spills.
-template <int DK, int DV>
+// VL: a varlen launch, as the forward's.
+template <int DK, int DV, bool VL>
 __global__ void __launch_bounds__(384, 1)
     attn3_bwd_dq_ws_k(A2 a, const uint16_t *__restrict__ dout, const float *__restrict__ lse,
                       const float *__restrict__ Dd, float *__restrict__ dq,
-                      const __grid_constant__ CUtensorMap tmK, const __grid_constant__ CUtensorMap tmV) {
+                      const __grid_constant__ CUtensorMap tmK, const __grid_constant__ CUtensorMap tmV,
+                      const AttnVl vl) {
 #if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
     using C = Wdq<DK, DV>;
     constexpr int BM = C::BM, BN = C::BN;
@@ -707,7 +733,9 @@ __global__ void __launch_bounds__(384, 1)
     // (the warp index through a shuffle: ptxas then knows it is uniform across the warp, and keeps
     // the wgmma of the branches below asynchronous; without it they are serialised, C7518)
     const int tid = threadIdx.x, warp = __shfl_sync(0xffffffffu, tid >> 5, 0), lane = tid & 31;
-    const int j = blockIdx.y, rho0 = (gridDim.x - 1 - blockIdx.x) * BM;  // heaviest first
+    int bx = gridDim.x - 1 - blockIdx.x, kbase = 0;  // heaviest first
+    if (VL) bx = attn_vl_dq_block(a, vl, dout, lse, Dd, dq, &kbase);
+    const int j = blockIdx.y, rho0 = bx * BM;
     stage_bars_init(full0, empty0, 2, 1);
     if (warp < 8) dq3_load_rows<BM, DK, DV>(sm + C::oQ, sm + C::oO, a, j, rho0, tid, dout);
     cp_async_commit();
@@ -718,7 +746,7 @@ __global__ void __launch_bounds__(384, 1)
     if (warp >= 8) {
         wg_setmaxnreg_dec<40>();
         if (tid == 256) ws_produce_kv<DK, DV, BN>(base + C::oK, C::KB, base + C::oV, C::VB, full0,
-                                                  empty0, &tmK, &tmV, j, nkb);
+                                                  empty0, &tmK, &tmV, j, nkb, kbase);
         return;
     }
     wg_setmaxnreg_inc<232>();
@@ -743,23 +771,38 @@ __global__ void __launch_bounds__(384, 1)
 
 template <int DK, int DV>
 int launch_dkv3_(mtrl_cuda_ctx *c, const A2 &a, int Hk, const uint16_t *dout, const float *lse,
-                 const float *D, const float *Lt, const float *Dt, int npad, float *dk, float *dv) {
+                 const float *D, const float *Lt, const float *Dt, int npad, float *dk, float *dv,
+                 const AttnVlTab *vt) {
     using C = Wdkv<DK, DV>;
     using P = WdkvPp<DK, DV>;
     CUtensorMap tq, to;
+    int nb = 0;
     if (a.G == 1 && Lt && P::smem() <= c->smem_optin &&
         !tma_map_rows(&tq, a.q, a.H * DK, a.Tq, P::BR) && !tma_map_rows(&to, dout, a.H * DV, a.Tq, P::BR)) {
-        set_smem(attn3_bwd_dkv_pp_k<DK, DV>, P::smem());
-        attn3_bwd_dkv_pp_k<DK, DV><<<dim3(cdiv(a.Tk, P::BN), Hk), 256, P::smem(), c->stream>>>(
-            a, dout, Lt, Dt, npad, dk, dv, tq, to);
+        if (vt) {
+            const AttnVl v = vt->view(true, P::BN, &nb);
+            set_smem(attn3_bwd_dkv_pp_k<DK, DV, true>, P::smem());
+            attn3_bwd_dkv_pp_k<DK, DV, true><<<dim3(nb, Hk), 256, P::smem(), c->stream>>>(
+                a, dout, Lt, Dt, npad, dk, dv, tq, to, v);
+        } else {
+            set_smem(attn3_bwd_dkv_pp_k<DK, DV, false>, P::smem());
+            attn3_bwd_dkv_pp_k<DK, DV, false><<<dim3(cdiv(a.Tk, P::BN), Hk), 256, P::smem(), c->stream>>>(
+                a, dout, Lt, Dt, npad, dk, dv, tq, to, AttnVl{});
+        }
         CUDA_LAUNCH_CHECK();
         return 0;
     }
     const size_t sh = C::smem();
     MTRL_CUDA_REQUIRE(sh <= c->smem_optin, "shared memory %zu > %zu", sh, c->smem_optin);
-    set_smem(attn3_bwd_dkv_k<DK, DV>, sh);
-    attn3_bwd_dkv_k<DK, DV><<<dim3(cdiv(a.Tk, C::BN), Hk), C::NT, sh, c->stream>>>(a, dout, lse,
-                                                                                   D, dk, dv);
+    if (vt) {
+        const AttnVl v = vt->view(true, C::BN, &nb);
+        set_smem(attn3_bwd_dkv_k<DK, DV, true>, sh);
+        attn3_bwd_dkv_k<DK, DV, true><<<dim3(nb, Hk), C::NT, sh, c->stream>>>(a, dout, lse, D, dk, dv, v);
+    } else {
+        set_smem(attn3_bwd_dkv_k<DK, DV, false>, sh);
+        attn3_bwd_dkv_k<DK, DV, false><<<dim3(cdiv(a.Tk, C::BN), Hk), C::NT, sh, c->stream>>>(a, dout, lse, D, dk,
+                                                                                              dv, AttnVl{});
+    }
     CUDA_LAUNCH_CHECK();
     return 0;
 }
@@ -770,57 +813,72 @@ static int kv_maps_(const A2 &a, int bn, CUtensorMap *tk, CUtensorMap *tv) {
     return tma_map_rows(tk, a.k, a.ldk, a.Tk, bn) || tma_map_rows(tv, a.v, a.ldv, a.Tk, bn) ? -1 : 0;
 }
 
+// (vt: a varlen call's tables; the maps then span the pack's keys, attn/varlen.cuh)
 template <int DK, int DV>
 int launch_dq3_(mtrl_cuda_ctx *c, const A2 &a, int Hk, const uint16_t *dout, const float *lse,
-                const float *D, float *dq) {
+                const float *D, float *dq, const AttnVlTab *vt) {
     using C = Wdq<DK, DV>;
     const size_t sh = C::smem();
-    const dim3 grid(cdiv((size_t)a.nrows, C::BM), Hk);
     MTRL_CUDA_REQUIRE(sh <= c->smem_optin, "shared memory %zu > %zu", sh, c->smem_optin);
     CUtensorMap tk, tv;
     if (kv_maps_(a, C::BN, &tk, &tv)) return 1;  // declined: v2 runs
-    set_smem(attn3_bwd_dq_ws_k<DK, DV>, sh);
-    attn3_bwd_dq_ws_k<DK, DV><<<grid, 384, sh, c->stream>>>(a, dout, lse, D, dq, tk, tv);
+    if (vt) {
+        int nb;
+        const AttnVl v = vt->view(false, C::BM, &nb);
+        set_smem(attn3_bwd_dq_ws_k<DK, DV, true>, sh);
+        attn3_bwd_dq_ws_k<DK, DV, true><<<dim3(nb, Hk), 384, sh, c->stream>>>(a, dout, lse, D, dq, tk, tv, v);
+    } else {
+        set_smem(attn3_bwd_dq_ws_k<DK, DV, false>, sh);
+        attn3_bwd_dq_ws_k<DK, DV, false><<<dim3(cdiv((size_t)a.nrows, C::BM), Hk), 384, sh, c->stream>>>(
+            a, dout, lse, D, dq, tk, tv, AttnVl{});
+    }
     CUDA_LAUNCH_CHECK();
     return 0;
 }
 
 template <int DK, int DV>
-int launch_fwd3_(mtrl_cuda_ctx *c, const A2 &a, int Hk, float *o, float *lse) {
+int launch_fwd3_(mtrl_cuda_ctx *c, const A2 &a, int Hk, float *o, float *lse, const AttnVlTab *vt) {
     using C = Wfwd<DK, DV>;
     const size_t sh = C::smem();
-    const dim3 grid(cdiv((size_t)a.nrows, C::BM), Hk);
     MTRL_CUDA_REQUIRE(sh <= c->smem_optin, "shared memory %zu > %zu", sh, c->smem_optin);
     CUtensorMap tk, tv;
     if (kv_maps_(a, C::BN, &tk, &tv)) return 1;  // declined: v2 runs
-    set_smem(attn3_fwd_ws_k<DK, DV>, sh);
-    attn3_fwd_ws_k<DK, DV><<<grid, 288, sh, c->stream>>>(a, o, lse, tk, tv);
+    if (vt) {
+        int nb;
+        const AttnVl v = vt->view(false, C::BM, &nb);
+        set_smem(attn3_fwd_ws_k<DK, DV, true>, sh);
+        attn3_fwd_ws_k<DK, DV, true><<<dim3(nb, Hk), 288, sh, c->stream>>>(a, o, lse, tk, tv, v);
+    } else {
+        set_smem(attn3_fwd_ws_k<DK, DV, false>, sh);
+        attn3_fwd_ws_k<DK, DV, false><<<dim3(cdiv((size_t)a.nrows, C::BM), Hk), 288, sh, c->stream>>>(
+            a, o, lse, tk, tv, AttnVl{});
+    }
     CUDA_LAUNCH_CHECK();
     return 0;
 }
 
 }  // namespace
 
-int attn3_fwd_launch(mtrl_cuda_ctx *c, const A2 &a, int Hk, float *o, float *lse) {
+int attn3_fwd_launch(mtrl_cuda_ctx *c, const A2 &a, int Hk, float *o, float *lse, const AttnVlTab *vt) {
     if (c->cc != 90 || a.Dv != 128) return 1;
-    if (a.Dk == 192) return launch_fwd3_<192, 128>(c, a, Hk, o, lse);
-    if (a.Dk == 128) return launch_fwd3_<128, 128>(c, a, Hk, o, lse);
+    if (a.Dk == 192) return launch_fwd3_<192, 128>(c, a, Hk, o, lse, vt);
+    if (a.Dk == 128) return launch_fwd3_<128, 128>(c, a, Hk, o, lse, vt);
     return 1;
 }
 
 int attn3_dq_launch(mtrl_cuda_ctx *c, const A2 &a, int Hk, const uint16_t *dout,
-                    const float *lse, const float *D, float *dq) {
+                    const float *lse, const float *D, float *dq, const AttnVlTab *vt) {
     if (c->cc != 90 || a.Dv != 128) return 1;
-    if (a.Dk == 192) return launch_dq3_<192, 128>(c, a, Hk, dout, lse, D, dq);
-    if (a.Dk == 128) return launch_dq3_<128, 128>(c, a, Hk, dout, lse, D, dq);
+    if (a.Dk == 192) return launch_dq3_<192, 128>(c, a, Hk, dout, lse, D, dq, vt);
+    if (a.Dk == 128) return launch_dq3_<128, 128>(c, a, Hk, dout, lse, D, dq, vt);
     return 1;
 }
 
 int attn3_dkv_launch(mtrl_cuda_ctx *c, const A2 &a, int Hk, const uint16_t *dout,
                      const float *lse, const float *D, const float *Lt, const float *Dt, int npad,
-                     float *dk, float *dv) {
+                     float *dk, float *dv, const AttnVlTab *vt) {
     if (c->cc != 90 || a.Dv != 128) return 1;  // sm_90a code runs on compute capability 9.0 only
-    if (a.Dk == 192) return launch_dkv3_<192, 128>(c, a, Hk, dout, lse, D, Lt, Dt, npad, dk, dv);
-    if (a.Dk == 128) return launch_dkv3_<128, 128>(c, a, Hk, dout, lse, D, Lt, Dt, npad, dk, dv);
+    if (a.Dk == 192) return launch_dkv3_<192, 128>(c, a, Hk, dout, lse, D, Lt, Dt, npad, dk, dv, vt);
+    if (a.Dk == 128) return launch_dkv3_<128, 128>(c, a, Hk, dout, lse, D, Lt, Dt, npad, dk, dv, vt);
     return 1;
 }
