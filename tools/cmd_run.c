@@ -239,8 +239,10 @@ int cli_run_local(const char *name, const mtrl_config *cfg, mtrl_learner_opts *o
     }
     sv = (supervisor){kids, n, endpoint, &curve, l};
     int rc = mtrl_learner_run(l, &stop_);
-    mtrl_learner_close(l);
-    // Reap the actors: they got a BYE; give them a moment, then stop them.
+    // Reap the actors: they got a BYE; give them a moment, then stop them. The learner closes
+    // after them: a slow actor still reading the messages queued before its BYE (a weight
+    // version's announcement) must find the same-host channel there, not fall back to asking
+    // for the weights over ZeroMQ of a learner that is gone (seen in CI on a loaded machine).
     for (int i = 0; i < n; i++)
         if (kids[i].pid > 0) kill(kids[i].pid, SIGTERM);
     double t0 = mtrl_time_mono();
@@ -258,6 +260,7 @@ int cli_run_local(const char *name, const mtrl_config *cfg, mtrl_learner_opts *o
             nanosleep(&ts, NULL);
         }
     }
+    mtrl_learner_close(l);
     free(kids);
     mtrl_wire_auth_local_free(&curve);
     return rc;
