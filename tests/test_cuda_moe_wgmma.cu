@@ -15,10 +15,13 @@
 // Cases: empty experts, 1 row, tile edges (127 / 128 / 129 rows), ragged widths (K and N not
 // multiples of the 64-wide k-slice or the 128 / 256-wide n-tiles), K < 64, skewed routing, every
 // row on one expert, decode-like 0 .. 12 rows, one expert, and 16, 128, 1024, 8192 rows per
-// expert balanced. Also: the same bits on a second run, and the single grouped GEMM.
+// expert balanced. Also: the same bits on a second run, and the single grouped GEMM, whose bf16
+// output form (mtrl_moe_grouped_gemm_bf16) must be its fp32 output rounded to nearest even, bit
+// for bit, with every row written (the buffer starts as bf16 NaNs).
 #include "tests/testhelp.h"
 #include "kernels/lab/cuda_testutil.h"
 #include "kernels/ref/gemm_ref.h"
+#include "common/bf16.h"
 
 static double silu_(double x) { return x / (1.0 + exp(-x)); }
 
@@ -118,6 +121,27 @@ static void case_(mtrl_cuda_ctx *ctx, int E, int D, int I, const int *rows, cons
     check_("wgmma grouped GEMM X W3ᵀ", got, u3, off, E, I, 1e-4);
     tu_get_f32(got, d_dX, R * D);
     check_("wgmma bwd dX_perm", got, dX, off, E, D, 1e-3);
+    {
+        const size_t n = R * I ? R * I : 1;
+        uint16_t *h = (uint16_t *)malloc(2 * n);
+        float *cf = (float *)malloc(4 * n);
+        memset(h, 0xff, 2 * n);
+        void *d_Ch = mtrl_cuda_malloc(2 * n);
+        mtrl_cuda_upload(d_Ch, h, 2 * n);
+        TEST_EQ_INT(mtrl_moe_grouped_gemm_bf16(ctx, E, (long)R, d_off, I, D, d_X, d_W3, d_Ch), 0);
+        mtrl_cuda_sync(ctx);
+        mtrl_cuda_download(h, d_Ch, 2 * R * I);
+        mtrl_cuda_download(cf, d_C, 4 * R * I);
+        size_t bad = 0, first = 0;
+        for (size_t i = 0; i < R * I; i++)
+            if (h[i] != mtrl_bf16_from_f32(cf[i]) && !bad++) first = i;
+        TEST_CHECKF(!bad, "wgmma grouped GEMM bf16 out: %zu of %zu values are not the fp32 output rounded (first at "
+                          "row %zu column %zu: 0x%04x, want 0x%04x)",
+                    bad, R * I, first / I, first % I, h[first], mtrl_bf16_from_f32(cf[first]));
+        mtrl_cuda_free(d_Ch);
+        free(h);
+        free(cf);
+    }
     // The same bits on a second run (each output summed by one thread in a fixed order).
     {
         size_t n = R * D ? R * D : 1;

@@ -375,6 +375,13 @@ int mtrl_moe_experts_grouped_bwd(mtrl_cuda_ctx *ctx, int E, int D, int I, long R
 // C [R][N] fp32, expert e's rows C_e = A_e B[e]ᵀ with A [R][K] and B [E][N][K] of `type`.
 int mtrl_moe_grouped_gemm(mtrl_cuda_ctx *ctx, int E, long R, const int *offsets, int N, int K, const void *A,
                           const void *B, int type, float *C);
+// The same grouped GEMM with bf16 A, B and a bf16 C [R][N] (torch._grouped_mm's contract: the
+// benchmark compares like with like; the model keeps fp32 outputs), on the wgmma kernel only:
+// returns 1 where mtrl_moe_grouped_kernel does not choose it (no compute capability 9.0, the
+// option moe = mma, or too few rows per expert), -1 on bad arguments. C holds the fp32 result
+// rounded to nearest even: the bits of rounding mtrl_moe_grouped_gemm's output.
+int mtrl_moe_grouped_gemm_bf16(mtrl_cuda_ctx *ctx, int E, long R, const int *offsets, int N, int K, const void *A,
+                               const void *B, void *C);
 // Which implementation suits these experts (R rows in all, operands of `type` on this context):
 // MTRL_MOE_GROUPED (the functions above) or MTRL_MOE_LANES (mtrl_moe_experts_fwd / _bwd, per-expert
 // cuBLAS chains on the GEMM lanes). The rules and why: moe/experts_mma.cu.

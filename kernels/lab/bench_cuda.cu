@@ -577,6 +577,11 @@ void bench_moe_grouped(Bench &B, int E, int D, int F, bool tf32) {
                 snprintf(what, sizeof what, "grouped GEMM bf16 (%s)", kname[ki]);
                 row(what, shape, ms_g, flop, "TFLOP/s", B.gemm_tflops);
                 vs(B, key, flop / (ms_g * 1e-3) / 1e12, "the TFLOP/s of torch._grouped_mm", "P6 >= 1.0x");
+                if (kern[ki] != MTRL_KOPT_WGMMA) continue;
+                // torch's contract: bf16 out (half the bytes the fp32 row above stores; u1 as the buffer)
+                double ms_h = time_ms(B, [&] { mtrl_moe_grouped_gemm_bf16(B.c, E, (long)R, d_off, F, D, Xh, W1h, u1); });
+                row("grouped GEMM bf16, bf16 out (wgmma)", shape, ms_h, flop, "TFLOP/s", B.gemm_tflops);
+                vs(B, key, flop / (ms_h * 1e-3) / 1e12, "the TFLOP/s of torch._grouped_mm (both bf16 out)", "P6 >= 1.0x");
             }
             const int nl = mtrl_ctx_lanes(B.c);
             double ms_l = time_ms(B, [&] { lanes_gemm(B, nl, E, off.data(), D, F, Xh, W1h, Yp); });

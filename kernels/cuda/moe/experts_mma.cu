@@ -523,6 +523,14 @@ extern "C" int mtrl_moe_grouped_gemm(mtrl_cuda_ctx *c, int E, long R, const int 
     return 0;
 }
 
+extern "C" int mtrl_moe_grouped_gemm_bf16(mtrl_cuda_ctx *c, int E, long R, const int *offsets, int N, int K,
+                                          const void *A, const void *B, void *C) {
+    GROUPED_REQUIRE_(E, N, K, R, MTRL_BF16, A, B, C);
+    if (!R) return 0;
+    if (grouped_kernel_(c, E, R, MTRL_BF16) != MTRL_KOPT_WGMMA) return 1;
+    return moe_wg_fwd2_bf16(c, E, N, K, R, offsets, A, B, C);
+}
+
 extern "C" int mtrl_moe_experts_grouped_fwd(mtrl_cuda_ctx *c, int E, int D, int I, long R, const int *offsets,
                                             const void *X_perm, const void *W1, const void *W3, const void *W2,
                                             int type, float *u1, float *u3, float *Y_perm) {

@@ -5,6 +5,7 @@
 //   FWD13: u1 = X W1[e]ᵀ and u3 = X W3[e]ᵀ in one tile (128 columns of each), SwiGLU in the
 //          epilogue: u1, u3 fp32 and m = SiLU(u1) u3 bf16.
 //   FWD2:  C = A B[e]ᵀ (Y = m W2[e]ᵀ, or one grouped GEMM), fp32, 256 columns a tile.
+//   FWD2H: the same product stored as bf16 (torch._grouped_mm's contract: half the bytes out).
 //   BDM:   dm = dY W2[e] with the SwiGLU backward in the epilogue (reads u1, u3; writes m, du1,
 //          du3 bf16; dm is never stored), 256 columns a tile.
 //   BDX:   dX = du1 W1[e] + du3 W3[e], one reduction over both products, fp32.
@@ -56,13 +57,14 @@ enum WMode {
     WFWD2 = 1,   // C = A B0[e]ᵀ (B [E][N][K])
     WBDM = 2,    // dm = A B0[e] (B [E][K][N]); epilogue: m, du1, du3 from U0, U1 (dm not stored)
     WBDX = 3,    // C = A0 B0[e] + A1 B1[e] (B [E][K][N])
+    WFWD2H = 4,  // O[0] = bf16(A B0[e]ᵀ) (B [E][N][K]): WFWD2's accumulators, rounded once
 };
 
 struct WArgs {
     const int *off;  // [E+1] device
     int E, N, K;     // K: the reduction length (of each part for WBDX)
     float *C0, *C1;  // WFWD13: u1, u3; WFWD2, WBDX: C (row stride N)
-    uint32_t *O[3];  // bf16 pairs (row stride N / 2): WFWD13 m; WBDM m, du1, du3
+    uint32_t *O[3];  // bf16 pairs (row stride N / 2): WFWD13 m; WBDM m, du1, du3; WFWD2H C
     const float *U0, *U1;  // WBDM: u1, u3 (row stride N)
 };
 
@@ -137,7 +139,7 @@ __global__ void __launch_bounds__(384, 1)
     wg_fence_proxy();
     __syncthreads();
     constexpr int BN = wbn_<MODE>();
-    constexpr bool BMN = MODE >= WBDM;  // B MN-major
+    constexpr bool BMN = MODE == WBDM || MODE == WBDX;  // B MN-major
     const int ntn = (a.N + BN - 1) / BN, nk1 = (a.K + WBK - 1) / WBK, nk = MODE == WBDX ? 2 * nk1 : nk1;
     const long total = (long)pre[a.E] * ntn;
 
@@ -236,6 +238,13 @@ __global__ void __launch_bounds__(384, 1)
                     a.O[1][i] = pack_bf16(d1[0], d1[1]);
                     a.O[2][i] = pack_bf16(d3[0], d3[1]);
                 }
+            } else if constexpr (MODE == WFWD2H) {
+#pragma unroll
+                for (int n8 = 0; n8 < 32; n8++) {
+                    const int col = w.n0 + 8 * n8 + 2 * t4;
+                    if (col >= a.N) continue;
+                    a.O[0][(ro + col) >> 1] = pack_bf16(acc[4 * n8 + 2 * h], acc[4 * n8 + 2 * h + 1]);
+                }
             } else {
 #pragma unroll
                 for (int n8 = 0; n8 < 32; n8++) {
@@ -260,7 +269,7 @@ int launch_wg_(mtrl_cuda_ctx *c, const WArgs &a, long R, const void *A0, const v
                const void *B1) {
     if (!wg_device_(c, a.E) || R >= (1l << 31) || (long)a.E * a.N >= (1l << 31) || (long)a.E * a.K >= (1l << 31))
         return 1;
-    constexpr bool BMN = MODE >= WBDM;
+    constexpr bool BMN = MODE == WBDM || MODE == WBDX;
     const int bld = BMN ? a.N : a.K, brows = BMN ? a.E * a.K : a.E * a.N, bbox = BMN ? 64 : 128;
     CUtensorMap ta0, ta1, tb0, tb1;
     if (tma_map_rows(&ta0, A0, a.K, (int)R, WBM) || tma_map_rows(&ta1, A1, a.K, (int)R, WBM) ||
@@ -294,6 +303,13 @@ int moe_wg_fwd2(mtrl_cuda_ctx *c, int E, int N, int K, long R, const int *off, c
     WArgs a = {};
     a.off = off, a.E = E, a.N = N, a.K = K, a.C0 = C;
     return launch_wg_<WFWD2>(c, a, R, A, A, B, B);
+}
+
+int moe_wg_fwd2_bf16(mtrl_cuda_ctx *c, int E, int N, int K, long R, const int *off, const void *A, const void *B,
+                     void *C) {
+    WArgs a = {};
+    a.off = off, a.E = E, a.N = N, a.K = K, a.O[0] = (uint32_t *)C;
+    return launch_wg_<WFWD2H>(c, a, R, A, A, B, B);
 }
 
 int moe_wg_bwd_dm(mtrl_cuda_ctx *c, int E, int N, int K, long R, const int *off, const void *dY, const void *W2,

@@ -19,6 +19,10 @@ int moe_wg_fwd13(mtrl_cuda_ctx *c, int E, int N, int K, long R, const int *off, 
 // C = A B[e]ᵀ (fp32 [R][N]) for the rows of each expert: A [R][K], B [E][N][K], bf16.
 int moe_wg_fwd2(mtrl_cuda_ctx *c, int E, int N, int K, long R, const int *off, const void *A, const void *B,
                 float *C);
+// The same product stored as bf16 (C [R][N], each value rounded to nearest even from the fp32
+// accumulator moe_wg_fwd2 would store: the same bits as rounding its output).
+int moe_wg_fwd2_bf16(mtrl_cuda_ctx *c, int E, int N, int K, long R, const int *off, const void *A, const void *B,
+                     void *C);
 // dm = dY W2[e] (dY [R][K], W2 [E][K][N] bf16; N = I, K = D), never stored: m = SiLU(u1) u3,
 // du1, du3 (bf16 [R][N]) from it and u1, u3 (fp32 [R][N]).
 int moe_wg_bwd_dm(mtrl_cuda_ctx *c, int E, int N, int K, long R, const int *off, const void *dY, const void *W2,
