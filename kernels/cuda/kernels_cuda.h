@@ -378,7 +378,8 @@ int mtrl_moe_grouped_gemm(mtrl_cuda_ctx *ctx, int E, long R, const int *offsets,
 // The same grouped GEMM with bf16 A, B and a bf16 C [R][N] (torch._grouped_mm's contract: the
 // benchmark compares like with like; the model keeps fp32 outputs), on the wgmma kernel only:
 // returns 1 where mtrl_moe_grouped_kernel does not choose it (no compute capability 9.0, the
-// option moe = mma, or too few rows per expert), -1 on bad arguments. C holds the fp32 result
+// option moe = mma, or too few rows per expert) or where the driver declines a tensor map, -1 on
+// bad arguments. C holds the fp32 result
 // rounded to nearest even: the bits of rounding mtrl_moe_grouped_gemm's output.
 int mtrl_moe_grouped_gemm_bf16(mtrl_cuda_ctx *ctx, int E, long R, const int *offsets, int N, int K, const void *A,
                                const void *B, void *C);

@@ -238,20 +238,14 @@ __global__ void __launch_bounds__(384, 1)
                     a.O[1][i] = pack_bf16(d1[0], d1[1]);
                     a.O[2][i] = pack_bf16(d3[0], d3[1]);
                 }
-            } else if constexpr (MODE == WFWD2H) {
+            } else {  // WFWD2, WBDX: C fp32; WFWD2H: C bf16
 #pragma unroll
                 for (int n8 = 0; n8 < 32; n8++) {
                     const int col = w.n0 + 8 * n8 + 2 * t4;
                     if (col >= a.N) continue;
-                    a.O[0][(ro + col) >> 1] = pack_bf16(acc[4 * n8 + 2 * h], acc[4 * n8 + 2 * h + 1]);
-                }
-            } else {
-#pragma unroll
-                for (int n8 = 0; n8 < 32; n8++) {
-                    const int col = w.n0 + 8 * n8 + 2 * t4;
-                    if (col >= a.N) continue;
-                    *reinterpret_cast<float2 *>(a.C0 + ro + col) =
-                        make_float2(acc[4 * n8 + 2 * h], acc[4 * n8 + 2 * h + 1]);
+                    const float x0 = acc[4 * n8 + 2 * h], x1 = acc[4 * n8 + 2 * h + 1];
+                    if constexpr (MODE == WFWD2H) a.O[0][(ro + col) >> 1] = pack_bf16(x0, x1);
+                    else *reinterpret_cast<float2 *>(a.C0 + ro + col) = make_float2(x0, x1);
                 }
             }
         }
