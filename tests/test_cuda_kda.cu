@@ -42,6 +42,8 @@
 // switches too: dg 1e-3 and dA_log 1e-2 whenever that forward is checked. Both
 // switches are the default (kda_bwd = simt / kda_bwd_tile = simt select v2's kernels): each
 // case names its configuration explicitly, the default runs in every other test.
+// The bf16-input forwards (test_chunk_bf16in; `test_cuda_kda bf16in` runs them alone): against fp64
+// on the rounded inputs, and bit for bit the fp32-input forwards on the same values.
 #include "tests/testhelp.h"
 #include "kernels/lab/cuda_testutil.h"
 #include "kernels/ref/kda_cp_ref.h"
@@ -529,6 +531,95 @@ static void test_chunk_cp(mtrl_cuda_ctx *ctx, int T, int H, int bound, int slow)
     free(so); free(sS); free(sSt); free(ho); free(hS); free(hSt); free(tmp);
 }
 
+// The bf16-input forwards (mtrl_kda_chunk_fwd_bf16, mtrl_kda_chunk_fwd_cp_bf16; K = V = 128), both
+// precisions: random inputs with q, k, v, g rounded to bf16, o, S_final and S_tiles against the fp64
+// reference on the same rounded values at v3's tolerances (1e-4 bf16x3, 1e-2 bf16), and bit for bit
+// the fp32-input forward fed those values in fp32 (the prep widens bf16 exactly and computes the same
+// from there): the sequential form in one piece and in 3 (kda_fwd_pieces), the chunk-parallel form at
+// 1, 2, 3, 8 pieces and the chooser's. Calls v3 does not take are refused (-1), T = 0 copies S0.
+static void bf16in_same_(const char *what, const float *d_a, const float *d_b, size_t n) {
+    TEST_CHECKF(tu_same_f32(d_a, d_b, n), "%s: bf16-input and fp32-input forwards differ", what);
+}
+static void test_chunk_bf16in(mtrl_cuda_ctx *ctx, int T, int H, int bound) {
+    const int K = 128, V = 128;
+    size_t nqk = (size_t)T * H * K, nv = (size_t)T * H * V, nb = (size_t)T * H, ns = (size_t)H * K * V;
+    size_t nst = (size_t)mtrl_ref_kda_tile_count(T) * ns;
+    double *q = tu_alloc(nqk), *k = tu_alloc(nqk), *v = tu_alloc(nv), *g = tu_alloc(nqk),
+           *beta = tu_alloc(nb), *S0 = tu_alloc(ns);
+    make_inputs(T, H, K, V, bound, q, k, v, g, beta);
+    tu_fill_normal(S0, ns, 0.5);
+    for (size_t i = 0; i < nqk; i++) q[i] = tu_bf16_round(q[i]), k[i] = tu_bf16_round(k[i]), g[i] = tu_bf16_round(g[i]);
+    for (size_t i = 0; i < nv; i++) v[i] = tu_bf16_round(v[i]);
+    double *o = tu_alloc(nv), *Sf = tu_alloc(ns), *St = tu_alloc(nst), *got = tu_alloc(nst > nv ? nst : nv);
+    mtrl_ref_kda_chunk_fwd(T, H, K, V, q, k, v, g, beta, S0, o, Sf, St);
+    mtrl_bf16 *b_q = tu_dev_bf16(q, nqk), *b_k = tu_dev_bf16(k, nqk), *b_v = tu_dev_bf16(v, nv),
+              *b_g = tu_dev_bf16(g, nqk);
+    float *d_q = tu_dev_f32(q, nqk), *d_k = tu_dev_f32(k, nqk), *d_v = tu_dev_f32(v, nv), *d_g = tu_dev_f32(g, nqk),
+          *d_b = tu_dev_f32(beta, nb), *d_S0 = tu_dev_f32(S0, ns);
+    float *d_o = tu_dev_nan(ctx, nv), *d_Sf = tu_dev_nan(ctx, ns), *d_St = tu_dev_nan(ctx, nst);
+    float *e_o = tu_dev_nan(ctx, nv), *e_Sf = tu_dev_nan(ctx, ns), *e_St = tu_dev_nan(ctx, nst);
+    const int reqs[] = {-1, 1, 2, 3, 8, MTRL_KDA_CP_AUTO};  // -1: the sequential entry
+    for (int split = 0; split <= 1; split++) {
+        mtrl_cuda_ctx_opts(ctx)->kda_plain_bf16 = !split;
+        const double tol = split ? 1e-4 : 1e-2;
+        for (size_t r = 0; r < sizeof reqs / sizeof *reqs; r++) {
+            for (int pcs = 0; pcs <= (reqs[r] < 0 ? 3 : 0); pcs += 3) {  // the sequential form also in 3 pieces
+                mtrl_cuda_ctx_opts(ctx)->kda_fwd_pieces = pcs;
+                char tag[96], what[160];
+                if (reqs[r] < 0) snprintf(tag, sizeof tag, "%s bf16 in, sequential%s", split ? "v3 bf16x3" : "v3",
+                                          pcs ? " (kda_fwd_pieces 3)" : "");
+                else snprintf(tag, sizeof tag, "%s bf16 in, cp request %d (%d pieces)", split ? "v3 bf16x3" : "v3",
+                              reqs[r], mtrl_kda_cp_pieces(ctx, T, H, K, V, reqs[r]));
+                printf("chunk %s T=%d H=%d %s\n", tag, T, H, bound ? "g = g_min + 1e-3" : "random g");
+                mtrl_cuda_fill_f32(ctx, nv, NAN, d_o), mtrl_cuda_fill_f32(ctx, ns, NAN, d_Sf);
+                mtrl_cuda_fill_f32(ctx, nst, NAN, d_St);
+                if (reqs[r] < 0) {
+                    TEST_EQ_INT(mtrl_kda_chunk_fwd_bf16(ctx, T, H, K, V, b_q, b_k, b_v, b_g, d_b, d_S0, d_o, d_Sf, d_St), 0);
+                    TEST_EQ_INT(mtrl_kda_chunk_fwd(ctx, T, H, K, V, d_q, d_k, d_v, d_g, d_b, d_S0, e_o, e_Sf, e_St), 0);
+                } else {
+                    TEST_EQ_INT(mtrl_kda_chunk_fwd_cp_bf16(ctx, reqs[r], T, H, K, V, b_q, b_k, b_v, b_g, d_b, d_S0, d_o,
+                                                           d_Sf, d_St), 0);
+                    TEST_EQ_INT(mtrl_kda_chunk_fwd_cp(ctx, reqs[r], T, H, K, V, d_q, d_k, d_v, d_g, d_b, d_S0, e_o, e_Sf,
+                                                      e_St), 0);
+                }
+                mtrl_cuda_sync(ctx);
+                check_fwd_(tag, " (rounded inputs)", d_o, d_Sf, d_St, o, Sf, St, nv, ns, nst, tol, got);
+                snprintf(what, sizeof what, "%s T=%d H=%d: o", tag, T, H);
+                bf16in_same_(what, d_o, e_o, nv);
+                snprintf(what, sizeof what, "%s T=%d H=%d: S_final", tag, T, H);
+                bf16in_same_(what, d_Sf, e_Sf, ns);
+                snprintf(what, sizeof what, "%s T=%d H=%d: S_tiles", tag, T, H);
+                bf16in_same_(what, d_St, e_St, nst);
+            }
+        }
+    }
+    mtrl_cuda_ctx_opts(ctx)->kda_plain_bf16 = 0;
+    mtrl_cuda_ctx_opts(ctx)->kda_fwd_pieces = 0;
+    // T = 0: S_final = S0; refused where v3 does not run (kda_fwd = simt; K = V = 64)
+    TEST_EQ_INT(mtrl_kda_chunk_fwd_bf16(ctx, 0, H, K, V, b_q, b_k, b_v, b_g, d_b, d_S0, NULL, d_Sf, NULL), 0);
+    mtrl_cuda_sync(ctx);
+    bf16in_same_("bf16 in, T = 0: S_final = S0", d_Sf, d_S0, ns);
+    mtrl_cuda_ctx_opts(ctx)->kda_fwd = MTRL_KOPT_SIMT;
+    TEST_EQ_INT(mtrl_kda_chunk_fwd_bf16(ctx, T, H, K, V, b_q, b_k, b_v, b_g, d_b, d_S0, d_o, d_Sf, NULL), -1);
+    TEST_EQ_INT(mtrl_kda_chunk_fwd_cp_bf16(ctx, 0, T, H, K, V, b_q, b_k, b_v, b_g, d_b, d_S0, d_o, d_Sf, NULL), -1);
+    mtrl_cuda_ctx_opts(ctx)->kda_fwd = MTRL_KOPT_AUTO;
+    TEST_EQ_INT(mtrl_kda_chunk_fwd_bf16(ctx, T, H, 64, 64, b_q, b_k, b_v, b_g, d_b, d_S0, d_o, d_Sf, NULL), -1);
+    TEST_EQ_INT(mtrl_kda_chunk_fwd_cp_bf16(ctx, 0, T, H, 64, 64, b_q, b_k, b_v, b_g, d_b, d_S0, d_o, d_Sf, NULL), -1);
+    mtrl_bf16 *bp[] = {b_q, b_k, b_v, b_g};
+    for (size_t i = 0; i < sizeof bp / sizeof *bp; i++) mtrl_cuda_free(bp[i]);
+    float *ptrs[] = {d_q, d_k, d_v, d_g, d_b, d_S0, d_o, d_Sf, d_St, e_o, e_Sf, e_St};
+    for (size_t i = 0; i < sizeof ptrs / sizeof *ptrs; i++) mtrl_cuda_free(ptrs[i]);
+    double *hp[] = {q, k, v, g, beta, S0, o, Sf, St, got};
+    for (size_t i = 0; i < sizeof hp / sizeof *hp; i++) free(hp[i]);
+}
+// Cases of the bf16-input forwards (also run by `test_cuda_kda bf16in` alone).
+static void test_chunk_bf16in_all(mtrl_cuda_ctx *ctx) {
+    test_chunk_bf16in(ctx, 1000, 16, 0);  // 63 tiles, tail of 8
+    test_chunk_bf16in(ctx, 419, 2, 1);    // H = 2, the decay at the bound
+    test_chunk_bf16in(ctx, 9000, 16, 0);  // the chooser's own pieces (563 tiles: 4 at H = 16)
+    test_chunk_bf16in(ctx, 7, 16, 0);     // T < 16: one tile, one piece
+}
+
 // The model's use of the chunked forward, at the kernel level (what test_cuda_model and
 // test_cuda_long exercise through the layer; K = V = 128, H = 2 and 8 as the `reduced small` and
 // 64K models): the gate of the model at initialisation (A_log = 0, dt_bias = softplus⁻¹(dt), dt
@@ -852,6 +943,11 @@ int main(int argc, char **argv) {
         mtrl_cuda_ctx_destroy(ctx);
         return test_report();
     }
+    if (argc > 1 && !strcmp(argv[1], "bf16in")) {
+        test_chunk_bf16in_all(ctx);
+        mtrl_cuda_ctx_destroy(ctx);
+        return test_report();
+    }
     test_gate(ctx, 300, 3, 32);
     mtrl_cuda_ctx_opts(ctx)->kda_fwd = MTRL_KOPT_SIMT;  // the fp32 (1e-4) chunk cases below check v2
     test_chunk(ctx, 1, 1, 16, 16, 0);
@@ -884,6 +980,7 @@ int main(int argc, char **argv) {
     test_chunk_v3(ctx, 419, 2, 1);
     test_chunk_v3(ctx, 131, 64, 0);
     test_chunk_cp_all(ctx);
+    test_chunk_bf16in_all(ctx);
     for (int run = 0; run < 3; run++) {  // the model's use (v2, v3, v3 bf16x3): segments, backward, decode
         const int ver = run ? 3 : 2, split = run == 2;
         test_chunk_model_(ctx, 96, 2, 16, ver, split);

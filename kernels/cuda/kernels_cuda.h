@@ -166,6 +166,24 @@ enum { MTRL_KDA_CP_AUTO = 0, MTRL_KDA_CP_MAX_PIECES = 64 };
 int mtrl_kda_chunk_fwd_cp(mtrl_cuda_ctx *ctx, int pieces, int T, int H, int K, int V, const float *q,
                           const float *k, const float *v, const float *g, const float *beta,
                           const float *S0, float *o, float *S_final, float *S_tiles);
+// The two forwards above with q, k, v, g in bf16 (same layouts; beta, S0 and the outputs fp32):
+// the prep widens each value to fp32 as it loads it and computes from there exactly as from fp32
+// inputs, so the results are bit for bit those of mtrl_kda_chunk_fwd / _cp (same pieces) given the
+// same values widened to fp32. Why: the prep reads q, k, v, g once and is near the DRAM rate
+// (docs/perf.md), and bf16 halves those bytes where a caller holds its inputs as bf16 (fla and
+// FlashKDA take bf16). v3 only: K = V = 128, 16-byte aligned q, k, v, g, kda_fwd not SIMT; other
+// calls return -1 (v2 reads fp32, and widening into scratch would spend the traffic saved).
+// The model does not call these (docs/perf.md, "KDA forward with bf16 inputs"): its q, k leave the
+// L2 norm and scale, v the short convolution and g the gate, fp32 elementwise kernels just before
+// the forward, whose fp32 outputs the backward reads again; a bf16 copy would write 2 bytes a value
+// to save 2 on the read, and bf16 outputs from those kernels would change the backend's interface
+// (the CPU backend's too). The actor's prefill of several sequences takes the varlen form, fp32.
+int mtrl_kda_chunk_fwd_bf16(mtrl_cuda_ctx *ctx, int T, int H, int K, int V, const mtrl_bf16 *q,
+                            const mtrl_bf16 *k, const mtrl_bf16 *v, const mtrl_bf16 *g, const float *beta,
+                            const float *S0, float *o, float *S_final, float *S_tiles);
+int mtrl_kda_chunk_fwd_cp_bf16(mtrl_cuda_ctx *ctx, int pieces, int T, int H, int K, int V, const mtrl_bf16 *q,
+                               const mtrl_bf16 *k, const mtrl_bf16 *v, const mtrl_bf16 *g, const float *beta,
+                               const float *S0, float *o, float *S_final, float *S_tiles);
 // The number of pieces mtrl_kda_chunk_fwd_cp runs for `pieces` = request at this shape (given
 // 16-byte aligned inputs); 1 means the sequential forward. Auto (request 0): min(SMs / H, tiles /
 // 128) when that is at least 4 and 8H <= SMs, else 1: chunk-parallel for H <= 16 on an H200 and

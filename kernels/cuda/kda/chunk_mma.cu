@@ -15,7 +15,10 @@
 //      T = (I + M)^-1 by fp32 forward substitution (16 lanes, as v2), then W = T (β K⁺) and
 //      U = T (β V) (16 x 128, k = 16; T rounded to bf16 for this product, as fla does).
 //      It writes one record per (head, tile) to scratch, 17 KB for K = V = 128 (Rec below):
-//      −W, Q⁺, K^e, U, P as bf16 and e^γ as fp32.
+//      −W, Q⁺, K^e, U, P as bf16 and e^γ as fp32. q, k, v, g are read as fp32 or, for
+//      mtrl_kda_chunk_fwd_bf16 / _cp_bf16, as bf16 (TI; widened exactly as loaded, the same arithmetic
+//      after, so the same records from the same values; the fp32 instance compiles to the machine
+//      code it had before the template, tools/cubin_compare.py with the renamed kernel matched).
 //   2. kda3_state_k<WPB, WO>, grid (V / (16 WPB), H), WPB warps: the sequential pass. Warp w owns
 //      16 value columns j0..j0+15 of one head and holds the transposed state Sᵀ (16 x K, fp32) as
 //      mma accumulators: st[nd][0..3] = Sᵀ(j0+g, 8nd+2t), Sᵀ(j0+g, 8nd+2t+1), Sᵀ(j0+g+8, 8nd+2t),
@@ -75,13 +78,14 @@ namespace {
 
 // ---- pass 1: the per-tile record ---------------------------------------------------------------
 
-// KDA3_PREP_TILE_ (chunk_mma.cuh) for tiles n_lo .. n_hi - 1 of the nt of one sequence, every head.
-template <bool X>
+// KDA3_PREP_TILE_ (chunk_mma.cuh) for tiles n_lo .. n_hi - 1 of the nt of one sequence, every head;
+// q, k, v, g of type TI: float, or mtrl_bf16 (widened to fp32 as loaded, the arithmetic unchanged).
+template <bool X, typename TI>
 __global__ void __launch_bounds__(128) kda3_prep_k(int T, int H, int nt, int n_lo, int n_hi,
-                                                   const float *__restrict__ q,
-                                                   const float *__restrict__ k,
-                                                   const float *__restrict__ v,
-                                                   const float *__restrict__ g,
+                                                   const TI *__restrict__ q,
+                                                   const TI *__restrict__ k,
+                                                   const TI *__restrict__ v,
+                                                   const TI *__restrict__ g,
                                                    const float *__restrict__ beta,
                                                    unsigned char *__restrict__ rec) {
     using Rc = Rec<X>;
@@ -155,14 +159,14 @@ void launch_state3_wo_(mtrl_cuda_ctx *c, int T, int H, int nt, int n_lo, int n_h
 // The prep (one record per head and tile into rec) over tiles n_lo .. n_hi - 1 on `stream`, and
 // the state pass over the records of tiles n_lo .. n_hi - 1 (S0: the state entering tile n_lo,
 // S_final: the one leaving tile n_hi - 1), at one precision (X: bf16x3).
-template <bool X>
-void kda3_prep_(mtrl_cuda_ctx *c, cudaStream_t stream, int T, int H, int n_lo, int n_hi, const float *q,
-                const float *k, const float *v, const float *g, const float *beta, unsigned char *rec) {
+template <bool X, typename TI>
+void kda3_prep_(mtrl_cuda_ctx *c, cudaStream_t stream, int T, int H, int n_lo, int n_hi, const TI *q,
+                const TI *k, const TI *v, const TI *g, const float *beta, unsigned char *rec) {
     const int nt = (T + C3 - 1) / C3;
     const size_t shp = 4 * (size_t)PrepCfg<X>::WARP_BYTES;
-    set_smem(kda3_prep_k<X>, shp);
-    kda3_prep_k<X><<<dim3((n_hi - n_lo + 3) / 4, H), 128, shp, stream>>>(T, H, nt, n_lo, n_hi, q, k, v, g,
-                                                                        beta, rec);
+    set_smem(kda3_prep_k<X, TI>, shp);
+    kda3_prep_k<X, TI><<<dim3((n_hi - n_lo + 3) / 4, H), 128, shp, stream>>>(T, H, nt, n_lo, n_hi, q, k, v, g,
+                                                                            beta, rec);
     CUDA_LAUNCH_CHECK();
 }
 template <bool X>
@@ -176,9 +180,8 @@ int kda3_aligned16_(const void *p) { return ((uintptr_t)p & 15u) == 0; }
 
 }  // namespace
 
-// Whether v3 takes this call (kda/chunk_simt.cu applies the kda_fwd option).
-int kda3_supports(int H, int K, int V, const float *q, const float *k, const float *v,
-                  const float *g) {
+// Whether v3 takes this call (kda/chunk_simt.cu applies the kda_fwd option); q, k, v, g fp32 or bf16.
+int kda3_supports(int H, int K, int V, const void *q, const void *k, const void *v, const void *g) {
     return K == K3 && V == V3 && H > 0 && H <= 65535 && kda3_aligned16_(q) && kda3_aligned16_(k) &&
            kda3_aligned16_(v) && kda3_aligned16_(g);
 }
@@ -186,8 +189,9 @@ int kda3_supports(int H, int K, int V, const float *q, const float *k, const flo
 // bf16x3 operands (1, the default) or plain bf16 (0: MTRL_KDA3_SPLIT=0, read at each call); the
 // chunk-parallel forward (kda/chunk_parallel.cu) follows the same switch.
 size_t kda3_rec_bytes(int split) { return split ? Rec<true>::BYTES : Rec<false>::BYTES; }
+template <typename TI>
 static void kda3_prep_range_(mtrl_cuda_ctx *c, cudaStream_t stream, int T, int H, int n_lo, int n_hi,
-                             const float *q, const float *k, const float *v, const float *g,
+                             const TI *q, const TI *k, const TI *v, const TI *g,
                              const float *beta, unsigned char *rec, int split) {
     if (split) kda3_prep_<true>(c, stream, T, H, n_lo, n_hi, q, k, v, g, beta, rec);
     else kda3_prep_<false>(c, stream, T, H, n_lo, n_hi, q, k, v, g, beta, rec);
@@ -213,6 +217,10 @@ void kda3_prep_launch(mtrl_cuda_ctx *c, int T, int H, const float *q, const floa
                       const float *g, const float *beta, unsigned char *rec, int split) {
     kda3_prep_range_(c, c->stream, T, H, 0, (T + C3 - 1) / C3, q, k, v, g, beta, rec, split);
 }
+void kda3_prep_launch(mtrl_cuda_ctx *c, int T, int H, const mtrl_bf16 *q, const mtrl_bf16 *k, const mtrl_bf16 *v,
+                      const mtrl_bf16 *g, const float *beta, unsigned char *rec, int split) {
+    kda3_prep_range_(c, c->stream, T, H, 0, (T + C3 - 1) / C3, q, k, v, g, beta, rec, split);
+}
 void kda3_state_fwd_launch(mtrl_cuda_ctx *c, int T, int H, const unsigned char *rec, const float *S0,
                            float *o, float *S_final, float *S_tiles, int split) {
     kda3_state_range_(c, T, H, 0, (T + C3 - 1) / C3, rec, S0, o, S_final, S_tiles, split);
@@ -221,10 +229,10 @@ void kda3_state_fwd_launch(mtrl_cuda_ctx *c, int T, int H, const unsigned char *
 // The v3 forward (T >= 1; shapes checked by kda3_supports); bf16x3 unless the option kda_plain_bf16. The
 // records live at the start of the context's scratch, then (pieces > 1) the state between pieces
 // [H][K][V]: each warp reads its columns of it first and writes them last, so one buffer serves
-// every boundary, and the pieces give the same bits as one.
-int kda3_chunk_fwd(mtrl_cuda_ctx *c, int T, int H, const float *q, const float *k,
-                   const float *v, const float *g, const float *beta, const float *S0, float *o,
-                   float *S_final, float *S_tiles) {
+// every boundary, and the pieces give the same bits as one. q, k, v, g fp32 or bf16 (TI).
+template <typename TI>
+static int kda3_chunk_fwd_(mtrl_cuda_ctx *c, int T, int H, const TI *q, const TI *k, const TI *v, const TI *g,
+                           const float *beta, const float *S0, float *o, float *S_final, float *S_tiles) {
     const int split = !c->opts.kda_plain_bf16, nt = (T + C3 - 1) / C3;
     const int np = kda3_fwd_pieces_(c, H, nt);
     ws_carver sz{nullptr, 0};
@@ -249,4 +257,14 @@ int kda3_chunk_fwd(mtrl_cuda_ctx *c, int T, int H, const float *q, const float *
         if (p + 1 < np) mtrl_ctx_lanes_join(c, 2);  // the next state piece waits for its records
     }
     return 0;
+}
+int kda3_chunk_fwd(mtrl_cuda_ctx *c, int T, int H, const float *q, const float *k,
+                   const float *v, const float *g, const float *beta, const float *S0, float *o,
+                   float *S_final, float *S_tiles) {
+    return kda3_chunk_fwd_(c, T, H, q, k, v, g, beta, S0, o, S_final, S_tiles);
+}
+int kda3_chunk_fwd(mtrl_cuda_ctx *c, int T, int H, const mtrl_bf16 *q, const mtrl_bf16 *k,
+                   const mtrl_bf16 *v, const mtrl_bf16 *g, const float *beta, const float *S0, float *o,
+                   float *S_final, float *S_tiles) {
+    return kda3_chunk_fwd_(c, T, H, q, k, v, g, beta, S0, o, S_final, S_tiles);
 }

@@ -296,7 +296,7 @@ _Pragma("unroll 1")                                                             
 // ---- the forward's per-tile record (pass 1) --------------------------------------------------
 //
 // KDA3_PREP_TILE_(RI): warp w of a 4-warp block writes the record of tile n (tokens 16 n .. of a
-// sequence of T tokens at q, k, v, g, beta; head h) at rec + (h nt + RI) Rec<X>::BYTES, in its
+// sequence of T tokens at q, k, v, g (fp32 or bf16: ldg4_or0), beta; head h) at rec + (h nt + RI) Rec<X>::BYTES, in its
 // PrepCfg<X>::WARP_BYTES of the block's shared memory sm3_ (from w WARP_BYTES on); the enclosing
 // scope defines T, H, nt, n, h, lane, w, q, k, v, g, beta, rec, sm3_, X, Rc = Rec<X> and
 // LO = PrepCfg<X>::LO. The body of kda3_prep_k (kda/chunk_mma.cu), which runs it over every
@@ -306,8 +306,18 @@ _Pragma("unroll 1")                                                             
 // reason: as an inline function the same code compiled to other machine code in kda3_prep_k
 // (tools/cubin_compare.py), whose times were measured as it is.
 
+// The macro's input loads (4 columns of one row of q, k, v or g; zeros for a padded row), by the
+// inputs' type: fp32 as one 16-byte load; bf16 (mtrl_kda_chunk_fwd_bf16) as one 8-byte load widened
+// exactly to fp32, so from there on the prep computes what it computes from the same values in fp32
+// (the records, and so the forward, are bit for bit the fp32 prep's on the widened inputs).
 __device__ __forceinline__ float4 ldg4_or0(const float *p, bool ok) {
     return ok ? __ldg(reinterpret_cast<const float4 *>(p)) : make_float4(0.f, 0.f, 0.f, 0.f);
+}
+__device__ __forceinline__ float4 ldg4_or0(const mtrl_bf16 *p, bool ok) {
+    if (!ok) return make_float4(0.f, 0.f, 0.f, 0.f);
+    const uint2 u = __ldg(reinterpret_cast<const uint2 *>(p));  // columns 0, 1 in u.x (0 in the low half)
+    return make_float4(__uint_as_float(u.x << 16), __uint_as_float(u.x & 0xffff0000u),
+                       __uint_as_float(u.y << 16), __uint_as_float(u.y & 0xffff0000u));
 }
 __device__ __forceinline__ float comp(const float4 &x, int c) {
     return c == 0 ? x.x : c == 1 ? x.y : c == 2 ? x.z : x.w;
@@ -497,10 +507,13 @@ _Pragma("unroll")                                                               
 // kda/chunk_mma.cu: the record's size per (head, tile) (split: bf16x3), the prep that writes it for
 // every tile of every head (rec: H x tiles records, scratch the caller owns), and the forward state
 // pass over it (o, S_final, S_tiles each optional, as kda3_chunk_fwd). T >= 1, K = V = 128, q, k,
-// v, g 16-byte aligned (kda3_supports).
+// v, g 16-byte aligned (kda3_supports); the prep reads them as fp32 or as bf16 (the same records
+// from the same values).
 size_t kda3_rec_bytes(int split);
 void kda3_prep_launch(mtrl_cuda_ctx *c, int T, int H, const float *q, const float *k, const float *v,
                       const float *g, const float *beta, unsigned char *rec, int split);
+void kda3_prep_launch(mtrl_cuda_ctx *c, int T, int H, const mtrl_bf16 *q, const mtrl_bf16 *k, const mtrl_bf16 *v,
+                      const mtrl_bf16 *g, const float *beta, unsigned char *rec, int split);
 void kda3_state_fwd_launch(mtrl_cuda_ctx *c, int T, int H, const unsigned char *rec, const float *S0,
                            float *o, float *S_final, float *S_tiles, int split);
 

@@ -39,8 +39,8 @@
 // "KDA chunk-parallel forward".
 #include "kernels/cuda/kda/chunk_mma.cuh"
 
-int kda3_supports(int H, int K, int V, const float *q, const float *k, const float *v,
-                  const float *g);  // kda/chunk_mma.cu
+int kda3_supports(int H, int K, int V, const void *q, const void *k, const void *v,
+                  const void *g);  // kda/chunk_mma.cu
 
 namespace {
 
@@ -188,13 +188,28 @@ extern "C" int mtrl_kda_cp_pieces(const mtrl_cuda_ctx *ctx, int T, int H, int K,
     return np < 1 ? 1 : np;
 }
 
-extern "C" int mtrl_kda_chunk_fwd_cp(mtrl_cuda_ctx *c, int pieces, int T, int H, int K, int V, const float *q,
-                                     const float *k, const float *v, const float *g, const float *beta,
-                                     const float *S0, float *o, float *S_final, float *S_tiles) {
+// The sequential forward of the same inputs (what mtrl_kda_chunk_fwd_cp runs at one piece).
+static int kda_fwd_seq_(mtrl_cuda_ctx *c, int T, int H, int K, int V, const float *q, const float *k, const float *v,
+                        const float *g, const float *beta, const float *S0, float *o, float *S_final,
+                        float *S_tiles) {
+    return mtrl_kda_chunk_fwd(c, T, H, K, V, q, k, v, g, beta, S0, o, S_final, S_tiles);
+}
+static int kda_fwd_seq_(mtrl_cuda_ctx *c, int T, int H, int K, int V, const mtrl_bf16 *q, const mtrl_bf16 *k,
+                        const mtrl_bf16 *v, const mtrl_bf16 *g, const float *beta, const float *S0, float *o,
+                        float *S_final, float *S_tiles) {
+    return mtrl_kda_chunk_fwd_bf16(c, T, H, K, V, q, k, v, g, beta, S0, o, S_final, S_tiles);
+}
+
+// mtrl_kda_chunk_fwd_cp and its bf16-input form: q, k, v, g of type TI (float or mtrl_bf16) reach only
+// the prep, which writes the same records from the same values either way.
+template <typename TI>
+static int kda_chunk_fwd_cp_(mtrl_cuda_ctx *c, int pieces, int T, int H, int K, int V, const TI *q, const TI *k,
+                             const TI *v, const TI *g, const float *beta, const float *S0, float *o, float *S_final,
+                             float *S_tiles) {
     MTRL_CUDA_REQUIRE(pieces >= 0, "pieces = %d (0: the chooser, 1: sequential, N >= 2: N pieces)", pieces);
     const int np = T > 0 && H > 0 && kda3_supports(H, K, V, q, k, v, g) ? mtrl_kda_cp_pieces(c, T, H, K, V, pieces)
                                                                         : 1;
-    if (np <= 1) return mtrl_kda_chunk_fwd(c, T, H, K, V, q, k, v, g, beta, S0, o, S_final, S_tiles);
+    if (np <= 1) return kda_fwd_seq_(c, T, H, K, V, q, k, v, g, beta, S0, o, S_final, S_tiles);
     const int split = !c->opts.kda_plain_bf16, nt = (T + C3 - 1) / C3;
     const size_t HKV = (size_t)H * K3 * V3;
     auto carve = [&](ws_carver &cv, unsigned char **rec, float **Bb, float **Mb) {
@@ -212,4 +227,16 @@ extern "C" int mtrl_kda_chunk_fwd_cp(mtrl_cuda_ctx *c, int pieces, int T, int H,
     if (split) cp_run_<true>(c, T, H, nt, np, rec, S0, o, S_final, S_tiles, Bb, Mb);
     else cp_run_<false>(c, T, H, nt, np, rec, S0, o, S_final, S_tiles, Bb, Mb);
     return 0;
+}
+
+extern "C" int mtrl_kda_chunk_fwd_cp(mtrl_cuda_ctx *c, int pieces, int T, int H, int K, int V, const float *q,
+                                     const float *k, const float *v, const float *g, const float *beta,
+                                     const float *S0, float *o, float *S_final, float *S_tiles) {
+    return kda_chunk_fwd_cp_(c, pieces, T, H, K, V, q, k, v, g, beta, S0, o, S_final, S_tiles);
+}
+extern "C" int mtrl_kda_chunk_fwd_cp_bf16(mtrl_cuda_ctx *c, int pieces, int T, int H, int K, int V,
+                                          const mtrl_bf16 *q, const mtrl_bf16 *k, const mtrl_bf16 *v,
+                                          const mtrl_bf16 *g, const float *beta, const float *S0, float *o,
+                                          float *S_final, float *S_tiles) {
+    return kda_chunk_fwd_cp_(c, pieces, T, H, K, V, q, k, v, g, beta, S0, o, S_final, S_tiles);
 }

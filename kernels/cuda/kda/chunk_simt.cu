@@ -1176,11 +1176,13 @@ static void launch_state_bwd_(mtrl_cuda_ctx *c, int T, int H, int K, int V, int 
     KDA_NR_SWITCH(state_bwd_nr_, c, T, H, K, V, nt, w, dout, dS_final, dD, dSt, dS0)
 }
 
-// v3 (kda/chunk_mma.cu): tensor cores, K = V = 128.
-int kda3_supports(int H, int K, int V, const float *q, const float *k, const float *v,
-                  const float *g);
+// v3 (kda/chunk_mma.cu): tensor cores, K = V = 128; q, k, v, g fp32 or bf16.
+int kda3_supports(int H, int K, int V, const void *q, const void *k, const void *v, const void *g);
 int kda3_chunk_fwd(mtrl_cuda_ctx *c, int T, int H, const float *q, const float *k,
                    const float *v, const float *g, const float *beta, const float *S0, float *o,
+                   float *S_final, float *S_tiles);
+int kda3_chunk_fwd(mtrl_cuda_ctx *c, int T, int H, const mtrl_bf16 *q, const mtrl_bf16 *k,
+                   const mtrl_bf16 *v, const mtrl_bf16 *g, const float *beta, const float *S0, float *o,
                    float *S_final, float *S_tiles);
 
 // v3 backward state-gradient pass (kda/chunk_mma_bwd.cu) over v3's bf16x3 records (kda/chunk_mma.cu).
@@ -1248,18 +1250,21 @@ extern "C" int mtrl_kda_chunk_fwd_version(const mtrl_cuda_ctx *c, int H, int K, 
     return H > 0 && H <= 65535 && K == 128 && V == 128 ? 3 : 2;
 }
 
+// The forward of no tokens: S_final = S0 (zero when S0 is NULL).
+static void kda_fwd_empty_(mtrl_cuda_ctx *c, int H, int K, int V, const float *S0, float *S_final) {
+    const size_t bytes = sizeof(float) * H * (size_t)K * V;
+    if (!S_final) return;
+    if (S0) CUDA_CHECK(cudaMemcpyAsync(S_final, S0, bytes, cudaMemcpyDeviceToDevice, c->stream));
+    else CUDA_CHECK(cudaMemsetAsync(S_final, 0, bytes, c->stream));
+}
+
 extern "C" int mtrl_kda_chunk_fwd(mtrl_cuda_ctx *c, int T, int H, int K, int V, const float *q,
                                   const float *k, const float *v, const float *g,
                                   const float *beta, const float *S0, float *o, float *S_final,
                                   float *S_tiles) {
     if (kda_check_(c, T, H, K, V)) return -1;
-    size_t KV = (size_t)K * V;
     if (T == 0) {
-        if (S_final) {
-            if (S0) CUDA_CHECK(cudaMemcpyAsync(S_final, S0, sizeof(float) * H * KV,
-                                               cudaMemcpyDeviceToDevice, c->stream));
-            else CUDA_CHECK(cudaMemsetAsync(S_final, 0, sizeof(float) * H * KV, c->stream));
-        }
+        kda_fwd_empty_(c, H, K, V, S0, S_final);
         return 0;
     }
     if (mtrl_kda_chunk_fwd_version(c, H, K, V) == 3 && kda3_supports(H, K, V, q, k, v, g))
@@ -1274,6 +1279,23 @@ extern "C" int mtrl_kda_chunk_fwd(mtrl_cuda_ctx *c, int T, int H, int K, int V, 
     kda_launch_prep_(c, T, H, K, V, nt, q, k, v, g, beta, w);
     launch_state_fwd_(c, T, H, K, V, nt, w, S0, o, S_final, S_tiles);
     return 0;
+}
+
+// v3 only (kernels_cuda.h): v2 reads fp32, and a widened copy of the inputs would cost the traffic
+// the bf16 form exists to save.
+extern "C" int mtrl_kda_chunk_fwd_bf16(mtrl_cuda_ctx *c, int T, int H, int K, int V, const mtrl_bf16 *q,
+                                       const mtrl_bf16 *k, const mtrl_bf16 *v, const mtrl_bf16 *g,
+                                       const float *beta, const float *S0, float *o, float *S_final,
+                                       float *S_tiles) {
+    if (kda_check_(c, T, H, K, V)) return -1;
+    MTRL_CUDA_REQUIRE(mtrl_kda_chunk_fwd_version(c, H, K, V) == 3 && kda3_supports(H, K, V, q, k, v, g),
+                      "H=%d K=%d V=%d kda_fwd=%d (v3 only: K = V = 128, 16-byte aligned q, k, v, g)", H, K, V,
+                      c->opts.kda_fwd);
+    if (T == 0) {
+        kda_fwd_empty_(c, H, K, V, S0, S_final);
+        return 0;
+    }
+    return kda3_chunk_fwd(c, T, H, q, k, v, g, beta, S0, o, S_final, S_tiles);
 }
 
 extern "C" int mtrl_kda_chunk_bwd(mtrl_cuda_ctx *c, int T, int H, int K, int V, const float *q,

@@ -44,8 +44,8 @@
 
 #include "kernels/cuda/kda/chunk_mma.cuh"
 
-int kda3_supports(int H, int K, int V, const float *q, const float *k, const float *v,
-                  const float *g);  // kda/chunk_mma.cu
+int kda3_supports(int H, int K, int V, const void *q, const void *k, const void *v,
+                  const void *g);  // kda/chunk_mma.cu
 
 namespace {
 
