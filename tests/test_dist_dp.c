@@ -25,6 +25,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <time.h>
+#include <unistd.h>
 
 #include "common/config.h"
 #include "common/rng.h"
@@ -35,6 +36,7 @@
 #include "learner/train.h"
 #include "model/model.h"
 #include "model/qb.h"
+#include "tests/testdist.h"
 #include "tests/testhelp.h"
 
 // fp32 rounding of a sum in another order, through one AdamW step (lr-sized, so parameters
@@ -79,117 +81,17 @@ static void run_ranks_(int R, int timeout_ms, rank_fn fn, void *ctx) {
     mtrl_dist_world_free(w);
 }
 
-// ---- the collectives --------------------------------------------------------------------------
+// ---- the collectives (tests/testdist.h) on host memory ------------------------------------------
 
-enum { N_ELEM = 37, N_BYTES = 23, A2A_E = 5 };
-
-typedef struct ops_ctx {
-    int R;
-    mtrl_status st[MTRL_DIST_RANKS_MAX][8];
-    float ar[MTRL_DIST_RANKS_MAX][N_ELEM], order[MTRL_DIST_RANKS_MAX];
-    double ar64[MTRL_DIST_RANKS_MAX][N_ELEM];
-    float rs[MTRL_DIST_RANKS_MAX][N_ELEM];
-    unsigned char ag[MTRL_DIST_RANKS_MAX][MTRL_DIST_RANKS_MAX * N_BYTES];
-    unsigned char ag_in[MTRL_DIST_RANKS_MAX][MTRL_DIST_RANKS_MAX * N_BYTES];
-    unsigned char bc[MTRL_DIST_RANKS_MAX][N_BYTES];
-    int a2a_bad[MTRL_DIST_RANKS_MAX];
-} ops_ctx;
-
-static float val_(int r, int i) { return (float)((r + 1) * 1000 + i) * 0.25f; } // exact sums
-static unsigned char byte_(int r, int i) { return (unsigned char)(r * 31 + i * 7 + 1); }
-static int64_t a2a_rows_(int q, int e) { return (q * 3 + e * 7) % 4; } // 0..3 rows, some 0
-
-// The exchange of dist_plan.h: rows sorted by expert, each row (source, expert, index).
-static int a2a_run_(mtrl_dist_comm *c, mtrl_status *st) {
-    int R = mtrl_dist_comm_ranks(c), me = mtrl_dist_comm_rank(c), bad = 0;
-    mtrl_dist_experts x;
-    if (mtrl_dist_experts_make(&x, A2A_E, R, NULL) != MTRL_OK) return 1;
-    int64_t rows_all[MTRL_DIST_RANKS_MAX * A2A_E], n_send = 0, n_recv = 0;
-    for (int q = 0; q < R; q++)
-        for (int e = 0; e < A2A_E; e++) rows_all[q * A2A_E + e] = a2a_rows_(q, e);
-    int64_t sc[MTRL_DIST_RANKS_MAX], so[MTRL_DIST_RANKS_MAX], rc[MTRL_DIST_RANKS_MAX], ro[MTRL_DIST_RANKS_MAX];
-    mtrl_dist_a2a_send(&x, rows_all + me * A2A_E, sc, so);
-    mtrl_dist_a2a_recv(&x, me, rows_all, rc, ro, NULL);
-    for (int q = 0; q < R; q++) n_send += sc[q], n_recv += rc[q];
-    int32_t *send = calloc((size_t)n_send * 3 + 1, sizeof(int32_t)), *recv = calloc((size_t)n_recv * 3 + 1, sizeof(int32_t));
-    int64_t at = 0;
-    for (int e = 0; e < A2A_E; e++)
-        for (int j = 0; j < a2a_rows_(me, e); j++, at++)
-            send[at * 3] = me, send[at * 3 + 1] = e, send[at * 3 + 2] = j;
-    *st = mtrl_dist_comm_alltoallv(c, send, sc, so, recv, rc, ro, 3 * sizeof(int32_t), NULL);
-    // From each source, its rows of my experts in expert order, at that source's offset.
-    for (int q = 0; q < R; q++) {
-        int64_t k = ro[q];
-        for (int e = x.first[me]; e < x.first[me + 1]; e++)
-            for (int j = 0; j < a2a_rows_(q, e); j++, k++)
-                bad += recv[k * 3] != q || recv[k * 3 + 1] != e || recv[k * 3 + 2] != j;
-        bad += k != ro[q] + rc[q];
-    }
-    free(send);
-    free(recv);
-    return bad;
-}
-
-static void ops_rank_(mtrl_dist_comm *c, void *p) {
-    ops_ctx *x = p;
-    int r = mtrl_dist_comm_rank(c), R = mtrl_dist_comm_ranks(c);
-    mtrl_status *st = x->st[r];
-    st[0] = mtrl_dist_comm_barrier(c, NULL);
-    for (int i = 0; i < N_ELEM; i++) x->ar[r][i] = val_(r, i), x->ar64[r][i] = val_(r, i) * 1e-3;
-    st[1] = mtrl_dist_comm_allreduce(c, x->ar[r], N_ELEM, MTRL_DT_F32, NULL);
-    st[2] = mtrl_dist_comm_allreduce(c, x->ar64[r], N_ELEM, MTRL_DT_F64, NULL);
-    // A sum whose fp32 value depends on the order: 1e8 + 1 + ... - 1e8.
-    x->order[r] = r == 0 ? 1e8f : r == R - 1 ? -1e8f : 1.0f;
-    if (R == 1) x->order[r] = 3.0f;
-    mtrl_status so = mtrl_dist_comm_allreduce(c, &x->order[r], 1, MTRL_DT_F32, NULL);
-    float *send = malloc(sizeof(float) * (size_t)R * N_ELEM);
-    for (int q = 0; q < R; q++)
-        for (int i = 0; i < N_ELEM; i++) send[q * N_ELEM + i] = val_(r, q * N_ELEM + i);
-    st[3] = mtrl_dist_comm_reduce_scatter(c, send, x->rs[r], N_ELEM, NULL);
-    free(send);
-    unsigned char mine[N_BYTES];
-    for (int i = 0; i < N_BYTES; i++) mine[i] = byte_(r, i), x->ag_in[r][r * N_BYTES + i] = byte_(r, i);
-    st[4] = mtrl_dist_comm_allgather(c, mine, x->ag[r], N_BYTES, NULL);
-    mtrl_status si = mtrl_dist_comm_allgather(c, x->ag_in[r] + r * N_BYTES, x->ag_in[r], N_BYTES, NULL); // in place
-    int root = R - 1;
-    for (int i = 0; i < N_BYTES; i++) x->bc[r][i] = r == root ? byte_(99, i) : 0;
-    st[5] = mtrl_dist_comm_broadcast(c, x->bc[r], N_BYTES, root, NULL);
-    x->a2a_bad[r] = a2a_run_(c, &st[6]);
-    st[7] = so != MTRL_OK ? so : si;
-}
+static void *host_alloc_(size_t n) { return calloc(1, n); }
+static void host_copy_(void *dst, const void *src, size_t n) { memcpy(dst, src, n); }
+static const test_dist_mem host_mem_ = {host_alloc_, host_copy_, host_copy_, free};
 
 static void test_ops_(int R) {
-    ops_ctx *x = calloc(1, sizeof *x);
-    x->R = R;
-    run_ranks_(R, 5000, ops_rank_, x);
-    float order = R == 1 ? 3.0f : 1e8f;
-    for (int q = 1; q < R; q++) order += q == R - 1 ? -1e8f : 1.0f; // rank order, in fp32
-    for (int r = 0; r < R; r++) {
-        for (int k = 0; k < 8; k++) TEST_CHECKF(x->st[r][k] == MTRL_OK, "R=%d rank %d op %d: %d", R, r, k, x->st[r][k]);
-        int bad = 0;
-        for (int i = 0; i < N_ELEM; i++) {
-            float want = 0, want_rs = 0;
-            double want64 = 0;
-            for (int q = 0; q < R; q++) {
-                want += val_(q, i);
-                want64 += val_(q, i) * 1e-3;
-                want_rs += val_(q, r * N_ELEM + i);
-            }
-            bad += x->ar[r][i] != want || x->rs[r][i] != want_rs;
-            bad += memcmp(&x->ar64[r][i], &x->ar64[0][i], sizeof(double)) != 0; // the same bits everywhere
-            bad += fabs(x->ar64[r][i] - want64) > 1e-12;
-        }
-        TEST_CHECKF(bad == 0, "R=%d rank %d: %d all-reduce / reduce-scatter values wrong", R, r, bad);
-        TEST_CHECKF(x->order[r] == order, "R=%d rank %d: the order-dependent sum %.9g, rank order gives %.9g", R, r,
-                    x->order[r], order);
-        bad = 0;
-        for (int q = 0; q < R; q++)
-            for (int i = 0; i < N_BYTES; i++)
-                bad += x->ag[r][q * N_BYTES + i] != byte_(q, i) || x->ag_in[r][q * N_BYTES + i] != byte_(q, i);
-        for (int i = 0; i < N_BYTES; i++) bad += x->bc[r][i] != byte_(99, i);
-        TEST_CHECKF(bad == 0, "R=%d rank %d: %d all-gather / broadcast bytes wrong", R, r, bad);
-        TEST_CHECKF(x->a2a_bad[r] == 0, "R=%d rank %d: %d all-to-all-v rows misplaced", R, r, x->a2a_bad[r]);
-    }
+    test_dist_ops *x = calloc(1, sizeof *x);
+    x->mem = &host_mem_;
+    run_ranks_(R, 5000, test_dist_ops_rank, x);
+    test_dist_ops_check(x, R, 1, "local");
     free(x);
 }
 
@@ -282,6 +184,25 @@ static void test_failures_(void) {
     TEST_EQ_INT(mtrl_dist_comm_init_local(&b, w, 2, &err), MTRL_ERR_USAGE);
     mtrl_dist_comm_free(a);
     mtrl_dist_world_free(w);
+}
+
+// The file bootstrap of the NCCL backend's id (plain files: no GPU needed).
+static void test_bootstrap_(void) {
+    char path[256];
+    snprintf(path, sizeof path, "/tmp/mtrl_test_dist_dp_id.%ld", (long)getpid());
+    unlink(path);
+    unsigned char id[128], got[128] = {0};
+    for (int i = 0; i < 128; i++) id[i] = (unsigned char)(i * 13 + 5);
+    mtrl_error err;
+    TEST_EQ_INT(mtrl_dist_bootstrap_file(path, 0, 2, id, sizeof id, 100, &err), MTRL_OK);
+    TEST_EQ_INT(mtrl_dist_bootstrap_file(path, 1, 2, got, sizeof got, 100, &err), MTRL_OK);
+    TEST_CHECK(!memcmp(id, got, sizeof id));
+    TEST_EQ_INT(mtrl_dist_bootstrap_file(path, 0, 2, id, sizeof id, 100, &err), MTRL_ERR_STATE); // another world's
+    TEST_CONTAINS(err.msg, "exists");
+    unlink(path);
+    TEST_EQ_INT(mtrl_dist_bootstrap_file(path, 1, 2, got, sizeof got, 100, &err), MTRL_ERR_TIMEOUT);
+    TEST_CONTAINS(err.msg, path);
+    TEST_CONTAINS(err.msg, "100 ms");
 }
 
 // ---- the DP step ------------------------------------------------------------------------------
@@ -563,6 +484,7 @@ static void test_odd_batch_(void) {
 int main(void) {
     for (int R = 1; R <= 4; R++) test_ops_(R);
     test_failures_();
+    test_bootstrap_();
     // Clipping on (the norm of this batch is well above 0.05), segments planned.
     const char *clip = "grad_clip = 0.05\n[algo]\nmask_truncated = true\n";
     test_dp_(2, clip, 2, 0, "rl token_mean clipped");
