@@ -346,20 +346,43 @@ static double block_rel_(const real *a, const real *b, size_t lo, size_t hi) {
     return den > 0 ? num / den : num;
 }
 
+// One comparison: the config, the batch, the ranks' outputs and one rank's (ref).
+typedef struct dp_case {
+    mtrl_config cfg;
+    mtrl_algo_config algo;
+    mtrl_traj tr[NEP], *eps[NEP];
+    dp_ctx x;
+    step_out ref;
+} dp_case;
+
+// Runs the DP step on R ranks (timeout_ms) and, with ref, one rank's step on the same batch.
+static dp_case *dp_case_run_(int R, int timeout_ms, const char *extra, dp_ctx x, int ref) {
+    dp_case *c = calloc(1, sizeof *c);
+    config_(&c->cfg, extra);
+    TEST_EQ_INT(mtrl_train_algo_config(&c->cfg, &c->algo, NULL), MTRL_OK);
+    for (int i = 0; i < NEP; i++) mtrl_traj_init(&c->tr[i]), episode_(&c->tr[i], i), c->eps[i] = &c->tr[i];
+    c->x = x;
+    c->x.cfg = &c->cfg;
+    c->x.algo = &c->algo;
+    c->x.eps = c->eps;
+    if (ref) reference_(&c->x, &c->ref);
+    run_ranks_(R, timeout_ms, dp_rank_, &c->x);
+    return c;
+}
+
+static void dp_case_free_(dp_case *c, int R) {
+    for (int r = 0; r < R; r++) step_out_free_(&c->x.out[r]);
+    step_out_free_(&c->ref);
+    for (int i = 0; i < NEP; i++) mtrl_traj_free(&c->tr[i]);
+    free(c);
+}
+
 // The DP step on R ranks against one rank, for config text `extra`.
 static void test_dp_(int R, const char *extra, int steps, int sft, const char *what) {
-    mtrl_config cfg;
-    config_(&cfg, extra);
-    mtrl_algo_config algo;
-    mtrl_error err;
-    TEST_EQ_INT(mtrl_train_algo_config(&cfg, &algo, &err), MTRL_OK);
-    mtrl_traj tr[NEP], *eps[NEP];
-    for (int i = 0; i < NEP; i++) mtrl_traj_init(&tr[i]), episode_(&tr[i], i), eps[i] = &tr[i];
-    dp_ctx *x = calloc(1, sizeof *x);
-    *x = (dp_ctx){.cfg = &cfg, .algo = &algo, .eps = eps, .steps = steps, .qb_mode = MTRL_QB_FROZEN, .sft = sft};
-    step_out ref = {0};
-    reference_(x, &ref);
-    run_ranks_(R, 60000, dp_rank_, x);
+    dp_case *c = dp_case_run_(R, 60000, extra, (dp_ctx){.steps = steps, .qb_mode = MTRL_QB_FROZEN, .sft = sft}, 1);
+    dp_ctx *x = &c->x;
+    const mtrl_config cfg = c->cfg;
+    step_out ref = c->ref;
     size_t total = x->out[0].hi - x->out[0].lo;
     for (int r = 0; r < R; r++) total = x->out[r].hi > total ? x->out[r].hi : total;
     for (int s = 0; s < steps; s++) {
@@ -419,26 +442,16 @@ static void test_dp_(int R, const char *extra, int steps, int sft, const char *w
             TEST_ARRAY_CLOSE(o->adam_m + o->lo / sizeof(real), ref.adam_m + o->lo / sizeof(real),
                              (o->hi - o->lo) / sizeof(real), 1e-4, 1e-9);
         }
-    for (int r = 0; r < R; r++) step_out_free_(&x->out[r]);
-    step_out_free_(&ref);
-    free(x);
-    for (int i = 0; i < NEP; i++) mtrl_traj_free(&tr[i]);
+    dp_case_free_(c, R);
 }
 
 // With QB on: the loads of the ranks' shares add up to one rank's, and β is the same on every
 // rank.
 static void test_qb_(int R) {
-    mtrl_config cfg;
-    config_(&cfg, "");
-    mtrl_algo_config algo;
-    TEST_EQ_INT(mtrl_train_algo_config(&cfg, &algo, NULL), MTRL_OK);
-    mtrl_traj tr[NEP], *eps[NEP];
-    for (int i = 0; i < NEP; i++) mtrl_traj_init(&tr[i]), episode_(&tr[i], i), eps[i] = &tr[i];
-    dp_ctx *x = calloc(1, sizeof *x);
-    *x = (dp_ctx){.cfg = &cfg, .algo = &algo, .eps = eps, .steps = 1, .qb_mode = MTRL_QB_TRAIN};
-    step_out ref = {0};
-    reference_(x, &ref);
-    run_ranks_(R, 60000, dp_rank_, x);
+    dp_case *c = dp_case_run_(R, 60000, "", (dp_ctx){.steps = 1, .qb_mode = MTRL_QB_TRAIN}, 1);
+    dp_ctx *x = &c->x;
+    const mtrl_config cfg = c->cfg;
+    step_out ref = c->ref;
     mtrl_model_dims d;
     TEST_EQ_INT(mtrl_model_dims_from_config(&d, &cfg, MTRL_VOCAB, NULL), MTRL_OK);
     size_t LE = (size_t)d.L * d.E;
@@ -452,33 +465,20 @@ static void test_qb_(int R) {
         for (int l = d.first_dense; l < d.L; l++)
             TEST_CLOSE(x->out[r].stats[0].max_violation[l], ref.stats[0].max_violation[l], 0, 1e-12);
     }
-    for (int r = 0; r < R; r++) step_out_free_(&x->out[r]);
-    step_out_free_(&ref);
-    free(x);
-    for (int i = 0; i < NEP; i++) mtrl_traj_free(&tr[i]);
+    dp_case_free_(c, R);
 }
 
 // Ranks given different batches: every rank's step fails (the count check, or a peer that left
 // at it), at least one naming the cause; none returns MTRL_OK.
 static void test_odd_batch_(void) {
-    mtrl_config cfg;
-    config_(&cfg, "");
-    mtrl_algo_config algo;
-    TEST_EQ_INT(mtrl_train_algo_config(&cfg, &algo, NULL), MTRL_OK);
-    mtrl_traj tr[NEP], *eps[NEP];
-    for (int i = 0; i < NEP; i++) mtrl_traj_init(&tr[i]), episode_(&tr[i], i), eps[i] = &tr[i];
-    dp_ctx *x = calloc(1, sizeof *x);
-    *x = (dp_ctx){.cfg = &cfg, .algo = &algo, .eps = eps, .steps = 1, .qb_mode = MTRL_QB_FROZEN, .odd_rank = 2};
-    run_ranks_(2, 1000, dp_rank_, x);
+    dp_case *c = dp_case_run_(2, 1000, "", (dp_ctx){.steps = 1, .qb_mode = MTRL_QB_FROZEN, .odd_rank = 2}, 0);
     int named = 0;
     for (int r = 0; r < 2; r++) {
-        TEST_CHECKF(x->out[r].st[0] != MTRL_OK, "rank %d took a step on a batch the other rank did not have", r);
-        named += x->out[r].st[0] == MTRL_ERR_MISMATCH && strstr(x->out[r].msg, "different batches");
-        step_out_free_(&x->out[r]);
+        TEST_CHECKF(c->x.out[r].st[0] != MTRL_OK, "rank %d took a step on a batch the other rank did not have", r);
+        named += c->x.out[r].st[0] == MTRL_ERR_MISMATCH && strstr(c->x.out[r].msg, "different batches");
     }
-    TEST_CHECKF(named >= 1, "no rank named the different batches: %s / %s", x->out[0].msg, x->out[1].msg);
-    free(x);
-    for (int i = 0; i < NEP; i++) mtrl_traj_free(&tr[i]);
+    TEST_CHECKF(named >= 1, "no rank named the different batches: %s / %s", c->x.out[0].msg, c->x.out[1].msg);
+    dp_case_free_(c, 2);
 }
 
 int main(void) {
