@@ -1,5 +1,6 @@
 // train.c: the learner's optimizer steps (see train.h).
 #include "learner/train.h"
+#include "learner/train_rank.h"
 #include "model/qb.h"
 
 #include <math.h>
@@ -123,80 +124,60 @@ static int segment_of_(const mtrl_model *m, const mtrl_config *cfg, const mtrl_b
     return seg;
 }
 
-// The per-token arrays of an RL step (token j of an episode predicted at position j - 1) and
-// what the loss of one unit of mtrl_model_train needs to run on its episodes alone.
-typedef struct rl_loss {
-    const mtrl_algo_config *a;
-    const size_t *off;                  // [n+1] token offsets of the episodes
-    float *logp, *logp_old, *behav, *ent, *adv, *dlogp, *dent;
-    const uint8_t *mask;
-    const uint32_t *stale;              // versions each token is behind the learner
-    double token_denom, seq_denom;      // the whole batch's (algo.h: a unit's loss is its share)
-} rl_loss;
-
-// mtrl_model_loss_fn of an RL step: episodes i0 .. i0+n-1 have their log-probs; their share of
-// the batch's policy loss gives their dlogp (and dentropy) per position.
-static void rl_loss_unit_(void *user, int i0, int n, const real *logp_pos, const real *ent_pos, real *dlp, real *dep) {
-    rl_loss *r = user;
-    size_t o0 = r->off[i0];
-    size_t *loff = xmalloc(sizeof(size_t) * (size_t)(n + 1));
-    for (int k = 0; k <= n; k++) loff[k] = r->off[i0 + k] - o0;
-    for (int i = i0; i < i0 + n; i++)
-        for (size_t j = r->off[i] + 1; j < r->off[i + 1]; j++) {
-            r->logp[j] = (float)logp_pos[j - 1];
-            r->ent[j] = (float)ent_pos[j - 1];
-        }
-    // π_old = the learner's own log-prob now (a detached copy).
-    memcpy(r->logp_old + o0, r->logp + o0, sizeof(float) * loff[n]);
-    mtrl_algo_batch ab = {(size_t)n, loff, r->logp + o0, r->logp_old + o0, r->behav + o0, r->adv + o0, r->mask + o0,
-                          r->ent + o0, r->token_denom, r->seq_denom, r->stale + o0};
-    mtrl_algo_stats as;
-    double loss = 0;
-    mtrl_status s = mtrl_algo_policy_loss(r->a, &ab, &loss, r->dlogp + o0, r->dent + o0, &as);
-    MTRL_CHECKF(s == MTRL_OK, "policy loss refused a well-formed batch");
-    // Back to per-position gradients.
-    for (int i = i0; i < i0 + n; i++)
-        for (size_t j = r->off[i] + 1; j < r->off[i + 1]; j++) {
-            dlp[j - 1] = r->dlogp[j];
-            if (dep) dep[j - 1] = r->dent[j];
-        }
-    free(loff);
+mtrl_train_adamw mtrl_train_adamw_of(const mtrl_config *cfg, double lr) {
+    return (mtrl_train_adamw){(real)lr, (real)cfg->learner.beta1, (real)cfg->learner.beta2, (real)cfg->learner.eps,
+                              (real)cfg->learner.weight_decay, (real)cfg->learner.grad_clip};
 }
 
-void mtrl_train_rl_step(mtrl_model *m, const mtrl_config *cfg, const mtrl_algo_config *a, mtrl_traj *const *eps, int n,
-                        mtrl_step_stats *st) {
-    double t_start = mtrl_time_mono();
+// The episodes eps[idx[0..k-1]] (idx NULL: the first k) as an array of their own.
+static mtrl_traj **episodes_of_(mtrl_traj *const *eps, const int *idx, int k) {
+    mtrl_traj **sub = xmalloc(sizeof *sub * (size_t)(k ? k : 1));
+    for (int j = 0; j < k; j++) sub[j] = eps[idx ? idx[j] : j];
+    return sub;
+}
+
+// Arrays for n episodes of T tokens in all, zeroed.
+static void rl_batch_alloc_(mtrl_train_rl_batch *b, int n, size_t T) {
+    memset(b, 0, sizeof *b);
+    b->n = n;
+    b->T = T;
+    b->off = xcalloc((size_t)n + 1, sizeof(size_t));
+    float **f[] = {&b->logp, &b->logp_old, &b->behav, &b->ent, &b->adv, &b->dlogp, &b->dent};
+    for (size_t i = 0; i < sizeof f / sizeof *f; i++) *f[i] = xcalloc(T + 1, sizeof(float));
+    b->mask = xcalloc(T + 1, 1);
+    b->stale = xcalloc(T + 1, sizeof(uint32_t));
+}
+
+void mtrl_train_rl_batch_free(mtrl_train_rl_batch *b) {
+    free(b->off); free(b->logp); free(b->logp_old); free(b->behav); free(b->ent); free(b->adv); free(b->dlogp);
+    free(b->dent); free(b->mask); free(b->stale);
+    memset(b, 0, sizeof *b);
+}
+
+void mtrl_train_rl_batch_init(mtrl_train_rl_batch *b, const mtrl_model *m, const mtrl_config *cfg,
+                              const mtrl_algo_config *a, mtrl_traj *const *eps, int n, mtrl_step_stats *st) {
     long *loads = st->loads;
     memset(st, 0, sizeof *st);
     st->loads = loads;
-    seq_batch sb;
-    seq_batch_init_(&sb, eps, n, m);
-    size_t T = sb.total;
-    real *logp_pos = xcalloc(T + 1, sizeof(real)), *ent_pos = xcalloc(T + 1, sizeof(real));
-    float *logp = xcalloc(T + 1, sizeof(float)), *behav = xcalloc(T + 1, sizeof(float));
-    float *ent = xcalloc(T + 1, sizeof(float)), *adv = xcalloc(T + 1, sizeof(float));
-    float *dlogp = xcalloc(T + 1, sizeof(float)), *dent = xcalloc(T + 1, sizeof(float));
-    float *logp_old = xcalloc(T + 1, sizeof(float));
-    uint8_t *mask = xcalloc(T + 1, 1);
-    uint32_t *stale = xcalloc(T + 1, sizeof(uint32_t));
-    size_t *off = xmalloc(sizeof(size_t) * (size_t)(n + 1));
+    size_t T = 0;
+    for (int i = 0; i < n; i++) T += eps[i]->n_tokens;
+    rl_batch_alloc_(b, n, T);
     double *rew = xmalloc(sizeof(double) * (size_t)(n ? n : 1)), *adv_ep = xmalloc(sizeof(double) * (size_t)(n ? n : 1));
-    size_t o = 0, n_mask = 0;
-    double stale_sum = 0;
+    size_t o = 0;
     for (int i = 0; i < n; i++) {
         const mtrl_traj *t = eps[i];
-        off[i] = o;
+        b->off[i] = o;
         for (uint64_t j = 0; j < t->n_tokens; j++) {
-            behav[o + j] = t->logprob[j];
+            b->behav[o + j] = t->logprob[j];
             // Overlong filtering (DAPO): a truncated episode's tokens carry no loss.
-            mask[o + j] = j > 0 && t->kind[j] == MTRL_TOK_MODEL &&
-                          !(cfg->algo.mask_truncated && t->status == MTRL_EP_TRUNCATED);
-            if (mask[o + j]) {
+            b->mask[o + j] = j > 0 && t->kind[j] == MTRL_TOK_MODEL &&
+                             !(cfg->algo.mask_truncated && t->status == MTRL_EP_TRUNCATED);
+            if (b->mask[o + j]) {
                 double s = (double)m->version - (double)t->version[j];
-                stale[o + j] = s > 0 ? (uint32_t)s : 0;
-                stale_sum += s;
+                b->stale[o + j] = s > 0 ? (uint32_t)s : 0;
+                b->stale_sum += s;
                 if (s > st->staleness_max) st->staleness_max = s;
-                n_mask++;
+                b->n_mask++;
             }
         }
         o += t->n_tokens;
@@ -207,7 +188,7 @@ void mtrl_train_rl_step(mtrl_model *m, const mtrl_config *cfg, const mtrl_algo_c
         st->episode_len_mean += (double)t->n_tokens;
         st->model_tokens += (long)t->n_model;
     }
-    off[n] = o;
+    b->off[n] = o;
     // Group-relative advantages: groups are runs of equal group_id (in any order of arrival).
     int *done = xcalloc((size_t)(n ? n : 1), sizeof(int));
     int *idx = xmalloc(sizeof(int) * (size_t)(n ? n : 1));
@@ -225,31 +206,110 @@ void mtrl_train_rl_step(mtrl_model *m, const mtrl_config *cfg, const mtrl_algo_c
         for (int k = 0; k < g; k++) adv_ep[idx[k]] = ga[k];
         st->groups++;
     }
-    mtrl_algo_advantages_broadcast(adv_ep, off, (size_t)n, adv);
-    // Forward, loss and backward unit by unit (model.h mtrl_model_train), each unit's loss with
-    // the whole batch's denominators, so the gradients add up to the batch's.
-    rl_loss rl = {a, off, logp, logp_old, behav, ent, adv, dlogp, dent, mask, stale, (double)n_mask, (double)n};
-    real *dlp = xcalloc(T + 1, sizeof(real)), *dep = xcalloc(T + 1, sizeof(real));
-    m->replay_routing = cfg->algo.routing_replay && sb.b.routing != NULL;
-    mtrl_model_zero_grads(m);
-    mtrl_model_train(m, &sb.b, segment_of_(m, cfg, &sb.b), logp_pos, ent_pos, dlp, a->entropy_coef != 0 ? dep : NULL,
-                     rl_loss_unit_, &rl);
-    // The step's loss and statistics over the whole batch (the gradients are the units' already).
-    mtrl_algo_batch ab = {(size_t)n, off, logp, logp_old, behav, adv, mask, ent, 0, 0, stale};
-    mtrl_algo_stats as;
-    double loss = 0;
-    mtrl_status s = mtrl_algo_policy_loss(a, &ab, &loss, dlogp, dent, &as);
-    MTRL_CHECKF(s == MTRL_OK, "policy loss refused a well-formed batch");
-    st->grad_norm = mtrl_model_optimizer_step(m, (real)cfg->learner.lr, (real)cfg->learner.beta1, (real)cfg->learner.beta2,
-                                              (real)cfg->learner.eps, (real)cfg->learner.weight_decay,
-                                              (real)cfg->learner.grad_clip);
-    // Loads of this step's routing, read before QB consumes them.
-    for (int l = m->dims.first_dense; l < m->dims.L; l++) st->max_violation[l] = mtrl_model_load_violation(m, l);
-    if (st->loads) memcpy(st->loads, m->load, sizeof(long) * (size_t)m->dims.L * (size_t)m->dims.E);
-    mtrl_qb_apply(m); // model/qb.h: TRAIN with [learner] qb, FROZEN without (set at open)
-    m->version++;
+    mtrl_algo_advantages_broadcast(adv_ep, b->off, (size_t)n, b->adv);
     st->episodes = n;
     st->tokens = (long)T;
+    if (n) {
+        st->reward_mean /= n;
+        st->success_rate /= n;
+        st->tool_calls_mean /= n;
+        st->episode_len_mean /= n;
+    }
+    free(rew); free(adv_ep); free(done); free(idx); free(gr); free(ga);
+}
+
+// What the loss of one unit of mtrl_model_train needs to run on its episodes alone: the
+// arrays of the episodes being trained (laid end to end) and the whole batch's denominators.
+typedef struct rl_loss {
+    const mtrl_algo_config *a;
+    mtrl_train_rl_batch *t;
+    double token_denom, seq_denom;      // the whole batch's (algo.h: a unit's loss is its share)
+} rl_loss;
+
+// mtrl_model_loss_fn of an RL step: episodes i0 .. i0+n-1 have their log-probs; their share of
+// the batch's policy loss gives their dlogp (and dentropy) per position.
+static void rl_loss_unit_(void *user, int i0, int n, const real *logp_pos, const real *ent_pos, real *dlp, real *dep) {
+    rl_loss *r = user;
+    mtrl_train_rl_batch *t = r->t;
+    size_t o0 = t->off[i0];
+    size_t *loff = xmalloc(sizeof(size_t) * (size_t)(n + 1));
+    for (int k = 0; k <= n; k++) loff[k] = t->off[i0 + k] - o0;
+    for (int i = i0; i < i0 + n; i++)
+        for (size_t j = t->off[i] + 1; j < t->off[i + 1]; j++) {
+            t->logp[j] = (float)logp_pos[j - 1];
+            t->ent[j] = (float)ent_pos[j - 1];
+        }
+    // π_old = the learner's own log-prob now (a detached copy).
+    memcpy(t->logp_old + o0, t->logp + o0, sizeof(float) * loff[n]);
+    mtrl_algo_batch ab = {(size_t)n, loff, t->logp + o0, t->logp_old + o0, t->behav + o0, t->adv + o0, t->mask + o0,
+                          t->ent + o0, r->token_denom, r->seq_denom, t->stale + o0};
+    mtrl_algo_stats as;
+    double loss = 0;
+    mtrl_status s = mtrl_algo_policy_loss(r->a, &ab, &loss, t->dlogp + o0, t->dent + o0, &as);
+    MTRL_CHECKF(s == MTRL_OK, "policy loss refused a well-formed batch");
+    // Back to per-position gradients.
+    for (int i = i0; i < i0 + n; i++)
+        for (size_t j = t->off[i] + 1; j < t->off[i + 1]; j++) {
+            dlp[j - 1] = t->dlogp[j];
+            if (dep) dep[j - 1] = t->dent[j];
+        }
+    free(loff);
+}
+
+// Episodes idx[0..k-1] between the whole batch's arrays and part's, where they lie end to end:
+// their inputs (behaviour log-probs, advantages, mask, staleness) into part, or (to_whole)
+// what their training wrote (logp, logp_old, entropy) back into the whole batch.
+static void rl_batch_move_(mtrl_train_rl_batch *part, mtrl_train_rl_batch *whole, const int *idx, int k, int to_whole) {
+    for (int j = 0; j < k; j++) {
+        size_t p = part->off[j], w = whole->off[idx[j]], len = part->off[j + 1] - p;
+        float *pf[] = {part->logp, part->logp_old, part->ent, part->behav, part->adv};
+        float *wf[] = {whole->logp, whole->logp_old, whole->ent, whole->behav, whole->adv};
+        for (int a = to_whole ? 0 : 3; a < (to_whole ? 3 : 5); a++)
+            memcpy(to_whole ? wf[a] + w : pf[a] + p, to_whole ? pf[a] + p : wf[a] + w, sizeof(float) * len);
+        if (!to_whole) {
+            memcpy(part->mask + p, whole->mask + w, len);
+            memcpy(part->stale + p, whole->stale + w, sizeof(uint32_t) * len);
+        }
+    }
+}
+
+void mtrl_train_rl_backward(mtrl_model *m, const mtrl_config *cfg, const mtrl_algo_config *a, mtrl_traj *const *eps,
+                            mtrl_train_rl_batch *b, const int *idx, int k) {
+    mtrl_traj **sub = episodes_of_(eps, idx, k);
+    seq_batch sb;
+    seq_batch_init_(&sb, sub, k, m);
+    // A share of the batch runs on arrays of its own, laid end to end as the model's batch is.
+    mtrl_train_rl_batch part, *t = b;
+    if (idx) {
+        rl_batch_alloc_(&part, k, sb.total);
+        for (int j = 0; j < k; j++) part.off[j + 1] = part.off[j] + sub[j]->n_tokens;
+        rl_batch_move_(&part, b, idx, k, 0);
+        t = &part;
+    }
+    size_t T = sb.total;
+    real *logp_pos = xcalloc(T + 1, sizeof(real)), *ent_pos = xcalloc(T + 1, sizeof(real));
+    real *dlp = xcalloc(T + 1, sizeof(real)), *dep = xcalloc(T + 1, sizeof(real));
+    // Forward, loss and backward unit by unit (model.h mtrl_model_train), each unit's loss with
+    // the whole batch's denominators, so the gradients add up to the batch's.
+    rl_loss rl = {a, t, (double)b->n_mask, (double)b->n};
+    m->replay_routing = cfg->algo.routing_replay && sb.b.routing != NULL;
+    mtrl_model_train(m, &sb.b, segment_of_(m, cfg, &sb.b), logp_pos, ent_pos, dlp, a->entropy_coef != 0 ? dep : NULL,
+                     rl_loss_unit_, &rl);
+    if (idx) {
+        rl_batch_move_(&part, b, idx, k, 1);
+        mtrl_train_rl_batch_free(&part);
+    }
+    free(logp_pos); free(ent_pos); free(dlp); free(dep);
+    seq_batch_free_(&sb);
+    free(sub);
+}
+
+void mtrl_train_rl_stats(const mtrl_algo_config *a, mtrl_train_rl_batch *b, mtrl_step_stats *st) {
+    mtrl_algo_batch ab = {(size_t)b->n, b->off, b->logp, b->logp_old, b->behav, b->adv, b->mask, b->ent, 0, 0, b->stale};
+    mtrl_algo_stats as;
+    double loss = 0;
+    mtrl_status s = mtrl_algo_policy_loss(a, &ab, &loss, b->dlogp, b->dent, &as);
+    MTRL_CHECKF(s == MTRL_OK, "policy loss refused a well-formed batch");
     st->loss = loss;
     st->pg_loss = as.pg_loss;
     st->entropy_mean = as.entropy_mean;
@@ -262,18 +322,37 @@ void mtrl_train_rl_step(mtrl_model *m, const mtrl_config *cfg, const mtrl_algo_c
     st->kl_k1 = as.kl_k1;
     st->kl_k3 = as.kl_k3;
     st->logp_absdiff = as.logp_absdiff_mean;
-    if (n) {
-        st->reward_mean /= n;
-        st->success_rate /= n;
-        st->tool_calls_mean /= n;
-        st->episode_len_mean /= n;
+    st->staleness_mean = as.n_tokens ? b->stale_sum / (double)as.n_tokens : 0;
+}
+
+void mtrl_train_step_end(mtrl_model *m, mtrl_step_stats *st) {
+    // Loads of this step's routing, read before QB consumes them.
+    if (st) {
+        for (int l = m->dims.first_dense; l < m->dims.L; l++) st->max_violation[l] = mtrl_model_load_violation(m, l);
+        if (st->loads) memcpy(st->loads, m->load, sizeof(long) * (size_t)m->dims.L * (size_t)m->dims.E);
     }
-    st->staleness_mean = as.n_tokens ? stale_sum / (double)as.n_tokens : 0;
+    mtrl_qb_apply(m); // model/qb.h: TRAIN with [learner] qb, FROZEN without (set at open)
+    m->version++;
+}
+
+static double optimizer_step_(mtrl_model *m, const mtrl_train_adamw *o) {
+    return mtrl_model_optimizer_step(m, o->lr, o->beta1, o->beta2, o->eps, o->weight_decay, o->clip);
+}
+
+void mtrl_train_rl_step(mtrl_model *m, const mtrl_config *cfg, const mtrl_algo_config *a, mtrl_traj *const *eps, int n,
+                        mtrl_step_stats *st) {
+    double t_start = mtrl_time_mono();
+    mtrl_train_rl_batch b;
+    mtrl_train_rl_batch_init(&b, m, cfg, a, eps, n, st);
+    mtrl_model_zero_grads(m);
+    mtrl_train_rl_backward(m, cfg, a, eps, &b, NULL, n);
+    // The step's loss and statistics over the whole batch (the gradients are the units' already).
+    mtrl_train_rl_stats(a, &b, st);
+    mtrl_train_adamw o = mtrl_train_adamw_of(cfg, cfg->learner.lr);
+    st->grad_norm = optimizer_step_(m, &o);
+    mtrl_train_step_end(m, st);
     st->seconds = mtrl_time_mono() - t_start;
-    free(logp_pos); free(ent_pos); free(logp); free(behav); free(ent); free(adv); free(dlogp); free(dent);
-    free(mask); free(stale); free(off); free(rew); free(adv_ep); free(done); free(idx); free(gr); free(ga); free(logp_old);
-    free(dlp); free(dep);
-    seq_batch_free_(&sb);
+    mtrl_train_rl_batch_free(&b);
 }
 
 // The supervised loss of one unit: mean negative log-likelihood of the batch's MODEL tokens.
@@ -298,31 +377,43 @@ static void sft_loss_unit_(void *user, int i0, int n, const real *logp, const re
     }
 }
 
-double mtrl_train_sft_step(mtrl_model *m, const mtrl_config *cfg, mtrl_traj *const *eps, int n, double lr) {
+size_t mtrl_train_sft_count(mtrl_traj *const *eps, int n) {
+    size_t count = 0;
+    for (int i = 0; i < n; i++)
+        for (uint64_t j = 1; j < eps[i]->n_tokens; j++) count += eps[i]->kind[j] == MTRL_TOK_MODEL;
+    return count;
+}
+
+double mtrl_train_sft_backward(mtrl_model *m, const mtrl_config *cfg, mtrl_traj *const *eps, const int *idx, int k,
+                               size_t count) {
+    mtrl_traj **sub = episodes_of_(eps, idx, k);
     seq_batch sb;
-    seq_batch_init_(&sb, eps, n, m);
+    seq_batch_init_(&sb, sub, k, m);
     sb.b.routing = NULL; // demonstrations carry no routing
     m->replay_routing = 0;
     size_t T = sb.total;
     real *logp = xcalloc(T + 1, sizeof(real)), *dlp = xcalloc(T + 1, sizeof(real));
-    size_t *off = xmalloc(sizeof(size_t) * (size_t)(n + 1));
-    sft_loss f = {eps, off, 0, 0};
+    size_t *off = xmalloc(sizeof(size_t) * (size_t)(k + 1));
+    sft_loss f = {sub, off, count, 0};
     off[0] = 0;
-    for (int i = 0; i < n; i++) {
-        off[i + 1] = off[i] + eps[i]->n_tokens;
-        for (uint64_t j = 1; j < eps[i]->n_tokens; j++) f.count += eps[i]->kind[j] == MTRL_TOK_MODEL;
-    }
-    mtrl_model_zero_grads(m);
+    for (int i = 0; i < k; i++) off[i + 1] = off[i] + sub[i]->n_tokens;
     mtrl_model_train(m, &sb.b, segment_of_(m, cfg, &sb.b), logp, NULL, dlp, NULL, sft_loss_unit_, &f);
-    mtrl_model_optimizer_step(m, (real)lr, (real)cfg->learner.beta1, (real)cfg->learner.beta2, (real)cfg->learner.eps,
-                              (real)cfg->learner.weight_decay, (real)cfg->learner.grad_clip);
-    mtrl_qb_apply(m); // model/qb.h: TRAIN with [learner] qb, FROZEN without (set at open)
-    m->version++;
     free(logp);
     free(dlp);
     free(off);
     seq_batch_free_(&sb);
-    return f.count ? f.loss / (double)f.count : 0;
+    free(sub);
+    return f.loss;
+}
+
+double mtrl_train_sft_step(mtrl_model *m, const mtrl_config *cfg, mtrl_traj *const *eps, int n, double lr) {
+    size_t count = mtrl_train_sft_count(eps, n);
+    mtrl_model_zero_grads(m);
+    double loss = mtrl_train_sft_backward(m, cfg, eps, NULL, n, count);
+    mtrl_train_adamw o = mtrl_train_adamw_of(cfg, lr);
+    optimizer_step_(m, &o);
+    mtrl_train_step_end(m, NULL);
+    return count ? loss / (double)count : 0;
 }
 
 static void append_bytes_(mtrl_traj *t, const char *b, size_t n, uint8_t kind) {

@@ -11,6 +11,9 @@
 // π_old of the ratio is the learner's own log-prob at the start of the step (one optimizer step
 // per batch), so the PPO ratio is 1 at the gradient point and the correction weights compare the
 // learner with the behaviour policy (decoupled PPO: the behaviour policy corrects, the proximal policy clips).
+//
+// Both steps are made of per-rank parts (learner/train_rank.h) that the data-parallel step
+// (learner/dist_dp.h) runs on each of R ranks.
 #ifndef MTRL_LEARNER_TRAIN_H
 #define MTRL_LEARNER_TRAIN_H
 

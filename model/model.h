@@ -401,6 +401,25 @@ void mtrl_model_logits(mtrl_model *m, const uint32_t *tokens, int len, int segme
 // gradient norm before clipping. Increments m->step.
 double mtrl_model_optimizer_step(mtrl_model *m, real lr, real beta1, real beta2, real eps, real weight_decay,
                                  real clip);
+// The same step in pieces, for an optimizer whose state is sharded over ranks (ZeRO,
+// learner/dist_dp.h): each rank sums the squared gradients of the elements it owns, the ranks
+// add their sums, and each updates its own elements with the scale of the whole norm.
+// mtrl_model_optimizer_step is exactly these calls over every tensor whole, so both paths run
+// one element update. Ranges are elements [begin, end) of tensor `tensor` of m->params.
+//   mtrl_model_grad_sq_range   Σ g² over the range (in double)
+//   mtrl_model_clip_scale      the factor of global-norm clipping for a norm (clip <= 0: 1)
+//   mtrl_model_adamw_range     scales the range's gradients by grad_scale, then AdamW at step
+//                              m->step (the caller increments it once per step, before),
+//                              weight decay as the whole step's (none on 1-D and attnres.*)
+//   mtrl_model_params_changed  after writing the parameter block (the updates, or shards
+//                              gathered from other ranks): the backend's derived copies follow
+double mtrl_model_grad_sq_range(const mtrl_model *m, int tensor, size_t begin, size_t end);
+static inline real mtrl_model_clip_scale(double norm, real clip) {
+    return (clip > 0 && norm > clip) ? (real)(clip / norm) : (real)1;
+}
+void mtrl_model_adamw_range(mtrl_model *m, int tensor, size_t begin, size_t end, real grad_scale, real lr, real beta1,
+                            real beta2, real eps, real weight_decay);
+void mtrl_model_params_changed(mtrl_model *m);
 
 // QB (its modes, statistics and update): model/qb.h.
 // Max load violation of one layer in the current step's statistics.

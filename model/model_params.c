@@ -622,30 +622,53 @@ void mtrl_model_zero_grads(mtrl_model *m) {
     m->be->zero(m->be, m->d_grads, m->params.total);
 }
 
+// No weight decay on norms, gains, biases and AttnRes queries (1-D tensors).
+static real tensor_weight_decay_(const mtrl_tensor *t, real weight_decay) {
+    return t->ndim >= 2 && strncmp(t->name, "attnres.", 8) ? weight_decay : 0;
+}
+
+static void range_check_(const mtrl_model *m, int tensor, size_t begin, size_t end) {
+    MTRL_CHECKF(!m->inference, "an inference model (mtrl_model_init_infer_on) has no optimizer");
+    MTRL_CHECKF(tensor >= 0 && tensor < m->params.n && begin <= end && end <= m->params.items[tensor].numel,
+                "optimizer range: tensor %d, elements [%zu, %zu)", tensor, begin, end);
+}
+
+double mtrl_model_grad_sq_range(const mtrl_model *m, int tensor, size_t begin, size_t end) {
+    range_check_(m, tensor, begin, end);
+    const mtrl_tensor *t = &m->params.items[tensor];
+    return m->be->grad_sq_norm(m->be, end - begin, (const real *)((const char *)m->d_grads + t->offset) + begin);
+}
+
+void mtrl_model_adamw_range(mtrl_model *m, int tensor, size_t begin, size_t end, real grad_scale, real lr, real beta1,
+                            real beta2, real eps, real weight_decay) {
+    range_check_(m, tensor, begin, end);
+    mtrl_backend *be = m->be;
+    const mtrl_tensor *t = &m->params.items[tensor];
+    size_t n = end - begin, at = t->offset + begin * sizeof(real);
+    if (!n) return;
+    real *g = (real *)((char *)m->d_grads + at);
+    if (grad_scale != 1) be->scale(be, n, g, grad_scale);
+    be->adamw(be, n, (real *)((char *)m->d_params + at), g, (real *)((char *)m->d_adam_m + at),
+              (real *)((char *)m->d_adam_v + at), lr, beta1, beta2, eps, tensor_weight_decay_(t, weight_decay), m->step);
+}
+
+void mtrl_model_params_changed(mtrl_model *m) {
+    model_weights_changed(m);
+    m->be->sync(m->be);
+}
+
 double mtrl_model_optimizer_step(mtrl_model *m, real lr, real beta1, real beta2, real eps, real weight_decay,
                                  real clip) {
     MTRL_CHECKF(!m->inference, "an inference model (mtrl_model_init_infer_on) has no optimizer");
-    mtrl_backend *be = m->be;
     double t_prof = model_prof_begin(m);
     double sq = 0;
-    for (int i = 0; i < m->params.n; i++) {
-        const mtrl_tensor *t = &m->params.items[i];
-        sq += be->grad_sq_norm(be, t->numel, (real *)((char *)m->d_grads + t->offset));
-    }
+    for (int i = 0; i < m->params.n; i++) sq += mtrl_model_grad_sq_range(m, i, 0, m->params.items[i].numel);
     double norm = sqrt(sq);
-    real scale = (clip > 0 && norm > clip) ? (real)(clip / norm) : (real)1;
+    real scale = mtrl_model_clip_scale(norm, clip);
     m->step++;
-    for (int i = 0; i < m->params.n; i++) {
-        const mtrl_tensor *t = &m->params.items[i];
-        real *g = (real *)((char *)m->d_grads + t->offset);
-        if (scale != 1) be->scale(be, t->numel, g, scale);
-        // No weight decay on norms, gains, biases and AttnRes queries (1-D tensors).
-        real wd = t->ndim >= 2 && strncmp(t->name, "attnres.", 8) ? weight_decay : 0;
-        be->adamw(be, t->numel, (real *)((char *)m->d_params + t->offset), g, (real *)((char *)m->d_adam_m + t->offset),
-                  (real *)((char *)m->d_adam_v + t->offset), lr, beta1, beta2, eps, wd, m->step);
-    }
-    model_weights_changed(m);
-    be->sync(be);
+    for (int i = 0; i < m->params.n; i++)
+        mtrl_model_adamw_range(m, i, 0, m->params.items[i].numel, scale, lr, beta1, beta2, eps, weight_decay);
+    mtrl_model_params_changed(m);
     model_prof_end_in(m, MTRL_PROF_BWD, MTRL_PROF_OPTIM, t_prof); // the learner's step, after its backward
     return norm;
 }

@@ -1,0 +1,179 @@
+// dist_dp.c: the data-parallel learner step (dist_dp.h) over the per-rank parts of train.c.
+#include "learner/dist_dp.h"
+
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "common/check.h"
+#include "common/timeutil.h"
+#include "learner/train_rank.h"
+
+// The reduce-scatter sums fp32: the learner's blocks are `real` of the fp32 build.
+_Static_assert(sizeof(real) == sizeof(float), "the data-parallel step reduces fp32 gradient blocks");
+
+mtrl_status mtrl_dist_dp_init(mtrl_dist_dp *dp, mtrl_dist_comm *comm, const mtrl_model *m, mtrl_error *err) {
+    memset(dp, 0, sizeof *dp);
+    if (m->inference)
+        return mtrl_error_set(err, MTRL_ERR_USAGE, "data-parallel step: an inference model has no gradients to reduce");
+    if (m->device != MTRL_DEVICE_CPU || strcmp(mtrl_dist_comm_backend(comm), "local"))
+        return mtrl_error_set(err, MTRL_ERR_USAGE, "data-parallel step: runs CPU models over the local communicator (got "
+                              "a %s model, backend %s); the GPU step over NCCL is not wired yet (docs/multi-gpu.md)",
+                              m->device == MTRL_DEVICE_CPU ? "CPU" : "GPU", mtrl_dist_comm_backend(comm));
+    dp->comm = comm;
+    dp->rank = mtrl_dist_comm_rank(comm);
+    dp->ranks = mtrl_dist_comm_ranks(comm);
+    mtrl_status s = mtrl_dist_shards_make(&dp->shards, &m->params, dp->ranks, MTRL_DIST_SHARD_ALIGN, err);
+    if (s != MTRL_OK) return s;
+    dp->send = xcalloc(1, dp->shards.padded);
+    dp->gather = xcalloc(1, dp->shards.padded);
+    dp->shard = xcalloc(1, dp->shards.shard_bytes);
+    size_t LE = (size_t)m->dims.L * (size_t)m->dims.E;
+    dp->qb = xcalloc(2 * LE + (size_t)m->dims.L, sizeof(double));
+    return MTRL_OK;
+}
+
+void mtrl_dist_dp_free(mtrl_dist_dp *dp) {
+    mtrl_dist_shards_free(&dp->shards);
+    free(dp->send);
+    free(dp->gather);
+    free(dp->shard);
+    free(dp->qb);
+    memset(dp, 0, sizeof *dp);
+}
+
+// Bytes [begin, end) of the block that this rank owns, end clipped at the block's size.
+static void own_range_(const mtrl_dist_dp *dp, size_t *begin, size_t *end) {
+    const mtrl_dist_shard *sh = &dp->shards.rank[dp->rank];
+    *begin = sh->begin < dp->shards.total ? sh->begin : dp->shards.total;
+    *end = sh->end < dp->shards.total ? sh->end : dp->shards.total;
+}
+
+// The episodes of this rank in the token split, in batch order (*idx malloc'ed).
+static mtrl_status own_episodes_(const mtrl_dist_dp *dp, mtrl_traj *const *eps, int n, int **idx, int *k,
+                                 mtrl_error *err) {
+    int *len = xmalloc(sizeof(int) * (size_t)(n ? n : 1));
+    for (int i = 0; i < n; i++) len[i] = (int)eps[i]->n_tokens;
+    mtrl_dist_split sp;
+    mtrl_status s = mtrl_dist_split_make(&sp, n, len, dp->ranks, 0, err);
+    free(len);
+    if (s != MTRL_OK) return s;
+    *k = sp.first[dp->rank + 1] - sp.first[dp->rank];
+    *idx = xmalloc(sizeof(int) * (size_t)(*k ? *k : 1));
+    memcpy(*idx, sp.order + sp.first[dp->rank], sizeof(int) * (size_t)*k);
+    mtrl_dist_split_free(&sp);
+    return MTRL_OK;
+}
+
+// The ranks' own counts (what each computed from its share), added, against what every rank
+// computed from the whole batch: a difference means they were not given the same batch.
+static mtrl_status counts_check_(mtrl_dist_dp *dp, double own_a, double own_b, double whole_a, double whole_b,
+                                 const char *what, mtrl_error *err) {
+    double c[2] = {own_a, own_b};
+    mtrl_status s = mtrl_dist_comm_allreduce(dp->comm, c, 2, MTRL_DT_F64, err);
+    if (s != MTRL_OK) return s;
+    if (c[0] != whole_a || c[1] != whole_b)
+        return mtrl_error_set(err, MTRL_ERR_MISMATCH, "data-parallel step on rank %d of %d: the ranks' shares hold %.0f %s "
+                              "and %.0f episodes, the batch %.0f and %.0f: the ranks were given different batches",
+                              dp->rank, dp->ranks, c[0], what, c[1], whole_a, whole_b);
+    return MTRL_OK;
+}
+
+// Steps 3 to 5 of dist_dp.h: reduce-scatter of the gradients, the global norm, AdamW on the
+// own shard, all-gather of the parameters. Returns the norm before clipping in *norm.
+static mtrl_status sharded_adamw_(mtrl_dist_dp *dp, mtrl_model *m, const mtrl_train_adamw *o, double *norm,
+                                  mtrl_error *err) {
+    const mtrl_dist_shards *sh = &dp->shards;
+    size_t lo, hi;
+    own_range_(dp, &lo, &hi);
+    memcpy(dp->send, m->grads, sh->total); // the padding past the block stays zero
+    mtrl_status s = mtrl_dist_comm_reduce_scatter(dp->comm, (const float *)dp->send, dp->shard,
+                                                  sh->shard_bytes / sizeof(float), err);
+    if (s != MTRL_OK) return s;
+    memcpy((char *)m->grads + lo, dp->shard, hi - lo);
+    const mtrl_dist_shard *own = &sh->rank[dp->rank];
+    double sq = 0;
+    for (int p = own->first_piece; p < own->first_piece + own->n_piece; p++)
+        sq += mtrl_model_grad_sq_range(m, sh->piece[p].tensor, sh->piece[p].begin, sh->piece[p].end);
+    if ((s = mtrl_dist_comm_allreduce(dp->comm, &sq, 1, MTRL_DT_F64, err)) != MTRL_OK) return s;
+    *norm = sqrt(sq);
+    real scale = mtrl_model_clip_scale(*norm, o->clip);
+    m->step++;
+    for (int p = own->first_piece; p < own->first_piece + own->n_piece; p++)
+        mtrl_model_adamw_range(m, sh->piece[p].tensor, sh->piece[p].begin, sh->piece[p].end, scale, o->lr, o->beta1,
+                               o->beta2, o->eps, o->weight_decay);
+    char *mine = dp->gather + own->begin;
+    memcpy(mine, (char *)m->params.base + lo, hi - lo);
+    if ((s = mtrl_dist_comm_allgather(dp->comm, mine, dp->gather, sh->shard_bytes, err)) != MTRL_OK) return s;
+    memcpy(m->params.base, dp->gather, sh->total);
+    mtrl_model_params_changed(m);
+    return MTRL_OK;
+}
+
+// Step 7: this step's routing loads and QB sums and counts, added over the ranks.
+static mtrl_status qb_reduce_(mtrl_dist_dp *dp, mtrl_model *m, mtrl_error *err) {
+    size_t L = (size_t)m->dims.L, LE = L * (size_t)m->dims.E;
+    double *q = dp->qb;
+    for (size_t i = 0; i < LE; i++) q[i] = (double)m->load[i], q[LE + i] = m->qb_sum[i];
+    for (size_t l = 0; l < L; l++) q[2 * LE + l] = m->qb_count[l];
+    mtrl_status s = mtrl_dist_comm_allreduce(dp->comm, q, 2 * LE + L, MTRL_DT_F64, err);
+    if (s != MTRL_OK) return s;
+    for (size_t i = 0; i < LE; i++) m->load[i] = (long)q[i], m->qb_sum[i] = q[LE + i];
+    for (size_t l = 0; l < L; l++) m->qb_count[l] = (int)q[2 * LE + l];
+    return MTRL_OK;
+}
+
+mtrl_status mtrl_dist_dp_rl_step(mtrl_dist_dp *dp, mtrl_model *m, const mtrl_config *cfg, const mtrl_algo_config *a,
+                                 mtrl_traj *const *eps, int n, mtrl_step_stats *st, mtrl_error *err) {
+    double t_start = mtrl_time_mono();
+    int *idx = NULL, k = 0;
+    mtrl_status s = own_episodes_(dp, eps, n, &idx, &k, err);
+    if (s != MTRL_OK) return s;
+    mtrl_train_rl_batch b;
+    mtrl_train_rl_batch_init(&b, m, cfg, a, eps, n, st);
+    long own_mask = 0;
+    for (int j = 0; j < k; j++)
+        for (size_t t = b.off[idx[j]]; t < b.off[idx[j] + 1]; t++) own_mask += b.mask[t];
+    s = counts_check_(dp, (double)own_mask, (double)k, (double)b.n_mask, (double)n, "loss tokens", err);
+    mtrl_model_zero_grads(m);
+    if (s == MTRL_OK && k) mtrl_train_rl_backward(m, cfg, a, eps, &b, idx, k);
+    // Every token's log-prob and entropy is written on one rank and zero on the others.
+    if (s == MTRL_OK) s = mtrl_dist_comm_allreduce(dp->comm, b.logp, b.T + 1, MTRL_DT_F32, err);
+    if (s == MTRL_OK) s = mtrl_dist_comm_allreduce(dp->comm, b.ent, b.T + 1, MTRL_DT_F32, err);
+    if (s == MTRL_OK) {
+        memcpy(b.logp_old, b.logp, sizeof(float) * (b.T + 1)); // π_old: the learner's own log-prob (train.c)
+        mtrl_train_rl_stats(a, &b, st);
+        mtrl_train_adamw o = mtrl_train_adamw_of(cfg, cfg->learner.lr);
+        s = sharded_adamw_(dp, m, &o, &st->grad_norm, err);
+    }
+    if (s == MTRL_OK) s = qb_reduce_(dp, m, err);
+    if (s == MTRL_OK) mtrl_train_step_end(m, st);
+    st->seconds = mtrl_time_mono() - t_start;
+    mtrl_train_rl_batch_free(&b);
+    free(idx);
+    return s;
+}
+
+mtrl_status mtrl_dist_dp_sft_step(mtrl_dist_dp *dp, mtrl_model *m, const mtrl_config *cfg, mtrl_traj *const *eps,
+                                  int n, double lr, double *loss, mtrl_error *err) {
+    int *idx = NULL, k = 0;
+    mtrl_status s = own_episodes_(dp, eps, n, &idx, &k, err);
+    if (s != MTRL_OK) return s;
+    mtrl_traj **own = xmalloc(sizeof *own * (size_t)(k ? k : 1));
+    for (int j = 0; j < k; j++) own[j] = eps[idx[j]];
+    size_t count = mtrl_train_sft_count(eps, n);
+    s = counts_check_(dp, (double)mtrl_train_sft_count(own, k), (double)k, (double)count, (double)n, "MODEL tokens", err);
+    free(own);
+    mtrl_model_zero_grads(m);
+    double sum = 0;
+    if (s == MTRL_OK && k) sum = mtrl_train_sft_backward(m, cfg, eps, idx, k, count);
+    if (s == MTRL_OK) s = mtrl_dist_comm_allreduce(dp->comm, &sum, 1, MTRL_DT_F64, err);
+    double norm = 0;
+    mtrl_train_adamw o = mtrl_train_adamw_of(cfg, lr);
+    if (s == MTRL_OK) s = sharded_adamw_(dp, m, &o, &norm, err);
+    if (s == MTRL_OK) s = qb_reduce_(dp, m, err);
+    if (s == MTRL_OK) mtrl_train_step_end(m, NULL);
+    if (loss) *loss = count ? sum / (double)count : 0;
+    free(idx);
+    return s;
+}

@@ -1,0 +1,78 @@
+// dist_dp.h: the data-parallel learner step over R ranks (issue 27, docs/multi-gpu.md).
+//
+// Each rank holds a replica of the model (same dims, same parameters: models initialised with
+// one seed, or loaded from one checkpoint) and calls the step with the SAME batch; the step
+// makes every replica's parameters equal to what one rank's mtrl_train_rl_step (or
+// mtrl_train_sft_step) gives on that batch, up to fp32 summation order:
+//   1. the batch's per-token arrays, group advantages and loss denominators over the whole
+//      batch, on every rank (learner/train_rank.h); the ranks' own counts, all-reduced, must
+//      add up to them (MTRL_ERR_MISMATCH otherwise: the ranks were given different batches);
+//   2. the episodes split by tokens (dist_plan.h mtrl_dist_split_make); each rank runs the
+//      forward and backward of its own exactly as one rank runs a batch, but with the whole
+//      batch's denominators, so the ranks' gradients add up to the one-rank gradient;
+//   3. the gradient block reduce-scattered by the ZeRO shard layout (mtrl_dist_shards_make:
+//      padded buffers of R x S bytes): rank r gets the sum of bytes [r S, (r+1) S);
+//   4. the global gradient norm from the all-reduced squared sums of each rank's pieces, and
+//      clipping with it as one rank clips (mtrl_model_clip_scale);
+//   5. AdamW on the own shard only (mtrl_model_adamw_range, the element update that
+//      mtrl_model_optimizer_step runs), then the updated parameter shards all-gathered;
+//   6. the learner's log-probs and entropies of every episode all-reduced (each token is
+//      nonzero on one rank only, so the sum is exact), so each rank computes the step's loss and
+//      statistics over the whole batch: every rank reports the one-rank values;
+//   7. the routing loads and QB's β sums and counts all-reduced before mtrl_qb_apply, so β is
+//      the same on every rank. It is the mean over every rank's units (model.h: QB sums one β
+//      per forward segment); one rank's β is that of its own units, so with [learner] qb the
+//      β after a step equals one rank's only when the units are the same.
+//
+// State kept per rank: the AdamW moments of its own shard only (m->adam_m, adam_v are whole
+// blocks, of which only bytes [r S, (r+1) S) are kept up to date: the rest stays as it was,
+// zero from a fresh model), and after the step its shard of the reduced, clipped gradients in
+// m->grads (the rest is this rank's own partial gradient). Checkpoints of such a model are the
+// sharded ones (learner/dist_ckpt.h), one file per rank.
+//
+// This is the CPU data path: CPU models and the local communicator (host buffers); a model on
+// a GPU or a communicator of device buffers is refused (MTRL_ERR_USAGE). The NCCL form of the
+// step (device blocks, bucketed and overlapped with the backward) is docs/multi-gpu.md §3.
+//
+//     mtrl_dist_dp dp;                           // in rank r's thread, with its own model m
+//     if (mtrl_dist_dp_init(&dp, comm, m, &err) != MTRL_OK) ...
+//     mtrl_dist_dp_rl_step(&dp, m, cfg, &algo, eps, n, &st, &err);   // eps: the whole batch
+//     mtrl_dist_dp_free(&dp);
+//
+// A collective that fails (a rank that does not arrive within the communicator's timeout)
+// makes the step return its error; the replicas are then in an undefined state (some ranks
+// may have updated their shard) and the world is dead: stop the run and resume from a
+// checkpoint.
+#ifndef MTRL_DIST_DP_H
+#define MTRL_DIST_DP_H
+
+#include "learner/dist_comm.h"
+#include "learner/dist_plan.h"
+#include "learner/train.h"
+
+typedef struct mtrl_dist_dp {
+    mtrl_dist_comm *comm;     // borrowed
+    int rank, ranks;
+    mtrl_dist_shards shards;  // the ZeRO layout of the model's parameter table
+    char *send;               // [shards.padded] the gradient block, padded, for the reduce-scatter
+    char *gather;             // [shards.padded] the parameter shards, for the all-gather
+    float *shard;             // [shard_bytes / 4] the reduced gradients of the own shard
+    double *qb;               // [2 L E + L] loads, β sums and batch counts, for the all-reduce
+} mtrl_dist_dp;
+
+// The step's state for the rank of comm with model m (a training model on the CPU; comm of
+// the local backend). MTRL_ERR_USAGE naming what is refused.
+mtrl_status mtrl_dist_dp_init(mtrl_dist_dp *dp, mtrl_dist_comm *comm, const mtrl_model *m, mtrl_error *err);
+void mtrl_dist_dp_free(mtrl_dist_dp *dp);
+
+// One RL step of the whole batch eps[0..n-1] (the same on every rank), as mtrl_train_rl_step.
+// st as mtrl_train_rl_step fills it, the same on every rank but for seconds. The version is
+// incremented.
+mtrl_status mtrl_dist_dp_rl_step(mtrl_dist_dp *dp, mtrl_model *m, const mtrl_config *cfg, const mtrl_algo_config *a,
+                                 mtrl_traj *const *eps, int n, mtrl_step_stats *st, mtrl_error *err);
+
+// One supervised step, as mtrl_train_sft_step: *loss (nullable) the mean NLL before the step.
+mtrl_status mtrl_dist_dp_sft_step(mtrl_dist_dp *dp, mtrl_model *m, const mtrl_config *cfg, mtrl_traj *const *eps,
+                                  int n, double lr, double *loss, mtrl_error *err);
+
+#endif
