@@ -20,6 +20,7 @@
 #include <time.h>
 
 #include "common/check.h"
+#include "common/timeutil.h"
 #include "learner/dist_comm_impl.h"
 #include "learner/dist_plan.h"
 
@@ -64,11 +65,7 @@ mtrl_status mtrl_dist_world_init(mtrl_dist_world **out, int ranks, int timeout_m
     w->ranks = ranks;
     w->timeout_ms = timeout_ms;
     pthread_mutex_init(&w->mu, NULL);
-    pthread_condattr_t ca;
-    pthread_condattr_init(&ca);
-    pthread_condattr_setclock(&ca, CLOCK_MONOTONIC);
-    pthread_cond_init(&w->cv, &ca);
-    pthread_condattr_destroy(&ca);
+    mtrl_time_cond_init_mono(&w->cv);
     *out = w;
     return MTRL_OK;
 }
@@ -131,11 +128,7 @@ static void calls_check_(mtrl_dist_world *w) {
 static mtrl_status world_meet_(mtrl_dist_comm *c, int first, size_t scratch_bytes, mtrl_error *err) {
     mtrl_dist_world *w = c->impl;
     const char *op = op_names_[w->call[c->rank].op];
-    struct timespec deadline;
-    clock_gettime(CLOCK_MONOTONIC, &deadline);
-    deadline.tv_sec += w->timeout_ms / 1000;
-    deadline.tv_nsec += (long)(w->timeout_ms % 1000) * 1000000L;
-    if (deadline.tv_nsec >= 1000000000L) deadline.tv_sec++, deadline.tv_nsec -= 1000000000L;
+    struct timespec deadline = mtrl_time_mono_deadline(w->timeout_ms);
     pthread_mutex_lock(&w->mu);
     if (w->failed) {
         mtrl_status s = mtrl_error_set(err, MTRL_ERR_STATE, "dist_comm local: %s on rank %d of %d: the world failed earlier (%s)",

@@ -695,11 +695,7 @@ mtrl_status mtrl_wire_auth_server_start(mtrl_wire_auth_server **out, void *zctx,
     s->last_log = -1e30;
     atomic_init(&s->stop, 0);
     pthread_mutex_init(&s->mu, NULL);
-    pthread_condattr_t ca;
-    pthread_condattr_init(&ca);
-    pthread_condattr_setclock(&ca, CLOCK_MONOTONIC);
-    pthread_cond_init(&s->cv, &ca);
-    pthread_condattr_destroy(&ca);
+    mtrl_time_cond_init_mono(&s->cv);
     mtrl_wire_allow_init(&s->allow);
     if (allow)
         for (size_t i = 0; i < allow->n; i++) mtrl_wire_allow_add(&s->allow, allow->keys[i]);
@@ -812,14 +808,7 @@ void mtrl_wire_auth_server_stats(mtrl_wire_auth_server *s, mtrl_wire_auth_stats 
 
 int mtrl_wire_auth_server_wait(mtrl_wire_auth_server *s, uint64_t min_refused, uint64_t min_failed, int timeout_ms,
                                mtrl_wire_auth_stats *out) {
-    struct timespec until;
-    clock_gettime(CLOCK_MONOTONIC, &until);
-    until.tv_sec += timeout_ms / 1000;
-    until.tv_nsec += (long)(timeout_ms % 1000) * 1000000L;
-    if (until.tv_nsec >= 1000000000L) {
-        until.tv_sec++;
-        until.tv_nsec -= 1000000000L;
-    }
+    struct timespec until = mtrl_time_mono_deadline(timeout_ms);
     pthread_mutex_lock(&s->mu);
     int reached;
     while (!(reached = s->stats.refused >= min_refused && s->stats.handshakes_failed >= min_failed))
