@@ -563,7 +563,7 @@ static void check_env_keys_(cfg_parse *ps) {
         {"inline_doc", "retrieval"}, {"demo_search", "retrieval"}, {"key_digits", "retrieval"},
         {"base_url", "http"},        {"allow_loopback", "http"},   {"timeout_ms", "http"},
         {"task", "corpus"},          {"hops", "corpus"},           {"files", "corpus"},
-        {"file_tokens", "corpus"},   {"credit", "corpus"},
+        {"file_tokens", "corpus"},   {"credit", "corpus"},      {"hops_min", "corpus"},
     };
     const char *name = ps->cfg->env.name;
     char where[600];
@@ -887,6 +887,7 @@ mtrl_config mtrl_config_stage(const mtrl_config *base, int s) {
     if (st->context > 0) c.actor.max_tokens = st->context;
     if (st->doc_tokens > 0) c.env.doc_tokens = st->doc_tokens;
     if (st->hops > 0) c.env.hops = st->hops;
+    if (st->hops_min > 0) c.env.hops_min = st->hops_min;
     if (st->files > 0) c.env.files = st->files;
     if (st->max_obs_bytes > 0) c.env.max_obs_bytes = st->max_obs_bytes;
     if (st->max_tool_calls > 0) c.env.max_tool_calls = st->max_tool_calls;

@@ -78,11 +78,12 @@
     X(env, inline_doc, BOOL, "false", 0, 0, NULL, "retrieval: put the whole document in the prompt") \
     X(env, demo_search, BOOL, "false", 0, 0, NULL, "retrieval: with inline_doc, demos search(key) before the answer") \
     X(env, key_digits, INT, "0", 0, 15, NULL, "retrieval: digits of every key (0 = the fewest that keep keys sparse at this length)") \
-    X(env, task, ENUM, "mix", 0, 0, "mix|chain|sum|latest", "corpus: the question: chain (follow next= hops times), sum (of a key's values over hops records), latest (the newest of hops contradicting updates) or mix (one per seed)") \
+    X(env, task, ENUM, "mix", 0, 0, "mix|chain|sum|latest|trail", "corpus: the question: chain (follow next= hops times), sum (of a key's values over hops records), latest (the newest of hops contradicting updates), mix (one of those three per seed), or trail (open the file next= names until next=end; each file's first page ends with its code= and next=)") \
     X(env, hops, INT, "4", 1, 4096, NULL, "corpus: hops of a chain, records of a sum or latest")   \
+    X(env, hops_min, INT, "0", 0, 4096, NULL, "corpus: with 1..hops, each episode's hops drawn uniformly in [hops_min, hops] (0 = always hops)") \
     X(env, files, INT, "64", 2, 65536, NULL, "corpus: files in the corpus")                        \
     X(env, file_tokens, INT, "4096", 256, 1 << 20, NULL, "corpus: bytes (tokens) per file")        \
-    X(env, credit, FLOAT, "0", 0, 0.9, NULL, "corpus: weight of the facts gathered in the reward: (1 - credit) for the right answer + credit x the fraction of the task's facts its open() results showed (0 = the answer alone; success is still the right answer)") \
+    X(env, credit, FLOAT, "0", 0, 0.9, NULL, "corpus: a wrong answer earns credit x the fraction of the task's facts its open() results showed, the right one 1 (0 = the answer alone; success is the right answer)") \
     X(env, max_tool_calls, INT, "4", 0, 1000, NULL, "tool calls allowed per episode (built-ins and plug-ins alike: the call past it ends the episode, reward 0)") \
     X(env, max_obs_bytes, INT, "256", 1, 1 << 24, NULL, "built-ins: cap on one tool observation (a plug-in's are capped at 64 MiB by the host, env/mtrl_env.h)") \
     X(env, base_url, STR, "", 0, 0, NULL, "http: base URL the get tool may reach")               \
@@ -164,6 +165,7 @@
     X(stage, steps, INT, "1", 1, 1e9, NULL, "optimizer steps in this stage")                      \
     X(stage, doc_tokens, INT, "0", 0, 1 << 30, NULL, "retrieval document length (0 = [env] doc_tokens)") \
     X(stage, hops, INT, "0", 0, 4096, NULL, "corpus hops (0 = [env] hops)")                        \
+    X(stage, hops_min, INT, "0", 0, 4096, NULL, "corpus hops_min (0 = [env] hops_min)")            \
     X(stage, files, INT, "0", 0, 65536, NULL, "corpus files (0 = [env] files)")                     \
     X(stage, max_obs_bytes, INT, "0", 0, 1 << 24, NULL, "cap on one tool observation (0 = [env] max_obs_bytes)") \
     X(stage, max_tool_calls, INT, "0", 0, 1000, NULL, "tool calls per episode (0 = [env] max_tool_calls)") \

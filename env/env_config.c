@@ -19,10 +19,10 @@ static mtrl_status open_config_(const mtrl_config *cfg, int isolate, mtrl_env **
     char conf[2048];
     snprintf(conf, sizeof conf,
              "digits=%ld;ops=%ld;doc_tokens=%ld;inline_doc=%d;demo_search=%d;key_digits=%ld;max_tool_calls=%ld;max_obs_bytes=%ld;"
-             "task=%s;hops=%ld;files=%ld;file_tokens=%ld;credit=%.17g;%s%s%s"
+             "task=%s;hops=%ld;hops_min=%ld;files=%ld;file_tokens=%ld;credit=%.17g;%s%s%s"
              "allow_loopback=%d;timeout_ms=%ld%s%s",
              e->digits, e->ops, e->doc_tokens, e->inline_doc, e->demo_search, e->key_digits, e->max_tool_calls, e->max_obs_bytes,
-             e->task, e->hops, e->files, e->file_tokens, e->credit,
+             e->task, e->hops, e->hops_min, e->files, e->file_tokens, e->credit,
              e->base_url[0] ? "base_url=" : "", e->base_url, e->base_url[0] ? ";" : "", e->allow_loopback, e->timeout_ms,
              e->args[0] ? ";" : "", e->args);
     mtrl_env_opts o;

@@ -15,9 +15,14 @@
 //  - credit=c: a wrong answer earns c x the fraction of the task's facts its open() results
 //    showed whole (each fact counted once, a page that cuts a fact's line short does not count),
 //    the right answer 1, and credit=0 a wrong answer 0 whatever was opened;
+//  - trail: a policy that only reads the end of each first page (open(id,0), then the id its
+//    next= line names, until next=end, then the code on the line above) solves every seed, and
+//    its pages are exactly max_obs_bytes, end with the code= and next= lines, and every file has
+//    one size; the demo is that policy; hops_min..hops draws each episode's hops over the whole
+//    range; credit counts the files on the trail opened;
 //  - config refusals name the key; the stage keys reach the env (mtrl_config_stage);
 //  - generation of a 16 MiB corpus takes well under a second;
-//  - experiments/agent-1m.ini's ladder: at every stage the demo episodes (chain, sum and latest)
+//  - experiments/agent-1m.ini's ladder: at every stage the demo episodes
 //    fit the stage's context with room for the model's own tokens, and at the last stage they
 //    make >= 100 tool calls and >= 512K tokens;
 //  - the plug-in example of the same kind (env/examples/notes.c, build/lib/libmtrl_env_notes.so):
@@ -127,8 +132,9 @@ static void test_tasks(void) {
 static void test_long_and_replay(void) {
     const char *chain = "task=chain;hops=32;files=64;file_tokens=8192;max_obs_bytes=4096;max_tool_calls=200";
     const char *sum = "task=sum;hops=60;files=64;file_tokens=4096;max_obs_bytes=1024;max_tool_calls=200";
-    const char *confs[2] = {chain, sum};
-    for (int c = 0; c < 2; c++) {
+    const char *trail = "task=trail;hops=60;hops_min=50;files=64;file_tokens=4096;max_obs_bytes=2048;max_tool_calls=200";
+    const char *confs[3] = {chain, sum, trail};
+    for (int c = 0; c < 3; c++) {
         mtrl_env *a = open_env(confs[c], 0), *b = open_env(confs[c], 0), *iso = open_env(confs[c], 1);
         int calls = 0;
         TEST_CHECK(run_demo(a, 42, &calls) == 1.0);
@@ -239,7 +245,9 @@ static void test_config(void) {
     struct {
         const char *conf, *msg;
     } bad[] = {
-        {"task=chains", "corpus: task='chains': use mix, chain, sum or latest"},
+        {"task=chains", "corpus: task='chains': use mix, chain, sum, latest or trail"},
+        {"hops=4;hops_min=5", "hops_min=5 is above hops=4"},
+        {"task=trail;hops=8;files=8", "task=trail with hops=8 needs more than 8 files"},
         {"files=1", "files"},
         {"files=65536;file_tokens=8192", "over the 256 MiB"},
         {"hops=4000;files=2;file_tokens=256", "hops=4000 records do not fit"},
@@ -473,6 +481,77 @@ static void test_credit(void) {
     }
 }
 
+// trail: the rule the prompt states, played from the observations alone (not from the demo).
+// Returns the reward; *calls the opens made, *hops_seen the episode's hops.
+static double play_trail(mtrl_env *e, uint64_t seed, size_t page, int *calls) {
+    mtrl_error err = {0};
+    mtrl_env_result r;
+    TEST_CHECKF(mtrl_env_reset(e, seed, &r, &err) == MTRL_OK, "reset: %s", err.msg);
+    char id[16] = {0}, call[64];
+    const char *at = strstr(r.obs, "Start at ");
+    TEST_CHECK(at && sscanf(at, "Start at %15[^:]", id) == 1);
+    *calls = 0;
+    for (;;) {
+        snprintf(call, sizeof call, "open(%s,0)", id);
+        const char *o = step_(e, call, &r);
+        ++*calls;
+        TEST_CHECKF(!r.tool_error && !r.done, "seed %llu %s: %s", (unsigned long long)seed, call, o);
+        if (r.tool_error || r.done) return -1;
+        TEST_EQ_INT(r.obs_len, page); // the whole page, header included
+        size_t n = strlen(o);
+        // the page ends "code=DDDDDD\nnext=X\n"
+        const char *nx = n > 0 ? o + n - 1 : o;
+        while (nx > o && nx[-1] != '\n') nx--;
+        TEST_CHECKF(!strncmp(nx, "next=", 5) && nx - o >= 12 && !strncmp(nx - 12, "code=", 5), "seed %llu %s: page ends %s",
+                    (unsigned long long)seed, call, nx);
+        if (!strncmp(nx, "next=end\n", 9)) {
+            char code[8] = {0};
+            memcpy(code, nx - 7, 6);
+            TEST_CHECK(mtrl_env_step(e, MTRL_ENV_ACTION_ANSWER, code, 6, &r, &err) == MTRL_OK && r.done);
+            return r.reward;
+        }
+        TEST_CHECK(sscanf(nx, "next=%15[^\n]", id) == 1);
+        if (*calls > 4096) return -1;
+    }
+}
+
+static void test_trail(void) {
+    mtrl_env *e = open_env("task=trail;hops=6;hops_min=2;files=16;file_tokens=1024;max_obs_bytes=512;max_tool_calls=100;credit=0.5", 0);
+    int seen[8] = {0};
+    for (uint64_t seed = 0; seed < 40; seed++) {
+        int calls = 0, dcalls = 0;
+        TEST_NEAR(play_trail(e, seed, 512, &calls), 1.0, 0);
+        TEST_CHECKF(calls >= 3 && calls <= 7, "seed %llu: %d opens for 2..6 hops", (unsigned long long)seed, calls);
+        if (calls >= 0 && calls < 8) seen[calls]++;
+        TEST_NEAR(run_demo(e, seed, &dcalls), 1.0, 0);
+        TEST_EQ_INT(dcalls, calls);
+    }
+    for (int c = 3; c <= 7; c++) TEST_CHECKF(seen[c] > 0, "no episode of %d opens in 40 seeds (hops 2..6)", c);
+    // every file has one size (the header of every page is alike)
+    mtrl_env_result r;
+    mtrl_error err = {0};
+    TEST_CHECK(mtrl_env_reset(e, 3, &r, &err) == MTRL_OK);
+    const char *l = step_(e, "list(0)", &r);
+    long long size0 = -1;
+    for (const char *q = l; (q = strchr(q, ' ')) != NULL; q++) {
+        long long sz = atoll(q + 1);
+        if (size0 < 0) size0 = sz;
+        TEST_CHECKF(sz == size0 && sz >= 1024, "file sizes %lld and %lld", size0, sz);
+    }
+    // credit: the first k files of the trail opened, then a wrong answer
+    int calls = 0;
+    TEST_NEAR(run_demo(e, 11, &calls), 1.0, 0);
+    for (int k = 0; k < calls; k++) TEST_NEAR(partial_demo(e, 11, (size_t)k, NULL, "000000"), 0.5 * k / calls, 1e-15);
+    mtrl_env_close(e);
+    // hops alone: every episode of exactly hops, and a long trail at a small page
+    e = open_env("task=trail;hops=120;files=128;file_tokens=256;max_obs_bytes=64;max_tool_calls=200", 0);
+    for (uint64_t seed = 0; seed < 3; seed++) {
+        TEST_NEAR(play_trail(e, seed, 64, &calls), 1.0, 0);
+        TEST_EQ_INT(calls, 121);
+    }
+    mtrl_env_close(e);
+}
+
 int main(int argc, char **argv) {
     mtrl_env_host_main(argc, argv); // the isolated envs below start this program as their child
     test_agent_ladder();
@@ -481,6 +560,7 @@ int main(int argc, char **argv) {
     test_long_and_replay();
     test_tools();
     test_credit();
+    test_trail();
     test_config();
     test_speed();
     return test_report();

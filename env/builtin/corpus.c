@@ -14,6 +14,14 @@
 //             records spread over the corpus (aggregation over many files)
 //     latest  "The key k01234 is set by `hops` records in no order; the one with the largest t is
 //             current: answer its v" (contradicting updates, the latest wins)
+//     trail   "Start at f0012; open the file next= names until a file says next=end; answer its
+//             code": a chain whose every hop is one open(id,0), because each file's first page ends
+//             with its code= and next= lines (not in mix). Why a second chain: in `chain` the id to
+//             follow opens a page of noise, so the model must recall it from a page back and count
+//             hops; the first GPU runs never learnt that (docs/long-episodes.md). Here each decision
+//             is local (copy the id the page ended with, stop at `end`), so what a policy learns at
+//             a few hops either holds at a hundred hops and 1M tokens or it does not: the
+//             architecture's extrapolation, measured, not the copy from far back.
 // The asked-for key never occurs in the noise; the times of its records are distinct.
 // Tools (every observation capped at max_obs_bytes):
 //     list(skip)                 "fNNNN SIZE\n" per file from the skip-th, as many as fit,
@@ -34,7 +42,10 @@
 // policy that stops after a few calls and answers wrong gets 0 whatever it did, every group's
 // rewards are equal and RL has no gradient toward the long horizons the env exists for (the
 // first GPU run of experiments/agent-1m.ini: reward 0 at every stage, every gradient 0).
-// Config: task=mix|chain|sum|latest (mix), hops=1..4096 (4), files=2..65536 (64),
+// hops_min=h (0: = hops) draws each episode's hops (records) uniformly in [h, hops] from the seed,
+// so demos and tasks do not all take one length and a policy cannot stop by counting.
+// Config: task=mix|chain|sum|latest|trail (mix), hops=1..4096 (4), hops_min=0..4096 (0),
+//         files=2..65536 (64),
 //         file_tokens=256..1048576 (4096; files * file_tokens at most 256 MiB),
 //         max_obs_bytes=64..16777216 (2048), max_tool_calls=0..1000 (64), credit=0..0.9 (0).
 //         Keys of other built-ins are ignored (env_util.h).
@@ -62,11 +73,11 @@
 #define CORPUS_MAX_BYTES ((size_t)256 << 20)
 #define CORPUS_KEY_RANGE 100000u
 
-enum { TASK_CHAIN, TASK_SUM, TASK_LATEST, TASK_MIX };
-static const char *const task_names_[] = {"chain", "sum", "latest", "mix"};
+enum { TASK_CHAIN, TASK_SUM, TASK_LATEST, TASK_MIX, TASK_TRAIL, TASK_COUNT_ };
+static const char *const task_names_[] = {"chain", "sum", "latest", "mix", "trail"};
 
 typedef struct corpus_env {
-    int task_cfg, hops, files, max_tool_calls, idw;
+    int task_cfg, hops, hops_min, files, max_tool_calls, idw;
     size_t file_tokens, max_obs_bytes;
     double credit;    // weight of the facts gathered in the reward (0: the answer alone)
     size_t *fact_at;    // [hops + 1]: the task's fact lines, offsets into text, ...
@@ -82,31 +93,56 @@ typedef struct corpus_env {
     mtrl_env_action *demo;
     size_t demo_cap;
     int tool_calls, done;
-    // the episode's task, for the demo
-    int task, start;
+    // the episode's task and hops (hops_min..hops), for the demo
+    int task, start, ep_hops;
+    // trail: every file's size, and the bytes of its first page (open(id,0)) after the header
+    size_t trail_size, trail_head;
     char key[8];
 } corpus_env;
+
+// trail: every file's size and the bytes of its first page after the header, alike for all files,
+// so that open(id,0) shows "fNNNN @0 of SIZE\n" and then exactly the head, which ends with the
+// code= and next= lines. SIZE's digits are part of the header, so the two are solved together.
+static void trail_layout_(corpus_env *e) {
+    size_t size = 0, head = 0;
+    int digits = 1, settled = 0;
+    for (int round = 0; round < 4 && !settled; round++) {
+        head = e->max_obs_bytes - ((size_t)(1 + e->idw) + 7 + (size_t)digits + 1); // id, " @0 of ", SIZE, "\n"
+        size_t tail = e->file_tokens > head ? (e->file_tokens - head + CORPUS_REC_BYTES - 1) / CORPUS_REC_BYTES : 0;
+        size = head + tail * CORPUS_REC_BYTES;
+        int d = 1;
+        for (size_t x = size; x >= 10; x /= 10) d++;
+        settled = d == digits;
+        digits = d;
+    }
+    // max_obs_bytes >= 64 leaves a head of >= 41 bytes: a filler line, code= (12), next= (<= 13)
+    MTRL_CHECKF(settled && head >= 2 + 12 + 7 + (size_t)e->idw, "corpus: trail layout of a %zu-byte page", e->max_obs_bytes);
+    e->trail_size = size;
+    e->trail_head = head;
+}
 
 static int corpus_create_(const char *config, void **self, char *err, size_t cap) {
     env_config cfg;
     if (env_config_parse(&cfg, "corpus", config, err, cap)) return MTRL_ENV_ERR;
-    long long hops, files, ft, max_obs, mtc;
+    long long hops, hops_min, files, ft, max_obs, mtc;
     double credit;
     const char *task = env_config_str(&cfg, "task", "mix");
     int bad = env_config_int(&cfg, "hops", 4, 1, 4096, &hops, err, cap) ||
+              env_config_int(&cfg, "hops_min", 0, 0, 4096, &hops_min, err, cap) ||
               env_config_int(&cfg, "files", 64, 2, 65536, &files, err, cap) ||
               env_config_int(&cfg, "file_tokens", 4096, 256, 1 << 20, &ft, err, cap) ||
               env_config_int(&cfg, "max_obs_bytes", 2048, 64, 1 << 24, &max_obs, err, cap) ||
               env_config_int(&cfg, "max_tool_calls", 64, 0, 1000, &mtc, err, cap) ||
               env_config_double(&cfg, "credit", 0.0, 0.0, 0.9, &credit, err, cap);
     int t = -1;
-    for (int i = 0; i < 4; i++)
+    for (int i = 0; i < TASK_COUNT_; i++)
         if (!strcmp(task, task_names_[i])) t = i;
     if (!bad && t < 0) {
-        snprintf(err, cap, "corpus: task='%.40s': use mix, chain, sum or latest", task);
+        snprintf(err, cap, "corpus: task='%.40s': use mix, chain, sum, latest or trail", task);
         bad = 1;
     }
-    bad = bad || env_config_finish(&cfg, "task, hops, files, file_tokens, max_obs_bytes, max_tool_calls, credit", err, cap);
+    bad = bad || env_config_finish(&cfg, "task, hops, hops_min, files, file_tokens, max_obs_bytes, max_tool_calls, credit",
+                                   err, cap);
     env_config_free(&cfg);
     if (bad) return MTRL_ENV_ERR;
     if ((size_t)files * (size_t)ft > CORPUS_MAX_BYTES) {
@@ -118,9 +154,20 @@ static int corpus_create_(const char *config, void **self, char *err, size_t cap
                  ft / CORPUS_REC_BYTES);
         return MTRL_ENV_ERR;
     }
+    if (hops_min > hops) {
+        snprintf(err, cap, "corpus: hops_min=%lld is above hops=%lld", hops_min, hops);
+        return MTRL_ENV_ERR;
+    }
+    // A trail visits hops + 1 distinct files of the cycle: it must end before it comes round.
+    if (t == TASK_TRAIL && hops >= files) {
+        snprintf(err, cap, "corpus: task=trail with hops=%lld needs more than %lld files (hops + 1 distinct files)", hops,
+                 files);
+        return MTRL_ENV_ERR;
+    }
     corpus_env *e = xcalloc(1, sizeof *e);
     e->task_cfg = t;
     e->hops = (int)hops;
+    e->hops_min = hops_min > 0 ? (int)hops_min : (int)hops;
     e->files = (int)files;
     e->file_tokens = (size_t)ft;
     e->max_obs_bytes = (size_t)max_obs;
@@ -132,6 +179,7 @@ static int corpus_create_(const char *config, void **self, char *err, size_t cap
     e->idw = 4;
     for (long long r = 10000; r < files; r *= 10) e->idw++;
     e->file_off = xcalloc((size_t)files + 1, sizeof(size_t));
+    if (t == TASK_TRAIL) trail_layout_(e);
     e->done = 1;
     *self = e;
     return MTRL_ENV_OK;
@@ -167,6 +215,54 @@ static void put_id_(const corpus_env *e, char *p, int f) {
     put_digits_(p + 1, (uint64_t)f, e->idw);
 }
 
+// Writes the record "t=%07u k=k%05u v=%06u\n" at p; returns the end.
+static char *put_record_(char *p, uint64_t t, uint64_t kk, uint64_t v) {
+    memcpy(p, "t=", 2);
+    put_digits_(p + 2, t, 7);
+    memcpy(p + 9, " k=k", 4);
+    put_digits_(p + 13, kk, 5);
+    memcpy(p + 18, " v=", 3);
+    put_digits_(p + 21, v, 6);
+    p[CORPUS_REC_BYTES - 1] = '\n';
+    return p + CORPUS_REC_BYTES;
+}
+
+// The r-th noise record of a file whose noise seed is `noise`.
+static void noise_record_(uint64_t noise, int r, uint64_t *t, uint64_t *kk, uint64_t *v) {
+    uint64_t r1 = env_mix64(noise + 2 * (uint64_t)r), r2 = env_mix64(noise + 2 * (uint64_t)r + 1);
+    *t = r1 % 10000000u, *kk = (r1 >> 32) % CORPUS_KEY_RANGE, *v = r2 % 1000000u;
+}
+
+static char *put_line_(char *p, const char *what, const char *val, size_t n) {
+    memcpy(p, what, 5);
+    memcpy(p + 5, val, n);
+    p[5 + n] = '\n';
+    return p + 6 + n;
+}
+
+// A trail file: a filler line, records, code= and next= ending its first page exactly
+// (trail_layout_), then records to its size. The last file of the trail says next=end.
+static char *put_trail_file_(const corpus_env *e, char *p, int next_id, uint64_t code, uint64_t noise) {
+    char *fb = p, id[16], cd[8];
+    if (next_id >= 0) put_id_(e, id, next_id);
+    put_digits_(cd, code, 6);
+    size_t nl = next_id < 0 ? 9 : (size_t)(7 + e->idw), rest = e->trail_head - 12 - nl;
+    size_t n1 = (rest - 2) / CORPUS_REC_BYTES, lf = rest - n1 * CORPUS_REC_BYTES;
+    *p++ = '#';
+    memset(p, '.', lf - 2);
+    p += lf - 2;
+    *p++ = '\n';
+    uint64_t t, kk, v;
+    int r = 0;
+    for (; r < (int)n1; r++) noise_record_(noise, r, &t, &kk, &v), p = put_record_(p, t, kk, v);
+    p = put_line_(p, "code=", cd, 6);
+    p = next_id < 0 ? put_line_(p, "next=", "end", 3) : put_line_(p, "next=", id, (size_t)(1 + e->idw));
+    MTRL_CHECK((size_t)(p - fb) == e->trail_head);
+    for (size_t i = 0, n2 = (e->trail_size - e->trail_head) / CORPUS_REC_BYTES; i < n2; i++, r++)
+        noise_record_(noise, r, &t, &kk, &v), p = put_record_(p, t, kk, v);
+    return p;
+}
+
 // One planted record of the asked-for key: file, line index within it, time, value.
 typedef struct planted {
     int file, line;
@@ -179,6 +275,8 @@ static void corpus_generate_(corpus_env *e, uint64_t seed) {
 #define RNG_() mtrl_rng_u64(seed, stream, ctr++)
     int F = e->files;
     e->task = e->task_cfg == TASK_MIX ? (int)(RNG_() % 3) : e->task_cfg;
+    // Drawn only when it varies, so that a fixed hops keeps every seed's episode as it was.
+    e->ep_hops = e->hops_min < e->hops ? e->hops_min + (int)(RNG_() % (uint64_t)(e->hops - e->hops_min + 1)) : e->hops;
     // The next links: one cycle through a seeded permutation of the files.
     int *perm = xmalloc(sizeof(int) * (size_t)F), *next = xmalloc(sizeof(int) * (size_t)F);
     for (int i = 0; i < F; i++) perm[i] = i;
@@ -190,7 +288,7 @@ static void corpus_generate_(corpus_env *e, uint64_t seed) {
     for (int i = 0; i < F; i++) next[perm[i]] = perm[(i + 1) % F];
     int s = (int)(RNG_() % (uint64_t)F);
     e->start = perm[s];
-    int last = perm[(s + e->hops) % F];
+    int last = perm[(s + e->ep_hops) % F];
     uint64_t key = RNG_() % CORPUS_KEY_RANGE;
     e->key[0] = 'k';
     put_digits_(e->key + 1, key, 5);
@@ -200,7 +298,7 @@ static void corpus_generate_(corpus_env *e, uint64_t seed) {
     // The asked-for key's records: hops of them at distinct record lines spread over the corpus
     // (one seeded line in each of hops equal bins of all record lines); times distinct (one per
     // stride, then shuffled, so file order says nothing about which record is the latest).
-    int np = e->task == TASK_CHAIN ? 0 : e->hops;
+    int np = e->task == TASK_CHAIN || e->task == TASK_TRAIL ? 0 : e->ep_hops;
     planted *pl = xmalloc(sizeof(planted) * (size_t)(np + 1));
     uint64_t stride = 10000000u / (uint64_t)(np + 1), total = (uint64_t)F * (uint64_t)lines;
     for (int i = 0; i < np; i++) {
@@ -223,7 +321,8 @@ static void corpus_generate_(corpus_env *e, uint64_t seed) {
         if (i == 0 || pl[i].t > best_t) best_t = pl[i].t, best_v = pl[i].v;
     }
     env_buf_clear(&e->text);
-    char *p = env_buf_reserve(&e->text, (size_t)F * ((size_t)lines * CORPUS_REC_BYTES + 64) + 64);
+    size_t most = e->task == TASK_TRAIL ? e->trail_size : (size_t)lines * CORPUS_REC_BYTES + 64;
+    char *p = env_buf_reserve(&e->text, (size_t)F * most + 64);
     char *base = p;
     int k = 0;
     for (int f = 0; f < F; f++) {
@@ -232,29 +331,31 @@ static void corpus_generate_(corpus_env *e, uint64_t seed) {
         int at_next = (int)(RNG_() % (uint64_t)(lines + 2)), at_code = (int)(RNG_() % (uint64_t)(lines + 1));
         if (at_code >= at_next) at_code++;
         uint64_t code = RNG_() % 1000000u;
-        if (f == last && e->task == TASK_CHAIN) {
+        if (f == last && (e->task == TASK_CHAIN || e->task == TASK_TRAIL)) {
             put_digits_(e->answer, code, 6);
             e->answer[6] = 0;
         }
         uint64_t noise = RNG_();
+        if (e->task == TASK_TRAIL) {
+            p = put_trail_file_(e, p, f == last ? -1 : next[f], code, noise);
+            continue;
+        }
         for (int l = 0, rec = 0; l < lines + 2; l++) {
             if (l == at_next) {
-                memcpy(p, "next=", 5);
-                put_id_(e, p + 5, next[f]);
-                p[6 + e->idw] = '\n';
-                p += 7 + e->idw;
+                char id[16];
+                put_id_(e, id, next[f]);
+                p = put_line_(p, "next=", id, (size_t)(1 + e->idw));
                 continue;
             }
             if (l == at_code) {
-                memcpy(p, "code=", 5);
-                put_digits_(p + 5, code, 6);
-                p[11] = '\n';
-                p += 12;
+                char cd[8];
+                put_digits_(cd, code, 6);
+                p = put_line_(p, "code=", cd, 6);
                 continue;
             }
             int r = rec++;
-            uint64_t r1 = env_mix64(noise + 2 * (uint64_t)r), r2 = env_mix64(noise + 2 * (uint64_t)r + 1);
-            uint64_t t = r1 % 10000000u, kk = (r1 >> 32) % CORPUS_KEY_RANGE, v = r2 % 1000000u;
+            uint64_t t, kk, v;
+            noise_record_(noise, r, &t, &kk, &v);
             int mine = k < np && pl[k].file == f && pl[k].line == r;
             if (mine) {
                 t = pl[k].t, kk = key, v = pl[k].v;
@@ -262,14 +363,7 @@ static void corpus_generate_(corpus_env *e, uint64_t seed) {
                 e->fact_len[k++] = CORPUS_REC_BYTES - 1;
             }
             else if (kk == key) kk = (kk + 1) % CORPUS_KEY_RANGE; // the asked-for key only where planted
-            memcpy(p, "t=", 2);
-            put_digits_(p + 2, t, 7);
-            memcpy(p + 9, " k=k", 4);
-            put_digits_(p + 13, kk, 5);
-            memcpy(p + 18, " v=", 3);
-            put_digits_(p + 21, v, 6);
-            p[27 - 1] = '\n';
-            p += CORPUS_REC_BYTES;
+            p = put_record_(p, t, kk, v);
         }
     }
     e->file_off[F] = (size_t)(p - base);
@@ -306,18 +400,18 @@ static int file_at_(const corpus_env *e, size_t pos) {
 // A chain's facts: the next= line of each file on the way, then the code= line of the last.
 static void chain_facts_(corpus_env *e) {
     int cur = e->start;
-    for (int h = 0; h <= e->hops; h++) {
-        const char *what = h < e->hops ? "next=" : "code=";
+    for (int h = 0; h <= e->ep_hops; h++) {
+        const char *what = h < e->ep_hops ? "next=" : "code=";
         size_t off = line_at_(e, cur, what);
         e->fact_at[h] = e->file_off[cur] + off;
-        e->fact_len[h] = h < e->hops ? (uint32_t)(6 + e->idw) : 11u;
-        if (h < e->hops) {
+        e->fact_len[h] = h < e->ep_hops ? (uint32_t)(6 + e->idw) : 11u;
+        if (h < e->ep_hops) {
             int64_t nx;
             MTRL_CHECK(env_parse_i64(e->text.data + e->fact_at[h] + 6, (size_t)e->idw, &nx) == 0);
             cur = (int)nx;
         }
     }
-    e->n_facts = e->hops + 1;
+    e->n_facts = e->ep_hops + 1;
 }
 
 // Marks the facts that the shown bytes text[a, b) hold whole.
@@ -333,7 +427,7 @@ static int corpus_reset_(void *self, uint64_t seed, mtrl_env_bytes *prompt, char
     (void)err, (void)cap;
     corpus_env *e = self;
     corpus_generate_(e, seed);
-    if (e->task == TASK_CHAIN) chain_facts_(e);
+    if (e->task == TASK_CHAIN || e->task == TASK_TRAIL) chain_facts_(e);
     memset(e->fact_seen, 0, (size_t)e->n_facts);
     e->facts_seen = 0;
     e->tool_calls = 0;
@@ -353,7 +447,12 @@ static int corpus_reset_(void *self, uint64_t seed, mtrl_env_bytes *prompt, char
                    e->files, first, lastid, e->file_tokens, e->max_obs_bytes);
     if (e->task == TASK_CHAIN)
         env_buf_printf(&e->prompt, "Start at %s, follow next= %d times, and answer the code of the file you reach.\n", start,
-                       e->hops);
+                       e->ep_hops);
+    else if (e->task == TASK_TRAIL)
+        env_buf_printf(&e->prompt,
+                       "The first page of a file, open(id,0), ends with its code= and next= lines. Start at %s: open the "
+                       "file its next= names, and so on, until a file says next=end; answer that file's code.\n",
+                       start);
     else if (e->task == TASK_SUM)
         env_buf_printf(&e->prompt, "Answer the sum of v over all records with k=%s.\n", e->key);
     else
@@ -554,13 +653,20 @@ static int corpus_demo_(void *self, mtrl_env_demo_out *out, char *err, size_t ca
     env_buf_clear(&e->demo_text);
     size_t count = 0;
     int W = 1 + e->idw;
-    if (e->task == TASK_CHAIN) {
+    if (e->task == TASK_TRAIL) {
+        // the trail as reset walked it (chain_facts_): the first page of each file on it
+        char id[16];
+        for (int h = 0; h <= e->ep_hops; h++) {
+            put_id_(e, id, file_at_(e, e->fact_at[h]));
+            demo_add_(e, &count, "open(%.*s,0)", W, id);
+        }
+    } else if (e->task == TASK_CHAIN) {
         // the chain as reset walked it (chain_facts_): each hop's line, in its file
         char id[16];
-        for (int h = 0; h <= e->hops; h++) {
+        for (int h = 0; h <= e->ep_hops; h++) {
             const int cur = file_at_(e, e->fact_at[h]);
             put_id_(e, id, cur);
-            demo_add_(e, &count, "grep(%.*s,%s)", W, id, h < e->hops ? "next=" : "code=");
+            demo_add_(e, &count, "grep(%.*s,%s)", W, id, h < e->ep_hops ? "next=" : "code=");
             demo_add_(e, &count, "open(%.*s,%zu)", W, id, e->fact_at[h] - e->file_off[cur]);
         }
     } else {
@@ -586,8 +692,8 @@ static int corpus_demo_(void *self, mtrl_env_demo_out *out, char *err, size_t ca
             l = nl + 1;
         }
         env_buf_free(&locs);
-        MTRL_CHECKF(count - first_open == (size_t)e->hops, "corpus: demo found %zu of %d records", count - first_open,
-                    e->hops);
+        MTRL_CHECKF(count - first_open == (size_t)e->ep_hops, "corpus: demo found %zu of %d records", count - first_open,
+                    e->ep_hops);
     }
     env_buf_append(&e->demo_text, e->answer, strlen(e->answer) + 1);
     count++;
