@@ -33,8 +33,9 @@ mtrl_status mtrl_dist_ep_moe_init(mtrl_dist_ep_moe *e, mtrl_model *m, int layer,
                               "expert-parallel MoE: the model is on a GPU; the layer runs CPU models on the local "
                               "communicator only (the device path over NCCL is not built)");
     if (layer < 0 || layer >= d->L || mtrl_model_is_dense(d, layer))
-        return mtrl_error_set(err, MTRL_ERR_USAGE, "expert-parallel MoE: layer %d is not a MoE layer (layers %d..%d are)",
-                              layer, d->first_dense, d->L - 1);
+        return mtrl_error_set(err, MTRL_ERR_USAGE,
+                              "expert-parallel MoE: layer %d is not a MoE layer (layers %d..%d are)", layer,
+                              d->first_dense, d->L - 1);
     if (x->E != d->E)
         return mtrl_error_set(err, MTRL_ERR_USAGE,
                               "expert-parallel MoE: the assignment is of %d experts, the model's layers have %d", x->E,
@@ -44,8 +45,8 @@ mtrl_status mtrl_dist_ep_moe_init(mtrl_dist_ep_moe *e, mtrl_model *m, int layer,
                               "expert-parallel MoE: the assignment is over %d ranks, the communicator has %d", x->ranks,
                               R);
     if (d->E > 256)
-        return mtrl_error_set(err, MTRL_ERR_USAGE, "expert-parallel MoE: %d experts (routing ids are bytes: at most 256)",
-                              d->E);
+        return mtrl_error_set(err, MTRL_ERR_USAGE,
+                              "expert-parallel MoE: %d experts (routing ids are bytes: at most 256)", d->E);
     e->m = m;
     e->comm = comm;
     e->layer = layer;
@@ -139,16 +140,16 @@ mtrl_status mtrl_dist_ep_moe_fwd(mtrl_dist_ep_moe *e, int T, const real *x, cons
         }
     ep_release_(e, 0);
     e->ready = 0;
-    mtrl_moe_rows_carve(d, T, ep_alloc_, e, &e->rows);
-    mtrl_moe_route_fwd(m, e->layer, T, x, routing_in, routing_out, &e->rows);
+    mtrl_model_moe_rows_carve(d, T, ep_alloc_, e, &e->rows);
+    mtrl_model_moe_route_fwd(m, e->layer, T, x, routing_in, routing_out, &e->rows);
     mtrl_status st;
     if (level > 0) {
         // One all-reduce of loads, β sums and batches: every rank adds the same sums.
-        double stats[MTRL_MOE_STATS(256)];
-        mtrl_moe_observe(m, e->layer, T, &e->rows, level, stats);
-        st = mtrl_dist_comm_allreduce(e->comm, stats, (size_t)MTRL_MOE_STATS(E), MTRL_DT_F64, err);
+        double stats[MTRL_MODEL_MOE_STATS(256)];
+        mtrl_model_moe_observe(m, e->layer, T, &e->rows, level, stats);
+        st = mtrl_dist_comm_allreduce(e->comm, stats, (size_t)MTRL_MODEL_MOE_STATS(E), MTRL_DT_F64, err);
         if (st != MTRL_OK) return st;
-        mtrl_moe_observe_add(m, e->layer, stats);
+        mtrl_model_moe_observe_add(m, e->layer, stats);
     }
     if ((st = plan_exchange_(e, err)) != MTRL_OK) return st;
     int n = e->n_recv;
@@ -159,11 +160,11 @@ mtrl_status mtrl_dist_ep_moe_fwd(mtrl_dist_ep_moe *e, int T, const real *x, cons
     e->u1 = ep_rows_(e, n, d->I);
     e->u3 = ep_rows_(e, n, d->I);
     real *Ye = ep_rows_(e, n, d->d);
-    mtrl_moe_experts_fwd(m, e->layer, e->e0, e->e1, n, e->offsets, e->Xe, e->u1, e->u3, Ye);
+    mtrl_model_moe_experts_fwd(m, e->layer, e->e0, e->e1, n, e->offsets, e->Xe, e->u1, e->u3, Ye);
     from_experts_(e, Ye, Xr); // Xr now holds the outputs in the received order
     if ((st = exchange_(e, 0, Xr, e->rows.Y, err)) != MTRL_OK) return st;
     real *ys = d->n_shared > 0 ? ep_rows_(e, T, d->d) : NULL;
-    mtrl_moe_combine_fwd(m, e->layer, T, x, &e->rows, ys, y);
+    mtrl_model_moe_combine_fwd(m, e->layer, T, x, &e->rows, ys, y);
     e->T = T;
     e->x = x;
     e->ready = 1;
@@ -181,15 +182,15 @@ mtrl_status mtrl_dist_ep_moe_bwd(mtrl_dist_ep_moe *e, const real *dy, real *dx, 
     real *dY = ep_rows_(e, T * K, d->d), *dw = ep_rows_(e, T, K), *dX = ep_rows_(e, T * K, d->d);
     real *dz = ep_rows_(e, T, d->E), *dxs = d->n_shared > 0 ? ep_rows_(e, T, d->d) : NULL;
     real *dYr = ep_rows_(e, n, d->d), *dYe = ep_rows_(e, n, d->d), *dXe = ep_rows_(e, n, d->d);
-    mtrl_moe_combine_bwd(m, e->layer, T, &e->rows, dy, dY, dw);
+    mtrl_model_moe_combine_bwd(m, e->layer, T, &e->rows, dy, dY, dw);
     mtrl_status st = exchange_(e, 1, dY, dYr, err);
     if (st == MTRL_OK) {
         to_experts_(e, dYr, dYe);
-        mtrl_moe_experts_bwd(m, e->layer, e->e0, e->e1, e->offsets, e->Xe, e->u1, e->u3, dYe, dXe);
+        mtrl_model_moe_experts_bwd(m, e->layer, e->e0, e->e1, e->offsets, e->Xe, e->u1, e->u3, dYe, dXe);
         from_experts_(e, dXe, dYr); // dYr now holds the input-row gradients in the received order
         st = exchange_(e, 0, dYr, dX, err);
     }
-    if (st == MTRL_OK) mtrl_moe_route_bwd(m, e->layer, T, e->x, &e->rows, dy, dX, dw, dz, dxs, dx);
+    if (st == MTRL_OK) mtrl_model_moe_route_bwd(m, e->layer, T, e->x, &e->rows, dy, dX, dw, dz, dxs, dx);
     ep_release_(e, keep);
     return st;
 }

@@ -15,7 +15,7 @@
 // of a batch, that is the one-rank order, and the experts' weight gradients sum the rows in it.
 //
 // Forward of layer l on rank r (T tokens, x [T][d] the FFN's RMSNorm-ed input):
-//     1. route (model_moe.h mtrl_moe_route_fwd): the rows grouped by expert
+//     1. route (model_moe.h mtrl_model_moe_route_fwd): the rows grouped by expert
 //     2. QB statistics (level > 0): the loads, β sums and batch count of every rank summed with one
 //        all-reduce (fp64) and added to every rank's step counters, so mtrl_qb_apply gives the same
 //        β on every rank: the mean over the ranks' batches of the β each implies (qb.h; the
@@ -23,7 +23,7 @@
 //     3. counts: each rank's rows per expert, all-gathered ([ranks][E] int64)
 //     4. rows: all-to-all-v (mtrl_dist_a2a_send / _recv), then the received rows put expert-major
 //        (mtrl_dist_a2a_expert_order) for the own experts' grouped GEMMs
-//     5. the own experts (mtrl_moe_experts_fwd on first[r] .. first[r+1]-1)
+//     5. the own experts (mtrl_model_moe_experts_fwd on first[r] .. first[r+1]-1)
 //     6. outputs back (the reverse all-to-all-v) and the combine with the shared experts
 // Collectives per forward: 2 or 3 (all-gather, all-to-all-v twice, the all-reduce with level >
 // 0); per backward: 2 all-to-all-v. Every rank calls them, also with T = 0 tokens. A failed
@@ -64,7 +64,7 @@ typedef struct mtrl_dist_ep_moe {
     int ready;                    // a forward ran and its backward has not
     int T;                        // its tokens
     const real *x;                // borrowed [T][d] input, read again by the backward
-    mtrl_moe_rows rows;           // its tokens' routing and rows grouped by expert (model_moe.h)
+    mtrl_model_moe_rows rows;     // its tokens' routing and rows grouped by expert (model_moe.h)
     int64_t *rows_all;            // [ranks][E] every rank's rows per expert
     int64_t send_count[MTRL_DIST_RANKS_MAX], send_offset[MTRL_DIST_RANKS_MAX];
     int64_t recv_count[MTRL_DIST_RANKS_MAX], recv_offset[MTRL_DIST_RANKS_MAX];

@@ -209,15 +209,16 @@ static void mla_backward_(mtrl_model *m, mtrl_arena *ar, int l, int T, const lay
 // ---- FFN ----------------------------------------------------------------------------------------------------
 // The MoE layer's backward in phases (model_moe.h): the expert-parallel layer runs the same ones.
 
-void mtrl_moe_combine_bwd(mtrl_model *m, int l, int T, const mtrl_moe_rows *r, const real *dy, real *dY, real *dw) {
+void mtrl_model_moe_combine_bwd(mtrl_model *m, int l, int T, const mtrl_model_moe_rows *r, const real *dy, real *dY,
+                                real *dw) {
     (void)l;
     double t = model_prof_begin(m);
     m->be->moe_combine_bwd(m->be, T, m->dims.k, m->dims.d, r->pos, r->w, r->Y, dy, dY, dw);
     model_prof_end(m, MTRL_PROF_MOE_ROUTE, t);
 }
 
-void mtrl_moe_experts_bwd(mtrl_model *m, int l, int e0, int e1, const int *offsets, const real *X, const real *u1,
-                          const real *u3, const real *dY, real *dX) {
+void mtrl_model_moe_experts_bwd(mtrl_model *m, int l, int e0, int e1, const int *offsets, const real *X, const real *u1,
+                                const real *u3, const real *dY, real *dX) {
     const mtrl_model_dims *d = &m->dims;
     const mtrl_layer_ptrs *p = &m->dP.layer[l];
     mtrl_layer_ptrs *gp = &m->dG.layer[l];
@@ -229,8 +230,8 @@ void mtrl_moe_experts_bwd(mtrl_model *m, int l, int e0, int e1, const int *offse
     model_prof_end(m, MTRL_PROF_MOE_EXPERTS, t);
 }
 
-void mtrl_moe_route_bwd(mtrl_model *m, int l, int T, const real *x, const mtrl_moe_rows *r, const real *dy,
-                        const real *dX, const real *dw, real *dz, real *dxs, real *dx) {
+void mtrl_model_moe_route_bwd(mtrl_model *m, int l, int T, const real *x, const mtrl_model_moe_rows *r, const real *dy,
+                              const real *dX, const real *dw, real *dz, real *dxs, real *dx) {
     const mtrl_model_dims *d = &m->dims;
     const mtrl_layer_ptrs *p = &m->dP.layer[l];
     mtrl_layer_ptrs *gp = &m->dG.layer[l];
@@ -252,23 +253,23 @@ void mtrl_moe_route_bwd(mtrl_model *m, int l, int T, const real *x, const mtrl_m
     }
 }
 
-void mtrl_moe_layer_bwd(mtrl_model *m, mtrl_arena *ar, int l, int T, const real *x, const mtrl_moe_rows *r,
-                        const real *dy, real *dx) {
+void mtrl_model_moe_layer_bwd(mtrl_model *m, mtrl_arena *ar, int l, int T, const real *x, const mtrl_model_moe_rows *r,
+                              const real *dy, real *dx) {
     const mtrl_model_dims *d = &m->dims;
     int R = T * d->k;
     real *dY = ALLOC((size_t)R * d->d), *dw = ALLOC((size_t)T * d->k);
     real *dX = ALLOC((size_t)R * d->d), *dz = ALLOC((size_t)T * d->E);
     real *dxs = d->n_shared > 0 ? ALLOC((size_t)T * d->d) : NULL;
-    mtrl_moe_combine_bwd(m, l, T, r, dy, dY, dw);
-    mtrl_moe_experts_bwd(m, l, 0, d->E, r->offsets, r->X, r->u1, r->u3, dY, dX);
-    mtrl_moe_route_bwd(m, l, T, x, r, dy, dX, dw, dz, dxs, dx);
+    mtrl_model_moe_combine_bwd(m, l, T, r, dy, dY, dw);
+    mtrl_model_moe_experts_bwd(m, l, 0, d->E, r->offsets, r->X, r->u1, r->u3, dY, dX);
+    mtrl_model_moe_route_bwd(m, l, T, x, r, dy, dX, dw, dz, dxs, dx);
 }
 
 static void ffn_backward_(mtrl_model *m, mtrl_arena *ar, int l, int T, const layer_cache *c, const real *dout,
                           real *dx2) {
     const mtrl_model_dims *d = &m->dims;
     if (!mtrl_model_is_dense(d, l)) {
-        mtrl_moe_layer_bwd(m, ar, l, T, c->x2, &c->moe, dout, dx2);
+        mtrl_model_moe_layer_bwd(m, ar, l, T, c->x2, &c->moe, dout, dx2);
         return;
     }
     const mtrl_layer_ptrs *p = &m->dP.layer[l];

@@ -393,8 +393,8 @@ static void mla_forward_(mtrl_model *m, mtrl_arena *ar, int l, int mode, int T, 
 
 static void *arena_alloc_(void *ar, size_t bytes) { return mtrl_arena_alloc(ar, bytes); }
 
-void mtrl_moe_rows_carve(const mtrl_model_dims *d, int T, void *(*alloc)(void *user, size_t bytes), void *user,
-                         mtrl_moe_rows *r) {
+void mtrl_model_moe_rows_carve(const mtrl_model_dims *d, int T, void *(*alloc)(void *user, size_t bytes), void *user,
+                               mtrl_model_moe_rows *r) {
     size_t E = (size_t)d->E, K = (size_t)d->k, R = (size_t)T * K, rs = sizeof(real), is = sizeof(int);
     memset(r, 0, sizeof *r);
     r->z = alloc(user, rs * T * E); r->s = alloc(user, rs * T * E); r->w = alloc(user, rs * R);
@@ -408,8 +408,8 @@ void mtrl_moe_rows_carve(const mtrl_model_dims *d, int T, void *(*alloc)(void *u
     }
 }
 
-void mtrl_moe_route_fwd(mtrl_model *m, int l, int T, const real *x, const uint8_t *routing_in, uint8_t *routing_out,
-                        mtrl_moe_rows *r) {
+void mtrl_model_moe_route_fwd(mtrl_model *m, int l, int T, const real *x, const uint8_t *routing_in,
+                              uint8_t *routing_out, mtrl_model_moe_rows *r) {
     const mtrl_model_dims *d = &m->dims;
     mtrl_backend *be = m->be;
     int E = d->E, K = d->k, mi = mtrl_model_moe_index(d, l);
@@ -436,12 +436,12 @@ void mtrl_moe_route_fwd(mtrl_model *m, int l, int T, const real *x, const uint8_
     model_prof_end(m, MTRL_PROF_MOE_ROUTE, t);
 }
 
-void mtrl_moe_observe(mtrl_model *m, int l, int T, const mtrl_moe_rows *r, int level, double *st) {
+void mtrl_model_moe_observe(mtrl_model *m, int l, int T, const mtrl_model_moe_rows *r, int level, double *st) {
     const mtrl_model_dims *d = &m->dims;
     mtrl_backend *be = m->be;
     int E = d->E, K = d->k;
     MTRL_CHECKF(E <= 256, "QB statistics of %d experts (at most 256)", E);
-    memset(st, 0, sizeof *st * (size_t)MTRL_MOE_STATS(E));
+    memset(st, 0, sizeof *st * (size_t)MTRL_MODEL_MOE_STATS(E));
     if (level <= 0) return;
     double t = model_prof_begin(m);
     // QB (docs/model.md §4.3): this batch routed with the old β; the β it implies is summed and
@@ -459,7 +459,7 @@ void mtrl_moe_observe(mtrl_model *m, int l, int T, const mtrl_moe_rows *r, int l
     model_prof_end(m, MTRL_PROF_MOE_ROUTE, t);
 }
 
-void mtrl_moe_observe_add(mtrl_model *m, int l, const double *st) {
+void mtrl_model_moe_observe_add(mtrl_model *m, int l, const double *st) {
     int E = m->dims.E;
     for (int e = 0; e < E; e++) {
         m->load[(size_t)l * E + e] += (long)st[e];
@@ -468,8 +468,8 @@ void mtrl_moe_observe_add(mtrl_model *m, int l, const double *st) {
     m->qb_count[l] += (int)st[2 * E];
 }
 
-void mtrl_moe_experts_fwd(mtrl_model *m, int l, int e0, int e1, int rows, const int *offsets, const real *X,
-                          real *u1, real *u3, real *Y) {
+void mtrl_model_moe_experts_fwd(mtrl_model *m, int l, int e0, int e1, int rows, const int *offsets, const real *X,
+                                real *u1, real *u3, real *Y) {
     const mtrl_model_dims *d = &m->dims;
     const mtrl_layer_ptrs *p = &m->dP.layer[l];
     MTRL_CHECKF(0 <= e0 && e0 <= e1 && e1 <= d->E, "experts %d..%d of %d", e0, e1 - 1, d->E);
@@ -480,7 +480,7 @@ void mtrl_moe_experts_fwd(mtrl_model *m, int l, int e0, int e1, int rows, const 
     model_prof_end(m, MTRL_PROF_MOE_EXPERTS, t);
 }
 
-void mtrl_moe_combine_fwd(mtrl_model *m, int l, int T, const real *x, mtrl_moe_rows *r, real *ys, real *y) {
+void mtrl_model_moe_combine_fwd(mtrl_model *m, int l, int T, const real *x, mtrl_model_moe_rows *r, real *ys, real *y) {
     const mtrl_model_dims *d = &m->dims;
     const mtrl_layer_ptrs *p = &m->dP.layer[l];
     mtrl_backend *be = m->be;
@@ -495,18 +495,18 @@ void mtrl_moe_combine_fwd(mtrl_model *m, int l, int T, const real *x, mtrl_moe_r
     }
 }
 
-void mtrl_moe_layer_fwd(mtrl_model *m, mtrl_arena *ar, int l, int T, const real *x, const uint8_t *routing_in,
-                        uint8_t *routing_out, int level, mtrl_moe_rows *r, real *y) {
+void mtrl_model_moe_layer_fwd(mtrl_model *m, mtrl_arena *ar, int l, int T, const real *x, const uint8_t *routing_in,
+                              uint8_t *routing_out, int level, mtrl_model_moe_rows *r, real *y) {
     const mtrl_model_dims *d = &m->dims;
-    mtrl_moe_rows_carve(d, T, arena_alloc_, ar, r);
-    mtrl_moe_route_fwd(m, l, T, x, routing_in, routing_out, r);
+    mtrl_model_moe_rows_carve(d, T, arena_alloc_, ar, r);
+    mtrl_model_moe_route_fwd(m, l, T, x, routing_in, routing_out, r);
     if (level > 0) {
-        double st[MTRL_MOE_STATS(256)];
-        mtrl_moe_observe(m, l, T, r, level, st);
-        mtrl_moe_observe_add(m, l, st);
+        double st[MTRL_MODEL_MOE_STATS(256)];
+        mtrl_model_moe_observe(m, l, T, r, level, st);
+        mtrl_model_moe_observe_add(m, l, st);
     }
-    mtrl_moe_experts_fwd(m, l, 0, d->E, T * d->k, r->offsets, r->X, r->u1, r->u3, r->Y);
-    mtrl_moe_combine_fwd(m, l, T, x, r, d->n_shared > 0 ? ALLOC((size_t)T * d->d) : NULL, y);
+    mtrl_model_moe_experts_fwd(m, l, 0, d->E, T * d->k, r->offsets, r->X, r->u1, r->u3, r->Y);
+    mtrl_model_moe_combine_fwd(m, l, T, x, r, d->n_shared > 0 ? ALLOC((size_t)T * d->d) : NULL, y);
 }
 
 static void ffn_forward_(mtrl_model *m, mtrl_arena *ar, int l, int T, const real *x2, layer_cache *c, real *out,
@@ -523,22 +523,22 @@ static void ffn_forward_(mtrl_model *m, mtrl_arena *ar, int l, int T, const real
     }
     const seg_decode *dec = so ? so->dec : NULL;
     if (!dec) {
-        mtrl_moe_layer_fwd(m, ar, l, T, x2, so ? so->routing_in : NULL, so ? so->routing_out : NULL,
-                           so ? so->qb_stats : 0, &c->moe, out);
+        mtrl_model_moe_layer_fwd(m, ar, l, T, x2, so ? so->routing_in : NULL, so ? so->routing_out : NULL,
+                                 so ? so->qb_stats : 0, &c->moe, out);
         return;
     }
     // A decode step: its routing and statistics stay in backend memory (seg_decode).
     int E = d->E, K = d->k, mi = mtrl_model_moe_index(d, l);
-    mtrl_moe_rows *r = &c->moe;
-    mtrl_moe_rows_carve(d, T, arena_alloc_, ar, r);
-    mtrl_moe_route_fwd(m, l, T, x2, so->routing_in, NULL, r);
+    mtrl_model_moe_rows *r = &c->moe;
+    mtrl_model_moe_rows_carve(d, T, arena_alloc_, ar, r);
+    mtrl_model_moe_route_fwd(m, l, T, x2, so->routing_in, NULL, r);
     if (dec->sel) be->copy(be, dec->sel + (size_t)mi * T * K, r->sel, sizeof(int) * (size_t)T * K);
     if (so->qb_stats)
         dec->beta_status[mi] = be->moe_stats(be, T, E, K, r->sel, d->router_bias_score ? r->s : r->z,
                                              m->d_qb_beta + (size_t)l * E, so->qb_stats, dec->load + (size_t)mi * E,
                                              dec->beta + (size_t)mi * E);
-    mtrl_moe_experts_fwd(m, l, 0, E, T * K, r->offsets, r->X, r->u1, r->u3, r->Y);
-    mtrl_moe_combine_fwd(m, l, T, x2, r, d->n_shared > 0 ? ALLOC((size_t)T * d->d) : NULL, out);
+    mtrl_model_moe_experts_fwd(m, l, 0, E, T * K, r->offsets, r->X, r->u1, r->u3, r->Y);
+    mtrl_model_moe_combine_fwd(m, l, T, x2, r, d->n_shared > 0 ? ALLOC((size_t)T * d->d) : NULL, out);
 }
 
 // ---- the stack ------------------------------------------------------------------------------------------

@@ -87,7 +87,7 @@ typedef struct layer_cache {
     real *a, *gl, *ag;           // [T][mH*dv]
     // FFN
     real *u1, *u3;               // dense [T][dense_I]
-    mtrl_moe_rows moe;           // MoE: routing, permuted rows, shared experts (model_moe.h)
+    mtrl_model_moe_rows moe;     // MoE: routing, permuted rows, shared experts (model_moe.h)
 } layer_cache;
 
 typedef struct seg_cache {

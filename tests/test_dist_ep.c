@@ -1,6 +1,6 @@
 // mtrl-test: cpu
 // One MoE layer expert parallel on the local communicator's threads (learner/dist_ep_moe.h)
-// against the model's one-rank layer (model/model_moe.h mtrl_moe_layer_fwd / _bwd, what the
+// against the model's one-rank layer (model/model_moe.h mtrl_model_moe_layer_fwd / _bwd, what the
 // model's FFN runs) on the same tokens: a batch of N tokens cut into consecutive, uneven slices,
 // rank r holding slice r (one rank may hold none), over R = 1, 2, 3, 4 ranks, for the tiny preset
 // (8 experts, top-2, a shared expert, sigmoid router on z − β: 8 % 3 != 0) and a Kimi-like form
@@ -145,7 +145,8 @@ static void check_grads_(const ep_run *k, const mtrl_model *ref, const mtrl_dist
         size_t stray = 0;
         for (int e = 0; e < d->E; e++) {
             if (mtrl_dist_expert_rank(x, e) == r) continue;
-            for (size_t i = 0; i < EI; i++) stray += g->ew1[e * EI + i] != 0 || g->ew3[e * EI + i] != 0 || g->ew2[e * EI + i] != 0;
+            for (size_t i = 0; i < EI; i++)
+                stray += g->ew1[e * EI + i] != 0 || g->ew3[e * EI + i] != 0 || g->ew2[e * EI + i] != 0;
         }
         for (size_t i = 0; i < n; i++) stray += !moe_grad_(ref, l, i) && k->m[r]->grads[i] != 0;
         TEST_CHECKF(stray == 0, "%s: rank %d wrote %zu gradient elements outside its experts and the layer", what, r,
@@ -175,19 +176,19 @@ static void check_grads_(const ep_run *k, const mtrl_model *ref, const mtrl_dist
 static void check_stats_(const ep_run *k, mtrl_model *ref, const char *what) {
     const mtrl_model_dims *d = &ref->dims;
     int l = k->layer, E = d->E;
-    double want[MTRL_MOE_STATS(256)] = {0};
+    double want[MTRL_MODEL_MOE_STATS(256)] = {0};
     for (int r = 0; r < k->R; r++) {
         int T = k->start[r + 1] - k->start[r];
         size_t rt = (size_t)d->n_moe * d->k;
         mtrl_arena ar;
         mtrl_arena_init(&ar, (size_t)1 << 22);
-        mtrl_moe_rows rows;
-        double st[MTRL_MOE_STATS(256)];
-        mtrl_moe_rows_carve(d, T, arena_alloc_, &ar, &rows);
-        mtrl_moe_route_fwd(ref, l, T, k->x + (size_t)k->start[r] * d->d,
-                           k->routing_in ? k->routing_in + (size_t)k->start[r] * rt : NULL, NULL, &rows);
-        mtrl_moe_observe(ref, l, T, &rows, k->level, st);
-        for (int i = 0; i < MTRL_MOE_STATS(E); i++) want[i] += st[i];
+        mtrl_model_moe_rows rows;
+        double st[MTRL_MODEL_MOE_STATS(256)];
+        mtrl_model_moe_rows_carve(d, T, arena_alloc_, &ar, &rows);
+        mtrl_model_moe_route_fwd(ref, l, T, k->x + (size_t)k->start[r] * d->d,
+                                 k->routing_in ? k->routing_in + (size_t)k->start[r] * rt : NULL, NULL, &rows);
+        mtrl_model_moe_observe(ref, l, T, &rows, k->level, st);
+        for (int i = 0; i < MTRL_MODEL_MOE_STATS(E); i++) want[i] += st[i];
         mtrl_arena_free(&ar);
     }
     for (int r = 0; r < k->R; r++) {
@@ -233,14 +234,14 @@ static void test_layer_(const char *ini, int layer, const char *name) {
         reset_(&ref, layer, beta);
         mtrl_arena ar;
         mtrl_arena_init(&ar, (size_t)1 << 24);
-        mtrl_moe_rows rows;
+        mtrl_model_moe_rows rows;
         memset(rt_ref, 0, nrt);
-        mtrl_moe_layer_fwd(&ref, &ar, layer, N_TOK, x, replay ? rt_in : NULL, rt_ref, 2, &rows, y_ref);
-        mtrl_moe_layer_bwd(&ref, &ar, layer, N_TOK, x, &rows, dy, dx_ref);
+        mtrl_model_moe_layer_fwd(&ref, &ar, layer, N_TOK, x, replay ? rt_in : NULL, rt_ref, 2, &rows, y_ref);
+        mtrl_model_moe_layer_bwd(&ref, &ar, layer, N_TOK, x, &rows, dy, dx_ref);
         if (!replay) { // β must matter, or the replayed and the β-routed runs test the same thing
             real zero[256] = {0};
             memcpy(ref.qb_beta + (size_t)layer * d.E, zero, sizeof(real) * (size_t)d.E);
-            mtrl_moe_route_fwd(&ref, layer, N_TOK, x, NULL, rt, &rows);
+            mtrl_model_moe_route_fwd(&ref, layer, N_TOK, x, NULL, rt, &rows);
             TEST_CHECKF(memcmp(rt, rt_ref, nrt) != 0, "%s layer %d: β changes no token's routing", name, layer);
             memcpy(ref.qb_beta + (size_t)layer * d.E, beta, sizeof(real) * (size_t)d.E);
         }
