@@ -207,44 +207,77 @@ static void mla_backward_(mtrl_model *m, mtrl_arena *ar, int l, int T, const lay
 }
 
 // ---- FFN ----------------------------------------------------------------------------------------------------
+// The MoE layer's backward in phases (model_moe.h): the expert-parallel layer runs the same ones.
 
-static void ffn_backward_(mtrl_model *m, mtrl_arena *ar, int l, int T, const layer_cache *c, const real *dout,
-                          real *dx2) {
+void mtrl_model_moe_combine_bwd(mtrl_model *m, int l, int T, const mtrl_model_moe_rows *r, const real *dy, real *dY,
+                                real *dw) {
+    (void)l;
+    double t = model_prof_begin(m);
+    m->be->moe_combine_bwd(m->be, T, m->dims.k, m->dims.d, r->pos, r->w, r->Y, dy, dY, dw);
+    model_prof_end(m, MTRL_PROF_MOE_ROUTE, t);
+}
+
+void mtrl_model_moe_experts_bwd(mtrl_model *m, int l, int e0, int e1, const int *offsets, const real *X, const real *u1,
+                                const real *u3, const real *dY, real *dX) {
+    const mtrl_model_dims *d = &m->dims;
+    const mtrl_layer_ptrs *p = &m->dP.layer[l];
+    mtrl_layer_ptrs *gp = &m->dG.layer[l];
+    MTRL_CHECKF(0 <= e0 && e0 <= e1 && e1 <= d->E, "experts %d..%d of %d", e0, e1 - 1, d->E);
+    size_t w = (size_t)e0 * d->I * d->d; // expert e0's first element of every [E][..] weight
+    double t = model_prof_begin(m);
+    m->be->moe_experts_bwd(m->be, e1 - e0, d->d, d->I, offsets, X, p->ew1 + w, p->ew3 + w, p->ew2 + w, u1, u3, dY,
+                           dX, gp->ew1 + w, gp->ew3 + w, gp->ew2 + w);
+    model_prof_end(m, MTRL_PROF_MOE_EXPERTS, t);
+}
+
+void mtrl_model_moe_route_bwd(mtrl_model *m, int l, int T, const real *x, const mtrl_model_moe_rows *r, const real *dy,
+                              const real *dX, const real *dw, real *dz, real *dxs, real *dx) {
     const mtrl_model_dims *d = &m->dims;
     const mtrl_layer_ptrs *p = &m->dP.layer[l];
     mtrl_layer_ptrs *gp = &m->dG.layer[l];
     mtrl_backend *be = m->be;
+    int E = d->E, K = d->k;
     double t = model_prof_begin(m);
-    if (mtrl_model_is_dense(d, l)) {
-        be->moe_swiglu_bwd(be, T, d->d, d->dense_I, c->x2, p->w1, p->w3, p->w2, c->u1, c->u3, dout, dx2, gp->w1,
-                           gp->w3, gp->w2);
-        model_prof_end(m, MTRL_PROF_FFN_DENSE, t);
-        return;
-    }
-    int E = d->E, K = d->k, R = T * K;
-    real *dYp = ALLOC((size_t)R * d->d), *dw = ALLOC((size_t)T * K);
-    real *dXp = ALLOC((size_t)R * d->d), *dz = ALLOC((size_t)T * E);
-    be->moe_combine_bwd(be, T, K, d->d, c->pos, c->wr, c->Yp, dout, dYp, dw);
-    model_prof_end(m, MTRL_PROF_MOE_ROUTE, t);
-    t = model_prof_begin(m);
-    be->moe_experts_bwd(be, E, d->d, d->I, c->offsets, c->Xp, p->ew1, p->ew3, p->ew2, c->eu1, c->eu3, dYp, dXp,
-                        gp->ew1, gp->ew3, gp->ew2);
-    model_prof_end(m, MTRL_PROF_MOE_EXPERTS, t);
-    t = model_prof_begin(m);
-    be->zero(be, dx2, sizeof(real) * (size_t)T * d->d);
-    be->moe_scatter_bwd(be, T, K, d->d, c->pos, dXp, dx2);
-    be->moe_router_bwd(be, T, E, K, c->sr, c->sel, c->wr, model_router_form(d), d->rho, dw, dz);
-    proj_bwd_(be, T, E, d->d, c->x2, p->router, dz, dx2, 1, gp->router);
+    be->zero(be, dx, sizeof(real) * (size_t)T * d->d);
+    be->moe_scatter_bwd(be, T, K, d->d, r->pos, dX, dx);
+    be->moe_router_bwd(be, T, E, K, r->s, r->sel, r->w, model_router_form(d), d->rho, dw, dz);
+    proj_bwd_(be, T, E, d->d, x, p->router, dz, dx, 1, gp->router);
     model_prof_end(m, MTRL_PROF_MOE_ROUTE, t);
     if (d->n_shared > 0) {
         int SI = d->n_shared * d->I;
-        real *dxs = ALLOC((size_t)T * d->d);
         t = model_prof_begin(m);
-        be->moe_swiglu_bwd(be, T, d->d, SI, c->x2, p->sw1, p->sw3, p->sw2, c->su1, c->su3, dout, dxs, gp->sw1,
-                           gp->sw3, gp->sw2);
-        be->add(be, (size_t)T * d->d, dx2, dxs, dx2);
+        be->moe_swiglu_bwd(be, T, d->d, SI, x, p->sw1, p->sw3, p->sw2, r->su1, r->su3, dy, dxs, gp->sw1, gp->sw3,
+                           gp->sw2);
+        be->add(be, (size_t)T * d->d, dx, dxs, dx);
         model_prof_end(m, MTRL_PROF_MOE_SHARED, t);
     }
+}
+
+void mtrl_model_moe_layer_bwd(mtrl_model *m, mtrl_arena *ar, int l, int T, const real *x, const mtrl_model_moe_rows *r,
+                              const real *dy, real *dx) {
+    const mtrl_model_dims *d = &m->dims;
+    int R = T * d->k;
+    real *dY = ALLOC((size_t)R * d->d), *dw = ALLOC((size_t)T * d->k);
+    real *dX = ALLOC((size_t)R * d->d), *dz = ALLOC((size_t)T * d->E);
+    real *dxs = d->n_shared > 0 ? ALLOC((size_t)T * d->d) : NULL;
+    mtrl_model_moe_combine_bwd(m, l, T, r, dy, dY, dw);
+    mtrl_model_moe_experts_bwd(m, l, 0, d->E, r->offsets, r->X, r->u1, r->u3, dY, dX);
+    mtrl_model_moe_route_bwd(m, l, T, x, r, dy, dX, dw, dz, dxs, dx);
+}
+
+static void ffn_backward_(mtrl_model *m, mtrl_arena *ar, int l, int T, const layer_cache *c, const real *dout,
+                          real *dx2) {
+    const mtrl_model_dims *d = &m->dims;
+    if (!mtrl_model_is_dense(d, l)) {
+        mtrl_model_moe_layer_bwd(m, ar, l, T, c->x2, &c->moe, dout, dx2);
+        return;
+    }
+    const mtrl_layer_ptrs *p = &m->dP.layer[l];
+    mtrl_layer_ptrs *gp = &m->dG.layer[l];
+    double t = model_prof_begin(m);
+    m->be->moe_swiglu_bwd(m->be, T, d->d, d->dense_I, c->x2, p->w1, p->w3, p->w2, c->u1, c->u3, dout, dx2, gp->w1,
+                          gp->w3, gp->w2);
+    model_prof_end(m, MTRL_PROF_FFN_DENSE, t);
 }
 
 // ---- the stack ------------------------------------------------------------------------------------------------

@@ -10,6 +10,7 @@
 #include "common/check.h"
 #include "model/backend.h"
 #include "model/model_image.h"
+#include "model/model_moe.h"
 #include "model/model_ws.h"
 #include "kernels/ref/kda_ref.h"
 
@@ -388,6 +389,125 @@ static void mla_forward_(mtrl_model *m, mtrl_arena *ar, int l, int mode, int T, 
 }
 
 // ---- FFN: dense SwiGLU (layers below first_dense) or MoE (docs/model.md §4) ---------------------------
+// The MoE layer in phases (model_moe.h): the expert-parallel layer runs the same ones.
+
+static void *arena_alloc_(void *ar, size_t bytes) { return mtrl_arena_alloc(ar, bytes); }
+
+void mtrl_model_moe_rows_carve(const mtrl_model_dims *d, int T, void *(*alloc)(void *user, size_t bytes), void *user,
+                               mtrl_model_moe_rows *r) {
+    size_t E = (size_t)d->E, K = (size_t)d->k, R = (size_t)T * K, rs = sizeof(real), is = sizeof(int);
+    memset(r, 0, sizeof *r);
+    r->z = alloc(user, rs * T * E); r->s = alloc(user, rs * T * E); r->w = alloc(user, rs * R);
+    r->sel = alloc(user, is * R); r->offsets = alloc(user, is * (E + 1));
+    r->perm = alloc(user, is * R); r->pos = alloc(user, is * R);
+    r->X = alloc(user, rs * R * d->d); r->u1 = alloc(user, rs * R * d->I);
+    r->u3 = alloc(user, rs * R * d->I); r->Y = alloc(user, rs * R * d->d);
+    if (d->n_shared > 0) {
+        size_t SI = (size_t)d->n_shared * d->I;
+        r->su1 = alloc(user, rs * T * SI); r->su3 = alloc(user, rs * T * SI);
+    }
+}
+
+void mtrl_model_moe_route_fwd(mtrl_model *m, int l, int T, const real *x, const uint8_t *routing_in,
+                              uint8_t *routing_out, mtrl_model_moe_rows *r) {
+    const mtrl_model_dims *d = &m->dims;
+    mtrl_backend *be = m->be;
+    int E = d->E, K = d->k, mi = mtrl_model_moe_index(d, l);
+    MTRL_CHECKF(mi >= 0, "MoE routing of layer %d, a dense layer", l);
+    double t = model_prof_begin(m);
+    proj_(be, T, E, d->d, x, m->dP.layer[l].router, r->z);
+    int *sel_h = NULL;
+    if (routing_in || routing_out) sel_h = xmalloc(sizeof(int) * (size_t)T * K + 1);
+    if (routing_in) {
+        for (int t = 0; t < T; t++)
+            for (int j = 0; j < K; j++) sel_h[t * K + j] = routing_in[((size_t)t * d->n_moe + mi) * K + j];
+        be->upload(be, r->sel, sel_h, sizeof(int) * (size_t)T * K);
+    }
+    be->moe_router_fwd(be, T, E, K, r->z, m->d_qb_beta + (size_t)l * E, model_router_form(d), d->rho,
+                       routing_in != NULL, r->sel, r->w, r->s);
+    if (routing_out) {
+        be->download(be, sel_h, r->sel, sizeof(int) * (size_t)T * K);
+        for (int t = 0; t < T; t++)
+            for (int j = 0; j < K; j++) routing_out[((size_t)t * d->n_moe + mi) * K + j] = (uint8_t)sel_h[t * K + j];
+    }
+    free(sel_h);
+    be->moe_dispatch(be, T, E, K, r->sel, r->offsets, r->perm, r->pos);
+    be->moe_gather(be, T, K, d->d, r->pos, x, r->X);
+    model_prof_end(m, MTRL_PROF_MOE_ROUTE, t);
+}
+
+void mtrl_model_moe_observe(mtrl_model *m, int l, int T, const mtrl_model_moe_rows *r, int level, double *st) {
+    const mtrl_model_dims *d = &m->dims;
+    mtrl_backend *be = m->be;
+    int E = d->E, K = d->k;
+    MTRL_CHECKF(E <= 256, "QB statistics of %d experts (at most 256)", E);
+    memset(st, 0, sizeof *st * (size_t)MTRL_MODEL_MOE_STATS(E));
+    if (level <= 0) return;
+    double t = model_prof_begin(m);
+    // QB (docs/model.md §4.3): this batch routed with the old β; the β it implies is summed and
+    // only becomes the routing β after the optimizer step (mtrl_qb_apply, qb.h).
+    int load[256];
+    be->moe_load_count(be, T, E, K, r->sel, load);
+    for (int e = 0; e < E; e++) st[e] = load[e];
+    real bnew[256];
+    // QB balances the scores the router selected on: z, or s (router_bias = score)
+    const real *sc = d->router_bias_score ? r->s : r->z;
+    if (level >= 2 && be->qb_beta(be, T, E, K, sc, m->d_qb_beta + (size_t)l * E, bnew) == 0) {
+        for (int e = 0; e < E; e++) st[E + e] = bnew[e];
+        st[2 * E] = 1;
+    }
+    model_prof_end(m, MTRL_PROF_MOE_ROUTE, t);
+}
+
+void mtrl_model_moe_observe_add(mtrl_model *m, int l, const double *st) {
+    int E = m->dims.E;
+    for (int e = 0; e < E; e++) {
+        m->load[(size_t)l * E + e] += (long)st[e];
+        m->qb_sum[(size_t)l * E + e] += st[E + e];
+    }
+    m->qb_count[l] += (int)st[2 * E];
+}
+
+void mtrl_model_moe_experts_fwd(mtrl_model *m, int l, int e0, int e1, int rows, const int *offsets, const real *X,
+                                real *u1, real *u3, real *Y) {
+    const mtrl_model_dims *d = &m->dims;
+    const mtrl_layer_ptrs *p = &m->dP.layer[l];
+    MTRL_CHECKF(0 <= e0 && e0 <= e1 && e1 <= d->E, "experts %d..%d of %d", e0, e1 - 1, d->E);
+    size_t w = (size_t)e0 * d->I * d->d; // expert e0's first element of every [E][..] weight
+    double t = model_prof_begin(m);
+    m->be->moe_experts_fwd(m->be, e1 - e0, d->d, d->I, rows, offsets, X, p->ew1 + w, p->ew3 + w, p->ew2 + w, u1, u3,
+                           Y);
+    model_prof_end(m, MTRL_PROF_MOE_EXPERTS, t);
+}
+
+void mtrl_model_moe_combine_fwd(mtrl_model *m, int l, int T, const real *x, mtrl_model_moe_rows *r, real *ys, real *y) {
+    const mtrl_model_dims *d = &m->dims;
+    const mtrl_layer_ptrs *p = &m->dP.layer[l];
+    mtrl_backend *be = m->be;
+    double t = model_prof_begin(m);
+    be->moe_combine_fwd(be, T, d->k, d->d, r->pos, r->w, r->Y, y);
+    model_prof_end(m, MTRL_PROF_MOE_ROUTE, t);
+    if (d->n_shared > 0) {
+        t = model_prof_begin(m);
+        be->moe_swiglu_fwd(be, T, d->d, d->n_shared * d->I, x, p->sw1, p->sw3, p->sw2, r->su1, r->su3, ys);
+        be->add(be, (size_t)T * d->d, y, ys, y);
+        model_prof_end(m, MTRL_PROF_MOE_SHARED, t);
+    }
+}
+
+void mtrl_model_moe_layer_fwd(mtrl_model *m, mtrl_arena *ar, int l, int T, const real *x, const uint8_t *routing_in,
+                              uint8_t *routing_out, int level, mtrl_model_moe_rows *r, real *y) {
+    const mtrl_model_dims *d = &m->dims;
+    mtrl_model_moe_rows_carve(d, T, arena_alloc_, ar, r);
+    mtrl_model_moe_route_fwd(m, l, T, x, routing_in, routing_out, r);
+    if (level > 0) {
+        double st[MTRL_MODEL_MOE_STATS(256)];
+        mtrl_model_moe_observe(m, l, T, r, level, st);
+        mtrl_model_moe_observe_add(m, l, st);
+    }
+    mtrl_model_moe_experts_fwd(m, l, 0, d->E, T * d->k, r->offsets, r->X, r->u1, r->u3, r->Y);
+    mtrl_model_moe_combine_fwd(m, l, T, x, r, d->n_shared > 0 ? ALLOC((size_t)T * d->d) : NULL, y);
+}
 
 static void ffn_forward_(mtrl_model *m, mtrl_arena *ar, int l, int T, const real *x2, layer_cache *c, real *out,
                          const seg_out *so) {
@@ -401,70 +521,24 @@ static void ffn_forward_(mtrl_model *m, mtrl_arena *ar, int l, int T, const real
         model_prof_end(m, MTRL_PROF_FFN_DENSE, t);
         return;
     }
-    int E = d->E, K = d->k, mi = mtrl_model_moe_index(d, l);
-    c->zr = ALLOC((size_t)T * E); c->sr = ALLOC((size_t)T * E); c->wr = ALLOC((size_t)T * K);
-    c->sel = IALLOC((size_t)T * K); c->offsets = IALLOC(E + 1);
-    c->perm = IALLOC((size_t)T * K); c->pos = IALLOC((size_t)T * K);
-    int R = T * K;
-    c->Xp = ALLOC((size_t)R * d->d); c->eu1 = ALLOC((size_t)R * d->I);
-    c->eu3 = ALLOC((size_t)R * d->I); c->Yp = ALLOC((size_t)R * d->d);
-    double t = model_prof_begin(m);
-    proj_(be, T, E, d->d, x2, p->router, c->zr);
-    const real *beta = m->d_qb_beta + (size_t)l * E;
-    int replay = so && so->routing_in;
-    int *sel_h = NULL;
-    if (replay || (so && so->routing_out)) sel_h = xmalloc(sizeof(int) * (size_t)T * K + 1);
-    if (replay) {
-        for (int t = 0; t < T; t++)
-            for (int j = 0; j < K; j++) sel_h[t * K + j] = so->routing_in[((size_t)t * d->n_moe + mi) * K + j];
-        be->upload(be, c->sel, sel_h, sizeof(int) * (size_t)T * K);
-    }
-    be->moe_router_fwd(be, T, E, K, c->zr, beta, model_router_form(d), d->rho, replay, c->sel, c->wr, c->sr);
     const seg_decode *dec = so ? so->dec : NULL;
-    if (dec) { // a decode step: its routing and statistics stay in backend memory (seg_decode)
-        if (dec->sel) be->copy(be, dec->sel + (size_t)mi * T * K, c->sel, sizeof(int) * (size_t)T * K);
-        if (so->qb_stats)
-            dec->beta_status[mi] = be->moe_stats(be, T, E, K, c->sel, d->router_bias_score ? c->sr : c->zr, beta,
-                                                 so->qb_stats, dec->load + (size_t)mi * E, dec->beta + (size_t)mi * E);
-    } else if (so && so->routing_out) {
-        be->download(be, sel_h, c->sel, sizeof(int) * (size_t)T * K);
-        for (int t = 0; t < T; t++)
-            for (int j = 0; j < K; j++)
-                so->routing_out[((size_t)t * d->n_moe + mi) * K + j] = (uint8_t)sel_h[t * K + j];
+    if (!dec) {
+        mtrl_model_moe_layer_fwd(m, ar, l, T, x2, so ? so->routing_in : NULL, so ? so->routing_out : NULL,
+                                 so ? so->qb_stats : 0, &c->moe, out);
+        return;
     }
-    free(sel_h);
-    if (so && so->qb_stats && !dec) {
-        // QB (docs/model.md §4.3): this batch routed with the old β above; the β it implies is
-        // summed and only becomes the routing β after the optimizer step (mtrl_qb_apply, qb.h).
-        int load[256];
-        be->moe_load_count(be, T, E, K, c->sel, load);
-        for (int e = 0; e < E; e++) m->load[(size_t)l * E + e] += load[e];
-        real bnew[256];
-        // QB balances the scores the router selected on: z, or s (router_bias = score)
-        const real *sc = d->router_bias_score ? c->sr : c->zr;
-        if (so->qb_stats >= 2 && be->qb_beta(be, T, E, K, sc, beta, bnew) == 0) {
-            for (int e = 0; e < E; e++) m->qb_sum[(size_t)l * E + e] += bnew[e];
-            m->qb_count[l]++;
-        }
-    }
-    be->moe_dispatch(be, T, E, K, c->sel, c->offsets, c->perm, c->pos);
-    be->moe_gather(be, T, K, d->d, c->pos, x2, c->Xp);
-    model_prof_end(m, MTRL_PROF_MOE_ROUTE, t);
-    t = model_prof_begin(m);
-    be->moe_experts_fwd(be, E, d->d, d->I, R, c->offsets, c->Xp, p->ew1, p->ew3, p->ew2, c->eu1, c->eu3, c->Yp);
-    model_prof_end(m, MTRL_PROF_MOE_EXPERTS, t);
-    t = model_prof_begin(m);
-    be->moe_combine_fwd(be, T, K, d->d, c->pos, c->wr, c->Yp, out);
-    model_prof_end(m, MTRL_PROF_MOE_ROUTE, t);
-    if (d->n_shared > 0) {
-        int SI = d->n_shared * d->I;
-        c->su1 = ALLOC((size_t)T * SI); c->su3 = ALLOC((size_t)T * SI);
-        real *ys = ALLOC((size_t)T * d->d);
-        t = model_prof_begin(m);
-        be->moe_swiglu_fwd(be, T, d->d, SI, x2, p->sw1, p->sw3, p->sw2, c->su1, c->su3, ys);
-        be->add(be, (size_t)T * d->d, out, ys, out);
-        model_prof_end(m, MTRL_PROF_MOE_SHARED, t);
-    }
+    // A decode step: its routing and statistics stay in backend memory (seg_decode).
+    int E = d->E, K = d->k, mi = mtrl_model_moe_index(d, l);
+    mtrl_model_moe_rows *r = &c->moe;
+    mtrl_model_moe_rows_carve(d, T, arena_alloc_, ar, r);
+    mtrl_model_moe_route_fwd(m, l, T, x2, so->routing_in, NULL, r);
+    if (dec->sel) be->copy(be, dec->sel + (size_t)mi * T * K, r->sel, sizeof(int) * (size_t)T * K);
+    if (so->qb_stats)
+        dec->beta_status[mi] = be->moe_stats(be, T, E, K, r->sel, d->router_bias_score ? r->s : r->z,
+                                             m->d_qb_beta + (size_t)l * E, so->qb_stats, dec->load + (size_t)mi * E,
+                                             dec->beta + (size_t)mi * E);
+    mtrl_model_moe_experts_fwd(m, l, 0, E, T * K, r->offsets, r->X, r->u1, r->u3, r->Y);
+    mtrl_model_moe_combine_fwd(m, l, T, x2, r, d->n_shared > 0 ? ALLOC((size_t)T * d->d) : NULL, out);
 }
 
 // ---- the stack ------------------------------------------------------------------------------------------

@@ -20,6 +20,7 @@
 #include "model/backend.h"
 #include "kernels/ref/moe_ref.h"
 #include "model/model.h"
+#include "model/model_moe.h"
 #include "common/timeutil.h"
 
 // SEG_PREFILL: SEG_CHUNK that keeps nothing for a backward (prefill, logits): each layer's
@@ -86,10 +87,7 @@ typedef struct layer_cache {
     real *a, *gl, *ag;           // [T][mH*dv]
     // FFN
     real *u1, *u3;               // dense [T][dense_I]
-    real *zr, *sr, *wr;          // router logits, scores [T][E]; weights [T][k]
-    int *sel, *offsets, *perm, *pos;
-    real *Xp, *eu1, *eu3, *Yp;   // permuted rows
-    real *su1, *su3;             // shared expert
+    mtrl_model_moe_rows moe;     // MoE: routing, permuted rows, shared experts (model_moe.h)
 } layer_cache;
 
 typedef struct seg_cache {

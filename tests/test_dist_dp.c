@@ -20,7 +20,6 @@
 // Tolerances: the ranks' gradients are summed in another order than one rank's backward sums
 // them (fp32), so values are compared with a relative tolerance (TOL_REL below, stated per
 // check); equality across ranks is exact.
-#include <pthread.h>
 #include <stdatomic.h>
 #include <stdlib.h>
 #include <string.h>
@@ -38,48 +37,11 @@
 #include "model/qb.h"
 #include "tests/testdist.h"
 #include "tests/testhelp.h"
+#include "tests/testlocal.h"
 
 // fp32 rounding of a sum in another order, through one AdamW step (lr-sized, so parameters
 // move by at most lr per step and differ by rounding of that).
 #define TOL_REL 1e-5
-
-// ---- a world of threads -----------------------------------------------------------------------
-
-typedef void (*rank_fn)(mtrl_dist_comm *c, void *ctx);
-typedef struct rank_job {
-    mtrl_dist_world *w;
-    int rank;
-    rank_fn fn;
-    void *ctx;
-} rank_job;
-
-static void *rank_main_(void *p) {
-    rank_job *j = p;
-    mtrl_dist_comm *c = NULL;
-    mtrl_error err;
-    if (mtrl_dist_comm_init_local(&c, j->w, j->rank, &err) != MTRL_OK) {
-        fprintf(stderr, "rank %d: %s\n", j->rank, err.msg);
-        abort();
-    }
-    j->fn(c, j->ctx);
-    mtrl_dist_comm_free(c);
-    return NULL;
-}
-
-// Runs fn on R threads, rank r on thread r; the checks run after, on the main thread.
-static void run_ranks_(int R, int timeout_ms, rank_fn fn, void *ctx) {
-    mtrl_dist_world *w;
-    mtrl_error err;
-    TEST_EQ_INT(mtrl_dist_world_init(&w, R, timeout_ms, &err), MTRL_OK);
-    pthread_t th[MTRL_DIST_RANKS_MAX];
-    rank_job job[MTRL_DIST_RANKS_MAX];
-    for (int r = 0; r < R; r++) {
-        job[r] = (rank_job){w, r, fn, ctx};
-        pthread_create(&th[r], NULL, rank_main_, &job[r]);
-    }
-    for (int r = 0; r < R; r++) pthread_join(th[r], NULL);
-    mtrl_dist_world_free(w);
-}
 
 // ---- the collectives (tests/testdist.h) on host memory ------------------------------------------
 
@@ -90,7 +52,7 @@ static const test_dist_mem host_mem_ = {host_alloc_, host_copy_, host_copy_, fre
 static void test_ops_(int R) {
     test_dist_ops *x = calloc(1, sizeof *x);
     x->mem = &host_mem_;
-    run_ranks_(R, 5000, test_dist_ops_rank, x);
+    test_local_run(R, 5000, test_dist_ops_rank, x);
     test_dist_ops_check(x, R, 1, "local");
     free(x);
 }
@@ -147,7 +109,7 @@ static void mismatch_op_rank_(mtrl_dist_comm *c, void *p) {
 
 static void test_failures_(void) {
     timeout_ctx *x = calloc(1, sizeof *x);
-    run_ranks_(3, 200, timeout_rank_, x);
+    test_local_run(3, 200, timeout_rank_, x);
     for (int r = 0; r < 2; r++) {
         TEST_EQ_INT(x->st[r], MTRL_ERR_TIMEOUT);
         char me[32];
@@ -163,8 +125,8 @@ static void test_failures_(void) {
     free(x);
 
     mismatch_ctx *m = calloc(1, sizeof *m);
-    run_ranks_(2, 2000, mismatch_rank_, m);
-    run_ranks_(2, 2000, mismatch_op_rank_, m);
+    test_local_run(2, 2000, mismatch_rank_, m);
+    test_local_run(2, 2000, mismatch_op_rank_, m);
     for (int r = 0; r < 2; r++) {
         TEST_EQ_INT(m->st[r], MTRL_ERR_MISMATCH);
         TEST_CONTAINS(m->msg[r], "different collectives");
@@ -366,7 +328,7 @@ static dp_case *dp_case_run_(int R, int timeout_ms, const char *extra, dp_ctx x,
     c->x.algo = &c->algo;
     c->x.eps = c->eps;
     if (ref) reference_(&c->x, &c->ref);
-    run_ranks_(R, timeout_ms, dp_rank_, &c->x);
+    test_local_run(R, timeout_ms, dp_rank_, &c->x);
     return c;
 }
 
