@@ -56,24 +56,32 @@ static void ops_(int R) {
 }
 
 // A CPU model with a device communicator, and a GPU model with a host one, are refused.
-static void refusals_rank_(mtrl_dist_comm *c, void *p) {
-    char *msg = p;
+typedef struct refusal_ctx {
+    int device;
+    char msg[MTRL_ERROR_MSG_MAX];
+} refusal_ctx;
+
+static void refusal_rank_(mtrl_dist_comm *c, void *p) {
+    refusal_ctx *x = p;
     mtrl_config cfg;
     tdp_config_(&cfg, "hybrid = KKKK\ngemm = fp32\n", "");
     mtrl_model m;
-    if (tdp_model_(&m, &cfg, MTRL_QB_FROZEN, MTRL_DEVICE_CPU, 0, msg, MTRL_ERROR_MSG_MAX)) return;
+    if (tdp_model_(&m, &cfg, MTRL_QB_FROZEN, x->device, 0, x->msg, sizeof x->msg)) return;
     mtrl_dist_dp dp;
     mtrl_error err = {0};
     mtrl_status s = mtrl_dist_dp_init(&dp, c, &m, &err);
-    snprintf(msg, MTRL_ERROR_MSG_MAX, "%d %.900s", (int)s, err.msg);
+    snprintf(x->msg, sizeof x->msg, "%d %.900s", (int)s, err.msg);
     if (s == MTRL_OK) mtrl_dist_dp_free(&dp);
     mtrl_model_free(&m);
 }
 
 static void refusals_(void) {
-    char msg[MTRL_ERROR_MSG_MAX] = "";
-    test_dist_run_local(1, 5000, 0, refusals_rank_, msg);
-    TEST_CONTAINS(msg, "a CPU model needs a communicator of host buffers");
+    refusal_ctx x = {.device = MTRL_DEVICE_CPU};
+    test_dist_run_local(1, 5000, 0, refusal_rank_, &x);
+    TEST_CONTAINS(x.msg, "a CPU model needs a communicator of host buffers");
+    x.device = MTRL_DEVICE_CUDA;
+    test_dist_run_local(1, 5000, -1, refusal_rank_, &x);
+    TEST_CONTAINS(x.msg, "a model on GPU 0 needs a communicator of that GPU's memory");
 }
 
 static const char *const kda_ = "hybrid = KKKK\ngemm = fp32\n"; // fp32 everywhere
@@ -82,15 +90,24 @@ static const char *const mla_ = "gemm = fp32\n";                // tiny's MLA la
 // A world of one runs what one rank runs: every value bit for bit.
 static const test_dp_tol exact_ = {0};
 
-// Tolerances of R ranks against one, all-KDA with fp32 GEMMs. Measured on an H200 (see the
-// printed values): TODO-MEASURED.
+// Tolerances of R ranks against one. NOT YET MEASURED on a GPU (this file was written on a
+// machine without one): the limits are the CPU's (test_dist_dp: 1e-5 for the statistics,
+// gradient shards and moments, measured there at 1e-6) widened for the GPU's other GEMM and
+// varlen orders; the run prints every measured value, from which they are to be tightened.
+// All-KDA, fp32 GEMMs: the statistics, norm, gradient shards and moments within 1e-4; every
+// parameter within 1e-5 relative or 0.5 lr (an AdamW first step turns a gradient near eps into
+// an update that rounding moves by up to 2 lr: testdp.h), all but 0.1% within 1e-5 or 1e-3 lr;
+// the clip fractions within two tokens' worth of ~450 (5e-3).
 static const test_dp_tol kda_tol_ = {.stats = 1e-4, .clip_abs = 5e-3, .grad = 1e-4, .param_rel = 1e-5,
-                                     .param_lr_all = 0.05, .param_lr_most = 1e-3, .param_frac = 1e-3, .moments = 1e-4,
+                                     .param_lr_all = 0.5, .param_lr_most = 1e-3, .param_frac = 1e-3, .moments = 1e-4,
                                      .m_elem_rel = 1e-3, .m_elem_abs = 1e-8};
-// With tiny's MLA layers (bf16 attention operands).
-static const test_dp_tol mla_tol_ = {.stats = 1e-3, .clip_abs = 1e-2, .grad = 1e-2, .param_rel = 1e-4,
-                                     .param_lr_all = 0.5, .param_lr_most = 1e-2, .param_frac = 1e-2, .moments = 1e-2,
-                                     .m_elem_rel = 1e-2, .m_elem_abs = 1e-7};
+// With tiny's MLA layers: their bf16 attention operands and probabilities round differently
+// where the fp32 inputs differ (test_cuda_model: segmented vs unsegmented gradients 1e-2 per
+// tensor), so 1e-3 for the statistics, 3e-2 for the gradient shards and moments, every
+// parameter within 1e-4 relative or 2.5 lr, all but 1% within 1e-4 or 1e-2 lr.
+static const test_dp_tol mla_tol_ = {.stats = 1e-3, .clip_abs = 1e-2, .grad = 3e-2, .param_rel = 1e-4,
+                                     .param_lr_all = 2.5, .param_lr_most = 1e-2, .param_frac = 1e-2, .moments = 3e-2,
+                                     .m_elem_rel = 1e-2, .m_elem_abs = 1e-6};
 
 static void dp_cases_(void) {
     const char *clip = "grad_clip = 0.05\n[algo]\nmask_truncated = true\n";

@@ -28,6 +28,7 @@
 #include <unistd.h>
 
 #include "common/config.h"
+#include "common/gpu.h"
 #include "common/rng.h"
 #include "common/tokenizer.h"
 #include "learner/dist_comm.h"
@@ -147,7 +148,15 @@ static void test_failures_(void) {
     TEST_CONTAINS(err.msg, "timeout");
     TEST_EQ_INT(mtrl_dist_world_init(&w, 2, 100, &err), MTRL_OK);
     mtrl_dist_comm *a = NULL, *b = NULL;
+    // Device buffers need a GPU that exists (test_cuda_dist_dp runs them on one).
+    TEST_EQ_INT(mtrl_dist_comm_init_local_device(&a, w, 0, -1, NULL, &err), MTRL_ERR_USAGE);
+    TEST_CONTAINS(err.msg, "GPU -1");
+    if (mtrl_gpu_count() == 0) {
+        TEST_EQ_INT(mtrl_dist_comm_init_local_device(&a, w, 0, 0, NULL, &err), MTRL_ERR_USAGE);
+        TEST_CONTAINS(err.msg, "no CUDA device");
+    }
     TEST_EQ_INT(mtrl_dist_comm_init_local(&a, w, 1, &err), MTRL_OK);
+    TEST_EQ_INT(mtrl_dist_comm_gpu(a), -1);
     TEST_EQ_INT(mtrl_dist_comm_init_local(&b, w, 1, &err), MTRL_ERR_USAGE);
     TEST_EQ_INT(mtrl_dist_comm_init_local(&b, w, 2, &err), MTRL_ERR_USAGE);
     mtrl_dist_comm_free(a);
