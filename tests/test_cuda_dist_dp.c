@@ -20,6 +20,7 @@
 // summation order), the varlen kernels see each sequence at another offset, and the gradients
 // are added in another order; with MLA the attention's bf16 operands and probabilities round
 // differently where their fp32 inputs differ by that much.
+// Before the device check, in any build: the two configurations' layers and GEMM precision.
 // Skips (77) without a CUDA device or in a build without CUDA.
 #include <stdio.h>
 #include <stdlib.h>
@@ -31,6 +32,22 @@
 #include "tests/testdist.h"
 #include "tests/testdp.h"
 #include "tests/testhelp.h"
+
+static const char *const kda_ = "hybrid = KKKK\ngemm = fp32\n"; // fp32 everywhere
+static const char *const mla_ = "gemm = fp32\n";                // tiny's MLA layers: bf16 attention operands
+
+// Host side (any build): the two configurations are what the cases say they are.
+static void configs_(void) {
+    const char *ini[2] = {kda_, mla_};
+    for (int i = 0; i < 2; i++) {
+        mtrl_config cfg;
+        tdp_config_(&cfg, ini[i], "");
+        mtrl_model_dims d;
+        TEST_EQ_INT(mtrl_model_dims_from_config(&d, &cfg, MTRL_VOCAB, NULL), MTRL_OK);
+        TEST_CHECKF((strchr(d.mixer, 'M') != NULL) == (i == 1), "case %d: layers %s", i, d.mixer);
+        TEST_EQ_INT(d.gemm_tf32, 0);
+    }
+}
 
 #ifdef MTRL_HAVE_CUDA
 
@@ -84,9 +101,6 @@ static void refusals_(void) {
     TEST_CONTAINS(x.msg, "a model on GPU 0 needs a communicator of that GPU's memory");
 }
 
-static const char *const kda_ = "hybrid = KKKK\ngemm = fp32\n"; // fp32 everywhere
-static const char *const mla_ = "gemm = fp32\n";                // tiny's MLA layers: bf16 attention operands
-
 // A world of one runs what one rank runs: every value bit for bit.
 static const test_dp_tol exact_ = {0};
 
@@ -134,7 +148,11 @@ static void dp_cases_(void) {
 #endif
 
 int main(void) {
-    if (mtrl_model_cuda_devices() == 0) test_skip("no CUDA device (or a build without CUDA)");
+    configs_();
+    if (mtrl_model_cuda_devices() == 0) {
+        if (test_failed_) return test_report(); // the host checks failed: no skip
+        test_skip("no CUDA device (or a build without CUDA)");
+    }
 #ifdef MTRL_HAVE_CUDA
     for (int R = 1; R <= 4; R++) ops_(R);
     refusals_();
