@@ -9,6 +9,11 @@
 // in place (all-reduce) sums into the scratch first, so no rank reads a buffer its owner has
 // already overwritten; the scratch is safe to copy out after the second meeting because the
 // next collective's first meeting waits for every rank.
+//
+// A rank of device buffers (mtrl_dist_comm_init_local_device) posts host copies of its inputs
+// (its stage) instead of the buffers, and copies what it reads between the meetings into its
+// device buffers; so the meetings and the sums are the host ranks' own, on host memory. Its
+// stage is read by the peers between the meetings only, so it may grow before the next post.
 #include "learner/dist_comm.h"
 
 #include <errno.h>
@@ -20,9 +25,14 @@
 #include <time.h>
 
 #include "common/check.h"
+#include "common/gpu.h"
 #include "common/timeutil.h"
 #include "learner/dist_comm_impl.h"
 #include "learner/dist_plan.h"
+
+#ifdef MTRL_HAVE_CUDA
+#include <cuda_runtime.h>
+#endif
 
 enum { OP_BARRIER, OP_ALLREDUCE, OP_REDUCE_SCATTER, OP_ALLGATHER, OP_BROADCAST, OP_ALLTOALLV };
 static const char *const op_names_[] = {"barrier", "all_reduce", "reduce_scatter", "all_gather", "broadcast",
@@ -177,6 +187,76 @@ static mtrl_status world_enter_(mtrl_dist_comm *c, const comm_call *call, size_t
     return world_meet_(c, 1, scratch_bytes, err);
 }
 
+// ---- device buffers: staged through host memory --------------------------------------------------
+
+// The rank's stage, at least `bytes` (grow-only). Only before the rank posts: from the second
+// meeting of its last call on, no peer reads it.
+static char *stage_(mtrl_dist_comm *c, size_t bytes) {
+    if (bytes > c->stage_cap) {
+        free(c->stage);
+        c->stage_cap = bytes + bytes / 4 + 256;
+        c->stage = xmalloc(c->stage_cap);
+    }
+    return c->stage;
+}
+
+// dst = src[bytes] on c's stream, waited for; to_device: dst is device memory of c's GPU, else
+// src is. Returns 0, or -1 with CUDA's reason in why.
+static int dev_copy_(mtrl_dist_comm *c, void *dst, const void *src, size_t bytes, int to_device, char *why, size_t cap) {
+    if (!bytes) return 0;
+#ifdef MTRL_HAVE_CUDA
+    cudaStream_t st = (cudaStream_t)c->stream;
+    cudaError_t e = cudaSetDevice(c->gpu);
+    if (e == cudaSuccess)
+        e = cudaMemcpyAsync(dst, src, bytes, to_device ? cudaMemcpyHostToDevice : cudaMemcpyDeviceToHost, st);
+    if (e == cudaSuccess) e = cudaStreamSynchronize(st);
+    if (e == cudaSuccess) return 0;
+    snprintf(why, cap, "%s %zu bytes %s GPU %d: %s", to_device ? "copying" : "reading", bytes,
+             to_device ? "to" : "from", c->gpu, cudaGetErrorString(e));
+#else
+    (void)c, (void)dst, (void)src, (void)to_device;
+    snprintf(why, cap, "device buffers in a build without CUDA");
+#endif
+    return -1;
+}
+
+// dst[bytes] = host src into the rank's buffer (device memory for a device rank). 0 or -1, why.
+static int put_(mtrl_dist_comm *c, void *dst, const void *src, size_t bytes, char *why, size_t cap) {
+    if (c->gpu >= 0) return dev_copy_(c, dst, src, bytes, 1, why, cap);
+    if (bytes) memcpy(dst, src, bytes);
+    return 0;
+}
+
+// A device copy of this rank failed in op: the world fails (the peers' calls return its
+// message), and this rank's call returns MTRL_ERR_PEER.
+static mtrl_status rank_fail_(mtrl_dist_comm *c, const char *op, const char *why, mtrl_error *err) {
+    mtrl_dist_world *w = c->impl;
+    pthread_mutex_lock(&w->mu);
+    if (!w->failed) world_fail_(w, MTRL_ERR_PEER, "%s: rank %d: %s", op, c->rank, why);
+    pthread_mutex_unlock(&w->mu);
+    return mtrl_error_set(err, MTRL_ERR_PEER, "dist_comm local: %s on rank %d of %d: %s", op, c->rank, w->ranks, why);
+}
+
+// What the rank posts of its input src[bytes]: src itself (host buffers), or its host copy at
+// byte `at` of the stage (the stage sized by the caller).
+static mtrl_status post_in_(mtrl_dist_comm *c, const char *op, const void *src, size_t at, size_t bytes,
+                            const void **posted, mtrl_error *err) {
+    *posted = src;
+    if (c->gpu < 0) return MTRL_OK;
+    char why[256];
+    *posted = c->stage + at;
+    if (dev_copy_(c, c->stage + at, src, bytes, 0, why, sizeof why)) return rank_fail_(c, op, why, err);
+    return MTRL_OK;
+}
+
+// The second meeting of a call whose copies between the meetings may have failed (bad, why):
+// the rank meets first (its peers may still be reading its stage), then fails the world.
+static mtrl_status meet_after_copies_(mtrl_dist_comm *c, const char *op, int bad, const char *why, mtrl_error *err) {
+    mtrl_status s = world_meet_(c, 0, 0, err);
+    if (bad) return rank_fail_(c, op, why, err);
+    return s;
+}
+
 // ---- the local ops -------------------------------------------------------------------------------
 
 static mtrl_status local_barrier_(mtrl_dist_comm *c, mtrl_error *err) {
@@ -201,8 +281,12 @@ static double sum_f64_(const mtrl_dist_world *w, size_t i) {
 static mtrl_status local_allreduce_(mtrl_dist_comm *c, void *buf, size_t count, mtrl_dtype dtype, mtrl_error *err) {
     mtrl_dist_world *w = c->impl;
     size_t es = mtrl_dtype_size(dtype);
-    mtrl_status s = world_enter_(c, &(comm_call){.op = OP_ALLREDUCE, .size = count, .aux = (int)dtype, .recv = buf},
-                                 count * es, err);
+    if (c->gpu >= 0) stage_(c, count * es);
+    const void *in;
+    mtrl_status s = post_in_(c, "all_reduce", buf, 0, count * es, &in, err);
+    if (s != MTRL_OK) return s;
+    s = world_enter_(c, &(comm_call){.op = OP_ALLREDUCE, .size = count, .aux = (int)dtype, .recv = (void *)in},
+                     count * es, err);
     if (s != MTRL_OK) return s;
     // Each rank sums its slice of the elements into the scratch; all copy the whole out.
     size_t lo = count * (size_t)c->rank / (size_t)w->ranks, hi = count * (size_t)(c->rank + 1) / (size_t)w->ranks;
@@ -211,55 +295,89 @@ static mtrl_status local_allreduce_(mtrl_dist_comm *c, void *buf, size_t count, 
         else ((double *)w->scratch)[i] = sum_f64_(w, i);
     }
     if ((s = world_meet_(c, 0, 0, err)) != MTRL_OK) return s;
-    if (count) memcpy(buf, w->scratch, count * es);
+    char why[256];
+    if (put_(c, buf, w->scratch, count * es, why, sizeof why)) return rank_fail_(c, "all_reduce", why, err);
     return MTRL_OK;
 }
 
 static mtrl_status local_reduce_scatter_(mtrl_dist_comm *c, const float *send, float *recv, size_t count,
                                          mtrl_error *err) {
     mtrl_dist_world *w = c->impl;
-    mtrl_status s = world_enter_(c, &(comm_call){.op = OP_REDUCE_SCATTER, .size = count, .send = send, .recv = recv}, 0,
-                                 err);
+    size_t in_bytes = sizeof(float) * count * (size_t)w->ranks, out_bytes = sizeof(float) * count;
+    if (c->gpu >= 0) stage_(c, in_bytes + out_bytes);
+    const void *in;
+    mtrl_status s = post_in_(c, "reduce_scatter", send, 0, in_bytes, &in, err);
+    if (s != MTRL_OK) return s;
+    float *out = c->gpu >= 0 ? (float *)(c->stage + in_bytes) : recv; // device: the sums on the host first
+    s = world_enter_(c, &(comm_call){.op = OP_REDUCE_SCATTER, .size = count, .send = in, .recv = out}, 0, err);
     if (s != MTRL_OK) return s;
     size_t base = count * (size_t)c->rank;
-    for (size_t i = 0; i < count; i++) recv[i] = sum_f32_(w, 1, base + i);
-    return world_meet_(c, 0, 0, err);
+    for (size_t i = 0; i < count; i++) out[i] = sum_f32_(w, 1, base + i);
+    char why[256] = "";
+    int bad = out != recv && put_(c, recv, out, out_bytes, why, sizeof why);
+    return meet_after_copies_(c, "reduce_scatter", bad, why, err);
 }
 
 static mtrl_status local_allgather_(mtrl_dist_comm *c, const void *send, void *recv, size_t bytes, mtrl_error *err) {
     mtrl_dist_world *w = c->impl;
-    mtrl_status s = world_enter_(c, &(comm_call){.op = OP_ALLGATHER, .size = bytes, .send = send, .recv = recv}, 0, err);
+    if (c->gpu >= 0) stage_(c, bytes);
+    const void *in;
+    mtrl_status s = post_in_(c, "all_gather", send, 0, bytes, &in, err);
     if (s != MTRL_OK) return s;
-    for (int q = 0; q < w->ranks; q++) {
+    s = world_enter_(c, &(comm_call){.op = OP_ALLGATHER, .size = bytes, .send = in, .recv = recv}, 0, err);
+    if (s != MTRL_OK) return s;
+    char why[256] = "";
+    int bad = 0;
+    for (int q = 0; q < w->ranks && !bad; q++) {
         char *dst = (char *)recv + (size_t)q * bytes;
-        if (dst != w->call[q].send && bytes) memcpy(dst, w->call[q].send, bytes);
+        if (q == c->rank && dst == send) continue; // in place: the own chunk is there
+        bad = put_(c, dst, w->call[q].send, bytes, why, sizeof why);
     }
-    return world_meet_(c, 0, 0, err);
+    return meet_after_copies_(c, "all_gather", bad, why, err);
 }
 
 static mtrl_status local_broadcast_(mtrl_dist_comm *c, void *buf, size_t bytes, int root, mtrl_error *err) {
     mtrl_dist_world *w = c->impl;
-    mtrl_status s =
-        world_enter_(c, &(comm_call){.op = OP_BROADCAST, .size = bytes, .aux = root, .send = buf, .recv = buf}, 0, err);
+    const void *in = buf;
+    mtrl_status s = MTRL_OK;
+    if (c->rank == root && c->gpu >= 0) {
+        stage_(c, bytes);
+        s = post_in_(c, "broadcast", buf, 0, bytes, &in, err);
+    }
     if (s != MTRL_OK) return s;
-    if (c->rank != root && bytes) memcpy(buf, w->call[root].send, bytes);
-    return world_meet_(c, 0, 0, err);
+    s = world_enter_(c, &(comm_call){.op = OP_BROADCAST, .size = bytes, .aux = root, .send = in, .recv = buf}, 0, err);
+    if (s != MTRL_OK) return s;
+    char why[256] = "";
+    int bad = c->rank != root && put_(c, buf, w->call[root].send, bytes, why, sizeof why);
+    return meet_after_copies_(c, "broadcast", bad, why, err);
 }
 
 static mtrl_status local_alltoallv_(mtrl_dist_comm *c, const void *send, const int64_t *send_count,
                                     const int64_t *send_offset, void *recv, const int64_t *recv_count,
                                     const int64_t *recv_offset, size_t eb, mtrl_error *err) {
     mtrl_dist_world *w = c->impl;
-    comm_call call = {.op = OP_ALLTOALLV, .size = eb, .send = send, .recv = recv, .send_count = send_count,
-                      .send_offset = send_offset, .recv_count = recv_count, .recv_offset = recv_offset};
-    mtrl_status s = world_enter_(c, &call, 0, err);
-    if (s != MTRL_OK) return s;
+    size_t extent = 0; // the rows of send that the peers read
     for (int q = 0; q < w->ranks; q++) {
+        size_t end = (size_t)(send_offset[q] + send_count[q]) * eb;
+        if (send_count[q] && end > extent) extent = end;
+    }
+    if (c->gpu >= 0) stage_(c, extent);
+    const void *in;
+    mtrl_status s = post_in_(c, "all_to_all_v", send, 0, extent, &in, err);
+    if (s != MTRL_OK) return s;
+    comm_call call = {.op = OP_ALLTOALLV, .size = eb, .send = in, .recv = recv, .send_count = send_count,
+                      .send_offset = send_offset, .recv_count = recv_count, .recv_offset = recv_offset};
+    s = world_enter_(c, &call, 0, err);
+    if (s != MTRL_OK) return s;
+    char why[256] = "";
+    int bad = 0;
+    for (int q = 0; q < w->ranks && !bad; q++) {
         const comm_call *p = &w->call[q];
         size_t n = (size_t)recv_count[q] * eb;
-        if (n) memcpy((char *)recv + (size_t)recv_offset[q] * eb, (const char *)p->send + (size_t)p->send_offset[c->rank] * eb, n);
+        bad = put_(c, (char *)recv + (size_t)recv_offset[q] * eb, (const char *)p->send + (size_t)p->send_offset[c->rank] * eb,
+                   n, why, sizeof why);
     }
-    return world_meet_(c, 0, 0, err);
+    return meet_after_copies_(c, "all_to_all_v", bad, why, err);
 }
 
 static void local_free_(mtrl_dist_comm *c) {
@@ -267,6 +385,7 @@ static void local_free_(mtrl_dist_comm *c) {
     pthread_mutex_lock(&w->mu);
     w->taken[c->rank] = 0;
     pthread_mutex_unlock(&w->mu);
+    free(c->stage);
 }
 
 static const mtrl_dist_comm_ops local_ops_ = {"local",           local_barrier_,   local_allreduce_,
@@ -283,8 +402,23 @@ mtrl_status mtrl_dist_comm_init_local(mtrl_dist_comm **out, mtrl_dist_world *w, 
     pthread_mutex_unlock(&w->mu);
     if (taken) return mtrl_error_set(err, MTRL_ERR_USAGE, "dist_comm local: rank %d has a handle already", rank);
     mtrl_dist_comm *c = xcalloc(1, sizeof *c);
-    *c = (mtrl_dist_comm){&local_ops_, rank, w->ranks, w->timeout_ms, w};
+    *c = (mtrl_dist_comm){.ops = &local_ops_, .rank = rank, .ranks = w->ranks, .timeout_ms = w->timeout_ms, .impl = w,
+                          .gpu = -1};
     *out = c;
+    return MTRL_OK;
+}
+
+mtrl_status mtrl_dist_comm_init_local_device(mtrl_dist_comm **out, mtrl_dist_world *w, int rank, int gpu, void *stream,
+                                             mtrl_error *err) {
+    *out = NULL;
+    int n = mtrl_gpu_count();
+    if (gpu < 0 || gpu >= n)
+        return mtrl_error_set(err, MTRL_ERR_USAGE, "dist_comm local: rank %d on GPU %d: %s", rank, gpu,
+                              n ? "no such device" : "no CUDA device (or a build without CUDA)");
+    mtrl_status s = mtrl_dist_comm_init_local(out, w, rank, err);
+    if (s != MTRL_OK) return s;
+    (*out)->gpu = gpu;
+    (*out)->stream = stream;
     return MTRL_OK;
 }
 
@@ -299,6 +433,7 @@ void mtrl_dist_comm_free(mtrl_dist_comm *c) {
 int mtrl_dist_comm_rank(const mtrl_dist_comm *c) { return c->rank; }
 int mtrl_dist_comm_ranks(const mtrl_dist_comm *c) { return c->ranks; }
 const char *mtrl_dist_comm_backend(const mtrl_dist_comm *c) { return c->ops->name; }
+int mtrl_dist_comm_gpu(const mtrl_dist_comm *c) { return c->gpu; }
 
 mtrl_status mtrl_dist_comm_barrier(mtrl_dist_comm *c, mtrl_error *err) { return c->ops->barrier(c, err); }
 

@@ -3,9 +3,12 @@
 // One handle per rank; every rank of a world calls the same collectives in the same order with
 // the same sizes. Two backends behind one API:
 //   local  the R ranks are R threads of one process (mtrl_dist_world below); buffers are host
-//          memory. Reductions add the ranks' values in rank order (((r0 + r1) + r2) ...), so
-//          every rank gets the same bits and a run gets them again: what the CPU tests compare
-//          and what lets a CPU learner run data parallel on threads.
+//          memory, or a GPU's memory for a rank made by mtrl_dist_comm_init_local_device (then
+//          staged through host memory). Reductions add the ranks' values in rank order
+//          (((r0 + r1) + r2) ...) on the host, so every rank gets the same bits, a run gets them
+//          again, and device buffers get the bits host buffers get: what the CPU tests compare,
+//          what lets a CPU learner run data parallel on threads, and what runs the GPU step of
+//          several ranks on ONE GPU (ranks as threads, a model replica each).
 //   nccl   one rank per GPU (learner/dist_comm_nccl.c, only with MTRL_HAVE_NCCL); buffers are
 //          device memory of the rank's GPU, and the work runs on the caller's stream. Sums in
 //          NCCL's order (the same on every rank of a ring, not rank order).
@@ -50,6 +53,20 @@ void mtrl_dist_world_free(mtrl_dist_world *w); // NULL: no-op
 // rank out of range or taken twice.
 mtrl_status mtrl_dist_comm_init_local(mtrl_dist_comm **c, mtrl_dist_world *w, int rank, mtrl_error *err);
 
+// Rank `rank`'s handle of w whose buffers are device memory of CUDA device `gpu` (every buffer
+// of every call; the rank's model lives there). Each call copies the rank's inputs into host
+// memory of the handle, meets the others as a host rank does (the peers read those copies), and
+// copies its results back into the device buffers: copies on `stream` (a cudaStream_t; NULL:
+// the legacy default stream), each waited for, so the call returns with its results in the
+// buffers. The caller makes the inputs ready first (the device work writing them, on whatever
+// stream, finished: e.g. the model's backend synchronised). Ranks of one world may mix host and
+// device handles. A copy that fails fails the world (every rank's call returns an error, then
+// MTRL_ERR_STATE). MTRL_ERR_USAGE as mtrl_dist_comm_init_local, for a GPU that does not exist,
+// and in a build without CUDA. The copies through host memory cost what NCCL avoids: this is
+// for testing the GPU step on one device, not for speed.
+mtrl_status mtrl_dist_comm_init_local_device(mtrl_dist_comm **c, mtrl_dist_world *w, int rank, int gpu, void *stream,
+                                             mtrl_error *err);
+
 // ---- nccl backend (one process or thread per GPU) ----------------------------------------------
 
 // How the unique id of rank 0 reaches the others. Rank 0 calls it with the id to publish, the
@@ -81,6 +98,9 @@ void mtrl_dist_comm_free(mtrl_dist_comm *c); // NULL: no-op
 int mtrl_dist_comm_rank(const mtrl_dist_comm *c);
 int mtrl_dist_comm_ranks(const mtrl_dist_comm *c);
 const char *mtrl_dist_comm_backend(const mtrl_dist_comm *c); // "local" or "nccl"
+// The CUDA device whose memory c's buffers are (nccl, local from init_local_device), or -1:
+// host memory (local from init_local).
+int mtrl_dist_comm_gpu(const mtrl_dist_comm *c);
 
 // Returns when every rank has called it.
 mtrl_status mtrl_dist_comm_barrier(mtrl_dist_comm *c, mtrl_error *err);

@@ -23,6 +23,12 @@ struct mtrl_dist_comm {
     int rank, ranks;
     int timeout_ms;
     void *impl; // the backend's state
+    int gpu;    // the CUDA device whose memory the buffers are; -1: host memory
+    // The local backend on device buffers (mtrl_dist_comm_init_local_device): the stream of its
+    // copies and the host memory its inputs are staged in (grow-only), which the peers read.
+    void *stream;
+    char *stage;
+    size_t stage_cap;
 };
 
 #endif

@@ -258,7 +258,8 @@ mtrl_status mtrl_dist_comm_init_nccl(mtrl_dist_comm **out, int ranks, int rank, 
     n->stream = (cudaStream_t)stream;
     n->gpu = gpu;
     mtrl_dist_comm *c = xcalloc(1, sizeof *c);
-    *c = (mtrl_dist_comm){&nccl_ops_, rank, ranks, timeout_ms, n};
+    *c = (mtrl_dist_comm){.ops = &nccl_ops_, .rank = rank, .ranks = ranks, .timeout_ms = timeout_ms, .impl = n, .gpu = gpu,
+                          .stream = stream};
     ncclConfig_t cfg = NCCL_CONFIG_INITIALIZER;
     cfg.blocking = 0;
     ncclResult_t r = ncclCommInitRankConfig(&n->comm, ranks, id, rank, &cfg);

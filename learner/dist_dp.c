@@ -1,4 +1,12 @@
 // dist_dp.c: the data-parallel learner step (dist_dp.h) over the per-rank parts of train.c.
+//
+// One data path for both devices: the padded blocks live where the model computes (the
+// backend's memory: host on the CPU, the GPU's on CUDA) and move through the backend's copies,
+// which on the CPU are the memcpy the CPU step always ran. The step's host arrays (log-probs,
+// counts, loads, QB sums) go to the communicator as they are when its buffers are host memory,
+// and through a device block of the backend when they are device memory. Before each collective
+// on a GPU the backend is synchronised: the communicator may read the blocks from another
+// stream (NCCL's), and returns only once its results are in them.
 #include "learner/dist_dp.h"
 
 #include <math.h>
@@ -8,6 +16,7 @@
 #include "common/check.h"
 #include "common/timeutil.h"
 #include "learner/train_rank.h"
+#include "model/backend.h"
 
 // The reduce-scatter sums fp32: the learner's blocks are `real` of the fp32 build.
 _Static_assert(sizeof(real) == sizeof(float), "the data-parallel step reduces fp32 gradient blocks");
@@ -16,30 +25,64 @@ mtrl_status mtrl_dist_dp_init(mtrl_dist_dp *dp, mtrl_dist_comm *comm, const mtrl
     memset(dp, 0, sizeof *dp);
     if (m->inference)
         return mtrl_error_set(err, MTRL_ERR_USAGE, "data-parallel step: an inference model has no gradients to reduce");
-    if (m->device != MTRL_DEVICE_CPU || strcmp(mtrl_dist_comm_backend(comm), "local"))
-        return mtrl_error_set(err, MTRL_ERR_USAGE, "data-parallel step: runs CPU models over the local communicator (got "
-                              "a %s model, backend %s); the GPU step over NCCL is not wired yet (docs/multi-gpu.md)",
-                              m->device == MTRL_DEVICE_CPU ? "CPU" : "GPU", mtrl_dist_comm_backend(comm));
+    int gpu = mtrl_dist_comm_gpu(comm);
+    if (m->device == MTRL_DEVICE_CPU && gpu >= 0)
+        return mtrl_error_set(err, MTRL_ERR_USAGE, "data-parallel step: a CPU model needs a communicator of host buffers "
+                              "(mtrl_dist_comm_init_local), got a %s one of GPU %d's memory",
+                              mtrl_dist_comm_backend(comm), gpu);
+    if (m->device == MTRL_DEVICE_CUDA && gpu != m->gpu)
+        return mtrl_error_set(err, MTRL_ERR_USAGE, "data-parallel step: a model on GPU %d needs a communicator of that "
+                              "GPU's memory (mtrl_dist_comm_init_local_device or _init_nccl on GPU %d), got a %s one of %s",
+                              m->gpu, m->gpu, mtrl_dist_comm_backend(comm), gpu < 0 ? "host memory" : "another GPU's");
     dp->comm = comm;
+    dp->be = m->be;
+    dp->device_buffers = gpu >= 0;
     dp->rank = mtrl_dist_comm_rank(comm);
     dp->ranks = mtrl_dist_comm_ranks(comm);
     mtrl_status s = mtrl_dist_shards_make(&dp->shards, &m->params, dp->ranks, MTRL_DIST_SHARD_ALIGN, err);
     if (s != MTRL_OK) return s;
-    dp->send = xcalloc(1, dp->shards.padded);
-    dp->gather = xcalloc(1, dp->shards.padded);
-    dp->shard = xcalloc(1, dp->shards.shard_bytes);
+    mtrl_backend *be = dp->be;
+    dp->send = be->alloc(be, dp->shards.padded);
+    dp->gather = be->alloc(be, dp->shards.padded);
+    dp->shard = be->alloc(be, dp->shards.shard_bytes);
+    be->zero(be, dp->send, dp->shards.padded); // the padding past the block stays zero
+    be->zero(be, dp->gather, dp->shards.padded);
+    be->zero(be, dp->shard, dp->shards.shard_bytes);
+    be->sync(be);
     size_t LE = (size_t)m->dims.L * (size_t)m->dims.E;
     dp->qb = xcalloc(2 * LE + (size_t)m->dims.L, sizeof(double));
     return MTRL_OK;
 }
 
 void mtrl_dist_dp_free(mtrl_dist_dp *dp) {
+    mtrl_backend *be = dp->be;
     mtrl_dist_shards_free(&dp->shards);
-    free(dp->send);
-    free(dp->gather);
-    free(dp->shard);
+    if (be) {
+        be->release(be, dp->send);
+        be->release(be, dp->gather);
+        be->release(be, dp->shard);
+        be->release(be, dp->tmp);
+    }
     free(dp->qb);
     memset(dp, 0, sizeof *dp);
+}
+
+// All-reduce of the host array h[count] (the step's statistics, counts, loads): as it is over a
+// communicator of host buffers, through the device block tmp over one of device buffers.
+static mtrl_status host_allreduce_(mtrl_dist_dp *dp, void *h, size_t count, mtrl_dtype dtype, mtrl_error *err) {
+    if (!dp->device_buffers) return mtrl_dist_comm_allreduce(dp->comm, h, count, dtype, err);
+    mtrl_backend *be = dp->be;
+    size_t bytes = count * mtrl_dtype_size(dtype);
+    if (bytes > dp->tmp_bytes) {
+        be->release(be, dp->tmp);
+        dp->tmp_bytes = bytes + bytes / 4 + 256;
+        dp->tmp = be->alloc(be, dp->tmp_bytes);
+    }
+    be->upload(be, dp->tmp, h, bytes);
+    be->sync(be);
+    mtrl_status s = mtrl_dist_comm_allreduce(dp->comm, dp->tmp, count, dtype, err);
+    if (s == MTRL_OK) be->download(be, h, dp->tmp, bytes);
+    return s;
 }
 
 // Bytes [begin, end) of the block that this rank owns, end clipped at the block's size.
@@ -70,7 +113,7 @@ static mtrl_status own_episodes_(const mtrl_dist_dp *dp, mtrl_traj *const *eps, 
 static mtrl_status counts_check_(mtrl_dist_dp *dp, double own_a, double own_b, double whole_a, double whole_b,
                                  const char *what, mtrl_error *err) {
     double c[2] = {own_a, own_b};
-    mtrl_status s = mtrl_dist_comm_allreduce(dp->comm, c, 2, MTRL_DT_F64, err);
+    mtrl_status s = host_allreduce_(dp, c, 2, MTRL_DT_F64, err);
     if (s != MTRL_OK) return s;
     if (c[0] != whole_a || c[1] != whole_b)
         return mtrl_error_set(err, MTRL_ERR_MISMATCH, "data-parallel step on rank %d of %d: the ranks' shares hold %.0f %s "
@@ -81,21 +124,25 @@ static mtrl_status counts_check_(mtrl_dist_dp *dp, double own_a, double own_b, d
 
 // Steps 3 to 5 of dist_dp.h: reduce-scatter of the gradients, the global norm, AdamW on the
 // own shard, all-gather of the parameters. Returns the norm before clipping in *norm.
+// The blocks are the backend's (device memory on a GPU): m->d_grads and m->d_params, which on
+// the CPU are m->grads and m->params.base.
 static mtrl_status sharded_adamw_(mtrl_dist_dp *dp, mtrl_model *m, const mtrl_train_adamw *o, double *norm,
                                   mtrl_error *err) {
+    mtrl_backend *be = dp->be;
     const mtrl_dist_shards *sh = &dp->shards;
     size_t lo, hi;
     own_range_(dp, &lo, &hi);
-    memcpy(dp->send, m->grads, sh->total); // the padding past the block stays zero
+    be->copy(be, dp->send, m->d_grads, sh->total); // the padding past the block stays zero
+    be->sync(be);
     mtrl_status s = mtrl_dist_comm_reduce_scatter(dp->comm, (const float *)dp->send, dp->shard,
                                                   sh->shard_bytes / sizeof(float), err);
     if (s != MTRL_OK) return s;
-    memcpy((char *)m->grads + lo, dp->shard, hi - lo);
+    be->copy(be, (char *)m->d_grads + lo, dp->shard, hi - lo);
     const mtrl_dist_shard *own = &sh->rank[dp->rank];
-    double sq = 0;
+    double sq = 0; // each piece's sum of squares comes back to the host (backend.h grad_sq_norm)
     for (int p = own->first_piece; p < own->first_piece + own->n_piece; p++)
         sq += mtrl_model_grad_sq_range(m, sh->piece[p].tensor, sh->piece[p].begin, sh->piece[p].end);
-    if ((s = mtrl_dist_comm_allreduce(dp->comm, &sq, 1, MTRL_DT_F64, err)) != MTRL_OK) return s;
+    if ((s = host_allreduce_(dp, &sq, 1, MTRL_DT_F64, err)) != MTRL_OK) return s;
     *norm = sqrt(sq);
     real scale = mtrl_model_clip_scale(*norm, o->clip);
     m->step++;
@@ -103,10 +150,11 @@ static mtrl_status sharded_adamw_(mtrl_dist_dp *dp, mtrl_model *m, const mtrl_tr
         mtrl_model_adamw_range(m, sh->piece[p].tensor, sh->piece[p].begin, sh->piece[p].end, scale, o->lr, o->beta1,
                                o->beta2, o->eps, o->weight_decay);
     char *mine = dp->gather + own->begin;
-    memcpy(mine, (char *)m->params.base + lo, hi - lo);
+    be->copy(be, mine, (char *)m->d_params + lo, hi - lo);
+    be->sync(be);
     if ((s = mtrl_dist_comm_allgather(dp->comm, mine, dp->gather, sh->shard_bytes, err)) != MTRL_OK) return s;
-    memcpy(m->params.base, dp->gather, sh->total);
-    mtrl_model_params_changed(m);
+    be->copy(be, m->d_params, dp->gather, sh->total);
+    mtrl_model_params_changed(m); // also waits for the copy
     return MTRL_OK;
 }
 
@@ -116,7 +164,7 @@ static mtrl_status qb_reduce_(mtrl_dist_dp *dp, mtrl_model *m, mtrl_error *err) 
     double *q = dp->qb;
     for (size_t i = 0; i < LE; i++) q[i] = (double)m->load[i], q[LE + i] = m->qb_sum[i];
     for (size_t l = 0; l < L; l++) q[2 * LE + l] = m->qb_count[l];
-    mtrl_status s = mtrl_dist_comm_allreduce(dp->comm, q, 2 * LE + L, MTRL_DT_F64, err);
+    mtrl_status s = host_allreduce_(dp, q, 2 * LE + L, MTRL_DT_F64, err);
     if (s != MTRL_OK) return s;
     for (size_t i = 0; i < LE; i++) m->load[i] = (long)q[i], m->qb_sum[i] = q[LE + i];
     for (size_t l = 0; l < L; l++) m->qb_count[l] = (int)q[2 * LE + l];
@@ -138,8 +186,8 @@ mtrl_status mtrl_dist_dp_rl_step(mtrl_dist_dp *dp, mtrl_model *m, const mtrl_con
     mtrl_model_zero_grads(m);
     if (s == MTRL_OK && k) mtrl_train_rl_backward(m, cfg, a, eps, &b, idx, k);
     // Every token's log-prob and entropy is written on one rank and zero on the others.
-    if (s == MTRL_OK) s = mtrl_dist_comm_allreduce(dp->comm, b.logp, b.T + 1, MTRL_DT_F32, err);
-    if (s == MTRL_OK) s = mtrl_dist_comm_allreduce(dp->comm, b.ent, b.T + 1, MTRL_DT_F32, err);
+    if (s == MTRL_OK) s = host_allreduce_(dp, b.logp, b.T + 1, MTRL_DT_F32, err);
+    if (s == MTRL_OK) s = host_allreduce_(dp, b.ent, b.T + 1, MTRL_DT_F32, err);
     if (s == MTRL_OK) {
         memcpy(b.logp_old, b.logp, sizeof(float) * (b.T + 1)); // π_old: the learner's own log-prob (train.c)
         mtrl_train_rl_stats(a, &b, st);
@@ -167,7 +215,7 @@ mtrl_status mtrl_dist_dp_sft_step(mtrl_dist_dp *dp, mtrl_model *m, const mtrl_co
     mtrl_model_zero_grads(m);
     double sum = 0;
     if (s == MTRL_OK && k) sum = mtrl_train_sft_backward(m, cfg, eps, idx, k, count);
-    if (s == MTRL_OK) s = mtrl_dist_comm_allreduce(dp->comm, &sum, 1, MTRL_DT_F64, err);
+    if (s == MTRL_OK) s = host_allreduce_(dp, &sum, 1, MTRL_DT_F64, err);
     double norm = 0;
     mtrl_train_adamw o = mtrl_train_adamw_of(cfg, lr);
     if (s == MTRL_OK) s = sharded_adamw_(dp, m, &o, &norm, err);

@@ -27,12 +27,21 @@
 // State kept per rank: the AdamW moments of its own shard only (m->adam_m, adam_v are whole
 // blocks, of which only bytes [r S, (r+1) S) are kept up to date: the rest stays as it was,
 // zero from a fresh model), and after the step its shard of the reduced, clipped gradients in
-// m->grads (the rest is this rank's own partial gradient). Checkpoints of such a model are the
+// m->grads (the rest is this rank's own partial gradient); on a GPU, in the device blocks
+// (m->d_adam_m, ...; mtrl_model_to_host mirrors them). Checkpoints of such a model are the
 // sharded ones (learner/dist_ckpt.h), one file per rank.
 //
-// This is the CPU data path: CPU models and the local communicator (host buffers); a model on
-// a GPU or a communicator of device buffers is refused (MTRL_ERR_USAGE). The NCCL form of the
-// step (device blocks, bucketed and overlapped with the backward) is docs/multi-gpu.md §3.
+// Devices: a CPU model takes a communicator of host buffers (the local backend,
+// mtrl_dist_comm_init_local); a model on GPU g one of g's memory: the local backend's
+// mtrl_dist_comm_init_local_device (ranks as threads of one process, several of them on one GPU
+// if need be: how the step is tested on one device) or NCCL (one rank per GPU). On a GPU the
+// gradient block, the reduce-scatter and all-gather buffers, the sums of squares and AdamW all
+// run on the device (the backend's entries); only the step's host arrays (log-probs, counts,
+// loads, QB sums) pass through a small device block. The parameters' host mirror stays as
+// mtrl_train_rl_step leaves it on a GPU: call mtrl_model_to_host to read them. With the local
+// backend the sums are in rank order on the host, the same bits on every rank; with NCCL in its
+// order, the same on every rank of the ring. The gradient reduction is one reduce-scatter after
+// the backward (not bucketed, not overlapped with it: docs/multi-gpu.md §3).
 //
 //     mtrl_dist_dp dp;                           // in rank r's thread, with its own model m
 //     if (mtrl_dist_dp_init(&dp, comm, m, &err) != MTRL_OK) ...
@@ -52,16 +61,21 @@
 
 typedef struct mtrl_dist_dp {
     mtrl_dist_comm *comm;     // borrowed
+    struct mtrl_backend *be;  // the model's (borrowed: free the step's state before the model)
     int rank, ranks;
+    int device_buffers;       // the communicator's buffers are device memory (the model's GPU)
     mtrl_dist_shards shards;  // the ZeRO layout of the model's parameter table
+    // In the backend's memory (the GPU's for a GPU model):
     char *send;               // [shards.padded] the gradient block, padded, for the reduce-scatter
     char *gather;             // [shards.padded] the parameter shards, for the all-gather
     float *shard;             // [shard_bytes / 4] the reduced gradients of the own shard
-    double *qb;               // [2 L E + L] loads, β sums and batch counts, for the all-reduce
+    void *tmp;                // [tmp_bytes] host arrays on their way to a device communicator
+    size_t tmp_bytes;
+    double *qb;               // [2 L E + L] loads, β sums and batch counts, for the all-reduce (host)
 } mtrl_dist_dp;
 
-// The step's state for the rank of comm with model m (a training model on the CPU; comm of
-// the local backend). MTRL_ERR_USAGE naming what is refused.
+// The step's state for the rank of comm with model m (a training model, CPU or GPU, and a
+// communicator of its memory: see "Devices" above). MTRL_ERR_USAGE naming what is refused.
 mtrl_status mtrl_dist_dp_init(mtrl_dist_dp *dp, mtrl_dist_comm *comm, const mtrl_model *m, mtrl_error *err);
 void mtrl_dist_dp_free(mtrl_dist_dp *dp);
 

@@ -22,66 +22,12 @@
 #ifdef MTRL_HAVE_NCCL
 #include <cuda_runtime.h>
 
-static void *dev_alloc_(size_t n) {
-    void *p = NULL;
-    if (cudaMalloc(&p, n) != cudaSuccess || cudaMemset(p, 0, n) != cudaSuccess) abort();
-    return p;
-}
-static void dev_put_(void *dst, const void *src, size_t n) {
-    if (cudaMemcpy(dst, src, n, cudaMemcpyHostToDevice) != cudaSuccess) abort();
-}
-static void dev_get_(void *dst, const void *src, size_t n) {
-    if (cudaMemcpy(dst, src, n, cudaMemcpyDeviceToHost) != cudaSuccess) abort();
-}
-static void dev_free_(void *p) { cudaFree(p); }
-static const test_dist_mem dev_mem_ = {dev_alloc_, dev_put_, dev_get_, dev_free_};
-
-typedef void (*rank_fn)(mtrl_dist_comm *c, void *ctx);
-typedef struct rank_job {
-    int rank, ranks, timeout_ms;
-    const char *id_path;
-    rank_fn fn;
-    void *ctx;
-    mtrl_status init;
-    char msg[MTRL_ERROR_MSG_MAX];
-} rank_job;
-
-// Rank r on GPU r, its collectives on a stream of its own.
-static void *rank_main_(void *p) {
-    rank_job *j = p;
-    mtrl_error err = {0};
-    cudaSetDevice(j->rank);
-    cudaStream_t s;
-    cudaStreamCreate(&s);
-    mtrl_dist_comm *c = NULL;
-    j->init = mtrl_dist_comm_init_nccl(&c, j->ranks, j->rank, j->rank, s, j->timeout_ms, mtrl_dist_bootstrap_file,
-                                       (void *)j->id_path, &err);
-    snprintf(j->msg, sizeof j->msg, "%s", err.msg);
-    if (j->init == MTRL_OK) j->fn(c, j->ctx);
-    mtrl_dist_comm_free(c);
-    cudaStreamDestroy(s);
-    return NULL;
-}
-
-static void run_ranks_(int R, int timeout_ms, rank_fn fn, void *ctx) {
-    static int world;
-    char path[256];
-    snprintf(path, sizeof path, "/tmp/mtrl_test_nccl_id.%ld.%d", (long)getpid(), world++);
-    unlink(path);
-    pthread_t th[MTRL_DIST_RANKS_MAX];
-    rank_job job[MTRL_DIST_RANKS_MAX];
-    for (int r = 0; r < R; r++) {
-        job[r] = (rank_job){r, R, timeout_ms, path, fn, ctx, MTRL_OK, {0}};
-        pthread_create(&th[r], NULL, rank_main_, &job[r]);
-    }
-    for (int r = 0; r < R; r++) pthread_join(th[r], NULL);
-    for (int r = 0; r < R; r++) TEST_CHECKF(job[r].init == MTRL_OK, "R=%d rank %d init: %s", R, r, job[r].msg);
-    unlink(path);
-}
+// Rank r on GPU r (tests/testdist.h).
+static void run_ranks_(int R, int timeout_ms, test_rank_fn fn, void *ctx) { test_dist_run_nccl(R, timeout_ms, fn, ctx); }
 
 static void ops_(int R) {
     test_dist_ops *x = calloc(1, sizeof *x);
-    x->mem = &dev_mem_;
+    x->mem = &test_dist_dev_mem;
     run_ranks_(R, 30000, test_dist_ops_rank, x);
     test_dist_ops_check(x, R, 0, "nccl");
     printf("nccl: world of %d: every op checked\n", R);
@@ -99,7 +45,7 @@ typedef struct timeout_ctx {
 static void timeout_rank_(mtrl_dist_comm *c, void *p) {
     timeout_ctx *x = p;
     mtrl_error err = {0};
-    float *d = dev_alloc_(sizeof(float));
+    float *d = td_dev_alloc_(sizeof(float));
     if (mtrl_dist_comm_rank(c) == 0) {
         struct timespec t0, t1;
         clock_gettime(CLOCK_MONOTONIC, &t0);
@@ -113,7 +59,7 @@ static void timeout_rank_(mtrl_dist_comm *c, void *p) {
         x->late = mtrl_dist_comm_barrier(c, &err);
         snprintf(x->late_msg, sizeof x->late_msg, "%s", err.msg);
     }
-    dev_free_(d);
+    td_dev_free_(d);
 }
 
 static void timeout_(void) {

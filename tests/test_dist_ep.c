@@ -32,7 +32,7 @@
 #include "model/model_moe.h"
 #include "model/qb.h"
 #include "tests/testhelp.h"
-#include "tests/testlocal.h"
+#include "tests/testdist.h"
 #include "tests/testmodel.h"
 
 // fp32 state tolerance relative to the largest entry: the rows are the same computations, so
@@ -260,7 +260,7 @@ static void test_layer_(const char *ini, int layer, const char *name) {
             memset(y, 0, sizeof(real) * nd);
             memset(dx, 0, sizeof(real) * nd);
             memset(rt, 0, nrt);
-            test_local_run(R, 5000, ep_rank_, k);
+            test_dist_run_local(R, 5000, -1, ep_rank_, k);
             int ok = 1;
             for (int r = 0; r < R; r++) {
                 TEST_CHECKF(k->st[r] == MTRL_OK, "%s: rank %d: %s", what, r, k->msg[r]);
@@ -331,7 +331,7 @@ static void test_refusals_(void) {
     mtrl_model_init(&m, &d, 11);
     bad_ctx *b = calloc(1, sizeof *b);
     b->m = &m;
-    test_local_run(2, 2000, bad_rank_, b);
+    test_dist_run_local(2, 2000, -1, bad_rank_, b);
     // What bad_rank_'s calls must return, in order, on both ranks (NULL: any message).
     static const struct {
         mtrl_status st;

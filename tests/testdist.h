@@ -5,15 +5,66 @@
 // on the main thread after every rank returned (the counters of testhelp.h are not atomic).
 // Values are chosen so that sums are exact in any order; the order-dependent sum is checked
 // only where the backend promises rank order (test_dist_ops_check's rank_order).
+// Also: a world of the local backend on threads (test_dist_run_local), and with CUDA the
+// device memory of GPU buffers (test_dist_dev_mem).
 #ifndef MTRL_TESTDIST_H
 #define MTRL_TESTDIST_H
 
+#include <pthread.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <unistd.h>
 
 #include "learner/dist_comm.h"
 #include "learner/dist_plan.h"
 #include "tests/testhelp.h"
+
+#ifdef MTRL_HAVE_CUDA
+#include <cuda_runtime.h>
+#endif
+
+// What a rank runs, on its own thread, with its handle.
+typedef void (*test_rank_fn)(mtrl_dist_comm *c, void *ctx);
+
+typedef struct td_job_ {
+    mtrl_dist_world *w;
+    int rank, gpu;
+    test_rank_fn fn;
+    void *ctx;
+} td_job_;
+
+static inline void *td_rank_main_(void *p) {
+    td_job_ *j = p;
+    mtrl_dist_comm *c = NULL;
+    mtrl_error err;
+    mtrl_status s = j->gpu < 0 ? mtrl_dist_comm_init_local(&c, j->w, j->rank, &err)
+                               : mtrl_dist_comm_init_local_device(&c, j->w, j->rank, j->gpu, NULL, &err);
+    if (s != MTRL_OK) {
+        fprintf(stderr, "rank %d: %s\n", j->rank, err.msg);
+        abort();
+    }
+    j->fn(c, j->ctx);
+    mtrl_dist_comm_free(c);
+    return NULL;
+}
+
+// Runs fn on R threads of a local world, rank r on thread r, its buffers host memory (gpu < 0)
+// or GPU gpu's (every rank on that one device, copies on the legacy default stream); the
+// checks run after, on the calling thread.
+static inline void test_dist_run_local(int R, int timeout_ms, int gpu, test_rank_fn fn, void *ctx) {
+    mtrl_dist_world *w;
+    mtrl_error err;
+    TEST_EQ_INT(mtrl_dist_world_init(&w, R, timeout_ms, &err), MTRL_OK);
+    pthread_t th[MTRL_DIST_RANKS_MAX];
+    td_job_ job[MTRL_DIST_RANKS_MAX];
+    for (int r = 0; r < R; r++) {
+        job[r] = (td_job_){w, r, gpu, fn, ctx};
+        pthread_create(&th[r], NULL, td_rank_main_, &job[r]);
+    }
+    for (int r = 0; r < R; r++) pthread_join(th[r], NULL);
+    mtrl_dist_world_free(w);
+}
 
 // Where a backend's buffers live: host memory (local) or a GPU's (nccl).
 typedef struct test_dist_mem {
@@ -22,6 +73,68 @@ typedef struct test_dist_mem {
     void (*get)(void *dst, const void *src, size_t bytes); // buffer -> host
     void (*release)(void *p);
 } test_dist_mem;
+
+#ifdef MTRL_HAVE_CUDA
+// Device memory of the calling thread's current GPU; a failing CUDA call aborts the test.
+static inline void *td_dev_alloc_(size_t n) {
+    void *p = NULL;
+    if (cudaMalloc(&p, n) != cudaSuccess || cudaMemset(p, 0, n) != cudaSuccess) abort();
+    return p;
+}
+static inline void td_dev_put_(void *dst, const void *src, size_t n) {
+    if (cudaMemcpy(dst, src, n, cudaMemcpyHostToDevice) != cudaSuccess) abort();
+}
+static inline void td_dev_get_(void *dst, const void *src, size_t n) {
+    if (cudaMemcpy(dst, src, n, cudaMemcpyDeviceToHost) != cudaSuccess) abort();
+}
+static inline void td_dev_free_(void *p) { cudaFree(p); }
+static const test_dist_mem test_dist_dev_mem = {td_dev_alloc_, td_dev_put_, td_dev_get_, td_dev_free_};
+#endif
+
+#ifdef MTRL_HAVE_NCCL
+// A world of the NCCL backend on threads: rank r on GPU r, its collectives on a stream of its
+// own, the id through the file bootstrap (a fresh path per world); every rank's init checked.
+typedef struct td_nccl_job_ {
+    int rank, ranks, timeout_ms;
+    const char *id_path;
+    test_rank_fn fn;
+    void *ctx;
+    mtrl_status init;
+    char msg[MTRL_ERROR_MSG_MAX];
+} td_nccl_job_;
+
+static inline void *td_nccl_main_(void *p) {
+    td_nccl_job_ *j = p;
+    mtrl_error err = {0};
+    cudaSetDevice(j->rank);
+    cudaStream_t s;
+    cudaStreamCreate(&s);
+    mtrl_dist_comm *c = NULL;
+    j->init = mtrl_dist_comm_init_nccl(&c, j->ranks, j->rank, j->rank, s, j->timeout_ms, mtrl_dist_bootstrap_file,
+                                       (void *)j->id_path, &err);
+    snprintf(j->msg, sizeof j->msg, "%s", err.msg);
+    if (j->init == MTRL_OK) j->fn(c, j->ctx);
+    mtrl_dist_comm_free(c);
+    cudaStreamDestroy(s);
+    return NULL;
+}
+
+static inline void test_dist_run_nccl(int R, int timeout_ms, test_rank_fn fn, void *ctx) {
+    static int world;
+    char path[256];
+    snprintf(path, sizeof path, "/tmp/mtrl_test_nccl_id.%ld.%d", (long)getpid(), world++);
+    unlink(path);
+    pthread_t th[MTRL_DIST_RANKS_MAX];
+    td_nccl_job_ job[MTRL_DIST_RANKS_MAX];
+    for (int r = 0; r < R; r++) {
+        job[r] = (td_nccl_job_){r, R, timeout_ms, path, fn, ctx, MTRL_OK, {0}};
+        pthread_create(&th[r], NULL, td_nccl_main_, &job[r]);
+    }
+    for (int r = 0; r < R; r++) pthread_join(th[r], NULL);
+    for (int r = 0; r < R; r++) TEST_CHECKF(job[r].init == MTRL_OK, "R=%d rank %d init: %s", R, r, job[r].msg);
+    unlink(path);
+}
+#endif
 
 enum { TD_ELEM = 37, TD_BYTES = 23, TD_E = 5, TD_OPS = 8 };
 
