@@ -70,7 +70,7 @@ int env_config_finish(env_config *cfg, const char *known, char *err, size_t cap)
 #define ENV_CONFIG_SHARED_KEYS                                                                    \
     "name", "plugin", "args", "isolate", "step_timeout_ms", "digits", "ops", "doc_tokens", "inline_doc", "demo_search", \
         "key_digits", "max_tool_calls", "max_obs_bytes", "base_url", "index_path", "allow_loopback", "timeout_ms",     \
-        "connect_timeout_ms", "max_bytes", "max_redirects", "task", "hops", "files", "file_tokens", "credit"
+        "connect_timeout_ms", "max_bytes", "max_redirects", "task", "hops", "hops_min", "files", "file_tokens", "credit"
 
 // ---- tool calls -----------------------------------------------------------------------------
 
