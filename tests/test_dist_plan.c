@@ -604,12 +604,7 @@ static void test_plan_command(void) {
     char cmd[2048], out[16384];
     snprintf(cmd, sizeof cmd, "'%s' plan '%s/experiments/quickstart.ini' --budget-gib 8 --set learner.gpus=3,1 2>&1", bin,
              src);
-    FILE *p = popen(cmd, "r");
-    TEST_CHECK(p != NULL);
-    if (!p) return;
-    size_t n = fread(out, 1, sizeof out - 1, p);
-    out[n] = 0;
-    int rc = pclose(p);
+    int rc = test_shell(cmd, out, sizeof out);
     TEST_CHECKF(rc == 0 && strstr(out, "per-rank plan (2 ranks)") && strstr(out, "imbalance 0.0%") &&
                     strstr(out, "0..3") && strstr(out, "4..7") &&
                     strstr(out, "expert-parallel ownership") && strstr(out, "held for the forward") && strstr(out, "memory plan of rank 0 (16 of the 32"),

@@ -37,6 +37,18 @@ static inline void test_tmpdir_done(const char *dir, int failed) {
     if (failed == 0 && system(cmd) != 0) fprintf(stderr, "could not remove %s\n", dir);
 }
 
+// Runs cmd through the shell, what it writes on stdout into out[cap] (NUL-terminated; add
+// 2>&1 to cmd for stderr too); returns its exit status, -1 when it could not run or did not exit.
+static inline int test_shell(const char *cmd, char *out, size_t cap) {
+    out[0] = 0;
+    FILE *p = popen(cmd, "r");
+    if (!p) return -1;
+    size_t n = fread(out, 1, cap - 1, p);
+    out[n] = 0;
+    int rc = pclose(p);
+    return WIFEXITED(rc) ? WEXITSTATUS(rc) : -1;
+}
+
 // Sleeps ms milliseconds (for polling loops, never for timing assertions).
 static inline void test_sleep_ms(int ms) {
     struct timespec ts = {ms / 1000, (long)(ms % 1000) * 1000000L};

@@ -1,13 +1,41 @@
 // cmd_check.c: `mtrl check EXPERIMENT.ini` validates an experiment and prints the resolved
 // config (every key, defaults included) on stdout, with its hash as a comment. The [env] is
 // loaded and created once in a child process first, so a broken env is a config error here.
+// Under a launcher (torchrun's or srun's variables set: learner/dist_launch.h) it also says
+// which rank this process would be and on which GPU, and refuses a launch that disagrees with
+// itself or with [learner] gpus.
 #include <inttypes.h>
 #include <stdlib.h>
 #include <string.h>
 
 #include "common/config.h"
 #include "common/log.h"
+#include "learner/dist_launch.h"
 #include "tools/cli.h"
+
+extern char **environ;
+
+// The launch this process would use, as a comment line, when a launcher set its variables; 0
+// and the error on stderr when they disagree (with themselves or with [learner] gpus).
+static int check_launch_(const char *path, const mtrl_config *cfg, char *line, size_t cap) {
+    mtrl_dist_launch l;
+    mtrl_error err;
+    int gpus[MTRL_CFG_GPUS_MAX], n = mtrl_config_gpus(cfg, gpus, NULL, 0), gpu;
+    line[0] = 0;
+    if (mtrl_dist_launch_from_env(&l, (const char *const *)environ, &err) != MTRL_OK ||
+        mtrl_dist_launch_gpu(&l, gpus, n < 0 ? 0 : n, &gpu, &err) != MTRL_OK) {
+        fprintf(stderr, "%s: %s\nmtrl check: 1 problem in %s\n", path, err.msg, path);
+        return 0;
+    }
+    if (strcmp(l.source, "none")) {
+        char what[512];
+        mtrl_dist_launch_describe(&l, what, sizeof what);
+        // mtrl run refuses several ranks until the learner's NCCL path is built (docs/multi-gpu.md).
+        snprintf(line, cap, "; launch: %s; GPU %d%s\n", what, gpu,
+                 l.world > 1 ? " (mtrl run trains one rank only: docs/multi-gpu.md)" : "");
+    }
+    return 1;
+}
 
 #define CHECK_USAGE "mtrl check EXPERIMENT.ini [--set section.key=value ...] | mtrl check --keys"
 
@@ -19,6 +47,8 @@ int cmd_check(int argc, char **argv) {
                    "are reported as file:line: message, all at once, exit 2), loads and creates its [env] in a\n"
                    "child process (an unknown env, a plug-in that does not load or refuses its args: exit 2)\n"
                    "and prints the resolved config, after the env's tool list (its describe(), as comments).\n"
+                   "Under torchrun or srun (RANK/WORLD_SIZE or SLURM_PROCID set) it also prints the rank and\n"
+                   "GPU this process would take, and refuses a launch that disagrees with itself (exit 2).\n"
                    "--keys lists every key with its type, default, range and help.\n", CHECK_USAGE);
             return 0;
         }
@@ -35,10 +65,12 @@ int cmd_check(int argc, char **argv) {
     if (!path) return cli_usage_error("check", CHECK_USAGE, "no experiment file given");
     mtrl_config cfg;
     if (!cli_config_load("check", path, argc, argv, &cfg)) return 2;
+    char launch[800];
+    if (!check_launch_(path, &cfg, launch, sizeof launch)) return 2;
     char *tools = NULL;
     if (!cli_env_check("check", path, &cfg, &tools)) return 2;
     char *ini = mtrl_config_to_ini(&cfg);
-    printf("; resolved from %s, config hash %016" PRIx64 "\n", path, mtrl_config_hash(&cfg));
+    printf("; resolved from %s, config hash %016" PRIx64 "\n%s", path, mtrl_config_hash(&cfg), launch);
     // The env's describe(): what its tools are, for the experiment's author (comments, so the
     // output stays an experiment that passes check again). The model sees only the prompts.
     if (tools) {
