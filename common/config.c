@@ -563,7 +563,7 @@ static void check_env_keys_(cfg_parse *ps) {
         {"inline_doc", "retrieval"}, {"demo_search", "retrieval"}, {"key_digits", "retrieval"},
         {"base_url", "http"},        {"allow_loopback", "http"},   {"timeout_ms", "http"},
         {"task", "corpus"},          {"hops", "corpus"},           {"files", "corpus"},
-        {"file_tokens", "corpus"},   {"credit", "corpus"},      {"hops_min", "corpus"},
+        {"file_tokens", "corpus"},   {"credit", "corpus or retrieval"}, {"hops_min", "corpus"},
     };
     const char *name = ps->cfg->env.name;
     char where[600];

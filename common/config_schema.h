@@ -83,7 +83,7 @@
     X(env, hops_min, INT, "0", 0, 4096, NULL, "corpus: with 1..hops, each episode's hops drawn uniformly in [hops_min, hops] (0 = always hops)") \
     X(env, files, INT, "64", 2, 65536, NULL, "corpus: files in the corpus")                        \
     X(env, file_tokens, INT, "4096", 256, 1 << 20, NULL, "corpus: bytes (tokens) per file")        \
-    X(env, credit, FLOAT, "0", 0, 0.9, NULL, "corpus: a wrong answer earns credit x the fraction of the task's facts its open() results showed, the right one 1 (0 = the answer alone; success is the right answer)") \
+    X(env, credit, FLOAT, "0", 0, 0.9, NULL, "corpus, retrieval: partial credit: the right answer earns 1, a wrong one credit x the fraction of the task done (corpus: of its facts that open() results showed; retrieval: of the value's six digits in place) (0 = the answer alone; success is still the right answer)") \
     X(env, max_tool_calls, INT, "4", 0, 1000, NULL, "tool calls allowed per episode (built-ins and plug-ins alike: the call past it ends the episode, reward 0)") \
     X(env, max_obs_bytes, INT, "256", 1, 1 << 24, NULL, "built-ins: cap on one tool observation (a plug-in's are capped at 64 MiB by the host, env/mtrl_env.h)") \
     X(env, base_url, STR, "", 0, 0, NULL, "http: base URL the get tool may reach")               \

@@ -203,7 +203,7 @@ void mtrl_traj_append_n(mtrl_traj *t, uint64_t n, const uint32_t *ids, const flo
                         const uint32_t *version, const uint8_t *kind, const uint8_t *routing);
 void mtrl_traj_add_turn_reward(mtrl_traj *t, double r);
 // An episode succeeded when it earned the env's full reward, 1: the built-ins give 1 for the
-// right answer and below 1 for partial credit (corpus credit=), which is not success.
+// right answer and below 1 for partial credit (corpus and retrieval credit=), which is not success.
 static inline int mtrl_traj_success(const mtrl_traj *t) { return t->reward >= 1.0; }
 // Copies name, args, result and error (error NULL or "" = success).
 void mtrl_traj_add_tool_call(mtrl_traj *t, uint32_t turn, const char *name, const void *args,

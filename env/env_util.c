@@ -353,6 +353,30 @@ int env_answer_is(const char *action, size_t len, const char *expected) {
     return n == strlen(expected) && !memcmp(a, expected, n);
 }
 
+double env_credit_reward(int right, double credit, long got, long of) {
+    if (right) return 1.0;
+    return credit > 0 && of > 0 ? credit * (double)got / (double)of : 0.0;
+}
+
+int env_digits_in_place(const char *action, size_t len, const char *expected) {
+    const char *a = action;
+    size_t n = len;
+    env_trim(&a, &n);
+    if (n != strlen(expected)) return -1;
+    int same = 0;
+    for (size_t i = 0; i < n; i++) {
+        int want_digit = expected[i] >= '0' && expected[i] <= '9';
+        if (!want_digit) {
+            if (a[i] != expected[i]) return -1;
+        } else if (a[i] < '0' || a[i] > '9') {
+            return -1;
+        } else {
+            same += a[i] == expected[i];
+        }
+    }
+    return same;
+}
+
 uint64_t env_mix64(uint64_t x) {
     x ^= x >> 30;
     x *= 0xbf58476d1ce4e5b9ull;

@@ -116,6 +116,18 @@ env_step_kind env_step_begin(const char *env, int *done, int *tool_calls, int ma
                              env_tool_call *c, char *err, size_t cap);
 // 1 when the answer, trimmed of surrounding whitespace, is exactly `expected`.
 int env_answer_is(const char *action, size_t len, const char *expected);
+
+// ---- partial credit ([env] credit) -----------------------------------------------------------
+// The built-ins' one rule (corpus, retrieval): the right answer earns 1; a wrong one earns
+// credit x got / of (of > 0; 0 when of is 0), where got of `of` parts of the task were done.
+// credit is at most ENV_CREDIT_MAX < 1, so a reward of 1 (mtrl_traj_success: the learner's
+// success, mtrl eval, the report) is still the right answer alone; credit = 0 gives 1 or 0.
+#define ENV_CREDIT_MAX 0.9
+double env_credit_reward(int right, double credit, long got, long of);
+// The digits of `expected` that the answer (trimmed) has in place, when it has expected's shape:
+// the same length, the same bytes where expected has a non-digit (the 'v' of v930511) and a
+// digit where it has one. Anything else is malformed: -1.
+int env_digits_in_place(const char *action, size_t len, const char *expected);
 // Ends a step: out->obs points at obs (cut to max_obs bytes when max_obs > 0).
 void env_step_end(env_buf *obs, size_t max_obs, mtrl_env_step_out *out);
 // The demo() of an env whose reference solution is one tool call (call; NULL: none) and the

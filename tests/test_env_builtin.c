@@ -1,6 +1,6 @@
 // mtrl-test: cpu timeout=60
 // test_env_builtin.c: the built-in retrieval and calc envs through the host API (in-process):
-// demo episodes reach reward 1, wrong answers get 0, malformed and unknown tool calls come back
+// demo episodes reach reward 1, wrong answers get 0 (or retrieval's per-digit credit), malformed and unknown tool calls come back
 // as error observations (not errors), tool-call limits end the episode, the calc expression
 // parser, config refusals, determinism per seed, and the 1M-token document generation time.
 #include <stdio.h>
@@ -460,8 +460,102 @@ static void test_retrieval_no_tools(void) {
     }
 }
 
+// The reward of answering `answer` at once in the episode of seed.
+static double answer_reward(mtrl_env *e, uint64_t seed, const char *answer) {
+    mtrl_env_result r;
+    mtrl_error err = {0};
+    TEST_CHECK(mtrl_env_reset(e, seed, &r, &err) == MTRL_OK);
+    TEST_CHECK(mtrl_env_step(e, MTRL_ENV_ACTION_ANSWER, answer, strlen(answer), &r, &err) == MTRL_OK);
+    TEST_CHECK(r.done);
+    return r.reward;
+}
+
+// credit=c: a wrong answer of the value's shape ('v', six digits) earns c x the fraction of the
+// digits it has in place; the exact value is 1, a malformed answer 0 and credit=0 (the default)
+// leaves a wrong answer at 0. The rewards are exact (c x k / 6 in doubles, as env_credit_reward
+// computes them); the largest partial one (c = 0.9, five digits) is below 1, so not success.
+static void test_retrieval_credit(void) {
+    const double credits[] = {0.5, 0.9};
+    for (int ci = 0; ci < 2; ci++) {
+        double c = credits[ci];
+        char cfg[128];
+        snprintf(cfg, sizeof cfg, "doc_tokens=256;inline_doc=1;max_tool_calls=0;key_digits=4;credit=%g", c);
+        mtrl_env *e = open_env("retrieval", cfg);
+        for (uint64_t seed = 1; seed <= 3; seed++) {
+            mtrl_env_result r;
+            mtrl_error err = {0};
+            TEST_CHECK(mtrl_env_reset(e, seed, &r, &err) == MTRL_OK);
+            mtrl_env_demo_out d;
+            TEST_CHECK(mtrl_env_demo(e, &d, &err) == MTRL_OK);
+            char value[8] = {0};
+            TEST_EQ_INT(d.actions[0].len, 7);
+            memcpy(value, d.actions[0].data, 7);
+            TEST_CHECK(value[0] == 'v');
+            TEST_NEAR(answer_reward(e, seed, value), 1.0, 0);
+            // the first k digits right, the others off by one
+            for (int k = 0; k < 6; k++) {
+                char a[8];
+                memcpy(a, value, 8);
+                for (int i = 1 + k; i < 7; i++) a[i] = (char)('0' + (a[i] - '0' + 1) % 10);
+                double got = answer_reward(e, seed, a);
+                TEST_NEAR(got, c * k / 6, 0);
+                TEST_CHECKF(got < 1.0, "%d digits of 6 earned %g", k, got);
+            }
+            // the last two digits right (digits count in place, not as a prefix), with whitespace
+            char a[16];
+            snprintf(a, sizeof a, " %.5s%.2s\n", value, value + 5);
+            for (int i = 2; i < 6; i++) a[i] = (char)('0' + (a[i] - '0' + 5) % 10);
+            TEST_NEAR(answer_reward(e, seed, a), c * 2 / 6, 0);
+            // malformed: no 'v', a digit short or over, another letter, a non-digit, empty
+            char nov[8], shortv[8], longv[9], letter[8], nondigit[8];
+            snprintf(nov, sizeof nov, "%s", value + 1);
+            snprintf(shortv, sizeof shortv, "%.6s", value);
+            snprintf(longv, sizeof longv, "%s0", value);
+            snprintf(letter, sizeof letter, "k%s", value + 1);
+            snprintf(nondigit, sizeof nondigit, "%s", value);
+            nondigit[3] = 'a';
+            const char *bad[] = {nov, shortv, longv, letter, nondigit, "", "the value is"};
+            for (size_t i = 0; i < sizeof bad / sizeof bad[0]; i++)
+                TEST_CHECKF(answer_reward(e, seed, bad[i]) == 0.0, "malformed '%s' (value %s) earned credit", bad[i],
+                            value);
+            // a tool call still ends the episode with 0
+            TEST_CHECK(mtrl_env_reset(e, seed, &r, &err) == MTRL_OK);
+            TEST_CHECK(mtrl_env_step(e, MTRL_ENV_ACTION_TOOL, "search(k1)", 10, &r, &err) == MTRL_OK);
+            TEST_CHECK(r.done && r.reward == 0.0);
+        }
+        mtrl_env_close(e);
+    }
+    // credit=0 and no credit key: today's rewards, 1 or 0
+    const char *zero[] = {"doc_tokens=256;inline_doc=1;max_tool_calls=0;key_digits=4;credit=0",
+                          "doc_tokens=256;inline_doc=1;max_tool_calls=0;key_digits=4"};
+    for (int zi = 0; zi < 2; zi++) {
+        mtrl_env *e = open_env("retrieval", zero[zi]);
+        mtrl_env_result r;
+        mtrl_error err = {0};
+        TEST_CHECK(mtrl_env_reset(e, 7, &r, &err) == MTRL_OK);
+        mtrl_env_demo_out d;
+        TEST_CHECK(mtrl_env_demo(e, &d, &err) == MTRL_OK);
+        char value[8] = {0}, five[8];
+        memcpy(value, d.actions[0].data, 7);
+        memcpy(five, value, 8);
+        five[6] = (char)('0' + (five[6] - '0' + 1) % 10);
+        TEST_NEAR(answer_reward(e, 7, value), 1.0, 0);
+        TEST_NEAR(answer_reward(e, 7, five), 0.0, 0);
+        mtrl_env_close(e);
+    }
+    // refusals name the key and the range
+    const char *bad[] = {"credit=1", "credit=0.95", "credit=-0.1", "credit=abc"};
+    for (size_t i = 0; i < sizeof bad / sizeof bad[0]; i++) {
+        mtrl_env *x = NULL;
+        mtrl_error err = {0};
+        TEST_CHECKF(mtrl_env_open(&x, "retrieval", bad[i], NULL, &err) != MTRL_OK, "%s accepted", bad[i]);
+        TEST_CHECKF(strstr(err.msg, "credit") && strstr(err.msg, "0.9"), "%s: %s", bad[i], err.msg);
+    }
+}
+
 int main(void) {
     test_retrieval_no_tools();
+    test_retrieval_credit();
     test_calc_eval();
     test_calc();
     test_retrieval();

@@ -133,7 +133,7 @@ static int corpus_create_(const char *config, void **self, char *err, size_t cap
               env_config_int(&cfg, "file_tokens", 4096, 256, 1 << 20, &ft, err, cap) ||
               env_config_int(&cfg, "max_obs_bytes", 2048, 64, 1 << 24, &max_obs, err, cap) ||
               env_config_int(&cfg, "max_tool_calls", 64, 0, 1000, &mtc, err, cap) ||
-              env_config_double(&cfg, "credit", 0.0, 0.0, 0.9, &credit, err, cap);
+              env_config_double(&cfg, "credit", 0.0, 0.0, ENV_CREDIT_MAX, &credit, err, cap);
     int t = -1;
     for (int i = 0; i < TASK_COUNT_; i++)
         if (!strcmp(task, task_names_[i])) t = i;
@@ -614,8 +614,8 @@ static int corpus_step_(void *self, uint32_t kind, const char *action, size_t le
                                      len, &e->obs, out, &c, err, cap);
     if (k == ENV_STEP_ERR) return MTRL_ENV_ERR;
     if (k == ENV_STEP_ANSWER) {
-        int right = env_answer_is(action, len, e->answer);
-        out->reward = right ? 1.0 : e->credit > 0 && e->n_facts ? e->credit * e->facts_seen / e->n_facts : 0.0;
+        out->reward = env_credit_reward(env_answer_is(action, len, e->answer), e->credit, (long)e->facts_seen,
+                                        (long)e->n_facts);
     } else if (k == ENV_STEP_TOOL) {
         int64_t next;
         if (env_tool_is(&c, "list")) out->tool_error = tool_list_(e, c.args, c.args_len, &e->obs);

@@ -16,7 +16,15 @@
 //     "What is the value of k004821?\n"
 // (with max_tool_calls=0: "... k004821? Answer from the document above; no tool is available.\n")
 // Answer: the value exactly as written ("v930511"); surrounding whitespace is ignored.
-// Reward 1 for the exact value, 0 otherwise (no partial credit).
+// Reward 1 for the exact value, else 0, or with credit=c > 0: c times the fraction of the six
+// value digits the answer has in place, when it has the value's shape ('v' and six digits;
+// anything else earns 0), at most c < 1, so the full reward (success) is still the exact value
+// alone (env_credit_reward, the rule corpus's credit follows). Why: recall is learnt digit by
+// digit (the warm-up's loss falls one digit at a time, docs/long-episodes.md), and a model that
+// recalls four digits of six gets 0 from an all-or-nothing reward: every group's rewards are
+// equal and RL has no gradient (recall-1m on the H200, 2026-12-02: reward 0 at every step).
+// In place, not a prefix or an edit distance: each digit position is copied on its own and
+// the model learnt the last ones first. A guess earns c/10 a digit on average.
 // Tools (observations capped at max_obs_bytes):
 //     search(text)         "<offset>: <line>\n" per matching line, at most 16 lines;
 //                          "no match for 'text'" when none
@@ -29,8 +37,8 @@
 //         key_digits=0|3..15 (0: the smallest width >= 3 with at least 4 unused keys per line, so
 //         it grows with the document: 4 digits at 5.6K tokens, 6 at 1M; a context ladder fixes it
 //         so that only the length changes between stages, not the format the model copies),
-//         max_obs_bytes=1..16777216 (2048), max_tool_calls=0..1000 (8). Keys of other built-ins
-//         are ignored (env_util.h).
+//         max_obs_bytes=1..16777216 (2048), max_tool_calls=0..1000 (8), credit=0..0.9 (0). Keys
+//         of other built-ins are ignored (env_util.h).
 // demo: search(<key>) then the answer; with inline_doc=1 only the answer (the point of that
 // mode is recall from the context, and a warm start should teach exactly that), unless
 // demo_search=1: then search(<key>) first there too, so a warm start teaches the tool that
@@ -55,6 +63,7 @@
 typedef struct retrieval_env {
     size_t doc_tokens, max_obs_bytes;
     int inline_doc, demo_search, max_tool_calls, key_digits;
+    double credit;   // weight of the digits in place in a wrong answer's reward (0: exact or 0)
     env_buf doc;     // the document; with inline_doc the question follows it (the prompt)
     size_t doc_len;  // bytes of doc that are the document
     env_buf prompt;  // the prompt when !inline_doc
@@ -70,14 +79,16 @@ static int retrieval_create_(const char *config, void **self, char *err, size_t 
     if (env_config_parse(&cfg, "retrieval", config, err, cap)) return MTRL_ENV_ERR;
     long long doc_tokens, max_obs, mtc, kd;
     int inline_doc, demo_search;
+    double credit;
     int bad = env_config_int(&cfg, "doc_tokens", 4096, 16, 1 << 24, &doc_tokens, err, cap) ||
               env_config_bool(&cfg, "inline_doc", 0, &inline_doc, err, cap) ||
               env_config_bool(&cfg, "demo_search", 0, &demo_search, err, cap) ||
               env_config_int(&cfg, "max_obs_bytes", 2048, 1, 1 << 24, &max_obs, err, cap) ||
               env_config_int(&cfg, "max_tool_calls", 8, 0, 1000, &mtc, err, cap) ||
               env_config_int(&cfg, "key_digits", 0, 0, 15, &kd, err, cap) ||
-              env_config_finish(&cfg, "doc_tokens, inline_doc, demo_search, key_digits, max_obs_bytes, max_tool_calls", err,
-                                cap);
+              env_config_double(&cfg, "credit", 0.0, 0.0, ENV_CREDIT_MAX, &credit, err, cap) ||
+              env_config_finish(&cfg, "doc_tokens, inline_doc, demo_search, key_digits, max_obs_bytes, max_tool_calls, credit",
+                                err, cap);
     env_config_free(&cfg);
     if (bad) return MTRL_ENV_ERR;
     // No tools: recall alone. The fact must be in the context, and the demo must not call a tool
@@ -103,6 +114,7 @@ static int retrieval_create_(const char *config, void **self, char *err, size_t 
     e->max_obs_bytes = (size_t)max_obs;
     e->max_tool_calls = (int)mtc;
     e->key_digits = (int)kd;
+    e->credit = credit;
     e->done = 1;
     *self = e;
     return MTRL_ENV_OK;
@@ -294,7 +306,9 @@ static int retrieval_step_(void *self, uint32_t kind, const char *action, size_t
                                      action, len, &e->obs, out, &c, err, cap);
     if (k == ENV_STEP_ERR) return MTRL_ENV_ERR;
     if (k == ENV_STEP_ANSWER) {
-        out->reward = env_answer_is(action, len, e->value) ? 1.0 : 0.0;
+        int right = env_answer_is(action, len, e->value);
+        int got = right || e->credit == 0 ? 0 : env_digits_in_place(action, len, e->value);
+        out->reward = env_credit_reward(right, e->credit, got > 0 ? got : 0, RETRIEVAL_VALUE_DIGITS);
     } else if (k == ENV_STEP_TOOL) {
         if (env_tool_is(&c, "search")) {
             out->tool_error = tool_search_(e, c.args, c.args_len);
