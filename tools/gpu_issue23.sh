@@ -18,14 +18,7 @@
 #   A training step cut by the deadline is resumed by the next call (the run checkpoints when it
 #   is stopped); an eval runs only when its estimate (EST_<step>, seconds) fits.
 set -uo pipefail
-cd "$(dirname "$0")/.."
-repo=$PWD
-out=${OUT:-/tmp/out}
-mkdir -p "$out"
-export LD_LIBRARY_PATH=$repo/.carry/dev/lib:${LD_LIBRARY_PATH:-}
-b=$repo/.carry/dev/mtrl
-t_end=$(( $(date +%s) + ${DEADLINE_S:-560} ))
-left() { echo $(( t_end - $(date +%s) )); }
+source "$(dirname "$0")/gpu_common.sh" 560
 verb=${1:-recall}
 case $verb in
 recall) ini=$repo/experiments/recall-1m.ini

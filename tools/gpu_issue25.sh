@@ -25,14 +25,7 @@
 # which no step starts (each step's timeout is cut to what is left). Every step's failure is logged
 # and the next step still runs.
 set -uo pipefail
-cd "$(dirname "$0")/.."
-repo=$PWD
-out=${OUT:-/tmp/out}
-mkdir -p "$out"
-export LD_LIBRARY_PATH=$repo/.carry/dev/lib:${LD_LIBRARY_PATH:-}
-b=$repo/.carry/dev/mtrl
-t_end=$(( $(date +%s) + ${DEADLINE_S:-570} ))
-left() { echo $(( t_end - $(date +%s) )); }
+source "$(dirname "$0")/gpu_common.sh" 570
 work=$repo/.runs/issue25  # git-ignored: kept between calls on a warm machine
 mkdir -p "$work"
 export TRITON_CACHE_DIR=$work/triton FLA_FLASH_KDA=0
