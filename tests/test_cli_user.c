@@ -2,8 +2,8 @@
 // test_cli_user: what a new user trips over at the command line (issue 28, items 14, 15, 18),
 // with the real mtrl command in a temporary folder.
 //  14. `mtrl check` loads and creates the [env] in a child process: an unknown env name, a
-//      plug-in that is not there, one built for another ABI, one that refuses its args and calc
-//      keys beside a plug-in are each exit 2 with a message naming the problem; `mtrl run` of
+//      plug-in that is not there, one built for another ABI, one that refuses its args, calc
+//      keys beside a plug-in and a [stage.N] whose env keys the env refuses are each exit 2 with a message naming the problem; `mtrl run` of
 //      the same is exit 2 and writes nothing (no run store, no out_dir).
 //  15. [env] plugin is relative to the experiment's folder: a bare "reverse.so" beside the INI
 //      and "sub/r2.so" are found when mtrl starts elsewhere, and resolve to absolute paths.
@@ -63,6 +63,9 @@ static void test_broken_env(void) {
         {"calckeys", "name = plugin\nplugin = reverse.so\ndigits = 2",
          "exp/calckeys.ini:10: [env] digits is a key of the built-in calc env and does nothing with name = plugin"},
         {"notthere", "name = plugin\nplugin = missing.so", "env plug-in 'missing.so' could not be loaded"},
+        // a later stage's env keys that the env refuses: found before the first stage runs
+        {"stage", "name = corpus\ntask = trail\nhops = 4\nfiles = 16\n[stage.1]\ncontext = 2048\n[stage.2]\nhops = 3\nhops_min = 4",
+         "[stage.2] with [env]: env 'corpus' refused its config: corpus: hops_min=4 is above hops=3"},
     };
     for (size_t i = 0; i < sizeof bad / sizeof bad[0]; i++) {
         experiment(bad[i].name, bad[i].env);

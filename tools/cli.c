@@ -5,6 +5,7 @@
 #include "env/env_config.h"
 
 #include <stdarg.h>
+#include <stdlib.h>
 #include <string.h>
 
 int cli_usage_error(const char *name, const char *usage, const char *fmt, ...) {
@@ -41,7 +42,23 @@ int cli_config_load(const char *name, const char *path, int argc, char **argv, m
 
 int cli_env_check(const char *name, const char *path, const mtrl_config *cfg, char **tools) {
     mtrl_error err;
-    if (mtrl_env_check_config(cfg, tools, &err) == MTRL_OK) return 1;
-    fprintf(stderr, "%s: [env] %s\nmtrl %s: 1 problem in %s\n", path, err.msg, name, path);
-    return 0;
+    if (mtrl_env_check_config(cfg, tools, &err) != MTRL_OK) {
+        fprintf(stderr, "%s: [env] %s\nmtrl %s: 1 problem in %s\n", path, err.msg, name, path);
+        return 0;
+    }
+    // Each stage gives the env its own keys (hops, files, page...): a combination only a later
+    // stage makes would otherwise fail when the run reaches it, after hours of the earlier ones.
+    int bad = 0;
+    for (int s = 0; s < cfg->n_stages; s++) {
+        mtrl_config c = mtrl_config_stage(cfg, s);
+        if (mtrl_env_check_config(&c, NULL, &err) == MTRL_OK) continue;
+        fprintf(stderr, "%s: [stage.%d] with [env]: %s\n", path, s + 1, err.msg);
+        bad++;
+    }
+    if (bad) fprintf(stderr, "mtrl %s: %d problem%s in %s\n", name, bad, bad == 1 ? "" : "s", path);
+    if (bad && tools) {
+        free(*tools);
+        *tools = NULL;
+    }
+    return !bad;
 }

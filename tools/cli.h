@@ -51,7 +51,8 @@ int cli_config_load(const char *name, const char *path, int argc, char **argv, s
 // Loads and creates the experiment's env once in a child process (mtrl_env_check_config). On an
 // error prints "PATH: [env] MESSAGE" and "mtrl NAME: 1 problem in PATH" to stderr, as a config
 // error, and returns 0 (the caller exits 2); 1 when the env works. tools (nullable): its
-// describe() text, malloc'ed, or NULL (mtrl_env_check_config).
+// describe() text, malloc'ed, or NULL (mtrl_env_check_config). Every [stage.N] is checked
+// too, with the env keys it gives (mtrl_config_stage): "PATH: [stage.N] with [env]: MESSAGE".
 int cli_env_check(const char *name, const char *path, const struct mtrl_config *cfg, char **tools);
 
 #endif
