@@ -13,8 +13,9 @@
 #   tools/gpu_issue23.sh agent    experiments/agent-1m.ini:
 #       train   mtrl run (the warm-up, then the ladder 16K .. 1M; resumed across calls)
 #       e0s4    mtrl eval --stage 4 --episodes ${A_EVAL:-32} of ckpt-000000 (after the warm-up,
-#               before any RL step), 8 episodes in flight: 16 fresh tasks in groups of 2
-#               (16 episodes took 73-79 s at 900K tokens each on an H200, 2026-12-03)
+#               before any RL step), 8 episodes in flight, one per task: 32 fresh tasks
+#               (16 episodes took 73-79 s at 900K tokens each on an H200, 2026-12-03; then in
+#               groups of 2, 8 tasks, which could not tell 6/16 from 7/16)
 #       e1s4    the same on the last checkpoint (after RL)
 #   A training step cut by the deadline is resumed by the next call (the run checkpoints when it
 #   is stopped); an eval runs only when its estimate (EST_<step>, seconds) fits.
@@ -56,7 +57,7 @@ for s in $steps; do
     st=${s#e?s}; n=32; [ "$st" = 4 ] && n=${R_EVAL4:-8}
     ck=$(last_ckpt); extra=()
     if [ $verb = agent ]; then
-      n=${A_EVAL:-32}; extra=(--set stage.4.episodes_in_flight=8)
+      n=${A_EVAL:-32}; extra=(--set stage.4.episodes_in_flight=8 --set stage.4.group_size=1)
       [ $s = e0s4 ] && ck=$(ls "$dir"/runs/runs-run*/ckpt-000000.safetensors | head -n 1)
     fi
     est_var=EST_$s; est=${!est_var:-$([ "$st" = 5 ] || [ $verb = agent ] && echo 300 || echo 60)}
