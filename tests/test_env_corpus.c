@@ -482,7 +482,7 @@ static void test_credit(void) {
 }
 
 // trail: the rule the prompt states, played from the observations alone (not from the demo).
-// Returns the reward; *calls the opens made, *hops_seen the episode's hops.
+// Returns the reward; *calls gets the opens made (the episode's hops + 1).
 static double play_trail(mtrl_env *e, uint64_t seed, size_t page, int *calls) {
     mtrl_error err = {0};
     mtrl_env_result r;

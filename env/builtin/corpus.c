@@ -263,6 +263,9 @@ static char *put_trail_file_(const corpus_env *e, char *p, int next_id, uint64_t
     return p;
 }
 
+// chain and trail follow the next= links (their facts: chain_facts_); sum and latest plant a key.
+static int walks_links_(int task) { return task == TASK_CHAIN || task == TASK_TRAIL; }
+
 // One planted record of the asked-for key: file, line index within it, time, value.
 typedef struct planted {
     int file, line;
@@ -298,7 +301,7 @@ static void corpus_generate_(corpus_env *e, uint64_t seed) {
     // The asked-for key's records: hops of them at distinct record lines spread over the corpus
     // (one seeded line in each of hops equal bins of all record lines); times distinct (one per
     // stride, then shuffled, so file order says nothing about which record is the latest).
-    int np = e->task == TASK_CHAIN || e->task == TASK_TRAIL ? 0 : e->ep_hops;
+    int np = walks_links_(e->task) ? 0 : e->ep_hops;
     planted *pl = xmalloc(sizeof(planted) * (size_t)(np + 1));
     uint64_t stride = 10000000u / (uint64_t)(np + 1), total = (uint64_t)F * (uint64_t)lines;
     for (int i = 0; i < np; i++) {
@@ -331,7 +334,7 @@ static void corpus_generate_(corpus_env *e, uint64_t seed) {
         int at_next = (int)(RNG_() % (uint64_t)(lines + 2)), at_code = (int)(RNG_() % (uint64_t)(lines + 1));
         if (at_code >= at_next) at_code++;
         uint64_t code = RNG_() % 1000000u;
-        if (f == last && (e->task == TASK_CHAIN || e->task == TASK_TRAIL)) {
+        if (f == last && walks_links_(e->task)) {
             put_digits_(e->answer, code, 6);
             e->answer[6] = 0;
         }
@@ -427,7 +430,7 @@ static int corpus_reset_(void *self, uint64_t seed, mtrl_env_bytes *prompt, char
     (void)err, (void)cap;
     corpus_env *e = self;
     corpus_generate_(e, seed);
-    if (e->task == TASK_CHAIN || e->task == TASK_TRAIL) chain_facts_(e);
+    if (walks_links_(e->task)) chain_facts_(e);
     memset(e->fact_seen, 0, (size_t)e->n_facts);
     e->facts_seen = 0;
     e->tool_calls = 0;
