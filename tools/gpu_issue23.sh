@@ -13,10 +13,11 @@
 #   tools/gpu_issue23.sh agent    experiments/agent-1m.ini:
 #       train   mtrl run (the warm-up, then the ladder 16K .. 1M; resumed across calls)
 #       e0s4    mtrl eval --stage 4 --episodes ${A_EVAL:-32} of ckpt-000000 (after the warm-up,
-#               before any RL step), 8 episodes in flight, one per task: 32 fresh tasks
+#               before any RL step), ${A_INFLIGHT:-16} episodes in flight, one per task: 32 fresh tasks
 #               (16 episodes took 73-79 s at 900K tokens each on an H200, 2026-12-03; then in
 #               groups of 2, 8 tasks, which could not tell 6/16 from 7/16)
 #       e1s4    the same on the last checkpoint (after RL)
+#       e0s3, e1s3  the same two at stage 3 (256K, 16-36 hops), cheaper, for a second look
 #   A training step cut by the deadline is resumed by the next call (the run checkpoints when it
 #   is stopped); an eval runs only when its estimate (EST_<step>, seconds) fits.
 set -uo pipefail
@@ -26,7 +27,7 @@ case $verb in
 recall) ini=$repo/experiments/recall-1m.ini
         steps="train1 e1s4 e1s5 train2 e2s5 e2s4"; stop=(--set run.stop_before_stage=4) ;;
 agent)  ini=$repo/experiments/agent-1m.ini
-        steps="train e0s4 e1s4"; stop=() ;;
+        steps="train e0s4 e1s4 e0s3 e1s3"; stop=() ;;
 *) echo "gpu_issue23.sh: unknown verb $verb (recall, agent)" >&2; exit 2 ;;
 esac
 dir=$repo/.runs/$verb
@@ -57,8 +58,11 @@ for s in $steps; do
     st=${s#e?s}; n=32; [ "$st" = 4 ] && n=${R_EVAL4:-8}
     ck=$(last_ckpt); extra=()
     if [ $verb = agent ]; then
-      n=${A_EVAL:-32}; extra=(--set stage.4.episodes_in_flight=8 --set stage.4.group_size=1)
-      [ $s = e0s4 ] && ck=$(ls "$dir"/runs/runs-run*/ckpt-000000.safetensors | head -n 1)
+      # one episode per task, 16 in flight (16 1M-token states are ~18 GiB: the account's budget
+      # is raised past the training run's, which shares the GPU with the learner)
+      n=${A_EVAL:-32}; extra=(--set stage.$st.episodes_in_flight=${A_INFLIGHT:-16} --set stage.$st.group_size=1
+                             --set actor.device_budget_mb=49152)
+      [ ${s:0:2} = e0 ] && ck=$(ls "$dir"/runs/runs-run*/ckpt-000000.safetensors | head -n 1)
     fi
     est_var=EST_$s; est=${!est_var:-$([ "$st" = 5 ] || [ $verb = agent ] && echo 300 || echo 60)}
     [ "$(left)" -gt "$est" ] || { say "$s: $(left) s left, estimate $est: next call"; break; }
