@@ -119,6 +119,7 @@ struct mtrl_learner {
     double t_progress;     // when the last RL step ended, or RL started: [learner] stall_timeout_s
     long joins;            // actors welcomed so far
     int progress;
+    int resumed; // this sitting continues a run (--resume): stop_before_stage does not stop it where it starts
     mtrl_progress prog;
     void (*tick)(void *);
     void *tick_user;
@@ -1169,6 +1170,7 @@ static mtrl_status resume_(mtrl_learner *l, mtrl_error *err) {
     free(rows);
     if (st == MTRL_OK) {
         mtrl_store_run_set_status(l->store, l->run_id, MTRL_RUN_RUNNING, NULL);
+        l->resumed = 1;
         event_(l, MTRL_LOG_INFO, "resumed run %lld at step %ld (version %u)", (long long)l->run_id, l->step, l->model.version);
         // A sitting that ended without its final checkpoint (kill -9, a crash, a lost machine)
         // trained steps past the last one: that training is gone and the steps are done again.
@@ -1348,7 +1350,14 @@ int mtrl_learner_run(mtrl_learner *l, volatile sig_atomic_t *stop) {
     mtrl_traj popped;
     mtrl_traj_init(&popped);
     if (l->base.n_stages > 0) stage_enter_(l, stage_of_(l, l->step), 0);
-    while (l->step < l->total_steps && !*stop && !l->failed[0]) {
+    // A fresh run that is to stop before the stage it starts in (stop_before_stage = 1: the
+    // warm-up alone, a checkpoint of the policy before any RL step) stops here; the loop below
+    // sees stage changes only. A resumed sitting goes on into the stage it starts in.
+    int stop_at_start = l->base.n_stages > 0 && !l->resumed && l->cfg.run.stop_before_stage == stage_of_(l, l->step) + 1;
+    if (stop_at_start)
+        event_(l, MTRL_LOG_INFO, "[run] stop_before_stage %ld: stopping at step %ld, before stage %d",
+               l->cfg.run.stop_before_stage, l->step, stage_of_(l, l->step) + 1);
+    while (!stop_at_start && l->step < l->total_steps && !*stop && !l->failed[0]) {
         int s = l->base.n_stages > 0 ? stage_of_(l, l->step) : -1;
         if (s != l->stage) {
             // stop_before_stage: a sitting ends here with a checkpoint; --resume starts in it

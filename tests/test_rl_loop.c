@@ -516,6 +516,18 @@ static void test_stages(void) {
              "[stage.2]\ncontext = 600\ndoc_tokens = 300\nsteps = 2\nbatch_groups = 1\nepisodes_in_flight = 4\n",
              dir_);
     write_file(ini, text);
+    // stop_before_stage = 1 stops a fresh run before its first stage: no RL step, the checkpoint
+    // of step 0 (the policy before RL, which keep_checkpoints would otherwise delete in time)
+    char db0[512];
+    snprintf(db0, sizeof db0, "%s/stages0.db", dir_);
+    char *argv0[] = {(char *)bin_, "run", ini, "--db", db0, "--set", "run.stop_before_stage=1", NULL};
+    TEST_EQ_INT(run_cmd(argv0, log), 0);
+    TEST_EQ_INT(query_int(db0, "SELECT count(*) FROM metrics WHERE name = 'stage'"), 0);
+    TEST_EQ_INT(query_int(db0, "SELECT count(*) FROM checkpoints WHERE step = 0"), 1);
+    TEST_EQ_INT(query_int(db0, "SELECT max(step) FROM checkpoints"), 0);
+    char *zero = test_slurp(log, NULL);
+    TEST_CHECKF(zero && strstr(zero, "stop_before_stage 1: stopping at step 0, before stage 1"), "no stop line in %s", log);
+    free(zero);
     char *argv[] = {(char *)bin_, "run", ini, "--db", db, "--set", "run.stop_before_stage=2", NULL};
     TEST_EQ_INT(run_cmd(argv, log), 0);
     TEST_EQ_INT(query_int(db, "SELECT count(*) FROM metrics WHERE name = 'stage' AND value = 1"), 2);

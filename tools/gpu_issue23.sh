@@ -25,9 +25,11 @@ source "$(dirname "$0")/gpu_common.sh" 560
 verb=${1:-recall}
 case $verb in
 recall) ini=$repo/experiments/recall-1m.ini
-        steps="train1 e1s4 e1s5 train2 e2s5 e2s4"; stop=(--set run.stop_before_stage=4) ;;
+        steps="train1 e1s4 e1s5 train2 e2s5 e2s4"; train_args=(--set run.stop_before_stage=4) ;;
 agent)  ini=$repo/experiments/agent-1m.ini
-        steps="train e0s4 e1s4 e0s3 e1s3"; stop=() ;;
+        # every checkpoint kept: e0 evaluates ckpt-000000, which keep_checkpoints = 3 deleted by
+        # step 30 of the run of 2026-12-03 14:19 (4 GB each, 7 of them at 55 steps)
+        steps="train e0s4 e1s4 e0s3 e1s3"; train_args=(--set run.keep_checkpoints=0) ;;
 *) echo "gpu_issue23.sh: unknown verb $verb (recall, agent)" >&2; exit 2 ;;
 esac
 dir=$repo/.runs/$verb
@@ -43,7 +45,7 @@ for s in $steps; do
   case $s in
   train*)
     [ "$(left)" -gt 60 ] || break
-    args=("${stop[@]}")
+    args=("${train_args[@]}")
     [ -f "$dir/runs.db" ] && args+=(--resume)
     say "$s: mtrl run ${args[*]} (up to $(( $(left) - 20 )) s)"
     (cd "$dir" && timeout "$(( $(left) - 20 ))" "$b" run "$ini" --db runs.db --set run.out_dir="$dir/runs" \
