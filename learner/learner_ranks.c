@@ -197,7 +197,9 @@ static void *follower_main_(void *p) {
     k->err = err;
     k->ready = 1;
     pthread_cond_broadcast(&g->cv);
-    uint64_t seen = g->seq;
+    // No job is posted before every rank is set up, so the first to see is seq 1: a stop posted
+    // while this rank was still setting up (another rank failed) is seen too.
+    uint64_t seen = 0;
     while (s == MTRL_OK) {
         while (g->seq == seen) pthread_cond_wait(&g->cv, &g->mu);
         seen = g->seq;
@@ -276,7 +278,8 @@ static mtrl_status run_job_(mtrl_learner_ranks *g, const job_ *j, mtrl_error *er
     }
     mtrl_status s = combine_(g, job_name_[j->kind], err);
     pthread_mutex_unlock(&g->mu);
-    // A failed step leaves the replicas undefined; a follower still busy misses the next job.
+    // A failed step leaves the replicas undefined; a follower still busy misses the next job
+    // (and may still read the batch: only a rank stuck in its own compute past the deadline).
     if (s != MTRL_OK && (j->kind == JOB_RL || j->kind == JOB_SFT || late)) {
         g->dead = 1;
         snprintf(g->why_dead, sizeof g->why_dead, "%s", err->msg);
@@ -319,7 +322,11 @@ mtrl_status mtrl_learner_ranks_init(mtrl_learner_ranks **out, mtrl_model *m0, co
     mtrl_learner_ranks *g = xcalloc(1, sizeof *g);
     g->R = R;
     g->device = device;
+    // [learner] threads is each rank's; its default (the cores shared with the actors) is
+    // shared by the ranks too, so that R ranks of the CPU do not oversubscribe it R times.
     g->threads = mtrl_config_threads(cfg);
+    if (cfg->learner.threads == 0 && device == MTRL_DEVICE_CPU) g->threads = g->threads / R > 1 ? g->threads / R : 1;
+    omp_set_num_threads(g->threads); // rank 0's, the caller's thread
     g->timeout_ms = (int)cfg->learner.rank_timeout_ms;
     pthread_mutex_init(&g->mu, NULL);
     pthread_condattr_t ca;

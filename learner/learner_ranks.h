@@ -58,7 +58,9 @@ int mtrl_learner_ranks_describe(const mtrl_config *cfg, char *buf, size_t cap);
 
 // Starts ranks 1 .. R-1 of cfg's ranks (R >= 1; [learner] rank_timeout_ms their collectives'
 // limit) with replicas of m0, rank 0's model, which stays the caller's (its thread calls every
-// job). MTRL_ERR_USAGE naming the keys for ranks the config refuses, or a model on another
+// job). Each rank runs [learner] threads OpenMP threads; with threads = 0 on the CPU the
+// default share (common/config.h mtrl_config_threads) is split over the R ranks (at least 1
+// each), and the caller's thread is set to it too. MTRL_ERR_USAGE naming the keys for ranks the config refuses, or a model on another
 // device than [model] device says; a rank that cannot start (no such GPU, NCCL's init) is
 // named with its error, and nothing is left running.
 mtrl_status mtrl_learner_ranks_init(mtrl_learner_ranks **out, mtrl_model *m0, const mtrl_config *cfg, mtrl_error *err);

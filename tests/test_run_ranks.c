@@ -18,7 +18,8 @@
 //      name goes: the file cannot be created; the learner writes its files through stdio, which
 //      tests/fixtures/fault's write shim does not see) stops the run, exit 1, with an error
 //      naming the rank and the cause; the checkpoint of that step is not in the store and has
-//      no index; --resume, the obstacle gone, continues from the previous checkpoint.
+//      no index; --resume, the obstacle gone, continues from the previous checkpoint (and
+//      [run] keep_checkpoints removes the older checkpoints' shard folders with them).
 //   4. mtrl check and mtrl run refuse ranks the keys disagree about (exit 2, naming the keys;
 //      run writes nothing); mtrl check and mtrl plan describe the ranks.
 #include <math.h>
@@ -177,12 +178,16 @@ static void test_failing_rank(void) {
     TEST_CHECK(!exists_("out/fail-run1/ckpt-000004.shards/optimizer.safetensors"));
     TEST_CHECK(!exists_("out/fail-run1/ckpt-000004.safetensors"));
     TEST_EQ_INT(rmdir(obstacle), 0);
+    // Resumed with 2 checkpoints kept: the older ones go with their shards.
     r = mtrl_((char *[]){"run", "ranks.ini", "--db", "fail.db", "--resume", "--set", "learner.ranks=2", "--set",
-                         "run.steps=6", "--set", "warmup.steps=0", NULL});
+                         "run.steps=6", "--set", "warmup.steps=0", "--set", "run.keep_checkpoints=2", NULL});
     TEST_CHECKF(r.rc == 0, "resumed after the failure: exit %d\n%s", r.rc, r.err);
     TEST_CONTAINS(r.err, "resumed run 1 at step 2");
     test_result_free(&r);
     TEST_EQ_INT(query_("fail.db", "SELECT max(step) FROM checkpoints"), 6);
+    TEST_CHECK(!exists_("out/fail-run1/ckpt-000002.safetensors") && !exists_("out/fail-run1/ckpt-000002.shards"));
+    TEST_CHECK(exists_("out/fail-run1/ckpt-000004.shards/optimizer.safetensors.rank1of2"));
+    TEST_CHECK(exists_("out/fail-run1/ckpt-000006.shards/optimizer.safetensors"));
     TEST_EQ_INT(query_("fail.db", "SELECT status = 'finished' FROM runs WHERE id = 1"), 1);
 }
 
