@@ -627,10 +627,12 @@ static void check_whole_(cfg_parse *ps) {
         (strcmp(cfg->kernels.gemm, "bf16") || strncmp(cfg->model.device, "cuda", 4)))
         errs_add(ps->errs, "%s: [actor] weights = bf16 needs [model] device = cuda and [kernels] gemm = bf16 (the "
                  "GEMM weights are kept as bf16 only)", ps->name);
-    char why[160];
+    char why[400];
     int gpus[MTRL_CFG_GPUS_MAX];
     if (mtrl_config_gpus(cfg, gpus, why, sizeof why) < 0)
         errs_add(ps->errs, "%s: [learner] gpus = %s: %s", ps->name, cfg->learner.gpus, why);
+    else if (cfg->learner.ranks != 0 && mtrl_config_ranks(cfg, NULL, why, sizeof why) < 0)
+        errs_add(ps->errs, "%s: %s", ps->name, why);
     if (cfg->algo.eps_low >= 1.0)
         errs_add(ps->errs, "%s: [algo] eps_low must be below 1 (ratios are clipped to [1 - eps_low, 1 + eps_high])", ps->name);
 }
@@ -681,6 +683,50 @@ int mtrl_config_gpus(const mtrl_config *cfg, int *ids, char *why, size_t why_cap
         }
         s++;
     }
+}
+
+int mtrl_config_ranks(const mtrl_config *cfg, int *gpu, char *why, size_t why_cap) {
+    int ids[MTRL_CFG_GPUS_MAX], own[MTRL_CFG_GPUS_MAX];
+    char w[160];
+    int n = mtrl_config_gpus(cfg, ids, w, sizeof w);
+    if (!gpu) gpu = own;
+    if (n < 0) {
+        snprintf(why, why_cap, "[learner] gpus = %s: %s", cfg->learner.gpus, w);
+        return -1;
+    }
+    long ranks = cfg->learner.ranks;
+    if (ranks < 0 || ranks > MTRL_CFG_GPUS_MAX) {
+        snprintf(why, why_cap, "[learner] ranks = %ld: expected 0..%d", ranks, MTRL_CFG_GPUS_MAX);
+        return -1;
+    }
+    if (strcmp(cfg->model.device, "cuda") != 0) { // the CPU: the ranks are threads
+        if (n > 0) {
+            snprintf(why, why_cap, "[learner] gpus = %s lists CUDA devices, but [model] device = %s puts the learner "
+                     "and its actors on the CPU%s; remove gpus, or set device = cuda", cfg->learner.gpus,
+                     cfg->model.device, ranks > 1 ? " ([learner] ranks runs its ranks as threads there)" : "");
+            return -1;
+        }
+        int R = ranks ? (int)ranks : 1;
+        for (int r = 0; r < R; r++) gpu[r] = -1;
+        return R;
+    }
+    if (n == 0) { // devices 0 .. R-1; [model] device = cuda is GPU 0, rank 0's
+        int R = ranks ? (int)ranks : 1;
+        for (int r = 0; r < R; r++) gpu[r] = r;
+        return R;
+    }
+    if (ranks && ranks != n) {
+        snprintf(why, why_cap, "[learner] ranks = %ld, but [learner] gpus = %s lists %d GPU%s: one rank per listed GPU "
+                 "(set ranks = %d, or 0)", ranks, cfg->learner.gpus, n, n == 1 ? "" : "s", n);
+        return -1;
+    }
+    if (ids[0] != 0) {
+        snprintf(why, why_cap, "[learner] gpus = %s puts rank 0 on GPU %d, but [model] device = %s puts rank 0 and "
+                 "the actors on GPU 0; list GPU 0 first", cfg->learner.gpus, ids[0], cfg->model.device);
+        return -1;
+    }
+    memcpy(gpu, ids, sizeof(int) * (size_t)n);
+    return n;
 }
 
 // ---- model presets ---------------------------------------------------------------------------------------

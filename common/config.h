@@ -105,6 +105,17 @@ long mtrl_config_segment(const mtrl_config *cfg);
 #define MTRL_CFG_GPU_ID_MAX 1023
 int mtrl_config_gpus(const mtrl_config *cfg, int *ids, char *why, size_t why_cap);
 
+// The learner's data-parallel ranks: [learner] ranks resolved with [learner] gpus and [model]
+// device. Returns R >= 1 and gpu[r] for r < R (gpu[MTRL_CFG_GPUS_MAX], nullable): rank r's CUDA
+// device, or -1 on the CPU. With device = cpu the ranks are threads on the CPU and gpus must be
+// empty; with cuda rank r runs on the r-th listed id (ranks must equal their number; 0 takes
+// it), or on device r when none is listed, and rank 0's GPU must be [model] device's (where the
+// actors run: weights are published on that device). -1 with the reason in why (naming the
+// keys, without the file name) otherwise. The load refuses a bad combination only when ranks
+// is set (ranks = 0 with gpus listed and device = cpu is `mtrl plan`'s way to print a per-rank
+// plan; the learner refuses it at start).
+int mtrl_config_ranks(const mtrl_config *cfg, int *gpu, char *why, size_t why_cap);
+
 // OpenMP threads for one process of a run: [learner] threads when set, else the cores shared
 // evenly between the learner and its [actor] count local actors (at least 1). On a 2-core
 // machine with 2 actors every process gets one thread: teams of two on a shared core spend

@@ -131,7 +131,9 @@
     X(learner, credit_bytes, INT, "4194304", 4096, 1LL << 40, NULL, "bytes an actor may have in flight") \
     X(learner, segment, STR, "auto", 0, 0, NULL, "tokens per segment of the learner's forward and backward, and of replay's scoring: auto (the memory planner's choice for each batch from the device's free memory) or a count N") \
     X(learner, threads, INT, "0", 0, 1024, NULL, "OpenMP threads of the learner and of each local actor (0 = the cores shared evenly)") \
-    X(learner, gpus, STR, "", 0, 0, NULL, "CUDA devices of the learner's ranks, e.g. 0,1,2,3: one data-parallel rank each (docs/multi-gpu.md; mtrl plan prints the per-rank plan, the training path of several is not built yet); one id must be [model] device's GPU; empty = [model] device")
+    X(learner, gpus, STR, "", 0, 0, NULL, "CUDA devices of the learner's ranks, e.g. 0,1,2,3: one data-parallel rank each, rank r on the r-th id, over NCCL (docs/multi-gpu.md); the first id must be [model] device's GPU (rank 0's, the actors'); empty = [model] device, or devices 0..ranks-1") \
+    X(learner, ranks, INT, "0", 0, 64, NULL, "data-parallel learner ranks in the mtrl run process, each a thread with a model replica (docs/multi-gpu.md): with [model] device = cpu N threads on the CPU; with cuda one per GPU of [learner] gpus (ranks must equal their number). 0 = one per listed GPU, or 1") \
+    X(learner, rank_timeout_ms, INT, "600000", 100, 86400000, NULL, "how long a learner rank waits for the others in a collective before the run fails naming the rank (keep it above the longest imbalance of a step between ranks)")
 
 #define MTRL_CFG_ALGO(X)                                                                            \
     X(algo, advantage, ENUM, "grpo", 0, 0, "grpo|dr_grpo|rloo", "group-relative advantage estimator") \

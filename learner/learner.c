@@ -8,6 +8,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <time.h>
+#include <dirent.h>
 #include <sys/stat.h>
 #include <unistd.h>
 #include <omp.h>
@@ -32,6 +33,7 @@
 #include "common/wire/wire_monitor.h"
 #include "common/wire/wire_shared.h"
 #include "learner/ckpt_async.h"
+#include "learner/learner_ranks.h"
 #include "learner/peer_guard.h"
 #include "learner/perf.h"
 #include "learner/run_dir.h"
@@ -93,7 +95,8 @@ struct mtrl_learner {
     char traj_path[1100];
     mtrl_trajfile_writer tw;
     mtrl_wbuf scratch;
-    mtrl_model model;
+    mtrl_model model;        // rank 0's replica with several ranks
+    mtrl_learner_ranks *ranks; // ranks 1 .. R-1 (learner/learner_ranks.h); NULL: one rank, today's step
     mtrl_algo_config algo;
     mtrl_wire_shared **wmsg; // the current weights as encoded WEIGHTS messages, shared by all sends
     uint32_t n_wmsg;
@@ -747,6 +750,30 @@ static void log_metric_(mtrl_learner *l, const char *name, double v) {
     if (mtrl_store_metric_log(l->store, l->run_id, l->step, name, v, 0, &err) != MTRL_OK) durable_fail_(l, "run store", &err);
 }
 
+// The folder of checkpoint `path`'s optimizer shards when several ranks wrote it: ckpt-N.shards
+// beside ckpt-N.safetensors, holding the index optimizer.safetensors and its rank files.
+static void shards_dir_(char *out, size_t cap, const char *path) {
+    size_t n = strlen(path), ext = strlen(".safetensors");
+    if (n > ext && !strcmp(path + n - ext, ".safetensors")) n -= ext;
+    snprintf(out, cap, "%.*s.shards", (int)n, path);
+}
+
+// Removes checkpoint `path`'s shards folder, if it has one (retention).
+static void shards_remove_(const char *path) {
+    char dir[1300];
+    shards_dir_(dir, sizeof dir, path);
+    DIR *d = opendir(dir);
+    if (!d) return;
+    for (struct dirent *e; (e = readdir(d));) {
+        if (!strcmp(e->d_name, ".") || !strcmp(e->d_name, "..")) continue;
+        char f[1600];
+        snprintf(f, sizeof f, "%s/%s", dir, e->d_name);
+        unlink(f);
+    }
+    closedir(d);
+    rmdir(dir);
+}
+
 // A checkpoint whose write finished (wait: the one in flight, when there is one): logged in the
 // store with its hash, older files past keep_checkpoints removed. A failed write fails the run:
 // it must not end as finished with the state it meant to keep lost.
@@ -768,7 +795,10 @@ static void checkpoint_done_(mtrl_learner *l, int wait) {
         mtrl_store_checkpoint *rows;
         size_t n;
         if (mtrl_store_checkpoints(l->store, l->run_id, &rows, &n, NULL) == MTRL_OK) {
-            for (size_t i = 0; i + (size_t)keep < n; i++) unlink(rows[i].path);
+            for (size_t i = 0; i + (size_t)keep < n; i++) {
+                unlink(rows[i].path);
+                shards_remove_(rows[i].path);
+            }
             free(rows);
         }
     }
@@ -787,16 +817,46 @@ static void perf_cycle_end_(mtrl_learner *l, double now, int log) {
 // checkpoint after the warm-up holds only the weights (what replay needs). The state is copied
 // into a snapshot and written in the background (learner/ckpt_async.h): the step loop waits
 // only for a previous checkpoint still being written.
+// With several ranks each holds the moments of its own shard only: they are written first, by
+// every rank at once, into ckpt-N.shards/ (learner/learner_ranks.h, the index last), and the
+// file ckpt-N.safetensors (what mtrl eval, replay and --resume open, the store's row) holds
+// the parameters and β, with the index's name and SHA-256 in its metadata. The row is written
+// when that file is: a failure before leaves the previous checkpoint the latest.
 static void checkpoint_(mtrl_learner *l, int with_optimizer) {
     checkpoint_done_(l, 1);
-    char path[1200], step[32], run[32];
+    char path[1200], step[32], run[32], index_rel[64], index_sha[65];
     snprintf(path, sizeof path, "%s/ckpt-%06ld.safetensors", l->run_dir, l->step);
     snprintf(step, sizeof step, "%ld", l->step);
     snprintf(run, sizeof run, "%lld", (long long)l->run_id);
-    const char *meta[] = {"config_hash", l->config_hash_hex, "run", run, "learner_step", step};
+    const char *meta[] = {"config_hash", l->config_hash_hex, "run", run, "learner_step", step,
+                          "optimizer_shards", index_rel, "optimizer_shards_sha256", index_sha};
+    int n_meta = 3;
     mtrl_error err;
+    if (l->ranks && mtrl_learner_ranks_failed(l->ranks)) {
+        event_(l, MTRL_LOG_WARN, "no checkpoint at step %ld: a learner rank failed, the replicas may differ (the last "
+               "complete checkpoint is the one to resume)", l->step);
+        return;
+    }
+    if (l->ranks && with_optimizer) {
+        char dir[1300], index[1400];
+        shards_dir_(dir, sizeof dir, path);
+        snprintf(index_rel, sizeof index_rel, "ckpt-%06ld.shards/optimizer.safetensors", l->step);
+        snprintf(index, sizeof index, "%s/%s", l->run_dir, index_rel);
+        mtrl_status st = mtrl_mkdir_p(dir) == 0 ? MTRL_OK
+                         : mtrl_error_set(&err, MTRL_ERR_IO, "%s: cannot create: %s", dir, strerror(errno));
+        if (st == MTRL_OK) st = mtrl_learner_ranks_save(l->ranks, index, meta, 3, &err);
+        if (st == MTRL_OK && mtrl_sha256_file_hex(index, index_sha) != 0)
+            st = mtrl_error_set(&err, MTRL_ERR_IO, "%s: cannot read it back to hash it", index);
+        if (st != MTRL_OK) {
+            event_(l, MTRL_LOG_ERROR, "checkpoint at step %ld: %s", l->step, err.msg);
+            mtrl_learner_fail(l, "a checkpoint could not be written (the error is above)");
+            return;
+        }
+        n_meta = 5;
+        with_optimizer = 0; // the moments are in the shards
+    }
     if (!l->ckpt) l->ckpt = mtrl_ckpt_async_new();
-    if (mtrl_ckpt_async_start(l->ckpt, &l->model, path, l->step, with_optimizer, meta, 3, &err) != MTRL_OK) {
+    if (mtrl_ckpt_async_start(l->ckpt, &l->model, path, l->step, with_optimizer, meta, n_meta, &err) != MTRL_OK) {
         event_(l, MTRL_LOG_ERROR, "checkpoint: %s", err.msg);
         mtrl_learner_fail(l, "a checkpoint could not be written (the error is above)");
     }
@@ -835,7 +895,20 @@ static void rl_step_(mtrl_learner *l, int *ready, int n_ready) {
     st.loads = l->loads;
     long qb_actor = qb_stats_fold_(l); // summed before the step's own batches; applied after it
     double t_train = mtrl_time_mono();
-    mtrl_train_rl_step(&l->model, &l->cfg, &l->algo, batch, nb, &st);
+    if (!l->ranks) {
+        mtrl_train_rl_step(&l->model, &l->cfg, &l->algo, batch, nb, &st);
+    } else {
+        mtrl_error err;
+        if (mtrl_learner_ranks_rl_step(l->ranks, &l->cfg, &l->algo, batch, nb, &st, &err) != MTRL_OK) {
+            // The replicas may differ now: no publish, no metrics, no checkpoint of this step.
+            event_(l, MTRL_LOG_ERROR, "RL step %ld: %s", l->step + 1, err.msg);
+            char why[256];
+            snprintf(why, sizeof why, "RL step %ld: %.200s", l->step + 1, err.msg);
+            mtrl_learner_fail(l, why);
+            free(batch);
+            return;
+        }
+    }
     l->cyc.train += mtrl_time_mono() - t_train;
     l->cyc.trained_tokens += (double)st.tokens;
     l->cyc.steps++;
@@ -1086,7 +1159,16 @@ static void warmup_(mtrl_learner *l, volatile sig_atomic_t *stop) {
             event_(l, MTRL_LOG_ERROR, "warm-up stopped: %s", err.msg);
             break;
         }
-        double loss = mtrl_train_sft_step(&l->model, &l->cfg, dp, B, l->cfg.warmup.lr);
+        double loss = 0;
+        if (!l->ranks) {
+            loss = mtrl_train_sft_step(&l->model, &l->cfg, dp, B, l->cfg.warmup.lr);
+        } else if (mtrl_learner_ranks_sft_step(l->ranks, &l->cfg, dp, B, l->cfg.warmup.lr, &loss, &err) != MTRL_OK) {
+            event_(l, MTRL_LOG_ERROR, "warm-up step %ld: %s", s + 1, err.msg);
+            char why[256];
+            snprintf(why, sizeof why, "warm-up step %ld: %.200s", s + 1, err.msg);
+            mtrl_learner_fail(l, why);
+            break;
+        }
         recent[s % 10] = loss;
         if (mtrl_store_metric_log(l->store, l->run_id, -steps + s, "warmup_loss", loss, 0, &err) != MTRL_OK)
             durable_fail_(l, "run store", &err);
@@ -1117,6 +1199,10 @@ static void warmup_(mtrl_learner *l, volatile sig_atomic_t *stop) {
     if (l->progress == MTRL_PROGRESS_LINE) mtrl_progress_end(&l->prog);
     // RL starts with a fresh optimizer: the moments of the supervised stage do not carry over.
     mtrl_model_optimizer_reset(&l->model);
+    if (l->ranks && !l->failed[0] && mtrl_learner_ranks_optimizer_reset(l->ranks, &err) != MTRL_OK) {
+        event_(l, MTRL_LOG_ERROR, "warm-up: %s", err.msg);
+        mtrl_learner_fail(l, "the learner's ranks failed in the warm-up (the error is above)");
+    }
     for (int i = 0; i < B; i++) mtrl_traj_free(&demos[i]);
     free(demos);
     free(dp);
@@ -1162,7 +1248,19 @@ static mtrl_status resume_(mtrl_learner *l, mtrl_error *err) {
         if (h && strcmp(h, l->config_hash_hex))
             event_(l, MTRL_LOG_WARN, "--resume: %s was written with config %s, this config is %s; continuing",
                    rows[n - 1].path, h, l->config_hash_hex);
-        st = mtrl_model_load(&l->model, &c, 1, err);
+        // Written by several ranks: the parameters here, the moments in the shards it names (any
+        // number of ranks reads them: learner/learner_ranks.h).
+        const char *shards = mtrl_ckpt_meta(&c, "optimizer_shards"), *sha = mtrl_ckpt_meta(&c, "optimizer_shards_sha256");
+        st = mtrl_model_load(&l->model, &c, !shards, err);
+        if (st == MTRL_OK && shards) {
+            char index[1400];
+            const char *slash = strrchr(rows[n - 1].path, '/');
+            snprintf(index, sizeof index, "%.*s%s", slash ? (int)(slash - rows[n - 1].path + 1) : 0, rows[n - 1].path, shards);
+            st = sha ? mtrl_ckpt_verify_digest(index, sha, err)
+                     : mtrl_error_set(err, MTRL_ERR_FORMAT, "%s: optimizer_shards without its SHA-256", rows[n - 1].path);
+            if (st == MTRL_OK) st = mtrl_learner_ranks_load_moments(&l->model, index, err);
+            if (st != MTRL_OK) mtrl_error_wrap(err, "--resume");
+        }
         const char *ls = mtrl_ckpt_meta(&c, "learner_step");
         if (st == MTRL_OK) l->step = ls ? strtol(ls, NULL, 10) : rows[n - 1].step;
         mtrl_ckpt_close(&c);
@@ -1213,24 +1311,11 @@ mtrl_status mtrl_learner_open(mtrl_learner **out, const mtrl_config *cfg, const 
     int device = MTRL_DEVICE_CPU, gpu = 0;
     if (st == MTRL_OK && mtrl_model_parse_device(cfg->model.device, &device, &gpu) != 0)
         st = mtrl_error_set(err, MTRL_ERR_USAGE, "%s: [model] device = %s: expected cpu or cuda", cfg->path, cfg->model.device);
-    // [learner] gpus: one id is the learner's GPU; several need the multi-GPU learner, whose
-    // partition exists (learner/dist_plan.h, `mtrl plan` prints it) but not its NCCL data path.
-    char why[160];
-    int gpus[MTRL_CFG_GPUS_MAX], n_gpus = st == MTRL_OK ? mtrl_config_gpus(cfg, gpus, why, sizeof why) : 0;
-    if (n_gpus < 0)
-        st = mtrl_error_set(err, MTRL_ERR_USAGE, "%s: [learner] gpus = %s: %s", cfg->path, cfg->learner.gpus, why);
-    else if (n_gpus > 1)
-        st = mtrl_error_set(err, MTRL_ERR_USAGE,
-                            "%s: [learner] gpus = %s: a learner on several GPUs is not built yet (docs/multi-gpu.md); "
-                            "`mtrl plan` prints its per-rank plan; list one GPU to train",
-                            cfg->path, cfg->learner.gpus);
-    else if (n_gpus == 1 && (device != MTRL_DEVICE_CUDA || gpus[0] != gpu))
-        // the actors follow [model] device: a learner elsewhere would publish across devices
-        st = mtrl_error_set(err, MTRL_ERR_USAGE,
-                            "%s: [learner] gpus = %s, but [model] device = %s puts the learner and its actors on %s; "
-                            "set device = cuda:%d to move both",
-                            cfg->path, cfg->learner.gpus, cfg->model.device,
-                            device == MTRL_DEVICE_CUDA ? "another GPU" : "the CPU", gpus[0]);
+    // [learner] ranks / gpus: R data-parallel ranks, rank 0 on [model] device (where the actors
+    // run and the weights are published); R > 1 starts the others below (learner/learner_ranks.h).
+    char why[400];
+    int n_ranks = st == MTRL_OK ? mtrl_config_ranks(cfg, NULL, why, sizeof why) : 1;
+    if (n_ranks < 0) st = mtrl_error_set(err, MTRL_ERR_USAGE, "%s: %s", cfg->path, why);
     if (st == MTRL_OK) st = mtrl_model_init_on(&l->model, &d, (uint64_t)cfg->run.seed, device, gpu, err);
     if (st == MTRL_OK) mtrl_qb_set_mode(&l->model, cfg->learner.qb ? MTRL_QB_TRAIN : MTRL_QB_FROZEN);
     // A run that starts from a Hugging Face checkpoint takes its weights and correction biases
@@ -1272,6 +1357,12 @@ mtrl_status mtrl_learner_open(mtrl_learner **out, const mtrl_config *cfg, const 
     if (st == MTRL_OK) {
         snprintf(l->traj_path, sizeof l->traj_path, "%s/traj-run%lld.bin", l->run_dir, (long long)l->run_id);
         st = mtrl_trajfile_writer_open(&l->tw, l->traj_path, 0, err);
+    }
+    // The other ranks copy rank 0's state as it is now: initialised, or loaded (Hugging Face
+    // weights, a resumed checkpoint).
+    if (st == MTRL_OK && n_ranks > 1 && (st = mtrl_learner_ranks_init(&l->ranks, &l->model, cfg, err)) != MTRL_OK) {
+        mtrl_store_event_log(l->store, l->run_id, MTRL_LOG_ERROR, err->msg, NULL);
+        mtrl_store_run_set_status(l->store, l->run_id, MTRL_RUN_FAILED, NULL);
     }
     if (st == MTRL_OK) {
         l->zctx = zmq_ctx_new();
@@ -1320,8 +1411,10 @@ mtrl_status mtrl_learner_open(mtrl_learner **out, const mtrl_config *cfg, const 
         return st;
     }
     publish_(l);
-    event_(l, MTRL_LOG_INFO, "run %lld (%s): learner on %s, model %zu parameters, store %s", (long long)l->run_id,
-           cfg->run.name, l->sock.endpoint, mtrl_model_param_count(&l->model), db);
+    char ranks[400] = "one rank";
+    if (l->ranks) mtrl_learner_ranks_describe(cfg, ranks, sizeof ranks);
+    event_(l, MTRL_LOG_INFO, "run %lld (%s): learner on %s, model %zu parameters, %s, store %s", (long long)l->run_id,
+           cfg->run.name, l->sock.endpoint, mtrl_model_param_count(&l->model), ranks, db);
     *out = l;
     return MTRL_OK;
 }
@@ -1451,7 +1544,7 @@ int mtrl_learner_run(mtrl_learner *l, volatile sig_atomic_t *stop) {
         if (l->actors[i].alive) send_(l, &l->actors[i], &o);
     mtrl_wire_out_free(&o);
     double t_final = mtrl_time_mono();
-    checkpoint_(l, 1);
+    checkpoint_(l, 1); // none when a rank failed (the replicas may differ)
     checkpoint_done_(l, 1); // the last checkpoint is on disk and logged before the run ends
     LOG_INFO("final checkpoint: %.1f s (the previous write's end included)", mtrl_time_mono() - t_final);
     if (*stop) goto killed;
@@ -1513,6 +1606,7 @@ void mtrl_learner_close(mtrl_learner *l) {
     mtrl_store_close(l->store);
     mtrl_ckpt_async_free(l->ckpt);
     mtrl_weights_pub_free(&l->pub); // before the model: device slots wait for its stream
+    mtrl_learner_ranks_free(l->ranks); // the followers, before rank 0's model
     mtrl_model_free(&l->model);
     mtrl_wbuf_free(&l->scratch);
     wmsg_free_(l);

@@ -18,6 +18,9 @@
 // write fails the run); `resume` continues the last run of the database from its last checkpoint.
 // Where the time of RL goes (the learner's and the actors' splits, tokens, episodes) is logged
 // per step and in total at the end of RL: learner/perf.h lists the metrics.
+// With [learner] ranks (or several [learner] gpus) resolving to R > 1, every step is the
+// data-parallel step on R ranks of this process (learner/learner_ranks.h): this loop is rank
+// 0, and checkpoints keep the moments as one shard file per rank beside the parameter file.
 #ifndef MTRL_LEARNER_H
 #define MTRL_LEARNER_H
 

@@ -417,7 +417,7 @@ static void check_cmd_(const char *vars, const char *gpus, int want_rc, const ch
 static void test_check_command_(void) {
     check_cmd_("RANK=1 WORLD_SIZE=2 MASTER_ADDR=127.0.0.1 MASTER_PORT=29500", "3,5", 0,
                "; launch: torchrun: rank 1 of 2 (local 1 of 2, node 0), rendezvous 127.0.0.1:29501; GPU 5 (mtrl run "
-               "trains one rank only");
+               "does not join a launcher's world of processes");
     check_cmd_("SLURM_PROCID=0 SLURM_NTASKS=1", "", 0, "; launch: slurm: one rank (rank 0 of 1); GPU 0\n");
     check_cmd_("RANK=2 WORLD_SIZE=3 MASTER_ADDR=h MASTER_PORT=9", "3,5", 2, "LOCAL_RANK = 2, but [learner] gpus = 3,5");
     check_cmd_("RANK=2 WORLD_SIZE=2", "", 2, "RANK = 2 is not below WORLD_SIZE = 2");

@@ -11,6 +11,7 @@
 #include "common/config.h"
 #include "common/log.h"
 #include "learner/dist_launch.h"
+#include "learner/learner_ranks.h"
 #include "tools/cli.h"
 
 extern char **environ;
@@ -30,9 +31,11 @@ static int check_launch_(const char *path, const mtrl_config *cfg, char *line, s
     if (strcmp(l.source, "none")) {
         char what[512];
         mtrl_dist_launch_describe(&l, what, sizeof what);
-        // mtrl run refuses several ranks until the learner's NCCL path is built (docs/multi-gpu.md).
+        // mtrl run starts its ranks itself, in one process ([learner] ranks); a launcher's world
+        // of several processes it does not join yet (docs/multi-gpu.md).
         snprintf(line, cap, "; launch: %s; GPU %d%s\n", what, gpu,
-                 l.world > 1 ? " (mtrl run trains one rank only: docs/multi-gpu.md)" : "");
+                 l.world > 1 ? " (mtrl run does not join a launcher's world of processes: it starts [learner] ranks "
+                               "itself, docs/multi-gpu.md)" : "");
     }
     return 1;
 }
@@ -49,6 +52,7 @@ int cmd_check(int argc, char **argv) {
                    "and prints the resolved config, after the env's tool list (its describe(), as comments).\n"
                    "Under torchrun or srun (RANK/WORLD_SIZE or SLURM_PROCID set) it also prints the rank and\n"
                    "GPU this process would take, and refuses a launch that disagrees with itself (exit 2).\n"
+                   "With several learner ranks ([learner] ranks, gpus) it says where they run.\n"
                    "--keys lists every key with its type, default, range and help.\n", CHECK_USAGE);
             return 0;
         }
@@ -71,6 +75,9 @@ int cmd_check(int argc, char **argv) {
     if (!cli_env_check("check", path, &cfg, &tools)) return 2;
     char *ini = mtrl_config_to_ini(&cfg);
     printf("; resolved from %s, config hash %016" PRIx64 "\n%s", path, mtrl_config_hash(&cfg), launch);
+    // Several learner ranks: where they run (the load refused keys that disagree when ranks is set).
+    char ranks[400];
+    if (mtrl_learner_ranks_describe(&cfg, ranks, sizeof ranks) > 1) printf("; learner: %s\n", ranks);
     // The env's describe(): what its tools are, for the experiment's author (comments, so the
     // output stays an experiment that passes check again). The model sees only the prompts.
     if (tools) {

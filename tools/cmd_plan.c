@@ -6,7 +6,7 @@
 //
 // Defaults: T = the longest stage context (else [actor] max_tokens); B = that stage's episodes per
 // step (group_size x batch_groups); the device of [model] device; the budget = the device's free
-// memory now. With several [learner] gpus: the per-rank plan (learner/dist_plan.h: episodes,
+// memory now. With several learner ranks ([learner] ranks or gpus): the per-rank plan (learner/dist_plan.h: episodes,
 // tokens and units per rank, experts per rank, shard bytes per rank) and the memory plan of the
 // busiest rank's share. Exit 0 with the plan, 1 when nothing fits (the message says what the
 // least needs), 2 for bad usage.
@@ -17,6 +17,7 @@
 #include "common/config.h"
 #include "learner/dist_ep.h"
 #include "learner/dist_plan.h"
+#include "learner/learner_ranks.h"
 #include "model/model_plan.h"
 #include "common/tokenizer.h"
 #include "tools/cli.h"
@@ -75,8 +76,9 @@ static int plan_ranks_(const mtrl_model_dims *d, int dev, long tokens, int batch
                (double)(2 * sh.shard_bytes) / (1 << 30), (double)p.adam / (1 << 30), (double)zero1 / (1 << 30),
                p.budget && zero1 + p.margin > p.budget ? "does not fit the budget" : "fits the budget");
     }
-    printf("the multi-GPU learner's NCCL path is not built yet: this is the partition it will run "
-           "(docs/multi-gpu.md)\n");
+    // The data-parallel step is what mtrl run trains; expert parallel is not in the step yet.
+    printf("mtrl run trains this split data parallel, the moments sharded; the expert-parallel ownership above is "
+           "not in its step yet (docs/multi-gpu.md)\n");
     mtrl_dist_shards_free(&sh);
     mtrl_tt_free(&t);
     mtrl_dist_split_free(&split);
@@ -102,9 +104,9 @@ int cmd_plan(int argc, char **argv) {
                    "  --batch B       episodes per learner step (default: that stage's group_size x batch_groups)\n"
                    "  --device D      cpu, cuda or cuda:N (default: [model] device)\n"
                    "  --budget-gib G  memory to plan for (default: the device's free memory now)\n"
-                   "With several [learner] gpus (--set learner.gpus=0,1,...): the per-rank plan, the batch's\n"
-                   "episodes split over the ranks by tokens, the experts and the ZeRO shard of each rank, and the\n"
-                   "memory plan of the busiest rank's share.\n"
+                   "With several learner ranks (--set learner.ranks=N, or learner.gpus=0,1,...): the per-rank plan,\n"
+                   "the batch's episodes split over the ranks by tokens, the experts and the ZeRO shard of each\n"
+                   "rank, and the memory plan of the busiest rank's share.\n"
                    "Exit 1 when nothing fits, with what the least needs.\n",
                    PLAN_USAGE);
             return 0;
@@ -171,8 +173,13 @@ int cmd_plan(int argc, char **argv) {
     }
     printf("experiment %s: model preset %s, %d layers (%s), d=%d, %d experts top-%d\n", path, cfg.model.preset, d.L,
            d.mixer, d.d, d.E, d.k);
-    int gpus[MTRL_CFG_GPUS_MAX], ranks = mtrl_config_gpus(&cfg, gpus, NULL, 0);
-    if (ranks > 1) return plan_ranks_(&d, dev, tokens, (int)batch, budget, gpus, ranks);
+    // The learner's ranks ([learner] ranks, gpus: mtrl_config_ranks); GPUs listed for a CPU
+    // experiment still plan one rank per id (the learner refuses to run them).
+    int gpus[MTRL_CFG_GPUS_MAX], ranks = mtrl_config_ranks(&cfg, gpus, NULL, 0);
+    char what[400];
+    if (ranks > 1 && mtrl_learner_ranks_describe(&cfg, what, sizeof what) > 1) printf("learner: %s\n", what);
+    if (ranks < 0) ranks = mtrl_config_gpus(&cfg, gpus, NULL, 0);
+    if (ranks > 1) return plan_ranks_(&d, dev, tokens, (int)batch, budget, gpus[0] >= 0 ? gpus : NULL, ranks);
     mtrl_model_plan p;
     mtrl_status st = mtrl_model_plan_uniform(&p, &d, dev, tokens, (int)batch, budget, &err);
     mtrl_model_plan_print(&p, stdout);

@@ -1,0 +1,477 @@
+// learner_ranks.c: the learner's data-parallel ranks in one process (see learner_ranks.h).
+//
+// One mutex and one condition variable (on the monotonic clock) hold the whole protocol: rank 0
+// writes the job and bumps `seq`; each follower, waiting for a new seq, runs it and writes its
+// status and `done = seq`; rank 0 waits until every follower's done is seq, or a deadline. The
+// batch, config and algorithm are rank 0's, read by every rank during the job and untouched by
+// rank 0 until all are done (the step reads its episodes only).
+#include "learner/learner_ranks.h"
+
+#include <errno.h>
+#include <omp.h>
+#include <pthread.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+#include "common/check.h"
+#include "common/log.h"
+#include "learner/dist_ckpt.h"
+#include "learner/dist_comm.h"
+#include "learner/dist_dp.h"
+#include "model/qb.h"
+
+typedef enum { JOB_NONE, JOB_RL, JOB_SFT, JOB_RESET, JOB_SAVE, JOB_STOP } job_kind;
+
+static const char *const job_name_[] = {"", "RL step", "supervised step", "optimizer reset", "checkpoint shards", "stop"};
+
+typedef struct job_ {
+    job_kind kind;
+    const mtrl_config *cfg;
+    const mtrl_algo_config *algo;
+    mtrl_traj *const *eps;
+    int n;
+    double lr;
+    const char *index;       // JOB_SAVE: the index path (the rank files are beside it)
+    mtrl_step_stats *st;     // rank 0's (JOB_RL)
+    double *loss;            // rank 0's (JOB_SFT, nullable)
+} job_;
+
+typedef struct rank_ {
+    struct mtrl_learner_ranks *g;
+    int rank, gpu;
+    pthread_t th;
+    int started;
+    mtrl_model own;          // a follower's replica
+    mtrl_model *m;           // &own, or rank 0's model
+    mtrl_dist_comm *comm;
+    mtrl_dist_dp dp;
+    int have_dp;
+    mtrl_step_stats stats;   // a follower's (the same values as rank 0's)
+    long steps;              // step jobs run (the test hook counts them)
+    long fail_at;            // > 0: fail step job number fail_at (tests)
+    // under g->mu:
+    uint64_t done;           // the last job seq finished
+    int ready, exited;       // set up (or failed to: st), thread ended
+    mtrl_status st;          // of the set-up, then of the last job
+    mtrl_error err;
+} rank_;
+
+// The unique id of NCCL from rank 0 to the others inside the process.
+typedef struct boot_mem_ {
+    unsigned char id[512];
+    size_t bytes;
+    int ready;
+} boot_mem_;
+
+struct mtrl_learner_ranks {
+    int R, device, threads, timeout_ms;
+    int dead;                // a step failed: the world is dead
+    char why_dead[MTRL_ERROR_MSG_MAX];
+    mtrl_dist_world *world;  // the local backend's (CPU)
+    const void *blob;        // rank 0's state while the followers load it
+    size_t blob_len;
+    boot_mem_ boot;
+    pthread_mutex_t mu;
+    pthread_cond_t cv;
+    job_ job;
+    uint64_t seq;
+    rank_ rk[MTRL_DIST_RANKS_MAX];
+};
+
+// ---- waiting ----------------------------------------------------------------------------------
+
+static struct timespec deadline_(int ms) {
+    struct timespec t;
+    clock_gettime(CLOCK_MONOTONIC, &t);
+    t.tv_sec += ms / 1000;
+    t.tv_nsec += (long)(ms % 1000) * 1000000L;
+    if (t.tv_nsec >= 1000000000L) t.tv_sec++, t.tv_nsec -= 1000000000L;
+    return t;
+}
+
+// Waits on g->cv (g->mu held) until `at`; 0 when it passed.
+static int wait_until_(mtrl_learner_ranks *g, const struct timespec *at) {
+    return pthread_cond_timedwait(&g->cv, &g->mu, at) != ETIMEDOUT;
+}
+
+static mtrl_status boot_mem_fn_(void *user, int rank, int ranks, void *id, size_t id_bytes, int timeout_ms,
+                                mtrl_error *err) {
+    (void)ranks;
+    mtrl_learner_ranks *g = user;
+    if (id_bytes > sizeof g->boot.id)
+        return mtrl_error_set(err, MTRL_ERR_USAGE, "learner ranks: an NCCL id of %zu bytes (at most %zu)", id_bytes,
+                              sizeof g->boot.id);
+    pthread_mutex_lock(&g->mu);
+    mtrl_status s = MTRL_OK;
+    if (rank == 0) {
+        memcpy(g->boot.id, id, id_bytes);
+        g->boot.bytes = id_bytes;
+        g->boot.ready = 1;
+        pthread_cond_broadcast(&g->cv);
+    } else {
+        struct timespec at = deadline_(timeout_ms);
+        while (!g->boot.ready && wait_until_(g, &at)) {}
+        if (g->boot.ready) memcpy(id, g->boot.id, id_bytes);
+        else s = mtrl_error_set(err, MTRL_ERR_TIMEOUT, "learner rank %d: no NCCL id from rank 0 within %d ms", rank, timeout_ms);
+    }
+    pthread_mutex_unlock(&g->mu);
+    return s;
+}
+
+// ---- one rank ---------------------------------------------------------------------------------
+
+// The rank's communicator and step state (and, for a follower, its replica of rank 0's state).
+static mtrl_status rank_setup_(rank_ *k, mtrl_error *err) {
+    mtrl_learner_ranks *g = k->g;
+    mtrl_status s = g->device == MTRL_DEVICE_CPU
+                        ? mtrl_dist_comm_init_local(&k->comm, g->world, k->rank, err)
+                        : mtrl_dist_comm_init_nccl(&k->comm, g->R, k->rank, k->gpu, NULL, g->timeout_ms, boot_mem_fn_, g, err);
+    if (s == MTRL_OK && k->rank > 0) {
+        const mtrl_model *m0 = g->rk[0].m;
+        mtrl_model_dims d = m0->dims;
+        s = mtrl_model_init_on(&k->own, &d, 0, g->device, k->gpu, err);
+        if (s == MTRL_OK) {
+            k->m = &k->own;
+            mtrl_qb_set_mode(&k->own, m0->qb_mode);
+            mtrl_ckpt c;
+            s = mtrl_ckpt_open_mem(&c, g->blob, g->blob_len, err);
+            if (s == MTRL_OK) {
+                s = mtrl_model_load(&k->own, &c, 1, err); // parameters, moments, β, step, version
+                mtrl_ckpt_close(&c);
+            }
+        }
+    }
+    if (s == MTRL_OK && (s = mtrl_dist_dp_init(&k->dp, k->comm, k->m, err)) == MTRL_OK) k->have_dp = 1;
+    return s;
+}
+
+static void rank_teardown_(rank_ *k) {
+    if (k->have_dp) mtrl_dist_dp_free(&k->dp);
+    k->have_dp = 0;
+    mtrl_dist_comm_free(k->comm);
+    k->comm = NULL;
+    if (k->m == &k->own) mtrl_model_free(&k->own);
+    k->m = NULL;
+}
+
+// Rank k's part of job j.
+static mtrl_status rank_job_(rank_ *k, const job_ *j, mtrl_error *err) {
+    switch (j->kind) {
+    case JOB_RL:
+    case JOB_SFT:
+        k->steps++;
+        if (k->fail_at > 0 && k->steps == k->fail_at)
+            return mtrl_error_set(err, MTRL_ERR_PEER, "failure injected by a test at its step job %ld (the step not run)",
+                                  k->steps);
+        if (j->kind == JOB_RL) {
+            mtrl_step_stats *st = k->rank == 0 ? j->st : &k->stats;
+            if (k->rank) st->loads = NULL;
+            return mtrl_dist_dp_rl_step(&k->dp, k->m, j->cfg, j->algo, j->eps, j->n, st, err);
+        }
+        return mtrl_dist_dp_sft_step(&k->dp, k->m, j->cfg, j->eps, j->n, j->lr, k->rank == 0 ? j->loss : NULL, err);
+    case JOB_RESET:
+        mtrl_model_optimizer_reset(k->m);
+        return MTRL_OK;
+    case JOB_SAVE: {
+        mtrl_model_to_host(k->m); // a GPU replica's moments and parameters into its host mirror
+        const mtrl_dist_shards *sh = &k->dp.shards;
+        size_t at = sh->rank[k->rank].begin < sh->total ? sh->rank[k->rank].begin : sh->total;
+        return mtrl_dist_ckpt_write_rank(j->index, sh, &k->m->params, k->rank, (const char *)k->m->params.base + at,
+                                         (const char *)k->m->adam_m + at, (const char *)k->m->adam_v + at, err);
+    }
+    default:
+        return MTRL_OK;
+    }
+}
+
+static void *follower_main_(void *p) {
+    rank_ *k = p;
+    mtrl_learner_ranks *g = k->g;
+    omp_set_num_threads(g->threads);
+    mtrl_error err = {0};
+    mtrl_status s = rank_setup_(k, &err);
+    pthread_mutex_lock(&g->mu);
+    k->st = s;
+    k->err = err;
+    k->ready = 1;
+    pthread_cond_broadcast(&g->cv);
+    // No job is posted before every rank is set up, so the first to see is seq 1: a stop posted
+    // while this rank was still setting up (another rank failed) is seen too.
+    uint64_t seen = 0;
+    while (s == MTRL_OK) {
+        while (g->seq == seen) pthread_cond_wait(&g->cv, &g->mu);
+        seen = g->seq;
+        job_ j = g->job;
+        if (j.kind == JOB_STOP) break;
+        pthread_mutex_unlock(&g->mu);
+        mtrl_error e = {0};
+        mtrl_status js = rank_job_(k, &j, &e);
+        pthread_mutex_lock(&g->mu);
+        k->st = js;
+        k->err = e;
+        k->done = seen;
+        pthread_cond_broadcast(&g->cv);
+    }
+    pthread_mutex_unlock(&g->mu);
+    rank_teardown_(k);
+    pthread_mutex_lock(&g->mu);
+    k->exited = 1;
+    pthread_cond_broadcast(&g->cv);
+    pthread_mutex_unlock(&g->mu);
+    return NULL;
+}
+
+// ---- rank 0's side ------------------------------------------------------------------------------
+
+// The error of a job that failed on some ranks: the first rank whose own cause it is (not a
+// timeout waiting for another, nor a world already dead), else the first that failed.
+static mtrl_status combine_(mtrl_learner_ranks *g, const char *what, mtrl_error *err) {
+    int cause = -1, failed = 0;
+    for (int r = 0; r < g->R; r++) {
+        mtrl_status s = g->rk[r].st;
+        if (s == MTRL_OK) continue;
+        failed++;
+        if (cause < 0 || ((g->rk[cause].st == MTRL_ERR_TIMEOUT || g->rk[cause].st == MTRL_ERR_STATE) &&
+                          s != MTRL_ERR_TIMEOUT && s != MTRL_ERR_STATE))
+            cause = r;
+    }
+    if (cause < 0) return MTRL_OK;
+    int other = -1;
+    for (int r = 0; r < g->R && other < 0; r++)
+        if (r != cause && g->rk[r].st != MTRL_OK) other = r;
+    if (other >= 0)
+        return mtrl_error_set(err, g->rk[cause].st, "learner rank %d of %d failed its %s: %.400s (%d of the %d ranks "
+                              "failed; rank %d: %.300s)", cause, g->R, what, g->rk[cause].err.msg, failed, g->R, other,
+                              g->rk[other].err.msg);
+    return mtrl_error_set(err, g->rk[cause].st, "learner rank %d of %d failed its %s: %.600s", cause, g->R, what,
+                          g->rk[cause].err.msg);
+}
+
+// Posts job j to the followers, runs rank 0's part, waits for theirs (at most the rank timeout
+// after rank 0's ended, plus 5 s) and returns the combined status.
+static mtrl_status run_job_(mtrl_learner_ranks *g, const job_ *j, mtrl_error *err) {
+    if (g->dead)
+        return mtrl_error_set(err, MTRL_ERR_STATE, "learner ranks: no %s after a failed step: %.600s", job_name_[j->kind],
+                              g->why_dead);
+    pthread_mutex_lock(&g->mu);
+    g->job = *j;
+    uint64_t seq = ++g->seq;
+    pthread_cond_broadcast(&g->cv);
+    pthread_mutex_unlock(&g->mu);
+    rank_ *k0 = &g->rk[0];
+    mtrl_error e0 = {0};
+    mtrl_status s0 = rank_job_(k0, j, &e0);
+    pthread_mutex_lock(&g->mu);
+    k0->st = s0;
+    k0->err = e0;
+    struct timespec at = deadline_(g->timeout_ms + 5000);
+    int late = 0;
+    for (int r = 1; r < g->R; r++) {
+        rank_ *k = &g->rk[r];
+        while (k->done != seq && wait_until_(g, &at)) {}
+        if (k->done != seq) {
+            late = 1;
+            k->st = mtrl_error_set(&k->err, MTRL_ERR_TIMEOUT, "did not finish within %d ms of rank 0", g->timeout_ms + 5000);
+        }
+    }
+    mtrl_status s = combine_(g, job_name_[j->kind], err);
+    pthread_mutex_unlock(&g->mu);
+    // A failed step leaves the replicas undefined; a follower still busy misses the next job
+    // (and may still read the batch: only a rank stuck in its own compute past the deadline).
+    if (s != MTRL_OK && (j->kind == JOB_RL || j->kind == JOB_SFT || late)) {
+        g->dead = 1;
+        snprintf(g->why_dead, sizeof g->why_dead, "%s", err->msg);
+    }
+    return s;
+}
+
+int mtrl_learner_ranks_describe(const mtrl_config *cfg, char *buf, size_t cap) {
+    int gpu[MTRL_CFG_GPUS_MAX];
+    char why[400];
+    int R = mtrl_config_ranks(cfg, gpu, why, sizeof why);
+    if (R < 0) {
+        snprintf(buf, cap, "%s", why);
+        return -1;
+    }
+    if (gpu[0] < 0) {
+        snprintf(buf, cap, "%d data-parallel learner rank%s: %s", R, R == 1 ? "" : "s",
+                 R == 1 ? "the learner's own thread on the CPU" : "threads of one process on the CPU (local backend)");
+        return R;
+    }
+    char ids[400] = "";
+    size_t n = 0;
+    for (int r = 0; r < R && n < sizeof ids; r++) n += (size_t)snprintf(ids + n, sizeof ids - n, "%s%d", r ? "," : "", gpu[r]);
+    snprintf(buf, cap, "%d data-parallel learner rank%s on GPU%s %s%s", R, R == 1 ? "" : "s", R == 1 ? "" : "s", ids,
+             R == 1 ? "" : " (one thread each, NCCL)");
+    return R;
+}
+
+mtrl_status mtrl_learner_ranks_init(mtrl_learner_ranks **out, mtrl_model *m0, const mtrl_config *cfg, mtrl_error *err) {
+    *out = NULL;
+    int gpu[MTRL_CFG_GPUS_MAX];
+    char why[400];
+    int R = mtrl_config_ranks(cfg, gpu, why, sizeof why);
+    if (R < 0) return mtrl_error_set(err, MTRL_ERR_USAGE, "%s: %s", cfg->path, why);
+    int device = gpu[0] < 0 ? MTRL_DEVICE_CPU : MTRL_DEVICE_CUDA;
+    if (m0->device != device || (device == MTRL_DEVICE_CUDA && m0->gpu != gpu[0]))
+        return mtrl_error_set(err, MTRL_ERR_USAGE, "learner ranks: rank 0's model is on %s, [learner] ranks / gpus put "
+                              "rank 0 on %s", m0->device == MTRL_DEVICE_CPU ? "the CPU" : "a GPU",
+                              device == MTRL_DEVICE_CPU ? "the CPU" : "another device");
+    mtrl_learner_ranks *g = xcalloc(1, sizeof *g);
+    g->R = R;
+    g->device = device;
+    // [learner] threads is each rank's; its default (the cores shared with the actors) is
+    // shared by the ranks too, so that R ranks of the CPU do not oversubscribe it R times.
+    g->threads = mtrl_config_threads(cfg);
+    if (cfg->learner.threads == 0 && device == MTRL_DEVICE_CPU) g->threads = g->threads / R > 1 ? g->threads / R : 1;
+    omp_set_num_threads(g->threads); // rank 0's, the caller's thread
+    g->timeout_ms = (int)cfg->learner.rank_timeout_ms;
+    pthread_mutex_init(&g->mu, NULL);
+    pthread_condattr_t ca;
+    pthread_condattr_init(&ca);
+    pthread_condattr_setclock(&ca, CLOCK_MONOTONIC);
+    pthread_cond_init(&g->cv, &ca);
+    pthread_condattr_destroy(&ca);
+    for (int r = 0; r < R; r++) g->rk[r] = (rank_){.g = g, .rank = r, .gpu = gpu[r]};
+    g->rk[0].m = m0;
+    mtrl_status s = MTRL_OK;
+    if (device == MTRL_DEVICE_CPU) s = mtrl_dist_world_init(&g->world, R, g->timeout_ms, err);
+    void *blob = NULL;
+    size_t len = 0;
+    // Rank 0's whole state, which every follower loads: the replicas start equal.
+    if (s == MTRL_OK && R > 1) s = mtrl_model_save(m0, NULL, &blob, &len, 1, NULL, 0, err);
+    g->blob = blob;
+    g->blob_len = len;
+    for (int r = 1; r < R && s == MTRL_OK; r++) {
+        if (pthread_create(&g->rk[r].th, NULL, follower_main_, &g->rk[r]) != 0) {
+            s = mtrl_error_set(err, MTRL_ERR_NOMEM, "learner rank %d: cannot start its thread", r);
+            break;
+        }
+        g->rk[r].started = 1;
+    }
+    if (s == MTRL_OK) {
+        mtrl_error e0 = {0};
+        g->rk[0].st = rank_setup_(&g->rk[0], &e0);
+        g->rk[0].err = e0;
+        pthread_mutex_lock(&g->mu);
+        for (int r = 1; r < R; r++)
+            while (!g->rk[r].ready) pthread_cond_wait(&g->cv, &g->mu); // each set-up ends (NCCL's init has its timeout)
+        s = combine_(g, "start", err);
+        pthread_mutex_unlock(&g->mu);
+    }
+    free(blob);
+    g->blob = NULL;
+    if (s != MTRL_OK) {
+        mtrl_learner_ranks_free(g);
+        return s;
+    }
+    *out = g;
+    return MTRL_OK;
+}
+
+void mtrl_learner_ranks_free(mtrl_learner_ranks *g) {
+    if (!g) return;
+    pthread_mutex_lock(&g->mu);
+    g->job = (job_){.kind = JOB_STOP};
+    g->seq++;
+    pthread_cond_broadcast(&g->cv);
+    struct timespec at = deadline_(g->timeout_ms + 5000);
+    int stuck = 0;
+    for (int r = 1; r < g->R; r++) {
+        rank_ *k = &g->rk[r];
+        if (!k->started) continue;
+        while (!k->exited && wait_until_(g, &at)) {}
+        stuck += !k->exited;
+    }
+    pthread_mutex_unlock(&g->mu);
+    if (stuck) {
+        // Joining would hang the process: the stuck threads and what they use stay behind.
+        LOG_ERROR("learner ranks: %d follower thread(s) did not stop within %d ms; left running", stuck, g->timeout_ms + 5000);
+        for (int r = 1; r < g->R; r++)
+            if (g->rk[r].started && !g->rk[r].exited) pthread_detach(g->rk[r].th);
+            else if (g->rk[r].started) pthread_join(g->rk[r].th, NULL);
+        return;
+    }
+    for (int r = 1; r < g->R; r++)
+        if (g->rk[r].started) pthread_join(g->rk[r].th, NULL);
+    rank_teardown_(&g->rk[0]); // rank 0's model stays the caller's
+    mtrl_dist_world_free(g->world);
+    pthread_cond_destroy(&g->cv);
+    pthread_mutex_destroy(&g->mu);
+    free(g);
+}
+
+int mtrl_learner_ranks_count(const mtrl_learner_ranks *g) { return g->R; }
+const char *mtrl_learner_ranks_backend(const mtrl_learner_ranks *g) { return g->device == MTRL_DEVICE_CPU ? "local" : "nccl"; }
+int mtrl_learner_ranks_failed(const mtrl_learner_ranks *g) { return g->dead; }
+
+mtrl_status mtrl_learner_ranks_rl_step(mtrl_learner_ranks *g, const mtrl_config *cfg, const mtrl_algo_config *a,
+                                       mtrl_traj *const *eps, int n, mtrl_step_stats *st, mtrl_error *err) {
+    job_ j = {.kind = JOB_RL, .cfg = cfg, .algo = a, .eps = eps, .n = n, .st = st};
+    return run_job_(g, &j, err);
+}
+
+mtrl_status mtrl_learner_ranks_sft_step(mtrl_learner_ranks *g, const mtrl_config *cfg, mtrl_traj *const *eps, int n,
+                                        double lr, double *loss, mtrl_error *err) {
+    job_ j = {.kind = JOB_SFT, .cfg = cfg, .eps = eps, .n = n, .lr = lr, .loss = loss};
+    return run_job_(g, &j, err);
+}
+
+mtrl_status mtrl_learner_ranks_optimizer_reset(mtrl_learner_ranks *g, mtrl_error *err) {
+    job_ j = {.kind = JOB_RESET};
+    return run_job_(g, &j, err);
+}
+
+mtrl_status mtrl_learner_ranks_save(mtrl_learner_ranks *g, const char *index_path, const char *const *meta, int n_meta,
+                                    mtrl_error *err) {
+    job_ j = {.kind = JOB_SAVE, .index = index_path};
+    mtrl_status s = run_job_(g, &j, err);
+    if (s != MTRL_OK) return s;
+    // Every rank file is on disk: the index, with what every rank holds alike.
+    const mtrl_model *m0 = g->rk[0].m;
+    _Static_assert(sizeof(real) == sizeof(float), "QB β is saved as fp32");
+    mtrl_ckpt_entry beta = {.name = "qb_beta", .dtype = MTRL_DT_F32, .ndim = 2,
+                            .data = m0->qb_beta, .nbytes = sizeof(real) * (size_t)m0->dims.L * (size_t)m0->dims.E};
+    beta.shape[0] = m0->dims.L;
+    beta.shape[1] = m0->dims.E;
+    char step[32], version[32];
+    snprintf(step, sizeof step, "%ld", m0->step);
+    snprintf(version, sizeof version, "%u", m0->version);
+    const char **kv = xcalloc((size_t)(2 * n_meta + 4), sizeof(char *));
+    kv[0] = "step"; kv[1] = step;
+    kv[2] = "version"; kv[3] = version;
+    for (int i = 0; i < 2 * n_meta; i++) kv[4 + i] = meta[i];
+    s = mtrl_dist_ckpt_write_index(index_path, &g->rk[0].dp.shards, &m0->params, &beta, 1, kv, n_meta + 2, err);
+    free(kv);
+    if (s != MTRL_OK) return mtrl_error_wrap(err, "learner rank 0 of %d, the checkpoint's index", g->R);
+    return MTRL_OK;
+}
+
+mtrl_status mtrl_learner_ranks_load_moments(mtrl_model *m, const char *index_path, mtrl_error *err) {
+    mtrl_dist_ckpt c;
+    mtrl_status s = mtrl_dist_ckpt_open(&c, index_path, &m->params, err);
+    if (s != MTRL_OK) return s;
+    const char *step = mtrl_ckpt_meta(&c.index, "step");
+    mtrl_dist_shards one; // one rank's layout: the whole blocks
+    s = step ? mtrl_dist_shards_make(&one, &m->params, 1, MTRL_DIST_SHARD_ALIGN, err)
+             : mtrl_error_set(err, MTRL_ERR_FORMAT, "%s: no step metadata: not a learner's sharded optimizer state", index_path);
+    if (s == MTRL_OK) {
+        s = mtrl_dist_ckpt_read_shard(&c, &one, 0, NULL, m->adam_m, m->adam_v, err);
+        mtrl_dist_shards_free(&one);
+    }
+    if (s == MTRL_OK) {
+        m->step = strtol(step, NULL, 10);
+        mtrl_model_to_device(m); // the moments (and the mirror's parameters, unchanged) onto a GPU
+    }
+    mtrl_dist_ckpt_close(&c);
+    return s;
+}
+
+void mtrl_learner_ranks_test_fail(mtrl_learner_ranks *g, int rank, long job) {
+    MTRL_CHECKF(rank >= 0 && rank < g->R && job > 0, "rank %d of %d, job %ld", rank, g->R, job);
+    pthread_mutex_lock(&g->mu);
+    g->rk[rank].fail_at = g->rk[rank].steps + job;
+    pthread_mutex_unlock(&g->mu);
+}

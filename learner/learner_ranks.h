@@ -1,0 +1,106 @@
+// learner_ranks.h: the learner's data-parallel ranks inside the `mtrl run` process (issue 27,
+// docs/multi-gpu.md).
+//
+// With [learner] ranks (or several [learner] gpus) resolving to R > 1 (common/config.h
+// mtrl_config_ranks), the learner trains on R ranks of one host:
+//   - rank 0 is the learner loop's own thread and model (learner.c: the actors' episodes,
+//     rewards, the run store, weight publishing, logging, checkpoints);
+//   - ranks 1 .. R-1 are follower threads started here, each with a replica of rank 0's model
+//     made from rank 0's whole state at the start (parameters, both AdamW moments, β, step,
+//     version: the replicas begin equal, whatever rank 0 was loaded from) and its own
+//     learner/dist_dp.h step state.
+// Each call below is one job: rank 0 posts it (the SAME batch, config and learning rate for
+// every rank), runs its own part in the caller's thread, then waits for every follower's. The
+// jobs: an RL step (mtrl_dist_dp_rl_step), a supervised warm-up step (_sft_step), an optimizer
+// reset (RL starts with fresh moments), a checkpoint's shards, and stop (mtrl_learner_ranks_free).
+//
+// Where the ranks run:
+//   [model] device = cpu   R threads on the CPU, the local backend (mtrl_dist_comm_init_local:
+//                          sums in rank order, the same bits every run): what the CPU tests and
+//                          CI run end to end.
+//   [model] device = cuda  rank r on the r-th id of [learner] gpus (or device r), NCCL
+//                          (mtrl_dist_comm_init_nccl, its collectives on the legacy default
+//                          stream; the unique id handed from rank 0 to the others in memory).
+//
+// State kept per rank (dist_dp.h): the AdamW moments of its own ZeRO shard only. So a
+// checkpoint's optimizer state is written sharded (mtrl_learner_ranks_save: every rank its rank
+// file, rank 0 the index last, learner/dist_ckpt.h), and read back by any number of ranks
+// (mtrl_learner_ranks_load_moments reads the whole moments into one model, which the ranks
+// then copy at their start). The parameters are equal on every rank after each step: rank 0's
+// are what the learner publishes and writes as the checkpoint's full parameter file.
+//
+// A failure on any rank (a collective past [learner] rank_timeout_ms, any step or write error)
+// makes the call return it, with a message naming the rank and its cause. After a failed step
+// the world is dead (the replicas may differ): every later job is refused with MTRL_ERR_STATE,
+// and the run stops without a final checkpoint, its last complete one the one to resume. A
+// failed checkpoint write leaves the world alive and no index (nothing names the files).
+//
+//     mtrl_learner_ranks *rk;                     // after rank 0's model is loaded
+//     if (mtrl_learner_ranks_init(&rk, &model, cfg, &err) != MTRL_OK) ... stop
+//     if (mtrl_learner_ranks_rl_step(rk, cfg, &algo, batch, n, &st, &err) != MTRL_OK) ... stop the run
+//     mtrl_learner_ranks_free(rk);                // before rank 0's model
+#ifndef MTRL_LEARNER_RANKS_H
+#define MTRL_LEARNER_RANKS_H
+
+#include <stddef.h>
+
+#include "common/checkpoint.h"
+#include "common/config.h"
+#include "common/status.h"
+#include "learner/train.h"
+
+typedef struct mtrl_learner_ranks mtrl_learner_ranks;
+
+// One line for logs, `mtrl check` and `mtrl plan`: "2 data-parallel learner ranks: threads of
+// one process on the CPU (local backend)" or "... on GPUs 0,1 (NCCL)"; the reason when the keys
+// disagree (mtrl_config_ranks). Returns R, or -1.
+int mtrl_learner_ranks_describe(const mtrl_config *cfg, char *buf, size_t cap);
+
+// Starts ranks 1 .. R-1 of cfg's ranks (R >= 1; [learner] rank_timeout_ms their collectives'
+// limit) with replicas of m0, rank 0's model, which stays the caller's (its thread calls every
+// job). Each rank runs [learner] threads OpenMP threads; with threads = 0 on the CPU the
+// default share (common/config.h mtrl_config_threads) is split over the R ranks (at least 1
+// each), and the caller's thread is set to it too. MTRL_ERR_USAGE naming the keys for ranks the config refuses, or a model on another
+// device than [model] device says; a rank that cannot start (no such GPU, NCCL's init) is
+// named with its error, and nothing is left running.
+mtrl_status mtrl_learner_ranks_init(mtrl_learner_ranks **out, mtrl_model *m0, const mtrl_config *cfg, mtrl_error *err);
+// Stops and joins the followers and frees their replicas (NULL: no-op). A follower that does
+// not stop within the timeout is left behind (logged) with its memory.
+void mtrl_learner_ranks_free(mtrl_learner_ranks *r);
+
+int mtrl_learner_ranks_count(const mtrl_learner_ranks *r);
+const char *mtrl_learner_ranks_backend(const mtrl_learner_ranks *r); // "local" or "nccl"
+// 1 once a step failed: the world is dead and the replicas may differ.
+int mtrl_learner_ranks_failed(const mtrl_learner_ranks *r);
+
+// One RL step of the whole batch eps[0..n-1] on every rank, as mtrl_train_rl_step on one: st
+// is rank 0's statistics (set st->loads before the call to receive the loads), the same as
+// every rank's. rank 0's model (m0) has the new parameters and version.
+mtrl_status mtrl_learner_ranks_rl_step(mtrl_learner_ranks *r, const mtrl_config *cfg, const mtrl_algo_config *a,
+                                       mtrl_traj *const *eps, int n, mtrl_step_stats *st, mtrl_error *err);
+// One supervised step, as mtrl_train_sft_step: *loss (nullable) the mean NLL before the step.
+mtrl_status mtrl_learner_ranks_sft_step(mtrl_learner_ranks *r, const mtrl_config *cfg, mtrl_traj *const *eps, int n,
+                                        double lr, double *loss, mtrl_error *err);
+// Zeroes both AdamW moments on every rank (mtrl_model_optimizer_reset).
+mtrl_status mtrl_learner_ranks_optimizer_reset(mtrl_learner_ranks *r, mtrl_error *err);
+
+// The optimizer state as a sharded checkpoint at index_path (learner/dist_ckpt.h): every rank
+// writes its rank file (its shard of the parameters and both moments) at once, then rank 0 the
+// index with QB β, the metadata "step" (AdamW's) and "version", and the caller's n_meta pairs.
+// The index is written only when every rank file is, so a failed write (named by its rank)
+// leaves nothing that names a partial state.
+mtrl_status mtrl_learner_ranks_save(mtrl_learner_ranks *r, const char *index_path, const char *const *meta,
+                                    int n_meta, mtrl_error *err);
+
+// Reads the whole AdamW moments and step of the sharded checkpoint at index_path (written by
+// any number of ranks) into m (a model of the same layout, on any device), as a one-rank
+// checkpoint would restore them. The layout and every rank file are checked (dist_ckpt.h).
+mtrl_status mtrl_learner_ranks_load_moments(mtrl_model *m, const char *index_path, mtrl_error *err);
+
+// ---- tests only ---------------------------------------------------------------------------------
+// Makes rank `rank` fail its step job number `job` (1: the first RL or supervised step after
+// this call) without running it, as a rank that died would: the others time out in their
+// first collective. Its own error says "failure injected by a test".
+void mtrl_learner_ranks_test_fail(mtrl_learner_ranks *r, int rank, long job);
+
+#endif
