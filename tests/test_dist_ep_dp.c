@@ -20,8 +20,8 @@
 // by segment: forward, recompute and backward rounds of different ranks mixed), and over 3
 // ranks with a recorded routing replayed (R3: the episodes carry routing, [algo]
 // routing_replay on); the supervised step over 3 ranks against mtrl_train_sft_step (its loss,
-// gradients and parameters); with QB on over 3 and 4 ranks: the loads equal one rank's exactly, β the
-// same bits on every rank. Refusals: a dense model (no MoE layer), more ranks than experts.
+// gradients and parameters); with QB on over 3 and 4 ranks, and over 3 with the routing replayed:
+// the loads equal one rank's exactly, β the same bits on every rank. Refusals: a dense model (no MoE layer), more ranks than experts.
 // Each check was seen to fail with the exchange or the step broken on purpose (docs/multi-gpu.md
 // §2 lists how). The model without experts elsewhere is the one-rank reference of every comparison here
 // (mtrl_train_rl_step) and of tests/test_dist_dp.c, test_dist_ep.c and test_model.c.
@@ -322,8 +322,9 @@ static void ep_compare_(int R, const char *extra, int steps, int routed, int sft
 }
 
 // QB on: the loads of the ranks equal one rank's, β the same bits on every rank (and moved).
-static void ep_qb_(int R) {
-    ep_case *c = ep_case_run_(R, "", 1, MTRL_QB_TRAIN, 0, 0);
+// routed: with a recorded routing replayed (R3): the loads are the replayed routing's.
+static void ep_qb_(int R, int routed) {
+    ep_case *c = ep_case_run_(R, routed ? "[algo]\nrouting_replay = true\n" : "", 1, MTRL_QB_TRAIN, routed, 0);
     tdp_ctx *x = &c->e.x;
     size_t LE = (size_t)c->d.L * c->d.E;
     int changed = 0;
@@ -339,8 +340,8 @@ static void ep_qb_(int R) {
         for (int l = c->d.first_dense; l < c->d.L; l++)
             TEST_CLOSE(x->out[r].stats[0].max_violation[l], c->ref.stats[0].max_violation[l], 0, 1e-12);
     }
-    printf("QB over %d ranks: loads equal one rank's, β the same on every rank (%d of %zu entries moved)\n", R, changed,
-           LE);
+    printf("QB over %d ranks%s: loads equal one rank's, β the same on every rank (%d of %zu entries moved)\n", R,
+           routed ? " (R3)" : "", changed, LE);
     ep_case_free_(c, R);
 }
 
@@ -399,7 +400,8 @@ int main(void) {
     ep_compare_(2, "grad_clip = 0.05\nsegment = 64\n", 1, 0, 0, "ep rl clipped seg64");
     ep_compare_(3, "grad_clip = 0.05\n[algo]\nrouting_replay = true\n", 2, 1, 0, "ep rl clipped R3");
     ep_compare_(3, "grad_clip = 0.05\n", 1, 0, 1, "ep sft");
-    ep_qb_(3);
-    ep_qb_(4);
+    ep_qb_(3, 0);
+    ep_qb_(4, 0);
+    ep_qb_(3, 1);
     return test_report();
 }
