@@ -107,7 +107,9 @@ mtrl_status mtrl_dist_dp_init(mtrl_dist_dp *dp, mtrl_dist_comm *comm, const mtrl
 // what holding its own experts alone needs). CPU models on host buffers (the local backend)
 // only: MTRL_ERR_USAGE for a GPU model (the device path: docs/multi-gpu.md §3), a dense one, or
 // fewer experts than ranks (mtrl_dist_experts_make's message). Free with mtrl_dist_dp_free
-// before the model (it detaches the experts from m).
+// before the model (it detaches the experts from m). Until then every training pass of m
+// (mtrl_model_forward, _backward, _train) is collective: called outside the step on one rank,
+// its rounds wait for the others and time out (prefill, logits and decode are not affected).
 mtrl_status mtrl_dist_dp_init_ep(mtrl_dist_dp *dp, mtrl_dist_comm *comm, mtrl_model *m, mtrl_error *err);
 void mtrl_dist_dp_free(mtrl_dist_dp *dp);
 

@@ -299,8 +299,8 @@ typedef struct mtrl_model {
 typedef struct mtrl_model_experts_fn {
     // Y [rows][d] (overwritten) = the experts of X [rows][d], layer `layer`.
     void (*fwd)(void *user, int layer, int rows, const int *offsets, const real *X, real *Y);
-    // dX [rows][d] (overwritten) from the forward's X and dY; the experts' weight gradients go
-    // wherever their owner keeps them (nothing of this model's m->dG but what the owner adds).
+    // dX [rows][d] (overwritten) from the forward's X and dY; the experts' weight gradients are
+    // added by whoever runs them (into this model's m->dG only for the experts it owns).
     void (*bwd)(void *user, int layer, int rows, const int *offsets, const real *X, const real *dY, real *dX);
     void *user;
 } mtrl_model_experts_fn;
