@@ -10,6 +10,7 @@
 #include "learner/dist_dp.h"
 
 #include <math.h>
+#include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -21,7 +22,8 @@
 // The reduce-scatter sums fp32: the learner's blocks are `real` of the fp32 build.
 _Static_assert(sizeof(real) == sizeof(float), "the data-parallel step reduces fp32 gradient blocks");
 
-mtrl_status mtrl_dist_dp_init(mtrl_dist_dp *dp, mtrl_dist_comm *comm, const mtrl_model *m, mtrl_error *err) {
+// What both inits check and set: the communicator's memory against the model's.
+static mtrl_status init_comm_(mtrl_dist_dp *dp, mtrl_dist_comm *comm, const mtrl_model *m, mtrl_error *err) {
     memset(dp, 0, sizeof *dp);
     if (m->inference)
         return mtrl_error_set(err, MTRL_ERR_USAGE, "data-parallel step: an inference model has no gradients to reduce");
@@ -39,24 +41,66 @@ mtrl_status mtrl_dist_dp_init(mtrl_dist_dp *dp, mtrl_dist_comm *comm, const mtrl
     dp->device_buffers = gpu >= 0;
     dp->rank = mtrl_dist_comm_rank(comm);
     dp->ranks = mtrl_dist_comm_ranks(comm);
-    mtrl_status s = mtrl_dist_shards_make(&dp->shards, &m->params, dp->ranks, MTRL_DIST_SHARD_ALIGN, err);
-    if (s != MTRL_OK) return s;
+    return MTRL_OK;
+}
+
+// The ZeRO layout the reduce-scatter and all-gather run over: the whole block's, or with
+// expert parallel the non-expert block's.
+static const mtrl_dist_shards *zero_shards_(const mtrl_dist_dp *dp) { return dp->ep ? &dp->layout.dense : &dp->shards; }
+
+// The padded blocks of the layout and the QB sums.
+static void init_buffers_(mtrl_dist_dp *dp, const mtrl_model *m) {
+    const mtrl_dist_shards *sh = zero_shards_(dp);
     mtrl_backend *be = dp->be;
-    dp->send = be->alloc(be, dp->shards.padded);
-    dp->gather = be->alloc(be, dp->shards.padded);
-    dp->shard = be->alloc(be, dp->shards.shard_bytes);
-    be->zero(be, dp->send, dp->shards.padded); // the padding past the block stays zero
-    be->zero(be, dp->gather, dp->shards.padded);
-    be->zero(be, dp->shard, dp->shards.shard_bytes);
+    dp->send = be->alloc(be, sh->padded);
+    dp->gather = be->alloc(be, sh->padded);
+    dp->shard = be->alloc(be, sh->shard_bytes);
+    be->zero(be, dp->send, sh->padded); // the padding past the block stays zero
+    be->zero(be, dp->gather, sh->padded);
+    be->zero(be, dp->shard, sh->shard_bytes);
     be->sync(be);
     size_t LE = (size_t)m->dims.L * (size_t)m->dims.E;
     dp->qb = xcalloc(2 * LE + (size_t)m->dims.L, sizeof(double));
+}
+
+mtrl_status mtrl_dist_dp_init(mtrl_dist_dp *dp, mtrl_dist_comm *comm, const mtrl_model *m, mtrl_error *err) {
+    mtrl_status s = init_comm_(dp, comm, m, err);
+    if (s != MTRL_OK) return s;
+    if ((s = mtrl_dist_shards_make(&dp->shards, &m->params, dp->ranks, MTRL_DIST_SHARD_ALIGN, err)) != MTRL_OK) return s;
+    init_buffers_(dp, m);
+    return MTRL_OK;
+}
+
+mtrl_status mtrl_dist_dp_init_ep(mtrl_dist_dp *dp, mtrl_dist_comm *comm, mtrl_model *m, mtrl_error *err) {
+    if (m->device != MTRL_DEVICE_CPU) {
+        memset(dp, 0, sizeof *dp);
+        return mtrl_error_set(err, MTRL_ERR_USAGE, "data-parallel step with expert parallel: the model is on GPU %d; "
+                              "only CPU models over the local backend run it (a GPU needs the exchange over NCCL on "
+                              "device buffers: docs/multi-gpu.md §3)", m->gpu);
+    }
+    mtrl_status s = init_comm_(dp, comm, m, err);
+    if (s != MTRL_OK) return s;
+    if (m->dims.n_moe == 0)
+        return mtrl_error_set(err, MTRL_ERR_USAGE, "data-parallel step with expert parallel: the model has no MoE layer");
+    mtrl_dist_experts x;
+    if ((s = mtrl_dist_experts_make(&x, m->dims.E, dp->ranks, err)) != MTRL_OK) return s;
+    if ((s = mtrl_dist_ep_layout_make(&dp->layout, &m->params, &x, MTRL_DIST_SHARD_ALIGN, err)) != MTRL_OK) return s;
+    if ((s = mtrl_dist_ep_wire_init(&dp->wire, m, &x, comm, err)) != MTRL_OK) {
+        mtrl_dist_ep_layout_free(&dp->layout);
+        return s;
+    }
+    dp->ep = 1;
+    init_buffers_(dp, m);
     return MTRL_OK;
 }
 
 void mtrl_dist_dp_free(mtrl_dist_dp *dp) {
     mtrl_backend *be = dp->be;
     mtrl_dist_shards_free(&dp->shards);
+    if (dp->ep) {
+        mtrl_dist_ep_wire_free(&dp->wire);
+        mtrl_dist_ep_layout_free(&dp->layout);
+    }
     if (be) {
         be->release(be, dp->send);
         be->release(be, dp->gather);
@@ -158,6 +202,84 @@ static mtrl_status sharded_adamw_(mtrl_dist_dp *dp, mtrl_model *m, const mtrl_tr
     return MTRL_OK;
 }
 
+// A non-expert piece's bytes, and where it starts in the model's blocks (*block) and in the
+// non-expert block (*dense).
+static size_t piece_at_(const mtrl_dist_ep_layout *L, const mtrl_tt *t, const mtrl_dist_piece *p, size_t *block,
+                        size_t *dense) {
+    size_t es = mtrl_dtype_size(t->items[p->tensor].dtype);
+    *block = t->items[p->tensor].offset + p->begin * es;
+    *dense = L->dense_offset[p->tensor] + p->begin * es;
+    return (p->end - p->begin) * es;
+}
+
+// Steps 3 to 5 with expert-parallel ownership (dist_dp.h mtrl_dist_dp_init_ep): the
+// non-expert tensors through their compact block (layout.dense_offset), the own experts as
+// they are. CPU blocks (the backend's copies are memcpy there), as init_ep allows.
+static mtrl_status ep_adamw_(mtrl_dist_dp *dp, mtrl_model *m, const mtrl_train_adamw *o, double *norm,
+                             mtrl_error *err) {
+    mtrl_backend *be = dp->be;
+    const mtrl_dist_ep_layout *L = &dp->layout;
+    const mtrl_dist_shards *sh = &L->dense;
+    const mtrl_tt *t = &m->params;
+    char *grads = m->d_grads, *params = m->d_params;
+    for (int i = 0; i < t->n; i++)
+        if (L->dense_offset[i] != SIZE_MAX)
+            be->copy(be, dp->send + L->dense_offset[i], grads + t->items[i].offset, t->items[i].nbytes);
+    be->sync(be);
+    mtrl_status s = mtrl_dist_comm_reduce_scatter(dp->comm, (const float *)dp->send, dp->shard,
+                                                  sh->shard_bytes / sizeof(float), err);
+    if (s != MTRL_OK) return s;
+    const mtrl_dist_shard *own = &sh->rank[dp->rank];
+    for (int j = own->first_piece; j < own->first_piece + own->n_piece; j++) {
+        size_t at, dn, bytes = piece_at_(L, t, &sh->piece[j], &at, &dn);
+        be->copy(be, grads + at, (char *)dp->shard + (dn - own->begin), bytes);
+    }
+    // Every piece this rank owns: its experts' (complete from the exchange), then its shard.
+    const mtrl_dist_ep_rank *er = &L->rank[dp->rank];
+    double sq = 0;
+    for (int j = er->first_piece; j < er->first_piece + er->n_piece; j++)
+        sq += mtrl_model_grad_sq_range(m, L->piece[j].tensor, L->piece[j].begin, L->piece[j].end);
+    if ((s = host_allreduce_(dp, &sq, 1, MTRL_DT_F64, err)) != MTRL_OK) return s;
+    *norm = sqrt(sq);
+    real scale = mtrl_model_clip_scale(*norm, o->clip);
+    m->step++;
+    for (int j = er->first_piece; j < er->first_piece + er->n_piece; j++)
+        mtrl_model_adamw_range(m, L->piece[j].tensor, L->piece[j].begin, L->piece[j].end, scale, o->lr, o->beta1,
+                               o->beta2, o->eps, o->weight_decay);
+    for (int j = own->first_piece; j < own->first_piece + own->n_piece; j++) {
+        size_t at, dn, bytes = piece_at_(L, t, &sh->piece[j], &at, &dn);
+        be->copy(be, dp->gather + dn, params + at, bytes);
+    }
+    be->sync(be);
+    if ((s = mtrl_dist_comm_allgather(dp->comm, dp->gather + own->begin, dp->gather, sh->shard_bytes, err)) != MTRL_OK)
+        return s;
+    for (int i = 0; i < t->n; i++)
+        if (L->dense_offset[i] != SIZE_MAX)
+            be->copy(be, params + t->items[i].offset, dp->gather + L->dense_offset[i], t->items[i].nbytes);
+    mtrl_model_params_changed(m);
+    return MTRL_OK;
+}
+
+// The optimizer part of a step: plain ZeRO or with expert-parallel ownership.
+static mtrl_status step_adamw_(mtrl_dist_dp *dp, mtrl_model *m, const mtrl_train_adamw *o, double *norm,
+                               mtrl_error *err) {
+    return dp->ep ? ep_adamw_(dp, m, o, norm, err) : sharded_adamw_(dp, m, o, norm, err);
+}
+
+// With expert parallel, the rounds of the others' passes served once this rank's are done
+// (dist_ep_wire.h); always called, also after a failure, so that no peer waits on this rank's
+// rounds; the first failure wins.
+static mtrl_status ep_finish_(mtrl_dist_dp *dp, mtrl_status s, mtrl_error *err) {
+    if (!dp->ep) return s;
+    mtrl_error e = {0};
+    mtrl_status f = mtrl_dist_ep_wire_finish(&dp->wire, &e);
+    if (s == MTRL_OK && f != MTRL_OK) {
+        if (err) *err = e;
+        return f;
+    }
+    return s;
+}
+
 // Step 7: this step's routing loads and QB sums and counts, added over the ranks.
 static mtrl_status qb_reduce_(mtrl_dist_dp *dp, mtrl_model *m, mtrl_error *err) {
     size_t L = (size_t)m->dims.L, LE = L * (size_t)m->dims.E;
@@ -185,6 +307,7 @@ mtrl_status mtrl_dist_dp_rl_step(mtrl_dist_dp *dp, mtrl_model *m, const mtrl_con
     s = counts_check_(dp, (double)own_mask, (double)k, (double)b.n_mask, (double)n, "loss tokens", err);
     mtrl_model_zero_grads(m);
     if (s == MTRL_OK && k) mtrl_train_rl_backward(m, cfg, a, eps, &b, idx, k);
+    s = ep_finish_(dp, s, err);
     // Every token's log-prob and entropy is written on one rank and zero on the others.
     if (s == MTRL_OK) s = host_allreduce_(dp, b.logp, b.T + 1, MTRL_DT_F32, err);
     if (s == MTRL_OK) s = host_allreduce_(dp, b.ent, b.T + 1, MTRL_DT_F32, err);
@@ -192,7 +315,7 @@ mtrl_status mtrl_dist_dp_rl_step(mtrl_dist_dp *dp, mtrl_model *m, const mtrl_con
         memcpy(b.logp_old, b.logp, sizeof(float) * (b.T + 1)); // π_old: the learner's own log-prob (train.c)
         mtrl_train_rl_stats(a, &b, st);
         mtrl_train_adamw o = mtrl_train_adamw_of(cfg, cfg->learner.lr);
-        s = sharded_adamw_(dp, m, &o, &st->grad_norm, err);
+        s = step_adamw_(dp, m, &o, &st->grad_norm, err);
     }
     if (s == MTRL_OK) s = qb_reduce_(dp, m, err);
     if (s == MTRL_OK) mtrl_train_step_end(m, st);
@@ -215,10 +338,11 @@ mtrl_status mtrl_dist_dp_sft_step(mtrl_dist_dp *dp, mtrl_model *m, const mtrl_co
     mtrl_model_zero_grads(m);
     double sum = 0;
     if (s == MTRL_OK && k) sum = mtrl_train_sft_backward(m, cfg, eps, idx, k, count);
+    s = ep_finish_(dp, s, err);
     if (s == MTRL_OK) s = host_allreduce_(dp, &sum, 1, MTRL_DT_F64, err);
     double norm = 0;
     mtrl_train_adamw o = mtrl_train_adamw_of(cfg, lr);
-    if (s == MTRL_OK) s = sharded_adamw_(dp, m, &o, &norm, err);
+    if (s == MTRL_OK) s = step_adamw_(dp, m, &o, &norm, err);
     if (s == MTRL_OK) s = qb_reduce_(dp, m, err);
     if (s == MTRL_OK) mtrl_train_step_end(m, NULL);
     if (loss) *loss = count ? sum / (double)count : 0;

@@ -56,6 +56,8 @@
 #define MTRL_DIST_DP_H
 
 #include "learner/dist_comm.h"
+#include "learner/dist_ep.h"
+#include "learner/dist_ep_wire.h"
 #include "learner/dist_plan.h"
 #include "learner/train.h"
 
@@ -72,11 +74,43 @@ typedef struct mtrl_dist_dp {
     void *tmp;                // [tmp_bytes] host arrays on their way to a device communicator
     size_t tmp_bytes;
     double *qb;               // [2 L E + L] loads, β sums and batch counts, for the all-reduce (host)
+    // Expert parallel (mtrl_dist_dp_init_ep; ep = 0 for mtrl_dist_dp_init): the ownership of
+    // learner/dist_ep.h, send / gather / shard then hold its non-expert block (shards unused),
+    // and the model's experts run over the ranks through wire.
+    int ep;
+    mtrl_dist_ep_layout layout;
+    mtrl_dist_ep_wire wire;
 } mtrl_dist_dp;
 
 // The step's state for the rank of comm with model m (a training model, CPU or GPU, and a
 // communicator of its memory: see "Devices" above). MTRL_ERR_USAGE naming what is refused.
 mtrl_status mtrl_dist_dp_init(mtrl_dist_dp *dp, mtrl_dist_comm *comm, const mtrl_model *m, mtrl_error *err);
+
+// The same step with the routed experts expert parallel (docs/multi-gpu.md §1): rank r owns
+// the experts first[r] .. first[r+1]-1 of mtrl_dist_experts_make(E, ranks) in every MoE layer
+// and the ZeRO shard of everything else (learner/dist_ep.h's layout). The steps of the DP step
+// above change where the experts are concerned:
+//   2. each rank's forward and backward route its tokens as one rank does, and every MoE layer's
+//      routed rows run on their experts' owners (learner/dist_ep_wire.h, attached to m here;
+//      after its passes a rank serves the others' rows until all are done), so an expert's
+//      gradient is complete on its owner (every rank's tokens) and zero elsewhere;
+//   3. only the non-expert block (the non-expert tensors laid out on their own) is
+//      reduce-scattered, in padded buffers of R x its shard;
+//   4. the global norm: each rank's squared sums over its own experts and its non-expert shard,
+//      all-reduced (every expert counted once, on its owner);
+//   5. AdamW on the own experts and the own shard; the non-expert shards all-gathered, the
+//      experts not (only their owner reads them: every rank's other experts keep their old,
+//      unread values, and their moments stay as they were);
+//   7. QB: the loads and β sums each rank observed on its own tokens, all-reduced once per
+//      step as above: β the same bits on every rank.
+// Each rank still holds the whole parameter, gradient and moment blocks (dist_ep_wire.h says
+// what holding its own experts alone needs). CPU models on host buffers (the local backend)
+// only: MTRL_ERR_USAGE for a GPU model (the device path: docs/multi-gpu.md §3), a dense one, or
+// fewer experts than ranks (mtrl_dist_experts_make's message). Free with mtrl_dist_dp_free
+// before the model (it detaches the experts from m). Until then every training pass of m
+// (mtrl_model_forward, _backward, _train) is collective: called outside the step on one rank,
+// its rounds wait for the others and time out (prefill, logits and decode are not affected).
+mtrl_status mtrl_dist_dp_init_ep(mtrl_dist_dp *dp, mtrl_dist_comm *comm, mtrl_model *m, mtrl_error *err);
 void mtrl_dist_dp_free(mtrl_dist_dp *dp);
 
 // One RL step of the whole batch eps[0..n-1] (the same on every rank), as mtrl_train_rl_step.

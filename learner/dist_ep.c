@@ -1,4 +1,5 @@
 // dist_ep.c: parameter ownership with expert-parallel experts (see dist_ep.h).
+#include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -34,11 +35,15 @@ mtrl_status mtrl_dist_ep_layout_make(mtrl_dist_ep_layout *l, const mtrl_tt *t, c
     }
     mtrl_tt_layout(&d);
     mtrl_status st = mtrl_dist_shards_make(&l->dense, &d, R, align, err);
-    mtrl_tt_free(&d);
     if (st != MTRL_OK) {
+        mtrl_tt_free(&d);
         free(sub);
         return st;
     }
+    l->dense_offset = xmalloc(sizeof(size_t) * (size_t)(t->n ? t->n : 1));
+    for (int i = 0; i < t->n; i++) l->dense_offset[i] = SIZE_MAX;
+    for (int j = 0; j < d.n; j++) l->dense_offset[sub[j]] = d.items[j].offset;
+    mtrl_tt_free(&d);
     for (int j = 0; j < l->dense.n_piece; j++) l->dense.piece[j].tensor = sub[l->dense.piece[j].tensor];
     free(sub);
     l->ranks = R;
@@ -76,6 +81,7 @@ mtrl_status mtrl_dist_ep_layout_make(mtrl_dist_ep_layout *l, const mtrl_tt *t, c
 
 void mtrl_dist_ep_layout_free(mtrl_dist_ep_layout *l) {
     mtrl_dist_shards_free(&l->dense);
+    free(l->dense_offset);
     free(l->piece);
     free(l->held);
     memset(l, 0, sizeof *l);

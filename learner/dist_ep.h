@@ -46,6 +46,8 @@ typedef struct mtrl_dist_ep_layout {
     // by mtrl_tt_layout on their own): its byte ranges are of that block, its pieces' tensor
     // indices are t's.
     mtrl_dist_shards dense;
+    size_t *dense_offset;        // [t->n] tensor i's byte offset in the non-expert block
+                                 // (SIZE_MAX for a routed-expert tensor)
     mtrl_dist_ep_rank rank[MTRL_DIST_RANKS_MAX];
     mtrl_dist_piece *piece;      // owned pieces, rank by rank
     int n_piece;

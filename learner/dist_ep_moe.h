@@ -31,9 +31,11 @@
 // undefined: the step stops.
 //
 // The local backend (ranks as threads, host memory) on a CPU model today: the device path (the
-// NCCL backend on device buffers) and the wiring into the model's full forward / backward and
-// the learner's step are not built (docs/multi-gpu.md §3). Each forward allocates its buffers
-// from the model's backend (released by the next forward or _free), not from a planned arena.
+// NCCL backend on device buffers) is not built (docs/multi-gpu.md §3). Each forward allocates
+// its buffers from the model's backend (released by the next forward or _free), not from a
+// planned arena. The model's training passes inside the learner's step do not call this layer:
+// there the ranks run different segments in different orders, which learner/dist_ep_wire.h's
+// rounds allow (it says why this layer cannot); both run the same model_moe.h phases.
 //
 //     mtrl_dist_experts x;  mtrl_dist_experts_make(&x, m->dims.E, ranks, &err);
 //     mtrl_dist_ep_moe e;

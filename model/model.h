@@ -284,7 +284,31 @@ typedef struct mtrl_model {
     // The patch table the image tokens of the next calls name (mtrl_model_set_patches).
     const uint8_t *img_rows;
     int img_n;
+    // Where the routed experts of the training passes run (mtrl_model_set_experts; NULL: here).
+    const struct mtrl_model_experts_fn *experts;
 } mtrl_model;
+
+// The routed experts of every MoE layer run by someone else (expert parallel: the ranks that own
+// them, learner/dist_ep_wire.h). While set, the training passes (the segments of
+// mtrl_model_forward, _backward and _train, recomputed ones included) route each MoE layer here
+// as always (QB bias, routing replay, the statistics into m's counters) and hand its rows,
+// grouped by expert, to fwd instead of running the experts; the backward hands the same rows and
+// their output gradients to bwd. Prefill, logits and decode never call them. Arrays are backend
+// memory (the host's on the CPU, the only device that takes it); offsets [E+1]: expert e's rows
+// are offsets[e] .. offsets[e+1]-1 of `rows`.
+typedef struct mtrl_model_experts_fn {
+    // Y [rows][d] (overwritten) = the experts of X [rows][d], layer `layer`.
+    void (*fwd)(void *user, int layer, int rows, const int *offsets, const real *X, real *Y);
+    // dX [rows][d] (overwritten) from the forward's X and dY; the experts' weight gradients are
+    // added by whoever runs them (into this model's m->dG only for the experts it owns).
+    void (*bwd)(void *user, int layer, int rows, const int *offsets, const real *X, const real *dY, real *dX);
+    void *user;
+} mtrl_model_experts_fn;
+
+// Sets (fn borrowed until unset) or unsets (fn NULL) m's experts elsewhere. MTRL_ERR_USAGE
+// naming the reason for a model not on the CPU (a GPU path needs the NCCL exchange on the
+// device: docs/multi-gpu.md §3), an inference model or a dense one (no MoE layer).
+mtrl_status mtrl_model_set_experts(mtrl_model *m, const mtrl_model_experts_fn *fn, mtrl_error *err);
 
 // Fills dims from a resolved config's [model] and [kernels] and the vocabulary size. Returns
 // MTRL_OK or MTRL_ERR_USAGE with a message (shapes the model cannot take).

@@ -253,23 +253,32 @@ void mtrl_model_moe_route_bwd(mtrl_model *m, int l, int T, const real *x, const 
     }
 }
 
-void mtrl_model_moe_layer_bwd(mtrl_model *m, mtrl_arena *ar, int l, int T, const real *x, const mtrl_model_moe_rows *r,
-                              const real *dy, real *dx) {
+// The backward of mtrl_model_moe_layer_bwd with the routed experts' part run by fn when set
+// (model.h mtrl_model_set_experts): it gets the forward's rows r->X, which the segment's caches
+// hold, and their output gradients.
+static void moe_layer_bwd_(mtrl_model *m, mtrl_arena *ar, int l, int T, const real *x, const mtrl_model_moe_rows *r,
+                           const real *dy, const mtrl_model_experts_fn *fn, real *dx) {
     const mtrl_model_dims *d = &m->dims;
     int R = T * d->k;
     real *dY = ALLOC((size_t)R * d->d), *dw = ALLOC((size_t)T * d->k);
     real *dX = ALLOC((size_t)R * d->d), *dz = ALLOC((size_t)T * d->E);
     real *dxs = d->n_shared > 0 ? ALLOC((size_t)T * d->d) : NULL;
     mtrl_model_moe_combine_bwd(m, l, T, r, dy, dY, dw);
-    mtrl_model_moe_experts_bwd(m, l, 0, d->E, r->offsets, r->X, r->u1, r->u3, dY, dX);
+    if (fn) fn->bwd(fn->user, l, R, r->offsets, r->X, dY, dX);
+    else mtrl_model_moe_experts_bwd(m, l, 0, d->E, r->offsets, r->X, r->u1, r->u3, dY, dX);
     mtrl_model_moe_route_bwd(m, l, T, x, r, dy, dX, dw, dz, dxs, dx);
+}
+
+void mtrl_model_moe_layer_bwd(mtrl_model *m, mtrl_arena *ar, int l, int T, const real *x, const mtrl_model_moe_rows *r,
+                              const real *dy, real *dx) {
+    moe_layer_bwd_(m, ar, l, T, x, r, dy, NULL, dx);
 }
 
 static void ffn_backward_(mtrl_model *m, mtrl_arena *ar, int l, int T, const layer_cache *c, const real *dout,
                           real *dx2) {
     const mtrl_model_dims *d = &m->dims;
     if (!mtrl_model_is_dense(d, l)) {
-        mtrl_model_moe_layer_bwd(m, ar, l, T, c->x2, &c->moe, dout, dx2);
+        moe_layer_bwd_(m, ar, l, T, c->x2, &c->moe, dout, m->experts, dx2);
         return;
     }
     const mtrl_layer_ptrs *p = &m->dP.layer[l];

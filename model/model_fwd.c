@@ -495,8 +495,12 @@ void mtrl_model_moe_combine_fwd(mtrl_model *m, int l, int T, const real *x, mtrl
     }
 }
 
-void mtrl_model_moe_layer_fwd(mtrl_model *m, mtrl_arena *ar, int l, int T, const real *x, const uint8_t *routing_in,
-                              uint8_t *routing_out, int level, mtrl_model_moe_rows *r, real *y) {
+// The layer of mtrl_model_moe_layer_fwd with its routed experts run by fn when it is set
+// (model.h mtrl_model_set_experts; r->u1, u3 are then carved but left unwritten: the experts'
+// activations live with their owner).
+static void moe_layer_fwd_(mtrl_model *m, mtrl_arena *ar, int l, int T, const real *x, const uint8_t *routing_in,
+                           uint8_t *routing_out, int level, const mtrl_model_experts_fn *fn, mtrl_model_moe_rows *r,
+                           real *y) {
     const mtrl_model_dims *d = &m->dims;
     mtrl_model_moe_rows_carve(d, T, arena_alloc_, ar, r);
     mtrl_model_moe_route_fwd(m, l, T, x, routing_in, routing_out, r);
@@ -505,12 +509,19 @@ void mtrl_model_moe_layer_fwd(mtrl_model *m, mtrl_arena *ar, int l, int T, const
         mtrl_model_moe_observe(m, l, T, r, level, st);
         mtrl_model_moe_observe_add(m, l, st);
     }
-    mtrl_model_moe_experts_fwd(m, l, 0, d->E, T * d->k, r->offsets, r->X, r->u1, r->u3, r->Y);
+    if (fn) fn->fwd(fn->user, l, T * d->k, r->offsets, r->X, r->Y);
+    else mtrl_model_moe_experts_fwd(m, l, 0, d->E, T * d->k, r->offsets, r->X, r->u1, r->u3, r->Y);
     mtrl_model_moe_combine_fwd(m, l, T, x, r, d->n_shared > 0 ? ALLOC((size_t)T * d->d) : NULL, y);
 }
 
+void mtrl_model_moe_layer_fwd(mtrl_model *m, mtrl_arena *ar, int l, int T, const real *x, const uint8_t *routing_in,
+                              uint8_t *routing_out, int level, mtrl_model_moe_rows *r, real *y) {
+    moe_layer_fwd_(m, ar, l, T, x, routing_in, routing_out, level, NULL, r, y);
+}
+
+// fn: the experts elsewhere (model.h mtrl_model_set_experts), for a training segment only.
 static void ffn_forward_(mtrl_model *m, mtrl_arena *ar, int l, int T, const real *x2, layer_cache *c, real *out,
-                         const seg_out *so) {
+                         const seg_out *so, const mtrl_model_experts_fn *fn) {
     const mtrl_model_dims *d = &m->dims;
     const mtrl_layer_ptrs *p = &m->dP.layer[l];
     mtrl_backend *be = m->be;
@@ -523,8 +534,8 @@ static void ffn_forward_(mtrl_model *m, mtrl_arena *ar, int l, int T, const real
     }
     const seg_decode *dec = so ? so->dec : NULL;
     if (!dec) {
-        mtrl_model_moe_layer_fwd(m, ar, l, T, x2, so ? so->routing_in : NULL, so ? so->routing_out : NULL,
-                                 so ? so->qb_stats : 0, &c->moe, out);
+        moe_layer_fwd_(m, ar, l, T, x2, so ? so->routing_in : NULL, so ? so->routing_out : NULL,
+                       so ? so->qb_stats : 0, fn, &c->moe, out);
         return;
     }
     // A decode step: its routing and statistics stay in backend memory (seg_decode).
@@ -641,7 +652,7 @@ void seg_forward(mtrl_model *m, mtrl_arena *ar, int mode, int T, const uint32_t 
         be->rmsnorm_fwd(be, T, D, lc->h_f, m->dP.layer[l].norm2, d->eps, lc->x2, lc->rstd2);
         model_prof_end(m, MTRL_PROF_SITE, t);
         lc->ffn = ALLOC((size_t)T * D);
-        ffn_forward_(m, ar, l, T, lc->x2, lc, lc->ffn, out);
+        ffn_forward_(m, ar, l, T, lc->x2, lc, lc->ffn, out, mode == SEG_CHUNK ? m->experts : NULL);
         pn = prefill ? p_out : ALLOC((size_t)T * D);
         t = model_prof_begin(m);
         be->add(be, (size_t)T * D, p, lc->ffn, pn);

@@ -541,6 +541,21 @@ void mtrl_model_train(mtrl_model *m, const mtrl_batch *b, int segment, real *log
     prof_pass_(m, MTRL_PROF_FWD);
 }
 
+mtrl_status mtrl_model_set_experts(mtrl_model *m, const mtrl_model_experts_fn *fn, mtrl_error *err) {
+    if (fn && m->device != MTRL_DEVICE_CPU)
+        return mtrl_error_set(err, MTRL_ERR_USAGE,
+                              "experts elsewhere (expert parallel): the model is on GPU %d; only a CPU model takes them "
+                              "(the device path needs the NCCL exchange on the model's stream: docs/multi-gpu.md §3)",
+                              m->gpu);
+    if (fn && m->inference)
+        return mtrl_error_set(err, MTRL_ERR_USAGE,
+                              "experts elsewhere (expert parallel): an inference model has no training passes");
+    if (fn && m->dims.n_moe == 0)
+        return mtrl_error_set(err, MTRL_ERR_USAGE, "experts elsewhere (expert parallel): the model has no MoE layer");
+    m->experts = fn;
+    return MTRL_OK;
+}
+
 // ---- inference ---------------------------------------------------------------------------------------------
 
 // The inference scratch: a prefill segment's forward (nothing kept for a backward; keys up to
