@@ -39,3 +39,16 @@ for (stage, steps, rew, succ, eplen, secs) in st:
           (stage, steps, rew, succ, eplen, secs))
 if st:
     print("longest episode:", q("select max(tokens) from episodes"))
+# The time split (learner/perf.h: the seconds of each cycle, logged per step), summed over the run
+# and per stage: where the learner's and the actors' wall time went.
+split = ("learner_wall_seconds", "learner_train_seconds", "learner_wait_seconds", "learner_publish_seconds",
+         "learner_checkpoint_seconds", "actor_wall_seconds", "actor_prefill_seconds", "actor_decode_seconds",
+         "actor_tools_seconds", "actor_wait_seconds")
+names = ",".join("'%s'" % s for s in split)
+tot = dict(q(f"select name, round(sum(value), 1) from metrics where name in ({names}) group by name"))
+if tot:
+    print("time split (s):", ", ".join("%s %s" % (s.replace("_seconds", ""), tot.get(s, 0)) for s in split))
+    for (stage,) in q("select distinct value from metrics where name = 'stage' order by value"):
+        row = dict(q(f"select m.name, round(sum(m.value), 1) from metrics m join metrics s on s.run = m.run and "
+                     f"s.step = m.step and s.name = 'stage' where m.name in ({names}) and s.value = {stage} group by m.name"))
+        print("  stage %d:" % stage, ", ".join("%s %s" % (s.replace("_seconds", ""), row.get(s, 0)) for s in split))
