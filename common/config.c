@@ -631,6 +631,12 @@ static void check_whole_(cfg_parse *ps) {
     int gpus[MTRL_CFG_GPUS_MAX];
     if (mtrl_config_gpus(cfg, gpus, why, sizeof why) < 0)
         errs_add(ps->errs, "%s: [learner] gpus = %s: %s", ps->name, cfg->learner.gpus, why);
+    int n_actor_gpus = mtrl_config_actor_gpus(cfg, gpus, why, sizeof why);
+    if (n_actor_gpus < 0)
+        errs_add(ps->errs, "%s: [actor] gpus = %s: %s", ps->name, cfg->actor.gpus, why);
+    else if (n_actor_gpus > 0 && strncmp(cfg->model.device, "cuda", 4))
+        errs_add(ps->errs, "%s: [actor] gpus = %s needs [model] device = cuda (it is %s: the actors run where the "
+                 "model does)", ps->name, cfg->actor.gpus, cfg->model.device);
     else if (cfg->learner.ranks != 0 && mtrl_config_ranks(cfg, NULL, why, sizeof why) < 0)
         errs_add(ps->errs, "%s: %s", ps->name, why);
     if (cfg->algo.eps_low >= 1.0)
@@ -646,9 +652,11 @@ long mtrl_config_segment(const mtrl_config *cfg) {
     return *s && !*end && !errno && n >= 1 && n <= (1L << 30) ? n : 0;
 }
 
-int mtrl_config_gpus(const mtrl_config *cfg, int *ids, char *why, size_t why_cap) {
-    const char *s = cfg->learner.gpus;
-    int n = 0;
+// A comma-separated list of GPU ids (spaces allowed) into ids: the count, or -1 with the reason
+// (entries not numbers, out of 0..MTRL_CFG_GPU_ID_MAX, more than MTRL_CFG_GPUS_MAX, one listed
+// twice unless repeats are allowed). An empty list is 0.
+static int gpu_list_parse_(const char *s, int repeats, int *ids, char *why, size_t why_cap) {
+    int n = 0; // why may be NULL with why_cap 0: snprintf then writes nothing
     while (*s == ' ') s++;
     if (!*s) return 0;
     for (;;) {
@@ -664,7 +672,7 @@ int mtrl_config_gpus(const mtrl_config *cfg, int *ids, char *why, size_t why_cap
             snprintf(why, why_cap, "%ld is not a GPU id (0..%d)", v, MTRL_CFG_GPU_ID_MAX);
             return -1;
         }
-        for (int i = 0; i < n; i++)
+        for (int i = 0; i < n && !repeats; i++)
             if (ids[i] == v) {
                 snprintf(why, why_cap, "GPU %ld is listed twice (one rank per GPU)", v);
                 return -1;
@@ -683,6 +691,19 @@ int mtrl_config_gpus(const mtrl_config *cfg, int *ids, char *why, size_t why_cap
         }
         s++;
     }
+}
+
+int mtrl_config_gpus(const mtrl_config *cfg, int *ids, char *why, size_t why_cap) {
+    return gpu_list_parse_(cfg->learner.gpus, 0, ids, why, why_cap);
+}
+
+int mtrl_config_actor_gpus(const mtrl_config *cfg, int *ids, char *why, size_t why_cap) {
+    return gpu_list_parse_(cfg->actor.gpus, 1, ids, why, why_cap);
+}
+
+int mtrl_config_actor_gpu(const mtrl_config *cfg, int actor_id) {
+    int ids[MTRL_CFG_GPUS_MAX], n = mtrl_config_actor_gpus(cfg, ids, NULL, 0);
+    return n > 0 && actor_id >= 1 ? ids[(actor_id - 1) % n] : -1;
 }
 
 int mtrl_config_ranks(const mtrl_config *cfg, int *gpu, char *why, size_t why_cap) {

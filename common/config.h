@@ -105,6 +105,14 @@ long mtrl_config_segment(const mtrl_config *cfg);
 #define MTRL_CFG_GPU_ID_MAX 1023
 int mtrl_config_gpus(const mtrl_config *cfg, int *ids, char *why, size_t why_cap);
 
+// [actor] gpus as device ids, as mtrl_config_gpus but with repeats allowed (two actors may
+// share a GPU); the load refuses a malformed list and a list with [model] device = cpu.
+int mtrl_config_actor_gpus(const mtrl_config *cfg, int *ids, char *why, size_t why_cap);
+// The CUDA device of local actor `actor_id` (1-based, as mtrl run numbers them): the
+// ((actor_id - 1) mod n)-th id of [actor] gpus, or -1 when the list is empty (the actor takes
+// [model] device's GPU).
+int mtrl_config_actor_gpu(const mtrl_config *cfg, int actor_id);
+
 // The learner's data-parallel ranks: [learner] ranks resolved with [learner] gpus and [model]
 // device. Returns R >= 1 and gpu[r] for r < R (gpu[MTRL_CFG_GPUS_MAX], nullable): rank r's CUDA
 // device, or -1 on the CPU. With device = cpu the ranks are threads on the CPU and gpus must be

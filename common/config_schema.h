@@ -92,6 +92,7 @@
 
 #define MTRL_CFG_ACTOR(X)                                                                           \
     X(actor, count, INT, "2", 0, 1024, NULL, "actor processes that mtrl run starts locally")       \
+    X(actor, gpus, STR, "", 0, 0, NULL, "CUDA devices of the local actors, e.g. 0,1: actor i (1-based) on the ((i-1) mod n)-th id, repeats allowed; weights reach an actor on another GPU than the learner's through CUDA IPC (peer access) or, where that cannot open, ZeroMQ (docs/multi-gpu.md); empty = [model] device") \
     X(actor, episodes_in_flight, INT, "8", 1, 65536, NULL, "episodes one actor generates at once (batched decode)") \
     X(actor, max_tokens, INT, "128", 1, 1 << 24, NULL, "token budget of an episode (prompt + generated + tool)") \
     X(actor, max_turn_tokens, INT, "32", 1, 1 << 24, NULL, "tokens one model turn may generate")    \

@@ -2,7 +2,7 @@
 // The partition of a learner step over ranks (learner/dist_plan.h) and sharded checkpoints
 // (learner/dist_ckpt.h): the token split (every episode once, the stated bound, the packer's
 // units), the expert blocks and a simulated all-to-all there and back, the ZeRO shard layout
-// covering the block once, re-sharding R -> R' bit for bit, [learner] gpus, and the
+// covering the block once, re-sharding R -> R' bit for bit, [learner] gpus, [actor] gpus, and the
 // expert-parallel ownership (learner/dist_ep.h).
 #include <stdlib.h>
 #include <string.h>
@@ -581,6 +581,52 @@ static void test_config_gpus(void) {
     }
 }
 
+// [actor] gpus: actor i (1-based) on the ((i-1) mod n)-th id, repeats allowed, the default -1
+// ([model] device's GPU); a malformed list and a list for a CPU model refused naming the key;
+// `mtrl check` prints where each actor runs.
+static void test_actor_gpus(void) {
+    const char *base = "[env]\nname = calc\n[model]\ndevice = cuda\n[actor]\ncount = 5\n";
+    const struct { const char *value; int gpu[5]; } ok[] = {
+        {"", {-1, -1, -1, -1, -1}}, {"1", {1, 1, 1, 1, 1}}, {"1,0", {1, 0, 1, 0, 1}}, {" 2 , 2 , 3", {2, 2, 3, 2, 2}},
+    };
+    for (size_t i = 0; i < sizeof ok / sizeof ok[0]; i++) {
+        char text[256];
+        snprintf(text, sizeof text, "%sgpus = %s\n", base, ok[i].value);
+        mtrl_config cfg;
+        mtrl_config_errors errs = {0};
+        TEST_CHECKF(mtrl_config_load_text(&cfg, "a.ini", text, NULL, 0, &errs) == MTRL_OK, "[actor] gpus = %s: %s",
+                    ok[i].value, errs.n ? errs.msgs[0] : "");
+        mtrl_config_errors_free(&errs);
+        for (int a = 1; a <= 5; a++)
+            TEST_CHECKF(mtrl_config_actor_gpu(&cfg, a) == ok[i].gpu[a - 1], "[actor] gpus = %s: actor %d on %d, not %d",
+                        ok[i].value, a, mtrl_config_actor_gpu(&cfg, a), ok[i].gpu[a - 1]);
+    }
+    const struct { const char *text, *msg; } bad[] = {
+        {"[env]\nname = calc\n[model]\ndevice = cuda\n[actor]\ngpus = 0,x\n", "not a number"},
+        {"[env]\nname = calc\n[model]\ndevice = cuda\n[actor]\ngpus = 0;1\n", "comma"},
+        {"[env]\nname = calc\n[model]\ndevice = cuda\n[actor]\ngpus = 5000\n", "not a GPU id"},
+        {"[env]\nname = calc\n[actor]\ngpus = 0\n", "needs [model] device = cuda"},
+    };
+    for (size_t i = 0; i < sizeof bad / sizeof bad[0]; i++) {
+        mtrl_config cfg;
+        mtrl_config_errors errs = {0};
+        mtrl_status st = mtrl_config_load_text(&cfg, "a.ini", bad[i].text, NULL, 0, &errs);
+        TEST_CHECKF(st != MTRL_OK && errs.n == 1 && strstr(errs.msgs[0], "[actor] gpus") && strstr(errs.msgs[0], bad[i].msg),
+                    "case %zu: %s", i, errs.n ? errs.msgs[0] : "(accepted)");
+        mtrl_config_errors_free(&errs);
+    }
+    const char *bin = getenv("MTRL_BIN"), *src = getenv("MTRL_SRC");
+    if (!bin || !src) return;
+    char cmd[2048], out[65536];
+    snprintf(cmd, sizeof cmd, "'%s' check '%s/experiments/quickstart.ini' --set model.device=cuda --set actor.count=3 "
+             "--set actor.gpus=1,0 2>&1", bin, src);
+    int rc = test_shell(cmd, out, sizeof out);
+    TEST_CHECKF(rc == 0 && strstr(out, "; actors: 1 on GPU 1, 2 on GPU 0, 3 on GPU 1\n"), "mtrl check (rc %d):\n%.2000s", rc, out);
+    snprintf(cmd, sizeof cmd, "'%s' check '%s/experiments/quickstart.ini' --set actor.gpus=0 2>&1", bin, src);
+    rc = test_shell(cmd, out, sizeof out);
+    TEST_CHECKF(rc == 2 && strstr(out, "[actor] gpus = 0 needs [model] device = cuda"), "mtrl check (rc %d):\n%.2000s", rc, out);
+}
+
 // GPUs listed for a CPU learner: the load takes it (mtrl plan's per-rank plan), the learner
 // refuses to start, naming both keys.
 static void test_learner_refuses(void) {
@@ -619,6 +665,7 @@ int main(void) {
     test_ep_layout();
     test_checkpoint();
     test_config_gpus();
+    test_actor_gpus();
     test_learner_refuses();
     test_plan_command();
     return test_report();

@@ -78,6 +78,13 @@ int cmd_check(int argc, char **argv) {
     // Several learner ranks: where they run (the load refused keys that disagree when ranks is set).
     char ranks[400];
     if (mtrl_learner_ranks_describe(&cfg, ranks, sizeof ranks) > 1) printf("; learner: %s\n", ranks);
+    // [actor] gpus: which GPU each local actor takes (mtrl run passes it as --gpu)
+    if (cfg.actor.gpus[0] && cfg.actor.count > 0) {
+        printf("; actors:");
+        for (int i = 1; i <= cfg.actor.count && i <= 16; i++) printf(" %d on GPU %d%s", i, mtrl_config_actor_gpu(&cfg, i),
+                                                                   i < cfg.actor.count ? "," : "");
+        printf("%s\n", cfg.actor.count > 16 ? " ..." : "");
+    }
     // The env's describe(): what its tools are, for the experiment's author (comments, so the
     // output stays an experiment that passes check again). The model sees only the prompts.
     if (tools) {

@@ -117,6 +117,7 @@ static int load_config_(const run_args *a, mtrl_config *cfg) {
 typedef struct child {
     pid_t pid;
     int id;
+    int gpu;           // its CUDA device (--gpu), -1: [model] device's
     int restarts;
     double next_start;
     int gave_up;       // exited with MTRL_ACTOR_EXIT_UNUSABLE: not restarted
@@ -125,16 +126,24 @@ typedef struct child {
 } child;
 
 // curve (nullable): the local actors' key files when the learner runs CURVE.
-static pid_t spawn_actor_(const char *endpoint, int id, const mtrl_wire_auth_local *curve) {
-    char ids[16];
+// gpu: its CUDA device ([actor] gpus, mtrl_config_actor_gpu), -1 for [model] device's.
+static pid_t spawn_actor_(const char *endpoint, int id, int gpu, const mtrl_wire_auth_local *curve) {
+    char ids[16], gpus[16];
     snprintf(ids, sizeof ids, "%d", id);
-    char *args[] = {"mtrl", "actor", "--connect", (char *)endpoint, "--id", ids, NULL, NULL, NULL, NULL, NULL};
-    if (curve && curve->dir[0]) {
-        args[6] = "--curve-server-key";
-        args[7] = (char *)curve->server_pub;
-        args[8] = "--curve-key";
-        args[9] = (char *)curve->key_file;
+    snprintf(gpus, sizeof gpus, "%d", gpu);
+    char *args[13] = {"mtrl", "actor", "--connect", (char *)endpoint, "--id", ids};
+    int n = 6;
+    if (gpu >= 0) {
+        args[n++] = "--gpu";
+        args[n++] = gpus;
     }
+    if (curve && curve->dir[0]) {
+        args[n++] = "--curve-server-key";
+        args[n++] = (char *)curve->server_pub;
+        args[n++] = "--curve-key";
+        args[n++] = (char *)curve->key_file;
+    }
+    args[n] = NULL;
     pid_t parent = getpid();
     pid_t pid = fork();
     if (pid == 0) {
@@ -194,7 +203,7 @@ static void supervise_(void *user) {
             k->next_start = now + (pause > 30 ? 30 : pause);
             k->restarts++;
         } else if (!k->gave_up && now >= k->next_start) {
-            k->pid = spawn_actor_(s->endpoint, k->id, s->curve);
+            k->pid = spawn_actor_(s->endpoint, k->id, k->gpu, s->curve);
             k->started = now;
             k->killed = 0;
         }
@@ -234,7 +243,8 @@ int cli_run_local(const char *name, const mtrl_config *cfg, mtrl_learner_opts *o
     child *kids = calloc((size_t)(n ? n : 1), sizeof(child));
     for (int i = 0; i < n; i++) {
         kids[i].id = i + 1;
-        kids[i].pid = spawn_actor_(endpoint, kids[i].id, &curve);
+        kids[i].gpu = mtrl_config_actor_gpu(cfg, kids[i].id);
+        kids[i].pid = spawn_actor_(endpoint, kids[i].id, kids[i].gpu, &curve);
         kids[i].started = mtrl_time_mono();
     }
     sv = (supervisor){kids, n, endpoint, &curve, l};
