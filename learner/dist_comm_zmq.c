@@ -292,7 +292,9 @@ static mtrl_status code_of_(int32_t code) {
 }
 
 // How long a rank other than 0 waits for rank 0 without a frame (dist_comm.h says why).
-static double wait_s_(const mtrl_dist_comm *c) { return 1.5 * c->timeout_ms / 1e3 + 0.1; }
+static double wait_s_(const mtrl_dist_comm *c) { return 2.0 * c->timeout_ms / 1e3 + 0.1; }
+// ... and for the join, from its own timeout.
+static double join_wait_s_(int join_ms) { return 2.0 * join_ms / 1e3 + 0.1; }
 
 static void *grow_(uint8_t **buf, size_t *cap, size_t bytes) {
     if (bytes > *cap) {
@@ -702,9 +704,9 @@ static const mtrl_dist_comm_ops zmq_ops_ = {"zmq",          zc_barrier_,   zc_al
 // ---- joining -------------------------------------------------------------------------------------------
 
 // Rank 0: every other rank's HELLO within the timeout, then a WELCOME to each.
-static mtrl_status join_serve_(mtrl_dist_comm *c, mtrl_error *err) {
+static mtrl_status join_serve_(mtrl_dist_comm *c, int join_ms, mtrl_error *err) {
     zc_state *z = c->impl;
-    double deadline = mtrl_time_mono() + c->timeout_ms / 1e3;
+    double deadline = mtrl_time_mono() + join_ms / 1e3;
     int owed = c->ranks - 1;
     char why[256];
     zmq_msg_t data;
@@ -724,7 +726,7 @@ static mtrl_status join_serve_(mtrl_dist_comm *c, mtrl_error *err) {
                 if (!z->joined[q]) at += (size_t)snprintf(miss + at, sizeof miss - at, "%s%d", at ? ", " : "", q);
             zmq_msg_close(&data);
             return zc_fail_(c, MTRL_ERR_TIMEOUT, 0, err, "join at %s: rank(s) %s did not join within %d ms%s%s", z->where,
-                            miss, c->timeout_ms, z->refused[0] ? "; refused: " : "", z->refused);
+                            miss, join_ms, z->refused[0] ? "; refused: " : "", z->refused);
         }
         if (got < 0) {
             zmq_msg_close(&data);
@@ -759,29 +761,29 @@ static mtrl_status join_serve_(mtrl_dist_comm *c, mtrl_error *err) {
     zmq_msg_close(&data);
     for (int q = 1; q < c->ranks; q++) {
         zc_hdr h = {.kind = ZC_WELCOME, .ranks = (unsigned)c->ranks, .rank = (unsigned)q, .op = OP_JOIN};
-        if (send_msg_(z, &z->peer[q], &h, NULL, deadline + c->timeout_ms / 1e3, why, sizeof why))
+        if (send_msg_(z, &z->peer[q], &h, NULL, mtrl_time_mono() + c->timeout_ms / 1e3, why, sizeof why))
             return zc_fail_(c, MTRL_ERR_PEER, 0, err, "join at %s: cannot welcome rank %d: %s", z->where, q, why);
     }
     return MTRL_OK;
 }
 
 // A rank other than 0: its HELLO, then rank 0's WELCOME (or refusal).
-static mtrl_status join_ask_(mtrl_dist_comm *c, mtrl_error *err) {
+static mtrl_status join_ask_(mtrl_dist_comm *c, int join_ms, mtrl_error *err) {
     zc_state *z = c->impl;
     char why[256];
     zc_hdr h = {.kind = ZC_HELLO, .ranks = (unsigned)c->ranks, .rank = (unsigned)c->rank, .op = OP_JOIN};
     // Queued until the connection is up (ZeroMQ reconnects until rank 0 listens).
-    if (send_msg_(z, NULL, &h, NULL, mtrl_time_mono() + wait_s_(c), why, sizeof why))
+    if (send_msg_(z, NULL, &h, NULL, mtrl_time_mono() + join_wait_s_(join_ms), why, sizeof why))
         return zc_fail_(c, MTRL_ERR_IO, 1, err, "join: cannot send to rank 0 at %s: %s", z->where, why);
     zmq_msg_t data;
     zmq_msg_init(&data);
     zc_hdr r;
     size_t junk = 0;
-    int got = recv_msg_(z, mtrl_time_mono() + wait_s_(c), NULL, &r, &data, &junk, why, sizeof why);
+    int got = recv_msg_(z, mtrl_time_mono() + join_wait_s_(join_ms), NULL, &r, &data, &junk, why, sizeof why);
     mtrl_status st = MTRL_OK;
     if (got == 0)
         st = zc_fail_(c, MTRL_ERR_TIMEOUT, 1, err, "join: no answer from rank 0 at %s within %d ms (is rank 0 running, and "
-                      "the rendezvous host and port the same on every rank?)", z->where, (int)(wait_s_(c) * 1e3));
+                      "the rendezvous host and port the same on every rank?)", z->where, (int)(join_wait_s_(join_ms) * 1e3));
     else if (got < 0)
         st = zc_fail_(c, MTRL_ERR_IO, 1, err, "join: %s", why);
     else if (got == 2 || r.version != ZC_VERSION)
@@ -798,14 +800,14 @@ static mtrl_status join_ask_(mtrl_dist_comm *c, mtrl_error *err) {
 }
 
 mtrl_status mtrl_dist_comm_init_zmq(mtrl_dist_comm **out, int ranks, int rank, const mtrl_dist_rendezvous *rv,
-                                    int timeout_ms, mtrl_error *err) {
+                                    int join_timeout_ms, int timeout_ms, mtrl_error *err) {
     *out = NULL;
     if (ranks < 1 || ranks > MTRL_DIST_RANKS_MAX || rank < 0 || rank >= ranks)
         return mtrl_error_set(err, MTRL_ERR_USAGE, "dist_comm zmq: rank %d of %d: the world must have 1 to %d ranks and "
                               "the rank be one of them", rank, ranks, MTRL_DIST_RANKS_MAX);
-    if (timeout_ms <= 0)
-        return mtrl_error_set(err, MTRL_ERR_USAGE, "dist_comm zmq: timeout %d ms: must be positive (no call may wait "
-                              "forever)", timeout_ms);
+    if (timeout_ms <= 0 || join_timeout_ms <= 0)
+        return mtrl_error_set(err, MTRL_ERR_USAGE, "dist_comm zmq: timeouts %d ms (join), %d ms (calls): must be positive "
+                              "(no call may wait forever)", join_timeout_ms, timeout_ms);
     if (ranks > 1 && (!rv || !rv->host[0] || rv->port < 1 || rv->port > 65535))
         return mtrl_error_set(err, MTRL_ERR_USAGE, "dist_comm zmq: rank %d of %d: rendezvous '%s' port %d: a host and a "
                               "port 1 .. 65535 are needed", rank, ranks, rv ? rv->host : "", rv ? rv->port : 0);
@@ -843,14 +845,14 @@ mtrl_status mtrl_dist_comm_init_zmq(mtrl_dist_comm **out, int ranks, int rank, c
             if (mtrl_wire_router_open(&z->s, z->ctx, ep, &lim, &o, &e2) != MTRL_OK)
                 st = mtrl_error_set(err, MTRL_ERR_IO, "dist_comm zmq: rank 0 of %d cannot listen at %s (%s): %s (is the "
                                     "rendezvous host this node, and the port free?)", ranks, z->where, ip, e2.msg);
-            else z->open = 1, st = join_serve_(c, err);
+            else z->open = 1, st = join_serve_(c, join_timeout_ms, err);
         }
     } else {
         snprintf(ep, sizeof ep, "tcp://%s:%d", rv->host, rv->port);
         if (mtrl_wire_dealer_open(&z->s, z->ctx, ep, (uint32_t)rank, 0, &lim, &o, &e2) != MTRL_OK)
             st = mtrl_error_set(err, MTRL_ERR_IO, "dist_comm zmq: rank %d of %d: cannot connect to %s: %s", rank, ranks,
                                 z->where, e2.msg);
-        else z->open = 1, st = join_ask_(c, err);
+        else z->open = 1, st = join_ask_(c, join_timeout_ms, err);
     }
     if (st != MTRL_OK) {
         if (z->open) { // a refusal or a failure just sent should not wait out a long linger
