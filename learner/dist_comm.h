@@ -12,11 +12,13 @@
 //   nccl   one rank per GPU (learner/dist_comm_nccl.c, only with MTRL_HAVE_NCCL); buffers are
 //          device memory of the rank's GPU, and the work runs on the caller's stream. Sums in
 //          NCCL's order (the same on every rank of a ring, not rank order).
+//   zmq    one process per rank, on one host or several, over ZeroMQ TCP (below); host buffers;
+//          sums in rank order through rank 0 (the local backend's bits).
 //
 // No silent hang: every call waits at most the world's timeout_ms for its peers (each barrier
 // inside a collective gets the whole timeout). A rank that does not arrive makes the others
 // return MTRL_ERR_TIMEOUT with a message naming the op, the waiting rank, the timeout and the
-// ranks missing (local; NCCL cannot tell who). A world whose call failed (timeout, ranks that
+// ranks missing (local, zmq; NCCL cannot tell who). A world whose call failed (timeout, ranks that
 // called different collectives or sizes: MTRL_ERR_MISMATCH) is dead: every later call on any
 // of its ranks returns MTRL_ERR_STATE with the first failure's message. The caller then stops
 // the step (and the run); nothing recovers a world.
@@ -92,14 +94,50 @@ mtrl_status mtrl_dist_bootstrap_file(void *user, int rank, int ranks, void *id, 
 mtrl_status mtrl_dist_comm_init_nccl(mtrl_dist_comm **c, int ranks, int rank, int gpu, void *stream, int timeout_ms,
                                      mtrl_dist_bootstrap_fn boot, void *boot_user, mtrl_error *err);
 
+// ---- zmq backend (ranks as processes, on one host or several) ----------------------------------
+//
+// Ranks are separate processes joined over ZeroMQ TCP (learner/dist_comm_zmq.c); buffers are
+// host memory (a device buffer is refused, MTRL_ERR_USAGE, in a CUDA build: this backend is for
+// CPU models; GPUs use NCCL). Every collective is a star through rank 0: each rank sends rank 0
+// a header (op, call number, sizes, its rank) and its data; rank 0 checks that every header
+// matches its own (else MTRL_ERR_MISMATCH naming both calls, on every rank), combines IN RANK
+// ORDER (the local backend's sums, to the bit) and sends each rank its result. Data travels in
+// frames of at most MTRL_DIST_ZMQ_FRAME bytes (a larger frame disconnects its sender), so
+// buffers of any size pass. Rank 0 keeps a copy of every other rank's input of the call in
+// progress (grow-only): (ranks - 1) x the largest buffer.
+//
+// Timeouts: rank 0 waits at most timeout_ms with nothing arriving from the ranks it still waits
+// for (data that keeps flowing does not time out), then fails with MTRL_ERR_TIMEOUT naming the
+// ranks missing and tells every other rank (which returns the same code and message). The
+// others wait for rank 0's answer at most 2 x timeout_ms + 100 ms without a frame (longer
+// than rank 0, so its verdict, which names the missing rank, arrives first even when rank 0
+// entered the call up to timeout_ms later), then fail with
+// MTRL_ERR_TIMEOUT naming rank 0's address, and tell rank 0. A rank whose process died is a
+// rank that does not arrive. A failed world refuses every later call (MTRL_ERR_STATE).
+//
+// Joining: rank 0 binds a ROUTER at tcp://IP:port (rv->host resolved to IPv4; it must be this
+// node's address), the others connect a DEALER (common/wire sockets: bounded linger, frame
+// cap, heartbeats, CURVE from rv->opts) and say who they are; init returns once all ranks
+// joined: rank 0 waits join_timeout_ms (processes start at their own pace, so this is not
+// the calls' timeout), then fails with MTRL_ERR_TIMEOUT naming the ranks that did not join and
+// any requests refused; the others wait 2 x join_timeout_ms + 100 ms for rank 0's welcome. Rank 0 refuses, and answers when it can, a message
+// that is not this protocol's, another version, world size (MTRL_ERR_MISMATCH), a rank out of
+// range or a rank taken; messages from peers that are not ranks of the world are dropped. The
+// protocol is in dist_comm_zmq.c. One world per rendezvous port at a time. ranks == 1 opens
+// no socket.
+typedef struct mtrl_dist_rendezvous mtrl_dist_rendezvous; // learner/dist_launch.h
+#define MTRL_DIST_ZMQ_FRAME (16u << 20)
+mtrl_status mtrl_dist_comm_init_zmq(mtrl_dist_comm **c, int ranks, int rank, const mtrl_dist_rendezvous *rv,
+                                    int join_timeout_ms, int timeout_ms, mtrl_error *err);
+
 // ---- every backend ------------------------------------------------------------------------------
 
 void mtrl_dist_comm_free(mtrl_dist_comm *c); // NULL: no-op
 int mtrl_dist_comm_rank(const mtrl_dist_comm *c);
 int mtrl_dist_comm_ranks(const mtrl_dist_comm *c);
-const char *mtrl_dist_comm_backend(const mtrl_dist_comm *c); // "local" or "nccl"
+const char *mtrl_dist_comm_backend(const mtrl_dist_comm *c); // "local", "nccl" or "zmq"
 // The CUDA device whose memory c's buffers are (nccl, local from init_local_device), or -1:
-// host memory (local from init_local).
+// host memory (local from init_local, zmq).
 int mtrl_dist_comm_gpu(const mtrl_dist_comm *c);
 
 // Returns when every rank has called it.
@@ -121,7 +159,7 @@ mtrl_status mtrl_dist_comm_broadcast(mtrl_dist_comm *c, void *buf, size_t bytes,
 // learner/dist_plan.h mtrl_dist_a2a_send / _recv give): the send_count[q] rows at row
 // send_offset[q] of send go to rank q, which receives them at row recv_offset[me] of its recv,
 // having said recv_count[me] = that count. A count that disagrees with its peer's is
-// MTRL_ERR_MISMATCH naming both ranks (local; NCCL cannot check it). Counts of zero are fine.
+// MTRL_ERR_MISMATCH naming both ranks (local, zmq; NCCL cannot check it). Counts of zero are fine.
 mtrl_status mtrl_dist_comm_alltoallv(mtrl_dist_comm *c, const void *send, const int64_t *send_count,
                                      const int64_t *send_offset, void *recv, const int64_t *recv_count,
                                      const int64_t *recv_offset, size_t elem_bytes, mtrl_error *err);

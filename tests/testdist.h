@@ -1,6 +1,6 @@
 // testdist.h: every collective of learner/dist_comm.h checked exactly, for any backend
-// (header-only; test_dist_dp runs it on the local communicator's threads, test_cuda_dist_comm
-// on NCCL with device buffers). A rank's function posts its inputs through the backend's
+// (header-only; test_dist_dp runs it on the local communicator's threads, test_dist_zmq on
+// the zmq backend's processes, test_cuda_dist_comm on NCCL with device buffers). A rank's function posts its inputs through the backend's
 // memory (test_dist_mem), runs each op and reads the outputs back to the host; the checks run
 // on the main thread after every rank returned (the counters of testhelp.h are not atomic).
 // Values are chosen so that sums are exact in any order; the order-dependent sum is checked
@@ -251,6 +251,22 @@ static inline void test_dist_ops_rank(mtrl_dist_comm *c, void *ctx) {
     x->a2a_bad[r] = td_a2a_(c, m, &st[6]);
     st[7] = so != MTRL_OK ? so : si;
     snprintf(x->msg[r], sizeof x->msg[r], "%s", err.msg);
+}
+
+// Rank r's outputs of src into dst: a world of processes (test_dist_zmq) runs
+// test_dist_ops_rank in each rank's process on a copy of its own, and the checks below run on
+// the copies merged.
+static inline void test_dist_ops_take(test_dist_ops *dst, const test_dist_ops *src, int r) {
+    memcpy(dst->st[r], src->st[r], sizeof dst->st[r]);
+    memcpy(dst->msg[r], src->msg[r], sizeof dst->msg[r]);
+    memcpy(dst->ar[r], src->ar[r], sizeof dst->ar[r]);
+    dst->order[r] = src->order[r];
+    memcpy(dst->ar64[r], src->ar64[r], sizeof dst->ar64[r]);
+    memcpy(dst->rs[r], src->rs[r], sizeof dst->rs[r]);
+    memcpy(dst->ag[r], src->ag[r], sizeof dst->ag[r]);
+    memcpy(dst->ag_in[r], src->ag_in[r], sizeof dst->ag_in[r]);
+    memcpy(dst->bc[r], src->bc[r], sizeof dst->bc[r]);
+    dst->a2a_bad[r] = src->a2a_bad[r];
 }
 
 // The checks of a world of R ranks after test_dist_ops_rank ran on each. rank_order: the

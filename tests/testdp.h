@@ -267,9 +267,8 @@ static inline void tdp_case_free_(tdp_case *c, int R) {
 // The DP step on R ranks against one rank over `steps` steps, for config text `extra`
 // ([learner] lines and later sections); sft: the supervised step. `what` names the case in
 // every message ("clipped" in it: the norm must be above the clip of 0.05).
-static inline void test_dp_compare(const test_dp_setup *u, int R, const char *extra, int steps, int sft,
-                                   const char *what) {
-    tdp_case *c = tdp_case_run_(u, R, 60000, extra, (tdp_ctx){.steps = steps, .qb_mode = MTRL_QB_FROZEN, .sft = sft}, 1);
+// test_dp_check: the checks of test_dp_compare on a case already run (with ref); c is kept.
+static inline void test_dp_check(const test_dp_setup *u, tdp_case *c, int R, int steps, int sft, const char *what) {
     const test_dp_tol *tol = &u->tol;
     tdp_ctx *x = &c->x;
     const mtrl_config cfg = c->cfg;
@@ -351,6 +350,12 @@ static inline void test_dp_compare(const test_dp_setup *u, int R, const char *ex
             TEST_ARRAY_CLOSE(o->adam_m + o->lo / sizeof(real), ref.adam_m + o->lo / sizeof(real),
                              (o->hi - o->lo) / sizeof(real), tol->m_elem_rel, tol->m_elem_abs);
         }
+}
+
+static inline void test_dp_compare(const test_dp_setup *u, int R, const char *extra, int steps, int sft,
+                                   const char *what) {
+    tdp_case *c = tdp_case_run_(u, R, 60000, extra, (tdp_ctx){.steps = steps, .qb_mode = MTRL_QB_FROZEN, .sft = sft}, 1);
+    test_dp_check(u, c, R, steps, sft, what);
     tdp_case_free_(c, R);
 }
 
