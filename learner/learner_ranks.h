@@ -30,8 +30,19 @@
 // publishes and writes as the full parameter file holds every expert. A follower's copies of
 // the others' experts are stale (it never runs them). Its checkpoint's rank files hold what
 // each rank owns (dist_ckpt.h's expert-parallel layout); reading them back is the same call.
-// Memory: each rank still allocates the whole parameter, gradient and moment blocks (every
-// expert): dist_ep_wire.h says what holding its own experts alone needs (not built).
+// Memory (not built): each rank still allocates the whole parameter, gradient and moment
+// blocks, every expert included, and reads only its own. Holding its own alone needs
+//   1. a follower model whose routed-expert tensors have e1 - e0 rows: a table of its own,
+//      while the parameter table, mtrl_model_load / _save, dist_ckpt.h's layout digest and
+//      mtrl_model_set_experts all assume the one whole table on every rank today;
+//   2. model_moe.h's expert phases indexing ew1 / ew3 / ew2 from e0 (dist_ep_wire.h passes
+//      expert ids of the whole range);
+//   3. the followers' start loading only their pieces of rank 0's state (a whole
+//      mtrl_model_load of the blob today), and the step and the save addressing the own
+//      experts in the smaller block (the rank files already hold the owned pieces only, so
+//      their format would not change).
+// Rank 0 would keep every expert (it publishes and writes the full parameter file), so the
+// saving is on ranks 1 .. R-1: (E - E/R) / E of the expert bytes of each of the four blocks.
 //
 // State kept per rank (dist_dp.h): the AdamW moments of its own ZeRO shard only. So a
 // checkpoint's optimizer state is written sharded (mtrl_learner_ranks_save: every rank its rank
