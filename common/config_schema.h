@@ -134,6 +134,7 @@
     X(learner, threads, INT, "0", 0, 1024, NULL, "OpenMP threads of the learner and of each local actor (0 = the cores shared evenly)") \
     X(learner, gpus, STR, "", 0, 0, NULL, "CUDA devices of the learner's ranks, e.g. 0,1,2,3: one data-parallel rank each, rank r on the r-th id, over NCCL (docs/multi-gpu.md); the first id must be [model] device's GPU (rank 0's, the actors'); empty = [model] device, or devices 0..ranks-1") \
     X(learner, ranks, INT, "0", 0, 64, NULL, "data-parallel learner ranks in the mtrl run process, each a thread with a model replica (docs/multi-gpu.md): with [model] device = cpu N threads on the CPU; with cuda one per GPU of [learner] gpus (ranks must equal their number). 0 = one per listed GPU, or 1") \
+    X(learner, expert_parallel, BOOL, "false", 0, 0, NULL, "with ranks > 1 on a CPU model with MoE layers: the routed experts expert parallel over the ranks (each owns E/ranks experts, runs them for every rank's tokens and keeps their gradients and moments; the rest data parallel, the moments ZeRO-sharded); refused on a GPU (not built: docs/multi-gpu.md §3), for a dense model, or with more ranks than experts") \
     X(learner, rank_timeout_ms, INT, "600000", 100, 86400000, NULL, "how long a learner rank waits for the others in a collective before the run fails naming the rank (keep it above the longest imbalance of a step between ranks)")
 
 #define MTRL_CFG_ALGO(X)                                                                            \

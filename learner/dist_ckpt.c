@@ -43,18 +43,18 @@ static size_t piece_off_(const mtrl_tt *t, const mtrl_dist_piece *p) {
     return t->items[p->tensor].offset + p->begin * mtrl_dtype_size(t->items[p->tensor].dtype);
 }
 
-mtrl_status mtrl_dist_ckpt_write_rank(const char *index_path, const mtrl_dist_shards *sh, const mtrl_tt *t, int rank,
-                                      const void *params, const void *adam_m, const void *adam_v, mtrl_error *err) {
-    MTRL_CHECKF(rank >= 0 && rank < sh->ranks && sh->total == t->total, "rank %d of a layout of %d", rank, sh->ranks);
-    const mtrl_dist_shard *h = &sh->rank[rank];
-    const void *blk[3] = {params, adam_m, adam_v};
-    int n = 3 * h->n_piece;
+// Writes rank `rank` of `ranks`'s file: pieces piece[0 .. n-1] of the three blocks, each at
+// blk[b] + (its byte offset in the block - shift).
+static mtrl_status write_pieces_(const char *index_path, const mtrl_tt *t, int rank, int ranks,
+                                 const mtrl_dist_piece *piece, int n_piece, const void *const *blk, size_t shift,
+                                 mtrl_error *err) {
+    int n = 3 * n_piece;
     mtrl_ckpt_entry *e = xcalloc((size_t)(n ? n : 1), sizeof *e);
     char (*names)[MTRL_TT_NAME_MAX] = xcalloc((size_t)(n ? n : 1), sizeof *names);
     mtrl_status st = MTRL_OK;
     for (int b = 0, k = 0; b < 3 && st == MTRL_OK; b++)
-        for (int j = 0; j < h->n_piece && st == MTRL_OK; j++, k++) {
-            const mtrl_dist_piece *p = &sh->piece[h->first_piece + j];
+        for (int j = 0; j < n_piece && st == MTRL_OK; j++, k++) {
+            const mtrl_dist_piece *p = &piece[j];
             const mtrl_tensor *x = &t->items[p->tensor];
             st = piece_name_(names[k], t, p, b, err);
             e[k].name = names[k];
@@ -62,43 +62,67 @@ mtrl_status mtrl_dist_ckpt_write_rank(const char *index_path, const mtrl_dist_sh
             e[k].ndim = 1;
             e[k].shape[0] = (int64_t)(p->end - p->begin);
             e[k].nbytes = (p->end - p->begin) * mtrl_dtype_size(x->dtype);
-            e[k].data = (const char *)blk[b] + (piece_off_(t, p) - h->begin);
+            e[k].data = (const char *)blk[b] + (piece_off_(t, p) - shift);
         }
     char layout[65], r[16], rs[16], path[1100];
     layout_digest_(t, layout);
     snprintf(r, sizeof r, "%d", rank);
-    snprintf(rs, sizeof rs, "%d", sh->ranks);
+    snprintf(rs, sizeof rs, "%d", ranks);
     const char *meta[] = {"mtrl.shard", r, "shard.ranks", rs, "shard.layout", layout};
-    mtrl_dist_ckpt_rank_path(path, sizeof path, index_path, rank, sh->ranks);
+    mtrl_dist_ckpt_rank_path(path, sizeof path, index_path, rank, ranks);
     if (st == MTRL_OK) st = mtrl_ckpt_write_file(path, e, n, meta, 3, err);
     free(e);
     free(names);
     return st;
 }
 
-mtrl_status mtrl_dist_ckpt_write_index(const char *index_path, const mtrl_dist_shards *sh, const mtrl_tt *t,
-                                       const mtrl_ckpt_entry *extra, int n_extra, const char *const *meta, int n_meta,
-                                       mtrl_error *err) {
-    int nm = n_meta + 5 + 2 * sh->ranks;
+mtrl_status mtrl_dist_ckpt_write_rank(const char *index_path, const mtrl_dist_shards *sh, const mtrl_tt *t, int rank,
+                                      const void *params, const void *adam_m, const void *adam_v, mtrl_error *err) {
+    MTRL_CHECKF(rank >= 0 && rank < sh->ranks && sh->total == t->total, "rank %d of a layout of %d", rank, sh->ranks);
+    const mtrl_dist_shard *h = &sh->rank[rank];
+    const void *blk[3] = {params, adam_m, adam_v};
+    return write_pieces_(index_path, t, rank, sh->ranks, sh->piece + h->first_piece, h->n_piece, blk, h->begin, err);
+}
+
+mtrl_status mtrl_dist_ckpt_write_rank_ep(const char *index_path, const mtrl_dist_ep_layout *l, const mtrl_tt *t,
+                                         int rank, const void *params, const void *adam_m, const void *adam_v,
+                                         mtrl_error *err) {
+    MTRL_CHECKF(rank >= 0 && rank < l->ranks, "rank %d of a layout of %d", rank, l->ranks);
+    const mtrl_dist_ep_rank *h = &l->rank[rank];
+    const void *blk[3] = {params, adam_m, adam_v};
+    return write_pieces_(index_path, t, rank, l->ranks, l->piece + h->first_piece, h->n_piece, blk, 0, err);
+}
+
+// The index of a checkpoint of `ranks` rank files: experts = 0 the ZeRO layout, E > 0 the
+// expert-parallel one with E experts (shard.kind, shard.experts).
+static mtrl_status write_index_(const char *index_path, int ranks, size_t align, const mtrl_tt *t, int experts,
+                                const mtrl_ckpt_entry *extra, int n_extra, const char *const *meta, int n_meta,
+                                mtrl_error *err) {
+    int nm = n_meta + 5 + 2 * ranks + (experts ? 2 : 0);
     const char **kv = xcalloc((size_t)(2 * nm), sizeof(char *));
     // val: the three numbers, then per rank its two keys, its file's name and its digest.
-    char (*val)[1100] = xcalloc((size_t)(3 + 4 * sh->ranks), sizeof *val);
+    char (*val)[1100] = xcalloc((size_t)(4 + 4 * ranks), sizeof *val);
     char layout[65];
     layout_digest_(t, layout);
-    snprintf(val[0], sizeof val[0], "%d", sh->ranks);
-    snprintf(val[1], sizeof val[1], "%zu", sh->align);
-    snprintf(val[2], sizeof val[2], "%zu", sh->total);
+    snprintf(val[0], sizeof val[0], "%d", ranks);
+    snprintf(val[1], sizeof val[1], "%zu", align);
+    snprintf(val[2], sizeof val[2], "%zu", t->total);
     int k = 0;
     kv[k++] = "mtrl.sharded"; kv[k++] = "1";
     kv[k++] = "shard.ranks"; kv[k++] = val[0];
     kv[k++] = "shard.align"; kv[k++] = val[1];
     kv[k++] = "shard.total"; kv[k++] = val[2];
     kv[k++] = "shard.layout"; kv[k++] = layout;
+    if (experts) {
+        snprintf(val[3 + 4 * ranks], sizeof val[0], "%d", experts);
+        kv[k++] = "shard.kind"; kv[k++] = "expert_parallel";
+        kv[k++] = "shard.experts"; kv[k++] = val[3 + 4 * ranks];
+    }
     mtrl_status st = MTRL_OK;
-    for (int r = 0; r < sh->ranks && st == MTRL_OK; r++) {
+    for (int r = 0; r < ranks && st == MTRL_OK; r++) {
         char *key_file = val[3 + 4 * r], *file = val[4 + 4 * r], *key_sha = val[5 + 4 * r], *dig = val[6 + 4 * r];
         char path[1100];
-        mtrl_dist_ckpt_rank_path(path, sizeof path, index_path, r, sh->ranks);
+        mtrl_dist_ckpt_rank_path(path, sizeof path, index_path, r, ranks);
         const char *slash = strrchr(path, '/');
         snprintf(file, sizeof val[0], "%s", slash ? slash + 1 : path);
         if (mtrl_sha256_file_hex(path, dig) != 0) {
@@ -115,6 +139,19 @@ mtrl_status mtrl_dist_ckpt_write_index(const char *index_path, const mtrl_dist_s
     free(kv);
     free(val);
     return st;
+}
+
+mtrl_status mtrl_dist_ckpt_write_index(const char *index_path, const mtrl_dist_shards *sh, const mtrl_tt *t,
+                                       const mtrl_ckpt_entry *extra, int n_extra, const char *const *meta, int n_meta,
+                                       mtrl_error *err) {
+    MTRL_CHECK(sh->total == t->total);
+    return write_index_(index_path, sh->ranks, sh->align, t, 0, extra, n_extra, meta, n_meta, err);
+}
+
+mtrl_status mtrl_dist_ckpt_write_index_ep(const char *index_path, const mtrl_dist_ep_layout *l, const mtrl_tt *t,
+                                          const mtrl_ckpt_entry *extra, int n_extra, const char *const *meta,
+                                          int n_meta, mtrl_error *err) {
+    return write_index_(index_path, l->ranks, l->dense.align, t, l->experts.E, extra, n_extra, meta, n_meta, err);
 }
 
 static long meta_long_(const mtrl_ckpt *c, const char *key) {
@@ -143,7 +180,24 @@ mtrl_status mtrl_dist_ckpt_open(mtrl_dist_ckpt *c, const char *index_path, const
                             "%s: written for another parameter layout (%ld bytes, layout %.16s...) than this model's "
                             "(%zu bytes, layout %.16s...)",
                             index_path, total, layout, t->total, mine);
-    if (st == MTRL_OK) st = mtrl_dist_shards_make(&c->written, t, (int)ranks, (size_t)align, err);
+    const char *kind = mtrl_ckpt_meta(&c->index, "shard.kind");
+    long experts = meta_long_(&c->index, "shard.experts");
+    if (st == MTRL_OK && kind && (strcmp(kind, "expert_parallel") || experts < 1))
+        st = mtrl_error_set(err, MTRL_ERR_FORMAT, "%s: shard.kind %s with shard.experts %ld: not a layout this build reads",
+                            index_path, kind, experts);
+    if (st == MTRL_OK && kind) {
+        // Written with expert-parallel ownership (dist_ep.h): the same layout again from the
+        // ranks and experts it was written with; the digest above fixed the table.
+        mtrl_dist_experts x;
+        st = mtrl_dist_experts_make(&x, (int)experts, (int)ranks, err);
+        if (st == MTRL_OK) st = mtrl_dist_ep_layout_make(&c->written_ep, t, &x, (size_t)align, err);
+        if (st != MTRL_OK) st = mtrl_error_wrap(err, "%s: its expert-parallel layout (%ld ranks, %ld experts)", index_path,
+                                                ranks, experts);
+        c->ep = st == MTRL_OK;
+    } else if (st == MTRL_OK) {
+        st = mtrl_dist_shards_make(&c->written, t, (int)ranks, (size_t)align, err);
+    }
+    c->ranks = (int)ranks;
     if (st == MTRL_OK) {
         c->digest = xcalloc((size_t)ranks, sizeof *c->digest);
         for (int r = 0; r < ranks && st == MTRL_OK; r++) {
@@ -165,18 +219,25 @@ mtrl_status mtrl_dist_ckpt_open(mtrl_dist_ckpt *c, const char *index_path, const
 static mtrl_status copy_from_(mtrl_dist_ckpt *c, int q, size_t lo, size_t hi, void *const *dst,
                               mtrl_error *err) {
     const mtrl_tt *t = c->table;
-    const mtrl_dist_shards *w = &c->written;
     char path[1100];
-    mtrl_dist_ckpt_rank_path(path, sizeof path, c->path, q, w->ranks);
+    mtrl_dist_ckpt_rank_path(path, sizeof path, c->path, q, c->ranks);
     mtrl_status st = mtrl_ckpt_verify_digest(path, c->digest[q], err);
     mtrl_ckpt f;
     if (st == MTRL_OK) st = mtrl_ckpt_open_file(&f, path, err);
     if (st != MTRL_OK) return st;
-    const mtrl_dist_shard *h = &w->rank[q];
+    const mtrl_dist_piece *pieces;
+    int n_piece;
+    if (c->ep) {
+        pieces = c->written_ep.piece + c->written_ep.rank[q].first_piece;
+        n_piece = c->written_ep.rank[q].n_piece;
+    } else {
+        pieces = c->written.piece + c->written.rank[q].first_piece;
+        n_piece = c->written.rank[q].n_piece;
+    }
     void *buf = NULL;
     size_t buf_cap = 0;
-    for (int j = 0; j < h->n_piece && st == MTRL_OK; j++) {
-        const mtrl_dist_piece *p = &w->piece[h->first_piece + j];
+    for (int j = 0; j < n_piece && st == MTRL_OK; j++) {
+        const mtrl_dist_piece *p = &pieces[j];
         size_t es = mtrl_dtype_size(t->items[p->tensor].dtype), a = piece_off_(t, p), b = a + (p->end - p->begin) * es;
         size_t x0 = a > lo ? a : lo, x1 = b < hi ? b : hi;
         if (x0 >= x1) continue;
@@ -201,23 +262,23 @@ static mtrl_status copy_from_(mtrl_dist_ckpt *c, int q, size_t lo, size_t hi, vo
 
 mtrl_status mtrl_dist_ckpt_read_shard(mtrl_dist_ckpt *c, const mtrl_dist_shards *sh, int rank, void *params,
                                       void *adam_m, void *adam_v, mtrl_error *err) {
-    MTRL_CHECKF(rank >= 0 && rank < sh->ranks && sh->total == c->written.total, "rank %d of a layout of %d", rank,
+    MTRL_CHECKF(rank >= 0 && rank < sh->ranks && sh->total == c->table->total, "rank %d of a layout of %d", rank,
                 sh->ranks);
     size_t lo = sh->rank[rank].begin, hi = sh->rank[rank].end < sh->total ? sh->rank[rank].end : sh->total;
     void *dst[3] = {params, adam_m, adam_v};
     for (int k = 0; k < 3; k++)
         if (dst[k] && hi > lo) memset(dst[k], 0, hi - lo);
     mtrl_status st = MTRL_OK;
-    for (int q = 0; q < c->written.ranks && st == MTRL_OK; q++) {
-        const mtrl_dist_shard *o = &c->written.rank[q];
-        if (o->begin < hi && o->end > lo) st = copy_from_(c, q, lo, hi, dst, err);
-    }
+    // An expert-parallel rank's pieces span the block (its experts of every layer): every file.
+    for (int q = 0; q < c->ranks && st == MTRL_OK; q++)
+        if (c->ep || (c->written.rank[q].begin < hi && c->written.rank[q].end > lo)) st = copy_from_(c, q, lo, hi, dst, err);
     return st;
 }
 
 void mtrl_dist_ckpt_close(mtrl_dist_ckpt *c) {
     mtrl_ckpt_close(&c->index);
     mtrl_dist_shards_free(&c->written);
+    if (c->ep) mtrl_dist_ep_layout_free(&c->written_ep);
     free(c->digest);
     memset(c, 0, sizeof *c);
 }

@@ -10,12 +10,20 @@
 //                        shard.ranks, shard.align, shard.total, shard.layout (the SHA-256 of the
 //                        table's names, dtypes, shapes and offsets), and per rank its file's
 //                        name and SHA-256 (shard.<r>.file, shard.<r>.sha256)
+// With expert-parallel ownership (learner/dist_ep.h, mtrl_dist_dp_init_ep) a rank's file holds
+// the pieces it OWNS instead: its experts' rows of every routed-expert tensor, then its pieces
+// of the non-expert ZeRO shard, each of the three blocks, named as above; the index says so
+// with shard.kind = expert_parallel and shard.experts = E (shard.align: the non-expert
+// block's). Only the owner's copy of an expert is current (the step updates nothing else):
+// these pieces are what the ranks hold of the state, each element written once.
 // The rank files are written first, each atomically by its rank; the index last (rank 0,
 // after a barrier), so an index names only complete files and a crash in between leaves the
 // previous checkpoint the latest. Reading checks the layout digest against the reader's table
 // (a checkpoint of other dims is refused, naming both) and each rank file's digest before its
-// bytes are used. Any number of ranks reads what any number wrote: rank r' of R' computes both
-// layouts and copies, from every old shard that overlaps its new range, the overlapping piece.
+// bytes are used. Any number of ranks reads what any number wrote, with either layout: rank r'
+// of R' computes both layouts and copies, from every old piece that overlaps its new range,
+// the overlapping part (the reader's ranges are always ZeRO byte ranges: a one-rank range is
+// the whole state, what the learner reads before its ranks copy it).
 //
 //     // every rank:   mtrl_dist_ckpt_write_rank(path, &sh, &table, r, p + sh.rank[r].begin, m_shard, v_shard, &err)
 //     // rank 0, then: mtrl_dist_ckpt_write_index(path, &sh, &table, extra, n_extra, meta, n_meta, &err)
@@ -32,6 +40,7 @@
 #include "common/checkpoint.h"
 #include "common/status.h"
 #include "common/tensor.h"
+#include "learner/dist_ep.h"
 #include "learner/dist_plan.h"
 
 // The path of rank r's file of the checkpoint with this index (INDEX.rank<r>of<R>).
@@ -42,18 +51,32 @@ void mtrl_dist_ckpt_rank_path(char *out, size_t cap, const char *index_path, int
 // past the block's total (the last ranks' padding) are not read.
 mtrl_status mtrl_dist_ckpt_write_rank(const char *index_path, const mtrl_dist_shards *sh, const mtrl_tt *t, int rank,
                                       const void *params, const void *adam_m, const void *adam_v, mtrl_error *err);
+// Writes rank `rank`'s file of the expert-parallel layout l (of table t): params, adam_m,
+// adam_v are that rank's WHOLE blocks (t->total bytes each), of which its owned pieces are
+// written (dist_ep.h: its experts, then its non-expert shard).
+mtrl_status mtrl_dist_ckpt_write_rank_ep(const char *index_path, const mtrl_dist_ep_layout *l, const mtrl_tt *t,
+                                         int rank, const void *params, const void *adam_m, const void *adam_v,
+                                         mtrl_error *err);
 // Writes the index once every rank file is on disk (it reads them for their digests): extra
 // (n_extra entries, nullable) and meta (n_meta key/value pairs) as mtrl_ckpt_write_file takes them.
 mtrl_status mtrl_dist_ckpt_write_index(const char *index_path, const mtrl_dist_shards *sh, const mtrl_tt *t,
                                        const mtrl_ckpt_entry *extra, int n_extra, const char *const *meta, int n_meta,
                                        mtrl_error *err);
 
+// The index of rank files written by mtrl_dist_ckpt_write_rank_ep with layout l, as above.
+mtrl_status mtrl_dist_ckpt_write_index_ep(const char *index_path, const mtrl_dist_ep_layout *l, const mtrl_tt *t,
+                                          const mtrl_ckpt_entry *extra, int n_extra, const char *const *meta,
+                                          int n_meta, mtrl_error *err);
+
 typedef struct mtrl_dist_ckpt {
     mtrl_ckpt index;            // open: its entries and metadata for the caller
     char path[1024];
     const mtrl_tt *table;
-    mtrl_dist_shards written;   // the layout the checkpoint was written with
-    char (*digest)[65];         // [written.ranks] the rank files' SHA-256
+    int ranks;                  // how many ranks wrote it
+    int ep;                     // 1: with expert-parallel ownership (written_ep), 0: ZeRO (written)
+    mtrl_dist_shards written;   // the layout the checkpoint was written with (ep = 0)
+    mtrl_dist_ep_layout written_ep;
+    char (*digest)[65];         // [ranks] the rank files' SHA-256
 } mtrl_dist_ckpt;
 
 // Opens the index and checks it against table t (the reader's). MTRL_ERR_FORMAT for a file that

@@ -91,6 +91,10 @@ mtrl_status mtrl_dist_dp_init_ep(mtrl_dist_dp *dp, mtrl_dist_comm *comm, mtrl_mo
     }
     dp->ep = 1;
     init_buffers_(dp, m);
+    // Rank 0 receives every other rank's experts; another rank packs its own (ep_gather_experts_).
+    size_t xb = dp->rank == 0 ? dp->layout.expert_total - dp->layout.rank[0].expert_bytes : dp->layout.rank[dp->rank].expert_bytes;
+    dp->xbuf = xmalloc(xb ? xb : 1);
+    dp->xcount = xmalloc(sizeof(int64_t) * 4 * (size_t)dp->ranks);
     return MTRL_OK;
 }
 
@@ -108,6 +112,8 @@ void mtrl_dist_dp_free(mtrl_dist_dp *dp) {
         be->release(be, dp->tmp);
     }
     free(dp->qb);
+    free(dp->xbuf);
+    free(dp->xcount);
     memset(dp, 0, sizeof *dp);
 }
 
@@ -212,6 +218,44 @@ static size_t piece_at_(const mtrl_dist_ep_layout *L, const mtrl_tt *t, const mt
     return (p->end - p->begin) * es;
 }
 
+// Step 5's end with expert parallel: every rank's new expert rows onto rank 0, the rank that
+// publishes the weights and writes the full parameter file (dist_dp.h). One all-to-all-v of
+// bytes in which only the sends to rank 0 are not empty; the other ranks keep their stale
+// copies of the others' experts (unread). dp->xbuf: on rank 0 every other rank's experts, rank
+// by rank in the layout's piece order; on another rank its own, packed.
+static mtrl_status ep_gather_experts_(mtrl_dist_dp *dp, mtrl_model *m, mtrl_error *err) {
+    const mtrl_dist_ep_layout *L = &dp->layout;
+    const mtrl_tt *t = &m->params;
+    char *params = m->d_params;
+    int64_t *cnt = dp->xcount, *sc = cnt, *so = cnt + dp->ranks, *rc = cnt + 2 * dp->ranks, *ro = cnt + 3 * dp->ranks;
+    memset(cnt, 0, sizeof(int64_t) * 4 * (size_t)dp->ranks);
+    int64_t at = 0;
+    for (int q = 1; q < dp->ranks; q++) {
+        if (dp->rank == 0) rc[q] = (int64_t)L->rank[q].expert_bytes, ro[q] = at;
+        at += (int64_t)L->rank[q].expert_bytes;
+    }
+    const mtrl_dist_ep_rank *er = &L->rank[dp->rank];
+    if (dp->rank > 0) {
+        sc[0] = (int64_t)er->expert_bytes;
+        size_t o = 0;
+        for (int j = er->first_piece; j < er->first_piece + er->n_expert_piece; j++) {
+            size_t es = mtrl_dtype_size(t->items[L->piece[j].tensor].dtype), bytes = (L->piece[j].end - L->piece[j].begin) * es;
+            memcpy(dp->xbuf + o, params + t->items[L->piece[j].tensor].offset + L->piece[j].begin * es, bytes);
+            o += bytes;
+        }
+    }
+    mtrl_status s = mtrl_dist_comm_alltoallv(dp->comm, dp->xbuf, sc, so, dp->xbuf, rc, ro, 1, err);
+    if (s != MTRL_OK || dp->rank > 0) return s;
+    size_t o = 0;
+    for (int q = 1; q < dp->ranks; q++)
+        for (int j = L->rank[q].first_piece; j < L->rank[q].first_piece + L->rank[q].n_expert_piece; j++) {
+            size_t es = mtrl_dtype_size(t->items[L->piece[j].tensor].dtype), bytes = (L->piece[j].end - L->piece[j].begin) * es;
+            memcpy(params + t->items[L->piece[j].tensor].offset + L->piece[j].begin * es, dp->xbuf + o, bytes);
+            o += bytes;
+        }
+    return MTRL_OK;
+}
+
 // Steps 3 to 5 with expert-parallel ownership (dist_dp.h mtrl_dist_dp_init_ep): the
 // non-expert tensors through their compact block (layout.dense_offset), the own experts as
 // they are. CPU blocks (the backend's copies are memcpy there), as init_ep allows.
@@ -256,8 +300,9 @@ static mtrl_status ep_adamw_(mtrl_dist_dp *dp, mtrl_model *m, const mtrl_train_a
     for (int i = 0; i < t->n; i++)
         if (L->dense_offset[i] != SIZE_MAX)
             be->copy(be, params + t->items[i].offset, dp->gather + L->dense_offset[i], t->items[i].nbytes);
+    s = ep_gather_experts_(dp, m, err);
     mtrl_model_params_changed(m);
-    return MTRL_OK;
+    return s;
 }
 
 // The optimizer part of a step: plain ZeRO or with expert-parallel ownership.

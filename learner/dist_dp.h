@@ -80,6 +80,8 @@ typedef struct mtrl_dist_dp {
     int ep;
     mtrl_dist_ep_layout layout;
     mtrl_dist_ep_wire wire;
+    char *xbuf;               // the experts gathered onto rank 0 after each step (host)
+    int64_t *xcount;          // [4 ranks] the all-to-all-v's counts and offsets
 } mtrl_dist_dp;
 
 // The step's state for the rank of comm with model m (a training model, CPU or GPU, and a
@@ -98,9 +100,12 @@ mtrl_status mtrl_dist_dp_init(mtrl_dist_dp *dp, mtrl_dist_comm *comm, const mtrl
 //      reduce-scattered, in padded buffers of R x its shard;
 //   4. the global norm: each rank's squared sums over its own experts and its non-expert shard,
 //      all-reduced (every expert counted once, on its owner);
-//   5. AdamW on the own experts and the own shard; the non-expert shards all-gathered, the
-//      experts not (only their owner reads them: every rank's other experts keep their old,
-//      unread values, and their moments stay as they were);
+//   5. AdamW on the own experts and the own shard; the non-expert shards all-gathered; the
+//      experts gathered onto rank 0 only (one all-to-all-v in which only the sends to rank 0
+//      are not empty), so that rank 0's model holds every expert's new weights: what the
+//      learner publishes to the actors and writes as the full parameter file. On the other
+//      ranks the others' experts keep their old, unread values (only the owner runs an
+//      expert), and every rank's moments of the others' experts stay as they were;
 //   7. QB: the loads and β sums each rank observed on its own tokens, all-reduced once per
 //      step as above: β the same bits on every rank.
 // Each rank still holds the whole parameter, gradient and moment blocks (dist_ep_wire.h says

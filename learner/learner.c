@@ -1316,6 +1316,8 @@ mtrl_status mtrl_learner_open(mtrl_learner **out, const mtrl_config *cfg, const 
     char why[400];
     int n_ranks = st == MTRL_OK ? mtrl_config_ranks(cfg, NULL, why, sizeof why) : 1;
     if (n_ranks < 0) st = mtrl_error_set(err, MTRL_ERR_USAGE, "%s: %s", cfg->path, why);
+    // [learner] expert_parallel refused before anything is built (a GPU model, no experts).
+    if (st == MTRL_OK && (st = mtrl_learner_ranks_check_ep(cfg, &d, err)) != MTRL_OK) mtrl_error_wrap(err, "%s", cfg->path);
     if (st == MTRL_OK) st = mtrl_model_init_on(&l->model, &d, (uint64_t)cfg->run.seed, device, gpu, err);
     if (st == MTRL_OK) mtrl_qb_set_mode(&l->model, cfg->learner.qb ? MTRL_QB_TRAIN : MTRL_QB_FROZEN);
     // A run that starts from a Hugging Face checkpoint takes its weights and correction biases

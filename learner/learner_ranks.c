@@ -67,6 +67,7 @@ typedef struct boot_mem_ {
 
 struct mtrl_learner_ranks {
     int R, device, threads, timeout_ms;
+    int ep;                  // [learner] expert_parallel with R > 1: the EP+DP step (dist_dp.h)
     int dead;                // a step failed: the world is dead
     char why_dead[MTRL_ERROR_MSG_MAX];
     mtrl_dist_world *world;  // the local backend's (CPU)
@@ -143,7 +144,9 @@ static mtrl_status rank_setup_(rank_ *k, mtrl_error *err) {
             }
         }
     }
-    if (s == MTRL_OK && (s = mtrl_dist_dp_init(&k->dp, k->comm, k->m, err)) == MTRL_OK) k->have_dp = 1;
+    if (s == MTRL_OK && (s = g->ep ? mtrl_dist_dp_init_ep(&k->dp, k->comm, k->m, err)
+                                   : mtrl_dist_dp_init(&k->dp, k->comm, k->m, err)) == MTRL_OK)
+        k->have_dp = 1;
     return s;
 }
 
@@ -176,6 +179,9 @@ static mtrl_status rank_job_(rank_ *k, const job_ *j, mtrl_error *err) {
         return MTRL_OK;
     case JOB_SAVE: {
         mtrl_model_to_host(k->m); // a GPU replica's moments and parameters into its host mirror
+        if (k->g->ep) // what this rank owns: its experts and its non-expert shard (dist_ckpt.h)
+            return mtrl_dist_ckpt_write_rank_ep(j->index, &k->dp.layout, &k->m->params, k->rank, k->m->params.base,
+                                                k->m->adam_m, k->m->adam_v, err);
         const mtrl_dist_shards *sh = &k->dp.shards;
         size_t at = sh->rank[k->rank].begin < sh->total ? sh->rank[k->rank].begin : sh->total;
         return mtrl_dist_ckpt_write_rank(j->index, sh, &k->m->params, k->rank, (const char *)k->m->params.base + at,
@@ -296,8 +302,12 @@ int mtrl_learner_ranks_describe(const mtrl_config *cfg, char *buf, size_t cap) {
         return -1;
     }
     if (gpu[0] < 0) {
-        snprintf(buf, cap, "%d data-parallel learner rank%s: %s", R, R == 1 ? "" : "s",
-                 R == 1 ? "the learner's own thread on the CPU" : "threads of one process on the CPU (local backend)");
+        snprintf(buf, cap, "%d data-parallel learner rank%s: %s%s", R, R == 1 ? "" : "s",
+                 R == 1 ? "the learner's own thread on the CPU" : "threads of one process on the CPU (local backend)",
+                 !cfg->learner.expert_parallel ? ""
+                 : R == 1 ? "; [learner] expert_parallel has no effect with one rank"
+                          : "; the routed experts expert parallel over them ([learner] expert_parallel: each rank owns "
+                            "its block of experts, the rest ZeRO-sharded)");
         return R;
     }
     char ids[400] = "";
@@ -306,6 +316,25 @@ int mtrl_learner_ranks_describe(const mtrl_config *cfg, char *buf, size_t cap) {
     snprintf(buf, cap, "%d data-parallel learner rank%s on GPU%s %s%s", R, R == 1 ? "" : "s", R == 1 ? "" : "s", ids,
              R == 1 ? "" : " (one thread each, NCCL)");
     return R;
+}
+
+mtrl_status mtrl_learner_ranks_check_ep(const mtrl_config *cfg, const mtrl_model_dims *d, mtrl_error *err) {
+    if (!cfg->learner.expert_parallel) return MTRL_OK;
+    int device = MTRL_DEVICE_CPU, gpu = 0, id[MTRL_CFG_GPUS_MAX];
+    mtrl_model_parse_device(cfg->model.device, &device, &gpu);
+    int R = mtrl_config_ranks(cfg, id, NULL, 0);
+    if (device != MTRL_DEVICE_CPU)
+        return mtrl_error_set(err, MTRL_ERR_USAGE, "[learner] expert_parallel = true with [model] device = %s: the "
+                              "expert-parallel step runs on CPU models only; its GPU path (the expert exchange over "
+                              "NCCL on device buffers) is not built (docs/multi-gpu.md §3)", cfg->model.device);
+    if (d->n_moe == 0 || d->E == 0)
+        return mtrl_error_set(err, MTRL_ERR_USAGE, "[learner] expert_parallel = true, but the model has no MoE layer "
+                              "(%d layers, all dense): there are no experts to spread over the ranks", d->L);
+    if (R > d->E)
+        return mtrl_error_set(err, MTRL_ERR_USAGE, "[learner] expert_parallel = true with %d learner ranks, but the model "
+                              "has %d routed experts: every rank must own at least one (at most %d ranks, or "
+                              "expert_parallel = false)", R, d->E, d->E);
+    return MTRL_OK;
 }
 
 mtrl_status mtrl_learner_ranks_init(mtrl_learner_ranks **out, mtrl_model *m0, const mtrl_config *cfg, mtrl_error *err) {
@@ -319,8 +348,11 @@ mtrl_status mtrl_learner_ranks_init(mtrl_learner_ranks **out, mtrl_model *m0, co
         return mtrl_error_set(err, MTRL_ERR_USAGE, "learner ranks: rank 0's model is on %s, [learner] ranks / gpus put "
                               "rank 0 on %s", m0->device == MTRL_DEVICE_CPU ? "the CPU" : "a GPU",
                               device == MTRL_DEVICE_CPU ? "the CPU" : "another device");
+    mtrl_status s = mtrl_learner_ranks_check_ep(cfg, &m0->dims, err);
+    if (s != MTRL_OK) return s;
     mtrl_learner_ranks *g = xcalloc(1, sizeof *g);
     g->R = R;
+    g->ep = cfg->learner.expert_parallel && R > 1;
     g->device = device;
     // [learner] threads is each rank's; its default (the cores shared with the actors) is
     // shared by the ranks too, so that R ranks of the CPU do not oversubscribe it R times.
@@ -336,7 +368,6 @@ mtrl_status mtrl_learner_ranks_init(mtrl_learner_ranks **out, mtrl_model *m0, co
     pthread_condattr_destroy(&ca);
     for (int r = 0; r < R; r++) g->rk[r] = (rank_){.g = g, .rank = r, .gpu = gpu[r]};
     g->rk[0].m = m0;
-    mtrl_status s = MTRL_OK;
     if (device == MTRL_DEVICE_CPU) s = mtrl_dist_world_init(&g->world, R, g->timeout_ms, err);
     void *blob = NULL;
     size_t len = 0;
@@ -443,7 +474,8 @@ mtrl_status mtrl_learner_ranks_save(mtrl_learner_ranks *g, const char *index_pat
     kv[0] = "step"; kv[1] = step;
     kv[2] = "version"; kv[3] = version;
     for (int i = 0; i < 2 * n_meta; i++) kv[4 + i] = meta[i];
-    s = mtrl_dist_ckpt_write_index(index_path, &g->rk[0].dp.shards, &m0->params, &beta, 1, kv, n_meta + 2, err);
+    s = g->ep ? mtrl_dist_ckpt_write_index_ep(index_path, &g->rk[0].dp.layout, &m0->params, &beta, 1, kv, n_meta + 2, err)
+              : mtrl_dist_ckpt_write_index(index_path, &g->rk[0].dp.shards, &m0->params, &beta, 1, kv, n_meta + 2, err);
     free(kv);
     if (s != MTRL_OK) return mtrl_error_wrap(err, "learner rank 0 of %d, the checkpoint's index", g->R);
     return MTRL_OK;
@@ -475,3 +507,10 @@ void mtrl_learner_ranks_test_fail(mtrl_learner_ranks *g, int rank, long job) {
     g->rk[rank].fail_at = g->rk[rank].steps + job;
     pthread_mutex_unlock(&g->mu);
 }
+
+const mtrl_model *mtrl_learner_ranks_test_model(const mtrl_learner_ranks *g, int rank) {
+    MTRL_CHECKF(rank >= 0 && rank < g->R, "rank %d of %d", rank, g->R);
+    return g->rk[rank].m;
+}
+
+int mtrl_learner_ranks_expert_parallel(const mtrl_learner_ranks *g) { return g->ep; }

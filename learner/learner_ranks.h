@@ -22,6 +22,28 @@
 //                          (mtrl_dist_comm_init_nccl, its collectives on the legacy default
 //                          stream; the unique id handed from rank 0 to the others in memory).
 //
+// Expert parallel ([learner] expert_parallel = true, R > 1; CPU models with MoE layers only,
+// mtrl_learner_ranks_check_ep): every rank runs mtrl_dist_dp_init_ep's step instead, owning
+// its block of experts (learner/dist_ep.h: their parameters, gradients and moments) and its
+// ZeRO shard of the rest; after each step every expert's new weights are gathered onto rank 0
+// (dist_dp.h step 5), so rank 0's model is whole, as without it, and what the learner
+// publishes and writes as the full parameter file holds every expert. A follower's copies of
+// the others' experts are stale (it never runs them). Its checkpoint's rank files hold what
+// each rank owns (dist_ckpt.h's expert-parallel layout); reading them back is the same call.
+// Memory (not built): each rank still allocates the whole parameter, gradient and moment
+// blocks, every expert included, and reads only its own. Holding its own alone needs
+//   1. a follower model whose routed-expert tensors have e1 - e0 rows: a table of its own,
+//      while the parameter table, mtrl_model_load / _save, dist_ckpt.h's layout digest and
+//      mtrl_model_set_experts all assume the one whole table on every rank today;
+//   2. model_moe.h's expert phases indexing ew1 / ew3 / ew2 from e0 (dist_ep_wire.h passes
+//      expert ids of the whole range);
+//   3. the followers' start loading only their pieces of rank 0's state (a whole
+//      mtrl_model_load of the blob today), and the step and the save addressing the own
+//      experts in the smaller block (the rank files already hold the owned pieces only, so
+//      their format would not change).
+// Rank 0 would keep every expert (it publishes and writes the full parameter file), so the
+// saving is on ranks 1 .. R-1: (E - E/R) / E of the expert bytes of each of the four blocks.
+//
 // State kept per rank (dist_dp.h): the AdamW moments of its own ZeRO shard only. So a
 // checkpoint's optimizer state is written sharded (mtrl_learner_ranks_save: every rank its rank
 // file, rank 0 the index last, learner/dist_ckpt.h), and read back by any number of ranks
@@ -56,12 +78,19 @@ typedef struct mtrl_learner_ranks mtrl_learner_ranks;
 // disagree (mtrl_config_ranks). Returns R, or -1.
 int mtrl_learner_ranks_describe(const mtrl_config *cfg, char *buf, size_t cap);
 
+// Whether cfg's [learner] expert_parallel can run on a model of dims d: MTRL_OK when it is off
+// or it can; MTRL_ERR_USAGE naming the key for a GPU model (the GPU path is not built:
+// docs/multi-gpu.md §3), a model without MoE layers, or more ranks than routed experts. With
+// one rank it has no effect (and is not refused on a CPU MoE model). What mtrl_learner_ranks_init,
+// the learner's start, `mtrl check` and `mtrl plan` call.
+mtrl_status mtrl_learner_ranks_check_ep(const mtrl_config *cfg, const mtrl_model_dims *d, mtrl_error *err);
+
 // Starts ranks 1 .. R-1 of cfg's ranks (R >= 1; [learner] rank_timeout_ms their collectives'
 // limit) with replicas of m0, rank 0's model, which stays the caller's (its thread calls every
 // job). Each rank runs [learner] threads OpenMP threads; with threads = 0 on the CPU the
 // default share (common/config.h mtrl_config_threads) is split over the R ranks (at least 1
 // each), and the caller's thread is set to it too. MTRL_ERR_USAGE naming the keys for ranks the config refuses, or a model on another
-// device than [model] device says; a rank that cannot start (no such GPU, NCCL's init) is
+// device than [model] device says, and what mtrl_learner_ranks_check_ep refuses; a rank that cannot start (no such GPU, NCCL's init) is
 // named with its error, and nothing is left running.
 mtrl_status mtrl_learner_ranks_init(mtrl_learner_ranks **out, mtrl_model *m0, const mtrl_config *cfg, mtrl_error *err);
 // Stops and joins the followers and frees their replicas (NULL: no-op). A follower that does
@@ -69,6 +98,7 @@ mtrl_status mtrl_learner_ranks_init(mtrl_learner_ranks **out, mtrl_model *m0, co
 void mtrl_learner_ranks_free(mtrl_learner_ranks *r);
 
 int mtrl_learner_ranks_count(const mtrl_learner_ranks *r);
+int mtrl_learner_ranks_expert_parallel(const mtrl_learner_ranks *r); // 1: the EP+DP step
 const char *mtrl_learner_ranks_backend(const mtrl_learner_ranks *r); // "local" or "nccl"
 // 1 once a step failed: the world is dead and the replicas may differ.
 int mtrl_learner_ranks_failed(const mtrl_learner_ranks *r);
@@ -85,7 +115,8 @@ mtrl_status mtrl_learner_ranks_sft_step(mtrl_learner_ranks *r, const mtrl_config
 mtrl_status mtrl_learner_ranks_optimizer_reset(mtrl_learner_ranks *r, mtrl_error *err);
 
 // The optimizer state as a sharded checkpoint at index_path (learner/dist_ckpt.h): every rank
-// writes its rank file (its shard of the parameters and both moments) at once, then rank 0 the
+// writes its rank file (its shard of the parameters and both moments; with expert parallel its
+// own experts' and its non-expert shard's, dist_ckpt.h's expert-parallel layout) at once, then rank 0 the
 // index with QB β, the metadata "step" (AdamW's) and "version", and the caller's n_meta pairs.
 // The index is written only when every rank file is, so a failed write (named by its rank)
 // leaves nothing that names a partial state.
@@ -95,6 +126,8 @@ mtrl_status mtrl_learner_ranks_save(mtrl_learner_ranks *r, const char *index_pat
 // Reads the whole AdamW moments and step of the sharded checkpoint at index_path (written by
 // any number of ranks) into m (a model of the same layout, on any device), as a one-rank
 // checkpoint would restore them. The layout and every rank file are checked (dist_ckpt.h).
+// Either layout, whatever the reader's R' and expert_parallel: the ranks then copy this whole
+// state at their start.
 mtrl_status mtrl_learner_ranks_load_moments(mtrl_model *m, const char *index_path, mtrl_error *err);
 
 // ---- tests only ---------------------------------------------------------------------------------
@@ -102,5 +135,7 @@ mtrl_status mtrl_learner_ranks_load_moments(mtrl_model *m, const char *index_pat
 // this call) without running it, as a rank that died would: the others time out in their
 // first collective. Its own error says "failure injected by a test".
 void mtrl_learner_ranks_test_fail(mtrl_learner_ranks *r, int rank, long job);
+// Rank `rank`'s model (rank 0's is the caller's), to read between jobs.
+const mtrl_model *mtrl_learner_ranks_test_model(const mtrl_learner_ranks *r, int rank);
 
 #endif

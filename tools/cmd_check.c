@@ -10,6 +10,7 @@
 
 #include "common/config.h"
 #include "common/log.h"
+#include "common/tokenizer.h"
 #include "learner/dist_launch.h"
 #include "learner/learner_ranks.h"
 #include "tools/cli.h"
@@ -73,6 +74,15 @@ int cmd_check(int argc, char **argv) {
     if (!check_launch_(path, &cfg, launch, sizeof launch)) return 2;
     char *tools = NULL;
     if (!cli_env_check("check", path, &cfg, &tools)) return 2;
+    // [learner] expert_parallel against the model it would run on (a GPU, no experts, too few).
+    mtrl_model_dims dims;
+    mtrl_error err;
+    if (mtrl_model_dims_from_config(&dims, &cfg, MTRL_VOCAB, &err) == MTRL_OK &&
+        mtrl_learner_ranks_check_ep(&cfg, &dims, &err) != MTRL_OK) {
+        fprintf(stderr, "%s: %s\nmtrl check: 1 problem in %s\n", path, err.msg, path);
+        free(tools);
+        return 2;
+    }
     char *ini = mtrl_config_to_ini(&cfg);
     printf("; resolved from %s, config hash %016" PRIx64 "\n%s", path, mtrl_config_hash(&cfg), launch);
     // Several learner ranks: where they run (the load refused keys that disagree when ranks is set).

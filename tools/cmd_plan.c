@@ -30,7 +30,7 @@
 // experts and ZeRO shards of each, and the memory plan of the busiest rank's share with its
 // moments sharded.
 static int plan_ranks_(const mtrl_model_dims *d, int dev, long tokens, int batch, size_t budget, const int *gpus,
-                       int ranks) {
+                       int ranks, int expert_parallel) {
     mtrl_error err;
     int *len = xmalloc(sizeof(int) * (size_t)batch);
     for (int i = 0; i < batch; i++) len[i] = (int)tokens;
@@ -76,9 +76,14 @@ static int plan_ranks_(const mtrl_model_dims *d, int dev, long tokens, int batch
                (double)(2 * sh.shard_bytes) / (1 << 30), (double)p.adam / (1 << 30), (double)zero1 / (1 << 30),
                p.budget && zero1 + p.margin > p.budget ? "does not fit the budget" : "fits the budget");
     }
-    // The data-parallel step is what mtrl run trains; expert parallel is not in the step yet.
-    printf("mtrl run trains this split data parallel, the moments sharded; the expert-parallel ownership above is "
-           "not in its step yet (docs/multi-gpu.md)\n");
+    // What mtrl run's step does with it: [learner] expert_parallel picks the ownership.
+    if (expert_parallel)
+        printf("mtrl run trains this split with [learner] expert_parallel: each rank owns the experts and shard above "
+               "(their gradients and moments), runs its experts for every rank's tokens, and rank 0 gathers every "
+               "expert after each step; each rank still allocates every expert's weights (docs/multi-gpu.md)\n");
+    else
+        printf("mtrl run trains this split data parallel, the moments sharded; [learner] expert_parallel = true trains "
+               "it with the expert-parallel ownership above (CPU models; docs/multi-gpu.md)\n");
     mtrl_dist_shards_free(&sh);
     mtrl_tt_free(&t);
     mtrl_dist_split_free(&split);
@@ -179,7 +184,13 @@ int cmd_plan(int argc, char **argv) {
     char what[400];
     if (ranks > 1 && mtrl_learner_ranks_describe(&cfg, what, sizeof what) > 1) printf("learner: %s\n", what);
     if (ranks < 0) ranks = mtrl_config_gpus(&cfg, gpus, NULL, 0);
-    if (ranks > 1) return plan_ranks_(&d, dev, tokens, (int)batch, budget, gpus[0] >= 0 ? gpus : NULL, ranks);
+    if (mtrl_learner_ranks_check_ep(&cfg, &d, &err) != MTRL_OK) {
+        fprintf(stderr, "mtrl plan: %s: %s\n", path, err.msg);
+        return 2;
+    }
+    if (ranks > 1)
+        return plan_ranks_(&d, dev, tokens, (int)batch, budget, gpus[0] >= 0 ? gpus : NULL, ranks,
+                           cfg.learner.expert_parallel);
     mtrl_model_plan p;
     mtrl_status st = mtrl_model_plan_uniform(&p, &d, dev, tokens, (int)batch, budget, &err);
     mtrl_model_plan_print(&p, stdout);
