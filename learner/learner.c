@@ -33,6 +33,7 @@
 #include "common/wire/wire_monitor.h"
 #include "common/wire/wire_shared.h"
 #include "learner/ckpt_async.h"
+#include "learner/dist_launch.h"
 #include "learner/learner_ranks.h"
 #include "learner/peer_guard.h"
 #include "learner/perf.h"
@@ -1046,6 +1047,11 @@ static void pump_(mtrl_learner *l, int timeout_ms) {
     }
     check_heartbeats_(l, 1);
     checkpoint_done_(l, 0);
+    // Ranks as processes: the followers hear from rank 0 while it collects rollouts.
+    if (l->ranks && !l->failed[0] && mtrl_learner_ranks_heartbeat(l->ranks, &err) != MTRL_OK) {
+        event_(l, MTRL_LOG_ERROR, "%s", err.msg);
+        mtrl_learner_fail(l, "the learner's ranks failed (the error is above)");
+    }
     if (l->tick) l->tick(l->tick_user);
 }
 
@@ -1316,6 +1322,12 @@ mtrl_status mtrl_learner_open(mtrl_learner **out, const mtrl_config *cfg, const 
     char why[400];
     int n_ranks = st == MTRL_OK ? mtrl_config_ranks(cfg, NULL, why, sizeof why) : 1;
     if (n_ranks < 0) st = mtrl_error_set(err, MTRL_ERR_USAGE, "%s: %s", cfg->path, why);
+    // Under a launcher the ranks are its processes (this one rank 0): see mtrl_learner_ranks_check_launch.
+    const mtrl_dist_launch *launch = opts && opts->launch && opts->launch->world > 1 ? opts->launch : NULL;
+    if (st == MTRL_OK && launch) {
+        st = mtrl_learner_ranks_check_launch(cfg, launch, err);
+        n_ranks = launch->world;
+    }
     // [learner] expert_parallel refused before anything is built (a GPU model, no experts).
     if (st == MTRL_OK && (st = mtrl_learner_ranks_check_ep(cfg, &d, err)) != MTRL_OK) mtrl_error_wrap(err, "%s", cfg->path);
     if (st == MTRL_OK) st = mtrl_model_init_on(&l->model, &d, (uint64_t)cfg->run.seed, device, gpu, err);
@@ -1362,7 +1374,14 @@ mtrl_status mtrl_learner_open(mtrl_learner **out, const mtrl_config *cfg, const 
     }
     // The other ranks copy rank 0's state as it is now: initialised, or loaded (Hugging Face
     // weights, a resumed checkpoint).
-    if (st == MTRL_OK && n_ranks > 1 && (st = mtrl_learner_ranks_init(&l->ranks, &l->model, cfg, err)) != MTRL_OK) {
+    if (st == MTRL_OK && launch) {
+        mtrl_dist_rendezvous rv = mtrl_dist_rendezvous_of(launch);
+        st = mtrl_learner_ranks_init_process(&l->ranks, &l->model, cfg, 0, launch->world, &rv, err);
+        if (st != MTRL_OK) {
+            mtrl_store_event_log(l->store, l->run_id, MTRL_LOG_ERROR, err->msg, NULL);
+            mtrl_store_run_set_status(l->store, l->run_id, MTRL_RUN_FAILED, NULL);
+        }
+    } else if (st == MTRL_OK && n_ranks > 1 && (st = mtrl_learner_ranks_init(&l->ranks, &l->model, cfg, err)) != MTRL_OK) {
         mtrl_store_event_log(l->store, l->run_id, MTRL_LOG_ERROR, err->msg, NULL);
         mtrl_store_run_set_status(l->store, l->run_id, MTRL_RUN_FAILED, NULL);
     }
@@ -1414,7 +1433,10 @@ mtrl_status mtrl_learner_open(mtrl_learner **out, const mtrl_config *cfg, const 
     }
     publish_(l);
     char ranks[400] = "one rank";
-    if (l->ranks) mtrl_learner_ranks_describe(cfg, ranks, sizeof ranks);
+    if (launch)
+        snprintf(ranks, sizeof ranks, "%d data-parallel learner ranks: processes of a %s launch, rank 0 here (zmq backend, "
+                 "rendezvous %s:%d)", launch->world, launch->source, launch->host, launch->port);
+    else if (l->ranks) mtrl_learner_ranks_describe(cfg, ranks, sizeof ranks);
     event_(l, MTRL_LOG_INFO, "run %lld (%s): learner on %s, model %zu parameters, %s, store %s", (long long)l->run_id,
            cfg->run.name, l->sock.endpoint, mtrl_model_param_count(&l->model), ranks, db);
     *out = l;

@@ -48,6 +48,9 @@ typedef struct mtrl_learner_opts {
     void *tick_user;
     double rl_seconds;     // > 0: end the run (finished) after this many seconds of RL, counted
                            // from the end of the warm-up (mtrl bench rl)
+    const struct mtrl_dist_launch *launch; // NULL or one process: the ranks as [learner] ranks says;
+                           // a launch of world > 1 whose rank 0 this is: its ranks are the launch's
+                           // processes (learner/learner_ranks.h; the others run learner_follow.h)
 } mtrl_learner_opts;
 
 mtrl_status mtrl_learner_open(mtrl_learner **out, const mtrl_config *cfg, const mtrl_learner_opts *opts,

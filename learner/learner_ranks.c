@@ -17,14 +17,18 @@
 
 #include "common/check.h"
 #include "common/log.h"
+#include "common/timeutil.h"
+#include "common/trajbuf.h"
 #include "learner/dist_ckpt.h"
 #include "learner/dist_comm.h"
 #include "learner/dist_dp.h"
+#include "learner/dist_launch.h"
 #include "model/qb.h"
 
-typedef enum { JOB_NONE, JOB_RL, JOB_SFT, JOB_RESET, JOB_SAVE, JOB_STOP } job_kind;
+typedef enum { JOB_NONE, JOB_RL, JOB_SFT, JOB_RESET, JOB_SAVE, JOB_STOP, JOB_BEAT } job_kind;
 
-static const char *const job_name_[] = {"", "RL step", "supervised step", "optimizer reset", "checkpoint shards", "stop"};
+static const char *const job_name_[] = {"", "RL step", "supervised step", "optimizer reset", "checkpoint shards", "stop",
+                                        "heartbeat"};
 
 typedef struct job_ {
     job_kind kind;
@@ -67,6 +71,9 @@ typedef struct boot_mem_ {
 
 struct mtrl_learner_ranks {
     int R, device, threads, timeout_ms;
+    int proc;                // the ranks are processes (mtrl_learner_ranks_init_process): only rk[me] is here
+    int me;                  // this process's rank (0 unless proc)
+    double last_post;        // proc, rank 0: when the last job went out (the heartbeat's clock)
     int ep;                  // [learner] expert_parallel with R > 1: the EP+DP step (dist_dp.h)
     int dead;                // a step failed: the world is dead
     char why_dead[MTRL_ERROR_MSG_MAX];
@@ -255,12 +262,15 @@ static mtrl_status combine_(mtrl_learner_ranks *g, const char *what, mtrl_error 
                           g->rk[cause].err.msg);
 }
 
+static mtrl_status post_proc_(mtrl_learner_ranks *g, const job_ *j, mtrl_error *err);
+
 // Posts job j to the followers, runs rank 0's part, waits for theirs (at most the rank timeout
 // after rank 0's ended, plus 5 s) and returns the combined status.
 static mtrl_status run_job_(mtrl_learner_ranks *g, const job_ *j, mtrl_error *err) {
     if (g->dead)
         return mtrl_error_set(err, MTRL_ERR_STATE, "learner ranks: no %s after a failed step: %.600s", job_name_[j->kind],
                               g->why_dead);
+    if (g->proc) return post_proc_(g, j, err);
     pthread_mutex_lock(&g->mu);
     g->job = *j;
     uint64_t seq = ++g->seq;
@@ -402,8 +412,14 @@ mtrl_status mtrl_learner_ranks_init(mtrl_learner_ranks **out, mtrl_model *m0, co
     return MTRL_OK;
 }
 
+static void free_proc_(mtrl_learner_ranks *g);
+
 void mtrl_learner_ranks_free(mtrl_learner_ranks *g) {
     if (!g) return;
+    if (g->proc) {
+        free_proc_(g);
+        return;
+    }
     pthread_mutex_lock(&g->mu);
     g->job = (job_){.kind = JOB_STOP};
     g->seq++;
@@ -435,7 +451,9 @@ void mtrl_learner_ranks_free(mtrl_learner_ranks *g) {
 }
 
 int mtrl_learner_ranks_count(const mtrl_learner_ranks *g) { return g->R; }
-const char *mtrl_learner_ranks_backend(const mtrl_learner_ranks *g) { return g->device == MTRL_DEVICE_CPU ? "local" : "nccl"; }
+const char *mtrl_learner_ranks_backend(const mtrl_learner_ranks *g) {
+    return g->proc ? "zmq" : g->device == MTRL_DEVICE_CPU ? "local" : "nccl";
+}
 int mtrl_learner_ranks_failed(const mtrl_learner_ranks *g) { return g->dead; }
 
 mtrl_status mtrl_learner_ranks_rl_step(mtrl_learner_ranks *g, const mtrl_config *cfg, const mtrl_algo_config *a,
@@ -514,3 +532,317 @@ const mtrl_model *mtrl_learner_ranks_test_model(const mtrl_learner_ranks *g, int
 }
 
 int mtrl_learner_ranks_expert_parallel(const mtrl_learner_ranks *g) { return g->ep; }
+
+// ---- ranks as processes (the zmq backend) --------------------------------------------------------
+//
+// A job travels from rank 0 as two broadcasts: a fixed header, then (when it has one) its
+// payload. Every rank runs it, then the ranks allgather one status record each, so rank 0
+// names a follower's own error (a shard it could not write) as the threads' combine_ does.
+// The configuration and algorithm go as their raw structs: every rank runs the same build
+// (the header carries their sizes, checked), and the learner's stage may have changed them.
+
+typedef struct wire_job_ {
+    char magic[4];           // "MTJB"
+    uint32_t kind;           // job_kind
+    uint64_t payload;        // bytes of the payload broadcast after this header (0: none)
+    double lr;               // JOB_SFT
+    int32_t n;               // episodes (JOB_RL, JOB_SFT)
+    uint32_t cfg_bytes;      // sizeof(mtrl_config) on rank 0 (steps)
+    uint32_t algo_bytes;     // sizeof(mtrl_algo_config) on rank 0 (JOB_RL)
+    uint8_t reserved[28];
+} wire_job_;
+_Static_assert(sizeof(wire_job_) == 64, "the job header is 64 bytes");
+
+typedef struct wire_status_ {
+    int32_t st;
+    char msg[MTRL_ERROR_MSG_MAX - 4];
+} wire_status_;
+
+// Every rank's status of the job just run (k's own in k->st / k->err) into g->rk[*].st / .err.
+// A failed exchange (the world died in the job) leaves only this rank's, or the exchange's error.
+static void exchange_status_(mtrl_learner_ranks *g, rank_ *k) {
+    wire_status_ *all = xcalloc((size_t)g->R, sizeof *all);
+    wire_status_ mine = {.st = (int32_t)k->st};
+    snprintf(mine.msg, sizeof mine.msg, "%.1000s", k->st == MTRL_OK ? "" : k->err.msg);
+    mtrl_error e = {0};
+    if (mtrl_dist_comm_allgather(k->comm, &mine, all, sizeof mine, &e) == MTRL_OK) {
+        for (int r = 0; r < g->R; r++) {
+            g->rk[r].st = (mtrl_status)all[r].st;
+            snprintf(g->rk[r].err.msg, sizeof g->rk[r].err.msg, "%s", all[r].msg);
+        }
+    } else if (k->st == MTRL_OK) {
+        k->st = e.code;
+        k->err = e;
+    }
+    free(all);
+}
+
+static void put_traj_(mtrl_wbuf *b, const mtrl_traj *t) {
+    // A demonstration of the warm-up may still be OPEN, which the encoding does not carry: it
+    // goes as complete with a flag that restores it.
+    mtrl_traj c = *t;
+    uint8_t open = c.status == MTRL_EP_OPEN;
+    if (open) c.status = MTRL_EP_COMPLETE;
+    mtrl_wbuf one;
+    mtrl_wbuf_init(&one);
+    mtrl_traj_encode(&one, &c);
+    mtrl_wbuf_u8(b, open);
+    mtrl_wbuf_u64(b, one.len);
+    mtrl_wbuf_bytes(b, one.data, one.len);
+    mtrl_wbuf_free(&one);
+}
+
+static mtrl_status post_proc_(mtrl_learner_ranks *g, const job_ *j, mtrl_error *err) {
+    rank_ *k0 = &g->rk[0];
+    wire_job_ h = {.magic = {'M', 'T', 'J', 'B'}, .kind = (uint32_t)j->kind, .lr = j->lr, .n = j->n};
+    mtrl_wbuf pay;
+    mtrl_wbuf_init(&pay);
+    if (j->kind == JOB_RL || j->kind == JOB_SFT) {
+        h.cfg_bytes = sizeof *j->cfg;
+        mtrl_wbuf_bytes(&pay, j->cfg, sizeof *j->cfg);
+        if (j->kind == JOB_RL) {
+            h.algo_bytes = sizeof *j->algo;
+            mtrl_wbuf_bytes(&pay, j->algo, sizeof *j->algo);
+        }
+        for (int i = 0; i < j->n; i++) put_traj_(&pay, j->eps[i]);
+    } else if (j->kind == JOB_SAVE) {
+        mtrl_wbuf_bytes(&pay, j->index, strlen(j->index) + 1);
+    }
+    h.payload = pay.len;
+    mtrl_error e = {0};
+    mtrl_status s = mtrl_dist_comm_broadcast(k0->comm, &h, sizeof h, 0, &e);
+    if (s == MTRL_OK && pay.len) s = mtrl_dist_comm_broadcast(k0->comm, pay.data, pay.len, 0, &e);
+    mtrl_wbuf_free(&pay);
+    g->last_post = mtrl_time_mono();
+    if (s != MTRL_OK) {
+        g->dead = 1;
+        mtrl_error_set(err, s, "learner rank 0 of %d: posting the %s to the other ranks: %.800s", g->R,
+                       job_name_[j->kind], e.msg);
+        snprintf(g->why_dead, sizeof g->why_dead, "%s", err->msg);
+        return s;
+    }
+    if (j->kind == JOB_STOP || j->kind == JOB_BEAT) return MTRL_OK;
+    mtrl_error e0 = {0};
+    k0->st = rank_job_(k0, j, &e0);
+    k0->err = e0;
+    exchange_status_(g, k0);
+    g->last_post = mtrl_time_mono();
+    s = combine_(g, job_name_[j->kind], err);
+    if (s != MTRL_OK && (j->kind == JOB_RL || j->kind == JOB_SFT)) {
+        g->dead = 1;
+        snprintf(g->why_dead, sizeof g->why_dead, "%s", err->msg);
+    }
+    return s;
+}
+
+mtrl_status mtrl_learner_ranks_init_process(mtrl_learner_ranks **out, mtrl_model *m, const mtrl_config *cfg, int rank,
+                                            int world, const mtrl_dist_rendezvous *rv, mtrl_error *err) {
+    *out = NULL;
+    if (world < 2 || world > MTRL_DIST_RANKS_MAX || rank < 0 || rank >= world)
+        return mtrl_error_set(err, MTRL_ERR_USAGE, "learner ranks: rank %d of %d processes (2 .. %d ranks)", rank, world,
+                              MTRL_DIST_RANKS_MAX);
+    if (m->device != MTRL_DEVICE_CPU || strcmp(cfg->model.device, "cpu") != 0)
+        return mtrl_error_set(err, MTRL_ERR_USAGE, "%s: [model] device = %s: learner ranks as processes of a launcher run "
+                              "on the CPU only (the zmq backend; GPUs need NCCL between processes, docs/multi-gpu.md §3)",
+                              cfg->path, cfg->model.device);
+    mtrl_status s = mtrl_learner_ranks_check_ep(cfg, &m->dims, err);
+    if (s != MTRL_OK) return s;
+    mtrl_learner_ranks *g = xcalloc(1, sizeof *g);
+    g->R = world;
+    g->proc = 1;
+    g->me = rank;
+    g->ep = cfg->learner.expert_parallel != 0;
+    g->device = MTRL_DEVICE_CPU;
+    g->threads = mtrl_config_threads(cfg); // each process has its own share of its node
+    omp_set_num_threads(g->threads);
+    g->timeout_ms = (int)cfg->learner.rank_timeout_ms;
+    pthread_mutex_init(&g->mu, NULL);
+    pthread_cond_init(&g->cv, NULL);
+    rank_ *k = &g->rk[rank];
+    *k = (rank_){.g = g, .rank = rank, .gpu = -1, .m = m};
+    // Processes start at their own pace (rank 0 opens its store and loads its checkpoint
+    // first): the join waits at least a minute whatever the collectives' timeout.
+    int join_ms = g->timeout_ms > 60000 ? g->timeout_ms : 60000;
+    s = mtrl_dist_comm_init_zmq(&k->comm, world, rank, rv, join_ms, g->timeout_ms, err);
+    // Rank 0's whole state (parameters, moments, β, step, version), which every follower loads:
+    // the replicas start equal, whatever rank 0 was loaded from.
+    void *blob = NULL;
+    size_t len = 0;
+    if (s == MTRL_OK && rank == 0) s = mtrl_model_save(m, NULL, &blob, &len, 1, NULL, 0, err);
+    uint64_t n = len;
+    if (s == MTRL_OK) s = mtrl_dist_comm_broadcast(k->comm, &n, sizeof n, 0, err);
+    if (s == MTRL_OK && rank > 0) blob = xmalloc(n ? (size_t)n : 1);
+    if (s == MTRL_OK) s = mtrl_dist_comm_broadcast(k->comm, blob, (size_t)n, 0, err);
+    if (s == MTRL_OK && rank > 0) {
+        mtrl_ckpt c;
+        mtrl_status ls = mtrl_ckpt_open_mem(&c, blob, (size_t)n, &k->err);
+        if (ls == MTRL_OK) {
+            ls = mtrl_model_load(m, &c, 1, &k->err);
+            mtrl_ckpt_close(&c);
+        }
+        k->st = ls;
+    }
+    free(blob);
+    if (s == MTRL_OK && k->st == MTRL_OK) {
+        k->st = g->ep ? mtrl_dist_dp_init_ep(&k->dp, k->comm, m, &k->err) : mtrl_dist_dp_init(&k->dp, k->comm, m, &k->err);
+        k->have_dp = k->st == MTRL_OK;
+    }
+    if (s == MTRL_OK) {
+        exchange_status_(g, k);
+        s = combine_(g, "start", err);
+    }
+    if (s != MTRL_OK) {
+        g->dead = 1; // no stop to post: the others fail on their own
+        mtrl_learner_ranks_free(g);
+        return s;
+    }
+    g->last_post = mtrl_time_mono();
+    *out = g;
+    return MTRL_OK;
+}
+
+static void free_proc_(mtrl_learner_ranks *g) {
+    if (g->me == 0 && g->rk[0].comm && !g->dead) {
+        job_ stop = {.kind = JOB_STOP};
+        mtrl_error e = {0};
+        if (post_proc_(g, &stop, &e) != MTRL_OK) LOG_WARN("%s", e.msg);
+    }
+    rank_teardown_(&g->rk[g->me]); // the model stays the caller's
+    pthread_cond_destroy(&g->cv);
+    pthread_mutex_destroy(&g->mu);
+    free(g);
+}
+
+int mtrl_learner_ranks_rank(const mtrl_learner_ranks *g) { return g->me; }
+
+mtrl_status mtrl_learner_ranks_heartbeat(mtrl_learner_ranks *g, mtrl_error *err) {
+    if (!g || !g->proc || g->me != 0 || g->dead) return MTRL_OK;
+    double period = g->timeout_ms / 4 < 5000 ? g->timeout_ms / 4000.0 : 5.0;
+    if (mtrl_time_mono() - g->last_post < period) return MTRL_OK;
+    job_ beat = {.kind = JOB_BEAT};
+    return post_proc_(g, &beat, err);
+}
+
+// The episodes of a step's payload p[0..len) after the raw structs.
+static mtrl_status get_trajs_(const uint8_t *p, size_t len, int n, mtrl_traj *t, mtrl_error *err) {
+    mtrl_traj_limits lim = mtrl_traj_limits_default();
+    // rank 0 took these episodes in under its own limits: nothing here is smaller.
+    lim.max_tokens = UINT64_MAX / 2;
+    lim.max_chunk_tokens = lim.max_tool_calls = lim.max_tool_bytes = lim.max_string = UINT32_MAX / 2;
+    lim.max_routing_width = lim.max_turns = lim.max_images = UINT32_MAX / 2;
+    size_t at = 0;
+    for (int i = 0; i < n; i++) {
+        uint64_t one;
+        if (len - at < 9) return mtrl_error_set(err, MTRL_ERR_FORMAT, "episode %d of %d: the payload ends", i, n);
+        uint8_t open = p[at];
+        memcpy(&one, p + at + 1, 8);
+        at += 9;
+        if (one > len - at) return mtrl_error_set(err, MTRL_ERR_FORMAT, "episode %d of %d: %llu bytes past the payload", i, n,
+                                                   (unsigned long long)one);
+        mtrl_status s = mtrl_traj_decode(&t[i], p + at, (size_t)one, &lim, err);
+        if (s != MTRL_OK) return mtrl_error_wrap(err, "episode %d of %d", i, n);
+        if (open) t[i].status = MTRL_EP_OPEN;
+        at += (size_t)one;
+    }
+    return at == len ? MTRL_OK : mtrl_error_set(err, MTRL_ERR_FORMAT, "%zu bytes after the episodes", len - at);
+}
+
+// One job from rank 0 decoded and run on this follower; *stop set on the stop job.
+static mtrl_status follow_one_(mtrl_learner_ranks *g, int *stop, mtrl_error *err) {
+    rank_ *k = &g->rk[g->me];
+    wire_job_ h;
+    memset(&h, 0, sizeof h);
+    mtrl_status s = mtrl_dist_comm_broadcast(k->comm, &h, sizeof h, 0, err);
+    if (s != MTRL_OK)
+        return mtrl_error_wrap(err, "learner rank %d of %d, waiting for rank 0's next job (rank 0 posts one at least "
+                               "every %d ms while it runs)", g->me, g->R, g->timeout_ms / 4 < 5000 ? g->timeout_ms / 4 : 5000);
+    if (memcmp(h.magic, "MTJB", 4) != 0 || h.kind < JOB_RL || h.kind > JOB_BEAT)
+        return mtrl_error_set(err, MTRL_ERR_FORMAT, "learner rank %d of %d: rank 0 sent a job header that is not one "
+                              "(kind %u)", g->me, g->R, h.kind);
+    if (h.kind == JOB_STOP) {
+        *stop = 1;
+        return MTRL_OK;
+    }
+    if (h.kind == JOB_BEAT) return MTRL_OK;
+    uint8_t *p = xmalloc(h.payload ? (size_t)h.payload : 1);
+    if (h.payload && (s = mtrl_dist_comm_broadcast(k->comm, p, (size_t)h.payload, 0, err)) != MTRL_OK) {
+        free(p);
+        return mtrl_error_wrap(err, "learner rank %d of %d, receiving the %s", g->me, g->R, job_name_[h.kind]);
+    }
+    job_ j = {.kind = (job_kind)h.kind, .n = h.n, .lr = h.lr};
+    mtrl_config *cfg = NULL;
+    mtrl_algo_config algo;
+    mtrl_traj *t = NULL;
+    mtrl_traj **eps = NULL;
+    mtrl_error je = {0};
+    mtrl_status js = MTRL_OK;
+    if (j.kind == JOB_RL || j.kind == JOB_SFT) {
+        size_t fixed = (size_t)h.cfg_bytes + h.algo_bytes;
+        if (h.cfg_bytes != sizeof *cfg || (j.kind == JOB_RL && h.algo_bytes != sizeof algo) || fixed > h.payload || h.n < 0)
+            js = mtrl_error_set(&je, MTRL_ERR_MISMATCH, "rank 0's %s has a configuration of %u bytes and an algorithm of "
+                                "%u, this build's are %zu and %zu: every rank must run the same mtrl", job_name_[j.kind],
+                                h.cfg_bytes, h.algo_bytes, sizeof *cfg, sizeof algo);
+        if (js == MTRL_OK) {
+            cfg = xmalloc(sizeof *cfg);
+            memcpy(cfg, p, sizeof *cfg);
+            if (j.kind == JOB_RL) memcpy(&algo, p + h.cfg_bytes, sizeof algo);
+            t = xcalloc((size_t)(h.n ? h.n : 1), sizeof *t);
+            eps = xcalloc((size_t)(h.n ? h.n : 1), sizeof *eps);
+            for (int i = 0; i < h.n; i++) mtrl_traj_init(&t[i]), eps[i] = &t[i];
+            js = get_trajs_(p + fixed, (size_t)h.payload - fixed, h.n, t, &je);
+            j.cfg = cfg;
+            j.algo = &algo;
+            j.eps = eps;
+        }
+    } else if (j.kind == JOB_SAVE) {
+        if (!h.payload || p[h.payload - 1] != 0)
+            js = mtrl_error_set(&je, MTRL_ERR_FORMAT, "a checkpoint job without its index path");
+        j.index = (const char *)p;
+    }
+    if (js == MTRL_OK) js = rank_job_(k, &j, &je);
+    else js = mtrl_error_wrap(&je, "rank 0's %s", job_name_[j.kind]);
+    k->st = js;
+    k->err = je;
+    exchange_status_(g, k);
+    for (int i = 0; t && i < h.n; i++) mtrl_traj_free(&t[i]);
+    free(t);
+    free(eps);
+    free(cfg);
+    free(p);
+    if (k->st != MTRL_OK && (j.kind == JOB_RL || j.kind == JOB_SFT || js == MTRL_OK)) {
+        // A failed step (or a world that died in the exchange) ends the world: stop here.
+        g->dead = 1;
+        return mtrl_error_set(err, k->st, "learner rank %d of %d failed its %s: %.800s", g->me, g->R,
+                              job_name_[j.kind], k->err.msg);
+    }
+    if (js != MTRL_OK) LOG_ERROR("learner rank %d of %d failed its %s: %.800s", g->me, g->R, job_name_[j.kind], je.msg);
+    return MTRL_OK;
+}
+
+mtrl_status mtrl_learner_ranks_follow(mtrl_learner_ranks *g, long *jobs, mtrl_error *err) {
+    MTRL_CHECKF(g->proc && g->me > 0, "mtrl_learner_ranks_follow on rank %d (proc %d)", g->me, g->proc);
+    int stop = 0;
+    if (jobs) *jobs = 0;
+    while (!stop) {
+        mtrl_status s = follow_one_(g, &stop, err);
+        if (s != MTRL_OK) return s;
+        if (jobs && !stop) (*jobs)++;
+    }
+    return MTRL_OK;
+}
+
+mtrl_status mtrl_learner_ranks_check_launch(const mtrl_config *cfg, const mtrl_dist_launch *l, mtrl_error *err) {
+    char why[400];
+    if (mtrl_config_ranks(cfg, NULL, why, sizeof why) < 0) return mtrl_error_set(err, MTRL_ERR_USAGE, "%s: %s", cfg->path, why);
+    const char *world_var = !strcmp(l->source, "slurm") ? "SLURM_NTASKS" : "WORLD_SIZE";
+    if (cfg->learner.ranks && cfg->learner.ranks != l->world)
+        return mtrl_error_set(err, MTRL_ERR_USAGE, "%s: [learner] ranks = %ld, but the launch (%s) says %s = %d: the "
+                              "launcher's processes are the ranks (set ranks = %d, or leave it unset)", cfg->path,
+                              cfg->learner.ranks, l->source, world_var, l->world, l->world);
+    if (strcmp(cfg->model.device, "cpu") != 0)
+        return mtrl_error_set(err, MTRL_ERR_USAGE, "%s: [model] device = %s under a launch of %d processes (%s): learner "
+                              "ranks as processes run on the CPU only today (the zmq backend; the GPU path, NCCL "
+                              "between processes, is not built: docs/multi-gpu.md §3)", cfg->path, cfg->model.device,
+                              l->world, l->source);
+    return MTRL_OK;
+}

@@ -130,6 +130,50 @@ mtrl_status mtrl_learner_ranks_save(mtrl_learner_ranks *r, const char *index_pat
 // state at their start.
 mtrl_status mtrl_learner_ranks_load_moments(mtrl_model *m, const char *index_path, mtrl_error *err);
 
+// ---- ranks as processes (a launcher's world, the zmq backend) ----------------------------------
+//
+// Under a launcher (learner/dist_launch.h: torchrun's or srun's variables) every rank is its own
+// `mtrl run` process: rank 0 runs the learner loop and calls the jobs above as with threads;
+// each rank > 0 runs learner/learner_follow.h, which calls mtrl_learner_ranks_follow. A job goes
+// from rank 0 by broadcast (learner/dist_comm.h, zmq backend): a 64-byte header (kind, payload
+// bytes, episodes, learning rate, the sizes of the raw config and algorithm structs), then the
+// payload: for a step the config and algorithm as rank 0 runs them (every rank runs the same
+// build: the sizes are checked) and the batch's episodes in common/traj.h's encoding, for a
+// checkpoint its index path (the ranks share a filesystem: each writes its rank file there).
+// After each job the ranks allgather their statuses, so rank 0 names a follower's own error as
+// with threads. While rank 0 collects rollouts it posts a heartbeat job every
+// min(rank_timeout_ms / 4, 5 s) (mtrl_learner_ranks_heartbeat, from the learner's loop): a
+// follower waits for its next job 2 x rank_timeout_ms + 100 ms (the backend's limit), so a rank 0
+// that died (or a gap in its loop past that) makes the follower fail naming rank 0's address.
+// CPU models only ([model] device = cpu).
+
+// This process's rank `rank` of `world` (2 .. MTRL_DIST_RANKS_MAX) over the zmq backend at rv
+// (mtrl_dist_rendezvous_of the launch). m is this rank's model, the caller's: rank 0's as
+// loaded, a follower's of the same dims (its state is replaced by rank 0's whole state, sent at
+// the start, so the replicas begin equal). The join waits max(rank_timeout_ms, 60 s) for every
+// rank. MTRL_ERR_USAGE for a model or [model] device that is not the CPU, and what
+// mtrl_learner_ranks_check_ep refuses; a rank that cannot start is named with its error.
+typedef struct mtrl_dist_rendezvous mtrl_dist_rendezvous;
+typedef struct mtrl_dist_launch mtrl_dist_launch;
+
+// Whether cfg can run as the launch's world of l->world > 1 processes: MTRL_ERR_USAGE naming
+// both when [learner] ranks is set and differs from the launch's world size (WORLD_SIZE or
+// SLURM_NTASKS), when [model] device is not cpu, and what mtrl_config_ranks refuses. What
+// `mtrl run` (every rank) and `mtrl check` call under a launcher.
+mtrl_status mtrl_learner_ranks_check_launch(const mtrl_config *cfg, const mtrl_dist_launch *l, mtrl_error *err);
+
+mtrl_status mtrl_learner_ranks_init_process(mtrl_learner_ranks **out, mtrl_model *m, const mtrl_config *cfg, int rank,
+                                            int world, const mtrl_dist_rendezvous *rv, mtrl_error *err);
+int mtrl_learner_ranks_rank(const mtrl_learner_ranks *r); // this process's rank (0 with threads)
+// Rank 0 of processes: posts a heartbeat job when none went out for the period above (else, and
+// with threads, nothing). An error: the world is dead (a follower gone), as after a failed step.
+mtrl_status mtrl_learner_ranks_heartbeat(mtrl_learner_ranks *r, mtrl_error *err);
+// A follower process (rank > 0): runs rank 0's jobs until its stop (MTRL_OK) or a failure: the
+// wait for a job past its limit (MTRL_ERR_TIMEOUT naming rank 0's address), a failed step, a
+// broken header. A follower's failed checkpoint shard is told to rank 0 and logged, and the
+// loop goes on (rank 0 fails the run). *jobs (nullable): the jobs run, heartbeats included.
+mtrl_status mtrl_learner_ranks_follow(mtrl_learner_ranks *r, long *jobs, mtrl_error *err);
+
 // ---- tests only ---------------------------------------------------------------------------------
 // Makes rank `rank` fail its step job number `job` (1: the first RL or supervised step after
 // this call) without running it, as a rank that died would: the others time out in their

@@ -397,7 +397,8 @@ static void test_bad_address_(void) {
     TEST_EQ_INT(mtrl_dist_bootstrap_zmq(&rv, 2, 2, id, sizeof id, 200, &err), MTRL_ERR_USAGE);
 }
 
-// `mtrl check` under a launcher says which rank and GPU it would take, and refuses a local rank
+// `mtrl check` under a launcher (of a GPU model: mtrl run refuses it, test_run_procs runs the CPU
+// one) says which rank and GPU it would take, and refuses a local rank
 // beyond [learner] gpus (ctest sets MTRL_BIN and MTRL_SRC).
 static void check_cmd_(const char *vars, const char *gpus, int want_rc, const char *want) {
     const char *bin = getenv("MTRL_BIN"), *src = getenv("MTRL_SRC");
@@ -407,7 +408,7 @@ static void check_cmd_(const char *vars, const char *gpus, int want_rc, const ch
     }
     char cmd[2048], out[32768];
     snprintf(cmd, sizeof cmd, "env -u RANK -u WORLD_SIZE -u SLURM_PROCID %s '%s' check '%s/experiments/quickstart.ini' "
-             "--set learner.gpus=%s 2>&1", vars, bin, src, gpus);
+             "--set model.device=cuda --set learner.gpus=%s 2>&1", vars, bin, src, gpus);
     int rc = test_shell(cmd, out, sizeof out);
     TEST_CHECKF(rc == want_rc, "%s: exit %d, want %d:\n%s", cmd, rc, want_rc, out);
     if (want) TEST_CHECKF(strstr(out, want) != NULL, "%s: no '%s' in:\n%s", cmd, want, out);
@@ -417,7 +418,7 @@ static void check_cmd_(const char *vars, const char *gpus, int want_rc, const ch
 static void test_check_command_(void) {
     check_cmd_("RANK=1 WORLD_SIZE=2 MASTER_ADDR=127.0.0.1 MASTER_PORT=29500", "3,5", 0,
                "; launch: torchrun: rank 1 of 2 (local 1 of 2, node 0), rendezvous 127.0.0.1:29501; GPU 5 (mtrl run "
-               "does not join a launcher's world of processes");
+               "refuses a launch of a GPU model: learner ranks as processes run on the CPU only today");
     check_cmd_("SLURM_PROCID=0 SLURM_NTASKS=1", "", 0, "; launch: slurm: one rank (rank 0 of 1); GPU 0\n");
     check_cmd_("RANK=2 WORLD_SIZE=3 MASTER_ADDR=h MASTER_PORT=9", "3,5", 2, "LOCAL_RANK = 2, but [learner] gpus = 3,5");
     check_cmd_("RANK=2 WORLD_SIZE=2", "", 2, "RANK = 2 is not below WORLD_SIZE = 2");

@@ -161,7 +161,7 @@ int cmd_bench_rl(int argc, char **argv) {
         rc = 2;
     } else {
         if (!db) db = tmp_db;
-        mtrl_learner_opts o = {db, 0, 1, NULL, NULL, seconds};
+        mtrl_learner_opts o = {db, 0, 1, NULL, NULL, seconds, NULL};
         long long run;
         double t0 = mtrl_time_mono();
         rc = cli_run_local("bench rl", &cfg, &o, &run);

@@ -13,6 +13,7 @@
 #include "common/tokenizer.h"
 #include "learner/dist_launch.h"
 #include "learner/learner_ranks.h"
+#include "learner/learner_ranks.h"
 #include "tools/cli.h"
 
 extern char **environ;
@@ -32,11 +33,23 @@ static int check_launch_(const char *path, const mtrl_config *cfg, char *line, s
     if (strcmp(l.source, "none")) {
         char what[512];
         mtrl_dist_launch_describe(&l, what, sizeof what);
-        // mtrl run starts its ranks itself, in one process ([learner] ranks); a launcher's world
-        // of several processes it does not join yet (docs/multi-gpu.md).
-        snprintf(line, cap, "; launch: %s; GPU %d%s\n", what, gpu,
-                 l.world > 1 ? " (mtrl run does not join a launcher's world of processes: it starts [learner] ranks "
-                               "itself, docs/multi-gpu.md)" : "");
+        // mtrl run joins a launcher's world of several processes (CPU models: the zmq backend), so
+        // what it would refuse (ranks that disagree with the world size) is refused here.
+        // A GPU model's launch is described (its GPU above), with what mtrl run does with it.
+        int gpu_model = strcmp(cfg->model.device, "cpu") != 0;
+        if (l.world > 1 && !gpu_model && mtrl_learner_ranks_check_launch(cfg, &l, &err) != MTRL_OK) {
+            fprintf(stderr, "%s\nmtrl check: 1 problem in %s\n", err.msg, path);
+            return 0;
+        }
+        char role[200] = "";
+        if (l.world > 1 && gpu_model)
+            snprintf(role, sizeof role, " (mtrl run refuses a launch of a GPU model: learner ranks as processes run on "
+                     "the CPU only today, docs/multi-gpu.md §3)");
+        else if (l.world > 1)
+            snprintf(role, sizeof role, " (mtrl run joins this world as learner rank %d of %d: %s, zmq backend)", l.rank,
+                     l.world, l.rank == 0 ? "the learner loop with the actors and the run store"
+                                          : "a follower: its model replica runs rank 0's steps");
+        snprintf(line, cap, "; launch: %s; GPU %d%s\n", what, gpu, role);
     }
     return 1;
 }

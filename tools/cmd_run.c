@@ -22,13 +22,18 @@
 #include <time.h>
 #include <unistd.h>
 
+extern char **environ;
+
 #include "actor/actor.h"
 #include "common/config.h"
 #include "common/fsutil.h"
 #include "common/log.h"
 #include "common/timeutil.h"
 #include "common/wire/wire_auth.h"
+#include "learner/dist_launch.h"
 #include "learner/learner.h"
+#include "learner/learner_follow.h"
+#include "learner/learner_ranks.h"
 #include "tools/cli.h"
 
 #define RUN_USAGE "mtrl run EXPERIMENT.ini [--db runs.db] [--resume] [--json] [--set section.key=value ...]"
@@ -284,7 +289,33 @@ int cmd_run(int argc, char **argv) {
     if (!load_config_(&a, &cfg)) return 2;
     // A broken [env] is a config error, found before the run store or out_dir is touched.
     if (!cli_env_check("run", a.path, &cfg, NULL)) return 2;
-    mtrl_learner_opts o = {a.db, a.resume, a.json ? MTRL_PROGRESS_JSON : MTRL_PROGRESS_LINE, NULL, NULL, 0};
+    mtrl_learner_opts o = {a.db, a.resume, a.json ? MTRL_PROGRESS_JSON : MTRL_PROGRESS_LINE, NULL, NULL, 0, NULL};
+    // Under a launcher (torchrun's or srun's variables) this process is one rank of its world:
+    // rank 0 the learner with its actors and store, the others followers (learner_follow.h).
+    mtrl_dist_launch launch;
+    mtrl_error err;
+    if (mtrl_dist_launch_from_env(&launch, (const char *const *)environ, &err) != MTRL_OK) {
+        fprintf(stderr, "mtrl run: %s\n", err.msg);
+        return 2;
+    }
+    if (launch.world > 1) {
+        if (mtrl_learner_ranks_check_launch(&cfg, &launch, &err) != MTRL_OK) {
+            fprintf(stderr, "mtrl run: %s\n", err.msg);
+            return 2;
+        }
+        if (launch.rank > 0) {
+            char tag[32];
+            snprintf(tag, sizeof tag, "rank %d", launch.rank);
+            mtrl_log_set_tag(tag);
+            signal(SIGPIPE, SIG_IGN);
+            if (mtrl_learner_follow_run(&cfg, &launch, &err) != MTRL_OK) {
+                fprintf(stderr, "mtrl run (learner rank %d of %d): %s\n", launch.rank, launch.world, err.msg);
+                return err.code == MTRL_ERR_USAGE ? 2 : 1;
+            }
+            return 0;
+        }
+        o.launch = &launch;
+    }
     return cli_run_local("run", &cfg, &o, NULL);
 }
 
@@ -298,7 +329,7 @@ int cmd_learner(int argc, char **argv) {
     mtrl_log_set_tag("learner");
     mtrl_learner *l;
     mtrl_error err;
-    mtrl_learner_opts o = {a.db, a.resume, a.json ? MTRL_PROGRESS_JSON : MTRL_PROGRESS_LINE, NULL, NULL, 0};
+    mtrl_learner_opts o = {a.db, a.resume, a.json ? MTRL_PROGRESS_JSON : MTRL_PROGRESS_LINE, NULL, NULL, 0, NULL};
     if (mtrl_learner_open(&l, &cfg, &o, &err) != MTRL_OK) {
         fprintf(stderr, "mtrl learner: %s\n", err.msg);
         return err.code == MTRL_ERR_USAGE ? 2 : 1;
