@@ -113,16 +113,7 @@ static int metric_(const char *db, const char *name, double *v, int cap) {
     char path[400], sql[200];
     snprintf(path, sizeof path, "%s/%s", dir_, db);
     snprintf(sql, sizeof sql, "SELECT value FROM metrics WHERE name = '%s' ORDER BY step", name);
-    sqlite3 *h;
-    int n = 0;
-    if (sqlite3_open_v2(path, &h, SQLITE_OPEN_READONLY, NULL) == SQLITE_OK) {
-        sqlite3_stmt *st = NULL;
-        if (sqlite3_prepare_v2(h, sql, -1, &st, NULL) == SQLITE_OK)
-            while (n < cap && sqlite3_step(st) == SQLITE_ROW) v[n++] = sqlite3_column_double(st, 0);
-        sqlite3_finalize(st);
-    }
-    sqlite3_close(h);
-    return n;
+    return test_query_doubles(path, sql, v, cap);
 }
 
 static long long query_(const char *db, const char *sql) {

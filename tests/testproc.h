@@ -150,4 +150,20 @@ static inline long long test_query_int(const char *db, const char *sql) {
     return v;
 }
 
+// The first column of every row of a query on a run store opened read-only (waits for a writer
+// up to 5 s), up to cap values into v: how many, 0 when the store or the query fails.
+static inline int test_query_doubles(const char *db, const char *sql, double *v, int cap) {
+    sqlite3 *h;
+    int n = 0;
+    if (sqlite3_open_v2(db, &h, SQLITE_OPEN_READONLY, NULL) == SQLITE_OK) {
+        sqlite3_busy_timeout(h, 5000);
+        sqlite3_stmt *st = NULL;
+        if (sqlite3_prepare_v2(h, sql, -1, &st, NULL) == SQLITE_OK)
+            while (n < cap && sqlite3_step(st) == SQLITE_ROW) v[n++] = sqlite3_column_double(st, 0);
+        sqlite3_finalize(st);
+    }
+    sqlite3_close(h);
+    return n;
+}
+
 #endif
